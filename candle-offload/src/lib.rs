@@ -1,0 +1,88 @@
+//! Run models whose weights do not fit in GPU memory, on HuggingFace Candle.
+//!
+//! Weights live in page-locked host memory ([`HostStore`]) grouped into units (a decoder
+//! layer, or any group of tensors sharing a name prefix). An [`OffloadRuntime`] brings units
+//! to the device on demand under a memory [`Budget`] it never exceeds, evicting by a policy that
+//! fits the access pattern ([`ResidencyCache`]: LRU, or Belady over a learned periodic schedule
+//! such as inference's layer sweep) and prefetching on a separate copy stream so transfers hide
+//! behind compute. The same API runs on a CPU build, where the store is ordinary memory and
+//! "fetching" makes CPU tensors, so everything can be tested without a GPU.
+//!
+//! # Brief overview
+//! - [`HostStore`]: every weight once in host memory, loaded from safetensors or tensors.
+//! - [`OffloadRuntime`]: `acquire(unit)` → [`UnitGuard`], whose
+//!   [`var_builder`](UnitGuard::var_builder) feeds existing candle-nn / candle-transformers
+//!   `load(vb, &cfg)` code; dropping the guard releases the unit.
+//! - [`OffloadStats`]: bytes moved, GB/s, stall time, hits and misses per unit;
+//!   [`OffloadRuntime::memory_summary`] prints them.
+//! - [`plan_capacity`], [`ResidencyCache`], [`MemoryLimit`]: the pure planning parts.
+//!
+//! # Example
+//! A four-layer model run layer by layer with room for only two layers at a time:
+//! ```
+//! use std::sync::Arc;
+//! use candle_core::{DType, Device, Module, Tensor};
+//! use candle_offload::{HostStore, MemoryLimit, OffloadConfig, OffloadRuntime, StoreConfig};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dev = Device::Cpu;
+//! // Weights as a checkpoint holds them: `layers.N.weight`, `layers.N.bias`.
+//! let varmap = candle_nn::VarMap::new();
+//! let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+//! for i in 0..4 {
+//!     candle_nn::linear(16, 16, vb.pp(format!("layers.{i}")))?;
+//! }
+//! let named: Vec<(String, Tensor)> = varmap.data().lock().unwrap().iter()
+//!     .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+//!     .collect();
+//! let store = Arc::new(HostStore::from_tensors(&named, &StoreConfig::default(), &dev)?);
+//! let layer_bytes = store.units()[0].bytes();
+//!
+//! let cfg = OffloadConfig {
+//!     gpu_memory_limit: Some(MemoryLimit::Bytes(2 * layer_bytes)),
+//!     prefetch_depth: 1,
+//!     ..Default::default()
+//! };
+//! let rt = OffloadRuntime::new(store, &dev, &cfg)?;
+//! let mut xs = Tensor::ones((1, 16), DType::F32, &dev)?;
+//! for _step in 0..3 {
+//!     for i in 0..4 {
+//!         let unit = rt.acquire_layer(i)?;
+//!         // Unchanged candle-nn code, fed from the acquired unit.
+//!         let layer = candle_nn::linear(16, 16, unit.var_builder(DType::F32).pp(format!("layers.{i}")))?;
+//!         xs = layer.forward(&xs)?;
+//!     }
+//! }
+//! let stats = rt.stats()?;
+//! assert!(stats.peak_resident_bytes <= 2 * layer_bytes);
+//! println!("{}", stats.summary());
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Feature flags
+//! - `cuda`: Candle's CUDA backend, pinned host memory, the copy stream and its events.
+//!   Without it a `Device::Cuda` runtime is refused with [`Error::NotCompiledWithCuda`].
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod budget;
+pub mod cache;
+mod error;
+pub mod plan;
+mod runtime;
+pub mod store;
+#[allow(unsafe_code)]
+mod sys;
+pub mod telemetry;
+pub mod varbuilder;
+
+pub use budget::{human_bytes, Budget, MemoryLimit};
+pub use cache::{ActivePolicy, PolicyChoice, ResidencyCache, UnitId};
+pub use error::{Error, Result};
+pub use plan::{plan_capacity, CapacityPlan, OffloadStrategy};
+pub use runtime::{OffloadConfig, OffloadRuntime, UnitGuard};
+pub use store::{HostStore, StoreConfig, UnitGrouping};
+pub use telemetry::{OffloadStats, TransferStats, UnitStats};
+pub use varbuilder::UnitBackend;

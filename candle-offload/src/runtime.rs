@@ -1,0 +1,553 @@
+//! The offload runtime: a host store, a budgeted residency cache and a copy engine, behind
+//! one `acquire`/`release` API that is the same on a CPU and on a GPU.
+//!
+//! ```text
+//! acquire(u):  cache.acquire(u) ─► evict victims (copy stream waits on their last use, frees)
+//!                               └► fetch u if absent (alloc + H2D on the copy stream, `ready`)
+//!              compute waits on ready[u]
+//!              prefetch the next `depth` units of the schedule ("do no harm")
+//! ... caller enqueues kernels that read u's tensors on the compute stream ...
+//! drop(guard): last_use[u] recorded on compute; cache.release(u)
+//! ```
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::budget::{Budget, MemoryLimit};
+use crate::cache::{CacheError, PolicyChoice, ResidencyCache, Transfer, UnitId};
+use crate::error::{Error, Result};
+use crate::plan::{plan_capacity, OffloadStrategy};
+use crate::store::HostStore;
+use crate::sys::{CudaEngine, UnitSync};
+use crate::telemetry::{OffloadStats, Telemetry, Timings, UnitStats};
+use crate::varbuilder::UnitBackend;
+
+/// Settings of an [`OffloadRuntime`].
+#[derive(Debug, Clone)]
+pub struct OffloadConfig {
+    /// The device memory limit (the seed's `max_gpu_memory`, `--gpu-memory-limit`). `None`:
+    /// no limit of our own on a CPU; on a GPU, the memory free when the runtime starts.
+    pub gpu_memory_limit: Option<MemoryLimit>,
+    /// Bytes the caller keeps inside the limit for activations, KV cache and workspace.
+    pub reserve_bytes: u64,
+    /// How much of the model stays resident (the seed's `offload_strategy`).
+    pub strategy: OffloadStrategy,
+    /// Victim selection; `Auto` learns the access order.
+    pub policy: PolicyChoice,
+    /// Units fetched ahead of use, 0 to 3.
+    pub prefetch_depth: usize,
+    /// Units (by name) that never leave the device once fetched.
+    pub keep: Vec<String>,
+}
+
+impl Default for OffloadConfig {
+    fn default() -> Self {
+        Self {
+            gpu_memory_limit: None,
+            reserve_bytes: 0,
+            strategy: OffloadStrategy::Minimal,
+            policy: PolicyChoice::Auto,
+            prefetch_depth: 2,
+            keep: Vec::new(),
+        }
+    }
+}
+
+/// How weights reach the device.
+#[derive(Debug)]
+enum Engine {
+    /// CPU tensors copied out of the host store (the fallback that runs everywhere).
+    Cpu,
+    /// A GPU with its copy stream.
+    Cuda(CudaEngine),
+}
+
+#[derive(Debug)]
+struct Resident {
+    tensors: Arc<HashMap<String, Tensor>>,
+    sync: Option<UnitSync>,
+}
+
+#[derive(Debug)]
+struct State {
+    cache: ResidencyCache,
+    resident: Vec<Option<Resident>>,
+    retired: Vec<UnitSync>,
+    telemetry: Telemetry,
+}
+
+#[derive(Debug)]
+struct Shared {
+    device: Device,
+    store: Arc<HostStore>,
+    engine: Engine,
+    budget: Budget,
+    prefetch_depth: usize,
+    state: Mutex<State>,
+}
+
+/// Weights in host memory, brought to the device on demand under a memory budget.
+///
+/// Cloning is cheap and shares the runtime.
+#[derive(Debug, Clone)]
+pub struct OffloadRuntime {
+    shared: Arc<Shared>,
+}
+
+fn lock_err<T>(_: T) -> candle_core::Error {
+    candle_core::Error::Msg("offload runtime state poisoned by an earlier panic".into())
+}
+
+impl OffloadRuntime {
+    /// Starts a runtime for `store` on `device`. Refuses a budget that cannot hold the largest
+    /// unit (plus kept units) and the reservation, saying how many MiB are missing.
+    ///
+    /// On a GPU, create the device with [`Device::new_cuda_with_stream`] so that every thread
+    /// uses the same compute stream (candle-internals.md H6).
+    pub fn new(store: Arc<HostStore>, device: &Device, cfg: &OffloadConfig) -> Result<Self> {
+        if cfg.prefetch_depth > 3 {
+            return Err(Error::InvalidConfig {
+                field: "prefetch_depth".into(),
+                reason: format!("{} is more than 3", cfg.prefetch_depth),
+            });
+        }
+        let engine = match device {
+            Device::Cpu => Engine::Cpu,
+            Device::Cuda(_) => Engine::Cuda(CudaEngine::new(device)?),
+            Device::Metal(_) => {
+                return Err(Error::InvalidConfig {
+                    field: "device".into(),
+                    reason: "Metal is not supported".into(),
+                })
+            }
+        };
+        let name = format!("{device:?}");
+        let total = match &engine {
+            Engine::Cuda(e) => Some(e.mem_get_info()?),
+            Engine::Cpu => None,
+        };
+        let limit = match (&cfg.gpu_memory_limit, total) {
+            (Some(l), t) => l.resolve(&name, t.map(|(_, total)| total))?,
+            (None, Some((free, _))) => free,
+            (None, None) => u64::MAX / 4,
+        };
+        let budget = Budget {
+            limit_bytes: limit,
+            reserve_bytes: cfg.reserve_bytes,
+        };
+        let unit_bytes = store.unit_bytes();
+        let mut keep_ids = Vec::new();
+        for name in &cfg.keep {
+            keep_ids.push(store.unit_id(name).ok_or_else(|| Error::Unknown {
+                what: "unit",
+                name: name.clone(),
+            })?);
+        }
+        let kept: u64 = keep_ids.iter().map(|u| unit_bytes[u.0]).sum();
+        let plan = plan_capacity(
+            &name,
+            budget,
+            &unit_bytes,
+            kept,
+            cfg.strategy,
+            cfg.prefetch_depth,
+        )?;
+        let mut cache = ResidencyCache::new(&unit_bytes, plan.weight_capacity, cfg.policy.clone());
+        for &u in &keep_ids {
+            cache.set_keep(u, true);
+        }
+        tracing::info!(
+            device = %name,
+            budget = limit,
+            capacity = plan.weight_capacity,
+            depth = plan.prefetch_depth,
+            strategy = %cfg.strategy,
+            "offload runtime ready"
+        );
+        let n = unit_bytes.len();
+        Ok(Self {
+            shared: Arc::new(Shared {
+                device: device.clone(),
+                store,
+                engine,
+                budget,
+                prefetch_depth: plan.prefetch_depth,
+                state: Mutex::new(State {
+                    cache,
+                    resident: (0..n).map(|_| None).collect(),
+                    retired: Vec::new(),
+                    telemetry: Telemetry::new(),
+                }),
+            }),
+        })
+    }
+
+    /// The device weights are brought to.
+    pub fn device(&self) -> &Device {
+        &self.shared.device
+    }
+
+    /// The host store.
+    pub fn store(&self) -> &Arc<HostStore> {
+        &self.shared.store
+    }
+
+    /// The resolved budget.
+    pub fn budget(&self) -> Budget {
+        self.shared.budget
+    }
+
+    /// The prefetch depth in force.
+    pub fn prefetch_depth(&self) -> usize {
+        self.shared.prefetch_depth
+    }
+
+    fn state(&self) -> candle_core::Result<MutexGuard<'_, State>> {
+        self.shared.state.lock().map_err(lock_err)
+    }
+
+    /// Brings `unit` to the device (if it is not there) and pins it until the guard drops.
+    /// Compute-stream work enqueued after this call sees the unit's weights; then the next
+    /// units of the learned or given schedule are prefetched.
+    pub fn acquire(&self, unit: UnitId) -> candle_core::Result<UnitGuard> {
+        let _span = tracing::debug_span!("offload.acquire", unit = unit.0).entered();
+        let mut st = self.state()?;
+        let transfer = st.cache.acquire(unit).map_err(|e| self.cache_error(e))?;
+        if let Err(e) = self.carry_out(&mut st, &transfer) {
+            st.cache.release(unit);
+            return Err(e);
+        }
+        let resident = st.resident[unit.0]
+            .as_mut()
+            .expect("acquired unit is resident");
+        if let (Engine::Cuda(engine), Some(sync)) = (&self.shared.engine, resident.sync.as_mut()) {
+            engine.wait_ready(sync)?;
+        }
+        let tensors = resident.tensors.clone();
+        for next in st.cache.upcoming(self.shared.prefetch_depth) {
+            if let Some(t) = st.cache.prefetch(next) {
+                self.carry_out(&mut st, &t)?;
+            }
+        }
+        Ok(UnitGuard {
+            rt: self.clone(),
+            unit,
+            tensors,
+        })
+    }
+
+    /// [`acquire`](Self::acquire) by unit name (`model.layers.3`).
+    pub fn acquire_named(&self, name: &str) -> candle_core::Result<UnitGuard> {
+        let id = self.shared.store.unit_id(name).ok_or_else(|| {
+            candle_core::Error::from(Error::Unknown {
+                what: "unit",
+                name: name.to_string(),
+            })
+        })?;
+        self.acquire(id)
+    }
+
+    /// [`acquire`](Self::acquire) of the unit of decoder layer `idx`.
+    pub fn acquire_layer(&self, idx: usize) -> candle_core::Result<UnitGuard> {
+        let id = self.shared.store.layer_unit(idx).ok_or_else(|| {
+            candle_core::Error::from(Error::Unknown {
+                what: "layer unit",
+                name: idx.to_string(),
+            })
+        })?;
+        self.acquire(id)
+    }
+
+    /// Hints that `unit` will be needed soon: fetches it if that evicts nothing needed sooner.
+    /// Returns whether a fetch was issued.
+    pub fn prefetch(&self, unit: UnitId) -> candle_core::Result<bool> {
+        let mut st = self.state()?;
+        match st.cache.prefetch(unit) {
+            Some(t) => {
+                self.carry_out(&mut st, &t)?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    fn release(&self, unit: UnitId) -> candle_core::Result<()> {
+        let mut st = self.state()?;
+        if let (
+            Engine::Cuda(engine),
+            Some(Resident {
+                sync: Some(sync), ..
+            }),
+        ) = (&self.shared.engine, st.resident[unit.0].as_mut())
+        {
+            engine.record_last_use(sync)?;
+        }
+        st.cache.release(unit);
+        Ok(())
+    }
+
+    fn cache_error(&self, e: CacheError) -> candle_core::Error {
+        let budget = self.shared.budget;
+        candle_core::Error::Msg(format!(
+            "offload budget exhausted on {:?} (budget {} MiB, reserve {} MiB): {e}",
+            self.shared.device,
+            budget.limit_bytes >> 20,
+            budget.reserve_bytes >> 20
+        ))
+    }
+
+    /// Evicts and fetches as the cache decided. A failed fetch is rolled back in the cache; an
+    /// allocation the driver refuses is retried once after evicting every idle unit.
+    fn carry_out(&self, st: &mut State, t: &Transfer) -> candle_core::Result<()> {
+        for &v in &t.evict {
+            self.drop_unit(st, v)?;
+        }
+        let Some(u) = t.fetch else { return Ok(()) };
+        let unit = self.shared.store.unit(u);
+        let _span = tracing::debug_span!("offload.fetch", unit = unit.name(), bytes = unit.bytes())
+            .entered();
+        let started = std::time::Instant::now();
+        let uploaded = match self.upload(u) {
+            Ok(x) => Ok(x),
+            Err(first) => {
+                let idle = st.cache.evict_idle();
+                if idle.is_empty() {
+                    Err(first)
+                } else {
+                    tracing::warn!(unit = unit.name(), error = %first, "fetch failed; evicting idle units and retrying once");
+                    for v in idle {
+                        self.drop_unit(st, v)?;
+                    }
+                    self.upload(u)
+                }
+            }
+        };
+        let (tensors, sync) = match uploaded {
+            Ok(x) => x,
+            Err(e) => {
+                st.cache.abort(u);
+                return Err(e);
+            }
+        };
+        st.telemetry.fetched(unit.bytes());
+        if matches!(self.shared.engine, Engine::Cpu) {
+            st.telemetry.timings(Timings {
+                copy_s: Some(started.elapsed().as_secs_f64()),
+                stall_s: 0.0,
+            });
+        }
+        st.resident[u.0] = Some(Resident {
+            tensors: Arc::new(tensors),
+            sync,
+        });
+        let used = st.cache.used();
+        st.telemetry.peak_resident = st.telemetry.peak_resident.max(used);
+        Ok(())
+    }
+
+    fn upload(
+        &self,
+        u: UnitId,
+    ) -> candle_core::Result<(HashMap<String, Tensor>, Option<UnitSync>)> {
+        let unit = self.shared.store.unit(u);
+        match &self.shared.engine {
+            Engine::Cpu => {
+                let mut tensors = HashMap::with_capacity(unit.tensors().len());
+                for t in unit.tensors() {
+                    tensors.insert(t.name.clone(), unit.cpu_tensor(t)?);
+                }
+                Ok((tensors, None))
+            }
+            Engine::Cuda(engine) => engine.upload(unit).map(|(t, s)| (t, Some(s))),
+        }
+    }
+
+    fn drop_unit(&self, st: &mut State, v: UnitId) -> candle_core::Result<()> {
+        let Some(Resident { tensors, sync }) = st.resident[v.0].take() else {
+            return Ok(());
+        };
+        tracing::debug!(unit = self.shared.store.unit(v).name(), "evict");
+        let tensors = Arc::try_unwrap(tensors).unwrap_or_else(|shared| {
+            tracing::warn!(
+                unit = self.shared.store.unit(v).name(),
+                "an evicted unit's tensors are still referenced; its memory is freed only when they drop"
+            );
+            (*shared).clone()
+        });
+        match (&self.shared.engine, sync) {
+            (Engine::Cuda(engine), Some(mut sync)) => {
+                engine.evict(tensors, &sync)?;
+                if let Some(t) = engine.harvest(&mut sync) {
+                    st.telemetry.timings(t);
+                }
+                if !sync.is_settled() {
+                    st.retired.push(sync);
+                }
+            }
+            _ => drop(tensors),
+        }
+        Ok(())
+    }
+
+    /// Collects the device timings of completed copies and waits (never blocks).
+    fn harvest(&self, st: &mut State) {
+        let Engine::Cuda(engine) = &self.shared.engine else {
+            return;
+        };
+        let mut timings = Vec::new();
+        for r in st.resident.iter_mut().flatten() {
+            if let Some(sync) = r.sync.as_mut() {
+                timings.extend(engine.harvest(sync));
+            }
+        }
+        st.retired.retain_mut(|sync| {
+            timings.extend(engine.harvest(sync));
+            !sync.is_settled()
+        });
+        for t in timings {
+            st.telemetry.timings(t);
+        }
+    }
+
+    /// Starts a step (a token, a training step) for the per-step counters.
+    pub fn begin_step(&self) -> candle_core::Result<()> {
+        let mut st = self.state()?;
+        self.harvest(&mut st);
+        st.telemetry.begin_step();
+        Ok(())
+    }
+
+    /// Ends a step. Call it after the step's results reached the host (a sampled token), so
+    /// that its copies have completed and their device timings can be read.
+    pub fn end_step(&self) -> candle_core::Result<()> {
+        let mut st = self.state()?;
+        self.harvest(&mut st);
+        st.telemetry.end_step();
+        Ok(())
+    }
+
+    /// Waits for all copies and compute of this runtime's device to finish.
+    pub fn synchronize(&self) -> candle_core::Result<()> {
+        match &self.shared.engine {
+            Engine::Cuda(e) => e.synchronize(),
+            Engine::Cpu => Ok(()),
+        }
+    }
+
+    /// Drops every unit that is not in use or kept.
+    pub fn evict_all(&self) -> candle_core::Result<()> {
+        let mut st = self.state()?;
+        for v in st.cache.evict_idle() {
+            self.drop_unit(&mut st, v)?;
+        }
+        Ok(())
+    }
+
+    /// Free and total memory of the device as the driver reports them (`None` on a CPU).
+    pub fn device_memory(&self) -> candle_core::Result<Option<(u64, u64)>> {
+        match &self.shared.engine {
+            Engine::Cuda(e) => e.mem_get_info().map(Some),
+            Engine::Cpu => Ok(None),
+        }
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> candle_core::Result<OffloadStats> {
+        let mut st = self.state()?;
+        self.harvest(&mut st);
+        let store = &self.shared.store;
+        let units = store
+            .units()
+            .iter()
+            .enumerate()
+            .map(|(i, u)| {
+                let c = st.cache.counters(UnitId(i));
+                UnitStats {
+                    name: u.name().to_string(),
+                    bytes: u.bytes(),
+                    hits: c.hits,
+                    misses: c.misses,
+                    prefetches: c.prefetches,
+                    evictions: c.evictions,
+                    resident: st.cache.is_present(UnitId(i)),
+                }
+            })
+            .collect();
+        Ok(OffloadStats {
+            device: format!("{:?}", self.shared.device),
+            budget_bytes: self.shared.budget.limit_bytes,
+            reserve_bytes: self.shared.budget.reserve_bytes,
+            weight_capacity_bytes: st.cache.capacity(),
+            resident_bytes: st.cache.used(),
+            peak_resident_bytes: st.telemetry.peak_resident,
+            pinned_bytes: store.pinned_bytes(),
+            pageable_bytes: store.pageable_bytes(),
+            prefetch_depth: self.shared.prefetch_depth,
+            policy: st.cache.active_policy(),
+            steps: st.telemetry.steps,
+            total: st.telemetry.total,
+            last_step: st.telemetry.last_step,
+            units,
+        })
+    }
+
+    /// The printable summary (the seed's `memory_summary()`).
+    pub fn memory_summary(&self) -> candle_core::Result<String> {
+        Ok(self.stats()?.summary())
+    }
+}
+
+/// A unit pinned on the device; its weights stay valid while the guard lives.
+///
+/// Dropping the guard records the unit's last use on the compute stream: build modules from
+/// [`var_builder`](Self::var_builder), run them, and drop them before (or with) the guard.
+#[derive(Debug)]
+pub struct UnitGuard {
+    rt: OffloadRuntime,
+    unit: UnitId,
+    tensors: Arc<HashMap<String, Tensor>>,
+}
+
+impl UnitGuard {
+    /// The unit.
+    pub fn unit(&self) -> UnitId {
+        self.unit
+    }
+
+    /// One of the unit's tensors by full name.
+    pub fn get(&self, name: &str) -> candle_core::Result<Tensor> {
+        self.tensors.get(name).cloned().ok_or_else(|| {
+            candle_core::Error::CannotFindTensor {
+                path: name.to_string(),
+            }
+            .bt()
+        })
+    }
+
+    /// All of the unit's tensors by full name.
+    pub fn tensors(&self) -> &HashMap<String, Tensor> {
+        &self.tensors
+    }
+
+    /// A `VarBuilder` over the unit's tensors, rooted at the checkpoint's top level, so that
+    /// existing candle-nn and candle-transformers `load(vb.pp("model.layers.3"), &cfg)` code runs
+    /// unchanged. Tensors of another dtype than `dtype` are converted on the device.
+    pub fn var_builder(&self, dtype: DType) -> VarBuilder<'static> {
+        VarBuilder::from_backend(
+            Box::new(UnitBackend::new(self.tensors.clone())),
+            dtype,
+            self.rt.shared.device.clone(),
+        )
+    }
+}
+
+impl Drop for UnitGuard {
+    fn drop(&mut self) {
+        if let Err(e) = self.rt.release(self.unit) {
+            tracing::error!(unit = self.unit.0, error = %e, "releasing an offloaded unit failed");
+        }
+    }
+}

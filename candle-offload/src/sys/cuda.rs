@@ -1,0 +1,366 @@
+//! The CUDA side of [`crate::sys`]: page-locked host buffers, a copy stream per GPU, the
+//! staging ring for pageable weights, and the events that order copies against compute.
+//!
+//! Candle runs every kernel of a device on that device's one stream (compute, **C**). Weights
+//! are allocated and copied on a second stream of the same context (copy, **X**). Candle's and
+//! cudarc's own per-slice tracking does not cover every path (candle-internals.md §2.4), so
+//! each unit carries explicit events:
+//! - `ready`, recorded on X after the unit's last copy; C waits on it before the unit's first
+//!   use (H1, H2: covers `to_dtype`, `index_select` ids, quantized fast paths);
+//! - `last_use`, recorded on C when the caller releases the unit; X waits on it before the
+//!   unit's memory is freed, which cudarc orders on X, the allocating stream (H4, H5).
+//!
+//! Host code never blocks on the GPU in steady state: both directions are stream waits. The
+//! only host waits are in the staging ring (pageable weights, a slow path with a warning).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::cuda_backend::cudarc::driver::{
+    sys as cusys, CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceRepr,
+};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{DType, Device, Storage, Tensor};
+
+use crate::error::{Error, Result};
+use crate::store::{HostBuffer, HostUnit};
+use crate::telemetry::Timings;
+
+/// Size of one staging buffer.
+const STAGING_CHUNK: usize = 8 << 20;
+/// Number of staging buffers in the ring.
+const STAGING_BUFFERS: usize = 3;
+
+/// Page-locked, portable (usable from every GPU's context), not write-combined host memory.
+#[derive(Debug)]
+pub(crate) struct PinnedBuffer {
+    slice: candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<u8>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is owned by this struct alone (like a `Vec<u8>`); the raw pointer is only
+// turned into slices through `&self` (shared, read-only) or `&mut self` (exclusive), so the
+// usual borrow rules make cross-thread use as safe as for a `Vec<u8>`.
+unsafe impl Send for PinnedBuffer {}
+// SAFETY: see `Send` above; `&PinnedBuffer` only ever gives out `&[u8]`.
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    fn alloc(ctx: &Arc<CudaContext>, len: usize) -> std::result::Result<Self, String> {
+        let n = len.max(1);
+        // SAFETY: `alloc_pinned_with_flags` returns uninitialised memory; it is zeroed below
+        // before any slice of it is formed. PORTABLE (no WRITECOMBINED) keeps CPU reads fast.
+        let mut slice =
+            unsafe { ctx.alloc_pinned_with_flags::<u8>(n, cusys::CU_MEMHOSTALLOC_PORTABLE) }
+                .map_err(|e| e.to_string())?;
+        // The slice's internal event is never recorded (copies use `&[u8]` views, not the
+        // `PinnedHostSlice` itself), so this does not wait on anything.
+        let ptr = slice.as_mut_ptr().map_err(|e| e.to_string())?;
+        // SAFETY: `ptr` points to `n` writable bytes owned by `slice`.
+        unsafe { std::ptr::write_bytes(ptr, 0, n) };
+        Ok(Self { slice, ptr, len })
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        let _owner = &self.slice;
+        // SAFETY: `ptr` is valid for `len <= n` initialised bytes for as long as `self.slice`
+        // lives; the GPU only reads this memory (host-to-device DMA), never writes it.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_bytes`; `&mut self` makes the access exclusive on the host. The
+        // store writes only while it is being built, before any copy from it is enqueued, and
+        // the staging ring waits for a buffer's last copy before writing it again.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// Allocates the store's host buffers: pinned on a GPU up to the cap, pageable past it.
+#[derive(Debug)]
+pub(crate) struct Pinner {
+    ctx: Option<Arc<CudaContext>>,
+    cap: Option<u64>,
+    used: u64,
+    warned: bool,
+}
+
+impl Pinner {
+    pub(crate) fn for_device(device: &Device, cap: Option<u64>) -> Result<Self> {
+        let ctx = match device {
+            Device::Cuda(d) => Some(d.cuda_stream().context().clone()),
+            _ => None,
+        };
+        Ok(Self {
+            ctx,
+            cap,
+            used: 0,
+            warned: false,
+        })
+    }
+
+    pub(crate) fn alloc(&mut self, len: usize, unit: &str) -> Result<HostBuffer> {
+        let Some(ctx) = &self.ctx else {
+            return Ok(HostBuffer::Pageable(vec![0u8; len]));
+        };
+        if self.cap.is_some_and(|cap| self.used + len as u64 > cap) {
+            if !self.warned {
+                tracing::warn!(
+                    unit,
+                    cap = self.cap,
+                    "pinned-memory cap reached; the rest stays pageable"
+                );
+                self.warned = true;
+            }
+            return Ok(HostBuffer::Pageable(vec![0u8; len]));
+        }
+        match PinnedBuffer::alloc(ctx, len) {
+            Ok(p) => {
+                self.used += len as u64;
+                Ok(HostBuffer::Pinned(p))
+            }
+            Err(e) => {
+                if !self.warned {
+                    tracing::warn!(unit, error = %e, "cannot pin host memory (check `ulimit -l`); using pageable memory");
+                    self.warned = true;
+                }
+                Ok(HostBuffer::Pageable(vec![0u8; len]))
+            }
+        }
+    }
+}
+
+/// The events of one unit on the device.
+#[derive(Debug)]
+pub(crate) struct UnitSync {
+    copy_start: CudaEvent,
+    ready: CudaEvent,
+    copy_pending: bool,
+    stall_probes: Vec<(CudaEvent, CudaEvent)>,
+    last_use: Option<CudaEvent>,
+}
+
+impl UnitSync {
+    pub(crate) fn is_settled(&self) -> bool {
+        !self.copy_pending && self.stall_probes.is_empty()
+    }
+}
+
+#[derive(Debug)]
+struct StagingBuffer {
+    buf: PinnedBuffer,
+    done: Option<CudaEvent>,
+}
+
+/// One GPU's copy machinery.
+#[derive(Debug)]
+pub(crate) struct CudaEngine {
+    cuda: CudaDevice,
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+    staging: Mutex<(Vec<StagingBuffer>, usize)>,
+}
+
+fn timing_event(stream: &CudaStream) -> candle_core::Result<CudaEvent> {
+    stream
+        .record_event(Some(cusys::CUevent_flags::CU_EVENT_DEFAULT))
+        .w()
+}
+
+impl CudaEngine {
+    pub(crate) fn new(device: &Device) -> Result<Self> {
+        let cuda = device.as_cuda_device()?.clone();
+        let compute = cuda.cuda_stream();
+        let ctx = compute.context().clone();
+        if !ctx.has_async_alloc() {
+            tracing::warn!(
+                "this GPU has no stream-ordered memory pools: every eviction synchronises"
+            );
+        }
+        // A stream of the *same* context object switches cudarc into multi-stream mode.
+        let copy = ctx
+            .new_stream()
+            .map_err(|e| Error::Candle(candle_core::Error::wrap(e)))?;
+        Ok(Self {
+            cuda,
+            ctx,
+            compute,
+            copy,
+            staging: Mutex::new((Vec::new(), 0)),
+        })
+    }
+
+    pub(crate) fn upload(
+        &self,
+        unit: &HostUnit,
+    ) -> candle_core::Result<(HashMap<String, Tensor>, UnitSync)> {
+        let _span =
+            tracing::debug_span!("offload.h2d", unit = unit.name(), bytes = unit.bytes()).entered();
+        let pinned = unit.is_pinned();
+        let copy_start = timing_event(&self.copy)?;
+        let mut tensors = HashMap::with_capacity(unit.tensors().len());
+        for t in unit.tensors() {
+            let bytes = unit.tensor_bytes(t);
+            let storage = match t.dtype {
+                DType::F16 => self.upload_typed::<half::f16>(bytes, pinned)?,
+                DType::BF16 => self.upload_typed::<half::bf16>(bytes, pinned)?,
+                DType::F32 => self.upload_typed::<f32>(bytes, pinned)?,
+                DType::F64 => self.upload_typed::<f64>(bytes, pinned)?,
+                DType::U8 => self.upload_typed::<u8>(bytes, pinned)?,
+                DType::U32 => self.upload_typed::<u32>(bytes, pinned)?,
+                DType::I64 => self.upload_typed::<i64>(bytes, pinned)?,
+                other => {
+                    candle_core::bail!("tensor {}: dtype {other:?} cannot be offloaded", t.name)
+                }
+            };
+            let tensor = Tensor::from_storage(
+                Storage::Cuda(storage),
+                t.shape.clone(),
+                BackpropOp::none(),
+                false,
+            );
+            tensors.insert(t.name.clone(), tensor);
+        }
+        let ready = timing_event(&self.copy)?;
+        Ok((
+            tensors,
+            UnitSync {
+                copy_start,
+                ready,
+                copy_pending: true,
+                stall_probes: Vec::new(),
+                last_use: None,
+            },
+        ))
+    }
+
+    fn upload_typed<T>(
+        &self,
+        bytes: &[u8],
+        pinned: bool,
+    ) -> candle_core::Result<candle_core::CudaStorage>
+    where
+        T: DeviceRepr + CudaDType + bytemuck::Pod,
+    {
+        let size = std::mem::size_of::<T>();
+        let n = bytes.len() / size;
+        // SAFETY: the memory is uninitialised; the copies below, enqueued on the same stream,
+        // overwrite all `n` elements before anything that waits on `ready` can read them.
+        let mut dst: CudaSlice<T> = unsafe { self.copy.alloc::<T>(n.max(1)) }.w()?;
+        if pinned {
+            let src: &[T] = bytemuck::try_cast_slice(bytes)
+                .map_err(|e| candle_core::Error::Msg(format!("{e}")))?;
+            self.copy.memcpy_htod(src, &mut dst).w()?;
+        } else {
+            self.stage::<T>(bytes, &mut dst)?;
+        }
+        Ok(T::wrap_cuda_slice(dst, self.cuda.clone()))
+    }
+
+    /// Copies pageable bytes through the ring of pinned staging buffers.
+    fn stage<T: DeviceRepr + bytemuck::Pod>(
+        &self,
+        bytes: &[u8],
+        dst: &mut CudaSlice<T>,
+    ) -> candle_core::Result<()> {
+        let size = std::mem::size_of::<T>();
+        let mut guard = self
+            .staging
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("staging ring poisoned".into()))?;
+        let (ring, next) = &mut *guard;
+        if ring.is_empty() {
+            for _ in 0..STAGING_BUFFERS {
+                let buf = PinnedBuffer::alloc(&self.ctx, STAGING_CHUNK).map_err(|e| {
+                    candle_core::Error::Msg(format!("cannot allocate the pinned staging ring: {e}"))
+                })?;
+                ring.push(StagingBuffer { buf, done: None });
+            }
+        }
+        let chunk = STAGING_CHUNK - STAGING_CHUNK % size;
+        for start in (0..bytes.len()).step_by(chunk) {
+            let len = chunk.min(bytes.len() - start);
+            let slot = &mut ring[*next];
+            *next = (*next + 1) % STAGING_BUFFERS;
+            if let Some(done) = slot.done.take() {
+                done.synchronize().w()?; // the host waits for the buffer's previous DMA
+            }
+            slot.buf.as_bytes_mut()[..len].copy_from_slice(&bytes[start..start + len]);
+            let src: &[T] = bytemuck::try_cast_slice(&slot.buf.as_bytes()[..len])
+                .map_err(|e| candle_core::Error::Msg(format!("{e}")))?;
+            let mut view = dst.slice_mut(start / size..(start + len) / size);
+            self.copy.memcpy_htod(src, &mut view).w()?;
+            slot.done = Some(self.copy.record_event(None).w()?);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn wait_ready(&self, sync: &mut UnitSync) -> candle_core::Result<()> {
+        if sync.ready.try_is_complete().w()? {
+            return Ok(());
+        }
+        let before = timing_event(&self.compute)?;
+        self.compute.wait(&sync.ready).w()?;
+        let after = timing_event(&self.compute)?;
+        sync.stall_probes.push((before, after));
+        Ok(())
+    }
+
+    pub(crate) fn record_last_use(&self, sync: &mut UnitSync) -> candle_core::Result<()> {
+        sync.last_use = Some(self.compute.record_event(None).w()?);
+        Ok(())
+    }
+
+    pub(crate) fn evict(
+        &self,
+        tensors: HashMap<String, Tensor>,
+        sync: &UnitSync,
+    ) -> candle_core::Result<()> {
+        let _span = tracing::debug_span!("offload.evict").entered();
+        if let Some(last_use) = &sync.last_use {
+            self.copy.wait(last_use).w()?;
+        }
+        // The slices were allocated on the copy stream, so cudarc frees them there,
+        // stream-ordered after the wait above.
+        drop(tensors);
+        Ok(())
+    }
+
+    pub(crate) fn harvest(&self, sync: &mut UnitSync) -> Option<Timings> {
+        let mut t = Timings::default();
+        let mut any = false;
+        if sync.copy_pending && sync.ready.try_is_complete().unwrap_or(false) {
+            if let Ok(ms) = sync.copy_start.elapsed_ms(&sync.ready) {
+                t.copy_s = Some(f64::from(ms) / 1e3);
+            }
+            sync.copy_pending = false;
+            any = true;
+        }
+        sync.stall_probes.retain(|(before, after)| {
+            if after.try_is_complete().unwrap_or(false) {
+                t.stall_s += before
+                    .elapsed_ms(after)
+                    .map(|ms| f64::from(ms) / 1e3)
+                    .unwrap_or(0.0);
+                any = true;
+                false
+            } else {
+                true
+            }
+        });
+        any.then_some(t)
+    }
+
+    pub(crate) fn mem_get_info(&self) -> candle_core::Result<(u64, u64)> {
+        let (free, total) = self.ctx.mem_get_info().w()?;
+        Ok((free as u64, total as u64))
+    }
+
+    pub(crate) fn synchronize(&self) -> candle_core::Result<()> {
+        self.copy.synchronize().w()?;
+        self.compute.synchronize().w()
+    }
+}

@@ -1,0 +1,85 @@
+//! The CUDA side of [`crate::sys`] in a build without `--features cuda`: the same names,
+//! uninhabited, so that every GPU path is statically unreachable and needs no `cfg`.
+
+use std::collections::HashMap;
+
+use candle_core::{Device, Tensor};
+
+use crate::error::Result;
+use crate::store::{HostBuffer, HostUnit};
+
+/// Page-locked host memory (never exists without CUDA).
+#[derive(Debug)]
+pub(crate) enum PinnedBuffer {}
+
+impl PinnedBuffer {
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        match *self {}
+    }
+    pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
+        match *self {}
+    }
+}
+
+/// Allocates host buffers for the store: always pageable here.
+#[derive(Debug)]
+pub(crate) struct Pinner;
+
+impl Pinner {
+    pub(crate) fn for_device(_device: &Device, _cap: Option<u64>) -> Result<Self> {
+        Ok(Self)
+    }
+    pub(crate) fn alloc(&mut self, len: usize, _unit: &str) -> Result<HostBuffer> {
+        Ok(HostBuffer::Pageable(vec![0u8; len]))
+    }
+}
+
+/// Events of a unit on a GPU (never exists without CUDA).
+#[derive(Debug)]
+pub(crate) enum UnitSync {}
+
+impl UnitSync {
+    pub(crate) fn is_settled(&self) -> bool {
+        match *self {}
+    }
+}
+
+/// The copy engine of a GPU (never exists without CUDA).
+#[derive(Debug)]
+pub(crate) enum CudaEngine {}
+
+impl CudaEngine {
+    pub(crate) fn new(_device: &Device) -> Result<Self> {
+        Err(crate::error::Error::NotCompiledWithCuda {
+            what: "a GPU offload runtime",
+        })
+    }
+    pub(crate) fn upload(
+        &self,
+        _unit: &HostUnit,
+    ) -> candle_core::Result<(HashMap<String, Tensor>, UnitSync)> {
+        match *self {}
+    }
+    pub(crate) fn wait_ready(&self, _sync: &mut UnitSync) -> candle_core::Result<()> {
+        match *self {}
+    }
+    pub(crate) fn record_last_use(&self, _sync: &mut UnitSync) -> candle_core::Result<()> {
+        match *self {}
+    }
+    pub(crate) fn evict(
+        &self,
+        _tensors: HashMap<String, Tensor>,
+        _sync: &UnitSync,
+    ) -> candle_core::Result<()> {
+        match *self {}
+    }
+    pub(crate) fn harvest(&self, _sync: &mut UnitSync) -> Option<crate::telemetry::Timings> {
+        match *self {}
+    }
+    pub(crate) fn mem_get_info(&self) -> candle_core::Result<(u64, u64)> {
+        match *self {}
+    }
+    pub(crate) fn synchronize(&self) -> candle_core::Result<()> {
+        match *self {}
+    }
+}

@@ -1,0 +1,236 @@
+//! What the runtime did: bytes moved, link rate achieved, time compute stalled on copies,
+//! hits and misses per unit, resident and pinned bytes; per step and in total.
+//!
+//! [`OffloadStats`] is the struct for programs; [`OffloadStats::summary`] prints it like
+//! PyTorch's `memory_summary()`.
+
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use crate::budget::human_bytes;
+use crate::cache::ActivePolicy;
+
+/// Device-side timings of one fetch, harvested once its events have completed.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Timings {
+    /// Seconds the copy engine spent on the unit (None when not measured yet or already counted).
+    pub copy_s: Option<f64>,
+    /// Seconds compute waited for the unit to arrive.
+    pub stall_s: f64,
+}
+
+/// Counters of one unit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnitStats {
+    /// The unit's name.
+    pub name: String,
+    /// Its size on the device.
+    pub bytes: u64,
+    /// Accesses that found it on the device (or already on its way).
+    pub hits: u64,
+    /// Accesses that had to fetch it.
+    pub misses: u64,
+    /// Fetches issued ahead of use.
+    pub prefetches: u64,
+    /// Times it was evicted.
+    pub evictions: u64,
+    /// Whether it is on the device now.
+    pub resident: bool,
+}
+
+/// Transfer counters over an interval (a step, or the whole run).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TransferStats {
+    /// Host-to-device bytes.
+    pub bytes: u64,
+    /// Number of unit fetches.
+    pub fetches: u64,
+    /// Seconds the copy engine was busy with them (device timing on a GPU).
+    pub copy_s: f64,
+    /// Seconds compute waited for weights to arrive.
+    pub stall_s: f64,
+    /// Wall-clock seconds of the interval (steps only).
+    pub wall_s: f64,
+}
+
+impl TransferStats {
+    /// The rate copies ran at while they ran, GB/s (10^9 bytes per second).
+    pub fn copy_gbps(&self) -> f64 {
+        if self.copy_s > 0.0 {
+            self.bytes as f64 / self.copy_s / 1e9
+        } else {
+            0.0
+        }
+    }
+
+    /// Bytes moved over the interval's wall time, GB/s.
+    pub fn effective_gbps(&self) -> f64 {
+        if self.wall_s > 0.0 {
+            self.bytes as f64 / self.wall_s / 1e9
+        } else {
+            0.0
+        }
+    }
+
+    fn add_timings(&mut self, t: Timings) {
+        self.copy_s += t.copy_s.unwrap_or(0.0);
+        self.stall_s += t.stall_s;
+    }
+}
+
+/// A snapshot of the runtime's counters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OffloadStats {
+    /// The device, as candle prints it.
+    pub device: String,
+    /// The budget for everything on the device, bytes.
+    pub budget_bytes: u64,
+    /// The caller's reservation inside the budget.
+    pub reserve_bytes: u64,
+    /// What weights may take (resident plus in flight).
+    pub weight_capacity_bytes: u64,
+    /// Weights on the device now.
+    pub resident_bytes: u64,
+    /// The most weights ever on the device at once.
+    pub peak_resident_bytes: u64,
+    /// Page-locked host bytes of the store.
+    pub pinned_bytes: u64,
+    /// Pageable host bytes of the store (transfers go through staging).
+    pub pageable_bytes: u64,
+    /// Prefetch depth in force.
+    pub prefetch_depth: usize,
+    /// The policy in force.
+    pub policy: ActivePolicy,
+    /// Completed steps.
+    pub steps: u64,
+    /// Since the runtime started.
+    pub total: TransferStats,
+    /// The last completed step.
+    pub last_step: Option<TransferStats>,
+    /// Per unit.
+    pub units: Vec<UnitStats>,
+}
+
+impl OffloadStats {
+    /// Hits over all units.
+    pub fn hits(&self) -> u64 {
+        self.units.iter().map(|u| u.hits).sum()
+    }
+
+    /// Misses over all units.
+    pub fn misses(&self) -> u64 {
+        self.units.iter().map(|u| u.misses).sum()
+    }
+
+    /// A printable report, like PyTorch's `memory_summary()`.
+    pub fn summary(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "candle-offload memory summary ({})", self.device);
+        let _ = writeln!(
+            s,
+            "  budget {:>11}   reserved for activations/KV {:>11}   weight capacity {:>11}",
+            human_bytes(self.budget_bytes),
+            human_bytes(self.reserve_bytes),
+            human_bytes(self.weight_capacity_bytes)
+        );
+        let n_res = self.units.iter().filter(|u| u.resident).count();
+        let _ = writeln!(
+            s,
+            "  resident {:>11} ({} of {} units)   peak {:>11}",
+            human_bytes(self.resident_bytes),
+            n_res,
+            self.units.len(),
+            human_bytes(self.peak_resident_bytes)
+        );
+        let _ = writeln!(
+            s,
+            "  host     {:>11} pinned   {:>11} pageable",
+            human_bytes(self.pinned_bytes),
+            human_bytes(self.pageable_bytes)
+        );
+        let policy = match self.policy {
+            ActivePolicy::Lru => "LRU".to_string(),
+            ActivePolicy::Schedule { period } => format!("schedule (Belady, period {period})"),
+        };
+        let _ = writeln!(
+            s,
+            "  policy   {policy}, prefetch depth {}",
+            self.prefetch_depth
+        );
+        let t = &self.total;
+        let _ = writeln!(
+            s,
+            "  moved    {:>11} in {} fetches, {:.1} GB/s while copying, compute stalled {:.3} s; \
+             {} hits, {} misses over {} steps",
+            human_bytes(t.bytes),
+            t.fetches,
+            t.copy_gbps(),
+            t.stall_s,
+            self.hits(),
+            self.misses(),
+            self.steps
+        );
+        if let Some(l) = &self.last_step {
+            let _ = writeln!(
+                s,
+                "  last step {:>10} in {:.4} s ({:.1} GB/s effective, {:.1} GB/s copying), stalled {:.4} s",
+                human_bytes(l.bytes),
+                l.wall_s,
+                l.effective_gbps(),
+                l.copy_gbps(),
+                l.stall_s
+            );
+        }
+        s
+    }
+}
+
+/// Mutable counters kept by the runtime.
+#[derive(Debug)]
+pub(crate) struct Telemetry {
+    pub total: TransferStats,
+    pub step: TransferStats,
+    pub step_started: Option<Instant>,
+    pub last_step: Option<TransferStats>,
+    pub steps: u64,
+    pub peak_resident: u64,
+}
+
+impl Telemetry {
+    pub fn new() -> Self {
+        Self {
+            total: TransferStats::default(),
+            step: TransferStats::default(),
+            step_started: None,
+            last_step: None,
+            steps: 0,
+            peak_resident: 0,
+        }
+    }
+
+    pub fn fetched(&mut self, bytes: u64) {
+        for t in [&mut self.total, &mut self.step] {
+            t.bytes += bytes;
+            t.fetches += 1;
+        }
+    }
+
+    pub fn timings(&mut self, t: Timings) {
+        self.total.add_timings(t);
+        self.step.add_timings(t);
+    }
+
+    pub fn begin_step(&mut self) {
+        self.step = TransferStats::default();
+        self.step_started = Some(Instant::now());
+    }
+
+    pub fn end_step(&mut self) {
+        if let Some(t0) = self.step_started.take() {
+            self.step.wall_s = t0.elapsed().as_secs_f64();
+        }
+        self.last_step = Some(self.step);
+        self.step = TransferStats::default();
+        self.steps += 1;
+    }
+}

@@ -1,0 +1,74 @@
+//! A candle-nn `VarBuilder` backend over an acquired unit's tensors.
+//!
+//! A `VarBuilder` alone cannot offload: models call `vb.get` once in `load` and own the
+//! tensors afterwards. So the pattern is to build a block from the unit's `VarBuilder` right
+//! before it runs and drop it right after (building is only `Arc` clones):
+//!
+//! ```text
+//! let g = rt.acquire_layer(i)?;
+//! let block = Block::load(g.var_builder(dtype).pp(format!("model.layers.{i}")), &cfg)?;
+//! xs = block.forward(&xs)?;
+//! ```
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::Init;
+
+/// Serves `vb.get` from the tensors of one acquired unit.
+#[derive(Debug, Clone)]
+pub struct UnitBackend {
+    tensors: Arc<HashMap<String, Tensor>>,
+}
+
+impl UnitBackend {
+    /// A backend over these tensors, keyed by full checkpoint name.
+    pub fn new(tensors: Arc<HashMap<String, Tensor>>) -> Self {
+        Self { tensors }
+    }
+}
+
+impl SimpleBackend for UnitBackend {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.get_unchecked(name, dtype, dev)?;
+        if t.shape() != &s {
+            return Err(candle_core::Error::UnexpectedShape {
+                msg: format!("shape mismatch for {name}"),
+                expected: s,
+                got: t.shape().clone(),
+            }
+            .bt());
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let t = self.tensors.get(name).ok_or_else(|| {
+            candle_core::Error::CannotFindTensor {
+                path: name.to_string(),
+            }
+            .bt()
+        })?;
+        if !t.device().same_device(dev) {
+            candle_core::bail!("tensor {name} is on {:?}, not on {dev:?}", t.device());
+        }
+        if t.dtype() == dtype {
+            Ok(t.clone())
+        } else {
+            t.to_dtype(dtype)
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+}
