@@ -69,6 +69,7 @@
 
 pub mod budget;
 pub mod cache;
+pub mod diag;
 mod error;
 pub mod plan;
 mod runtime;
@@ -83,6 +84,6 @@ pub use cache::{ActivePolicy, PolicyChoice, ResidencyCache, UnitId};
 pub use error::{Error, Result};
 pub use plan::{plan_capacity, CapacityPlan, OffloadStrategy};
 pub use runtime::{OffloadConfig, OffloadRuntime, UnitGuard};
-pub use store::{HostStore, StoreConfig, UnitGrouping};
+pub use store::{HostStore, StoreConfig, TensorSpec, UnitGrouping};
 pub use telemetry::{OffloadStats, TransferStats, UnitStats};
 pub use varbuilder::UnitBackend;

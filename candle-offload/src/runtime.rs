@@ -147,6 +147,22 @@ impl OffloadRuntime {
             })?);
         }
         let kept: u64 = keep_ids.iter().map(|u| unit_bytes[u.0]).sum();
+        if let Some((largest, bytes)) = store
+            .units()
+            .iter()
+            .map(|u| (u.name(), u.bytes()))
+            .max_by_key(|&(_, b)| b)
+        {
+            let what = if kept > 0 {
+                format!(
+                    "the kept units ({}) and the largest unit, {largest}",
+                    crate::budget::human_bytes(kept)
+                )
+            } else {
+                format!("the largest unit, {largest}")
+            };
+            budget.check_fits(&name, &what, kept + bytes)?;
+        }
         let plan = plan_capacity(
             &name,
             budget,
@@ -155,7 +171,8 @@ impl OffloadRuntime {
             cfg.strategy,
             cfg.prefetch_depth,
         )?;
-        let mut cache = ResidencyCache::new(&unit_bytes, plan.weight_capacity, cfg.policy.clone());
+        let mut cache = ResidencyCache::new(&unit_bytes, plan.weight_capacity, cfg.policy.clone())
+            .with_prefetch_depth(plan.prefetch_depth);
         for &u in &keep_ids {
             cache.set_keep(u, true);
         }
@@ -227,10 +244,8 @@ impl OffloadRuntime {
             engine.wait_ready(sync)?;
         }
         let tensors = resident.tensors.clone();
-        for next in st.cache.upcoming(self.shared.prefetch_depth) {
-            if let Some(t) = st.cache.prefetch(next) {
-                self.carry_out(&mut st, &t)?;
-            }
+        for t in st.cache.prefetch_planned(self.shared.prefetch_depth + 1) {
+            self.carry_out(&mut st, &t)?;
         }
         Ok(UnitGuard {
             rt: self.clone(),

@@ -200,6 +200,17 @@ pub struct HostStore {
     tensor_index: HashMap<String, (UnitId, usize)>,
 }
 
+/// A tensor to create in [`HostStore::from_fn`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Full name (decides its unit).
+    pub name: String,
+    /// Dtype before the store's conversion.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Shape,
+}
+
 /// One tensor of a source, before it is placed.
 struct Pending {
     name: String,
@@ -287,6 +298,28 @@ impl HostStore {
             let bytes = tensor_to_bytes(&t)?;
             dst.copy_from_slice(&bytes);
             Ok(())
+        })
+    }
+
+    /// Builds a store from tensor specifications, with `fill` writing each tensor's bytes
+    /// (little-endian, in the stored dtype it is given) straight into the store's buffer: for
+    /// synthetic weights and for loaders of other formats.
+    pub fn from_fn(
+        specs: &[TensorSpec],
+        cfg: &StoreConfig,
+        device: &Device,
+        mut fill: impl FnMut(&TensorSpec, DType, &mut [u8]) -> Result<()>,
+    ) -> Result<Self> {
+        let pending = specs
+            .iter()
+            .map(|s| Pending {
+                name: s.name.clone(),
+                dtype: s.dtype,
+                shape: s.shape.clone(),
+            })
+            .collect();
+        Self::build(pending, cfg, device, |i, dtype, dst| {
+            fill(&specs[i], dtype, dst)
         })
     }
 

@@ -180,6 +180,12 @@ impl CudaEngine {
                 "this GPU has no stream-ordered memory pools: every eviction synchronises"
             );
         }
+        // Keep freed blocks in the stream-ordered pool across synchronisations: otherwise every
+        // token returns evicted weights' memory to the driver and maps it again (slow). The
+        // budget, not the pool, bounds what weights take; `trim_memory_pool` gives it back.
+        if ctx.has_async_alloc() {
+            set_pool_release_threshold(&ctx, u64::MAX)?;
+        }
         // A stream of the *same* context object switches cudarc into multi-stream mode.
         let copy = ctx
             .new_stream()
@@ -363,4 +369,116 @@ impl CudaEngine {
         self.copy.synchronize().w()?;
         self.compute.synchronize().w()
     }
+}
+
+/// Identity and memory of a GPU.
+pub(crate) fn device_info(device: &Device) -> Result<crate::diag::DeviceInfo> {
+    let cuda = device.as_cuda_device()?;
+    let ctx = cuda.cuda_stream().context().clone();
+    let wrap = |e: candle_core::cuda_backend::cudarc::driver::DriverError| {
+        Error::Candle(candle_core::Error::wrap(e))
+    };
+    let attr = |a| ctx.attribute(a).map_err(wrap);
+    let major = attr(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attr(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let (free, total) = ctx.mem_get_info().map_err(wrap)?;
+    let mut version: std::ffi::c_int = 0;
+    // SAFETY: `cuDriverGetVersion` writes one int through a valid pointer; it needs no context.
+    let driver = unsafe { cusys::cuDriverGetVersion(&mut version) }
+        .result()
+        .ok()
+        .map(|()| version);
+    Ok(crate::diag::DeviceInfo {
+        ordinal: ctx.ordinal(),
+        name: ctx.name().map_err(wrap)?,
+        compute_capability: (major as u32, minor as u32),
+        total_bytes: total as u64,
+        free_bytes: free as u64,
+        driver_cuda_version: driver.map(crate::diag::CudaVersion::from_int),
+        built_for_cuda: option_env!("CUDARC_CUDA_VERSION")
+            .and_then(|v| v.parse().ok())
+            .map(crate::diag::CudaVersion::from_int),
+        compiled_arch: option_env!("CUDA_COMPUTE_CAP").map(String::from),
+    })
+}
+
+/// Median host-to-device rate over `reps` copies of `bytes`, in GB/s, on a fresh stream.
+pub(crate) fn measure_h2d_gbps(
+    device: &Device,
+    bytes: usize,
+    pinned: bool,
+    reps: usize,
+) -> candle_core::Result<f64> {
+    let cuda = device.as_cuda_device()?;
+    let ctx = cuda.cuda_stream().context().clone();
+    let stream = ctx.new_stream().w()?;
+    let pinned_src;
+    let pageable_src;
+    let src: &[u8] = if pinned {
+        pinned_src = PinnedBuffer::alloc(&ctx, bytes).map_err(candle_core::Error::Msg)?;
+        pinned_src.as_bytes()
+    } else {
+        pageable_src = vec![1u8; bytes];
+        &pageable_src
+    };
+    // SAFETY: uninitialised device memory that is only ever written by the copies below.
+    let mut dst = unsafe { stream.alloc::<u8>(bytes) }.w()?;
+    stream.memcpy_htod(src, &mut dst).w()?;
+    stream.synchronize().w()?;
+    let mut rates = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let start = timing_event(&stream)?;
+        stream.memcpy_htod(src, &mut dst).w()?;
+        let end = timing_event(&stream)?;
+        let ms = start.elapsed_ms(&end).w()?;
+        rates.push(bytes as f64 / (f64::from(ms) / 1e3) / 1e9);
+    }
+    rates.sort_by(f64::total_cmp);
+    Ok(rates[rates.len() / 2])
+}
+
+/// Bytes in use on the whole device (total minus free), as the driver sees it.
+pub(crate) fn device_used_bytes(device: &Device) -> candle_core::Result<u64> {
+    let (free, total) = device
+        .as_cuda_device()?
+        .cuda_stream()
+        .context()
+        .mem_get_info()
+        .w()?;
+    Ok((total - free) as u64)
+}
+
+fn default_pool(ctx: &Arc<CudaContext>) -> Result<cusys::CUmemoryPool> {
+    use candle_core::cuda_backend::cudarc::driver::result;
+    ctx.bind_to_thread()
+        .map_err(|e| Error::Candle(candle_core::Error::wrap(e)))?;
+    // SAFETY: `cu_device` comes from a live context, as `get_default_mem_pool` requires.
+    unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }
+        .map_err(|e| Error::Candle(candle_core::Error::wrap(e)))
+}
+
+fn set_pool_release_threshold(ctx: &Arc<CudaContext>, bytes: u64) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::result;
+    let pool = default_pool(ctx)?;
+    let mut value: u64 = bytes;
+    // SAFETY: RELEASE_THRESHOLD takes a pointer to a cuuint64_t, which `value` is.
+    unsafe {
+        result::mem_pool::set_attribute(
+            pool,
+            cusys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut value as *mut u64).cast(),
+        )
+    }
+    .map_err(|e| Error::Candle(candle_core::Error::wrap(e)))
+}
+
+/// Waits for the device, then returns the default pool's unused memory to the driver.
+pub(crate) fn trim_memory_pool(device: &Device) -> candle_core::Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::result;
+    device.synchronize()?;
+    let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
+    let pool = default_pool(&ctx)?;
+    ctx.synchronize().w()?;
+    // SAFETY: `pool` is the live default pool of this context's device.
+    unsafe { result::mem_pool::trim_to(pool, 0) }.w()
 }

@@ -16,7 +16,10 @@ mod imp;
 #[path = "nocuda.rs"]
 mod imp;
 
-pub(crate) use imp::{CudaEngine, PinnedBuffer, Pinner, UnitSync};
+pub(crate) use imp::{
+    device_info, device_used_bytes, measure_h2d_gbps, trim_memory_pool, CudaEngine, PinnedBuffer,
+    Pinner, UnitSync,
+};
 
 /// A read-only memory map of a weights file.
 #[derive(Debug)]

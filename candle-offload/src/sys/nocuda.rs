@@ -83,3 +83,32 @@ impl CudaEngine {
         match *self {}
     }
 }
+
+pub(crate) fn device_info(_device: &Device) -> Result<crate::diag::DeviceInfo> {
+    Err(crate::error::Error::NotCompiledWithCuda {
+        what: "GPU device information",
+    })
+}
+
+pub(crate) fn measure_h2d_gbps(
+    _device: &Device,
+    _bytes: usize,
+    _pinned: bool,
+    _reps: usize,
+) -> candle_core::Result<f64> {
+    Err(crate::error::Error::NotCompiledWithCuda {
+        what: "measuring the host-to-device rate",
+    }
+    .into())
+}
+
+pub(crate) fn device_used_bytes(_device: &Device) -> candle_core::Result<u64> {
+    Err(crate::error::Error::NotCompiledWithCuda {
+        what: "reading device memory",
+    }
+    .into())
+}
+
+pub(crate) fn trim_memory_pool(_device: &Device) -> candle_core::Result<()> {
+    Ok(())
+}

@@ -1,0 +1,149 @@
+//! Diagnostics: what the GPU is, what the binary was built for, how fast the host link is,
+//! and how much device memory the process really holds (measured outside any allocator).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use candle_core::Device;
+
+use crate::error::Result;
+use crate::sys;
+
+/// A CUDA version such as 13.0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct CudaVersion {
+    /// Major version.
+    pub major: u32,
+    /// Minor version.
+    pub minor: u32,
+}
+
+impl CudaVersion {
+    /// From the driver's integer form (13000 is 13.0).
+    pub fn from_int(v: i32) -> Self {
+        let v = v.max(0) as u32;
+        Self {
+            major: v / 1000,
+            minor: (v % 1000) / 10,
+        }
+    }
+}
+
+impl std::fmt::Display for CudaVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)
+    }
+}
+
+/// Identity and memory of one GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// CUDA ordinal.
+    pub ordinal: usize,
+    /// Product name.
+    pub name: String,
+    /// Compute capability (9, 0 for an H100/H200).
+    pub compute_capability: (u32, u32),
+    /// Total device memory.
+    pub total_bytes: u64,
+    /// Free device memory now.
+    pub free_bytes: u64,
+    /// The newest CUDA version the installed driver supports.
+    pub driver_cuda_version: Option<CudaVersion>,
+    /// The CUDA version this binary was built against.
+    pub built_for_cuda: Option<CudaVersion>,
+    /// `CUDA_COMPUTE_CAP` at build time (the kernels' target architecture).
+    pub compiled_arch: Option<String>,
+}
+
+/// Identity and memory of the GPU behind `device` (an error on a CPU, or without `cuda`).
+pub fn device_info(device: &Device) -> Result<DeviceInfo> {
+    sys::device_info(device)
+}
+
+/// Median host-to-device copy rate in GB/s (10^9 B/s) from pinned or pageable host memory.
+pub fn measure_h2d_gbps(
+    device: &Device,
+    bytes: usize,
+    pinned: bool,
+    reps: usize,
+) -> candle_core::Result<f64> {
+    sys::measure_h2d_gbps(device, bytes, pinned, reps)
+}
+
+/// Bytes in use on the whole device (total minus free), as the driver reports them: this
+/// counts the CUDA context, memory pools and every allocation, whoever made it.
+pub fn device_used_bytes(device: &Device) -> candle_core::Result<u64> {
+    sys::device_used_bytes(device)
+}
+
+/// Waits for the device and returns the memory its stream-ordered pool holds unused to the
+/// driver (a no-op on a CPU or without `cuda`).
+pub fn trim_memory_pool(device: &Device) -> candle_core::Result<()> {
+    if device.is_cpu() {
+        return Ok(());
+    }
+    sys::trim_memory_pool(device)
+}
+
+/// Polls [`device_used_bytes`] on a background thread and keeps the maximum.
+#[derive(Debug)]
+pub struct PeakMemorySampler {
+    stop: Arc<AtomicBool>,
+    peak: Arc<AtomicU64>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl PeakMemorySampler {
+    /// Starts polling every `period`.
+    pub fn start(device: &Device, period: Duration) -> candle_core::Result<Self> {
+        let first = device_used_bytes(device)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let peak = Arc::new(AtomicU64::new(first));
+        let (d, s, p) = (device.clone(), stop.clone(), peak.clone());
+        let handle = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                if let Ok(used) = device_used_bytes(&d) {
+                    p.fetch_max(used, Ordering::Relaxed);
+                }
+                std::thread::sleep(period);
+            }
+        });
+        Ok(Self {
+            stop,
+            peak,
+            handle: Some(handle),
+        })
+    }
+
+    /// The maximum so far.
+    pub fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    /// Resets the maximum to the current reading.
+    pub fn reset(&self, current: u64) {
+        self.peak.store(current, Ordering::Relaxed);
+    }
+
+    /// Stops polling and returns the maximum.
+    pub fn stop(mut self) -> u64 {
+        self.finish();
+        self.peak()
+    }
+
+    fn finish(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for PeakMemorySampler {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}

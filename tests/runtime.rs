@@ -1,0 +1,267 @@
+//! The offload runtime end to end: offloaded runs equal resident runs under every budget,
+//! strategy and policy; the budget holds; evicted units come back bit-identical.
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_offload::{
+    ActivePolicy, MemoryLimit, OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice, UnitId,
+};
+
+use crate::util::{mlp_store, mlp_weights, run_mlp};
+
+const LAYERS: usize = 6;
+const WIDTH: usize = 32;
+
+fn reference(device: &Device) -> anyhow::Result<Vec<f32>> {
+    let weights = mlp_weights(LAYERS, WIDTH)?;
+    let get = |name: &str| {
+        weights
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap()
+            .1
+            .to_device(device)
+    };
+    let out = run_mlp(LAYERS, WIDTH, device, |i, xs| {
+        let lin = candle_nn::Linear::new(
+            get(&format!("layers.{i}.weight"))?,
+            Some(get(&format!("layers.{i}.bias"))?),
+        );
+        lin.forward(xs)
+    })?;
+    Ok(out.flatten_all()?.to_vec1()?)
+}
+
+fn offloaded(rt: &OffloadRuntime, steps: usize) -> anyhow::Result<Vec<f32>> {
+    let mut last = Vec::new();
+    for _ in 0..steps {
+        rt.begin_step()?;
+        let out = run_mlp(LAYERS, WIDTH, rt.device(), |i, xs| {
+            let unit = rt.acquire_layer(i)?;
+            let lin = candle_nn::linear(
+                WIDTH,
+                WIDTH,
+                unit.var_builder(DType::F32).pp(format!("layers.{i}")),
+            )?;
+            lin.forward(xs)
+        })?;
+        last = out.flatten_all()?.to_vec1()?;
+        rt.end_step()?;
+    }
+    Ok(last)
+}
+
+fn offloaded_equals_resident(device: &Device) -> anyhow::Result<()> {
+    let expected = reference(device)?;
+    let store = mlp_store(LAYERS, WIDTH, device, None)?;
+    let layer = store.unit(store.layer_unit(0).unwrap()).bytes();
+    for budget_layers in [1u64, 2, 3, 5, 7, 100] {
+        for strategy in [
+            OffloadStrategy::Minimal,
+            OffloadStrategy::Balanced,
+            OffloadStrategy::Aggressive,
+        ] {
+            for policy in [PolicyChoice::Auto, PolicyChoice::Lru] {
+                for depth in [0, 1, 3] {
+                    let cfg = OffloadConfig {
+                        gpu_memory_limit: Some(MemoryLimit::Bytes(budget_layers * layer)),
+                        strategy,
+                        policy: policy.clone(),
+                        prefetch_depth: depth,
+                        ..Default::default()
+                    };
+                    let rt = OffloadRuntime::new(store.clone(), device, &cfg)?;
+                    let got = offloaded(&rt, 4)?;
+                    assert_eq!(
+                        got, expected,
+                        "budget {budget_layers} layers, {strategy}, {policy:?}, depth {depth}"
+                    );
+                    let stats = rt.stats()?;
+                    assert!(
+                        stats.peak_resident_bytes <= budget_layers * layer,
+                        "over budget: {stats:?}"
+                    );
+                    assert!(stats.resident_bytes <= stats.weight_capacity_bytes);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    offloaded_equals_resident,
+    offloaded_equals_resident_cpu,
+    offloaded_equals_resident_gpu
+);
+
+fn schedule_is_learned_and_beats_lru(device: &Device) -> anyhow::Result<()> {
+    let store = mlp_store(LAYERS, WIDTH, device, None)?;
+    let layer = store.unit(store.layer_unit(0).unwrap()).bytes();
+    let run = |policy: PolicyChoice| -> anyhow::Result<candle_offload::OffloadStats> {
+        let cfg = OffloadConfig {
+            gpu_memory_limit: Some(MemoryLimit::Bytes(4 * layer)),
+            policy,
+            prefetch_depth: 0,
+            ..Default::default()
+        };
+        let rt = OffloadRuntime::new(store.clone(), device, &cfg)?;
+        offloaded(&rt, 10)?;
+        Ok(rt.stats()?)
+    };
+    let lru = run(PolicyChoice::Lru)?;
+    let auto = run(PolicyChoice::Auto)?;
+    assert_eq!(
+        lru.misses(),
+        60,
+        "LRU misses every access of a cyclic sweep"
+    );
+    assert_eq!(auto.policy, ActivePolicy::Schedule { period: LAYERS });
+    assert!(
+        auto.misses() < 40,
+        "schedule policy misses {}",
+        auto.misses()
+    );
+    // Belady on a sweep of 6 with room for 4 rotates the resident set: 2 or 3 fetches a
+    // sweep (2.4 on average), where a fixed resident set would need 3 and LRU 6.
+    let last = auto.last_step.unwrap().fetches;
+    assert!((2..=3).contains(&last), "{last} fetches in the last sweep");
+    Ok(())
+}
+test_device!(
+    schedule_is_learned_and_beats_lru,
+    schedule_is_learned_cpu,
+    schedule_is_learned_gpu
+);
+
+fn evicted_units_come_back_bit_identical(device: &Device) -> anyhow::Result<()> {
+    let store = mlp_store(LAYERS, WIDTH, device, Some(DType::F16))?;
+    let layer = store.unit(UnitId(1)).bytes();
+    let cfg = OffloadConfig {
+        gpu_memory_limit: Some(MemoryLimit::Bytes(2 * layer)),
+        policy: PolicyChoice::Lru,
+        prefetch_depth: 0,
+        ..Default::default()
+    };
+    let rt = OffloadRuntime::new(store.clone(), device, &cfg)?;
+    let read = |i: usize| -> anyhow::Result<Vec<u8>> {
+        let unit = rt.acquire_layer(i)?;
+        let t = unit
+            .get(&format!("layers.{i}.weight"))?
+            .to_device(&Device::Cpu)?;
+        Ok(t.flatten_all()?
+            .to_vec1::<half::f16>()?
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect())
+    };
+    for round in 0..3 {
+        for i in 0..LAYERS {
+            let (u, meta) = store.tensor(&format!("layers.{i}.weight")).unwrap();
+            assert_eq!(
+                read(i)?,
+                store.unit(u).tensor_bytes(meta),
+                "round {round}, layer {i}"
+            );
+        }
+    }
+    let stats = rt.stats()?;
+    assert!(stats.units.iter().map(|u| u.evictions).sum::<u64>() >= 2 * LAYERS as u64);
+    Ok(())
+}
+test_device!(
+    evicted_units_come_back_bit_identical,
+    bit_identical_cpu,
+    bit_identical_gpu
+);
+
+#[test]
+fn budget_too_small_is_refused_with_the_missing_mib() -> anyhow::Result<()> {
+    let store = mlp_store(2, 512, &Device::Cpu, None)?; // 1 MiB + 2 KiB per layer
+    let cfg = OffloadConfig {
+        gpu_memory_limit: Some(MemoryLimit::Bytes(1 << 20)),
+        ..Default::default()
+    };
+    let err = OffloadRuntime::new(store.clone(), &Device::Cpu, &cfg).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            candle_offload::Error::BudgetTooSmall { missing_mib: 1, .. }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("MiB are missing"), "{err}");
+
+    let cfg = OffloadConfig {
+        gpu_memory_limit: Some(MemoryLimit::Bytes(8 << 20)),
+        reserve_bytes: 7 << 20,
+        ..Default::default()
+    };
+    let err = OffloadRuntime::new(store.clone(), &Device::Cpu, &cfg).unwrap_err();
+    assert!(err.to_string().contains("reservation (7 MiB)"), "{err}");
+
+    let cfg = OffloadConfig {
+        prefetch_depth: 4,
+        ..Default::default()
+    };
+    assert!(OffloadRuntime::new(store, &Device::Cpu, &cfg)
+        .unwrap_err()
+        .to_string()
+        .contains("prefetch_depth"));
+    Ok(())
+}
+
+#[test]
+fn in_use_units_are_never_evicted_and_no_room_is_an_error() -> anyhow::Result<()> {
+    let store = mlp_store(3, 32, &Device::Cpu, None)?;
+    let layer = store.unit(UnitId(1)).bytes();
+    let cfg = OffloadConfig {
+        gpu_memory_limit: Some(MemoryLimit::Bytes(2 * layer)),
+        prefetch_depth: 0,
+        ..Default::default()
+    };
+    let rt = OffloadRuntime::new(store, &Device::Cpu, &cfg)?;
+    let a = rt.acquire_layer(0)?;
+    let b = rt.acquire_layer(1)?;
+    let err = rt.acquire_layer(2).unwrap_err().to_string();
+    assert!(err.contains("budget") && err.contains("in use"), "{err}");
+    drop(a);
+    let c = rt.acquire_layer(2)?;
+    assert_eq!(b.get("layers.1.bias")?.dims(), [32]);
+    drop((b, c));
+    let summary = rt.memory_summary()?;
+    assert!(
+        summary.contains("memory summary") && summary.contains("misses"),
+        "{summary}"
+    );
+    Ok(())
+}
+
+#[test]
+fn cuda_device_without_cuda_build_is_a_clear_error() {
+    if cfg!(feature = "cuda") {
+        return;
+    }
+    // A CPU build cannot even make a CUDA device; the typed error is for callers that try.
+    let err = Device::new_cuda(0).unwrap_err().to_string();
+    assert!(err.to_lowercase().contains("cuda"), "{err}");
+}
+
+#[test]
+fn varbuilder_checks_shapes_and_converts_dtypes() -> anyhow::Result<()> {
+    let store = mlp_store(1, 8, &Device::Cpu, Some(DType::F16))?;
+    let rt = OffloadRuntime::new(store, &Device::Cpu, &OffloadConfig::default())?;
+    let unit = rt.acquire_layer(0)?;
+    let vb = unit.var_builder(DType::F32);
+    assert_eq!(vb.get((8, 8), "layers.0.weight")?.dtype(), DType::F32);
+    assert!(vb.get((8, 9), "layers.0.weight").is_err());
+    assert!(vb.get(8, "layers.0.missing").is_err());
+    assert!(vb.contains_tensor("layers.0.bias"));
+    let zeros = Tensor::zeros(8, DType::F32, &Device::Cpu)?;
+    assert_eq!(
+        vb.get(8, "layers.0.bias")?
+            .broadcast_mul(&zeros)?
+            .sum_all()?
+            .to_scalar::<f32>()?,
+        0.0
+    );
+    Ok(())
+}

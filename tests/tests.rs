@@ -1,0 +1,11 @@
+//! The one integration-test binary (each test binary links Candle again, so there is one).
+//! Numeric tests are written once as `fn(&Device)` and run per device by `test_device!`; the
+//! CUDA variants exist in `--features cuda` builds and run on the GPU machine.
+
+#[macro_use]
+mod util;
+
+#[cfg(feature = "cuda")]
+mod cuda;
+mod runtime;
+mod store;
