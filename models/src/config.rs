@@ -139,7 +139,13 @@ impl Config {
         let num_attention_heads = usize_field("num_attention_heads")?;
         let num_key_value_heads = opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
         let head_dim = opt_usize("head_dim")?.unwrap_or(hidden_size / num_attention_heads);
-        let rope_scaling = match obj.get("rope_scaling") {
+        // transformers 5 moved `rope_theta` and `rope_scaling` into `rope_parameters`.
+        let rope_params = obj.get("rope_parameters").filter(|v| v.is_object());
+        let rope_scaling_value = obj
+            .get("rope_scaling")
+            .filter(|v| !v.is_null())
+            .or(rope_params);
+        let rope_scaling = match rope_scaling_value {
             None | Some(serde_json::Value::Null) => None,
             Some(x) => {
                 let rope_type = x
@@ -197,7 +203,19 @@ impl Config {
             num_key_value_heads,
             head_dim,
             rms_norm_eps: f64_field("rms_norm_eps", 1e-6)?,
-            rope_theta: f64_field("rope_theta", 10_000.0)? as f32,
+            rope_theta: match rope_params.and_then(|p| p.get("rope_theta")) {
+                Some(t) => t
+                    .as_f64()
+                    .filter(|f| f.is_finite() && *f > 0.0)
+                    .ok_or_else(|| {
+                        ModelError::config(
+                            path,
+                            "rope_parameters.rope_theta",
+                            format!("expected a positive number, got {t}"),
+                        )
+                    })? as f32,
+                None => f64_field("rope_theta", 10_000.0)? as f32,
+            },
             rope_scaling,
             max_position_embeddings: opt_usize("max_position_embeddings")?.unwrap_or(4096),
             tie_word_embeddings: bool_field("tie_word_embeddings", false)?,
@@ -315,6 +333,24 @@ mod tests {
                 .unwrap()
                 .attention_bias
         );
+    }
+
+    #[test]
+    fn reads_transformers5_rope_parameters() {
+        let v5 = SMOL.replace(
+            "\"rope_theta\":100000,",
+            "\"rope_parameters\":{\"rope_type\":\"llama3\",\"rope_theta\":500000.0,\"factor\":8.0,\"low_freq_factor\":1.0,\"high_freq_factor\":4.0,\"original_max_position_embeddings\":8192},",
+        );
+        let c = Config::from_json_str(&v5, Path::new("config.json")).unwrap();
+        assert_eq!(c.rope_theta, 500000.0);
+        assert_eq!(c.rope_scaling.as_ref().map(|r| r.factor), Some(8.0));
+        let plain = SMOL.replace(
+            "\"rope_theta\":100000,",
+            "\"rope_parameters\":{\"rope_type\":\"default\",\"rope_theta\":5.0},",
+        );
+        let c = Config::from_json_str(&plain, Path::new("config.json")).unwrap();
+        assert!(c.rope_scaling.is_none());
+        assert_eq!(c.rope_theta, 5.0);
     }
 
     #[test]
