@@ -101,7 +101,18 @@ pub fn write_results(
     device: &Device,
     records: serde_json::Value,
 ) -> anyhow::Result<()> {
-    let doc = serde_json::json!({
+    write_results_with_peer(path, benchmark, device, records, None)
+}
+
+/// [`write_results`] with the peer's own output (measured in the same run) under `peer`.
+pub fn write_results_with_peer(
+    path: &Path,
+    benchmark: &str,
+    device: &Device,
+    records: serde_json::Value,
+    peer: Option<serde_json::Value>,
+) -> anyhow::Result<()> {
+    let mut doc = serde_json::json!({
         "benchmark": benchmark,
         "commit": COMMIT,
         "command": std::env::args().collect::<Vec<_>>().join(" "),
@@ -109,6 +120,9 @@ pub fn write_results(
         "date": utc_now(),
         "records": records,
     });
+    if let Some(p) = peer {
+        doc["peer"] = p;
+    }
     let mut f = std::fs::File::create(path)
         .map_err(|e| anyhow::anyhow!("cannot write results to {}: {e}", path.display()))?;
     writeln!(f, "{}", serde_json::to_string_pretty(&doc)?)?;

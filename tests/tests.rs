@@ -7,5 +7,6 @@ mod util;
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod models;
 mod runtime;
 mod store;

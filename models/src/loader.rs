@@ -115,6 +115,35 @@ pub fn from_dir(dir: &Path) -> Result<ModelFiles> {
 /// (a branch, tag or commit; `main` by default), through the standard HF cache (`HF_HOME`).
 /// With `offline`, or `HF_HUB_OFFLINE=1`, only the cache is used. `HF_ENDPOINT` selects the hub.
 pub fn from_hub(id: &str, revision: Option<&str>, offline: bool) -> Result<ModelFiles> {
+    from_hub_at(id, revision, offline, &HubLocation::from_env())
+}
+
+/// Where the hub and its cache are.
+#[derive(Debug, Clone)]
+pub struct HubLocation {
+    /// The hub's base URL (`HF_ENDPOINT`); `None` for the default.
+    pub endpoint: Option<String>,
+    /// The HF cache directory (`HF_HOME`/hub); `None` for the default.
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl HubLocation {
+    /// From `HF_ENDPOINT` and `HF_HOME`.
+    pub fn from_env() -> Self {
+        Self {
+            endpoint: std::env::var("HF_ENDPOINT").ok(),
+            cache_dir: std::env::var_os("HF_HOME").map(|h| PathBuf::from(h).join("hub")),
+        }
+    }
+}
+
+/// [`from_hub`] with an explicit hub and cache.
+pub fn from_hub_at(
+    id: &str,
+    revision: Option<&str>,
+    offline: bool,
+    at: &HubLocation,
+) -> Result<ModelFiles> {
     let revision = revision.unwrap_or("main").to_string();
     let repo =
         hf_hub::Repo::with_revision(id.to_string(), hf_hub::RepoType::Model, revision.clone());
@@ -125,16 +154,23 @@ pub fn from_hub(id: &str, revision: Option<&str>, offline: bool) -> Result<Model
         id: format!("{id}@{revision}"),
         reason,
     };
+    let cache = match &at.cache_dir {
+        Some(d) => hf_hub::Cache::new(d.clone()),
+        None => hf_hub::Cache::from_env(),
+    };
     let get: Box<dyn Fn(&str) -> std::result::Result<PathBuf, String>> = if offline {
-        let cache = hf_hub::Cache::from_env().repo(repo.clone());
+        let cache = cache.repo(repo.clone());
         Box::new(move |f: &str| {
             cache
                 .get(f)
                 .ok_or_else(|| format!("{f} is not in the HF cache (offline)"))
         })
     } else {
-        let api = hf_hub::api::sync::ApiBuilder::from_env()
-            .with_progress(true)
+        let mut builder = hf_hub::api::sync::ApiBuilder::from_cache(cache).with_progress(true);
+        if let Some(e) = &at.endpoint {
+            builder = builder.with_endpoint(e.clone());
+        }
+        let api = builder
             .build()
             .map_err(|e| src_err(format!("cannot set up the hub client: {e}")))?
             .repo(repo.clone());

