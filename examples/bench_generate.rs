@@ -33,9 +33,9 @@ struct Args {
     /// Decode steps measured (median).
     #[arg(long, default_value_t = 16)]
     new_tokens: usize,
-    /// Prefetch depth.
-    #[arg(long, default_value_t = 2)]
-    depth: usize,
+    /// Prefetch depths to run (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    depths: Vec<usize>,
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
@@ -105,9 +105,20 @@ fn main() -> Result<()> {
 
     let mut records = Vec::new();
     let mut warmed = false;
-    println!("prompt budget    prefill s  decode tok/s  streamed/token  link ceiling  peak MiB (budget)  accelerate tok/s  speed-up");
+    println!("prompt budget depth  prefill s  decode tok/s  streamed/token  link ceiling  peak MiB (budget)  accelerate tok/s  speed-up");
+    let mut configs = Vec::new();
     for &prompt_len in &args.prompt_lens {
         for budget in &args.budgets {
+            for &depth in &args.depths {
+                if budget != "full" || depth == args.depths[0] {
+                    configs.push((prompt_len, budget.clone(), depth));
+                }
+            }
+        }
+    }
+    {
+        for (prompt_len, budget, depth) in configs {
+            let budget = &budget;
             diag::trim_memory_pool(&device)?;
             let limit = match budget.as_str() {
                 "full" => None,
@@ -122,7 +133,8 @@ fn main() -> Result<()> {
                     gpu_memory_limit: limit,
                     reserve_bytes: reserve,
                     policy: PolicyChoice::Schedule(Llama::schedule(&store, &cfg)),
-                    prefetch_depth: args.depth,
+                    prefetch_depth: depth,
+                    keep: Llama::kept_units(&store, &cfg),
                     ..Default::default()
                 },
             )?;
@@ -209,7 +221,7 @@ fn main() -> Result<()> {
                 .and_then(|r| r["decode_tokens_per_s"].as_f64());
             let tps = 1.0 / step_s;
             println!(
-                "{prompt_len:>6} {budget:>6}  {prefill_s:>10.3}  {tps:>12.2}  {:>11.2} GB  {:>12.3}  {:>8} ({:>6})  {:>16}  {:>8}",
+                "{prompt_len:>6} {budget:>6} {depth:>5}  {prefill_s:>9.3}  {tps:>12.2}  {:>11.2} GB  {:>12.3}  {:>8} ({:>6})  {:>16}  {:>8}",
                 streamed / 1e9,
                 ceiling_s / step_s,
                 peak >> 20,
@@ -233,7 +245,7 @@ fn main() -> Result<()> {
                 "raw_pinned_gbps": raw_pinned_gbps,
                 "link_ceiling_tokens_per_s": if ceiling_s > 0.0 { Some(1.0 / ceiling_s) } else { None },
                 "link_ceiling_fraction": if step_s > 0.0 { ceiling_s / step_s } else { 0.0 },
-                "prefetch_depth": args.depth,
+                "prefetch_depth": depth,
                 "accelerate_decode_tokens_per_s": acc_tps,
                 "accelerate_prefill_s": peer_rec.as_ref().and_then(|r| r["prefill_s"].as_f64()),
                 "accelerate_peak_gpu_bytes_torch": peer_rec.as_ref().and_then(|r| r["peak_gpu_bytes_torch"].as_u64()),

@@ -237,7 +237,7 @@ fn main() -> Result<()> {
         Policy::Lru => PolicyChoice::Lru,
     };
     let rt = OffloadRuntime::new(
-        store,
+        store.clone(),
         &device,
         &OffloadConfig {
             gpu_memory_limit: limit,
@@ -245,7 +245,7 @@ fn main() -> Result<()> {
             strategy: strategy.unwrap_or_default(),
             policy,
             prefetch_depth: args.prefetch_depth,
-            keep: Vec::new(),
+            keep: Llama::kept_units(&store, &cfg),
         },
     )?;
     let model = Llama::new(

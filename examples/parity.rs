@@ -106,6 +106,8 @@ fn main() -> Result<()> {
                 _ => None,
             };
             let err_vs_same_dtype = same_dtype_ref.map(|r| rel_l2(&ours, &r.concat()));
+            // How far transformers itself lands from its F32 logits in this dtype.
+            let transformers_own_err = same_dtype_ref.map(|r| rel_l2(&r.concat(), &theirs));
             let greedy = if dtype == DType::F32 {
                 let mut sampler = LogitsProcessor::new(0, None, None);
                 let (tokens, _) = generate(
@@ -143,6 +145,7 @@ fn main() -> Result<()> {
                 "dtype": format!("{dtype:?}"),
                 "rel_l2_vs_transformers_f32": err,
                 "rel_l2_vs_transformers_same_dtype": err_vs_same_dtype,
+                "transformers_same_dtype_rel_l2_vs_its_f32": transformers_own_err,
                 "tolerance": tol,
                 "greedy_tokens_identical": greedy_match,
                 "ours_greedy": greedy,

@@ -279,24 +279,19 @@ impl Config {
     }
 
     /// Device bytes to reserve beside the weights for a forward pass over `seq_len` new tokens
-    /// with up to `max_len` positions in all: the KV cache, the transient copy made when one
-    /// layer's cache grows, hidden states and the MLP, f32 attention (queries, repeated keys
+    /// with up to `max_len` positions in all: the KV cache (allocated once, whole), hidden
+    /// states and the MLP, f32 attention (queries, repeated keys
     /// and values, scores and their softmax), the logits, and 128 MiB for library workspaces.
     pub fn reserve_bytes(&self, seq_len: usize, max_len: usize, dtype: candle_core::DType) -> u64 {
         let d = dtype.size_in_bytes() as u64;
         let (s, m) = (seq_len as u64, max_len as u64);
-        let (nh, nkv, hd) = (
-            self.num_attention_heads as u64,
-            self.num_key_value_heads as u64,
-            self.head_dim as u64,
-        );
+        let (nh, hd) = (self.num_attention_heads as u64, self.head_dim as u64);
         let kv = self.kv_cache_bytes(max_len, dtype);
-        let kv_grow = 2 * nkv * hd * m * d;
         let hidden = 8 * s * self.hidden_size as u64 * d;
         let mlp = 3 * s * self.intermediate_size as u64 * d;
         let attn = 4 * (s * nh * hd + 2 * m * nh * hd + 2 * nh * s * m);
         let logits = 2 * 4 * self.vocab_size as u64;
-        kv + kv_grow + hidden + mlp + attn + logits + (128 << 20)
+        kv + hidden + mlp + attn + logits + (128 << 20)
     }
 
     /// Bytes of the KV cache for `tokens` positions in `dtype`.

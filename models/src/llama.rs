@@ -8,6 +8,7 @@
 //! The KV cache stays on the device; the caller reserves room for it in the budget.
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::kv_cache::KvCache;
 use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
 use candle_offload::{OffloadRuntime, UnitId};
 
@@ -50,26 +51,24 @@ impl Rope {
     }
 }
 
-/// Per-layer key/value cache, on the device.
-#[derive(Debug, Clone, Default)]
+/// Per-layer key/value cache, on the device, allocated once for the whole context (so that
+/// decoding does not grow, copy or fragment it).
+#[derive(Debug, Clone)]
 pub struct Cache {
-    kvs: Vec<Option<(Tensor, Tensor)>>,
+    kvs: Vec<KvCache>,
 }
 
 impl Cache {
-    /// An empty cache for `n_layers` layers.
-    pub fn new(n_layers: usize) -> Self {
+    /// An empty cache for `n_layers` layers and up to `max_len` positions.
+    pub fn new(n_layers: usize, max_len: usize) -> Self {
         Self {
-            kvs: vec![None; n_layers],
+            kvs: (0..n_layers).map(|_| KvCache::new(2, max_len)).collect(),
         }
     }
 
     /// Positions cached so far.
     pub fn len(&self) -> usize {
-        self.kvs
-            .first()
-            .and_then(|kv| kv.as_ref())
-            .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
+        self.kvs.first().map_or(0, |kv| kv.current_seq_len())
     }
 
     /// True when nothing is cached.
@@ -116,7 +115,7 @@ impl Attention {
         &self,
         xs: &Tensor,
         index_pos: usize,
-        kv: &mut Option<(Tensor, Tensor)>,
+        kv: &mut KvCache,
         rope: &Rope,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
@@ -131,11 +130,7 @@ impl Attention {
             index_pos,
         )?;
         let v = shape(self.v_proj.forward(xs)?, self.n_kv_heads)?.contiguous()?;
-        let (k, v) = match kv.take() {
-            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
-            None => (k, v),
-        };
-        *kv = Some((k.clone(), v.clone()));
+        let (k, v) = kv.append(&k.contiguous()?, &v)?;
         let rep = self.n_heads / self.n_kv_heads;
         let k = candle_transformers::utils::repeat_kv(k, rep)?.contiguous()?;
         let v = candle_transformers::utils::repeat_kv(v, rep)?.contiguous()?;
@@ -217,7 +212,7 @@ impl Block {
         &self,
         xs: &Tensor,
         index_pos: usize,
-        kv: &mut Option<(Tensor, Tensor)>,
+        kv: &mut KvCache,
         rope: &Rope,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
@@ -391,6 +386,18 @@ impl Llama {
         out
     }
 
+    /// The units outside the decoder layers (embeddings, final norm, output head), which every
+    /// forward pass uses. Keeping them resident leaves only equal-sized layers to stream, so
+    /// the device allocator reuses every freed layer exactly and never fragments.
+    pub fn kept_units(store: &candle_offload::HostStore, cfg: &Config) -> Vec<String> {
+        let mut out = vec!["model.embed_tokens".to_string(), "model.norm".to_string()];
+        if !cfg.tie_word_embeddings {
+            out.push("lm_head".to_string());
+        }
+        out.retain(|u| store.unit_id(u).is_some());
+        out
+    }
+
     /// The configuration.
     pub fn config(&self) -> &Config {
         &self.cfg
@@ -406,9 +413,9 @@ impl Llama {
         self.dtype
     }
 
-    /// A fresh KV cache.
+    /// A fresh KV cache for the positions this model was set up for.
     pub fn new_cache(&self) -> Cache {
-        Cache::new(self.cfg.num_hidden_layers)
+        Cache::new(self.cfg.num_hidden_layers, self.rope.max_len())
     }
 
     /// Logits (batch, vocab) in f32 for the last position of `input_ids` (batch, seq), whose
@@ -496,7 +503,13 @@ impl Llama {
         for (l, &u) in self.units.layers.iter().enumerate() {
             let unit = self.rt.acquire(u)?;
             let block = Block::load(vb(&unit).pp(format!("model.layers.{l}")), &self.cfg)?;
-            xs = block.forward(&xs, 0, &mut None, &self.rope, mask.as_ref())?;
+            xs = block.forward(
+                &xs,
+                0,
+                &mut KvCache::new(2, seq_len),
+                &self.rope,
+                mask.as_ref(),
+            )?;
         }
         let xs = {
             let unit = self.rt.acquire(self.units.norm)?;
