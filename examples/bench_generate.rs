@@ -90,7 +90,6 @@ fn main() -> Result<()> {
         t0.elapsed().as_secs_f64(),
         context_bytes >> 20
     );
-    let max_prompt = args.prompt_lens.iter().copied().max().unwrap_or(64);
     let prompt_of = |len: usize| -> Vec<u32> {
         let mut x = len as u64 * 2654435761 + 1;
         (0..len)
@@ -124,7 +123,7 @@ fn main() -> Result<()> {
                 "full" => None,
                 b => Some(MemoryLimit::parse("--budgets", b)?),
             };
-            let max_len = max_prompt + args.new_tokens + 2;
+            let max_len = prompt_len + args.new_tokens + 2;
             let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
             let rt = OffloadRuntime::new(
                 store.clone(),
