@@ -135,3 +135,68 @@ fn copy_stream_races_a_busy_compute_stream() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Past the pinned-memory cap the store keeps units in pageable memory and the runtime copies
+/// them through its pinned staging ring: the weights must still arrive bit-identical.
+#[test]
+fn pageable_units_go_through_the_staging_ring() -> anyhow::Result<()> {
+    let device = Device::new_cuda_with_stream(0)?;
+    let n = 5 << 20; // 20 MiB of f32 per unit: several 8 MiB staging chunks
+    let specs: Vec<TensorSpec> = (0..4)
+        .map(|u| TensorSpec {
+            name: format!("model.layers.{u}.w0"),
+            dtype: DType::F32,
+            shape: Shape::from(n),
+        })
+        .collect();
+    let cfg = StoreConfig {
+        pinned_cap_bytes: Some((n * 4) as u64 + 4096),
+        ..Default::default()
+    };
+    let store = Arc::new(HostStore::from_fn(
+        &specs,
+        &cfg,
+        &device,
+        |spec, _, dst| {
+            let u: usize = spec.name["model.layers.".len()..]
+                .split('.')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
+            for (i, c) in dst.chunks_exact_mut(4).enumerate() {
+                c.copy_from_slice(&value(u, 0, i).to_le_bytes());
+            }
+            Ok(())
+        },
+    )?);
+    assert!(
+        store.pinned_bytes() > 0 && store.pageable_bytes() > 0,
+        "one unit pinned, the rest pageable"
+    );
+    let unit_bytes = store.units()[0].bytes();
+    let rt = OffloadRuntime::new(
+        store,
+        &device,
+        &OffloadConfig {
+            gpu_memory_limit: Some(MemoryLimit::Bytes(2 * unit_bytes)),
+            prefetch_depth: 0,
+            ..Default::default()
+        },
+    )?;
+    for round in 0..3 {
+        for u in 0..4 {
+            let unit = rt.acquire_layer(u)?;
+            let got = unit
+                .get(&format!("model.layers.{u}.w0"))?
+                .to_device(&Device::Cpu)?
+                .to_vec1::<f32>()?;
+            assert!(
+                got.iter().enumerate().all(|(i, &x)| x == value(u, 0, i)),
+                "round {round}, unit {u}"
+            );
+        }
+    }
+    assert!(rt.stats()?.pageable_bytes > 0);
+    Ok(())
+}

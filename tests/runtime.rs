@@ -265,3 +265,43 @@ fn varbuilder_checks_shapes_and_converts_dtypes() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+mod props {
+    //! Property test of the runtime on the CPU: under random access sequences and budgets,
+    //! every acquired unit holds exactly the store's bytes and the budget is never exceeded.
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn refetched_units_are_bit_identical_and_within_budget(
+            accesses in prop::collection::vec(0usize..LAYERS, 1..60),
+            budget_layers in 1u64..5,
+            depth in 0usize..3,
+            lru in any::<bool>(),
+        ) {
+            let store = mlp_store(LAYERS, 8, &Device::Cpu, Some(DType::F16)).unwrap();
+            let layer = store.unit(store.layer_unit(0).unwrap()).bytes();
+            let cfg = OffloadConfig {
+                gpu_memory_limit: Some(MemoryLimit::Bytes(budget_layers * layer)),
+                policy: if lru { PolicyChoice::Lru } else { PolicyChoice::Auto },
+                prefetch_depth: depth,
+                ..Default::default()
+            };
+            let rt = OffloadRuntime::new(store.clone(), &Device::Cpu, &cfg).unwrap();
+            for &i in &accesses {
+                let unit = rt.acquire_layer(i).unwrap();
+                for name in [format!("layers.{i}.weight"), format!("layers.{i}.bias")] {
+                    let (u, meta) = store.tensor(&name).unwrap();
+                    let t = unit.get(&name).unwrap().flatten_all().unwrap().to_vec1::<half::f16>().unwrap();
+                    let bytes: Vec<u8> = t.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    prop_assert_eq!(&bytes[..], store.unit(u).tensor_bytes(meta));
+                }
+                drop(unit);
+                let stats = rt.stats().unwrap();
+                prop_assert!(stats.resident_bytes <= budget_layers * layer);
+            }
+        }
+    }
+}

@@ -37,7 +37,10 @@ pub struct OffloadConfig {
     pub strategy: OffloadStrategy,
     /// Victim selection; `Auto` learns the access order.
     pub policy: PolicyChoice,
-    /// Units fetched ahead of use, 0 to 3.
+    /// Copies that may run ahead of their victims' release, 0 to 3. Each step of depth keeps
+    /// one largest unit of the budget free for copies in flight: 0 moves the fewest bytes, more
+    /// hides copies behind more compute. 1 (the default) was fastest or within 4% of it for
+    /// decode at every budget measured (BENCHMARKS.md); 2 keeps the link busiest.
     pub prefetch_depth: usize,
     /// Units (by name) that never leave the device once fetched.
     pub keep: Vec<String>,
@@ -50,7 +53,7 @@ impl Default for OffloadConfig {
             reserve_bytes: 0,
             strategy: OffloadStrategy::Minimal,
             policy: PolicyChoice::Auto,
-            prefetch_depth: 2,
+            prefetch_depth: 1,
             keep: Vec::new(),
         }
     }
