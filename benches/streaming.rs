@@ -21,6 +21,7 @@ use candle_offload::{
     ActivePolicy, HostStore, MemoryLimit, OffloadConfig, OffloadRuntime, PolicyChoice, StoreConfig,
     TensorSpec,
 };
+use candle_offload_suite::median;
 use clap::Parser;
 
 /// Streams LLaMA-shaped layers through a budget and measures the link efficiency.
@@ -129,11 +130,6 @@ struct Inputs {
     x_hidden: Tensor,
     x_inter: Tensor,
     x_vec: Tensor,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn main() -> Result<()> {

@@ -13,9 +13,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 use candle_offload::diag::{self, PeakMemorySampler};
-use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, PolicyChoice};
+use candle_offload::MemoryLimit;
 use candle_offload_models::llama::argmax;
-use candle_offload_models::{loader, Llama};
+use candle_offload_models::{loader, Llama, OffloadSettings};
+use candle_offload_suite::median;
 use clap::Parser;
 
 /// Measures prefill and decode of a checkpoint under GPU budgets.
@@ -48,11 +49,6 @@ struct Args {
     /// More logging (-v, -vv).
     #[arg(short, long, action = clap::ArgAction::Count)]
     verbose: u8,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn main() -> Result<()> {
@@ -125,25 +121,21 @@ fn main() -> Result<()> {
             };
             let max_len = prompt_len + args.new_tokens + 2;
             let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
-            let rt = OffloadRuntime::new(
+            let settings = OffloadSettings {
+                gpu_memory_limit: limit,
+                prefetch_depth: depth,
+                ..Default::default()
+            };
+            let model = Llama::offloaded(
+                &files,
                 store.clone(),
                 &device,
-                &OffloadConfig {
-                    gpu_memory_limit: limit,
-                    reserve_bytes: reserve,
-                    policy: PolicyChoice::Schedule(Llama::schedule(&store, &cfg)),
-                    prefetch_depth: depth,
-                    keep: Llama::kept_units(&store, &cfg),
-                    ..Default::default()
-                },
-            )?;
-            let model = Llama::new(
-                cfg.clone(),
-                rt.clone(),
                 dtype,
+                prompt_len,
                 max_len,
-                &files.weights_path(),
+                &settings,
             )?;
+            let rt = model.runtime().clone();
             if !warmed {
                 // First use of each kernel JIT-compiles its PTX; keep that out of the figures.
                 let mut cache = model.new_cache();

@@ -11,10 +11,10 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
-use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice};
+use candle_offload::{MemoryLimit, OffloadStrategy, PolicyChoice};
 use candle_offload_models::generation::{generate, TokenStream};
 use candle_offload_models::loader::{self, DefaultSource};
-use candle_offload_models::{ChatTemplate, Llama};
+use candle_offload_models::{ChatTemplate, Llama, OffloadSettings};
 use candle_transformers::generation::LogitsProcessor;
 use clap::{Parser, ValueEnum};
 
@@ -207,8 +207,8 @@ fn main() -> Result<()> {
     let prompt = match (&files.chat_template, args.no_chat_template) {
         (Some(t), false) => ChatTemplate::new(
             t.clone(),
-            files.special_tokens.0.clone(),
-            files.special_tokens.1.clone(),
+            files.special_tokens.bos.clone(),
+            files.special_tokens.eos.clone(),
         )
         .render(&args.prompt, args.system.as_deref())?,
         _ => args.prompt.clone(),
@@ -232,29 +232,26 @@ fn main() -> Result<()> {
         t0.elapsed().as_secs_f64()
     );
     let policy = match args.policy {
-        Policy::Schedule => PolicyChoice::Schedule(Llama::schedule(&store, &cfg)),
-        Policy::Auto => PolicyChoice::Auto,
-        Policy::Lru => PolicyChoice::Lru,
+        Policy::Schedule => None,
+        Policy::Auto => Some(PolicyChoice::Auto),
+        Policy::Lru => Some(PolicyChoice::Lru),
     };
-    let rt = OffloadRuntime::new(
-        store.clone(),
+    let settings = OffloadSettings {
+        gpu_memory_limit: limit,
+        strategy: strategy.unwrap_or_default(),
+        prefetch_depth: args.prefetch_depth,
+        policy,
+    };
+    let model = Llama::offloaded(
+        &files,
+        store,
         &device,
-        &OffloadConfig {
-            gpu_memory_limit: limit,
-            reserve_bytes: cfg.reserve_bytes(prompt_ids.len(), max_len, dtype),
-            strategy: strategy.unwrap_or_default(),
-            policy,
-            prefetch_depth: args.prefetch_depth,
-            keep: Llama::kept_units(&store, &cfg),
-        },
-    )?;
-    let model = Llama::new(
-        cfg.clone(),
-        rt.clone(),
         dtype,
+        prompt_ids.len(),
         max_len,
-        &files.weights_path(),
+        &settings,
     )?;
+    let rt = model.runtime().clone();
 
     // Generate, streaming the text.
     let mut sampler = if args.temperature <= 0.0 {

@@ -126,8 +126,7 @@ fn main() -> Result<()> {
             copy_rates.push(step.copy_gbps());
         }
     }
-    copy_rates.sort_by(f64::total_cmp);
-    let copy_gbps = copy_rates.get(copy_rates.len() / 2).copied().unwrap_or(0.0);
+    let copy_gbps = candle_offload_suite::median(copy_rates);
     println!(
         "copy stream: {} MiB from {} host memory at {copy_gbps:.1} GB/s (median of 5; store built in {load_s:.2} s)",
         args.copy_mib,

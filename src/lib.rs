@@ -37,6 +37,15 @@ pub fn device(cpu: bool, ordinal: usize) -> candle_core::Result<Device> {
     Device::new_cuda_with_stream(ordinal)
 }
 
+/// The median of `v` (the upper one for an even count); 0 when empty.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// UTC now as `YYYY-MM-DDTHH:MM:SSZ`.
 pub fn utc_now() -> String {
     let secs = std::time::SystemTime::now()

@@ -477,8 +477,8 @@ fn smollm2_gguf_knows_the_capital_of_france() -> anyhow::Result<()> {
         .expect("SmolLM2 ships a chat template");
     let prompt = candle_offload_models::ChatTemplate::new(
         template,
-        files.special_tokens.0.clone(),
-        files.special_tokens.1.clone(),
+        files.special_tokens.bos.clone(),
+        files.special_tokens.eos.clone(),
     )
     .render("What is the capital of France?", None)?;
     let ids = tokenizer

@@ -566,9 +566,9 @@ impl ResidencyCache {
             if !e.present {
                 continue;
             }
-            if v != current && e.pins == 0 && at > now && s.distance_from(idx, v) as u64 >= at - now
-                || v != current && at <= now && e.pins == 0
-            {
+            // Free once idle and not needed again before its planned miss (or that miss is due).
+            let needed_before_miss = at > now && (s.distance_from(idx, v) as u64) < at - now;
+            if v != current && e.pins == 0 && !needed_before_miss {
                 out.push(v);
             } else {
                 keep.push((v, at));
@@ -993,11 +993,9 @@ mod proptests {
                             Err(e) => prop_assert!(false, "{e}"),
                         }
                     }
-                    Op::Release(u) if u < n => {
-                        if r.pins.get(&u).copied().unwrap_or(0) > 0 {
-                            c.release(UnitId(u));
-                            *r.pins.get_mut(&u).unwrap() -= 1;
-                        }
+                    Op::Release(u) if u < n && r.pins.get(&u).copied().unwrap_or(0) > 0 => {
+                        c.release(UnitId(u));
+                        *r.pins.get_mut(&u).unwrap() -= 1;
                     }
                     Op::Prefetch(u) if u < n => {
                         let present = c.is_present(UnitId(u));

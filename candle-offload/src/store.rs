@@ -79,7 +79,7 @@ impl UnitGrouping {
 }
 
 /// Settings of a [`HostStore`].
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct StoreConfig {
     /// Convert floating-point tensors to this dtype on load (usually the compute dtype, which
     /// also halves the bytes moved for an F32 checkpoint run in F16). `None` keeps each dtype.
@@ -88,16 +88,6 @@ pub struct StoreConfig {
     pub pinned_cap_bytes: Option<u64>,
     /// How tensor names map to units.
     pub grouping: UnitGrouping,
-}
-
-impl Default for StoreConfig {
-    fn default() -> Self {
-        Self {
-            dtype: None,
-            pinned_cap_bytes: None,
-            grouping: UnitGrouping::default(),
-        }
-    }
 }
 
 /// Where one tensor lives inside its unit.
@@ -484,8 +474,8 @@ fn dtype_of(d: safetensors::Dtype) -> Option<DType> {
     })
 }
 
-/// Little-endian bytes of a contiguous CPU tensor.
-pub(crate) fn tensor_to_bytes(t: &Tensor) -> candle_core::Result<Vec<u8>> {
+/// Little-endian bytes of a CPU tensor, flattened (the layout the store and safetensors use).
+pub fn tensor_to_bytes(t: &Tensor) -> candle_core::Result<Vec<u8>> {
     let t = t.flatten_all()?;
     Ok(match t.dtype() {
         DType::U8 => t.to_vec1::<u8>()?,

@@ -16,5 +16,5 @@ pub mod loader;
 pub use chat::ChatTemplate;
 pub use config::Config;
 pub use error::{ModelError, Result};
-pub use llama::{Cache, Llama};
+pub use llama::{Cache, Llama, OffloadSettings};
 pub use loader::{ModelFiles, Weights};

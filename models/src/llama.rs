@@ -10,7 +10,9 @@
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::kv_cache::KvCache;
 use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
-use candle_offload::{OffloadRuntime, UnitId};
+use candle_offload::{
+    MemoryLimit, OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice, UnitId,
+};
 
 use crate::config::Config;
 use crate::error::ModelError;
@@ -258,6 +260,30 @@ struct Units {
     head: UnitId,
 }
 
+/// How [`Llama::offloaded`] places a model's weights.
+#[derive(Debug, Clone)]
+pub struct OffloadSettings {
+    /// The device memory budget; `None`: the memory free on a GPU, no limit on a CPU.
+    pub gpu_memory_limit: Option<MemoryLimit>,
+    /// How much stays resident.
+    pub strategy: OffloadStrategy,
+    /// Copies that may run ahead of their victims' release.
+    pub prefetch_depth: usize,
+    /// Victim selection; `None`: Belady over the model's own sweep.
+    pub policy: Option<PolicyChoice>,
+}
+
+impl Default for OffloadSettings {
+    fn default() -> Self {
+        Self {
+            gpu_memory_limit: None,
+            strategy: OffloadStrategy::Minimal,
+            prefetch_depth: 1,
+            policy: None,
+        }
+    }
+}
+
 /// A LLaMA-family causal LM whose weights come from an [`OffloadRuntime`].
 #[derive(Debug)]
 pub struct Llama {
@@ -367,6 +393,38 @@ impl Llama {
             rope,
             units,
         })
+    }
+
+    /// The model of `files` over its weights in `store`, offloaded on `device` under `settings`:
+    /// the budget reserves the KV cache and activations for prompts of `prompt_len` tokens and
+    /// `max_len` positions in all, the non-layer units stay resident, and the policy follows the
+    /// model's sweep unless `settings` names another.
+    pub fn offloaded(
+        files: &crate::loader::ModelFiles,
+        store: std::sync::Arc<candle_offload::HostStore>,
+        device: &Device,
+        dtype: DType,
+        prompt_len: usize,
+        max_len: usize,
+        settings: &OffloadSettings,
+    ) -> std::result::Result<Self, ModelError> {
+        let cfg = files.config.clone();
+        let rt = OffloadRuntime::new(
+            store.clone(),
+            device,
+            &OffloadConfig {
+                gpu_memory_limit: settings.gpu_memory_limit,
+                reserve_bytes: cfg.reserve_bytes(prompt_len, max_len, dtype),
+                strategy: settings.strategy,
+                policy: settings
+                    .policy
+                    .clone()
+                    .unwrap_or_else(|| PolicyChoice::Schedule(Self::schedule(&store, &cfg))),
+                prefetch_depth: settings.prefetch_depth,
+                keep: Self::kept_units(&store, &cfg),
+            },
+        )?;
+        Self::new(cfg, rt, dtype, max_len, &files.weights_path())
     }
 
     /// The order in which a forward pass acquires units (for a given schedule policy).

@@ -23,6 +23,18 @@ pub enum Weights {
     Gguf(PathBuf),
 }
 
+/// The text of the special tokens a chat template refers to.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpecialTokens {
+    /// Beginning of sequence.
+    pub bos: Option<String>,
+    /// End of sequence.
+    pub eos: Option<String>,
+}
+
+/// Fetches one file of a hub repository (from the cache or the hub).
+type Fetch = Box<dyn Fn(&str) -> std::result::Result<PathBuf, String>>;
+
 /// Everything needed to build a model and its tokenizer.
 #[derive(Debug, Clone)]
 pub struct ModelFiles {
@@ -34,8 +46,8 @@ pub struct ModelFiles {
     pub tokenizer_json: Option<PathBuf>,
     /// The chat template (Jinja), if the model has one.
     pub chat_template: Option<String>,
-    /// Special tokens for the template: (bos, eos) text.
-    pub special_tokens: (Option<String>, Option<String>),
+    /// Special tokens the chat template refers to.
+    pub special_tokens: SpecialTokens,
     /// Where the model came from (a directory, a file, or `hub:<id>@<revision>`), for messages.
     pub origin: String,
 }
@@ -55,11 +67,9 @@ impl ModelFiles {
     }
 }
 
-fn read_tokenizer_config(
-    path: &Path,
-) -> Result<(Option<String>, (Option<String>, Option<String>))> {
+fn read_tokenizer_config(path: &Path) -> Result<(Option<String>, SpecialTokens)> {
     if !path.is_file() {
-        return Ok((None, (None, None)));
+        return Ok((None, SpecialTokens::default()));
     }
     let text = std::fs::read_to_string(path)
         .map_err(|e| ModelError::file(path, format!("cannot read: {e}")))?;
@@ -80,7 +90,13 @@ fn read_tokenizer_config(
             .map(String::from),
         _ => None,
     };
-    Ok((template, (token("bos_token"), token("eos_token"))))
+    Ok((
+        template,
+        SpecialTokens {
+            bos: token("bos_token"),
+            eos: token("eos_token"),
+        },
+    ))
 }
 
 /// A model in the HF layout in `dir`.
@@ -158,7 +174,7 @@ pub fn from_hub_at(
         Some(d) => hf_hub::Cache::new(d.clone()),
         None => hf_hub::Cache::from_env(),
     };
-    let get: Box<dyn Fn(&str) -> std::result::Result<PathBuf, String>> = if offline {
+    let get: Fetch = if offline {
         let cache = cache.repo(repo.clone());
         Box::new(move |f: &str| {
             cache
@@ -202,7 +218,7 @@ pub fn from_hub_at(
     let tokenizer_json = get("tokenizer.json").ok();
     let (chat_template, special_tokens) = match get("tokenizer_config.json") {
         Ok(p) => read_tokenizer_config(&p)?,
-        Err(_) => (None, (None, None)),
+        Err(_) => (None, SpecialTokens::default()),
     };
     Ok(ModelFiles {
         config,
@@ -306,10 +322,10 @@ pub fn from_gguf(path: &Path) -> Result<ModelFiles> {
         .and_then(|v| v.to_string().ok())
         .cloned();
     Ok(ModelFiles {
-        special_tokens: (
-            token_text(config.bos_token_id),
-            token_text(config.eos_token_ids.first().copied()),
-        ),
+        special_tokens: SpecialTokens {
+            bos: token_text(config.bos_token_id),
+            eos: token_text(config.eos_token_ids.first().copied()),
+        },
         config,
         weights: Weights::Gguf(path.to_path_buf()),
         tokenizer_json: None,
@@ -368,29 +384,6 @@ fn unpermute(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
         .reshape(dims)
 }
 
-/// Little-endian bytes of a CPU tensor in `dtype`.
-fn tensor_bytes(t: &Tensor, dtype: DType) -> candle_core::Result<Vec<u8>> {
-    let t = t.to_dtype(dtype)?.flatten_all()?;
-    Ok(match dtype {
-        DType::F16 => t
-            .to_vec1::<half::f16>()?
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect(),
-        DType::BF16 => t
-            .to_vec1::<half::bf16>()?
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect(),
-        DType::F32 => t
-            .to_vec1::<f32>()?
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect(),
-        other => candle_core::bail!("cannot store GGUF weights as {other:?}"),
-    })
-}
-
 fn gguf_store(
     files: &ModelFiles,
     path: &Path,
@@ -430,7 +423,7 @@ fn gguf_store(
                 Some(Permuted::K) => unpermute(&t, model.num_key_value_heads)?,
                 None => t,
             };
-            tensor_bytes(&t, dtype)
+            candle_offload::store::tensor_to_bytes(&t.to_dtype(dtype)?)
         };
         let bytes = read(&mut file).map_err(|e| candle_offload::Error::File {
             path: path.to_path_buf(),
