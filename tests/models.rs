@@ -280,62 +280,40 @@ fn bad_model_inputs_are_clear_errors() -> anyhow::Result<()> {
     );
     std::fs::write(dir.join("config.json"), &cfg_text)?;
 
-    // A tensor of the wrong shape, or of an integer dtype: named with the weights file.
+    // A tensor of the wrong shape or of an integer dtype, a missing tensor: named with the
+    // weights file.
     let files = loader::from_dir(&dir)?;
+    let model_error = |tensors: &HashMap<String, Tensor>| -> anyhow::Result<String> {
+        candle_core::safetensors::save(tensors, &st)?;
+        let store = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
+        let rt = OffloadRuntime::new(store, &Device::Cpu, &OffloadConfig::default())?;
+        Ok(Llama::new(
+            files.config.clone(),
+            rt,
+            DType::F32,
+            32,
+            &files.weights_path(),
+        )
+        .unwrap_err()
+        .to_string())
+    };
+    let name = "model.layers.1.mlp.up_proj.weight";
     let mut tensors = candle_core::safetensors::load(&st, &Device::Cpu)?;
-    let good = tensors["model.layers.1.mlp.up_proj.weight"].clone();
+    let good = tensors[name].clone();
     tensors.insert(
-        "model.layers.1.mlp.up_proj.weight".into(),
+        name.into(),
         Tensor::zeros((95, 64), DType::F32, &Device::Cpu)?,
     );
-    candle_core::safetensors::save(&tensors, &st)?;
-    let store = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
-    let rt = OffloadRuntime::new(store, &Device::Cpu, &OffloadConfig::default())?;
-    let e = Llama::new(
-        files.config.clone(),
-        rt,
-        DType::F32,
-        32,
-        &files.weights_path(),
-    )
-    .unwrap_err()
-    .to_string();
+    let e = model_error(&tensors)?;
     assert!(
         e.contains("model.safetensors") && e.contains("up_proj") && e.contains("shape"),
         "{e}"
     );
-    tensors.insert(
-        "model.layers.1.mlp.up_proj.weight".into(),
-        good.to_dtype(DType::U32)?,
-    );
-    candle_core::safetensors::save(&tensors, &st)?;
-    let store = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
-    let rt = OffloadRuntime::new(store, &Device::Cpu, &OffloadConfig::default())?;
-    let e = Llama::new(
-        files.config.clone(),
-        rt,
-        DType::F32,
-        32,
-        &files.weights_path(),
-    )
-    .unwrap_err()
-    .to_string();
+    tensors.insert(name.into(), good.to_dtype(DType::U32)?);
+    let e = model_error(&tensors)?;
     assert!(e.contains("up_proj") && e.contains("dtype"), "{e}");
-
-    // A missing tensor.
-    tensors.remove("model.layers.1.mlp.up_proj.weight");
-    candle_core::safetensors::save(&tensors, &st)?;
-    let store = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
-    let rt = OffloadRuntime::new(store, &Device::Cpu, &OffloadConfig::default())?;
-    let e = Llama::new(
-        files.config.clone(),
-        rt,
-        DType::F32,
-        32,
-        &files.weights_path(),
-    )
-    .unwrap_err()
-    .to_string();
+    tensors.remove(name);
+    let e = model_error(&tensors)?;
     assert!(e.contains("up_proj") && e.contains("missing"), "{e}");
 
     // A truncated weights file, a missing one.

@@ -486,6 +486,25 @@ impl Llama {
     ) -> Result<Tensor> {
         let _span = tracing::debug_span!("llama.forward", index_pos).entered();
         let (_, seq_len) = input_ids.dims2()?;
+        let xs = self.decoder(input_ids, index_pos, cache)?;
+        self.head(&xs.narrow(1, seq_len - 1, 1)?)?.squeeze(1)
+    }
+
+    /// Logits (batch, seq, vocab) in f32 for every position of `input_ids`, from position 0
+    /// with a fresh KV cache (for parity tests).
+    pub fn forward_all(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (_, seq_len) = input_ids.dims2()?;
+        let xs = self.decoder(
+            input_ids,
+            0,
+            &mut Cache::new(self.cfg.num_hidden_layers, seq_len),
+        )?;
+        self.head(&xs)
+    }
+
+    /// Embeddings and every decoder layer, each acquired from the runtime as it runs.
+    fn decoder(&self, input_ids: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
+        let (_, seq_len) = input_ids.dims2()?;
         if index_pos + seq_len > self.rope.max_len() {
             candle_core::bail!(
                 "position {} is past the {} positions this model was set up for",
@@ -493,90 +512,41 @@ impl Llama {
                 self.rope.max_len()
             );
         }
-        let vb = |u: &candle_offload::UnitGuard| u.var_builder(self.dtype);
+        let (vocab, hidden) = (self.cfg.vocab_size, self.cfg.hidden_size);
         let mut xs = {
             let unit = self.rt.acquire(self.units.embed)?;
-            let emb = Embedding::new(
-                vb(&unit).get(
-                    (self.cfg.vocab_size, self.cfg.hidden_size),
-                    "model.embed_tokens.weight",
-                )?,
-                self.cfg.hidden_size,
-            );
-            emb.forward(input_ids)?
+            let w = unit
+                .var_builder(self.dtype)
+                .get((vocab, hidden), "model.embed_tokens.weight")?;
+            Embedding::new(w, hidden).forward(input_ids)?
         };
         let mask = if seq_len > 1 {
-            Some(causal_mask(seq_len, index_pos, xs.device())?.to_dtype(DType::F32)?)
+            Some(causal_mask(seq_len, index_pos, xs.device())?)
         } else {
             None
         };
         for (l, &u) in self.units.layers.iter().enumerate() {
             let unit = self.rt.acquire(u)?;
-            let block = Block::load(vb(&unit).pp(format!("model.layers.{l}")), &self.cfg)?;
+            let block = Block::load(
+                unit.var_builder(self.dtype).pp(format!("model.layers.{l}")),
+                &self.cfg,
+            )?;
             xs = block.forward(&xs, index_pos, &mut cache.kvs[l], &self.rope, mask.as_ref())?;
         }
-        let xs = xs.narrow(1, seq_len - 1, 1)?;
-        let xs = {
-            let unit = self.rt.acquire(self.units.norm)?;
-            candle_nn::rms_norm(
-                self.cfg.hidden_size,
-                self.cfg.rms_norm_eps,
-                vb(&unit).pp("model.norm"),
-            )?
-            .forward(&xs)?
-        };
-        let logits = {
-            let unit = self.rt.acquire(self.units.head)?;
-            let name = if self.cfg.tie_word_embeddings {
-                "model.embed_tokens.weight"
-            } else {
-                "lm_head.weight"
-            };
-            let w = vb(&unit).get((self.cfg.vocab_size, self.cfg.hidden_size), name)?;
-            Linear::new(w, None).forward(&xs)?
-        };
-        logits.squeeze(1)?.to_dtype(DType::F32)
+        Ok(xs)
     }
 
-    /// Logits (batch, seq, vocab) in f32 for every position (for parity tests); no KV cache.
-    pub fn forward_all(&self, input_ids: &Tensor) -> Result<Tensor> {
-        let (_, seq_len) = input_ids.dims2()?;
-        let vb = |u: &candle_offload::UnitGuard| u.var_builder(self.dtype);
-        let mut xs = {
-            let unit = self.rt.acquire(self.units.embed)?;
-            Embedding::new(
-                vb(&unit).get(
-                    (self.cfg.vocab_size, self.cfg.hidden_size),
-                    "model.embed_tokens.weight",
-                )?,
-                self.cfg.hidden_size,
-            )
-            .forward(input_ids)?
-        };
-        let mask = if seq_len > 1 {
-            Some(causal_mask(seq_len, 0, xs.device())?)
-        } else {
-            None
-        };
-        for (l, &u) in self.units.layers.iter().enumerate() {
-            let unit = self.rt.acquire(u)?;
-            let block = Block::load(vb(&unit).pp(format!("model.layers.{l}")), &self.cfg)?;
-            xs = block.forward(
-                &xs,
-                0,
-                &mut KvCache::new(2, seq_len),
-                &self.rope,
-                mask.as_ref(),
-            )?;
-        }
+    /// The final norm and the output head, logits in f32.
+    fn head(&self, xs: &Tensor) -> Result<Tensor> {
+        let (vocab, hidden) = (self.cfg.vocab_size, self.cfg.hidden_size);
         let xs = {
             let unit = self.rt.acquire(self.units.norm)?;
             candle_nn::rms_norm(
-                self.cfg.hidden_size,
+                hidden,
                 self.cfg.rms_norm_eps,
-                vb(&unit).pp("model.norm"),
+                unit.var_builder(self.dtype).pp("model.norm"),
             )?
-            .forward(&xs)?
+            .forward(xs)?
         };
         let unit = self.rt.acquire(self.units.head)?;
         let name = if self.cfg.tie_word_embeddings {
@@ -584,7 +554,7 @@ impl Llama {
         } else {
             "lm_head.weight"
         };
-        let w = vb(&unit).get((self.cfg.vocab_size, self.cfg.hidden_size), name)?;
+        let w = unit.var_builder(self.dtype).get((vocab, hidden), name)?;
         Linear::new(w, None).forward(&xs)?.to_dtype(DType::F32)
     }
 }
