@@ -70,6 +70,7 @@
 pub mod budget;
 pub mod cache;
 pub mod diag;
+pub mod doctor;
 mod error;
 pub mod plan;
 mod runtime;

@@ -482,3 +482,26 @@ pub(crate) fn trim_memory_pool(device: &Device) -> candle_core::Result<()> {
     // SAFETY: `pool` is the live default pool of this context's device.
     unsafe { result::mem_pool::trim_to(pool, 0) }.w()
 }
+
+/// Whether `bytes` of host memory can be pinned in `device`'s context.
+pub(crate) fn try_pin(device: &Device, bytes: usize) -> bool {
+    match device.as_cuda_device() {
+        Ok(cuda) => PinnedBuffer::alloc(cuda.cuda_stream().context(), bytes).is_ok(),
+        Err(_) => false,
+    }
+}
+
+/// The PCI address of `device` (`0000:3b:00.0`).
+pub(crate) fn pci_bus_id(device: &Device) -> Option<String> {
+    let ctx = device
+        .as_cuda_device()
+        .ok()?
+        .cuda_stream()
+        .context()
+        .clone();
+    let attr = |a| ctx.attribute(a).ok();
+    let domain = attr(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?;
+    let bus = attr(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?;
+    let dev = attr(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?;
+    Some(format!("{domain:04x}:{bus:02x}:{dev:02x}.0"))
+}

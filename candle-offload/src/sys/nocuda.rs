@@ -112,3 +112,11 @@ pub(crate) fn device_used_bytes(_device: &Device) -> candle_core::Result<u64> {
 pub(crate) fn trim_memory_pool(_device: &Device) -> candle_core::Result<()> {
     Ok(())
 }
+
+pub(crate) fn try_pin(_device: &Device, _bytes: usize) -> bool {
+    false
+}
+
+pub(crate) fn pci_bus_id(_device: &Device) -> Option<String> {
+    None
+}

@@ -1,0 +1,425 @@
+//! The doctor: what the machine offers the runtime, and plain verdicts on what would fail.
+//!
+//! It gathers the driver's CUDA version against the one the binary was built for, the GPU's
+//! compute capability against the architecture compiled in (the cause of "no kernel image is
+//! available for execution"), device memory, the locked-memory limit and whether pinning works,
+//! the PCIe link, and measured pinned and pageable copy rates. The verdicts are a pure function
+//! of those facts ([`verdicts`]), tested on the CPU.
+
+use std::fmt;
+
+use candle_core::Device;
+
+use crate::budget::human_bytes;
+use crate::diag::{self, CudaVersion, DeviceInfo};
+
+/// How bad a finding is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Severity {
+    /// Fine.
+    Ok,
+    /// Works, but slower or smaller than it could be.
+    Warning,
+    /// Will fail.
+    Error,
+}
+
+/// One finding with its advice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    /// How bad it is.
+    pub severity: Severity,
+    /// What was found and what to do.
+    pub message: String,
+}
+
+/// The PCIe link of a GPU, as the kernel reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PcieLink {
+    /// Generation in use (5 for 32 GT/s).
+    pub generation: Option<u32>,
+    /// Lanes in use.
+    pub width: Option<u32>,
+    /// The most the device supports.
+    pub max_generation: Option<u32>,
+    /// The most lanes the device supports.
+    pub max_width: Option<u32>,
+}
+
+/// Everything the doctor found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    /// Whether this binary has CUDA compiled in.
+    pub cuda_compiled: bool,
+    /// The GPU, when there is one and CUDA is compiled in.
+    pub device: Option<DeviceInfo>,
+    /// Why the GPU could not be opened, if it could not.
+    pub device_error: Option<String>,
+    /// `ulimit -l` in bytes (`None`: unlimited or unknown).
+    pub memlock_limit: Option<u64>,
+    /// Whether 64 MiB of host memory could be pinned (`None`: not tried).
+    pub pinning_works: Option<bool>,
+    /// The PCIe link.
+    pub pcie: Option<PcieLink>,
+    /// Measured pinned host-to-device rate, GB/s.
+    pub pinned_gbps: Option<f64>,
+    /// Measured pageable host-to-device rate, GB/s.
+    pub pageable_gbps: Option<f64>,
+    /// The verdicts, worst first.
+    pub verdicts: Vec<Verdict>,
+}
+
+/// The verdicts for a set of facts (pure).
+pub fn verdicts(
+    cuda_compiled: bool,
+    device: Option<&DeviceInfo>,
+    device_error: Option<&str>,
+    memlock_limit: Option<u64>,
+    pinning_works: Option<bool>,
+    pcie: Option<&PcieLink>,
+) -> Vec<Verdict> {
+    let mut out = Vec::new();
+    let mut say = |severity, message: String| out.push(Verdict { severity, message });
+    if !cuda_compiled {
+        say(
+            Severity::Warning,
+            "built without CUDA: everything runs on the CPU; build with `--features cuda` (and \
+             `source scripts/cuda-toolkit.sh` where nvcc is missing) to use a GPU"
+                .into(),
+        );
+    }
+    if let Some(e) = device_error {
+        say(Severity::Error, format!("no usable GPU: {e}"));
+    }
+    if let Some(d) = device {
+        match (d.driver_cuda_version, d.built_for_cuda) {
+            (Some(drv), Some(built)) if drv < built => say(
+                Severity::Error,
+                format!(
+                    "the driver supports CUDA {drv} but this binary was built for CUDA {built}: \
+                     update the NVIDIA driver, or build with a CUDA {drv} toolkit"
+                ),
+            ),
+            (Some(drv), Some(built)) => say(
+                Severity::Ok,
+                format!("driver supports CUDA {drv}; built for CUDA {built}"),
+            ),
+            _ => say(
+                Severity::Warning,
+                "could not compare the driver's and the build's CUDA versions".into(),
+            ),
+        }
+        let cc = d.compute_capability.0 * 10 + d.compute_capability.1;
+        match d.compiled_arch.as_deref().and_then(|a| a.trim().parse::<u32>().ok()) {
+            // CUDA_COMPUTE_CAP=90 builds sm_90a: arch-specific code that only a 9.0 GPU runs.
+            Some(arch) if arch >= 90 && arch != cc => say(
+                Severity::Error,
+                format!(
+                    "the kernels were compiled for sm_{arch}a, which only a compute capability \
+                     {}.{} GPU runs, but this GPU is {}.{}: it would fail with \"no kernel image is \
+                     available for execution\"; rebuild with CUDA_COMPUTE_CAP={cc}",
+                    arch / 10,
+                    arch % 10,
+                    d.compute_capability.0,
+                    d.compute_capability.1
+                ),
+            ),
+            Some(arch) if arch > cc => say(
+                Severity::Error,
+                format!(
+                    "the kernels need compute capability {}.{} or newer but this GPU is {}.{} (\"no \
+                     kernel image is available for execution\"); rebuild with CUDA_COMPUTE_CAP={cc}",
+                    arch / 10,
+                    arch % 10,
+                    d.compute_capability.0,
+                    d.compute_capability.1
+                ),
+            ),
+            Some(arch) => say(Severity::Ok, format!("kernels compiled for sm_{arch}; the GPU is sm_{cc}")),
+            None => say(Severity::Warning, "unknown target architecture of the kernels".into()),
+        }
+        if d.free_bytes < d.total_bytes / 2 {
+            say(
+                Severity::Warning,
+                format!(
+                    "only {} of {} are free on the GPU: other processes hold the rest",
+                    human_bytes(d.free_bytes),
+                    human_bytes(d.total_bytes)
+                ),
+            );
+        }
+    }
+    match pinning_works {
+        Some(false) => say(
+            Severity::Warning,
+            format!(
+                "host memory cannot be pinned (locked-memory limit {}): weights go through the \
+                 staging ring at a fraction of the link's speed; raise `ulimit -l`",
+                memlock_limit.map_or("unknown".into(), human_bytes)
+            ),
+        ),
+        Some(true) => say(Severity::Ok, "pinned host memory works".into()),
+        None => {}
+    }
+    if let Some(p) = pcie {
+        if let (Some(g), Some(w), Some(mg), Some(mw)) =
+            (p.generation, p.width, p.max_generation, p.max_width)
+        {
+            if g < mg || w < mw {
+                say(
+                    Severity::Warning,
+                    format!(
+                        "the PCIe link runs at Gen{g} x{w}, below the device's Gen{mg} x{mw}: check the slot (an idle GPU may also train down)"
+                    ),
+                );
+            } else {
+                say(Severity::Ok, format!("PCIe Gen{g} x{w}"));
+            }
+        }
+    }
+    out.sort_by(|a, b| b.severity.cmp(&a.severity));
+    out
+}
+
+/// `ulimit -l` of this process, from /proc/self/limits (`None`: unlimited or unknown).
+pub fn memlock_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max locked memory"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
+fn pcie_generation(speed: &str) -> Option<u32> {
+    let gts: f64 = speed.split_whitespace().next()?.parse().ok()?;
+    Some(match gts {
+        x if x >= 64.0 => 6,
+        x if x >= 32.0 => 5,
+        x if x >= 16.0 => 4,
+        x if x >= 8.0 => 3,
+        x if x >= 5.0 => 2,
+        _ => 1,
+    })
+}
+
+/// The PCIe link of the device at `pci_bus_id` (`0000:3b:00.0`), from sysfs.
+pub fn pcie_link(pci_bus_id: &str) -> Option<PcieLink> {
+    let dir = std::path::Path::new("/sys/bus/pci/devices").join(pci_bus_id.to_ascii_lowercase());
+    let read = |f: &str| {
+        std::fs::read_to_string(dir.join(f))
+            .ok()
+            .map(|s| s.trim().to_string())
+    };
+    let link = PcieLink {
+        generation: read("current_link_speed")
+            .as_deref()
+            .and_then(pcie_generation),
+        width: read("current_link_width").and_then(|w| w.parse().ok()),
+        max_generation: read("max_link_speed").as_deref().and_then(pcie_generation),
+        max_width: read("max_link_width").and_then(|w| w.parse().ok()),
+    };
+    (link.generation.is_some() || link.width.is_some()).then_some(link)
+}
+
+/// Examines the machine. `measure` also times 256 MiB pinned and pageable copies.
+pub fn examine(ordinal: usize, measure: bool) -> Report {
+    let cuda_compiled = cfg!(feature = "cuda");
+    let memlock = memlock_limit();
+    let (mut device, mut device_error, mut pinning, mut pcie, mut pinned, mut pageable) =
+        (None, None, None, None, None, None);
+    if cuda_compiled {
+        match Device::new_cuda_with_stream(ordinal) {
+            Ok(dev) => {
+                match diag::device_info(&dev) {
+                    Ok(info) => device = Some(info),
+                    Err(e) => device_error = Some(e.to_string()),
+                }
+                pinning = Some(crate::sys::try_pin(&dev, 64 << 20));
+                pcie = crate::sys::pci_bus_id(&dev).and_then(|id| pcie_link(&id));
+                if measure {
+                    pinned = diag::measure_h2d_gbps(&dev, 256 << 20, true, 5).ok();
+                    pageable = diag::measure_h2d_gbps(&dev, 256 << 20, false, 3).ok();
+                }
+            }
+            Err(e) => device_error = Some(e.to_string()),
+        }
+    }
+    let verdicts = verdicts(
+        cuda_compiled,
+        device.as_ref(),
+        device_error.as_deref(),
+        memlock,
+        pinning,
+        pcie.as_ref(),
+    );
+    Report {
+        cuda_compiled,
+        device,
+        device_error,
+        memlock_limit: memlock,
+        pinning_works: pinning,
+        pcie,
+        pinned_gbps: pinned,
+        pageable_gbps: pageable,
+        verdicts,
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "candle-offload doctor")?;
+        writeln!(
+            f,
+            "  CUDA compiled in   {}",
+            if self.cuda_compiled { "yes" } else { "no" }
+        )?;
+        if let Some(d) = &self.device {
+            writeln!(
+                f,
+                "  GPU                {} (cuda:{}), compute capability {}.{}",
+                d.name, d.ordinal, d.compute_capability.0, d.compute_capability.1
+            )?;
+            writeln!(
+                f,
+                "  memory             {} total, {} free",
+                human_bytes(d.total_bytes),
+                human_bytes(d.free_bytes)
+            )?;
+            let v = |x: Option<CudaVersion>| x.map_or("?".to_string(), |v| v.to_string());
+            writeln!(
+                f,
+                "  driver / build     CUDA {} / CUDA {}, kernels for sm_{}",
+                v(d.driver_cuda_version),
+                v(d.built_for_cuda),
+                d.compiled_arch.as_deref().unwrap_or("?")
+            )?;
+        }
+        writeln!(
+            f,
+            "  locked-memory limit {}",
+            self.memlock_limit.map_or("unlimited".into(), human_bytes)
+        )?;
+        if let Some(p) = self.pinning_works {
+            writeln!(
+                f,
+                "  pinning            {}",
+                if p { "works" } else { "fails" }
+            )?;
+        }
+        if let Some(p) = &self.pcie {
+            let o = |x: Option<u32>| x.map_or("?".into(), |v| v.to_string());
+            writeln!(
+                f,
+                "  PCIe               Gen{} x{} (device max Gen{} x{})",
+                o(p.generation),
+                o(p.width),
+                o(p.max_generation),
+                o(p.max_width)
+            )?;
+        }
+        if let (Some(p), Some(q)) = (self.pinned_gbps, self.pageable_gbps) {
+            writeln!(
+                f,
+                "  host->device       {p:.1} GB/s pinned, {q:.1} GB/s pageable (256 MiB copies)"
+            )?;
+        }
+        writeln!(f, "verdicts:")?;
+        for v in &self.verdicts {
+            let tag = match v.severity {
+                Severity::Ok => "ok     ",
+                Severity::Warning => "warning",
+                Severity::Error => "ERROR  ",
+            };
+            writeln!(f, "  {tag} {}", v.message)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h200(driver: i32, built: i32, arch: &str) -> DeviceInfo {
+        DeviceInfo {
+            ordinal: 0,
+            name: "NVIDIA H200".into(),
+            compute_capability: (9, 0),
+            total_bytes: 140 << 30,
+            free_bytes: 139 << 30,
+            driver_cuda_version: Some(CudaVersion::from_int(driver)),
+            built_for_cuda: Some(CudaVersion::from_int(built)),
+            compiled_arch: Some(arch.into()),
+        }
+    }
+
+    #[test]
+    fn explains_no_kernel_image_and_old_drivers() {
+        let ok = verdicts(
+            true,
+            Some(&h200(13000, 13000, "90")),
+            None,
+            None,
+            Some(true),
+            None,
+        );
+        assert!(ok.iter().all(|v| v.severity == Severity::Ok), "{ok:?}");
+        let mut ampere = h200(13000, 13000, "90");
+        ampere.compute_capability = (8, 6);
+        let v = verdicts(true, Some(&ampere), None, None, Some(true), None);
+        assert_eq!(v[0].severity, Severity::Error);
+        assert!(
+            v[0].message.contains("no kernel image")
+                && v[0].message.contains("CUDA_COMPUTE_CAP=86"),
+            "{v:?}"
+        );
+        let v = verdicts(
+            true,
+            Some(&h200(12040, 13000, "90")),
+            None,
+            None,
+            Some(true),
+            None,
+        );
+        assert!(v[0].message.contains("update the NVIDIA driver"), "{v:?}");
+    }
+
+    #[test]
+    fn cpu_builds_and_pinning_failures_say_what_is_missing() {
+        let v = verdicts(false, None, None, Some(64 << 10), None, None);
+        assert!(v.iter().any(|v| v.message.contains("--features cuda")));
+        let v = verdicts(
+            true,
+            None,
+            Some("CUDA_ERROR_NO_DEVICE"),
+            Some(64 << 10),
+            Some(false),
+            None,
+        );
+        assert_eq!(v[0].severity, Severity::Error);
+        assert!(
+            v.iter()
+                .any(|v| v.message.contains("ulimit -l") && v.message.contains("64.0 KiB")),
+            "{v:?}"
+        );
+    }
+
+    #[test]
+    fn reads_pcie_speeds_and_limits() {
+        assert_eq!(pcie_generation("32.0 GT/s PCIe"), Some(5));
+        assert_eq!(pcie_generation("16.0 GT/s PCIe"), Some(4));
+        assert_eq!(pcie_generation("2.5 GT/s PCIe"), Some(1));
+        let slow = PcieLink {
+            generation: Some(4),
+            width: Some(8),
+            max_generation: Some(5),
+            max_width: Some(16),
+        };
+        let v = verdicts(true, None, None, None, None, Some(&slow));
+        assert!(
+            v.iter()
+                .any(|v| v.severity == Severity::Warning && v.message.contains("Gen4 x8")),
+            "{v:?}"
+        );
+        // /proc/self/limits exists on Linux; the value may be unlimited.
+        let _ = memlock_limit();
+    }
+}
