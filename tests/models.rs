@@ -519,22 +519,48 @@ fn no_leak_over_1000_decode_steps(device: &Device) -> anyhow::Result<()> {
         )),
         ..Default::default()
     };
-    let model = Llama::offloaded(&files, store.clone(), device, DType::F32, 1, steps + 8, &settings)?;
+    let model = Llama::offloaded(
+        &files,
+        store.clone(),
+        device,
+        DType::F32,
+        1,
+        steps + 8,
+        &settings,
+    )?;
     let rt = model.runtime().clone();
     let mut cache = model.new_cache();
     let mut token = 7u32;
     let mut baseline = None;
     for step in 0..steps {
-        let logits = model.forward(&Tensor::new(&[token], device)?.unsqueeze(0)?, step, &mut cache)?;
+        let logits = model.forward(
+            &Tensor::new(&[token], device)?.unsqueeze(0)?,
+            step,
+            &mut cache,
+        )?;
         token = candle_offload_models::llama::argmax(&logits)?;
         let stats = rt.stats()?;
-        let used = if device.is_cpu() { 0 } else { candle_offload::diag::device_used_bytes(device)? };
+        let used = if device.is_cpu() {
+            0
+        } else {
+            candle_offload::diag::device_used_bytes(device)?
+        };
         if step == warmup {
             baseline = Some((stats.resident_bytes, stats.pinned_bytes, used));
         } else if let Some((resident, pinned, used0)) = baseline {
-            assert_eq!(stats.resident_bytes, resident, "resident bytes changed at step {step}");
-            assert_eq!(stats.pinned_bytes, pinned, "pinned bytes changed at step {step}");
-            assert!(used.abs_diff(used0) <= 1 << 20, "device memory moved by {} B at step {step}", used.abs_diff(used0));
+            assert_eq!(
+                stats.resident_bytes, resident,
+                "resident bytes changed at step {step}"
+            );
+            assert_eq!(
+                stats.pinned_bytes, pinned,
+                "pinned bytes changed at step {step}"
+            );
+            assert!(
+                used.abs_diff(used0) <= 1 << 20,
+                "device memory moved by {} B at step {step}",
+                used.abs_diff(used0)
+            );
         }
     }
     assert!(rt.stats()?.total.fetches > 1000, "the model must stream");
