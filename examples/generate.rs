@@ -101,6 +101,16 @@ struct Args {
     /// Copies that may run ahead of their victims' release (0 moves the fewest bytes).
     #[arg(long, default_value_t = 1)]
     prefetch_depth: usize,
+    /// Record every fetch and eviction and write the history as JSON here.
+    #[arg(long)]
+    memory_history: Option<PathBuf>,
+    /// Render the memory timeline as SVG here (implies recording).
+    #[arg(long)]
+    timeline: Option<PathBuf>,
+    /// Leak-check mode: decode this many tokens (EOS ignored) and fail if the resident or
+    /// pinned bytes, or the device memory measured outside the allocator, grow after warm-up.
+    #[arg(long)]
+    leak_check: Option<usize>,
     /// Settings file with `memory.offload_strategy` and `memory.max_gpu_memory`.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -220,7 +230,7 @@ fn main() -> Result<()> {
     if prompt_ids.is_empty() {
         bail!("the prompt is empty after tokenization");
     }
-    let max_len = prompt_ids.len() + args.max_new_tokens;
+    let max_len = prompt_ids.len() + args.max_new_tokens.max(args.leak_check.unwrap_or(0) + 1);
 
     let t0 = std::time::Instant::now();
     let store = Arc::new(loader::load_store(&files, dtype, &device, None)?);
@@ -252,6 +262,32 @@ fn main() -> Result<()> {
         &settings,
     )?;
     let rt = model.runtime().clone();
+
+    if args.memory_history.is_some() || args.timeline.is_some() {
+        rt.record_history(true)?;
+    }
+    if let Some(steps) = args.leak_check {
+        let mut cache = model.new_cache();
+        let prompt = candle_core::Tensor::new(prompt_ids.as_slice(), &device)?.unsqueeze(0)?;
+        let mut token =
+            candle_offload_models::llama::argmax(&model.forward(&prompt, 0, &mut cache)?)?;
+        let report = rt.leak_check(steps, steps.min(10), 1 << 20, |i| {
+            rt.begin_step()?;
+            let input = candle_core::Tensor::new(&[token], &device)?.unsqueeze(0)?;
+            token = candle_offload_models::llama::argmax(&model.forward(
+                &input,
+                prompt_ids.len() + i,
+                &mut cache,
+            )?)?;
+            rt.end_step()
+        })?;
+        eprintln!(
+            "leak check passed: {} decode steps; after {} warm-up steps resident and pinned bytes stayed put, device memory moved at most {} B",
+            report.steps, report.warmup, report.max_device_drift_bytes
+        );
+        write_history(&rt, &args)?;
+        return Ok(());
+    }
 
     // Generate, streaming the text.
     let mut sampler = if args.temperature <= 0.0 {
@@ -291,5 +327,25 @@ fn main() -> Result<()> {
         stats.decode_tokens_per_s()
     );
     eprint!("{}", rt.memory_summary()?);
+    write_history(&rt, &args)?;
+    Ok(())
+}
+
+fn write_history(rt: &candle_offload::OffloadRuntime, args: &Args) -> Result<()> {
+    let Some(history) = rt.history()? else {
+        return Ok(());
+    };
+    if let Some(p) = &args.memory_history {
+        history.write_json(p)?;
+        eprintln!(
+            "memory history: {} events in {}",
+            history.events.len(),
+            p.display()
+        );
+    }
+    if let Some(p) = &args.timeline {
+        history.write_svg(p)?;
+        eprintln!("memory timeline: {}", p.display());
+    }
     Ok(())
 }

@@ -531,37 +531,35 @@ fn no_leak_over_1000_decode_steps(device: &Device) -> anyhow::Result<()> {
     let rt = model.runtime().clone();
     let mut cache = model.new_cache();
     let mut token = 7u32;
-    let mut baseline = None;
-    for step in 0..steps {
+    rt.record_history(true)?;
+    let report = rt.leak_check(steps, warmup, 1 << 20, |step| {
+        rt.begin_step()?;
         let logits = model.forward(
             &Tensor::new(&[token], device)?.unsqueeze(0)?,
             step,
             &mut cache,
         )?;
         token = candle_offload_models::llama::argmax(&logits)?;
-        let stats = rt.stats()?;
-        let used = if device.is_cpu() {
-            0
-        } else {
-            candle_offload::diag::device_used_bytes(device)?
-        };
-        if step == warmup {
-            baseline = Some((stats.resident_bytes, stats.pinned_bytes, used));
-        } else if let Some((resident, pinned, used0)) = baseline {
-            assert_eq!(
-                stats.resident_bytes, resident,
-                "resident bytes changed at step {step}"
-            );
-            assert_eq!(
-                stats.pinned_bytes, pinned,
-                "pinned bytes changed at step {step}"
-            );
-            assert!(
-                used.abs_diff(used0) <= 1 << 20,
-                "device memory moved by {} B at step {step}",
-                used.abs_diff(used0)
-            );
-        }
+        rt.end_step()
+    })?;
+    assert_eq!(report.steps, steps);
+    // The history saw every fetch and eviction, never over the capacity.
+    let history = rt.history()?.expect("recording");
+    let stats = rt.stats()?;
+    let fetches = history
+        .events
+        .iter()
+        .filter(|e| e.kind == candle_offload::history::EventKind::Fetch)
+        .count();
+    assert_eq!(fetches as u64, stats.total.fetches);
+    assert!(history
+        .events
+        .iter()
+        .all(|e| e.resident_bytes <= stats.weight_capacity_bytes));
+    let svg = history.to_svg();
+    assert!(svg.starts_with("<svg") && svg.contains("polygon") && svg.contains("budget"));
+    if !device.is_cpu() {
+        assert!(history.events.iter().any(|e| e.device_used_bytes.is_some()));
     }
     assert!(rt.stats()?.total.fetches > 1000, "the model must stream");
     std::fs::remove_dir_all(&dir)?;

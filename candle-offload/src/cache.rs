@@ -279,8 +279,8 @@ pub struct ResidencyCache {
     schedule: Option<Schedule>,
     detector: PatternDetector,
     counters: Vec<UnitCounters>,
-    /// Bytes kept free of the plan for copies that run ahead of their victims' release.
-    spare: u64,
+    /// Copies that may run ahead of their victims' release (see [`Self::spare`]).
+    prefetch_depth: usize,
     /// Absolute index of the current access.
     now: u64,
     planner: Option<Planner>,
@@ -319,7 +319,7 @@ impl ResidencyCache {
             schedule,
             detector: PatternDetector::new(n.clamp(2, 4096) * 2),
             counters: vec![UnitCounters::default(); n],
-            spare: 0,
+            prefetch_depth: 0,
             now: 0,
             planner: None,
             pending: Vec::new(),
@@ -330,10 +330,23 @@ impl ResidencyCache {
     /// `depth` times the largest unit free for them (at most what leaves room for one unit).
     /// Depth 0 moves the fewest bytes; each step of depth buys overlap with compute.
     pub fn with_prefetch_depth(mut self, depth: usize) -> Self {
-        let largest = self.entries.iter().map(|e| e.bytes).max().unwrap_or(0);
-        self.spare = (largest * depth as u64).min(self.capacity.saturating_sub(largest));
+        self.prefetch_depth = depth;
         self.planner = None;
         self
+    }
+
+    /// Bytes the plan leaves free for copies in flight: `depth` times the largest unit that
+    /// can be evicted, at most what leaves room for the kept units and one such unit.
+    fn spare(&self) -> u64 {
+        let evictable = self.entries.iter().filter(|e| !e.keep);
+        let largest = evictable.map(|e| e.bytes).max().unwrap_or(0);
+        let kept: u64 = self
+            .entries
+            .iter()
+            .filter(|e| e.keep)
+            .map(|e| e.bytes)
+            .sum();
+        (largest * self.prefetch_depth as u64).min(self.capacity.saturating_sub(kept + largest))
     }
 
     /// The byte capacity for weights.
@@ -395,6 +408,7 @@ impl ResidencyCache {
     /// Marks a unit as kept: never chosen as a victim (embeddings, the output head).
     pub fn set_keep(&mut self, u: UnitId, keep: bool) {
         self.entries[u.0].keep = keep;
+        self.planner = None;
     }
 
     fn check(&self, u: UnitId) -> Result<(), CacheError> {
@@ -594,10 +608,14 @@ impl ResidencyCache {
 
     /// Plans Belady's misses up to one period past the current access.
     fn extend_plan(&mut self) {
+        // A plan that fell behind the accesses (it could not be extended) starts again here.
+        if self.planner.as_ref().is_some_and(|p| p.pos + 1 < self.now) {
+            self.replan();
+        }
+        let cap = self.capacity - self.spare();
         let (Some(s), Some(p)) = (&self.schedule, &mut self.planner) else {
             return;
         };
-        let cap = self.capacity - self.spare;
         let period = s.period() as u64;
         while p.pos < self.now + period {
             let a = p.pos + 1;
@@ -877,6 +895,29 @@ mod tests {
         c.release(UnitId(0));
         let t = c.acquire(UnitId(2)).unwrap();
         assert_eq!(t.evict, ids(&[0]));
+    }
+
+    #[test]
+    fn a_kept_unit_larger_than_the_others_leaves_room_to_plan() {
+        // An embedding-like unit (5) is kept; layers (1 each) stream with one spare slot.
+        let sizes = [5, 1, 1, 1, 1, 1];
+        let order = ids(&[0, 1, 2, 3, 4, 5]);
+        let mut c =
+            ResidencyCache::new(&sizes, 8, PolicyChoice::Schedule(order)).with_prefetch_depth(1);
+        c.set_keep(UnitId(0), true);
+        let mut fetches = 0;
+        for _ in 0..20 {
+            for u in 0..6 {
+                fetches += usize::from(c.acquire(UnitId(u)).unwrap().fetch.is_some());
+                fetches += c.prefetch_planned(2).len();
+                assert!(c.used() <= 8);
+                c.release(UnitId(u));
+            }
+        }
+        // The plan has 8 - 1 (spare) - 5 (kept) = 2 slots for 5 layers: Belady moves
+        // 5 * (5 - 2) / 4 = 3.75 per sweep on average.
+        assert!(fetches <= 20 * 4 + 6, "{fetches}");
+        assert!(c.is_present(UnitId(0)));
     }
 
     #[test]

@@ -177,7 +177,7 @@ pub fn verdicts(
             }
         }
     }
-    out.sort_by(|a, b| b.severity.cmp(&a.severity));
+    out.sort_by_key(|v| std::cmp::Reverse(v.severity));
     out
 }
 

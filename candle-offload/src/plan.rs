@@ -64,9 +64,10 @@ pub struct CapacityPlan {
     pub fits_entirely: bool,
 }
 
-/// Splits `budget` between weights and streaming for units of the given sizes.
+/// Splits `budget` between weights and streaming.
 ///
-/// `kept` are the bytes of units that never leave the device. `device` names the device in
+/// `unit_bytes` are the sizes of the units that may be evicted; `kept` are the bytes of the
+/// units that never leave the device. `device` names the device in
 /// errors.
 pub fn plan_capacity(
     device: &str,
@@ -82,7 +83,7 @@ pub fn plan_capacity(
         .enumerate()
         .max_by_key(|&(_, b)| b)
         .unwrap_or((0, 0));
-    let total: u64 = unit_bytes.iter().sum();
+    let total: u64 = kept + unit_bytes.iter().sum::<u64>();
     let room = budget.weight_bytes();
     let what = if kept > 0 {
         format!(

@@ -19,6 +19,7 @@ use candle_nn::VarBuilder;
 use crate::budget::{Budget, MemoryLimit};
 use crate::cache::{CacheError, PolicyChoice, ResidencyCache, Transfer, UnitId};
 use crate::error::{Error, Result};
+use crate::history::{EventKind, MemoryEvent, MemoryHistory};
 use crate::plan::{plan_capacity, OffloadStrategy};
 use crate::store::HostStore;
 use crate::sys::{CudaEngine, UnitSync};
@@ -75,11 +76,19 @@ struct Resident {
 }
 
 #[derive(Debug)]
+struct Recording {
+    start: std::time::Instant,
+    baseline: Option<u64>,
+    events: Vec<MemoryEvent>,
+}
+
+#[derive(Debug)]
 struct State {
     cache: ResidencyCache,
     resident: Vec<Option<Resident>>,
     retired: Vec<UnitSync>,
     telemetry: Telemetry,
+    history: Option<Recording>,
 }
 
 #[derive(Debug)]
@@ -150,26 +159,29 @@ impl OffloadRuntime {
             })?);
         }
         let kept: u64 = keep_ids.iter().map(|u| unit_bytes[u.0]).sum();
-        if let Some((largest, bytes)) = store
-            .units()
-            .iter()
-            .map(|u| (u.name(), u.bytes()))
-            .max_by_key(|&(_, b)| b)
-        {
-            let what = if kept > 0 {
-                format!(
-                    "the kept units ({}) and the largest unit, {largest}",
-                    crate::budget::human_bytes(kept)
-                )
-            } else {
-                format!("the largest unit, {largest}")
-            };
-            budget.check_fits(&name, &what, kept + bytes)?;
-        }
+        // Kept units are counted once, in `kept`; the largest of the others must fit beside them.
+        let evictable: Vec<u64> = (0..unit_bytes.len())
+            .filter(|i| !keep_ids.contains(&UnitId(*i)))
+            .map(|i| unit_bytes[i])
+            .collect();
+        let largest = (0..unit_bytes.len())
+            .filter(|i| !keep_ids.contains(&UnitId(*i)))
+            .max_by_key(|&i| unit_bytes[i]);
+        let what = match largest {
+            Some(i) if kept > 0 => format!(
+                "the kept units ({}) and the largest other unit, {} ({})",
+                crate::budget::human_bytes(kept),
+                store.unit(UnitId(i)).name(),
+                crate::budget::human_bytes(unit_bytes[i])
+            ),
+            Some(i) => format!("the largest unit, {}", store.unit(UnitId(i)).name()),
+            None => format!("the kept units ({})", crate::budget::human_bytes(kept)),
+        };
+        budget.check_fits(&name, &what, kept + largest.map_or(0, |i| unit_bytes[i]))?;
         let plan = plan_capacity(
             &name,
             budget,
-            &unit_bytes,
+            &evictable,
             kept,
             cfg.strategy,
             cfg.prefetch_depth,
@@ -206,6 +218,7 @@ impl OffloadRuntime {
                     resident: (0..n).map(|_| None).collect(),
                     retired: Vec::new(),
                     telemetry: Telemetry::new(),
+                    history: None,
                 }),
             }),
         })
@@ -242,7 +255,7 @@ impl OffloadRuntime {
         let _span = tracing::debug_span!("offload.acquire", unit = unit.0).entered();
         let mut st = self.state()?;
         let transfer = st.cache.acquire(unit).map_err(|e| self.cache_error(e))?;
-        if let Err(e) = self.carry_out(&mut st, &transfer) {
+        if let Err(e) = self.carry_out(&mut st, &transfer, "miss") {
             st.cache.release(unit);
             return Err(e);
         }
@@ -254,7 +267,7 @@ impl OffloadRuntime {
         }
         let tensors = resident.tensors.clone();
         for t in st.cache.prefetch_planned(self.shared.prefetch_depth + 1) {
-            self.carry_out(&mut st, &t)?;
+            self.carry_out(&mut st, &t, "prefetch")?;
         }
         Ok(UnitGuard {
             rt: self.clone(),
@@ -291,7 +304,7 @@ impl OffloadRuntime {
         let mut st = self.state()?;
         match st.cache.prefetch(unit) {
             Some(t) => {
-                self.carry_out(&mut st, &t)?;
+                self.carry_out(&mut st, &t, "prefetch")?;
                 Ok(true)
             }
             None => Ok(false),
@@ -325,9 +338,14 @@ impl OffloadRuntime {
 
     /// Evicts and fetches as the cache decided. A failed fetch is rolled back in the cache; an
     /// allocation the driver refuses is retried once after evicting every idle unit.
-    fn carry_out(&self, st: &mut State, t: &Transfer) -> candle_core::Result<()> {
+    fn carry_out(
+        &self,
+        st: &mut State,
+        t: &Transfer,
+        reason: &'static str,
+    ) -> candle_core::Result<()> {
         for &v in &t.evict {
-            self.drop_unit(st, v)?;
+            self.drop_unit(st, v, "victim")?;
         }
         let Some(u) = t.fetch else { return Ok(()) };
         let unit = self.shared.store.unit(u);
@@ -343,7 +361,7 @@ impl OffloadRuntime {
                 } else {
                     tracing::warn!(unit = unit.name(), error = %first, "fetch failed; evicting idle units and retrying once");
                     for v in idle {
-                        self.drop_unit(st, v)?;
+                        self.drop_unit(st, v, "idle")?;
                     }
                     self.upload(u)
                 }
@@ -367,6 +385,7 @@ impl OffloadRuntime {
             tensors: Arc::new(tensors),
             sync,
         });
+        self.log(st, EventKind::Fetch, Some(u), unit.bytes(), reason, None);
         let used = st.cache.used();
         st.telemetry.peak_resident = st.telemetry.peak_resident.max(used);
         Ok(())
@@ -389,10 +408,23 @@ impl OffloadRuntime {
         }
     }
 
-    fn drop_unit(&self, st: &mut State, v: UnitId) -> candle_core::Result<()> {
+    fn drop_unit(
+        &self,
+        st: &mut State,
+        v: UnitId,
+        reason: &'static str,
+    ) -> candle_core::Result<()> {
         let Some(Resident { tensors, sync }) = st.resident[v.0].take() else {
             return Ok(());
         };
+        self.log(
+            st,
+            EventKind::Evict,
+            Some(v),
+            self.shared.store.unit(v).bytes(),
+            reason,
+            None,
+        );
         tracing::debug!(unit = self.shared.store.unit(v).name(), "evict");
         let tensors = Arc::try_unwrap(tensors).unwrap_or_else(|shared| {
             tracing::warn!(
@@ -436,12 +468,123 @@ impl OffloadRuntime {
         }
     }
 
+    fn log(
+        &self,
+        st: &mut State,
+        kind: EventKind,
+        unit: Option<UnitId>,
+        bytes: u64,
+        reason: &'static str,
+        device_used_bytes: Option<u64>,
+    ) {
+        let resident_bytes = st.cache.used();
+        if let Some(rec) = st.history.as_mut() {
+            rec.events.push(MemoryEvent {
+                t_s: rec.start.elapsed().as_secs_f64(),
+                kind,
+                unit: unit.map(|u| self.shared.store.unit(u).name().to_string()),
+                bytes,
+                reason,
+                resident_bytes,
+                device_used_bytes,
+            });
+        }
+    }
+
+    /// Starts (or stops) recording every fetch, eviction and step with time, bytes, unit and
+    /// reason; on a GPU, step markers carry the device memory measured outside the allocator.
+    pub fn record_history(&self, on: bool) -> candle_core::Result<()> {
+        let baseline = match (&self.shared.engine, on) {
+            (Engine::Cuda(e), true) => Some(e.mem_get_info().map(|(free, total)| total - free)?),
+            _ => None,
+        };
+        let mut st = self.state()?;
+        st.history = on.then(|| Recording {
+            start: std::time::Instant::now(),
+            baseline,
+            events: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// The history recorded so far (`None` when not recording).
+    pub fn history(&self) -> candle_core::Result<Option<MemoryHistory>> {
+        let st = self.state()?;
+        Ok(st.history.as_ref().map(|rec| MemoryHistory {
+            device: format!("{:?}", self.shared.device),
+            budget_bytes: self.shared.budget.limit_bytes,
+            reserve_bytes: self.shared.budget.reserve_bytes,
+            weight_capacity_bytes: st.cache.capacity(),
+            baseline_device_bytes: rec.baseline,
+            events: rec.events.clone(),
+        }))
+    }
+
+    fn step_marker(&self, st: &mut State, kind: EventKind) -> candle_core::Result<()> {
+        if st.history.is_some() {
+            let used = match &self.shared.engine {
+                Engine::Cuda(e) => Some(e.mem_get_info().map(|(free, total)| total - free)?),
+                Engine::Cpu => None,
+            };
+            self.log(st, kind, None, 0, "", used);
+        }
+        Ok(())
+    }
+
+    /// Leak-check mode: runs `step` `steps` times and fails as soon as, after `warmup` steps,
+    /// the resident weights, the pinned host bytes, or (on a GPU) the device memory measured
+    /// outside the allocator differ from their values after warm-up by more than
+    /// `tolerance_bytes` (resident and pinned bytes must match exactly).
+    pub fn leak_check(
+        &self,
+        steps: usize,
+        warmup: usize,
+        tolerance_bytes: u64,
+        mut step: impl FnMut(usize) -> candle_core::Result<()>,
+    ) -> candle_core::Result<LeakReport> {
+        let measure = |rt: &Self| -> candle_core::Result<(u64, u64, Option<u64>)> {
+            let s = rt.stats()?;
+            let used = rt.device_memory()?.map(|(free, total)| total - free);
+            Ok((s.resident_bytes, s.pinned_bytes, used))
+        };
+        let mut baseline = None;
+        let mut max_drift = 0u64;
+        for i in 0..steps {
+            step(i)?;
+            self.synchronize()?;
+            let now = measure(self)?;
+            match baseline {
+                None if i + 1 >= warmup => baseline = Some(now),
+                None => {}
+                Some((resident, pinned, used)) => {
+                    let drift = now.2.zip(used).map_or(0, |(a, b)| a.abs_diff(b));
+                    max_drift = max_drift.max(drift);
+                    if now.0 != resident || now.1 != pinned || drift > tolerance_bytes {
+                        candle_core::bail!(
+                            "leak check failed at step {i}: resident weights {} -> {} B, pinned {} -> {} B, \
+                             device memory moved {drift} B (tolerance {tolerance_bytes} B)",
+                            resident,
+                            now.0,
+                            pinned,
+                            now.1
+                        );
+                    }
+                }
+            }
+        }
+        Ok(LeakReport {
+            steps,
+            warmup,
+            max_device_drift_bytes: max_drift,
+        })
+    }
+
     /// Starts a step (a token, a training step) for the per-step counters.
     pub fn begin_step(&self) -> candle_core::Result<()> {
         let mut st = self.state()?;
         self.harvest(&mut st);
         st.telemetry.begin_step();
-        Ok(())
+        self.step_marker(&mut st, EventKind::StepBegin)
     }
 
     /// Ends a step. Call it after the step's results reached the host (a sampled token), so
@@ -450,7 +593,7 @@ impl OffloadRuntime {
         let mut st = self.state()?;
         self.harvest(&mut st);
         st.telemetry.end_step();
-        Ok(())
+        self.step_marker(&mut st, EventKind::StepEnd)
     }
 
     /// Waits for all copies and compute of this runtime's device to finish.
@@ -465,7 +608,7 @@ impl OffloadRuntime {
     pub fn evict_all(&self) -> candle_core::Result<()> {
         let mut st = self.state()?;
         for v in st.cache.evict_idle() {
-            self.drop_unit(&mut st, v)?;
+            self.drop_unit(&mut st, v, "evict_all")?;
         }
         Ok(())
     }
@@ -522,6 +665,17 @@ impl OffloadRuntime {
     pub fn memory_summary(&self) -> candle_core::Result<String> {
         Ok(self.stats()?.summary())
     }
+}
+
+/// What a passed [`OffloadRuntime::leak_check`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeakReport {
+    /// Steps run.
+    pub steps: usize,
+    /// Steps before the baseline was taken.
+    pub warmup: usize,
+    /// The largest move of the device memory after warm-up (0 on a CPU).
+    pub max_device_drift_bytes: u64,
 }
 
 /// A unit pinned on the device; its weights stay valid while the guard lives.
