@@ -305,3 +305,46 @@ mod props {
         }
     }
 }
+
+#[test]
+fn a_refused_allocation_evicts_idle_units_and_retries_once() -> anyhow::Result<()> {
+    let store = mlp_store(LAYERS, WIDTH, &Device::Cpu, None)?;
+    let layer = store.unit(store.layer_unit(0).unwrap()).bytes();
+    let cfg = OffloadConfig {
+        gpu_memory_limit: Some(MemoryLimit::Bytes(4 * layer)),
+        policy: PolicyChoice::Lru,
+        prefetch_depth: 0,
+        ..Default::default()
+    };
+    let rt = OffloadRuntime::new(store, &Device::Cpu, &cfg)?;
+    for i in 0..3 {
+        drop(rt.acquire_layer(i)?);
+    }
+    // One refusal: the idle layers go and the retry succeeds.
+    rt.inject_fetch_failures(1)?;
+    let unit = rt.acquire_layer(3)?;
+    assert_eq!(unit.get("layers.3.bias")?.dims(), [WIDTH]);
+    let stats = rt.stats()?;
+    assert_eq!(
+        stats.units.iter().filter(|u| u.resident).count(),
+        1,
+        "only the retried unit is left"
+    );
+    drop(unit);
+    // Two refusals: an error naming the unit, the budget and what is resident; nothing is lost.
+    drop(rt.acquire_layer(0)?);
+    let held = rt.acquire_layer(1)?;
+    rt.inject_fetch_failures(2)?;
+    let err = rt.acquire_layer(4).unwrap_err().to_string();
+    assert!(
+        err.contains("layers.4")
+            && err.contains("budget")
+            && err.contains("resident")
+            && err.contains("layers.1"),
+        "{err}"
+    );
+    drop(held);
+    let unit = rt.acquire_layer(4)?;
+    assert_eq!(unit.get("layers.4.weight")?.dims(), [WIDTH, WIDTH]);
+    Ok(())
+}

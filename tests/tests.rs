@@ -5,6 +5,7 @@
 #[macro_use]
 mod util;
 
+mod bad_input;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod models;

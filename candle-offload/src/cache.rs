@@ -680,13 +680,18 @@ impl ResidencyCache {
 
     /// Drops every unit that is not in use or kept (e.g. to shrink before a big allocation).
     pub fn evict_idle(&mut self) -> Vec<UnitId> {
+        self.evict_idle_except(None)
+    }
+
+    /// [`evict_idle`](Self::evict_idle), sparing `except` (a unit being fetched).
+    pub fn evict_idle_except(&mut self, except: Option<UnitId>) -> Vec<UnitId> {
         self.planner = None;
         self.pending.clear();
         let victims: Vec<UnitId> = (0..self.entries.len())
             .map(UnitId)
             .filter(|&u| {
                 let e = &self.entries[u.0];
-                e.present && e.pins == 0 && !e.keep
+                e.present && e.pins == 0 && !e.keep && Some(u) != except
             })
             .collect();
         for &v in &victims {

@@ -89,6 +89,7 @@ struct State {
     retired: Vec<UnitSync>,
     telemetry: Telemetry,
     history: Option<Recording>,
+    injected_failures: u32,
 }
 
 #[derive(Debug)]
@@ -219,6 +220,7 @@ impl OffloadRuntime {
                     retired: Vec::new(),
                     telemetry: Telemetry::new(),
                     history: None,
+                    injected_failures: 0,
                 }),
             }),
         })
@@ -352,19 +354,35 @@ impl OffloadRuntime {
         let _span = tracing::debug_span!("offload.fetch", unit = unit.name(), bytes = unit.bytes())
             .entered();
         let started = std::time::Instant::now();
-        let uploaded = match self.upload(u) {
+        let uploaded = match self.attempt_upload(st, u) {
             Ok(x) => Ok(x),
             Err(first) => {
-                let idle = st.cache.evict_idle();
-                if idle.is_empty() {
-                    Err(first)
-                } else {
-                    tracing::warn!(unit = unit.name(), error = %first, "fetch failed; evicting idle units and retrying once");
-                    for v in idle {
-                        self.drop_unit(st, v, "idle")?;
-                    }
-                    self.upload(u)
+                // The driver refused (or the copy failed): make room and try once more.
+                let idle = st.cache.evict_idle_except(Some(u));
+                tracing::warn!(unit = unit.name(), error = %first, evicted = idle.len(), "fetch failed; evicting idle units and retrying once");
+                for v in idle {
+                    self.drop_unit(st, v, "idle")?;
                 }
+                self.attempt_upload(st, u).map_err(|second| {
+                    let budget = self.shared.budget;
+                    let resident: Vec<&str> = st
+                        .cache
+                        .present_units()
+                        .into_iter()
+                        .filter(|&r| r != u)
+                        .map(|r| self.shared.store.unit(r).name())
+                        .collect();
+                    candle_core::Error::Msg(format!(
+                        "fetching {} ({} MiB) failed twice, the second time after evicting every idle unit: {second} \
+                         (first: {first}); budget {} MiB with {} MiB reserved, weights resident: {} MiB in [{}]",
+                        unit.name(),
+                        unit.bytes().div_ceil(1 << 20),
+                        budget.limit_bytes >> 20,
+                        budget.reserve_bytes >> 20,
+                        st.cache.used().saturating_sub(unit.bytes()) >> 20,
+                        resident.join(", ")
+                    ))
+                })
             }
         };
         let (tensors, sync) = match uploaded {
@@ -388,6 +406,28 @@ impl OffloadRuntime {
         self.log(st, EventKind::Fetch, Some(u), unit.bytes(), reason, None);
         let used = st.cache.used();
         st.telemetry.peak_resident = st.telemetry.peak_resident.max(used);
+        Ok(())
+    }
+
+    /// One upload attempt, failing instead while injected faults remain.
+    fn attempt_upload(
+        &self,
+        st: &mut State,
+        u: UnitId,
+    ) -> candle_core::Result<(HashMap<String, Tensor>, Option<UnitSync>)> {
+        if st.injected_failures > 0 {
+            st.injected_failures -= 1;
+            candle_core::bail!(
+                "injected fault: the allocation was refused (as CUDA_ERROR_OUT_OF_MEMORY would be)"
+            );
+        }
+        self.upload(u)
+    }
+
+    /// For testing fault handling: the next `n` fetches fail as if the driver had refused
+    /// their allocation.
+    pub fn inject_fetch_failures(&self, n: u32) -> candle_core::Result<()> {
+        self.state()?.injected_failures = n;
         Ok(())
     }
 

@@ -1,0 +1,203 @@
+//! Every kind of bad input a user can supply, in one table: each must give one clear error of
+//! the expected kind whose message names the file or field, never a panic.
+
+use std::path::Path;
+
+use candle_core::{DType, Device};
+use candle_offload::{Error as OffloadError, MemoryLimit};
+use candle_offload_models::{loader, ModelError};
+
+use crate::models::write_tiny_llama;
+
+/// A case: its name, what breaks the model and tries to load it, what must come out.
+type Row = (
+    &'static str,
+    Box<dyn Fn() -> Result<(), ModelError>>,
+    Expect,
+);
+
+/// What a row expects: the error kind and the text the message must contain.
+enum Expect {
+    Model(fn(&ModelError) -> bool, &'static [&'static str]),
+    Offload(fn(&OffloadError) -> bool, &'static [&'static str]),
+}
+
+fn model_rows(dir: &Path) -> Vec<Row> {
+    let d = dir.to_path_buf();
+    let st = dir.join("model.safetensors");
+    let cfg = dir.join("config.json");
+    let is_file = |e: &ModelError| {
+        matches!(
+            e,
+            ModelError::File { .. } | ModelError::Offload(OffloadError::File { .. })
+        )
+    };
+    let is_config = |e: &ModelError| matches!(e, ModelError::Config { .. });
+    let is_arch = |e: &ModelError| matches!(e, ModelError::UnknownArchitecture { .. });
+    let load = move |d: &Path| -> Result<(), ModelError> {
+        let files = loader::from_dir(d)?;
+        loader::load_store(&files, DType::F32, &Device::Cpu, None).map(|_| ())
+    };
+    let (d1, d2, d3, d4, d5, d6) = (
+        d.clone(),
+        d.clone(),
+        d.clone(),
+        d.clone(),
+        d.clone(),
+        d.clone(),
+    );
+    let (st1, st2, cfg1, cfg2, cfg3, cfg4) = (
+        st.clone(),
+        st.clone(),
+        cfg.clone(),
+        cfg.clone(),
+        cfg.clone(),
+        cfg.clone(),
+    );
+    let gguf = dir.join("weights.gguf");
+    vec![
+        (
+            "truncated safetensors",
+            Box::new(move || {
+                let b = std::fs::read(&st1).unwrap();
+                std::fs::write(&st1, &b[..b.len() - 100]).unwrap();
+                load(&d1)
+            }),
+            Expect::Model(is_file, &["model.safetensors"]),
+        ),
+        (
+            "corrupt safetensors header",
+            Box::new(move || {
+                let mut b = std::fs::read(&st2).unwrap();
+                b[..8].copy_from_slice(&(1u64 << 40).to_le_bytes()); // a header longer than the file
+                std::fs::write(&st2, &b).unwrap();
+                load(&d2)
+            }),
+            Expect::Model(is_file, &["model.safetensors", "not a valid safetensors"]),
+        ),
+        (
+            "malformed config.json",
+            Box::new(move || {
+                std::fs::write(&cfg1, "{\"hidden_size\": 64,").unwrap();
+                load(&d3)
+            }),
+            Expect::Model(is_file, &["config.json", "not valid JSON"]),
+        ),
+        (
+            "config.json without a key",
+            Box::new(move || {
+                std::fs::write(&cfg2, r#"{"model_type":"llama","hidden_size":64}"#).unwrap();
+                load(&d4)
+            }),
+            Expect::Model(
+                is_config,
+                &["config.json", "num_attention_heads", "missing"],
+            ),
+        ),
+        (
+            "config.json with a negative size",
+            Box::new(move || {
+                std::fs::write(&cfg3, r#"{"model_type":"llama","hidden_size":-64}"#).unwrap();
+                load(&d5)
+            }),
+            Expect::Model(is_config, &["config.json", "hidden_size"]),
+        ),
+        (
+            "unknown architecture",
+            Box::new(move || {
+                std::fs::write(&cfg4, r#"{"model_type":"rwkv","hidden_size":64}"#).unwrap();
+                load(&d6)
+            }),
+            Expect::Model(is_arch, &["config.json", "rwkv"]),
+        ),
+        (
+            "a file that is not GGUF",
+            Box::new(move || {
+                std::fs::write(&gguf, b"PK\x03\x04 a zip, not a gguf").unwrap();
+                loader::from_gguf(&gguf).map(|_| ())
+            }),
+            Expect::Model(is_file, &["weights.gguf", "GGUF"]),
+        ),
+    ]
+}
+
+#[test]
+fn bad_inputs_table() -> anyhow::Result<()> {
+    let rows = model_rows(Path::new(".")).len();
+    for i in 0..rows {
+        // Each row gets a fresh, valid model to break.
+        let dir =
+            std::env::temp_dir().join(format!("candle-offload-bad-{i}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        write_tiny_llama(&dir, false, false)?;
+        let (what, run, expect) = model_rows(&dir).swap_remove(i);
+        let err = run().err().unwrap_or_else(|| panic!("{what}: no error"));
+        let msg = err.to_string();
+        let Expect::Model(kind, needles) = expect else {
+            unreachable!()
+        };
+        assert!(kind(&err), "{what}: unexpected kind {err:?}");
+        for n in needles {
+            assert!(msg.contains(n), "{what}: {msg:?} does not name {n:?}");
+        }
+        std::fs::remove_dir_all(&dir)?;
+    }
+    // Budgets: negative, zero, unparsable units, larger than the card, a share without a card.
+    let budget_rows: Vec<(&str, Result<u64, OffloadError>, Expect)> = vec![
+        (
+            "negative",
+            MemoryLimit::parse("--gpu-memory-limit", "-2").map(|_| 0),
+            Expect::Offload(
+                |e| matches!(e, OffloadError::InvalidMemorySize { .. }),
+                &["--gpu-memory-limit", "larger than zero"],
+            ),
+        ),
+        (
+            "zero",
+            MemoryLimit::parse("memory.max_gpu_memory", "0GB").map(|_| 0),
+            Expect::Offload(
+                |e| matches!(e, OffloadError::InvalidMemorySize { .. }),
+                &["memory.max_gpu_memory"],
+            ),
+        ),
+        (
+            "unparsable unit",
+            MemoryLimit::parse("--gpu-memory-limit", "4 bananas").map(|_| 0),
+            Expect::Offload(
+                |e| matches!(e, OffloadError::InvalidMemorySize { .. }),
+                &["unknown unit"],
+            ),
+        ),
+        (
+            "larger than the card",
+            MemoryLimit::gib(200.0).resolve("cuda:0", Some(140 << 30)),
+            Expect::Offload(
+                |e| matches!(e, OffloadError::BudgetExceedsDevice { .. }),
+                &["cuda:0", "larger than"],
+            ),
+        ),
+        (
+            "a share without a card",
+            MemoryLimit::FractionOfDevice(0.5).resolve("cpu", None),
+            Expect::Offload(
+                |e| matches!(e, OffloadError::InvalidConfig { .. }),
+                &["share of the card"],
+            ),
+        ),
+    ];
+    for (what, result, expect) in budget_rows {
+        let err = result.err().unwrap_or_else(|| panic!("{what}: no error"));
+        let Expect::Offload(kind, needles) = expect else {
+            unreachable!()
+        };
+        assert!(kind(&err), "{what}: unexpected kind {err:?}");
+        for n in needles {
+            assert!(
+                err.to_string().contains(n),
+                "{what}: {err} does not name {n:?}"
+            );
+        }
+    }
+    Ok(())
+}
