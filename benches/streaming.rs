@@ -109,7 +109,7 @@ fn fill(dst: &mut [u8]) {
 /// scale by each norm vector. Returns a scalar that depends on all of them.
 fn layer_step(unit: &candle_offload::UnitGuard, inputs: &Inputs) -> candle_core::Result<Tensor> {
     let mut acc: Option<Tensor> = None;
-    for (name, w) in unit.tensors() {
+    for w in unit.tensors().values() {
         let y = match w.dims() {
             [_, cols] if *cols == inputs.hidden => inputs.x_hidden.matmul(&w.t()?)?,
             [_, _] => inputs.x_inter.matmul(&w.t()?)?,
@@ -120,7 +120,6 @@ fn layer_step(unit: &candle_offload::UnitGuard, inputs: &Inputs) -> candle_core:
             None => s,
             Some(a) => (a + s)?,
         });
-        let _ = name;
     }
     acc.ok_or_else(|| candle_core::Error::Msg("empty unit".into()))
 }

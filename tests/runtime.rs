@@ -348,3 +348,26 @@ fn a_refused_allocation_evicts_idle_units_and_retries_once() -> anyhow::Result<(
     assert_eq!(unit.get("layers.4.weight")?.dims(), [WIDTH, WIDTH]);
     Ok(())
 }
+
+#[test]
+fn failed_fetches_never_change_results() -> anyhow::Result<()> {
+    let expected = reference(&Device::Cpu)?;
+    let store = mlp_store(LAYERS, WIDTH, &Device::Cpu, None)?;
+    let layer = store.unit(store.layer_unit(0).unwrap()).bytes();
+    let order: Vec<UnitId> = (0..LAYERS).map(|i| store.layer_unit(i).unwrap()).collect();
+    for failures in 1..4 {
+        let cfg = OffloadConfig {
+            gpu_memory_limit: Some(MemoryLimit::Bytes(3 * layer)),
+            policy: PolicyChoice::Schedule(order.clone()),
+            prefetch_depth: 1,
+            ..Default::default()
+        };
+        let rt = OffloadRuntime::new(store.clone(), &Device::Cpu, &cfg)?;
+        offloaded(&rt, 2)?;
+        // Injected refusals hit prefetches (warned, fetched on demand later) and demand
+        // fetches (retried after evicting idle units).
+        rt.inject_fetch_failures(failures)?;
+        assert_eq!(offloaded(&rt, 3)?, expected, "{failures} injected failures");
+    }
+    Ok(())
+}

@@ -257,19 +257,31 @@ impl OffloadRuntime {
         let _span = tracing::debug_span!("offload.acquire", unit = unit.0).entered();
         let mut st = self.state()?;
         let transfer = st.cache.acquire(unit).map_err(|e| self.cache_error(e))?;
+        let mut transfer = transfer;
+        if transfer.fetch.is_none() && st.resident[unit.0].is_none() {
+            // Admitted by a prefetch whose copy failed earlier: fetch it now.
+            transfer.fetch = Some(unit);
+        }
         if let Err(e) = self.carry_out(&mut st, &transfer, "miss") {
             st.cache.release(unit);
             return Err(e);
         }
-        let resident = st.resident[unit.0]
-            .as_mut()
-            .expect("acquired unit is resident");
+        let Some(resident) = st.resident[unit.0].as_mut() else {
+            st.cache.release(unit);
+            candle_core::bail!(
+                "unit {} is not on the device after its fetch",
+                self.shared.store.unit(unit).name()
+            );
+        };
         if let (Engine::Cuda(engine), Some(sync)) = (&self.shared.engine, resident.sync.as_mut()) {
             engine.wait_ready(sync)?;
         }
         let tensors = resident.tensors.clone();
+        // A failed prefetch does not fail this access: the unit is fetched again when needed.
         for t in st.cache.prefetch_planned(self.shared.prefetch_depth + 1) {
-            self.carry_out(&mut st, &t, "prefetch")?;
+            if let Err(e) = self.carry_out(&mut st, &t, "prefetch") {
+                tracing::warn!(error = %e, "prefetch failed; the unit will be fetched on demand");
+            }
         }
         Ok(UnitGuard {
             rt: self.clone(),
