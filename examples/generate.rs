@@ -9,9 +9,9 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::DType;
-use candle_offload::{MemoryLimit, OffloadStrategy, PolicyChoice};
+use candle_offload::{MemoryLimit, OffloadStrategy, PolicyChoice, Settings};
 use candle_offload_models::generation::{generate, TokenStream};
 use candle_offload_models::loader::{self, DefaultSource};
 use candle_offload_models::{ChatTemplate, Llama, OffloadSettings};
@@ -119,57 +119,16 @@ struct Args {
     verbose: u8,
 }
 
-/// The seed's settings file.
-#[derive(serde::Deserialize, Debug, Default)]
-#[serde(deny_unknown_fields)]
-struct FileConfig {
-    #[serde(default)]
-    memory: MemorySection,
-}
-
-#[derive(serde::Deserialize, Debug, Default)]
-#[serde(deny_unknown_fields)]
-struct MemorySection {
-    offload_strategy: Option<String>,
-    max_gpu_memory: Option<serde_norway::Value>,
-}
-
-fn read_config(path: &PathBuf) -> Result<(Option<OffloadStrategy>, Option<MemoryLimit>)> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let cfg: FileConfig = serde_norway::from_str(&text)
-        .with_context(|| format!("{}: not a valid settings file", path.display()))?;
-    let strategy = cfg
-        .memory
-        .offload_strategy
-        .map(|s| s.parse::<OffloadStrategy>())
-        .transpose()
-        .with_context(|| format!("{}: memory.offload_strategy", path.display()))?;
-    let limit = match cfg.memory.max_gpu_memory {
-        None => None,
-        Some(serde_norway::Value::Number(n)) => {
-            Some(MemoryLimit::parse("memory.max_gpu_memory", &n.to_string())?)
-        }
-        Some(serde_norway::Value::String(s)) => {
-            Some(MemoryLimit::parse("memory.max_gpu_memory", &s)?)
-        }
-        Some(other) => bail!(
-            "{}: memory.max_gpu_memory: expected a size such as 3GB, got {other:?}",
-            path.display()
-        ),
-    };
-    Ok((strategy, limit))
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
     let device = candle_offload_suite::device(args.cpu, args.device)?;
 
-    let (mut strategy, mut limit) = match &args.config {
-        Some(p) => read_config(p)?,
-        None => (None, None),
+    let settings = match &args.config {
+        Some(p) => Settings::from_file(p)?,
+        None => Settings::default(),
     };
+    let (mut strategy, mut limit) = (settings.offload_strategy, settings.max_gpu_memory);
     if let Some(s) = &args.gpu_memory_limit {
         limit = Some(MemoryLimit::parse("--gpu-memory-limit", s)?);
     }

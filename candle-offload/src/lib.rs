@@ -75,6 +75,7 @@ mod error;
 pub mod history;
 pub mod plan;
 mod runtime;
+mod settings;
 pub mod store;
 #[allow(unsafe_code)]
 mod sys;
@@ -87,6 +88,7 @@ pub use error::{Error, Result};
 pub use history::{MemoryEvent, MemoryHistory};
 pub use plan::{plan_capacity, CapacityPlan, OffloadStrategy};
 pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, UnitGuard};
+pub use settings::Settings;
 pub use store::{HostStore, StoreConfig, TensorSpec, UnitGrouping};
 pub use telemetry::{OffloadStats, TransferStats, UnitStats};
 pub use varbuilder::UnitBackend;

@@ -1,0 +1,126 @@
+//! The seed's settings file (`config.yaml`):
+//!
+//! ```yaml
+//! memory:
+//!   offload_strategy: balanced   # minimal | balanced | aggressive
+//!   max_gpu_memory: 3GB          # or 3.5 (GiB), 3.5GiB, 50%
+//! ```
+//!
+//! Unknown keys are refused, so a typo is an error rather than a silently ignored setting.
+
+use std::path::Path;
+
+use crate::budget::MemoryLimit;
+use crate::error::{Error, Result};
+use crate::plan::OffloadStrategy;
+
+/// What a settings file sets (each `None` when absent).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Settings {
+    /// `memory.offload_strategy`.
+    pub offload_strategy: Option<OffloadStrategy>,
+    /// `memory.max_gpu_memory`.
+    pub max_gpu_memory: Option<MemoryLimit>,
+}
+
+#[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    #[serde(default)]
+    memory: MemorySection,
+}
+
+#[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct MemorySection {
+    offload_strategy: Option<String>,
+    max_gpu_memory: Option<serde_norway::Value>,
+}
+
+impl Settings {
+    /// Reads and validates a settings file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::File {
+            path: path.into(),
+            reason: format!("cannot read: {e}"),
+        })?;
+        Self::from_yaml(&text, path)
+    }
+
+    /// Parses the text of a settings file; `path` names it in errors.
+    pub fn from_yaml(text: &str, path: &Path) -> Result<Self> {
+        let file = |reason: String| Error::File {
+            path: path.into(),
+            reason,
+        };
+        let cfg: FileConfig = serde_norway::from_str(text)
+            .map_err(|e| file(format!("not a valid settings file: {e}")))?;
+        let offload_strategy = cfg
+            .memory
+            .offload_strategy
+            .map(|s| s.parse::<OffloadStrategy>())
+            .transpose()
+            .map_err(|e| file(format!("memory.offload_strategy: {e}")))?;
+        let field = "memory.max_gpu_memory";
+        let max_gpu_memory = match cfg.memory.max_gpu_memory {
+            None => None,
+            Some(serde_norway::Value::Number(n)) => {
+                Some(MemoryLimit::parse(field, &n.to_string())?)
+            }
+            Some(serde_norway::Value::String(s)) => Some(MemoryLimit::parse(field, &s)?),
+            Some(other) => {
+                return Err(file(format!(
+                    "{field}: expected a size such as 3GB, got {other:?}"
+                )))
+            }
+        };
+        Ok(Self {
+            offload_strategy,
+            max_gpu_memory,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_seeds_keys() {
+        let s = Settings::from_yaml(
+            "memory:\n  offload_strategy: balanced\n  max_gpu_memory: 3GB\n",
+            Path::new("c.yaml"),
+        )
+        .unwrap();
+        assert_eq!(s.offload_strategy, Some(OffloadStrategy::Balanced));
+        assert_eq!(s.max_gpu_memory, Some(MemoryLimit::Bytes(3_000_000_000)));
+        let s =
+            Settings::from_yaml("memory:\n  max_gpu_memory: 3.5\n", Path::new("c.yaml")).unwrap();
+        assert_eq!(s.max_gpu_memory, Some(MemoryLimit::gib(3.5)));
+        assert_eq!(
+            Settings::from_yaml("", Path::new("c.yaml")).unwrap(),
+            Settings::default()
+        );
+    }
+
+    #[test]
+    fn bad_files_name_the_file_or_field() {
+        let p = Path::new("/etc/c.yaml");
+        for (text, needle) in [
+            (
+                "memory:\n  offload_strategy: sideways\n",
+                "offload_strategy",
+            ),
+            ("memory:\n  max_gpu_memory: -3GB\n", "memory.max_gpu_memory"),
+            (
+                "memory:\n  max_gpu_memory: [1, 2]\n",
+                "memory.max_gpu_memory",
+            ),
+            ("memory:\n  max_gpu_mem: 3GB\n", "/etc/c.yaml"),
+            ("not: [valid", "/etc/c.yaml"),
+        ] {
+            let e = Settings::from_yaml(text, p).unwrap_err().to_string();
+            assert!(e.contains(needle), "{text:?}: {e}");
+        }
+    }
+}
