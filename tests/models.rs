@@ -557,7 +557,12 @@ fn no_leak_over_1000_decode_steps(device: &Device) -> anyhow::Result<()> {
         .iter()
         .all(|e| e.resident_bytes <= stats.weight_capacity_bytes));
     let svg = history.to_svg();
-    assert!(svg.starts_with("<svg") && svg.contains("polygon") && svg.contains("budget"));
+    assert!(
+        svg.starts_with("<svg")
+            && svg.contains("polygon")
+            && svg.contains("budget")
+            && svg.contains("KV cache")
+    );
     if !device.is_cpu() {
         assert!(history.events.iter().any(|e| e.device_used_bytes.is_some()));
     }

@@ -20,6 +20,8 @@ pub enum EventKind {
     StepBegin,
     /// A step ended.
     StepEnd,
+    /// A unit was acquired for use (a prefetched unit stops being "in flight").
+    Acquire,
 }
 
 /// One entry of the history.
@@ -54,6 +56,8 @@ pub struct MemoryHistory {
     pub weight_capacity_bytes: u64,
     /// Device memory in use when recording started (the CUDA context and anything before).
     pub baseline_device_bytes: Option<u64>,
+    /// The reservation by part, as the caller declared it (KV cache, activations, ...).
+    pub reservation_parts: Vec<(String, u64)>,
     /// The events, in order.
     pub events: Vec<MemoryEvent>,
 }
@@ -71,12 +75,42 @@ impl MemoryHistory {
         })
     }
 
-    /// Renders the timeline as SVG: resident weights (area), weights plus the reservation,
+    /// Weights on the device after each event, split into settled and in flight (prefetched,
+    /// not yet used): `(t, settled, in_flight)`.
+    pub fn weight_series(&self) -> Vec<(f64, u64, u64)> {
+        let mut in_flight: std::collections::HashMap<&str, u64> = std::collections::HashMap::new();
+        let mut out = Vec::with_capacity(self.events.len());
+        for e in &self.events {
+            let unit = e.unit.as_deref().unwrap_or("");
+            match e.kind {
+                EventKind::Fetch if e.reason == "prefetch" => {
+                    in_flight.insert(unit, e.bytes);
+                }
+                EventKind::Acquire | EventKind::Evict => {
+                    in_flight.remove(unit);
+                }
+                _ => {}
+            }
+            let flying: u64 = in_flight.values().sum::<u64>().min(e.resident_bytes);
+            out.push((e.t_s, e.resident_bytes - flying, flying));
+        }
+        out
+    }
+
+    /// Renders the timeline as SVG: device memory by category, stacked (resident weights,
+    /// weights in flight, then each declared part of the reservation: KV cache, activations),
     /// the device memory measured outside the allocator (less the baseline), and the budget.
     pub fn to_svg(&self) -> String {
-        let (w, h, left, right, top, bottom) = (960.0, 420.0, 70.0, 20.0, 40.0, 50.0);
+        let (w, h, left, right, top, bottom) = (960.0, 440.0, 70.0, 20.0, 40.0, 70.0);
         let t_max = self.events.last().map_or(1.0, |e| e.t_s).max(1e-6);
         let mib = |b: u64| b as f64 / 1048576.0;
+        let series = self.weight_series();
+        let parts: Vec<(String, u64)> = if self.reservation_parts.is_empty() {
+            vec![("reservation".to_string(), self.reserve_bytes)]
+        } else {
+            self.reservation_parts.clone()
+        };
+        let reserved: u64 = parts.iter().map(|p| p.1).sum();
         let measured: Vec<(f64, f64)> = self
             .events
             .iter()
@@ -91,11 +125,7 @@ impl MemoryHistory {
             .collect();
         let y_max = [mib(self.budget_bytes)]
             .into_iter()
-            .chain(
-                self.events
-                    .iter()
-                    .map(|e| mib(e.resident_bytes + self.reserve_bytes)),
-            )
+            .chain(series.iter().map(|&(_, a, b)| mib(a + b + reserved)))
             .chain(measured.iter().map(|p| p.1))
             .fold(1.0, f64::max)
             * 1.08;
@@ -112,7 +142,6 @@ impl MemoryHistory {
             r#"<text x="{left}" y="22" font-size="14">Device memory on {} (MiB)</text>"#,
             self.device
         );
-        // Axes and grid.
         for i in 0..=5 {
             let m = y_max / 1.08 * i as f64 / 5.0;
             let (x1, x2, yy, tx, ty) = (left, w - right, y(m), left - 6.0, y(m) + 4.0);
@@ -130,35 +159,58 @@ impl MemoryHistory {
                 h - bottom + 18.0
             );
         }
-        // Resident weights as a step area.
-        let mut pts = vec![(x(0.0), y(0.0))];
-        let mut last = 0.0;
-        for e in &self.events {
-            pts.push((x(e.t_s), y(last)));
-            last = mib(e.resident_bytes);
-            pts.push((x(e.t_s), y(last)));
+        // Stacked step bands: the value of each band after each event.
+        let mut bands: Vec<(String, &str, Vec<u64>)> = vec![
+            (
+                "resident weights".into(),
+                "#4c78a8",
+                series.iter().map(|p| p.1).collect(),
+            ),
+            (
+                "weights in flight".into(),
+                "#72b7b2",
+                series.iter().map(|p| p.2).collect(),
+            ),
+        ];
+        let colors = ["#f58518", "#eeca3b", "#b279a2", "#9d755d"];
+        for (i, (name, bytes)) in parts.iter().enumerate() {
+            bands.push((
+                name.clone(),
+                colors[i % colors.len()],
+                vec![*bytes; series.len()],
+            ));
         }
-        pts.push((x(t_max), y(last)));
-        let area: String = pts.iter().map(|(a, b)| format!("{a:.1},{b:.1} ")).collect();
-        let _ = writeln!(
-            s,
-            r##"<polygon points="{area}{:.1},{:.1}" fill="#4c78a8" fill-opacity="0.5" stroke="#4c78a8"/>"##,
-            x(t_max),
-            y(0.0)
-        );
-        // Weights plus the reservation.
-        let top_line: String = pts
-            .iter()
-            .map(|(a, b)| {
-                let m = (h - bottom - b) / (h - top - bottom) * y_max + mib(self.reserve_bytes);
-                format!("{a:.1},{:.1} ", y(m))
-            })
-            .collect();
-        let _ = writeln!(
-            s,
-            r##"<polyline points="{top_line}" fill="none" stroke="#f58518" stroke-dasharray="4 3"/>"##
-        );
-        // Measured device memory.
+        let mut below = vec![0u64; series.len()];
+        for (_, color, values) in &bands {
+            let above: Vec<u64> = below.iter().zip(values).map(|(a, b)| a + b).collect();
+            let mut pts = Vec::new();
+            let mut prev = below.first().copied().unwrap_or(0);
+            let mut prev_top = above.first().copied().unwrap_or(0);
+            pts.push((x(0.0), y(mib(prev_top))));
+            for (k, &(t, _, _)) in series.iter().enumerate() {
+                pts.push((x(t), y(mib(prev_top))));
+                prev_top = above[k];
+                pts.push((x(t), y(mib(prev_top))));
+            }
+            pts.push((x(t_max), y(mib(prev_top))));
+            let mut lower = vec![(x(t_max), y(mib(*below.last().unwrap_or(&0))))];
+            for (k, &(t, _, _)) in series.iter().enumerate().rev() {
+                lower.push((x(t), y(mib(below[k]))));
+                prev = if k > 0 { below[k - 1] } else { below[0] };
+                lower.push((x(t), y(mib(prev))));
+            }
+            lower.push((x(0.0), y(mib(prev))));
+            let poly: String = pts
+                .iter()
+                .chain(lower.iter())
+                .map(|(a, b)| format!("{a:.1},{b:.1} "))
+                .collect();
+            let _ = writeln!(
+                s,
+                r#"<polygon points="{poly}" fill="{color}" fill-opacity="0.6" stroke="none"/>"#
+            );
+            below = above;
+        }
         if !measured.is_empty() {
             let line: String = measured
                 .iter()
@@ -169,28 +221,36 @@ impl MemoryHistory {
                 r##"<polyline points="{line}" fill="none" stroke="#54a24b" stroke-width="2"/>"##
             );
         }
-        // Budget.
         let yb = y(mib(self.budget_bytes));
         let _ = writeln!(
             s,
             r##"<line x1="{left}" x2="{}" y1="{yb:.1}" y2="{yb:.1}" stroke="#e45756" stroke-width="2"/>"##,
             w - right
         );
-        let legend = [
-            ("#4c78a8", "resident weights (in flight included)"),
-            ("#f58518", "+ reservation (KV cache, activations)"),
-            ("#54a24b", "measured on the device, less the baseline"),
-            ("#e45756", "budget"),
-        ];
-        for (i, (color, label)) in legend.iter().enumerate() {
-            let lx = left + 10.0 + 220.0 * i as f64;
+        let mut legend: Vec<(String, String)> = bands
+            .iter()
+            .map(|(n, c, _)| (c.to_string(), n.clone()))
+            .collect();
+        legend.push((
+            "#54a24b".into(),
+            "measured on the device, less the baseline".into(),
+        ));
+        legend.push(("#e45756".into(), "budget".into()));
+        // Legend items laid out left to right by the length of their labels, wrapping.
+        let (mut lx, mut ly) = (left, h - 40.0);
+        for (color, label) in &legend {
+            let width = 16.0 + 6.6 * label.chars().count() as f64 + 24.0;
+            if lx + width > w - right {
+                lx = left;
+                ly += 18.0;
+            }
             let _ = writeln!(
                 s,
-                r#"<rect x="{lx}" y="{}" width="12" height="12" fill="{color}"/><text x="{}" y="{}">{label}</text>"#,
-                h - 22.0,
-                lx + 16.0,
-                h - 12.0
+                r#"<rect x="{lx:.1}" y="{:.1}" width="12" height="12" fill="{color}"/><text x="{:.1}" y="{ly:.1}">{label}</text>"#,
+                ly - 10.0,
+                lx + 16.0
             );
+            lx += width;
         }
         s.push_str("</svg>\n");
         s

@@ -90,6 +90,7 @@ struct State {
     telemetry: Telemetry,
     history: Option<Recording>,
     injected_failures: u32,
+    reservation_parts: Vec<(String, u64)>,
 }
 
 #[derive(Debug)]
@@ -221,6 +222,7 @@ impl OffloadRuntime {
                     telemetry: Telemetry::new(),
                     history: None,
                     injected_failures: 0,
+                    reservation_parts: Vec::new(),
                 }),
             }),
         })
@@ -277,6 +279,7 @@ impl OffloadRuntime {
             engine.wait_ready(sync)?;
         }
         let tensors = resident.tensors.clone();
+        self.log(&mut st, EventKind::Acquire, Some(unit), 0, "", None);
         // A failed prefetch does not fail this access: the unit is fetched again when needed.
         for t in st.cache.prefetch_planned(self.shared.prefetch_depth + 1) {
             if let Err(e) = self.carry_out(&mut st, &t, "prefetch") {
@@ -559,6 +562,13 @@ impl OffloadRuntime {
         Ok(())
     }
 
+    /// Names the parts of the reservation (KV cache, activations, ...) for the memory history
+    /// and its timeline; the parts should add up to `reserve_bytes`.
+    pub fn declare_reservation(&self, parts: &[(&str, u64)]) -> candle_core::Result<()> {
+        self.state()?.reservation_parts = parts.iter().map(|(n, b)| (n.to_string(), *b)).collect();
+        Ok(())
+    }
+
     /// The history recorded so far (`None` when not recording).
     pub fn history(&self) -> candle_core::Result<Option<MemoryHistory>> {
         let st = self.state()?;
@@ -568,6 +578,7 @@ impl OffloadRuntime {
             reserve_bytes: self.shared.budget.reserve_bytes,
             weight_capacity_bytes: st.cache.capacity(),
             baseline_device_bytes: rec.baseline,
+            reservation_parts: st.reservation_parts.clone(),
             events: rec.events.clone(),
         }))
     }

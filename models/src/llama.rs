@@ -424,6 +424,12 @@ impl Llama {
                 keep: Self::kept_units(&store, &cfg),
             },
         )?;
+        let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
+        let kv = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
+        rt.declare_reservation(&[
+            ("KV cache", kv),
+            ("activations and workspace", reserve - kv),
+        ])?;
         Self::new(cfg, rt, dtype, max_len, &files.weights_path())
     }
 
