@@ -10,8 +10,10 @@
 //!   lies furthest in the future. On inference's cyclic sweep `0..N-1, 0..N-1, ...` LRU misses
 //!   on every access once fewer than `N` units fit; the schedule policy is optimal there and
 //!   on any other periodic order (training's forward-then-backward zig-zag included). Prefetch
-//!   follows the schedule and obeys "do no harm": a unit is fetched ahead of time only by
-//!   evicting units whose next use comes after it.
+//!   carries out Belady's plan (at the capacity less `depth` spare units) ahead of time: a
+//!   planned fetch starts once its victims are no longer needed before it, or earlier into the
+//!   spare units while they still are, so it moves what Belady moves and never evicts a unit
+//!   that is needed sooner.
 //!
 //! With [`PolicyChoice::Auto`] the cache starts with LRU and switches to the schedule policy as
 //! soon as it has seen the same access order twice in a row; it falls back to LRU when the

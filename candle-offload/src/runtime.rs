@@ -5,7 +5,7 @@
 //! acquire(u):  cache.acquire(u) ─► evict victims (copy stream waits on their last use, frees)
 //!                               └► fetch u if absent (alloc + H2D on the copy stream, `ready`)
 //!              compute waits on ready[u]
-//!              prefetch the next `depth` units of the schedule ("do no harm")
+//!              start the planned fetches that can start now (Belady's plan, <= depth+1 ahead)
 //! ... caller enqueues kernels that read u's tensors on the compute stream ...
 //! drop(guard): last_use[u] recorded on compute; cache.release(u)
 //! ```
