@@ -140,22 +140,12 @@ fn main() -> Result<()> {
     let hidden = args.hidden.unwrap_or(if gpu { 4096 } else { 256 });
     let inter = args.intermediate.unwrap_or(if gpu { 11008 } else { 688 });
 
-    // The CUDA context's own footprint, right after start.
-    let context_bytes = if gpu {
-        diag::device_used_bytes(&device)?
-    } else {
-        0
-    };
-    let raw_pinned_gbps = if gpu {
-        diag::measure_h2d_gbps(&device, 1 << 30, true, 7)?
-    } else {
-        0.0
-    };
-    let raw_pageable_gbps = if gpu {
-        diag::measure_h2d_gbps(&device, 1 << 30, false, 3)?
-    } else {
-        0.0
-    };
+    // The CUDA context's own footprint, right after start, and the link's ceiling.
+    let candle_offload_suite::LinkBaseline {
+        context_bytes,
+        raw_pinned_gbps,
+        raw_pageable_gbps,
+    } = candle_offload_suite::link_baseline(&device, true)?;
     println!("context {:.0} MiB; raw host->device: pinned {raw_pinned_gbps:.1} GB/s, pageable {raw_pageable_gbps:.1} GB/s",
         context_bytes as f64 / 1048576.0);
 

@@ -56,16 +56,11 @@ fn main() -> Result<()> {
     candle_offload_suite::init_tracing(args.verbose);
     let device = candle_offload_suite::device(args.cpu, 0)?;
     let gpu = !device.is_cpu();
-    let context_bytes = if gpu {
-        diag::device_used_bytes(&device)?
-    } else {
-        0
-    };
-    let raw_pinned_gbps = if gpu {
-        diag::measure_h2d_gbps(&device, 1 << 30, true, 7)?
-    } else {
-        0.0
-    };
+    let candle_offload_suite::LinkBaseline {
+        context_bytes,
+        raw_pinned_gbps,
+        ..
+    } = candle_offload_suite::link_baseline(&device, false)?;
     let peer: Option<serde_json::Value> = match &args.peer {
         Some(p) => Some(serde_json::from_str(
             &std::fs::read_to_string(p).with_context(|| format!("{}", p.display()))?,

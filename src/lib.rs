@@ -37,6 +37,38 @@ pub fn device(cpu: bool, ordinal: usize) -> candle_core::Result<Device> {
     Device::new_cuda_with_stream(ordinal)
 }
 
+/// What a benchmark measures of the machine before it starts: the device memory the CUDA
+/// context already holds, and the raw host-to-device copy rates (1 GiB copies) that are the
+/// link's ceiling. Zero on a CPU.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LinkBaseline {
+    /// Device memory in use right after start (the context), bytes.
+    pub context_bytes: u64,
+    /// Median pinned host-to-device rate, GB/s.
+    pub raw_pinned_gbps: f64,
+    /// Median pageable host-to-device rate, GB/s (when asked for).
+    pub raw_pageable_gbps: f64,
+}
+
+/// Measures the [`LinkBaseline`] of `device`; the pageable rate only with `pageable`.
+pub fn link_baseline(device: &Device, pageable: bool) -> candle_core::Result<LinkBaseline> {
+    if device.is_cpu() {
+        return Ok(LinkBaseline::default());
+    }
+    let context_bytes = candle_offload::diag::device_used_bytes(device)?;
+    let raw_pinned_gbps = candle_offload::diag::measure_h2d_gbps(device, 1 << 30, true, 7)?;
+    let raw_pageable_gbps = if pageable {
+        candle_offload::diag::measure_h2d_gbps(device, 1 << 30, false, 3)?
+    } else {
+        0.0
+    };
+    Ok(LinkBaseline {
+        context_bytes,
+        raw_pinned_gbps,
+        raw_pageable_gbps,
+    })
+}
+
 /// The median of `v` (the upper one for an even count); 0 when empty.
 pub fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {

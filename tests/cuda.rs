@@ -16,6 +16,21 @@ fn value(unit: usize, tensor: usize, i: usize) -> f32 {
     ((unit * 131 + tensor * 17 + i * 7) % 1009) as f32 - 504.0
 }
 
+/// Fills `model.layers.{u}.w{t}` with `value(u, t, i)`.
+fn fill(spec: &TensorSpec, dst: &mut [u8]) -> candle_offload::Result<()> {
+    let (u, t) = spec.name["model.layers.".len()..]
+        .split_once(".w")
+        .expect("model.layers.{u}.w{t}");
+    let (u, t): (usize, usize) = (
+        u.parse().expect("unit index"),
+        t.parse().expect("tensor index"),
+    );
+    for (i, c) in dst.chunks_exact_mut(4).enumerate() {
+        c.copy_from_slice(&value(u, t, i).to_le_bytes());
+    }
+    Ok(())
+}
+
 /// Long matmul chains keep the compute stream busy while units are fetched and evicted on the
 /// copy stream; every read of a unit (a kernel, and `to_dtype`, which bypasses cudarc's own
 /// tracking) must see exactly the host bytes. Results stay on the GPU until checked, so the
@@ -40,19 +55,7 @@ fn copy_stream_races_a_busy_compute_stream() -> anyhow::Result<()> {
         &specs,
         &StoreConfig::default(),
         &device,
-        |spec, _, dst| {
-            let u: usize = spec.name["model.layers.".len()..]
-                .split('.')
-                .next()
-                .unwrap()
-                .parse()
-                .unwrap();
-            let t: usize = spec.name[spec.name.len() - 1..].parse().unwrap();
-            for (i, c) in dst.chunks_exact_mut(4).enumerate() {
-                c.copy_from_slice(&value(u, t, i).to_le_bytes());
-            }
-            Ok(())
-        },
+        |spec, _, dst| fill(spec, dst),
     )?);
     assert!(
         store.pinned_bytes() > 0,
@@ -157,18 +160,7 @@ fn pageable_units_go_through_the_staging_ring() -> anyhow::Result<()> {
         &specs,
         &cfg,
         &device,
-        |spec, _, dst| {
-            let u: usize = spec.name["model.layers.".len()..]
-                .split('.')
-                .next()
-                .unwrap()
-                .parse()
-                .unwrap();
-            for (i, c) in dst.chunks_exact_mut(4).enumerate() {
-                c.copy_from_slice(&value(u, 0, i).to_le_bytes());
-            }
-            Ok(())
-        },
+        |spec, _, dst| fill(spec, dst),
     )?);
     assert!(
         store.pinned_bytes() > 0 && store.pageable_bytes() > 0,
