@@ -11,6 +11,15 @@ pub(crate) fn mib_ceil(bytes: u64) -> u64 {
     bytes.div_ceil(1 << 20)
 }
 
+/// "GPU 0 needs 812 MiB more, GPU 1 needs 0 MiB more".
+fn missing_list(per_device: &[(usize, u64)]) -> String {
+    let parts: Vec<String> = per_device
+        .iter()
+        .map(|(ordinal, mib)| format!("GPU {ordinal} needs {mib} MiB more"))
+        .collect();
+    parts.join(", ")
+}
+
 /// Everything that can go wrong while a runtime, a store or a budget is being set up.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -90,6 +99,31 @@ pub enum Error {
     NotCompiledWithCuda {
         /// What was asked for.
         what: &'static str,
+    },
+
+    /// No device map places the model's layers within the devices' budgets (see
+    /// [`crate::placement`] for when exactly a placement is impossible).
+    #[error("no {mode} device map fits: {}; {reason}", missing_list(.per_device))]
+    PlacementImpossible {
+        /// The placement mode asked for.
+        mode: crate::placement::PlacementMode,
+        /// For each device (its ordinal), the MiB to add to its budget so that a placement
+        /// exists; zero for a device that needs nothing more.
+        per_device: Vec<(usize, u64)>,
+        /// Which device must hold what.
+        reason: String,
+    },
+
+    /// A device map (given by the user, e.g. `--device-map plan.json`) that is malformed or does
+    /// not fit the model or the devices.
+    #[error("invalid device map {map}: {field}: {reason}")]
+    InvalidDeviceMap {
+        /// Where the map came from (its file, or "(in memory)").
+        map: String,
+        /// The offending field, as a path (`devices[1].first_layer`, `units[4].device`).
+        field: String,
+        /// What is wrong with it.
+        reason: String,
     },
 
     /// An error from Candle or the CUDA driver.
