@@ -157,8 +157,8 @@ fn evicted_units_come_back_bit_identical(device: &Device) -> anyhow::Result<()> 
         for i in 0..LAYERS {
             let (u, meta) = store.tensor(&format!("layers.{i}.weight")).unwrap();
             assert_eq!(
-                read(i)?,
-                store.unit(u).tensor_bytes(meta),
+                &read(i)?[..],
+                &*store.unit(u).tensor_bytes(meta),
                 "round {round}, layer {i}"
             );
         }
@@ -296,7 +296,7 @@ mod props {
                     let (u, meta) = store.tensor(&name).unwrap();
                     let t = unit.get(&name).unwrap().flatten_all().unwrap().to_vec1::<half::f16>().unwrap();
                     let bytes: Vec<u8> = t.iter().flat_map(|x| x.to_le_bytes()).collect();
-                    prop_assert_eq!(&bytes[..], store.unit(u).tensor_bytes(meta));
+                    prop_assert_eq!(&bytes[..], &*store.unit(u).tensor_bytes(meta));
                 }
                 drop(unit);
                 let stats = rt.stats().unwrap();

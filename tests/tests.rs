@@ -11,3 +11,4 @@ mod cuda;
 mod models;
 mod runtime;
 mod store;
+mod train;

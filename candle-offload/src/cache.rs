@@ -702,6 +702,21 @@ impl ResidencyCache {
         victims
     }
 
+    /// Drops `u` if it is present and not in use, even when kept (its host copy changed).
+    /// Returns whether it was present.
+    pub fn invalidate(&mut self, u: UnitId) -> bool {
+        let Some(e) = self.entries.get(u.0) else {
+            return false;
+        };
+        if !e.present || e.pins > 0 {
+            return false;
+        }
+        self.planner = None;
+        self.pending.clear();
+        self.remove(u);
+        true
+    }
+
     /// Undoes a fetch that failed on the device: the unit is absent and unpinned again.
     pub fn abort(&mut self, u: UnitId) {
         self.planner = None;

@@ -73,6 +73,7 @@ pub mod diag;
 pub mod doctor;
 mod error;
 pub mod history;
+pub mod placement;
 pub mod plan;
 mod runtime;
 mod settings;
@@ -80,15 +81,21 @@ pub mod store;
 #[allow(unsafe_code)]
 mod sys;
 pub mod telemetry;
+pub mod train;
 pub mod varbuilder;
 
 pub use budget::{human_bytes, Budget, MemoryLimit};
 pub use cache::{ActivePolicy, PolicyChoice, ResidencyCache, UnitId};
 pub use error::{Error, Result};
 pub use history::{MemoryEvent, MemoryHistory};
+pub use placement::{
+    plan_placement, DeviceBudget, DeviceMap, DevicePlacement, PlacementMode, PlacementRequest,
+    Residency, UnitPlacement,
+};
 pub use plan::{plan_capacity, CapacityPlan, OffloadStrategy};
 pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, UnitGuard};
 pub use settings::Settings;
 pub use store::{HostStore, StoreConfig, TensorSpec, UnitGrouping};
 pub use telemetry::{OffloadStats, TransferStats, UnitStats};
+pub use train::{Autocast, Checkpointer, GradScaler, GradScalerConfig, Precision, ScaledOptimizer};
 pub use varbuilder::UnitBackend;

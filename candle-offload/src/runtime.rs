@@ -45,6 +45,10 @@ pub struct OffloadConfig {
     pub prefetch_depth: usize,
     /// Units (by name) that never leave the device once fetched.
     pub keep: Vec<String>,
+    /// Fetched tensors are autograd leaves (`is_variable`), so a backward pass computes
+    /// gradients for them (training with offloaded weights). Off for inference, where a
+    /// variable would make every op record its graph.
+    pub trainable: bool,
 }
 
 impl Default for OffloadConfig {
@@ -56,6 +60,7 @@ impl Default for OffloadConfig {
             policy: PolicyChoice::Auto,
             prefetch_depth: 1,
             keep: Vec::new(),
+            trainable: false,
         }
     }
 }
@@ -100,6 +105,7 @@ struct Shared {
     engine: Engine,
     budget: Budget,
     prefetch_depth: usize,
+    trainable: bool,
     state: Mutex<State>,
 }
 
@@ -215,6 +221,7 @@ impl OffloadRuntime {
                 engine,
                 budget,
                 prefetch_depth: plan.prefetch_depth,
+                trainable: cfg.trainable,
                 state: Mutex::new(State {
                     cache,
                     resident: (0..n).map(|_| None).collect(),
@@ -455,11 +462,17 @@ impl OffloadRuntime {
             Engine::Cpu => {
                 let mut tensors = HashMap::with_capacity(unit.tensors().len());
                 for t in unit.tensors() {
-                    tensors.insert(t.name.clone(), unit.cpu_tensor(t)?);
+                    let mut tensor = unit.cpu_tensor(t)?;
+                    if self.shared.trainable {
+                        tensor = candle_core::Var::from_tensor(&tensor)?.into_inner();
+                    }
+                    tensors.insert(t.name.clone(), tensor);
                 }
                 Ok((tensors, None))
             }
-            Engine::Cuda(engine) => engine.upload(unit).map(|(t, s)| (t, Some(s))),
+            Engine::Cuda(engine) => engine
+                .upload(unit, self.shared.trainable)
+                .map(|(t, s)| (t, Some(s))),
         }
     }
 
@@ -665,6 +678,45 @@ impl OffloadRuntime {
             Engine::Cuda(e) => e.synchronize(),
             Engine::Cpu => Ok(()),
         }
+    }
+
+    /// Rewrites weights in the host store (after an optimizer step on host masters, say):
+    /// waits for every copy in flight, drops the device copies of the units touched (kept ones
+    /// too; they come back on their next use) and writes the new values, converted to the
+    /// store's dtype. `values` are `(tensor name, value)`; a unit in use is refused, as is an
+    /// unknown name or a shape that differs from the stored one.
+    pub fn update_weights(&self, values: &[(String, Tensor)]) -> candle_core::Result<()> {
+        let _span =
+            tracing::debug_span!("offload.update_weights", tensors = values.len()).entered();
+        let store = &self.shared.store;
+        let mut by_unit: HashMap<UnitId, Vec<(&crate::store::TensorMeta, &Tensor)>> =
+            HashMap::new();
+        for (name, value) in values {
+            let (u, meta) = store.tensor(name).ok_or_else(|| {
+                candle_core::Error::Msg(format!("cannot update {name}: not in the host store"))
+            })?;
+            by_unit.entry(u).or_default().push((meta, value));
+        }
+        let mut st = self.state()?;
+        for &u in by_unit.keys() {
+            if st.cache.in_use(u) {
+                candle_core::bail!(
+                    "cannot update {} while it is in use (a guard for it is alive)",
+                    store.unit(u).name()
+                );
+            }
+        }
+        self.synchronize()?;
+        for &u in by_unit.keys() {
+            if st.cache.invalidate(u) {
+                self.drop_unit(&mut st, u, "updated")?;
+            }
+        }
+        drop(st);
+        for (u, vals) in by_unit {
+            store.unit(u).write(&vals)?;
+        }
+        Ok(())
     }
 
     /// Drops every unit that is not in use or kept.

@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::{RwLock, RwLockReadGuard};
 
 use candle_core::{DType, Device, Shape, Tensor};
 
@@ -142,7 +143,29 @@ pub struct HostUnit {
     layer: Option<usize>,
     tensors: Vec<TensorMeta>,
     bytes: u64,
-    pub(crate) buf: HostBuffer,
+    /// Written only by [`OffloadRuntime::update_weights`](crate::OffloadRuntime::update_weights),
+    /// after it has waited for every copy out of it.
+    buf: RwLock<HostBuffer>,
+}
+
+/// The bytes of one tensor in a unit's host buffer, borrowed (the buffer cannot be rewritten
+/// while this lives).
+pub struct HostBytes<'a> {
+    guard: RwLockReadGuard<'a, HostBuffer>,
+    range: std::ops::Range<usize>,
+}
+
+impl std::ops::Deref for HostBytes<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.guard.bytes()[self.range.clone()]
+    }
+}
+
+impl std::fmt::Debug for HostBytes<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostBytes({} bytes)", self.range.len())
+    }
 }
 
 impl HostUnit {
@@ -168,17 +191,56 @@ impl HostUnit {
 
     /// Whether its host buffer is page-locked.
     pub fn is_pinned(&self) -> bool {
-        self.buf.is_pinned()
+        self.buffer().is_pinned()
+    }
+
+    fn buffer(&self) -> RwLockReadGuard<'_, HostBuffer> {
+        // A writer that panicked left whole tensors behind (it copies tensor by tensor), so the
+        // data is still well-formed.
+        self.buf.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Host buffer length in bytes (tensors plus alignment padding).
+    fn buffer_len(&self) -> usize {
+        self.buffer().bytes().len()
     }
 
     /// The raw bytes of one of its tensors.
-    pub fn tensor_bytes(&self, t: &TensorMeta) -> &[u8] {
-        &self.buf.bytes()[t.offset..t.offset + t.nbytes]
+    pub fn tensor_bytes(&self, t: &TensorMeta) -> HostBytes<'_> {
+        HostBytes {
+            guard: self.buffer(),
+            range: t.offset..t.offset + t.nbytes,
+        }
     }
 
     /// A CPU copy of one of its tensors.
     pub fn cpu_tensor(&self, t: &TensorMeta) -> candle_core::Result<Tensor> {
-        Tensor::from_raw_buffer(self.tensor_bytes(t), t.dtype, t.shape.dims(), &Device::Cpu)
+        Tensor::from_raw_buffer(&self.tensor_bytes(t), t.dtype, t.shape.dims(), &Device::Cpu)
+    }
+
+    /// Overwrites tensors of this unit with new values (any float dtype, converted to the
+    /// stored one; the shape must match). The caller guarantees that no copy out of the buffer
+    /// is in flight.
+    pub(crate) fn write(&self, values: &[(&TensorMeta, &Tensor)]) -> candle_core::Result<()> {
+        let mut encoded = Vec::with_capacity(values.len());
+        for (meta, value) in values {
+            if value.dims() != meta.shape.dims() {
+                candle_core::bail!(
+                    "cannot update {}: shape {:?}, the store holds {:?}",
+                    meta.name,
+                    value.dims(),
+                    meta.shape.dims()
+                );
+            }
+            let value = value.to_device(&Device::Cpu)?.to_dtype(meta.dtype)?;
+            encoded.push((meta.offset, tensor_to_bytes(&value)?));
+        }
+        let mut buf = self.buf.write().unwrap_or_else(|e| e.into_inner());
+        let bytes = buf.bytes_mut();
+        for (offset, data) in encoded {
+            bytes[offset..offset + data.len()].copy_from_slice(&data);
+        }
+        Ok(())
     }
 }
 
@@ -379,7 +441,7 @@ impl HostStore {
                 layer,
                 tensors,
                 bytes,
-                buf,
+                buf: RwLock::new(buf),
             });
         }
         let store = Self {
@@ -443,7 +505,7 @@ impl HostStore {
         self.units
             .iter()
             .filter(|u| u.is_pinned())
-            .map(|u| u.buf.bytes().len() as u64)
+            .map(|u| u.buffer_len() as u64)
             .sum()
     }
 
@@ -452,7 +514,7 @@ impl HostStore {
         self.units
             .iter()
             .filter(|u| !u.is_pinned())
-            .map(|u| u.buf.bytes().len() as u64)
+            .map(|u| u.buffer_len() as u64)
             .sum()
     }
 }

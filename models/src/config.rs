@@ -298,6 +298,47 @@ impl Config {
         kv + (hidden + mlp + attn) * 3 / 2 + logits + (256 << 20)
     }
 
+    /// Device bytes a training step needs besides the weights, for `batch` sequences of
+    /// `seq_len` tokens with `segments` checkpointed segments (0: none) and matmuls in
+    /// `compute`: segment boundaries (F32), one segment's recomputed graph and its backward
+    /// temporaries, one attention head group's scores (at most 64 MiB each), one chunk of
+    /// output logits (at most 128 MiB), one segment's weight gradients, and workspace. An
+    /// estimate; BENCHMARKS.md compares it with measured peaks.
+    pub fn train_reserve_bytes(
+        &self,
+        batch: usize,
+        seq_len: usize,
+        segments: usize,
+        compute: candle_core::DType,
+    ) -> u64 {
+        let c = compute.size_in_bytes() as u64;
+        let tokens = (batch * seq_len) as u64;
+        let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
+        let (nh, kv, hd) = (
+            self.num_attention_heads as u64,
+            self.num_key_value_heads as u64,
+            self.head_dim as u64,
+        );
+        let layers = self.num_hidden_layers as u64;
+        let seg_len = if segments == 0 {
+            layers
+        } else {
+            layers.div_ceil(segments.min(self.num_hidden_layers).max(1) as u64)
+        };
+        let boundaries = (segments as u64 + 2) * tokens * h * 4;
+        // Residual, norms and casts in F32; projections, rotary copies and the MLP in `c`.
+        let per_layer = tokens * (12 * h * 4 + (3 * nh * hd + 4 * kv * hd + 2 * h) * c + 4 * i * c);
+        let scores = 4 * (64u64 << 20);
+        let logits = 5 * (128u64 << 20);
+        let layer_weights = (2 * h * nh * hd + 2 * h * kv * hd + 3 * h * i) * c;
+        boundaries
+            + 2 * seg_len * per_layer
+            + scores
+            + logits
+            + 2 * seg_len * layer_weights
+            + (256 << 20)
+    }
+
     /// Bytes of the KV cache for `tokens` positions in `dtype`.
     pub fn kv_cache_bytes(&self, tokens: usize, dtype: candle_core::DType) -> u64 {
         (2 * self.num_hidden_layers

@@ -12,9 +12,11 @@ mod error;
 pub mod generation;
 pub mod llama;
 pub mod loader;
+pub mod train;
 
 pub use chat::ChatTemplate;
 pub use config::Config;
 pub use error::{ModelError, Result};
 pub use llama::{Cache, Llama, OffloadSettings};
 pub use loader::{ModelFiles, Weights};
+pub use train::{StepReport, TrainSettings, Trainer};

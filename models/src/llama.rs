@@ -47,6 +47,16 @@ impl Rope {
         candle_nn::rotary_emb::rope(&x.contiguous()?, &cos, &sin)
     }
 
+    /// RoPE with differentiable ops, from position 0 (training).
+    fn apply_diff(&self, x: &Tensor) -> Result<Tensor> {
+        let (_, _, seq_len, _) = x.dims4()?;
+        candle_nn::rotary_emb::rope_slow(
+            x,
+            &self.cos.narrow(0, 0, seq_len)?,
+            &self.sin.narrow(0, 0, seq_len)?,
+        )
+    }
+
     /// Positions the tables cover.
     pub fn max_len(&self) -> usize {
         self.cos.dim(0).unwrap_or(0)
@@ -157,6 +167,72 @@ impl Attention {
     }
 }
 
+impl Attention {
+    /// Causal self-attention over the whole sequence with differentiable ops (training):
+    /// projections and the two attention matmuls in `xs`'s dtype, mask and softmax in F32.
+    /// With `head_chunks > 1` the heads are processed in that many checkpointed groups, so
+    /// only one group's score matrix is ever held (it is recomputed in the backward pass).
+    fn forward_train(
+        &self,
+        xs: &Tensor,
+        rope: &Rope,
+        mask: &Tensor,
+        head_chunks: usize,
+    ) -> Result<Tensor> {
+        let (b, seq_len, _) = xs.dims3()?;
+        let shape = |t: Tensor, heads: usize| {
+            t.reshape((b, seq_len, heads, self.head_dim))?
+                .transpose(1, 2)
+        };
+        let q = rope.apply_diff(&shape(self.q_proj.forward(xs)?, self.n_heads)?.contiguous()?)?;
+        let k =
+            rope.apply_diff(&shape(self.k_proj.forward(xs)?, self.n_kv_heads)?.contiguous()?)?;
+        let v = shape(self.v_proj.forward(xs)?, self.n_kv_heads)?.contiguous()?;
+        let rep = self.n_heads / self.n_kv_heads;
+        let k = candle_transformers::utils::repeat_kv(k, rep)?.contiguous()?;
+        let v = candle_transformers::utils::repeat_kv(v, rep)?.contiguous()?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let y = if head_chunks <= 1 {
+            causal_attention(&q, &k, &v, mask, scale)?
+        } else {
+            let ck = candle_offload::Checkpointer::new();
+            let mut outs = Vec::new();
+            for r in candle_offload::train::segment_ranges(self.n_heads, head_chunks) {
+                let part = |t: &Tensor| t.narrow(1, r.start, r.len());
+                let qkv = Tensor::stack(&[part(&q)?, part(&k)?, part(&v)?], 0)?;
+                let mask = mask.clone();
+                outs.push(ck.checkpoint(
+                    move |qkv| {
+                        let get = |i| qkv.get(i);
+                        causal_attention(&get(0)?, &get(1)?, &get(2)?, &mask, scale)
+                    },
+                    &qkv,
+                )?);
+            }
+            Tensor::cat(&outs, 1)?
+        };
+        let y = y
+            .transpose(1, 2)?
+            .reshape((b, seq_len, self.n_heads * self.head_dim))?;
+        self.o_proj.forward(&y)
+    }
+}
+
+/// softmax(q kᵀ · scale + mask) v with the matmuls in q's dtype and the softmax in F32.
+fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let dtype = q.dtype();
+    let att = (q * scale)?.matmul(&k.t()?)?;
+    let att = att.to_dtype(DType::F32)?.broadcast_add(mask)?;
+    let att = candle_nn::ops::softmax(&att, D::Minus1)?.to_dtype(dtype)?;
+    att.matmul(v)
+}
+
 #[derive(Debug)]
 struct Mlp {
     gate_proj: Linear,
@@ -193,20 +269,50 @@ pub struct Block {
 impl Block {
     /// Loads the block from `vb` (rooted at `model.layers.{i}`).
     pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let dtype = vb.dtype();
+        Self::load_with_norm_dtype(vb, cfg, dtype)
+    }
+
+    /// Loads the block with its norm weights in `norm_dtype` and everything else in `vb`'s
+    /// dtype (autocast keeps norms, like the residual stream, in F32).
+    pub fn load_with_norm_dtype(vb: VarBuilder, cfg: &Config, norm_dtype: DType) -> Result<Self> {
+        let norm = |name: &str| {
+            candle_nn::rms_norm(
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                vb.pp(name).to_dtype(norm_dtype),
+            )
+        };
         Ok(Self {
-            input_layernorm: candle_nn::rms_norm(
-                cfg.hidden_size,
-                cfg.rms_norm_eps,
-                vb.pp("input_layernorm"),
-            )?,
+            input_layernorm: norm("input_layernorm")?,
             self_attn: Attention::load(vb.pp("self_attn"), cfg)?,
-            post_attention_layernorm: candle_nn::rms_norm(
-                cfg.hidden_size,
-                cfg.rms_norm_eps,
-                vb.pp("post_attention_layernorm"),
-            )?,
+            post_attention_layernorm: norm("post_attention_layernorm")?,
             mlp: Mlp::load(vb.pp("mlp"), cfg)?,
         })
+    }
+
+    /// The training forward pass over a whole sequence from position 0, with differentiable
+    /// ops only: the residual stream stays in `xs`'s dtype (F32 under autocast), norms run in
+    /// it, and the attention and MLP compute in `compute` (see [`Attention::forward_train`]
+    /// for `head_chunks`).
+    pub fn forward_train(
+        &self,
+        xs: &Tensor,
+        rope: &Rope,
+        mask: &Tensor,
+        compute: DType,
+        head_chunks: usize,
+    ) -> Result<Tensor> {
+        let residual = xs;
+        let h = self.input_layernorm.forward_diff(xs)?.to_dtype(compute)?;
+        let h = self.self_attn.forward_train(&h, rope, mask, head_chunks)?;
+        let xs = (h.to_dtype(residual.dtype())? + residual)?;
+        let h = self
+            .post_attention_layernorm
+            .forward_diff(&xs)?
+            .to_dtype(compute)?;
+        let h = self.mlp.forward(&h)?;
+        h.to_dtype(xs.dtype())? + xs
     }
 
     /// Runs the block on `xs` (batch, seq, hidden) at positions `index_pos..`.
@@ -234,8 +340,8 @@ impl Block {
     }
 }
 
-/// The causal mask for `seq_len` new positions after `index_pos` cached ones.
-fn causal_mask(seq_len: usize, index_pos: usize, device: &Device) -> Result<Tensor> {
+/// The causal mask (F32, 0 or -inf) for `seq_len` new positions after `index_pos` cached ones.
+pub fn causal_mask(seq_len: usize, index_pos: usize, device: &Device) -> Result<Tensor> {
     let kv_len = index_pos + seq_len;
     let mask: Vec<f32> = (0..seq_len)
         .flat_map(|i| {
@@ -422,6 +528,7 @@ impl Llama {
                     .unwrap_or_else(|| PolicyChoice::Schedule(Self::schedule(&store, &cfg))),
                 prefetch_depth: settings.prefetch_depth,
                 keep: Self::kept_units(&store, &cfg),
+                ..Default::default()
             },
         )?;
         let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);

@@ -202,6 +202,7 @@ impl CudaEngine {
     pub(crate) fn upload(
         &self,
         unit: &HostUnit,
+        trainable: bool,
     ) -> candle_core::Result<(HashMap<String, Tensor>, UnitSync)> {
         let _span =
             tracing::debug_span!("offload.h2d", unit = unit.name(), bytes = unit.bytes()).entered();
@@ -211,13 +212,13 @@ impl CudaEngine {
         for t in unit.tensors() {
             let bytes = unit.tensor_bytes(t);
             let storage = match t.dtype {
-                DType::F16 => self.upload_typed::<half::f16>(bytes, pinned)?,
-                DType::BF16 => self.upload_typed::<half::bf16>(bytes, pinned)?,
-                DType::F32 => self.upload_typed::<f32>(bytes, pinned)?,
-                DType::F64 => self.upload_typed::<f64>(bytes, pinned)?,
-                DType::U8 => self.upload_typed::<u8>(bytes, pinned)?,
-                DType::U32 => self.upload_typed::<u32>(bytes, pinned)?,
-                DType::I64 => self.upload_typed::<i64>(bytes, pinned)?,
+                DType::F16 => self.upload_typed::<half::f16>(&bytes, pinned)?,
+                DType::BF16 => self.upload_typed::<half::bf16>(&bytes, pinned)?,
+                DType::F32 => self.upload_typed::<f32>(&bytes, pinned)?,
+                DType::F64 => self.upload_typed::<f64>(&bytes, pinned)?,
+                DType::U8 => self.upload_typed::<u8>(&bytes, pinned)?,
+                DType::U32 => self.upload_typed::<u32>(&bytes, pinned)?,
+                DType::I64 => self.upload_typed::<i64>(&bytes, pinned)?,
                 other => {
                     candle_core::bail!("tensor {}: dtype {other:?} cannot be offloaded", t.name)
                 }
@@ -226,7 +227,7 @@ impl CudaEngine {
                 Storage::Cuda(storage),
                 t.shape.clone(),
                 BackpropOp::none(),
-                false,
+                trainable,
             );
             tensors.insert(t.name.clone(), tensor);
         }

@@ -57,6 +57,7 @@ impl CudaEngine {
     pub(crate) fn upload(
         &self,
         _unit: &HostUnit,
+        _trainable: bool,
     ) -> candle_core::Result<(HashMap<String, Tensor>, UnitSync)> {
         match *self {}
     }

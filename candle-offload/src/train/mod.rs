@@ -1,0 +1,25 @@
+//! Training on small GPUs: mixed precision, dynamic loss scaling and gradient checkpointing.
+//!
+//! Candle has autograd and optimizers but no autocast, no loss scaler and no checkpointing;
+//! these three pieces add them without touching Candle:
+//! - [`Autocast`]: matmuls (and attention's projections) in F16 or BF16 while master weights,
+//!   norms, softmax, the loss and reductions stay in F32; the casts are ordinary differentiable
+//!   ops, so gradients reach the F32 masters.
+//! - [`GradScaler`] / [`ScaledOptimizer`]: PyTorch's dynamic loss scaling around any
+//!   `candle_nn::Optimizer`.
+//! - [`Checkpointer`]: `checkpoint(segment, input)` and `checkpoint_sequential(blocks, n, input)`
+//!   keep only segment boundaries in the forward pass and recompute each segment during the
+//!   backward pass; with an offload runtime the recompute fetches the segment's weights again.
+//!
+//! Models must use differentiable ops on the training path: `candle_nn::ops::softmax` (not
+//! `softmax_last_dim`), `rms_norm_slow` / `RmsNorm::forward_diff` (not the fused `rms_norm`),
+//! `rope_slow` (not `rope`); the fused kernels silently cut the gradient graph
+//! (candle-internals.md §4.4).
+
+mod autocast;
+mod checkpoint;
+mod scaler;
+
+pub use autocast::{Autocast, AutocastBackend, Precision};
+pub use checkpoint::{segment_ranges, Checkpointer, GradSink};
+pub use scaler::{GradScaler, GradScalerConfig, ScaledOptimizer, StepOutcome};

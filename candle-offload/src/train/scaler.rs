@@ -1,0 +1,255 @@
+//! Dynamic loss scaling (PyTorch's `GradScaler`) around any `candle_nn::Optimizer`.
+//!
+//! F16 has five exponent bits: small gradients underflow to zero. The loss is multiplied by a
+//! large scale before the backward pass, so gradients are computed scaled up; before the
+//! optimizer step they are unscaled in F32. A step whose gradients hold an inf or a NaN (the
+//! scale was too large) is skipped and the scale halved; after `growth_interval` good steps in
+//! a row it is doubled. The defaults are PyTorch's: initial scale 2^16, growth 2 every 2000
+//! good steps, backoff 0.5.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use candle_nn::Optimizer;
+
+/// The scaler's settings (PyTorch's defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GradScalerConfig {
+    /// The first scale.
+    pub init_scale: f64,
+    /// Multiplies the scale after `growth_interval` good steps in a row.
+    pub growth_factor: f64,
+    /// Multiplies the scale after a step with an inf or NaN gradient.
+    pub backoff_factor: f64,
+    /// Good steps in a row before the scale grows.
+    pub growth_interval: usize,
+    /// When off, the scaler is a pass-through (scale 1, nothing skipped): BF16 and F32 runs.
+    pub enabled: bool,
+}
+
+impl Default for GradScalerConfig {
+    fn default() -> Self {
+        Self {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+            enabled: true,
+        }
+    }
+}
+
+/// What a scaled step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StepOutcome {
+    /// Gradients were finite; the optimizer stepped.
+    Applied {
+        /// The scale after the step (grown if this completed an interval).
+        scale: f64,
+    },
+    /// An inf or NaN gradient: no update, the scale backed off.
+    Skipped {
+        /// The scale after backing off.
+        scale: f64,
+    },
+}
+
+impl StepOutcome {
+    /// Whether the optimizer stepped.
+    pub fn applied(&self) -> bool {
+        matches!(self, Self::Applied { .. })
+    }
+
+    /// The scale after the step.
+    pub fn scale(&self) -> f64 {
+        match *self {
+            Self::Applied { scale } | Self::Skipped { scale } => scale,
+        }
+    }
+}
+
+/// Dynamic loss scaling state.
+#[derive(Debug, Clone)]
+pub struct GradScaler {
+    cfg: GradScalerConfig,
+    scale: f64,
+    good_steps: usize,
+    skipped: u64,
+}
+
+impl GradScaler {
+    /// A scaler with `cfg`.
+    pub fn new(cfg: GradScalerConfig) -> Self {
+        let scale = if cfg.enabled { cfg.init_scale } else { 1.0 };
+        Self {
+            cfg,
+            scale,
+            good_steps: 0,
+            skipped: 0,
+        }
+    }
+
+    /// A pass-through scaler (for BF16 and F32 runs).
+    pub fn disabled() -> Self {
+        Self::new(GradScalerConfig {
+            enabled: false,
+            ..Default::default()
+        })
+    }
+
+    /// The current scale.
+    pub fn scale(&self) -> f64 {
+        self.scale
+    }
+
+    /// Whether it scales at all.
+    pub fn is_enabled(&self) -> bool {
+        self.cfg.enabled
+    }
+
+    /// Steps skipped so far.
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped
+    }
+
+    /// Good steps since the last growth or backoff.
+    pub fn good_steps(&self) -> usize {
+        self.good_steps
+    }
+
+    /// `loss` times the scale: call `backward` on this.
+    pub fn scale_loss(&self, loss: &Tensor) -> candle_core::Result<Tensor> {
+        if self.cfg.enabled {
+            loss.affine(self.scale, 0.)
+        } else {
+            Ok(loss.clone())
+        }
+    }
+
+    /// The gradients of `vars` divided by the scale, each in its variable's dtype, and
+    /// whether they are all finite (one device-to-host read for the whole set).
+    pub fn unscale(
+        &self,
+        vars: &[Var],
+        grads: &GradStore,
+    ) -> candle_core::Result<(GradStore, bool)> {
+        let inv = 1.0 / self.scale;
+        let mut out = GradStore::default();
+        // One running sum per device: a single read per device at the end.
+        let mut totals: Vec<Tensor> = Vec::new();
+        for v in vars {
+            let Some(g) = grads.get(v.as_tensor()) else {
+                continue;
+            };
+            let g = g.to_dtype(v.dtype())?;
+            let g = if self.cfg.enabled {
+                g.affine(inv, 0.)?
+            } else {
+                g
+            };
+            // inf and NaN survive a sum of absolute values; finite values cannot overflow F32
+            // here unless they are already absurd, which also deserves a skip.
+            let s = g.to_dtype(DType::F32)?.abs()?.sum_all()?;
+            match totals
+                .iter_mut()
+                .find(|t| t.device().same_device(s.device()))
+            {
+                Some(t) => *t = (&*t + s)?,
+                None => totals.push(s),
+            }
+            out.insert(v.as_tensor(), g);
+        }
+        let mut finite = true;
+        for t in totals {
+            finite &= t.to_scalar::<f32>()?.is_finite();
+        }
+        Ok((out, finite))
+    }
+
+    /// Records a step's verdict: grows the scale after `growth_interval` finite steps in a row,
+    /// backs off after a non-finite one.
+    pub fn update(&mut self, finite: bool) -> StepOutcome {
+        if !self.cfg.enabled {
+            return StepOutcome::Applied { scale: 1.0 };
+        }
+        if finite {
+            self.good_steps += 1;
+            if self.good_steps >= self.cfg.growth_interval {
+                self.scale *= self.cfg.growth_factor;
+                self.good_steps = 0;
+            }
+            StepOutcome::Applied { scale: self.scale }
+        } else {
+            self.scale *= self.cfg.backoff_factor;
+            self.good_steps = 0;
+            self.skipped += 1;
+            StepOutcome::Skipped { scale: self.scale }
+        }
+    }
+
+    /// Unscales the gradients of `vars`, steps `opt` if they are finite, and updates the
+    /// scale. `grads` come from `scale_loss(loss).backward()`.
+    pub fn step<O: Optimizer>(
+        &mut self,
+        opt: &mut O,
+        vars: &[Var],
+        grads: &GradStore,
+    ) -> candle_core::Result<StepOutcome> {
+        let (unscaled, finite) = self.unscale(vars, grads)?;
+        if finite {
+            opt.step(&unscaled)?;
+        }
+        Ok(self.update(finite))
+    }
+}
+
+/// An optimizer with dynamic loss scaling: `backward_step(loss)` scales the loss, runs the
+/// backward pass, unscales, and steps unless a gradient overflowed.
+#[derive(Debug)]
+pub struct ScaledOptimizer<O: Optimizer> {
+    opt: O,
+    vars: Vec<Var>,
+    scaler: GradScaler,
+}
+
+impl<O: Optimizer> ScaledOptimizer<O> {
+    /// `O` over `vars` with `config`, scaled by `scaler`.
+    pub fn new(vars: Vec<Var>, config: O::Config, scaler: GradScaler) -> candle_core::Result<Self> {
+        Ok(Self {
+            opt: O::new(vars.clone(), config)?,
+            vars,
+            scaler,
+        })
+    }
+
+    /// Scales `loss`, back-propagates and steps.
+    pub fn backward_step(&mut self, loss: &Tensor) -> candle_core::Result<StepOutcome> {
+        let grads = self.scaler.scale_loss(loss)?.backward()?;
+        self.step(&grads)
+    }
+
+    /// Steps with gradients of the scaled loss (e.g. from a
+    /// [`Checkpointer`](super::Checkpointer)'s backward pass).
+    pub fn step(&mut self, grads: &GradStore) -> candle_core::Result<StepOutcome> {
+        self.scaler.step(&mut self.opt, &self.vars, grads)
+    }
+
+    /// The scaler.
+    pub fn scaler(&self) -> &GradScaler {
+        &self.scaler
+    }
+
+    /// The wrapped optimizer.
+    pub fn optimizer(&self) -> &O {
+        &self.opt
+    }
+
+    /// The wrapped optimizer, mutably (to change its learning rate).
+    pub fn optimizer_mut(&mut self) -> &mut O {
+        &mut self.opt
+    }
+
+    /// The variables it updates.
+    pub fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+}

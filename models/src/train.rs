@@ -1,0 +1,625 @@
+//! Fine-tuning a LLaMA-family model on a small GPU: autocast, loss scaling, checkpointing and
+//! offloaded weights, wired together.
+//!
+//! The [`Trainer`] owns F32 master weights and an AdamW optimizer. Where they live depends on
+//! [`TrainSettings::offload`]:
+//! - resident (the default): masters, gradients and optimizer state on the device; autocast
+//!   serves each weight to the forward pass as a differentiable cast of its master;
+//! - offloaded: masters and optimizer state in host memory (ZeRO-Offload style); the device
+//!   sees compute-dtype copies streamed by an [`OffloadRuntime`] under the memory budget, as
+//!   autograd leaves. Every segment's weight gradients leave the device as soon as its
+//!   backward pass ends (the checkpoint's gradient sink), are summed in F32 on the host, the
+//!   optimizer steps there, and the updated weights are written back into the host store.
+//!   Checkpointing is required: a plain backward pass would hold every layer's weights.
+//!
+//! Memory on the device is kept down three ways besides checkpointing: attention runs over
+//! checkpointed groups of heads (one group's score matrix at a time), and the output head and
+//! loss run over checkpointed chunks of tokens (one chunk's logits at a time).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Module, Result, Tensor, TensorId, Var, D};
+use candle_nn::{AdamW, Embedding, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_offload::train::segment_ranges;
+use candle_offload::{
+    Autocast, Checkpointer, GradScaler, GradScalerConfig, MemoryLimit, OffloadConfig,
+    OffloadRuntime, OffloadStrategy, PolicyChoice, Precision, StoreConfig, UnitGuard,
+};
+
+use crate::config::Config;
+use crate::error::ModelError;
+use crate::llama::{causal_mask, expected_tensors, Block, Llama, Rope};
+
+/// How a [`Trainer`] computes and where it keeps the weights.
+#[derive(Debug, Clone)]
+pub struct TrainSettings {
+    /// Matmul precision (`--autocast`); F16 turns the loss scaler on.
+    pub precision: Precision,
+    /// Checkpointed segments over the decoder layers; 0 turns checkpointing off.
+    pub checkpoint_segments: usize,
+    /// Masters and optimizer state in host memory, weights streamed (`--offload`).
+    pub offload: bool,
+    /// Device budget for offloaded weights plus the training reservation.
+    pub gpu_memory_limit: Option<MemoryLimit>,
+    /// Offload prefetch depth.
+    pub prefetch_depth: usize,
+    /// AdamW hyper-parameters.
+    pub adamw: ParamsAdamW,
+    /// Batch size the reservation is planned for.
+    pub batch_size: usize,
+    /// Sequence length the reservation (and the RoPE tables) are planned for.
+    pub seq_len: usize,
+    /// Attention head groups; `None`: enough that one group's scores stay under 64 MiB.
+    pub head_chunks: Option<usize>,
+    /// Tokens per output-head chunk; `None`: enough that one chunk's logits stay under
+    /// 128 MiB.
+    pub loss_chunk_tokens: Option<usize>,
+}
+
+impl Default for TrainSettings {
+    fn default() -> Self {
+        Self {
+            precision: Precision::F32,
+            checkpoint_segments: 0,
+            offload: false,
+            gpu_memory_limit: None,
+            prefetch_depth: 1,
+            adamw: ParamsAdamW {
+                lr: 1e-4,
+                weight_decay: 0.0,
+                ..Default::default()
+            },
+            batch_size: 1,
+            seq_len: 256,
+            head_chunks: None,
+            loss_chunk_tokens: None,
+        }
+    }
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy)]
+pub struct StepReport {
+    /// Mean cross-entropy of the batch (before scaling).
+    pub loss: f32,
+    /// Applied, or skipped by the loss scaler.
+    pub outcome: candle_offload::train::StepOutcome,
+    /// Target tokens in the batch.
+    pub tokens: usize,
+}
+
+enum Source {
+    Resident(VarMap),
+    Offloaded(OffloadRuntime),
+}
+
+/// Everything the forward pass (and its recomputes) needs; shared with checkpoint closures.
+struct Core {
+    cfg: Config,
+    autocast: Autocast,
+    device: Device,
+    rope: Rope,
+    head_chunks: usize,
+    loss_chunk: usize,
+    source: Source,
+    /// Offload guards of the segment running now; released when the next one starts.
+    held: Mutex<Vec<UnitGuard>>,
+    /// Offloaded weights on the device by tensor id, to route their gradients to masters.
+    names: Mutex<HashMap<TensorId, String>>,
+    /// Offloaded runs: F32 gradients on the host, by tensor name.
+    host_grads: Mutex<HashMap<String, Tensor>>,
+}
+
+fn poisoned<T>(_: T) -> candle_core::Error {
+    candle_core::Error::Msg("trainer state poisoned by an earlier panic".into())
+}
+
+impl Core {
+    /// A `VarBuilder` over the unit `prefix` (acquired and held when offloaded), serving the
+    /// compute dtype by default.
+    fn vb(&self, prefix: &str) -> Result<VarBuilder<'static>> {
+        match &self.source {
+            Source::Resident(vars) => Ok(self.autocast.var_builder(vars, &self.device)),
+            Source::Offloaded(rt) => {
+                let guard = rt.acquire_named(prefix)?;
+                let vb = guard.var_builder(self.autocast.compute_dtype());
+                let mut names = self.names.lock().map_err(poisoned)?;
+                for (name, t) in guard.tensors() {
+                    names.insert(t.id(), name.clone());
+                }
+                self.held.lock().map_err(poisoned)?.push(guard);
+                Ok(vb)
+            }
+        }
+    }
+
+    fn release_held(&self) -> Result<()> {
+        self.held.lock().map_err(poisoned)?.clear();
+        Ok(())
+    }
+
+    /// Token embeddings, F32.
+    fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let (v, h) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        let w = self
+            .vb("model.embed_tokens")?
+            .to_dtype(DType::F32)
+            .get((v, h), "model.embed_tokens.weight")?;
+        Embedding::new(w, h).forward(ids)?.to_dtype(DType::F32)
+    }
+
+    fn layer(&self, l: usize, xs: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let prefix = format!("model.layers.{l}");
+        let block =
+            Block::load_with_norm_dtype(self.vb(&prefix)?.pp(&prefix), &self.cfg, DType::F32)?;
+        block.forward_train(
+            xs,
+            &self.rope,
+            mask,
+            self.autocast.compute_dtype(),
+            self.head_chunks,
+        )
+    }
+
+    /// Summed cross-entropy of `xs` (tokens, hidden) against `targets` (tokens).
+    fn head_loss_sum(&self, xs: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let (v, h) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        let norm = candle_nn::rms_norm(
+            h,
+            self.cfg.rms_norm_eps,
+            self.vb("model.norm")?.pp("model.norm").to_dtype(DType::F32),
+        )?;
+        let xs = norm
+            .forward_diff(xs)?
+            .to_dtype(self.autocast.compute_dtype())?;
+        let name = if self.cfg.tie_word_embeddings {
+            "model.embed_tokens"
+        } else {
+            "lm_head"
+        };
+        let w = self.vb(name)?.get((v, h), &format!("{name}.weight"))?;
+        let logits = Linear::new(w, None).forward(&xs)?.to_dtype(DType::F32)?;
+        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        logp.gather(&targets.unsqueeze(1)?, 1)?.sum_all()?.neg()
+    }
+
+    /// Moves offloaded weights' gradients to the host, summed in F32 by tensor name.
+    fn absorb(&self, grads: &GradStore) -> Result<()> {
+        let names = self.names.lock().map_err(poisoned)?;
+        let mut host = self.host_grads.lock().map_err(poisoned)?;
+        for id in grads.get_ids() {
+            let (Some(name), Some(g)) = (names.get(id), grads.get_id(*id)) else {
+                continue;
+            };
+            let g = g.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+            let sum = match host.remove(name) {
+                Some(acc) => (acc + g)?,
+                None => g,
+            };
+            host.insert(name.clone(), sum);
+        }
+        Ok(())
+    }
+}
+
+/// Trains a LLaMA-family model: `step(inputs, targets)` runs forward, backward and AdamW.
+pub struct Trainer {
+    core: Arc<Core>,
+    opt: AdamW,
+    vars: Vec<Var>,
+    names: Vec<String>,
+    scaler: GradScaler,
+    checkpoint_segments: usize,
+    recomputes: usize,
+}
+
+impl std::fmt::Debug for Trainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("precision", &self.core.autocast.precision())
+            .field("checkpoint_segments", &self.checkpoint_segments)
+            .field("offloaded", &self.runtime().is_some())
+            .field("parameters", &self.parameter_count())
+            .finish()
+    }
+}
+
+/// Scores of one head for `batch` x `seq`² positions, F32 bytes.
+fn head_chunks_for(cfg: &Config, batch: usize, seq: usize) -> usize {
+    let per_head = (batch * seq * seq * 4) as u64;
+    let all = per_head * cfg.num_attention_heads as u64;
+    if all <= 64 << 20 {
+        1
+    } else {
+        (all.div_ceil(64 << 20) as usize).clamp(1, cfg.num_attention_heads)
+    }
+}
+
+impl Trainer {
+    /// A trainer over `tensors` (checkpoint names, any float dtype, on any device) for a model
+    /// of `cfg`, computing on `device`. Every expected tensor must be present with its shape;
+    /// `source` names the weights in errors.
+    pub fn new(
+        cfg: Config,
+        tensors: Vec<(String, Tensor)>,
+        device: &Device,
+        settings: &TrainSettings,
+        source: &std::path::Path,
+    ) -> std::result::Result<Self, ModelError> {
+        let mut by_name: HashMap<String, Tensor> = tensors.into_iter().collect();
+        let master_device = if settings.offload {
+            Device::Cpu
+        } else {
+            device.clone()
+        };
+        if settings.offload && settings.checkpoint_segments == 0 {
+            return Err(ModelError::Config {
+                path: source.into(),
+                field: "checkpoint_segments".into(),
+                reason: "offloaded training needs checkpointing (at least 1 segment): a plain \
+                         backward pass holds every layer's weights on the device"
+                    .into(),
+            });
+        }
+        let autocast = Autocast::new(settings.precision);
+        let varmap = VarMap::new();
+        let mut vars = Vec::new();
+        let mut names = Vec::new();
+        for (name, shape) in expected_tensors(&cfg) {
+            let t = by_name.remove(&name).ok_or_else(|| ModelError::Tensor {
+                path: source.into(),
+                tensor: name.clone(),
+                reason: "missing".into(),
+            })?;
+            if t.dims() != shape.as_slice() {
+                return Err(ModelError::Tensor {
+                    path: source.into(),
+                    tensor: name,
+                    reason: format!("has shape {:?}, the config implies {shape:?}", t.dims()),
+                });
+            }
+            if !t.dtype().is_float() {
+                return Err(ModelError::Tensor {
+                    path: source.into(),
+                    tensor: name,
+                    reason: format!("has dtype {:?}, expected a float dtype", t.dtype()),
+                });
+            }
+            let var = Var::from_tensor(&t.to_dtype(DType::F32)?.to_device(&master_device)?)?;
+            varmap
+                .data()
+                .lock()
+                .map_err(poisoned)?
+                .insert(name.clone(), var.clone());
+            vars.push(var);
+            names.push(name);
+        }
+        let source_kind = if settings.offload {
+            let compute = autocast.compute_dtype();
+            let copies: Vec<(String, Tensor)> = names
+                .iter()
+                .zip(&vars)
+                .map(|(n, v)| Ok((n.clone(), v.as_tensor().to_dtype(compute)?)))
+                .collect::<Result<_>>()?;
+            let store = Arc::new(candle_offload::HostStore::from_tensors(
+                &copies,
+                &StoreConfig::default(),
+                device,
+            )?);
+            drop(copies);
+            let rt = OffloadRuntime::new(
+                store.clone(),
+                device,
+                &OffloadConfig {
+                    gpu_memory_limit: settings.gpu_memory_limit,
+                    reserve_bytes: cfg.train_reserve_bytes(
+                        settings.batch_size,
+                        settings.seq_len,
+                        settings.checkpoint_segments,
+                        compute,
+                    ),
+                    strategy: OffloadStrategy::Minimal,
+                    // Forward then reverse: the most recently used layer is the next one needed.
+                    policy: PolicyChoice::Lru,
+                    prefetch_depth: settings.prefetch_depth,
+                    keep: Llama::kept_units(&store, &cfg),
+                    trainable: true,
+                },
+            )?;
+            Source::Offloaded(rt)
+        } else {
+            Source::Resident(varmap)
+        };
+        let head_chunks = settings
+            .head_chunks
+            .unwrap_or_else(|| head_chunks_for(&cfg, settings.batch_size, settings.seq_len));
+        let loss_chunk = settings
+            .loss_chunk_tokens
+            .unwrap_or_else(|| ((128usize << 20) / (cfg.vocab_size * 4)).max(64));
+        let max_len = settings.seq_len.max(1);
+        let rope = Rope::new(&cfg, max_len, autocast.compute_dtype(), device)?;
+        let opt = AdamW::new(vars.clone(), settings.adamw.clone())?;
+        let scaler = if settings.precision.needs_loss_scaling() {
+            GradScaler::new(GradScalerConfig::default())
+        } else {
+            GradScaler::disabled()
+        };
+        Ok(Self {
+            core: Arc::new(Core {
+                cfg,
+                autocast,
+                device: device.clone(),
+                rope,
+                head_chunks,
+                loss_chunk,
+                source: source_kind,
+                held: Mutex::new(Vec::new()),
+                names: Mutex::new(HashMap::new()),
+                host_grads: Mutex::new(HashMap::new()),
+            }),
+            opt,
+            vars,
+            names,
+            scaler,
+            checkpoint_segments: settings.checkpoint_segments,
+            recomputes: 0,
+        })
+    }
+
+    /// A trainer over the weights of `files` (safetensors or GGUF, dequantized).
+    pub fn from_files(
+        files: &crate::loader::ModelFiles,
+        device: &Device,
+        settings: &TrainSettings,
+    ) -> std::result::Result<Self, ModelError> {
+        let store = crate::loader::load_store(files, DType::F32, &Device::Cpu, Some(0))?;
+        let mut tensors = Vec::new();
+        for unit in store.units() {
+            for t in unit.tensors() {
+                tensors.push((t.name.clone(), unit.cpu_tensor(t)?));
+            }
+        }
+        drop(store);
+        Self::new(
+            files.config.clone(),
+            tensors,
+            device,
+            settings,
+            &files.weights_path(),
+        )
+    }
+
+    /// A randomly initialised model of `cfg` (normal(0, 0.02) matrices, unit norms), created
+    /// where the masters live. For benchmarks and tests.
+    pub fn random(
+        cfg: Config,
+        device: &Device,
+        settings: &TrainSettings,
+    ) -> std::result::Result<Self, ModelError> {
+        let at = if settings.offload {
+            &Device::Cpu
+        } else {
+            device
+        };
+        let tensors = expected_tensors(&cfg)
+            .into_iter()
+            .map(|(name, shape)| {
+                let t = if shape.len() == 1 {
+                    Tensor::ones(shape, DType::F32, at)?
+                } else {
+                    Tensor::randn(0f32, 0.02, shape, at)?
+                };
+                Ok((name, t))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Self::new(
+            cfg,
+            tensors,
+            device,
+            settings,
+            std::path::Path::new("<random>"),
+        )
+    }
+
+    /// The model configuration.
+    pub fn config(&self) -> &Config {
+        &self.core.cfg
+    }
+
+    /// The offload runtime, when weights are offloaded.
+    pub fn runtime(&self) -> Option<&OffloadRuntime> {
+        match &self.core.source {
+            Source::Offloaded(rt) => Some(rt),
+            Source::Resident(_) => None,
+        }
+    }
+
+    /// The loss scaler.
+    pub fn scaler(&self) -> &GradScaler {
+        &self.scaler
+    }
+
+    /// The optimizer, mutably (to schedule its learning rate).
+    pub fn optimizer_mut(&mut self) -> &mut AdamW {
+        &mut self.opt
+    }
+
+    /// Number of trainable parameters.
+    pub fn parameter_count(&self) -> usize {
+        self.vars.iter().map(|v| v.elem_count()).sum()
+    }
+
+    /// Segments recomputed in backward passes so far.
+    pub fn recomputed_segments(&self) -> usize {
+        self.recomputes
+    }
+
+    /// The F32 master weights, by checkpoint name.
+    pub fn named_parameters(&self) -> impl Iterator<Item = (&str, &Var)> {
+        self.names.iter().map(String::as_str).zip(&self.vars)
+    }
+
+    /// Mean cross-entropy of `inputs` (batch, seq) predicting `targets` (batch, seq), with
+    /// the graph on: the forward pass of a step.
+    fn forward_loss(&self, inputs: &Tensor, targets: &Tensor, ck: &Checkpointer) -> Result<Tensor> {
+        let core = &self.core;
+        let (b, t) = inputs.dims2()?;
+        if t > core.rope.max_len() {
+            candle_core::bail!(
+                "sequence of {t} tokens is longer than the {} the trainer was set up for",
+                core.rope.max_len()
+            );
+        }
+        let mask = causal_mask(t, 0, &core.device)?;
+        let mut xs = core.embed(inputs)?;
+        let n_layers = core.cfg.num_hidden_layers;
+        if self.checkpoint_segments == 0 {
+            for l in 0..n_layers {
+                xs = core.layer(l, &xs, &mask)?;
+            }
+        } else {
+            for range in segment_ranges(n_layers, self.checkpoint_segments) {
+                let (core, mask) = (core.clone(), mask.clone());
+                xs = ck.checkpoint(
+                    move |x| {
+                        core.release_held()?;
+                        let mut x = x.clone();
+                        for l in range.clone() {
+                            x = core.layer(l, &x, &mask)?;
+                        }
+                        Ok(x)
+                    },
+                    &xs,
+                )?;
+            }
+        }
+        let h = core.cfg.hidden_size;
+        let n = b * t;
+        let xs = xs.reshape((n, h))?;
+        let targets = targets.flatten_all()?.to_dtype(DType::U32)?;
+        let chunk = core.loss_chunk.clamp(1, n);
+        let total = if chunk >= n {
+            core.head_loss_sum(&xs, &targets)?
+        } else {
+            let mut parts = Vec::new();
+            for start in (0..n).step_by(chunk) {
+                let len = chunk.min(n - start);
+                let (core, tg) = (core.clone(), targets.narrow(0, start, len)?);
+                parts.push(ck.checkpoint(
+                    move |x| {
+                        core.release_held()?;
+                        core.head_loss_sum(x, &tg)
+                    },
+                    &xs.narrow(0, start, len)?,
+                )?);
+            }
+            Tensor::stack(&parts, 0)?.sum_all()?
+        };
+        total / n as f64
+    }
+
+    /// Mean loss and the F32 gradients of every master (unscaled), for tests and tools:
+    /// one forward and backward pass, no optimizer step.
+    pub fn loss_and_grads(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+    ) -> Result<(f32, HashMap<String, Tensor>)> {
+        let (loss, grads) = self.backward(inputs, targets, 1.0)?;
+        let mut out = HashMap::new();
+        for (name, var) in self.names.iter().zip(&self.vars) {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                out.insert(name.clone(), g.to_dtype(DType::F32)?);
+            }
+        }
+        Ok((loss, out))
+    }
+
+    /// Forward and backward of `scale * loss`; gradients keyed by the master variables.
+    fn backward(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+    ) -> Result<(f32, GradStore)> {
+        let _span = tracing::debug_span!("train.backward").entered();
+        let core = self.core.clone();
+        core.names.lock().map_err(poisoned)?.clear();
+        core.host_grads.lock().map_err(poisoned)?.clear();
+        let offloaded = matches!(core.source, Source::Offloaded(_));
+        let ck = if offloaded {
+            let sink_core = core.clone();
+            Checkpointer::with_sink(Arc::new(move |g: GradStore| sink_core.absorb(&g)))
+        } else {
+            Checkpointer::new()
+        };
+        let loss = self.forward_loss(inputs, targets, &ck)?;
+        let scaled = if scale == 1.0 {
+            loss.clone()
+        } else {
+            loss.affine(scale, 0.)?
+        };
+        let grads = ck.backward(&scaled)?;
+        self.recomputes += ck.recomputed_segments();
+        core.release_held()?;
+        let loss_value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        if !offloaded {
+            return Ok((loss_value, grads));
+        }
+        core.absorb(&grads)?;
+        drop(grads);
+        let mut host = core.host_grads.lock().map_err(poisoned)?;
+        let mut out = GradStore::default();
+        for (name, var) in self.names.iter().zip(&self.vars) {
+            if let Some(g) = host.remove(name) {
+                out.insert(var.as_tensor(), g);
+            }
+        }
+        Ok((loss_value, out))
+    }
+
+    /// One training step on `inputs` (batch, seq) predicting `targets` (batch, seq): forward,
+    /// backward (scaled under F16), unscale, AdamW unless a gradient overflowed, and, when
+    /// offloaded, the updated weights written back to the host store.
+    pub fn step(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<StepReport> {
+        let _span = tracing::debug_span!("train.step").entered();
+        let scale = self.scaler.scale();
+        let (loss, grads) = self.backward(inputs, targets, scale)?;
+        let outcome = self.scaler.step(&mut self.opt, &self.vars, &grads)?;
+        drop(grads);
+        if let (Source::Offloaded(rt), true) = (&self.core.source, outcome.applied()) {
+            let _span = tracing::debug_span!("train.write_back").entered();
+            let values: Vec<(String, Tensor)> = self
+                .names
+                .iter()
+                .zip(&self.vars)
+                .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+                .collect();
+            rt.update_weights(&values)?;
+        }
+        Ok(StepReport {
+            loss,
+            outcome,
+            tokens: targets.elem_count(),
+        })
+    }
+
+    /// Writes the master weights as one safetensors file in `dtype`, under their checkpoint
+    /// names.
+    pub fn save_safetensors(&self, path: &std::path::Path, dtype: DType) -> Result<()> {
+        let tensors: HashMap<String, Tensor> = self
+            .names
+            .iter()
+            .zip(&self.vars)
+            .map(|(n, v)| {
+                Ok((
+                    n.clone(),
+                    v.as_tensor().to_dtype(dtype)?.to_device(&Device::Cpu)?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        candle_core::safetensors::save(&tensors, path)
+    }
+}
