@@ -11,8 +11,10 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use candle_core::DType;
+use candle_offload::placement::{DeviceMap, PlacementMode};
 use candle_offload::{MemoryLimit, OffloadStrategy, PolicyChoice, Settings};
 use candle_offload_models::generation::{generate, TokenStream};
+use candle_offload_models::llama::DeviceMapChoice;
 use candle_offload_models::loader::{self, DefaultSource};
 use candle_offload_models::{ChatTemplate, Llama, OffloadSettings};
 use candle_transformers::generation::LogitsProcessor;
@@ -86,10 +88,26 @@ struct Args {
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// Shard the layers over these GPUs (`0,1`): each runs a contiguous range of layers with
+    /// its own budget, and streams what does not fit from host memory.
+    #[arg(long, value_delimiter = ',')]
+    devices: Option<Vec<usize>>,
+    /// With --devices: `sequential` (fill GPU 0 first), `balanced` (even layer counts), or a
+    /// device map JSON file (as --save-device-map writes).
+    #[arg(long)]
+    device_map: Option<String>,
+    /// Write the device map as JSON here before loading any weight.
+    #[arg(long)]
+    save_device_map: Option<PathBuf>,
+    /// With --devices: leave peer (GPU-to-GPU) access off; copies between GPUs are then
+    /// staged by the driver.
+    #[arg(long)]
+    no_peer_access: bool,
     /// Offload weights to host memory (with the budget below, or the free GPU memory).
     #[arg(long)]
     offload: bool,
-    /// GPU memory budget: GiB (`3.5`), or `3.5GiB`, `3GB`, `50%`. Implies --offload.
+    /// GPU memory budget: GiB (`3.5`), or `3.5GiB`, `3GB`, `50%`; with --devices one per
+    /// device (`4,6`) or one for all. Implies --offload.
     #[arg(long)]
     gpu_memory_limit: Option<String>,
     /// How much stays resident.
@@ -122,15 +140,35 @@ struct Args {
 fn main() -> Result<()> {
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
-    let device = candle_offload_suite::device(args.cpu, args.device)?;
+    let ordinals = args.devices.clone().unwrap_or_else(|| vec![args.device]);
+    let devices = ordinals
+        .iter()
+        .map(|&o| candle_offload_suite::device(args.cpu, o))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let device = devices[0].clone();
+    let sharded = args.devices.is_some();
+    if !sharded && (args.device_map.is_some() || args.save_device_map.is_some()) {
+        bail!("--device-map and --save-device-map need --devices (e.g. --devices 0,1)");
+    }
 
     let settings = match &args.config {
         Some(p) => Settings::from_file(p)?,
         None => Settings::default(),
     };
     let (mut strategy, mut limit) = (settings.offload_strategy, settings.max_gpu_memory);
+    let mut limits = Vec::new();
     if let Some(s) = &args.gpu_memory_limit {
-        limit = Some(MemoryLimit::parse("--gpu-memory-limit", s)?);
+        for part in s.split(',') {
+            limits.push(MemoryLimit::parse("--gpu-memory-limit", part)?);
+        }
+        if limits.len() > 1 && limits.len() != devices.len() {
+            bail!(
+                "--gpu-memory-limit has {} values for {} device(s): give one, or one per --devices entry",
+                limits.len(),
+                devices.len()
+            );
+        }
+        limit = limits.first().copied();
     }
     if let Some(s) = args.offload_strategy {
         strategy = Some(match s {
@@ -191,6 +229,48 @@ fn main() -> Result<()> {
     }
     let max_len = prompt_ids.len() + args.max_new_tokens.max(args.leak_check.unwrap_or(0) + 1);
 
+    // With several devices: the device map, printed (and saved) before any weight is loaded.
+    let device_map = if sharded {
+        let choice = match args.device_map.as_deref().unwrap_or("sequential") {
+            m @ ("sequential" | "balanced") => DeviceMapChoice::Mode(m.parse::<PlacementMode>()?),
+            path => DeviceMapChoice::Map(DeviceMap::load(std::path::Path::new(path))?),
+        };
+        let per_device: Vec<Option<MemoryLimit>> = if limits.is_empty() {
+            vec![limit]
+        } else {
+            limits.iter().copied().map(Some).collect()
+        };
+        let map = Llama::plan_devices(
+            &cfg,
+            dtype,
+            &devices,
+            &per_device,
+            prompt_ids.len(),
+            max_len,
+            &choice,
+            args.prefetch_depth,
+        )?;
+        eprint!("{map}");
+        if let Some(p) = &args.save_device_map {
+            std::fs::write(p, map.to_json()?)
+                .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", p.display()))?;
+            eprintln!("device map: {}", p.display());
+        }
+        if !args.no_peer_access {
+            for (i, j, ok) in candle_offload::diag::set_peer_access(&devices, true)? {
+                if !ok {
+                    eprintln!(
+                        "peer access: GPU {} cannot reach GPU {} directly; copies are staged",
+                        ordinals[i], ordinals[j]
+                    );
+                }
+            }
+        }
+        Some(map)
+    } else {
+        None
+    };
+
     let t0 = std::time::Instant::now();
     let store = Arc::new(loader::load_store(&files, dtype, &device, None)?);
     eprintln!(
@@ -211,15 +291,20 @@ fn main() -> Result<()> {
         prefetch_depth: args.prefetch_depth,
         policy,
     };
-    let model = Llama::offloaded(
-        &files,
-        store,
-        &device,
-        dtype,
-        prompt_ids.len(),
-        max_len,
-        &settings,
-    )?;
+    let model = match &device_map {
+        Some(map) => {
+            Llama::offloaded_sharded(&files, store, &devices, map, dtype, max_len, &settings)?
+        }
+        None => Llama::offloaded(
+            &files,
+            store,
+            &device,
+            dtype,
+            prompt_ids.len(),
+            max_len,
+            &settings,
+        )?,
+    };
     let rt = model.runtime().clone();
 
     if args.memory_history.is_some() || args.timeline.is_some() {
@@ -285,7 +370,20 @@ fn main() -> Result<()> {
         stats.generated_tokens,
         stats.decode_tokens_per_s()
     );
-    eprint!("{}", rt.memory_summary()?);
+    for (stage_rt, layers) in model.stages() {
+        if sharded {
+            eprintln!("layers {}..{}:", layers.start, layers.end);
+        }
+        eprint!("{}", stage_rt.memory_summary()?);
+    }
+    if sharded {
+        let t = model.transfer_totals();
+        eprintln!(
+            "hidden states moved between GPUs: {} copies, {:.1} KiB",
+            t.copies,
+            t.bytes as f64 / 1024.0
+        );
+    }
     write_history(&rt, &args)?;
     Ok(())
 }

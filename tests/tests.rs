@@ -10,5 +10,6 @@ mod bad_input;
 mod cuda;
 mod models;
 mod runtime;
+mod sharding;
 mod store;
 mod train;

@@ -147,3 +147,23 @@ impl Drop for PeakMemorySampler {
         self.finish();
     }
 }
+
+/// Turns direct GPU-to-GPU access between every pair of `devices` on (or off), both ways.
+/// Returns, per ordered pair `(i, j)` of indices into `devices`, whether the GPUs can access
+/// each other; where they cannot, copies between them are staged through host memory by the
+/// driver. A no-op returning `false` for CPU devices and CPU builds.
+pub fn set_peer_access(
+    devices: &[Device],
+    enable: bool,
+) -> candle_core::Result<Vec<(usize, usize, bool)>> {
+    let mut out = Vec::new();
+    for (i, a) in devices.iter().enumerate() {
+        for (j, b) in devices.iter().enumerate() {
+            if i == j || a.is_cpu() || b.is_cpu() {
+                continue;
+            }
+            out.push((i, j, sys::set_peer_access(a, b, enable)?));
+        }
+    }
+    Ok(out)
+}

@@ -605,14 +605,14 @@ impl fmt::Display for DeviceMap {
             .map_or_else(|| "custom".to_string(), |m| m.to_string());
         writeln!(
             f,
-            "device map ({mode}): {layers} layers on {} GPU(s), prefetch depth {}",
+            "device map ({mode}): {layers} layers on {} device(s), prefetch depth {}",
             self.devices.len(),
             self.prefetch_depth
         )?;
         writeln!(
             f,
             "{:>4}  {:>10}  {:>11}  {:>9}  {:>8}  {:>8}  {:>5}  {:>11}  kept",
-            "GPU",
+            "dev",
             "budget MiB",
             "reserve MiB",
             "layers",
@@ -641,7 +641,11 @@ impl fmt::Display for DeviceMap {
                 f,
                 "{:>4}  {:>10}  {:>11}  {:>9}  {:>8}  {:>8}  {:>5}  {:>11}  {kept}",
                 d.ordinal,
-                mib(d.budget_bytes),
+                if d.budget_bytes >= u64::MAX / 8 {
+                    "unlimited".to_string()
+                } else {
+                    mib(d.budget_bytes)
+                },
                 mib(d.reserve_bytes),
                 range,
                 d.resident_layers,
@@ -650,7 +654,7 @@ impl fmt::Display for DeviceMap {
                 mib(d.weight_capacity),
             )?;
         }
-        write!(
+        writeln!(
             f,
             "streamed per forward: {} MiB",
             mib(self.streamed_bytes())

@@ -49,6 +49,10 @@ pub struct OffloadConfig {
     /// gradients for them (training with offloaded weights). Off for inference, where a
     /// variable would make every op record its graph.
     pub trainable: bool,
+    /// The units this runtime serves, by name (a pipeline stage's share of a model whose store
+    /// several runtimes share); `None`: every unit of the store. Only these count in the
+    /// budget and may be acquired.
+    pub units: Option<Vec<String>>,
 }
 
 impl Default for OffloadConfig {
@@ -61,6 +65,7 @@ impl Default for OffloadConfig {
             prefetch_depth: 1,
             keep: Vec::new(),
             trainable: false,
+            units: None,
         }
     }
 }
@@ -106,6 +111,7 @@ struct Shared {
     budget: Budget,
     prefetch_depth: usize,
     trainable: bool,
+    served: Vec<bool>,
     state: Mutex<State>,
 }
 
@@ -158,7 +164,24 @@ impl OffloadRuntime {
             limit_bytes: limit,
             reserve_bytes: cfg.reserve_bytes,
         };
-        let unit_bytes = store.unit_bytes();
+        let mut unit_bytes = store.unit_bytes();
+        let mut served = vec![true; unit_bytes.len()];
+        if let Some(names) = &cfg.units {
+            served = vec![false; unit_bytes.len()];
+            for name in names {
+                let id = store.unit_id(name).ok_or_else(|| Error::Unknown {
+                    what: "unit",
+                    name: name.clone(),
+                })?;
+                served[id.0] = true;
+            }
+            // Units of other runtimes take no room here and are never acquired.
+            for (b, &s) in unit_bytes.iter_mut().zip(&served) {
+                if !s {
+                    *b = 0;
+                }
+            }
+        }
         let mut keep_ids = Vec::new();
         for name in &cfg.keep {
             keep_ids.push(store.unit_id(name).ok_or_else(|| Error::Unknown {
@@ -169,11 +192,11 @@ impl OffloadRuntime {
         let kept: u64 = keep_ids.iter().map(|u| unit_bytes[u.0]).sum();
         // Kept units are counted once, in `kept`; the largest of the others must fit beside them.
         let evictable: Vec<u64> = (0..unit_bytes.len())
-            .filter(|i| !keep_ids.contains(&UnitId(*i)))
+            .filter(|i| served[*i] && !keep_ids.contains(&UnitId(*i)))
             .map(|i| unit_bytes[i])
             .collect();
         let largest = (0..unit_bytes.len())
-            .filter(|i| !keep_ids.contains(&UnitId(*i)))
+            .filter(|i| served[*i] && !keep_ids.contains(&UnitId(*i)))
             .max_by_key(|&i| unit_bytes[i]);
         let what = match largest {
             Some(i) if kept > 0 => format!(
@@ -222,6 +245,7 @@ impl OffloadRuntime {
                 budget,
                 prefetch_depth: plan.prefetch_depth,
                 trainable: cfg.trainable,
+                served,
                 state: Mutex::new(State {
                     cache,
                     resident: (0..n).map(|_| None).collect(),
@@ -264,6 +288,7 @@ impl OffloadRuntime {
     /// units of the learned or given schedule are prefetched.
     pub fn acquire(&self, unit: UnitId) -> candle_core::Result<UnitGuard> {
         let _span = tracing::debug_span!("offload.acquire", unit = unit.0).entered();
+        self.check_served(unit)?;
         let mut st = self.state()?;
         let transfer = st.cache.acquire(unit).map_err(|e| self.cache_error(e))?;
         let mut transfer = transfer;
@@ -325,6 +350,7 @@ impl OffloadRuntime {
     /// Hints that `unit` will be needed soon: fetches it if that evicts nothing needed sooner.
     /// Returns whether a fetch was issued.
     pub fn prefetch(&self, unit: UnitId) -> candle_core::Result<bool> {
+        self.check_served(unit)?;
         let mut st = self.state()?;
         match st.cache.prefetch(unit) {
             Some(t) => {
@@ -332,6 +358,18 @@ impl OffloadRuntime {
                 Ok(true)
             }
             None => Ok(false),
+        }
+    }
+
+    fn check_served(&self, unit: UnitId) -> candle_core::Result<()> {
+        match self.shared.served.get(unit.0) {
+            Some(true) => Ok(()),
+            Some(false) => candle_core::bail!(
+                "unit {} is not served by the runtime on {:?} (it belongs to another stage)",
+                self.shared.store.unit(unit).name(),
+                self.shared.device
+            ),
+            None => candle_core::bail!("unit {} does not exist in the host store", unit.0),
         }
     }
 

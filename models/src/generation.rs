@@ -47,7 +47,6 @@ pub fn generate(
         candle_core::bail!("the prompt is empty");
     }
     let device: &Device = model.runtime().device();
-    let rt = model.runtime();
     let mut cache = model.new_cache();
     let mut out = Vec::new();
     let mut stats = GenerationStats {
@@ -59,11 +58,11 @@ pub fn generate(
     let mut pos = 0;
     let mut decode_start = None;
     for step in 0..max_new_tokens {
-        rt.begin_step()?;
+        model.begin_step()?;
         let logits = model.forward(&input, pos, &mut cache)?;
         pos += input.dim(1)?;
         let next = sampler.sample(&logits.squeeze(0)?)?;
-        rt.end_step()?;
+        model.end_step()?;
         if step == 0 {
             stats.prefill_s = t0.elapsed().as_secs_f64();
             decode_start = Some(Instant::now());

@@ -7,9 +7,14 @@
 //! (with Llama 3 scaling), RMSNorm, SwiGLU, tied embeddings and q/k/v biases are supported.
 //! The KV cache stays on the device; the caller reserves room for it in the budget.
 
+use std::ops::Range;
+
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::kv_cache::KvCache;
 use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
+use candle_offload::placement::{
+    plan_placement, DeviceBudget, DeviceMap, PlacementMode, PlacementRequest,
+};
 use candle_offload::{
     MemoryLimit, OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice, UnitId,
 };
@@ -357,7 +362,7 @@ pub fn causal_mask(seq_len: usize, index_pos: usize, device: &Device) -> Result<
     Tensor::from_vec(mask, (seq_len, kv_len), device)
 }
 
-/// The units of a LLaMA-family model in the runtime's store.
+/// The units of a LLaMA-family model in the runtimes' (shared) store.
 #[derive(Debug, Clone)]
 struct Units {
     embed: UnitId,
@@ -390,14 +395,49 @@ impl Default for OffloadSettings {
     }
 }
 
-/// A LLaMA-family causal LM whose weights come from an [`OffloadRuntime`].
+/// One pipeline stage: a device's runtime and the contiguous layers it runs.
+#[derive(Debug)]
+struct Stage {
+    rt: OffloadRuntime,
+    rope: Rope,
+    layers: Range<usize>,
+}
+
+/// How hidden states cross from one stage's GPU to the next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HiddenTransfer {
+    /// A device-to-device copy (peer-to-peer where peer access is on; otherwise the driver
+    /// stages it), ordered after the producing kernels by an event.
+    #[default]
+    Device,
+    /// Through host memory: copied down, then up (a fallback for setups where GPU-to-GPU
+    /// copies fail).
+    Host,
+}
+
+/// Time and bytes spent moving hidden states between stages.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TransferTotals {
+    /// Copies made.
+    pub copies: u64,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Seconds from the copy's start until the destination had it (measured only while
+    /// [`Llama::time_transfers`] is on, which synchronizes both devices around each copy).
+    pub seconds: f64,
+}
+
+/// A LLaMA-family causal LM whose weights come from one [`OffloadRuntime`] per device: one
+/// device is the single-GPU path; several run the layers as a pipeline (layer sharding).
 #[derive(Debug)]
 pub struct Llama {
     cfg: Config,
-    rt: OffloadRuntime,
     dtype: DType,
-    rope: Rope,
+    stages: Vec<Stage>,
     units: Units,
+    transfer: HiddenTransfer,
+    timing: std::sync::atomic::AtomicBool,
+    totals: std::sync::Mutex<TransferTotals>,
 }
 
 /// Every tensor a model of `cfg` must have, with its shape.
@@ -445,7 +485,60 @@ impl Llama {
         max_len: usize,
         source: &std::path::Path,
     ) -> std::result::Result<Self, ModelError> {
-        let store = rt.store().clone();
+        let n = cfg.num_hidden_layers;
+        Self::sharded(cfg, vec![(rt, 0..n)], dtype, max_len, source)
+    }
+
+    /// The model run as a pipeline over `stages`: each runtime (one per device, all over the
+    /// same host store) runs a contiguous range of layers, the ranges in order and covering
+    /// every layer; the first stage also runs the embeddings, the last the final norm and the
+    /// output head. Checks as [`new`](Self::new) does.
+    pub fn sharded(
+        cfg: Config,
+        stages: Vec<(OffloadRuntime, Range<usize>)>,
+        dtype: DType,
+        max_len: usize,
+        source: &std::path::Path,
+    ) -> std::result::Result<Self, ModelError> {
+        let Some((first, _)) = stages.first() else {
+            return Err(ModelError::Config {
+                path: source.into(),
+                field: "devices".into(),
+                reason: "no stage to run the model on".into(),
+            });
+        };
+        let store = first.store().clone();
+        let mut next = 0;
+        for (i, (rt, range)) in stages.iter().enumerate() {
+            if !std::sync::Arc::ptr_eq(rt.store(), &store) {
+                return Err(ModelError::Config {
+                    path: source.into(),
+                    field: format!("stages[{i}]"),
+                    reason: "every stage must share one host store".into(),
+                });
+            }
+            if range.start != next || range.end < range.start {
+                return Err(ModelError::Config {
+                    path: source.into(),
+                    field: format!("stages[{i}]"),
+                    reason: format!(
+                        "layers {}..{} do not continue from layer {next}",
+                        range.start, range.end
+                    ),
+                });
+            }
+            next = range.end;
+        }
+        if next != cfg.num_hidden_layers {
+            return Err(ModelError::Config {
+                path: source.into(),
+                field: "stages".into(),
+                reason: format!(
+                    "the stages run layers 0..{next}, the model has {}",
+                    cfg.num_hidden_layers
+                ),
+            });
+        }
         for (name, shape) in expected_tensors(&cfg) {
             let (_, meta) = store.tensor(&name).ok_or_else(|| ModelError::Tensor {
                 path: source.into(),
@@ -491,13 +584,21 @@ impl Llama {
             },
         };
         let max_len = max_len.min(cfg.max_position_embeddings).max(1);
-        let rope = Rope::new(&cfg, max_len, dtype, rt.device())?;
+        let stages = stages
+            .into_iter()
+            .map(|(rt, layers)| {
+                let rope = Rope::new(&cfg, max_len, dtype, rt.device())?;
+                Ok(Stage { rt, rope, layers })
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             cfg,
-            rt,
             dtype,
-            rope,
+            stages,
             units,
+            transfer: HiddenTransfer::Device,
+            timing: std::sync::atomic::AtomicBool::new(false),
+            totals: std::sync::Mutex::new(TransferTotals::default()),
         })
     }
 
@@ -540,6 +641,236 @@ impl Llama {
         Self::new(cfg, rt, dtype, max_len, &files.weights_path())
     }
 
+    /// The units of a model of `cfg` with weights in `dtype`, for placement: `(pre, layers,
+    /// post)` with their bytes, computed from the configuration alone (nothing is loaded).
+    /// With tied embeddings the output head is the embedding matrix again, listed in `post`
+    /// under [`TIED_HEAD`] (the last stage keeps its own copy).
+    pub fn placement_units(cfg: &Config, dtype: DType) -> PlacementUnits {
+        let mut sizes: std::collections::HashMap<String, u64> = Default::default();
+        for (name, shape) in expected_tensors(cfg) {
+            let unit = name
+                .rsplit_once('.')
+                .map(|(prefix, _)| prefix)
+                .unwrap_or(&name);
+            // `model.layers.3.mlp.up_proj` -> `model.layers.3`; `model.norm` stays.
+            let unit = match unit.strip_prefix("model.layers.") {
+                Some(rest) => format!("model.layers.{}", rest.split('.').next().unwrap_or(rest)),
+                None => unit.to_string(),
+            };
+            let bytes = shape.iter().product::<usize>() * dtype.size_in_bytes();
+            *sizes.entry(unit).or_default() += bytes as u64;
+        }
+        let size = |n: &str| sizes.get(n).copied().unwrap_or(0);
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|l| {
+                let n = format!("model.layers.{l}");
+                let b = size(&n);
+                (n, b)
+            })
+            .collect();
+        let head = if cfg.tie_word_embeddings {
+            (TIED_HEAD.to_string(), size("model.embed_tokens"))
+        } else {
+            ("lm_head".to_string(), size("lm_head"))
+        };
+        PlacementUnits {
+            pre: vec![("model.embed_tokens".into(), size("model.embed_tokens"))],
+            layers,
+            post: vec![("model.norm".into(), size("model.norm")), head],
+        }
+    }
+
+    /// Plans which of `devices` runs which layers, before any weight is loaded: `limits` are
+    /// the per-device budgets (`None`: the memory free on a GPU, no limit on a CPU; a single
+    /// entry applies to every device), each device reserves the activations for prompts of
+    /// `prompt_len` tokens and the KV cache of its own layers for `max_len` positions.
+    /// `choice` is a mode or a map written by hand (checked against the model and budgets).
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_devices(
+        cfg: &Config,
+        dtype: DType,
+        devices: &[Device],
+        limits: &[Option<MemoryLimit>],
+        prompt_len: usize,
+        max_len: usize,
+        choice: &DeviceMapChoice,
+        prefetch_depth: usize,
+    ) -> std::result::Result<DeviceMap, ModelError> {
+        if devices.is_empty() {
+            return Err(candle_offload::Error::InvalidConfig {
+                field: "devices".into(),
+                reason: "no device given".into(),
+            }
+            .into());
+        }
+        if limits.len() > 1 && limits.len() != devices.len() {
+            return Err(candle_offload::Error::InvalidConfig {
+                field: "gpu_memory_limit".into(),
+                reason: format!(
+                    "{} limits for {} devices: give one limit, or one per device",
+                    limits.len(),
+                    devices.len()
+                ),
+            }
+            .into());
+        }
+        let units = Self::placement_units(cfg, dtype);
+        let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
+        let kv_all = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
+        let kv_per_layer = kv_all / cfg.num_hidden_layers.max(1) as u64;
+        let mut budgets = Vec::with_capacity(devices.len());
+        for (i, dev) in devices.iter().enumerate() {
+            let limit = limits.get(i).or(limits.first()).copied().flatten();
+            let name = format!("{dev:?}");
+            let info = if dev.is_cpu() {
+                None
+            } else {
+                Some(candle_offload::diag::device_info(dev)?)
+            };
+            let budget = match (limit, &info) {
+                (Some(l), info) => l.resolve(&name, info.as_ref().map(|i| i.total_bytes))?,
+                (None, Some(info)) => info.free_bytes,
+                (None, None) => u64::MAX / 4,
+            };
+            budgets.push((device_ordinal(dev, i), budget));
+        }
+        let request = |reserves: &[u64]| {
+            budgets
+                .iter()
+                .zip(reserves)
+                .map(|(&(ordinal, budget), &r)| DeviceBudget::new(ordinal, budget, r))
+                .collect::<Vec<_>>()
+        };
+        let plan = |devs: &[DeviceBudget]| {
+            let req = PlacementRequest {
+                pre: &units.pre,
+                layers: &units.layers,
+                post: &units.post,
+                devices: devs,
+                mode: match choice {
+                    DeviceMapChoice::Mode(m) => *m,
+                    DeviceMapChoice::Map(_) => PlacementMode::Sequential,
+                },
+                prefetch_depth,
+            };
+            match choice {
+                DeviceMapChoice::Mode(_) => plan_placement(&req),
+                DeviceMapChoice::Map(map) => map.validate(&req),
+            }
+        };
+        // First with every device reserving the whole KV cache (always enough), then with each
+        // reserving only its own layers' share, kept if every device still has what it needs.
+        let full = plan(&request(&vec![reserve; devices.len()]))?;
+        let shares: Vec<u64> = full
+            .devices
+            .iter()
+            .map(|d| reserve - kv_all + kv_per_layer * d.layer_count as u64)
+            .collect();
+        if let Ok(tight) = plan(&request(&shares)) {
+            let enough = tight
+                .devices
+                .iter()
+                .zip(&shares)
+                .all(|(d, &r)| reserve - kv_all + kv_per_layer * d.layer_count as u64 <= r);
+            if enough {
+                return Ok(tight);
+            }
+        }
+        Ok(full)
+    }
+
+    /// The model over its weights in `store`, run as a pipeline over `devices` as `map` says
+    /// (from [`plan_devices`](Self::plan_devices)): one offload runtime per device with a
+    /// layer, each with its own budget, reservation, copy stream and schedule. `settings`
+    /// gives the strategy, depth and policy (its memory limit is the map's business).
+    pub fn offloaded_sharded(
+        files: &crate::loader::ModelFiles,
+        store: std::sync::Arc<candle_offload::HostStore>,
+        devices: &[Device],
+        map: &DeviceMap,
+        dtype: DType,
+        max_len: usize,
+        settings: &OffloadSettings,
+    ) -> std::result::Result<Self, ModelError> {
+        let cfg = files.config.clone();
+        let real = |n: &str| {
+            if n == TIED_HEAD {
+                "model.embed_tokens".to_string()
+            } else {
+                n.to_string()
+            }
+        };
+        let mut stages = Vec::new();
+        for (i, dp) in map.devices.iter().enumerate() {
+            if dp.layer_count == 0 {
+                continue;
+            }
+            let device = devices
+                .iter()
+                .enumerate()
+                .find(|(j, d)| device_ordinal(d, *j) == dp.ordinal)
+                .map(|(_, d)| d.clone())
+                .ok_or_else(|| candle_offload::Error::InvalidConfig {
+                    field: format!("devices[{i}]"),
+                    reason: format!(
+                        "the device map names device {}, which was not given",
+                        dp.ordinal
+                    ),
+                })?;
+            let mut keep: Vec<String> = Vec::new();
+            for k in dp.kept.iter().map(|k| real(k)) {
+                if !keep.contains(&k) && store.unit_id(&k).is_some() {
+                    keep.push(k);
+                }
+            }
+            let layers = dp.layers();
+            let mut served = keep.clone();
+            served.extend(layers.clone().map(|l| format!("model.layers.{l}")));
+            let mut order: Vec<UnitId> = Vec::new();
+            if keep.iter().any(|k| k == "model.embed_tokens") && layers.start == 0 {
+                order.extend(store.unit_id("model.embed_tokens"));
+            }
+            for l in layers.clone() {
+                order.extend(store.unit_id(&format!("model.layers.{l}")));
+            }
+            for k in &keep {
+                if k != "model.embed_tokens" || cfg.tie_word_embeddings {
+                    if let Some(u) = store.unit_id(k) {
+                        if !order.contains(&u) {
+                            order.push(u);
+                        }
+                    }
+                }
+            }
+            let rt = OffloadRuntime::new(
+                store.clone(),
+                &device,
+                &OffloadConfig {
+                    gpu_memory_limit: Some(MemoryLimit::Bytes(dp.budget_bytes)),
+                    reserve_bytes: dp.reserve_bytes,
+                    strategy: settings.strategy,
+                    policy: settings
+                        .policy
+                        .clone()
+                        .unwrap_or(PolicyChoice::Schedule(order)),
+                    prefetch_depth: dp.prefetch_depth,
+                    keep,
+                    units: Some(served),
+                    ..Default::default()
+                },
+            )?;
+            let kv = cfg.kv_cache_bytes(max_len, dtype) / cfg.num_hidden_layers.max(1) as u64
+                * dp.layer_count as u64;
+            let kv = kv.min(dp.reserve_bytes);
+            rt.declare_reservation(&[
+                ("KV cache", kv),
+                ("activations and workspace", dp.reserve_bytes - kv),
+            ])?;
+            stages.push((rt, layers));
+        }
+        Self::sharded(cfg, stages, dtype, max_len, &files.weights_path())
+    }
+
     /// The order in which a forward pass acquires units (for a given schedule policy).
     pub fn schedule(store: &candle_offload::HostStore, cfg: &Config) -> Vec<UnitId> {
         let mut out = Vec::new();
@@ -574,9 +905,72 @@ impl Llama {
         &self.cfg
     }
 
-    /// The runtime holding the weights.
+    /// The runtime of the first stage (the only one on a single device).
     pub fn runtime(&self) -> &OffloadRuntime {
-        &self.rt
+        &self.stages[0].rt
+    }
+
+    /// Every stage's runtime with the layers it runs, in pipeline order.
+    pub fn stages(&self) -> Vec<(&OffloadRuntime, Range<usize>)> {
+        self.stages
+            .iter()
+            .map(|s| (&s.rt, s.layers.clone()))
+            .collect()
+    }
+
+    /// Starts a step on every stage's runtime (see [`OffloadRuntime::begin_step`]).
+    pub fn begin_step(&self) -> Result<()> {
+        self.stages.iter().try_for_each(|s| s.rt.begin_step())
+    }
+
+    /// Ends a step on every stage's runtime.
+    pub fn end_step(&self) -> Result<()> {
+        self.stages.iter().try_for_each(|s| s.rt.end_step())
+    }
+
+    /// How hidden states move between stages (default: device to device).
+    pub fn set_hidden_transfer(&mut self, how: HiddenTransfer) {
+        self.transfer = how;
+    }
+
+    /// Measures each move of hidden states between stages, synchronizing both devices around
+    /// it (a small cost per stage boundary; off by default).
+    pub fn time_transfers(&self, on: bool) {
+        self.timing.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Moves of hidden states between stages so far.
+    pub fn transfer_totals(&self) -> TransferTotals {
+        self.totals.lock().map(|t| *t).unwrap_or_default()
+    }
+
+    fn move_hidden(&self, xs: &Tensor, to: &Device) -> Result<Tensor> {
+        let _span = tracing::debug_span!("llama.move_hidden").entered();
+        let timing = self.timing.load(std::sync::atomic::Ordering::Relaxed);
+        let bytes = (xs.elem_count() * xs.dtype().size_in_bytes()) as u64;
+        let start = if timing {
+            xs.device().synchronize()?;
+            Some(std::time::Instant::now())
+        } else {
+            None
+        };
+        let out = match self.transfer {
+            HiddenTransfer::Device => xs.contiguous()?.to_device(to)?,
+            HiddenTransfer::Host => xs.to_device(&Device::Cpu)?.to_device(to)?,
+        };
+        let seconds = match start {
+            Some(t0) => {
+                to.synchronize()?;
+                t0.elapsed().as_secs_f64()
+            }
+            None => 0.0,
+        };
+        if let Ok(mut t) = self.totals.lock() {
+            t.copies += 1;
+            t.bytes += bytes;
+            t.seconds += seconds;
+        }
+        Ok(out)
     }
 
     /// The compute dtype.
@@ -586,7 +980,7 @@ impl Llama {
 
     /// A fresh KV cache for the positions this model was set up for.
     pub fn new_cache(&self) -> Cache {
-        Cache::new(self.cfg.num_hidden_layers, self.rope.max_len())
+        Cache::new(self.cfg.num_hidden_layers, self.stages[0].rope.max_len())
     }
 
     /// Logits (batch, vocab) in f32 for the last position of `input_ids` (batch, seq), whose
@@ -615,45 +1009,60 @@ impl Llama {
         self.head(&xs)
     }
 
-    /// Embeddings and every decoder layer, each acquired from the runtime as it runs.
+    /// Embeddings and every decoder layer, each acquired from its stage's runtime as it runs;
+    /// the hidden state moves to the next stage's device at each stage boundary.
     fn decoder(&self, input_ids: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
         let (_, seq_len) = input_ids.dims2()?;
-        if index_pos + seq_len > self.rope.max_len() {
+        let first = &self.stages[0];
+        if index_pos + seq_len > first.rope.max_len() {
             candle_core::bail!(
                 "position {} is past the {} positions this model was set up for",
                 index_pos + seq_len,
-                self.rope.max_len()
+                first.rope.max_len()
             );
         }
         let (vocab, hidden) = (self.cfg.vocab_size, self.cfg.hidden_size);
         let mut xs = {
-            let unit = self.rt.acquire(self.units.embed)?;
+            let unit = first.rt.acquire(self.units.embed)?;
             let w = unit
                 .var_builder(self.dtype)
                 .get((vocab, hidden), "model.embed_tokens.weight")?;
-            Embedding::new(w, hidden).forward(input_ids)?
+            Embedding::new(w, hidden).forward(&input_ids.to_device(first.rt.device())?)?
         };
-        let mask = if seq_len > 1 {
-            Some(causal_mask(seq_len, index_pos, xs.device())?)
-        } else {
-            None
-        };
-        for (l, &u) in self.units.layers.iter().enumerate() {
-            let unit = self.rt.acquire(u)?;
-            let block = Block::load(
-                unit.var_builder(self.dtype).pp(format!("model.layers.{l}")),
-                &self.cfg,
-            )?;
-            xs = block.forward(&xs, index_pos, &mut cache.kvs[l], &self.rope, mask.as_ref())?;
+        for (si, stage) in self.stages.iter().enumerate() {
+            let device = stage.rt.device();
+            if si > 0 {
+                xs = self.move_hidden(&xs, device)?;
+            }
+            let mask = if seq_len > 1 {
+                Some(causal_mask(seq_len, index_pos, device)?)
+            } else {
+                None
+            };
+            for l in stage.layers.clone() {
+                let unit = stage.rt.acquire(self.units.layers[l])?;
+                let block = Block::load(
+                    unit.var_builder(self.dtype).pp(format!("model.layers.{l}")),
+                    &self.cfg,
+                )?;
+                xs = block.forward(
+                    &xs,
+                    index_pos,
+                    &mut cache.kvs[l],
+                    &stage.rope,
+                    mask.as_ref(),
+                )?;
+            }
         }
         Ok(xs)
     }
 
-    /// The final norm and the output head, logits in f32.
+    /// The final norm and the output head (on the last stage), logits in f32.
     fn head(&self, xs: &Tensor) -> Result<Tensor> {
         let (vocab, hidden) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        let rt = &self.stages[self.stages.len() - 1].rt;
         let xs = {
-            let unit = self.rt.acquire(self.units.norm)?;
+            let unit = rt.acquire(self.units.norm)?;
             candle_nn::rms_norm(
                 hidden,
                 self.cfg.rms_norm_eps,
@@ -661,7 +1070,7 @@ impl Llama {
             )?
             .forward(xs)?
         };
-        let unit = self.rt.acquire(self.units.head)?;
+        let unit = rt.acquire(self.units.head)?;
         let name = if self.cfg.tie_word_embeddings {
             "model.embed_tokens.weight"
         } else {
@@ -669,6 +1078,38 @@ impl Llama {
         };
         let w = unit.var_builder(self.dtype).get((vocab, hidden), name)?;
         Linear::new(w, None).forward(&xs)?.to_dtype(DType::F32)
+    }
+}
+
+/// The planner's name for the output head of a model with tied embeddings (the embedding
+/// matrix, kept a second time on the last stage).
+pub const TIED_HEAD: &str = "model.embed_tokens (tied output head)";
+
+/// A model's units as the placement planner takes them.
+#[derive(Debug, Clone)]
+pub struct PlacementUnits {
+    /// Before the layers: the embeddings.
+    pub pre: Vec<(String, u64)>,
+    /// The decoder layers, in order.
+    pub layers: Vec<(String, u64)>,
+    /// After the layers: the final norm and the output head.
+    pub post: Vec<(String, u64)>,
+}
+
+/// How [`Llama::plan_devices`] decides the device map.
+#[derive(Debug, Clone)]
+pub enum DeviceMapChoice {
+    /// Planned in this mode (`--device-map sequential|balanced`).
+    Mode(PlacementMode),
+    /// Given (`--device-map plan.json`), checked against the model and budgets.
+    Map(DeviceMap),
+}
+
+/// The ordinal a device map uses for `device`: the GPU's, or the position for a CPU.
+fn device_ordinal(device: &Device, position: usize) -> usize {
+    match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
+        _ => position,
     }
 }
 

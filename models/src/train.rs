@@ -326,6 +326,7 @@ impl Trainer {
                     prefetch_depth: settings.prefetch_depth,
                     keep: Llama::kept_units(&store, &cfg),
                     trainable: true,
+                    units: None,
                 },
             )?;
             Source::Offloaded(rt)

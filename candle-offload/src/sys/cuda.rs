@@ -506,3 +506,44 @@ pub(crate) fn pci_bus_id(device: &Device) -> Option<String> {
     let dev = attr(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?;
     Some(format!("{domain:04x}:{bus:02x}:{dev:02x}.0"))
 }
+
+/// Turns direct access from `from`'s context to `to`'s memory on or off. Returns `false` when
+/// the two GPUs cannot access each other (copies between them then go through host memory);
+/// enabling twice or disabling what was never enabled is not an error.
+pub(crate) fn set_peer_access(
+    from: &Device,
+    to: &Device,
+    enable: bool,
+) -> candle_core::Result<bool> {
+    let a = from.as_cuda_device()?.cuda_stream().context().clone();
+    let b = to.as_cuda_device()?.cuda_stream().context().clone();
+    if a.cu_device() == b.cu_device() {
+        return Ok(true);
+    }
+    let mut can: std::ffi::c_int = 0;
+    // SAFETY: writes one int through a valid pointer; both device handles come from live
+    // contexts.
+    unsafe { cusys::cuDeviceCanAccessPeer(&mut can, a.cu_device(), b.cu_device()) }
+        .result()
+        .w()?;
+    if can == 0 {
+        return Ok(false);
+    }
+    a.bind_to_thread().w()?;
+    // SAFETY: `a` is the current context (bound above) and `b`'s context stays alive for the
+    // call (we hold an `Arc` to it); flags must be 0.
+    let r = unsafe {
+        if enable {
+            cusys::cuCtxEnablePeerAccess(b.cu_ctx(), 0)
+        } else {
+            cusys::cuCtxDisablePeerAccess(b.cu_ctx())
+        }
+    };
+    use cusys::cudaError_enum as E;
+    match r {
+        E::CUDA_SUCCESS
+        | E::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+        | E::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED => Ok(true),
+        other => other.result().w().map(|()| true),
+    }
+}

@@ -121,3 +121,11 @@ pub(crate) fn try_pin(_device: &Device, _bytes: usize) -> bool {
 pub(crate) fn pci_bus_id(_device: &Device) -> Option<String> {
     None
 }
+
+pub(crate) fn set_peer_access(
+    _from: &Device,
+    _to: &Device,
+    _enable: bool,
+) -> candle_core::Result<bool> {
+    Ok(false)
+}

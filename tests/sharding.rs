@@ -1,0 +1,204 @@
+//! Layer sharding: a model run as a pipeline over several devices (CPU devices here, GPUs on
+//! the GPU machine) gives the same logits and greedy tokens as one device, for planned and
+//! hand-written device maps; impossible plans are refused before anything loads.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_offload::placement::{DeviceMap, PlacementMode};
+use candle_offload::MemoryLimit;
+use candle_offload_models::generation::generate;
+use candle_offload_models::llama::{DeviceMapChoice, HiddenTransfer};
+use candle_offload_models::loader;
+use candle_offload_models::{Llama, OffloadSettings};
+use candle_transformers::generation::LogitsProcessor;
+
+const PROMPT: [u32; 7] = [5, 17, 42, 3, 99, 64, 8];
+
+fn outputs(model: &Llama) -> anyhow::Result<(Vec<f32>, Vec<u32>)> {
+    let ids = Tensor::new(&PROMPT, model.runtime().device())?.unsqueeze(0)?;
+    let logits = model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut sampler = LogitsProcessor::new(0, None, None);
+    let (tokens, _) = generate(model, &PROMPT, 10, &mut sampler, &[], |_| Ok(()))?;
+    Ok((logits, tokens))
+}
+
+/// Sharded over `devices` (planned sequentially under tight budgets, balanced, and from a
+/// saved map) equals the single-device model exactly, with either way of moving hidden states.
+pub fn sharded_equals_single_device(devices: &[Device]) -> anyhow::Result<()> {
+    for tied in [false, true] {
+        let dir = std::env::temp_dir().join(format!(
+            "candle-offload-shard-{tied}-{}-{}",
+            devices.len(),
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        crate::models::write_tiny_llama(&dir, tied, false)?;
+        let files = loader::from_dir(&dir)?;
+        let cfg = files.config.clone();
+        let store = Arc::new(loader::load_store(&files, DType::F32, &devices[0], None)?);
+        let max_len = PROMPT.len() + 10;
+        let settings = OffloadSettings::default();
+        let single = Llama::offloaded(
+            &files,
+            store.clone(),
+            &devices[0],
+            DType::F32,
+            PROMPT.len(),
+            max_len,
+            &settings,
+        )?;
+        let (want_logits, want_tokens) = outputs(&single)?;
+        drop(single);
+
+        let units = Llama::placement_units(&cfg, DType::F32);
+        let layer = units.layers[0].1;
+        let embed = units.pre[0].1;
+        let reserve = cfg.reserve_bytes(PROMPT.len(), max_len, DType::F32);
+        // Each device: its reservation, the embeddings (or the head), and about two layers.
+        let tight = MemoryLimit::Bytes(reserve + embed + 2 * layer + layer / 2);
+        let mut saved: Option<DeviceMap> = None;
+        for (what, choice, limit) in [
+            (
+                "sequential",
+                DeviceMapChoice::Mode(PlacementMode::Sequential),
+                Some(tight),
+            ),
+            (
+                "balanced",
+                DeviceMapChoice::Mode(PlacementMode::Balanced),
+                None,
+            ),
+        ] {
+            let map = Llama::plan_devices(
+                &cfg,
+                DType::F32,
+                devices,
+                &[limit],
+                PROMPT.len(),
+                max_len,
+                &choice,
+                1,
+            )?;
+            let stages = map.stages().iter().filter(|(_, r)| !r.is_empty()).count();
+            assert!(stages >= 2, "{what} tied {tied}: one stage only\n{map}");
+            for transfer in [HiddenTransfer::Device, HiddenTransfer::Host] {
+                let mut model = Llama::offloaded_sharded(
+                    &files,
+                    store.clone(),
+                    devices,
+                    &map,
+                    DType::F32,
+                    max_len,
+                    &settings,
+                )?;
+                model.set_hidden_transfer(transfer);
+                let (logits, tokens) = outputs(&model)?;
+                let ctx = format!("{what}, {transfer:?}, tied {tied}\n{map}");
+                assert_eq!(logits, want_logits, "logits: {ctx}");
+                assert_eq!(tokens, want_tokens, "greedy tokens: {ctx}");
+                assert!(model.transfer_totals().copies >= stages as u64 - 1, "{ctx}");
+                for (rt, layers) in model.stages() {
+                    let st = rt.stats()?;
+                    assert!(st.peak_resident_bytes <= st.weight_capacity_bytes, "{ctx}");
+                    // A stage only ever fetches its own layers.
+                    for u in st.units.iter().filter(|u| u.misses > 0) {
+                        if let Some(l) = u.name.strip_prefix("model.layers.") {
+                            let l: usize = l.parse()?;
+                            assert!(layers.contains(&l), "{ctx}: {} on stage {layers:?}", u.name);
+                        }
+                    }
+                }
+            }
+            saved = Some(map);
+        }
+        // A map written to JSON and read back (as --device-map plan.json does) plans the same.
+        let map = saved.expect("planned");
+        let text = map.to_json()?;
+        let back = DeviceMap::from_json(&text, "plan.json")?;
+        let replanned = Llama::plan_devices(
+            &cfg,
+            DType::F32,
+            devices,
+            &[None],
+            PROMPT.len(),
+            max_len,
+            &DeviceMapChoice::Map(back),
+            1,
+        )?;
+        assert_eq!(replanned.stages(), map.stages());
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn sharded_equals_single_device_cpu() -> anyhow::Result<()> {
+    sharded_equals_single_device(&[Device::Cpu, Device::Cpu, Device::Cpu])
+}
+
+/// Every pair of GPUs of the machine (skipped, saying so, with fewer than two).
+#[cfg(feature = "cuda")]
+#[test]
+fn sharded_equals_single_device_gpus() -> anyhow::Result<()> {
+    let n = candle_core::cuda_backend::cudarc::driver::CudaContext::device_count()? as usize;
+    if n < 2 {
+        eprintln!("sharded_equals_single_device_gpus: skipped, {n} GPU(s)");
+        return Ok(());
+    }
+    let devices = [
+        Device::new_cuda_with_stream(0)?,
+        Device::new_cuda_with_stream(1)?,
+    ];
+    for peer in [true, false] {
+        let access = candle_offload::diag::set_peer_access(&devices, peer)?;
+        eprintln!("peer access {peer}: {access:?}");
+        sharded_equals_single_device(&devices)?;
+    }
+    Ok(())
+}
+
+/// Budgets too small for any placement are refused before loading, with the MiB missing.
+#[test]
+fn impossible_plans_are_refused() -> anyhow::Result<()> {
+    let dir = std::env::temp_dir().join(format!(
+        "candle-offload-shard-refuse-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    crate::models::write_tiny_llama(&dir, false, false)?;
+    let files = loader::from_dir(&dir)?;
+    let devices = [Device::Cpu, Device::Cpu];
+    for mode in [PlacementMode::Sequential, PlacementMode::Balanced] {
+        let e = Llama::plan_devices(
+            &files.config,
+            DType::F32,
+            &devices,
+            &[Some(MemoryLimit::Bytes(1 << 20))],
+            7,
+            20,
+            &DeviceMapChoice::Mode(mode),
+            1,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("MiB"), "{mode}: {e}");
+    }
+    let e = Llama::plan_devices(
+        &files.config,
+        DType::F32,
+        &devices,
+        &[None, None, None],
+        7,
+        20,
+        &DeviceMapChoice::Mode(PlacementMode::Balanced),
+        1,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("3 limits for 2 devices"), "{e}");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
