@@ -246,12 +246,20 @@ fn grad_scaler_skips_backs_off_and_grows() -> anyhow::Result<()> {
         ..d
     });
     // Scaled gradients are unscaled before the step: 1024 * [1, 1, 1] steps by 0.1 * 1.
-    let out = scaler.step(&mut opt, std::slice::from_ref(&w), &store_with(&w, vec![1024.; 3])?)?;
+    let out = scaler.step(
+        &mut opt,
+        std::slice::from_ref(&w),
+        &store_with(&w, vec![1024.; 3])?,
+    )?;
     assert_eq!(out, StepOutcome::Applied { scale: 1024.0 });
     assert_eq!(w.to_vec1::<f32>()?, vec![0.9, 1.9, 2.9]);
     // An overflow: skipped, nothing changes, the scale halves and the good-step count resets.
     for bad in [f32::INFINITY, f32::NAN] {
-        let out = scaler.step(&mut opt, std::slice::from_ref(&w), &store_with(&w, vec![1., bad, 1.])?)?;
+        let out = scaler.step(
+            &mut opt,
+            std::slice::from_ref(&w),
+            &store_with(&w, vec![1., bad, 1.])?,
+        )?;
         assert!(!out.applied());
         assert_eq!(w.to_vec1::<f32>()?, vec![0.9, 1.9, 2.9]);
     }
@@ -259,7 +267,11 @@ fn grad_scaler_skips_backs_off_and_grows() -> anyhow::Result<()> {
     assert_eq!(scaler.skipped_steps(), 2);
     // Three good steps in a row double it.
     for i in 0..3 {
-        let out = scaler.step(&mut opt, std::slice::from_ref(&w), &store_with(&w, vec![0.; 3])?)?;
+        let out = scaler.step(
+            &mut opt,
+            std::slice::from_ref(&w),
+            &store_with(&w, vec![0.; 3])?,
+        )?;
         assert_eq!(out.scale(), if i < 2 { 256.0 } else { 512.0 });
     }
     assert_eq!(scaler.good_steps(), 0);
