@@ -347,6 +347,24 @@ impl OffloadRuntime {
         self.acquire(id)
     }
 
+    /// Under the schedule policy, starts every planned fetch that can start now, up to
+    /// `max_ahead` ahead of their use (the acquire path keeps only `prefetch_depth + 1` ahead).
+    /// For a device that is about to idle, such as a pipeline stage whose layers have run for
+    /// this token: its copy stream then works while the other stages compute. Victims are only
+    /// units not needed before the fetched one, so nothing is moved twice. Returns the number
+    /// of fetches started.
+    pub fn prefetch_ahead(&self, max_ahead: usize) -> candle_core::Result<usize> {
+        let mut st = self.state()?;
+        let planned = st.cache.prefetch_planned(max_ahead);
+        let n = planned.len();
+        for t in planned {
+            if let Err(e) = self.carry_out(&mut st, &t, "prefetch") {
+                tracing::warn!(error = %e, "prefetch failed; the unit will be fetched on demand");
+            }
+        }
+        Ok(n)
+    }
+
     /// Hints that `unit` will be needed soon: fetches it if that evicts nothing needed sooner.
     /// Returns whether a fetch was issued.
     pub fn prefetch(&self, unit: UnitId) -> candle_core::Result<bool> {
