@@ -88,7 +88,7 @@ fn main() -> Result<()> {
         .map(|c| parse_config(c))
         .collect::<Result<Vec<_>>>()?;
     // The widest multi-GPU configuration again with peer access off, and through the host.
-    if let Some(wide) = setups.iter().filter(|s| s.gpus > 1).last().cloned() {
+    if let Some(wide) = setups.iter().rfind(|s| s.gpus > 1).cloned() {
         setups.push(Setup {
             name: format!("{}-no-peer", wide.name),
             peer: false,
@@ -141,7 +141,9 @@ fn main() -> Result<()> {
     let mut records = Vec::new();
     let mut reference_tokens: Option<(String, Vec<u32>)> = None;
     let mut by_name = std::collections::HashMap::new();
-    println!("config            tok/s  streamed/token  move s/token  step s   peak MiB per GPU (budget)");
+    println!(
+        "config            tok/s  streamed/token  move s/token  step s   peak MiB per GPU (budget)"
+    );
     for setup in &setups {
         let used = &devices[..setup.gpus];
         for d in used {
@@ -174,7 +176,11 @@ fn main() -> Result<()> {
         // Warm-up: JIT-compiles kernels and fills the caches.
         {
             let mut cache = model.new_cache();
-            let l = model.forward(&Tensor::new(&prompt[..8], &first)?.unsqueeze(0)?, 0, &mut cache)?;
+            let l = model.forward(
+                &Tensor::new(&prompt[..8], &first)?.unsqueeze(0)?,
+                0,
+                &mut cache,
+            )?;
             let t = argmax(&l)?;
             argmax(&model.forward(&Tensor::new(&[t], &first)?.unsqueeze(0)?, 8, &mut cache)?)?;
         }
@@ -184,7 +190,11 @@ fn main() -> Result<()> {
             .collect::<candle_core::Result<Vec<_>>>()?;
         let mut cache = model.new_cache();
         model.begin_step()?;
-        let logits = model.forward(&Tensor::new(prompt.as_slice(), &first)?.unsqueeze(0)?, 0, &mut cache)?;
+        let logits = model.forward(
+            &Tensor::new(prompt.as_slice(), &first)?.unsqueeze(0)?,
+            0,
+            &mut cache,
+        )?;
         let mut next = argmax(&logits)?;
         model.end_step()?;
         let mut tokens = vec![next];
@@ -194,7 +204,11 @@ fn main() -> Result<()> {
         for _ in 0..args.new_tokens {
             model.begin_step()?;
             let t0 = Instant::now();
-            let logits = model.forward(&Tensor::new(&[next], &first)?.unsqueeze(0)?, pos, &mut cache)?;
+            let logits = model.forward(
+                &Tensor::new(&[next], &first)?.unsqueeze(0)?,
+                pos,
+                &mut cache,
+            )?;
             next = argmax(&logits)?;
             times.push(t0.elapsed().as_secs_f64());
             model.end_step()?;
@@ -212,7 +226,11 @@ fn main() -> Result<()> {
         let mut move_times = Vec::new();
         for _ in 0..args.timed_tokens {
             let t = model.transfer_totals();
-            let logits = model.forward(&Tensor::new(&[next], &first)?.unsqueeze(0)?, pos, &mut cache)?;
+            let logits = model.forward(
+                &Tensor::new(&[next], &first)?.unsqueeze(0)?,
+                pos,
+                &mut cache,
+            )?;
             next = argmax(&logits)?;
             pos += 1;
             tokens.push(next);

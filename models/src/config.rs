@@ -226,6 +226,57 @@ impl Config {
         Ok(cfg)
     }
 
+    /// The HF `config.json` of this configuration: every field [`Config::from_json_str`]
+    /// reads (`rope_scaling` when present), with `model_type`, `architectures` and
+    /// `tie_word_embeddings`, so that a directory written with it loads here and in
+    /// transformers.
+    pub fn to_hf_json(&self) -> serde_json::Value {
+        let architecture = match self.model_type.as_str() {
+            "mistral" => "MistralForCausalLM",
+            "qwen2" => "Qwen2ForCausalLM",
+            _ => "LlamaForCausalLM",
+        };
+        let mut v = serde_json::json!({
+            "architectures": [architecture],
+            "model_type": self.model_type,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": f64::from(self.rope_theta),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+        });
+        if let Some(r) = &self.rope_scaling {
+            let rope_type = match r.rope_type {
+                Llama3RopeType::Llama3 => "llama3",
+                Llama3RopeType::Default => "default",
+            };
+            v["rope_scaling"] = serde_json::json!({
+                "rope_type": rope_type,
+                "factor": f64::from(r.factor),
+                "low_freq_factor": f64::from(r.low_freq_factor),
+                "high_freq_factor": f64::from(r.high_freq_factor),
+                "original_max_position_embeddings": r.original_max_position_embeddings,
+            });
+        }
+        if let Some(b) = self.bos_token_id {
+            v["bos_token_id"] = b.into();
+        }
+        match self.eos_token_ids.as_slice() {
+            [] => {}
+            [one] => v["eos_token_id"] = (*one).into(),
+            many => v["eos_token_id"] = many.into(),
+        }
+        v
+    }
+
     /// Checks the relations between fields.
     pub fn validate(&self, path: &Path) -> Result<()> {
         if self.num_attention_heads % self.num_key_value_heads != 0 {
@@ -391,6 +442,82 @@ mod tests {
         let c = Config::from_json_str(&plain, Path::new("config.json")).unwrap();
         assert!(c.rope_scaling.is_none());
         assert_eq!(c.rope_theta, 5.0);
+    }
+
+    /// Every field survives `to_hf_json` → `from_json_str`.
+    fn same(a: &Config, b: &Config) -> bool {
+        let rope = |c: &Config| {
+            c.rope_scaling.as_ref().map(|r| {
+                (
+                    r.factor,
+                    r.low_freq_factor,
+                    r.high_freq_factor,
+                    r.original_max_position_embeddings,
+                    matches!(r.rope_type, Llama3RopeType::Llama3),
+                )
+            })
+        };
+        (
+            &a.model_type,
+            a.hidden_size,
+            a.intermediate_size,
+            a.vocab_size,
+            a.num_hidden_layers,
+            a.num_attention_heads,
+            a.num_key_value_heads,
+            a.head_dim,
+        ) == (
+            &b.model_type,
+            b.hidden_size,
+            b.intermediate_size,
+            b.vocab_size,
+            b.num_hidden_layers,
+            b.num_attention_heads,
+            b.num_key_value_heads,
+            b.head_dim,
+        ) && (a.rms_norm_eps, a.rope_theta, a.max_position_embeddings)
+            == (b.rms_norm_eps, b.rope_theta, b.max_position_embeddings)
+            && (a.tie_word_embeddings, a.attention_bias, a.bos_token_id)
+                == (b.tie_word_embeddings, b.attention_bias, b.bos_token_id)
+            && a.eos_token_ids == b.eos_token_ids
+            && rope(a) == rope(b)
+    }
+
+    #[test]
+    fn to_hf_json_round_trips() {
+        let p = Path::new("config.json");
+        let llama3 = SMOL.replace(
+            "\"rope_theta\":100000,",
+            "\"rope_theta\":500000.0,\"rope_scaling\":{\"rope_type\":\"llama3\",\"factor\":8.0,\"low_freq_factor\":1.0,\"high_freq_factor\":4.0,\"original_max_position_embeddings\":8192},\"head_dim\":128,",
+        );
+        let many_eos = SMOL
+            .replace("\"eos_token_id\":2", "\"eos_token_id\":[2,7]")
+            .replace(
+                "\"tie_word_embeddings\":true",
+                "\"tie_word_embeddings\":false",
+            )
+            .replace("\"rms_norm_eps\":1e-05", "\"rms_norm_eps\":3.3e-7");
+        let no_ids = SMOL
+            .replace(",\"bos_token_id\":1,\"eos_token_id\":2", "")
+            .replace("\"model_type\":\"llama\"", "\"model_type\":\"qwen2\"");
+        for text in [SMOL.to_string(), llama3, many_eos, no_ids] {
+            let a = Config::from_json_str(&text, p).unwrap();
+            let json = a.to_hf_json();
+            let b = Config::from_json_str(&json.to_string(), p).unwrap();
+            assert!(same(&a, &b), "{a:?}\n{json}\n{b:?}");
+            assert_eq!(json["tie_word_embeddings"], a.tie_word_embeddings);
+            assert!(json["architectures"][0]
+                .as_str()
+                .unwrap()
+                .ends_with("ForCausalLM"));
+        }
+        let eos = Config::from_json_str(
+            &SMOL.replace("\"eos_token_id\":2", "\"eos_token_id\":[2,7]"),
+            p,
+        )
+        .unwrap()
+        .to_hf_json();
+        assert_eq!(eos["eos_token_id"], serde_json::json!([2, 7]));
     }
 
     #[test]

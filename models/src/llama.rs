@@ -298,8 +298,8 @@ impl Block {
 
     /// The training forward pass over a whole sequence from position 0, with differentiable
     /// ops only: the residual stream stays in `xs`'s dtype (F32 under autocast), norms run in
-    /// it, and the attention and MLP compute in `compute` (see [`Attention::forward_train`]
-    /// for `head_chunks`).
+    /// it, and the attention and MLP compute in `compute`; `head_chunks > 1` runs attention over
+    /// that many checkpointed head groups (only one group's scores exist at a time).
     pub fn forward_train(
         &self,
         xs: &Tensor,

