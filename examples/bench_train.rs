@@ -281,10 +281,22 @@ fn run_one(
         loss_chunk_tokens: None,
     };
     let baseline = used(device)?;
+    // The pool's in-use high-water mark, reset to what is in use now (then read back: that).
+    let in_use_now = |reset_first: bool| -> Result<u64> {
+        if !gpu {
+            return Ok(0);
+        }
+        if reset_first {
+            diag::pool_peak_used_bytes(device, true)?;
+        }
+        Ok(diag::pool_peak_used_bytes(device, false)?)
+    };
+    let alloc_base = in_use_now(true)?;
     let t0 = Instant::now();
     let mut trainer = Trainer::random(cfg.clone(), device, &settings)?;
     let build_s = t0.elapsed().as_secs_f64();
-    let static_bytes = used(device)?.saturating_sub(baseline);
+    let static_driver = used(device)?.saturating_sub(baseline);
+    let static_bytes = in_use_now(true)?.saturating_sub(alloc_base);
     let sampler = if gpu {
         Some(PeakMemorySampler::start(device, Duration::from_millis(1))?)
     } else {
@@ -319,21 +331,28 @@ fn run_one(
         tracing::info!(config = %b.name, step = i, loss = report.loss, s = dt, "step");
     }
     let raw_peak = sampler.map(|s| s.stop());
-    let peak = raw_peak.map_or(0, |p| p.saturating_sub(baseline));
+    let peak_driver = raw_peak.map_or(0, |p| p.saturating_sub(baseline));
+    let peak = in_use_now(false)?.saturating_sub(alloc_base);
     // Forward and backward alone (no optimizer step): the memory checkpointing acts on,
     // without the optimizer's temporaries.
     let mut fwd_bwd_peak = None;
+    let mut fwd_bwd_peak_driver = None;
     if b.offload_gib.is_none() {
         let sampler = if gpu {
             used(device)?;
+            in_use_now(true)?;
             Some(PeakMemorySampler::start(device, Duration::from_millis(1))?)
         } else {
             None
         };
         let (_, grads) = trainer.loss_and_grads(&inputs, &targets)?;
         device.synchronize()?;
+        fwd_bwd_peak = gpu
+            .then(|| in_use_now(false))
+            .transpose()?
+            .map(|p| p.saturating_sub(alloc_base));
         drop(grads);
-        fwd_bwd_peak = sampler.map(|s| s.stop().saturating_sub(baseline));
+        fwd_bwd_peak_driver = sampler.map(|s| s.stop().saturating_sub(baseline));
     }
     let grad_bytes = if b.offload_gib.is_some() {
         0
@@ -367,10 +386,13 @@ fn run_one(
         "recomputed_segments": trainer.recomputed_segments(),
         "baseline_device_bytes": gpu.then_some(baseline),
         "peak_device_bytes": gpu.then_some(peak),
+        "peak_device_bytes_driver": gpu.then_some(peak_driver),
         "static_bytes": gpu.then_some(static_bytes),
+        "static_bytes_driver": gpu.then_some(static_driver),
         "grad_bytes": grad_bytes,
         "activation_bytes": activation_bytes,
         "fwd_bwd_peak_bytes": fwd_bwd_peak,
+        "fwd_bwd_peak_bytes_driver": fwd_bwd_peak_driver,
         "fwd_bwd_extra_bytes": fwd_bwd_peak.map(|p| p.saturating_sub(static_bytes)),
         "error": null,
     });
@@ -379,7 +401,8 @@ fn run_one(
         let over_context = raw_peak.map(|p| p.saturating_sub(context_bytes));
         rec["budget_bytes"] = budget.into();
         rec["peak_over_context_bytes"] = over_context.into();
-        rec["budget_holds"] = over_context.map(|p| p <= budget).into();
+        rec["budget_holds"] = (peak <= budget).into();
+        rec["budget_holds_driver"] = over_context.map(|p| p <= budget).into();
         rec["streamed_bytes_per_step"] = (median(streamed) as u64).into();
         rec["runtime"] = json!({
             "reserve_bytes": st.reserve_bytes,
@@ -691,8 +714,9 @@ fn main() -> Result<()> {
         "context_bytes": context_bytes,
     });
     let definitions = json!({
-        "peak_device_bytes": "max of cuMemGetInfo used bytes, polled every 1 ms from another thread during the steps (warm-up included), minus the used bytes just before (memory pool trimmed)",
-        "static_bytes": "used bytes after the trainer is built (pool trimmed) minus the baseline: F32 masters and AdamW state (offloaded: resident weights)",
+        "peak_device_bytes": "the driver memory pool's high-water mark of memory in use (CU_MEMPOOL_ATTR_USED_MEM_HIGH; Candle and the runtime allocate from it) during the steps (warm-up included), minus what was in use before the configuration: the analogue of the peer's torch.cuda.max_memory_allocated",
+        "peak_device_bytes_driver": "max of cuMemGetInfo used bytes, polled every 1 ms from another thread during the steps, minus the used bytes just before (memory pool trimmed): includes the pool's cached free blocks, which the pool keeps (release threshold raised) rather than returning",
+        "static_bytes": "memory in use (pool) after the trainer is built minus before: F32 masters and AdamW state (offloaded: resident weights)",
         "grad_bytes": "4 bytes per parameter for resident runs (F32 gradients); 0 for offloaded runs, whose gradients go to the host per segment",
         "activation_bytes": "peak_device_bytes - static_bytes - grad_bytes: activations, recomputed segments, backward and optimizer temporaries, allocator slack",
         "activation_memory_reduction": "activation_bytes without checkpointing over activation_bytes with it, same precision",

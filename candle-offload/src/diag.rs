@@ -167,3 +167,11 @@ pub fn set_peer_access(
     }
     Ok(out)
 }
+
+/// The most memory that was in use at once (allocated by Candle or the runtime and not yet
+/// freed) since the last reset, from the driver's memory pool: the analogue of PyTorch's
+/// `max_memory_allocated`, without the pool's cached free blocks that
+/// [`device_used_bytes`] also counts. `reset` starts a new measurement.
+pub fn pool_peak_used_bytes(device: &Device, reset: bool) -> candle_core::Result<u64> {
+    sys::pool_used_high_bytes(device, reset)
+}

@@ -219,8 +219,21 @@ impl Attention {
         let y = y
             .transpose(1, 2)?
             .reshape((b, seq_len, self.n_heads * self.head_dim))?;
-        self.o_proj.forward(&y)
+        linear_2d(&self.o_proj, &y)
     }
+}
+
+/// A linear layer on (batch, seq, in) as one (batch·seq, in) matmul, for training: the weight
+/// gradient is then one GEMM, where `Linear::forward` broadcasts the weight over the batch and
+/// its backward pass materializes and sums a gradient per sequence.
+fn linear_2d(l: &Linear, xs: &Tensor) -> Result<Tensor> {
+    let (b, t, d) = xs.dims3()?;
+    let y = xs.reshape((b * t, d))?.matmul(&l.weight().t()?)?;
+    let y = match l.bias() {
+        Some(bias) => y.broadcast_add(bias)?,
+        None => y,
+    };
+    y.reshape((b, t, ()))
 }
 
 /// softmax(q kᵀ · scale + mask) v with the matmuls in q's dtype and the softmax in F32.
@@ -316,7 +329,10 @@ impl Block {
             .post_attention_layernorm
             .forward_diff(&xs)?
             .to_dtype(compute)?;
-        let h = self.mlp.forward(&h)?;
+        let m = &self.mlp;
+        let h =
+            (candle_nn::ops::silu(&linear_2d(&m.gate_proj, &h)?)? * linear_2d(&m.up_proj, &h)?)?;
+        let h = linear_2d(&m.down_proj, &h)?;
         h.to_dtype(xs.dtype())? + xs
     }
 

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Tensor, TensorId, Var, D};
-use candle_nn::{AdamW, Embedding, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{AdamW, Embedding, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use candle_offload::train::segment_ranges;
 use candle_offload::{
     Autocast, Checkpointer, GradScaler, GradScalerConfig, MemoryLimit, OffloadConfig,
@@ -180,7 +180,7 @@ impl Core {
             "lm_head"
         };
         let w = self.vb(name)?.get((v, h), &format!("{name}.weight"))?;
-        let logits = Linear::new(w, None).forward(&xs)?.to_dtype(DType::F32)?;
+        let logits = xs.matmul(&w.t()?)?.to_dtype(DType::F32)?;
         let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
         logp.gather(&targets.unsqueeze(1)?, 1)?.sum_all()?.neg()
     }

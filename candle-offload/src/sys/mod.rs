@@ -17,8 +17,8 @@ mod imp;
 mod imp;
 
 pub(crate) use imp::{
-    device_info, device_used_bytes, measure_h2d_gbps, pci_bus_id, set_peer_access,
-    trim_memory_pool, try_pin, CudaEngine, PinnedBuffer, Pinner, UnitSync,
+    device_info, device_used_bytes, measure_h2d_gbps, pci_bus_id, pool_used_high_bytes,
+    set_peer_access, trim_memory_pool, try_pin, CudaEngine, PinnedBuffer, Pinner, UnitSync,
 };
 
 /// A read-only memory map of a weights file.

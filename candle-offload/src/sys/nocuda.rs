@@ -129,3 +129,10 @@ pub(crate) fn set_peer_access(
 ) -> candle_core::Result<bool> {
     Ok(false)
 }
+
+pub(crate) fn pool_used_high_bytes(_device: &Device, _reset: bool) -> candle_core::Result<u64> {
+    Err(crate::error::Error::NotCompiledWithCuda {
+        what: "reading the memory pool",
+    }
+    .into())
+}
