@@ -238,8 +238,21 @@ impl CustomOp1 for CheckpointOp {
         let input = Var::from_tensor(&xs.detach())?;
         let ys = (self.f)(input.as_tensor())?;
         // d/dθ sum(ys ⊙ grad) = Jᵀ grad: the vector-Jacobian product for inputs and parameters.
-        let mut grads = (ys * grad.detach())?.sum_all()?.backward()?;
-        let dx = grads.remove(input.as_tensor());
+        let surrogate = (ys * grad.detach())?.sum_all()?;
+        let mut all = surrogate.backward()?;
+        let dx = all.remove(input.as_tensor());
+        // Candle's backward also leaves gradients for every constant operand (the incoming
+        // gradient itself, masks, rotary tables), activation-sized and never read: keep only
+        // the variables', or every segment's leftovers would live until the outer pass ends.
+        let mut grads = GradStore::default();
+        for node in surrogate.sorted_nodes() {
+            if node.is_variable() {
+                if let Some(g) = all.remove(node) {
+                    grads.insert(node, g);
+                }
+            }
+        }
+        drop(all);
         self.inner.recomputes.fetch_add(1, Ordering::Relaxed);
         match &self.inner.sink {
             Some(sink) => sink(grads)?,
