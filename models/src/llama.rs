@@ -52,14 +52,10 @@ impl Rope {
         candle_nn::rotary_emb::rope(&x.contiguous()?, &cos, &sin)
     }
 
-    /// RoPE with differentiable ops, from position 0 (training).
+    /// RoPE from position 0 for training: differentiable in `x`, with the tables treated as
+    /// constants (no gradient computed for them).
     fn apply_diff(&self, x: &Tensor) -> Result<Tensor> {
-        let (_, _, seq_len, _) = x.dims4()?;
-        candle_nn::rotary_emb::rope_slow(
-            x,
-            &self.cos.narrow(0, 0, seq_len)?,
-            &self.sin.narrow(0, 0, seq_len)?,
-        )
+        candle_offload::train::grad::rope(x, &self.cos, &self.sin)
     }
 
     /// Positions the tables cover.
@@ -246,7 +242,7 @@ fn causal_attention(
 ) -> Result<Tensor> {
     let dtype = q.dtype();
     let att = (q * scale)?.matmul(&k.t()?)?;
-    let att = att.to_dtype(DType::F32)?.broadcast_add(mask)?;
+    let att = candle_offload::train::grad::add_constant(&att.to_dtype(DType::F32)?, mask)?;
     let att = candle_nn::ops::softmax(&att, D::Minus1)?.to_dtype(dtype)?;
     att.matmul(v)
 }

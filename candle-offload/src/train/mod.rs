@@ -18,6 +18,7 @@
 
 mod autocast;
 mod checkpoint;
+pub mod grad;
 mod scaler;
 
 pub use autocast::{Autocast, AutocastBackend, Precision};

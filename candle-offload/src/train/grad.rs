@@ -1,0 +1,176 @@
+//! Ops whose gradient is supplied rather than derived op by op.
+//!
+//! Candle's backward computes a gradient for every operand of every op, constants included:
+//! adding a causal mask of shape (T, T) to scores of shape (B, H, T, T) reduces the scores'
+//! gradient over B and H to produce the mask's gradient, and RoPE's `x * cos + rot(x) * sin`
+//! does the same for its tables, in every layer, for gradients nobody reads. Here the value is
+//! computed with ordinary ops on a detached input and attached to the graph by a custom op
+//! whose backward applies a given closed form to the incoming gradient (one output-sized copy,
+//! as for checkpoints).
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, Tensor, D};
+
+type Backward = dyn Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync;
+
+/// A tensor whose value is `value` and whose gradient with respect to `xs` is `backward(grad)`.
+/// `value` must have been computed from `xs` without a graph (from `xs.detach()`).
+pub fn with_gradient<F>(xs: &Tensor, value: Tensor, backward: F) -> candle_core::Result<Tensor>
+where
+    F: Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
+{
+    if !xs.track_op() {
+        return Ok(value);
+    }
+    let value = if value.is_contiguous() && value.layout().start_offset() == 0 {
+        value
+    } else {
+        value.copy()?
+    };
+    xs.apply_op1(Supplied {
+        value: Mutex::new(Some(value)),
+        backward: Arc::new(backward),
+    })
+}
+
+/// `xs + constant` (broadcast) with no gradient for the constant: the gradient passes through.
+pub fn add_constant(xs: &Tensor, constant: &Tensor) -> candle_core::Result<Tensor> {
+    let value = xs.detach().broadcast_add(constant)?;
+    with_gradient(xs, value, |g| Ok(g.clone()))
+}
+
+/// Rotary embedding (the rotate-half layout of `candle_nn::rotary_emb::rope`) of `xs` (batch,
+/// heads, seq, head_dim) with tables `cos`, `sin` (seq, head_dim / 2), differentiable in `xs`
+/// only, with the backward pass in closed form: the rotation by -θ.
+pub fn rope(xs: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+    let (_, _, seq_len, _) = xs.dims4()?;
+    let (cos, sin) = (cos.narrow(0, 0, seq_len)?, sin.narrow(0, 0, seq_len)?);
+    let value = candle_nn::rotary_emb::rope(
+        &xs.detach().contiguous()?,
+        &cos.contiguous()?,
+        &sin.contiguous()?,
+    )?;
+    let cos = Tensor::cat(&[&cos, &cos], D::Minus1)?;
+    let sin = Tensor::cat(&[&sin, &sin], D::Minus1)?;
+    with_gradient(xs, value, move |g| {
+        // y = x cos + rot(x) sin with rot(x) = [-x2, x1]; the adjoint of rot is
+        // rotᵀ(u) = [u2, -u1], so dx = g cos + rotᵀ(g sin).
+        let gs = g.broadcast_mul(&sin)?;
+        let half = gs.dim(D::Minus1)? / 2;
+        let (u1, u2) = (
+            gs.narrow(D::Minus1, 0, half)?,
+            gs.narrow(D::Minus1, half, half)?,
+        );
+        g.broadcast_mul(&cos)? + Tensor::cat(&[&u2, &u1.neg()?], D::Minus1)?
+    })
+}
+
+struct Supplied {
+    value: Mutex<Option<Tensor>>,
+    backward: Arc<Backward>,
+}
+
+impl Supplied {
+    fn take(&self) -> candle_core::Result<Tensor> {
+        self.value
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("supplied-gradient value poisoned".into()))?
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("supplied-gradient forward ran twice".into()))
+    }
+}
+
+impl CustomOp1 for Supplied {
+    fn name(&self) -> &'static str {
+        "supplied-gradient"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let v = self.take()?;
+        let (storage, layout) = v.storage_and_layout();
+        match &*storage {
+            Storage::Cpu(s) => Ok((s.clone(), layout.shape().clone())),
+            _ => candle_core::bail!("supplied gradient: the value is not on the input's device"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let v = self.take()?;
+        let (storage, layout) = v.storage_and_layout();
+        match &*storage {
+            Storage::Cuda(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
+            _ => candle_core::bail!("supplied gradient: the value is not on the input's device"),
+        }
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        (self.backward)(grad).map(Some)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn grad_of(
+        f: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+        x: &Var,
+        w: &Tensor,
+    ) -> Vec<f32> {
+        let y = f(x.as_tensor()).unwrap();
+        let g = (y * w).unwrap().sum_all().unwrap().backward().unwrap();
+        g.get(x.as_tensor())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    #[test]
+    fn rope_matches_candles_differentiable_rope() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::randn(0f32, 1., (2, 3, 5, 8), &dev)?;
+        let w = Tensor::randn(0f32, 1., (2, 3, 5, 8), &dev)?;
+        let theta = Tensor::randn(0f32, 1., (5, 4), &dev)?;
+        let (cos, sin) = (theta.cos()?, theta.sin()?);
+        let ours = rope(x.as_tensor(), &cos, &sin)?;
+        let reference = candle_nn::rotary_emb::rope_slow(x.as_tensor(), &cos, &sin)?;
+        let diff = (ours - &reference)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "value differs by {diff}");
+        let a = grad_of(|x| rope(x, &cos, &sin), &x, &w);
+        let b = grad_of(|x| candle_nn::rotary_emb::rope_slow(x, &cos, &sin), &x, &w);
+        for (p, q) in a.iter().zip(&b) {
+            assert!((p - q).abs() < 1e-5, "{p} vs {q}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn constants_get_no_gradient_and_inputs_pass_it_through() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::randn(0f32, 1., (2, 3, 4), &dev)?;
+        let c = Tensor::randn(0f32, 1., (3, 4), &dev)?;
+        let w = Tensor::randn(0f32, 1., (2, 3, 4), &dev)?;
+        let y = add_constant(x.as_tensor(), &c)?;
+        assert_eq!(
+            y.to_vec3::<f32>()?,
+            x.as_tensor().broadcast_add(&c)?.to_vec3::<f32>()?
+        );
+        let g = (y * &w)?.sum_all()?.backward()?;
+        assert!(g.get(&c).is_none(), "the constant got a gradient");
+        assert_eq!(
+            g.get(x.as_tensor()).unwrap().to_vec3::<f32>()?,
+            w.to_vec3::<f32>()?
+        );
+        Ok(())
+    }
+}
