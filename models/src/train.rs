@@ -588,8 +588,7 @@ impl Trainer {
         let _span = tracing::debug_span!("train.step").entered();
         let scale = self.scaler.scale();
         let (loss, grads) = self.backward(inputs, targets, scale)?;
-        let outcome = self.scaler.step(&mut self.opt, &self.vars, &grads)?;
-        drop(grads);
+        let outcome = self.scaler.step_owned(&mut self.opt, &self.vars, grads)?;
         if let (Source::Offloaded(rt), true) = (&self.core.source, outcome.applied()) {
             let _span = tracing::debug_span!("train.write_back").entered();
             let values: Vec<(String, Tensor)> = self

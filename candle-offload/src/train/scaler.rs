@@ -126,18 +126,34 @@ impl GradScaler {
     }
 
     /// The gradients of `vars` divided by the scale, each in its variable's dtype, and
-    /// whether they are all finite (one device-to-host read for the whole set).
+    /// whether they are all finite (one device-to-host read per device for the whole set).
     pub fn unscale(
         &self,
         vars: &[Var],
         grads: &GradStore,
+    ) -> candle_core::Result<(GradStore, bool)> {
+        let mut copy = GradStore::default();
+        for v in vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                copy.insert(v.as_tensor(), g.clone());
+            }
+        }
+        self.unscale_owned(vars, copy)
+    }
+
+    /// [`unscale`](Self::unscale) consuming `grads`: each scaled gradient is dropped as soon
+    /// as its unscaled copy exists, so the gradients are never held twice.
+    pub fn unscale_owned(
+        &self,
+        vars: &[Var],
+        mut grads: GradStore,
     ) -> candle_core::Result<(GradStore, bool)> {
         let inv = 1.0 / self.scale;
         let mut out = GradStore::default();
         // One running sum per device: a single read per device at the end.
         let mut totals: Vec<Tensor> = Vec::new();
         for v in vars {
-            let Some(g) = grads.get(v.as_tensor()) else {
+            let Some(g) = grads.remove(v.as_tensor()) else {
                 continue;
             };
             let g = g.to_dtype(v.dtype())?;
@@ -146,8 +162,7 @@ impl GradScaler {
             } else {
                 g
             };
-            // inf and NaN survive a sum of absolute values; finite values cannot overflow F32
-            // here unless they are already absurd, which also deserves a skip.
+            // inf and NaN survive a sum of absolute values.
             let s = g.to_dtype(DType::F32)?.abs()?.sum_all()?;
             match totals
                 .iter_mut()
@@ -158,6 +173,7 @@ impl GradScaler {
             }
             out.insert(v.as_tensor(), g);
         }
+        drop(grads);
         let mut finite = true;
         for t in totals {
             finite &= t.to_scalar::<f32>()?.is_finite();
@@ -195,6 +211,25 @@ impl GradScaler {
         grads: &GradStore,
     ) -> candle_core::Result<StepOutcome> {
         let (unscaled, finite) = self.unscale(vars, grads)?;
+        if finite {
+            opt.step(&unscaled)?;
+        }
+        Ok(self.update(finite))
+    }
+
+    /// [`step`](Self::step) consuming `grads` (the scaled gradients are freed while unscaling;
+    /// with scaling off they are handed to the optimizer as they are).
+    pub fn step_owned<O: Optimizer>(
+        &mut self,
+        opt: &mut O,
+        vars: &[Var],
+        grads: GradStore,
+    ) -> candle_core::Result<StepOutcome> {
+        if !self.cfg.enabled {
+            opt.step(&grads)?;
+            return Ok(self.update(true));
+        }
+        let (unscaled, finite) = self.unscale_owned(vars, grads)?;
         if finite {
             opt.step(&unscaled)?;
         }
