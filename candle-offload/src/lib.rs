@@ -15,7 +15,10 @@
 //!   `load(vb, &cfg)` code; dropping the guard releases the unit.
 //! - [`OffloadStats`]: bytes moved, GB/s, stall time, hits and misses per unit;
 //!   [`OffloadRuntime::memory_summary`] prints them.
-//! - [`plan_capacity`], [`ResidencyCache`], [`MemoryLimit`]: the pure planning parts.
+//! - [`plan_capacity`], [`ResidencyCache`], [`MemoryLimit`], [`placement::plan_placement`]
+//!   (device maps for several GPUs): the pure planning parts.
+//! - [`train`]: autocast, dynamic loss scaling and gradient checkpointing for training on top
+//!   of Candle's autograd, with offloaded weights fetched again for each recomputed segment.
 //!
 //! # Example
 //! A four-layer model run layer by layer with room for only two layers at a time:
