@@ -193,7 +193,8 @@ impl Core {
             let (Some(name), Some(g)) = (names.get(id), grads.get_id(*id)) else {
                 continue;
             };
-            let g = g.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+            // To the host first: no F32 copy of the gradient on the device.
+            let g = g.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
             let sum = match host.remove(name) {
                 Some(acc) => (acc + g)?,
                 None => g,

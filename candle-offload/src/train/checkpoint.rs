@@ -239,17 +239,23 @@ impl CustomOp1 for CheckpointOp {
         let ys = (self.f)(input.as_tensor())?;
         // d/dθ sum(ys ⊙ grad) = Jᵀ grad: the vector-Jacobian product for inputs and parameters.
         let surrogate = (ys * grad.detach())?.sum_all()?;
+        let vars: Vec<Tensor> = surrogate
+            .sorted_nodes()
+            .into_iter()
+            .filter(|n| n.is_variable())
+            .cloned()
+            .collect();
         let mut all = surrogate.backward()?;
+        // The recomputed graph goes before the gradients go anywhere.
+        drop(surrogate);
         let dx = all.remove(input.as_tensor());
         // Candle's backward also leaves gradients for every constant operand (the incoming
         // gradient itself, masks, rotary tables), activation-sized and never read: keep only
         // the variables', or every segment's leftovers would live until the outer pass ends.
         let mut grads = GradStore::default();
-        for node in surrogate.sorted_nodes() {
-            if node.is_variable() {
-                if let Some(g) = all.remove(node) {
-                    grads.insert(node, g);
-                }
+        for v in &vars {
+            if let Some(g) = all.remove(v) {
+                grads.insert(v, g);
             }
         }
         drop(all);
