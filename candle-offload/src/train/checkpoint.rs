@@ -26,7 +26,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp1, Layout, Module, Shape, Storage, Tensor, Var};
+use candle_core::{Module, Tensor, Var};
+
+use super::grad::attach_precomputed;
 
 type SegmentFn = dyn Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync;
 
@@ -121,23 +123,20 @@ impl Checkpointer {
         let _span = tracing::trace_span!("checkpoint.forward").entered();
         // The segment's graph dies with the temporary: only the detached output survives.
         let ys = f(&xs.detach())?.detach();
-        let ys = if ys.is_contiguous() && ys.layout().start_offset() == 0 {
-            ys
-        } else {
-            ys.copy()?
-        };
-        // An input without a graph would make the op untracked and lose the parameters'
+        // An input without a graph would make the node untracked and lose the parameters'
         // gradients: give it a leaf of its own.
         let xs = if xs.track_op() {
             xs.clone()
         } else {
             Var::from_tensor(xs)?.into_inner()
         };
-        xs.apply_op1(CheckpointOp {
-            f,
-            inner: self.inner.clone(),
-            output: Mutex::new(Some(ys)),
-        })
+        let inner = self.inner.clone();
+        attach_precomputed(
+            &xs,
+            ys,
+            "checkpoint",
+            Arc::new(move |xs, grad| recompute(&f, &inner, xs, grad)),
+        )
     }
 
     /// `blocks` run in order, cut into `n_segments` checkpointed segments
@@ -184,93 +183,50 @@ impl Checkpointer {
     }
 }
 
-/// The graph node of a checkpoint: its input is the segment's input, its forward hands out the
-/// precomputed output (then forgets it, so only the node's own copy stays alive), its backward
-/// recomputes.
-struct CheckpointOp {
-    f: Arc<SegmentFn>,
-    inner: Arc<Inner>,
-    output: Mutex<Option<Tensor>>,
-}
-
-impl CheckpointOp {
-    fn take_output(&self) -> candle_core::Result<Tensor> {
-        self.output
+/// The backward pass of a checkpoint: re-runs the segment on its input with the graph on,
+/// back-propagates the incoming gradient through it, hands the parameters' gradients on, and
+/// returns the input's.
+fn recompute(
+    f: &Arc<SegmentFn>,
+    inner: &Inner,
+    xs: &Tensor,
+    grad: &Tensor,
+) -> candle_core::Result<Option<Tensor>> {
+    let _span = tracing::trace_span!("checkpoint.recompute").entered();
+    let input = Var::from_tensor(&xs.detach())?;
+    let ys = f(input.as_tensor())?;
+    // d/dθ sum(ys ⊙ grad) = Jᵀ grad: the vector-Jacobian product for inputs and parameters.
+    let surrogate = (ys * grad.detach())?.sum_all()?;
+    let vars: Vec<Tensor> = surrogate
+        .sorted_nodes()
+        .into_iter()
+        .filter(|n| n.is_variable())
+        .cloned()
+        .collect();
+    let mut all = surrogate.backward()?;
+    // The recomputed graph goes before the gradients go anywhere.
+    drop(surrogate);
+    let dx = all.remove(input.as_tensor());
+    // Candle's backward also leaves gradients for every constant operand (the incoming
+    // gradient itself, masks, rotary tables), activation-sized and never read: keep only
+    // the variables', or every segment's leftovers would live until the outer pass ends.
+    let mut grads = GradStore::default();
+    for v in &vars {
+        if let Some(g) = all.remove(v) {
+            grads.insert(v, g);
+        }
+    }
+    drop(all);
+    inner.recomputes.fetch_add(1, Ordering::Relaxed);
+    match &inner.sink {
+        Some(sink) => sink(grads)?,
+        None => inner
+            .side
             .lock()
-            .map_err(|_| candle_core::Error::Msg("checkpoint output poisoned".into()))?
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("checkpoint forward ran twice".into()))
+            .map_err(|_| candle_core::Error::Msg("checkpoint gradient store poisoned".into()))?
+            .extend(grads)?,
     }
-}
-
-impl CustomOp1 for CheckpointOp {
-    fn name(&self) -> &'static str {
-        "checkpoint"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let ys = self.take_output()?;
-        let (storage, layout) = ys.storage_and_layout();
-        match &*storage {
-            // `checkpoint_arc` made `ys` contiguous from offset 0.
-            Storage::Cpu(s) => Ok((s.clone(), layout.shape().clone())),
-            _ => candle_core::bail!("checkpoint: the segment's output left the input's device"),
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        let ys = self.take_output()?;
-        let (storage, layout) = ys.storage_and_layout();
-        match &*storage {
-            Storage::Cuda(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
-            _ => candle_core::bail!("checkpoint: the segment's output left the input's device"),
-        }
-    }
-
-    fn bwd(&self, xs: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _span = tracing::trace_span!("checkpoint.recompute").entered();
-        let input = Var::from_tensor(&xs.detach())?;
-        let ys = (self.f)(input.as_tensor())?;
-        // d/dθ sum(ys ⊙ grad) = Jᵀ grad: the vector-Jacobian product for inputs and parameters.
-        let surrogate = (ys * grad.detach())?.sum_all()?;
-        let vars: Vec<Tensor> = surrogate
-            .sorted_nodes()
-            .into_iter()
-            .filter(|n| n.is_variable())
-            .cloned()
-            .collect();
-        let mut all = surrogate.backward()?;
-        // The recomputed graph goes before the gradients go anywhere.
-        drop(surrogate);
-        let dx = all.remove(input.as_tensor());
-        // Candle's backward also leaves gradients for every constant operand (the incoming
-        // gradient itself, masks, rotary tables), activation-sized and never read: keep only
-        // the variables', or every segment's leftovers would live until the outer pass ends.
-        let mut grads = GradStore::default();
-        for v in &vars {
-            if let Some(g) = all.remove(v) {
-                grads.insert(v, g);
-            }
-        }
-        drop(all);
-        self.inner.recomputes.fetch_add(1, Ordering::Relaxed);
-        match &self.inner.sink {
-            Some(sink) => sink(grads)?,
-            None => self
-                .inner
-                .side
-                .lock()
-                .map_err(|_| candle_core::Error::Msg("checkpoint gradient store poisoned".into()))?
-                .extend(grads)?,
-        }
-        Ok(dx)
-    }
+    Ok(dx)
 }
 
 #[cfg(test)]

@@ -12,8 +12,6 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, Tensor, D};
 
-type Backward = dyn Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync;
-
 /// A tensor whose value is `value` and whose gradient with respect to `xs` is `backward(grad)`.
 /// `value` must have been computed from `xs` without a graph (from `xs.detach()`).
 pub fn with_gradient<F>(xs: &Tensor, value: Tensor, backward: F) -> candle_core::Result<Tensor>
@@ -23,15 +21,12 @@ where
     if !xs.track_op() {
         return Ok(value);
     }
-    let value = if value.is_contiguous() && value.layout().start_offset() == 0 {
-        value
-    } else {
-        value.copy()?
-    };
-    xs.apply_op1(Supplied {
-        value: Mutex::new(Some(value)),
-        backward: Arc::new(backward),
-    })
+    attach_precomputed(
+        xs,
+        value,
+        "supplied-gradient",
+        Arc::new(move |_, g| backward(g).map(Some)),
+    )
 }
 
 /// `xs + constant` (broadcast) with no gradient for the constant: the gradient passes through.
@@ -66,24 +61,53 @@ pub fn rope(xs: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tens
     })
 }
 
-struct Supplied {
-    value: Mutex<Option<Tensor>>,
-    backward: Arc<Backward>,
+/// The backward pass of a [`Precomputed`] node: `(input, incoming gradient)` to the input's
+/// gradient.
+pub(crate) type PrecomputedBackward =
+    Arc<dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Option<Tensor>> + Send + Sync>;
+
+/// A graph node on `xs` whose value is `value` (computed beforehand, without a graph) and
+/// whose backward pass is `backward`: what checkpoints and supplied gradients are made of.
+/// Its forward hands out a copy of the value and then forgets it, so only the node's own
+/// copy stays alive.
+pub(crate) fn attach_precomputed(
+    xs: &Tensor,
+    value: Tensor,
+    name: &'static str,
+    backward: PrecomputedBackward,
+) -> candle_core::Result<Tensor> {
+    // The CPU forward copies the whole storage: hand it a value that starts at offset 0.
+    let value = if value.is_contiguous() && value.layout().start_offset() == 0 {
+        value
+    } else {
+        value.copy()?
+    };
+    xs.apply_op1(Precomputed {
+        name,
+        value: Mutex::new(Some(value)),
+        backward,
+    })
 }
 
-impl Supplied {
+struct Precomputed {
+    name: &'static str,
+    value: Mutex<Option<Tensor>>,
+    backward: PrecomputedBackward,
+}
+
+impl Precomputed {
     fn take(&self) -> candle_core::Result<Tensor> {
         self.value
             .lock()
-            .map_err(|_| candle_core::Error::Msg("supplied-gradient value poisoned".into()))?
+            .map_err(|_| candle_core::Error::Msg(format!("{}: value poisoned", self.name)))?
             .take()
-            .ok_or_else(|| candle_core::Error::Msg("supplied-gradient forward ran twice".into()))
+            .ok_or_else(|| candle_core::Error::Msg(format!("{}: forward ran twice", self.name)))
     }
 }
 
-impl CustomOp1 for Supplied {
+impl CustomOp1 for Precomputed {
     fn name(&self) -> &'static str {
-        "supplied-gradient"
+        self.name
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
@@ -91,7 +115,7 @@ impl CustomOp1 for Supplied {
         let (storage, layout) = v.storage_and_layout();
         match &*storage {
             Storage::Cpu(s) => Ok((s.clone(), layout.shape().clone())),
-            _ => candle_core::bail!("supplied gradient: the value is not on the input's device"),
+            _ => candle_core::bail!("{}: the value is not on the input's device", self.name),
         }
     }
 
@@ -106,12 +130,12 @@ impl CustomOp1 for Supplied {
         let (storage, layout) = v.storage_and_layout();
         match &*storage {
             Storage::Cuda(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
-            _ => candle_core::bail!("supplied gradient: the value is not on the input's device"),
+            _ => candle_core::bail!("{}: the value is not on the input's device", self.name),
         }
     }
 
-    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        (self.backward)(grad).map(Some)
+    fn bwd(&self, xs: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        (self.backward)(xs, grad)
     }
 }
 
