@@ -371,3 +371,126 @@ fn failed_fetches_never_change_results() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `update_weights` rewrites the host copy and drops the device copy (kept units too): the
+/// next acquire sees the new values. Units in use, unknown names and wrong shapes are refused,
+/// and nothing is written when one value is refused.
+fn updated_weights_are_seen_next_time(device: &Device) -> anyhow::Result<()> {
+    let store = mlp_store(LAYERS, WIDTH, device, None)?;
+    let rt = OffloadRuntime::new(
+        store.clone(),
+        device,
+        &OffloadConfig {
+            keep: vec!["layers.0".into()],
+            ..Default::default()
+        },
+    )?;
+    let read = |name: &str| -> anyhow::Result<Vec<f32>> {
+        let unit = rt.acquire_named(name.rsplit_once('.').unwrap().0)?;
+        Ok(unit.get(name)?.flatten_all()?.to_vec1()?)
+    };
+    let before = read("layers.0.bias")?;
+    let new = Tensor::full(0.25f32, WIDTH, device)?;
+    // Refused: a unit in use; an unknown tensor; a shape that differs. Nothing changes.
+    {
+        let _guard = rt.acquire_named("layers.0")?;
+        let e = rt
+            .update_weights(&[("layers.0.bias".into(), new.clone())])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("in use"), "{e}");
+    }
+    let e = rt
+        .update_weights(&[("layers.9.bias".into(), new.clone())])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("layers.9.bias"), "{e}");
+    let e = rt
+        .update_weights(&[
+            ("layers.1.bias".into(), new.clone()),
+            (
+                "layers.0.bias".into(),
+                Tensor::zeros(3, DType::F32, device)?,
+            ),
+        ])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("shape"), "{e}");
+    assert_eq!(read("layers.0.bias")?, before);
+    // Accepted: the kept unit's device copy is dropped and fetched again with the new values.
+    let misses = |rt: &OffloadRuntime| -> anyhow::Result<u64> {
+        Ok(rt
+            .stats()?
+            .units
+            .iter()
+            .find(|u| u.name == "layers.0")
+            .unwrap()
+            .misses)
+    };
+    let m0 = misses(&rt)?;
+    rt.update_weights(&[("layers.0.bias".into(), new.to_dtype(DType::F16)?)])?;
+    assert_eq!(read("layers.0.bias")?, vec![0.25f32; WIDTH]);
+    assert_eq!(misses(&rt)?, m0 + 1, "the kept unit was fetched again");
+    let (u, meta) = store.tensor("layers.0.bias").unwrap();
+    let bytes = store.unit(u).tensor_bytes(meta).to_vec();
+    assert_eq!(&bytes[..4], &0.25f32.to_le_bytes());
+    Ok(())
+}
+test_device!(
+    updated_weights_are_seen_next_time,
+    updated_weights_are_seen_next_time_cpu,
+    updated_weights_are_seen_next_time_gpu
+);
+
+/// A runtime that serves some units (a pipeline stage's) counts only those in its budget and
+/// refuses to acquire the others.
+#[test]
+fn a_stage_serves_only_its_units() -> anyhow::Result<()> {
+    let device = Device::Cpu;
+    let store = mlp_store(LAYERS, WIDTH, &device, None)?;
+    let layer = store.unit(store.layer_unit(0).unwrap()).bytes();
+    // A budget of exactly two layers: the whole model must stream through it (one spare layer
+    // for copies in flight), a stage of two layers fits entirely and never fetches twice.
+    let sweep = |units: Option<Vec<String>>| -> anyhow::Result<(OffloadRuntime, u64)> {
+        let rt = OffloadRuntime::new(
+            store.clone(),
+            &device,
+            &OffloadConfig {
+                gpu_memory_limit: Some(MemoryLimit::Bytes(2 * layer)),
+                units,
+                policy: PolicyChoice::Schedule(vec![
+                    store.layer_unit(2).unwrap(),
+                    store.layer_unit(3).unwrap(),
+                ]),
+                ..Default::default()
+            },
+        )?;
+        for _ in 0..3 {
+            rt.acquire_layer(2)?;
+            rt.acquire_layer(3)?;
+        }
+        let fetches = rt.stats()?.total.fetches;
+        Ok((rt, fetches))
+    };
+    let (_, whole) = sweep(None)?;
+    let (rt, stage) = sweep(Some(vec!["layers.2".to_string(), "layers.3".to_string()]))?;
+    assert_eq!(stage, 2, "a stage that fits fetches each layer once");
+    assert!(
+        whole > 2,
+        "the whole model streams through the same budget ({whole} fetches)"
+    );
+    let e = rt.acquire_layer(4).unwrap_err().to_string();
+    assert!(e.contains("layers.4") && e.contains("another stage"), "{e}");
+    let e = OffloadRuntime::new(
+        store,
+        &device,
+        &OffloadConfig {
+            units: Some(vec!["layers.77".into()]),
+            ..Default::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("layers.77"), "{e}");
+    Ok(())
+}
