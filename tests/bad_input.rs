@@ -55,6 +55,7 @@ fn model_rows(dir: &Path) -> Vec<Row> {
         cfg.clone(),
     );
     let gguf = dir.join("weights.gguf");
+    let gguf2 = dir.join("zero-align.gguf");
     vec![
         (
             "truncated safetensors",
@@ -117,6 +118,22 @@ fn model_rows(dir: &Path) -> Vec<Row> {
                 loader::from_gguf(&gguf).map(|_| ())
             }),
             Expect::Model(is_file, &["weights.gguf", "GGUF"]),
+        ),
+        (
+            "a GGUF header whose alignment is 0 (Candle's reader divides by it; found by fuzzing)",
+            Box::new(move || {
+                let mut bytes = b"GGUF".to_vec();
+                bytes.extend(1u32.to_le_bytes()); // version 1: 32-bit counts
+                bytes.extend(0u32.to_le_bytes()); // tensors
+                bytes.extend(1u32.to_le_bytes()); // metadata entries
+                bytes.extend(17u32.to_le_bytes());
+                bytes.extend(b"general.alignment");
+                bytes.extend(4u32.to_le_bytes()); // u32
+                bytes.extend(0u32.to_le_bytes());
+                std::fs::write(&gguf2, bytes).unwrap();
+                loader::from_gguf(&gguf2).map(|_| ())
+            }),
+            Expect::Model(is_file, &["zero-align.gguf", "GGUF"]),
         ),
     ]
 }

@@ -233,8 +233,29 @@ pub fn from_hub_at(
 fn gguf_content(path: &Path) -> Result<(gguf_file::Content, std::fs::File)> {
     let mut file = std::fs::File::open(path)
         .map_err(|e| ModelError::file(path, format!("cannot open: {e}")))?;
-    let content = gguf_file::Content::read(&mut file)
-        .map_err(|e| ModelError::file(path, format!("not a valid GGUF file: {e}")))?;
+    // Candle's reader panics on some malformed files (`general.alignment` = 0 divides by
+    // zero): read under `catch_unwind`, with the panic hook quiet for the call, so that a bad
+    // file is one error naming it. Loading happens on one thread, before anything else runs.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        gguf_file::Content::read(&mut file)
+    }));
+    std::panic::set_hook(hook);
+    let content = match read {
+        Ok(r) => r.map_err(|e| ModelError::file(path, format!("not a valid GGUF file: {e}")))?,
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "malformed header".into());
+            return Err(ModelError::file(
+                path,
+                format!("not a valid GGUF file: the reader failed ({why})"),
+            ));
+        }
+    };
     Ok((content, file))
 }
 
