@@ -9,7 +9,8 @@
 //!   sees compute-dtype copies streamed by an [`OffloadRuntime`] under the memory budget, as
 //!   autograd leaves. Every segment's weight gradients leave the device as soon as its
 //!   backward pass ends (the checkpoint's gradient sink), are summed in F32 on the host, the
-//!   optimizer steps there, and the updated weights are written back into the host store.
+//!   optimizer (`HostAdamW`, fused and multi-threaded) steps there, and the updated weights are
+//!   written back into the host store.
 //!   Checkpointing is required: a plain backward pass would hold every layer's weights.
 //!
 //! Memory on the device is kept down three ways besides checkpointing: attention runs over
@@ -24,8 +25,9 @@ use candle_core::{DType, Device, Module, Result, Tensor, TensorId, Var, D};
 use candle_nn::{AdamW, Embedding, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use candle_offload::train::segment_ranges;
 use candle_offload::{
-    Autocast, Checkpointer, GradScaler, GradScalerConfig, MemoryLimit, OffloadConfig,
-    OffloadRuntime, OffloadStrategy, PolicyChoice, Precision, StoreConfig, UnitGuard,
+    train::HostAdamW, Autocast, Checkpointer, GradScaler, GradScalerConfig, MemoryLimit,
+    OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice, Precision, StoreConfig,
+    UnitGuard,
 };
 
 use crate::config::Config;
@@ -205,10 +207,18 @@ impl Core {
     }
 }
 
+/// AdamW where the masters are: candle-nn's on a GPU, the fused host one for masters in host
+/// memory (offloaded, or training on the CPU).
+#[derive(Debug)]
+enum Adam {
+    Device(AdamW),
+    Host(HostAdamW),
+}
+
 /// Trains a LLaMA-family model: `step(inputs, targets)` runs forward, backward and AdamW.
 pub struct Trainer {
     core: Arc<Core>,
-    opt: AdamW,
+    opt: Adam,
     vars: Vec<Var>,
     names: Vec<String>,
     scaler: GradScaler,
@@ -342,7 +352,11 @@ impl Trainer {
             .unwrap_or_else(|| ((128usize << 20) / (cfg.vocab_size * 4)).max(64));
         let max_len = settings.seq_len.max(1);
         let rope = Rope::new(&cfg, max_len, autocast.compute_dtype(), device)?;
-        let opt = AdamW::new(vars.clone(), settings.adamw.clone())?;
+        let opt = if master_device.is_cpu() {
+            Adam::Host(HostAdamW::new(vars.clone(), settings.adamw.clone())?)
+        } else {
+            Adam::Device(AdamW::new(vars.clone(), settings.adamw.clone())?)
+        };
         let scaler = if settings.precision.needs_loss_scaling() {
             GradScaler::new(GradScalerConfig::default())
         } else {
@@ -443,9 +457,20 @@ impl Trainer {
         &self.scaler
     }
 
-    /// The optimizer, mutably (to schedule its learning rate).
-    pub fn optimizer_mut(&mut self) -> &mut AdamW {
-        &mut self.opt
+    /// The learning rate.
+    pub fn learning_rate(&self) -> f64 {
+        match &self.opt {
+            Adam::Device(o) => o.learning_rate(),
+            Adam::Host(o) => o.learning_rate(),
+        }
+    }
+
+    /// Sets the learning rate (for a schedule).
+    pub fn set_learning_rate(&mut self, lr: f64) {
+        match &mut self.opt {
+            Adam::Device(o) => o.set_learning_rate(lr),
+            Adam::Host(o) => o.set_learning_rate(lr),
+        }
     }
 
     /// Number of trainable parameters.
@@ -589,7 +614,10 @@ impl Trainer {
         let _span = tracing::debug_span!("train.step").entered();
         let scale = self.scaler.scale();
         let (loss, grads) = self.backward(inputs, targets, scale)?;
-        let outcome = self.scaler.step_owned(&mut self.opt, &self.vars, grads)?;
+        let outcome = match &mut self.opt {
+            Adam::Device(o) => self.scaler.step_owned(o, &self.vars, grads)?,
+            Adam::Host(o) => self.scaler.step_owned(o, &self.vars, grads)?,
+        };
         if let (Source::Offloaded(rt), true) = (&self.core.source, outcome.applied()) {
             let _span = tracing::debug_span!("train.write_back").entered();
             let values: Vec<(String, Tensor)> = self

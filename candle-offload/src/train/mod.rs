@@ -19,8 +19,10 @@
 mod autocast;
 mod checkpoint;
 pub mod grad;
+mod host_adam;
 mod scaler;
 
 pub use autocast::{Autocast, AutocastBackend, Precision};
 pub use checkpoint::{segment_ranges, Checkpointer, GradSink};
+pub use host_adam::HostAdamW;
 pub use scaler::{GradScaler, GradScalerConfig, ScaledOptimizer, StepOutcome};
