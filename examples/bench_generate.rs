@@ -81,16 +81,8 @@ fn main() -> Result<()> {
         t0.elapsed().as_secs_f64(),
         context_bytes >> 20
     );
-    let prompt_of = |len: usize| -> Vec<u32> {
-        let mut x = len as u64 * 2654435761 + 1;
-        (0..len)
-            .map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((x >> 33) % cfg.vocab_size as u64) as u32
-            })
-            .collect()
+    let prompt_of = |len: usize| {
+        candle_offload_suite::random_tokens(len, cfg.vocab_size, len as u64 * 2654435761 + 1)
     };
 
     let mut records = Vec::new();

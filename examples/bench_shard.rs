@@ -51,6 +51,17 @@ struct Args {
     verbose: u8,
 }
 
+/// One greedy decode step: the token after `token` at position `pos`.
+fn decode_one(
+    model: &Llama,
+    device: &candle_core::Device,
+    token: u32,
+    pos: usize,
+    cache: &mut candle_offload_models::Cache,
+) -> candle_core::Result<u32> {
+    argmax(&model.forward(&Tensor::new(&[token], device)?.unsqueeze(0)?, pos, cache)?)
+}
+
 /// One configuration: how many GPUs, how much each, and how hidden states move.
 #[derive(Debug, Clone)]
 struct Setup {
@@ -125,17 +136,7 @@ fn main() -> Result<()> {
         store.pinned_bytes() as f64 / 2f64.powi(30),
         t0.elapsed().as_secs_f64()
     );
-    let prompt: Vec<u32> = {
-        let mut x = 2654435761u64;
-        (0..args.prompt_len)
-            .map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((x >> 33) % cfg.vocab_size as u64) as u32
-            })
-            .collect()
-    };
+    let prompt = candle_offload_suite::random_tokens(args.prompt_len, cfg.vocab_size, 2654435761);
     let max_len = args.prompt_len + args.new_tokens + args.timed_tokens + 4;
 
     let mut records = Vec::new();
@@ -182,7 +183,7 @@ fn main() -> Result<()> {
                 &mut cache,
             )?;
             let t = argmax(&l)?;
-            argmax(&model.forward(&Tensor::new(&[t], &first)?.unsqueeze(0)?, 8, &mut cache)?)?;
+            decode_one(&model, &first, t, 8, &mut cache)?;
         }
         let samplers = used
             .iter()
@@ -204,12 +205,7 @@ fn main() -> Result<()> {
         for _ in 0..args.new_tokens {
             model.begin_step()?;
             let t0 = Instant::now();
-            let logits = model.forward(
-                &Tensor::new(&[next], &first)?.unsqueeze(0)?,
-                pos,
-                &mut cache,
-            )?;
-            next = argmax(&logits)?;
+            next = decode_one(&model, &first, next, pos, &mut cache)?;
             times.push(t0.elapsed().as_secs_f64());
             model.end_step()?;
             pos += 1;
@@ -226,12 +222,7 @@ fn main() -> Result<()> {
         let mut move_times = Vec::new();
         for _ in 0..args.timed_tokens {
             let t = model.transfer_totals();
-            let logits = model.forward(
-                &Tensor::new(&[next], &first)?.unsqueeze(0)?,
-                pos,
-                &mut cache,
-            )?;
-            next = argmax(&logits)?;
+            next = decode_one(&model, &first, next, pos, &mut cache)?;
             pos += 1;
             tokens.push(next);
             move_times.push(model.transfer_totals().seconds - t.seconds);

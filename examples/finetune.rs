@@ -42,16 +42,8 @@ enum SaveDtype {
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
-    /// A hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`), a directory in the HF layout, or a
-    /// `.gguf` file, as for `generate`. Default: SmolLM2-135M-Instruct.
-    #[arg(long)]
-    model: Option<String>,
-    /// Hub revision (branch, tag or commit).
-    #[arg(long)]
-    revision: Option<String>,
-    /// Use only the local HF cache.
-    #[arg(long)]
-    offline: bool,
+    #[command(flatten)]
+    model: candle_offload_suite::ModelArgs,
     /// UTF-8 text to train on. Default: the bundled sample, examples/data/sample.txt.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -348,11 +340,7 @@ fn main() -> Result<()> {
     }
 
     // The model, resolved as `generate` resolves it.
-    let files = candle_offload_suite::resolve_model(
-        args.model.as_deref(),
-        args.revision.as_deref(),
-        args.offline,
-    )?;
+    let files = args.model.resolve()?;
     if let (Ok(src), Ok(out)) = (
         std::fs::canonicalize(&files.origin),
         std::fs::canonicalize(&args.output),

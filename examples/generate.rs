@@ -48,16 +48,8 @@ enum Policy {
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
-    /// A hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`), a directory in the HF layout, or a
-    /// `.gguf` file. Default: SmolLM2-135M-Instruct.
-    #[arg(long)]
-    model: Option<String>,
-    /// Hub revision (branch, tag or commit).
-    #[arg(long)]
-    revision: Option<String>,
-    /// Use only the local HF cache.
-    #[arg(long)]
-    offline: bool,
+    #[command(flatten)]
+    model: candle_offload_suite::ModelArgs,
     /// The prompt.
     #[arg(long, default_value = "What is the capital of France?")]
     prompt: String,
@@ -182,11 +174,7 @@ fn main() -> Result<()> {
     }
 
     // The model.
-    let files = candle_offload_suite::resolve_model(
-        args.model.as_deref(),
-        args.revision.as_deref(),
-        args.offline,
-    )?;
+    let files = args.model.resolve()?;
     let cfg = files.config.clone();
     let dtype = match args.dtype {
         Some(Dtype::F32) => DType::F32,

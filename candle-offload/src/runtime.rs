@@ -312,12 +312,7 @@ impl OffloadRuntime {
         }
         let tensors = resident.tensors.clone();
         self.log(&mut st, EventKind::Acquire, Some(unit), 0, "", None);
-        // A failed prefetch does not fail this access: the unit is fetched again when needed.
-        for t in st.cache.prefetch_planned(self.shared.prefetch_depth + 1) {
-            if let Err(e) = self.carry_out(&mut st, &t, "prefetch") {
-                tracing::warn!(error = %e, "prefetch failed; the unit will be fetched on demand");
-            }
-        }
+        self.start_planned(&mut st, self.shared.prefetch_depth + 1);
         Ok(UnitGuard {
             rt: self.clone(),
             unit,
@@ -355,14 +350,20 @@ impl OffloadRuntime {
     /// of fetches started.
     pub fn prefetch_ahead(&self, max_ahead: usize) -> candle_core::Result<usize> {
         let mut st = self.state()?;
+        Ok(self.start_planned(&mut st, max_ahead))
+    }
+
+    /// Starts the schedule's planned fetches, up to `max_ahead` ahead of their use; returns
+    /// how many. A failed prefetch fails nothing: the unit is fetched again when needed.
+    fn start_planned(&self, st: &mut State, max_ahead: usize) -> usize {
         let planned = st.cache.prefetch_planned(max_ahead);
         let n = planned.len();
         for t in planned {
-            if let Err(e) = self.carry_out(&mut st, &t, "prefetch") {
+            if let Err(e) = self.carry_out(st, &t, "prefetch") {
                 tracing::warn!(error = %e, "prefetch failed; the unit will be fetched on demand");
             }
         }
-        Ok(n)
+        n
     }
 
     /// Hints that `unit` will be needed soon: fetches it if that evicts nothing needed sooner.

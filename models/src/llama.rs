@@ -269,6 +269,13 @@ impl Mlp {
             (candle_nn::ops::silu(&self.gate_proj.forward(xs)?)? * self.up_proj.forward(xs)?)?;
         self.down_proj.forward(&x)
     }
+
+    /// The same for training: each projection one 2-D matmul (see [`linear_2d`]).
+    fn forward_train(&self, xs: &Tensor) -> Result<Tensor> {
+        let x = (candle_nn::ops::silu(&linear_2d(&self.gate_proj, xs)?)?
+            * linear_2d(&self.up_proj, xs)?)?;
+        linear_2d(&self.down_proj, &x)
+    }
 }
 
 /// One decoder layer, built from the layer's unit right before it runs.
@@ -325,10 +332,7 @@ impl Block {
             .post_attention_layernorm
             .forward_diff(&xs)?
             .to_dtype(compute)?;
-        let m = &self.mlp;
-        let h =
-            (candle_nn::ops::silu(&linear_2d(&m.gate_proj, &h)?)? * linear_2d(&m.up_proj, &h)?)?;
-        let h = linear_2d(&m.down_proj, &h)?;
+        let h = self.mlp.forward_train(&h)?;
         h.to_dtype(xs.dtype())? + xs
     }
 

@@ -109,7 +109,7 @@ struct Core {
     /// Offload guards of the segment running now; released when the next one starts.
     held: Mutex<Vec<UnitGuard>>,
     /// Offloaded weights on the device by tensor id, to route their gradients to masters.
-    names: Mutex<HashMap<TensorId, String>>,
+    leaf_names: Mutex<HashMap<TensorId, String>>,
     /// Offloaded runs: F32 gradients on the host, by tensor name.
     host_grads: Mutex<HashMap<String, Tensor>>,
 }
@@ -127,7 +127,7 @@ impl Core {
             Source::Offloaded(rt) => {
                 let guard = rt.acquire_named(prefix)?;
                 let vb = guard.var_builder(self.autocast.compute_dtype());
-                let mut names = self.names.lock().map_err(poisoned)?;
+                let mut names = self.leaf_names.lock().map_err(poisoned)?;
                 for (name, t) in guard.tensors() {
                     names.insert(t.id(), name.clone());
                 }
@@ -189,7 +189,7 @@ impl Core {
 
     /// Moves offloaded weights' gradients to the host, summed in F32 by tensor name.
     fn absorb(&self, grads: &GradStore) -> Result<()> {
-        let names = self.names.lock().map_err(poisoned)?;
+        let names = self.leaf_names.lock().map_err(poisoned)?;
         let mut host = self.host_grads.lock().map_err(poisoned)?;
         for id in grads.get_ids() {
             let (Some(name), Some(g)) = (names.get(id), grads.get_id(*id)) else {
@@ -237,7 +237,8 @@ impl std::fmt::Debug for Trainer {
     }
 }
 
-/// Scores of one head for `batch` x `seq`² positions, F32 bytes.
+/// Attention head groups for `batch` sequences of `seq` tokens: 1 when every head's F32
+/// scores fit in 64 MiB together, otherwise enough groups that each group's do.
 fn head_chunks_for(cfg: &Config, batch: usize, seq: usize) -> usize {
     let per_head = (batch * seq * seq * 4) as u64;
     let all = per_head * cfg.num_attention_heads as u64;
@@ -372,7 +373,7 @@ impl Trainer {
                 loss_chunk,
                 source: source_kind,
                 held: Mutex::new(Vec::new()),
-                names: Mutex::new(HashMap::new()),
+                leaf_names: Mutex::new(HashMap::new()),
                 host_grads: Mutex::new(HashMap::new()),
             }),
             opt,
@@ -573,7 +574,7 @@ impl Trainer {
     ) -> Result<(f32, GradStore)> {
         let _span = tracing::debug_span!("train.backward").entered();
         let core = self.core.clone();
-        core.names.lock().map_err(poisoned)?.clear();
+        core.leaf_names.lock().map_err(poisoned)?.clear();
         core.host_grads.lock().map_err(poisoned)?.clear();
         let offloaded = matches!(core.source, Source::Offloaded(_));
         let ck = if offloaded {
