@@ -38,8 +38,6 @@ enum Strategy {
 enum Policy {
     /// Belady over the model's layer sweep (the default for generation).
     Schedule,
-    /// Learn the access order.
-    Auto,
     /// Least recently used.
     Lru,
 }
@@ -254,15 +252,15 @@ fn main() -> Result<()> {
         t0.elapsed().as_secs_f64()
     );
     let policy = match args.policy {
-        Policy::Schedule => None,
-        Policy::Auto => Some(PolicyChoice::Auto),
-        Policy::Lru => Some(PolicyChoice::Lru),
+        Policy::Schedule => PolicyChoice::Auto,
+        Policy::Lru => PolicyChoice::Lru,
     };
     let settings = OffloadSettings {
         gpu_memory_limit: limit,
         strategy: strategy.unwrap_or_default(),
         prefetch_depth: args.prefetch_depth,
         policy,
+        ..Default::default()
     };
     let model = match &device_map {
         Some(map) => {

@@ -2,18 +2,18 @@
 //! SmolLM) or from GGUF metadata, and validated once.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_transformers::models::llama::{Llama3RopeConfig, Llama3RopeType};
 
 use crate::error::{ModelError, Result};
+use crate::family::{Family, HfFields};
 
-/// Architectures (HF `model_type`) this crate implements.
-pub const SUPPORTED: &str = "llama, mistral, qwen2 (and models of their shape, such as SmolLM)";
-
-/// A validated LLaMA-family configuration.
+/// A validated decoder configuration: the fields every family shares, the family, and the
+/// family's own fields as read.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// `llama`, `mistral` or `qwen2`.
+    /// The HF `model_type` (`llama`, `mistral`, `qwen2`, `phi3`, `gemma`, `gemma2`, ...).
     pub model_type: String,
     /// Model width.
     pub hidden_size: usize,
@@ -45,6 +45,12 @@ pub struct Config {
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens.
     pub eos_token_ids: Vec<u32>,
+    /// The family that builds the model's blocks (looked up by `model_type` when read from
+    /// `config.json`; an application's own decoder sets its own).
+    pub family: Arc<dyn Family>,
+    /// The whole `config.json` object as read (empty for GGUF and hand-made configs): the
+    /// family's own fields, kept by [`to_hf_json`](Self::to_hf_json).
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 #[derive(serde::Deserialize)]
@@ -52,6 +58,27 @@ pub struct Config {
 enum OneOrMany {
     One(u32),
     Many(Vec<u32>),
+}
+
+/// Defaults a family gives the shared fields of an HF config when they are absent.
+#[derive(Debug, Clone, Copy)]
+pub struct CommonDefaults {
+    /// `attention_bias` (Qwen2: true).
+    pub attention_bias: bool,
+    /// `tie_word_embeddings` (Gemma: true).
+    pub tie_word_embeddings: bool,
+    /// `rms_norm_eps`.
+    pub rms_norm_eps: f64,
+}
+
+impl Default for CommonDefaults {
+    fn default() -> Self {
+        Self {
+            attention_bias: false,
+            tie_word_embeddings: false,
+            rms_norm_eps: 1e-6,
+        }
+    }
 }
 
 impl Config {
@@ -62,115 +89,68 @@ impl Config {
         Self::from_json_str(&text, path)
     }
 
-    /// Parses and validates the text of a `config.json`; `path` names it in errors.
+    /// Parses and validates the text of a `config.json`; `path` names it in errors. The family
+    /// is looked up in [`REGISTRY`](crate::families::REGISTRY) by `model_type` (or by
+    /// `architectures` when there is no `model_type`), and reads the rest.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
         let v: serde_json::Value = serde_json::from_str(text)
             .map_err(|e| ModelError::file(path, format!("not valid JSON: {e}")))?;
         let obj = v
             .as_object()
             .ok_or_else(|| ModelError::file(path, "is not a JSON object"))?;
-        let model_type = obj
-            .get("model_type")
-            .and_then(|m| m.as_str())
-            .or_else(|| {
-                obj.get("architectures")
+        let model_type = match obj.get("model_type").and_then(|m| m.as_str()) {
+            Some(m) => m.to_string(),
+            None => {
+                let arch = obj
+                    .get("architectures")
                     .and_then(|a| a.get(0))
                     .and_then(|a| a.as_str())
-                    .map(|a| match a {
-                        "LlamaForCausalLM" => "llama",
-                        "MistralForCausalLM" => "mistral",
-                        "Qwen2ForCausalLM" => "qwen2",
-                        other => other,
-                    })
-            })
-            .ok_or_else(|| {
-                ModelError::config(path, "model_type", "missing (and no `architectures`)")
-            })?
-            .to_string();
-        if !["llama", "mistral", "qwen2"].contains(&model_type.as_str()) {
-            return Err(ModelError::UnknownArchitecture {
-                path: path.into(),
-                name: model_type,
-                supported: SUPPORTED,
-            });
-        }
-        let usize_field = |name: &str| -> Result<usize> {
-            let x = obj
-                .get(name)
-                .ok_or_else(|| ModelError::config(path, name, "missing"))?;
-            let n = x.as_u64().ok_or_else(|| {
-                ModelError::config(path, name, format!("expected a positive integer, got {x}"))
-            })?;
-            if n == 0 {
-                return Err(ModelError::config(path, name, "must be larger than zero"));
-            }
-            Ok(n as usize)
-        };
-        let opt_usize = |name: &str| -> Result<Option<usize>> {
-            match obj.get(name) {
-                None | Some(serde_json::Value::Null) => Ok(None),
-                Some(_) => usize_field(name).map(Some),
-            }
-        };
-        let f64_field = |name: &str, default: f64| -> Result<f64> {
-            match obj.get(name) {
-                None | Some(serde_json::Value::Null) => Ok(default),
-                Some(x) => x
-                    .as_f64()
-                    .filter(|f| f.is_finite() && *f > 0.0)
                     .ok_or_else(|| {
-                        ModelError::config(
-                            path,
-                            name,
-                            format!("expected a positive number, got {x}"),
-                        )
-                    }),
+                        ModelError::config(path, "model_type", "missing (and no `architectures`)")
+                    })?;
+                crate::families::model_type_of_architecture(arch)
+                    .unwrap_or(arch)
+                    .to_string()
             }
         };
-        let bool_field = |name: &str, default: bool| -> Result<bool> {
-            match obj.get(name) {
-                None | Some(serde_json::Value::Null) => Ok(default),
-                Some(x) => x.as_bool().ok_or_else(|| {
-                    ModelError::config(path, name, format!("expected true or false, got {x}"))
-                }),
+        let registration = crate::families::lookup(&model_type).ok_or_else(|| {
+            ModelError::UnknownArchitecture {
+                path: path.into(),
+                name: model_type.clone(),
+                supported: crate::families::supported(),
             }
-        };
-        let hidden_size = usize_field("hidden_size")?;
-        let num_attention_heads = usize_field("num_attention_heads")?;
-        let num_key_value_heads = opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
-        let head_dim = opt_usize("head_dim")?.unwrap_or(hidden_size / num_attention_heads);
+        })?;
+        let cfg = (registration.from_hf)(&HfFields {
+            obj,
+            path,
+            model_type: &model_type,
+        })?;
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    /// The fields every family shares, read from an HF config, for `family` (a family's
+    /// [`Registration::from_hf`](crate::family::Registration) starts here). The raw object is
+    /// kept in [`extra`](Self::extra) for the family's own fields and for
+    /// [`to_hf_json`](Self::to_hf_json). `rope_scaling` is left to the family.
+    pub fn from_hf_common(
+        f: &HfFields<'_>,
+        family: Arc<dyn Family>,
+        defaults: CommonDefaults,
+    ) -> Result<Self> {
+        let path = f.path;
+        let hidden_size = f.usize("hidden_size")?;
+        let num_attention_heads = f.usize("num_attention_heads")?;
+        let num_key_value_heads = f
+            .opt_usize("num_key_value_heads")?
+            .unwrap_or(num_attention_heads);
+        let head_dim = f
+            .opt_usize("head_dim")?
+            .unwrap_or(hidden_size / num_attention_heads);
         // transformers 5 moved `rope_theta` and `rope_scaling` into `rope_parameters`.
-        let rope_params = obj.get("rope_parameters").filter(|v| v.is_object());
-        let rope_scaling_value = obj
-            .get("rope_scaling")
-            .filter(|v| !v.is_null())
-            .or(rope_params);
-        let rope_scaling = match rope_scaling_value {
-            None | Some(serde_json::Value::Null) => None,
-            Some(x) => {
-                let rope_type = x
-                    .get("rope_type")
-                    .or_else(|| x.get("type"))
-                    .and_then(|t| t.as_str())
-                    .unwrap_or("default");
-                match rope_type {
-                    "llama3" => Some(
-                        serde_json::from_value::<Llama3RopeConfig>(x.clone())
-                            .map_err(|e| ModelError::config(path, "rope_scaling", e))?,
-                    ),
-                    "default" => None,
-                    other => {
-                        return Err(ModelError::config(
-                            path,
-                            "rope_scaling",
-                            format!("rope type {other:?} is not supported"),
-                        ))
-                    }
-                }
-            }
-        };
-        let eos_token_ids = match obj.get("eos_token_id") {
-            None | Some(serde_json::Value::Null) => Vec::new(),
+        let rope_params = f.get("rope_parameters").filter(|v| v.is_object());
+        let eos_token_ids = match f.get("eos_token_id") {
+            None => Vec::new(),
             Some(x) => match serde_json::from_value::<OneOrMany>(x.clone()).map_err(|_| {
                 ModelError::config(
                     path,
@@ -182,8 +162,8 @@ impl Config {
                 OneOrMany::Many(v) => v,
             },
         };
-        let bos_token_id = match obj.get("bos_token_id") {
-            None | Some(serde_json::Value::Null) => None,
+        let bos_token_id = match f.get("bos_token_id") {
+            None => None,
             Some(x) => Some(x.as_u64().ok_or_else(|| {
                 ModelError::config(
                     path,
@@ -192,17 +172,17 @@ impl Config {
                 )
             })? as u32),
         };
-        let cfg = Self {
-            attention_bias: bool_field("attention_bias", model_type == "qwen2")?,
-            model_type,
+        Ok(Self {
+            attention_bias: f.bool_or("attention_bias", defaults.attention_bias)?,
+            model_type: f.model_type.to_string(),
             hidden_size,
-            intermediate_size: usize_field("intermediate_size")?,
-            vocab_size: usize_field("vocab_size")?,
-            num_hidden_layers: usize_field("num_hidden_layers")?,
+            intermediate_size: f.usize("intermediate_size")?,
+            vocab_size: f.usize("vocab_size")?,
+            num_hidden_layers: f.usize("num_hidden_layers")?,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps: f64_field("rms_norm_eps", 1e-6)?,
+            rms_norm_eps: f.f64_or("rms_norm_eps", defaults.rms_norm_eps)?,
             rope_theta: match rope_params.and_then(|p| p.get("rope_theta")) {
                 Some(t) => t
                     .as_f64()
@@ -214,29 +194,48 @@ impl Config {
                             format!("expected a positive number, got {t}"),
                         )
                     })? as f32,
-                None => f64_field("rope_theta", 10_000.0)? as f32,
+                None => f.f64_or("rope_theta", 10_000.0)? as f32,
             },
-            rope_scaling,
-            max_position_embeddings: opt_usize("max_position_embeddings")?.unwrap_or(4096),
-            tie_word_embeddings: bool_field("tie_word_embeddings", false)?,
+            rope_scaling: None,
+            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            tie_word_embeddings: f.bool_or("tie_word_embeddings", defaults.tie_word_embeddings)?,
             bos_token_id,
             eos_token_ids,
-        };
-        cfg.validate(path)?;
-        Ok(cfg)
+            family,
+            extra: f.obj.clone(),
+        })
     }
 
-    /// The HF `config.json` of this configuration: every field [`Config::from_json_str`]
-    /// reads (`rope_scaling` when present), with `model_type`, `architectures` and
+    /// The `rope_scaling` object of an HF config (or transformers 5's `rope_parameters`),
+    /// with its type (`default` when it names none); `None` when there is none.
+    pub fn hf_rope_scaling<'a>(
+        f: &'a HfFields<'_>,
+    ) -> Option<(&'a str, &'a serde_json::Value, &'static str)> {
+        let (x, field) = match f.get("rope_scaling") {
+            Some(x) => (x, "rope_scaling"),
+            None => (
+                f.get("rope_parameters").filter(|v| v.is_object())?,
+                "rope_parameters",
+            ),
+        };
+        let rope_type = x
+            .get("rope_type")
+            .or_else(|| x.get("type"))
+            .and_then(|t| t.as_str())
+            .unwrap_or("default");
+        Some((rope_type, x, field))
+    }
+
+    /// The HF `config.json` of this configuration: the object it was read from (if any),
+    /// with every shared field [`Config::from_json_str`] reads written over it
+    /// (`rope_scaling` when present), and `model_type`, `architectures` and
     /// `tie_word_embeddings`, so that a directory written with it loads here and in
     /// transformers.
     pub fn to_hf_json(&self) -> serde_json::Value {
-        let architecture = match self.model_type.as_str() {
-            "mistral" => "MistralForCausalLM",
-            "qwen2" => "Qwen2ForCausalLM",
-            _ => "LlamaForCausalLM",
-        };
-        let mut v = serde_json::json!({
+        let architecture =
+            crate::families::architecture_of(&self.model_type).unwrap_or("LlamaForCausalLM");
+        let mut v = serde_json::Value::Object(self.extra.clone());
+        let shared = serde_json::json!({
             "architectures": [architecture],
             "model_type": self.model_type,
             "hidden_size": self.hidden_size,
@@ -251,8 +250,24 @@ impl Config {
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
-            "hidden_act": "silu",
         });
+        if let (Some(out), Some(shared)) = (v.as_object_mut(), shared.as_object()) {
+            for (k, x) in shared {
+                out.insert(k.clone(), x.clone());
+            }
+            if !out.contains_key("hidden_act") && !out.contains_key("hidden_activation") {
+                out.insert("hidden_act".into(), "silu".into());
+            }
+            if let Some(p) = out
+                .get_mut("rope_parameters")
+                .and_then(|p| p.as_object_mut())
+            {
+                // Kept consistent with the shared field written above.
+                if p.contains_key("rope_theta") {
+                    p.insert("rope_theta".into(), f64::from(self.rope_theta).into());
+                }
+            }
+        }
         if let Some(r) = &self.rope_scaling {
             let rope_type = match r.rope_type {
                 Llama3RopeType::Llama3 => "llama3",
@@ -296,7 +311,17 @@ impl Config {
                 format!("{} is odd; RoPE needs an even width", self.head_dim),
             ));
         }
-        Ok(())
+        self.family.validate(self, path)
+    }
+
+    /// The unit names of this model's family.
+    pub fn layout(&self) -> crate::family::Layout {
+        self.family.layout(self)
+    }
+
+    /// Every tensor a checkpoint of this configuration must have, with its shape.
+    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        self.family.tensors(self)
     }
 
     /// RoPE inverse frequencies, with Llama 3 scaling where configured.

@@ -32,7 +32,7 @@ pub enum ModelError {
         /// The architecture or model type named there.
         name: String,
         /// What is supported.
-        supported: &'static str,
+        supported: String,
     },
     /// A tensor with the wrong shape or dtype, or one that is missing.
     #[error("{}: tensor {tensor}: {reason}", path.display())]

@@ -1,22 +1,51 @@
-//! LLaMA-family models (Llama 2/3, Mistral, Qwen2, SmolLM) on the candle-offload runtime.
+//! Causal language models on the candle-offload runtime: the LLaMA family (Llama 2/3,
+//! Mistral, Qwen2, SmolLM), Phi-3 and Gemma 1/2, and any application's own decoder.
 //!
 //! - [`loader`]: find a model (local directory, HF Hub, GGUF file) and load its weights into a
 //!   host store and its tokenizer.
-//! - [`Llama`]: the decoder, taking each unit from an [`candle_offload::OffloadRuntime`] as it
-//!   runs; [`generation::generate`] runs it token by token.
+//! - [`CausalLm`] (also named [`Llama`]): the family-neutral decoder, taking each unit from an
+//!   [`candle_offload::OffloadRuntime`] as it runs, on one device or as a pipeline over
+//!   several; [`generation::generate`] runs it token by token.
+//! - [`family`]: the extension point. A [`Family`] names its checkpoint's tensors and units and
+//!   builds its blocks from acquired units; [`families`] holds the ones this crate ships and
+//!   the registry `config.json` is looked up in; [`layers`] the building blocks they share.
+//! - [`Trainer`]: fine-tuning any family whose blocks have a training path.
 //! - [`ChatTemplate`]: the model's own chat template.
+//!
+//! # Bring your own model
+//! A decoder written with candle-nn runs offloaded (under a budget, streamed, prefetched) and
+//! sharded over devices by implementing [`Family`] for it and setting that family on a
+//! [`Config`]:
+//! 1. [`Family::tensors`] lists the checkpoint's tensors with their shapes, and
+//!    [`Family::layout`] names the units (embeddings, `{layer_prefix}{i}`, final norm, head).
+//! 2. [`Family::block`] builds one layer from the `VarBuilder` of its acquired unit, returning
+//!    a [`DecoderBlock`] whose `forward(xs, ctx, kv)` runs with the KV cache the model owns
+//!    (`ctx` has the position, the RoPE tables and the masks).
+//! 3. [`Config::new`] takes the shapes the runtime plans with (layers, widths, heads, vocab)
+//!    and the family.
+//!
+//! [`CausalLm::offloaded`] and [`CausalLm::offloaded_sharded`] then do the rest: the
+//! reservation for the KV cache and activations, the kept units, Belady over the sweep, the
+//! device map. `examples/own_model.rs` is a complete example in under 60 lines of glue.
 
+pub mod causal;
 pub mod chat;
 pub mod config;
 mod error;
+pub mod families;
+pub mod family;
 pub mod generation;
+pub mod layers;
 pub mod llama;
 pub mod loader;
 pub mod train;
 
+pub use causal::{CausalLm, DeviceMapChoice, HiddenTransfer, OffloadSettings};
 pub use chat::ChatTemplate;
 pub use config::Config;
 pub use error::{ModelError, Result};
-pub use llama::{Cache, Llama, OffloadSettings};
+pub use family::{DecoderBlock, Family, Layout, StepCtx, TrainCtx};
+pub use layers::Cache;
+pub use llama::Llama;
 pub use loader::{ModelFiles, Weights};
 pub use train::{StepReport, TrainSettings, Trainer};

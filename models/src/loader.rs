@@ -11,7 +11,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_offload::{HostStore, StoreConfig, TensorSpec};
 
-use crate::config::{Config, SUPPORTED};
+use crate::config::Config;
 use crate::error::{ModelError, Result};
 
 /// Where the weights are.
@@ -288,7 +288,7 @@ pub fn from_gguf(path: &Path) -> Result<ModelFiles> {
         return Err(ModelError::UnknownArchitecture {
             path: path.into(),
             name: arch,
-            supported: SUPPORTED,
+            supported: "llama, mistral, qwen2 (GGUF files; other families from safetensors)".into(),
         });
     }
     let key = |k: &str| format!("{arch}.{k}");
@@ -330,6 +330,8 @@ pub fn from_gguf(path: &Path) -> Result<ModelFiles> {
         eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
             .into_iter()
             .collect(),
+        family: crate::families::llama::family(),
+        extra: Default::default(),
     };
     config.validate(path)?;
     let token_text = |id: Option<u32>| {

@@ -21,8 +21,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Module, Result, Tensor, TensorId, Var, D};
-use candle_nn::{AdamW, Embedding, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_core::{DType, Device, Result, Tensor, TensorId, Var, D};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use candle_offload::train::segment_ranges;
 use candle_offload::{
     train::HostAdamW, Autocast, Checkpointer, GradScaler, GradScalerConfig, MemoryLimit,
@@ -30,9 +30,11 @@ use candle_offload::{
     UnitGuard,
 };
 
+use crate::causal::CausalLm;
 use crate::config::Config;
 use crate::error::ModelError;
-use crate::llama::{causal_mask, expected_tensors, Block, Llama, Rope};
+use crate::family::{Family, Layout, TrainCtx};
+use crate::layers::{Masks, Rope};
 
 /// How a [`Trainer`] computes and where it keeps the weights.
 #[derive(Debug, Clone)]
@@ -100,6 +102,8 @@ enum Source {
 /// Everything the forward pass (and its recomputes) needs; shared with checkpoint closures.
 struct Core {
     cfg: Config,
+    family: Arc<dyn Family>,
+    layout: Layout,
     autocast: Autocast,
     device: Device,
     rope: Rope,
@@ -144,45 +148,41 @@ impl Core {
 
     /// Token embeddings, F32.
     fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        let (v, h) = (self.cfg.vocab_size, self.cfg.hidden_size);
-        let w = self
-            .vb("model.embed_tokens")?
-            .to_dtype(DType::F32)
-            .get((v, h), "model.embed_tokens.weight")?;
-        Embedding::new(w, h).forward(ids)?.to_dtype(DType::F32)
+        let vb = self.vb(&self.layout.embed)?.to_dtype(DType::F32);
+        self.family.embed(&self.cfg, vb, ids)?.to_dtype(DType::F32)
     }
 
-    fn layer(&self, l: usize, xs: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let prefix = format!("model.layers.{l}");
-        let block =
-            Block::load_with_norm_dtype(self.vb(&prefix)?.pp(&prefix), &self.cfg, DType::F32)?;
+    fn layer(&self, l: usize, xs: &Tensor, masks: &Masks) -> Result<Tensor> {
+        let prefix = self.layout.layer(l);
+        let block = self
+            .family
+            .block(&self.cfg, self.vb(&prefix)?.pp(&prefix), l, DType::F32)?;
         block.forward_train(
             xs,
-            &self.rope,
-            mask,
-            self.autocast.compute_dtype(),
-            self.head_chunks,
+            &TrainCtx {
+                rope: &self.rope,
+                masks,
+                compute: self.autocast.compute_dtype(),
+                head_chunks: self.head_chunks,
+            },
         )
     }
 
     /// Summed cross-entropy of `xs` (tokens, hidden) against `targets` (tokens).
     fn head_loss_sum(&self, xs: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let (v, h) = (self.cfg.vocab_size, self.cfg.hidden_size);
-        let norm = candle_nn::rms_norm(
-            h,
-            self.cfg.rms_norm_eps,
-            self.vb("model.norm")?.pp("model.norm").to_dtype(DType::F32),
+        let norm = self.family.final_norm(
+            &self.cfg,
+            self.vb(&self.layout.norm)?.pp(&self.layout.norm),
+            DType::F32,
         )?;
         let xs = norm
             .forward_diff(xs)?
             .to_dtype(self.autocast.compute_dtype())?;
-        let name = if self.cfg.tie_word_embeddings {
-            "model.embed_tokens"
-        } else {
-            "lm_head"
-        };
+        let name = self.layout.head_unit();
         let w = self.vb(name)?.get((v, h), &format!("{name}.weight"))?;
         let logits = xs.matmul(&w.t()?)?.to_dtype(DType::F32)?;
+        let logits = self.family.finish_logits(&self.cfg, logits)?;
         let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
         logp.gather(&targets.unsqueeze(1)?, 1)?.sum_all()?.neg()
     }
@@ -279,7 +279,7 @@ impl Trainer {
         let varmap = VarMap::new();
         let mut vars = Vec::new();
         let mut names = Vec::new();
-        for (name, shape) in expected_tensors(&cfg) {
+        for (name, shape) in cfg.expected_tensors() {
             let t = by_name.remove(&name).ok_or_else(|| ModelError::Tensor {
                 path: source.into(),
                 tensor: name.clone(),
@@ -336,7 +336,7 @@ impl Trainer {
                     // Forward then reverse: the most recently used layer is the next one needed.
                     policy: PolicyChoice::Lru,
                     prefetch_depth: settings.prefetch_depth,
-                    keep: Llama::kept_units(&store, &cfg),
+                    keep: CausalLm::kept_units(&store, &cfg),
                     trainable: true,
                     units: None,
                 },
@@ -352,7 +352,9 @@ impl Trainer {
             .loss_chunk_tokens
             .unwrap_or_else(|| ((128usize << 20) / (cfg.vocab_size * 4)).max(64));
         let max_len = settings.seq_len.max(1);
-        let rope = Rope::new(&cfg, max_len, autocast.compute_dtype(), device)?;
+        let rope = cfg
+            .family
+            .rope(&cfg, max_len, autocast.compute_dtype(), device)?;
         let opt = if master_device.is_cpu() {
             Adam::Host(HostAdamW::new(vars.clone(), settings.adamw.clone())?)
         } else {
@@ -365,6 +367,8 @@ impl Trainer {
         };
         Ok(Self {
             core: Arc::new(Core {
+                family: cfg.family.clone(),
+                layout: cfg.layout(),
                 cfg,
                 autocast,
                 device: device.clone(),
@@ -420,7 +424,8 @@ impl Trainer {
         } else {
             device
         };
-        let tensors = expected_tensors(&cfg)
+        let tensors = cfg
+            .expected_tensors()
             .into_iter()
             .map(|(name, shape)| {
                 let t = if shape.len() == 1 {
@@ -500,7 +505,7 @@ impl Trainer {
                 core.rope.max_len()
             );
         }
-        let mask = causal_mask(t, 0, &core.device)?;
+        let mask = Arc::new(Masks::new(t, 0, &core.device));
         let mut xs = core.embed(inputs)?;
         let n_layers = core.cfg.num_hidden_layers;
         if self.checkpoint_segments == 0 {

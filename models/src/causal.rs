@@ -1,0 +1,760 @@
+//! The family-neutral offloaded causal LM: every model family runs through this one file.
+//!
+//! Every weight lives in the runtime's host store. Each forward pass acquires the units in
+//! order (embeddings, each decoder layer, the final norm, the output head, as the family's
+//! [`Layout`] names them), builds each block through the [`Family`] from the unit's
+//! `VarBuilder` right before it runs, and releases the unit right after, so the runtime can
+//! stream what does not fit the budget. The KV cache stays on the device; the budget reserves
+//! room for it. One device is the single-GPU path; several run the layers as a pipeline
+//! (layer sharding), each device with its own runtime, budget, copy stream and schedule over
+//! one shared host store.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_offload::placement::{
+    plan_placement, DeviceBudget, DeviceMap, PlacementMode, PlacementRequest,
+};
+use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, PolicyChoice, UnitId};
+
+use crate::config::Config;
+use crate::error::ModelError;
+use crate::family::{Family, Layout, StepCtx};
+use crate::layers::{Cache, Masks, Rope};
+
+/// The units of a model in the runtimes' (shared) store.
+#[derive(Debug, Clone)]
+struct Units {
+    embed: UnitId,
+    layers: Vec<UnitId>,
+    norm: UnitId,
+    head: UnitId,
+}
+
+/// How [`CausalLm::offloaded`] places a model's weights: the runtime's own settings.
+///
+/// The model fills in what it knows: it adds its KV cache and activations to `reserve_bytes`
+/// (which then means extra room the caller keeps), adds its non-layer units to `keep`, and
+/// replaces [`PolicyChoice::Auto`] by Belady over its own sweep. `units` is the pipeline's to
+/// set and must be `None`.
+pub type OffloadSettings = OffloadConfig;
+
+/// One pipeline stage: a device's runtime and the contiguous layers it runs.
+#[derive(Debug)]
+struct Stage {
+    rt: OffloadRuntime,
+    rope: Rope,
+    layers: Range<usize>,
+}
+
+/// How hidden states cross from one stage's GPU to the next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HiddenTransfer {
+    /// A device-to-device copy (peer-to-peer where peer access is on; otherwise the driver
+    /// stages it), ordered after the producing kernels by an event.
+    #[default]
+    Device,
+    /// Through host memory: copied down, then up (a fallback for setups where GPU-to-GPU
+    /// copies fail).
+    Host,
+}
+
+/// Time and bytes spent moving hidden states between stages.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TransferTotals {
+    /// Copies made.
+    pub copies: u64,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Seconds from the copy's start until the destination had it (measured only while
+    /// [`CausalLm::time_transfers`] is on, which synchronizes both devices around each copy).
+    pub seconds: f64,
+}
+
+/// A causal LM of any [`Family`] whose weights come from one [`OffloadRuntime`] per device:
+/// one device is the single-GPU path; several run the layers as a pipeline (layer sharding).
+#[derive(Debug)]
+pub struct CausalLm {
+    cfg: Config,
+    family: Arc<dyn Family>,
+    layout: Layout,
+    dtype: DType,
+    stages: Vec<Stage>,
+    units: Units,
+    transfer: HiddenTransfer,
+    timing: std::sync::atomic::AtomicBool,
+    totals: std::sync::Mutex<TransferTotals>,
+}
+
+impl CausalLm {
+    /// The model of `cfg` over the weights in `rt`'s store, computing in `dtype`, with RoPE
+    /// tables for `max_len` positions. Every tensor is checked (present, shape, float dtype)
+    /// before anything runs; `source` names the weights in errors.
+    pub fn new(
+        cfg: Config,
+        rt: OffloadRuntime,
+        dtype: DType,
+        max_len: usize,
+        source: &std::path::Path,
+    ) -> std::result::Result<Self, ModelError> {
+        let n = cfg.num_hidden_layers;
+        Self::sharded(cfg, vec![(rt, 0..n)], dtype, max_len, source)
+    }
+
+    /// The model run as a pipeline over `stages`: each runtime (one per device, all over the
+    /// same host store) runs a contiguous range of layers, the ranges in order and covering
+    /// every layer; the first stage also runs the embeddings, the last the final norm and the
+    /// output head. Checks as [`new`](Self::new) does.
+    pub fn sharded(
+        cfg: Config,
+        stages: Vec<(OffloadRuntime, Range<usize>)>,
+        dtype: DType,
+        max_len: usize,
+        source: &std::path::Path,
+    ) -> std::result::Result<Self, ModelError> {
+        let Some((first, _)) = stages.first() else {
+            return Err(ModelError::Config {
+                path: source.into(),
+                field: "devices".into(),
+                reason: "no stage to run the model on".into(),
+            });
+        };
+        let store = first.store().clone();
+        let mut next = 0;
+        for (i, (rt, range)) in stages.iter().enumerate() {
+            if !std::sync::Arc::ptr_eq(rt.store(), &store) {
+                return Err(ModelError::Config {
+                    path: source.into(),
+                    field: format!("stages[{i}]"),
+                    reason: "every stage must share one host store".into(),
+                });
+            }
+            if range.start != next || range.end < range.start {
+                return Err(ModelError::Config {
+                    path: source.into(),
+                    field: format!("stages[{i}]"),
+                    reason: format!(
+                        "layers {}..{} do not continue from layer {next}",
+                        range.start, range.end
+                    ),
+                });
+            }
+            next = range.end;
+        }
+        if next != cfg.num_hidden_layers {
+            return Err(ModelError::Config {
+                path: source.into(),
+                field: "stages".into(),
+                reason: format!(
+                    "the stages run layers 0..{next}, the model has {}",
+                    cfg.num_hidden_layers
+                ),
+            });
+        }
+        let layout = cfg.layout();
+        for (name, shape) in cfg.expected_tensors() {
+            let (_, meta) = store.tensor(&name).ok_or_else(|| ModelError::Tensor {
+                path: source.into(),
+                tensor: name.clone(),
+                reason: "missing".into(),
+            })?;
+            if meta.shape.dims() != shape.as_slice() {
+                return Err(ModelError::Tensor {
+                    path: source.into(),
+                    tensor: name,
+                    reason: format!(
+                        "has shape {:?}, the config implies {:?}",
+                        meta.shape.dims(),
+                        shape
+                    ),
+                });
+            }
+            if !meta.dtype.is_float() {
+                return Err(ModelError::Tensor {
+                    path: source.into(),
+                    tensor: name,
+                    reason: format!("has dtype {:?}, expected a float dtype", meta.dtype),
+                });
+            }
+        }
+        let unit = |name: &str| {
+            store.unit_id(name).ok_or_else(|| ModelError::Tensor {
+                path: source.into(),
+                tensor: name.to_string(),
+                reason: "no unit holds it".into(),
+            })
+        };
+        let units = Units {
+            embed: unit(&layout.embed)?,
+            layers: (0..cfg.num_hidden_layers)
+                .map(|l| unit(&layout.layer(l)))
+                .collect::<std::result::Result<_, _>>()?,
+            norm: unit(&layout.norm)?,
+            head: unit(layout.head_unit())?,
+        };
+        let max_len = max_len.min(cfg.max_position_embeddings).max(1);
+        let family = cfg.family.clone();
+        let stages = stages
+            .into_iter()
+            .map(|(rt, layers)| {
+                let rope = family.rope(&cfg, max_len, dtype, rt.device())?;
+                Ok(Stage { rt, rope, layers })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            cfg,
+            family,
+            layout,
+            dtype,
+            stages,
+            units,
+            transfer: HiddenTransfer::Device,
+            timing: std::sync::atomic::AtomicBool::new(false),
+            totals: std::sync::Mutex::new(TransferTotals::default()),
+        })
+    }
+
+    /// The model of `files` over its weights in `store`, offloaded on `device` under `settings`:
+    /// the budget reserves the KV cache and activations for prompts of `prompt_len` tokens and
+    /// `max_len` positions in all, the non-layer units stay resident, and the policy follows the
+    /// model's sweep unless `settings` names another.
+    pub fn offloaded(
+        files: &crate::loader::ModelFiles,
+        store: std::sync::Arc<candle_offload::HostStore>,
+        device: &Device,
+        dtype: DType,
+        prompt_len: usize,
+        max_len: usize,
+        settings: &OffloadSettings,
+    ) -> std::result::Result<Self, ModelError> {
+        let cfg = files.config.clone();
+        let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
+        let kv = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
+        let rt = OffloadRuntime::new(
+            store.clone(),
+            device,
+            &stage_config(
+                settings,
+                reserve,
+                Self::kept_units(&store, &cfg),
+                || Self::schedule(&store, &cfg),
+                None,
+            )?,
+        )?;
+        declare_reservation(&rt, kv, reserve, settings.reserve_bytes)?;
+        Self::new(cfg, rt, dtype, max_len, &files.weights_path())
+    }
+
+    /// The units of a model of `cfg` with weights in `dtype`, for placement: `(pre, layers,
+    /// post)` with their bytes, computed from the configuration alone (nothing is loaded).
+    /// With tied embeddings the output head is the embedding matrix again, listed in `post`
+    /// under [`Layout::tied_head_name`] (the last stage keeps its own copy).
+    pub fn placement_units(cfg: &Config, dtype: DType) -> PlacementUnits {
+        let layout = cfg.layout();
+        let mut sizes: std::collections::HashMap<String, u64> = Default::default();
+        for (name, shape) in cfg.expected_tensors() {
+            let unit = layout.unit_of(&name);
+            let bytes = shape.iter().product::<usize>() * dtype.size_in_bytes();
+            *sizes.entry(unit).or_default() += bytes as u64;
+        }
+        let size = |n: &str| sizes.get(n).copied().unwrap_or(0);
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|l| {
+                let n = layout.layer(l);
+                let b = size(&n);
+                (n, b)
+            })
+            .collect();
+        let head = match &layout.head {
+            None => (layout.tied_head_name(), size(&layout.embed)),
+            Some(h) => (h.clone(), size(h)),
+        };
+        PlacementUnits {
+            pre: vec![(layout.embed.clone(), size(&layout.embed))],
+            layers,
+            post: vec![(layout.norm.clone(), size(&layout.norm)), head],
+        }
+    }
+
+    /// Plans which of `devices` runs which layers, before any weight is loaded: `limits` are
+    /// the per-device budgets (`None`: the memory free on a GPU, no limit on a CPU; a single
+    /// entry applies to every device), each device reserves the activations for prompts of
+    /// `prompt_len` tokens and the KV cache of its own layers for `max_len` positions.
+    /// `choice` is a mode or a map written by hand (checked against the model and budgets).
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_devices(
+        cfg: &Config,
+        dtype: DType,
+        devices: &[Device],
+        limits: &[Option<MemoryLimit>],
+        prompt_len: usize,
+        max_len: usize,
+        choice: &DeviceMapChoice,
+        prefetch_depth: usize,
+    ) -> std::result::Result<DeviceMap, ModelError> {
+        if devices.is_empty() {
+            return Err(candle_offload::Error::InvalidConfig {
+                field: "devices".into(),
+                reason: "no device given".into(),
+            }
+            .into());
+        }
+        if limits.len() > 1 && limits.len() != devices.len() {
+            return Err(candle_offload::Error::InvalidConfig {
+                field: "gpu_memory_limit".into(),
+                reason: format!(
+                    "{} limits for {} devices: give one limit, or one per device",
+                    limits.len(),
+                    devices.len()
+                ),
+            }
+            .into());
+        }
+        let units = Self::placement_units(cfg, dtype);
+        let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
+        let kv_all = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
+        let kv_per_layer = kv_all / cfg.num_hidden_layers.max(1) as u64;
+        let mut budgets = Vec::with_capacity(devices.len());
+        for (i, dev) in devices.iter().enumerate() {
+            let limit = limits.get(i).or(limits.first()).copied().flatten();
+            let name = format!("{dev:?}");
+            let info = if dev.is_cpu() {
+                None
+            } else {
+                Some(candle_offload::diag::device_info(dev)?)
+            };
+            let budget = match (limit, &info) {
+                (Some(l), info) => l.resolve(&name, info.as_ref().map(|i| i.total_bytes))?,
+                (None, Some(info)) => info.free_bytes,
+                (None, None) => u64::MAX / 4,
+            };
+            budgets.push((device_ordinal(dev, i), budget));
+        }
+        let request = |reserves: &[u64]| {
+            budgets
+                .iter()
+                .zip(reserves)
+                .map(|(&(ordinal, budget), &r)| DeviceBudget::new(ordinal, budget, r))
+                .collect::<Vec<_>>()
+        };
+        let plan = |devs: &[DeviceBudget]| {
+            let req = PlacementRequest {
+                pre: &units.pre,
+                layers: &units.layers,
+                post: &units.post,
+                devices: devs,
+                mode: match choice {
+                    DeviceMapChoice::Mode(m) => *m,
+                    DeviceMapChoice::Map(_) => PlacementMode::Sequential,
+                },
+                prefetch_depth,
+            };
+            match choice {
+                DeviceMapChoice::Mode(_) => plan_placement(&req),
+                DeviceMapChoice::Map(map) => map.validate(&req),
+            }
+        };
+        // First with every device reserving the whole KV cache (always enough), then with each
+        // reserving only its own layers' share, kept if every device still has what it needs.
+        let full = plan(&request(&vec![reserve; devices.len()]))?;
+        let shares: Vec<u64> = full
+            .devices
+            .iter()
+            .map(|d| reserve - kv_all + kv_per_layer * d.layer_count as u64)
+            .collect();
+        if let Ok(tight) = plan(&request(&shares)) {
+            let enough = tight
+                .devices
+                .iter()
+                .zip(&shares)
+                .all(|(d, &r)| reserve - kv_all + kv_per_layer * d.layer_count as u64 <= r);
+            if enough {
+                return Ok(tight);
+            }
+        }
+        Ok(full)
+    }
+
+    /// The model over its weights in `store`, run as a pipeline over `devices` as `map` says
+    /// (from [`plan_devices`](Self::plan_devices)): one offload runtime per device with a
+    /// layer, each with its own budget, reservation, copy stream and schedule. `settings`
+    /// gives the strategy, depth and policy (its memory limit is the map's business).
+    pub fn offloaded_sharded(
+        files: &crate::loader::ModelFiles,
+        store: std::sync::Arc<candle_offload::HostStore>,
+        devices: &[Device],
+        map: &DeviceMap,
+        dtype: DType,
+        max_len: usize,
+        settings: &OffloadSettings,
+    ) -> std::result::Result<Self, ModelError> {
+        let cfg = files.config.clone();
+        let layout = cfg.layout();
+        let tied = layout.tied_head_name();
+        let real = |n: &str| {
+            if n == tied {
+                layout.embed.clone()
+            } else {
+                n.to_string()
+            }
+        };
+        let mut stages = Vec::new();
+        for (i, dp) in map.devices.iter().enumerate() {
+            if dp.layer_count == 0 {
+                continue;
+            }
+            let device = devices
+                .iter()
+                .enumerate()
+                .find(|(j, d)| device_ordinal(d, *j) == dp.ordinal)
+                .map(|(_, d)| d.clone())
+                .ok_or_else(|| candle_offload::Error::InvalidConfig {
+                    field: format!("devices[{i}]"),
+                    reason: format!(
+                        "the device map names device {}, which was not given",
+                        dp.ordinal
+                    ),
+                })?;
+            let mut keep: Vec<String> = Vec::new();
+            for k in dp.kept.iter().map(|k| real(k)) {
+                if !keep.contains(&k) && store.unit_id(&k).is_some() {
+                    keep.push(k);
+                }
+            }
+            let layers = dp.layers();
+            let mut served = keep.clone();
+            served.extend(layers.clone().map(|l| layout.layer(l)));
+            let order = || {
+                let mut order: Vec<UnitId> = Vec::new();
+                if keep.contains(&layout.embed) && layers.start == 0 {
+                    order.extend(store.unit_id(&layout.embed));
+                }
+                for l in layers.clone() {
+                    order.extend(store.unit_id(&layout.layer(l)));
+                }
+                for k in &keep {
+                    if *k != layout.embed || layout.head.is_none() {
+                        if let Some(u) = store.unit_id(k) {
+                            if !order.contains(&u) {
+                                order.push(u);
+                            }
+                        }
+                    }
+                }
+                order
+            };
+            let mut stage = stage_config(
+                settings,
+                dp.reserve_bytes,
+                keep.clone(),
+                order,
+                Some(served),
+            )?;
+            stage.gpu_memory_limit = Some(MemoryLimit::Bytes(dp.budget_bytes));
+            stage.prefetch_depth = dp.prefetch_depth;
+            let rt = OffloadRuntime::new(store.clone(), &device, &stage)?;
+            let kv = cfg.kv_cache_bytes(max_len, dtype) / cfg.num_hidden_layers.max(1) as u64
+                * dp.layer_count as u64;
+            declare_reservation(&rt, kv, dp.reserve_bytes, settings.reserve_bytes)?;
+            stages.push((rt, layers));
+        }
+        Self::sharded(cfg, stages, dtype, max_len, &files.weights_path())
+    }
+
+    /// The order in which a forward pass acquires units (for a given schedule policy).
+    pub fn schedule(store: &candle_offload::HostStore, cfg: &Config) -> Vec<UnitId> {
+        let layout = cfg.layout();
+        let mut out = Vec::new();
+        out.extend(store.unit_id(&layout.embed));
+        for l in 0..cfg.num_hidden_layers {
+            out.extend(store.unit_id(&layout.layer(l)));
+        }
+        out.extend(store.unit_id(&layout.norm));
+        out.extend(store.unit_id(layout.head_unit()));
+        out
+    }
+
+    /// The units outside the decoder layers (embeddings, final norm, output head), which every
+    /// forward pass uses. Keeping them resident leaves only equal-sized layers to stream, so
+    /// the device allocator reuses every freed layer exactly and never fragments.
+    pub fn kept_units(store: &candle_offload::HostStore, cfg: &Config) -> Vec<String> {
+        let layout = cfg.layout();
+        let mut out = vec![layout.embed.clone(), layout.norm.clone()];
+        out.extend(layout.head.clone());
+        out.retain(|u| store.unit_id(u).is_some());
+        out
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The runtime of the first stage (the only one on a single device).
+    pub fn runtime(&self) -> &OffloadRuntime {
+        &self.stages[0].rt
+    }
+
+    /// Every stage's runtime with the layers it runs, in pipeline order.
+    pub fn stages(&self) -> Vec<(&OffloadRuntime, Range<usize>)> {
+        self.stages
+            .iter()
+            .map(|s| (&s.rt, s.layers.clone()))
+            .collect()
+    }
+
+    /// Starts a step on every stage's runtime (see [`OffloadRuntime::begin_step`]).
+    pub fn begin_step(&self) -> Result<()> {
+        self.stages.iter().try_for_each(|s| s.rt.begin_step())
+    }
+
+    /// Ends a step on every stage's runtime.
+    pub fn end_step(&self) -> Result<()> {
+        self.stages.iter().try_for_each(|s| s.rt.end_step())
+    }
+
+    /// How hidden states move between stages (default: device to device).
+    pub fn set_hidden_transfer(&mut self, how: HiddenTransfer) {
+        self.transfer = how;
+    }
+
+    /// Measures each move of hidden states between stages, synchronizing both devices around
+    /// it (a small cost per stage boundary; off by default).
+    pub fn time_transfers(&self, on: bool) {
+        self.timing.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Moves of hidden states between stages so far.
+    pub fn transfer_totals(&self) -> TransferTotals {
+        self.totals.lock().map(|t| *t).unwrap_or_default()
+    }
+
+    fn move_hidden(&self, xs: &Tensor, to: &Device) -> Result<Tensor> {
+        let _span = tracing::debug_span!("llama.move_hidden").entered();
+        let timing = self.timing.load(std::sync::atomic::Ordering::Relaxed);
+        let bytes = (xs.elem_count() * xs.dtype().size_in_bytes()) as u64;
+        let start = if timing {
+            xs.device().synchronize()?;
+            Some(std::time::Instant::now())
+        } else {
+            None
+        };
+        let out = match self.transfer {
+            HiddenTransfer::Device => xs.contiguous()?.to_device(to)?,
+            HiddenTransfer::Host => xs.to_device(&Device::Cpu)?.to_device(to)?,
+        };
+        let seconds = match start {
+            Some(t0) => {
+                to.synchronize()?;
+                t0.elapsed().as_secs_f64()
+            }
+            None => 0.0,
+        };
+        if let Ok(mut t) = self.totals.lock() {
+            t.copies += 1;
+            t.bytes += bytes;
+            t.seconds += seconds;
+        }
+        Ok(out)
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// A fresh KV cache for the positions this model was set up for.
+    pub fn new_cache(&self) -> Cache {
+        Cache::new(self.cfg.num_hidden_layers, self.stages[0].rope.max_len())
+    }
+
+    /// Logits (batch, vocab) in f32 for the last position of `input_ids` (batch, seq), whose
+    /// first token sits at position `index_pos` (the number of tokens already in `cache`).
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        index_pos: usize,
+        cache: &mut Cache,
+    ) -> Result<Tensor> {
+        let _span = tracing::debug_span!("llama.forward", index_pos).entered();
+        let (_, seq_len) = input_ids.dims2()?;
+        let xs = self.decoder(input_ids, index_pos, cache)?;
+        self.head(&xs.narrow(1, seq_len - 1, 1)?)?.squeeze(1)
+    }
+
+    /// Logits (batch, seq, vocab) in f32 for every position of `input_ids`, from position 0
+    /// with a fresh KV cache (for parity tests).
+    pub fn forward_all(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (_, seq_len) = input_ids.dims2()?;
+        let xs = self.decoder(
+            input_ids,
+            0,
+            &mut Cache::new(self.cfg.num_hidden_layers, seq_len),
+        )?;
+        self.head(&xs)
+    }
+
+    /// Embeddings and every decoder layer, each acquired from its stage's runtime as it runs;
+    /// the hidden state moves to the next stage's device at each stage boundary.
+    fn decoder(&self, input_ids: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
+        let (_, seq_len) = input_ids.dims2()?;
+        let first = &self.stages[0];
+        if index_pos + seq_len > first.rope.max_len() {
+            candle_core::bail!(
+                "position {} is past the {} positions this model was set up for",
+                index_pos + seq_len,
+                first.rope.max_len()
+            );
+        }
+        let mut xs = {
+            let unit = first.rt.acquire(self.units.embed)?;
+            self.family.embed(
+                &self.cfg,
+                unit.var_builder(self.dtype),
+                &input_ids.to_device(first.rt.device())?,
+            )?
+        };
+        for (si, stage) in self.stages.iter().enumerate() {
+            let device = stage.rt.device();
+            if si > 0 {
+                xs = self.move_hidden(&xs, device)?;
+            }
+            let masks = Masks::new(seq_len, index_pos, device);
+            let ctx = StepCtx {
+                index_pos,
+                rope: &stage.rope,
+                masks: &masks,
+            };
+            for l in stage.layers.clone() {
+                let unit = stage.rt.acquire(self.units.layers[l])?;
+                let block = self.family.block(
+                    &self.cfg,
+                    unit.var_builder(self.dtype).pp(self.layout.layer(l)),
+                    l,
+                    self.dtype,
+                )?;
+                xs = block.forward(&xs, &ctx, &mut cache.kvs[l])?;
+            }
+        }
+        Ok(xs)
+    }
+
+    /// The final norm and the output head (on the last stage), logits in f32.
+    fn head(&self, xs: &Tensor) -> Result<Tensor> {
+        let (vocab, hidden) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        let rt = &self.stages[self.stages.len() - 1].rt;
+        let xs = {
+            let unit = rt.acquire(self.units.norm)?;
+            self.family
+                .final_norm(
+                    &self.cfg,
+                    unit.var_builder(self.dtype).pp(&self.layout.norm),
+                    self.dtype,
+                )?
+                .forward(xs)?
+        };
+        let unit = rt.acquire(self.units.head)?;
+        let name = format!("{}.weight", self.layout.head_unit());
+        let w = unit.var_builder(self.dtype).get((vocab, hidden), &name)?;
+        let logits = candle_nn::Linear::new(w, None)
+            .forward(&xs)?
+            .to_dtype(DType::F32)?;
+        self.family.finish_logits(&self.cfg, logits)
+    }
+
+    /// The family.
+    pub fn family(&self) -> &Arc<dyn Family> {
+        &self.family
+    }
+
+    /// The unit names.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+}
+
+/// The planner's name for the output head of an HF-layout model with tied embeddings (the
+/// embedding matrix, kept a second time on the last stage); see [`Layout::tied_head_name`].
+pub const TIED_HEAD: &str = "model.embed_tokens (tied output head)";
+
+/// The runtime settings of one stage: the caller's `settings` with the model's reservation
+/// added, its units kept, and (for [`PolicyChoice::Auto`]) Belady over `order`.
+fn stage_config(
+    settings: &OffloadSettings,
+    reserve: u64,
+    mut keep: Vec<String>,
+    order: impl FnOnce() -> Vec<UnitId>,
+    units: Option<Vec<String>>,
+) -> std::result::Result<OffloadConfig, ModelError> {
+    if settings.units.is_some() {
+        return Err(candle_offload::Error::InvalidConfig {
+            field: "units".into(),
+            reason: "a model decides which units each stage serves; leave `units` unset".into(),
+        }
+        .into());
+    }
+    for k in &settings.keep {
+        if !keep.contains(k) {
+            keep.push(k.clone());
+        }
+    }
+    let policy = match &settings.policy {
+        PolicyChoice::Auto => PolicyChoice::Schedule(order()),
+        other => other.clone(),
+    };
+    Ok(OffloadConfig {
+        reserve_bytes: reserve + settings.reserve_bytes,
+        policy,
+        keep,
+        units,
+        ..settings.clone()
+    })
+}
+
+/// Names the reservation's parts for the memory history: the KV cache, the activations and
+/// workspace, and the caller's extra room.
+fn declare_reservation(rt: &OffloadRuntime, kv: u64, reserve: u64, extra: u64) -> Result<()> {
+    let kv = kv.min(reserve);
+    let mut parts = vec![
+        ("KV cache", kv),
+        ("activations and workspace", reserve - kv),
+    ];
+    if extra > 0 {
+        parts.push(("caller's reservation", extra));
+    }
+    rt.declare_reservation(&parts)
+}
+
+/// A model's units as the placement planner takes them.
+#[derive(Debug, Clone)]
+pub struct PlacementUnits {
+    /// Before the layers: the embeddings.
+    pub pre: Vec<(String, u64)>,
+    /// The decoder layers, in order.
+    pub layers: Vec<(String, u64)>,
+    /// After the layers: the final norm and the output head.
+    pub post: Vec<(String, u64)>,
+}
+
+/// How [`CausalLm::plan_devices`] decides the device map.
+#[derive(Debug, Clone)]
+pub enum DeviceMapChoice {
+    /// Planned in this mode (`--device-map sequential|balanced`).
+    Mode(PlacementMode),
+    /// Given (`--device-map plan.json`), checked against the model and budgets.
+    Map(DeviceMap),
+}
+
+/// The ordinal a device map uses for `device`: the GPU's, or the position for a CPU.
+fn device_ordinal(device: &Device, position: usize) -> usize {
+    match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
+        _ => position,
+    }
+}
+
+/// Greedy argmax of logits (batch 1).
+pub fn argmax(logits: &Tensor) -> Result<u32> {
+    logits.flatten_all()?.argmax(D::Minus1)?.to_scalar::<u32>()
+}

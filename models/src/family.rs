@@ -1,0 +1,281 @@
+//! The extension point for model families.
+//!
+//! A family says three things, and everything else (offloading, sharding over devices,
+//! device-map planning, the schedule, kept units, the reservation, generation and training)
+//! exists once, in [`CausalLm`](crate::CausalLm) and [`Trainer`](crate::Trainer):
+//! - which tensors the checkpoint has and how they group into units ([`Family::tensors`],
+//!   [`Family::layout`]: embeddings, one unit per decoder layer, final norm, output head);
+//! - how to build one decoder block from an acquired unit ([`Family::block`]);
+//! - how a block runs with a KV cache it does not own ([`DecoderBlock::forward`]), and, for
+//!   training, over a whole sequence ([`DecoderBlock::forward_train`]).
+//!
+//! The families this crate ships are registered in [`crate::families::REGISTRY`] (one line
+//! each), which `config.json`'s `model_type` or `architectures` is looked up in. An
+//! application's own decoder implements [`Family`] and is set on its [`Config`]; see the crate
+//! docs and `examples/own_model.rs`.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::kv_cache::KvCache;
+use candle_nn::VarBuilder;
+
+use crate::config::Config;
+use crate::layers::{Masks, Norm, Rope};
+
+/// What a forward pass gives every block on one device.
+#[derive(Debug)]
+pub struct StepCtx<'a> {
+    /// Position of the first new token (the number already in the KV cache).
+    pub index_pos: usize,
+    /// RoPE tables on this device.
+    pub rope: &'a Rope,
+    /// Masks for this pass: `masks.get(window)`.
+    pub masks: &'a Masks,
+}
+
+/// What a training pass gives every block: a whole sequence from position 0.
+#[derive(Debug)]
+pub struct TrainCtx<'a> {
+    /// RoPE tables on the training device.
+    pub rope: &'a Rope,
+    /// Masks for the sequence: `masks.get(window)`.
+    pub masks: &'a Masks,
+    /// The dtype attention and MLP compute in (autocast); norms and the residual stream stay in
+    /// the input's dtype.
+    pub compute: DType,
+    /// Attention head groups, each checkpointed (1: all heads at once).
+    pub head_chunks: usize,
+}
+
+/// One decoder layer, built from its unit right before it runs.
+pub trait DecoderBlock: std::fmt::Debug {
+    /// Runs on `xs` (batch, seq, hidden) at positions `ctx.index_pos..`, appending this layer's
+    /// keys and values to `kv`.
+    fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Tensor>;
+
+    /// The training pass over whole sequences from position 0, with differentiable ops only.
+    /// Families without one refuse training with this error.
+    fn forward_train(&self, xs: &Tensor, ctx: &TrainCtx<'_>) -> Result<Tensor> {
+        let _ = (xs, ctx);
+        candle_core::bail!("this model family has no training path (DecoderBlock::forward_train)")
+    }
+}
+
+/// Where a family's tensors live: the unit names (tensor-name prefixes) of the embeddings,
+/// the decoder layers, the final norm and the output head.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// The embedding unit (`model.embed_tokens`); its weight is `{embed}.weight`.
+    pub embed: String,
+    /// Decoder layer `i` is the unit `{layer_prefix}{i}` (`model.layers.`).
+    pub layer_prefix: String,
+    /// The final norm's unit (`model.norm`).
+    pub norm: String,
+    /// The output head's unit (`lm_head`), or `None` when it is the embedding matrix (tied).
+    pub head: Option<String>,
+}
+
+impl Layout {
+    /// The HF layout of the LLaMA family and most of its relatives.
+    pub fn hf(tied: bool) -> Self {
+        Self {
+            embed: "model.embed_tokens".into(),
+            layer_prefix: "model.layers.".into(),
+            norm: "model.norm".into(),
+            head: (!tied).then(|| "lm_head".into()),
+        }
+    }
+
+    /// The unit of decoder layer `i`.
+    pub fn layer(&self, i: usize) -> String {
+        format!("{}{i}", self.layer_prefix)
+    }
+
+    /// The unit the output head is read from (the embeddings when tied).
+    pub fn head_unit(&self) -> &str {
+        self.head.as_deref().unwrap_or(&self.embed)
+    }
+
+    /// The placement planner's name for a tied head (the embedding matrix kept a second time
+    /// on the last stage).
+    pub fn tied_head_name(&self) -> String {
+        format!("{} (tied output head)", self.embed)
+    }
+
+    /// The unit a tensor of this layout belongs to: `model.layers.3.mlp.up_proj.weight` ->
+    /// `model.layers.3`, `model.norm.weight` -> `model.norm`.
+    pub fn unit_of(&self, tensor: &str) -> String {
+        if let Some(rest) = tensor.strip_prefix(&self.layer_prefix) {
+            let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+            if !digits.is_empty() {
+                return format!("{}{digits}", self.layer_prefix);
+            }
+        }
+        tensor
+            .rsplit_once('.')
+            .map_or(tensor, |(prefix, _)| prefix)
+            .to_string()
+    }
+}
+
+/// A model family: its checkpoint layout and its blocks. See the module docs.
+pub trait Family: std::fmt::Debug + Send + Sync + 'static {
+    /// The family's name in messages (`llama`, `phi3`, `gemma2`).
+    fn name(&self) -> &str;
+
+    /// Every tensor a checkpoint of `cfg` must have, with its shape.
+    fn tensors(&self, cfg: &Config) -> Vec<(String, Vec<usize>)>;
+
+    /// The unit names. Default: the HF layout ([`Layout::hf`]).
+    fn layout(&self, cfg: &Config) -> Layout {
+        Layout::hf(cfg.tie_word_embeddings)
+    }
+
+    /// Checks relations between fields that only this family has; `path` names the config.
+    fn validate(&self, cfg: &Config, path: &Path) -> crate::Result<()> {
+        let _ = (cfg, path);
+        Ok(())
+    }
+
+    /// RoPE tables for positions `0..max_len` on `device`. Default: [`Rope::new`].
+    fn rope(&self, cfg: &Config, max_len: usize, dtype: DType, device: &Device) -> Result<Rope> {
+        Rope::new(cfg, max_len, dtype, device)
+    }
+
+    /// Embeds `ids` with the embedding unit's weights (`vb` rooted at the checkpoint's top
+    /// level). Default: a plain lookup of `{layout.embed}.weight`.
+    fn embed(&self, cfg: &Config, vb: VarBuilder, ids: &Tensor) -> Result<Tensor> {
+        let name = format!("{}.weight", self.layout(cfg).embed);
+        let w = vb.get((cfg.vocab_size, cfg.hidden_size), &name)?;
+        candle_nn::Embedding::new(w, cfg.hidden_size).forward(ids)
+    }
+
+    /// Decoder layer `layer` from its unit (`vb` rooted at the layer's prefix), with the norm
+    /// weights in `norm_dtype` and everything else in `vb`'s dtype (autocast keeps norms, like
+    /// the residual stream, in F32).
+    fn block(
+        &self,
+        cfg: &Config,
+        vb: VarBuilder,
+        layer: usize,
+        norm_dtype: DType,
+    ) -> Result<Box<dyn DecoderBlock>>;
+
+    /// The final norm from its unit (`vb` rooted at the norm's prefix). Default: RMSNorm.
+    fn final_norm(&self, cfg: &Config, vb: VarBuilder, dtype: DType) -> Result<Norm> {
+        Norm::load(cfg.hidden_size, cfg.rms_norm_eps, 0.0, vb, dtype)
+    }
+
+    /// Applied to the output head's F32 logits (Gemma 2's soft-capping). Default: nothing.
+    fn finish_logits(&self, cfg: &Config, logits: Tensor) -> Result<Tensor> {
+        let _ = cfg;
+        Ok(logits)
+    }
+}
+
+/// How the crate finds a family for a `config.json`.
+#[derive(Debug, Clone, Copy)]
+pub struct Registration {
+    /// HF `model_type` values, each with the `architectures` entry transformers writes for it.
+    pub model_types: &'static [(&'static str, &'static str)],
+    /// Reads the whole configuration of a model of this family.
+    pub from_hf: fn(&HfFields<'_>) -> crate::Result<Config>,
+}
+
+/// A `config.json` object with typed readers that name the file and the field in errors.
+#[derive(Debug)]
+pub struct HfFields<'a> {
+    /// The parsed object.
+    pub obj: &'a serde_json::Map<String, serde_json::Value>,
+    /// The file, for errors.
+    pub path: &'a Path,
+    /// The `model_type` (given, or from `architectures`).
+    pub model_type: &'a str,
+}
+
+impl HfFields<'_> {
+    /// The raw value of a field (`None` when absent or null).
+    pub fn get(&self, name: &str) -> Option<&serde_json::Value> {
+        self.obj.get(name).filter(|v| !v.is_null())
+    }
+
+    /// A required positive integer.
+    pub fn usize(&self, name: &str) -> crate::Result<usize> {
+        let x = self
+            .get(name)
+            .ok_or_else(|| crate::ModelError::config(self.path, name, "missing"))?;
+        let n = x.as_u64().ok_or_else(|| {
+            crate::ModelError::config(
+                self.path,
+                name,
+                format!("expected a positive integer, got {x}"),
+            )
+        })?;
+        if n == 0 {
+            return Err(crate::ModelError::config(
+                self.path,
+                name,
+                "must be larger than zero",
+            ));
+        }
+        Ok(n as usize)
+    }
+
+    /// An optional positive integer.
+    pub fn opt_usize(&self, name: &str) -> crate::Result<Option<usize>> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(_) => self.usize(name).map(Some),
+        }
+    }
+
+    /// A positive finite number, `default` when absent.
+    pub fn f64_or(&self, name: &str, default: f64) -> crate::Result<f64> {
+        match self.get(name) {
+            None => Ok(default),
+            Some(x) => x
+                .as_f64()
+                .filter(|f| f.is_finite() && *f > 0.0)
+                .ok_or_else(|| {
+                    crate::ModelError::config(
+                        self.path,
+                        name,
+                        format!("expected a positive number, got {x}"),
+                    )
+                }),
+        }
+    }
+
+    /// An optional positive finite number.
+    pub fn opt_f64(&self, name: &str) -> crate::Result<Option<f64>> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(_) => self.f64_or(name, 1.0).map(Some),
+        }
+    }
+
+    /// A boolean, `default` when absent.
+    pub fn bool_or(&self, name: &str, default: bool) -> crate::Result<bool> {
+        match self.get(name) {
+            None => Ok(default),
+            Some(x) => x.as_bool().ok_or_else(|| {
+                crate::ModelError::config(
+                    self.path,
+                    name,
+                    format!("expected true or false, got {x}"),
+                )
+            }),
+        }
+    }
+
+    /// A string, `default` when absent.
+    pub fn str_or<'s>(&'s self, name: &str, default: &'s str) -> crate::Result<&'s str> {
+        match self.get(name) {
+            None => Ok(default),
+            Some(x) => x.as_str().ok_or_else(|| {
+                crate::ModelError::config(self.path, name, format!("expected a string, got {x}"))
+            }),
+        }
+    }
+}

@@ -1,0 +1,739 @@
+//! Building blocks shared by the model families: RoPE tables, the KV cache, causal and
+//! sliding-window masks, RMSNorm (plain and Gemma's `1 + w`), self-attention (separate or fused
+//! q/k/v, GQA/MQA, optional logit soft-capping and sliding window) with its training path, the
+//! gated MLP (SwiGLU, GeGLU; separate or fused gate/up), and the pre-norm decoder block that
+//! LLaMA, Phi-3 and Gemma 1/2 are all instances of.
+//!
+//! A family file picks and names these pieces (`vb.pp(..)` names mirror its checkpoint keys);
+//! nothing here knows a tensor name beyond what the caller passes in.
+
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::kv_cache::KvCache;
+use candle_nn::{Linear, VarBuilder};
+
+use crate::config::Config;
+use crate::family::{DecoderBlock, StepCtx, TrainCtx};
+
+/// RoPE tables (cos, sin) for positions `0..max_len`, on one device.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    /// The tables of `cfg` (base `rope_theta`, Llama 3 scaling where configured).
+    pub fn new(cfg: &Config, max_len: usize, dtype: DType, device: &Device) -> Result<Self> {
+        Self::from_inv_freq(&cfg.rope_inv_freq(), max_len, 1.0, dtype, device)
+    }
+
+    /// Tables from inverse frequencies (one per pair of rotated dimensions), with cos and sin
+    /// multiplied by `scale` (the attention factor of long-context scalings; 1 otherwise).
+    pub fn from_inv_freq(
+        inv_freq: &[f32],
+        max_len: usize,
+        scale: f64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let n = inv_freq.len();
+        let inv_freq = Tensor::from_vec(inv_freq.to_vec(), (1, n), device)?;
+        let t = Tensor::arange(0u32, max_len as u32, device)?
+            .to_dtype(DType::F32)?
+            .reshape((max_len, 1))?;
+        let freqs = t.matmul(&inv_freq)?;
+        let (cos, sin) = if scale == 1.0 {
+            (freqs.cos()?, freqs.sin()?)
+        } else {
+            ((freqs.cos()? * scale)?, (freqs.sin()? * scale)?)
+        };
+        Ok(Self {
+            cos: cos.to_dtype(dtype)?,
+            sin: sin.to_dtype(dtype)?,
+        })
+    }
+
+    /// Rotates `x` (batch, heads, seq, head_dim) for positions `index_pos..`. Tables narrower
+    /// than the head rotate its first dimensions only (partial rotary, as Phi-4-mini).
+    pub fn apply(&self, x: &Tensor, index_pos: usize) -> Result<Tensor> {
+        let (_, _, seq_len, _) = x.dims4()?;
+        let cos = self.cos.narrow(0, index_pos, seq_len)?;
+        let sin = self.sin.narrow(0, index_pos, seq_len)?;
+        self.partial(x, |x| {
+            candle_nn::rotary_emb::rope(&x.contiguous()?, &cos, &sin)
+        })
+    }
+
+    /// RoPE from position 0 for training: differentiable in `x`, with the tables treated as
+    /// constants (no gradient computed for them).
+    pub fn apply_diff(&self, x: &Tensor) -> Result<Tensor> {
+        self.partial(x, |x| {
+            candle_offload::train::grad::rope(&x.contiguous()?, &self.cos, &self.sin)
+        })
+    }
+
+    fn partial(&self, x: &Tensor, rotate: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        let width = x.dim(D::Minus1)?;
+        let rotary = 2 * self.cos.dim(1)?;
+        if rotary >= width {
+            return rotate(x);
+        }
+        let rotated = rotate(&x.narrow(D::Minus1, 0, rotary)?)?;
+        let pass = x.narrow(D::Minus1, rotary, width - rotary)?;
+        Tensor::cat(&[rotated, pass.contiguous()?], D::Minus1)
+    }
+
+    /// Positions the tables cover.
+    pub fn max_len(&self) -> usize {
+        self.cos.dim(0).unwrap_or(0)
+    }
+}
+
+/// Per-layer key/value cache, on the device, allocated once for the whole context (so that
+/// decoding does not grow, copy or fragment it).
+#[derive(Debug, Clone)]
+pub struct Cache {
+    pub(crate) kvs: Vec<KvCache>,
+}
+
+impl Cache {
+    /// An empty cache for `n_layers` layers and up to `max_len` positions.
+    pub fn new(n_layers: usize, max_len: usize) -> Self {
+        Self {
+            kvs: (0..n_layers).map(|_| KvCache::new(2, max_len)).collect(),
+        }
+    }
+
+    /// Positions cached so far.
+    pub fn len(&self) -> usize {
+        self.kvs.first().map_or(0, |kv| kv.current_seq_len())
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The causal mask (F32, 0 or -inf) for `seq_len` new positions after `index_pos` cached ones.
+pub fn causal_mask(seq_len: usize, index_pos: usize, device: &Device) -> Result<Tensor> {
+    window_mask(seq_len, index_pos, None, device)
+}
+
+/// The causal mask, also hiding keys `window` or more positions behind the query when a
+/// sliding window is given (query `i` sees key `j` when `j <= i` and `i - j < window`, as in
+/// transformers).
+pub fn window_mask(
+    seq_len: usize,
+    index_pos: usize,
+    window: Option<usize>,
+    device: &Device,
+) -> Result<Tensor> {
+    let kv_len = index_pos + seq_len;
+    let mask: Vec<f32> = (0..seq_len)
+        .flat_map(|i| {
+            let q = index_pos + i;
+            (0..kv_len).map(move |j| {
+                let outside = window.is_some_and(|w| q >= j + w);
+                if j > q || outside {
+                    f32::NEG_INFINITY
+                } else {
+                    0.
+                }
+            })
+        })
+        .collect();
+    Tensor::from_vec(mask, (seq_len, kv_len), device)
+}
+
+/// The masks of one forward pass on one device, built on first use and shared by its layers
+/// (one per distinct sliding window).
+#[derive(Debug)]
+pub struct Masks {
+    seq_len: usize,
+    index_pos: usize,
+    device: Device,
+    built: Mutex<Vec<(Option<usize>, Option<Tensor>)>>,
+}
+
+impl Masks {
+    /// Masks for `seq_len` new positions after `index_pos` cached ones.
+    pub fn new(seq_len: usize, index_pos: usize, device: &Device) -> Self {
+        Self {
+            seq_len,
+            index_pos,
+            device: device.clone(),
+            built: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The mask for a layer with this sliding window (`None`: plain causal); `None` when
+    /// nothing needs hiding (one new position that sees every cached one).
+    pub fn get(&self, window: Option<usize>) -> Result<Option<Tensor>> {
+        let mut built = self.built.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, m)) = built.iter().find(|(w, _)| *w == window) {
+            return Ok(m.clone());
+        }
+        let kv_len = self.index_pos + self.seq_len;
+        let needed = self.seq_len > 1 || window.is_some_and(|w| kv_len > w);
+        let mask = if needed {
+            Some(window_mask(
+                self.seq_len,
+                self.index_pos,
+                window,
+                &self.device,
+            )?)
+        } else {
+            None
+        };
+        built.push((window, mask.clone()));
+        Ok(mask)
+    }
+}
+
+/// A linear layer with or without bias.
+pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
+    if bias {
+        candle_nn::linear(in_dim, out_dim, vb)
+    } else {
+        candle_nn::linear_no_bias(in_dim, out_dim, vb)
+    }
+}
+
+/// A linear layer on (batch, seq, in) as one (batch·seq, in) matmul, for training: the weight
+/// gradient is then one GEMM, where `Linear::forward` broadcasts the weight over the batch and
+/// its backward pass materializes and sums a gradient per sequence.
+pub fn linear_2d(l: &Linear, xs: &Tensor) -> Result<Tensor> {
+    let (b, t, d) = xs.dims3()?;
+    let y = xs.reshape((b * t, d))?.matmul(&l.weight().t()?)?;
+    let y = match l.bias() {
+        Some(bias) => y.broadcast_add(bias)?,
+        None => y,
+    };
+    y.reshape((b, t, ()))
+}
+
+/// `cap · tanh(x / cap)` (Gemma 2's attention and final logit soft-capping).
+pub fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor> {
+    (x / cap)?.tanh()? * cap
+}
+
+/// RMSNorm; with `offset` 1 the weight is applied as `1 + w` (Gemma), in F32.
+#[derive(Debug, Clone)]
+pub struct Norm {
+    inner: candle_nn::RmsNorm,
+    f32_compute: bool,
+}
+
+impl Norm {
+    /// Loads `weight` of width `size` from `vb`, in `dtype`.
+    pub fn load(size: usize, eps: f64, offset: f64, vb: VarBuilder, dtype: DType) -> Result<Self> {
+        if offset == 0.0 {
+            return Ok(Self {
+                inner: candle_nn::rms_norm(size, eps, vb.to_dtype(dtype))?,
+                f32_compute: false,
+            });
+        }
+        let w = vb.to_dtype(DType::F32).get(size, "weight")?;
+        let w = (w + offset)?;
+        Ok(Self {
+            inner: candle_nn::RmsNorm::new(w, eps),
+            f32_compute: true,
+        })
+    }
+
+    /// Inference (Candle's fused kernel).
+    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        if self.f32_compute {
+            let dtype = xs.dtype();
+            return self
+                .inner
+                .forward(&xs.to_dtype(DType::F32)?)?
+                .to_dtype(dtype);
+        }
+        self.inner.forward(xs)
+    }
+
+    /// Differentiable (training; Candle's fused kernel cuts the gradient).
+    pub fn forward_diff(&self, xs: &Tensor) -> Result<Tensor> {
+        if self.f32_compute {
+            let dtype = xs.dtype();
+            return self
+                .inner
+                .forward_diff(&xs.to_dtype(DType::F32)?)?
+                .to_dtype(dtype);
+        }
+        self.inner.forward_diff(xs)
+    }
+}
+
+/// How attention scores are formed once q and k are rotated.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionSpec {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (GQA: fewer; MQA: one).
+    pub n_kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// Scores are divided by this (`sqrt(head_dim)`, or Gemma 2's `sqrt(query_pre_attn_scalar)`).
+    pub score_div: f64,
+    /// Soft-capping of the scores before the mask (Gemma 2).
+    pub softcap: Option<f64>,
+    /// Keys further back than this are hidden (sliding-window layers).
+    pub window: Option<usize>,
+}
+
+impl AttentionSpec {
+    /// Plain attention of `cfg`'s shape: scores over `sqrt(head_dim)`, no cap, no window.
+    pub fn of(cfg: &Config) -> Self {
+        Self {
+            n_heads: cfg.num_attention_heads,
+            n_kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            score_div: (cfg.head_dim as f64).sqrt(),
+            softcap: None,
+            window: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Qkv {
+    Separate { q: Linear, k: Linear, v: Linear },
+    Fused(Linear),
+}
+
+/// Self-attention: projections, RoPE, the KV cache, GQA/MQA and the output projection.
+#[derive(Debug)]
+pub struct SelfAttention {
+    qkv: Qkv,
+    o_proj: Linear,
+    spec: AttentionSpec,
+}
+
+impl SelfAttention {
+    /// `q_proj`, `k_proj`, `v_proj` (with biases when `bias`) and `o_proj` under `vb`.
+    pub fn load(vb: VarBuilder, hidden: usize, spec: AttentionSpec, bias: bool) -> Result<Self> {
+        let (q, kv) = (
+            spec.n_heads * spec.head_dim,
+            spec.n_kv_heads * spec.head_dim,
+        );
+        Ok(Self {
+            qkv: Qkv::Separate {
+                q: linear(hidden, q, bias, vb.pp("q_proj"))?,
+                k: linear(hidden, kv, bias, vb.pp("k_proj"))?,
+                v: linear(hidden, kv, bias, vb.pp("v_proj"))?,
+            },
+            o_proj: linear(q, hidden, false, vb.pp("o_proj"))?,
+            spec,
+        })
+    }
+
+    /// One fused projection `fused` (rows: q, then k, then v) and `o_proj` under `vb` (Phi-3).
+    pub fn load_fused(
+        vb: VarBuilder,
+        fused: &str,
+        hidden: usize,
+        spec: AttentionSpec,
+    ) -> Result<Self> {
+        let (q, kv) = (
+            spec.n_heads * spec.head_dim,
+            spec.n_kv_heads * spec.head_dim,
+        );
+        Ok(Self {
+            qkv: Qkv::Fused(linear(hidden, q + 2 * kv, false, vb.pp(fused))?),
+            o_proj: linear(q, hidden, false, vb.pp("o_proj"))?,
+            spec,
+        })
+    }
+
+    /// The attention's shape and scoring.
+    pub fn spec(&self) -> &AttentionSpec {
+        &self.spec
+    }
+
+    fn project(&self, xs: &Tensor, train: bool) -> Result<(Tensor, Tensor, Tensor)> {
+        let lin = |l: &Linear| {
+            if train {
+                linear_2d(l, xs)
+            } else {
+                l.forward(xs)
+            }
+        };
+        match &self.qkv {
+            Qkv::Separate { q, k, v } => Ok((lin(q)?, lin(k)?, lin(v)?)),
+            Qkv::Fused(l) => {
+                let all = lin(l)?;
+                let (q, kv) = (
+                    self.spec.n_heads * self.spec.head_dim,
+                    self.spec.n_kv_heads * self.spec.head_dim,
+                );
+                Ok((
+                    all.narrow(D::Minus1, 0, q)?,
+                    all.narrow(D::Minus1, q, kv)?,
+                    all.narrow(D::Minus1, q + kv, kv)?,
+                ))
+            }
+        }
+    }
+
+    /// Inference over `xs` (batch, seq, hidden) at positions `ctx.index_pos..`, appending to
+    /// `kv`.
+    pub fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Tensor> {
+        let s = &self.spec;
+        let (b, seq_len, _) = xs.dims3()?;
+        let shape =
+            |t: Tensor, heads: usize| t.reshape((b, seq_len, heads, s.head_dim))?.transpose(1, 2);
+        let (q, k, v) = self.project(xs, false)?;
+        let q = ctx.rope.apply(&shape(q, s.n_heads)?, ctx.index_pos)?;
+        let k = ctx.rope.apply(&shape(k, s.n_kv_heads)?, ctx.index_pos)?;
+        let v = shape(v, s.n_kv_heads)?.contiguous()?;
+        let (k, v) = kv.append(&k.contiguous()?, &v)?;
+        let rep = s.n_heads / s.n_kv_heads;
+        let k = candle_transformers::utils::repeat_kv(k, rep)?.contiguous()?;
+        let v = candle_transformers::utils::repeat_kv(v, rep)?.contiguous()?;
+        // Scores, softmax and the weighted sum in f32, as the reference implementations do.
+        let in_dtype = q.dtype();
+        let (q, k, v) = (
+            q.to_dtype(DType::F32)?,
+            k.to_dtype(DType::F32)?,
+            v.to_dtype(DType::F32)?,
+        );
+        let att = (q.matmul(&k.t()?)? / s.score_div)?;
+        let att = match s.softcap {
+            Some(cap) => soft_cap(&att, cap)?,
+            None => att,
+        };
+        let att = match ctx.masks.get(s.window)? {
+            Some(m) => att.broadcast_add(&m)?,
+            None => att,
+        };
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let y = att.matmul(&v)?.to_dtype(in_dtype)?;
+        let y = y
+            .transpose(1, 2)?
+            .reshape((b, seq_len, s.n_heads * s.head_dim))?;
+        self.o_proj.forward(&y)
+    }
+
+    /// Causal self-attention over the whole sequence with differentiable ops (training):
+    /// projections and the two attention matmuls in `xs`'s dtype, mask and softmax in F32.
+    /// With `ctx.head_chunks > 1` the heads are processed in that many checkpointed groups, so
+    /// only one group's score matrix is ever held (it is recomputed in the backward pass).
+    pub fn forward_train(&self, xs: &Tensor, ctx: &TrainCtx<'_>) -> Result<Tensor> {
+        let s = self.spec;
+        let (b, seq_len, _) = xs.dims3()?;
+        let shape =
+            |t: Tensor, heads: usize| t.reshape((b, seq_len, heads, s.head_dim))?.transpose(1, 2);
+        let (q, k, v) = self.project(xs, true)?;
+        let q = ctx.rope.apply_diff(&shape(q, s.n_heads)?.contiguous()?)?;
+        let k = ctx
+            .rope
+            .apply_diff(&shape(k, s.n_kv_heads)?.contiguous()?)?;
+        let v = shape(v, s.n_kv_heads)?.contiguous()?;
+        let rep = s.n_heads / s.n_kv_heads;
+        let k = candle_transformers::utils::repeat_kv(k, rep)?.contiguous()?;
+        let v = candle_transformers::utils::repeat_kv(v, rep)?.contiguous()?;
+        let mask = ctx.masks.get(s.window)?;
+        let y = if ctx.head_chunks <= 1 {
+            train_attention(&q, &k, &v, mask.as_ref(), &s)?
+        } else {
+            let ck = candle_offload::Checkpointer::new();
+            let mut outs = Vec::new();
+            for r in candle_offload::train::segment_ranges(s.n_heads, ctx.head_chunks) {
+                let part = |t: &Tensor| t.narrow(1, r.start, r.len());
+                let qkv = Tensor::stack(&[part(&q)?, part(&k)?, part(&v)?], 0)?;
+                let mask = mask.clone();
+                outs.push(ck.checkpoint(
+                    move |qkv| {
+                        let get = |i| qkv.get(i);
+                        train_attention(&get(0)?, &get(1)?, &get(2)?, mask.as_ref(), &s)
+                    },
+                    &qkv,
+                )?);
+            }
+            Tensor::cat(&outs, 1)?
+        };
+        let y = y
+            .transpose(1, 2)?
+            .reshape((b, seq_len, s.n_heads * s.head_dim))?;
+        linear_2d(&self.o_proj, &y)
+    }
+}
+
+/// softmax(q kᵀ / div (capped) + mask) v with the matmuls in q's dtype and the softmax in F32.
+fn train_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    s: &AttentionSpec,
+) -> Result<Tensor> {
+    let dtype = q.dtype();
+    let att = (q * (1.0 / s.score_div))?.matmul(&k.t()?)?;
+    let att = att.to_dtype(DType::F32)?;
+    let att = match s.softcap {
+        Some(cap) => soft_cap(&att, cap)?,
+        None => att,
+    };
+    let att = match mask {
+        Some(m) => candle_offload::train::grad::add_constant(&att, m)?,
+        None => att,
+    };
+    let att = candle_nn::ops::softmax(&att, D::Minus1)?.to_dtype(dtype)?;
+    att.matmul(v)
+}
+
+/// The gate's activation in a gated MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (SwiGLU: LLaMA, Phi-3).
+    Silu,
+    /// GELU, tanh approximation (GeGLU: Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+impl Activation {
+    /// From an HF `hidden_act` / `hidden_activation` name.
+    pub fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Self::Silu),
+            "gelu_pytorch_tanh" | "gelu_tanh" | "gelu_new" | "gelu_fast" => Some(Self::GeluTanh),
+            _ => None,
+        }
+    }
+
+    fn apply(self, xs: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Silu => candle_nn::ops::silu(xs),
+            Self::GeluTanh => xs.gelu(),
+        }
+    }
+}
+
+#[derive(Debug)]
+enum GateUp {
+    Separate { gate: Linear, up: Linear },
+    Fused(Linear),
+}
+
+/// `down(act(gate(x)) · up(x))`.
+#[derive(Debug)]
+pub struct GatedMlp {
+    gate_up: GateUp,
+    down: Linear,
+    act: Activation,
+    intermediate: usize,
+}
+
+impl GatedMlp {
+    /// `gate_proj`, `up_proj` and `down_proj` under `vb`.
+    pub fn load(
+        vb: VarBuilder,
+        hidden: usize,
+        intermediate: usize,
+        act: Activation,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_up: GateUp::Separate {
+                gate: candle_nn::linear_no_bias(hidden, intermediate, vb.pp("gate_proj"))?,
+                up: candle_nn::linear_no_bias(hidden, intermediate, vb.pp("up_proj"))?,
+            },
+            down: candle_nn::linear_no_bias(intermediate, hidden, vb.pp("down_proj"))?,
+            act,
+            intermediate,
+        })
+    }
+
+    /// One fused `fused` projection (rows: gate, then up) and `down_proj` under `vb` (Phi-3).
+    pub fn load_fused(
+        vb: VarBuilder,
+        fused: &str,
+        hidden: usize,
+        intermediate: usize,
+        act: Activation,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_up: GateUp::Fused(candle_nn::linear_no_bias(
+                hidden,
+                2 * intermediate,
+                vb.pp(fused),
+            )?),
+            down: candle_nn::linear_no_bias(intermediate, hidden, vb.pp("down_proj"))?,
+            act,
+            intermediate,
+        })
+    }
+
+    fn run(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        let lin = |l: &Linear, x: &Tensor| {
+            if train {
+                linear_2d(l, x)
+            } else {
+                l.forward(x)
+            }
+        };
+        let (gate, up) = match &self.gate_up {
+            GateUp::Separate { gate, up } => (lin(gate, xs)?, lin(up, xs)?),
+            GateUp::Fused(l) => {
+                let both = lin(l, xs)?;
+                let i = self.intermediate;
+                (both.narrow(D::Minus1, 0, i)?, both.narrow(D::Minus1, i, i)?)
+            }
+        };
+        let x = (self.act.apply(&gate)? * up)?;
+        lin(&self.down, &x)
+    }
+
+    /// Inference.
+    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.run(xs, false)
+    }
+
+    /// Training: each projection one 2-D matmul (see [`linear_2d`]).
+    pub fn forward_train(&self, xs: &Tensor) -> Result<Tensor> {
+        self.run(xs, true)
+    }
+}
+
+/// A pre-norm decoder layer:
+/// `h = x + post_attn(attn(norm(x)))`, `out = h + post_mlp(mlp(pre_mlp(h)))`, where the
+/// post-norms exist only in Gemma 2.
+#[derive(Debug)]
+pub struct PreNormBlock {
+    /// Before attention.
+    pub input_norm: Norm,
+    /// Self-attention.
+    pub attn: SelfAttention,
+    /// After attention, before the residual add (Gemma 2).
+    pub post_attn_norm: Option<Norm>,
+    /// Before the MLP.
+    pub pre_mlp_norm: Norm,
+    /// The MLP.
+    pub mlp: GatedMlp,
+    /// After the MLP, before the residual add (Gemma 2).
+    pub post_mlp_norm: Option<Norm>,
+}
+
+impl DecoderBlock for PreNormBlock {
+    fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Tensor> {
+        let residual = xs;
+        let h = self.attn.forward(&self.input_norm.forward(xs)?, ctx, kv)?;
+        let h = match &self.post_attn_norm {
+            Some(n) => n.forward(&h)?,
+            None => h,
+        };
+        let xs = (h + residual)?;
+        let h = self.mlp.forward(&self.pre_mlp_norm.forward(&xs)?)?;
+        let h = match &self.post_mlp_norm {
+            Some(n) => n.forward(&h)?,
+            None => h,
+        };
+        h + xs
+    }
+
+    /// The residual stream stays in `xs`'s dtype (F32 under autocast), norms run in it, and
+    /// the attention and MLP compute in `ctx.compute`.
+    fn forward_train(&self, xs: &Tensor, ctx: &TrainCtx<'_>) -> Result<Tensor> {
+        let residual = xs;
+        let stream = residual.dtype();
+        let h = self.input_norm.forward_diff(xs)?.to_dtype(ctx.compute)?;
+        let h = self.attn.forward_train(&h, ctx)?.to_dtype(stream)?;
+        let h = match &self.post_attn_norm {
+            Some(n) => n.forward_diff(&h)?,
+            None => h,
+        };
+        let xs = (h + residual)?;
+        let h = self.pre_mlp_norm.forward_diff(&xs)?.to_dtype(ctx.compute)?;
+        let h = self.mlp.forward_train(&h)?.to_dtype(stream)?;
+        let h = match &self.post_mlp_norm {
+            Some(n) => n.forward_diff(&h)?,
+            None => h,
+        };
+        h + xs
+    }
+}
+
+/// A checkpoint tensor's name and shape.
+pub type TensorShape = (String, Vec<usize>);
+
+/// The tensors of an HF-layout checkpoint of `cfg`: embeddings, final norm, the output head
+/// unless tied, and `layer(prefix, out)` for each decoder layer (`model.layers.{i}`).
+pub fn hf_tensors(cfg: &Config, layer: impl Fn(&str, &mut Vec<TensorShape>)) -> Vec<TensorShape> {
+    let h = cfg.hidden_size;
+    let mut out = vec![
+        ("model.embed_tokens.weight".into(), vec![cfg.vocab_size, h]),
+        ("model.norm.weight".into(), vec![h]),
+    ];
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".into(), vec![cfg.vocab_size, h]));
+    }
+    for l in 0..cfg.num_hidden_layers {
+        layer(&format!("model.layers.{l}"), &mut out);
+    }
+    out
+}
+
+/// `{p}.self_attn.{q,k,v,o}_proj` of `cfg`'s shape (q/k/v biases when `cfg.attention_bias`).
+pub fn attention_tensors(p: &str, cfg: &Config, out: &mut Vec<TensorShape>) {
+    let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+    let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
+    out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
+    out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
+    out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+    if cfg.attention_bias {
+        out.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
+        out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+        out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+    }
+}
+
+/// `{p}.mlp.{gate,up,down}_proj` of `cfg`'s shape.
+pub fn mlp_tensors(p: &str, cfg: &Config, out: &mut Vec<TensorShape>) {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
+    out.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+    out.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+}
+
+/// `{p}.{name}.weight` of width `hidden` for each norm name.
+pub fn norm_tensors(p: &str, names: &[&str], hidden: usize, out: &mut Vec<TensorShape>) {
+    for n in names {
+        out.push((format!("{p}.{n}.weight"), vec![hidden]));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn window_mask_matches_transformers_rule() -> Result<()> {
+        let dev = Device::Cpu;
+        // 3 new positions after 2 cached, window 2: query 2 sees 1..=2, query 4 sees 3..=4.
+        let m = window_mask(3, 2, Some(2), &dev)?.to_vec2::<f32>()?;
+        let seen: Vec<Vec<usize>> = m
+            .iter()
+            .map(|row| (0..row.len()).filter(|&j| row[j] == 0.0).collect())
+            .collect();
+        assert_eq!(seen, vec![vec![1, 2], vec![2, 3], vec![3, 4]]);
+        let causal = causal_mask(2, 1, &dev)?.to_vec2::<f32>()?;
+        assert_eq!(causal[0], [0.0, 0.0, f32::NEG_INFINITY]);
+        assert_eq!(causal[1], [0.0, 0.0, 0.0]);
+        Ok(())
+    }
+
+    #[test]
+    fn masks_skip_single_tokens_inside_the_window() -> Result<()> {
+        let dev = Device::Cpu;
+        assert!(Masks::new(1, 7, &dev).get(None)?.is_none());
+        assert!(Masks::new(1, 7, &dev).get(Some(16))?.is_none());
+        let m = Masks::new(1, 7, &dev).get(Some(4))?.expect("a mask");
+        assert_eq!(m.dims(), [1, 8]);
+        Ok(())
+    }
+}
