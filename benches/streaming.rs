@@ -23,6 +23,7 @@ use candle_offload::{
 };
 use candle_offload_suite::median;
 use clap::Parser;
+use rand::Rng as _;
 
 /// Streams LLaMA-shaped layers through a budget and measures the link efficiency.
 #[derive(Parser, Debug)]
@@ -92,12 +93,9 @@ fn layer_specs(layers: usize, hidden: usize, inter: usize) -> Vec<TensorSpec> {
 /// Small, finite f16 values, tiled from one random block (fast to write 12 GiB).
 fn fill(dst: &mut [u8]) {
     let mut block = vec![0u8; 1 << 20];
-    let mut x: u32 = 0x9e37_79b9;
+    let mut rng = candle_offload_suite::rng(0x9e37_79b9);
     for c in block.chunks_exact_mut(2) {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        let v = half::f16::from_f32(((x % 2001) as f32 - 1000.0) * 1e-5);
+        let v = half::f16::from_f32(rng.random_range(-1000i32..=1000) as f32 * 1e-5);
         c.copy_from_slice(&v.to_le_bytes());
     }
     for chunk in dst.chunks_mut(block.len()) {

@@ -40,9 +40,9 @@ struct Args {
     /// Decode steps measured again with the hidden-state moves timed (synchronizing).
     #[arg(long, default_value_t = 8)]
     timed_tokens: usize,
-    /// Placement mode for the multi-GPU configurations.
+    /// Placement mode for the multi-GPU configurations: `sequential` or `balanced`.
     #[arg(long, default_value = "sequential")]
-    device_map: String,
+    device_map: PlacementMode,
     /// Write the results as JSON here.
     #[arg(long)]
     json_out: Option<PathBuf>,
@@ -122,7 +122,7 @@ fn main() -> Result<()> {
             diag::device_used_bytes(d)
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let mode: PlacementMode = args.device_map.parse()?;
+    let mode = args.device_map;
 
     let files = loader::from_dir(&args.model_dir)?;
     let cfg = files.config.clone();

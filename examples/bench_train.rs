@@ -154,12 +154,8 @@ fn parse_config(s: &str, default_budget: f64) -> Result<Bench> {
         [h, m, p] => (*h, Some(*m), *p),
         _ => return Err(bad("is not a configuration")),
     };
-    let (precision, label) = match prec {
-        "f32" => (Precision::F32, "f32"),
-        "f16" => (Precision::F16, "f16"),
-        "bf16" => (Precision::BF16, "bf16"),
-        _ => return Err(bad("has an unknown precision")),
-    };
+    let precision: Precision = prec.parse().map_err(|_| bad("has an unknown precision"))?;
+    let label = precision.compute_dtype().as_str();
     let (ckpt, offload_gib) = match (head, mid) {
         ("none", None) => (Ckpt::None, None),
         ("layer", None) => (Ckpt::Layer, None),
@@ -230,15 +226,8 @@ fn shape_config(args: &Args) -> Result<Config> {
 
 /// Deterministic token ids: `batch` rows of `seq + 1`.
 fn batch(cfg: &Config, b: usize, s: usize, device: &Device) -> Result<(Tensor, Tensor)> {
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let ids: Vec<u32> = (0..b * (s + 1))
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) % cfg.vocab_size as u64) as u32
-        })
-        .collect();
+    let ids =
+        candle_offload_suite::random_tokens(b * (s + 1), cfg.vocab_size, 0x2545_F491_4F6C_DD1D);
     let all = Tensor::from_vec(ids, (b, s + 1), device)?;
     Ok((
         all.narrow(1, 0, s)?.contiguous()?,

@@ -24,19 +24,14 @@ use candle_offload::diag::{self, PeakMemorySampler};
 use candle_offload::{MemoryLimit, Precision};
 use candle_offload_models::loader::{self, ModelFiles, Weights};
 use candle_offload_models::{TrainSettings, Trainer};
-use clap::{Parser, ValueEnum};
+use candle_offload_suite::flags;
+use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use rand::seq::SliceRandom as _;
 
 /// The sample text used when `--data` is not given.
 const SAMPLE: &str = include_str!("data/sample.txt");
 const SAMPLE_NAME: &str = "examples/data/sample.txt (bundled)";
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum SaveDtype {
-    F32,
-    F16,
-    Bf16,
-}
 
 /// Fine-tunes a LLaMA-family model on a text file (AdamW, constant learning rate).
 #[derive(Parser, Debug)]
@@ -47,25 +42,25 @@ struct Args {
     /// UTF-8 text to train on. Default: the bundled sample, examples/data/sample.txt.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Optimizer steps.
-    #[arg(long, default_value_t = 100)]
+    /// Optimizer steps (1 or more).
+    #[arg(long, default_value_t = 100, value_parser = flags::at_least_one)]
     steps: usize,
-    /// Sequences per step.
-    #[arg(long, default_value_t = 1)]
+    /// Sequences per step (1 or more).
+    #[arg(long, default_value_t = 1, value_parser = flags::at_least_one)]
     batch_size: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 256)]
+    /// Tokens per sequence (1 or more, at most the model's context).
+    #[arg(long, default_value_t = 256, value_parser = flags::at_least_one)]
     seq_len: usize,
-    /// AdamW learning rate (constant).
-    #[arg(long, default_value_t = 1e-4)]
+    /// AdamW learning rate (constant, above 0).
+    #[arg(long, default_value_t = 1e-4, value_parser = flags::positive, allow_hyphen_values = true)]
     lr: f64,
-    /// AdamW weight decay (decoupled).
-    #[arg(long, default_value_t = 0.0)]
+    /// AdamW weight decay (decoupled, 0 or more).
+    #[arg(long, default_value_t = 0.0, value_parser = flags::non_negative, allow_hyphen_values = true)]
     weight_decay: f64,
     /// Matmul precision: f16 (with dynamic loss scaling), bf16, or off (F32). Default: bf16
     /// on a GPU, off on the CPU. Master weights and optimizer state are always F32.
     #[arg(long)]
-    autocast: Option<String>,
+    autocast: Option<Precision>,
     /// Checkpointed segments over the decoder layers; 0 turns checkpointing off. Default: 0,
     /// or one segment per layer with --offload.
     #[arg(long)]
@@ -84,10 +79,10 @@ struct Args {
     /// Directory to write the fine-tuned model to (created if missing).
     #[arg(long, default_value = "finetuned")]
     output: PathBuf,
-    /// Dtype of the saved weights. Default: the source checkpoint's float dtype (safetensors),
-    /// f16 for a GGUF source.
-    #[arg(long, value_enum)]
-    save_dtype: Option<SaveDtype>,
+    /// Dtype of the saved weights: f32, f16 or bf16. Default: the source checkpoint's float
+    /// dtype (safetensors), f16 for a GGUF source.
+    #[arg(long, value_parser = flags::float_dtype)]
+    save_dtype: Option<DType>,
     /// Seed of the batch order.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -102,42 +97,21 @@ struct Args {
     verbose: u8,
 }
 
-/// SplitMix64: a small, seedable generator for the batch order.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Fisher-Yates.
-    fn shuffle(&mut self, v: &mut [usize]) {
-        for i in (1..v.len()).rev() {
-            let j = (self.next() % (i as u64 + 1)) as usize;
-            v.swap(i, j);
-        }
-    }
-}
-
 /// Windows of `seq_len + 1` tokens, served in batches in a seeded order.
 struct Batches {
     ids: Vec<u32>,
     seq_len: usize,
     order: Vec<usize>,
     cursor: usize,
-    rng: SplitMix,
+    rng: rand::rngs::StdRng,
 }
 
 impl Batches {
     fn new(ids: Vec<u32>, seq_len: usize, seed: u64) -> Self {
         let windows = (ids.len() - 1) / seq_len;
-        let mut rng = SplitMix(seed);
+        let mut rng = candle_offload_suite::rng(seed);
         let mut order: Vec<usize> = (0..windows).collect();
-        rng.shuffle(&mut order);
+        order.shuffle(&mut rng);
         Self {
             ids,
             seq_len,
@@ -157,7 +131,7 @@ impl Batches {
         let (mut inputs, mut targets) = (Vec::with_capacity(batch * s), Vec::new());
         for _ in 0..batch {
             if self.cursor == self.order.len() {
-                self.rng.shuffle(&mut self.order);
+                self.order.shuffle(&mut self.rng);
                 self.cursor = 0;
             }
             let start = self.order[self.cursor] * s;
@@ -191,12 +165,7 @@ fn source_float_dtype(files: &ModelFiles) -> Option<DType> {
     v.as_object()?
         .iter()
         .filter(|(k, _)| k.as_str() != "__metadata__")
-        .find_map(|(_, t)| match t.get("dtype")?.as_str()? {
-            "F32" => Some(DType::F32),
-            "F16" => Some(DType::F16),
-            "BF16" => Some(DType::BF16),
-            _ => None,
-        })
+        .find_map(|(_, t)| flags::float_dtype(t.get("dtype")?.as_str()?).ok())
 }
 
 fn dtype_name(d: DType) -> &'static str {
@@ -285,33 +254,8 @@ fn main() -> Result<()> {
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
 
-    // Cheap checks first: bad flags fail before a model is loaded.
-    if args.steps == 0 {
-        bail!("--steps must be at least 1");
-    }
-    if args.seq_len == 0 {
-        bail!("--seq-len must be at least 1");
-    }
-    if args.batch_size == 0 {
-        bail!("--batch-size must be at least 1");
-    }
-    if !(args.lr.is_finite() && args.lr > 0.0) {
-        bail!("--lr must be a positive number, got {}", args.lr);
-    }
-    if !(args.weight_decay.is_finite() && args.weight_decay >= 0.0) {
-        bail!(
-            "--weight-decay must be zero or positive, got {}",
-            args.weight_decay
-        );
-    }
-    let precision: Option<Precision> = args
-        .autocast
-        .as_deref()
-        .map(|s| {
-            s.parse()
-                .map_err(|_| anyhow!("--autocast {s:?}: expected f16, bf16 or off"))
-        })
-        .transpose()?;
+    // Cheap checks first (the numbers and names are checked as clap parses them): bad flags
+    // fail before a model is loaded.
     let mut limit = args
         .gpu_memory_limit
         .as_deref()
@@ -334,7 +278,9 @@ fn main() -> Result<()> {
 
     let device = candle_offload_suite::device(args.cpu, args.device)?;
     let gpu = !device.is_cpu();
-    let precision = precision.unwrap_or(if gpu { Precision::BF16 } else { Precision::F32 });
+    let precision = args
+        .autocast
+        .unwrap_or(if gpu { Precision::BF16 } else { Precision::F32 });
     if offload && limit.is_none() && gpu {
         limit = Some(MemoryLimit::FractionOfDevice(0.9));
     }
@@ -360,12 +306,19 @@ fn main() -> Result<()> {
             cfg.max_position_embeddings
         );
     }
-    let save_dtype = match args.save_dtype {
-        Some(SaveDtype::F32) => DType::F32,
-        Some(SaveDtype::F16) => DType::F16,
-        Some(SaveDtype::Bf16) => DType::BF16,
-        None => source_float_dtype(&files).unwrap_or(DType::F16),
-    };
+    if let Some(n) = args.checkpoint_segments {
+        if n > cfg.num_hidden_layers {
+            bail!(
+                "--checkpoint-segments {n}: the model has {} layers; give at most one segment per \
+                 layer",
+                cfg.num_hidden_layers
+            );
+        }
+    }
+    let save_dtype = args
+        .save_dtype
+        .or_else(|| source_float_dtype(&files))
+        .unwrap_or(DType::F16);
 
     // The data.
     let t0 = Instant::now();

@@ -6,34 +6,23 @@
 //! --offload --gpu-memory-limit 4 --prompt "..."`.
 
 use std::io::Write as _;
-use std::path::PathBuf;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use candle_core::DType;
 use candle_offload::placement::{DeviceMap, PlacementMode};
-use candle_offload::{MemoryLimit, OffloadStrategy, PolicyChoice, Settings};
+use candle_offload::{MemoryLimit, OffloadRuntime, OffloadStrategy, PolicyChoice, Settings};
 use candle_offload_models::generation::{generate, TokenStream};
-use candle_offload_models::llama::DeviceMapChoice;
+use candle_offload_models::llama::{argmax, DeviceMapChoice};
 use candle_offload_models::loader;
 use candle_offload_models::{ChatTemplate, Llama, OffloadSettings};
+use candle_offload_suite::flags;
 use candle_transformers::generation::LogitsProcessor;
 use clap::{Parser, ValueEnum};
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Dtype {
-    F32,
-    F16,
-    Bf16,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Strategy {
-    Minimal,
-    Balanced,
-    Aggressive,
-}
-
+/// `--policy`: the model's own layer sweep, or one of the library's learned policies.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Policy {
     /// Belady over the model's layer sweep (the default for generation).
@@ -57,29 +46,29 @@ struct Args {
     /// Feed the prompt as is, without the model's chat template.
     #[arg(long)]
     no_chat_template: bool,
-    /// Tokens to generate at most.
-    #[arg(long, default_value_t = 64)]
+    /// Tokens to generate at most (1 or more).
+    #[arg(long, default_value_t = 64, value_parser = flags::at_least_one)]
     max_new_tokens: usize,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    /// Sampling temperature, 0 or more; 0 is greedy.
+    #[arg(long, default_value_t = 0.0, value_parser = flags::non_negative, allow_hyphen_values = true)]
     temperature: f64,
-    /// Nucleus sampling probability.
-    #[arg(long)]
+    /// Nucleus sampling probability, in (0, 1]; needs a --temperature above 0.
+    #[arg(long, value_parser = flags::probability, allow_hyphen_values = true)]
     top_p: Option<f64>,
     /// Sampling seed.
     #[arg(long, default_value_t = 299792458)]
     seed: u64,
-    /// Compute dtype (default: f16 on a GPU, f32 on the CPU).
-    #[arg(long, value_enum)]
-    dtype: Option<Dtype>,
+    /// Compute dtype: f32, f16 or bf16 (default: f16 on a GPU, f32 on the CPU).
+    #[arg(long, value_parser = flags::float_dtype)]
+    dtype: Option<DType>,
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
-    /// GPU ordinal.
-    #[arg(long, default_value_t = 0)]
+    /// GPU ordinal (one device; --devices names several).
+    #[arg(long, default_value_t = 0, conflicts_with = "devices")]
     device: usize,
-    /// Shard the layers over these GPUs (`0,1`): each runs a contiguous range of layers with
-    /// its own budget, and streams what does not fit from host memory.
+    /// Shard the layers over these GPUs (`0,1`, each once): each runs a contiguous range of
+    /// layers with its own budget, and streams what does not fit from host memory.
     #[arg(long, value_delimiter = ',')]
     devices: Option<Vec<usize>>,
     /// With --devices: `sequential` (fill GPU 0 first), `balanced` (even layer counts), or a
@@ -100,23 +89,27 @@ struct Args {
     /// device (`4,6`) or one for all. Implies --offload.
     #[arg(long)]
     gpu_memory_limit: Option<String>,
-    /// How much stays resident.
-    #[arg(long, value_enum)]
-    offload_strategy: Option<Strategy>,
+    /// How much stays resident: minimal, balanced or aggressive offloading.
+    #[arg(long)]
+    offload_strategy: Option<OffloadStrategy>,
     /// Eviction policy.
     #[arg(long, value_enum, default_value = "schedule")]
     policy: Policy,
     /// Copies that may run ahead of their victims' release (0 moves the fewest bytes).
     #[arg(long, default_value_t = 1)]
     prefetch_depth: usize,
-    /// Record every fetch and eviction and write the history as JSON here.
+    /// Record every fetch and eviction and write the history as JSON here. With --devices,
+    /// one file per stage: `h.json` becomes `h.stage0.json`, `h.stage1.json`, ...
     #[arg(long)]
     memory_history: Option<PathBuf>,
-    /// Render the memory timeline as SVG here (implies recording).
+    /// Render the memory timeline as SVG here (implies recording). With --devices, one file
+    /// per stage: `t.svg` becomes `t.stage0.svg`, `t.stage1.svg`, ...
     #[arg(long)]
     timeline: Option<PathBuf>,
-    /// Leak-check mode: decode this many tokens (EOS ignored) and fail if the resident or
-    /// pinned bytes, or the device memory measured outside the allocator, grow after warm-up.
+    /// Leak-check mode: decode this many tokens (EOS ignored; 2 or more) and fail if the
+    /// resident or pinned bytes, or the device memory measured outside the allocator, grow
+    /// after warm-up (the first half of the steps, at most 10). With --devices, every stage
+    /// is checked, one decode run per stage.
     #[arg(long)]
     leak_check: Option<usize>,
     /// Settings file with `memory.offload_strategy` and `memory.max_gpu_memory`.
@@ -130,6 +123,18 @@ struct Args {
 fn main() -> Result<()> {
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
+    if let Some(d) = &args.devices {
+        flags::distinct_devices(d).map_err(|e| {
+            let list: Vec<String> = d.iter().map(|o| o.to_string()).collect();
+            anyhow!("--devices {}: {e}", list.join(","))
+        })?;
+    }
+    if let Some(n @ 0..=1) = args.leak_check {
+        bail!("--leak-check {n}: must be at least 2 (warm-up steps, then steps to compare)");
+    }
+    if args.top_p.is_some() && args.temperature == 0.0 {
+        eprintln!("note: --top-p has no effect with --temperature 0 (greedy decoding)");
+    }
     let ordinals = args.devices.clone().unwrap_or_else(|| vec![args.device]);
     let devices = ordinals
         .iter()
@@ -140,6 +145,24 @@ fn main() -> Result<()> {
     if !sharded && (args.device_map.is_some() || args.save_device_map.is_some()) {
         bail!("--device-map and --save-device-map need --devices (e.g. --devices 0,1)");
     }
+
+    // The device map's mode or file, checked before the model is resolved.
+    let choice = if sharded {
+        let name = args.device_map.as_deref().unwrap_or("sequential");
+        let choice = match name.parse::<PlacementMode>() {
+            Ok(mode) => DeviceMapChoice::Mode(mode),
+            Err(_) if Path::new(name).exists() => {
+                DeviceMapChoice::Map(DeviceMap::load(Path::new(name))?)
+            }
+            Err(_) => bail!(
+                "--device-map {name}: neither sequential, balanced, nor an existing device map \
+                 file (as --save-device-map writes)"
+            ),
+        };
+        Some(choice)
+    } else {
+        None
+    };
 
     let settings = match &args.config {
         Some(p) => Settings::from_file(p)?,
@@ -160,12 +183,8 @@ fn main() -> Result<()> {
         }
         limit = limits.first().copied();
     }
-    if let Some(s) = args.offload_strategy {
-        strategy = Some(match s {
-            Strategy::Minimal => OffloadStrategy::Minimal,
-            Strategy::Balanced => OffloadStrategy::Balanced,
-            Strategy::Aggressive => OffloadStrategy::Aggressive,
-        });
+    if args.offload_strategy.is_some() {
+        strategy = args.offload_strategy;
     }
     if limit.is_none() && (args.offload || strategy.is_some()) && !device.is_cpu() {
         limit = Some(MemoryLimit::FractionOfDevice(0.9));
@@ -175,9 +194,7 @@ fn main() -> Result<()> {
     let files = args.model.resolve()?;
     let cfg = files.config.clone();
     let dtype = match args.dtype {
-        Some(Dtype::F32) => DType::F32,
-        Some(Dtype::F16) => DType::F16,
-        Some(Dtype::Bf16) => DType::BF16,
+        Some(d) => d,
         None if device.is_cpu() => DType::F32,
         None => DType::F16,
     };
@@ -198,14 +215,24 @@ fn main() -> Result<()> {
     if prompt_ids.is_empty() {
         bail!("the prompt is empty after tokenization");
     }
-    let max_len = prompt_ids.len() + args.max_new_tokens.max(args.leak_check.unwrap_or(0) + 1);
+    let new_tokens = args.max_new_tokens.max(args.leak_check.unwrap_or(0) + 1);
+    let max_len = prompt_ids.len() + new_tokens;
+    if max_len > cfg.max_position_embeddings {
+        bail!(
+            "{} {new_tokens}: the prompt ({} tokens) and {new_tokens} new tokens exceed the \
+             model's context (max_position_embeddings {})",
+            if args.leak_check.is_some() {
+                "--leak-check"
+            } else {
+                "--max-new-tokens"
+            },
+            prompt_ids.len(),
+            cfg.max_position_embeddings
+        );
+    }
 
     // With several devices: the device map, printed (and saved) before any weight is loaded.
-    let device_map = if sharded {
-        let choice = match args.device_map.as_deref().unwrap_or("sequential") {
-            m @ ("sequential" | "balanced") => DeviceMapChoice::Mode(m.parse::<PlacementMode>()?),
-            path => DeviceMapChoice::Map(DeviceMap::load(std::path::Path::new(path))?),
-        };
+    let device_map = if let Some(choice) = &choice {
         let per_device: Vec<Option<MemoryLimit>> = if limits.is_empty() {
             vec![limit]
         } else {
@@ -218,7 +245,7 @@ fn main() -> Result<()> {
             &per_device,
             prompt_ids.len(),
             max_len,
-            &choice,
+            choice,
             args.prefetch_depth,
         )?;
         eprint!("{map}");
@@ -276,31 +303,37 @@ fn main() -> Result<()> {
             &settings,
         )?,
     };
-    let rt = model.runtime().clone();
-
+    let stages = model.stages();
     if args.memory_history.is_some() || args.timeline.is_some() {
-        rt.record_history(true)?;
+        for (rt, _) in &stages {
+            rt.record_history(true)?;
+        }
     }
     if let Some(steps) = args.leak_check {
-        let mut cache = model.new_cache();
-        let prompt = candle_core::Tensor::new(prompt_ids.as_slice(), &device)?.unsqueeze(0)?;
-        let mut token =
-            candle_offload_models::llama::argmax(&model.forward(&prompt, 0, &mut cache)?)?;
-        let report = rt.leak_check(steps, steps.min(10), 1 << 20, |i| {
-            rt.begin_step()?;
-            let input = candle_core::Tensor::new(&[token], &device)?.unsqueeze(0)?;
-            token = candle_offload_models::llama::argmax(&model.forward(
-                &input,
-                prompt_ids.len() + i,
-                &mut cache,
-            )?)?;
-            rt.end_step()
-        })?;
-        eprintln!(
-            "leak check passed: {} decode steps; after {} warm-up steps resident and pinned bytes stayed put, device memory moved at most {} B",
-            report.steps, report.warmup, report.max_device_drift_bytes
-        );
-        write_history(&rt, &args)?;
+        // Each stage's runtime checks its own memory over a decode run of the whole model.
+        let warmup = (steps / 2).min(10);
+        for (k, (rt, layers)) in stages.iter().enumerate() {
+            let mut cache = model.new_cache();
+            let prompt = candle_core::Tensor::new(prompt_ids.as_slice(), &device)?.unsqueeze(0)?;
+            let mut token = argmax(&model.forward(&prompt, 0, &mut cache)?)?;
+            let report = rt
+                .leak_check(steps, warmup, 1 << 20, |i| {
+                    model.begin_step()?;
+                    let input = candle_core::Tensor::new(&[token], &device)?.unsqueeze(0)?;
+                    token = argmax(&model.forward(&input, prompt_ids.len() + i, &mut cache)?)?;
+                    model.end_step()
+                })
+                .map_err(|e| anyhow!("{}{e}", stage_name(sharded, k, layers, rt)))?;
+            eprintln!(
+                "{}leak check passed: {} decode steps; after {} warm-up steps resident and pinned \
+                 bytes stayed put, device memory moved at most {} B",
+                stage_name(sharded, k, layers, rt),
+                report.steps,
+                report.warmup,
+                report.max_device_drift_bytes
+            );
+        }
+        write_histories(&stages, &args, sharded)?;
         return Ok(());
     }
 
@@ -341,9 +374,12 @@ fn main() -> Result<()> {
         stats.generated_tokens,
         stats.decode_tokens_per_s()
     );
-    for (stage_rt, layers) in model.stages() {
+    for (k, (stage_rt, layers)) in stages.iter().enumerate() {
         if sharded {
-            eprintln!("layers {}..{}:", layers.start, layers.end);
+            eprintln!(
+                "{}",
+                stage_name(sharded, k, layers, stage_rt).trim_end_matches(": ")
+            );
         }
         eprint!("{}", stage_rt.memory_summary()?);
     }
@@ -355,25 +391,61 @@ fn main() -> Result<()> {
             t.bytes as f64 / 1024.0
         );
     }
-    write_history(&rt, &args)?;
+    write_histories(&stages, &args, sharded)?;
     Ok(())
 }
 
-fn write_history(rt: &candle_offload::OffloadRuntime, args: &Args) -> Result<()> {
-    let Some(history) = rt.history()? else {
-        return Ok(());
-    };
-    if let Some(p) = &args.memory_history {
-        history.write_json(p)?;
-        eprintln!(
-            "memory history: {} events in {}",
-            history.events.len(),
-            p.display()
-        );
+/// `stage K (layers A..B, DEVICE): ` for a sharded model's stage `k`; empty otherwise.
+fn stage_name(sharded: bool, k: usize, layers: &Range<usize>, rt: &OffloadRuntime) -> String {
+    if !sharded {
+        return String::new();
     }
-    if let Some(p) = &args.timeline {
-        history.write_svg(p)?;
-        eprintln!("memory timeline: {}", p.display());
+    format!(
+        "stage {k} (layers {}..{}, {}): ",
+        layers.start,
+        layers.end,
+        candle_offload_suite::device_label(rt.device())
+    )
+}
+
+/// `path` for stage `k`: `t.svg` -> `t.stage1.svg` when sharded, `path` itself otherwise.
+fn stage_path(path: &Path, sharded: bool, k: usize) -> PathBuf {
+    if !sharded {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.stage{k}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.stage{k}"),
+    };
+    path.with_file_name(name)
+}
+
+/// Writes each stage's recorded history (--memory-history) and timeline (--timeline).
+fn write_histories(
+    stages: &[(&OffloadRuntime, Range<usize>)],
+    args: &Args,
+    sharded: bool,
+) -> Result<()> {
+    for (k, (rt, layers)) in stages.iter().enumerate() {
+        let Some(history) = rt.history()? else {
+            continue;
+        };
+        let stage = stage_name(sharded, k, layers, rt);
+        if let Some(p) = &args.memory_history {
+            let p = stage_path(p, sharded, k);
+            history.write_json(&p)?;
+            eprintln!(
+                "{stage}memory history: {} events in {}",
+                history.events.len(),
+                p.display()
+            );
+        }
+        if let Some(p) = &args.timeline {
+            let p = stage_path(p, sharded, k);
+            history.write_svg(&p)?;
+            eprintln!("{stage}memory timeline: {}", p.display());
+        }
     }
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! Helpers shared by the suite's binaries (examples, benches, the integration tests): device
-//! selection, logging set-up, and benchmark records with their provenance.
+//! selection, logging set-up, the model flags, the seeded random generator, and benchmark
+//! records with their provenance.
 
 use std::io::Write as _;
 use std::path::Path;
@@ -35,6 +36,15 @@ pub fn device(cpu: bool, ordinal: usize) -> candle_core::Result<Device> {
         return Ok(Device::Cpu);
     }
     Device::new_cuda_with_stream(ordinal)
+}
+
+/// `cpu`, `cuda:N` or `metal:N`: how the binaries name a device in their messages.
+pub fn device_label(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
 }
 
 /// What a benchmark measures of the machine before it starts: the device memory the CUDA
@@ -210,18 +220,98 @@ impl ModelArgs {
     }
 }
 
+/// Value parsers for the binaries' flags (`#[arg(value_parser = flags::...)]`): each refuses
+/// nonsense with the reason, and clap puts the flag's name in front of it.
+pub mod flags {
+    use candle_core::DType;
+
+    fn number<T: std::str::FromStr>(s: &str) -> Result<T, String> {
+        s.trim()
+            .parse()
+            .map_err(|_| format!("{s:?} is not a number"))
+    }
+
+    /// A probability in (0, 1] (nucleus sampling's `--top-p`).
+    pub fn probability(s: &str) -> Result<f64, String> {
+        let p: f64 = number(s)?;
+        if p > 0.0 && p <= 1.0 {
+            Ok(p)
+        } else {
+            Err(format!("{p} is not a probability in (0, 1]"))
+        }
+    }
+
+    /// A finite number, zero or more (`--temperature`, `--weight-decay`).
+    pub fn non_negative(s: &str) -> Result<f64, String> {
+        let x: f64 = number(s)?;
+        if x.is_finite() && x >= 0.0 {
+            Ok(x)
+        } else {
+            Err(format!("{x} must be a finite number, zero or more"))
+        }
+    }
+
+    /// A finite number above zero (`--lr`).
+    pub fn positive(s: &str) -> Result<f64, String> {
+        let x: f64 = number(s)?;
+        if x.is_finite() && x > 0.0 {
+            Ok(x)
+        } else {
+            Err(format!("{x} must be a finite number above zero"))
+        }
+    }
+
+    /// A count of at least 1 (`--max-new-tokens`, `--steps`, `--seq-len`, ...).
+    pub fn at_least_one(s: &str) -> Result<usize, String> {
+        let n: usize = s
+            .trim()
+            .parse()
+            .map_err(|_| format!("{s:?} is not a whole number"))?;
+        if n >= 1 {
+            Ok(n)
+        } else {
+            Err("must be at least 1".into())
+        }
+    }
+
+    /// A float dtype the models compute or save in: `f32`, `f16` or `bf16` (Candle's names,
+    /// through `DType`'s `FromStr`).
+    pub fn float_dtype(s: &str) -> Result<DType, String> {
+        match s.trim().to_ascii_lowercase().parse::<DType>() {
+            Ok(d @ (DType::F32 | DType::F16 | DType::BF16)) => Ok(d),
+            _ => Err(format!("{s:?} is not one of f32, f16, bf16")),
+        }
+    }
+
+    /// Refuses a device list that names a device twice (`--devices 0,0`).
+    pub fn distinct_devices(ordinals: &[usize]) -> Result<(), String> {
+        for (i, o) in ordinals.iter().enumerate() {
+            if ordinals[..i].contains(o) {
+                return Err(format!(
+                    "device {o} is listed twice; each stage needs its own device"
+                ));
+            }
+        }
+        if ordinals.is_empty() {
+            return Err("no device given".into());
+        }
+        Ok(())
+    }
+}
+
+/// The suite's one seeded pseudo-random generator (tests, benchmarks, examples): `rand`'s
+/// [`StdRng`](rand::rngs::StdRng) from `seed`, so a seed gives the same values on every run
+/// (with the locked `rand`). Draw with [`rand::Rng`], shuffle with [`rand::seq::SliceRandom`].
+pub fn rng(seed: u64) -> rand::rngs::StdRng {
+    rand::SeedableRng::seed_from_u64(seed)
+}
+
 /// `n` pseudo-random token ids below `vocab` from `seed` (benchmark prompts: reproducible, no
 /// tokenizer needed).
 pub fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) % vocab as u64) as u32
-        })
-        .collect()
+    use rand::Rng as _;
+    let mut rng = rng(seed);
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
 }
 
 #[cfg(test)]
@@ -231,5 +321,13 @@ mod tests {
         let s = super::utc_now();
         assert_eq!(s.len(), 20, "{s}");
         assert!(s.starts_with("20") && s.ends_with('Z'), "{s}");
+    }
+
+    #[test]
+    fn rng_is_seeded() {
+        let a = super::random_tokens(64, 101, 7);
+        assert_eq!(a, super::random_tokens(64, 101, 7));
+        assert_ne!(a, super::random_tokens(64, 101, 8));
+        assert!(a.iter().all(|&t| t < 101));
     }
 }

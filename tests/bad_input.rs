@@ -56,6 +56,7 @@ fn model_rows(dir: &Path) -> Vec<Row> {
     );
     let gguf = dir.join("weights.gguf");
     let gguf2 = dir.join("zero-align.gguf");
+    let (d7, cfg5) = (d.clone(), cfg.clone());
     vec![
         (
             "truncated safetensors",
@@ -135,6 +136,19 @@ fn model_rows(dir: &Path) -> Vec<Row> {
             }),
             Expect::Model(is_file, &["zero-align.gguf", "GGUF"]),
         ),
+        (
+            "--model naming a character device (/dev/null)",
+            Box::new(|| loader::resolve("/dev/null", None, true).map(|_| ())),
+            Expect::Model(is_file, &["/dev/null", "character device", "not a model"]),
+        ),
+        (
+            "--model naming a directory without config.json",
+            Box::new(move || {
+                std::fs::remove_file(&cfg5).unwrap();
+                loader::resolve(d7.to_str().unwrap(), None, true).map(|_| ())
+            }),
+            Expect::Model(is_file, &["without config.json", "not a model"]),
+        ),
     ]
 }
 
@@ -203,6 +217,62 @@ fn bad_inputs_table() -> anyhow::Result<()> {
             ),
         ),
     ];
+    // The binaries' flags (`candle_offload_suite::flags`, clap puts the flag's name in front):
+    // what each parser refuses and the reason it must give.
+    use candle_offload_suite::flags;
+    let flag_rows: Vec<(&str, Result<(), String>, &str)> = vec![
+        ("--top-p 7", flags::probability("7").map(drop), "(0, 1]"),
+        ("--top-p 0", flags::probability("0").map(drop), "(0, 1]"),
+        ("--top-p NaN", flags::probability("NaN").map(drop), "(0, 1]"),
+        (
+            "--temperature -1",
+            flags::non_negative("-1").map(drop),
+            "zero or more",
+        ),
+        (
+            "--temperature inf",
+            flags::non_negative("inf").map(drop),
+            "finite",
+        ),
+        ("--lr 0", flags::positive("0").map(drop), "above zero"),
+        ("--lr NaN", flags::positive("NaN").map(drop), "finite"),
+        (
+            "--max-new-tokens 0",
+            flags::at_least_one("0").map(drop),
+            "at least 1",
+        ),
+        (
+            "--steps -3",
+            flags::at_least_one("-3").map(drop),
+            "not a whole number",
+        ),
+        (
+            "--dtype u8",
+            flags::float_dtype("u8").map(drop),
+            "f32, f16, bf16",
+        ),
+        (
+            "--devices 0,0",
+            flags::distinct_devices(&[0, 0]),
+            "listed twice",
+        ),
+        (
+            "--devices 1,0,1",
+            flags::distinct_devices(&[1, 0, 1]),
+            "device 1",
+        ),
+    ];
+    for (what, result, needle) in flag_rows {
+        let err = result.err().unwrap_or_else(|| panic!("{what}: no error"));
+        assert!(
+            err.contains(needle),
+            "{what}: {err:?} does not say {needle:?}"
+        );
+    }
+    assert_eq!(flags::probability("1"), Ok(1.0));
+    assert_eq!(flags::float_dtype("BF16"), Ok(DType::BF16));
+    assert_eq!(flags::distinct_devices(&[1, 0]), Ok(()));
+
     for (what, result, expect) in budget_rows {
         let err = result.err().unwrap_or_else(|| panic!("{what}: no error"));
         let Expect::Offload(kind, needles) = expect else {

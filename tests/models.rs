@@ -13,6 +13,7 @@ use candle_offload_models::generation::generate;
 use candle_offload_models::loader::{self, HubLocation};
 use candle_offload_models::{Config, Llama, ModelError};
 use candle_transformers::generation::LogitsProcessor;
+use rand::Rng as _;
 
 fn tempdir(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!(
@@ -35,7 +36,7 @@ pub fn write_tiny_llama(dir: &Path, tied: bool, bias: bool) -> anyhow::Result<()
     });
     std::fs::write(dir.join("config.json"), config.to_string())?;
     let cfg = Config::from_json_file(&dir.join("config.json"))?;
-    let mut seed = 7u64;
+    let mut rng = candle_offload_suite::rng(7);
     let mut tensors = HashMap::new();
     for (name, shape) in candle_offload_models::llama::expected_tensors(&cfg) {
         let n: usize = shape.iter().product();
@@ -46,10 +47,7 @@ pub fn write_tiny_llama(dir: &Path, tied: bool, bias: bool) -> anyhow::Result<()
         };
         let values: Vec<f32> = (0..n)
             .map(|_| {
-                seed = seed
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                let r = (seed >> 33) as f32 / (1u64 << 31) as f32 - 0.5;
+                let r = rng.random_range(-0.5f32..0.5);
                 if scale == 0.0 {
                     1.0 + 0.1 * r
                 } else {

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use candle_offload::HostStore;
+use rand::Rng as _;
 
 /// Expands `fn $name(&Device) -> anyhow::Result<()>` into a CPU test and, with `cuda`, a GPU test.
 macro_rules! test_device {
@@ -24,15 +25,11 @@ macro_rules! test_device {
 /// deterministic pseudo-random values.
 pub fn mlp_weights(n_layers: usize, width: usize) -> anyhow::Result<Vec<(String, Tensor)>> {
     let mut out = Vec::new();
-    let mut seed = 1u64;
+    let mut rng = candle_offload_suite::rng(1);
+    let scale = 1.0 / (width as f32).sqrt();
     let mut values = |n: usize| -> Vec<f32> {
         (0..n)
-            .map(|_| {
-                seed = seed
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((seed >> 33) as f32 / (1u64 << 31) as f32 - 0.5) / (width as f32).sqrt()
-            })
+            .map(|_| rng.random_range(-0.5f32..0.5) * scale)
             .collect()
     };
     out.push((

@@ -723,13 +723,45 @@ pub fn default_model_gguf(offline: bool) -> Result<PathBuf> {
 /// Resolves `--model`: a directory (HF layout), a `.gguf` file, or a hub id.
 pub fn resolve(model: &str, revision: Option<&str>, offline: bool) -> Result<ModelFiles> {
     let path = Path::new(model);
-    if path.is_dir() {
-        from_dir(path)
-    } else if path.is_file() {
-        from_gguf(path)
-    } else if model.ends_with(".gguf") || model.starts_with('/') || model.starts_with('.') {
-        Err(ModelError::file(path, "does not exist"))
-    } else {
-        from_hub(model, revision, offline)
+    const EXPECTED: &str = "a model is a directory in the HF layout (config.json, *.safetensors) \
+                            or a .gguf file";
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() && !path.join("config.json").exists() => Err(ModelError::file(
+            path,
+            format!("is a directory without config.json, not a model: {EXPECTED}"),
+        )),
+        Ok(m) if m.is_dir() => from_dir(path),
+        Ok(m) if m.is_file() => from_gguf(path),
+        Ok(m) => Err(ModelError::file(
+            path,
+            format!("is {}, not a model: {EXPECTED}", special_file_kind(&m)),
+        )),
+        Err(e) if model.ends_with(".gguf") || model.starts_with('/') || model.starts_with('.') => {
+            Err(match e.kind() {
+                std::io::ErrorKind::NotFound => ModelError::file(path, "does not exist"),
+                _ => ModelError::file(path, format!("cannot be read: {e}")),
+            })
+        }
+        Err(_) => from_hub(model, revision, offline),
     }
+}
+
+/// What a path that is neither a file nor a directory is, for messages.
+fn special_file_kind(m: &std::fs::Metadata) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt as _;
+        let t = m.file_type();
+        if t.is_char_device() {
+            return "a character device";
+        } else if t.is_block_device() {
+            return "a block device";
+        } else if t.is_fifo() {
+            return "a named pipe";
+        } else if t.is_socket() {
+            return "a socket";
+        }
+    }
+    let _ = m;
+    "neither a file nor a directory"
 }

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# gpu-run.sh: the scripted GPU session. Runs on the GPU machine, from the repository root, with
+# the binaries packed in .gpu/ (scripts/gpu-pack.sh) and the run tool's `carry: [".gpu"]`:
+#
+#   bash scripts/gpu-run.sh STEP... [-- BENCH_TRAIN_ARGS...]
+#
+# Steps run in the order given, each under its own time limit (seconds, overridable through the
+# variable named in brackets) so that one call stays under the run tool's 600 s:
+#
+#   gpus          nvidia-smi: the GPUs and their topology -> $OUT/gpus.txt
+#   tests[=F,...] the integration tests on CUDA (test-integration) whose names match the
+#                 filters F (default: train sharding cuda:: offloaded_equals_resident_gpu)
+#                 -> $OUT/tests.log [TESTS_S=240]
+#   make7b        writes the 7B-shaped random checkpoint to /tmp/llama7b, in the background
+#                 on the last GPU (shard waits for it) -> $OUT/make7b.log [MAKE7B_S=300]
+#   peer          the PyTorch training peer (scripts/train_peer.py, extra arguments from
+#                 $PEER_ARGS) -> $OUT/train_peer.json [PEER_S=100]
+#   shard         bench_shard on /tmp/llama7b (needs make7b) -> $OUT/shard.json [SHARD_S=300]
+#   train         bench_train, next to the peer's JSON when peer ran, with --max-seconds
+#                 $MAX_S (170) unless the arguments after `--` give one, and those
+#                 arguments -> $OUT/train.json [TRAIN_S=260]
+#
+# Examples (binaries: `scripts/gpu-pack.sh --tests --example bench_shard --example bench_train`):
+#   bash scripts/gpu-run.sh gpus tests make7b shard                  # kind nvidia-h200-x2
+#   bash scripts/gpu-run.sh tests=train:: peer train
+#   bash scripts/gpu-run.sh make7b peer shard train -- --offload-steps 1 --configs none-f32,offload-4gib-bf16
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"
+BIN="${GPU_BIN:-/tmp/bin}"  # where the binaries are unpacked
+export PYTHONUNBUFFERED=1
+
+usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
+
+steps=()
+while (($# > 0)); do
+  case "$1" in
+    --) shift; break ;;
+    -h | --help) usage; exit 0 ;;
+    gpus | tests | tests=* | make7b | peer | shard | train) steps+=("$1"); shift ;;
+    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] make7b peer shard train)" >&2; exit 2 ;;
+  esac
+done
+train_args=("$@")
+if ((${#steps[@]} == 0)); then
+  echo "gpu-run.sh: no step given" >&2
+  usage >&2
+  exit 2
+fi
+
+mkdir -p "$OUT" "$BIN"
+for f in .gpu/*.xz; do
+  [[ -e "$f" ]] || { echo "gpu-run.sh: no packed binaries in .gpu/ (scripts/gpu-pack.sh, carry .gpu)" >&2; exit 2; }
+  n=$(basename "$f" .xz)
+  xz -dc "$f" >"$BIN/$n" && chmod +x "$BIN/$n"
+done
+need_bin() { [[ -x "$BIN/$1" ]] || { echo "$2: $1 was not packed (scripts/gpu-pack.sh $3)"; return 1; }; }
+
+make7b_pid=
+for step in "${steps[@]}"; do
+  echo "== $step"
+  case "$step" in
+    gpus)
+      nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$OUT/gpus.txt"
+      nvidia-smi topo -m | tee -a "$OUT/gpus.txt"
+      ;;
+    tests | tests=*)
+      need_bin test-integration tests --tests || continue
+      filters=(train sharding cuda:: offloaded_equals_resident_gpu)
+      [[ "$step" == tests=* ]] && IFS=, read -r -a filters <<<"${step#tests=}"
+      # From /tmp: the tests must not rely on the build machine's paths.
+      (cd /tmp && timeout "${TESTS_S:-240}" "$BIN/test-integration" --test-threads 1 "${filters[@]}") \
+        >"$OUT/tests.log" 2>&1
+      echo "tests exit $?" | tee -a "$OUT/tests.log"
+      grep -E "^test |test result" "$OUT/tests.log" | tail -30
+      ;;
+    make7b)
+      last_gpu=$(($(nvidia-smi -L 2>/dev/null | wc -l) - 1))
+      ((last_gpu < 0)) && last_gpu=0
+      (
+        t0=$(date +%s)
+        CUDA_VISIBLE_DEVICES=$last_gpu timeout "${MAKE7B_S:-300}" python3 scripts/make_llama7b.py /tmp/llama7b
+        echo "7B exit $? after $(($(date +%s) - t0)) s"
+      ) >"$OUT/make7b.log" 2>&1 &
+      make7b_pid=$!
+      echo "writing /tmp/llama7b in the background (GPU $last_gpu)"
+      ;;
+    peer)
+      # shellcheck disable=SC2086 # PEER_ARGS is a list of arguments
+      timeout "${PEER_S:-100}" python3 scripts/train_peer.py "$OUT/train_peer.json" ${PEER_ARGS:-} >"$OUT/peer.log" 2>&1
+      echo "peer exit $?"
+      ;;
+    shard)
+      need_bin bench_shard shard "--example bench_shard" || continue
+      if [[ -n "$make7b_pid" ]]; then
+        wait "$make7b_pid"
+        make7b_pid=
+        tail -1 "$OUT/make7b.log"
+      fi
+      [[ -f /tmp/llama7b/config.json ]] || { echo "shard: no checkpoint in /tmp/llama7b (run make7b first)"; continue; }
+      timeout "${SHARD_S:-300}" "$BIN/bench_shard" --model-dir /tmp/llama7b --json-out "$OUT/shard.json" \
+        >"$OUT/bench_shard.log" 2>&1
+      echo "bench_shard exit $?"
+      grep -v "^ \|^device map\|^streamed\|^ dev" "$OUT/bench_shard.log" | tail -12
+      ;;
+    train)
+      need_bin bench_train train "--example bench_train" || continue
+      peer=()
+      [[ -s "$OUT/train_peer.json" ]] && peer=(--peer "$OUT/train_peer.json")
+      limit=(--max-seconds "${MAX_S:-170}")
+      [[ " ${train_args[*]} " == *" --max-seconds "* ]] && limit=()
+      timeout "${TRAIN_S:-260}" "$BIN/bench_train" "${peer[@]}" --json-out "$OUT/train.json" \
+        "${limit[@]}" "${train_args[@]}" >"$OUT/train.log" 2>&1
+      echo "bench_train exit $?"
+      tail -25 "$OUT/train.log"
+      ;;
+  esac
+done
+if [[ -n "$make7b_pid" ]]; then
+  wait "$make7b_pid"
+  tail -1 "$OUT/make7b.log"
+fi
