@@ -9,6 +9,7 @@ mod bad_input;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod models;
+mod own_model;
 mod runtime;
 mod sharding;
 mod store;

@@ -228,7 +228,27 @@ impl CausalLm {
         max_len: usize,
         settings: &OffloadSettings,
     ) -> std::result::Result<Self, ModelError> {
-        let cfg = files.config.clone();
+        let source = files.weights_path();
+        let cfg = &files.config;
+        Self::from_store(
+            cfg, store, device, dtype, prompt_len, max_len, settings, &source,
+        )
+    }
+
+    /// [`offloaded`](Self::offloaded) for any configuration and store (an application's own
+    /// model and weights); `source` names the weights in errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_store(
+        cfg: &Config,
+        store: Arc<candle_offload::HostStore>,
+        device: &Device,
+        dtype: DType,
+        prompt_len: usize,
+        max_len: usize,
+        settings: &OffloadSettings,
+        source: &std::path::Path,
+    ) -> std::result::Result<Self, ModelError> {
+        let cfg = cfg.clone();
         let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
         let kv = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
         let rt = OffloadRuntime::new(
@@ -243,7 +263,7 @@ impl CausalLm {
             )?,
         )?;
         declare_reservation(&rt, kv, reserve, settings.reserve_bytes)?;
-        Self::new(cfg, rt, dtype, max_len, &files.weights_path())
+        Self::new(cfg, rt, dtype, max_len, source)
     }
 
     /// The units of a model of `cfg` with weights in `dtype`, for placement: `(pre, layers,
@@ -389,7 +409,25 @@ impl CausalLm {
         max_len: usize,
         settings: &OffloadSettings,
     ) -> std::result::Result<Self, ModelError> {
-        let cfg = files.config.clone();
+        let source = files.weights_path();
+        let cfg = &files.config;
+        Self::sharded_from_store(cfg, store, devices, map, dtype, max_len, settings, &source)
+    }
+
+    /// [`offloaded_sharded`](Self::offloaded_sharded) for any configuration and store (an
+    /// application's own model and weights); `source` names the weights in errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sharded_from_store(
+        cfg: &Config,
+        store: Arc<candle_offload::HostStore>,
+        devices: &[Device],
+        map: &DeviceMap,
+        dtype: DType,
+        max_len: usize,
+        settings: &OffloadSettings,
+        source: &std::path::Path,
+    ) -> std::result::Result<Self, ModelError> {
+        let cfg = cfg.clone();
         let layout = cfg.layout();
         let tied = layout.tied_head_name();
         let real = |n: &str| {
@@ -459,7 +497,7 @@ impl CausalLm {
             declare_reservation(&rt, kv, dp.reserve_bytes, settings.reserve_bytes)?;
             stages.push((rt, layers));
         }
-        Self::sharded(cfg, stages, dtype, max_len, &files.weights_path())
+        Self::sharded(cfg, stages, dtype, max_len, source)
     }
 
     /// The order in which a forward pass acquires units (for a given schedule policy).

@@ -82,6 +82,41 @@ impl Default for CommonDefaults {
 }
 
 impl Config {
+    /// A configuration for an application's own decoder (`family`): the shapes the runtime
+    /// plans with. The rest takes the usual defaults (`head_dim` = hidden / heads, as many KV
+    /// heads as query heads, RMSNorm eps 1e-6, RoPE base 10 000 without scaling, 4096
+    /// positions, untied head, no biases, no special tokens); set the public fields to change
+    /// them, then [`validate`](Self::validate).
+    pub fn new(
+        family: Arc<dyn Family>,
+        hidden_size: usize,
+        intermediate_size: usize,
+        num_hidden_layers: usize,
+        num_attention_heads: usize,
+        vocab_size: usize,
+    ) -> Self {
+        Self {
+            model_type: family.name().to_string(),
+            hidden_size,
+            intermediate_size,
+            vocab_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads: num_attention_heads,
+            head_dim: hidden_size / num_attention_heads.max(1),
+            rms_norm_eps: 1e-6,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            max_position_embeddings: 4096,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+            family,
+            extra: Default::default(),
+        }
+    }
+
     /// Reads and validates `config.json`.
     pub fn from_json_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)

@@ -87,6 +87,12 @@ impl Layout {
         }
     }
 
+    /// How a host store groups this layout's tensors into units (one unit per decoder layer
+    /// under `layer_prefix`, one per module otherwise).
+    pub fn grouping(&self) -> candle_offload::UnitGrouping {
+        candle_offload::UnitGrouping::by_prefixes(&[&self.layer_prefix])
+    }
+
     /// The unit of decoder layer `i`.
     pub fn layer(&self, i: usize) -> String {
         format!("{}{i}", self.layer_prefix)

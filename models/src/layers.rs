@@ -85,6 +85,16 @@ impl Rope {
         Tensor::cat(&[rotated, pass.contiguous()?], D::Minus1)
     }
 
+    /// The cos table (positions, rotated pairs).
+    pub fn cos(&self) -> &Tensor {
+        &self.cos
+    }
+
+    /// The sin table (positions, rotated pairs).
+    pub fn sin(&self) -> &Tensor {
+        &self.sin
+    }
+
     /// Positions the tables cover.
     pub fn max_len(&self) -> usize {
         self.cos.dim(0).unwrap_or(0)
@@ -220,52 +230,86 @@ pub fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor> {
     (x / cap)?.tanh()? * cap
 }
 
-/// RMSNorm; with `offset` 1 the weight is applied as `1 + w` (Gemma), in F32.
+/// A normalisation layer: RMSNorm (with `offset` 1 the weight is applied as `1 + w` in F32,
+/// as Gemma does) or LayerNorm.
 #[derive(Debug, Clone)]
 pub struct Norm {
-    inner: candle_nn::RmsNorm,
+    kind: NormKind,
     f32_compute: bool,
 }
 
+#[derive(Debug, Clone)]
+enum NormKind {
+    Rms(candle_nn::RmsNorm),
+    Layer(candle_nn::LayerNorm),
+}
+
 impl Norm {
-    /// Loads `weight` of width `size` from `vb`, in `dtype`.
+    /// RMSNorm: `weight` of width `size` from `vb`, in `dtype`.
     pub fn load(size: usize, eps: f64, offset: f64, vb: VarBuilder, dtype: DType) -> Result<Self> {
         if offset == 0.0 {
             return Ok(Self {
-                inner: candle_nn::rms_norm(size, eps, vb.to_dtype(dtype))?,
+                kind: NormKind::Rms(candle_nn::rms_norm(size, eps, vb.to_dtype(dtype))?),
                 f32_compute: false,
             });
         }
         let w = vb.to_dtype(DType::F32).get(size, "weight")?;
         let w = (w + offset)?;
         Ok(Self {
-            inner: candle_nn::RmsNorm::new(w, eps),
+            kind: NormKind::Rms(candle_nn::RmsNorm::new(w, eps)),
             f32_compute: true,
         })
     }
 
-    /// Inference (Candle's fused kernel).
-    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        if self.f32_compute {
-            let dtype = xs.dtype();
-            return self
-                .inner
-                .forward(&xs.to_dtype(DType::F32)?)?
-                .to_dtype(dtype);
-        }
-        self.inner.forward(xs)
+    /// LayerNorm: `weight` and `bias` of width `size` from `vb`, in `dtype`.
+    pub fn layer_norm(size: usize, eps: f64, vb: VarBuilder, dtype: DType) -> Result<Self> {
+        Ok(Self {
+            kind: NormKind::Layer(candle_nn::layer_norm(size, eps, vb.to_dtype(dtype))?),
+            f32_compute: false,
+        })
     }
 
-    /// Differentiable (training; Candle's fused kernel cuts the gradient).
-    pub fn forward_diff(&self, xs: &Tensor) -> Result<Tensor> {
+    fn run(&self, xs: &Tensor, diff: bool) -> Result<Tensor> {
+        let dtype = xs.dtype();
+        let x = if self.f32_compute {
+            xs.to_dtype(DType::F32)?
+        } else {
+            xs.clone()
+        };
+        let y = match (&self.kind, diff) {
+            (NormKind::Rms(n), false) => n.forward(&x)?,
+            (NormKind::Rms(n), true) => n.forward_diff(&x)?,
+            (NormKind::Layer(n), false) => n.forward(&x)?,
+            (NormKind::Layer(n), true) => layer_norm_diff(n, &x)?,
+        };
         if self.f32_compute {
-            let dtype = xs.dtype();
-            return self
-                .inner
-                .forward_diff(&xs.to_dtype(DType::F32)?)?
-                .to_dtype(dtype);
+            y.to_dtype(dtype)
+        } else {
+            Ok(y)
         }
-        self.inner.forward_diff(xs)
+    }
+
+    /// Inference (Candle's fused kernels).
+    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.run(xs, false)
+    }
+
+    /// Differentiable (training; Candle's fused kernels cut the gradient).
+    pub fn forward_diff(&self, xs: &Tensor) -> Result<Tensor> {
+        self.run(xs, true)
+    }
+}
+
+/// LayerNorm from differentiable ops (the composition Candle's fused kernel replaces).
+fn layer_norm_diff(n: &candle_nn::LayerNorm, x: &Tensor) -> Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let centered = x.broadcast_sub(&mean)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+    let y = centered.broadcast_div(&(var + n.eps())?.sqrt()?)?;
+    let y = y.broadcast_mul(n.weight())?;
+    match n.bias() {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
     }
 }
 

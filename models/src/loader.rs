@@ -478,7 +478,13 @@ pub fn load_store(
         ..Default::default()
     };
     match &files.weights {
-        Weights::Safetensors(paths) => Ok(HostStore::from_safetensors(paths, &cfg, device)?),
+        Weights::Safetensors(paths) => {
+            let cfg = StoreConfig {
+                grouping: files.config.layout().grouping(),
+                ..cfg
+            };
+            Ok(HostStore::from_safetensors(paths, &cfg, device)?)
+        }
         Weights::Gguf(path) => gguf_store(files, path, &cfg, device),
     }
 }
