@@ -1,5 +1,5 @@
-//! Fine-tuning a LLaMA-family model on a small GPU: autocast, loss scaling, checkpointing and
-//! offloaded weights, wired together.
+//! Fine-tuning a model of any [`Family`] whose blocks have a training path, on a small GPU:
+//! autocast, loss scaling, checkpointing and offloaded weights, wired together.
 //!
 //! The [`Trainer`] owns F32 master weights and an AdamW optimizer. Where they live depends on
 //! [`TrainSettings::offload`]:
@@ -45,9 +45,10 @@ pub struct TrainSettings {
     pub checkpoint_segments: usize,
     /// Masters and optimizer state in host memory, weights streamed (`--offload`).
     pub offload: bool,
-    /// Device budget for offloaded weights plus the training reservation.
+    /// Device budget for offloaded weights plus the training reservation
+    /// ([`OffloadConfig::gpu_memory_limit`]).
     pub gpu_memory_limit: Option<MemoryLimit>,
-    /// Offload prefetch depth.
+    /// Offload prefetch depth ([`OffloadConfig::prefetch_depth`]).
     pub prefetch_depth: usize,
     /// AdamW hyper-parameters.
     pub adamw: ParamsAdamW,
@@ -68,8 +69,9 @@ impl Default for TrainSettings {
             precision: Precision::F32,
             checkpoint_segments: 0,
             offload: false,
-            gpu_memory_limit: None,
-            prefetch_depth: 1,
+            // The runtime's own defaults: one source for each offload setting.
+            gpu_memory_limit: OffloadConfig::default().gpu_memory_limit,
+            prefetch_depth: OffloadConfig::default().prefetch_depth,
             adamw: ParamsAdamW {
                 lr: 1e-4,
                 weight_decay: 0.0,
@@ -215,7 +217,8 @@ enum Adam {
     Host(HostAdamW),
 }
 
-/// Trains a LLaMA-family model: `step(inputs, targets)` runs forward, backward and AdamW.
+/// Trains a causal LM of any family with a training path: `step(inputs, targets)` runs
+/// forward, backward and AdamW.
 pub struct Trainer {
     core: Arc<Core>,
     opt: Adam,
@@ -317,7 +320,10 @@ impl Trainer {
                 .collect::<Result<_>>()?;
             let store = Arc::new(candle_offload::HostStore::from_tensors(
                 &copies,
-                &StoreConfig::default(),
+                &StoreConfig {
+                    grouping: cfg.layout().grouping(),
+                    ..Default::default()
+                },
                 device,
             )?);
             drop(copies);
