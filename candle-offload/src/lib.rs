@@ -95,7 +95,7 @@ pub use placement::{
     plan_placement, DeviceBudget, DeviceMap, DevicePlacement, PlacementMode, PlacementRequest,
     Residency, UnitPlacement,
 };
-pub use plan::{plan_capacity, CapacityPlan, OffloadStrategy};
+pub use plan::{plan_capacity, CapacityPlan, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
 pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, UnitGuard};
 pub use settings::Settings;
 pub use store::{HostStore, StoreConfig, TensorSpec, UnitGrouping};

@@ -63,10 +63,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::budget::Budget;
 use crate::error::{mib_ceil, Error, Result};
-use crate::plan::{plan_capacity, OffloadStrategy};
-
-/// The deepest prefetch the runtime accepts (as [`crate::OffloadRuntime::new`]).
-const MAX_PREFETCH_DEPTH: usize = 3;
+#[cfg(any(doc, test))]
+use crate::plan::plan_capacity;
+use crate::plan::{OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
 
 /// How layers are spread over the devices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -133,14 +132,12 @@ impl DeviceBudget {
 
     /// Whether the reservation plus `bytes` of weights fit.
     fn fits(&self, bytes: u64) -> bool {
-        self.reserve_bytes.saturating_add(bytes) <= self.budget_bytes
+        self.budget().fits(bytes)
     }
 
     /// Bytes over the budget when the reservation plus `bytes` are placed (zero when they fit).
     fn missing(&self, bytes: u64) -> u64 {
-        self.reserve_bytes
-            .saturating_add(bytes)
-            .saturating_sub(self.budget_bytes)
+        self.budget().missing(bytes)
     }
 }
 
@@ -157,7 +154,7 @@ pub struct PlacementRequest<'a> {
     pub devices: &'a [DeviceBudget],
     /// How to spread the layers.
     pub mode: PlacementMode,
-    /// Prefetch depth asked for on every streaming device (at most 3).
+    /// Prefetch depth asked for on every streaming device (at most [`MAX_PREFETCH_DEPTH`]).
     pub prefetch_depth: usize,
 }
 
@@ -274,7 +271,7 @@ impl Eq for DeviceMap {}
 ///
 /// See the [module documentation](self) for the modes and for when a placement is refused
 /// ([`Error::PlacementImpossible`]). Malformed requests (no device, no layer, a device listed
-/// twice, a unit name used twice, a prefetch depth over 3) are refused with
+/// twice, a unit name used twice, a prefetch depth over [`MAX_PREFETCH_DEPTH`]) are refused with
 /// [`Error::InvalidConfig`].
 pub fn plan_placement(req: &PlacementRequest<'_>) -> Result<DeviceMap> {
     let m = Model::new(req)?;
@@ -541,15 +538,14 @@ impl DeviceMap {
                 continue;
             }
             let dev = &devices[pos];
-            let kept = m.kept_bytes(range.start, range.end);
-            if fit_stage(dev, kept, &m.sizes[range.clone()], 0).is_none() {
-                let largest = m.sizes[range.clone()].iter().copied().max().unwrap_or(0);
+            let need = m.stage_need(range.clone());
+            if !dev.fits(need.minimum()) {
                 return Err(err(
                     format!("devices[{}]", map_index[pos].unwrap_or(pos)),
                     format!(
                         "GPU {} needs {} MiB more: {}",
                         dev.ordinal,
-                        mib_ceil(dev.missing(kept + largest)),
+                        mib_ceil(dev.missing(need.minimum())),
                         m.stage_needs(dev, range)
                     ),
                 ));
@@ -704,25 +700,20 @@ fn first_fit(sizes: &[u64], mut free: u64) -> Vec<bool> {
 /// How `dev` would hold `kept` bytes of kept units and the layers `sizes`, or `None` when it
 /// cannot (the reservation, the kept units and the largest layer exceed the budget).
 fn fit_stage(dev: &DeviceBudget, kept: u64, sizes: &[u64], depth_req: usize) -> Option<StageFit> {
-    let largest = sizes.iter().copied().max().unwrap_or(0);
-    let sum = sizes.iter().fold(0u64, |a, &s| a.saturating_add(s));
-    if !dev.fits(kept.saturating_add(largest)) {
+    let need = WeightNeed::new(sizes, kept);
+    if !dev.fits(need.minimum()) {
         return None;
     }
-    let room = dev.budget_bytes - dev.reserve_bytes;
-    if kept.saturating_add(sum) <= room {
+    let room = dev.budget().weight_bytes();
+    if need.all() <= room {
         return Some(StageFit {
             streams: false,
             depth: depth_req,
-            resident_bytes: sum,
+            resident_bytes: need.evictable,
         });
     }
-    let spare = room - kept;
-    let depth = match spare.checked_div(largest) {
-        Some(q) => depth_req.min(usize::try_from(q - 1).unwrap_or(usize::MAX)),
-        None => depth_req,
-    };
-    let free = spare - largest * (depth as u64 + 1);
+    let depth = need.depth_that_fits(room, depth_req)?;
+    let free = room - need.floor(depth);
     let resident_bytes = sizes
         .iter()
         .zip(first_fit(sizes, free))
@@ -861,6 +852,11 @@ impl<'r, 'a> Model<'r, 'a> {
         owners
     }
 
+    /// What the stage running layers `r` needs for its weights.
+    fn stage_need(&self, r: Range<usize>) -> WeightNeed {
+        WeightNeed::new(&self.sizes[r.clone()], self.kept_bytes(r.start, r.end))
+    }
+
     /// What a stage must hold, for messages.
     fn stage_needs(&self, dev: &DeviceBudget, r: Range<usize>) -> String {
         let kept = self.kept_bytes(r.start, r.end);
@@ -892,8 +888,7 @@ impl<'r, 'a> Model<'r, 'a> {
             let missing = if r.is_empty() {
                 0
             } else {
-                let largest = self.sizes[r.clone()].iter().copied().max().unwrap_or(0);
-                dev.missing(self.kept_bytes(r.start, r.end).saturating_add(largest))
+                dev.missing(self.stage_need(r.clone()).minimum())
             };
             if missing > 0 {
                 reasons.push(self.stage_needs(dev, r));
@@ -929,7 +924,12 @@ impl<'r, 'a> Model<'r, 'a> {
                     if rest == u64::MAX {
                         continue;
                     }
-                    let miss = dev.missing(self.kept_bytes(i, j).saturating_add(largest));
+                    let need = WeightNeed {
+                        kept: self.kept_bytes(i, j),
+                        largest,
+                        evictable: 0,
+                    };
+                    let miss = dev.missing(need.minimum());
                     let total = miss.saturating_add(rest);
                     if total <= best {
                         (best, best_j) = (total, j);
@@ -1045,25 +1045,31 @@ impl<'r, 'a> Model<'r, 'a> {
                     placed.kept.extend(req.post.iter().map(|u| u.0.clone()));
                 }
                 let sizes = &self.sizes[r.clone()];
-                let kept = self.kept_bytes(r.start, r.end);
-                let cap = plan_capacity(
-                    &format!("cuda:{}", dev.ordinal),
-                    dev.budget(),
-                    sizes,
-                    kept,
+                let need = self.stage_need(r.clone());
+                // Split as `plan_capacity` splits one device's budget (strategy minimal).
+                let Some(cap) = need.plan(
+                    dev.budget().weight_bytes(),
                     OffloadStrategy::Minimal,
                     req.prefetch_depth,
-                )?;
+                ) else {
+                    return Err(self.impossible(counts));
+                };
+                if !cap.fits_entirely && cap.prefetch_depth < req.prefetch_depth {
+                    tracing::warn!(
+                        gpu = dev.ordinal,
+                        asked = req.prefetch_depth,
+                        depth = cap.prefetch_depth,
+                        "budget too small for the prefetch depth asked; using less"
+                    );
+                }
                 placed.streams = !cap.fits_entirely;
                 placed.prefetch_depth = cap.prefetch_depth;
                 placed.weight_capacity = cap.weight_capacity;
                 let resident = if placed.streams {
-                    let largest = sizes.iter().copied().max().unwrap_or(0);
-                    let floor = largest.saturating_mul(cap.prefetch_depth as u64 + 1);
                     first_fit(
                         sizes,
                         cap.weight_capacity
-                            .saturating_sub(kept.saturating_add(floor)),
+                            .saturating_sub(need.floor(cap.prefetch_depth)),
                     )
                 } else {
                     vec![true; sizes.len()]

@@ -20,7 +20,7 @@ use crate::budget::{Budget, MemoryLimit};
 use crate::cache::{CacheError, PolicyChoice, ResidencyCache, Transfer, UnitId};
 use crate::error::{Error, Result};
 use crate::history::{EventKind, MemoryEvent, MemoryHistory};
-use crate::plan::{plan_capacity, OffloadStrategy};
+use crate::plan::{plan_capacity_for, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
 use crate::store::HostStore;
 use crate::sys::{CudaEngine, UnitSync};
 use crate::telemetry::{OffloadStats, Telemetry, Timings, UnitStats};
@@ -38,7 +38,7 @@ pub struct OffloadConfig {
     pub strategy: OffloadStrategy,
     /// Victim selection; `Auto` learns the access order.
     pub policy: PolicyChoice,
-    /// Copies that may run ahead of their victims' release, 0 to 3. Each step of depth keeps
+    /// Copies that may run ahead of their victims' release, 0 to [`MAX_PREFETCH_DEPTH`]. Each step of depth keeps
     /// one largest unit of the budget free for copies in flight: 0 moves the fewest bytes, more
     /// hides copies behind more compute. 1 (the default) was fastest or within 4% of it for
     /// decode at every budget measured (BENCHMARKS.md); 2 keeps the link busiest.
@@ -134,10 +134,10 @@ impl OffloadRuntime {
     /// On a GPU, create the device with [`Device::new_cuda_with_stream`] so that every thread
     /// uses the same compute stream (candle-internals.md H6).
     pub fn new(store: Arc<HostStore>, device: &Device, cfg: &OffloadConfig) -> Result<Self> {
-        if cfg.prefetch_depth > 3 {
+        if cfg.prefetch_depth > MAX_PREFETCH_DEPTH {
             return Err(Error::InvalidConfig {
                 field: "prefetch_depth".into(),
-                reason: format!("{} is more than 3", cfg.prefetch_depth),
+                reason: format!("{} is more than {MAX_PREFETCH_DEPTH}", cfg.prefetch_depth),
             });
         }
         let engine = match device {
@@ -208,12 +208,11 @@ impl OffloadRuntime {
             Some(i) => format!("the largest unit, {}", store.unit(UnitId(i)).name()),
             None => format!("the kept units ({})", crate::budget::human_bytes(kept)),
         };
-        budget.check_fits(&name, &what, kept + largest.map_or(0, |i| unit_bytes[i]))?;
-        let plan = plan_capacity(
+        let plan = plan_capacity_for(
             &name,
             budget,
-            &evictable,
-            kept,
+            &WeightNeed::new(&evictable, kept),
+            &what,
             cfg.strategy,
             cfg.prefetch_depth,
         )?;
