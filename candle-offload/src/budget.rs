@@ -9,7 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::{mib_ceil, Error, Result};
+use crate::error::{Error, Result};
 
 const KIB: f64 = 1024.0;
 const MIB: f64 = KIB * 1024.0;
@@ -133,6 +133,11 @@ impl fmt::Display for MemoryLimit {
             Self::FractionOfDevice(x) => write!(f, "{}%", x * 100.0),
         }
     }
+}
+
+/// Mebibytes, rounded up, for messages.
+pub(crate) fn mib_ceil(bytes: u64) -> u64 {
+    bytes.div_ceil(1 << 20)
 }
 
 /// Formats a byte count as `1.50 GiB`, `386.0 MiB`, `12 B`.

@@ -92,8 +92,8 @@ pub use cache::{ActivePolicy, PolicyChoice, ResidencyCache, UnitId};
 pub use error::{Error, Result};
 pub use history::{MemoryEvent, MemoryHistory};
 pub use placement::{
-    plan_placement, DeviceBudget, DeviceMap, DevicePlacement, PlacementMode, PlacementRequest,
-    Residency, UnitPlacement,
+    plan_placement, DeviceBudget, DeviceMap, DevicePlacement, PlacementError, PlacementMode,
+    PlacementRequest, Residency, UnitPlacement,
 };
 pub use plan::{plan_capacity, CapacityPlan, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
 pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, UnitGuard};

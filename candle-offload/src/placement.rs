@@ -56,16 +56,77 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::budget::mib_ceil;
 use crate::budget::Budget;
-use crate::error::{mib_ceil, Error, Result};
 #[cfg(any(doc, test))]
 use crate::plan::plan_capacity;
 use crate::plan::{OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
+
+/// Why a device map could not be made, read or checked.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlacementError {
+    /// No device map places the model's layers within the devices' budgets (see the
+    /// [module documentation](self) for when exactly a placement is impossible).
+    #[error("no {mode} device map fits: {}; {reason}", missing_list(.per_device))]
+    Impossible {
+        /// The placement mode asked for.
+        mode: PlacementMode,
+        /// For each device (its ordinal), the MiB to add to its budget so that a placement
+        /// exists; zero for a device that needs nothing more.
+        per_device: Vec<(usize, u64)>,
+        /// Which device must hold what.
+        reason: String,
+    },
+
+    /// A device map (given by the user, e.g. `--device-map plan.json`) that is malformed or does
+    /// not fit the model or the devices.
+    #[error("invalid device map {map}: {field}: {reason}")]
+    InvalidDeviceMap {
+        /// Where the map came from (its file, or "(in memory)").
+        map: String,
+        /// The offending field, as a path (`devices[1].first_layer`, `units[4].device`).
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A malformed request: no device, no layer, a device listed twice, a unit name used twice,
+    /// a prefetch depth over [`MAX_PREFETCH_DEPTH`], an unknown mode.
+    #[error("invalid value for {field}: {reason}")]
+    InvalidRequest {
+        /// The field of the request (`devices`, `prefetch_depth`, `device_map`, ...).
+        field: String,
+        /// Why it was refused.
+        reason: String,
+    },
+
+    /// A device map file that cannot be read.
+    #[error("{}: {reason}", path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// `Result` with a [`PlacementError`].
+pub type Result<T> = std::result::Result<T, PlacementError>;
+
+/// "GPU 0 needs 812 MiB more, GPU 1 needs 0 MiB more".
+fn missing_list(per_device: &[(usize, u64)]) -> String {
+    let parts: Vec<String> = per_device
+        .iter()
+        .map(|(ordinal, mib)| format!("GPU {ordinal} needs {mib} MiB more"))
+        .collect();
+    parts.join(", ")
+}
 
 /// How layers are spread over the devices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -79,12 +140,12 @@ pub enum PlacementMode {
 }
 
 impl FromStr for PlacementMode {
-    type Err = Error;
+    type Err = PlacementError;
     fn from_str(s: &str) -> Result<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "sequential" => Ok(Self::Sequential),
             "balanced" => Ok(Self::Balanced),
-            other => Err(Error::InvalidConfig {
+            other => Err(PlacementError::InvalidRequest {
                 field: "device_map".into(),
                 reason: format!("{other:?} is not one of sequential, balanced"),
             }),
@@ -270,9 +331,9 @@ impl Eq for DeviceMap {}
 /// Places the layers of `req` on its devices, or says how many MiB each device is missing.
 ///
 /// See the [module documentation](self) for the modes and for when a placement is refused
-/// ([`Error::PlacementImpossible`]). Malformed requests (no device, no layer, a device listed
+/// ([`PlacementError::Impossible`]). Malformed requests (no device, no layer, a device listed
 /// twice, a unit name used twice, a prefetch depth over [`MAX_PREFETCH_DEPTH`]) are refused with
-/// [`Error::InvalidConfig`].
+/// [`PlacementError::InvalidRequest`].
 pub fn plan_placement(req: &PlacementRequest<'_>) -> Result<DeviceMap> {
     let m = Model::new(req)?;
     let counts = match req.mode {
@@ -285,7 +346,7 @@ pub fn plan_placement(req: &PlacementRequest<'_>) -> Result<DeviceMap> {
 impl DeviceMap {
     /// The map as pretty-printed JSON (what `--device-map plan.json` reads back).
     pub fn to_json(&self) -> Result<String> {
-        serde_json::to_string_pretty(self).map_err(|e| Error::InvalidConfig {
+        serde_json::to_string_pretty(self).map_err(|e| PlacementError::InvalidRequest {
             field: "device_map".into(),
             reason: format!("cannot be written as JSON: {e}"),
         })
@@ -300,7 +361,7 @@ impl DeviceMap {
                 map.source = Some(source_name.to_string());
                 Ok(map)
             }
-            Err(e) => Err(Error::InvalidDeviceMap {
+            Err(e) => Err(PlacementError::InvalidDeviceMap {
                 map: source_name.to_string(),
                 field: locate_json_error(text).unwrap_or_else(|| "device map".to_string()),
                 reason: e.to_string(),
@@ -310,7 +371,7 @@ impl DeviceMap {
 
     /// Reads a map from a JSON file (see [`from_json`](Self::from_json)).
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::File {
+        let text = std::fs::read_to_string(path).map_err(|e| PlacementError::File {
             path: path.into(),
             reason: format!("cannot read the device map: {e}"),
         })?;
@@ -326,7 +387,7 @@ impl DeviceMap {
     /// budgets, and returns it re-planned: budgets, kept units, resident counts, depths and
     /// capacities are recomputed from `req`, only the layer ranges are taken from the map.
     ///
-    /// Refused with [`Error::InvalidDeviceMap`] naming the field: a device not in `req`, listed
+    /// Refused with [`PlacementError::InvalidDeviceMap`] naming the field: a device not in `req`, listed
     /// twice or out of `req`'s order; a layer on no device, on two, or past the model's end; in
     /// `units` (when given) an unknown or repeated unit, a wrong size, a unit missing, layers of
     /// one device that are not contiguous, or a device that disagrees with the ranges; a device
@@ -337,7 +398,7 @@ impl DeviceMap {
             .source
             .clone()
             .unwrap_or_else(|| "(in memory)".to_string());
-        let err = |field: String, reason: String| Error::InvalidDeviceMap {
+        let err = |field: String, reason: String| PlacementError::InvalidDeviceMap {
             map: what.clone(),
             field,
             reason,
@@ -740,7 +801,7 @@ enum SeqPath {
 
 impl<'r, 'a> Model<'r, 'a> {
     fn new(req: &'r PlacementRequest<'a>) -> Result<Self> {
-        let bad = |field: &str, reason: String| Error::InvalidConfig {
+        let bad = |field: &str, reason: String| PlacementError::InvalidRequest {
             field: field.to_string(),
             reason,
         };
@@ -881,7 +942,7 @@ impl<'r, 'a> Model<'r, 'a> {
     }
 
     /// The refusal for per-device counts whose stages are not all possible.
-    fn impossible(&self, counts: &[usize]) -> Error {
+    fn impossible(&self, counts: &[usize]) -> PlacementError {
         let mut per_device = Vec::new();
         let mut reasons = Vec::new();
         for (dev, r) in self.req.devices.iter().zip(self.ranges(counts)) {
@@ -895,7 +956,7 @@ impl<'r, 'a> Model<'r, 'a> {
             }
             per_device.push((dev.ordinal, mib_ceil(missing)));
         }
-        Error::PlacementImpossible {
+        PlacementError::Impossible {
             mode: self.req.mode,
             per_device,
             reason: reasons.join("; "),
@@ -1533,7 +1594,7 @@ mod tests {
                     prop_assert_eq!(&back, &map);
                     prop_assert_eq!(back.validate(&req).unwrap(), map);
                 }
-                Err(Error::PlacementImpossible { per_device, .. }) => {
+                Err(PlacementError::Impossible { per_device, .. }) => {
                     prop_assert!(!possible);
                     prop_assert!(per_device.iter().any(|&(_, m)| m > 0));
                     // Adding what is reported makes it possible.
@@ -1600,7 +1661,7 @@ mod tests {
                     prop_assert_eq!(d.prefetch_depth, cap.prefetch_depth);
                     prop_assert_eq!(d.streams, !cap.fits_entirely);
                 }
-                (Err(Error::PlacementImpossible { per_device, .. }), Err(Error::BudgetTooSmall { missing_mib, .. })) => {
+                (Err(PlacementError::Impossible { per_device, .. }), Err(crate::Error::BudgetTooSmall { missing_mib, .. })) => {
                     prop_assert_eq!(per_device, vec![(c.devices[0].ordinal, missing_mib)]);
                 }
                 (a, b) => prop_assert!(false, "disagree: {:?} vs {:?}", a.map(|m| m.to_string()), b),
@@ -1707,7 +1768,7 @@ mod tests {
         let msg = e.to_string();
         // Cheapest: everything on GPU 1, which must hold 600 + 250 + 250 + 386 = 1486 MiB.
         match &e {
-            Error::PlacementImpossible { per_device, .. } => {
+            PlacementError::Impossible { per_device, .. } => {
                 assert_eq!(per_device, &[(0, 0), (1, 462)])
             }
             other => panic!("{other:?}"),
@@ -1724,7 +1785,7 @@ mod tests {
         };
         match plan_placement(&c.req()).unwrap_err() {
             // GPU 0: 600 + 250 + 386 - 512; GPU 1: 600 + 250 + 386 - 1024.
-            Error::PlacementImpossible { per_device, .. } => {
+            PlacementError::Impossible { per_device, .. } => {
                 assert_eq!(per_device, [(0, 724), (1, 212)])
             }
             other => panic!("{other:?}"),
@@ -1781,7 +1842,7 @@ mod tests {
 
     fn invalid(c: &Case, map: &DeviceMap) -> (String, String) {
         match map.validate(&c.req()).unwrap_err() {
-            Error::InvalidDeviceMap { field, reason, .. } => (field, reason),
+            PlacementError::InvalidDeviceMap { field, reason, .. } => (field, reason),
             other => panic!("{other:?}"),
         }
     }
