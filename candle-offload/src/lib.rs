@@ -79,6 +79,7 @@ pub mod history;
 pub mod placement;
 pub mod plan;
 mod runtime;
+mod runtime_error;
 mod settings;
 pub mod store;
 #[allow(unsafe_code)]
@@ -97,6 +98,7 @@ pub use placement::{
 };
 pub use plan::{plan_capacity, CapacityPlan, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
 pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, UnitGuard};
+pub use runtime_error::RuntimeError;
 pub use settings::Settings;
 pub use store::{HostStore, StoreConfig, TensorSpec, UnitGrouping};
 pub use telemetry::{OffloadStats, TransferStats, UnitStats};

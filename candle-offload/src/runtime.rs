@@ -21,6 +21,7 @@ use crate::cache::{CacheError, PolicyChoice, ResidencyCache, Transfer, UnitId};
 use crate::error::{Error, Result};
 use crate::history::{EventKind, MemoryEvent, MemoryHistory};
 use crate::plan::{plan_capacity_for, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
+use crate::runtime_error::RuntimeError;
 use crate::store::HostStore;
 use crate::sys::{CudaEngine, UnitSync};
 use crate::telemetry::{OffloadStats, Telemetry, Timings, UnitStats};
@@ -289,7 +290,10 @@ impl OffloadRuntime {
         let _span = tracing::debug_span!("offload.acquire", unit = unit.0).entered();
         self.check_served(unit)?;
         let mut st = self.state()?;
-        let transfer = st.cache.acquire(unit).map_err(|e| self.cache_error(e))?;
+        let transfer = st
+            .cache
+            .acquire(unit)
+            .map_err(|e| self.cache_error(unit, e))?;
         let mut transfer = transfer;
         if transfer.fetch.is_none() && st.resident[unit.0].is_none() {
             // Admitted by a prefetch whose copy failed earlier: fetch it now.
@@ -321,23 +325,27 @@ impl OffloadRuntime {
 
     /// [`acquire`](Self::acquire) by unit name (`model.layers.3`).
     pub fn acquire_named(&self, name: &str) -> candle_core::Result<UnitGuard> {
-        let id = self.shared.store.unit_id(name).ok_or_else(|| {
-            candle_core::Error::from(Error::Unknown {
+        let id = self
+            .shared
+            .store
+            .unit_id(name)
+            .ok_or_else(|| RuntimeError::Unknown {
                 what: "unit",
                 name: name.to_string(),
-            })
-        })?;
+            })?;
         self.acquire(id)
     }
 
     /// [`acquire`](Self::acquire) of the unit of decoder layer `idx`.
     pub fn acquire_layer(&self, idx: usize) -> candle_core::Result<UnitGuard> {
-        let id = self.shared.store.layer_unit(idx).ok_or_else(|| {
-            candle_core::Error::from(Error::Unknown {
+        let id = self
+            .shared
+            .store
+            .layer_unit(idx)
+            .ok_or_else(|| RuntimeError::Unknown {
                 what: "layer unit",
                 name: idx.to_string(),
-            })
-        })?;
+            })?;
         self.acquire(id)
     }
 
@@ -382,12 +390,16 @@ impl OffloadRuntime {
     fn check_served(&self, unit: UnitId) -> candle_core::Result<()> {
         match self.shared.served.get(unit.0) {
             Some(true) => Ok(()),
-            Some(false) => candle_core::bail!(
-                "unit {} is not served by the runtime on {:?} (it belongs to another stage)",
-                self.shared.store.unit(unit).name(),
-                self.shared.device
-            ),
-            None => candle_core::bail!("unit {} does not exist in the host store", unit.0),
+            Some(false) => Err(RuntimeError::NotServed {
+                unit: self.shared.store.unit(unit).name().to_string(),
+                device: format!("{:?}", self.shared.device),
+            }
+            .into()),
+            None => Err(RuntimeError::Unknown {
+                what: "unit",
+                name: unit.to_string(),
+            }
+            .into()),
         }
     }
 
@@ -406,14 +418,26 @@ impl OffloadRuntime {
         Ok(())
     }
 
-    fn cache_error(&self, e: CacheError) -> candle_core::Error {
+    fn cache_error(&self, unit: UnitId, e: CacheError) -> candle_core::Error {
         let budget = self.shared.budget;
-        candle_core::Error::Msg(format!(
-            "offload budget exhausted on {:?} (budget {} MiB, reserve {} MiB): {e}",
-            self.shared.device,
-            budget.limit_bytes >> 20,
-            budget.reserve_bytes >> 20
-        ))
+        let unit = match self.shared.served.get(unit.0) {
+            Some(_) => self.shared.store.unit(unit).name().to_string(),
+            None => unit.to_string(),
+        };
+        match e {
+            CacheError::UnknownUnit(_) => RuntimeError::Unknown {
+                what: "unit",
+                name: unit,
+            },
+            cause => RuntimeError::BudgetExhausted {
+                device: format!("{:?}", self.shared.device),
+                unit,
+                budget_mib: budget.limit_bytes >> 20,
+                reserve_mib: budget.reserve_bytes >> 20,
+                cause,
+            },
+        }
+        .into()
     }
 
     /// Evicts and fetches as the cache decided. A failed fetch is rolled back in the cache; an
@@ -450,16 +474,16 @@ impl OffloadRuntime {
                         .filter(|&r| r != u)
                         .map(|r| self.shared.store.unit(r).name())
                         .collect();
-                    candle_core::Error::Msg(format!(
-                        "fetching {} ({} MiB) failed twice, the second time after evicting every idle unit: {second} \
-                         (first: {first}); budget {} MiB with {} MiB reserved, weights resident: {} MiB in [{}]",
-                        unit.name(),
-                        unit.bytes().div_ceil(1 << 20),
-                        budget.limit_bytes >> 20,
-                        budget.reserve_bytes >> 20,
-                        st.cache.used().saturating_sub(unit.bytes()) >> 20,
-                        resident.join(", ")
-                    ))
+                    candle_core::Error::from(RuntimeError::FetchFailed {
+                        unit: unit.name().to_string(),
+                        unit_mib: unit.bytes().div_ceil(1 << 20),
+                        error: second.to_string(),
+                        first_error: first.to_string(),
+                        budget_mib: budget.limit_bytes >> 20,
+                        reserve_mib: budget.reserve_bytes >> 20,
+                        resident_mib: st.cache.used().saturating_sub(unit.bytes()) >> 20,
+                        resident: resident.into_iter().map(str::to_string).collect(),
+                    })
                 })
             }
         };
@@ -748,8 +772,9 @@ impl OffloadRuntime {
         let mut by_unit: HashMap<UnitId, Vec<(&crate::store::TensorMeta, &Tensor)>> =
             HashMap::new();
         for (name, value) in values {
-            let (u, meta) = store.tensor(name).ok_or_else(|| {
-                candle_core::Error::Msg(format!("cannot update {name}: not in the host store"))
+            let (u, meta) = store.tensor(name).ok_or_else(|| RuntimeError::Unknown {
+                what: "tensor",
+                name: name.clone(),
             })?;
             by_unit.entry(u).or_default().push((meta, value));
         }
