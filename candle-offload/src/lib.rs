@@ -66,6 +66,8 @@
 //! # Feature flags
 //! - `cuda`: Candle's CUDA backend, pinned host memory, the copy stream and its events.
 //!   Without it a `Device::Cuda` runtime is refused with [`Error::NotCompiledWithCuda`].
+//! - `fault-injection`: `OffloadRuntime::inject_fetch_failures`, fetches that fail on demand,
+//!   for fault tests only (off by default).
 
 #![deny(unsafe_code)]
 #![warn(missing_docs)]

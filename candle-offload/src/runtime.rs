@@ -100,6 +100,7 @@ struct State {
     retired: Vec<UnitSync>,
     telemetry: Telemetry,
     history: Option<Recording>,
+    #[cfg(feature = "fault-injection")]
     injected_failures: u32,
     reservation_parts: Vec<(String, u64)>,
 }
@@ -252,6 +253,7 @@ impl OffloadRuntime {
                     retired: Vec::new(),
                     telemetry: Telemetry::new(),
                     history: None,
+                    #[cfg(feature = "fault-injection")]
                     injected_failures: 0,
                     reservation_parts: Vec::new(),
                 }),
@@ -517,6 +519,10 @@ impl OffloadRuntime {
         st: &mut State,
         u: UnitId,
     ) -> candle_core::Result<(HashMap<String, Tensor>, Option<UnitSync>)> {
+        // Only injected faults need the state.
+        #[cfg(not(feature = "fault-injection"))]
+        let _ = st;
+        #[cfg(feature = "fault-injection")]
         if st.injected_failures > 0 {
             st.injected_failures -= 1;
             candle_core::bail!(
@@ -527,7 +533,8 @@ impl OffloadRuntime {
     }
 
     /// For testing fault handling: the next `n` fetches fail as if the driver had refused
-    /// their allocation.
+    /// their allocation. Only with the `fault-injection` feature (for tests, off by default).
+    #[cfg(feature = "fault-injection")]
     pub fn inject_fetch_failures(&self, n: u32) -> candle_core::Result<()> {
         self.state()?.injected_failures = n;
         Ok(())
