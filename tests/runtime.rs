@@ -528,6 +528,30 @@ fn a_stage_serves_only_its_units() -> anyhow::Result<()> {
     );
     let e = e.to_string();
     assert!(e.contains("layers.4") && e.contains("another stage"), "{e}");
+    // Nor may it rewrite another stage's weights (that stage's resident copy would go stale):
+    // refused, and nothing is written, not even the values of its own units.
+    let bytes = |name: &str| {
+        let (u, meta) = rt.store().tensor(name).unwrap();
+        rt.store().unit(u).tensor_bytes(meta).to_vec()
+    };
+    let (before2, before4) = (bytes("layers.2.bias"), bytes("layers.4.bias"));
+    let new = Tensor::full(0.5f32, WIDTH, &device)?;
+    let e = rt
+        .update_weights(&[
+            ("layers.2.bias".into(), new.clone()),
+            ("layers.4.bias".into(), new),
+        ])
+        .unwrap_err();
+    assert!(
+        matches!(
+            RuntimeError::from_candle(&e),
+            Some(RuntimeError::NotServed { unit, .. }) if unit == "layers.4"
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("not served by the runtime"), "{e}");
+    assert_eq!(bytes("layers.2.bias"), before2);
+    assert_eq!(bytes("layers.4.bias"), before4);
     let e = OffloadRuntime::new(
         store,
         &device,

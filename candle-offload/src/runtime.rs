@@ -771,7 +771,8 @@ impl OffloadRuntime {
     /// waits for every copy in flight, drops the device copies of the units touched (kept ones
     /// too; they come back on their next use) and writes the new values, converted to the
     /// store's dtype. `values` are `(tensor name, value)`; a unit in use is refused, as is an
-    /// unknown name or a shape that differs from the stored one.
+    /// unknown name, a unit this runtime does not serve ([`RuntimeError::NotServed`]) or a
+    /// shape that differs from the stored one. Nothing is written when one value is refused.
     pub fn update_weights(&self, values: &[(String, Tensor)]) -> candle_core::Result<()> {
         let _span =
             tracing::debug_span!("offload.update_weights", tensors = values.len()).entered();
@@ -783,6 +784,9 @@ impl OffloadRuntime {
                 what: "tensor",
                 name: name.clone(),
             })?;
+            // Another stage's unit: writing it would change that stage's host copy behind
+            // its resident one.
+            self.check_served(u)?;
             by_unit.entry(u).or_default().push((meta, value));
         }
         let mut st = self.state()?;
