@@ -46,7 +46,7 @@ pub struct MemoryEvent {
 /// A recorded history with the budget it ran under.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct MemoryHistory {
-    /// The device.
+    /// The device (`cuda:0`, `cpu`: [`crate::diag::device_label`]).
     pub device: String,
     /// The budget.
     pub budget_bytes: u64,

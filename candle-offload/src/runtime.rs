@@ -18,6 +18,7 @@ use candle_nn::VarBuilder;
 
 use crate::budget::{Budget, MemoryLimit};
 use crate::cache::{CacheError, PolicyChoice, ResidencyCache, Transfer, UnitId};
+use crate::diag::device_label;
 use crate::error::{Error, Result};
 use crate::history::{EventKind, MemoryEvent, MemoryHistory};
 use crate::plan::{plan_capacity_for, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
@@ -152,7 +153,7 @@ impl OffloadRuntime {
                 })
             }
         };
-        let name = format!("{device:?}");
+        let name = device_label(device);
         let total = match &engine {
             Engine::Cuda(e) => Some(e.mem_get_info()?),
             Engine::Cpu => None,
@@ -394,7 +395,7 @@ impl OffloadRuntime {
             Some(true) => Ok(()),
             Some(false) => Err(RuntimeError::NotServed {
                 unit: self.shared.store.unit(unit).name().to_string(),
-                device: format!("{:?}", self.shared.device),
+                device: device_label(&self.shared.device),
             }
             .into()),
             None => Err(RuntimeError::Unknown {
@@ -432,7 +433,7 @@ impl OffloadRuntime {
                 name: unit,
             },
             cause => RuntimeError::BudgetExhausted {
-                device: format!("{:?}", self.shared.device),
+                device: device_label(&self.shared.device),
                 unit,
                 budget_mib: budget.limit_bytes >> 20,
                 reserve_mib: budget.reserve_bytes >> 20,
@@ -673,7 +674,7 @@ impl OffloadRuntime {
     pub fn history(&self) -> candle_core::Result<Option<MemoryHistory>> {
         let st = self.state()?;
         Ok(st.history.as_ref().map(|rec| MemoryHistory {
-            device: format!("{:?}", self.shared.device),
+            device: device_label(&self.shared.device),
             budget_bytes: self.shared.budget.limit_bytes,
             reserve_bytes: self.shared.budget.reserve_bytes,
             weight_capacity_bytes: st.cache.capacity(),
@@ -851,7 +852,7 @@ impl OffloadRuntime {
             })
             .collect();
         Ok(OffloadStats {
-            device: format!("{:?}", self.shared.device),
+            device: device_label(&self.shared.device),
             budget_bytes: self.shared.budget.limit_bytes,
             reserve_bytes: self.shared.budget.reserve_bytes,
             weight_capacity_bytes: st.cache.capacity(),
