@@ -40,9 +40,9 @@ pub struct OffloadConfig {
     pub strategy: OffloadStrategy,
     /// Victim selection; `Auto` learns the access order.
     pub policy: PolicyChoice,
-    /// Copies that may run ahead of their victims' release, 0 to [`MAX_PREFETCH_DEPTH`]. Each step of depth keeps
-    /// one largest unit of the budget free for copies in flight: 0 moves the fewest bytes, more
-    /// hides copies behind more compute. 1 (the default) was fastest or within 4% of it for
+    /// Copies that may run ahead of their victims' release, 0 to [`MAX_PREFETCH_DEPTH`]. Each
+    /// step of depth keeps one largest unit of the budget free for copies in flight: 0 moves
+    /// the fewest bytes, more hides copies behind more compute. 1 (the default) was fastest or within 4% of it for
     /// decode at every budget measured (BENCHMARKS.md); 2 keeps the link busiest.
     pub prefetch_depth: usize,
     /// Units (by name) that never leave the device once fetched.

@@ -13,8 +13,8 @@ use crate::plan::{OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
 
 /// Places the layers of `req` on its devices, or says how many MiB each device is missing.
 ///
-/// See the [module documentation](crate::placement) for the modes and for when a placement is refused
-/// ([`PlacementError::Impossible`]). Malformed requests (no device, no layer, a device listed
+/// See the [module documentation](crate::placement) for the modes and for when a placement is
+/// refused ([`PlacementError::Impossible`]). Malformed requests (no device, no layer, a device listed
 /// twice, a unit name used twice, a prefetch depth over [`MAX_PREFETCH_DEPTH`]) are refused with
 /// [`PlacementError::InvalidRequest`].
 pub fn plan_placement(req: &PlacementRequest<'_>) -> Result<DeviceMap> {

@@ -12,8 +12,8 @@ impl DeviceMap {
     /// budgets, and returns it re-planned: budgets, kept units, resident counts, depths and
     /// capacities are recomputed from `req`, only the layer ranges are taken from the map.
     ///
-    /// Refused with [`PlacementError::InvalidDeviceMap`] naming the field: a device not in `req`, listed
-    /// twice or out of `req`'s order; a layer on no device, on two, or past the model's end; in
+    /// Refused with [`PlacementError::InvalidDeviceMap`] naming the field: a device not in
+    /// `req`, listed twice or out of `req`'s order; a layer on no device, on two, or past the model's end; in
     /// `units` (when given) an unknown or repeated unit, a wrong size, a unit missing, layers of
     /// one device that are not contiguous, or a device that disagrees with the ranges; a device
     /// that cannot hold its reservation, kept units and largest layer (with the MiB missing).
