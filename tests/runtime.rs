@@ -3,7 +3,8 @@
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_offload::{
-    ActivePolicy, MemoryLimit, OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice, UnitId,
+    ActivePolicy, MemoryLimit, OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice,
+    RuntimeError, UnitId,
 };
 
 use crate::util::{mlp_store, mlp_weights, run_mlp};
@@ -221,8 +222,31 @@ fn in_use_units_are_never_evicted_and_no_room_is_an_error() -> anyhow::Result<()
     let rt = OffloadRuntime::new(store, &Device::Cpu, &cfg)?;
     let a = rt.acquire_layer(0)?;
     let b = rt.acquire_layer(1)?;
-    let err = rt.acquire_layer(2).unwrap_err().to_string();
+    let e = rt.acquire_layer(2).unwrap_err();
+    assert!(
+        matches!(
+            RuntimeError::from_candle(&e),
+            Some(RuntimeError::BudgetExhausted { unit, .. }) if unit == "layers.2"
+        ),
+        "{e:?}"
+    );
+    let err = e.to_string();
     assert!(err.contains("budget") && err.contains("in use"), "{err}");
+    // Unknown units, by name, by layer and by id.
+    for e in [
+        rt.acquire_named("layers.99").unwrap_err(),
+        rt.acquire_layer(99).unwrap_err(),
+        rt.acquire(UnitId(99)).unwrap_err(),
+    ] {
+        assert!(
+            matches!(
+                RuntimeError::from_candle(&e),
+                Some(RuntimeError::Unknown { .. })
+            ),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("99"), "{e}");
+    }
     drop(a);
     let c = rt.acquire_layer(2)?;
     assert_eq!(b.get("layers.1.bias")?.dims(), [32]);
@@ -335,7 +359,16 @@ fn a_refused_allocation_evicts_idle_units_and_retries_once() -> anyhow::Result<(
     drop(rt.acquire_layer(0)?);
     let held = rt.acquire_layer(1)?;
     rt.inject_fetch_failures(2)?;
-    let err = rt.acquire_layer(4).unwrap_err().to_string();
+    let e = rt.acquire_layer(4).unwrap_err();
+    assert!(
+        matches!(
+            RuntimeError::from_candle(&e),
+            Some(RuntimeError::FetchFailed { unit, resident, .. })
+                if unit == "layers.4" && resident.iter().any(|r| r == "layers.1")
+        ),
+        "{e:?}"
+    );
+    let err = e.to_string();
     assert!(
         err.contains("layers.4")
             && err.contains("budget")
@@ -402,9 +435,15 @@ fn updated_weights_are_seen_next_time(device: &Device) -> anyhow::Result<()> {
     }
     let e = rt
         .update_weights(&[("layers.9.bias".into(), new.clone())])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("layers.9.bias"), "{e}");
+        .unwrap_err();
+    assert!(
+        matches!(
+            RuntimeError::from_candle(&e),
+            Some(RuntimeError::Unknown { what: "tensor", .. })
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("layers.9.bias"), "{e}");
     let e = rt
         .update_weights(&[
             ("layers.1.bias".into(), new.clone()),
@@ -479,8 +518,40 @@ fn a_stage_serves_only_its_units() -> anyhow::Result<()> {
         whole > 2,
         "the whole model streams through the same budget ({whole} fetches)"
     );
-    let e = rt.acquire_layer(4).unwrap_err().to_string();
+    let e = rt.acquire_layer(4).unwrap_err();
+    assert!(
+        matches!(
+            RuntimeError::from_candle(&e),
+            Some(RuntimeError::NotServed { unit, .. }) if unit == "layers.4"
+        ),
+        "{e:?}"
+    );
+    let e = e.to_string();
     assert!(e.contains("layers.4") && e.contains("another stage"), "{e}");
+    // Nor may it rewrite another stage's weights (that stage's resident copy would go stale):
+    // refused, and nothing is written, not even the values of its own units.
+    let bytes = |name: &str| {
+        let (u, meta) = rt.store().tensor(name).unwrap();
+        rt.store().unit(u).tensor_bytes(meta).to_vec()
+    };
+    let (before2, before4) = (bytes("layers.2.bias"), bytes("layers.4.bias"));
+    let new = Tensor::full(0.5f32, WIDTH, &device)?;
+    let e = rt
+        .update_weights(&[
+            ("layers.2.bias".into(), new.clone()),
+            ("layers.4.bias".into(), new),
+        ])
+        .unwrap_err();
+    assert!(
+        matches!(
+            RuntimeError::from_candle(&e),
+            Some(RuntimeError::NotServed { unit, .. }) if unit == "layers.4"
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("not served by the runtime"), "{e}");
+    assert_eq!(bytes("layers.2.bias"), before2);
+    assert_eq!(bytes("layers.4.bias"), before4);
     let e = OffloadRuntime::new(
         store,
         &device,

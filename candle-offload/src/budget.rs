@@ -9,7 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::{mib_ceil, Error, Result};
+use crate::error::{Error, Result};
 
 const KIB: f64 = 1024.0;
 const MIB: f64 = KIB * 1024.0;
@@ -135,6 +135,11 @@ impl fmt::Display for MemoryLimit {
     }
 }
 
+/// Mebibytes, rounded up, for messages.
+pub(crate) fn mib_ceil(bytes: u64) -> u64 {
+    bytes.div_ceil(1 << 20)
+}
+
 /// Formats a byte count as `1.50 GiB`, `386.0 MiB`, `12 B`.
 pub fn human_bytes(b: u64) -> String {
     let x = b as f64;
@@ -164,20 +169,37 @@ impl Budget {
         self.limit_bytes.saturating_sub(self.reserve_bytes)
     }
 
+    /// Bytes over the limit when the reservation plus `bytes` are placed (zero when they fit).
+    pub fn missing(&self, bytes: u64) -> u64 {
+        self.reserve_bytes
+            .saturating_add(bytes)
+            .saturating_sub(self.limit_bytes)
+    }
+
+    /// Whether the reservation plus `bytes` fit in the limit.
+    pub fn fits(&self, bytes: u64) -> bool {
+        self.missing(bytes) == 0
+    }
+
     /// Refuses a budget that cannot hold `what` (`bytes` of it) plus the reservation.
     pub fn check_fits(&self, device: &str, what: &str, bytes: u64) -> Result<()> {
-        let needed = self.reserve_bytes.saturating_add(bytes);
-        if needed > self.limit_bytes {
-            return Err(Error::BudgetTooSmall {
-                device: device.to_string(),
-                budget_mib: self.limit_bytes >> 20,
-                reserve_mib: mib_ceil(self.reserve_bytes),
-                needed_what: what.to_string(),
-                needed_mib: mib_ceil(bytes),
-                missing_mib: mib_ceil(needed - self.limit_bytes),
-            });
+        if self.fits(bytes) {
+            Ok(())
+        } else {
+            Err(self.too_small(device, what, bytes))
         }
-        Ok(())
+    }
+
+    /// The refusal of [`check_fits`](Self::check_fits), with the MiB missing.
+    pub(crate) fn too_small(&self, device: &str, what: &str, bytes: u64) -> Error {
+        Error::BudgetTooSmall {
+            device: device.to_string(),
+            budget_mib: self.limit_bytes >> 20,
+            reserve_mib: mib_ceil(self.reserve_bytes),
+            needed_what: what.to_string(),
+            needed_mib: mib_ceil(bytes),
+            missing_mib: mib_ceil(self.missing(bytes)),
+        }
     }
 }
 

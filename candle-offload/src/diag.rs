@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use candle_core::Device;
+use candle_core::{Device, DeviceLocation};
 
 use crate::error::Result;
 use crate::sys;
@@ -56,6 +56,20 @@ pub struct DeviceInfo {
     pub built_for_cuda: Option<CudaVersion>,
     /// `CUDA_COMPUTE_CAP` at build time (the kernels' target architecture).
     pub compiled_arch: Option<String>,
+}
+
+/// The device as messages name it: `cuda:0` (the GPU's ordinal), `metal:0` or `cpu`, instead
+/// of Candle's `Cuda(CudaDevice(DeviceId(1)))`, whose id is not the GPU's ordinal.
+pub fn device_label(device: &Device) -> String {
+    location_label(device.location())
+}
+
+fn location_label(location: DeviceLocation) -> String {
+    match location {
+        DeviceLocation::Cpu => "cpu".to_string(),
+        DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
 }
 
 /// Identity and memory of the GPU behind `device` (an error on a CPU, or without `cuda`).
@@ -174,4 +188,19 @@ pub fn set_peer_access(
 /// [`device_used_bytes`] also counts. `reset` starts a new measurement.
 pub fn pool_peak_used_bytes(device: &Device, reset: bool) -> candle_core::Result<u64> {
     sys::pool_used_high_bytes(device, reset)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_are_labelled_by_kind_and_ordinal() {
+        assert_eq!(device_label(&Device::Cpu), "cpu");
+        assert_eq!(location_label(DeviceLocation::Cuda { gpu_id: 1 }), "cuda:1");
+        assert_eq!(
+            location_label(DeviceLocation::Metal { gpu_id: 0 }),
+            "metal:0"
+        );
+    }
 }

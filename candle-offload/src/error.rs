@@ -3,22 +3,11 @@
 //! Code that runs inside a model's `forward` (acquiring a unit, prefetching) returns
 //! [`candle_core::Result`] so that callers can use `?` as everywhere in Candle; an
 //! [`Error`] converts into a `candle_core::Error` and back out of one without losing its text.
+//! This module depends on no other module of the crate: device placement has its own error
+//! type, [`crate::placement::PlacementError`], as the residency cache has
+//! [`crate::cache::CacheError`].
 
 use std::path::PathBuf;
-
-/// Mebibytes, rounded up, for messages.
-pub(crate) fn mib_ceil(bytes: u64) -> u64 {
-    bytes.div_ceil(1 << 20)
-}
-
-/// "GPU 0 needs 812 MiB more, GPU 1 needs 0 MiB more".
-fn missing_list(per_device: &[(usize, u64)]) -> String {
-    let parts: Vec<String> = per_device
-        .iter()
-        .map(|(ordinal, mib)| format!("GPU {ordinal} needs {mib} MiB more"))
-        .collect();
-    parts.join(", ")
-}
 
 /// Everything that can go wrong while a runtime, a store or a budget is being set up.
 #[derive(Debug, thiserror::Error)]
@@ -99,31 +88,6 @@ pub enum Error {
     NotCompiledWithCuda {
         /// What was asked for.
         what: &'static str,
-    },
-
-    /// No device map places the model's layers within the devices' budgets (see
-    /// [`crate::placement`] for when exactly a placement is impossible).
-    #[error("no {mode} device map fits: {}; {reason}", missing_list(.per_device))]
-    PlacementImpossible {
-        /// The placement mode asked for.
-        mode: crate::placement::PlacementMode,
-        /// For each device (its ordinal), the MiB to add to its budget so that a placement
-        /// exists; zero for a device that needs nothing more.
-        per_device: Vec<(usize, u64)>,
-        /// Which device must hold what.
-        reason: String,
-    },
-
-    /// A device map (given by the user, e.g. `--device-map plan.json`) that is malformed or does
-    /// not fit the model or the devices.
-    #[error("invalid device map {map}: {field}: {reason}")]
-    InvalidDeviceMap {
-        /// Where the map came from (its file, or "(in memory)").
-        map: String,
-        /// The offending field, as a path (`devices[1].first_layer`, `units[4].device`).
-        field: String,
-        /// What is wrong with it.
-        reason: String,
     },
 
     /// An error from Candle or the CUDA driver.

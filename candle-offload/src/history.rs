@@ -46,7 +46,7 @@ pub struct MemoryEvent {
 /// A recorded history with the budget it ran under.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct MemoryHistory {
-    /// The device.
+    /// The device (`cuda:0`, `cpu`: [`crate::diag::device_label`]).
     pub device: String,
     /// The budget.
     pub budget_bytes: u64,
@@ -137,17 +137,17 @@ impl MemoryHistory {
             r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
         );
         let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+        let (unit, ticks) = y_ticks(y_max / 1.08);
         let _ = writeln!(
             s,
-            r#"<text x="{left}" y="22" font-size="14">Device memory on {} (MiB)</text>"#,
+            r#"<text x="{left}" y="22" font-size="14">Device memory on {} ({unit})</text>"#,
             self.device
         );
-        for i in 0..=5 {
-            let m = y_max / 1.08 * i as f64 / 5.0;
+        for (m, label) in ticks {
             let (x1, x2, yy, tx, ty) = (left, w - right, y(m), left - 6.0, y(m) + 4.0);
             let _ = writeln!(
                 s,
-                r##"<line x1="{x1}" x2="{x2}" y1="{yy:.1}" y2="{yy:.1}" stroke="#ddd"/><text x="{tx}" y="{ty:.1}" text-anchor="end">{m:.0}</text>"##
+                r##"<line x1="{x1}" x2="{x2}" y1="{yy:.1}" y2="{yy:.1}" stroke="#ddd"/><text x="{tx}" y="{ty:.1}" text-anchor="end">{label}</text>"##
             );
         }
         for i in 0..=5 {
@@ -262,5 +262,108 @@ impl MemoryHistory {
             path: path.into(),
             reason: format!("cannot write: {e}"),
         })
+    }
+}
+
+/// The y axis' ticks for values up to `max_mib`: round values (1, 2 or 5 times a power of
+/// ten) in MiB, or in GiB from 1 GiB up, from zero to at most `max_mib`, three to eight
+/// intervals. Returns the unit, and each tick's position in MiB with its label in the unit.
+fn y_ticks(max_mib: f64) -> (&'static str, Vec<(f64, String)>) {
+    let (unit, scale) = if max_mib >= 1024.0 {
+        ("GiB", 1024.0)
+    } else {
+        ("MiB", 1.0)
+    };
+    let max = max_mib / scale;
+    if !(max > 0.0 && max.is_finite()) {
+        return (unit, vec![(0.0, "0".to_string())]);
+    }
+    let raw = max / 8.0;
+    let magnitude = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .iter()
+        .map(|m| m * magnitude)
+        .find(|&s| s >= raw * (1.0 - 1e-9))
+        .unwrap_or(10.0 * magnitude);
+    let decimals = if step >= 1.0 {
+        0
+    } else {
+        (-step.log10() - 1e-9).ceil() as usize
+    };
+    let ticks = (0..)
+        .map(|i| step * i as f64)
+        .take_while(|&v| v <= max * (1.0 + 1e-9))
+        .map(|v| (v * scale, format!("{v:.decimals$}")))
+        .collect();
+    (unit, ticks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn labels(max_mib: f64) -> (&'static str, Vec<String>) {
+        let (unit, ticks) = y_ticks(max_mib);
+        (unit, ticks.into_iter().map(|t| t.1).collect())
+    }
+
+    #[test]
+    fn ticks_fall_on_round_values() {
+        // A 512 MiB budget: not 102, 205, 307, 410.
+        assert_eq!(
+            labels(512.0),
+            (
+                "MiB",
+                ["0", "100", "200", "300", "400", "500"]
+                    .map(String::from)
+                    .to_vec()
+            )
+        );
+        assert_eq!(
+            labels(4096.0 * 1.02),
+            ("GiB", ["0", "1", "2", "3", "4"].map(String::from).to_vec())
+        );
+        assert_eq!(
+            labels(1536.0),
+            (
+                "GiB",
+                ["0.0", "0.2", "0.4", "0.6", "0.8", "1.0", "1.2", "1.4"]
+                    .map(String::from)
+                    .to_vec()
+            )
+        );
+        assert_eq!(labels(80.0 * 1024.0).1.last().unwrap(), "80");
+        assert_eq!(labels(1.0).1, ["0.0", "0.2", "0.4", "0.6", "0.8", "1.0"]);
+        for max in [3.0, 47.0, 700.0, 999.0, 1024.0, 3000.0, 150_000.0] {
+            let (unit, ticks) = y_ticks(max);
+            let scale = if unit == "GiB" { 1024.0 } else { 1.0 };
+            assert!((4..=9).contains(&ticks.len()), "{max}: {ticks:?}");
+            let step = ticks[1].0 / scale;
+            let mantissa = step / 10f64.powf(step.log10().floor());
+            assert!(
+                [1.0, 2.0, 5.0].iter().any(|m| (mantissa - m).abs() < 1e-6),
+                "{max}: step {step}"
+            );
+            assert!(
+                ticks.last().unwrap().0 <= max * (1.0 + 1e-9),
+                "{max}: {ticks:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_timeline_names_the_unit_of_its_ticks() {
+        let h = MemoryHistory {
+            device: "cuda:0".into(),
+            budget_bytes: 6 << 30,
+            reserve_bytes: 1 << 30,
+            weight_capacity_bytes: 5 << 30,
+            baseline_device_bytes: None,
+            reservation_parts: Vec::new(),
+            events: Vec::new(),
+        };
+        let svg = h.to_svg();
+        assert!(svg.contains("Device memory on cuda:0 (GiB)"), "{svg}");
+        assert!(svg.contains(r#"text-anchor="end">6</text>"#), "{svg}");
     }
 }

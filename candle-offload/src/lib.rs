@@ -66,6 +66,8 @@
 //! # Feature flags
 //! - `cuda`: Candle's CUDA backend, pinned host memory, the copy stream and its events.
 //!   Without it a `Device::Cuda` runtime is refused with [`Error::NotCompiledWithCuda`].
+//! - `fault-injection`: `OffloadRuntime::inject_fetch_failures`, fetches that fail on demand,
+//!   for fault tests only (off by default).
 
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
@@ -79,6 +81,7 @@ pub mod history;
 pub mod placement;
 pub mod plan;
 mod runtime;
+mod runtime_error;
 mod settings;
 pub mod store;
 #[allow(unsafe_code)]
@@ -92,11 +95,12 @@ pub use cache::{ActivePolicy, PolicyChoice, ResidencyCache, UnitId};
 pub use error::{Error, Result};
 pub use history::{MemoryEvent, MemoryHistory};
 pub use placement::{
-    plan_placement, DeviceBudget, DeviceMap, DevicePlacement, PlacementMode, PlacementRequest,
-    Residency, UnitPlacement,
+    plan_placement, DeviceBudget, DeviceMap, DevicePlacement, PlacementError, PlacementMode,
+    PlacementRequest, Residency, UnitPlacement,
 };
-pub use plan::{plan_capacity, CapacityPlan, OffloadStrategy};
+pub use plan::{plan_capacity, CapacityPlan, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
 pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, UnitGuard};
+pub use runtime_error::RuntimeError;
 pub use settings::Settings;
 pub use store::{HostStore, StoreConfig, TensorSpec, UnitGrouping};
 pub use telemetry::{OffloadStats, TransferStats, UnitStats};

@@ -53,6 +53,91 @@ impl fmt::Display for OffloadStrategy {
     }
 }
 
+/// The deepest prefetch the runtime and the placement planner accept.
+pub const MAX_PREFETCH_DEPTH: usize = 3;
+
+/// The budget rule, once: what the weights of one device (a runtime, a pipeline stage) need.
+///
+/// A device streams its evictable units one at a time, so it must hold its kept units plus its
+/// largest evictable unit; at prefetch depth `d` it holds `d` more of the largest in flight. With
+/// the caller's reservation that is the smallest budget ([`min_budget`](Self::min_budget)); the
+/// room above it goes to the strategy ([`plan`](Self::plan)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WeightNeed {
+    /// Bytes of the units that never leave the device.
+    pub kept: u64,
+    /// The largest evictable unit, in bytes.
+    pub largest: u64,
+    /// All evictable units together, in bytes.
+    pub evictable: u64,
+}
+
+impl WeightNeed {
+    /// The need of evictable units of `unit_bytes` beside `kept` bytes of kept units.
+    pub fn new(unit_bytes: &[u64], kept: u64) -> Self {
+        Self {
+            kept,
+            largest: unit_bytes.iter().copied().max().unwrap_or(0),
+            evictable: unit_bytes.iter().fold(0u64, |a, &b| a.saturating_add(b)),
+        }
+    }
+
+    /// The streaming floor at prefetch depth `depth`: the kept units, the unit in use and
+    /// `depth` more of the largest in flight.
+    pub fn floor(&self, depth: usize) -> u64 {
+        self.kept
+            .saturating_add(self.largest.saturating_mul(depth as u64 + 1))
+    }
+
+    /// What must fit at the least: the floor at depth 0 (kept units and the largest unit).
+    pub fn minimum(&self) -> u64 {
+        self.floor(0)
+    }
+
+    /// Every unit at once.
+    pub fn all(&self) -> u64 {
+        self.kept.saturating_add(self.evictable)
+    }
+
+    /// The smallest budget that holds `reserve` bytes of reservation and the floor at `depth`.
+    pub fn min_budget(&self, reserve: u64, depth: usize) -> u64 {
+        reserve.saturating_add(self.floor(depth))
+    }
+
+    /// The deepest prefetch depth up to `asked` whose floor fits in `room` bytes for weights;
+    /// `None` when not even the floor at depth 0 fits.
+    pub fn depth_that_fits(&self, room: u64, asked: usize) -> Option<usize> {
+        if self.minimum() > room {
+            return None;
+        }
+        let spare = room - self.kept;
+        Some(match spare.checked_div(self.largest) {
+            // spare >= largest here, so the quotient is at least 1.
+            Some(q) => asked.min(usize::try_from(q - 1).unwrap_or(usize::MAX)),
+            None => asked,
+        })
+    }
+
+    /// Splits `room` bytes for weights by `strategy` at the deepest depth up to `asked` that
+    /// fits; `None` when not even the floor at depth 0 fits.
+    pub fn plan(&self, room: u64, strategy: OffloadStrategy, asked: usize) -> Option<CapacityPlan> {
+        let depth = self.depth_that_fits(room, asked)?;
+        let total = self.all();
+        let ceiling = room.min(total);
+        let floor = self.floor(depth).min(ceiling);
+        let weight_capacity = match strategy {
+            OffloadStrategy::Minimal => ceiling,
+            OffloadStrategy::Aggressive => floor,
+            OffloadStrategy::Balanced => floor + (ceiling - floor) / 2,
+        };
+        Some(CapacityPlan {
+            weight_capacity,
+            prefetch_depth: depth,
+            fits_entirely: weight_capacity >= total,
+        })
+    }
+}
+
 /// The outcome of [`plan_capacity`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CapacityPlan {
@@ -77,14 +162,12 @@ pub fn plan_capacity(
     strategy: OffloadStrategy,
     prefetch_depth: usize,
 ) -> Result<CapacityPlan> {
-    let (largest_idx, largest) = unit_bytes
+    let largest_idx = unit_bytes
         .iter()
         .copied()
         .enumerate()
         .max_by_key(|&(_, b)| b)
-        .unwrap_or((0, 0));
-    let total: u64 = kept + unit_bytes.iter().sum::<u64>();
-    let room = budget.weight_bytes();
+        .map_or(0, |(i, _)| i);
     let what = if kept > 0 {
         format!(
             "the kept units ({}) and the largest unit (#{largest_idx})",
@@ -93,30 +176,39 @@ pub fn plan_capacity(
     } else {
         format!("the largest unit (#{largest_idx})")
     };
-    budget.check_fits(device, &what, kept + largest)?;
-    let mut depth = prefetch_depth;
-    while depth > 0 && kept + largest * (depth as u64 + 1) > room {
-        depth -= 1;
-    }
-    if depth < prefetch_depth {
+    plan_capacity_for(
+        device,
+        budget,
+        &WeightNeed::new(unit_bytes, kept),
+        &what,
+        strategy,
+        prefetch_depth,
+    )
+}
+
+/// [`plan_capacity`] for a need already measured; `what` names the kept units and the largest
+/// unit in the refusal.
+pub(crate) fn plan_capacity_for(
+    device: &str,
+    budget: Budget,
+    need: &WeightNeed,
+    what: &str,
+    strategy: OffloadStrategy,
+    prefetch_depth: usize,
+) -> Result<CapacityPlan> {
+    budget.check_fits(device, what, need.minimum())?;
+    // Fits: the reservation and the minimum are within the limit, so the room holds the minimum.
+    let Some(plan) = need.plan(budget.weight_bytes(), strategy, prefetch_depth) else {
+        return Err(budget.too_small(device, what, need.minimum()));
+    };
+    if plan.prefetch_depth < prefetch_depth {
         tracing::warn!(
             asked = prefetch_depth,
-            depth,
+            depth = plan.prefetch_depth,
             "budget too small for the prefetch depth asked; using less"
         );
     }
-    let ceiling = room.min(total);
-    let floor = (kept + largest * (depth as u64 + 1)).min(ceiling);
-    let weight_capacity = match strategy {
-        OffloadStrategy::Minimal => ceiling,
-        OffloadStrategy::Aggressive => floor,
-        OffloadStrategy::Balanced => floor + (ceiling - floor) / 2,
-    };
-    Ok(CapacityPlan {
-        weight_capacity,
-        prefetch_depth: depth,
-        fits_entirely: weight_capacity >= total,
-    })
+    Ok(plan)
 }
 
 #[cfg(test)]
@@ -177,6 +269,25 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("30 MiB are missing"), "{e}");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_depth_that_fits_is_the_deepest_floor_within_the_room(
+            sizes in proptest::collection::vec(0u64..1000, 0..6),
+            kept in 0u64..2000,
+            room in 0u64..6000,
+            asked in 0usize..=MAX_PREFETCH_DEPTH,
+        ) {
+            let need = WeightNeed::new(&sizes, kept);
+            let by_search = (0..=asked).rev().find(|&d| need.floor(d) <= room);
+            proptest::prop_assert_eq!(need.depth_that_fits(room, asked), by_search);
+            proptest::prop_assert_eq!(need.min_budget(7, 0), 7 + need.minimum());
+            if let Some(p) = need.plan(room, OffloadStrategy::Aggressive, asked) {
+                proptest::prop_assert!(p.weight_capacity <= room);
+                proptest::prop_assert!(p.weight_capacity >= need.floor(p.prefetch_depth).min(need.all()));
+            }
+        }
     }
 
     #[test]

@@ -18,9 +18,11 @@ use candle_nn::VarBuilder;
 
 use crate::budget::{Budget, MemoryLimit};
 use crate::cache::{CacheError, PolicyChoice, ResidencyCache, Transfer, UnitId};
+use crate::diag::device_label;
 use crate::error::{Error, Result};
 use crate::history::{EventKind, MemoryEvent, MemoryHistory};
-use crate::plan::{plan_capacity, OffloadStrategy};
+use crate::plan::{plan_capacity_for, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
+use crate::runtime_error::RuntimeError;
 use crate::store::HostStore;
 use crate::sys::{CudaEngine, UnitSync};
 use crate::telemetry::{OffloadStats, Telemetry, Timings, UnitStats};
@@ -38,9 +40,9 @@ pub struct OffloadConfig {
     pub strategy: OffloadStrategy,
     /// Victim selection; `Auto` learns the access order.
     pub policy: PolicyChoice,
-    /// Copies that may run ahead of their victims' release, 0 to 3. Each step of depth keeps
-    /// one largest unit of the budget free for copies in flight: 0 moves the fewest bytes, more
-    /// hides copies behind more compute. 1 (the default) was fastest or within 4% of it for
+    /// Copies that may run ahead of their victims' release, 0 to [`MAX_PREFETCH_DEPTH`]. Each
+    /// step of depth keeps one largest unit of the budget free for copies in flight: 0 moves
+    /// the fewest bytes, more hides copies behind more compute. 1 (the default) was fastest or within 4% of it for
     /// decode at every budget measured (BENCHMARKS.md); 2 keeps the link busiest.
     pub prefetch_depth: usize,
     /// Units (by name) that never leave the device once fetched.
@@ -99,6 +101,7 @@ struct State {
     retired: Vec<UnitSync>,
     telemetry: Telemetry,
     history: Option<Recording>,
+    #[cfg(feature = "fault-injection")]
     injected_failures: u32,
     reservation_parts: Vec<(String, u64)>,
 }
@@ -134,10 +137,10 @@ impl OffloadRuntime {
     /// On a GPU, create the device with [`Device::new_cuda_with_stream`] so that every thread
     /// uses the same compute stream (candle-internals.md H6).
     pub fn new(store: Arc<HostStore>, device: &Device, cfg: &OffloadConfig) -> Result<Self> {
-        if cfg.prefetch_depth > 3 {
+        if cfg.prefetch_depth > MAX_PREFETCH_DEPTH {
             return Err(Error::InvalidConfig {
                 field: "prefetch_depth".into(),
-                reason: format!("{} is more than 3", cfg.prefetch_depth),
+                reason: format!("{} is more than {MAX_PREFETCH_DEPTH}", cfg.prefetch_depth),
             });
         }
         let engine = match device {
@@ -150,7 +153,7 @@ impl OffloadRuntime {
                 })
             }
         };
-        let name = format!("{device:?}");
+        let name = device_label(device);
         let total = match &engine {
             Engine::Cuda(e) => Some(e.mem_get_info()?),
             Engine::Cpu => None,
@@ -208,12 +211,11 @@ impl OffloadRuntime {
             Some(i) => format!("the largest unit, {}", store.unit(UnitId(i)).name()),
             None => format!("the kept units ({})", crate::budget::human_bytes(kept)),
         };
-        budget.check_fits(&name, &what, kept + largest.map_or(0, |i| unit_bytes[i]))?;
-        let plan = plan_capacity(
+        let plan = plan_capacity_for(
             &name,
             budget,
-            &evictable,
-            kept,
+            &WeightNeed::new(&evictable, kept),
+            &what,
             cfg.strategy,
             cfg.prefetch_depth,
         )?;
@@ -252,6 +254,7 @@ impl OffloadRuntime {
                     retired: Vec::new(),
                     telemetry: Telemetry::new(),
                     history: None,
+                    #[cfg(feature = "fault-injection")]
                     injected_failures: 0,
                     reservation_parts: Vec::new(),
                 }),
@@ -290,7 +293,10 @@ impl OffloadRuntime {
         let _span = tracing::debug_span!("offload.acquire", unit = unit.0).entered();
         self.check_served(unit)?;
         let mut st = self.state()?;
-        let transfer = st.cache.acquire(unit).map_err(|e| self.cache_error(e))?;
+        let transfer = st
+            .cache
+            .acquire(unit)
+            .map_err(|e| self.cache_error(unit, e))?;
         let mut transfer = transfer;
         if transfer.fetch.is_none() && st.resident[unit.0].is_none() {
             // Admitted by a prefetch whose copy failed earlier: fetch it now.
@@ -322,23 +328,27 @@ impl OffloadRuntime {
 
     /// [`acquire`](Self::acquire) by unit name (`model.layers.3`).
     pub fn acquire_named(&self, name: &str) -> candle_core::Result<UnitGuard> {
-        let id = self.shared.store.unit_id(name).ok_or_else(|| {
-            candle_core::Error::from(Error::Unknown {
+        let id = self
+            .shared
+            .store
+            .unit_id(name)
+            .ok_or_else(|| RuntimeError::Unknown {
                 what: "unit",
                 name: name.to_string(),
-            })
-        })?;
+            })?;
         self.acquire(id)
     }
 
     /// [`acquire`](Self::acquire) of the unit of decoder layer `idx`.
     pub fn acquire_layer(&self, idx: usize) -> candle_core::Result<UnitGuard> {
-        let id = self.shared.store.layer_unit(idx).ok_or_else(|| {
-            candle_core::Error::from(Error::Unknown {
+        let id = self
+            .shared
+            .store
+            .layer_unit(idx)
+            .ok_or_else(|| RuntimeError::Unknown {
                 what: "layer unit",
                 name: idx.to_string(),
-            })
-        })?;
+            })?;
         self.acquire(id)
     }
 
@@ -383,12 +393,16 @@ impl OffloadRuntime {
     fn check_served(&self, unit: UnitId) -> candle_core::Result<()> {
         match self.shared.served.get(unit.0) {
             Some(true) => Ok(()),
-            Some(false) => candle_core::bail!(
-                "unit {} is not served by the runtime on {:?} (it belongs to another stage)",
-                self.shared.store.unit(unit).name(),
-                self.shared.device
-            ),
-            None => candle_core::bail!("unit {} does not exist in the host store", unit.0),
+            Some(false) => Err(RuntimeError::NotServed {
+                unit: self.shared.store.unit(unit).name().to_string(),
+                device: device_label(&self.shared.device),
+            }
+            .into()),
+            None => Err(RuntimeError::Unknown {
+                what: "unit",
+                name: unit.to_string(),
+            }
+            .into()),
         }
     }
 
@@ -407,14 +421,26 @@ impl OffloadRuntime {
         Ok(())
     }
 
-    fn cache_error(&self, e: CacheError) -> candle_core::Error {
+    fn cache_error(&self, unit: UnitId, e: CacheError) -> candle_core::Error {
         let budget = self.shared.budget;
-        candle_core::Error::Msg(format!(
-            "offload budget exhausted on {:?} (budget {} MiB, reserve {} MiB): {e}",
-            self.shared.device,
-            budget.limit_bytes >> 20,
-            budget.reserve_bytes >> 20
-        ))
+        let unit = match self.shared.served.get(unit.0) {
+            Some(_) => self.shared.store.unit(unit).name().to_string(),
+            None => unit.to_string(),
+        };
+        match e {
+            CacheError::UnknownUnit(_) => RuntimeError::Unknown {
+                what: "unit",
+                name: unit,
+            },
+            cause => RuntimeError::BudgetExhausted {
+                device: device_label(&self.shared.device),
+                unit,
+                budget_mib: budget.limit_bytes >> 20,
+                reserve_mib: budget.reserve_bytes >> 20,
+                cause,
+            },
+        }
+        .into()
     }
 
     /// Evicts and fetches as the cache decided. A failed fetch is rolled back in the cache; an
@@ -451,16 +477,16 @@ impl OffloadRuntime {
                         .filter(|&r| r != u)
                         .map(|r| self.shared.store.unit(r).name())
                         .collect();
-                    candle_core::Error::Msg(format!(
-                        "fetching {} ({} MiB) failed twice, the second time after evicting every idle unit: {second} \
-                         (first: {first}); budget {} MiB with {} MiB reserved, weights resident: {} MiB in [{}]",
-                        unit.name(),
-                        unit.bytes().div_ceil(1 << 20),
-                        budget.limit_bytes >> 20,
-                        budget.reserve_bytes >> 20,
-                        st.cache.used().saturating_sub(unit.bytes()) >> 20,
-                        resident.join(", ")
-                    ))
+                    candle_core::Error::from(RuntimeError::FetchFailed {
+                        unit: unit.name().to_string(),
+                        unit_mib: unit.bytes().div_ceil(1 << 20),
+                        error: second.to_string(),
+                        first_error: first.to_string(),
+                        budget_mib: budget.limit_bytes >> 20,
+                        reserve_mib: budget.reserve_bytes >> 20,
+                        resident_mib: st.cache.used().saturating_sub(unit.bytes()) >> 20,
+                        resident: resident.into_iter().map(str::to_string).collect(),
+                    })
                 })
             }
         };
@@ -494,6 +520,10 @@ impl OffloadRuntime {
         st: &mut State,
         u: UnitId,
     ) -> candle_core::Result<(HashMap<String, Tensor>, Option<UnitSync>)> {
+        // Only injected faults need the state.
+        #[cfg(not(feature = "fault-injection"))]
+        let _ = st;
+        #[cfg(feature = "fault-injection")]
         if st.injected_failures > 0 {
             st.injected_failures -= 1;
             candle_core::bail!(
@@ -504,7 +534,8 @@ impl OffloadRuntime {
     }
 
     /// For testing fault handling: the next `n` fetches fail as if the driver had refused
-    /// their allocation.
+    /// their allocation. Only with the `fault-injection` feature (for tests, off by default).
+    #[cfg(feature = "fault-injection")]
     pub fn inject_fetch_failures(&self, n: u32) -> candle_core::Result<()> {
         self.state()?.injected_failures = n;
         Ok(())
@@ -643,7 +674,7 @@ impl OffloadRuntime {
     pub fn history(&self) -> candle_core::Result<Option<MemoryHistory>> {
         let st = self.state()?;
         Ok(st.history.as_ref().map(|rec| MemoryHistory {
-            device: format!("{:?}", self.shared.device),
+            device: device_label(&self.shared.device),
             budget_bytes: self.shared.budget.limit_bytes,
             reserve_bytes: self.shared.budget.reserve_bytes,
             weight_capacity_bytes: st.cache.capacity(),
@@ -741,7 +772,8 @@ impl OffloadRuntime {
     /// waits for every copy in flight, drops the device copies of the units touched (kept ones
     /// too; they come back on their next use) and writes the new values, converted to the
     /// store's dtype. `values` are `(tensor name, value)`; a unit in use is refused, as is an
-    /// unknown name or a shape that differs from the stored one.
+    /// unknown name, a unit this runtime does not serve ([`RuntimeError::NotServed`]) or a
+    /// shape that differs from the stored one. Nothing is written when one value is refused.
     pub fn update_weights(&self, values: &[(String, Tensor)]) -> candle_core::Result<()> {
         let _span =
             tracing::debug_span!("offload.update_weights", tensors = values.len()).entered();
@@ -749,9 +781,13 @@ impl OffloadRuntime {
         let mut by_unit: HashMap<UnitId, Vec<(&crate::store::TensorMeta, &Tensor)>> =
             HashMap::new();
         for (name, value) in values {
-            let (u, meta) = store.tensor(name).ok_or_else(|| {
-                candle_core::Error::Msg(format!("cannot update {name}: not in the host store"))
+            let (u, meta) = store.tensor(name).ok_or_else(|| RuntimeError::Unknown {
+                what: "tensor",
+                name: name.clone(),
             })?;
+            // Another stage's unit: writing it would change that stage's host copy behind
+            // its resident one.
+            self.check_served(u)?;
             by_unit.entry(u).or_default().push((meta, value));
         }
         let mut st = self.state()?;
@@ -816,7 +852,7 @@ impl OffloadRuntime {
             })
             .collect();
         Ok(OffloadStats {
-            device: format!("{:?}", self.shared.device),
+            device: device_label(&self.shared.device),
             budget_bytes: self.shared.budget.limit_bytes,
             reserve_bytes: self.shared.budget.reserve_bytes,
             weight_capacity_bytes: st.cache.capacity(),

@@ -81,7 +81,7 @@ impl TransferStats {
 /// A snapshot of the runtime's counters.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OffloadStats {
-    /// The device, as candle prints it.
+    /// The device (`cuda:0`, `cpu`: [`crate::diag::device_label`]).
     pub device: String,
     /// The budget for everything on the device, bytes.
     pub budget_bytes: u64,

@@ -17,6 +17,8 @@ use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::Init;
 
+use crate::diag::device_label;
+
 /// Serves `vb.get` from the tensors of one acquired unit.
 #[derive(Debug, Clone)]
 pub struct UnitBackend {
@@ -59,7 +61,11 @@ impl SimpleBackend for UnitBackend {
             .bt()
         })?;
         if !t.device().same_device(dev) {
-            candle_core::bail!("tensor {name} is on {:?}, not on {dev:?}", t.device());
+            candle_core::bail!(
+                "tensor {name} is on {}, not on {}",
+                device_label(t.device()),
+                device_label(dev)
+            );
         }
         if t.dtype() == dtype {
             Ok(t.clone())
