@@ -95,9 +95,11 @@ struct Args {
     /// Eviction policy.
     #[arg(long, value_enum, default_value = "schedule")]
     policy: Policy,
-    /// Copies that may run ahead of their victims' release (0 moves the fewest bytes).
-    #[arg(long, default_value_t = 1)]
-    prefetch_depth: usize,
+    /// Copies that may run ahead of their victims' release (0 moves the fewest bytes, at most
+    /// 3).
+    #[arg(long, default_value_t = 1,
+          value_parser = clap::value_parser!(u64).range(0..=candle_offload::MAX_PREFETCH_DEPTH as u64))]
+    prefetch_depth: u64,
     /// Record every fetch and eviction and write the history as JSON here. With --devices,
     /// one file per stage: `h.json` becomes `h.stage0.json`, `h.stage1.json`, ...
     #[arg(long)]
@@ -246,7 +248,7 @@ fn main() -> Result<()> {
             prompt_ids.len(),
             max_len,
             choice,
-            args.prefetch_depth,
+            args.prefetch_depth as usize,
         )?;
         eprint!("{map}");
         if let Some(p) = &args.save_device_map {
@@ -285,7 +287,7 @@ fn main() -> Result<()> {
     let settings = OffloadSettings {
         gpu_memory_limit: limit,
         strategy: strategy.unwrap_or_default(),
-        prefetch_depth: args.prefetch_depth,
+        prefetch_depth: args.prefetch_depth as usize,
         policy,
         ..Default::default()
     };

@@ -58,7 +58,10 @@ fn main() -> Result<()> {
                 info.compiled_arch.as_deref().unwrap_or("?")
             );
         }
-        Err(e) => println!("device: {device:?} ({e})"),
+        Err(e) => println!(
+            "device: {} ({e})",
+            candle_offload::diag::device_label(&device)
+        ),
     }
 
     // 2. A matmul, checked against the CPU.

@@ -338,7 +338,7 @@ impl CausalLm {
         let mut budgets = Vec::with_capacity(devices.len());
         for (i, dev) in devices.iter().enumerate() {
             let limit = limits.get(i).or(limits.first()).copied().flatten();
-            let name = format!("{dev:?}");
+            let name = candle_offload::diag::device_label(dev);
             let info = if dev.is_cpu() {
                 None
             } else {
