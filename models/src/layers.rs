@@ -538,6 +538,8 @@ pub enum Activation {
     Silu,
     /// GELU, tanh approximation (GeGLU: Gemma's `gelu_pytorch_tanh`).
     GeluTanh,
+    /// Exact GELU (erf; HF `gelu`).
+    Gelu,
 }
 
 impl Activation {
@@ -546,6 +548,7 @@ impl Activation {
         match name {
             "silu" | "swish" => Some(Self::Silu),
             "gelu_pytorch_tanh" | "gelu_tanh" | "gelu_new" | "gelu_fast" => Some(Self::GeluTanh),
+            "gelu" => Some(Self::Gelu),
             _ => None,
         }
     }
@@ -554,6 +557,7 @@ impl Activation {
         match self {
             Self::Silu => candle_nn::ops::silu(xs),
             Self::GeluTanh => xs.gelu(),
+            Self::Gelu => xs.gelu_erf(),
         }
     }
 }
