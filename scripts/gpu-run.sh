@@ -11,6 +11,13 @@
 #   tests[=F,...] the integration tests on CUDA (test-integration) whose names match the
 #                 filters F (default: train sharding cuda:: offloaded_equals_resident_gpu)
 #                 -> $OUT/tests.log [TESTS_S=240]
+#   parity[=N,..] reference checkpoints and logits from transformers (scripts/hf_reference.py,
+#                 configurations N, default all) then the parity example on them
+#                 -> $OUT/parity.json, $OUT/parity.log [PARITY_S=240]
+#   own_model     the bring-your-own-model example on GPU 0 (and 1) -> $OUT/own_model.log
+#                 [OWN_S=60]
+#   streaming     the link-efficiency benchmark at 4 and 12 GiB -> $OUT/streaming.json
+#                 [STREAMING_S=180]
 #   make7b        writes the 7B-shaped random checkpoint to /tmp/llama7b, in the background
 #                 on the last GPU (shard waits for it) -> $OUT/make7b.log [MAKE7B_S=300]
 #   peer          the PyTorch training peer (scripts/train_peer.py, extra arguments from
@@ -29,15 +36,16 @@ OUT="${OUT:-/tmp/out}"
 BIN="${GPU_BIN:-/tmp/bin}"  # where the binaries are unpacked
 export PYTHONUNBUFFERED=1
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; }
 
 steps=()
 while (($# > 0)); do
   case "$1" in
     --) shift; break ;;
     -h | --help) usage; exit 0 ;;
-    gpus | tests | tests=* | make7b | peer | shard | train) steps+=("$1"); shift ;;
-    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] make7b peer shard train)" >&2; exit 2 ;;
+    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train)
+      steps+=("$1"); shift ;;
+    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train)" >&2; exit 2 ;;
   esac
 done
 train_args=("$@")
@@ -72,6 +80,31 @@ for step in "${steps[@]}"; do
         >"$OUT/tests.log" 2>&1
       echo "tests exit $?" | tee -a "$OUT/tests.log"
       grep -E "^test |test result" "$OUT/tests.log" | tail -30
+      ;;
+    parity | parity=*)
+      need_bin parity parity "--example parity" || continue
+      names=()
+      [[ "$step" == parity=* ]] && IFS=, read -r -a names <<<"${step#parity=}"
+      rm -rf /tmp/refs
+      timeout "${PARITY_S:-240}" python3 scripts/hf_reference.py /tmp/refs "${names[@]}" >"$OUT/parity.log" 2>&1
+      echo "references exit $?" | tee -a "$OUT/parity.log"
+      (cd /tmp && timeout "${PARITY_S:-240}" "$BIN/parity" /tmp/refs/* --json-out "$OUT/parity.json") \
+        >>"$OUT/parity.log" 2>&1
+      echo "parity exit $?" | tee -a "$OUT/parity.log"
+      tail -20 "$OUT/parity.log"
+      ;;
+    own_model)
+      need_bin own_model own_model "--example own_model" || continue
+      timeout "${OWN_S:-60}" "$BIN/own_model" --gpu >"$OUT/own_model.log" 2>&1
+      echo "own_model exit $?" | tee -a "$OUT/own_model.log"
+      tail -6 "$OUT/own_model.log"
+      ;;
+    streaming)
+      need_bin streaming streaming "--bench streaming" || continue
+      timeout "${STREAMING_S:-180}" "$BIN/streaming" --budgets 4,12 --json-out "$OUT/streaming.json" \
+        >"$OUT/streaming.log" 2>&1
+      echo "streaming exit $?"
+      tail -12 "$OUT/streaming.log"
       ;;
     make7b)
       last_gpu=$(($(nvidia-smi -L 2>/dev/null | wc -l) - 1))
