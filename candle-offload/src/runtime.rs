@@ -574,7 +574,7 @@ impl OffloadRuntime {
                 let tier = unit.buffer();
                 let (uploaded, sync) =
                     engine.upload(unit.name(), &**tier, &items, self.shared.trainable)?;
-                let mut dense = HashMap::new();
+                let mut dense = HashMap::with_capacity(unit.tensors().len());
                 let mut quantized = HashMap::new();
                 for (t, w) in unit.tensors().iter().zip(uploaded) {
                     match (w, t.format) {

@@ -383,7 +383,8 @@ impl HostUnit {
         // `from_data` reinterprets the bytes as blocks, which needs them aligned for the block
         // type: tiers start their buffers at `sys::TIER_ALIGN` and tensors sit at
         // TENSOR_ALIGN offsets, so this holds; it is checked rather than assumed.
-        if (bytes.as_ptr() as usize) % 16 != 0 {
+        // No GGML block or element type needs more than 8.
+        if (bytes.as_ptr() as usize) % 8 != 0 {
             candle_core::bail!(
                 "tensor {}: its bytes are not aligned for {} blocks",
                 t.name,
@@ -770,7 +771,7 @@ impl HostStore {
     pub fn pageable_bytes(&self) -> u64 {
         self.units
             .iter()
-            .filter(|u| !u.is_pinned())
+            .filter(|u| u.tier() == TierKind::Pageable)
             .map(|u| u.buffer_len() as u64)
             .sum()
     }
