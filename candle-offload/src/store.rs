@@ -1048,4 +1048,56 @@ mod tests {
         assert!(err.to_string().contains("blk.0.ffn_down.weight"), "{err}");
         Ok(())
     }
+
+    /// A tier with no host bytes (like a file on disk): everything goes through `read_into`.
+    #[derive(Debug)]
+    struct ReadOnlyTier(Vec<u8>);
+
+    impl HostTier for ReadOnlyTier {
+        fn kind(&self) -> TierKind {
+            TierKind::Pageable
+        }
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn bytes(&self) -> Option<&[u8]> {
+            None
+        }
+        fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+            None
+        }
+        fn read_into(&self, range: std::ops::Range<usize>, dst: &mut [u8]) -> std::io::Result<()> {
+            dst.copy_from_slice(&self.0[range]);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn units_use_their_tier_only_through_its_interface() -> anyhow::Result<()> {
+        let values = [1.5f32, -2.0, 4.0];
+        let data: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let meta = TensorMeta {
+            name: "w".into(),
+            format: WeightFormat::Dense(DType::F32),
+            dtype: DType::F32,
+            shape: Shape::from(3),
+            offset: 0,
+            nbytes: 12,
+            device_bytes: 12,
+        };
+        let unit = HostUnit {
+            name: "u".into(),
+            layer: None,
+            tensors: vec![meta.clone()],
+            bytes: 12,
+            buf: RwLock::new(Box::new(ReadOnlyTier(data.clone()))),
+        };
+        assert_eq!(&*unit.tensor_bytes(&meta), &data[..]);
+        assert_eq!(unit.cpu_tensor(&meta)?.to_vec1::<f32>()?, values);
+        assert!(!unit.is_pinned());
+        let new = Tensor::new(&[0f32, 0., 0.], &Device::Cpu)?;
+        let err = unit.write(&[(&meta, &new)]).unwrap_err().to_string();
+        assert!(err.contains("read-only"), "{err}");
+        Ok(())
+    }
 }
