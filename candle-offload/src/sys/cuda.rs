@@ -257,7 +257,8 @@ impl CudaEngine {
         items: &[UploadItem<'_>],
         trainable: bool,
     ) -> candle_core::Result<(Vec<DeviceWeight>, UnitSync)> {
-        let _span = tracing::debug_span!("offload.h2d", unit, bytes = src.len()).entered();
+        let bytes: usize = items.iter().map(|i| i.range.len()).sum();
+        let _span = tracing::debug_span!("offload.h2d", unit, bytes).entered();
         let copy_start = timing_event(&self.copy)?;
         let mut out = Vec::with_capacity(items.len());
         for item in items {

@@ -46,6 +46,7 @@ pub(crate) enum SysError {
         reason: String,
     },
     /// The operation needs a CUDA build.
+    #[cfg_attr(feature = "cuda", allow(dead_code))]
     #[error("{what} needs a build with `--features cuda`")]
     NotCompiledWithCuda {
         /// What was asked for.
