@@ -74,7 +74,17 @@ fn location_label(location: DeviceLocation) -> String {
 
 /// Identity and memory of the GPU behind `device` (an error on a CPU, or without `cuda`).
 pub fn device_info(device: &Device) -> Result<DeviceInfo> {
-    sys::device_info(device)
+    let f = sys::device_info(device)?;
+    Ok(DeviceInfo {
+        ordinal: f.ordinal,
+        name: f.name,
+        compute_capability: f.compute_capability,
+        total_bytes: f.total_bytes,
+        free_bytes: f.free_bytes,
+        driver_cuda_version: f.driver_version.map(CudaVersion::from_int),
+        built_for_cuda: f.built_version.map(CudaVersion::from_int),
+        compiled_arch: f.compiled_arch,
+    })
 }
 
 /// Median host-to-device copy rate in GB/s (10^9 B/s) from pinned or pageable host memory.

@@ -104,5 +104,16 @@ impl From<Error> for candle_core::Error {
     }
 }
 
+impl From<crate::sys::SysError> for Error {
+    fn from(e: crate::sys::SysError) -> Self {
+        use crate::sys::SysError;
+        match e {
+            SysError::File { path, reason } => Error::File { path, reason },
+            SysError::NotCompiledWithCuda { what } => Error::NotCompiledWithCuda { what },
+            SysError::Candle(e) => Error::Candle(e),
+        }
+    }
+}
+
 /// `Result` with this crate's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;

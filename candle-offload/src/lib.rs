@@ -102,7 +102,9 @@ pub use plan::{plan_capacity, CapacityPlan, OffloadStrategy, WeightNeed, MAX_PRE
 pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, UnitGuard};
 pub use runtime_error::RuntimeError;
 pub use settings::Settings;
-pub use store::{HostStore, StoreConfig, TensorSpec, UnitGrouping};
+pub use store::{
+    HostStore, RawTensorSpec, StoreConfig, TensorSpec, TierKind, UnitGrouping, WeightFormat,
+};
 pub use telemetry::{OffloadStats, TransferStats, UnitStats};
 pub use train::{Autocast, Checkpointer, GradScaler, GradScalerConfig, Precision, ScaledOptimizer};
 pub use varbuilder::UnitBackend;

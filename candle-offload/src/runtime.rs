@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
@@ -23,8 +24,8 @@ use crate::error::{Error, Result};
 use crate::history::{EventKind, MemoryEvent, MemoryHistory};
 use crate::plan::{plan_capacity_for, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
 use crate::runtime_error::RuntimeError;
-use crate::store::HostStore;
-use crate::sys::{CudaEngine, UnitSync};
+use crate::store::{HostStore, HostUnit, WeightFormat};
+use crate::sys::{CudaEngine, DeviceBlocks, DeviceLayout, DeviceWeight, UnitSync, UploadItem};
 use crate::telemetry::{OffloadStats, Telemetry, Timings, UnitStats};
 use crate::varbuilder::UnitBackend;
 
@@ -81,9 +82,50 @@ enum Engine {
     Cuda(CudaEngine),
 }
 
+/// A GGML tensor of a fetched unit.
+#[derive(Debug)]
+enum QWeight {
+    /// A Candle quantized tensor, ready for `QMatMul`.
+    Ready(Arc<QTensor>),
+    /// Raw blocks on a GPU that Candle cannot wrap yet (see `DeviceBlocks::qtensor`).
+    Device(DeviceBlocks),
+}
+
+/// A fetched unit's tensors, by full name: dense ones as Candle tensors, GGML ones as
+/// quantized tensors. Cloning shares them.
+#[derive(Debug, Clone, Default)]
+struct Weights {
+    dense: Arc<HashMap<String, Tensor>>,
+    quantized: Arc<HashMap<String, QWeight>>,
+    /// The GGML type of each quantized tensor (for the `VarBuilder`'s messages).
+    quantized_formats: Arc<HashMap<String, GgmlDType>>,
+}
+
+impl Weights {
+    fn new(
+        dense: HashMap<String, Tensor>,
+        quantized: HashMap<String, (GgmlDType, QWeight)>,
+    ) -> Self {
+        let quantized_formats = quantized
+            .iter()
+            .map(|(n, (g, _))| (n.clone(), *g))
+            .collect();
+        Self {
+            dense: Arc::new(dense),
+            quantized: Arc::new(quantized.into_iter().map(|(n, (_, q))| (n, q)).collect()),
+            quantized_formats: Arc::new(quantized_formats),
+        }
+    }
+
+    /// Whether anything outside the runtime still holds these tensors.
+    fn is_shared(&self) -> bool {
+        Arc::strong_count(&self.dense) > 1 || Arc::strong_count(&self.quantized) > 1
+    }
+}
+
 #[derive(Debug)]
 struct Resident {
-    tensors: Arc<HashMap<String, Tensor>>,
+    weights: Weights,
     sync: Option<UnitSync>,
 }
 
@@ -316,13 +358,13 @@ impl OffloadRuntime {
         if let (Engine::Cuda(engine), Some(sync)) = (&self.shared.engine, resident.sync.as_mut()) {
             engine.wait_ready(sync)?;
         }
-        let tensors = resident.tensors.clone();
+        let weights = resident.weights.clone();
         self.log(&mut st, EventKind::Acquire, Some(unit), 0, "", None);
         self.start_planned(&mut st, self.shared.prefetch_depth + 1);
         Ok(UnitGuard {
             rt: self.clone(),
             unit,
-            tensors,
+            weights,
         })
     }
 
@@ -490,7 +532,7 @@ impl OffloadRuntime {
                 })
             }
         };
-        let (tensors, sync) = match uploaded {
+        let (weights, sync) = match uploaded {
             Ok(x) => x,
             Err(e) => {
                 st.cache.abort(u);
@@ -504,10 +546,7 @@ impl OffloadRuntime {
                 stall_s: 0.0,
             });
         }
-        st.resident[u.0] = Some(Resident {
-            tensors: Arc::new(tensors),
-            sync,
-        });
+        st.resident[u.0] = Some(Resident { weights, sync });
         self.log(st, EventKind::Fetch, Some(u), unit.bytes(), reason, None);
         let used = st.cache.used();
         st.telemetry.peak_resident = st.telemetry.peak_resident.max(used);
@@ -519,7 +558,7 @@ impl OffloadRuntime {
         &self,
         st: &mut State,
         u: UnitId,
-    ) -> candle_core::Result<(HashMap<String, Tensor>, Option<UnitSync>)> {
+    ) -> candle_core::Result<(Weights, Option<UnitSync>)> {
         // Only injected faults need the state.
         #[cfg(not(feature = "fault-injection"))]
         let _ = st;
@@ -541,27 +580,71 @@ impl OffloadRuntime {
         Ok(())
     }
 
-    fn upload(
-        &self,
-        u: UnitId,
-    ) -> candle_core::Result<(HashMap<String, Tensor>, Option<UnitSync>)> {
+    fn upload(&self, u: UnitId) -> candle_core::Result<(Weights, Option<UnitSync>)> {
         let unit = self.shared.store.unit(u);
         match &self.shared.engine {
-            Engine::Cpu => {
-                let mut tensors = HashMap::with_capacity(unit.tensors().len());
-                for t in unit.tensors() {
+            Engine::Cpu => Ok((self.cpu_weights(unit)?, None)),
+            Engine::Cuda(engine) => {
+                let items: Vec<UploadItem<'_>> = unit
+                    .tensors()
+                    .iter()
+                    .map(|t| UploadItem {
+                        name: &t.name,
+                        range: t.offset..t.offset + t.nbytes,
+                        shape: &t.shape,
+                        layout: match t.format {
+                            WeightFormat::Dense(d) => DeviceLayout::Dense(d),
+                            WeightFormat::Ggml(ggml) => DeviceLayout::Blocks {
+                                ggml,
+                                device_len: t.device_bytes,
+                            },
+                        },
+                    })
+                    .collect();
+                // The read lock keeps `update_weights` out while the copies are enqueued.
+                let tier = unit.buffer();
+                let (uploaded, sync) =
+                    engine.upload(unit.name(), &**tier, &items, self.shared.trainable)?;
+                let mut dense = HashMap::with_capacity(unit.tensors().len());
+                let mut quantized = HashMap::new();
+                for (t, w) in unit.tensors().iter().zip(uploaded) {
+                    match (w, t.format) {
+                        (DeviceWeight::Dense(x), _) => {
+                            dense.insert(t.name.clone(), x);
+                        }
+                        (DeviceWeight::Blocks(b), WeightFormat::Ggml(g)) => {
+                            quantized.insert(t.name.clone(), (g, QWeight::Device(b)));
+                        }
+                        (DeviceWeight::Blocks(_), f) => {
+                            candle_core::bail!("tensor {}: {f} uploaded as blocks", t.name)
+                        }
+                    }
+                }
+                Ok((Weights::new(dense, quantized), Some(sync)))
+            }
+        }
+    }
+
+    /// The CPU "fetch": dense tensors and quantized tensors copied out of the host store.
+    fn cpu_weights(&self, unit: &HostUnit) -> candle_core::Result<Weights> {
+        let mut dense = HashMap::with_capacity(unit.tensors().len());
+        let mut quantized = HashMap::new();
+        for t in unit.tensors() {
+            match t.format {
+                WeightFormat::Dense(_) => {
                     let mut tensor = unit.cpu_tensor(t)?;
                     if self.shared.trainable {
                         tensor = candle_core::Var::from_tensor(&tensor)?.into_inner();
                     }
-                    tensors.insert(t.name.clone(), tensor);
+                    dense.insert(t.name.clone(), tensor);
                 }
-                Ok((tensors, None))
+                WeightFormat::Ggml(g) => {
+                    let q = Arc::new(unit.cpu_qtensor(t)?);
+                    quantized.insert(t.name.clone(), (g, QWeight::Ready(q)));
+                }
             }
-            Engine::Cuda(engine) => engine
-                .upload(unit, self.shared.trainable)
-                .map(|(t, s)| (t, Some(s))),
         }
+        Ok(Weights::new(dense, quantized))
     }
 
     fn drop_unit(
@@ -570,7 +653,7 @@ impl OffloadRuntime {
         v: UnitId,
         reason: &'static str,
     ) -> candle_core::Result<()> {
-        let Some(Resident { tensors, sync }) = st.resident[v.0].take() else {
+        let Some(Resident { weights, sync }) = st.resident[v.0].take() else {
             return Ok(());
         };
         self.log(
@@ -582,16 +665,15 @@ impl OffloadRuntime {
             None,
         );
         tracing::debug!(unit = self.shared.store.unit(v).name(), "evict");
-        let tensors = Arc::try_unwrap(tensors).unwrap_or_else(|shared| {
+        if weights.is_shared() {
             tracing::warn!(
                 unit = self.shared.store.unit(v).name(),
                 "an evicted unit's tensors are still referenced; its memory is freed only when they drop"
             );
-            (*shared).clone()
-        });
+        }
         match (&self.shared.engine, sync) {
             (Engine::Cuda(engine), Some(mut sync)) => {
-                engine.evict(tensors, &sync)?;
+                engine.evict(weights, &sync)?;
                 if let Some(t) = engine.harvest(&mut sync) {
                     st.telemetry.timings(t);
                 }
@@ -599,7 +681,7 @@ impl OffloadRuntime {
                     st.retired.push(sync);
                 }
             }
-            _ => drop(tensors),
+            _ => drop(weights),
         }
         Ok(())
     }
@@ -888,13 +970,18 @@ pub struct LeakReport {
 
 /// A unit pinned on the device; its weights stay valid while the guard lives.
 ///
+/// Dense tensors come out as `Tensor`s ([`get`](Self::get), [`tensors`](Self::tensors),
+/// [`var_builder`](Self::var_builder)); GGML-quantized ones as `QTensor`s
+/// ([`get_quantized`](Self::get_quantized), [`qmatmul`](Self::qmatmul)). Asking for a tensor
+/// in the other form is an error naming the tensor and its format.
+///
 /// Dropping the guard records the unit's last use on the compute stream: build modules from
-/// [`var_builder`](Self::var_builder), run them, and drop them before (or with) the guard.
+/// it, run them, and drop them before (or with) the guard.
 #[derive(Debug)]
 pub struct UnitGuard {
     rt: OffloadRuntime,
     unit: UnitId,
-    tensors: Arc<HashMap<String, Tensor>>,
+    weights: Weights,
 }
 
 impl UnitGuard {
@@ -903,27 +990,67 @@ impl UnitGuard {
         self.unit
     }
 
-    /// One of the unit's tensors by full name.
+    /// One of the unit's dense tensors by full name.
     pub fn get(&self, name: &str) -> candle_core::Result<Tensor> {
-        self.tensors.get(name).cloned().ok_or_else(|| {
-            candle_core::Error::CannotFindTensor {
+        if let Some(t) = self.weights.dense.get(name) {
+            return Ok(t.clone());
+        }
+        if let Some(g) = self.weights.quantized_formats.get(name) {
+            candle_core::bail!(
+                "tensor {name} is stored as GGML {g:?} blocks, not as a dense tensor: use \
+                 UnitGuard::get_quantized or UnitGuard::qmatmul"
+            );
+        }
+        Err(candle_core::Error::CannotFindTensor {
+            path: name.to_string(),
+        }
+        .bt())
+    }
+
+    /// All of the unit's dense tensors by full name.
+    pub fn tensors(&self) -> &HashMap<String, Tensor> {
+        &self.weights.dense
+    }
+
+    /// The names and GGML types of the unit's quantized tensors.
+    pub fn quantized_tensors(&self) -> &HashMap<String, GgmlDType> {
+        &self.weights.quantized_formats
+    }
+
+    /// One of the unit's GGML-quantized tensors by full name, on the runtime's device.
+    pub fn get_quantized(&self, name: &str) -> candle_core::Result<Arc<QTensor>> {
+        match self.weights.quantized.get(name) {
+            Some(QWeight::Ready(q)) => Ok(q.clone()),
+            Some(QWeight::Device(blocks)) => blocks.qtensor().map(Arc::new),
+            None if self.weights.dense.contains_key(name) => {
+                let dtype = self.weights.dense[name].dtype();
+                candle_core::bail!(
+                    "tensor {name} is a dense {dtype:?} tensor, not GGML blocks: use \
+                     UnitGuard::get (or wrap it in QMatMul::Tensor)"
+                )
+            }
+            None => Err(candle_core::Error::CannotFindTensor {
                 path: name.to_string(),
             }
-            .bt()
-        })
+            .bt()),
+        }
     }
 
-    /// All of the unit's tensors by full name.
-    pub fn tensors(&self) -> &HashMap<String, Tensor> {
-        &self.tensors
+    /// A `QMatMul` over one of the unit's GGML-quantized tensors (its weight, `[out, in]`).
+    pub fn qmatmul(&self, name: &str) -> candle_core::Result<QMatMul> {
+        QMatMul::from_arc(self.get_quantized(name)?)
     }
 
-    /// A `VarBuilder` over the unit's tensors, rooted at the checkpoint's top level, so that
-    /// existing candle-nn and candle-transformers `load(vb.pp("model.layers.3"), &cfg)` code runs
-    /// unchanged. Tensors of another dtype than `dtype` are converted on the device.
+    /// A `VarBuilder` over the unit's dense tensors, rooted at the checkpoint's top level, so
+    /// that existing candle-nn and candle-transformers `load(vb.pp("model.layers.3"), &cfg)`
+    /// code runs unchanged. Tensors of another dtype than `dtype` are converted on the device.
+    /// Asking it for a quantized tensor is an error that says so.
     pub fn var_builder(&self, dtype: DType) -> VarBuilder<'static> {
         VarBuilder::from_backend(
-            Box::new(UnitBackend::new(self.tensors.clone())),
+            Box::new(
+                UnitBackend::new(self.weights.dense.clone())
+                    .with_quantized(self.weights.quantized_formats.clone()),
+            ),
             dtype,
             self.rt.shared.device.clone(),
         )
@@ -935,5 +1062,161 @@ impl Drop for UnitGuard {
         if let Err(e) = self.rt.release(self.unit) {
             tracing::error!(unit = self.unit.0, error = %e, "releasing an offloaded unit failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+    use candle_core::{DType, Device, Module, Shape, Tensor};
+
+    use super::*;
+    use crate::store::{RawTensorSpec, StoreConfig, WeightFormat};
+
+    /// A store with one layer holding a quantized matrix (raw blocks of `q`) and a dense
+    /// vector, and a runtime over it on the CPU.
+    fn runtime_with(q: &QTensor) -> anyhow::Result<OffloadRuntime> {
+        let blocks = q.data()?.into_owned();
+        let specs = [
+            RawTensorSpec {
+                name: "model.layers.0.proj.weight".into(),
+                format: WeightFormat::Ggml(q.dtype()),
+                shape: q.shape().clone(),
+            },
+            RawTensorSpec {
+                name: "model.layers.0.norm.weight".into(),
+                format: WeightFormat::Dense(DType::F32),
+                shape: Shape::from(4),
+            },
+        ];
+        let store = HostStore::from_raw(
+            &specs,
+            &StoreConfig::default(),
+            &Device::Cpu,
+            |s, f, dst| {
+                if f.is_quantized() {
+                    dst.copy_from_slice(&blocks);
+                } else {
+                    assert_eq!(f, WeightFormat::Dense(DType::F32), "{}", s.name);
+                    for (i, c) in dst.chunks_mut(4).enumerate() {
+                        c.copy_from_slice(&(i as f32).to_le_bytes());
+                    }
+                }
+                Ok(())
+            },
+        )?;
+        Ok(OffloadRuntime::new(
+            Arc::new(store),
+            &Device::Cpu,
+            &OffloadConfig::default(),
+        )?)
+    }
+
+    #[test]
+    fn acquired_quantized_weights_match_candle_bit_for_bit() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        for dtype in [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q4K] {
+            let w = Tensor::randn(0f32, 1., (64, 512), &dev)?;
+            let q = QTensor::quantize(&w, dtype)?;
+            let reference = QMatMul::from_qtensor(QTensor::quantize(&w, dtype)?)?;
+            let rt = runtime_with(&q)?;
+
+            let unit = rt.store().unit(rt.store().layer_unit(0).unwrap());
+            let (_, meta) = rt.store().tensor("model.layers.0.proj.weight").unwrap();
+            assert_eq!(meta.format, WeightFormat::Ggml(dtype));
+            assert_eq!(meta.nbytes, q.storage_size_in_bytes());
+            let padding = 512 / dtype.block_size() * dtype.type_size();
+            assert_eq!(meta.device_bytes, meta.nbytes + padding, "{dtype:?}");
+            assert_eq!(unit.bytes(), (meta.device_bytes + 16) as u64);
+
+            let g = rt.acquire_layer(0)?;
+            let name = "model.layers.0.proj.weight";
+            let got = g.get_quantized(name)?;
+            assert_eq!(got.dtype(), dtype);
+            assert_eq!(got.shape().dims(), [64, 512]);
+            assert_eq!(&*got.data()?, &*q.data()?);
+            let x = Tensor::randn(0f32, 1., (3, 512), &dev)?;
+            let ours = g.qmatmul(name)?.forward(&x)?.to_vec2::<f32>()?;
+            let theirs = reference.forward(&x)?.to_vec2::<f32>()?;
+            assert_eq!(ours, theirs, "{dtype:?}");
+
+            // The dense tensor of the same unit is a plain tensor.
+            let norm = g.get("model.layers.0.norm.weight")?;
+            assert_eq!(norm.to_vec1::<f32>()?, [0., 1., 2., 3.]);
+            assert_eq!(g.quantized_tensors().get(name), Some(&dtype));
+            assert!(!g.tensors().contains_key(name));
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn asking_for_the_wrong_form_is_a_clear_error() -> anyhow::Result<()> {
+        let w = Tensor::randn(0f32, 1., (8, 32), &Device::Cpu)?;
+        let rt = runtime_with(&QTensor::quantize(&w, GgmlDType::Q8_0)?)?;
+        let g = rt.acquire_layer(0)?;
+        let q = "model.layers.0.proj.weight";
+        let e = g.get(q).unwrap_err().to_string();
+        assert!(
+            e.contains(q) && e.contains("Q8_0") && e.contains("get_quantized"),
+            "{e}"
+        );
+        let e = g
+            .get_quantized("model.layers.0.norm.weight")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("norm.weight") && e.contains("dense F32"), "{e}");
+        let e = match g.var_builder(DType::F32).get((8, 32), q) {
+            Ok(_) => panic!("a VarBuilder served a quantized tensor"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("GGML Q8_0 blocks"), "{e}");
+        assert!(g.get_quantized("model.layers.0.missing").is_err());
+        drop(g);
+        let e = rt
+            .update_weights(&[(q.to_string(), w.clone())])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("quantized weights are not rewritten"), "{e}");
+        Ok(())
+    }
+
+    #[test]
+    fn the_budget_counts_padded_quantized_units() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let q = QTensor::quantize(&Tensor::randn(0f32, 1., (16, 256), &dev)?, GgmlDType::Q4K)?;
+        let blocks = q.data()?.into_owned();
+        let specs: Vec<RawTensorSpec> = (0..3)
+            .map(|l| RawTensorSpec {
+                name: format!("model.layers.{l}.w"),
+                format: GgmlDType::Q4K.into(),
+                shape: q.shape().clone(),
+            })
+            .collect();
+        let store = HostStore::from_raw(&specs, &StoreConfig::default(), &dev, |_, _, dst| {
+            dst.copy_from_slice(&blocks);
+            Ok(())
+        })?;
+        let unit = store.units()[0].bytes();
+        assert_eq!(unit as usize, blocks.len() + 2 * 144);
+        let store = Arc::new(store);
+        // One byte short of the padded unit is refused; the padded size is enough.
+        let cfg = |limit| OffloadConfig {
+            gpu_memory_limit: Some(crate::MemoryLimit::Bytes(limit)),
+            prefetch_depth: 0,
+            ..Default::default()
+        };
+        assert!(OffloadRuntime::new(store.clone(), &dev, &cfg(unit - 1)).is_err());
+        let rt = OffloadRuntime::new(store, &dev, &cfg(unit))?;
+        for _ in 0..2 {
+            for l in 0..3 {
+                let g = rt.acquire_layer(l)?;
+                assert_eq!(
+                    &*g.get_quantized(&format!("model.layers.{l}.w"))?.data()?,
+                    &blocks[..]
+                );
+            }
+        }
+        assert_eq!(rt.stats()?.peak_resident_bytes, unit);
+        Ok(())
     }
 }

@@ -6,6 +6,15 @@
 //! (`model.embed_tokens`, `lm_head`). Each unit is one contiguous host buffer with its tensors
 //! at 256-byte aligned offsets, converted to the store's dtype on the way in.
 //!
+//! Each tensor carries its [`WeightFormat`]: a dense Candle dtype, or a GGML quantized type
+//! kept as its raw blocks. The store and the copy engines move the bytes without looking at
+//! them; the format decides the host size, the device size the budget counts, and what an
+//! acquired unit hands out (a `Tensor` or a `QTensor`).
+//!
+//! Where a unit's bytes live is its storage tier (`TierKind`: pinned or pageable today), behind
+//! one interface (`sys::HostTier`) that the store and the copy engines use without knowing
+//! which tier it is.
+//!
 //! On a CUDA device the buffers are pinned (page-locked, portable, not write-combined, so the
 //! CPU can still read them) up to a cap; past the cap, or where pinning fails, a unit stays in
 //! pageable memory and its transfers go through the runtime's small pinned staging ring, with a
@@ -16,15 +25,20 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{RwLock, RwLockReadGuard};
 
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::budget::human_bytes;
 use crate::cache::UnitId;
 use crate::error::{Error, Result};
-use crate::sys;
+use crate::sys::{self, HostTier};
 
-/// Alignment of each tensor inside a unit's buffer.
+pub use crate::sys::TierKind;
+
+/// Alignment of each tensor inside a unit's buffer (whose start is aligned to
+/// `sys::TIER_ALIGN`, a multiple of it).
 const TENSOR_ALIGN: usize = 256;
+const _: () = assert!(sys::TIER_ALIGN % TENSOR_ALIGN == 0);
 
 /// How tensor names map to units.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,49 +105,132 @@ pub struct StoreConfig {
     pub grouping: UnitGrouping,
 }
 
+/// How a tensor's bytes are laid out: the data the store and the copy engines carry with
+/// each tensor, instead of assuming a Candle dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum WeightFormat {
+    /// A Candle dtype, little-endian, row-major: fetched as a `Tensor`.
+    Dense(DType),
+    /// GGML blocks of this type, as a GGUF file holds them: fetched as a `QTensor`.
+    Ggml(GgmlDType),
+}
+
+impl WeightFormat {
+    /// Elements per block (1 for a dense dtype).
+    pub fn block_elems(&self) -> usize {
+        match self {
+            Self::Dense(_) => 1,
+            Self::Ggml(g) => g.block_size(),
+        }
+    }
+
+    /// Bytes per block (the dtype's size for a dense dtype).
+    pub fn block_bytes(&self) -> usize {
+        match self {
+            Self::Dense(d) => d.size_in_bytes(),
+            Self::Ggml(g) => g.type_size(),
+        }
+    }
+
+    /// Whether this is a GGML quantized format.
+    pub fn is_quantized(&self) -> bool {
+        matches!(self, Self::Ggml(_))
+    }
+
+    /// The dtype of a dense format.
+    pub fn dense_dtype(&self) -> Option<DType> {
+        match self {
+            Self::Dense(d) => Some(*d),
+            Self::Ggml(_) => None,
+        }
+    }
+
+    /// The GGML type of a quantized format.
+    pub fn ggml_dtype(&self) -> Option<GgmlDType> {
+        match self {
+            Self::Dense(_) => None,
+            Self::Ggml(g) => Some(*g),
+        }
+    }
+
+    /// The Candle dtype of the values: a dense format's dtype, F32 for GGML blocks (what
+    /// Candle dequantizes them to).
+    pub fn value_dtype(&self) -> DType {
+        self.dense_dtype().unwrap_or(DType::F32)
+    }
+
+    /// Host bytes of `shape` in this format; an error when a GGML tensor's rows are not whole
+    /// blocks (Candle's quantized storage needs whole blocks per row).
+    pub fn host_bytes(&self, shape: &Shape) -> std::result::Result<usize, String> {
+        let elems = shape.elem_count();
+        let block = self.block_elems();
+        if let Self::Ggml(g) = self {
+            let row = shape.dims().last().copied().unwrap_or(1);
+            if row % block != 0 {
+                return Err(format!(
+                    "shape {:?} does not fit {g:?}: its rows of {row} elements are not whole \
+                     blocks of {block}",
+                    shape.dims()
+                ));
+            }
+        }
+        Ok(elems / block * self.block_bytes())
+    }
+
+    /// Bytes the tensor takes on the device, which the budget counts: the host bytes, plus
+    /// for GGML blocks the zeroed padding Candle's CUDA quantized storage allocates after them
+    /// (512 elements' worth, `MATRIX_ROW_PADDING`), so that its kernels can read whole rows.
+    pub fn device_bytes(&self, host_bytes: usize) -> usize {
+        match self {
+            Self::Dense(_) => host_bytes,
+            Self::Ggml(g) => {
+                host_bytes + sys::GGML_ROW_PADDING_ELEMS / g.block_size() * g.type_size()
+            }
+        }
+    }
+}
+
+impl From<DType> for WeightFormat {
+    fn from(d: DType) -> Self {
+        Self::Dense(d)
+    }
+}
+
+impl From<GgmlDType> for WeightFormat {
+    fn from(g: GgmlDType) -> Self {
+        Self::Ggml(g)
+    }
+}
+
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Dense(d) => write!(f, "{d:?}"),
+            Self::Ggml(g) => write!(f, "GGML {g:?}"),
+        }
+    }
+}
+
 /// Where one tensor lives inside its unit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorMeta {
     /// Full name, as in the checkpoint.
     pub name: String,
-    /// Dtype as stored.
+    /// How its bytes are laid out.
+    pub format: WeightFormat,
+    /// The Candle dtype of its values ([`WeightFormat::value_dtype`]: the stored dtype of a
+    /// dense tensor, F32 for GGML blocks).
     pub dtype: DType,
     /// Shape.
     pub shape: Shape,
     /// Byte offset in the unit's buffer.
     pub offset: usize,
-    /// Byte length.
+    /// Byte length in host memory.
     pub nbytes: usize,
-}
-
-/// Host memory that holds one unit.
-#[derive(Debug)]
-pub(crate) enum HostBuffer {
-    /// Page-locked; copies from it are true asynchronous DMA.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Pinned(sys::PinnedBuffer),
-    /// Ordinary memory; on a GPU its copies go through the staging ring.
-    Pageable(Vec<u8>),
-}
-
-impl HostBuffer {
-    pub(crate) fn bytes(&self) -> &[u8] {
-        match self {
-            Self::Pinned(p) => p.as_bytes(),
-            Self::Pageable(v) => v,
-        }
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            Self::Pinned(p) => p.as_bytes_mut(),
-            Self::Pageable(v) => v,
-        }
-    }
-
-    pub(crate) fn is_pinned(&self) -> bool {
-        matches!(self, Self::Pinned(_))
-    }
+    /// Bytes it takes on the device (what the budget counts; see
+    /// [`WeightFormat::device_bytes`]).
+    pub device_bytes: usize,
 }
 
 /// One unit: its tensors' layout and its host buffer.
@@ -143,28 +240,39 @@ pub struct HostUnit {
     layer: Option<usize>,
     tensors: Vec<TensorMeta>,
     bytes: u64,
-    /// Written only by [`OffloadRuntime::update_weights`](crate::OffloadRuntime::update_weights),
-    /// after it has waited for every copy out of it.
-    buf: RwLock<HostBuffer>,
+    /// Where its bytes live. Written only by
+    /// [`OffloadRuntime::update_weights`](crate::OffloadRuntime::update_weights), after it has
+    /// waited for every copy out of it.
+    buf: RwLock<Box<dyn HostTier>>,
 }
 
-/// The bytes of one tensor in a unit's host buffer, borrowed (the buffer cannot be rewritten
-/// while this lives).
-pub struct HostBytes<'a> {
-    guard: RwLockReadGuard<'a, HostBuffer>,
-    range: std::ops::Range<usize>,
+/// The bytes of one tensor of a unit: borrowed from host memory (the buffer cannot be
+/// rewritten while this lives), or read out of a tier that has no such memory.
+pub struct HostBytes<'a>(HostBytesInner<'a>);
+
+enum HostBytesInner<'a> {
+    Borrowed {
+        guard: RwLockReadGuard<'a, Box<dyn HostTier>>,
+        range: std::ops::Range<usize>,
+    },
+    Read(Vec<u8>),
 }
 
 impl std::ops::Deref for HostBytes<'_> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.guard.bytes()[self.range.clone()]
+        match &self.0 {
+            HostBytesInner::Borrowed { guard, range } => {
+                &guard.bytes().expect("checked when made")[range.clone()]
+            }
+            HostBytesInner::Read(v) => v,
+        }
     }
 }
 
 impl std::fmt::Debug for HostBytes<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "HostBytes({} bytes)", self.range.len())
+        write!(f, "HostBytes({} bytes)", self.len())
     }
 }
 
@@ -184,17 +292,29 @@ impl HostUnit {
         &self.tensors
     }
 
-    /// Bytes it takes on the device (the sum of its tensors).
+    /// Bytes it takes on the device (the sum of its tensors' device bytes).
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
 
     /// Whether its host buffer is page-locked.
     pub fn is_pinned(&self) -> bool {
-        self.buffer().is_pinned()
+        self.tier() == TierKind::Pinned
     }
 
-    fn buffer(&self) -> RwLockReadGuard<'_, HostBuffer> {
+    /// The storage tier its bytes live in.
+    pub fn tier(&self) -> TierKind {
+        self.buffer().kind()
+    }
+
+    /// Whether any of its tensors is in a GGML quantized format.
+    pub fn has_quantized(&self) -> bool {
+        self.tensors.iter().any(|t| t.format.is_quantized())
+    }
+
+    /// Its storage tier, read-locked: the copy engines read through this while they enqueue
+    /// copies, so that `update_weights` cannot rewrite the bytes meanwhile.
+    pub(crate) fn buffer(&self) -> RwLockReadGuard<'_, Box<dyn HostTier>> {
         // A writer that panicked left whole tensors behind (it copies tensor by tensor), so the
         // data is still well-formed.
         self.buf.read().unwrap_or_else(|e| e.into_inner())
@@ -202,20 +322,77 @@ impl HostUnit {
 
     /// Host buffer length in bytes (tensors plus alignment padding).
     fn buffer_len(&self) -> usize {
-        self.buffer().bytes().len()
+        self.buffer().len()
     }
 
-    /// The raw bytes of one of its tensors.
+    /// The raw bytes of one of its tensors (in its [`WeightFormat`]).
     pub fn tensor_bytes(&self, t: &TensorMeta) -> HostBytes<'_> {
-        HostBytes {
-            guard: self.buffer(),
-            range: t.offset..t.offset + t.nbytes,
+        let range = t.offset..t.offset + t.nbytes;
+        let guard = self.buffer();
+        if guard.bytes().is_some() {
+            return HostBytes(HostBytesInner::Borrowed { guard, range });
         }
+        let mut v = vec![0u8; t.nbytes];
+        if let Err(e) = guard.read_into(range, &mut v) {
+            // Only a tier without host memory (none yet) can fail here.
+            tracing::error!(tensor = %t.name, error = %e, "reading a tensor from its tier failed");
+            v.clear();
+        }
+        HostBytes(HostBytesInner::Read(v))
     }
 
-    /// A CPU copy of one of its tensors.
+    /// A CPU copy of one of its dense tensors; a GGML tensor is refused (see
+    /// [`cpu_qtensor`](Self::cpu_qtensor)).
     pub fn cpu_tensor(&self, t: &TensorMeta) -> candle_core::Result<Tensor> {
-        Tensor::from_raw_buffer(&self.tensor_bytes(t), t.dtype, t.shape.dims(), &Device::Cpu)
+        let WeightFormat::Dense(dtype) = t.format else {
+            candle_core::bail!(
+                "tensor {} holds {} blocks, not a dense tensor: read it with cpu_qtensor (or \
+                 UnitGuard::get_quantized)",
+                t.name,
+                t.format
+            );
+        };
+        let bytes = self.tensor_bytes(t);
+        if bytes.len() != t.nbytes {
+            candle_core::bail!(
+                "tensor {}: cannot read its bytes from the host store",
+                t.name
+            );
+        }
+        Tensor::from_raw_buffer(&bytes, dtype, t.shape.dims(), &Device::Cpu)
+    }
+
+    /// A CPU `QTensor` over a copy of one of its GGML tensors' blocks; a dense tensor is
+    /// refused (see [`cpu_tensor`](Self::cpu_tensor)).
+    pub fn cpu_qtensor(&self, t: &TensorMeta) -> candle_core::Result<QTensor> {
+        let WeightFormat::Ggml(ggml) = t.format else {
+            candle_core::bail!(
+                "tensor {} is dense ({}), not GGML blocks: read it with cpu_tensor (or \
+                 UnitGuard::get)",
+                t.name,
+                t.format
+            );
+        };
+        let bytes = self.tensor_bytes(t);
+        if bytes.len() != t.nbytes {
+            candle_core::bail!(
+                "tensor {}: cannot read its bytes from the host store",
+                t.name
+            );
+        }
+        // `from_data` reinterprets the bytes as blocks, which needs them aligned for the block
+        // type: tiers start their buffers at `sys::TIER_ALIGN` and tensors sit at
+        // TENSOR_ALIGN offsets, so this holds; it is checked rather than assumed.
+        // No GGML block or element type needs more than 8.
+        if (bytes.as_ptr() as usize) % 8 != 0 {
+            candle_core::bail!(
+                "tensor {}: its bytes are not aligned for {} blocks",
+                t.name,
+                t.format
+            );
+        }
+        let storage = QStorage::from_data(std::borrow::Cow::Borrowed(&bytes), &Device::Cpu, ggml)?;
+        QTensor::new(storage, t.shape.clone())
     }
 
     /// Overwrites tensors of this unit with new values (any float dtype, converted to the
@@ -224,6 +401,13 @@ impl HostUnit {
     pub(crate) fn write(&self, values: &[(&TensorMeta, &Tensor)]) -> candle_core::Result<()> {
         let mut encoded = Vec::with_capacity(values.len());
         for (meta, value) in values {
+            let WeightFormat::Dense(dtype) = meta.format else {
+                candle_core::bail!(
+                    "cannot update {}: it holds {} blocks, and quantized weights are not rewritten",
+                    meta.name,
+                    meta.format
+                );
+            };
             if value.dims() != meta.shape.dims() {
                 candle_core::bail!(
                     "cannot update {}: shape {:?}, the store holds {:?}",
@@ -232,11 +416,17 @@ impl HostUnit {
                     meta.shape.dims()
                 );
             }
-            let value = value.to_device(&Device::Cpu)?.to_dtype(meta.dtype)?;
+            let value = value.to_device(&Device::Cpu)?.to_dtype(dtype)?;
             encoded.push((meta.offset, tensor_to_bytes(&value)?));
         }
         let mut buf = self.buf.write().unwrap_or_else(|e| e.into_inner());
-        let bytes = buf.bytes_mut();
+        let kind = buf.kind();
+        let Some(bytes) = buf.bytes_mut() else {
+            candle_core::bail!(
+                "cannot update unit {}: its {kind} storage is read-only",
+                self.name
+            );
+        };
         for (offset, data) in encoded {
             bytes[offset..offset + data.len()].copy_from_slice(&data);
         }
@@ -252,7 +442,8 @@ pub struct HostStore {
     tensor_index: HashMap<String, (UnitId, usize)>,
 }
 
-/// A tensor to create in [`HostStore::from_fn`].
+/// A dense tensor to create in [`HostStore::from_fn`] (for any format, see
+/// [`RawTensorSpec`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorSpec {
     /// Full name (decides its unit).
@@ -263,10 +454,34 @@ pub struct TensorSpec {
     pub shape: Shape,
 }
 
+/// A tensor of any [`WeightFormat`] to create in [`HostStore::from_raw`]: a loader of
+/// quantized checkpoints (GGUF) describes each tensor by its GGML type and fills its raw
+/// blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawTensorSpec {
+    /// Full name (decides its unit).
+    pub name: String,
+    /// Format of the bytes `fill` will write. A dense format is converted to the store's
+    /// dtype like [`TensorSpec`]'s; a GGML format is kept as it is.
+    pub format: WeightFormat,
+    /// Shape (in elements; a GGML tensor's rows are whole blocks).
+    pub shape: Shape,
+}
+
+impl From<&TensorSpec> for RawTensorSpec {
+    fn from(s: &TensorSpec) -> Self {
+        Self {
+            name: s.name.clone(),
+            format: WeightFormat::Dense(s.dtype),
+            shape: s.shape.clone(),
+        }
+    }
+}
+
 /// One tensor of a source, before it is placed.
 struct Pending {
     name: String,
-    dtype: DType,
+    format: WeightFormat,
     shape: Shape,
 }
 
@@ -281,7 +496,7 @@ impl HostStore {
         let _span = tracing::info_span!("offload.load_safetensors", files = paths.len()).entered();
         let maps = paths
             .iter()
-            .map(|p| sys::MappedFile::open(p.as_ref()))
+            .map(|p| sys::MappedFile::open(p.as_ref()).map_err(Error::from))
             .collect::<Result<Vec<_>>>()?;
         let mut files = Vec::with_capacity(maps.len());
         for m in &maps {
@@ -307,13 +522,16 @@ impl HostStore {
                 })?;
                 pending.push(Pending {
                     name: name.clone(),
-                    dtype,
+                    format: WeightFormat::Dense(dtype),
                     shape: Shape::from(view.shape()),
                 });
                 origin.push((fi, name));
             }
         }
-        Self::build(pending, cfg, device, |i, dst_dtype, dst| {
+        Self::build(pending, cfg, device, |i, dst_format, dst| {
+            let dst_dtype = dst_format
+                .dense_dtype()
+                .expect("safetensors tensors are dense");
             let (fi, name) = &origin[i];
             let view = files[*fi].tensor(name).map_err(|e| Error::File {
                 path: maps[*fi].path().to_path_buf(),
@@ -337,11 +555,12 @@ impl HostStore {
             .iter()
             .map(|(n, t)| Pending {
                 name: n.as_ref().to_string(),
-                dtype: t.dtype(),
+                format: WeightFormat::Dense(t.dtype()),
                 shape: t.shape().clone(),
             })
             .collect();
-        Self::build(pending, cfg, device, |i, dst_dtype, dst| {
+        Self::build(pending, cfg, device, |i, dst_format, dst| {
+            let dst_dtype = dst_format.dense_dtype().expect("tensors are dense");
             let t = tensors[i]
                 .1
                 .to_device(&Device::Cpu)?
@@ -366,12 +585,37 @@ impl HostStore {
             .iter()
             .map(|s| Pending {
                 name: s.name.clone(),
-                dtype: s.dtype,
+                format: WeightFormat::Dense(s.dtype),
                 shape: s.shape.clone(),
             })
             .collect();
-        Self::build(pending, cfg, device, |i, dtype, dst| {
+        Self::build(pending, cfg, device, |i, format, dst| {
+            let dtype = format.dense_dtype().expect("TensorSpec is dense");
             fill(&specs[i], dtype, dst)
+        })
+    }
+
+    /// Builds a store from tensors of any [`WeightFormat`], with `fill` writing each tensor's
+    /// bytes in the stored format it is given: a dense tensor little-endian in the store's
+    /// dtype (as in [`from_fn`](Self::from_fn)), a GGML tensor as its raw blocks, exactly as a
+    /// GGUF file holds them. A GGML tensor whose rows are not whole blocks is refused, naming
+    /// it.
+    pub fn from_raw(
+        specs: &[RawTensorSpec],
+        cfg: &StoreConfig,
+        device: &Device,
+        mut fill: impl FnMut(&RawTensorSpec, WeightFormat, &mut [u8]) -> Result<()>,
+    ) -> Result<Self> {
+        let pending = specs
+            .iter()
+            .map(|s| Pending {
+                name: s.name.clone(),
+                format: s.format,
+                shape: s.shape.clone(),
+            })
+            .collect();
+        Self::build(pending, cfg, device, |i, format, dst| {
+            fill(&specs[i], format, dst)
         })
     }
 
@@ -379,7 +623,7 @@ impl HostStore {
         pending: Vec<Pending>,
         cfg: &StoreConfig,
         device: &Device,
-        mut fill: impl FnMut(usize, DType, &mut [u8]) -> Result<()>,
+        mut fill: impl FnMut(usize, WeightFormat, &mut [u8]) -> Result<()>,
     ) -> Result<Self> {
         // Group into units, keeping layer units in index order.
         let mut groups: Vec<(String, Option<usize>, Vec<usize>)> = Vec::new();
@@ -409,33 +653,47 @@ impl HostStore {
             let mut len = 0usize;
             for &i in &members {
                 let p = &pending[i];
-                let dtype = match cfg.dtype {
-                    Some(d) if p.dtype.is_float() && d.is_float() => d,
-                    _ => p.dtype,
+                let format = match (p.format, cfg.dtype) {
+                    (WeightFormat::Dense(s), Some(d)) if s.is_float() && d.is_float() => {
+                        WeightFormat::Dense(d)
+                    }
+                    (f, _) => f,
                 };
                 len = len.next_multiple_of(TENSOR_ALIGN);
-                let nbytes = p.shape.elem_count() * dtype.size_in_bytes();
+                let nbytes =
+                    format
+                        .host_bytes(&p.shape)
+                        .map_err(|reason| Error::InvalidConfig {
+                            field: format!("tensor {}", p.name),
+                            reason,
+                        })?;
                 tensors.push(TensorMeta {
                     name: p.name.clone(),
-                    dtype,
+                    format,
+                    dtype: format.value_dtype(),
                     shape: p.shape.clone(),
                     offset: len,
                     nbytes,
+                    device_bytes: format.device_bytes(nbytes),
                 });
                 len += nbytes;
             }
             let mut buf = pinner.alloc(len, &unit_name)?;
             {
-                let bytes = buf.bytes_mut();
+                let kind = buf.kind();
+                let bytes = buf.bytes_mut().ok_or_else(|| Error::InvalidConfig {
+                    field: format!("unit {unit_name}"),
+                    reason: format!("its {kind} storage cannot be written"),
+                })?;
                 for (t, &i) in tensors.iter().zip(&members) {
-                    fill(i, t.dtype, &mut bytes[t.offset..t.offset + t.nbytes])?;
+                    fill(i, t.format, &mut bytes[t.offset..t.offset + t.nbytes])?;
                 }
             }
             for (k, t) in tensors.iter().enumerate() {
                 tensor_index.insert(t.name.clone(), (uid, k));
             }
             unit_index.insert(unit_name.clone(), uid);
-            let bytes = tensors.iter().map(|t| t.nbytes as u64).sum();
+            let bytes = tensors.iter().map(|t| t.device_bytes as u64).sum();
             units.push(HostUnit {
                 name: unit_name,
                 layer,
@@ -513,7 +771,7 @@ impl HostStore {
     pub fn pageable_bytes(&self) -> u64 {
         self.units
             .iter()
-            .filter(|u| !u.is_pinned())
+            .filter(|u| u.tier() == TierKind::Pageable)
             .map(|u| u.buffer_len() as u64)
             .sum()
     }
@@ -719,6 +977,127 @@ mod tests {
         assert_eq!(meta.dtype, DType::U32, "integers are not converted");
         assert_eq!(store.unit(u).cpu_tensor(meta)?.to_vec1::<u32>()?, [7, 8]);
         assert_eq!(store.pinned_bytes(), 0);
+        Ok(())
+    }
+
+    #[test]
+    fn weight_formats_size_blocks_and_device_padding() {
+        let q4 = WeightFormat::Ggml(GgmlDType::Q4_0);
+        assert_eq!((q4.block_elems(), q4.block_bytes()), (32, 18));
+        assert_eq!(q4.host_bytes(&Shape::from((4, 64))), Ok(4 * 2 * 18));
+        assert_eq!(q4.device_bytes(144), 144 + 16 * 18);
+        let k = WeightFormat::Ggml(GgmlDType::Q6K);
+        assert_eq!(k.host_bytes(&Shape::from((2, 256))), Ok(2 * 210));
+        assert_eq!(k.device_bytes(420), 420 + 2 * 210);
+        let err = k.host_bytes(&Shape::from((256, 32))).unwrap_err();
+        assert!(err.contains("[256, 32]") && err.contains("256"), "{err}");
+        let dense = WeightFormat::Dense(DType::BF16);
+        assert_eq!(dense.host_bytes(&Shape::from((3, 5))), Ok(30));
+        assert_eq!(dense.device_bytes(30), 30);
+        assert_eq!(dense.value_dtype(), DType::BF16);
+        assert_eq!(q4.value_dtype(), DType::F32);
+        assert_eq!(q4.to_string(), "GGML Q4_0");
+    }
+
+    #[test]
+    fn raw_store_keeps_blocks_and_refuses_partial_blocks() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let specs = [
+            RawTensorSpec {
+                name: "blk.0.attn_q.weight".into(),
+                format: GgmlDType::Q8_0.into(),
+                shape: Shape::from((2, 32)),
+            },
+            RawTensorSpec {
+                name: "blk.0.attn_norm.weight".into(),
+                format: DType::F32.into(),
+                shape: Shape::from(32),
+            },
+        ];
+        let cfg = StoreConfig {
+            dtype: Some(DType::F16),
+            ..Default::default()
+        };
+        let store = HostStore::from_raw(&specs, &cfg, &dev, |s, f, dst| {
+            // The dense tensor is converted to the store's dtype; blocks are kept.
+            match f {
+                WeightFormat::Ggml(GgmlDType::Q8_0) => assert_eq!(dst.len(), 2 * 34),
+                WeightFormat::Dense(DType::F16) => assert_eq!(dst.len(), 64),
+                other => panic!("{}: {other}", s.name),
+            }
+            dst.fill(1);
+            Ok(())
+        })?;
+        let (u, meta) = store.tensor("blk.0.attn_q.weight").unwrap();
+        let unit = store.unit(u);
+        assert!(unit.has_quantized());
+        assert_eq!(unit.tier(), TierKind::Pageable);
+        assert_eq!(&*unit.tensor_bytes(meta), &[1u8; 68][..]);
+        assert_eq!(unit.cpu_qtensor(meta)?.dtype(), GgmlDType::Q8_0);
+        assert!(unit.cpu_tensor(meta).is_err());
+        let (_, norm) = store.tensor("blk.0.attn_norm.weight").unwrap();
+        assert!(unit.cpu_qtensor(norm).is_err());
+        assert_eq!(unit.cpu_tensor(norm)?.dtype(), DType::F16);
+
+        let bad = [RawTensorSpec {
+            name: "blk.0.ffn_down.weight".into(),
+            format: GgmlDType::Q4K.into(),
+            shape: Shape::from((256, 100)),
+        }];
+        let err = HostStore::from_raw(&bad, &cfg, &dev, |_, _, _| Ok(())).unwrap_err();
+        assert!(err.to_string().contains("blk.0.ffn_down.weight"), "{err}");
+        Ok(())
+    }
+
+    /// A tier with no host bytes (like a file on disk): everything goes through `read_into`.
+    #[derive(Debug)]
+    struct ReadOnlyTier(Vec<u8>);
+
+    impl HostTier for ReadOnlyTier {
+        fn kind(&self) -> TierKind {
+            TierKind::Pageable
+        }
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn bytes(&self) -> Option<&[u8]> {
+            None
+        }
+        fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+            None
+        }
+        fn read_into(&self, range: std::ops::Range<usize>, dst: &mut [u8]) -> std::io::Result<()> {
+            dst.copy_from_slice(&self.0[range]);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn units_use_their_tier_only_through_its_interface() -> anyhow::Result<()> {
+        let values = [1.5f32, -2.0, 4.0];
+        let data: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let meta = TensorMeta {
+            name: "w".into(),
+            format: WeightFormat::Dense(DType::F32),
+            dtype: DType::F32,
+            shape: Shape::from(3),
+            offset: 0,
+            nbytes: 12,
+            device_bytes: 12,
+        };
+        let unit = HostUnit {
+            name: "u".into(),
+            layer: None,
+            tensors: vec![meta.clone()],
+            bytes: 12,
+            buf: RwLock::new(Box::new(ReadOnlyTier(data.clone()))),
+        };
+        assert_eq!(&*unit.tensor_bytes(&meta), &data[..]);
+        assert_eq!(unit.cpu_tensor(&meta)?.to_vec1::<f32>()?, values);
+        assert!(!unit.is_pinned());
+        let new = Tensor::new(&[0f32, 0., 0.], &Device::Cpu)?;
+        let err = unit.write(&[(&meta, &new)]).unwrap_err().to_string();
+        assert!(err.contains("read-only"), "{err}");
         Ok(())
     }
 }

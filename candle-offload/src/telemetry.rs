@@ -10,14 +10,7 @@ use std::time::Instant;
 use crate::budget::human_bytes;
 use crate::cache::ActivePolicy;
 
-/// Device-side timings of one fetch, harvested once its events have completed.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(crate) struct Timings {
-    /// Seconds the copy engine spent on the unit (None when not measured yet or already counted).
-    pub copy_s: Option<f64>,
-    /// Seconds compute waited for the unit to arrive.
-    pub stall_s: f64,
-}
+pub(crate) use crate::sys::Timings;
 
 /// Counters of one unit.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -13,22 +13,34 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::Init;
 
 use crate::diag::device_label;
 
-/// Serves `vb.get` from the tensors of one acquired unit.
+/// Serves `vb.get` from the dense tensors of one acquired unit.
 #[derive(Debug, Clone)]
 pub struct UnitBackend {
     tensors: Arc<HashMap<String, Tensor>>,
+    quantized: Arc<HashMap<String, GgmlDType>>,
 }
 
 impl UnitBackend {
     /// A backend over these tensors, keyed by full checkpoint name.
     pub fn new(tensors: Arc<HashMap<String, Tensor>>) -> Self {
-        Self { tensors }
+        Self {
+            tensors,
+            quantized: Arc::default(),
+        }
+    }
+
+    /// Names the unit's GGML-quantized tensors, which a `VarBuilder` cannot serve: asking for
+    /// one is then an error that says so, instead of "cannot find tensor".
+    pub fn with_quantized(mut self, quantized: Arc<HashMap<String, GgmlDType>>) -> Self {
+        self.quantized = quantized;
+        self
     }
 }
 
@@ -54,12 +66,18 @@ impl SimpleBackend for UnitBackend {
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        let t = self.tensors.get(name).ok_or_else(|| {
-            candle_core::Error::CannotFindTensor {
+        let Some(t) = self.tensors.get(name) else {
+            if let Some(g) = self.quantized.get(name) {
+                candle_core::bail!(
+                    "tensor {name} is stored as GGML {g:?} blocks, which a VarBuilder cannot \
+                     serve: use UnitGuard::get_quantized or UnitGuard::qmatmul"
+                );
+            }
+            return Err(candle_core::Error::CannotFindTensor {
                 path: name.to_string(),
             }
-            .bt()
-        })?;
+            .bt());
+        };
         if !t.device().same_device(dev) {
             candle_core::bail!(
                 "tensor {name} is on {}, not on {}",

@@ -1,4 +1,4 @@
-//! The CUDA side of [`crate::sys`]: page-locked host buffers, a copy stream per GPU, the
+//! The CUDA side of the `sys` module: page-locked host buffers, a copy stream per GPU, the
 //! staging ring for pageable weights, and the events that order copies against compute.
 //!
 //! Candle runs every kernel of a device on that device's one stream (compute, **C**). Weights
@@ -13,19 +13,23 @@
 //! Host code never blocks on the GPU in steady state: both directions are stream waits. The
 //! only host waits are in the staging ring (pageable weights, a slow path with a warning).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use candle_core::cuda_backend::cudarc::driver::{
-    sys as cusys, CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceRepr,
+    sys as cusys, CudaContext, CudaEvent, CudaSlice, CudaStream, CudaViewMut, DeviceRepr,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::op::BackpropOp;
-use candle_core::{DType, Device, Storage, Tensor};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Shape, Storage, Tensor};
 
-use crate::error::{Error, Result};
-use crate::store::{HostBuffer, HostUnit};
-use crate::telemetry::Timings;
+use super::{
+    DeviceLayout, DeviceWeight, GpuFacts, HostTier, PageableBuffer, SysError, SysResult, TierKind,
+    Timings, UploadItem, GGML_ROW_PADDING_ELEMS,
+};
+
+// The padding the budget counts for GGML tensors is the padding Candle allocates.
+const _: () = assert!(GGML_ROW_PADDING_ELEMS == candle_core::quantized::cuda::MATRIX_ROW_PADDING);
 
 /// Size of one staging buffer.
 const STAGING_CHUNK: usize = 8 << 20;
@@ -63,18 +67,33 @@ impl PinnedBuffer {
         Ok(Self { slice, ptr, len })
     }
 
-    pub(crate) fn as_bytes(&self) -> &[u8] {
+    fn as_bytes(&self) -> &[u8] {
         let _owner = &self.slice;
         // SAFETY: `ptr` is valid for `len <= n` initialised bytes for as long as `self.slice`
         // lives; the GPU only reads this memory (host-to-device DMA), never writes it.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
-    pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
+    fn as_bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_bytes`; `&mut self` makes the access exclusive on the host. The
         // store writes only while it is being built, before any copy from it is enqueued, and
         // the staging ring waits for a buffer's last copy before writing it again.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl HostTier for PinnedBuffer {
+    fn kind(&self) -> TierKind {
+        TierKind::Pinned
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn bytes(&self) -> Option<&[u8]> {
+        Some(self.as_bytes())
+    }
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        Some(self.as_bytes_mut())
     }
 }
 
@@ -88,7 +107,7 @@ pub(crate) struct Pinner {
 }
 
 impl Pinner {
-    pub(crate) fn for_device(device: &Device, cap: Option<u64>) -> Result<Self> {
+    pub(crate) fn for_device(device: &Device, cap: Option<u64>) -> SysResult<Self> {
         let ctx = match device {
             Device::Cuda(d) => Some(d.cuda_stream().context().clone()),
             _ => None,
@@ -101,9 +120,9 @@ impl Pinner {
         })
     }
 
-    pub(crate) fn alloc(&mut self, len: usize, unit: &str) -> Result<HostBuffer> {
+    pub(crate) fn alloc(&mut self, len: usize, unit: &str) -> SysResult<Box<dyn HostTier>> {
         let Some(ctx) = &self.ctx else {
-            return Ok(HostBuffer::Pageable(vec![0u8; len]));
+            return Ok(Box::new(PageableBuffer::zeroed(len)));
         };
         if self.cap.is_some_and(|cap| self.used + len as u64 > cap) {
             if !self.warned {
@@ -114,19 +133,19 @@ impl Pinner {
                 );
                 self.warned = true;
             }
-            return Ok(HostBuffer::Pageable(vec![0u8; len]));
+            return Ok(Box::new(PageableBuffer::zeroed(len)));
         }
         match PinnedBuffer::alloc(ctx, len) {
             Ok(p) => {
                 self.used += len as u64;
-                Ok(HostBuffer::Pinned(p))
+                Ok(Box::new(p))
             }
             Err(e) => {
                 if !self.warned {
                     tracing::warn!(unit, error = %e, "cannot pin host memory (check `ulimit -l`); using pageable memory");
                     self.warned = true;
                 }
-                Ok(HostBuffer::Pageable(vec![0u8; len]))
+                Ok(Box::new(PageableBuffer::zeroed(len)))
             }
         }
     }
@@ -145,6 +164,35 @@ pub(crate) struct UnitSync {
 impl UnitSync {
     pub(crate) fn is_settled(&self) -> bool {
         !self.copy_pending && self.stall_probes.is_empty()
+    }
+}
+
+/// Raw GGML blocks of one tensor in device memory, allocated and written on the copy stream
+/// (the blocks, then zeroed padding, as Candle's CUDA quantized storage lays them out).
+#[derive(Debug)]
+pub(crate) struct DeviceBlocks {
+    name: String,
+    #[allow(dead_code)] // read by the quantized matmul once Candle can wrap it (next issue)
+    data: CudaSlice<u8>,
+    len: usize,
+    ggml: GgmlDType,
+    shape: Shape,
+}
+
+impl DeviceBlocks {
+    /// A Candle `QTensor` over these blocks. Candle 0.11.1 has no way to make one from a
+    /// device buffer (`QCudaStorage` has private fields; `load_quantized` and
+    /// `QStorage::from_data` copy from host memory on the compute stream), so this is refused
+    /// rather than copied a second time.
+    pub(crate) fn qtensor(&self) -> candle_core::Result<QTensor> {
+        candle_core::bail!(
+            "tensor {} ({:?}, {:?}, {} bytes on the device): quantized upload not yet implemented \
+             on CUDA (next issue): Candle 0.11.1 cannot build a QTensor from a device buffer",
+            self.name,
+            self.ggml,
+            self.shape.dims(),
+            self.len
+        )
     }
 }
 
@@ -171,7 +219,7 @@ fn timing_event(stream: &CudaStream) -> candle_core::Result<CudaEvent> {
 }
 
 impl CudaEngine {
-    pub(crate) fn new(device: &Device) -> Result<Self> {
+    pub(crate) fn new(device: &Device) -> SysResult<Self> {
         let cuda = device.as_cuda_device()?.clone();
         let compute = cuda.cuda_stream();
         let ctx = compute.context().clone();
@@ -189,7 +237,7 @@ impl CudaEngine {
         // A stream of the *same* context object switches cudarc into multi-stream mode.
         let copy = ctx
             .new_stream()
-            .map_err(|e| Error::Candle(candle_core::Error::wrap(e)))?;
+            .map_err(|e| SysError::Candle(candle_core::Error::wrap(e)))?;
         Ok(Self {
             cuda,
             ctx,
@@ -199,41 +247,76 @@ impl CudaEngine {
         })
     }
 
+    /// Allocates and copies a unit's tensors on the copy stream, reading them out of `src`
+    /// (straight from page-locked memory, through the staging ring from any other tier), and
+    /// records the unit's events.
     pub(crate) fn upload(
         &self,
-        unit: &HostUnit,
+        unit: &str,
+        src: &dyn HostTier,
+        items: &[UploadItem<'_>],
         trainable: bool,
-    ) -> candle_core::Result<(HashMap<String, Tensor>, UnitSync)> {
-        let _span =
-            tracing::debug_span!("offload.h2d", unit = unit.name(), bytes = unit.bytes()).entered();
-        let pinned = unit.is_pinned();
+    ) -> candle_core::Result<(Vec<DeviceWeight>, UnitSync)> {
+        let bytes: usize = items.iter().map(|i| i.range.len()).sum();
+        let _span = tracing::debug_span!("offload.h2d", unit, bytes).entered();
         let copy_start = timing_event(&self.copy)?;
-        let mut tensors = HashMap::with_capacity(unit.tensors().len());
-        for t in unit.tensors() {
-            let bytes = unit.tensor_bytes(t);
-            let storage = match t.dtype {
-                DType::F16 => self.upload_typed::<half::f16>(&bytes, pinned)?,
-                DType::BF16 => self.upload_typed::<half::bf16>(&bytes, pinned)?,
-                DType::F32 => self.upload_typed::<f32>(&bytes, pinned)?,
-                DType::F64 => self.upload_typed::<f64>(&bytes, pinned)?,
-                DType::U8 => self.upload_typed::<u8>(&bytes, pinned)?,
-                DType::U32 => self.upload_typed::<u32>(&bytes, pinned)?,
-                DType::I64 => self.upload_typed::<i64>(&bytes, pinned)?,
-                other => {
-                    candle_core::bail!("tensor {}: dtype {other:?} cannot be offloaded", t.name)
+        let mut out = Vec::with_capacity(items.len());
+        for item in items {
+            let range = item.range.clone();
+            let weight = match &item.layout {
+                DeviceLayout::Dense(dtype) => {
+                    let storage = match dtype {
+                        DType::F16 => self.upload_typed::<half::f16>(src, range)?,
+                        DType::BF16 => self.upload_typed::<half::bf16>(src, range)?,
+                        DType::F32 => self.upload_typed::<f32>(src, range)?,
+                        DType::F64 => self.upload_typed::<f64>(src, range)?,
+                        DType::U8 => self.upload_typed::<u8>(src, range)?,
+                        DType::U32 => self.upload_typed::<u32>(src, range)?,
+                        DType::I64 => self.upload_typed::<i64>(src, range)?,
+                        other => candle_core::bail!(
+                            "tensor {}: dtype {other:?} cannot be offloaded",
+                            item.name
+                        ),
+                    };
+                    DeviceWeight::Dense(Tensor::from_storage(
+                        Storage::Cuda(storage),
+                        item.shape.clone(),
+                        BackpropOp::none(),
+                        trainable,
+                    ))
+                }
+                DeviceLayout::Blocks { ggml, device_len } => {
+                    let len = range.len();
+                    if *device_len < len {
+                        candle_core::bail!(
+                            "tensor {}: a device buffer of {device_len} bytes cannot hold its {len} bytes",
+                            item.name
+                        );
+                    }
+                    // SAFETY: uninitialised device memory; the copy below writes its first `len`
+                    // bytes and the memset the rest, both on the copy stream and before `ready`.
+                    let mut dst: CudaSlice<u8> =
+                        unsafe { self.copy.alloc::<u8>((*device_len).max(1)) }.w()?;
+                    if *device_len > len {
+                        self.copy.memset_zeros(&mut dst.slice_mut(len..)).w()?;
+                    }
+                    if len > 0 {
+                        self.copy_into(src, range, &mut dst.slice_mut(..len))?;
+                    }
+                    DeviceWeight::Blocks(DeviceBlocks {
+                        name: item.name.to_string(),
+                        data: dst,
+                        len,
+                        ggml: *ggml,
+                        shape: item.shape.clone(),
+                    })
                 }
             };
-            let tensor = Tensor::from_storage(
-                Storage::Cuda(storage),
-                t.shape.clone(),
-                BackpropOp::none(),
-                trainable,
-            );
-            tensors.insert(t.name.clone(), tensor);
+            out.push(weight);
         }
         let ready = timing_event(&self.copy)?;
         Ok((
-            tensors,
+            out,
             UnitSync {
                 copy_start,
                 ready,
@@ -246,32 +329,51 @@ impl CudaEngine {
 
     fn upload_typed<T>(
         &self,
-        bytes: &[u8],
-        pinned: bool,
+        src: &dyn HostTier,
+        range: std::ops::Range<usize>,
     ) -> candle_core::Result<candle_core::CudaStorage>
     where
         T: DeviceRepr + CudaDType + bytemuck::Pod,
     {
         let size = std::mem::size_of::<T>();
-        let n = bytes.len() / size;
+        let n = range.len() / size;
         // SAFETY: the memory is uninitialised; the copies below, enqueued on the same stream,
         // overwrite all `n` elements before anything that waits on `ready` can read them.
         let mut dst: CudaSlice<T> = unsafe { self.copy.alloc::<T>(n.max(1)) }.w()?;
-        if pinned {
-            let src: &[T] = bytemuck::try_cast_slice(bytes)
-                .map_err(|e| candle_core::Error::Msg(format!("{e}")))?;
-            self.copy.memcpy_htod(src, &mut dst).w()?;
-        } else {
-            self.stage::<T>(bytes, &mut dst)?;
+        if n > 0 {
+            self.copy_into(src, range, &mut dst.slice_mut(..n))?;
         }
         Ok(T::wrap_cuda_slice(dst, self.cuda.clone()))
     }
 
-    /// Copies pageable bytes through the ring of pinned staging buffers.
+    /// Copies `range` of `src` into `dst` on the copy stream: one DMA out of page-locked
+    /// memory, or chunk by chunk through the staging ring for every other tier.
+    fn copy_into<T: DeviceRepr + bytemuck::Pod>(
+        &self,
+        src: &dyn HostTier,
+        range: std::ops::Range<usize>,
+        dst: &mut CudaViewMut<'_, T>,
+    ) -> candle_core::Result<()> {
+        match src.bytes() {
+            Some(bytes) if src.dma_ready() => {
+                let bytes = bytes.get(range.clone()).ok_or_else(|| {
+                    candle_core::Error::Msg(format!("range {range:?} is past the host buffer"))
+                })?;
+                let typed: &[T] = bytemuck::try_cast_slice(bytes)
+                    .map_err(|e| candle_core::Error::Msg(format!("{e}")))?;
+                self.copy.memcpy_htod(typed, dst).w()
+            }
+            _ => self.stage::<T>(src, range, dst),
+        }
+    }
+
+    /// Copies bytes of a tier that is not page-locked through the ring of pinned staging
+    /// buffers.
     fn stage<T: DeviceRepr + bytemuck::Pod>(
         &self,
-        bytes: &[u8],
-        dst: &mut CudaSlice<T>,
+        src: &dyn HostTier,
+        range: std::ops::Range<usize>,
+        dst: &mut CudaViewMut<'_, T>,
     ) -> candle_core::Result<()> {
         let size = std::mem::size_of::<T>();
         let mut guard = self
@@ -288,18 +390,20 @@ impl CudaEngine {
             }
         }
         let chunk = STAGING_CHUNK - STAGING_CHUNK % size;
-        for start in (0..bytes.len()).step_by(chunk) {
-            let len = chunk.min(bytes.len() - start);
+        let total = range.len();
+        for start in (0..total).step_by(chunk) {
+            let len = chunk.min(total - start);
             let slot = &mut ring[*next];
             *next = (*next + 1) % STAGING_BUFFERS;
             if let Some(done) = slot.done.take() {
                 done.synchronize().w()?; // the host waits for the buffer's previous DMA
             }
-            slot.buf.as_bytes_mut()[..len].copy_from_slice(&bytes[start..start + len]);
-            let src: &[T] = bytemuck::try_cast_slice(&slot.buf.as_bytes()[..len])
+            let from = range.start + start;
+            src.read_into(from..from + len, &mut slot.buf.as_bytes_mut()[..len])?;
+            let staged: &[T] = bytemuck::try_cast_slice(&slot.buf.as_bytes()[..len])
                 .map_err(|e| candle_core::Error::Msg(format!("{e}")))?;
             let mut view = dst.slice_mut(start / size..(start + len) / size);
-            self.copy.memcpy_htod(src, &mut view).w()?;
+            self.copy.memcpy_htod(staged, &mut view).w()?;
             slot.done = Some(self.copy.record_event(None).w()?);
         }
         Ok(())
@@ -321,18 +425,16 @@ impl CudaEngine {
         Ok(())
     }
 
-    pub(crate) fn evict(
-        &self,
-        tensors: HashMap<String, Tensor>,
-        sync: &UnitSync,
-    ) -> candle_core::Result<()> {
+    /// Drops a unit's device memory (`weights`: whatever holds it) once compute is done
+    /// with it.
+    pub(crate) fn evict<W>(&self, weights: W, sync: &UnitSync) -> candle_core::Result<()> {
         let _span = tracing::debug_span!("offload.evict").entered();
         if let Some(last_use) = &sync.last_use {
             self.copy.wait(last_use).w()?;
         }
         // The slices were allocated on the copy stream, so cudarc frees them there,
         // stream-ordered after the wait above.
-        drop(tensors);
+        drop(weights);
         Ok(())
     }
 
@@ -373,11 +475,11 @@ impl CudaEngine {
 }
 
 /// Identity and memory of a GPU.
-pub(crate) fn device_info(device: &Device) -> Result<crate::diag::DeviceInfo> {
+pub(crate) fn device_info(device: &Device) -> SysResult<GpuFacts> {
     let cuda = device.as_cuda_device()?;
     let ctx = cuda.cuda_stream().context().clone();
     let wrap = |e: candle_core::cuda_backend::cudarc::driver::DriverError| {
-        Error::Candle(candle_core::Error::wrap(e))
+        SysError::Candle(candle_core::Error::wrap(e))
     };
     let attr = |a| ctx.attribute(a).map_err(wrap);
     let major = attr(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
@@ -389,16 +491,14 @@ pub(crate) fn device_info(device: &Device) -> Result<crate::diag::DeviceInfo> {
         .result()
         .ok()
         .map(|()| version);
-    Ok(crate::diag::DeviceInfo {
+    Ok(GpuFacts {
         ordinal: ctx.ordinal(),
         name: ctx.name().map_err(wrap)?,
         compute_capability: (major as u32, minor as u32),
         total_bytes: total as u64,
         free_bytes: free as u64,
-        driver_cuda_version: driver.map(crate::diag::CudaVersion::from_int),
-        built_for_cuda: option_env!("CUDARC_CUDA_VERSION")
-            .and_then(|v| v.parse().ok())
-            .map(crate::diag::CudaVersion::from_int),
+        driver_version: driver,
+        built_version: option_env!("CUDARC_CUDA_VERSION").and_then(|v| v.parse().ok()),
         compiled_arch: option_env!("CUDA_COMPUTE_CAP").map(String::from),
     })
 }
@@ -449,16 +549,16 @@ pub(crate) fn device_used_bytes(device: &Device) -> candle_core::Result<u64> {
     Ok((total - free) as u64)
 }
 
-fn default_pool(ctx: &Arc<CudaContext>) -> Result<cusys::CUmemoryPool> {
+fn default_pool(ctx: &Arc<CudaContext>) -> SysResult<cusys::CUmemoryPool> {
     use candle_core::cuda_backend::cudarc::driver::result;
     ctx.bind_to_thread()
-        .map_err(|e| Error::Candle(candle_core::Error::wrap(e)))?;
+        .map_err(|e| SysError::Candle(candle_core::Error::wrap(e)))?;
     // SAFETY: `cu_device` comes from a live context, as `get_default_mem_pool` requires.
     unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }
-        .map_err(|e| Error::Candle(candle_core::Error::wrap(e)))
+        .map_err(|e| SysError::Candle(candle_core::Error::wrap(e)))
 }
 
-fn set_pool_release_threshold(ctx: &Arc<CudaContext>, bytes: u64) -> Result<()> {
+fn set_pool_release_threshold(ctx: &Arc<CudaContext>, bytes: u64) -> SysResult<()> {
     use candle_core::cuda_backend::cudarc::driver::result;
     let pool = default_pool(ctx)?;
     let mut value: u64 = bytes;
@@ -470,7 +570,7 @@ fn set_pool_release_threshold(ctx: &Arc<CudaContext>, bytes: u64) -> Result<()> 
             (&mut value as *mut u64).cast(),
         )
     }
-    .map_err(|e| Error::Candle(candle_core::Error::wrap(e)))
+    .map_err(|e| SysError::Candle(candle_core::Error::wrap(e)))
 }
 
 /// Waits for the device, then returns the default pool's unused memory to the driver.

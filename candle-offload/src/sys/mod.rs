@@ -4,10 +4,17 @@
 //! API with uninhabited types, so a CPU build has no `cfg` anywhere else), and holds the one
 //! memory map used to stream safetensors into the store. Every `unsafe` block carries a
 //! `// SAFETY:` comment.
+//!
+//! This module is the leaf of the crate: it imports nothing from it. It speaks in plain bytes,
+//! Candle types and its own [`SysError`] (converted upward in `error.rs`); the store's units
+//! reach it as a [`HostTier`] (where the bytes live) and a list of [`UploadItem`]s (what to
+//! make of them on the device).
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Shape, Tensor};
 
 #[cfg(feature = "cuda")]
 #[path = "cuda.rs"]
@@ -18,8 +25,229 @@ mod imp;
 
 pub(crate) use imp::{
     device_info, device_used_bytes, measure_h2d_gbps, pci_bus_id, pool_used_high_bytes,
-    set_peer_access, trim_memory_pool, try_pin, CudaEngine, PinnedBuffer, Pinner, UnitSync,
+    set_peer_access, trim_memory_pool, try_pin, CudaEngine, DeviceBlocks, Pinner, UnitSync,
 };
+
+/// Elements of padding Candle's CUDA quantized storage keeps after a GGML tensor's blocks
+/// (`candle_core::quantized::cuda::MATRIX_ROW_PADDING`, checked against it in CUDA builds):
+/// its matmul kernels read whole padded rows.
+pub(crate) const GGML_ROW_PADDING_ELEMS: usize = 512;
+
+/// What can go wrong in this module.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub(crate) enum SysError {
+    /// A file that could not be opened or mapped.
+    #[error("{}: {reason}", path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The operation needs a CUDA build.
+    #[cfg_attr(feature = "cuda", allow(dead_code))]
+    #[error("{what} needs a build with `--features cuda`")]
+    NotCompiledWithCuda {
+        /// What was asked for.
+        what: &'static str,
+    },
+    /// An error from Candle or the CUDA driver.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+impl From<SysError> for candle_core::Error {
+    fn from(e: SysError) -> Self {
+        match e {
+            SysError::Candle(e) => e,
+            other => candle_core::Error::wrap(other),
+        }
+    }
+}
+
+/// `Result` with [`SysError`].
+pub(crate) type SysResult<T> = std::result::Result<T, SysError>;
+
+/// Device-side timings of one fetch, harvested once its events have completed.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Timings {
+    /// Seconds the copy engine spent on the unit (None when not measured yet or already counted).
+    pub copy_s: Option<f64>,
+    /// Seconds compute waited for the unit to arrive.
+    pub stall_s: f64,
+}
+
+/// Identity and memory of a GPU as the driver reports them (raw integers; `diag` makes a
+/// `DeviceInfo` of them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct GpuFacts {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (u32, u32),
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+    /// `cuDriverGetVersion` (13000 is 13.0).
+    pub driver_version: Option<i32>,
+    /// The CUDA version the binary was built against, in the same form.
+    pub built_version: Option<i32>,
+    /// `CUDA_COMPUTE_CAP` at build time.
+    pub compiled_arch: Option<String>,
+}
+
+/// Where a unit's host bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TierKind {
+    /// Page-locked host memory: copies from it are true asynchronous DMA.
+    Pinned,
+    /// Ordinary host memory: on a GPU its copies go through the pinned staging ring.
+    Pageable,
+}
+
+impl std::fmt::Display for TierKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Pinned => "pinned",
+            Self::Pageable => "pageable",
+        })
+    }
+}
+
+/// A storage tier: the bytes of one unit, wherever they live. The store and the copy engines
+/// use units only through this interface; a new tier (a memory-mapped file, managed memory)
+/// is one implementation plus a case in `Pinner::alloc` that chooses it.
+pub(crate) trait HostTier: Send + Sync + std::fmt::Debug {
+    /// Which tier this is (for statistics and messages).
+    fn kind(&self) -> TierKind;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// The bytes, when they sit in host memory the CPU can read directly (`None` for a tier
+    /// that must be read, such as a file on disk). They start at a [`TIER_ALIGN`] boundary.
+    fn bytes(&self) -> Option<&[u8]>;
+    /// The bytes for writing (building the store, `update_weights`); `None` for a read-only
+    /// tier.
+    fn bytes_mut(&mut self) -> Option<&mut [u8]>;
+    /// Whether the copy engine may DMA straight out of [`bytes`](Self::bytes): true only for
+    /// page-locked memory; other tiers go through the staging ring.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn dma_ready(&self) -> bool {
+        self.kind() == TierKind::Pinned
+    }
+    /// Copies `range` into `dst` (of the same length). The default reads from
+    /// [`bytes`](Self::bytes); a tier without them overrides it.
+    fn read_into(&self, range: Range<usize>, dst: &mut [u8]) -> std::io::Result<()> {
+        let src = self.bytes().ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                format!("a {} tier must implement read_into", self.kind()),
+            )
+        })?;
+        let src = src.get(range.clone()).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("range {range:?} is past the end ({} bytes)", src.len()),
+            )
+        })?;
+        if src.len() != dst.len() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("reading {} bytes into {}", src.len(), dst.len()),
+            ));
+        }
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// Alignment of the start of every tier's buffer: tensors at aligned offsets in it can be
+/// viewed as any element or GGML block type.
+pub(crate) const TIER_ALIGN: usize = 256;
+
+/// One aligned chunk of a [`PageableBuffer`].
+#[derive(Clone, Copy)]
+#[repr(C, align(256))]
+struct Chunk([u8; TIER_ALIGN]);
+
+/// Ordinary heap memory, its start aligned to [`TIER_ALIGN`].
+pub(crate) struct PageableBuffer {
+    chunks: Vec<Chunk>,
+    len: usize,
+}
+
+impl std::fmt::Debug for PageableBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PageableBuffer({} bytes)", self.len)
+    }
+}
+
+impl PageableBuffer {
+    pub(crate) fn zeroed(len: usize) -> Self {
+        Self {
+            chunks: vec![Chunk([0; TIER_ALIGN]); len.div_ceil(TIER_ALIGN)],
+            len,
+        }
+    }
+}
+
+impl HostTier for PageableBuffer {
+    fn kind(&self) -> TierKind {
+        TierKind::Pageable
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn bytes(&self) -> Option<&[u8]> {
+        // SAFETY: `chunks` holds `len.div_ceil(TIER_ALIGN) * TIER_ALIGN >= len` initialised
+        // bytes (`Chunk` is `repr(C)` around a byte array, so it has no padding) and lives as
+        // long as the returned borrow of `self`.
+        Some(unsafe { std::slice::from_raw_parts(self.chunks.as_ptr().cast::<u8>(), self.len) })
+    }
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        // SAFETY: as in `bytes`; `&mut self` makes the borrow exclusive.
+        Some(unsafe {
+            std::slice::from_raw_parts_mut(self.chunks.as_mut_ptr().cast::<u8>(), self.len)
+        })
+    }
+}
+
+/// What the copy engine makes of one tensor's bytes on the device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum DeviceLayout {
+    /// A Candle tensor of this dtype.
+    Dense(DType),
+    /// Raw GGML blocks, in a buffer of `device_len` bytes (the blocks, then zeroed padding).
+    Blocks {
+        /// The GGML type.
+        ggml: GgmlDType,
+        /// Bytes to allocate on the device.
+        device_len: usize,
+    },
+}
+
+/// One tensor for `CudaEngine::upload`: a byte range of the unit's tier and its layout.
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct UploadItem<'a> {
+    /// Full name (for messages).
+    pub name: &'a str,
+    /// Bytes in the tier.
+    pub range: Range<usize>,
+    /// Shape.
+    pub shape: &'a Shape,
+    /// What to make of it.
+    pub layout: DeviceLayout,
+}
+
+/// One uploaded tensor.
+#[derive(Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum DeviceWeight {
+    /// A Candle tensor.
+    Dense(Tensor),
+    /// Raw GGML blocks in device memory.
+    Blocks(DeviceBlocks),
+}
 
 /// A read-only memory map of a weights file.
 #[derive(Debug)]
@@ -29,15 +257,15 @@ pub(crate) struct MappedFile {
 }
 
 impl MappedFile {
-    pub(crate) fn open(path: &Path) -> Result<Self> {
-        let file = std::fs::File::open(path).map_err(|e| Error::File {
+    pub(crate) fn open(path: &Path) -> SysResult<Self> {
+        let file = std::fs::File::open(path).map_err(|e| SysError::File {
             path: path.to_path_buf(),
             reason: format!("cannot open: {e}"),
         })?;
         // SAFETY: the map is read-only and private to this process. The contract of `Mmap::map`
         // is that the file is not truncated or written while mapped; weights files are not
         // modified while a model loads, and the map lives only until the store is built.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::File {
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| SysError::File {
             path: path.to_path_buf(),
             reason: format!("cannot map: {e}"),
         })?;
@@ -53,5 +281,28 @@ impl MappedFile {
 
     pub(crate) fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pageable_tier_reads_ranges_and_refuses_bad_ones() {
+        let mut t = PageableBuffer::zeroed(8);
+        t.bytes_mut()
+            .unwrap()
+            .copy_from_slice(&[0, 1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(t.bytes().unwrap().as_ptr() as usize % TIER_ALIGN, 0);
+        assert_eq!(PageableBuffer::zeroed(0).bytes().unwrap().len(), 0);
+        assert_eq!(PageableBuffer::zeroed(300).bytes().unwrap().len(), 300);
+        assert_eq!(t.kind(), TierKind::Pageable);
+        assert!(!t.dma_ready());
+        let mut dst = [0u8; 3];
+        t.read_into(2..5, &mut dst).unwrap();
+        assert_eq!(dst, [2, 3, 4]);
+        assert!(t.read_into(6..9, &mut dst).is_err());
+        assert!(t.read_into(0..2, &mut dst).is_err());
     }
 }

@@ -1,36 +1,22 @@
-//! The CUDA side of [`crate::sys`] in a build without `--features cuda`: the same names,
+//! The CUDA side of the `sys` module in a build without `--features cuda`: the same names,
 //! uninhabited, so that every GPU path is statically unreachable and needs no `cfg`.
 
-use std::collections::HashMap;
+use candle_core::Device;
 
-use candle_core::{Device, Tensor};
-
-use crate::error::Result;
-use crate::store::{HostBuffer, HostUnit};
-
-/// Page-locked host memory (never exists without CUDA).
-#[derive(Debug)]
-pub(crate) enum PinnedBuffer {}
-
-impl PinnedBuffer {
-    pub(crate) fn as_bytes(&self) -> &[u8] {
-        match *self {}
-    }
-    pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
-        match *self {}
-    }
-}
+use super::{
+    DeviceWeight, GpuFacts, HostTier, PageableBuffer, SysError, SysResult, Timings, UploadItem,
+};
 
 /// Allocates host buffers for the store: always pageable here.
 #[derive(Debug)]
 pub(crate) struct Pinner;
 
 impl Pinner {
-    pub(crate) fn for_device(_device: &Device, _cap: Option<u64>) -> Result<Self> {
+    pub(crate) fn for_device(_device: &Device, _cap: Option<u64>) -> SysResult<Self> {
         Ok(Self)
     }
-    pub(crate) fn alloc(&mut self, len: usize, _unit: &str) -> Result<HostBuffer> {
-        Ok(HostBuffer::Pageable(vec![0u8; len]))
+    pub(crate) fn alloc(&mut self, len: usize, _unit: &str) -> SysResult<Box<dyn HostTier>> {
+        Ok(Box::new(PageableBuffer::zeroed(len)))
     }
 }
 
@@ -44,21 +30,33 @@ impl UnitSync {
     }
 }
 
+/// Raw GGML blocks in device memory (never exist without CUDA).
+#[derive(Debug)]
+pub(crate) enum DeviceBlocks {}
+
+impl DeviceBlocks {
+    pub(crate) fn qtensor(&self) -> candle_core::Result<candle_core::quantized::QTensor> {
+        match *self {}
+    }
+}
+
 /// The copy engine of a GPU (never exists without CUDA).
 #[derive(Debug)]
 pub(crate) enum CudaEngine {}
 
 impl CudaEngine {
-    pub(crate) fn new(_device: &Device) -> Result<Self> {
-        Err(crate::error::Error::NotCompiledWithCuda {
+    pub(crate) fn new(_device: &Device) -> SysResult<Self> {
+        Err(SysError::NotCompiledWithCuda {
             what: "a GPU offload runtime",
         })
     }
     pub(crate) fn upload(
         &self,
-        _unit: &HostUnit,
+        _unit: &str,
+        _src: &dyn HostTier,
+        _items: &[UploadItem<'_>],
         _trainable: bool,
-    ) -> candle_core::Result<(HashMap<String, Tensor>, UnitSync)> {
+    ) -> candle_core::Result<(Vec<DeviceWeight>, UnitSync)> {
         match *self {}
     }
     pub(crate) fn wait_ready(&self, _sync: &mut UnitSync) -> candle_core::Result<()> {
@@ -67,14 +65,10 @@ impl CudaEngine {
     pub(crate) fn record_last_use(&self, _sync: &mut UnitSync) -> candle_core::Result<()> {
         match *self {}
     }
-    pub(crate) fn evict(
-        &self,
-        _tensors: HashMap<String, Tensor>,
-        _sync: &UnitSync,
-    ) -> candle_core::Result<()> {
+    pub(crate) fn evict<W>(&self, _weights: W, _sync: &UnitSync) -> candle_core::Result<()> {
         match *self {}
     }
-    pub(crate) fn harvest(&self, _sync: &mut UnitSync) -> Option<crate::telemetry::Timings> {
+    pub(crate) fn harvest(&self, _sync: &mut UnitSync) -> Option<Timings> {
         match *self {}
     }
     pub(crate) fn mem_get_info(&self) -> candle_core::Result<(u64, u64)> {
@@ -85,8 +79,8 @@ impl CudaEngine {
     }
 }
 
-pub(crate) fn device_info(_device: &Device) -> Result<crate::diag::DeviceInfo> {
-    Err(crate::error::Error::NotCompiledWithCuda {
+pub(crate) fn device_info(_device: &Device) -> SysResult<GpuFacts> {
+    Err(SysError::NotCompiledWithCuda {
         what: "GPU device information",
     })
 }
@@ -97,14 +91,14 @@ pub(crate) fn measure_h2d_gbps(
     _pinned: bool,
     _reps: usize,
 ) -> candle_core::Result<f64> {
-    Err(crate::error::Error::NotCompiledWithCuda {
+    Err(SysError::NotCompiledWithCuda {
         what: "measuring the host-to-device rate",
     }
     .into())
 }
 
 pub(crate) fn device_used_bytes(_device: &Device) -> candle_core::Result<u64> {
-    Err(crate::error::Error::NotCompiledWithCuda {
+    Err(SysError::NotCompiledWithCuda {
         what: "reading device memory",
     }
     .into())
@@ -131,7 +125,7 @@ pub(crate) fn set_peer_access(
 }
 
 pub(crate) fn pool_used_high_bytes(_device: &Device, _reset: bool) -> candle_core::Result<u64> {
-    Err(crate::error::Error::NotCompiledWithCuda {
+    Err(SysError::NotCompiledWithCuda {
         what: "reading the memory pool",
     }
     .into())
