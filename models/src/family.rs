@@ -16,7 +16,7 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::kv_cache::KvCache;
 use candle_nn::VarBuilder;
 
@@ -152,9 +152,7 @@ pub trait Family: std::fmt::Debug + Send + Sync + 'static {
     /// Embeds `ids` with the embedding unit's weights (`vb` rooted at the checkpoint's top
     /// level). Default: a plain lookup of `{layout.embed}.weight`.
     fn embed(&self, cfg: &Config, vb: VarBuilder, ids: &Tensor) -> Result<Tensor> {
-        let name = format!("{}.weight", self.layout(cfg).embed);
-        let w = vb.get((cfg.vocab_size, cfg.hidden_size), &name)?;
-        candle_nn::Embedding::new(w, cfg.hidden_size).forward(ids)
+        crate::layers::embed_lookup(cfg, &self.layout(cfg).embed, vb, ids)
     }
 
     /// Decoder layer `layer` from its unit (`vb` rooted at the layer's prefix), with the norm

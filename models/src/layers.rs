@@ -203,6 +203,12 @@ impl Masks {
     }
 }
 
+/// Looks `ids` up in the embedding matrix `{unit}.weight` (vocab, hidden) of `vb`.
+pub fn embed_lookup(cfg: &Config, unit: &str, vb: VarBuilder, ids: &Tensor) -> Result<Tensor> {
+    let w = vb.get((cfg.vocab_size, cfg.hidden_size), &format!("{unit}.weight"))?;
+    candle_nn::Embedding::new(w, cfg.hidden_size).forward(ids)
+}
+
 /// A linear layer with or without bias.
 pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
     if bias {

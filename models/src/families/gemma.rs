@@ -10,14 +10,14 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::config::{CommonDefaults, Config};
 use crate::family::{DecoderBlock, Family, HfFields, Registration};
 use crate::layers::{
-    attention_tensors, hf_tensors, mlp_tensors, norm_tensors, soft_cap, Activation, AttentionSpec,
-    GatedMlp, Norm, PreNormBlock, SelfAttention, TensorShape,
+    attention_tensors, embed_lookup, hf_tensors, mlp_tensors, norm_tensors, soft_cap, Activation,
+    AttentionSpec, GatedMlp, Norm, PreNormBlock, SelfAttention, TensorShape,
 };
 use crate::ModelError;
 
@@ -203,12 +203,7 @@ impl Family for Gemma {
     }
 
     fn embed(&self, cfg: &Config, vb: VarBuilder, ids: &Tensor) -> Result<Tensor> {
-        let w = vb.get(
-            (cfg.vocab_size, cfg.hidden_size),
-            "model.embed_tokens.weight",
-        )?;
-        let xs = candle_nn::Embedding::new(w, cfg.hidden_size).forward(ids)?;
-        xs * (cfg.hidden_size as f64).sqrt()
+        embed_lookup(cfg, "model.embed_tokens", vb, ids)? * (cfg.hidden_size as f64).sqrt()
     }
 
     fn block(
