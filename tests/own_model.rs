@@ -23,17 +23,24 @@ fn own_model_offloaded_and_sharded_equal_resident(device: &Device) -> anyhow::Re
         max_len: 48,
     };
     let prompt: Vec<u32> = (0..9).map(|i| (i * 31 + 7) % 300).collect();
-    let r = demo::run(&c, [device, device], &prompt, 12)?;
+    // Two CPU "devices" share the CPU; on a GPU the pipeline needs a second GPU.
+    let second = match device {
+        Device::Cpu => Some(Device::Cpu),
+        _ => Device::new_cuda_with_stream(1).ok(),
+    };
+    let r = demo::run(&c, device, second.as_ref(), &prompt, 12)?;
     assert_eq!(r.steps, 13);
     assert_eq!(r.offloaded_equal, r.steps, "offloaded logits differ");
-    assert_eq!(r.sharded_equal, r.steps, "two-device logits differ");
+    if second.is_some() {
+        assert_eq!(r.sharded_equal, Some(r.steps), "two-device logits differ");
+        assert_eq!(r.device_map.len(), 2);
+        assert!(r.device_map.iter().all(|d| d.2 > 0), "{:?}", r.device_map);
+    }
     assert!(
         r.layer_fetches > 2 * c.layers as u64,
         "the budget should stream layers: {} fetches",
         r.layer_fetches
     );
-    assert_eq!(r.device_map.len(), 2);
-    assert!(r.device_map.iter().all(|d| d.2 > 0), "{:?}", r.device_map);
     assert!(r.peak_resident_bytes < r.budget_bytes);
     Ok(())
 }

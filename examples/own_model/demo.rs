@@ -22,8 +22,9 @@ pub struct Comparison {
     pub tokens: Vec<u32>,
     /// Steps where the offloaded logits equalled the resident ones bit for bit.
     pub offloaded_equal: usize,
-    /// Steps where the two-device logits equalled the resident ones bit for bit.
-    pub sharded_equal: usize,
+    /// Steps where the two-device logits equalled the resident ones bit for bit (`None`:
+    /// no second device).
+    pub sharded_equal: Option<usize>,
     /// Steps compared (prefill + decode).
     pub steps: usize,
     /// Layer fetches of the offloaded run (more than the layer count: it streamed).
@@ -50,14 +51,16 @@ pub fn weights(c: &TinyConfig, dev: &Device) -> candle_core::Result<Vec<(String,
         .collect()
 }
 
-/// Greedy-decodes `steps` tokens after `prompt` with all three and compares.
+/// Greedy-decodes `steps` tokens after `prompt` with all three and compares; the pipeline runs
+/// over `dev` and `second` (two CPU "devices" may be the same CPU; two GPUs must differ) and
+/// is skipped without a second device.
 pub fn run(
     c: &TinyConfig,
-    devices: [&Device; 2],
+    dev: &Device,
+    second: Option<&Device>,
     prompt: &[u32],
     steps: usize,
 ) -> anyhow::Result<Comparison> {
-    let dev = devices[0];
     let tensors = weights(c, dev)?;
     let map: HashMap<String, Tensor> = tensors.iter().cloned().collect();
     let resident = TinyLm::load(candle_nn::VarBuilder::from_tensors(map, DType::F32, dev), c)?;
@@ -87,27 +90,44 @@ pub fn run(
     let (n, max) = (prompt.len(), c.max_len);
     let offloaded =
         CausalLm::from_store(&cfg, store.clone(), dev, DType::F32, n, max, &settings, src)?;
-    let two = [devices[0].clone(), devices[1].clone()];
     let balanced = DeviceMapChoice::Mode(PlacementMode::Balanced);
     let limit = [Some(MemoryLimit::Bytes(budget))];
-    let plan = CausalLm::plan_devices(&cfg, DType::F32, &two, &limit, n, max, &balanced, 1)?;
-    let sharded =
-        CausalLm::sharded_from_store(&cfg, store, &two, &plan, DType::F32, max, &settings, src)?;
+    let mut plan = None;
+    let sharded = match second {
+        Some(second) => {
+            let two = [dev.clone(), second.clone()];
+            let map = CausalLm::plan_devices(&cfg, DType::F32, &two, &limit, n, max, &balanced, 1)?;
+            let model = CausalLm::sharded_from_store(
+                &cfg,
+                store,
+                &two,
+                &map,
+                DType::F32,
+                max,
+                &settings,
+                src,
+            )?;
+            plan = Some(map);
+            Some(model)
+        }
+        None => None,
+    };
 
     let mut kvs: Vec<KvCache> = (0..c.layers).map(|_| KvCache::new(2, c.max_len)).collect();
-    let (mut cache_o, mut cache_s) = (offloaded.new_cache(), sharded.new_cache());
+    let mut cache_o = offloaded.new_cache();
+    let mut cache_s = sharded.as_ref().map(|s| s.new_cache());
     let (mut input, mut pos) = (prompt.to_vec(), 0);
     let mut out = Comparison {
         tokens: Vec::new(),
         offloaded_equal: 0,
-        sharded_equal: 0,
+        sharded_equal: sharded.is_some().then_some(0),
         steps: 0,
         layer_fetches: 0,
         budget_bytes: budget,
         peak_resident_bytes: 0,
         device_map: plan
-            .devices
             .iter()
+            .flat_map(|p| &p.devices)
             .map(|d| (d.ordinal, d.first_layer, d.layer_count, d.streams))
             .collect(),
     };
@@ -121,12 +141,16 @@ pub fn run(
             .forward(&ids, pos, &mut cache_o)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let got_s = sharded
-            .forward(&ids, pos, &mut cache_s)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
         out.offloaded_equal += usize::from(got_o == want);
-        out.sharded_equal += usize::from(got_s == want);
+        if let (Some(model), Some(cache), Some(equal)) =
+            (&sharded, cache_s.as_mut(), out.sharded_equal.as_mut())
+        {
+            let got = model
+                .forward(&ids, pos, cache)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            *equal += usize::from(got == want);
+        }
         out.steps += 1;
         let next = (0..want.len())
             .max_by(|&a, &b| want[a].total_cmp(&want[b]))
