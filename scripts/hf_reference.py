@@ -85,6 +85,16 @@ CONFIGS = {
                     num_key_value_heads=2, head_dim=64, vocab_size=1024, hidden_activation="gelu_pytorch_tanh",
                     query_pre_attn_scalar=48, attn_logit_softcapping=10.0, final_logit_softcapping=8.0,
                     sliding_window=12, rope_theta=10000.0)),
+    # Mistral with a sliding window of 16 on every layer (prompt + 32 crosses it).
+    "mistral_window": ("MistralConfig", "MistralForCausalLM",
+                       dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
+                            num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False, rope_theta=10000.0,
+                            sliding_window=16)),
+    # Qwen2 with q/k/v biases and sliding windows of 16 on the layers from max_window_layers 1 on.
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM",
+                     dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
+                          num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False, rope_theta=10000.0,
+                          use_sliding_window=True, sliding_window=16, max_window_layers=1)),
 }
 
 

@@ -273,6 +273,41 @@ impl HfFields<'_> {
         }
     }
 
+    /// Which of `n` layers use a sliding window: `layer_types` (`sliding_attention` or
+    /// `full_attention`, one per layer) when given, otherwise `default(layer)`.
+    pub fn sliding_layers(
+        &self,
+        n: usize,
+        default: impl Fn(usize) -> bool,
+    ) -> crate::Result<Vec<bool>> {
+        let Some(x) = self.get("layer_types") else {
+            return Ok((0..n).map(default).collect());
+        };
+        let kinds: Vec<&str> = x
+            .as_array()
+            .map(|a| a.iter().filter_map(|k| k.as_str()).collect())
+            .unwrap_or_default();
+        if kinds.len() != n {
+            return Err(crate::ModelError::config(
+                self.path,
+                "layer_types",
+                format!("expected {n} layer types (one per layer), got {x}"),
+            ));
+        }
+        kinds
+            .iter()
+            .map(|k| match *k {
+                "sliding_attention" => Ok(true),
+                "full_attention" => Ok(false),
+                other => Err(crate::ModelError::config(
+                    self.path,
+                    "layer_types",
+                    format!("unknown layer type {other:?}"),
+                )),
+            })
+            .collect()
+    }
+
     /// A string, `default` when absent.
     pub fn str_or<'s>(&'s self, name: &str, default: &'s str) -> crate::Result<&'s str> {
         match self.get(name) {

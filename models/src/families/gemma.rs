@@ -140,34 +140,7 @@ fn parse(f: &HfFields<'_>) -> crate::Result<(Config, Gemma)> {
         } else {
             Some(4096)
         };
-        let sliding_layers = match f.get("layer_types") {
-            None => (0..n).map(|i| (i + 1) % 2 == 1).collect(),
-            Some(x) => {
-                let kinds: Vec<&str> = x
-                    .as_array()
-                    .map(|a| a.iter().filter_map(|k| k.as_str()).collect())
-                    .unwrap_or_default();
-                if kinds.len() != n {
-                    return Err(ModelError::config(
-                        f.path,
-                        "layer_types",
-                        format!("expected {n} layer types (one per layer), got {x}"),
-                    ));
-                }
-                kinds
-                    .iter()
-                    .map(|k| match *k {
-                        "sliding_attention" => Ok(true),
-                        "full_attention" => Ok(false),
-                        other => Err(ModelError::config(
-                            f.path,
-                            "layer_types",
-                            format!("unknown layer type {other:?}"),
-                        )),
-                    })
-                    .collect::<crate::Result<_>>()?
-            }
-        };
+        let sliding_layers = f.sliding_layers(n, |i| (i + 1) % 2 == 1)?;
         Gemma {
             version,
             act,

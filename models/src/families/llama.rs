@@ -26,12 +26,44 @@ pub const REGISTRATION: Registration = Registration {
 };
 
 /// The LLaMA family.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct LlamaFamily;
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LlamaFamily {
+    /// Per layer, the sliding window of its attention, if any: every layer of a Mistral whose
+    /// config sets `sliding_window`; the layers `layer_types` names (by default those from
+    /// `max_window_layers` on) of a Qwen2 with `use_sliding_window`; none for Llama.
+    pub windows: Vec<Option<usize>>,
+}
 
-/// The family, shared.
+/// The family without sliding windows (Llama, and GGUF files), shared.
 pub fn family() -> Arc<dyn Family> {
-    Arc::new(LlamaFamily)
+    Arc::new(LlamaFamily::default())
+}
+
+/// The sliding windows of a `mistral` or `qwen2` config, as transformers applies them.
+fn windows(f: &HfFields<'_>, n: usize) -> crate::Result<Vec<Option<usize>>> {
+    let window = match f.model_type {
+        "mistral" => f.opt_usize("sliding_window")?,
+        "qwen2" if f.bool_or("use_sliding_window", false)? => {
+            if f.obj.contains_key("sliding_window") {
+                f.opt_usize("sliding_window")?
+            } else {
+                Some(4096)
+            }
+        }
+        _ => None,
+    };
+    let sliding = match window {
+        None => None,
+        Some(w) if f.model_type == "qwen2" => {
+            let from = f.opt_usize("max_window_layers")?.unwrap_or(28);
+            Some((w, f.sliding_layers(n, |i| i >= from)?))
+        }
+        Some(w) => Some((w, f.sliding_layers(n, |_| true)?)),
+    };
+    Ok(match sliding {
+        Some((w, layers)) => layers.into_iter().map(|s| s.then_some(w)).collect(),
+        None => vec![None; n],
+    })
 }
 
 fn from_hf(f: &HfFields<'_>) -> crate::Result<Config> {
@@ -58,6 +90,10 @@ fn from_hf(f: &HfFields<'_>) -> crate::Result<Config> {
         },
     )?;
     cfg.rope_scaling = rope_scaling;
+    let windows = windows(f, cfg.num_hidden_layers)?;
+    if windows.iter().any(Option::is_some) {
+        cfg.family = Arc::new(LlamaFamily { windows });
+    }
     Ok(cfg)
 }
 
@@ -79,23 +115,73 @@ impl Family for LlamaFamily {
         &self,
         cfg: &Config,
         vb: VarBuilder,
-        _layer: usize,
+        layer: usize,
         norm_dtype: DType,
     ) -> Result<Box<dyn DecoderBlock>> {
         let h = cfg.hidden_size;
         let norm = |name: &str| Norm::load(h, cfg.rms_norm_eps, 0.0, vb.pp(name), norm_dtype);
+        let spec = AttentionSpec {
+            window: self.windows.get(layer).copied().flatten(),
+            ..AttentionSpec::of(cfg)
+        };
         Ok(Box::new(PreNormBlock {
             input_norm: norm("input_layernorm")?,
-            attn: SelfAttention::load(
-                vb.pp("self_attn"),
-                h,
-                AttentionSpec::of(cfg),
-                cfg.attention_bias,
-            )?,
+            attn: SelfAttention::load(vb.pp("self_attn"), h, spec, cfg.attention_bias)?,
             post_attn_norm: None,
             pre_mlp_norm: norm("post_attention_layernorm")?,
             mlp: GatedMlp::load(vb.pp("mlp"), h, cfg.intermediate_size, Activation::Silu)?,
             post_mlp_norm: None,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::Config;
+
+    const BASE: &str = r#""hidden_size":64,"intermediate_size":96,"num_attention_heads":4,
+        "num_hidden_layers":4,"vocab_size":101"#;
+
+    fn family(extra: &str) -> String {
+        let text = format!("{{{BASE},{extra}}}");
+        let cfg = Config::from_json_str(&text, Path::new("config.json")).unwrap();
+        format!("{:?}", cfg.family)
+    }
+
+    #[test]
+    fn sliding_windows_follow_transformers() {
+        let none = "LlamaFamily { windows: [] }";
+        assert_eq!(family(r#""model_type":"llama","sliding_window":8"#), none);
+        assert_eq!(
+            family(r#""model_type":"mistral","sliding_window":null"#),
+            none
+        );
+        assert_eq!(
+            family(r#""model_type":"mistral","sliding_window":8"#),
+            "LlamaFamily { windows: [Some(8), Some(8), Some(8), Some(8)] }"
+        );
+        assert_eq!(family(r#""model_type":"qwen2","sliding_window":8"#), none);
+        assert_eq!(
+            family(
+                r#""model_type":"qwen2","use_sliding_window":true,"sliding_window":8,"max_window_layers":2"#
+            ),
+            "LlamaFamily { windows: [None, None, Some(8), Some(8)] }"
+        );
+        let types = r#""layer_types":["sliding_attention","full_attention","sliding_attention","full_attention"]"#;
+        assert_eq!(
+            family(&format!(
+                r#""model_type":"mistral","sliding_window":5,{types}"#
+            )),
+            "LlamaFamily { windows: [Some(5), None, Some(5), None] }"
+        );
+        let bad = format!(
+            r#"{{{BASE},"model_type":"mistral","sliding_window":5,"layer_types":["sliding_attention"]}}"#
+        );
+        let e = Config::from_json_str(&bad, Path::new("c.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("layer_types") && e.contains("c.json"), "{e}");
     }
 }
