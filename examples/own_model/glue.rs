@@ -8,7 +8,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{kv_cache::KvCache, VarBuilder};
 use candle_offload_models::layers::{Norm, Rope};
-use candle_offload_models::{Config, DecoderBlock, Family, Layout, StepCtx};
+use candle_offload_models::{Config, DecoderBlock, Family, Layout, StepCtx, UnitWeights};
 
 use super::model::{Block, TinyConfig};
 
@@ -41,11 +41,11 @@ impl Family for TinyFamily {
     fn block(
         &self,
         _: &Config,
-        vb: VarBuilder,
+        w: UnitWeights,
         _: usize,
         _: DType,
     ) -> Result<Box<dyn DecoderBlock>> {
-        Ok(Box::new(TinyBlock(Block::load(vb, &self.0)?)))
+        Ok(Box::new(TinyBlock(Block::load(w.vb().clone(), &self.0)?)))
     }
 
     fn final_norm(&self, cfg: &Config, vb: VarBuilder, dtype: DType) -> Result<Norm> {

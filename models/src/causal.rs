@@ -20,7 +20,7 @@ use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, PolicyChoice, U
 
 use crate::config::Config;
 use crate::error::ModelError;
-use crate::family::{Family, Layout, StepCtx};
+use crate::family::{Family, Layout, StepCtx, UnitWeights};
 use crate::layers::{Cache, Masks, Rope};
 
 /// The units of a model in the runtimes' (shared) store.
@@ -666,9 +666,10 @@ impl CausalLm {
             };
             for l in stage.layers.clone() {
                 let unit = stage.rt.acquire(self.units.layers[l])?;
+                let weights = UnitWeights::new(unit.var_builder(self.dtype), Some(&unit));
                 let block = self.family.block(
                     &self.cfg,
-                    unit.var_builder(self.dtype).pp(self.layout.layer(l)),
+                    weights.pp(self.layout.layer(l)),
                     l,
                     self.dtype,
                 )?;

@@ -20,8 +20,10 @@ use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::kv_cache::KvCache;
 use candle_nn::VarBuilder;
 
+use candle_offload::UnitGuard;
+
 use crate::config::Config;
-use crate::layers::{Masks, Norm, Rope};
+use crate::layers::{Linear, Masks, Norm, Rope};
 
 /// What a forward pass gives every block on one device.
 #[derive(Debug)]
@@ -46,6 +48,81 @@ pub struct TrainCtx<'a> {
     pub compute: DType,
     /// Attention head groups, each checkpointed (1: all heads at once).
     pub head_chunks: usize,
+}
+
+/// What a block is built from: the acquired unit's dense tensors as a `VarBuilder`, and its
+/// quantized tensors (GGML blocks), which [`linear`](Self::linear) turns into quantized
+/// matmuls. Navigate with [`pp`](Self::pp) as with a `VarBuilder`.
+#[derive(Clone)]
+pub struct UnitWeights<'a> {
+    vb: VarBuilder<'static>,
+    unit: Option<&'a UnitGuard>,
+}
+
+impl std::fmt::Debug for UnitWeights<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnitWeights")
+            .field("prefix", &self.vb.prefix())
+            .field(
+                "quantized",
+                &self.unit.map_or(0, |u| u.quantized_tensors().len()),
+            )
+            .finish()
+    }
+}
+
+impl<'a> UnitWeights<'a> {
+    /// Dense tensors from `vb`, and quantized ones from `unit` (the guard `vb` came from).
+    pub fn new(vb: VarBuilder<'static>, unit: Option<&'a UnitGuard>) -> Self {
+        Self { vb, unit }
+    }
+
+    /// Only dense tensors, from any `VarBuilder` (training's masters, an application's own).
+    pub fn dense(vb: VarBuilder<'static>) -> Self {
+        Self { vb, unit: None }
+    }
+
+    /// The same weights under `prefix.s`.
+    pub fn pp<S: ToString>(&self, s: S) -> Self {
+        Self {
+            vb: self.vb.pp(s),
+            unit: self.unit,
+        }
+    }
+
+    /// The dense view (norms, embeddings, an application's own layers).
+    pub fn vb(&self) -> &VarBuilder<'static> {
+        &self.vb
+    }
+
+    /// The linear layer at this prefix (`weight` of shape (out, in), and `bias` when `bias`):
+    /// a quantized matmul over the blocks when the unit holds the weight quantized, dense
+    /// otherwise.
+    pub fn linear(&self, in_dim: usize, out_dim: usize, bias: bool) -> Result<Linear> {
+        let name = format!("{}.weight", self.vb.prefix());
+        let quantized = self
+            .unit
+            .filter(|u| u.quantized_tensors().contains_key(&name));
+        let Some(unit) = quantized else {
+            return crate::layers::linear(in_dim, out_dim, bias, self.vb.clone());
+        };
+        let q = unit.get_quantized(&name)?;
+        if q.shape().dims() != [out_dim, in_dim] {
+            candle_core::bail!(
+                "{name}: quantized weight has shape {:?}, expected [{out_dim}, {in_dim}]",
+                q.shape().dims()
+            );
+        }
+        let bias = if bias {
+            Some(self.vb.get(out_dim, "bias")?)
+        } else {
+            None
+        };
+        Ok(Linear::Quantized {
+            weight: candle_core::quantized::QMatMul::from_arc(q)?,
+            bias,
+        })
+    }
 }
 
 /// One decoder layer, built from its unit right before it runs.
@@ -155,13 +232,14 @@ pub trait Family: std::fmt::Debug + Send + Sync + 'static {
         crate::layers::embed_lookup(cfg, &self.layout(cfg).embed, vb, ids)
     }
 
-    /// Decoder layer `layer` from its unit (`vb` rooted at the layer's prefix), with the norm
-    /// weights in `norm_dtype` and everything else in `vb`'s dtype (autocast keeps norms, like
-    /// the residual stream, in F32).
+    /// Decoder layer `layer` from its unit (`w` rooted at the layer's prefix), with the norm
+    /// weights in `norm_dtype` and everything else in `w`'s dtype (autocast keeps norms, like
+    /// the residual stream, in F32). Projections built with [`UnitWeights::linear`] take
+    /// quantized weights as they are.
     fn block(
         &self,
         cfg: &Config,
-        vb: VarBuilder,
+        w: UnitWeights<'_>,
         layer: usize,
         norm_dtype: DType,
     ) -> Result<Box<dyn DecoderBlock>>;

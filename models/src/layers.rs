@@ -9,12 +9,13 @@
 
 use std::sync::Mutex;
 
+use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::kv_cache::KvCache;
-use candle_nn::{Linear, VarBuilder};
+use candle_nn::VarBuilder;
 
 use crate::config::Config;
-use crate::family::{DecoderBlock, StepCtx, TrainCtx};
+use crate::family::{DecoderBlock, StepCtx, TrainCtx, UnitWeights};
 
 /// RoPE tables (cos, sin) for positions `0..max_len`, on one device.
 #[derive(Debug, Clone)]
@@ -209,19 +210,63 @@ pub fn embed_lookup(cfg: &Config, unit: &str, vb: VarBuilder, ids: &Tensor) -> R
     candle_nn::Embedding::new(w, cfg.hidden_size).forward(ids)
 }
 
-/// A linear layer with or without bias.
+/// A linear layer with or without bias, dense from `vb`.
 pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
-    if bias {
-        candle_nn::linear(in_dim, out_dim, vb)
+    let l = if bias {
+        candle_nn::linear(in_dim, out_dim, vb)?
     } else {
-        candle_nn::linear_no_bias(in_dim, out_dim, vb)
+        candle_nn::linear_no_bias(in_dim, out_dim, vb)?
+    };
+    Ok(Linear::Dense(l))
+}
+
+/// A linear layer whose weight is dense (a Candle `Linear`) or GGML-quantized (a `QMatMul`
+/// over the blocks as the unit holds them), as [`UnitWeights::linear`] finds it.
+#[derive(Debug, Clone)]
+pub enum Linear {
+    /// A dense weight.
+    Dense(candle_nn::Linear),
+    /// Quantized blocks, multiplied as they are; the bias, if any, dense.
+    Quantized {
+        /// The matmul over the blocks.
+        weight: QMatMul,
+        /// The bias.
+        bias: Option<Tensor>,
+    },
+}
+
+impl Linear {
+    /// `xs · wᵀ + b`; a quantized weight computes in F32 and returns `xs`'s dtype.
+    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(l) => l.forward(xs),
+            Self::Quantized { weight, bias } => {
+                let y = weight
+                    .forward(&xs.to_dtype(DType::F32)?)?
+                    .to_dtype(xs.dtype())?;
+                match bias {
+                    Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
+                    None => Ok(y),
+                }
+            }
+        }
+    }
+
+    /// The training form (see [`linear_2d`]); quantized weights have none.
+    pub fn forward_train(&self, xs: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(l) => linear_2d(l, xs),
+            Self::Quantized { .. } => {
+                candle_core::bail!("quantized weights cannot be trained; load the model dense")
+            }
+        }
     }
 }
 
 /// A linear layer on (batch, seq, in) as one (batch·seq, in) matmul, for training: the weight
 /// gradient is then one GEMM, where `Linear::forward` broadcasts the weight over the batch and
 /// its backward pass materializes and sums a gradient per sequence.
-pub fn linear_2d(l: &Linear, xs: &Tensor) -> Result<Tensor> {
+pub fn linear_2d(l: &candle_nn::Linear, xs: &Tensor) -> Result<Tensor> {
     let (b, t, d) = xs.dims3()?;
     let y = xs.reshape((b * t, d))?.matmul(&l.weight().t()?)?;
     let y = match l.bias() {
@@ -365,26 +410,32 @@ pub struct SelfAttention {
 }
 
 impl SelfAttention {
-    /// `q_proj`, `k_proj`, `v_proj` (with biases when `bias`) and `o_proj` under `vb`.
-    pub fn load(vb: VarBuilder, hidden: usize, spec: AttentionSpec, bias: bool) -> Result<Self> {
+    /// `q_proj`, `k_proj`, `v_proj` (with biases when `bias`) and `o_proj` under `w`, each
+    /// dense or quantized as the unit holds it.
+    pub fn load(
+        w: UnitWeights<'_>,
+        hidden: usize,
+        spec: AttentionSpec,
+        bias: bool,
+    ) -> Result<Self> {
         let (q, kv) = (
             spec.n_heads * spec.head_dim,
             spec.n_kv_heads * spec.head_dim,
         );
         Ok(Self {
             qkv: Qkv::Separate {
-                q: linear(hidden, q, bias, vb.pp("q_proj"))?,
-                k: linear(hidden, kv, bias, vb.pp("k_proj"))?,
-                v: linear(hidden, kv, bias, vb.pp("v_proj"))?,
+                q: w.pp("q_proj").linear(hidden, q, bias)?,
+                k: w.pp("k_proj").linear(hidden, kv, bias)?,
+                v: w.pp("v_proj").linear(hidden, kv, bias)?,
             },
-            o_proj: linear(q, hidden, false, vb.pp("o_proj"))?,
+            o_proj: w.pp("o_proj").linear(q, hidden, false)?,
             spec,
         })
     }
 
-    /// One fused projection `fused` (rows: q, then k, then v) and `o_proj` under `vb` (Phi-3).
+    /// One fused projection `fused` (rows: q, then k, then v) and `o_proj` under `w` (Phi-3).
     pub fn load_fused(
-        vb: VarBuilder,
+        w: UnitWeights<'_>,
         fused: &str,
         hidden: usize,
         spec: AttentionSpec,
@@ -394,8 +445,8 @@ impl SelfAttention {
             spec.n_kv_heads * spec.head_dim,
         );
         Ok(Self {
-            qkv: Qkv::Fused(linear(hidden, q + 2 * kv, false, vb.pp(fused))?),
-            o_proj: linear(q, hidden, false, vb.pp("o_proj"))?,
+            qkv: Qkv::Fused(w.pp(fused).linear(hidden, q + 2 * kv, false)?),
+            o_proj: w.pp("o_proj").linear(q, hidden, false)?,
             spec,
         })
     }
@@ -408,7 +459,7 @@ impl SelfAttention {
     fn project(&self, xs: &Tensor, train: bool) -> Result<(Tensor, Tensor, Tensor)> {
         let lin = |l: &Linear| {
             if train {
-                linear_2d(l, xs)
+                l.forward_train(xs)
             } else {
                 l.forward(xs)
             }
@@ -510,7 +561,7 @@ impl SelfAttention {
         let y = y
             .transpose(1, 2)?
             .reshape((b, seq_len, s.n_heads * s.head_dim))?;
-        linear_2d(&self.o_proj, &y)
+        self.o_proj.forward_train(&y)
     }
 }
 
@@ -584,39 +635,36 @@ pub struct GatedMlp {
 }
 
 impl GatedMlp {
-    /// `gate_proj`, `up_proj` and `down_proj` under `vb`.
+    /// `gate_proj`, `up_proj` and `down_proj` under `w`, each dense or quantized as the unit
+    /// holds it.
     pub fn load(
-        vb: VarBuilder,
+        w: UnitWeights<'_>,
         hidden: usize,
         intermediate: usize,
         act: Activation,
     ) -> Result<Self> {
         Ok(Self {
             gate_up: GateUp::Separate {
-                gate: candle_nn::linear_no_bias(hidden, intermediate, vb.pp("gate_proj"))?,
-                up: candle_nn::linear_no_bias(hidden, intermediate, vb.pp("up_proj"))?,
+                gate: w.pp("gate_proj").linear(hidden, intermediate, false)?,
+                up: w.pp("up_proj").linear(hidden, intermediate, false)?,
             },
-            down: candle_nn::linear_no_bias(intermediate, hidden, vb.pp("down_proj"))?,
+            down: w.pp("down_proj").linear(intermediate, hidden, false)?,
             act,
             intermediate,
         })
     }
 
-    /// One fused `fused` projection (rows: gate, then up) and `down_proj` under `vb` (Phi-3).
+    /// One fused `fused` projection (rows: gate, then up) and `down_proj` under `w` (Phi-3).
     pub fn load_fused(
-        vb: VarBuilder,
+        w: UnitWeights<'_>,
         fused: &str,
         hidden: usize,
         intermediate: usize,
         act: Activation,
     ) -> Result<Self> {
         Ok(Self {
-            gate_up: GateUp::Fused(candle_nn::linear_no_bias(
-                hidden,
-                2 * intermediate,
-                vb.pp(fused),
-            )?),
-            down: candle_nn::linear_no_bias(intermediate, hidden, vb.pp("down_proj"))?,
+            gate_up: GateUp::Fused(w.pp(fused).linear(hidden, 2 * intermediate, false)?),
+            down: w.pp("down_proj").linear(intermediate, hidden, false)?,
             act,
             intermediate,
         })
@@ -625,7 +673,7 @@ impl GatedMlp {
     fn run(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
         let lin = |l: &Linear, x: &Tensor| {
             if train {
-                linear_2d(l, x)
+                l.forward_train(x)
             } else {
                 l.forward(x)
             }

@@ -44,7 +44,7 @@ pub use causal::{CausalLm, DeviceMapChoice, HiddenTransfer, OffloadSettings};
 pub use chat::ChatTemplate;
 pub use config::Config;
 pub use error::{ModelError, Result};
-pub use family::{DecoderBlock, Family, Layout, StepCtx, TrainCtx};
+pub use family::{DecoderBlock, Family, Layout, StepCtx, TrainCtx, UnitWeights};
 pub use layers::Cache;
 pub use llama::Llama;
 pub use loader::{ModelFiles, Weights};

@@ -33,7 +33,7 @@ use candle_offload::{
 use crate::causal::CausalLm;
 use crate::config::Config;
 use crate::error::ModelError;
-use crate::family::{Family, Layout, TrainCtx};
+use crate::family::{Family, Layout, TrainCtx, UnitWeights};
 use crate::layers::{Masks, Rope};
 
 /// How a [`Trainer`] computes and where it keeps the weights.
@@ -156,9 +156,8 @@ impl Core {
 
     fn layer(&self, l: usize, xs: &Tensor, masks: &Masks) -> Result<Tensor> {
         let prefix = self.layout.layer(l);
-        let block = self
-            .family
-            .block(&self.cfg, self.vb(&prefix)?.pp(&prefix), l, DType::F32)?;
+        let weights = UnitWeights::dense(self.vb(&prefix)?.pp(&prefix));
+        let block = self.family.block(&self.cfg, weights, l, DType::F32)?;
         block.forward_train(
             xs,
             &TrainCtx {

@@ -14,7 +14,7 @@ use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::config::{CommonDefaults, Config};
-use crate::family::{DecoderBlock, Family, HfFields, Registration};
+use crate::family::{DecoderBlock, Family, HfFields, Registration, UnitWeights};
 use crate::layers::{
     attention_tensors, embed_lookup, hf_tensors, mlp_tensors, norm_tensors, soft_cap, Activation,
     AttentionSpec, GatedMlp, Norm, PreNormBlock, SelfAttention, TensorShape,
@@ -182,12 +182,12 @@ impl Family for Gemma {
     fn block(
         &self,
         cfg: &Config,
-        vb: VarBuilder,
+        w: UnitWeights<'_>,
         layer: usize,
         norm_dtype: DType,
     ) -> Result<Box<dyn DecoderBlock>> {
         let h = cfg.hidden_size;
-        let norm = |name: &str| Norm::load(h, cfg.rms_norm_eps, 1.0, vb.pp(name), norm_dtype);
+        let norm = |name: &str| Norm::load(h, cfg.rms_norm_eps, 1.0, w.vb().pp(name), norm_dtype);
         let sliding = self.sliding_layers.get(layer).copied().unwrap_or(false);
         let spec = AttentionSpec {
             score_div: self.query_pre_attn_scalar.sqrt(),
@@ -195,8 +195,8 @@ impl Family for Gemma {
             window: if sliding { self.sliding_window } else { None },
             ..AttentionSpec::of(cfg)
         };
-        let attn = SelfAttention::load(vb.pp("self_attn"), h, spec, cfg.attention_bias)?;
-        let mlp = GatedMlp::load(vb.pp("mlp"), h, cfg.intermediate_size, self.act)?;
+        let attn = SelfAttention::load(w.pp("self_attn"), h, spec, cfg.attention_bias)?;
+        let mlp = GatedMlp::load(w.pp("mlp"), h, cfg.intermediate_size, self.act)?;
         let block = if self.version == 2 {
             PreNormBlock {
                 input_norm: norm("input_layernorm")?,

@@ -4,11 +4,10 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Result};
-use candle_nn::VarBuilder;
 use candle_transformers::models::llama::Llama3RopeConfig;
 
 use crate::config::{CommonDefaults, Config};
-use crate::family::{DecoderBlock, Family, HfFields, Registration};
+use crate::family::{DecoderBlock, Family, HfFields, Registration, UnitWeights};
 use crate::layers::{
     attention_tensors, hf_tensors, mlp_tensors, norm_tensors, Activation, AttentionSpec, GatedMlp,
     Norm, PreNormBlock, SelfAttention, TensorShape,
@@ -114,22 +113,22 @@ impl Family for LlamaFamily {
     fn block(
         &self,
         cfg: &Config,
-        vb: VarBuilder,
+        w: UnitWeights<'_>,
         layer: usize,
         norm_dtype: DType,
     ) -> Result<Box<dyn DecoderBlock>> {
         let h = cfg.hidden_size;
-        let norm = |name: &str| Norm::load(h, cfg.rms_norm_eps, 0.0, vb.pp(name), norm_dtype);
+        let norm = |name: &str| Norm::load(h, cfg.rms_norm_eps, 0.0, w.vb().pp(name), norm_dtype);
         let spec = AttentionSpec {
             window: self.windows.get(layer).copied().flatten(),
             ..AttentionSpec::of(cfg)
         };
         Ok(Box::new(PreNormBlock {
             input_norm: norm("input_layernorm")?,
-            attn: SelfAttention::load(vb.pp("self_attn"), h, spec, cfg.attention_bias)?,
+            attn: SelfAttention::load(w.pp("self_attn"), h, spec, cfg.attention_bias)?,
             post_attn_norm: None,
             pre_mlp_norm: norm("post_attention_layernorm")?,
-            mlp: GatedMlp::load(vb.pp("mlp"), h, cfg.intermediate_size, Activation::Silu)?,
+            mlp: GatedMlp::load(w.pp("mlp"), h, cfg.intermediate_size, Activation::Silu)?,
             post_mlp_norm: None,
         }))
     }

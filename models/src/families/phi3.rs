@@ -15,10 +15,9 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Result};
-use candle_nn::VarBuilder;
 
 use crate::config::{CommonDefaults, Config};
-use crate::family::{DecoderBlock, Family, HfFields, Registration};
+use crate::family::{DecoderBlock, Family, HfFields, Registration, UnitWeights};
 use crate::layers::{
     hf_tensors, norm_tensors, Activation, AttentionSpec, GatedMlp, Norm, PreNormBlock, Rope,
     SelfAttention, TensorShape,
@@ -242,23 +241,23 @@ impl Family for Phi3 {
     fn block(
         &self,
         cfg: &Config,
-        vb: VarBuilder,
+        w: UnitWeights<'_>,
         _layer: usize,
         norm_dtype: DType,
     ) -> Result<Box<dyn DecoderBlock>> {
         let h = cfg.hidden_size;
-        let norm = |name: &str| Norm::load(h, cfg.rms_norm_eps, 0.0, vb.pp(name), norm_dtype);
+        let norm = |name: &str| Norm::load(h, cfg.rms_norm_eps, 0.0, w.vb().pp(name), norm_dtype);
         let spec = AttentionSpec {
             window: self.sliding_window,
             ..AttentionSpec::of(cfg)
         };
         Ok(Box::new(PreNormBlock {
             input_norm: norm("input_layernorm")?,
-            attn: SelfAttention::load_fused(vb.pp("self_attn"), "qkv_proj", h, spec)?,
+            attn: SelfAttention::load_fused(w.pp("self_attn"), "qkv_proj", h, spec)?,
             post_attn_norm: None,
             pre_mlp_norm: norm("post_attention_layernorm")?,
             mlp: GatedMlp::load_fused(
-                vb.pp("mlp"),
+                w.pp("mlp"),
                 "gate_up_proj",
                 h,
                 cfg.intermediate_size,
