@@ -61,6 +61,10 @@ struct Args {
     /// Compute dtype: f32, f16 or bf16 (default: f16 on a GPU, f32 on the CPU).
     #[arg(long, value_parser = flags::float_dtype)]
     dtype: Option<DType>,
+    /// Keep a GGUF file's quantized layer weights as GGML blocks and multiply them as they are
+    /// (CPU only for now; by default they are dequantized).
+    #[arg(long)]
+    quantized: bool,
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
@@ -272,9 +276,25 @@ fn main() -> Result<()> {
     };
 
     let t0 = std::time::Instant::now();
-    let store = Arc::new(loader::load_store(&files, dtype, &device, None)?);
+    if args.quantized && !devices.iter().all(|d| d.is_cpu()) {
+        bail!("--quantized runs on the CPU only for now (add --cpu)");
+    }
+    let keep_blocks = args.quantized;
+    let store = Arc::new(loader::load_store_with(
+        &files,
+        dtype,
+        &device,
+        None,
+        keep_blocks,
+    )?);
+    let blocks = store
+        .units()
+        .iter()
+        .flat_map(|u| u.tensors())
+        .filter(|t| matches!(t.format, candle_offload::store::WeightFormat::Ggml(_)))
+        .count();
     eprintln!(
-        "weights: {:.2} GiB in {} units ({:.2} GiB pinned), loaded in {:.1} s",
+        "weights: {:.2} GiB in {} units ({:.2} GiB pinned, {blocks} tensors as GGML blocks), loaded in {:.1} s",
         store.total_bytes() as f64 / 2f64.powi(30),
         store.units().len(),
         store.pinned_bytes() as f64 / 2f64.powi(30),

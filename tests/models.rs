@@ -762,3 +762,60 @@ fn quantized_projections_reach_every_family() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The default SmolLM2 GGUF loaded with its Q4_1 layer projections kept as GGML blocks (the
+/// CPU's quantized matmuls) and offloaded: every projection is kept as blocks, and the first
+/// step's logits stay close to the dequantized model's. (Greedy answers are compared with
+/// llama.cpp's in the closing note of issue 11, not here: this model is small enough that the
+/// two numerics pick different tokens on some prompts.)
+#[test]
+fn smollm2_gguf_runs_with_quantized_blocks() -> anyhow::Result<()> {
+    let gguf = loader::default_model_gguf(false)?;
+    let files = loader::from_gguf(&gguf)?;
+    let ids: Vec<u32> = (0..12).map(|i| 100 + 37 * i).collect();
+    let ids = Tensor::new(ids.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
+    let mut logits = Vec::new();
+    for keep in [true, false] {
+        let store = Arc::new(loader::load_store_with(
+            &files,
+            DType::F32,
+            &Device::Cpu,
+            None,
+            keep,
+        )?);
+        let blocks = store
+            .units()
+            .iter()
+            .flat_map(|u| u.tensors())
+            .filter(|t| matches!(t.format, candle_offload::store::WeightFormat::Ggml(_)))
+            .count();
+        assert_eq!(blocks, if keep { 7 * 30 } else { 0 });
+        let layer = store.layer_unit(0).map(|u| store.unit(u).bytes()).unwrap();
+        let kept: u64 = Llama::kept_units(&store, &files.config)
+            .iter()
+            .filter_map(|n| store.unit_id(n))
+            .map(|u| store.unit(u).bytes())
+            .sum();
+        // Room for the kept units and 4 of the 30 layers: the rest streams.
+        let budget = files.config.reserve_bytes(12, 16, DType::F32) + kept + 4 * layer;
+        let settings = candle_offload_models::OffloadSettings {
+            gpu_memory_limit: Some(MemoryLimit::Bytes(budget)),
+            ..Default::default()
+        };
+        let model = Llama::offloaded(&files, store, &Device::Cpu, DType::F32, 12, 16, &settings)?;
+        let mut cache = model.new_cache();
+        logits.push(
+            model
+                .forward(&ids, 0, &mut cache)?
+                .flatten_all()?
+                .to_vec1::<f32>()?,
+        );
+    }
+    let (q, d) = (&logits[0], &logits[1]);
+    let num: f64 = q.iter().zip(d).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+    let den: f64 = d.iter().map(|b| f64::from(*b).powi(2)).sum();
+    let rel = (num / den).sqrt();
+    eprintln!("quantized vs dequantized SmolLM2 logits: rel L2 {rel:.2e}");
+    assert!(rel < 2e-2 && rel > 0.0, "rel L2 {rel}");
+    Ok(())
+}

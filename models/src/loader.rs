@@ -7,9 +7,10 @@ use std::collections::HashMap;
 use std::io::Seek;
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::gguf_file;
+use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{DType, Device, Shape, Tensor};
-use candle_offload::{HostStore, StoreConfig, TensorSpec};
+use candle_offload::store::{RawTensorSpec, WeightFormat};
+use candle_offload::{HostStore, StoreConfig};
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
@@ -407,11 +408,24 @@ fn unpermute(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
         .reshape(dims)
 }
 
+/// Whether a GGUF tensor (HF name `hf`, GGML type `t`, `shape`) stays as its blocks: a
+/// quantized projection inside a decoder layer whose rows are whole blocks. Embeddings,
+/// norms and the output head are dequantized.
+fn keeps_blocks(hf: &str, t: GgmlDType, shape: &[usize]) -> bool {
+    let quantized = !matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+    quantized
+        && hf.contains(".layers.")
+        && hf.ends_with("_proj.weight")
+        && shape.len() == 2
+        && shape[1] % t.block_size() == 0
+}
+
 fn gguf_store(
     files: &ModelFiles,
     path: &Path,
     cfg: &StoreConfig,
     device: &Device,
+    keep_blocks: bool,
 ) -> Result<HostStore> {
     let (c, mut file) = gguf_content(path)?;
     let mut names: Vec<&String> = c.tensor_infos.keys().collect();
@@ -424,10 +438,16 @@ fn gguf_store(
             continue;
         };
         let info = &c.tensor_infos[g];
-        specs.push(TensorSpec {
+        let dims = info.shape.dims();
+        let format = if keep_blocks && keeps_blocks(&hf, info.ggml_dtype, dims) {
+            WeightFormat::Ggml(info.ggml_dtype)
+        } else {
+            WeightFormat::Dense(DType::F32)
+        };
+        specs.push(RawTensorSpec {
             name: hf.clone(),
-            dtype: DType::F32,
-            shape: Shape::from(info.shape.dims()),
+            format,
+            shape: Shape::from(dims),
         });
         origin.insert(hf, (g.clone(), perm));
     }
@@ -436,17 +456,33 @@ fn gguf_store(
         ..cfg.clone()
     };
     let model = &files.config;
-    let store = HostStore::from_fn(&specs, &cfg, device, |spec, dtype, dst| {
+    let heads = |perm: &Permuted| match perm {
+        Permuted::Q => model.num_attention_heads,
+        Permuted::K => model.num_key_value_heads,
+    };
+    let store = HostStore::from_raw(&specs, &cfg, device, |spec, format, dst| {
         let (g, perm) = &origin[&spec.name];
         let read = |file: &mut std::fs::File| -> candle_core::Result<Vec<u8>> {
             file.rewind()?;
-            let t = c.tensor(file, g, &Device::Cpu)?.dequantize(&Device::Cpu)?;
-            let t = match perm {
-                Some(Permuted::Q) => unpermute(&t, model.num_attention_heads)?,
-                Some(Permuted::K) => unpermute(&t, model.num_key_value_heads)?,
-                None => t,
-            };
-            candle_offload::store::tensor_to_bytes(&t.to_dtype(dtype)?)
+            let q = c.tensor(file, g, &Device::Cpu)?;
+            match format {
+                WeightFormat::Ggml(_) => {
+                    let raw = q.data()?;
+                    match perm {
+                        Some(p) => permute_rows(&raw, spec.shape.dims()[0], heads(p)),
+                        None => Ok(raw.to_vec()),
+                    }
+                }
+                WeightFormat::Dense(dtype) => {
+                    let t = q.dequantize(&Device::Cpu)?;
+                    let t = match perm {
+                        Some(p) => unpermute(&t, heads(p))?,
+                        None => t,
+                    };
+                    candle_offload::store::tensor_to_bytes(&t.to_dtype(dtype)?)
+                }
+                other => candle_core::bail!("the GGUF loader does not write {other:?}"),
+            }
         };
         let bytes = read(&mut file).map_err(|e| candle_offload::Error::File {
             path: path.to_path_buf(),
@@ -455,7 +491,11 @@ fn gguf_store(
         if bytes.len() != dst.len() {
             return Err(candle_offload::Error::File {
                 path: path.to_path_buf(),
-                reason: format!("tensor {g}: wrong size"),
+                reason: format!(
+                    "tensor {g}: {} bytes of data, its type and shape need {}",
+                    bytes.len(),
+                    dst.len()
+                ),
             });
         }
         dst.copy_from_slice(&bytes);
@@ -464,13 +504,46 @@ fn gguf_store(
     Ok(store)
 }
 
+/// Undoes llama.cpp's q/k permutation on raw rows (each row whole blocks): the same row order
+/// [`unpermute`] gives a dense tensor, found by unpermuting the row indices.
+fn permute_rows(raw: &[u8], rows: usize, heads: usize) -> candle_core::Result<Vec<u8>> {
+    if rows == 0 || raw.len() % rows != 0 {
+        candle_core::bail!("{} bytes do not split into {rows} rows", raw.len());
+    }
+    let row = raw.len() / rows;
+    let index = Tensor::arange(0u32, rows as u32, &Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .reshape((rows, 1))?;
+    let order = unpermute(&index, heads)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut out = Vec::with_capacity(raw.len());
+    for src in order {
+        let src = src as usize;
+        out.extend_from_slice(&raw[src * row..(src + 1) * row]);
+    }
+    Ok(out)
+}
+
 /// Loads the weights of `files` into a host store on `device` (pinned on a GPU), converting
-/// floats to `dtype`.
+/// floats to `dtype`; a GGUF file is dequantized (see [`load_store_with`]).
 pub fn load_store(
     files: &ModelFiles,
     dtype: DType,
     device: &Device,
     pinned_cap_bytes: Option<u64>,
+) -> Result<HostStore> {
+    load_store_with(files, dtype, device, pinned_cap_bytes, false)
+}
+
+/// [`load_store`], keeping a GGUF file's quantized layer projections as their GGML blocks
+/// when `keep_blocks` (the models then multiply them as they are, `QMatMul`); embeddings,
+/// norms and the output head are dequantized. Quantized weights run on the CPU; on a GPU
+/// they need the next issue's upload, so callers keep them only on the CPU.
+pub fn load_store_with(
+    files: &ModelFiles,
+    dtype: DType,
+    device: &Device,
+    pinned_cap_bytes: Option<u64>,
+    keep_blocks: bool,
 ) -> Result<HostStore> {
     let cfg = StoreConfig {
         dtype: Some(dtype),
@@ -485,7 +558,7 @@ pub fn load_store(
             };
             Ok(HostStore::from_safetensors(paths, &cfg, device)?)
         }
-        Weights::Gguf(path) => gguf_store(files, path, &cfg, device),
+        Weights::Gguf(path) => gguf_store(files, path, &cfg, device, keep_blocks),
     }
 }
 
@@ -593,6 +666,20 @@ mod tests {
             "model.embed_tokens.weight"
         );
         assert!(hf_name("rope_freqs.weight").is_none());
+    }
+
+    #[test]
+    fn permuted_blocks_dequantize_to_the_unpermuted_tensor() -> candle_core::Result<()> {
+        use candle_core::quantized::{ggml_file::qtensor_from_ggml, QTensor};
+        let (heads, rows, cols) = (2, 8, 64);
+        let w = Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu)?;
+        let q = QTensor::quantize(&w, GgmlDType::Q8_0)?;
+        let rows_fixed = permute_rows(&q.data()?, rows, heads)?;
+        let back = qtensor_from_ggml(GgmlDType::Q8_0, &rows_fixed, vec![rows, cols], &Device::Cpu)?
+            .dequantize(&Device::Cpu)?;
+        let want = unpermute(&q.dequantize(&Device::Cpu)?, heads)?;
+        assert_eq!(back.to_vec2::<f32>()?, want.to_vec2::<f32>()?);
+        Ok(())
     }
 
     #[test]
