@@ -18,7 +18,8 @@
 //! [`Config`]:
 //! 1. [`Family::tensors`] lists the checkpoint's tensors with their shapes, and
 //!    [`Family::layout`] names the units (embeddings, `{layer_prefix}{i}`, final norm, head).
-//! 2. [`Family::block`] builds one layer from the `VarBuilder` of its acquired unit, returning
+//! 2. [`Family::block`] builds one layer from its acquired unit ([`UnitWeights`]: the unit's
+//!    `VarBuilder`, and its quantized tensors for [`UnitWeights::linear`]), returning
 //!    a [`DecoderBlock`] whose `forward(xs, ctx, kv)` runs with the KV cache the model owns
 //!    (`ctx` has the position, the RoPE tables and the masks).
 //! 3. [`Config::new`] takes the shapes the runtime plans with (layers, widths, heads, vocab)
