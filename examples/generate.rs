@@ -287,12 +287,7 @@ fn main() -> Result<()> {
         None,
         keep_blocks,
     )?);
-    let blocks = store
-        .units()
-        .iter()
-        .flat_map(|u| u.tensors())
-        .filter(|t| matches!(t.format, candle_offload::store::WeightFormat::Ggml(_)))
-        .count();
+    let blocks = store.ggml_tensor_count();
     eprintln!(
         "weights: {:.2} GiB in {} units ({:.2} GiB pinned, {blocks} tensors as GGML blocks), loaded in {:.1} s",
         store.total_bytes() as f64 / 2f64.powi(30),

@@ -767,6 +767,15 @@ impl HostStore {
             .sum()
     }
 
+    /// How many tensors are held as GGML blocks.
+    pub fn ggml_tensor_count(&self) -> usize {
+        self.units
+            .iter()
+            .flat_map(|u| u.tensors())
+            .filter(|t| matches!(t.format, WeightFormat::Ggml(_)))
+            .count()
+    }
+
     /// Bytes in pageable buffers.
     pub fn pageable_bytes(&self) -> u64 {
         self.units
