@@ -341,6 +341,19 @@ impl HostUnit {
         HostBytes(HostBytesInner::Read(v))
     }
 
+    /// [`tensor_bytes`](Self::tensor_bytes), failing when its tier could not hand over all of
+    /// them.
+    fn whole_tensor_bytes(&self, t: &TensorMeta) -> candle_core::Result<HostBytes<'_>> {
+        let bytes = self.tensor_bytes(t);
+        if bytes.len() != t.nbytes {
+            candle_core::bail!(
+                "tensor {}: cannot read its bytes from the host store",
+                t.name
+            );
+        }
+        Ok(bytes)
+    }
+
     /// A CPU copy of one of its dense tensors; a GGML tensor is refused (see
     /// [`cpu_qtensor`](Self::cpu_qtensor)).
     pub fn cpu_tensor(&self, t: &TensorMeta) -> candle_core::Result<Tensor> {
@@ -352,13 +365,7 @@ impl HostUnit {
                 t.format
             );
         };
-        let bytes = self.tensor_bytes(t);
-        if bytes.len() != t.nbytes {
-            candle_core::bail!(
-                "tensor {}: cannot read its bytes from the host store",
-                t.name
-            );
-        }
+        let bytes = self.whole_tensor_bytes(t)?;
         Tensor::from_raw_buffer(&bytes, dtype, t.shape.dims(), &Device::Cpu)
     }
 
@@ -373,13 +380,7 @@ impl HostUnit {
                 t.format
             );
         };
-        let bytes = self.tensor_bytes(t);
-        if bytes.len() != t.nbytes {
-            candle_core::bail!(
-                "tensor {}: cannot read its bytes from the host store",
-                t.name
-            );
-        }
+        let bytes = self.whole_tensor_bytes(t)?;
         // `from_data` reinterprets the bytes as blocks, which needs them aligned for the block
         // type: tiers start their buffers at `sys::TIER_ALIGN` and tensors sit at
         // TENSOR_ALIGN offsets, so this holds; it is checked rather than assumed.

@@ -252,6 +252,15 @@ impl Linear {
         }
     }
 
+    /// [`forward_train`](Self::forward_train) when `train`, else [`forward`](Self::forward).
+    pub fn run(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        if train {
+            self.forward_train(xs)
+        } else {
+            self.forward(xs)
+        }
+    }
+
     /// The training form (see [`linear_2d`]); quantized weights have none.
     pub fn forward_train(&self, xs: &Tensor) -> Result<Tensor> {
         match self {
@@ -382,6 +391,14 @@ pub struct AttentionSpec {
 }
 
 impl AttentionSpec {
+    /// The widths of the query and of the key (= value) projections.
+    pub fn widths(&self) -> (usize, usize) {
+        (
+            self.n_heads * self.head_dim,
+            self.n_kv_heads * self.head_dim,
+        )
+    }
+
     /// Plain attention of `cfg`'s shape: scores over `sqrt(head_dim)`, no cap, no window.
     pub fn of(cfg: &Config) -> Self {
         Self {
@@ -418,10 +435,7 @@ impl SelfAttention {
         spec: AttentionSpec,
         bias: bool,
     ) -> Result<Self> {
-        let (q, kv) = (
-            spec.n_heads * spec.head_dim,
-            spec.n_kv_heads * spec.head_dim,
-        );
+        let (q, kv) = spec.widths();
         Ok(Self {
             qkv: Qkv::Separate {
                 q: w.pp("q_proj").linear(hidden, q, bias)?,
@@ -440,10 +454,7 @@ impl SelfAttention {
         hidden: usize,
         spec: AttentionSpec,
     ) -> Result<Self> {
-        let (q, kv) = (
-            spec.n_heads * spec.head_dim,
-            spec.n_kv_heads * spec.head_dim,
-        );
+        let (q, kv) = spec.widths();
         Ok(Self {
             qkv: Qkv::Fused(w.pp(fused).linear(hidden, q + 2 * kv, false)?),
             o_proj: w.pp("o_proj").linear(q, hidden, false)?,
@@ -457,21 +468,13 @@ impl SelfAttention {
     }
 
     fn project(&self, xs: &Tensor, train: bool) -> Result<(Tensor, Tensor, Tensor)> {
-        let lin = |l: &Linear| {
-            if train {
-                l.forward_train(xs)
-            } else {
-                l.forward(xs)
-            }
-        };
         match &self.qkv {
-            Qkv::Separate { q, k, v } => Ok((lin(q)?, lin(k)?, lin(v)?)),
+            Qkv::Separate { q, k, v } => {
+                Ok((q.run(xs, train)?, k.run(xs, train)?, v.run(xs, train)?))
+            }
             Qkv::Fused(l) => {
-                let all = lin(l)?;
-                let (q, kv) = (
-                    self.spec.n_heads * self.spec.head_dim,
-                    self.spec.n_kv_heads * self.spec.head_dim,
-                );
+                let all = l.run(xs, train)?;
+                let (q, kv) = self.spec.widths();
                 Ok((
                     all.narrow(D::Minus1, 0, q)?,
                     all.narrow(D::Minus1, q, kv)?,
@@ -671,23 +674,16 @@ impl GatedMlp {
     }
 
     fn run(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
-        let lin = |l: &Linear, x: &Tensor| {
-            if train {
-                l.forward_train(x)
-            } else {
-                l.forward(x)
-            }
-        };
         let (gate, up) = match &self.gate_up {
-            GateUp::Separate { gate, up } => (lin(gate, xs)?, lin(up, xs)?),
+            GateUp::Separate { gate, up } => (gate.run(xs, train)?, up.run(xs, train)?),
             GateUp::Fused(l) => {
-                let both = lin(l, xs)?;
+                let both = l.run(xs, train)?;
                 let i = self.intermediate;
                 (both.narrow(D::Minus1, 0, i)?, both.narrow(D::Minus1, i, i)?)
             }
         };
         let x = (self.act.apply(&gate)? * up)?;
-        lin(&self.down, &x)
+        self.down.run(&x, train)
     }
 
     /// Inference.

@@ -176,7 +176,7 @@ impl Family for Gemma {
     }
 
     fn embed(&self, cfg: &Config, vb: VarBuilder, ids: &Tensor) -> Result<Tensor> {
-        embed_lookup(cfg, "model.embed_tokens", vb, ids)? * (cfg.hidden_size as f64).sqrt()
+        embed_lookup(cfg, &self.layout(cfg).embed, vb, ids)? * (cfg.hidden_size as f64).sqrt()
     }
 
     fn block(
