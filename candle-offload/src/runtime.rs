@@ -25,7 +25,7 @@ use crate::history::{EventKind, MemoryEvent, MemoryHistory};
 use crate::plan::{plan_capacity_for, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
 use crate::runtime_error::RuntimeError;
 use crate::store::{HostStore, HostUnit, WeightFormat};
-use crate::sys::{CudaEngine, DeviceBlocks, DeviceLayout, DeviceWeight, UnitSync, UploadItem};
+use crate::sys::{CudaEngine, DeviceLayout, DeviceWeight, UnitSync, UploadItem};
 use crate::telemetry::{OffloadStats, Telemetry, Timings, UnitStats};
 use crate::varbuilder::UnitBackend;
 
@@ -82,21 +82,12 @@ enum Engine {
     Cuda(CudaEngine),
 }
 
-/// A GGML tensor of a fetched unit.
-#[derive(Debug)]
-enum QWeight {
-    /// A Candle quantized tensor, ready for `QMatMul`.
-    Ready(Arc<QTensor>),
-    /// Raw blocks on a GPU that Candle cannot wrap yet (see `DeviceBlocks::qtensor`).
-    Device(DeviceBlocks),
-}
-
-/// A fetched unit's tensors, by full name: dense ones as Candle tensors, GGML ones as
-/// quantized tensors. Cloning shares them.
+/// A fetched unit's tensors, by full name: dense ones as Candle tensors, GGML ones as Candle
+/// quantized tensors (`QTensor`, ready for `QMatMul`). Cloning shares them.
 #[derive(Debug, Clone, Default)]
 struct Weights {
     dense: Arc<HashMap<String, Tensor>>,
-    quantized: Arc<HashMap<String, QWeight>>,
+    quantized: Arc<HashMap<String, Arc<QTensor>>>,
     /// The GGML type of each quantized tensor (for the `VarBuilder`'s messages).
     quantized_formats: Arc<HashMap<String, GgmlDType>>,
 }
@@ -104,7 +95,7 @@ struct Weights {
 impl Weights {
     fn new(
         dense: HashMap<String, Tensor>,
-        quantized: HashMap<String, (GgmlDType, QWeight)>,
+        quantized: HashMap<String, (GgmlDType, Arc<QTensor>)>,
     ) -> Self {
         let quantized_formats = quantized
             .iter()
@@ -612,8 +603,8 @@ impl OffloadRuntime {
                         (DeviceWeight::Dense(x), _) => {
                             dense.insert(t.name.clone(), x);
                         }
-                        (DeviceWeight::Blocks(b), WeightFormat::Ggml(g)) => {
-                            quantized.insert(t.name.clone(), (g, QWeight::Device(b)));
+                        (DeviceWeight::Blocks(q), WeightFormat::Ggml(g)) => {
+                            quantized.insert(t.name.clone(), (g, Arc::new(q)));
                         }
                         (DeviceWeight::Blocks(_), f) => {
                             candle_core::bail!("tensor {}: {f} uploaded as blocks", t.name)
@@ -640,7 +631,7 @@ impl OffloadRuntime {
                 }
                 WeightFormat::Ggml(g) => {
                     let q = Arc::new(unit.cpu_qtensor(t)?);
-                    quantized.insert(t.name.clone(), (g, QWeight::Ready(q)));
+                    quantized.insert(t.name.clone(), (g, q));
                 }
             }
         }
@@ -1020,8 +1011,7 @@ impl UnitGuard {
     /// One of the unit's GGML-quantized tensors by full name, on the runtime's device.
     pub fn get_quantized(&self, name: &str) -> candle_core::Result<Arc<QTensor>> {
         match self.weights.quantized.get(name) {
-            Some(QWeight::Ready(q)) => Ok(q.clone()),
-            Some(QWeight::Device(blocks)) => blocks.qtensor().map(Arc::new),
+            Some(q) => Ok(q.clone()),
             None if self.weights.dense.contains_key(name) => {
                 let dtype = self.weights.dense[name].dtype();
                 candle_core::bail!(

@@ -15,13 +15,15 @@
 
 use std::sync::{Arc, Mutex};
 
+use candle_core::cuda_backend::cudarc::driver::result as cudarc_result;
 use candle_core::cuda_backend::cudarc::driver::{
     sys as cusys, CudaContext, CudaEvent, CudaSlice, CudaStream, CudaViewMut, DeviceRepr,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::op::BackpropOp;
-use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{DType, Device, Shape, Storage, Tensor};
+use candle_core::quantized::cuda::QCudaStorage;
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::{DType, Device, Storage, Tensor};
 
 use super::{
     DeviceLayout, DeviceWeight, GpuFacts, HostTier, PageableBuffer, SysError, SysResult, TierKind,
@@ -167,35 +169,6 @@ impl UnitSync {
     }
 }
 
-/// Raw GGML blocks of one tensor in device memory, allocated and written on the copy stream
-/// (the blocks, then zeroed padding, as Candle's CUDA quantized storage lays them out).
-#[derive(Debug)]
-pub(crate) struct DeviceBlocks {
-    name: String,
-    #[allow(dead_code)] // read by the quantized matmul once Candle can wrap it (next issue)
-    data: CudaSlice<u8>,
-    len: usize,
-    ggml: GgmlDType,
-    shape: Shape,
-}
-
-impl DeviceBlocks {
-    /// A Candle `QTensor` over these blocks. Candle 0.11.1 has no way to make one from a
-    /// device buffer (`QCudaStorage` has private fields; `load_quantized` and
-    /// `QStorage::from_data` copy from host memory on the compute stream), so this is refused
-    /// rather than copied a second time.
-    pub(crate) fn qtensor(&self) -> candle_core::Result<QTensor> {
-        candle_core::bail!(
-            "tensor {} ({:?}, {:?}, {} bytes on the device): quantized upload not yet implemented \
-             on CUDA (next issue): Candle 0.11.1 cannot build a QTensor from a device buffer",
-            self.name,
-            self.ggml,
-            self.shape.dims(),
-            self.len
-        )
-    }
-}
-
 #[derive(Debug)]
 struct StagingBuffer {
     buf: PinnedBuffer,
@@ -286,30 +259,7 @@ impl CudaEngine {
                     ))
                 }
                 DeviceLayout::Blocks { ggml, device_len } => {
-                    let len = range.len();
-                    if *device_len < len {
-                        candle_core::bail!(
-                            "tensor {}: a device buffer of {device_len} bytes cannot hold its {len} bytes",
-                            item.name
-                        );
-                    }
-                    // SAFETY: uninitialised device memory; the copy below writes its first `len`
-                    // bytes and the memset the rest, both on the copy stream and before `ready`.
-                    let mut dst: CudaSlice<u8> =
-                        unsafe { self.copy.alloc::<u8>((*device_len).max(1)) }.w()?;
-                    if *device_len > len {
-                        self.copy.memset_zeros(&mut dst.slice_mut(len..)).w()?;
-                    }
-                    if len > 0 {
-                        self.copy_into(src, range, &mut dst.slice_mut(..len))?;
-                    }
-                    DeviceWeight::Blocks(DeviceBlocks {
-                        name: item.name.to_string(),
-                        data: dst,
-                        len,
-                        ggml: *ggml,
-                        shape: item.shape.clone(),
-                    })
+                    DeviceWeight::Blocks(self.upload_blocks(src, item, *ggml, *device_len)?)
                 }
             };
             out.push(weight);
@@ -346,36 +296,87 @@ impl CudaEngine {
         Ok(T::wrap_cuda_slice(dst, self.cuda.clone()))
     }
 
-    /// Copies `range` of `src` into `dst` on the copy stream: one DMA out of page-locked
-    /// memory, or chunk by chunk through the staging ring for every other tier.
+    /// A tensor's GGML blocks as a Candle `QTensor` in device memory, copied on the copy
+    /// stream. Candle 0.11.1 cannot wrap a device buffer it did not allocate (`QCudaStorage`'s
+    /// fields are private), so Candle allocates it (`QCudaStorage::zeros`: stream-ordered on the
+    /// compute stream, from the memory pool, with the zeroed row padding its kernels read) and
+    /// the blocks are written through its device pointer.
+    fn upload_blocks(
+        &self,
+        src: &dyn HostTier,
+        item: &UploadItem<'_>,
+        ggml: GgmlDType,
+        device_len: usize,
+    ) -> candle_core::Result<QTensor> {
+        let len = item.range.len();
+        let elems = item.shape.elem_count();
+        let storage = QCudaStorage::zeros(&self.cuda, elems, ggml)?;
+        if storage.storage_size_in_bytes() < len
+            || len + GGML_ROW_PADDING_ELEMS / ggml.block_size() * ggml.type_size() != device_len
+        {
+            candle_core::bail!(
+                "tensor {}: {len} bytes of {ggml:?} blocks do not fill {elems} elements \
+                 ({} bytes on the device, {device_len} budgeted)",
+                item.name,
+                storage.storage_size_in_bytes()
+            );
+        }
+        if len > 0 {
+            // The guard makes the copy stream wait for the allocation's memset (recorded on the
+            // compute stream); on drop it records the copy as a read, which the free waits for.
+            let (ptr, _guard) = storage.device_ptr_with_guard(&self.copy)?;
+            let base = ptr as cusys::CUdeviceptr;
+            self.copy_chunks(src, item.range.clone(), |bytes, offset| {
+                debug_assert!(offset + bytes.len() <= len);
+                // SAFETY: `base..base + len` is the blocks' part of the buffer Candle allocated
+                // above (`storage_size_in_bytes() >= len`, checked), alive until `storage` is
+                // dropped, after the guard. `bytes` is host memory that stays valid until the
+                // copy completes: page-locked store memory, or a staging buffer that is not
+                // reused before its `done` event (see `copy_chunks`).
+                unsafe {
+                    cudarc_result::memcpy_htod_async(
+                        base + offset as cusys::CUdeviceptr,
+                        bytes,
+                        self.copy.cu_stream(),
+                    )
+                }
+                .w()
+            })?;
+        }
+        Ok(QTensor::new(QStorage::Cuda(storage), item.shape.clone())?)
+    }
+
+    /// Copies `range` of `src` into `dst` on the copy stream.
     fn copy_into<T: DeviceRepr + bytemuck::Pod>(
         &self,
         src: &dyn HostTier,
         range: std::ops::Range<usize>,
         dst: &mut CudaViewMut<'_, T>,
     ) -> candle_core::Result<()> {
-        match src.bytes() {
-            Some(bytes) if src.dma_ready() => {
-                let bytes = bytes.get(range.clone()).ok_or_else(|| {
-                    candle_core::Error::Msg(format!("range {range:?} is past the host buffer"))
-                })?;
-                let typed: &[T] = bytemuck::try_cast_slice(bytes)
-                    .map_err(|e| candle_core::Error::Msg(format!("{e}")))?;
-                self.copy.memcpy_htod(typed, dst).w()
-            }
-            _ => self.stage::<T>(src, range, dst),
-        }
+        let size = std::mem::size_of::<T>();
+        self.copy_chunks(src, range, |bytes, offset| {
+            let typed: &[T] = bytemuck::try_cast_slice(bytes)
+                .map_err(|e| candle_core::Error::Msg(format!("{e}")))?;
+            let mut view = dst.slice_mut(offset / size..(offset + bytes.len()) / size);
+            self.copy.memcpy_htod(typed, &mut view).w()
+        })
     }
 
-    /// Copies bytes of a tier that is not page-locked through the ring of pinned staging
-    /// buffers.
-    fn stage<T: DeviceRepr + bytemuck::Pod>(
+    /// Hands `put` the bytes of `range` of `src` with their offset in `range`, for it to enqueue
+    /// their copy on the copy stream: the page-locked bytes at once (one DMA), or for every
+    /// other tier chunk by chunk through the ring of pinned staging buffers.
+    fn copy_chunks(
         &self,
         src: &dyn HostTier,
         range: std::ops::Range<usize>,
-        dst: &mut CudaViewMut<'_, T>,
+        mut put: impl FnMut(&[u8], usize) -> candle_core::Result<()>,
     ) -> candle_core::Result<()> {
-        let size = std::mem::size_of::<T>();
+        if let (Some(bytes), true) = (src.bytes(), src.dma_ready()) {
+            let bytes = bytes.get(range.clone()).ok_or_else(|| {
+                candle_core::Error::Msg(format!("range {range:?} is past the host buffer"))
+            })?;
+            return put(bytes, 0);
+        }
         let mut guard = self
             .staging
             .lock()
@@ -389,10 +390,10 @@ impl CudaEngine {
                 ring.push(StagingBuffer { buf, done: None });
             }
         }
-        let chunk = STAGING_CHUNK - STAGING_CHUNK % size;
+        // Whole elements of any dtype per chunk (sizes divide 8 MiB).
         let total = range.len();
-        for start in (0..total).step_by(chunk) {
-            let len = chunk.min(total - start);
+        for start in (0..total).step_by(STAGING_CHUNK) {
+            let len = STAGING_CHUNK.min(total - start);
             let slot = &mut ring[*next];
             *next = (*next + 1) % STAGING_BUFFERS;
             if let Some(done) = slot.done.take() {
@@ -400,10 +401,7 @@ impl CudaEngine {
             }
             let from = range.start + start;
             src.read_into(from..from + len, &mut slot.buf.as_bytes_mut()[..len])?;
-            let staged: &[T] = bytemuck::try_cast_slice(&slot.buf.as_bytes()[..len])
-                .map_err(|e| candle_core::Error::Msg(format!("{e}")))?;
-            let mut view = dst.slice_mut(start / size..(start + len) / size);
-            self.copy.memcpy_htod(staged, &mut view).w()?;
+            put(&slot.buf.as_bytes()[..len], start)?;
             slot.done = Some(self.copy.record_event(None).w()?);
         }
         Ok(())

@@ -25,7 +25,7 @@ mod imp;
 
 pub(crate) use imp::{
     device_info, device_used_bytes, measure_h2d_gbps, pci_bus_id, pool_used_high_bytes,
-    set_peer_access, trim_memory_pool, try_pin, CudaEngine, DeviceBlocks, Pinner, UnitSync,
+    set_peer_access, trim_memory_pool, try_pin, CudaEngine, Pinner, UnitSync,
 };
 
 /// Elements of padding Candle's CUDA quantized storage keeps after a GGML tensor's blocks
@@ -245,8 +245,8 @@ pub(crate) struct UploadItem<'a> {
 pub(crate) enum DeviceWeight {
     /// A Candle tensor.
     Dense(Tensor),
-    /// Raw GGML blocks in device memory.
-    Blocks(DeviceBlocks),
+    /// GGML blocks in device memory, as a Candle quantized tensor.
+    Blocks(candle_core::quantized::QTensor),
 }
 
 /// A read-only memory map of a weights file.

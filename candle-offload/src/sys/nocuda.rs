@@ -30,16 +30,6 @@ impl UnitSync {
     }
 }
 
-/// Raw GGML blocks in device memory (never exist without CUDA).
-#[derive(Debug)]
-pub(crate) enum DeviceBlocks {}
-
-impl DeviceBlocks {
-    pub(crate) fn qtensor(&self) -> candle_core::Result<candle_core::quantized::QTensor> {
-        match *self {}
-    }
-}
-
 /// The copy engine of a GPU (never exists without CUDA).
 #[derive(Debug)]
 pub(crate) enum CudaEngine {}
