@@ -62,7 +62,7 @@ struct Args {
     #[arg(long, value_parser = flags::float_dtype)]
     dtype: Option<DType>,
     /// Keep a GGUF file's quantized layer weights as GGML blocks and multiply them as they are
-    /// (CPU only for now; by default they are dequantized).
+    /// (by default they are dequantized).
     #[arg(long)]
     quantized: bool,
     /// Run on the CPU.
@@ -276,9 +276,6 @@ fn main() -> Result<()> {
     };
 
     let t0 = std::time::Instant::now();
-    if args.quantized && !devices.iter().all(|d| d.is_cpu()) {
-        bail!("--quantized runs on the CPU only for now (add --cpu)");
-    }
     let keep_blocks = args.quantized;
     let store = Arc::new(loader::load_store_with(
         &files,

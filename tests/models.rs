@@ -676,32 +676,32 @@ fn no_leak_over_1000_decode_steps(device: &Device) -> anyhow::Result<()> {
 }
 test_device!(no_leak_over_1000_decode_steps, no_leak_cpu, no_leak_gpu);
 
-/// Quantized weights reach every family's blocks through the extension point: a checkpoint
-/// whose projections are stored as Q8_0 blocks (the rest dense) runs offloaded on the CPU with
-/// quantized matmuls, and its logits stay within 2e-2 (relative L2) of the same model with
-/// those blocks dequantized and run densely.
-#[test]
-fn quantized_projections_reach_every_family() -> anyhow::Result<()> {
+/// Quantized weights reach every family's blocks through the extension point, on each device:
+/// a checkpoint whose projections (and untied head) are stored as Q8_0 blocks (the rest dense)
+/// runs with quantized matmuls (on a GPU, the blocks are streamed as they are); its logits stay
+/// within 2e-2 (relative L2) of the same model with those blocks dequantized and run densely,
+/// and streaming them under a tight budget gives bit for bit the logits of the resident model.
+fn quantized_projections_reach_every_family(dev: &Device) -> anyhow::Result<()> {
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_offload::store::{RawTensorSpec, WeightFormat};
     use candle_offload::{HostStore, StoreConfig};
-    let dev = Device::Cpu;
+    let cpu = Device::Cpu;
     for kind in Tiny::ALL {
-        let dir = tempdir(&format!("quant-{}", kind.tag()));
+        let dir = tempdir(&format!("quant-{}-{}", kind.tag(), dev.is_cpu()));
         write_tiny(&dir, kind)?;
         let files = loader::from_dir(&dir)?;
         let cfg = &files.config;
-        let weights = candle_core::safetensors::load(dir.join("model.safetensors"), &dev)?;
-        // Projections (2-D, inside a layer) become Q8_0; their dequantized values feed the
-        // dense reference.
+        let weights = candle_core::safetensors::load(dir.join("model.safetensors"), &cpu)?;
+        // Projections (2-D, inside a layer) and an untied head become Q8_0; their dequantized
+        // values feed the dense reference.
         let mut quantized: HashMap<String, QTensor> = HashMap::new();
         let mut dense: Vec<(String, Tensor)> = Vec::new();
         let mut specs = Vec::new();
         for (name, shape) in cfg.expected_tensors() {
             let t = weights[&name].clone();
-            if name.contains(".layers.") && shape.len() == 2 {
+            if (name.contains(".layers.") || name == "lm_head.weight") && shape.len() == 2 {
                 let q = QTensor::quantize(&t, GgmlDType::Q8_0)?;
-                dense.push((name.clone(), q.dequantize(&dev)?));
+                dense.push((name.clone(), q.dequantize(&cpu)?));
                 specs.push(RawTensorSpec {
                     name: name.clone(),
                     format: WeightFormat::Ggml(GgmlDType::Q8_0),
@@ -721,33 +721,55 @@ fn quantized_projections_reach_every_family() -> anyhow::Result<()> {
             grouping: cfg.layout().grouping(),
             ..Default::default()
         };
-        let raw = HostStore::from_raw(&specs, &store_cfg, &dev, |spec, _, dst| {
-            let bytes = match quantized.get(&spec.name) {
-                Some(q) => q.data()?.to_vec(),
-                None => candle_offload::store::tensor_to_bytes(&weights[&spec.name])?,
-            };
-            dst.copy_from_slice(&bytes);
-            Ok(())
-        })?;
-        let reference = HostStore::from_tensors(&dense, &store_cfg, &dev)?;
-        let ids = Tensor::new(&[[3u32, 17, 42, 5, 77, 8, 91, 23]], &dev)?;
-        let mut logits = Vec::new();
-        for store in [raw, reference] {
+        let raw = Arc::new(HostStore::from_raw(
+            &specs,
+            &store_cfg,
+            dev,
+            |spec, _, dst| {
+                let bytes = match quantized.get(&spec.name) {
+                    Some(q) => q.data()?.to_vec(),
+                    None => candle_offload::store::tensor_to_bytes(&weights[&spec.name])?,
+                };
+                dst.copy_from_slice(&bytes);
+                Ok(())
+            },
+        )?);
+        let reference = Arc::new(HostStore::from_tensors(&dense, &store_cfg, dev)?);
+        let ids = Tensor::new(&[[3u32, 17, 42, 5, 77, 8, 91, 23]], dev)?;
+        let run = |store: &Arc<HostStore>, tight: bool| -> anyhow::Result<Vec<f32>> {
             let layer = store
                 .unit(store.unit_id("model.layers.0").expect("layer"))
                 .bytes();
+            let kept: u64 = Llama::kept_units(store, cfg)
+                .iter()
+                .filter_map(|n| store.unit_id(n))
+                .map(|u| store.unit(u).bytes())
+                .sum();
+            // Room for the kept units and 2 layers: the rest streams.
             let settings = candle_offload_models::OffloadSettings {
-                gpu_memory_limit: Some(MemoryLimit::Bytes(
-                    cfg.reserve_bytes(8, 16, DType::F32) + 2 * layer + (4 << 20),
-                )),
+                gpu_memory_limit: tight.then(|| {
+                    MemoryLimit::Bytes(cfg.reserve_bytes(8, 16, DType::F32) + kept + 2 * layer)
+                }),
                 ..Default::default()
             };
-            let model =
-                Llama::offloaded(&files, Arc::new(store), &dev, DType::F32, 8, 16, &settings)?;
-            logits.push(model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?);
-        }
-        let (q, d) = (&logits[0], &logits[1]);
-        let num: f64 = q.iter().zip(d).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+            let model = Llama::offloaded(&files, store.clone(), dev, DType::F32, 8, 16, &settings)?;
+            let logits = model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?;
+            if tight {
+                // A second pass fetches layers again: they did not all stay.
+                let first = model.runtime().stats()?.total.fetches;
+                model.forward_all(&ids)?;
+                let second = model.runtime().stats()?.total.fetches - first;
+                assert!(second >= 2, "{kind:?}: must stream ({second} fetches)");
+            }
+            Ok(logits)
+        };
+        let q = run(&raw, true)?;
+        let d = run(&reference, true)?;
+        let num: f64 = q
+            .iter()
+            .zip(&d)
+            .map(|(a, b)| f64::from(a - b).powi(2))
+            .sum();
         let den: f64 = d.iter().map(|b| f64::from(*b).powi(2)).sum();
         let rel = (num / den).sqrt();
         assert!(
@@ -758,10 +780,22 @@ fn quantized_projections_reach_every_family() -> anyhow::Result<()> {
             rel > 0.0,
             "{kind:?}: identical logits: the quantized matmuls did not run"
         );
+        let resident = run(&raw, false)?;
+        assert!(
+            q.iter()
+                .zip(&resident)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{kind:?}: quantized weights streamed differ from resident ones"
+        );
         std::fs::remove_dir_all(&dir)?;
     }
     Ok(())
 }
+test_device!(
+    quantized_projections_reach_every_family,
+    quantized_projections_reach_every_family_cpu,
+    quantized_projections_reach_every_family_gpu
+);
 
 /// The default SmolLM2 GGUF loaded with its Q4_1 layer projections kept as GGML blocks (the
 /// CPU's quantized matmuls) and offloaded: every projection is kept as blocks, and the first

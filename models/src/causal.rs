@@ -695,10 +695,20 @@ impl CausalLm {
         };
         let unit = rt.acquire(self.units.head)?;
         let name = format!("{}.weight", self.layout.head_unit());
-        let w = unit.var_builder(self.dtype).get((vocab, hidden), &name)?;
-        let logits = candle_nn::Linear::new(w, None)
-            .forward(&xs)?
-            .to_dtype(DType::F32)?;
+        let logits = if unit.quantized_tensors().contains_key(&name) {
+            let q = unit.get_quantized(&name)?;
+            if q.shape().dims() != [vocab, hidden] {
+                candle_core::bail!(
+                    "{name}: shape {:?}, expected [{vocab}, {hidden}]",
+                    q.shape().dims()
+                );
+            }
+            candle_core::quantized::QMatMul::from_arc(q)?.forward(&xs)?
+        } else {
+            let w = unit.var_builder(self.dtype).get((vocab, hidden), &name)?;
+            candle_nn::Linear::new(w, None).forward(&xs)?
+        }
+        .to_dtype(DType::F32)?;
         self.family.finish_logits(&self.cfg, logits)
     }
 

@@ -409,13 +409,12 @@ fn unpermute(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
 }
 
 /// Whether a GGUF tensor (HF name `hf`, GGML type `t`, `shape`) stays as its blocks: a
-/// quantized projection inside a decoder layer whose rows are whole blocks. Embeddings,
-/// norms and the output head are dequantized.
+/// quantized projection inside a decoder layer, or the (untied) output head, whose rows are
+/// whole blocks. Embeddings and norms are dequantized.
 fn keeps_blocks(hf: &str, t: GgmlDType, shape: &[usize]) -> bool {
     let quantized = !matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
     quantized
-        && hf.contains(".layers.")
-        && hf.ends_with("_proj.weight")
+        && ((hf.contains(".layers.") && hf.ends_with("_proj.weight")) || hf == "lm_head.weight")
         && shape.len() == 2
         && shape[1] % t.block_size() == 0
 }
@@ -535,9 +534,9 @@ pub fn load_store(
 }
 
 /// [`load_store`], keeping a GGUF file's quantized layer projections as their GGML blocks
-/// when `keep_blocks` (the models then multiply them as they are, `QMatMul`); embeddings,
-/// norms and the output head are dequantized. Quantized weights run on the CPU; on a GPU
-/// they need the next issue's upload, so callers keep them only on the CPU.
+/// when `keep_blocks` (the models then multiply them as they are, `QMatMul`, on the CPU or
+/// streamed to a GPU as blocks); so is an untied output head. Embeddings and norms are
+/// dequantized.
 pub fn load_store_with(
     files: &ModelFiles,
     dtype: DType,
