@@ -1,10 +1,14 @@
 //! Generation benchmark: prefill time and decode tokens/s, batch 1, of a LLaMA checkpoint under
 //! several GPU budgets and prompt lengths, with the bytes streamed per token against the raw
 //! pinned host-to-device rate measured in the same run, and the peak device memory measured
-//! outside the allocator. Merges the peer's figures (scripts/accelerate_peer.py) if given.
+//! outside the allocator. Merges the peers' figures if given: accelerate's
+//! (scripts/accelerate_peer.py) and llama.cpp's (`--llamacpp`, the JSON lines of
+//! `../shared/peer/llamacpp/bench.sh` at several `-ngl`, of which each budget takes the most
+//! layers whose measured device peak, less the idle CUDA context, stays within it).
 //!
 //! Run with: `cargo run --release --features cuda --example bench_generate -- --model-dir DIR
-//! --budgets 4,8,12,full --prompt-lens 64,512 --peer accelerate.json --json-out generate.json`
+//! --budgets 4,8,12,full --prompt-lens 64,512 --peer accelerate.json --json-out generate.json`;
+//! for a GGUF file, `--model-dir FILE.gguf [--quantized] --llamacpp llamacpp.jsonl`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -22,9 +26,22 @@ use clap::Parser;
 /// Measures prefill and decode of a checkpoint under GPU budgets.
 #[derive(Parser, Debug)]
 struct Args {
-    /// The checkpoint (HF layout).
+    /// The checkpoint: an HF-layout directory or a GGUF file.
     #[arg(long)]
     model_dir: PathBuf,
+    /// Keep a GGUF file's quantized weights as GGML blocks (streamed and multiplied as they
+    /// are); by default they are dequantized to F16.
+    #[arg(long)]
+    quantized: bool,
+    /// What the weights are, for the records (default: the file or directory name).
+    #[arg(long)]
+    weights: Option<String>,
+    /// Run llama.cpp's llama-bench from this directory on the same GGUF file, next to ours.
+    #[arg(long)]
+    llamacpp_bin: Option<PathBuf>,
+    /// llama-bench repetitions per measured configuration.
+    #[arg(long, default_value_t = 2)]
+    llamacpp_reps: u32,
     /// Budgets in GiB, or `full` (no limit: everything on the GPU).
     #[arg(long, value_delimiter = ',', default_value = "4,8,12,full")]
     budgets: Vec<String>,
@@ -68,11 +85,25 @@ fn main() -> Result<()> {
         None => None,
     };
 
-    let files = loader::from_dir(&args.model_dir)?;
+    let files = if args.model_dir.is_file() {
+        loader::from_gguf(&args.model_dir)?
+    } else {
+        loader::from_dir(&args.model_dir)?
+    };
     let cfg = files.config.clone();
     let dtype = if gpu { DType::F16 } else { DType::F32 };
     let t0 = Instant::now();
-    let store = Arc::new(loader::load_store(&files, dtype, &device, None)?);
+    let store = Arc::new(loader::load_store_with(
+        &files,
+        dtype,
+        &device,
+        None,
+        args.quantized,
+    )?);
+    let weights = args.weights.clone().unwrap_or_else(|| {
+        let stem = args.model_dir.file_stem().unwrap_or_default();
+        stem.to_string_lossy().into_owned()
+    });
     println!(
         "{}: {:.2} GiB ({:.2} GiB pinned) loaded in {:.1} s; raw pinned {raw_pinned_gbps:.1} GB/s; context {} MiB",
         files.origin,
@@ -81,6 +112,36 @@ fn main() -> Result<()> {
         t0.elapsed().as_secs_f64(),
         context_bytes >> 20
     );
+    let llamacpp = match &args.llamacpp_bin {
+        Some(bin) if gpu => {
+            let budgets: Vec<Option<u64>> = args
+                .budgets
+                .iter()
+                .map(|b| match b.as_str() {
+                    "full" => Ok(None),
+                    b => MemoryLimit::parse("--budgets", b)?
+                        .resolve("gpu", None)
+                        .map(Some)
+                        .map_err(anyhow::Error::from),
+                })
+                .collect::<Result<_>>()?;
+            let lc = LlamaCpp {
+                bench: bin.join("llama-bench"),
+                model: args.model_dir.clone(),
+                device: device.clone(),
+                context_bytes,
+                layers: cfg.num_hidden_layers as u32,
+            };
+            lc.measure(
+                &budgets,
+                &args.prompt_lens,
+                args.new_tokens,
+                args.llamacpp_reps,
+            )?
+        }
+        Some(_) => anyhow::bail!("--llamacpp-bin needs a GPU"),
+        None => Vec::new(),
+    };
     let prompt_of = |len: usize| {
         candle_offload_suite::random_tokens(len, cfg.vocab_size, len as u64 * 2654435761 + 1)
     };
@@ -187,6 +248,23 @@ fn main() -> Result<()> {
             let budget_bytes = limit
                 .map(|l| l.resolve("gpu", rt.device_memory().ok().flatten().map(|(_, t)| t)))
                 .transpose()?;
+            let lc_rec = llamacpp.iter().find(|r| r.budget_bytes == budget_bytes);
+            let ngl = lc_rec.map(|r| r.ngl);
+            let lc = |pp: bool| -> Option<f64> {
+                lc_rec?
+                    .runs
+                    .iter()
+                    .find(|(p, g, _)| {
+                        if pp {
+                            *p == prompt_len && *g == 0
+                        } else {
+                            *p == 0
+                        }
+                    })
+                    .map(|r| r.2)
+            };
+            let (lc_decode, lc_prefill) = (lc(false), lc(true));
+            let lc_peak = lc_rec.map(|r| r.peak_bytes);
             let peer_rec = peer.as_ref().and_then(|p| {
                 p["results"]
                     .as_array()?
@@ -207,8 +285,25 @@ fn main() -> Result<()> {
                 acc_tps.map_or("-".into(), |a| format!("{a:.2}")),
                 acc_tps.map_or("-".into(), |a| format!("{:.1}x", tps / a)),
             );
+            if let Some(l) = lc_decode {
+                println!(
+                    "        llama.cpp -ngl {}: decode {l:.2} tok/s ({:.2}x ours over theirs), prefill {} tok/s (ours {:.1})",
+                    ngl.unwrap_or(0),
+                    tps / l,
+                    lc_prefill.map_or("-".into(), |p| format!("{p:.1}")),
+                    prompt_len as f64 / prefill_s
+                );
+            }
             records.push(serde_json::json!({
                 "model": files.origin,
+                "weights": weights,
+                "quantized_blocks": args.quantized,
+                "prefill_tokens_per_s": prompt_len as f64 / prefill_s,
+                "llamacpp_ngl": ngl,
+                "llamacpp_peak_device_bytes": lc_peak,
+                "llamacpp_decode_tokens_per_s": lc_decode,
+                "llamacpp_prefill_tokens_per_s": lc_prefill,
+                "vs_llamacpp": lc_decode.map(|l| tps / l),
                 "prompt_len": prompt_len,
                 "budget": budget,
                 "budget_bytes": budget_bytes,
@@ -244,4 +339,142 @@ fn main() -> Result<()> {
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// llama.cpp's llama-bench on the same GGUF file, in this process's run.
+struct LlamaCpp {
+    bench: PathBuf,
+    model: PathBuf,
+    device: candle_core::Device,
+    context_bytes: u64,
+    layers: u32,
+}
+
+/// llama.cpp's figures at one budget.
+struct LlamaCppRecord {
+    budget_bytes: Option<u64>,
+    ngl: u32,
+    /// Its device peak less the idle CUDA context, bytes.
+    peak_bytes: u64,
+    /// (prompt tokens, generated tokens, tokens/s) of each llama-bench test.
+    runs: Vec<(usize, usize, f64)>,
+}
+
+impl LlamaCpp {
+    /// One llama-bench run at `ngl`: its tests, and the device memory it took at its peak
+    /// (less the idle CUDA context), sampled from outside.
+    fn run(
+        &self,
+        ngl: u32,
+        prompts: &[usize],
+        gen: usize,
+        reps: u32,
+    ) -> Result<(Vec<(usize, usize, f64)>, u64)> {
+        let before = diag::device_used_bytes(&self.device)?;
+        let sampler = PeakMemorySampler::start(&self.device, Duration::from_millis(2))?;
+        let prompts: Vec<String> = prompts.iter().map(|p| p.to_string()).collect();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let out = std::process::Command::new(&self.bench)
+            .args([
+                "-m",
+                &self.model.to_string_lossy(),
+                "-ngl",
+                &ngl.to_string(),
+            ])
+            .args(["-p", &prompts.join(","), "-n", &gen.to_string()])
+            .args([
+                "-r",
+                &reps.to_string(),
+                "-t",
+                &threads.to_string(),
+                "-o",
+                "jsonl",
+            ])
+            .output()
+            .with_context(|| format!("running {}", self.bench.display()))?;
+        let peak = sampler.stop();
+        if !out.status.success() {
+            anyhow::bail!(
+                "{} -ngl {ngl} failed: {}",
+                self.bench.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let mut runs = Vec::new();
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let r: serde_json::Value =
+                serde_json::from_str(line).with_context(|| format!("llama-bench: {line}"))?;
+            let field = |k: &str| r[k].as_u64().map(|v| v as usize);
+            if let (Some(p), Some(g), Some(ts)) =
+                (field("n_prompt"), field("n_gen"), r["avg_ts"].as_f64())
+            {
+                runs.push((p, g, ts));
+            }
+        }
+        let used = peak
+            .saturating_sub(before)
+            .saturating_sub(self.context_bytes);
+        Ok((runs, used))
+    }
+
+    /// For each budget (`None`: everything on the GPU), the most layers whose probe peak
+    /// (the longest prompt, no decode) fits it, then the full measurement there.
+    fn measure(
+        &self,
+        budgets: &[Option<u64>],
+        prompts: &[usize],
+        gen: usize,
+        reps: u32,
+    ) -> Result<Vec<LlamaCppRecord>> {
+        let all = self.layers + 1; // the layers and the output head
+        let longest = prompts.iter().copied().max().unwrap_or(64);
+        let mut probes: std::collections::BTreeMap<u32, u64> = Default::default();
+        let mut peak_at = |ngl: u32| -> Result<u64> {
+            if let Some(p) = probes.get(&ngl) {
+                return Ok(*p);
+            }
+            let (_, p) = self.run(ngl, &[longest], 0, 1)?;
+            println!("llama.cpp probe -ngl {ngl}: {} MiB", p >> 20);
+            probes.insert(ngl, p);
+            Ok(p)
+        };
+        let mut out = Vec::new();
+        for &budget in budgets {
+            let ngl = match budget {
+                None => all,
+                Some(b) => {
+                    // The largest n in 0..=all with peak(n) <= b (peaks grow with n).
+                    let (mut lo, mut hi) = (0u32, all);
+                    if peak_at(hi)? <= b {
+                        lo = hi;
+                    }
+                    while lo < hi {
+                        let mid = (lo + hi).div_ceil(2);
+                        if peak_at(mid)? <= b {
+                            lo = mid;
+                        } else {
+                            hi = mid - 1;
+                        }
+                    }
+                    lo
+                }
+            };
+            let (runs, peak_bytes) = self.run(ngl, prompts, gen, reps)?;
+            println!(
+                "llama.cpp -ngl {ngl} (budget {}): {runs:?}, peak {} MiB",
+                budget.map_or("none".into(), |b| format!("{} MiB", b >> 20)),
+                peak_bytes >> 20
+            );
+            out.push(LlamaCppRecord {
+                budget_bytes: budget,
+                ngl,
+                peak_bytes,
+                runs,
+            });
+        }
+        Ok(out)
+    }
 }

@@ -23,6 +23,15 @@
 #   peer          the PyTorch training peer (scripts/train_peer.py, extra arguments from
 #                 $PEER_ARGS) -> $OUT/train_peer.json [PEER_S=100]
 #   shard         bench_shard on /tmp/llama7b (needs make7b) -> $OUT/shard.json [SHARD_S=300]
+#   llamacpp      builds llama.cpp (llama-bench, llama-quantize) from .gpu/llamacpp (a copy of
+#                 ../shared/peer/llamacpp) into /tmp/llamacpp, in the background
+#                 -> $OUT/llamacpp-build.log
+#   gguf7b        waits for that build, then writes the random-weight 7B LLaMA shape as an F16
+#                 GGUF and quantizes it to Q8_0, Q4_0 and Q4_K_M in /tmp/gguf [GGUF_S=400]
+#   gguf13b       the same for the 13B shape (Q4_K_M, Q8_0; the F16 file is deleted after)
+#   qbench[=W,..] bench_generate on /tmp/gguf/{7b,13b}-W.gguf (W: 7b-q4_0, 13b-q8_0, ...;
+#                 quantized blocks unless f16) next to llama.cpp on the same file in the same
+#                 process, budgets $QB_BUDGETS (4,8,12,full) -> $OUT/qbench-W.json [QBENCH_S=300]
 #   train         bench_train, next to the peer's JSON when peer ran, with --max-seconds
 #                 $MAX_S (170) unless the arguments after `--` give one, and those
 #                 arguments -> $OUT/train.json [TRAIN_S=260]
@@ -36,16 +45,16 @@ OUT="${OUT:-/tmp/out}"
 BIN="${GPU_BIN:-/tmp/bin}"  # where the binaries are unpacked
 export PYTHONUNBUFFERED=1
 
-usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,42p' "$0" | sed 's/^# \{0,1\}//'; }
 
 steps=()
 while (($# > 0)); do
   case "$1" in
     --) shift; break ;;
     -h | --help) usage; exit 0 ;;
-    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train)
+    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | gguf7b | gguf13b | qbench | qbench=*)
       steps+=("$1"); shift ;;
-    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train)" >&2; exit 2 ;;
+    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp gguf7b gguf13b qbench[=W,...])" >&2; exit 2 ;;
   esac
 done
 train_args=("$@")
@@ -56,6 +65,31 @@ if ((${#steps[@]} == 0)); then
 fi
 
 mkdir -p "$OUT" "$BIN"
+llamacpp_pid=
+lc_bin=/tmp/llamacpp/build/bin
+wait_llamacpp() {
+  if [[ -n "$llamacpp_pid" ]]; then
+    wait "$llamacpp_pid"
+    llamacpp_pid=
+    tail -2 "$OUT/llamacpp-build.log"
+  fi
+  [[ -x "$lc_bin/llama-bench" ]] || { echo "llama.cpp is not built (run the llamacpp step)"; return 1; }
+}
+# make_gguf NAME HIDDEN LAYERS INTER HEADS KV VOCAB TYPE...: /tmp/gguf/NAME-f16.gguf, quantized.
+make_gguf() {
+  local name=$1 shape=("${@:2:6}") types=("${@:8}")
+  mkdir -p /tmp/gguf
+  local f16=/tmp/gguf/$name-f16.gguf
+  [[ -s "$f16" ]] || PYTHONPATH=/tmp/llamacpp/gguf-py timeout "${GGUF_S:-400}" \
+    python3 .gpu/llamacpp/gguf_random_llama.py "$f16" "${shape[@]}" || return 1
+  for t in "${types[@]}"; do
+    local q=/tmp/gguf/$name-${t,,}.gguf
+    [[ -s "$q" ]] || timeout "${GGUF_S:-400}" "$lc_bin/llama-quantize" "$f16" "$q" "$t" "$(nproc)" \
+      >>"$OUT/quantize.log" 2>&1 || return 1
+  done
+  ls -la /tmp/gguf
+}
+
 for f in .gpu/*.xz; do
   [[ -e "$f" ]] || { echo "gpu-run.sh: no packed binaries in .gpu/ (scripts/gpu-pack.sh, carry .gpu)" >&2; exit 2; }
   n=$(basename "$f" .xz)
@@ -135,6 +169,41 @@ for step in "${steps[@]}"; do
       echo "bench_shard exit $?"
       grep -v "^ \|^device map\|^streamed\|^ dev" "$OUT/bench_shard.log" | tail -12
       ;;
+    llamacpp)
+      [[ -f .gpu/llamacpp/build.sh ]] || { echo "llamacpp: copy ../shared/peer/llamacpp to .gpu/llamacpp"; continue; }
+      bash .gpu/llamacpp/build.sh /tmp/llamacpp >"$OUT/llamacpp-build.log" 2>&1 &
+      llamacpp_pid=$!
+      echo "building llama.cpp in the background"
+      ;;
+    gguf7b)
+      wait_llamacpp || continue
+      t0=$(date +%s)
+      make_gguf 7b 4096 32 11008 32 32 32000 Q8_0 Q4_0 Q4_K_M
+      echo "gguf7b exit $? after $(($(date +%s) - t0)) s"
+      ;;
+    gguf13b)
+      wait_llamacpp || continue
+      t0=$(date +%s)
+      make_gguf 13b 5120 40 13824 40 40 32000 Q4_K_M Q8_0 && rm -f /tmp/gguf/13b-f16.gguf
+      echo "gguf13b exit $? after $(($(date +%s) - t0)) s"
+      ;;
+    qbench | qbench=*)
+      need_bin bench_generate qbench "--example bench_generate" || continue
+      wait_llamacpp || continue
+      ws=(7b-q4_0 7b-q8_0)
+      [[ "$step" == qbench=* ]] && IFS=, read -r -a ws <<<"${step#qbench=}"
+      for w in "${ws[@]}"; do
+        f=/tmp/gguf/$w.gguf
+        [[ -s "$f" ]] || { echo "qbench: no $f (run gguf7b / gguf13b)"; continue; }
+        q=(--quantized)
+        [[ "$w" == *f16 ]] && q=()
+        (cd /tmp && timeout "${QBENCH_S:-300}" "$BIN/bench_generate" --model-dir "$f" "${q[@]}" \
+          --weights "$w" --budgets "${QB_BUDGETS:-4,8,12,full}" --prompt-lens 64,512 --depths 2 \
+          --llamacpp-bin "$lc_bin" --json-out "$OUT/qbench-$w.json") >"$OUT/qbench-$w.log" 2>&1
+        echo "qbench $w exit $?"
+        grep -v "^llama.cpp probe" "$OUT/qbench-$w.log" | tail -20
+      done
+      ;;
     train)
       need_bin bench_train train "--example bench_train" || continue
       peer=()
@@ -151,4 +220,8 @@ done
 if [[ -n "$make7b_pid" ]]; then
   wait "$make7b_pid"
   tail -1 "$OUT/make7b.log"
+fi
+if [[ -n "$llamacpp_pid" ]]; then
+  wait "$llamacpp_pid"
+  tail -1 "$OUT/llamacpp-build.log"
 fi
