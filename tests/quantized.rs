@@ -69,6 +69,17 @@ pub struct Written {
     pub proj_bytes: HashMap<String, usize>,
 }
 
+/// What a tensor of the random LLaMA is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// An embedding or the head: F32.
+    Dense,
+    /// A norm weight (around 1): F32.
+    Norm,
+    /// A layer projection, quantized; q/k with their head count, permuted for llama.cpp's rope.
+    Proj(Option<usize>),
+}
+
 /// Writes a random LLaMA (GQA, untied head) as a GGUF at `path` with llama.cpp's tensor names:
 /// each layer projection quantized by the test to `proj(gguf_name)` (q/k permuted the
 /// llama.cpp way first), everything else F32.
@@ -97,45 +108,69 @@ pub fn write_random_llama_gguf(
             Tensor::from_vec(v, (rows, cols), &Device::Cpu)
         }
     };
-    // (GGUF name, HF name, value, quantized projection with its q/k heads).
-    let mut tensors: Vec<(String, String, Tensor, Option<Option<usize>>)> = vec![
+    // (GGUF name, HF name, value, what it is).
+    let mut tensors: Vec<(String, String, Tensor, Kind)> = vec![
         (
             "token_embd.weight".into(),
             "model.embed_tokens.weight".into(),
             random(VOCAB, HIDDEN, false)?,
-            None,
+            Kind::Dense,
         ),
         (
             "output_norm.weight".into(),
             "model.norm.weight".into(),
             random(1, HIDDEN, true)?,
-            None,
+            Kind::Norm,
         ),
         (
             "output.weight".into(),
             "lm_head.weight".into(),
             random(VOCAB, HIDDEN, false)?,
-            None,
+            Kind::Dense,
         ),
     ];
     let kv = KV_HEADS * HEAD_DIM;
     for l in 0..LAYERS {
-        let layer: [(&str, &str, usize, usize, Option<Option<usize>>); 9] = [
-            ("attn_norm", "input_layernorm", 1, HIDDEN, None),
-            ("attn_q", "self_attn.q_proj", HIDDEN, HIDDEN, Some(Some(HEADS))),
-            ("attn_k", "self_attn.k_proj", kv, HIDDEN, Some(Some(KV_HEADS))),
-            ("attn_v", "self_attn.v_proj", kv, HIDDEN, Some(None)),
-            ("attn_output", "self_attn.o_proj", HIDDEN, HIDDEN, Some(None)),
-            ("ffn_norm", "post_attention_layernorm", 1, HIDDEN, None),
-            ("ffn_gate", "mlp.gate_proj", INTER, HIDDEN, Some(None)),
-            ("ffn_down", "mlp.down_proj", HIDDEN, INTER, Some(None)),
-            ("ffn_up", "mlp.up_proj", INTER, HIDDEN, Some(None)),
+        let layer = [
+            ("attn_norm", "input_layernorm", 1, HIDDEN, Kind::Norm),
+            (
+                "attn_q",
+                "self_attn.q_proj",
+                HIDDEN,
+                HIDDEN,
+                Kind::Proj(Some(HEADS)),
+            ),
+            (
+                "attn_k",
+                "self_attn.k_proj",
+                kv,
+                HIDDEN,
+                Kind::Proj(Some(KV_HEADS)),
+            ),
+            ("attn_v", "self_attn.v_proj", kv, HIDDEN, Kind::Proj(None)),
+            (
+                "attn_output",
+                "self_attn.o_proj",
+                HIDDEN,
+                HIDDEN,
+                Kind::Proj(None),
+            ),
+            (
+                "ffn_norm",
+                "post_attention_layernorm",
+                1,
+                HIDDEN,
+                Kind::Norm,
+            ),
+            ("ffn_gate", "mlp.gate_proj", INTER, HIDDEN, Kind::Proj(None)),
+            ("ffn_down", "mlp.down_proj", HIDDEN, INTER, Kind::Proj(None)),
+            ("ffn_up", "mlp.up_proj", INTER, HIDDEN, Kind::Proj(None)),
         ];
         for (g, hf, rows, cols, kind) in layer {
             tensors.push((
                 format!("blk.{l}.{g}.weight"),
                 format!("model.layers.{l}.{hf}.weight"),
-                random(rows, cols, kind.is_none())?,
+                random(rows, cols, kind == Kind::Norm)?,
                 kind,
             ));
         }
@@ -148,7 +183,7 @@ pub fn write_random_llama_gguf(
     let mut qtensors = Vec::new();
     for (g, hf, t, kind) in &tensors {
         let q = match kind {
-            Some(heads) => {
+            Kind::Proj(heads) => {
                 let t = match heads {
                     Some(h) => permute(t, *h)?,
                     None => t.clone(),
@@ -159,7 +194,7 @@ pub fn write_random_llama_gguf(
                     .insert(g.clone(), q.storage_size_in_bytes());
                 q
             }
-            None => QTensor::quantize(t, GgmlDType::F32)?,
+            Kind::Dense | Kind::Norm => QTensor::quantize(t, GgmlDType::F32)?,
         };
         qtensors.push(q);
         written.dense.push((hf.clone(), t.clone()));
@@ -383,7 +418,7 @@ fn types_without_a_quantized_matmul_are_dequantized_with_one_warning() -> anyhow
     let text = String::from_utf8(out.0.lock().unwrap().clone())?;
     let warnings: Vec<&str> = text.lines().filter(|l| l.contains("WARN")).collect();
     assert_eq!(warnings.len(), 1, "{text}");
-    for needle in ["Q8_1", "Q8K", "count=14", "blk.0.", "q8.gguf"] {
+    for needle in ["Q8_1", "Q8_K", "count=14", "blk.0.", "q8.gguf"] {
         assert!(warnings[0].contains(needle), "{needle}: {text}");
     }
     assert_eq!(kept.ggml_tensor_count(), 0);

@@ -163,7 +163,15 @@ impl WeightFormat {
         matches!(
             self,
             Self::Ggml(
-                G::Q4_0 | G::Q4_1 | G::Q5_0 | G::Q5_1 | G::Q8_0 | G::Q2K | G::Q3K | G::Q4K | G::Q5K
+                G::Q4_0
+                    | G::Q4_1
+                    | G::Q5_0
+                    | G::Q5_1
+                    | G::Q8_0
+                    | G::Q2K
+                    | G::Q3K
+                    | G::Q4K
+                    | G::Q5K
                     | G::Q6K
             )
         )
@@ -1024,7 +1032,10 @@ mod tests {
         assert_eq!(q4.to_string(), "GGML Q4_0");
         assert!(q4.has_quantized_matmul() && k.has_quantized_matmul());
         for other in [GgmlDType::Q8_1, GgmlDType::Q8K, GgmlDType::F16] {
-            assert!(!WeightFormat::Ggml(other).has_quantized_matmul(), "{other:?}");
+            assert!(
+                !WeightFormat::Ggml(other).has_quantized_matmul(),
+                "{other:?}"
+            );
         }
         assert!(!dense.has_quantized_matmul());
     }

@@ -248,7 +248,10 @@ fn gguf_content(path: &Path) -> Result<(gguf_file::Content, std::fs::File)> {
         Ok(Err(e)) => {
             // Candle stops at a GGML type it does not know without naming the tensor: find it.
             if let Some((tensor, id)) = unreadable_tensor_type(&mut file) {
-                let name = GGML_TYPE_NAMES.get(id as usize).copied().unwrap_or_default();
+                let name = GGML_TYPE_NAMES
+                    .get(id as usize)
+                    .copied()
+                    .unwrap_or_default();
                 let name = if name.is_empty() { "unknown" } else { name };
                 return Err(ModelError::Tensor {
                     path: path.to_path_buf(),
@@ -260,7 +263,10 @@ fn gguf_content(path: &Path) -> Result<(gguf_file::Content, std::fs::File)> {
                     ),
                 });
             }
-            return Err(ModelError::file(path, format!("not a valid GGUF file: {e}")));
+            return Err(ModelError::file(
+                path,
+                format!("not a valid GGUF file: {e}"),
+            ));
         }
         Err(panic) => {
             let why = panic
@@ -281,9 +287,18 @@ fn gguf_content(path: &Path) -> Result<(gguf_file::Content, std::fs::File)> {
 const GGML_TYPE_NAMES: [&str; 43] = [
     "F32", "F16", "Q4_0", "Q4_1", "", "", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K",
     "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S",
-    "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M", "BF16", "", "", "", "TQ1_0", "TQ2_0",
-    "", "", "", "MXFP4", "NVFP4", "Q1_0", "Q2_0",
+    "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M", "BF16", "", "", "", "TQ1_0", "TQ2_0", "",
+    "", "", "MXFP4", "NVFP4", "Q1_0", "Q2_0",
 ];
+
+/// A GGML type's name as llama.cpp writes it (`Q4_K`, where Candle's `Debug` says `Q4K`).
+fn ggml_name(t: GgmlDType) -> String {
+    let d = format!("{t:?}");
+    match d.strip_suffix('K') {
+        Some(stem) if !stem.contains('_') => format!("{stem}_K"),
+        _ => d,
+    }
+}
 
 /// The GGML type ids Candle 0.11's GGUF reader knows.
 fn candle_reads_type(id: u32) -> bool {
@@ -424,13 +439,12 @@ fn check_tensor_data(
     let block = t.block_size();
     if row % block != 0 {
         return Err(err(format!(
-            "shape {dims:?}: its rows of {row} elements are not whole {t:?} blocks of {block} \
-             elements"
+            "shape {dims:?}: its rows of {row} elements are not whole {} blocks of {block} \
+             elements",
+            ggml_name(t)
         )));
     }
-    let elems = dims
-        .iter()
-        .try_fold(1u64, |n, &d| n.checked_mul(d as u64));
+    let elems = dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d as u64));
     let bytes = elems.and_then(|e| (e / block as u64).checked_mul(t.type_size() as u64));
     let start = data_offset.checked_add(info.offset);
     match (start, bytes) {
@@ -438,8 +452,9 @@ fn check_tensor_data(
             Ok(())
         }
         (start, bytes) => Err(err(format!(
-            "its {t:?} data of shape {dims:?} ({} bytes at offset {}) runs past the end of the \
+            "its {} data of shape {dims:?} ({} bytes at offset {}) runs past the end of the \
              file ({file_len} bytes): the file is truncated or its header is wrong",
+            ggml_name(t),
             bytes.map_or("too many".into(), |b| b.to_string()),
             start.map_or("past 2^64".into(), |s| s.to_string()),
         ))),
@@ -651,7 +666,7 @@ fn gguf_store(
         origin.insert(hf, (g.clone(), perm));
     }
     if !no_matmul.is_empty() {
-        let mut types: Vec<String> = no_matmul.iter().map(|(_, t)| format!("{t:?}")).collect();
+        let mut types: Vec<String> = no_matmul.iter().map(|(_, t)| ggml_name(*t)).collect();
         types.sort();
         types.dedup();
         let mut tensors: Vec<&str> = no_matmul.iter().take(4).map(|(g, _)| *g).collect();
@@ -897,6 +912,20 @@ mod tests {
             "model.embed_tokens.weight"
         );
         assert!(hf_name("rope_freqs.weight").is_none());
+    }
+
+    #[test]
+    fn ggml_types_are_named_as_llama_cpp_names_them() {
+        assert_eq!(ggml_name(GgmlDType::Q4K), "Q4_K");
+        assert_eq!(ggml_name(GgmlDType::Q8K), "Q8_K");
+        assert_eq!(ggml_name(GgmlDType::Q8_1), "Q8_1");
+        assert_eq!(ggml_name(GgmlDType::F16), "F16");
+        assert_eq!(GGML_TYPE_NAMES[16], "IQ2_XXS");
+        assert_eq!(GGML_TYPE_NAMES[30], "BF16");
+        assert!((0..43).filter(|&i| candle_reads_type(i)).all(|i| {
+            let name = GGML_TYPE_NAMES[i as usize];
+            !name.is_empty() && !name.starts_with("IQ")
+        }));
     }
 
     #[test]
