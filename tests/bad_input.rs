@@ -3,11 +3,13 @@
 
 use std::path::Path;
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device};
 use candle_offload::{Error as OffloadError, MemoryLimit};
 use candle_offload_models::{loader, ModelError};
 
 use crate::models::write_tiny_llama;
+use crate::quantized::{write_random_llama_gguf, LAST_TENSOR};
 
 /// A case: its name, what breaks the model and tries to load it, what must come out.
 type Row = (
@@ -20,6 +22,36 @@ type Row = (
 enum Expect {
     Model(fn(&ModelError) -> bool, &'static [&'static str]),
     Offload(fn(&OffloadError) -> bool, &'static [&'static str]),
+}
+
+/// Loads a GGUF model's weights, keeping quantized blocks or not.
+fn load_gguf(path: &Path, keep_blocks: bool) -> Result<(), ModelError> {
+    let files = loader::from_gguf(path)?;
+    loader::load_store_with(&files, DType::F32, &Device::Cpu, None, keep_blocks).map(|_| ())
+}
+
+/// Rewrites one tensor's dimensions (GGML order, innermost first) and type id in a GGUF header
+/// (version 2 or 3) written by Candle.
+fn patch_tensor_header(path: &Path, tensor: &str, edit: impl FnOnce(&mut [u64], &mut u32)) {
+    let mut b = std::fs::read(path).unwrap();
+    let at = b
+        .windows(tensor.len())
+        .position(|w| w == tensor.as_bytes())
+        .unwrap()
+        + tensor.len();
+    let n = u32::from_le_bytes(b[at..at + 4].try_into().unwrap()) as usize;
+    let dims_at = at + 4;
+    let ty_at = dims_at + 8 * n;
+    let mut dims: Vec<u64> = (0..n)
+        .map(|i| u64::from_le_bytes(b[dims_at + 8 * i..dims_at + 8 * i + 8].try_into().unwrap()))
+        .collect();
+    let mut ty = u32::from_le_bytes(b[ty_at..ty_at + 4].try_into().unwrap());
+    edit(&mut dims, &mut ty);
+    for (i, d) in dims.iter().enumerate() {
+        b[dims_at + 8 * i..dims_at + 8 * i + 8].copy_from_slice(&d.to_le_bytes());
+    }
+    b[ty_at..ty_at + 4].copy_from_slice(&ty.to_le_bytes());
+    std::fs::write(path, b).unwrap();
 }
 
 fn model_rows(dir: &Path) -> Vec<Row> {
@@ -57,7 +89,56 @@ fn model_rows(dir: &Path) -> Vec<Row> {
     let gguf = dir.join("weights.gguf");
     let gguf2 = dir.join("zero-align.gguf");
     let (d7, cfg5) = (d.clone(), cfg.clone());
+    let is_tensor = |e: &ModelError| matches!(e, ModelError::Tensor { .. });
+    let quant = dir.join("quant.gguf");
+    let (q1, q2, q3) = (quant.clone(), quant.clone(), quant);
     vec![
+        (
+            "a quantized GGUF whose last tensor's data is cut short",
+            Box::new(move || {
+                write_random_llama_gguf(&q1, 1, |_| GgmlDType::Q4K).unwrap();
+                let b = std::fs::read(&q1).unwrap();
+                std::fs::write(&q1, &b[..b.len() - 100]).unwrap();
+                load_gguf(&q1, true)
+            }),
+            Expect::Model(is_tensor, &["quant.gguf", LAST_TENSOR, "truncated"]),
+        ),
+        (
+            "a GGUF tensor of a quant type Candle cannot read (IQ2_XXS)",
+            Box::new(move || {
+                write_random_llama_gguf(&q2, 1, |_| GgmlDType::Q4_0).unwrap();
+                patch_tensor_header(&q2, "blk.0.attn_q.weight", |_, ty| *ty = 16);
+                load_gguf(&q2, true)
+            }),
+            Expect::Model(
+                is_tensor,
+                &[
+                    "quant.gguf",
+                    "blk.0.attn_q.weight",
+                    "IQ2_XXS",
+                    "not supported",
+                ],
+            ),
+        ),
+        (
+            "a quantized GGUF tensor whose rows are not whole blocks",
+            Box::new(move || {
+                write_random_llama_gguf(&q3, 1, |_| GgmlDType::Q4K).unwrap();
+                // [256, 512] as [1024, 128]: the same bytes, rows of half a Q4_K block.
+                patch_tensor_header(&q3, "blk.0.ffn_down.weight", |dims, _| {
+                    dims.copy_from_slice(&[128, 1024])
+                });
+                load_gguf(&q3, false)
+            }),
+            Expect::Model(
+                is_tensor,
+                &[
+                    "quant.gguf",
+                    "blk.0.ffn_down.weight",
+                    "not whole Q4_K blocks",
+                ],
+            ),
+        ),
         (
             "truncated safetensors",
             Box::new(move || {

@@ -154,6 +154,29 @@ impl WeightFormat {
         }
     }
 
+    /// Whether this is a GGML type that Candle 0.11's quantized matmul multiplies as it is on
+    /// every backend (the CPU's kernels and CUDA's mmvq/mmq): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
+    /// Q2_K–Q6_K. Q8_1 and Q8_K (llama.cpp's activation formats) have CPU kernels only, and
+    /// GGML F32/F16/BF16 are dense: loaders dequantize those instead of keeping their blocks.
+    pub fn has_quantized_matmul(&self) -> bool {
+        use GgmlDType as G;
+        matches!(
+            self,
+            Self::Ggml(
+                G::Q4_0
+                    | G::Q4_1
+                    | G::Q5_0
+                    | G::Q5_1
+                    | G::Q8_0
+                    | G::Q2K
+                    | G::Q3K
+                    | G::Q4K
+                    | G::Q5K
+                    | G::Q6K
+            )
+        )
+    }
+
     /// The Candle dtype of the values: a dense format's dtype, F32 for GGML blocks (what
     /// Candle dequantizes them to).
     pub fn value_dtype(&self) -> DType {
@@ -1007,6 +1030,14 @@ mod tests {
         assert_eq!(dense.value_dtype(), DType::BF16);
         assert_eq!(q4.value_dtype(), DType::F32);
         assert_eq!(q4.to_string(), "GGML Q4_0");
+        assert!(q4.has_quantized_matmul() && k.has_quantized_matmul());
+        for other in [GgmlDType::Q8_1, GgmlDType::Q8K, GgmlDType::F16] {
+            assert!(
+                !WeightFormat::Ggml(other).has_quantized_matmul(),
+                "{other:?}"
+            );
+        }
+        assert!(!dense.has_quantized_matmul());
     }
 
     #[test]

@@ -4,10 +4,10 @@
 //! the host store, tokenizer from its metadata).
 
 use std::collections::HashMap;
-use std::io::Seek;
+use std::io::{Read as _, Seek};
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::{gguf_file, GgmlDType};
+use candle_core::quantized::{gguf_file, GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_offload::store::{RawTensorSpec, WeightFormat};
 use candle_offload::{HostStore, StoreConfig};
@@ -244,7 +244,30 @@ fn gguf_content(path: &Path) -> Result<(gguf_file::Content, std::fs::File)> {
     }));
     std::panic::set_hook(hook);
     let content = match read {
-        Ok(r) => r.map_err(|e| ModelError::file(path, format!("not a valid GGUF file: {e}")))?,
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            // Candle stops at a GGML type it does not know without naming the tensor: find it.
+            if let Some((tensor, id)) = unreadable_tensor_type(&mut file) {
+                let name = GGML_TYPE_NAMES
+                    .get(id as usize)
+                    .copied()
+                    .unwrap_or_default();
+                let name = if name.is_empty() { "unknown" } else { name };
+                return Err(ModelError::Tensor {
+                    path: path.to_path_buf(),
+                    tensor,
+                    reason: format!(
+                        "GGML type {id} ({name}) is not supported: Candle 0.11 reads F32, F16, \
+                         BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 and Q2_K to Q8_K (requantize \
+                         the file to one of those)"
+                    ),
+                });
+            }
+            return Err(ModelError::file(
+                path,
+                format!("not a valid GGUF file: {e}"),
+            ));
+        }
         Err(panic) => {
             let why = panic
                 .downcast_ref::<&str>()
@@ -258,6 +281,184 @@ fn gguf_content(path: &Path) -> Result<(gguf_file::Content, std::fs::File)> {
         }
     };
     Ok((content, file))
+}
+
+/// GGML type names by id (ggml.h; removed ids are empty), for messages.
+const GGML_TYPE_NAMES: [&str; 43] = [
+    "F32", "F16", "Q4_0", "Q4_1", "", "", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K",
+    "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S",
+    "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M", "BF16", "", "", "", "TQ1_0", "TQ2_0", "",
+    "", "", "MXFP4", "NVFP4", "Q1_0", "Q2_0",
+];
+
+/// A GGML type's name as llama.cpp writes it (`Q4_K`, where Candle's `Debug` says `Q4K`).
+fn ggml_name(t: GgmlDType) -> String {
+    let d = format!("{t:?}");
+    match d.strip_suffix('K') {
+        Some(stem) if !stem.contains('_') => format!("{stem}_K"),
+        _ => d,
+    }
+}
+
+/// The GGML type ids Candle 0.11's GGUF reader knows.
+fn candle_reads_type(id: u32) -> bool {
+    matches!(id, 0..=3 | 6..=15 | 30)
+}
+
+/// Reads a GGUF header field by field, never past the file's end.
+struct HeaderWalk<'a> {
+    r: std::io::BufReader<&'a mut std::fs::File>,
+    left: u64,
+    v1: bool,
+}
+
+impl HeaderWalk<'_> {
+    fn bytes(&mut self, n: u64) -> Option<Vec<u8>> {
+        use std::io::Read as _;
+        if n > self.left {
+            return None;
+        }
+        let mut v = vec![0u8; usize::try_from(n).ok()?];
+        self.r.read_exact(&mut v).ok()?;
+        self.left -= n;
+        Some(v)
+    }
+
+    fn skip(&mut self, n: u64) -> Option<()> {
+        use std::io::Read as _;
+        if n > self.left {
+            return None;
+        }
+        let skipped = std::io::copy(&mut (&mut self.r).take(n), &mut std::io::sink()).ok()?;
+        self.left -= n;
+        (skipped == n).then_some(())
+    }
+
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.bytes(4)?.try_into().ok()?))
+    }
+
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.bytes(8)?.try_into().ok()?))
+    }
+
+    /// A count or string length: 32 bits in version 1, 64 after.
+    fn len(&mut self) -> Option<u64> {
+        if self.v1 {
+            self.u32().map(u64::from)
+        } else {
+            self.u64()
+        }
+    }
+
+    fn skip_value(&mut self, value_type: u32, depth: u32) -> Option<()> {
+        let fixed = |t: u32| match t {
+            0 | 1 | 7 => Some(1u64),
+            2 | 3 => Some(2),
+            4..=6 => Some(4),
+            10..=12 => Some(8),
+            _ => None,
+        };
+        match value_type {
+            8 => {
+                let n = self.len()?;
+                self.skip(n)
+            }
+            9 if depth < 8 => {
+                let t = self.u32()?;
+                let n = self.len()?;
+                match fixed(t) {
+                    Some(size) => self.skip(n.checked_mul(size)?),
+                    None => {
+                        // Every element takes at least one byte.
+                        if n > self.left {
+                            return None;
+                        }
+                        (0..n).try_for_each(|_| self.skip_value(t, depth + 1))
+                    }
+                }
+            }
+            t => self.skip(fixed(t)?),
+        }
+    }
+}
+
+/// The first tensor of a GGUF file whose GGML type id Candle cannot read, and that id; `None`
+/// when every type is readable or the header is malformed before that.
+fn unreadable_tensor_type(file: &mut std::fs::File) -> Option<(String, u32)> {
+    let left = file.metadata().ok()?.len();
+    file.rewind().ok()?;
+    let mut w = HeaderWalk {
+        r: std::io::BufReader::new(file),
+        left,
+        v1: false,
+    };
+    if w.u32()? != 0x4655_4747 {
+        return None;
+    }
+    w.v1 = w.u32()? == 1;
+    let tensors = w.len()?;
+    let entries = w.len()?;
+    for _ in 0..entries {
+        let key = w.len()?;
+        w.skip(key)?;
+        let t = w.u32()?;
+        w.skip_value(t, 0)?;
+    }
+    for _ in 0..tensors {
+        let n = w.len()?;
+        let name = String::from_utf8_lossy(&w.bytes(n)?).into_owned();
+        let dims = u64::from(w.u32()?);
+        w.skip(dims.checked_mul(if w.v1 { 4 } else { 8 })?)?;
+        let t = w.u32()?;
+        if !candle_reads_type(t) {
+            return Some((name, t));
+        }
+        w.u64()?;
+    }
+    None
+}
+
+/// Checks that a GGUF tensor's rows are whole blocks of its type and that its data lies
+/// inside the file, before anything is read: one error naming the file and the tensor.
+fn check_tensor_data(
+    path: &Path,
+    name: &str,
+    info: &gguf_file::TensorInfo,
+    data_offset: u64,
+    file_len: u64,
+) -> Result<()> {
+    let t = info.ggml_dtype;
+    let err = |reason: String| ModelError::Tensor {
+        path: path.to_path_buf(),
+        tensor: name.to_string(),
+        reason,
+    };
+    let dims = info.shape.dims();
+    let row = dims.last().copied().unwrap_or(1);
+    let block = t.block_size();
+    if row % block != 0 {
+        return Err(err(format!(
+            "shape {dims:?}: its rows of {row} elements are not whole {} blocks of {block} \
+             elements",
+            ggml_name(t)
+        )));
+    }
+    let elems = dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d as u64));
+    let bytes = elems.and_then(|e| (e / block as u64).checked_mul(t.type_size() as u64));
+    let start = data_offset.checked_add(info.offset);
+    match (start, bytes) {
+        (Some(start), Some(bytes)) if start.checked_add(bytes).is_some_and(|e| e <= file_len) => {
+            Ok(())
+        }
+        (start, bytes) => Err(err(format!(
+            "its {} data of shape {dims:?} ({} bytes at offset {}) runs past the end of the \
+             file ({file_len} bytes): the file is truncated or its header is wrong",
+            ggml_name(t),
+            bytes.map_or("too many".into(), |b| b.to_string()),
+            start.map_or("past 2^64".into(), |s| s.to_string()),
+        ))),
+    }
 }
 
 fn meta<'a>(c: &'a gguf_file::Content, path: &Path, key: &str) -> Result<&'a gguf_file::Value> {
@@ -427,19 +628,32 @@ fn gguf_store(
     keep_blocks: bool,
 ) -> Result<HostStore> {
     let (c, mut file) = gguf_content(path)?;
+    let file_len = file
+        .metadata()
+        .map_err(|e| ModelError::file(path, format!("cannot read: {e}")))?
+        .len();
     let mut names: Vec<&String> = c.tensor_infos.keys().collect();
     names.sort();
     let mut specs = Vec::new();
     let mut origin = HashMap::new();
+    // Quantized projections whose type has no quantized matmul, dequantized instead.
+    let mut no_matmul: Vec<(&str, GgmlDType)> = Vec::new();
     for g in names {
         let Some((hf, perm)) = hf_name(g) else {
             tracing::debug!(tensor = %g, "GGUF tensor not used");
             continue;
         };
         let info = &c.tensor_infos[g];
+        check_tensor_data(path, g, info, c.tensor_data_offset, file_len)?;
         let dims = info.shape.dims();
+        let blocks = WeightFormat::Ggml(info.ggml_dtype);
         let format = if keep_blocks && keeps_blocks(&hf, info.ggml_dtype, dims) {
-            WeightFormat::Ggml(info.ggml_dtype)
+            if blocks.has_quantized_matmul() {
+                blocks
+            } else {
+                no_matmul.push((g, info.ggml_dtype));
+                WeightFormat::Dense(DType::F32)
+            }
         } else {
             WeightFormat::Dense(DType::F32)
         };
@@ -449,6 +663,23 @@ fn gguf_store(
             shape: Shape::from(dims),
         });
         origin.insert(hf, (g.clone(), perm));
+    }
+    if !no_matmul.is_empty() {
+        let mut types: Vec<String> = no_matmul.iter().map(|(_, t)| ggml_name(*t)).collect();
+        types.sort();
+        types.dedup();
+        let mut tensors: Vec<&str> = no_matmul.iter().take(4).map(|(g, _)| *g).collect();
+        if no_matmul.len() > 4 {
+            tensors.push("...");
+        }
+        tracing::warn!(
+            file = %path.display(),
+            types = %types.join(", "),
+            count = no_matmul.len(),
+            tensors = %tensors.join(", "),
+            "Candle has no quantized matmul for these GGML types: their layer projections are \
+             dequantized to F32"
+        );
     }
     let cfg = StoreConfig {
         dtype: Some(cfg.dtype.unwrap_or(DType::F32)),
@@ -462,18 +693,29 @@ fn gguf_store(
     let store = HostStore::from_raw(&specs, &cfg, device, |spec, format, dst| {
         let (g, perm) = &origin[&spec.name];
         let read = |file: &mut std::fs::File| -> candle_core::Result<Vec<u8>> {
-            file.rewind()?;
-            let q = c.tensor(file, g, &Device::Cpu)?;
+            // Read here rather than through `Content::tensor`, whose GGML reader has no Q8_1 or
+            // Q8_K; `check_tensor_data` has checked the range. The buffer is aligned for any
+            // block type (8 bytes), as Candle's `QStorage::from_data` needs.
+            let info = &c.tensor_infos[g];
+            let (t, dims) = (info.ggml_dtype, info.shape.dims());
+            let n = info.shape.elem_count() / t.block_size() * t.type_size();
+            let mut buf = vec![0u8; n + 8];
+            let at = buf.as_ptr().align_offset(8);
+            if at > 8 {
+                candle_core::bail!("cannot align a buffer for its blocks");
+            }
+            file.seek(std::io::SeekFrom::Start(c.tensor_data_offset + info.offset))?;
+            file.read_exact(&mut buf[at..at + n])?;
+            let raw = &buf[at..at + n];
             match format {
-                WeightFormat::Ggml(_) => {
-                    let raw = q.data()?;
-                    match perm {
-                        Some(p) => permute_rows(&raw, spec.shape.dims()[0], heads(p)),
-                        None => Ok(raw.to_vec()),
-                    }
-                }
+                WeightFormat::Ggml(_) => match perm {
+                    Some(p) => permute_rows(raw, dims[0], heads(p)),
+                    None => Ok(raw.to_vec()),
+                },
                 WeightFormat::Dense(dtype) => {
-                    let t = q.dequantize(&Device::Cpu)?;
+                    let storage =
+                        QStorage::from_data(std::borrow::Cow::Borrowed(raw), &Device::Cpu, t)?;
+                    let t = QTensor::new(storage, info.shape.clone())?.dequantize(&Device::Cpu)?;
                     let t = match perm {
                         Some(p) => unpermute(&t, heads(p))?,
                         None => t,
@@ -536,7 +778,10 @@ pub fn load_store(
 /// [`load_store`], keeping a GGUF file's quantized layer projections as their GGML blocks
 /// when `keep_blocks` (the models then multiply them as they are, `QMatMul`, on the CPU or
 /// streamed to a GPU as blocks); so is an untied output head. Embeddings and norms are
-/// dequantized.
+/// dequantized, and so are blocks of a type that Candle has no quantized matmul for (Q8_1,
+/// Q8_K; see [`WeightFormat::has_quantized_matmul`]), with one warning naming the types and
+/// tensors. Every GGUF tensor's rows must be whole blocks and its data inside the file
+/// ([`ModelError::Tensor`] names the file and tensor otherwise).
 pub fn load_store_with(
     files: &ModelFiles,
     dtype: DType,
@@ -665,6 +910,20 @@ mod tests {
             "model.embed_tokens.weight"
         );
         assert!(hf_name("rope_freqs.weight").is_none());
+    }
+
+    #[test]
+    fn ggml_types_are_named_as_llama_cpp_names_them() {
+        assert_eq!(ggml_name(GgmlDType::Q4K), "Q4_K");
+        assert_eq!(ggml_name(GgmlDType::Q8K), "Q8_K");
+        assert_eq!(ggml_name(GgmlDType::Q8_1), "Q8_1");
+        assert_eq!(ggml_name(GgmlDType::F16), "F16");
+        assert_eq!(GGML_TYPE_NAMES[16], "IQ2_XXS");
+        assert_eq!(GGML_TYPE_NAMES[30], "BF16");
+        assert!((0..43).filter(|&i| candle_reads_type(i)).all(|i| {
+            let name = GGML_TYPE_NAMES[i as usize];
+            !name.is_empty() && !name.starts_with("IQ")
+        }));
     }
 
     #[test]

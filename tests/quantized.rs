@@ -1,0 +1,431 @@
+//! Quantized GGUF weights of every GGML type the store keeps: random LLaMA checkpoints that the
+//! tests quantize themselves and write with llama.cpp's tensor names, loaded with their layer
+//! projections kept as blocks (Candle's quantized matmuls) and dequantized (dense F32).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use candle_offload::store::WeightFormat;
+use candle_offload::{HostStore, MemoryLimit, OffloadStrategy};
+use candle_offload_models::generation::generate;
+use candle_offload_models::{loader, Llama, ModelFiles};
+use candle_transformers::generation::LogitsProcessor;
+use rand::Rng as _;
+
+/// Every GGML type whose layer projections stay as blocks.
+pub const KEPT_TYPES: [GgmlDType; 10] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q8_0,
+    GgmlDType::Q2K,
+    GgmlDType::Q3K,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// The random LLaMA's shape: rows of 256 and 512 elements, whole blocks of every type.
+const HIDDEN: usize = 256;
+const INTER: usize = 512;
+const LAYERS: usize = 2;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const VOCAB: usize = 128;
+const HEAD_DIM: usize = HIDDEN / HEADS;
+
+/// The GGUF tensor the random LLaMA writes last (truncating the file cuts its data).
+pub const LAST_TENSOR: &str = "blk.1.ffn_up.weight";
+
+fn tempdir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "candle-offload-quantized-{tag}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// llama.cpp's converter's q/k permutation (the loader undoes it).
+fn permute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    w.reshape((heads, 2, rows / heads / 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, cols))
+}
+
+/// What the writer made: the F32 weights under their HF names, and the bytes each quantized
+/// projection takes in the file (by GGUF name).
+pub struct Written {
+    /// HF name and unquantized value of every tensor.
+    pub dense: Vec<(String, Tensor)>,
+    /// GGUF name of each projection and its bytes in the file.
+    pub proj_bytes: HashMap<String, usize>,
+}
+
+/// What a tensor of the random LLaMA is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// An embedding or the head: F32.
+    Dense,
+    /// A norm weight (around 1): F32.
+    Norm,
+    /// A layer projection, quantized; q/k with their head count, permuted for llama.cpp's rope.
+    Proj(Option<usize>),
+}
+
+/// Writes a random LLaMA (GQA, untied head) as a GGUF at `path` with llama.cpp's tensor names:
+/// each layer projection quantized by the test to `proj(gguf_name)` (q/k permuted the
+/// llama.cpp way first), everything else F32.
+pub fn write_random_llama_gguf(
+    path: &Path,
+    seed: u64,
+    proj: impl Fn(&str) -> GgmlDType,
+) -> anyhow::Result<Written> {
+    use gguf_file::Value;
+    let mut rng = candle_offload_suite::rng(seed);
+    let mut random = |rows: usize, cols: usize, norm: bool| -> candle_core::Result<Tensor> {
+        let scale = 2.0 / (cols as f32).sqrt();
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                let r = rng.random_range(-0.5f32..0.5);
+                if norm {
+                    1.0 + 0.1 * r
+                } else {
+                    scale * r
+                }
+            })
+            .collect();
+        if rows == 1 {
+            Tensor::from_vec(v, cols, &Device::Cpu)
+        } else {
+            Tensor::from_vec(v, (rows, cols), &Device::Cpu)
+        }
+    };
+    // (GGUF name, HF name, value, what it is).
+    let mut tensors: Vec<(String, String, Tensor, Kind)> = vec![
+        (
+            "token_embd.weight".into(),
+            "model.embed_tokens.weight".into(),
+            random(VOCAB, HIDDEN, false)?,
+            Kind::Dense,
+        ),
+        (
+            "output_norm.weight".into(),
+            "model.norm.weight".into(),
+            random(1, HIDDEN, true)?,
+            Kind::Norm,
+        ),
+        (
+            "output.weight".into(),
+            "lm_head.weight".into(),
+            random(VOCAB, HIDDEN, false)?,
+            Kind::Dense,
+        ),
+    ];
+    let kv = KV_HEADS * HEAD_DIM;
+    for l in 0..LAYERS {
+        let layer = [
+            ("attn_norm", "input_layernorm", 1, HIDDEN, Kind::Norm),
+            (
+                "attn_q",
+                "self_attn.q_proj",
+                HIDDEN,
+                HIDDEN,
+                Kind::Proj(Some(HEADS)),
+            ),
+            (
+                "attn_k",
+                "self_attn.k_proj",
+                kv,
+                HIDDEN,
+                Kind::Proj(Some(KV_HEADS)),
+            ),
+            ("attn_v", "self_attn.v_proj", kv, HIDDEN, Kind::Proj(None)),
+            (
+                "attn_output",
+                "self_attn.o_proj",
+                HIDDEN,
+                HIDDEN,
+                Kind::Proj(None),
+            ),
+            (
+                "ffn_norm",
+                "post_attention_layernorm",
+                1,
+                HIDDEN,
+                Kind::Norm,
+            ),
+            ("ffn_gate", "mlp.gate_proj", INTER, HIDDEN, Kind::Proj(None)),
+            ("ffn_down", "mlp.down_proj", HIDDEN, INTER, Kind::Proj(None)),
+            ("ffn_up", "mlp.up_proj", INTER, HIDDEN, Kind::Proj(None)),
+        ];
+        for (g, hf, rows, cols, kind) in layer {
+            tensors.push((
+                format!("blk.{l}.{g}.weight"),
+                format!("model.layers.{l}.{hf}.weight"),
+                random(rows, cols, kind == Kind::Norm)?,
+                kind,
+            ));
+        }
+    }
+    assert_eq!(tensors.last().unwrap().0, LAST_TENSOR);
+    let mut written = Written {
+        dense: Vec::new(),
+        proj_bytes: HashMap::new(),
+    };
+    let mut qtensors = Vec::new();
+    for (g, hf, t, kind) in &tensors {
+        let q = match kind {
+            Kind::Proj(heads) => {
+                let t = match heads {
+                    Some(h) => permute(t, *h)?,
+                    None => t.clone(),
+                };
+                let q = QTensor::quantize(&t, proj(g))?;
+                written
+                    .proj_bytes
+                    .insert(g.clone(), q.storage_size_in_bytes());
+                q
+            }
+            Kind::Dense | Kind::Norm => QTensor::quantize(t, GgmlDType::F32)?,
+        };
+        qtensors.push(q);
+        written.dense.push((hf.clone(), t.clone()));
+    }
+    let tokens = Value::Array((0..VOCAB).map(|i| Value::String(format!("t{i}"))).collect());
+    let metadata: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.embedding_length", Value::U32(HIDDEN as u32)),
+        ("llama.feed_forward_length", Value::U32(INTER as u32)),
+        ("llama.block_count", Value::U32(LAYERS as u32)),
+        ("llama.attention.head_count", Value::U32(HEADS as u32)),
+        ("llama.attention.head_count_kv", Value::U32(KV_HEADS as u32)),
+        ("llama.context_length", Value::U32(256)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("llama.rope.freq_base", Value::F32(10_000.0)),
+        ("tokenizer.ggml.tokens", tokens),
+    ];
+    let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let named: Vec<(&str, &QTensor)> = tensors
+        .iter()
+        .zip(&qtensors)
+        .map(|((g, ..), q)| (g.as_str(), q))
+        .collect();
+    let mut file = std::fs::File::create(path)?;
+    gguf_file::write(&mut file, &metadata, &named)?;
+    Ok(written)
+}
+
+/// Relative L2 distance of `a` from `b`.
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+const PROMPT: [u32; 8] = [3, 17, 42, 5, 77, 8, 91, 23];
+
+/// Logits of the whole prompt and 6 greedy tokens after it, on the CPU, with `layers` layer
+/// units' room in the budget (`None`: no limit, everything resident).
+fn run(
+    files: &ModelFiles,
+    store: Arc<HostStore>,
+    layers: Option<u64>,
+    strategy: OffloadStrategy,
+    depth: usize,
+) -> anyhow::Result<(Vec<f32>, Vec<u32>, u64)> {
+    let dev = Device::Cpu;
+    let max_len = PROMPT.len() + 6;
+    let limit = layers.map(|n| {
+        let layer = store.layer_unit(0).map(|u| store.unit(u).bytes()).unwrap();
+        let kept: u64 = Llama::kept_units(&store, &files.config)
+            .iter()
+            .filter_map(|n| store.unit_id(n))
+            .map(|u| store.unit(u).bytes())
+            .sum();
+        files
+            .config
+            .reserve_bytes(PROMPT.len(), max_len, DType::F32)
+            + kept
+            + n * layer
+    });
+    let settings = candle_offload_models::OffloadSettings {
+        gpu_memory_limit: limit.map(MemoryLimit::Bytes),
+        strategy,
+        prefetch_depth: depth,
+        ..Default::default()
+    };
+    let model = Llama::offloaded(
+        files,
+        store,
+        &dev,
+        DType::F32,
+        PROMPT.len(),
+        max_len,
+        &settings,
+    )?;
+    let ids = Tensor::new(&PROMPT, &dev)?.unsqueeze(0)?;
+    let logits = model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut sampler = LogitsProcessor::new(0, None, None);
+    let (tokens, _) = generate(&model, &PROMPT, 6, &mut sampler, &[], |_| Ok(()))?;
+    let fetches = model.runtime().stats()?.total.fetches;
+    Ok((logits, tokens, fetches))
+}
+
+fn load(files: &ModelFiles, keep: bool) -> anyhow::Result<Arc<HostStore>> {
+    Ok(Arc::new(loader::load_store_with(
+        files,
+        DType::F32,
+        &Device::Cpu,
+        None,
+        keep,
+    )?))
+}
+
+/// For every kept type: the layer projections stay as blocks of that type, each taking exactly
+/// its bytes in the file; the quantized matmuls' logits are within 2e-2 (relative L2) of the
+/// same weights dequantized to F32 and run densely.
+#[test]
+fn every_kept_type_matches_its_dequantized_model() -> anyhow::Result<()> {
+    let dir = tempdir("types");
+    let mut report = Vec::new();
+    for t in KEPT_TYPES {
+        let path = dir.join(format!("{t:?}.gguf"));
+        let written = write_random_llama_gguf(&path, 11, |_| t)?;
+        let files = loader::from_gguf(&path)?;
+        let kept = load(&files, true)?;
+        let dense = load(&files, false)?;
+        assert_eq!(kept.ggml_tensor_count(), 7 * LAYERS, "{t:?}");
+        assert_eq!(dense.ggml_tensor_count(), 0, "{t:?}");
+        // Host bytes of the kept tensors: exactly the file's.
+        let mut host = 0;
+        for unit in kept.units() {
+            for m in unit.tensors() {
+                if let WeightFormat::Ggml(g) = m.format {
+                    assert_eq!(g, t, "{}", m.name);
+                    host += m.nbytes;
+                }
+            }
+        }
+        let file: usize = written.proj_bytes.values().sum();
+        assert_eq!(host, file, "{t:?}: host bytes of the kept blocks");
+        let (q, _, _) = run(&files, kept, None, OffloadStrategy::Minimal, 0)?;
+        let (d, _, _) = run(&files, dense, None, OffloadStrategy::Minimal, 0)?;
+        let rel = rel_l2(&q, &d);
+        // How far the quantization itself moved the model (not asserted: 2-bit types move it far).
+        let original = Arc::new(HostStore::from_tensors(
+            &written.dense,
+            &Default::default(),
+            &Device::Cpu,
+        )?);
+        let (o, _, _) = run(&files, original, None, OffloadStrategy::Minimal, 0)?;
+        let from_original = rel_l2(&d, &o);
+        report.push(format!(
+            "{t:?}: kept vs dequantized {rel:.2e}, dequantized vs unquantized {from_original:.2e}"
+        ));
+        assert!(rel <= 2e-2 && rel > 0.0, "{t:?}: rel L2 {rel}");
+        if t == GgmlDType::Q8_0 {
+            // Close to the unquantized model: the q/k permutation was written and undone right.
+            assert!(from_original < 2e-2, "Q8_0 vs unquantized: {from_original}");
+        }
+    }
+    eprintln!("{}", report.join("\n"));
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// Offloaded == resident, bit for bit, on the CPU with quantized blocks (a legacy, two K and a
+/// 6-bit type): budgets of one and two layers, with and without prefetch.
+#[test]
+fn quantized_offloaded_equals_resident() -> anyhow::Result<()> {
+    let dir = tempdir("offload");
+    for t in [GgmlDType::Q4_0, GgmlDType::Q4K, GgmlDType::Q6K] {
+        let path = dir.join(format!("{t:?}.gguf"));
+        write_random_llama_gguf(&path, 5, |_| t)?;
+        let files = loader::from_gguf(&path)?;
+        let store = load(&files, true)?;
+        let (ref_logits, ref_tokens, _) =
+            run(&files, store.clone(), None, OffloadStrategy::Minimal, 0)?;
+        for layers in [1u64, 2] {
+            for strategy in [OffloadStrategy::Minimal, OffloadStrategy::Balanced] {
+                for depth in [0, 1] {
+                    let what = format!("{t:?}, {layers} layers, {strategy}, depth {depth}");
+                    let (logits, tokens, fetches) =
+                        run(&files, store.clone(), Some(layers), strategy, depth)?;
+                    assert_eq!(logits, ref_logits, "logits: {what}");
+                    assert_eq!(tokens, ref_tokens, "greedy tokens: {what}");
+                    if layers == 1 {
+                        assert!(fetches > 4, "{what}: the model must stream ({fetches})");
+                    }
+                }
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// A `tracing` writer into memory.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+/// Q8_1 and Q8_K have no quantized matmul on every backend: their projections are dequantized
+/// (none kept), with one warning that names both types and counts the tensors, and the model
+/// matches the one loaded dense bit for bit.
+#[test]
+fn types_without_a_quantized_matmul_are_dequantized_with_one_warning() -> anyhow::Result<()> {
+    let dir = tempdir("q8");
+    let path = dir.join("q8.gguf");
+    write_random_llama_gguf(&path, 3, |g| {
+        if g.starts_with("blk.0.") {
+            GgmlDType::Q8_1
+        } else {
+            GgmlDType::Q8K
+        }
+    })?;
+    let files = loader::from_gguf(&path)?;
+    let out = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(out.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let kept = tracing::subscriber::with_default(subscriber, || load(&files, true))?;
+    let text = String::from_utf8(out.0.lock().unwrap().clone())?;
+    let warnings: Vec<&str> = text.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "{text}");
+    for needle in ["Q8_1", "Q8_K", "count=14", "blk.0.", "q8.gguf"] {
+        assert!(warnings[0].contains(needle), "{needle}: {text}");
+    }
+    assert_eq!(kept.ggml_tensor_count(), 0);
+    let dense = load(&files, false)?;
+    let (a, ..) = run(&files, kept, None, OffloadStrategy::Minimal, 0)?;
+    let (b, ..) = run(&files, dense, None, OffloadStrategy::Minimal, 0)?;
+    assert_eq!(a, b);
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
