@@ -205,6 +205,17 @@ fn quantized_cache_is_reused_and_rebuilt_when_the_source_changes() -> anyhow::Re
     assert!(c4.requantized > 0);
     assert_ne!(logits(&files, third)?, l1);
     assert_eq!(load(GgmlDType::Q8_0)?.1.state, CacheState::Hit);
+
+    // A damaged cache file (cut short) is rebuilt, not read.
+    let len = std::fs::metadata(&c4.path)?.len();
+    std::fs::File::options()
+        .write(true)
+        .open(&c4.path)?
+        .set_len(len - 100)?;
+    match load(GgmlDType::Q8_0)?.1.state {
+        CacheState::Rebuilt { reason } => assert!(reason.contains("truncated"), "{reason}"),
+        other => panic!("expected a rebuild, got {other:?}"),
+    }
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
@@ -216,8 +227,16 @@ fn interrupted_quantize_leaves_no_cache_file() -> anyhow::Result<()> {
     let dir = tempdir("interrupt");
     write_tiny(&dir, Tiny::Gemma)?;
     let files = loader::from_dir(&dir)?;
+    // The temporary file is there while tensors are written: the cancellation is mid-write.
+    let saw_partial = std::sync::atomic::AtomicBool::new(false);
     let cancel = |p: &candle_offload_models::quantize::Progress<'_>| {
         if p.done >= 3 {
+            let partial = std::fs::read_dir(&dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().ends_with(".tmp"));
+            saw_partial.fetch_or(partial, std::sync::atomic::Ordering::SeqCst);
             ControlFlow::Break(())
         } else {
             ControlFlow::Continue(())
@@ -238,6 +257,7 @@ fn interrupted_quantize_leaves_no_cache_file() -> anyhow::Result<()> {
     )
     .expect_err("cancelled");
     assert!(err.to_string().contains("cancelled"), "{err}");
+    assert!(saw_partial.into_inner(), "no temporary file while writing");
     let left: Vec<String> = std::fs::read_dir(&dir)?
         .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
         .collect::<std::io::Result<_>>()?;

@@ -407,11 +407,8 @@ fn check(path: &Path, plan: &Plan, ty: GgmlDType) -> std::result::Result<(), Str
         return Err(format!("holds {:?}, not {ty:?}", text(KEY_TYPE)));
     }
     if text(KEY_SOURCE).as_deref() != Some(plan.identity.as_str()) {
-        return Err(format!(
-            "made from another source or revision ({} there, {} now)",
-            text(KEY_SOURCE).unwrap_or_default(),
-            plan.identity
-        ));
+        tracing::debug!(cached = ?text(KEY_SOURCE), now = %plan.identity, "source identity differs");
+        return Err("made from another source or revision".into());
     }
     if c.tensor_infos.len() != plan.tensors.len() {
         return Err(format!(
@@ -755,8 +752,11 @@ pub fn load_cached(
     let cfg = StoreConfig {
         dtype: Some(dtype),
         pinned_cap_bytes,
-        grouping: files.config.layout().grouping(),
         ..Default::default()
+    };
+    let cfg = StoreConfig {
+        grouping: files.config.layout().grouping(),
+        ..cfg
     };
     let store = HostStore::from_raw(&specs, &cfg, device, |spec, format, dst| {
         let info = &c.tensor_infos[&spec.name];
