@@ -582,7 +582,14 @@ fn build(plan: &Plan, ty: GgmlDType, dir: &Path, opts: &QuantizeOptions<'_>) -> 
                             })
                         }
                     };
-                    debug_assert_eq!(bytes.len() as u64, ggml_bytes(t.target, &t.shape));
+                    let want = ggml_bytes(t.target, &t.shape);
+                    if bytes.len() as u64 != want {
+                        return fail(ModelError::Tensor {
+                            path: path.clone(),
+                            tensor: t.name.clone(),
+                            reason: format!("{} bytes as {:?}, want {want}", bytes.len(), t.target),
+                        });
+                    }
                     if let Err(e) = out
                         .seek(SeekFrom::Start(data_start + t.offset))
                         .and_then(|_| out.write_all(&bytes))
