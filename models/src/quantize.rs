@@ -77,7 +77,7 @@ const KEY_VERSION: &str = "candle_offload.quantize.version";
 pub struct Progress<'a> {
     /// The tensor just written.
     pub tensor: &'a str,
-    /// Tensors written so far, and in all.
+    /// Tensors written so far.
     pub done: usize,
     /// Tensors in all.
     pub total: usize,
