@@ -17,9 +17,11 @@ use candle_offload::{MemoryLimit, OffloadRuntime, OffloadStrategy, PolicyChoice,
 use candle_offload_models::generation::{generate, TokenStream};
 use candle_offload_models::llama::{argmax, DeviceMapChoice};
 use candle_offload_models::loader;
+use candle_offload_models::quantize;
 use candle_offload_models::{ChatTemplate, Llama, OffloadSettings};
 use candle_offload_suite::flags;
 use candle_transformers::generation::LogitsProcessor;
+use clap::builder::PossibleValuesParser;
 use clap::{Parser, ValueEnum};
 
 /// `--policy`: the model's own layer sweep, or one of the library's learned policies.
@@ -65,6 +67,12 @@ struct Args {
     /// (by default they are dequantized).
     #[arg(long)]
     quantized: bool,
+    /// Quantize a safetensors model's layer projections to this GGML type on load and
+    /// multiply them as blocks, on the CPU or the GPU. The result is cached as a GGUF next to the
+    /// model (`candle-offload.<type>.gguf`), so later runs read that file instead.
+    #[arg(long, value_name = "TYPE", conflicts_with = "quantized",
+          value_parser = PossibleValuesParser::new(quantize::TYPES.map(|(n, _)| n)))]
+    quantize: Option<String>,
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
@@ -276,14 +284,20 @@ fn main() -> Result<()> {
     };
 
     let t0 = std::time::Instant::now();
-    let keep_blocks = args.quantized;
-    let store = Arc::new(loader::load_store_with(
-        &files,
-        dtype,
-        &device,
-        None,
-        keep_blocks,
-    )?);
+    let store = match &args.quantize {
+        Some(name) => {
+            let ty = quantize::parse_type(name)
+                .ok_or_else(|| anyhow!("--quantize {name}: not a quantize type"))?;
+            Arc::new(quantize_on_load(&files, ty, dtype, &device)?)
+        }
+        None => Arc::new(loader::load_store_with(
+            &files,
+            dtype,
+            &device,
+            None,
+            args.quantized,
+        )?),
+    };
     let blocks = store.ggml_tensor_count();
     eprintln!(
         "weights: {:.2} GiB in {} units ({:.2} GiB pinned, {blocks} tensors as GGML blocks), loaded in {:.1} s",
@@ -462,4 +476,49 @@ fn write_histories(
         }
     }
     Ok(())
+}
+
+/// `--quantize`: the store of `files` with its projections quantized to `ty`, from the cached
+/// GGUF or quantized now under a progress bar.
+fn quantize_on_load(
+    files: &loader::ModelFiles,
+    ty: candle_core::quantized::GgmlDType,
+    dtype: DType,
+    device: &candle_core::Device,
+) -> Result<candle_offload::HostStore> {
+    let style = indicatif::ProgressStyle::with_template(
+        "quantizing {bar:30} {binary_bytes}/{binary_total_bytes} [{elapsed_precise}<{eta_precise}] {wide_msg}",
+    )
+    .map_err(|e| anyhow!("progress bar template: {e}"))?;
+    let bar: std::sync::OnceLock<indicatif::ProgressBar> = std::sync::OnceLock::new();
+    let progress = |p: &quantize::Progress<'_>| {
+        let b = bar
+            .get_or_init(|| indicatif::ProgressBar::new(p.total_bytes).with_style(style.clone()));
+        b.set_position(p.done_bytes);
+        b.set_message(p.tensor.to_string());
+        std::ops::ControlFlow::Continue(())
+    };
+    let opts = quantize::QuantizeOptions {
+        progress: Some(&progress),
+        ..Default::default()
+    };
+    let (store, cached) = loader::quantized_store(files, ty, dtype, device, None, &opts)?;
+    if let Some(b) = bar.get() {
+        b.finish_and_clear();
+    }
+    let how = match &cached.state {
+        quantize::CacheState::Hit => "read from the cache".to_string(),
+        quantize::CacheState::Built => format!("{} tensors quantized", cached.requantized),
+        quantize::CacheState::Rebuilt { reason } => format!(
+            "{} tensors quantized again (the cache was {reason})",
+            cached.requantized
+        ),
+        other => format!("{other:?}"),
+    };
+    eprintln!(
+        "quantized weights ({}): {}, {how}",
+        quantize::type_name(ty).unwrap_or("?"),
+        cached.path.display()
+    );
+    Ok(store)
 }

@@ -10,6 +10,7 @@ mod bad_input;
 mod cuda;
 mod models;
 mod own_model;
+mod quantize;
 mod quantized;
 mod runtime;
 mod sharding;

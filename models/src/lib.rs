@@ -3,6 +3,7 @@
 //!
 //! - [`loader`]: find a model (local directory, HF Hub, GGUF file) and load its weights into a
 //!   host store and its tokenizer.
+//! - [`quantize`]: quantize a safetensors checkpoint's projections on load, cached as a GGUF.
 //! - [`CausalLm`] (also named [`Llama`]): the family-neutral decoder, taking each unit from an
 //!   [`candle_offload::OffloadRuntime`] as it runs, on one device or as a pipeline over
 //!   several; [`generation::generate`] runs it token by token.
@@ -39,6 +40,7 @@ pub mod generation;
 pub mod layers;
 pub mod llama;
 pub mod loader;
+pub mod quantize;
 pub mod train;
 
 pub use causal::{CausalLm, DeviceMapChoice, HiddenTransfer, OffloadSettings};

@@ -231,7 +231,7 @@ pub fn from_hub_at(
     })
 }
 
-fn gguf_content(path: &Path) -> Result<(gguf_file::Content, std::fs::File)> {
+pub(crate) fn gguf_content(path: &Path) -> Result<(gguf_file::Content, std::fs::File)> {
     let mut file = std::fs::File::open(path)
         .map_err(|e| ModelError::file(path, format!("cannot open: {e}")))?;
     // Candle's reader panics on some malformed files (`general.alignment` = 0 divides by
@@ -611,8 +611,9 @@ fn unpermute(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
 
 /// Whether a GGUF tensor (HF name `hf`, GGML type `t`, `shape`) stays as its blocks: a
 /// quantized projection inside a decoder layer, or the (untied) output head, whose rows are
-/// whole blocks. Embeddings and norms are dequantized.
-fn keeps_blocks(hf: &str, t: GgmlDType, shape: &[usize]) -> bool {
+/// whole blocks. Embeddings and norms are dequantized. Quantize-on-load (`crate::quantize`)
+/// quantizes exactly the tensors this keeps.
+pub(crate) fn keeps_blocks(hf: &str, t: GgmlDType, shape: &[usize]) -> bool {
     let quantized = !matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
     quantized
         && ((hf.contains(".layers.") && hf.ends_with("_proj.weight")) || hf == "lm_head.weight")
@@ -804,6 +805,21 @@ pub fn load_store_with(
         }
         Weights::Gguf(path) => gguf_store(files, path, &cfg, device, keep_blocks),
     }
+}
+
+/// [`load_store`] for a safetensors checkpoint whose layer projections are quantized to `ty`
+/// (one of [`crate::quantize::TYPES`]) on load, through a GGUF cached next to the model; the
+/// projections stay GGML blocks, as [`load_store_with`] keeps a GGUF's. See
+/// [`crate::quantize`] for the cache and what is quantized.
+pub fn quantized_store(
+    files: &ModelFiles,
+    ty: GgmlDType,
+    dtype: DType,
+    device: &Device,
+    pinned_cap_bytes: Option<u64>,
+    opts: &crate::quantize::QuantizeOptions<'_>,
+) -> Result<(HostStore, crate::quantize::Cached)> {
+    crate::quantize::load_store(files, ty, dtype, device, pinned_cap_bytes, opts)
 }
 
 /// The tokenizer: `tokenizer.json`, or the one stored in the GGUF metadata.
