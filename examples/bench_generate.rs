@@ -446,20 +446,30 @@ impl LlamaCpp {
             let ngl = match budget {
                 None => all,
                 Some(b) => {
-                    // The largest n in 0..=all with peak(n) <= b (peaks grow with n).
-                    let (mut lo, mut hi) = (0u32, all);
-                    if peak_at(hi)? <= b {
-                        lo = hi;
-                    }
-                    while lo < hi {
-                        let mid = (lo + hi).div_ceil(2);
-                        if peak_at(mid)? <= b {
-                            lo = mid;
-                        } else {
-                            hi = mid - 1;
+                    // The largest n in 0..=all with peak(n) <= b. Peaks grow with n, nearly
+                    // linearly (a layer's bytes each), so each probe is placed where the line
+                    // through the bracket's ends crosses the budget: two or three probes per
+                    // budget instead of a bisection's six.
+                    let top = peak_at(all)?;
+                    if top <= b {
+                        all
+                    } else {
+                        let (mut lo, mut hi) = (0u32, all); // peak(lo) fits or lo == 0; hi doesn't
+                        let (mut p_lo, mut p_hi) = (peak_at(0)?, top);
+                        while hi - lo > 1 {
+                            let frac = b.saturating_sub(p_lo) as f64
+                                / p_hi.saturating_sub(p_lo).max(1) as f64;
+                            let guess = lo + (frac * (hi - lo) as f64).round() as u32;
+                            let mid = guess.clamp(lo + 1, hi - 1);
+                            let p = peak_at(mid)?;
+                            if p <= b {
+                                (lo, p_lo) = (mid, p);
+                            } else {
+                                (hi, p_hi) = (mid, p);
+                            }
                         }
+                        lo
                     }
-                    lo
                 }
             };
             let (runs, peak_bytes) = self.run(ngl, prompts, gen, reps)?;
