@@ -249,7 +249,10 @@ impl CausalLm {
         source: &std::path::Path,
     ) -> std::result::Result<Self, ModelError> {
         let cfg = cfg.clone();
-        let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
+        let mut reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
+        if device.is_cuda() && store.ggml_tensor_count() > 0 {
+            reserve += cfg.quantized_matmul_bytes(prompt_len);
+        }
         let kv = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
         let rt = OffloadRuntime::new(
             store.clone(),

@@ -409,6 +409,19 @@ impl Config {
         kv + (hidden + mlp + attn) * 3 / 2 + logits + (256 << 20)
     }
 
+    /// Device bytes Candle 0.11's CUDA quantized matmul holds beside the weights for `seq_len`
+    /// rows, which the dense estimate above does not see: its stream-k fixup workspace (16 MiB,
+    /// kept for the process), the activations quantized to Q8_1 blocks, and for the widest
+    /// projection an F32 copy of the input and an F32 output. Measured: a 7B Q8_0 model with a
+    /// 512-token prompt at 4 GiB went 42 MiB over its budget without it.
+    pub fn quantized_matmul_bytes(&self, seq_len: usize) -> u64 {
+        let s = seq_len as u64;
+        let k = self.hidden_size.max(self.intermediate_size) as u64;
+        let fixup = 256 * 128 * 128 * 4;
+        let q8_1 = (s * k.div_ceil(512) * 512 / 128 + 128) * 144;
+        fixup + q8_1 + 2 * s * k * 4
+    }
+
     /// Device bytes a training step needs besides the weights, for `batch` sequences of
     /// `seq_len` tokens with `segments` checkpointed segments (0: none) and matmuls in
     /// `compute`: segment boundaries (F32), one segment's recomputed graph and its backward
