@@ -57,6 +57,9 @@ struct Args {
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
+    /// Turn cudarc's per-buffer event tracking off (`OffloadConfig::event_tracking`).
+    #[arg(long)]
+    no_event_tracking: bool,
     /// The peer's JSON (scripts/accelerate_peer.py), measured in the same run.
     #[arg(long)]
     peer: Option<PathBuf>,
@@ -174,6 +177,7 @@ fn main() -> Result<()> {
             let settings = OffloadSettings {
                 gpu_memory_limit: limit,
                 prefetch_depth: depth,
+                event_tracking: !args.no_event_tracking,
                 ..Default::default()
             };
             let model = Llama::offloaded(
@@ -323,6 +327,7 @@ fn main() -> Result<()> {
                 "link_ceiling_tokens_per_s": if ceiling_s > 0.0 { Some(1.0 / ceiling_s) } else { None },
                 "link_ceiling_fraction": if step_s > 0.0 { ceiling_s / step_s } else { 0.0 },
                 "prefetch_depth": depth,
+                "event_tracking": !args.no_event_tracking,
                 "accelerate_decode_tokens_per_s": acc_tps,
                 "accelerate_prefill_s": peer_rec.as_ref().and_then(|r| r["prefill_s"].as_f64()),
                 "accelerate_peak_gpu_bytes_torch": peer_rec.as_ref().and_then(|r| r["peak_gpu_bytes_torch"].as_u64()),

@@ -736,7 +736,12 @@ fn quantized_projections_reach_every_family(dev: &Device) -> anyhow::Result<()> 
         )?);
         let reference = Arc::new(HostStore::from_tensors(&dense, &store_cfg, dev)?);
         let ids = Tensor::new(&[[3u32, 17, 42, 5, 77, 8, 91, 23]], dev)?;
-        let run = |store: &Arc<HostStore>, tight: bool| -> anyhow::Result<Vec<f32>> {
+        let run_on = |store: &Arc<HostStore>,
+                      tight: bool,
+                      dev: &Device,
+                      event_tracking: bool|
+         -> anyhow::Result<Vec<f32>> {
+            let ids = ids.to_device(dev)?;
             let layer = store
                 .unit(store.unit_id("model.layers.0").expect("layer"))
                 .bytes();
@@ -750,6 +755,7 @@ fn quantized_projections_reach_every_family(dev: &Device) -> anyhow::Result<()> 
                 gpu_memory_limit: tight.then(|| {
                     MemoryLimit::Bytes(cfg.reserve_bytes(8, 16, DType::F32) + kept + 2 * layer)
                 }),
+                event_tracking,
                 ..Default::default()
             };
             let model = Llama::offloaded(&files, store.clone(), dev, DType::F32, 8, 16, &settings)?;
@@ -763,6 +769,7 @@ fn quantized_projections_reach_every_family(dev: &Device) -> anyhow::Result<()> 
             }
             Ok(logits)
         };
+        let run = |store: &Arc<HostStore>, tight: bool| run_on(store, tight, dev, true);
         let q = run(&raw, true)?;
         let d = run(&reference, true)?;
         let num: f64 = q
@@ -787,6 +794,23 @@ fn quantized_projections_reach_every_family(dev: &Device) -> anyhow::Result<()> 
                 .all(|(a, b)| a.to_bits() == b.to_bits()),
             "{kind:?}: quantized weights streamed differ from resident ones"
         );
+        #[cfg(feature = "cuda")]
+        if dev.is_cuda() {
+            // cudarc's per-buffer event tracking off, on a second context object of the same
+            // GPU (the switch is per object, so it stays in these runs): the runtime's own
+            // events must still order copies, compute and frees, dense and quantized.
+            let untracked = Device::new_cuda_with_stream(0)?;
+            for (store, expect, what) in [(&raw, &q, "quantized"), (&reference, &d, "dense")] {
+                let got = run_on(store, true, &untracked, false)?;
+                assert!(
+                    got.iter()
+                        .zip(expect.iter())
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{kind:?}: {what} weights streamed without event tracking differ"
+                );
+            }
+            assert!(!untracked.as_cuda_device()?.is_event_tracking());
+        }
         std::fs::remove_dir_all(&dir)?;
     }
     Ok(())

@@ -759,6 +759,9 @@ fn stage_config(
         reserve_bytes: reserve + settings.reserve_bytes,
         policy,
         keep,
+        // A pipeline stage's hidden states cross devices through Candle's device-to-device
+        // copy, which is ordered only by cudarc's event tracking.
+        event_tracking: settings.event_tracking || units.is_some(),
         units,
         ..settings.clone()
     })

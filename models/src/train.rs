@@ -344,6 +344,8 @@ impl Trainer {
                     keep: CausalLm::kept_units(&store, &cfg),
                     trainable: true,
                     units: None,
+                    // Not yet measured or reviewed for training's gradient paths.
+                    event_tracking: true,
                 },
             )?;
             Source::Offloaded(rt)

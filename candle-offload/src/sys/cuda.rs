@@ -192,10 +192,24 @@ fn timing_event(stream: &CudaStream) -> candle_core::Result<CudaEvent> {
 }
 
 impl CudaEngine {
-    pub(crate) fn new(device: &Device) -> SysResult<Self> {
+    pub(crate) fn new(device: &Device, event_tracking: bool) -> SysResult<Self> {
         let cuda = device.as_cuda_device()?.clone();
         let compute = cuda.cuda_stream();
         let ctx = compute.context().clone();
+        if !event_tracking && ctx.is_event_tracking() {
+            tracing::debug!("cudarc event tracking off for this device's context");
+            // SAFETY: cudarc's conditions, each met by the runtime's own ordering: no buffer is
+            // freed before another stream's use of it finishes (weights are freed on the copy
+            // stream after it waits on `last_use`; quantized buffers, freed on the compute
+            // stream, only after compute waited on `ready` in `evict`); no buffer is used on a
+            // stream before its allocation on another finishes (compute waits on `ready` before
+            // a unit's first use; the copy stream waits on `allocated` in `upload_blocks`); no
+            // buffer is written by two streams (the copy stream writes only weights, and only
+            // before `ready`). Activations, caches and Candle's workspaces live on the compute
+            // stream alone. Multi-GPU pipelines keep tracking (their device-to-device copies
+            // rely on it), and so does any context where this is not called.
+            unsafe { ctx.disable_event_tracking() };
+        }
         if !ctx.has_async_alloc() {
             tracing::warn!(
                 "this GPU has no stream-ordered memory pools: every eviction synchronises"
@@ -311,6 +325,10 @@ impl CudaEngine {
         let len = item.range.len();
         let elems = item.shape.elem_count();
         let storage = QCudaStorage::zeros(&self.cuda, elems, ggml)?;
+        // Candle allocated and zeroed the buffer on the compute stream; the copy stream writes
+        // it only after that (explicitly, for contexts without cudarc's event tracking).
+        let allocated = self.compute.record_event(None).w()?;
+        self.copy.wait(&allocated).w()?;
         if storage.storage_size_in_bytes() < len
             || len + GGML_ROW_PADDING_ELEMS / ggml.block_size() * ggml.type_size() != device_len
         {
@@ -430,7 +448,10 @@ impl CudaEngine {
         if let Some(last_use) = &sync.last_use {
             self.copy.wait(last_use).w()?;
         }
-        // The slices were allocated on the copy stream, so cudarc frees them there,
+        // Quantized buffers were allocated by Candle on the compute stream, which frees them
+        // there: after the copies into them (a unit evicted before its first use never waited).
+        self.compute.wait(&sync.ready).w()?;
+        // Dense slices were allocated on the copy stream, so cudarc frees them there,
         // stream-ordered after the wait above.
         drop(weights);
         Ok(())
