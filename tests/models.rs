@@ -752,8 +752,17 @@ fn quantized_projections_reach_every_family(dev: &Device) -> anyhow::Result<()> 
                 .sum();
             // Room for the kept units and 2 layers: the rest streams.
             let settings = candle_offload_models::OffloadSettings {
+                // The reservation as the model makes it (Candle's quantized-matmul workspaces
+                // too, on a GPU with quantized weights).
                 gpu_memory_limit: tight.then(|| {
-                    MemoryLimit::Bytes(cfg.reserve_bytes(8, 16, DType::F32) + kept + 2 * layer)
+                    let qmm = if dev.is_cuda() && store.ggml_tensor_count() > 0 {
+                        cfg.quantized_matmul_bytes(8)
+                    } else {
+                        0
+                    };
+                    MemoryLimit::Bytes(
+                        cfg.reserve_bytes(8, 16, DType::F32) + qmm + kept + 2 * layer,
+                    )
                 }),
                 event_tracking,
                 ..Default::default()
