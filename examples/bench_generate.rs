@@ -366,8 +366,11 @@ struct LlamaCppRecord {
     /// Its device peak less the idle CUDA context, bytes.
     peak_bytes: u64,
     /// (prompt tokens, generated tokens, tokens/s) of each llama-bench test.
-    runs: Vec<(usize, usize, f64)>,
+    runs: LlamaCppRuns,
 }
+
+/// llama-bench's results: (prompt tokens, generated tokens, tokens/s) per test.
+type LlamaCppRuns = Vec<(usize, usize, f64)>;
 
 impl LlamaCpp {
     /// One llama-bench run at `ngl`: its tests, and the device memory it took at its peak
@@ -378,7 +381,7 @@ impl LlamaCpp {
         prompts: &[usize],
         gen: usize,
         reps: u32,
-    ) -> Result<(Vec<(usize, usize, f64)>, u64)> {
+    ) -> Result<(LlamaCppRuns, u64)> {
         let before = diag::device_used_bytes(&self.device)?;
         let sampler = PeakMemorySampler::start(&self.device, Duration::from_millis(2))?;
         let prompts: Vec<String> = prompts.iter().map(|p| p.to_string()).collect();

@@ -614,7 +614,7 @@ impl OffloadRuntime {
                             dense.insert(t.name.clone(), x);
                         }
                         (DeviceWeight::Blocks(q), WeightFormat::Ggml(g)) => {
-                            quantized.insert(t.name.clone(), (g, Arc::new(q)));
+                            quantized.insert(t.name.clone(), (g, Arc::new(*q)));
                         }
                         (DeviceWeight::Blocks(_), f) => {
                             candle_core::bail!("tensor {}: {f} uploaded as blocks", t.name)

@@ -272,9 +272,9 @@ impl CudaEngine {
                         trainable,
                     ))
                 }
-                DeviceLayout::Blocks { ggml, device_len } => {
-                    DeviceWeight::Blocks(self.upload_blocks(src, item, *ggml, *device_len)?)
-                }
+                DeviceLayout::Blocks { ggml, device_len } => DeviceWeight::Blocks(Box::new(
+                    self.upload_blocks(src, item, *ggml, *device_len)?,
+                )),
             };
             out.push(weight);
         }
@@ -361,7 +361,7 @@ impl CudaEngine {
                 .w()
             })?;
         }
-        Ok(QTensor::new(QStorage::Cuda(storage), item.shape.clone())?)
+        QTensor::new(QStorage::Cuda(storage), item.shape.clone())
     }
 
     /// Copies `range` of `src` into `dst` on the copy stream.

@@ -246,7 +246,7 @@ pub(crate) enum DeviceWeight {
     /// A Candle tensor.
     Dense(Tensor),
     /// GGML blocks in device memory, as a Candle quantized tensor.
-    Blocks(candle_core::quantized::QTensor),
+    Blocks(Box<candle_core::quantized::QTensor>),
 }
 
 /// A read-only memory map of a weights file.
