@@ -9,6 +9,7 @@ mod bad_input;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod models;
+mod ops;
 mod own_model;
 mod quantize;
 mod quantized;

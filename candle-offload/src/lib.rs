@@ -78,6 +78,7 @@ pub mod diag;
 pub mod doctor;
 mod error;
 pub mod history;
+pub mod ops;
 pub mod placement;
 pub mod plan;
 mod runtime;

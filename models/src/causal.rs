@@ -83,6 +83,7 @@ pub struct CausalLm {
     stages: Vec<Stage>,
     units: Units,
     transfer: HiddenTransfer,
+    fused: bool,
     timing: std::sync::atomic::AtomicBool,
     totals: std::sync::Mutex<TransferTotals>,
 }
@@ -202,6 +203,7 @@ impl CausalLm {
                 Ok(Stage { rt, rope, layers })
             })
             .collect::<Result<Vec<_>>>()?;
+        let fused = stages[0].rt.device().is_cuda();
         Ok(Self {
             cfg,
             family,
@@ -210,6 +212,7 @@ impl CausalLm {
             stages,
             units,
             transfer: HiddenTransfer::Device,
+            fused,
             timing: std::sync::atomic::AtomicBool::new(false),
             totals: std::sync::Mutex::new(TransferTotals::default()),
         })
@@ -560,6 +563,19 @@ impl CausalLm {
         self.transfer = how;
     }
 
+    /// Whether inference uses the fused ops of `candle_offload::ops` (RMSNorm with the
+    /// residual add, SiLU · mul, RoPE of q and k) where a block can. Default: on when the
+    /// first stage runs on CUDA (one kernel each), off on the CPU (Candle's multi-threaded ops
+    /// are faster there than the ops' single-threaded loops).
+    pub fn set_fused(&mut self, on: bool) {
+        self.fused = on;
+    }
+
+    /// See [`set_fused`](Self::set_fused).
+    pub fn fused(&self) -> bool {
+        self.fused
+    }
+
     /// Measures each move of hidden states between stages, synchronizing both devices around
     /// it (a small cost per stage boundary; off by default).
     pub fn time_transfers(&self, on: bool) {
@@ -666,6 +682,7 @@ impl CausalLm {
                 index_pos,
                 rope: &stage.rope,
                 masks: &masks,
+                fused: self.fused,
             };
             for l in stage.layers.clone() {
                 let unit = stage.rt.acquire(self.units.layers[l])?;

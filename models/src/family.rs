@@ -34,6 +34,9 @@ pub struct StepCtx<'a> {
     pub rope: &'a Rope,
     /// Masks for this pass: `masks.get(window)`.
     pub masks: &'a Masks,
+    /// Use the fused ops of `candle_offload::ops` (RMSNorm with the residual add, SiLU · mul,
+    /// RoPE of q and k) where a block can.
+    pub fused: bool,
 }
 
 /// What a training pass gives every block: a whole sequence from position 0.

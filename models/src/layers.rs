@@ -22,6 +22,8 @@ use crate::family::{DecoderBlock, StepCtx, TrainCtx, UnitWeights};
 pub struct Rope {
     cos: Tensor,
     sin: Tensor,
+    /// cos and sin side by side per position, as the fused `rope_qk` reads them.
+    table: Tensor,
 }
 
 impl Rope {
@@ -50,10 +52,9 @@ impl Rope {
         } else {
             ((freqs.cos()? * scale)?, (freqs.sin()? * scale)?)
         };
-        Ok(Self {
-            cos: cos.to_dtype(dtype)?,
-            sin: sin.to_dtype(dtype)?,
-        })
+        let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
+        let table = candle_offload::ops::rope_table(&cos, &sin)?;
+        Ok(Self { cos, sin, table })
     }
 
     /// Rotates `x` (batch, heads, seq, head_dim) for positions `index_pos..`. Tables narrower
@@ -65,6 +66,16 @@ impl Rope {
         self.partial(x, |x| {
             candle_nn::rotary_emb::rope(&x.contiguous()?, &cos, &sin)
         })
+    }
+
+    /// Rotates `q` (batch, seq, q_heads, head_dim) and `k` (batch, seq, kv_heads, head_dim)
+    /// for positions `index_pos..` in one fused kernel ([`candle_offload::ops::rope_qk`]),
+    /// returning them as (batch, heads, seq, head_dim), contiguous: what [`apply`](Self::apply)
+    /// gives for each after a transpose.
+    pub fn apply_qk(&self, q: &Tensor, k: &Tensor, index_pos: usize) -> Result<(Tensor, Tensor)> {
+        let seq_len = q.dim(1)?;
+        let table = self.table.narrow(0, index_pos, seq_len)?;
+        candle_offload::ops::rope_qk(q, k, &table)
     }
 
     /// RoPE from position 0 for training: differentiable in `x`, with the tables treated as
@@ -354,6 +365,16 @@ impl Norm {
         self.run(xs, false)
     }
 
+    /// The weight and epsilon of a plain RMSNorm that computes in the weight's dtype (what
+    /// [`candle_offload::ops::rms_norm_residual`] can replace); `None` for LayerNorm and for
+    /// Gemma's `1 + w` norms computed in F32.
+    pub fn rms_parts(&self) -> Option<(&Tensor, f64)> {
+        match &self.kind {
+            NormKind::Rms(n) if !self.f32_compute => Some((n.weight(), n.eps())),
+            _ => None,
+        }
+    }
+
     /// Differentiable (training; Candle's fused kernels cut the gradient).
     pub fn forward_diff(&self, xs: &Tensor) -> Result<Tensor> {
         self.run(xs, true)
@@ -492,8 +513,17 @@ impl SelfAttention {
         let shape =
             |t: Tensor, heads: usize| t.reshape((b, seq_len, heads, s.head_dim))?.transpose(1, 2);
         let (q, k, v) = self.project(xs, false)?;
-        let q = ctx.rope.apply(&shape(q, s.n_heads)?, ctx.index_pos)?;
-        let k = ctx.rope.apply(&shape(k, s.n_kv_heads)?, ctx.index_pos)?;
+        let (q, k) = if ctx.fused {
+            // One kernel reads both in the projections' layout and writes them transposed.
+            let heads = |t: Tensor, n: usize| t.reshape((b, seq_len, n, s.head_dim));
+            let (q, k) = (heads(q, s.n_heads)?, heads(k, s.n_kv_heads)?);
+            ctx.rope.apply_qk(&q, &k, ctx.index_pos)?
+        } else {
+            (
+                ctx.rope.apply(&shape(q, s.n_heads)?, ctx.index_pos)?,
+                ctx.rope.apply(&shape(k, s.n_kv_heads)?, ctx.index_pos)?,
+            )
+        };
         let v = shape(v, s.n_kv_heads)?.contiguous()?;
         let (k, v) = kv.append(&k.contiguous()?, &v)?;
         let rep = s.n_heads / s.n_kv_heads;
@@ -673,7 +703,7 @@ impl GatedMlp {
         })
     }
 
-    fn run(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+    fn run(&self, xs: &Tensor, train: bool, fused: bool) -> Result<Tensor> {
         let (gate, up) = match &self.gate_up {
             GateUp::Separate { gate, up } => (gate.run(xs, train)?, up.run(xs, train)?),
             GateUp::Fused(l) => {
@@ -682,18 +712,31 @@ impl GatedMlp {
                 (both.narrow(D::Minus1, 0, i)?, both.narrow(D::Minus1, i, i)?)
             }
         };
-        let x = (self.act.apply(&gate)? * up)?;
+        // Views of a fused gate/up projection would need copies first: those stay unfused.
+        let fusable = self.act == Activation::Silu && gate.is_contiguous() && up.is_contiguous();
+        let x = if fused && fusable {
+            candle_offload::ops::silu_mul(&gate, &up)?
+        } else {
+            (self.act.apply(&gate)? * up)?
+        };
         self.down.run(&x, train)
     }
 
     /// Inference.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        self.run(xs, false)
+        self.run(xs, false, false)
+    }
+
+    /// Inference with SiLU · up as one fused op ([`candle_offload::ops::silu_mul`]) where the
+    /// activation is SiLU and gate and up are separate projections (otherwise as
+    /// [`forward`](Self::forward)).
+    pub fn forward_fused(&self, xs: &Tensor) -> Result<Tensor> {
+        self.run(xs, false, true)
     }
 
     /// Training: each projection one 2-D matmul (see [`linear_2d`]).
     pub fn forward_train(&self, xs: &Tensor) -> Result<Tensor> {
-        self.run(xs, true)
+        self.run(xs, true, false)
     }
 }
 
@@ -724,8 +767,23 @@ impl DecoderBlock for PreNormBlock {
             Some(n) => n.forward(&h)?,
             None => h,
         };
-        let xs = (h + residual)?;
-        let h = self.mlp.forward(&self.pre_mlp_norm.forward(&xs)?)?;
+        let fusable = self
+            .pre_mlp_norm
+            .rms_parts()
+            .filter(|(w, _)| ctx.fused && w.dtype() == h.dtype() && residual.dtype() == h.dtype());
+        let (h, xs) = if let Some((w, eps)) = fusable {
+            // The residual add and the norm after it in one kernel.
+            let (xs, normed) = candle_offload::ops::rms_norm_residual(&h, residual, w, eps)?;
+            (self.mlp.forward_fused(&normed)?, xs)
+        } else {
+            let xs = (h + residual)?;
+            let h = if ctx.fused {
+                self.mlp.forward_fused(&self.pre_mlp_norm.forward(&xs)?)?
+            } else {
+                self.mlp.forward(&self.pre_mlp_norm.forward(&xs)?)?
+            };
+            (h, xs)
+        };
         let h = match &self.post_mlp_norm {
             Some(n) => n.forward(&h)?,
             None => h,

@@ -22,6 +22,8 @@ mod imp;
 #[cfg(not(feature = "cuda"))]
 #[path = "nocuda.rs"]
 mod imp;
+#[cfg(feature = "cuda")]
+pub(crate) mod kernels;
 
 pub(crate) use imp::{
     device_info, device_used_bytes, measure_h2d_gbps, pci_bus_id, pool_used_high_bytes,

@@ -1,0 +1,260 @@
+//! Launches of the project's own CUDA kernels (`kernels/*.cu`, compiled to PTX by build.rs and
+//! embedded here) on a Candle device's stream, for the custom ops of [`crate::ops`].
+//!
+//! Each module is loaded once per device by `CudaDevice::get_or_load_custom_func` (Candle
+//! caches it by name) and its kernels run on the device's own stream, ordered with every other
+//! Candle op. Inputs are contiguous slices of one float dtype (the ops check both before they
+//! get here); every output element is written by the kernel that fills it.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::{kernel_name, CudaStorage, Map2, Map3, WrapErr};
+use candle_core::{CudaDevice, DType, Layout, Result, WithDType};
+
+mod ptx {
+    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+}
+
+/// The name Candle caches our module under (one per device).
+const MODULE: &str = "candle_offload_ops";
+
+/// Threads per block of the elementwise kernels.
+const ELEMWISE_BLOCK: u32 = 256;
+
+/// The kernel `{name}_{dtype}` of our module on `dev`.
+fn load<T: WithDType>(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    if !matches!(T::DTYPE, DType::F32 | DType::F16 | DType::BF16) {
+        candle_core::bail!("{name}: no kernel for {:?}", T::DTYPE);
+    }
+    Ok(dev
+        .get_or_load_custom_func(&kernel_name::<T>(name), MODULE, ptx::OPS)?
+        .into_cuda_function())
+}
+
+/// The contiguous part of `s` that `l` covers.
+fn view<'a, T>(s: &'a CudaSlice<T>, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(s.slice(a..b)),
+        None => candle_core::bail!("{what} has to be contiguous"),
+    }
+}
+
+fn to_u32(v: usize, what: &str) -> Result<u32> {
+    u32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("{what} {v} exceeds u32")))
+}
+
+/// A grid-stride launch over `n` elements (n > 0).
+fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(ELEMWISE_BLOCK as usize).min(1 << 20) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (ELEMWISE_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `rms_norm_residual`: (x, residual, weight) → the sums, then the normed rows (2 · x's
+/// elements).
+pub(crate) fn rms_norm_residual(
+    eps: f32,
+    (x, xl): (&CudaStorage, &Layout),
+    (r, rl): (&CudaStorage, &Layout),
+    (w, wl): (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    struct K(f32);
+    impl Map3 for K {
+        fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+            &self,
+            x: &CudaSlice<T>,
+            xl: &Layout,
+            r: &CudaSlice<T>,
+            rl: &Layout,
+            w: &CudaSlice<T>,
+            wl: &Layout,
+            dev: &CudaDevice,
+        ) -> Result<CudaSlice<T>> {
+            let func = load::<T>(dev, "rms_norm_residual")?;
+            let (x, r, w) = (
+                view(x, xl, "x")?,
+                view(r, rl, "residual")?,
+                view(w, wl, "weight")?,
+            );
+            let el = xl.shape().elem_count();
+            let n_cols = w.len();
+            if n_cols == 0 || el % n_cols != 0 || r.len() != el {
+                candle_core::bail!("rms_norm_residual: {el} elements are not rows of {n_cols}");
+            }
+            let n_rows = to_u32(el / n_cols, "rows")?;
+            let n_cols_u = to_u32(n_cols, "row width")?;
+            // One block per row; about four elements per thread, whole warps, at most 1024.
+            let block = (n_cols.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32;
+            let cfg = LaunchConfig {
+                grid_dim: (n_rows, 1, 1),
+                block_dim: (block, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: uninitialised device memory of 2·el elements on the device's stream; the
+            // kernel launched next on that stream writes every one of them (each row's sums and
+            // normed values) before any later op can read them.
+            let out = unsafe { dev.alloc::<T>(2 * el) }?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            b.arg(&x);
+            b.arg(&r);
+            b.arg(&w);
+            b.arg(&out);
+            b.arg(&n_rows);
+            b.arg(&n_cols_u);
+            b.arg(&self.0);
+            // SAFETY: the arguments match `rms_norm_residual_<dtype>(const T*, const T*,
+            // const T*, T*, uint32_t, uint32_t, float)` in kernels/ops.cu in number, order and
+            // type; x and residual hold n_rows·n_cols elements, weight n_cols and out twice
+            // n_rows·n_cols, so every index the kernel forms (row < gridDim.x, col < n_cols) is
+            // in bounds; blockDim is a multiple of 32 up to 1024, as its block reduction needs.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(out)
+        }
+    }
+    let dev = x.device();
+    let slice = K(eps).map(&x.slice, xl, &r.slice, rl, &w.slice, wl, dev)?;
+    Ok(CudaStorage {
+        slice,
+        device: dev.clone(),
+    })
+}
+
+/// `silu_mul`: silu(gate) · up.
+pub(crate) fn silu_mul(
+    (g, gl): (&CudaStorage, &Layout),
+    (u, ul): (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    struct K;
+    impl Map2 for K {
+        fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+            &self,
+            g: &CudaSlice<T>,
+            gl: &Layout,
+            u: &CudaSlice<T>,
+            ul: &Layout,
+            dev: &CudaDevice,
+        ) -> Result<CudaSlice<T>> {
+            let func = load::<T>(dev, "silu_mul")?;
+            let (g, u) = (view(g, gl, "gate")?, view(u, ul, "up")?);
+            let n = g.len();
+            if u.len() != n || n == 0 {
+                candle_core::bail!("silu_mul: gate has {n} elements, up {}", u.len());
+            }
+            // SAFETY: uninitialised device memory of n elements on the device's stream; the
+            // kernel launched next on that stream writes every one of them.
+            let out = unsafe { dev.alloc::<T>(n) }?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            b.arg(&g);
+            b.arg(&u);
+            b.arg(&out);
+            b.arg(&n);
+            // SAFETY: the arguments match `silu_mul_<dtype>(const T*, const T*, T*, size_t)` in
+            // kernels/ops.cu; gate, up and out hold n elements and the kernel's grid-stride
+            // loop touches indices below n only.
+            unsafe { b.launch(elementwise(n)) }.w()?;
+            Ok(out)
+        }
+    }
+    let dev = g.device();
+    let slice = K.map(&g.slice, gl, &u.slice, ul, dev)?;
+    Ok(CudaStorage {
+        slice,
+        device: dev.clone(),
+    })
+}
+
+/// The sizes of a `rope_qk` launch.
+#[derive(Debug, Clone, Copy)]
+struct RopeDims {
+    b: usize,
+    t: usize,
+    hq: usize,
+    hk: usize,
+    d: usize,
+    rot_half: usize,
+}
+
+/// `rope_qk`: q (b, t, hq, d) and k (b, t, hk, d) rotated by a table of t rows of
+/// 2·rot_half into one buffer, q as (b, hq, t, d) then k as (b, hk, t, d); `dims` is
+/// `[b, t, hq, hk, d, rot_half]`.
+pub(crate) fn rope_qk(
+    [b, t, hq, hk, d, rot_half]: [usize; 6],
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (cs, csl): (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    struct K(RopeDims);
+    impl Map3 for K {
+        fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+            &self,
+            q: &CudaSlice<T>,
+            ql: &Layout,
+            k: &CudaSlice<T>,
+            kl: &Layout,
+            cs: &CudaSlice<T>,
+            csl: &Layout,
+            dev: &CudaDevice,
+        ) -> Result<CudaSlice<T>> {
+            let func = load::<T>(dev, "rope_qk")?;
+            let d = self.0;
+            let (q, k, cs) = (
+                view(q, ql, "q")?,
+                view(k, kl, "k")?,
+                view(cs, csl, "table")?,
+            );
+            let n = d.b * d.t * (d.hq + d.hk) * d.d;
+            if n == 0
+                || q.len() != d.b * d.t * d.hq * d.d
+                || k.len() != d.b * d.t * d.hk * d.d
+                || cs.len() != d.t * 2 * d.rot_half
+                || 2 * d.rot_half > d.d
+            {
+                candle_core::bail!("rope_qk: buffers do not match {d:?}");
+            }
+            let args = [d.b, d.t, d.hq, d.hk, d.d, d.rot_half]
+                .map(|v| to_u32(v, "rope dimension"))
+                .into_iter()
+                .collect::<Result<Vec<u32>>>()?;
+            // SAFETY: uninitialised device memory of n elements on the device's stream; the
+            // kernel launched next on that stream writes every one of them.
+            let out = unsafe { dev.alloc::<T>(n) }?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            b.arg(&q);
+            b.arg(&k);
+            b.arg(&cs);
+            b.arg(&out);
+            for a in &args {
+                b.arg(a);
+            }
+            // SAFETY: the arguments match `rope_qk_<dtype>(const T*, const T*, const T*, T*,
+            // uint32_t b, t, hq, hk, d, rot_half)` in kernels/ops.cu; the lengths checked above
+            // are exactly the extents the kernel indexes (q b·t·hq·d, k b·t·hk·d, table
+            // t·2·rot_half with 2·rot_half ≤ d, out their sum), and its grid-stride loop stays
+            // below n.
+            unsafe { b.launch(elementwise(n)) }.w()?;
+            Ok(out)
+        }
+    }
+    let dev = q.device();
+    let dims = RopeDims {
+        b,
+        t,
+        hq,
+        hk,
+        d,
+        rot_half,
+    };
+    let slice = K(dims).map(&q.slice, ql, &k.slice, kl, &cs.slice, csl, dev)?;
+    Ok(CudaStorage {
+        slice,
+        device: dev.clone(),
+    })
+}

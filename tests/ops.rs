@@ -1,0 +1,314 @@
+//! The fused ops of `candle_offload::ops` against the Candle compositions they replace, per
+//! device (the CPU runs their CPU loops, CUDA the project's kernels): F32 within 1e-5, F16 and
+//! BF16 within 1e-2 (max abs difference over the reference's max abs), odd widths, decode (one
+//! row) and prefill (many rows) shapes, GQA/MQA and partial rotary; bad inputs are refused; and
+//! the tiny models give the same logits with the fused ops on and off.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, D};
+use candle_offload::ops;
+use candle_offload::{OffloadConfig, OffloadRuntime};
+use candle_offload_models::{loader, Llama};
+use rand::Rng as _;
+
+use crate::models::{write_tiny, Tiny};
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+fn tolerance(dtype: DType) -> f32 {
+    if dtype == DType::F32 {
+        1e-5
+    } else {
+        1e-2
+    }
+}
+
+/// Uniform values in [-scale, scale) of `shape`, in `dtype` on `device`.
+fn random(
+    shape: &[usize],
+    scale: f32,
+    seed: u64,
+    dtype: DType,
+    device: &Device,
+) -> anyhow::Result<Tensor> {
+    let n = shape.iter().product();
+    let mut rng = candle_offload_suite::rng(seed);
+    let v: Vec<f32> = (0..n).map(|_| rng.random_range(-scale..scale)).collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(device)?)
+}
+
+/// max |got - want| / max |want| (in F32), after checking shape and dtype.
+fn rel_diff(got: &Tensor, want: &Tensor) -> anyhow::Result<f32> {
+    anyhow::ensure!(
+        got.shape() == want.shape(),
+        "shape {:?} != {:?}",
+        got.shape(),
+        want.shape()
+    );
+    anyhow::ensure!(got.dtype() == want.dtype(), "dtype {:?}", got.dtype());
+    let (g, w) = (got.to_dtype(DType::F32)?, want.to_dtype(DType::F32)?);
+    let diff = (g - &w)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    let scale = w.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    Ok(diff / scale.max(f32::MIN_POSITIVE))
+}
+
+fn ensure_close(what: &str, got: &Tensor, want: &Tensor, dtype: DType) -> anyhow::Result<()> {
+    let d = rel_diff(got, want)?;
+    anyhow::ensure!(
+        d <= tolerance(dtype),
+        "{what} {dtype:?}: relative difference {d:e} > {:e}",
+        tolerance(dtype)
+    );
+    Ok(())
+}
+
+/// Decode (one row), small and prefill shapes, with odd widths.
+const ROW_SHAPES: [&[usize]; 7] = [
+    &[1, 1, 1],
+    &[1, 1, 7],
+    &[1, 1, 577],
+    &[1, 1, 4099],
+    &[2, 9, 577],
+    &[1, 33, 4099],
+    &[5, 64],
+];
+
+fn rms_norm_residual_matches_composition(device: &Device) -> anyhow::Result<()> {
+    for dtype in DTYPES {
+        for (i, shape) in ROW_SHAPES.iter().enumerate() {
+            let width = shape[shape.len() - 1];
+            let seed = 10 * i as u64;
+            let x = random(shape, 2.0, seed, dtype, device)?;
+            let r = random(shape, 3.0, seed + 1, dtype, device)?;
+            let w = random(&[width], 1.5, seed + 2, dtype, device)?;
+            let (sum, normed) = ops::rms_norm_residual(&x, &r, &w, 1e-5)?;
+            let (want_sum, want_normed) = ops::rms_norm_residual_unfused(&x, &r, &w, 1e-5)?;
+            let what = format!("rms_norm_residual {shape:?}");
+            ensure_close(&format!("{what} sum"), &sum, &want_sum, dtype)?;
+            ensure_close(&format!("{what} normed"), &normed, &want_normed, dtype)?;
+            // The two outputs feed further ops as ordinary tensors.
+            anyhow::ensure!(sum.is_contiguous() && normed.is_contiguous());
+        }
+    }
+    // A non-contiguous input is made contiguous first.
+    let x = random(&[8, 6], 1.0, 7, DType::F32, device)?.t()?;
+    let r = random(&[6, 8], 1.0, 8, DType::F32, device)?;
+    let w = random(&[8], 1.0, 9, DType::F32, device)?;
+    let (s, n) = ops::rms_norm_residual(&x, &r, &w, 1e-6)?;
+    let (ws, wn) = ops::rms_norm_residual_unfused(&x, &r, &w, 1e-6)?;
+    ensure_close("transposed sum", &s, &ws, DType::F32)?;
+    ensure_close("transposed normed", &n, &wn, DType::F32)?;
+    Ok(())
+}
+test_device!(
+    rms_norm_residual_matches_composition,
+    ops_rms_norm_residual_cpu,
+    ops_rms_norm_residual_gpu
+);
+
+fn silu_mul_matches_composition(device: &Device) -> anyhow::Result<()> {
+    for dtype in DTYPES {
+        for (i, shape) in ROW_SHAPES.iter().enumerate() {
+            let seed = 100 + 10 * i as u64;
+            let gate = random(shape, 6.0, seed, dtype, device)?;
+            let up = random(shape, 2.0, seed + 1, dtype, device)?;
+            let got = ops::silu_mul(&gate, &up)?;
+            let want = ops::silu_mul_unfused(&gate, &up)?;
+            ensure_close(&format!("silu_mul {shape:?}"), &got, &want, dtype)?;
+        }
+        // Halves of one fused gate/up projection (narrowed views).
+        let both = random(&[3, 2 * 11], 4.0, 5, dtype, device)?;
+        let (g, u) = (
+            both.narrow(D::Minus1, 0, 11)?,
+            both.narrow(D::Minus1, 11, 11)?,
+        );
+        let got = ops::silu_mul(&g, &u)?;
+        ensure_close(
+            "silu_mul halves",
+            &got,
+            &ops::silu_mul_unfused(&g, &u)?,
+            dtype,
+        )?;
+    }
+    Ok(())
+}
+test_device!(
+    silu_mul_matches_composition,
+    ops_silu_mul_cpu,
+    ops_silu_mul_gpu
+);
+
+/// cos/sin tables as `Rope::from_inv_freq` builds them, for `pairs` rotated pairs.
+fn tables(
+    pairs: usize,
+    max_len: usize,
+    dtype: DType,
+    device: &Device,
+) -> anyhow::Result<(Tensor, Tensor)> {
+    let inv: Vec<f32> = (0..pairs)
+        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / (2 * pairs) as f32))
+        .collect();
+    let inv = Tensor::from_vec(inv, (1, pairs), device)?;
+    let t = Tensor::arange(0u32, max_len as u32, device)?
+        .to_dtype(DType::F32)?
+        .reshape((max_len, 1))?;
+    let f = t.matmul(&inv)?;
+    Ok((f.cos()?.to_dtype(dtype)?, f.sin()?.to_dtype(dtype)?))
+}
+
+fn rope_qk_matches_composition(device: &Device) -> anyhow::Result<()> {
+    // (batch, seq, q heads, kv heads, head_dim, rotated dims, first position)
+    let cases = [
+        (1, 1, 4, 2, 8, 8, 0),       // decode, GQA
+        (1, 1, 32, 8, 128, 128, 37), // decode, LLaMA-like heads, at a position
+        (2, 13, 6, 1, 64, 64, 3),    // prefill, MQA, batch 2
+        (1, 5, 3, 3, 10, 6, 2),      // partial rotary (Phi-4-mini-like), MHA
+        (1, 1, 1, 1, 2, 2, 0),       // the smallest head
+        (3, 7, 5, 5, 96, 32, 11),    // partial rotary, odd head counts
+    ];
+    for dtype in DTYPES {
+        for (i, &(b, t, hq, hk, d, rot, pos)) in cases.iter().enumerate() {
+            let seed = 200 + 10 * i as u64;
+            let q = random(&[b, t, hq, d], 2.0, seed, dtype, device)?;
+            let k = random(&[b, t, hk, d], 2.0, seed + 1, dtype, device)?;
+            let (cos, sin) = tables(rot / 2, 64, dtype, device)?;
+            let table = ops::rope_table(&cos, &sin)?.narrow(0, pos, t)?;
+            let (gq, gk) = ops::rope_qk(&q, &k, &table)?;
+            let (wq, wk) = ops::rope_qk_unfused(&q, &k, &table)?;
+            let what = format!("rope_qk {:?}", cases[i]);
+            anyhow::ensure!(gq.dims() == [b, hq, t, d] && gk.dims() == [b, hk, t, d]);
+            anyhow::ensure!(gq.is_contiguous() && gk.is_contiguous());
+            ensure_close(&format!("{what} q"), &gq, &wq, dtype)?;
+            ensure_close(&format!("{what} k"), &gk, &wk, dtype)?;
+        }
+    }
+    // The reference itself is what the models ran before: Candle's rope on the transposed
+    // heads (checked once against rotate-half written out, in F32).
+    let q = random(&[1, 3, 2, 8], 1.0, 1, DType::F32, device)?;
+    let (cos, sin) = tables(4, 8, DType::F32, device)?;
+    let (c, s) = (cos.narrow(0, 0, 3)?, sin.narrow(0, 0, 3)?);
+    let (gq, _) = ops::rope_qk(&q, &q, &ops::rope_table(&c, &s)?)?;
+    let x = q.transpose(1, 2)?.contiguous()?;
+    let rot_half = Tensor::cat(
+        &[
+            x.narrow(D::Minus1, 4, 4)?.neg()?,
+            x.narrow(D::Minus1, 0, 4)?,
+        ],
+        D::Minus1,
+    )?;
+    let c2 = Tensor::cat(&[&c, &c], D::Minus1)?;
+    let s2 = Tensor::cat(&[&s, &s], D::Minus1)?;
+    let want = (x.broadcast_mul(&c2)? + rot_half.broadcast_mul(&s2)?)?;
+    ensure_close("rope_qk vs rotate-half", &gq, &want, DType::F32)?;
+    Ok(())
+}
+test_device!(
+    rope_qk_matches_composition,
+    ops_rope_qk_cpu,
+    ops_rope_qk_gpu
+);
+
+fn bad_inputs_are_refused(device: &Device) -> anyhow::Result<()> {
+    let x = random(&[2, 8], 1.0, 1, DType::F32, device)?;
+    let w = random(&[8], 1.0, 2, DType::F32, device)?;
+    let half = x.to_dtype(DType::F16)?;
+    let ints = Tensor::zeros((2, 8), DType::U32, device)?;
+    fn err<T>(r: candle_core::Result<T>) -> anyhow::Result<String> {
+        match r {
+            Ok(_) => anyhow::bail!("accepted"),
+            Err(e) => Ok(e.to_string()),
+        }
+    }
+    let e = err(ops::rms_norm_residual(&x, &half, &w, 1e-5))?;
+    anyhow::ensure!(e.contains("mixed dtypes"), "{e}");
+    let e = err(ops::rms_norm_residual(&x, &x, &w.narrow(0, 0, 7)?, 1e-5))?;
+    anyhow::ensure!(e.contains("weight"), "{e}");
+    let e = err(ops::rms_norm_residual(&x, &x.reshape((4, 4))?, &w, 1e-5))?;
+    anyhow::ensure!(e.contains("shape"), "{e}");
+    let e = err(ops::silu_mul(&ints, &ints))?;
+    anyhow::ensure!(e.contains("unsupported dtype"), "{e}");
+    let e = err(ops::silu_mul(&x, &x.narrow(1, 0, 4)?))?;
+    anyhow::ensure!(e.contains("shape"), "{e}");
+    let q = random(&[1, 2, 4, 8], 1.0, 3, DType::F32, device)?;
+    let k = random(&[1, 2, 2, 6], 1.0, 4, DType::F32, device)?;
+    let table = Tensor::zeros((2, 8), DType::F32, device)?;
+    let e = err(ops::rope_qk(&q, &k, &table))?;
+    anyhow::ensure!(e.contains("do not fit"), "{e}");
+    let e = err(ops::rope_qk(&q, &q, &table.narrow(0, 0, 1)?))?;
+    anyhow::ensure!(e.contains("do not fit"), "{e}");
+    Ok(())
+}
+test_device!(
+    bad_inputs_are_refused,
+    ops_bad_inputs_cpu,
+    ops_bad_inputs_gpu
+);
+
+/// Every tiny family with the fused ops on and off: the same logits (F32 within 1e-4, F16
+/// within 2e-2 of the logits' scale) for a whole sequence and for a prefill then decode steps
+/// through the KV cache.
+fn fused_models_match_unfused(device: &Device) -> anyhow::Result<()> {
+    let dtypes: &[DType] = if device.is_cuda() {
+        &[DType::F32, DType::F16]
+    } else {
+        &[DType::F32]
+    };
+    for kind in Tiny::ALL {
+        let dir = std::env::temp_dir().join(format!(
+            "candle-offload-ops-{}-{}-{}",
+            kind.tag(),
+            device.is_cpu(),
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        write_tiny(&dir, kind)?;
+        for &dtype in dtypes {
+            fused_model_matches_in(&dir, device, dtype)
+                .map_err(|e| e.context(format!("{} {dtype:?}", kind.tag())))?;
+        }
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(())
+}
+
+fn fused_model_matches_in(
+    dir: &std::path::Path,
+    device: &Device,
+    dtype: DType,
+) -> anyhow::Result<()> {
+    let files = loader::from_dir(dir)?;
+    let store = Arc::new(loader::load_store(&files, dtype, device, None)?);
+    let rt = OffloadRuntime::new(store, device, &OffloadConfig::default())?;
+    let mut model = Llama::new(files.config.clone(), rt, dtype, 64, &files.weights_path())?;
+    anyhow::ensure!(model.fused() == device.is_cuda(), "default switch");
+    let tol = if dtype == DType::F32 { 1e-4 } else { 2e-2 };
+    let ids: Vec<u32> = (0..12).map(|i| (i * 37 % 101) as u32).collect();
+    let input = Tensor::new(ids.as_slice(), device)?.unsqueeze(0)?;
+    let run = |model: &Llama| -> anyhow::Result<Vec<Tensor>> {
+        let mut out = vec![model.forward_all(&input)?];
+        let mut cache = model.new_cache();
+        out.push(model.forward(&input.narrow(1, 0, 5)?, 0, &mut cache)?);
+        for (pos, &t) in ids.iter().enumerate().skip(5) {
+            out.push(model.forward(&Tensor::new(&[t], device)?.unsqueeze(0)?, pos, &mut cache)?);
+        }
+        Ok(out)
+    };
+    model.set_fused(false);
+    let plain = run(&model)?;
+    model.set_fused(true);
+    let fused = run(&model)?;
+    for (i, (f, p)) in fused.iter().zip(&plain).enumerate() {
+        let d = rel_diff(f, p)?;
+        anyhow::ensure!(d <= tol, "output {i}: relative difference {d:e} > {tol:e}");
+    }
+    Ok(())
+}
+test_device!(
+    fused_models_match_unfused,
+    ops_fused_models_cpu,
+    ops_fused_models_gpu
+);
