@@ -60,6 +60,9 @@ struct Args {
     /// Turn cudarc's per-buffer event tracking off (`OffloadConfig::event_tracking`).
     #[arg(long)]
     no_event_tracking: bool,
+    /// Run the unfused Candle compositions instead of the fused ops (`CausalLm::set_fused`).
+    #[arg(long)]
+    unfused: bool,
     /// The peer's JSON (scripts/accelerate_peer.py), measured in the same run.
     #[arg(long)]
     peer: Option<PathBuf>,
@@ -180,7 +183,7 @@ fn main() -> Result<()> {
                 event_tracking: !args.no_event_tracking,
                 ..Default::default()
             };
-            let model = Llama::offloaded(
+            let mut model = Llama::offloaded(
                 &files,
                 store.clone(),
                 &device,
@@ -189,6 +192,9 @@ fn main() -> Result<()> {
                 max_len,
                 &settings,
             )?;
+            if args.unfused {
+                model.set_fused(false);
+            }
             let rt = model.runtime().clone();
             {
                 // Before each configuration is timed: the first use of each kernel JIT-compiles
@@ -328,6 +334,7 @@ fn main() -> Result<()> {
                 "link_ceiling_fraction": if step_s > 0.0 { ceiling_s / step_s } else { 0.0 },
                 "prefetch_depth": depth,
                 "event_tracking": !args.no_event_tracking,
+                "fused": model.fused(),
                 "accelerate_decode_tokens_per_s": acc_tps,
                 "accelerate_prefill_s": peer_rec.as_ref().and_then(|r| r["prefill_s"].as_f64()),
                 "accelerate_peak_gpu_bytes_torch": peer_rec.as_ref().and_then(|r| r["peak_gpu_bytes_torch"].as_u64()),
