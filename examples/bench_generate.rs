@@ -60,9 +60,9 @@ struct Args {
     /// Turn cudarc's per-buffer event tracking off (`OffloadConfig::event_tracking`).
     #[arg(long)]
     no_event_tracking: bool,
-    /// Run the unfused Candle compositions instead of the fused ops (`CausalLm::set_fused`).
+    /// Run the fused ops instead of the Candle compositions (`CausalLm::set_fused`).
     #[arg(long)]
-    unfused: bool,
+    fused: bool,
     /// The peer's JSON (scripts/accelerate_peer.py), measured in the same run.
     #[arg(long)]
     peer: Option<PathBuf>,
@@ -192,9 +192,7 @@ fn main() -> Result<()> {
                 max_len,
                 &settings,
             )?;
-            if args.unfused {
-                model.set_fused(false);
-            }
+            model.set_fused(args.fused);
             let rt = model.runtime().clone();
             {
                 // Before each configuration is timed: the first use of each kernel JIT-compiles
