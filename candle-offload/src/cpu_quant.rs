@@ -22,6 +22,22 @@ use crate::sys::simd;
 /// Output columns per work item.
 const COLS_PER_ITEM: usize = 16;
 
+/// Block dot products below which a work item is not split off (a join costs about as much).
+const MIN_BLOCKS_PER_TASK: usize = 2048;
+
+/// Runs `f` on a thread of rayon's pool when `device` is the CPU (and this thread is not one
+/// already): the quantized matmuls and Candle's parallel CPU ops inside `f` then split their
+/// work by joins whose other half this thread runs itself when no worker is free, instead of
+/// injecting each op into the pool from outside and sleeping until a worker has run it. A
+/// decode step is some 200 small ops; one injection per step replaces one per op.
+pub fn on_cpu_pool<R: Send>(device: &candle_core::Device, f: impl FnOnce() -> R + Send) -> R {
+    if device.is_cpu() && rayon::current_thread_index().is_none() {
+        rayon::scope(|_| f())
+    } else {
+        f()
+    }
+}
+
 /// Whether [`forward`] multiplies `w` itself: a 2-D Q4_1 or Q8_0 tensor on the CPU whose rows
 /// are whole blocks.
 pub fn supports(w: &QTensor) -> bool {
@@ -96,8 +112,10 @@ impl CustomOp1 for QuantMatMul {
         let mut out_t = vec![0f32; n * m];
         let (data, yq) = (&data[..], &yq[..]);
         let row_bytes = nb * w_block;
+        let min_len = MIN_BLOCKS_PER_TASK.div_ceil(COLS_PER_ITEM * nb * m);
         out_t
             .par_chunks_mut(COLS_PER_ITEM * m)
+            .with_min_len(min_len)
             .enumerate()
             .for_each(|(item, part)| {
                 let col0 = item * COLS_PER_ITEM;

@@ -617,8 +617,10 @@ impl CausalLm {
     ) -> Result<Tensor> {
         let _span = tracing::debug_span!("llama.forward", index_pos).entered();
         let (_, seq_len) = input_ids.dims2()?;
-        let xs = self.decoder(input_ids, index_pos, cache)?;
-        self.head(&xs.narrow(1, seq_len - 1, 1)?)?.squeeze(1)
+        candle_offload::cpu_quant::on_cpu_pool(self.runtime().device(), || {
+            let xs = self.decoder(input_ids, index_pos, cache)?;
+            self.head(&xs.narrow(1, seq_len - 1, 1)?)?.squeeze(1)
+        })
     }
 
     /// Logits (batch, seq, vocab) in f32 for every position of `input_ids`, from position 0

@@ -40,6 +40,15 @@ pub(crate) fn has_avx2() -> bool {
     }
 }
 
+/// `x` rounded to the nearest integer, ties to even (`rintf` in the default rounding mode) for
+/// |x| < 2^22, without a libm call per element: adding and subtracting 1.5 * 2^23 leaves
+/// nothing below the units place.
+#[inline]
+fn round_even(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (x + MAGIC) - MAGIC
+}
+
 fn half_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
@@ -54,7 +63,7 @@ pub(crate) fn quantize_q8_1(xs: &[f32], out: &mut [u8]) {
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;
         for (q, v) in y[4..].iter_mut().zip(x) {
-            let i = (v * id).round_ties_even() as i8;
+            let i = round_even(v * id) as i8;
             sum += i as i32;
             *q = i as u8;
         }
@@ -72,7 +81,7 @@ pub(crate) fn quantize_q8_0(xs: &[f32], out: &mut [u8]) {
         let d = amax / 127.0;
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         for (q, v) in y[2..].iter_mut().zip(x) {
-            *q = (v * id).round_ties_even() as i8 as u8;
+            *q = round_even(v * id) as i8 as u8;
         }
         y[0..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
     }
@@ -167,57 +176,107 @@ mod avx2 {
         _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), dot))
     }
 
+    /// One Q4_1 block at `xb` against one Q8_1 block at `yb`: the 8 lanes of pairwise integer
+    /// sums as f32, the product of the scales, and the `m * s` term.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; 20 bytes at `xb` and 36 at `yb` are readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_1_block(xb: *const u8, yb: *const u8) -> (__m256, f32, f32) {
+        // SAFETY: the caller guarantees the block bytes: 4-byte headers at `xb` and `yb`, 16
+        // bytes of nibbles at `xb + 4`, 32 bytes of int8 at `yb + 4`; the loads are unaligned.
+        unsafe {
+            let (dx, mx) = two_halves(xb);
+            let (dy, sy) = two_halves(yb);
+            let nibbles = _mm_loadu_si128(xb.add(4) as *const __m128i);
+            let both = _mm256_insertf128_si256::<1>(
+                _mm256_castsi128_si256(nibbles),
+                _mm_srli_epi16::<4>(nibbles),
+            );
+            let qx = _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+            let qy = _mm256_loadu_si256(yb.add(4) as *const __m256i);
+            (mul_sum_us8_pairs(qx, qy), dx * dy, mx * sy)
+        }
+    }
+
+    /// One Q8_0 block at `xb` against one at `yb`: pairwise integer sums as f32, and the
+    /// product of the scales.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; 34 bytes at `xb` and at `yb` are readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_0_block(xb: *const u8, yb: *const u8) -> (__m256, f32) {
+        // SAFETY: the caller guarantees 34 readable bytes at each: `two_halves` reads the
+        // 2-byte scale and the first two quants, the loads the 32 quants at offset 2.
+        unsafe {
+            let (dx, _) = two_halves(xb);
+            let (dy, _) = two_halves(yb);
+            let qx = _mm256_loadu_si256(xb.add(2) as *const __m256i);
+            let qy = _mm256_loadu_si256(yb.add(2) as *const __m256i);
+            let ax = _mm256_sign_epi8(qx, qx);
+            let sy = _mm256_sign_epi8(qy, qx);
+            (mul_sum_us8_pairs(ax, sy), dx * dy)
+        }
+    }
+
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks and `y` `nb` Q8_1 blocks.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_q4_1_q8_1(x: &[u8], y: &[u8], nb: usize) -> f32 {
-        let mut acc = _mm256_setzero_ps();
+        let (xp, yp) = (x.as_ptr(), y.as_ptr());
+        // Two accumulators over alternate blocks, so consecutive FMAs do not wait on each other.
+        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let mut summs = 0f32;
-        let low = _mm256_set1_epi8(0x0f);
-        for i in 0..nb {
-            // SAFETY: block `i < nb` lies inside both slices (the caller's guarantee), so the
-            // 4-byte headers, the 16 bytes of nibbles and the 32 bytes of int8 are in bounds.
-            unsafe {
-                let xb = x.as_ptr().add(i * Q4_1_BYTES);
-                let yb = y.as_ptr().add(i * Q8_1_BYTES);
-                let (dx, mx) = two_halves(xb);
-                let (dy, sy) = two_halves(yb);
-                summs += mx * sy;
-                let nibbles = _mm_loadu_si128(xb.add(4) as *const __m128i);
-                let both = _mm256_insertf128_si256::<1>(
-                    _mm256_castsi128_si256(nibbles),
-                    _mm_srli_epi16::<4>(nibbles),
-                );
-                let qx = _mm256_and_si256(both, low);
-                let qy = _mm256_loadu_si256(yb.add(4) as *const __m256i);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy), mul_sum_us8_pairs(qx, qy), acc);
-            }
+        let mut i = 0;
+        while i + 1 < nb {
+            // SAFETY: blocks `i` and `i + 1` are below `nb`, inside both slices.
+            let ((p0, d0, m0), (p1, d1, m1)) = unsafe {
+                (
+                    q4_1_block(xp.add(i * Q4_1_BYTES), yp.add(i * Q8_1_BYTES)),
+                    q4_1_block(xp.add((i + 1) * Q4_1_BYTES), yp.add((i + 1) * Q8_1_BYTES)),
+                )
+            };
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), p0, acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), p1, acc1);
+            summs += m0 + m1;
+            i += 2;
         }
-        hsum(acc) + summs
+        if i < nb {
+            // SAFETY: block `i` is below `nb`, inside both slices.
+            let (p, d, m) = unsafe { q4_1_block(xp.add(i * Q4_1_BYTES), yp.add(i * Q8_1_BYTES)) };
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc0);
+            summs += m;
+        }
+        hsum(_mm256_add_ps(acc0, acc1)) + summs
     }
 
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `x` and `y` each hold `nb` Q8_0 blocks.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_q8_0_q8_0(x: &[u8], y: &[u8], nb: usize) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        for i in 0..nb {
-            // SAFETY: block `i < nb` lies inside both slices (the caller's guarantee): 2 bytes
-            // of scale, then 32 bytes of int8. `two_halves` reads 4 bytes, the scale and the
-            // first two quants, which are in bounds too.
-            unsafe {
-                let xb = x.as_ptr().add(i * Q8_0_BYTES);
-                let yb = y.as_ptr().add(i * Q8_0_BYTES);
-                let (dx, _) = two_halves(xb);
-                let (dy, _) = two_halves(yb);
-                let qx = _mm256_loadu_si256(xb.add(2) as *const __m256i);
-                let qy = _mm256_loadu_si256(yb.add(2) as *const __m256i);
-                let ax = _mm256_sign_epi8(qx, qx);
-                let sy = _mm256_sign_epi8(qy, qx);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy), mul_sum_us8_pairs(ax, sy), acc);
-            }
+        let (xp, yp) = (x.as_ptr(), y.as_ptr());
+        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        while i + 1 < nb {
+            // SAFETY: blocks `i` and `i + 1` are below `nb`, inside both slices.
+            let ((p0, d0), (p1, d1)) = unsafe {
+                (
+                    q8_0_block(xp.add(i * Q8_0_BYTES), yp.add(i * Q8_0_BYTES)),
+                    q8_0_block(xp.add((i + 1) * Q8_0_BYTES), yp.add((i + 1) * Q8_0_BYTES)),
+                )
+            };
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), p0, acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), p1, acc1);
+            i += 2;
         }
-        hsum(acc)
+        if i < nb {
+            // SAFETY: block `i` is below `nb`, inside both slices.
+            let (p, d) = unsafe { q8_0_block(xp.add(i * Q8_0_BYTES), yp.add(i * Q8_0_BYTES)) };
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc0);
+        }
+        hsum(_mm256_add_ps(acc0, acc1))
     }
 }
 
