@@ -140,6 +140,7 @@ struct Args {
 }
 
 fn main() -> Result<()> {
+    pin_cpu_thread_count();
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
     if let Some(d) = &args.devices {
@@ -426,6 +427,18 @@ fn main() -> Result<()> {
     }
     write_histories(&stages, &args, sharded)?;
     Ok(())
+}
+
+/// Sets `RAYON_NUM_THREADS` (when unset) to the thread count Candle picks, before any thread
+/// starts. Candle 0.11.1 asks for that count on every dense CPU matmul, and where the kernel
+/// exposes no `cpu_capacity` (most VMs) it counts physical cores by reading `/proc/cpuinfo`
+/// each time: some 60 reads per decode step, a quarter of a 135M model's step on 2 cores.
+/// With the variable set it reads the variable instead; the count is the same.
+fn pin_cpu_thread_count() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = candle_core::utils::get_num_threads();
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
 }
 
 /// `stage K (layers A..B, DEVICE): ` for a sharded model's stage `k`; empty otherwise.
