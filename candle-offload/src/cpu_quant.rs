@@ -112,6 +112,7 @@ impl CustomOp1 for QuantMatMul {
         let mut out_t = vec![0f32; n * m];
         let (data, yq) = (&data[..], &yq[..]);
         let row_bytes = nb * w_block;
+        let q4_1 = self.w.dtype() == GgmlDType::Q4_1;
         let min_len = MIN_BLOCKS_PER_TASK.div_ceil(COLS_PER_ITEM * nb * m);
         out_t
             .par_chunks_mut(COLS_PER_ITEM * m)
@@ -121,6 +122,10 @@ impl CustomOp1 for QuantMatMul {
                 let col0 = item * COLS_PER_ITEM;
                 for (c, col) in part.chunks_mut(m).enumerate() {
                     let w = &data[(col0 + c) * row_bytes..(col0 + c + 1) * row_bytes];
+                    if q4_1 && m > 1 {
+                        simd::dot_q4_1_q8_1_rows(w, yq, col);
+                        continue;
+                    }
                     for (r, v) in col.iter_mut().enumerate() {
                         *v = dot(w, &yq[r * nb * y_block..(r + 1) * nb * y_block]);
                     }

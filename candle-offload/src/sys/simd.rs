@@ -100,6 +100,29 @@ pub(crate) fn dot_q4_1_q8_1(x: &[u8], y: &[u8]) -> f32 {
     dot_q4_1_q8_1_scalar(x, y)
 }
 
+/// The dot products of one row of Q4_1 blocks `x` with each of `out.len()` rows of Q8_1 blocks
+/// in `ys` (one after the other, each as long as `x` in blocks), into `out`: the same sums as
+/// [`dot_q4_1_q8_1`] per row, with each weight block unpacked once for four rows (prefill).
+pub(crate) fn dot_q4_1_q8_1_rows(x: &[u8], ys: &[u8], out: &mut [f32]) {
+    let nb = x.len() / Q4_1_BYTES;
+    let row = nb * Q8_1_BYTES;
+    assert!(x.len() == nb * Q4_1_BYTES && ys.len() == out.len() * row);
+    let mut r = 0;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        while r + 4 <= out.len() {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` holds `nb` Q4_1
+            // blocks and rows `r..r + 4` of `ys` (below `out.len()`) `nb` Q8_1 blocks each.
+            let four = unsafe { avx2::dot_q4_1_q8_1_x4(x, &ys[r * row..(r + 4) * row], nb) };
+            out[r..r + 4].copy_from_slice(&four);
+            r += 4;
+        }
+    }
+    for (o, y) in out[r..].iter_mut().zip(ys[r * row..].chunks_exact(row)) {
+        *o = dot_q4_1_q8_1(x, y);
+    }
+}
+
 /// The dot product of Q8_0 blocks `x` with Q8_0 blocks `y` (the same number of blocks).
 pub(crate) fn dot_q8_0_q8_0(x: &[u8], y: &[u8]) -> f32 {
     let nb = x.len() / Q8_0_BYTES;
@@ -252,6 +275,50 @@ mod avx2 {
         hsum(_mm256_add_ps(acc0, acc1)) + summs
     }
 
+    /// One row of Q4_1 blocks against four rows of Q8_1 blocks (`ys`, one after the other):
+    /// each weight block is unpacked once, and the four rows accumulate independently.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks and `ys` `4 * nb` Q8_1 blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4_1_q8_1_x4(x: &[u8], ys: &[u8], nb: usize) -> [f32; 4] {
+        let (xp, yp) = (x.as_ptr(), ys.as_ptr());
+        let row = nb * Q8_1_BYTES;
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut summs = [0f32; 4];
+        let low = _mm256_set1_epi8(0x0f);
+        for i in 0..nb {
+            // SAFETY: block `i < nb` of `x` and of each of the four rows of `ys` is in bounds
+            // (the caller's guarantee); the loads are unaligned.
+            unsafe {
+                let xb = xp.add(i * Q4_1_BYTES);
+                let (dx, mx) = two_halves(xb);
+                let nibbles = _mm_loadu_si128(xb.add(4) as *const __m128i);
+                let qx = _mm256_and_si256(
+                    _mm256_insertf128_si256::<1>(
+                        _mm256_castsi128_si256(nibbles),
+                        _mm_srli_epi16::<4>(nibbles),
+                    ),
+                    low,
+                );
+                for r in 0..4 {
+                    let yb = yp.add(r * row + i * Q8_1_BYTES);
+                    let (dy, sy) = two_halves(yb);
+                    let qy = _mm256_loadu_si256(yb.add(4) as *const __m256i);
+                    acc[r] =
+                        _mm256_fmadd_ps(_mm256_set1_ps(dx * dy), mul_sum_us8_pairs(qx, qy), acc[r]);
+                    summs[r] += mx * sy;
+                }
+            }
+        }
+        [
+            hsum(acc[0]) + summs[0],
+            hsum(acc[1]) + summs[1],
+            hsum(acc[2]) + summs[2],
+            hsum(acc[3]) + summs[3],
+        ]
+    }
+
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `x` and `y` each hold `nb` Q8_0 blocks.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -306,6 +373,17 @@ mod tests {
         quantize_q8_1(&ramp(k, 7), &mut y1);
         let (a, b) = (dot_q4_1_q8_1(&x4, &y1), dot_q4_1_q8_1_scalar(&x4, &y1));
         assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{a} {b}");
+        // Seven rows: a tile of four and three single rows.
+        let mut ys = vec![0u8; 7 * y1.len()];
+        for (r, y) in ys.chunks_exact_mut(y1.len()).enumerate() {
+            quantize_q8_1(&ramp(k, 100 + r as u32), y);
+        }
+        let mut out = [0f32; 7];
+        dot_q4_1_q8_1_rows(&x4, &ys, &mut out);
+        for (o, y) in out.iter().zip(ys.chunks_exact(y1.len())) {
+            let b = dot_q4_1_q8_1_scalar(&x4, y);
+            assert!((o - b).abs() <= 1e-4 * b.abs().max(1.0), "{o} {b}");
+        }
 
         let mut x8 = vec![0u8; k / QK * Q8_0_BYTES];
         let mut y8 = vec![0u8; k / QK * Q8_0_BYTES];
