@@ -249,8 +249,9 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_q4_1_q8_1(x: &[u8], y: &[u8], nb: usize) -> f32 {
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
-        // Two accumulators over alternate blocks, so consecutive FMAs do not wait on each other.
-        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        // One accumulator and the blocks in order, as ggml sums them: a different float order
+        // flips near-tied greedy tokens of a small model against llama.cpp's.
+        let mut acc = _mm256_setzero_ps();
         let mut summs = 0f32;
         let mut i = 0;
         while i + 1 < nb {
@@ -261,18 +262,19 @@ mod avx2 {
                     q4_1_block(xp.add((i + 1) * Q4_1_BYTES), yp.add((i + 1) * Q8_1_BYTES)),
                 )
             };
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), p0, acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), p1, acc1);
-            summs += m0 + m1;
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d0), p0, acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d1), p1, acc);
+            summs += m0;
+            summs += m1;
             i += 2;
         }
         if i < nb {
             // SAFETY: block `i` is below `nb`, inside both slices.
             let (p, d, m) = unsafe { q4_1_block(xp.add(i * Q4_1_BYTES), yp.add(i * Q8_1_BYTES)) };
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc0);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc);
             summs += m;
         }
-        hsum(_mm256_add_ps(acc0, acc1)) + summs
+        hsum(acc) + summs
     }
 
     /// One row of Q4_1 blocks against four rows of Q8_1 blocks (`ys`, one after the other):
@@ -324,7 +326,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_q8_0_q8_0(x: &[u8], y: &[u8], nb: usize) -> f32 {
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
-        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut acc = _mm256_setzero_ps();
         let mut i = 0;
         while i + 1 < nb {
             // SAFETY: blocks `i` and `i + 1` are below `nb`, inside both slices.
@@ -334,16 +336,16 @@ mod avx2 {
                     q8_0_block(xp.add((i + 1) * Q8_0_BYTES), yp.add((i + 1) * Q8_0_BYTES)),
                 )
             };
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), p0, acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), p1, acc1);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d0), p0, acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d1), p1, acc);
             i += 2;
         }
         if i < nb {
             // SAFETY: block `i` is below `nb`, inside both slices.
             let (p, d) = unsafe { q8_0_block(xp.add(i * Q8_0_BYTES), yp.add(i * Q8_0_BYTES)) };
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc0);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc);
         }
-        hsum(_mm256_add_ps(acc0, acc1))
+        hsum(acc)
     }
 }
 
