@@ -113,6 +113,11 @@ impl CustomOp1 for QuantMatMul {
         let (data, yq) = (&data[..], &yq[..]);
         let row_bytes = nb * w_block;
         let q4_1 = self.w.dtype() == GgmlDType::Q4_1;
+        let scales = if q4_1 && m > 1 {
+            simd::q8_1_scales(yq)
+        } else {
+            Vec::new()
+        };
         let min_len = MIN_BLOCKS_PER_TASK.div_ceil(COLS_PER_ITEM * nb * m);
         out_t
             .par_chunks_mut(COLS_PER_ITEM * m)
@@ -123,7 +128,7 @@ impl CustomOp1 for QuantMatMul {
                 for (c, col) in part.chunks_mut(m).enumerate() {
                     let w = &data[(col0 + c) * row_bytes..(col0 + c + 1) * row_bytes];
                     if q4_1 && m > 1 {
-                        simd::dot_q4_1_q8_1_rows(w, yq, col);
+                        simd::dot_q4_1_q8_1_rows(w, yq, &scales, col);
                         continue;
                     }
                     for (r, v) in col.iter_mut().enumerate() {

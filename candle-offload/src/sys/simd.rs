@@ -100,20 +100,37 @@ pub(crate) fn dot_q4_1_q8_1(x: &[u8], y: &[u8]) -> f32 {
     dot_q4_1_q8_1_scalar(x, y)
 }
 
+/// The scales of Q8_1 blocks `ys` as f32, two per block (`d`, `s`), for
+/// [`dot_q4_1_q8_1_rows`].
+pub(crate) fn q8_1_scales(ys: &[u8]) -> Vec<f32> {
+    ys.chunks_exact(Q8_1_BYTES)
+        .flat_map(|b| [half_at(b, 0), half_at(b, 2)])
+        .collect()
+}
+
 /// The dot products of one row of Q4_1 blocks `x` with each of `out.len()` rows of Q8_1 blocks
-/// in `ys` (one after the other, each as long as `x` in blocks), into `out`: the same sums as
-/// [`dot_q4_1_q8_1`] per row, with each weight block unpacked once for four rows (prefill).
-pub(crate) fn dot_q4_1_q8_1_rows(x: &[u8], ys: &[u8], out: &mut [f32]) {
+/// in `ys` (one after the other, each as long as `x` in blocks; `scales` from [`q8_1_scales`]
+/// of `ys`), into `out`: the same sums as [`dot_q4_1_q8_1`] per row, with each weight block
+/// unpacked once for four rows (prefill).
+pub(crate) fn dot_q4_1_q8_1_rows(x: &[u8], ys: &[u8], scales: &[f32], out: &mut [f32]) {
     let nb = x.len() / Q4_1_BYTES;
     let row = nb * Q8_1_BYTES;
     assert!(x.len() == nb * Q4_1_BYTES && ys.len() == out.len() * row);
+    assert!(scales.len() == out.len() * nb * 2);
     let mut r = 0;
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         while r + 4 <= out.len() {
             // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` holds `nb` Q4_1
             // blocks and rows `r..r + 4` of `ys` (below `out.len()`) `nb` Q8_1 blocks each.
-            let four = unsafe { avx2::dot_q4_1_q8_1_x4(x, &ys[r * row..(r + 4) * row], nb) };
+            let four = unsafe {
+                avx2::dot_q4_1_q8_1_x4(
+                    x,
+                    &ys[r * row..(r + 4) * row],
+                    &scales[r * nb * 2..(r + 4) * nb * 2],
+                    nb,
+                )
+            };
             out[r..r + 4].copy_from_slice(&four);
             r += 4;
         }
@@ -281,17 +298,23 @@ mod avx2 {
     /// each weight block is unpacked once, and the four rows accumulate independently.
     ///
     /// # Safety
-    /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks and `ys` `4 * nb` Q8_1 blocks.
+    /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks, `ys` `4 * nb` Q8_1 blocks
+    /// and `scales` their `8 * nb` scales as f32.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q4_1_q8_1_x4(x: &[u8], ys: &[u8], nb: usize) -> [f32; 4] {
-        let (xp, yp) = (x.as_ptr(), ys.as_ptr());
+    pub(super) unsafe fn dot_q4_1_q8_1_x4(
+        x: &[u8],
+        ys: &[u8],
+        scales: &[f32],
+        nb: usize,
+    ) -> [f32; 4] {
+        let (xp, yp, sp) = (x.as_ptr(), ys.as_ptr(), scales.as_ptr());
         let row = nb * Q8_1_BYTES;
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut summs = [0f32; 4];
         let low = _mm256_set1_epi8(0x0f);
         for i in 0..nb {
-            // SAFETY: block `i < nb` of `x` and of each of the four rows of `ys` is in bounds
-            // (the caller's guarantee); the loads are unaligned.
+            // SAFETY: block `i < nb` of `x` and of each of the four rows of `ys`, and its two
+            // scales, are in bounds (the caller's guarantee); the byte loads are unaligned.
             unsafe {
                 let xb = xp.add(i * Q4_1_BYTES);
                 let (dx, mx) = two_halves(xb);
@@ -305,7 +328,7 @@ mod avx2 {
                 );
                 for r in 0..4 {
                     let yb = yp.add(r * row + i * Q8_1_BYTES);
-                    let (dy, sy) = two_halves(yb);
+                    let (dy, sy) = (*sp.add((r * nb + i) * 2), *sp.add((r * nb + i) * 2 + 1));
                     let qy = _mm256_loadu_si256(yb.add(4) as *const __m256i);
                     acc[r] =
                         _mm256_fmadd_ps(_mm256_set1_ps(dx * dy), mul_sum_us8_pairs(qx, qy), acc[r]);
@@ -381,7 +404,7 @@ mod tests {
             quantize_q8_1(&ramp(k, 100 + r as u32), y);
         }
         let mut out = [0f32; 7];
-        dot_q4_1_q8_1_rows(&x4, &ys, &mut out);
+        dot_q4_1_q8_1_rows(&x4, &ys, &q8_1_scales(&ys), &mut out);
         for (o, y) in out.iter().zip(ys.chunks_exact(y1.len())) {
             let b = dot_q4_1_q8_1_scalar(&x4, y);
             assert!((o - b).abs() <= 1e-4 * b.abs().max(1.0), "{o} {b}");
