@@ -44,7 +44,7 @@ pub fn supports(w: &QTensor) -> bool {
     w.device().is_cpu()
         && matches!(w.dtype(), GgmlDType::Q4_1 | GgmlDType::Q8_0)
         && w.shape().dims().len() == 2
-        && w.shape().dims()[1].is_multiple_of(simd::QK)
+        && w.shape().dims()[1] % simd::QK == 0
 }
 
 /// `xs · wᵀ` for `w` of shape (n, k) held as GGML blocks and `xs` (..., k) in F32 on the CPU;
@@ -67,6 +67,9 @@ pub fn forward(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(ys.reshape(out)?))
 }
 
+/// A dot product of one row of weight blocks with one row of activation blocks.
+type DotFn = fn(&[u8], &[u8]) -> f32;
+
 /// The op: `w` (n, k) in Q4_1 or Q8_0 blocks.
 struct QuantMatMul {
     w: Arc<QTensor>,
@@ -87,8 +90,7 @@ impl CustomOp1 for QuantMatMul {
             _ => candle_core::bail!("quantized matmul: input must be contiguous F32"),
         };
         let data = self.w.data()?;
-        let (w_block, y_block, dot): (usize, usize, fn(&[u8], &[u8]) -> f32) = match self.w.dtype()
-        {
+        let (w_block, y_block, dot): (usize, usize, DotFn) = match self.w.dtype() {
             GgmlDType::Q4_1 => (simd::Q4_1_BYTES, simd::Q8_1_BYTES, simd::dot_q4_1_q8_1),
             GgmlDType::Q8_0 => (simd::Q8_0_BYTES, simd::Q8_0_BYTES, simd::dot_q8_0_q8_0),
             other => candle_core::bail!("quantized matmul: {other:?} is not handled here"),
