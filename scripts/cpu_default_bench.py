@@ -45,6 +45,7 @@ def main():
     binary, model, peer_python, out = sys.argv[1:5]
     prompts = sys.argv[5:] or PROMPTS
     threads = os.cpu_count() or 2
+    load_at_start = os.getloadavg()
     peer_out = subprocess.run([peer_python, PEER, model, str(threads)] + prompts,
                               capture_output=True, text=True, check=True).stdout
     peer = [json.loads(l) for l in peer_out.splitlines() if l.startswith("{")]
@@ -86,7 +87,7 @@ def main():
     doc = {"benchmark": "cpu_default_model", "commit": commit + ("-dirty" if dirty else ""),
            "command": " ".join(sys.argv),
            "machine": {"cpu": cpu, "cores": threads, "gpu": None,
-                       "load_average_at_end": os.getloadavg()},
+                       "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()},
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "cpu_vs_llamacpp": statistics.median(r["cpu_vs_llamacpp"] for r in q),
            "prefill_vs_llamacpp": statistics.median(r["prefill_vs_llamacpp"] for r in q),
