@@ -63,14 +63,19 @@ struct Args {
     /// Compute dtype: f32, f16 or bf16 (default: f16 on a GPU, f32 on the CPU).
     #[arg(long, value_parser = flags::float_dtype)]
     dtype: Option<DType>,
-    /// Keep a GGUF file's quantized layer weights as GGML blocks and multiply them as they are
-    /// (by default they are dequantized).
+    /// Dequantize a GGUF file's quantized weights to dense ones. By default they stay GGML
+    /// blocks: the layer projections and the head are multiplied as blocks, embedding rows
+    /// dequantized on lookup, on the CPU and the GPU.
     #[arg(long)]
+    dequantize: bool,
+    /// Keep a GGUF file's quantized weights as GGML blocks: the default, accepted for older
+    /// command lines.
+    #[arg(long, hide = true, conflicts_with = "dequantize")]
     quantized: bool,
     /// Quantize a safetensors model's layer projections to this GGML type on load and
     /// multiply them as blocks, on the CPU or the GPU. The result is cached as a GGUF next to the
     /// model (`candle-offload.<type>.gguf`), so later runs read that file instead.
-    #[arg(long, value_name = "TYPE", conflicts_with = "quantized",
+    #[arg(long, value_name = "TYPE", conflicts_with_all = ["quantized", "dequantize"],
           value_parser = PossibleValuesParser::new(quantize::TYPES.map(|(n, _)| n)))]
     quantize: Option<String>,
     /// Run on the CPU.
@@ -135,6 +140,7 @@ struct Args {
 }
 
 fn main() -> Result<()> {
+    pin_cpu_thread_count();
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
     if let Some(d) = &args.devices {
@@ -295,7 +301,7 @@ fn main() -> Result<()> {
             dtype,
             &device,
             None,
-            args.quantized,
+            !args.dequantize,
         )?),
     };
     let blocks = store.ggml_tensor_count();
@@ -421,6 +427,18 @@ fn main() -> Result<()> {
     }
     write_histories(&stages, &args, sharded)?;
     Ok(())
+}
+
+/// Sets `RAYON_NUM_THREADS` (when unset) to the thread count Candle picks, before any thread
+/// starts. Candle 0.11.1 asks for that count on every dense CPU matmul, and where the kernel
+/// exposes no `cpu_capacity` (most VMs) it counts physical cores by reading `/proc/cpuinfo`
+/// each time: some 60 reads per decode step, a quarter of a 135M model's step on 2 cores.
+/// With the variable set it reads the variable instead; the count is the same.
+fn pin_cpu_thread_count() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = candle_core::utils::get_num_threads();
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
 }
 
 /// `stage K (layers A..B, DEVICE): ` for a sharded model's stage `k`; empty otherwise.

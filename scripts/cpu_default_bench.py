@@ -1,26 +1,39 @@
 #!/usr/bin/env python3
-"""The default model on this machine's CPU: our generate (GGUF quantized blocks with
---quantized, and dequantized) next to llama.cpp on the same file in the same run.
+"""The default model on this machine's CPU: our generate (a GGUF's quantized blocks, the
+default, and `--dequantize`) next to llama.cpp on the same file in the same run, with the
+agreement checks of issue 12.
 
 Usage: python3 scripts/cpu_default_bench.py GENERATE_BIN MODEL.gguf PEER_PYTHON OUT.json [PROMPT ...]
 PEER_PYTHON is a python with the `xllamacpp` wheel (../shared/peer/llamacpp/cpu_peer.py runs
-under it). Each prompt is answered greedily with 32 new tokens by each; the JSON has our and
-llama.cpp's prefill and decode tokens/s, `cpu_vs_llamacpp` (our decode over theirs) and the
-answers, with commit, command, machine and date.
+under it). Each prompt is answered greedily with 32 new tokens by each. The JSON has our and
+llama.cpp's prefill and decode tokens/s, `cpu_vs_llamacpp` (our quantized decode over theirs,
+per record and the median over prompts), per prompt whether our quantized 32 tokens agree with
+llama.cpp's (`agrees_with_llamacpp`, the decoded texts compared exactly), and whether the
+quantized and dequantized answers are identical on the three factual prompts (the first three),
+with commit, command, machine and date.
 """
 import datetime
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 
 PEER = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "peer", "llamacpp", "cpu_peer.py")
 
+# Chosen once, before any result: three factual questions, then two open ones.
+PROMPTS = ["What is the capital of France?",
+           "What is the largest planet in the solar system?",
+           "Who wrote Romeo and Juliet?",
+           "How many legs does a spider have?",
+           "Give me one tip for sleeping better."]
+FACTUAL = 3
+
 
 def ours(binary, model, prompt, quantized):
     cmd = [binary, "--cpu", "--model", model, "--prompt", prompt, "--max-new-tokens", "32",
-           "--temperature", "0"] + (["--quantized"] if quantized else [])
+           "--temperature", "0"] + ([] if quantized else ["--dequantize"])
     p = subprocess.run(cmd, capture_output=True, text=True, check=True)
     m = re.search(r"prefill: (\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\); decode: (\d+) tokens at ([\d.]+) tokens/s",
                   p.stderr)
@@ -30,41 +43,68 @@ def ours(binary, model, prompt, quantized):
 
 def main():
     binary, model, peer_python, out = sys.argv[1:5]
-    prompts = sys.argv[5:] or ["What is the capital of France?",
-                               "What is the largest planet in the solar system?",
-                               "Who wrote Romeo and Juliet?"]
+    prompts = sys.argv[5:] or PROMPTS
     threads = os.cpu_count() or 2
+    load_at_start = os.getloadavg()
     peer_out = subprocess.run([peer_python, PEER, model, str(threads)] + prompts,
                               capture_output=True, text=True, check=True).stdout
     peer = [json.loads(l) for l in peer_out.splitlines() if l.startswith("{")]
-    records = []
-    for prompt, theirs in zip(prompts, peer):
+    records, prompts_summary = [], []
+    for i, (prompt, theirs) in enumerate(zip(prompts, peer)):
+        runs = {}
         for quantized in (True, False):
             r = ours(binary, model, prompt, quantized)
+            runs[quantized] = r
             records.append({
                 "prompt": prompt,
-                "weights": "Q4_1 blocks (QMatMul)" if quantized else "dequantized to F32",
+                "weights": "GGUF blocks (default)" if quantized else "dequantized to F32 (--dequantize)",
                 "decode_tokens_per_s": r["decode_tokens_per_s"],
                 "prefill_tokens_per_s": r["prefill_tokens_per_s"],
+                "prefill_tokens": r["prefill_tokens"],
                 "llamacpp_decode_tokens_per_s": theirs["decode_tokens_per_s"],
                 "llamacpp_prefill_tokens_per_s": theirs["prefill_tokens_per_s"],
                 "cpu_vs_llamacpp": r["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
+                "prefill_vs_llamacpp": r["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"],
                 "answer": r["answer"],
                 "llamacpp_answer": theirs["answer"],
                 "same_answer_text": r["answer"].strip() == theirs["answer"].strip(),
                 "command": r["command"],
             })
+        prompts_summary.append({
+            "prompt": prompt,
+            "factual": i < FACTUAL,
+            "agrees_with_llamacpp": runs[True]["answer"].strip() == theirs["answer"].strip(),
+            "dequantized_agrees_with_llamacpp": runs[False]["answer"].strip() == theirs["answer"].strip(),
+            "quantized_equals_dequantized": runs[True]["answer"].strip() == runs[False]["answer"].strip(),
+            "answer": runs[True]["answer"],
+            "llamacpp_answer": theirs["answer"],
+        })
+    q = [r for r in records if r["weights"].startswith("GGUF")]
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip() != ""
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
-    doc = {"benchmark": "cpu_default_model", "commit": commit, "command": " ".join(sys.argv),
-           "machine": {"cpu": cpu, "cores": threads, "gpu": None},
+    doc = {"benchmark": "cpu_default_model", "commit": commit + ("-dirty" if dirty else ""),
+           "command": " ".join(sys.argv),
+           "machine": {"cpu": cpu, "cores": threads, "gpu": None,
+                       "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()},
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "cpu_vs_llamacpp": statistics.median(r["cpu_vs_llamacpp"] for r in q),
+           "prefill_vs_llamacpp": statistics.median(r["prefill_vs_llamacpp"] for r in q),
+           "prompts_agreeing_with_llamacpp": sum(p["agrees_with_llamacpp"] for p in prompts_summary),
+           "factual_quantized_equals_dequantized": all(
+               p["quantized_equals_dequantized"] for p in prompts_summary if p["factual"]),
+           "prompts": prompts_summary,
            "records": records}
     with open(out, "w") as f:
-        json.dump(doc, f, indent=2)
+        json.dump(doc, f, indent=2, ensure_ascii=False)
     for r in records:
-        print(f"{r['weights']:22} decode {r['decode_tokens_per_s']:6.1f} tok/s (llama.cpp {r['llamacpp_decode_tokens_per_s']:6.1f}), "
+        print(f"{r['weights'][:22]:22} decode {r['decode_tokens_per_s']:6.1f} tok/s (llama.cpp {r['llamacpp_decode_tokens_per_s']:6.1f}), "
               f"prefill {r['prefill_tokens_per_s']:6.1f} ({r['llamacpp_prefill_tokens_per_s']:6.1f}), same answer {r['same_answer_text']}: {r['prompt']}")
+    for p in prompts_summary:
+        print(f"agrees with llama.cpp {p['agrees_with_llamacpp']!s:5}, quantized == dequantized "
+              f"{p['quantized_equals_dequantized']!s:5}: {p['prompt']} -> {p['answer'][:60]!r}")
+    print(f"cpu_vs_llamacpp (median) {doc['cpu_vs_llamacpp']:.2f}, prefill {doc['prefill_vs_llamacpp']:.2f}")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,17 @@ pub fn write_random_llama_gguf(
     seed: u64,
     proj: impl Fn(&str) -> GgmlDType,
 ) -> anyhow::Result<Written> {
+    write_random_llama_gguf_with(path, seed, proj, None)
+}
+
+/// [`write_random_llama_gguf`], with `tied_embed`: the token embedding quantized to that type
+/// and no `output.weight` (the head is the embedding matrix, as in SmolLM2's GGUF).
+pub fn write_random_llama_gguf_with(
+    path: &Path,
+    seed: u64,
+    proj: impl Fn(&str) -> GgmlDType,
+    tied_embed: Option<GgmlDType>,
+) -> anyhow::Result<Written> {
     use gguf_file::Value;
     let mut rng = candle_offload_suite::rng(seed);
     let mut random = |rows: usize, cols: usize, norm: bool| -> candle_core::Result<Tensor> {
@@ -129,6 +140,9 @@ pub fn write_random_llama_gguf(
             Kind::Dense,
         ),
     ];
+    if tied_embed.is_some() {
+        tensors.retain(|(g, ..)| g != "output.weight");
+    }
     let kv = KV_HEADS * HEAD_DIM;
     for l in 0..LAYERS {
         let layer = [
@@ -189,6 +203,13 @@ pub fn write_random_llama_gguf(
                     None => t.clone(),
                 };
                 let q = QTensor::quantize(&t, proj(g))?;
+                written
+                    .proj_bytes
+                    .insert(g.clone(), q.storage_size_in_bytes());
+                q
+            }
+            Kind::Dense if g == "token_embd.weight" && tied_embed.is_some() => {
+                let q = QTensor::quantize(t, tied_embed.expect("checked"))?;
                 written
                     .proj_bytes
                     .insert(g.clone(), q.storage_size_in_bytes());
@@ -366,6 +387,65 @@ fn quantized_offloaded_equals_resident() -> anyhow::Result<()> {
                     }
                 }
             }
+        }
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// A GGUF with a quantized token embedding and no `output.weight` (a tied head, as SmolLM2's):
+/// the embedding stays as its blocks (host bytes = the file's), its rows are dequantized on
+/// lookup and the head multiplies the same blocks; logits within 2e-2 (relative L2) of the
+/// dequantized model, and offloaded == resident bit for bit. Q4_1 and Q8_0 run the library's
+/// SIMD CPU matmul, Q4_K Candle's.
+#[test]
+fn quantized_embedding_and_tied_head() -> anyhow::Result<()> {
+    let dir = tempdir("tied");
+    for (proj, embed) in [
+        (GgmlDType::Q4_1, GgmlDType::Q8_0),
+        (GgmlDType::Q8_0, GgmlDType::Q4_1),
+        (GgmlDType::Q4K, GgmlDType::Q4K),
+    ] {
+        let what = format!("{proj:?} layers, {embed:?} embedding");
+        let path = dir.join(format!("{proj:?}-{embed:?}.gguf"));
+        let written = write_random_llama_gguf_with(&path, 9, |_| proj, Some(embed))?;
+        let files = loader::from_gguf(&path)?;
+        assert!(files.config.tie_word_embeddings, "{what}");
+        let kept = load(&files, true)?;
+        let dense = load(&files, false)?;
+        assert_eq!(kept.ggml_tensor_count(), 7 * LAYERS + 1, "{what}");
+        let mut host = 0;
+        for unit in kept.units() {
+            for m in unit.tensors() {
+                if let WeightFormat::Ggml(g) = m.format {
+                    let want = if m.name == "model.embed_tokens.weight" {
+                        embed
+                    } else {
+                        proj
+                    };
+                    assert_eq!(g, want, "{what}: {}", m.name);
+                    host += m.nbytes;
+                }
+            }
+        }
+        let file: usize = written.proj_bytes.values().sum();
+        assert_eq!(host, file, "{what}: host bytes of the kept blocks");
+        let (q, q_tokens, _) = run(&files, kept.clone(), None, OffloadStrategy::Minimal, 0)?;
+        let (d, _, _) = run(&files, dense, None, OffloadStrategy::Minimal, 0)?;
+        let rel = rel_l2(&q, &d);
+        eprintln!("{what}: kept vs dequantized rel L2 {rel:.2e}");
+        assert!(rel <= 2e-2 && rel > 0.0, "{what}: rel L2 {rel}");
+        for depth in [0, 1] {
+            let (logits, tokens, fetches) = run(
+                &files,
+                kept.clone(),
+                Some(1),
+                OffloadStrategy::Minimal,
+                depth,
+            )?;
+            assert!(fetches > 4, "{what}: the model must stream ({fetches})");
+            assert_eq!(logits, q, "{what}, depth {depth}: offloaded logits");
+            assert_eq!(tokens, q_tokens, "{what}, depth {depth}: offloaded tokens");
         }
     }
     std::fs::remove_dir_all(&dir)?;

@@ -637,8 +637,10 @@ impl CausalLm {
     ) -> Result<Tensor> {
         let _span = tracing::debug_span!("llama.forward", index_pos).entered();
         let (_, seq_len) = input_ids.dims2()?;
-        let xs = self.decoder(input_ids, index_pos, cache)?;
-        self.head(&xs.narrow(1, seq_len - 1, 1)?)?.squeeze(1)
+        candle_offload::cpu_quant::on_cpu_pool(self.runtime().device(), || {
+            let xs = self.decoder(input_ids, index_pos, cache)?;
+            self.head(&xs.narrow(1, seq_len - 1, 1)?)?.squeeze(1)
+        })
     }
 
     /// Logits (batch, seq, vocab) in f32 for every position of `input_ids`, from position 0
@@ -669,7 +671,7 @@ impl CausalLm {
             let unit = first.rt.acquire(self.units.embed)?;
             self.family.embed(
                 &self.cfg,
-                unit.var_builder(self.dtype),
+                UnitWeights::new(unit.var_builder(self.dtype), Some(&unit)),
                 &input_ids.to_device(first.rt.device())?,
             )?
         };
@@ -714,20 +716,21 @@ impl CausalLm {
                 )?
                 .forward(xs)?
         };
+        // The head's weight (the embedding matrix when tied), multiplied as GGML blocks when
+        // the unit holds it quantized.
         let unit = rt.acquire(self.units.head)?;
-        let name = format!("{}.weight", self.layout.head_unit());
-        let logits = if unit.quantized_tensors().contains_key(&name) {
-            let q = unit.get_quantized(&name)?;
-            if q.shape().dims() != [vocab, hidden] {
-                candle_core::bail!(
-                    "{name}: shape {:?}, expected [{vocab}, {hidden}]",
-                    q.shape().dims()
-                );
+        let w =
+            UnitWeights::new(unit.var_builder(self.dtype), Some(&unit)).pp(self.layout.head_unit());
+        let logits = match w.quantized("weight", &[vocab, hidden])? {
+            Some(q) => crate::layers::Linear::Quantized {
+                weight: candle_core::quantized::QMatMul::from_arc(q)?,
+                bias: None,
             }
-            candle_core::quantized::QMatMul::from_arc(q)?.forward(&xs)?
-        } else {
-            let w = unit.var_builder(self.dtype).get((vocab, hidden), &name)?;
-            candle_nn::Linear::new(w, None).forward(&xs)?
+            .forward(&xs)?,
+            None => {
+                let m = w.vb().get((vocab, hidden), "weight")?;
+                candle_nn::Linear::new(m, None).forward(&xs)?
+            }
         }
         .to_dtype(DType::F32)?;
         self.family.finish_logits(&self.cfg, logits)

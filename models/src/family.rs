@@ -15,7 +15,9 @@
 //! docs and `examples/own_model.rs`.
 
 use std::path::Path;
+use std::sync::Arc;
 
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::kv_cache::KvCache;
 use candle_nn::VarBuilder;
@@ -98,24 +100,36 @@ impl<'a> UnitWeights<'a> {
         &self.vb
     }
 
+    /// The tensor `name` under this prefix as GGML blocks, when the unit holds it quantized
+    /// (`None`: it is dense, read it from [`vb`](Self::vb)), checked to have `shape`.
+    pub fn quantized(&self, name: &str, shape: &[usize]) -> Result<Option<Arc<QTensor>>> {
+        let full = match self.vb.prefix() {
+            p if p.is_empty() => name.to_string(),
+            p => format!("{p}.{name}"),
+        };
+        let Some(unit) = self
+            .unit
+            .filter(|u| u.quantized_tensors().contains_key(&full))
+        else {
+            return Ok(None);
+        };
+        let q = unit.get_quantized(&full)?;
+        if q.shape().dims() != shape {
+            candle_core::bail!(
+                "{full}: quantized weight has shape {:?}, expected {shape:?}",
+                q.shape().dims()
+            );
+        }
+        Ok(Some(q))
+    }
+
     /// The linear layer at this prefix (`weight` of shape (out, in), and `bias` when `bias`):
     /// a quantized matmul over the blocks when the unit holds the weight quantized, dense
     /// otherwise.
     pub fn linear(&self, in_dim: usize, out_dim: usize, bias: bool) -> Result<Linear> {
-        let name = format!("{}.weight", self.vb.prefix());
-        let quantized = self
-            .unit
-            .filter(|u| u.quantized_tensors().contains_key(&name));
-        let Some(unit) = quantized else {
+        let Some(q) = self.quantized("weight", &[out_dim, in_dim])? else {
             return crate::layers::linear(in_dim, out_dim, bias, self.vb.clone());
         };
-        let q = unit.get_quantized(&name)?;
-        if q.shape().dims() != [out_dim, in_dim] {
-            candle_core::bail!(
-                "{name}: quantized weight has shape {:?}, expected [{out_dim}, {in_dim}]",
-                q.shape().dims()
-            );
-        }
         let bias = if bias {
             Some(self.vb.get(out_dim, "bias")?)
         } else {
@@ -229,10 +243,11 @@ pub trait Family: std::fmt::Debug + Send + Sync + 'static {
         Rope::new(cfg, max_len, dtype, device)
     }
 
-    /// Embeds `ids` with the embedding unit's weights (`vb` rooted at the checkpoint's top
-    /// level). Default: a plain lookup of `{layout.embed}.weight`.
-    fn embed(&self, cfg: &Config, vb: VarBuilder, ids: &Tensor) -> Result<Tensor> {
-        crate::layers::embed_lookup(cfg, &self.layout(cfg).embed, vb, ids)
+    /// Embeds `ids` with the embedding unit's weights (`w` rooted at the checkpoint's top
+    /// level; the matrix may be GGML blocks, whose looked-up rows alone are dequantized).
+    /// Default: a plain lookup of `{layout.embed}.weight` ([`crate::layers::embed_lookup`]).
+    fn embed(&self, cfg: &Config, w: UnitWeights<'_>, ids: &Tensor) -> Result<Tensor> {
+        crate::layers::embed_lookup(cfg, &self.layout(cfg).embed, &w, ids)
     }
 
     /// Decoder layer `layer` from its unit (`w` rooted at the layer's prefix), with the norm

@@ -216,9 +216,14 @@ impl Masks {
 }
 
 /// Looks `ids` up in the embedding matrix `{unit}.weight` (vocab, hidden) of `vb`.
-pub fn embed_lookup(cfg: &Config, unit: &str, vb: VarBuilder, ids: &Tensor) -> Result<Tensor> {
-    let w = vb.get((cfg.vocab_size, cfg.hidden_size), &format!("{unit}.weight"))?;
-    candle_nn::Embedding::new(w, cfg.hidden_size).forward(ids)
+pub fn embed_lookup(cfg: &Config, unit: &str, w: &UnitWeights<'_>, ids: &Tensor) -> Result<Tensor> {
+    let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+    let w = w.pp(unit);
+    if let Some(q) = w.quantized("weight", &[vocab, hidden])? {
+        return q.embedding(ids)?.to_dtype(w.vb().dtype());
+    }
+    let m = w.vb().get((vocab, hidden), "weight")?;
+    candle_nn::Embedding::new(m, hidden).forward(ids)
 }
 
 /// A linear layer with or without bias, dense from `vb`.
@@ -252,9 +257,17 @@ impl Linear {
         match self {
             Self::Dense(l) => l.forward(xs),
             Self::Quantized { weight, bias } => {
-                let y = weight
-                    .forward(&xs.to_dtype(DType::F32)?)?
-                    .to_dtype(xs.dtype())?;
+                let x32 = xs.to_dtype(DType::F32)?;
+                // Q4_1 and Q8_0 on the CPU: the library's SIMD matmul; otherwise Candle's.
+                let fast = match weight {
+                    QMatMul::QTensor(q) => candle_offload::cpu_quant::forward(q, &x32)?,
+                    _ => None,
+                };
+                let y = match fast {
+                    Some(y) => y,
+                    None => weight.forward(&x32)?,
+                }
+                .to_dtype(xs.dtype())?;
                 match bias {
                     Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
                     None => Ok(y),

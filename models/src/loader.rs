@@ -611,12 +611,23 @@ fn unpermute(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
 
 /// Whether a GGUF tensor (HF name `hf`, GGML type `t`, `shape`) stays as its blocks: a
 /// quantized projection inside a decoder layer, or the (untied) output head, whose rows are
-/// whole blocks. Embeddings and norms are dequantized. Quantize-on-load (`crate::quantize`)
-/// quantizes exactly the tensors this keeps.
+/// whole blocks. Norms are dequantized; a GGUF's token embedding is kept by
+/// [`keeps_embedding_blocks`]. Quantize-on-load (`crate::quantize`) quantizes exactly the
+/// tensors this keeps.
 pub(crate) fn keeps_blocks(hf: &str, t: GgmlDType, shape: &[usize]) -> bool {
     let quantized = !matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
     quantized
         && ((hf.contains(".layers.") && hf.ends_with("_proj.weight")) || hf == "lm_head.weight")
+        && shape.len() == 2
+        && shape[1] % t.block_size() == 0
+}
+
+/// Whether a GGUF's token embedding (HF name `hf`) stays as its blocks when a file's blocks
+/// are kept: its rows are dequantized on lookup, and a tied output head multiplies the same
+/// blocks, so host memory holds the file's bytes once.
+pub(crate) fn keeps_embedding_blocks(hf: &str, t: GgmlDType, shape: &[usize]) -> bool {
+    !matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+        && hf == "model.embed_tokens.weight"
         && shape.len() == 2
         && shape[1] % t.block_size() == 0
 }
@@ -648,7 +659,9 @@ fn gguf_store(
         check_tensor_data(path, g, info, c.tensor_data_offset, file_len)?;
         let dims = info.shape.dims();
         let blocks = WeightFormat::Ggml(info.ggml_dtype);
-        let format = if keep_blocks && keeps_blocks(&hf, info.ggml_dtype, dims) {
+        let kept = keeps_blocks(&hf, info.ggml_dtype, dims)
+            || keeps_embedding_blocks(&hf, info.ggml_dtype, dims);
+        let format = if keep_blocks && kept {
             if blocks.has_quantized_matmul() {
                 blocks
             } else {

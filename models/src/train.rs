@@ -151,7 +151,9 @@ impl Core {
     /// Token embeddings, F32.
     fn embed(&self, ids: &Tensor) -> Result<Tensor> {
         let vb = self.vb(&self.layout.embed)?.to_dtype(DType::F32);
-        self.family.embed(&self.cfg, vb, ids)?.to_dtype(DType::F32)
+        self.family
+            .embed(&self.cfg, UnitWeights::dense(vb), ids)?
+            .to_dtype(DType::F32)
     }
 
     fn layer(&self, l: usize, xs: &Tensor, masks: &Masks) -> Result<Tensor> {

@@ -2,7 +2,8 @@
 //!
 //! It selects `cuda.rs` (page-locked buffers, the copy stream, events) or `nocuda.rs` (the same
 //! API with uninhabited types, so a CPU build has no `cfg` anywhere else), and holds the one
-//! memory map used to stream safetensors into the store. Every `unsafe` block carries a
+//! memory map used to stream safetensors into the store, and the SIMD dot products over GGML
+//! blocks of the CPU quantized matmul (`simd.rs`, AVX2 detected at run time). Every `unsafe` block carries a
 //! `// SAFETY:` comment.
 //!
 //! This module is the leaf of the crate: it imports nothing from it. It speaks in plain bytes,
@@ -15,6 +16,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Shape, Tensor};
+
+pub(crate) mod simd;
 
 #[cfg(feature = "cuda")]
 #[path = "cuda.rs"]

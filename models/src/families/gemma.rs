@@ -175,8 +175,8 @@ impl Family for Gemma {
         })
     }
 
-    fn embed(&self, cfg: &Config, vb: VarBuilder, ids: &Tensor) -> Result<Tensor> {
-        embed_lookup(cfg, &self.layout(cfg).embed, vb, ids)? * (cfg.hidden_size as f64).sqrt()
+    fn embed(&self, cfg: &Config, w: UnitWeights<'_>, ids: &Tensor) -> Result<Tensor> {
+        embed_lookup(cfg, &self.layout(cfg).embed, &w, ids)? * (cfg.hidden_size as f64).sqrt()
     }
 
     fn block(

@@ -1,0 +1,196 @@
+//! A CPU quantized matmul for the GGML types whose Candle 0.11 CPU kernels have no SIMD path
+//! in a portable build (Q4_1 against Q8_1 activations, Q8_0 against Q8_0), as a Candle
+//! [`CustomOp1`]: the activations are quantized once per row as llama.cpp quantizes them, and
+//! the dot products run on AVX2 when the CPU has it (`sys::simd`, detected at run time), split
+//! over rayon's pool. Rayon rather than Candle's barrier pool: a join whose other half no worker
+//! has picked up yet runs on the calling thread, so a busy machine (a worker not scheduled in
+//! time) costs the op its parallelism, not a wait for that worker at every matmul.
+//!
+//! [`forward`] returns `None` for anything it does not cover (another device, type or dtype),
+//! and the caller then runs Candle's `QMatMul`; results agree with it to float-summation order
+//! (Candle rounds Q8_1 activations half away from zero, ggml and this op half to even).
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+
+use crate::sys::simd;
+
+/// Output columns per work item.
+const COLS_PER_ITEM: usize = 16;
+
+/// Block dot products below which a work item is not split off (a join costs about as much).
+const MIN_BLOCKS_PER_TASK: usize = 2048;
+
+/// Runs `f` on a thread of rayon's pool when `device` is the CPU (and this thread is not one
+/// already): the quantized matmuls and Candle's parallel CPU ops inside `f` then split their
+/// work by joins whose other half this thread runs itself when no worker is free, instead of
+/// injecting each op into the pool from outside and sleeping until a worker has run it. A
+/// decode step is some 200 small ops; one injection per step replaces one per op.
+pub fn on_cpu_pool<R: Send>(device: &candle_core::Device, f: impl FnOnce() -> R + Send) -> R {
+    if device.is_cpu() && rayon::current_thread_index().is_none() {
+        rayon::scope(|_| f())
+    } else {
+        f()
+    }
+}
+
+/// Whether [`forward`] multiplies `w` itself: a 2-D Q4_1 or Q8_0 tensor on the CPU whose rows
+/// are whole blocks.
+pub fn supports(w: &QTensor) -> bool {
+    w.device().is_cpu()
+        && matches!(w.dtype(), GgmlDType::Q4_1 | GgmlDType::Q8_0)
+        && w.shape().dims().len() == 2
+        && w.shape().dims()[1] % simd::QK == 0
+}
+
+/// `xs · wᵀ` for `w` of shape (n, k) held as GGML blocks and `xs` (..., k) in F32 on the CPU;
+/// `None` when [`supports`] says no or `xs` is not F32, so that the caller runs Candle's
+/// `QMatMul` instead.
+pub fn forward(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
+    if !supports(w) || xs.dtype() != DType::F32 || !xs.device().is_cpu() {
+        return Ok(None);
+    }
+    let (n, k) = w.shape().dims2()?;
+    let dims = xs.dims();
+    if dims.last() != Some(&k) {
+        candle_core::bail!("quantized matmul: input {dims:?} against weight ({n}, {k})");
+    }
+    let m = xs.elem_count() / k;
+    let op = QuantMatMul { w: w.clone(), n, k };
+    let ys = xs.reshape((m, k))?.apply_op1_no_bwd(&op)?;
+    let mut out = dims.to_vec();
+    *out.last_mut().expect("non-empty dims") = n;
+    Ok(Some(ys.reshape(out)?))
+}
+
+/// A dot product of one row of weight blocks with one row of activation blocks.
+type DotFn = fn(&[u8], &[u8]) -> f32;
+
+/// The op: `w` (n, k) in Q4_1 or Q8_0 blocks.
+struct QuantMatMul {
+    w: Arc<QTensor>,
+    n: usize,
+    k: usize,
+}
+
+impl CustomOp1 for QuantMatMul {
+    fn name(&self) -> &'static str {
+        "candle-offload-cpu-qmatmul"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (m, k) = layout.shape().dims2()?;
+        let (n, nb) = (self.n, self.k / simd::QK);
+        let xs = match (storage, layout.contiguous_offsets()) {
+            (CpuStorage::F32(v), Some((a, b))) => &v[a..b],
+            _ => candle_core::bail!("quantized matmul: input must be contiguous F32"),
+        };
+        let data = self.w.data()?;
+        let (w_block, y_block, dot): (usize, usize, DotFn) = match self.w.dtype() {
+            GgmlDType::Q4_1 => (simd::Q4_1_BYTES, simd::Q8_1_BYTES, simd::dot_q4_1_q8_1),
+            GgmlDType::Q8_0 => (simd::Q8_0_BYTES, simd::Q8_0_BYTES, simd::dot_q8_0_q8_0),
+            other => candle_core::bail!("quantized matmul: {other:?} is not handled here"),
+        };
+        if data.len() < n * nb * w_block || k != self.k {
+            candle_core::bail!(
+                "quantized matmul: {} bytes of blocks for ({n}, {k})",
+                data.len()
+            );
+        }
+        // The activations, quantized once per row.
+        let mut yq = vec![0u8; m * nb * y_block];
+        for (x, y) in xs.chunks_exact(k).zip(yq.chunks_exact_mut(nb * y_block)) {
+            match self.w.dtype() {
+                GgmlDType::Q4_1 => simd::quantize_q8_1(x, y),
+                _ => simd::quantize_q8_0(x, y),
+            }
+        }
+        // Work items are column ranges; each writes its own slice of the transposed output
+        // (column-major, `m` values per column), so no two workers share a slice.
+        let mut out_t = vec![0f32; n * m];
+        let (data, yq) = (&data[..], &yq[..]);
+        let row_bytes = nb * w_block;
+        let q4_1 = self.w.dtype() == GgmlDType::Q4_1;
+        let scales = if q4_1 && m > 1 {
+            simd::q8_1_scales(yq)
+        } else {
+            Vec::new()
+        };
+        let min_len = MIN_BLOCKS_PER_TASK.div_ceil(COLS_PER_ITEM * nb * m);
+        out_t
+            .par_chunks_mut(COLS_PER_ITEM * m)
+            .with_min_len(min_len)
+            .enumerate()
+            .for_each(|(item, part)| {
+                let col0 = item * COLS_PER_ITEM;
+                for (c, col) in part.chunks_mut(m).enumerate() {
+                    let w = &data[(col0 + c) * row_bytes..(col0 + c + 1) * row_bytes];
+                    if q4_1 && m > 1 {
+                        simd::dot_q4_1_q8_1_rows(w, yq, &scales, col);
+                        continue;
+                    }
+                    for (r, v) in col.iter_mut().enumerate() {
+                        *v = dot(w, &yq[r * nb * y_block..(r + 1) * nb * y_block]);
+                    }
+                }
+            });
+        let out = if m == 1 {
+            out_t
+        } else {
+            let mut out = vec![0f32; m * n];
+            for (c, col) in out_t.chunks_exact(m).enumerate() {
+                for (r, v) in col.iter().enumerate() {
+                    out[r * n + c] = *v;
+                }
+            }
+            out
+        };
+        Ok((CpuStorage::F32(out), Shape::from((m, n))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::QMatMul;
+    use candle_core::{Device, Module};
+
+    use super::*;
+
+    fn rel_l2(a: &Tensor, b: &Tensor) -> f32 {
+        let d = (a - b).unwrap().sqr().unwrap().sum_all().unwrap();
+        let n = b.sqr().unwrap().sum_all().unwrap();
+        (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
+    }
+
+    #[test]
+    fn agrees_with_candle_qmatmul() {
+        let dev = Device::Cpu;
+        for ty in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+            for m in [1, 3, 7] {
+                let w = Tensor::randn(0f32, 1.0, (37, 128), &dev).unwrap();
+                let q = Arc::new(QTensor::quantize(&w, ty).unwrap());
+                assert!(supports(&q));
+                let xs = Tensor::randn(0f32, 1.0, (1, m, 128), &dev).unwrap();
+                let ours = forward(&q, &xs).unwrap().unwrap();
+                let candle = QMatMul::from_arc(q.clone()).unwrap().forward(&xs).unwrap();
+                assert_eq!(ours.dims(), candle.dims());
+                let e = rel_l2(&ours, &candle);
+                assert!(e < 1e-2, "{ty:?} m={m}: rel L2 {e}");
+                let dense = xs.broadcast_matmul(&w.t().unwrap()).unwrap();
+                let e = rel_l2(&ours, &dense);
+                assert!(e < 0.1, "{ty:?} m={m}: rel L2 against dense {e}");
+            }
+        }
+        let q = QTensor::quantize(
+            &Tensor::zeros((8, 256), DType::F32, &dev).unwrap(),
+            GgmlDType::Q4K,
+        )
+        .unwrap();
+        let xs = Tensor::zeros((1, 256), DType::F32, &dev).unwrap();
+        assert!(forward(&Arc::new(q), &xs).unwrap().is_none());
+    }
+}

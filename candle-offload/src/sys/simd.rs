@@ -1,0 +1,438 @@
+//! SIMD dot products over GGML blocks for the CPU quantized matmul (`crate::cpu_quant`).
+//!
+//! Candle 0.11's CPU kernels for Q4_1 and Q8_0 are scalar unless the whole build targets AVX
+//! (`-C target-cpu`), which a portable binary does not. These kernels pick AVX2 + FMA + F16C at
+//! run time (checked once) and fall back to scalar code that computes the same per-block sums.
+//! The arithmetic follows ggml's x86 kernels (`ggml_vec_dot_q4_1_q8_1`, `ggml_vec_dot_q8_0_q8_0`,
+//! `quantize_row_q8_1`/`quantize_row_q8_0` with round-half-to-even), so results stay within
+//! float-summation-order noise of llama.cpp's on the same file.
+//!
+//! Blocks are plain bytes in GGML's layout: Q4_1 `[d: f16, m: f16, qs: [u8; 16]]` (20 bytes,
+//! element `j` in the low nibble of `qs[j]`, element `j + 16` in the high one), Q8_1
+//! `[d: f16, s: f16, qs: [i8; 32]]` (36 bytes, `s = d * sum(qs)`), Q8_0 `[d: f16, qs: [i8; 32]]`
+//! (34 bytes).
+
+use half::f16;
+
+/// Elements per block of Q4_1, Q8_0 and Q8_1.
+pub(crate) const QK: usize = 32;
+/// Bytes of one Q4_1 block.
+pub(crate) const Q4_1_BYTES: usize = 20;
+/// Bytes of one Q8_0 block.
+pub(crate) const Q8_0_BYTES: usize = 34;
+/// Bytes of one Q8_1 block.
+pub(crate) const Q8_1_BYTES: usize = 36;
+
+/// Whether this CPU runs the AVX2/FMA/F16C kernels (detected once).
+pub(crate) fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `x` rounded to the nearest integer, ties to even (`rintf` in the default rounding mode) for
+/// |x| < 2^22, without a libm call per element: adding and subtracting 1.5 * 2^23 leaves
+/// nothing below the units place.
+#[inline]
+fn round_even(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (x + MAGIC) - MAGIC
+}
+
+fn half_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Quantizes `xs` (a multiple of 32 long) to Q8_1 blocks in `out` (36 bytes per 32 elements),
+/// as ggml's x86 `quantize_row_q8_1` does.
+pub(crate) fn quantize_q8_1(xs: &[f32], out: &mut [u8]) {
+    assert!(xs.len() % QK == 0 && out.len() == xs.len() / QK * Q8_1_BYTES);
+    for (x, y) in xs.chunks_exact(QK).zip(out.chunks_exact_mut(Q8_1_BYTES)) {
+        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, v) in y[4..].iter_mut().zip(x) {
+            let i = round_even(v * id) as i8;
+            sum += i as i32;
+            *q = i as u8;
+        }
+        y[0..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+        y[2..4].copy_from_slice(&f16::from_f32(d * sum as f32).to_le_bytes());
+    }
+}
+
+/// Quantizes `xs` (a multiple of 32 long) to Q8_0 blocks in `out` (34 bytes per 32 elements),
+/// as ggml's x86 `quantize_row_q8_0` does.
+pub(crate) fn quantize_q8_0(xs: &[f32], out: &mut [u8]) {
+    assert!(xs.len() % QK == 0 && out.len() == xs.len() / QK * Q8_0_BYTES);
+    for (x, y) in xs.chunks_exact(QK).zip(out.chunks_exact_mut(Q8_0_BYTES)) {
+        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        for (q, v) in y[2..].iter_mut().zip(x) {
+            *q = round_even(v * id) as i8 as u8;
+        }
+        y[0..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    }
+}
+
+/// The dot product of Q4_1 blocks `x` with Q8_1 blocks `y` (the same number of blocks).
+pub(crate) fn dot_q4_1_q8_1(x: &[u8], y: &[u8]) -> f32 {
+    let nb = x.len() / Q4_1_BYTES;
+    assert!(x.len() == nb * Q4_1_BYTES && y.len() == nb * Q8_1_BYTES);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked above), and the lengths were checked:
+        // `x` holds `nb` whole Q4_1 blocks and `y` `nb` whole Q8_1 blocks.
+        return unsafe { avx2::dot_q4_1_q8_1(x, y, nb) };
+    }
+    dot_q4_1_q8_1_scalar(x, y)
+}
+
+/// The scales of Q8_1 blocks `ys` as f32, two per block (`d`, `s`), for
+/// [`dot_q4_1_q8_1_rows`].
+pub(crate) fn q8_1_scales(ys: &[u8]) -> Vec<f32> {
+    ys.chunks_exact(Q8_1_BYTES)
+        .flat_map(|b| [half_at(b, 0), half_at(b, 2)])
+        .collect()
+}
+
+/// The dot products of one row of Q4_1 blocks `x` with each of `out.len()` rows of Q8_1 blocks
+/// in `ys` (one after the other, each as long as `x` in blocks; `scales` from [`q8_1_scales`]
+/// of `ys`), into `out`: the same sums as [`dot_q4_1_q8_1`] per row, with each weight block
+/// unpacked once for four rows (prefill).
+pub(crate) fn dot_q4_1_q8_1_rows(x: &[u8], ys: &[u8], scales: &[f32], out: &mut [f32]) {
+    let nb = x.len() / Q4_1_BYTES;
+    let row = nb * Q8_1_BYTES;
+    assert!(x.len() == nb * Q4_1_BYTES && ys.len() == out.len() * row);
+    assert!(scales.len() == out.len() * nb * 2);
+    let mut r = 0;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        while r + 4 <= out.len() {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` holds `nb` Q4_1
+            // blocks and rows `r..r + 4` of `ys` (below `out.len()`) `nb` Q8_1 blocks each.
+            let four = unsafe {
+                avx2::dot_q4_1_q8_1_x4(
+                    x,
+                    &ys[r * row..(r + 4) * row],
+                    &scales[r * nb * 2..(r + 4) * nb * 2],
+                    nb,
+                )
+            };
+            out[r..r + 4].copy_from_slice(&four);
+            r += 4;
+        }
+    }
+    for (o, y) in out[r..].iter_mut().zip(ys[r * row..].chunks_exact(row)) {
+        *o = dot_q4_1_q8_1(x, y);
+    }
+}
+
+/// The dot product of Q8_0 blocks `x` with Q8_0 blocks `y` (the same number of blocks).
+pub(crate) fn dot_q8_0_q8_0(x: &[u8], y: &[u8]) -> f32 {
+    let nb = x.len() / Q8_0_BYTES;
+    assert!(x.len() == nb * Q8_0_BYTES && y.len() == nb * Q8_0_BYTES);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked above), and both slices hold `nb`
+        // whole Q8_0 blocks (checked above).
+        return unsafe { avx2::dot_q8_0_q8_0(x, y, nb) };
+    }
+    dot_q8_0_q8_0_scalar(x, y)
+}
+
+/// [`dot_q4_1_q8_1`] without SIMD.
+pub(crate) fn dot_q4_1_q8_1_scalar(x: &[u8], y: &[u8]) -> f32 {
+    let mut sumf = 0f32;
+    for (xb, yb) in x.chunks_exact(Q4_1_BYTES).zip(y.chunks_exact(Q8_1_BYTES)) {
+        let mut sumi = 0i32;
+        for j in 0..QK / 2 {
+            let v0 = (xb[4 + j] & 0x0f) as i32;
+            let v1 = (xb[4 + j] >> 4) as i32;
+            sumi += v0 * yb[4 + j] as i8 as i32 + v1 * yb[4 + j + QK / 2] as i8 as i32;
+        }
+        sumf += sumi as f32 * half_at(xb, 0) * half_at(yb, 0) + half_at(xb, 2) * half_at(yb, 2);
+    }
+    sumf
+}
+
+/// [`dot_q8_0_q8_0`] without SIMD.
+pub(crate) fn dot_q8_0_q8_0_scalar(x: &[u8], y: &[u8]) -> f32 {
+    let mut sumf = 0f32;
+    for (xb, yb) in x.chunks_exact(Q8_0_BYTES).zip(y.chunks_exact(Q8_0_BYTES)) {
+        let sumi: i32 = xb[2..]
+            .iter()
+            .zip(&yb[2..])
+            .map(|(&a, &b)| a as i8 as i32 * b as i8 as i32)
+            .sum();
+        sumf += sumi as f32 * half_at(xb, 0) * half_at(yb, 0);
+    }
+    sumf
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Q4_1_BYTES, Q8_0_BYTES, Q8_1_BYTES};
+
+    /// The two f16 at `p` (a block's `d` and `m`/`s`) as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn two_halves(p: *const u8) -> (f32, f32) {
+        // SAFETY: the caller guarantees 4 readable bytes at `p`; the read is unaligned-safe.
+        let bits = unsafe { std::ptr::read_unaligned(p as *const i32) };
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps::<1>(v, v)))
+    }
+
+    /// Sum of the 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum(x: __m256) -> f32 {
+        let r = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
+        let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        let r = _mm_add_ss(r, _mm_movehdup_ps(r));
+        _mm_cvtss_f32(r)
+    }
+
+    /// Pairwise u8 x i8 products summed to 8 i32 lanes, as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn mul_sum_us8_pairs(ax: __m256i, sy: __m256i) -> __m256 {
+        let dot = _mm256_maddubs_epi16(ax, sy);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), dot))
+    }
+
+    /// One Q4_1 block at `xb` against one Q8_1 block at `yb`: the 8 lanes of pairwise integer
+    /// sums as f32, the product of the scales, and the `m * s` term.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; 20 bytes at `xb` and 36 at `yb` are readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_1_block(xb: *const u8, yb: *const u8) -> (__m256, f32, f32) {
+        // SAFETY: the caller guarantees the block bytes: 4-byte headers at `xb` and `yb`, 16
+        // bytes of nibbles at `xb + 4`, 32 bytes of int8 at `yb + 4`; the loads are unaligned.
+        unsafe {
+            let (dx, mx) = two_halves(xb);
+            let (dy, sy) = two_halves(yb);
+            let nibbles = _mm_loadu_si128(xb.add(4) as *const __m128i);
+            let both = _mm256_insertf128_si256::<1>(
+                _mm256_castsi128_si256(nibbles),
+                _mm_srli_epi16::<4>(nibbles),
+            );
+            let qx = _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+            let qy = _mm256_loadu_si256(yb.add(4) as *const __m256i);
+            (mul_sum_us8_pairs(qx, qy), dx * dy, mx * sy)
+        }
+    }
+
+    /// One Q8_0 block at `xb` against one at `yb`: pairwise integer sums as f32, and the
+    /// product of the scales.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; 34 bytes at `xb` and at `yb` are readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_0_block(xb: *const u8, yb: *const u8) -> (__m256, f32) {
+        // SAFETY: the caller guarantees 34 readable bytes at each: `two_halves` reads the
+        // 2-byte scale and the first two quants, the loads the 32 quants at offset 2.
+        unsafe {
+            let (dx, _) = two_halves(xb);
+            let (dy, _) = two_halves(yb);
+            let qx = _mm256_loadu_si256(xb.add(2) as *const __m256i);
+            let qy = _mm256_loadu_si256(yb.add(2) as *const __m256i);
+            let ax = _mm256_sign_epi8(qx, qx);
+            let sy = _mm256_sign_epi8(qy, qx);
+            (mul_sum_us8_pairs(ax, sy), dx * dy)
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks and `y` `nb` Q8_1 blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4_1_q8_1(x: &[u8], y: &[u8], nb: usize) -> f32 {
+        let (xp, yp) = (x.as_ptr(), y.as_ptr());
+        // One accumulator and the blocks in order, as ggml sums them: a different float order
+        // flips near-tied greedy tokens of a small model against llama.cpp's.
+        let mut acc = _mm256_setzero_ps();
+        let mut summs = 0f32;
+        let mut i = 0;
+        while i + 1 < nb {
+            // SAFETY: blocks `i` and `i + 1` are below `nb`, inside both slices.
+            let ((p0, d0, m0), (p1, d1, m1)) = unsafe {
+                (
+                    q4_1_block(xp.add(i * Q4_1_BYTES), yp.add(i * Q8_1_BYTES)),
+                    q4_1_block(xp.add((i + 1) * Q4_1_BYTES), yp.add((i + 1) * Q8_1_BYTES)),
+                )
+            };
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d0), p0, acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d1), p1, acc);
+            summs += m0;
+            summs += m1;
+            i += 2;
+        }
+        if i < nb {
+            // SAFETY: block `i` is below `nb`, inside both slices.
+            let (p, d, m) = unsafe { q4_1_block(xp.add(i * Q4_1_BYTES), yp.add(i * Q8_1_BYTES)) };
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc);
+            summs += m;
+        }
+        hsum(acc) + summs
+    }
+
+    /// One row of Q4_1 blocks against four rows of Q8_1 blocks (`ys`, one after the other):
+    /// each weight block is unpacked once, and the four rows accumulate independently.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks, `ys` `4 * nb` Q8_1 blocks
+    /// and `scales` their `8 * nb` scales as f32.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4_1_q8_1_x4(
+        x: &[u8],
+        ys: &[u8],
+        scales: &[f32],
+        nb: usize,
+    ) -> [f32; 4] {
+        let (xp, yp, sp) = (x.as_ptr(), ys.as_ptr(), scales.as_ptr());
+        let row = nb * Q8_1_BYTES;
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut summs = [0f32; 4];
+        let low = _mm256_set1_epi8(0x0f);
+        for i in 0..nb {
+            // SAFETY: block `i < nb` of `x` and of each of the four rows of `ys`, and its two
+            // scales, are in bounds (the caller's guarantee); the byte loads are unaligned.
+            unsafe {
+                let xb = xp.add(i * Q4_1_BYTES);
+                let (dx, mx) = two_halves(xb);
+                let nibbles = _mm_loadu_si128(xb.add(4) as *const __m128i);
+                let qx = _mm256_and_si256(
+                    _mm256_insertf128_si256::<1>(
+                        _mm256_castsi128_si256(nibbles),
+                        _mm_srli_epi16::<4>(nibbles),
+                    ),
+                    low,
+                );
+                for r in 0..4 {
+                    let yb = yp.add(r * row + i * Q8_1_BYTES);
+                    let (dy, sy) = (*sp.add((r * nb + i) * 2), *sp.add((r * nb + i) * 2 + 1));
+                    let qy = _mm256_loadu_si256(yb.add(4) as *const __m256i);
+                    acc[r] =
+                        _mm256_fmadd_ps(_mm256_set1_ps(dx * dy), mul_sum_us8_pairs(qx, qy), acc[r]);
+                    summs[r] += mx * sy;
+                }
+            }
+        }
+        [
+            hsum(acc[0]) + summs[0],
+            hsum(acc[1]) + summs[1],
+            hsum(acc[2]) + summs[2],
+            hsum(acc[3]) + summs[3],
+        ]
+    }
+
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `x` and `y` each hold `nb` Q8_0 blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q8_0_q8_0(x: &[u8], y: &[u8], nb: usize) -> f32 {
+        let (xp, yp) = (x.as_ptr(), y.as_ptr());
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 1 < nb {
+            // SAFETY: blocks `i` and `i + 1` are below `nb`, inside both slices.
+            let ((p0, d0), (p1, d1)) = unsafe {
+                (
+                    q8_0_block(xp.add(i * Q8_0_BYTES), yp.add(i * Q8_0_BYTES)),
+                    q8_0_block(xp.add((i + 1) * Q8_0_BYTES), yp.add((i + 1) * Q8_0_BYTES)),
+                )
+            };
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d0), p0, acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d1), p1, acc);
+            i += 2;
+        }
+        if i < nb {
+            // SAFETY: block `i` is below `nb`, inside both slices.
+            let (p, d) = unsafe { q8_0_block(xp.add(i * Q8_0_BYTES), yp.add(i * Q8_0_BYTES)) };
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc);
+        }
+        hsum(acc)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ramp(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 250.0 - 2.0)
+            .collect()
+    }
+
+    #[test]
+    fn simd_dots_equal_scalar() {
+        let k = 32 * 18;
+        let mut x4 = vec![0u8; k / QK * Q4_1_BYTES];
+        for (i, b) in x4.iter_mut().enumerate() {
+            *b = (i * 37 % 251) as u8;
+        }
+        for i in 0..k / QK {
+            let o = i * Q4_1_BYTES;
+            x4[o..o + 2].copy_from_slice(&f16::from_f32(0.01 * (i as f32 + 1.0)).to_le_bytes());
+            x4[o + 2..o + 4].copy_from_slice(&f16::from_f32(-0.05 * i as f32).to_le_bytes());
+        }
+        let mut y1 = vec![0u8; k / QK * Q8_1_BYTES];
+        quantize_q8_1(&ramp(k, 7), &mut y1);
+        let (a, b) = (dot_q4_1_q8_1(&x4, &y1), dot_q4_1_q8_1_scalar(&x4, &y1));
+        assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{a} {b}");
+        // Seven rows: a tile of four and three single rows.
+        let mut ys = vec![0u8; 7 * y1.len()];
+        for (r, y) in ys.chunks_exact_mut(y1.len()).enumerate() {
+            quantize_q8_1(&ramp(k, 100 + r as u32), y);
+        }
+        let mut out = [0f32; 7];
+        dot_q4_1_q8_1_rows(&x4, &ys, &q8_1_scales(&ys), &mut out);
+        for (o, y) in out.iter().zip(ys.chunks_exact(y1.len())) {
+            let b = dot_q4_1_q8_1_scalar(&x4, y);
+            assert!((o - b).abs() <= 1e-4 * b.abs().max(1.0), "{o} {b}");
+        }
+
+        let mut x8 = vec![0u8; k / QK * Q8_0_BYTES];
+        let mut y8 = vec![0u8; k / QK * Q8_0_BYTES];
+        quantize_q8_0(&ramp(k, 3), &mut x8);
+        quantize_q8_0(&ramp(k, 11), &mut y8);
+        let (a, b) = (dot_q8_0_q8_0(&x8, &y8), dot_q8_0_q8_0_scalar(&x8, &y8));
+        assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{a} {b}");
+    }
+
+    #[test]
+    fn quantize_q8_1_keeps_the_sum() {
+        let xs = ramp(64, 5);
+        let mut y = vec![0u8; 2 * Q8_1_BYTES];
+        quantize_q8_1(&xs, &mut y);
+        for (b, x) in y.chunks_exact(Q8_1_BYTES).zip(xs.chunks_exact(QK)) {
+            let d = half_at(b, 0);
+            let back: f32 = b[4..].iter().map(|&q| q as i8 as f32 * d).sum();
+            let exact: f32 = x.iter().sum();
+            // Each element rounds by at most d/2.
+            assert!(
+                (back - exact).abs() <= QK as f32 * d / 2.0 + 1e-5,
+                "{back} {exact}"
+            );
+            assert!((half_at(b, 2) - back).abs() <= 1e-2 * back.abs().max(1.0));
+        }
+    }
+}
