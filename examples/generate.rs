@@ -68,6 +68,11 @@ struct Args {
     /// dequantized on lookup, on the CPU and the GPU.
     #[arg(long)]
     dequantize: bool,
+    /// On the CPU, quantize the activations to 8-bit blocks before each quantized matmul, as
+    /// llama.cpp does (its arithmetic and greedy tokens; integer dot products). By default the
+    /// blocks multiply F32 activations and give what the dequantized model gives.
+    #[arg(long, conflicts_with = "dequantize")]
+    q8_activations: bool,
     /// Keep a GGUF file's quantized weights as GGML blocks: the default, accepted for older
     /// command lines.
     #[arg(long, hide = true, conflicts_with = "dequantize")]
@@ -304,6 +309,7 @@ fn main() -> Result<()> {
             !args.dequantize,
         )?),
     };
+    candle_offload::cpu_quant::set_quantized_activations(args.q8_activations);
     let blocks = store.ggml_tensor_count();
     eprintln!(
         "weights: {:.2} GiB in {} units ({:.2} GiB pinned, {blocks} tensors as GGML blocks), loaded in {:.1} s",

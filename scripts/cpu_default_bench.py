@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""The default model on this machine's CPU: our generate (a GGUF's quantized blocks, the
-default, and `--dequantize`) next to llama.cpp on the same file in the same run, with the
-agreement checks of issue 12.
+"""The default model on this machine's CPU: our generate (a GGUF's quantized blocks against F32
+activations, the default; the blocks against 8-bit activations as llama.cpp computes,
+`--q8-activations`; and `--dequantize`) next to llama.cpp on the same file in the same run,
+with the agreement checks of issue 12.
 
 Usage: python3 scripts/cpu_default_bench.py GENERATE_BIN MODEL.gguf PEER_PYTHON OUT.json [PROMPT ...]
 PEER_PYTHON is a python with the `xllamacpp` wheel (../shared/peer/llamacpp/cpu_peer.py runs
@@ -31,9 +32,14 @@ PROMPTS = ["What is the capital of France?",
 FACTUAL = 3
 
 
-def ours(binary, model, prompt, quantized):
+MODES = {"default": ("GGUF blocks, F32 activations (default)", []),
+         "q8": ("GGUF blocks, 8-bit activations (--q8-activations)", ["--q8-activations"]),
+         "dequantized": ("dequantized to F32 (--dequantize)", ["--dequantize"])}
+
+
+def ours(binary, model, prompt, mode):
     cmd = [binary, "--cpu", "--model", model, "--prompt", prompt, "--max-new-tokens", "32",
-           "--temperature", "0"] + ([] if quantized else ["--dequantize"])
+           "--temperature", "0"] + MODES[mode][1]
     p = subprocess.run(cmd, capture_output=True, text=True, check=True)
     m = re.search(r"prefill: (\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\); decode: (\d+) tokens at ([\d.]+) tokens/s",
                   p.stderr)
@@ -52,12 +58,13 @@ def main():
     records, prompts_summary = [], []
     for i, (prompt, theirs) in enumerate(zip(prompts, peer)):
         runs = {}
-        for quantized in (True, False):
-            r = ours(binary, model, prompt, quantized)
-            runs[quantized] = r
+        for mode in MODES:
+            r = ours(binary, model, prompt, mode)
+            runs[mode] = r
             records.append({
                 "prompt": prompt,
-                "weights": "GGUF blocks (default)" if quantized else "dequantized to F32 (--dequantize)",
+                "mode": mode,
+                "weights": MODES[mode][0],
                 "decode_tokens_per_s": r["decode_tokens_per_s"],
                 "prefill_tokens_per_s": r["prefill_tokens_per_s"],
                 "prefill_tokens": r["prefill_tokens"],
@@ -73,13 +80,16 @@ def main():
         prompts_summary.append({
             "prompt": prompt,
             "factual": i < FACTUAL,
-            "agrees_with_llamacpp": runs[True]["answer"].strip() == theirs["answer"].strip(),
-            "dequantized_agrees_with_llamacpp": runs[False]["answer"].strip() == theirs["answer"].strip(),
-            "quantized_equals_dequantized": runs[True]["answer"].strip() == runs[False]["answer"].strip(),
-            "answer": runs[True]["answer"],
+            "agrees_with_llamacpp": runs["default"]["answer"].strip() == theirs["answer"].strip(),
+            "q8_agrees_with_llamacpp": runs["q8"]["answer"].strip() == theirs["answer"].strip(),
+            "dequantized_agrees_with_llamacpp": runs["dequantized"]["answer"].strip() == theirs["answer"].strip(),
+            "quantized_equals_dequantized": runs["default"]["answer"].strip() == runs["dequantized"]["answer"].strip(),
+            "answer": runs["default"]["answer"],
+            "q8_answer": runs["q8"]["answer"],
             "llamacpp_answer": theirs["answer"],
         })
-    q = [r for r in records if r["weights"].startswith("GGUF")]
+    q = [r for r in records if r["mode"] == "default"]
+    q8 = [r for r in records if r["mode"] == "q8"]
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                            text=True).stdout.strip() != ""
@@ -92,6 +102,9 @@ def main():
            "cpu_vs_llamacpp": statistics.median(r["cpu_vs_llamacpp"] for r in q),
            "prefill_vs_llamacpp": statistics.median(r["prefill_vs_llamacpp"] for r in q),
            "prompts_agreeing_with_llamacpp": sum(p["agrees_with_llamacpp"] for p in prompts_summary),
+           "q8_cpu_vs_llamacpp": statistics.median(r["cpu_vs_llamacpp"] for r in q8),
+           "q8_prefill_vs_llamacpp": statistics.median(r["prefill_vs_llamacpp"] for r in q8),
+           "q8_prompts_agreeing_with_llamacpp": sum(p["q8_agrees_with_llamacpp"] for p in prompts_summary),
            "factual_quantized_equals_dequantized": all(
                p["quantized_equals_dequantized"] for p in prompts_summary if p["factual"]),
            "prompts": prompts_summary,
@@ -99,12 +112,13 @@ def main():
     with open(out, "w") as f:
         json.dump(doc, f, indent=2, ensure_ascii=False)
     for r in records:
-        print(f"{r['weights'][:22]:22} decode {r['decode_tokens_per_s']:6.1f} tok/s (llama.cpp {r['llamacpp_decode_tokens_per_s']:6.1f}), "
+        print(f"{r['mode']:11} decode {r['decode_tokens_per_s']:6.1f} tok/s (llama.cpp {r['llamacpp_decode_tokens_per_s']:6.1f}), "
               f"prefill {r['prefill_tokens_per_s']:6.1f} ({r['llamacpp_prefill_tokens_per_s']:6.1f}), same answer {r['same_answer_text']}: {r['prompt']}")
     for p in prompts_summary:
-        print(f"agrees with llama.cpp {p['agrees_with_llamacpp']!s:5}, quantized == dequantized "
+        print(f"agrees with llama.cpp {p['agrees_with_llamacpp']!s:5} (q8 {p['q8_agrees_with_llamacpp']!s:5}), quantized == dequantized "
               f"{p['quantized_equals_dequantized']!s:5}: {p['prompt']} -> {p['answer'][:60]!r}")
-    print(f"cpu_vs_llamacpp (median) {doc['cpu_vs_llamacpp']:.2f}, prefill {doc['prefill_vs_llamacpp']:.2f}")
+    print(f"cpu_vs_llamacpp (median) {doc['cpu_vs_llamacpp']:.2f}, prefill {doc['prefill_vs_llamacpp']:.2f}; "
+          f"q8: {doc['q8_cpu_vs_llamacpp']:.2f}, prefill {doc['q8_prefill_vs_llamacpp']:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 //! A CPU quantized matmul for the GGML types whose Candle 0.11 CPU kernels have no SIMD path
-//! in a portable build (Q4_1 against Q8_1 activations, Q8_0 against Q8_0), as a Candle
-//! [`CustomOp1`]: the activations are quantized once per row as llama.cpp quantizes them, and
-//! the dot products run on AVX2 when the CPU has it (`sys::simd`, detected at run time), split
-//! over rayon's pool. Rayon rather than Candle's barrier pool: a join whose other half no worker
+//! in a portable build (Q4_1 and Q8_0 weights), as a Candle [`CustomOp1`]: the weight blocks
+//! are multiplied as they are, against the F32 activations (by default: the dequantized
+//! model's numbers, in another summation order) or, with [`set_quantized_activations`],
+//! against activations quantized once per row as llama.cpp quantizes them (Q8_1 for Q4_1,
+//! Q8_0 for Q8_0: integer dot products, llama.cpp's numerics). The dot products run on AVX2
+//! when the CPU has it (`sys::simd`, detected at run time), split over rayon's pool. Rayon rather than Candle's barrier pool: a join whose other half no worker
 //! has picked up yet runs on the calling thread, so a busy machine (a worker not scheduled in
 //! time) costs the op its parallelism, not a wait for that worker at every matmul.
 //!
@@ -10,6 +12,7 @@
 //! and the caller then runs Candle's `QMatMul`; results agree with it to float-summation order
 //! (Candle rounds Q8_1 activations half away from zero, ggml and this op half to even).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -24,6 +27,22 @@ const COLS_PER_ITEM: usize = 16;
 
 /// Block dot products below which a work item is not split off (a join costs about as much).
 const MIN_BLOCKS_PER_TASK: usize = 2048;
+
+static QUANTIZED_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
+
+/// Whether [`forward`] quantizes the activations to 8-bit blocks before multiplying, as
+/// llama.cpp does (`true`), or multiplies the weight blocks against the F32 activations
+/// (`false`, the default). The 8-bit path is llama.cpp's arithmetic (its greedy tokens, its
+/// speed); the F32 path gives what the dequantized model gives. For the whole process, like
+/// Candle's own switches for its quantized kernels.
+pub fn set_quantized_activations(on: bool) {
+    QUANTIZED_ACTIVATIONS.store(on, Ordering::Relaxed);
+}
+
+/// See [`set_quantized_activations`].
+pub fn quantized_activations() -> bool {
+    QUANTIZED_ACTIVATIONS.load(Ordering::Relaxed)
+}
 
 /// Runs `f` on a thread of rayon's pool when `device` is the CPU (and this thread is not one
 /// already): the quantized matmuls and Candle's parallel CPU ops inside `f` then split their
@@ -101,6 +120,35 @@ impl CustomOp1 for QuantMatMul {
                 data.len()
             );
         }
+        let row_bytes = nb * w_block;
+        let min_len = MIN_BLOCKS_PER_TASK.div_ceil(COLS_PER_ITEM * nb * m);
+        let mut out_t = vec![0f32; n * m];
+        let q4_1 = self.w.dtype() == GgmlDType::Q4_1;
+        if !quantized_activations() {
+            let dot: fn(&[u8], &[f32]) -> f32 = match self.w.dtype() {
+                GgmlDType::Q4_1 => simd::dot_q4_1_f32,
+                _ => simd::dot_q8_0_f32,
+            };
+            let data = &data[..];
+            out_t
+                .par_chunks_mut(COLS_PER_ITEM * m)
+                .with_min_len(min_len)
+                .enumerate()
+                .for_each(|(item, part)| {
+                    let col0 = item * COLS_PER_ITEM;
+                    for (c, col) in part.chunks_mut(m).enumerate() {
+                        let w = &data[(col0 + c) * row_bytes..(col0 + c + 1) * row_bytes];
+                        if q4_1 && m > 1 {
+                            simd::dot_q4_1_f32_rows(w, xs, col);
+                            continue;
+                        }
+                        for (v, x) in col.iter_mut().zip(xs.chunks_exact(k)) {
+                            *v = dot(w, x);
+                        }
+                    }
+                });
+            return Ok((CpuStorage::F32(transpose(out_t, m, n)), Shape::from((m, n))));
+        }
         // The activations, quantized once per row.
         let mut yq = vec![0u8; m * nb * y_block];
         for (x, y) in xs.chunks_exact(k).zip(yq.chunks_exact_mut(nb * y_block)) {
@@ -111,16 +159,12 @@ impl CustomOp1 for QuantMatMul {
         }
         // Work items are column ranges; each writes its own slice of the transposed output
         // (column-major, `m` values per column), so no two workers share a slice.
-        let mut out_t = vec![0f32; n * m];
         let (data, yq) = (&data[..], &yq[..]);
-        let row_bytes = nb * w_block;
-        let q4_1 = self.w.dtype() == GgmlDType::Q4_1;
         let scales = if q4_1 && m > 1 {
             simd::q8_1_scales(yq)
         } else {
             Vec::new()
         };
-        let min_len = MIN_BLOCKS_PER_TASK.div_ceil(COLS_PER_ITEM * nb * m);
         out_t
             .par_chunks_mut(COLS_PER_ITEM * m)
             .with_min_len(min_len)
@@ -138,19 +182,22 @@ impl CustomOp1 for QuantMatMul {
                     }
                 }
             });
-        let out = if m == 1 {
-            out_t
-        } else {
-            let mut out = vec![0f32; m * n];
-            for (c, col) in out_t.chunks_exact(m).enumerate() {
-                for (r, v) in col.iter().enumerate() {
-                    out[r * n + c] = *v;
-                }
-            }
-            out
-        };
-        Ok((CpuStorage::F32(out), Shape::from((m, n))))
+        Ok((CpuStorage::F32(transpose(out_t, m, n)), Shape::from((m, n))))
     }
+}
+
+/// The (m, n) row-major output from its column-major form (`m` values per column).
+fn transpose(out_t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
+    if m == 1 {
+        return out_t;
+    }
+    let mut out = vec![0f32; m * n];
+    for (c, col) in out_t.chunks_exact(m).enumerate() {
+        for (r, v) in col.iter().enumerate() {
+            out[r * n + c] = *v;
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -169,7 +216,13 @@ mod tests {
     #[test]
     fn agrees_with_candle_qmatmul() {
         let dev = Device::Cpu;
-        for ty in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+        for (ty, q8) in [
+            (GgmlDType::Q4_1, true),
+            (GgmlDType::Q8_0, true),
+            (GgmlDType::Q4_1, false),
+            (GgmlDType::Q8_0, false),
+        ] {
+            set_quantized_activations(q8);
             for m in [1, 3, 7] {
                 let w = Tensor::randn(0f32, 1.0, (37, 128), &dev).unwrap();
                 let q = Arc::new(QTensor::quantize(&w, ty).unwrap());
@@ -183,8 +236,16 @@ mod tests {
                 let dense = xs.broadcast_matmul(&w.t().unwrap()).unwrap();
                 let e = rel_l2(&ours, &dense);
                 assert!(e < 0.1, "{ty:?} m={m}: rel L2 against dense {e}");
+                if !q8 {
+                    // F32 activations: the dequantized weights' own product, up to rounding.
+                    let deq = q.dequantize(&dev).unwrap();
+                    let exact = xs.broadcast_matmul(&deq.t().unwrap()).unwrap();
+                    let e = rel_l2(&ours, &exact);
+                    assert!(e < 1e-5, "{ty:?} m={m}: rel L2 against dequantized {e}");
+                }
             }
         }
+        set_quantized_activations(false);
         let q = QTensor::quantize(
             &Tensor::zeros((8, 256), DType::F32, &dev).unwrap(),
             GgmlDType::Q4K,

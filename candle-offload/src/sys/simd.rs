@@ -153,6 +153,86 @@ pub(crate) fn dot_q8_0_q8_0(x: &[u8], y: &[u8]) -> f32 {
     dot_q8_0_q8_0_scalar(x, y)
 }
 
+/// The dot product of Q4_1 blocks `x` with F32 activations `y` (32 per block), the
+/// activations not quantized: per block `d * sum(q_j * y_j) + m * sum(y_j)`, the values the
+/// dequantized weights give, summed in another order.
+pub(crate) fn dot_q4_1_f32(x: &[u8], y: &[f32]) -> f32 {
+    let nb = x.len() / Q4_1_BYTES;
+    assert!(x.len() == nb * Q4_1_BYTES && y.len() == nb * QK);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked above), and the lengths were checked:
+        // `x` holds `nb` whole Q4_1 blocks and `y` `nb * 32` values.
+        return unsafe { avx2::dot_q4_1_f32(x, y, nb) };
+    }
+    dot_q4_1_f32_scalar(x, y)
+}
+
+/// [`dot_q4_1_f32`] of one row of Q4_1 blocks `x` with each of `out.len()` rows of F32
+/// activations in `ys` (one after the other, each `x`'s length in elements), into `out`, each
+/// weight block dequantized once for four rows (prefill).
+pub(crate) fn dot_q4_1_f32_rows(x: &[u8], ys: &[f32], out: &mut [f32]) {
+    let nb = x.len() / Q4_1_BYTES;
+    let k = nb * QK;
+    assert!(x.len() == nb * Q4_1_BYTES && ys.len() == out.len() * k);
+    let mut r = 0;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        while r + 4 <= out.len() {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` holds `nb` Q4_1
+            // blocks and rows `r..r + 4` of `ys` (below `out.len()`) `k` values each.
+            let four = unsafe { avx2::dot_q4_1_f32_x4(x, &ys[r * k..(r + 4) * k], nb) };
+            out[r..r + 4].copy_from_slice(&four);
+            r += 4;
+        }
+    }
+    for (o, y) in out[r..].iter_mut().zip(ys[r * k..].chunks_exact(k)) {
+        *o = dot_q4_1_f32(x, y);
+    }
+}
+
+/// The dot product of Q8_0 blocks `x` with F32 activations `y` (32 per block), the activations
+/// not quantized.
+pub(crate) fn dot_q8_0_f32(x: &[u8], y: &[f32]) -> f32 {
+    let nb = x.len() / Q8_0_BYTES;
+    assert!(x.len() == nb * Q8_0_BYTES && y.len() == nb * QK);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked above), and the lengths were checked:
+        // `x` holds `nb` whole Q8_0 blocks and `y` `nb * 32` values.
+        return unsafe { avx2::dot_q8_0_f32(x, y, nb) };
+    }
+    dot_q8_0_f32_scalar(x, y)
+}
+
+/// [`dot_q4_1_f32`] without SIMD.
+pub(crate) fn dot_q4_1_f32_scalar(x: &[u8], y: &[f32]) -> f32 {
+    let mut sumf = 0f32;
+    for (xb, yb) in x.chunks_exact(Q4_1_BYTES).zip(y.chunks_exact(QK)) {
+        let (mut dot, mut sum) = (0f32, 0f32);
+        for j in 0..QK / 2 {
+            dot += (xb[4 + j] & 0x0f) as f32 * yb[j] + (xb[4 + j] >> 4) as f32 * yb[j + QK / 2];
+            sum += yb[j] + yb[j + QK / 2];
+        }
+        sumf += half_at(xb, 0) * dot + half_at(xb, 2) * sum;
+    }
+    sumf
+}
+
+/// [`dot_q8_0_f32`] without SIMD.
+pub(crate) fn dot_q8_0_f32_scalar(x: &[u8], y: &[f32]) -> f32 {
+    let mut sumf = 0f32;
+    for (xb, yb) in x.chunks_exact(Q8_0_BYTES).zip(y.chunks_exact(QK)) {
+        let dot: f32 = xb[2..]
+            .iter()
+            .zip(yb)
+            .map(|(&q, &v)| q as i8 as f32 * v)
+            .sum();
+        sumf += half_at(xb, 0) * dot;
+    }
+    sumf
+}
+
 /// [`dot_q4_1_q8_1`] without SIMD.
 pub(crate) fn dot_q4_1_q8_1_scalar(x: &[u8], y: &[u8]) -> f32 {
     let mut sumf = 0f32;
@@ -370,6 +450,117 @@ mod avx2 {
         }
         hsum(acc)
     }
+
+    /// The eight int8 at `p` as f32 lanes.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; 8 bytes at `p` are readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn i8x8(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable bytes at `p`; the load is unaligned.
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
+    }
+
+    /// One Q4_1 block at `xb` dequantized to four vectors of 8 (`d * q + m`, elements 0-7,
+    /// 8-15, 16-23, 24-31).
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; 20 bytes at `xb` are readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_1_values(xb: *const u8) -> [__m256; 4] {
+        // SAFETY: the caller guarantees 20 readable bytes: the 4-byte header and two 8-byte
+        // halves of the nibbles at `xb + 4` and `xb + 12`; the loads are unaligned.
+        unsafe {
+            let (d, m) = two_halves(xb);
+            let (d, m) = (_mm256_set1_ps(d), _mm256_set1_ps(m));
+            let v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(xb.add(4) as *const __m128i));
+            let v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(xb.add(12) as *const __m128i));
+            let low = _mm256_set1_epi32(0x0f);
+            [
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), d, m),
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), d, m),
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0)), d, m),
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1)), d, m),
+            ]
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks and `y` `nb * 32` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4_1_f32(x: &[u8], y: &[f32], nb: usize) -> f32 {
+        let (xp, yp) = (x.as_ptr(), y.as_ptr());
+        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for i in 0..nb {
+            // SAFETY: block `i` is below `nb`: 20 bytes at its weights and 32 values at its
+            // activations are inside the slices; the loads are unaligned.
+            unsafe {
+                let w = q4_1_values(xp.add(i * Q4_1_BYTES));
+                let yb = yp.add(i * 32);
+                acc0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(yb), acc0);
+                acc1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(yb.add(8)), acc1);
+                acc0 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(yb.add(16)), acc0);
+                acc1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(yb.add(24)), acc1);
+            }
+        }
+        hsum(_mm256_add_ps(acc0, acc1))
+    }
+
+    /// One row of Q4_1 blocks `x` against four rows of F32 activations (`y`, `nb * 32` values
+    /// each, one after the other): each block dequantized once for the four.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks and `y` `4 * nb * 32`
+    /// values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4_1_f32_x4(x: &[u8], y: &[f32], nb: usize) -> [f32; 4] {
+        let (xp, yp) = (x.as_ptr(), y.as_ptr());
+        let k = nb * 32;
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for i in 0..nb {
+            // SAFETY: block `i` is below `nb`: its 20 weight bytes are inside `x`, and each of
+            // the four rows' 32 values at `r * k + i * 32` inside `y`; the loads are unaligned.
+            unsafe {
+                let w = q4_1_values(xp.add(i * Q4_1_BYTES));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let yb = yp.add(r * k + i * 32);
+                    let mut t = _mm256_mul_ps(w[0], _mm256_loadu_ps(yb));
+                    t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(yb.add(8)), t);
+                    t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(yb.add(16)), t);
+                    t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(yb.add(24)), t);
+                    *a = _mm256_add_ps(*a, t);
+                }
+            }
+        }
+        [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
+    }
+
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q8_0 blocks and `y` `nb * 32` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q8_0_f32(x: &[u8], y: &[f32], nb: usize) -> f32 {
+        let (xp, yp) = (x.as_ptr(), y.as_ptr());
+        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for i in 0..nb {
+            // SAFETY: block `i` is below `nb`: 34 bytes at `xb` and 32 values at `yb` are
+            // inside the slices (`two_halves` reads the scale and the first two quants, the
+            // four 8-byte loads the quants); the loads are unaligned.
+            unsafe {
+                let (xb, yb) = (xp.add(i * Q8_0_BYTES), yp.add(i * 32));
+                let (d, _) = two_halves(xb);
+                let mut t0 = _mm256_mul_ps(i8x8(xb.add(2)), _mm256_loadu_ps(yb));
+                let mut t1 = _mm256_mul_ps(i8x8(xb.add(10)), _mm256_loadu_ps(yb.add(8)));
+                t0 = _mm256_fmadd_ps(i8x8(xb.add(18)), _mm256_loadu_ps(yb.add(16)), t0);
+                t1 = _mm256_fmadd_ps(i8x8(xb.add(26)), _mm256_loadu_ps(yb.add(24)), t1);
+                let d = _mm256_set1_ps(d);
+                acc0 = _mm256_fmadd_ps(d, t0, acc0);
+                acc1 = _mm256_fmadd_ps(d, t1, acc1);
+            }
+        }
+        hsum(_mm256_add_ps(acc0, acc1))
+    }
 }
 
 #[cfg(test)]
@@ -416,6 +607,49 @@ mod tests {
         quantize_q8_0(&ramp(k, 11), &mut y8);
         let (a, b) = (dot_q8_0_q8_0(&x8, &y8), dot_q8_0_q8_0_scalar(&x8, &y8));
         assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{a} {b}");
+
+        // F32 activations: SIMD, scalar and the dequantized weights' plain dot agree.
+        let yf = ramp(k, 13);
+        let deq4: Vec<f32> = x4
+            .chunks_exact(Q4_1_BYTES)
+            .flat_map(|b| {
+                let (d, m) = (half_at(b, 0), half_at(b, 2));
+                let lo: Vec<f32> = (0..16).map(|j| (b[4 + j] & 0x0f) as f32 * d + m).collect();
+                let hi: Vec<f32> = (0..16).map(|j| (b[4 + j] >> 4) as f32 * d + m).collect();
+                lo.into_iter().chain(hi)
+            })
+            .collect();
+        let plain: f32 = deq4.iter().zip(&yf).map(|(a, b)| a * b).sum();
+        for v in [dot_q4_1_f32(&x4, &yf), dot_q4_1_f32_scalar(&x4, &yf)] {
+            assert!(
+                (v - plain).abs() <= 1e-4 * plain.abs().max(1.0),
+                "{v} {plain}"
+            );
+        }
+        let yfs: Vec<f32> = (0..7).flat_map(|r| ramp(k, 200 + r)).collect();
+        let mut out = [0f32; 7];
+        dot_q4_1_f32_rows(&x4, &yfs, &mut out);
+        for (o, y) in out.iter().zip(yfs.chunks_exact(k)) {
+            let b = dot_q4_1_f32_scalar(&x4, y);
+            assert!((o - b).abs() <= 1e-4 * b.abs().max(1.0), "{o} {b}");
+        }
+        let deq8: Vec<f32> = x8
+            .chunks_exact(Q8_0_BYTES)
+            .flat_map(|b| {
+                let d = half_at(b, 0);
+                b[2..]
+                    .iter()
+                    .map(move |&q| q as i8 as f32 * d)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let plain: f32 = deq8.iter().zip(&yf).map(|(a, b)| a * b).sum();
+        for v in [dot_q8_0_f32(&x8, &yf), dot_q8_0_f32_scalar(&x8, &yf)] {
+            assert!(
+                (v - plain).abs() <= 1e-4 * plain.abs().max(1.0),
+                "{v} {plain}"
+            );
+        }
     }
 
     #[test]
