@@ -15,4 +15,5 @@ mod quantized;
 mod runtime;
 mod sharding;
 mod store;
+mod tiers;
 mod train;
