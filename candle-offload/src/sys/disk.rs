@@ -80,6 +80,9 @@ impl DiskFile {
     }
 }
 
+/// Converts whole elements: `(src, from, dst, to)`.
+pub(crate) type ConvertFn = fn(&[u8], DType, &mut [u8], DType) -> Result<(), String>;
+
 /// How a segment's file bytes become the unit's bytes: elements of `from` converted to `to`
 /// by `convert` (the store's float conversion, passed in so that this module stays a leaf).
 #[derive(Debug, Clone, Copy)]
@@ -88,8 +91,8 @@ pub(crate) struct Conversion {
     pub from: DType,
     /// The stored dtype.
     pub to: DType,
-    /// Converts whole elements: `(src, from, dst, to)`.
-    pub convert: fn(&[u8], DType, &mut [u8], DType) -> Result<(), String>,
+    /// Converts whole elements.
+    pub convert: ConvertFn,
 }
 
 /// One tensor of a disk unit: `len` bytes at `at` in the unit's layout, read from the file at
