@@ -111,6 +111,11 @@ struct Args {
     /// device (`4,6`) or one for all. Implies --offload.
     #[arg(long)]
     gpu_memory_limit: Option<String>,
+    /// Host memory for the weights: GiB (`12`), `12GiB`, or a share of RAM (`50%`); a
+    /// safetensors model's layers past it stay in the file and are read from disk on every
+    /// fetch. Default: 3/4 of RAM (or `memory.max_cpu_memory` in --config).
+    #[arg(long, conflicts_with = "quantize")]
+    cpu_memory_limit: Option<String>,
     /// How much stays resident: minimal, balanced or aggressive offloading.
     #[arg(long)]
     offload_strategy: Option<OffloadStrategy>,
@@ -301,13 +306,23 @@ fn main() -> Result<()> {
                 .ok_or_else(|| anyhow!("--quantize {name}: not a quantize type"))?;
             Arc::new(quantize_on_load(&files, ty, dtype, &device)?)
         }
-        None => Arc::new(loader::load_store_with(
-            &files,
-            dtype,
-            &device,
-            None,
-            !args.dequantize,
-        )?),
+        None => {
+            let host_memory_limit = match &args.cpu_memory_limit {
+                Some(s) => Some(MemoryLimit::parse("--cpu-memory-limit", s)?),
+                None => settings.max_cpu_memory,
+            };
+            let cfg = candle_offload::StoreConfig {
+                dtype: Some(dtype),
+                host_memory_limit,
+                ..Default::default()
+            };
+            Arc::new(loader::load_store_config(
+                &files,
+                &cfg,
+                &device,
+                !args.dequantize,
+            )?)
+        }
     };
     candle_offload::cpu_quant::set_quantized_activations(args.q8_activations);
     let blocks = store.ggml_tensor_count();

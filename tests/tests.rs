@@ -16,4 +16,5 @@ mod quantized;
 mod runtime;
 mod sharding;
 mod store;
+mod tiers;
 mod train;

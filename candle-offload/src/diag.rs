@@ -1,5 +1,6 @@
 //! Diagnostics: what the GPU is, what the binary was built for, how fast the host link is,
-//! and how much device memory the process really holds (measured outside any allocator).
+//! how much device memory the process really holds (measured outside any allocator), and how
+//! much host memory the machine has.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -112,6 +113,42 @@ pub fn trim_memory_pool(device: &Device) -> candle_core::Result<()> {
     sys::trim_memory_pool(device)
 }
 
+/// The machine's RAM, from `/proc/meminfo`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostMemory {
+    /// `MemTotal`.
+    pub total_bytes: u64,
+    /// `MemAvailable`: what can be allocated without swapping (free plus reclaimable cache).
+    pub available_bytes: u64,
+}
+
+/// The machine's RAM (`None` where `/proc/meminfo` cannot be read, off Linux).
+pub fn host_memory() -> Option<HostMemory> {
+    parse_meminfo(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
+/// [`HostMemory`] from the text of `/proc/meminfo` (values in kB).
+pub fn parse_meminfo(text: &str) -> Option<HostMemory> {
+    let field = |key: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(key))?;
+        let kb: u64 = line[key.len()..].split_whitespace().next()?.parse().ok()?;
+        Some(kb * 1024)
+    };
+    let total_bytes = field("MemTotal:")?;
+    Some(HostMemory {
+        total_bytes,
+        available_bytes: field("MemAvailable:").unwrap_or(total_bytes),
+    })
+}
+
+/// The locked-memory limit of this process (`ulimit -l`, `RLIMIT_MEMLOCK`) in bytes, from
+/// `/proc/self/limits` (`None`: unlimited or unknown).
+pub fn memlock_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max locked memory"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
 /// Polls [`device_used_bytes`] on a background thread and keeps the maximum.
 #[derive(Debug)]
 pub struct PeakMemorySampler {
@@ -203,6 +240,18 @@ pub fn pool_peak_used_bytes(device: &Device, reset: bool) -> candle_core::Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_host_memory_from_meminfo() {
+        let text = "MemTotal:       16318412 kB\nMemFree:  1000 kB\nMemAvailable:   9000000 kB\n";
+        let m = parse_meminfo(text).unwrap();
+        assert_eq!(m.total_bytes, 16318412 * 1024);
+        assert_eq!(m.available_bytes, 9000000 * 1024);
+        assert_eq!(parse_meminfo("MemFree: 3 kB\n"), None);
+        if let Some(m) = host_memory() {
+            assert!(m.total_bytes > 0 && m.available_bytes <= m.total_bytes);
+        }
+    }
 
     #[test]
     fn devices_are_labelled_by_kind_and_ordinal() {

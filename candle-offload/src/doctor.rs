@@ -3,8 +3,8 @@
 //! It gathers the driver's CUDA version against the one the binary was built for, the GPU's
 //! compute capability against the architecture compiled in (the cause of "no kernel image is
 //! available for execution"), device memory, the locked-memory limit and whether pinning works,
-//! the PCIe link, and measured pinned and pageable copy rates. The verdicts are a pure function
-//! of those facts ([`verdicts`]), tested on the CPU.
+//! host RAM, the PCIe link, and measured pinned and pageable copy rates. The verdicts are a
+//! pure function of those facts ([`verdicts`]), tested on the CPU.
 
 use std::fmt;
 
@@ -57,6 +57,8 @@ pub struct Report {
     pub device_error: Option<String>,
     /// `ulimit -l` in bytes (`None`: unlimited or unknown).
     pub memlock_limit: Option<u64>,
+    /// The machine's RAM (`None` where `/proc/meminfo` cannot be read).
+    pub host_memory: Option<diag::HostMemory>,
     /// Whether 64 MiB of host memory could be pinned (`None`: not tried).
     pub pinning_works: Option<bool>,
     /// The PCIe link.
@@ -183,9 +185,7 @@ pub fn verdicts(
 
 /// `ulimit -l` of this process, from /proc/self/limits (`None`: unlimited or unknown).
 pub fn memlock_limit() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let line = text.lines().find(|l| l.starts_with("Max locked memory"))?;
-    line.split_whitespace().nth(3)?.parse().ok()
+    diag::memlock_limit()
 }
 
 fn pcie_generation(speed: &str) -> Option<u32> {
@@ -255,6 +255,7 @@ pub fn examine(ordinal: usize, measure: bool) -> Report {
         device,
         device_error,
         memlock_limit: memlock,
+        host_memory: diag::host_memory(),
         pinning_works: pinning,
         pcie,
         pinned_gbps: pinned,
@@ -290,6 +291,16 @@ impl fmt::Display for Report {
                 v(d.driver_cuda_version),
                 v(d.built_for_cuda),
                 d.compiled_arch.as_deref().unwrap_or("?")
+            )?;
+        }
+        if let Some(m) = self.host_memory {
+            writeln!(
+                f,
+                "  host RAM           {} total, {} available; the store holds at most {} by \
+                 default (3/4 of RAM; the rest stays in the checkpoint file)",
+                human_bytes(m.total_bytes),
+                human_bytes(m.available_bytes),
+                human_bytes(crate::store::default_host_limit(m.total_bytes))
             )?;
         }
         writeln!(

@@ -4,6 +4,7 @@
 //! memory:
 //!   offload_strategy: balanced   # minimal | balanced | aggressive
 //!   max_gpu_memory: 3GB          # or 3.5 (GiB), 3.5GiB, 50%
+//!   max_cpu_memory: 12GiB        # host memory for weights: a size or a share of RAM
 //! ```
 //!
 //! Unknown keys are refused, so a typo is an error rather than a silently ignored setting.
@@ -21,6 +22,9 @@ pub struct Settings {
     pub offload_strategy: Option<OffloadStrategy>,
     /// `memory.max_gpu_memory`.
     pub max_gpu_memory: Option<MemoryLimit>,
+    /// `memory.max_cpu_memory`: the host store's cap
+    /// ([`StoreConfig::host_memory_limit`](crate::StoreConfig::host_memory_limit)).
+    pub max_cpu_memory: Option<MemoryLimit>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -35,6 +39,7 @@ struct FileConfig {
 struct MemorySection {
     offload_strategy: Option<String>,
     max_gpu_memory: Option<serde_norway::Value>,
+    max_cpu_memory: Option<serde_norway::Value>,
 }
 
 impl Settings {
@@ -61,22 +66,22 @@ impl Settings {
             .map(|s| s.parse::<OffloadStrategy>())
             .transpose()
             .map_err(|e| file(format!("memory.offload_strategy: {e}")))?;
-        let field = "memory.max_gpu_memory";
-        let max_gpu_memory = match cfg.memory.max_gpu_memory {
-            None => None,
+        let size = |field: &str, value: Option<serde_norway::Value>| match value {
+            None => Ok(None),
             Some(serde_norway::Value::Number(n)) => {
-                Some(MemoryLimit::parse(field, &n.to_string())?)
+                Ok(Some(MemoryLimit::parse(field, &n.to_string())?))
             }
-            Some(serde_norway::Value::String(s)) => Some(MemoryLimit::parse(field, &s)?),
-            Some(other) => {
-                return Err(file(format!(
-                    "{field}: expected a size such as 3GB, got {other:?}"
-                )))
-            }
+            Some(serde_norway::Value::String(s)) => Ok(Some(MemoryLimit::parse(field, &s)?)),
+            Some(other) => Err(file(format!(
+                "{field}: expected a size such as 3GB, got {other:?}"
+            ))),
         };
+        let max_gpu_memory = size("memory.max_gpu_memory", cfg.memory.max_gpu_memory)?;
+        let max_cpu_memory = size("memory.max_cpu_memory", cfg.memory.max_cpu_memory)?;
         Ok(Self {
             offload_strategy,
             max_gpu_memory,
+            max_cpu_memory,
         })
     }
 }
@@ -97,6 +102,13 @@ mod tests {
         let s =
             Settings::from_yaml("memory:\n  max_gpu_memory: 3.5\n", Path::new("c.yaml")).unwrap();
         assert_eq!(s.max_gpu_memory, Some(MemoryLimit::gib(3.5)));
+        let s = Settings::from_yaml(
+            "memory:\n  max_cpu_memory: 50%\n  max_gpu_memory: 2\n",
+            Path::new("c.yaml"),
+        )
+        .unwrap();
+        assert_eq!(s.max_cpu_memory, Some(MemoryLimit::FractionOfDevice(0.5)));
+        assert_eq!(s.max_gpu_memory, Some(MemoryLimit::gib(2.0)));
         assert_eq!(
             Settings::from_yaml("", Path::new("c.yaml")).unwrap(),
             Settings::default()
@@ -117,6 +129,11 @@ mod tests {
                 "memory.max_gpu_memory",
             ),
             ("memory:\n  max_gpu_mem: 3GB\n", "/etc/c.yaml"),
+            ("memory:\n  max_cpu_memory: lots\n", "memory.max_cpu_memory"),
+            (
+                "memory:\n  max_cpu_memory: {a: 1}\n",
+                "memory.max_cpu_memory",
+            ),
             ("not: [valid", "/etc/c.yaml"),
         ] {
             let e = Settings::from_yaml(text, p).unwrap_err().to_string();

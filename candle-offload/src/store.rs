@@ -11,9 +11,16 @@
 //! them; the format decides the host size, the device size the budget counts, and what an
 //! acquired unit hands out (a `Tensor` or a `QTensor`).
 //!
-//! Where a unit's bytes live is its storage tier (`TierKind`: pinned or pageable today), behind
+//! Where a unit's bytes live is its storage tier (`TierKind`: pinned, pageable or disk), behind
 //! one interface (`sys::HostTier`) that the store and the copy engines use without knowing
 //! which tier it is.
+//!
+//! The store holds at most [`StoreConfig::host_memory_limit`] bytes in host memory (by default
+//! 3/4 of the machine's RAM, [`default_host_limit`]). Units are placed in unit order (the
+//! non-layer units, embeddings, norms and head, first, then the layers by index), each in
+//! memory while it fits under the cap; a unit that does not fit stays in its checkpoint file
+//! (the disk tier, safetensors only), so with a small cap the last layers are the ones read
+//! from disk, on every fetch, through the page cache.
 //!
 //! On a CUDA device the buffers are pinned (page-locked, portable, not write-combined, so the
 //! CPU can still read them) up to a cap; past the cap, or where pinning fails, a unit stays in
@@ -23,12 +30,12 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{RwLock, RwLockReadGuard};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Shape, Tensor};
 
-use crate::budget::human_bytes;
+use crate::budget::{human_bytes, MemoryLimit};
 use crate::cache::UnitId;
 use crate::error::{Error, Result};
 use crate::sys::{self, HostTier};
@@ -101,6 +108,12 @@ pub struct StoreConfig {
     pub dtype: Option<DType>,
     /// At most this many bytes of page-locked host memory; `None` for no cap.
     pub pinned_cap_bytes: Option<u64>,
+    /// At most this much host memory (pinned and pageable together) for the weights: a size,
+    /// or a share (`%`) of the machine's RAM. Units past it stay in their checkpoint file and
+    /// are read from it on every fetch (the disk tier; safetensors only). `None` is the
+    /// default, 3/4 of the machine's RAM ([`default_host_limit`]). A cap smaller than the
+    /// largest unit is refused.
+    pub host_memory_limit: Option<MemoryLimit>,
     /// How tensor names map to units.
     pub grouping: UnitGrouping,
 }
@@ -357,7 +370,7 @@ impl HostUnit {
         }
         let mut v = vec![0u8; t.nbytes];
         if let Err(e) = guard.read_into(range, &mut v) {
-            // Only a tier without host memory (none yet) can fail here.
+            // Only a tier without host memory (the disk) can fail here.
             tracing::error!(tensor = %t.name, error = %e, "reading a tensor from its tier failed");
             v.clear();
         }
@@ -367,14 +380,16 @@ impl HostUnit {
     /// [`tensor_bytes`](Self::tensor_bytes), failing when its tier could not hand over all of
     /// them.
     fn whole_tensor_bytes(&self, t: &TensorMeta) -> candle_core::Result<HostBytes<'_>> {
-        let bytes = self.tensor_bytes(t);
-        if bytes.len() != t.nbytes {
-            candle_core::bail!(
-                "tensor {}: cannot read its bytes from the host store",
-                t.name
-            );
+        let range = t.offset..t.offset + t.nbytes;
+        let guard = self.buffer();
+        if guard.bytes().is_some() {
+            return Ok(HostBytes(HostBytesInner::Borrowed { guard, range }));
         }
-        Ok(bytes)
+        let mut v = vec![0u8; t.nbytes];
+        guard
+            .read_into(range, &mut v)
+            .map_err(|e| candle_core::Error::Msg(format!("tensor {}: {e}", t.name)))?;
+        Ok(HostBytes(HostBytesInner::Read(v)))
     }
 
     /// A CPU copy of one of its dense tensors; a GGML tensor is refused (see
@@ -458,12 +473,62 @@ impl HostUnit {
     }
 }
 
-/// All weights of a model in host memory, grouped into units.
+/// The host-memory cap when none is given: 3/4 of the machine's RAM. The quarter left is for
+/// the OS and other programs, the activations and KV cache (on the CPU engine they live in
+/// host memory too), and the page cache that the disk tier reads through; on a 16 GiB laptop
+/// that is 4 GiB.
+pub fn default_host_limit(total_ram_bytes: u64) -> u64 {
+    total_ram_bytes / 4 * 3
+}
+
+/// The host-memory cap in bytes for `limit` on a machine with `total_ram_bytes` of RAM (`None`
+/// when unknown): `None` for no cap (the default where the RAM is unknown). A share of RAM
+/// needs the RAM; a size larger than the RAM is refused.
+pub fn resolve_host_limit(
+    limit: Option<MemoryLimit>,
+    total_ram_bytes: Option<u64>,
+) -> Result<Option<u64>> {
+    let err = |reason: String| Error::InvalidConfig {
+        field: "host_memory_limit".into(),
+        reason,
+    };
+    match (limit, total_ram_bytes) {
+        (None, total) => Ok(total.map(default_host_limit)),
+        (Some(MemoryLimit::Bytes(b)), Some(total)) if b > total => Err(err(format!(
+            "{} is more than the machine's RAM ({})",
+            human_bytes(b),
+            human_bytes(total)
+        ))),
+        (Some(MemoryLimit::Bytes(b)), _) => Ok(Some(b)),
+        (Some(MemoryLimit::FractionOfDevice(f)), Some(total)) => {
+            Ok(Some((total as f64 * f) as u64))
+        }
+        (Some(MemoryLimit::FractionOfDevice(f)), None) => Err(err(format!(
+            "a share of RAM ({}%) needs /proc/meminfo; give a size such as 8GiB instead",
+            f * 100.0
+        ))),
+    }
+}
+
+/// All weights of a model, grouped into units: in host memory up to the host cap, the rest in
+/// their checkpoint file.
 #[derive(Debug)]
 pub struct HostStore {
     units: Vec<HostUnit>,
     unit_index: HashMap<String, UnitId>,
     tensor_index: HashMap<String, (UnitId, usize)>,
+    host_limit: Option<u64>,
+}
+
+/// Where a tensor's bytes are in a checkpoint file, for the disk tier.
+struct FileSpan {
+    file: Arc<sys::DiskFile>,
+    /// Offset of its first byte.
+    offset: u64,
+    /// Its length in the file.
+    len: usize,
+    /// Its dtype in the file.
+    dtype: DType,
 }
 
 /// A dense tensor to create in [`HostStore::from_fn`] (for any format, see
@@ -530,8 +595,13 @@ impl HostStore {
             })?;
             files.push(st);
         }
+        let disk_files = paths
+            .iter()
+            .map(|p| sys::DiskFile::open(p.as_ref()).map_err(Error::from))
+            .collect::<Result<Vec<_>>>()?;
         let mut pending = Vec::new();
         let mut origin: Vec<(usize, String)> = Vec::new();
+        let mut sources = Vec::new();
         for (fi, st) in files.iter().enumerate() {
             let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
             names.sort();
@@ -549,10 +619,18 @@ impl HostStore {
                     format: WeightFormat::Dense(dtype),
                     shape: Shape::from(view.shape()),
                 });
+                // The data's offset in the file, from its place in the map.
+                let offset = view.data().as_ptr() as usize - maps[fi].bytes().as_ptr() as usize;
+                sources.push(Some(FileSpan {
+                    file: disk_files[fi].clone(),
+                    offset: offset as u64,
+                    len: view.data().len(),
+                    dtype,
+                }));
                 origin.push((fi, name));
             }
         }
-        Self::build(pending, cfg, device, |i, dst_format, dst| {
+        Self::build(pending, cfg, device, &sources, |i, dst_format, dst| {
             let dst_dtype = dst_format
                 .dense_dtype()
                 .expect("safetensors tensors are dense");
@@ -583,7 +661,7 @@ impl HostStore {
                 shape: t.shape().clone(),
             })
             .collect();
-        Self::build(pending, cfg, device, |i, dst_format, dst| {
+        Self::build(pending, cfg, device, &[], |i, dst_format, dst| {
             let dst_dtype = dst_format.dense_dtype().expect("tensors are dense");
             let t = tensors[i]
                 .1
@@ -613,7 +691,7 @@ impl HostStore {
                 shape: s.shape.clone(),
             })
             .collect();
-        Self::build(pending, cfg, device, |i, format, dst| {
+        Self::build(pending, cfg, device, &[], |i, format, dst| {
             let dtype = format.dense_dtype().expect("TensorSpec is dense");
             fill(&specs[i], dtype, dst)
         })
@@ -638,15 +716,20 @@ impl HostStore {
                 shape: s.shape.clone(),
             })
             .collect();
-        Self::build(pending, cfg, device, |i, format, dst| {
+        Self::build(pending, cfg, device, &[], |i, format, dst| {
             fill(&specs[i], format, dst)
         })
     }
 
+    /// Groups `pending` into units, lays each unit out, and places it: in host memory (pinned
+    /// where the device and the pinned cap allow, filled by `fill`) while it fits under the
+    /// host cap, otherwise in its checkpoint file when `sources` locates every one of its
+    /// tensors there (`sources` is empty for stores without a file).
     fn build(
         pending: Vec<Pending>,
         cfg: &StoreConfig,
         device: &Device,
+        sources: &[Option<FileSpan>],
         mut fill: impl FnMut(usize, WeightFormat, &mut [u8]) -> Result<()>,
     ) -> Result<Self> {
         // Group into units, keeping layer units in index order.
@@ -667,12 +750,9 @@ impl HostStore {
             (None, None) => a.0.cmp(&b.0),
         });
 
-        let mut pinner = sys::Pinner::for_device(device, cfg.pinned_cap_bytes)?;
-        let mut units = Vec::with_capacity(groups.len());
-        let mut unit_index = HashMap::new();
-        let mut tensor_index = HashMap::new();
+        // Lay every unit out first: the cap is checked against the largest.
+        let mut layouts = Vec::with_capacity(groups.len());
         for (unit_name, layer, members) in groups {
-            let uid = UnitId(units.len());
             let mut tensors = Vec::with_capacity(members.len());
             let mut len = 0usize;
             for &i in &members {
@@ -702,17 +782,89 @@ impl HostStore {
                 });
                 len += nbytes;
             }
-            let mut buf = pinner.alloc(len, &unit_name)?;
-            {
-                let kind = buf.kind();
-                let bytes = buf.bytes_mut().ok_or_else(|| Error::InvalidConfig {
-                    field: format!("unit {unit_name}"),
-                    reason: format!("its {kind} storage cannot be written"),
-                })?;
-                for (t, &i) in tensors.iter().zip(&members) {
-                    fill(i, t.format, &mut bytes[t.offset..t.offset + t.nbytes])?;
-                }
+            layouts.push((unit_name, layer, members, tensors, len));
+        }
+
+        let explicit = cfg.host_memory_limit.is_some();
+        let host_limit = resolve_host_limit(
+            cfg.host_memory_limit,
+            crate::diag::host_memory().map(|m| m.total_bytes),
+        )?;
+        if let (true, Some(cap), Some((name, len))) = (
+            explicit,
+            host_limit,
+            layouts
+                .iter()
+                .map(|l| (&l.0, l.4 as u64))
+                .max_by_key(|(_, len)| *len),
+        ) {
+            if cap < len {
+                return Err(Error::InvalidConfig {
+                    field: "host_memory_limit".into(),
+                    reason: format!(
+                        "{} is smaller than the largest unit ({name}, {}): a unit is read into \
+                         host memory whole, so the cap must hold at least one",
+                        human_bytes(cap),
+                        human_bytes(len)
+                    ),
+                });
             }
+        }
+
+        let mut pinner = sys::Pinner::for_device(device, cfg.pinned_cap_bytes)?;
+        let mut units = Vec::with_capacity(layouts.len());
+        let mut unit_index = HashMap::new();
+        let mut tensor_index = HashMap::new();
+        let mut held = 0u64;
+        let mut warned = false;
+        for (unit_name, layer, members, tensors, len) in layouts {
+            let uid = UnitId(units.len());
+            let fits = host_limit.is_none_or(|cap| held + len as u64 <= cap);
+            let spans: Option<Vec<&FileSpan>> = if fits {
+                None
+            } else {
+                members
+                    .iter()
+                    .map(|&i| sources.get(i).and_then(Option::as_ref))
+                    .collect()
+            };
+            let buf: Box<dyn HostTier> = if let Some(spans) = spans {
+                Box::new(disk_tier(&unit_name, len, &tensors, &spans)?)
+            } else {
+                if !fits {
+                    let why = format!(
+                        "unit {unit_name} ({}) does not fit under the host cap of {} ({} \
+                         already held) and has no checkpoint file to stay in (the disk tier \
+                         reads safetensors only)",
+                        human_bytes(len as u64),
+                        human_bytes(host_limit.unwrap_or(0)),
+                        human_bytes(held)
+                    );
+                    if explicit {
+                        return Err(Error::InvalidConfig {
+                            field: "host_memory_limit".into(),
+                            reason: why,
+                        });
+                    }
+                    if !warned {
+                        tracing::warn!("{why}: holding it in memory past the default cap");
+                        warned = true;
+                    }
+                }
+                held += len as u64;
+                let mut buf = pinner.alloc(len, &unit_name)?;
+                {
+                    let kind = buf.kind();
+                    let bytes = buf.bytes_mut().ok_or_else(|| Error::InvalidConfig {
+                        field: format!("unit {unit_name}"),
+                        reason: format!("its {kind} storage cannot be written"),
+                    })?;
+                    for (t, &i) in tensors.iter().zip(&members) {
+                        fill(i, t.format, &mut bytes[t.offset..t.offset + t.nbytes])?;
+                    }
+                }
+                buf
+            };
             for (k, t) in tensors.iter().enumerate() {
                 tensor_index.insert(t.name.clone(), (uid, k));
             }
@@ -730,7 +882,18 @@ impl HostStore {
             units,
             unit_index,
             tensor_index,
+            host_limit,
         };
+        if store.disk_bytes() > 0 {
+            tracing::info!(
+                held = %human_bytes(store.pinned_bytes() + store.pageable_bytes()),
+                cap = %human_bytes(host_limit.unwrap_or(0)),
+                disk = %human_bytes(store.disk_bytes()),
+                units = %store.disk_units().join(", "),
+                "units past the host-memory cap stay in the checkpoint file and are read from it \
+                 on every fetch (through the page cache)"
+            );
+        }
         if store.pageable_bytes() > 0 && !device.is_cpu() {
             tracing::warn!(
                 pageable = %human_bytes(store.pageable_bytes()),
@@ -802,12 +965,79 @@ impl HostStore {
 
     /// Bytes in pageable buffers.
     pub fn pageable_bytes(&self) -> u64 {
+        self.tier_bytes(TierKind::Pageable)
+    }
+
+    /// Bytes of the units left in their checkpoint file (their layout's length).
+    pub fn disk_bytes(&self) -> u64 {
+        self.tier_bytes(TierKind::Disk)
+    }
+
+    /// The units left in their checkpoint file, in order.
+    pub fn disk_units(&self) -> Vec<&str> {
         self.units
             .iter()
-            .filter(|u| u.tier() == TierKind::Pageable)
+            .filter(|u| u.tier() == TierKind::Disk)
+            .map(|u| u.name())
+            .collect()
+    }
+
+    /// The host-memory cap the store was built under, bytes (`None`: no cap).
+    pub fn host_limit_bytes(&self) -> Option<u64> {
+        self.host_limit
+    }
+
+    fn tier_bytes(&self, kind: TierKind) -> u64 {
+        self.units
+            .iter()
+            .filter(|u| u.tier() == kind)
             .map(|u| u.buffer_len() as u64)
             .sum()
     }
+}
+
+/// The disk tier of a unit laid out as `tensors`, each read from its span of a file.
+fn disk_tier(
+    unit: &str,
+    len: usize,
+    tensors: &[TensorMeta],
+    spans: &[&FileSpan],
+) -> Result<sys::DiskTier> {
+    let mut segments = Vec::with_capacity(tensors.len());
+    for (t, span) in tensors.iter().zip(spans) {
+        let WeightFormat::Dense(to) = t.format else {
+            return Err(Error::InvalidConfig {
+                field: format!("tensor {}", t.name),
+                reason: "the disk tier reads dense tensors only".into(),
+            });
+        };
+        let elems = t.shape.elem_count();
+        if span.len != elems * span.dtype.size_in_bytes() {
+            return Err(Error::File {
+                path: span.file.path().to_path_buf(),
+                reason: format!(
+                    "tensor {}: holds {} bytes, but its shape and dtype {:?} need {}",
+                    t.name,
+                    span.len,
+                    span.dtype,
+                    elems * span.dtype.size_in_bytes()
+                ),
+            });
+        }
+        segments.push(sys::Segment {
+            file: span.file.clone(),
+            name: t.name.clone(),
+            at: t.offset,
+            len: t.nbytes,
+            file_offset: span.offset,
+            conversion: (span.dtype != to).then_some(sys::Conversion {
+                from: span.dtype,
+                to,
+                convert: convert_into,
+            }),
+        });
+    }
+    Ok(sys::DiskTier::new(unit, len, segments)?)
 }
 
 /// The candle dtype of a safetensors dtype, where candle has one.
@@ -1087,6 +1317,86 @@ mod tests {
         }];
         let err = HostStore::from_raw(&bad, &cfg, &dev, |_, _, _| Ok(())).unwrap_err();
         assert!(err.to_string().contains("blk.0.ffn_down.weight"), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn host_limits_default_to_three_quarters_of_ram_and_name_their_field() {
+        let gib = 1u64 << 30;
+        assert_eq!(default_host_limit(16 * gib), 12 * gib);
+        assert_eq!(
+            resolve_host_limit(None, Some(16 * gib)).unwrap(),
+            Some(12 * gib)
+        );
+        assert_eq!(resolve_host_limit(None, None).unwrap(), None);
+        assert_eq!(
+            resolve_host_limit(Some(MemoryLimit::FractionOfDevice(0.5)), Some(16 * gib)).unwrap(),
+            Some(8 * gib)
+        );
+        assert_eq!(
+            resolve_host_limit(Some(MemoryLimit::Bytes(gib)), None).unwrap(),
+            Some(gib)
+        );
+        for (limit, ram) in [
+            (MemoryLimit::Bytes(32 * gib), Some(16 * gib)),
+            (MemoryLimit::FractionOfDevice(0.5), None),
+        ] {
+            let e = resolve_host_limit(Some(limit), ram)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("host_memory_limit"), "{e}");
+        }
+    }
+
+    #[test]
+    fn units_past_the_cap_go_to_disk_in_unit_order() -> anyhow::Result<()> {
+        // Three layers of 1 KiB and a 256-byte embedding, F32 in a safetensors file.
+        let dir = std::env::temp_dir().join(format!("candle-offload-store-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("model.safetensors");
+        let dev = Device::Cpu;
+        let mut tensors = HashMap::new();
+        tensors.insert(
+            "embed.weight".to_string(),
+            Tensor::ones(64, DType::F32, &dev)?,
+        );
+        for i in 0..3 {
+            let w = Tensor::arange(0f32, 256., &dev)?.affine(1.0, i as f64)?;
+            tensors.insert(format!("layers.{i}.weight"), w);
+        }
+        candle_core::safetensors::save(&tensors, &path)?;
+        let cfg = |cap: u64| StoreConfig {
+            host_memory_limit: Some(MemoryLimit::Bytes(cap)),
+            ..Default::default()
+        };
+        let store = HostStore::from_safetensors(&[&path], &cfg(256 + 1024), &dev)?;
+        assert_eq!(store.disk_units(), ["layers.1", "layers.2"]);
+        assert_eq!((store.pageable_bytes(), store.disk_bytes()), (1280, 2048));
+        let (u, meta) = store.tensor("layers.2.weight").unwrap();
+        let back = store.unit(u).cpu_tensor(meta)?;
+        assert_eq!(
+            back.to_vec1::<f32>()?,
+            tensors["layers.2.weight"].to_vec1::<f32>()?
+        );
+        // Converted on every read: F32 in the file, F16 in the layout.
+        let cfg16 = StoreConfig {
+            dtype: Some(DType::F16),
+            ..cfg(128 + 512)
+        };
+        let store = HostStore::from_safetensors(&[&path], &cfg16, &dev)?;
+        assert_eq!(store.disk_units(), ["layers.1", "layers.2"]);
+        let (u, meta) = store.tensor("layers.1.weight").unwrap();
+        let back = store.unit(u).cpu_tensor(meta)?.to_dtype(DType::F32)?;
+        assert_eq!(
+            back.to_vec1::<f32>()?,
+            tensors["layers.1.weight"].to_vec1::<f32>()?
+        );
+        // A unit cannot be rewritten in its file.
+        let new = Tensor::zeros(256, DType::F32, &dev)?;
+        assert!(store.unit(u).write(&[(meta, &new)]).is_err());
+        let e = HostStore::from_safetensors(&[&path], &cfg(1000), &dev).unwrap_err();
+        assert!(e.to_string().contains("host_memory_limit"), "{e}");
+        std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
 

@@ -90,6 +90,16 @@ pub struct OffloadStats {
     pub pinned_bytes: u64,
     /// Pageable host bytes of the store (transfers go through staging).
     pub pageable_bytes: u64,
+    /// Bytes of the units left in their checkpoint file (the disk tier).
+    pub disk_bytes: u64,
+    /// The units left in their checkpoint file, in order.
+    pub disk_units: Vec<String>,
+    /// The host-memory cap the store was built under (`None`: no cap).
+    pub host_limit_bytes: Option<u64>,
+    /// The machine's RAM now (`None` where `/proc/meminfo` cannot be read).
+    pub host_memory: Option<crate::diag::HostMemory>,
+    /// The locked-memory limit (`ulimit -l`; `None`: unlimited or unknown).
+    pub memlock_limit: Option<u64>,
     /// Prefetch depth in force.
     pub prefetch_depth: usize,
     /// The policy in force.
@@ -142,10 +152,34 @@ impl OffloadStats {
         );
         let _ = writeln!(
             s,
-            "  host     {:>11} pinned   {:>11} pageable",
+            "  host     {:>11} pinned   {:>11} pageable   {:>11} on disk   cap {}",
             human_bytes(self.pinned_bytes),
-            human_bytes(self.pageable_bytes)
+            human_bytes(self.pageable_bytes),
+            human_bytes(self.disk_bytes),
+            self.host_limit_bytes.map_or("none".into(), human_bytes)
         );
+        let ram = self.host_memory.map_or("RAM unknown".into(), |m| {
+            format!(
+                "RAM {} total, {} available",
+                human_bytes(m.total_bytes),
+                human_bytes(m.available_bytes)
+            )
+        });
+        let _ = writeln!(
+            s,
+            "  machine  {ram}; locked-memory limit {}",
+            self.memlock_limit.map_or("unlimited".into(), human_bytes)
+        );
+        if !self.disk_units.is_empty() {
+            let _ = writeln!(
+                s,
+                "  disk     {} unit{} read from the checkpoint file on every fetch, through \
+                 the page cache: {}",
+                self.disk_units.len(),
+                if self.disk_units.len() == 1 { "" } else { "s" },
+                self.disk_units.join(", ")
+            );
+        }
         let policy = match self.policy {
             ActivePolicy::Lru => "LRU".to_string(),
             ActivePolicy::Schedule { period } => format!("schedule (Belady, period {period})"),

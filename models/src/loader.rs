@@ -808,6 +808,21 @@ pub fn load_store_with(
         pinned_cap_bytes,
         ..Default::default()
     };
+    load_store_config(files, &cfg, device, keep_blocks)
+}
+
+/// [`load_store_with`] with every store setting, such as
+/// [`StoreConfig::host_memory_limit`]: a safetensors checkpoint's units past it stay in their
+/// file (the disk tier); a GGUF store must fit under it (its disk tier is not built yet). The
+/// grouping is the model's; `cfg.dtype` `None` keeps each safetensors dtype and is F32 for
+/// GGUF.
+pub fn load_store_config(
+    files: &ModelFiles,
+    cfg: &StoreConfig,
+    device: &Device,
+    keep_blocks: bool,
+) -> Result<HostStore> {
+    let cfg = cfg.clone();
     match &files.weights {
         Weights::Safetensors(paths) => {
             let cfg = StoreConfig {

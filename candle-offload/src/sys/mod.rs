@@ -17,7 +17,10 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Shape, Tensor};
 
+mod disk;
 pub(crate) mod simd;
+
+pub(crate) use disk::{Conversion, DiskFile, DiskTier, Segment};
 
 #[cfg(feature = "cuda")]
 #[path = "cuda.rs"]
@@ -108,6 +111,9 @@ pub enum TierKind {
     Pinned,
     /// Ordinary host memory: on a GPU its copies go through the pinned staging ring.
     Pageable,
+    /// The checkpoint file: read on demand (positioned reads through the page cache), into
+    /// the pinned staging ring on a GPU or a fresh copy on the CPU.
+    Disk,
 }
 
 impl std::fmt::Display for TierKind {
@@ -115,6 +121,7 @@ impl std::fmt::Display for TierKind {
         f.write_str(match self {
             Self::Pinned => "pinned",
             Self::Pageable => "pageable",
+            Self::Disk => "disk",
         })
     }
 }

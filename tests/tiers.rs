@@ -1,0 +1,293 @@
+//! Storage tiers under a host-memory cap: a tiny safetensors model whose last layers stay in
+//! the file (the disk tier) gives the same logits, bit for bit, as the model held in memory;
+//! caps that cannot work and files that change under the store are clear errors.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_offload::{
+    HostStore, MemoryLimit, OffloadConfig, OffloadRuntime, StoreConfig, TierKind,
+};
+use candle_offload_models::loader::{self, ModelFiles};
+use candle_offload_models::Llama;
+
+use crate::models::{write_tiny, Tiny};
+
+fn tempdir(tag: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("candle-offload-tiers-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn tiny(tag: &str) -> anyhow::Result<(PathBuf, ModelFiles)> {
+    let dir = tempdir(tag);
+    write_tiny(
+        &dir,
+        Tiny::Llama {
+            tied: false,
+            bias: false,
+        },
+    )?;
+    let files = loader::from_dir(&dir)?;
+    Ok((dir, files))
+}
+
+/// Host bytes of each unit of a store (its layout's length).
+fn unit_lens(store: &HostStore) -> Vec<u64> {
+    store
+        .units()
+        .iter()
+        .map(|u| {
+            u.tensors()
+                .iter()
+                .map(|t| (t.offset + t.nbytes) as u64)
+                .max()
+                .unwrap_or(0)
+        })
+        .collect()
+}
+
+fn store(
+    files: &ModelFiles,
+    dtype: DType,
+    device: &Device,
+    host: Option<u64>,
+    pinned: Option<u64>,
+) -> anyhow::Result<HostStore> {
+    let cfg = StoreConfig {
+        dtype: Some(dtype),
+        host_memory_limit: host.map(MemoryLimit::Bytes),
+        pinned_cap_bytes: pinned,
+        ..Default::default()
+    };
+    Ok(loader::load_store_config(files, &cfg, device, false)?)
+}
+
+/// The model over `store` with a weight budget of `budget` bytes (`None`: all resident).
+fn model(
+    files: &ModelFiles,
+    store: HostStore,
+    device: &Device,
+    dtype: DType,
+    budget: Option<u64>,
+) -> anyhow::Result<(Llama, OffloadRuntime)> {
+    let rt = OffloadRuntime::new(
+        Arc::new(store),
+        device,
+        &OffloadConfig {
+            gpu_memory_limit: budget.map(MemoryLimit::Bytes),
+            reserve_bytes: 0,
+            ..Default::default()
+        },
+    )?;
+    let m = Llama::new(
+        files.config.clone(),
+        rt.clone(),
+        dtype,
+        32,
+        &files.weights_path(),
+    )?;
+    Ok((m, rt))
+}
+
+fn logits(m: &Llama, device: &Device) -> candle_core::Result<Vec<f32>> {
+    let ids = Tensor::new(&[5u32, 17, 42, 3, 99, 64, 8], device)?.unsqueeze(0)?;
+    m.forward_all(&ids)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()
+}
+
+/// With a host cap that leaves the last two of four layers in the file (and, on a GPU, a
+/// pinned cap of one unit, so that pinned, pageable and disk units all take part), the logits
+/// equal those of the model held in memory, resident and streamed under a tight budget, with
+/// the file's F32 kept (F32) and converted on every read (F16).
+fn disk_tier_equals_resident(device: &Device) -> anyhow::Result<()> {
+    let (dir, files) = tiny(&format!("eq-{}", device.is_cpu()))?;
+    for dtype in [DType::F32, DType::F16] {
+        let full = store(&files, dtype, device, None, None)?;
+        assert_eq!(full.disk_bytes(), 0, "{dtype:?}");
+        let lens = unit_lens(&full);
+        let n = lens.len();
+        let names: Vec<String> = full.units().iter().map(|u| u.name().to_string()).collect();
+        assert_eq!(&names[n - 2..], ["model.layers.2", "model.layers.3"]);
+        let cap: u64 = lens[..n - 2].iter().sum();
+        let layer = full.units().iter().map(|u| u.bytes()).max().unwrap();
+        let (m, _) = model(&files, full, device, dtype, None)?;
+        let want = logits(&m, device)?;
+        drop(m);
+
+        let capped = store(&files, dtype, device, Some(cap), Some(lens[0]))?;
+        assert_eq!(capped.disk_units(), ["model.layers.2", "model.layers.3"]);
+        assert_eq!(capped.disk_bytes(), lens[n - 2] + lens[n - 1]);
+        assert_eq!(capped.host_limit_bytes(), Some(cap));
+        assert!(capped.pinned_bytes() + capped.pageable_bytes() <= cap);
+        let tiers: Vec<TierKind> = capped.units().iter().map(|u| u.tier()).collect();
+        let mut expect = vec![TierKind::Pageable; n];
+        expect[n - 2] = TierKind::Disk;
+        expect[n - 1] = TierKind::Disk;
+        if !device.is_cpu() {
+            expect[0] = TierKind::Pinned;
+        }
+        assert_eq!(tiers, expect, "{dtype:?}");
+        drop(capped);
+
+        for budget in [None, Some(2 * layer)] {
+            let capped = store(&files, dtype, device, Some(cap), Some(lens[0]))?;
+            let (m, rt) = model(&files, capped, device, dtype, budget)?;
+            // Twice: streamed, the disk layers are read again after their eviction.
+            for pass in 0..2 {
+                let got = logits(&m, device)?;
+                assert_eq!(got, want, "{dtype:?}, budget {budget:?}, pass {pass}");
+            }
+            let stats = rt.stats()?;
+            assert_eq!(stats.disk_units, ["model.layers.2", "model.layers.3"]);
+            let disk_misses: Vec<u64> = stats.units[n - 2..].iter().map(|u| u.misses).collect();
+            let expect = if budget.is_some() { 2 } else { 1 };
+            assert_eq!(
+                disk_misses,
+                [expect, expect],
+                "{dtype:?}, budget {budget:?}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+test_device!(
+    disk_tier_equals_resident,
+    tiers_disk_equals_resident_cpu,
+    tiers_disk_equals_resident_gpu
+);
+
+#[test]
+fn tiers_caps_that_cannot_work_are_errors_naming_the_field() -> anyhow::Result<()> {
+    let (dir, files) = tiny("cap")?;
+    // Smaller than one unit.
+    let e = store(&files, DType::F32, &Device::Cpu, Some(1000), None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("host_memory_limit") && e.contains("largest unit"),
+        "{e}"
+    );
+    // Past the cap with no file to stay in (a store built from tensors).
+    let tensors = crate::util::mlp_weights(3, 16)?;
+    let cfg = StoreConfig {
+        host_memory_limit: Some(MemoryLimit::Bytes(2048)),
+        ..Default::default()
+    };
+    let e = HostStore::from_tensors(&tensors, &cfg, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("host_memory_limit") && e.contains("no checkpoint file"),
+        "{e}"
+    );
+    // The same cap with room for all of it is fine.
+    let cfg = StoreConfig {
+        host_memory_limit: Some(MemoryLimit::Bytes(1 << 20)),
+        ..Default::default()
+    };
+    assert_eq!(
+        HostStore::from_tensors(&tensors, &cfg, &Device::Cpu)?.disk_bytes(),
+        0
+    );
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// A model whose disk layers' file changes under it: `change` alters the file, and the next
+/// forward pass must fail naming the file (never panic, never run on other weights).
+fn changed_file_fails(tag: &str, change: impl FnOnce(&Path) -> anyhow::Result<()>) -> String {
+    let run = || -> anyhow::Result<String> {
+        let (dir, files) = tiny(tag)?;
+        let full = store(&files, DType::F32, &Device::Cpu, None, None)?;
+        let lens = unit_lens(&full);
+        let cap: u64 = lens[..lens.len() - 2].iter().sum();
+        let capped = store(&files, DType::F32, &Device::Cpu, Some(cap), None)?;
+        let (m, _) = model(&files, capped, &Device::Cpu, DType::F32, None)?;
+        change(&dir.join("model.safetensors"))?;
+        let e = logits(&m, &Device::Cpu)
+            .expect_err("a changed file must fail")
+            .to_string();
+        std::fs::remove_dir_all(&dir)?;
+        Ok(e)
+    };
+    run().unwrap()
+}
+
+#[test]
+fn tiers_a_file_that_shrank_or_changed_is_an_error_naming_it() {
+    let e = changed_file_fails("shrank", |p| {
+        let f = std::fs::OpenOptions::new().write(true).open(p)?;
+        let len = f.metadata()?.len();
+        f.set_len(len / 2)?;
+        Ok(())
+    });
+    assert!(
+        e.contains("model.safetensors") && e.contains("changed size") && e.contains("layers.2"),
+        "{e}"
+    );
+    let e = changed_file_fails("changed", |p| {
+        use std::io::{Seek, Write};
+        let mut f = std::fs::OpenOptions::new().write(true).open(p)?;
+        let len = f.metadata()?.len();
+        f.seek(std::io::SeekFrom::Start(len - 8))?;
+        f.write_all(&[0u8; 8])?;
+        // A distinct modification time, whatever the file system's clock granularity.
+        f.set_modified(std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000))?;
+        Ok(())
+    });
+    assert!(
+        e.contains("model.safetensors") && e.contains("modified") && e.contains("layers.2"),
+        "{e}"
+    );
+}
+
+/// The summary and the doctor report the host side: the cap, what was pinned, what stayed on
+/// disk, the machine's RAM and the locked-memory limit.
+#[test]
+fn tiers_summary_reports_host_memory_and_disk_units() -> anyhow::Result<()> {
+    let (dir, files) = tiny("summary")?;
+    let full = store(&files, DType::F32, &Device::Cpu, None, None)?;
+    let lens = unit_lens(&full);
+    let cap: u64 = lens[..lens.len() - 1].iter().sum();
+    let capped = store(&files, DType::F32, &Device::Cpu, Some(cap), None)?;
+    let (m, rt) = model(&files, capped, &Device::Cpu, DType::F32, None)?;
+    logits(&m, &Device::Cpu)?;
+    let s = rt.memory_summary()?;
+    let host = s.lines().find(|l| l.contains("host ")).unwrap_or_default();
+    assert!(
+        host.contains("pinned")
+            && host.contains("on disk")
+            && host.contains(&format!("cap {}", candle_offload::human_bytes(cap))),
+        "{s}"
+    );
+    let machine = s
+        .lines()
+        .find(|l| l.contains("machine"))
+        .unwrap_or_default();
+    assert!(machine.contains("locked-memory limit"), "{s}");
+    if candle_offload::diag::host_memory().is_some() {
+        assert!(
+            machine.contains("RAM") && machine.contains("available"),
+            "{s}"
+        );
+        let doctor = candle_offload::doctor::examine(0, false).to_string();
+        assert!(doctor.contains("host RAM"), "{doctor}");
+    }
+    let disk = s
+        .lines()
+        .find(|l| l.trim_start().starts_with("disk"))
+        .unwrap_or_default();
+    assert!(
+        disk.contains("1 unit") && disk.contains("model.layers.3") && disk.contains("page cache"),
+        "{s}"
+    );
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
