@@ -235,7 +235,11 @@ mod tests {
                 assert!(e < 1e-2, "{ty:?} m={m}: rel L2 {e}");
                 let dense = xs.broadcast_matmul(&w.t().unwrap()).unwrap();
                 let e = rel_l2(&ours, &dense);
-                assert!(e < 0.1, "{ty:?} m={m}: rel L2 against dense {e}");
+                // The weights' own quantization error on Gaussian values: a Q4_1 step is
+                // about 0.4 sigma (rms error ~0.12 relative), a Q8_0 step 1/127 of the block's
+                // largest value.
+                let bound = if ty == GgmlDType::Q4_1 { 0.2 } else { 0.02 };
+                assert!(e < bound, "{ty:?} m={m}: rel L2 against dense {e}");
                 if !q8 {
                     // F32 activations: the dequantized weights' own product, up to rounding.
                     let deq = q.dequantize(&dev).unwrap();
