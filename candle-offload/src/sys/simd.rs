@@ -40,6 +40,20 @@ pub(crate) fn has_avx2() -> bool {
     }
 }
 
+/// Whether this CPU runs the AVX-512 kernels of the F32-activation dot products (detected
+/// once).
+pub(crate) fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| has_avx2() && std::arch::is_x86_feature_detected!("avx512f"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// `x` rounded to the nearest integer, ties to even (`rintf` in the default rounding mode) for
 /// |x| < 2^22, without a libm call per element: adding and subtracting 1.5 * 2^23 leaves
 /// nothing below the units place.
@@ -160,6 +174,12 @@ pub(crate) fn dot_q4_1_f32(x: &[u8], y: &[f32]) -> f32 {
     let nb = x.len() / Q4_1_BYTES;
     assert!(x.len() == nb * Q4_1_BYTES && y.len() == nb * QK);
     #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked above), and the lengths
+        // were checked: `x` holds `nb` whole Q4_1 blocks and `y` `nb * 32` values.
+        return unsafe { avx512::dot_q4_1_f32(x, y, nb) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked above), and the lengths were checked:
         // `x` holds `nb` whole Q4_1 blocks and `y` `nb * 32` values.
@@ -179,9 +199,16 @@ pub(crate) fn dot_q4_1_f32_rows(x: &[u8], ys: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         while r + 4 <= out.len() {
-            // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` holds `nb` Q4_1
-            // blocks and rows `r..r + 4` of `ys` (below `out.len()`) `k` values each.
-            let four = unsafe { avx2::dot_q4_1_f32_x4(x, &ys[r * k..(r + 4) * k], nb) };
+            let rows = &ys[r * k..(r + 4) * k];
+            let four = if has_avx512() {
+                // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked); `x` holds `nb`
+                // Q4_1 blocks and `rows` four rows of `k` values.
+                unsafe { avx512::dot_q4_1_f32_x4(x, rows, nb) }
+            } else {
+                // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` holds `nb` Q4_1
+                // blocks and `rows` four rows of `k` values.
+                unsafe { avx2::dot_q4_1_f32_x4(x, rows, nb) }
+            };
             out[r..r + 4].copy_from_slice(&four);
             r += 4;
         }
@@ -196,6 +223,12 @@ pub(crate) fn dot_q4_1_f32_rows(x: &[u8], ys: &[f32], out: &mut [f32]) {
 pub(crate) fn dot_q8_0_f32(x: &[u8], y: &[f32]) -> f32 {
     let nb = x.len() / Q8_0_BYTES;
     assert!(x.len() == nb * Q8_0_BYTES && y.len() == nb * QK);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked above), and the lengths
+        // were checked: `x` holds `nb` whole Q8_0 blocks and `y` `nb * 32` values.
+        return unsafe { avx512::dot_q8_0_f32(x, y, nb) };
+    }
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked above), and the lengths were checked:
@@ -563,6 +596,121 @@ mod avx2 {
     }
 }
 
+/// The F32-activation dot products with 16 lanes (decode, one activation row).
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{Q4_1_BYTES, Q8_0_BYTES};
+
+    /// The two f16 at `p` (a block's `d` and `m`) as f32.
+    ///
+    /// # Safety
+    /// The CPU has F16C; 4 bytes at `p` are readable.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn two_halves(p: *const u8) -> (f32, f32) {
+        // SAFETY: the caller guarantees 4 readable bytes at `p`; the read is unaligned-safe.
+        let bits = unsafe { std::ptr::read_unaligned(p as *const i32) };
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps::<1>(v, v)))
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F, AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks and `y`
+    /// `nb * 32` values.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4_1_f32(x: &[u8], y: &[f32], nb: usize) -> f32 {
+        let (xp, yp) = (x.as_ptr(), y.as_ptr());
+        let low = _mm512_set1_epi32(0x0f);
+        let (mut acc, mut acc_m) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for i in 0..nb {
+            // SAFETY: block `i` is below `nb`: 20 bytes at `xb` and 32 values at `yb` are
+            // inside the slices; the loads are unaligned.
+            unsafe {
+                let (xb, yb) = (xp.add(i * Q4_1_BYTES), yp.add(i * 32));
+                let (d, m) = two_halves(xb);
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(xb.add(4) as *const __m128i));
+                let (y0, y1) = (_mm512_loadu_ps(yb), _mm512_loadu_ps(yb.add(16)));
+                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+                let dot = _mm512_fmadd_ps(lo, y0, _mm512_mul_ps(hi, y1));
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(d), dot, acc);
+                acc_m = _mm512_fmadd_ps(_mm512_set1_ps(m), _mm512_add_ps(y0, y1), acc_m);
+            }
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc, acc_m))
+    }
+
+    /// One row of Q4_1 blocks against four rows of F32 activations, each block dequantized
+    /// once for the four (prefill).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks and `y`
+    /// `4 * nb * 32` values.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4_1_f32_x4(x: &[u8], y: &[f32], nb: usize) -> [f32; 4] {
+        let (xp, yp) = (x.as_ptr(), y.as_ptr());
+        let k = nb * 32;
+        let low = _mm512_set1_epi32(0x0f);
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for i in 0..nb {
+            // SAFETY: block `i` is below `nb`: its 20 weight bytes are inside `x`, and each of
+            // the four rows' 32 values at `r * k + i * 32` inside `y`; the loads are unaligned.
+            unsafe {
+                let xb = xp.add(i * Q4_1_BYTES);
+                let (d, m) = two_halves(xb);
+                let (d, m) = (_mm512_set1_ps(d), _mm512_set1_ps(m));
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(xb.add(4) as *const __m128i));
+                let w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, m);
+                let w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, m);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let yb = yp.add(r * k + i * 32);
+                    let t = _mm512_fmadd_ps(
+                        w0,
+                        _mm512_loadu_ps(yb),
+                        _mm512_mul_ps(w1, _mm512_loadu_ps(yb.add(16))),
+                    );
+                    *a = _mm512_add_ps(*a, t);
+                }
+            }
+        }
+        [
+            _mm512_reduce_add_ps(acc[0]),
+            _mm512_reduce_add_ps(acc[1]),
+            _mm512_reduce_add_ps(acc[2]),
+            _mm512_reduce_add_ps(acc[3]),
+        ]
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F, AVX2, FMA and F16C; `x` holds `nb` Q8_0 blocks and `y`
+    /// `nb * 32` values.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q8_0_f32(x: &[u8], y: &[f32], nb: usize) -> f32 {
+        let (xp, yp) = (x.as_ptr(), y.as_ptr());
+        let mut acc = _mm512_setzero_ps();
+        for i in 0..nb {
+            // SAFETY: block `i` is below `nb`: 34 bytes at `xb` and 32 values at `yb` are
+            // inside the slices (`two_halves` reads the scale and the first two quants); the
+            // loads are unaligned.
+            unsafe {
+                let (xb, yb) = (xp.add(i * Q8_0_BYTES), yp.add(i * 32));
+                let (d, _) = two_halves(xb);
+                let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(xb.add(2) as *const __m128i));
+                let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(xb.add(18) as *const __m128i));
+                let dot = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(q0),
+                    _mm512_loadu_ps(yb),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(q1), _mm512_loadu_ps(yb.add(16))),
+                );
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(d), dot, acc);
+            }
+        }
+        _mm512_reduce_add_ps(acc)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -625,6 +773,28 @@ mod tests {
                 (v - plain).abs() <= 1e-4 * plain.abs().max(1.0),
                 "{v} {plain}"
             );
+        }
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // The AVX2 kernels too where AVX-512 takes the public path.
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked); `x4` holds `k / 32` Q4_1
+            // blocks, `x8` as many Q8_0 blocks, and `yf` `k` values.
+            let (a, b) = unsafe {
+                (
+                    avx2::dot_q4_1_f32(&x4, &yf, k / QK),
+                    avx2::dot_q8_0_f32(&x8, &yf, k / QK),
+                )
+            };
+            let (pa, pb) = (dot_q4_1_f32_scalar(&x4, &yf), dot_q8_0_f32_scalar(&x8, &yf));
+            assert!((a - pa).abs() <= 1e-4 * pa.abs().max(1.0), "{a} {pa}");
+            assert!((b - pb).abs() <= 1e-4 * pb.abs().max(1.0), "{b} {pb}");
+            let rows: Vec<f32> = (0..4).flat_map(|r| ramp(k, 300 + r)).collect();
+            // SAFETY: as above; `rows` holds four rows of `k` values.
+            let four = unsafe { avx2::dot_q4_1_f32_x4(&x4, &rows, k / QK) };
+            for (o, y) in four.iter().zip(rows.chunks_exact(k)) {
+                let b = dot_q4_1_f32_scalar(&x4, y);
+                assert!((o - b).abs() <= 1e-4 * b.abs().max(1.0), "{o} {b}");
+            }
         }
         let yfs: Vec<f32> = (0..7).flat_map(|r| ramp(k, 200 + r)).collect();
         let mut out = [0f32; 7];
