@@ -196,7 +196,7 @@ fn shape_config(args: &Args) -> Result<Config> {
             bail!("{flag} must be at least 1");
         }
     }
-    if args.hidden % args.heads != 0 {
+    if !args.hidden.is_multiple_of(args.heads) {
         bail!(
             "--hidden {} is not a multiple of --heads {}",
             args.hidden,

@@ -63,7 +63,7 @@ pub fn supports(w: &QTensor) -> bool {
     w.device().is_cpu()
         && matches!(w.dtype(), GgmlDType::Q4_1 | GgmlDType::Q8_0)
         && w.shape().dims().len() == 2
-        && w.shape().dims()[1] % simd::QK == 0
+        && w.shape().dims()[1].is_multiple_of(simd::QK)
 }
 
 /// `xs · wᵀ` for `w` of shape (n, k) held as GGML blocks and `xs` (..., k) in F32 on the CPU;

@@ -45,7 +45,7 @@ pub use crate::sys::TierKind;
 /// Alignment of each tensor inside a unit's buffer (whose start is aligned to
 /// `sys::TIER_ALIGN`, a multiple of it).
 const TENSOR_ALIGN: usize = 256;
-const _: () = assert!(sys::TIER_ALIGN % TENSOR_ALIGN == 0);
+const _: () = assert!(sys::TIER_ALIGN.is_multiple_of(TENSOR_ALIGN));
 
 /// How tensor names map to units.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -423,7 +423,7 @@ impl HostUnit {
         // type: tiers start their buffers at `sys::TIER_ALIGN` and tensors sit at
         // TENSOR_ALIGN offsets, so this holds; it is checked rather than assumed.
         // No GGML block or element type needs more than 8.
-        if (bytes.as_ptr() as usize) % 8 != 0 {
+        if !(bytes.as_ptr() as usize).is_multiple_of(8) {
             candle_core::bail!(
                 "tensor {}: its bytes are not aligned for {} blocks",
                 t.name,

@@ -329,7 +329,10 @@ impl Config {
 
     /// Checks the relations between fields.
     pub fn validate(&self, path: &Path) -> Result<()> {
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(ModelError::config(
                 path,
                 "num_key_value_heads",
@@ -339,7 +342,7 @@ impl Config {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(ModelError::config(
                 path,
                 "head_dim",

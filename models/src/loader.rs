@@ -619,7 +619,7 @@ pub(crate) fn keeps_blocks(hf: &str, t: GgmlDType, shape: &[usize]) -> bool {
     quantized
         && ((hf.contains(".layers.") && hf.ends_with("_proj.weight")) || hf == "lm_head.weight")
         && shape.len() == 2
-        && shape[1] % t.block_size() == 0
+        && shape[1].is_multiple_of(t.block_size())
 }
 
 /// Whether a GGUF's token embedding (HF name `hf`) stays as its blocks when a file's blocks
@@ -629,7 +629,7 @@ pub(crate) fn keeps_embedding_blocks(hf: &str, t: GgmlDType, shape: &[usize]) ->
     !matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
         && hf == "model.embed_tokens.weight"
         && shape.len() == 2
-        && shape[1] % t.block_size() == 0
+        && shape[1].is_multiple_of(t.block_size())
 }
 
 fn gguf_store(
@@ -762,7 +762,7 @@ fn gguf_store(
 /// Undoes llama.cpp's q/k permutation on raw rows (each row whole blocks): the same row order
 /// [`unpermute`] gives a dense tensor, found by unpermuting the row indices.
 fn permute_rows(raw: &[u8], rows: usize, heads: usize) -> candle_core::Result<Vec<u8>> {
-    if rows == 0 || raw.len() % rows != 0 {
+    if rows == 0 || !raw.len().is_multiple_of(rows) {
         candle_core::bail!("{} bytes do not split into {rows} rows", raw.len());
     }
     let row = raw.len() / rows;

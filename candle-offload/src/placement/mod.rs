@@ -448,7 +448,7 @@ impl fmt::Display for DeviceMap {
 
 /// Bytes as MiB for the table: whole when they are, else with one decimal.
 fn mib(bytes: u64) -> String {
-    if bytes % (1 << 20) == 0 {
+    if bytes.is_multiple_of(1 << 20) {
         (bytes >> 20).to_string()
     } else {
         format!("{:.1}", bytes as f64 / (1u64 << 20) as f64)

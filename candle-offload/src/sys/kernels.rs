@@ -83,7 +83,7 @@ pub(crate) fn rms_norm_residual(
             );
             let el = xl.shape().elem_count();
             let n_cols = w.len();
-            if n_cols == 0 || el % n_cols != 0 || r.len() != el {
+            if n_cols == 0 || !el.is_multiple_of(n_cols) || r.len() != el {
                 candle_core::bail!("rms_norm_residual: {el} elements are not rows of {n_cols}");
             }
             let n_rows = to_u32(el / n_cols, "rows")?;

@@ -70,7 +70,7 @@ fn half_at(b: &[u8], at: usize) -> f32 {
 /// Quantizes `xs` (a multiple of 32 long) to Q8_1 blocks in `out` (36 bytes per 32 elements),
 /// as ggml's x86 `quantize_row_q8_1` does.
 pub(crate) fn quantize_q8_1(xs: &[f32], out: &mut [u8]) {
-    assert!(xs.len() % QK == 0 && out.len() == xs.len() / QK * Q8_1_BYTES);
+    assert!(xs.len().is_multiple_of(QK) && out.len() == xs.len() / QK * Q8_1_BYTES);
     for (x, y) in xs.chunks_exact(QK).zip(out.chunks_exact_mut(Q8_1_BYTES)) {
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
@@ -89,7 +89,7 @@ pub(crate) fn quantize_q8_1(xs: &[f32], out: &mut [u8]) {
 /// Quantizes `xs` (a multiple of 32 long) to Q8_0 blocks in `out` (34 bytes per 32 elements),
 /// as ggml's x86 `quantize_row_q8_0` does.
 pub(crate) fn quantize_q8_0(xs: &[f32], out: &mut [u8]) {
-    assert!(xs.len() % QK == 0 && out.len() == xs.len() / QK * Q8_0_BYTES);
+    assert!(xs.len().is_multiple_of(QK) && out.len() == xs.len() / QK * Q8_0_BYTES);
     for (x, y) in xs.chunks_exact(QK).zip(out.chunks_exact_mut(Q8_0_BYTES)) {
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;

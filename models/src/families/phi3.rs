@@ -140,7 +140,7 @@ fn parse(f: &HfFields<'_>) -> crate::Result<(Config, Phi3)> {
         ));
     }
     let rotary_dim = (cfg.head_dim as f64 * partial) as usize;
-    if rotary_dim == 0 || rotary_dim % 2 != 0 {
+    if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) {
         return Err(ModelError::config(
             f.path,
             "partial_rotary_factor",
