@@ -178,24 +178,15 @@ impl CustomOp1 for QuantMatMul {
                 GgmlDType::Q4_1 => simd::dot_q4_1_f32,
                 _ => simd::dot_q8_0_f32,
             };
-            let data = &data[..];
-            out_t
-                .par_chunks_mut(COLS_PER_ITEM * m)
-                .with_min_len(min_len)
-                .enumerate()
-                .for_each(|(item, part)| {
-                    let col0 = item * COLS_PER_ITEM;
-                    for (c, col) in part.chunks_mut(m).enumerate() {
-                        let w = &data[(col0 + c) * row_bytes..(col0 + c + 1) * row_bytes];
-                        if q4_1 && m > 1 {
-                            simd::dot_q4_1_f32_rows(w, xs, col);
-                            continue;
-                        }
-                        for (v, x) in col.iter_mut().zip(xs.chunks_exact(k)) {
-                            *v = dot(w, x);
-                        }
+            par_columns(&mut out_t, m, min_len, &data, row_bytes, |w, col| {
+                if q4_1 && m > 1 {
+                    simd::dot_q4_1_f32_rows(w, xs, col);
+                } else {
+                    for (v, x) in col.iter_mut().zip(xs.chunks_exact(k)) {
+                        *v = dot(w, x);
                     }
-                });
+                }
+            });
             return Ok((CpuStorage::F32(transpose(out_t, m, n)), Shape::from((m, n))));
         }
         // The activations, quantized once per row.
@@ -206,33 +197,50 @@ impl CustomOp1 for QuantMatMul {
                 _ => simd::quantize_q8_0(x, y),
             }
         }
-        // Work items are column ranges; each writes its own slice of the transposed output
-        // (column-major, `m` values per column), so no two workers share a slice.
-        let (data, yq) = (&data[..], &yq[..]);
+        let yq = &yq[..];
         let scales = if q4_1 && m > 1 {
             simd::q8_1_scales(yq)
         } else {
             Vec::new()
         };
-        out_t
-            .par_chunks_mut(COLS_PER_ITEM * m)
-            .with_min_len(min_len)
-            .enumerate()
-            .for_each(|(item, part)| {
-                let col0 = item * COLS_PER_ITEM;
-                for (c, col) in part.chunks_mut(m).enumerate() {
-                    let w = &data[(col0 + c) * row_bytes..(col0 + c + 1) * row_bytes];
-                    if q4_1 && m > 1 {
-                        simd::dot_q4_1_q8_1_rows(w, yq, &scales, col);
-                        continue;
-                    }
-                    for (r, v) in col.iter_mut().enumerate() {
-                        *v = dot(w, &yq[r * nb * y_block..(r + 1) * nb * y_block]);
-                    }
+        par_columns(&mut out_t, m, min_len, &data, row_bytes, |w, col| {
+            if q4_1 && m > 1 {
+                simd::dot_q4_1_q8_1_rows(w, yq, &scales, col);
+            } else {
+                for (v, y) in col.iter_mut().zip(yq.chunks_exact(nb * y_block)) {
+                    *v = dot(w, y);
                 }
-            });
+            }
+        });
         Ok((CpuStorage::F32(transpose(out_t, m, n)), Shape::from((m, n))))
     }
+}
+
+/// Fills `out_t`, the output in column-major order (`m` values per column), on rayon's pool:
+/// `column(w, values)` computes the column of weight row `w` (`row_bytes` of `data`). Work
+/// items are ranges of [`COLS_PER_ITEM`] columns, each writing its own slice, so no two workers
+/// share one.
+fn par_columns(
+    out_t: &mut [f32],
+    m: usize,
+    min_len: usize,
+    data: &[u8],
+    row_bytes: usize,
+    column: impl Fn(&[u8], &mut [f32]) + Sync + Send,
+) {
+    out_t
+        .par_chunks_mut(COLS_PER_ITEM * m)
+        .with_min_len(min_len)
+        .enumerate()
+        .for_each(|(item, part)| {
+            let col0 = item * COLS_PER_ITEM;
+            for (c, col) in part.chunks_mut(m).enumerate() {
+                column(
+                    &data[(col0 + c) * row_bytes..(col0 + c + 1) * row_bytes],
+                    col,
+                );
+            }
+        });
 }
 
 /// The (m, n) row-major output from its column-major form (`m` values per column).
