@@ -305,13 +305,13 @@ impl RopeQk {
 
 /// The sizes [`rope_qk`]'s kernel works with, from the layouts of q, k and the table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct RopeDims {
-    b: usize,
-    t: usize,
-    hq: usize,
-    hk: usize,
-    d: usize,
-    rot_half: usize,
+pub(crate) struct RopeDims {
+    pub(crate) b: usize,
+    pub(crate) t: usize,
+    pub(crate) hq: usize,
+    pub(crate) hk: usize,
+    pub(crate) d: usize,
+    pub(crate) rot_half: usize,
 }
 
 impl RopeDims {
@@ -338,7 +338,7 @@ impl RopeDims {
         })
     }
 
-    fn out_len(&self) -> usize {
+    pub(crate) fn out_len(&self) -> usize {
         self.b * self.t * (self.hq + self.hk) * self.d
     }
 }
@@ -421,16 +421,7 @@ impl candle_core::CustomOp3 for RopeQk {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = RopeDims::of(l1, l2, l3)?;
-        let RopeDims {
-            b,
-            t,
-            hq,
-            hk,
-            d,
-            rot_half,
-        } = dims;
-        let sizes = [b, t, hq, hk, d, rot_half];
-        let out = crate::sys::kernels::rope_qk(sizes, (s1, l1), (s2, l2), (s3, l3))?;
+        let out = crate::sys::kernels::rope_qk(dims, (s1, l1), (s2, l2), (s3, l3))?;
         Ok((out, Shape::from(dims.out_len())))
     }
 }

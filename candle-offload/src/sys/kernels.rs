@@ -13,6 +13,8 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{kernel_name, CudaStorage, Map2, Map3, WrapErr};
 use candle_core::{CudaDevice, DType, Layout, Result, WithDType};
 
+use crate::ops::RopeDims;
+
 mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
 }
@@ -170,22 +172,10 @@ pub(crate) fn silu_mul(
     })
 }
 
-/// The sizes of a `rope_qk` launch.
-#[derive(Debug, Clone, Copy)]
-struct RopeDims {
-    b: usize,
-    t: usize,
-    hq: usize,
-    hk: usize,
-    d: usize,
-    rot_half: usize,
-}
-
 /// `rope_qk`: q (b, t, hq, d) and k (b, t, hk, d) rotated by a table of t rows of
-/// 2·rot_half into one buffer, q as (b, hq, t, d) then k as (b, hk, t, d); `dims` is
-/// `[b, t, hq, hk, d, rot_half]`.
+/// 2·rot_half into one buffer, q as (b, hq, t, d) then k as (b, hk, t, d).
 pub(crate) fn rope_qk(
-    [b, t, hq, hk, d, rot_half]: [usize; 6],
+    dims: RopeDims,
     (q, ql): (&CudaStorage, &Layout),
     (k, kl): (&CudaStorage, &Layout),
     (cs, csl): (&CudaStorage, &Layout),
@@ -209,7 +199,7 @@ pub(crate) fn rope_qk(
                 view(k, kl, "k")?,
                 view(cs, csl, "table")?,
             );
-            let n = d.b * d.t * (d.hq + d.hk) * d.d;
+            let n = d.out_len();
             if n == 0
                 || q.len() != d.b * d.t * d.hq * d.d
                 || k.len() != d.b * d.t * d.hk * d.d
@@ -244,14 +234,6 @@ pub(crate) fn rope_qk(
         }
     }
     let dev = q.device();
-    let dims = RopeDims {
-        b,
-        t,
-        hq,
-        hk,
-        d,
-        rot_half,
-    };
     let slice = K(dims).map(&q.slice, ql, &k.slice, kl, &cs.slice, csl, dev)?;
     Ok(CudaStorage {
         slice,
