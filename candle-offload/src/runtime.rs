@@ -674,7 +674,8 @@ impl OffloadRuntime {
         }
         match (&self.shared.engine, sync) {
             (Engine::Cuda(engine), Some(mut sync)) => {
-                engine.evict(weights, &sync)?;
+                let blocks = !weights.quantized.is_empty();
+                engine.evict(weights, &sync, blocks)?;
                 if let Some(t) = engine.harvest(&mut sync) {
                     st.telemetry.timings(t);
                 }

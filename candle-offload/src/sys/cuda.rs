@@ -441,16 +441,23 @@ impl CudaEngine {
         Ok(())
     }
 
-    /// Drops a unit's device memory (`weights`: whatever holds it) once compute is done
-    /// with it.
-    pub(crate) fn evict<W>(&self, weights: W, sync: &UnitSync) -> candle_core::Result<()> {
+    /// Drops a unit's device memory (`weights`: whatever holds it, `blocks`: whether it holds
+    /// quantized buffers) once compute is done with it.
+    pub(crate) fn evict<W>(
+        &self,
+        weights: W,
+        sync: &UnitSync,
+        blocks: bool,
+    ) -> candle_core::Result<()> {
         let _span = tracing::debug_span!("offload.evict").entered();
         if let Some(last_use) = &sync.last_use {
             self.copy.wait(last_use).w()?;
         }
         // Quantized buffers were allocated by Candle on the compute stream, which frees them
         // there: after the copies into them (a unit evicted before its first use never waited).
-        self.compute.wait(&sync.ready).w()?;
+        if blocks {
+            self.compute.wait(&sync.ready).w()?;
+        }
         // Dense slices were allocated on the copy stream, so cudarc frees them there,
         // stream-ordered after the wait above.
         drop(weights);

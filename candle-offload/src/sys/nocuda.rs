@@ -55,7 +55,12 @@ impl CudaEngine {
     pub(crate) fn record_last_use(&self, _sync: &mut UnitSync) -> candle_core::Result<()> {
         match *self {}
     }
-    pub(crate) fn evict<W>(&self, _weights: W, _sync: &UnitSync) -> candle_core::Result<()> {
+    pub(crate) fn evict<W>(
+        &self,
+        _weights: W,
+        _sync: &UnitSync,
+        _blocks: bool,
+    ) -> candle_core::Result<()> {
         match *self {}
     }
     pub(crate) fn harvest(&self, _sync: &mut UnitSync) -> Option<Timings> {
