@@ -304,7 +304,7 @@ mod avx2 {
     /// The two f16 at `p` (a block's `d` and `m`/`s`) as f32.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn two_halves(p: *const u8) -> (f32, f32) {
+    pub(super) unsafe fn two_halves(p: *const u8) -> (f32, f32) {
         // SAFETY: the caller guarantees 4 readable bytes at `p`; the read is unaligned-safe.
         let bits = unsafe { std::ptr::read_unaligned(p as *const i32) };
         let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
@@ -601,20 +601,8 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
+    use super::avx2::two_halves;
     use super::{Q4_1_BYTES, Q8_0_BYTES};
-
-    /// The two f16 at `p` (a block's `d` and `m`) as f32.
-    ///
-    /// # Safety
-    /// The CPU has F16C; 4 bytes at `p` are readable.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn two_halves(p: *const u8) -> (f32, f32) {
-        // SAFETY: the caller guarantees 4 readable bytes at `p`; the read is unaligned-safe.
-        let bits = unsafe { std::ptr::read_unaligned(p as *const i32) };
-        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
-        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps::<1>(v, v)))
-    }
 
     /// # Safety
     /// The CPU has AVX-512F, AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks and `y`
