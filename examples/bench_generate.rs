@@ -63,6 +63,10 @@ struct Args {
     /// Run the fused ops instead of the Candle compositions (`CausalLm::set_fused`).
     #[arg(long)]
     fused: bool,
+    /// Open the CUDA profiler's capture around the timed decode steps only, for a profiler
+    /// started with `--profile-from-start off` (scripts/decode_breakdown.py runs ncu so).
+    #[arg(long)]
+    profile_decode: bool,
     /// The peer's JSON (scripts/accelerate_peer.py), measured in the same run.
     #[arg(long)]
     peer: Option<PathBuf>,
@@ -233,7 +237,11 @@ fn main() -> Result<()> {
             let prefill_s = t0.elapsed().as_secs_f64();
             rt.end_step()?;
             let mut times = Vec::new();
+            let mut host_times = Vec::new();
             let mut bytes = Vec::new();
+            if args.profile_decode {
+                candle_offload::diag::profiler_capture(&device, true)?;
+            }
             for i in 0..args.new_tokens {
                 rt.begin_step()?;
                 let t0 = Instant::now();
@@ -242,11 +250,18 @@ fn main() -> Result<()> {
                     prompt_len + i,
                     &mut cache,
                 )?;
+                // The host's share: the forward returns once every kernel is queued (or once
+                // the host waited for the device inside it); the argmax then waits for the GPU.
+                host_times.push(t0.elapsed().as_secs_f64());
                 next = argmax(&logits)?;
                 times.push(t0.elapsed().as_secs_f64());
                 rt.end_step()?;
                 bytes.push(rt.stats()?.last_step.map_or(0.0, |s| s.bytes as f64));
             }
+            if args.profile_decode {
+                candle_offload::diag::profiler_capture(&device, false)?;
+            }
+            let host_s = median(host_times);
             let peak = sampler
                 .map(|s| s.stop().saturating_sub(context_bytes))
                 .unwrap_or(0);
@@ -326,6 +341,7 @@ fn main() -> Result<()> {
                 "prefill_s": prefill_s,
                 "decode_step_s_median": step_s,
                 "decode_tokens_per_s": tps,
+                "decode_host_forward_s_median": host_s,
                 "streamed_bytes_per_token": streamed as u64,
                 "raw_pinned_gbps": raw_pinned_gbps,
                 "link_ceiling_tokens_per_s": if ceiling_s > 0.0 { Some(1.0 / ceiling_s) } else { None },

@@ -31,7 +31,14 @@
 #   gguf13b       the same for the 13B shape (Q4_K_M, Q8_0; the F16 file is deleted after)
 #   qbench[=W,..] bench_generate on /tmp/gguf/{7b,13b}-W.gguf (W: 7b-q4_0, 13b-q8_0, ...;
 #                 quantized blocks unless f16) next to llama.cpp on the same file in the same
-#                 process, budgets $QB_BUDGETS (4,8,12,full) -> $OUT/qbench-W.json [QBENCH_S=300]
+#                 process, budgets $QB_BUDGETS (4,8,12,full), prompts $QB_PROMPTS (64,512), more
+#                 bench_generate arguments from $QB_ARGS -> $OUT/qbench-W.json [QBENCH_S=300]
+#   decode[=V,..] bench_generate on /tmp/llama7b (needs make7b), budgets $DECODE_BUDGETS (12,full),
+#                 prompt 64, once per variant V: eager (default), fused (--fused), noev
+#                 (--no-event-tracking), fused-noev -> $OUT/decode-V.json [DECODE_S=200]
+#   breakdown[=V] ncu's GPU time per kernel of the full-budget decode step of variant V (eager)
+#                 on /tmp/llama7b (scripts/decode_breakdown.py; set against decode-V.json when
+#                 decode ran) -> $OUT/breakdown-V.json, .log [BREAKDOWN_S=300]
 #   train         bench_train, next to the peer's JSON when peer ran, with --max-seconds
 #                 $MAX_S (170) unless the arguments after `--` give one, and those
 #                 arguments -> $OUT/train.json [TRAIN_S=260]
@@ -52,9 +59,9 @@ while (($# > 0)); do
   case "$1" in
     --) shift; break ;;
     -h | --help) usage; exit 0 ;;
-    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | gguf7b | gguf13b | qbench | qbench=*)
+    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | gguf7b | gguf13b | qbench | qbench=* | decode | decode=* | breakdown | breakdown=*)
       steps+=("$1"); shift ;;
-    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp gguf7b gguf13b qbench[=W,...])" >&2; exit 2 ;;
+    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp gguf7b gguf13b qbench[=W,...] decode[=V,...] breakdown[=V])" >&2; exit 2 ;;
   esac
 done
 train_args=("$@")
@@ -98,6 +105,24 @@ done
 need_bin() { [[ -x "$BIN/$1" ]] || { echo "$2: $1 was not packed (scripts/gpu-pack.sh $3)"; return 1; }; }
 
 make7b_pid=
+wait_make7b() {
+  if [[ -n "$make7b_pid" ]]; then
+    wait "$make7b_pid"
+    make7b_pid=
+    tail -1 "$OUT/make7b.log"
+  fi
+  [[ -f /tmp/llama7b/config.json ]] || { echo "no checkpoint in /tmp/llama7b (run make7b first)"; return 1; }
+}
+variant_args() {
+  case "$1" in
+    eager) ;;
+    fused) echo --fused ;;
+    noev) echo --no-event-tracking ;;
+    fused-noev) echo --fused --no-event-tracking ;;
+    *) echo "unknown variant '$1' (eager fused noev fused-noev)" >&2; return 1 ;;
+  esac
+}
+
 for step in "${steps[@]}"; do
   echo "== $step"
   case "$step" in
@@ -158,12 +183,7 @@ for step in "${steps[@]}"; do
       ;;
     shard)
       need_bin bench_shard shard "--example bench_shard" || continue
-      if [[ -n "$make7b_pid" ]]; then
-        wait "$make7b_pid"
-        make7b_pid=
-        tail -1 "$OUT/make7b.log"
-      fi
-      [[ -f /tmp/llama7b/config.json ]] || { echo "shard: no checkpoint in /tmp/llama7b (run make7b first)"; continue; }
+      wait_make7b || continue
       timeout "${SHARD_S:-300}" "$BIN/bench_shard" --model-dir /tmp/llama7b --json-out "$OUT/shard.json" \
         >"$OUT/bench_shard.log" 2>&1
       echo "bench_shard exit $?"
@@ -197,12 +217,45 @@ for step in "${steps[@]}"; do
         [[ -s "$f" ]] || { echo "qbench: no $f (run gguf7b / gguf13b)"; continue; }
         q=(--quantized)
         [[ "$w" == *f16 ]] && q=()
+        # shellcheck disable=SC2206 # QB_ARGS is a list of arguments
+        q+=(${QB_ARGS:-})
         (cd /tmp && timeout "${QBENCH_S:-300}" "$BIN/bench_generate" --model-dir "$f" "${q[@]}" \
-          --weights "$w" --budgets "${QB_BUDGETS:-4,8,12,full}" --prompt-lens 64,512 --depths 2 \
+          --weights "$w" --budgets "${QB_BUDGETS:-4,8,12,full}" --prompt-lens "${QB_PROMPTS:-64,512}" --depths 2 \
           --llamacpp-bin "$lc_bin" --json-out "$OUT/qbench-$w.json") >"$OUT/qbench-$w.log" 2>&1
         echo "qbench $w exit $?"
         grep -v "^llama.cpp probe" "$OUT/qbench-$w.log" | tail -20
       done
+      ;;
+    decode | decode=*)
+      need_bin bench_generate decode "--example bench_generate" || continue
+      wait_make7b || continue
+      vs=(eager)
+      [[ "$step" == decode=* ]] && IFS=, read -r -a vs <<<"${step#decode=}"
+      for v in "${vs[@]}"; do
+        va=$(variant_args "$v") || continue
+        # shellcheck disable=SC2086 # va is a list of arguments
+        (cd /tmp && timeout "${DECODE_S:-200}" "$BIN/bench_generate" --model-dir /tmp/llama7b $va \
+          --budgets "${DECODE_BUDGETS:-12,full}" --prompt-lens 64 --depths 2 --new-tokens 32 \
+          --json-out "$OUT/decode-$v.json") >"$OUT/decode-$v.log" 2>&1
+        echo "decode $v exit $?"
+        tail -4 "$OUT/decode-$v.log"
+      done
+      ;;
+    breakdown | breakdown=*)
+      need_bin bench_generate breakdown "--example bench_generate" || continue
+      wait_make7b || continue
+      v=eager
+      [[ "$step" == breakdown=* ]] && v=${step#breakdown=}
+      va=$(variant_args "$v") || continue
+      sj=()
+      [[ -s "$OUT/decode-$v.json" ]] && sj=(--step-json "$OUT/decode-$v.json")
+      # shellcheck disable=SC2086 # va is a list of arguments
+      (cd /tmp && timeout "${BREAKDOWN_S:-300}" python3 "$OLDPWD/scripts/decode_breakdown.py" \
+        --bin "$BIN/bench_generate" --model-dir /tmp/llama7b --steps 4 "${sj[@]}" \
+        --out "$OUT/breakdown-$v.json" -- $va) >"$OUT/breakdown-$v.log" 2>&1
+      echo "breakdown $v exit $?"
+      rm -f "$OUT/breakdown-$v.ncu-rep"
+      grep -A40 "kernels per token" "$OUT/breakdown-$v.log" | head -45
       ;;
     train)
       need_bin bench_train train "--example bench_train" || continue

@@ -113,6 +113,16 @@ pub fn trim_memory_pool(device: &Device) -> candle_core::Result<()> {
     sys::trim_memory_pool(device)
 }
 
+/// Starts (`on`) or stops the capture of a CUDA profiler started with
+/// `--profile-from-start off` (`ncu`, `nsys`), so that it records only the kernels in between
+/// (a no-op on a CPU, without `cuda`, or with no profiler attached).
+pub fn profiler_capture(device: &Device, on: bool) -> candle_core::Result<()> {
+    if device.is_cpu() {
+        return Ok(());
+    }
+    sys::profiler_capture(device, on)
+}
+
 /// The machine's RAM, from `/proc/meminfo`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostMemory {

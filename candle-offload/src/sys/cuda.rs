@@ -610,6 +610,24 @@ pub(crate) fn trim_memory_pool(device: &Device) -> candle_core::Result<()> {
     unsafe { result::mem_pool::trim_to(pool, 0) }.w()
 }
 
+/// Starts (`on`) or stops the CUDA profiler's capture (`cuProfilerStart`/`Stop`), so that a
+/// profiler launched with `--profile-from-start off` (ncu, nsys) records only that range.
+pub(crate) fn profiler_capture(device: &Device, on: bool) -> candle_core::Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
+    ctx.bind_to_thread().w()?;
+    // SAFETY: both calls take no arguments and act on the context just bound to this thread;
+    // without a profiler attached they do nothing.
+    let r = unsafe {
+        if on {
+            sys::cuProfilerStart()
+        } else {
+            sys::cuProfilerStop()
+        }
+    };
+    r.result().w()
+}
+
 /// Whether `bytes` of host memory can be pinned in `device`'s context.
 pub(crate) fn try_pin(device: &Device, bytes: usize) -> bool {
     match device.as_cuda_device() {

@@ -33,7 +33,7 @@ pub(crate) mod kernels;
 
 pub(crate) use imp::{
     device_info, device_used_bytes, measure_h2d_gbps, pci_bus_id, pool_used_high_bytes,
-    set_peer_access, trim_memory_pool, try_pin, CudaEngine, Pinner, UnitSync,
+    profiler_capture, set_peer_access, trim_memory_pool, try_pin, CudaEngine, Pinner, UnitSync,
 };
 
 /// Elements of padding Candle's CUDA quantized storage keeps after a GGML tensor's blocks

@@ -103,6 +103,10 @@ pub(crate) fn trim_memory_pool(_device: &Device) -> candle_core::Result<()> {
     Ok(())
 }
 
+pub(crate) fn profiler_capture(_device: &Device, _on: bool) -> candle_core::Result<()> {
+    Ok(())
+}
+
 pub(crate) fn try_pin(_device: &Device, _bytes: usize) -> bool {
     false
 }
