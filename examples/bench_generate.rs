@@ -57,12 +57,14 @@ struct Args {
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
-    /// Turn cudarc's per-buffer event tracking off (`OffloadConfig::event_tracking`).
+    /// Turn cudarc's per-buffer event tracking on (`OffloadConfig::event_tracking`, off by
+    /// default).
     #[arg(long)]
-    no_event_tracking: bool,
-    /// Run the fused ops instead of the Candle compositions (`CausalLm::set_fused`).
+    event_tracking: bool,
+    /// Run the Candle compositions instead of the fused ops (`CausalLm::set_fused`, on by
+    /// default on a GPU).
     #[arg(long)]
-    fused: bool,
+    unfused: bool,
     /// Open the CUDA profiler's capture around the timed decode steps only, for a profiler
     /// started with `--profile-from-start off` (scripts/decode_breakdown.py runs ncu so).
     #[arg(long)]
@@ -184,7 +186,7 @@ fn main() -> Result<()> {
             let settings = OffloadSettings {
                 gpu_memory_limit: limit,
                 prefetch_depth: depth,
-                event_tracking: !args.no_event_tracking,
+                event_tracking: args.event_tracking,
                 ..Default::default()
             };
             let mut model = Llama::offloaded(
@@ -196,7 +198,9 @@ fn main() -> Result<()> {
                 max_len,
                 &settings,
             )?;
-            model.set_fused(args.fused);
+            if args.unfused {
+                model.set_fused(false);
+            }
             let rt = model.runtime().clone();
             {
                 // Before each configuration is timed: the first use of each kernel JIT-compiles
@@ -347,7 +351,7 @@ fn main() -> Result<()> {
                 "link_ceiling_tokens_per_s": if ceiling_s > 0.0 { Some(1.0 / ceiling_s) } else { None },
                 "link_ceiling_fraction": if step_s > 0.0 { ceiling_s / step_s } else { 0.0 },
                 "prefetch_depth": depth,
-                "event_tracking": !args.no_event_tracking,
+                "event_tracking": args.event_tracking,
                 "fused": model.fused(),
                 "accelerate_decode_tokens_per_s": acc_tps,
                 "accelerate_prefill_s": peer_rec.as_ref().and_then(|r| r["prefill_s"].as_f64()),

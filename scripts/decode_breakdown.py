@@ -33,6 +33,8 @@ from collections import defaultdict
 GROUPS = [
     ("matmul (cuBLAS)", r"gemv|gemm|xmma|cutlass|splitKreduce|sm\d\d_|ampere_|hopper"),
     ("quantized matmul", r"mul_mat|dequantize|quantize_q8|mmvq|mmq"),
+    ("decode_attention (fused)", r"^decode_attention_"),
+    ("linear_small (fused)", r"^linear_small_"),
     ("rms_norm_residual (fused)", r"^rms_norm_residual_"),
     ("silu_mul (fused)", r"^silu_mul_"),
     ("rope_qk (fused)", r"^rope_qk_"),
@@ -101,8 +103,6 @@ def main():
     ap.add_argument("--steps", type=int, default=4, help="decode steps profiled")
     ap.add_argument("--budget", default="full")
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--fused", action="store_true")
-    ap.add_argument("--no-event-tracking", action="store_true")
     ap.add_argument("--step-json", help="an unprofiled bench_generate JSON of the same config")
     ap.add_argument("--ncu", default="ncu")
     ap.add_argument("--out", required=True)
@@ -114,10 +114,6 @@ def main():
         a.bin, "--model-dir", a.model_dir, "--budgets", a.budget, "--prompt-lens",
         str(a.prompt_len), "--depths", "1", "--new-tokens", str(a.steps), "--profile-decode",
     ]
-    if a.fused:
-        bench.append("--fused")
-    if a.no_event_tracking:
-        bench.append("--no-event-tracking")
     bench += a.extra
     cmd = [
         a.ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics",

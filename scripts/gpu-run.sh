@@ -34,9 +34,10 @@
 #                 process, budgets $QB_BUDGETS (4,8,12,full), prompts $QB_PROMPTS (64,512), more
 #                 bench_generate arguments from $QB_ARGS -> $OUT/qbench-W.json [QBENCH_S=300]
 #   decode[=V,..] bench_generate on /tmp/llama7b (needs make7b), budgets $DECODE_BUDGETS (12,full),
-#                 prompt 64, once per variant V: eager (default), fused (--fused), noev
-#                 (--no-event-tracking), fused-noev -> $OUT/decode-V.json [DECODE_S=200]
-#   breakdown[=V] ncu's GPU time per kernel of the full-budget decode step of variant V (eager)
+#                 prompt 64, once per variant V: default (fused ops, no event tracking),
+#                 unfused (--unfused), tracking (--event-tracking), unfused-tracking (both: the
+#                 engine before the decode-step work) -> $OUT/decode-V.json [DECODE_S=200]
+#   breakdown[=V] ncu's GPU time per kernel of the full-budget decode step of variant V (default)
 #                 on /tmp/llama7b (scripts/decode_breakdown.py; set against decode-V.json when
 #                 decode ran) -> $OUT/breakdown-V.json, .log [BREAKDOWN_S=300]
 #   train         bench_train, next to the peer's JSON when peer ran, with --max-seconds
@@ -115,11 +116,11 @@ wait_make7b() {
 }
 variant_args() {
   case "$1" in
-    eager) ;;
-    fused) echo --fused ;;
-    noev) echo --no-event-tracking ;;
-    fused-noev) echo --fused --no-event-tracking ;;
-    *) echo "unknown variant '$1' (eager fused noev fused-noev)" >&2; return 1 ;;
+    default) ;;
+    unfused) echo --unfused ;;
+    tracking) echo --event-tracking ;;
+    unfused-tracking) echo --unfused --event-tracking ;;
+    *) echo "unknown variant '$1' (default unfused tracking unfused-tracking)" >&2; return 1 ;;
   esac
 }
 
@@ -229,7 +230,7 @@ for step in "${steps[@]}"; do
     decode | decode=*)
       need_bin bench_generate decode "--example bench_generate" || continue
       wait_make7b || continue
-      vs=(eager)
+      vs=(default)
       [[ "$step" == decode=* ]] && IFS=, read -r -a vs <<<"${step#decode=}"
       for v in "${vs[@]}"; do
         va=$(variant_args "$v") || continue
@@ -244,7 +245,7 @@ for step in "${steps[@]}"; do
     breakdown | breakdown=*)
       need_bin bench_generate breakdown "--example bench_generate" || continue
       wait_make7b || continue
-      v=eager
+      v=default
       [[ "$step" == breakdown=* ]] && v=${step#breakdown=}
       va=$(variant_args "$v") || continue
       sj=()

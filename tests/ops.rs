@@ -1,7 +1,8 @@
 //! The fused ops of `candle_offload::ops` against the Candle compositions they replace, per
 //! device (the CPU runs their CPU loops, CUDA the project's kernels): F32 within 1e-5, F16 and
 //! BF16 within 1e-2 (max abs difference over the reference's max abs), odd widths, decode (one
-//! row) and prefill (many rows) shapes, GQA/MQA and partial rotary; bad inputs are refused; and
+//! row) and prefill (many rows) shapes, GQA/MQA, sliding windows, strided KV-cache views and
+//! partial rotary; bad inputs are refused; and
 //! the tiny models give the same logits with the fused ops on and off.
 
 use std::sync::Arc;
@@ -211,6 +212,107 @@ test_device!(
     ops_rope_qk_gpu
 );
 
+/// (batch, q heads, kv heads, new positions, cached positions, head_dim, sliding window):
+/// decode (one new), GQA, MQA with a window, several new positions, all positions new, odd head
+/// dims, the largest head_dim of the kernel and one past it (the composition's fallback).
+const ATTENTION_SHAPES: [(usize, usize, usize, usize, usize, usize, Option<usize>); 9] = [
+    (1, 4, 4, 1, 1, 8, None),
+    (1, 32, 32, 1, 77, 128, None),
+    (2, 8, 2, 1, 33, 64, None),
+    (1, 6, 1, 3, 17, 40, Some(5)),
+    (1, 4, 2, 8, 8, 128, None),
+    (2, 3, 3, 2, 130, 33, Some(64)),
+    (1, 2, 1, 1, 9, 256, None),
+    (1, 2, 2, 1, 5, 320, None),
+    (1, 4, 4, 1, 1000, 64, Some(100)),
+];
+
+fn decode_attention_matches_composition(device: &Device) -> anyhow::Result<()> {
+    for dtype in DTYPES {
+        for (i, &(b, hq, hk, tq, kv, d, window)) in ATTENTION_SHAPES.iter().enumerate() {
+            let seed = 10 * i as u64;
+            let q = random(&[b, hq, tq, d], 1.0, seed, dtype, device)?;
+            // k and v as views of a longer preallocated cache, as the KV cache hands them out.
+            let cache = |s| -> anyhow::Result<Tensor> {
+                Ok(random(&[b, hk, kv + 7, d], 1.0, s, dtype, device)?.narrow(2, 0, kv)?)
+            };
+            let (k, v) = (cache(seed + 1)?, cache(seed + 2)?);
+            anyhow::ensure!(b * hk == 1 || !k.is_contiguous(), "the views are strided");
+            let scale = 1.0 / (d as f64).sqrt();
+            let got = ops::decode_attention(&q, &k, &v, scale, window)?;
+            let want = ops::decode_attention_unfused(&q, &k, &v, scale, window)?;
+            anyhow::ensure!(got.dims() == [b, tq, hq, d], "shape {:?}", got.dims());
+            ensure_close(
+                &format!("decode_attention {:?}", ATTENTION_SHAPES[i]),
+                &got,
+                &want,
+                dtype,
+            )?;
+        }
+    }
+    // A mask that hides keys: with a window of 1 each query sees only its own position, so the
+    // output is that position's value row.
+    let (q, k, v) = (
+        random(&[1, 2, 3, 16], 1.0, 7, DType::F32, device)?,
+        random(&[1, 2, 5, 16], 1.0, 8, DType::F32, device)?,
+        random(&[1, 2, 5, 16], 1.0, 9, DType::F32, device)?,
+    );
+    let got = ops::decode_attention(&q, &k, &v, 0.25, Some(1))?;
+    let want = v.narrow(2, 2, 3)?.transpose(1, 2)?.contiguous()?;
+    ensure_close("decode_attention window 1", &got, &want, DType::F32)?;
+    Ok(())
+}
+test_device!(
+    decode_attention_matches_composition,
+    ops_decode_attention_cpu,
+    ops_decode_attention_gpu
+);
+
+fn linear_small_matches_composition(device: &Device) -> anyhow::Result<()> {
+    // (x shape, weight rows): one row, several, the most the kernel takes, one past it (the
+    // composition), a width that is not a multiple of 8 (the composition), a 7B-sized row.
+    let shapes: [(&[usize], usize); 7] = [
+        (&[1, 1, 64], 37),
+        (&[1, 3, 4096], 128),
+        (&[8, 16], 5),
+        (&[9, 64], 3),
+        (&[2, 12], 7),
+        (&[1, 1, 11008], 64),
+        (&[1, 4096], 1000),
+    ];
+    for dtype in DTYPES {
+        for (i, &(xs, n)) in shapes.iter().enumerate() {
+            let k = *xs.last().expect("rank ≥ 1");
+            let x = random(xs, 1.0, 40 + i as u64, dtype, device)?;
+            let w = random(
+                &[n, k],
+                1.0 / (k as f32).sqrt(),
+                50 + i as u64,
+                dtype,
+                device,
+            )?;
+            let got = ops::linear_small(&x, &w)?;
+            let want = ops::linear_small_unfused(&x, &w)?;
+            ensure_close(&format!("linear_small {xs:?} x {n}"), &got, &want, dtype)?;
+        }
+        // A strided x (a transposed view) and a weight that is a view past its buffer's start.
+        let x = random(&[64, 2], 1.0, 60, dtype, device)?.t()?;
+        let w = random(&[12, 64], 0.125, 61, dtype, device)?.narrow(0, 3, 9)?;
+        ensure_close(
+            "linear_small views",
+            &ops::linear_small(&x, &w)?,
+            &ops::linear_small_unfused(&x, &w)?,
+            dtype,
+        )?;
+    }
+    Ok(())
+}
+test_device!(
+    linear_small_matches_composition,
+    ops_linear_small_cpu,
+    ops_linear_small_gpu
+);
+
 fn bad_inputs_are_refused(device: &Device) -> anyhow::Result<()> {
     let x = random(&[2, 8], 1.0, 1, DType::F32, device)?;
     let w = random(&[8], 1.0, 2, DType::F32, device)?;
@@ -239,6 +341,20 @@ fn bad_inputs_are_refused(device: &Device) -> anyhow::Result<()> {
     anyhow::ensure!(e.contains("do not fit"), "{e}");
     let e = err(ops::rope_qk(&q, &q, &table.narrow(0, 0, 1)?))?;
     anyhow::ensure!(e.contains("do not fit"), "{e}");
+    // Attention: q heads not a multiple of kv heads, more new positions than cached, window 0.
+    let (q3, kv4) = (
+        random(&[1, 3, 1, 8], 1.0, 5, DType::F32, device)?,
+        random(&[1, 2, 4, 8], 1.0, 6, DType::F32, device)?,
+    );
+    let e = err(ops::decode_attention(&q3, &kv4, &kv4, 1.0, None))?;
+    anyhow::ensure!(e.contains("do not fit"), "{e}");
+    let q5 = random(&[1, 2, 5, 8], 1.0, 7, DType::F32, device)?;
+    let e = err(ops::decode_attention(&q5, &kv4, &kv4, 1.0, None))?;
+    anyhow::ensure!(e.contains("do not fit"), "{e}");
+    let e = err(ops::decode_attention(&q, &kv4, &kv4, 1.0, Some(0)))?;
+    anyhow::ensure!(e.contains("window"), "{e}");
+    let e = err(ops::linear_small(&x, &w.reshape((1, 8))?.narrow(1, 0, 7)?))?;
+    anyhow::ensure!(e.contains("does not match"), "{e}");
     Ok(())
 }
 test_device!(

@@ -1,6 +1,7 @@
 // The fused decode kernels of `candle_offload::ops` (compiled to PTX by build.rs with the
 // `cuda` feature, loaded by src/sys/kernels.rs). Every kernel reads and writes contiguous
-// buffers of one element type (f32, f16 or bf16) and accumulates in f32; each exists once per
+// buffers of one element type (f32, f16 or bf16; decode_attention reads strided k/v views) and
+// accumulates in f32; each exists once per
 // type as `<name>_f32`, `<name>_f16`, `<name>_bf16` (Candle's kernel_name convention).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -107,6 +108,154 @@ __device__ void rope_qk(const T *q, const T *k, const T *cs, T *out, uint32_t b,
     }
 }
 
+// Maximum head_dim / 32 of decode_attention (head_dim up to 256).
+#define DA_PER_LANE 8
+// Warps per block of decode_attention and linear_small.
+#define OPS_WARPS 4
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Attention of tq new queries over the first kv_len positions of a KV cache, for decode:
+// one block of OPS_WARPS warps per (query, q head, batch row). q is contiguous (b, hq, tq, d);
+// k and v are (b, hk, >= kv_len, d) with the last dim contiguous and the other strides given
+// (a view of a preallocated cache); query qi sits at position kv_len - tq + qi and sees keys
+// j <= its position, and with window > 0 only those with position < j + window (the causal and
+// sliding-window masks). GQA/MQA: q head h reads kv head h / (hq / hk). Each warp runs an
+// online softmax over every OPS_WARPS-th visible key (scores in f32, q pre-scaled), then the
+// warps' partial maxima, sums and weighted values are merged. out is (b, tq, hq, d).
+template <typename T>
+__device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uint32_t tq,
+                                 uint32_t hq, uint32_t hk, uint32_t d, uint32_t kv_len,
+                                 uint64_t k_sb, uint64_t k_sh, uint64_t k_st, uint64_t v_sb,
+                                 uint64_t v_sh, uint64_t v_st, float scale, uint32_t window) {
+    __shared__ float part_m[OPS_WARPS];
+    __shared__ float part_l[OPS_WARPS];
+    __shared__ float part_acc[OPS_WARPS][32 * DA_PER_LANE];
+    const uint32_t qi = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
+    const uint32_t kvh = h / (hq / hk);
+    const uint32_t lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const T *qrow = q + (((size_t)bi * hq + h) * tq + qi) * d;
+    float qr[DA_PER_LANE], acc[DA_PER_LANE];
+#pragma unroll
+    for (int r = 0; r < DA_PER_LANE; ++r) {
+        const uint32_t i = lane + 32u * r;
+        qr[r] = i < d ? to_f32(qrow[i]) * scale : 0.0f;
+        acc[r] = 0.0f;
+    }
+    const uint32_t pos = kv_len - tq + qi;
+    const uint32_t lo = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    const T *kb = k + bi * k_sb + kvh * k_sh;
+    const T *vb = v + bi * v_sb + kvh * v_sh;
+    float m = -__int_as_float(0x7f800000), l = 0.0f;
+    for (uint32_t j = lo + warp; j <= pos; j += OPS_WARPS) {
+        const T *kr = kb + j * k_st;
+        float s = 0.0f;
+#pragma unroll
+        for (int r = 0; r < DA_PER_LANE; ++r) {
+            const uint32_t i = lane + 32u * r;
+            if (i < d) s += qr[r] * to_f32(kr[i]);
+        }
+        s = warp_sum(s);
+        const float m_new = fmaxf(m, s);
+        const float corr = expf(m - m_new);
+        const float p = expf(s - m_new);
+        l = l * corr + p;
+        const T *vr = vb + j * v_st;
+#pragma unroll
+        for (int r = 0; r < DA_PER_LANE; ++r) {
+            const uint32_t i = lane + 32u * r;
+            if (i < d) acc[r] = acc[r] * corr + p * to_f32(vr[i]);
+        }
+        m = m_new;
+    }
+    if (lane == 0) {
+        part_m[warp] = m;
+        part_l[warp] = l;
+    }
+#pragma unroll
+    for (int r = 0; r < DA_PER_LANE; ++r) part_acc[warp][lane + 32u * r] = acc[r];
+    __syncthreads();
+    float big = -__int_as_float(0x7f800000);
+    for (int w = 0; w < OPS_WARPS; ++w) big = fmaxf(big, part_m[w]);
+    float total = 0.0f;
+    for (int w = 0; w < OPS_WARPS; ++w) total += part_l[w] * expf(part_m[w] - big);
+    T *orow = out + (((size_t)bi * tq + qi) * hq + h) * d;
+    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
+        float y = 0.0f;
+        for (int w = 0; w < OPS_WARPS; ++w) y += part_acc[w][i] * expf(part_m[w] - big);
+        orow[i] = from_f32<T>(y / total);
+    }
+}
+
+// Loads 8 consecutive elements as f32 (16 bytes of f16/bf16, two 16-byte loads of f32); p is
+// 16-byte aligned.
+__device__ __forceinline__ void load8(const __half *p, float *o) {
+    const uint4 u = *reinterpret_cast<const uint4 *>(p);
+    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(h[i]);
+        o[2 * i] = f.x;
+        o[2 * i + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *o) {
+    const uint4 u = *reinterpret_cast<const uint4 *>(p);
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        o[2 * i] = f.x;
+        o[2 * i + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void load8(const float *p, float *o) {
+    const float4 a = *reinterpret_cast<const float4 *>(p);
+    const float4 b = *reinterpret_cast<const float4 *>(p + 4);
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+    o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+
+// Maximum rows of x in linear_small.
+#define LS_MAX_M 8
+
+// y (m, n) = x (m, k) · wᵀ with w (n, k), for few rows m <= LS_MAX_M (decode): one warp per
+// output column n, reading w's row once with 16-byte loads (k % 8 == 0, both 16-byte aligned)
+// and every x row against it, f32 accumulation, one warp reduction per row of x.
+template <typename T>
+__device__ void linear_small(const T *x, const T *w, T *y, uint32_t m, uint32_t n, uint32_t k) {
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t col = blockIdx.x * OPS_WARPS + (threadIdx.x >> 5);
+    if (col >= n) return;
+    const T *wr = w + (size_t)col * k;
+    float acc[LS_MAX_M];
+#pragma unroll
+    for (int r = 0; r < LS_MAX_M; ++r) acc[r] = 0.0f;
+    for (uint32_t i = lane * 8u; i < k; i += 256u) {
+        float wv[8];
+        load8(wr + i, wv);
+#pragma unroll
+        for (int r = 0; r < LS_MAX_M; ++r) {
+            if ((uint32_t)r < m) {
+                float xv[8];
+                load8(x + (size_t)r * k + i, xv);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[r] += wv[e] * xv[e];
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < LS_MAX_M; ++r) {
+        if ((uint32_t)r < m) {
+            const float s = warp_sum(acc[r]);
+            if (lane == 0) y[(size_t)r * n + col] = from_f32<T>(s);
+        }
+    }
+}
+
 #define OPS_FOR(T, SUFFIX)                                                                      \
     extern "C" __global__ void rms_norm_residual_##SUFFIX(const T *x, const T *r, const T *w,  \
                                                           T *out, uint32_t n_rows,              \
@@ -120,6 +269,17 @@ __device__ void rope_qk(const T *q, const T *k, const T *cs, T *out, uint32_t b,
                                                 uint32_t b, uint32_t t, uint32_t hq,            \
                                                 uint32_t hk, uint32_t d, uint32_t rot_half) {   \
         rope_qk<T>(q, k, cs, out, b, t, hq, hk, d, rot_half);                                   \
+    }                                                                                           \
+    extern "C" __global__ void decode_attention_##SUFFIX(                                       \
+        const T *q, const T *k, const T *v, T *out, uint32_t tq, uint32_t hq, uint32_t hk,      \
+        uint32_t d, uint32_t kv_len, uint64_t k_sb, uint64_t k_sh, uint64_t k_st, uint64_t v_sb, \
+        uint64_t v_sh, uint64_t v_st, float scale, uint32_t window) {                           \
+        decode_attention<T>(q, k, v, out, tq, hq, hk, d, kv_len, k_sb, k_sh, k_st, v_sb, v_sh,  \
+                            v_st, scale, window);                                               \
+    }                                                                                           \
+    extern "C" __global__ void linear_small_##SUFFIX(const T *x, const T *w, T *y, uint32_t m,  \
+                                                     uint32_t n, uint32_t k) {                  \
+        linear_small<T>(x, w, y, m, n, k);                                                      \
     }
 
 OPS_FOR(float, f32)

@@ -7,6 +7,10 @@
 //! - [`rope_qk`]: half-rotated RoPE of q and k in one launch, read in the projections'
 //!   (batch, seq, heads, head_dim) layout and written as (batch, heads, seq, head_dim), so the
 //!   transposes and copies before Candle's `rope` go too.
+//! - [`decode_attention`]: causal (and sliding-window) attention of a few new positions over a
+//!   KV cache, GQA/MQA, read straight from the cache's strided views: no repeat, cast,
+//!   contiguous copy, mask or separate softmax.
+//! - [`linear_small`]: `x · wᵀ` for at most 8 rows, one bandwidth-bound pass over the weight.
 //!
 //! On a CUDA device they run the project's own kernels (`kernels/ops.cu`, compiled to PTX at
 //! build time); on the CPU a direct loop computes the same thing. The `*_unfused` functions are
@@ -481,4 +485,410 @@ pub fn rope_qk_unfused(q: &Tensor, k: &Tensor, table: &Tensor) -> Result<(Tensor
         Tensor::cat(&[rotated, pass], D::Minus1)
     };
     Ok((one(q)?, one(k)?))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention over a KV cache
+
+/// The largest head_dim [`decode_attention`]'s CUDA kernel handles (8 values per lane).
+pub(crate) const ATTENTION_MAX_HEAD_DIM: usize = 256;
+
+#[derive(Debug, Clone, Copy)]
+struct DecodeAttention {
+    scale: f32,
+    /// 0: no sliding window.
+    window: u32,
+}
+
+impl DecodeAttention {
+    const NAME: &'static str = "decode-attention";
+}
+
+/// The sizes [`decode_attention`]'s kernel works with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct AttentionDims {
+    pub(crate) b: usize,
+    pub(crate) hq: usize,
+    pub(crate) hk: usize,
+    pub(crate) tq: usize,
+    pub(crate) kv_len: usize,
+    pub(crate) d: usize,
+}
+
+impl AttentionDims {
+    fn of(q: &Layout, k: &Layout, v: &Layout) -> Result<Self> {
+        let (b, hq, tq, d) = q.shape().dims4()?;
+        let (kb, hk, kv_len, kd) = k.shape().dims4()?;
+        if (kb, kd) != (b, d)
+            || v.shape() != k.shape()
+            || hk == 0
+            || !hq.is_multiple_of(hk)
+            || tq == 0
+            || tq > kv_len
+        {
+            candle_core::bail!(
+                "{}: q {:?}, k {:?} and v {:?} do not fit together (q (b, q_heads, new, d), \
+                 k and v (b, kv_heads, cached ≥ new, d), q_heads a multiple of kv_heads)",
+                DecodeAttention::NAME,
+                q.shape(),
+                k.shape(),
+                v.shape()
+            );
+        }
+        Ok(Self {
+            b,
+            hq,
+            hk,
+            tq,
+            kv_len,
+            d,
+        })
+    }
+
+    pub(crate) fn out_len(&self) -> usize {
+        self.b * self.tq * self.hq * self.d
+    }
+}
+
+/// Element `(bi, hi, pos, 0)` of a (b, h, positions, d) view with the last dim contiguous.
+fn kv_row<'a, T>(s: &'a [T], l: &Layout, bi: usize, hi: usize, pos: usize, d: usize) -> &'a [T] {
+    let st = l.stride();
+    &s[l.start_offset() + bi * st[0] + hi * st[1] + pos * st[2]..][..d]
+}
+
+fn decode_attention_cpu<T: WithDType>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    (ql, kl, vl): (&Layout, &Layout, &Layout),
+    op: DecodeAttention,
+) -> Result<Vec<T>> {
+    let dims = AttentionDims::of(ql, kl, vl)?;
+    if kl.stride()[3] != 1 || vl.stride()[3] != 1 {
+        candle_core::bail!(
+            "{}: k and v need a contiguous last dim",
+            DecodeAttention::NAME
+        );
+    }
+    let q = contiguous(q, ql, DecodeAttention::NAME)?;
+    let AttentionDims {
+        b,
+        hq,
+        hk,
+        tq,
+        kv_len,
+        d,
+    } = dims;
+    let mut out = vec![of_f32::<T>(0.0); dims.out_len()];
+    let mut scores = vec![0f32; kv_len];
+    let mut acc = vec![0f32; d];
+    for bi in 0..b {
+        for h in 0..hq {
+            let kvh = h / (hq / hk);
+            for qi in 0..tq {
+                let qrow = &q[((bi * hq + h) * tq + qi) * d..][..d];
+                let pos = kv_len - tq + qi;
+                let lo = match op.window {
+                    0 => 0,
+                    w => (pos + 1).saturating_sub(w as usize),
+                };
+                let mut max = f32::NEG_INFINITY;
+                for j in lo..=pos {
+                    let kr = kv_row(k, kl, bi, kvh, j, d);
+                    let s: f32 = qrow
+                        .iter()
+                        .zip(kr)
+                        .map(|(&a, &b)| f32_of(a) * op.scale * f32_of(b))
+                        .sum();
+                    scores[j] = s;
+                    max = max.max(s);
+                }
+                let mut total = 0f32;
+                acc.iter_mut().for_each(|a| *a = 0.0);
+                for j in lo..=pos {
+                    let p = (scores[j] - max).exp();
+                    total += p;
+                    for (a, &x) in acc.iter_mut().zip(kv_row(v, vl, bi, kvh, j, d)) {
+                        *a += p * f32_of(x);
+                    }
+                }
+                let orow = &mut out[((bi * tq + qi) * hq + h) * d..][..d];
+                for (o, &a) in orow.iter_mut().zip(&acc) {
+                    *o = of_f32(a / total);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+impl candle_core::CustomOp3 for DecodeAttention {
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = AttentionDims::of(l1, l2, l3)?;
+        let out = cpu_dispatch3!(
+            Self::NAME,
+            s1,
+            s2,
+            s3,
+            decode_attention_cpu,
+            (l1, l2, l3),
+            *self
+        );
+        Ok((out, Shape::from((dims.b, dims.tq, dims.hq, dims.d))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = AttentionDims::of(l1, l2, l3)?;
+        let out = crate::sys::kernels::decode_attention(
+            dims,
+            self.scale,
+            self.window,
+            (s1, l1),
+            (s2, l2),
+            (s3, l3),
+        )?;
+        Ok((out, Shape::from((dims.b, dims.tq, dims.hq, dims.d))))
+    }
+}
+
+/// Causal attention of `q` (batch, q_heads, new, head_dim) over the first positions of a KV
+/// cache `k`, `v` (batch, kv_heads, cached, head_dim), the new positions being the last `new`
+/// of the `cached` ones, in one pass: scores `scale · q·k` and their softmax in F32, GQA/MQA
+/// (q head h reads kv head h / (q_heads / kv_heads)), and with `window` Some(w) a key at j is
+/// seen by the query at position p only when p < j + w (Mistral's sliding window). `k` and `v`
+/// may be strided views (a narrowed preallocated cache) as long as their last dim is
+/// contiguous; nothing is copied. Returns (batch, new, q_heads, head_dim), so that a reshape
+/// gives the (batch, new, hidden) the output projection reads. Built for decode (few new
+/// positions); it computes any `new` ≤ `cached` correctly. Head dims above 256 use the
+/// composition ([`decode_attention_unfused`]).
+pub fn decode_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    check_dtypes(DecodeAttention::NAME, &[q, k, v])?;
+    let dims = AttentionDims::of(q.layout(), k.layout(), v.layout())?;
+    let window = match window {
+        None => 0,
+        Some(0) => candle_core::bail!("{}: a window of 0 positions", DecodeAttention::NAME),
+        Some(w) => u32::try_from(w).unwrap_or(u32::MAX),
+    };
+    if dims.d > ATTENTION_MAX_HEAD_DIM || dims.out_len() == 0 {
+        return decode_attention_unfused(q, k, v, scale, (window > 0).then_some(window as usize));
+    }
+    let last_dim_contiguous = |t: &Tensor| -> Result<Tensor> {
+        if t.stride()[3] == 1 {
+            Ok(t.clone())
+        } else {
+            t.contiguous()
+        }
+    };
+    q.contiguous()?.apply_op3_no_bwd(
+        &last_dim_contiguous(k)?,
+        &last_dim_contiguous(v)?,
+        &DecodeAttention {
+            scale: scale as f32,
+            window,
+        },
+    )
+}
+
+/// The Candle composition [`decode_attention`] replaces (the model's attention before it): k
+/// and v repeated to the q heads and made contiguous, q, k and v cast to F32, `q·kᵀ · scale`,
+/// the causal / sliding-window mask added, softmax, the weighted sum, cast back, and transposed
+/// to (batch, new, q_heads, head_dim).
+pub fn decode_attention_unfused(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let dims = AttentionDims::of(q.layout(), k.layout(), v.layout())?;
+    let AttentionDims {
+        b,
+        hq,
+        hk,
+        tq,
+        kv_len,
+        d,
+    } = dims;
+    let repeat = |t: &Tensor| -> Result<Tensor> {
+        let rep = hq / hk;
+        if rep == 1 {
+            return t.contiguous();
+        }
+        t.unsqueeze(2)?
+            .expand((b, hk, rep, kv_len, d))?
+            .reshape((b, hq, kv_len, d))
+    };
+    let dtype = q.dtype();
+    let (q32, k32, v32) = (
+        q.to_dtype(DType::F32)?,
+        repeat(k)?.to_dtype(DType::F32)?,
+        repeat(v)?.to_dtype(DType::F32)?,
+    );
+    let att = (q32.matmul(&k32.t()?)? * scale)?;
+    let mask: Vec<f32> = (0..tq)
+        .flat_map(|i| {
+            let pos = kv_len - tq + i;
+            (0..kv_len).map(move |j| {
+                let outside = window.is_some_and(|w| pos >= j + w);
+                if j > pos || outside {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (tq, kv_len), q.device())?;
+    let att = candle_nn::ops::softmax_last_dim(&att.broadcast_add(&mask)?)?;
+    att.matmul(&v32)?
+        .to_dtype(dtype)?
+        .transpose(1, 2)?
+        .contiguous()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear layers over few rows
+
+/// The most rows [`linear_small`]'s CUDA kernel takes.
+pub(crate) const LINEAR_SMALL_MAX_ROWS: usize = 8;
+
+#[derive(Debug, Clone, Copy)]
+struct LinearSmall;
+
+impl LinearSmall {
+    const NAME: &'static str = "linear-small";
+}
+
+fn linear_small_cpu<T: WithDType>(
+    x: &[T],
+    w: &[T],
+    (xl, wl): (&Layout, &Layout),
+) -> Result<Vec<T>> {
+    let (x, w) = (
+        contiguous(x, xl, LinearSmall::NAME)?,
+        contiguous(w, wl, LinearSmall::NAME)?,
+    );
+    let (_, k) = xl.shape().dims2()?;
+    let mut out = Vec::with_capacity(x.len() / k.max(1) * w.len() / k.max(1));
+    for xr in x.chunks(k) {
+        for wr in w.chunks(k) {
+            out.push(of_f32(
+                xr.iter()
+                    .zip(wr)
+                    .map(|(&a, &b)| f32_of(a) * f32_of(b))
+                    .sum(),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+impl candle_core::CustomOp2 for LinearSmall {
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let ls = (l1, l2);
+        let out = match (s1, s2) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => {
+                CpuStorage::F32(linear_small_cpu(a, b, ls)?)
+            }
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => {
+                CpuStorage::F16(linear_small_cpu(a, b, ls)?)
+            }
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => {
+                CpuStorage::BF16(linear_small_cpu(a, b, ls)?)
+            }
+            (a, _) => candle_core::bail!("{}: unsupported dtype {:?}", Self::NAME, a.dtype()),
+        };
+        Ok((out, Shape::from((l1.dims()[0], l2.dims()[0]))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::sys::kernels::linear_small((s1, l1), (s2, l2))?;
+        Ok((out, Shape::from((l1.dims()[0], l2.dims()[0]))))
+    }
+}
+
+/// `x · wᵀ` for a weight `w` (out, in) and an `x` (…, in) of at most 8 rows in all (a decode
+/// step): one pass over the weight that multiplies it by every row, F32 accumulation. On a GPU
+/// this replaces cuBLAS's split-K GEMM and its reduction kernel (two launches, and a split-K
+/// schedule that leaves bandwidth unused at one row) by one bandwidth-bound kernel. Falls back
+/// to the composition ([`linear_small_unfused`]) for more rows, an `in` that is not a multiple
+/// of 8 or a weight not 16-byte aligned.
+pub fn linear_small(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    check_dtypes(LinearSmall::NAME, &[x, w])?;
+    let (n, k) = w.dims2()?;
+    if x.dim(D::Minus1)? != k {
+        candle_core::bail!(
+            "{}: x {:?} does not match the weight {:?}",
+            LinearSmall::NAME,
+            x.shape(),
+            w.shape()
+        );
+    }
+    let rows = x.elem_count() / k.max(1);
+    let w = w.contiguous()?;
+    let aligned = (w.layout().start_offset() * w.dtype().size_in_bytes()).is_multiple_of(16);
+    if rows == 0 || rows > LINEAR_SMALL_MAX_ROWS || !k.is_multiple_of(8) || !aligned {
+        return linear_small_unfused(x, &w);
+    }
+    let mut out_dims = x.dims().to_vec();
+    *out_dims.last_mut().expect("x has a last dim") = n;
+    // An x that is strided or starts unaligned is copied (≤ 8 rows) to a fresh buffer.
+    let x2 = x.reshape((rows, k))?;
+    let x2 = if (x2.layout().start_offset() * x2.dtype().size_in_bytes()).is_multiple_of(16)
+        && x2.is_contiguous()
+    {
+        x2
+    } else {
+        x2.force_contiguous()?
+    };
+    x2.apply_op2_no_bwd(&w, &LinearSmall)?.reshape(out_dims)
+}
+
+/// The composition [`linear_small`] replaces: `candle_nn::Linear`'s broadcast matmul.
+pub fn linear_small_unfused(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    x.broadcast_matmul(&w.t()?)
 }

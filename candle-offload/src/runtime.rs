@@ -56,14 +56,15 @@ pub struct OffloadConfig {
     /// several runtimes share); `None`: every unit of the store. Only these count in the
     /// budget and may be acquired.
     pub units: Option<Vec<String>>,
-    /// cudarc's per-buffer event tracking on this GPU's CUDA context (on by default). Once a
+    /// cudarc's per-buffer event tracking on this GPU's CUDA context (off by default). Once a
     /// second stream exists, cudarc records an event for every buffer a kernel reads or writes
     /// and makes the next user wait on it: two or three driver calls per argument per launch.
     /// The runtime orders its copy stream with its own events (ARCHITECTURE.md, hazard table),
-    /// so a single-device model is safe without it; `false` turns it off for the whole context
-    /// from then on (cudarc has no per-stream switch), which an application that runs its own
-    /// streams on the same device must be ready for. Pipelines over several GPUs keep it: the
-    /// device-to-device hidden-state copy relies on it. Ignored on the CPU.
+    /// so a single-device model is safe without it, and decodes a resident 7B about 30% faster
+    /// (BENCHMARKS.md). `false` turns it off for the whole context from then on (cudarc has no
+    /// per-stream switch): an application that runs its own streams on the same device sets
+    /// `true`. Pipelines over several GPUs and training keep it: the device-to-device
+    /// hidden-state copy relies on it. Ignored on the CPU.
     pub event_tracking: bool,
 }
 
@@ -78,7 +79,7 @@ impl Default for OffloadConfig {
             keep: Vec::new(),
             trainable: false,
             units: None,
-            event_tracking: true,
+            event_tracking: false,
         }
     }
 }

@@ -12,7 +12,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, D};
 use candle_offload::placement::{
     plan_placement, DeviceBudget, DeviceMap, PlacementMode, PlacementRequest,
 };
@@ -203,8 +203,9 @@ impl CausalLm {
                 Ok(Stage { rt, rope, layers })
             })
             .collect::<Result<Vec<_>>>()?;
-        // Off until the kernels have run and been measured on a GPU (ARCHITECTURE.md).
-        let fused = false;
+        // On a GPU the fused kernels are faster (BENCHMARKS.md, "The decode step"); on the
+        // CPU Candle's multi-threaded ops beat their loops.
+        let fused = stages.iter().all(|s| s.rt.device().is_cuda());
         Ok(Self {
             cfg,
             family,
@@ -564,10 +565,12 @@ impl CausalLm {
         self.transfer = how;
     }
 
-    /// Whether inference uses the fused ops of `candle_offload::ops` (RMSNorm with the
-    /// residual add, SiLU · mul, RoPE of q and k) where a block can. Default: off. On CUDA
-    /// each is one kernel of ours, compiled and checked here but not yet run or measured on a
-    /// GPU; on the CPU, Candle's multi-threaded ops are faster than the ops' loops.
+    /// Whether inference uses the fused ops of `candle_offload::ops` where a block can: RMSNorm
+    /// with the residual add, SiLU · mul, RoPE of q and k, attention over the KV cache for steps
+    /// of at most [`DECODE_ATTENTION_MAX_NEW`](crate::layers::DECODE_ATTENTION_MAX_NEW) new
+    /// positions, and dense projections of at most 8 rows as one weight pass. Default: on when
+    /// every stage is a GPU (each is one kernel of ours there, measured faster in
+    /// BENCHMARKS.md), off on the CPU, where Candle's multi-threaded ops beat the ops' loops.
     pub fn set_fused(&mut self, on: bool) {
         self.fused = on;
     }
@@ -729,7 +732,8 @@ impl CausalLm {
             .forward(&xs)?,
             None => {
                 let m = w.vb().get((vocab, hidden), "weight")?;
-                candle_nn::Linear::new(m, None).forward(&xs)?
+                crate::layers::Linear::Dense(candle_nn::Linear::new(m, None))
+                    .forward_step(&xs, self.fused)?
             }
         }
         .to_dtype(DType::F32)?;

@@ -236,6 +236,11 @@ pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Resu
     Ok(Linear::Dense(l))
 }
 
+/// The most new positions per step that attention runs through the fused
+/// [`candle_offload::ops::decode_attention`] kernel (decode and short continuations); longer
+/// prompts use the matmul composition, which is faster there.
+pub const DECODE_ATTENTION_MAX_NEW: usize = 8;
+
 /// A linear layer whose weight is dense (a Candle `Linear`) or GGML-quantized (a `QMatMul`
 /// over the blocks as the unit holds them), as [`UnitWeights::linear`] finds it.
 #[derive(Debug, Clone)]
@@ -276,12 +281,36 @@ impl Linear {
         }
     }
 
+    /// Inference; with `fused`, a dense weight against at most 8 rows (a decode step) on a GPU
+    /// goes through [`candle_offload::ops::linear_small`] (one bandwidth-bound kernel instead
+    /// of cuBLAS's split-K GEMM and its reduction).
+    pub fn forward_step(&self, xs: &Tensor, fused: bool) -> Result<Tensor> {
+        if let (true, Self::Dense(l)) = (fused, self) {
+            let width = xs.dim(D::Minus1)?.max(1);
+            let rows = xs.elem_count() / width;
+            if xs.device().is_cuda() && rows <= 8 && l.weight().dtype() == xs.dtype() {
+                let y = candle_offload::ops::linear_small(xs, l.weight())?;
+                return match l.bias() {
+                    Some(b) => y.broadcast_add(b),
+                    None => Ok(y),
+                };
+            }
+        }
+        self.forward(xs)
+    }
+
     /// [`forward_train`](Self::forward_train) when `train`, else [`forward`](Self::forward).
     pub fn run(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        self.run_with(xs, train, false)
+    }
+
+    /// [`forward_train`](Self::forward_train) when `train`, else
+    /// [`forward_step`](Self::forward_step) with `fused`.
+    pub fn run_with(&self, xs: &Tensor, train: bool, fused: bool) -> Result<Tensor> {
         if train {
             self.forward_train(xs)
         } else {
-            self.forward(xs)
+            self.forward_step(xs, fused)
         }
     }
 
@@ -501,13 +530,15 @@ impl SelfAttention {
         &self.spec
     }
 
-    fn project(&self, xs: &Tensor, train: bool) -> Result<(Tensor, Tensor, Tensor)> {
+    fn project(&self, xs: &Tensor, train: bool, fused: bool) -> Result<(Tensor, Tensor, Tensor)> {
         match &self.qkv {
-            Qkv::Separate { q, k, v } => {
-                Ok((q.run(xs, train)?, k.run(xs, train)?, v.run(xs, train)?))
-            }
+            Qkv::Separate { q, k, v } => Ok((
+                q.run_with(xs, train, fused)?,
+                k.run_with(xs, train, fused)?,
+                v.run_with(xs, train, fused)?,
+            )),
             Qkv::Fused(l) => {
-                let all = l.run(xs, train)?;
+                let all = l.run_with(xs, train, fused)?;
                 let (q, kv) = self.spec.widths();
                 Ok((
                     all.narrow(D::Minus1, 0, q)?,
@@ -525,7 +556,7 @@ impl SelfAttention {
         let (b, seq_len, _) = xs.dims3()?;
         let shape =
             |t: Tensor, heads: usize| t.reshape((b, seq_len, heads, s.head_dim))?.transpose(1, 2);
-        let (q, k, v) = self.project(xs, false)?;
+        let (q, k, v) = self.project(xs, false, ctx.fused)?;
         let (q, k) = if ctx.fused {
             // One kernel reads both in the projections' layout and writes them transposed.
             let heads = |t: Tensor, n: usize| t.reshape((b, seq_len, n, s.head_dim));
@@ -539,6 +570,12 @@ impl SelfAttention {
         };
         let v = shape(v, s.n_kv_heads)?.contiguous()?;
         let (k, v) = kv.append(&k.contiguous()?, &v)?;
+        if ctx.fused && s.softcap.is_none() && seq_len <= DECODE_ATTENTION_MAX_NEW {
+            // One kernel over the cache's views: no repeat, cast, copy, mask or softmax ops.
+            let y = candle_offload::ops::decode_attention(&q, &k, &v, 1.0 / s.score_div, s.window)?;
+            let y = y.reshape((b, seq_len, s.n_heads * s.head_dim))?;
+            return self.o_proj.forward_step(&y, true);
+        }
         let rep = s.n_heads / s.n_kv_heads;
         let k = candle_transformers::utils::repeat_kv(k, rep)?.contiguous()?;
         let v = candle_transformers::utils::repeat_kv(v, rep)?.contiguous()?;
@@ -575,7 +612,7 @@ impl SelfAttention {
         let (b, seq_len, _) = xs.dims3()?;
         let shape =
             |t: Tensor, heads: usize| t.reshape((b, seq_len, heads, s.head_dim))?.transpose(1, 2);
-        let (q, k, v) = self.project(xs, true)?;
+        let (q, k, v) = self.project(xs, true, false)?;
         let q = ctx.rope.apply_diff(&shape(q, s.n_heads)?.contiguous()?)?;
         let k = ctx
             .rope
@@ -718,9 +755,12 @@ impl GatedMlp {
 
     fn run(&self, xs: &Tensor, train: bool, fused: bool) -> Result<Tensor> {
         let (gate, up) = match &self.gate_up {
-            GateUp::Separate { gate, up } => (gate.run(xs, train)?, up.run(xs, train)?),
+            GateUp::Separate { gate, up } => (
+                gate.run_with(xs, train, fused)?,
+                up.run_with(xs, train, fused)?,
+            ),
             GateUp::Fused(l) => {
-                let both = l.run(xs, train)?;
+                let both = l.run_with(xs, train, fused)?;
                 let i = self.intermediate;
                 (both.narrow(D::Minus1, 0, i)?, both.narrow(D::Minus1, i, i)?)
             }
@@ -732,7 +772,7 @@ impl GatedMlp {
         } else {
             (self.act.apply(&gate)? * up)?
         };
-        self.down.run(&x, train)
+        self.down.run_with(&x, train, fused)
     }
 
     /// Inference.

@@ -240,3 +240,189 @@ pub(crate) fn rope_qk(
         device: dev.clone(),
     })
 }
+
+/// A strided (b, h, positions, d) view of `s` with the last dim contiguous: the slice from its
+/// start offset and the batch, head and position strides, after checking that the first
+/// `rows` positions of every (batch, head) lie inside `s`.
+fn strided_kv<'a, T>(
+    s: &'a CudaSlice<T>,
+    l: &Layout,
+    rows: usize,
+    what: &str,
+) -> Result<(CudaView<'a, T>, [u64; 3])> {
+    let (b, h, _, d) = l.shape().dims4()?;
+    let st = l.stride();
+    if st[3] != 1 {
+        candle_core::bail!("{what}: the last dim has to be contiguous");
+    }
+    let start = l.start_offset();
+    let last = start + (b - 1) * st[0] + (h - 1) * st[1] + (rows - 1) * st[2] + d;
+    if b == 0 || h == 0 || rows == 0 || d == 0 || last > s.len() {
+        candle_core::bail!(
+            "{what}: view {:?} / {st:?} does not fit its buffer",
+            l.shape()
+        );
+    }
+    Ok((
+        s.slice(start..last),
+        [st[0], st[1], st[2]].map(|v| v as u64),
+    ))
+}
+
+/// `decode_attention`: q (b, hq, tq, d) contiguous over the first `kv_len` positions of the
+/// strided caches k and v (b, hk, ≥ kv_len, d) → (b, tq, hq, d).
+pub(crate) fn decode_attention(
+    dims: crate::ops::AttentionDims,
+    scale: f32,
+    window: u32,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    struct K(crate::ops::AttentionDims, f32, u32);
+    impl Map3 for K {
+        fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+            &self,
+            q: &CudaSlice<T>,
+            ql: &Layout,
+            k: &CudaSlice<T>,
+            kl: &Layout,
+            v: &CudaSlice<T>,
+            vl: &Layout,
+            dev: &CudaDevice,
+        ) -> Result<CudaSlice<T>> {
+            let func = load::<T>(dev, "decode_attention")?;
+            let d = self.0;
+            let q = view(q, ql, "q")?;
+            let (k, ks) = strided_kv(k, kl, d.kv_len, "k")?;
+            let (v, vs) = strided_kv(v, vl, d.kv_len, "v")?;
+            let n = d.out_len();
+            if q.len() != n
+                || d.tq == 0
+                || d.tq > d.kv_len
+                || d.hk == 0
+                || !d.hq.is_multiple_of(d.hk)
+                || d.d > crate::ops::ATTENTION_MAX_HEAD_DIM
+            {
+                candle_core::bail!("decode_attention: buffers do not match {d:?}");
+            }
+            let [tq, hq, hk, hd, kv_len] =
+                [d.tq, d.hq, d.hk, d.d, d.kv_len].map(|v| to_u32(v, "attention dimension"));
+            let (tq, hq, hk, hd, kv_len) = (tq?, hq?, hk?, hd?, kv_len?);
+            let cfg = LaunchConfig {
+                grid_dim: (tq, hq, to_u32(d.b, "batch")?),
+                block_dim: (32 * 4, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: uninitialised device memory of n elements on the device's stream; the
+            // kernel launched next on that stream writes every one of them (one block per
+            // (query, head, batch row) writes that row's d values).
+            let out = unsafe { dev.alloc::<T>(n) }?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            b.arg(&q);
+            b.arg(&k);
+            b.arg(&v);
+            b.arg(&out);
+            b.arg(&tq);
+            b.arg(&hq);
+            b.arg(&hk);
+            b.arg(&hd);
+            b.arg(&kv_len);
+            for s in ks.iter().chain(vs.iter()) {
+                b.arg(s);
+            }
+            b.arg(&self.1);
+            b.arg(&self.2);
+            // SAFETY: the arguments match `decode_attention_<dtype>(const T*, const T*,
+            // const T*, T*, uint32_t tq, hq, hk, d, kv_len, uint64_t k strides ×3, v strides ×3,
+            // float, uint32_t)` in kernels/ops.cu; q holds b·hq·tq·d elements and out as many;
+            // the k and v views end after the last element of position kv_len - 1 of the last
+            // (batch, head) (checked by strided_kv), and the kernel reads positions below
+            // kv_len only (1 ≤ tq ≤ kv_len), kv heads below hk (hq a multiple of hk) and
+            // d ≤ 256 dims per row (its per-lane registers); blockDim is its 4 warps.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(out)
+        }
+    }
+    let dev = q.device();
+    let slice = K(dims, scale, window).map(&q.slice, ql, &k.slice, kl, &v.slice, vl, dev)?;
+    Ok(CudaStorage {
+        slice,
+        device: dev.clone(),
+    })
+}
+
+/// `linear_small`: x (m, k) · wᵀ for w (n, k), m ≤ 8, k a multiple of 8, both contiguous and
+/// starting 16-byte aligned → (m, n).
+pub(crate) fn linear_small(
+    (x, xl): (&CudaStorage, &Layout),
+    (w, wl): (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    struct K;
+    impl Map2 for K {
+        fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+            &self,
+            x: &CudaSlice<T>,
+            xl: &Layout,
+            w: &CudaSlice<T>,
+            wl: &Layout,
+            dev: &CudaDevice,
+        ) -> Result<CudaSlice<T>> {
+            let func = load::<T>(dev, "linear_small")?;
+            let (m, k) = xl.shape().dims2()?;
+            let (n, wk) = wl.shape().dims2()?;
+            let aligned = |l: &Layout| (l.start_offset() * T::DTYPE.size_in_bytes()) % 16 == 0;
+            let (x, w) = (view(x, xl, "x")?, view(w, wl, "weight")?);
+            if wk != k
+                || m == 0
+                || m > crate::ops::LINEAR_SMALL_MAX_ROWS
+                || n == 0
+                || k == 0
+                || !k.is_multiple_of(8)
+                || !aligned(xl)
+                || !aligned(wl)
+            {
+                candle_core::bail!(
+                    "linear_small: x {:?} and weight {:?} do not fit the kernel",
+                    xl.shape(),
+                    wl.shape()
+                );
+            }
+            let (m_u, n_u, k_u) = (
+                to_u32(m, "rows")?,
+                to_u32(n, "columns")?,
+                to_u32(k, "width")?,
+            );
+            let cfg = LaunchConfig {
+                grid_dim: (to_u32(n.div_ceil(4), "blocks")?, 1, 1),
+                block_dim: (32 * 4, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: uninitialised device memory of m·n elements on the device's stream; the
+            // kernel launched next on that stream writes every one (lane 0 of column n's warp
+            // writes y[r, n] for each row r < m).
+            let out = unsafe { dev.alloc::<T>(m * n) }?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            b.arg(&x);
+            b.arg(&w);
+            b.arg(&out);
+            b.arg(&m_u);
+            b.arg(&n_u);
+            b.arg(&k_u);
+            // SAFETY: the arguments match `linear_small_<dtype>(const T*, const T*, T*,
+            // uint32_t m, n, k)` in kernels/ops.cu; x holds m·k and w n·k elements, both
+            // starting 16-byte aligned with k a multiple of 8, so its 8-element vector loads
+            // stay aligned and in bounds; columns past n return early; m ≤ 8 (its registers).
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(out)
+        }
+    }
+    let dev = x.device();
+    let slice = K.map(&x.slice, xl, &w.slice, wl, dev)?;
+    Ok(CudaStorage {
+        slice,
+        device: dev.clone(),
+    })
+}
