@@ -27,7 +27,8 @@
 #                 ../shared/peer/llamacpp) into /tmp/llamacpp, in the background
 #                 -> $OUT/llamacpp-build.log
 #   gguf7b        waits for that build, then writes the random-weight 7B LLaMA shape as an F16
-#                 GGUF and quantizes it to Q8_0, Q4_0 and Q4_K_M in /tmp/gguf [GGUF_S=400]
+#                 GGUF and quantizes it to $GGUF7B_TYPES (Q8_0 Q4_0 Q4_K_M) in /tmp/gguf
+#                 [GGUF_S=400]
 #   gguf13b       the same for the 13B shape (Q4_K_M, Q8_0; the F16 file is deleted after)
 #   qbench[=W,..] bench_generate on /tmp/gguf/{7b,13b}-W.gguf (W: 7b-q4_0, 13b-q8_0, ...;
 #                 quantized blocks unless f16) next to llama.cpp on the same file in the same
@@ -199,7 +200,8 @@ for step in "${steps[@]}"; do
     gguf7b)
       wait_llamacpp || continue
       t0=$(date +%s)
-      make_gguf 7b 4096 32 11008 32 32 32000 Q8_0 Q4_0 Q4_K_M
+      # shellcheck disable=SC2086 # GGUF7B_TYPES is a list
+      make_gguf 7b 4096 32 11008 32 32 32000 ${GGUF7B_TYPES-Q8_0 Q4_0 Q4_K_M}
       echo "gguf7b exit $? after $(($(date +%s) - t0)) s"
       ;;
     gguf13b)

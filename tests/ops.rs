@@ -214,8 +214,9 @@ test_device!(
 
 /// (batch, q heads, kv heads, new positions, cached positions, head_dim, sliding window):
 /// decode (one new), GQA, MQA with a window, several new positions, all positions new, odd head
-/// dims, the largest head_dim of the kernel and one past it (the composition's fallback).
-const ATTENTION_SHAPES: [(usize, usize, usize, usize, usize, usize, Option<usize>); 9] = [
+/// dims, the largest head_dim of the kernel and one past it (the composition's fallback), and
+/// more visible keys than one chunk of the CUDA kernel (128) holds.
+const ATTENTION_SHAPES: [(usize, usize, usize, usize, usize, usize, Option<usize>); 11] = [
     (1, 4, 4, 1, 1, 8, None),
     (1, 32, 32, 1, 77, 128, None),
     (2, 8, 2, 1, 33, 64, None),
@@ -225,6 +226,8 @@ const ATTENTION_SHAPES: [(usize, usize, usize, usize, usize, usize, Option<usize
     (1, 2, 1, 1, 9, 256, None),
     (1, 2, 2, 1, 5, 320, None),
     (1, 4, 4, 1, 1000, 64, Some(100)),
+    (1, 4, 2, 2, 300, 128, None),
+    (1, 2, 2, 1, 260, 36, Some(200)),
 ];
 
 fn decode_attention_matches_composition(device: &Device) -> anyhow::Result<()> {

@@ -108,86 +108,14 @@ __device__ void rope_qk(const T *q, const T *k, const T *cs, T *out, uint32_t b,
     }
 }
 
-// Maximum head_dim / 32 of decode_attention (head_dim up to 256).
-#define DA_PER_LANE 8
-// Warps per block of decode_attention and linear_small.
+// Threads per block of decode_attention (head_dim up to twice as many).
+#define DA_THREADS 128
+// Warps per block of linear_small.
 #define OPS_WARPS 4
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
-}
-
-// Attention of tq new queries over the first kv_len positions of a KV cache, for decode:
-// one block of OPS_WARPS warps per (query, q head, batch row). q is contiguous (b, hq, tq, d);
-// k and v are (b, hk, >= kv_len, d) with the last dim contiguous and the other strides given
-// (a view of a preallocated cache); query qi sits at position kv_len - tq + qi and sees keys
-// j <= its position, and with window > 0 only those with position < j + window (the causal and
-// sliding-window masks). GQA/MQA: q head h reads kv head h / (hq / hk). Each warp runs an
-// online softmax over every OPS_WARPS-th visible key (scores in f32, q pre-scaled), then the
-// warps' partial maxima, sums and weighted values are merged. out is (b, tq, hq, d).
-template <typename T>
-__device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uint32_t tq,
-                                 uint32_t hq, uint32_t hk, uint32_t d, uint32_t kv_len,
-                                 uint64_t k_sb, uint64_t k_sh, uint64_t k_st, uint64_t v_sb,
-                                 uint64_t v_sh, uint64_t v_st, float scale, uint32_t window) {
-    __shared__ float part_m[OPS_WARPS];
-    __shared__ float part_l[OPS_WARPS];
-    __shared__ float part_acc[OPS_WARPS][32 * DA_PER_LANE];
-    const uint32_t qi = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
-    const uint32_t kvh = h / (hq / hk);
-    const uint32_t lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const T *qrow = q + (((size_t)bi * hq + h) * tq + qi) * d;
-    float qr[DA_PER_LANE], acc[DA_PER_LANE];
-#pragma unroll
-    for (int r = 0; r < DA_PER_LANE; ++r) {
-        const uint32_t i = lane + 32u * r;
-        qr[r] = i < d ? to_f32(qrow[i]) * scale : 0.0f;
-        acc[r] = 0.0f;
-    }
-    const uint32_t pos = kv_len - tq + qi;
-    const uint32_t lo = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
-    const T *kb = k + bi * k_sb + kvh * k_sh;
-    const T *vb = v + bi * v_sb + kvh * v_sh;
-    float m = -__int_as_float(0x7f800000), l = 0.0f;
-    for (uint32_t j = lo + warp; j <= pos; j += OPS_WARPS) {
-        const T *kr = kb + j * k_st;
-        float s = 0.0f;
-#pragma unroll
-        for (int r = 0; r < DA_PER_LANE; ++r) {
-            const uint32_t i = lane + 32u * r;
-            if (i < d) s += qr[r] * to_f32(kr[i]);
-        }
-        s = warp_sum(s);
-        const float m_new = fmaxf(m, s);
-        const float corr = expf(m - m_new);
-        const float p = expf(s - m_new);
-        l = l * corr + p;
-        const T *vr = vb + j * v_st;
-#pragma unroll
-        for (int r = 0; r < DA_PER_LANE; ++r) {
-            const uint32_t i = lane + 32u * r;
-            if (i < d) acc[r] = acc[r] * corr + p * to_f32(vr[i]);
-        }
-        m = m_new;
-    }
-    if (lane == 0) {
-        part_m[warp] = m;
-        part_l[warp] = l;
-    }
-#pragma unroll
-    for (int r = 0; r < DA_PER_LANE; ++r) part_acc[warp][lane + 32u * r] = acc[r];
-    __syncthreads();
-    float big = -__int_as_float(0x7f800000);
-    for (int w = 0; w < OPS_WARPS; ++w) big = fmaxf(big, part_m[w]);
-    float total = 0.0f;
-    for (int w = 0; w < OPS_WARPS; ++w) total += part_l[w] * expf(part_m[w] - big);
-    T *orow = out + (((size_t)bi * tq + qi) * hq + h) * d;
-    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
-        float y = 0.0f;
-        for (int w = 0; w < OPS_WARPS; ++w) y += part_acc[w][i] * expf(part_m[w] - big);
-        orow[i] = from_f32<T>(y / total);
-    }
 }
 
 // Loads 8 consecutive elements as f32 (16 bytes of f16/bf16, two 16-byte loads of f32); p is
@@ -219,6 +147,97 @@ __device__ __forceinline__ void load8(const float *p, float *o) {
     o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
 }
 
+// Maximum of `v` over the block (as block_sum).
+__device__ __forceinline__ float block_max(float v) {
+    __shared__ float partial[32];
+    __shared__ float total;
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const unsigned n_warps = blockDim.x >> 5;
+        float w = lane < n_warps ? partial[lane] : -__int_as_float(0x7f800000);
+        for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
+        if (lane == 0) total = w;
+    }
+    __syncthreads();
+    return total;
+}
+
+// Attention of tq new queries over the first kv_len positions of a KV cache, for decode:
+// one block of DA_THREADS threads per (query, q head, batch row). q is contiguous
+// (b, hq, tq, d); k and v are (b, hk, >= kv_len, d) with the last dim contiguous and the other
+// strides given (views of a preallocated cache); query qi sits at position kv_len - tq + qi and
+// sees keys j <= its position, and with window > 0 only those with position < j + window (the
+// causal and sliding-window masks). GQA/MQA: q head h reads kv head h / (hq / hk).
+// The visible keys go by in chunks of DA_THREADS: each thread scores one key of the chunk
+// (q pre-scaled, in shared memory; with `vec`, 16-byte loads of the key row), the chunk's
+// maximum and sum update an online softmax, and each thread then accumulates its own output
+// dims (tid, tid + DA_THREADS) over the chunk's value rows, reads that are coalesced across
+// the block. out is (b, tq, hq, d); d <= 2 * DA_THREADS.
+template <typename T>
+__device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uint32_t tq,
+                                 uint32_t hq, uint32_t hk, uint32_t d, uint32_t kv_len,
+                                 uint64_t k_sb, uint64_t k_sh, uint64_t k_st, uint64_t v_sb,
+                                 uint64_t v_sh, uint64_t v_st, float scale, uint32_t window,
+                                 uint32_t vec) {
+    __shared__ float qs[2 * DA_THREADS];
+    __shared__ float ps[DA_THREADS];
+    const uint32_t qi = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
+    const uint32_t tid = threadIdx.x;
+    const uint32_t kvh = h / (hq / hk);
+    const T *qrow = q + (((size_t)bi * hq + h) * tq + qi) * d;
+    for (uint32_t i = tid; i < d; i += DA_THREADS) qs[i] = to_f32(qrow[i]) * scale;
+    __syncthreads();
+    const uint32_t pos = kv_len - tq + qi;
+    const uint32_t lo = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    const T *kb = k + bi * k_sb + kvh * k_sh;
+    const T *vb = v + bi * v_sb + kvh * v_sh;
+    float m = -__int_as_float(0x7f800000), l = 0.0f, acc0 = 0.0f, acc1 = 0.0f;
+    for (uint32_t c = lo; c <= pos; c += DA_THREADS) {
+        const uint32_t j = c + tid;
+        float s = -__int_as_float(0x7f800000);
+        if (j <= pos) {
+            const T *kr = kb + j * k_st;
+            float dot = 0.0f;
+            if (vec) {
+                for (uint32_t i = 0; i < d; i += 8) {
+                    float kv8[8];
+                    load8(kr + i, kv8);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) dot += qs[i + e] * kv8[e];
+                }
+            } else {
+                for (uint32_t i = 0; i < d; ++i) dot += qs[i] * to_f32(kr[i]);
+            }
+            s = dot;
+        }
+        // The chunk's first key is visible, so m_new is finite.
+        const float m_new = fmaxf(m, block_max(s));
+        const float corr = expf(m - m_new);
+        const float p = j <= pos ? expf(s - m_new) : 0.0f;
+        ps[tid] = p;
+        l = l * corr + block_sum(p);  // its barriers also publish ps
+        acc0 *= corr;
+        acc1 *= corr;
+        const uint32_t n = min(DA_THREADS, pos + 1 - c);
+#pragma unroll 8
+        for (uint32_t jj = 0; jj < n; ++jj) {
+            const T *vr = vb + (size_t)(c + jj) * v_st;
+            const float pj = ps[jj];
+            if (tid < d) acc0 += pj * to_f32(vr[tid]);
+            if (tid + DA_THREADS < d) acc1 += pj * to_f32(vr[tid + DA_THREADS]);
+        }
+        m = m_new;
+        __syncthreads();  // ps is rewritten by the next chunk
+    }
+    T *orow = out + (((size_t)bi * tq + qi) * hq + h) * d;
+    if (tid < d) orow[tid] = from_f32<T>(acc0 / l);
+    if (tid + DA_THREADS < d) orow[tid + DA_THREADS] = from_f32<T>(acc1 / l);
+}
+
 // Maximum rows of x in linear_small.
 #define LS_MAX_M 8
 
@@ -234,7 +253,27 @@ __device__ void linear_small(const T *x, const T *w, T *y, uint32_t m, uint32_t 
     float acc[LS_MAX_M];
 #pragma unroll
     for (int r = 0; r < LS_MAX_M; ++r) acc[r] = 0.0f;
-    for (uint32_t i = lane * 8u; i < k; i += 256u) {
+    uint32_t i = lane * 8u;
+    // Four 16-byte weight loads in flight per lane before any is used: at one row of x the
+    // kernel is bound by how many bytes are on their way from memory.
+    for (; i + 768u < k; i += 1024u) {
+        float wv[4][8];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) load8(wr + i + 256u * u, wv[u]);
+#pragma unroll
+        for (int r = 0; r < LS_MAX_M; ++r) {
+            if ((uint32_t)r < m) {
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    float xv[8];
+                    load8(x + (size_t)r * k + i + 256u * u, xv);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[r] += wv[u][e] * xv[e];
+                }
+            }
+        }
+    }
+    for (; i < k; i += 256u) {
         float wv[8];
         load8(wr + i, wv);
 #pragma unroll
@@ -273,9 +312,9 @@ __device__ void linear_small(const T *x, const T *w, T *y, uint32_t m, uint32_t 
     extern "C" __global__ void decode_attention_##SUFFIX(                                       \
         const T *q, const T *k, const T *v, T *out, uint32_t tq, uint32_t hq, uint32_t hk,      \
         uint32_t d, uint32_t kv_len, uint64_t k_sb, uint64_t k_sh, uint64_t k_st, uint64_t v_sb, \
-        uint64_t v_sh, uint64_t v_st, float scale, uint32_t window) {                           \
+        uint64_t v_sh, uint64_t v_st, float scale, uint32_t window, uint32_t vec) {             \
         decode_attention<T>(q, k, v, out, tq, hq, hk, d, kv_len, k_sb, k_sh, k_st, v_sb, v_sh,  \
-                            v_st, scale, window);                                               \
+                            v_st, scale, window, vec);                                          \
     }                                                                                           \
     extern "C" __global__ void linear_small_##SUFFIX(const T *x, const T *w, T *y, uint32_t m,  \
                                                      uint32_t n, uint32_t k) {                  \

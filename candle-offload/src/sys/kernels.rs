@@ -294,6 +294,12 @@ pub(crate) fn decode_attention(
             let func = load::<T>(dev, "decode_attention")?;
             let d = self.0;
             let q = view(q, ql, "q")?;
+            // 16-byte loads of key rows when every row starts 16-byte aligned.
+            let vec = u32::from(
+                d.d.is_multiple_of(8)
+                    && kl.start_offset().is_multiple_of(8)
+                    && kl.stride()[..3].iter().all(|s| s.is_multiple_of(8)),
+            );
             let (k, ks) = strided_kv(k, kl, d.kv_len, "k")?;
             let (v, vs) = strided_kv(v, vl, d.kv_len, "v")?;
             let n = d.out_len();
@@ -334,13 +340,16 @@ pub(crate) fn decode_attention(
             }
             b.arg(&self.1);
             b.arg(&self.2);
+            b.arg(&vec);
             // SAFETY: the arguments match `decode_attention_<dtype>(const T*, const T*,
             // const T*, T*, uint32_t tq, hq, hk, d, kv_len, uint64_t k strides ×3, v strides ×3,
-            // float, uint32_t)` in kernels/ops.cu; q holds b·hq·tq·d elements and out as many;
-            // the k and v views end after the last element of position kv_len - 1 of the last
-            // (batch, head) (checked by strided_kv), and the kernel reads positions below
-            // kv_len only (1 ≤ tq ≤ kv_len), kv heads below hk (hq a multiple of hk) and
-            // d ≤ 256 dims per row (its per-lane registers); blockDim is its 4 warps.
+            // float, uint32_t window, uint32_t vec)` in kernels/ops.cu; q holds b·hq·tq·d
+            // elements and out as many; the k and v views end after the last element of
+            // position kv_len - 1 of the last (batch, head) (checked by strided_kv), and the
+            // kernel reads positions below kv_len only (1 ≤ tq ≤ kv_len), kv heads below hk
+            // (hq a multiple of hk) and d ≤ 256 dims per row (twice its 128 threads, the size
+            // of its q buffer); with vec, key rows start 16-byte aligned (start offset, strides
+            // and d multiples of 8 elements in a buffer Candle allocated aligned).
             unsafe { b.launch(cfg) }.w()?;
             Ok(out)
         }
