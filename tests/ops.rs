@@ -310,6 +310,55 @@ fn linear_small_matches_composition(device: &Device) -> anyhow::Result<()> {
     }
     Ok(())
 }
+/// q, k and v (GQA widths) in one launch, and a SwiGLU gate and up with the SiLU · mul.
+fn linear_small_multi_matches_composition(device: &Device) -> anyhow::Result<()> {
+    for dtype in DTYPES {
+        for (i, xs) in [
+            &[1usize, 1, 256][..],
+            &[1, 3, 64],
+            &[8, 4096],
+            &[9, 64],
+            &[1, 12],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let k = *xs.last().expect("rank ≥ 1");
+            let seed = 70 + 10 * i as u64;
+            let s = 1.0 / (k as f32).sqrt();
+            let x = random(xs, 1.0, seed, dtype, device)?;
+            let ws = [
+                random(&[96, k], s, seed + 1, dtype, device)?,
+                random(&[32, k], s, seed + 2, dtype, device)?,
+                random(&[32, k], s, seed + 3, dtype, device)?,
+            ];
+            let got = ops::linear_small_multi(&x, &[&ws[0], &ws[1], &ws[2]])?;
+            anyhow::ensure!(got.len() == 3);
+            for (g, w) in got.iter().zip(&ws) {
+                anyhow::ensure!(g.is_contiguous(), "outputs are contiguous");
+                ensure_close(
+                    &format!("linear_small_multi {xs:?}"),
+                    g,
+                    &ops::linear_small_unfused(&x, w)?,
+                    dtype,
+                )?;
+            }
+            let got = ops::linear_silu_mul(&x, &ws[1], &ws[2])?;
+            let want = ops::silu_mul_unfused(
+                &ops::linear_small_unfused(&x, &ws[1])?,
+                &ops::linear_small_unfused(&x, &ws[2])?,
+            )?;
+            ensure_close(&format!("linear_silu_mul {xs:?}"), &got, &want, dtype)?;
+        }
+    }
+    Ok(())
+}
+test_device!(
+    linear_small_multi_matches_composition,
+    ops_linear_small_multi_cpu,
+    ops_linear_small_multi_gpu
+);
+
 test_device!(
     linear_small_matches_composition,
     ops_linear_small_cpu,

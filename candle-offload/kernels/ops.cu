@@ -108,6 +108,37 @@ __device__ void rope_qk(const T *q, const T *k, const T *cs, T *out, uint32_t b,
     }
 }
 
+// load8 for data read once (weights): evict-first, so that it does not push out what is reused.
+__device__ __forceinline__ uint4 ld_stream(const void *p) {
+    return __ldcs(reinterpret_cast<const uint4 *>(p));
+}
+__device__ __forceinline__ void load8_stream(const __half *p, float *o) {
+    const uint4 u = ld_stream(p);
+    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(h[i]);
+        o[2 * i] = f.x;
+        o[2 * i + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void load8_stream(const __nv_bfloat16 *p, float *o) {
+    const uint4 u = ld_stream(p);
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        o[2 * i] = f.x;
+        o[2 * i + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void load8_stream(const float *p, float *o) {
+    const float4 a = __ldcs(reinterpret_cast<const float4 *>(p));
+    const float4 b = __ldcs(reinterpret_cast<const float4 *>(p + 4));
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+    o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+
 // Threads per block of decode_attention (head_dim up to twice as many).
 #define DA_THREADS 128
 // Warps per block of linear_small.
@@ -241,25 +272,19 @@ __device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uin
 // Maximum rows of x in linear_small.
 #define LS_MAX_M 8
 
-// y (m, n) = x (m, k) · wᵀ with w (n, k), for few rows m <= LS_MAX_M (decode): one warp per
-// output column n, reading w's row once with 16-byte loads (k % 8 == 0, both 16-byte aligned)
-// and every x row against it, f32 accumulation, one warp reduction per row of x.
+// acc[r] += this lane's share of x[r, :] · wr[:] for r < m (elements lane * 8 + 256 j), with
+// 16-byte loads (k % 8 == 0, rows 16-byte aligned). The weight streams through once
+// (evict-first loads); x, read by every warp, stays in the caches.
 template <typename T>
-__device__ void linear_small(const T *x, const T *w, T *y, uint32_t m, uint32_t n, uint32_t k) {
-    const uint32_t lane = threadIdx.x & 31u;
-    const uint32_t col = blockIdx.x * OPS_WARPS + (threadIdx.x >> 5);
-    if (col >= n) return;
-    const T *wr = w + (size_t)col * k;
-    float acc[LS_MAX_M];
-#pragma unroll
-    for (int r = 0; r < LS_MAX_M; ++r) acc[r] = 0.0f;
-    uint32_t i = lane * 8u;
-    // Four 16-byte weight loads in flight per lane before any is used: at one row of x the
-    // kernel is bound by how many bytes are on their way from memory.
+__device__ __forceinline__ void dot_rows(const T *x, const T *wr, uint32_t m, uint32_t k,
+                                         float *acc) {
+    uint32_t i = (threadIdx.x & 31u) * 8u;
+    // Four weight loads in flight per lane before any is used: at one row of x the kernel is
+    // bound by the bytes on their way from memory.
     for (; i + 768u < k; i += 1024u) {
         float wv[4][8];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) load8(wr + i + 256u * u, wv[u]);
+        for (int u = 0; u < 4; ++u) load8_stream(wr + i + 256u * u, wv[u]);
 #pragma unroll
         for (int r = 0; r < LS_MAX_M; ++r) {
             if ((uint32_t)r < m) {
@@ -275,7 +300,7 @@ __device__ void linear_small(const T *x, const T *w, T *y, uint32_t m, uint32_t 
     }
     for (; i < k; i += 256u) {
         float wv[8];
-        load8(wr + i, wv);
+        load8_stream(wr + i, wv);
 #pragma unroll
         for (int r = 0; r < LS_MAX_M; ++r) {
             if ((uint32_t)r < m) {
@@ -286,11 +311,57 @@ __device__ void linear_small(const T *x, const T *w, T *y, uint32_t m, uint32_t 
             }
         }
     }
+}
+
+// x (m, k) times up to three weights (n_i, k) at once, for few rows m <= LS_MAX_M (decode):
+// one warp per output column, f32 accumulation, one warp reduction per row of x.
+// - silu == 0: the columns of w0, then w1, then w2 (n1, n2 may be 0); y holds x·w0ᵀ (m, n0),
+//   then x·w1ᵀ (m, n1), then x·w2ᵀ (m, n2), each contiguous (q, k and v in one launch).
+// - silu != 0: w0 is a gate and w1 an up projection (n0 == n1); each warp computes column c of
+//   both and y (m, n0) gets silu(gate) · up (a SwiGLU MLP's first half in one launch).
+template <typename T>
+__device__ void linear_small(const T *x, const T *w0, const T *w1, const T *w2, T *y, uint32_t m,
+                             uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t col = blockIdx.x * OPS_WARPS + (threadIdx.x >> 5);
+    float acc[LS_MAX_M];
+#pragma unroll
+    for (int r = 0; r < LS_MAX_M; ++r) acc[r] = 0.0f;
+    if (silu) {
+        if (col >= n0) return;
+        float up[LS_MAX_M];
+#pragma unroll
+        for (int r = 0; r < LS_MAX_M; ++r) up[r] = 0.0f;
+        dot_rows(x, w0 + (size_t)col * k, m, k, acc);
+        dot_rows(x, w1 + (size_t)col * k, m, k, up);
+#pragma unroll
+        for (int r = 0; r < LS_MAX_M; ++r) {
+            if ((uint32_t)r < m) {
+                const float g = warp_sum(acc[r]);
+                const float u = warp_sum(up[r]);
+                if (lane == 0) y[(size_t)r * n0 + col] = from_f32<T>(g / (1.0f + expf(-g)) * u);
+            }
+        }
+        return;
+    }
+    const T *w;
+    T *yb;
+    uint32_t c, n;
+    if (col < n0) {
+        w = w0, yb = y, c = col, n = n0;
+    } else if (col < n0 + n1) {
+        w = w1, yb = y + (size_t)m * n0, c = col - n0, n = n1;
+    } else if (col < n0 + n1 + n2) {
+        w = w2, yb = y + (size_t)m * (n0 + n1), c = col - n0 - n1, n = n2;
+    } else {
+        return;
+    }
+    dot_rows(x, w + (size_t)c * k, m, k, acc);
 #pragma unroll
     for (int r = 0; r < LS_MAX_M; ++r) {
         if ((uint32_t)r < m) {
             const float s = warp_sum(acc[r]);
-            if (lane == 0) y[(size_t)r * n + col] = from_f32<T>(s);
+            if (lane == 0) yb[(size_t)r * n + c] = from_f32<T>(s);
         }
     }
 }
@@ -316,9 +387,10 @@ __device__ void linear_small(const T *x, const T *w, T *y, uint32_t m, uint32_t 
         decode_attention<T>(q, k, v, out, tq, hq, hk, d, kv_len, k_sb, k_sh, k_st, v_sb, v_sh,  \
                             v_st, scale, window, vec);                                          \
     }                                                                                           \
-    extern "C" __global__ void linear_small_##SUFFIX(const T *x, const T *w, T *y, uint32_t m,  \
-                                                     uint32_t n, uint32_t k) {                  \
-        linear_small<T>(x, w, y, m, n, k);                                                      \
+    extern "C" __global__ void linear_small_##SUFFIX(                                          \
+        const T *x, const T *w0, const T *w1, const T *w2, T *y, uint32_t m, uint32_t n0,       \
+        uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {                                  \
+        linear_small<T>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                              \
     }
 
 OPS_FOR(float, f32)

@@ -10,7 +10,9 @@
 //! - [`decode_attention`]: causal (and sliding-window) attention of a few new positions over a
 //!   KV cache, GQA/MQA, read straight from the cache's strided views: no repeat, cast,
 //!   contiguous copy, mask or separate softmax.
-//! - [`linear_small`]: `x · wᵀ` for at most 8 rows, one bandwidth-bound pass over the weight.
+//! - [`linear_small`]: `x · wᵀ` for at most 8 rows, one bandwidth-bound pass over the weight;
+//!   [`linear_small_multi`] does two or three weights (q, k, v) in one launch and
+//!   [`linear_silu_mul`] a SwiGLU gate and up with the SiLU · mul, also in one.
 //!
 //! On a CUDA device they run the project's own kernels (`kernels/ops.cu`, compiled to PTX at
 //! build time); on the CPU a direct loop computes the same thing. The `*_unfused` functions are
@@ -846,7 +848,7 @@ impl candle_core::CustomOp2 for LinearSmall {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::sys::kernels::linear_small((s1, l1), (s2, l2))?;
+        let out = crate::sys::kernels::linear_small((s1, l1), &[(s2, l2)], false)?;
         Ok((out, Shape::from((l1.dims()[0], l2.dims()[0]))))
     }
 }
@@ -886,6 +888,120 @@ pub fn linear_small(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         x2.force_contiguous()?
     };
     x2.apply_op2_no_bwd(&w, &LinearSmall)?.reshape(out_dims)
+}
+
+/// Whether [`linear_small_multi`] / [`linear_silu_mul`] can run their one CUDA launch on
+/// `x` and `ws`: a GPU, ≤ 8 rows, a width that is a multiple of 8, contiguous weights of x's
+/// dtype starting 16-byte aligned.
+fn multi_fits(x: &Tensor, ws: &[&Tensor]) -> Result<bool> {
+    let k = x.dim(D::Minus1)?;
+    let rows = x.elem_count() / k.max(1);
+    let aligned = |t: &Tensor| {
+        t.is_contiguous()
+            && (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16)
+    };
+    Ok(x.device().is_cuda()
+        && rows > 0
+        && rows <= LINEAR_SMALL_MAX_ROWS
+        && k.is_multiple_of(8)
+        && ws
+            .iter()
+            .all(|w| w.dtype() == x.dtype() && w.dims().get(1) == Some(&k) && aligned(w)))
+}
+
+/// Runs the multi-weight CUDA kernel (see `sys::kernels::linear_small`) on x (rows, k),
+/// returning its one output buffer as a flat tensor. Candle's custom ops take at most three
+/// tensors, so this reads the storages directly (read locks, as `apply_op3` takes them) and
+/// wraps the result as a tensor without a gradient.
+#[cfg(feature = "cuda")]
+fn linear_small_launch(x: &Tensor, ws: &[&Tensor], silu: bool) -> Result<Tensor> {
+    use candle_core::Storage;
+    let x = x.force_contiguous()?;
+    let (xs, xl) = x.storage_and_layout();
+    let guards: Vec<_> = ws.iter().map(|w| w.storage_and_layout()).collect();
+    let Storage::Cuda(xs) = &*xs else {
+        candle_core::bail!("{}: x is not on a GPU", LinearSmall::NAME)
+    };
+    let mut cw = Vec::with_capacity(ws.len());
+    for (g, l) in &guards {
+        let Storage::Cuda(s) = &**g else {
+            candle_core::bail!("{}: a weight is not on the GPU", LinearSmall::NAME)
+        };
+        cw.push((s, *l));
+    }
+    let rows = xl.dims()[0];
+    let cols: usize = if silu {
+        ws[0].dim(0)?
+    } else {
+        ws.iter().map(|w| w.dim(0)).sum::<Result<usize>>()?
+    };
+    let out = crate::sys::kernels::linear_small((xs, xl), &cw, silu)?;
+    let n = rows * cols;
+    Ok(Tensor::from_storage(
+        Storage::Cuda(out),
+        n,
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn linear_small_launch(_x: &Tensor, _ws: &[&Tensor], _silu: bool) -> Result<Tensor> {
+    candle_core::bail!(
+        "{}: needs a build with `--features cuda`",
+        LinearSmall::NAME
+    )
+}
+
+/// `x · wᵢᵀ` for two or three weights (out_i, in) that read the same `x` (q, k and v; gate and
+/// up): on a GPU, for at most 8 rows, one launch that writes each result contiguous; otherwise
+/// one [`linear_small`] per weight.
+pub fn linear_small_multi(x: &Tensor, ws: &[&Tensor]) -> Result<Vec<Tensor>> {
+    if ws.is_empty() || ws.len() > 3 {
+        candle_core::bail!("{}: 1 to 3 weights, not {}", LinearSmall::NAME, ws.len());
+    }
+    let mut refs = vec![x];
+    refs.extend_from_slice(ws);
+    check_dtypes(LinearSmall::NAME, &refs)?;
+    if !multi_fits(x, ws)? {
+        return ws.iter().map(|w| linear_small(x, w)).collect();
+    }
+    let k = x.dim(D::Minus1)?;
+    let rows = x.elem_count() / k;
+    let flat = linear_small_launch(&x.reshape((rows, k))?, ws, false)?;
+    let mut out = Vec::with_capacity(ws.len());
+    let mut at = 0;
+    for w in ws {
+        let n = w.dim(0)?;
+        let mut dims = x.dims().to_vec();
+        *dims.last_mut().expect("x has a last dim") = n;
+        out.push(flat.narrow(0, at, rows * n)?.reshape(dims)?);
+        at += rows * n;
+    }
+    Ok(out)
+}
+
+/// `silu(x · gateᵀ) · (x · upᵀ)` (a SwiGLU MLP before its down projection): on a GPU, for at
+/// most 8 rows, one launch that reads both weights once; otherwise [`linear_small`] twice and
+/// [`silu_mul`].
+pub fn linear_silu_mul(x: &Tensor, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    check_dtypes(LinearSmall::NAME, &[x, gate, up])?;
+    if gate.shape() != up.shape() {
+        candle_core::bail!(
+            "{}: gate {:?} and up {:?} differ in shape",
+            LinearSmall::NAME,
+            gate.shape(),
+            up.shape()
+        );
+    }
+    if !multi_fits(x, &[gate, up])? {
+        return silu_mul(&linear_small(x, gate)?, &linear_small(x, up)?);
+    }
+    let k = x.dim(D::Minus1)?;
+    let rows = x.elem_count() / k;
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().expect("x has a last dim") = gate.dim(0)?;
+    linear_small_launch(&x.reshape((rows, k))?, &[gate, up], true)?.reshape(dims)
 }
 
 /// The composition [`linear_small`] replaces: `candle_nn::Linear`'s broadcast matmul.

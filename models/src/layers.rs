@@ -325,6 +325,25 @@ impl Linear {
     }
 }
 
+/// The weights of `ls` when a decode step can multiply them in one launch of
+/// [`candle_offload::ops::linear_small_multi`] / [`candle_offload::ops::linear_silu_mul`]: `xs`
+/// on a GPU with at most 8 rows, and every layer dense, without bias, in `xs`'s dtype.
+fn one_launch_weights<'a>(xs: &Tensor, ls: &[&'a Linear]) -> Result<Option<Vec<&'a Tensor>>> {
+    let rows = xs.elem_count() / xs.dim(D::Minus1)?.max(1);
+    if !xs.device().is_cuda() || rows > 8 {
+        return Ok(None);
+    }
+    Ok(ls
+        .iter()
+        .map(|l| match l {
+            Linear::Dense(d) if d.bias().is_none() && d.weight().dtype() == xs.dtype() => {
+                Some(d.weight())
+            }
+            _ => None,
+        })
+        .collect())
+}
+
 /// A linear layer on (batch, seq, in) as one (batch·seq, in) matmul, for training: the weight
 /// gradient is then one GEMM, where `Linear::forward` broadcasts the weight over the batch and
 /// its backward pass materializes and sums a gradient per sequence.
@@ -531,6 +550,14 @@ impl SelfAttention {
     }
 
     fn project(&self, xs: &Tensor, train: bool, fused: bool) -> Result<(Tensor, Tensor, Tensor)> {
+        if let (false, true, Qkv::Separate { q, k, v }) = (train, fused, &self.qkv) {
+            if let Some(ws) = one_launch_weights(xs, &[q, k, v])? {
+                // q, k and v in one kernel, each written contiguous.
+                let mut out = candle_offload::ops::linear_small_multi(xs, &ws)?.into_iter();
+                let mut next = || out.next().expect("three outputs");
+                return Ok((next(), next(), next()));
+            }
+        }
         match &self.qkv {
             Qkv::Separate { q, k, v } => Ok((
                 q.run_with(xs, train, fused)?,
@@ -754,6 +781,15 @@ impl GatedMlp {
     }
 
     fn run(&self, xs: &Tensor, train: bool, fused: bool) -> Result<Tensor> {
+        if let (false, true, Activation::Silu, GateUp::Separate { gate, up }) =
+            (train, fused, self.act, &self.gate_up)
+        {
+            if let Some(ws) = one_launch_weights(xs, &[gate, up])? {
+                // Gate, up and SiLU · mul in one kernel.
+                let x = candle_offload::ops::linear_silu_mul(xs, ws[0], ws[1])?;
+                return self.down.run_with(&x, train, fused);
+            }
+        }
         let (gate, up) = match &self.gate_up {
             GateUp::Separate { gate, up } => (
                 gate.run_with(xs, train, fused)?,

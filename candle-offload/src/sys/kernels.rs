@@ -362,76 +362,115 @@ pub(crate) fn decode_attention(
     })
 }
 
-/// `linear_small`: x (m, k) · wᵀ for w (n, k), m ≤ 8, k a multiple of 8, both contiguous and
-/// starting 16-byte aligned → (m, n).
+/// `linear_small`: x (m, k) times up to three weights (n_i, k) in one launch, m ≤ 8, k a
+/// multiple of 8, all contiguous and starting 16-byte aligned. Without `silu`: x·w0ᵀ (m, n0),
+/// then x·w1ᵀ, then x·w2ᵀ, each contiguous in one buffer; with `silu` (two weights of one
+/// shape, gate then up): silu(x·w0ᵀ) · x·w1ᵀ (m, n0).
 pub(crate) fn linear_small(
     (x, xl): (&CudaStorage, &Layout),
-    (w, wl): (&CudaStorage, &Layout),
+    ws: &[(&CudaStorage, &Layout)],
+    silu: bool,
 ) -> Result<CudaStorage> {
-    struct K;
-    impl Map2 for K {
-        fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
-            &self,
-            x: &CudaSlice<T>,
-            xl: &Layout,
-            w: &CudaSlice<T>,
-            wl: &Layout,
-            dev: &CudaDevice,
-        ) -> Result<CudaSlice<T>> {
-            let func = load::<T>(dev, "linear_small")?;
-            let (m, k) = xl.shape().dims2()?;
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    fn run<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        dev: &CudaDevice,
+        x: &CudaSlice<T>,
+        xl: &Layout,
+        ws: &[(&CudaSlice<T>, &Layout)],
+        silu: bool,
+    ) -> Result<CudaSlice<T>> {
+        let func = load::<T>(dev, "linear_small")?;
+        let (m, k) = xl.shape().dims2()?;
+        let aligned = |l: &Layout| (l.start_offset() * T::DTYPE.size_in_bytes()).is_multiple_of(16);
+        let mut ns = [0usize; 3];
+        let mut views = Vec::with_capacity(3);
+        for (i, (w, wl)) in ws.iter().enumerate() {
             let (n, wk) = wl.shape().dims2()?;
-            let aligned = |l: &Layout| (l.start_offset() * T::DTYPE.size_in_bytes()) % 16 == 0;
-            let (x, w) = (view(x, xl, "x")?, view(w, wl, "weight")?);
-            if wk != k
-                || m == 0
-                || m > crate::ops::LINEAR_SMALL_MAX_ROWS
-                || n == 0
-                || k == 0
-                || !k.is_multiple_of(8)
-                || !aligned(xl)
-                || !aligned(wl)
-            {
+            if wk != k || n == 0 || !aligned(wl) {
                 candle_core::bail!(
-                    "linear_small: x {:?} and weight {:?} do not fit the kernel",
-                    xl.shape(),
-                    wl.shape()
+                    "linear_small: weight {:?} does not fit x {:?}",
+                    wl.shape(),
+                    xl.shape()
                 );
             }
-            let (m_u, n_u, k_u) = (
-                to_u32(m, "rows")?,
-                to_u32(n, "columns")?,
-                to_u32(k, "width")?,
-            );
-            let cfg = LaunchConfig {
-                grid_dim: (to_u32(n.div_ceil(4), "blocks")?, 1, 1),
-                block_dim: (32 * 4, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: uninitialised device memory of m·n elements on the device's stream; the
-            // kernel launched next on that stream writes every one (lane 0 of column n's warp
-            // writes y[r, n] for each row r < m).
-            let out = unsafe { dev.alloc::<T>(m * n) }?;
-            let stream = dev.cuda_stream();
-            let mut b = stream.launch_builder(&func);
-            b.arg(&x);
-            b.arg(&w);
-            b.arg(&out);
-            b.arg(&m_u);
-            b.arg(&n_u);
-            b.arg(&k_u);
-            // SAFETY: the arguments match `linear_small_<dtype>(const T*, const T*, T*,
-            // uint32_t m, n, k)` in kernels/ops.cu; x holds m·k and w n·k elements, both
-            // starting 16-byte aligned with k a multiple of 8, so its 8-element vector loads
-            // stay aligned and in bounds; columns past n return early; m ≤ 8 (its registers).
-            unsafe { b.launch(cfg) }.w()?;
-            Ok(out)
+            ns[i] = n;
+            views.push(view(w, wl, "weight")?);
         }
+        let x = view(x, xl, "x")?;
+        if ws.is_empty()
+            || ws.len() > 3
+            || (silu && (ws.len() != 2 || ns[0] != ns[1]))
+            || m == 0
+            || m > crate::ops::LINEAR_SMALL_MAX_ROWS
+            || k == 0
+            || !k.is_multiple_of(8)
+            || !aligned(xl)
+        {
+            candle_core::bail!(
+                "linear_small: x {:?} and {} weights do not fit the kernel",
+                xl.shape(),
+                ws.len()
+            );
+        }
+        let cols = if silu { ns[0] } else { ns.iter().sum() };
+        let out_len = m * cols;
+        let (m_u, k_u) = (to_u32(m, "rows")?, to_u32(k, "width")?);
+        let [n0, n1, n2] = ns.map(|n| to_u32(n, "columns"));
+        let (n0, n1, n2) = (n0?, n1?, n2?);
+        let silu_u = u32::from(silu);
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(cols.div_ceil(4), "blocks")?, 1, 1),
+            block_dim: (32 * 4, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: uninitialised device memory of m·cols elements on the device's stream; the
+        // kernel launched next on that stream writes every one (lane 0 of each column's warp
+        // writes that column for each row r < m).
+        let out = unsafe { dev.alloc::<T>(out_len) }?;
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        b.arg(&x);
+        // Absent weights repeat the first (a valid pointer the kernel never reads: n_i = 0).
+        for i in 0..3 {
+            b.arg(&views[i.min(views.len() - 1)]);
+        }
+        b.arg(&out);
+        b.arg(&m_u);
+        b.arg(&n0);
+        b.arg(&n1);
+        b.arg(&n2);
+        b.arg(&k_u);
+        b.arg(&silu_u);
+        // SAFETY: the arguments match `linear_small_<dtype>(const T* x, const T* w0, w1, w2,
+        // T* y, uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu; x holds m·k and weight i
+        // n_i·k elements (n_i = 0 for absent ones, which are never read), all starting 16-byte
+        // aligned with k a multiple of 8, so its 8-element vector loads stay aligned and in
+        // bounds; y holds m·cols, the columns it writes (n0 + n1 + n2, or n0 with silu, where
+        // n0 = n1); warps past the last column return; m ≤ 8 (its registers).
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(out)
     }
-    let dev = x.device();
-    let slice = K.map(&x.slice, xl, &w.slice, wl, dev)?;
+    macro_rules! go {
+        ($v:ident) => {{
+            let S::$v(xs) = &x.slice else { unreachable!() };
+            let mut w = Vec::with_capacity(ws.len());
+            for (s, l) in ws {
+                match &s.slice {
+                    S::$v(v) => w.push((v, *l)),
+                    _ => candle_core::bail!("linear_small: mixed dtypes"),
+                }
+            }
+            S::$v(run(&x.device, xs, xl, &w, silu)?)
+        }};
+    }
+    let slice = match &x.slice {
+        S::F32(_) => go!(F32),
+        S::F16(_) => go!(F16),
+        S::BF16(_) => go!(BF16),
+        _ => candle_core::bail!("linear_small: unsupported dtype {:?}", x.dtype()),
+    };
     Ok(CudaStorage {
         slice,
-        device: dev.clone(),
+        device: x.device.clone(),
     })
 }
