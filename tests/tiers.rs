@@ -291,3 +291,177 @@ fn tiers_summary_reports_host_memory_and_disk_units() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+/// Store settings of the GGUF tests: the store's dtype and a host cap.
+fn gguf_store(
+    files: &ModelFiles,
+    dtype: DType,
+    host: Option<u64>,
+    keep_blocks: bool,
+) -> anyhow::Result<HostStore> {
+    let cfg = StoreConfig {
+        dtype: Some(dtype),
+        host_memory_limit: host.map(MemoryLimit::Bytes),
+        ..Default::default()
+    };
+    Ok(loader::load_store_config(
+        files,
+        &cfg,
+        &Device::Cpu,
+        keep_blocks,
+    )?)
+}
+
+const GGUF_PROMPT: [u32; 6] = [3, 17, 42, 5, 77, 8];
+
+/// The prompt's logits and 5 greedy tokens after it on the CPU, with room for `layers` layer
+/// units in the budget (`None`: everything resident), and the fetches of each layer unit.
+fn gguf_run(
+    files: &ModelFiles,
+    store: HostStore,
+    dtype: DType,
+    layers: Option<u64>,
+) -> anyhow::Result<(Vec<f32>, Vec<u32>, Vec<u64>)> {
+    use candle_offload_models::generation::generate;
+    let dev = Device::Cpu;
+    let max_len = GGUF_PROMPT.len() + 5;
+    let limit = layers.map(|n| {
+        let layer = store.layer_unit(0).map(|u| store.unit(u).bytes()).unwrap();
+        let kept: u64 = Llama::kept_units(&store, &files.config)
+            .iter()
+            .filter_map(|n| store.unit_id(n))
+            .map(|u| store.unit(u).bytes())
+            .sum();
+        files
+            .config
+            .reserve_bytes(GGUF_PROMPT.len(), max_len, dtype)
+            + kept
+            + n * layer
+    });
+    let settings = candle_offload_models::OffloadSettings {
+        gpu_memory_limit: limit.map(MemoryLimit::Bytes),
+        ..Default::default()
+    };
+    let store = Arc::new(store);
+    let model = Llama::offloaded(
+        files,
+        store.clone(),
+        &dev,
+        dtype,
+        GGUF_PROMPT.len(),
+        max_len,
+        &settings,
+    )?;
+    let ids = Tensor::new(&GGUF_PROMPT, &dev)?.unsqueeze(0)?;
+    let logits = model
+        .forward_all(&ids)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let mut sampler = candle_transformers::generation::LogitsProcessor::new(0, None, None);
+    let (tokens, _) = generate(&model, &GGUF_PROMPT, 5, &mut sampler, &[], |_| Ok(()))?;
+    let stats = model.runtime().stats()?;
+    let fetches = (0..files.config.num_hidden_layers)
+        .map(|l| {
+            let u = &stats.units[store.layer_unit(l).unwrap().0];
+            u.misses + u.prefetches
+        })
+        .collect();
+    Ok((logits, tokens, fetches))
+}
+
+/// A GGUF whose layers stay in the file under a host cap of one unit gives the logits and
+/// greedy tokens of the same GGUF held in memory, bit for bit, resident and streamed: dense
+/// (F16 and F32 projections, converted on read to the store's dtype or read as they are, q/k
+/// rows unpermuted row run by row run), quantized blocks kept as they are (Q8_0, Q4_0), and
+/// quantized blocks dequantized on every read (Q4_K without `keep_blocks`).
+#[test]
+fn tiers_gguf_disk_equals_resident() -> anyhow::Result<()> {
+    use candle_core::quantized::GgmlDType as G;
+    let dir = tempdir("gguf");
+    let cases = [
+        (G::F16, false, DType::F32),
+        (G::F16, false, DType::F16),
+        (G::F32, false, DType::F16),
+        (G::Q8_0, true, DType::F32),
+        (G::Q4_0, true, DType::F32),
+        (G::Q4K, false, DType::F32),
+    ];
+    for (ty, keep, dtype) in cases {
+        let case = format!("{ty:?}, keep blocks {keep}, {dtype:?}");
+        let path = dir.join(format!("{ty:?}-{keep}-{dtype:?}.gguf"));
+        crate::quantized::write_random_llama_gguf(&path, 7, |_| ty)?;
+        let files = loader::from_gguf(&path)?;
+        let full = gguf_store(&files, dtype, None, keep)?;
+        assert_eq!(full.disk_bytes(), 0, "{case}");
+        let blocks = full.ggml_tensor_count();
+        assert_eq!(blocks > 0, keep, "{case}");
+        let largest = unit_lens(&full).into_iter().max().unwrap();
+        let (want, want_tokens, _) = gguf_run(&files, full, dtype, None)?;
+        for layers in [None, Some(1)] {
+            let capped = gguf_store(&files, dtype, Some(largest), keep)?;
+            assert_eq!(
+                capped.disk_units(),
+                ["model.layers.0", "model.layers.1"],
+                "{case}"
+            );
+            assert_eq!(capped.ggml_tensor_count(), blocks, "{case}");
+            let (got, tokens, fetches) = gguf_run(&files, capped, dtype, layers)?;
+            assert_eq!(got, want, "{case}, {layers:?} layers");
+            assert_eq!(tokens, want_tokens, "{case}, {layers:?} layers");
+            // Streamed, every pass reads the layers from the file again.
+            let once = layers.is_none();
+            assert!(
+                fetches.iter().all(|&f| (f == 1) == once && f >= 1),
+                "{case}: fetches {fetches:?}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// A GGUF's disk layers whose file shrinks or changes under the model: the next forward pass
+/// fails naming the file and the unit.
+#[test]
+fn tiers_a_gguf_that_shrank_or_changed_is_an_error_naming_it() -> anyhow::Result<()> {
+    let dir = tempdir("gguf-changed");
+    for (tag, shrink) in [("shrank", true), ("changed", false)] {
+        let path = dir.join(format!("{tag}.gguf"));
+        crate::quantized::write_random_llama_gguf(&path, 3, |_| {
+            candle_core::quantized::GgmlDType::Q8_0
+        })?;
+        let files = loader::from_gguf(&path)?;
+        let largest = unit_lens(&gguf_store(&files, DType::F32, None, true)?)
+            .into_iter()
+            .max()
+            .unwrap();
+        let capped = gguf_store(&files, DType::F32, Some(largest), true)?;
+        assert_eq!(capped.disk_units().len(), 2);
+        let (m, _) = model(&files, capped, &Device::Cpu, DType::F32, None)?;
+        {
+            use std::io::{Seek, Write};
+            let mut f = std::fs::OpenOptions::new().write(true).open(&path)?;
+            let len = f.metadata()?.len();
+            if shrink {
+                f.set_len(len / 2)?;
+            } else {
+                f.seek(std::io::SeekFrom::Start(len - 8))?;
+                f.write_all(&[0u8; 8])?;
+                f.set_modified(
+                    std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000),
+                )?;
+            }
+        }
+        let e = logits(&m, &Device::Cpu)
+            .expect_err("a changed file must fail")
+            .to_string();
+        let why = if shrink { "changed size" } else { "modified" };
+        assert!(
+            e.contains(&format!("{tag}.gguf")) && e.contains(why) && e.contains("layers.0"),
+            "{e}"
+        );
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}

@@ -1,12 +1,16 @@
 //! The disk tier: a unit whose bytes stay in its checkpoint file, read on demand with
 //! positioned reads (`pread`, through the page cache; no O_DIRECT or io_uring yet).
 //!
-//! A unit's buffer is virtual here: each tensor is a [`Segment`] mapping a byte range of the
-//! unit's layout to a byte range of a file, with an optional element conversion (an F32
-//! checkpoint stored as F16); the alignment gaps between tensors read as zeros, as the
-//! in-memory tiers hold them. Every read first checks that the file still has the size and
-//! modification time it had when the store was built, so a file that changed or shrank is an
-//! error naming it, never wrong weights or a panic.
+//! A unit's buffer is virtual here: it is a list of [`Segment`]s, each mapping a byte range of
+//! the unit's layout to a byte range of a file, with an optional conversion of whole groups
+//! (an F32 checkpoint stored as F16, GGML blocks dequantized); a tensor is one segment, or one
+//! per run of rows where the loader reorders rows (a GGUF's q/k). The alignment gaps between
+//! tensors read as zeros, as the in-memory tiers hold them. A read gathers the segments it
+//! touches, sorts their file ranges and reads each run of (nearly) adjacent ranges with one
+//! `pread`, so a tensor split into rows costs one read, not one per row. Every read first
+//! checks that the file still has the size and modification time it had when the store was
+//! built, so a file that changed or shrank is an error naming it, never wrong weights or a
+//! panic.
 
 use std::fs::File;
 use std::io;
@@ -16,9 +20,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use candle_core::DType;
-
 use super::{HostTier, SysError, SysResult, TierKind};
+
+/// File ranges at most this far apart are read with one `pread` (the bytes between are read
+/// and dropped): GGUF aligns tensors to 32 bytes, safetensors packs them.
+const MERGE_GAP: u64 = 4096;
 
 /// A checkpoint file kept open for the disk tier, with what it looked like when opened.
 #[derive(Debug)]
@@ -80,23 +86,37 @@ impl DiskFile {
     }
 }
 
-/// Converts whole elements: `(src, from, dst, to)`.
-pub(crate) type ConvertFn = fn(&[u8], DType, &mut [u8], DType) -> Result<(), String>;
+/// Converts whole groups of the file's bytes into the stored bytes: `(src, dst)`, `src` a
+/// whole number of file groups and `dst` the same number of stored groups.
+pub(crate) type ConvertFn = dyn Fn(&[u8], &mut [u8]) -> Result<(), String> + Send + Sync;
 
-/// How a segment's file bytes become the unit's bytes: elements of `from` converted to `to`
-/// by `convert` (the store's float conversion, passed in so that this module stays a leaf).
-#[derive(Debug, Clone, Copy)]
+/// How a segment's file bytes become the unit's bytes: groups of `from_group` file bytes
+/// (one element of a float dtype, one GGML block) become groups of `to_group` stored bytes.
+/// The function is the store's (passed in so that this module stays a leaf).
+#[derive(Clone)]
 pub(crate) struct Conversion {
-    /// The file's dtype.
-    pub from: DType,
-    /// The stored dtype.
-    pub to: DType,
-    /// Converts whole elements.
-    pub convert: ConvertFn,
+    /// What it converts, for messages (`F32 -> F16`, `Q8_0 -> F32`).
+    pub what: String,
+    /// File bytes per group.
+    pub from_group: usize,
+    /// Stored bytes per group.
+    pub to_group: usize,
+    /// Converts whole groups.
+    pub convert: Arc<ConvertFn>,
 }
 
-/// One tensor of a disk unit: `len` bytes at `at` in the unit's layout, read from the file at
-/// `file_offset`.
+impl std::fmt::Debug for Conversion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Conversion({}, {} -> {} bytes per group)",
+            self.what, self.from_group, self.to_group
+        )
+    }
+}
+
+/// One run of a disk unit's bytes: `len` bytes at `at` in the unit's layout, read from the
+/// file at `file_offset` (a tensor, or a run of its rows).
 #[derive(Debug, Clone)]
 pub(crate) struct Segment {
     /// The file.
@@ -116,31 +136,150 @@ pub(crate) struct Segment {
 impl Segment {
     /// Bytes it takes in the file.
     pub(crate) fn file_len(&self) -> usize {
-        match self.conversion {
+        match &self.conversion {
             None => self.len,
-            Some(c) => self.len / c.to.size_in_bytes() * c.from.size_in_bytes(),
+            Some(c) => self.len / c.to_group * c.from_group,
         }
     }
 
-    /// Reads bytes `part` (relative to the segment) into `dst`.
-    fn read(&self, part: Range<usize>, dst: &mut [u8]) -> io::Result<()> {
-        let Some(c) = self.conversion else {
-            return self
-                .file
-                .file
-                .read_exact_at(dst, self.file_offset + part.start as u64);
+    /// The file range holding bytes `part` (relative to the segment) of the unit, widened to
+    /// whole groups of a conversion, and how many converted bytes precede `part.start` in it.
+    fn file_range(&self, part: &Range<usize>) -> (Range<u64>, usize) {
+        match &self.conversion {
+            None => (
+                self.file_offset + part.start as u64..self.file_offset + part.end as u64,
+                0,
+            ),
+            Some(c) => {
+                let (g0, g1) = (part.start / c.to_group, part.end.div_ceil(c.to_group));
+                (
+                    self.file_offset + (g0 * c.from_group) as u64
+                        ..self.file_offset + (g1 * c.from_group) as u64,
+                    part.start - g0 * c.to_group,
+                )
+            }
+        }
+    }
+}
+
+/// One segment's share of a read: its file bytes and where they go.
+struct Piece<'a> {
+    seg: &'a Segment,
+    file: Range<u64>,
+    /// Converted bytes to drop before `dst` starts.
+    skip: usize,
+    /// Destination range, relative to the read's start.
+    dst: Range<usize>,
+}
+
+/// The bytes of a unit in its file(s): what a read needs, shared with read-ahead jobs.
+#[derive(Debug)]
+pub(crate) struct DiskUnit {
+    unit: String,
+    len: usize,
+    segments: Vec<Segment>,
+}
+
+impl DiskUnit {
+    /// Reads `range` of the unit's layout into `dst` (its length), zeros between segments.
+    fn read(&self, range: Range<usize>, dst: &mut [u8]) -> io::Result<()> {
+        if range.end > self.len || range.start > range.end || range.len() != dst.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "unit {}: cannot read {range:?} of {} bytes into {} bytes",
+                    self.unit,
+                    self.len,
+                    dst.len()
+                ),
+            ));
+        }
+        dst.fill(0);
+        let mut pieces = Vec::new();
+        for s in &self.segments {
+            let (a, b) = (range.start.max(s.at), range.end.min(s.at + s.len));
+            if a >= b {
+                continue;
+            }
+            let (file, skip) = s.file_range(&(a - s.at..b - s.at));
+            pieces.push(Piece {
+                seg: s,
+                file,
+                skip,
+                dst: a - range.start..b - range.start,
+            });
+        }
+        let named = |s: &Segment, e: io::Error| {
+            let what = if e.kind() == io::ErrorKind::UnexpectedEof {
+                "the file is shorter than when the store was built".to_string()
+            } else {
+                e.to_string()
+            };
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "reading unit {} (tensor {}) from {}: {what}",
+                    self.unit,
+                    s.name,
+                    s.file.path().display()
+                ),
+            )
         };
-        // Whole elements around the part, converted, then the part cut out.
-        let (wf, wt) = (c.from.size_in_bytes(), c.to.size_in_bytes());
-        let (e0, e1) = (part.start / wt, part.end.div_ceil(wt));
-        let mut src = vec![0u8; (e1 - e0) * wf];
-        self.file
-            .file
-            .read_exact_at(&mut src, self.file_offset + (e0 * wf) as u64)?;
-        let mut out = vec![0u8; (e1 - e0) * wt];
-        (c.convert)(&src, c.from, &mut out, c.to).map_err(io::Error::other)?;
-        let skip = part.start - e0 * wt;
-        dst.copy_from_slice(&out[skip..skip + dst.len()]);
+        let mut checked: Vec<&Path> = Vec::new();
+        for p in &pieces {
+            if !checked.contains(&p.seg.file.path()) {
+                p.seg.file.check_unchanged().map_err(|e| named(p.seg, e))?;
+                checked.push(p.seg.file.path());
+            }
+        }
+        // Runs of pieces whose file ranges (nearly) touch, each read with one `pread`.
+        pieces.sort_by_key(|p| (Arc::as_ptr(&p.seg.file) as usize, p.file.start));
+        let mut i = 0;
+        while i < pieces.len() {
+            let first = &pieces[i];
+            let (start, mut end, mut j) = (first.file.start, first.file.end, i + 1);
+            while j < pieces.len()
+                && Arc::ptr_eq(&pieces[j].seg.file, &first.seg.file)
+                && pieces[j].file.start <= end + MERGE_GAP
+            {
+                end = end.max(pieces[j].file.end);
+                j += 1;
+            }
+            let run = &pieces[i..j];
+            if let [p] = run {
+                if p.seg.conversion.is_none() {
+                    p.seg
+                        .file
+                        .file
+                        .read_exact_at(&mut dst[p.dst.clone()], start)
+                        .map_err(|e| named(p.seg, e))?;
+                    i = j;
+                    continue;
+                }
+            }
+            let mut buf = vec![0u8; (end - start) as usize];
+            first
+                .seg
+                .file
+                .file
+                .read_exact_at(&mut buf, start)
+                .map_err(|e| named(first.seg, e))?;
+            for p in run {
+                let src = &buf[(p.file.start - start) as usize..(p.file.end - start) as usize];
+                let out = &mut dst[p.dst.clone()];
+                match &p.seg.conversion {
+                    None => out.copy_from_slice(src),
+                    Some(c) => {
+                        let mut conv = vec![0u8; src.len() / c.from_group * c.to_group];
+                        (c.convert)(src, &mut conv).map_err(|e| {
+                            named(p.seg, io::Error::other(format!("{}: {e}", c.what)))
+                        })?;
+                        out.copy_from_slice(&conv[p.skip..p.skip + out.len()]);
+                    }
+                }
+            }
+            i = j;
+        }
         Ok(())
     }
 }
@@ -148,9 +287,7 @@ impl Segment {
 /// A unit that lives in its checkpoint file(s).
 #[derive(Debug)]
 pub(crate) struct DiskTier {
-    unit: String,
-    len: usize,
-    segments: Vec<Segment>,
+    inner: Arc<DiskUnit>,
 }
 
 impl DiskTier {
@@ -171,9 +308,12 @@ impl DiskTier {
                     s.at + s.len
                 )));
             }
-            if let Some(c) = s.conversion {
-                if s.len % c.to.size_in_bytes() != 0 {
-                    return Err(bad(format!("{} bytes are not whole {:?}", s.len, c.to)));
+            if let Some(c) = &s.conversion {
+                if c.to_group == 0 || c.from_group == 0 || s.len % c.to_group != 0 {
+                    return Err(bad(format!(
+                        "{} bytes are not whole groups of {} ({})",
+                        s.len, c.to_group, c.what
+                    )));
                 }
             }
             if s.file_offset + s.file_len() as u64 > s.file.len() {
@@ -187,9 +327,11 @@ impl DiskTier {
             end = s.at + s.len;
         }
         Ok(Self {
-            unit: unit.to_string(),
-            len,
-            segments,
+            inner: Arc::new(DiskUnit {
+                unit: unit.to_string(),
+                len,
+                segments,
+            }),
         })
     }
 }
@@ -199,7 +341,7 @@ impl HostTier for DiskTier {
         TierKind::Disk
     }
     fn len(&self) -> usize {
-        self.len
+        self.inner.len
     }
     fn bytes(&self) -> Option<&[u8]> {
         None
@@ -208,51 +350,7 @@ impl HostTier for DiskTier {
         None
     }
     fn read_into(&self, range: Range<usize>, dst: &mut [u8]) -> io::Result<()> {
-        if range.end > self.len || range.start > range.end || range.len() != dst.len() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "unit {}: cannot read {range:?} of {} bytes into {} bytes",
-                    self.unit,
-                    self.len,
-                    dst.len()
-                ),
-            ));
-        }
-        dst.fill(0);
-        let mut checked: Vec<&Path> = Vec::new();
-        for s in &self.segments {
-            let (a, b) = (range.start.max(s.at), range.end.min(s.at + s.len));
-            if a >= b {
-                continue;
-            }
-            let named = |e: io::Error| {
-                let what = if e.kind() == io::ErrorKind::UnexpectedEof {
-                    "the file is shorter than when the store was built".to_string()
-                } else {
-                    e.to_string()
-                };
-                io::Error::new(
-                    e.kind(),
-                    format!(
-                        "reading unit {} (tensor {}) from {}: {what}",
-                        self.unit,
-                        s.name,
-                        s.file.path().display()
-                    ),
-                )
-            };
-            if !checked.contains(&s.file.path()) {
-                s.file.check_unchanged().map_err(named)?;
-                checked.push(s.file.path());
-            }
-            s.read(
-                a - s.at..b - s.at,
-                &mut dst[a - range.start..b - range.start],
-            )
-            .map_err(named)?;
-        }
-        Ok(())
+        self.inner.read(range, dst)
     }
 }
 
@@ -260,7 +358,7 @@ impl HostTier for DiskTier {
 mod tests {
     use super::*;
 
-    fn f32_to_f16(src: &[u8], _: DType, dst: &mut [u8], _: DType) -> Result<(), String> {
+    fn f32_to_f16(src: &[u8], dst: &mut [u8]) -> Result<(), String> {
         for (i, c) in src.chunks_exact(4).enumerate() {
             let x = f32::from_le_bytes(c.try_into().unwrap());
             dst[2 * i..2 * i + 2].copy_from_slice(&half::f16::from_f32(x).to_le_bytes());
@@ -295,11 +393,12 @@ mod tests {
         assert_eq!(&out[20..], &[0; 4]);
         // A read that starts and ends inside elements of a converted segment.
         let conv = Conversion {
-            from: DType::F32,
-            to: DType::F16,
-            convert: f32_to_f16,
+            what: "F32 -> F16".into(),
+            from_group: 4,
+            to_group: 2,
+            convert: Arc::new(f32_to_f16),
         };
-        let tier = DiskTier::new("u", 8, vec![seg(0, 8, Some(conv))])?;
+        let tier = DiskTier::new("u", 8, vec![seg(0, 8, Some(conv.clone()))])?;
         let mut all = vec![0u8; 8];
         tier.read_into(0..8, &mut all)?;
         let want: Vec<u8> = values
@@ -311,6 +410,28 @@ mod tests {
         tier.read_into(1..6, &mut mid)?;
         assert_eq!(mid, want[1..6]);
         assert!(tier.read_into(4..9, &mut [0u8; 5]).is_err());
+        // Rows in reverse order, one segment per row (as a GGUF's q/k rows): gathered from one
+        // read, raw and converted, whole and in part.
+        let rows = |width: usize, conversion: Option<Conversion>| {
+            let segments = (0..4)
+                .map(|k| Segment {
+                    file_offset: 3 + 4 * k as u64,
+                    ..seg((3 - k) * width, width, conversion.clone())
+                })
+                .collect();
+            DiskTier::new("u", 4 * width, segments)
+        };
+        let reversed: Vec<u8> = data[3..].chunks(4).rev().flatten().copied().collect();
+        let mut out = vec![0u8; 16];
+        rows(4, None)?.read_into(0..16, &mut out)?;
+        assert_eq!(out, reversed);
+        let mut part = vec![0u8; 9];
+        rows(4, None)?.read_into(5..14, &mut part)?;
+        assert_eq!(part, reversed[5..14]);
+        let want_rev: Vec<u8> = want.chunks(2).rev().flatten().copied().collect();
+        let mut out = vec![0u8; 8];
+        rows(2, Some(conv))?.read_into(0..8, &mut out)?;
+        assert_eq!(out, want_rev);
         // A segment past the end of the file is refused when the tier is made.
         let e = DiskTier::new("u", 64, vec![seg(0, 20, None)]).unwrap_err();
         assert!(e.to_string().contains("w.bin"), "{e}");
