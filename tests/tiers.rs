@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use candle_offload::telemetry::ReadAheadStats;
 use candle_offload::{
     HostStore, MemoryLimit, OffloadConfig, OffloadRuntime, StoreConfig, TierKind,
 };
@@ -288,6 +289,14 @@ fn tiers_summary_reports_host_memory_and_disk_units() -> anyhow::Result<()> {
         disk.contains("1 unit") && disk.contains("model.layers.3") && disk.contains("page cache"),
         "{s}"
     );
+    let ahead = s
+        .lines()
+        .find(|l| l.trim_start().starts_with("read-ahead"))
+        .unwrap_or_default();
+    assert!(
+        ahead.contains("2 units ahead") && ahead.contains("disk fetches"),
+        "{s}"
+    );
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
@@ -314,14 +323,23 @@ fn gguf_store(
 
 const GGUF_PROMPT: [u32; 6] = [3, 17, 42, 5, 77, 8];
 
+/// What a GGUF run gives: the prompt's logits, the greedy tokens, the fetches of each layer
+/// unit and the read-ahead's counters.
+struct GgufRun {
+    logits: Vec<f32>,
+    tokens: Vec<u32>,
+    fetches: Vec<u64>,
+    read_ahead: Option<ReadAheadStats>,
+}
+
 /// The prompt's logits and 5 greedy tokens after it on the CPU, with room for `layers` layer
-/// units in the budget (`None`: everything resident), and the fetches of each layer unit.
+/// units in the budget (`None`: everything resident).
 fn gguf_run(
     files: &ModelFiles,
     store: HostStore,
     dtype: DType,
     layers: Option<u64>,
-) -> anyhow::Result<(Vec<f32>, Vec<u32>, Vec<u64>)> {
+) -> anyhow::Result<GgufRun> {
     use candle_offload_models::generation::generate;
     let dev = Device::Cpu;
     let max_len = GGUF_PROMPT.len() + 5;
@@ -367,7 +385,12 @@ fn gguf_run(
             u.misses + u.prefetches
         })
         .collect();
-    Ok((logits, tokens, fetches))
+    Ok(GgufRun {
+        logits,
+        tokens,
+        fetches,
+        read_ahead: stats.read_ahead,
+    })
 }
 
 /// A GGUF whose layers stay in the file under a host cap of one unit gives the logits and
@@ -397,7 +420,8 @@ fn tiers_gguf_disk_equals_resident() -> anyhow::Result<()> {
         let blocks = full.ggml_tensor_count();
         assert_eq!(blocks > 0, keep, "{case}");
         let largest = unit_lens(&full).into_iter().max().unwrap();
-        let (want, want_tokens, _) = gguf_run(&files, full, dtype, None)?;
+        let want = gguf_run(&files, full, dtype, None)?;
+        assert_eq!(want.read_ahead, None, "no disk units, no read-ahead");
         for layers in [None, Some(1)] {
             let capped = gguf_store(&files, dtype, Some(largest), keep)?;
             assert_eq!(
@@ -406,9 +430,20 @@ fn tiers_gguf_disk_equals_resident() -> anyhow::Result<()> {
                 "{case}"
             );
             assert_eq!(capped.ggml_tensor_count(), blocks, "{case}");
-            let (got, tokens, fetches) = gguf_run(&files, capped, dtype, layers)?;
-            assert_eq!(got, want, "{case}, {layers:?} layers");
-            assert_eq!(tokens, want_tokens, "{case}, {layers:?} layers");
+            let got = gguf_run(&files, capped, dtype, layers)?;
+            let fetches = &got.fetches;
+            // Disk fetches find their bytes read ahead (or wait for them), except those before
+            // any read-ahead started: the logits compared below came through it.
+            let ahead = got.read_ahead.expect("disk units are read ahead");
+            assert_eq!(ahead.disk_fetches, fetches.iter().sum::<u64>(), "{case}");
+            assert!(
+                ahead.ready + ahead.waited >= 1
+                    && ahead.ready + ahead.waited <= ahead.disk_fetches
+                    && ahead.issued >= ahead.ready + ahead.waited,
+                "{case}: {ahead:?}"
+            );
+            assert_eq!(got.logits, want.logits, "{case}, {layers:?} layers");
+            assert_eq!(got.tokens, want.tokens, "{case}, {layers:?} layers");
             // Streamed, every pass reads the layers from the file again.
             let once = layers.is_none();
             assert!(

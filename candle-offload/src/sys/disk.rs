@@ -1,5 +1,6 @@
 //! The disk tier: a unit whose bytes stay in its checkpoint file, read on demand with
-//! positioned reads (`pread`, through the page cache; no O_DIRECT or io_uring yet).
+//! positioned reads (`pread`, through the page cache; no O_DIRECT or io_uring yet), and read
+//! ahead of their fetch by a small pool of reader threads ([`ReadPool`]).
 //!
 //! A unit's buffer is virtual here: it is a list of [`Segment`]s, each mapping a byte range of
 //! the unit's layout to a byte range of a file, with an optional conversion of whole groups
@@ -11,16 +12,23 @@
 //! checks that the file still has the size and modification time it had when the store was
 //! built, so a file that changed or shrank is an error naming it, never wrong weights or a
 //! panic.
+//!
+//! Read-ahead: [`HostTier::read_ahead`] hands the whole unit to a reader thread, which reads
+//! it into a staging buffer of ordinary memory; a later `read_into` waits for that read if it
+//! is still running and copies out of the buffer (after checking the file again), and
+//! [`HostTier::end_read_ahead`] frees it. A read-ahead that failed or was dropped unread
+//! leaves the next read to go to the file itself, which reports any error.
 
 use std::fs::File;
 use std::io;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::time::SystemTime;
 
-use super::{HostTier, SysError, SysResult, TierKind};
+use super::{HostTier, PageableBuffer, SysError, SysResult, TierKind};
 
 /// File ranges at most this far apart are read with one `pread` (the bytes between are read
 /// and dropped): GGUF aligns tensors to 32 bytes, safetensors packs them.
@@ -181,6 +189,28 @@ pub(crate) struct DiskUnit {
 }
 
 impl DiskUnit {
+    /// An error naming the unit and the file, unless every file it reads still has the size
+    /// and modification time it had.
+    fn check_files(&self) -> io::Result<()> {
+        let mut checked: Vec<&Path> = Vec::new();
+        for s in &self.segments {
+            if !checked.contains(&s.file.path()) {
+                s.file.check_unchanged().map_err(|e| {
+                    io::Error::new(
+                        e.kind(),
+                        format!(
+                            "reading unit {} from {}: {e}",
+                            self.unit,
+                            s.file.path().display()
+                        ),
+                    )
+                })?;
+                checked.push(s.file.path());
+            }
+        }
+        Ok(())
+    }
+
     /// Reads `range` of the unit's layout into `dst` (its length), zeros between segments.
     fn read(&self, range: Range<usize>, dst: &mut [u8]) -> io::Result<()> {
         if range.end > self.len || range.start > range.end || range.len() != dst.len() {
@@ -284,10 +314,155 @@ impl DiskUnit {
     }
 }
 
+/// Where a unit's read-ahead stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadAhead {
+    /// None issued (or it was dropped).
+    None,
+    /// Issued, still reading.
+    InFlight,
+    /// Read: the bytes are in host memory (or the read failed, and the fetch reads again).
+    Ready,
+}
+
+/// A read-ahead's outcome, once a reader thread has finished it.
+#[derive(Debug, Default)]
+struct Staged {
+    result: Mutex<Option<io::Result<PageableBuffer>>>,
+    done: Condvar,
+    /// Set when nobody needs the bytes any more: a job not started yet skips the read.
+    dropped: AtomicBool,
+}
+
+impl Staged {
+    fn lock(&self) -> MutexGuard<'_, Option<io::Result<PageableBuffer>>> {
+        self.result.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn finish(&self, r: io::Result<PageableBuffer>) {
+        let mut g = self.lock();
+        if g.is_none() {
+            *g = Some(r);
+        }
+        self.done.notify_all();
+    }
+
+    /// Waits until the read has finished.
+    fn wait(&self) -> MutexGuard<'_, Option<io::Result<PageableBuffer>>> {
+        let mut g = self.lock();
+        while g.is_none() {
+            g = self.done.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        g
+    }
+}
+
+/// One unit to read ahead. Dropped without running (the pool closing), it finishes its
+/// read-ahead as failed, so that nothing waits for it.
+struct ReadJob {
+    unit: Arc<DiskUnit>,
+    staged: Arc<Staged>,
+}
+
+impl ReadJob {
+    fn run(self) {
+        if self.staged.dropped.load(Ordering::Relaxed) {
+            return;
+        }
+        let len = self.unit.len;
+        let mut buf = PageableBuffer::zeroed(len);
+        let read = match buf.bytes_mut() {
+            Some(dst) => self.unit.read(0..len, dst),
+            None => Err(io::Error::other("a pageable buffer without bytes")),
+        };
+        tracing::trace!(unit = %self.unit.unit, bytes = len, ok = read.is_ok(), "read ahead");
+        self.staged.finish(read.map(|()| buf));
+    }
+}
+
+impl Drop for ReadJob {
+    fn drop(&mut self) {
+        self.staged
+            .finish(Err(io::Error::other("the read-ahead was dropped unread")));
+    }
+}
+
+/// Reader threads for read-ahead: a unit's whole bytes read from its file into host memory
+/// ahead of its fetch. Jobs run in the order given; dropping the pool skips the jobs not
+/// started and waits for those running.
+#[derive(Debug)]
+pub(crate) struct ReadPool {
+    tx: Option<mpsc::Sender<ReadJob>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    closing: Arc<AtomicBool>,
+}
+
+impl ReadPool {
+    /// A pool of `threads` reader threads (at least one).
+    pub(crate) fn new(threads: usize) -> io::Result<Self> {
+        let (tx, rx) = mpsc::channel::<ReadJob>();
+        let rx = Arc::new(Mutex::new(rx));
+        let closing = Arc::new(AtomicBool::new(false));
+        let mut pool = Self {
+            tx: Some(tx),
+            threads: Vec::new(),
+            closing: closing.clone(),
+        };
+        for i in 0..threads.max(1) {
+            let (rx, closing) = (rx.clone(), closing.clone());
+            let handle = std::thread::Builder::new()
+                .name(format!("offload-read-{i}"))
+                .spawn(move || loop {
+                    let job = match rx.lock() {
+                        Ok(r) => r.recv(),
+                        Err(_) => return,
+                    };
+                    match job {
+                        Ok(job) if !closing.load(Ordering::Relaxed) => job.run(),
+                        Ok(job) => drop(job),
+                        Err(_) => return,
+                    }
+                })?;
+            pool.threads.push(handle);
+        }
+        Ok(pool)
+    }
+
+    /// How many reader threads it has.
+    pub(crate) fn threads(&self) -> usize {
+        self.threads.len()
+    }
+
+    fn submit(&self, job: ReadJob) {
+        // A pool whose threads are gone drops the job, which finishes it as failed.
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(job);
+        }
+    }
+}
+
+impl Drop for ReadPool {
+    fn drop(&mut self) {
+        self.closing.store(true, Ordering::Relaxed);
+        self.tx.take();
+        for h in self.threads.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
 /// A unit that lives in its checkpoint file(s).
 #[derive(Debug)]
 pub(crate) struct DiskTier {
     inner: Arc<DiskUnit>,
+    /// Its read-ahead, issued and not yet ended.
+    staged: Mutex<Option<Arc<Staged>>>,
+}
+
+impl DiskTier {
+    fn staged(&self) -> MutexGuard<'_, Option<Arc<Staged>>> {
+        self.staged.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl DiskTier {
@@ -332,6 +507,7 @@ impl DiskTier {
                 len,
                 segments,
             }),
+            staged: Mutex::new(None),
         })
     }
 }
@@ -350,7 +526,53 @@ impl HostTier for DiskTier {
         None
     }
     fn read_into(&self, range: Range<usize>, dst: &mut [u8]) -> io::Result<()> {
+        let staged = self.staged().clone();
+        if let Some(staged) = staged {
+            let result = staged.wait();
+            if let Some(Ok(buf)) = &*result {
+                // The bytes were read earlier: the file must still be the one they came from.
+                self.inner.check_files()?;
+                let src = buf
+                    .bytes()
+                    .and_then(|b| b.get(range.clone()))
+                    .filter(|b| b.len() == dst.len());
+                if let Some(src) = src {
+                    dst.copy_from_slice(src);
+                    return Ok(());
+                }
+            } else {
+                // Failed or dropped: read from the file, which reports its own error.
+                drop(result);
+                self.staged().take();
+            }
+        }
         self.inner.read(range, dst)
+    }
+    fn read_ahead(&self, pool: &ReadPool) -> bool {
+        let mut slot = self.staged();
+        if slot.is_some() {
+            return false;
+        }
+        let staged = Arc::new(Staged::default());
+        *slot = Some(staged.clone());
+        drop(slot);
+        pool.submit(ReadJob {
+            unit: self.inner.clone(),
+            staged,
+        });
+        true
+    }
+    fn read_ahead_state(&self) -> ReadAhead {
+        match &*self.staged() {
+            None => ReadAhead::None,
+            Some(s) if s.lock().is_some() => ReadAhead::Ready,
+            Some(_) => ReadAhead::InFlight,
+        }
+    }
+    fn end_read_ahead(&self) {
+        if let Some(s) = self.staged().take() {
+            s.dropped.store(true, Ordering::Relaxed);
+        }
     }
 }
 
@@ -442,6 +664,71 @@ mod tests {
             .set_len(10)?;
         let e = tier.read_into(0..8, &mut all).unwrap_err().to_string();
         assert!(e.contains("w.bin") && e.contains("unit u"), "{e}");
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+
+    #[test]
+    fn read_ahead_serves_reads_and_still_checks_the_file() -> anyhow::Result<()> {
+        let dir =
+            std::env::temp_dir().join(format!("candle-offload-readahead-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("w.bin");
+        let data: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
+        std::fs::write(&path, &data)?;
+        let file = DiskFile::open(&path)?;
+        let tier = DiskTier::new(
+            "u",
+            10_000,
+            vec![Segment {
+                file: file.clone(),
+                name: "t".into(),
+                at: 0,
+                len: 10_000,
+                file_offset: 0,
+                conversion: None,
+            }],
+        )?;
+        let pool = ReadPool::new(2)?;
+        assert_eq!(tier.read_ahead_state(), ReadAhead::None);
+        assert!(tier.read_ahead(&pool));
+        assert!(!tier.read_ahead(&pool), "one read-ahead per unit at a time");
+        let mut out = vec![0u8; 300];
+        tier.read_into(5000..5300, &mut out)?;
+        assert_eq!(out, data[5000..5300]);
+        assert_eq!(tier.read_ahead_state(), ReadAhead::Ready);
+        // The staged bytes are not handed out once the file has changed.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)?
+            .set_len(5000)?;
+        let e = tier.read_into(0..300, &mut out).unwrap_err().to_string();
+        assert!(e.contains("w.bin") && e.contains("unit u"), "{e}");
+        tier.end_read_ahead();
+        assert_eq!(tier.read_ahead_state(), ReadAhead::None);
+        // A read-ahead whose read fails leaves the read to the file, which names it.
+        assert!(tier.read_ahead(&pool));
+        let e = tier.read_into(0..300, &mut out).unwrap_err().to_string();
+        assert!(e.contains("w.bin") && e.contains("changed size"), "{e}");
+        // Jobs the pool drops unread never leave a reader waiting.
+        std::fs::write(&path, &data)?;
+        let tier = DiskTier::new(
+            "v",
+            10_000,
+            vec![Segment {
+                file: DiskFile::open(&path)?,
+                name: "t".into(),
+                at: 0,
+                len: 10_000,
+                file_offset: 0,
+                conversion: None,
+            }],
+        )?;
+        let pool = ReadPool::new(1)?;
+        tier.read_ahead(&pool);
+        drop(pool);
+        tier.read_into(0..300, &mut out)?;
+        assert_eq!(out, data[..300]);
         std::fs::remove_dir_all(&dir)?;
         Ok(())
     }

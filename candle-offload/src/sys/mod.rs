@@ -20,7 +20,7 @@ use candle_core::{DType, Shape, Tensor};
 mod disk;
 pub(crate) mod simd;
 
-pub(crate) use disk::{Conversion, DiskFile, DiskTier, Segment};
+pub(crate) use disk::{Conversion, DiskFile, DiskTier, ReadAhead, ReadPool, Segment};
 
 #[cfg(feature = "cuda")]
 #[path = "cuda.rs"]
@@ -146,6 +146,19 @@ pub(crate) trait HostTier: Send + Sync + std::fmt::Debug {
     fn dma_ready(&self) -> bool {
         self.kind() == TierKind::Pinned
     }
+    /// Starts reading the whole unit into host memory on one of `pool`'s threads, so that
+    /// the next reads find it there; true when a read was started. Only tiers without host
+    /// bytes (the disk) do anything.
+    fn read_ahead(&self, _pool: &ReadPool) -> bool {
+        false
+    }
+    /// Where its read-ahead stands.
+    fn read_ahead_state(&self) -> ReadAhead {
+        ReadAhead::None
+    }
+    /// Frees the read-ahead's bytes (the fetch that used them is done, or the plan no longer
+    /// needs them); a read not started yet is skipped.
+    fn end_read_ahead(&self) {}
     /// Copies `range` into `dst` (of the same length). The default reads from
     /// [`bytes`](Self::bytes); a tier without them overrides it.
     fn read_into(&self, range: Range<usize>, dst: &mut [u8]) -> std::io::Result<()> {
