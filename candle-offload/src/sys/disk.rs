@@ -34,6 +34,11 @@ use super::{HostTier, PageableBuffer, SysError, SysResult, TierKind};
 /// and dropped): GGUF aligns tensors to 32 bytes, safetensors packs them.
 const MERGE_GAP: u64 = 4096;
 
+/// A merged read stops growing at this many bytes, which bounds its scratch buffer (a single
+/// range larger than this is read on its own: straight into place, or for a conversion into a
+/// buffer of its file bytes).
+const MAX_RUN: u64 = 8 << 20;
+
 /// A checkpoint file kept open for the disk tier, with what it looked like when opened.
 #[derive(Debug)]
 pub(crate) struct DiskFile {
@@ -271,6 +276,7 @@ impl DiskUnit {
             while j < pieces.len()
                 && Arc::ptr_eq(&pieces[j].seg.file, &first.seg.file)
                 && pieces[j].file.start <= end + MERGE_GAP
+                && pieces[j].file.end.max(end) - start <= MAX_RUN
             {
                 end = end.max(pieces[j].file.end);
                 j += 1;
@@ -300,11 +306,16 @@ impl DiskUnit {
                 match &p.seg.conversion {
                     None => out.copy_from_slice(src),
                     Some(c) => {
-                        let mut conv = vec![0u8; src.len() / c.from_group * c.to_group];
-                        (c.convert)(src, &mut conv).map_err(|e| {
-                            named(p.seg, io::Error::other(format!("{}: {e}", c.what)))
-                        })?;
-                        out.copy_from_slice(&conv[p.skip..p.skip + out.len()]);
+                        let conv_len = src.len() / c.from_group * c.to_group;
+                        let failed = |e| named(p.seg, io::Error::other(format!("{}: {e}", c.what)));
+                        if p.skip == 0 && conv_len == out.len() {
+                            // Whole groups: converted straight into place.
+                            (c.convert)(src, out).map_err(failed)?;
+                        } else {
+                            let mut conv = vec![0u8; conv_len];
+                            (c.convert)(src, &mut conv).map_err(failed)?;
+                            out.copy_from_slice(&conv[p.skip..p.skip + out.len()]);
+                        }
                     }
                 }
             }
@@ -664,6 +675,39 @@ mod tests {
             .set_len(10)?;
         let e = tier.read_into(0..8, &mut all).unwrap_err().to_string();
         assert!(e.contains("w.bin") && e.contains("unit u"), "{e}");
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+
+    #[test]
+    fn merged_reads_stop_at_their_bound() -> anyhow::Result<()> {
+        // Four 3 MiB rows in reverse order: adjacent in the file, but past `MAX_RUN` together.
+        let dir = std::env::temp_dir().join(format!("candle-offload-runs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("rows.bin");
+        let row = 3 << 20;
+        let data: Vec<u8> = (0..4 * row).map(|i| (i / 4099 % 251) as u8).collect();
+        std::fs::write(&path, &data)?;
+        let file = DiskFile::open(&path)?;
+        let segments = (0..4)
+            .map(|k| Segment {
+                file: file.clone(),
+                name: "t".into(),
+                at: (3 - k) * row,
+                len: row,
+                file_offset: (k * row) as u64,
+                conversion: None,
+            })
+            .collect();
+        let tier = DiskTier::new("u", 4 * row, segments)?;
+        let mut out = vec![0u8; 4 * row];
+        tier.read_into(0..4 * row, &mut out)?;
+        for k in 0..4 {
+            assert!(
+                out[(3 - k) * row..(4 - k) * row] == data[k * row..(k + 1) * row],
+                "row {k}"
+            );
+        }
         std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
