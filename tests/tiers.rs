@@ -259,7 +259,7 @@ fn tiers_summary_reports_host_memory_and_disk_units() -> anyhow::Result<()> {
     let cap: u64 = lens[..lens.len() - 1].iter().sum();
     let capped = store(&files, DType::F32, &Device::Cpu, Some(cap), None)?;
     let (m, rt) = model(&files, capped, &Device::Cpu, DType::F32, None)?;
-    logits(&m, &Device::Cpu)?;
+    let logits_direct = logits(&m, &Device::Cpu)?;
     let s = rt.memory_summary()?;
     let host = s.lines().find(|l| l.contains("host ")).unwrap_or_default();
     assert!(
@@ -285,10 +285,32 @@ fn tiers_summary_reports_host_memory_and_disk_units() -> anyhow::Result<()> {
         .lines()
         .find(|l| l.trim_start().starts_with("disk"))
         .unwrap_or_default();
+    // O_DIRECT where the temporary directory's file system allows it, the page cache
+    // otherwise; the summary says which.
+    let direct = !rt.store().disk_direct_units().is_empty();
+    let how = if direct {
+        "with O_DIRECT"
+    } else {
+        "through the page cache"
+    };
     assert!(
-        disk.contains("1 unit") && disk.contains("model.layers.3") && disk.contains("page cache"),
+        disk.contains("1 unit") && disk.contains("model.layers.3") && disk.contains(how),
         "{s}"
     );
+    // Asked for the page cache, it is used.
+    let cfg = StoreConfig {
+        dtype: Some(DType::F32),
+        host_memory_limit: Some(MemoryLimit::Bytes(cap)),
+        disk_page_cache: true,
+        ..Default::default()
+    };
+    let cached = loader::load_store_config(&files, &cfg, &Device::Cpu, false)?;
+    assert_eq!(cached.disk_units(), ["model.layers.3"]);
+    assert!(cached.disk_direct_units().is_empty());
+    let (m, rt2) = model(&files, cached, &Device::Cpu, DType::F32, None)?;
+    assert_eq!(logits(&m, &Device::Cpu)?, logits_direct);
+    let s2 = rt2.memory_summary()?;
+    assert!(s2.contains("through the page cache"), "{s2}");
     let ahead = s
         .lines()
         .find(|l| l.trim_start().starts_with("read-ahead"))

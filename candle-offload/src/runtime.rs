@@ -1040,6 +1040,11 @@ impl OffloadRuntime {
             pageable_bytes: store.pageable_bytes(),
             disk_bytes: store.disk_bytes(),
             disk_units: store.disk_units().into_iter().map(String::from).collect(),
+            disk_direct_units: store
+                .disk_direct_units()
+                .into_iter()
+                .map(String::from)
+                .collect(),
             read_ahead: self.shared.read_pool.as_ref().map(|p| ReadAheadStats {
                 threads: p.threads(),
                 units_ahead: READ_AHEAD_UNITS,

@@ -21,7 +21,8 @@
 //! memory while it fits under the cap; a unit that does not fit stays in its checkpoint file
 //! (the disk tier: safetensors, or any file its loader locates each tensor in with a
 //! [`FileSource`], such as a GGUF), so with a small cap the last layers are the ones read from
-//! disk, on every fetch, through the page cache.
+//! disk, on every fetch: with O_DIRECT where the file system allows it, otherwise through the
+//! page cache ([`StoreConfig::disk_page_cache`]).
 //!
 //! On a CUDA device the buffers are pinned (page-locked, portable, not write-combined, so the
 //! CPU can still read them) up to a cap; past the cap, or where pinning fails, a unit stays in
@@ -118,6 +119,12 @@ pub struct StoreConfig {
     pub host_memory_limit: Option<MemoryLimit>,
     /// How tensor names map to units.
     pub grouping: UnitGrouping,
+    /// Read the disk tier through the page cache even where the file system allows O_DIRECT.
+    /// By default (false) disk units are read with O_DIRECT where it works (the page cache
+    /// cannot hold what did not fit under the cap anyway, and copying through it costs a
+    /// copy and evicts other files), falling back to the page cache with one warning naming
+    /// the file; the summary says which.
+    pub disk_page_cache: bool,
 }
 
 /// How a tensor's bytes are laid out: the data the store and the copy engines carry with
@@ -638,7 +645,7 @@ impl HostStore {
         }
         let disk_files = paths
             .iter()
-            .map(|p| sys::DiskFile::open(p.as_ref()).map_err(Error::from))
+            .map(|p| sys::DiskFile::open(p.as_ref(), !cfg.disk_page_cache).map_err(Error::from))
             .collect::<Result<Vec<_>>>()?;
         let mut pending = Vec::new();
         let mut origin: Vec<(usize, String)> = Vec::new();
@@ -793,7 +800,7 @@ impl HostStore {
             let file = match opened.get(src.path.as_path()) {
                 Some(f) => f.clone(),
                 None => {
-                    let f = sys::DiskFile::open(&src.path)?;
+                    let f = sys::DiskFile::open(&src.path, !cfg.disk_page_cache)?;
                     opened.insert(&src.path, f.clone());
                     f
                 }
@@ -995,8 +1002,10 @@ impl HostStore {
                 cap = %human_bytes(host_limit.unwrap_or(0)),
                 disk = %human_bytes(store.disk_bytes()),
                 units = %store.disk_units().join(", "),
+                direct = %store.disk_direct_units().join(", "),
                 "units past the host-memory cap stay in the checkpoint file and are read from it \
-                 on every fetch (through the page cache)"
+                 on every fetch (those listed as direct with O_DIRECT, the others through the \
+                 page cache)"
             );
         }
         if store.pageable_bytes() > 0 && !device.is_cpu() {
@@ -1083,6 +1092,15 @@ impl HostStore {
         self.units
             .iter()
             .filter(|u| u.tier() == TierKind::Disk)
+            .map(|u| u.name())
+            .collect()
+    }
+
+    /// The disk units read with O_DIRECT (the others go through the page cache), in order.
+    pub fn disk_direct_units(&self) -> Vec<&str> {
+        self.units
+            .iter()
+            .filter(|u| u.tier() == TierKind::Disk && u.buffer().reads_direct())
             .map(|u| u.name())
             .collect()
     }

@@ -94,6 +94,8 @@ pub struct OffloadStats {
     pub disk_bytes: u64,
     /// The units left in their checkpoint file, in order.
     pub disk_units: Vec<String>,
+    /// Of those, the units read with O_DIRECT; the others are read through the page cache.
+    pub disk_direct_units: Vec<String>,
     /// Read-ahead of the disk units (`None` when the store has none, or no reader threads
     /// could start).
     pub read_ahead: Option<ReadAheadStats>,
@@ -195,10 +197,17 @@ impl OffloadStats {
             self.memlock_limit.map_or("unlimited".into(), human_bytes)
         );
         if !self.disk_units.is_empty() {
+            let how = match self.disk_direct_units.len() {
+                0 => "through the page cache".to_string(),
+                n if n == self.disk_units.len() => "with O_DIRECT".to_string(),
+                n => format!(
+                    "{n} with O_DIRECT ({}), the others through the page cache",
+                    self.disk_direct_units.join(", ")
+                ),
+            };
             let _ = writeln!(
                 s,
-                "  disk     {} unit{} read from the checkpoint file on every fetch, through \
-                 the page cache: {}",
+                "  disk     {} unit{} read from the checkpoint file on every fetch, {how}: {}",
                 self.disk_units.len(),
                 if self.disk_units.len() == 1 { "" } else { "s" },
                 self.disk_units.join(", ")

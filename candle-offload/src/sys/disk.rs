@@ -1,6 +1,7 @@
 //! The disk tier: a unit whose bytes stay in its checkpoint file, read on demand with
-//! positioned reads (`pread`, through the page cache; no O_DIRECT or io_uring yet), and read
-//! ahead of their fetch by a small pool of reader threads ([`ReadPool`]).
+//! positioned reads: with O_DIRECT where the file system allows it (aligned reads through a
+//! bounded buffer), otherwise through the page cache, with one warning naming the file; and
+//! read ahead of their fetch by a small pool of reader threads ([`ReadPool`]).
 //!
 //! A unit's buffer is virtual here: it is a list of [`Segment`]s, each mapping a byte range of
 //! the unit's layout to a byte range of a file, with an optional conversion of whole groups
@@ -25,7 +26,7 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::SystemTime;
 
 use super::{HostTier, PageableBuffer, SysError, SysResult, TierKind};
@@ -39,6 +40,10 @@ const MERGE_GAP: u64 = 4096;
 /// buffer of its file bytes).
 const MAX_RUN: u64 = 8 << 20;
 
+/// Alignment of O_DIRECT reads (offset, length and buffer): a multiple of every common logical
+/// block size (512 and 4096 bytes).
+const DIRECT_ALIGN: usize = 4096;
+
 /// A checkpoint file kept open for the disk tier, with what it looked like when opened.
 #[derive(Debug)]
 pub(crate) struct DiskFile {
@@ -46,11 +51,63 @@ pub(crate) struct DiskFile {
     file: File,
     len: u64,
     modified: Option<SystemTime>,
+    /// Whether to read with O_DIRECT where the file system allows it.
+    want_direct: bool,
+    /// The file opened with O_DIRECT, once tried (`None`: reads go through the page cache).
+    direct: OnceLock<Option<File>>,
+}
+
+/// A zeroed buffer of `len` bytes whose start is aligned for O_DIRECT.
+struct AlignedBuf {
+    buf: Vec<u8>,
+    at: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    fn new(len: usize) -> io::Result<Self> {
+        let buf = vec![0u8; len + DIRECT_ALIGN];
+        let at = buf.as_ptr().align_offset(DIRECT_ALIGN);
+        if at > DIRECT_ALIGN {
+            return Err(io::Error::other("cannot align a buffer for O_DIRECT"));
+        }
+        Ok(Self { buf, at, len })
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.at..self.at + self.len]
+    }
+}
+
+/// Opens `path` with O_DIRECT and reads its first block, since some file systems accept the
+/// flag and refuse the reads.
+#[cfg(target_os = "linux")]
+fn open_direct(path: &Path, len: u64) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)?;
+    if len > 0 {
+        let mut probe = AlignedBuf::new(DIRECT_ALIGN)?;
+        f.read_at(probe.bytes_mut(), 0)?;
+    }
+    Ok(f)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_direct(_: &Path, _: u64) -> io::Result<File> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "O_DIRECT is read only on Linux",
+    ))
 }
 
 impl DiskFile {
-    /// Opens `path` for positioned reads and records its size and modification time.
-    pub(crate) fn open(path: &Path) -> SysResult<Arc<Self>> {
+    /// Opens `path` for positioned reads and records its size and modification time; with
+    /// `direct`, its disk units read it with O_DIRECT where the file system allows (tried when
+    /// the first disk unit uses it, falling back to the page cache with one warning naming it).
+    pub(crate) fn open(path: &Path, direct: bool) -> SysResult<Arc<Self>> {
         let err = |reason: String| SysError::File {
             path: path.to_path_buf(),
             reason,
@@ -64,7 +121,76 @@ impl DiskFile {
             file,
             len: meta.len(),
             modified: meta.modified().ok(),
+            want_direct: direct,
+            direct: OnceLock::new(),
         }))
+    }
+
+    /// The O_DIRECT handle, opened on first use (`None`: not wanted, or not allowed here).
+    fn direct(&self) -> Option<&File> {
+        self.direct
+            .get_or_init(|| {
+                if !self.want_direct {
+                    return None;
+                }
+                match open_direct(&self.path, self.len) {
+                    Ok(f) => Some(f),
+                    Err(e) => {
+                        tracing::warn!(
+                            file = %self.path.display(),
+                            error = %e,
+                            "O_DIRECT is not available for this file; its disk units are read \
+                             through the page cache"
+                        );
+                        None
+                    }
+                }
+            })
+            .as_ref()
+    }
+
+    /// Whether its disk units read it with O_DIRECT.
+    pub(crate) fn reads_direct(&self) -> bool {
+        self.direct().is_some()
+    }
+
+    /// Fills `dst` from `offset`: with O_DIRECT through an aligned buffer of at most
+    /// [`MAX_RUN`] bytes at a time, otherwise with one `pread` through the page cache.
+    fn read_exact_at(&self, dst: &mut [u8], offset: u64) -> io::Result<()> {
+        let Some(direct) = self.direct() else {
+            return self.file.read_exact_at(dst, offset);
+        };
+        let a = DIRECT_ALIGN as u64;
+        let end = offset + dst.len() as u64;
+        let span = (end.div_ceil(a) * a - offset / a * a).min(MAX_RUN + 2 * a);
+        let mut scratch = AlignedBuf::new(span as usize)?;
+        let mut pos = offset;
+        while pos < end {
+            let start = pos / a * a;
+            let chunk_end = end.min(start + MAX_RUN);
+            let n = (chunk_end.div_ceil(a) * a - start) as usize;
+            let buf = &mut scratch.bytes_mut()[..n];
+            let mut got = 0;
+            while got < n {
+                match direct.read_at(&mut buf[got..], start + got as u64) {
+                    Ok(0) => break,
+                    Ok(k) => got += k,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            if (got as u64) < chunk_end - start {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "failed to fill whole buffer",
+                ));
+            }
+            let (skip, take) = ((pos - start) as usize, (chunk_end - pos) as usize);
+            let at = (pos - offset) as usize;
+            dst[at..at + take].copy_from_slice(&buf[skip..skip + take]);
+            pos = chunk_end;
+        }
+        Ok(())
     }
 
     /// The file's path.
@@ -286,7 +412,6 @@ impl DiskUnit {
                 if p.seg.conversion.is_none() {
                     p.seg
                         .file
-                        .file
                         .read_exact_at(&mut dst[p.dst.clone()], start)
                         .map_err(|e| named(p.seg, e))?;
                     i = j;
@@ -296,7 +421,6 @@ impl DiskUnit {
             let mut buf = vec![0u8; (end - start) as usize];
             first
                 .seg
-                .file
                 .file
                 .read_exact_at(&mut buf, start)
                 .map_err(|e| named(first.seg, e))?;
@@ -512,6 +636,10 @@ impl DiskTier {
             }
             end = s.at + s.len;
         }
+        // Tries O_DIRECT now, so that a file system without it is warned about at load.
+        for s in &segments {
+            s.file.reads_direct();
+        }
         Ok(Self {
             inner: Arc::new(DiskUnit {
                 unit: unit.to_string(),
@@ -580,6 +708,9 @@ impl HostTier for DiskTier {
             Some(_) => ReadAhead::InFlight,
         }
     }
+    fn reads_direct(&self) -> bool {
+        self.inner.segments.iter().all(|s| s.file.reads_direct())
+    }
     fn end_read_ahead(&self) {
         if let Some(s) = self.staged().take() {
             s.dropped.store(true, Ordering::Relaxed);
@@ -608,7 +739,7 @@ mod tests {
         let mut data = vec![9u8, 9, 9];
         data.extend(values.iter().flat_map(|x| x.to_le_bytes()));
         std::fs::write(&path, &data)?;
-        let file = DiskFile::open(&path)?;
+        let file = DiskFile::open(&path, false)?;
         let seg = |at, len, conversion| Segment {
             file: file.clone(),
             name: "t".into(),
@@ -688,7 +819,7 @@ mod tests {
         let row = 3 << 20;
         let data: Vec<u8> = (0..4 * row).map(|i| (i / 4099 % 251) as u8).collect();
         std::fs::write(&path, &data)?;
-        let file = DiskFile::open(&path)?;
+        let file = DiskFile::open(&path, false)?;
         let segments = (0..4)
             .map(|k| Segment {
                 file: file.clone(),
@@ -712,6 +843,45 @@ mod tests {
         Ok(())
     }
 
+    /// Reads with O_DIRECT equal reads through the page cache, at any offset and length, past
+    /// `MAX_RUN` and up to the file's unaligned end; where the file system refuses O_DIRECT
+    /// (tmpfs), the file is read through the page cache instead.
+    #[test]
+    fn direct_reads_equal_page_cache_reads_or_fall_back() -> anyhow::Result<()> {
+        let dirs = [std::env::temp_dir(), PathBuf::from("/dev/shm")];
+        for base in dirs.iter().filter(|d| d.is_dir()) {
+            let dir = base.join(format!("candle-offload-direct-{}", std::process::id()));
+            std::fs::create_dir_all(&dir)?;
+            let path = dir.join("w.bin");
+            let len = (9 << 20) + 1234;
+            let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+            std::fs::write(&path, &data)?;
+            let direct = DiskFile::open(&path, true)?;
+            let cached = DiskFile::open(&path, false)?;
+            assert!(!cached.reads_direct());
+            eprintln!("{}: O_DIRECT {}", dir.display(), direct.reads_direct());
+            for (offset, n) in [
+                (0, 10),
+                (4095, 2),
+                (4096, 4096),
+                (777, 3 << 20),
+                (5, len - 5),
+                (len - 3000, 3000),
+            ] {
+                let (mut a, mut b) = (vec![0u8; n], vec![1u8; n]);
+                direct.read_exact_at(&mut a, offset as u64)?;
+                cached.read_exact_at(&mut b, offset as u64)?;
+                assert!(a == b && a == data[offset..offset + n], "{offset}+{n}");
+            }
+            let e = direct
+                .read_exact_at(&mut [0u8; 10], len as u64 - 5)
+                .unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+            std::fs::remove_dir_all(&dir)?;
+        }
+        Ok(())
+    }
+
     #[test]
     fn read_ahead_serves_reads_and_still_checks_the_file() -> anyhow::Result<()> {
         let dir =
@@ -720,7 +890,7 @@ mod tests {
         let path = dir.join("w.bin");
         let data: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
         std::fs::write(&path, &data)?;
-        let file = DiskFile::open(&path)?;
+        let file = DiskFile::open(&path, false)?;
         let tier = DiskTier::new(
             "u",
             10_000,
@@ -760,7 +930,7 @@ mod tests {
             "v",
             10_000,
             vec![Segment {
-                file: DiskFile::open(&path)?,
+                file: DiskFile::open(&path, false)?,
                 name: "t".into(),
                 at: 0,
                 len: 10_000,

@@ -111,7 +111,7 @@ pub enum TierKind {
     Pinned,
     /// Ordinary host memory: on a GPU its copies go through the pinned staging ring.
     Pageable,
-    /// The checkpoint file: read on demand (positioned reads through the page cache), into
+    /// The checkpoint file: read on demand (positioned reads, O_DIRECT or the page cache), into
     /// the pinned staging ring on a GPU or a fresh copy on the CPU.
     Disk,
 }
@@ -155,6 +155,10 @@ pub(crate) trait HostTier: Send + Sync + std::fmt::Debug {
     /// Where its read-ahead stands.
     fn read_ahead_state(&self) -> ReadAhead {
         ReadAhead::None
+    }
+    /// Whether its reads bypass the page cache (O_DIRECT); false for memory tiers.
+    fn reads_direct(&self) -> bool {
+        false
     }
     /// Frees the read-ahead's bytes (the fetch that used them is done, or the plan no longer
     /// needs them); a read not started yet is skipped.
