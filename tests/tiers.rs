@@ -323,24 +323,32 @@ fn tiers_summary_reports_host_memory_and_disk_units() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Store settings of the GGUF tests: the store's dtype and a host cap.
+/// A GGUF's store on the CPU with the store's dtype and a host cap.
 fn gguf_store(
     files: &ModelFiles,
     dtype: DType,
     host: Option<u64>,
     keep_blocks: bool,
 ) -> anyhow::Result<HostStore> {
+    gguf_store_on(files, dtype, &Device::Cpu, host, None, keep_blocks)
+}
+
+/// A GGUF's store for `device` with the store's dtype, a host cap and a pinned cap.
+fn gguf_store_on(
+    files: &ModelFiles,
+    dtype: DType,
+    device: &Device,
+    host: Option<u64>,
+    pinned: Option<u64>,
+    keep_blocks: bool,
+) -> anyhow::Result<HostStore> {
     let cfg = StoreConfig {
         dtype: Some(dtype),
         host_memory_limit: host.map(MemoryLimit::Bytes),
+        pinned_cap_bytes: pinned,
         ..Default::default()
     };
-    Ok(loader::load_store_config(
-        files,
-        &cfg,
-        &Device::Cpu,
-        keep_blocks,
-    )?)
+    Ok(loader::load_store_config(files, &cfg, device, keep_blocks)?)
 }
 
 const GGUF_PROMPT: [u32; 6] = [3, 17, 42, 5, 77, 8];
@@ -354,16 +362,16 @@ struct GgufRun {
     read_ahead: Option<ReadAheadStats>,
 }
 
-/// The prompt's logits and 5 greedy tokens after it on the CPU, with room for `layers` layer
+/// The prompt's logits and 5 greedy tokens after it on `dev`, with room for `layers` layer
 /// units in the budget (`None`: everything resident).
 fn gguf_run(
     files: &ModelFiles,
     store: HostStore,
+    dev: &Device,
     dtype: DType,
     layers: Option<u64>,
 ) -> anyhow::Result<GgufRun> {
     use candle_offload_models::generation::generate;
-    let dev = Device::Cpu;
     let max_len = GGUF_PROMPT.len() + 5;
     let limit = layers.map(|n| {
         let layer = store.layer_unit(0).map(|u| store.unit(u).bytes()).unwrap();
@@ -386,13 +394,13 @@ fn gguf_run(
     let model = Llama::offloaded(
         files,
         store.clone(),
-        &dev,
+        dev,
         dtype,
         GGUF_PROMPT.len(),
         max_len,
         &settings,
     )?;
-    let ids = Tensor::new(&GGUF_PROMPT, &dev)?.unsqueeze(0)?;
+    let ids = Tensor::new(&GGUF_PROMPT, dev)?.unsqueeze(0)?;
     let logits = model
         .forward_all(&ids)?
         .to_dtype(DType::F32)?
@@ -419,11 +427,12 @@ fn gguf_run(
 /// greedy tokens of the same GGUF held in memory, bit for bit, resident and streamed: dense
 /// (F16 and F32 projections, converted on read to the store's dtype or read as they are, q/k
 /// rows unpermuted row run by row run), quantized blocks kept as they are (Q8_0, Q4_0), and
-/// quantized blocks dequantized on every read (Q4_K without `keep_blocks`).
-#[test]
-fn tiers_gguf_disk_equals_resident() -> anyhow::Result<()> {
+/// quantized blocks dequantized on every read (Q4_K without `keep_blocks`). On a GPU the
+/// pinned cap is one unit, so pinned, pageable and disk units all take part, and the disk
+/// units cross both hops (read ahead, then the staging ring).
+fn gguf_disk_equals_resident(dev: &Device) -> anyhow::Result<()> {
     use candle_core::quantized::GgmlDType as G;
-    let dir = tempdir("gguf");
+    let dir = tempdir(&format!("gguf-{}", dev.is_cpu()));
     let cases = [
         (G::F16, false, DType::F32),
         (G::F16, false, DType::F16),
@@ -437,22 +446,26 @@ fn tiers_gguf_disk_equals_resident() -> anyhow::Result<()> {
         let path = dir.join(format!("{ty:?}-{keep}-{dtype:?}.gguf"));
         crate::quantized::write_random_llama_gguf(&path, 7, |_| ty)?;
         let files = loader::from_gguf(&path)?;
-        let full = gguf_store(&files, dtype, None, keep)?;
+        let full = gguf_store_on(&files, dtype, dev, None, None, keep)?;
         assert_eq!(full.disk_bytes(), 0, "{case}");
         let blocks = full.ggml_tensor_count();
         assert_eq!(blocks > 0, keep, "{case}");
-        let largest = unit_lens(&full).into_iter().max().unwrap();
-        let want = gguf_run(&files, full, dtype, None)?;
+        let lens = unit_lens(&full);
+        let largest = lens.iter().copied().max().unwrap();
+        let want = gguf_run(&files, full, dev, dtype, None)?;
         assert_eq!(want.read_ahead, None, "no disk units, no read-ahead");
         for layers in [None, Some(1)] {
-            let capped = gguf_store(&files, dtype, Some(largest), keep)?;
+            let capped = gguf_store_on(&files, dtype, dev, Some(largest), Some(lens[0]), keep)?;
+            if !dev.is_cpu() {
+                assert!(capped.pinned_bytes() > 0 && capped.pageable_bytes() > 0);
+            }
             assert_eq!(
                 capped.disk_units(),
                 ["model.layers.0", "model.layers.1"],
                 "{case}"
             );
             assert_eq!(capped.ggml_tensor_count(), blocks, "{case}");
-            let got = gguf_run(&files, capped, dtype, layers)?;
+            let got = gguf_run(&files, capped, dev, dtype, layers)?;
             let fetches = &got.fetches;
             // Disk fetches find their bytes read ahead (or wait for them), except those before
             // any read-ahead started: the logits compared below came through it.
@@ -477,6 +490,11 @@ fn tiers_gguf_disk_equals_resident() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+test_device!(
+    gguf_disk_equals_resident,
+    tiers_gguf_disk_equals_resident_cpu,
+    tiers_gguf_disk_equals_resident_gpu
+);
 
 /// A GGUF's disk layers whose file shrinks or changes under the model: the next forward pass
 /// fails naming the file and the unit.
