@@ -112,8 +112,8 @@ struct Args {
     #[arg(long)]
     gpu_memory_limit: Option<String>,
     /// Host memory for the weights: GiB (`12`), `12GiB`, or a share of RAM (`50%`); a
-    /// safetensors model's layers past it stay in the file and are read from disk on every
-    /// fetch. Default: 3/4 of RAM (or `memory.max_cpu_memory` in --config).
+    /// model's layers past it (safetensors or GGUF) stay in the file and are read from disk on
+    /// every fetch. Default: 3/4 of RAM (or `memory.max_cpu_memory` in --config).
     #[arg(long, conflicts_with = "quantize")]
     cpu_memory_limit: Option<String>,
     /// How much stays resident: minimal, balanced or aggressive offloading.

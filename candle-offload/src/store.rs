@@ -1142,9 +1142,10 @@ fn disk_tier(
             )));
         }
         let conversion = conversion(span.format, t.format).map_err(bad)?;
+        let name: Arc<str> = t.name.as_str().into();
         let segment = |at: usize, len: usize, file_offset: u64| sys::Segment {
             file: span.file.clone(),
-            name: t.name.clone(),
+            name: name.clone(),
             at,
             len,
             file_offset,
@@ -1196,7 +1197,7 @@ fn conversion(
         (f, t) if f == t => Ok(None),
         (WeightFormat::Dense(f), WeightFormat::Dense(t)) if f.is_float() && t.is_float() => {
             Ok(Some(sys::Conversion {
-                what: format!("{f:?} -> {t:?}"),
+                what: format!("{f:?} -> {t:?}").into(),
                 from_group: f.size_in_bytes(),
                 to_group: t.size_in_bytes(),
                 convert: Arc::new(move |src, dst| convert_into(src, f, dst, t)),
@@ -1204,7 +1205,7 @@ fn conversion(
         }
         (WeightFormat::Ggml(g), WeightFormat::Dense(t)) if t.is_float() => {
             Ok(Some(sys::Conversion {
-                what: format!("{g:?} blocks -> {t:?}"),
+                what: format!("{g:?} blocks -> {t:?}").into(),
                 from_group: g.type_size(),
                 to_group: g.block_size() * t.size_in_bytes(),
                 convert: Arc::new(move |src, dst| {

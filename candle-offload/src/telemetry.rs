@@ -216,7 +216,9 @@ impl OffloadStats {
                 Some(r) => {
                     let _ = writeln!(
                         s,
-                        "  read-ahead {} unit{} ahead on {} thread{} (staging at most {}, outside                          the cap): {} of {} disk fetches found their bytes read, {} waited for                          them",
+                        "  read-ahead {} unit{} ahead on {} thread{} (staging at most {}, outside \
+                         the cap): {} of {} disk fetches found their bytes read, {} waited \
+                         for them",
                         r.units_ahead,
                         if r.units_ahead == 1 { "" } else { "s" },
                         r.threads,

@@ -235,7 +235,7 @@ pub(crate) type ConvertFn = dyn Fn(&[u8], &mut [u8]) -> Result<(), String> + Sen
 #[derive(Clone)]
 pub(crate) struct Conversion {
     /// What it converts, for messages (`F32 -> F16`, `Q8_0 -> F32`).
-    pub what: String,
+    pub what: Arc<str>,
     /// File bytes per group.
     pub from_group: usize,
     /// Stored bytes per group.
@@ -260,8 +260,8 @@ impl std::fmt::Debug for Conversion {
 pub(crate) struct Segment {
     /// The file.
     pub file: Arc<DiskFile>,
-    /// The tensor (for messages).
-    pub name: String,
+    /// The tensor (for messages; shared by the segments of its row runs).
+    pub name: Arc<str>,
     /// Offset in the unit's layout.
     pub at: usize,
     /// Bytes in the unit's layout (after conversion).
