@@ -540,3 +540,48 @@ fn tiers_a_gguf_that_shrank_or_changed_is_an_error_naming_it() -> anyhow::Result
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+/// Quantize on load under a host cap: the cached GGUF's last layers stay in it (Q8_0 blocks
+/// read as they are, the F32 norms converted on every read for an F16 store), with the
+/// logits of the same cache held in memory, bit for bit.
+#[test]
+fn tiers_quantize_on_load_keeps_its_last_layers_in_the_cache_file() -> anyhow::Result<()> {
+    use candle_core::quantized::GgmlDType;
+    use candle_offload_models::quantize::{self, QuantizeOptions};
+    let (dir, files) = tiny("quantize")?;
+    let opts = QuantizeOptions {
+        threads: Some(2),
+        cache_dir: Some(&dir),
+        ..Default::default()
+    };
+    for dtype in [DType::F32, DType::F16] {
+        let cfg = |host: Option<u64>| StoreConfig {
+            dtype: Some(dtype),
+            host_memory_limit: host.map(MemoryLimit::Bytes),
+            ..Default::default()
+        };
+        let (full, _) =
+            quantize::load_store_config(&files, GgmlDType::Q8_0, &cfg(None), &Device::Cpu, &opts)?;
+        assert!(full.ggml_tensor_count() > 0 && full.disk_bytes() == 0);
+        let lens = unit_lens(&full);
+        let n = lens.len();
+        let cap: u64 = lens[..n - 2].iter().sum();
+        let (m, _) = model(&files, full, &Device::Cpu, dtype, None)?;
+        let want = logits(&m, &Device::Cpu)?;
+        let (capped, cached) = quantize::load_store_config(
+            &files,
+            GgmlDType::Q8_0,
+            &cfg(Some(cap)),
+            &Device::Cpu,
+            &opts,
+        )?;
+        assert_eq!(cached.state, quantize::CacheState::Hit);
+        assert_eq!(capped.disk_units(), ["model.layers.2", "model.layers.3"]);
+        let (m, _) = model(&files, capped, &Device::Cpu, dtype, Some(2 * lens[n - 1]))?;
+        for pass in 0..2 {
+            assert_eq!(logits(&m, &Device::Cpu)?, want, "{dtype:?}, pass {pass}");
+        }
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
