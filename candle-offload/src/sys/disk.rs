@@ -844,8 +844,8 @@ mod tests {
     }
 
     /// Reads with O_DIRECT equal reads through the page cache, at any offset and length, past
-    /// `MAX_RUN` and up to the file's unaligned end; where the file system refuses O_DIRECT
-    /// (tmpfs), the file is read through the page cache instead.
+    /// `MAX_RUN` and up to the file's unaligned end; where O_DIRECT cannot be had (a file
+    /// system that refuses it, a path gone), the file is read through the page cache instead.
     #[test]
     fn direct_reads_equal_page_cache_reads_or_fall_back() -> anyhow::Result<()> {
         let dirs = [std::env::temp_dir(), PathBuf::from("/dev/shm")];
@@ -877,6 +877,14 @@ mod tests {
                 .read_exact_at(&mut [0u8; 10], len as u64 - 5)
                 .unwrap_err();
             assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+            // O_DIRECT that cannot be had (here: the path is gone by the time the first disk
+            // unit tries it) leaves the page cache, through the handle already open.
+            let late = DiskFile::open(&path, true)?;
+            std::fs::rename(&path, dir.join("moved.bin"))?;
+            assert!(!late.reads_direct());
+            let mut a = vec![0u8; 5000];
+            late.read_exact_at(&mut a, 123)?;
+            assert!(a == data[123..5123]);
             std::fs::remove_dir_all(&dir)?;
         }
         Ok(())
