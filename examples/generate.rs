@@ -112,9 +112,9 @@ struct Args {
     #[arg(long)]
     gpu_memory_limit: Option<String>,
     /// Host memory for the weights: GiB (`12`), `12GiB`, or a share of RAM (`50%`); a
-    /// safetensors model's layers past it stay in the file and are read from disk on every
-    /// fetch. Default: 3/4 of RAM (or `memory.max_cpu_memory` in --config).
-    #[arg(long, conflicts_with = "quantize")]
+    /// model's layers past it (safetensors or GGUF) stay in the file and are read from disk on
+    /// every fetch. Default: 3/4 of RAM (or `memory.max_cpu_memory` in --config).
+    #[arg(long)]
     cpu_memory_limit: Option<String>,
     /// How much stays resident: minimal, balanced or aggressive offloading.
     #[arg(long)]
@@ -300,29 +300,27 @@ fn main() -> Result<()> {
     };
 
     let t0 = std::time::Instant::now();
+    let host_memory_limit = match &args.cpu_memory_limit {
+        Some(s) => Some(MemoryLimit::parse("--cpu-memory-limit", s)?),
+        None => settings.max_cpu_memory,
+    };
+    let store_cfg = candle_offload::StoreConfig {
+        dtype: Some(dtype),
+        host_memory_limit,
+        ..Default::default()
+    };
     let store = match &args.quantize {
         Some(name) => {
             let ty = quantize::parse_type(name)
                 .ok_or_else(|| anyhow!("--quantize {name}: not a quantize type"))?;
-            Arc::new(quantize_on_load(&files, ty, dtype, &device)?)
+            Arc::new(quantize_on_load(&files, ty, &store_cfg, &device)?)
         }
-        None => {
-            let host_memory_limit = match &args.cpu_memory_limit {
-                Some(s) => Some(MemoryLimit::parse("--cpu-memory-limit", s)?),
-                None => settings.max_cpu_memory,
-            };
-            let cfg = candle_offload::StoreConfig {
-                dtype: Some(dtype),
-                host_memory_limit,
-                ..Default::default()
-            };
-            Arc::new(loader::load_store_config(
-                &files,
-                &cfg,
-                &device,
-                !args.dequantize,
-            )?)
-        }
+        None => Arc::new(loader::load_store_config(
+            &files,
+            &store_cfg,
+            &device,
+            !args.dequantize,
+        )?),
     };
     candle_offload::cpu_quant::set_quantized_activations(args.q8_activations);
     let blocks = store.ggml_tensor_count();
@@ -522,7 +520,7 @@ fn write_histories(
 fn quantize_on_load(
     files: &loader::ModelFiles,
     ty: candle_core::quantized::GgmlDType,
-    dtype: DType,
+    cfg: &candle_offload::StoreConfig,
     device: &candle_core::Device,
 ) -> Result<candle_offload::HostStore> {
     let style = indicatif::ProgressStyle::with_template(
@@ -541,7 +539,7 @@ fn quantize_on_load(
         progress: Some(&progress),
         ..Default::default()
     };
-    let (store, cached) = loader::quantized_store(files, ty, dtype, device, None, &opts)?;
+    let (store, cached) = quantize::load_store_config(files, ty, cfg, device, &opts)?;
     if let Some(b) = bar.get() {
         b.finish_and_clear();
     }

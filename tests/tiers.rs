@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use candle_offload::telemetry::ReadAheadStats;
 use candle_offload::{
     HostStore, MemoryLimit, OffloadConfig, OffloadRuntime, StoreConfig, TierKind,
 };
@@ -258,7 +259,7 @@ fn tiers_summary_reports_host_memory_and_disk_units() -> anyhow::Result<()> {
     let cap: u64 = lens[..lens.len() - 1].iter().sum();
     let capped = store(&files, DType::F32, &Device::Cpu, Some(cap), None)?;
     let (m, rt) = model(&files, capped, &Device::Cpu, DType::F32, None)?;
-    logits(&m, &Device::Cpu)?;
+    let logits_direct = logits(&m, &Device::Cpu)?;
     let s = rt.memory_summary()?;
     let host = s.lines().find(|l| l.contains("host ")).unwrap_or_default();
     assert!(
@@ -284,10 +285,303 @@ fn tiers_summary_reports_host_memory_and_disk_units() -> anyhow::Result<()> {
         .lines()
         .find(|l| l.trim_start().starts_with("disk"))
         .unwrap_or_default();
+    // O_DIRECT where the temporary directory's file system allows it, the page cache
+    // otherwise; the summary says which.
+    let direct = !rt.store().disk_direct_units().is_empty();
+    let how = if direct {
+        "with O_DIRECT"
+    } else {
+        "through the page cache"
+    };
     assert!(
-        disk.contains("1 unit") && disk.contains("model.layers.3") && disk.contains("page cache"),
+        disk.contains("1 unit") && disk.contains("model.layers.3") && disk.contains(how),
         "{s}"
     );
+    // Asked for the page cache, it is used.
+    let cfg = StoreConfig {
+        dtype: Some(DType::F32),
+        host_memory_limit: Some(MemoryLimit::Bytes(cap)),
+        disk_page_cache: true,
+        ..Default::default()
+    };
+    let cached = loader::load_store_config(&files, &cfg, &Device::Cpu, false)?;
+    assert_eq!(cached.disk_units(), ["model.layers.3"]);
+    assert!(cached.disk_direct_units().is_empty());
+    let (m, rt2) = model(&files, cached, &Device::Cpu, DType::F32, None)?;
+    assert_eq!(logits(&m, &Device::Cpu)?, logits_direct);
+    let s2 = rt2.memory_summary()?;
+    assert!(s2.contains("through the page cache"), "{s2}");
+    let ahead = s
+        .lines()
+        .find(|l| l.trim_start().starts_with("read-ahead"))
+        .unwrap_or_default();
+    assert!(
+        ahead.contains("2 units ahead") && ahead.contains("disk fetches"),
+        "{s}"
+    );
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// A GGUF's store on the CPU with the store's dtype and a host cap.
+fn gguf_store(
+    files: &ModelFiles,
+    dtype: DType,
+    host: Option<u64>,
+    keep_blocks: bool,
+) -> anyhow::Result<HostStore> {
+    gguf_store_on(files, dtype, &Device::Cpu, host, None, keep_blocks)
+}
+
+/// A GGUF's store for `device` with the store's dtype, a host cap and a pinned cap.
+fn gguf_store_on(
+    files: &ModelFiles,
+    dtype: DType,
+    device: &Device,
+    host: Option<u64>,
+    pinned: Option<u64>,
+    keep_blocks: bool,
+) -> anyhow::Result<HostStore> {
+    let cfg = StoreConfig {
+        dtype: Some(dtype),
+        host_memory_limit: host.map(MemoryLimit::Bytes),
+        pinned_cap_bytes: pinned,
+        ..Default::default()
+    };
+    Ok(loader::load_store_config(files, &cfg, device, keep_blocks)?)
+}
+
+const GGUF_PROMPT: [u32; 6] = [3, 17, 42, 5, 77, 8];
+
+/// What a GGUF run gives: the prompt's logits, the greedy tokens, the fetches of each layer
+/// unit and the read-ahead's counters.
+struct GgufRun {
+    logits: Vec<f32>,
+    tokens: Vec<u32>,
+    fetches: Vec<u64>,
+    read_ahead: Option<ReadAheadStats>,
+}
+
+/// The prompt's logits and 5 greedy tokens after it on `dev`, with room for `layers` layer
+/// units in the budget (`None`: everything resident).
+fn gguf_run(
+    files: &ModelFiles,
+    store: HostStore,
+    dev: &Device,
+    dtype: DType,
+    layers: Option<u64>,
+) -> anyhow::Result<GgufRun> {
+    use candle_offload_models::generation::generate;
+    let max_len = GGUF_PROMPT.len() + 5;
+    let limit = layers.map(|n| {
+        let layer = store.layer_unit(0).map(|u| store.unit(u).bytes()).unwrap();
+        let kept: u64 = Llama::kept_units(&store, &files.config)
+            .iter()
+            .filter_map(|n| store.unit_id(n))
+            .map(|u| store.unit(u).bytes())
+            .sum();
+        files
+            .config
+            .reserve_bytes(GGUF_PROMPT.len(), max_len, dtype)
+            + kept
+            + n * layer
+    });
+    let settings = candle_offload_models::OffloadSettings {
+        gpu_memory_limit: limit.map(MemoryLimit::Bytes),
+        ..Default::default()
+    };
+    let store = Arc::new(store);
+    let model = Llama::offloaded(
+        files,
+        store.clone(),
+        dev,
+        dtype,
+        GGUF_PROMPT.len(),
+        max_len,
+        &settings,
+    )?;
+    let ids = Tensor::new(&GGUF_PROMPT, dev)?.unsqueeze(0)?;
+    let logits = model
+        .forward_all(&ids)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let mut sampler = candle_transformers::generation::LogitsProcessor::new(0, None, None);
+    let (tokens, _) = generate(&model, &GGUF_PROMPT, 5, &mut sampler, &[], |_| Ok(()))?;
+    let stats = model.runtime().stats()?;
+    let fetches = (0..files.config.num_hidden_layers)
+        .map(|l| {
+            let u = &stats.units[store.layer_unit(l).unwrap().0];
+            u.misses + u.prefetches
+        })
+        .collect();
+    Ok(GgufRun {
+        logits,
+        tokens,
+        fetches,
+        read_ahead: stats.read_ahead,
+    })
+}
+
+/// A GGUF whose layers stay in the file under a host cap of one unit gives the logits and
+/// greedy tokens of the same GGUF held in memory, bit for bit, resident and streamed: dense
+/// (F16 and F32 projections, converted on read to the store's dtype or read as they are, q/k
+/// rows unpermuted row run by row run), quantized blocks kept as they are (Q8_0, Q4_0), and
+/// quantized blocks dequantized on every read (Q4_K without `keep_blocks`). On a GPU the
+/// pinned cap is one unit, so pinned, pageable and disk units all take part, and the disk
+/// units cross both hops (read ahead, then the staging ring).
+fn gguf_disk_equals_resident(dev: &Device) -> anyhow::Result<()> {
+    use candle_core::quantized::GgmlDType as G;
+    let dir = tempdir(&format!("gguf-{}", dev.is_cpu()));
+    let cases = [
+        (G::F16, false, DType::F32),
+        (G::F16, false, DType::F16),
+        (G::F32, false, DType::F16),
+        (G::Q8_0, true, DType::F32),
+        (G::Q4_0, true, DType::F32),
+        (G::Q4K, false, DType::F32),
+    ];
+    for (ty, keep, dtype) in cases {
+        let case = format!("{ty:?}, keep blocks {keep}, {dtype:?}");
+        let path = dir.join(format!("{ty:?}-{keep}-{dtype:?}.gguf"));
+        crate::quantized::write_random_llama_gguf(&path, 7, |_| ty)?;
+        let files = loader::from_gguf(&path)?;
+        let full = gguf_store_on(&files, dtype, dev, None, None, keep)?;
+        assert_eq!(full.disk_bytes(), 0, "{case}");
+        let blocks = full.ggml_tensor_count();
+        assert_eq!(blocks > 0, keep, "{case}");
+        let lens = unit_lens(&full);
+        let largest = lens.iter().copied().max().unwrap();
+        let want = gguf_run(&files, full, dev, dtype, None)?;
+        assert_eq!(want.read_ahead, None, "no disk units, no read-ahead");
+        for layers in [None, Some(1)] {
+            let capped = gguf_store_on(&files, dtype, dev, Some(largest), Some(lens[0]), keep)?;
+            if !dev.is_cpu() {
+                assert!(capped.pinned_bytes() > 0 && capped.pageable_bytes() > 0);
+            }
+            assert_eq!(
+                capped.disk_units(),
+                ["model.layers.0", "model.layers.1"],
+                "{case}"
+            );
+            assert_eq!(capped.ggml_tensor_count(), blocks, "{case}");
+            let got = gguf_run(&files, capped, dev, dtype, layers)?;
+            let fetches = &got.fetches;
+            // Disk fetches find their bytes read ahead (or wait for them), except those before
+            // any read-ahead started: the logits compared below came through it.
+            let ahead = got.read_ahead.expect("disk units are read ahead");
+            assert_eq!(ahead.disk_fetches, fetches.iter().sum::<u64>(), "{case}");
+            assert!(
+                ahead.ready + ahead.waited >= 1
+                    && ahead.ready + ahead.waited <= ahead.disk_fetches
+                    && ahead.issued >= ahead.ready + ahead.waited,
+                "{case}: {ahead:?}"
+            );
+            assert_eq!(got.logits, want.logits, "{case}, {layers:?} layers");
+            assert_eq!(got.tokens, want.tokens, "{case}, {layers:?} layers");
+            // Streamed, every pass reads the layers from the file again.
+            let once = layers.is_none();
+            assert!(
+                fetches.iter().all(|&f| (f == 1) == once && f >= 1),
+                "{case}: fetches {fetches:?}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+test_device!(
+    gguf_disk_equals_resident,
+    tiers_gguf_disk_equals_resident_cpu,
+    tiers_gguf_disk_equals_resident_gpu
+);
+
+/// A GGUF's disk layers whose file shrinks or changes under the model: the next forward pass
+/// fails naming the file and the unit.
+#[test]
+fn tiers_a_gguf_that_shrank_or_changed_is_an_error_naming_it() -> anyhow::Result<()> {
+    let dir = tempdir("gguf-changed");
+    for (tag, shrink) in [("shrank", true), ("changed", false)] {
+        let path = dir.join(format!("{tag}.gguf"));
+        crate::quantized::write_random_llama_gguf(&path, 3, |_| {
+            candle_core::quantized::GgmlDType::Q8_0
+        })?;
+        let files = loader::from_gguf(&path)?;
+        let largest = unit_lens(&gguf_store(&files, DType::F32, None, true)?)
+            .into_iter()
+            .max()
+            .unwrap();
+        let capped = gguf_store(&files, DType::F32, Some(largest), true)?;
+        assert_eq!(capped.disk_units().len(), 2);
+        let (m, _) = model(&files, capped, &Device::Cpu, DType::F32, None)?;
+        {
+            use std::io::{Seek, Write};
+            let mut f = std::fs::OpenOptions::new().write(true).open(&path)?;
+            let len = f.metadata()?.len();
+            if shrink {
+                f.set_len(len / 2)?;
+            } else {
+                f.seek(std::io::SeekFrom::Start(len - 8))?;
+                f.write_all(&[0u8; 8])?;
+                f.set_modified(
+                    std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000),
+                )?;
+            }
+        }
+        let e = logits(&m, &Device::Cpu)
+            .expect_err("a changed file must fail")
+            .to_string();
+        let why = if shrink { "changed size" } else { "modified" };
+        assert!(
+            e.contains(&format!("{tag}.gguf")) && e.contains(why) && e.contains("layers.0"),
+            "{e}"
+        );
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// Quantize on load under a host cap: the cached GGUF's last layers stay in it (Q8_0 blocks
+/// read as they are, the F32 norms converted on every read for an F16 store), with the
+/// logits of the same cache held in memory, bit for bit.
+#[test]
+fn tiers_quantize_on_load_keeps_its_last_layers_in_the_cache_file() -> anyhow::Result<()> {
+    use candle_core::quantized::GgmlDType;
+    use candle_offload_models::quantize::{self, QuantizeOptions};
+    let (dir, files) = tiny("quantize")?;
+    let opts = QuantizeOptions {
+        threads: Some(2),
+        cache_dir: Some(&dir),
+        ..Default::default()
+    };
+    for dtype in [DType::F32, DType::F16] {
+        let cfg = |host: Option<u64>| StoreConfig {
+            dtype: Some(dtype),
+            host_memory_limit: host.map(MemoryLimit::Bytes),
+            ..Default::default()
+        };
+        let (full, _) =
+            quantize::load_store_config(&files, GgmlDType::Q8_0, &cfg(None), &Device::Cpu, &opts)?;
+        assert!(full.ggml_tensor_count() > 0 && full.disk_bytes() == 0);
+        let lens = unit_lens(&full);
+        let n = lens.len();
+        let cap: u64 = lens[..n - 2].iter().sum();
+        let (m, _) = model(&files, full, &Device::Cpu, dtype, None)?;
+        let want = logits(&m, &Device::Cpu)?;
+        let (capped, cached) = quantize::load_store_config(
+            &files,
+            GgmlDType::Q8_0,
+            &cfg(Some(cap)),
+            &Device::Cpu,
+            &opts,
+        )?;
+        assert_eq!(cached.state, quantize::CacheState::Hit);
+        assert_eq!(capped.disk_units(), ["model.layers.2", "model.layers.3"]);
+        let (m, _) = model(&files, capped, &Device::Cpu, dtype, Some(2 * lens[n - 1]))?;
+        for pass in 0..2 {
+            assert_eq!(logits(&m, &Device::Cpu)?, want, "{dtype:?}, pass {pass}");
+        }
+    }
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

@@ -652,6 +652,29 @@ impl ResidencyCache {
         }
     }
 
+    /// The units the planned schedule fetches next that have not started, in the order it will
+    /// fetch them, at most `n` (each once; empty without a schedule): what a slower hop in
+    /// front of the copy (reads from disk) can start on before the copy is due.
+    pub fn upcoming_fetches(&self, n: usize) -> Vec<UnitId> {
+        let mut out: Vec<UnitId> = Vec::new();
+        let Some(p) = &self.planner else {
+            return out;
+        };
+        for m in &p.misses {
+            if out.len() == n {
+                break;
+            }
+            if !m.started
+                && m.at > self.now
+                && !self.entries[m.unit.0].present
+                && !out.contains(&m.unit)
+            {
+                out.push(m.unit);
+            }
+        }
+        out
+    }
+
     /// Ends an access begun with [`acquire`](Self::acquire).
     pub fn release(&mut self, u: UnitId) {
         if let Some(e) = self.entries.get_mut(u.0) {
@@ -1144,6 +1167,48 @@ mod proptests {
             prop_assert!(fetches >= belady(&seq, cap));
             if depth == 0 {
                 prop_assert_eq!(fetches, belady(&seq, cap));
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        /// What `upcoming_fetches` announces is what the cache fetches next, in that order.
+        #[test]
+        fn upcoming_fetches_are_the_next_fetches(
+            n in 4usize..14,
+            cap_raw in 0usize..14,
+            depth in 0usize..3,
+            sweeps in 2usize..6,
+            k in 1usize..4,
+        ) {
+            let cap = depth + 1 + cap_raw % (n - depth - 1);
+            let order: Vec<UnitId> = (0..n).map(UnitId).collect();
+            let mut c = ResidencyCache::new(&vec![1; n], cap as u64, PolicyChoice::Schedule(order))
+                .with_prefetch_depth(depth);
+            let mut fetched: Vec<UnitId> = Vec::new();
+            let mut announced: Vec<(usize, Vec<UnitId>)> = Vec::new();
+            for _ in 0..sweeps {
+                for u in 0..n {
+                    let t = c.acquire(UnitId(u)).unwrap();
+                    fetched.extend(t.fetch);
+                    for p in c.prefetch_planned(depth + 1) {
+                        fetched.extend(p.fetch);
+                    }
+                    let next = c.upcoming_fetches(k);
+                    prop_assert!(next.len() <= k);
+                    for v in &next {
+                        prop_assert!(!c.is_present(*v), "announced {:?}, already present", v);
+                    }
+                    announced.push((fetched.len(), next));
+                    c.release(UnitId(u));
+                }
+            }
+            for (at, next) in announced {
+                let later = &fetched[at..];
+                let m = next.len().min(later.len());
+                prop_assert_eq!(&next[..m], &later[..m], "announced at fetch {}", at);
             }
         }
     }

@@ -9,6 +9,11 @@
 //! ... caller enqueues kernels that read u's tensors on the compute stream ...
 //! drop(guard): last_use[u] recorded on compute; cache.release(u)
 //! ```
+//!
+//! Units in the disk tier add a hop in front of the copy: after each acquire, the next
+//! [`READ_AHEAD_UNITS`] disk units the plan will fetch are read from their file into host
+//! memory by reader threads (`sys::ReadPool`), so that their fetch (the copy, or on the CPU the
+//! unit's tensors) finds the bytes read.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -24,9 +29,9 @@ use crate::error::{Error, Result};
 use crate::history::{EventKind, MemoryEvent, MemoryHistory};
 use crate::plan::{plan_capacity_for, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
 use crate::runtime_error::RuntimeError;
-use crate::store::{HostStore, HostUnit, WeightFormat};
-use crate::sys::{CudaEngine, DeviceLayout, DeviceWeight, UnitSync, UploadItem};
-use crate::telemetry::{OffloadStats, Telemetry, Timings, UnitStats};
+use crate::store::{HostStore, HostUnit, TierKind, WeightFormat};
+use crate::sys::{CudaEngine, DeviceLayout, DeviceWeight, ReadAhead, UnitSync, UploadItem};
+use crate::telemetry::{OffloadStats, ReadAheadStats, Telemetry, Timings, UnitStats};
 use crate::varbuilder::UnitBackend;
 
 /// Settings of an [`OffloadRuntime`].
@@ -148,6 +153,8 @@ struct State {
     #[cfg(feature = "fault-injection")]
     injected_failures: u32,
     reservation_parts: Vec<(String, u64)>,
+    /// Disk units with a read-ahead issued and not yet used by their fetch.
+    read_ahead: Vec<UnitId>,
 }
 
 #[derive(Debug)]
@@ -160,6 +167,18 @@ struct Shared {
     trainable: bool,
     served: Vec<bool>,
     state: Mutex<State>,
+    /// Reader threads for the disk units' read-ahead (`None`: no disk units served).
+    read_pool: Option<crate::sys::ReadPool>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Read-ahead bytes live in the store, which may outlive this runtime.
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        for u in st.read_ahead.drain(..) {
+            self.store.unit(u).buffer().end_read_ahead();
+        }
+    }
 }
 
 /// Weights in host memory, brought to the device on demand under a memory budget.
@@ -169,6 +188,13 @@ struct Shared {
 pub struct OffloadRuntime {
     shared: Arc<Shared>,
 }
+
+/// Disk units read ahead of their fetch at a time (each staged whole in host memory until its
+/// fetch): two, so that one is being read while the fetch of the one before uses its bytes.
+pub(crate) const READ_AHEAD_UNITS: usize = 2;
+
+/// Reader threads for read-ahead: one per unit read ahead.
+const READ_THREADS: usize = READ_AHEAD_UNITS;
 
 fn lock_err<T>(_: T) -> candle_core::Error {
     candle_core::Error::Msg("offload runtime state poisoned by an earlier panic".into())
@@ -283,8 +309,22 @@ impl OffloadRuntime {
             "offload runtime ready"
         );
         let n = unit_bytes.len();
+        let serves_disk =
+            (0..n).any(|i| served[i] && store.unit(UnitId(i)).tier() == TierKind::Disk);
+        let read_pool = if serves_disk {
+            match crate::sys::ReadPool::new(READ_THREADS) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot start the read-ahead threads; disk units are read when fetched");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         Ok(Self {
             shared: Arc::new(Shared {
+                read_pool,
                 device: device.clone(),
                 store,
                 engine,
@@ -301,6 +341,7 @@ impl OffloadRuntime {
                     #[cfg(feature = "fault-injection")]
                     injected_failures: 0,
                     reservation_parts: Vec::new(),
+                    read_ahead: Vec::new(),
                 }),
             }),
         })
@@ -362,7 +403,12 @@ impl OffloadRuntime {
         }
         let weights = resident.weights.clone();
         self.log(&mut st, EventKind::Acquire, Some(unit), 0, "", None);
+        // Reads of the disk units the planned fetches take next start first (several fetches
+        // starting at once then read their files in parallel), and the window is topped up
+        // past them once they have started.
+        self.read_ahead(&mut st);
         self.start_planned(&mut st, self.shared.prefetch_depth + 1);
+        self.read_ahead(&mut st);
         Ok(UnitGuard {
             rt: self.clone(),
             unit,
@@ -404,7 +450,40 @@ impl OffloadRuntime {
     /// of fetches started.
     pub fn prefetch_ahead(&self, max_ahead: usize) -> candle_core::Result<usize> {
         let mut st = self.state()?;
-        Ok(self.start_planned(&mut st, max_ahead))
+        self.read_ahead(&mut st);
+        let n = self.start_planned(&mut st, max_ahead);
+        self.read_ahead(&mut st);
+        Ok(n)
+    }
+
+    /// Starts reading the next [`READ_AHEAD_UNITS`] disk units of the plan's fetches (those
+    /// not started yet) from their files, and drops read-aheads the plan no longer fetches
+    /// next, so that at most that many units are staged at a time.
+    fn read_ahead(&self, st: &mut State) {
+        let Some(pool) = &self.shared.read_pool else {
+            return;
+        };
+        let store = &self.shared.store;
+        let want: Vec<UnitId> = st
+            .cache
+            .upcoming_fetches(usize::MAX)
+            .into_iter()
+            .filter(|u| self.shared.served[u.0] && store.unit(*u).tier() == TierKind::Disk)
+            .take(READ_AHEAD_UNITS)
+            .collect();
+        st.read_ahead.retain(|u| {
+            let keep = want.contains(u);
+            if !keep {
+                store.unit(*u).buffer().end_read_ahead();
+            }
+            keep
+        });
+        for u in want {
+            if !st.read_ahead.contains(&u) && store.unit(u).buffer().read_ahead(pool) {
+                st.read_ahead.push(u);
+                st.telemetry.read_ahead.issued += 1;
+            }
+        }
     }
 
     /// Starts the schedule's planned fetches, up to `max_ahead` ahead of their use; returns
@@ -503,7 +582,22 @@ impl OffloadRuntime {
         let _span = tracing::debug_span!("offload.fetch", unit = unit.name(), bytes = unit.bytes())
             .entered();
         let started = std::time::Instant::now();
-        let uploaded = match self.attempt_upload(st, u) {
+        if unit.tier() == TierKind::Disk {
+            let r = &mut st.telemetry.read_ahead;
+            r.disk_fetches += 1;
+            match unit.buffer().read_ahead_state() {
+                ReadAhead::Ready => r.ready += 1,
+                ReadAhead::InFlight => r.waited += 1,
+                ReadAhead::None => {}
+            }
+        }
+        let uploaded = self.attempt_upload(st, u);
+        // Its read-ahead (if any) has served this fetch, or failed it: free the bytes.
+        if let Some(k) = st.read_ahead.iter().position(|&r| r == u) {
+            st.read_ahead.swap_remove(k);
+            unit.buffer().end_read_ahead();
+        }
+        let uploaded = match uploaded {
             Ok(x) => Ok(x),
             Err(first) => {
                 // The driver refused (or the copy failed): make room and try once more.
@@ -947,6 +1041,24 @@ impl OffloadRuntime {
             pageable_bytes: store.pageable_bytes(),
             disk_bytes: store.disk_bytes(),
             disk_units: store.disk_units().into_iter().map(String::from).collect(),
+            disk_direct_units: store
+                .disk_direct_units()
+                .into_iter()
+                .map(String::from)
+                .collect(),
+            read_ahead: self.shared.read_pool.as_ref().map(|p| ReadAheadStats {
+                threads: p.threads(),
+                units_ahead: READ_AHEAD_UNITS,
+                staging_bound_bytes: READ_AHEAD_UNITS as u64
+                    * store
+                        .units()
+                        .iter()
+                        .filter(|u| u.tier() == TierKind::Disk)
+                        .map(|u| u.buffer().len() as u64)
+                        .max()
+                        .unwrap_or(0),
+                ..st.telemetry.read_ahead
+            }),
             host_limit_bytes: store.host_limit_bytes(),
             host_memory: crate::diag::host_memory(),
             memlock_limit: crate::diag::memlock_limit(),

@@ -19,8 +19,10 @@
 //! 3/4 of the machine's RAM, [`default_host_limit`]). Units are placed in unit order (the
 //! non-layer units, embeddings, norms and head, first, then the layers by index), each in
 //! memory while it fits under the cap; a unit that does not fit stays in its checkpoint file
-//! (the disk tier, safetensors only), so with a small cap the last layers are the ones read
-//! from disk, on every fetch, through the page cache.
+//! (the disk tier: safetensors, or any file its loader locates each tensor in with a
+//! [`FileSource`], such as a GGUF), so with a small cap the last layers are the ones read from
+//! disk, on every fetch: with O_DIRECT where the file system allows it, otherwise through the
+//! page cache ([`StoreConfig::disk_page_cache`]).
 //!
 //! On a CUDA device the buffers are pinned (page-locked, portable, not write-combined, so the
 //! CPU can still read them) up to a cap; past the cap, or where pinning fails, a unit stays in
@@ -110,12 +112,19 @@ pub struct StoreConfig {
     pub pinned_cap_bytes: Option<u64>,
     /// At most this much host memory (pinned and pageable together) for the weights: a size,
     /// or a share (`%`) of the machine's RAM. Units past it stay in their checkpoint file and
-    /// are read from it on every fetch (the disk tier; safetensors only). `None` is the
+    /// are read from it on every fetch (the disk tier: safetensors, and stores built with
+    /// [`HostStore::from_raw_in_files`], such as a GGUF's). `None` is the
     /// default, 3/4 of the machine's RAM ([`default_host_limit`]). A cap smaller than the
     /// largest unit is refused.
     pub host_memory_limit: Option<MemoryLimit>,
     /// How tensor names map to units.
     pub grouping: UnitGrouping,
+    /// Read the disk tier through the page cache even where the file system allows O_DIRECT.
+    /// By default (false) disk units are read with O_DIRECT where it works (the page cache
+    /// cannot hold what did not fit under the cap anyway, and copying through it costs a
+    /// copy and evicts other files), falling back to the page cache with one warning naming
+    /// the file; the summary says which.
+    pub disk_page_cache: bool,
 }
 
 /// How a tensor's bytes are laid out: the data the store and the copy engines carry with
@@ -527,8 +536,47 @@ struct FileSpan {
     offset: u64,
     /// Its length in the file.
     len: usize,
-    /// Its dtype in the file.
-    dtype: DType,
+    /// How the file holds it.
+    format: WeightFormat,
+    /// Stored row `r` is file row `rows[r]` (`None`: the file's order).
+    rows: Option<Vec<usize>>,
+}
+
+/// Where a tensor's bytes sit in a checkpoint file, so that its unit can stay there when it
+/// does not fit under the host cap (the disk tier): what a loader of another format (GGUF)
+/// gives [`HostStore::from_raw_in_files`] next to each tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FileSource {
+    /// The file.
+    pub path: PathBuf,
+    /// Offset of the tensor's first byte in it.
+    pub offset: u64,
+    /// How the file holds the tensor: a dense dtype (a float converted to the stored dtype on
+    /// every read) or GGML blocks (read as they are when the store keeps them as blocks,
+    /// dequantized on every read, as Candle dequantizes them, when it stores them dense).
+    pub format: WeightFormat,
+    /// For a tensor whose rows the loader reorders (llama.cpp's q/k permutation): stored row
+    /// `r` is file row `row_order[r]`. Rows are the first dimension.
+    pub row_order: Option<Vec<usize>>,
+}
+
+impl FileSource {
+    /// A tensor at `offset` of `path`, held there in `format`, rows in the file's order.
+    pub fn new(path: impl Into<PathBuf>, offset: u64, format: WeightFormat) -> Self {
+        Self {
+            path: path.into(),
+            offset,
+            format,
+            row_order: None,
+        }
+    }
+
+    /// The same, with stored row `r` read from file row `order[r]`.
+    pub fn with_row_order(mut self, order: Vec<usize>) -> Self {
+        self.row_order = Some(order);
+        self
+    }
 }
 
 /// A dense tensor to create in [`HostStore::from_fn`] (for any format, see
@@ -597,7 +645,7 @@ impl HostStore {
         }
         let disk_files = paths
             .iter()
-            .map(|p| sys::DiskFile::open(p.as_ref()).map_err(Error::from))
+            .map(|p| sys::DiskFile::open(p.as_ref(), !cfg.disk_page_cache).map_err(Error::from))
             .collect::<Result<Vec<_>>>()?;
         let mut pending = Vec::new();
         let mut origin: Vec<(usize, String)> = Vec::new();
@@ -625,7 +673,8 @@ impl HostStore {
                     file: disk_files[fi].clone(),
                     offset: offset as u64,
                     len: view.data().len(),
-                    dtype,
+                    format: WeightFormat::Dense(dtype),
+                    rows: None,
                 }));
                 origin.push((fi, name));
             }
@@ -717,6 +766,69 @@ impl HostStore {
             })
             .collect();
         Self::build(pending, cfg, device, &[], |i, format, dst| {
+            fill(&specs[i], format, dst)
+        })
+    }
+
+    /// [`from_raw`](Self::from_raw) for tensors that sit in checkpoint files: `sources[i]`
+    /// says where `specs[i]` is (`None` for a tensor with no place in a file). A unit past
+    /// the host cap whose tensors all have a source stays in its file(s) (the disk tier) and
+    /// is read on every fetch, reordered and converted as its sources say; `fill` is called
+    /// only for the units held in memory, and must write what a read of the source gives
+    /// (tests compare the two bit for bit). A source whose size, row order or conversion does
+    /// not fit its tensor is an error naming the file and the tensor.
+    pub fn from_raw_in_files(
+        specs: &[RawTensorSpec],
+        sources: &[Option<FileSource>],
+        cfg: &StoreConfig,
+        device: &Device,
+        mut fill: impl FnMut(&RawTensorSpec, WeightFormat, &mut [u8]) -> Result<()>,
+    ) -> Result<Self> {
+        if sources.len() != specs.len() {
+            return Err(Error::InvalidConfig {
+                field: "sources".into(),
+                reason: format!("{} sources for {} tensors", sources.len(), specs.len()),
+            });
+        }
+        let mut opened: HashMap<&Path, Arc<sys::DiskFile>> = HashMap::new();
+        let mut spans = Vec::with_capacity(specs.len());
+        for (spec, source) in specs.iter().zip(sources) {
+            let Some(src) = source else {
+                spans.push(None);
+                continue;
+            };
+            let file = match opened.get(src.path.as_path()) {
+                Some(f) => f.clone(),
+                None => {
+                    let f = sys::DiskFile::open(&src.path, !cfg.disk_page_cache)?;
+                    opened.insert(&src.path, f.clone());
+                    f
+                }
+            };
+            let len = src
+                .format
+                .host_bytes(&spec.shape)
+                .map_err(|reason| Error::File {
+                    path: src.path.clone(),
+                    reason: format!("tensor {}: {reason}", spec.name),
+                })?;
+            spans.push(Some(FileSpan {
+                file,
+                offset: src.offset,
+                len,
+                format: src.format,
+                rows: src.row_order.clone(),
+            }));
+        }
+        let pending = specs
+            .iter()
+            .map(|s| Pending {
+                name: s.name.clone(),
+                format: s.format,
+                shape: s.shape.clone(),
+            })
+            .collect();
+        Self::build(pending, cfg, device, &spans, |i, format, dst| {
             fill(&specs[i], format, dst)
         })
     }
@@ -834,8 +946,8 @@ impl HostStore {
                 if !fits {
                     let why = format!(
                         "unit {unit_name} ({}) does not fit under the host cap of {} ({} \
-                         already held) and has no checkpoint file to stay in (the disk tier \
-                         reads safetensors only)",
+                         already held) and has no checkpoint file to stay in (a store built \
+                         from tensors or a fill function has none)",
                         human_bytes(len as u64),
                         human_bytes(host_limit.unwrap_or(0)),
                         human_bytes(held)
@@ -890,8 +1002,10 @@ impl HostStore {
                 cap = %human_bytes(host_limit.unwrap_or(0)),
                 disk = %human_bytes(store.disk_bytes()),
                 units = %store.disk_units().join(", "),
+                direct = %store.disk_direct_units().join(", "),
                 "units past the host-memory cap stay in the checkpoint file and are read from it \
-                 on every fetch (through the page cache)"
+                 on every fetch (those listed as direct with O_DIRECT, the others through the \
+                 page cache)"
             );
         }
         if store.pageable_bytes() > 0 && !device.is_cpu() {
@@ -982,6 +1096,15 @@ impl HostStore {
             .collect()
     }
 
+    /// The disk units read with O_DIRECT (the others go through the page cache), in order.
+    pub fn disk_direct_units(&self) -> Vec<&str> {
+        self.units
+            .iter()
+            .filter(|u| u.tier() == TierKind::Disk && u.buffer().reads_direct())
+            .map(|u| u.name())
+            .collect()
+    }
+
     /// The host-memory cap the store was built under, bytes (`None`: no cap).
     pub fn host_limit_bytes(&self) -> Option<u64> {
         self.host_limit
@@ -996,7 +1119,9 @@ impl HostStore {
     }
 }
 
-/// The disk tier of a unit laid out as `tensors`, each read from its span of a file.
+/// The disk tier of a unit laid out as `tensors`, each read from its span of a file: one
+/// segment per tensor, or per run of rows where the span reorders them, with the conversion
+/// from the file's format to the stored one.
 fn disk_tier(
     unit: &str,
     len: usize,
@@ -1005,39 +1130,120 @@ fn disk_tier(
 ) -> Result<sys::DiskTier> {
     let mut segments = Vec::with_capacity(tensors.len());
     for (t, span) in tensors.iter().zip(spans) {
-        let WeightFormat::Dense(to) = t.format else {
-            return Err(Error::InvalidConfig {
-                field: format!("tensor {}", t.name),
-                reason: "the disk tier reads dense tensors only".into(),
-            });
+        let bad = |reason: String| Error::File {
+            path: span.file.path().to_path_buf(),
+            reason: format!("tensor {}: {reason}", t.name),
         };
-        let elems = t.shape.elem_count();
-        if span.len != elems * span.dtype.size_in_bytes() {
-            return Err(Error::File {
-                path: span.file.path().to_path_buf(),
-                reason: format!(
-                    "tensor {}: holds {} bytes, but its shape and dtype {:?} need {}",
-                    t.name,
-                    span.len,
-                    span.dtype,
-                    elems * span.dtype.size_in_bytes()
-                ),
-            });
+        let need = span.format.host_bytes(&t.shape).map_err(bad)?;
+        if span.len != need {
+            return Err(bad(format!(
+                "holds {} bytes, but its shape and {} need {need}",
+                span.len, span.format
+            )));
         }
-        segments.push(sys::Segment {
+        let conversion = conversion(span.format, t.format).map_err(bad)?;
+        let name: Arc<str> = t.name.as_str().into();
+        let segment = |at: usize, len: usize, file_offset: u64| sys::Segment {
             file: span.file.clone(),
-            name: t.name.clone(),
-            at: t.offset,
-            len: t.nbytes,
-            file_offset: span.offset,
-            conversion: (span.dtype != to).then_some(sys::Conversion {
-                from: span.dtype,
-                to,
-                convert: convert_into,
-            }),
-        });
+            name: name.clone(),
+            at,
+            len,
+            file_offset,
+            conversion: conversion.clone(),
+        };
+        let Some(order) = &span.rows else {
+            segments.push(segment(t.offset, t.nbytes, span.offset));
+            continue;
+        };
+        // Runs of rows that follow each other in the file: one segment each.
+        let rows = t.shape.dims().first().copied().unwrap_or(1);
+        let mut seen = vec![false; rows];
+        if order.len() != rows
+            || order
+                .iter()
+                .any(|&r| r >= rows || std::mem::replace(&mut seen[r], true))
+        {
+            return Err(bad(format!(
+                "its row order is not a permutation of its {rows} rows"
+            )));
+        }
+        let (row, file_row) = (t.nbytes / rows, span.len / rows);
+        let mut r = 0;
+        while r < rows {
+            let mut n = 1;
+            while r + n < rows && order[r + n] == order[r] + n {
+                n += 1;
+            }
+            segments.push(segment(
+                t.offset + r * row,
+                n * row,
+                span.offset + (order[r] * file_row) as u64,
+            ));
+            r += n;
+        }
     }
     Ok(sys::DiskTier::new(unit, len, segments)?)
+}
+
+/// How a disk segment's file bytes (`from`) become its stored bytes (`to`): `None` when they
+/// are the same; a float conversion ([`convert_into`]); GGML blocks dequantized as Candle
+/// dequantizes them, then converted to the stored dtype as Candle converts (what the GGUF
+/// loader does in memory). Anything else cannot be read from the file.
+fn conversion(
+    from: WeightFormat,
+    to: WeightFormat,
+) -> std::result::Result<Option<sys::Conversion>, String> {
+    match (from, to) {
+        (f, t) if f == t => Ok(None),
+        (WeightFormat::Dense(f), WeightFormat::Dense(t)) if f.is_float() && t.is_float() => {
+            Ok(Some(sys::Conversion {
+                what: format!("{f:?} -> {t:?}").into(),
+                from_group: f.size_in_bytes(),
+                to_group: t.size_in_bytes(),
+                convert: Arc::new(move |src, dst| convert_into(src, f, dst, t)),
+            }))
+        }
+        (WeightFormat::Ggml(g), WeightFormat::Dense(t)) if t.is_float() => {
+            Ok(Some(sys::Conversion {
+                what: format!("{g:?} blocks -> {t:?}").into(),
+                from_group: g.type_size(),
+                to_group: g.block_size() * t.size_in_bytes(),
+                convert: Arc::new(move |src, dst| {
+                    dequantize_into(src, g, dst, t).map_err(|e| e.to_string())
+                }),
+            }))
+        }
+        (f, t) => Err(format!(
+            "the file holds it as {f}, which cannot be read as {t}"
+        )),
+    }
+}
+
+/// Dequantizes whole blocks of `g` in `src` into `dst` as `to`, through Candle exactly as the
+/// GGUF loader does in memory (`QTensor::dequantize`, then `to_dtype`).
+fn dequantize_into(src: &[u8], g: GgmlDType, dst: &mut [u8], to: DType) -> candle_core::Result<()> {
+    // `QStorage::from_data` views the bytes as blocks: align them for any block type (8).
+    let mut buf = vec![0u8; src.len() + 8];
+    let at = buf.as_ptr().align_offset(8);
+    if at > 8 {
+        candle_core::bail!("cannot align a buffer for {g:?} blocks");
+    }
+    buf[at..at + src.len()].copy_from_slice(src);
+    let elems = src.len() / g.type_size() * g.block_size();
+    let storage = QStorage::from_data(
+        std::borrow::Cow::Borrowed(&buf[at..at + src.len()]),
+        &Device::Cpu,
+        g,
+    )?;
+    let t = QTensor::new(storage, elems)?
+        .dequantize(&Device::Cpu)?
+        .to_dtype(to)?;
+    let bytes = tensor_to_bytes(&t)?;
+    if bytes.len() != dst.len() {
+        candle_core::bail!("{} bytes dequantized into {}", bytes.len(), dst.len());
+    }
+    dst.copy_from_slice(&bytes);
+    Ok(())
 }
 
 /// The candle dtype of a safetensors dtype, where candle has one.

@@ -94,6 +94,11 @@ pub struct OffloadStats {
     pub disk_bytes: u64,
     /// The units left in their checkpoint file, in order.
     pub disk_units: Vec<String>,
+    /// Of those, the units read with O_DIRECT; the others are read through the page cache.
+    pub disk_direct_units: Vec<String>,
+    /// Read-ahead of the disk units (`None` when the store has none, or no reader threads
+    /// could start).
+    pub read_ahead: Option<ReadAheadStats>,
     /// The host-memory cap the store was built under (`None`: no cap).
     pub host_limit_bytes: Option<u64>,
     /// The machine's RAM now (`None` where `/proc/meminfo` cannot be read).
@@ -112,6 +117,27 @@ pub struct OffloadStats {
     pub last_step: Option<TransferStats>,
     /// Per unit.
     pub units: Vec<UnitStats>,
+}
+
+/// How the disk units were read ahead of their fetches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadAheadStats {
+    /// Reader threads.
+    pub threads: usize,
+    /// At most this many disk units are read ahead at a time (the next ones the schedule
+    /// fetches).
+    pub units_ahead: usize,
+    /// The bound on the staging memory this takes, outside the host cap: `units_ahead` times
+    /// the largest disk unit (reads dropped before they finish free theirs when they do).
+    pub staging_bound_bytes: u64,
+    /// Read-aheads started.
+    pub issued: u64,
+    /// Fetches of disk units.
+    pub disk_fetches: u64,
+    /// Of those, fetches that found their bytes already read.
+    pub ready: u64,
+    /// Of those, fetches that waited for a read-ahead still running.
+    pub waited: u64,
 }
 
 impl OffloadStats {
@@ -171,14 +197,42 @@ impl OffloadStats {
             self.memlock_limit.map_or("unlimited".into(), human_bytes)
         );
         if !self.disk_units.is_empty() {
+            let how = match self.disk_direct_units.len() {
+                0 => "through the page cache".to_string(),
+                n if n == self.disk_units.len() => "with O_DIRECT".to_string(),
+                n => format!(
+                    "{n} with O_DIRECT ({}), the others through the page cache",
+                    self.disk_direct_units.join(", ")
+                ),
+            };
             let _ = writeln!(
                 s,
-                "  disk     {} unit{} read from the checkpoint file on every fetch, through \
-                 the page cache: {}",
+                "  disk     {} unit{} read from the checkpoint file on every fetch, {how}: {}",
                 self.disk_units.len(),
                 if self.disk_units.len() == 1 { "" } else { "s" },
                 self.disk_units.join(", ")
             );
+            match &self.read_ahead {
+                Some(r) => {
+                    let _ = writeln!(
+                        s,
+                        "  read-ahead {} unit{} ahead on {} thread{} (staging at most {}, outside \
+                         the cap): {} of {} disk fetches found their bytes read, {} waited \
+                         for them",
+                        r.units_ahead,
+                        if r.units_ahead == 1 { "" } else { "s" },
+                        r.threads,
+                        if r.threads == 1 { "" } else { "s" },
+                        human_bytes(r.staging_bound_bytes),
+                        r.ready,
+                        r.disk_fetches,
+                        r.waited
+                    );
+                }
+                None => {
+                    let _ = writeln!(s, "  read-ahead none (each fetch reads the file itself)");
+                }
+            }
         }
         let policy = match self.policy {
             ActivePolicy::Lru => "LRU".to_string(),
@@ -226,6 +280,7 @@ pub(crate) struct Telemetry {
     pub last_step: Option<TransferStats>,
     pub steps: u64,
     pub peak_resident: u64,
+    pub read_ahead: ReadAheadStats,
 }
 
 impl Telemetry {
@@ -237,6 +292,7 @@ impl Telemetry {
             last_step: None,
             steps: 0,
             peak_resident: 0,
+            read_ahead: ReadAheadStats::default(),
         }
     }
 

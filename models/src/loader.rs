@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::{gguf_file, GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_offload::store::{RawTensorSpec, WeightFormat};
-use candle_offload::{HostStore, StoreConfig};
+use candle_offload::{FileSource, HostStore, StoreConfig};
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
@@ -646,7 +646,13 @@ fn gguf_store(
         .len();
     let mut names: Vec<&String> = c.tensor_infos.keys().collect();
     names.sort();
+    let model = &files.config;
+    let heads = |perm: &Permuted| match perm {
+        Permuted::Q => model.num_attention_heads,
+        Permuted::K => model.num_key_value_heads,
+    };
     let mut specs = Vec::new();
+    let mut sources = Vec::new();
     let mut origin = HashMap::new();
     // Quantized projections whose type has no quantized matmul, dequantized instead.
     let mut no_matmul: Vec<(&str, GgmlDType)> = Vec::new();
@@ -676,6 +682,27 @@ fn gguf_store(
             format,
             shape: Shape::from(dims),
         });
+        // Where it is in the file, for the disk tier: its blocks, or the floats a GGML
+        // F32/F16/BF16 tensor holds; q/k rows in the unpermuted order.
+        let in_file = match info.ggml_dtype {
+            GgmlDType::F32 => WeightFormat::Dense(DType::F32),
+            GgmlDType::F16 => WeightFormat::Dense(DType::F16),
+            GgmlDType::BF16 => WeightFormat::Dense(DType::BF16),
+            g => WeightFormat::Ggml(g),
+        };
+        let source = FileSource::new(path, c.tensor_data_offset + info.offset, in_file);
+        sources.push(Some(match &perm {
+            Some(p) => {
+                source.with_row_order(unpermuted_row_order(dims[0], heads(p)).map_err(|e| {
+                    ModelError::Tensor {
+                        path: path.to_path_buf(),
+                        tensor: g.clone(),
+                        reason: e.to_string(),
+                    }
+                })?)
+            }
+            None => source,
+        }));
         origin.insert(hf, (g.clone(), perm));
     }
     if !no_matmul.is_empty() {
@@ -699,63 +726,60 @@ fn gguf_store(
         dtype: Some(cfg.dtype.unwrap_or(DType::F32)),
         ..cfg.clone()
     };
-    let model = &files.config;
-    let heads = |perm: &Permuted| match perm {
-        Permuted::Q => model.num_attention_heads,
-        Permuted::K => model.num_key_value_heads,
-    };
-    let store = HostStore::from_raw(&specs, &cfg, device, |spec, format, dst| {
-        let (g, perm) = &origin[&spec.name];
-        let read = |file: &mut std::fs::File| -> candle_core::Result<Vec<u8>> {
-            // Read here rather than through `Content::tensor`, whose GGML reader has no Q8_1 or
-            // Q8_K; `check_tensor_data` has checked the range. The buffer is aligned for any
-            // block type (8 bytes), as Candle's `QStorage::from_data` needs.
-            let info = &c.tensor_infos[g];
-            let (t, dims) = (info.ggml_dtype, info.shape.dims());
-            let n = info.shape.elem_count() / t.block_size() * t.type_size();
-            let mut buf = vec![0u8; n + 8];
-            let at = buf.as_ptr().align_offset(8);
-            if at > 8 {
-                candle_core::bail!("cannot align a buffer for its blocks");
-            }
-            file.seek(std::io::SeekFrom::Start(c.tensor_data_offset + info.offset))?;
-            file.read_exact(&mut buf[at..at + n])?;
-            let raw = &buf[at..at + n];
-            match format {
-                WeightFormat::Ggml(_) => match perm {
-                    Some(p) => permute_rows(raw, dims[0], heads(p)),
-                    None => Ok(raw.to_vec()),
-                },
-                WeightFormat::Dense(dtype) => {
-                    let storage =
-                        QStorage::from_data(std::borrow::Cow::Borrowed(raw), &Device::Cpu, t)?;
-                    let t = QTensor::new(storage, info.shape.clone())?.dequantize(&Device::Cpu)?;
-                    let t = match perm {
-                        Some(p) => unpermute(&t, heads(p))?,
-                        None => t,
-                    };
-                    candle_offload::store::tensor_to_bytes(&t.to_dtype(dtype)?)
+    let store =
+        HostStore::from_raw_in_files(&specs, &sources, &cfg, device, |spec, format, dst| {
+            let (g, perm) = &origin[&spec.name];
+            let read = |file: &mut std::fs::File| -> candle_core::Result<Vec<u8>> {
+                // Read here rather than through `Content::tensor`, whose GGML reader has no Q8_1 or
+                // Q8_K; `check_tensor_data` has checked the range. The buffer is aligned for any
+                // block type (8 bytes), as Candle's `QStorage::from_data` needs.
+                let info = &c.tensor_infos[g];
+                let (t, dims) = (info.ggml_dtype, info.shape.dims());
+                let n = info.shape.elem_count() / t.block_size() * t.type_size();
+                let mut buf = vec![0u8; n + 8];
+                let at = buf.as_ptr().align_offset(8);
+                if at > 8 {
+                    candle_core::bail!("cannot align a buffer for its blocks");
                 }
-                other => candle_core::bail!("the GGUF loader does not write {other:?}"),
-            }
-        };
-        let bytes = read(&mut file).map_err(|e| candle_offload::Error::File {
-            path: path.to_path_buf(),
-            reason: format!("tensor {g}: {e}"),
-        })?;
-        if bytes.len() != dst.len() {
-            return Err(candle_offload::Error::File {
+                file.seek(std::io::SeekFrom::Start(c.tensor_data_offset + info.offset))?;
+                file.read_exact(&mut buf[at..at + n])?;
+                let raw = &buf[at..at + n];
+                match format {
+                    WeightFormat::Ggml(_) => match perm {
+                        Some(p) => permute_rows(raw, dims[0], heads(p)),
+                        None => Ok(raw.to_vec()),
+                    },
+                    WeightFormat::Dense(dtype) => {
+                        let storage =
+                            QStorage::from_data(std::borrow::Cow::Borrowed(raw), &Device::Cpu, t)?;
+                        let t =
+                            QTensor::new(storage, info.shape.clone())?.dequantize(&Device::Cpu)?;
+                        let t = match perm {
+                            Some(p) => unpermute(&t, heads(p))?,
+                            None => t,
+                        };
+                        candle_offload::store::tensor_to_bytes(&t.to_dtype(dtype)?)
+                    }
+                    other => candle_core::bail!("the GGUF loader does not write {other:?}"),
+                }
+            };
+            let bytes = read(&mut file).map_err(|e| candle_offload::Error::File {
                 path: path.to_path_buf(),
-                reason: format!(
-                    "tensor {g}: {} bytes of data, its type and shape need {}",
-                    bytes.len(),
-                    dst.len()
-                ),
-            });
-        }
-        dst.copy_from_slice(&bytes);
-        Ok(())
-    })?;
+                reason: format!("tensor {g}: {e}"),
+            })?;
+            if bytes.len() != dst.len() {
+                return Err(candle_offload::Error::File {
+                    path: path.to_path_buf(),
+                    reason: format!(
+                        "tensor {g}: {} bytes of data, its type and shape need {}",
+                        bytes.len(),
+                        dst.len()
+                    ),
+                });
+            }
+            dst.copy_from_slice(&bytes);
+            Ok(())
+        })?;
     Ok(store)
 }
 
@@ -766,16 +790,24 @@ fn permute_rows(raw: &[u8], rows: usize, heads: usize) -> candle_core::Result<Ve
         candle_core::bail!("{} bytes do not split into {rows} rows", raw.len());
     }
     let row = raw.len() / rows;
+    let mut out = Vec::with_capacity(raw.len());
+    for src in unpermuted_row_order(rows, heads)? {
+        out.extend_from_slice(&raw[src * row..(src + 1) * row]);
+    }
+    Ok(out)
+}
+
+/// The file row of each row of a q/k projection once [`unpermute`]d: row `r` of the result is
+/// row `order[r]` of the file (what the disk tier reads, row run by row run).
+fn unpermuted_row_order(rows: usize, heads: usize) -> candle_core::Result<Vec<usize>> {
+    if heads == 0 || !rows.is_multiple_of(2 * heads) {
+        candle_core::bail!("its {rows} rows do not split into {heads} heads of two rotary halves");
+    }
     let index = Tensor::arange(0u32, rows as u32, &Device::Cpu)?
         .to_dtype(DType::F32)?
         .reshape((rows, 1))?;
     let order = unpermute(&index, heads)?.flatten_all()?.to_vec1::<f32>()?;
-    let mut out = Vec::with_capacity(raw.len());
-    for src in order {
-        let src = src as usize;
-        out.extend_from_slice(&raw[src * row..(src + 1) * row]);
-    }
-    Ok(out)
+    Ok(order.into_iter().map(|r| r as usize).collect())
 }
 
 /// Loads the weights of `files` into a host store on `device` (pinned on a GPU), converting
@@ -812,8 +844,8 @@ pub fn load_store_with(
 }
 
 /// [`load_store_with`] with every store setting, such as
-/// [`StoreConfig::host_memory_limit`]: a safetensors checkpoint's units past it stay in their
-/// file (the disk tier); a GGUF store must fit under it (its disk tier is not built yet). The
+/// [`StoreConfig::host_memory_limit`]: a checkpoint's units past it stay in their file (the
+/// disk tier: safetensors, and GGUF with blocks kept or dequantized on every read). The
 /// grouping is the model's; `cfg.dtype` `None` keeps each safetensors dtype and is F32 for
 /// GGUF.
 pub fn load_store_config(

@@ -35,7 +35,7 @@ use std::sync::Mutex;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_offload::store::{RawTensorSpec, WeightFormat};
-use candle_offload::{HostStore, StoreConfig};
+use candle_offload::{FileSource, HostStore, StoreConfig};
 
 use crate::error::{ModelError, Result};
 use crate::loader::{ModelFiles, Weights};
@@ -725,6 +725,24 @@ pub fn load_cached(
     device: &Device,
     pinned_cap_bytes: Option<u64>,
 ) -> Result<HostStore> {
+    let cfg = StoreConfig {
+        dtype: Some(dtype),
+        pinned_cap_bytes,
+        ..Default::default()
+    };
+    load_cached_config(files, gguf, &cfg, device)
+}
+
+/// [`load_cached`] with every store setting, such as
+/// [`StoreConfig::host_memory_limit`]: the units past it stay in the cache file (the disk
+/// tier), their blocks read as they are and their dense tensors converted on every read. The
+/// grouping is the model's; `cfg.dtype` `None` keeps each dense tensor's dtype.
+pub fn load_cached_config(
+    files: &ModelFiles,
+    gguf: &Path,
+    cfg: &StoreConfig,
+    device: &Device,
+) -> Result<HostStore> {
     let (c, mut file) = crate::loader::gguf_content(gguf)?;
     let arch = c
         .metadata
@@ -739,6 +757,24 @@ pub fn load_cached(
     }
     let mut names: Vec<&String> = c.tensor_infos.keys().collect();
     names.sort();
+    // Where each tensor is in the file, as it is there: HF names, no rows reordered.
+    let sources: Vec<Option<FileSource>> = names
+        .iter()
+        .map(|n| {
+            let info = &c.tensor_infos[*n];
+            let format = match info.ggml_dtype {
+                GgmlDType::F32 => WeightFormat::Dense(DType::F32),
+                GgmlDType::F16 => WeightFormat::Dense(DType::F16),
+                GgmlDType::BF16 => WeightFormat::Dense(DType::BF16),
+                q => WeightFormat::Ggml(q),
+            };
+            Some(FileSource::new(
+                gguf,
+                c.tensor_data_offset + info.offset,
+                format,
+            ))
+        })
+        .collect();
     let specs: Vec<RawTensorSpec> = names
         .iter()
         .map(|n| {
@@ -757,57 +793,54 @@ pub fn load_cached(
         })
         .collect();
     let cfg = StoreConfig {
-        dtype: Some(dtype),
-        pinned_cap_bytes,
-        ..Default::default()
-    };
-    let cfg = StoreConfig {
         grouping: files.config.layout().grouping(),
-        ..cfg
+        ..cfg.clone()
     };
-    let store = HostStore::from_raw(&specs, &cfg, device, |spec, format, dst| {
-        let info = &c.tensor_infos[&spec.name];
-        let bad = |reason: String| candle_offload::Error::File {
-            path: gguf.to_path_buf(),
-            reason: format!("tensor {}: {reason}", spec.name),
-        };
-        let len = ggml_bytes(info.ggml_dtype, info.shape.dims());
-        let mut read = |buf: &mut [u8]| {
-            file.seek(SeekFrom::Start(c.tensor_data_offset + info.offset))
-                .and_then(|_| file.read_exact(buf))
-                .map_err(|e| bad(format!("cannot read: {e}")))
-        };
-        match (format, spec.format) {
-            (a, b) if a == b => {
-                if dst.len() as u64 != len {
-                    return Err(bad(format!(
-                        "{} bytes in the file, {} in the store",
-                        len,
-                        dst.len()
-                    )));
+    let store =
+        HostStore::from_raw_in_files(&specs, &sources, &cfg, device, |spec, format, dst| {
+            let info = &c.tensor_infos[&spec.name];
+            let bad = |reason: String| candle_offload::Error::File {
+                path: gguf.to_path_buf(),
+                reason: format!("tensor {}: {reason}", spec.name),
+            };
+            let len = ggml_bytes(info.ggml_dtype, info.shape.dims());
+            let mut read = |buf: &mut [u8]| {
+                file.seek(SeekFrom::Start(c.tensor_data_offset + info.offset))
+                    .and_then(|_| file.read_exact(buf))
+                    .map_err(|e| bad(format!("cannot read: {e}")))
+            };
+            match (format, spec.format) {
+                (a, b) if a == b => {
+                    if dst.len() as u64 != len {
+                        return Err(bad(format!(
+                            "{} bytes in the file, {} in the store",
+                            len,
+                            dst.len()
+                        )));
+                    }
+                    read(dst)
                 }
-                read(dst)
-            }
-            (WeightFormat::Dense(to), WeightFormat::Dense(from)) => {
-                let mut raw = vec![0u8; len as usize];
-                read(&mut raw)?;
-                let bytes = Tensor::from_raw_buffer(&raw, from, info.shape.dims(), &Device::Cpu)
-                    .and_then(|t| t.to_dtype(to))
-                    .and_then(|t| candle_offload::store::tensor_to_bytes(&t))
-                    .map_err(|e| bad(e.to_string()))?;
-                if bytes.len() != dst.len() {
-                    return Err(bad(format!(
-                        "{} bytes converted, {} in the store",
-                        bytes.len(),
-                        dst.len()
-                    )));
+                (WeightFormat::Dense(to), WeightFormat::Dense(from)) => {
+                    let mut raw = vec![0u8; len as usize];
+                    read(&mut raw)?;
+                    let bytes =
+                        Tensor::from_raw_buffer(&raw, from, info.shape.dims(), &Device::Cpu)
+                            .and_then(|t| t.to_dtype(to))
+                            .and_then(|t| candle_offload::store::tensor_to_bytes(&t))
+                            .map_err(|e| bad(e.to_string()))?;
+                    if bytes.len() != dst.len() {
+                        return Err(bad(format!(
+                            "{} bytes converted, {} in the store",
+                            bytes.len(),
+                            dst.len()
+                        )));
+                    }
+                    dst.copy_from_slice(&bytes);
+                    Ok(())
                 }
-                dst.copy_from_slice(&bytes);
-                Ok(())
+                (to, from) => Err(bad(format!("cannot store {from:?} as {to:?}"))),
             }
-            (to, from) => Err(bad(format!("cannot store {from:?} as {to:?}"))),
-        }
-    })?;
+        })?;
     Ok(store)
 }
 
@@ -821,8 +854,25 @@ pub fn load_store(
     pinned_cap_bytes: Option<u64>,
     opts: &QuantizeOptions<'_>,
 ) -> Result<(HostStore, Cached)> {
+    let cfg = StoreConfig {
+        dtype: Some(dtype),
+        pinned_cap_bytes,
+        ..Default::default()
+    };
+    load_store_config(files, ty, &cfg, device, opts)
+}
+
+/// [`load_store`] with every store setting, such as [`StoreConfig::host_memory_limit`]: the
+/// units past it stay in the cached GGUF (the disk tier; see [`load_cached_config`]).
+pub fn load_store_config(
+    files: &ModelFiles,
+    ty: GgmlDType,
+    cfg: &StoreConfig,
+    device: &Device,
+    opts: &QuantizeOptions<'_>,
+) -> Result<(HostStore, Cached)> {
     let cached = cached_gguf(files, ty, opts)?;
-    let store = load_cached(files, &cached.path, dtype, device, pinned_cap_bytes)?;
+    let store = load_cached_config(files, &cached.path, cfg, device)?;
     Ok((store, cached))
 }
 

@@ -1,24 +1,48 @@
 //! The disk tier: a unit whose bytes stay in its checkpoint file, read on demand with
-//! positioned reads (`pread`, through the page cache; no O_DIRECT or io_uring yet).
+//! positioned reads: with O_DIRECT where the file system allows it (aligned reads through a
+//! bounded buffer), otherwise through the page cache, with one warning naming the file; and
+//! read ahead of their fetch by a small pool of reader threads ([`ReadPool`]).
 //!
-//! A unit's buffer is virtual here: each tensor is a [`Segment`] mapping a byte range of the
-//! unit's layout to a byte range of a file, with an optional element conversion (an F32
-//! checkpoint stored as F16); the alignment gaps between tensors read as zeros, as the
-//! in-memory tiers hold them. Every read first checks that the file still has the size and
-//! modification time it had when the store was built, so a file that changed or shrank is an
-//! error naming it, never wrong weights or a panic.
+//! A unit's buffer is virtual here: it is a list of [`Segment`]s, each mapping a byte range of
+//! the unit's layout to a byte range of a file, with an optional conversion of whole groups
+//! (an F32 checkpoint stored as F16, GGML blocks dequantized); a tensor is one segment, or one
+//! per run of rows where the loader reorders rows (a GGUF's q/k). The alignment gaps between
+//! tensors read as zeros, as the in-memory tiers hold them. A read gathers the segments it
+//! touches, sorts their file ranges and reads each run of (nearly) adjacent ranges with one
+//! `pread`, so a tensor split into rows costs one read, not one per row. Every read first
+//! checks that the file still has the size and modification time it had when the store was
+//! built, so a file that changed or shrank is an error naming it, never wrong weights or a
+//! panic.
+//!
+//! Read-ahead: [`HostTier::read_ahead`] hands the whole unit to a reader thread, which reads
+//! it into a staging buffer of ordinary memory; a later `read_into` waits for that read if it
+//! is still running and copies out of the buffer (after checking the file again), and
+//! [`HostTier::end_read_ahead`] frees it. A read-ahead that failed or was dropped unread
+//! leaves the next read to go to the file itself, which reports any error.
 
 use std::fs::File;
 use std::io;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::SystemTime;
 
-use candle_core::DType;
+use super::{HostTier, PageableBuffer, SysError, SysResult, TierKind};
 
-use super::{HostTier, SysError, SysResult, TierKind};
+/// File ranges at most this far apart are read with one `pread` (the bytes between are read
+/// and dropped): GGUF aligns tensors to 32 bytes, safetensors packs them.
+const MERGE_GAP: u64 = 4096;
+
+/// A merged read stops growing at this many bytes, which bounds its scratch buffer (a single
+/// range larger than this is read on its own: straight into place, or for a conversion into a
+/// buffer of its file bytes).
+const MAX_RUN: u64 = 8 << 20;
+
+/// Alignment of O_DIRECT reads (offset, length and buffer): a multiple of every common logical
+/// block size (512 and 4096 bytes).
+const DIRECT_ALIGN: usize = 4096;
 
 /// A checkpoint file kept open for the disk tier, with what it looked like when opened.
 #[derive(Debug)]
@@ -27,11 +51,63 @@ pub(crate) struct DiskFile {
     file: File,
     len: u64,
     modified: Option<SystemTime>,
+    /// Whether to read with O_DIRECT where the file system allows it.
+    want_direct: bool,
+    /// The file opened with O_DIRECT, once tried (`None`: reads go through the page cache).
+    direct: OnceLock<Option<File>>,
+}
+
+/// A zeroed buffer of `len` bytes whose start is aligned for O_DIRECT.
+struct AlignedBuf {
+    buf: Vec<u8>,
+    at: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    fn new(len: usize) -> io::Result<Self> {
+        let buf = vec![0u8; len + DIRECT_ALIGN];
+        let at = buf.as_ptr().align_offset(DIRECT_ALIGN);
+        if at > DIRECT_ALIGN {
+            return Err(io::Error::other("cannot align a buffer for O_DIRECT"));
+        }
+        Ok(Self { buf, at, len })
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.at..self.at + self.len]
+    }
+}
+
+/// Opens `path` with O_DIRECT and reads its first block, since some file systems accept the
+/// flag and refuse the reads.
+#[cfg(target_os = "linux")]
+fn open_direct(path: &Path, len: u64) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)?;
+    if len > 0 {
+        let mut probe = AlignedBuf::new(DIRECT_ALIGN)?;
+        f.read_at(probe.bytes_mut(), 0)?;
+    }
+    Ok(f)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_direct(_: &Path, _: u64) -> io::Result<File> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "O_DIRECT is read only on Linux",
+    ))
 }
 
 impl DiskFile {
-    /// Opens `path` for positioned reads and records its size and modification time.
-    pub(crate) fn open(path: &Path) -> SysResult<Arc<Self>> {
+    /// Opens `path` for positioned reads and records its size and modification time; with
+    /// `direct`, its disk units read it with O_DIRECT where the file system allows (tried when
+    /// the first disk unit uses it, falling back to the page cache with one warning naming it).
+    pub(crate) fn open(path: &Path, direct: bool) -> SysResult<Arc<Self>> {
         let err = |reason: String| SysError::File {
             path: path.to_path_buf(),
             reason,
@@ -45,7 +121,76 @@ impl DiskFile {
             file,
             len: meta.len(),
             modified: meta.modified().ok(),
+            want_direct: direct,
+            direct: OnceLock::new(),
         }))
+    }
+
+    /// The O_DIRECT handle, opened on first use (`None`: not wanted, or not allowed here).
+    fn direct(&self) -> Option<&File> {
+        self.direct
+            .get_or_init(|| {
+                if !self.want_direct {
+                    return None;
+                }
+                match open_direct(&self.path, self.len) {
+                    Ok(f) => Some(f),
+                    Err(e) => {
+                        tracing::warn!(
+                            file = %self.path.display(),
+                            error = %e,
+                            "O_DIRECT is not available for this file; its disk units are read \
+                             through the page cache"
+                        );
+                        None
+                    }
+                }
+            })
+            .as_ref()
+    }
+
+    /// Whether its disk units read it with O_DIRECT.
+    pub(crate) fn reads_direct(&self) -> bool {
+        self.direct().is_some()
+    }
+
+    /// Fills `dst` from `offset`: with O_DIRECT through an aligned buffer of at most
+    /// [`MAX_RUN`] bytes at a time, otherwise with one `pread` through the page cache.
+    fn read_exact_at(&self, dst: &mut [u8], offset: u64) -> io::Result<()> {
+        let Some(direct) = self.direct() else {
+            return self.file.read_exact_at(dst, offset);
+        };
+        let a = DIRECT_ALIGN as u64;
+        let end = offset + dst.len() as u64;
+        let span = (end.div_ceil(a) * a - offset / a * a).min(MAX_RUN + 2 * a);
+        let mut scratch = AlignedBuf::new(span as usize)?;
+        let mut pos = offset;
+        while pos < end {
+            let start = pos / a * a;
+            let chunk_end = end.min(start + MAX_RUN);
+            let n = (chunk_end.div_ceil(a) * a - start) as usize;
+            let buf = &mut scratch.bytes_mut()[..n];
+            let mut got = 0;
+            while got < n {
+                match direct.read_at(&mut buf[got..], start + got as u64) {
+                    Ok(0) => break,
+                    Ok(k) => got += k,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            if (got as u64) < chunk_end - start {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "failed to fill whole buffer",
+                ));
+            }
+            let (skip, take) = ((pos - start) as usize, (chunk_end - pos) as usize);
+            let at = (pos - offset) as usize;
+            dst[at..at + take].copy_from_slice(&buf[skip..skip + take]);
+            pos = chunk_end;
+        }
+        Ok(())
     }
 
     /// The file's path.
@@ -80,29 +225,43 @@ impl DiskFile {
     }
 }
 
-/// Converts whole elements: `(src, from, dst, to)`.
-pub(crate) type ConvertFn = fn(&[u8], DType, &mut [u8], DType) -> Result<(), String>;
+/// Converts whole groups of the file's bytes into the stored bytes: `(src, dst)`, `src` a
+/// whole number of file groups and `dst` the same number of stored groups.
+pub(crate) type ConvertFn = dyn Fn(&[u8], &mut [u8]) -> Result<(), String> + Send + Sync;
 
-/// How a segment's file bytes become the unit's bytes: elements of `from` converted to `to`
-/// by `convert` (the store's float conversion, passed in so that this module stays a leaf).
-#[derive(Debug, Clone, Copy)]
+/// How a segment's file bytes become the unit's bytes: groups of `from_group` file bytes
+/// (one element of a float dtype, one GGML block) become groups of `to_group` stored bytes.
+/// The function is the store's (passed in so that this module stays a leaf).
+#[derive(Clone)]
 pub(crate) struct Conversion {
-    /// The file's dtype.
-    pub from: DType,
-    /// The stored dtype.
-    pub to: DType,
-    /// Converts whole elements.
-    pub convert: ConvertFn,
+    /// What it converts, for messages (`F32 -> F16`, `Q8_0 -> F32`).
+    pub what: Arc<str>,
+    /// File bytes per group.
+    pub from_group: usize,
+    /// Stored bytes per group.
+    pub to_group: usize,
+    /// Converts whole groups.
+    pub convert: Arc<ConvertFn>,
 }
 
-/// One tensor of a disk unit: `len` bytes at `at` in the unit's layout, read from the file at
-/// `file_offset`.
+impl std::fmt::Debug for Conversion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Conversion({}, {} -> {} bytes per group)",
+            self.what, self.from_group, self.to_group
+        )
+    }
+}
+
+/// One run of a disk unit's bytes: `len` bytes at `at` in the unit's layout, read from the
+/// file at `file_offset` (a tensor, or a run of its rows).
 #[derive(Debug, Clone)]
 pub(crate) struct Segment {
     /// The file.
     pub file: Arc<DiskFile>,
-    /// The tensor (for messages).
-    pub name: String,
+    /// The tensor (for messages; shared by the segments of its row runs).
+    pub name: Arc<str>,
     /// Offset in the unit's layout.
     pub at: usize,
     /// Bytes in the unit's layout (after conversion).
@@ -116,41 +275,329 @@ pub(crate) struct Segment {
 impl Segment {
     /// Bytes it takes in the file.
     pub(crate) fn file_len(&self) -> usize {
-        match self.conversion {
+        match &self.conversion {
             None => self.len,
-            Some(c) => self.len / c.to.size_in_bytes() * c.from.size_in_bytes(),
+            Some(c) => self.len / c.to_group * c.from_group,
         }
     }
 
-    /// Reads bytes `part` (relative to the segment) into `dst`.
-    fn read(&self, part: Range<usize>, dst: &mut [u8]) -> io::Result<()> {
-        let Some(c) = self.conversion else {
-            return self
-                .file
-                .file
-                .read_exact_at(dst, self.file_offset + part.start as u64);
-        };
-        // Whole elements around the part, converted, then the part cut out.
-        let (wf, wt) = (c.from.size_in_bytes(), c.to.size_in_bytes());
-        let (e0, e1) = (part.start / wt, part.end.div_ceil(wt));
-        let mut src = vec![0u8; (e1 - e0) * wf];
-        self.file
-            .file
-            .read_exact_at(&mut src, self.file_offset + (e0 * wf) as u64)?;
-        let mut out = vec![0u8; (e1 - e0) * wt];
-        (c.convert)(&src, c.from, &mut out, c.to).map_err(io::Error::other)?;
-        let skip = part.start - e0 * wt;
-        dst.copy_from_slice(&out[skip..skip + dst.len()]);
+    /// The file range holding bytes `part` (relative to the segment) of the unit, widened to
+    /// whole groups of a conversion, and how many converted bytes precede `part.start` in it.
+    fn file_range(&self, part: &Range<usize>) -> (Range<u64>, usize) {
+        match &self.conversion {
+            None => (
+                self.file_offset + part.start as u64..self.file_offset + part.end as u64,
+                0,
+            ),
+            Some(c) => {
+                let (g0, g1) = (part.start / c.to_group, part.end.div_ceil(c.to_group));
+                (
+                    self.file_offset + (g0 * c.from_group) as u64
+                        ..self.file_offset + (g1 * c.from_group) as u64,
+                    part.start - g0 * c.to_group,
+                )
+            }
+        }
+    }
+}
+
+/// One segment's share of a read: its file bytes and where they go.
+struct Piece<'a> {
+    seg: &'a Segment,
+    file: Range<u64>,
+    /// Converted bytes to drop before `dst` starts.
+    skip: usize,
+    /// Destination range, relative to the read's start.
+    dst: Range<usize>,
+}
+
+/// The bytes of a unit in its file(s): what a read needs, shared with read-ahead jobs.
+#[derive(Debug)]
+pub(crate) struct DiskUnit {
+    unit: String,
+    len: usize,
+    segments: Vec<Segment>,
+}
+
+impl DiskUnit {
+    /// An error naming the unit and the file, unless every file it reads still has the size
+    /// and modification time it had.
+    fn check_files(&self) -> io::Result<()> {
+        let mut checked: Vec<&Path> = Vec::new();
+        for s in &self.segments {
+            if !checked.contains(&s.file.path()) {
+                s.file.check_unchanged().map_err(|e| {
+                    io::Error::new(
+                        e.kind(),
+                        format!(
+                            "reading unit {} from {}: {e}",
+                            self.unit,
+                            s.file.path().display()
+                        ),
+                    )
+                })?;
+                checked.push(s.file.path());
+            }
+        }
         Ok(())
+    }
+
+    /// Reads `range` of the unit's layout into `dst` (its length), zeros between segments.
+    fn read(&self, range: Range<usize>, dst: &mut [u8]) -> io::Result<()> {
+        if range.end > self.len || range.start > range.end || range.len() != dst.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "unit {}: cannot read {range:?} of {} bytes into {} bytes",
+                    self.unit,
+                    self.len,
+                    dst.len()
+                ),
+            ));
+        }
+        dst.fill(0);
+        let mut pieces = Vec::new();
+        for s in &self.segments {
+            let (a, b) = (range.start.max(s.at), range.end.min(s.at + s.len));
+            if a >= b {
+                continue;
+            }
+            let (file, skip) = s.file_range(&(a - s.at..b - s.at));
+            pieces.push(Piece {
+                seg: s,
+                file,
+                skip,
+                dst: a - range.start..b - range.start,
+            });
+        }
+        let named = |s: &Segment, e: io::Error| {
+            let what = if e.kind() == io::ErrorKind::UnexpectedEof {
+                "the file is shorter than when the store was built".to_string()
+            } else {
+                e.to_string()
+            };
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "reading unit {} (tensor {}) from {}: {what}",
+                    self.unit,
+                    s.name,
+                    s.file.path().display()
+                ),
+            )
+        };
+        let mut checked: Vec<&Path> = Vec::new();
+        for p in &pieces {
+            if !checked.contains(&p.seg.file.path()) {
+                p.seg.file.check_unchanged().map_err(|e| named(p.seg, e))?;
+                checked.push(p.seg.file.path());
+            }
+        }
+        // Runs of pieces whose file ranges (nearly) touch, each read with one `pread`.
+        pieces.sort_by_key(|p| (Arc::as_ptr(&p.seg.file) as usize, p.file.start));
+        let mut i = 0;
+        while i < pieces.len() {
+            let first = &pieces[i];
+            let (start, mut end, mut j) = (first.file.start, first.file.end, i + 1);
+            while j < pieces.len()
+                && Arc::ptr_eq(&pieces[j].seg.file, &first.seg.file)
+                && pieces[j].file.start <= end + MERGE_GAP
+                && pieces[j].file.end.max(end) - start <= MAX_RUN
+            {
+                end = end.max(pieces[j].file.end);
+                j += 1;
+            }
+            let run = &pieces[i..j];
+            if let [p] = run {
+                if p.seg.conversion.is_none() {
+                    p.seg
+                        .file
+                        .read_exact_at(&mut dst[p.dst.clone()], start)
+                        .map_err(|e| named(p.seg, e))?;
+                    i = j;
+                    continue;
+                }
+            }
+            let mut buf = vec![0u8; (end - start) as usize];
+            first
+                .seg
+                .file
+                .read_exact_at(&mut buf, start)
+                .map_err(|e| named(first.seg, e))?;
+            for p in run {
+                let src = &buf[(p.file.start - start) as usize..(p.file.end - start) as usize];
+                let out = &mut dst[p.dst.clone()];
+                match &p.seg.conversion {
+                    None => out.copy_from_slice(src),
+                    Some(c) => {
+                        let conv_len = src.len() / c.from_group * c.to_group;
+                        let failed = |e| named(p.seg, io::Error::other(format!("{}: {e}", c.what)));
+                        if p.skip == 0 && conv_len == out.len() {
+                            // Whole groups: converted straight into place.
+                            (c.convert)(src, out).map_err(failed)?;
+                        } else {
+                            let mut conv = vec![0u8; conv_len];
+                            (c.convert)(src, &mut conv).map_err(failed)?;
+                            out.copy_from_slice(&conv[p.skip..p.skip + out.len()]);
+                        }
+                    }
+                }
+            }
+            i = j;
+        }
+        Ok(())
+    }
+}
+
+/// Where a unit's read-ahead stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadAhead {
+    /// None issued (or it was dropped).
+    None,
+    /// Issued, still reading.
+    InFlight,
+    /// Read: the bytes are in host memory (or the read failed, and the fetch reads again).
+    Ready,
+}
+
+/// A read-ahead's outcome, once a reader thread has finished it.
+#[derive(Debug, Default)]
+struct Staged {
+    result: Mutex<Option<io::Result<PageableBuffer>>>,
+    done: Condvar,
+    /// Set when nobody needs the bytes any more: a job not started yet skips the read.
+    dropped: AtomicBool,
+}
+
+impl Staged {
+    fn lock(&self) -> MutexGuard<'_, Option<io::Result<PageableBuffer>>> {
+        self.result.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn finish(&self, r: io::Result<PageableBuffer>) {
+        let mut g = self.lock();
+        if g.is_none() {
+            *g = Some(r);
+        }
+        self.done.notify_all();
+    }
+
+    /// Waits until the read has finished.
+    fn wait(&self) -> MutexGuard<'_, Option<io::Result<PageableBuffer>>> {
+        let mut g = self.lock();
+        while g.is_none() {
+            g = self.done.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        g
+    }
+}
+
+/// One unit to read ahead. Dropped without running (the pool closing), it finishes its
+/// read-ahead as failed, so that nothing waits for it.
+struct ReadJob {
+    unit: Arc<DiskUnit>,
+    staged: Arc<Staged>,
+}
+
+impl ReadJob {
+    fn run(self) {
+        if self.staged.dropped.load(Ordering::Relaxed) {
+            return;
+        }
+        let len = self.unit.len;
+        let mut buf = PageableBuffer::zeroed(len);
+        let read = match buf.bytes_mut() {
+            Some(dst) => self.unit.read(0..len, dst),
+            None => Err(io::Error::other("a pageable buffer without bytes")),
+        };
+        tracing::trace!(unit = %self.unit.unit, bytes = len, ok = read.is_ok(), "read ahead");
+        self.staged.finish(read.map(|()| buf));
+    }
+}
+
+impl Drop for ReadJob {
+    fn drop(&mut self) {
+        self.staged
+            .finish(Err(io::Error::other("the read-ahead was dropped unread")));
+    }
+}
+
+/// Reader threads for read-ahead: a unit's whole bytes read from its file into host memory
+/// ahead of its fetch. Jobs run in the order given; dropping the pool skips the jobs not
+/// started and waits for those running.
+#[derive(Debug)]
+pub(crate) struct ReadPool {
+    tx: Option<mpsc::Sender<ReadJob>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    closing: Arc<AtomicBool>,
+}
+
+impl ReadPool {
+    /// A pool of `threads` reader threads (at least one).
+    pub(crate) fn new(threads: usize) -> io::Result<Self> {
+        let (tx, rx) = mpsc::channel::<ReadJob>();
+        let rx = Arc::new(Mutex::new(rx));
+        let closing = Arc::new(AtomicBool::new(false));
+        let mut pool = Self {
+            tx: Some(tx),
+            threads: Vec::new(),
+            closing: closing.clone(),
+        };
+        for i in 0..threads.max(1) {
+            let (rx, closing) = (rx.clone(), closing.clone());
+            let handle = std::thread::Builder::new()
+                .name(format!("offload-read-{i}"))
+                .spawn(move || loop {
+                    let job = match rx.lock() {
+                        Ok(r) => r.recv(),
+                        Err(_) => return,
+                    };
+                    match job {
+                        Ok(job) if !closing.load(Ordering::Relaxed) => job.run(),
+                        Ok(job) => drop(job),
+                        Err(_) => return,
+                    }
+                })?;
+            pool.threads.push(handle);
+        }
+        Ok(pool)
+    }
+
+    /// How many reader threads it has.
+    pub(crate) fn threads(&self) -> usize {
+        self.threads.len()
+    }
+
+    fn submit(&self, job: ReadJob) {
+        // A pool whose threads are gone drops the job, which finishes it as failed.
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(job);
+        }
+    }
+}
+
+impl Drop for ReadPool {
+    fn drop(&mut self) {
+        self.closing.store(true, Ordering::Relaxed);
+        self.tx.take();
+        for h in self.threads.drain(..) {
+            let _ = h.join();
+        }
     }
 }
 
 /// A unit that lives in its checkpoint file(s).
 #[derive(Debug)]
 pub(crate) struct DiskTier {
-    unit: String,
-    len: usize,
-    segments: Vec<Segment>,
+    inner: Arc<DiskUnit>,
+    /// Its read-ahead, issued and not yet ended.
+    staged: Mutex<Option<Arc<Staged>>>,
+}
+
+impl DiskTier {
+    fn staged(&self) -> MutexGuard<'_, Option<Arc<Staged>>> {
+        self.staged.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl DiskTier {
@@ -171,9 +618,12 @@ impl DiskTier {
                     s.at + s.len
                 )));
             }
-            if let Some(c) = s.conversion {
-                if s.len % c.to.size_in_bytes() != 0 {
-                    return Err(bad(format!("{} bytes are not whole {:?}", s.len, c.to)));
+            if let Some(c) = &s.conversion {
+                if c.to_group == 0 || c.from_group == 0 || s.len % c.to_group != 0 {
+                    return Err(bad(format!(
+                        "{} bytes are not whole groups of {} ({})",
+                        s.len, c.to_group, c.what
+                    )));
                 }
             }
             if s.file_offset + s.file_len() as u64 > s.file.len() {
@@ -186,10 +636,17 @@ impl DiskTier {
             }
             end = s.at + s.len;
         }
+        // Tries O_DIRECT now, so that a file system without it is warned about at load.
+        for s in &segments {
+            s.file.reads_direct();
+        }
         Ok(Self {
-            unit: unit.to_string(),
-            len,
-            segments,
+            inner: Arc::new(DiskUnit {
+                unit: unit.to_string(),
+                len,
+                segments,
+            }),
+            staged: Mutex::new(None),
         })
     }
 }
@@ -199,7 +656,7 @@ impl HostTier for DiskTier {
         TierKind::Disk
     }
     fn len(&self) -> usize {
-        self.len
+        self.inner.len
     }
     fn bytes(&self) -> Option<&[u8]> {
         None
@@ -208,51 +665,56 @@ impl HostTier for DiskTier {
         None
     }
     fn read_into(&self, range: Range<usize>, dst: &mut [u8]) -> io::Result<()> {
-        if range.end > self.len || range.start > range.end || range.len() != dst.len() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "unit {}: cannot read {range:?} of {} bytes into {} bytes",
-                    self.unit,
-                    self.len,
-                    dst.len()
-                ),
-            ));
-        }
-        dst.fill(0);
-        let mut checked: Vec<&Path> = Vec::new();
-        for s in &self.segments {
-            let (a, b) = (range.start.max(s.at), range.end.min(s.at + s.len));
-            if a >= b {
-                continue;
+        let staged = self.staged().clone();
+        if let Some(staged) = staged {
+            let result = staged.wait();
+            if let Some(Ok(buf)) = &*result {
+                // The bytes were read earlier: the file must still be the one they came from.
+                self.inner.check_files()?;
+                let src = buf
+                    .bytes()
+                    .and_then(|b| b.get(range.clone()))
+                    .filter(|b| b.len() == dst.len());
+                if let Some(src) = src {
+                    dst.copy_from_slice(src);
+                    return Ok(());
+                }
+            } else {
+                // Failed or dropped: read from the file, which reports its own error.
+                drop(result);
+                self.staged().take();
             }
-            let named = |e: io::Error| {
-                let what = if e.kind() == io::ErrorKind::UnexpectedEof {
-                    "the file is shorter than when the store was built".to_string()
-                } else {
-                    e.to_string()
-                };
-                io::Error::new(
-                    e.kind(),
-                    format!(
-                        "reading unit {} (tensor {}) from {}: {what}",
-                        self.unit,
-                        s.name,
-                        s.file.path().display()
-                    ),
-                )
-            };
-            if !checked.contains(&s.file.path()) {
-                s.file.check_unchanged().map_err(named)?;
-                checked.push(s.file.path());
-            }
-            s.read(
-                a - s.at..b - s.at,
-                &mut dst[a - range.start..b - range.start],
-            )
-            .map_err(named)?;
         }
-        Ok(())
+        self.inner.read(range, dst)
+    }
+    fn read_ahead(&self, pool: &ReadPool) -> bool {
+        let mut slot = self.staged();
+        if slot.is_some() {
+            return false;
+        }
+        let staged = Arc::new(Staged::default());
+        *slot = Some(staged.clone());
+        drop(slot);
+        pool.submit(ReadJob {
+            unit: self.inner.clone(),
+            staged,
+        });
+        true
+    }
+    fn read_ahead_state(&self) -> ReadAhead {
+        match &*self.staged() {
+            None => ReadAhead::None,
+            Some(s) if s.lock().is_some() => ReadAhead::Ready,
+            Some(_) => ReadAhead::InFlight,
+        }
+    }
+    fn reads_direct(&self) -> bool {
+        self.inner.segments.iter().all(|s| s.file.reads_direct())
+    }
+    fn end_read_ahead(&self) {
+        if let Some(s) = self.staged().take() {
+            s.dropped.store(true, Ordering::Relaxed);
+        }
     }
 }
 
@@ -260,7 +722,7 @@ impl HostTier for DiskTier {
 mod tests {
     use super::*;
 
-    fn f32_to_f16(src: &[u8], _: DType, dst: &mut [u8], _: DType) -> Result<(), String> {
+    fn f32_to_f16(src: &[u8], dst: &mut [u8]) -> Result<(), String> {
         for (i, c) in src.chunks_exact(4).enumerate() {
             let x = f32::from_le_bytes(c.try_into().unwrap());
             dst[2 * i..2 * i + 2].copy_from_slice(&half::f16::from_f32(x).to_le_bytes());
@@ -277,7 +739,7 @@ mod tests {
         let mut data = vec![9u8, 9, 9];
         data.extend(values.iter().flat_map(|x| x.to_le_bytes()));
         std::fs::write(&path, &data)?;
-        let file = DiskFile::open(&path)?;
+        let file = DiskFile::open(&path, false)?;
         let seg = |at, len, conversion| Segment {
             file: file.clone(),
             name: "t".into(),
@@ -295,11 +757,12 @@ mod tests {
         assert_eq!(&out[20..], &[0; 4]);
         // A read that starts and ends inside elements of a converted segment.
         let conv = Conversion {
-            from: DType::F32,
-            to: DType::F16,
-            convert: f32_to_f16,
+            what: "F32 -> F16".into(),
+            from_group: 4,
+            to_group: 2,
+            convert: Arc::new(f32_to_f16),
         };
-        let tier = DiskTier::new("u", 8, vec![seg(0, 8, Some(conv))])?;
+        let tier = DiskTier::new("u", 8, vec![seg(0, 8, Some(conv.clone()))])?;
         let mut all = vec![0u8; 8];
         tier.read_into(0..8, &mut all)?;
         let want: Vec<u8> = values
@@ -311,6 +774,28 @@ mod tests {
         tier.read_into(1..6, &mut mid)?;
         assert_eq!(mid, want[1..6]);
         assert!(tier.read_into(4..9, &mut [0u8; 5]).is_err());
+        // Rows in reverse order, one segment per row (as a GGUF's q/k rows): gathered from one
+        // read, raw and converted, whole and in part.
+        let rows = |width: usize, conversion: Option<Conversion>| {
+            let segments = (0..4)
+                .map(|k| Segment {
+                    file_offset: 3 + 4 * k as u64,
+                    ..seg((3 - k) * width, width, conversion.clone())
+                })
+                .collect();
+            DiskTier::new("u", 4 * width, segments)
+        };
+        let reversed: Vec<u8> = data[3..].chunks(4).rev().flatten().copied().collect();
+        let mut out = vec![0u8; 16];
+        rows(4, None)?.read_into(0..16, &mut out)?;
+        assert_eq!(out, reversed);
+        let mut part = vec![0u8; 9];
+        rows(4, None)?.read_into(5..14, &mut part)?;
+        assert_eq!(part, reversed[5..14]);
+        let want_rev: Vec<u8> = want.chunks(2).rev().flatten().copied().collect();
+        let mut out = vec![0u8; 8];
+        rows(2, Some(conv))?.read_into(0..8, &mut out)?;
+        assert_eq!(out, want_rev);
         // A segment past the end of the file is refused when the tier is made.
         let e = DiskTier::new("u", 64, vec![seg(0, 20, None)]).unwrap_err();
         assert!(e.to_string().contains("w.bin"), "{e}");
@@ -321,6 +806,151 @@ mod tests {
             .set_len(10)?;
         let e = tier.read_into(0..8, &mut all).unwrap_err().to_string();
         assert!(e.contains("w.bin") && e.contains("unit u"), "{e}");
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+
+    #[test]
+    fn merged_reads_stop_at_their_bound() -> anyhow::Result<()> {
+        // Four 3 MiB rows in reverse order: adjacent in the file, but past `MAX_RUN` together.
+        let dir = std::env::temp_dir().join(format!("candle-offload-runs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("rows.bin");
+        let row = 3 << 20;
+        let data: Vec<u8> = (0..4 * row).map(|i| (i / 4099 % 251) as u8).collect();
+        std::fs::write(&path, &data)?;
+        let file = DiskFile::open(&path, false)?;
+        let segments = (0..4)
+            .map(|k| Segment {
+                file: file.clone(),
+                name: "t".into(),
+                at: (3 - k) * row,
+                len: row,
+                file_offset: (k * row) as u64,
+                conversion: None,
+            })
+            .collect();
+        let tier = DiskTier::new("u", 4 * row, segments)?;
+        let mut out = vec![0u8; 4 * row];
+        tier.read_into(0..4 * row, &mut out)?;
+        for k in 0..4 {
+            assert!(
+                out[(3 - k) * row..(4 - k) * row] == data[k * row..(k + 1) * row],
+                "row {k}"
+            );
+        }
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+
+    /// Reads with O_DIRECT equal reads through the page cache, at any offset and length, past
+    /// `MAX_RUN` and up to the file's unaligned end; where O_DIRECT cannot be had (a file
+    /// system that refuses it, a path gone), the file is read through the page cache instead.
+    #[test]
+    fn direct_reads_equal_page_cache_reads_or_fall_back() -> anyhow::Result<()> {
+        let dirs = [std::env::temp_dir(), PathBuf::from("/dev/shm")];
+        for base in dirs.iter().filter(|d| d.is_dir()) {
+            let dir = base.join(format!("candle-offload-direct-{}", std::process::id()));
+            std::fs::create_dir_all(&dir)?;
+            let path = dir.join("w.bin");
+            let len = (9 << 20) + 1234;
+            let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+            std::fs::write(&path, &data)?;
+            let direct = DiskFile::open(&path, true)?;
+            let cached = DiskFile::open(&path, false)?;
+            assert!(!cached.reads_direct());
+            eprintln!("{}: O_DIRECT {}", dir.display(), direct.reads_direct());
+            for (offset, n) in [
+                (0, 10),
+                (4095, 2),
+                (4096, 4096),
+                (777, 3 << 20),
+                (5, len - 5),
+                (len - 3000, 3000),
+            ] {
+                let (mut a, mut b) = (vec![0u8; n], vec![1u8; n]);
+                direct.read_exact_at(&mut a, offset as u64)?;
+                cached.read_exact_at(&mut b, offset as u64)?;
+                assert!(a == b && a == data[offset..offset + n], "{offset}+{n}");
+            }
+            let e = direct
+                .read_exact_at(&mut [0u8; 10], len as u64 - 5)
+                .unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+            // O_DIRECT that cannot be had (here: the path is gone by the time the first disk
+            // unit tries it) leaves the page cache, through the handle already open.
+            let late = DiskFile::open(&path, true)?;
+            std::fs::rename(&path, dir.join("moved.bin"))?;
+            assert!(!late.reads_direct());
+            let mut a = vec![0u8; 5000];
+            late.read_exact_at(&mut a, 123)?;
+            assert!(a == data[123..5123]);
+            std::fs::remove_dir_all(&dir)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn read_ahead_serves_reads_and_still_checks_the_file() -> anyhow::Result<()> {
+        let dir =
+            std::env::temp_dir().join(format!("candle-offload-readahead-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("w.bin");
+        let data: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
+        std::fs::write(&path, &data)?;
+        let file = DiskFile::open(&path, false)?;
+        let tier = DiskTier::new(
+            "u",
+            10_000,
+            vec![Segment {
+                file: file.clone(),
+                name: "t".into(),
+                at: 0,
+                len: 10_000,
+                file_offset: 0,
+                conversion: None,
+            }],
+        )?;
+        let pool = ReadPool::new(2)?;
+        assert_eq!(tier.read_ahead_state(), ReadAhead::None);
+        assert!(tier.read_ahead(&pool));
+        assert!(!tier.read_ahead(&pool), "one read-ahead per unit at a time");
+        let mut out = vec![0u8; 300];
+        tier.read_into(5000..5300, &mut out)?;
+        assert_eq!(out, data[5000..5300]);
+        assert_eq!(tier.read_ahead_state(), ReadAhead::Ready);
+        // The staged bytes are not handed out once the file has changed.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)?
+            .set_len(5000)?;
+        let e = tier.read_into(0..300, &mut out).unwrap_err().to_string();
+        assert!(e.contains("w.bin") && e.contains("unit u"), "{e}");
+        tier.end_read_ahead();
+        assert_eq!(tier.read_ahead_state(), ReadAhead::None);
+        // A read-ahead whose read fails leaves the read to the file, which names it.
+        assert!(tier.read_ahead(&pool));
+        let e = tier.read_into(0..300, &mut out).unwrap_err().to_string();
+        assert!(e.contains("w.bin") && e.contains("changed size"), "{e}");
+        // Jobs the pool drops unread never leave a reader waiting.
+        std::fs::write(&path, &data)?;
+        let tier = DiskTier::new(
+            "v",
+            10_000,
+            vec![Segment {
+                file: DiskFile::open(&path, false)?,
+                name: "t".into(),
+                at: 0,
+                len: 10_000,
+                file_offset: 0,
+                conversion: None,
+            }],
+        )?;
+        let pool = ReadPool::new(1)?;
+        tier.read_ahead(&pool);
+        drop(pool);
+        tier.read_into(0..300, &mut out)?;
+        assert_eq!(out, data[..300]);
         std::fs::remove_dir_all(&dir)?;
         Ok(())
     }

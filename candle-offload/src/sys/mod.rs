@@ -20,7 +20,7 @@ use candle_core::{DType, Shape, Tensor};
 mod disk;
 pub(crate) mod simd;
 
-pub(crate) use disk::{Conversion, DiskFile, DiskTier, Segment};
+pub(crate) use disk::{Conversion, DiskFile, DiskTier, ReadAhead, ReadPool, Segment};
 
 #[cfg(feature = "cuda")]
 #[path = "cuda.rs"]
@@ -111,7 +111,7 @@ pub enum TierKind {
     Pinned,
     /// Ordinary host memory: on a GPU its copies go through the pinned staging ring.
     Pageable,
-    /// The checkpoint file: read on demand (positioned reads through the page cache), into
+    /// The checkpoint file: read on demand (positioned reads, O_DIRECT or the page cache), into
     /// the pinned staging ring on a GPU or a fresh copy on the CPU.
     Disk,
 }
@@ -146,6 +146,23 @@ pub(crate) trait HostTier: Send + Sync + std::fmt::Debug {
     fn dma_ready(&self) -> bool {
         self.kind() == TierKind::Pinned
     }
+    /// Starts reading the whole unit into host memory on one of `pool`'s threads, so that
+    /// the next reads find it there; true when a read was started. Only tiers without host
+    /// bytes (the disk) do anything.
+    fn read_ahead(&self, _pool: &ReadPool) -> bool {
+        false
+    }
+    /// Where its read-ahead stands.
+    fn read_ahead_state(&self) -> ReadAhead {
+        ReadAhead::None
+    }
+    /// Whether its reads bypass the page cache (O_DIRECT); false for memory tiers.
+    fn reads_direct(&self) -> bool {
+        false
+    }
+    /// Frees the read-ahead's bytes (the fetch that used them is done, or the plan no longer
+    /// needs them); a read not started yet is skipped.
+    fn end_read_ahead(&self) {}
     /// Copies `range` into `dst` (of the same length). The default reads from
     /// [`bytes`](Self::bytes); a tier without them overrides it.
     fn read_into(&self, range: Range<usize>, dst: &mut [u8]) -> std::io::Result<()> {
