@@ -108,37 +108,6 @@ __device__ void rope_qk(const T *q, const T *k, const T *cs, T *out, uint32_t b,
     }
 }
 
-// load8 for data read once (weights): evict-first, so that it does not push out what is reused.
-__device__ __forceinline__ uint4 ld_stream(const void *p) {
-    return __ldcs(reinterpret_cast<const uint4 *>(p));
-}
-__device__ __forceinline__ void load8_stream(const __half *p, float *o) {
-    const uint4 u = ld_stream(p);
-    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __half22float2(h[i]);
-        o[2 * i] = f.x;
-        o[2 * i + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load8_stream(const __nv_bfloat16 *p, float *o) {
-    const uint4 u = ld_stream(p);
-    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        o[2 * i] = f.x;
-        o[2 * i + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load8_stream(const float *p, float *o) {
-    const float4 a = __ldcs(reinterpret_cast<const float4 *>(p));
-    const float4 b = __ldcs(reinterpret_cast<const float4 *>(p + 4));
-    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-    o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
-}
-
 // Threads per block of decode_attention (head_dim up to twice as many).
 #define DA_THREADS 128
 // Warps per block of linear_small.
@@ -272,40 +241,88 @@ __device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uin
 // Maximum rows of x in linear_small.
 #define LS_MAX_M 8
 
-// acc[r] += this lane's share of x[r, :] · wr[:] for r < m (elements lane * 8 + 256 j), with
-// 16-byte loads (k % 8 == 0, rows 16-byte aligned). The weight streams through once
-// (evict-first loads); x, read by every warp, stays in the caches.
-template <typename T>
+// Raw 16-byte loads (8 elements of f16/bf16, 4 of f32), converted to f32 only when used, so
+// that four loads in flight cost 16 registers rather than 32. `ld_stream` loads are evict-first
+// (the weights, read once); `ld_keep` loads the reused x.
+struct Raw8 {
+    uint4 a, b;  // b only for f32
+};
+template <typename T> __device__ __forceinline__ Raw8 ld_raw(const T *p, bool stream);
+template <> __device__ __forceinline__ Raw8 ld_raw<__half>(const __half *p, bool stream) {
+    const uint4 *q = reinterpret_cast<const uint4 *>(p);
+    return {stream ? __ldcs(q) : __ldg(q), make_uint4(0, 0, 0, 0)};
+}
+template <>
+__device__ __forceinline__ Raw8 ld_raw<__nv_bfloat16>(const __nv_bfloat16 *p, bool stream) {
+    const uint4 *q = reinterpret_cast<const uint4 *>(p);
+    return {stream ? __ldcs(q) : __ldg(q), make_uint4(0, 0, 0, 0)};
+}
+template <> __device__ __forceinline__ Raw8 ld_raw<float>(const float *p, bool stream) {
+    const uint4 *q = reinterpret_cast<const uint4 *>(p);
+    return {stream ? __ldcs(q) : __ldg(q), stream ? __ldcs(q + 1) : __ldg(q + 1)};
+}
+template <typename T> __device__ __forceinline__ void cvt8(const Raw8 &r, float *o);
+template <> __device__ __forceinline__ void cvt8<__half>(const Raw8 &r, float *o) {
+    const __half2 *h = reinterpret_cast<const __half2 *>(&r.a);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(h[i]);
+        o[2 * i] = f.x;
+        o[2 * i + 1] = f.y;
+    }
+}
+template <> __device__ __forceinline__ void cvt8<__nv_bfloat16>(const Raw8 &r, float *o) {
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&r.a);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        o[2 * i] = f.x;
+        o[2 * i + 1] = f.y;
+    }
+}
+template <> __device__ __forceinline__ void cvt8<float>(const Raw8 &r, float *o) {
+    o[0] = __uint_as_float(r.a.x); o[1] = __uint_as_float(r.a.y);
+    o[2] = __uint_as_float(r.a.z); o[3] = __uint_as_float(r.a.w);
+    o[4] = __uint_as_float(r.b.x); o[5] = __uint_as_float(r.b.y);
+    o[6] = __uint_as_float(r.b.z); o[7] = __uint_as_float(r.b.w);
+}
+
+// acc[r] += this lane's share of x[r, :] · wr[:] for r < m <= M (elements lane * 8 + 256 j),
+// with 16-byte loads (k % 8 == 0, rows 16-byte aligned). M is a compile-time bound so that a
+// one-row decode step keeps one accumulator, not eight: registers decide how many warps an SM
+// holds, and so how many bytes are on their way from memory.
+template <typename T, int M>
 __device__ __forceinline__ void dot_rows(const T *x, const T *wr, uint32_t m, uint32_t k,
                                          float *acc) {
     uint32_t i = (threadIdx.x & 31u) * 8u;
-    // Four weight loads in flight per lane before any is used: at one row of x the kernel is
-    // bound by the bytes on their way from memory.
+    // Four weight loads in flight per lane before any is used.
     for (; i + 768u < k; i += 1024u) {
-        float wv[4][8];
+        Raw8 w[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) load8_stream(wr + i + 256u * u, wv[u]);
+        for (int u = 0; u < 4; ++u) w[u] = ld_raw(wr + i + 256u * u, true);
 #pragma unroll
-        for (int r = 0; r < LS_MAX_M; ++r) {
-            if ((uint32_t)r < m) {
+        for (int u = 0; u < 4; ++u) {
+            float wv[8];
+            cvt8<T>(w[u], wv);
 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
+            for (int r = 0; r < M; ++r) {
+                if ((uint32_t)r < m) {
                     float xv[8];
-                    load8(x + (size_t)r * k + i + 256u * u, xv);
+                    cvt8<T>(ld_raw(x + (size_t)r * k + i + 256u * u, false), xv);
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[r] += wv[u][e] * xv[e];
+                    for (int e = 0; e < 8; ++e) acc[r] += wv[e] * xv[e];
                 }
             }
         }
     }
     for (; i < k; i += 256u) {
         float wv[8];
-        load8_stream(wr + i, wv);
+        cvt8<T>(ld_raw(wr + i, true), wv);
 #pragma unroll
-        for (int r = 0; r < LS_MAX_M; ++r) {
+        for (int r = 0; r < M; ++r) {
             if ((uint32_t)r < m) {
                 float xv[8];
-                load8(x + (size_t)r * k + i, xv);
+                cvt8<T>(ld_raw(x + (size_t)r * k + i, false), xv);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[r] += wv[e] * xv[e];
             }
@@ -313,29 +330,29 @@ __device__ __forceinline__ void dot_rows(const T *x, const T *wr, uint32_t m, ui
     }
 }
 
-// x (m, k) times up to three weights (n_i, k) at once, for few rows m <= LS_MAX_M (decode):
-// one warp per output column, f32 accumulation, one warp reduction per row of x.
+// x (m, k) times up to three weights (n_i, k) at once, for few rows m <= M <= LS_MAX_M
+// (decode): one warp per output column, f32 accumulation, one warp reduction per row of x.
 // - silu == 0: the columns of w0, then w1, then w2 (n1, n2 may be 0); y holds x·w0ᵀ (m, n0),
 //   then x·w1ᵀ (m, n1), then x·w2ᵀ (m, n2), each contiguous (q, k and v in one launch).
 // - silu != 0: w0 is a gate and w1 an up projection (n0 == n1); each warp computes column c of
 //   both and y (m, n0) gets silu(gate) · up (a SwiGLU MLP's first half in one launch).
-template <typename T>
+template <typename T, int M>
 __device__ void linear_small(const T *x, const T *w0, const T *w1, const T *w2, T *y, uint32_t m,
                              uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {
     const uint32_t lane = threadIdx.x & 31u;
     const uint32_t col = blockIdx.x * OPS_WARPS + (threadIdx.x >> 5);
-    float acc[LS_MAX_M];
+    float acc[M];
 #pragma unroll
-    for (int r = 0; r < LS_MAX_M; ++r) acc[r] = 0.0f;
+    for (int r = 0; r < M; ++r) acc[r] = 0.0f;
     if (silu) {
         if (col >= n0) return;
-        float up[LS_MAX_M];
+        float up[M];
 #pragma unroll
-        for (int r = 0; r < LS_MAX_M; ++r) up[r] = 0.0f;
-        dot_rows(x, w0 + (size_t)col * k, m, k, acc);
-        dot_rows(x, w1 + (size_t)col * k, m, k, up);
+        for (int r = 0; r < M; ++r) up[r] = 0.0f;
+        dot_rows<T, M>(x, w0 + (size_t)col * k, m, k, acc);
+        dot_rows<T, M>(x, w1 + (size_t)col * k, m, k, up);
 #pragma unroll
-        for (int r = 0; r < LS_MAX_M; ++r) {
+        for (int r = 0; r < M; ++r) {
             if ((uint32_t)r < m) {
                 const float g = warp_sum(acc[r]);
                 const float u = warp_sum(up[r]);
@@ -356,15 +373,27 @@ __device__ void linear_small(const T *x, const T *w0, const T *w1, const T *w2, 
     } else {
         return;
     }
-    dot_rows(x, w + (size_t)c * k, m, k, acc);
+    dot_rows<T, M>(x, w + (size_t)c * k, m, k, acc);
 #pragma unroll
-    for (int r = 0; r < LS_MAX_M; ++r) {
+    for (int r = 0; r < M; ++r) {
         if ((uint32_t)r < m) {
             const float s = warp_sum(acc[r]);
             if (lane == 0) yb[(size_t)r * n + c] = from_f32<T>(s);
         }
     }
 }
+
+// linear_small_m<M>_<dtype>: the kernel for at most M rows of x. One row of f16/bf16 fits in
+// 32 registers (ptxas -v: 12 bytes spilled), so an SM holds 16 blocks, all its 64 warps, of the
+// decode step's kernel; the others get at most 64 (8 blocks).
+#define LINEAR_SMALL_FOR(T, SUFFIX, M)                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS,                                \
+                                                 (M == 1 && sizeof(T) == 2) ? 16 : 8)           \
+        linear_small_m##M##_##SUFFIX(                                                           \
+        const T *x, const T *w0, const T *w1, const T *w2, T *y, uint32_t m, uint32_t n0,       \
+        uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {                                  \
+        linear_small<T, M>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                           \
+    }
 
 #define OPS_FOR(T, SUFFIX)                                                                      \
     extern "C" __global__ void rms_norm_residual_##SUFFIX(const T *x, const T *r, const T *w,  \
@@ -387,11 +416,10 @@ __device__ void linear_small(const T *x, const T *w0, const T *w1, const T *w2, 
         decode_attention<T>(q, k, v, out, tq, hq, hk, d, kv_len, k_sb, k_sh, k_st, v_sb, v_sh,  \
                             v_st, scale, window, vec);                                          \
     }                                                                                           \
-    extern "C" __global__ void linear_small_##SUFFIX(                                          \
-        const T *x, const T *w0, const T *w1, const T *w2, T *y, uint32_t m, uint32_t n0,       \
-        uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {                                  \
-        linear_small<T>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                              \
-    }
+    LINEAR_SMALL_FOR(T, SUFFIX, 1)                                                              \
+    LINEAR_SMALL_FOR(T, SUFFIX, 2)                                                              \
+    LINEAR_SMALL_FOR(T, SUFFIX, 4)                                                              \
+    LINEAR_SMALL_FOR(T, SUFFIX, 8)
 
 OPS_FOR(float, f32)
 OPS_FOR(__half, f16)

@@ -379,8 +379,12 @@ pub(crate) fn linear_small(
         ws: &[(&CudaSlice<T>, &Layout)],
         silu: bool,
     ) -> Result<CudaSlice<T>> {
-        let func = load::<T>(dev, "linear_small")?;
         let (m, k) = xl.shape().dims2()?;
+        // The kernel instance for at most 1, 2, 4 or 8 rows (its accumulators are registers).
+        let bound = m
+            .next_power_of_two()
+            .clamp(1, crate::ops::LINEAR_SMALL_MAX_ROWS);
+        let func = load::<T>(dev, &format!("linear_small_m{bound}"))?;
         let aligned = |l: &Layout| (l.start_offset() * T::DTYPE.size_in_bytes()).is_multiple_of(16);
         let mut ns = [0usize; 3];
         let mut views = Vec::with_capacity(3);
@@ -441,12 +445,12 @@ pub(crate) fn linear_small(
         b.arg(&n2);
         b.arg(&k_u);
         b.arg(&silu_u);
-        // SAFETY: the arguments match `linear_small_<dtype>(const T* x, const T* w0, w1, w2,
-        // T* y, uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu; x holds m·k and weight i
+        // SAFETY: the arguments match `linear_small_m<M>_<dtype>(const T* x, const T* w0, w1,
+        // w2, T* y, uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu, M ≥ m; x holds m·k and weight i
         // n_i·k elements (n_i = 0 for absent ones, which are never read), all starting 16-byte
         // aligned with k a multiple of 8, so its 8-element vector loads stay aligned and in
         // bounds; y holds m·cols, the columns it writes (n0 + n1 + n2, or n0 with silu, where
-        // n0 = n1); warps past the last column return; m ≤ 8 (its registers).
+        // n0 = n1); warps past the last column return.
         unsafe { b.launch(cfg) }.w()?;
         Ok(out)
     }
