@@ -380,9 +380,17 @@ fn gguf_run(
             .filter_map(|n| store.unit_id(n))
             .map(|u| store.unit(u).bytes())
             .sum();
+        // Llama::offloaded reserves room for Candle's quantized matmul scratch too, on a GPU
+        // with blocks in the store.
+        let qmm = if dev.is_cuda() && store.ggml_tensor_count() > 0 {
+            files.config.quantized_matmul_bytes(GGUF_PROMPT.len())
+        } else {
+            0
+        };
         files
             .config
             .reserve_bytes(GGUF_PROMPT.len(), max_len, dtype)
+            + qmm
             + kept
             + n * layer
     });
