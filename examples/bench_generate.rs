@@ -204,19 +204,21 @@ fn main() -> Result<()> {
             let rt = model.runtime().clone();
             {
                 // Before each configuration is timed: the first use of each kernel JIT-compiles
-                // its PTX, and a new model's first sweep uploads every unit that then stays
-                // resident (13.5 GB of F16 at the full budget, ~0.25 s). llama-bench times its
-                // prompts with the weights already on the GPU; so do we.
+                // its PTX (and cuBLAS loads its kernels for each new shape: the measured prompt
+                // length, not a shorter one, which decode-step kernels would serve), and a new
+                // model's first sweep uploads every unit that then stays resident (13.5 GB of
+                // F16 at the full budget, ~0.25 s). llama-bench times its prompts with the
+                // weights already on the GPU; so do we.
                 let mut cache = model.new_cache();
                 let l = model.forward(
-                    &Tensor::new(&prompt_of(8)[..], &device)?.unsqueeze(0)?,
+                    &Tensor::new(&prompt_of(prompt_len)[..], &device)?.unsqueeze(0)?,
                     0,
                     &mut cache,
                 )?;
                 argmax(&l)?;
                 argmax(&model.forward(
                     &Tensor::new(&[1u32], &device)?.unsqueeze(0)?,
-                    8,
+                    prompt_len,
                     &mut cache,
                 )?)?;
             }
