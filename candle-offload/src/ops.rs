@@ -584,6 +584,7 @@ fn decode_attention_cpu<T: WithDType>(
     let mut out = vec![of_f32::<T>(0.0); dims.out_len()];
     let mut scores = vec![0f32; kv_len];
     let mut acc = vec![0f32; d];
+    let mut qs = vec![0f32; d];
     for bi in 0..b {
         for h in 0..hq {
             let kvh = h / (hq / hk);
@@ -594,21 +595,19 @@ fn decode_attention_cpu<T: WithDType>(
                     0 => 0,
                     w => (pos + 1).saturating_sub(w as usize),
                 };
+                for (x, &a) in qs.iter_mut().zip(qrow) {
+                    *x = f32_of(a) * op.scale;
+                }
                 let mut max = f32::NEG_INFINITY;
-                for j in lo..=pos {
+                for (j, sc) in (lo..=pos).zip(scores.iter_mut()) {
                     let kr = kv_row(k, kl, bi, kvh, j, d);
-                    let s: f32 = qrow
-                        .iter()
-                        .zip(kr)
-                        .map(|(&a, &b)| f32_of(a) * op.scale * f32_of(b))
-                        .sum();
-                    scores[j] = s;
-                    max = max.max(s);
+                    *sc = qs.iter().zip(kr).map(|(&a, &b)| a * f32_of(b)).sum();
+                    max = max.max(*sc);
                 }
                 let mut total = 0f32;
                 acc.iter_mut().for_each(|a| *a = 0.0);
-                for j in lo..=pos {
-                    let p = (scores[j] - max).exp();
+                for (j, &sc) in (lo..=pos).zip(scores.iter()) {
+                    let p = (sc - max).exp();
                     total += p;
                     for (a, &x) in acc.iter_mut().zip(kv_row(v, vl, bi, kvh, j, d)) {
                         *a += p * f32_of(x);
