@@ -216,7 +216,9 @@ test_device!(
 /// decode (one new), GQA, MQA with a window, several new positions, all positions new, odd head
 /// dims, the largest head_dim of the kernel and one past it (the composition's fallback), and
 /// more visible keys than one chunk of the CUDA kernel (128) holds.
-const ATTENTION_SHAPES: [(usize, usize, usize, usize, usize, usize, Option<usize>); 11] = [
+type AttentionShape = (usize, usize, usize, usize, usize, usize, Option<usize>);
+
+const ATTENTION_SHAPES: [AttentionShape; 11] = [
     (1, 4, 4, 1, 1, 8, None),
     (1, 32, 32, 1, 77, 128, None),
     (2, 8, 2, 1, 33, 64, None),
