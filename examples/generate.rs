@@ -73,6 +73,12 @@ struct Args {
     /// blocks multiply F32 activations and give what the dequantized model gives.
     #[arg(long, conflicts_with = "dequantize")]
     q8_activations: bool,
+    /// On a GPU, run the Candle op compositions instead of the library's fused ops (attention
+    /// over the KV cache, one-pass projections, RMSNorm with the residual add, SiLU · mul,
+    /// RoPE of q and k): the decode step as it was before them, for comparison. The CPU runs
+    /// the compositions anyway.
+    #[arg(long)]
+    unfused: bool,
     /// Keep a GGUF file's quantized weights as GGML blocks: the default, accepted for older
     /// command lines.
     #[arg(long, hide = true, conflicts_with = "dequantize")]
@@ -342,7 +348,7 @@ fn main() -> Result<()> {
         policy,
         ..Default::default()
     };
-    let model = match &device_map {
+    let mut model = match &device_map {
         Some(map) => {
             Llama::offloaded_sharded(&files, store, &devices, map, dtype, max_len, &settings)?
         }
@@ -356,6 +362,9 @@ fn main() -> Result<()> {
             &settings,
         )?,
     };
+    if args.unfused {
+        model.set_fused(false);
+    }
     let stages = model.stages();
     if args.memory_history.is_some() || args.timeline.is_some() {
         for (rt, _) in &stages {
