@@ -65,6 +65,11 @@ struct Args {
     /// default on a GPU).
     #[arg(long)]
     unfused: bool,
+    /// After each configuration's single-sequence run, decode this many left-padded prompts
+    /// at once (lengths prompt-len, prompt-len − 1, …) and report tokens/s in total and per
+    /// sequence; the budget's reserve then includes the batch (`Config::batch_reserve_bytes`).
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
     /// Open the CUDA profiler's capture around the timed decode steps only, for a profiler
     /// started with `--profile-from-start off` (scripts/decode_breakdown.py runs ncu so).
     #[arg(long)]
@@ -187,6 +192,7 @@ fn main() -> Result<()> {
                 gpu_memory_limit: limit,
                 prefetch_depth: depth,
                 event_tracking: args.event_tracking,
+                reserve_bytes: cfg.batch_reserve_bytes(args.batch, prompt_len, max_len, dtype),
                 ..Default::default()
             };
             let mut model = Llama::offloaded(
@@ -273,6 +279,33 @@ fn main() -> Result<()> {
                 .unwrap_or(0);
             let step_s = median(times);
             let streamed = median(bytes);
+            let batch = if args.batch > 1 {
+                Some(batch_decode(
+                    &model,
+                    &device,
+                    args.batch,
+                    prompt_len,
+                    args.new_tokens,
+                    gpu,
+                    &prompt_of,
+                )?)
+            } else {
+                None
+            };
+            if let Some(b) = &batch {
+                println!(
+                    "        batch of {}: decode {:.2} tok/s in total, {:.2} per sequence (step {:.2} ms){}",
+                    args.batch,
+                    args.batch as f64 / b.step_s,
+                    1.0 / b.step_s,
+                    b.step_s * 1e3,
+                    if gpu {
+                        format!(", peak {} MiB", b.peak.saturating_sub(context_bytes) >> 20)
+                    } else {
+                        String::new()
+                    }
+                );
+            }
             let ceiling_s = if raw_pinned_gbps > 0.0 {
                 streamed / (raw_pinned_gbps * 1e9)
             } else {
@@ -348,6 +381,11 @@ fn main() -> Result<()> {
                 "decode_step_s_median": step_s,
                 "decode_tokens_per_s": tps,
                 "decode_host_forward_s_median": host_s,
+                "batch": args.batch,
+                "batch_decode_step_s_median": batch.as_ref().map(|b| b.step_s),
+                "batch_decode_tokens_per_s_total": batch.as_ref().map(|b| args.batch as f64 / b.step_s),
+                "batch_decode_tokens_per_s_per_sequence": batch.as_ref().map(|b| 1.0 / b.step_s),
+                "batch_peak_device_bytes": batch.as_ref().map(|b| b.peak.saturating_sub(context_bytes)),
                 "streamed_bytes_per_token": streamed as u64,
                 "raw_pinned_gbps": raw_pinned_gbps,
                 "link_ceiling_tokens_per_s": if ceiling_s > 0.0 { Some(1.0 / ceiling_s) } else { None },
@@ -526,4 +564,71 @@ impl LlamaCpp {
         }
         Ok(out)
     }
+}
+
+/// One batch-decode measurement.
+struct BatchRun {
+    /// Median seconds per decode step (one token for every sequence).
+    step_s: f64,
+    /// Device peak during it (0 on the CPU).
+    peak: u64,
+}
+
+/// Decodes `batch` left-padded prompts (row r: `prompt_len - r` tokens, at least 1) together,
+/// `new_tokens` greedy steps after the prefill.
+#[allow(clippy::too_many_arguments)]
+fn batch_decode(
+    model: &Llama,
+    device: &candle_core::Device,
+    batch: usize,
+    prompt_len: usize,
+    new_tokens: usize,
+    gpu: bool,
+    prompt_of: &dyn Fn(usize) -> Vec<u32>,
+) -> Result<BatchRun> {
+    let sampler = if gpu {
+        Some(PeakMemorySampler::start(
+            device,
+            Duration::from_micros(500),
+        )?)
+    } else {
+        None
+    };
+    let pads: Vec<usize> = (0..batch).map(|r| r.min(prompt_len - 1)).collect();
+    let ids: Vec<u32> = pads
+        .iter()
+        .flat_map(|&pad| std::iter::repeat_n(1u32, pad).chain(prompt_of(prompt_len - pad)))
+        .collect();
+    let rt = model.runtime().clone();
+    let mut cache = model.new_cache();
+    let rows = |l: &Tensor| -> Result<Vec<u32>> {
+        Ok(l.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
+    };
+    rt.begin_step()?;
+    let logits = model.forward_batch(
+        &Tensor::from_vec(ids, (batch, prompt_len), device)?,
+        0,
+        &pads,
+        &mut cache,
+    )?;
+    let mut next = rows(&logits)?;
+    rt.end_step()?;
+    let mut times = Vec::new();
+    for i in 0..new_tokens {
+        rt.begin_step()?;
+        let t0 = Instant::now();
+        let logits = model.forward_batch(
+            &Tensor::from_vec(next, (batch, 1), device)?,
+            prompt_len + i,
+            &pads,
+            &mut cache,
+        )?;
+        next = rows(&logits)?;
+        times.push(t0.elapsed().as_secs_f64());
+        rt.end_step()?;
+    }
+    Ok(BatchRun {
+        step_s: median(times),
+        peak: sampler.map(|s| s.stop()).unwrap_or(0),
+    })
 }

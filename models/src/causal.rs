@@ -638,10 +638,35 @@ impl CausalLm {
         index_pos: usize,
         cache: &mut Cache,
     ) -> Result<Tensor> {
+        self.forward_batch(input_ids, index_pos, &[], cache)
+    }
+
+    /// [`forward`](Self::forward) for a batch of left-padded sequences: row r of `input_ids`
+    /// (batch, seq) begins with `pads[r]` padding positions (any token id) that no position
+    /// attends to; `pads` empty means no padding. Every row must hold at least one token by
+    /// the end of this pass. Returns the logits of each row's last position, (batch, vocab).
+    /// With padding, attention runs as the masked composition (the fused decode attention
+    /// assumes none). The KV cache from [`new_cache`](Self::new_cache) takes any batch size.
+    pub fn forward_batch(
+        &self,
+        input_ids: &Tensor,
+        index_pos: usize,
+        pads: &[usize],
+        cache: &mut Cache,
+    ) -> Result<Tensor> {
         let _span = tracing::debug_span!("llama.forward", index_pos).entered();
-        let (_, seq_len) = input_ids.dims2()?;
+        let (batch, seq_len) = input_ids.dims2()?;
+        if !pads.is_empty() && pads.len() != batch {
+            candle_core::bail!("{} padding counts for a batch of {batch}", pads.len());
+        }
+        if let Some(&p) = pads.iter().find(|&&p| p >= index_pos + seq_len) {
+            candle_core::bail!(
+                "a row of {} positions is all padding ({p})",
+                index_pos + seq_len
+            );
+        }
         candle_offload::cpu_quant::on_cpu_pool(self.runtime().device(), || {
-            let xs = self.decoder(input_ids, index_pos, cache)?;
+            let xs = self.decoder(input_ids, index_pos, pads, cache)?;
             self.head(&xs.narrow(1, seq_len - 1, 1)?)?.squeeze(1)
         })
     }
@@ -653,6 +678,7 @@ impl CausalLm {
         let xs = self.decoder(
             input_ids,
             0,
+            &[],
             &mut Cache::new(self.cfg.num_hidden_layers, seq_len),
         )?;
         self.head(&xs)
@@ -660,7 +686,13 @@ impl CausalLm {
 
     /// Embeddings and every decoder layer, each acquired from its stage's runtime as it runs;
     /// the hidden state moves to the next stage's device at each stage boundary.
-    fn decoder(&self, input_ids: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
+    fn decoder(
+        &self,
+        input_ids: &Tensor,
+        index_pos: usize,
+        pads: &[usize],
+        cache: &mut Cache,
+    ) -> Result<Tensor> {
         let (_, seq_len) = input_ids.dims2()?;
         let first = &self.stages[0];
         if index_pos + seq_len > first.rope.max_len() {
@@ -683,7 +715,7 @@ impl CausalLm {
             if si > 0 {
                 xs = self.move_hidden(&xs, device)?;
             }
-            let masks = Masks::new(seq_len, index_pos, device);
+            let masks = Masks::padded(seq_len, index_pos, pads, device);
             let ctx = StepCtx {
                 index_pos,
                 rope: &stage.rope,

@@ -412,6 +412,21 @@ impl Config {
         kv + (hidden + mlp + attn) * 3 / 2 + logits + (256 << 20)
     }
 
+    /// Device bytes a batch of `batch` sequences needs beyond [`reserve_bytes`](Self::reserve_bytes)
+    /// for one (each further sequence's KV cache and activations; the workspace allowance is
+    /// shared): what to add to `OffloadSettings::reserve_bytes` for
+    /// [`generate_batch`](crate::generation::generate_batch).
+    pub fn batch_reserve_bytes(
+        &self,
+        batch: usize,
+        seq_len: usize,
+        max_len: usize,
+        dtype: candle_core::DType,
+    ) -> u64 {
+        let one = self.reserve_bytes(seq_len, max_len, dtype) - (256 << 20);
+        batch.saturating_sub(1) as u64 * one
+    }
+
     /// Device bytes Candle 0.11's CUDA quantized matmul holds beside the weights for `seq_len`
     /// rows, which the dense estimate above does not see: its stream-k fixup workspace (16 MiB,
     /// kept for the process), the activations quantized to Q8_1 blocks, and for the widest

@@ -1,5 +1,6 @@
 //! The generation loop: prefill, then one token at a time with the KV cache, streaming text
-//! as it is decoded, with prefill and decode timings.
+//! as it is decoded, with prefill and decode timings; and the same for a batch of prompts at
+//! once ([`generate_batch`]).
 
 use std::time::Instant;
 
@@ -75,6 +76,112 @@ pub fn generate(
         input = Tensor::new(&[next], device)?.unsqueeze(0)?;
     }
     stats.generated_tokens = out.len();
+    stats.decode_s = decode_start.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    Ok((out, stats))
+}
+
+/// Timings of a batch generation.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct BatchStats {
+    /// Tokens in each prompt.
+    pub prompt_tokens: Vec<usize>,
+    /// Tokens generated for each sequence (up to and including its end-of-sequence token).
+    pub generated_tokens: Vec<usize>,
+    /// Seconds for the padded prompts' forward pass (up to the first tokens on the host).
+    pub prefill_s: f64,
+    /// Seconds for the decode steps after it.
+    pub decode_s: f64,
+    /// Decode steps after the first token (each produces one token per unfinished sequence).
+    pub decode_steps: usize,
+}
+
+impl BatchStats {
+    /// Tokens generated after the first ones, over all sequences, per second of decoding.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        let tokens: usize = self
+            .generated_tokens
+            .iter()
+            .map(|n| n.saturating_sub(1))
+            .sum();
+        tokens as f64 / self.decode_s.max(1e-9)
+    }
+
+    /// Decode steps per second: the rate each sequence advances at while it is unfinished.
+    pub fn decode_tokens_per_s_per_sequence(&self) -> f64 {
+        self.decode_steps as f64 / self.decode_s.max(1e-9)
+    }
+}
+
+/// Generates up to `max_new_tokens` after each of `prompts` at once, as one batch: the
+/// prompts are left-padded to the longest and every step runs one forward pass for all of
+/// them ([`Llama::forward_batch`]), so a weight sweep serves every sequence. A sequence stops
+/// at any of `eos` (later steps still compute its row, whose tokens are dropped); the loop ends
+/// when all have stopped. Greedy decoding gives each sequence the tokens it gets alone (within
+/// floating-point rounding of the batched matmuls). `sampler` samples the rows in order.
+///
+/// The model's budget reserve is sized for one sequence: for a batch on a GPU, add
+/// [`Config::batch_reserve_bytes`](crate::Config::batch_reserve_bytes) to
+/// `OffloadSettings::reserve_bytes` when building it.
+pub fn generate_batch(
+    model: &Llama,
+    prompts: &[&[u32]],
+    max_new_tokens: usize,
+    sampler: &mut LogitsProcessor,
+    eos: &[u32],
+) -> candle_core::Result<(Vec<Vec<u32>>, BatchStats)> {
+    if prompts.is_empty() {
+        candle_core::bail!("no prompts");
+    }
+    if let Some(i) = prompts.iter().position(|p| p.is_empty()) {
+        candle_core::bail!("prompt {i} is empty");
+    }
+    let device: &Device = model.runtime().device();
+    let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    let pads: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
+    let padded: Vec<u32> = prompts
+        .iter()
+        .zip(&pads)
+        .flat_map(|(p, &pad)| std::iter::repeat_n(p[0], pad).chain(p.iter().copied()))
+        .collect();
+    let b = prompts.len();
+    let mut cache = model.new_cache();
+    let mut out = vec![Vec::new(); b];
+    let mut done = vec![false; b];
+    let mut stats = BatchStats {
+        prompt_tokens: prompts.iter().map(|p| p.len()).collect(),
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let mut input = Tensor::from_vec(padded, (b, longest), device)?;
+    let mut pos = 0;
+    let mut decode_start = None;
+    for step in 0..max_new_tokens {
+        model.begin_step()?;
+        let logits = model.forward_batch(&input, pos, &pads, &mut cache)?;
+        pos += input.dim(1)?;
+        let mut next = Vec::with_capacity(b);
+        for r in 0..b {
+            next.push(sampler.sample(&logits.get(r)?)?);
+        }
+        model.end_step()?;
+        if step == 0 {
+            stats.prefill_s = t0.elapsed().as_secs_f64();
+            decode_start = Some(Instant::now());
+        } else {
+            stats.decode_steps += 1;
+        }
+        for (r, &t) in next.iter().enumerate() {
+            if !done[r] {
+                out[r].push(t);
+                done[r] = eos.contains(&t);
+            }
+        }
+        if done.iter().all(|&d| d) {
+            break;
+        }
+        input = Tensor::from_vec(next, (b, 1), device)?;
+    }
+    stats.generated_tokens = out.iter().map(Vec::len).collect();
     stats.decode_s = decode_start.map_or(0.0, |t| t.elapsed().as_secs_f64());
     Ok((out, stats))
 }

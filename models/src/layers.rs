@@ -176,6 +176,8 @@ pub fn window_mask(
 pub struct Masks {
     seq_len: usize,
     index_pos: usize,
+    /// Left padding per batch row (positions `..pads[r]` of row r are not tokens); empty: none.
+    pads: Vec<usize>,
     device: Device,
     built: Mutex<Vec<(Option<usize>, Option<Tensor>)>>,
 }
@@ -183,12 +185,32 @@ pub struct Masks {
 impl Masks {
     /// Masks for `seq_len` new positions after `index_pos` cached ones.
     pub fn new(seq_len: usize, index_pos: usize, device: &Device) -> Self {
+        Self::padded(seq_len, index_pos, &[], device)
+    }
+
+    /// [`new`](Self::new) for a batch whose row r starts with `pads[r]` padding positions
+    /// (left-padded prompts of different lengths): no position attends to a row's padding,
+    /// except a padding position to itself (so that its own, unused, output stays finite).
+    /// Rows keep the padded positions for RoPE: attention scores depend only on the distance
+    /// between two positions, so a row's shift by its padding changes nothing.
+    pub fn padded(seq_len: usize, index_pos: usize, pads: &[usize], device: &Device) -> Self {
+        let pads = if pads.iter().any(|&p| p > 0) {
+            pads.to_vec()
+        } else {
+            Vec::new()
+        };
         Self {
             seq_len,
             index_pos,
+            pads,
             device: device.clone(),
             built: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Whether some row has padding (the masks are then per row: (batch, 1, new, cached)).
+    pub fn is_padded(&self) -> bool {
+        !self.pads.is_empty()
     }
 
     /// The mask for a layer with this sliding window (`None`: plain causal); `None` when
@@ -199,6 +221,32 @@ impl Masks {
             return Ok(m.clone());
         }
         let kv_len = self.index_pos + self.seq_len;
+        if self.is_padded() {
+            let base = window_mask(self.seq_len, self.index_pos, window, &Device::Cpu)?
+                .to_vec2::<f32>()?;
+            let mut rows = Vec::with_capacity(self.pads.len() * self.seq_len * kv_len);
+            for &pad in &self.pads {
+                for (i, row) in base.iter().enumerate() {
+                    let q = self.index_pos + i;
+                    rows.extend(row.iter().enumerate().map(|(j, &m)| {
+                        if j < pad && j != q {
+                            f32::NEG_INFINITY
+                        } else if j < pad {
+                            0.0
+                        } else {
+                            m
+                        }
+                    }));
+                }
+            }
+            let mask = Tensor::from_vec(
+                rows,
+                (self.pads.len(), 1, self.seq_len, kv_len),
+                &self.device,
+            )?;
+            built.push((window, Some(mask.clone())));
+            return Ok(Some(mask));
+        }
         let needed = self.seq_len > 1 || window.is_some_and(|w| kv_len > w);
         let mask = if needed {
             Some(window_mask(
@@ -597,7 +645,11 @@ impl SelfAttention {
         };
         let v = shape(v, s.n_kv_heads)?.contiguous()?;
         let (k, v) = kv.append(&k.contiguous()?, &v)?;
-        if ctx.fused && s.softcap.is_none() && seq_len <= DECODE_ATTENTION_MAX_NEW {
+        if ctx.fused
+            && s.softcap.is_none()
+            && seq_len <= DECODE_ATTENTION_MAX_NEW
+            && !ctx.masks.is_padded()
+        {
             // One kernel over the cache's views: no repeat, cast, copy, mask or softmax ops.
             let y = candle_offload::ops::decode_attention(&q, &k, &v, 1.0 / s.score_div, s.window)?;
             let y = y.reshape((b, seq_len, s.n_heads * s.head_dim))?;
