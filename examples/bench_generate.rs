@@ -57,6 +57,9 @@ struct Args {
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
+    /// Weights and compute dtype: f32, f16 or bf16 (default: f16 on a GPU, f32 on the CPU).
+    #[arg(long)]
+    dtype: Option<String>,
     /// Turn cudarc's per-buffer event tracking on (`OffloadConfig::event_tracking`, off by
     /// default).
     #[arg(long)]
@@ -108,7 +111,14 @@ fn main() -> Result<()> {
         loader::from_dir(&args.model_dir)?
     };
     let cfg = files.config.clone();
-    let dtype = if gpu { DType::F16 } else { DType::F32 };
+    let dtype = match args.dtype.as_deref() {
+        None if gpu => DType::F16,
+        None => DType::F32,
+        Some("f32") => DType::F32,
+        Some("f16") => DType::F16,
+        Some("bf16") => DType::BF16,
+        Some(other) => anyhow::bail!("--dtype {other}: expected f32, f16 or bf16"),
+    };
     let t0 = Instant::now();
     let store = Arc::new(loader::load_store_with(
         &files,
@@ -121,12 +131,12 @@ fn main() -> Result<()> {
         let stem = args.model_dir.file_stem().unwrap_or_default();
         stem.to_string_lossy().into_owned()
     });
+    let load_s = t0.elapsed().as_secs_f64();
     println!(
-        "{}: {:.2} GiB ({:.2} GiB pinned) loaded in {:.1} s; raw pinned {raw_pinned_gbps:.1} GB/s; context {} MiB",
+        "{}: {:.2} GiB ({:.2} GiB pinned) loaded in {load_s:.1} s; raw pinned {raw_pinned_gbps:.1} GB/s; context {} MiB",
         files.origin,
         store.total_bytes() as f64 / 2f64.powi(30),
         store.pinned_bytes() as f64 / 2f64.powi(30),
-        t0.elapsed().as_secs_f64(),
         context_bytes >> 20
     );
     let llamacpp = match &args.llamacpp_bin {
@@ -381,6 +391,8 @@ fn main() -> Result<()> {
                 "decode_step_s_median": step_s,
                 "decode_tokens_per_s": tps,
                 "decode_host_forward_s_median": host_s,
+                "store_load_s": load_s,
+                "store_bytes": store.total_bytes(),
                 "batch": args.batch,
                 "batch_decode_step_s_median": batch.as_ref().map(|b| b.step_s),
                 "batch_decode_tokens_per_s_total": batch.as_ref().map(|b| args.batch as f64 / b.step_s),
