@@ -57,6 +57,21 @@ pub struct DeviceInfo {
     pub built_for_cuda: Option<CudaVersion>,
     /// `CUDA_COMPUTE_CAP` at build time (the kernels' target architecture).
     pub compiled_arch: Option<String>,
+    /// What the GPU supports of Unified Memory.
+    pub unified_memory: UnifiedMemory,
+}
+
+/// What a GPU supports of Unified Memory (`cudaMallocManaged`), from its device attributes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct UnifiedMemory {
+    /// Managed allocations work at all.
+    pub managed: bool,
+    /// The CPU and the GPU may access managed memory concurrently: pages migrate on demand, one
+    /// at a time, and prefetching and access advice apply (Pascal or newer on Linux). Without
+    /// it a kernel launch makes every managed allocation the GPU may touch migrate whole.
+    pub concurrent_access: bool,
+    /// The GPU reads ordinary (pageable) host memory directly (HMM or ATS).
+    pub pageable_access: bool,
 }
 
 /// The device as messages name it: `cuda:0` (the GPU's ordinal), `metal:0` or `cpu`, instead
@@ -85,6 +100,11 @@ pub fn device_info(device: &Device) -> Result<DeviceInfo> {
         driver_cuda_version: f.driver_version.map(CudaVersion::from_int),
         built_for_cuda: f.built_version.map(CudaVersion::from_int),
         compiled_arch: f.compiled_arch,
+        unified_memory: UnifiedMemory {
+            managed: f.managed_memory,
+            concurrent_access: f.concurrent_managed_access,
+            pageable_access: f.pageable_memory_access,
+        },
     })
 }
 

@@ -140,6 +140,35 @@ pub fn verdicts(
             Some(arch) => say(Severity::Ok, format!("kernels compiled for sm_{arch}; the GPU is sm_{cc}")),
             None => say(Severity::Warning, "unknown target architecture of the kernels".into()),
         }
+        let um = d.unified_memory;
+        match (um.managed, um.concurrent_access) {
+            (false, _) => say(
+                Severity::Warning,
+                "this GPU cannot allocate managed (Unified) memory: the explicit engine (pinned \
+                 host memory and copies) is the only one"
+                    .into(),
+            ),
+            (true, false) => say(
+                Severity::Warning,
+                "managed (Unified) memory works but not concurrently with the CPU (pre-Pascal, \
+                 Windows or a virtualized GPU): pages do not migrate on demand, every managed \
+                 allocation moves whole at each kernel launch, and prefetch and advice have no \
+                 effect; use the explicit engine"
+                    .into(),
+            ),
+            (true, true) => say(
+                Severity::Ok,
+                format!(
+                    "Unified Memory: managed allocations, concurrent access and on-demand page \
+                     migration supported{}",
+                    if um.pageable_access {
+                        "; the GPU also reads pageable host memory (HMM/ATS)"
+                    } else {
+                        ""
+                    }
+                ),
+            ),
+        }
         if d.free_bytes < d.total_bytes / 2 {
             say(
                 Severity::Warning,
@@ -292,6 +321,16 @@ impl fmt::Display for Report {
                 v(d.built_for_cuda),
                 d.compiled_arch.as_deref().unwrap_or("?")
             )?;
+            let yes = |b: bool| if b { "yes" } else { "no" };
+            let um = d.unified_memory;
+            writeln!(
+                f,
+                "  unified memory     managed {}, concurrent access and page migration {}, \
+                 pageable host memory {}",
+                yes(um.managed),
+                yes(um.concurrent_access),
+                yes(um.pageable_access)
+            )?;
         }
         if let Some(m) = self.host_memory {
             writeln!(
@@ -348,6 +387,7 @@ impl fmt::Display for Report {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::diag::UnifiedMemory;
 
     fn h200(driver: i32, built: i32, arch: &str) -> DeviceInfo {
         DeviceInfo {
@@ -359,6 +399,11 @@ mod tests {
             driver_cuda_version: Some(CudaVersion::from_int(driver)),
             built_for_cuda: Some(CudaVersion::from_int(built)),
             compiled_arch: Some(arch.into()),
+            unified_memory: UnifiedMemory {
+                managed: true,
+                concurrent_access: true,
+                pageable_access: false,
+            },
         }
     }
 
@@ -391,6 +436,42 @@ mod tests {
             None,
         );
         assert!(v[0].message.contains("update the NVIDIA driver"), "{v:?}");
+    }
+
+    #[test]
+    fn says_what_the_gpu_supports_of_unified_memory() {
+        let find = |d: &DeviceInfo| {
+            verdicts(true, Some(d), None, None, Some(true), None)
+                .into_iter()
+                .find(|v| v.message.contains("anaged"))
+                .expect("a unified-memory finding")
+        };
+        let mut d = h200(13000, 13000, "90");
+        let v = find(&d);
+        assert_eq!(v.severity, Severity::Ok, "{v:?}");
+        assert!(v.message.contains("on-demand page migration"), "{v:?}");
+        d.unified_memory.concurrent_access = false;
+        let v = find(&d);
+        assert_eq!(v.severity, Severity::Warning);
+        assert!(v.message.contains("moves whole"), "{v:?}");
+        d.unified_memory = UnifiedMemory::default();
+        let v = find(&d);
+        assert_eq!(v.severity, Severity::Warning);
+        assert!(v.message.contains("cannot allocate managed"), "{v:?}");
+        let report = Report {
+            cuda_compiled: true,
+            device: Some(d.clone()),
+            device_error: None,
+            memlock_limit: None,
+            host_memory: None,
+            pinning_works: Some(true),
+            pcie: None,
+            pinned_gbps: None,
+            pageable_gbps: None,
+            verdicts: Vec::new(),
+        }
+        .to_string();
+        assert!(report.contains("unified memory     managed no"), "{report}");
     }
 
     #[test]

@@ -511,6 +511,12 @@ pub(crate) fn device_info(device: &Device) -> SysResult<GpuFacts> {
     let major = attr(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
     let minor = attr(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
     let (free, total) = ctx.mem_get_info().map_err(wrap)?;
+    // An attribute the driver does not know reads as unsupported.
+    let flag = |a| ctx.attribute(a).is_ok_and(|v| v != 0);
+    use cusys::CUdevice_attribute as A;
+    let managed_memory = flag(A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY);
+    let concurrent_managed_access = flag(A::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS);
+    let pageable_memory_access = flag(A::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS);
     let mut version: std::ffi::c_int = 0;
     // SAFETY: `cuDriverGetVersion` writes one int through a valid pointer; it needs no context.
     let driver = unsafe { cusys::cuDriverGetVersion(&mut version) }
@@ -526,6 +532,9 @@ pub(crate) fn device_info(device: &Device) -> SysResult<GpuFacts> {
         driver_version: driver,
         built_version: option_env!("CUDARC_CUDA_VERSION").and_then(|v| v.parse().ok()),
         compiled_arch: option_env!("CUDA_COMPUTE_CAP").map(String::from),
+        managed_memory,
+        concurrent_managed_access,
+        pageable_memory_access,
     })
 }
 

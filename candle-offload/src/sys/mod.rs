@@ -101,6 +101,14 @@ pub(crate) struct GpuFacts {
     pub built_version: Option<i32>,
     /// `CUDA_COMPUTE_CAP` at build time.
     pub compiled_arch: Option<String>,
+    /// `CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY`: managed (Unified Memory) allocations work.
+    pub managed_memory: bool,
+    /// `CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS`: the CPU and the GPU may touch managed
+    /// memory at the same time, pages migrate on demand, and prefetch/advice apply.
+    pub concurrent_managed_access: bool,
+    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS`: the GPU reads ordinary host memory
+    /// (HMM/ATS).
+    pub pageable_memory_access: bool,
 }
 
 /// Where a unit's host bytes live.
