@@ -18,6 +18,7 @@ use candle_offload_models::generation::{generate, TokenStream};
 use candle_offload_models::llama::{argmax, DeviceMapChoice};
 use candle_offload_models::loader;
 use candle_offload_models::quantize;
+use candle_offload_models::sampling::{DeviceSampler, TokenSampler};
 use candle_offload_models::{ChatTemplate, Llama, OffloadSettings};
 use candle_offload_suite::flags;
 use candle_transformers::generation::LogitsProcessor;
@@ -399,11 +400,15 @@ fn main() -> Result<()> {
         return Ok(());
     }
 
-    // Generate, streaming the text.
-    let mut sampler = if args.temperature <= 0.0 {
-        LogitsProcessor::new(args.seed, None, None)
+    // Generate, streaming the text. On a GPU the token is drawn there (only its id crosses to
+    // the host); on the CPU Candle's LogitsProcessor, whose host sort is cheaper there.
+    let temperature = (args.temperature > 0.0).then_some(args.temperature);
+    let top_p = temperature.and(args.top_p);
+    let on_gpu = stages.last().is_some_and(|(rt, _)| rt.device().is_cuda());
+    let mut sampler: Box<dyn TokenSampler> = if on_gpu {
+        Box::new(DeviceSampler::new(args.seed, temperature, top_p)?)
     } else {
-        LogitsProcessor::new(args.seed, Some(args.temperature), args.top_p)
+        Box::new(LogitsProcessor::new(args.seed, temperature, top_p))
     };
     let mut stream = TokenStream::new(&tokenizer);
     let mut stdout = std::io::stdout();

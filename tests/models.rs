@@ -1010,3 +1010,58 @@ fn smollm2_gguf_runs_with_quantized_blocks() -> anyhow::Result<()> {
     assert!(rel < 2e-2 && rel > 0.0, "rel L2 {rel}");
     Ok(())
 }
+
+/// The device sampler on each device: its nucleus is the sort-based one on a 32k vocabulary,
+/// greedy is the argmax, and a seed draws the same tokens as on the CPU for the same logits.
+fn device_sampler_agrees_with_the_host(device: &Device) -> anyhow::Result<()> {
+    use candle_offload_models::sampling::{top_p_mask, DeviceSampler};
+    let n = 32000;
+    let mut rng = candle_offload_suite::rng(5);
+    let host: Vec<f32> = (0..n)
+        .map(|_| rand::Rng::random_range(&mut rng, -6f32..6.0))
+        .collect();
+    let logits = Tensor::from_vec(host.clone(), n, device)?;
+    let probs = candle_nn::ops::softmax_last_dim(&logits)?;
+    let p: Vec<f32> = probs.to_device(&Device::Cpu)?.to_vec1()?;
+    for top_p in [0.1, 0.6, 0.95] {
+        let got: Vec<u8> = top_p_mask(&probs, top_p)?
+            .to_device(&Device::Cpu)?
+            .to_vec1()?;
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+        let (mut mass, mut want) = (0f64, vec![0u8; n]);
+        for i in order {
+            want[i] = 1;
+            mass += p[i] as f64;
+            if mass >= top_p {
+                break;
+            }
+        }
+        let diff = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+        anyhow::ensure!(
+            diff == 0,
+            "top-p {top_p}: {diff} tokens differ from the sorted nucleus"
+        );
+    }
+    let argmax = (0..n)
+        .max_by(|&a, &b| host[a].total_cmp(&host[b]))
+        .unwrap_or(0) as u32;
+    anyhow::ensure!(DeviceSampler::new(1, None, None)?.sample(&logits)? == argmax);
+    let draws = |dev: &Device| -> anyhow::Result<Vec<u32>> {
+        let l = logits.to_device(dev)?;
+        let mut s = DeviceSampler::new(42, Some(0.8), Some(0.9))?;
+        Ok((0..8)
+            .map(|_| s.sample(&l))
+            .collect::<candle_core::Result<_>>()?)
+    };
+    anyhow::ensure!(
+        draws(device)? == draws(&Device::Cpu)?,
+        "draws differ from the CPU's"
+    );
+    Ok(())
+}
+test_device!(
+    device_sampler_agrees_with_the_host,
+    device_sampler_agrees_with_the_host_cpu,
+    device_sampler_agrees_with_the_host_gpu
+);

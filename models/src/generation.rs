@@ -4,8 +4,8 @@
 
 use std::time::Instant;
 
+use crate::sampling::TokenSampler;
 use candle_core::{Device, Tensor};
-use candle_transformers::generation::LogitsProcessor;
 
 use crate::llama::Llama;
 
@@ -40,7 +40,7 @@ pub fn generate(
     model: &Llama,
     prompt: &[u32],
     max_new_tokens: usize,
-    sampler: &mut LogitsProcessor,
+    sampler: &mut impl TokenSampler,
     eos: &[u32],
     mut on_token: impl FnMut(u32) -> candle_core::Result<()>,
 ) -> candle_core::Result<(Vec<u32>, GenerationStats)> {
@@ -62,7 +62,7 @@ pub fn generate(
         model.begin_step()?;
         let logits = model.forward(&input, pos, &mut cache)?;
         pos += input.dim(1)?;
-        let next = sampler.sample(&logits.squeeze(0)?)?;
+        let next = sampler.sample_token(&logits.squeeze(0)?)?;
         model.end_step()?;
         if step == 0 {
             stats.prefill_s = t0.elapsed().as_secs_f64();
@@ -126,7 +126,7 @@ pub fn generate_batch(
     model: &Llama,
     prompts: &[&[u32]],
     max_new_tokens: usize,
-    sampler: &mut LogitsProcessor,
+    sampler: &mut impl TokenSampler,
     eos: &[u32],
 ) -> candle_core::Result<(Vec<Vec<u32>>, BatchStats)> {
     if prompts.is_empty() {
@@ -161,7 +161,7 @@ pub fn generate_batch(
         pos += input.dim(1)?;
         let mut next = Vec::with_capacity(b);
         for r in 0..b {
-            next.push(sampler.sample(&logits.get(r)?)?);
+            next.push(sampler.sample_token(&logits.get(r)?)?);
         }
         model.end_step()?;
         if step == 0 {

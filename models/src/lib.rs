@@ -41,6 +41,7 @@ pub mod layers;
 pub mod llama;
 pub mod loader;
 pub mod quantize;
+pub mod sampling;
 pub mod train;
 
 pub use causal::{CausalLm, DeviceMapChoice, HiddenTransfer, OffloadSettings};
