@@ -25,6 +25,38 @@ fn tempdir(tag: &str) -> PathBuf {
     dir
 }
 
+/// Runs `check` on a fresh checkpoint of each of `kinds` (written to a temporary directory
+/// tagged `tag`, removed after), naming the family in its error.
+pub fn for_each_tiny(
+    kinds: &[Tiny],
+    tag: &str,
+    device: &Device,
+    check: impl Fn(&Path) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    for &kind in kinds {
+        let dir = tempdir(&format!("{tag}-{}-{}", kind.tag(), device.is_cpu()));
+        write_tiny(&dir, kind)?;
+        check(&dir).map_err(|e| e.context(kind.tag()))?;
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(())
+}
+
+/// The resident model of the checkpoint in `dir` on `device`, weights in `dtype`, with room for
+/// 64 positions.
+pub fn resident_model(dir: &Path, device: &Device, dtype: DType) -> anyhow::Result<Llama> {
+    let files = loader::from_dir(dir)?;
+    let store = Arc::new(loader::load_store(&files, dtype, device, None)?);
+    let rt = OffloadRuntime::new(store, device, &OffloadConfig::default())?;
+    Ok(Llama::new(
+        files.config.clone(),
+        rt,
+        dtype,
+        64,
+        &files.weights_path(),
+    )?)
+}
+
 /// The tiny random checkpoints the model tests write: LLaMA (GQA; optionally tied embeddings
 /// and q/k/v biases), Phi-3 (fused projections, partial rotary, LongRoPE, a sliding window of 6),
 /// Gemma (MQA, head_dim wider than hidden / heads) and Gemma 2 (soft-capping that bites, a
@@ -259,27 +291,14 @@ test_device!(
 /// step after it, equal that prompt's alone (F32, within 1e-4); greedy `generate_batch` gives
 /// each prompt the tokens `generate` gives it; bad padding is refused.
 fn batch_decode_matches_single(device: &Device) -> anyhow::Result<()> {
-    for kind in Tiny::ALL {
-        let dir = tempdir(&format!("batch-{}-{}", kind.tag(), device.is_cpu()));
-        write_tiny(&dir, kind)?;
-        batch_decode_matches_single_in(&dir, device).map_err(|e| e.context(kind.tag()))?;
-        std::fs::remove_dir_all(&dir)?;
-    }
-    Ok(())
+    for_each_tiny(&Tiny::ALL, "batch", device, |dir| {
+        batch_decode_matches_single_in(dir, device)
+    })
 }
 
 fn batch_decode_matches_single_in(dir: &Path, device: &Device) -> anyhow::Result<()> {
     use candle_offload_models::generation::{generate, generate_batch};
-    let files = loader::from_dir(dir)?;
-    let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
-    let rt = OffloadRuntime::new(store, device, &OffloadConfig::default())?;
-    let model = Llama::new(
-        files.config.clone(),
-        rt,
-        DType::F32,
-        64,
-        &files.weights_path(),
-    )?;
+    let model = resident_model(dir, device, DType::F32)?;
     let prompts: Vec<Vec<u32>> = [3usize, 9, 6]
         .iter()
         .enumerate()
@@ -381,26 +400,13 @@ fn kv_cache_matches_recompute(device: &Device) -> anyhow::Result<()> {
         Tiny::Gemma,
         Tiny::Gemma2,
     ];
-    for kind in kinds {
-        let dir = tempdir(&format!("kv-{}-{}", kind.tag(), device.is_cpu()));
-        write_tiny(&dir, kind)?;
-        kv_cache_matches_recompute_in(&dir, device).map_err(|e| e.context(kind.tag()))?;
-        std::fs::remove_dir_all(&dir)?;
-    }
-    Ok(())
+    for_each_tiny(&kinds, "kv", device, |dir| {
+        kv_cache_matches_recompute_in(dir, device)
+    })
 }
 
 fn kv_cache_matches_recompute_in(dir: &Path, device: &Device) -> anyhow::Result<()> {
-    let files = loader::from_dir(dir)?;
-    let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
-    let rt = OffloadRuntime::new(store, device, &OffloadConfig::default())?;
-    let model = Llama::new(
-        files.config.clone(),
-        rt,
-        DType::F32,
-        64,
-        &files.weights_path(),
-    )?;
+    let model = resident_model(dir, device, DType::F32)?;
     let ids: Vec<u32> = (0..20).map(|i| (i * 37 % 101) as u32).collect();
     let full = model
         .forward_all(&Tensor::new(ids.as_slice(), device)?.unsqueeze(0)?)?

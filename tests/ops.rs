@@ -5,15 +5,12 @@
 //! partial rotary; bad inputs are refused; and
 //! the tiny models give the same logits with the fused ops on and off.
 
-use std::sync::Arc;
-
 use candle_core::{DType, Device, Tensor, D};
 use candle_offload::ops;
-use candle_offload::{OffloadConfig, OffloadRuntime};
-use candle_offload_models::{loader, Llama};
+use candle_offload_models::Llama;
 use rand::Rng as _;
 
-use crate::models::{write_tiny, Tiny};
+use crate::models::{for_each_tiny, resident_model, Tiny};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
@@ -426,23 +423,13 @@ fn fused_models_match_unfused(device: &Device) -> anyhow::Result<()> {
     } else {
         &[DType::F32]
     };
-    for kind in Tiny::ALL {
-        let dir = std::env::temp_dir().join(format!(
-            "candle-offload-ops-{}-{}-{}",
-            kind.tag(),
-            device.is_cpu(),
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
-        write_tiny(&dir, kind)?;
+    for_each_tiny(&Tiny::ALL, "ops", device, |dir| {
         for &dtype in dtypes {
-            fused_model_matches_in(&dir, device, dtype)
-                .map_err(|e| e.context(format!("{} {dtype:?}", kind.tag())))?;
+            fused_model_matches_in(dir, device, dtype)
+                .map_err(|e| e.context(format!("{dtype:?}")))?;
         }
-        std::fs::remove_dir_all(&dir)?;
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 fn fused_model_matches_in(
@@ -450,10 +437,7 @@ fn fused_model_matches_in(
     device: &Device,
     dtype: DType,
 ) -> anyhow::Result<()> {
-    let files = loader::from_dir(dir)?;
-    let store = Arc::new(loader::load_store(&files, dtype, device, None)?);
-    let rt = OffloadRuntime::new(store, device, &OffloadConfig::default())?;
-    let mut model = Llama::new(files.config.clone(), rt, dtype, 64, &files.weights_path())?;
+    let mut model = resident_model(dir, device, dtype)?;
     anyhow::ensure!(model.fused() == device.is_cuda(), "default switch");
     let tol = if dtype == DType::F32 { 1e-4 } else { 2e-2 };
     let ids: Vec<u32> = (0..12).map(|i| (i * 37 % 101) as u32).collect();
