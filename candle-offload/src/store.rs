@@ -139,6 +139,17 @@ pub enum WeightFormat {
 }
 
 impl WeightFormat {
+    /// How a GGUF file holds a tensor of GGML type `t`: F32, F16 and BF16 as dense floats,
+    /// every other type as its blocks.
+    pub fn in_gguf(t: GgmlDType) -> Self {
+        match t {
+            GgmlDType::F32 => Self::Dense(DType::F32),
+            GgmlDType::F16 => Self::Dense(DType::F16),
+            GgmlDType::BF16 => Self::Dense(DType::BF16),
+            q => Self::Ggml(q),
+        }
+    }
+
     /// Elements per block (1 for a dense dtype).
     pub fn block_elems(&self) -> usize {
         match self {
@@ -755,19 +766,9 @@ impl HostStore {
         specs: &[RawTensorSpec],
         cfg: &StoreConfig,
         device: &Device,
-        mut fill: impl FnMut(&RawTensorSpec, WeightFormat, &mut [u8]) -> Result<()>,
+        fill: impl FnMut(&RawTensorSpec, WeightFormat, &mut [u8]) -> Result<()>,
     ) -> Result<Self> {
-        let pending = specs
-            .iter()
-            .map(|s| Pending {
-                name: s.name.clone(),
-                format: s.format,
-                shape: s.shape.clone(),
-            })
-            .collect();
-        Self::build(pending, cfg, device, &[], |i, format, dst| {
-            fill(&specs[i], format, dst)
-        })
+        Self::from_raw_in_files(specs, &vec![None; specs.len()], cfg, device, fill)
     }
 
     /// [`from_raw`](Self::from_raw) for tensors that sit in checkpoint files: `sources[i]`

@@ -684,12 +684,7 @@ fn gguf_store(
         });
         // Where it is in the file, for the disk tier: its blocks, or the floats a GGML
         // F32/F16/BF16 tensor holds; q/k rows in the unpermuted order.
-        let in_file = match info.ggml_dtype {
-            GgmlDType::F32 => WeightFormat::Dense(DType::F32),
-            GgmlDType::F16 => WeightFormat::Dense(DType::F16),
-            GgmlDType::BF16 => WeightFormat::Dense(DType::BF16),
-            g => WeightFormat::Ggml(g),
-        };
+        let in_file = WeightFormat::in_gguf(info.ggml_dtype);
         let source = FileSource::new(path, c.tensor_data_offset + info.offset, in_file);
         sources.push(Some(match &perm {
             Some(p) => {
@@ -744,20 +739,11 @@ fn gguf_store(
                 file.seek(std::io::SeekFrom::Start(c.tensor_data_offset + info.offset))?;
                 file.read_exact(&mut buf[at..at + n])?;
                 let raw = &buf[at..at + n];
-                // Floats already in the store's dtype are copied as they are (q/k rows put back
-                // in order): a 7B F16 GGUF took 85-105 s to load through the F32 round trip.
-                let same_floats = matches!(
-                    (t, format),
-                    (GgmlDType::F32, WeightFormat::Dense(DType::F32))
-                        | (GgmlDType::F16, WeightFormat::Dense(DType::F16))
-                        | (GgmlDType::BF16, WeightFormat::Dense(DType::BF16))
-                );
+                // Blocks, and floats already in the store's dtype, are copied as they are (q/k
+                // rows put back in order): a 7B F16 GGUF took 85-105 s to load through an F32
+                // round trip.
                 match format {
-                    _ if same_floats => match perm {
-                        Some(p) => permute_rows(raw, dims[0], heads(p)),
-                        None => Ok(raw.to_vec()),
-                    },
-                    WeightFormat::Ggml(_) => match perm {
+                    _ if format == WeightFormat::in_gguf(t) => match perm {
                         Some(p) => permute_rows(raw, dims[0], heads(p)),
                         None => Ok(raw.to_vec()),
                     },

@@ -758,40 +758,20 @@ pub fn load_cached_config(
     let mut names: Vec<&String> = c.tensor_infos.keys().collect();
     names.sort();
     // Where each tensor is in the file, as it is there: HF names, no rows reordered.
-    let sources: Vec<Option<FileSource>> = names
+    let (specs, sources): (Vec<RawTensorSpec>, Vec<Option<FileSource>>) = names
         .iter()
         .map(|n| {
             let info = &c.tensor_infos[*n];
-            let format = match info.ggml_dtype {
-                GgmlDType::F32 => WeightFormat::Dense(DType::F32),
-                GgmlDType::F16 => WeightFormat::Dense(DType::F16),
-                GgmlDType::BF16 => WeightFormat::Dense(DType::BF16),
-                q => WeightFormat::Ggml(q),
-            };
-            Some(FileSource::new(
-                gguf,
-                c.tensor_data_offset + info.offset,
-                format,
-            ))
-        })
-        .collect();
-    let specs: Vec<RawTensorSpec> = names
-        .iter()
-        .map(|n| {
-            let info = &c.tensor_infos[*n];
-            let format = match info.ggml_dtype {
-                GgmlDType::F32 => WeightFormat::Dense(DType::F32),
-                GgmlDType::F16 => WeightFormat::Dense(DType::F16),
-                GgmlDType::BF16 => WeightFormat::Dense(DType::BF16),
-                q => WeightFormat::Ggml(q),
-            };
-            RawTensorSpec {
+            let format = WeightFormat::in_gguf(info.ggml_dtype);
+            let spec = RawTensorSpec {
                 name: (*n).clone(),
                 format,
                 shape: Shape::from(info.shape.dims()),
-            }
+            };
+            let at = c.tensor_data_offset + info.offset;
+            (spec, Some(FileSource::new(gguf, at, format)))
         })
-        .collect();
+        .unzip();
     let cfg = StoreConfig {
         grouping: files.config.layout().grouping(),
         ..cfg.clone()
