@@ -194,10 +194,7 @@ fn main() -> Result<()> {
                 b => Some(MemoryLimit::parse("--budgets", b)?),
             };
             let max_len = prompt_len + args.new_tokens + 2;
-            let mut reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
-            if gpu && store.ggml_tensor_count() > 0 {
-                reserve += cfg.quantized_matmul_bytes(prompt_len); // as the model reserves it
-            }
+            let reserve = Llama::reserve_bytes(&cfg, &store, &device, prompt_len, max_len, dtype);
             let settings = OffloadSettings {
                 gpu_memory_limit: limit,
                 prefetch_depth: depth,

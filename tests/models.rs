@@ -868,27 +868,18 @@ fn quantized_projections_reach_every_family(dev: &Device) -> anyhow::Result<()> 
                       event_tracking: bool|
          -> anyhow::Result<Vec<f32>> {
             let ids = ids.to_device(dev)?;
-            let layer = store
-                .unit(store.unit_id("model.layers.0").expect("layer"))
-                .bytes();
-            let kept: u64 = Llama::kept_units(store, cfg)
-                .iter()
-                .filter_map(|n| store.unit_id(n))
-                .map(|u| store.unit(u).bytes())
-                .sum();
-            // Room for the kept units and 2 layers: the rest streams.
+            // Room for the reservation as the model makes it, the kept units and 2 layers:
+            // the rest streams.
             let settings = candle_offload_models::OffloadSettings {
-                // The reservation as the model makes it (Candle's quantized-matmul workspaces
-                // too, on a GPU with quantized weights).
                 gpu_memory_limit: tight.then(|| {
-                    let qmm = if dev.is_cuda() && store.ggml_tensor_count() > 0 {
-                        cfg.quantized_matmul_bytes(8)
-                    } else {
-                        0
-                    };
-                    MemoryLimit::Bytes(
-                        cfg.reserve_bytes(8, 16, DType::F32) + qmm + kept + 2 * layer,
-                    )
+                    MemoryLimit::Bytes(crate::quantized::streaming_budget(
+                        cfg,
+                        store,
+                        dev,
+                        (8, 16),
+                        DType::F32,
+                        2,
+                    ))
                 }),
                 event_tracking,
                 ..Default::default()

@@ -253,6 +253,25 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 
 const PROMPT: [u32; 8] = [3, 17, 42, 5, 77, 8, 91, 23];
 
+/// A GPU budget (for `dev`) that holds the model's reservation for a `prompt_len`-token
+/// prompt in `max_len` positions, its kept units and `layers` layer units: the rest streams.
+pub fn streaming_budget(
+    cfg: &candle_offload_models::Config,
+    store: &HostStore,
+    dev: &Device,
+    (prompt_len, max_len): (usize, usize),
+    dtype: DType,
+    layers: u64,
+) -> u64 {
+    let layer = store.layer_unit(0).map(|u| store.unit(u).bytes()).unwrap();
+    let kept: u64 = Llama::kept_units(store, cfg)
+        .iter()
+        .filter_map(|n| store.unit_id(n))
+        .map(|u| store.unit(u).bytes())
+        .sum();
+    Llama::reserve_bytes(cfg, store, dev, prompt_len, max_len, dtype) + kept + layers * layer
+}
+
 /// Logits of the whole prompt and 6 greedy tokens after it, on the CPU, with `layers` layer
 /// units' room in the budget (`None`: no limit, everything resident).
 fn run(
@@ -265,17 +284,14 @@ fn run(
     let dev = Device::Cpu;
     let max_len = PROMPT.len() + 6;
     let limit = layers.map(|n| {
-        let layer = store.layer_unit(0).map(|u| store.unit(u).bytes()).unwrap();
-        let kept: u64 = Llama::kept_units(&store, &files.config)
-            .iter()
-            .filter_map(|n| store.unit_id(n))
-            .map(|u| store.unit(u).bytes())
-            .sum();
-        files
-            .config
-            .reserve_bytes(PROMPT.len(), max_len, DType::F32)
-            + kept
-            + n * layer
+        streaming_budget(
+            &files.config,
+            &store,
+            &dev,
+            (PROMPT.len(), max_len),
+            DType::F32,
+            n,
+        )
     });
     let settings = candle_offload_models::OffloadSettings {
         gpu_memory_limit: limit.map(MemoryLimit::Bytes),

@@ -374,25 +374,14 @@ fn gguf_run(
     use candle_offload_models::generation::generate;
     let max_len = GGUF_PROMPT.len() + 5;
     let limit = layers.map(|n| {
-        let layer = store.layer_unit(0).map(|u| store.unit(u).bytes()).unwrap();
-        let kept: u64 = Llama::kept_units(&store, &files.config)
-            .iter()
-            .filter_map(|n| store.unit_id(n))
-            .map(|u| store.unit(u).bytes())
-            .sum();
-        // Llama::offloaded reserves room for Candle's quantized matmul scratch too, on a GPU
-        // with blocks in the store.
-        let qmm = if dev.is_cuda() && store.ggml_tensor_count() > 0 {
-            files.config.quantized_matmul_bytes(GGUF_PROMPT.len())
-        } else {
-            0
-        };
-        files
-            .config
-            .reserve_bytes(GGUF_PROMPT.len(), max_len, dtype)
-            + qmm
-            + kept
-            + n * layer
+        crate::quantized::streaming_budget(
+            &files.config,
+            &store,
+            dev,
+            (GGUF_PROMPT.len(), max_len),
+            dtype,
+            n,
+        )
     });
     let settings = candle_offload_models::OffloadSettings {
         gpu_memory_limit: limit.map(MemoryLimit::Bytes),

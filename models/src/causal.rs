@@ -240,6 +240,26 @@ impl CausalLm {
         )
     }
 
+    /// The device bytes [`from_store`](Self::from_store) reserves beside the weights on
+    /// `device`: [`Config::reserve_bytes`], plus Candle's quantized-matmul workspaces
+    /// ([`Config::quantized_matmul_bytes`]) on a GPU when `store` holds GGML blocks. A budget
+    /// meant to hold some units computes from this.
+    pub fn reserve_bytes(
+        cfg: &Config,
+        store: &candle_offload::HostStore,
+        device: &Device,
+        prompt_len: usize,
+        max_len: usize,
+        dtype: DType,
+    ) -> u64 {
+        let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
+        if device.is_cuda() && store.ggml_tensor_count() > 0 {
+            reserve + cfg.quantized_matmul_bytes(prompt_len)
+        } else {
+            reserve
+        }
+    }
+
     /// [`offloaded`](Self::offloaded) for any configuration and store (an application's own
     /// model and weights); `source` names the weights in errors.
     #[allow(clippy::too_many_arguments)]
@@ -254,10 +274,7 @@ impl CausalLm {
         source: &std::path::Path,
     ) -> std::result::Result<Self, ModelError> {
         let cfg = cfg.clone();
-        let mut reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
-        if device.is_cuda() && store.ggml_tensor_count() > 0 {
-            reserve += cfg.quantized_matmul_bytes(prompt_len);
-        }
+        let reserve = Self::reserve_bytes(&cfg, &store, device, prompt_len, max_len, dtype);
         let kv = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
         let rt = OffloadRuntime::new(
             store.clone(),
