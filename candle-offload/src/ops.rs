@@ -51,6 +51,24 @@ fn of_f32<T: WithDType>(v: f32) -> T {
     T::from_f64(v as f64)
 }
 
+/// Applies `f` to two CPU buffers of one float dtype, giving a new buffer of that dtype.
+macro_rules! cpu_dispatch2 {
+    ($op:expr, $s1:expr, $s2:expr, $f:ident $(, $arg:expr)*) => {
+        match ($s1, $s2) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => CpuStorage::F32($f(a, b $(, $arg)*)?),
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => CpuStorage::F16($f(a, b $(, $arg)*)?),
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => CpuStorage::BF16($f(a, b $(, $arg)*)?),
+            (a, _) => candle_core::bail!("{}: unsupported dtype {:?}", $op, a.dtype()),
+        }
+    };
+}
+
+/// Whether `l`'s first element of a `dtype` buffer is 16-byte aligned (the vector loads of
+/// the linear_small kernel; Candle's device buffers themselves start aligned).
+pub(crate) fn aligned16(l: &Layout, dtype: DType) -> bool {
+    (l.start_offset() * dtype.size_in_bytes()).is_multiple_of(16)
+}
+
 /// Applies `f` to three CPU buffers of one float dtype, giving a new buffer of that dtype.
 macro_rules! cpu_dispatch3 {
     ($op:expr, $s1:expr, $s2:expr, $s3:expr, $f:ident $(, $arg:expr)*) => {
@@ -253,13 +271,7 @@ impl candle_core::CustomOp2 for SiluMul {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let ls = (l1, l2);
-        let out = match (s1, s2) {
-            (CpuStorage::F32(a), CpuStorage::F32(b)) => CpuStorage::F32(silu_mul_cpu(a, b, ls)?),
-            (CpuStorage::F16(a), CpuStorage::F16(b)) => CpuStorage::F16(silu_mul_cpu(a, b, ls)?),
-            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => CpuStorage::BF16(silu_mul_cpu(a, b, ls)?),
-            (a, _) => candle_core::bail!("{}: unsupported dtype {:?}", Self::NAME, a.dtype()),
-        };
+        let out = cpu_dispatch2!(Self::NAME, s1, s2, silu_mul_cpu, (l1, l2));
         Ok((out, l1.shape().clone()))
     }
 
@@ -823,19 +835,7 @@ impl candle_core::CustomOp2 for LinearSmall {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let ls = (l1, l2);
-        let out = match (s1, s2) {
-            (CpuStorage::F32(a), CpuStorage::F32(b)) => {
-                CpuStorage::F32(linear_small_cpu(a, b, ls)?)
-            }
-            (CpuStorage::F16(a), CpuStorage::F16(b)) => {
-                CpuStorage::F16(linear_small_cpu(a, b, ls)?)
-            }
-            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => {
-                CpuStorage::BF16(linear_small_cpu(a, b, ls)?)
-            }
-            (a, _) => candle_core::bail!("{}: unsupported dtype {:?}", Self::NAME, a.dtype()),
-        };
+        let out = cpu_dispatch2!(Self::NAME, s1, s2, linear_small_cpu, (l1, l2));
         Ok((out, Shape::from((l1.dims()[0], l2.dims()[0]))))
     }
 
@@ -871,17 +871,18 @@ pub fn linear_small(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     }
     let rows = x.elem_count() / k.max(1);
     let w = w.contiguous()?;
-    let aligned = (w.layout().start_offset() * w.dtype().size_in_bytes()).is_multiple_of(16);
-    if rows == 0 || rows > LINEAR_SMALL_MAX_ROWS || !k.is_multiple_of(8) || !aligned {
+    if rows == 0
+        || rows > LINEAR_SMALL_MAX_ROWS
+        || !k.is_multiple_of(8)
+        || !aligned16(w.layout(), w.dtype())
+    {
         return linear_small_unfused(x, &w);
     }
     let mut out_dims = x.dims().to_vec();
     *out_dims.last_mut().expect("x has a last dim") = n;
     // An x that is strided or starts unaligned is copied (≤ 8 rows) to a fresh buffer.
     let x2 = x.reshape((rows, k))?;
-    let x2 = if (x2.layout().start_offset() * x2.dtype().size_in_bytes()).is_multiple_of(16)
-        && x2.is_contiguous()
-    {
+    let x2 = if aligned16(x2.layout(), x2.dtype()) && x2.is_contiguous() {
         x2
     } else {
         x2.force_contiguous()?
@@ -895,10 +896,7 @@ pub fn linear_small(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 fn multi_fits(x: &Tensor, ws: &[&Tensor]) -> Result<bool> {
     let k = x.dim(D::Minus1)?;
     let rows = x.elem_count() / k.max(1);
-    let aligned = |t: &Tensor| {
-        t.is_contiguous()
-            && (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16)
-    };
+    let aligned = |t: &Tensor| t.is_contiguous() && aligned16(t.layout(), t.dtype());
     Ok(x.device().is_cuda()
         && rows > 0
         && rows <= LINEAR_SMALL_MAX_ROWS

@@ -385,7 +385,7 @@ pub(crate) fn linear_small(
             .next_power_of_two()
             .clamp(1, crate::ops::LINEAR_SMALL_MAX_ROWS);
         let func = load::<T>(dev, &format!("linear_small_m{bound}"))?;
-        let aligned = |l: &Layout| (l.start_offset() * T::DTYPE.size_in_bytes()).is_multiple_of(16);
+        let aligned = |l: &Layout| crate::ops::aligned16(l, T::DTYPE);
         let mut ns = [0usize; 3];
         let mut views = Vec::with_capacity(3);
         for (i, (w, wl)) in ws.iter().enumerate() {
