@@ -355,7 +355,7 @@ fn batch_decode_matches_single_in(dir: &Path, device: &Device) -> anyhow::Result
     // Greedy generation, batched and alone.
     let greedy = || candle_transformers::generation::LogitsProcessor::new(0, None, None);
     let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
-    let (batched, stats) = generate_batch(&model, &refs, 6, &mut greedy(), &[])?;
+    let (batched, stats) = generate_batch(&model, &refs, 6, &mut greedy(), &[], |_, _| Ok(()))?;
     anyhow::ensure!(
         stats.generated_tokens == vec![6; b],
         "{:?}",

@@ -47,37 +47,18 @@ pub fn generate(
     if prompt.is_empty() {
         candle_core::bail!("the prompt is empty");
     }
-    let device: &Device = model.runtime().device();
-    let mut cache = model.new_cache();
-    let mut out = Vec::new();
-    let mut stats = GenerationStats {
+    // A batch of one: no padding, so the same forward passes as `Llama::forward`.
+    let (mut out, batch) =
+        generate_batch(model, &[prompt], max_new_tokens, sampler, eos, |_, t| {
+            on_token(t)
+        })?;
+    let stats = GenerationStats {
         prompt_tokens: prompt.len(),
-        ..Default::default()
+        generated_tokens: batch.generated_tokens[0],
+        prefill_s: batch.prefill_s,
+        decode_s: batch.decode_s,
     };
-    let t0 = Instant::now();
-    let mut input = Tensor::new(prompt, device)?.unsqueeze(0)?;
-    let mut pos = 0;
-    let mut decode_start = None;
-    for step in 0..max_new_tokens {
-        model.begin_step()?;
-        let logits = model.forward(&input, pos, &mut cache)?;
-        pos += input.dim(1)?;
-        let next = sampler.sample_token(&logits.squeeze(0)?)?;
-        model.end_step()?;
-        if step == 0 {
-            stats.prefill_s = t0.elapsed().as_secs_f64();
-            decode_start = Some(Instant::now());
-        }
-        out.push(next);
-        on_token(next)?;
-        if eos.contains(&next) {
-            break;
-        }
-        input = Tensor::new(&[next], device)?.unsqueeze(0)?;
-    }
-    stats.generated_tokens = out.len();
-    stats.decode_s = decode_start.map_or(0.0, |t| t.elapsed().as_secs_f64());
-    Ok((out, stats))
+    Ok((out.pop().unwrap_or_default(), stats))
 }
 
 /// Timings of a batch generation.
@@ -117,7 +98,8 @@ impl BatchStats {
 /// them ([`Llama::forward_batch`]), so a weight sweep serves every sequence. A sequence stops
 /// at any of `eos` (later steps still compute its row, whose tokens are dropped); the loop ends
 /// when all have stopped. Greedy decoding gives each sequence the tokens it gets alone (within
-/// floating-point rounding of the batched matmuls). `sampler` samples the rows in order.
+/// floating-point rounding of the batched matmuls). `sampler` samples the rows in order, and
+/// `on_token(row, token)` sees each kept token as soon as it is sampled.
 ///
 /// The model's budget reserve is sized for one sequence: for a batch on a GPU, add
 /// [`Config::batch_reserve_bytes`](crate::Config::batch_reserve_bytes) to
@@ -128,6 +110,7 @@ pub fn generate_batch(
     max_new_tokens: usize,
     sampler: &mut impl TokenSampler,
     eos: &[u32],
+    mut on_token: impl FnMut(usize, u32) -> candle_core::Result<()>,
 ) -> candle_core::Result<(Vec<Vec<u32>>, BatchStats)> {
     if prompts.is_empty() {
         candle_core::bail!("no prompts");
@@ -173,6 +156,7 @@ pub fn generate_batch(
         for (r, &t) in next.iter().enumerate() {
             if !done[r] {
                 out[r].push(t);
+                on_token(r, t)?;
                 done[r] = eos.contains(&t);
             }
         }
