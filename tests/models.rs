@@ -1011,7 +1011,7 @@ fn smollm2_gguf_runs_with_quantized_blocks() -> anyhow::Result<()> {
 /// The device sampler on each device: its nucleus is the sort-based one on a 32k vocabulary,
 /// greedy is the argmax, and a seed draws the same tokens as on the CPU for the same logits.
 fn device_sampler_agrees_with_the_host(device: &Device) -> anyhow::Result<()> {
-    use candle_offload_models::sampling::{top_p_mask, DeviceSampler};
+    use candle_offload_models::sampling::{top_p_mask, top_p_mask_sorted, DeviceSampler};
     let n = 32000;
     let mut rng = candle_offload_suite::rng(5);
     let host: Vec<f32> = (0..n)
@@ -1024,17 +1024,12 @@ fn device_sampler_agrees_with_the_host(device: &Device) -> anyhow::Result<()> {
         let got: Vec<u8> = top_p_mask(&probs, top_p)?
             .to_device(&Device::Cpu)?
             .to_vec1()?;
-        let mut order: Vec<usize> = (0..n).collect();
-        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
-        let (mut mass, mut want) = (0f64, vec![0u8; n]);
-        for i in order {
-            want[i] = 1;
-            mass += p[i] as f64;
-            if mass >= top_p {
-                break;
-            }
-        }
-        let diff = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+        let want = top_p_mask_sorted(&p, top_p);
+        let diff = got
+            .iter()
+            .zip(&want)
+            .filter(|(g, w)| (**g == 1) != **w)
+            .count();
         anyhow::ensure!(
             diff == 0,
             "top-p {top_p}: {diff} tokens differ from the sorted nucleus"

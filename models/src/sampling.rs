@@ -102,6 +102,24 @@ impl TokenSampler for DeviceSampler {
     }
 }
 
+/// The sort-based nucleus on the host, the definition [`top_p_mask`] computes without a sort:
+/// the most probable tokens, in order, until their mass (summed in F64) reaches `top_p`. For
+/// checks; it sorts the whole vocabulary.
+pub fn top_p_mask_sorted(probs: &[f32], top_p: f64) -> Vec<bool> {
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+    let mut keep = vec![false; probs.len()];
+    let mut mass = 0f64;
+    for i in order {
+        keep[i] = true;
+        mass += probs[i] as f64;
+        if mass >= top_p {
+            break;
+        }
+    }
+    keep
+}
+
 /// Draws next tokens from logits on their own device; see the module docs.
 #[derive(Debug)]
 pub struct DeviceSampler {
@@ -164,23 +182,6 @@ impl DeviceSampler {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The sort-based nucleus, for tests: the most probable tokens in order until their mass
-    /// reaches `top_p` (on the host).
-    fn top_p_mask_sorted(probs: &[f32], top_p: f64) -> Vec<bool> {
-        let mut order: Vec<usize> = (0..probs.len()).collect();
-        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
-        let mut keep = vec![false; probs.len()];
-        let mut mass = 0f64;
-        for i in order {
-            keep[i] = true;
-            mass += probs[i] as f64;
-            if mass >= top_p {
-                break;
-            }
-        }
-        keep
-    }
 
     use candle_core::Device;
 
