@@ -5,6 +5,7 @@
 //! partial rotary; bad inputs are refused; and
 //! the tiny models give the same logits with the fused ops on and off.
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor, D};
 use candle_offload::ops;
 use candle_offload_models::Llama;
@@ -362,6 +363,90 @@ test_device!(
     linear_small_matches_composition,
     ops_linear_small_cpu,
     ops_linear_small_gpu
+);
+
+/// The GGML block types the quantized few-row kernels take.
+const QTYPES: [GgmlDType; 5] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q8_0,
+];
+
+/// `qlinear_small`, its q/k/v and gate/up forms, against x times the blocks dequantized to F32:
+/// on a GPU the kernel within the usual tolerances; on the CPU (Candle's quantized matmul,
+/// which quantizes x to 8 bits) within 5e-2, and equal to the composition. Block counts that
+/// leave rows unaligned (3, 65 blocks), more than one round of 32 blocks, up to 8 rows, and 9
+/// rows (the composition).
+fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
+    for (t, &qtype) in QTYPES.iter().enumerate() {
+        for dtype in DTYPES {
+            for (i, xs) in [
+                &[1usize, 1, 32][..],
+                &[1, 96],
+                &[1, 3, 1088],
+                &[8, 2080],
+                &[5, 4096],
+                &[9, 64],
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let k = *xs.last().expect("rank ≥ 1");
+                let seed = 300 + 20 * t as u64 + 3 * i as u64;
+                let x = random(xs, 1.0, seed, dtype, device)?;
+                let s = 1.0 / (k as f32).sqrt();
+                let mut ws = Vec::new();
+                for (j, n) in [37usize, 8, 8].into_iter().enumerate() {
+                    let w = random(&[n, k], s, seed + 100 + j as u64, DType::F32, &Device::Cpu)?;
+                    ws.push(QTensor::quantize_onto(&w, qtype, device)?);
+                }
+                let dense = |w: &QTensor| -> anyhow::Result<Tensor> {
+                    Ok(x.to_dtype(DType::F32)?
+                        .broadcast_matmul(&w.dequantize(device)?.t()?)?
+                        .to_dtype(dtype)?)
+                };
+                let check = |what: &str, got: &Tensor, want: &Tensor, unfused: &Tensor| {
+                    let what = format!("{what} {qtype:?} {xs:?}");
+                    if device.is_cuda() {
+                        return ensure_close(&what, got, want, dtype);
+                    }
+                    anyhow::ensure!(rel_diff(got, unfused)? == 0.0, "{what}: not the composition");
+                    let d = rel_diff(got, want)?;
+                    anyhow::ensure!(d <= 5e-2, "{what} {dtype:?}: relative difference {d:e}");
+                    Ok(())
+                };
+                let got = ops::qlinear_small_multi(&x, &[&ws[0], &ws[1], &ws[2]])?;
+                anyhow::ensure!(got.len() == 3);
+                for (g, w) in got.iter().zip(&ws) {
+                    anyhow::ensure!(g.is_contiguous(), "outputs are contiguous");
+                    let unfused = ops::qlinear_small_unfused(&x, w)?;
+                    check("qlinear_small_multi", g, &dense(w)?, &unfused)?;
+                }
+                let one = ops::qlinear_small(&x, &ws[0])?;
+                check(
+                    "qlinear_small",
+                    &one,
+                    &dense(&ws[0])?,
+                    &ops::qlinear_small_unfused(&x, &ws[0])?,
+                )?;
+                let got = ops::qlinear_silu_mul(&x, &ws[1], &ws[2])?;
+                let want = ops::silu_mul_unfused(&dense(&ws[1])?, &dense(&ws[2])?)?;
+                let unfused = ops::silu_mul(
+                    &ops::qlinear_small_unfused(&x, &ws[1])?,
+                    &ops::qlinear_small_unfused(&x, &ws[2])?,
+                )?;
+                check("qlinear_silu_mul", &got, &want, &unfused)?;
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    qlinear_small_matches_dequantized,
+    ops_qlinear_small_cpu,
+    ops_qlinear_small_gpu
 );
 
 fn bad_inputs_are_refused(device: &Device) -> anyhow::Result<()> {

@@ -395,6 +395,246 @@ __device__ void linear_small(const T *x, const T *w0, const T *w1, const T *w2, 
         linear_small<T, M>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                           \
     }
 
+// ---------------------------------------------------------------------------------------------
+// linear_small over GGML blocks of 32 elements (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), as Candle's
+// quantized CUDA storage holds them: row c of the weight is k / 32 blocks, rows back to back,
+// the buffer zero-padded past its last row. The weight is dequantized in registers and
+// multiplied by x in f32 (x is not quantized, unlike Candle's mmvq).
+//
+// Blocks are 18 to 34 bytes, so a lane cannot read its block with aligned vector loads. Each
+// warp stages 32 blocks of its row at a time in shared memory with 16-byte loads (from the
+// 16-byte boundary at or before the first block to the one at or after the last: at most 15
+// bytes of the neighbouring row or of the padding are read and not used), then lane j decodes
+// block j there.
+
+enum { QT_Q4_0 = 0, QT_Q4_1 = 1, QT_Q5_0 = 2, QT_Q5_1 = 3, QT_Q8_0 = 4 };
+template <int QT> struct QBlock;
+template <> struct QBlock<QT_Q4_0> { static constexpr int BYTES = 18; static constexpr bool MIN = false; };
+template <> struct QBlock<QT_Q4_1> { static constexpr int BYTES = 20; static constexpr bool MIN = true; };
+template <> struct QBlock<QT_Q5_0> { static constexpr int BYTES = 22; static constexpr bool MIN = false; };
+template <> struct QBlock<QT_Q5_1> { static constexpr int BYTES = 24; static constexpr bool MIN = true; };
+template <> struct QBlock<QT_Q8_0> { static constexpr int BYTES = 34; static constexpr bool MIN = false; };
+
+// Little-endian reads from 2-byte aligned shared memory.
+__device__ __forceinline__ uint32_t sm_u32(const uint8_t *p) {
+    const uint16_t *h = reinterpret_cast<const uint16_t *>(p);
+    return (uint32_t)h[0] | ((uint32_t)h[1] << 16);
+}
+__device__ __forceinline__ float sm_f16(const uint8_t *p) {
+    return __half2float(*reinterpret_cast<const __half *>(p));
+}
+// Byte i of w (0..255) as a float less `bias`, exactly: the byte permute builds 2^23 + byte.
+__device__ __forceinline__ float byte_f32(uint32_t w, uint32_t i, float bias) {
+    return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7650u | i)) - (8388608.0f + bias);
+}
+
+// Block b's 32 quants as floats in element order, its scale d and its min mn (0 without one):
+// element e is d * q[e] + mn (GGML's dequantize_row_* for each type).
+template <int QT>
+__device__ __forceinline__ void decode_block(const uint8_t *b, float *q, float &d, float &mn);
+template <> __device__ __forceinline__ void decode_block<QT_Q4_0>(const uint8_t *b, float *q,
+                                                                  float &d, float &mn) {
+    d = sm_f16(b);
+    mn = 0.0f;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const uint32_t w = sm_u32(b + 2 + 4 * t);
+        const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            q[4 * t + i] = byte_f32(lo, i, 8.0f);
+            q[16 + 4 * t + i] = byte_f32(hi, i, 8.0f);
+        }
+    }
+}
+template <> __device__ __forceinline__ void decode_block<QT_Q4_1>(const uint8_t *b, float *q,
+                                                                  float &d, float &mn) {
+    d = sm_f16(b);
+    mn = sm_f16(b + 2);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const uint32_t w = sm_u32(b + 4 + 4 * t);
+        const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            q[4 * t + i] = byte_f32(lo, i, 0.0f);
+            q[16 + 4 * t + i] = byte_f32(hi, i, 0.0f);
+        }
+    }
+}
+// Q5: the 4 low bits of element j and j + 16 share qs[j]; their 5th bits are bits j and j + 16
+// of qh.
+template <bool MIN>
+__device__ __forceinline__ void decode_q5(const uint8_t *qh_at, const uint8_t *qs, float *q) {
+    const uint32_t qh = sm_u32(qh_at);
+    const float bias = MIN ? 0.0f : 16.0f;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const uint32_t w = sm_u32(qs + 4 * t);
+        uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int j = 4 * t + i;
+            lo |= ((qh >> j) & 1u) << (8 * i + 4);
+            hi |= ((qh >> (j + 16)) & 1u) << (8 * i + 4);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            q[4 * t + i] = byte_f32(lo, i, bias);
+            q[16 + 4 * t + i] = byte_f32(hi, i, bias);
+        }
+    }
+}
+template <> __device__ __forceinline__ void decode_block<QT_Q5_0>(const uint8_t *b, float *q,
+                                                                  float &d, float &mn) {
+    d = sm_f16(b);
+    mn = 0.0f;
+    decode_q5<false>(b + 2, b + 6, q);
+}
+template <> __device__ __forceinline__ void decode_block<QT_Q5_1>(const uint8_t *b, float *q,
+                                                                  float &d, float &mn) {
+    d = sm_f16(b);
+    mn = sm_f16(b + 2);
+    decode_q5<true>(b + 4, b + 8, q);
+}
+template <> __device__ __forceinline__ void decode_block<QT_Q8_0>(const uint8_t *b, float *q,
+                                                                  float &d, float &mn) {
+    d = sm_f16(b);
+    mn = 0.0f;
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+        // Signed bytes, offset to 0..255 by flipping their sign bits.
+        const uint32_t w = sm_u32(b + 2 + 4 * t) ^ 0x80808080u;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[4 * t + i] = byte_f32(w, i, 128.0f);
+    }
+}
+
+// 16-byte vectors of shared memory per warp: 32 blocks and the slack of both ends' alignment.
+template <int QT> struct QStage { static constexpr int VECS = (32 * QBlock<QT>::BYTES + 31) / 16 + 1; };
+
+// Stages blocks first .. first + count (count <= 32) of `row` in `st` (one warp, all lanes)
+// and returns where block `first` starts there.
+template <int QT>
+__device__ __forceinline__ const uint8_t *stage_blocks(const uint8_t *row, uint32_t first,
+                                                       uint32_t count, uint4 *st) {
+    constexpr int B = QBlock<QT>::BYTES;
+    const uint32_t lane = threadIdx.x & 31u;
+    const uintptr_t s = reinterpret_cast<uintptr_t>(row) + (uintptr_t)first * B;
+    const uintptr_t a0 = s & ~(uintptr_t)15;
+    const uint32_t nvec = (uint32_t)((s + (uintptr_t)count * B + 15 - a0) >> 4);
+    const uint4 *src = reinterpret_cast<const uint4 *>(a0);
+    for (uint32_t v = lane; v < nvec; v += 32u) st[v] = __ldcs(src + v);
+    __syncwarp();
+    return reinterpret_cast<const uint8_t *>(st) + (s - a0);
+}
+
+// acc[r] += x[r, :] · row for r < m <= M, row being k / 32 blocks (one warp; every lane calls).
+template <typename T, int M, int QT>
+__device__ __forceinline__ void qdot_rows(const T *x, const uint8_t *row, uint32_t m, uint32_t k,
+                                          float *acc, uint4 *st) {
+    constexpr int B = QBlock<QT>::BYTES;
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t nb = k >> 5;
+    for (uint32_t first = 0; first < nb; first += 32u) {
+        const uint32_t count = min(32u, nb - first);
+        const uint8_t *blocks = stage_blocks<QT>(row, first, count, st);
+        if (lane < count) {
+            float q[32], d, mn;
+            decode_block<QT>(blocks + lane * B, q, d, mn);
+            const uint32_t e0 = (first + lane) * 32u;
+#pragma unroll
+            for (int r = 0; r < M; ++r) {
+                if ((uint32_t)r < m) {
+                    float s = 0.0f, sx = 0.0f;
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        float xv[8];
+                        cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 8u * u, false), xv);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            s += q[8 * u + e] * xv[e];
+                            if (QBlock<QT>::MIN) sx += xv[e];
+                        }
+                    }
+                    acc[r] += d * s + (QBlock<QT>::MIN ? mn * sx : 0.0f);
+                }
+            }
+        }
+        // The stage is rewritten next round only after every lane has read its block.
+        __syncwarp();
+    }
+}
+
+// linear_small's contract (see there) with weights of GGML blocks: w0, w1, w2 point at the
+// blocks of weights (n_i, k), k a multiple of 32.
+template <typename T, int M, int QT>
+__device__ void qlinear_small(const T *x, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2,
+                              T *y, uint32_t m, uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k,
+                              uint32_t silu) {
+    __shared__ uint4 stage[OPS_WARPS][QStage<QT>::VECS];
+    const uint32_t warp = threadIdx.x >> 5;
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t col = blockIdx.x * OPS_WARPS + warp;
+    const size_t row_bytes = (size_t)(k >> 5) * QBlock<QT>::BYTES;
+    uint4 *st = stage[warp];
+    float acc[M];
+#pragma unroll
+    for (int r = 0; r < M; ++r) acc[r] = 0.0f;
+    if (silu) {
+        if (col >= n0) return;
+        float up[M];
+#pragma unroll
+        for (int r = 0; r < M; ++r) up[r] = 0.0f;
+        qdot_rows<T, M, QT>(x, w0 + col * row_bytes, m, k, acc, st);
+        qdot_rows<T, M, QT>(x, w1 + col * row_bytes, m, k, up, st);
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+            if ((uint32_t)r < m) {
+                const float g = warp_sum(acc[r]);
+                const float u = warp_sum(up[r]);
+                if (lane == 0) y[(size_t)r * n0 + col] = from_f32<T>(g / (1.0f + expf(-g)) * u);
+            }
+        }
+        return;
+    }
+    const uint8_t *w;
+    T *yb;
+    uint32_t c, n;
+    if (col < n0) {
+        w = w0, yb = y, c = col, n = n0;
+    } else if (col < n0 + n1) {
+        w = w1, yb = y + (size_t)m * n0, c = col - n0, n = n1;
+    } else if (col < n0 + n1 + n2) {
+        w = w2, yb = y + (size_t)m * (n0 + n1), c = col - n0 - n1, n = n2;
+    } else {
+        return;
+    }
+    qdot_rows<T, M, QT>(x, w + c * row_bytes, m, k, acc, st);
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+        if ((uint32_t)r < m) {
+            const float s = warp_sum(acc[r]);
+            if (lane == 0) yb[(size_t)r * n + c] = from_f32<T>(s);
+        }
+    }
+}
+
+// qlinear_small_m<M>_<q>_<dtype>: at most M rows of x against weights of GGML type q.
+#define QLINEAR_SMALL_FOR(T, SUFFIX, M, QT, QNAME)                                              \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS)                                 \
+        qlinear_small_m##M##_##QNAME##_##SUFFIX(                                                \
+        const T *x, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,  \
+        uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {                     \
+        qlinear_small<T, M, QT>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                      \
+    }
+#define QLINEAR_SMALL_TYPES(T, SUFFIX, M)                                                       \
+    QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q4_0, q4_0)                                              \
+    QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q4_1, q4_1)                                              \
+    QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q5_0, q5_0)                                              \
+    QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q5_1, q5_1)                                              \
+    QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q8_0, q8_0)
+
 #define OPS_FOR(T, SUFFIX)                                                                      \
     extern "C" __global__ void rms_norm_residual_##SUFFIX(const T *x, const T *r, const T *w,  \
                                                           T *out, uint32_t n_rows,              \
@@ -419,7 +659,11 @@ __device__ void linear_small(const T *x, const T *w0, const T *w1, const T *w2, 
     LINEAR_SMALL_FOR(T, SUFFIX, 1)                                                              \
     LINEAR_SMALL_FOR(T, SUFFIX, 2)                                                              \
     LINEAR_SMALL_FOR(T, SUFFIX, 4)                                                              \
-    LINEAR_SMALL_FOR(T, SUFFIX, 8)
+    LINEAR_SMALL_FOR(T, SUFFIX, 8)                                                              \
+    QLINEAR_SMALL_TYPES(T, SUFFIX, 1)                                                           \
+    QLINEAR_SMALL_TYPES(T, SUFFIX, 2)                                                           \
+    QLINEAR_SMALL_TYPES(T, SUFFIX, 4)                                                           \
+    QLINEAR_SMALL_TYPES(T, SUFFIX, 8)
 
 OPS_FOR(float, f32)
 OPS_FOR(__half, f16)

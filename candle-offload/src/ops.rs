@@ -13,6 +13,9 @@
 //! - [`linear_small`]: `x · wᵀ` for at most 8 rows, one bandwidth-bound pass over the weight;
 //!   [`linear_small_multi`] does two or three weights (q, k, v) in one launch and
 //!   [`linear_silu_mul`] a SwiGLU gate and up with the SiLU · mul, also in one.
+//! - [`qlinear_small`], [`qlinear_small_multi`], [`qlinear_silu_mul`]: the same three with
+//!   weights of GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, as Candle's quantized CUDA storage
+//!   holds them), dequantized in registers; x stays in its float type.
 //!
 //! On a CUDA device they run the project's own kernels (`kernels/ops.cu`, compiled to PTX at
 //! build time); on the CPU a direct loop computes the same thing. The `*_unfused` functions are
@@ -21,6 +24,7 @@
 //! contiguous. They are for inference: no gradient flows through them.
 
 use candle_core::backend::BackendStorage;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, WithDType, D};
 
 /// Refuses dtypes the kernels do not exist for, and mixed dtypes.
@@ -1004,4 +1008,153 @@ pub fn linear_silu_mul(x: &Tensor, gate: &Tensor, up: &Tensor) -> Result<Tensor>
 /// The composition [`linear_small`] replaces: `candle_nn::Linear`'s broadcast matmul.
 pub fn linear_small_unfused(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.broadcast_matmul(&w.t()?)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear layers over few rows, with weights of GGML blocks
+
+/// The kernel name part of the GGML block types [`qlinear_small`] has a CUDA kernel for (blocks
+/// of 32 elements).
+pub(crate) fn qlinear_small_type(t: GgmlDType) -> Option<&'static str> {
+    Some(match t {
+        GgmlDType::Q4_0 => "q4_0",
+        GgmlDType::Q4_1 => "q4_1",
+        GgmlDType::Q5_0 => "q5_0",
+        GgmlDType::Q5_1 => "q5_1",
+        GgmlDType::Q8_0 => "q8_0",
+        _ => return None,
+    })
+}
+
+const QLINEAR_SMALL: &str = "qlinear-small";
+
+/// Whether the GGML-block kernel takes `x` and `ws`: x (F32, F16 or BF16) and the weights on
+/// a GPU, at most 8 rows, one block type the kernel has, every weight (n, k) with k = x's width,
+/// a multiple of 32.
+pub fn qlinear_small_fits(x: &Tensor, ws: &[&QTensor]) -> Result<bool> {
+    let k = x.dim(D::Minus1)?;
+    let rows = x.elem_count() / k.max(1);
+    let Some(first) = ws.first() else {
+        return Ok(false);
+    };
+    Ok(x.device().is_cuda()
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && rows > 0
+        && rows <= LINEAR_SMALL_MAX_ROWS
+        && k.is_multiple_of(32)
+        && qlinear_small_type(first.dtype()).is_some()
+        && ws.iter().all(|w| {
+            w.dtype() == first.dtype()
+                && w.device().is_cuda()
+                && w.shape().dims().len() == 2
+                && w.shape().dims()[1] == k
+        }))
+}
+
+/// Runs the GGML-block CUDA kernel on x (rows, k): its one output buffer as a flat tensor
+/// without a gradient (see [`linear_small_launch`]).
+#[cfg(feature = "cuda")]
+fn qlinear_small_launch(x: &Tensor, ws: &[&QTensor], silu: bool) -> Result<Tensor> {
+    use candle_core::Storage;
+    let rows = x.dim(0)?;
+    let x = if aligned16(x.layout(), x.dtype()) && x.is_contiguous() {
+        x.clone()
+    } else {
+        x.force_contiguous()?
+    };
+    let cols: usize = if silu {
+        ws[0].shape().dims()[0]
+    } else {
+        ws.iter().map(|w| w.shape().dims()[0]).sum()
+    };
+    let out = {
+        let (xs, xl) = x.storage_and_layout();
+        let Storage::Cuda(xs) = &*xs else {
+            candle_core::bail!("{QLINEAR_SMALL}: x is not on a GPU")
+        };
+        crate::sys::kernels::qlinear_small((xs, xl), ws, silu)?
+    };
+    Ok(Tensor::from_storage(
+        Storage::Cuda(out),
+        rows * cols,
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn qlinear_small_launch(_x: &Tensor, _ws: &[&QTensor], _silu: bool) -> Result<Tensor> {
+    candle_core::bail!("{QLINEAR_SMALL}: needs a build with `--features cuda`")
+}
+
+/// `x · wᵀ` for a weight of GGML blocks (out, in) and an `x` (…, in): on a GPU, for at most 8
+/// rows and a block type of 32 elements ([`qlinear_small_fits`]), one pass over the blocks that
+/// dequantizes them in registers and multiplies them by every row in F32; otherwise the
+/// composition ([`qlinear_small_unfused`]). The result has x's dtype.
+pub fn qlinear_small(x: &Tensor, w: &QTensor) -> Result<Tensor> {
+    Ok(qlinear_small_multi(x, &[w])?.remove(0))
+}
+
+/// [`qlinear_small`] for two or three weights that read the same `x` (q, k and v), in one
+/// launch on a GPU, each result contiguous.
+pub fn qlinear_small_multi(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
+    if ws.is_empty() || ws.len() > 3 {
+        candle_core::bail!("{QLINEAR_SMALL}: 1 to 3 weights, not {}", ws.len());
+    }
+    check_dtypes(QLINEAR_SMALL, &[x])?;
+    if !qlinear_small_fits(x, ws)? {
+        return ws.iter().map(|w| qlinear_small_unfused(x, w)).collect();
+    }
+    let k = x.dim(D::Minus1)?;
+    let rows = x.elem_count() / k;
+    let flat = qlinear_small_launch(&x.reshape((rows, k))?, ws, false)?;
+    let mut out = Vec::with_capacity(ws.len());
+    let mut at = 0;
+    for w in ws {
+        let n = w.shape().dims()[0];
+        let mut dims = x.dims().to_vec();
+        *dims.last_mut().expect("x has a last dim") = n;
+        out.push(flat.narrow(0, at, rows * n)?.reshape(dims)?);
+        at += rows * n;
+    }
+    Ok(out)
+}
+
+/// `silu(x · gateᵀ) · (x · upᵀ)` for weights of GGML blocks: one launch on a GPU
+/// ([`qlinear_small_fits`]); otherwise [`qlinear_small_unfused`] twice and [`silu_mul`].
+pub fn qlinear_silu_mul(x: &Tensor, gate: &QTensor, up: &QTensor) -> Result<Tensor> {
+    check_dtypes(QLINEAR_SMALL, &[x])?;
+    if gate.shape() != up.shape() {
+        candle_core::bail!(
+            "{QLINEAR_SMALL}: gate {:?} and up {:?} differ in shape",
+            gate.shape(),
+            up.shape()
+        );
+    }
+    if !qlinear_small_fits(x, &[gate, up])? {
+        return silu_mul(
+            &qlinear_small_unfused(x, gate)?,
+            &qlinear_small_unfused(x, up)?,
+        );
+    }
+    let k = x.dim(D::Minus1)?;
+    let rows = x.elem_count() / k;
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().expect("x has a last dim") = gate.shape().dims()[0];
+    qlinear_small_launch(&x.reshape((rows, k))?, &[gate, up], true)?.reshape(dims)
+}
+
+/// The composition [`qlinear_small`] replaces: Candle's quantized matmul (`QMatMul`'s) on x
+/// in F32, cast back to x's dtype. Candle's CPU dot products of some types take blocks in
+/// pairs and panic on an odd count per row; those rows are dequantized and multiplied densely.
+pub fn qlinear_small_unfused(x: &Tensor, w: &QTensor) -> Result<Tensor> {
+    let x32 = x.to_dtype(DType::F32)?;
+    let k = x.dim(D::Minus1)?;
+    let odd_blocks = (k / w.dtype().block_size()) % 2 == 1;
+    let y = if w.device().is_cpu() && odd_blocks {
+        x32.broadcast_matmul(&w.dequantize(&w.device())?.t()?)?
+    } else {
+        x32.apply_op1_no_bwd(w)?
+    };
+    y.to_dtype(x.dtype())
 }

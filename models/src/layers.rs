@@ -332,19 +332,35 @@ impl Linear {
     /// Inference; with `fused`, a dense weight against at most 8 rows (a decode step) on a GPU
     /// goes through [`candle_offload::ops::linear_small`] (one bandwidth-bound kernel instead
     /// of cuBLAS's split-K GEMM and its reduction).
+    ///
+    /// Quantized weights of a block type the kernel has go through
+    /// [`candle_offload::ops::qlinear_small`] the same way (dequantized in registers, x not
+    /// quantized).
     pub fn forward_step(&self, xs: &Tensor, fused: bool) -> Result<Tensor> {
-        if let (true, Self::Dense(l)) = (fused, self) {
-            let width = xs.dim(D::Minus1)?.max(1);
-            let rows = xs.elem_count() / width;
-            if xs.device().is_cuda() && rows <= 8 && l.weight().dtype() == xs.dtype() {
-                let y = candle_offload::ops::linear_small(xs, l.weight())?;
-                return match l.bias() {
-                    Some(b) => y.broadcast_add(b),
-                    None => Ok(y),
-                };
-            }
+        if !fused {
+            return self.forward(xs);
         }
-        self.forward(xs)
+        let (y, bias) = match self {
+            Self::Dense(l) => {
+                let width = xs.dim(D::Minus1)?.max(1);
+                let rows = xs.elem_count() / width;
+                if !(xs.device().is_cuda() && rows <= 8 && l.weight().dtype() == xs.dtype()) {
+                    return self.forward(xs);
+                }
+                (candle_offload::ops::linear_small(xs, l.weight())?, l.bias())
+            }
+            Self::Quantized {
+                weight: QMatMul::QTensor(q),
+                bias,
+            } if candle_offload::ops::qlinear_small_fits(xs, &[q])? => {
+                (candle_offload::ops::qlinear_small(xs, q)?, bias.as_ref())
+            }
+            Self::Quantized { .. } => return self.forward(xs),
+        };
+        match bias {
+            Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
+            None => Ok(y),
+        }
     }
 
     /// [`forward_train`](Self::forward_train) when `train`, else [`forward`](Self::forward).
@@ -373,15 +389,25 @@ impl Linear {
     }
 }
 
-/// The weights of `ls` when a decode step can multiply them in one launch of
-/// [`candle_offload::ops::linear_small_multi`] / [`candle_offload::ops::linear_silu_mul`]: `xs`
-/// on a GPU with at most 8 rows, and every layer dense, without bias, in `xs`'s dtype.
-fn one_launch_weights<'a>(xs: &Tensor, ls: &[&'a Linear]) -> Result<Option<Vec<&'a Tensor>>> {
+/// The weights of layers that a decode step multiplies in one launch.
+enum OneLaunch<'a> {
+    /// Dense, for [`candle_offload::ops::linear_small_multi`] /
+    /// [`candle_offload::ops::linear_silu_mul`].
+    Dense(Vec<&'a Tensor>),
+    /// GGML blocks of one type, for [`candle_offload::ops::qlinear_small_multi`] /
+    /// [`candle_offload::ops::qlinear_silu_mul`].
+    Blocks(Vec<&'a candle_core::quantized::QTensor>),
+}
+
+/// The weights of `ls` when a decode step can multiply them in one launch: `xs` on a GPU with
+/// at most 8 rows, every layer without bias, and either all dense in `xs`'s dtype or all
+/// blocks the quantized kernel takes.
+fn one_launch_weights<'a>(xs: &Tensor, ls: &[&'a Linear]) -> Result<Option<OneLaunch<'a>>> {
     let rows = xs.elem_count() / xs.dim(D::Minus1)?.max(1);
     if !xs.device().is_cuda() || rows > 8 {
         return Ok(None);
     }
-    Ok(ls
+    let dense: Option<Vec<_>> = ls
         .iter()
         .map(|l| match l {
             Linear::Dense(d) if d.bias().is_none() && d.weight().dtype() == xs.dtype() => {
@@ -389,7 +415,26 @@ fn one_launch_weights<'a>(xs: &Tensor, ls: &[&'a Linear]) -> Result<Option<Vec<&
             }
             _ => None,
         })
-        .collect())
+        .collect();
+    if let Some(ws) = dense {
+        return Ok(Some(OneLaunch::Dense(ws)));
+    }
+    let blocks: Option<Vec<_>> = ls
+        .iter()
+        .map(|l| match l {
+            Linear::Quantized {
+                weight: QMatMul::QTensor(q),
+                bias: None,
+            } => Some(q.as_ref()),
+            _ => None,
+        })
+        .collect();
+    Ok(match blocks {
+        Some(ws) if candle_offload::ops::qlinear_small_fits(xs, &ws)? => {
+            Some(OneLaunch::Blocks(ws))
+        }
+        _ => None,
+    })
 }
 
 /// A linear layer on (batch, seq, in) as one (batch·seq, in) matmul, for training: the weight
@@ -601,7 +646,11 @@ impl SelfAttention {
         if let (false, true, Qkv::Separate { q, k, v }) = (train, fused, &self.qkv) {
             if let Some(ws) = one_launch_weights(xs, &[q, k, v])? {
                 // q, k and v in one kernel, each written contiguous.
-                let mut out = candle_offload::ops::linear_small_multi(xs, &ws)?.into_iter();
+                let out = match ws {
+                    OneLaunch::Dense(ws) => candle_offload::ops::linear_small_multi(xs, &ws)?,
+                    OneLaunch::Blocks(ws) => candle_offload::ops::qlinear_small_multi(xs, &ws)?,
+                };
+                let mut out = out.into_iter();
                 let mut next = || out.next().expect("three outputs");
                 return Ok((next(), next(), next()));
             }
@@ -838,7 +887,12 @@ impl GatedMlp {
         {
             if let Some(ws) = one_launch_weights(xs, &[gate, up])? {
                 // Gate, up and SiLU · mul in one kernel.
-                let x = candle_offload::ops::linear_silu_mul(xs, ws[0], ws[1])?;
+                let x = match ws {
+                    OneLaunch::Dense(ws) => candle_offload::ops::linear_silu_mul(xs, ws[0], ws[1])?,
+                    OneLaunch::Blocks(ws) => {
+                        candle_offload::ops::qlinear_silu_mul(xs, ws[0], ws[1])?
+                    }
+                };
                 return self.down.run_with(&x, train, fused);
             }
         }

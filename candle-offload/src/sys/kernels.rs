@@ -478,3 +478,122 @@ pub(crate) fn linear_small(
         device: x.device.clone(),
     })
 }
+
+/// `linear_small` with weights of GGML blocks (`qlinear_small_m<M>_<type>_<dtype>`): x (m, k)
+/// times one to three weights (n_i, k) of one block type, concatenated or (`silu`, two weights)
+/// as silu(x·w0ᵀ)·(x·w1ᵀ). The weights' device buffers are Candle's quantized storages, read
+/// through their device pointers on the device's stream.
+pub(crate) fn qlinear_small(
+    (x, xl): (&CudaStorage, &Layout),
+    ws: &[&candle_core::quantized::QTensor],
+    silu: bool,
+) -> Result<CudaStorage> {
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    fn run<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        dev: &CudaDevice,
+        x: &CudaSlice<T>,
+        xl: &Layout,
+        ws: &[&candle_core::quantized::QTensor],
+        silu: bool,
+    ) -> Result<CudaSlice<T>> {
+        let (m, k) = xl.shape().dims2()?;
+        let ggml = ws.first().map(|w| w.dtype());
+        let qname = ggml.and_then(crate::ops::qlinear_small_type);
+        let mut ns = [0usize; 3];
+        for (i, w) in ws.iter().enumerate() {
+            let (n, wk) = w.shape().dims2()?;
+            if wk != k || n == 0 || Some(w.dtype()) != ggml || !w.device().is_cuda() {
+                candle_core::bail!(
+                    "qlinear_small: weight {:?} of {:?} does not fit x {:?}",
+                    w.shape(),
+                    w.dtype(),
+                    xl.shape()
+                );
+            }
+            ns[i] = n;
+        }
+        let x = view(x, xl, "x")?;
+        let Some(qname) = qname else {
+            candle_core::bail!("qlinear_small: no kernel for {ggml:?} blocks")
+        };
+        if ws.len() > 3
+            || (silu && (ws.len() != 2 || ns[0] != ns[1]))
+            || m == 0
+            || m > crate::ops::LINEAR_SMALL_MAX_ROWS
+            || k == 0
+            || !k.is_multiple_of(32)
+            || !crate::ops::aligned16(xl, T::DTYPE)
+        {
+            candle_core::bail!(
+                "qlinear_small: x {:?} and {} weights do not fit the kernel",
+                xl.shape(),
+                ws.len()
+            );
+        }
+        let bound = m
+            .next_power_of_two()
+            .clamp(1, crate::ops::LINEAR_SMALL_MAX_ROWS);
+        let func = load::<T>(dev, &format!("qlinear_small_m{bound}_{qname}"))?;
+        let cols = if silu { ns[0] } else { ns.iter().sum() };
+        let (m_u, k_u) = (to_u32(m, "rows")?, to_u32(k, "width")?);
+        let [n0, n1, n2] = ns.map(|n| to_u32(n, "columns"));
+        let (n0, n1, n2) = (n0?, n1?, n2?);
+        let silu_u = u32::from(silu);
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(cols.div_ceil(4), "blocks")?, 1, 1),
+            block_dim: (32 * 4, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stream = dev.cuda_stream();
+        // The guards order the stream after the buffers' last writes (the copy stream's
+        // upload, where cudarc tracks events) and record this launch's read on drop.
+        let mut ptrs = Vec::with_capacity(3);
+        let mut guards = Vec::with_capacity(3);
+        for w in ws {
+            let (p, g) = w.device_ptr_with_guard(&stream)?;
+            if (p as usize) % 16 != 0 {
+                candle_core::bail!("qlinear_small: a weight's blocks are not 16-byte aligned");
+            }
+            ptrs.push(p as u64);
+            guards.push(g);
+        }
+        // SAFETY: uninitialised device memory of m·cols elements on the device's stream; the
+        // kernel launched next on that stream writes every one (lane 0 of each column's warp
+        // writes that column for each row r < m).
+        let out = unsafe { dev.alloc::<T>(m * cols) }?;
+        let mut b = stream.launch_builder(&func);
+        b.arg(&x);
+        // Absent weights repeat the first (a valid pointer the kernel never reads: n_i = 0).
+        for i in 0..3 {
+            b.arg(&ptrs[i.min(ptrs.len() - 1)]);
+        }
+        b.arg(&out);
+        b.arg(&m_u);
+        b.arg(&n0);
+        b.arg(&n1);
+        b.arg(&n2);
+        b.arg(&k_u);
+        b.arg(&silu_u);
+        // SAFETY: the arguments match `qlinear_small_m<M>_<type>_<dtype>(const T* x, const
+        // uint8_t* w0, w1, w2, T* y, uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu, with
+        // M ≥ m and every weight of that block type. x holds m·k elements, 16-byte aligned,
+        // k a multiple of 32. Weight i is a live quantized storage of n_i·k elements (n_i = 0
+        // for absent ones, never read), 16-byte aligned, whose rows are k/32 blocks: the kernel
+        // reads from the 16-byte boundary at or before a block to the one at or after a row's
+        // end, at most 15 bytes past the last row, inside the 512 zeroed padding elements
+        // Candle allocates after every quantized buffer. y holds m·cols elements.
+        unsafe { b.launch(cfg) }.w()?;
+        drop(guards);
+        Ok(out)
+    }
+    let slice = match &x.slice {
+        S::F32(v) => S::F32(run(&x.device, v, xl, ws, silu)?),
+        S::F16(v) => S::F16(run(&x.device, v, xl, ws, silu)?),
+        S::BF16(v) => S::BF16(run(&x.device, v, xl, ws, silu)?),
+        _ => candle_core::bail!("qlinear_small: unsupported dtype {:?}", x.dtype()),
+    };
+    Ok(CudaStorage {
+        slice,
+        device: x.device.clone(),
+    })
+}
