@@ -40,7 +40,8 @@
 #                 engine before the decode-step work) -> $OUT/decode-V.json [DECODE_S=200]
 #   breakdown[=V] ncu's GPU time per kernel of the full-budget decode step of variant V (default)
 #                 on /tmp/llama7b (scripts/decode_breakdown.py; set against decode-V.json when
-#                 decode ran) -> $OUT/breakdown-V.json, .log [BREAKDOWN_S=300]
+#                 decode ran; another model from $BREAKDOWN_MODEL, e.g. /tmp/gguf/7b-q4_0.gguf
+#                 with BREAKDOWN_ARGS=--quantized) -> $OUT/breakdown-V.json, .log [BREAKDOWN_S=300]
 #   train         bench_train, next to the peer's JSON when peer ran, with --max-seconds
 #                 $MAX_S (170) unless the arguments after `--` give one, and those
 #                 arguments -> $OUT/train.json [TRAIN_S=260]
@@ -246,16 +247,17 @@ for step in "${steps[@]}"; do
       ;;
     breakdown | breakdown=*)
       need_bin bench_generate breakdown "--example bench_generate" || continue
-      wait_make7b || continue
+      model=${BREAKDOWN_MODEL:-/tmp/llama7b}
+      [[ -n "${BREAKDOWN_MODEL:-}" ]] || wait_make7b || continue
       v=default
       [[ "$step" == breakdown=* ]] && v=${step#breakdown=}
       va=$(variant_args "$v") || continue
       sj=()
       [[ -s "$OUT/decode-$v.json" ]] && sj=(--step-json "$OUT/decode-$v.json")
-      # shellcheck disable=SC2086 # va is a list of arguments
+      # shellcheck disable=SC2086 # va and BREAKDOWN_ARGS are lists of arguments
       (cd /tmp && timeout "${BREAKDOWN_S:-300}" python3 "$OLDPWD/scripts/decode_breakdown.py" \
-        --bin "$BIN/bench_generate" --model-dir /tmp/llama7b --steps 4 "${sj[@]}" \
-        --out "$OUT/breakdown-$v.json" -- $va) >"$OUT/breakdown-$v.log" 2>&1
+        --bin "$BIN/bench_generate" --model-dir "$model" --steps 4 "${sj[@]}" \
+        --out "$OUT/breakdown-$v.json" -- $va ${BREAKDOWN_ARGS:-}) >"$OUT/breakdown-$v.log" 2>&1
       echo "breakdown $v exit $?"
       rm -f "$OUT/breakdown-$v.ncu-rep"
       grep -A40 "kernels per token" "$OUT/breakdown-$v.log" | head -45

@@ -375,8 +375,8 @@ const QTYPES: [GgmlDType; 5] = [
 ];
 
 /// `qlinear_small`, its q/k/v and gate/up forms, against x times the blocks dequantized to F32:
-/// on a GPU the kernel within the usual tolerances; on the CPU (Candle's quantized matmul,
-/// which quantizes x to 8 bits) within 5e-2, and equal to the composition. Block counts that
+/// the GPU kernel within the usual tolerances; the composition (the CPU, and 9 rows on a GPU:
+/// Candle's quantized matmul, which quantizes x to 8 bits) within 5e-2, and equal to it. Block counts that
 /// leave rows unaligned (3, 65 blocks), more than one round of 32 blocks, up to 8 rows, and 9
 /// rows (the composition).
 fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
@@ -407,12 +407,16 @@ fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                         .broadcast_matmul(&w.dequantize(device)?.t()?)?
                         .to_dtype(dtype)?)
                 };
+                let kernel = device.is_cuda() && x.elem_count() / k <= 8;
                 let check = |what: &str, got: &Tensor, want: &Tensor, unfused: &Tensor| {
                     let what = format!("{what} {qtype:?} {xs:?}");
-                    if device.is_cuda() {
+                    if kernel {
                         return ensure_close(&what, got, want, dtype);
                     }
-                    anyhow::ensure!(rel_diff(got, unfused)? == 0.0, "{what}: not the composition");
+                    anyhow::ensure!(
+                        rel_diff(got, unfused)? == 0.0,
+                        "{what}: not the composition"
+                    );
                     let d = rel_diff(got, want)?;
                     anyhow::ensure!(d <= 5e-2, "{what} {dtype:?}: relative difference {d:e}");
                     Ok(())
