@@ -278,7 +278,7 @@ fn step_grads(
     let mut store = candle_core::backprop::GradStore::default();
     for (i, v) in vars.iter().enumerate() {
         // Every third step the last variable has no gradient (skipped, as candle-nn does).
-        if i + 1 == vars.len() && step % 3 == 0 {
+        if i + 1 == vars.len() && step.is_multiple_of(3) {
             continue;
         }
         let g = random(v.dims(), 1.0, (step * 31 + i) as u64)?.to_device(device)?;
@@ -351,6 +351,9 @@ fn fused_adamw_refuses_non_f32_variables() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The first loss, the gradients by name, and the losses of three steps.
+type Run = (f32, Vec<(String, Tensor)>, Vec<f32>);
+
 /// A tiny model's loss, gradients and three steps with the fused ops on and off.
 fn trainer_fused_matches_unfused(device: &Device) -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!(
@@ -365,7 +368,7 @@ fn trainer_fused_matches_unfused(device: &Device) -> anyhow::Result<()> {
     let ids: Vec<u32> = (0..26u32).map(|i| (i * 37 + 11) % 101).collect();
     let inputs = Tensor::new(vec![ids[..12].to_vec(), ids[13..25].to_vec()], device)?;
     let targets = Tensor::new(vec![ids[1..13].to_vec(), ids[14..26].to_vec()], device)?;
-    let run = |fused: bool| -> anyhow::Result<(f32, Vec<(String, Tensor)>, Vec<f32>)> {
+    let run = |fused: bool| -> anyhow::Result<Run> {
         let settings = TrainSettings {
             batch_size: 2,
             seq_len: 12,
