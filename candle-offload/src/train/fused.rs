@@ -13,7 +13,7 @@
 //!   probability matrix exists.
 //! - [`FusedAdamW`]: PyTorch/candle-nn AdamW (decoupled weight decay, bias correction) over F32
 //!   variables: on a GPU one kernel launch updates every parameter and its moments (kept in
-//!   two flat F32 buffers); on the CPU it is [`HostAdamW`](super::HostAdamW).
+//!   two flat F32 buffers); on the CPU it is [`HostAdamW`].
 //!
 //! On a CUDA device the ops run `kernels/train.cu`; on the CPU direct loops compute the same
 //! thing. All accumulate in F32 and take F32, F16 or BF16 (one dtype for every float input).
@@ -831,7 +831,7 @@ pub fn cross_entropy_composite(logits: &Tensor, targets: &Tensor) -> Result<Tens
 /// PyTorch AdamW (decoupled weight decay, bias correction; candle-nn's `ParamsAdamW`) over F32
 /// variables, fused: on a GPU one kernel launch steps every parameter with a gradient, its
 /// moments kept in two flat F32 buffers on the device; on the CPU it is
-/// [`HostAdamW`](super::HostAdamW). The arithmetic is candle-nn's `AdamW`, operation by
+/// [`HostAdamW`]. The arithmetic is candle-nn's `AdamW`, operation by
 /// operation in F32, so the trajectories agree to rounding.
 #[derive(Debug)]
 pub struct FusedAdamW {
