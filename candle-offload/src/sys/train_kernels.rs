@@ -387,11 +387,13 @@ pub(crate) fn cross_entropy_fwd(
 
 /// Softmax cross-entropy backward: d logits (the logits' dtype) from the F32 loss gradient.
 pub(crate) fn cross_entropy_bwd(
+    vocab: usize,
     (x, xl): (&CudaStorage, &Layout),
     (t, tl): (&CudaStorage, &Layout),
     (g, gl): (&CudaStorage, &Layout),
 ) -> Result<CudaStorage> {
     fn run<T: Elem>(
+        vocab: usize,
         (x, xl): (&CudaStorage, &Layout),
         (t, tl): (&CudaStorage, &Layout),
         (g, gl): (&CudaStorage, &Layout),
@@ -401,9 +403,9 @@ pub(crate) fn cross_entropy_bwd(
         let xv = view::<T>(x, xl, "logits")?;
         let tv = view_of::<u32>(t, tl, "targets")?;
         let gv = view_of::<f32>(g, gl, "loss gradient")?;
-        let rows = tv.len();
-        let (n_rows, v) = rows_of(xv.len(), xv.len() / rows.max(1), "cross_entropy backward")?;
-        if n_rows as usize != rows || gv.len() != rows {
+        let (n_rows, v) = rows_of(xv.len(), vocab, "cross_entropy backward")?;
+        let rows = n_rows as usize;
+        if tv.len() != rows || gv.len() != rows {
             candle_core::bail!("cross_entropy backward: buffers do not match the logits");
         }
         // SAFETY: uninitialised device memory of the logits' length on the device's stream;
@@ -421,7 +423,7 @@ pub(crate) fn cross_entropy_bwd(
     by_dtype!(
         "cross_entropy backward",
         x.dtype(),
-        run((x, xl), (t, tl), (g, gl))
+        run(vocab, (x, xl), (t, tl), (g, gl))
     )
 }
 

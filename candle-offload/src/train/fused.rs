@@ -789,7 +789,8 @@ impl candle_core::CustomOp3 for CrossEntropyBwd {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::sys::train_kernels::cross_entropy_bwd((s1, l1), (s2, l2), (s3, l3))?;
+        let out =
+            crate::sys::train_kernels::cross_entropy_bwd(self.vocab, (s1, l1), (s2, l2), (s3, l3))?;
         Ok((out, l1.shape().clone()))
     }
 }
