@@ -240,6 +240,56 @@ test_device!(
     train_ops_cross_entropy_gpu
 );
 
+/// Transposed and narrowed inputs (copied, or read at an offset) give the same values and
+/// gradients as contiguous ones.
+fn strided_inputs_match(device: &Device) -> anyhow::Result<()> {
+    let base = Var::from_tensor(&random(&[40, 33], 2.0, 500)?.to_device(device)?)?;
+    let w = Var::from_tensor(&(random(&[40], 0.5, 501)? + 1.0)?.to_device(device)?)?;
+    let up = random(&[33, 40], 1.0, 502)?.to_device(device)?;
+    // A transposed view: the op copies it, the gradient flows back through the copy.
+    let x_t = base.t()?;
+    let y = fused::rms_norm(&x_t, &w, 1e-6)?;
+    let g = weighted_sum(&y, &up)?.backward()?;
+    let y_ref = fused::rms_norm_composite(&x_t, &w, 1e-6)?;
+    let g_ref = weighted_sum(&y_ref, &up)?.backward()?;
+    ensure_close("rms_norm transposed y", &y, &y_ref, DType::F32)?;
+    for (what, v) in [("dx", &base), ("dw", &w)] {
+        let (a, b) = (g.get(v), g_ref.get(v));
+        let (Some(a), Some(b)) = (a, b) else {
+            anyhow::bail!("rms_norm transposed {what}: missing gradient")
+        };
+        ensure_close(&format!("rms_norm transposed {what}"), a, b, DType::F32)?;
+    }
+    let (gate, upv) = (base.t()?, base.t()?.affine(0.5, 0.1)?);
+    let y = fused::swiglu(&gate, &upv)?;
+    let g = weighted_sum(&y, &up)?.backward()?;
+    let y_ref = fused::swiglu_composite(&gate, &upv)?;
+    let g_ref = weighted_sum(&y_ref, &up)?.backward()?;
+    ensure_close("swiglu transposed y", &y, &y_ref, DType::F32)?;
+    let (Some(a), Some(b)) = (g.get(&base), g_ref.get(&base)) else {
+        anyhow::bail!("swiglu transposed: missing gradient")
+    };
+    ensure_close("swiglu transposed d base", a, b, DType::F32)?;
+    // Rows 7.. of the logits and targets: contiguous views at an offset.
+    let targets = Tensor::new((0..40u32).map(|i| (i * 7) % 33).collect::<Vec<_>>(), device)?;
+    let (x, t) = (base.narrow(0, 7, 20)?, targets.narrow(0, 7, 20)?);
+    let loss = fused::cross_entropy(&x, &t)?;
+    let g = loss.sum_all()?.backward()?;
+    let loss_ref = fused::cross_entropy_composite(&x, &t)?;
+    let g_ref = loss_ref.sum_all()?.backward()?;
+    ensure_close("cross_entropy offset loss", &loss, &loss_ref, DType::F32)?;
+    let (Some(a), Some(b)) = (g.get(&base), g_ref.get(&base)) else {
+        anyhow::bail!("cross_entropy offset: missing gradient")
+    };
+    ensure_close("cross_entropy offset dx", a, b, DType::F32)?;
+    Ok(())
+}
+test_device!(
+    strided_inputs_match,
+    train_ops_strided_inputs_cpu,
+    train_ops_strided_inputs_gpu
+);
+
 #[test]
 fn fused_ops_refuse_bad_input() -> anyhow::Result<()> {
     let dev = Device::Cpu;
@@ -368,44 +418,52 @@ fn trainer_fused_matches_unfused(device: &Device) -> anyhow::Result<()> {
     let ids: Vec<u32> = (0..26u32).map(|i| (i * 37 + 11) % 101).collect();
     let inputs = Tensor::new(vec![ids[..12].to_vec(), ids[13..25].to_vec()], device)?;
     let targets = Tensor::new(vec![ids[1..13].to_vec(), ids[14..26].to_vec()], device)?;
-    let run = |fused: bool| -> anyhow::Result<Run> {
-        let settings = TrainSettings {
-            batch_size: 2,
-            seq_len: 12,
-            fused,
-            adamw: ParamsAdamW {
-                lr: 1e-3,
-                weight_decay: 0.01,
+    // Plain, and checkpointed with the loss over chunks of 5 tokens (views at an offset).
+    for (segments, chunk) in [(0, None), (2, Some(5))] {
+        let run = |fused: bool| -> anyhow::Result<Run> {
+            let settings = TrainSettings {
+                checkpoint_segments: segments,
+                loss_chunk_tokens: chunk,
+                batch_size: 2,
+                seq_len: 12,
+                fused,
+                adamw: ParamsAdamW {
+                    lr: 1e-3,
+                    weight_decay: 0.01,
+                    ..Default::default()
+                },
                 ..Default::default()
-            },
-            ..Default::default()
+            };
+            let mut trainer = Trainer::from_files(&files, device, &settings)?;
+            let (loss, grads) = trainer.loss_and_grads(&inputs, &targets)?;
+            let mut grads: Vec<_> = grads.into_iter().collect();
+            grads.sort_by(|a, b| a.0.cmp(&b.0));
+            let losses = (0..3)
+                .map(|_| Ok(trainer.step(&inputs, &targets)?.loss))
+                .collect::<anyhow::Result<Vec<f32>>>()?;
+            Ok((loss, grads, losses))
         };
-        let mut trainer = Trainer::from_files(&files, device, &settings)?;
-        let (loss, grads) = trainer.loss_and_grads(&inputs, &targets)?;
-        let mut grads: Vec<_> = grads.into_iter().collect();
-        grads.sort_by(|a, b| a.0.cmp(&b.0));
-        let losses = (0..3)
-            .map(|_| Ok(trainer.step(&inputs, &targets)?.loss))
-            .collect::<anyhow::Result<Vec<f32>>>()?;
-        Ok((loss, grads, losses))
-    };
-    let (loss_f, grads_f, steps_f) = run(true)?;
-    let (loss_u, grads_u, steps_u) = run(false)?;
-    anyhow::ensure!(
-        ((loss_f - loss_u) / loss_u).abs() <= 1e-5,
-        "loss {loss_f} fused, {loss_u} unfused"
-    );
-    anyhow::ensure!(grads_f.len() == grads_u.len() && !grads_f.is_empty());
-    for ((name, gf), (name_u, gu)) in grads_f.iter().zip(&grads_u) {
-        anyhow::ensure!(name == name_u);
-        let d = rel_diff(gf, gu)?;
-        anyhow::ensure!(d <= 1e-4, "{name}: gradient differs by {d:e}");
-    }
-    for (a, b) in steps_f.iter().zip(&steps_u) {
+        let (loss_f, grads_f, steps_f) = run(true)?;
+        let (loss_u, grads_u, steps_u) = run(false)?;
         anyhow::ensure!(
-            ((a - b) / b).abs() <= 1e-4,
-            "step losses {steps_f:?} vs {steps_u:?}"
+            ((loss_f - loss_u) / loss_u).abs() <= 1e-5,
+            "{segments} segments: loss {loss_f} fused, {loss_u} unfused"
         );
+        anyhow::ensure!(grads_f.len() == grads_u.len() && !grads_f.is_empty());
+        for ((name, gf), (name_u, gu)) in grads_f.iter().zip(&grads_u) {
+            anyhow::ensure!(name == name_u);
+            let d = rel_diff(gf, gu)?;
+            anyhow::ensure!(
+                d <= 1e-4,
+                "{segments} segments: {name}: gradient differs by {d:e}"
+            );
+        }
+        for (a, b) in steps_f.iter().zip(&steps_u) {
+            anyhow::ensure!(
+                ((a - b) / b).abs() <= 1e-4,
+                "step losses {steps_f:?} vs {steps_u:?}"
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
