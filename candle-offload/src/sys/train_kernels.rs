@@ -14,8 +14,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{kernel_name, CudaDType, CudaStorage, WrapErr};
 use candle_core::{CudaDevice, DType, Layout, Result, WithDType};
 
-// build.rs writes one constant per kernel file; this module uses `TRAIN` only.
-#[allow(dead_code)]
+/// build.rs's constants, one per kernel file; this module uses `TRAIN`.
 mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
 }
