@@ -26,7 +26,8 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 __device__ __forceinline__ float nan_f32() { return __int_as_float(0x7fffffff); }
 
 // Sum of `v` over the block; every thread gets it. Every thread of the block must call it.
-// The shared scratch is reused by the next call only after the closing barrier.
+// The barrier before the write to `partial` keeps a second call from overwriting it while a
+// slow warp still reads the first call's values.
 __device__ float block_sum(float v) {
     __shared__ float partial[32];
     const unsigned lane = threadIdx.x & 31u;
