@@ -268,6 +268,7 @@ fn run_one(
         seq_len: args.seq_len,
         head_chunks: None,
         loss_chunk_tokens: None,
+        fused: true,
     };
     let baseline = used(device)?;
     // The pool's in-use high-water mark, reset to what is in use now (then read back: that).

@@ -365,6 +365,7 @@ fn main() -> Result<()> {
         seq_len: args.seq_len,
         head_chunks: None,
         loss_chunk_tokens: None,
+        fused: true,
     };
     let t0 = Instant::now();
     let mut trainer = Trainer::from_files(&files, &device, &settings)?;

@@ -18,3 +18,4 @@ mod sharding;
 mod store;
 mod tiers;
 mod train;
+mod train_ops;

@@ -53,6 +53,9 @@ pub struct TrainCtx<'a> {
     pub compute: DType,
     /// Attention head groups, each checkpointed (1: all heads at once).
     pub head_chunks: usize,
+    /// Use the fused training ops of `candle_offload::train::fused` (RMSNorm, SwiGLU) where a
+    /// block can; `false`: the Candle compositions.
+    pub fused: bool,
 }
 
 /// What a block is built from: the acquired unit's dense tensors as a `VarBuilder`, and its

@@ -529,9 +529,43 @@ impl Norm {
         }
     }
 
-    /// Differentiable (training; Candle's fused kernels cut the gradient).
+    /// Differentiable (training; Candle's fused kernels cut the gradient): the composition.
     pub fn forward_diff(&self, xs: &Tensor) -> Result<Tensor> {
         self.run(xs, true)
+    }
+
+    /// Differentiable, an RMSNorm as one op with its own backward kernels
+    /// ([`candle_offload::train::rms_norm`]); LayerNorm, and weights in another dtype than the
+    /// input, as [`forward_diff`](Self::forward_diff).
+    pub fn forward_train_fused(&self, xs: &Tensor) -> Result<Tensor> {
+        let NormKind::Rms(n) = &self.kind else {
+            return self.forward_diff(xs);
+        };
+        let dtype = xs.dtype();
+        let x = if self.f32_compute {
+            xs.to_dtype(DType::F32)?
+        } else {
+            xs.clone()
+        };
+        if n.weight().dtype() != x.dtype() {
+            return self.forward_diff(xs);
+        }
+        let y = candle_offload::train::rms_norm(&x, n.weight(), n.eps())?;
+        if self.f32_compute {
+            y.to_dtype(dtype)
+        } else {
+            Ok(y)
+        }
+    }
+
+    /// Training: [`forward_train_fused`](Self::forward_train_fused) with `fused`, otherwise
+    /// [`forward_diff`](Self::forward_diff).
+    pub fn forward_train(&self, xs: &Tensor, fused: bool) -> Result<Tensor> {
+        if fused {
+            self.forward_train_fused(xs)
+        } else {
+            self.forward_diff(xs)
+        }
     }
 }
 
@@ -907,9 +941,12 @@ impl GatedMlp {
                 (both.narrow(D::Minus1, 0, i)?, both.narrow(D::Minus1, i, i)?)
             }
         };
-        // Views of a fused gate/up projection would need copies first: those stay unfused.
-        let fusable = self.act == Activation::Silu && gate.is_contiguous() && up.is_contiguous();
-        let x = if fused && fusable {
+        // Views of a fused gate/up projection would need copies first: those stay unfused
+        // in inference (training's op copies them; its backward needs them contiguous anyway).
+        let silu = fused && self.act == Activation::Silu;
+        let x = if silu && train {
+            candle_offload::train::swiglu(&gate, &up)?
+        } else if silu && gate.is_contiguous() && up.is_contiguous() {
             candle_offload::ops::silu_mul(&gate, &up)?
         } else {
             (self.act.apply(&gate)? * up)?
@@ -929,9 +966,17 @@ impl GatedMlp {
         self.run(xs, false, true)
     }
 
-    /// Training: each projection one 2-D matmul (see [`linear_2d`]).
+    /// Training: each projection one 2-D matmul (see [`linear_2d`]), the activation composed
+    /// of Candle ops.
     pub fn forward_train(&self, xs: &Tensor) -> Result<Tensor> {
         self.run(xs, true, false)
+    }
+
+    /// Training with SiLU · up as one op with its own backward kernel
+    /// ([`candle_offload::train::swiglu`]) where the activation is SiLU (otherwise as
+    /// [`forward_train`](Self::forward_train)).
+    pub fn forward_train_fused(&self, xs: &Tensor) -> Result<Tensor> {
+        self.run(xs, true, true)
     }
 }
 
@@ -991,17 +1036,25 @@ impl DecoderBlock for PreNormBlock {
     fn forward_train(&self, xs: &Tensor, ctx: &TrainCtx<'_>) -> Result<Tensor> {
         let residual = xs;
         let stream = residual.dtype();
-        let h = self.input_norm.forward_diff(xs)?.to_dtype(ctx.compute)?;
-        let h = self.attn.forward_train(&h, ctx)?.to_dtype(stream)?;
+        let fused = ctx.fused;
+        let h = self.input_norm.forward_train(xs, fused)?;
+        let h = self.attn.forward_train(&h.to_dtype(ctx.compute)?, ctx)?;
+        let h = h.to_dtype(stream)?;
         let h = match &self.post_attn_norm {
-            Some(n) => n.forward_diff(&h)?,
+            Some(n) => n.forward_train(&h, fused)?,
             None => h,
         };
         let xs = (h + residual)?;
-        let h = self.pre_mlp_norm.forward_diff(&xs)?.to_dtype(ctx.compute)?;
-        let h = self.mlp.forward_train(&h)?.to_dtype(stream)?;
+        let h = self.pre_mlp_norm.forward_train(&xs, fused)?;
+        let h = h.to_dtype(ctx.compute)?;
+        let h = if fused {
+            self.mlp.forward_train_fused(&h)?
+        } else {
+            self.mlp.forward_train(&h)?
+        };
+        let h = h.to_dtype(stream)?;
         let h = match &self.post_mlp_norm {
-            Some(n) => n.forward_diff(&h)?,
+            Some(n) => n.forward_train(&h, fused)?,
             None => h,
         };
         h + xs

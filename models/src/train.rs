@@ -21,9 +21,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Result, Tensor, TensorId, Var, D};
+use candle_core::{DType, Device, Result, Tensor, TensorId, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
-use candle_offload::train::segment_ranges;
+use candle_offload::train::{fused, segment_ranges, FusedAdamW};
 use candle_offload::{
     train::HostAdamW, Autocast, Checkpointer, GradScaler, GradScalerConfig, MemoryLimit,
     OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice, Precision, StoreConfig,
@@ -61,6 +61,11 @@ pub struct TrainSettings {
     /// Tokens per output-head chunk; `None`: enough that one chunk's logits stay under
     /// 128 MiB.
     pub loss_chunk_tokens: Option<usize>,
+    /// The fused training ops of `candle_offload::train::fused`: RMSNorm and SwiGLU with their
+    /// own backward kernels, the softmax cross-entropy without an F32 probability matrix, and
+    /// [`FusedAdamW`] for masters on a GPU (default). `false`: the Candle compositions and
+    /// candle-nn's `AdamW`.
+    pub fused: bool,
 }
 
 impl Default for TrainSettings {
@@ -81,6 +86,7 @@ impl Default for TrainSettings {
             seq_len: 256,
             head_chunks: None,
             loss_chunk_tokens: None,
+            fused: true,
         }
     }
 }
@@ -111,6 +117,7 @@ struct Core {
     rope: Rope,
     head_chunks: usize,
     loss_chunk: usize,
+    fused: bool,
     source: Source,
     /// Offload guards of the segment running now; released when the next one starts.
     held: Mutex<Vec<UnitGuard>>,
@@ -167,6 +174,7 @@ impl Core {
                 masks,
                 compute: self.autocast.compute_dtype(),
                 head_chunks: self.head_chunks,
+                fused: self.fused,
             },
         )
     }
@@ -180,14 +188,16 @@ impl Core {
             DType::F32,
         )?;
         let xs = norm
-            .forward_diff(xs)?
+            .forward_train(xs, self.fused)?
             .to_dtype(self.autocast.compute_dtype())?;
         let name = self.layout.head_unit();
         let w = self.vb(name)?.get((v, h), &format!("{name}.weight"))?;
         let logits = xs.matmul(&w.t()?)?.to_dtype(DType::F32)?;
         let logits = self.family.finish_logits(&self.cfg, logits)?;
-        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-        logp.gather(&targets.unsqueeze(1)?, 1)?.sum_all()?.neg()
+        if self.fused {
+            return fused::cross_entropy(&logits, targets)?.sum_all();
+        }
+        fused::cross_entropy_composite(&logits, targets)?.sum_all()
     }
 
     /// Moves offloaded weights' gradients to the host, summed in F32 by tensor name.
@@ -210,10 +220,12 @@ impl Core {
     }
 }
 
-/// AdamW where the masters are: candle-nn's on a GPU, the fused host one for masters in host
-/// memory (offloaded, or training on the CPU).
+/// AdamW where the masters are: the fused multi-tensor one on a GPU (candle-nn's with the
+/// fused ops off), the fused host one for masters in host memory (offloaded, or training on
+/// the CPU).
 #[derive(Debug)]
 enum Adam {
+    Fused(FusedAdamW),
     Device(AdamW),
     Host(HostAdamW),
 }
@@ -366,6 +378,8 @@ impl Trainer {
             .rope(&cfg, max_len, autocast.compute_dtype(), device)?;
         let opt = if master_device.is_cpu() {
             Adam::Host(HostAdamW::new(vars.clone(), settings.adamw.clone())?)
+        } else if settings.fused {
+            Adam::Fused(FusedAdamW::new(vars.clone(), settings.adamw.clone())?)
         } else {
             Adam::Device(AdamW::new(vars.clone(), settings.adamw.clone())?)
         };
@@ -384,6 +398,7 @@ impl Trainer {
                 rope,
                 head_chunks,
                 loss_chunk,
+                fused: settings.fused,
                 source: source_kind,
                 held: Mutex::new(Vec::new()),
                 leaf_names: Mutex::new(HashMap::new()),
@@ -475,6 +490,7 @@ impl Trainer {
     /// The learning rate.
     pub fn learning_rate(&self) -> f64 {
         match &self.opt {
+            Adam::Fused(o) => o.learning_rate(),
             Adam::Device(o) => o.learning_rate(),
             Adam::Host(o) => o.learning_rate(),
         }
@@ -483,6 +499,7 @@ impl Trainer {
     /// Sets the learning rate (for a schedule).
     pub fn set_learning_rate(&mut self, lr: f64) {
         match &mut self.opt {
+            Adam::Fused(o) => o.set_learning_rate(lr),
             Adam::Device(o) => o.set_learning_rate(lr),
             Adam::Host(o) => o.set_learning_rate(lr),
         }
@@ -630,6 +647,7 @@ impl Trainer {
         let scale = self.scaler.scale();
         let (loss, grads) = self.backward(inputs, targets, scale)?;
         let outcome = match &mut self.opt {
+            Adam::Fused(o) => self.scaler.step_owned(o, &self.vars, grads)?,
             Adam::Device(o) => self.scaler.step_owned(o, &self.vars, grads)?,
             Adam::Host(o) => self.scaler.step_owned(o, &self.vars, grads)?,
         };

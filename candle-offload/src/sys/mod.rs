@@ -30,6 +30,8 @@ mod imp;
 mod imp;
 #[cfg(feature = "cuda")]
 pub(crate) mod kernels;
+#[cfg(feature = "cuda")]
+pub(crate) mod train_kernels;
 
 pub(crate) use imp::{
     device_info, device_used_bytes, measure_h2d_gbps, pci_bus_id, pool_used_high_bytes,

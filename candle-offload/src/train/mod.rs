@@ -11,6 +11,9 @@
 //!   keep only segment boundaries in the forward pass and recompute each segment during the
 //!   backward pass; with an offload runtime the recompute fetches the segment's weights again.
 //!
+//! - [`fused`]: RMSNorm, SwiGLU and softmax cross-entropy as custom ops with their own
+//!   backward kernels, and [`FusedAdamW`], a multi-tensor AdamW in one launch per step.
+//!
 //! Models must use differentiable ops on the training path: `candle_nn::ops::softmax` (not
 //! `softmax_last_dim`), `rms_norm_slow` / `RmsNorm::forward_diff` (not the fused `rms_norm`),
 //! `rope_slow` (not `rope`); the fused kernels silently cut the gradient graph
@@ -18,11 +21,13 @@
 
 mod autocast;
 mod checkpoint;
+pub mod fused;
 pub mod grad;
 mod host_adam;
 mod scaler;
 
 pub use autocast::{Autocast, AutocastBackend, Precision};
 pub use checkpoint::{segment_ranges, Checkpointer, GradSink};
+pub use fused::{cross_entropy, rms_norm, swiglu, FusedAdamW};
 pub use host_adam::HostAdamW;
 pub use scaler::{GradScaler, GradScalerConfig, ScaledOptimizer, StepOutcome};

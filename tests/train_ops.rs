@@ -1,0 +1,475 @@
+//! The fused training ops of `candle_offload::train::fused` against Candle autograd of the
+//! compositions they replace, per device (the CPU runs their CPU loops, CUDA the project's
+//! kernels): forward values and every gradient, F32 within 1e-5 and F16/BF16 within 1e-2 (max
+//! abs difference over the reference's max abs; the reference runs in F32 on the same rounded
+//! inputs), odd sizes; `FusedAdamW` follows candle-nn's `AdamW` within 1e-6 over 100 steps;
+//! and the trainer's loss, gradients and steps agree with its fused ops on and off.
+
+use candle_core::{DType, Device, Module as _, Tensor, Var};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_offload::train::fused;
+use candle_offload_models::{TrainSettings, Trainer};
+use rand::Rng as _;
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+fn tolerance(dtype: DType) -> f32 {
+    if dtype == DType::F32 {
+        1e-5
+    } else {
+        1e-2
+    }
+}
+
+/// Uniform values in [-scale, scale) of `shape`, in F32 on the CPU.
+fn random(shape: &[usize], scale: f32, seed: u64) -> anyhow::Result<Tensor> {
+    let n = shape.iter().product();
+    let mut rng = candle_offload_suite::rng(seed);
+    let v: Vec<f32> = (0..n).map(|_| rng.random_range(-scale..scale)).collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+}
+
+/// max |got - want| / max |want| (in F32), after checking the shape.
+fn rel_diff(got: &Tensor, want: &Tensor) -> anyhow::Result<f32> {
+    anyhow::ensure!(
+        got.shape() == want.shape(),
+        "shape {:?} != {:?}",
+        got.shape(),
+        want.shape()
+    );
+    let (g, w) = (
+        got.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
+        want.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
+    );
+    let diff = (g - &w)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    let scale = w.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    Ok(diff / scale.max(f32::MIN_POSITIVE))
+}
+
+fn ensure_close(what: &str, got: &Tensor, want: &Tensor, dtype: DType) -> anyhow::Result<()> {
+    let d = rel_diff(got, want)?;
+    anyhow::ensure!(
+        d <= tolerance(dtype),
+        "{what} {dtype:?}: relative difference {d:e} > {:e}",
+        tolerance(dtype)
+    );
+    Ok(())
+}
+
+/// `values` in `dtype` on `device` as a variable, and the same rounded values in F32 as a
+/// variable for the reference.
+fn pair(values: &Tensor, dtype: DType, device: &Device) -> anyhow::Result<(Var, Var)> {
+    let t = values.to_dtype(dtype)?.to_device(device)?;
+    let r = t.to_dtype(DType::F32)?;
+    Ok((Var::from_tensor(&t)?, Var::from_tensor(&r)?))
+}
+
+/// `sum(y · weights)` in F32: a loss whose gradient reaches every output element differently.
+fn weighted_sum(y: &Tensor, weights: &Tensor) -> anyhow::Result<Tensor> {
+    Ok((y.to_dtype(DType::F32)? * weights)?.sum_all()?)
+}
+
+/// Row shapes with odd widths (one element, one row, many rows, wider than a block).
+const ROW_SHAPES: [&[usize]; 6] = [
+    &[1, 1],
+    &[1, 7],
+    &[3, 7],
+    &[2, 9, 577],
+    &[5, 4099],
+    &[130, 33],
+];
+
+fn rms_norm_matches_composition(device: &Device) -> anyhow::Result<()> {
+    for dtype in DTYPES {
+        for (i, shape) in ROW_SHAPES.iter().enumerate() {
+            let width = shape[shape.len() - 1];
+            let seed = 100 + i as u64;
+            let (x, x32) = pair(&random(shape, 2.0, seed)?, dtype, device)?;
+            let w_values = (random(&[width], 0.5, seed + 1)? + 1.0)?;
+            let (w, w32) = pair(&w_values, dtype, device)?;
+            let up = random(shape, 1.0, seed + 2)?.to_device(device)?;
+            let eps = 1e-5;
+
+            let y = fused::rms_norm(&x, &w, eps)?;
+            anyhow::ensure!(y.dtype() == dtype, "output dtype {:?}", y.dtype());
+            let grads = weighted_sum(&y, &up)?.backward()?;
+            let y_ref = fused::rms_norm_composite(&x32, &w32, eps)?;
+            let grads_ref = weighted_sum(&y_ref, &up)?.backward()?;
+
+            let what = format!("rms_norm {shape:?}");
+            ensure_close(&format!("{what} y"), &y, &y_ref, dtype)?;
+            let g = |s: &candle_core::backprop::GradStore, v: &Var| {
+                s.get(v)
+                    .cloned()
+                    .ok_or_else(|| anyhow::anyhow!("{what}: no gradient"))
+            };
+            ensure_close(
+                &format!("{what} dx"),
+                &g(&grads, &x)?,
+                &g(&grads_ref, &x32)?,
+                dtype,
+            )?;
+            ensure_close(
+                &format!("{what} dw"),
+                &g(&grads, &w)?,
+                &g(&grads_ref, &w32)?,
+                dtype,
+            )?;
+        }
+    }
+    Ok(())
+}
+test_device!(
+    rms_norm_matches_composition,
+    train_ops_rms_norm_cpu,
+    train_ops_rms_norm_gpu
+);
+
+/// candle-nn's `RmsNorm::forward` gives no gradient on contiguous input; ours does.
+#[test]
+fn rms_norm_keeps_the_gradient_candle_nn_cuts() -> anyhow::Result<()> {
+    let x = Var::from_tensor(&random(&[3, 8], 1.0, 7)?)?;
+    let w = Tensor::ones(8, DType::F32, &Device::Cpu)?;
+    let cut = candle_nn::RmsNorm::new(w.clone(), 1e-5).forward(x.as_tensor())?;
+    let cut_grads = cut.sum_all()?.backward()?;
+    anyhow::ensure!(
+        cut_grads.get(&x).is_none(),
+        "candle-nn's RmsNorm now passes gradients: this test's premise changed"
+    );
+    let ours = fused::rms_norm(&x, &w, 1e-5)?;
+    let grads = (ours * 2.0)?.sum_all()?.backward()?;
+    anyhow::ensure!(grads.get(&x).is_some(), "fused rms_norm cut the gradient");
+    Ok(())
+}
+
+fn swiglu_matches_composition(device: &Device) -> anyhow::Result<()> {
+    for dtype in DTYPES {
+        for (i, shape) in ROW_SHAPES.iter().enumerate() {
+            let seed = 200 + i as u64;
+            let (a, a32) = pair(&random(shape, 6.0, seed)?, dtype, device)?;
+            let (u, u32_) = pair(&random(shape, 2.0, seed + 1)?, dtype, device)?;
+            let up = random(shape, 1.0, seed + 2)?.to_device(device)?;
+
+            let y = fused::swiglu(&a, &u)?;
+            anyhow::ensure!(y.dtype() == dtype, "output dtype {:?}", y.dtype());
+            let grads = weighted_sum(&y, &up)?.backward()?;
+            let y_ref = fused::swiglu_composite(&a32, &u32_)?;
+            let grads_ref = weighted_sum(&y_ref, &up)?.backward()?;
+
+            let what = format!("swiglu {shape:?}");
+            ensure_close(&format!("{what} y"), &y, &y_ref, dtype)?;
+            let g = |s: &candle_core::backprop::GradStore, v: &Var| {
+                s.get(v)
+                    .cloned()
+                    .ok_or_else(|| anyhow::anyhow!("{what}: no gradient"))
+            };
+            ensure_close(
+                &format!("{what} d gate"),
+                &g(&grads, &a)?,
+                &g(&grads_ref, &a32)?,
+                dtype,
+            )?;
+            ensure_close(
+                &format!("{what} d up"),
+                &g(&grads, &u)?,
+                &g(&grads_ref, &u32_)?,
+                dtype,
+            )?;
+        }
+    }
+    Ok(())
+}
+test_device!(
+    swiglu_matches_composition,
+    train_ops_swiglu_cpu,
+    train_ops_swiglu_gpu
+);
+
+fn cross_entropy_matches_composition(device: &Device) -> anyhow::Result<()> {
+    // (rows, vocab): one class, odd vocabularies, one wider than any block, many rows.
+    let shapes = [(1, 1), (3, 7), (5, 577), (4, 4099), (2, 49_153), (67, 129)];
+    for dtype in DTYPES {
+        for (i, &(rows, vocab)) in shapes.iter().enumerate() {
+            let seed = 300 + i as u64;
+            let (x, x32) = pair(&random(&[rows, vocab], 8.0, seed)?, dtype, device)?;
+            let mut rng = candle_offload_suite::rng(seed + 1);
+            let t: Vec<u32> = (0..rows)
+                .map(|_| rng.random_range(0..vocab as u32))
+                .collect();
+            let targets = Tensor::new(t, device)?;
+            let up = (random(&[rows], 1.0, seed + 2)? + 1.5)?.to_device(device)?;
+
+            let loss = fused::cross_entropy(&x, &targets)?;
+            anyhow::ensure!(loss.dtype() == DType::F32, "loss dtype {:?}", loss.dtype());
+            let grads = (&loss * &up)?.sum_all()?.backward()?;
+            let loss_ref = fused::cross_entropy_composite(&x32, &targets)?;
+            let grads_ref = (&loss_ref * &up)?.sum_all()?.backward()?;
+
+            let what = format!("cross_entropy ({rows}, {vocab})");
+            // One class: every loss is exactly 0, so compare absolutely.
+            if vocab == 1 {
+                let l = loss.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+                anyhow::ensure!(l.iter().all(|v| *v == 0.0), "{what}: losses {l:?}");
+            } else {
+                ensure_close(&format!("{what} loss"), &loss, &loss_ref, dtype)?;
+            }
+            let dx = grads
+                .get(&x)
+                .ok_or_else(|| anyhow::anyhow!("{what}: no gradient"))?;
+            let dx_ref = grads_ref
+                .get(&x32)
+                .ok_or_else(|| anyhow::anyhow!("{what}: no reference gradient"))?;
+            anyhow::ensure!(dx.dtype() == dtype, "gradient dtype {:?}", dx.dtype());
+            if vocab == 1 {
+                let d = dx
+                    .to_dtype(DType::F32)?
+                    .abs()?
+                    .sum_all()?
+                    .to_scalar::<f32>()?;
+                anyhow::ensure!(d == 0.0, "{what}: gradient {d} for a single class");
+            } else {
+                ensure_close(&format!("{what} dx"), dx, dx_ref, dtype)?;
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    cross_entropy_matches_composition,
+    train_ops_cross_entropy_cpu,
+    train_ops_cross_entropy_gpu
+);
+
+/// Transposed and narrowed inputs (copied, or read at an offset) give the same values and
+/// gradients as contiguous ones.
+fn strided_inputs_match(device: &Device) -> anyhow::Result<()> {
+    let base = Var::from_tensor(&random(&[40, 33], 2.0, 500)?.to_device(device)?)?;
+    let w = Var::from_tensor(&(random(&[40], 0.5, 501)? + 1.0)?.to_device(device)?)?;
+    let up = random(&[33, 40], 1.0, 502)?.to_device(device)?;
+    // A transposed view: the op copies it, the gradient flows back through the copy.
+    let x_t = base.t()?;
+    let y = fused::rms_norm(&x_t, &w, 1e-6)?;
+    let g = weighted_sum(&y, &up)?.backward()?;
+    let y_ref = fused::rms_norm_composite(&x_t, &w, 1e-6)?;
+    let g_ref = weighted_sum(&y_ref, &up)?.backward()?;
+    ensure_close("rms_norm transposed y", &y, &y_ref, DType::F32)?;
+    for (what, v) in [("dx", &base), ("dw", &w)] {
+        let (a, b) = (g.get(v), g_ref.get(v));
+        let (Some(a), Some(b)) = (a, b) else {
+            anyhow::bail!("rms_norm transposed {what}: missing gradient")
+        };
+        ensure_close(&format!("rms_norm transposed {what}"), a, b, DType::F32)?;
+    }
+    let (gate, upv) = (base.t()?, base.t()?.affine(0.5, 0.1)?);
+    let y = fused::swiglu(&gate, &upv)?;
+    let g = weighted_sum(&y, &up)?.backward()?;
+    let y_ref = fused::swiglu_composite(&gate, &upv)?;
+    let g_ref = weighted_sum(&y_ref, &up)?.backward()?;
+    ensure_close("swiglu transposed y", &y, &y_ref, DType::F32)?;
+    let (Some(a), Some(b)) = (g.get(&base), g_ref.get(&base)) else {
+        anyhow::bail!("swiglu transposed: missing gradient")
+    };
+    ensure_close("swiglu transposed d base", a, b, DType::F32)?;
+    // Rows 7.. of the logits and targets: contiguous views at an offset.
+    let targets = Tensor::new((0..40u32).map(|i| (i * 7) % 33).collect::<Vec<_>>(), device)?;
+    let (x, t) = (base.narrow(0, 7, 20)?, targets.narrow(0, 7, 20)?);
+    let loss = fused::cross_entropy(&x, &t)?;
+    let g = loss.sum_all()?.backward()?;
+    let loss_ref = fused::cross_entropy_composite(&x, &t)?;
+    let g_ref = loss_ref.sum_all()?.backward()?;
+    ensure_close("cross_entropy offset loss", &loss, &loss_ref, DType::F32)?;
+    let (Some(a), Some(b)) = (g.get(&base), g_ref.get(&base)) else {
+        anyhow::bail!("cross_entropy offset: missing gradient")
+    };
+    ensure_close("cross_entropy offset dx", a, b, DType::F32)?;
+    Ok(())
+}
+test_device!(
+    strided_inputs_match,
+    train_ops_strided_inputs_cpu,
+    train_ops_strided_inputs_gpu
+);
+
+#[test]
+fn fused_ops_refuse_bad_input() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let x = random(&[2, 5], 1.0, 1)?;
+    let err = |r: candle_core::Result<Tensor>| match r {
+        Ok(_) => anyhow::bail!("accepted"),
+        Err(e) => Ok(e.to_string()),
+    };
+    let e = err(fused::rms_norm(
+        &x,
+        &Tensor::ones(4, DType::F32, &dev)?,
+        1e-5,
+    ))?;
+    anyhow::ensure!(e.contains("does not match"), "{e}");
+    let e = err(fused::rms_norm(
+        &x,
+        &Tensor::ones(5, DType::F16, &dev)?,
+        1e-5,
+    ))?;
+    anyhow::ensure!(e.contains("mixed dtypes"), "{e}");
+    let e = err(fused::swiglu(&x, &random(&[5, 2], 1.0, 2)?))?;
+    anyhow::ensure!(e.contains("differ in shape"), "{e}");
+    let e = err(fused::cross_entropy(&x, &Tensor::new(&[1u32, 2, 3], &dev)?))?;
+    anyhow::ensure!(e.contains("do not match"), "{e}");
+    let e = err(fused::cross_entropy(&x, &Tensor::new(&[1u32, 5], &dev)?))?;
+    anyhow::ensure!(e.contains("outside the vocabulary"), "{e}");
+    Ok(())
+}
+
+/// Deterministic gradients for step `step` of each variable.
+fn step_grads(
+    vars: &[Var],
+    step: usize,
+    device: &Device,
+) -> anyhow::Result<candle_core::backprop::GradStore> {
+    let mut store = candle_core::backprop::GradStore::default();
+    for (i, v) in vars.iter().enumerate() {
+        // Every third step the last variable has no gradient (skipped, as candle-nn does).
+        if i + 1 == vars.len() && step.is_multiple_of(3) {
+            continue;
+        }
+        let g = random(v.dims(), 1.0, (step * 31 + i) as u64)?.to_device(device)?;
+        store.insert(v.as_tensor(), g);
+    }
+    Ok(store)
+}
+
+fn fused_adamw_follows_candle_nn(device: &Device) -> anyhow::Result<()> {
+    let shapes: [&[usize]; 4] = [&[7], &[33, 65], &[1], &[4, 4099]];
+    let make = || -> anyhow::Result<Vec<Var>> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                Ok(Var::from_tensor(
+                    &random(s, 1.0, 900 + i as u64)?.to_device(device)?,
+                )?)
+            })
+            .collect()
+    };
+    let (ours_vars, ref_vars) = (make()?, make()?);
+    let params = ParamsAdamW {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let mut ours = fused::FusedAdamW::new(ours_vars.clone(), params.clone())?;
+    let mut reference = AdamW::new(ref_vars.clone(), params)?;
+    for step in 0..100 {
+        if step == 50 {
+            ours.set_learning_rate(5e-3);
+            reference.set_learning_rate(5e-3);
+        }
+        ours.step(&step_grads(&ours_vars, step, device)?)?;
+        reference.step(&step_grads(&ref_vars, step, device)?)?;
+    }
+    for (i, (a, b)) in ours_vars.iter().zip(&ref_vars).enumerate() {
+        let d = (a.as_tensor() - b.as_tensor())?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        anyhow::ensure!(
+            d <= 1e-6,
+            "parameter {i} {:?}: max difference {d:e}",
+            a.dims()
+        );
+        // The trajectory moved: the comparison is not of two untouched copies.
+        let moved = (a.as_tensor() - random(shapes[i], 1.0, 900 + i as u64)?.to_device(device)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        anyhow::ensure!(moved > 1e-2, "parameter {i} moved only {moved}");
+    }
+    Ok(())
+}
+test_device!(
+    fused_adamw_follows_candle_nn,
+    train_ops_fused_adamw_cpu,
+    train_ops_fused_adamw_gpu
+);
+
+#[test]
+fn fused_adamw_refuses_non_f32_variables() -> anyhow::Result<()> {
+    let v = Var::from_tensor(&Tensor::zeros(3, DType::F16, &Device::Cpu)?)?;
+    let e = fused::FusedAdamW::new(vec![v], ParamsAdamW::default()).unwrap_err();
+    anyhow::ensure!(e.to_string().contains("F32"), "{e}");
+    Ok(())
+}
+
+/// The first loss, the gradients by name, and the losses of three steps.
+type Run = (f32, Vec<(String, Tensor)>, Vec<f32>);
+
+/// A tiny model's loss, gradients and three steps with the fused ops on and off.
+fn trainer_fused_matches_unfused(device: &Device) -> anyhow::Result<()> {
+    let dir = std::env::temp_dir().join(format!(
+        "candle-offload-train-ops-{}-{}",
+        device.is_cuda(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    crate::models::write_tiny_llama(&dir, false, false)?;
+    let files = candle_offload_models::loader::from_dir(&dir)?;
+    let ids: Vec<u32> = (0..26u32).map(|i| (i * 37 + 11) % 101).collect();
+    let inputs = Tensor::new(vec![ids[..12].to_vec(), ids[13..25].to_vec()], device)?;
+    let targets = Tensor::new(vec![ids[1..13].to_vec(), ids[14..26].to_vec()], device)?;
+    // Plain, and checkpointed with the loss over chunks of 5 tokens (views at an offset).
+    for (segments, chunk) in [(0, None), (2, Some(5))] {
+        let run = |fused: bool| -> anyhow::Result<Run> {
+            let settings = TrainSettings {
+                checkpoint_segments: segments,
+                loss_chunk_tokens: chunk,
+                batch_size: 2,
+                seq_len: 12,
+                fused,
+                adamw: ParamsAdamW {
+                    lr: 1e-3,
+                    weight_decay: 0.01,
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            let mut trainer = Trainer::from_files(&files, device, &settings)?;
+            let (loss, grads) = trainer.loss_and_grads(&inputs, &targets)?;
+            let mut grads: Vec<_> = grads.into_iter().collect();
+            grads.sort_by(|a, b| a.0.cmp(&b.0));
+            let losses = (0..3)
+                .map(|_| Ok(trainer.step(&inputs, &targets)?.loss))
+                .collect::<anyhow::Result<Vec<f32>>>()?;
+            Ok((loss, grads, losses))
+        };
+        let (loss_f, grads_f, steps_f) = run(true)?;
+        let (loss_u, grads_u, steps_u) = run(false)?;
+        anyhow::ensure!(
+            ((loss_f - loss_u) / loss_u).abs() <= 1e-5,
+            "{segments} segments: loss {loss_f} fused, {loss_u} unfused"
+        );
+        anyhow::ensure!(grads_f.len() == grads_u.len() && !grads_f.is_empty());
+        for ((name, gf), (name_u, gu)) in grads_f.iter().zip(&grads_u) {
+            anyhow::ensure!(name == name_u);
+            let d = rel_diff(gf, gu)?;
+            anyhow::ensure!(
+                d <= 1e-4,
+                "{segments} segments: {name}: gradient differs by {d:e}"
+            );
+        }
+        for (a, b) in steps_f.iter().zip(&steps_u) {
+            anyhow::ensure!(
+                ((a - b) / b).abs() <= 1e-4,
+                "step losses {steps_f:?} vs {steps_u:?}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+test_device!(
+    trainer_fused_matches_unfused,
+    train_ops_trainer_fused_cpu,
+    train_ops_trainer_fused_gpu
+);
