@@ -510,13 +510,12 @@ template <> __device__ __forceinline__ void decode_block<QT_Q8_0>(const uint8_t 
     }
 }
 
-// What one warp stages at once: about 1.2 KB of blocks (a multiple of 32 blocks), twice (one
-// stage is copied while the other is computed on). VECS: the 16-byte vectors of shared memory
-// per staged row, with the slack of both ends' alignment. Mirrored by
+// What one warp stages at once: about 2.3 KB of blocks (a multiple of 32 blocks), as many bytes
+// in flight per warp as linear_small's four 16-byte loads per lane. VECS: the 16-byte vectors
+// of shared memory per staged row, with the slack of both ends' alignment. Mirrored by
 // `qlinear_small_stage_vecs` in src/sys/kernels.rs, which sizes the dynamic shared memory.
 template <int QT> struct QStage {
-    static constexpr int BLOCKS =
-        (1152 / QBlock<QT>::BYTES) / 32 * 32 > 32 ? (1152 / QBlock<QT>::BYTES) / 32 * 32 : 32;
+    static constexpr int BLOCKS = (2304 / QBlock<QT>::BYTES) / 32 * 32;
     static constexpr int VECS = (BLOCKS * QBlock<QT>::BYTES + 31) / 16 + 1;
 };
 
@@ -526,23 +525,27 @@ __device__ __forceinline__ void cp_async16(uint4 *smem, const uint4 *gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
-// Starts copying blocks first .. first + count of `row` into st (one warp, all lanes) and
-// returns where block `first` will start there.
-template <int QT>
-__device__ __forceinline__ const uint8_t *stage_row(const uint8_t *row, uint32_t first,
-                                                   uint32_t count, uint4 *st) {
+// Stages blocks first .. first + count (count <= QStage::BLOCKS) of each of the NW rows in
+// st[w * VECS ..] (one warp, all lanes; all copies in flight at once) and returns in at[w]
+// where block `first` of row w starts there.
+template <int QT, int NW>
+__device__ __forceinline__ void stage_blocks(const uint8_t *const *rows, uint32_t first,
+                                             uint32_t count, uint4 *st, const uint8_t **at) {
     constexpr int B = QBlock<QT>::BYTES;
-    const uintptr_t s = reinterpret_cast<uintptr_t>(row) + (uintptr_t)first * B;
-    const uintptr_t a0 = s & ~(uintptr_t)15;
-    const uint32_t nvec = (uint32_t)((s + (uintptr_t)count * B + 15 - a0) >> 4);
-    const uint4 *src = reinterpret_cast<const uint4 *>(a0);
-    for (uint32_t v = threadIdx.x & 31u; v < nvec; v += 32u) cp_async16(st + v, src + v);
-    return reinterpret_cast<const uint8_t *>(st) + (s - a0);
+    constexpr int VECS = QStage<QT>::VECS;
+    const uint32_t lane = threadIdx.x & 31u;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+        const uintptr_t s = reinterpret_cast<uintptr_t>(rows[w]) + (uintptr_t)first * B;
+        const uintptr_t a0 = s & ~(uintptr_t)15;
+        const uint32_t nvec = (uint32_t)((s + (uintptr_t)count * B + 15 - a0) >> 4);
+        at[w] = reinterpret_cast<const uint8_t *>(st + w * VECS) + (s - a0);
+        const uint4 *src = reinterpret_cast<const uint4 *>(a0);
+        for (uint32_t v = lane; v < nvec; v += 32u) cp_async16(st + w * VECS + v, src + v);
+    }
+    asm volatile("cp.async.wait_all;\n" ::);
+    __syncwarp();
 }
 
 // acc[r] += x[r, :] · block e of a row for r < m <= M (one lane, one block at b).
@@ -555,149 +558,97 @@ __device__ __forceinline__ void qdot_block(const T *x, const uint8_t *b, uint32_
 #pragma unroll
     for (int r = 0; r < M; ++r) {
         if ((uint32_t)r < m) {
-            // Two partial sums: shorter dependent chains.
-            float s0 = 0.0f, s1 = 0.0f, sx = 0.0f;
+            float s = 0.0f, sx = 0.0f;
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 float xv[8];
                 cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 8u * u, false), xv);
 #pragma unroll
-                for (int i = 0; i < 8; i += 2) {
-                    s0 += q[8 * u + i] * xv[i];
-                    s1 += q[8 * u + i + 1] * xv[i + 1];
-                    if (QBlock<QT>::MIN) sx += xv[i] + xv[i + 1];
+                for (int i = 0; i < 8; ++i) {
+                    s += q[8 * u + i] * xv[i];
+                    if (QBlock<QT>::MIN) sx += xv[i];
                 }
             }
-            acc[r] += d * (s0 + s1) + (QBlock<QT>::MIN ? mn * sx : 0.0f);
+            acc[r] += d * s + (QBlock<QT>::MIN ? mn * sx : 0.0f);
         }
     }
 }
 
-// The weight row(s) of output column `col`: with NW == 2 (silu) row col of w0 and of w1;
-// otherwise row col of the concatenation w0, w1, w2 (n0, n1, n2 rows), with where its result
-// goes (yb, c, n).
-template <typename T, int NW>
-__device__ __forceinline__ void column_rows(const uint8_t *w0, const uint8_t *w1,
-                                            const uint8_t *w2, T *y, uint32_t m, uint32_t n0,
-                                            uint32_t n1, size_t row_bytes, uint32_t col,
-                                            const uint8_t **rows, T *&yb, uint32_t &c,
-                                            uint32_t &n, uint32_t n2) {
-    if (NW == 2) {
-        rows[0] = w0 + col * row_bytes;
-        rows[NW - 1] = w1 + col * row_bytes;
-        yb = y, c = col, n = n0;
-    } else if (col < n0) {
-        rows[0] = w0 + col * row_bytes, yb = y, c = col, n = n0;
-    } else if (col < n0 + n1) {
-        rows[0] = w1 + (col - n0) * row_bytes, yb = y + (size_t)m * n0, c = col - n0, n = n1;
-    } else {
-        rows[0] = w2 + (col - n0 - n1) * row_bytes, yb = y + (size_t)m * (n0 + n1);
-        c = col - n0 - n1, n = n2;
-    }
-}
-
-// One warp's share of the output columns (col = global warp, + all warps, ...), each row's
-// blocks in stages of QStage::BLOCKS: a flat sequence of (column, stage) items whose next item
-// is being copied into shared memory (cp.async, double-buffered) while this one is computed.
-// NW == 2: silu(x·w0ᵀ)·(x·w1ᵀ) over n0 columns; NW == 1: x·[w0; w1; w2]ᵀ.
+// acc[w][r] += x[r, :] · rows[w] for the NW rows (k / 32 blocks each) and r < m <= M (one
+// warp; every lane calls).
 template <typename T, int M, int QT, int NW>
-__device__ void qlinear_columns(const T *x, const uint8_t *w0, const uint8_t *w1,
-                                const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
-                                uint32_t n2, uint32_t k, uint4 *st) {
+__device__ __forceinline__ void qdot_rows(const T *x, const uint8_t *const *rows, uint32_t m,
+                                          uint32_t k, float (*acc)[M], uint4 *st) {
     constexpr int B = QBlock<QT>::BYTES;
-    constexpr int VECS = QStage<QT>::VECS;
-    constexpr uint32_t BL = QStage<QT>::BLOCKS;
     const uint32_t lane = threadIdx.x & 31u;
-    const uint32_t gw = blockIdx.x * OPS_WARPS + (threadIdx.x >> 5);
-    const uint32_t nw = gridDim.x * OPS_WARPS;
-    const uint32_t cols = NW == 2 ? n0 : n0 + n1 + n2;
-    if (gw >= cols) return;
     const uint32_t nb = k >> 5;
-    const uint32_t stages = (nb + BL - 1) / BL;
-    const uint32_t items = (cols - gw + nw - 1) / nw * stages;
-    const size_t row_bytes = (size_t)nb * B;
-    T *yb;
-    uint32_t c, n;
-    // Starts the copy of item j into buffer j & 1; `at` gets where its blocks start.
-    auto issue = [&](uint32_t j, const uint8_t **at) {
-        const uint32_t col = gw + (j / stages) * nw;
-        const uint32_t first = (j % stages) * BL;
-        const uint8_t *rows[NW];
-        T *yb_;
-        uint32_t c_, n_;
-        column_rows<T, NW>(w0, w1, w2, y, m, n0, n1, row_bytes, col, rows, yb_, c_, n_, n2);
+    for (uint32_t first = 0; first < nb; first += QStage<QT>::BLOCKS) {
+        const uint32_t count = min((uint32_t)QStage<QT>::BLOCKS, nb - first);
+        const uint8_t *at[NW];
+        stage_blocks<QT, NW>(rows, first, count, st, at);
+        for (uint32_t j = lane; j < count; j += 32u) {
 #pragma unroll
-        for (int w = 0; w < NW; ++w)
-            at[w] = stage_row<QT>(rows[w], first, min(BL, nb - first),
-                                  st + ((j & 1u) * NW + w) * VECS);
-        cp_async_commit();
-    };
-    const uint8_t *cur[NW], *next[NW];
-    issue(0, cur);
-    float acc[NW][M];
-#pragma unroll
-    for (int w = 0; w < NW; ++w)
-#pragma unroll
-        for (int r = 0; r < M; ++r) acc[w][r] = 0.0f;
-    for (uint32_t j = 0; j < items; ++j) {
-        if (j + 1 < items) {
-            issue(j + 1, next);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
+            for (int w = 0; w < NW; ++w) qdot_block<T, M, QT>(x, at[w] + j * B, first + j, m, k, acc[w]);
         }
+        // The stage is rewritten next round only after every lane has read its blocks.
         __syncwarp();
-        const uint32_t stage = j % stages;
-        const uint32_t first = stage * BL;
-        const uint32_t count = min(BL, nb - first);
-        for (uint32_t i = lane; i < count; i += 32u) {
-#pragma unroll
-            for (int w = 0; w < NW; ++w)
-                qdot_block<T, M, QT>(x, cur[w] + i * B, first + i, m, k, acc[w]);
-        }
-        // Buffer j & 1 is refilled (item j + 2) only after every lane has read it.
-        __syncwarp();
-        if (stage + 1 == stages) {
-            const uint32_t col = gw + (j / stages) * nw;
-            const uint8_t *rows[NW];
-            column_rows<T, NW>(w0, w1, w2, y, m, n0, n1, row_bytes, col, rows, yb, c, n, n2);
-#pragma unroll
-            for (int r = 0; r < M; ++r) {
-                if ((uint32_t)r < m) {
-                    const float g = warp_sum(acc[0][r]);
-                    if (NW == 2) {
-                        const float u = warp_sum(acc[NW - 1][r]);
-                        if (lane == 0) yb[(size_t)r * n + c] = from_f32<T>(g / (1.0f + expf(-g)) * u);
-                    } else if (lane == 0) {
-                        yb[(size_t)r * n + c] = from_f32<T>(g);
-                    }
-                }
-            }
-#pragma unroll
-            for (int w = 0; w < NW; ++w)
-#pragma unroll
-                for (int r = 0; r < M; ++r) acc[w][r] = 0.0f;
-        }
-#pragma unroll
-        for (int w = 0; w < NW; ++w) cur[w] = next[w];
     }
 }
 
 // linear_small's contract (see there) with weights of GGML blocks: w0, w1, w2 point at the
-// blocks of weights (n_i, k), k a multiple of 32. Any grid size (warps loop over columns).
-// Dynamic shared memory: 2 · QStage::VECS 16-byte vectors per warp, twice that with silu.
+// blocks of weights (n_i, k), k a multiple of 32. Dynamic shared memory: QStage::VECS 16-byte
+// vectors per warp, twice that with silu (gate and up are staged together).
 template <typename T, int M, int QT>
 __device__ void qlinear_small(const T *x, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2,
                               T *y, uint32_t m, uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k,
                               uint32_t silu) {
     extern __shared__ uint4 qstage[];
     const uint32_t warp = threadIdx.x >> 5;
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t col = blockIdx.x * OPS_WARPS + warp;
+    const size_t row_bytes = (size_t)(k >> 5) * QBlock<QT>::BYTES;
     if (silu) {
-        qlinear_columns<T, M, QT, 2>(x, w0, w1, w2, y, m, n0, n1, n2, k,
-                                     qstage + (size_t)warp * 4 * QStage<QT>::VECS);
+        if (col >= n0) return;
+        uint4 *st = qstage + (size_t)warp * 2 * QStage<QT>::VECS;
+        float acc[2][M];
+#pragma unroll
+        for (int r = 0; r < M; ++r) acc[0][r] = acc[1][r] = 0.0f;
+        const uint8_t *rows[2] = {w0 + col * row_bytes, w1 + col * row_bytes};
+        qdot_rows<T, M, QT, 2>(x, rows, m, k, acc, st);
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+            if ((uint32_t)r < m) {
+                const float g = warp_sum(acc[0][r]);
+                const float u = warp_sum(acc[1][r]);
+                if (lane == 0) y[(size_t)r * n0 + col] = from_f32<T>(g / (1.0f + expf(-g)) * u);
+            }
+        }
+        return;
+    }
+    uint4 *st = qstage + (size_t)warp * QStage<QT>::VECS;
+    const uint8_t *w;
+    T *yb;
+    uint32_t c, n;
+    if (col < n0) {
+        w = w0, yb = y, c = col, n = n0;
+    } else if (col < n0 + n1) {
+        w = w1, yb = y + (size_t)m * n0, c = col - n0, n = n1;
+    } else if (col < n0 + n1 + n2) {
+        w = w2, yb = y + (size_t)m * (n0 + n1), c = col - n0 - n1, n = n2;
     } else {
-        qlinear_columns<T, M, QT, 1>(x, w0, w1, w2, y, m, n0, n1, n2, k,
-                                     qstage + (size_t)warp * 2 * QStage<QT>::VECS);
+        return;
+    }
+    float acc[1][M];
+#pragma unroll
+    for (int r = 0; r < M; ++r) acc[0][r] = 0.0f;
+    const uint8_t *rows[1] = {w + c * row_bytes};
+    qdot_rows<T, M, QT, 1>(x, rows, m, k, acc, st);
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+        if ((uint32_t)r < m) {
+            const float s = warp_sum(acc[0][r]);
+            if (lane == 0) yb[(size_t)r * n + c] = from_f32<T>(s);
+        }
     }
 }
 

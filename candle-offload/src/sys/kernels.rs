@@ -479,26 +479,12 @@ pub(crate) fn linear_small(
     })
 }
 
-/// The 16-byte vectors of shared memory of one staged weight row of `qlinear_small`, for
-/// blocks of `block_bytes` (`QStage<QT>::VECS` in kernels/ops.cu, which this mirrors): about
-/// 1.2 KB of whole blocks, a multiple of 32 and at least 32, plus the alignment slack.
+/// The 16-byte vectors of shared memory one warp of `qlinear_small` stages a weight row's
+/// blocks in, for blocks of `block_bytes` (`QStage<QT>::VECS` in kernels/ops.cu, which this
+/// mirrors): about 2.3 KB of whole blocks, a multiple of 32, plus the alignment slack.
 fn qlinear_small_stage_vecs(block_bytes: usize) -> usize {
-    let blocks = (1152 / block_bytes / 32 * 32).max(32);
+    let blocks = 2304 / block_bytes / 32 * 32;
     (blocks * block_bytes + 31) / 16 + 1
-}
-
-/// Blocks of `qlinear_small` per SM (its warps loop over the columns, so fewer blocks give
-/// each warp more columns to pipeline): 4 unless `CANDLE_OFFLOAD_QLINEAR_BLOCKS_PER_SM` (1 to
-/// 16, a tuning knob for benchmarks) says otherwise.
-fn qlinear_small_blocks_per_sm() -> usize {
-    static PER_SM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *PER_SM.get_or_init(|| {
-        std::env::var("CANDLE_OFFLOAD_QLINEAR_BLOCKS_PER_SM")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|v| (1..=16).contains(v))
-            .unwrap_or(4)
-    })
 }
 
 /// `linear_small` with weights of GGML blocks (`qlinear_small_m<M>_<type>_<dtype>`): x (m, k)
@@ -561,38 +547,29 @@ pub(crate) fn qlinear_small(
         let [n0, n1, n2] = ns.map(|n| to_u32(n, "columns"));
         let (n0, n1, n2) = (n0?, n1?, n2?);
         let silu_u = u32::from(silu);
-        let stream = dev.cuda_stream();
-        let sms = stream
-            .context()
-            .attribute(
-                candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .w()?
-            .max(1) as usize;
-        let blocks = cols.div_ceil(4).min(sms * qlinear_small_blocks_per_sm());
-        // Two stages (double buffering) per warp, of two rows (gate and up) with silu.
+        // One staged row per warp, two (gate and up) with silu.
         let stage_bytes = 16 * qlinear_small_stage_vecs(ws[0].dtype().type_size());
         let cfg = LaunchConfig {
-            grid_dim: (to_u32(blocks, "blocks")?, 1, 1),
+            grid_dim: (to_u32(cols.div_ceil(4), "blocks")?, 1, 1),
             block_dim: (32 * 4, 1, 1),
-            shared_mem_bytes: to_u32(4 * 2 * stage_bytes * (1 + silu_u as usize), "shared memory")?,
+            shared_mem_bytes: to_u32(4 * stage_bytes * (1 + silu_u as usize), "shared memory")?,
         };
+        let stream = dev.cuda_stream();
         // The guards order the stream after the buffers' last writes (the copy stream's
         // upload, where cudarc tracks events) and record this launch's read on drop.
         let mut ptrs = Vec::with_capacity(3);
         let mut guards = Vec::with_capacity(3);
         for w in ws {
             let (p, g) = w.device_ptr_with_guard(&stream)?;
-            if (p as usize) % 16 != 0 {
+            if !(p as usize).is_multiple_of(16) {
                 candle_core::bail!("qlinear_small: a weight's blocks are not 16-byte aligned");
             }
             ptrs.push(p as u64);
             guards.push(g);
         }
         // SAFETY: uninitialised device memory of m·cols elements on the device's stream; the
-        // kernel launched next on that stream writes every one (each column belongs to one
-        // warp, whose lane 0 writes it for each row r < m; warps loop over columns, so any grid
-        // covers them all).
+        // kernel launched next on that stream writes every one (lane 0 of each column's warp
+        // writes that column for each row r < m).
         let out = unsafe { dev.alloc::<T>(m * cols) }?;
         let mut b = stream.launch_builder(&func);
         b.arg(&x);
