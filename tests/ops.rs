@@ -13,9 +13,9 @@ use rand::Rng as _;
 
 use crate::models::{for_each_tiny, resident_model, Tiny};
 
-const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+pub(crate) const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
-fn tolerance(dtype: DType) -> f32 {
+pub(crate) fn tolerance(dtype: DType) -> f32 {
     if dtype == DType::F32 {
         1e-5
     } else {
@@ -39,29 +39,50 @@ fn random(
         .to_device(device)?)
 }
 
-/// max |got - want| / max |want| (in F32), after checking shape and dtype.
-fn rel_diff(got: &Tensor, want: &Tensor) -> anyhow::Result<f32> {
+/// max |got - want| / max |want| (in F32, on the CPU), after checking the shape; `got` and
+/// `want` may differ in dtype and device (a reference computed in F32 on the CPU).
+pub(crate) fn rel_diff_values(got: &Tensor, want: &Tensor) -> anyhow::Result<f32> {
     anyhow::ensure!(
         got.shape() == want.shape(),
         "shape {:?} != {:?}",
         got.shape(),
         want.shape()
     );
-    anyhow::ensure!(got.dtype() == want.dtype(), "dtype {:?}", got.dtype());
-    let (g, w) = (got.to_dtype(DType::F32)?, want.to_dtype(DType::F32)?);
+    let (g, w) = (
+        got.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
+        want.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
+    );
     let diff = (g - &w)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
     let scale = w.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
     Ok(diff / scale.max(f32::MIN_POSITIVE))
 }
 
-fn ensure_close(what: &str, got: &Tensor, want: &Tensor, dtype: DType) -> anyhow::Result<()> {
-    let d = rel_diff(got, want)?;
+/// [`rel_diff_values`] of two tensors of one dtype.
+fn rel_diff(got: &Tensor, want: &Tensor) -> anyhow::Result<f32> {
+    anyhow::ensure!(got.dtype() == want.dtype(), "dtype {:?}", got.dtype());
+    rel_diff_values(got, want)
+}
+
+/// [`rel_diff_values`] within `dtype`'s [`tolerance`].
+pub(crate) fn ensure_close_values(
+    what: &str,
+    got: &Tensor,
+    want: &Tensor,
+    dtype: DType,
+) -> anyhow::Result<()> {
+    let d = rel_diff_values(got, want)?;
     anyhow::ensure!(
         d <= tolerance(dtype),
         "{what} {dtype:?}: relative difference {d:e} > {:e}",
         tolerance(dtype)
     );
     Ok(())
+}
+
+/// [`ensure_close_values`] of two tensors of one dtype.
+fn ensure_close(what: &str, got: &Tensor, want: &Tensor, dtype: DType) -> anyhow::Result<()> {
+    anyhow::ensure!(got.dtype() == want.dtype(), "dtype {:?}", got.dtype());
+    ensure_close_values(what, got, want, dtype)
 }
 
 /// Decode (one row), small and prefill shapes, with odd widths.

@@ -11,15 +11,7 @@ use candle_offload::train::fused;
 use candle_offload_models::{TrainSettings, Trainer};
 use rand::Rng as _;
 
-const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
-
-fn tolerance(dtype: DType) -> f32 {
-    if dtype == DType::F32 {
-        1e-5
-    } else {
-        1e-2
-    }
-}
+use crate::ops::{ensure_close_values as ensure_close, rel_diff_values as rel_diff, DTYPES};
 
 /// Uniform values in [-scale, scale) of `shape`, in F32 on the CPU.
 fn random(shape: &[usize], scale: f32, seed: u64) -> anyhow::Result<Tensor> {
@@ -27,33 +19,6 @@ fn random(shape: &[usize], scale: f32, seed: u64) -> anyhow::Result<Tensor> {
     let mut rng = candle_offload_suite::rng(seed);
     let v: Vec<f32> = (0..n).map(|_| rng.random_range(-scale..scale)).collect();
     Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
-}
-
-/// max |got - want| / max |want| (in F32), after checking the shape.
-fn rel_diff(got: &Tensor, want: &Tensor) -> anyhow::Result<f32> {
-    anyhow::ensure!(
-        got.shape() == want.shape(),
-        "shape {:?} != {:?}",
-        got.shape(),
-        want.shape()
-    );
-    let (g, w) = (
-        got.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
-        want.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
-    );
-    let diff = (g - &w)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-    let scale = w.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-    Ok(diff / scale.max(f32::MIN_POSITIVE))
-}
-
-fn ensure_close(what: &str, got: &Tensor, want: &Tensor, dtype: DType) -> anyhow::Result<()> {
-    let d = rel_diff(got, want)?;
-    anyhow::ensure!(
-        d <= tolerance(dtype),
-        "{what} {dtype:?}: relative difference {d:e} > {:e}",
-        tolerance(dtype)
-    );
-    Ok(())
 }
 
 /// `values` in `dtype` on `device` as a variable, and the same rounded values in F32 as a

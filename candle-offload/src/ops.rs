@@ -28,7 +28,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, WithDType, D};
 
 /// Refuses dtypes the kernels do not exist for, and mixed dtypes.
-fn check_dtypes(op: &str, ts: &[&Tensor]) -> Result<DType> {
+pub(crate) fn check_dtypes(op: &str, ts: &[&Tensor]) -> Result<DType> {
     let dtype = ts[0].dtype();
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
         candle_core::bail!("{op}: unsupported dtype {dtype:?} (F32, F16 or BF16)");
@@ -40,18 +40,18 @@ fn check_dtypes(op: &str, ts: &[&Tensor]) -> Result<DType> {
 }
 
 /// The contiguous part of a CPU buffer a layout covers.
-fn contiguous<'a, T>(s: &'a [T], l: &Layout, op: &str) -> Result<&'a [T]> {
+pub(crate) fn contiguous<'a, T>(s: &'a [T], l: &Layout, op: &str) -> Result<&'a [T]> {
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&s[a..b]),
         None => candle_core::bail!("{op}: input has to be contiguous"),
     }
 }
 
-fn f32_of<T: WithDType>(v: T) -> f32 {
+pub(crate) fn f32_of<T: WithDType>(v: T) -> f32 {
     v.to_f64() as f32
 }
 
-fn of_f32<T: WithDType>(v: f32) -> T {
+pub(crate) fn of_f32<T: WithDType>(v: f32) -> T {
     T::from_f64(v as f64)
 }
 

@@ -26,34 +26,7 @@ use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, Var, WithDTy
 use candle_nn::{Optimizer, ParamsAdamW};
 
 use super::HostAdamW;
-
-/// Refuses dtypes the kernels do not exist for, and mixed dtypes.
-fn check_dtypes(op: &str, ts: &[&Tensor]) -> Result<DType> {
-    let dtype = ts[0].dtype();
-    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        candle_core::bail!("{op}: unsupported dtype {dtype:?} (F32, F16 or BF16)");
-    }
-    if let Some(t) = ts.iter().find(|t| t.dtype() != dtype) {
-        candle_core::bail!("{op}: mixed dtypes {dtype:?} and {:?}", t.dtype());
-    }
-    Ok(dtype)
-}
-
-/// The contiguous part of a CPU buffer a layout covers.
-fn contiguous<'a, T>(s: &'a [T], l: &Layout, op: &str) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s[a..b]),
-        None => candle_core::bail!("{op}: input has to be contiguous"),
-    }
-}
-
-fn f32_of<T: WithDType>(v: T) -> f32 {
-    v.to_f64() as f32
-}
-
-fn of_f32<T: WithDType>(v: f32) -> T {
-    T::from_f64(v as f64)
-}
+use crate::ops::{check_dtypes, contiguous, f32_of, of_f32};
 
 /// Applies `$f::<T>` to CPU buffers that are all of one float dtype `T` (the leading
 /// arguments), passing the trailing arguments as they are; the result is whatever `$f` gives.
