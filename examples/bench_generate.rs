@@ -77,6 +77,24 @@ struct Args {
     /// started with `--profile-from-start off` (scripts/decode_breakdown.py runs ncu so).
     #[arg(long)]
     profile_decode: bool,
+    /// Host memory for the weights (GiB, `12GiB`, `50%`): the layers past it stay in the
+    /// checkpoint file and are read from disk on every fetch (`StoreConfig::host_memory_limit`).
+    #[arg(long)]
+    cpu_memory_limit: Option<String>,
+    /// Read the disk tier through the page cache instead of O_DIRECT.
+    #[arg(long)]
+    disk_page_cache: bool,
+    /// How weights reach the GPU: explicit (copies from pinned memory) or managed (Unified
+    /// Memory, migrated by prefetch).
+    #[arg(long, default_value = "explicit")]
+    engine: String,
+    /// The disk's raw sequential read rate in GB/s, measured in the same run outside this
+    /// binary (a plain large-block read of the checkpoint), for `disk_efficiency`.
+    #[arg(long)]
+    raw_disk_gbps: Option<f64>,
+    /// What the page cache held when this ran (`cold`, `warm`), for the records.
+    #[arg(long)]
+    cache_state: Option<String>,
     /// The peer's JSON (scripts/accelerate_peer.py), measured in the same run.
     #[arg(long)]
     peer: Option<PathBuf>,
@@ -120,13 +138,30 @@ fn main() -> Result<()> {
         Some(other) => anyhow::bail!("--dtype {other}: expected f32, f16 or bf16"),
     };
     let t0 = Instant::now();
-    let store = Arc::new(loader::load_store_with(
+    let engine: candle_offload::EngineKind = args.engine.parse()?;
+    let store_cfg = candle_offload::StoreConfig {
+        dtype: Some(dtype),
+        host_memory_limit: args
+            .cpu_memory_limit
+            .as_deref()
+            .map(|s| MemoryLimit::parse("--cpu-memory-limit", s))
+            .transpose()?,
+        disk_page_cache: args.disk_page_cache,
+        engine,
+        ..Default::default()
+    };
+    let store = Arc::new(loader::load_store_config(
         &files,
-        dtype,
+        &store_cfg,
         &device,
-        None,
         args.quantized,
     )?);
+    let disk_units: std::collections::HashSet<String> = store
+        .units()
+        .iter()
+        .filter(|u| u.tier() == candle_offload::TierKind::Disk)
+        .map(|u| u.name().to_string())
+        .collect();
     let weights = args.weights.clone().unwrap_or_else(|| {
         let stem = args.model_dir.file_stem().unwrap_or_default();
         stem.to_string_lossy().into_owned()
@@ -258,6 +293,17 @@ fn main() -> Result<()> {
             let mut times = Vec::new();
             let mut host_times = Vec::new();
             let mut bytes = Vec::new();
+            let disk_fetched = |rt: &candle_offload::OffloadRuntime| -> Result<u64> {
+                Ok(rt
+                    .stats()?
+                    .units
+                    .iter()
+                    .filter(|u| disk_units.contains(&u.name))
+                    .map(|u| (u.misses + u.prefetches) * u.bytes)
+                    .sum())
+            };
+            let disk_before = disk_fetched(&rt)?;
+            let decode_t0 = Instant::now();
             if args.profile_decode {
                 candle_offload::diag::profiler_capture(&device, true)?;
             }
@@ -277,6 +323,9 @@ fn main() -> Result<()> {
                 rt.end_step()?;
                 bytes.push(rt.stats()?.last_step.map_or(0.0, |s| s.bytes as f64));
             }
+            let decode_wall_s = decode_t0.elapsed().as_secs_f64();
+            let disk_per_token =
+                (disk_fetched(&rt)? - disk_before) as f64 / args.new_tokens.max(1) as f64;
             if args.profile_decode {
                 candle_offload::diag::profiler_capture(&device, false)?;
             }
@@ -349,6 +398,21 @@ fn main() -> Result<()> {
                 .as_ref()
                 .and_then(|r| r["decode_tokens_per_s"].as_f64());
             let tps = 1.0 / step_s;
+            // Disk: bytes read per token over the decode's wall time, and against the raw rate.
+            let disk_read_gbps = disk_per_token * args.new_tokens as f64 / decode_wall_s / 1e9;
+            let disk_efficiency = args
+                .raw_disk_gbps
+                .filter(|_| disk_per_token > 0.0)
+                .map(|raw| disk_per_token / (raw * 1e9) / step_s);
+            if disk_per_token > 0.0 {
+                println!(
+                    "        disk: {:.2} GB read per token, {disk_read_gbps:.2} GB/s{}",
+                    disk_per_token / 1e9,
+                    disk_efficiency.map_or(String::new(), |e| format!(
+                        ", {e:.2} of the raw rate's time per token"
+                    ))
+                );
+            }
             println!(
                 "{prompt_len:>6} {budget:>6} {depth:>5}  {prefill_s:>9.3}  {tps:>12.2}  {:>11.2} GB  {:>12.3}  {:>8} ({:>6})  {:>16}  {:>8}",
                 streamed / 1e9,
@@ -407,6 +471,24 @@ fn main() -> Result<()> {
                 "accelerate_peak_gpu_bytes_torch": peer_rec.as_ref().and_then(|r| r["peak_gpu_bytes_torch"].as_u64()),
                 "speedup_vs_accelerate": acc_tps.map(|a| tps / a),
             }));
+            // The storage tiers' fields (one `json!` would pass the macro's recursion limit).
+            let tiers = serde_json::json!({
+                "engine": engine.to_string(),
+                "host_budget_bytes": store.host_limit_bytes(),
+                "peak_host_pinned_bytes": store.pinned_bytes(),
+                "host_disk_bytes": store.disk_bytes(),
+                "disk_page_cache": args.disk_page_cache,
+                "cache_state": args.cache_state,
+                "disk_bytes_per_token": disk_per_token as u64,
+                "disk_read_gbps": disk_read_gbps,
+                "raw_disk_gbps": args.raw_disk_gbps,
+                "disk_efficiency": disk_efficiency,
+            });
+            if let (Some(rec), serde_json::Value::Object(t)) =
+                (records.last_mut().and_then(|r| r.as_object_mut()), tiers)
+            {
+                rec.extend(t);
+            }
             drop(model);
             drop(rt);
         }

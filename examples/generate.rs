@@ -123,6 +123,12 @@ struct Args {
     /// every fetch. Default: 3/4 of RAM (or `memory.max_cpu_memory` in --config).
     #[arg(long)]
     cpu_memory_limit: Option<String>,
+    /// How weights reach the GPU: `explicit` (copied from pinned host memory on a copy
+    /// stream, the default) or `managed` (CUDA Unified Memory, migrated to the GPU by prefetch
+    /// before use and back after, within the same budget; needs a GPU with concurrent managed
+    /// access).
+    #[arg(long, default_value = "explicit")]
+    engine: String,
     /// How much stays resident: minimal, balanced or aggressive offloading.
     #[arg(long)]
     offload_strategy: Option<OffloadStrategy>,
@@ -311,9 +317,14 @@ fn main() -> Result<()> {
         Some(s) => Some(MemoryLimit::parse("--cpu-memory-limit", s)?),
         None => settings.max_cpu_memory,
     };
+    let engine: candle_offload::EngineKind = args
+        .engine
+        .parse()
+        .map_err(|e| anyhow!("--engine {}: {e}", args.engine))?;
     let store_cfg = candle_offload::StoreConfig {
         dtype: Some(dtype),
         host_memory_limit,
+        engine,
         ..Default::default()
     };
     let store = match &args.quantize {

@@ -24,6 +24,10 @@ struct Args {
     /// Size of the unit copied from pinned memory, MiB.
     #[arg(long, default_value_t = 1024)]
     copy_mib: usize,
+    /// Also measure the seed's Unified Memory table (plain copy, UM, UM with prefetch) for
+    /// this many MiB of data (GPU only; the seed's rows are about 600 MB).
+    #[arg(long)]
+    um_table_mib: Option<usize>,
     /// Write the results as JSON here.
     #[arg(long)]
     json_out: Option<PathBuf>,
@@ -147,6 +151,31 @@ fn main() -> Result<()> {
         out.insert("raw_pageable_gbps".into(), raw_pageable.into());
     }
     print!("{}", rt.memory_summary()?);
+    if let Some(mib) = args.um_table_mib {
+        let rows =
+            diag::unified_memory_table(&device, mib << 20).context("the Unified Memory table")?;
+        println!("Unified Memory table ({mib} MiB of F32 read by a GPU sum; the seed's rows in brackets):");
+        let seed = [(1204, 15.2), (612, 18.7), (604, 16.1)];
+        let mut json = Vec::new();
+        for (r, (mb, ms)) in rows.iter().zip(seed) {
+            println!(
+                "  {:<28} device {:>6} MiB  host {:>6} MiB  {:>8.2} ms   (seed: {mb} MB, {ms} ms)",
+                r.name,
+                r.device_bytes >> 20,
+                r.host_bytes >> 20,
+                r.seconds * 1e3
+            );
+            json.push(serde_json::json!({
+                "name": r.name,
+                "device_bytes": r.device_bytes,
+                "host_bytes": r.host_bytes,
+                "seconds": r.seconds,
+                "seed_mb": mb,
+                "seed_ms": ms,
+            }));
+        }
+        out.insert("um_table".into(), serde_json::Value::Array(json));
+    }
     if let Some(path) = &args.json_out {
         candle_offload_suite::write_results(
             path,

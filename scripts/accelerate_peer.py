@@ -4,10 +4,15 @@
 Adapted from the project's shared/peer/accelerate_baseline.py: the same dispatch and timing,
 but reading the checkpoint that our benchmark reads, for several prompt lengths.
 
-Usage: python3 scripts/accelerate_peer.py MODEL_DIR BUDGETS PROMPT_LENS NEW_TOKENS OUT.json
+Usage: python3 scripts/accelerate_peer.py MODEL_DIR BUDGETS PROMPT_LENS NEW_TOKENS OUT.json [CPU_GIB OFFLOAD_DIR]
   BUDGETS: comma-separated GiB or "full"; PROMPT_LENS: comma-separated token counts.
+  CPU_GIB, OFFLOAD_DIR: accelerate's disk offload: at most CPU_GIB of weights in host memory
+  (max_memory "cpu"), the rest written to OFFLOAD_DIR and read back from it in every forward.
+  DROP_CACHES=1 drops the page cache after those files are written (root only), so that the
+  prefill reads them cold; later tokens find them in the page cache where RAM allows.
 """
 import json
+import os
 import sys
 import time
 
@@ -17,6 +22,8 @@ from transformers import AutoConfig, LlamaForCausalLM
 
 model_dir, budgets, prompt_lens = sys.argv[1], sys.argv[2].split(","), [int(x) for x in sys.argv[3].split(",")]
 new_tokens, out_path = int(sys.argv[4]), sys.argv[5]
+cpu_gib = sys.argv[6] if len(sys.argv) > 6 else "400"
+offload_dir = sys.argv[7] if len(sys.argv) > 7 else None
 
 torch.manual_seed(0)
 cfg = AutoConfig.from_pretrained(model_dir)
@@ -36,12 +43,16 @@ def run(budget, prompt_len):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     if budget == "full":
-        m = m.to("cuda"); offloaded = 0
+        m = m.to("cuda"); offloaded = 0; on_disk = 0
     else:
-        dm = infer_auto_device_map(m, max_memory={0: f"{budget}GiB", "cpu": "400GiB"},
+        dm = infer_auto_device_map(m, max_memory={0: f"{budget}GiB", "cpu": f"{cpu_gib}GiB"},
                                    no_split_module_classes=["LlamaDecoderLayer"], dtype=torch.float16)
-        offloaded = sum(1 for v in dm.values() if v == "cpu")
-        m = dispatch_model(m, device_map=dm, main_device=0)
+        offloaded = sum(1 for v in dm.values() if v in ("cpu", "disk"))
+        on_disk = sum(1 for v in dm.values() if v == "disk")
+        m = dispatch_model(m, device_map=dm, main_device=0, offload_dir=offload_dir)
+        if offload_dir and os.environ.get("DROP_CACHES") == "1":
+            # Cold start for the files dispatch_model just wrote (needs root; kept otherwise).
+            os.system("sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null")
     gen = torch.Generator().manual_seed(prompt_len)
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=gen).to("cuda")
     with torch.no_grad():
@@ -56,7 +67,8 @@ def run(budget, prompt_len):
             torch.cuda.synchronize(); steps.append(time.perf_counter() - t0)
             pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
     steps.sort()
-    r = dict(budget=budget, prompt_len=prompt_len, offloaded_modules=offloaded, prefill_s=prefill,
+    r = dict(budget=budget, prompt_len=prompt_len, offloaded_modules=offloaded,
+             disk_modules=on_disk, cpu_gib=cpu_gib, prefill_s=prefill,
              decode_s_median=steps[len(steps) // 2], decode_tokens_per_s=1 / steps[len(steps) // 2],
              peak_gpu_bytes_torch=torch.cuda.max_memory_allocated())
     print(json.dumps(r), flush=True)

@@ -42,6 +42,17 @@
 #                 on /tmp/llama7b (scripts/decode_breakdown.py; set against decode-V.json when
 #                 decode ran; another model from $BREAKDOWN_MODEL, e.g. /tmp/gguf/7b-q4_0.gguf
 #                 with BREAKDOWN_ARGS=--quantized) -> $OUT/breakdown-V.json, .log [BREAKDOWN_S=300]
+#   tiers         the storage tiers on /tmp/llama7b (needs make7b), GPU budget 4 GiB, host caps
+#                 $TIER_CAPS (4,8) with the rest on the local disk: the disk's raw rate (dd,
+#                 O_DIRECT, 64 MiB blocks, the checkpoint's files), then per cap bench_generate
+#                 with O_DIRECT reads (cold by construction), through the page cache after
+#                 dropping it (cold, where /proc/sys/vm/drop_caches is writable) and again
+#                 (warm), and accelerate with max_memory cpu and an offload_folder
+#                 -> $OUT/tiers-*.json, tiers.log [TIERS_S=540 in all]
+#   managed       the managed engine (Unified Memory) against the explicit one on /tmp/llama7b
+#                 at $MANAGED_BUDGETS (4,12), and the seed's UM table (smoke --um-table-mib
+#                 600) -> $OUT/managed-{explicit,managed}.json, $OUT/um-table.json
+#                 [MANAGED_S=240]
 #   train         bench_train, next to the peer's JSON when peer ran, with --max-seconds
 #                 $MAX_S (170) unless the arguments after `--` give one, and those
 #                 arguments -> $OUT/train.json [TRAIN_S=260]
@@ -62,9 +73,9 @@ while (($# > 0)); do
   case "$1" in
     --) shift; break ;;
     -h | --help) usage; exit 0 ;;
-    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | gguf7b | gguf13b | qbench | qbench=* | decode | decode=* | breakdown | breakdown=*)
+    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | gguf7b | gguf13b | qbench | qbench=* | decode | decode=* | breakdown | breakdown=* | tiers | managed)
       steps+=("$1"); shift ;;
-    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp gguf7b gguf13b qbench[=W,...] decode[=V,...] breakdown[=V])" >&2; exit 2 ;;
+    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp gguf7b gguf13b qbench[=W,...] decode[=V,...] breakdown[=V] tiers managed)" >&2; exit 2 ;;
   esac
 done
 train_args=("$@")
@@ -261,6 +272,60 @@ for step in "${steps[@]}"; do
       echo "breakdown $v exit $?"
       rm -f "$OUT/breakdown-$v.ncu-rep"
       grep -A40 "kernels per token" "$OUT/breakdown-$v.log" | head -45
+      ;;
+    tiers)
+      need_bin bench_generate tiers "--example bench_generate" || continue
+      wait_make7b || continue
+      t_end=$(($(date +%s) + ${TIERS_S:-540}))
+      left() { echo $((t_end - $(date +%s))); }
+      drop_caches() { sync && echo 3 >/proc/sys/vm/drop_caches 2>/dev/null && echo dropped || echo kept; }
+      # The disk's raw sequential rate: every checkpoint file, O_DIRECT, 64 MiB blocks.
+      drop_caches >/dev/null
+      t0=$(date +%s.%N); bytes=0
+      for f in /tmp/llama7b/*.safetensors; do
+        dd if="$f" of=/dev/null bs=64M iflag=direct status=none 2>>"$OUT/tiers.log" || dd if="$f" of=/dev/null bs=64M status=none
+        bytes=$((bytes + $(stat -c %s "$f")))
+      done
+      raw=$(python3 -c "import time; print(f'{$bytes / (time.time() - $t0) / 1e9:.3f}')")
+      echo "raw disk: $bytes bytes at $raw GB/s ($(df -h /tmp | tail -1))" | tee -a "$OUT/tiers.log"
+      IFS=, read -r -a caps <<<"${TIER_CAPS:-4,8}"
+      for cap in "${caps[@]}"; do
+        run_tier() { # NAME STATE [ARGS...]
+          local name=$1 state=$2; shift 2
+          ((${TIERS_ACC_ONLY:-0})) && return
+          (cd /tmp && timeout "$(left)" "$BIN/bench_generate" --model-dir /tmp/llama7b --budgets 4             --prompt-lens 64 --new-tokens "${TIER_TOKENS:-6}" --cpu-memory-limit "$cap" --raw-disk-gbps "$raw"             --cache-state "$state" "${acc[@]}" "$@" --json-out "$OUT/tiers-$cap-$name.json") >>"$OUT/tiers.log" 2>&1
+          echo "tiers cap $cap $name ($state) exit $?" | tee -a "$OUT/tiers.log"
+          grep -E "^ +64 +4 |disk:|accelerate" "$OUT/tiers.log" | tail -3
+        }
+        # accelerate first, so that its JSON sits next to ours in every record of this cap.
+        acc=()
+        rm -rf /tmp/acc-offload
+        DROP_CACHES=1 timeout "$(( $(left) / 2 ))" python3 scripts/accelerate_peer.py /tmp/llama7b 4 64 "${ACC_TOKENS:-2}"           "$OUT/tiers-$cap-accelerate.json" "$cap" /tmp/acc-offload >>"$OUT/tiers.log" 2>&1
+        echo "accelerate cap $cap exit $?" | tee -a "$OUT/tiers.log"
+        rm -rf /tmp/acc-offload
+        [[ -s "$OUT/tiers-$cap-accelerate.json" ]] && acc=(--peer "$OUT/tiers-$cap-accelerate.json")
+        run_tier direct "cold (O_DIRECT)"
+        state=$(drop_caches)
+        run_tier pagecache-cold "$([[ $state == dropped ]] && echo cold || echo "not dropped")" --disk-page-cache
+        run_tier pagecache-warm warm --disk-page-cache
+      done
+      ;;
+    managed)
+      need_bin bench_generate managed "--example bench_generate" || continue
+      wait_make7b || continue
+      for e in explicit managed; do
+        (cd /tmp && timeout "${MANAGED_S:-240}" "$BIN/bench_generate" --model-dir /tmp/llama7b --engine "$e" \
+          --budgets "${MANAGED_BUDGETS:-4,12}" --prompt-lens 64 --new-tokens 16 \
+          --json-out "$OUT/managed-$e.json") >"$OUT/managed-$e.log" 2>&1
+        echo "managed: engine $e exit $?"
+        tail -5 "$OUT/managed-$e.log"
+      done
+      if need_bin smoke managed "--example smoke"; then
+        (cd /tmp && timeout 120 "$BIN/smoke" --copy-mib 64 --um-table-mib 600 --json-out "$OUT/um-table.json") \
+          >"$OUT/um-table.log" 2>&1
+        echo "um table exit $?"
+        grep -A4 "Unified Memory table" "$OUT/um-table.log"
+      fi
       ;;
     train)
       need_bin bench_train train "--example bench_train" || continue

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use candle_offload::telemetry::ReadAheadStats;
 use candle_offload::{
-    HostStore, MemoryLimit, OffloadConfig, OffloadRuntime, StoreConfig, TierKind,
+    EngineKind, HostStore, MemoryLimit, OffloadConfig, OffloadRuntime, StoreConfig, TierKind,
 };
 use candle_offload_models::loader::{self, ModelFiles};
 use candle_offload_models::Llama;
@@ -163,6 +163,97 @@ test_device!(
     tiers_disk_equals_resident_cpu,
     tiers_disk_equals_resident_gpu
 );
+
+/// The managed engine (Unified Memory, pages migrated by prefetch) gives the explicit
+/// engine's logits bit for bit, resident and streamed under a budget of two units, twice; each
+/// unit counts whole 2 MiB granules, the weights on the device never pass the budget, and the
+/// device memory the driver reports grows by no more than the budget while it streams.
+#[cfg(feature = "cuda")]
+#[test]
+fn tiers_managed_engine_equals_explicit_gpu() -> anyhow::Result<()> {
+    let device = Device::new_cuda_with_stream(0)?;
+    let (dir, files) = tiny("managed")?;
+    let managed = |dtype| -> anyhow::Result<HostStore> {
+        let cfg = StoreConfig {
+            dtype: Some(dtype),
+            engine: EngineKind::Managed,
+            ..Default::default()
+        };
+        Ok(loader::load_store_config(&files, &cfg, &device, false)?)
+    };
+    for dtype in [DType::F32, DType::F16] {
+        let (m, _) = model(
+            &files,
+            store(&files, dtype, &device, None, None)?,
+            &device,
+            dtype,
+            None,
+        )?;
+        let want = logits(&m, &device)?;
+        drop(m);
+        let s = managed(dtype)?;
+        assert!(s.units().iter().all(|u| u.tier() == TierKind::Managed));
+        assert!(s
+            .units()
+            .iter()
+            .all(|u| u.bytes() % (2 << 20) == 0 && u.bytes() > 0));
+        assert_eq!(s.pinned_bytes(), 0);
+        assert!(s.managed_bytes() > 0);
+        let layer = s.units().iter().map(|u| u.bytes()).max().unwrap();
+        drop(s);
+        for budget in [None, Some(2 * layer)] {
+            candle_offload::diag::trim_memory_pool(&device)?;
+            let before = candle_offload::diag::device_used_bytes(&device)?;
+            let (m, rt) = model(&files, managed(dtype)?, &device, dtype, budget)?;
+            for pass in 0..2 {
+                let got = logits(&m, &device)?;
+                assert_eq!(got, want, "{dtype:?}, budget {budget:?}, pass {pass}");
+            }
+            let stats = rt.stats()?;
+            assert!(
+                stats.summary().contains("Unified Memory"),
+                "{}",
+                stats.summary()
+            );
+            if let Some(b) = budget {
+                assert!(stats.peak_resident_bytes <= b, "{stats:?}");
+                assert!(
+                    stats.misses() > stats.units.len() as u64,
+                    "it streamed: {stats:?}"
+                );
+                device.synchronize()?;
+                let grew = candle_offload::diag::device_used_bytes(&device)?.saturating_sub(before);
+                // The weights' pages plus what the forward pass allocates (a few MiB here).
+                assert!(
+                    grew <= b + (64 << 20),
+                    "device memory grew by {grew} over a budget of {b}"
+                );
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// Off a GPU, or in a build without CUDA, the managed engine is an error naming it.
+#[test]
+fn tiers_managed_engine_off_a_gpu_is_an_error_naming_it() -> anyhow::Result<()> {
+    let (dir, files) = tiny("managed-cpu")?;
+    let cfg = StoreConfig {
+        engine: EngineKind::Managed,
+        ..Default::default()
+    };
+    let e = loader::load_store_config(&files, &cfg, &Device::Cpu, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("managed") && e.contains("engine"), "{e}");
+    assert_eq!("managed".parse::<EngineKind>()?, EngineKind::Managed);
+    assert_eq!("Explicit".parse::<EngineKind>()?, EngineKind::Explicit);
+    let e = "sideways".parse::<EngineKind>().unwrap_err().to_string();
+    assert!(e.contains("engine") && e.contains("sideways"), "{e}");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
 
 #[test]
 fn tiers_caps_that_cannot_work_are_errors_naming_the_field() -> anyhow::Result<()> {

@@ -12,6 +12,8 @@ use candle_core::{Device, DeviceLocation};
 use crate::error::Result;
 use crate::sys;
 
+pub use crate::sys::UmRow;
+
 /// A CUDA version such as 13.0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct CudaVersion {
@@ -116,6 +118,13 @@ pub fn measure_h2d_gbps(
     reps: usize,
 ) -> candle_core::Result<f64> {
     sys::measure_h2d_gbps(device, bytes, pinned, reps)
+}
+
+/// The seed's Unified Memory table measured on `device`'s GPU for `bytes` of F32 data: a
+/// plain copy, managed memory read by a kernel where it lies (pages migrate on the GPU's
+/// faults), and managed memory prefetched first. Errors on a CPU or a build without `cuda`.
+pub fn unified_memory_table(device: &Device, bytes: usize) -> candle_core::Result<Vec<UmRow>> {
+    sys::um_table(device, bytes)
 }
 
 /// Bytes in use on the whole device (total minus free), as the driver reports them: this

@@ -110,6 +110,10 @@ impl From<crate::sys::SysError> for Error {
         match e {
             SysError::File { path, reason } => Error::File { path, reason },
             SysError::NotCompiledWithCuda { what } => Error::NotCompiledWithCuda { what },
+            SysError::Unsupported { field, reason } => Error::InvalidConfig {
+                field: field.into(),
+                reason,
+            },
             SysError::Candle(e) => Error::Candle(e),
         }
     }

@@ -105,8 +105,8 @@ pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, UnitGuard};
 pub use runtime_error::RuntimeError;
 pub use settings::Settings;
 pub use store::{
-    FileSource, HostStore, RawTensorSpec, StoreConfig, TensorSpec, TierKind, UnitGrouping,
-    WeightFormat,
+    EngineKind, FileSource, HostStore, RawTensorSpec, StoreConfig, TensorSpec, TierKind,
+    UnitGrouping, WeightFormat,
 };
 pub use telemetry::{OffloadStats, TransferStats, UnitStats};
 pub use train::{Autocast, Checkpointer, GradScaler, GradScalerConfig, Precision, ScaledOptimizer};

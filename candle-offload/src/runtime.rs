@@ -1039,6 +1039,7 @@ impl OffloadRuntime {
             peak_resident_bytes: st.telemetry.peak_resident,
             pinned_bytes: store.pinned_bytes(),
             pageable_bytes: store.pageable_bytes(),
+            managed_bytes: store.managed_bytes(),
             disk_bytes: store.disk_bytes(),
             disk_units: store.disk_units().into_iter().map(String::from).collect(),
             disk_direct_units: store

@@ -125,6 +125,48 @@ pub struct StoreConfig {
     /// copy and evicts other files), falling back to the page cache with one warning naming
     /// the file; the summary says which.
     pub disk_page_cache: bool,
+    /// How weights reach the GPU: copied from host memory (the default), or migrated in
+    /// managed (Unified) memory.
+    pub engine: EngineKind,
+}
+
+/// How the store's weights reach the GPU (`--engine`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum EngineKind {
+    /// Units in page-locked (or pageable) host memory, copied into device buffers on the copy
+    /// stream.
+    #[default]
+    Explicit,
+    /// Units in CUDA managed memory preferring the host, migrated to the GPU with a prefetch
+    /// on the copy stream before use and back after last use, following the same plan and
+    /// budget (the seed's Unified Memory). Each unit's device footprint is its size rounded
+    /// up to 2 MiB. GPU only; quantized blocks are still copied (Candle's quantized storage
+    /// cannot point into memory it did not allocate).
+    Managed,
+}
+
+impl std::str::FromStr for EngineKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "explicit" | "copy" => Ok(Self::Explicit),
+            "managed" | "um" | "unified" => Ok(Self::Managed),
+            other => Err(Error::InvalidConfig {
+                field: "engine".into(),
+                reason: format!("{other:?} is not an engine (explicit or managed)"),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Explicit => "explicit",
+            Self::Managed => "managed",
+        })
+    }
 }
 
 /// How a tensor's bytes are laid out: the data the store and the copy engines carry with
@@ -348,7 +390,8 @@ impl HostUnit {
         &self.tensors
     }
 
-    /// Bytes it takes on the device (the sum of its tensors' device bytes).
+    /// Bytes it takes on the device (the sum of its tensors' device bytes; for a unit in
+    /// managed memory, rounded up to the 2 MiB granules its pages take there).
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
@@ -924,7 +967,11 @@ impl HostStore {
             }
         }
 
-        let mut pinner = sys::Pinner::for_device(device, cfg.pinned_cap_bytes)?;
+        let mut pinner = sys::Pinner::for_device(
+            device,
+            cfg.pinned_cap_bytes,
+            cfg.engine == EngineKind::Managed,
+        )?;
         let mut units = Vec::with_capacity(layouts.len());
         let mut unit_index = HashMap::new();
         let mut tensor_index = HashMap::new();
@@ -982,7 +1029,11 @@ impl HostStore {
                 tensor_index.insert(t.name.clone(), (uid, k));
             }
             unit_index.insert(unit_name.clone(), uid);
-            let bytes = tensors.iter().map(|t| t.device_bytes as u64).sum();
+            let mut bytes: u64 = tensors.iter().map(|t| t.device_bytes as u64).sum();
+            if buf.kind() == TierKind::Managed {
+                // Prefetched pages take whole 2 MiB granules on the device.
+                bytes = bytes.div_ceil(sys::MANAGED_GRANULE as u64) * sys::MANAGED_GRANULE as u64;
+            }
             units.push(HostUnit {
                 name: unit_name,
                 layer,
@@ -1081,6 +1132,11 @@ impl HostStore {
     /// Bytes in pageable buffers.
     pub fn pageable_bytes(&self) -> u64 {
         self.tier_bytes(TierKind::Pageable)
+    }
+
+    /// Bytes in managed (Unified) memory (the managed engine).
+    pub fn managed_bytes(&self) -> u64 {
+        self.tier_bytes(TierKind::Managed)
     }
 
     /// Bytes of the units left in their checkpoint file (their layout's length).

@@ -90,6 +90,8 @@ pub struct OffloadStats {
     pub pinned_bytes: u64,
     /// Pageable host bytes of the store (transfers go through staging).
     pub pageable_bytes: u64,
+    /// Bytes of the store in managed (Unified) memory (the managed engine).
+    pub managed_bytes: u64,
     /// Bytes of the units left in their checkpoint file (the disk tier).
     pub disk_bytes: u64,
     /// The units left in their checkpoint file, in order.
@@ -184,6 +186,13 @@ impl OffloadStats {
             human_bytes(self.disk_bytes),
             self.host_limit_bytes.map_or("none".into(), human_bytes)
         );
+        if self.managed_bytes > 0 {
+            let _ = writeln!(
+                s,
+                "  managed  {:>11} in Unified Memory (migrated by prefetch, not copied)",
+                human_bytes(self.managed_bytes)
+            );
+        }
         let ram = self.host_memory.map_or("RAM unknown".into(), |m| {
             format!(
                 "RAM {} total, {} available",

@@ -99,23 +99,51 @@ impl HostTier for PinnedBuffer {
     }
 }
 
-/// Allocates the store's host buffers: pinned on a GPU up to the cap, pageable past it.
+/// Allocates the store's host buffers: pinned on a GPU up to the cap, pageable past it; or
+/// every unit in managed memory (the managed engine).
 #[derive(Debug)]
 pub(crate) struct Pinner {
     ctx: Option<Arc<CudaContext>>,
+    managed: Option<CudaDevice>,
     cap: Option<u64>,
     used: u64,
     warned: bool,
 }
 
 impl Pinner {
-    pub(crate) fn for_device(device: &Device, cap: Option<u64>) -> SysResult<Self> {
+    pub(crate) fn for_device(device: &Device, cap: Option<u64>, managed: bool) -> SysResult<Self> {
         let ctx = match device {
             Device::Cuda(d) => Some(d.cuda_stream().context().clone()),
             _ => None,
         };
+        let managed = match (managed, device) {
+            (false, _) => None,
+            (true, Device::Cuda(d)) => {
+                if let Some(why) = super::managed::unsupported(d) {
+                    return Err(SysError::Unsupported {
+                        field: "engine",
+                        reason: format!("managed memory unsupported: {why}"),
+                    });
+                }
+                Some(d.clone())
+            }
+            (true, other) => {
+                return Err(SysError::Unsupported {
+                    field: "engine",
+                    reason: format!(
+                        "the managed engine needs a CUDA GPU, not {}",
+                        if other.is_cpu() {
+                            "the CPU"
+                        } else {
+                            "this device"
+                        }
+                    ),
+                })
+            }
+        };
         Ok(Self {
             ctx,
+            managed,
             cap,
             used: 0,
             warned: false,
@@ -123,6 +151,14 @@ impl Pinner {
     }
 
     pub(crate) fn alloc(&mut self, len: usize, unit: &str) -> SysResult<Box<dyn HostTier>> {
+        if let Some(cuda) = &self.managed {
+            return Ok(Box::new(super::ManagedBuffer::alloc(cuda, len).map_err(
+                |e| SysError::Unsupported {
+                    field: "engine",
+                    reason: format!("unit {unit}: {e}"),
+                },
+            )?));
+        }
         let Some(ctx) = &self.ctx else {
             return Ok(Box::new(PageableBuffer::zeroed(len)));
         };
@@ -161,6 +197,8 @@ pub(crate) struct UnitSync {
     copy_pending: bool,
     stall_probes: Vec<(CudaEvent, CudaEvent)>,
     last_use: Option<CudaEvent>,
+    /// A managed unit's pages, migrated back to the host on eviction.
+    managed: Option<super::managed::ManagedPages>,
 }
 
 impl UnitSync {
@@ -248,10 +286,16 @@ impl CudaEngine {
         let _span = tracing::debug_span!("offload.h2d", unit, bytes).entered();
         let copy_start = timing_event(&self.copy)?;
         let mut out = Vec::with_capacity(items.len());
+        let managed = src.managed();
         for item in items {
             let range = item.range.clone();
-            let weight = match &item.layout {
-                DeviceLayout::Dense(dtype) => {
+            let weight = match (&item.layout, managed) {
+                (DeviceLayout::Dense(dtype), Some(m)) => {
+                    // Managed memory: migrate the pages, no copy; the tensor points into them.
+                    m.prefetch_to_device(range.clone(), &self.copy)?;
+                    DeviceWeight::Dense(m.tensor(range, *dtype, item.shape, trainable)?)
+                }
+                (DeviceLayout::Dense(dtype), None) => {
                     let storage = match dtype {
                         DType::F16 => self.upload_typed::<half::f16>(src, range)?,
                         DType::BF16 => self.upload_typed::<half::bf16>(src, range)?,
@@ -272,7 +316,9 @@ impl CudaEngine {
                         trainable,
                     ))
                 }
-                DeviceLayout::Blocks { ggml, device_len } => DeviceWeight::Blocks(Box::new(
+                // Candle's quantized storage cannot point into memory it did not allocate, so
+                // blocks are copied even from managed memory (through the staging ring).
+                (DeviceLayout::Blocks { ggml, device_len }, _) => DeviceWeight::Blocks(Box::new(
                     self.upload_blocks(src, item, *ggml, *device_len)?,
                 )),
             };
@@ -287,6 +333,7 @@ impl CudaEngine {
                 copy_pending: true,
                 stall_probes: Vec::new(),
                 last_use: None,
+                managed: managed.map(|m| m.pages()),
             },
         ))
     }
@@ -461,6 +508,10 @@ impl CudaEngine {
         // Dense slices were allocated on the copy stream, so cudarc frees them there,
         // stream-ordered after the wait above.
         drop(weights);
+        // A managed unit's pages go back to the host, after its last use (the wait above).
+        if let Some(pages) = sync.managed {
+            pages.to_host(&self.copy)?;
+        }
         Ok(())
     }
 

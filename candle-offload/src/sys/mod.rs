@@ -33,15 +33,41 @@ pub(crate) mod kernels;
 #[cfg(feature = "cuda")]
 pub(crate) mod train_kernels;
 
+#[cfg(feature = "cuda")]
+mod managed;
+#[cfg(feature = "cuda")]
+pub(crate) use managed::{um_table, ManagedBuffer};
+
 pub(crate) use imp::{
     device_info, device_used_bytes, measure_h2d_gbps, pci_bus_id, pool_used_high_bytes,
     profiler_capture, set_peer_access, trim_memory_pool, try_pin, CudaEngine, Pinner, UnitSync,
 };
+#[cfg(not(feature = "cuda"))]
+pub(crate) use imp::{um_table, ManagedBuffer};
 
 /// Elements of padding Candle's CUDA quantized storage keeps after a GGML tensor's blocks
 /// (`candle_core::quantized::cuda::MATRIX_ROW_PADDING`, checked against it in CUDA builds):
 /// its matmul kernels read whole padded rows.
 pub(crate) const GGML_ROW_PADDING_ELEMS: usize = 512;
+
+/// Allocation granule of a unit in managed memory: 2 MiB, the GPU's large page, so that a
+/// unit's pages on the device never exceed its size rounded up to it (the size the budget
+/// counts for it).
+pub(crate) const MANAGED_GRANULE: usize = 2 << 20;
+
+/// One row of the seed's Unified Memory table (`um_table`): how data written on the host
+/// reaches a GPU kernel that reads it, the device memory that took and the time it took.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UmRow {
+    /// `plain copy`, `Unified Memory`, `Unified Memory, prefetched`.
+    pub name: &'static str,
+    /// Device memory in use at the end less at the start, as the driver reports it.
+    pub device_bytes: u64,
+    /// Host memory the data took.
+    pub host_bytes: u64,
+    /// Seconds from the data on the host to the kernel's result.
+    pub seconds: f64,
+}
 
 /// What can go wrong in this module.
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +87,15 @@ pub(crate) enum SysError {
     NotCompiledWithCuda {
         /// What was asked for.
         what: &'static str,
+    },
+    /// A setting this machine or device cannot honour.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[error("{field}: {reason}")]
+    Unsupported {
+        /// The setting.
+        field: &'static str,
+        /// Why.
+        reason: String,
     },
     /// An error from Candle or the CUDA driver.
     #[error(transparent)]
@@ -124,6 +159,10 @@ pub enum TierKind {
     /// The checkpoint file: read on demand (positioned reads, O_DIRECT or the page cache), into
     /// the pinned staging ring on a GPU or a fresh copy on the CPU.
     Disk,
+    /// CUDA managed (Unified) memory, preferring the host: the engine migrates a unit's pages
+    /// to the GPU with a prefetch on the copy stream instead of copying them, and back after
+    /// last use (`--engine managed`).
+    Managed,
 }
 
 impl std::fmt::Display for TierKind {
@@ -132,6 +171,7 @@ impl std::fmt::Display for TierKind {
             Self::Pinned => "pinned",
             Self::Pageable => "pageable",
             Self::Disk => "disk",
+            Self::Managed => "managed",
         })
     }
 }
@@ -173,6 +213,12 @@ pub(crate) trait HostTier: Send + Sync + std::fmt::Debug {
     /// Frees the read-ahead's bytes (the fetch that used them is done, or the plan no longer
     /// needs them); a read not started yet is skipped.
     fn end_read_ahead(&self) {}
+    /// The managed-memory buffer behind this tier, for the engine that migrates its pages
+    /// instead of copying them; `None` for every other tier.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn managed(&self) -> Option<&ManagedBuffer> {
+        None
+    }
     /// Copies `range` into `dst` (of the same length). The default reads from
     /// [`bytes`](Self::bytes); a tier without them overrides it.
     fn read_into(&self, range: Range<usize>, dst: &mut [u8]) -> std::io::Result<()> {

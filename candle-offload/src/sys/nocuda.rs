@@ -4,7 +4,8 @@
 use candle_core::Device;
 
 use super::{
-    DeviceWeight, GpuFacts, HostTier, PageableBuffer, SysError, SysResult, Timings, UploadItem,
+    DeviceWeight, GpuFacts, HostTier, PageableBuffer, SysError, SysResult, Timings, UmRow,
+    UploadItem,
 };
 
 /// Allocates host buffers for the store: always pageable here.
@@ -12,12 +13,32 @@ use super::{
 pub(crate) struct Pinner;
 
 impl Pinner {
-    pub(crate) fn for_device(_device: &Device, _cap: Option<u64>) -> SysResult<Self> {
+    pub(crate) fn for_device(
+        _device: &Device,
+        _cap: Option<u64>,
+        managed: bool,
+    ) -> SysResult<Self> {
+        if managed {
+            return Err(SysError::NotCompiledWithCuda {
+                what: "the managed (Unified Memory) engine",
+            });
+        }
         Ok(Self)
     }
     pub(crate) fn alloc(&mut self, len: usize, _unit: &str) -> SysResult<Box<dyn HostTier>> {
         Ok(Box::new(PageableBuffer::zeroed(len)))
     }
+}
+
+/// A unit in managed memory (never exists without CUDA).
+#[derive(Debug)]
+pub(crate) enum ManagedBuffer {}
+
+pub(crate) fn um_table(_device: &Device, _bytes: usize) -> candle_core::Result<Vec<UmRow>> {
+    Err(SysError::NotCompiledWithCuda {
+        what: "the Unified Memory table",
+    }
+    .into())
 }
 
 /// Events of a unit on a GPU (never exists without CUDA).
