@@ -753,9 +753,6 @@ __device__ __forceinline__ void qdot_rows2(const T *x, const uint8_t *const *row
         __syncwarp();
         for (uint32_t j = lane; j < count; j += 32u) {
             const T *xb = x + (size_t)(first + j) * 32u;
-            float d[R];
-#pragma unroll
-            for (int w = 0; w < R; ++w) d[w] = sm_f16(at[w] + j * B);
             float sx[M];
 #pragma unroll
             for (int r = 0; r < M; ++r) sx[r] = 0.0f;
@@ -788,7 +785,7 @@ __device__ __forceinline__ void qdot_rows2(const T *x, const uint8_t *const *row
                                 float t = 0.0f;
 #pragma unroll
                                 for (int i = 0; i < 8; ++i) t = fmaf(q[i], xv[g][i], t);
-                                acc[w][r0 + g] = fmaf(d[w], t, acc[w][r0 + g]);
+                                acc[w][r0 + g] = fmaf(sm_f16(at[w] + j * B), t, acc[w][r0 + g]);
                             }
                         }
                     }
