@@ -825,17 +825,29 @@ __device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
     for (int w = 0; w < R; ++w)
 #pragma unroll
         for (int r = 0; r < M; ++r) acc[w][r] = 0.0f;
+    // One call of qdot_rows2 for both forms (its unrolled body is most of the kernel's code).
+    constexpr int C = R / 2;
+    const uint32_t total = n0 + n1 + n2;
+    const uint32_t col0 = silu ? gw * C : gw * R;
+    if (col0 >= (silu ? n0 : total)) return;
     if (silu) {
-        constexpr int C = R / 2;
-        const uint32_t col0 = gw * C;
-        if (col0 >= n0) return;
 #pragma unroll
         for (int i = 0; i < C; ++i) {
             const uint32_t c = col0 + i < n0 ? col0 + i : col0;
             rows[i] = w0 + c * row_bytes;
             rows[C + i] = w1 + c * row_bytes;
         }
-        qdot_rows2<T, M, QT, R>(x, rows, m, k, acc, st);
+    } else {
+#pragma unroll
+        for (int w = 0; w < R; ++w) {
+            T *yb;
+            uint32_t n;
+            qcolumn<T>(col0 + w < total ? col0 + w : col0, w0, w1, w2, y, m, n0, n1, row_bytes,
+                       rows[w], yb, n, n2);
+        }
+    }
+    qdot_rows2<T, M, QT, R>(x, rows, m, k, acc, st);
+    if (silu) {
 #pragma unroll
         for (int i = 0; i < C; ++i) {
 #pragma unroll
@@ -850,17 +862,6 @@ __device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
         }
         return;
     }
-    const uint32_t total = n0 + n1 + n2;
-    const uint32_t col0 = gw * R;
-    if (col0 >= total) return;
-#pragma unroll
-    for (int w = 0; w < R; ++w) {
-        T *yb;
-        uint32_t n;
-        qcolumn<T>(col0 + w < total ? col0 + w : col0, w0, w1, w2, y, m, n0, n1, row_bytes,
-                   rows[w], yb, n, n2);
-    }
-    qdot_rows2<T, M, QT, R>(x, rows, m, k, acc, st);
 #pragma unroll
     for (int w = 0; w < R; ++w) {
         const uint32_t col = col0 + w;
