@@ -414,6 +414,21 @@ impl Drop for QlinearVariantGuard {
     }
 }
 
+/// The names `CANDLE_OFFLOAD_QLINEAR` takes, each its variant's, in any case; others none.
+#[test]
+fn ops_qlinear_variant_names() {
+    for v in ops::QlinearVariant::ALL {
+        assert_eq!(ops::QlinearVariant::parse(v.name()), Some(v));
+        assert_eq!(
+            ops::QlinearVariant::parse(&v.name().to_uppercase()),
+            Some(v)
+        );
+    }
+    for bad in ["", "v3", "v2r3", "2"] {
+        assert_eq!(ops::QlinearVariant::parse(bad), None, "{bad:?}");
+    }
+}
+
 /// `qlinear_small`, its q/k/v and gate/up forms, against x times the blocks dequantized to F32,
 /// on a GPU once per kernel variant (v1; v2 with the rows per warp it picks, and with 2 and 4
 /// forced): the kernel within the usual tolerances; the composition (the CPU, and 9 rows on a
