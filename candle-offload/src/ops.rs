@@ -15,7 +15,9 @@
 //!   [`linear_silu_mul`] a SwiGLU gate and up with the SiLU · mul, also in one.
 //! - [`qlinear_small`], [`qlinear_small_multi`], [`qlinear_silu_mul`]: the same three with
 //!   weights of GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, as Candle's quantized CUDA storage
-//!   holds them), dequantized in registers; x stays in its float type.
+//!   holds them), dequantized in registers; x stays in its float type. Their CUDA kernel
+//!   comes in variants of one contract, chosen at run time ([`set_qlinear_variant`],
+//!   `CANDLE_OFFLOAD_QLINEAR`), so that one build can measure each.
 //!
 //! On a CUDA device they run the project's own kernels (`kernels/ops.cu`, compiled to PTX at
 //! build time); on the CPU a direct loop computes the same thing. The `*_unfused` functions are
