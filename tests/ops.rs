@@ -395,18 +395,76 @@ const QTYPES: [GgmlDType; 5] = [
     GgmlDType::Q8_0,
 ];
 
-/// `qlinear_small`, its q/k/v and gate/up forms, against x times the blocks dequantized to F32:
-/// the GPU kernel within the usual tolerances; the composition (the CPU, and 9 rows on a GPU:
-/// Candle's quantized matmul, which quantizes x to 8 bits) within 5e-2, and equal to it. Block counts that
-/// leave rows unaligned (3, 65 blocks), more than one round of 32 blocks, up to 8 rows, and 9
-/// rows (the composition).
+/// Sets the `qlinear_small` kernel variant for its lifetime and restores the previous one on
+/// drop (also when a check fails). Other tests that run meanwhile and use the quantized ops get
+/// the variant set here: every variant meets the same tolerances, so they pass either way.
+struct QlinearVariantGuard(ops::QlinearVariant);
+
+impl QlinearVariantGuard {
+    fn set(v: ops::QlinearVariant) -> Self {
+        let old = ops::qlinear_variant();
+        ops::set_qlinear_variant(v);
+        Self(old)
+    }
+}
+
+impl Drop for QlinearVariantGuard {
+    fn drop(&mut self) {
+        ops::set_qlinear_variant(self.0);
+    }
+}
+
+/// The names `CANDLE_OFFLOAD_QLINEAR` takes, each its variant's, in any case; others none.
+#[test]
+fn ops_qlinear_variant_names() {
+    for v in ops::QlinearVariant::ALL {
+        assert_eq!(ops::QlinearVariant::parse(v.name()), Some(v));
+        assert_eq!(
+            ops::QlinearVariant::parse(&v.name().to_uppercase()),
+            Some(v)
+        );
+    }
+    for bad in ["", "v3", "v2r3", "2"] {
+        assert_eq!(ops::QlinearVariant::parse(bad), None, "{bad:?}");
+    }
+}
+
+/// `qlinear_small`, its q/k/v and gate/up forms, against x times the blocks dequantized to F32,
+/// on a GPU once per kernel variant (v1; v2 with the rows per warp it picks, and with 2 and 4
+/// forced): the kernel within the usual tolerances; the composition (the CPU, and 9 rows on a
+/// GPU: Candle's quantized matmul, which quantizes x to 8 bits) within 5e-2, and equal to it.
+/// Block counts that leave rows unaligned or odd (1, 3, 5, 65 blocks), more than one round of
+/// staged blocks (65, 128), 1 to 8 rows and 9 rows (the composition); weights of 37, 8 and 8
+/// rows (column counts that are no multiple of the 2 or 4 rows a warp of v2 reads, nor of the
+/// columns of a block of threads, so a warp's columns span two weights and run past the last),
+/// a pair of 8 and 37, and gate/up pairs of 8 and of 37 rows.
 fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
+    let variants: &[ops::QlinearVariant] = if device.is_cuda() {
+        &ops::QlinearVariant::ALL
+    } else {
+        // The CPU path is the composition whatever the variant.
+        &[ops::QlinearVariant::V1]
+    };
+    for &variant in variants {
+        let _guard = QlinearVariantGuard::set(variant);
+        anyhow::ensure!(ops::qlinear_variant() == variant, "variant not set");
+        qlinear_small_matches_dequantized_in(device, variant)?;
+    }
+    Ok(())
+}
+
+fn qlinear_small_matches_dequantized_in(
+    device: &Device,
+    variant: ops::QlinearVariant,
+) -> anyhow::Result<()> {
     for (t, &qtype) in QTYPES.iter().enumerate() {
         for dtype in DTYPES {
             for (i, xs) in [
                 &[1usize, 1, 32][..],
                 &[1, 96],
+                &[2, 160],
                 &[1, 3, 1088],
+                &[4, 96],
                 &[8, 2080],
                 &[5, 4096],
                 &[9, 64],
@@ -419,7 +477,7 @@ fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                 let x = random(xs, 1.0, seed, dtype, device)?;
                 let s = 1.0 / (k as f32).sqrt();
                 let mut ws = Vec::new();
-                for (j, n) in [37usize, 8, 8].into_iter().enumerate() {
+                for (j, n) in [37usize, 8, 8, 37].into_iter().enumerate() {
                     let w = random(&[n, k], s, seed + 100 + j as u64, DType::F32, &Device::Cpu)?;
                     ws.push(QTensor::quantize_onto(&w, qtype, device)?);
                 }
@@ -430,7 +488,7 @@ fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                 };
                 let kernel = device.is_cuda() && x.elem_count() / k <= 8;
                 let check = |what: &str, got: &Tensor, want: &Tensor, unfused: &Tensor| {
-                    let what = format!("{what} {qtype:?} {xs:?}");
+                    let what = format!("{what} {} {qtype:?} {xs:?}", variant.name());
                     if kernel {
                         return ensure_close(&what, got, want, dtype);
                     }
@@ -442,12 +500,14 @@ fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                     anyhow::ensure!(d <= 5e-2, "{what} {dtype:?}: relative difference {d:e}");
                     Ok(())
                 };
-                let got = ops::qlinear_small_multi(&x, &[&ws[0], &ws[1], &ws[2]])?;
-                anyhow::ensure!(got.len() == 3);
-                for (g, w) in got.iter().zip(&ws) {
-                    anyhow::ensure!(g.is_contiguous(), "outputs are contiguous");
-                    let unfused = ops::qlinear_small_unfused(&x, w)?;
-                    check("qlinear_small_multi", g, &dense(w)?, &unfused)?;
+                for set in [&[&ws[0], &ws[1], &ws[2]][..], &[&ws[1], &ws[0]]] {
+                    let got = ops::qlinear_small_multi(&x, set)?;
+                    anyhow::ensure!(got.len() == set.len());
+                    for (g, w) in got.iter().zip(set) {
+                        anyhow::ensure!(g.is_contiguous(), "outputs are contiguous");
+                        let unfused = ops::qlinear_small_unfused(&x, w)?;
+                        check("qlinear_small_multi", g, &dense(w)?, &unfused)?;
+                    }
                 }
                 let one = ops::qlinear_small(&x, &ws[0])?;
                 check(
@@ -456,13 +516,15 @@ fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                     &dense(&ws[0])?,
                     &ops::qlinear_small_unfused(&x, &ws[0])?,
                 )?;
-                let got = ops::qlinear_silu_mul(&x, &ws[1], &ws[2])?;
-                let want = ops::silu_mul_unfused(&dense(&ws[1])?, &dense(&ws[2])?)?;
-                let unfused = ops::silu_mul(
-                    &ops::qlinear_small_unfused(&x, &ws[1])?,
-                    &ops::qlinear_small_unfused(&x, &ws[2])?,
-                )?;
-                check("qlinear_silu_mul", &got, &want, &unfused)?;
+                for (gate, up) in [(&ws[1], &ws[2]), (&ws[0], &ws[3])] {
+                    let got = ops::qlinear_silu_mul(&x, gate, up)?;
+                    let want = ops::silu_mul_unfused(&dense(gate)?, &dense(up)?)?;
+                    let unfused = ops::silu_mul(
+                        &ops::qlinear_small_unfused(&x, gate)?,
+                        &ops::qlinear_small_unfused(&x, up)?,
+                    )?;
+                    check("qlinear_silu_mul", &got, &want, &unfused)?;
+                }
             }
         }
     }

@@ -644,6 +644,241 @@ __device__ void qlinear_small(const T *x, const uint8_t *w0, const uint8_t *w1, 
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// qlinear_small, variant 2 (`qlinear2_small_r<R>_m<M>_<q>_<dtype>`; the launcher picks the
+// variant, ops::set_qlinear_variant): the same contract, but each warp reads R weight rows
+// together (R output columns, or R / 2 columns of gate and up with silu), so that the x values
+// of a block, loaded and converted once per lane, serve R rows instead of one. Per round the
+// warp stages QStage2::BLOCKS blocks of each of its R rows; lane j takes block j of every row,
+// and for each 8-element chunk of that block loads the chunk of each row of x once, decodes the
+// chunk of each weight row (unscaled quants) and adds d * (quants · x) to the row's
+// accumulator, so the results are the f32 dot products of x with the dequantized weights, as
+// in variant 1 (only the summation order differs). Rows of x go in groups of G (all of one
+// group's chunk held as floats); a weight chunk is decoded once per group.
+
+// Weight rows per round: QStage2::BLOCKS blocks of each of R rows (at least 32, about 1.1 KB
+// of each row), VECS 16-byte vectors per row with the alignment slack. Mirrored by
+// `qlinear_small_stage_vecs` in src/sys/kernels.rs.
+template <int QT> struct QStage2 {
+    static constexpr int BLOCKS = 32 * ((1152 / QBlock<QT>::BYTES) / 32 > 1 ? (1152 / QBlock<QT>::BYTES) / 32 : 1);
+    static constexpr int VECS = (BLOCKS * QBlock<QT>::BYTES + 31) / 16 + 1;
+};
+
+// Elements 4g .. 4g + 3 (g < 8, a constant after unrolling) of the block at b as unscaled
+// floats: element e of the block is d * q[e] + mn (decode_block's q, d and mn).
+template <int QT> __device__ __forceinline__ void decode4(const uint8_t *b, int g, float *q);
+template <> __device__ __forceinline__ void decode4<QT_Q4_0>(const uint8_t *b, int g, float *q) {
+    const uint32_t w = sm_u32(b + 2 + 4 * (g & 3));
+    const uint32_t v = g < 4 ? w & 0x0F0F0F0Fu : (w >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) q[i] = byte_f32(v, i, 8.0f);
+}
+template <> __device__ __forceinline__ void decode4<QT_Q4_1>(const uint8_t *b, int g, float *q) {
+    const uint32_t w = sm_u32(b + 4 + 4 * (g & 3));
+    const uint32_t v = g < 4 ? w & 0x0F0F0F0Fu : (w >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) q[i] = byte_f32(v, i, 0.0f);
+}
+template <bool MIN>
+__device__ __forceinline__ void decode4_q5(const uint8_t *qh_at, const uint8_t *qs, int g,
+                                           float *q) {
+    const uint32_t qh = sm_u32(qh_at);
+    const uint32_t w = sm_u32(qs + 4 * (g & 3));
+    const uint32_t v0 = g < 4 ? w & 0x0F0F0F0Fu : (w >> 4) & 0x0F0F0F0Fu;
+    // The 4 high bits, bit i of (qh >> 4g) to bit 4 of byte i: the product places copies of
+    // the 4 bits at bits 0, 7, 14 and 21 (no carries), so copy i has its bit i at 8i.
+    const uint32_t v = v0 | (((((qh >> (4 * g)) & 0xFu) * 0x00204081u) & 0x01010101u) << 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) q[i] = byte_f32(v, i, MIN ? 0.0f : 16.0f);
+}
+template <> __device__ __forceinline__ void decode4<QT_Q5_0>(const uint8_t *b, int g, float *q) {
+    decode4_q5<false>(b + 2, b + 6, g, q);
+}
+template <> __device__ __forceinline__ void decode4<QT_Q5_1>(const uint8_t *b, int g, float *q) {
+    decode4_q5<true>(b + 4, b + 8, g, q);
+}
+template <> __device__ __forceinline__ void decode4<QT_Q8_0>(const uint8_t *b, int g, float *q) {
+    const uint32_t w = sm_u32(b + 2 + 4 * g) ^ 0x80808080u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) q[i] = byte_f32(w, i, 128.0f);
+}
+
+// Rows of x per group in variant 2: two where the R * M accumulators, the group's chunk
+// (8 G floats), one decoded chunk and the R scales stay within 34 registers (M = 2 and 4 with
+// R = 2; more spill, ptxas -v), else one.
+template <int M, int R> struct QGroup2 {
+    static constexpr int G = (M >= 2 && R * M + 16 + 8 + R <= 34) ? 2 : 1;
+};
+
+// Column `col` of the concatenated weights (col < n0 + n1 + n2): its row of blocks, and where
+// its outputs go (element r * n of yb is row r's).
+template <typename T>
+__device__ __forceinline__ void qcolumn(uint32_t col, const uint8_t *w0, const uint8_t *w1,
+                                        const uint8_t *w2, T *y, uint32_t m, uint32_t n0,
+                                        uint32_t n1, size_t row_bytes, const uint8_t *&row,
+                                        T *&yb, uint32_t &n, uint32_t n2) {
+    if (col < n0) {
+        row = w0 + col * row_bytes, yb = y + col, n = n0;
+    } else if (col < n0 + n1) {
+        row = w1 + (col - n0) * row_bytes, yb = y + (size_t)m * n0 + (col - n0), n = n1;
+    } else {
+        row = w2 + (col - n0 - n1) * row_bytes;
+        yb = y + (size_t)m * (n0 + n1) + (col - n0 - n1), n = n2;
+    }
+}
+
+// acc[w][r] += x[r, :] · rows[w] for the R rows (k / 32 blocks each) and r < m <= M (one
+// warp; every lane calls). st: this warp's R * QStage2::VECS vectors of shared memory.
+template <typename T, int M, int QT, int R>
+__device__ __forceinline__ void qdot_rows2(const T *x, const uint8_t *const *rows, uint32_t m,
+                                           uint32_t k, float (*acc)[M], uint4 *st) {
+    constexpr int B = QBlock<QT>::BYTES;
+    constexpr int G = QGroup2<M, R>::G;
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t nb = k >> 5;
+    for (uint32_t first = 0; first < nb; first += QStage2<QT>::BLOCKS) {
+        const uint32_t count = min((uint32_t)QStage2<QT>::BLOCKS, nb - first);
+        const uint8_t *at[R];
+#pragma unroll
+        for (int w = 0; w < R; ++w) {
+            const uintptr_t s = reinterpret_cast<uintptr_t>(rows[w]) + (uintptr_t)first * B;
+            const uintptr_t a0 = s & ~(uintptr_t)15;
+            const uint32_t nvec = (uint32_t)((s + (uintptr_t)count * B + 15 - a0) >> 4);
+            uint4 *dst = st + w * QStage2<QT>::VECS;
+            at[w] = reinterpret_cast<const uint8_t *>(dst) + (s - a0);
+            const uint4 *src = reinterpret_cast<const uint4 *>(a0);
+            for (uint32_t v = lane; v < nvec; v += 32u) cp_async16(dst + v, src + v);
+        }
+        asm volatile("cp.async.wait_all;\n" ::);
+        __syncwarp();
+        for (uint32_t j = lane; j < count; j += 32u) {
+            const T *xb = x + (size_t)(first + j) * 32u;
+            float sx[M];
+#pragma unroll
+            for (int r = 0; r < M; ++r) sx[r] = 0.0f;
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+#pragma unroll
+                for (int r0 = 0; r0 < M; r0 += G) {
+                    if ((uint32_t)r0 < m) {
+                        float xv[G][8];
+#pragma unroll
+                        for (int g = 0; g < G; ++g) {
+                            if ((uint32_t)(r0 + g) < m) {
+                                cvt8<T>(ld_raw(xb + (size_t)(r0 + g) * k + 8u * u, false), xv[g]);
+                            } else {
+#pragma unroll
+                                for (int i = 0; i < 8; ++i) xv[g][i] = 0.0f;
+                            }
+                            if (QBlock<QT>::MIN) {
+#pragma unroll
+                                for (int i = 0; i < 8; ++i) sx[r0 + g] += xv[g][i];
+                            }
+                        }
+#pragma unroll
+                        for (int w = 0; w < R; ++w) {
+                            float q[8];
+                            decode4<QT>(at[w] + j * B, 2 * u, q);
+                            decode4<QT>(at[w] + j * B, 2 * u + 1, q + 4);
+#pragma unroll
+                            for (int g = 0; g < G; ++g) {
+                                float t = 0.0f;
+#pragma unroll
+                                for (int i = 0; i < 8; ++i) t = fmaf(q[i], xv[g][i], t);
+                                acc[w][r0 + g] = fmaf(sm_f16(at[w] + j * B), t, acc[w][r0 + g]);
+                            }
+                        }
+                    }
+                }
+            }
+            if (QBlock<QT>::MIN) {
+#pragma unroll
+                for (int w = 0; w < R; ++w) {
+                    const float mn = sm_f16(at[w] + j * B + 2);
+#pragma unroll
+                    for (int r = 0; r < M; ++r) acc[w][r] = fmaf(mn, sx[r], acc[w][r]);
+                }
+            }
+        }
+        // The stage is rewritten next round only after every lane has read its blocks.
+        __syncwarp();
+    }
+}
+
+// qlinear_small's contract, variant 2. Dynamic shared memory: R * QStage2::VECS 16-byte vectors
+// per warp. Warp i of the grid computes columns R i .. R i + R - 1 of the concatenated weights
+// (a warp's columns may span two of them), or with silu columns (R / 2) i .. of both gate and
+// up; columns past the last are computed on a repeat of the warp's first row and not written.
+template <typename T, int M, int QT, int R>
+__device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
+                               const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
+                               uint32_t n2, uint32_t k, uint32_t silu) {
+    extern __shared__ uint4 qstage[];
+    const uint32_t warp = threadIdx.x >> 5;
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t gw = blockIdx.x * OPS_WARPS + warp;
+    const size_t row_bytes = (size_t)(k >> 5) * QBlock<QT>::BYTES;
+    uint4 *st = qstage + (size_t)warp * R * QStage2<QT>::VECS;
+    const uint8_t *rows[R];
+    float acc[R][M];
+#pragma unroll
+    for (int w = 0; w < R; ++w)
+#pragma unroll
+        for (int r = 0; r < M; ++r) acc[w][r] = 0.0f;
+    // One call of qdot_rows2 for both forms (its unrolled body is most of the kernel's code).
+    constexpr int C = R / 2;
+    const uint32_t total = n0 + n1 + n2;
+    const uint32_t col0 = silu ? gw * C : gw * R;
+    if (col0 >= (silu ? n0 : total)) return;
+    if (silu) {
+#pragma unroll
+        for (int i = 0; i < C; ++i) {
+            const uint32_t c = col0 + i < n0 ? col0 + i : col0;
+            rows[i] = w0 + c * row_bytes;
+            rows[C + i] = w1 + c * row_bytes;
+        }
+    } else {
+#pragma unroll
+        for (int w = 0; w < R; ++w) {
+            T *yb;
+            uint32_t n;
+            qcolumn<T>(col0 + w < total ? col0 + w : col0, w0, w1, w2, y, m, n0, n1, row_bytes,
+                       rows[w], yb, n, n2);
+        }
+    }
+    qdot_rows2<T, M, QT, R>(x, rows, m, k, acc, st);
+    if (silu) {
+#pragma unroll
+        for (int i = 0; i < C; ++i) {
+#pragma unroll
+            for (int r = 0; r < M; ++r) {
+                if ((uint32_t)r < m) {
+                    const float g = warp_sum(acc[i][r]);
+                    const float u = warp_sum(acc[C + i][r]);
+                    if (lane == 0 && col0 + i < n0)
+                        y[(size_t)r * n0 + col0 + i] = from_f32<T>(g / (1.0f + expf(-g)) * u);
+                }
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int w = 0; w < R; ++w) {
+        const uint32_t col = col0 + w;
+        const uint8_t *row;
+        T *yb;
+        uint32_t n;
+        qcolumn<T>(col < total ? col : col0, w0, w1, w2, y, m, n0, n1, row_bytes, row, yb, n, n2);
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+            if ((uint32_t)r < m) {
+                const float s = warp_sum(acc[w][r]);
+                if (lane == 0 && col < total) yb[(size_t)r * n] = from_f32<T>(s);
+            }
+        }
+    }
+}
+
 // qlinear_small_m<M>_<q>_<dtype>: at most M rows of x against weights of GGML type q.
 #define QLINEAR_SMALL_FOR(T, SUFFIX, M, QT, QNAME)                                              \
     extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS)                                 \
@@ -652,12 +887,40 @@ __device__ void qlinear_small(const T *x, const uint8_t *w0, const uint8_t *w1, 
         uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {                     \
         qlinear_small<T, M, QT>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                      \
     }
+// qlinear2_small_r<R>_m<M>_<q>_<dtype>: variant 2 with R weight rows per warp.
+// At most 64 registers (8 blocks of 4 warps per SM).
+#define QLINEAR2_SMALL_FOR(T, SUFFIX, M, QT, QNAME, R)                                          \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 8)                              \
+        qlinear2_small_r##R##_m##M##_##QNAME##_##SUFFIX(                                        \
+        const T *x, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,  \
+        uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {                     \
+        qlinear_small2<T, M, QT, R>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                  \
+    }
 #define QLINEAR_SMALL_TYPES(T, SUFFIX, M)                                                       \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q4_0, q4_0)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q4_1, q4_1)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q5_0, q5_0)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q5_1, q5_1)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q8_0, q8_0)
+#define QLINEAR2_SMALL_TYPES(T, SUFFIX, M, R)                                                   \
+    QLINEAR2_SMALL_FOR(T, SUFFIX, M, QT_Q4_0, q4_0, R)                                          \
+    QLINEAR2_SMALL_FOR(T, SUFFIX, M, QT_Q4_1, q4_1, R)                                          \
+    QLINEAR2_SMALL_FOR(T, SUFFIX, M, QT_Q5_0, q5_0, R)                                          \
+    QLINEAR2_SMALL_FOR(T, SUFFIX, M, QT_Q5_1, q5_1, R)                                          \
+    QLINEAR2_SMALL_FOR(T, SUFFIX, M, QT_Q8_0, q8_0, R)
+// Variant 2 takes R = 4 up to 4 rows of x (8 rows would need 32 accumulators), R = 2 up to 8.
+#define QLINEAR_SMALL_ALL(T, SUFFIX)                                                            \
+    QLINEAR_SMALL_TYPES(T, SUFFIX, 1)                                                           \
+    QLINEAR_SMALL_TYPES(T, SUFFIX, 2)                                                           \
+    QLINEAR_SMALL_TYPES(T, SUFFIX, 4)                                                           \
+    QLINEAR_SMALL_TYPES(T, SUFFIX, 8)                                                           \
+    QLINEAR2_SMALL_TYPES(T, SUFFIX, 1, 2)                                                       \
+    QLINEAR2_SMALL_TYPES(T, SUFFIX, 2, 2)                                                       \
+    QLINEAR2_SMALL_TYPES(T, SUFFIX, 4, 2)                                                       \
+    QLINEAR2_SMALL_TYPES(T, SUFFIX, 8, 2)                                                       \
+    QLINEAR2_SMALL_TYPES(T, SUFFIX, 1, 4)                                                       \
+    QLINEAR2_SMALL_TYPES(T, SUFFIX, 2, 4)                                                       \
+    QLINEAR2_SMALL_TYPES(T, SUFFIX, 4, 4)
 
 #define OPS_FOR(T, SUFFIX)                                                                      \
     extern "C" __global__ void rms_norm_residual_##SUFFIX(const T *x, const T *r, const T *w,  \
@@ -684,10 +947,7 @@ __device__ void qlinear_small(const T *x, const uint8_t *w0, const uint8_t *w1, 
     LINEAR_SMALL_FOR(T, SUFFIX, 2)                                                              \
     LINEAR_SMALL_FOR(T, SUFFIX, 4)                                                              \
     LINEAR_SMALL_FOR(T, SUFFIX, 8)                                                              \
-    QLINEAR_SMALL_TYPES(T, SUFFIX, 1)                                                           \
-    QLINEAR_SMALL_TYPES(T, SUFFIX, 2)                                                           \
-    QLINEAR_SMALL_TYPES(T, SUFFIX, 4)                                                           \
-    QLINEAR_SMALL_TYPES(T, SUFFIX, 8)
+    QLINEAR_SMALL_ALL(T, SUFFIX)
 
 OPS_FOR(float, f32)
 OPS_FOR(__half, f16)

@@ -15,7 +15,9 @@
 //!   [`linear_silu_mul`] a SwiGLU gate and up with the SiLU · mul, also in one.
 //! - [`qlinear_small`], [`qlinear_small_multi`], [`qlinear_silu_mul`]: the same three with
 //!   weights of GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, as Candle's quantized CUDA storage
-//!   holds them), dequantized in registers; x stays in its float type.
+//!   holds them), dequantized in registers; x stays in its float type. Their CUDA kernel
+//!   comes in variants of one contract, chosen at run time ([`set_qlinear_variant`],
+//!   `CANDLE_OFFLOAD_QLINEAR`), so that one build can measure each.
 //!
 //! On a CUDA device they run the project's own kernels (`kernels/ops.cu`, compiled to PTX at
 //! build time); on the CPU a direct loop computes the same thing. The `*_unfused` functions are
@@ -1027,6 +1029,100 @@ pub(crate) fn qlinear_small_type(t: GgmlDType) -> Option<&'static str> {
 }
 
 const QLINEAR_SMALL: &str = "qlinear-small";
+
+/// Which CUDA kernel [`qlinear_small`], [`qlinear_small_multi`] and [`qlinear_silu_mul`] run
+/// (the same contract and results within the same tolerances; the CPU path is one loop either
+/// way). For measuring one against the other in one build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QlinearVariant {
+    /// One warp per output column; each lane loads its block's x values for every column.
+    V1,
+    /// Each warp reads 2 or 4 weight rows together (4 where the grid still has at least two
+    /// blocks of threads per SM, and x has at most 4 rows) and each lane loads its block's x
+    /// values once for all of them.
+    V2,
+    /// [`Self::V2`] with 2 weight rows per warp whatever the shape.
+    V2R2,
+    /// [`Self::V2`] with 4 weight rows per warp whatever the shape, except for more than 4
+    /// rows of x (2 there: the kernel of 4 needs too many registers).
+    V2R4,
+}
+
+impl QlinearVariant {
+    /// Every variant.
+    pub const ALL: [Self; 4] = [Self::V1, Self::V2, Self::V2R2, Self::V2R4];
+
+    /// The environment variable [`qlinear_variant`] starts from: `v1`, `v2`, `v2r2` or `v2r4`.
+    pub const ENV: &'static str = "CANDLE_OFFLOAD_QLINEAR";
+
+    /// `v1`, `v2`, `v2r2`, `v2r4` (any case) as a variant.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|v| v.name().eq_ignore_ascii_case(s.trim()))
+    }
+
+    /// `v1`, `v2`, `v2r2` or `v2r4`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::V1 => "v1",
+            Self::V2 => "v2",
+            Self::V2R2 => "v2r2",
+            Self::V2R4 => "v2r4",
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            Self::V1 => 1,
+            Self::V2 => 2,
+            Self::V2R2 => 3,
+            Self::V2R4 => 4,
+        }
+    }
+}
+
+/// The variant, 0 until first read or set.
+static QLINEAR_VARIANT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Selects the `qlinear_small` CUDA kernel for the whole process, from the next launch on
+/// (like Candle's own switches for its quantized kernels).
+pub fn set_qlinear_variant(v: QlinearVariant) {
+    QLINEAR_VARIANT.store(v.code(), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The `qlinear_small` CUDA kernel in use: the last [`set_qlinear_variant`], else the one
+/// `CANDLE_OFFLOAD_QLINEAR` names ([`QlinearVariant::parse`]), read once, else
+/// [`QlinearVariant::V1`]. An unknown value of the variable is reported (on stderr) and ignored.
+pub fn qlinear_variant() -> QlinearVariant {
+    use std::sync::atomic::Ordering;
+    let code = match QLINEAR_VARIANT.load(Ordering::Relaxed) {
+        0 => {
+            let from_env = std::env::var(QlinearVariant::ENV).ok().and_then(|s| {
+                let v = QlinearVariant::parse(&s);
+                if v.is_none() {
+                    // Loud: a benchmark run under a misspelt variant would measure v1.
+                    eprintln!(
+                        "candle-offload: {}={s:?} is not v1, v2, v2r2 or v2r4; using v1",
+                        QlinearVariant::ENV
+                    );
+                }
+                v
+            });
+            let code = from_env.unwrap_or(QlinearVariant::V1).code();
+            // A concurrent set_qlinear_variant wins over the environment.
+            match QLINEAR_VARIANT.compare_exchange(0, code, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => code,
+                Err(set) => set,
+            }
+        }
+        c => c,
+    };
+    QlinearVariant::ALL
+        .into_iter()
+        .find(|v| v.code() == code)
+        .unwrap_or(QlinearVariant::V1)
+}
 
 /// Whether the GGML-block kernel takes `x` and `ws`: x (F32, F16 or BF16) and the weights on
 /// a GPU, at most 8 rows, one block type the kernel has, every weight (n, k) with k = x's width,

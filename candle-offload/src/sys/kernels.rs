@@ -487,6 +487,40 @@ fn qlinear_small_stage_vecs(block_bytes: usize) -> usize {
     (blocks * block_bytes + 31) / 16 + 1
 }
 
+/// [`qlinear_small_stage_vecs`] for variant 2 (`QStage2<QT>::VECS`, per weight row): whole
+/// blocks, a multiple of 32 and at least 32, about 1.1 KB, plus the alignment slack.
+fn qlinear2_small_stage_vecs(block_bytes: usize) -> usize {
+    let blocks = 32 * (1152 / block_bytes / 32).max(1);
+    (blocks * block_bytes + 31) / 16 + 1
+}
+
+/// Warps per block of threads of the `qlinear_small` kernels (`OPS_WARPS` in kernels/ops.cu).
+const QLINEAR_WARPS: usize = 4;
+
+/// Variant 2's weight rows per warp for the kernel of `bound` rows of x and `cols` output
+/// columns (`silu`: columns of gate and of up): 4 where that kernel exists (up to 4 rows of x)
+/// and the grid still has at least two blocks of threads per SM, else 2. The SM count is the
+/// first device's asked, read once (a heuristic only: any count gives the same results).
+fn qlinear2_rows_per_warp(dev: &CudaDevice, bound: usize, cols: usize, silu: bool) -> usize {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    if bound > 4 {
+        return 2;
+    }
+    let sms = *SMS.get_or_init(|| {
+        dev.cuda_stream()
+            .context()
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(132, |v| v.max(1) as usize)
+    });
+    let cols_per_block = QLINEAR_WARPS * if silu { 2 } else { 4 };
+    if cols.div_ceil(cols_per_block) >= 2 * sms {
+        4
+    } else {
+        2
+    }
+}
+
 /// `linear_small` with weights of GGML blocks (`qlinear_small_m<M>_<type>_<dtype>`): x (m, k)
 /// times one to three weights (n_i, k) of one block type, concatenated or (`silu`, two weights)
 /// as silu(x·w0ᵀ)·(x·w1ᵀ). The weights' device buffers are Candle's quantized storages, read
@@ -541,18 +575,47 @@ pub(crate) fn qlinear_small(
         let bound = m
             .next_power_of_two()
             .clamp(1, crate::ops::LINEAR_SMALL_MAX_ROWS);
-        let func = load::<T>(dev, &format!("qlinear_small_m{bound}_{qname}"))?;
         let cols = if silu { ns[0] } else { ns.iter().sum() };
+        let block_bytes = ws[0].dtype().type_size();
+        // The kernel, the output columns one warp computes and the shared memory one warp
+        // stages its weight rows in.
+        let (name, cols_per_warp, warp_stage_bytes) = match crate::ops::qlinear_variant() {
+            // One staged row per warp, two (gate and up) with silu.
+            crate::ops::QlinearVariant::V1 => (
+                format!("qlinear_small_m{bound}_{qname}"),
+                1,
+                16 * qlinear_small_stage_vecs(block_bytes) * (1 + usize::from(silu)),
+            ),
+            // r staged rows per warp: r columns, or r / 2 columns of gate and of up.
+            v => {
+                use crate::ops::QlinearVariant as V;
+                let r = match v {
+                    V::V2R2 => 2,
+                    // No kernel of 4 rows for more than 4 rows of x.
+                    V::V2R4 if bound <= 4 => 4,
+                    V::V2R4 => 2,
+                    _ => qlinear2_rows_per_warp(dev, bound, cols, silu),
+                };
+                (
+                    format!("qlinear2_small_r{r}_m{bound}_{qname}"),
+                    if silu { r / 2 } else { r },
+                    16 * qlinear2_small_stage_vecs(block_bytes) * r,
+                )
+            }
+        };
+        let func = load::<T>(dev, &name)?;
         let (m_u, k_u) = (to_u32(m, "rows")?, to_u32(k, "width")?);
         let [n0, n1, n2] = ns.map(|n| to_u32(n, "columns"));
         let (n0, n1, n2) = (n0?, n1?, n2?);
         let silu_u = u32::from(silu);
-        // One staged row per warp, two (gate and up) with silu.
-        let stage_bytes = 16 * qlinear_small_stage_vecs(ws[0].dtype().type_size());
         let cfg = LaunchConfig {
-            grid_dim: (to_u32(cols.div_ceil(4), "blocks")?, 1, 1),
-            block_dim: (32 * 4, 1, 1),
-            shared_mem_bytes: to_u32(4 * stage_bytes * (1 + silu_u as usize), "shared memory")?,
+            grid_dim: (
+                to_u32(cols.div_ceil(QLINEAR_WARPS * cols_per_warp), "blocks")?,
+                1,
+                1,
+            ),
+            block_dim: (32 * QLINEAR_WARPS as u32, 1, 1),
+            shared_mem_bytes: to_u32(QLINEAR_WARPS * warp_stage_bytes, "shared memory")?,
         };
         let stream = dev.cuda_stream();
         // The guards order the stream after the buffers' last writes (the copy stream's
@@ -568,8 +631,9 @@ pub(crate) fn qlinear_small(
             guards.push(g);
         }
         // SAFETY: uninitialised device memory of m·cols elements on the device's stream; the
-        // kernel launched next on that stream writes every one (lane 0 of each column's warp
-        // writes that column for each row r < m).
+        // kernel launched next on that stream writes every one (lane 0 of the warp that
+        // computes a column writes that column for each row r < m; the grid covers all the
+        // columns, cols_per_warp per warp).
         let out = unsafe { dev.alloc::<T>(m * cols) }?;
         let mut b = stream.launch_builder(&func);
         b.arg(&x);
@@ -584,9 +648,11 @@ pub(crate) fn qlinear_small(
         b.arg(&n2);
         b.arg(&k_u);
         b.arg(&silu_u);
-        // SAFETY: the arguments match `qlinear_small_m<M>_<type>_<dtype>(const T* x, const
-        // uint8_t* w0, w1, w2, T* y, uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu, with
-        // M ≥ m and every weight of that block type. x holds m·k elements, 16-byte aligned,
+        // SAFETY: the arguments match `qlinear_small_m<M>_<type>_<dtype>` and
+        // `qlinear2_small_r<R>_m<M>_<type>_<dtype>(const T* x, const uint8_t* w0, w1, w2, T* y,
+        // uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu, with M ≥ m, every weight of that
+        // block type and the shared memory their stages take (QStage / QStage2 mirrored
+        // above). x holds m·k elements, 16-byte aligned,
         // k a multiple of 32. Weight i is a live quantized storage of n_i·k elements (n_i = 0
         // for absent ones, never read), 16-byte aligned, whose rows are k/32 blocks: the kernel
         // reads from the 16-byte boundary at or before a block to the one at or after a row's
