@@ -40,6 +40,9 @@ const MERGE_GAP: u64 = 4096;
 /// buffer of its file bytes).
 const MAX_RUN: u64 = 8 << 20;
 
+/// Threads that read the pieces of one long read at once (see `DiskFile::read_exact_at`).
+const READ_PARALLEL: usize = 4;
+
 /// Alignment of O_DIRECT reads (offset, length and buffer): a multiple of every common logical
 /// block size (512 and 4096 bytes).
 const DIRECT_ALIGN: usize = 4096;
@@ -154,16 +157,63 @@ impl DiskFile {
         self.direct().is_some()
     }
 
-    /// Fills `dst` from `offset`: with O_DIRECT through an aligned buffer of at most
-    /// [`MAX_RUN`] bytes at a time, otherwise with one `pread` through the page cache.
+    /// Fills `dst` from `offset`: with O_DIRECT through aligned buffers of at most
+    /// [`MAX_RUN`] bytes, otherwise with `pread`s through the page cache. A read longer than
+    /// [`MAX_RUN`] is cut at `MAX_RUN` boundaries of the file and its pieces are read by up to
+    /// [`READ_PARALLEL`] threads at once, each with one buffer, since a disk (and the page
+    /// cache's copy) reaches its rate only with several requests in flight.
     fn read_exact_at(&self, dst: &mut [u8], offset: u64) -> io::Result<()> {
+        if dst.len() as u64 <= MAX_RUN {
+            return self.read_run(dst, offset, &mut None);
+        }
+        let mut parts: Vec<Vec<(u64, &mut [u8])>> =
+            (0..READ_PARALLEL).map(|_| Vec::new()).collect();
+        let (mut rest, mut pos, mut i) = (dst, offset, 0usize);
+        while !rest.is_empty() {
+            let take = ((pos / MAX_RUN + 1) * MAX_RUN - pos).min(rest.len() as u64) as usize;
+            let (piece, tail) = rest.split_at_mut(take);
+            parts[i % READ_PARALLEL].push((pos, piece));
+            (rest, pos, i) = (tail, pos + take as u64, i + 1);
+        }
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = parts
+                .into_iter()
+                .filter(|p| !p.is_empty())
+                .map(|pieces| {
+                    scope.spawn(move || {
+                        let mut scratch = None;
+                        for (at, piece) in pieces {
+                            self.read_run(piece, at, &mut scratch)?;
+                        }
+                        Ok::<(), io::Error>(())
+                    })
+                })
+                .collect();
+            handles.into_iter().try_for_each(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(io::Error::other("a disk read thread panicked")))
+            })
+        })
+    }
+
+    /// [`read_exact_at`](Self::read_exact_at) on one thread: with O_DIRECT through `scratch`
+    /// (allocated on first use, at most [`MAX_RUN`] plus alignment), otherwise one `pread`.
+    fn read_run(
+        &self,
+        dst: &mut [u8],
+        offset: u64,
+        scratch: &mut Option<AlignedBuf>,
+    ) -> io::Result<()> {
         let Some(direct) = self.direct() else {
             return self.file.read_exact_at(dst, offset);
         };
         let a = DIRECT_ALIGN as u64;
         let end = offset + dst.len() as u64;
-        let span = (end.div_ceil(a) * a - offset / a * a).min(MAX_RUN + 2 * a);
-        let mut scratch = AlignedBuf::new(span as usize)?;
+        let span = (end.div_ceil(a) * a - offset / a * a).min(MAX_RUN + 2 * a) as usize;
+        if scratch.as_ref().is_none_or(|b| b.len < span) {
+            *scratch = Some(AlignedBuf::new(span)?);
+        }
+        let scratch = scratch.as_mut().expect("allocated above");
         let mut pos = offset;
         while pos < end {
             let start = pos / a * a;
@@ -853,7 +903,8 @@ mod tests {
             let dir = base.join(format!("candle-offload-direct-{}", std::process::id()));
             std::fs::create_dir_all(&dir)?;
             let path = dir.join("w.bin");
-            let len = (9 << 20) + 1234;
+            // Long enough for a read cut into more pieces than `READ_PARALLEL` threads.
+            let len = (41 << 20) + 1234;
             let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
             std::fs::write(&path, &data)?;
             let direct = DiskFile::open(&path, true)?;
@@ -877,6 +928,14 @@ mod tests {
                 .read_exact_at(&mut [0u8; 10], len as u64 - 5)
                 .unwrap_err();
             assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+            // A long read past the end fails in its last piece, on whichever thread reads it.
+            for f in [&direct, &cached] {
+                let mut a = vec![0u8; 20 << 20];
+                let e = f
+                    .read_exact_at(&mut a, len as u64 - (20 << 20) + 7)
+                    .unwrap_err();
+                assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+            }
             // O_DIRECT that cannot be had (here: the path is gone by the time the first disk
             // unit tries it) leaves the page cache, through the handle already open.
             let late = DiskFile::open(&path, true)?;
