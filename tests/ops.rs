@@ -481,11 +481,14 @@ fn qlinear_small_matches_dequantized_in(
                     let w = random(&[n, k], s, seed + 100 + j as u64, DType::F32, &Device::Cpu)?;
                     ws.push(QTensor::quantize_onto(&w, qtype, device)?);
                 }
-                let dense = |w: &QTensor| -> anyhow::Result<Tensor> {
+                // The reference: x times the dequantized weights in F32, rounded to the dtype
+                // once at the end (as the kernels do), SiLU·mul included.
+                let dense_f32 = |w: &QTensor| -> anyhow::Result<Tensor> {
                     Ok(x.to_dtype(DType::F32)?
-                        .broadcast_matmul(&w.dequantize(device)?.t()?)?
-                        .to_dtype(dtype)?)
+                        .broadcast_matmul(&w.dequantize(device)?.t()?)?)
                 };
+                let dense =
+                    |w: &QTensor| -> anyhow::Result<Tensor> { Ok(dense_f32(w)?.to_dtype(dtype)?) };
                 let kernel = device.is_cuda() && x.elem_count() / k <= 8;
                 let check = |what: &str, got: &Tensor, want: &Tensor, unfused: &Tensor| {
                     let what = format!("{what} {} {qtype:?} {xs:?}", variant.name());
@@ -518,7 +521,8 @@ fn qlinear_small_matches_dequantized_in(
                 )?;
                 for (gate, up) in [(&ws[1], &ws[2]), (&ws[0], &ws[3])] {
                     let got = ops::qlinear_silu_mul(&x, gate, up)?;
-                    let want = ops::silu_mul_unfused(&dense(gate)?, &dense(up)?)?;
+                    let want = ops::silu_mul_unfused(&dense_f32(gate)?, &dense_f32(up)?)?
+                        .to_dtype(dtype)?;
                     let unfused = ops::silu_mul(
                         &ops::qlinear_small_unfused(&x, gate)?,
                         &ops::qlinear_small_unfused(&x, up)?,

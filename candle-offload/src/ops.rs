@@ -1082,6 +1082,10 @@ impl QlinearVariant {
     }
 }
 
+/// The variant used unless one is chosen: [`QlinearVariant::V2`], measured faster on the H200
+/// (7B resident decode: Q4_0 273 against 230 tok/s for v1, Q8_0 217 against 207; BENCHMARKS.md).
+pub const DEFAULT_QLINEAR_VARIANT: QlinearVariant = QlinearVariant::V2;
+
 /// The variant, 0 until first read or set.
 static QLINEAR_VARIANT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
@@ -1093,7 +1097,8 @@ pub fn set_qlinear_variant(v: QlinearVariant) {
 
 /// The `qlinear_small` CUDA kernel in use: the last [`set_qlinear_variant`], else the one
 /// `CANDLE_OFFLOAD_QLINEAR` names ([`QlinearVariant::parse`]), read once, else
-/// [`QlinearVariant::V1`]. An unknown value of the variable is reported (on stderr) and ignored.
+/// [`DEFAULT_QLINEAR_VARIANT`]. An unknown value of the variable is reported (on stderr) and
+/// ignored.
 pub fn qlinear_variant() -> QlinearVariant {
     use std::sync::atomic::Ordering;
     let code = match QLINEAR_VARIANT.load(Ordering::Relaxed) {
@@ -1101,15 +1106,16 @@ pub fn qlinear_variant() -> QlinearVariant {
             let from_env = std::env::var(QlinearVariant::ENV).ok().and_then(|s| {
                 let v = QlinearVariant::parse(&s);
                 if v.is_none() {
-                    // Loud: a benchmark run under a misspelt variant would measure v1.
+                    // Loud: a benchmark run under a misspelt variant would measure the default.
                     eprintln!(
-                        "candle-offload: {}={s:?} is not v1, v2, v2r2 or v2r4; using v1",
-                        QlinearVariant::ENV
+                        "candle-offload: {}={s:?} is not v1, v2, v2r2 or v2r4; using {}",
+                        QlinearVariant::ENV,
+                        DEFAULT_QLINEAR_VARIANT.name()
                     );
                 }
                 v
             });
-            let code = from_env.unwrap_or(QlinearVariant::V1).code();
+            let code = from_env.unwrap_or(DEFAULT_QLINEAR_VARIANT).code();
             // A concurrent set_qlinear_variant wins over the environment.
             match QLINEAR_VARIANT.compare_exchange(0, code, Ordering::Relaxed, Ordering::Relaxed) {
                 Ok(_) => code,
@@ -1121,7 +1127,7 @@ pub fn qlinear_variant() -> QlinearVariant {
     QlinearVariant::ALL
         .into_iter()
         .find(|v| v.code() == code)
-        .unwrap_or(QlinearVariant::V1)
+        .unwrap_or(DEFAULT_QLINEAR_VARIANT)
 }
 
 /// Whether the GGML-block kernel takes `x` and `ws`: x (F32, F16 or BF16) and the weights on
