@@ -474,6 +474,7 @@ fn main() -> Result<()> {
             // The storage tiers' fields (one `json!` would pass the macro's recursion limit).
             let tiers = serde_json::json!({
                 "engine": engine.to_string(),
+                "qlinear_variant": candle_offload::ops::qlinear_variant().name(),
                 "host_budget_bytes": store.host_limit_bytes(),
                 "peak_host_pinned_bytes": store.pinned_bytes(),
                 "host_disk_bytes": store.disk_bytes(),

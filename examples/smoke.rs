@@ -155,21 +155,30 @@ fn main() -> Result<()> {
         let rows =
             diag::unified_memory_table(&device, mib << 20).context("the Unified Memory table")?;
         println!("Unified Memory table ({mib} MiB of F32 read by a GPU sum; the seed's rows in brackets):");
-        let seed = [(1204, 15.2), (612, 18.7), (604, 16.1)];
+        let seed = [Some((1204, 15.2)), Some((612, 18.7)), Some((604, 16.1))];
         let mut json = Vec::new();
-        for (r, (mb, ms)) in rows.iter().zip(seed) {
+        for (i, r) in rows.iter().enumerate() {
+            let (mb, ms) = seed.get(i).copied().flatten().unzip();
             println!(
-                "  {:<28} device {:>6} MiB  host {:>6} MiB  {:>8.2} ms   (seed: {mb} MB, {ms} ms)",
+                "  {:<34} device {:>6} MiB  host {:>6} MiB  {:>8.2} ms{}{}",
                 r.name,
                 r.device_bytes >> 20,
                 r.host_bytes >> 20,
-                r.seconds * 1e3
+                r.seconds * 1e3,
+                r.enqueue_seconds.map_or(String::new(), |e| format!(
+                    " (the prefetch call returned after {:.2} ms)",
+                    e * 1e3
+                )),
+                mb.zip(ms).map_or(String::new(), |(mb, ms)| format!(
+                    "   (seed: {mb} MB, {ms} ms)"
+                ))
             );
             json.push(serde_json::json!({
                 "name": r.name,
                 "device_bytes": r.device_bytes,
                 "host_bytes": r.host_bytes,
                 "seconds": r.seconds,
+                "enqueue_seconds": r.enqueue_seconds,
                 "seed_mb": mb,
                 "seed_ms": ms,
             }));

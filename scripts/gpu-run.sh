@@ -33,7 +33,9 @@
 #   qbench[=W,..] bench_generate on /tmp/gguf/{7b,13b}-W.gguf (W: 7b-q4_0, 13b-q8_0, ...;
 #                 quantized blocks unless f16) next to llama.cpp on the same file in the same
 #                 process, budgets $QB_BUDGETS (4,8,12,full), prompts $QB_PROMPTS (64,512), more
-#                 bench_generate arguments from $QB_ARGS -> $OUT/qbench-W.json [QBENCH_S=300]
+#                 bench_generate arguments from $QB_ARGS, once per qlinear_small kernel variant
+#                 in $QB_VARIANTS (v1 v2 v2r2 v2r4; llama.cpp with the first only)
+#                 -> $OUT/qbench-W[-V].json [QBENCH_S=300]
 #   decode[=V,..] bench_generate on /tmp/llama7b (needs make7b), budgets $DECODE_BUDGETS (12,full),
 #                 prompt 64, once per variant V: default (fused ops, no event tracking),
 #                 unfused (--unfused), tracking (--event-tracking), unfused-tracking (both: the
@@ -50,7 +52,8 @@
 #                 (warm), and accelerate with max_memory cpu and an offload_folder
 #                 -> $OUT/tiers-*.json, tiers.log [TIERS_S=540 in all]
 #   managed       the managed engine (Unified Memory) against the explicit one on /tmp/llama7b
-#                 at $MANAGED_BUDGETS (4,12), and the seed's UM table (smoke --um-table-mib
+#                 at $MANAGED_BUDGETS (full; at 4 GiB the managed engine must refuse to stream),
+#                 and the seed's UM table (smoke --um-table-mib
 #                 600) -> $OUT/managed-{explicit,managed}.json, $OUT/um-table.json
 #                 [MANAGED_S=240]
 #   train         bench_train, next to the peer's JSON when peer ran, with --max-seconds
@@ -234,11 +237,19 @@ for step in "${steps[@]}"; do
         [[ "$w" == *f16 ]] && q=()
         # shellcheck disable=SC2206 # QB_ARGS is a list of arguments
         q+=(${QB_ARGS:-})
-        (cd /tmp && timeout "${QBENCH_S:-300}" "$BIN/bench_generate" --model-dir "$f" "${q[@]}" \
-          --weights "$w" --budgets "${QB_BUDGETS:-4,8,12,full}" --prompt-lens "${QB_PROMPTS:-64,512}" --depths 2 \
-          --llamacpp-bin "$lc_bin" --json-out "$OUT/qbench-$w.json") >"$OUT/qbench-$w.log" 2>&1
-        echo "qbench $w exit $?"
-        grep -v "^llama.cpp probe" "$OUT/qbench-$w.log" | tail -20
+        # QB_VARIANTS: the qlinear_small kernel variants to run (CANDLE_OFFLOAD_QLINEAR), each
+        # -> qbench-W-V.json; llama.cpp runs with the first only (same call for the others).
+        lc=(--llamacpp-bin "$lc_bin")
+        for v in ${QB_VARIANTS:-default}; do
+          tag=$w; [[ "$v" == default ]] || tag=$w-$v
+          (cd /tmp && CANDLE_OFFLOAD_QLINEAR=${v/default/} timeout "${QBENCH_S:-300}" "$BIN/bench_generate" \
+            --model-dir "$f" "${q[@]}" --weights "$w" --budgets "${QB_BUDGETS:-4,8,12,full}" \
+            --prompt-lens "${QB_PROMPTS:-64,512}" --depths 2 "${lc[@]}" --json-out "$OUT/qbench-$tag.json") \
+            >"$OUT/qbench-$tag.log" 2>&1
+          echo "qbench $tag exit $?"
+          grep -v "^llama.cpp probe" "$OUT/qbench-$tag.log" | tail -${QB_TAIL:-20}
+          lc=()
+        done
       done
       ;;
     decode | decode=*)
@@ -315,11 +326,16 @@ for step in "${steps[@]}"; do
       wait_make7b || continue
       for e in explicit managed; do
         (cd /tmp && timeout "${MANAGED_S:-240}" "$BIN/bench_generate" --model-dir /tmp/llama7b --engine "$e" \
-          --budgets "${MANAGED_BUDGETS:-4,12}" --prompt-lens 64 --new-tokens 16 \
+          --budgets "${MANAGED_BUDGETS:-full}" --prompt-lens 64 --new-tokens 16 \
           --json-out "$OUT/managed-$e.json") >"$OUT/managed-$e.log" 2>&1
         echo "managed: engine $e exit $?"
         tail -5 "$OUT/managed-$e.log"
       done
+      # A budget the model does not fit: the managed engine refuses to stream (exit != 0).
+      (cd /tmp && timeout 120 "$BIN/bench_generate" --model-dir /tmp/llama7b --engine managed --budgets 4 \
+        --prompt-lens 64 --new-tokens 2) >"$OUT/managed-refused.log" 2>&1
+      echo "managed at 4 GiB: exit $? (refusal expected)"
+      tail -2 "$OUT/managed-refused.log"
       if need_bin smoke managed "--example smoke"; then
         (cd /tmp && timeout 120 "$BIN/smoke" --copy-mib 64 --um-table-mib 600 --json-out "$OUT/um-table.json") \
           >"$OUT/um-table.log" 2>&1

@@ -165,9 +165,10 @@ test_device!(
 );
 
 /// The managed engine (Unified Memory, pages migrated by prefetch) gives the explicit
-/// engine's logits bit for bit, resident and streamed under a budget of two units, twice; each
-/// unit counts whole 2 MiB granules, the weights on the device never pass the budget, and the
-/// device memory the driver reports grows by no more than the budget while it streams.
+/// engine's logits bit for bit, twice, with the model resident; each unit counts whole 2 MiB
+/// granules, and the device memory the driver reports grows by no more than the model. A
+/// budget that would make managed units stream is refused, naming the engine (the driver
+/// keeps the device memory of pages it migrated back: streaming would pass the budget).
 #[cfg(feature = "cuda")]
 #[test]
 fn tiers_managed_engine_equals_explicit_gpu() -> anyhow::Result<()> {
@@ -201,35 +202,41 @@ fn tiers_managed_engine_equals_explicit_gpu() -> anyhow::Result<()> {
         assert!(s.managed_bytes() > 0);
         let layer = s.units().iter().map(|u| u.bytes()).max().unwrap();
         drop(s);
-        for budget in [None, Some(2 * layer)] {
-            candle_offload::diag::trim_memory_pool(&device)?;
-            let before = candle_offload::diag::device_used_bytes(&device)?;
-            let (m, rt) = model(&files, managed(dtype)?, &device, dtype, budget)?;
-            for pass in 0..2 {
-                let got = logits(&m, &device)?;
-                assert_eq!(got, want, "{dtype:?}, budget {budget:?}, pass {pass}");
-            }
-            let stats = rt.stats()?;
-            assert!(
-                stats.summary().contains("Unified Memory"),
-                "{}",
-                stats.summary()
-            );
-            if let Some(b) = budget {
-                assert!(stats.peak_resident_bytes <= b, "{stats:?}");
-                assert!(
-                    stats.misses() > stats.units.len() as u64,
-                    "it streamed: {stats:?}"
-                );
-                device.synchronize()?;
-                let grew = candle_offload::diag::device_used_bytes(&device)?.saturating_sub(before);
-                // The weights' pages plus what the forward pass allocates (a few MiB here).
-                assert!(
-                    grew <= b + (64 << 20),
-                    "device memory grew by {grew} over a budget of {b}"
-                );
-            }
+        candle_offload::diag::trim_memory_pool(&device)?;
+        let before = candle_offload::diag::device_used_bytes(&device)?;
+        let s = managed(dtype)?;
+        let total = s.total_bytes();
+        let (m, rt) = model(&files, s, &device, dtype, None)?;
+        for pass in 0..2 {
+            let got = logits(&m, &device)?;
+            assert_eq!(got, want, "{dtype:?}, pass {pass}");
         }
+        let stats = rt.stats()?;
+        assert!(
+            stats.summary().contains("Unified Memory"),
+            "{}",
+            stats.summary()
+        );
+        assert_eq!(
+            stats.misses(),
+            stats.units.len() as u64,
+            "resident: {stats:?}"
+        );
+        device.synchronize()?;
+        let grew = candle_offload::diag::device_used_bytes(&device)?.saturating_sub(before);
+        // The weights' pages, what the forward pass allocates, and the driver's own memory for
+        // managed allocations on this GPU (measured: 160 MiB in all for 14 MiB of weights);
+        // a managed model that streamed would hold far more (13 GB for the 7B at 4 GiB).
+        assert!(
+            grew <= total + (256 << 20),
+            "device memory grew by {grew} for {total} of weights"
+        );
+        drop((m, rt));
+        let e = model(&files, managed(dtype)?, &device, dtype, Some(2 * layer))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("engine") && e.contains("cannot stream"), "{e}");
     }
     std::fs::remove_dir_all(&dir)?;
     Ok(())

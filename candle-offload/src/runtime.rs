@@ -289,6 +289,29 @@ impl OffloadRuntime {
             cfg.strategy,
             cfg.prefetch_depth,
         )?;
+        // Managed units may not stream. Measured on the H200 (driver 580, BENCHMARKS.md): once
+        // the driver has migrated a page to the GPU it keeps the device memory after migrating
+        // the page back (600 MiB prefetched and returned: 640 MiB still held), so a managed
+        // model that streams grows the device's use to its whole size whatever the budget
+        // (13.1 GB at 4 GiB). Managed memory therefore only serves what fits in the capacity.
+        let managed: u64 = (0..unit_bytes.len())
+            .filter(|&i| served[i] && store.unit(UnitId(i)).tier() == TierKind::Managed)
+            .map(|i| unit_bytes[i])
+            .sum();
+        if managed > 0 && !plan.fits_entirely {
+            return Err(Error::InvalidConfig {
+                field: "engine".into(),
+                reason: format!(
+                    "the managed engine cannot stream: its {} of weights do not fit the {} \
+                     this budget leaves for weights on {name}, and the CUDA driver keeps the \
+                     device memory of every page it has migrated to the GPU, even after \
+                     migrating it back, so streaming would exceed the budget; use the \
+                     explicit engine (the default) or a budget that holds the model",
+                    crate::budget::human_bytes(managed),
+                    crate::budget::human_bytes(plan.weight_capacity),
+                ),
+            });
+        }
         // A model that fits entirely needs no spare room for copies ahead of their victims.
         let spare_depth = if plan.fits_entirely {
             0

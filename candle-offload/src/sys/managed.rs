@@ -340,6 +340,7 @@ pub(crate) fn um_table(device: &Device, bytes: usize) -> candle_core::Result<Vec
         device_bytes: used()?.saturating_sub(before),
         host_bytes: bytes as u64,
         seconds,
+        enqueue_seconds: None,
     });
     drop(t);
     super::trim_memory_pool(&device)?;
@@ -357,6 +358,7 @@ pub(crate) fn um_table(device: &Device, bytes: usize) -> candle_core::Result<Vec
         // 2 MiB aligned, not used by the GPU yet.
         unsafe { std::ptr::copy_nonoverlapping(host.as_ptr(), ptr as *mut f32, n) };
         let t0 = std::time::Instant::now();
+        let mut enqueue_seconds = None;
         if prefetch {
             // SAFETY: the range is the allocation made above.
             unsafe {
@@ -368,6 +370,7 @@ pub(crate) fn um_table(device: &Device, bytes: usize) -> candle_core::Result<Vec
                 )
             }
             .w()?;
+            enqueue_seconds = Some(t0.elapsed().as_secs_f64());
         }
         // SAFETY: `n` initialised f32 inside the allocation; the slice is leaked below, never
         // freed by cudarc.
@@ -383,6 +386,30 @@ pub(crate) fn um_table(device: &Device, bytes: usize) -> candle_core::Result<Vec
         let device_bytes = used()?.saturating_sub(before);
         std::mem::forget(t);
         stream.synchronize().w()?;
+        // What the driver still holds once the pages went back to the host (the managed
+        // engine's eviction): whether migrating them out gives the device memory back.
+        let back = if prefetch {
+            let t1 = std::time::Instant::now();
+            // SAFETY: the range is the allocation made above; its only reader has finished.
+            unsafe {
+                cudarc_result::mem_prefetch_async(
+                    ptr,
+                    alloc_len,
+                    location(None),
+                    stream.cu_stream(),
+                )
+            }
+            .w()?;
+            let enqueued = t1.elapsed().as_secs_f64();
+            stream.synchronize().w()?;
+            Some((
+                t1.elapsed().as_secs_f64(),
+                enqueued,
+                used()?.saturating_sub(before),
+            ))
+        } else {
+            None
+        };
         // SAFETY: allocated above by `cuMemAllocManaged`; the stream that read it is idle and
         // the only tensor over it was forgotten, never dropped.
         unsafe { cudarc_result::free_sync(ptr) }.w()?;
@@ -396,7 +423,17 @@ pub(crate) fn um_table(device: &Device, bytes: usize) -> candle_core::Result<Vec
             device_bytes,
             host_bytes: alloc_len as u64,
             seconds,
+            enqueue_seconds,
         });
+        if let Some((seconds, enqueued, device_bytes)) = back {
+            rows.push(UmRow {
+                name: "prefetched, then back to the host",
+                device_bytes,
+                host_bytes: alloc_len as u64,
+                seconds,
+                enqueue_seconds: Some(enqueued),
+            });
+        }
     }
     Ok(rows)
 }

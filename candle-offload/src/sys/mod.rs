@@ -59,7 +59,8 @@ pub(crate) const MANAGED_GRANULE: usize = 2 << 20;
 /// reaches a GPU kernel that reads it, the device memory that took and the time it took.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UmRow {
-    /// `plain copy`, `Unified Memory`, `Unified Memory, prefetched`.
+    /// `plain copy`, `Unified Memory`, `Unified Memory, prefetched`, and `prefetched, then
+    /// back to the host` (the device memory the driver still holds after the migration back).
     pub name: &'static str,
     /// Device memory in use at the end less at the start, as the driver reports it.
     pub device_bytes: u64,
@@ -67,6 +68,9 @@ pub struct UmRow {
     pub host_bytes: u64,
     /// Seconds from the data on the host to the kernel's result.
     pub seconds: f64,
+    /// For a prefetch: seconds until `cuMemPrefetchAsync` returned to the host (close to
+    /// `seconds` when the driver migrates inside the call rather than on the stream).
+    pub enqueue_seconds: Option<f64>,
 }
 
 /// What can go wrong in this module.
