@@ -124,9 +124,9 @@ struct Args {
     #[arg(long)]
     cpu_memory_limit: Option<String>,
     /// How weights reach the GPU: `explicit` (copied from pinned host memory on a copy
-    /// stream, the default) or `managed` (CUDA Unified Memory, migrated to the GPU by prefetch
-    /// before use and back after, within the same budget; needs a GPU with concurrent managed
-    /// access).
+    /// stream, the default; streams what does not fit) or `managed` (CUDA Unified Memory,
+    /// migrated to the GPU by prefetch before first use; only for a model that fits the budget,
+    /// and a GPU with concurrent managed access).
     #[arg(long, default_value = "explicit")]
     engine: String,
     /// How much stays resident: minimal, balanced or aggressive offloading.

@@ -141,8 +141,10 @@ pub enum EngineKind {
     /// Units in CUDA managed memory preferring the host, migrated to the GPU with a prefetch
     /// on the copy stream before use and back after last use, following the same plan and
     /// budget (the seed's Unified Memory). Each unit's device footprint is its size rounded
-    /// up to 2 MiB. GPU only; quantized blocks are still copied (Candle's quantized storage
-    /// cannot point into memory it did not allocate).
+    /// up to 2 MiB. GPU only, and only for models that fit the budget: the driver keeps the
+    /// device memory of pages it migrated back, so a runtime whose managed units would stream
+    /// is refused. Quantized blocks are still copied (Candle's quantized storage cannot point
+    /// into memory it did not allocate).
     Managed,
 }
 
