@@ -156,11 +156,13 @@ fn main() -> Result<()> {
         &device,
         args.quantized,
     )?);
-    let disk_units: std::collections::HashSet<String> = store
+    // Disk units by name, with the bytes a fetch of each reads (its host layout, not its
+    // device size: they differ for GGUF's padded blocks).
+    let disk_units: std::collections::HashMap<String, u64> = store
         .units()
         .iter()
         .filter(|u| u.tier() == candle_offload::TierKind::Disk)
-        .map(|u| u.name().to_string())
+        .map(|u| (u.name().to_string(), u.host_bytes()))
         .collect();
     let weights = args.weights.clone().unwrap_or_else(|| {
         let stem = args.model_dir.file_stem().unwrap_or_default();
@@ -298,8 +300,7 @@ fn main() -> Result<()> {
                     .stats()?
                     .units
                     .iter()
-                    .filter(|u| disk_units.contains(&u.name))
-                    .map(|u| (u.misses + u.prefetches) * u.bytes)
+                    .filter_map(|u| Some((u.misses + u.prefetches) * disk_units.get(&u.name)?))
                     .sum())
             };
             let disk_before = disk_fetched(&rt)?;

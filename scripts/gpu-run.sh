@@ -288,7 +288,8 @@ for step in "${steps[@]}"; do
       need_bin bench_generate tiers "--example bench_generate" || continue
       wait_make7b || continue
       t_end=$(($(date +%s) + ${TIERS_S:-540}))
-      left() { echo $((t_end - $(date +%s))); }
+      # Seconds left of TIERS_S, at least 1 (`timeout 0` would mean no limit at all).
+      left() { local l=$((t_end - $(date +%s))); echo $((l > 0 ? l : 1)); }
       drop_caches() { sync && echo 3 >/proc/sys/vm/drop_caches 2>/dev/null && echo dropped || echo kept; }
       # The disk's raw sequential rate: every checkpoint file, O_DIRECT, 64 MiB blocks.
       drop_caches >/dev/null
@@ -311,7 +312,7 @@ for step in "${steps[@]}"; do
         # accelerate first, so that its JSON sits next to ours in every record of this cap.
         acc=()
         rm -rf /tmp/acc-offload
-        DROP_CACHES=1 timeout "$(( $(left) / 2 ))" python3 scripts/accelerate_peer.py /tmp/llama7b 4 64 "${ACC_TOKENS:-2}"           "$OUT/tiers-$cap-accelerate.json" "$cap" /tmp/acc-offload >>"$OUT/tiers.log" 2>&1
+        DROP_CACHES=1 timeout "$(( $(left) / 2 + 1 ))" python3 scripts/accelerate_peer.py /tmp/llama7b 4 64 "${ACC_TOKENS:-2}"           "$OUT/tiers-$cap-accelerate.json" "$cap" /tmp/acc-offload >>"$OUT/tiers.log" 2>&1
         echo "accelerate cap $cap exit $?" | tee -a "$OUT/tiers.log"
         rm -rf /tmp/acc-offload
         [[ -s "$OUT/tiers-$cap-accelerate.json" ]] && acc=(--peer "$OUT/tiers-$cap-accelerate.json")

@@ -439,16 +439,22 @@ fn ops_qlinear_variant_names() {
 /// columns of a block of threads, so a warp's columns span two weights and run past the last),
 /// a pair of 8 and 37, and gate/up pairs of 8 and of 37 rows.
 fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
-    let variants: &[ops::QlinearVariant] = if device.is_cuda() {
-        &ops::QlinearVariant::ALL
-    } else {
-        // The CPU path is the composition whatever the variant.
-        &[ops::QlinearVariant::V1]
-    };
-    for &variant in variants {
+    if !device.is_cuda() {
+        // The CPU path is the composition whatever the variant, so this instance leaves the
+        // process-wide variant alone (the GPU instance may be setting it at the same time).
+        return qlinear_small_matches_dequantized_in(device, ops::qlinear_variant());
+    }
+    // Only this instance sets the variant in this test binary; checking it after the run too
+    // catches any other setter that would make a variant's checks run another kernel.
+    for variant in ops::QlinearVariant::ALL {
         let _guard = QlinearVariantGuard::set(variant);
         anyhow::ensure!(ops::qlinear_variant() == variant, "variant not set");
         qlinear_small_matches_dequantized_in(device, variant)?;
+        anyhow::ensure!(
+            ops::qlinear_variant() == variant,
+            "the variant changed while {} was tested",
+            variant.name()
+        );
     }
     Ok(())
 }

@@ -165,7 +165,8 @@ test_device!(
 );
 
 /// The managed engine (Unified Memory, pages migrated by prefetch) gives the explicit
-/// engine's logits bit for bit, twice, with the model resident; each unit counts whole 2 MiB
+/// engine's logits bit for bit, twice, with the model resident, and again after every unit
+/// was evicted (migrated back to the host) and fetched again; each unit counts whole 2 MiB
 /// granules, and the device memory the driver reports grows by no more than the model. A
 /// budget that would make managed units stream is refused, naming the engine (the driver
 /// keeps the device memory of pages it migrated back: streaming would pass the budget).
@@ -230,6 +231,17 @@ fn tiers_managed_engine_equals_explicit_gpu() -> anyhow::Result<()> {
         assert!(
             grew <= total + (256 << 20),
             "device memory grew by {grew} for {total} of weights"
+        );
+        // Evicted (pages migrated back to the host) and fetched again: the same logits.
+        let fetches = |s: &candle_offload::OffloadStats| -> u64 {
+            s.units.iter().map(|u| u.misses + u.prefetches).sum()
+        };
+        rt.evict_all()?;
+        assert_eq!(logits(&m, &device)?, want, "{dtype:?}, after evict_all");
+        // Each unit fetched once more (on demand or ahead of its use).
+        assert_eq!(
+            fetches(&rt.stats()?),
+            fetches(&stats) + stats.units.len() as u64
         );
         drop((m, rt));
         let e = model(&files, managed(dtype)?, &device, dtype, Some(2 * layer))

@@ -658,7 +658,7 @@ __device__ void qlinear_small(const T *x, const uint8_t *w0, const uint8_t *w1, 
 
 // Weight rows per round: QStage2::BLOCKS blocks of each of R rows (at least 32, about 1.1 KB
 // of each row), VECS 16-byte vectors per row with the alignment slack. Mirrored by
-// `qlinear_small_stage_vecs` in src/sys/kernels.rs.
+// `qlinear2_small_stage_vecs` in src/sys/kernels.rs.
 template <int QT> struct QStage2 {
     static constexpr int BLOCKS = 32 * ((1152 / QBlock<QT>::BYTES) / 32 > 1 ? (1152 / QBlock<QT>::BYTES) / 32 : 1);
     static constexpr int VECS = (BLOCKS * QBlock<QT>::BYTES + 31) / 16 + 1;

@@ -1103,18 +1103,21 @@ pub fn qlinear_variant() -> QlinearVariant {
     use std::sync::atomic::Ordering;
     let code = match QLINEAR_VARIANT.load(Ordering::Relaxed) {
         0 => {
-            let from_env = std::env::var(QlinearVariant::ENV).ok().and_then(|s| {
-                let v = QlinearVariant::parse(&s);
-                if v.is_none() {
-                    // Loud: a benchmark run under a misspelt variant would measure the default.
-                    eprintln!(
-                        "candle-offload: {}={s:?} is not v1, v2, v2r2 or v2r4; using {}",
-                        QlinearVariant::ENV,
-                        DEFAULT_QLINEAR_VARIANT.name()
-                    );
-                }
-                v
-            });
+            let from_env = std::env::var(QlinearVariant::ENV)
+                .ok()
+                .filter(|s| !s.trim().is_empty())
+                .and_then(|s| {
+                    let v = QlinearVariant::parse(&s);
+                    if v.is_none() {
+                        // Loud: a benchmark run under a misspelt variant would measure the default.
+                        eprintln!(
+                            "candle-offload: {}={s:?} is not v1, v2, v2r2 or v2r4; using {}",
+                            QlinearVariant::ENV,
+                            DEFAULT_QLINEAR_VARIANT.name()
+                        );
+                    }
+                    v
+                });
             let code = from_env.unwrap_or(DEFAULT_QLINEAR_VARIANT).code();
             // A concurrent set_qlinear_variant wins over the environment.
             match QLINEAR_VARIANT.compare_exchange(0, code, Ordering::Relaxed, Ordering::Relaxed) {

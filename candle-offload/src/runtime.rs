@@ -298,6 +298,38 @@ impl OffloadRuntime {
             .filter(|&i| served[i] && store.unit(UnitId(i)).tier() == TierKind::Managed)
             .map(|i| unit_bytes[i])
             .sum();
+        if managed > 0 && cfg.trainable {
+            return Err(Error::InvalidConfig {
+                field: "engine".into(),
+                reason: "the managed engine is for inference: trainable weights would be \
+                         written in place in the store's managed memory"
+                    .into(),
+            });
+        }
+        let gpu = match device.location() {
+            candle_core::DeviceLocation::Cuda { gpu_id } => Some(gpu_id),
+            _ => None,
+        };
+        if let Some(other) = (0..unit_bytes.len())
+            .filter(|&i| served[i])
+            .filter_map(|i| {
+                store
+                    .unit(UnitId(i))
+                    .buffer()
+                    .managed()
+                    .map(|m| m.ordinal())
+            })
+            .find(|&o| Some(o) != gpu)
+        {
+            return Err(Error::InvalidConfig {
+                field: "engine".into(),
+                reason: format!(
+                    "the store's managed memory belongs to cuda:{other}, not {name}: a managed \
+                     store serves only the GPU it was built for (no pipelines over several \
+                     GPUs; use the explicit engine)"
+                ),
+            });
+        }
         if managed > 0 && !plan.fits_entirely {
             return Err(Error::InvalidConfig {
                 field: "engine".into(),

@@ -426,6 +426,13 @@ impl HostUnit {
         self.buffer().len()
     }
 
+    /// Bytes of its host layout (tensors plus alignment padding, in the store's formats): what
+    /// it takes in host memory, or for a disk unit what a fetch reads into memory (the file
+    /// bytes differ where a read converts, e.g. F32 to F16).
+    pub fn host_bytes(&self) -> u64 {
+        self.buffer_len() as u64
+    }
+
     /// The raw bytes of one of its tensors (in its [`WeightFormat`]).
     pub fn tensor_bytes(&self, t: &TensorMeta) -> HostBytes<'_> {
         let range = t.offset..t.offset + t.nbytes;
@@ -981,7 +988,12 @@ impl HostStore {
         let mut warned = false;
         for (unit_name, layer, members, tensors, len) in layouts {
             let uid = UnitId(units.len());
-            let fits = host_limit.is_none_or(|cap| held + len as u64 <= cap);
+            // What the unit takes in host memory: managed memory is allocated in granules.
+            let host_len = match cfg.engine {
+                EngineKind::Managed => len.div_ceil(sys::MANAGED_GRANULE) * sys::MANAGED_GRANULE,
+                EngineKind::Explicit => len,
+            } as u64;
+            let fits = host_limit.is_none_or(|cap| held + host_len <= cap);
             let spans: Option<Vec<&FileSpan>> = if fits {
                 None
             } else {
@@ -1013,7 +1025,7 @@ impl HostStore {
                         warned = true;
                     }
                 }
-                held += len as u64;
+                held += host_len;
                 let mut buf = pinner.alloc(len, &unit_name)?;
                 {
                     let kind = buf.kind();
@@ -1032,9 +1044,15 @@ impl HostStore {
             }
             unit_index.insert(unit_name.clone(), uid);
             let mut bytes: u64 = tensors.iter().map(|t| t.device_bytes as u64).sum();
-            if buf.kind() == TierKind::Managed {
-                // Prefetched pages take whole 2 MiB granules on the device.
-                bytes = bytes.div_ceil(sys::MANAGED_GRANULE as u64) * sys::MANAGED_GRANULE as u64;
+            if let Some(m) = buf.managed() {
+                // Dense tensors' pages migrate in whole granules (up to the allocation's);
+                // blocks are copied into buffers of their own.
+                let blocks: u64 = tensors
+                    .iter()
+                    .filter(|t| matches!(t.format, WeightFormat::Ggml(_)))
+                    .map(|t| t.device_bytes as u64)
+                    .sum();
+                bytes = m.device_footprint() as u64 + blocks;
             }
             units.push(HostUnit {
                 name: unit_name,

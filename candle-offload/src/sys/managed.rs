@@ -6,16 +6,20 @@
 //! so the plan and the budget decide what is on the device exactly as for copies.
 //!
 //! Budget: a unit's allocation is rounded up to [`MANAGED_GRANULE`] (the largest page the
-//! driver migrates), and the store counts that rounded size as the unit's device bytes.
+//! driver migrates), and the store counts [`ManagedBuffer::device_footprint`] (that size, one
+//! granule more when the allocation does not start on a granule) as the unit's device bytes.
 //! Nothing else migrates pages to the GPU: the preferred location is the host, so a GPU access
 //! to a page that was not prefetched reads it over the link instead of faulting it over.
 //!
 //! Lifetime: Candle tensors cannot own memory they did not allocate, and cudarc frees a slice's
 //! pointer with `cuMemFreeAsync` when the last tensor holding it drops, which is wrong for
 //! managed memory. So every tensor made here has one clone that is never dropped (its slice
-//! is never freed by cudarc), and the allocation is freed by this buffer's `Drop`. The
-//! runtime hands a unit's tensors out only between acquire and release, and owns the store,
-//! so no tensor is used after the store (and this buffer) is dropped.
+//! is never freed by cudarc). A tensor handed out may outlive the store (`UnitGuard::get`
+//! returns an owned tensor, and views of it share its memory), so an allocation that ever
+//! gave out a tensor is never freed: it lives until the process exits. Only one that gave out
+//! none is freed by `Drop`. The managed engine is for inference on models that stay resident
+//! (the runtime refuses streaming and training), so this is one model's weights per store.
+//! Tensors a caller kept see `update_weights`' new values: they are the store's bytes.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -36,8 +40,8 @@ pub(crate) struct ManagedBuffer {
     ordinal: i32,
     cuda: CudaDevice,
     compute: Arc<CudaStream>,
-    /// Tensors already made, by (byte offset, trainable).
-    tensors: Mutex<HashMap<(usize, bool), Tensor>>,
+    /// Tensors already made, by (byte range, dtype, trainable).
+    tensors: Mutex<HashMap<(usize, usize, DType, bool), Tensor>>,
 }
 
 impl std::fmt::Debug for ManagedBuffer {
@@ -49,13 +53,6 @@ impl std::fmt::Debug for ManagedBuffer {
         )
     }
 }
-
-// SAFETY: the buffer owns its allocation alone (like a `Vec<u8>`); host slices of it are only
-// formed through `&self` (shared, read-only) or `&mut self` (exclusive), and the tensor cache
-// is behind a mutex.
-unsafe impl Send for ManagedBuffer {}
-// SAFETY: see `Send`.
-unsafe impl Sync for ManagedBuffer {}
 
 fn location(device: Option<i32>) -> cusys::CUmemLocation {
     match device {
@@ -154,7 +151,13 @@ impl ManagedBuffer {
         range: std::ops::Range<usize>,
         stream: &CudaStream,
     ) -> candle_core::Result<()> {
-        if range.is_empty() || range.end > self.alloc_len {
+        if range.end > self.alloc_len {
+            candle_core::bail!(
+                "managed prefetch of {range:?} past the allocation of {} bytes",
+                self.alloc_len
+            );
+        }
+        if range.is_empty() {
             return Ok(());
         }
         // SAFETY: the range lies inside this allocation (checked above); prefetching only
@@ -168,6 +171,18 @@ impl ManagedBuffer {
             )
         }
         .w()
+    }
+
+    /// Device bytes the unit's pages may take once prefetched: the allocation in whole
+    /// granules, one more when the driver did not start it on a granule.
+    pub(crate) fn device_footprint(&self) -> usize {
+        let aligned = (self.ptr as usize).is_multiple_of(MANAGED_GRANULE);
+        self.alloc_len + if aligned { 0 } else { MANAGED_GRANULE }
+    }
+
+    /// The GPU (ordinal) its pages are advised to and prefetched to.
+    pub(crate) fn ordinal(&self) -> usize {
+        self.ordinal as usize
     }
 
     /// The whole allocation, for migrating it back to the host after the unit's last use.
@@ -197,7 +212,8 @@ impl ManagedBuffer {
             .tensors
             .lock()
             .map_err(|_| candle_core::Error::Msg("managed tensor cache poisoned".into()))?;
-        if let Some(t) = cache.get(&(range.start, trainable)) {
+        let key = (range.start, range.end, dtype, trainable);
+        if let Some(t) = cache.get(&key) {
             return Ok(t.clone());
         }
         let storage = match dtype {
@@ -219,7 +235,7 @@ impl ManagedBuffer {
         // The clone that is never dropped: cudarc must never free this pointer (see the
         // module's doc); `Drop` frees the allocation.
         std::mem::forget(t.clone());
-        cache.insert((range.start, trainable), t.clone());
+        cache.insert(key, t.clone());
         Ok(t)
     }
 
@@ -229,10 +245,11 @@ impl ManagedBuffer {
     ) -> candle_core::Result<candle_core::CudaStorage> {
         let n = range.len() / std::mem::size_of::<T>();
         // SAFETY: `ptr + start .. + n * size_of::<T>()` lies inside the allocation (checked by
-        // `tensor`), is aligned for `T` (units' tensors start at aligned offsets and the
-        // allocation is 2 MiB aligned), and holds initialised bytes (zeroed at allocation,
-        // then written by the store). The slice is never dropped (see `tensor`), so cudarc
-        // never frees it.
+        // `tensor`), is aligned for `T` (units' tensors start at multiples of `TIER_ALIGN`, 256,
+        // and the driver aligns allocations to at least 256 bytes), and holds initialised
+        // bytes (zeroed at allocation, then written by the store). The slice is never dropped
+        // (see `tensor`), so cudarc never frees it, and an allocation that gave out a tensor
+        // is never freed (see the module's doc).
         let slice = unsafe {
             self.compute
                 .upgrade_device_ptr::<T>(self.ptr + range.start as cusys::CUdeviceptr, n)
@@ -251,9 +268,9 @@ pub(crate) struct ManagedPages {
 impl ManagedPages {
     /// Enqueues the migration of these pages back to the host on `stream`.
     pub(crate) fn to_host(self, stream: &CudaStream) -> candle_core::Result<()> {
-        // SAFETY: the range is a whole managed allocation of the store, which the runtime owns
-        // and drops only after evicting every unit (an allocation already freed would make the
-        // driver return an error, not touch memory); prefetching never changes contents.
+        // SAFETY: the range is a whole managed allocation that gave out tensors (the unit was
+        // fetched), so it is never freed (see the module's doc); prefetching moves pages and
+        // never changes their contents.
         unsafe {
             cudarc_result::mem_prefetch_async(
                 self.ptr,
@@ -291,13 +308,39 @@ impl HostTier for ManagedBuffer {
 
 impl Drop for ManagedBuffer {
     fn drop(&mut self) {
-        // Work that may still touch the pages (the last compute, a prefetch on the copy
-        // stream) finishes first.
+        let handed_out = self.tensors.get_mut().map_or(true, |c| !c.is_empty());
+        if handed_out {
+            // A tensor over this memory may still be alive (see the module's doc).
+            tracing::debug!(
+                bytes = self.alloc_len,
+                "managed memory kept until the process exits"
+            );
+            return;
+        }
+        // Work that may still touch the pages (a prefetch on the copy stream) finishes first.
         let _ = self.compute.context().synchronize();
         // SAFETY: the pointer came from `cuMemAllocManaged` and is freed exactly once here; no
-        // tensor made by `tensor` is used after the store that owns this buffer is dropped
-        // (see the module's doc), and cudarc never frees it.
+        // tensor was ever made over it (checked above), and cudarc never frees it.
         if let Err(e) = unsafe { cudarc_result::free_sync(self.ptr) } {
+            tracing::warn!(error = %e, "freeing managed memory failed");
+        }
+    }
+}
+
+/// Frees a managed allocation of `um_table` when dropped (on errors too), once the context is
+/// idle.
+struct FreeOnDrop(
+    cusys::CUdeviceptr,
+    Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>,
+);
+
+impl Drop for FreeOnDrop {
+    fn drop(&mut self) {
+        let _ = self.1.synchronize();
+        // SAFETY: the pointer came from `cuMemAllocManaged` in `um_table` and is freed only
+        // here; the only tensor over it was forgotten (never freed by cudarc) and is not used
+        // after this point, and the context is idle.
+        if let Err(e) = unsafe { cudarc_result::free_sync(self.0) } {
             tracing::warn!(error = %e, "freeing managed memory failed");
         }
     }
@@ -354,8 +397,9 @@ pub(crate) fn um_table(device: &Device, bytes: usize) -> candle_core::Result<Vec
             cudarc_result::malloc_managed(alloc_len, cusys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL)
         }
         .w()?;
+        let _free = FreeOnDrop(ptr, ctx.clone());
         // SAFETY: `ptr` holds `alloc_len >= n * 4` bytes of host-accessible managed memory,
-        // 2 MiB aligned, not used by the GPU yet.
+        // aligned to at least 256 bytes, not used by the GPU yet.
         unsafe { std::ptr::copy_nonoverlapping(host.as_ptr(), ptr as *mut f32, n) };
         let t0 = std::time::Instant::now();
         let mut enqueue_seconds = None;
@@ -383,8 +427,9 @@ pub(crate) fn um_table(device: &Device, bytes: usize) -> candle_core::Result<Vec
         );
         let result = check(&t);
         let seconds = t0.elapsed().as_secs_f64();
-        let device_bytes = used()?.saturating_sub(before);
+        // Never dropped: cudarc must not free managed memory (`_free` does, after this).
         std::mem::forget(t);
+        let device_bytes = used()?.saturating_sub(before);
         stream.synchronize().w()?;
         // What the driver still holds once the pages went back to the host (the managed
         // engine's eviction): whether migrating them out gives the device memory back.
@@ -410,9 +455,7 @@ pub(crate) fn um_table(device: &Device, bytes: usize) -> candle_core::Result<Vec
         } else {
             None
         };
-        // SAFETY: allocated above by `cuMemAllocManaged`; the stream that read it is idle and
-        // the only tensor over it was forgotten, never dropped.
-        unsafe { cudarc_result::free_sync(ptr) }.w()?;
+        drop(_free);
         result?;
         rows.push(UmRow {
             name: if prefetch {
