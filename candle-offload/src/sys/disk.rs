@@ -189,10 +189,16 @@ impl DiskFile {
                     })
                 })
                 .collect();
-            handles.into_iter().try_for_each(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(io::Error::other("a disk read thread panicked")))
-            })
+            // Every thread is joined (a panic in one is reported, not re-raised by the scope),
+            // then the first error is returned.
+            let results: Vec<io::Result<()>> = handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(io::Error::other("a disk read thread panicked")))
+                })
+                .collect();
+            results.into_iter().collect::<io::Result<()>>()
         })
     }
 
