@@ -152,11 +152,10 @@ impl Pinner {
 
     pub(crate) fn alloc(&mut self, len: usize, unit: &str) -> SysResult<Box<dyn HostTier>> {
         if let Some(cuda) = &self.managed {
+            // A failed allocation (out of memory) is a driver error naming the unit, not a
+            // setting.
             return Ok(Box::new(super::ManagedBuffer::alloc(cuda, len).map_err(
-                |e| SysError::Unsupported {
-                    field: "engine",
-                    reason: format!("unit {unit}: {e}"),
-                },
+                |e| SysError::Candle(candle_core::Error::Msg(format!("unit {unit}: {e}"))),
             )?));
         }
         let Some(ctx) = &self.ctx else {
