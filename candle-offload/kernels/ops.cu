@@ -322,6 +322,26 @@ __device__ __forceinline__ void dot_rows(const T *x, const T *wr, uint32_t m, ui
     }
 }
 
+// Column `col` of the weights w0, w1, w2 side by side (n0, n1, n2 columns; pointers of any
+// element type W): the weight it is in, its index c there, that weight's column count n, and
+// where that weight's outputs start in y (m, n0 + n1 + n2 as three contiguous blocks: element
+// r * n + c of yb is row r's). False past the last column.
+template <typename W, typename T>
+__device__ __forceinline__ bool pick_column(uint32_t col, W *w0, W *w1, W *w2, T *y, uint32_t m,
+                                            uint32_t n0, uint32_t n1, uint32_t n2, W *&w,
+                                            T *&yb, uint32_t &c, uint32_t &n) {
+    if (col < n0) {
+        w = w0, yb = y, c = col, n = n0;
+    } else if (col < n0 + n1) {
+        w = w1, yb = y + (size_t)m * n0, c = col - n0, n = n1;
+    } else if (col < n0 + n1 + n2) {
+        w = w2, yb = y + (size_t)m * (n0 + n1), c = col - n0 - n1, n = n2;
+    } else {
+        return false;
+    }
+    return true;
+}
+
 // x (m, k) times up to three weights (n_i, k) at once, for few rows m <= M <= LS_MAX_M
 // (decode): one warp per output column, f32 accumulation, one warp reduction per row of x.
 // - silu == 0: the columns of w0, then w1, then w2 (n1, n2 may be 0); y holds x·w0ᵀ (m, n0),
@@ -356,15 +376,7 @@ __device__ void linear_small(const T *x, const T *w0, const T *w1, const T *w2, 
     const T *w;
     T *yb;
     uint32_t c, n;
-    if (col < n0) {
-        w = w0, yb = y, c = col, n = n0;
-    } else if (col < n0 + n1) {
-        w = w1, yb = y + (size_t)m * n0, c = col - n0, n = n1;
-    } else if (col < n0 + n1 + n2) {
-        w = w2, yb = y + (size_t)m * (n0 + n1), c = col - n0 - n1, n = n2;
-    } else {
-        return;
-    }
+    if (!pick_column(col, w0, w1, w2, y, m, n0, n1, n2, w, yb, c, n)) return;
     dot_rows<T, M>(x, w + (size_t)c * k, m, k, acc);
 #pragma unroll
     for (int r = 0; r < M; ++r) {
@@ -621,15 +633,7 @@ __device__ void qlinear_small(const T *x, const uint8_t *w0, const uint8_t *w1, 
     const uint8_t *w;
     T *yb;
     uint32_t c, n;
-    if (col < n0) {
-        w = w0, yb = y, c = col, n = n0;
-    } else if (col < n0 + n1) {
-        w = w1, yb = y + (size_t)m * n0, c = col - n0, n = n1;
-    } else if (col < n0 + n1 + n2) {
-        w = w2, yb = y + (size_t)m * (n0 + n1), c = col - n0 - n1, n = n2;
-    } else {
-        return;
-    }
+    if (!pick_column(col, w0, w1, w2, y, m, n0, n1, n2, w, yb, c, n)) return;
     float acc[1][M];
 #pragma unroll
     for (int r = 0; r < M; ++r) acc[0][r] = 0.0f;
@@ -717,6 +721,8 @@ __device__ __forceinline__ void qcolumn(uint32_t col, const uint8_t *w0, const u
                                         const uint8_t *w2, T *y, uint32_t m, uint32_t n0,
                                         uint32_t n1, size_t row_bytes, const uint8_t *&row,
                                         T *&yb, uint32_t &n, uint32_t n2) {
+    // pick_column's choice without its bound check (callers pass col < n0 + n1 + n2): with
+    // the check, ptxas allocates 1-5 more registers in most instances of the measured kernel.
     if (col < n0) {
         row = w0 + col * row_bytes, yb = y + col, n = n0;
     } else if (col < n0 + n1) {
