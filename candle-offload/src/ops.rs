@@ -972,10 +972,17 @@ pub fn linear_small_multi(x: &Tensor, ws: &[&Tensor]) -> Result<Vec<Tensor>> {
     let k = x.dim(D::Minus1)?;
     let rows = x.elem_count() / k;
     let flat = linear_small_launch(&x.reshape((rows, k))?, ws, false)?;
-    let mut out = Vec::with_capacity(ws.len());
+    let ns = ws.iter().map(|w| w.dim(0)).collect::<Result<Vec<_>>>()?;
+    split_multi(x, &flat, &ns)
+}
+
+/// The results of a multi-weight launch: `flat` holds x's rows times each weight's `n`
+/// columns, one weight after another; each comes back shaped as x with its last dim `n`.
+fn split_multi(x: &Tensor, flat: &Tensor, ns: &[usize]) -> Result<Vec<Tensor>> {
+    let rows = x.elem_count() / x.dim(D::Minus1)?;
+    let mut out = Vec::with_capacity(ns.len());
     let mut at = 0;
-    for w in ws {
-        let n = w.dim(0)?;
+    for &n in ns {
         let mut dims = x.dims().to_vec();
         *dims.last_mut().expect("x has a last dim") = n;
         out.push(flat.narrow(0, at, rows * n)?.reshape(dims)?);
@@ -1213,16 +1220,8 @@ pub fn qlinear_small_multi(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
     let k = x.dim(D::Minus1)?;
     let rows = x.elem_count() / k;
     let flat = qlinear_small_launch(&x.reshape((rows, k))?, ws, false)?;
-    let mut out = Vec::with_capacity(ws.len());
-    let mut at = 0;
-    for w in ws {
-        let n = w.shape().dims()[0];
-        let mut dims = x.dims().to_vec();
-        *dims.last_mut().expect("x has a last dim") = n;
-        out.push(flat.narrow(0, at, rows * n)?.reshape(dims)?);
-        at += rows * n;
-    }
-    Ok(out)
+    let ns: Vec<usize> = ws.iter().map(|w| w.shape().dims()[0]).collect();
+    split_multi(x, &flat, &ns)
 }
 
 /// `silu(x · gateᵀ) · (x · upᵀ)` for weights of GGML blocks: one launch on a GPU

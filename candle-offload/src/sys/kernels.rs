@@ -47,6 +47,30 @@ fn to_u32(v: usize, what: &str) -> Result<u32> {
     u32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("{what} {v} exceeds u32")))
 }
 
+/// The scalar arguments that close every `linear_small` and `qlinear_small` kernel's list,
+/// in its order: m, n0, n1, n2, k, silu.
+struct SmallDims([u32; 6]);
+
+impl SmallDims {
+    fn new(m: usize, ns: [usize; 3], k: usize, silu: bool) -> Result<Self> {
+        Ok(Self([
+            to_u32(m, "rows")?,
+            to_u32(ns[0], "columns")?,
+            to_u32(ns[1], "columns")?,
+            to_u32(ns[2], "columns")?,
+            to_u32(k, "width")?,
+            u32::from(silu),
+        ]))
+    }
+
+    /// Pushes them after the output's argument.
+    fn push<'a>(&'a self, b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>) {
+        for v in &self.0 {
+            b.arg(v);
+        }
+    }
+}
+
 /// A grid-stride launch over `n` elements (n > 0).
 fn elementwise(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(ELEMWISE_BLOCK as usize).min(1 << 20) as u32;
@@ -418,10 +442,7 @@ pub(crate) fn linear_small(
         }
         let cols = if silu { ns[0] } else { ns.iter().sum() };
         let out_len = m * cols;
-        let (m_u, k_u) = (to_u32(m, "rows")?, to_u32(k, "width")?);
-        let [n0, n1, n2] = ns.map(|n| to_u32(n, "columns"));
-        let (n0, n1, n2) = (n0?, n1?, n2?);
-        let silu_u = u32::from(silu);
+        let dims = SmallDims::new(m, ns, k, silu)?;
         let cfg = LaunchConfig {
             grid_dim: (to_u32(cols.div_ceil(4), "blocks")?, 1, 1),
             block_dim: (32 * 4, 1, 1),
@@ -439,12 +460,7 @@ pub(crate) fn linear_small(
             b.arg(&views[i.min(views.len() - 1)]);
         }
         b.arg(&out);
-        b.arg(&m_u);
-        b.arg(&n0);
-        b.arg(&n1);
-        b.arg(&n2);
-        b.arg(&k_u);
-        b.arg(&silu_u);
+        dims.push(&mut b);
         // SAFETY: the arguments match `linear_small_m<M>_<dtype>(const T* x, const T* w0, w1,
         // w2, T* y, uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu, M ≥ m; x holds m·k and weight i
         // n_i·k elements (n_i = 0 for absent ones, which are never read), all starting 16-byte
@@ -604,10 +620,7 @@ pub(crate) fn qlinear_small(
             }
         };
         let func = load::<T>(dev, &name)?;
-        let (m_u, k_u) = (to_u32(m, "rows")?, to_u32(k, "width")?);
-        let [n0, n1, n2] = ns.map(|n| to_u32(n, "columns"));
-        let (n0, n1, n2) = (n0?, n1?, n2?);
-        let silu_u = u32::from(silu);
+        let dims = SmallDims::new(m, ns, k, silu)?;
         let cfg = LaunchConfig {
             grid_dim: (
                 to_u32(cols.div_ceil(QLINEAR_WARPS * cols_per_warp), "blocks")?,
@@ -642,12 +655,7 @@ pub(crate) fn qlinear_small(
             b.arg(&ptrs[i.min(ptrs.len() - 1)]);
         }
         b.arg(&out);
-        b.arg(&m_u);
-        b.arg(&n0);
-        b.arg(&n1);
-        b.arg(&n2);
-        b.arg(&k_u);
-        b.arg(&silu_u);
+        dims.push(&mut b);
         // SAFETY: the arguments match `qlinear_small_m<M>_<type>_<dtype>` and
         // `qlinear2_small_r<R>_m<M>_<type>_<dtype>(const T* x, const uint8_t* w0, w1, w2, T* y,
         // uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu, with M ≥ m, every weight of that
