@@ -294,10 +294,15 @@ impl OffloadRuntime {
         // the page back (600 MiB prefetched and returned: 640 MiB still held), so a managed
         // model that streams grows the device's use to its whole size whatever the budget
         // (13.1 GB at 4 GiB). Managed memory therefore only serves what fits in the capacity.
-        let managed: u64 = (0..unit_bytes.len())
-            .filter(|&i| served[i] && store.unit(UnitId(i)).tier() == TierKind::Managed)
-            .map(|i| unit_bytes[i])
-            .sum();
+        // The served managed units: (bytes, the GPU their memory belongs to).
+        let managed_units: Vec<(u64, usize)> = (0..unit_bytes.len())
+            .filter(|&i| served[i])
+            .filter_map(|i| {
+                let ordinal = store.unit(UnitId(i)).buffer().managed()?.ordinal();
+                Some((unit_bytes[i], ordinal))
+            })
+            .collect();
+        let managed: u64 = managed_units.iter().map(|&(bytes, _)| bytes).sum();
         if managed > 0 && cfg.trainable {
             return Err(Error::InvalidConfig {
                 field: "engine".into(),
@@ -310,17 +315,7 @@ impl OffloadRuntime {
             candle_core::DeviceLocation::Cuda { gpu_id } => Some(gpu_id),
             _ => None,
         };
-        if let Some(other) = (0..unit_bytes.len())
-            .filter(|&i| served[i])
-            .filter_map(|i| {
-                store
-                    .unit(UnitId(i))
-                    .buffer()
-                    .managed()
-                    .map(|m| m.ordinal())
-            })
-            .find(|&o| Some(o) != gpu)
-        {
+        if let Some(&(_, other)) = managed_units.iter().find(|&&(_, o)| Some(o) != gpu) {
             return Err(Error::InvalidConfig {
                 field: "engine".into(),
                 reason: format!(

@@ -990,7 +990,7 @@ impl HostStore {
             let uid = UnitId(units.len());
             // What the unit takes in host memory: managed memory is allocated in granules.
             let host_len = match cfg.engine {
-                EngineKind::Managed => len.div_ceil(sys::MANAGED_GRANULE) * sys::MANAGED_GRANULE,
+                EngineKind::Managed => sys::managed_alloc_len(len),
                 EngineKind::Explicit => len,
             } as u64;
             let fits = host_limit.is_none_or(|cap| held + host_len <= cap);

@@ -119,7 +119,7 @@ impl Pinner {
         let managed = match (managed, device) {
             (false, _) => None,
             (true, Device::Cuda(d)) => {
-                if let Some(why) = super::managed::unsupported(d) {
+                if let Some(why) = super::managed::unsupported(device)? {
                     return Err(SysError::Unsupported {
                         field: "engine",
                         reason: format!("managed memory unsupported: {why}"),

@@ -67,25 +67,24 @@ fn location(device: Option<i32>) -> cusys::CUmemLocation {
     }
 }
 
-/// Why `cuda` cannot hold managed units, or `None` when it can.
-pub(crate) fn unsupported(cuda: &CudaDevice) -> Option<String> {
-    let ctx = cuda.cuda_stream().context().clone();
-    use cusys::CUdevice_attribute as A;
-    let flag = |a| ctx.attribute(a).is_ok_and(|v| v != 0);
-    if !flag(A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY) {
+/// Why `device`'s GPU cannot hold managed units, or `None` when it can (from the attributes
+/// the doctor reports, `device_info`).
+pub(crate) fn unsupported(device: &Device) -> SysResult<Option<String>> {
+    let facts = super::device_info(device)?;
+    Ok(if !facts.managed_memory {
         Some(format!(
             "cuda:{} does not support managed memory (CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY is 0)",
-            ctx.ordinal()
+            facts.ordinal
         ))
-    } else if !flag(A::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS) {
+    } else if !facts.concurrent_managed_access {
         Some(format!(
             "cuda:{} has no concurrent managed access (no page migration or prefetch: a \
              Windows/WSL driver or a GPU before Pascal); use the explicit engine",
-            ctx.ordinal()
+            facts.ordinal
         ))
     } else {
         None
-    }
+    })
 }
 
 impl ManagedBuffer {
@@ -101,7 +100,7 @@ impl ManagedBuffer {
         };
         ctx.bind_to_thread()
             .map_err(|e| wrap("binding the context", e))?;
-        let alloc_len = len.max(1).div_ceil(MANAGED_GRANULE) * MANAGED_GRANULE;
+        let alloc_len = super::managed_alloc_len(len);
         let ordinal = ctx.ordinal() as i32;
         // SAFETY: a plain driver allocation in the current (bound) context; the pointer is
         // owned by the returned buffer and freed once in `Drop`.
@@ -356,10 +355,7 @@ pub(crate) fn um_table(device: &Device, bytes: usize) -> candle_core::Result<Vec
     let stream = cuda.cuda_stream();
     let ctx = stream.context().clone();
     let n = bytes / 4;
-    let used = || -> candle_core::Result<u64> {
-        let (free, total) = ctx.mem_get_info().w()?;
-        Ok((total - free) as u64)
-    };
+    let used = || super::device_used_bytes(device);
     let host: Vec<f32> = (0..n).map(|i| (i % 1024) as f32).collect();
     let want: f64 = host.iter().map(|&x| f64::from(x)).sum();
     let check = |t: &Tensor| -> candle_core::Result<()> {
@@ -369,13 +365,12 @@ pub(crate) fn um_table(device: &Device, bytes: usize) -> candle_core::Result<Vec
         }
         Ok(())
     };
-    let device = device.clone();
     let mut rows = Vec::new();
     // 1. A plain copy.
     stream.synchronize().w()?;
     let before = used()?;
     let t0 = std::time::Instant::now();
-    let t = Tensor::from_slice(&host, n, &device)?;
+    let t = Tensor::from_slice(&host, n, device)?;
     check(&t)?;
     let seconds = t0.elapsed().as_secs_f64();
     rows.push(UmRow {
@@ -386,11 +381,11 @@ pub(crate) fn um_table(device: &Device, bytes: usize) -> candle_core::Result<Vec
         enqueue_seconds: None,
     });
     drop(t);
-    super::trim_memory_pool(&device)?;
+    super::trim_memory_pool(device)?;
     // 2. and 3. Managed memory, read where it lies or prefetched first.
     for prefetch in [false, true] {
         let before = used()?;
-        let alloc_len = bytes.max(1).div_ceil(MANAGED_GRANULE) * MANAGED_GRANULE;
+        let alloc_len = super::managed_alloc_len(bytes);
         // SAFETY: a plain allocation in the device's context, freed below after the stream
         // that used it finished.
         let ptr = unsafe {

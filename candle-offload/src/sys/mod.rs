@@ -55,6 +55,11 @@ pub(crate) const GGML_ROW_PADDING_ELEMS: usize = 512;
 /// counts for it).
 pub(crate) const MANAGED_GRANULE: usize = 2 << 20;
 
+/// Bytes a unit of `len` bytes allocates in managed memory: whole granules, at least one.
+pub(crate) fn managed_alloc_len(len: usize) -> usize {
+    len.max(1).div_ceil(MANAGED_GRANULE) * MANAGED_GRANULE
+}
+
 /// One row of the seed's Unified Memory table (`um_table`): how data written on the host
 /// reaches a GPU kernel that reads it, the device memory that took and the time it took.
 #[derive(Debug, Clone, PartialEq)]
