@@ -485,6 +485,10 @@ fn main() -> Result<()> {
                 "disk_read_gbps": disk_read_gbps,
                 "raw_disk_gbps": args.raw_disk_gbps,
                 "disk_efficiency": disk_efficiency,
+                // The read shape's overrides, where set (the library's defaults otherwise).
+                "disk_threads_env": std::env::var("CANDLE_OFFLOAD_DISK_THREADS").ok(),
+                "disk_piece_mib_env": std::env::var("CANDLE_OFFLOAD_DISK_PIECE_MIB").ok(),
+                "accelerate_page_cache_dropped": peer_rec.as_ref().and_then(|r| r["page_cache_dropped"].as_str().map(String::from)),
             });
             if let (Some(rec), serde_json::Value::Object(t)) =
                 (records.last_mut().and_then(|r| r.as_object_mut()), tiers)

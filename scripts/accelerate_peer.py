@@ -10,6 +10,8 @@ Usage: python3 scripts/accelerate_peer.py MODEL_DIR BUDGETS PROMPT_LENS NEW_TOKE
   (max_memory "cpu"), the rest written to OFFLOAD_DIR and read back from it in every forward.
   DROP_CACHES=1 drops the page cache after those files are written (root only), so that the
   prefill reads them cold; later tokens find them in the page cache where RAM allows.
+  DROP_CACHES=each drops it before every decode step as well (outside the timed step): what a
+  host whose RAM cannot also hold the offload folder sees, on a machine whose RAM can.
 """
 import json
 import os
@@ -50,7 +52,7 @@ def run(budget, prompt_len):
         offloaded = sum(1 for v in dm.values() if v in ("cpu", "disk"))
         on_disk = sum(1 for v in dm.values() if v == "disk")
         m = dispatch_model(m, device_map=dm, main_device=0, offload_dir=offload_dir)
-        if offload_dir and os.environ.get("DROP_CACHES") == "1":
+        if offload_dir and os.environ.get("DROP_CACHES") in ("1", "each"):
             # Cold start for the files dispatch_model just wrote (needs root; kept otherwise).
             os.system("sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null")
     gen = torch.Generator().manual_seed(prompt_len)
@@ -62,6 +64,8 @@ def run(budget, prompt_len):
         pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
         steps = []
         for _ in range(new_tokens):
+            if offload_dir and on_disk and os.environ.get("DROP_CACHES") == "each":
+                os.system("sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null")
             t0 = time.perf_counter()
             out = m(nxt, past_key_values=pkv, use_cache=True)
             torch.cuda.synchronize(); steps.append(time.perf_counter() - t0)
@@ -69,6 +73,7 @@ def run(budget, prompt_len):
     steps.sort()
     r = dict(budget=budget, prompt_len=prompt_len, offloaded_modules=offloaded,
              disk_modules=on_disk, cpu_gib=cpu_gib, prefill_s=prefill,
+             page_cache_dropped=os.environ.get("DROP_CACHES", "no") if offload_dir else "no",
              decode_s_median=steps[len(steps) // 2], decode_tokens_per_s=1 / steps[len(steps) // 2],
              peak_gpu_bytes_torch=torch.cuda.max_memory_allocated())
     print(json.dumps(r), flush=True)

@@ -49,8 +49,12 @@
 #                 O_DIRECT, 64 MiB blocks, the checkpoint's files), then per cap bench_generate
 #                 with O_DIRECT reads (cold by construction), through the page cache after
 #                 dropping it (cold, where /proc/sys/vm/drop_caches is writable) and again
-#                 (warm), and accelerate with max_memory cpu and an offload_folder
-#                 -> $OUT/tiers-*.json, tiers.log [TIERS_S=540 in all]
+#                 (warm), and accelerate with max_memory cpu and an offload_folder (page cache
+#                 dropped after writing it; ACC_DROP=each: before every token too). Rows from
+#                 $TIER_ROWS (direct pagecache-cold pagecache-warm), O_DIRECT rows in more read
+#                 shapes from $TIER_SHAPES ("8x16 4x32": threads x MiB), the disk's rate per
+#                 shape first with PROBE_GB=N (scripts/disk_probe.py)
+#                 -> $OUT/tiers-*.json, disk-probe.json, tiers.log [TIERS_S=540 in all]
 #   managed       the managed engine (Unified Memory) against the explicit one on /tmp/llama7b
 #                 at $MANAGED_BUDGETS (full; at 4 GiB the managed engine must refuse to stream),
 #                 and the seed's UM table (smoke --um-table-mib
@@ -300,11 +304,16 @@ for step in "${steps[@]}"; do
       done
       raw=$(python3 -c "import time; print(f'{$bytes / (time.time() - $t0) / 1e9:.3f}')")
       echo "raw disk: $bytes bytes at $raw GB/s ($(df -h /tmp | tail -1))" | tee -a "$OUT/tiers.log"
+      # The rate by request shape (threads x MiB per O_DIRECT read), $PROBE_GB per shape.
+      if [[ -n "${PROBE_GB:-}" ]]; then
+        timeout 120 python3 scripts/disk_probe.py "$OUT/disk-probe.json" "$PROBE_GB" /tmp/llama7b/*.safetensors 2>&1 | tee -a "$OUT/tiers.log"
+      fi
       IFS=, read -r -a caps <<<"${TIER_CAPS:-4,8}"
       for cap in "${caps[@]}"; do
         run_tier() { # NAME STATE [ARGS...]
           local name=$1 state=$2; shift 2
           ((${TIERS_ACC_ONLY:-0})) && return
+          [[ " ${TIER_ROWS:-direct pagecache-cold pagecache-warm} " == *" ${name%%-[0-9]*x*} "* ]] || return 0
           (cd /tmp && timeout "$(left)" "$BIN/bench_generate" --model-dir /tmp/llama7b --budgets 4             --prompt-lens 64 --new-tokens "${TIER_TOKENS:-6}" --cpu-memory-limit "$cap" --raw-disk-gbps "$raw"             --cache-state "$state" "${acc[@]}" "$@" --json-out "$OUT/tiers-$cap-$name.json") >>"$OUT/tiers.log" 2>&1
           echo "tiers cap $cap $name ($state) exit $?" | tee -a "$OUT/tiers.log"
           grep -E "^ +64 +4 |disk:|accelerate" "$OUT/tiers.log" | tail -3
@@ -312,11 +321,16 @@ for step in "${steps[@]}"; do
         # accelerate first, so that its JSON sits next to ours in every record of this cap.
         acc=()
         rm -rf /tmp/acc-offload
-        DROP_CACHES=1 timeout "$(( $(left) / 2 + 1 ))" python3 scripts/accelerate_peer.py /tmp/llama7b 4 64 "${ACC_TOKENS:-2}"           "$OUT/tiers-$cap-accelerate.json" "$cap" /tmp/acc-offload >>"$OUT/tiers.log" 2>&1
+        ((${ACC_SKIP:-0})) || DROP_CACHES=${ACC_DROP:-1} timeout "$(( $(left) / 2 + 1 ))" python3 scripts/accelerate_peer.py /tmp/llama7b 4 64 "${ACC_TOKENS:-2}"           "$OUT/tiers-$cap-accelerate.json" "$cap" /tmp/acc-offload >>"$OUT/tiers.log" 2>&1
         echo "accelerate cap $cap exit $?" | tee -a "$OUT/tiers.log"
         rm -rf /tmp/acc-offload
         [[ -s "$OUT/tiers-$cap-accelerate.json" ]] && acc=(--peer "$OUT/tiers-$cap-accelerate.json")
         run_tier direct "cold (O_DIRECT)"
+        # More O_DIRECT rows in other read shapes (THREADSxMIB, the disk tier's overrides).
+        for shape in ${TIER_SHAPES:-}; do
+          CANDLE_OFFLOAD_DISK_THREADS=${shape%x*} CANDLE_OFFLOAD_DISK_PIECE_MIB=${shape#*x} \
+            run_tier "direct-$shape" "cold (O_DIRECT, $shape)"
+        done
         state=$(drop_caches)
         run_tier pagecache-cold "$([[ $state == dropped ]] && echo cold || echo "not dropped")" --disk-page-cache
         run_tier pagecache-warm warm --disk-page-cache

@@ -40,8 +40,64 @@ const MERGE_GAP: u64 = 4096;
 /// buffer of its file bytes).
 const MAX_RUN: u64 = 8 << 20;
 
-/// Threads that read the pieces of one long read at once (see `DiskFile::read_exact_at`).
+/// Threads that read the pieces of one long read at once (see `DiskFile::read_exact_at`), by
+/// default; `CANDLE_OFFLOAD_DISK_THREADS` overrides it (see [`ReadShape`]).
 const READ_PARALLEL: usize = 4;
+
+/// How a long read is cut up: into pieces of `piece` bytes (the largest request one O_DIRECT
+/// `pread` makes), read by up to `threads` threads at once. Disks differ in the requests that
+/// reach their rate (a local NVMe wants several in flight, some virtual disks want large ones),
+/// so both can be set for a process: `CANDLE_OFFLOAD_DISK_THREADS` (1-64, default
+/// [`READ_PARALLEL`]) and `CANDLE_OFFLOAD_DISK_PIECE_MIB` (1-256, default [`MAX_RUN`] in MiB).
+/// A value out of range or not a number is ignored with one warning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ReadShape {
+    pub threads: usize,
+    pub piece: u64,
+}
+
+impl ReadShape {
+    pub(crate) const DEFAULT: Self = Self {
+        threads: READ_PARALLEL,
+        piece: MAX_RUN,
+    };
+
+    /// The default shape with the variables' overrides (`None`: unset).
+    fn from_vars(threads: Option<&str>, piece_mib: Option<&str>) -> Self {
+        fn parse(name: &str, v: Option<&str>, max: u64) -> Option<u64> {
+            let v = v?.trim();
+            if v.is_empty() {
+                return None;
+            }
+            match v.parse::<u64>() {
+                Ok(n) if (1..=max).contains(&n) => Some(n),
+                _ => {
+                    tracing::warn!("{name}={v:?} is not a whole number from 1 to {max}; ignored");
+                    None
+                }
+            }
+        }
+        let d = Self::DEFAULT;
+        Self {
+            threads: parse("CANDLE_OFFLOAD_DISK_THREADS", threads, 64)
+                .map_or(d.threads, |n| n as usize),
+            piece: parse("CANDLE_OFFLOAD_DISK_PIECE_MIB", piece_mib, 256)
+                .map_or(d.piece, |n| n << 20),
+        }
+    }
+
+    /// The process's shape, read from the environment once.
+    pub(crate) fn get() -> Self {
+        static SHAPE: OnceLock<ReadShape> = OnceLock::new();
+        *SHAPE.get_or_init(|| {
+            let var = |k| std::env::var(k).ok();
+            Self::from_vars(
+                var("CANDLE_OFFLOAD_DISK_THREADS").as_deref(),
+                var("CANDLE_OFFLOAD_DISK_PIECE_MIB").as_deref(),
+            )
+        })
+    }
+}
 
 /// Alignment of O_DIRECT reads (offset, length and buffer): a multiple of every common logical
 /// block size (512 and 4096 bytes).
@@ -157,22 +213,28 @@ impl DiskFile {
         self.direct().is_some()
     }
 
-    /// Fills `dst` from `offset`: with O_DIRECT through aligned buffers of at most
-    /// [`MAX_RUN`] bytes, otherwise with `pread`s through the page cache. A read longer than
-    /// [`MAX_RUN`] is cut at `MAX_RUN` boundaries of the file and its pieces are read by up to
-    /// [`READ_PARALLEL`] threads at once, each with one buffer, since a disk (and the page
-    /// cache's copy) reaches its rate only with several requests in flight.
+    /// Fills `dst` from `offset` in the process's [`ReadShape`].
     fn read_exact_at(&self, dst: &mut [u8], offset: u64) -> io::Result<()> {
-        if dst.len() as u64 <= MAX_RUN {
-            return self.read_run(dst, offset, &mut None);
+        self.read_exact_shaped(dst, offset, ReadShape::get())
+    }
+
+    /// Fills `dst` from `offset`: with O_DIRECT through aligned buffers of at most
+    /// `shape.piece` bytes, otherwise with `pread`s through the page cache. A read longer than
+    /// a piece is cut at piece boundaries of the file and its pieces are read by up to
+    /// `shape.threads` threads at once, each with one buffer, since a disk (and the page
+    /// cache's copy) reaches its rate only with several requests in flight.
+    fn read_exact_shaped(&self, dst: &mut [u8], offset: u64, shape: ReadShape) -> io::Result<()> {
+        let piece = shape.piece;
+        if dst.len() as u64 <= piece || shape.threads == 1 {
+            return self.read_run(dst, offset, piece, &mut None);
         }
         let mut parts: Vec<Vec<(u64, &mut [u8])>> =
-            (0..READ_PARALLEL).map(|_| Vec::new()).collect();
+            (0..shape.threads).map(|_| Vec::new()).collect();
         let (mut rest, mut pos, mut i) = (dst, offset, 0usize);
         while !rest.is_empty() {
-            let take = ((pos / MAX_RUN + 1) * MAX_RUN - pos).min(rest.len() as u64) as usize;
-            let (piece, tail) = rest.split_at_mut(take);
-            parts[i % READ_PARALLEL].push((pos, piece));
+            let take = ((pos / piece + 1) * piece - pos).min(rest.len() as u64) as usize;
+            let (head, tail) = rest.split_at_mut(take);
+            parts[i % shape.threads].push((pos, head));
             (rest, pos, i) = (tail, pos + take as u64, i + 1);
         }
         std::thread::scope(|scope| {
@@ -182,8 +244,8 @@ impl DiskFile {
                 .map(|pieces| {
                     scope.spawn(move || {
                         let mut scratch = None;
-                        for (at, piece) in pieces {
-                            self.read_run(piece, at, &mut scratch)?;
+                        for (at, head) in pieces {
+                            self.read_run(head, at, piece, &mut scratch)?;
                         }
                         Ok::<(), io::Error>(())
                     })
@@ -202,12 +264,14 @@ impl DiskFile {
         })
     }
 
-    /// [`read_exact_at`](Self::read_exact_at) on one thread: with O_DIRECT through `scratch`
-    /// (allocated on first use, at most [`MAX_RUN`] plus alignment), otherwise one `pread`.
+    /// [`read_exact_shaped`](Self::read_exact_shaped) on one thread: with O_DIRECT through
+    /// `scratch` (allocated on first use, at most `piece` bytes plus alignment) in requests of
+    /// at most `piece` bytes, otherwise one `pread`.
     fn read_run(
         &self,
         dst: &mut [u8],
         offset: u64,
+        piece: u64,
         scratch: &mut Option<AlignedBuf>,
     ) -> io::Result<()> {
         let Some(direct) = self.direct() else {
@@ -215,7 +279,7 @@ impl DiskFile {
         };
         let a = DIRECT_ALIGN as u64;
         let end = offset + dst.len() as u64;
-        let span = (end.div_ceil(a) * a - offset / a * a).min(MAX_RUN + 2 * a) as usize;
+        let span = (end.div_ceil(a) * a - offset / a * a).min(piece + 2 * a) as usize;
         if scratch.as_ref().is_none_or(|b| b.len < span) {
             *scratch = Some(AlignedBuf::new(span)?);
         }
@@ -223,7 +287,7 @@ impl DiskFile {
         let mut pos = offset;
         while pos < end {
             let start = pos / a * a;
-            let chunk_end = end.min(start + MAX_RUN);
+            let chunk_end = end.min(start + piece);
             let n = (chunk_end.div_ceil(a) * a - start) as usize;
             let buf = &mut scratch.bytes_mut()[..n];
             let mut got = 0;
@@ -411,7 +475,6 @@ impl DiskUnit {
                 ),
             ));
         }
-        dst.fill(0);
         let mut pieces = Vec::new();
         for s in &self.segments {
             let (a, b) = (range.start.max(s.at), range.end.min(s.at + s.len));
@@ -425,6 +488,20 @@ impl DiskUnit {
                 skip,
                 dst: a - range.start..b - range.start,
             });
+        }
+        // The bytes no segment covers (alignment gaps) read as zeros; the rest is overwritten
+        // below, so only the gaps are written here (a staging buffer is reused unzeroed).
+        let mut covered: Vec<Range<usize>> = pieces.iter().map(|p| p.dst.clone()).collect();
+        covered.sort_by_key(|r| r.start);
+        let mut at = 0;
+        for r in covered
+            .iter()
+            .chain(std::iter::once(&(dst.len()..dst.len())))
+        {
+            if r.start > at {
+                dst[at..r.start].fill(0);
+            }
+            at = at.max(r.end);
         }
         let named = |s: &Segment, e: io::Error| {
             let what = if e.kind() == io::ErrorKind::UnexpectedEof {
@@ -516,13 +593,31 @@ pub(crate) enum ReadAhead {
     Ready,
 }
 
+/// A staging buffer kept for the next read-ahead of the same size, so that a unit's read does
+/// not first allocate and fault in (and afterwards unmap) hundreds of megabytes.
+type Spare = Arc<Mutex<Option<PageableBuffer>>>;
+
 /// A read-ahead's outcome, once a reader thread has finished it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Staged {
     result: Mutex<Option<io::Result<PageableBuffer>>>,
     done: Condvar,
     /// Set when nobody needs the bytes any more: a job not started yet skips the read.
     dropped: AtomicBool,
+    /// Where its buffer goes when it is dropped (the pool's one spare, if that is empty).
+    spare: Spare,
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        let result = self.result.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(Ok(buf)) = result.take() {
+            let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+            if spare.is_none() {
+                *spare = Some(buf);
+            }
+        }
+    }
 }
 
 impl Staged {
@@ -561,7 +656,15 @@ impl ReadJob {
             return;
         }
         let len = self.unit.len;
-        let mut buf = PageableBuffer::zeroed(len);
+        let spare = self
+            .staged
+            .spare
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let mut buf = spare
+            .filter(|b| b.len() == len)
+            .unwrap_or_else(|| PageableBuffer::zeroed(len));
         let read = match buf.bytes_mut() {
             Some(dst) => self.unit.read(0..len, dst),
             None => Err(io::Error::other("a pageable buffer without bytes")),
@@ -586,6 +689,10 @@ pub(crate) struct ReadPool {
     tx: Option<mpsc::Sender<ReadJob>>,
     threads: Vec<std::thread::JoinHandle<()>>,
     closing: Arc<AtomicBool>,
+    /// One staging buffer kept from a finished read-ahead for the next (see [`Spare`]): in
+    /// steady state the next read-ahead starts right after a fetch ends the last one, so two
+    /// read-aheads in flight never hold more than two units' bytes between them and the spare.
+    spare: Spare,
 }
 
 impl ReadPool {
@@ -598,6 +705,7 @@ impl ReadPool {
             tx: Some(tx),
             threads: Vec::new(),
             closing: closing.clone(),
+            spare: Spare::default(),
         };
         for i in 0..threads.max(1) {
             let (rx, closing) = (rx.clone(), closing.clone());
@@ -748,7 +856,12 @@ impl HostTier for DiskTier {
         if slot.is_some() {
             return false;
         }
-        let staged = Arc::new(Staged::default());
+        let staged = Arc::new(Staged {
+            result: Mutex::new(None),
+            done: Condvar::new(),
+            dropped: AtomicBool::new(false),
+            spare: pool.spare.clone(),
+        });
         *slot = Some(staged.clone());
         drop(slot);
         pool.submit(ReadJob {
@@ -929,6 +1042,16 @@ mod tests {
                 direct.read_exact_at(&mut a, offset as u64)?;
                 cached.read_exact_at(&mut b, offset as u64)?;
                 assert!(a == b && a == data[offset..offset + n], "{offset}+{n}");
+                // Other shapes: one thread, more threads than pieces, pieces that are not a
+                // power of two, pieces larger than the default.
+                for (threads, piece) in [(1, 3 << 20), (3, (1 << 20) + 4096), (16, 32 << 20)] {
+                    let shape = ReadShape { threads, piece };
+                    let mut c = vec![2u8; n];
+                    direct.read_exact_shaped(&mut c, offset as u64, shape)?;
+                    assert!(c == a, "{offset}+{n} in {shape:?}");
+                    cached.read_exact_shaped(&mut c, offset as u64, shape)?;
+                    assert!(c == a, "{offset}+{n} in {shape:?}, page cache");
+                }
             }
             let e = direct
                 .read_exact_at(&mut [0u8; 10], len as u64 - 5)
@@ -953,6 +1076,24 @@ mod tests {
             std::fs::remove_dir_all(&dir)?;
         }
         Ok(())
+    }
+
+    #[test]
+    fn read_shape_takes_valid_overrides_only() {
+        let d = ReadShape::DEFAULT;
+        assert_eq!(ReadShape::from_vars(None, None), d);
+        assert_eq!(ReadShape::from_vars(Some(""), Some(" ")), d);
+        let s = ReadShape::from_vars(Some("8"), Some("32"));
+        assert_eq!((s.threads, s.piece), (8, 32 << 20));
+        for bad in ["0", "65", "-1", "x", "1.5"] {
+            assert_eq!(
+                ReadShape::from_vars(Some(bad), None).threads,
+                d.threads,
+                "{bad}"
+            );
+        }
+        assert_eq!(ReadShape::from_vars(None, Some("257")).piece, d.piece);
+        assert_eq!(ReadShape::from_vars(None, Some("1")).piece, 1 << 20);
     }
 
     #[test]
@@ -1016,6 +1157,50 @@ mod tests {
         drop(pool);
         tier.read_into(0..300, &mut out)?;
         assert_eq!(out, data[..300]);
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+
+    /// A read-ahead reuses the buffer the one before it left (not zeroed): the gaps between
+    /// its segments still read as zeros, whatever the buffer held.
+    #[test]
+    fn a_reused_staging_buffer_reads_its_gaps_as_zeros() -> anyhow::Result<()> {
+        let dir = std::env::temp_dir().join(format!("candle-offload-spare-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("w.bin");
+        let data: Vec<u8> = (0..4000u32).map(|i| (i % 251) as u8 | 1).collect();
+        std::fs::write(&path, &data)?;
+        let file = DiskFile::open(&path, false)?;
+        let seg = |at, len, file_offset| Segment {
+            file: file.clone(),
+            name: "t".into(),
+            at,
+            len,
+            file_offset,
+            conversion: None,
+        };
+        // The same length; the first covers every byte, the second leaves 0..256 and
+        // 1256..1512 as gaps.
+        let full = DiskTier::new("full", 2000, vec![seg(0, 2000, 0)])?;
+        let gappy = DiskTier::new("gappy", 2000, vec![seg(256, 1000, 7), seg(1512, 488, 3000)])?;
+        let pool = ReadPool::new(1)?;
+        for _ in 0..3 {
+            for tier in [&full, &gappy] {
+                assert!(tier.read_ahead(&pool));
+                let mut out = vec![0xAAu8; 2000];
+                tier.read_into(0..2000, &mut out)?;
+                tier.end_read_ahead();
+                let mut direct = vec![0x55u8; 2000];
+                tier.inner.read(0..2000, &mut direct)?;
+                assert_eq!(out, direct, "read-ahead equals a plain read");
+            }
+        }
+        let mut out = vec![0xAAu8; 2000];
+        gappy.inner.read(0..2000, &mut out)?;
+        assert!(out[..256].iter().chain(&out[1256..1512]).all(|&b| b == 0));
+        assert_eq!(out[256..1256], data[7..1007]);
+        assert_eq!(out[1512..], data[3000..3488]);
+        assert!(full.inner.read(0..2000, &mut out).is_ok() && out == data[..2000]);
         std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
