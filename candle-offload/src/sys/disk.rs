@@ -464,6 +464,11 @@ impl DiskUnit {
 
     /// Reads `range` of the unit's layout into `dst` (its length), zeros between segments.
     fn read(&self, range: Range<usize>, dst: &mut [u8]) -> io::Result<()> {
+        self.read_shaped(range, dst, ReadShape::get())
+    }
+
+    /// [`read`](Self::read) with its plain tensors read in `shape`.
+    fn read_shaped(&self, range: Range<usize>, dst: &mut [u8], shape: ReadShape) -> io::Result<()> {
         if range.end > self.len || range.start > range.end || range.len() != dst.len() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -526,8 +531,10 @@ impl DiskUnit {
                 checked.push(p.seg.file.path());
             }
         }
-        // Runs of pieces whose file ranges (nearly) touch, each read with one `pread`.
+        // Runs of pieces whose file ranges (nearly) touch, each read with one `pread`; a run
+        // that is one tensor read as it is goes to `plain`, read last through one queue.
         pieces.sort_by_key(|p| (Arc::as_ptr(&p.seg.file) as usize, p.file.start));
+        let mut plain: Vec<&Piece> = Vec::new();
         let mut i = 0;
         while i < pieces.len() {
             let first = &pieces[i];
@@ -543,10 +550,7 @@ impl DiskUnit {
             let run = &pieces[i..j];
             if let [p] = run {
                 if p.seg.conversion.is_none() {
-                    p.seg
-                        .file
-                        .read_exact_at(&mut dst[p.dst.clone()], start)
-                        .map_err(|e| named(p.seg, e))?;
+                    plain.push(p);
                     i = j;
                     continue;
                 }
@@ -578,8 +582,88 @@ impl DiskUnit {
             }
             i = j;
         }
-        Ok(())
+        read_plain(&plain, dst, shape).map_err(|(seg, e)| named(seg, e))
     }
+}
+
+/// Reads tensors stored as they are (`pieces`, in file order, disjoint in `dst`): cut at piece
+/// boundaries of their files and read by up to `shape.threads` threads from one queue, so
+/// that as many requests stay in flight from the unit's first byte to its last (a tensor at a
+/// time would wait for each tensor's slowest piece). Every thread is joined; the first error
+/// is returned with its segment, and no piece starts after it.
+fn read_plain<'a>(
+    pieces: &[&Piece<'a>],
+    dst: &mut [u8],
+    shape: ReadShape,
+) -> Result<(), (&'a Segment, io::Error)> {
+    // The requests, in file order, each with its own slice of `dst`.
+    let mut order: Vec<usize> = (0..pieces.len()).collect();
+    order.sort_by_key(|&k| pieces[k].dst.start);
+    let mut slices: Vec<Option<&mut [u8]>> = (0..pieces.len()).map(|_| None).collect();
+    let (mut rest, mut at) = (dst, 0usize);
+    for k in order {
+        let r = &pieces[k].dst;
+        let (_, tail) = rest.split_at_mut(r.start - at);
+        let (mine, tail) = tail.split_at_mut(r.len());
+        slices[k] = Some(mine);
+        (rest, at) = (tail, r.end);
+    }
+    let mut queue = Vec::new();
+    for (p, slice) in pieces.iter().zip(slices) {
+        let (mut slice, mut pos) = (slice.unwrap_or_default(), p.file.start);
+        while !slice.is_empty() {
+            let take = ((pos / shape.piece + 1) * shape.piece - pos).min(slice.len() as u64);
+            let (head, tail) = slice.split_at_mut(take as usize);
+            queue.push((p.seg, pos, head));
+            (slice, pos) = (tail, pos + take);
+        }
+    }
+    let threads = shape.threads.min(queue.len());
+    if threads <= 1 {
+        let mut scratch = None;
+        for (seg, pos, head) in queue {
+            seg.file
+                .read_run(head, pos, shape.piece, &mut scratch)
+                .map_err(|e| (seg, e))?;
+        }
+        return Ok(());
+    }
+    queue.reverse(); // popped from the end: file order
+    let queue = Mutex::new(queue);
+    let failed = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut scratch = None;
+                    loop {
+                        if failed.load(Ordering::Relaxed) {
+                            return Ok(());
+                        }
+                        let next = queue.lock().unwrap_or_else(|e| e.into_inner()).pop();
+                        let Some((seg, pos, head)) = next else {
+                            return Ok(());
+                        };
+                        if let Err(e) = seg.file.read_run(head, pos, shape.piece, &mut scratch) {
+                            failed.store(true, Ordering::Relaxed);
+                            return Err((seg, e));
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut first = Ok(());
+        for h in handles {
+            let r = h.join().unwrap_or_else(|_| {
+                let seg = pieces[0].seg;
+                Err((seg, io::Error::other("a disk read thread panicked")))
+            });
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    })
 }
 
 /// Where a unit's read-ahead stands.
@@ -1197,10 +1281,97 @@ mod tests {
         }
         let mut out = vec![0xAAu8; 2000];
         gappy.inner.read(0..2000, &mut out)?;
+        std::fs::remove_dir_all(&dir)?;
         assert!(out[..256].iter().chain(&out[1256..1512]).all(|&b| b == 0));
         assert_eq!(out[256..1256], data[7..1007]);
         assert_eq!(out[1512..], data[3000..3488]);
         assert!(full.inner.read(0..2000, &mut out).is_ok() && out == data[..2000]);
+        Ok(())
+    }
+
+    /// A unit of several tensors longer than a piece, stored out of file order, reads the
+    /// same in every shape, whole or in part, with O_DIRECT or not; a file cut short fails
+    /// with the tensor's name, whichever thread meets it.
+    #[test]
+    fn a_unit_reads_the_same_in_every_shape() -> anyhow::Result<()> {
+        let dir = std::env::temp_dir().join(format!("candle-offload-shape-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("w.bin");
+        let len = (7 << 20) + 333;
+        let data: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
+        std::fs::write(&path, &data)?;
+        for direct in [false, true] {
+            let file = DiskFile::open(&path, direct)?;
+            let seg = |name: &str, at, len, file_offset| Segment {
+                file: file.clone(),
+                name: name.into(),
+                at,
+                len,
+                file_offset,
+                conversion: None,
+            };
+            // a: 3 MiB + 5 at file 1 MiB + 17; b: 2 MiB + 100 at file 5; c: 1 MiB at file 4 MiB + 500.
+            let (a, b, c) = ((3 << 20) + 5, (2 << 20) + 100, 1 << 20);
+            let unit_len = a + b + c + 4096;
+            let tier = DiskTier::new(
+                "u",
+                unit_len,
+                vec![
+                    seg("a", 0, a, (1 << 20) + 17),
+                    seg("b", a + 4096, b, 5),
+                    seg("c", a + 4096 + b, c, (4 << 20) + 500),
+                ],
+            )?;
+            let mut want = vec![0u8; unit_len];
+            want[..a].copy_from_slice(&data[(1 << 20) + 17..(1 << 20) + 17 + a]);
+            want[a + 4096..a + 4096 + b].copy_from_slice(&data[5..5 + b]);
+            want[a + 4096 + b..].copy_from_slice(&data[(4 << 20) + 500..(4 << 20) + 500 + c]);
+            for (threads, piece) in [(1, 1 << 20), (4, 1 << 20), (3, 700_000), (8, 8 << 20)] {
+                let shape = ReadShape { threads, piece };
+                for range in [0..unit_len, 17..a + 5000, a + 4000..unit_len - 9] {
+                    let mut out = vec![0x5Au8; range.len()];
+                    tier.inner.read_shaped(range.clone(), &mut out, shape)?;
+                    assert!(
+                        out == want[range.clone()],
+                        "{shape:?} {range:?} direct {direct}"
+                    );
+                }
+            }
+        }
+        // Past the end of the file in tensor c's last pieces: the error is c's, whichever
+        // thread meets it, after every thread has stopped.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)?
+            .set_len(6 << 20)?;
+        let file = DiskFile::open(&path, false)?;
+        let seg = |name: &str, at: usize, len: usize| Segment {
+            file: file.clone(),
+            name: name.into(),
+            at,
+            len,
+            file_offset: at as u64,
+            conversion: None,
+        };
+        let (sa, sc) = (seg("a", 0, 4 << 20), seg("c", 4 << 20, 3 << 20));
+        fn piece(seg: &Segment) -> Piece<'_> {
+            Piece {
+                seg,
+                file: seg.file_offset..seg.file_offset + seg.len as u64,
+                skip: 0,
+                dst: seg.at..seg.at + seg.len,
+            }
+        }
+        let (pa, pc) = (piece(&sa), piece(&sc));
+        let mut out = vec![0u8; 7 << 20];
+        for threads in [1, 4] {
+            let shape = ReadShape {
+                threads,
+                piece: 1 << 20,
+            };
+            let (seg, e) = read_plain(&[&pa, &pc], &mut out, shape).unwrap_err();
+            assert_eq!((&*seg.name, e.kind()), ("c", io::ErrorKind::UnexpectedEof));
+        }
         std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
