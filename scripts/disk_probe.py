@@ -74,4 +74,7 @@ for threads, mib in shapes:
     r = dict(threads=threads, piece_mib=mib, bytes=done[0], seconds=dt, gbps=done[0] / dt / 1e9)
     print(json.dumps(r), flush=True)
     results.append(r)
-json.dump(dict(files=[f for f, _ in files], results=results), open(out_path, "w"), indent=1)
+json.dump(dict(benchmark="disk_probe", command=" ".join(sys.argv), shapes=os.environ.get("SHAPES"),
+               machine=os.uname().nodename, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               commit=os.environ.get("COMMIT"), files=[f for f, _ in files], results=results),
+          open(out_path, "w"), indent=1)

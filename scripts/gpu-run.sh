@@ -306,7 +306,8 @@ for step in "${steps[@]}"; do
       echo "raw disk: $bytes bytes at $raw GB/s ($(df -h /tmp | tail -1))" | tee -a "$OUT/tiers.log"
       # The rate by request shape (threads x MiB per O_DIRECT read), $PROBE_GB per shape.
       if [[ -n "${PROBE_GB:-}" ]]; then
-        timeout 120 python3 scripts/disk_probe.py "$OUT/disk-probe.json" "$PROBE_GB" /tmp/llama7b/*.safetensors 2>&1 | tee -a "$OUT/tiers.log"
+        COMMIT=$(git describe --always --dirty --abbrev=12 2>/dev/null || echo unknown) \
+          timeout 120 python3 scripts/disk_probe.py "$OUT/disk-probe.json" "$PROBE_GB" /tmp/llama7b/*.safetensors 2>&1 | tee -a "$OUT/tiers.log"
       fi
       IFS=, read -r -a caps <<<"${TIER_CAPS:-4,8}"
       for cap in "${caps[@]}"; do

@@ -40,9 +40,11 @@ const MERGE_GAP: u64 = 4096;
 /// buffer of its file bytes).
 const MAX_RUN: u64 = 8 << 20;
 
-/// Threads that read the pieces of one long read at once (see `DiskFile::read_exact_at`), by
-/// default; `CANDLE_OFFLOAD_DISK_THREADS` overrides it (see [`ReadShape`]).
-const READ_PARALLEL: usize = 4;
+/// Threads that read the pieces of one unit at once, by default; `CANDLE_OFFLOAD_DISK_THREADS`
+/// overrides it (see [`ReadShape`]). Two, with two read-aheads in flight, keep four 8 MiB
+/// requests at the disk: on the GPU machine's virtual disk that read at 1.56 GB/s, where four
+/// (eight requests) read at 1.14 and one 16 MiB request per unit at 1.26 (BENCHMARKS.md).
+const READ_PARALLEL: usize = 2;
 
 /// How a long read is cut up: into pieces of `piece` bytes (the largest request one O_DIRECT
 /// `pread` makes), read by up to `threads` threads at once. Disks differ in the requests that
