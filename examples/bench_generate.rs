@@ -19,7 +19,7 @@ use candle_core::{DType, Tensor};
 use candle_offload::diag::{self, PeakMemorySampler};
 use candle_offload::MemoryLimit;
 use candle_offload_models::llama::argmax;
-use candle_offload_models::{loader, Llama, OffloadSettings};
+use candle_offload_models::{loader, quantize, Llama, OffloadSettings};
 use candle_offload_suite::median;
 use clap::Parser;
 
@@ -33,6 +33,10 @@ struct Args {
     /// are); by default they are dequantized to F16.
     #[arg(long)]
     quantized: bool,
+    /// Quantize a safetensors checkpoint on load to this GGML type (q8_0, q6_k, q5_k, q4_k,
+    /// q4_0), through the library's cached GGUF next to the model, and keep the blocks.
+    #[arg(long, conflicts_with = "quantized")]
+    quantize: Option<String>,
     /// What the weights are, for the records (default: the file or directory name).
     #[arg(long)]
     weights: Option<String>,
@@ -150,12 +154,26 @@ fn main() -> Result<()> {
         engine,
         ..Default::default()
     };
-    let store = Arc::new(loader::load_store_config(
-        &files,
-        &store_cfg,
-        &device,
-        args.quantized,
-    )?);
+    let store = Arc::new(match &args.quantize {
+        Some(name) => {
+            let ty = quantize::parse_type(name).with_context(|| {
+                format!(
+                    "--quantize {name:?}: not one of {}",
+                    quantize::TYPES.map(|(n, _)| n).join(", ")
+                )
+            })?;
+            let opts = quantize::QuantizeOptions::default();
+            let (store, cached) =
+                quantize::load_store_config(&files, ty, &store_cfg, &device, &opts)?;
+            println!(
+                "quantized on load: {} ({:?})",
+                cached.path.display(),
+                cached.state
+            );
+            store
+        }
+        None => loader::load_store_config(&files, &store_cfg, &device, args.quantized)?,
+    });
     // Disk units by name, with the bytes a fetch of each reads (its host layout, not its
     // device size: they differ for GGUF's padded blocks).
     let disk_units: std::collections::HashMap<String, u64> = store
@@ -435,7 +453,8 @@ fn main() -> Result<()> {
             records.push(serde_json::json!({
                 "model": files.origin,
                 "weights": weights,
-                "quantized_blocks": args.quantized,
+                "quantized_blocks": args.quantized || args.quantize.is_some(),
+                "quantize_on_load": args.quantize,
                 "prefill_tokens_per_s": prompt_len as f64 / prefill_s,
                 "llamacpp_ngl": ngl,
                 "llamacpp_peak_device_bytes": lc_peak,
