@@ -36,6 +36,10 @@
 #                 bench_generate arguments from $QB_ARGS, once per qlinear_small kernel variant
 #                 in $QB_VARIANTS (v1 v2 v2r2 v2r4; llama.cpp with the first only)
 #                 -> $OUT/qbench-W[-V].json [QBENCH_S=300]
+#   qonload[=W,..] bench_generate on /tmp/llama7b (needs make7b) quantized on load to W (q4_0,
+#                 q8_0, ...; the library's cached GGUF, no llama.cpp needed), once per variant in
+#                 $QB_VARIANTS, budgets $QB_BUDGETS (full), prompts $QB_PROMPTS (64)
+#                 -> $OUT/qonload-7b-W[-V].json [QBENCH_S=300 per run]
 #   decode[=V,..] bench_generate on /tmp/llama7b (needs make7b), budgets $DECODE_BUDGETS (12,full),
 #                 prompt 64, once per variant V: default (fused ops, no event tracking),
 #                 unfused (--unfused), tracking (--event-tracking), unfused-tracking (both: the
@@ -73,16 +77,16 @@ OUT="${OUT:-/tmp/out}"
 BIN="${GPU_BIN:-/tmp/bin}"  # where the binaries are unpacked
 export PYTHONUNBUFFERED=1
 
-usage() { sed -n '2,42p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 steps=()
 while (($# > 0)); do
   case "$1" in
     --) shift; break ;;
     -h | --help) usage; exit 0 ;;
-    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | gguf7b | gguf13b | qbench | qbench=* | decode | decode=* | breakdown | breakdown=* | tiers | managed)
+    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | gguf7b | gguf13b | qbench | qbench=* | qonload | qonload=* | decode | decode=* | breakdown | breakdown=* | tiers | managed)
       steps+=("$1"); shift ;;
-    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp gguf7b gguf13b qbench[=W,...] decode[=V,...] breakdown[=V] tiers managed)" >&2; exit 2 ;;
+    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp gguf7b gguf13b qbench[=W,...] qonload[=W,...] decode[=V,...] breakdown[=V] tiers managed)" >&2; exit 2 ;;
   esac
 done
 train_args=("$@")
@@ -228,6 +232,24 @@ for step in "${steps[@]}"; do
       t0=$(date +%s)
       make_gguf 13b 5120 40 13824 40 40 32000 Q4_K_M Q8_0 && rm -f /tmp/gguf/13b-f16.gguf
       echo "gguf13b exit $? after $(($(date +%s) - t0)) s"
+      ;;
+    qonload | qonload=*)
+      need_bin bench_generate qonload "--example bench_generate" || continue
+      wait_make7b || continue
+      ws=(q4_0 q8_0)
+      [[ "$step" == qonload=* ]] && IFS=, read -r -a ws <<<"${step#qonload=}"
+      for w in "${ws[@]}"; do
+        # The first run writes the cached GGUF next to /tmp/llama7b; the others read it.
+        for v in ${QB_VARIANTS:-default}; do
+          tag=7b-$w; [[ "$v" == default ]] || tag=$tag-$v
+          (cd /tmp && CANDLE_OFFLOAD_QLINEAR=${v/default/} timeout "${QBENCH_S:-300}" "$BIN/bench_generate" \
+            --model-dir /tmp/llama7b --quantize "$w" --weights "7b-$w-on-load" --budgets "${QB_BUDGETS:-full}" \
+            --prompt-lens "${QB_PROMPTS:-64}" --depths 2 --json-out "$OUT/qonload-$tag.json") \
+            >"$OUT/qonload-$tag.log" 2>&1
+          echo "qonload $tag exit $?"
+          tail -${QB_TAIL:-4} "$OUT/qonload-$tag.log"
+        done
+      done
       ;;
     qbench | qbench=*)
       need_bin bench_generate qbench "--example bench_generate" || continue
