@@ -733,6 +733,27 @@ __device__ __forceinline__ void qcolumn(uint32_t col, const uint8_t *w0, const u
     }
 }
 
+// Starts the copies of blocks first .. first + count (count <= QStage2::BLOCKS) of each of the
+// R rows into st[w * QStage2::VECS ..] (one warp, all lanes; all copies in flight at once) and
+// returns where block `first` of row w lands in at[w]; the caller waits for them
+// (cp.async.wait_all, then __syncwarp).
+template <int QT, int R>
+__device__ __forceinline__ void stage_rows_async(const uint8_t *const *rows, uint32_t first,
+                                                 uint32_t count, uint4 *st, const uint8_t **at) {
+    constexpr int B = QBlock<QT>::BYTES;
+    const uint32_t lane = threadIdx.x & 31u;
+#pragma unroll
+    for (int w = 0; w < R; ++w) {
+        const uintptr_t s = reinterpret_cast<uintptr_t>(rows[w]) + (uintptr_t)first * B;
+        const uintptr_t a0 = s & ~(uintptr_t)15;
+        const uint32_t nvec = (uint32_t)((s + (uintptr_t)count * B + 15 - a0) >> 4);
+        uint4 *dst = st + w * QStage2<QT>::VECS;
+        at[w] = reinterpret_cast<const uint8_t *>(dst) + (s - a0);
+        const uint4 *src = reinterpret_cast<const uint4 *>(a0);
+        for (uint32_t v = lane; v < nvec; v += 32u) cp_async16(dst + v, src + v);
+    }
+}
+
 // acc[w][r] += x[r, :] · rows[w] for the R rows (k / 32 blocks each) and r < m <= M (one
 // warp; every lane calls). st: this warp's R * QStage2::VECS vectors of shared memory.
 template <typename T, int M, int QT, int R>
@@ -745,16 +766,7 @@ __device__ __forceinline__ void qdot_rows2(const T *x, const uint8_t *const *row
     for (uint32_t first = 0; first < nb; first += QStage2<QT>::BLOCKS) {
         const uint32_t count = min((uint32_t)QStage2<QT>::BLOCKS, nb - first);
         const uint8_t *at[R];
-#pragma unroll
-        for (int w = 0; w < R; ++w) {
-            const uintptr_t s = reinterpret_cast<uintptr_t>(rows[w]) + (uintptr_t)first * B;
-            const uintptr_t a0 = s & ~(uintptr_t)15;
-            const uint32_t nvec = (uint32_t)((s + (uintptr_t)count * B + 15 - a0) >> 4);
-            uint4 *dst = st + w * QStage2<QT>::VECS;
-            at[w] = reinterpret_cast<const uint8_t *>(dst) + (s - a0);
-            const uint4 *src = reinterpret_cast<const uint4 *>(a0);
-            for (uint32_t v = lane; v < nvec; v += 32u) cp_async16(dst + v, src + v);
-        }
+        stage_rows_async<QT, R>(rows, first, count, st, at);
         asm volatile("cp.async.wait_all;\n" ::);
         __syncwarp();
         for (uint32_t j = lane; j < count; j += 32u) {
@@ -811,31 +823,19 @@ __device__ __forceinline__ void qdot_rows2(const T *x, const uint8_t *const *row
     }
 }
 
-// qlinear_small's contract, variant 2. Dynamic shared memory: R * QStage2::VECS 16-byte vectors
-// per warp. Warp i of the grid computes columns R i .. R i + R - 1 of the concatenated weights
-// (a warp's columns may span two of them), or with silu columns (R / 2) i .. of both gate and
-// up; columns past the last are computed on a repeat of the warp's first row and not written.
-template <typename T, int M, int QT, int R>
-__device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
-                               const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
-                               uint32_t n2, uint32_t k, uint32_t silu) {
-    extern __shared__ uint4 qstage[];
-    const uint32_t warp = threadIdx.x >> 5;
-    const uint32_t lane = threadIdx.x & 31u;
-    const uint32_t gw = blockIdx.x * OPS_WARPS + warp;
-    const size_t row_bytes = (size_t)(k >> 5) * QBlock<QT>::BYTES;
-    uint4 *st = qstage + (size_t)warp * R * QStage2<QT>::VECS;
-    const uint8_t *rows[R];
-    float acc[R][M];
-#pragma unroll
-    for (int w = 0; w < R; ++w)
-#pragma unroll
-        for (int r = 0; r < M; ++r) acc[w][r] = 0.0f;
-    // One call of qdot_rows2 for both forms (its unrolled body is most of the kernel's code).
+// The weight rows of warp `gw` in variant 2's grid: R columns of the concatenated
+// weights from col0 = R gw, or with silu R / 2 columns of gate and of up from col0 = (R / 2) gw;
+// columns past the last repeat the warp's first. False if the warp has no column at all (col0
+// past the last).
+template <typename T, int R>
+__device__ __forceinline__ bool qrows2(uint32_t gw, const uint8_t *w0, const uint8_t *w1,
+                                       const uint8_t *w2, T *y, uint32_t m, uint32_t n0,
+                                       uint32_t n1, uint32_t n2, size_t row_bytes, uint32_t silu,
+                                       uint32_t &col0, const uint8_t **rows) {
     constexpr int C = R / 2;
     const uint32_t total = n0 + n1 + n2;
-    const uint32_t col0 = silu ? gw * C : gw * R;
-    if (col0 >= (silu ? n0 : total)) return;
+    col0 = silu ? gw * C : gw * R;
+    if (col0 >= (silu ? n0 : total)) return false;
     if (silu) {
 #pragma unroll
         for (int i = 0; i < C; ++i) {
@@ -852,7 +852,19 @@ __device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
                        rows[w], yb, n, n2);
         }
     }
-    qdot_rows2<T, M, QT, R>(x, rows, m, k, acc, st);
+    return true;
+}
+
+// Sums each lane's acc over the warp and writes the warp's columns from col0 (qrows2's), or
+// with silu silu(gate) · up of its columns; those past the last are not written.
+template <typename T, int M, int R>
+__device__ __forceinline__ void qstore2(float (*acc)[M], uint32_t col0, const uint8_t *w0,
+                                        const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,
+                                        uint32_t n0, uint32_t n1, uint32_t n2, size_t row_bytes,
+                                        uint32_t silu) {
+    constexpr int C = R / 2;
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t total = n0 + n1 + n2;
     if (silu) {
 #pragma unroll
         for (int i = 0; i < C; ++i) {
@@ -883,6 +895,32 @@ __device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
             }
         }
     }
+}
+
+// qlinear_small's contract, variant 2. Dynamic shared memory: R * QStage2::VECS 16-byte vectors
+// per warp. Warp i of the grid computes columns R i .. R i + R - 1 of the concatenated weights
+// (a warp's columns may span two of them), or with silu columns (R / 2) i .. of both gate and
+// up; columns past the last are computed on a repeat of the warp's first row and not written.
+template <typename T, int M, int QT, int R>
+__device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
+                               const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
+                               uint32_t n2, uint32_t k, uint32_t silu) {
+    extern __shared__ uint4 qstage[];
+    const uint32_t warp = threadIdx.x >> 5;
+    const uint32_t gw = blockIdx.x * OPS_WARPS + warp;
+    const size_t row_bytes = (size_t)(k >> 5) * QBlock<QT>::BYTES;
+    uint4 *st = qstage + (size_t)warp * R * QStage2<QT>::VECS;
+    const uint8_t *rows[R];
+    uint32_t col0;
+    if (!qrows2<T, R>(gw, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu, col0, rows)) return;
+    float acc[R][M];
+#pragma unroll
+    for (int w = 0; w < R; ++w)
+#pragma unroll
+        for (int r = 0; r < M; ++r) acc[w][r] = 0.0f;
+    // One call of qdot_rows2 for both forms (its unrolled body is most of the kernel's code).
+    qdot_rows2<T, M, QT, R>(x, rows, m, k, acc, st);
+    qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
 }
 
 // qlinear_small_m<M>_<q>_<dtype>: at most M rows of x against weights of GGML type q.
