@@ -533,7 +533,8 @@ fn qlinear3_x_blocks(m: usize, nb: usize, stage_bytes: usize) -> usize {
 
 /// Variant 2's weight rows per warp for the kernel of `bound` rows of x and `cols` output
 /// columns (`silu`: columns of gate and of up): 4 where that kernel exists (up to 4 rows of x)
-/// and the grid still has at least two blocks of threads per SM, else 2. The SM count is the
+/// and the grid still has at least two blocks of threads per SM, else 2. Variant 3 asks it up
+/// to 2 rows of x (its kernels of 4 rows). The SM count is the
 /// first device's asked, read once (a heuristic only: any count gives the same results).
 fn qlinear2_rows_per_warp(dev: &CudaDevice, bound: usize, cols: usize, silu: bool) -> usize {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
