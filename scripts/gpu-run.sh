@@ -34,7 +34,7 @@
 #                 quantized blocks unless f16) next to llama.cpp on the same file in the same
 #                 process, budgets $QB_BUDGETS (4,8,12,full), prompts $QB_PROMPTS (64,512), more
 #                 bench_generate arguments from $QB_ARGS, once per qlinear_small kernel variant
-#                 in $QB_VARIANTS (v1 v2 v2r2 v2r4; llama.cpp with the first only)
+#                 in $QB_VARIANTS (v1 v2 v2r2 v2r4 v3; llama.cpp with the first only)
 #                 -> $OUT/qbench-W[-V].json [QBENCH_S=300]
 #   qonload[=W,..] bench_generate on /tmp/llama7b (needs make7b) quantized on load to W (q4_0,
 #                 q8_0, ...; the library's cached GGUF, no llama.cpp needed), once per variant in

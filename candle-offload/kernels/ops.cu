@@ -733,6 +733,27 @@ __device__ __forceinline__ void qcolumn(uint32_t col, const uint8_t *w0, const u
     }
 }
 
+// Starts the copies of blocks first .. first + count (count <= QStage2::BLOCKS) of each of the
+// R rows into st[w * QStage2::VECS ..] (one warp, all lanes; all copies in flight at once) and
+// returns where block `first` of row w lands in at[w]; the caller waits for them
+// (cp.async.wait_all, then __syncwarp).
+template <int QT, int R>
+__device__ __forceinline__ void stage_rows_async(const uint8_t *const *rows, uint32_t first,
+                                                 uint32_t count, uint4 *st, const uint8_t **at) {
+    constexpr int B = QBlock<QT>::BYTES;
+    const uint32_t lane = threadIdx.x & 31u;
+#pragma unroll
+    for (int w = 0; w < R; ++w) {
+        const uintptr_t s = reinterpret_cast<uintptr_t>(rows[w]) + (uintptr_t)first * B;
+        const uintptr_t a0 = s & ~(uintptr_t)15;
+        const uint32_t nvec = (uint32_t)((s + (uintptr_t)count * B + 15 - a0) >> 4);
+        uint4 *dst = st + w * QStage2<QT>::VECS;
+        at[w] = reinterpret_cast<const uint8_t *>(dst) + (s - a0);
+        const uint4 *src = reinterpret_cast<const uint4 *>(a0);
+        for (uint32_t v = lane; v < nvec; v += 32u) cp_async16(dst + v, src + v);
+    }
+}
+
 // acc[w][r] += x[r, :] · rows[w] for the R rows (k / 32 blocks each) and r < m <= M (one
 // warp; every lane calls). st: this warp's R * QStage2::VECS vectors of shared memory.
 template <typename T, int M, int QT, int R>
@@ -745,16 +766,7 @@ __device__ __forceinline__ void qdot_rows2(const T *x, const uint8_t *const *row
     for (uint32_t first = 0; first < nb; first += QStage2<QT>::BLOCKS) {
         const uint32_t count = min((uint32_t)QStage2<QT>::BLOCKS, nb - first);
         const uint8_t *at[R];
-#pragma unroll
-        for (int w = 0; w < R; ++w) {
-            const uintptr_t s = reinterpret_cast<uintptr_t>(rows[w]) + (uintptr_t)first * B;
-            const uintptr_t a0 = s & ~(uintptr_t)15;
-            const uint32_t nvec = (uint32_t)((s + (uintptr_t)count * B + 15 - a0) >> 4);
-            uint4 *dst = st + w * QStage2<QT>::VECS;
-            at[w] = reinterpret_cast<const uint8_t *>(dst) + (s - a0);
-            const uint4 *src = reinterpret_cast<const uint4 *>(a0);
-            for (uint32_t v = lane; v < nvec; v += 32u) cp_async16(dst + v, src + v);
-        }
+        stage_rows_async<QT, R>(rows, first, count, st, at);
         asm volatile("cp.async.wait_all;\n" ::);
         __syncwarp();
         for (uint32_t j = lane; j < count; j += 32u) {
@@ -811,31 +823,19 @@ __device__ __forceinline__ void qdot_rows2(const T *x, const uint8_t *const *row
     }
 }
 
-// qlinear_small's contract, variant 2. Dynamic shared memory: R * QStage2::VECS 16-byte vectors
-// per warp. Warp i of the grid computes columns R i .. R i + R - 1 of the concatenated weights
-// (a warp's columns may span two of them), or with silu columns (R / 2) i .. of both gate and
-// up; columns past the last are computed on a repeat of the warp's first row and not written.
-template <typename T, int M, int QT, int R>
-__device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
-                               const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
-                               uint32_t n2, uint32_t k, uint32_t silu) {
-    extern __shared__ uint4 qstage[];
-    const uint32_t warp = threadIdx.x >> 5;
-    const uint32_t lane = threadIdx.x & 31u;
-    const uint32_t gw = blockIdx.x * OPS_WARPS + warp;
-    const size_t row_bytes = (size_t)(k >> 5) * QBlock<QT>::BYTES;
-    uint4 *st = qstage + (size_t)warp * R * QStage2<QT>::VECS;
-    const uint8_t *rows[R];
-    float acc[R][M];
-#pragma unroll
-    for (int w = 0; w < R; ++w)
-#pragma unroll
-        for (int r = 0; r < M; ++r) acc[w][r] = 0.0f;
-    // One call of qdot_rows2 for both forms (its unrolled body is most of the kernel's code).
+// The weight rows of warp `gw` in the grid of variants 2 and 3: R columns of the concatenated
+// weights from col0 = R gw, or with silu R / 2 columns of gate and of up from col0 = (R / 2) gw;
+// columns past the last repeat the warp's first. False if the warp has no column at all (col0
+// past the last).
+template <typename T, int R>
+__device__ __forceinline__ bool qrows2(uint32_t gw, const uint8_t *w0, const uint8_t *w1,
+                                       const uint8_t *w2, T *y, uint32_t m, uint32_t n0,
+                                       uint32_t n1, uint32_t n2, size_t row_bytes, uint32_t silu,
+                                       uint32_t &col0, const uint8_t **rows) {
     constexpr int C = R / 2;
     const uint32_t total = n0 + n1 + n2;
-    const uint32_t col0 = silu ? gw * C : gw * R;
-    if (col0 >= (silu ? n0 : total)) return;
+    col0 = silu ? gw * C : gw * R;
+    if (col0 >= (silu ? n0 : total)) return false;
     if (silu) {
 #pragma unroll
         for (int i = 0; i < C; ++i) {
@@ -852,7 +852,19 @@ __device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
                        rows[w], yb, n, n2);
         }
     }
-    qdot_rows2<T, M, QT, R>(x, rows, m, k, acc, st);
+    return true;
+}
+
+// Sums each lane's acc over the warp and writes the warp's columns from col0 (qrows2's), or
+// with silu silu(gate) · up of its columns; those past the last are not written.
+template <typename T, int M, int R>
+__device__ __forceinline__ void qstore2(float (*acc)[M], uint32_t col0, const uint8_t *w0,
+                                        const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,
+                                        uint32_t n0, uint32_t n1, uint32_t n2, size_t row_bytes,
+                                        uint32_t silu) {
+    constexpr int C = R / 2;
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t total = n0 + n1 + n2;
     if (silu) {
 #pragma unroll
         for (int i = 0; i < C; ++i) {
@@ -885,6 +897,246 @@ __device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
     }
 }
 
+// qlinear_small's contract, variant 2. Dynamic shared memory: R * QStage2::VECS 16-byte vectors
+// per warp. Warp i of the grid computes columns R i .. R i + R - 1 of the concatenated weights
+// (a warp's columns may span two of them), or with silu columns (R / 2) i .. of both gate and
+// up; columns past the last are computed on a repeat of the warp's first row and not written.
+template <typename T, int M, int QT, int R>
+__device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
+                               const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
+                               uint32_t n2, uint32_t k, uint32_t silu) {
+    extern __shared__ uint4 qstage[];
+    const uint32_t warp = threadIdx.x >> 5;
+    const uint32_t gw = blockIdx.x * OPS_WARPS + warp;
+    const size_t row_bytes = (size_t)(k >> 5) * QBlock<QT>::BYTES;
+    uint4 *st = qstage + (size_t)warp * R * QStage2<QT>::VECS;
+    const uint8_t *rows[R];
+    uint32_t col0;
+    if (!qrows2<T, R>(gw, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu, col0, rows)) return;
+    float acc[R][M];
+#pragma unroll
+    for (int w = 0; w < R; ++w)
+#pragma unroll
+        for (int r = 0; r < M; ++r) acc[w][r] = 0.0f;
+    // One call of qdot_rows2 for both forms (its unrolled body is most of the kernel's code).
+    qdot_rows2<T, M, QT, R>(x, rows, m, k, acc, st);
+    qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
+}
+
+// ---------------------------------------------------------------------------------------------
+// qlinear_small, variant 3 (`qlinear3_small_r<R>_m<M>_<q>_<dtype>`): variant 2's grid, warps
+// and staged weight rows, but x quantized to 8 bits in blocks of 32, as integer dot products of
+// four bytes at once (__dp4a) take it, instead of every weight converted to float and
+// multiplied on its own.
+//
+// x's block of 32 values v (one row) becomes d = amax |v| / 127, quants q = v · (127 / amax)
+// rounded to nearest (ties to even; a multiplication per value rather than a division by d;
+// all 0 when 127 / amax is not finite) and their sum sq = Σ q. A weight block of scale
+// dw, quants n, offset o (8 for Q4_0, 16 for Q5_0, else 0) and min mw (Q4_1, Q5_1, else 0)
+// holds elements dw (n - o) + mw, so its dot product with the quantized x is
+//     Σ (dw (n - o) + mw) d q = dw d (Σ n q - o sq) + mw d sq,
+// with Σ n q from eight __dp4a over the block (n and q fit signed bytes: n < 32, or Q8_0's
+// signed quants). These are the results: exactly x rounded to its blocks times the
+// dequantized weights, but for f32 rounding of the few float terms per block.
+//
+// Each block of threads quantizes the rows of x it needs into shared memory itself, in chunks
+// of `xblocks` blocks (all of k when they fit, as for every shape of a 7B model with 1 or 2
+// rows), rather than in a launch of its own: the decode step already makes ~360 launches per
+// token, and a separate pass would add one per matmul plus a round trip of x through memory.
+// The redundancy, per block of threads and 32 elements of k: it streams 4 R weight rows from
+// memory, 4 R · 18 = 288 bytes of Q4_0 for R = 4 (544 of Q8_0), and quantizing reads m · 64
+// bytes of f16 x from L2 (every block of threads reads the same x, 22% of its weight bytes
+// for one row of Q4_0, where variant 2's warps each read all of x). In instructions, a
+// thread quantizes m k / 128 elements at about 8 each (load, |v|, max, multiply, round, pack,
+// sum), about half of its share of the dot products for one row (k / 32 blocks of R rows over
+// 32 lanes, ~30 each), which the block of threads issues before anything else; its first
+// weight copies go out before that, so that their latency overlaps it. Whether this beats
+// variant 2 is measured, not assumed.
+
+// Where variant 3 keeps x's quantized blocks: per row of x, the 32 quants of the chunk's block
+// b as two 16-byte halves h at vector (b / 32) 64 + 32 h + b % 32 (a warp, whose lanes take 32
+// consecutive blocks, reads one half of each in one conflict-free sweep of 512 bytes), then,
+// after all the rows' quants, each block's scale d and quant sum sq.
+struct __align__(8) XBlock8 {
+    float d;
+    int sum;
+};
+
+// Blocks c0 .. c0 + nblk of the m rows of x (row length k) quantized into xq and xs, laid out
+// for chunks of xblocks blocks (all the block's threads call; 4 threads per block of 32, each
+// of 8 elements, so that the block's max and sum take two shuffles).
+template <typename T>
+__device__ __forceinline__ void quantize_x(const T *x, uint32_t m, uint32_t k, uint32_t c0,
+                                           uint32_t nblk, uint32_t xblocks, uint4 *xq,
+                                           XBlock8 *xs) {
+    const uint32_t p = threadIdx.x & 3u;
+    const uint32_t parts = nblk * 4u;
+    for (uint32_t r = 0; r < m; ++r) {
+        const T *xr = x + (size_t)r * k + (size_t)c0 * 32u;
+        // Every lane of a warp runs each round (the shuffles); a group of 4 is in or out
+        // together, as parts is a multiple of 4.
+        for (uint32_t base = 0; base < parts; base += 32u * OPS_WARPS) {
+            const uint32_t e = base + threadIdx.x;
+            const bool in = e < parts;
+            float v[8];
+            if (in) {
+                cvt8<T>(ld_raw(xr + 8u * e, false), v);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+            }
+            float amax = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+            const float d = __fdiv_rn(amax, 127.0f);
+            const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+            const float scale = isfinite(id) ? id : 0.0f;
+            uint32_t packed[2] = {0u, 0u};
+            int sum = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int q = __float2int_rn(__fmul_rn(v[i], scale));
+                sum += q;
+                packed[i >> 2] |= ((uint32_t)q & 0xFFu) << (8 * (i & 3));
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            if (in) {
+                const uint32_t b = e >> 2;
+                uint4 *half = xq + (size_t)r * 2u * xblocks + (b >> 5) * 64u + (p >> 1) * 32u +
+                              (b & 31u);
+                reinterpret_cast<uint2 *>(half)[p & 1u] = make_uint2(packed[0], packed[1]);
+                if (p == 0) xs[(size_t)r * xblocks + b] = {d, sum};
+            }
+        }
+    }
+}
+
+// The block at b's quants n as the eight words __dp4a takes: word g holds elements
+// 4g .. 4g + 3, one per byte (x's words in the same order).
+template <int QT> __device__ __forceinline__ void quant_words(const uint8_t *b, int *q);
+template <> __device__ __forceinline__ void quant_words<QT_Q4_0>(const uint8_t *b, int *q) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const uint32_t w = sm_u32(b + 2 + 4 * t);
+        q[t] = (int)(w & 0x0F0F0F0Fu);
+        q[t + 4] = (int)((w >> 4) & 0x0F0F0F0Fu);
+    }
+}
+template <> __device__ __forceinline__ void quant_words<QT_Q4_1>(const uint8_t *b, int *q) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const uint32_t w = sm_u32(b + 4 + 4 * t);
+        q[t] = (int)(w & 0x0F0F0F0Fu);
+        q[t + 4] = (int)((w >> 4) & 0x0F0F0F0Fu);
+    }
+}
+// Q5: decode4_q5's layout, the 5th bits of word g's elements from bits 4g .. 4g + 3 of qh.
+__device__ __forceinline__ void quant_words_q5(const uint8_t *qh_at, const uint8_t *qs, int *q) {
+    const uint32_t qh = sm_u32(qh_at);
+#pragma unroll
+    for (int g = 0; g < 8; ++g) {
+        const uint32_t w = sm_u32(qs + 4 * (g & 3));
+        const uint32_t lo = g < 4 ? w & 0x0F0F0F0Fu : (w >> 4) & 0x0F0F0F0Fu;
+        q[g] = (int)(lo | (((((qh >> (4 * g)) & 0xFu) * 0x00204081u) & 0x01010101u) << 4));
+    }
+}
+template <> __device__ __forceinline__ void quant_words<QT_Q5_0>(const uint8_t *b, int *q) {
+    quant_words_q5(b + 2, b + 6, q);
+}
+template <> __device__ __forceinline__ void quant_words<QT_Q5_1>(const uint8_t *b, int *q) {
+    quant_words_q5(b + 4, b + 8, q);
+}
+template <> __device__ __forceinline__ void quant_words<QT_Q8_0>(const uint8_t *b, int *q) {
+#pragma unroll
+    for (int g = 0; g < 8; ++g) q[g] = (int)sm_u32(b + 2 + 4 * g);
+}
+// The offset o of each type's quants (elements dw (n - o) + mw).
+template <int QT> struct QOffset { static constexpr int O = 0; };
+template <> struct QOffset<QT_Q4_0> { static constexpr int O = 8; };
+template <> struct QOffset<QT_Q5_0> { static constexpr int O = 16; };
+
+// qlinear_small's contract, variant 3: variant 2's columns per warp (qrows2), with x quantized
+// (see above) in chunks of xblocks blocks (a multiple of 32). Dynamic shared memory: variant
+// 2's R * QStage2::VECS 16-byte vectors per warp, then m * xblocks * 40 bytes of x's blocks.
+template <typename T, int M, int QT, int R>
+__device__ void qlinear_small3(const T *x, const uint8_t *w0, const uint8_t *w1,
+                               const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
+                               uint32_t n2, uint32_t k, uint32_t silu, uint32_t xblocks) {
+    constexpr int B = QBlock<QT>::BYTES;
+    constexpr uint32_t BLOCKS = QStage2<QT>::BLOCKS;
+    extern __shared__ uint4 qstage[];
+    const uint32_t warp = threadIdx.x >> 5;
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t gw = blockIdx.x * OPS_WARPS + warp;
+    const size_t row_bytes = (size_t)(k >> 5) * B;
+    uint4 *st = qstage + (size_t)warp * R * QStage2<QT>::VECS;
+    uint4 *xq = qstage + (size_t)OPS_WARPS * R * QStage2<QT>::VECS;
+    XBlock8 *xs = reinterpret_cast<XBlock8 *>(xq + (size_t)m * 2u * xblocks);
+    const uint8_t *rows[R];
+    uint32_t col0;
+    // A warp without columns (in the grid's last block of threads) still quantizes its share
+    // of x and meets the barriers.
+    const bool active = qrows2<T, R>(gw, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu, col0, rows);
+    float acc[R][M];
+#pragma unroll
+    for (int w = 0; w < R; ++w)
+#pragma unroll
+        for (int r = 0; r < M; ++r) acc[w][r] = 0.0f;
+    const uint32_t nb = k >> 5;
+    for (uint32_t c0 = 0; c0 < nb; c0 += xblocks) {
+        const uint32_t cn = min(xblocks, nb - c0);
+        const uint8_t *at[R];
+        if (active) stage_rows_async<QT, R>(rows, c0, min(BLOCKS, cn), st, at);
+        __syncthreads();  // every warp is done with the previous chunk of x
+        quantize_x<T>(x, m, k, c0, cn, xblocks, xq, xs);
+        __syncthreads();
+        if (!active) continue;
+        for (uint32_t f = 0; f < cn; f += BLOCKS) {
+            const uint32_t count = min(BLOCKS, cn - f);
+            if (f > 0) stage_rows_async<QT, R>(rows, c0 + f, count, st, at);
+            asm volatile("cp.async.wait_all;\n" ::);
+            __syncwarp();
+            for (uint32_t j = lane; j < count; j += 32u) {
+                // Block f + j of the chunk; its x halves sit at lane of their sweeps.
+                const uint32_t xv = ((f + j) >> 5) * 64u + lane;
+#pragma unroll
+                for (int w = 0; w < R; ++w) {
+                    const uint8_t *b = at[w] + j * B;
+                    int q[8];
+                    quant_words<QT>(b, q);
+                    const float dw = sm_f16(b);
+#pragma unroll
+                    for (int r = 0; r < M; ++r) {
+                        if ((uint32_t)r < m) {
+                            const uint4 *xr = xq + (size_t)r * 2u * xblocks + xv;
+                            const uint4 lo = xr[0], hi = xr[32];
+                            const XBlock8 s = xs[(size_t)r * xblocks + f + j];
+                            int dot = __dp4a(q[0], (int)lo.x, 0);
+                            dot = __dp4a(q[1], (int)lo.y, dot);
+                            dot = __dp4a(q[2], (int)lo.z, dot);
+                            dot = __dp4a(q[3], (int)lo.w, dot);
+                            dot = __dp4a(q[4], (int)hi.x, dot);
+                            dot = __dp4a(q[5], (int)hi.y, dot);
+                            dot = __dp4a(q[6], (int)hi.z, dot);
+                            dot = __dp4a(q[7], (int)hi.w, dot);
+                            dot -= QOffset<QT>::O * s.sum;
+                            float a = fmaf(dw * s.d, (float)dot, acc[w][r]);
+                            if (QBlock<QT>::MIN) a = fmaf(sm_f16(b + 2) * s.d, (float)s.sum, a);
+                            acc[w][r] = a;
+                        }
+                    }
+                }
+            }
+            // The stage is rewritten next round only after every lane has read its blocks.
+            __syncwarp();
+        }
+    }
+    if (active) qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
+}
+
 // qlinear_small_m<M>_<q>_<dtype>: at most M rows of x against weights of GGML type q.
 #define QLINEAR_SMALL_FOR(T, SUFFIX, M, QT, QNAME)                                              \
     extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS)                                 \
@@ -902,31 +1154,48 @@ __device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
         uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {                     \
         qlinear_small2<T, M, QT, R>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                  \
     }
+// qlinear3_small_r<R>_m<M>_<q>_<dtype>: variant 3 with R weight rows per warp, x's chunk
+// length (in blocks) last. At most 64 registers, but 72 (7 blocks per SM) for the 16
+// accumulators of 8 rows of x with R = 2, which spill 20-28 bytes within 64 (ptxas -v).
+#define QLINEAR3_SMALL_FOR(T, SUFFIX, M, QT, QNAME, R)                                          \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, R * M >= 16 ? 7 : 8)            \
+        qlinear3_small_r##R##_m##M##_##QNAME##_##SUFFIX(                                        \
+        const T *x, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,  \
+        uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu, uint32_t xblocks) {   \
+        qlinear_small3<T, M, QT, R>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu, xblocks);         \
+    }
 #define QLINEAR_SMALL_TYPES(T, SUFFIX, M)                                                       \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q4_0, q4_0)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q4_1, q4_1)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q5_0, q5_0)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q5_1, q5_1)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q8_0, q8_0)
-#define QLINEAR2_SMALL_TYPES(T, SUFFIX, M, R)                                                   \
-    QLINEAR2_SMALL_FOR(T, SUFFIX, M, QT_Q4_0, q4_0, R)                                          \
-    QLINEAR2_SMALL_FOR(T, SUFFIX, M, QT_Q4_1, q4_1, R)                                          \
-    QLINEAR2_SMALL_FOR(T, SUFFIX, M, QT_Q5_0, q5_0, R)                                          \
-    QLINEAR2_SMALL_FOR(T, SUFFIX, M, QT_Q5_1, q5_1, R)                                          \
-    QLINEAR2_SMALL_FOR(T, SUFFIX, M, QT_Q8_0, q8_0, R)
-// Variant 2 takes R = 4 up to 4 rows of x (8 rows would need 32 accumulators), R = 2 up to 8.
+// Variants 2 and 3 (FOR: QLINEAR2_SMALL_FOR or QLINEAR3_SMALL_FOR) for M rows of x and R
+// weight rows per warp, every block type.
+#define QLINEAR_RM_TYPES(FOR, T, SUFFIX, M, R)                                                  \
+    FOR(T, SUFFIX, M, QT_Q4_0, q4_0, R)                                                         \
+    FOR(T, SUFFIX, M, QT_Q4_1, q4_1, R)                                                         \
+    FOR(T, SUFFIX, M, QT_Q5_0, q5_0, R)                                                         \
+    FOR(T, SUFFIX, M, QT_Q5_1, q5_1, R)                                                         \
+    FOR(T, SUFFIX, M, QT_Q8_0, q8_0, R)
+// Variants 2 and 3 take R = 2 up to 8 rows of x and R = 4 up to 2 rows; variant 2 also up to 4
+// (R = 4 with 8 rows would need 32 accumulators; variant 3's R = 4 with 4 rows spills within
+// 72 registers, ptxas -v).
+#define QLINEAR_RM_ALL(FOR, T, SUFFIX)                                                          \
+    QLINEAR_RM_TYPES(FOR, T, SUFFIX, 1, 2)                                                      \
+    QLINEAR_RM_TYPES(FOR, T, SUFFIX, 2, 2)                                                      \
+    QLINEAR_RM_TYPES(FOR, T, SUFFIX, 4, 2)                                                      \
+    QLINEAR_RM_TYPES(FOR, T, SUFFIX, 8, 2)                                                      \
+    QLINEAR_RM_TYPES(FOR, T, SUFFIX, 1, 4)                                                      \
+    QLINEAR_RM_TYPES(FOR, T, SUFFIX, 2, 4)
 #define QLINEAR_SMALL_ALL(T, SUFFIX)                                                            \
     QLINEAR_SMALL_TYPES(T, SUFFIX, 1)                                                           \
     QLINEAR_SMALL_TYPES(T, SUFFIX, 2)                                                           \
     QLINEAR_SMALL_TYPES(T, SUFFIX, 4)                                                           \
     QLINEAR_SMALL_TYPES(T, SUFFIX, 8)                                                           \
-    QLINEAR2_SMALL_TYPES(T, SUFFIX, 1, 2)                                                       \
-    QLINEAR2_SMALL_TYPES(T, SUFFIX, 2, 2)                                                       \
-    QLINEAR2_SMALL_TYPES(T, SUFFIX, 4, 2)                                                       \
-    QLINEAR2_SMALL_TYPES(T, SUFFIX, 8, 2)                                                       \
-    QLINEAR2_SMALL_TYPES(T, SUFFIX, 1, 4)                                                       \
-    QLINEAR2_SMALL_TYPES(T, SUFFIX, 2, 4)                                                       \
-    QLINEAR2_SMALL_TYPES(T, SUFFIX, 4, 4)
+    QLINEAR_RM_ALL(QLINEAR2_SMALL_FOR, T, SUFFIX)                                               \
+    QLINEAR_RM_TYPES(QLINEAR2_SMALL_FOR, T, SUFFIX, 4, 4)                                       \
+    QLINEAR_RM_ALL(QLINEAR3_SMALL_FOR, T, SUFFIX)
 
 #define OPS_FOR(T, SUFFIX)                                                                      \
     extern "C" __global__ void rms_norm_residual_##SUFFIX(const T *x, const T *r, const T *w,  \

@@ -17,7 +17,8 @@
 //!   weights of GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, as Candle's quantized CUDA storage
 //!   holds them), dequantized in registers; x stays in its float type. Their CUDA kernel
 //!   comes in variants of one contract, chosen at run time ([`set_qlinear_variant`],
-//!   `CANDLE_OFFLOAD_QLINEAR`), so that one build can measure each.
+//!   `CANDLE_OFFLOAD_QLINEAR`), so that one build can measure each; one of them
+//!   ([`QlinearVariant::V3`]) quantizes x to 8 bits instead, for integer dot products.
 //!
 //! On a CUDA device they run the project's own kernels (`kernels/ops.cu`, compiled to PTX at
 //! build time); on the CPU a direct loop computes the same thing. The `*_unfused` functions are
@@ -1053,29 +1054,38 @@ pub enum QlinearVariant {
     /// [`Self::V2`] with 4 weight rows per warp whatever the shape, except for more than 4
     /// rows of x (2 there: the kernel of 4 needs too many registers).
     V2R4,
+    /// [`Self::V2`]'s warps with x quantized to 8 bits in blocks of 32 (by each block of
+    /// threads, into shared memory) and integer dot products (`__dp4a`), as llama.cpp's
+    /// kernels do: 4 weight rows per warp as [`Self::V2`] picks them, but only up to 2 rows of
+    /// x. Its results are x rounded to those blocks times the dequantized weights, so they
+    /// differ from the others' by x's rounding (about 0.4% of a block's largest value per
+    /// element).
+    V3,
 }
 
 impl QlinearVariant {
     /// Every variant.
-    pub const ALL: [Self; 4] = [Self::V1, Self::V2, Self::V2R2, Self::V2R4];
+    pub const ALL: [Self; 5] = [Self::V1, Self::V2, Self::V2R2, Self::V2R4, Self::V3];
 
-    /// The environment variable [`qlinear_variant`] starts from: `v1`, `v2`, `v2r2` or `v2r4`.
+    /// The environment variable [`qlinear_variant`] starts from: `v1`, `v2`, `v2r2`, `v2r4`
+    /// or `v3`.
     pub const ENV: &'static str = "CANDLE_OFFLOAD_QLINEAR";
 
-    /// `v1`, `v2`, `v2r2`, `v2r4` (any case) as a variant.
+    /// `v1`, `v2`, `v2r2`, `v2r4`, `v3` (any case) as a variant.
     pub fn parse(s: &str) -> Option<Self> {
         Self::ALL
             .into_iter()
             .find(|v| v.name().eq_ignore_ascii_case(s.trim()))
     }
 
-    /// `v1`, `v2`, `v2r2` or `v2r4`.
+    /// `v1`, `v2`, `v2r2`, `v2r4` or `v3`.
     pub fn name(self) -> &'static str {
         match self {
             Self::V1 => "v1",
             Self::V2 => "v2",
             Self::V2R2 => "v2r2",
             Self::V2R4 => "v2r4",
+            Self::V3 => "v3",
         }
     }
 
@@ -1085,6 +1095,7 @@ impl QlinearVariant {
             Self::V2 => 2,
             Self::V2R2 => 3,
             Self::V2R4 => 4,
+            Self::V3 => 5,
         }
     }
 }
@@ -1118,7 +1129,7 @@ pub fn qlinear_variant() -> QlinearVariant {
                     if v.is_none() {
                         // Loud: a benchmark run under a misspelt variant would measure the default.
                         eprintln!(
-                            "candle-offload: {}={s:?} is not v1, v2, v2r2 or v2r4; using {}",
+                            "candle-offload: {}={s:?} is not v1, v2, v2r2, v2r4 or v3; using {}",
                             QlinearVariant::ENV,
                             DEFAULT_QLINEAR_VARIANT.name()
                         );

@@ -513,9 +513,28 @@ fn qlinear2_small_stage_vecs(block_bytes: usize) -> usize {
 /// Warps per block of threads of the `qlinear_small` kernels (`OPS_WARPS` in kernels/ops.cu).
 const QLINEAR_WARPS: usize = 4;
 
+/// Variant 3's dynamic shared memory per block of threads at most: what a launch gets without
+/// opting in to more. An SM holds 4 blocks of threads of that much (16 warps); a 7B model's
+/// largest decode step, the 4 stages of 4 rows of Q4_0 and k = 11008 of one row of x (352
+/// blocks, in one chunk), takes 33 KB, 6 per SM.
+const QLINEAR3_SHARED_BYTES: usize = 48 * 1024;
+
+/// Variant 3's bytes per block of 32 elements of one row of x (`XBlock8` and the quants in
+/// kernels/ops.cu): 32 quants, the scale and the quants' sum.
+const QLINEAR3_X_BLOCK_BYTES: usize = 40;
+
+/// Variant 3's chunk of x (`xblocks`, in blocks of 32 elements, a multiple of 32): all of x's
+/// `nb` blocks per row when its `m` rows fit into [`QLINEAR3_SHARED_BYTES`] beside the warps'
+/// weight stages (`stage_bytes`), else as many as fit.
+fn qlinear3_x_blocks(m: usize, nb: usize, stage_bytes: usize) -> usize {
+    let fit = QLINEAR3_SHARED_BYTES.saturating_sub(stage_bytes) / (m * QLINEAR3_X_BLOCK_BYTES);
+    nb.next_multiple_of(32).min((fit / 32 * 32).max(32))
+}
+
 /// Variant 2's weight rows per warp for the kernel of `bound` rows of x and `cols` output
 /// columns (`silu`: columns of gate and of up): 4 where that kernel exists (up to 4 rows of x)
-/// and the grid still has at least two blocks of threads per SM, else 2. The SM count is the
+/// and the grid still has at least two blocks of threads per SM, else 2. Variant 3 asks it up
+/// to 2 rows of x (its kernels of 4 rows). The SM count is the
 /// first device's asked, read once (a heuristic only: any count gives the same results).
 fn qlinear2_rows_per_warp(dev: &CudaDevice, bound: usize, cols: usize, silu: bool) -> usize {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
@@ -593,14 +612,18 @@ pub(crate) fn qlinear_small(
             .clamp(1, crate::ops::LINEAR_SMALL_MAX_ROWS);
         let cols = if silu { ns[0] } else { ns.iter().sum() };
         let block_bytes = ws[0].dtype().type_size();
-        // The kernel, the output columns one warp computes and the shared memory one warp
-        // stages its weight rows in.
-        let (name, cols_per_warp, warp_stage_bytes) = match crate::ops::qlinear_variant() {
+        // The kernel, the output columns one warp computes, the shared memory of a block of
+        // threads and, for variant 3, the chunk of x it quantizes at once (in blocks).
+        let (name, cols_per_warp, shared_bytes, xblocks) = match crate::ops::qlinear_variant() {
             // One staged row per warp, two (gate and up) with silu.
             crate::ops::QlinearVariant::V1 => (
                 format!("qlinear_small_m{bound}_{qname}"),
                 1,
-                16 * qlinear_small_stage_vecs(block_bytes) * (1 + usize::from(silu)),
+                QLINEAR_WARPS
+                    * 16
+                    * qlinear_small_stage_vecs(block_bytes)
+                    * (1 + usize::from(silu)),
+                None,
             ),
             // r staged rows per warp: r columns, or r / 2 columns of gate and of up.
             v => {
@@ -610,13 +633,28 @@ pub(crate) fn qlinear_small(
                     // No kernel of 4 rows for more than 4 rows of x.
                     V::V2R4 if bound <= 4 => 4,
                     V::V2R4 => 2,
+                    // Variant 3's kernels of 4 rows take at most 2 rows of x.
+                    V::V3 if bound > 2 => 2,
                     _ => qlinear2_rows_per_warp(dev, bound, cols, silu),
                 };
-                (
-                    format!("qlinear2_small_r{r}_m{bound}_{qname}"),
-                    if silu { r / 2 } else { r },
-                    16 * qlinear2_small_stage_vecs(block_bytes) * r,
-                )
+                let stages = QLINEAR_WARPS * 16 * qlinear2_small_stage_vecs(block_bytes) * r;
+                let cols_per_warp = if silu { r / 2 } else { r };
+                if v == V::V3 {
+                    let xblocks = qlinear3_x_blocks(m, k / 32, stages);
+                    (
+                        format!("qlinear3_small_r{r}_m{bound}_{qname}"),
+                        cols_per_warp,
+                        stages + m * xblocks * QLINEAR3_X_BLOCK_BYTES,
+                        Some(to_u32(xblocks, "blocks of x")?),
+                    )
+                } else {
+                    (
+                        format!("qlinear2_small_r{r}_m{bound}_{qname}"),
+                        cols_per_warp,
+                        stages,
+                        None,
+                    )
+                }
             }
         };
         let func = load::<T>(dev, &name)?;
@@ -628,7 +666,7 @@ pub(crate) fn qlinear_small(
                 1,
             ),
             block_dim: (32 * QLINEAR_WARPS as u32, 1, 1),
-            shared_mem_bytes: to_u32(QLINEAR_WARPS * warp_stage_bytes, "shared memory")?,
+            shared_mem_bytes: to_u32(shared_bytes, "shared memory")?,
         };
         let stream = dev.cuda_stream();
         // The guards order the stream after the buffers' last writes (the copy stream's
@@ -656,11 +694,16 @@ pub(crate) fn qlinear_small(
         }
         b.arg(&out);
         dims.push(&mut b);
+        if let Some(xblocks) = &xblocks {
+            b.arg(xblocks);
+        }
         // SAFETY: the arguments match `qlinear_small_m<M>_<type>_<dtype>` and
         // `qlinear2_small_r<R>_m<M>_<type>_<dtype>(const T* x, const uint8_t* w0, w1, w2, T* y,
-        // uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu, with M ≥ m, every weight of that
-        // block type and the shared memory their stages take (QStage / QStage2 mirrored
-        // above). x holds m·k elements, 16-byte aligned,
+        // uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu, and
+        // `qlinear3_small_r<R>_m<M>_<type>_<dtype>` the same with `uint32_t xblocks` last (a
+        // multiple of 32), with M ≥ m, every weight of that block type and the shared memory
+        // their stages take (QStage / QStage2 mirrored above), for variant 3 with m rows of
+        // xblocks blocks of x after them. x holds m·k elements, 16-byte aligned,
         // k a multiple of 32. Weight i is a live quantized storage of n_i·k elements (n_i = 0
         // for absent ones, never read), 16-byte aligned, whose rows are k/32 blocks: the kernel
         // reads from the 16-byte boundary at or before a block to the one at or after a row's
