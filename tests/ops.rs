@@ -463,7 +463,8 @@ fn ops_qlinear_variant_names() {
 /// on a GPU once per kernel variant (v1; v2 with the rows per warp it picks, and with 2 and 4
 /// forced; v3): the kernel within the usual tolerances, except v3, which quantizes x: within
 /// [`v3_tolerance`] of x rounded to its 8-bit blocks as v3 does times the same weights (tight
-/// enough for a wrong nibble, offset or scale to fail) and within 2e-2 of the unquantized x;
+/// enough for a wrong nibble, offset or scale to fail) and, like the composition, within 5e-2
+/// of the unquantized x;
 /// the composition (the CPU, and 9 rows on a GPU: Candle's quantized matmul, which quantizes x
 /// to 8 bits) within 5e-2, and equal to it. Block counts that leave rows unaligned or odd (1,
 /// 3, 5, 11, 65 blocks), more than one round of staged blocks (65, 128, 344), more than one
@@ -549,8 +550,11 @@ fn qlinear_small_matches_dequantized_in(
                                 d <= tol,
                                 "{what} {dtype:?}: {d:e} > {tol:e} (x quantized)"
                             );
+                            // The 8-bit rounding of x itself, bounded as for the composition,
+                            // which quantizes x to 8 bits too (2.04e-2 measured on an H200 at
+                            // [1, 96] BF16 SiLU·mul of Q8_0: three blocks, little averaging).
                             let d = rel_diff_values(got, want)?;
-                            anyhow::ensure!(d <= 2e-2, "{what} {dtype:?}: {d:e} > 2e-2 (x)");
+                            anyhow::ensure!(d <= 5e-2, "{what} {dtype:?}: {d:e} > 5e-2 (x)");
                             return Ok(());
                         }
                         if kernel {
