@@ -369,6 +369,14 @@ fn run_one(
         "step_s": step_s,
         "step_s_all": times,
         "tokens_per_s": if step_s > 0.0 { tokens / step_s } else { 0.0 },
+        "model_flops_per_token": cfg.train_flops_per_token(args.seq_len),
+        "dense_bf16_peak_flops": candle_offload_suite::dense_bf16_peak_flops(device),
+        "mfu": candle_offload_suite::mfu(
+            cfg.train_flops_per_token(args.seq_len),
+            tokens,
+            step_s,
+            candle_offload_suite::dense_bf16_peak_flops(device),
+        ),
         "losses": losses,
         "final_loss": losses.last(),
         "skipped_steps": trainer.scaler().skipped_steps(),
@@ -528,16 +536,17 @@ fn summary(records: &[Value]) -> Value {
 }
 
 fn print_table(records: &[Value]) {
-    let row = |c: [String; 12]| {
+    let row = |c: [String; 13]| {
         println!(
-            "{:<18} {:>7} {:>7} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>8} {:>8} {:>8}",
-            c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11]
+            "{:<18} {:>7} {:>7} {:>6} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>8} {:>8} {:>8}",
+            c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11], c[12]
         )
     };
     row([
         "config",
         "step s",
         "tok/s",
+        "MFU %",
         "peak MiB",
         "static",
         "act MiB",
@@ -558,6 +567,9 @@ fn print_table(records: &[Value]) {
             r["config"].as_str().unwrap_or("?").to_string(),
             num(&r["step_s"], 3),
             num(&r["tokens_per_s"], 0),
+            r["mfu"]
+                .as_f64()
+                .map_or("-".into(), |m| format!("{:.1}", m * 100.0)),
             mib(&r["peak_device_bytes"]),
             mib(&r["static_bytes"]),
             mib(&r["activation_bytes"]),
@@ -717,6 +729,7 @@ fn main() -> Result<()> {
         "checkpoint_overhead": "step_s with checkpointing over step_s without, minus 1, same precision",
         "step_time_vs_pytorch": "our step_s over PyTorch's step_s in the same configuration (scripts/train_peer.py)",
         "step_s": "median wall time of the timed steps (forward, backward, unscale, AdamW), device synchronised after each",
+        "mfu": "model_flops_per_token (6 per matmul parameter plus 12 x layers x heads x head_dim x seq_len) times tokens per step, over step_s, over the GPU's dense BF16 peak (null where unknown), in every precision",
         "budget_holds": "offloaded runs: peak used bytes minus the CUDA context measured at start <= budget_bytes",
         "sqrt_segments": "round(sqrt(layers)) segments, lengths differing by at most one, every segment checkpointed",
     });

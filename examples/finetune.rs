@@ -86,6 +86,13 @@ struct Args {
     /// Seed of the batch order.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Run Candle's composite ops and candle-nn's AdamW instead of the fused kernels (the
+    /// same numbers within rounding; for comparison).
+    #[arg(long)]
+    unfused: bool,
+    /// Write the per-step losses (with the run's settings, commit and machine) to this JSON.
+    #[arg(long)]
+    losses_json: Option<PathBuf>,
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
@@ -365,7 +372,7 @@ fn main() -> Result<()> {
         seq_len: args.seq_len,
         head_chunks: None,
         loss_chunk_tokens: None,
-        fused: true,
+        fused: !args.unfused,
     };
     let t0 = Instant::now();
     let mut trainer = Trainer::from_files(&files, &device, &settings)?;
@@ -404,6 +411,9 @@ fn main() -> Result<()> {
         .map_err(|e| anyhow!("progress bar template: {e}"))?,
     );
     let log_every = (args.steps / 20).max(1);
+    // MFU against the GPU's dense BF16 peak, where the table knows the GPU.
+    let flops_per_token = cfg.train_flops_per_token(args.seq_len);
+    let peak_flops = candle_offload_suite::dense_bf16_peak_flops(&device);
     let mut losses = Vec::with_capacity(args.steps);
     let (mut ema, mut tokens, mut streamed) = (0f32, 0usize, 0u64);
     let mut after_first = Duration::ZERO;
@@ -436,6 +446,12 @@ fn main() -> Result<()> {
             report.loss,
             report.tokens as f64 / dt.as_secs_f64()
         );
+        let tokens_now = report.tokens as f64;
+        if let Some(m) =
+            candle_offload_suite::mfu(flops_per_token, tokens_now, dt.as_secs_f64(), peak_flops)
+        {
+            msg += &format!(" | MFU {:.1}%", 100.0 * m);
+        }
         if gpu {
             msg += &format!(" | mem {:.2} GiB", gib(diag::device_used_bytes(&device)?));
         }
@@ -513,5 +529,32 @@ fn main() -> Result<()> {
         dtype_name(save_dtype),
         args.output.display()
     );
+    if let Some(path) = &args.losses_json {
+        let record = serde_json::json!({
+            "model": files.origin,
+            "fused": !args.unfused,
+            "precision": precision.to_string(),
+            "checkpoint_segments": segments,
+            "offload": offload,
+            "steps": n,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "lr": args.lr,
+            "weight_decay": args.weight_decay,
+            "seed": args.seed,
+            "train_s": train_s,
+            "tokens_per_s": tokens as f64 / train_s,
+            "model_flops_per_token": flops_per_token,
+            "mfu": candle_offload_suite::mfu(flops_per_token, tokens as f64, train_s, peak_flops),
+            "losses": losses,
+        });
+        candle_offload_suite::write_results(
+            path,
+            "finetune",
+            &device,
+            serde_json::json!([record]),
+        )?;
+        println!("wrote {}", path.display());
+    }
     Ok(())
 }

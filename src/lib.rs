@@ -144,6 +144,41 @@ pub fn machine(device: &Device) -> serde_json::Value {
     })
 }
 
+/// The GPU's dense BF16 tensor-core peak in FLOP/s (with F32 accumulation; no sparsity), the
+/// denominator of MFU, from its name: the data-center and recent consumer GPUs that the
+/// vendor's data sheets give; `None` elsewhere (the CPU, a GPU not in the table), where no
+/// MFU is shown.
+pub fn dense_bf16_peak_flops(device: &Device) -> Option<f64> {
+    let name = candle_offload::diag::device_info(device).ok()?.name;
+    peak_for_name(&name)
+}
+
+fn peak_for_name(name: &str) -> Option<f64> {
+    // Most specific names first ("H100 PCIe" before "H100").
+    const PEAKS: [(&str, f64); 9] = [
+        ("H200", 989.4e12),
+        ("H100 PCIe", 756.0e12),
+        ("H100", 989.4e12),
+        ("A100", 312.0e12),
+        ("L40S", 362.1e12),
+        ("L40", 181.0e12),
+        ("L4", 121.0e12),
+        ("RTX 4090", 165.2e12),
+        ("RTX 3090", 71.0e12),
+    ];
+    PEAKS
+        .iter()
+        .find(|(n, _)| name.contains(n))
+        .map(|&(_, peak)| peak)
+}
+
+/// Model FLOPs utilisation: `flops_per_token · tokens / seconds` over the device's
+/// [`dense_bf16_peak_flops`] (`None` where that is unknown or nothing was timed).
+pub fn mfu(flops_per_token: f64, tokens: f64, seconds: f64, peak: Option<f64>) -> Option<f64> {
+    let peak = peak?;
+    (seconds > 0.0 && peak > 0.0).then(|| flops_per_token * tokens / seconds / peak)
+}
+
 /// Wraps benchmark `records` with their provenance (commit, command, machine, date) and
 /// writes them as pretty JSON to `path`.
 pub fn write_results(
@@ -321,6 +356,23 @@ mod tests {
         let s = super::utc_now();
         assert_eq!(s.len(), 20, "{s}");
         assert!(s.starts_with("20") && s.ends_with('Z'), "{s}");
+    }
+
+    #[test]
+    fn peaks_match_the_most_specific_name() {
+        assert_eq!(super::peak_for_name("NVIDIA H200"), Some(989.4e12));
+        assert_eq!(super::peak_for_name("NVIDIA H100 PCIe"), Some(756.0e12));
+        assert_eq!(
+            super::peak_for_name("NVIDIA H100 80GB HBM3"),
+            Some(989.4e12)
+        );
+        assert_eq!(super::peak_for_name("NVIDIA L40S"), Some(362.1e12));
+        assert_eq!(super::peak_for_name("NVIDIA L40"), Some(181.0e12));
+        assert_eq!(super::peak_for_name("NVIDIA L4"), Some(121.0e12));
+        assert_eq!(super::peak_for_name("cpu"), None);
+        assert_eq!(super::mfu(1e9, 1000.0, 1.0, Some(1e12)), Some(1.0));
+        assert_eq!(super::mfu(1e9, 1000.0, 0.0, Some(1e12)), None);
+        assert_eq!(super::mfu(1e9, 1000.0, 1.0, None), None);
     }
 
     #[test]

@@ -440,6 +440,27 @@ impl Config {
         fixup + q8_1 + 2 * s * k * 4
     }
 
+    /// Model FLOPs of one training step per token at `seq_len` (forward and backward, no
+    /// recomputation), as MFU counts them (PaLM, appendix B): 6 per matmul parameter, every
+    /// projection and the head (the embedding table is a lookup, unless tied to the head),
+    /// plus 12 · layers · heads · head_dim · seq_len for the attention scores and their
+    /// weighted sum (causal masking not discounted).
+    pub fn train_flops_per_token(&self, seq_len: usize) -> f64 {
+        let (h, i, v) = (
+            self.hidden_size as f64,
+            self.intermediate_size as f64,
+            self.vocab_size as f64,
+        );
+        let (nh, kv, hd) = (
+            self.num_attention_heads as f64,
+            self.num_key_value_heads as f64,
+            self.head_dim as f64,
+        );
+        let layer = h * nh * hd + 2.0 * h * kv * hd + nh * hd * h + 3.0 * h * i;
+        let matmul_params = self.num_hidden_layers as f64 * layer + h * v;
+        6.0 * matmul_params + 12.0 * self.num_hidden_layers as f64 * nh * hd * seq_len as f64
+    }
+
     /// Device bytes a training step needs besides the weights, for `batch` sequences of
     /// `seq_len` tokens with `segments` checkpointed segments (0: none) and matmuls in
     /// `compute`: segment boundaries (F32), one segment's recomputed graph and its backward
@@ -499,6 +520,22 @@ mod tests {
         "intermediate_size":1536,"num_attention_heads":9,"num_hidden_layers":30,"num_key_value_heads":3,
         "rms_norm_eps":1e-05,"rope_theta":100000,"tie_word_embeddings":true,"vocab_size":49152,
         "max_position_embeddings":8192,"bos_token_id":1,"eos_token_id":2}"#;
+
+    /// Llama 2 7B has 6,738,415,616 parameters: less the embedding table (32000 x 4096) and the
+    /// norms (65 x 4096), 6,607,077,376 multiply in matmuls.
+    #[test]
+    fn train_flops_count_llama2_7b() {
+        let c = Config::from_json_str(
+            r#"{"model_type":"llama","hidden_size":4096,"intermediate_size":11008,
+            "num_attention_heads":32,"num_hidden_layers":32,"num_key_value_heads":32,
+            "vocab_size":32000,"rms_norm_eps":1e-5}"#,
+            Path::new("config.json"),
+        )
+        .unwrap();
+        assert_eq!(c.train_flops_per_token(0), 6.0 * 6_607_077_376.0);
+        let attention = c.train_flops_per_token(4096) - c.train_flops_per_token(0);
+        assert_eq!(attention, 12.0 * 32.0 * 4096.0 * 4096.0);
+    }
 
     #[test]
     fn reads_smollm_and_defaults_qwen2_bias() {
