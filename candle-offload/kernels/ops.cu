@@ -530,24 +530,33 @@ __device__ __forceinline__ void cp_async16(uint4 *smem, const uint4 *gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
 
-// Stages blocks first .. first + count (count <= QStage::BLOCKS) of each of the NW rows in
+// Starts the copies of blocks first .. first + count of each of the NW rows into
 // st[w * VECS ..] (one warp, all lanes; all copies in flight at once) and returns in at[w]
-// where block `first` of row w starts there.
-template <int QT, int NW>
-__device__ __forceinline__ void stage_blocks(const uint8_t *const *rows, uint32_t first,
-                                             uint32_t count, uint4 *st, const uint8_t **at) {
+// where block `first` of row w lands; the caller waits for them (cp.async.wait_all, then
+// __syncwarp). VECS: the 16-byte vectors a row's stage holds.
+template <int QT, int NW, int VECS>
+__device__ __forceinline__ void stage_async(const uint8_t *const *rows, uint32_t first,
+                                            uint32_t count, uint4 *st, const uint8_t **at) {
     constexpr int B = QBlock<QT>::BYTES;
-    constexpr int VECS = QStage<QT>::VECS;
     const uint32_t lane = threadIdx.x & 31u;
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
         const uintptr_t s = reinterpret_cast<uintptr_t>(rows[w]) + (uintptr_t)first * B;
         const uintptr_t a0 = s & ~(uintptr_t)15;
         const uint32_t nvec = (uint32_t)((s + (uintptr_t)count * B + 15 - a0) >> 4);
-        at[w] = reinterpret_cast<const uint8_t *>(st + w * VECS) + (s - a0);
+        uint4 *dst = st + w * VECS;
+        at[w] = reinterpret_cast<const uint8_t *>(dst) + (s - a0);
         const uint4 *src = reinterpret_cast<const uint4 *>(a0);
-        for (uint32_t v = lane; v < nvec; v += 32u) cp_async16(st + w * VECS + v, src + v);
+        for (uint32_t v = lane; v < nvec; v += 32u) cp_async16(dst + v, src + v);
     }
+}
+
+// Stages blocks first .. first + count (count <= QStage::BLOCKS) of each of the NW rows in
+// st[w * QStage::VECS ..] and waits for them (one warp, all lanes), at[w] as stage_async's.
+template <int QT, int NW>
+__device__ __forceinline__ void stage_blocks(const uint8_t *const *rows, uint32_t first,
+                                             uint32_t count, uint4 *st, const uint8_t **at) {
+    stage_async<QT, NW, QStage<QT>::VECS>(rows, first, count, st, at);
     asm volatile("cp.async.wait_all;\n" ::);
     __syncwarp();
 }
@@ -734,24 +743,12 @@ __device__ __forceinline__ void qcolumn(uint32_t col, const uint8_t *w0, const u
 }
 
 // Starts the copies of blocks first .. first + count (count <= QStage2::BLOCKS) of each of the
-// R rows into st[w * QStage2::VECS ..] (one warp, all lanes; all copies in flight at once) and
-// returns where block `first` of row w lands in at[w]; the caller waits for them
+// R rows into st[w * QStage2::VECS ..] (stage_async); the caller waits for them
 // (cp.async.wait_all, then __syncwarp).
 template <int QT, int R>
 __device__ __forceinline__ void stage_rows_async(const uint8_t *const *rows, uint32_t first,
                                                  uint32_t count, uint4 *st, const uint8_t **at) {
-    constexpr int B = QBlock<QT>::BYTES;
-    const uint32_t lane = threadIdx.x & 31u;
-#pragma unroll
-    for (int w = 0; w < R; ++w) {
-        const uintptr_t s = reinterpret_cast<uintptr_t>(rows[w]) + (uintptr_t)first * B;
-        const uintptr_t a0 = s & ~(uintptr_t)15;
-        const uint32_t nvec = (uint32_t)((s + (uintptr_t)count * B + 15 - a0) >> 4);
-        uint4 *dst = st + w * QStage2<QT>::VECS;
-        at[w] = reinterpret_cast<const uint8_t *>(dst) + (s - a0);
-        const uint4 *src = reinterpret_cast<const uint4 *>(a0);
-        for (uint32_t v = lane; v < nvec; v += 32u) cp_async16(dst + v, src + v);
-    }
+    stage_async<QT, R, QStage2<QT>::VECS>(rows, first, count, st, at);
 }
 
 // acc[w][r] += x[r, :] · rows[w] for the R rows (k / 32 blocks each) and r < m <= M (one
