@@ -1100,7 +1100,8 @@ impl OffloadRuntime {
             read_ahead: self.shared.read_pool.as_ref().map(|p| ReadAheadStats {
                 threads: p.threads(),
                 units_ahead: READ_AHEAD_UNITS,
-                staging_bound_bytes: READ_AHEAD_UNITS as u64
+                // The read-aheads in flight and the one spare buffer the pool keeps.
+                staging_bound_bytes: (READ_AHEAD_UNITS as u64 + 1)
                     * store
                         .units()
                         .iter()

@@ -129,8 +129,9 @@ pub struct ReadAheadStats {
     /// At most this many disk units are read ahead at a time (the next ones the schedule
     /// fetches).
     pub units_ahead: usize,
-    /// The bound on the staging memory this takes, outside the host cap: `units_ahead` times
-    /// the largest disk unit (reads dropped before they finish free theirs when they do).
+    /// The bound on the staging memory this takes, outside the host cap: `units_ahead` + 1
+    /// times the largest disk unit, the read-aheads and the one spare buffer kept for the
+    /// next (reads dropped before they finish free theirs when they do).
     pub staging_bound_bytes: u64,
     /// Read-aheads started.
     pub issued: u64,

@@ -775,9 +775,9 @@ pub(crate) struct ReadPool {
     tx: Option<mpsc::Sender<ReadJob>>,
     threads: Vec<std::thread::JoinHandle<()>>,
     closing: Arc<AtomicBool>,
-    /// One staging buffer kept from a finished read-ahead for the next (see [`Spare`]): in
-    /// steady state the next read-ahead starts right after a fetch ends the last one, so two
-    /// read-aheads in flight never hold more than two units' bytes between them and the spare.
+    /// One staging buffer kept from a finished read-ahead for the next (see [`Spare`]): the
+    /// staging is then at most the read-aheads in flight plus this one, and in steady state
+    /// the next read-ahead takes it right after a fetch ends the one that left it.
     spare: Spare,
 }
 
