@@ -18,16 +18,44 @@ fn main() {
     }
 }
 
+/// The kernel sources' bytes, by path, sorted.
+#[cfg(feature = "cuda")]
+fn kernel_sources() -> std::io::Result<Vec<(std::path::PathBuf, Vec<u8>)>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir("kernels")? {
+        let path = entry?.path();
+        if path.is_file() {
+            let bytes = std::fs::read(&path)?;
+            files.push((path, bytes));
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
 #[cfg(feature = "cuda")]
 fn build_ptx() -> cudaforge::Result<()> {
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let ptx_rs = out_dir.join("ptx.rs");
+    let before = kernel_sources()?;
     cudaforge::KernelBuilder::new()
         .source_dir("kernels")
         .arg("-std=c++17")
         .arg("-O3")
         .build_ptx()?
         .write(&ptx_rs)?;
+    // cudaforge records a source's hash after nvcc has compiled it, so a source saved while
+    // nvcc was running would be recorded as compiled and its old PTX kept by every later
+    // build. Forget this build's outputs and fail instead: the next build compiles it again.
+    if kernel_sources()? != before {
+        for entry in std::fs::read_dir(&out_dir)? {
+            let path = entry?.path();
+            if path.is_file() {
+                std::fs::remove_file(&path)?;
+            }
+        }
+        panic!("a file in kernels/ changed while nvcc compiled it; build again");
+    }
     // Each launcher module (sys/kernels.rs, sys/train_kernels.rs) embeds the file but uses
     // only its own kernel file's constant: the others are allowed to be unused there.
     let consts = std::fs::read_to_string(&ptx_rs)?;
