@@ -223,47 +223,12 @@ impl DiskFile {
     /// Fills `dst` from `offset`: with O_DIRECT through aligned buffers of at most
     /// `shape.piece` bytes, otherwise with `pread`s through the page cache. A read longer than
     /// a piece is cut at piece boundaries of the file and its pieces are read by up to
-    /// `shape.threads` threads at once, each with one buffer, since a disk (and the page
-    /// cache's copy) reaches its rate only with several requests in flight.
+    /// `shape.threads` threads at once ([`read_queue`]), each with one buffer, since a disk
+    /// (and the page cache's copy) reaches its rate only with several requests in flight.
     fn read_exact_shaped(&self, dst: &mut [u8], offset: u64, shape: ReadShape) -> io::Result<()> {
-        let piece = shape.piece;
-        if dst.len() as u64 <= piece || shape.threads == 1 {
-            return self.read_run(dst, offset, piece, &mut None);
-        }
-        let mut parts: Vec<Vec<(u64, &mut [u8])>> =
-            (0..shape.threads).map(|_| Vec::new()).collect();
-        let (mut rest, mut pos, mut i) = (dst, offset, 0usize);
-        while !rest.is_empty() {
-            let take = ((pos / piece + 1) * piece - pos).min(rest.len() as u64) as usize;
-            let (head, tail) = rest.split_at_mut(take);
-            parts[i % shape.threads].push((pos, head));
-            (rest, pos, i) = (tail, pos + take as u64, i + 1);
-        }
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = parts
-                .into_iter()
-                .filter(|p| !p.is_empty())
-                .map(|pieces| {
-                    scope.spawn(move || {
-                        let mut scratch = None;
-                        for (at, head) in pieces {
-                            self.read_run(head, at, piece, &mut scratch)?;
-                        }
-                        Ok::<(), io::Error>(())
-                    })
-                })
-                .collect();
-            // Every thread is joined (a panic in one is reported, not re-raised by the scope),
-            // then the first error is returned.
-            let results: Vec<io::Result<()>> = handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(io::Error::other("a disk read thread panicked")))
-                })
-                .collect();
-            results.into_iter().collect::<io::Result<()>>()
-        })
+        let mut queue = Vec::new();
+        push_pieces(&mut queue, self, offset, dst, shape.piece, ());
+        read_queue(queue, shape).map_err(|((), e)| e)
     }
 
     /// [`read_exact_shaped`](Self::read_exact_shaped) on one thread: with O_DIRECT through
@@ -588,11 +553,10 @@ impl DiskUnit {
     }
 }
 
-/// Reads tensors stored as they are (`pieces`, in file order, disjoint in `dst`): cut at piece
-/// boundaries of their files and read by up to `shape.threads` threads from one queue, so
-/// that as many requests stay in flight from the unit's first byte to its last (a tensor at a
-/// time would wait for each tensor's slowest piece). Every thread is joined; the first error
-/// is returned with its segment, and no piece starts after it.
+/// Reads tensors stored as they are (`pieces`, in file order, disjoint in `dst`) through one
+/// [`read_queue`] of their pieces, so that as many requests stay in flight from the unit's
+/// first byte to its last (a tensor at a time would wait for each tensor's slowest piece); an
+/// error comes with its segment.
 fn read_plain<'a>(
     pieces: &[&Piece<'a>],
     dst: &mut [u8],
@@ -612,25 +576,70 @@ fn read_plain<'a>(
     }
     let mut queue = Vec::new();
     for (p, slice) in pieces.iter().zip(slices) {
-        let (mut slice, mut pos) = (slice.unwrap_or_default(), p.file.start);
-        while !slice.is_empty() {
-            let take = ((pos / shape.piece + 1) * shape.piece - pos).min(slice.len() as u64);
-            let (head, tail) = slice.split_at_mut(take as usize);
-            queue.push((p.seg, pos, head));
-            (slice, pos) = (tail, pos + take);
-        }
+        let slice = slice.unwrap_or_default();
+        push_pieces(
+            &mut queue,
+            &p.seg.file,
+            p.file.start,
+            slice,
+            shape.piece,
+            p.seg,
+        );
     }
+    read_queue(queue, shape)
+}
+
+/// One request of a queued read: `dst` from byte `pos` of `file`, and what an error names.
+struct Request<'a, T> {
+    file: &'a DiskFile,
+    pos: u64,
+    dst: &'a mut [u8],
+    tag: T,
+}
+
+/// Queues the requests that fill `dst` from byte `pos` of `file`, cut at `piece` boundaries
+/// of the file.
+fn push_pieces<'a, T: Copy>(
+    queue: &mut Vec<Request<'a, T>>,
+    file: &'a DiskFile,
+    mut pos: u64,
+    mut dst: &'a mut [u8],
+    piece: u64,
+    tag: T,
+) {
+    while !dst.is_empty() {
+        let take = ((pos / piece + 1) * piece - pos).min(dst.len() as u64);
+        let (head, tail) = dst.split_at_mut(take as usize);
+        queue.push(Request {
+            file,
+            pos,
+            dst: head,
+            tag,
+        });
+        (dst, pos) = (tail, pos + take);
+    }
+}
+
+/// Reads the queued requests, in their order, by up to `shape.threads` threads taking the next
+/// one as they finish one (on the calling thread when one is enough), so that as many stay in
+/// flight from the first to the last. Every thread is joined; the first error is returned with
+/// its request's tag, and no request starts after it.
+fn read_queue<T: Copy + Send>(
+    mut queue: Vec<Request<'_, T>>,
+    shape: ReadShape,
+) -> Result<(), (T, io::Error)> {
     let threads = shape.threads.min(queue.len());
     if threads <= 1 {
         let mut scratch = None;
-        for (seg, pos, head) in queue {
-            seg.file
-                .read_run(head, pos, shape.piece, &mut scratch)
-                .map_err(|e| (seg, e))?;
+        for r in queue {
+            r.file
+                .read_run(r.dst, r.pos, shape.piece, &mut scratch)
+                .map_err(|e| (r.tag, e))?;
         }
         return Ok(());
     }
-    queue.reverse(); // popped from the end: file order
+    let first_tag = queue[0].tag;
+    queue.reverse(); // popped from the end: in order
     let queue = Mutex::new(queue);
     let failed = AtomicBool::new(false);
     std::thread::scope(|scope| {
@@ -643,12 +652,12 @@ fn read_plain<'a>(
                             return Ok(());
                         }
                         let next = queue.lock().unwrap_or_else(|e| e.into_inner()).pop();
-                        let Some((seg, pos, head)) = next else {
+                        let Some(r) = next else {
                             return Ok(());
                         };
-                        if let Err(e) = seg.file.read_run(head, pos, shape.piece, &mut scratch) {
+                        if let Err(e) = r.file.read_run(r.dst, r.pos, shape.piece, &mut scratch) {
                             failed.store(true, Ordering::Relaxed);
-                            return Err((seg, e));
+                            return Err((r.tag, e));
                         }
                     }
                 })
@@ -657,8 +666,7 @@ fn read_plain<'a>(
         let mut first = Ok(());
         for h in handles {
             let r = h.join().unwrap_or_else(|_| {
-                let seg = pieces[0].seg;
-                Err((seg, io::Error::other("a disk read thread panicked")))
+                Err((first_tag, io::Error::other("a disk read thread panicked")))
             });
             if first.is_ok() {
                 first = r;
@@ -985,6 +993,18 @@ mod tests {
         Ok(())
     }
 
+    /// Tensor `name`'s `len` bytes at `at` in the unit, stored as they are at `file_offset`.
+    fn plain(file: &Arc<DiskFile>, name: &str, at: usize, len: usize, file_offset: u64) -> Segment {
+        Segment {
+            file: file.clone(),
+            name: name.into(),
+            at,
+            len,
+            file_offset,
+            conversion: None,
+        }
+    }
+
     #[test]
     fn reads_segments_converts_and_refuses_a_changed_file() -> anyhow::Result<()> {
         let dir = std::env::temp_dir().join(format!("candle-offload-disk-{}", std::process::id()));
@@ -1076,14 +1096,7 @@ mod tests {
         std::fs::write(&path, &data)?;
         let file = DiskFile::open(&path, false)?;
         let segments = (0..4)
-            .map(|k| Segment {
-                file: file.clone(),
-                name: "t".into(),
-                at: (3 - k) * row,
-                len: row,
-                file_offset: (k * row) as u64,
-                conversion: None,
-            })
+            .map(|k| plain(&file, "t", (3 - k) * row, row, (k * row) as u64))
             .collect();
         let tier = DiskTier::new("u", 4 * row, segments)?;
         let mut out = vec![0u8; 4 * row];
@@ -1191,18 +1204,7 @@ mod tests {
         let data: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
         std::fs::write(&path, &data)?;
         let file = DiskFile::open(&path, false)?;
-        let tier = DiskTier::new(
-            "u",
-            10_000,
-            vec![Segment {
-                file: file.clone(),
-                name: "t".into(),
-                at: 0,
-                len: 10_000,
-                file_offset: 0,
-                conversion: None,
-            }],
-        )?;
+        let tier = DiskTier::new("u", 10_000, vec![plain(&file, "t", 0, 10_000, 0)])?;
         let pool = ReadPool::new(2)?;
         assert_eq!(tier.read_ahead_state(), ReadAhead::None);
         assert!(tier.read_ahead(&pool));
@@ -1229,14 +1231,7 @@ mod tests {
         let tier = DiskTier::new(
             "v",
             10_000,
-            vec![Segment {
-                file: DiskFile::open(&path, false)?,
-                name: "t".into(),
-                at: 0,
-                len: 10_000,
-                file_offset: 0,
-                conversion: None,
-            }],
+            vec![plain(&DiskFile::open(&path, false)?, "t", 0, 10_000, 0)],
         )?;
         let pool = ReadPool::new(1)?;
         tier.read_ahead(&pool);
@@ -1257,14 +1252,7 @@ mod tests {
         let data: Vec<u8> = (0..4000u32).map(|i| (i % 251) as u8 | 1).collect();
         std::fs::write(&path, &data)?;
         let file = DiskFile::open(&path, false)?;
-        let seg = |at, len, file_offset| Segment {
-            file: file.clone(),
-            name: "t".into(),
-            at,
-            len,
-            file_offset,
-            conversion: None,
-        };
+        let seg = |at, len, file_offset| plain(&file, "t", at, len, file_offset);
         // The same length; the first covers every byte, the second leaves 0..256 and
         // 1256..1512 as gaps.
         let full = DiskTier::new("full", 2000, vec![seg(0, 2000, 0)])?;
@@ -1283,11 +1271,11 @@ mod tests {
         }
         let mut out = vec![0xAAu8; 2000];
         gappy.inner.read(0..2000, &mut out)?;
-        std::fs::remove_dir_all(&dir)?;
         assert!(out[..256].iter().chain(&out[1256..1512]).all(|&b| b == 0));
         assert_eq!(out[256..1256], data[7..1007]);
         assert_eq!(out[1512..], data[3000..3488]);
         assert!(full.inner.read(0..2000, &mut out).is_ok() && out == data[..2000]);
+        std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
 
@@ -1304,14 +1292,7 @@ mod tests {
         std::fs::write(&path, &data)?;
         for direct in [false, true] {
             let file = DiskFile::open(&path, direct)?;
-            let seg = |name: &str, at, len, file_offset| Segment {
-                file: file.clone(),
-                name: name.into(),
-                at,
-                len,
-                file_offset,
-                conversion: None,
-            };
+            let seg = |name, at, len, file_offset| plain(&file, name, at, len, file_offset);
             // a: 3 MiB + 5 at file 1 MiB + 17; b: 2 MiB + 100 at file 5; c: 1 MiB at file 4 MiB + 500.
             let (a, b, c) = ((3 << 20) + 5, (2 << 20) + 100, 1 << 20);
             let unit_len = a + b + c + 4096;
@@ -1347,14 +1328,7 @@ mod tests {
             .open(&path)?
             .set_len(6 << 20)?;
         let file = DiskFile::open(&path, false)?;
-        let seg = |name: &str, at: usize, len: usize| Segment {
-            file: file.clone(),
-            name: name.into(),
-            at,
-            len,
-            file_offset: at as u64,
-            conversion: None,
-        };
+        let seg = |name, at: usize, len| plain(&file, name, at, len, at as u64);
         let (sa, sc) = (seg("a", 0, 4 << 20), seg("c", 4 << 20, 3 << 20));
         fn piece(seg: &Segment) -> Piece<'_> {
             Piece {
