@@ -138,6 +138,22 @@ wait_make7b() {
   fi
   [[ -f /tmp/llama7b/config.json ]] || { echo "no checkpoint in /tmp/llama7b (run make7b first)"; return 1; }
 }
+# bench_variants PREFIX W ARGS...: bench_generate ARGS once per qlinear_small kernel variant in
+# $QB_VARIANTS (CANDLE_OFFLOAD_QLINEAR; "default" leaves it unset) -> $OUT/PREFIX-W[-V].json and
+# .log; the arguments in the array first_args go to the first run only (and are then cleared).
+first_args=()
+bench_variants() {
+  local prefix=$1 w=$2 v tag
+  shift 2
+  for v in ${QB_VARIANTS:-default}; do
+    tag=$w; [[ "$v" == default ]] || tag=$w-$v
+    (cd /tmp && CANDLE_OFFLOAD_QLINEAR=${v/default/} timeout "${QBENCH_S:-300}" "$BIN/bench_generate" \
+      "$@" "${first_args[@]}" --json-out "$OUT/$prefix-$tag.json") >"$OUT/$prefix-$tag.log" 2>&1
+    echo "$prefix $tag exit $?"
+    grep -v "^llama.cpp probe" "$OUT/$prefix-$tag.log" | tail -"${QB_TAIL:-20}"
+    first_args=()
+  done
+}
 variant_args() {
   case "$1" in
     default) ;;
@@ -240,15 +256,8 @@ for step in "${steps[@]}"; do
       [[ "$step" == qonload=* ]] && IFS=, read -r -a ws <<<"${step#qonload=}"
       for w in "${ws[@]}"; do
         # The first run writes the cached GGUF next to /tmp/llama7b; the others read it.
-        for v in ${QB_VARIANTS:-default}; do
-          tag=7b-$w; [[ "$v" == default ]] || tag=$tag-$v
-          (cd /tmp && CANDLE_OFFLOAD_QLINEAR=${v/default/} timeout "${QBENCH_S:-300}" "$BIN/bench_generate" \
-            --model-dir /tmp/llama7b --quantize "$w" --weights "7b-$w-on-load" --budgets "${QB_BUDGETS:-full}" \
-            --prompt-lens "${QB_PROMPTS:-64}" --depths 2 --json-out "$OUT/qonload-$tag.json") \
-            >"$OUT/qonload-$tag.log" 2>&1
-          echo "qonload $tag exit $?"
-          tail -${QB_TAIL:-4} "$OUT/qonload-$tag.log"
-        done
+        bench_variants qonload "7b-$w" --model-dir /tmp/llama7b --quantize "$w" --weights "7b-$w-on-load" \
+          --budgets "${QB_BUDGETS:-full}" --prompt-lens "${QB_PROMPTS:-64}" --depths 2
       done
       ;;
     qbench | qbench=*)
@@ -263,19 +272,10 @@ for step in "${steps[@]}"; do
         [[ "$w" == *f16 ]] && q=()
         # shellcheck disable=SC2206 # QB_ARGS is a list of arguments
         q+=(${QB_ARGS:-})
-        # QB_VARIANTS: the qlinear_small kernel variants to run (CANDLE_OFFLOAD_QLINEAR), each
-        # -> qbench-W-V.json; llama.cpp runs with the first only (same call for the others).
-        lc=(--llamacpp-bin "$lc_bin")
-        for v in ${QB_VARIANTS:-default}; do
-          tag=$w; [[ "$v" == default ]] || tag=$w-$v
-          (cd /tmp && CANDLE_OFFLOAD_QLINEAR=${v/default/} timeout "${QBENCH_S:-300}" "$BIN/bench_generate" \
-            --model-dir "$f" "${q[@]}" --weights "$w" --budgets "${QB_BUDGETS:-4,8,12,full}" \
-            --prompt-lens "${QB_PROMPTS:-64,512}" --depths 2 "${lc[@]}" --json-out "$OUT/qbench-$tag.json") \
-            >"$OUT/qbench-$tag.log" 2>&1
-          echo "qbench $tag exit $?"
-          grep -v "^llama.cpp probe" "$OUT/qbench-$tag.log" | tail -${QB_TAIL:-20}
-          lc=()
-        done
+        # llama.cpp runs with the first variant only (the same call for the others).
+        first_args=(--llamacpp-bin "$lc_bin")
+        bench_variants qbench "$w" --model-dir "$f" "${q[@]}" --weights "$w" \
+          --budgets "${QB_BUDGETS:-4,8,12,full}" --prompt-lens "${QB_PROMPTS:-64,512}" --depths 2
       done
       ;;
     decode | decode=*)
