@@ -356,6 +356,8 @@ fn run_one(
     };
     let step_s = median(times.clone());
     let tokens = (args.batch_size * args.seq_len) as f64;
+    let flops_per_token = cfg.train_flops_per_token(args.seq_len);
+    let peak_flops = candle_offload_suite::dense_bf16_peak_flops(device);
     let mut rec = json!({
         "config": b.name,
         "precision": b.label,
@@ -369,14 +371,9 @@ fn run_one(
         "step_s": step_s,
         "step_s_all": times,
         "tokens_per_s": if step_s > 0.0 { tokens / step_s } else { 0.0 },
-        "model_flops_per_token": cfg.train_flops_per_token(args.seq_len),
-        "dense_bf16_peak_flops": candle_offload_suite::dense_bf16_peak_flops(device),
-        "mfu": candle_offload_suite::mfu(
-            cfg.train_flops_per_token(args.seq_len),
-            tokens,
-            step_s,
-            candle_offload_suite::dense_bf16_peak_flops(device),
-        ),
+        "model_flops_per_token": flops_per_token,
+        "dense_bf16_peak_flops": peak_flops,
+        "mfu": candle_offload_suite::mfu(flops_per_token, tokens, step_s, peak_flops),
         "losses": losses,
         "final_loss": losses.last(),
         "skipped_steps": trainer.scaler().skipped_steps(),
