@@ -78,7 +78,7 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     batch: usize,
     /// Open the CUDA profiler's capture around the timed decode steps only, for a profiler
-    /// started with `--profile-from-start off` (scripts/decode_breakdown.py runs ncu so).
+    /// started with `--profile-from-start off` (scripts/kernel_breakdown.py decode runs ncu so).
     #[arg(long)]
     profile_decode: bool,
     /// Host memory for the weights (GiB, `12GiB`, `50%`): the layers past it stay in the

@@ -21,6 +21,7 @@
 //! configuration, so a run cut short keeps what it measured.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -28,7 +29,7 @@ use candle_core::{Device, Tensor};
 use candle_nn::ParamsAdamW;
 use candle_offload::diag::{self, PeakMemorySampler};
 use candle_offload::{MemoryLimit, Precision};
-use candle_offload_models::{Config, TrainSettings, Trainer};
+use candle_offload_models::{Config, TrainPhase, TrainSettings, Trainer};
 use candle_offload_suite::median;
 use clap::Parser;
 use serde_json::{json, Value};
@@ -94,6 +95,12 @@ struct Args {
     /// as skipped), so that a run under a time limit still writes its results.
     #[arg(long)]
     max_seconds: Option<f64>,
+    /// One more step per configuration after the timed ones (not in the timings), under a CUDA
+    /// profiler's capture (`ncu --profile-from-start off`), with a `profile_mark` kernel at
+    /// each phase boundary (forward 0, backward 1, optimizer 2, end 3): what
+    /// scripts/kernel_breakdown.py's `train` reads.
+    #[arg(long)]
+    profile_capture: bool,
     /// The peer's JSON (scripts/train_peer.py), measured in the same run.
     #[arg(long)]
     peer: Option<PathBuf>,
@@ -244,6 +251,69 @@ fn used(device: &Device) -> Result<u64> {
 }
 
 /// Runs one configuration; its record.
+/// What the trainer's phase observer records: the device synchronized and the time taken at
+/// each phase boundary of a step, and the profiler's capture around an armed step.
+#[derive(Default)]
+struct PhaseClock {
+    marks: Vec<(TrainPhase, Instant)>,
+    capture: bool,
+}
+
+impl PhaseClock {
+    /// Forward, backward and optimizer seconds of the step just ended.
+    fn split(&self) -> Option<[f64; 3]> {
+        let at = |p| self.marks.iter().find(|(q, _)| *q == p).map(|(_, t)| *t);
+        let (f, b, o, d) = (
+            at(TrainPhase::Forward)?,
+            at(TrainPhase::Backward)?,
+            at(TrainPhase::Optimizer)?,
+            at(TrainPhase::Done)?,
+        );
+        Some([
+            (b - f).as_secs_f64(),
+            (o - b).as_secs_f64(),
+            (d - o).as_secs_f64(),
+        ])
+    }
+}
+
+/// Synchronizes `device` at every phase boundary and records the time; on an armed step also
+/// opens the profiler's capture at the forward pass, marks each boundary with a kernel and
+/// closes the capture at the end.
+fn phase_observer(
+    device: &Device,
+    clock: Arc<Mutex<PhaseClock>>,
+) -> candle_offload_models::PhaseObserver {
+    let device = device.clone();
+    Box::new(move |phase| {
+        let mut c = clock
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("phase clock poisoned".into()))?;
+        device.synchronize()?;
+        if c.capture {
+            if phase == TrainPhase::Forward {
+                diag::profiler_capture(&device, true)?;
+            }
+            let code = match phase {
+                TrainPhase::Forward => 0,
+                TrainPhase::Backward => 1,
+                TrainPhase::Optimizer => 2,
+                _ => 3,
+            };
+            diag::profile_mark(&device, code)?;
+            if phase == TrainPhase::Done {
+                device.synchronize()?;
+                diag::profiler_capture(&device, false)?;
+            }
+        }
+        if phase == TrainPhase::Forward {
+            c.marks.clear();
+        }
+        c.marks.push((phase, Instant::now()));
+        Ok(())
+    })
+}
+
 fn run_one(
     b: &Bench,
     cfg: &Config,
@@ -299,24 +369,45 @@ fn run_one(
     } else {
         args.steps
     };
+    let clock = Arc::new(Mutex::new(PhaseClock::default()));
+    trainer.set_phase_observer(Some(phase_observer(device, clock.clone())));
+    let mut phase_s: [Vec<f64>; 3] = Default::default();
     let (mut times, mut losses, mut streamed) = (Vec::new(), Vec::new(), Vec::new());
-    for i in 0..args.warmup + timed {
+    let profiled = usize::from(args.profile_capture && gpu);
+    for i in 0..args.warmup + timed + profiled {
         if let Some(rt) = trainer.runtime() {
             rt.begin_step()?;
         }
+        let armed = i == args.warmup + timed;
+        clock
+            .lock()
+            .map_err(|_| anyhow!("phase clock poisoned"))?
+            .capture = armed;
         let t0 = Instant::now();
         let report = trainer.step(&inputs, &targets)?;
         device.synchronize()?;
         let dt = t0.elapsed().as_secs_f64();
         if let Some(rt) = trainer.runtime() {
             rt.end_step()?;
-            if i >= args.warmup {
+            if i >= args.warmup && !armed {
                 streamed.push(rt.stats()?.last_step.map_or(0.0, |s| s.bytes as f64));
             }
+        }
+        if armed {
+            continue;
         }
         losses.push(report.loss);
         if i >= args.warmup {
             times.push(dt);
+            let split = clock
+                .lock()
+                .map_err(|_| anyhow!("phase clock poisoned"))?
+                .split();
+            if let Some(split) = split {
+                for (all, s) in phase_s.iter_mut().zip(split) {
+                    all.push(s);
+                }
+            }
         }
         tracing::info!(config = %b.name, step = i, loss = report.loss, s = dt, "step");
     }
@@ -370,6 +461,10 @@ fn run_one(
         "build_s": build_s,
         "step_s": step_s,
         "step_s_all": times,
+        "forward_s": median(phase_s[0].clone()),
+        "backward_s": median(phase_s[1].clone()),
+        "optimizer_s": median(phase_s[2].clone()),
+        "profile_captured": args.profile_capture && gpu,
         "tokens_per_s": if step_s > 0.0 { tokens / step_s } else { 0.0 },
         "model_flops_per_token": flops_per_token,
         "dense_bf16_peak_flops": peak_flops,
@@ -579,6 +674,13 @@ fn print_table(records: &[Value]) {
             num(&r["step_time_vs_pytorch"], 2),
             mib(&r["pytorch"]["peak_device_bytes"]),
         ]);
+        println!(
+            "{:<18} forward {} s, backward {} s, optimizer {} s",
+            "",
+            num(&r["forward_s"], 3),
+            num(&r["backward_s"], 3),
+            num(&r["optimizer_s"], 3)
+        );
         if let Some(b) = r["budget_bytes"].as_u64() {
             println!(
                 "{:<18} budget {} MiB, peak over the CUDA context {} MiB: {}; streamed {:.1} MB \

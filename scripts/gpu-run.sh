@@ -45,7 +45,7 @@
 #                 unfused (--unfused), tracking (--event-tracking), unfused-tracking (both: the
 #                 engine before the decode-step work) -> $OUT/decode-V.json [DECODE_S=200]
 #   breakdown[=V] ncu's GPU time per kernel of the full-budget decode step of variant V (default)
-#                 on /tmp/llama7b (scripts/decode_breakdown.py; set against decode-V.json when
+#                 on /tmp/llama7b (scripts/kernel_breakdown.py decode; set against decode-V.json when
 #                 decode ran; another model from $BREAKDOWN_MODEL, e.g. /tmp/gguf/7b-q4_0.gguf
 #                 with BREAKDOWN_ARGS=--quantized) -> $OUT/breakdown-V.json, .log [BREAKDOWN_S=300]
 #   tiers         the storage tiers on /tmp/llama7b (needs make7b), GPU budget 4 GiB, host caps
@@ -64,6 +64,11 @@
 #                 and the seed's UM table (smoke --um-table-mib
 #                 600) -> $OUT/managed-{explicit,managed}.json, $OUT/um-table.json
 #                 [MANAGED_S=240]
+#   trainprof[=C,..] ncu's GPU time per kernel of one bench_train step of each configuration C
+#                 (default none-bf16), split into forward, backward and optimizer and set against
+#                 the unprofiled phase times of the same run (scripts/kernel_breakdown.py train;
+#                 more bench_train arguments from $TRAINPROF_ARGS)
+#                 -> $OUT/trainprof-C.json, .log [TRAINPROF_S=240 per configuration]
 #   train         bench_train, next to the peer's JSON when peer ran, with --max-seconds
 #                 $MAX_S (170) unless the arguments after `--` give one, and those
 #                 arguments -> $OUT/train.json [TRAIN_S=260]
@@ -84,9 +89,9 @@ while (($# > 0)); do
   case "$1" in
     --) shift; break ;;
     -h | --help) usage; exit 0 ;;
-    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | gguf7b | gguf13b | qbench | qbench=* | qonload | qonload=* | decode | decode=* | breakdown | breakdown=* | tiers | managed)
+    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | gguf7b | gguf13b | qbench | qbench=* | qonload | qonload=* | decode | decode=* | breakdown | breakdown=* | trainprof | trainprof=* | tiers | managed)
       steps+=("$1"); shift ;;
-    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp gguf7b gguf13b qbench[=W,...] qonload[=W,...] decode[=V,...] breakdown[=V] tiers managed)" >&2; exit 2 ;;
+    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp gguf7b gguf13b qbench[=W,...] qonload[=W,...] decode[=V,...] breakdown[=V] trainprof[=C,...] tiers managed)" >&2; exit 2 ;;
   esac
 done
 train_args=("$@")
@@ -303,8 +308,8 @@ for step in "${steps[@]}"; do
       sj=()
       [[ -s "$OUT/decode-$v.json" ]] && sj=(--step-json "$OUT/decode-$v.json")
       # shellcheck disable=SC2086 # va and BREAKDOWN_ARGS are lists of arguments
-      (cd /tmp && timeout "${BREAKDOWN_S:-300}" python3 "$OLDPWD/scripts/decode_breakdown.py" \
-        --bin "$BIN/bench_generate" --model-dir "$model" --steps 4 "${sj[@]}" \
+      (cd /tmp && timeout "${BREAKDOWN_S:-300}" python3 "$OLDPWD/scripts/kernel_breakdown.py" \
+        decode --bin "$BIN/bench_generate" --model-dir "$model" --steps 4 "${sj[@]}" \
         --out "$OUT/breakdown-$v.json" -- $va ${BREAKDOWN_ARGS:-}) >"$OUT/breakdown-$v.log" 2>&1
       echo "breakdown $v exit $?"
       rm -f "$OUT/breakdown-$v.ncu-rep"
@@ -380,6 +385,20 @@ for step in "${steps[@]}"; do
         echo "um table exit $?"
         grep -A4 "Unified Memory table" "$OUT/um-table.log"
       fi
+      ;;
+    trainprof | trainprof=*)
+      need_bin bench_train trainprof "--example bench_train" || continue
+      cs=none-bf16
+      [[ "$step" == trainprof=* ]] && cs=${step#trainprof=}
+      for c in ${cs//,/ }; do
+        # shellcheck disable=SC2086 # TRAINPROF_ARGS is a list of arguments
+        (cd /tmp && timeout "${TRAINPROF_S:-240}" python3 "$OLDPWD/scripts/kernel_breakdown.py" \
+          train --bin "$BIN/bench_train" --config "$c" --out "$OUT/trainprof-$c.json" \
+          -- ${TRAINPROF_ARGS:-}) >"$OUT/trainprof-$c.log" 2>&1
+        echo "trainprof $c exit $?"
+        rm -f "$OUT/trainprof-$c.ncu-rep"
+        grep -A60 "ms unprofiled" "$OUT/trainprof-$c.log" | head -70
+      done
       ;;
     train)
       need_bin bench_train train "--example bench_train" || continue

@@ -411,3 +411,42 @@ fn offload_without_checkpointing_is_refused() -> anyhow::Result<()> {
     assert!(e.contains("checkpoint_segments"), "{e}");
     Ok(())
 }
+
+/// The phase observer sees forward, backward, optimizer and the end of every step, in that
+/// order, resident and offloaded; an error from it ends the step with that error.
+#[test]
+fn phase_observer_sees_each_phase_in_order() -> anyhow::Result<()> {
+    use candle_offload_models::TrainPhase;
+    use std::sync::{Arc, Mutex};
+    let files = tiny("phases", false)?;
+    let (inputs, targets) = batch(&Device::Cpu)?;
+    for offload in [false, true] {
+        let mut s = settings(1);
+        s.offload = offload;
+        let mut trainer = Trainer::from_files(&files, &Device::Cpu, &s)?;
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        trainer.set_phase_observer(Some(Box::new(move |p| {
+            log.lock().expect("log").push(p);
+            Ok(())
+        })));
+        trainer.step(&inputs, &targets)?;
+        trainer.step(&inputs, &targets)?;
+        let phases = [
+            TrainPhase::Forward,
+            TrainPhase::Backward,
+            TrainPhase::Optimizer,
+            TrainPhase::Done,
+        ];
+        assert_eq!(*seen.lock().expect("log"), [phases, phases].concat());
+        trainer.set_phase_observer(Some(Box::new(|p| {
+            if p == TrainPhase::Optimizer {
+                candle_core::bail!("stop here")
+            }
+            Ok(())
+        })));
+        let e = trainer.step(&inputs, &targets).unwrap_err().to_string();
+        assert!(e.contains("stop here"), "{e}");
+    }
+    Ok(())
+}

@@ -1224,3 +1224,8 @@ __device__ void qlinear_small3(const T *x, const uint8_t *w0, const uint8_t *w1,
 OPS_FOR(float, f32)
 OPS_FOR(__half, f16)
 OPS_FOR(__nv_bfloat16, bf16)
+
+// An empty kernel whose only effect is its launch: a profiler's list of kernels (ncu, in
+// launch order) shows it where a program marks a boundary (diag::profile_mark), the phase in
+// its argument.
+extern "C" __global__ void profile_mark(uint32_t phase) { (void)phase; }

@@ -152,6 +152,16 @@ pub fn profiler_capture(device: &Device, on: bool) -> candle_core::Result<()> {
     sys::profiler_capture(device, on)
 }
 
+/// Launches an empty marker kernel, `profile_mark(phase)`, on `device`'s stream, so that a
+/// profiler's kernel list (ncu's, in launch order) shows where a program's phase `phase`
+/// begins (a no-op on a CPU or without `cuda`).
+pub fn profile_mark(device: &Device, phase: u32) -> candle_core::Result<()> {
+    if device.is_cpu() {
+        return Ok(());
+    }
+    sys::profile_mark(device, phase)
+}
+
 /// The machine's RAM, from `/proc/meminfo`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostMemory {

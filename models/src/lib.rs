@@ -52,4 +52,4 @@ pub use family::{DecoderBlock, Family, Layout, StepCtx, TrainCtx, UnitWeights};
 pub use layers::Cache;
 pub use llama::Llama;
 pub use loader::{ModelFiles, Weights};
-pub use train::{StepReport, TrainSettings, Trainer};
+pub use train::{PhaseObserver, StepReport, TrainPhase, TrainSettings, Trainer};

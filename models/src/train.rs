@@ -102,6 +102,24 @@ pub struct StepReport {
     pub tokens: usize,
 }
 
+/// Where a training step is, as [`Trainer::set_phase_observer`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TrainPhase {
+    /// The forward pass and the loss are about to run.
+    Forward,
+    /// The backward pass (recomputes included) is about to run.
+    Backward,
+    /// Unscaling, the optimizer and (offloaded) the write-back are about to run.
+    Optimizer,
+    /// The step has ended.
+    Done,
+}
+
+/// Called at each [`TrainPhase`] boundary of [`Trainer::step`] (profilers: device
+/// synchronization and timing, capture markers).
+pub type PhaseObserver = Box<dyn FnMut(TrainPhase) -> Result<()> + Send>;
+
 enum Source {
     Resident(VarMap),
     Offloaded(OffloadRuntime),
@@ -240,6 +258,7 @@ pub struct Trainer {
     scaler: GradScaler,
     checkpoint_segments: usize,
     recomputes: usize,
+    observer: Option<PhaseObserver>,
 }
 
 impl std::fmt::Debug for Trainer {
@@ -410,6 +429,7 @@ impl Trainer {
             scaler,
             checkpoint_segments: settings.checkpoint_segments,
             recomputes: 0,
+            observer: None,
         })
     }
 
@@ -579,6 +599,20 @@ impl Trainer {
         total / n as f64
     }
 
+    /// Calls `observer` at each phase boundary of every later [`Trainer::step`] (and at the
+    /// forward and backward boundaries of [`Trainer::loss_and_grads`]); `None` removes it. An
+    /// error from it ends the step with that error.
+    pub fn set_phase_observer(&mut self, observer: Option<PhaseObserver>) {
+        self.observer = observer;
+    }
+
+    fn phase(&mut self, phase: TrainPhase) -> Result<()> {
+        match &mut self.observer {
+            Some(f) => f(phase),
+            None => Ok(()),
+        }
+    }
+
     /// Mean loss and the F32 gradients of every master (unscaled), for tests and tools:
     /// one forward and backward pass, no optimizer step.
     pub fn loss_and_grads(
@@ -614,7 +648,9 @@ impl Trainer {
         } else {
             Checkpointer::new()
         };
+        self.phase(TrainPhase::Forward)?;
         let loss = self.forward_loss(inputs, targets, &ck)?;
+        self.phase(TrainPhase::Backward)?;
         let scaled = if scale == 1.0 {
             loss.clone()
         } else {
@@ -646,6 +682,7 @@ impl Trainer {
         let _span = tracing::debug_span!("train.step").entered();
         let scale = self.scaler.scale();
         let (loss, grads) = self.backward(inputs, targets, scale)?;
+        self.phase(TrainPhase::Optimizer)?;
         let outcome = match &mut self.opt {
             Adam::Fused(o) => self.scaler.step_owned(o, &self.vars, grads)?,
             Adam::Device(o) => self.scaler.step_owned(o, &self.vars, grads)?,
@@ -661,6 +698,7 @@ impl Trainer {
                 .collect();
             rt.update_weights(&values)?;
         }
+        self.phase(TrainPhase::Done)?;
         Ok(StepReport {
             loss,
             outcome,

@@ -687,6 +687,11 @@ pub(crate) fn profiler_capture(device: &Device, on: bool) -> candle_core::Result
     r.result().w()
 }
 
+/// Launches the empty marker kernel `profile_mark(phase)` on `device`'s stream.
+pub(crate) fn profile_mark(device: &Device, phase: u32) -> candle_core::Result<()> {
+    super::kernels::profile_mark(device.as_cuda_device()?, phase)
+}
+
 /// Whether `bytes` of host memory can be pinned in `device`'s context.
 pub(crate) fn try_pin(device: &Device, bytes: usize) -> bool {
     match device.as_cuda_device() {

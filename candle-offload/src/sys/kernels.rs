@@ -151,6 +151,26 @@ pub(crate) fn rms_norm_residual(
     })
 }
 
+/// Launches the empty `profile_mark(phase)` kernel on `dev`'s stream: a boundary a profiler's
+/// kernel list shows in launch order.
+pub(crate) fn profile_mark(dev: &CudaDevice, phase: u32) -> Result<()> {
+    let func = dev
+        .get_or_load_custom_func("profile_mark", MODULE, ptx::OPS)?
+        .into_cuda_function();
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&func);
+    b.arg(&phase);
+    let one = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the argument matches `profile_mark(uint32_t)` in kernels/ops.cu, which touches
+    // no memory.
+    unsafe { b.launch(one) }.w()?;
+    Ok(())
+}
+
 /// `silu_mul`: silu(gate) · up.
 pub(crate) fn silu_mul(
     (g, gl): (&CudaStorage, &Layout),

@@ -137,6 +137,10 @@ pub(crate) fn profiler_capture(_device: &Device, _on: bool) -> candle_core::Resu
     Ok(())
 }
 
+pub(crate) fn profile_mark(_device: &Device, _phase: u32) -> candle_core::Result<()> {
+    Ok(())
+}
+
 pub(crate) fn try_pin(_device: &Device, _bytes: usize) -> bool {
     false
 }
