@@ -10,8 +10,9 @@ use candle_core::Device;
 /// The commit these binaries were built from (`git describe --dirty`), or "unknown".
 pub const COMMIT: &str = env!("CANDLE_OFFLOAD_COMMIT");
 
-/// Installs a `tracing` subscriber on stderr: warnings by default, `-v` info, `-vv` debug,
-/// `-vvv` trace; `RUST_LOG` overrides.
+/// Installs a `tracing` subscriber on stderr: warnings by default, `-v` info, `-vv` debug
+/// with each span's busy and idle time at its end, `-vvv` trace; `RUST_LOG` overrides the
+/// levels.
 pub fn init_tracing(verbosity: u8) {
     let level = match verbosity {
         0 => "warn",
@@ -21,8 +22,15 @@ pub fn init_tracing(verbosity: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    // From -vv on, each span's end is logged with its busy and idle time: a coarse profile.
+    let spans = if verbosity >= 2 {
+        tracing_subscriber::fmt::format::FmtSpan::CLOSE
+    } else {
+        tracing_subscriber::fmt::format::FmtSpan::NONE
+    };
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_span_events(spans)
         .with_writer(std::io::stderr)
         .try_init();
 }

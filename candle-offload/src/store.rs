@@ -35,7 +35,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Device, Shape, Tensor};
 
 use crate::budget::{human_bytes, MemoryLimit};
 use crate::cache::UnitId;
@@ -510,7 +510,8 @@ impl HostUnit {
     /// stored one; the shape must match). The caller guarantees that no copy out of the buffer
     /// is in flight.
     pub(crate) fn write(&self, values: &[(&TensorMeta, &Tensor)]) -> candle_core::Result<()> {
-        let mut encoded = Vec::with_capacity(values.len());
+        // Every value is checked before any byte is written: a bad one changes nothing.
+        let mut dense = Vec::with_capacity(values.len());
         for (meta, value) in values {
             let WeightFormat::Dense(dtype) = meta.format else {
                 candle_core::bail!(
@@ -527,8 +528,7 @@ impl HostUnit {
                     meta.shape.dims()
                 );
             }
-            let value = value.to_device(&Device::Cpu)?.to_dtype(dtype)?;
-            encoded.push((meta.offset, tensor_to_bytes(&value)?));
+            dense.push((meta, dtype, value.to_device(&Device::Cpu)?));
         }
         let mut buf = self.buf.write().unwrap_or_else(|e| e.into_inner());
         let kind = buf.kind();
@@ -538,11 +538,60 @@ impl HostUnit {
                 self.name
             );
         };
-        for (offset, data) in encoded {
-            bytes[offset..offset + data.len()].copy_from_slice(&data);
+        for (meta, dtype, value) in dense {
+            let len = meta.shape.elem_count() * dtype.size_in_bytes();
+            encode_into(&value, dtype, &mut bytes[meta.offset..meta.offset + len])?;
         }
         Ok(())
     }
+}
+
+/// Elements per task of [`encode_into`]'s parallel conversion.
+const ENCODE_CHUNK: usize = 1 << 18;
+
+/// Writes `value` (on the CPU, `dst.len()` bytes in `dtype`) into `dst` as `dtype`'s
+/// little-endian bytes. An F32 value (an optimizer's master) goes straight from its storage
+/// into `dst`, converted on every core; anything else through a converted copy.
+fn encode_into(value: &Tensor, dtype: DType, dst: &mut [u8]) -> candle_core::Result<()> {
+    use rayon::prelude::*;
+    if value.dtype() == DType::F32 && matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        let (storage, layout) = value.storage_and_layout();
+        if let (candle_core::Storage::Cpu(CpuStorage::F32(all)), Some((a, b))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            let src = &all[a..b];
+            let width = dtype.size_in_bytes();
+            if src.len() * width != dst.len() {
+                candle_core::bail!("{} values for {} bytes of {dtype:?}", src.len(), dst.len());
+            }
+            dst.par_chunks_mut(ENCODE_CHUNK * width)
+                .zip(src.par_chunks(ENCODE_CHUNK))
+                .for_each(|(d, s)| match dtype {
+                    DType::F16 => {
+                        for (d, v) in d.chunks_exact_mut(2).zip(s) {
+                            d.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes());
+                        }
+                    }
+                    DType::BF16 => {
+                        for (d, v) in d.chunks_exact_mut(2).zip(s) {
+                            d.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
+                        }
+                    }
+                    _ => {
+                        for (d, v) in d.chunks_exact_mut(4).zip(s) {
+                            d.copy_from_slice(&v.to_le_bytes());
+                        }
+                    }
+                });
+            return Ok(());
+        }
+    }
+    let data = tensor_to_bytes(&value.to_dtype(dtype)?)?;
+    if data.len() != dst.len() {
+        candle_core::bail!("{} bytes for a place of {}", data.len(), dst.len());
+    }
+    dst.copy_from_slice(&data);
+    Ok(())
 }
 
 /// The host-memory cap when none is given: 3/4 of the machine's RAM. The quarter left is for
@@ -1461,6 +1510,27 @@ pub fn safetensors_in_dir(dir: &Path) -> Result<Vec<PathBuf>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// F32 values written into F32, F16 and BF16 places give the bytes of `to_dtype`, over
+    /// more than one task's chunk; a strided or other-dtype value too; a wrong length is an
+    /// error.
+    #[test]
+    fn encode_into_matches_to_dtype() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let n = ENCODE_CHUNK + 19;
+        let v = Tensor::randn(0f32, 1., (2, n), &dev)?;
+        let strided = Tensor::randn(0f32, 1., (n, 2), &dev)?.t()?;
+        for value in [&v, &strided, &v.to_dtype(DType::F16)?] {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let want = tensor_to_bytes(&value.to_dtype(dtype)?)?;
+                let mut got = vec![0u8; want.len()];
+                encode_into(value, dtype, &mut got)?;
+                assert!(got == want, "{:?} into {dtype:?}", value.dtype());
+                assert!(encode_into(value, dtype, &mut got[1..]).is_err());
+            }
+        }
+        Ok(())
+    }
 
     #[test]
     fn groups_by_layer_prefix_and_module() {

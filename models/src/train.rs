@@ -226,12 +226,9 @@ impl Core {
             let (Some(name), Some(g)) = (names.get(id), grads.get_id(*id)) else {
                 continue;
             };
-            // To the host first: no F32 copy of the gradient on the device.
-            let g = g.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-            let sum = match host.remove(name) {
-                Some(acc) => (acc + g)?,
-                None => g,
-            };
+            // To the host first (no F32 copy of the gradient on the device), then converted
+            // or added in F32 on every core.
+            let sum = candle_offload::train::accumulate_on_host(host.remove(name), g)?;
             host.insert(name.clone(), sum);
         }
         Ok(())
@@ -644,7 +641,14 @@ impl Trainer {
         let offloaded = matches!(core.source, Source::Offloaded(_));
         let ck = if offloaded {
             let sink_core = core.clone();
-            Checkpointer::with_sink(Arc::new(move |g: GradStore| sink_core.absorb(&g)))
+            Checkpointer::with_sink(Arc::new(move |g: GradStore| {
+                sink_core.absorb(&g)?;
+                drop(g);
+                // The segment's activations are gone: give what the pool caches back to the
+                // driver, so that blocks freed in one segment's shapes do not add to the next
+                // one's peak (the budget is measured outside the allocator).
+                candle_offload::diag::trim_memory_pool(&sink_core.device)
+            }))
         } else {
             Checkpointer::new()
         };

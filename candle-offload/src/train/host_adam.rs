@@ -9,7 +9,7 @@
 //! [`GradScaler`](super::GradScaler) included).
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{CpuStorage, DType, Device, Layout, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 
 /// Fused, multi-threaded AdamW over F32 variables in host memory.
@@ -86,24 +86,174 @@ impl Optimizer for HostAdamW {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
             };
-            let g = g
-                .to_device(&Device::Cpu)?
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            let mut theta = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
-            let chunk = theta.len().div_ceil(self.threads).max(MIN_CHUNK);
-            std::thread::scope(|s| {
-                for (((t, m), v), g) in theta
-                    .chunks_mut(chunk)
-                    .zip(m.chunks_mut(chunk))
-                    .zip(v.chunks_mut(chunk))
-                    .zip(g.chunks(chunk))
-                {
-                    s.spawn(move || k.apply(t, m, v, g));
+            let g = g.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+            // In place: no copy of the weights or the gradient, one pass over each.
+            let update = Update {
+                k,
+                m: std::sync::Mutex::new(m),
+                v: std::sync::Mutex::new(v),
+                threads: self.threads,
+            };
+            var.as_tensor().inplace_op2(&g, &update)?;
+        }
+        Ok(())
+    }
+}
+
+/// One variable's update, applied in place to its storage with the gradient as the source.
+struct Update<'a> {
+    k: Coefficients,
+    m: std::sync::Mutex<&'a mut Vec<f32>>,
+    v: std::sync::Mutex<&'a mut Vec<f32>>,
+    threads: usize,
+}
+
+impl candle_core::InplaceOp2 for Update<'_> {
+    fn name(&self) -> &'static str {
+        "host-adamw"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        let (CpuStorage::F32(theta), CpuStorage::F32(g)) = (s1, s2) else {
+            candle_core::bail!("host-adamw: F32 weights and gradients expected");
+        };
+        let (Some((t0, t1)), Some((g0, g1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("host-adamw: weights and gradient have to be contiguous");
+        };
+        let (theta, g) = (&mut theta[t0..t1], &g[g0..g1]);
+        let mut m = self
+            .m
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("poisoned".into()))?;
+        let mut v = self
+            .v
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("poisoned".into()))?;
+        if g.len() != theta.len() || m.len() != theta.len() || v.len() != theta.len() {
+            candle_core::bail!(
+                "host-adamw: {} weights, {} gradients, {} and {} moments",
+                theta.len(),
+                g.len(),
+                m.len(),
+                v.len()
+            );
+        }
+        let chunk = theta.len().div_ceil(self.threads).max(MIN_CHUNK);
+        let k = self.k;
+        std::thread::scope(|s| {
+            for (((t, m), v), g) in theta
+                .chunks_mut(chunk)
+                .zip(m.chunks_mut(chunk))
+                .zip(v.chunks_mut(chunk))
+                .zip(g.chunks(chunk))
+            {
+                s.spawn(move || k.apply(t, m, v, g));
+            }
+        });
+        Ok(())
+    }
+}
+
+/// Elements per task of the host gradient conversions.
+const GRAD_CHUNK: usize = 1 << 18;
+
+/// Gradients summed in F32 in host memory, as offloaded training keeps them: `g` (any float
+/// dtype, on any device) brought to the host and added into `acc` (F32, on the CPU) in place,
+/// or, with no `acc` yet, converted into a new F32 tensor. Both conversions run on every core
+/// (rayon); the result is the same as `acc + g.to_dtype(F32)`.
+pub fn accumulate_on_host(acc: Option<Tensor>, g: &Tensor) -> candle_core::Result<Tensor> {
+    use rayon::prelude::*;
+    let g = g.to_device(&Device::Cpu)?;
+    match acc {
+        Some(acc) => {
+            if acc.dims() != g.dims() || acc.dtype() != DType::F32 || !acc.device().is_cpu() {
+                candle_core::bail!(
+                    "accumulate_on_host: an F32 host sum of {:?} cannot take a gradient of {:?}",
+                    acc.dims(),
+                    g.dims()
+                );
+            }
+            acc.inplace_op2(&g.contiguous()?, &AddInto)?;
+            Ok(acc)
+        }
+        None => {
+            let g = g.contiguous()?;
+            let out = {
+                let (storage, layout) = g.storage_and_layout();
+                let (Some((a, b)), candle_core::Storage::Cpu(s)) =
+                    (layout.contiguous_offsets(), &*storage)
+                else {
+                    candle_core::bail!("accumulate_on_host: gradient not contiguous on the host");
+                };
+                let mut out = vec![0f32; b - a];
+                let dst = out.par_chunks_mut(GRAD_CHUNK);
+                match s {
+                    CpuStorage::F32(v) => dst
+                        .zip(v[a..b].par_chunks(GRAD_CHUNK))
+                        .for_each(|(d, s)| d.copy_from_slice(s)),
+                    CpuStorage::F16(v) => dst
+                        .zip(v[a..b].par_chunks(GRAD_CHUNK))
+                        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32())),
+                    CpuStorage::BF16(v) => dst
+                        .zip(v[a..b].par_chunks(GRAD_CHUNK))
+                        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32())),
+                    _ => candle_core::bail!(
+                        "accumulate_on_host: the gradient has to be F32, F16 or BF16"
+                    ),
                 }
-            });
-            var.set(&Tensor::from_vec(theta, var.shape(), &Device::Cpu)?)?;
+                out
+            };
+            Tensor::from_vec(out, g.shape(), &Device::Cpu)
+        }
+    }
+}
+
+/// `acc += g` over F32 `acc` and float `g`, both contiguous on the host, on every core.
+struct AddInto;
+
+impl candle_core::InplaceOp2 for AddInto {
+    fn name(&self) -> &'static str {
+        "add-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        use rayon::prelude::*;
+        let CpuStorage::F32(acc) = s1 else {
+            candle_core::bail!("add-into: the sum has to be F32");
+        };
+        let (Some((a0, a1)), Some((g0, g1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("add-into: operands have to be contiguous");
+        };
+        let acc = &mut acc[a0..a1];
+        if g1 - g0 != acc.len() {
+            candle_core::bail!("add-into: {} values into {}", g1 - g0, acc.len());
+        }
+        let dst = acc.par_chunks_mut(GRAD_CHUNK);
+        match s2 {
+            CpuStorage::F32(v) => dst
+                .zip(v[g0..g1].par_chunks(GRAD_CHUNK))
+                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += s)),
+            CpuStorage::F16(v) => dst
+                .zip(v[g0..g1].par_chunks(GRAD_CHUNK))
+                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += s.to_f32())),
+            CpuStorage::BF16(v) => dst
+                .zip(v[g0..g1].par_chunks(GRAD_CHUNK))
+                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += s.to_f32())),
+            _ => candle_core::bail!("add-into: the gradient has to be F32, F16 or BF16"),
         }
         Ok(())
     }
@@ -170,6 +320,29 @@ mod tests {
                 .max_all()?
                 .to_scalar::<f32>()?;
             assert!(diff <= 1e-6, "step {step}: max difference {diff}");
+        }
+        Ok(())
+    }
+
+    /// Host sums equal `acc + g.to_dtype(F32)` bit for bit, from every float dtype, over more
+    /// than one chunk, from strided gradients too; a sum of another shape is refused.
+    #[test]
+    fn accumulate_on_host_matches_the_tensor_sum() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let n = GRAD_CHUNK + 37;
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let a = Tensor::randn(0f32, 1., (2, n), &dev)?.to_dtype(dtype)?;
+            let b = Tensor::randn(0f32, 1., (n, 2), &dev)?
+                .to_dtype(dtype)?
+                .t()?;
+            let first = accumulate_on_host(None, &a)?;
+            let want = a.to_dtype(DType::F32)?;
+            assert_eq!(first.to_vec2::<f32>()?, want.to_vec2::<f32>()?, "{dtype:?}");
+            let sum = accumulate_on_host(Some(first), &b)?;
+            let want = (want + b.to_dtype(DType::F32)?)?;
+            assert_eq!(sum.to_vec2::<f32>()?, want.to_vec2::<f32>()?, "{dtype:?}");
+            let e = accumulate_on_host(Some(sum), &a.narrow(1, 0, 5)?).unwrap_err();
+            assert!(e.to_string().contains("cannot take"), "{e}");
         }
         Ok(())
     }

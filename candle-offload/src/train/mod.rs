@@ -29,5 +29,5 @@ mod scaler;
 pub use autocast::{Autocast, AutocastBackend, Precision};
 pub use checkpoint::{segment_ranges, Checkpointer, GradSink};
 pub use fused::{cross_entropy, rms_norm, swiglu, FusedAdamW};
-pub use host_adam::HostAdamW;
+pub use host_adam::{accumulate_on_host, HostAdamW};
 pub use scaler::{GradScaler, GradScalerConfig, ScaledOptimizer, StepOutcome};
