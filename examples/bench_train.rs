@@ -411,6 +411,7 @@ fn run_one(
         }
         tracing::info!(config = %b.name, step = i, loss = report.loss, s = dt, "step");
     }
+    trainer.set_phase_observer(None);
     let raw_peak = sampler.map(|s| s.stop());
     let peak_driver = raw_peak.map_or(0, |p| p.saturating_sub(baseline));
     let peak = in_use_now(false)?.saturating_sub(alloc_base);

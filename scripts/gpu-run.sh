@@ -396,7 +396,7 @@ for step in "${steps[@]}"; do
           train --bin "$BIN/bench_train" --config "$c" --out "$OUT/trainprof-$c.json" \
           -- ${TRAINPROF_ARGS:-}) >"$OUT/trainprof-$c.log" 2>&1
         echo "trainprof $c exit $?"
-        rm -f "$OUT/trainprof-$c.ncu-rep"
+        # The report stays (for ncu --import); the run tool brings back what is asked for.
         grep -A60 "ms unprofiled" "$OUT/trainprof-$c.log" | head -70
       done
       ;;
