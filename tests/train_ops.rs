@@ -300,8 +300,14 @@ const ATTN_SHAPES: [(usize, usize, usize, usize, usize); 7] = [
 ];
 
 fn flash_attention_matches_composition(device: &Device) -> anyhow::Result<()> {
-    use candle_offload::train::attention;
-    for dtype in DTYPES {
+    use candle_offload::train::attention::{self, FlashForward};
+    for (dtype, forward) in DTYPES
+        .into_iter()
+        .flat_map(|d| [(d, FlashForward::Wmma), (d, FlashForward::Mma)])
+    {
+        if device.is_cpu() && forward != FlashForward::default() {
+            continue; // one CPU loop whatever the variant
+        }
         for (i, &(b, h, hkv, t, d)) in ATTN_SHAPES.iter().enumerate() {
             let seed = 600 + 10 * i as u64;
             let (q, q32) = pair(&random(&[b, h, t, d], 2.0, seed)?, dtype, device)?;
@@ -310,13 +316,14 @@ fn flash_attention_matches_composition(device: &Device) -> anyhow::Result<()> {
             let up = random(&[b, h, t, d], 1.0, seed + 3)?.to_device(device)?;
             let scale = 1.0 / (d as f32).sqrt();
 
-            let y = attention::flash_attention(&q, &k, &v, scale)?;
+            let y = attention::flash_attention_with(&q, &k, &v, scale, forward)?;
             anyhow::ensure!(y.dtype() == dtype, "output dtype {:?}", y.dtype());
             let grads = weighted_sum(&y, &up)?.backward()?;
             let y_ref = attention::flash_attention_composite(&q32, &k32, &v32, scale)?;
             let grads_ref = weighted_sum(&y_ref, &up)?.backward()?;
 
-            let what = format!("flash_attention (b {b}, h {h}, hkv {hkv}, t {t}, d {d})");
+            let what =
+                format!("flash_attention {forward:?} (b {b}, h {h}, hkv {hkv}, t {t}, d {d})");
             ensure_close(&format!("{what} y"), &y, &y_ref, dtype)?;
             for (name, var, var32) in [("dq", &q, &q32), ("dk", &k, &k32), ("dv", &v, &v32)] {
                 let g = grads

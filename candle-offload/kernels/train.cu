@@ -251,19 +251,20 @@ extern "C" __global__ void adamw_multi_f32(const uint64_t *table, float lr, floa
 }
 
 // ---------------------------------------------------------------------------------------------
-// Causal self-attention, FlashAttention-2 style, on tensor cores (WMMA 16x16x16, f16/bf16
-// inputs, f32 accumulators), for `candle_offload::train::attention`.
+// Causal self-attention, FlashAttention-2 style, on tensor cores (f16/bf16 inputs, f32
+// accumulators), for `candle_offload::train::attention`.
 //
 // q, o: [b, h, t, D]; k, v: [b, hkv, t, D] (h % hkv == 0, query head i reads kv head
 // i / (h / hkv)); lse: [b, h, t] f32 (natural log). All contiguous, each buffer starting
 // 16-byte aligned (the tiles are loaded with 16-byte vectors). Row i attends to keys 0..=i.
 //
-// Forward: grid (ceil(t / 64), b * h), 4 warps; a CTA owns 64 query rows (a warp 16 of them)
-// and loops over 64-key tiles up to the diagonal with an online softmax; S, P and the O
-// accumulator go through shared memory (WMMA fragments' layout is opaque), so the per-row
-// rescaling and masking are plain loops over a warp's own 16 rows. Writes O and L = m + log l.
+// Forward (flash_attn_fwd_*: mma.sync m16n8k16 and ldmatrix; flash_attn_fwd_wmma_*: WMMA, S,
+// P and O staged in shared memory, the first version, kept as a reference): grid
+// (ceil(t / 64), b * h), 4 warps; a CTA owns 64 query rows (a warp 16 of them) and loops over
+// 64-key tiles up to the diagonal with an online softmax. Writes O and L = m + log l.
 //
-// Backward: flash_attn_bwd_prep computes D = rowsum(dO * O) (f32) first; then grid
+// Backward (WMMA 16x16x16; S, P, dP and dS go through shared memory, as WMMA fragments'
+// layout is opaque): flash_attn_bwd_prep computes D = rowsum(dO * O) (f32) first; then grid
 // (ceil(t / 64), b * hkv), 8 warps: a CTA owns 64 keys of one kv head and loops over the
 // query heads of its group and over the 64-row query tiles from the diagonal on: S = Q K^T,
 // P = exp(S * scale - L) (masked), dV += P^T dO, dP = dO V^T, dS = P * (dP - D) * scale,
@@ -283,19 +284,20 @@ template <int D> struct FaSmem {
     static constexpr int LDT = D + 8;       // row pitch of f16/bf16 [rows][D] tiles
     static constexpr int LDS = FA_BN + 4;   // row pitch of f32 [rows][FA_BN] tiles
     static constexpr int LDP = FA_BN + 8;   // row pitch of f16/bf16 [rows][FA_BN] tiles
-    static constexpr int LDO = D + 4;       // row pitch of the f32 O accumulator
+    static constexpr int LDO = D + 4;       // row pitch of the WMMA forward's f32 O tile
     static constexpr size_t tile_t = (size_t)FA_BM * LDT * 2;   // bytes of a [64][D] tile
     static constexpr size_t tile_s = (size_t)FA_BM * LDS * 4;   // bytes of a [64][64] f32 tile
     static constexpr size_t tile_p = (size_t)FA_BM * LDP * 2;   // bytes of a [64][64] T tile
-    static constexpr size_t tile_o = (size_t)FA_BM * LDO * 4;   // bytes of a [64][D] f32 tile
-    // Forward: Q, K, V, S, P, O.
-    static constexpr size_t fwd = 3 * tile_t + tile_s + tile_p + tile_o;
+    // Forward (mma.sync): Q, K, V.
+    static constexpr size_t fwd = 3 * tile_t;
+    // Forward (WMMA): Q, K, V, S, P, O.
+    static constexpr size_t fwd_wmma = 3 * tile_t + tile_s + tile_p + (size_t)FA_BM * LDO * 4;
     // Backward: Q, dO, K, V, P (f32), dP (f32), P (T), dS (T), a 16x16 f32 scratch per warp,
     // L and D of the query tile.
     static constexpr size_t bwd =
         4 * tile_t + 2 * tile_s + 2 * tile_p + FA_BWD_WARPS * 16 * 16 * 4 + 2 * FA_BM * 4;
     // What an sm_80+ block may opt into (sm_80: 163 KiB; sm_90: 227 KiB).
-    static_assert(fwd <= 163 * 1024 && bwd <= 163 * 1024, "attention tiles exceed shared memory");
+    static_assert(fwd_wmma <= 163 * 1024 && bwd <= 163 * 1024, "attention tiles exceed shared memory");
 };
 
 // Copies rows [row0, row0 + 64) of a [t][D] matrix into a [64][LDT] tile, zeros past t.
@@ -314,8 +316,221 @@ __device__ __forceinline__ void fa_load_tile(T *dst, const T *src, uint32_t row0
     }
 }
 
+// Two floats as the packed pair of 16-bit values an mma operand register holds (lo first).
+template <typename T> __device__ __forceinline__ uint32_t fa_pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t fa_pack2<__half>(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+template <> __device__ __forceinline__ uint32_t fa_pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+
+// c += a * b for one m16n8k16 tile (a: 4 registers, row-major 16x16; b: 2 registers, the
+// 16x8 column-major operand; c: 4 f32), f16 or bf16 inputs.
+template <typename T>
+__device__ __forceinline__ void fa_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void fa_mma<__half>(float c[4], const uint32_t a[4], uint32_t b0,
+                                               uint32_t b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+template <>
+__device__ __forceinline__ void fa_mma<__nv_bfloat16>(float c[4], const uint32_t a[4],
+                                                      uint32_t b0, uint32_t b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// ldmatrix .x4: four 8x8 16-bit matrices from shared memory, lane l giving the address of row
+// l % 8 of matrix l / 8; register i gets matrix i's (row lane / 4, columns 2 (lane % 4) + 0..1),
+// or with TRANS the transposed matrix's.
+template <bool TRANS> __device__ __forceinline__ void fa_ldsm_x4(uint32_t r[4], const void *p) {
+#if __CUDA_ARCH__ >= 800
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    if (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a));
+    }
+#endif
+}
+
+// The forward pass: mma.sync m16n8k16 with every accumulator in registers (FlashAttention-2).
+// A warp owns 16 query rows; lane (g = lane / 4, q = lane % 4) holds rows g and g + 8 of each
+// 16x8 accumulator tile, columns 2q and 2q + 1. Q's fragments are loaded once; per 64-key tile
+// S (8 tiles of 16x8) is masked, its rows' maxima and sums updated (a row's 4 lanes combine by
+// shuffles), O (D / 8 tiles) rescaled, and P, repacked from S's registers as the A operand,
+// multiplied by V (ldmatrix.trans). Shared memory holds only the Q, K and V tiles.
 template <typename T, int D>
-__device__ void flash_attn_fwd(const T *__restrict__ q, const T *__restrict__ k,
+__device__ void flash_attn_fwd_mma(const T *__restrict__ q, const T *__restrict__ k,
+                               const T *__restrict__ v, T *__restrict__ o,
+                               float *__restrict__ lse, uint32_t h, uint32_t hkv, uint32_t t,
+                               float scale) {
+#if __CUDA_ARCH__ >= 800
+    using S = FaSmem<D>;
+    constexpr int LDT = S::LDT;
+    extern __shared__ __align__(128) unsigned char fa_smem[];
+    T *sQ = reinterpret_cast<T *>(fa_smem);
+    T *sK = reinterpret_cast<T *>(fa_smem + S::tile_t);
+    T *sV = reinterpret_cast<T *>(fa_smem + 2 * S::tile_t);
+    static_assert(3 * S::tile_t == S::fwd, "layout");
+
+    // The last query tiles have the most keys: start them first.
+    const uint32_t m0 = (gridDim.x - 1 - blockIdx.x) * FA_BM;
+    const uint32_t head = blockIdx.y;  // b * h + hi
+    const uint32_t bi = head / h, hi = head % h;
+    const uint32_t kvh = bi * hkv + hi / (h / hkv);
+    const T *kh = k + (size_t)kvh * t * D;
+    const T *vh = v + (size_t)kvh * t * D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, tq = lane & 3;
+    // ldmatrix addressing: the row and column this lane points at within a 16x16 block.
+    const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lcol = (lane >> 4) * 8;
+    const int krow = (lane & 7) + (lane >> 4) * 8, kcol = ((lane >> 3) & 1) * 8;
+
+    fa_load_tile<T, D, LDT>(sQ, q + (size_t)head * t * D, m0, t);
+    __syncthreads();
+    uint32_t qf[D / 16][4];
+#pragma unroll
+    for (int kf = 0; kf < D / 16; ++kf) {
+        fa_ldsm_x4<false>(qf[kf], sQ + (warp * 16 + lrow) * LDT + kf * 16 + lcol);
+    }
+
+    const uint32_t row0 = m0 + warp * 16 + g, row1 = row0 + 8;
+    float oacc[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) oacc[j][0] = oacc[j][1] = oacc[j][2] = oacc[j][3] = 0.0f;
+    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.0f, 0.0f};
+
+    const uint32_t last = min(t, m0 + FA_BM);  // keys < last are seen by some row
+    const uint32_t n_tiles = (last + FA_BN - 1) / FA_BN;
+    for (uint32_t kt = 0; kt < n_tiles; ++kt) {
+        const uint32_t n0 = kt * FA_BN;
+        __syncthreads();  // every warp is done with the previous K and V
+        fa_load_tile<T, D, LDT>(sK, kh, n0, t);
+        fa_load_tile<T, D, LDT>(sV, vh, n0, t);
+        __syncthreads();
+
+        float s[FA_BN / 8][4];
+#pragma unroll
+        for (int j = 0; j < FA_BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+        for (int kf = 0; kf < D / 16; ++kf) {
+#pragma unroll
+            for (int nj = 0; nj < FA_BN / 16; ++nj) {
+                uint32_t b[4];
+                fa_ldsm_x4<false>(b, sK + (nj * 16 + krow) * LDT + kf * 16 + kcol);
+                fa_mma<T>(s[2 * nj], qf[kf], b[0], b[1]);
+                fa_mma<T>(s[2 * nj + 1], qf[kf], b[2], b[3]);
+            }
+        }
+
+        // Scale and mask (key after the row or past t), then the rows' maxima.
+        float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int j = 0; j < FA_BN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const uint32_t col = n0 + j * 8 + 2 * tq + (e & 1);
+                const uint32_t row = e < 2 ? row0 : row1;
+                const float val = (col <= row && col < t) ? s[j][e] * scale : neg_inf();
+                s[j][e] = val;
+                mx[e >> 1] = fmaxf(mx[e >> 1], val);
+            }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            // Every row sees key 0 in the first tile, so the maximum is finite from then on.
+            const float m_new = fmaxf(m_run[i], mx[i]);
+            alpha[i] = __expf(m_run[i] - m_new);
+            m_run[i] = m_new;
+            l_run[i] *= alpha[i];  // this lane's partial sum of the row
+        }
+#pragma unroll
+        for (int j = 0; j < FA_BN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = __expf(s[j][e] - m_run[e >> 1]);
+                s[j][e] = p;
+                l_run[e >> 1] += p;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            oacc[j][0] *= alpha[0];
+            oacc[j][1] *= alpha[0];
+            oacc[j][2] *= alpha[1];
+            oacc[j][3] *= alpha[1];
+        }
+
+        // O += P V, 16 keys per step.
+#pragma unroll
+        for (int kk = 0; kk < FA_BN / 16; ++kk) {
+            const uint32_t a[4] = {
+                fa_pack2<T>(s[2 * kk][0], s[2 * kk][1]),
+                fa_pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                fa_pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                fa_pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]),
+            };
+#pragma unroll
+            for (int dj = 0; dj < D / 16; ++dj) {
+                uint32_t b[4];
+                fa_ldsm_x4<true>(b, sV + (kk * 16 + lrow) * LDT + dj * 16 + lcol);
+                fa_mma<T>(oacc[2 * dj], a, b[0], b[1]);
+                fa_mma<T>(oacc[2 * dj + 1], a, b[2], b[3]);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+        l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+    }
+    const float inv[2] = {1.0f / l_run[0], 1.0f / l_run[1]};
+    T *oh = o + (size_t)head * t * D;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const uint32_t row = i == 0 ? row0 : row1;
+        if (row >= t) continue;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            const uint32_t packed = fa_pack2<T>(oacc[j][2 * i] * inv[i], oacc[j][2 * i + 1] * inv[i]);
+            *reinterpret_cast<uint32_t *>(oh + (size_t)row * D + j * 8 + 2 * tq) = packed;
+        }
+        if (tq == 0) lse[(size_t)head * t + row] = m_run[i] + logf(l_run[i]);
+    }
+#else
+    __trap();
+#endif
+}
+
+// The forward pass with WMMA (16x16x16 fragments): S, P and the O accumulator go through
+// shared memory, as WMMA fragments' layout is opaque, so the per-row rescaling and masking are
+// plain loops over a warp's own 16 rows (lanes 2r and 2r + 1 own row r). Slower than
+// flash_attn_fwd_mma (shared-memory round trips); kept as its reference on the GPU.
+template <typename T, int D>
+__device__ void flash_attn_fwd_wmma(const T *__restrict__ q, const T *__restrict__ k,
                                const T *__restrict__ v, T *__restrict__ o,
                                float *__restrict__ lse, uint32_t h, uint32_t hkv, uint32_t t,
                                float scale) {
@@ -323,6 +538,7 @@ __device__ void flash_attn_fwd(const T *__restrict__ q, const T *__restrict__ k,
     using namespace nvcuda;
     using S = FaSmem<D>;
     constexpr int LDT = S::LDT, LDS = S::LDS, LDP = S::LDP, LDO = S::LDO;
+    constexpr size_t tile_o = (size_t)FA_BM * LDO * 4;  // the f32 O accumulator
     extern __shared__ __align__(128) unsigned char fa_smem[];
     T *sQ = reinterpret_cast<T *>(fa_smem);
     T *sK = reinterpret_cast<T *>(fa_smem + S::tile_t);
@@ -330,6 +546,7 @@ __device__ void flash_attn_fwd(const T *__restrict__ q, const T *__restrict__ k,
     float *sS = reinterpret_cast<float *>(fa_smem + 3 * S::tile_t);
     T *sP = reinterpret_cast<T *>(fa_smem + 3 * S::tile_t + S::tile_s);
     float *sO = reinterpret_cast<float *>(fa_smem + 3 * S::tile_t + S::tile_s + S::tile_p);
+    static_assert(3 * S::tile_t + S::tile_s + S::tile_p + tile_o == S::fwd_wmma, "layout");
 
     // The last query tiles have the most keys: start them first.
     const uint32_t m0 = (gridDim.x - 1 - blockIdx.x) * FA_BM;
@@ -654,7 +871,13 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
     extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * 32)                             \
         flash_attn_fwd_d##D##_##SUFFIX(const T *q, const T *k, const T *v, T *o, float *lse,    \
                                        uint32_t h, uint32_t hkv, uint32_t t, float scale) {     \
-        flash_attn_fwd<T, D>(q, k, v, o, lse, h, hkv, t, scale);                                \
+        flash_attn_fwd_mma<T, D>(q, k, v, o, lse, h, hkv, t, scale);                            \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * 32)                             \
+        flash_attn_fwd_wmma_d##D##_##SUFFIX(const T *q, const T *k, const T *v, T *o,           \
+                                            float *lse, uint32_t h, uint32_t hkv, uint32_t t,   \
+                                            float scale) {                                      \
+        flash_attn_fwd_wmma<T, D>(q, k, v, o, lse, h, hkv, t, scale);                           \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(FA_BWD_WARPS * 32)                             \
         flash_attn_bwd_d##D##_##SUFFIX(const T *q, const T *k, const T *v, const T *dout,       \

@@ -1,5 +1,6 @@
 //! Launches of the fused training kernels (`kernels/train.cu`, compiled to PTX by build.rs) on
-//! a Candle device's stream, for the custom ops of [`crate::train::fused`].
+//! a Candle device's stream, for the custom ops of [`crate::train::fused`] and
+//! [`crate::train::attention`].
 //!
 //! The module is loaded once per device by `CudaDevice::get_or_load_custom_func` under its own
 //! name, and every kernel runs on the device's own stream, ordered with every other Candle op.
@@ -534,15 +535,22 @@ const FA_FWD_THREADS: u32 = 4 * 32;
 const FA_BWD_THREADS: u32 = 8 * 32;
 const FA_TILE: usize = 64;
 
-/// Dynamic shared memory of the attention kernels for head width `d` (`FaSmem<D>::fwd` and
-/// `::bwd` in kernels/train.cu).
-fn fa_smem(d: usize) -> (u32, u32) {
+/// The sizes of an attention call: batch, query heads, kv heads, sequence, head width.
+pub(crate) type AttnSizes = [usize; 5];
+
+/// Dynamic shared memory of the attention kernels for head width `d`: the forward
+/// (`FaSmem<D>::fwd`, or `::fwd_wmma` for the WMMA forward) and the backward (`::bwd`) in
+/// kernels/train.cu.
+fn fa_smem(d: usize, wmma: bool) -> (u32, u32) {
     let (ldt, lds, ldp, ldo) = (d + 8, FA_TILE + 4, FA_TILE + 8, d + 4);
     let tile_t = FA_TILE * ldt * 2;
     let tile_s = FA_TILE * lds * 4;
     let tile_p = FA_TILE * ldp * 2;
-    let tile_o = FA_TILE * ldo * 4;
-    let fwd = 3 * tile_t + tile_s + tile_p + tile_o;
+    let fwd = if wmma {
+        3 * tile_t + tile_s + tile_p + FA_TILE * ldo * 4
+    } else {
+        3 * tile_t
+    };
     let bwd = 4 * tile_t + 2 * tile_s + 2 * tile_p + 8 * 16 * 16 * 4 + 2 * FA_TILE * 4;
     (fwd as u32, bwd as u32)
 }
@@ -609,32 +617,39 @@ fn fa_heads(heads: usize) -> Result<u32> {
 }
 
 /// Causal attention forward: O (q's dtype, (b, h, t, d)) and each row's log-sum-exp (F32,
-/// (b, h, t)).
+/// (b, h, t)); with `wmma` the WMMA kernel, otherwise the mma.sync one.
 pub(crate) fn flash_attn_fwd(
-    dims: &crate::train::attention::AttnDims,
+    dims: AttnSizes,
+    wmma: bool,
     scale: f32,
     (q, ql): (&CudaStorage, &Layout),
     (k, kl): (&CudaStorage, &Layout),
     (v, vl): (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, CudaStorage)> {
     fn run<T: HalfElem>(
-        dims: &crate::train::attention::AttnDims,
+        dims: AttnSizes,
+        wmma: bool,
         scale: f32,
         (q, ql): (&CudaStorage, &Layout),
         (k, kl): (&CudaStorage, &Layout),
         (v, vl): (&CudaStorage, &Layout),
     ) -> Result<(CudaStorage, CudaStorage)> {
         let dev = &q.device;
-        let (b, h, hkv, t, d) = (dims.b, dims.h, dims.hkv, dims.t, dims.d);
-        let (smem, _) = fa_smem(d);
-        let func = fa_load::<T>(dev, "flash_attn_fwd", d, smem)?;
+        let [b, h, hkv, t, d] = dims;
+        let (smem, _) = fa_smem(d, wmma);
+        let name = if wmma {
+            "flash_attn_fwd_wmma"
+        } else {
+            "flash_attn_fwd"
+        };
+        let func = fa_load::<T>(dev, name, d, smem)?;
         let nq = b * h * t * d;
         let nkv = b * hkv * t * d;
         let qv = fa_view::<T>(q, ql, nq, "q")?;
         let kv = fa_view::<T>(k, kl, nkv, "k")?;
         let vv = fa_view::<T>(v, vl, nkv, "v")?;
         if hkv == 0 || !h.is_multiple_of(hkv) || t == 0 {
-            candle_core::bail!("flash-attention: bad sizes {dims:?}");
+            candle_core::bail!("flash-attention: bad sizes {dims:?} (b, h, hkv, t, d)");
         }
         let (h_u, hkv_u, t_u) = (
             to_u32(h, "heads")?,
@@ -643,9 +658,9 @@ pub(crate) fn flash_attn_fwd(
         );
         let grid_y = fa_heads(b * h)?;
         // SAFETY: uninitialised device memory on the device's stream; the kernel launched next
-        // writes every element of both (each row below t of each head: its d outputs and its
-        // log-sum-exp).
+        // writes every element (each row below t of each head: its d outputs).
         let out = unsafe { dev.alloc::<T>(nq) }?;
+        // SAFETY: as above: the kernel writes each row's log-sum-exp.
         let lse = unsafe { dev.alloc::<f32>(b * h * t) }?;
         let cfg = LaunchConfig {
             grid_dim: (to_u32(t.div_ceil(FA_TILE), "tiles")?, grid_y, 1),
@@ -671,27 +686,27 @@ pub(crate) fn flash_attn_fwd(
     by_half_dtype!(
         "flash-attention",
         q.dtype(),
-        run(dims, scale, (q, ql), (k, kl), (v, vl))
+        run(dims, wmma, scale, (q, ql), (k, kl), (v, vl))
     )
 }
 
 /// Causal attention backward from q, k, v, O, dO (one dtype) and the forward's log-sum-exp:
 /// dq, dk and dv as one F32 buffer, in that order.
 pub(crate) fn flash_attn_bwd(
-    dims: &crate::train::attention::AttnDims,
+    dims: AttnSizes,
     scale: f32,
     inputs: [(&CudaStorage, &Layout); 5],
     (lse, lsel): (&CudaStorage, &Layout),
 ) -> Result<CudaStorage> {
     fn run<T: HalfElem>(
-        dims: &crate::train::attention::AttnDims,
+        dims: AttnSizes,
         scale: f32,
         [(q, ql), (k, kl), (v, vl), (o, ol), (g, gl)]: [(&CudaStorage, &Layout); 5],
         (lse, lsel): (&CudaStorage, &Layout),
     ) -> Result<CudaStorage> {
         let dev = &q.device;
-        let (b, h, hkv, t, d) = (dims.b, dims.h, dims.hkv, dims.t, dims.d);
-        let (_, smem) = fa_smem(d);
+        let [b, h, hkv, t, d] = dims;
+        let (_, smem) = fa_smem(d, false);
         let func = fa_load::<T>(dev, "flash_attn_bwd", d, smem)?;
         let prep = load::<T>(dev, "flash_attn_bwd_prep")?;
         let nq = b * h * t * d;
@@ -704,7 +719,7 @@ pub(crate) fn flash_attn_bwd(
         let gv = fa_view::<T>(g, gl, nq, "output gradient")?;
         let lv = view_of::<f32>(lse, lsel, "log-sum-exp")?;
         if lv.len() != rows || hkv == 0 || !h.is_multiple_of(hkv) || t == 0 {
-            candle_core::bail!("flash-attention backward: bad sizes {dims:?}");
+            candle_core::bail!("flash-attention backward: bad sizes {dims:?} (b, h, hkv, t, d)");
         }
         let (h_u, hkv_u, t_u) = (
             to_u32(h, "heads")?,
@@ -755,12 +770,11 @@ pub(crate) fn flash_attn_bwd(
         // 16-bit inputs start 16-byte aligned (checked above). The dq, dk and dv views are
         // written through shared borrows of a buffer no other code has seen yet.
         unsafe { bl.launch(cfg) }.w()?;
-        drop((dq, dk, dv));
         Ok(CudaStorage::wrap_cuda_slice(all, dev.clone()))
     }
     by_half_dtype!(
         "flash-attention backward",
-        q.dtype(),
+        inputs[0].0.dtype(),
         run(dims, scale, inputs, (lse, lsel))
     )
 }

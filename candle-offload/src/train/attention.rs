@@ -37,6 +37,12 @@ pub(crate) struct AttnDims {
 }
 
 impl AttnDims {
+    /// As the GPU launchers take them.
+    #[cfg(feature = "cuda")]
+    fn sizes(&self) -> [usize; 5] {
+        [self.b, self.h, self.hkv, self.t, self.d]
+    }
+
     fn q_len(&self) -> usize {
         self.b * self.h * self.t * self.d
     }
@@ -49,6 +55,19 @@ impl AttnDims {
     fn rep(&self) -> usize {
         self.h / self.hkv
     }
+}
+
+/// Which GPU kernel computes the forward pass (one kernel computes the backward; the CPU has
+/// one loop for each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FlashForward {
+    /// WMMA 16x16x16 fragments, with S, P and the O accumulator staged in shared memory: the
+    /// first version, checked against PyTorch on an H200.
+    #[default]
+    Wmma,
+    /// `mma.sync` m16n8k16 with every accumulator in registers (FlashAttention-2's layout) and
+    /// only the Q, K and V tiles in shared memory.
+    Mma,
 }
 
 /// Head widths the GPU kernels exist for.
@@ -73,6 +92,9 @@ pub fn flash_attention_supported(device: &Device, dtype: DType, head_dim: usize)
 struct FlashAttn {
     dims: AttnDims,
     scale: f32,
+    /// The GPU forward kernel (the CPU has one loop).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    forward: FlashForward,
     /// Each query row's log-sum-exp (F32, (b, h, t)), filled by the forward pass.
     lse: Mutex<Option<Tensor>>,
 }
@@ -242,7 +264,8 @@ impl candle_core::CustomOp3 for FlashAttn {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (out, lse) = crate::sys::train_kernels::flash_attn_fwd(
-            &self.dims,
+            self.dims.sizes(),
+            self.forward == FlashForward::Wmma,
             self.scale,
             (s1, l1),
             (s2, l2),
@@ -363,7 +386,7 @@ impl candle_core::CustomOp3 for FlashAttnBwd {
             candle_core::bail!("{op}: saved tensors are not on the GPU")
         };
         let all = crate::sys::train_kernels::flash_attn_bwd(
-            &self.dims,
+            self.dims.sizes(),
             self.scale,
             [(s1, l1), (s2, l2), (s3, l3), (os, ol), (gs, gl)],
             (ls, ll),
@@ -391,6 +414,17 @@ fn aligned(x: &Tensor) -> Result<Tensor> {
 /// Where no kernel exists ([`flash_attention_supported`]) or a size is 0 it computes
 /// [`flash_attention_composite`].
 pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
+    flash_attention_with(q, k, v, scale, FlashForward::default())
+}
+
+/// [`flash_attention`] with the forward pass's GPU kernel chosen (the CPU ignores it).
+pub fn flash_attention_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    forward: FlashForward,
+) -> Result<Tensor> {
     let op = FlashAttn::NAME;
     let dims = attn_dims(op, q, k, v, scale)?;
     if dims.q_len() == 0 || !flash_attention_supported(q.device(), q.dtype(), dims.d) {
@@ -402,6 +436,7 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result
         FlashAttn {
             dims,
             scale,
+            forward,
             lse: Mutex::new(None),
         },
     )
