@@ -303,7 +303,7 @@ fn flash_attention_matches_composition(device: &Device) -> anyhow::Result<()> {
     use candle_offload::train::attention::{self, FlashForward};
     for (dtype, forward) in DTYPES
         .into_iter()
-        .flat_map(|d| [(d, FlashForward::Wmma), (d, FlashForward::Mma)])
+        .flat_map(|d| [(d, FlashForward::Mma), (d, FlashForward::Wmma)])
     {
         if device.is_cpu() && forward != FlashForward::default() {
             continue; // one CPU loop whatever the variant
