@@ -19,7 +19,7 @@ def smem(d, wmma):
     ldt, lds, ldp, ldo = d + 8, 68, 72, d + 4
     tt, ts, tp, to = 64 * ldt * 2, 64 * lds * 4, 64 * ldp * 2, 64 * ldo * 4
     fwd = 3 * tt + ts + tp + to if wmma else 3 * tt
-    return fwd, 4 * tt + 2 * ts + 2 * tp + 8 * 256 * 4 + 2 * 64 * 4
+    return fwd, 4 * tt + ts + 64 * 64 * 4 + tp + 2 * 64 * 4
 
 P = lambda t: np.uint64(t.data_ptr())
 U = np.uint32
@@ -85,6 +85,16 @@ for (b, h, hkv, t, d) in [(4, 32, 8, 2048, 128), (4, 32, 8, 4096, 64)]:
         torch.cuda.synchronize(); t0 = time.time()
         for _ in range(5): flash(q, k, v, up, scale, wmma)
         torch.cuda.synchronize(); tf[wmma] = (time.time() - t0) / 5
+    o_only = {}
+    for wmma in (False, True):
+        fs, _ = smem(d, wmma)
+        f = mod.get_function(f"{'flash_attn_fwd_wmma' if wmma else 'flash_attn_fwd'}_d{d}_bf16"); f.max_dynamic_shared_size_bytes = fs
+        o = torch.empty_like(q); lse = torch.empty(b, h, t, device="cuda")
+        run = lambda: f(((t + 63) // 64, b * h, 1), (128, 1, 1), (P(q), P(k), P(v), P(o), P(lse), U(h), U(hkv), U(t), np.float32(scale)), shared_mem=fs)
+        run(); torch.cuda.synchronize(); t0 = time.time()
+        for _ in range(10): run()
+        torch.cuda.synchronize(); o_only[wmma] = (time.time() - t0) / 10
+    print(f"forward alone: mma {o_only[False]*1e3:.2f} ms ({4*b*h*t*t*d/2/o_only[False]/1e12:.0f} TFLOP/s), wmma {o_only[True]*1e3:.2f} ms", flush=True)
     qq, kk, vv = [x.detach().requires_grad_() for x in (q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1))]
     def sdpa():
         y = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True); y.backward(up)

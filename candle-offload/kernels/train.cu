@@ -292,10 +292,13 @@ template <int D> struct FaSmem {
     static constexpr size_t fwd = 3 * tile_t;
     // Forward (WMMA): Q, K, V, S, P, O.
     static constexpr size_t fwd_wmma = 3 * tile_t + tile_s + tile_p + (size_t)FA_BM * LDO * 4;
-    // Backward: Q, dO, K, V, P (f32), dP (f32), P (T), dS (T), a 16x16 f32 scratch per warp,
-    // L and D of the query tile.
+    // Backward: Q, dO, K, V, P (f32), dP (f32, unpadded; the warps' 16x16 f32 scratch once dS
+    // is formed), P then dS (T), L and D of the query tile: under 113 KiB for D = 128, so two
+    // blocks fit on an SM.
+    static constexpr int LDD = FA_BN;  // row pitch of dP
     static constexpr size_t bwd =
-        4 * tile_t + 2 * tile_s + 2 * tile_p + FA_BWD_WARPS * 16 * 16 * 4 + 2 * FA_BM * 4;
+        4 * tile_t + tile_s + (size_t)FA_BM * LDD * 4 + tile_p + 2 * FA_BM * 4;
+    static_assert(FA_BWD_WARPS * 16 * 16 <= FA_BM * LDD, "the scratch fits in dP");
     // What an sm_80+ block may opt into (sm_80: 163 KiB; sm_90: 227 KiB).
     static_assert(fwd_wmma <= 163 * 1024 && bwd <= 163 * 1024, "attention tiles exceed shared memory");
 };
@@ -682,6 +685,7 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
     using S = FaSmem<D>;
     constexpr int LDT = S::LDT, LDS = S::LDS, LDP = S::LDP;
     extern __shared__ __align__(128) unsigned char fa_smem[];
+    constexpr int LDD = S::LDD;
     unsigned char *p = fa_smem;
     T *sQ = reinterpret_cast<T *>(p);
     T *sdO = reinterpret_cast<T *>(p + S::tile_t);
@@ -689,18 +693,23 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
     T *sV = reinterpret_cast<T *>(p + 3 * S::tile_t);
     p += 4 * S::tile_t;
     float *sP32 = reinterpret_cast<float *>(p);
-    float *sdP = reinterpret_cast<float *>(p + S::tile_s);
-    p += 2 * S::tile_s;
+    p += S::tile_s;
+    float *sdP = reinterpret_cast<float *>(p);
+    p += (size_t)FA_BM * LDD * 4;
+    // P (T) until dV has used it, then dS (T) in the same place.
     T *sP = reinterpret_cast<T *>(p);
-    T *sdS = reinterpret_cast<T *>(p + S::tile_p);
-    p += 2 * S::tile_p;
-    float *scratch_all = reinterpret_cast<float *>(p);
-    p += FA_BWD_WARPS * 16 * 16 * 4;
+    T *sdS = sP;
+    p += S::tile_p;
     float *sL = reinterpret_cast<float *>(p);
     float *sD = sL + FA_BM;
+    static_assert(4 * S::tile_t + S::tile_s + (size_t)FA_BM * LDD * 4 + S::tile_p + 2 * FA_BM * 4 ==
+                      S::bwd,
+                  "layout");
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float *scratch = scratch_all + warp * 256;
+    // A warp's 16x16 f32 scratch for dQ, dK and dV: in dP's place, which is read only before
+    // the barrier ahead of the dQ step and written only after the next tile's first barriers.
+    float *scratch = sdP + warp * 256;
     const uint32_t n0 = blockIdx.x * FA_BN;
     const uint32_t kvh = blockIdx.y;  // b * hkv + g
     const uint32_t bi = kvh / hkv, g = kvh % hkv;
@@ -740,7 +749,7 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
                 const int fr = f / (FA_BN / 16), fc = f % (FA_BN / 16);
                 wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
                 wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
+#pragma unroll 2
                 for (int kf = 0; kf < D / 16; ++kf) {
                     wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
                     wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bk;
@@ -782,7 +791,7 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
                 const int fr = f / (FA_BN / 16), fc = f % (FA_BN / 16);
                 wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
                 wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
+#pragma unroll 2
                 for (int kf = 0; kf < D / 16; ++kf) {
                     wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
                     wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bv;
@@ -790,7 +799,7 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
                     wmma::load_matrix_sync(bv, sV + fc * 16 * LDT + kf * 16, LDT);
                     wmma::mma_sync(acc, a, bv, acc);
                 }
-                wmma::store_matrix_sync(sdP + fr * 16 * LDS + fc * 16, acc, LDS,
+                wmma::store_matrix_sync(sdP + fr * 16 * LDD + fc * 16, acc, LDD,
                                         wmma::mem_row_major);
             }
             __syncthreads();
@@ -798,7 +807,7 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
             // dS = P * (dP - D) * scale.
             for (int i = threadIdx.x; i < FA_BM * FA_BN; i += blockDim.x) {
                 const int r = i / FA_BN, c = i % FA_BN;
-                const float ds = sP32[r * LDS + c] * (sdP[r * LDS + c] - sD[r]) * scale;
+                const float ds = sP32[r * LDS + c] * (sdP[r * LDD + c] - sD[r]) * scale;
                 sdS[r * LDP + c] = from_f32<T>(ds);
             }
             __syncthreads();
@@ -848,17 +857,20 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
     for (int i = 0; i < PER_WARP; ++i) {
         const int f = warp + i * FA_BWD_WARPS;
         const int fr = f / DCOLS, fc = f % DCOLS;
-        for (int which = 0; which < 2; ++which) {
-            wmma::store_matrix_sync(scratch, which == 0 ? dk_acc[i] : dv_acc[i], 16,
-                                    wmma::mem_row_major);
-            __syncwarp();
-            float *dst = which == 0 ? dkh : dvh;
-            for (int e = lane; e < 256; e += 32) {
-                const uint32_t row = n0 + fr * 16 + e / 16;
-                if (row < t) dst[(size_t)row * D + fc * 16 + e % 16] = scratch[e];
-            }
-            __syncwarp();
+        wmma::store_matrix_sync(scratch, dk_acc[i], 16, wmma::mem_row_major);
+        __syncwarp();
+        for (int e = lane; e < 256; e += 32) {
+            const uint32_t row = n0 + fr * 16 + e / 16;
+            if (row < t) dkh[(size_t)row * D + fc * 16 + e % 16] = scratch[e];
         }
+        __syncwarp();
+        wmma::store_matrix_sync(scratch, dv_acc[i], 16, wmma::mem_row_major);
+        __syncwarp();
+        for (int e = lane; e < 256; e += 32) {
+            const uint32_t row = n0 + fr * 16 + e / 16;
+            if (row < t) dvh[(size_t)row * D + fc * 16 + e % 16] = scratch[e];
+        }
+        __syncwarp();
     }
 #else
     __trap();
@@ -879,7 +891,7 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
                                             float scale) {                                      \
         flash_attn_fwd_wmma<T, D>(q, k, v, o, lse, h, hkv, t, scale);                           \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(FA_BWD_WARPS * 32)                             \
+    extern "C" __global__ void __launch_bounds__(FA_BWD_WARPS * 32, 2)                          \
         flash_attn_bwd_d##D##_##SUFFIX(const T *q, const T *k, const T *v, const T *dout,       \
                                        const float *lse, const float *dvec, float *dq,          \
                                        float *dk, float *dv, uint32_t h, uint32_t hkv,          \

@@ -551,7 +551,7 @@ fn fa_smem(d: usize, wmma: bool) -> (u32, u32) {
     } else {
         3 * tile_t
     };
-    let bwd = 4 * tile_t + 2 * tile_s + 2 * tile_p + 8 * 16 * 16 * 4 + 2 * FA_TILE * 4;
+    let bwd = 4 * tile_t + tile_s + FA_TILE * FA_TILE * 4 + tile_p + 2 * FA_TILE * 4;
     (fwd as u32, bwd as u32)
 }
 
