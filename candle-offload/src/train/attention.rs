@@ -14,15 +14,17 @@
 //! kernel gives the three gradients as one F32 buffer (dq, then dk, then dv), cast to q's
 //! dtype.
 //!
-//! On the CPU direct loops compute it (F32, F16, BF16). On a GPU `kernels/train.cu` has
-//! FlashAttention-2 kernels on tensor cores (WMMA) for F16 and BF16 with a head width of 64 or
-//! 128; other cases there (F32, other widths) take [`flash_attention_composite`], the Candle
-//! composition the op is checked against.
+//! On the CPU direct loops compute it (F32, F16, BF16; one rayon task per head, per kv head
+//! in the backward pass). On a GPU `kernels/train.cu` has FlashAttention-2 kernels on tensor
+//! cores for F16 and BF16 with a head width of 64 or 128 (the forward on `mma.sync` or WMMA,
+//! [`FlashForward`]; the backward on WMMA); other cases there (F32, other widths) take
+//! [`flash_attention_composite`], the Candle composition the op is checked against.
 
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor, D};
+use rayon::prelude::*;
 
 use crate::ops::check_dtypes;
 
@@ -139,7 +141,7 @@ fn check_lens(op: &str, dims: &AttnDims, q: usize, k: usize, v: usize) -> Result
     Ok(())
 }
 
-/// The forward pass on F32 values: (O, L).
+/// The forward pass on F32 values: (O, L), one rayon task per head.
 fn flash_fwd_cpu(
     dims: &AttnDims,
     scale: f32,
@@ -147,23 +149,26 @@ fn flash_fwd_cpu(
     k: &[f32],
     v: &[f32],
 ) -> (Vec<f32>, Vec<f32>) {
-    let AttnDims { b, h, t, d, .. } = *dims;
+    let AttnDims { h, t, d, .. } = *dims;
     let rep = dims.rep();
     let mut out = vec![0f32; q.len()];
-    let mut lse = vec![0f32; b * h * t];
-    let mut s = vec![0f32; t];
-    for bi in 0..b {
-        for hi in 0..h {
-            let head = bi * h + hi;
+    let mut lse = vec![0f32; dims.b * h * t];
+    out.par_chunks_mut(t * d)
+        .zip(lse.par_chunks_mut(t))
+        .enumerate()
+        .for_each(|(head, (out, lse))| {
+            let (bi, hi) = (head / h, head % h);
             let kv = (bi * dims.hkv + hi / rep) * t * d;
+            let q = &q[head * t * d..][..t * d];
+            let mut s = vec![0f32; t];
             for i in 0..t {
-                let qi = &q[(head * t + i) * d..][..d];
+                let qi = &q[i * d..][..d];
                 let mut m = f32::NEG_INFINITY;
                 for (j, sj) in s[..=i].iter_mut().enumerate() {
                     *sj = dot(qi, &k[kv + j * d..][..d]) * scale;
                     m = m.max(*sj);
                 }
-                let o = &mut out[(head * t + i) * d..][..d];
+                let o = &mut out[i * d..][..d];
                 let mut l = 0f32;
                 for (j, sj) in s[..=i].iter().enumerate() {
                     let p = (sj - m).exp();
@@ -173,15 +178,14 @@ fn flash_fwd_cpu(
                     }
                 }
                 o.iter_mut().for_each(|x| *x /= l);
-                lse[head * t + i] = m + l.ln();
+                lse[i] = m + l.ln();
             }
-        }
-    }
+        });
     (out, lse)
 }
 
-/// The backward pass on F32 values: dq, dk, dv in one buffer.
-#[allow(clippy::too_many_arguments)]
+/// The backward pass on F32 values: dq, dk, dv in one buffer. One rayon task per kv head: it
+/// owns that head's dk and dv and the dq of its group's query heads.
 fn flash_bwd_cpu(
     dims: &AttnDims,
     scale: f32,
@@ -190,39 +194,45 @@ fn flash_bwd_cpu(
     g: &[f32],
     lse: &[f32],
 ) -> Vec<f32> {
-    let AttnDims { b, h, t, d, .. } = *dims;
+    let AttnDims { h, hkv, t, d, .. } = *dims;
     let rep = dims.rep();
     let (nq, nkv) = (dims.q_len(), dims.kv_len());
     let mut all = vec![0f32; nq + 2 * nkv];
     let (dq, rest) = all.split_at_mut(nq);
     let (dk, dv) = rest.split_at_mut(nkv);
-    for bi in 0..b {
-        for hi in 0..h {
-            let head = bi * h + hi;
-            let kv = (bi * dims.hkv + hi / rep) * t * d;
-            for i in 0..t {
-                let row = (head * t + i) * d;
-                let (qi, gi) = (&q[row..][..d], &g[row..][..d]);
-                let di = dot(gi, &o[row..][..d]);
-                let li = lse[head * t + i];
-                for j in 0..=i {
-                    let kj = &k[kv + j * d..][..d];
-                    let p = (dot(qi, kj) * scale - li).exp();
-                    let dp = dot(gi, &v[kv + j * d..][..d]);
-                    let ds = p * (dp - di) * scale;
-                    for (x, y) in dv[kv + j * d..][..d].iter_mut().zip(gi) {
-                        *x += p * y;
-                    }
-                    for (x, y) in dk[kv + j * d..][..d].iter_mut().zip(qi) {
-                        *x += ds * y;
-                    }
-                    for (x, y) in dq[row..][..d].iter_mut().zip(kj) {
-                        *x += ds * y;
+    dq.par_chunks_mut(rep * t * d)
+        .zip(dk.par_chunks_mut(t * d))
+        .zip(dv.par_chunks_mut(t * d))
+        .enumerate()
+        .for_each(|(kvh, ((dq, dk), dv))| {
+            let (bi, gi) = (kvh / hkv, kvh % hkv);
+            let (kh, vh) = (&k[kvh * t * d..][..t * d], &v[kvh * t * d..][..t * d]);
+            for r in 0..rep {
+                let head = bi * h + gi * rep + r;
+                let dq = &mut dq[r * t * d..][..t * d];
+                for i in 0..t {
+                    let row = (head * t + i) * d;
+                    let (qi, gi) = (&q[row..][..d], &g[row..][..d]);
+                    let di = dot(gi, &o[row..][..d]);
+                    let li = lse[head * t + i];
+                    for j in 0..=i {
+                        let kj = &kh[j * d..][..d];
+                        let p = (dot(qi, kj) * scale - li).exp();
+                        let dp = dot(gi, &vh[j * d..][..d]);
+                        let ds = p * (dp - di) * scale;
+                        for (x, y) in dv[j * d..][..d].iter_mut().zip(gi) {
+                            *x += p * y;
+                        }
+                        for (x, y) in dk[j * d..][..d].iter_mut().zip(qi) {
+                            *x += ds * y;
+                        }
+                        for (x, y) in dq[i * d..][..d].iter_mut().zip(kj) {
+                            *x += ds * y;
+                        }
                     }
                 }
             }
-        }
-    }
+        });
     all
 }
 
