@@ -76,6 +76,9 @@ pub enum Tiny {
     Gemma,
     /// Gemma 2.
     Gemma2,
+    /// LLaMA with heads 64 wide (a width the GPU flash attention kernels have) and GQA 4:1;
+    /// not in [`ALL`](Self::ALL).
+    WideHeads,
 }
 
 impl Tiny {
@@ -120,6 +123,10 @@ impl Tiny {
             Tiny::Gemma => serde_json::json!({
                 "model_type": "gemma", "num_key_value_heads": 1, "head_dim": 32,
                 "hidden_act": "gelu_pytorch_tanh",
+            }),
+            Tiny::WideHeads => serde_json::json!({
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "tie_word_embeddings": false, "head_dim": 64, "num_key_value_heads": 1,
             }),
             Tiny::Gemma2 => serde_json::json!({
                 "model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 24,

@@ -227,6 +227,39 @@ test_device!(
     tied_embeddings_offloaded_gpu
 );
 
+/// Heads 64 wide with GQA 4:1, so that the fused trainer's attention is
+/// `train::flash_attention` on a GPU too (F16/BF16 there; F32 takes the composition): its
+/// loss and gradients against the compositions (`fused: false`) under F32 and F16/BF16
+/// autocast, within the named tolerances (1e-4 in F32).
+fn flash_attention_trains_like_the_composition(device: &Device) -> anyhow::Result<()> {
+    let files = tiny_kind("flash", crate::models::Tiny::WideHeads)?;
+    for (precision, tol) in [
+        (Precision::F32, 1e-4),
+        (Precision::F16, F16_GRAD_TOLERANCE),
+        (Precision::BF16, BF16_GRAD_TOLERANCE),
+    ] {
+        let mut s = settings(2);
+        s.precision = precision;
+        let (loss, g, _, _) = grads(&files, device, &s)?;
+        s.fused = false;
+        let (loss_ref, reference, _, _) = grads(&files, device, &s)?;
+        assert!(
+            ((loss - loss_ref) / loss_ref).abs() < tol as f32,
+            "{precision}: loss {loss} fused, {loss_ref} composed"
+        );
+        for (name, want) in &reference {
+            let e = rel_err(&g[name], want)?;
+            assert!(e < tol, "{precision}: {name}: relative error {e} > {tol}");
+        }
+    }
+    Ok(())
+}
+test_device!(
+    flash_attention_trains_like_the_composition,
+    flash_attention_trains_like_the_composition_cpu,
+    flash_attention_trains_like_the_composition_gpu
+);
+
 /// F16 and BF16 autocast gradients (on the F32 masters) within the named tolerances of F32.
 fn autocast_gradients_are_close(device: &Device) -> anyhow::Result<()> {
     let files = tiny("autocast", false)?;

@@ -286,6 +286,161 @@ test_device!(
     train_ops_strided_inputs_gpu
 );
 
+/// (batch, heads, kv heads, t, head width): one position; MQA, GQA 4:1 and plain heads; t odd
+/// and past one and two 64-row tiles; both widths the GPU kernels have, and one they lack (the
+/// composition there).
+const ATTN_SHAPES: [(usize, usize, usize, usize, usize); 7] = [
+    (1, 1, 1, 1, 64),
+    (2, 4, 1, 37, 64),
+    (1, 8, 2, 70, 128),
+    (2, 4, 4, 129, 64),
+    (2, 8, 2, 65, 128),
+    (1, 4, 1, 129, 128),
+    (2, 2, 1, 9, 40),
+];
+
+fn flash_attention_matches_composition(device: &Device) -> anyhow::Result<()> {
+    use candle_offload::train::attention::{self, FlashForward};
+    for (dtype, forward) in DTYPES
+        .into_iter()
+        .flat_map(|d| [(d, FlashForward::Mma), (d, FlashForward::Wmma)])
+    {
+        if device.is_cpu() && forward != FlashForward::default() {
+            continue; // one CPU loop whatever the variant
+        }
+        for (i, &(b, h, hkv, t, d)) in ATTN_SHAPES.iter().enumerate() {
+            let seed = 600 + 10 * i as u64;
+            let (q, q32) = pair(&random(&[b, h, t, d], 2.0, seed)?, dtype, device)?;
+            let (k, k32) = pair(&random(&[b, hkv, t, d], 2.0, seed + 1)?, dtype, device)?;
+            let (v, v32) = pair(&random(&[b, hkv, t, d], 1.5, seed + 2)?, dtype, device)?;
+            let up = random(&[b, h, t, d], 1.0, seed + 3)?.to_device(device)?;
+            let scale = 1.0 / (d as f32).sqrt();
+
+            let y = attention::flash_attention_with(&q, &k, &v, scale, forward)?;
+            anyhow::ensure!(y.dtype() == dtype, "output dtype {:?}", y.dtype());
+            let grads = weighted_sum(&y, &up)?.backward()?;
+            let y_ref = attention::flash_attention_composite(&q32, &k32, &v32, scale)?;
+            let grads_ref = weighted_sum(&y_ref, &up)?.backward()?;
+
+            let what =
+                format!("flash_attention {forward:?} (b {b}, h {h}, hkv {hkv}, t {t}, d {d})");
+            ensure_close(&format!("{what} y"), &y, &y_ref, dtype)?;
+            for (name, var, var32) in [("dq", &q, &q32), ("dk", &k, &k32), ("dv", &v, &v32)] {
+                let g = grads
+                    .get(var)
+                    .ok_or_else(|| anyhow::anyhow!("{what}: no {name}"))?;
+                let g_ref = grads_ref
+                    .get(var32)
+                    .ok_or_else(|| anyhow::anyhow!("{what}: no reference {name}"))?;
+                anyhow::ensure!(g.dtype() == dtype, "{what} {name} dtype {:?}", g.dtype());
+                ensure_close(&format!("{what} {name}"), g, g_ref, dtype)?;
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    flash_attention_matches_composition,
+    train_ops_flash_attention_cpu,
+    train_ops_flash_attention_gpu
+);
+
+/// Inputs at an odd offset in their buffers and transposed views: the same values and
+/// gradients as the composition.
+fn flash_attention_strided_inputs(device: &Device) -> anyhow::Result<()> {
+    use candle_offload::train::attention;
+    for dtype in [DType::F32, DType::BF16] {
+        let (b, h, hkv, t, d) = (1, 4, 2, 33, 64);
+        let base = random(&[1 + 3 * b * h * t * d], 2.0, 700)?;
+        let (x, x32) = pair(&base, dtype, device)?;
+        let n = b * h * t * d;
+        let take = |x: &Tensor, i: usize, heads: usize| -> candle_core::Result<Tensor> {
+            // (b, t, heads, d) at offset 1 + i·n, seen as (b, heads, t, d).
+            x.narrow(0, 1 + i * n, b * heads * t * d)?
+                .reshape((b, t, heads, d))?
+                .transpose(1, 2)
+        };
+        let up = random(&[b, h, t, d], 1.0, 701)?.to_device(device)?;
+        let y = attention::flash_attention(
+            &take(&x, 0, h)?,
+            &take(&x, 1, hkv)?,
+            &take(&x, 2, hkv)?,
+            0.125,
+        )?;
+        let g = weighted_sum(&y, &up)?.backward()?;
+        let y_ref = attention::flash_attention_composite(
+            &take(&x32, 0, h)?,
+            &take(&x32, 1, hkv)?,
+            &take(&x32, 2, hkv)?,
+            0.125,
+        )?;
+        let g_ref = weighted_sum(&y_ref, &up)?.backward()?;
+        ensure_close("flash_attention strided y", &y, &y_ref, dtype)?;
+        let (Some(a), Some(r)) = (g.get(&x), g_ref.get(&x32)) else {
+            anyhow::bail!("flash_attention strided: missing gradient")
+        };
+        ensure_close("flash_attention strided d base", a, r, dtype)?;
+    }
+    Ok(())
+}
+test_device!(
+    flash_attention_strided_inputs,
+    train_ops_flash_attention_strided_cpu,
+    train_ops_flash_attention_strided_gpu
+);
+
+#[test]
+fn train_ops_flash_attention_refuses_bad_input() -> anyhow::Result<()> {
+    use candle_offload::train::attention::flash_attention;
+    let q = random(&[1, 4, 5, 8], 1.0, 1)?;
+    let kv = random(&[1, 2, 5, 8], 1.0, 2)?;
+    let cases = [
+        (
+            "3 heads over 2",
+            random(&[1, 3, 5, 8], 1.0, 3)?,
+            kv.clone(),
+            kv.clone(),
+            1.0,
+        ),
+        (
+            "other t",
+            q.clone(),
+            random(&[1, 2, 6, 8], 1.0, 4)?,
+            random(&[1, 2, 6, 8], 1.0, 4)?,
+            1.0,
+        ),
+        (
+            "k and v differ",
+            q.clone(),
+            kv.clone(),
+            random(&[1, 1, 5, 8], 1.0, 5)?,
+            1.0,
+        ),
+        (
+            "mixed dtypes",
+            q.clone(),
+            kv.to_dtype(DType::F16)?,
+            kv.clone(),
+            1.0,
+        ),
+        ("three dims", q.squeeze(0)?, kv.clone(), kv.clone(), 1.0),
+        ("nan scale", q.clone(), kv.clone(), kv.clone(), f32::NAN),
+    ];
+    for (what, q, k, v, scale) in cases {
+        match flash_attention(&q, &k, &v, scale) {
+            Ok(_) => anyhow::bail!("{what}: accepted"),
+            Err(e) => {
+                let e = e.to_string();
+                anyhow::ensure!(
+                    e.contains("flash-attention") || e.contains("unexpected rank"),
+                    "{what}: {e}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn fused_ops_refuse_bad_input() -> anyhow::Result<()> {
     let dev = Device::Cpu;

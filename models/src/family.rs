@@ -53,8 +53,8 @@ pub struct TrainCtx<'a> {
     pub compute: DType,
     /// Attention head groups, each checkpointed (1: all heads at once).
     pub head_chunks: usize,
-    /// Use the fused training ops of `candle_offload::train::fused` (RMSNorm, SwiGLU) where a
-    /// block can; `false`: the Candle compositions.
+    /// Use the fused training ops of `candle_offload::train::fused` (RMSNorm, SwiGLU) and
+    /// `train::flash_attention` where a block can; `false`: the Candle compositions.
     pub fused: bool,
 }
 

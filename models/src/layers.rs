@@ -13,6 +13,7 @@ use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::kv_cache::KvCache;
 use candle_nn::VarBuilder;
+use candle_offload::train::attention::{flash_attention, flash_attention_supported};
 
 use crate::config::Config;
 use crate::family::{DecoderBlock, StepCtx, TrainCtx, UnitWeights};
@@ -211,6 +212,12 @@ impl Masks {
     /// Whether some row has padding (the masks are then per row: (batch, 1, new, cached)).
     pub fn is_padded(&self) -> bool {
         !self.pads.is_empty()
+    }
+
+    /// Whether [`get(None)`](Self::get) is the plain causal mask of a fresh sequence (no
+    /// cached positions, no padding): query `i` sees keys `0..=i`.
+    pub fn is_plain_causal(&self) -> bool {
+        self.index_pos == 0 && !self.is_padded()
     }
 
     /// The mask for a layer with this sliding window (`None`: plain causal); `None` when
@@ -765,10 +772,13 @@ impl SelfAttention {
         self.o_proj.forward(&y)
     }
 
-    /// Causal self-attention over the whole sequence with differentiable ops (training):
-    /// projections and the two attention matmuls in `xs`'s dtype, mask and softmax in F32.
-    /// With `ctx.head_chunks > 1` the heads are processed in that many checkpointed groups, so
-    /// only one group's score matrix is ever held (it is recomputed in the backward pass).
+    /// Causal self-attention over the whole sequence with differentiable ops (training).
+    /// With `ctx.fused`, no soft-capping, no sliding window and the plain causal mask, where
+    /// a kernel exists ([`flash_attention_supported`]): [`flash_attention`] over all heads
+    /// (F32 scores and sums). Otherwise the composition: projections and the two attention
+    /// matmuls in `xs`'s dtype, mask and softmax in F32; with `ctx.head_chunks > 1` the heads
+    /// are processed in that many checkpointed groups, so only one group's score matrix is
+    /// ever held (it is recomputed in the backward pass).
     pub fn forward_train(&self, xs: &Tensor, ctx: &TrainCtx<'_>) -> Result<Tensor> {
         let s = self.spec;
         let (b, seq_len, _) = xs.dims3()?;
@@ -780,6 +790,19 @@ impl SelfAttention {
             .rope
             .apply_diff(&shape(k, s.n_kv_heads)?.contiguous()?)?;
         let v = shape(v, s.n_kv_heads)?.contiguous()?;
+        if ctx.fused
+            && s.softcap.is_none()
+            && s.window.is_none()
+            && ctx.masks.is_plain_causal()
+            && flash_attention_supported(q.device(), q.dtype(), s.head_dim)
+        {
+            // One op over all heads: no repeated k and v, no score matrix, no head groups.
+            let y = flash_attention(&q, &k, &v, (1.0 / s.score_div) as f32)?;
+            let y = y
+                .transpose(1, 2)?
+                .reshape((b, seq_len, s.n_heads * s.head_dim))?;
+            return self.o_proj.forward_train(&y);
+        }
         let rep = s.n_heads / s.n_kv_heads;
         let k = candle_transformers::utils::repeat_kv(k, rep)?.contiguous()?;
         let v = candle_transformers::utils::repeat_kv(v, rep)?.contiguous()?;

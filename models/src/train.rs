@@ -62,7 +62,8 @@ pub struct TrainSettings {
     /// 128 MiB.
     pub loss_chunk_tokens: Option<usize>,
     /// The fused training ops of `candle_offload::train::fused`: RMSNorm and SwiGLU with their
-    /// own backward kernels, the softmax cross-entropy without an F32 probability matrix, and
+    /// own backward kernels, the softmax cross-entropy without an F32 probability matrix,
+    /// causal attention as `train::flash_attention` (no score matrix, no head groups), and
     /// [`FusedAdamW`] for masters on a GPU (default). `false`: the Candle compositions and
     /// candle-nn's `AdamW`.
     pub fused: bool,

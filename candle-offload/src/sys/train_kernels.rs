@@ -1,5 +1,6 @@
 //! Launches of the fused training kernels (`kernels/train.cu`, compiled to PTX by build.rs) on
-//! a Candle device's stream, for the custom ops of [`crate::train::fused`].
+//! a Candle device's stream, for the custom ops of [`crate::train::fused`] and
+//! [`crate::train::attention`].
 //!
 //! The module is loaded once per device by `CudaDevice::get_or_load_custom_func` under its own
 //! name, and every kernel runs on the device's own stream, ordered with every other Candle op.
@@ -526,4 +527,254 @@ pub(crate) fn adamw_multi(
         drop(records);
     }
     Ok(())
+}
+
+/// Threads per block of the attention kernels (`FA_FWD_WARPS`, `FA_BWD_WARPS` in
+/// kernels/train.cu) and the rows and keys of their tiles (`FA_BM`, `FA_BN`).
+const FA_FWD_THREADS: u32 = 4 * 32;
+const FA_BWD_THREADS: u32 = 8 * 32;
+const FA_TILE: usize = 64;
+
+/// The sizes of an attention call: batch, query heads, kv heads, sequence, head width.
+pub(crate) type AttnSizes = [usize; 5];
+
+/// Dynamic shared memory of the attention kernels for head width `d`: the forward
+/// (`FaSmem<D>::fwd`, or `::fwd_wmma` for the WMMA forward) and the backward (`::bwd`) in
+/// kernels/train.cu.
+fn fa_smem(d: usize, wmma: bool) -> (u32, u32) {
+    let (ldt, lds, ldp, ldo) = (d + 8, FA_TILE + 4, FA_TILE + 8, d + 4);
+    let tile_t = FA_TILE * ldt * 2;
+    let tile_s = FA_TILE * lds * 4;
+    let tile_p = FA_TILE * ldp * 2;
+    let fwd = if wmma {
+        3 * tile_t + tile_s + tile_p + FA_TILE * ldo * 4
+    } else {
+        3 * tile_t
+    };
+    let bwd = 4 * tile_t + tile_s + FA_TILE * FA_TILE * 4 + tile_p + 2 * FA_TILE * 4;
+    (fwd as u32, bwd as u32)
+}
+
+/// A 16-bit float type the attention kernels exist for.
+trait HalfElem: Elem {}
+impl HalfElem for half::f16 {}
+impl HalfElem for half::bf16 {}
+
+/// Runs `$f::<T>` for F16 or BF16.
+macro_rules! by_half_dtype {
+    ($op:expr, $dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::F16 => $f::<half::f16>($($arg),*),
+            DType::BF16 => $f::<half::bf16>($($arg),*),
+            other => candle_core::bail!("{}: no kernel for {other:?}", $op),
+        }
+    };
+}
+
+/// The view of an attention input: contiguous, of `len` elements, starting at a multiple of 8
+/// elements (the kernels' 16-byte vector loads; the base of a Candle buffer is aligned).
+fn fa_view<'a, T: Elem>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    len: usize,
+    what: &str,
+) -> Result<CudaView<'a, T>> {
+    if !l.start_offset().is_multiple_of(8) {
+        candle_core::bail!("flash-attention: {what} starts at an unaligned offset");
+    }
+    let v = view::<T>(s, l, what)?;
+    if v.len() != len {
+        candle_core::bail!(
+            "flash-attention: {what} has {} elements, not {len}",
+            v.len()
+        );
+    }
+    Ok(v)
+}
+
+/// The kernel `{name}_d{d}_{dtype}` with its dynamic shared memory allowed up to `smem` bytes.
+fn fa_load<T: HalfElem>(dev: &CudaDevice, name: &str, d: usize, smem: u32) -> Result<CudaFunction> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+    if d != 64 && d != 128 {
+        candle_core::bail!("flash-attention: no kernel for head width {d}");
+    }
+    let func = load::<T>(dev, &format!("{name}_d{d}"))?;
+    func.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .w()?;
+    Ok(func)
+}
+
+/// The grid's y extent for `heads` heads.
+fn fa_heads(heads: usize) -> Result<u32> {
+    let y = to_u32(heads, "heads")?;
+    if y == 0 || y > 65_535 {
+        candle_core::bail!("flash-attention: {heads} heads (batch times heads) exceed the grid");
+    }
+    Ok(y)
+}
+
+/// Causal attention forward: O (q's dtype, (b, h, t, d)) and each row's log-sum-exp (F32,
+/// (b, h, t)); with `wmma` the WMMA kernel, otherwise the mma.sync one.
+pub(crate) fn flash_attn_fwd(
+    dims: AttnSizes,
+    wmma: bool,
+    scale: f32,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, CudaStorage)> {
+    fn run<T: HalfElem>(
+        dims: AttnSizes,
+        wmma: bool,
+        scale: f32,
+        (q, ql): (&CudaStorage, &Layout),
+        (k, kl): (&CudaStorage, &Layout),
+        (v, vl): (&CudaStorage, &Layout),
+    ) -> Result<(CudaStorage, CudaStorage)> {
+        let dev = &q.device;
+        let [b, h, hkv, t, d] = dims;
+        let (smem, _) = fa_smem(d, wmma);
+        let name = if wmma {
+            "flash_attn_fwd_wmma"
+        } else {
+            "flash_attn_fwd"
+        };
+        let func = fa_load::<T>(dev, name, d, smem)?;
+        let nq = b * h * t * d;
+        let nkv = b * hkv * t * d;
+        let qv = fa_view::<T>(q, ql, nq, "q")?;
+        let kv = fa_view::<T>(k, kl, nkv, "k")?;
+        let vv = fa_view::<T>(v, vl, nkv, "v")?;
+        if hkv == 0 || !h.is_multiple_of(hkv) || t == 0 {
+            candle_core::bail!("flash-attention: bad sizes {dims:?} (b, h, hkv, t, d)");
+        }
+        let (h_u, hkv_u, t_u) = (
+            to_u32(h, "heads")?,
+            to_u32(hkv, "kv heads")?,
+            to_u32(t, "t")?,
+        );
+        let grid_y = fa_heads(b * h)?;
+        // SAFETY: uninitialised device memory on the device's stream; the kernel launched next
+        // writes every element (each row below t of each head: its d outputs).
+        let out = unsafe { dev.alloc::<T>(nq) }?;
+        // SAFETY: as above: the kernel writes each row's log-sum-exp.
+        let lse = unsafe { dev.alloc::<f32>(b * h * t) }?;
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(t.div_ceil(FA_TILE), "tiles")?, grid_y, 1),
+            block_dim: (FA_FWD_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let stream = dev.cuda_stream();
+        let mut bl = stream.launch_builder(&func);
+        bl.arg(&qv).arg(&kv).arg(&vv).arg(&out).arg(&lse);
+        bl.arg(&h_u).arg(&hkv_u).arg(&t_u).arg(&scale);
+        // SAFETY: the arguments match `flash_attn_fwd_d<d>_<dtype>(const T*, const T*, const
+        // T*, T*, float*, uint32_t h, uint32_t hkv, uint32_t t, float)` in kernels/train.cu; q
+        // and out hold b·h·t·d elements, k and v b·hkv·t·d, lse b·h·t (checked above); the
+        // grid is (tiles of 64 rows, b·h), 128 threads, with the shared memory the kernel's
+        // layout takes for this d (allowed on the function above); it reads rows below t and
+        // kv head < hkv only, and q, k, v start 16-byte aligned (checked above).
+        unsafe { bl.launch(cfg) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            CudaStorage::wrap_cuda_slice(lse, dev.clone()),
+        ))
+    }
+    by_half_dtype!(
+        "flash-attention",
+        q.dtype(),
+        run(dims, wmma, scale, (q, ql), (k, kl), (v, vl))
+    )
+}
+
+/// Causal attention backward from q, k, v, O, dO (one dtype) and the forward's log-sum-exp:
+/// dq, dk and dv as one F32 buffer, in that order.
+pub(crate) fn flash_attn_bwd(
+    dims: AttnSizes,
+    scale: f32,
+    inputs: [(&CudaStorage, &Layout); 5],
+    (lse, lsel): (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    fn run<T: HalfElem>(
+        dims: AttnSizes,
+        scale: f32,
+        [(q, ql), (k, kl), (v, vl), (o, ol), (g, gl)]: [(&CudaStorage, &Layout); 5],
+        (lse, lsel): (&CudaStorage, &Layout),
+    ) -> Result<CudaStorage> {
+        let dev = &q.device;
+        let [b, h, hkv, t, d] = dims;
+        let (_, smem) = fa_smem(d, false);
+        let func = fa_load::<T>(dev, "flash_attn_bwd", d, smem)?;
+        let prep = load::<T>(dev, "flash_attn_bwd_prep")?;
+        let nq = b * h * t * d;
+        let nkv = b * hkv * t * d;
+        let rows = b * h * t;
+        let qv = fa_view::<T>(q, ql, nq, "q")?;
+        let kv = fa_view::<T>(k, kl, nkv, "k")?;
+        let vv = fa_view::<T>(v, vl, nkv, "v")?;
+        let ov = fa_view::<T>(o, ol, nq, "output")?;
+        let gv = fa_view::<T>(g, gl, nq, "output gradient")?;
+        let lv = view_of::<f32>(lse, lsel, "log-sum-exp")?;
+        if lv.len() != rows || hkv == 0 || !h.is_multiple_of(hkv) || t == 0 {
+            candle_core::bail!("flash-attention backward: bad sizes {dims:?} (b, h, hkv, t, d)");
+        }
+        let (h_u, hkv_u, t_u) = (
+            to_u32(h, "heads")?,
+            to_u32(hkv, "kv heads")?,
+            to_u32(t, "t")?,
+        );
+        let (rows_u, d_u) = (to_u32(rows, "rows")?, to_u32(d, "head width")?);
+        let grid_y = fa_heads(b * hkv)?;
+        let stream = dev.cuda_stream();
+
+        // SAFETY: uninitialised device memory of one f32 per row; the prep kernel launched
+        // next writes every one (one warp per row).
+        let dvec = unsafe { dev.alloc::<f32>(rows) }?;
+        let warps_per_block = 8u32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows_u.div_ceil(warps_per_block), 1, 1),
+            block_dim: (warps_per_block * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut bl = stream.launch_builder(&prep);
+        bl.arg(&ov).arg(&gv).arg(&dvec).arg(&rows_u).arg(&d_u);
+        // SAFETY: the arguments match `flash_attn_bwd_prep_<dtype>(const T*, const T*, float*,
+        // uint32_t rows, uint32_t d)` in kernels/train.cu; o and dO hold rows·d elements and
+        // dvec rows; warps past the last row return.
+        unsafe { bl.launch(cfg) }.w()?;
+
+        // dq is accumulated with atomics: the whole buffer starts at zero.
+        let all = dev.alloc_zeros::<f32>(nq + 2 * nkv)?;
+        let (dq, rest) = all.split_at(nq);
+        let (dk, dv) = rest.split_at(nkv);
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(t.div_ceil(FA_TILE), "tiles")?, grid_y, 1),
+            block_dim: (FA_BWD_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let mut bl = stream.launch_builder(&func);
+        bl.arg(&qv).arg(&kv).arg(&vv).arg(&gv).arg(&lv).arg(&dvec);
+        bl.arg(&dq).arg(&dk).arg(&dv);
+        bl.arg(&h_u).arg(&hkv_u).arg(&t_u).arg(&scale);
+        // SAFETY: the arguments match `flash_attn_bwd_d<d>_<dtype>(const T* q, const T* k,
+        // const T* v, const T* dout, const float* lse, const float* dvec, float* dq, float* dk,
+        // float* dv, uint32_t h, uint32_t hkv, uint32_t t, float)` in kernels/train.cu; q and
+        // dO hold b·h·t·d elements, k and v b·hkv·t·d, lse and dvec b·h·t, and dq, dk, dv are
+        // disjoint parts of one buffer of b·h·t·d, b·hkv·t·d and b·hkv·t·d f32 (checked and
+        // split above); the grid is (tiles of 64 keys, b·hkv), 256 threads, with the shared
+        // memory the kernel's layout takes for this d (allowed above); each block writes the
+        // dk and dv rows of its own key tile below t and adds to dq rows below t only; the
+        // 16-bit inputs start 16-byte aligned (checked above). The dq, dk and dv views are
+        // written through shared borrows of a buffer no other code has seen yet.
+        unsafe { bl.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(all, dev.clone()))
+    }
+    by_half_dtype!(
+        "flash-attention backward",
+        inputs[0].0.dtype(),
+        run(dims, scale, inputs, (lse, lsel))
+    )
 }

@@ -11,6 +11,8 @@
 //!   keep only segment boundaries in the forward pass and recompute each segment during the
 //!   backward pass; with an offload runtime the recompute fetches the segment's weights again.
 //!
+//! - [`attention`]: causal self-attention (GQA/MQA) as one op with its own backward
+//!   (FlashAttention-2: no score matrix, no repeated k/v).
 //! - [`fused`]: RMSNorm, SwiGLU and softmax cross-entropy as custom ops with their own
 //!   backward kernels, and [`FusedAdamW`], a multi-tensor AdamW in one launch per step.
 //!
@@ -19,6 +21,7 @@
 //! `rope_slow` (not `rope`); the fused kernels silently cut the gradient graph
 //! (candle-internals.md §4.4).
 
+pub mod attention;
 mod autocast;
 mod checkpoint;
 pub mod fused;
@@ -26,6 +29,7 @@ pub mod grad;
 mod host_adam;
 mod scaler;
 
+pub use attention::{flash_attention, flash_attention_composite};
 pub use autocast::{Autocast, AutocastBackend, Precision};
 pub use checkpoint::{segment_ranges, Checkpointer, GradSink};
 pub use fused::{cross_entropy, rms_norm, swiglu, FusedAdamW};
