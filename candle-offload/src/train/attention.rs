@@ -493,7 +493,8 @@ pub fn flash_attention_composite(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32)
             .reshape((b, h, t, d))
     };
     let (k, v) = (repeat(k)?, repeat(v)?);
-    let q32 = q.to_dtype(DType::F32)?;
+    // cuBLAS takes each matrix with unit stride in its rows: strided views are copied.
+    let q32 = q.to_dtype(DType::F32)?.contiguous()?;
     let att = (q32.matmul(&k.t()?.contiguous()?)? * f64::from(scale))?;
     let mask: Vec<f32> = (0..t)
         .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
