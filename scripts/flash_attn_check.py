@@ -18,7 +18,7 @@ def smem(d, wmma):
     """The forward's and the backward's dynamic shared memory (fa_smem in train_kernels.rs)."""
     ldt, lds, ldp, ldo = d + 8, 68, 72, d + 4
     tt, ts, tp, to = 64 * ldt * 2, 64 * lds * 4, 64 * ldp * 2, 64 * ldo * 4
-    fwd = 3 * tt + ts + tp + to if wmma else 3 * tt
+    fwd = 3 * tt + ts + tp + to if wmma else 5 * tt
     return fwd, 4 * tt + ts + 64 * 64 * 4 + tp + 2 * 64 * 4
 
 P = lambda t: np.uint64(t.data_ptr())

@@ -288,8 +288,8 @@ template <int D> struct FaSmem {
     static constexpr size_t tile_t = (size_t)FA_BM * LDT * 2;   // bytes of a [64][D] tile
     static constexpr size_t tile_s = (size_t)FA_BM * LDS * 4;   // bytes of a [64][64] f32 tile
     static constexpr size_t tile_p = (size_t)FA_BM * LDP * 2;   // bytes of a [64][64] T tile
-    // Forward (mma.sync): Q, K, V.
-    static constexpr size_t fwd = 3 * tile_t;
+    // Forward (mma.sync): Q, then K and V twice (double-buffered).
+    static constexpr size_t fwd = 5 * tile_t;
     // Forward (WMMA): Q, K, V, S, P, O.
     static constexpr size_t fwd_wmma = 3 * tile_t + tile_s + tile_p + (size_t)FA_BM * LDO * 4;
     // Backward: Q, dO, K, V, P (f32), dP (f32, unpadded; the warps' 16x16 f32 scratch once dS
@@ -317,6 +317,40 @@ __device__ __forceinline__ void fa_load_tile(T *dst, const T *src, uint32_t row0
         }
         *reinterpret_cast<uint4 *>(dst + r * LDT + c) = val;
     }
+}
+
+// Copies rows [row0, row0 + 64) of a [t][D] matrix into a [64][LDT] tile with 16-byte
+// cp.async copies (sm_80+), zero-filling rows past t; complete after fa_cp_async_wait.
+template <typename T, int D, int LDT>
+__device__ __forceinline__ void fa_load_tile_async(T *dst, const T *src, uint32_t row0,
+                                                   uint32_t t) {
+#if __CUDA_ARCH__ >= 800
+    constexpr int VEC = 8;
+    constexpr int PER_ROW = D / VEC;
+    for (int i = threadIdx.x; i < FA_BM * PER_ROW; i += blockDim.x) {
+        const int r = i / PER_ROW;
+        const int c = (i % PER_ROW) * VEC;
+        const bool in = row0 + r < t;
+        // A row past t reads nothing (source size 0) from a valid address.
+        const T *g = src + (size_t)(in ? row0 + r : 0) * D + c;
+        const uint32_t sa = (uint32_t)__cvta_generic_to_shared(dst + r * LDT + c);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(g),
+                     "r"(in ? 16 : 0));
+    }
+#endif
+}
+
+__device__ __forceinline__ void fa_cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N> __device__ __forceinline__ void fa_cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
 }
 
 // Two floats as the packed pair of 16-bit values an mma operand register holds (lo first).
@@ -391,9 +425,14 @@ __device__ void flash_attn_fwd_mma(const T *__restrict__ q, const T *__restrict_
     constexpr int LDT = S::LDT;
     extern __shared__ __align__(128) unsigned char fa_smem[];
     T *sQ = reinterpret_cast<T *>(fa_smem);
-    T *sK = reinterpret_cast<T *>(fa_smem + S::tile_t);
-    T *sV = reinterpret_cast<T *>(fa_smem + 2 * S::tile_t);
-    static_assert(3 * S::tile_t == S::fwd, "layout");
+    // K and V of key tile kt in buffer kt % 2: the next tile's copies run during this one's math.
+    auto sk_of = [&](uint32_t kt) {
+        return reinterpret_cast<T *>(fa_smem + (1 + 2 * (kt & 1)) * S::tile_t);
+    };
+    auto sv_of = [&](uint32_t kt) {
+        return reinterpret_cast<T *>(fa_smem + (2 + 2 * (kt & 1)) * S::tile_t);
+    };
+    static_assert(5 * S::tile_t == S::fwd, "layout");
 
     // The last query tiles have the most keys: start them first.
     const uint32_t m0 = (gridDim.x - 1 - blockIdx.x) * FA_BM;
@@ -424,12 +463,23 @@ __device__ void flash_attn_fwd_mma(const T *__restrict__ q, const T *__restrict_
 
     const uint32_t last = min(t, m0 + FA_BM);  // keys < last are seen by some row
     const uint32_t n_tiles = (last + FA_BN - 1) / FA_BN;
+    fa_load_tile_async<T, D, LDT>(sk_of(0), kh, 0, t);
+    fa_load_tile_async<T, D, LDT>(sv_of(0), vh, 0, t);
+    fa_cp_async_commit();
     for (uint32_t kt = 0; kt < n_tiles; ++kt) {
         const uint32_t n0 = kt * FA_BN;
-        __syncthreads();  // every warp is done with the previous K and V
-        fa_load_tile<T, D, LDT>(sK, kh, n0, t);
-        fa_load_tile<T, D, LDT>(sV, vh, n0, t);
-        __syncthreads();
+        if (kt + 1 < n_tiles) {
+            // The other buffer was last read in tile kt - 1, before its closing barrier.
+            fa_load_tile_async<T, D, LDT>(sk_of(kt + 1), kh, n0 + FA_BN, t);
+            fa_load_tile_async<T, D, LDT>(sv_of(kt + 1), vh, n0 + FA_BN, t);
+            fa_cp_async_commit();
+            fa_cp_async_wait<1>();  // this thread's copies of tile kt have landed
+        } else {
+            fa_cp_async_wait<0>();
+        }
+        __syncthreads();  // and every thread's
+        const T *sK = sk_of(kt);
+        const T *sV = sv_of(kt);
 
         float s[FA_BN / 8][4];
 #pragma unroll
@@ -503,6 +553,7 @@ __device__ void flash_attn_fwd_mma(const T *__restrict__ q, const T *__restrict_
                 fa_mma<T>(oacc[2 * dj + 1], a, b[2], b[3]);
             }
         }
+        __syncthreads();  // every warp is done with this tile's K and V
     }
 
 #pragma unroll
@@ -841,10 +892,24 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
                 }
                 wmma::store_matrix_sync(scratch, acc, 16, wmma::mem_row_major);
                 __syncwarp();
+#if __CUDA_ARCH__ >= 900
+                // Four columns per atomic (sm_90's float4 atomicAdd; 16-byte aligned: dq starts
+                // its buffer, rows are D floats, the scratch sits at a 16-byte offset).
+                for (int e = lane; e < 64; e += 32) {
+                    const int r = e >> 2, c = (e & 3) * 4;
+                    const uint32_t row = m0 + fr * 16 + r;
+                    if (row < t) {
+                        const float4 val = *reinterpret_cast<const float4 *>(scratch + r * 16 + c);
+                        atomicAdd(reinterpret_cast<float4 *>(dqh + (size_t)row * D + fc * 16 + c),
+                                  val);
+                    }
+                }
+#else
                 for (int e = lane; e < 256; e += 32) {
                     const uint32_t row = m0 + fr * 16 + e / 16;
                     if (row < t) atomicAdd(dqh + (size_t)row * D + fc * 16 + e % 16, scratch[e]);
                 }
+#endif
                 __syncwarp();
             }
         }

@@ -549,7 +549,7 @@ fn fa_smem(d: usize, wmma: bool) -> (u32, u32) {
     let fwd = if wmma {
         3 * tile_t + tile_s + tile_p + FA_TILE * ldo * 4
     } else {
-        3 * tile_t
+        5 * tile_t
     };
     let bwd = 4 * tile_t + tile_s + FA_TILE * FA_TILE * 4 + tile_p + 2 * FA_TILE * 4;
     (fwd as u32, bwd as u32)
