@@ -133,6 +133,18 @@ pub fn device_used_bytes(device: &Device) -> candle_core::Result<u64> {
     sys::device_used_bytes(device)
 }
 
+/// Lets `device`'s stream-ordered memory pool keep the memory freed on it across
+/// synchronizations (`keep`: what a training loop wants, since each step allocates the same
+/// shapes again), or give it back to the driver at every synchronization (the driver's
+/// default, under which each step maps its activations' memory afresh). A no-op on a CPU,
+/// without `cuda`, or on a GPU without memory pools.
+pub fn keep_pool_memory(device: &Device, keep: bool) -> candle_core::Result<()> {
+    if device.is_cpu() {
+        return Ok(());
+    }
+    sys::keep_pool_memory(device, keep)
+}
+
 /// Waits for the device and returns the memory its stream-ordered pool holds unused to the
 /// driver (a no-op on a CPU or without `cuda`).
 pub fn trim_memory_pool(device: &Device) -> candle_core::Result<()> {

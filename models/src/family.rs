@@ -275,6 +275,13 @@ pub trait Family: std::fmt::Debug + Send + Sync + 'static {
         let _ = cfg;
         Ok(logits)
     }
+
+    /// Whether [`finish_logits`](Self::finish_logits) changes the logits (so they have to be
+    /// F32 first). Default: no.
+    fn finishes_logits(&self, cfg: &Config) -> bool {
+        let _ = cfg;
+        false
+    }
 }
 
 /// How the crate finds a family for a `config.json`.

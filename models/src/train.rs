@@ -211,8 +211,15 @@ impl Core {
             .to_dtype(self.autocast.compute_dtype())?;
         let name = self.layout.head_unit();
         let w = self.vb(name)?.get((v, h), &format!("{name}.weight"))?;
-        let logits = xs.matmul(&w.t()?)?.to_dtype(DType::F32)?;
-        let logits = self.family.finish_logits(&self.cfg, logits)?;
+        let logits = xs.matmul(&w.t()?)?;
+        if self.fused && !self.family.finishes_logits(&self.cfg) {
+            // The fused loss reads F16/BF16 logits and sums in F32 itself: no F32 copy of the
+            // logits, nor of their gradient.
+            return fused::cross_entropy(&logits, targets)?.sum_all();
+        }
+        let logits = self
+            .family
+            .finish_logits(&self.cfg, logits.to_dtype(DType::F32)?)?;
         if self.fused {
             return fused::cross_entropy(&logits, targets)?.sum_all();
         }
@@ -381,6 +388,9 @@ impl Trainer {
             )?;
             Source::Offloaded(rt)
         } else {
+            // Every step allocates the same activations again: keep them in the pool rather
+            // than map their memory afresh after each synchronization.
+            candle_offload::diag::keep_pool_memory(device, true)?;
             Source::Resident(varmap)
         };
         let head_chunks = settings

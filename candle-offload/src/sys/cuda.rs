@@ -658,6 +658,19 @@ fn set_pool_release_threshold(ctx: &Arc<CudaContext>, bytes: u64) -> SysResult<(
     .map_err(|e| SysError::Candle(candle_core::Error::wrap(e)))
 }
 
+/// Lets the default pool of `device` keep freed memory across synchronizations
+/// (`keep`), or return it at each one (the driver's default).
+pub(crate) fn keep_pool_memory(device: &Device, keep: bool) -> candle_core::Result<()> {
+    let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    Ok(set_pool_release_threshold(
+        &ctx,
+        if keep { u64::MAX } else { 0 },
+    )?)
+}
+
 /// Waits for the device, then returns the default pool's unused memory to the driver.
 pub(crate) fn trim_memory_pool(device: &Device) -> candle_core::Result<()> {
     use candle_core::cuda_backend::cudarc::driver::result;

@@ -129,6 +129,10 @@ pub(crate) fn device_used_bytes(_device: &Device) -> candle_core::Result<u64> {
     .into())
 }
 
+pub(crate) fn keep_pool_memory(_device: &Device, _keep: bool) -> candle_core::Result<()> {
+    Ok(())
+}
+
 pub(crate) fn trim_memory_pool(_device: &Device) -> candle_core::Result<()> {
     Ok(())
 }

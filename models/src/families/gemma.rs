@@ -229,6 +229,10 @@ impl Family for Gemma {
             None => Ok(logits),
         }
     }
+
+    fn finishes_logits(&self, _cfg: &Config) -> bool {
+        self.final_logit_softcapping.is_some()
+    }
 }
 
 #[cfg(test)]
