@@ -644,3 +644,40 @@ test_device!(
     train_ops_trainer_fused_cpu,
     train_ops_trainer_fused_gpu
 );
+
+/// Offloaded training's host gradient sums: through the page-locked staging of a GPU (or
+/// straight from a CPU tensor) the same F32 values as `acc + g.to_dtype(F32)`, for every
+/// float dtype, growing the staging buffer for a larger gradient after a smaller one, and
+/// from a strided gradient.
+fn host_gradients_sum_exactly(device: &Device) -> anyhow::Result<()> {
+    use candle_offload::train::HostGradients;
+    let mut sums = HostGradients::new();
+    for (i, n) in [(0u64, 1000usize), (1, 300_001), (2, 17)] {
+        for dtype in DTYPES {
+            let a = random(&[n, 3], 2.0, 800 + i)?.to_dtype(dtype)?.to_device(device)?;
+            let b = random(&[3, n], 2.0, 900 + i)?
+                .to_dtype(dtype)?
+                .to_device(device)?
+                .t()?;
+            let first = sums.accumulate(None, &a)?;
+            let want = a.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+            anyhow::ensure!(first.device().is_cpu(), "the sum lives on the host");
+            anyhow::ensure!(
+                first.to_vec2::<f32>()? == want.to_vec2::<f32>()?,
+                "{dtype:?} n {n}: first gradient"
+            );
+            let sum = sums.accumulate(Some(first), &b)?;
+            let want = (want + b.to_dtype(DType::F32)?.to_device(&Device::Cpu)?)?;
+            anyhow::ensure!(
+                sum.to_vec2::<f32>()? == want.to_vec2::<f32>()?,
+                "{dtype:?} n {n}: sum"
+            );
+        }
+    }
+    Ok(())
+}
+test_device!(
+    host_gradients_sum_exactly,
+    train_ops_host_gradients_cpu,
+    train_ops_host_gradients_gpu
+);

@@ -154,6 +154,16 @@ pub fn trim_memory_pool(device: &Device) -> candle_core::Result<()> {
     sys::trim_memory_pool(device)
 }
 
+/// Waits for the device, then returns memory its stream-ordered pool holds unused to the
+/// driver until the pool holds at most `keep` bytes, in use or not (a no-op on a CPU or
+/// without `cuda`). What is in use stays: `keep` is a ceiling on the cache, not on use.
+pub fn trim_memory_pool_to(device: &Device, keep: u64) -> candle_core::Result<()> {
+    if device.is_cpu() {
+        return Ok(());
+    }
+    sys::trim_memory_pool_to(device, keep)
+}
+
 /// Starts (`on`) or stops the capture of a CUDA profiler started with
 /// `--profile-from-start off` (`ncu`, `nsys`), so that it records only the kernels in between
 /// (a no-op on a CPU, without `cuda`, or with no profiler attached).

@@ -144,6 +144,8 @@ struct Core {
     leaf_names: Mutex<HashMap<TensorId, String>>,
     /// Offloaded runs: F32 gradients on the host, by tensor name.
     host_grads: Mutex<HashMap<String, Tensor>>,
+    /// The page-locked staging of their device-to-host copies.
+    host_staging: Mutex<candle_offload::train::HostGradients>,
 }
 
 fn poisoned<T>(_: T) -> candle_core::Error {
@@ -230,13 +232,14 @@ impl Core {
     fn absorb(&self, grads: &GradStore) -> Result<()> {
         let names = self.leaf_names.lock().map_err(poisoned)?;
         let mut host = self.host_grads.lock().map_err(poisoned)?;
+        let mut staging = self.host_staging.lock().map_err(poisoned)?;
         for id in grads.get_ids() {
             let (Some(name), Some(g)) = (names.get(id), grads.get_id(*id)) else {
                 continue;
             };
-            // To the host first (no F32 copy of the gradient on the device), then converted
-            // or added in F32 on every core.
-            let sum = candle_offload::train::accumulate_on_host(host.remove(name), g)?;
+            // To the host first through page-locked staging (no F32 copy of the gradient on
+            // the device), then converted or added in F32 on every core.
+            let sum = staging.accumulate(host.remove(name), g)?;
             host.insert(name.clone(), sum);
         }
         Ok(())
@@ -430,6 +433,7 @@ impl Trainer {
                 held: Mutex::new(Vec::new()),
                 leaf_names: Mutex::new(HashMap::new()),
                 host_grads: Mutex::new(HashMap::new()),
+                host_staging: Mutex::new(candle_offload::train::HostGradients::new()),
             }),
             opt,
             vars,
@@ -650,15 +654,18 @@ impl Trainer {
         core.leaf_names.lock().map_err(poisoned)?.clear();
         core.host_grads.lock().map_err(poisoned)?.clear();
         let offloaded = matches!(core.source, Source::Offloaded(_));
-        let ck = if offloaded {
+        let ck = if let Source::Offloaded(rt) = &core.source {
             let sink_core = core.clone();
+            // What the plan reserves for activations: the most the pool may keep cached.
+            let keep = rt.stats()?.reserve_bytes;
             Checkpointer::with_sink(Arc::new(move |g: GradStore| {
                 sink_core.absorb(&g)?;
                 drop(g);
-                // The segment's activations are gone: give what the pool caches back to the
-                // driver, so that blocks freed in one segment's shapes do not add to the next
-                // one's peak (the budget is measured outside the allocator).
-                candle_offload::diag::trim_memory_pool(&sink_core.device)
+                // The segment's activations are gone: what the pool caches beyond the
+                // activations' reserve goes back to the driver, so that blocks freed in one
+                // segment's shapes do not add to the next one's peak (the budget is measured
+                // outside the allocator), while a steady step maps no memory afresh.
+                candle_offload::diag::trim_memory_pool_to(&sink_core.device, keep)
             }))
         } else {
             Checkpointer::new()

@@ -673,13 +673,19 @@ pub(crate) fn keep_pool_memory(device: &Device, keep: bool) -> candle_core::Resu
 
 /// Waits for the device, then returns the default pool's unused memory to the driver.
 pub(crate) fn trim_memory_pool(device: &Device) -> candle_core::Result<()> {
+    trim_memory_pool_to(device, 0)
+}
+
+/// Waits for the device, then returns the default pool's unused memory to the driver until
+/// the pool holds at most `keep` bytes (in use or not).
+pub(crate) fn trim_memory_pool_to(device: &Device, keep: u64) -> candle_core::Result<()> {
     use candle_core::cuda_backend::cudarc::driver::result;
     device.synchronize()?;
     let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
     let pool = default_pool(&ctx)?;
     ctx.synchronize().w()?;
     // SAFETY: `pool` is the live default pool of this context's device.
-    unsafe { result::mem_pool::trim_to(pool, 0) }.w()
+    unsafe { result::mem_pool::trim_to(pool, keep as usize) }.w()
 }
 
 /// Starts (`on`) or stops the CUDA profiler's capture (`cuProfilerStart`/`Stop`), so that a
@@ -801,4 +807,78 @@ pub(crate) fn pool_used_high_bytes(device: &Device, reset: bool) -> candle_core:
         .w()?;
     }
     Ok(value)
+}
+
+/// Device tensors copied to the host through one reused page-locked buffer: the copy runs at
+/// the link's pinned rate and faults in no fresh pageable pages (what `Tensor::to_device`
+/// does for every tensor). Grown when a tensor needs more, never shrunk.
+pub(crate) struct Downloader {
+    buf: Option<PinnedBuffer>,
+}
+
+impl Downloader {
+    pub(crate) fn new() -> Self {
+        Self { buf: None }
+    }
+
+    /// Copies `t` (on a CUDA device) into the buffer on its device's stream, waits for the
+    /// copy, and returns its elements' bytes, contiguous, in `t`'s dtype.
+    pub(crate) fn download(&mut self, t: &Tensor) -> candle_core::Result<&[u8]> {
+        use candle_core::cuda_backend::CudaStorageSlice as Slice;
+        let t = t.contiguous()?;
+        let bytes = t.elem_count() * t.dtype().size_in_bytes();
+        let stream = t.device().as_cuda_device()?.cuda_stream();
+        if self.buf.as_ref().is_none_or(|b| b.len < bytes) {
+            self.buf = None;
+            let buf =
+                PinnedBuffer::alloc(stream.context(), bytes).map_err(candle_core::Error::Msg)?;
+            self.buf = Some(buf);
+        }
+        let Some(buf) = self.buf.as_mut() else {
+            candle_core::bail!("download: no staging buffer");
+        };
+        {
+            let (storage, layout) = t.storage_and_layout();
+            let Storage::Cuda(cs) = &*storage else {
+                candle_core::bail!("download: the tensor is not on a CUDA device");
+            };
+            let Some((a, b)) = layout.contiguous_offsets() else {
+                candle_core::bail!("download: the tensor is not contiguous");
+            };
+            let dst = &mut buf.as_bytes_mut()[..bytes];
+            match &cs.slice {
+                Slice::U8(s) => dtoh(s, a..b, &stream, dst)?,
+                Slice::U32(s) => dtoh(s, a..b, &stream, dst)?,
+                Slice::I64(s) => dtoh(s, a..b, &stream, dst)?,
+                Slice::BF16(s) => dtoh(s, a..b, &stream, dst)?,
+                Slice::F16(s) => dtoh(s, a..b, &stream, dst)?,
+                Slice::F32(s) => dtoh(s, a..b, &stream, dst)?,
+                Slice::F64(s) => dtoh(s, a..b, &stream, dst)?,
+                _ => candle_core::bail!("download: unsupported dtype {:?}", t.dtype()),
+            }
+        }
+        stream.synchronize().w()?;
+        Ok(&buf.as_bytes()[..bytes])
+    }
+}
+
+/// Enqueues the copy of `s[range]` into `dst` (its byte size) on `stream`.
+fn dtoh<T: DeviceRepr>(
+    s: &CudaSlice<T>,
+    range: std::ops::Range<usize>,
+    stream: &Arc<CudaStream>,
+    dst: &mut [u8],
+) -> candle_core::Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    if range.len() * std::mem::size_of::<T>() != dst.len() {
+        candle_core::bail!("download: {} elements for {} bytes", range.len(), dst.len());
+    }
+    let view = s.slice(range);
+    // The guard orders the read after the slice's last write on other streams (with event
+    // tracking) and records it as a read, which a free waits for.
+    let (ptr, _guard) = view.device_ptr(stream);
+    // SAFETY: `ptr` addresses `dst.len()` bytes of `s` (checked above), alive while `s` is;
+    // `dst` is page-locked memory owned by the `Downloader`, which the caller does not read
+    // before `stream.synchronize()` and does not reuse before this copy has completed.
+    unsafe { cudarc_result::memcpy_dtoh_async(dst, ptr, stream.cu_stream()) }.w()
 }

@@ -1,7 +1,7 @@
 //! The CUDA side of the `sys` module in a build without `--features cuda`: the same names,
 //! uninhabited, so that every GPU path is statically unreachable and needs no `cfg`.
 
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 
 use super::{
     DeviceWeight, GpuFacts, HostTier, PageableBuffer, SysError, SysResult, Timings, UmRow,
@@ -133,6 +133,10 @@ pub(crate) fn keep_pool_memory(_device: &Device, _keep: bool) -> candle_core::Re
     Ok(())
 }
 
+pub(crate) fn trim_memory_pool_to(_device: &Device, _keep: u64) -> candle_core::Result<()> {
+    Ok(())
+}
+
 pub(crate) fn trim_memory_pool(_device: &Device) -> candle_core::Result<()> {
     Ok(())
 }
@@ -166,4 +170,17 @@ pub(crate) fn pool_used_high_bytes(_device: &Device, _reset: bool) -> candle_cor
         what: "reading the memory pool",
     }
     .into())
+}
+
+/// Device-to-host copies through page-locked memory: there is no device without `cuda`.
+pub(crate) struct Downloader;
+
+impl Downloader {
+    pub(crate) fn new() -> Self {
+        Self
+    }
+
+    pub(crate) fn download(&mut self, _t: &Tensor) -> candle_core::Result<&[u8]> {
+        candle_core::bail!("download: built without `cuda`")
+    }
 }

@@ -167,94 +167,180 @@ const GRAD_CHUNK: usize = 1 << 18;
 /// Gradients summed in F32 in host memory, as offloaded training keeps them: `g` (any float
 /// dtype, on any device) brought to the host and added into `acc` (F32, on the CPU) in place,
 /// or, with no `acc` yet, converted into a new F32 tensor. Both conversions run on every core
-/// (rayon); the result is the same as `acc + g.to_dtype(F32)`.
+/// (rayon); the result is the same as `acc + g.to_dtype(F32)`. [`HostGradients`] does the
+/// same with the device-to-host copy through a reused page-locked buffer.
 pub fn accumulate_on_host(acc: Option<Tensor>, g: &Tensor) -> candle_core::Result<Tensor> {
-    use rayon::prelude::*;
-    let g = g.to_device(&Device::Cpu)?;
-    match acc {
-        Some(acc) => {
-            if acc.dims() != g.dims() || acc.dtype() != DType::F32 || !acc.device().is_cpu() {
-                candle_core::bail!(
-                    "accumulate_on_host: an F32 host sum of {:?} cannot take a gradient of {:?}",
-                    acc.dims(),
-                    g.dims()
-                );
-            }
-            acc.inplace_op2(&g.contiguous()?, &AddInto)?;
-            Ok(acc)
+    let g = g.to_device(&Device::Cpu)?.contiguous()?;
+    let (storage, layout) = g.storage_and_layout();
+    let (Some((a, b)), candle_core::Storage::Cpu(s)) = (layout.contiguous_offsets(), &*storage)
+    else {
+        candle_core::bail!("accumulate_on_host: gradient not contiguous on the host");
+    };
+    let values = match s {
+        CpuStorage::F32(v) => Values::F32(&v[a..b]),
+        CpuStorage::F16(v) => Values::F16(&v[a..b]),
+        CpuStorage::BF16(v) => Values::Bf16(&v[a..b]),
+        _ => candle_core::bail!("accumulate_on_host: the gradient has to be F32, F16 or BF16"),
+    };
+    accumulate_values(acc, values, g.shape())
+}
+
+/// Offloaded training's gradient sums in host memory ([`accumulate_on_host`]), with the
+/// device-to-host copies of GPU gradients going through one reused page-locked buffer: at the
+/// link's pinned rate, and with no fresh pageable memory faulted in per gradient.
+pub struct HostGradients {
+    staging: crate::sys::Downloader,
+}
+
+impl std::fmt::Debug for HostGradients {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostGradients").finish_non_exhaustive()
+    }
+}
+
+impl Default for HostGradients {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl HostGradients {
+    /// No staging buffer yet: the first GPU gradient allocates it (its size).
+    pub fn new() -> Self {
+        Self {
+            staging: crate::sys::Downloader::new(),
         }
-        None => {
-            let g = g.contiguous()?;
-            let out = {
-                let (storage, layout) = g.storage_and_layout();
-                let (Some((a, b)), candle_core::Storage::Cpu(s)) =
-                    (layout.contiguous_offsets(), &*storage)
-                else {
-                    candle_core::bail!("accumulate_on_host: gradient not contiguous on the host");
-                };
-                let mut out = vec![0f32; b - a];
-                let dst = out.par_chunks_mut(GRAD_CHUNK);
-                match s {
-                    CpuStorage::F32(v) => dst
-                        .zip(v[a..b].par_chunks(GRAD_CHUNK))
-                        .for_each(|(d, s)| d.copy_from_slice(s)),
-                    CpuStorage::F16(v) => dst
-                        .zip(v[a..b].par_chunks(GRAD_CHUNK))
-                        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32())),
-                    CpuStorage::BF16(v) => dst
-                        .zip(v[a..b].par_chunks(GRAD_CHUNK))
-                        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32())),
-                    _ => candle_core::bail!(
-                        "accumulate_on_host: the gradient has to be F32, F16 or BF16"
-                    ),
-                }
-                out
-            };
-            Tensor::from_vec(out, g.shape(), &Device::Cpu)
+    }
+
+    /// `acc + g` in F32 on the host ([`accumulate_on_host`]); a GPU gradient is copied through
+    /// the staging buffer.
+    pub fn accumulate(&mut self, acc: Option<Tensor>, g: &Tensor) -> candle_core::Result<Tensor> {
+        if !g.device().is_cuda() {
+            return accumulate_on_host(acc, g);
+        }
+        let dtype = g.dtype();
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            candle_core::bail!("HostGradients: the gradient has to be F32, F16 or BF16");
+        }
+        let bytes = self.staging.download(g)?;
+        accumulate_values(acc, Values::Le(dtype, bytes), g.shape())
+    }
+}
+
+/// A gradient's values on the host: typed, or little-endian bytes of a float dtype.
+#[derive(Clone, Copy)]
+enum Values<'a> {
+    F32(&'a [f32]),
+    F16(&'a [half::f16]),
+    Bf16(&'a [half::bf16]),
+    Le(DType, &'a [u8]),
+}
+
+impl Values<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::F16(v) => v.len(),
+            Self::Bf16(v) => v.len(),
+            Self::Le(d, b) => b.len() / d.size_in_bytes(),
+        }
+    }
+
+    /// Elements `start..start + dst.len()` as F32, written into `dst` or added to it.
+    fn apply(&self, start: usize, dst: &mut [f32], add: bool) {
+        let end = start + dst.len();
+        let put = |d: &mut f32, v: f32| {
+            if add {
+                *d += v
+            } else {
+                *d = v
+            }
+        };
+        match self {
+            Self::F32(v) => dst
+                .iter_mut()
+                .zip(&v[start..end])
+                .for_each(|(d, s)| put(d, *s)),
+            Self::F16(v) => dst
+                .iter_mut()
+                .zip(&v[start..end])
+                .for_each(|(d, s)| put(d, s.to_f32())),
+            Self::Bf16(v) => dst
+                .iter_mut()
+                .zip(&v[start..end])
+                .for_each(|(d, s)| put(d, s.to_f32())),
+            Self::Le(DType::F32, b) => dst
+                .iter_mut()
+                .zip(b[4 * start..4 * end].chunks_exact(4))
+                .for_each(|(d, s)| put(d, f32::from_le_bytes([s[0], s[1], s[2], s[3]]))),
+            Self::Le(DType::F16, b) => dst
+                .iter_mut()
+                .zip(b[2 * start..2 * end].chunks_exact(2))
+                .for_each(|(d, s)| put(d, half::f16::from_le_bytes([s[0], s[1]]).to_f32())),
+            Self::Le(_, b) => dst
+                .iter_mut()
+                .zip(b[2 * start..2 * end].chunks_exact(2))
+                .for_each(|(d, s)| put(d, half::bf16::from_le_bytes([s[0], s[1]]).to_f32())),
         }
     }
 }
 
-/// `acc += g` over F32 `acc` and float `g`, both contiguous on the host, on every core.
-struct AddInto;
+/// `acc + values` (or `values` as F32, with no `acc`) of `shape`, on every core.
+fn accumulate_values(
+    acc: Option<Tensor>,
+    values: Values<'_>,
+    shape: &candle_core::Shape,
+) -> candle_core::Result<Tensor> {
+    use rayon::prelude::*;
+    let n = values.len();
+    if n != shape.elem_count() {
+        candle_core::bail!("accumulate_on_host: {n} values for shape {shape:?}");
+    }
+    match acc {
+        Some(acc) => {
+            if acc.shape() != shape || acc.dtype() != DType::F32 || !acc.device().is_cpu() {
+                candle_core::bail!(
+                    "accumulate_on_host: an F32 host sum of {:?} cannot take a gradient of {:?}",
+                    acc.dims(),
+                    shape.dims()
+                );
+            }
+            acc.inplace_op1(&AddInto(values))?;
+            Ok(acc)
+        }
+        None => {
+            let mut out = vec![0f32; n];
+            out.par_chunks_mut(GRAD_CHUNK)
+                .enumerate()
+                .for_each(|(i, d)| values.apply(i * GRAD_CHUNK, d, false));
+            Tensor::from_vec(out, shape, &Device::Cpu)
+        }
+    }
+}
 
-impl candle_core::InplaceOp2 for AddInto {
+/// `acc += values` over a contiguous F32 `acc` on the host, on every core.
+struct AddInto<'a>(Values<'a>);
+
+impl candle_core::InplaceOp1 for AddInto<'_> {
     fn name(&self) -> &'static str {
         "add-into"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<()> {
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
         use rayon::prelude::*;
-        let CpuStorage::F32(acc) = s1 else {
+        let CpuStorage::F32(acc) = s else {
             candle_core::bail!("add-into: the sum has to be F32");
         };
-        let (Some((a0, a1)), Some((g0, g1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-        else {
-            candle_core::bail!("add-into: operands have to be contiguous");
+        let Some((a, b)) = l.contiguous_offsets() else {
+            candle_core::bail!("add-into: the sum has to be contiguous");
         };
-        let acc = &mut acc[a0..a1];
-        if g1 - g0 != acc.len() {
-            candle_core::bail!("add-into: {} values into {}", g1 - g0, acc.len());
+        let acc = &mut acc[a..b];
+        if acc.len() != self.0.len() {
+            candle_core::bail!("add-into: {} values into {}", self.0.len(), acc.len());
         }
-        let dst = acc.par_chunks_mut(GRAD_CHUNK);
-        match s2 {
-            CpuStorage::F32(v) => dst
-                .zip(v[g0..g1].par_chunks(GRAD_CHUNK))
-                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += s)),
-            CpuStorage::F16(v) => dst
-                .zip(v[g0..g1].par_chunks(GRAD_CHUNK))
-                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += s.to_f32())),
-            CpuStorage::BF16(v) => dst
-                .zip(v[g0..g1].par_chunks(GRAD_CHUNK))
-                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += s.to_f32())),
-            _ => candle_core::bail!("add-into: the gradient has to be F32, F16 or BF16"),
-        }
+        acc.par_chunks_mut(GRAD_CHUNK)
+            .enumerate()
+            .for_each(|(i, d)| self.0.apply(i * GRAD_CHUNK, d, true));
         Ok(())
     }
 }

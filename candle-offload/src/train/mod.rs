@@ -33,5 +33,5 @@ pub use attention::{flash_attention, flash_attention_composite};
 pub use autocast::{Autocast, AutocastBackend, Precision};
 pub use checkpoint::{segment_ranges, Checkpointer, GradSink};
 pub use fused::{cross_entropy, rms_norm, swiglu, FusedAdamW};
-pub use host_adam::{accumulate_on_host, HostAdamW};
+pub use host_adam::{accumulate_on_host, HostAdamW, HostGradients};
 pub use scaler::{GradScaler, GradScalerConfig, ScaledOptimizer, StepOutcome};
