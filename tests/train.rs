@@ -483,3 +483,36 @@ fn phase_observer_sees_each_phase_in_order() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Several offloaded steps update the masters as resident steps do: the host gradient sums
+/// (written into the previous step's buffers from the second step on) carry each step's
+/// gradients only.
+#[test]
+fn offloaded_steps_track_resident_steps() -> anyhow::Result<()> {
+    let files = tiny("offload-steps", false)?;
+    let (inputs, targets) = batch(&Device::Cpu)?;
+    let mut params = Vec::new();
+    for offload in [false, true] {
+        let mut s = settings(2);
+        s.offload = offload;
+        s.adamw = ParamsAdamW {
+            lr: 1e-2,
+            ..Default::default()
+        };
+        let mut trainer = Trainer::from_files(&files, &Device::Cpu, &s)?;
+        for _ in 0..4 {
+            trainer.step(&inputs, &targets)?;
+        }
+        let mut p: Vec<(String, Tensor)> = trainer
+            .named_parameters()
+            .map(|(n, v)| (n.to_string(), v.as_tensor().clone()))
+            .collect();
+        p.sort_by(|a, b| a.0.cmp(&b.0));
+        params.push(p);
+    }
+    for ((name, res), (_, off)) in params[0].iter().zip(&params[1]) {
+        let d = rel_err(off, res)?;
+        anyhow::ensure!(d <= 1e-4, "{name}: offloaded masters differ by {d:e}");
+    }
+    Ok(())
+}

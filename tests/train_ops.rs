@@ -654,7 +654,9 @@ fn host_gradients_sum_exactly(device: &Device) -> anyhow::Result<()> {
     let mut sums = HostGradients::new();
     for (i, n) in [(0u64, 1000usize), (1, 300_001), (2, 17)] {
         for dtype in DTYPES {
-            let a = random(&[n, 3], 2.0, 800 + i)?.to_dtype(dtype)?.to_device(device)?;
+            let a = random(&[n, 3], 2.0, 800 + i)?
+                .to_dtype(dtype)?
+                .to_device(device)?;
             let b = random(&[3, n], 2.0, 900 + i)?
                 .to_dtype(dtype)?
                 .to_device(device)?

@@ -146,6 +146,10 @@ struct Core {
     host_grads: Mutex<HashMap<String, Tensor>>,
     /// The page-locked staging of their device-to-host copies.
     host_staging: Mutex<candle_offload::train::HostGradients>,
+    /// The previous step's host sums, which only the trainer still holds after its optimizer
+    /// step: the next step writes its first contributions into them rather than allocating
+    /// (and faulting in) gigabytes of new host memory every step.
+    spare_grads: Mutex<HashMap<String, Tensor>>,
 }
 
 fn poisoned<T>(_: T) -> candle_core::Error {
@@ -233,13 +237,18 @@ impl Core {
         let names = self.leaf_names.lock().map_err(poisoned)?;
         let mut host = self.host_grads.lock().map_err(poisoned)?;
         let mut staging = self.host_staging.lock().map_err(poisoned)?;
+        let mut spare = self.spare_grads.lock().map_err(poisoned)?;
         for id in grads.get_ids() {
             let (Some(name), Some(g)) = (names.get(id), grads.get_id(*id)) else {
                 continue;
             };
             // To the host first through page-locked staging (no F32 copy of the gradient on
             // the device), then converted or added in F32 on every core.
-            let sum = staging.accumulate(host.remove(name), g)?;
+            let sum = match (host.remove(name), spare.remove(name)) {
+                (Some(acc), _) => staging.accumulate(Some(acc), g)?,
+                (None, Some(buf)) if buf.dims() == g.dims() => staging.overwrite(buf, g)?,
+                (None, _) => staging.accumulate(None, g)?,
+            };
             host.insert(name.clone(), sum);
         }
         Ok(())
@@ -434,6 +443,7 @@ impl Trainer {
                 leaf_names: Mutex::new(HashMap::new()),
                 host_grads: Mutex::new(HashMap::new()),
                 host_staging: Mutex::new(candle_offload::train::HostGradients::new()),
+                spare_grads: Mutex::new(HashMap::new()),
             }),
             opt,
             vars,
@@ -705,11 +715,27 @@ impl Trainer {
         let scale = self.scaler.scale();
         let (loss, grads) = self.backward(inputs, targets, scale)?;
         self.phase(TrainPhase::Optimizer)?;
+        // Offloaded: the host sums, kept for the next step once the optimizer is done with
+        // them (it keeps no reference; `loss_and_grads` hands its sums out and keeps none).
+        let spares: Vec<(String, Tensor)> = match self.core.source {
+            Source::Offloaded(_) => self
+                .names
+                .iter()
+                .zip(&self.vars)
+                .filter_map(|(n, v)| grads.get(v.as_tensor()).map(|g| (n.clone(), g.clone())))
+                .collect(),
+            Source::Resident(_) => Vec::new(),
+        };
         let outcome = match &mut self.opt {
             Adam::Fused(o) => self.scaler.step_owned(o, &self.vars, grads)?,
             Adam::Device(o) => self.scaler.step_owned(o, &self.vars, grads)?,
             Adam::Host(o) => self.scaler.step_owned(o, &self.vars, grads)?,
         };
+        self.core
+            .spare_grads
+            .lock()
+            .map_err(poisoned)?
+            .extend(spares);
         if let (Source::Offloaded(rt), true) = (&self.core.source, outcome.applied()) {
             let _span = tracing::debug_span!("train.write_back").entered();
             let values: Vec<(String, Tensor)> = self

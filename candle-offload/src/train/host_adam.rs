@@ -170,6 +170,11 @@ const GRAD_CHUNK: usize = 1 << 18;
 /// (rayon); the result is the same as `acc + g.to_dtype(F32)`. [`HostGradients`] does the
 /// same with the device-to-host copy through a reused page-locked buffer.
 pub fn accumulate_on_host(acc: Option<Tensor>, g: &Tensor) -> candle_core::Result<Tensor> {
+    apply_on_host(acc, g, true)
+}
+
+/// [`accumulate_on_host`], or (`add` false) `g` written into `acc`.
+fn apply_on_host(acc: Option<Tensor>, g: &Tensor, add: bool) -> candle_core::Result<Tensor> {
     let g = g.to_device(&Device::Cpu)?.contiguous()?;
     let (storage, layout) = g.storage_and_layout();
     let (Some((a, b)), candle_core::Storage::Cpu(s)) = (layout.contiguous_offsets(), &*storage)
@@ -182,7 +187,7 @@ pub fn accumulate_on_host(acc: Option<Tensor>, g: &Tensor) -> candle_core::Resul
         CpuStorage::BF16(v) => Values::Bf16(&v[a..b]),
         _ => candle_core::bail!("accumulate_on_host: the gradient has to be F32, F16 or BF16"),
     };
-    accumulate_values(acc, values, g.shape())
+    accumulate_values(acc, values, g.shape(), add)
 }
 
 /// Offloaded training's gradient sums in host memory ([`accumulate_on_host`]), with the
@@ -215,15 +220,26 @@ impl HostGradients {
     /// `acc + g` in F32 on the host ([`accumulate_on_host`]); a GPU gradient is copied through
     /// the staging buffer.
     pub fn accumulate(&mut self, acc: Option<Tensor>, g: &Tensor) -> candle_core::Result<Tensor> {
+        self.apply(acc, g, true)
+    }
+
+    /// `g` in F32 written into `buf` (an F32 host tensor of `g`'s shape, e.g. the previous
+    /// step's sum, which nothing else reads any more): the first contribution of a step,
+    /// without allocating (and faulting in) a new host buffer.
+    pub fn overwrite(&mut self, buf: Tensor, g: &Tensor) -> candle_core::Result<Tensor> {
+        self.apply(Some(buf), g, false)
+    }
+
+    fn apply(&mut self, acc: Option<Tensor>, g: &Tensor, add: bool) -> candle_core::Result<Tensor> {
         if !g.device().is_cuda() {
-            return accumulate_on_host(acc, g);
+            return apply_on_host(acc, g, add);
         }
         let dtype = g.dtype();
         if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
             candle_core::bail!("HostGradients: the gradient has to be F32, F16 or BF16");
         }
         let bytes = self.staging.download(g)?;
-        accumulate_values(acc, Values::Le(dtype, bytes), g.shape())
+        accumulate_values(acc, Values::Le(dtype, bytes), g.shape(), add)
     }
 }
 
@@ -285,11 +301,13 @@ impl Values<'_> {
     }
 }
 
-/// `acc + values` (or `values` as F32, with no `acc`) of `shape`, on every core.
+/// `acc + values` (`add`) or `values` written into `acc`, or `values` as a new F32 tensor with
+/// no `acc`, of `shape`, on every core.
 fn accumulate_values(
     acc: Option<Tensor>,
     values: Values<'_>,
     shape: &candle_core::Shape,
+    add: bool,
 ) -> candle_core::Result<Tensor> {
     use rayon::prelude::*;
     let n = values.len();
@@ -305,7 +323,7 @@ fn accumulate_values(
                     shape.dims()
                 );
             }
-            acc.inplace_op1(&AddInto(values))?;
+            acc.inplace_op1(&AddInto(values, add))?;
             Ok(acc)
         }
         None => {
@@ -318,8 +336,9 @@ fn accumulate_values(
     }
 }
 
-/// `acc += values` over a contiguous F32 `acc` on the host, on every core.
-struct AddInto<'a>(Values<'a>);
+/// `acc += values` (or `acc = values` when `.1` is false) over a contiguous F32 `acc` on the
+/// host, on every core.
+struct AddInto<'a>(Values<'a>, bool);
 
 impl candle_core::InplaceOp1 for AddInto<'_> {
     fn name(&self) -> &'static str {
@@ -340,7 +359,7 @@ impl candle_core::InplaceOp1 for AddInto<'_> {
         }
         acc.par_chunks_mut(GRAD_CHUNK)
             .enumerate()
-            .for_each(|(i, d)| self.0.apply(i * GRAD_CHUNK, d, true));
+            .for_each(|(i, d)| self.0.apply(i * GRAD_CHUNK, d, self.1));
         Ok(())
     }
 }
