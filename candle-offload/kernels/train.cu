@@ -1369,7 +1369,17 @@ extern "C" __global__ void flash_attn_bwd_prep_bf16(const __nv_bfloat16 *o,
 FLASH_ATTN_F32_FOR(64)
 FLASH_ATTN_F32_FOR(128)
 
+// One thread per row (not flash_attn_bwd_prep's warp): D = sum(dO * O) as one fma chain over
+// the columns in order, the order in which flash_attn_bwd_f32 forms dP = dO . V. Where a row
+// sees one key O = V exactly, so dP - D is exactly 0 as in the composition's softmax backward
+// (t = 1: dq and dk exactly 0, not rounding noise of dP's size).
 extern "C" __global__ void flash_attn_bwd_prep_f32(const float *o, const float *dout,
                                                    float *dvec, uint32_t rows, uint32_t d) {
-    flash_attn_bwd_prep<float>(o, dout, dvec, rows, d);
+    const uint32_t row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= rows) return;
+    const float *a = o + (size_t)row * d;
+    const float *b = dout + (size_t)row * d;
+    float acc = 0.0f;
+    for (uint32_t c = 0; c < d; ++c) acc = fmaf(b[c], a[c], acc);
+    dvec[row] = acc;
 }

@@ -742,19 +742,21 @@ pub(crate) fn flash_attn_bwd(
         let stream = dev.cuda_stream();
 
         // SAFETY: uninitialised device memory of one f32 per row; the prep kernel launched
-        // next writes every one (one warp per row).
+        // next writes every one (one warp or, in F32, one thread per row).
         let dvec = unsafe { dev.alloc::<f32>(rows) }?;
-        let warps_per_block = 8u32;
+        // One warp per row, one thread per row in F32 (its D is formed in dP's order).
+        let rows_per_block = if T::DTYPE == DType::F32 { 256 } else { 8 };
         let cfg = LaunchConfig {
-            grid_dim: (rows_u.div_ceil(warps_per_block), 1, 1),
-            block_dim: (warps_per_block * 32, 1, 1),
+            grid_dim: (rows_u.div_ceil(rows_per_block), 1, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut bl = stream.launch_builder(&prep);
         bl.arg(&ov).arg(&gv).arg(&dvec).arg(&rows_u).arg(&d_u);
         // SAFETY: the arguments match `flash_attn_bwd_prep_<dtype>(const T*, const T*, float*,
         // uint32_t rows, uint32_t d)` in kernels/train.cu; o and dO hold rows·d elements and
-        // dvec rows; warps past the last row return.
+        // dvec rows; the grid covers every row (a warp each, a thread each in F32) and warps
+        // or threads past the last row return.
         unsafe { bl.launch(cfg) }.w()?;
 
         // dq is accumulated with atomics: the whole buffer starts at zero.
