@@ -228,7 +228,7 @@ test_device!(
 );
 
 /// Heads 64 wide with GQA 4:1, so that the fused trainer's attention is
-/// `train::flash_attention` on a GPU too (F16/BF16 there; F32 takes the composition): its
+/// `train::flash_attention` on a GPU too (its F32 and F16/BF16 kernels there): its
 /// loss and gradients against the compositions (`fused: false`) under F32 and F16/BF16
 /// autocast, within the named tolerances (1e-4 in F32).
 fn flash_attention_trains_like_the_composition(device: &Device) -> anyhow::Result<()> {

@@ -529,10 +529,11 @@ pub(crate) fn adamw_multi(
     Ok(())
 }
 
-/// Threads per block of the attention kernels (`FA_FWD_WARPS`, `FA_BWD_WARPS` in
-/// kernels/train.cu) and the rows and keys of their tiles (`FA_BM`, `FA_BN`).
+/// Threads per block of the attention kernels (`FA_FWD_WARPS`, `FA_BWD_WARPS` and, for F32,
+/// `FA32_THREADS` in kernels/train.cu) and the rows and keys of their tiles (`FA_BM`, `FA_BN`).
 const FA_FWD_THREADS: u32 = 4 * 32;
 const FA_BWD_THREADS: u32 = 8 * 32;
+const FA32_THREADS: u32 = 256;
 const FA_TILE: usize = 64;
 
 /// The sizes of an attention call: batch, query heads, kv heads, sequence, head width.
@@ -555,20 +556,28 @@ fn fa_smem(d: usize, wmma: bool) -> (u32, u32) {
     (fwd as u32, bwd as u32)
 }
 
-/// A 16-bit float type the attention kernels exist for.
-trait HalfElem: Elem {}
-impl HalfElem for half::f16 {}
-impl HalfElem for half::bf16 {}
+/// Dynamic shared memory of the F32 attention kernels for head width `d` (`Fa32Smem<D>` in
+/// kernels/train.cu): the forward (`::fwd`: Q, K then P, V) and the backward (`::bwd`: K, V,
+/// Q, dO, P then dS, L and D).
+fn fa32_smem(d: usize) -> (u32, u32) {
+    let tile = FA_TILE * (d + 4) * 4;
+    let tile_p = FA_TILE * (FA_TILE + 4) * 4;
+    let fwd = 3 * tile;
+    let bwd = 4 * tile + tile_p + 2 * FA_TILE * 4;
+    (fwd as u32, bwd as u32)
+}
 
-/// Runs `$f::<T>` for F16 or BF16.
-macro_rules! by_half_dtype {
-    ($op:expr, $dtype:expr, $f:ident($($arg:expr),*)) => {
-        match $dtype {
-            DType::F16 => $f::<half::f16>($($arg),*),
-            DType::BF16 => $f::<half::bf16>($($arg),*),
-            other => candle_core::bail!("{}: no kernel for {other:?}", $op),
-        }
-    };
+/// The shared memory and threads per block of the attention kernels for `T` and head width
+/// `d`: ((forward bytes, threads), (backward bytes, threads)); `wmma` picks the WMMA forward
+/// (F16 and BF16; F32 has one forward kernel).
+fn fa_config<T: Elem>(d: usize, wmma: bool) -> ((u32, u32), (u32, u32)) {
+    if T::DTYPE == DType::F32 {
+        let (fwd, bwd) = fa32_smem(d);
+        ((fwd, FA32_THREADS), (bwd, FA32_THREADS))
+    } else {
+        let (fwd, bwd) = fa_smem(d, wmma);
+        ((fwd, FA_FWD_THREADS), (bwd, FA_BWD_THREADS))
+    }
 }
 
 /// The view of an attention input: contiguous, of `len` elements, starting at a multiple of 8
@@ -593,7 +602,7 @@ fn fa_view<'a, T: Elem>(
 }
 
 /// The kernel `{name}_d{d}_{dtype}` with its dynamic shared memory allowed up to `smem` bytes.
-fn fa_load<T: HalfElem>(dev: &CudaDevice, name: &str, d: usize, smem: u32) -> Result<CudaFunction> {
+fn fa_load<T: Elem>(dev: &CudaDevice, name: &str, d: usize, smem: u32) -> Result<CudaFunction> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
     if d != 64 && d != 128 {
         candle_core::bail!("flash-attention: no kernel for head width {d}");
@@ -617,7 +626,8 @@ fn fa_heads(heads: usize) -> Result<u32> {
 }
 
 /// Causal attention forward: O (q's dtype, (b, h, t, d)) and each row's log-sum-exp (F32,
-/// (b, h, t)); with `wmma` the WMMA kernel, otherwise the mma.sync one.
+/// (b, h, t)); for F16 and BF16 with `wmma` the WMMA kernel, otherwise the mma.sync one; for
+/// F32 the FP32 kernel (`wmma` ignored).
 pub(crate) fn flash_attn_fwd(
     dims: AttnSizes,
     wmma: bool,
@@ -626,7 +636,7 @@ pub(crate) fn flash_attn_fwd(
     (k, kl): (&CudaStorage, &Layout),
     (v, vl): (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, CudaStorage)> {
-    fn run<T: HalfElem>(
+    fn run<T: Elem>(
         dims: AttnSizes,
         wmma: bool,
         scale: f32,
@@ -636,8 +646,8 @@ pub(crate) fn flash_attn_fwd(
     ) -> Result<(CudaStorage, CudaStorage)> {
         let dev = &q.device;
         let [b, h, hkv, t, d] = dims;
-        let (smem, _) = fa_smem(d, wmma);
-        let name = if wmma {
+        let ((smem, threads), _) = fa_config::<T>(d, wmma);
+        let name = if wmma && T::DTYPE != DType::F32 {
             "flash_attn_fwd_wmma"
         } else {
             "flash_attn_fwd"
@@ -664,7 +674,7 @@ pub(crate) fn flash_attn_fwd(
         let lse = unsafe { dev.alloc::<f32>(b * h * t) }?;
         let cfg = LaunchConfig {
             grid_dim: (to_u32(t.div_ceil(FA_TILE), "tiles")?, grid_y, 1),
-            block_dim: (FA_FWD_THREADS, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
         let stream = dev.cuda_stream();
@@ -674,16 +684,17 @@ pub(crate) fn flash_attn_fwd(
         // SAFETY: the arguments match `flash_attn_fwd_d<d>_<dtype>(const T*, const T*, const
         // T*, T*, float*, uint32_t h, uint32_t hkv, uint32_t t, float)` in kernels/train.cu; q
         // and out hold b·h·t·d elements, k and v b·hkv·t·d, lse b·h·t (checked above); the
-        // grid is (tiles of 64 rows, b·h), 128 threads, with the shared memory the kernel's
-        // layout takes for this d (allowed on the function above); it reads rows below t and
-        // kv head < hkv only, and q, k, v start 16-byte aligned (checked above).
+        // grid is (tiles of 64 rows, b·h), the block size the kernel is written for (128
+        // threads, 256 for F32), with the shared memory the kernel's layout takes for this d
+        // (allowed on the function above); it reads rows below t and kv head < hkv only, and
+        // q, k, v start 16-byte aligned (checked above: 8 elements, 16 or 32 bytes).
         unsafe { bl.launch(cfg) }.w()?;
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             CudaStorage::wrap_cuda_slice(lse, dev.clone()),
         ))
     }
-    by_half_dtype!(
+    by_dtype!(
         "flash-attention",
         q.dtype(),
         run(dims, wmma, scale, (q, ql), (k, kl), (v, vl))
@@ -698,7 +709,7 @@ pub(crate) fn flash_attn_bwd(
     inputs: [(&CudaStorage, &Layout); 5],
     (lse, lsel): (&CudaStorage, &Layout),
 ) -> Result<CudaStorage> {
-    fn run<T: HalfElem>(
+    fn run<T: Elem>(
         dims: AttnSizes,
         scale: f32,
         [(q, ql), (k, kl), (v, vl), (o, ol), (g, gl)]: [(&CudaStorage, &Layout); 5],
@@ -706,7 +717,7 @@ pub(crate) fn flash_attn_bwd(
     ) -> Result<CudaStorage> {
         let dev = &q.device;
         let [b, h, hkv, t, d] = dims;
-        let (_, smem) = fa_smem(d, false);
+        let (_, (smem, threads)) = fa_config::<T>(d, false);
         let func = fa_load::<T>(dev, "flash_attn_bwd", d, smem)?;
         let prep = load::<T>(dev, "flash_attn_bwd_prep")?;
         let nq = b * h * t * d;
@@ -731,19 +742,21 @@ pub(crate) fn flash_attn_bwd(
         let stream = dev.cuda_stream();
 
         // SAFETY: uninitialised device memory of one f32 per row; the prep kernel launched
-        // next writes every one (one warp per row).
+        // next writes every one (one warp or, in F32, one thread per row).
         let dvec = unsafe { dev.alloc::<f32>(rows) }?;
-        let warps_per_block = 8u32;
+        // One warp per row, one thread per row in F32 (its D is formed in dP's order).
+        let rows_per_block = if T::DTYPE == DType::F32 { 256 } else { 8 };
         let cfg = LaunchConfig {
-            grid_dim: (rows_u.div_ceil(warps_per_block), 1, 1),
-            block_dim: (warps_per_block * 32, 1, 1),
+            grid_dim: (rows_u.div_ceil(rows_per_block), 1, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut bl = stream.launch_builder(&prep);
         bl.arg(&ov).arg(&gv).arg(&dvec).arg(&rows_u).arg(&d_u);
         // SAFETY: the arguments match `flash_attn_bwd_prep_<dtype>(const T*, const T*, float*,
         // uint32_t rows, uint32_t d)` in kernels/train.cu; o and dO hold rows·d elements and
-        // dvec rows; warps past the last row return.
+        // dvec rows; the grid covers every row (a warp each, a thread each in F32) and warps
+        // or threads past the last row return.
         unsafe { bl.launch(cfg) }.w()?;
 
         // dq is accumulated with atomics: the whole buffer starts at zero.
@@ -752,7 +765,7 @@ pub(crate) fn flash_attn_bwd(
         let (dk, dv) = rest.split_at(nkv);
         let cfg = LaunchConfig {
             grid_dim: (to_u32(t.div_ceil(FA_TILE), "tiles")?, grid_y, 1),
-            block_dim: (FA_BWD_THREADS, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
         let mut bl = stream.launch_builder(&func);
@@ -764,15 +777,16 @@ pub(crate) fn flash_attn_bwd(
         // float* dv, uint32_t h, uint32_t hkv, uint32_t t, float)` in kernels/train.cu; q and
         // dO hold b·h·t·d elements, k and v b·hkv·t·d, lse and dvec b·h·t, and dq, dk, dv are
         // disjoint parts of one buffer of b·h·t·d, b·hkv·t·d and b·hkv·t·d f32 (checked and
-        // split above); the grid is (tiles of 64 keys, b·hkv), 256 threads, with the shared
-        // memory the kernel's layout takes for this d (allowed above); each block writes the
-        // dk and dv rows of its own key tile below t and adds to dq rows below t only; the
-        // 16-bit inputs start 16-byte aligned (checked above). The dq, dk and dv views are
+        // split above); the grid is (tiles of 64 keys, b·hkv), 256 threads (every dtype), with
+        // the shared memory the kernel's layout takes for this d (allowed above); each block
+        // writes the dk and dv rows of its own key tile below t and adds to dq rows below t
+        // only; the inputs start 16-byte aligned (checked above), and so do dq, dk and dv
+        // (the F32 kernel's float4 stores: their offsets are multiples of d). The dq, dk and dv views are
         // written through shared borrows of a buffer no other code has seen yet.
         unsafe { bl.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(all, dev.clone()))
     }
-    by_half_dtype!(
+    by_dtype!(
         "flash-attention backward",
         inputs[0].0.dtype(),
         run(dims, scale, inputs, (lse, lsel))

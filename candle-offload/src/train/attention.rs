@@ -15,10 +15,12 @@
 //! dtype.
 //!
 //! On the CPU direct loops compute it (F32, F16, BF16; one rayon task per head, per kv head
-//! in the backward pass). On a GPU `kernels/train.cu` has FlashAttention-2 kernels on tensor
-//! cores for F16 and BF16 with a head width of 64 or 128 (the forward on `mma.sync` or WMMA,
-//! [`FlashForward`]; the backward on WMMA); other cases there (F32, other widths) take
-//! [`flash_attention_composite`], the Candle composition the op is checked against.
+//! in the backward pass). On a GPU `kernels/train.cu` has FlashAttention-2 kernels with a head
+//! width of 64 or 128: on tensor cores for F16 and BF16 (the forward on `mma.sync` or WMMA,
+//! [`FlashForward`]; the backward on WMMA), and on the FP32 cores for F32 (SIMT FMA, no TF32,
+//! one forward kernel whatever [`FlashForward`] says; [`FLASH_GPU_F32`] turns them off). Other
+//! widths there take [`flash_attention_composite`], the Candle composition the op is checked
+//! against.
 
 use std::sync::Mutex;
 
@@ -77,15 +79,24 @@ pub enum FlashForward {
 /// Head widths the GPU kernels exist for.
 pub const FLASH_GPU_HEAD_DIMS: [usize; 2] = [64, 128];
 
+/// Whether F32 inputs take the GPU's F32 kernels (FP32 cores); `false` sends them to
+/// [`flash_attention_composite`] there (the trainer then takes its composed attention).
+pub const FLASH_GPU_F32: bool = true;
+
 /// Whether [`flash_attention`] runs its own kernel for inputs of `dtype` with head width
-/// `head_dim` on `device` (always on the CPU; F16 or BF16 with a width in
-/// [`FLASH_GPU_HEAD_DIMS`] on a GPU); otherwise it computes [`flash_attention_composite`].
+/// `head_dim` on `device` (always on the CPU; F16, BF16 or, with [`FLASH_GPU_F32`], F32 with a
+/// width in [`FLASH_GPU_HEAD_DIMS`] on a GPU); otherwise it computes
+/// [`flash_attention_composite`].
 pub fn flash_attention_supported(device: &Device, dtype: DType, head_dim: usize) -> bool {
     match device {
         Device::Cpu => true,
         Device::Cuda(_) => {
             cfg!(feature = "cuda")
-                && matches!(dtype, DType::F16 | DType::BF16)
+                && match dtype {
+                    DType::F16 | DType::BF16 => true,
+                    DType::F32 => FLASH_GPU_F32,
+                    _ => false,
+                }
                 && FLASH_GPU_HEAD_DIMS.contains(&head_dim)
         }
         _ => false,
@@ -409,7 +420,7 @@ impl candle_core::CustomOp3 for FlashAttnBwd {
 }
 
 /// `x` contiguous and starting at a multiple of 8 elements in its buffer (16 bytes for F16 and
-/// BF16), as the GPU kernels' vector loads need; copied when it is not.
+/// BF16, 32 for F32), as the GPU kernels' vector loads need; copied when it is not.
 fn aligned(x: &Tensor) -> Result<Tensor> {
     let x = x.contiguous()?;
     if x.layout().start_offset().is_multiple_of(8) {
