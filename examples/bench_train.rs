@@ -101,6 +101,12 @@ struct Args {
     /// scripts/kernel_breakdown.py's `train` reads.
     #[arg(long)]
     profile_capture: bool,
+    /// Before the configurations, time the host's cost of a Candle op on this device: this
+    /// many launches each of a 256-element add, a 256-element zeros and a 64x64 matmul, the
+    /// device synchronized once after each batch (GPU time is negligible at these sizes), so
+    /// each figure is the host time one op costs (recorded as `op_overhead_us`).
+    #[arg(long)]
+    op_overhead: Option<usize>,
     /// The peer's JSON (scripts/train_peer.py), measured in the same run.
     #[arg(long)]
     peer: Option<PathBuf>,
@@ -251,6 +257,33 @@ fn used(device: &Device) -> Result<u64> {
 }
 
 /// Runs one configuration; its record.
+/// Host microseconds per Candle op on `device`: `n` launches each of a few tiny ops, timed
+/// from the first launch to the end of one synchronization after the batch.
+fn op_overhead_us(device: &Device, n: usize) -> Result<Value> {
+    let a = Tensor::ones(256, candle_core::DType::F32, device)?;
+    let m = Tensor::ones((64, 64), candle_core::DType::F32, device)?;
+    let mut out = serde_json::Map::new();
+    type Op<'a> = Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>;
+    let ops: [(&str, Op); 3] = [
+        ("add_256", Box::new(|| &a + &a)),
+        ("zeros_256", Box::new(|| a.zeros_like())),
+        ("matmul_64", Box::new(|| m.matmul(&m))),
+    ];
+    for (name, op) in ops {
+        op()?;
+        device.synchronize()?;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            op()?;
+        }
+        device.synchronize()?;
+        let us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+        println!("op overhead: {name} {us:.1} us per op ({n} ops)");
+        out.insert(name.into(), us.into());
+    }
+    Ok(Value::Object(out))
+}
+
 /// What the trainer's phase observer records: the device synchronized and the time taken at
 /// each phase boundary of a step, and the profiler's capture around an armed step.
 #[derive(Default)]
@@ -815,6 +848,11 @@ fn main() -> Result<()> {
         device.synchronize()?;
     }
 
+    let op_overhead = match args.op_overhead {
+        Some(n) => Some(op_overhead_us(&device, n.max(1))?),
+        None => None,
+    };
+
     // The peer's figures count only if it measured the same shapes.
     let peer_for_ratios = peer.as_ref().filter(|p| {
         let same = [
@@ -887,6 +925,7 @@ fn main() -> Result<()> {
                 "train",
                 &device,
                 json!({
+                    "op_overhead_us": op_overhead,
                     "shape": shape,
                     "definitions": definitions,
                     "targets": targets,
