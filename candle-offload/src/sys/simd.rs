@@ -218,6 +218,39 @@ pub(crate) fn dot_q4_1_f32_rows(x: &[u8], ys: &[f32], out: &mut [f32]) {
     }
 }
 
+/// [`dot_q4_1_f32_rows`] for four rows of Q4_1 blocks at once (`x[c]`, one per output
+/// column `out[c]`, each `ys.len() / k` values): with AVX-512, four weight blocks are
+/// dequantized once for four activation rows and the sixteen products kept in registers (a
+/// 4x4 tile, where the one-column kernel re-reads every activation row for each weight row);
+/// otherwise one column after the other.
+pub(crate) fn dot_q4_1_f32_rows_cols4(x: [&[u8]; 4], ys: &[f32], out: &mut [&mut [f32]]) {
+    let nb = x[0].len() / Q4_1_BYTES;
+    let k = nb * QK;
+    let m = ys.len() / k.max(1);
+    assert!(
+        out.len() == 4
+            && x.iter().all(|w| w.len() == nb * Q4_1_BYTES)
+            && ys.len() == m * k
+            && out.iter().all(|o| o.len() == m)
+    );
+    let mut r = 0;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        while r + 4 <= m {
+            // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked); each `x[c]` holds
+            // `nb` Q4_1 blocks and `ys[r * k..]` four rows of `k` values (r + 4 <= m).
+            let tile = unsafe { avx512::dot_q4_1_f32_c4x4(x, &ys[r * k..(r + 4) * k], nb) };
+            for (c, col) in out.iter_mut().enumerate() {
+                col[r..r + 4].copy_from_slice(&tile[c]);
+            }
+            r += 4;
+        }
+    }
+    for (c, col) in out.iter_mut().enumerate() {
+        dot_q4_1_f32_rows(x[c], &ys[r * k..], &mut col[r..]);
+    }
+}
+
 /// The dot product of Q8_0 blocks `x` with F32 activations `y` (32 per block), the activations
 /// not quantized.
 pub(crate) fn dot_q8_0_f32(x: &[u8], y: &[f32]) -> f32 {
@@ -669,6 +702,54 @@ mod avx512 {
             _mm512_reduce_add_ps(acc[2]),
             _mm512_reduce_add_ps(acc[3]),
         ]
+    }
+
+    /// Four rows of Q4_1 blocks against four rows of F32 activations: each weight block
+    /// dequantized once, each activation block loaded once, the 4x4 products in registers.
+    /// `[c][r]` is weight row `c` against activation row `r`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, AVX2, FMA and F16C; each `x[c]` holds `nb` Q4_1 blocks and `y`
+    /// `4 * nb * 32` values.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4_1_f32_c4x4(x: [&[u8]; 4], y: &[f32], nb: usize) -> [[f32; 4]; 4] {
+        let yp = y.as_ptr();
+        let k = nb * 32;
+        let low = _mm512_set1_epi32(0x0f);
+        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+        for i in 0..nb {
+            let mut w = [[_mm512_setzero_ps(); 2]; 4];
+            for (c, wc) in w.iter_mut().enumerate() {
+                // SAFETY: block `i` is below `nb`: its 20 bytes are inside `x[c]`; the loads
+                // are unaligned.
+                unsafe {
+                    let xb = x[c].as_ptr().add(i * Q4_1_BYTES);
+                    let (d, m) = two_halves(xb);
+                    let (d, m) = (_mm512_set1_ps(d), _mm512_set1_ps(m));
+                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(xb.add(4) as *const __m128i));
+                    wc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, m);
+                    wc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, m);
+                }
+            }
+            for r in 0..4 {
+                // SAFETY: row `r`'s 32 values of block `i` at `r * k + i * 32` are inside `y`
+                // (four rows of `k`); the loads are unaligned.
+                let (y0, y1) = unsafe {
+                    let yb = yp.add(r * k + i * 32);
+                    (_mm512_loadu_ps(yb), _mm512_loadu_ps(yb.add(16)))
+                };
+                for (a, wc) in acc.iter_mut().zip(&w) {
+                    a[r] = _mm512_fmadd_ps(wc[0], y0, _mm512_fmadd_ps(wc[1], y1, a[r]));
+                }
+            }
+        }
+        let mut out = [[0f32; 4]; 4];
+        for (o, a) in out.iter_mut().zip(&acc) {
+            for (o, v) in o.iter_mut().zip(a) {
+                *o = _mm512_reduce_add_ps(*v);
+            }
+        }
+        out
     }
 
     /// # Safety
