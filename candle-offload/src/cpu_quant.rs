@@ -4,9 +4,11 @@
 //! model's numbers, in another summation order) or, with [`set_quantized_activations`],
 //! against activations quantized once per row as llama.cpp quantizes them (Q8_1 for Q4_1,
 //! Q8_0 for Q8_0: integer dot products, llama.cpp's numerics). The dot products run on AVX2
-//! when the CPU has it (`sys::simd`, detected at run time), split over rayon's pool. Rayon rather than Candle's barrier pool: a join whose other half no worker
-//! has picked up yet runs on the calling thread, so a busy machine (a worker not scheduled in
-//! time) costs the op its parallelism, not a wait for that worker at every matmul.
+//! when the CPU has it (`sys::simd`, detected at run time), split over a small pool of
+//! spinning workers (`sys::spin`): a decode step is some 200 matmuls of a few hundred
+//! microseconds, and waking a sleeping rayon worker for each cost 100 µs and more on a
+//! virtual machine. The caller runs chunks too and waits only for workers that took some, so
+//! a worker the OS did not schedule in time costs the op its parallelism, not a wait.
 //!
 //! [`forward`] returns `None` for anything it does not cover (another device, type or dtype),
 //! and the caller then runs Candle's `QMatMul`; results agree with it to float-summation order
@@ -230,7 +232,8 @@ impl CustomOp1 for QuantMatMul {
     }
 }
 
-/// Fills `out_t`, the output in column-major order (`m` values per column), on rayon's pool:
+/// Fills `out_t`, the output in column-major order (`m` values per column), on the spinning
+/// pool (`sys::spin`):
 /// `column(w, values)` computes the column of weight row `w` (`row_bytes` of `data`). Work
 /// items are ranges of [`COLS_PER_ITEM`] columns, each writing its own slice, so no two workers
 /// share one.
@@ -242,19 +245,16 @@ fn par_columns(
     row_bytes: usize,
     column: impl Fn(&[u8], &mut [f32]) + Sync + Send,
 ) {
-    out_t
-        .par_chunks_mut(COLS_PER_ITEM * m)
-        .with_min_len(min_len)
-        .enumerate()
-        .for_each(|(item, part)| {
-            let col0 = item * COLS_PER_ITEM;
-            for (c, col) in part.chunks_mut(m).enumerate() {
-                column(
-                    &data[(col0 + c) * row_bytes..(col0 + c + 1) * row_bytes],
-                    col,
-                );
-            }
-        });
+    let cols = COLS_PER_ITEM * min_len.max(1);
+    crate::sys::spin::for_each_chunk_mut(out_t, cols * m, |task, part| {
+        let col0 = task * cols;
+        for (c, col) in part.chunks_mut(m).enumerate() {
+            column(
+                &data[(col0 + c) * row_bytes..(col0 + c + 1) * row_bytes],
+                col,
+            );
+        }
+    });
 }
 
 /// [`par_columns`] handing out four columns at a time (fewer at the end of the output):
@@ -267,21 +267,18 @@ fn par_column_fours(
     row_bytes: usize,
     columns: impl Fn(&[&[u8]], &mut [&mut [f32]]) + Sync + Send,
 ) {
-    out_t
-        .par_chunks_mut(COLS_PER_ITEM * m)
-        .with_min_len(min_len)
-        .enumerate()
-        .for_each(|(item, part)| {
-            let col0 = item * COLS_PER_ITEM;
-            let mut cols: Vec<&mut [f32]> = part.chunks_mut(m).collect();
-            for (g, group) in cols.chunks_mut(4).enumerate() {
-                let first = col0 + 4 * g;
-                let rows: Vec<&[u8]> = (first..first + group.len())
-                    .map(|c| &data[c * row_bytes..(c + 1) * row_bytes])
-                    .collect();
-                columns(&rows, group);
-            }
-        });
+    let per_task = COLS_PER_ITEM * min_len.max(1);
+    crate::sys::spin::for_each_chunk_mut(out_t, per_task * m, |task, part| {
+        let col0 = task * per_task;
+        let mut cols: Vec<&mut [f32]> = part.chunks_mut(m).collect();
+        for (g, group) in cols.chunks_mut(4).enumerate() {
+            let first = col0 + 4 * g;
+            let rows: Vec<&[u8]> = (first..first + group.len())
+                .map(|c| &data[c * row_bytes..(c + 1) * row_bytes])
+                .collect();
+            columns(&rows, group);
+        }
+    });
 }
 
 /// The (m, n) row-major output from its column-major form (`m` values per column).

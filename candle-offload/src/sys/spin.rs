@@ -1,0 +1,282 @@
+//! A pool of spinning worker threads for the CPU quantized matmul's short parallel regions.
+//!
+//! A decode step on the CPU is some 200 matmuls of a few hundred microseconds each. Rayon's
+//! idle workers sleep on a futex between them, and on a virtual machine waking one costs
+//! 100 µs and more (measured: a two-task region took 30 µs back to back and 105-140 µs after a
+//! pause of 0.2-1 ms), which is the order of the matmul itself. llama.cpp's threads spin
+//! between its ops instead. These workers do the same: after a region they spin (yielding the
+//! core now and then, so that a runnable thread is not starved) for [`SPIN`] before parking.
+//!
+//! [`for_each_chunk_mut`] is the only entry point: `data` cut into chunks, `f(index, chunk)`
+//! run for each on the calling thread and the workers, returning when every chunk is done.
+//! One region runs at a time; a caller that finds the pool busy (another thread's region, or
+//! a task of a region calling in again) runs its chunks itself.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+/// How long an idle worker spins before it parks.
+const SPIN: Duration = Duration::from_millis(5);
+
+/// One region's chunk function over type-erased chunk pointers.
+type ChunkFn<'a> = dyn Fn(usize) + Sync + 'a;
+
+/// The region being run: the caller's task function, with its lifetime erased.
+#[derive(Clone, Copy)]
+struct Job {
+    task: *const ChunkFn<'static>,
+    chunks: usize,
+}
+
+// SAFETY: `task` points to a `Sync` closure; workers call it only between the region's
+// publication and their check-in (`done`), while the caller keeps it alive (see `run`).
+unsafe impl Send for Job {}
+
+struct Pool {
+    job: Mutex<Option<Job>>,
+    /// Bumped once per region, after `job` is set.
+    epoch: AtomicU64,
+    /// The next chunk to claim.
+    next: AtomicUsize,
+    /// Workers that took the current region's job and have not finished with it.
+    active: AtomicUsize,
+    /// A task panicked in a worker during the current region.
+    panicked: AtomicBool,
+    /// One region at a time.
+    busy: Mutex<()>,
+    /// The worker threads, set once after they are spawned (empty if none could be).
+    workers: OnceLock<Vec<Thread>>,
+}
+
+impl Pool {
+    fn workers(&self) -> &[Thread] {
+        self.workers.get().map_or(&[], Vec::as_slice)
+    }
+}
+
+fn pool() -> &'static Pool {
+    static POOL: OnceLock<&'static Pool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let n = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .saturating_sub(1);
+        let pool: &'static Pool = Box::leak(Box::new(Pool {
+            job: Mutex::new(None),
+            epoch: AtomicU64::new(0),
+            next: AtomicUsize::new(0),
+            active: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            busy: Mutex::new(()),
+            workers: OnceLock::new(),
+        }));
+        let mut threads = Vec::new();
+        for i in 0..n {
+            let spawned = std::thread::Builder::new()
+                .name(format!("candle-offload-spin-{i}"))
+                .spawn(move || worker(pool));
+            if let Ok(handle) = spawned {
+                threads.push(handle.thread().clone());
+            }
+        }
+        let _ = pool.workers.set(threads);
+        pool
+    })
+}
+
+fn worker(pool: &'static Pool) {
+    let mut seen = 0u64;
+    loop {
+        let idle = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let e = pool.epoch.load(Ordering::Acquire);
+            if e != seen {
+                seen = e;
+                break;
+            }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(64) {
+                if idle.elapsed() > SPIN {
+                    std::thread::park_timeout(Duration::from_millis(50));
+                } else {
+                    std::thread::yield_now();
+                }
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        // Take the job and count in while holding its lock: the caller withdraws the job
+        // under the same lock, then waits only for the workers counted in.
+        let job = {
+            let job = pool.job.lock().unwrap_or_else(|e| e.into_inner());
+            if job.is_some() {
+                pool.active.fetch_add(1, Ordering::AcqRel);
+            }
+            *job
+        };
+        let Some(job) = job else {
+            continue;
+        };
+        // SAFETY: this worker counted itself in while the job was published; the caller does
+        // not return (nor drop the closure) before `active` is back to zero.
+        let task = unsafe { &*job.task };
+        let r = catch_unwind(AssertUnwindSafe(|| loop {
+            let i = pool.next.fetch_add(1, Ordering::AcqRel);
+            if i >= job.chunks {
+                break;
+            }
+            task(i);
+        }));
+        if r.is_err() {
+            pool.panicked.store(true, Ordering::Release);
+        }
+        pool.active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Runs `task(i)` for every `i < chunks` on this thread and the pool's workers.
+fn run(chunks: usize, task: &ChunkFn<'_>) {
+    let pool = pool();
+    let guard = match pool.busy.try_lock() {
+        Ok(g) if !pool.workers().is_empty() && chunks > 1 => g,
+        _ => {
+            (0..chunks).for_each(task);
+            return;
+        }
+    };
+    // SAFETY: only the lifetime is erased. The pointer is published for this region; a
+    // worker uses it only after counting itself in (`active`) while it is published, and this
+    // function withdraws it and waits for `active` to return to zero before it returns, so
+    // `task` outlives every call through the pointer.
+    let erased: *const ChunkFn<'static> =
+        unsafe { std::mem::transmute::<*const ChunkFn<'_>, *const ChunkFn<'static>>(task) };
+    pool.next.store(0, Ordering::Release);
+    pool.panicked.store(false, Ordering::Release);
+    *pool.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(Job {
+        task: erased,
+        chunks,
+    });
+    pool.epoch.fetch_add(1, Ordering::AcqRel);
+    for w in pool.workers() {
+        w.unpark();
+    }
+    let mine = catch_unwind(AssertUnwindSafe(|| loop {
+        let i = pool.next.fetch_add(1, Ordering::AcqRel);
+        if i >= chunks {
+            break;
+        }
+        task(i);
+    }));
+    if mine.is_err() {
+        // Let the workers stop claiming chunks, then pass the panic on.
+        pool.next.store(chunks, Ordering::Release);
+    }
+    // Withdraw the job: a worker that has not taken it yet will not, and the ones that have
+    // are finishing the chunks they claimed (no worker that was not scheduled holds us up).
+    *pool.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    let mut spins = 0u32;
+    while pool.active.load(Ordering::Acquire) > 0 {
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(64) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    let panicked = pool.panicked.load(Ordering::Acquire);
+    drop(guard);
+    if let Err(p) = mine {
+        std::panic::resume_unwind(p);
+    }
+    if panicked {
+        panic!("a task of the CPU matmul pool panicked in a worker");
+    }
+}
+
+/// `f(i, chunk)` for each `chunk_len`-long chunk of `data` (the last one shorter), the chunks
+/// shared out between this thread and the pool's spinning workers; returns when all are done.
+pub(crate) fn for_each_chunk_mut<T: Send>(
+    data: &mut [T],
+    chunk_len: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    let chunk_len = chunk_len.max(1);
+    let len = data.len();
+    let chunks = len.div_ceil(chunk_len);
+    let base = SendPtr(data.as_mut_ptr());
+    let task = |i: usize| {
+        let start = i * chunk_len;
+        let end = (start + chunk_len).min(len);
+        let p = base;
+        // SAFETY: chunk `i` is `start..end` of `data`, inside it (i < chunks); each chunk
+        // index is claimed once per region (`next`), so no two calls form overlapping slices,
+        // and `data` stays mutably borrowed by this function until `run` has waited for all.
+        let chunk = unsafe { std::slice::from_raw_parts_mut(p.0.add(start), end - start) };
+        f(i, chunk);
+    };
+    run(chunks, &task);
+}
+
+/// A raw pointer that may cross threads: each chunk it addresses goes to one thread only.
+struct SendPtr<T>(*mut T);
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+// SAFETY: see `for_each_chunk_mut`: the pointed-to chunks are disjoint per task and `T: Send`.
+unsafe impl<T: Send> Send for SendPtr<T> {}
+// SAFETY: as above; the pointer is only copied, never dereferenced outside a claimed chunk.
+unsafe impl<T: Send> Sync for SendPtr<T> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every element is visited once by the chunk that holds it, over many regions in a row,
+    /// with uneven last chunks; nested calls (a task calling in) run inline.
+    #[test]
+    fn chunks_cover_the_data_once() {
+        for len in [0usize, 1, 7, 64, 1000, 4097] {
+            for chunk in [1usize, 3, 64, 5000] {
+                let mut v = vec![0u32; len];
+                for round in 0..50u32 {
+                    for_each_chunk_mut(&mut v, chunk, |i, c| {
+                        for (j, x) in c.iter_mut().enumerate() {
+                            assert_eq!(*x, round, "element {} visited twice", i * chunk + j);
+                            *x += 1;
+                        }
+                    });
+                }
+                assert!(v.iter().all(|&x| x == 50), "len {len} chunk {chunk}");
+            }
+        }
+        let mut outer = vec![0u32; 8];
+        for_each_chunk_mut(&mut outer, 2, |_, c| {
+            let mut inner = vec![1u32; 10];
+            for_each_chunk_mut(&mut inner, 3, |_, d| d.iter_mut().for_each(|x| *x *= 2));
+            c.iter_mut().for_each(|x| *x = inner.iter().sum());
+        });
+        assert!(outer.iter().all(|&x| x == 20));
+    }
+
+    /// A panicking task reaches the caller as a panic, and the pool still works afterwards.
+    #[test]
+    fn a_panic_reaches_the_caller() {
+        let mut v = vec![0u8; 64];
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            for_each_chunk_mut(&mut v, 1, |i, _| {
+                if i == 37 {
+                    panic!("task 37");
+                }
+            })
+        }));
+        assert!(r.is_err());
+        for_each_chunk_mut(&mut v, 8, |_, c| c.iter_mut().for_each(|x| *x = 1));
+        assert!(v.iter().all(|&x| x == 1));
+    }
+}
