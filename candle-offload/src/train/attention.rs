@@ -146,6 +146,23 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Checks that the three buffers have the lengths `dims` gives.
+/// q, k and v of a CPU op as F32 vectors, their lengths checked against `dims`.
+fn cpu_qkv(
+    op: &str,
+    dims: &AttnDims,
+    q: (&CpuStorage, &Layout),
+    k: (&CpuStorage, &Layout),
+    v: (&CpuStorage, &Layout),
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let (q, k, v) = (
+        cpu_f32(q.0, q.1, op)?,
+        cpu_f32(k.0, k.1, op)?,
+        cpu_f32(v.0, v.1, op)?,
+    );
+    check_lens(op, dims, q.len(), k.len(), v.len())?;
+    Ok((q, k, v))
+}
+
 fn check_lens(op: &str, dims: &AttnDims, q: usize, k: usize, v: usize) -> Result<()> {
     if q != dims.q_len() || k != dims.kv_len() || v != dims.kv_len() {
         candle_core::bail!("{op}: buffers of {q}, {k} and {v} elements do not match {dims:?}");
@@ -263,12 +280,7 @@ impl candle_core::CustomOp3 for FlashAttn {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let op = Self::NAME;
-        let (q, k, v) = (
-            cpu_f32(s1, l1, op)?,
-            cpu_f32(s2, l2, op)?,
-            cpu_f32(s3, l3, op)?,
-        );
-        check_lens(op, &self.dims, q.len(), k.len(), v.len())?;
+        let (q, k, v) = cpu_qkv(op, &self.dims, (s1, l1), (s2, l2), (s3, l3))?;
         let (out, lse) = flash_fwd_cpu(&self.dims, self.scale, &q, &k, &v);
         let AttnDims { b, h, t, .. } = self.dims;
         let lse = Tensor::from_vec(lse, (b, h, t), &Device::Cpu)?;
@@ -369,12 +381,7 @@ impl candle_core::CustomOp3 for FlashAttnBwd {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let op = Self::NAME;
-        let (q, k, v) = (
-            cpu_f32(s1, l1, op)?,
-            cpu_f32(s2, l2, op)?,
-            cpu_f32(s3, l3, op)?,
-        );
-        check_lens(op, &self.dims, q.len(), k.len(), v.len())?;
+        let (q, k, v) = cpu_qkv(op, &self.dims, (s1, l1), (s2, l2), (s3, l3))?;
         let host = |t: &Tensor| -> Result<Vec<f32>> {
             let (s, l) = t.storage_and_layout();
             match &*s {
