@@ -516,3 +516,40 @@ fn offloaded_steps_track_resident_steps() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Unscaling finds an inf or a NaN wherever it is (one in a tensor, +inf and -inf in one
+/// tensor or in two), and finite gradients beyond F32's range in sum but not in value do not
+/// count as overflow.
+#[test]
+fn unscale_finds_non_finite_gradients_only() -> anyhow::Result<()> {
+    let a = Var::new(&[0f32; 3], &Device::Cpu)?;
+    let b = Var::new(&[0f32; 2], &Device::Cpu)?;
+    // Scale 1: the values reach the check as they are.
+    let scaler = GradScaler::new(GradScalerConfig {
+        init_scale: 1.0,
+        ..Default::default()
+    });
+    let cases: [(Vec<f32>, Vec<f32>, bool); 6] = [
+        (vec![1., 2., 3.], vec![4., 5.], true),
+        (vec![1., f32::NAN, 3.], vec![4., 5.], false),
+        (vec![1., 2., f32::INFINITY], vec![4., 5.], false),
+        (
+            vec![f32::INFINITY, 2., f32::NEG_INFINITY],
+            vec![4., 5.],
+            false,
+        ),
+        (
+            vec![f32::INFINITY, 2., 3.],
+            vec![f32::NEG_INFINITY, 5.],
+            false,
+        ),
+        (vec![3e38, -3e38, 1.], vec![-3e38, 3e38], true),
+    ];
+    for (ga, gb, finite) in cases {
+        let mut grads = store_with(&a, ga.clone())?;
+        grads.insert(b.as_tensor(), Tensor::new(gb.as_slice(), &Device::Cpu)?);
+        let (_, ok) = scaler.unscale_owned(&[a.clone(), b.clone()], grads)?;
+        assert_eq!(ok, finite, "{ga:?} {gb:?}");
+    }
+    Ok(())
+}

@@ -162,8 +162,10 @@ impl GradScaler {
             } else {
                 g
             };
-            // inf and NaN survive a sum of absolute values.
-            let s = g.to_dtype(DType::F32)?.abs()?.sum_all()?;
+            // Any inf or NaN makes the plain sum inf or NaN (inf - inf is NaN), so one pass
+            // without `abs` finds them; finite values of opposite signs beyond F32's range do
+            // not raise a false alarm the way a sum of absolute values would.
+            let s = g.to_dtype(DType::F32)?.sum_all()?;
             match totals
                 .iter_mut()
                 .find(|t| t.device().same_device(s.device()))
