@@ -218,14 +218,14 @@ impl Core {
         let name = self.layout.head_unit();
         let w = self.vb(name)?.get((v, h), &format!("{name}.weight"))?;
         let logits = xs.matmul(&w.t()?)?;
-        if self.fused && !self.family.finishes_logits(&self.cfg) {
-            // The fused loss reads F16/BF16 logits and sums in F32 itself: no F32 copy of the
-            // logits, nor of their gradient.
-            return fused::cross_entropy(&logits, targets)?.sum_all();
-        }
-        let logits = self
-            .family
-            .finish_logits(&self.cfg, logits.to_dtype(DType::F32)?)?;
+        // The fused loss reads F16/BF16 logits and sums in F32 itself: no F32 copy of the
+        // logits, nor of their gradient, unless the family changes them first.
+        let logits = if self.fused && !self.family.finishes_logits(&self.cfg) {
+            logits
+        } else {
+            self.family
+                .finish_logits(&self.cfg, logits.to_dtype(DType::F32)?)?
+        };
         if self.fused {
             return fused::cross_entropy(&logits, targets)?.sum_all();
         }
@@ -667,7 +667,7 @@ impl Trainer {
         let ck = if let Source::Offloaded(rt) = &core.source {
             let sink_core = core.clone();
             // What the plan reserves for activations: the most the pool may keep cached.
-            let keep = rt.stats()?.reserve_bytes;
+            let keep = rt.budget().reserve_bytes;
             Checkpointer::with_sink(Arc::new(move |g: GradStore| {
                 sink_core.absorb(&g)?;
                 drop(g);
