@@ -1013,22 +1013,21 @@ __device__ __forceinline__ void quantize_x(const T *x, uint32_t m, uint32_t k, u
 
 // The block at b's quants n as the eight words __dp4a takes: word g holds elements
 // 4g .. 4g + 3, one per byte (x's words in the same order).
-template <int QT> __device__ __forceinline__ void quant_words(const uint8_t *b, int *q);
-template <> __device__ __forceinline__ void quant_words<QT_Q4_0>(const uint8_t *b, int *q) {
+// The 16 bytes of 4-bit quants at qs as eight words: low nibbles (elements 0..15) first.
+__device__ __forceinline__ void nibble_words(const uint8_t *qs, int *q) {
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-        const uint32_t w = sm_u32(b + 2 + 4 * t);
+        const uint32_t w = sm_u32(qs + 4 * t);
         q[t] = (int)(w & 0x0F0F0F0Fu);
         q[t + 4] = (int)((w >> 4) & 0x0F0F0F0Fu);
     }
 }
+template <int QT> __device__ __forceinline__ void quant_words(const uint8_t *b, int *q);
+template <> __device__ __forceinline__ void quant_words<QT_Q4_0>(const uint8_t *b, int *q) {
+    nibble_words(b + 2, q);  // after d
+}
 template <> __device__ __forceinline__ void quant_words<QT_Q4_1>(const uint8_t *b, int *q) {
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        const uint32_t w = sm_u32(b + 4 + 4 * t);
-        q[t] = (int)(w & 0x0F0F0F0Fu);
-        q[t + 4] = (int)((w >> 4) & 0x0F0F0F0Fu);
-    }
+    nibble_words(b + 4, q);  // after d and m
 }
 // Q5: decode4_q5's layout, the 5th bits of word g's elements from bits 4g .. 4g + 3 of qh.
 __device__ __forceinline__ void quant_words_q5(const uint8_t *qh_at, const uint8_t *qs, int *q) {

@@ -340,6 +340,24 @@ __device__ __forceinline__ void fa_load_tile_async(T *dst, const T *src, uint32_
 #endif
 }
 
+// One 16x16 fragment of A B^T into shared memory (row-major, stride ldo): A's and B's 16 rows
+// at a and b, each [16][LDT] over D columns (the backward pass's S = Q K^T and dP = dO V^T).
+template <typename T, int D, int LDT>
+__device__ __forceinline__ void fa_abt_fragment(const T *a, const T *b, float *out, int ldo) {
+    using namespace nvcuda;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.0f);
+#pragma unroll 2
+    for (int kf = 0; kf < D / 16; ++kf) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, a + kf * 16, LDT);
+        wmma::load_matrix_sync(fb, b + kf * 16, LDT);
+        wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(out, acc, ldo, wmma::mem_row_major);
+}
+
 __device__ __forceinline__ void fa_cp_async_commit() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::);
@@ -798,18 +816,8 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
             // S = Q K^T into sP32; 16 fragments, 2 per warp.
             for (int f = warp; f < (FA_BM / 16) * (FA_BN / 16); f += FA_BWD_WARPS) {
                 const int fr = f / (FA_BN / 16), fc = f % (FA_BN / 16);
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-                wmma::fill_fragment(acc, 0.0f);
-#pragma unroll 2
-                for (int kf = 0; kf < D / 16; ++kf) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bk;
-                    wmma::load_matrix_sync(a, sQ + fr * 16 * LDT + kf * 16, LDT);
-                    wmma::load_matrix_sync(bk, sK + fc * 16 * LDT + kf * 16, LDT);
-                    wmma::mma_sync(acc, a, bk, acc);
-                }
-                wmma::store_matrix_sync(sP32 + fr * 16 * LDS + fc * 16, acc, LDS,
-                                        wmma::mem_row_major);
+                fa_abt_fragment<T, D, LDT>(sQ + fr * 16 * LDT, sK + fc * 16 * LDT,
+                                           sP32 + fr * 16 * LDS + fc * 16, LDS);
             }
             __syncthreads();
 
@@ -840,18 +848,8 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
             }
             for (int f = warp; f < (FA_BM / 16) * (FA_BN / 16); f += FA_BWD_WARPS) {
                 const int fr = f / (FA_BN / 16), fc = f % (FA_BN / 16);
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-                wmma::fill_fragment(acc, 0.0f);
-#pragma unroll 2
-                for (int kf = 0; kf < D / 16; ++kf) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bv;
-                    wmma::load_matrix_sync(a, sdO + fr * 16 * LDT + kf * 16, LDT);
-                    wmma::load_matrix_sync(bv, sV + fc * 16 * LDT + kf * 16, LDT);
-                    wmma::mma_sync(acc, a, bv, acc);
-                }
-                wmma::store_matrix_sync(sdP + fr * 16 * LDD + fc * 16, acc, LDD,
-                                        wmma::mem_row_major);
+                fa_abt_fragment<T, D, LDT>(sdO + fr * 16 * LDT, sV + fc * 16 * LDT,
+                                           sdP + fr * 16 * LDD + fc * 16, LDD);
             }
             __syncthreads();
 
