@@ -236,6 +236,7 @@ def train(a):
         sys.exit(f"kernel_breakdown: bench_train failed: {rec['error']}")
     phases = split_phases(kernels)
     out = {"command": " ".join(cmd), "config": a.config, "step_s_unprofiled": rec.get("step_s"),
+           "commit": data.get("commit"), "machine": data.get("machine"), "date": data.get("date"),
            "phases": {}}
     rows = []
     all_kernels = []

@@ -66,9 +66,9 @@ impl AttnDims {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FlashForward {
     /// `mma.sync` m16n8k16 with every accumulator in registers (FlashAttention-2's layout),
-    /// only the Q tile and double-buffered K and V tiles (`cp.async`) in shared memory: 5x
-    /// faster than the WMMA kernel on an H200 (forward of (4, 32, 8, 2048, 128) in BF16:
-    /// 0.78 ms against 3.9 ms).
+    /// only the Q tile and double-buffered K and V tiles (`cp.async`) in shared memory: the
+    /// faster forward on an H200 in the standalone timings of `scripts/flash_attn_check.py`
+    /// (not recorded in benches/results).
     #[default]
     Mma,
     /// WMMA 16x16x16 fragments, with S, P and the O accumulator staged in shared memory: the
@@ -145,7 +145,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// Checks that the three buffers have the lengths `dims` gives.
 /// q, k and v of a CPU op as F32 vectors, their lengths checked against `dims`.
 fn cpu_qkv(
     op: &str,
@@ -163,6 +162,7 @@ fn cpu_qkv(
     Ok((q, k, v))
 }
 
+/// Checks that the three buffers have the lengths `dims` gives.
 fn check_lens(op: &str, dims: &AttnDims, q: usize, k: usize, v: usize) -> Result<()> {
     if q != dims.q_len() || k != dims.kv_len() || v != dims.kv_len() {
         candle_core::bail!("{op}: buffers of {q}, {k} and {v} elements do not match {dims:?}");
