@@ -107,6 +107,16 @@ struct Args {
     /// each figure is the host time one op costs (recorded as `op_overhead_us`).
     #[arg(long)]
     op_overhead: Option<usize>,
+    /// Sample the host's stacks (`pprof`) over each configuration's timed steps and write them
+    /// to DIR/<config>.folded (flame-graph input); the busiest thread's top functions go into
+    /// the results as `host_profile`. Needs a build with the `host-profile` feature.
+    #[arg(long, value_name = "DIR")]
+    host_profile: Option<PathBuf>,
+    /// Poll the device's memory from outside the allocator every this many milliseconds during
+    /// the steps (the `*_driver` peaks); 0 turns the poller off (those peaks are then not
+    /// measured), to see what the polling costs the step.
+    #[arg(long, default_value_t = 1)]
+    sampler_ms: u64,
     /// The peer's JSON (scripts/train_peer.py), measured in the same run.
     #[arg(long)]
     peer: Option<PathBuf>,
@@ -390,8 +400,11 @@ fn run_one(
     let build_s = t0.elapsed().as_secs_f64();
     let static_driver = used(device)?.saturating_sub(baseline);
     let static_bytes = in_use_now(true)?.saturating_sub(alloc_base);
-    let sampler = if gpu {
-        Some(PeakMemorySampler::start(device, Duration::from_millis(1))?)
+    let sampler = if gpu && args.sampler_ms > 0 {
+        Some(PeakMemorySampler::start(
+            device,
+            Duration::from_millis(args.sampler_ms),
+        )?)
     } else {
         None
     };
@@ -407,11 +420,24 @@ fn run_one(
     let mut phase_s: [Vec<f64>; 3] = Default::default();
     let (mut times, mut losses, mut streamed) = (Vec::new(), Vec::new(), Vec::new());
     let profiled = usize::from(args.profile_capture && gpu);
+    let (mut host_profile, mut host_top) = (None, None);
     for i in 0..args.warmup + timed + profiled {
         if let Some(rt) = trainer.runtime() {
             rt.begin_step()?;
         }
         let armed = i == args.warmup + timed;
+        if i == args.warmup {
+            if let Some(dir) = &args.host_profile {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("--host-profile {}: cannot create", dir.display()))?;
+                host_profile = Some(candle_offload_suite::HostProfile::start(997)?);
+            }
+        }
+        if armed {
+            if let (Some(p), Some(dir)) = (host_profile.take(), &args.host_profile) {
+                host_top = Some(p.finish(&dir.join(format!("{}.folded", b.name)), 60)?);
+            }
+        }
         clock
             .lock()
             .map_err(|_| anyhow!("phase clock poisoned"))?
@@ -445,6 +471,9 @@ fn run_one(
         tracing::info!(config = %b.name, step = i, loss = report.loss, s = dt, "step");
     }
     trainer.set_phase_observer(None);
+    if let (Some(p), Some(dir)) = (host_profile.take(), &args.host_profile) {
+        host_top = Some(p.finish(&dir.join(format!("{}.folded", b.name)), 60)?);
+    }
     let raw_peak = sampler.map(|s| s.stop());
     let peak_driver = raw_peak.map_or(0, |p| p.saturating_sub(baseline));
     let peak = in_use_now(false)?.saturating_sub(alloc_base);
@@ -499,6 +528,8 @@ fn run_one(
         "backward_s": median(phase_s[1].clone()),
         "optimizer_s": median(phase_s[2].clone()),
         "profile_captured": args.profile_capture && gpu,
+        "host_profile": host_top,
+        "sampler_ms": if gpu { Some(args.sampler_ms) } else { None },
         "tokens_per_s": if step_s > 0.0 { tokens / step_s } else { 0.0 },
         "model_flops_per_token": flops_per_token,
         "dense_bf16_peak_flops": peak_flops,

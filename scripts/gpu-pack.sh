@@ -20,6 +20,10 @@ scripts/cuda-toolkit.sh) and writes stripped, xz-compressed copies to .gpu/<name
   --bench NAME    a bench target (benches/); repeatable
   --tests         every test executable of the workspace, as test-<target-name>
   --clean         delete .gpu/*.xz from earlier packs first (otherwise they are kept)
+  --features LIST more features of the suite for --example/--bench builds, comma-separated
+                  (cuda is always on), e.g. host-profile for bench_train --host-profile
+  --keep-symbols  keep the symbol tables (strip debug info only): what an in-process
+                  profiler such as --host-profile needs to name functions (larger packs)
 Environment: CARGO_TARGET_DIR (default ~/.cache/candle-offload/target-cuda-release),
 CUDA_COMPUTE_CAP (default 90), CUDA_PIP_PREFIX (see scripts/cuda-toolkit.sh).
 EOF
@@ -27,7 +31,7 @@ EOF
 
 die() { echo "gpu-pack: $*" >&2; exit 1; }
 
-examples=() benches=() tests=0 clean=0
+examples=() benches=() tests=0 clean=0 features=cuda keep_symbols=0
 while (($# > 0)); do
   case "$1" in
     --example) (($# >= 2)) || die "--example needs a NAME"; examples+=("$2"); shift 2 ;;
@@ -36,6 +40,9 @@ while (($# > 0)); do
     --bench=*) benches+=("${1#*=}"); shift ;;
     --tests) tests=1; shift ;;
     --clean) clean=1; shift ;;
+    --features) (($# >= 2)) || die "--features needs a LIST"; features="cuda,$2"; shift 2 ;;
+    --features=*) features="cuda,${1#*=}"; shift ;;
+    --keep-symbols) keep_symbols=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument: $1" ;;
   esac
@@ -109,11 +116,11 @@ add_one() {
 }
 
 for n in "${examples[@]}"; do
-  cargo_json "$work/example-$n.json" build --release --features cuda --example "$n"
+  cargo_json "$work/example-$n.json" build --release --features "$features" --example "$n"
   add_one example "$n" "$work/example-$n.json"
 done
 for n in "${benches[@]}"; do
-  cargo_json "$work/bench-$n.json" bench --no-run --features cuda --bench "$n"
+  cargo_json "$work/bench-$n.json" bench --no-run --features "$features" --bench "$n"
   add_one bench "$n" "$work/bench-$n.json"
 done
 if ((tests)); then
@@ -136,7 +143,11 @@ fi
 
 while IFS=$'\t' read -r name exe; do
   [[ -x "$exe" ]] || die "built executable missing: $exe"
-  strip -o "$work/$name" "$exe" || die "strip failed on $exe"
+  if ((keep_symbols)); then
+    strip --strip-debug -o "$work/$name" "$exe" || die "strip failed on $exe"
+  else
+    strip -o "$work/$name" "$exe" || die "strip failed on $exe"
+  fi
   xz -T2 -6 -c "$work/$name" > "$work/$name.xz" || die "xz failed on $name"
   mv -f "$work/$name.xz" ".gpu/$name.xz"
   printf 'gpu-pack: %-36s %8s stripped -> %8s packed (%s)\n' ".gpu/$name.xz" \

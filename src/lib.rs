@@ -391,3 +391,110 @@ mod tests {
         assert!(a.iter().all(|&t| t < 101));
     }
 }
+
+/// A sampling profiler of this process's host threads (`pprof`, SIGPROF at a fixed rate), for
+/// the GPU machine, which has no `perf`: where the host spends a step while the GPU waits.
+/// Built with the `host-profile` feature; without it, [`HostProfile::start`] says so.
+pub struct HostProfile {
+    #[cfg(feature = "host-profile")]
+    guard: pprof::ProfilerGuard<'static>,
+    #[cfg(not(feature = "host-profile"))]
+    _unbuilt: (),
+}
+
+impl std::fmt::Debug for HostProfile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostProfile").finish_non_exhaustive()
+    }
+}
+
+impl HostProfile {
+    /// Starts sampling every thread's stack `hz` times per second of CPU time.
+    pub fn start(hz: i32) -> anyhow::Result<Self> {
+        #[cfg(feature = "host-profile")]
+        {
+            let guard = pprof::ProfilerGuardBuilder::default()
+                .frequency(hz)
+                .blocklist(&["libc", "libgcc", "pthread", "vdso"])
+                .build()
+                .map_err(|e| anyhow::anyhow!("host profiler: {e}"))?;
+            Ok(Self { guard })
+        }
+        #[cfg(not(feature = "host-profile"))]
+        {
+            let _ = hz;
+            anyhow::bail!("this binary was built without the `host-profile` feature")
+        }
+    }
+
+    /// Stops sampling; writes the stacks in the folded format (`thread;outer;...;leaf count`,
+    /// what flame-graph tools read) to `path` and returns the `top` functions by inclusive
+    /// samples of the busiest thread, as `[name, samples, share]` rows.
+    pub fn finish(self, path: &std::path::Path, top: usize) -> anyhow::Result<serde_json::Value> {
+        #[cfg(feature = "host-profile")]
+        {
+            use std::collections::{HashMap, HashSet};
+            use std::io::Write;
+            let report = self
+                .guard
+                .report()
+                .build()
+                .map_err(|e| anyhow::anyhow!("host profiler report: {e}"))?;
+            drop(self.guard);
+            let mut lines = Vec::new();
+            let mut per_thread: HashMap<String, isize> = HashMap::new();
+            for (frames, &count) in &report.data {
+                let thread = frames.thread_name_or_id();
+                *per_thread.entry(thread.clone()).or_default() += count;
+                let names: Vec<String> = frames
+                    .frames
+                    .iter()
+                    .rev()
+                    .flat_map(|f| f.iter().rev().map(|s| s.name()))
+                    .collect();
+                lines.push((thread, names, count));
+            }
+            let mut out = std::io::BufWriter::new(
+                std::fs::File::create(path)
+                    .map_err(|e| anyhow::anyhow!("{}: cannot create: {e}", path.display()))?,
+            );
+            for (thread, names, count) in &lines {
+                writeln!(out, "{thread};{} {count}", names.join(";"))?;
+            }
+            out.flush()?;
+            let busiest = per_thread
+                .iter()
+                .max_by_key(|(_, &n)| n)
+                .map(|(t, _)| t.clone())
+                .unwrap_or_default();
+            let total = per_thread.get(&busiest).copied().unwrap_or(0).max(1);
+            let mut inclusive: HashMap<&str, isize> = HashMap::new();
+            for (thread, names, count) in &lines {
+                if *thread != busiest {
+                    continue;
+                }
+                let distinct: HashSet<&str> = names.iter().map(String::as_str).collect();
+                for n in distinct {
+                    *inclusive.entry(n).or_default() += count;
+                }
+            }
+            let mut rows: Vec<_> = inclusive.into_iter().collect();
+            rows.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+            Ok(serde_json::json!({
+                "thread": busiest,
+                "samples": total,
+                "threads": per_thread,
+                "top_inclusive": rows
+                    .into_iter()
+                    .take(top)
+                    .map(|(n, c)| serde_json::json!([n, c, c as f64 / total as f64]))
+                    .collect::<Vec<_>>(),
+            }))
+        }
+        #[cfg(not(feature = "host-profile"))]
+        {
+            let _ = (path, top);
+            anyhow::bail!("this binary was built without the `host-profile` feature")
+        }
+    }
+}
