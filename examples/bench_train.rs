@@ -117,6 +117,10 @@ struct Args {
     /// measured), to see what the polling costs the step.
     #[arg(long, default_value_t = 1)]
     sampler_ms: u64,
+    /// Every decoder op in Candle's graph (`TrainSettings::hand_backward` off): the step
+    /// before the hand-written block backward pass, for a comparison in one run.
+    #[arg(long)]
+    graph_backward: bool,
     /// The peer's JSON (scripts/train_peer.py), measured in the same run.
     #[arg(long)]
     peer: Option<PathBuf>,
@@ -382,6 +386,7 @@ fn run_one(
         head_chunks: None,
         loss_chunk_tokens: None,
         fused: true,
+        hand_backward: !args.graph_backward,
     };
     let baseline = used(device)?;
     // The pool's in-use high-water mark, reset to what is in use now (then read back: that).
@@ -530,6 +535,7 @@ fn run_one(
         "profile_captured": args.profile_capture && gpu,
         "host_profile": host_top,
         "sampler_ms": if gpu { Some(args.sampler_ms) } else { None },
+        "hand_backward": !args.graph_backward,
         "tokens_per_s": if step_s > 0.0 { tokens / step_s } else { 0.0 },
         "model_flops_per_token": flops_per_token,
         "dense_bf16_peak_flops": peak_flops,

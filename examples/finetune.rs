@@ -373,6 +373,7 @@ fn main() -> Result<()> {
         head_chunks: None,
         loss_chunk_tokens: None,
         fused: !args.unfused,
+        hand_backward: true,
     };
     let t0 = Instant::now();
     let mut trainer = Trainer::from_files(&files, &device, &settings)?;

@@ -112,7 +112,11 @@ add_one() {
   found="$(pick "$1" "$2" < "$3")"
   [[ -n "$found" ]] || die "cargo built no executable for $1 '$2' (is the name right?)"
   [[ $(printf '%s\n' "$found" | wc -l) -eq 1 ]] || die "several executables for $1 '$2': $found"
-  printf '%s\n' "$found" >> "$list"
+  # A copy now: a later build (cargo test builds the examples too, with other features) can
+  # overwrite the executable at the same path.
+  local name="${found%%$'\t'*}" exe="${found#*$'\t'}"
+  cp "$exe" "$work/built-$name" || die "cannot copy $exe"
+  printf '%s\t%s\n' "$name" "$work/built-$name" >> "$list"
 }
 
 for n in "${examples[@]}"; do

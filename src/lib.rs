@@ -357,41 +357,6 @@ pub fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn utc_now_is_well_formed() {
-        let s = super::utc_now();
-        assert_eq!(s.len(), 20, "{s}");
-        assert!(s.starts_with("20") && s.ends_with('Z'), "{s}");
-    }
-
-    #[test]
-    fn peaks_match_the_most_specific_name() {
-        assert_eq!(super::peak_for_name("NVIDIA H200"), Some(989.4e12));
-        assert_eq!(super::peak_for_name("NVIDIA H100 PCIe"), Some(756.0e12));
-        assert_eq!(
-            super::peak_for_name("NVIDIA H100 80GB HBM3"),
-            Some(989.4e12)
-        );
-        assert_eq!(super::peak_for_name("NVIDIA L40S"), Some(362.1e12));
-        assert_eq!(super::peak_for_name("NVIDIA L40"), Some(181.0e12));
-        assert_eq!(super::peak_for_name("NVIDIA L4"), Some(121.0e12));
-        assert_eq!(super::peak_for_name("cpu"), None);
-        assert_eq!(super::mfu(1e9, 1000.0, 1.0, Some(1e12)), Some(1.0));
-        assert_eq!(super::mfu(1e9, 1000.0, 0.0, Some(1e12)), None);
-        assert_eq!(super::mfu(1e9, 1000.0, 1.0, None), None);
-    }
-
-    #[test]
-    fn rng_is_seeded() {
-        let a = super::random_tokens(64, 101, 7);
-        assert_eq!(a, super::random_tokens(64, 101, 7));
-        assert_ne!(a, super::random_tokens(64, 101, 8));
-        assert!(a.iter().all(|&t| t < 101));
-    }
-}
-
 /// A sampling profiler of this process's host threads (`pprof`, SIGPROF at a fixed rate), for
 /// the GPU machine, which has no `perf`: where the host spends a step while the GPU waits.
 /// Built with the `host-profile` feature; without it, [`HostProfile::start`] says so.
@@ -496,5 +461,40 @@ impl HostProfile {
             let _ = (path, top);
             anyhow::bail!("this binary was built without the `host-profile` feature")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn utc_now_is_well_formed() {
+        let s = super::utc_now();
+        assert_eq!(s.len(), 20, "{s}");
+        assert!(s.starts_with("20") && s.ends_with('Z'), "{s}");
+    }
+
+    #[test]
+    fn peaks_match_the_most_specific_name() {
+        assert_eq!(super::peak_for_name("NVIDIA H200"), Some(989.4e12));
+        assert_eq!(super::peak_for_name("NVIDIA H100 PCIe"), Some(756.0e12));
+        assert_eq!(
+            super::peak_for_name("NVIDIA H100 80GB HBM3"),
+            Some(989.4e12)
+        );
+        assert_eq!(super::peak_for_name("NVIDIA L40S"), Some(362.1e12));
+        assert_eq!(super::peak_for_name("NVIDIA L40"), Some(181.0e12));
+        assert_eq!(super::peak_for_name("NVIDIA L4"), Some(121.0e12));
+        assert_eq!(super::peak_for_name("cpu"), None);
+        assert_eq!(super::mfu(1e9, 1000.0, 1.0, Some(1e12)), Some(1.0));
+        assert_eq!(super::mfu(1e9, 1000.0, 0.0, Some(1e12)), None);
+        assert_eq!(super::mfu(1e9, 1000.0, 1.0, None), None);
+    }
+
+    #[test]
+    fn rng_is_seeded() {
+        let a = super::random_tokens(64, 101, 7);
+        assert_eq!(a, super::random_tokens(64, 101, 7));
+        assert_ne!(a, super::random_tokens(64, 101, 8));
+        assert!(a.iter().all(|&t| t < 101));
     }
 }

@@ -42,7 +42,6 @@ pub struct StepCtx<'a> {
 }
 
 /// What a training pass gives every block: a whole sequence from position 0.
-#[derive(Debug)]
 pub struct TrainCtx<'a> {
     /// RoPE tables on the training device.
     pub rope: &'a Rope,
@@ -56,7 +55,28 @@ pub struct TrainCtx<'a> {
     /// Use the fused training ops of `candle_offload::train::fused` (RMSNorm, SwiGLU) and
     /// `train::flash_attention` where a block can; `false`: the Candle compositions.
     pub fused: bool,
+    /// With `fused`: where a block that computes its own backward pass (the plain pre-norm
+    /// block, [`crate::layers::PreNormBlock`]) hands its weights' gradients; `None`: every
+    /// block goes through Candle's graph.
+    pub weight_grads: Option<WeightGradSink>,
 }
+
+impl std::fmt::Debug for TrainCtx<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainCtx")
+            .field("rope", self.rope)
+            .field("masks", self.masks)
+            .field("compute", &self.compute)
+            .field("head_chunks", &self.head_chunks)
+            .field("fused", &self.fused)
+            .field("weight_grads", &self.weight_grads.is_some())
+            .finish()
+    }
+}
+
+/// Receives the gradient of a weight as a block's forward pass was served it (the tensor is
+/// the key; the gradient in any float dtype), from a backward pass computed by hand.
+pub type WeightGradSink = Arc<dyn Fn(&Tensor, Tensor) -> Result<()> + Send + Sync>;
 
 /// What a block is built from: the acquired unit's dense tensors as a `VarBuilder`, and its
 /// quantized tensors (GGML blocks), which [`linear`](Self::linear) turns into quantized

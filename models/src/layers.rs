@@ -18,6 +18,8 @@ use candle_offload::train::attention::{flash_attention, flash_attention_supporte
 use crate::config::Config;
 use crate::family::{DecoderBlock, StepCtx, TrainCtx, UnitWeights};
 
+mod by_hand;
+
 /// RoPE tables (cos, sin) for positions `0..max_len`, on one device.
 #[derive(Debug, Clone)]
 pub struct Rope {
@@ -77,6 +79,30 @@ impl Rope {
         let seq_len = q.dim(1)?;
         let table = self.table.narrow(0, index_pos, seq_len)?;
         candle_offload::ops::rope_qk(q, k, &table)
+    }
+
+    /// The columns the tables rotate (twice their width): the whole head unless the rotary
+    /// is partial.
+    pub fn rotary_width(&self) -> Result<usize> {
+        Ok(2 * self.cos.dim(1)?)
+    }
+
+    /// Rotates `x` (batch, heads, seq, head_dim) from position 0, the tables as wide as the
+    /// head, in one kernel and with no graph: for backward passes written by hand, whose
+    /// inverse is [`unrotate_plain`](Self::unrotate_plain).
+    pub fn apply_plain(&self, x: &Tensor) -> Result<Tensor> {
+        let (_, _, seq_len, _) = x.dims4()?;
+        candle_nn::rotary_emb::rope(
+            &x.contiguous()?,
+            &self.cos.narrow(0, 0, seq_len)?,
+            &self.sin.narrow(0, 0, seq_len)?,
+        )
+    }
+
+    /// The gradient of [`apply_plain`](Self::apply_plain)'s input for its output's gradient
+    /// `g`: `g` rotated back.
+    pub fn unrotate_plain(&self, g: &Tensor) -> Result<Tensor> {
+        candle_offload::train::grad::rope_backward(g, &self.cos, &self.sin)
     }
 
     /// RoPE from position 0 for training: differentiable in `x`, with the tables treated as
@@ -1057,6 +1083,11 @@ impl DecoderBlock for PreNormBlock {
     /// The residual stream stays in `xs`'s dtype (F32 under autocast), norms run in it, and
     /// the attention and MLP compute in `ctx.compute`.
     fn forward_train(&self, xs: &Tensor, ctx: &TrainCtx<'_>) -> Result<Tensor> {
+        if ctx.fused {
+            if let Some(out) = by_hand::forward_train(self, xs, ctx)? {
+                return Ok(out);
+            }
+        }
         let residual = xs;
         let stream = residual.dtype();
         let fused = ctx.fused;

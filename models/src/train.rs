@@ -18,12 +18,13 @@
 //! loss run over checkpointed chunks of tokens (one chunk's logits at a time).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, TensorId, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
-use candle_offload::train::{fused, segment_ranges, FusedAdamW};
+use candle_offload::train::{fused, segment_ranges, CastOrigins, FusedAdamW};
 use candle_offload::{
     train::HostAdamW, Autocast, Checkpointer, GradScaler, GradScalerConfig, MemoryLimit,
     OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice, Precision, StoreConfig,
@@ -33,7 +34,7 @@ use candle_offload::{
 use crate::causal::CausalLm;
 use crate::config::Config;
 use crate::error::ModelError;
-use crate::family::{Family, Layout, TrainCtx, UnitWeights};
+use crate::family::{Family, Layout, TrainCtx, UnitWeights, WeightGradSink};
 use crate::layers::{Masks, Rope};
 
 /// How a [`Trainer`] computes and where it keeps the weights.
@@ -67,6 +68,11 @@ pub struct TrainSettings {
     /// [`FusedAdamW`] for masters on a GPU (default). `false`: the Candle compositions and
     /// candle-nn's `AdamW`.
     pub fused: bool,
+    /// With `fused` and resident weights: decoder blocks that have a hand-written backward
+    /// pass (the plain pre-norm block: RMSNorm, flash attention, SwiGLU) use it, one node in
+    /// Candle's graph per layer instead of one per op, which Candle's backward walk would
+    /// each give a zeroed buffer and an add (default). `false`: every op in Candle's graph.
+    pub hand_backward: bool,
 }
 
 impl Default for TrainSettings {
@@ -88,6 +94,7 @@ impl Default for TrainSettings {
             head_chunks: None,
             loss_chunk_tokens: None,
             fused: true,
+            hand_backward: true,
         }
     }
 }
@@ -137,6 +144,15 @@ struct Core {
     head_chunks: usize,
     loss_chunk: usize,
     fused: bool,
+    /// [`TrainSettings::hand_backward`].
+    hand_backward: bool,
+    /// Which master each weight served to the forward pass was cast from (resident).
+    origins: CastOrigins,
+    /// Where blocks with a hand-written backward pass hand their weights' gradients, during a
+    /// step's backward pass (`None` outside one, or where blocks must use Candle's graph).
+    weight_grads: Mutex<Option<WeightGradSink>>,
+    /// Weight gradients handed over through `weight_grads` in the last backward pass.
+    hand_grads: Arc<AtomicUsize>,
     source: Source,
     /// Offload guards of the segment running now; released when the next one starts.
     held: Mutex<Vec<UnitGuard>>,
@@ -161,7 +177,11 @@ impl Core {
     /// compute dtype by default.
     fn vb(&self, prefix: &str) -> Result<VarBuilder<'static>> {
         match &self.source {
-            Source::Resident(vars) => Ok(self.autocast.var_builder(vars, &self.device)),
+            Source::Resident(vars) => {
+                Ok(self
+                    .autocast
+                    .var_builder_recording(vars, &self.device, &self.origins))
+            }
             Source::Offloaded(rt) => {
                 let guard = rt.acquire_named(prefix)?;
                 let vb = guard.var_builder(self.autocast.compute_dtype());
@@ -200,6 +220,7 @@ impl Core {
                 compute: self.autocast.compute_dtype(),
                 head_chunks: self.head_chunks,
                 fused: self.fused,
+                weight_grads: self.weight_grads.lock().map_err(poisoned)?.clone(),
             },
         )
     }
@@ -438,6 +459,10 @@ impl Trainer {
                 head_chunks,
                 loss_chunk,
                 fused: settings.fused,
+                hand_backward: settings.hand_backward,
+                origins: CastOrigins::default(),
+                weight_grads: Mutex::new(None),
+                hand_grads: Arc::new(AtomicUsize::new(0)),
                 source: source_kind,
                 held: Mutex::new(Vec::new()),
                 leaf_names: Mutex::new(HashMap::new()),
@@ -621,6 +646,13 @@ impl Trainer {
         total / n as f64
     }
 
+    /// How many weight gradients the last backward pass computed by hand
+    /// ([`TrainSettings::hand_backward`]) rather than through Candle's graph: 0 when no block
+    /// took that path.
+    pub fn hand_backward_gradients(&self) -> usize {
+        self.core.hand_grads.load(Ordering::Relaxed)
+    }
+
     /// Calls `observer` at each phase boundary of every later [`Trainer::step`] (and at the
     /// forward and backward boundaries of [`Trainer::loss_and_grads`]); `None` removes it. An
     /// error from it ends the step with that error.
@@ -680,15 +712,40 @@ impl Trainer {
         } else {
             Checkpointer::new()
         };
+        core.origins.clear()?;
+        core.hand_grads.store(0, Ordering::Relaxed);
+        if !offloaded && core.fused && core.hand_backward {
+            // A weight's gradient, from a block's own backward pass, goes to its F32 master
+            // through the checkpointer's side store, which `backward` merges.
+            let (origins, side, count) = (core.origins.clone(), ck.clone(), core.hand_grads.clone());
+            let sink: WeightGradSink = Arc::new(move |served: &Tensor, grad: Tensor| {
+                count.fetch_add(1, Ordering::Relaxed);
+                let master = origins.master_of(served)?.ok_or_else(|| {
+                    candle_core::Error::Msg(
+                        "a block handed over the gradient of a weight the trainer did not serve"
+                            .into(),
+                    )
+                })?;
+                side.add_gradient(&master, grad.to_dtype(DType::F32)?)
+            });
+            *core.weight_grads.lock().map_err(poisoned)? = Some(sink);
+        }
         self.phase(TrainPhase::Forward)?;
-        let loss = self.forward_loss(inputs, targets, &ck)?;
+        let loss = self.forward_loss(inputs, targets, &ck);
         self.phase(TrainPhase::Backward)?;
-        let scaled = if scale == 1.0 {
-            loss.clone()
-        } else {
-            loss.affine(scale, 0.)?
-        };
-        let grads = ck.backward(&scaled)?;
+        let grads = loss.and_then(|loss| {
+            let scaled = if scale == 1.0 {
+                loss.clone()
+            } else {
+                loss.affine(scale, 0.)?
+            };
+            Ok((loss, ck.backward(&scaled)))
+        });
+        // The sink holds the checkpointer: gone with this step, whatever happened.
+        *core.weight_grads.lock().map_err(poisoned)? = None;
+        core.origins.clear()?;
+        let (loss, grads) = grads?;
+        let grads = grads?;
         self.recomputes += ck.recomputed_segments();
         core.release_held()?;
         let loss_value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;

@@ -472,6 +472,82 @@ pub fn flash_attention_with(
     )
 }
 
+/// What [`flash_attention_forward`] keeps for [`flash_attention_backward`]: the sizes, the
+/// scale and each query row's log-sum-exp.
+pub struct FlashState {
+    op: FlashAttn,
+}
+
+impl std::fmt::Debug for FlashState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlashState")
+            .field("dims", &self.op.dims)
+            .field("scale", &self.op.scale)
+            .finish_non_exhaustive()
+    }
+}
+
+/// [`flash_attention`]'s forward pass outside Candle's graph, for blocks that compute their
+/// own backward pass: the output and what [`flash_attention_backward`] needs. Only where a
+/// kernel exists ([`flash_attention_supported`]) and no size is 0; an error otherwise.
+pub fn flash_attention_forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+) -> Result<(Tensor, FlashState)> {
+    let name = FlashAttn::NAME;
+    let dims = attn_dims(name, q, k, v, scale)?;
+    if dims.q_len() == 0 || !flash_attention_supported(q.device(), q.dtype(), dims.d) {
+        candle_core::bail!(
+            "{name}: no kernel for {:?} {:?} with head width {} (flash_attention_supported)",
+            q.device().location(),
+            q.dtype(),
+            dims.d
+        );
+    }
+    let op = FlashAttn {
+        dims,
+        scale,
+        forward: FlashForward::default(),
+        lse: Mutex::new(None),
+    };
+    let out = aligned(q)?.apply_op3_no_bwd(&aligned(k)?, &aligned(v)?, &op)?;
+    Ok((out, FlashState { op }))
+}
+
+/// [`flash_attention`]'s backward pass outside Candle's graph: `(dq, dk, dv)` in q's dtype
+/// for the output's gradient `dout`, from the forward pass's inputs, its output `out` and its
+/// `state`.
+pub fn flash_attention_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    dout: &Tensor,
+    state: &FlashState,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    use candle_core::CustomOp3;
+    let name = FlashAttn::NAME;
+    if attn_dims(name, q, k, v, state.op.scale)? != state.op.dims
+        || out.shape() != q.shape()
+        || dout.shape() != q.shape()
+    {
+        candle_core::bail!(
+            "{name}: backward with q {:?}, out {:?}, dout {:?} for a forward pass of {:?}",
+            q.shape(),
+            out.shape(),
+            dout.shape(),
+            state.op.dims
+        );
+    }
+    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+    match state.op.bwd(&q, &k, &v, out, dout)? {
+        (Some(dq), Some(dk), Some(dv)) => Ok((dq, dk, dv)),
+        _ => candle_core::bail!("{name}: backward gave no gradient"),
+    }
+}
+
 /// Checks the inputs of either attention function and gives their sizes.
 fn attn_dims(op: &str, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<AttnDims> {
     check_dtypes(op, &[q, k, v])?;

@@ -8,10 +8,12 @@
 //! ([`Autocast::to_f32`]). This mirrors `torch.autocast`: matmul outputs are half precision,
 //! the residual add promotes back to F32.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{DType, Device, Shape, Tensor, TensorId};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder, VarMap};
 
@@ -116,6 +118,60 @@ impl Autocast {
             device.clone(),
         )
     }
+
+    /// [`var_builder`](Self::var_builder) that also records in `origins` which master each
+    /// served tensor was cast from, for blocks that compute their own backward pass and hand
+    /// the gradient of a served weight back ([`CastOrigins::master_of`]).
+    pub fn var_builder_recording(
+        &self,
+        vars: &VarMap,
+        device: &Device,
+        origins: &CastOrigins,
+    ) -> VarBuilder<'static> {
+        let mut backend = AutocastBackend::new(vars.clone());
+        backend.origins = Some(origins.clone());
+        VarBuilder::from_backend(Box::new(backend), self.compute_dtype(), device.clone())
+    }
+}
+
+/// Which F32 master each tensor an [`AutocastBackend`] served was cast from, by tensor id:
+/// shared, cheap to clone, cleared by its owner (a training step) when the served tensors are
+/// gone.
+#[derive(Clone, Default)]
+pub struct CastOrigins {
+    map: Arc<Mutex<HashMap<TensorId, Tensor>>>,
+}
+
+impl fmt::Debug for CastOrigins {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.map.lock().map(|m| m.len()).unwrap_or(0);
+        write!(f, "CastOrigins({n} tensors)")
+    }
+}
+
+impl CastOrigins {
+    fn lock(&self) -> candle_core::Result<std::sync::MutexGuard<'_, HashMap<TensorId, Tensor>>> {
+        self.map
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("cast origins poisoned".into()))
+    }
+
+    fn record(&self, served: &Tensor, master: &Tensor) -> candle_core::Result<()> {
+        self.lock()?.insert(served.id(), master.clone());
+        Ok(())
+    }
+
+    /// The master `served` was cast from (itself where no cast was needed), if it was served
+    /// through a backend recording here.
+    pub fn master_of(&self, served: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(self.lock()?.get(&served.id()).cloned())
+    }
+
+    /// Forgets every tensor.
+    pub fn clear(&self) -> candle_core::Result<()> {
+        self.lock()?.clear();
+        Ok(())
+    }
 }
 
 /// A `VarBuilder` backend over F32 master variables that casts each weight to the dtype asked
@@ -123,6 +179,7 @@ impl Autocast {
 #[derive(Clone)]
 pub struct AutocastBackend {
     vars: VarMap,
+    origins: Option<CastOrigins>,
 }
 
 impl fmt::Debug for AutocastBackend {
@@ -135,7 +192,10 @@ impl fmt::Debug for AutocastBackend {
 impl AutocastBackend {
     /// A backend over `vars` (F32 masters, created by `VarMap` initialisation or loaded).
     pub fn new(vars: VarMap) -> Self {
-        Self { vars }
+        Self {
+            vars,
+            origins: None,
+        }
     }
 }
 
@@ -149,7 +209,11 @@ impl SimpleBackend for AutocastBackend {
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
         let master = self.vars.get(s, name, init, DType::F32, dev)?;
-        master.to_dtype(dtype)
+        let served = master.to_dtype(dtype)?;
+        if let Some(o) = &self.origins {
+            o.record(&served, &master)?;
+        }
+        Ok(served)
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, _: &Device) -> candle_core::Result<Tensor> {
@@ -164,7 +228,11 @@ impl SimpleBackend for AutocastBackend {
             }
             .bt()
         })?;
-        var.as_tensor().to_dtype(dtype)
+        let served = var.as_tensor().to_dtype(dtype)?;
+        if let Some(o) = &self.origins {
+            o.record(&served, var.as_tensor())?;
+        }
+        Ok(served)
     }
 
     fn contains_tensor(&self, name: &str) -> bool {

@@ -175,6 +175,19 @@ impl Checkpointer {
         Ok(grads)
     }
 
+    /// Adds `grad` to the gradient of `t` that [`backward`](Self::backward) returns: how a
+    /// block that computes its own backward pass (outside Candle's graph walk) hands its
+    /// weights' gradients over. Contributions for one tensor are summed.
+    pub fn add_gradient(&self, t: &Tensor, grad: Tensor) -> candle_core::Result<()> {
+        let mut side = self.side()?;
+        let sum = match side.remove(t) {
+            Some(g) => (g + grad)?,
+            None => grad,
+        };
+        side.insert(t, sum);
+        Ok(())
+    }
+
     fn side(&self) -> candle_core::Result<std::sync::MutexGuard<'_, GradStore>> {
         self.inner
             .side

@@ -410,6 +410,33 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
         .apply_op2(&weight.contiguous()?, RmsNorm { eps: eps as f32 })
 }
 
+/// [`rms_norm`]'s backward pass outside Candle's graph, for blocks that compute their own:
+/// `(dx, dweight)` for the output's gradient `dy` (all of `x`'s dtype; `x` and `weight` as
+/// the forward pass had them).
+pub fn rms_norm_backward(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    use candle_core::CustomOp2;
+    check_dtypes(RmsNorm::NAME, &[x, weight, dy])?;
+    if x.shape() != dy.shape() || weight.dims1()? != x.dim(D::Minus1)? || x.elem_count() == 0 {
+        candle_core::bail!(
+            "{}: backward of x {:?}, weight {:?} with dy {:?}",
+            RmsNorm::NAME,
+            x.shape(),
+            weight.shape(),
+            dy.shape()
+        );
+    }
+    let op = RmsNorm { eps: eps as f32 };
+    match op.bwd(&x.contiguous()?, &weight.contiguous()?, dy, dy)? {
+        (Some(dx), Some(dw)) => Ok((dx, dw)),
+        _ => candle_core::bail!("{}: backward gave no gradient", RmsNorm::NAME),
+    }
+}
+
 /// The composition [`rms_norm`] replaces (candle-nn's `rms_norm_slow`, differentiable): the
 /// mean of squares in F32, then the weight in the input's dtype.
 pub fn rms_norm_composite(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
@@ -581,6 +608,26 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         return swiglu_composite(gate, up);
     }
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
+}
+
+/// [`swiglu`]'s backward pass outside Candle's graph, for blocks that compute their own:
+/// `(dgate, dup)` for the output's gradient `dy` (one shape and dtype for all three).
+pub fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    use candle_core::CustomOp2;
+    check_dtypes(SwiGlu::NAME, &[gate, up, dy])?;
+    if gate.shape() != up.shape() || gate.shape() != dy.shape() || gate.elem_count() == 0 {
+        candle_core::bail!(
+            "{}: backward of gate {:?}, up {:?} with dy {:?}",
+            SwiGlu::NAME,
+            gate.shape(),
+            up.shape(),
+            dy.shape()
+        );
+    }
+    match SwiGlu.bwd(&gate.contiguous()?, &up.contiguous()?, dy, dy)? {
+        (Some(dg), Some(du)) => Ok((dg, du)),
+        _ => candle_core::bail!("{}: backward gave no gradient", SwiGlu::NAME),
+    }
 }
 
 /// The composition [`swiglu`] replaces.

@@ -10,7 +10,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, Tensor, D};
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, Tensor};
 
 /// A tensor whose value is `value` and whose gradient with respect to `xs` is `backward(grad)`.
 /// `value` must have been computed from `xs` without a graph (from `xs.detach()`).
@@ -40,25 +40,25 @@ pub fn add_constant(xs: &Tensor, constant: &Tensor) -> candle_core::Result<Tenso
 /// only, with the backward pass in closed form: the rotation by -θ.
 pub fn rope(xs: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
     let (_, _, seq_len, _) = xs.dims4()?;
-    let (cos, sin) = (cos.narrow(0, 0, seq_len)?, sin.narrow(0, 0, seq_len)?);
-    let value = candle_nn::rotary_emb::rope(
-        &xs.detach().contiguous()?,
-        &cos.contiguous()?,
-        &sin.contiguous()?,
-    )?;
-    let cos = Tensor::cat(&[&cos, &cos], D::Minus1)?;
-    let sin = Tensor::cat(&[&sin, &sin], D::Minus1)?;
+    let (cos, sin) = (
+        cos.narrow(0, 0, seq_len)?.contiguous()?,
+        sin.narrow(0, 0, seq_len)?.contiguous()?,
+    );
+    let value = candle_nn::rotary_emb::rope(&xs.detach().contiguous()?, &cos, &sin)?;
+    let neg_sin = sin.neg()?;
+    // The rotation by θ is orthogonal: its adjoint is the rotation by -θ, one rope kernel.
     with_gradient(xs, value, move |g| {
-        // y = x cos + rot(x) sin with rot(x) = [-x2, x1]; the adjoint of rot is
-        // rotᵀ(u) = [u2, -u1], so dx = g cos + rotᵀ(g sin).
-        let gs = g.broadcast_mul(&sin)?;
-        let half = gs.dim(D::Minus1)? / 2;
-        let (u1, u2) = (
-            gs.narrow(D::Minus1, 0, half)?,
-            gs.narrow(D::Minus1, half, half)?,
-        );
-        g.broadcast_mul(&cos)? + Tensor::cat(&[&u2, &u1.neg()?], D::Minus1)?
+        candle_nn::rotary_emb::rope(&g.contiguous()?, &cos, &neg_sin)
     })
+}
+
+/// The backward pass of [`rope`] outside Candle's graph: `g` (batch, heads, seq, head_dim)
+/// rotated back by the tables' angles (`sin` negated), for blocks that compute their own.
+pub fn rope_backward(g: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+    let (_, _, seq_len, _) = g.dims4()?;
+    let cos = cos.narrow(0, 0, seq_len)?.contiguous()?;
+    let neg_sin = sin.narrow(0, 0, seq_len)?.neg()?;
+    candle_nn::rotary_emb::rope(&g.contiguous()?, &cos, &neg_sin)
 }
 
 /// The backward pass of a [`Precomputed`] node: `(input, incoming gradient)` to the input's

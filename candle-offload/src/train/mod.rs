@@ -30,7 +30,7 @@ mod host_adam;
 mod scaler;
 
 pub use attention::{flash_attention, flash_attention_composite};
-pub use autocast::{Autocast, AutocastBackend, Precision};
+pub use autocast::{Autocast, AutocastBackend, CastOrigins, Precision};
 pub use checkpoint::{segment_ranges, Checkpointer, GradSink};
 pub use fused::{cross_entropy, rms_norm, swiglu, FusedAdamW};
 pub use host_adam::{accumulate_on_host, HostAdamW, HostGradients};

@@ -1,0 +1,266 @@
+//! The pre-norm decoder layer's training pass with a hand-written backward pass.
+//!
+//! Through Candle's autograd, every op of a layer is a graph node, and Candle's backward walk
+//! sums each node's gradient into a fresh zeroed buffer (`GradStore::or_insert` then `add`),
+//! views and casts included: about forty full-size memsets and adds per layer, 41% of the GPU
+//! time of a BF16 step in the profile (BENCHMARKS.md). Candle's walk cannot be replaced (its
+//! ops are private), so here the whole layer is one node ([`with_gradient`]): the forward pass
+//! runs the same kernels without a graph and keeps what the backward pass reads; the backward
+//! pass calls the fused ops' backward kernels, the matmuls' transposes and RoPE's inverse
+//! rotation directly, writes each gradient once, frees the layer's activations as soon as it
+//! has run, and hands the weights' gradients to the trainer through [`WeightGradSink`] (the
+//! weights are not inputs of the node, so Candle computes nothing for them).
+//!
+//! Only the block this was written for takes this path: RMSNorm before attention and MLP (no
+//! post-norms), separate dense q/k/v/o projections (biases allowed), plain causal flash
+//! attention with full-width RoPE, a SiLU-gated MLP with separate dense projections, and every
+//! projection weight in the compute dtype. Anything else returns `None` and runs through
+//! Candle's graph as before.
+
+use std::sync::Mutex;
+
+use candle_core::{DType, Result, Tensor};
+use candle_offload::train::attention::{
+    flash_attention_backward, flash_attention_forward, flash_attention_supported, FlashState,
+};
+use candle_offload::train::fused::{rms_norm, rms_norm_backward, swiglu, swiglu_backward};
+use candle_offload::train::grad::with_gradient;
+
+use super::{Activation, GateUp, Linear, NormKind, PreNormBlock, Qkv};
+use crate::family::{TrainCtx, WeightGradSink};
+
+/// A dense projection: the weight as served (the key its gradient is handed over under) and
+/// a detached copy to compute with.
+struct Proj {
+    served: Tensor,
+    w: Tensor,
+    bias: Option<(Tensor, Tensor)>,
+}
+
+impl Proj {
+    fn of(l: &Linear, dtype: DType) -> Option<Self> {
+        let Linear::Dense(d) = l else { return None };
+        if d.weight().dtype() != dtype || d.weight().rank() != 2 {
+            return None;
+        }
+        Some(Self {
+            served: d.weight().clone(),
+            w: d.weight().detach(),
+            bias: d.bias().map(|b| (b.clone(), b.detach())),
+        })
+    }
+
+    /// `x W^T (+ b)` for x (rows, in).
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = x.matmul(&self.w.t()?)?;
+        match &self.bias {
+            Some((_, b)) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+
+    /// The input's gradient for `dy` (rows, out), after handing the weight's (and bias's)
+    /// gradient to `sink`.
+    fn backward(&self, x: &Tensor, dy: &Tensor, sink: &WeightGradSink) -> Result<Tensor> {
+        sink(&self.served, dy.t()?.matmul(x)?)?;
+        if let Some((served, _)) = &self.bias {
+            sink(served, dy.to_dtype(DType::F32)?.sum(0)?)?;
+        }
+        dy.matmul(&self.w)
+    }
+}
+
+/// An RMSNorm's weight (served and detached) and epsilon.
+struct RmsWeight {
+    served: Tensor,
+    w: Tensor,
+    eps: f64,
+}
+
+impl RmsWeight {
+    fn of(n: &super::Norm, dtype: DType) -> Option<Self> {
+        match &n.kind {
+            NormKind::Rms(r) if !n.f32_compute && r.weight().dtype() == dtype => Some(Self {
+                served: r.weight().clone(),
+                w: r.weight().detach(),
+                eps: r.eps(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// The weights of a block this path can train.
+struct Parts {
+    input_norm: RmsWeight,
+    q: Proj,
+    k: Proj,
+    v: Proj,
+    o: Proj,
+    mlp_norm: RmsWeight,
+    gate: Proj,
+    up: Proj,
+    down: Proj,
+}
+
+impl Parts {
+    fn of(block: &PreNormBlock, xs: &Tensor, ctx: &TrainCtx<'_>) -> Result<Option<Self>> {
+        let s = &block.attn.spec;
+        let cd = ctx.compute;
+        let plain = block.post_attn_norm.is_none()
+            && block.post_mlp_norm.is_none()
+            && s.softcap.is_none()
+            && s.window.is_none()
+            && block.mlp.act == Activation::Silu
+            && ctx.masks.is_plain_causal()
+            && ctx.rope.rotary_width()? >= s.head_dim
+            && xs.rank() == 3
+            && flash_attention_supported(xs.device(), cd, s.head_dim);
+        if !plain {
+            return Ok(None);
+        }
+        let (Qkv::Separate { q, k, v }, GateUp::Separate { gate, up }) =
+            (&block.attn.qkv, &block.mlp.gate_up)
+        else {
+            return Ok(None);
+        };
+        let stream = xs.dtype();
+        let parts = (|| {
+            Some(Self {
+                input_norm: RmsWeight::of(&block.input_norm, stream)?,
+                q: Proj::of(q, cd)?,
+                k: Proj::of(k, cd)?,
+                v: Proj::of(v, cd)?,
+                o: Proj::of(&block.attn.o_proj, cd)?,
+                mlp_norm: RmsWeight::of(&block.pre_mlp_norm, stream)?,
+                gate: Proj::of(gate, cd)?,
+                up: Proj::of(up, cd)?,
+                down: Proj::of(&block.mlp.down, cd)?,
+            })
+        })();
+        Ok(parts)
+    }
+}
+
+/// What the backward pass reads, taken (and so freed) when it runs.
+struct Saved {
+    x: Tensor,
+    hc: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    flash: FlashState,
+    o2: Tensor,
+    x1: Tensor,
+    h2c: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    act: Tensor,
+}
+
+/// The layer's output for `xs` (batch, seq, hidden) with its gradient computed by hand, or
+/// `None` where this block, device or context is not one this path handles (the caller then
+/// runs Candle's graph), or where no [`WeightGradSink`] is given.
+pub(super) fn forward_train(
+    block: &PreNormBlock,
+    xs: &Tensor,
+    ctx: &TrainCtx<'_>,
+) -> Result<Option<Tensor>> {
+    let Some(sink) = &ctx.weight_grads else {
+        return Ok(None);
+    };
+    let Some(p) = Parts::of(block, xs, ctx)? else {
+        return Ok(None);
+    };
+    let _span = tracing::trace_span!("block.by_hand.forward").entered();
+    let s = block.attn.spec;
+    let (b, t, hidden) = xs.dims3()?;
+    let (n, d, cd) = (b * t, s.head_dim, ctx.compute);
+    let x = xs.detach().reshape((n, hidden))?;
+    let heads = |y: &Tensor, nh: usize| y.reshape((b, t, nh, d))?.transpose(1, 2)?.contiguous();
+    let hc = rms_norm(&x, &p.input_norm.w, p.input_norm.eps)?.to_dtype(cd)?;
+    let q = ctx
+        .rope
+        .apply_plain(&heads(&p.q.forward(&hc)?, s.n_heads)?)?;
+    let k = ctx
+        .rope
+        .apply_plain(&heads(&p.k.forward(&hc)?, s.n_kv_heads)?)?;
+    let v = heads(&p.v.forward(&hc)?, s.n_kv_heads)?;
+    let scale = (1.0 / s.score_div) as f32;
+    let (o, flash) = flash_attention_forward(&q, &k, &v, scale)?;
+    let o2 = o.transpose(1, 2)?.reshape((n, s.n_heads * d))?;
+    let x1 = (&x + p.o.forward(&o2)?.to_dtype(x.dtype())?)?;
+    let h2c = rms_norm(&x1, &p.mlp_norm.w, p.mlp_norm.eps)?.to_dtype(cd)?;
+    let gate = p.gate.forward(&h2c)?;
+    let up = p.up.forward(&h2c)?;
+    let act = swiglu(&gate, &up)?;
+    let out = (&x1 + p.down.forward(&act)?.to_dtype(x.dtype())?)?.reshape((b, t, hidden))?;
+    if !xs.track_op() {
+        return Ok(Some(out));
+    }
+    let saved = Mutex::new(Some(Saved {
+        x,
+        hc,
+        q,
+        k,
+        v,
+        o,
+        flash,
+        o2,
+        x1,
+        h2c,
+        gate,
+        up,
+        act,
+    }));
+    let (sink, rope) = (sink.clone(), ctx.rope.clone());
+    let out = with_gradient(xs, out, move |dy| {
+        let _span = tracing::trace_span!("block.by_hand.backward").entered();
+        let sv = saved
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("block activations poisoned".into()))?
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("block backward ran twice".into()))?;
+        let dy = dy.reshape((n, hidden))?;
+        // MLP.
+        let dyc = dy.to_dtype(cd)?;
+        let dact = p.down.backward(&sv.act, &dyc, &sink)?;
+        drop(sv.act);
+        let (dgate, dup) = swiglu_backward(&sv.gate, &sv.up, &dact)?;
+        drop((dact, sv.gate, sv.up));
+        let dh2 = (p.gate.backward(&sv.h2c, &dgate, &sink)? + p.up.backward(&sv.h2c, &dup, &sink)?)?;
+        drop((dgate, dup, sv.h2c));
+        let (dx1, dw) = rms_norm_backward(
+            &sv.x1,
+            &p.mlp_norm.w,
+            p.mlp_norm.eps,
+            &dh2.to_dtype(sv.x1.dtype())?,
+        )?;
+        sink(&p.mlp_norm.served, dw)?;
+        drop((dh2, sv.x1));
+        let dx1 = (dy + dx1)?;
+        // Attention.
+        let do2 = p.o.backward(&sv.o2, &dx1.to_dtype(cd)?, &sink)?;
+        drop(sv.o2);
+        let do4 = do2.reshape((b, t, s.n_heads, d))?.transpose(1, 2)?;
+        let (dq, dk, dv) = flash_attention_backward(&sv.q, &sv.k, &sv.v, &sv.o, &do4, &sv.flash)?;
+        drop((do4, sv.q, sv.k, sv.v, sv.o, sv.flash));
+        let rows = |g: Tensor, nh: usize| g.transpose(1, 2)?.reshape((n, nh * d));
+        let dq = rows(rope.unrotate_plain(&dq)?, s.n_heads)?;
+        let dk = rows(rope.unrotate_plain(&dk)?, s.n_kv_heads)?;
+        let dv = rows(dv, s.n_kv_heads)?;
+        let dh = ((p.q.backward(&sv.hc, &dq, &sink)? + p.k.backward(&sv.hc, &dk, &sink)?)?
+            + p.v.backward(&sv.hc, &dv, &sink)?)?;
+        drop((dq, dk, dv, sv.hc));
+        let (dx, dw) = rms_norm_backward(
+            &sv.x,
+            &p.input_norm.w,
+            p.input_norm.eps,
+            &dh.to_dtype(sv.x.dtype())?,
+        )?;
+        sink(&p.input_norm.served, dw)?;
+        (dx1 + dx)?.reshape((b, t, hidden))
+    })?;
+    Ok(Some(out))
+}
