@@ -8,7 +8,7 @@
 //! good steps, backoff 0.5.
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Tensor, Var, D};
 use candle_nn::Optimizer;
 
 /// The scaler's settings (PyTorch's defaults).
@@ -165,7 +165,15 @@ impl GradScaler {
             // Any inf or NaN makes the plain sum inf or NaN (inf - inf is NaN), so one pass
             // without `abs` finds them; finite values of opposite signs beyond F32's range do
             // not raise a false alarm the way a sum of absolute values would.
-            let s = g.to_dtype(DType::F32)?.sum_all()?;
+            // Rows first: Candle reduces a whole tensor to one value in a single GPU block,
+            // which for the embedding's gradient alone took milliseconds; one block per row
+            // reads at the memory's rate.
+            let f = g.to_dtype(DType::F32)?;
+            let s = if f.rank() >= 2 {
+                f.sum(D::Minus1)?.sum_all()?
+            } else {
+                f.sum_all()?
+            };
             match totals
                 .iter_mut()
                 .find(|t| t.device().same_device(s.device()))
