@@ -202,6 +202,7 @@ impl Core {
 
     /// Token embeddings, F32.
     fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let _span = tracing::trace_span!("train.embed").entered();
         let vb = self.vb(&self.layout.embed)?.to_dtype(DType::F32);
         self.family
             .embed(&self.cfg, UnitWeights::dense(vb), ids)?
@@ -209,6 +210,7 @@ impl Core {
     }
 
     fn layer(&self, l: usize, xs: &Tensor, masks: &Masks) -> Result<Tensor> {
+        let _span = tracing::trace_span!("train.layer", l).entered();
         let prefix = self.layout.layer(l);
         let weights = UnitWeights::dense(self.vb(&prefix)?.pp(&prefix));
         let block = self.family.block(&self.cfg, weights, l, DType::F32)?;
@@ -227,6 +229,7 @@ impl Core {
 
     /// Summed cross-entropy of `xs` (tokens, hidden) against `targets` (tokens).
     fn head_loss_sum(&self, xs: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let _span = tracing::trace_span!("train.head_loss").entered();
         let (v, h) = (self.cfg.vocab_size, self.cfg.hidden_size);
         let norm = self.family.final_norm(
             &self.cfg,

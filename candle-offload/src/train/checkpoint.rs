@@ -169,7 +169,10 @@ impl Checkpointer {
 
     /// `loss.backward()` plus the parameter gradients the segments left in the side store.
     pub fn backward(&self, loss: &Tensor) -> candle_core::Result<GradStore> {
-        let mut grads = loss.backward()?;
+        let mut grads = {
+            let _span = tracing::trace_span!("checkpoint.graph_backward").entered();
+            loss.backward()?
+        };
         let side = std::mem::take(&mut *self.side()?);
         grads.extend(side)?;
         Ok(grads)

@@ -364,6 +364,57 @@ impl candle_core::InplaceOp1 for AddInto<'_> {
     }
 }
 
+/// `g *= factor` over a contiguous F32 `g` on the host, on every core, noting whether every
+/// result is finite.
+struct ScaleInPlace {
+    factor: f32,
+    finite: std::sync::atomic::AtomicBool,
+}
+
+impl candle_core::InplaceOp1 for ScaleInPlace {
+    fn name(&self) -> &'static str {
+        "scale-in-place"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        use rayon::prelude::*;
+        use std::sync::atomic::Ordering;
+        let CpuStorage::F32(g) = s else {
+            candle_core::bail!("scale-in-place: the gradient has to be F32");
+        };
+        let Some((a, b)) = l.contiguous_offsets() else {
+            candle_core::bail!("scale-in-place: the gradient has to be contiguous");
+        };
+        let factor = self.factor;
+        g[a..b].par_chunks_mut(GRAD_CHUNK).for_each(|d| {
+            let mut all = true;
+            for x in d.iter_mut() {
+                *x *= factor;
+                all &= x.is_finite();
+            }
+            if !all {
+                self.finite.store(false, Ordering::Relaxed);
+            }
+        });
+        Ok(())
+    }
+}
+
+/// Multiplies a host F32 gradient by `factor` in place, on every core, and says whether every
+/// value is finite afterwards; `None` where `g` is not a contiguous F32 host tensor (the
+/// caller then uses tensor ops).
+pub(crate) fn scale_host_in_place(g: &Tensor, factor: f32) -> candle_core::Result<Option<bool>> {
+    if !g.device().is_cpu() || g.dtype() != DType::F32 || !g.is_contiguous() {
+        return Ok(None);
+    }
+    let op = ScaleInPlace {
+        factor,
+        finite: std::sync::atomic::AtomicBool::new(true),
+    };
+    g.inplace_op1(&op)?;
+    Ok(Some(op.finite.load(std::sync::atomic::Ordering::Relaxed)))
+}
+
 #[derive(Clone, Copy)]
 struct Coefficients {
     b1: f32,
