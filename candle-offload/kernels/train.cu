@@ -265,12 +265,15 @@ extern "C" __global__ void adamw_multi_f32(const uint64_t *table, float lr, floa
 //
 // Backward (WMMA 16x16x16; S, P, dP and dS go through shared memory, as WMMA fragments'
 // layout is opaque): flash_attn_bwd_prep computes D = rowsum(dO * O) (f32) first; then grid
-// (ceil(t / 64), b * hkv), 8 warps: a CTA owns 64 keys of one kv head and loops over the
-// query heads of its group and over the 64-row query tiles from the diagonal on: S = Q K^T,
+// (ceil(t / 64), b * h), 8 warps: a CTA owns 64 keys of one query head (so of the kv head of
+// its group) and loops over the 64-row query tiles from the diagonal on: S = Q K^T,
 // P = exp(S * scale - L) (masked), dV += P^T dO, dP = dO V^T, dS = P * (dP - D) * scale,
 // dK += dS^T Q, dQ += dS K. dK and dV stay in registers (each warp its fragments) over the
-// whole loop, so they need no atomics; dQ is added to an f32 buffer with atomicAdd. The
-// gradients are written as f32: dq (zeroed by the caller), dk, dv.
+// loop; at the end they are stored, or, where several query heads share a kv head (GQA,
+// MQA), added with atomicAdd: one CTA per query head rather than one looping over the
+// group's heads (8 times the CTAs and an eighth of the longest CTA's work at 32:4). dQ is
+// added to an f32 buffer with atomicAdd. The gradients are f32: dq, dk, dv (zeroed by the
+// caller).
 #include <mma.h>
 
 namespace {
@@ -780,9 +783,10 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
     // the barrier ahead of the dQ step and written only after the next tile's first barriers.
     float *scratch = sdP + warp * 256;
     const uint32_t n0 = blockIdx.x * FA_BN;
-    const uint32_t kvh = blockIdx.y;  // b * hkv + g
-    const uint32_t bi = kvh / hkv, g = kvh % hkv;
+    const uint32_t head = blockIdx.y;  // b * h + query head
+    const uint32_t bi = head / h;
     const uint32_t rep = h / hkv;
+    const uint32_t kvh = bi * hkv + (head % h) / rep;
     fa_load_tile<T, D, LDT>(sK, k + (size_t)kvh * t * D, n0, t);
     fa_load_tile<T, D, LDT>(sV, v + (size_t)kvh * t * D, n0, t);
 
@@ -798,8 +802,7 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
     }
 
     const uint32_t m_start = (n0 / FA_BM) * FA_BM;
-    for (uint32_t hq = g * rep; hq < (g + 1) * rep; ++hq) {
-        const uint32_t head = bi * h + hq;
+    {
         const T *qh = q + (size_t)head * t * D;
         const T *gh = dout + (size_t)head * t * D;
         for (uint32_t m0 = m_start; m0 < t; m0 += FA_BM) {
@@ -913,27 +916,46 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
         }
     }
 
-    // dK and dV of this key tile: rows n0.. below t.
+    // dK and dV of this key tile (rows n0.. below t) from this query head: stored where the
+    // kv head has one query head, otherwise added (the buffers start at zero) to what the
+    // group's other query heads give.
     float *dkh = dk + (size_t)kvh * t * D;
     float *dvh = dv + (size_t)kvh * t * D;
 #pragma unroll
     for (int i = 0; i < PER_WARP; ++i) {
         const int f = warp + i * FA_BWD_WARPS;
         const int fr = f / DCOLS, fc = f % DCOLS;
-        wmma::store_matrix_sync(scratch, dk_acc[i], 16, wmma::mem_row_major);
-        __syncwarp();
-        for (int e = lane; e < 256; e += 32) {
-            const uint32_t row = n0 + fr * 16 + e / 16;
-            if (row < t) dkh[(size_t)row * D + fc * 16 + e % 16] = scratch[e];
+#pragma unroll
+        for (int which = 0; which < 2; ++which) {
+            float *out = which == 0 ? dkh : dvh;
+            wmma::store_matrix_sync(scratch, which == 0 ? dk_acc[i] : dv_acc[i], 16,
+                                    wmma::mem_row_major);
+            __syncwarp();
+            if (rep == 1) {
+                for (int e = lane; e < 256; e += 32) {
+                    const uint32_t row = n0 + fr * 16 + e / 16;
+                    if (row < t) out[(size_t)row * D + fc * 16 + e % 16] = scratch[e];
+                }
+            } else {
+#if __CUDA_ARCH__ >= 900
+                for (int e = lane; e < 64; e += 32) {
+                    const int r = e >> 2, c = (e & 3) * 4;
+                    const uint32_t row = n0 + fr * 16 + r;
+                    if (row < t) {
+                        const float4 val = *reinterpret_cast<const float4 *>(scratch + r * 16 + c);
+                        atomicAdd(reinterpret_cast<float4 *>(out + (size_t)row * D + fc * 16 + c),
+                                  val);
+                    }
+                }
+#else
+                for (int e = lane; e < 256; e += 32) {
+                    const uint32_t row = n0 + fr * 16 + e / 16;
+                    if (row < t) atomicAdd(out + (size_t)row * D + fc * 16 + e % 16, scratch[e]);
+                }
+#endif
+            }
+            __syncwarp();
         }
-        __syncwarp();
-        wmma::store_matrix_sync(scratch, dv_acc[i], 16, wmma::mem_row_major);
-        __syncwarp();
-        for (int e = lane; e < 256; e += 32) {
-            const uint32_t row = n0 + fr * 16 + e / 16;
-            if (row < t) dvh[(size_t)row * D + fc * 16 + e % 16] = scratch[e];
-        }
-        __syncwarp();
     }
 #else
     __trap();

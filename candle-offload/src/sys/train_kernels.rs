@@ -738,7 +738,8 @@ pub(crate) fn flash_attn_bwd(
             to_u32(t, "t")?,
         );
         let (rows_u, d_u) = (to_u32(rows, "rows")?, to_u32(d, "head width")?);
-        let grid_y = fa_heads(b * hkv)?;
+        // F16/BF16: a CTA per query head (GQA's dk and dv added atomically); F32: per kv head.
+        let grid_y = fa_heads(if T::DTYPE == DType::F32 { b * hkv } else { b * h })?;
         let stream = dev.cuda_stream();
 
         // SAFETY: uninitialised device memory of one f32 per row; the prep kernel launched
@@ -759,7 +760,8 @@ pub(crate) fn flash_attn_bwd(
         // or threads past the last row return.
         unsafe { bl.launch(cfg) }.w()?;
 
-        // dq is accumulated with atomics: the whole buffer starts at zero.
+        // dq (and, under GQA/MQA in F16/BF16, dk and dv) are accumulated with atomics: the
+        // whole buffer starts at zero.
         let all = dev.alloc_zeros::<f32>(nq + 2 * nkv)?;
         let (dq, rest) = all.split_at(nq);
         let (dk, dv) = rest.split_at(nkv);
@@ -777,10 +779,11 @@ pub(crate) fn flash_attn_bwd(
         // float* dv, uint32_t h, uint32_t hkv, uint32_t t, float)` in kernels/train.cu; q and
         // dO hold b·h·t·d elements, k and v b·hkv·t·d, lse and dvec b·h·t, and dq, dk, dv are
         // disjoint parts of one buffer of b·h·t·d, b·hkv·t·d and b·hkv·t·d f32 (checked and
-        // split above); the grid is (tiles of 64 keys, b·hkv), 256 threads (every dtype), with
+        // split above); the grid is (tiles of 64 keys, b·h query heads in F16/BF16, b·hkv kv
+        // heads in F32, as each kernel indexes blockIdx.y), 256 threads (every dtype), with
         // the shared memory the kernel's layout takes for this d (allowed above); each block
-        // writes the dk and dv rows of its own key tile below t and adds to dq rows below t
-        // only; the inputs start 16-byte aligned (checked above), and so do dq, dk and dv
+        // writes or adds to the dk and dv rows of its own key tile below t and adds to dq rows
+        // below t only; the inputs start 16-byte aligned (checked above), and so do dq, dk and dv
         // (the F32 kernel's float4 stores: their offsets are multiples of d). The dq, dk and dv views are
         // written through shared borrows of a buffer no other code has seen yet.
         unsafe { bl.launch(cfg) }.w()?;
