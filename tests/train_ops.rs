@@ -531,21 +531,39 @@ fn fused_adamw_follows_candle_nn(device: &Device) -> anyhow::Result<()> {
             })
             .collect()
     };
-    let (ours_vars, ref_vars) = (make()?, make()?);
+    let (ours_vars, ref_vars, scaled_vars) = (make()?, make()?, make()?);
     let params = ParamsAdamW {
         lr: 1e-2,
         weight_decay: 0.1,
         ..Default::default()
     };
     let mut ours = fused::FusedAdamW::new(ours_vars.clone(), params.clone())?;
-    let mut reference = AdamW::new(ref_vars.clone(), params)?;
+    let mut reference = AdamW::new(ref_vars.clone(), params.clone())?;
+    // Gradients of a loss scaled by 2^10, unscaled inside the step: exactly `ours`.
+    let mut scaled = fused::FusedAdamW::new(scaled_vars.clone(), params)?;
     for step in 0..100 {
         if step == 50 {
             ours.set_learning_rate(5e-3);
             reference.set_learning_rate(5e-3);
+            scaled.set_learning_rate(5e-3);
         }
         ours.step(&step_grads(&ours_vars, step, device)?)?;
         reference.step(&step_grads(&ref_vars, step, device)?)?;
+        let grads = step_grads(&scaled_vars, step, device)?;
+        let mut times = candle_core::backprop::GradStore::default();
+        for v in &scaled_vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                times.insert(v.as_tensor(), (g * 1024.0)?);
+            }
+        }
+        scaled.step_scaled(&times, 1.0 / 1024.0)?;
+    }
+    for (a, b) in ours_vars.iter().zip(&scaled_vars) {
+        let (a, b) = (
+            a.as_tensor().flatten_all()?.to_vec1::<f32>()?,
+            b.as_tensor().flatten_all()?.to_vec1::<f32>()?,
+        );
+        anyhow::ensure!(a == b, "unscaled in the step: not the plain step's values");
     }
     for (i, (a, b)) in ours_vars.iter().zip(&ref_vars).enumerate() {
         let d = (a.as_tensor() - b.as_tensor())?

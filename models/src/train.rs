@@ -787,7 +787,7 @@ impl Trainer {
             Source::Resident(_) => Vec::new(),
         };
         let outcome = match &mut self.opt {
-            Adam::Fused(o) => self.scaler.step_owned(o, &self.vars, grads)?,
+            Adam::Fused(o) => self.scaler.step_fused(o, &self.vars, grads)?,
             Adam::Device(o) => self.scaler.step_owned(o, &self.vars, grads)?,
             Adam::Host(o) => self.scaler.step_owned(o, &self.vars, grads)?,
         };

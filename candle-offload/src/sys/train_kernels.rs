@@ -449,7 +449,7 @@ pub(crate) fn adamw_multi(
     items: &[AdamItem<'_>],
     (m, ml): (&CudaStorage, &Layout),
     (v, vl): (&CudaStorage, &Layout),
-    scalars: [f32; 9],
+    scalars: [f32; 10],
 ) -> Result<()> {
     let Some(first) = items.first() else {
         return Ok(());
@@ -511,7 +511,7 @@ pub(crate) fn adamw_multi(
         for x in &scalars {
             b.arg(x);
         }
-        // SAFETY: the arguments match `adamw_multi_f32(const uint64_t*, float ×9)` in
+        // SAFETY: the arguments match `adamw_multi_f32(const uint64_t*, float ×10)` in
         // kernels/train.cu. The table, on the device (copied on this stream before the
         // launch), holds 5 entries per tensor of this batch (gridDim.y = batch length):
         // the addresses of its parameter and gradient views (n f32 each, checked above), of

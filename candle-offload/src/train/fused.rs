@@ -878,6 +878,66 @@ impl FusedAdamW {
     pub fn params(&self) -> &ParamsAdamW {
         &self.params
     }
+
+    /// An AdamW step on `grads` times `grad_scale`, the scaling done as the kernel reads each
+    /// gradient (PyTorch's unscale-in-the-step for a loss scaled by `1 / grad_scale`): no pass
+    /// of its own over the gradients. `step` is `step_scaled(grads, 1.0)`, exactly.
+    pub fn step_scaled(&mut self, grads: &GradStore, grad_scale: f64) -> Result<()> {
+        let (vars, offsets, m, v) = match &mut self.state {
+            AdamState::Host(o) => {
+                if grad_scale == 1.0 {
+                    return o.step(grads);
+                }
+                let mut scaled = GradStore::default();
+                for &id in grads.get_ids() {
+                    if let Some(g) = grads.get_id(id) {
+                        scaled.insert_id(id, g.affine(grad_scale, 0.)?);
+                    }
+                }
+                return o.step(&scaled);
+            }
+            AdamState::Device {
+                vars,
+                offsets,
+                m,
+                v,
+            } => (vars, offsets, m, v),
+        };
+        self.step_t += 1;
+        let p = &self.params;
+        let t = self.step_t as i32;
+        // The kernel's scalars as candle-nn's tensor ops round them (f64, then f32): lr,
+        // 1 - lr·wd, β1, 1 - β1, β2, 1 - β2, the bias corrections 1 / (1 - βᵗ), eps, and the
+        // gradients' factor.
+        let scalars = [
+            p.lr,
+            1.0 - p.lr * p.weight_decay,
+            p.beta1,
+            1.0 - p.beta1,
+            p.beta2,
+            1.0 - p.beta2,
+            1.0 / (1.0 - p.beta1.powi(t)),
+            1.0 / (1.0 - p.beta2.powi(t)),
+            p.eps,
+            grad_scale,
+        ]
+        .map(|x| x as f32);
+        let mut items = Vec::new();
+        for (var, &offset) in vars.iter().zip(offsets.iter()) {
+            if let Some(g) = grads.get(var) {
+                if g.dims() != var.dims() {
+                    candle_core::bail!(
+                        "FusedAdamW: gradient {:?} for a variable {:?}",
+                        g.shape(),
+                        var.shape()
+                    );
+                }
+                let g = g.to_dtype(DType::F32)?.contiguous()?;
+                items.push((var.as_tensor().clone(), g, offset));
+            }
+        }
+        device::adamw_step(&items, m, v, scalars)
+    }
 }
 
 impl Optimizer for FusedAdamW {
@@ -928,47 +988,7 @@ impl Optimizer for FusedAdamW {
     }
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
-        let (vars, offsets, m, v) = match &mut self.state {
-            AdamState::Host(o) => return o.step(grads),
-            AdamState::Device {
-                vars,
-                offsets,
-                m,
-                v,
-            } => (vars, offsets, m, v),
-        };
-        self.step_t += 1;
-        let p = &self.params;
-        let t = self.step_t as i32;
-        // The kernel's scalars as candle-nn's tensor ops round them (f64, then f32): lr,
-        // 1 - lr·wd, β1, 1 - β1, β2, 1 - β2, the bias corrections 1 / (1 - βᵗ), eps.
-        let scalars = [
-            p.lr,
-            1.0 - p.lr * p.weight_decay,
-            p.beta1,
-            1.0 - p.beta1,
-            p.beta2,
-            1.0 - p.beta2,
-            1.0 / (1.0 - p.beta1.powi(t)),
-            1.0 / (1.0 - p.beta2.powi(t)),
-            p.eps,
-        ]
-        .map(|x| x as f32);
-        let mut items = Vec::new();
-        for (var, &offset) in vars.iter().zip(offsets.iter()) {
-            if let Some(g) = grads.get(var) {
-                if g.dims() != var.dims() {
-                    candle_core::bail!(
-                        "FusedAdamW: gradient {:?} for a variable {:?}",
-                        g.shape(),
-                        var.shape()
-                    );
-                }
-                let g = g.to_dtype(DType::F32)?.contiguous()?;
-                items.push((var.as_tensor().clone(), g, offset));
-            }
-        }
-        device::adamw_step(&items, m, v, scalars)
+        self.step_scaled(grads, 1.0)
     }
 
     fn learning_rate(&self) -> f64 {
@@ -995,7 +1015,7 @@ mod device {
         items: &[(Tensor, Tensor, usize)],
         m: &Tensor,
         v: &Tensor,
-        scalars: [f32; 9],
+        scalars: [f32; 10],
     ) -> Result<()> {
         let (ms, ml) = m.storage_and_layout();
         let (vs, vl) = v.storage_and_layout();
@@ -1030,7 +1050,7 @@ mod device {
         _items: &[(Tensor, Tensor, usize)],
         _m: &Tensor,
         _v: &Tensor,
-        _scalars: [f32; 9],
+        _scalars: [f32; 10],
     ) -> Result<()> {
         candle_core::bail!("FusedAdamW on a GPU needs a build with `--features cuda`")
     }

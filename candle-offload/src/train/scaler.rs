@@ -183,18 +183,7 @@ impl GradScaler {
             } else {
                 g
             };
-            // Any inf or NaN makes the plain sum inf or NaN (inf - inf is NaN), so one pass
-            // without `abs` finds them; finite values of opposite signs beyond F32's range do
-            // not raise a false alarm the way a sum of absolute values would.
-            // Rows first: Candle reduces a whole tensor to one value in a single GPU block,
-            // which for the embedding's gradient alone took milliseconds; one block per row
-            // reads at the memory's rate.
-            let f = g.to_dtype(DType::F32)?;
-            let s = if f.rank() >= 2 {
-                f.sum(D::Minus1)?.sum_all()?
-            } else {
-                f.sum_all()?
-            };
+            let s = row_sums_total(&g)?;
             match totals
                 .iter_mut()
                 .find(|t| t.device().same_device(s.device()))
@@ -248,6 +237,46 @@ impl GradScaler {
         Ok(self.update(finite))
     }
 
+    /// [`step_owned`](Self::step_owned) for [`FusedAdamW`](super::FusedAdamW): the gradients
+    /// are checked as they are (one sum per row, no copy) and unscaled inside the optimizer's
+    /// kernel ([`FusedAdamW::step_scaled`](super::FusedAdamW::step_scaled)), so the step makes
+    /// no pass of its own to divide them. A gradient finite before the division stays finite
+    /// after it while the scale is at least 1, as it is unless many overflows in a row backed
+    /// it off below 1.
+    pub fn step_fused(
+        &mut self,
+        opt: &mut super::FusedAdamW,
+        vars: &[Var],
+        grads: GradStore,
+    ) -> candle_core::Result<StepOutcome> {
+        if !self.cfg.enabled {
+            opt.step(&grads)?;
+            return Ok(self.update(true));
+        }
+        let mut totals: Vec<Tensor> = Vec::new();
+        for v in vars {
+            let Some(g) = grads.get(v.as_tensor()) else {
+                continue;
+            };
+            let s = row_sums_total(g)?;
+            match totals
+                .iter_mut()
+                .find(|t| t.device().same_device(s.device()))
+            {
+                Some(t) => *t = (&*t + s)?,
+                None => totals.push(s),
+            }
+        }
+        let mut finite = true;
+        for t in totals {
+            finite &= t.to_scalar::<f32>()?.is_finite();
+        }
+        if finite {
+            opt.step_scaled(&grads, 1.0 / self.scale)?;
+        }
+        Ok(self.update(finite))
+    }
+
     /// [`step`](Self::step) consuming `grads` (the scaled gradients are freed while unscaling;
     /// with scaling off they are handed to the optimizer as they are). Contiguous F32 host
     /// gradients are unscaled in place: other handles to the same tensors see the division.
@@ -266,6 +295,21 @@ impl GradScaler {
             opt.step(&unscaled)?;
         }
         Ok(self.update(finite))
+    }
+}
+
+/// The sum of every value of `g` in F32, whose non-finiteness is the overflow check: any inf
+/// or NaN makes the plain sum inf or NaN (inf - inf is NaN), so one pass without `abs` finds
+/// them, and finite values of opposite signs beyond F32's range do not raise a false alarm
+/// the way a sum of absolute values would. Rows first: Candle reduces a whole tensor to one
+/// value in a single GPU block, which for the embedding's gradient alone took milliseconds;
+/// one block per row reads at the memory's rate.
+fn row_sums_total(g: &Tensor) -> candle_core::Result<Tensor> {
+    let f = g.to_dtype(DType::F32)?;
+    if f.rank() >= 2 {
+        f.sum(D::Minus1)?.sum_all()
+    } else {
+        f.sum_all()
     }
 }
 
