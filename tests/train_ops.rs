@@ -784,7 +784,10 @@ fn hand_backward_matches_graph(device: &Device) -> anyhow::Result<()> {
                 let what = format!("bias {bias}, {precision:?}, {segments} segments");
                 let (hand, n_hand) = run(precision, true)?;
                 let (graph, n_graph) = run(precision, false)?;
-                anyhow::ensure!(n_hand == want, "{what}: {n_hand} gradients by hand, want {want}");
+                anyhow::ensure!(
+                    n_hand == want,
+                    "{what}: {n_hand} gradients by hand, want {want}"
+                );
                 anyhow::ensure!(n_graph == 0, "{what}: {n_graph} by hand with it off");
                 anyhow::ensure!(hand.1.len() == graph.1.len() && !hand.1.is_empty());
                 runs.push((what, hand, graph));
@@ -802,7 +805,10 @@ fn hand_backward_matches_graph(device: &Device) -> anyhow::Result<()> {
                 anyhow::ensure!(d <= 1e-5, "{what}: {name}: gradient differs by {d:e}");
             }
             for (a, b) in steps_h.iter().zip(steps_g) {
-                anyhow::ensure!(rel(*a, *b) <= 1e-5, "{what}: steps {steps_h:?} vs {steps_g:?}");
+                anyhow::ensure!(
+                    rel(*a, *b) <= 1e-5,
+                    "{what}: steps {steps_h:?} vs {steps_g:?}"
+                );
             }
             // BF16: each path rounds differently (the graph sums in BF16 where the hand path
             // sums a bias's gradient in F32), so both are measured against the F32 gradients.

@@ -720,7 +720,8 @@ impl Trainer {
         if !offloaded && core.fused && core.hand_backward {
             // A weight's gradient, from a block's own backward pass, goes to its F32 master
             // through the checkpointer's side store, which `backward` merges.
-            let (origins, side, count) = (core.origins.clone(), ck.clone(), core.hand_grads.clone());
+            let (origins, side, count) =
+                (core.origins.clone(), ck.clone(), core.hand_grads.clone());
             let sink: WeightGradSink = Arc::new(move |served: &Tensor, grad: Tensor| {
                 count.fetch_add(1, Ordering::Relaxed);
                 let master = origins.master_of(served)?.ok_or_else(|| {

@@ -739,7 +739,11 @@ pub(crate) fn flash_attn_bwd(
         );
         let (rows_u, d_u) = (to_u32(rows, "rows")?, to_u32(d, "head width")?);
         // F16/BF16: a CTA per query head (GQA's dk and dv added atomically); F32: per kv head.
-        let grid_y = fa_heads(if T::DTYPE == DType::F32 { b * hkv } else { b * h })?;
+        let grid_y = fa_heads(if T::DTYPE == DType::F32 {
+            b * hkv
+        } else {
+            b * h
+        })?;
         let stream = dev.cuda_stream();
 
         // SAFETY: uninitialised device memory of one f32 per row; the prep kernel launched

@@ -401,7 +401,10 @@ mod tests {
                 let (Some(w), Some(g)) = (w, g) else {
                     panic!("a gradient is missing");
                 };
-                let (w, g) = (w.flatten_all()?.to_vec1::<f32>()?, g.flatten_all()?.to_vec1::<f32>()?);
+                let (w, g) = (
+                    w.flatten_all()?.to_vec1::<f32>()?,
+                    g.flatten_all()?.to_vec1::<f32>()?,
+                );
                 let same = w.iter().zip(&g).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "in-place values differ from affine's");
             }

@@ -229,7 +229,8 @@ pub(super) fn forward_train(
         drop(sv.act);
         let (dgate, dup) = swiglu_backward(&sv.gate, &sv.up, &dact)?;
         drop((dact, sv.gate, sv.up));
-        let dh2 = (p.gate.backward(&sv.h2c, &dgate, &sink)? + p.up.backward(&sv.h2c, &dup, &sink)?)?;
+        let dh2 =
+            (p.gate.backward(&sv.h2c, &dgate, &sink)? + p.up.backward(&sv.h2c, &dup, &sink)?)?;
         drop((dgate, dup, sv.h2c));
         let (dx1, dw) = rms_norm_backward(
             &sv.x1,
