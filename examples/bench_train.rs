@@ -121,6 +121,10 @@ struct Args {
     /// before the hand-written block backward pass, for a comparison in one run.
     #[arg(long)]
     graph_backward: bool,
+    /// Keep cudarc's per-buffer event tracking on in resident configurations
+    /// (`TrainSettings::event_tracking`; the trainer turns it off by default).
+    #[arg(long)]
+    event_tracking: bool,
     /// The peer's JSON (scripts/train_peer.py), measured in the same run.
     #[arg(long)]
     peer: Option<PathBuf>,
@@ -387,6 +391,7 @@ fn run_one(
         loss_chunk_tokens: None,
         fused: true,
         hand_backward: !args.graph_backward,
+        event_tracking: args.event_tracking,
     };
     let baseline = used(device)?;
     // The pool's in-use high-water mark, reset to what is in use now (then read back: that).
@@ -536,6 +541,7 @@ fn run_one(
         "host_profile": host_top,
         "sampler_ms": if gpu { Some(args.sampler_ms) } else { None },
         "hand_backward": !args.graph_backward,
+        "event_tracking": args.event_tracking || b.offload_gib.is_some(),
         "tokens_per_s": if step_s > 0.0 { tokens / step_s } else { 0.0 },
         "model_flops_per_token": flops_per_token,
         "dense_bf16_peak_flops": peak_flops,

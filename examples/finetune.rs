@@ -374,6 +374,7 @@ fn main() -> Result<()> {
         loss_chunk_tokens: None,
         fused: !args.unfused,
         hand_backward: true,
+        event_tracking: false,
     };
     let t0 = Instant::now();
     let mut trainer = Trainer::from_files(&files, &device, &settings)?;

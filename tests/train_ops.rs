@@ -837,3 +837,52 @@ test_device!(
     train_ops_hand_backward_cpu,
     train_ops_hand_backward_gpu
 );
+
+/// A resident trainer turns cudarc's event tracking off for its GPU's context while it lives
+/// and restores it when dropped (`TrainSettings::event_tracking` keeps it on); on the CPU the
+/// switch is a no-op that reports what it was asked.
+fn trainer_event_tracking(device: &Device) -> anyhow::Result<()> {
+    use candle_offload::train::set_event_tracking;
+    let cfg = candle_offload_models::Config::from_json_str(
+        &serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 101, "tie_word_embeddings": false,
+        })
+        .to_string(),
+        std::path::Path::new("<tracking shape>"),
+    )?;
+    for keep in [false, true] {
+        set_event_tracking(device, true)?;
+        let settings = TrainSettings {
+            event_tracking: keep,
+            ..Default::default()
+        };
+        let trainer = Trainer::random(cfg.clone(), device, &settings)?;
+        // Asking for the current state back: off while a trainer that turned it off lives.
+        let during = set_event_tracking(device, keep)?;
+        drop(trainer);
+        let after = set_event_tracking(device, true)?;
+        if device.is_cuda() {
+            anyhow::ensure!(
+                during == keep,
+                "keep {keep}: tracking {during} during training"
+            );
+            anyhow::ensure!(
+                after,
+                "keep {keep}: tracking not restored after the trainer"
+            );
+        } else {
+            anyhow::ensure!(
+                during == keep && after,
+                "the CPU's switch reports what it is asked"
+            );
+        }
+    }
+    Ok(())
+}
+test_device!(
+    trainer_event_tracking,
+    train_ops_event_tracking_cpu,
+    train_ops_event_tracking_gpu
+);

@@ -73,6 +73,11 @@ pub struct TrainSettings {
     /// Candle's graph per layer instead of one per op, which Candle's backward walk would
     /// each give a zeroed buffer and an add (default). `false`: every op in Candle's graph.
     pub hand_backward: bool,
+    /// Resident weights on a GPU: keep cudarc's per-buffer event tracking on. Off (default),
+    /// the trainer turns it off for the device's context while it lives (one stream carries
+    /// the whole step: hazard H15 in ARCHITECTURE.md) and restores it when dropped; keep it on
+    /// where something else uses this GPU on another stream meanwhile.
+    pub event_tracking: bool,
 }
 
 impl Default for TrainSettings {
@@ -95,6 +100,7 @@ impl Default for TrainSettings {
             loss_chunk_tokens: None,
             fused: true,
             hand_backward: true,
+            event_tracking: false,
         }
     }
 }
@@ -300,6 +306,18 @@ pub struct Trainer {
     checkpoint_segments: usize,
     recomputes: usize,
     observer: Option<PhaseObserver>,
+    /// Event tracking as it was before this trainer turned it off (resident on a GPU).
+    tracking_was: Option<bool>,
+}
+
+impl Drop for Trainer {
+    fn drop(&mut self) {
+        if let Some(was) = self.tracking_was {
+            if let Err(e) = candle_offload::train::set_event_tracking(&self.core.device, was) {
+                tracing::warn!("could not restore cudarc's event tracking: {e}");
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Trainer {
@@ -451,7 +469,15 @@ impl Trainer {
         } else {
             GradScaler::disabled()
         };
+        // Last, so that no error after it leaves the context without tracking.
+        let tracking_was = match source_kind {
+            Source::Resident(_) if !settings.event_tracking && !device.is_cpu() => {
+                Some(candle_offload::train::set_event_tracking(device, false)?)
+            }
+            _ => None,
+        };
         Ok(Self {
+            tracking_was,
             core: Arc::new(Core {
                 family: cfg.family.clone(),
                 layout: cfg.layout(),

@@ -671,6 +671,27 @@ pub(crate) fn keep_pool_memory(device: &Device, keep: bool) -> candle_core::Resu
     )?)
 }
 
+/// Turns cudarc's per-buffer event tracking of `device`'s context on or off; returns whether it
+/// was on. The caller (`train::set_event_tracking`) holds the contract: off only while every
+/// buffer of the context is used on one stream.
+pub(crate) fn set_event_tracking(device: &Device, on: bool) -> candle_core::Result<bool> {
+    let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
+    let was = ctx.is_event_tracking();
+    if on && !was {
+        // SAFETY: buffers made while tracking was off carry no events; turning it back on
+        // only adds events to later uses, which cudarc allows, and the buffers made while it
+        // was off were used on the device's one stream (the contract of turning it off).
+        unsafe { ctx.enable_event_tracking() };
+    } else if !on && was {
+        // SAFETY: the caller's contract (hazard H15 in ARCHITECTURE.md): until tracking is on
+        // again, every buffer of this context is allocated, used and freed on the Candle
+        // device's one stream, so stream order alone orders every use (resident training:
+        // no copy stream, no second Candle device on this GPU).
+        unsafe { ctx.disable_event_tracking() };
+    }
+    Ok(was)
+}
+
 /// Waits for the device, then returns the default pool's unused memory to the driver.
 pub(crate) fn trim_memory_pool(device: &Device) -> candle_core::Result<()> {
     trim_memory_pool_to(device, 0)

@@ -133,6 +133,10 @@ pub(crate) fn keep_pool_memory(_device: &Device, _keep: bool) -> candle_core::Re
     Ok(())
 }
 
+pub(crate) fn set_event_tracking(_device: &Device, on: bool) -> candle_core::Result<bool> {
+    Ok(on)
+}
+
 pub(crate) fn trim_memory_pool_to(_device: &Device, _keep: u64) -> candle_core::Result<()> {
     Ok(())
 }

@@ -30,6 +30,21 @@ mod host_adam;
 mod scaler;
 
 pub use attention::{flash_attention, flash_attention_composite};
+
+/// Turns cudarc's per-buffer event tracking of `device`'s context on or off and returns
+/// whether it was on (a no-op returning `on` on a CPU or without `cuda`). Tracking records and
+/// waits on an event per buffer per launch once the context has a second stream, which Candle's
+/// own device stream already makes it; a training step on one stream needs none of it. Turn it
+/// off only while nothing in the process uses this GPU's context on another stream (no
+/// offload runtime, no second Candle device on this GPU: hazard H15 in ARCHITECTURE.md), and
+/// back on after. `Trainer` does this for resident training unless
+/// `TrainSettings::event_tracking` keeps it.
+pub fn set_event_tracking(device: &candle_core::Device, on: bool) -> candle_core::Result<bool> {
+    if device.is_cpu() {
+        return Ok(on);
+    }
+    crate::sys::set_event_tracking(device, on)
+}
 pub use autocast::{Autocast, AutocastBackend, CastOrigins, Precision};
 pub use checkpoint::{segment_ranges, Checkpointer, GradSink};
 pub use fused::{cross_entropy, rms_norm, swiglu, FusedAdamW};
