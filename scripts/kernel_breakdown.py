@@ -176,11 +176,23 @@ def print_top(top, n=12):
 
 def decode(a):
     rep = os.path.splitext(a.out)[0] + ".ncu-rep"
+    bench_json = os.path.splitext(a.out)[0] + ".bench.json"
     bench = [
         a.bin, "--model-dir", a.model_dir, "--budgets", a.budget, "--prompt-lens",
         str(a.prompt_len), "--depths", "1", "--new-tokens", str(a.steps), "--profile-decode",
+        "--json-out", bench_json,
     ] + a.extra
     cmd, kernels = run_ncu(a.ncu, rep, bench)
+    # The profiled binary's provenance (its JSON carries the commit it was built from, the
+    # machine and the date), as the train mode records it.
+    provenance = {}
+    try:
+        with open(bench_json) as f:
+            data = json.load(f)
+        provenance = {k: data.get(k) for k in ("commit", "machine", "date")}
+    except (OSError, ValueError):
+        print("kernel_breakdown: the benchmark wrote no JSON: no commit or machine recorded",
+              file=sys.stderr)
     steps = a.steps
     busy_us = sum(ns for _, ns in kernels) / 1e3 / steps
     step_ms = None
@@ -199,6 +211,7 @@ def decode(a):
         "host_gap_ms_per_token": (step_ms - busy_us / 1e3) if step_ms else None,
         "groups": groups,
         "top_kernels": top,
+        **provenance,
     }
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)
