@@ -714,13 +714,14 @@ test_device!(
 
 /// The hand-written backward pass of the plain pre-norm block against Candle's graph of the
 /// same fused ops: loss, every gradient and three steps, plain and checkpointed, in F32 (and
-/// BF16, within half precision's tolerance), for LLaMA and for Qwen2's q/k/v biases; the
-/// hand path must have run for every weight of every layer.
+/// BF16, within half precision's tolerance), for LLaMA, for Qwen2's q/k/v biases and with a
+/// tied head, over one loss chunk and over five; the hand path must have run for every weight
+/// of every layer and for the final norm and head of every chunk.
 fn hand_backward_matches_graph(device: &Device) -> anyhow::Result<()> {
     let ids: Vec<u32> = (0..26u32).map(|i| (i * 37 + 11) % 101).collect();
     let inputs = Tensor::new(vec![ids[..12].to_vec(), ids[13..25].to_vec()], device)?;
     let targets = Tensor::new(vec![ids[1..13].to_vec(), ids[14..26].to_vec()], device)?;
-    for bias in [false, true] {
+    for (bias, tied) in [(false, false), (true, false), (false, true)] {
         // Head width 64 (the GPU's flash kernels take 64 and 128), MQA, 12 tokens (not a
         // multiple of a tile).
         let cfg = candle_offload_models::Config::from_json_str(
@@ -728,7 +729,7 @@ fn hand_backward_matches_graph(device: &Device) -> anyhow::Result<()> {
                 "model_type": if bias { "qwen2" } else { "llama" },
                 "hidden_size": 128, "intermediate_size": 160, "num_hidden_layers": 2,
                 "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 101,
-                "tie_word_embeddings": false,
+                "tie_word_embeddings": tied,
             })
             .to_string(),
             std::path::Path::new("<hand-backward shape>"),
@@ -747,12 +748,16 @@ fn hand_backward_matches_graph(device: &Device) -> anyhow::Result<()> {
                 Ok((name, t))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
-        let want = cfg.num_hidden_layers * if bias { 12 } else { 9 };
-        for segments in [0, 2] {
+        // Nine weights per layer (and three biases with them), plus the final norm's and the
+        // head's for each loss chunk.
+        let per_layers = cfg.num_hidden_layers * if bias { 12 } else { 9 };
+        for (segments, chunk) in [(0, None), (2, Some(5usize))] {
+            let want = per_layers + 2 * chunk.map_or(1, |c| 24usize.div_ceil(c));
             let run = |precision: Precision, hand: bool| -> anyhow::Result<(Run, usize)> {
                 let settings = TrainSettings {
                     precision,
                     checkpoint_segments: segments,
+                    loss_chunk_tokens: chunk,
                     batch_size: 2,
                     seq_len: 12,
                     hand_backward: hand,
@@ -781,7 +786,7 @@ fn hand_backward_matches_graph(device: &Device) -> anyhow::Result<()> {
             };
             let mut runs = Vec::new();
             for precision in [Precision::F32, Precision::BF16] {
-                let what = format!("bias {bias}, {precision:?}, {segments} segments");
+                let what = format!("bias {bias}, tied {tied}, {precision:?}, {segments} segments");
                 let (hand, n_hand) = run(precision, true)?;
                 let (graph, n_graph) = run(precision, false)?;
                 anyhow::ensure!(

@@ -242,11 +242,21 @@ impl Core {
             self.vb(&self.layout.norm)?.pp(&self.layout.norm),
             DType::F32,
         )?;
+        let name = self.layout.head_unit();
+        let w = self.vb(name)?.get((v, h), &format!("{name}.weight"))?;
+        let sink = self.weight_grads.lock().map_err(poisoned)?.clone();
+        if let (Some(sink), Some((nw, eps)), false) = (
+            sink,
+            norm.rms_parts(),
+            self.family.finishes_logits(&self.cfg),
+        ) {
+            if self.fused && nw.dtype() == xs.dtype() && xs.rank() == 2 {
+                return self.head_loss_by_hand(xs, targets, (nw, eps), &w, sink);
+            }
+        }
         let xs = norm
             .forward_train(xs, self.fused)?
             .to_dtype(self.autocast.compute_dtype())?;
-        let name = self.layout.head_unit();
-        let w = self.vb(name)?.get((v, h), &format!("{name}.weight"))?;
         let logits = xs.matmul(&w.t()?)?;
         // The fused loss reads F16/BF16 logits and sums in F32 itself: no F32 copy of the
         // logits, nor of their gradient, unless the family changes them first.
@@ -260,6 +270,52 @@ impl Core {
             return fused::cross_entropy(&logits, targets)?.sum_all();
         }
         fused::cross_entropy_composite(&logits, targets)?.sum_all()
+    }
+
+    /// [`head_loss_sum`](Self::head_loss_sum) as one graph node with its backward pass by
+    /// hand (final RMSNorm, the head's matmul, the fused loss): each gradient written once,
+    /// the head's and the norm's handed to `sink`, where Candle's walk would zero and add a
+    /// buffer the head's size at every op between the loss and the master.
+    fn head_loss_by_hand(
+        &self,
+        xs: &Tensor,
+        targets: &Tensor,
+        (norm_w, eps): (&Tensor, f64),
+        w: &Tensor,
+        sink: WeightGradSink,
+    ) -> Result<Tensor> {
+        let _span = tracing::trace_span!("train.head_loss.by_hand").entered();
+        let cd = self.autocast.compute_dtype();
+        let (x, nw, wd) = (xs.detach(), norm_w.detach(), w.detach());
+        let hc = fused::rms_norm(&x, &nw, eps)?.to_dtype(cd)?;
+        let logits = hc.matmul(&wd.t()?)?;
+        let loss = fused::cross_entropy(&logits, targets)?.sum_all()?;
+        if !xs.track_op() {
+            return Ok(loss);
+        }
+        let saved = Mutex::new(Some((x, hc, logits)));
+        let (targets, served_w, served_nw) = (targets.clone(), w.clone(), norm_w.clone());
+        candle_offload::train::grad::with_gradient(xs, loss, move |dloss| {
+            let (x, hc, logits) = saved
+                .lock()
+                .map_err(poisoned)?
+                .take()
+                .ok_or_else(|| candle_core::Error::Msg("head backward ran twice".into()))?;
+            let rows = logits.dim(0)?;
+            let dy = dloss
+                .to_dtype(DType::F32)?
+                .broadcast_as(rows)?
+                .contiguous()?;
+            let dlogits = fused::cross_entropy_backward(&logits, &targets, &dy)?;
+            drop(logits);
+            sink(&served_w, dlogits.t()?.matmul(&hc)?)?;
+            drop(hc);
+            let dh = dlogits.matmul(&wd)?;
+            drop(dlogits);
+            let (dx, dnw) = fused::rms_norm_backward(&x, &nw, eps, &dh.to_dtype(x.dtype())?)?;
+            sink(&served_nw, dnw)?;
+            Ok(dx)
+        })
     }
 
     /// Moves offloaded weights' gradients to the host, summed in F32 by tensor name.

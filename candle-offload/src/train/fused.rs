@@ -815,6 +815,33 @@ impl candle_core::CustomOp3 for CrossEntropyBwd {
     }
 }
 
+/// [`cross_entropy`]'s backward pass outside Candle's graph, for heads that compute their own:
+/// the logits' gradient (their dtype) for each row's loss gradient `dy` (rows), from the
+/// forward pass's logits and targets.
+pub fn cross_entropy_backward(logits: &Tensor, targets: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    use candle_core::CustomOp2;
+    check_dtypes(CrossEntropy::NAME, &[logits])?;
+    let (rows, vocab) = logits.dims2()?;
+    if targets.dims1()? != rows || targets.dtype() != DType::U32 || dy.dims1()? != rows {
+        candle_core::bail!(
+            "{}: backward of logits {:?} with targets {:?} {:?} and dy {:?}",
+            CrossEntropy::NAME,
+            logits.shape(),
+            targets.shape(),
+            targets.dtype(),
+            dy.shape()
+        );
+    }
+    if rows == 0 || vocab == 0 {
+        return logits.zeros_like();
+    }
+    let (logits, targets) = (logits.contiguous()?, targets.contiguous()?);
+    match (CrossEntropy { vocab }).bwd(&logits, &targets, dy, dy)? {
+        (Some(dx), _) => Ok(dx),
+        _ => candle_core::bail!("{}: backward gave no gradient", CrossEntropy::NAME),
+    }
+}
+
 /// Softmax cross-entropy of each row of `logits` (rows, vocab) against `targets` (rows, U32):
 /// `logsumexp(row) - row[target]` as F32 (rows), with the gradient for `logits` (in their
 /// dtype). No target is ignored: one outside the vocabulary is an error on the CPU and gives
