@@ -747,6 +747,30 @@ __device__ void flash_attn_bwd_prep(const T *o, const T *dout, float *dvec, uint
     if (lane == 0) dvec[row] = acc;
 }
 
+// Adds a warp's 16x16 f32 fragment (row-major in `scratch`) to rows row0.. (below t) and
+// columns col0.. of a [t][D] f32 buffer with atomics: four columns per atomic on sm_90 (its
+// float4 atomicAdd; 16-byte aligned: the buffers start aligned, rows are D floats, the
+// scratch sits at a 16-byte offset), one otherwise.
+template <int D>
+__device__ __forceinline__ void fa_add_fragment(float *out, const float *scratch, uint32_t row0,
+                                                int col0, uint32_t t, int lane) {
+#if __CUDA_ARCH__ >= 900
+    for (int e = lane; e < 64; e += 32) {
+        const int r = e >> 2, c = (e & 3) * 4;
+        const uint32_t row = row0 + r;
+        if (row < t) {
+            const float4 val = *reinterpret_cast<const float4 *>(scratch + r * 16 + c);
+            atomicAdd(reinterpret_cast<float4 *>(out + (size_t)row * D + col0 + c), val);
+        }
+    }
+#else
+    for (int e = lane; e < 256; e += 32) {
+        const uint32_t row = row0 + e / 16;
+        if (row < t) atomicAdd(out + (size_t)row * D + col0 + e % 16, scratch[e]);
+    }
+#endif
+}
+
 template <typename T, int D>
 __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
                                const T *__restrict__ v, const T *__restrict__ dout,
@@ -895,24 +919,7 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
                 }
                 wmma::store_matrix_sync(scratch, acc, 16, wmma::mem_row_major);
                 __syncwarp();
-#if __CUDA_ARCH__ >= 900
-                // Four columns per atomic (sm_90's float4 atomicAdd; 16-byte aligned: dq starts
-                // its buffer, rows are D floats, the scratch sits at a 16-byte offset).
-                for (int e = lane; e < 64; e += 32) {
-                    const int r = e >> 2, c = (e & 3) * 4;
-                    const uint32_t row = m0 + fr * 16 + r;
-                    if (row < t) {
-                        const float4 val = *reinterpret_cast<const float4 *>(scratch + r * 16 + c);
-                        atomicAdd(reinterpret_cast<float4 *>(dqh + (size_t)row * D + fc * 16 + c),
-                                  val);
-                    }
-                }
-#else
-                for (int e = lane; e < 256; e += 32) {
-                    const uint32_t row = m0 + fr * 16 + e / 16;
-                    if (row < t) atomicAdd(dqh + (size_t)row * D + fc * 16 + e % 16, scratch[e]);
-                }
-#endif
+                fa_add_fragment<D>(dqh, scratch, m0 + fr * 16, fc * 16, t, lane);
                 __syncwarp();
             }
         }
@@ -939,22 +946,7 @@ __device__ void flash_attn_bwd(const T *__restrict__ q, const T *__restrict__ k,
                     if (row < t) out[(size_t)row * D + fc * 16 + e % 16] = scratch[e];
                 }
             } else {
-#if __CUDA_ARCH__ >= 900
-                for (int e = lane; e < 64; e += 32) {
-                    const int r = e >> 2, c = (e & 3) * 4;
-                    const uint32_t row = n0 + fr * 16 + r;
-                    if (row < t) {
-                        const float4 val = *reinterpret_cast<const float4 *>(scratch + r * 16 + c);
-                        atomicAdd(reinterpret_cast<float4 *>(out + (size_t)row * D + fc * 16 + c),
-                                  val);
-                    }
-                }
-#else
-                for (int e = lane; e < 256; e += 32) {
-                    const uint32_t row = n0 + fr * 16 + e / 16;
-                    if (row < t) atomicAdd(out + (size_t)row * D + fc * 16 + e % 16, scratch[e]);
-                }
-#endif
+                fa_add_fragment<D>(out, scratch, n0 + fr * 16, fc * 16, t, lane);
             }
             __syncwarp();
         }

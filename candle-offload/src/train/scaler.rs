@@ -163,8 +163,7 @@ impl GradScaler {
     ) -> candle_core::Result<(GradStore, bool)> {
         let inv = 1.0 / self.scale;
         let mut out = GradStore::default();
-        // One running sum per device: a single read per device at the end.
-        let mut totals: Vec<Tensor> = Vec::new();
+        let mut totals = Totals::default();
         let mut host_finite = true;
         for v in vars {
             let Some(g) = grads.remove(v.as_tensor()) else {
@@ -183,21 +182,11 @@ impl GradScaler {
             } else {
                 g
             };
-            let s = row_sums_total(&g)?;
-            match totals
-                .iter_mut()
-                .find(|t| t.device().same_device(s.device()))
-            {
-                Some(t) => *t = (&*t + s)?,
-                None => totals.push(s),
-            }
+            totals.add(&g)?;
             out.insert(v.as_tensor(), g);
         }
         drop(grads);
-        let mut finite = host_finite;
-        for t in totals {
-            finite &= t.to_scalar::<f32>()?.is_finite();
-        }
+        let finite = host_finite && totals.finite()?;
         Ok((out, finite))
     }
 
@@ -253,24 +242,13 @@ impl GradScaler {
             opt.step(&grads)?;
             return Ok(self.update(true));
         }
-        let mut totals: Vec<Tensor> = Vec::new();
+        let mut totals = Totals::default();
         for v in vars {
-            let Some(g) = grads.get(v.as_tensor()) else {
-                continue;
-            };
-            let s = row_sums_total(g)?;
-            match totals
-                .iter_mut()
-                .find(|t| t.device().same_device(s.device()))
-            {
-                Some(t) => *t = (&*t + s)?,
-                None => totals.push(s),
+            if let Some(g) = grads.get(v.as_tensor()) {
+                totals.add(g)?;
             }
         }
-        let mut finite = true;
-        for t in totals {
-            finite &= t.to_scalar::<f32>()?.is_finite();
-        }
+        let finite = totals.finite()?;
         if finite {
             opt.step_scaled(&grads, 1.0 / self.scale)?;
         }
@@ -295,6 +273,35 @@ impl GradScaler {
             opt.step(&unscaled)?;
         }
         Ok(self.update(finite))
+    }
+}
+
+/// The overflow check's running sums, one per device, so that the verdict costs a single read
+/// per device at the end.
+#[derive(Default)]
+struct Totals(Vec<Tensor>);
+
+impl Totals {
+    fn add(&mut self, g: &Tensor) -> candle_core::Result<()> {
+        let s = row_sums_total(g)?;
+        match self
+            .0
+            .iter_mut()
+            .find(|t| t.device().same_device(s.device()))
+        {
+            Some(t) => *t = (&*t + s)?,
+            None => self.0.push(s),
+        }
+        Ok(())
+    }
+
+    /// Whether every gradient added was finite.
+    fn finite(self) -> candle_core::Result<bool> {
+        let mut finite = true;
+        for t in self.0 {
+            finite &= t.to_scalar::<f32>()?.is_finite();
+        }
+        Ok(finite)
     }
 }
 

@@ -26,7 +26,7 @@ use candle_offload::train::attention::{
 use candle_offload::train::fused::{rms_norm, rms_norm_backward, swiglu, swiglu_backward};
 use candle_offload::train::grad::with_gradient;
 
-use super::{Activation, GateUp, Linear, NormKind, PreNormBlock, Qkv};
+use super::{Activation, GateUp, Linear, PreNormBlock, Qkv};
 use crate::family::{TrainCtx, WeightGradSink};
 
 /// A dense projection: the weight as served (the key its gradient is handed over under) and
@@ -79,14 +79,12 @@ struct RmsWeight {
 
 impl RmsWeight {
     fn of(n: &super::Norm, dtype: DType) -> Option<Self> {
-        match &n.kind {
-            NormKind::Rms(r) if !n.f32_compute && r.weight().dtype() == dtype => Some(Self {
-                served: r.weight().clone(),
-                w: r.weight().detach(),
-                eps: r.eps(),
-            }),
-            _ => None,
-        }
+        let (w, eps) = n.rms_parts()?;
+        (w.dtype() == dtype).then(|| Self {
+            served: w.clone(),
+            w: w.detach(),
+            eps,
+        })
     }
 }
 
