@@ -443,11 +443,6 @@ fn run_one(
                 host_profile = Some(candle_offload_suite::HostProfile::start(997)?);
             }
         }
-        if armed {
-            if let (Some(p), Some(dir)) = (host_profile.take(), &args.host_profile) {
-                host_top = Some(p.finish(&dir.join(format!("{}.folded", b.name)), 60)?);
-            }
-        }
         clock
             .lock()
             .map_err(|_| anyhow!("phase clock poisoned"))?
@@ -460,6 +455,12 @@ fn run_one(
             rt.end_step()?;
             if i >= args.warmup && !armed {
                 streamed.push(rt.stats()?.last_step.map_or(0.0, |s| s.bytes as f64));
+            }
+        }
+        // The host profile covers the timed steps exactly.
+        if i + 1 == args.warmup + timed {
+            if let (Some(p), Some(dir)) = (host_profile.take(), &args.host_profile) {
+                host_top = Some(p.finish(&dir.join(format!("{}.folded", b.name)), 60)?);
             }
         }
         if armed {
@@ -481,9 +482,6 @@ fn run_one(
         tracing::info!(config = %b.name, step = i, loss = report.loss, s = dt, "step");
     }
     trainer.set_phase_observer(None);
-    if let (Some(p), Some(dir)) = (host_profile.take(), &args.host_profile) {
-        host_top = Some(p.finish(&dir.join(format!("{}.folded", b.name)), 60)?);
-    }
     let raw_peak = sampler.map(|s| s.stop());
     let peak_driver = raw_peak.map_or(0, |p| p.saturating_sub(baseline));
     let peak = in_use_now(false)?.saturating_sub(alloc_base);

@@ -906,6 +906,11 @@ impl FusedAdamW {
         &self.params
     }
 
+    /// Whether the masters and moments live in host memory (`HostAdamW` underneath).
+    pub(crate) fn on_host(&self) -> bool {
+        matches!(self.state, AdamState::Host(_))
+    }
+
     /// An AdamW step on `grads` times `grad_scale`, the scaling done as the kernel reads each
     /// gradient (PyTorch's unscale-in-the-step for a loss scaled by `1 / grad_scale`): no pass
     /// of its own over the gradients. `step` is `step_scaled(grads, 1.0)`, exactly.

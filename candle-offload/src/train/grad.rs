@@ -45,15 +45,12 @@ pub fn rope(xs: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tens
         sin.narrow(0, 0, seq_len)?.contiguous()?,
     );
     let value = candle_nn::rotary_emb::rope(&xs.detach().contiguous()?, &cos, &sin)?;
-    let neg_sin = sin.neg()?;
-    // The rotation by θ is orthogonal: its adjoint is the rotation by -θ, one rope kernel.
-    with_gradient(xs, value, move |g| {
-        candle_nn::rotary_emb::rope(&g.contiguous()?, &cos, &neg_sin)
-    })
+    with_gradient(xs, value, move |g| rope_backward(g, &cos, &sin))
 }
 
 /// The backward pass of [`rope`] outside Candle's graph: `g` (batch, heads, seq, head_dim)
-/// rotated back by the tables' angles (`sin` negated), for blocks that compute their own.
+/// rotated back by the tables' angles (`sin` negated), for blocks that compute their own. The
+/// rotation by θ is orthogonal: its adjoint is the rotation by -θ, one rope kernel.
 pub fn rope_backward(g: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
     let (_, _, seq_len, _) = g.dims4()?;
     let cos = cos.narrow(0, 0, seq_len)?.contiguous()?;

@@ -336,6 +336,23 @@ fn accumulate_values(
     }
 }
 
+/// The values an in-place host op writes: `s` as F32, its contiguous part, or an error naming
+/// the op and what `s` holds.
+fn contiguous_f32_mut<'a>(
+    op: &str,
+    what: &str,
+    s: &'a mut CpuStorage,
+    l: &Layout,
+) -> candle_core::Result<&'a mut [f32]> {
+    let CpuStorage::F32(v) = s else {
+        candle_core::bail!("{op}: the {what} has to be F32");
+    };
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("{op}: the {what} has to be contiguous");
+    };
+    Ok(&mut v[a..b])
+}
+
 /// `acc += values` (or `acc = values` when `.1` is false) over a contiguous F32 `acc` on the
 /// host, on every core.
 struct AddInto<'a>(Values<'a>, bool);
@@ -347,13 +364,7 @@ impl candle_core::InplaceOp1 for AddInto<'_> {
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
         use rayon::prelude::*;
-        let CpuStorage::F32(acc) = s else {
-            candle_core::bail!("add-into: the sum has to be F32");
-        };
-        let Some((a, b)) = l.contiguous_offsets() else {
-            candle_core::bail!("add-into: the sum has to be contiguous");
-        };
-        let acc = &mut acc[a..b];
+        let acc = contiguous_f32_mut("add-into", "sum", s, l)?;
         if acc.len() != self.0.len() {
             candle_core::bail!("add-into: {} values into {}", self.0.len(), acc.len());
         }
@@ -379,14 +390,9 @@ impl candle_core::InplaceOp1 for ScaleInPlace {
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
         use rayon::prelude::*;
         use std::sync::atomic::Ordering;
-        let CpuStorage::F32(g) = s else {
-            candle_core::bail!("scale-in-place: the gradient has to be F32");
-        };
-        let Some((a, b)) = l.contiguous_offsets() else {
-            candle_core::bail!("scale-in-place: the gradient has to be contiguous");
-        };
+        let g = contiguous_f32_mut("scale-in-place", "gradient", s, l)?;
         let factor = self.factor;
-        g[a..b].par_chunks_mut(GRAD_CHUNK).for_each(|d| {
+        g.par_chunks_mut(GRAD_CHUNK).for_each(|d| {
             let mut all = true;
             for x in d.iter_mut() {
                 *x *= factor;

@@ -231,16 +231,16 @@ impl GradScaler {
     /// kernel ([`FusedAdamW::step_scaled`](super::FusedAdamW::step_scaled)), so the step makes
     /// no pass of its own to divide them. A gradient finite before the division stays finite
     /// after it while the scale is at least 1, as it is unless many overflows in a row backed
-    /// it off below 1.
+    /// it off below 1. Masters on the host (a CPU run) go through
+    /// [`step_owned`](Self::step_owned), whose in-place unscale runs on every core.
     pub fn step_fused(
         &mut self,
         opt: &mut super::FusedAdamW,
         vars: &[Var],
         grads: GradStore,
     ) -> candle_core::Result<StepOutcome> {
-        if !self.cfg.enabled {
-            opt.step(&grads)?;
-            return Ok(self.update(true));
+        if !self.cfg.enabled || opt.on_host() {
+            return self.step_owned(opt, vars, grads);
         }
         let mut totals = Totals::default();
         for v in vars {

@@ -86,6 +86,14 @@ impl RmsWeight {
             eps,
         })
     }
+
+    /// The input's gradient for the output's gradient `dy` (any float dtype; taken in the
+    /// input's), after handing the weight's gradient to `sink`.
+    fn backward(&self, x: &Tensor, dy: &Tensor, sink: &WeightGradSink) -> Result<Tensor> {
+        let (dx, dw) = rms_norm_backward(x, &self.w, self.eps, &dy.to_dtype(x.dtype())?)?;
+        sink(&self.served, dw)?;
+        Ok(dx)
+    }
 }
 
 /// The weights of a block this path can train.
@@ -230,13 +238,7 @@ pub(super) fn forward_train(
         let dh2 =
             (p.gate.backward(&sv.h2c, &dgate, &sink)? + p.up.backward(&sv.h2c, &dup, &sink)?)?;
         drop((dgate, dup, sv.h2c));
-        let (dx1, dw) = rms_norm_backward(
-            &sv.x1,
-            &p.mlp_norm.w,
-            p.mlp_norm.eps,
-            &dh2.to_dtype(sv.x1.dtype())?,
-        )?;
-        sink(&p.mlp_norm.served, dw)?;
+        let dx1 = p.mlp_norm.backward(&sv.x1, &dh2, &sink)?;
         drop((dh2, sv.x1));
         let dx1 = (dy + dx1)?;
         // Attention.
@@ -252,13 +254,7 @@ pub(super) fn forward_train(
         let dh = ((p.q.backward(&sv.hc, &dq, &sink)? + p.k.backward(&sv.hc, &dk, &sink)?)?
             + p.v.backward(&sv.hc, &dv, &sink)?)?;
         drop((dq, dk, dv, sv.hc));
-        let (dx, dw) = rms_norm_backward(
-            &sv.x,
-            &p.input_norm.w,
-            p.input_norm.eps,
-            &dh.to_dtype(sv.x.dtype())?,
-        )?;
-        sink(&p.input_norm.served, dw)?;
+        let dx = p.input_norm.backward(&sv.x, &dh, &sink)?;
         (dx1 + dx)?.reshape((b, t, hidden))
     })?;
     Ok(Some(out))
