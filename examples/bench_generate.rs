@@ -19,7 +19,7 @@ use candle_core::{DType, Tensor};
 use candle_offload::diag::{self, PeakMemorySampler};
 use candle_offload::MemoryLimit;
 use candle_offload_models::llama::argmax;
-use candle_offload_models::{loader, quantize, Llama, OffloadSettings};
+use candle_offload_models::{loader, quantize, HostLayers, Llama, OffloadSettings};
 use candle_offload_suite::median;
 use clap::Parser;
 
@@ -55,6 +55,11 @@ struct Args {
     /// Decode steps measured (median).
     #[arg(long, default_value_t = 16)]
     new_tokens: usize,
+    /// Decoder layers run on the host CPU in front of the GPU, per configuration: `none`
+    /// (stream what does not fit), `auto` (the fewest that let the GPU hold the rest), or a
+    /// count; several (comma-separated) run each budget once per entry.
+    #[arg(long, value_delimiter = ',', default_value = "none")]
+    host_layers: Vec<HostLayers>,
     /// Prefetch depths to run (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     depths: Vec<usize>,
@@ -234,14 +239,17 @@ fn main() -> Result<()> {
     for &prompt_len in &args.prompt_lens {
         for budget in &args.budgets {
             for &depth in &args.depths {
-                if budget != "full" || depth == args.depths[0] {
-                    configs.push((prompt_len, budget.clone(), depth));
+                for &host in &args.host_layers {
+                    let first = depth == args.depths[0] && host == args.host_layers[0];
+                    if budget != "full" || first {
+                        configs.push((prompt_len, budget.clone(), depth, host));
+                    }
                 }
             }
         }
     }
     {
-        for (prompt_len, budget, depth) in configs {
+        for (prompt_len, budget, depth, host) in configs {
             let budget = &budget;
             diag::trim_memory_pool(&device)?;
             let limit = match budget.as_str() {
@@ -257,7 +265,7 @@ fn main() -> Result<()> {
                 reserve_bytes: cfg.batch_reserve_bytes(args.batch, prompt_len, max_len, dtype),
                 ..Default::default()
             };
-            let mut model = Llama::offloaded(
+            let mut model = Llama::offloaded_with_host(
                 &files,
                 store.clone(),
                 &device,
@@ -265,11 +273,21 @@ fn main() -> Result<()> {
                 prompt_len,
                 max_len,
                 &settings,
+                host,
             )?;
             if args.unfused {
                 model.set_fused(false);
             }
-            let rt = model.runtime().clone();
+            let host_layers = model.host_layer_count();
+            if host_layers > 0 {
+                println!("        {host_layers} layers on the host CPU ({host:?})");
+            }
+            // The GPU's runtime (the last stage's; the only one without host layers).
+            let rt = model
+                .stages()
+                .last()
+                .map(|(rt, _)| (*rt).clone())
+                .expect("a stage");
             {
                 // Before each configuration is timed: the first use of each kernel JIT-compiles
                 // its PTX (and cuBLAS loads its kernels for each new shape: the measured prompt
@@ -300,7 +318,7 @@ fn main() -> Result<()> {
             };
             let prompt = prompt_of(prompt_len);
             let mut cache = model.new_cache();
-            rt.begin_step()?;
+            model.begin_step()?;
             let t0 = Instant::now();
             let logits = model.forward(
                 &Tensor::new(prompt.as_slice(), &device)?.unsqueeze(0)?,
@@ -309,7 +327,7 @@ fn main() -> Result<()> {
             )?;
             let mut next = argmax(&logits)?;
             let prefill_s = t0.elapsed().as_secs_f64();
-            rt.end_step()?;
+            model.end_step()?;
             let mut times = Vec::new();
             let mut host_times = Vec::new();
             let mut bytes = Vec::new();
@@ -327,7 +345,7 @@ fn main() -> Result<()> {
                 candle_offload::diag::profiler_capture(&device, true)?;
             }
             for i in 0..args.new_tokens {
-                rt.begin_step()?;
+                model.begin_step()?;
                 let t0 = Instant::now();
                 let logits = model.forward(
                     &Tensor::new(&[next], &device)?.unsqueeze(0)?,
@@ -339,7 +357,7 @@ fn main() -> Result<()> {
                 host_times.push(t0.elapsed().as_secs_f64());
                 next = argmax(&logits)?;
                 times.push(t0.elapsed().as_secs_f64());
-                rt.end_step()?;
+                model.end_step()?;
                 bytes.push(rt.stats()?.last_step.map_or(0.0, |s| s.bytes as f64));
             }
             let decode_wall_s = decode_t0.elapsed().as_secs_f64();
@@ -484,6 +502,8 @@ fn main() -> Result<()> {
                 "link_ceiling_tokens_per_s": if ceiling_s > 0.0 { Some(1.0 / ceiling_s) } else { None },
                 "link_ceiling_fraction": if step_s > 0.0 { ceiling_s / step_s } else { 0.0 },
                 "prefetch_depth": depth,
+                "host_layers_choice": format!("{host:?}"),
+                "host_layers": host_layers,
                 "event_tracking": args.event_tracking,
                 "fused": model.fused(),
                 "accelerate_decode_tokens_per_s": acc_tps,
@@ -715,12 +735,11 @@ fn batch_decode(
         .iter()
         .flat_map(|&pad| std::iter::repeat_n(1u32, pad).chain(prompt_of(prompt_len - pad)))
         .collect();
-    let rt = model.runtime().clone();
     let mut cache = model.new_cache();
     let rows = |l: &Tensor| -> Result<Vec<u32>> {
         Ok(l.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
     };
-    rt.begin_step()?;
+    model.begin_step()?;
     let logits = model.forward_batch(
         &Tensor::from_vec(ids, (batch, prompt_len), device)?,
         0,
@@ -728,10 +747,10 @@ fn batch_decode(
         &mut cache,
     )?;
     let mut next = rows(&logits)?;
-    rt.end_step()?;
+    model.end_step()?;
     let mut times = Vec::new();
     for i in 0..new_tokens {
-        rt.begin_step()?;
+        model.begin_step()?;
         let t0 = Instant::now();
         let logits = model.forward_batch(
             &Tensor::from_vec(next, (batch, 1), device)?,
@@ -741,7 +760,7 @@ fn batch_decode(
         )?;
         next = rows(&logits)?;
         times.push(t0.elapsed().as_secs_f64());
-        rt.end_step()?;
+        model.end_step()?;
     }
     Ok(BatchRun {
         step_s: median(times),

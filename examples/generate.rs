@@ -19,7 +19,7 @@ use candle_offload_models::llama::{argmax, DeviceMapChoice};
 use candle_offload_models::loader;
 use candle_offload_models::quantize;
 use candle_offload_models::sampling::{DeviceSampler, TokenSampler};
-use candle_offload_models::{ChatTemplate, Llama, OffloadSettings};
+use candle_offload_models::{ChatTemplate, HostLayers, Llama, OffloadSettings};
 use candle_offload_suite::flags;
 use candle_transformers::generation::LogitsProcessor;
 use clap::builder::PossibleValuesParser;
@@ -111,6 +111,11 @@ struct Args {
     /// staged by the driver.
     #[arg(long)]
     no_peer_access: bool,
+    /// Run the first decoder layers on the host CPU instead of streaming them to the GPU
+    /// (llama.cpp's split): `auto` (the fewest that let the GPU hold the rest, none when the
+    /// model fits), a count, or `none` (the default: stream what does not fit).
+    #[arg(long, default_value = "none", conflicts_with = "devices")]
+    host_layers: HostLayers,
     /// Offload weights to host memory (with the budget below, or the free GPU memory).
     #[arg(long)]
     offload: bool,
@@ -364,7 +369,7 @@ fn main() -> Result<()> {
         Some(map) => {
             Llama::offloaded_sharded(&files, store, &devices, map, dtype, max_len, &settings)?
         }
-        None => Llama::offloaded(
+        None => Llama::offloaded_with_host(
             &files,
             store,
             &device,
@@ -372,11 +377,17 @@ fn main() -> Result<()> {
             prompt_ids.len(),
             max_len,
             &settings,
+            args.host_layers,
         )?,
     };
     if args.unfused {
         model.set_fused(false);
     }
+    let host_layers = model.host_layer_count();
+    if host_layers > 0 {
+        eprintln!("host layers: the first {host_layers} decoder layers run on the CPU");
+    }
+    let sharded = sharded || host_layers > 0;
     let stages = model.stages();
     if args.memory_history.is_some() || args.timeline.is_some() {
         for (rt, _) in &stages {

@@ -25,7 +25,11 @@
 #   shard         bench_shard on /tmp/llama7b (needs make7b) -> $OUT/shard.json [SHARD_S=300]
 #   llamacpp      builds llama.cpp (llama-bench, llama-quantize) from .gpu/llamacpp (a copy of
 #                 ../shared/peer/llamacpp) into /tmp/llamacpp, in the background
-#                 -> $OUT/llamacpp-build.log
+#                 -> $OUT/llamacpp-build.log; with a build carried in .lcbin/ (the pieces
+#                 llamacpp_save wrote, same pinned source), unpacks that instead
+#   llamacpp_save waits for the build and writes its build/bin (binaries and libraries) as
+#                 $OUT/lcbin.tar.xz.aa, .ab, ... (15 MiB pieces), for a later call to carry in
+#                 .lcbin/ (4-5 minutes of building saved per call)
 #   gguf7b        waits for that build, then writes the random-weight 7B LLaMA shape as an F16
 #                 GGUF and quantizes it to $GGUF7B_TYPES (Q8_0 Q4_0 Q4_K_M) in /tmp/gguf
 #                 [GGUF_S=400]
@@ -89,9 +93,9 @@ while (($# > 0)); do
   case "$1" in
     --) shift; break ;;
     -h | --help) usage; exit 0 ;;
-    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | gguf7b | gguf13b | qbench | qbench=* | qonload | qonload=* | decode | decode=* | breakdown | breakdown=* | trainprof | trainprof=* | tiers | managed)
+    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | llamacpp_save | gguf7b | gguf13b | qbench | qbench=* | qonload | qonload=* | decode | decode=* | breakdown | breakdown=* | trainprof | trainprof=* | tiers | managed)
       steps+=("$1"); shift ;;
-    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp gguf7b gguf13b qbench[=W,...] qonload[=W,...] decode[=V,...] breakdown[=V] trainprof[=C,...] tiers managed)" >&2; exit 2 ;;
+    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp llamacpp_save gguf7b gguf13b qbench[=W,...] qonload[=W,...] decode[=V,...] breakdown[=V] trainprof[=C,...] tiers managed)" >&2; exit 2 ;;
   esac
 done
 train_args=("$@")
@@ -237,9 +241,22 @@ for step in "${steps[@]}"; do
       ;;
     llamacpp)
       [[ -f .gpu/llamacpp/build.sh ]] || { echo "llamacpp: copy ../shared/peer/llamacpp to .gpu/llamacpp"; continue; }
+      if compgen -G ".lcbin/lcbin.tar.xz.*" >/dev/null; then
+        # A carried build of the same source: the source for gguf-py, then the binaries.
+        mkdir -p /tmp/llamacpp/build
+        tar xJf .gpu/llamacpp/llamacpp-src.tar.xz -C /tmp/llamacpp --strip-components=1
+        cat .lcbin/lcbin.tar.xz.* | xz -dc | tar -C /tmp/llamacpp/build -xf -
+        echo "llama.cpp unpacked from .lcbin: $(ls /tmp/llamacpp/build/bin | tr '\n' ' ')"
+      fi
       bash .gpu/llamacpp/build.sh /tmp/llamacpp >"$OUT/llamacpp-build.log" 2>&1 &
       llamacpp_pid=$!
       echo "building llama.cpp in the background"
+      ;;
+    llamacpp_save)
+      wait_llamacpp || continue
+      t0=$(date +%s)
+      tar -C /tmp/llamacpp/build -cf - bin | xz -T0 -6 | split -b 15M - "$OUT/lcbin.tar.xz."
+      echo "llamacpp_save: $(ls -la "$OUT"/lcbin.tar.xz.* | awk '{s += $5} END {print s}') bytes in $(($(date +%s) - t0)) s"
       ;;
     gguf7b)
       wait_llamacpp || continue

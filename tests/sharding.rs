@@ -202,3 +202,113 @@ fn impossible_plans_are_refused() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+/// Host layers (llama.cpp's split): the first layers and the embeddings on the CPU, the rest
+/// and the head on `device`. On the CPU a split at two layers is the same model bit for bit;
+/// on a GPU `auto` under a budget that holds about two layers beside the head puts the others
+/// on the host, streams nothing, and agrees with the GPU-only model.
+fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
+    use candle_offload_models::HostLayers;
+    for tied in [false, true] {
+        let dir = std::env::temp_dir().join(format!(
+            "candle-offload-host-layers-{tied}-{}-{}",
+            device.is_cuda(),
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        crate::models::write_tiny_llama(&dir, tied, false)?;
+        let files = loader::from_dir(&dir)?;
+        let cfg = files.config.clone();
+        let n = cfg.num_hidden_layers;
+        let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
+        let max_len = PROMPT.len() + 10;
+        let build = |settings: &OffloadSettings, host| {
+            Llama::offloaded_with_host(
+                &files,
+                store.clone(),
+                device,
+                DType::F32,
+                PROMPT.len(),
+                max_len,
+                settings,
+                host,
+            )
+        };
+        let settings = OffloadSettings::default();
+        let single = build(&settings, HostLayers::None)?;
+        assert_eq!(single.host_layer_count(), 0);
+        let (want_logits, want_tokens) = outputs(&single)?;
+        drop(single);
+        let e = build(&settings, HostLayers::Count(n + 1))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("host_layers") && e.contains(&format!("{n} layers")),
+            "{e}"
+        );
+
+        let (model, ctx) = if device.is_cpu() {
+            assert_eq!(build(&settings, HostLayers::Auto)?.host_layer_count(), 0);
+            (build(&settings, HostLayers::Count(2))?, "count 2")
+        } else {
+            let units = Llama::placement_units(&cfg, DType::F32);
+            let layer = units.layers[0].1;
+            let head = units.post.iter().map(|u| u.1).sum::<u64>();
+            let reserve =
+                Llama::reserve_bytes(&cfg, &store, device, PROMPT.len(), max_len, DType::F32);
+            let limited = OffloadSettings {
+                gpu_memory_limit: Some(MemoryLimit::Bytes(reserve + head + 2 * layer + layer / 2)),
+                ..Default::default()
+            };
+            (build(&limited, HostLayers::Auto)?, "auto")
+        };
+        let host = model.host_layer_count();
+        assert!(
+            host > 0 && host < n,
+            "{ctx}, tied {tied}: {host} host layers of {n}"
+        );
+        let stages = model.stages();
+        assert_eq!(stages.len(), 2);
+        assert_eq!(stages[0].1, 0..host);
+        assert!(stages[0].0.device().is_cpu());
+        let (logits, tokens) = outputs(&model)?;
+        if device.is_cpu() {
+            assert_eq!(logits, want_logits, "{ctx}, tied {tied}");
+        } else {
+            let err = logits
+                .iter()
+                .zip(&want_logits)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let scale = want_logits.iter().map(|v| v.abs()).fold(0f32, f32::max);
+            assert!(
+                err <= 1e-4 * scale.max(1.0),
+                "{ctx}, tied {tied}: {err} of {scale}"
+            );
+            // The GPU stage holds its layers: each was fetched once and never evicted.
+            let st = stages[1].0.stats()?;
+            for u in st
+                .units
+                .iter()
+                .filter(|u| u.name.starts_with("model.layers."))
+            {
+                assert!(
+                    u.misses <= 1 && u.evictions == 0,
+                    "{ctx}, tied {tied}: {u:?}"
+                );
+            }
+        }
+        assert_eq!(tokens, want_tokens, "{ctx}, tied {tied}");
+        drop(stages);
+        drop(model);
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(())
+}
+
+test_device!(
+    host_layers_equal_device_only,
+    host_layers_equal_device_only_cpu,
+    host_layers_equal_device_only_gpu
+);

@@ -100,7 +100,9 @@ pub use placement::{
     plan_placement, DeviceBudget, DeviceMap, DevicePlacement, PlacementError, PlacementMode,
     PlacementRequest, Residency, UnitPlacement,
 };
-pub use plan::{plan_capacity, CapacityPlan, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
+pub use plan::{
+    host_layer_split, plan_capacity, CapacityPlan, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH,
+};
 pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, UnitGuard};
 pub use runtime_error::RuntimeError;
 pub use settings::Settings;

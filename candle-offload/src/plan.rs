@@ -138,6 +138,40 @@ impl WeightNeed {
     }
 }
 
+/// How many of a model's first decoder layers run on the host CPU so that the others stay
+/// resident on a device (llama.cpp's `-ngl` split, decided from bytes): the smallest `h` with
+/// `fixed + per_layer_reserve · (n − h) + Σ layers[h..] ≤ budget`, where `layers` are the
+/// layers' device bytes in order, `fixed` what the device holds whatever the split (its kept
+/// units and the reservation that does not grow with its layers) and `per_layer_reserve` the
+/// reservation each device layer adds (its KV cache). `None` when not even `h = n` fits.
+/// Pure; the device runs no layer that would have to be streamed.
+pub fn host_layer_split(
+    layers: &[u64],
+    fixed: u64,
+    per_layer_reserve: u64,
+    budget: u64,
+) -> Option<usize> {
+    let n = layers.len();
+    // Device bytes with layers h.. on the device, from h = n down: the first h that does not
+    // fit ends the search (the need only grows as h falls).
+    let mut need = fixed;
+    if need > budget {
+        return None;
+    }
+    let mut h = n;
+    while h > 0 {
+        let next = need
+            .saturating_add(layers[h - 1])
+            .saturating_add(per_layer_reserve);
+        if next > budget {
+            break;
+        }
+        need = next;
+        h -= 1;
+    }
+    Some(h)
+}
+
 /// The outcome of [`plan_capacity`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CapacityPlan {
@@ -301,5 +335,36 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("offload_strategy"));
+    }
+
+    #[test]
+    fn host_layer_split_is_the_smallest_that_fits() {
+        // Brute force over small cases: the split is the smallest h whose device share fits.
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            seed >> 33
+        };
+        for _ in 0..2000 {
+            let n = (next() % 7) as usize;
+            let layers: Vec<u64> = (0..n).map(|_| 1 + next() % 50).collect();
+            let fixed = next() % 40;
+            let per = next() % 5;
+            let budget = next() % 300;
+            let fits =
+                |h: usize| fixed + per * (n - h) as u64 + layers[h..].iter().sum::<u64>() <= budget;
+            let want = (0..=n).find(|&h| fits(h));
+            assert_eq!(
+                host_layer_split(&layers, fixed, per, budget),
+                want,
+                "{layers:?} {fixed} {per} {budget}"
+            );
+        }
+        assert_eq!(host_layer_split(&[10, 10], 0, 0, 20), Some(0));
+        assert_eq!(host_layer_split(&[10, 10], 0, 0, 19), Some(1));
+        assert_eq!(host_layer_split(&[10, 10], 21, 0, 20), None);
+        assert_eq!(host_layer_split(&[], 5, 1, 5), Some(0));
     }
 }

@@ -60,6 +60,38 @@ pub enum HiddenTransfer {
     Host,
 }
 
+/// How many decoder layers run on the host CPU in front of a GPU (llama.cpp's `-ngl` split):
+/// the first layers and the embeddings run on the CPU from their host memory, the rest, the
+/// final norm and the output head on the GPU. Decode reads each host layer's weights at the
+/// host's memory bandwidth instead of streaming them over PCIe
+/// ([`CausalLm::offloaded_with_host`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HostLayers {
+    /// None: layers that do not fit the budget are streamed to the GPU.
+    #[default]
+    None,
+    /// This many (0 to the number of layers).
+    Count(usize),
+    /// The fewest that let the GPU hold the others resident, so that nothing streams.
+    Auto,
+}
+
+impl std::str::FromStr for HostLayers {
+    type Err = String;
+
+    /// `auto`, `none`, or a count.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(Self::Auto),
+            "none" => Ok(Self::None),
+            n => n
+                .parse::<usize>()
+                .map(Self::Count)
+                .map_err(|_| format!("{s:?} is not a layer count, `auto` or `none`")),
+        }
+    }
+}
+
 /// Time and bytes spent moving hidden states between stages.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct TransferTotals {
@@ -83,7 +115,11 @@ pub struct CausalLm {
     stages: Vec<Stage>,
     units: Units,
     transfer: HiddenTransfer,
-    fused: bool,
+    /// `None`: fused on each GPU stage, not on the CPU ([`set_fused`](Self::set_fused)).
+    fused: Option<bool>,
+    /// Layers of the first stage that run on the host in front of the device
+    /// ([`from_store_with_host`](Self::from_store_with_host)).
+    host_layers: usize,
     timing: std::sync::atomic::AtomicBool,
     totals: std::sync::Mutex<TransferTotals>,
 }
@@ -203,9 +239,6 @@ impl CausalLm {
                 Ok(Stage { rt, rope, layers })
             })
             .collect::<Result<Vec<_>>>()?;
-        // On a GPU the fused kernels are faster (BENCHMARKS.md, "The decode step"); on the
-        // CPU Candle's multi-threaded ops beat their loops.
-        let fused = stages.iter().all(|s| s.rt.device().is_cuda());
         Ok(Self {
             cfg,
             family,
@@ -214,7 +247,8 @@ impl CausalLm {
             stages,
             units,
             transfer: HiddenTransfer::Device,
-            fused,
+            fused: None,
+            host_layers: 0,
             timing: std::sync::atomic::AtomicBool::new(false),
             totals: std::sync::Mutex::new(TransferTotals::default()),
         })
@@ -289,6 +323,194 @@ impl CausalLm {
         )?;
         declare_reservation(&rt, kv, reserve, settings.reserve_bytes)?;
         Self::new(cfg, rt, dtype, max_len, source)
+    }
+
+    /// [`offloaded`](Self::offloaded) with the first layers on the host CPU (see
+    /// [`HostLayers`]); when the split gives no host layer (always for
+    /// [`HostLayers::Auto`] on a CPU device), the same model as
+    /// [`offloaded`](Self::offloaded).
+    #[allow(clippy::too_many_arguments)]
+    pub fn offloaded_with_host(
+        files: &crate::loader::ModelFiles,
+        store: std::sync::Arc<candle_offload::HostStore>,
+        device: &Device,
+        dtype: DType,
+        prompt_len: usize,
+        max_len: usize,
+        settings: &OffloadSettings,
+        host: HostLayers,
+    ) -> std::result::Result<Self, ModelError> {
+        let source = files.weights_path();
+        Self::from_store_with_host(
+            &files.config,
+            store,
+            device,
+            dtype,
+            prompt_len,
+            max_len,
+            settings,
+            host,
+            &source,
+        )
+    }
+
+    /// How many layers [`from_store_with_host`](Self::from_store_with_host) runs on the host
+    /// for `host` on `device` under `settings`' budget: [`HostLayers::Auto`] takes
+    /// [`candle_offload::host_layer_split`] over the layers' device bytes, with the output
+    /// head, the final norm and the reservation on the GPU (the KV cache of its own layers
+    /// only), and 0 when the whole model (embeddings included) fits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn host_layers_for(
+        cfg: &Config,
+        store: &candle_offload::HostStore,
+        device: &Device,
+        dtype: DType,
+        prompt_len: usize,
+        max_len: usize,
+        settings: &OffloadSettings,
+        host: HostLayers,
+    ) -> std::result::Result<usize, ModelError> {
+        let n = cfg.num_hidden_layers;
+        let invalid = |reason: String| -> ModelError {
+            candle_offload::Error::InvalidConfig {
+                field: "host_layers".into(),
+                reason,
+            }
+            .into()
+        };
+        let count = match host {
+            HostLayers::None => 0,
+            HostLayers::Count(h) if h > n => {
+                return Err(invalid(format!(
+                    "{h} host layers, but the model has {n} layers"
+                )))
+            }
+            HostLayers::Count(h) => h,
+            HostLayers::Auto => {
+                if device.is_cpu() {
+                    return Ok(0);
+                }
+                let info = candle_offload::diag::device_info(device)?;
+                let label = candle_offload::diag::device_label(device);
+                let budget = match settings.gpu_memory_limit {
+                    Some(l) => l.resolve(&label, Some(info.total_bytes))?,
+                    None => info.free_bytes,
+                };
+                let bytes = |name: &str| store.unit_id(name).map_or(0, |id| store.unit(id).bytes());
+                let layout = cfg.layout();
+                let layers: Vec<u64> = (0..n).map(|l| bytes(&layout.layer(l))).collect();
+                let reserve = Self::reserve_bytes(cfg, store, device, prompt_len, max_len, dtype)
+                    .saturating_add(settings.reserve_bytes);
+                let kv_all = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
+                let per_layer = kv_all / n.max(1) as u64;
+                let mut kept = bytes(&layout.norm);
+                if let Some(h) = &layout.head {
+                    kept += bytes(h);
+                }
+                let whole = reserve + bytes(&layout.embed) + kept + layers.iter().sum::<u64>();
+                if whole <= budget {
+                    return Ok(0);
+                }
+                // Tied embeddings: the GPU keeps the head, which is the embedding matrix.
+                if layout.head.is_none() {
+                    kept += bytes(&layout.embed);
+                }
+                candle_offload::host_layer_split(
+                    &layers,
+                    reserve - kv_all + kept,
+                    per_layer,
+                    budget,
+                )
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "{} of the GPU budget ({} MiB) goes to the output head, final norm \
+                             and reservation, more than the budget",
+                        reserve - kv_all + kept,
+                        budget >> 20
+                    ))
+                })?
+            }
+        };
+        Ok(count)
+    }
+
+    /// [`from_store`](Self::from_store) with the first layers (and the embeddings) on the host
+    /// CPU, as [`host_layers_for`](Self::host_layers_for) decides: a pipeline of a CPU stage,
+    /// which keeps its units in host memory as CPU tensors (copied once, on first use, then
+    /// resident), and a GPU stage under `settings`' budget that reserves the KV cache of its
+    /// own layers only. The hidden state crosses to the GPU once per forward pass; with no
+    /// host layer this is [`from_store`](Self::from_store).
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_store_with_host(
+        cfg: &Config,
+        store: Arc<candle_offload::HostStore>,
+        device: &Device,
+        dtype: DType,
+        prompt_len: usize,
+        max_len: usize,
+        settings: &OffloadSettings,
+        host: HostLayers,
+        source: &std::path::Path,
+    ) -> std::result::Result<Self, ModelError> {
+        let h = Self::host_layers_for(
+            cfg, &store, device, dtype, prompt_len, max_len, settings, host,
+        )?;
+        if h == 0 {
+            return Self::from_store(
+                cfg, store, device, dtype, prompt_len, max_len, settings, source,
+            );
+        }
+        let n = cfg.num_hidden_layers;
+        let layout = cfg.layout();
+        let mut host_units = vec![layout.embed.clone()];
+        host_units.extend((0..h).map(|l| layout.layer(l)));
+        host_units.retain(|u| store.unit_id(u).is_some());
+        let cpu = OffloadRuntime::new(
+            store.clone(),
+            &Device::Cpu,
+            &OffloadConfig {
+                keep: host_units.clone(),
+                units: Some(host_units),
+                ..Default::default()
+            },
+        )?;
+        let mut keep = vec![layout.norm.clone()];
+        keep.push(layout.head_unit().to_string());
+        keep.retain(|u| store.unit_id(u).is_some());
+        let mut served = keep.clone();
+        served.extend((h..n).map(|l| layout.layer(l)));
+        let reserve = Self::reserve_bytes(cfg, &store, device, prompt_len, max_len, dtype);
+        let kv_all = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
+        let kv = kv_all / n.max(1) as u64 * (n - h) as u64;
+        let reserve = reserve - kv_all + kv;
+        let order = || {
+            let mut order: Vec<UnitId> = (h..n)
+                .filter_map(|l| store.unit_id(&layout.layer(l)))
+                .collect();
+            for k in &keep {
+                if let Some(u) = store.unit_id(k) {
+                    if !order.contains(&u) {
+                        order.push(u);
+                    }
+                }
+            }
+            order
+        };
+        let mut stage = stage_config(settings, reserve, keep.clone(), order, Some(served))?;
+        // The hidden state reaches the GPU through a host-to-device copy on the compute
+        // stream, which needs no event of cudarc's (ARCHITECTURE.md, hazard H7).
+        stage.event_tracking = settings.event_tracking;
+        let gpu = OffloadRuntime::new(store.clone(), device, &stage)?;
+        declare_reservation(&gpu, kv, reserve, settings.reserve_bytes)?;
+        let mut model = Self::sharded(
+            cfg.clone(),
+            vec![(cpu, 0..h), (gpu, h..n)],
+            dtype,
+            max_len,
+            source,
+        )?;
+        model.host_layers = h;
+        Ok(model)
     }
 
     /// The units of a model of `cfg` with weights in `dtype`, for placement: `(pre, layers,
@@ -585,16 +807,29 @@ impl CausalLm {
     /// Whether inference uses the fused ops of `candle_offload::ops` where a block can: RMSNorm
     /// with the residual add, SiLU · mul, RoPE of q and k, attention over the KV cache for steps
     /// of at most [`DECODE_ATTENTION_MAX_NEW`](crate::layers::DECODE_ATTENTION_MAX_NEW) new
-    /// positions, and dense projections of at most 8 rows as one weight pass. Default: on when
-    /// every stage is a GPU (each is one kernel of ours there, measured faster in
-    /// BENCHMARKS.md), off on the CPU, where Candle's multi-threaded ops beat the ops' loops.
+    /// positions, and dense projections of at most 8 rows as one weight pass. Default: on for
+    /// each stage on a GPU (each is one kernel of ours there, measured faster in
+    /// BENCHMARKS.md), off for a stage on the CPU, where Candle's multi-threaded ops beat the
+    /// ops' loops. This sets every stage.
     pub fn set_fused(&mut self, on: bool) {
-        self.fused = on;
+        self.fused = Some(on);
     }
 
-    /// See [`set_fused`](Self::set_fused).
+    /// Whether every stage runs the fused ops (see [`set_fused`](Self::set_fused)).
     pub fn fused(&self) -> bool {
-        self.fused
+        self.stages.iter().all(|s| self.stage_fused(s))
+    }
+
+    fn stage_fused(&self, stage: &Stage) -> bool {
+        // On a GPU the fused kernels are faster (BENCHMARKS.md, "The decode step"); on the
+        // CPU Candle's multi-threaded ops beat their loops.
+        self.fused.unwrap_or_else(|| stage.rt.device().is_cuda())
+    }
+
+    /// How many decoder layers run on the host CPU in front of the device (0 unless the
+    /// model was built with [`offloaded_with_host`](Self::offloaded_with_host)).
+    pub fn host_layer_count(&self) -> usize {
+        self.host_layers
     }
 
     /// Measures each move of hidden states between stages, synchronizing both devices around
@@ -737,7 +972,7 @@ impl CausalLm {
                 index_pos,
                 rope: &stage.rope,
                 masks: &masks,
-                fused: self.fused,
+                fused: self.stage_fused(stage),
             };
             for l in stage.layers.clone() {
                 let unit = stage.rt.acquire(self.units.layers[l])?;
@@ -757,7 +992,8 @@ impl CausalLm {
     /// The final norm and the output head (on the last stage), logits in f32.
     fn head(&self, xs: &Tensor) -> Result<Tensor> {
         let (vocab, hidden) = (self.cfg.vocab_size, self.cfg.hidden_size);
-        let rt = &self.stages[self.stages.len() - 1].rt;
+        let last = &self.stages[self.stages.len() - 1];
+        let rt = &last.rt;
         let xs = {
             let unit = rt.acquire(self.units.norm)?;
             self.family
@@ -782,7 +1018,7 @@ impl CausalLm {
             None => {
                 let m = w.vb().get((vocab, hidden), "weight")?;
                 crate::layers::Linear::Dense(candle_nn::Linear::new(m, None))
-                    .forward_step(&xs, self.fused)?
+                    .forward_step(&xs, self.stage_fused(last))?
             }
         }
         .to_dtype(DType::F32)?;

@@ -44,7 +44,7 @@ pub mod quantize;
 pub mod sampling;
 pub mod train;
 
-pub use causal::{CausalLm, DeviceMapChoice, HiddenTransfer, OffloadSettings};
+pub use causal::{CausalLm, DeviceMapChoice, HiddenTransfer, HostLayers, OffloadSettings};
 pub use chat::ChatTemplate;
 pub use config::Config;
 pub use error::{ModelError, Result};
