@@ -423,27 +423,31 @@ fn quantize_x_q8(x: &Tensor) -> anyhow::Result<Tensor> {
     Ok(Tensor::from_vec(v, x.shape(), &Device::Cpu)?)
 }
 
-/// Forces the `qlinear_small` kernel variant for its lifetime and restores the previous state
-/// (a forced variant, or each type's default) on drop (also when a check fails). Other tests that run meanwhile and use the quantized ops get
-/// the variant set here: they compare with dequantized models within tolerances that Candle's
-/// own quantized matmul meets with x quantized to 8 bits, so they pass with any variant, v3's
-/// and v4's quantized x included.
+/// Forces a `qlinear_small` kernel variant (`None`: each block type its default) for its
+/// lifetime and restores the previous state on drop (also when a check fails). Other tests that
+/// run meanwhile and use the quantized ops get the variant set here: they compare with
+/// dequantized models within tolerances that Candle's own quantized matmul meets with x
+/// quantized to 8 bits, so they pass with any variant, v3's and v4's quantized x included.
 struct QlinearVariantGuard(Option<ops::QlinearVariant>);
 
 impl QlinearVariantGuard {
-    fn set(v: ops::QlinearVariant) -> Self {
+    fn set(v: Option<ops::QlinearVariant>) -> Self {
         let old = ops::qlinear_variant();
-        ops::set_qlinear_variant(v);
+        Self::apply(v);
         Self(old)
+    }
+
+    fn apply(v: Option<ops::QlinearVariant>) {
+        match v {
+            Some(v) => ops::set_qlinear_variant(v),
+            None => ops::clear_qlinear_variant(),
+        }
     }
 }
 
 impl Drop for QlinearVariantGuard {
     fn drop(&mut self) {
-        match self.0 {
-            Some(v) => ops::set_qlinear_variant(v),
-            None => ops::clear_qlinear_variant(),
-        }
+        Self::apply(self.0);
     }
 }
 
@@ -481,17 +485,17 @@ fn ops_qlinear_default_variants() {
 }
 
 /// `qlinear_small`, its q/k/v and gate/up forms, against x times the blocks dequantized to F32,
-/// on a GPU once per kernel variant (v1; v2 with the rows per warp it picks, and with 2 and 4
-/// forced; v3; v4): the kernel within the usual tolerances, except v3 and v4, which quantize x:
-/// within [`v3_tolerance`] of x rounded to its 8-bit blocks as both do times the same weights
-/// (tight enough for a wrong nibble, offset or scale to fail) and, like the composition, within
-/// 5e-2 of the unquantized x;
+/// on a GPU once per kernel variant forced (v1; v2 with the rows per warp it picks, and with 2
+/// and 4 forced; v3; v4) and once with each block type's default variant (checked as the
+/// variant the type runs): the kernel within the usual tolerances, except v3 and v4, which
+/// quantize x: within [`v3_tolerance`] of x rounded to its 8-bit blocks as both do times the
+/// same weights (tight enough for a wrong nibble, offset or scale to fail) and, like the
+/// composition, within 5e-2 of the unquantized x;
 /// the composition (the CPU, and 9 rows on a GPU: Candle's quantized matmul, which quantizes x
 /// to 8 bits) within 5e-2, and equal to it. Block counts that leave rows unaligned or odd (1,
 /// 3, 5, 11, 65 blocks), more than one round of staged blocks (65, 128, 344), more than one
-/// chunk of x in v3 (130 and 344 blocks of 7 and 8 rows; in v4, rows of blocks that are no
-/// multiple of 32, padded in its buffer), 1 to 8 rows and 9 rows (the
-/// composition); weights of 37, 8 and 8 rows (column counts that are no multiple of the 2 or 4
+/// chunk of x in v3 (130 and 344 blocks of 7 and 8 rows), rows of blocks padded in v4's buffer
+/// (every count here but 128), 1 to 8 rows and 9 rows (the composition); weights of 37, 8 and 8 rows (column counts that are no multiple of the 2 or 4
 /// rows a warp of v2 and v3 reads, nor of the columns of a block of threads, so a warp's
 /// columns span two weights and run past the last), a pair of 8 and 37, and gate/up pairs of 8
 /// and of 37 rows.
@@ -503,26 +507,39 @@ fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
     }
     // Only this instance sets the variant in this test binary; checking it after the run too
     // catches any other setter that would make a variant's checks run another kernel.
-    for variant in ops::QlinearVariant::ALL {
+    let forced = ops::QlinearVariant::ALL.map(Some);
+    for variant in forced.into_iter().chain([None]) {
         let _guard = QlinearVariantGuard::set(variant);
-        anyhow::ensure!(ops::qlinear_variant() == Some(variant), "variant not set");
-        qlinear_small_matches_dequantized_in(device, Some(variant))?;
+        anyhow::ensure!(ops::qlinear_variant() == variant, "variant not set");
+        qlinear_small_matches_dequantized_in(device, variant)?;
         anyhow::ensure!(
-            ops::qlinear_variant() == Some(variant),
-            "the variant changed while {} was tested",
-            variant.name()
+            ops::qlinear_variant() == variant,
+            "the variant changed while {variant:?} was tested"
         );
     }
     Ok(())
 }
 
-/// The checks for one forced variant on a GPU, or for the CPU (`None`: the composition).
+/// The checks for one forced variant, or (`None`) each block type's default; on the CPU, where
+/// the composition runs whatever the variant, with `None`.
 fn qlinear_small_matches_dequantized_in(
     device: &Device,
     variant: Option<ops::QlinearVariant>,
 ) -> anyhow::Result<()> {
-    let name = variant.map_or("default", |v| v.name());
     for (t, &qtype) in QTYPES.iter().enumerate() {
+        // The kernel the type runs on a GPU.
+        let runs = variant.unwrap_or_else(|| ops::default_qlinear_variant(qtype));
+        if device.is_cuda() {
+            anyhow::ensure!(
+                ops::qlinear_variant_for(qtype) == runs,
+                "{qtype:?} runs {:?}, not {runs:?}",
+                ops::qlinear_variant_for(qtype)
+            );
+        }
+        let name = match variant {
+            Some(v) => v.name().to_string(),
+            None => format!("default ({})", runs.name()),
+        };
         for dtype in DTYPES {
             for (i, xs) in [
                 &[1usize, 1, 32][..],
@@ -565,11 +582,8 @@ fn qlinear_small_matches_dequantized_in(
                     Ok(xq.broadcast_matmul(&w.t()?)?)
                 };
                 let kernel = device.is_cuda() && x.elem_count() / k <= 8;
-                let v3 = kernel
-                    && matches!(
-                        variant,
-                        Some(ops::QlinearVariant::V3 | ops::QlinearVariant::V4)
-                    );
+                let v3 =
+                    kernel && matches!(runs, ops::QlinearVariant::V3 | ops::QlinearVariant::V4);
                 let check =
                     |what: &str, got: &Tensor, want: &Tensor, qwant: &Tensor, unfused: &Tensor| {
                         let what = format!("{what} {name} {qtype:?} {xs:?}");

@@ -1178,7 +1178,7 @@ pub fn qlinear_variant() -> Option<QlinearVariant> {
                 .and_then(|s| {
                     let v = QlinearVariant::parse(&s);
                     if v.is_none() {
-                        // Loud: a benchmark run under a misspelt variant would measure the defaults.
+                        // Loud: a benchmark run under a misspelt variant would measure another.
                         eprintln!(
                             "candle-offload: {}={s:?} is not v1, v2, v2r2, v2r4, v3 or v4; \
                              using each block type's default",

@@ -794,8 +794,10 @@ pub(crate) fn qlinear_small(
         // shared memory their stages take (QStage / QStage2 mirrored above), for variant 3 with
         // m rows of xblocks blocks of x after them. x holds m·k elements, 16-byte aligned,
         // k a multiple of 32; for variant 4, xq is the buffer qlinear4_quantize_x filled from
-        // it, launched before on this stream, of the m and k passed here. Weight i is a live quantized storage of n_i·k elements (n_i = 0
-        // for absent ones, never read), 16-byte aligned, whose rows are k/32 blocks: the kernel
+        // it, launched before on this stream, for the m and k passed here (the kernel reads
+        // blocks below k / 32 of rows below m, in its extent). Weight i is a live quantized
+        // storage of n_i·k elements (n_i = 0 for absent ones, never read), 16-byte aligned,
+        // whose rows are k/32 blocks: the kernel
         // reads from the 16-byte boundary at or before a block to the one at or after a row's
         // end, at most 15 bytes past the last row, inside the 512 zeroed padding elements
         // Candle allocates after every quantized buffer. y holds m·cols elements.
