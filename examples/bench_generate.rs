@@ -514,7 +514,13 @@ fn main() -> Result<()> {
             // The storage tiers' fields (one `json!` would pass the macro's recursion limit).
             let tiers = serde_json::json!({
                 "engine": engine.to_string(),
-                "qlinear_variant": candle_offload::ops::qlinear_variant().name(),
+                // The variant forced for every block type, or "default" (each type's own).
+                "qlinear_variant": candle_offload::ops::qlinear_variant().map_or("default", |v| v.name()),
+                // The variant each GGML block type ran.
+                "qlinear_variants": candle_offload::ops::DEFAULT_QLINEAR_VARIANTS
+                    .map(|(t, _)| (format!("{t:?}"), candle_offload::ops::qlinear_variant_for(t).name()))
+                    .into_iter()
+                    .collect::<std::collections::BTreeMap<_, _>>(),
                 "host_budget_bytes": store.host_limit_bytes(),
                 "peak_host_pinned_bytes": store.pinned_bytes(),
                 "host_disk_bytes": store.disk_bytes(),

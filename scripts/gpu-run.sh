@@ -38,7 +38,8 @@
 #                 quantized blocks unless f16) next to llama.cpp on the same file in the same
 #                 process, budgets $QB_BUDGETS (4,8,12,full), prompts $QB_PROMPTS (64,512), more
 #                 bench_generate arguments from $QB_ARGS, once per qlinear_small kernel variant
-#                 in $QB_VARIANTS (v1 v2 v2r2 v2r4 v3; llama.cpp with the first only)
+#                 in $QB_VARIANTS (v1 v2 v2r2 v2r4 v3 v4, or default: each block type's
+#                 own, ops::DEFAULT_QLINEAR_VARIANTS; llama.cpp with the first only)
 #                 -> $OUT/qbench-W[-V].json [QBENCH_S=300]
 #   qonload[=W,..] bench_generate on /tmp/llama7b (needs make7b) quantized on load to W (q4_0,
 #                 q8_0, ...; the library's cached GGUF, no llama.cpp needed), once per variant in
@@ -148,7 +149,8 @@ wait_make7b() {
   [[ -f /tmp/llama7b/config.json ]] || { echo "no checkpoint in /tmp/llama7b (run make7b first)"; return 1; }
 }
 # bench_variants PREFIX W ARGS...: bench_generate ARGS once per qlinear_small kernel variant in
-# $QB_VARIANTS (CANDLE_OFFLOAD_QLINEAR; "default" leaves it unset) -> $OUT/PREFIX-W[-V].json and
+# $QB_VARIANTS (CANDLE_OFFLOAD_QLINEAR; "default" leaves it unset: each block type its default
+# variant, ops::DEFAULT_QLINEAR_VARIANTS) -> $OUT/PREFIX-W[-V].json and
 # .log; the arguments in the array first_args go to the first run only (and are then cleared).
 first_args=()
 bench_variants() {

@@ -395,7 +395,7 @@ const QTYPES: [GgmlDType; 5] = [
     GgmlDType::Q8_0,
 ];
 
-/// Variant 3's tolerance against its quantized-x reference: in F32 for the summation order, in
+/// Variants 3's and 4's tolerance against their quantized-x reference: in F32 for the summation order, in
 /// F16 and BF16 for the output's rounding (up to 2^-11 and 2^-9 of a value).
 fn v3_tolerance(dtype: DType) -> f32 {
     match dtype {
@@ -405,7 +405,7 @@ fn v3_tolerance(dtype: DType) -> f32 {
     }
 }
 
-/// x (rows, k; k a multiple of 32) in F32 on the CPU, rounded as variant 3 quantizes it: per
+/// x (rows, k; k a multiple of 32) in F32 on the CPU, rounded as variants 3 and 4 quantize it: per
 /// block of 32 values of a row, d = amax / 127 and each value round_ties_even(v · (127 /
 /// amax)) · d (0 where 127 / amax is not finite), with the kernel's f32 operations.
 fn quantize_x_q8(x: &Tensor) -> anyhow::Result<Tensor> {
@@ -423,24 +423,31 @@ fn quantize_x_q8(x: &Tensor) -> anyhow::Result<Tensor> {
     Ok(Tensor::from_vec(v, x.shape(), &Device::Cpu)?)
 }
 
-/// Sets the `qlinear_small` kernel variant for its lifetime and restores the previous one on
-/// drop (also when a check fails). Other tests that run meanwhile and use the quantized ops get
-/// the variant set here: they compare with dequantized models within tolerances that Candle's
-/// own quantized matmul meets with x quantized to 8 bits, so they pass with any variant, v3's
-/// quantized x included.
-struct QlinearVariantGuard(ops::QlinearVariant);
+/// Forces a `qlinear_small` kernel variant (`None`: each block type its default) for its
+/// lifetime and restores the previous state on drop (also when a check fails). Other tests that
+/// run meanwhile and use the quantized ops get the variant set here: they compare with
+/// dequantized models within tolerances that Candle's own quantized matmul meets with x
+/// quantized to 8 bits, so they pass with any variant, v3's and v4's quantized x included.
+struct QlinearVariantGuard(Option<ops::QlinearVariant>);
 
 impl QlinearVariantGuard {
-    fn set(v: ops::QlinearVariant) -> Self {
+    fn set(v: Option<ops::QlinearVariant>) -> Self {
         let old = ops::qlinear_variant();
-        ops::set_qlinear_variant(v);
+        Self::apply(v);
         Self(old)
+    }
+
+    fn apply(v: Option<ops::QlinearVariant>) {
+        match v {
+            Some(v) => ops::set_qlinear_variant(v),
+            None => ops::clear_qlinear_variant(),
+        }
     }
 }
 
 impl Drop for QlinearVariantGuard {
     fn drop(&mut self) {
-        ops::set_qlinear_variant(self.0);
+        Self::apply(self.0);
     }
 }
 
@@ -454,22 +461,41 @@ fn ops_qlinear_variant_names() {
             Some(v)
         );
     }
-    for bad in ["", "v4", "v2r3", "v3r4", "2"] {
+    for bad in ["", "v5", "v2r3", "v3r4", "v4r2", "2"] {
         assert_eq!(ops::QlinearVariant::parse(bad), None, "{bad:?}");
     }
 }
 
+/// The per-type defaults: every block type with a kernel listed once, each type's default its
+/// entry, and a type without one V2.
+#[test]
+fn ops_qlinear_default_variants() {
+    for t in QTYPES {
+        let entries: Vec<_> = ops::DEFAULT_QLINEAR_VARIANTS
+            .iter()
+            .filter(|(ty, _)| *ty == t)
+            .collect();
+        assert_eq!(entries.len(), 1, "{t:?}");
+        assert_eq!(ops::default_qlinear_variant(t), entries[0].1, "{t:?}");
+    }
+    assert_eq!(
+        ops::default_qlinear_variant(GgmlDType::Q4K),
+        ops::QlinearVariant::V2
+    );
+}
+
 /// `qlinear_small`, its q/k/v and gate/up forms, against x times the blocks dequantized to F32,
-/// on a GPU once per kernel variant (v1; v2 with the rows per warp it picks, and with 2 and 4
-/// forced; v3): the kernel within the usual tolerances, except v3, which quantizes x: within
-/// [`v3_tolerance`] of x rounded to its 8-bit blocks as v3 does times the same weights (tight
-/// enough for a wrong nibble, offset or scale to fail) and, like the composition, within 5e-2
-/// of the unquantized x;
+/// on a GPU once per kernel variant forced (v1; v2 with the rows per warp it picks, and with 2
+/// and 4 forced; v3; v4) and once with each block type's default variant (checked as the
+/// variant the type runs): the kernel within the usual tolerances, except v3 and v4, which
+/// quantize x: within [`v3_tolerance`] of x rounded to its 8-bit blocks as both do times the
+/// same weights (tight enough for a wrong nibble, offset or scale to fail) and, like the
+/// composition, within 5e-2 of the unquantized x;
 /// the composition (the CPU, and 9 rows on a GPU: Candle's quantized matmul, which quantizes x
 /// to 8 bits) within 5e-2, and equal to it. Block counts that leave rows unaligned or odd (1,
 /// 3, 5, 11, 65 blocks), more than one round of staged blocks (65, 128, 344), more than one
-/// chunk of x in v3 (130 and 344 blocks of 7 and 8 rows), 1 to 8 rows and 9 rows (the
-/// composition); weights of 37, 8 and 8 rows (column counts that are no multiple of the 2 or 4
+/// chunk of x in v3 (130 and 344 blocks of 7 and 8 rows), rows of blocks padded in v4's buffer
+/// (every count here but 128), 1 to 8 rows and 9 rows (the composition); weights of 37, 8 and 8 rows (column counts that are no multiple of the 2 or 4
 /// rows a warp of v2 and v3 reads, nor of the columns of a block of threads, so a warp's
 /// columns span two weights and run past the last), a pair of 8 and 37, and gate/up pairs of 8
 /// and of 37 rows.
@@ -477,28 +503,43 @@ fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
     if !device.is_cuda() {
         // The CPU path is the composition whatever the variant, so this instance leaves the
         // process-wide variant alone (the GPU instance may be setting it at the same time).
-        return qlinear_small_matches_dequantized_in(device, ops::qlinear_variant());
+        return qlinear_small_matches_dequantized_in(device, None);
     }
     // Only this instance sets the variant in this test binary; checking it after the run too
     // catches any other setter that would make a variant's checks run another kernel.
-    for variant in ops::QlinearVariant::ALL {
+    let forced = ops::QlinearVariant::ALL.map(Some);
+    for variant in forced.into_iter().chain([None]) {
         let _guard = QlinearVariantGuard::set(variant);
         anyhow::ensure!(ops::qlinear_variant() == variant, "variant not set");
         qlinear_small_matches_dequantized_in(device, variant)?;
         anyhow::ensure!(
             ops::qlinear_variant() == variant,
-            "the variant changed while {} was tested",
-            variant.name()
+            "the variant changed while {variant:?} was tested"
         );
     }
     Ok(())
 }
 
+/// The checks for one forced variant, or (`None`) each block type's default; on the CPU, where
+/// the composition runs whatever the variant, with `None`.
 fn qlinear_small_matches_dequantized_in(
     device: &Device,
-    variant: ops::QlinearVariant,
+    variant: Option<ops::QlinearVariant>,
 ) -> anyhow::Result<()> {
     for (t, &qtype) in QTYPES.iter().enumerate() {
+        // The kernel the type runs on a GPU.
+        let runs = variant.unwrap_or_else(|| ops::default_qlinear_variant(qtype));
+        if device.is_cuda() {
+            anyhow::ensure!(
+                ops::qlinear_variant_for(qtype) == runs,
+                "{qtype:?} runs {:?}, not {runs:?}",
+                ops::qlinear_variant_for(qtype)
+            );
+        }
+        let name = match variant {
+            Some(v) => v.name().to_string(),
+            None => format!("default ({})", runs.name()),
+        };
         for dtype in DTYPES {
             for (i, xs) in [
                 &[1usize, 1, 32][..],
@@ -533,17 +574,19 @@ fn qlinear_small_matches_dequantized_in(
                 };
                 let dense =
                     |w: &QTensor| -> anyhow::Result<Tensor> { Ok(dense_f32(w)?.to_dtype(dtype)?) };
-                // v3's: x rounded as the kernel quantizes it, times the same weights (on the CPU).
+                // v3's and v4's: x rounded as their kernels quantize it, times the same weights
+                // (on the CPU).
                 let xq = quantize_x_q8(&x)?;
                 let qdense = |w: &QTensor| -> anyhow::Result<Tensor> {
                     let w = w.dequantize(device)?.to_device(&Device::Cpu)?;
                     Ok(xq.broadcast_matmul(&w.t()?)?)
                 };
                 let kernel = device.is_cuda() && x.elem_count() / k <= 8;
-                let v3 = kernel && variant == ops::QlinearVariant::V3;
+                let v3 =
+                    kernel && matches!(runs, ops::QlinearVariant::V3 | ops::QlinearVariant::V4);
                 let check =
                     |what: &str, got: &Tensor, want: &Tensor, qwant: &Tensor, unfused: &Tensor| {
-                        let what = format!("{what} {} {qtype:?} {xs:?}", variant.name());
+                        let what = format!("{what} {name} {qtype:?} {xs:?}");
                         if v3 {
                             let (d, tol) = (rel_diff_values(got, qwant)?, v3_tolerance(dtype));
                             anyhow::ensure!(

@@ -959,6 +959,33 @@ struct __align__(8) XBlock8 {
     int sum;
 };
 
+// Eight values v of a block of 32 quantized, by the four consecutive lanes (4i .. 4i + 3 of
+// the warp) that hold the block's four parts of eight (every lane of the warp calls, for the
+// shuffles): the block's scale d, this part's quants packed four to a word in element order,
+// and the sum of the block's 32 quants (above: d = amax / 127, quants v · (127 / amax) rounded
+// to nearest). Variants 3 and 4 quantize x with this one function, so that they round it alike.
+__device__ __forceinline__ void quantize8(const float *v, uint2 &packed, int &sum, float &d) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    d = __fdiv_rn(amax, 127.0f);
+    const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    const float scale = isfinite(id) ? id : 0.0f;
+    uint32_t words[2] = {0u, 0u};
+    sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int q = __float2int_rn(__fmul_rn(v[i], scale));
+        sum += q;
+        words[i >> 2] |= ((uint32_t)q & 0xFFu) << (8 * (i & 3));
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    packed = make_uint2(words[0], words[1]);
+}
+
 // Blocks c0 .. c0 + nblk of the m rows of x (row length k) quantized into xq and xs, laid out
 // for chunks of xblocks blocks (all the block's threads call; 4 threads per block of 32, each
 // of 8 elements, so that the block's max and sum take two shuffles).
@@ -982,29 +1009,15 @@ __device__ __forceinline__ void quantize_x(const T *x, uint32_t m, uint32_t k, u
 #pragma unroll
                 for (int i = 0; i < 8; ++i) v[i] = 0.0f;
             }
-            float amax = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-            const float d = __fdiv_rn(amax, 127.0f);
-            const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-            const float scale = isfinite(id) ? id : 0.0f;
-            uint32_t packed[2] = {0u, 0u};
-            int sum = 0;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const int q = __float2int_rn(__fmul_rn(v[i], scale));
-                sum += q;
-                packed[i >> 2] |= ((uint32_t)q & 0xFFu) << (8 * (i & 3));
-            }
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            uint2 packed;
+            int sum;
+            float d;
+            quantize8(v, packed, sum, d);
             if (in) {
                 const uint32_t b = e >> 2;
                 uint4 *half = xq + (size_t)r * 2u * xblocks + (b >> 5) * 64u + (p >> 1) * 32u +
                               (b & 31u);
-                reinterpret_cast<uint2 *>(half)[p & 1u] = make_uint2(packed[0], packed[1]);
+                reinterpret_cast<uint2 *>(half)[p & 1u] = packed;
                 if (p == 0) xs[(size_t)r * xblocks + b] = {d, sum};
             }
         }
@@ -1133,6 +1146,162 @@ __device__ void qlinear_small3(const T *x, const uint8_t *w0, const uint8_t *w1,
     if (active) qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
 }
 
+// ---------------------------------------------------------------------------------------------
+// qlinear_small, variant 4 (`qlinear4_quantize_x_<dtype>`, then
+// `qlinear4_small_r<R>_m<M>_<q>_<dtype>`): variant 3's arithmetic, x quantized once per call
+// instead of once per block of threads. A first launch quantizes the m rows of x into a device
+// buffer (quantize8, so the blocks are exactly variant 3's); the matmul kernel, variant 2's
+// grid, warps and staged weight rows, reads each lane's block of quantized x straight from
+// global memory through the read-only path (two 16-byte loads of quants and one 8-byte load of
+// d and sq; the few KB of x stay in L1 and L2) and takes variant 3's __dp4a dot products. No
+// shared memory for x (variant 2's 19 KB per block of threads of Q4_0, not variant 3's 24-33),
+// and every element of x is quantized once, not once per block of threads.
+//
+// The buffer, for nbp = k / 32 rounded up to a multiple of 32 blocks per row: first the quants,
+// per row 2 nbp 16-byte vectors in variant 3's order (the two halves of block b at vectors
+// (b / 32) 64 + b % 32 and 32 further, so that a warp's 32 consecutive blocks are two
+// coalesced 512-byte sweeps), then the m nbp XBlock8 of the rows' blocks (d and sq); 40 bytes
+// per block in all. Blocks b >= k / 32 of a row's last 32 are written as zeros and never read.
+
+// x's quants for the matmul kernels of variant 4, m rows of k (a multiple of 32) into xq
+// (m nbp 40 bytes, the layout above). Blocks of 128 threads, m nbp / 32 of them (so the
+// threads cover exactly the m rows of nbp blocks, 4 threads a block of 32; a warp lies in
+// one row).
+template <typename T>
+__device__ void qlinear4_quantize_x(const T *x, uint4 *xq, uint32_t m, uint32_t k) {
+    const uint32_t nb = k >> 5;
+    const uint32_t nbp = (nb + 31u) & ~31u;
+    const uint32_t per_row = nbp * 4u;  // a multiple of 128: whole warps per row
+    const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t r = t / per_row;
+    if (r >= m) return;  // the whole warp (none with the launcher's grid)
+    const uint32_t e = t - r * per_row;
+    const uint32_t b = e >> 2, p = e & 3u;
+    float v[8];
+    if (b < nb) {
+        cvt8<T>(ld_raw(x + (size_t)r * k + 8u * e, false), v);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+    }
+    uint2 packed;
+    int sum;
+    float d;
+    quantize8(v, packed, sum, d);
+    uint4 *half = xq + (size_t)r * 2u * nbp + (b >> 5) * 64u + (p >> 1) * 32u + (b & 31u);
+    reinterpret_cast<uint2 *>(half)[p & 1u] = packed;
+    if (p == 0) {
+        XBlock8 *xs = reinterpret_cast<XBlock8 *>(xq + (size_t)m * 2u * nbp);
+        xs[(size_t)r * nbp + b] = {d, sum};
+    }
+}
+
+// acc + the dot product of a weight block at b (quants q as quant_words gives them, scale dw)
+// with a block of quantized x (its quants' halves lo and hi, scale and sum s): variant 3's
+// terms, in its order.
+template <int QT>
+__device__ __forceinline__ float qdot8(const int *q, float dw, const uint8_t *b, const uint4 &lo,
+                                       const uint4 &hi, const XBlock8 &s, float acc) {
+    int dot = __dp4a(q[0], (int)lo.x, 0);
+    dot = __dp4a(q[1], (int)lo.y, dot);
+    dot = __dp4a(q[2], (int)lo.z, dot);
+    dot = __dp4a(q[3], (int)lo.w, dot);
+    dot = __dp4a(q[4], (int)hi.x, dot);
+    dot = __dp4a(q[5], (int)hi.y, dot);
+    dot = __dp4a(q[6], (int)hi.z, dot);
+    dot = __dp4a(q[7], (int)hi.w, dot);
+    dot -= QOffset<QT>::O * s.sum;
+    float a = fmaf(dw * s.d, (float)dot, acc);
+    if (QBlock<QT>::MIN) a = fmaf(sm_f16(b + 2) * s.d, (float)s.sum, a);
+    return a;
+}
+
+// Block b of row r of variant 4's quantized x (nbp blocks per row, m rows): quants and d, sq.
+__device__ __forceinline__ void load_xblock(const uint4 *xq, const XBlock8 *xs, uint32_t nbp,
+                                            uint32_t r, uint32_t b, uint4 &lo, uint4 &hi,
+                                            XBlock8 &s) {
+    const uint4 *v = xq + (size_t)r * 2u * nbp + (b >> 5) * 64u + (b & 31u);
+    lo = __ldg(v);
+    hi = __ldg(v + 32);
+    const int2 sd = __ldg(reinterpret_cast<const int2 *>(xs + (size_t)r * nbp + b));
+    s.d = __int_as_float(sd.x);
+    s.sum = sd.y;
+}
+
+// qlinear_small's contract, variant 4, x given as qlinear4_quantize_x wrote it (xq; m and k as
+// it had them). Dynamic shared memory: variant 2's R * QStage2::VECS 16-byte vectors per warp.
+// Columns per warp as in variant 2 (qrows2, qstore2); lane j of a round takes block j of the
+// staged blocks of every row, as there.
+template <typename T, int M, int QT, int R>
+__device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t *w1,
+                               const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
+                               uint32_t n2, uint32_t k, uint32_t silu) {
+    constexpr int B = QBlock<QT>::BYTES;
+    constexpr uint32_t BLOCKS = QStage2<QT>::BLOCKS;
+    extern __shared__ uint4 qstage[];
+    const uint32_t warp = threadIdx.x >> 5;
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t gw = blockIdx.x * OPS_WARPS + warp;
+    const size_t row_bytes = (size_t)(k >> 5) * B;
+    uint4 *st = qstage + (size_t)warp * R * QStage2<QT>::VECS;
+    const uint8_t *rows[R];
+    uint32_t col0;
+    if (!qrows2<T, R>(gw, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu, col0, rows)) return;
+    const uint32_t nb = k >> 5;
+    const uint32_t nbp = (nb + 31u) & ~31u;
+    const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)m * 2u * nbp);
+    float acc[R][M];
+#pragma unroll
+    for (int w = 0; w < R; ++w)
+#pragma unroll
+        for (int r = 0; r < M; ++r) acc[w][r] = 0.0f;
+    for (uint32_t first = 0; first < nb; first += BLOCKS) {
+        const uint32_t count = min(BLOCKS, nb - first);
+        const uint8_t *at[R];
+        stage_rows_async<QT, R>(rows, first, count, st, at);
+        asm volatile("cp.async.wait_all;\n" ::);
+        __syncwarp();
+        for (uint32_t j = lane; j < count; j += 32u) {
+            const uint32_t b = first + j;
+            if (M == 1) {
+                // One row of x: its block loaded once for the R weight rows.
+                uint4 lo, hi;
+                XBlock8 s;
+                load_xblock(xq, xs, nbp, 0, b, lo, hi, s);
+#pragma unroll
+                for (int w = 0; w < R; ++w) {
+                    const uint8_t *wb = at[w] + j * B;
+                    int q[8];
+                    quant_words<QT>(wb, q);
+                    acc[w][0] = qdot8<QT>(q, sm_f16(wb), wb, lo, hi, s, acc[w][0]);
+                }
+            } else {
+                // Each weight block decoded once for the rows of x, whose blocks are reloaded
+                // per weight row (L1 hits; fewer registers than holding them all).
+#pragma unroll
+                for (int w = 0; w < R; ++w) {
+                    const uint8_t *wb = at[w] + j * B;
+                    int q[8];
+                    quant_words<QT>(wb, q);
+                    const float dw = sm_f16(wb);
+#pragma unroll
+                    for (int r = 0; r < M; ++r) {
+                        if ((uint32_t)r < m) {
+                            uint4 lo, hi;
+                            XBlock8 s;
+                            load_xblock(xq, xs, nbp, r, b, lo, hi, s);
+                            acc[w][r] = qdot8<QT>(q, dw, wb, lo, hi, s, acc[w][r]);
+                        }
+                    }
+                }
+            }
+        }
+        // The stage is rewritten next round only after every lane has read its blocks.
+        __syncwarp();
+    }
+    qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
+}
+
 // qlinear_small_m<M>_<q>_<dtype>: at most M rows of x against weights of GGML type q.
 #define QLINEAR_SMALL_FOR(T, SUFFIX, M, QT, QNAME)                                              \
     extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS)                                 \
@@ -1160,23 +1329,32 @@ __device__ void qlinear_small3(const T *x, const uint8_t *w0, const uint8_t *w1,
         uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu, uint32_t xblocks) {   \
         qlinear_small3<T, M, QT, R>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu, xblocks);         \
     }
+// qlinear4_small_r<R>_m<M>_<q>_<dtype>: variant 4 with R weight rows per warp, reading the
+// buffer qlinear4_quantize_x_<dtype> wrote from x. Register bounds as variant 3's.
+#define QLINEAR4_SMALL_FOR(T, SUFFIX, M, QT, QNAME, R)                                          \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, R * M >= 16 ? 7 : 8)            \
+        qlinear4_small_r##R##_m##M##_##QNAME##_##SUFFIX(                                        \
+        const uint4 *xq, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y,         \
+        uint32_t m, uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {         \
+        qlinear_small4<T, M, QT, R>(xq, w0, w1, w2, y, m, n0, n1, n2, k, silu);                 \
+    }
 #define QLINEAR_SMALL_TYPES(T, SUFFIX, M)                                                       \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q4_0, q4_0)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q4_1, q4_1)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q5_0, q5_0)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q5_1, q5_1)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q8_0, q8_0)
-// Variants 2 and 3 (FOR: QLINEAR2_SMALL_FOR or QLINEAR3_SMALL_FOR) for M rows of x and R
-// weight rows per warp, every block type.
+// Variants 2, 3 and 4 (FOR: QLINEAR2_SMALL_FOR, QLINEAR3_SMALL_FOR or QLINEAR4_SMALL_FOR) for
+// M rows of x and R weight rows per warp, every block type.
 #define QLINEAR_RM_TYPES(FOR, T, SUFFIX, M, R)                                                  \
     FOR(T, SUFFIX, M, QT_Q4_0, q4_0, R)                                                         \
     FOR(T, SUFFIX, M, QT_Q4_1, q4_1, R)                                                         \
     FOR(T, SUFFIX, M, QT_Q5_0, q5_0, R)                                                         \
     FOR(T, SUFFIX, M, QT_Q5_1, q5_1, R)                                                         \
     FOR(T, SUFFIX, M, QT_Q8_0, q8_0, R)
-// Variants 2 and 3 take R = 2 up to 8 rows of x and R = 4 up to 2 rows; variant 2 also up to 4
-// (R = 4 with 8 rows would need 32 accumulators; variant 3's R = 4 with 4 rows spills within
-// 72 registers, ptxas -v).
+// Variants 2, 3 and 4 take R = 2 up to 8 rows of x and R = 4 up to 2 rows; variant 2 also up
+// to 4 (R = 4 with 8 rows would need 32 accumulators; variant 3's R = 4 with 4 rows spills
+// within 72 registers, ptxas -v; variant 4 has variant 3's instances).
 #define QLINEAR_RM_ALL(FOR, T, SUFFIX)                                                          \
     QLINEAR_RM_TYPES(FOR, T, SUFFIX, 1, 2)                                                      \
     QLINEAR_RM_TYPES(FOR, T, SUFFIX, 2, 2)                                                      \
@@ -1191,7 +1369,12 @@ __device__ void qlinear_small3(const T *x, const uint8_t *w0, const uint8_t *w1,
     QLINEAR_SMALL_TYPES(T, SUFFIX, 8)                                                           \
     QLINEAR_RM_ALL(QLINEAR2_SMALL_FOR, T, SUFFIX)                                               \
     QLINEAR_RM_TYPES(QLINEAR2_SMALL_FOR, T, SUFFIX, 4, 4)                                       \
-    QLINEAR_RM_ALL(QLINEAR3_SMALL_FOR, T, SUFFIX)
+    QLINEAR_RM_ALL(QLINEAR3_SMALL_FOR, T, SUFFIX)                                               \
+    QLINEAR_RM_ALL(QLINEAR4_SMALL_FOR, T, SUFFIX)                                               \
+    extern "C" __global__ void __launch_bounds__(128)                                           \
+        qlinear4_quantize_x_##SUFFIX(const T *x, uint4 *xq, uint32_t m, uint32_t k) {          \
+        qlinear4_quantize_x<T>(x, xq, m, k);                                                    \
+    }
 
 #define OPS_FOR(T, SUFFIX)                                                                      \
     extern "C" __global__ void rms_norm_residual_##SUFFIX(const T *x, const T *r, const T *w,  \

@@ -16,9 +16,11 @@
 //! - [`qlinear_small`], [`qlinear_small_multi`], [`qlinear_silu_mul`]: the same three with
 //!   weights of GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, as Candle's quantized CUDA storage
 //!   holds them), dequantized in registers; x stays in its float type. Their CUDA kernel
-//!   comes in variants of one contract, chosen at run time ([`set_qlinear_variant`],
-//!   `CANDLE_OFFLOAD_QLINEAR`), so that one build can measure each; one of them
-//!   ([`QlinearVariant::V3`]) quantizes x to 8 bits instead, for integer dot products.
+//!   comes in variants of one contract, each block type with its default
+//!   ([`DEFAULT_QLINEAR_VARIANTS`]) unless one is forced at run time ([`set_qlinear_variant`],
+//!   `CANDLE_OFFLOAD_QLINEAR`), so that one build can measure each; two of them
+//!   ([`QlinearVariant::V3`], [`QlinearVariant::V4`]) quantize x to 8 bits instead, for
+//!   integer dot products.
 //!
 //! On a CUDA device they run the project's own kernels (`kernels/ops.cu`, compiled to PTX at
 //! build time); on the CPU a direct loop computes the same thing. The `*_unfused` functions are
@@ -1040,7 +1042,9 @@ const QLINEAR_SMALL: &str = "qlinear-small";
 
 /// Which CUDA kernel [`qlinear_small`], [`qlinear_small_multi`] and [`qlinear_silu_mul`] run
 /// (the same contract and results within the same tolerances; the CPU path is one loop either
-/// way). For measuring one against the other in one build.
+/// way). For measuring one against the other in one build: each block type has its default
+/// ([`DEFAULT_QLINEAR_VARIANTS`]), and [`set_qlinear_variant`] or `CANDLE_OFFLOAD_QLINEAR`
+/// force one for all of them ([`qlinear_variant_for`] says which runs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum QlinearVariant {
     /// One warp per output column; each lane loads its block's x values for every column.
@@ -1061,24 +1065,40 @@ pub enum QlinearVariant {
     /// differ from the others' by x's rounding (about 0.4% of a block's largest value per
     /// element).
     V3,
+    /// [`Self::V3`]'s quantized x and integer dot products, but x quantized once per call by a
+    /// launch of its own into a device buffer (40 bytes per block of 32: the int8 quants, the
+    /// scale and the quants' sum), which the matmul kernel, [`Self::V2`]'s warps and weight
+    /// rows per warp (4 as [`Self::V3`] picks them), reads from global memory: no shared memory
+    /// for x and no block of threads quantizing all of x again, for one more launch per call.
+    /// x is rounded exactly as [`Self::V3`] rounds it, so its results are [`Self::V3`]'s up to
+    /// the f32 summation order.
+    V4,
 }
 
 impl QlinearVariant {
     /// Every variant.
-    pub const ALL: [Self; 5] = [Self::V1, Self::V2, Self::V2R2, Self::V2R4, Self::V3];
+    pub const ALL: [Self; 6] = [
+        Self::V1,
+        Self::V2,
+        Self::V2R2,
+        Self::V2R4,
+        Self::V3,
+        Self::V4,
+    ];
 
-    /// The environment variable [`qlinear_variant`] starts from: `v1`, `v2`, `v2r2`, `v2r4`
-    /// or `v3`.
+    /// The environment variable that forces one variant for every block type
+    /// ([`qlinear_variant`]): `v1`, `v2`, `v2r2`, `v2r4`, `v3` or `v4`; unset or empty for the
+    /// per-type defaults.
     pub const ENV: &'static str = "CANDLE_OFFLOAD_QLINEAR";
 
-    /// `v1`, `v2`, `v2r2`, `v2r4`, `v3` (any case) as a variant.
+    /// `v1`, `v2`, `v2r2`, `v2r4`, `v3`, `v4` (any case) as a variant.
     pub fn parse(s: &str) -> Option<Self> {
         Self::ALL
             .into_iter()
             .find(|v| v.name().eq_ignore_ascii_case(s.trim()))
     }
 
-    /// `v1`, `v2`, `v2r2`, `v2r4` or `v3`.
+    /// `v1`, `v2`, `v2r2`, `v2r4`, `v3` or `v4`.
     pub fn name(self) -> &'static str {
         match self {
             Self::V1 => "v1",
@@ -1086,6 +1106,7 @@ impl QlinearVariant {
             Self::V2R2 => "v2r2",
             Self::V2R4 => "v2r4",
             Self::V3 => "v3",
+            Self::V4 => "v4",
         }
     }
 
@@ -1096,28 +1117,58 @@ impl QlinearVariant {
             Self::V2R2 => 3,
             Self::V2R4 => 4,
             Self::V3 => 5,
+            Self::V4 => 6,
         }
     }
 }
 
-/// The variant used unless one is chosen: [`QlinearVariant::V2`], measured faster on the H200
-/// (7B resident decode: Q4_0 273 against 230 tok/s for v1, Q8_0 217 against 207; BENCHMARKS.md).
-pub const DEFAULT_QLINEAR_VARIANT: QlinearVariant = QlinearVariant::V2;
+/// The variant each block type runs unless one is forced ([`qlinear_variant_for`]); a type
+/// missing here runs [`QlinearVariant::V2`]. Measured on the H200, 7B resident decode
+/// (BENCHMARKS.md): v2 over v1 for Q4_0 (273 against 230 tok/s) and Q8_0 (217 against 207),
+/// v3 over v2 for Q8_0 (+12%) but not for Q4_0 (−23%). Q4_1, Q5_0 and Q5_1 follow Q4_0
+/// (unmeasured); v4 is not measured yet, so no type defaults to it.
+pub const DEFAULT_QLINEAR_VARIANTS: [(GgmlDType, QlinearVariant); 5] = [
+    (GgmlDType::Q4_0, QlinearVariant::V2),
+    (GgmlDType::Q4_1, QlinearVariant::V2),
+    (GgmlDType::Q5_0, QlinearVariant::V2),
+    (GgmlDType::Q5_1, QlinearVariant::V2),
+    (GgmlDType::Q8_0, QlinearVariant::V3),
+];
 
-/// The variant, 0 until first read or set.
+/// The variant [`DEFAULT_QLINEAR_VARIANTS`] gives block type `t` ([`QlinearVariant::V2`] for a
+/// type it does not list).
+pub fn default_qlinear_variant(t: GgmlDType) -> QlinearVariant {
+    DEFAULT_QLINEAR_VARIANTS
+        .iter()
+        .find(|(ty, _)| *ty == t)
+        .map_or(QlinearVariant::V2, |(_, v)| *v)
+}
+
+/// The forced variant's code: 0 until first read or set, [`QLINEAR_PER_TYPE`] for none (each
+/// type its default).
 static QLINEAR_VARIANT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
-/// Selects the `qlinear_small` CUDA kernel for the whole process, from the next launch on
-/// (like Candle's own switches for its quantized kernels).
+/// [`QLINEAR_VARIANT`]'s value for no forced variant.
+const QLINEAR_PER_TYPE: u8 = u8::MAX;
+
+/// Forces the `qlinear_small` CUDA kernel `v` for every block type, for the whole process, from
+/// the next launch on (like Candle's own switches for its quantized kernels); it wins over
+/// `CANDLE_OFFLOAD_QLINEAR`.
 pub fn set_qlinear_variant(v: QlinearVariant) {
     QLINEAR_VARIANT.store(v.code(), std::sync::atomic::Ordering::Relaxed);
 }
 
-/// The `qlinear_small` CUDA kernel in use: the last [`set_qlinear_variant`], else the one
-/// `CANDLE_OFFLOAD_QLINEAR` names ([`QlinearVariant::parse`]), read once, else
-/// [`DEFAULT_QLINEAR_VARIANT`]. An unknown value of the variable is reported (on stderr) and
-/// ignored.
-pub fn qlinear_variant() -> QlinearVariant {
+/// Undoes [`set_qlinear_variant`] and `CANDLE_OFFLOAD_QLINEAR`: from the next launch on, each
+/// block type runs its default ([`DEFAULT_QLINEAR_VARIANTS`]); the variable is not read again.
+pub fn clear_qlinear_variant() {
+    QLINEAR_VARIANT.store(QLINEAR_PER_TYPE, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The variant forced for every block type, if any: the last [`set_qlinear_variant`] (unless
+/// [`clear_qlinear_variant`] came after it), else the one `CANDLE_OFFLOAD_QLINEAR` names
+/// ([`QlinearVariant::parse`]), read once; `None` when each type runs its default. An unknown
+/// value of the variable is reported (on stderr) and ignored.
+pub fn qlinear_variant() -> Option<QlinearVariant> {
     use std::sync::atomic::Ordering;
     let code = match QLINEAR_VARIANT.load(Ordering::Relaxed) {
         0 => {
@@ -1127,17 +1178,18 @@ pub fn qlinear_variant() -> QlinearVariant {
                 .and_then(|s| {
                     let v = QlinearVariant::parse(&s);
                     if v.is_none() {
-                        // Loud: a benchmark run under a misspelt variant would measure the default.
+                        // Loud: a benchmark run under a misspelt variant would measure another.
                         eprintln!(
-                            "candle-offload: {}={s:?} is not v1, v2, v2r2, v2r4 or v3; using {}",
+                            "candle-offload: {}={s:?} is not v1, v2, v2r2, v2r4, v3 or v4; \
+                             using each block type's default",
                             QlinearVariant::ENV,
-                            DEFAULT_QLINEAR_VARIANT.name()
                         );
                     }
                     v
                 });
-            let code = from_env.unwrap_or(DEFAULT_QLINEAR_VARIANT).code();
-            // A concurrent set_qlinear_variant wins over the environment.
+            let code = from_env.map_or(QLINEAR_PER_TYPE, QlinearVariant::code);
+            // A concurrent set_qlinear_variant or clear_qlinear_variant wins over the
+            // environment.
             match QLINEAR_VARIANT.compare_exchange(0, code, Ordering::Relaxed, Ordering::Relaxed) {
                 Ok(_) => code,
                 Err(set) => set,
@@ -1145,10 +1197,13 @@ pub fn qlinear_variant() -> QlinearVariant {
         }
         c => c,
     };
-    QlinearVariant::ALL
-        .into_iter()
-        .find(|v| v.code() == code)
-        .unwrap_or(DEFAULT_QLINEAR_VARIANT)
+    QlinearVariant::ALL.into_iter().find(|v| v.code() == code)
+}
+
+/// The `qlinear_small` CUDA kernel that block type `t` runs: the forced variant
+/// ([`qlinear_variant`]) if any, else the type's default ([`default_qlinear_variant`]).
+pub fn qlinear_variant_for(t: GgmlDType) -> QlinearVariant {
+    qlinear_variant().unwrap_or_else(|| default_qlinear_variant(t))
 }
 
 /// Whether the GGML-block kernel takes `x` and `ws`: x (F32, F16 or BF16) and the weights on

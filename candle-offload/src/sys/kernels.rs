@@ -553,8 +553,8 @@ fn qlinear3_x_blocks(m: usize, nb: usize, stage_bytes: usize) -> usize {
 
 /// Variant 2's weight rows per warp for the kernel of `bound` rows of x and `cols` output
 /// columns (`silu`: columns of gate and of up): 4 where that kernel exists (up to 4 rows of x)
-/// and the grid still has at least two blocks of threads per SM, else 2. Variant 3 asks it up
-/// to 2 rows of x (its kernels of 4 rows). The SM count is the
+/// and the grid still has at least two blocks of threads per SM, else 2. Variants 3 and 4 ask
+/// it up to 2 rows of x (their kernels of 4 rows). The SM count is the
 /// first device's asked, read once (a heuristic only: any count gives the same results).
 fn qlinear2_rows_per_warp(dev: &CudaDevice, bound: usize, cols: usize, silu: bool) -> usize {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
@@ -576,10 +576,67 @@ fn qlinear2_rows_per_warp(dev: &CudaDevice, bound: usize, cols: usize, silu: boo
     }
 }
 
-/// `linear_small` with weights of GGML blocks (`qlinear_small_m<M>_<type>_<dtype>`): x (m, k)
-/// times one to three weights (n_i, k) of one block type, concatenated or (`silu`, two weights)
-/// as silu(x·w0ᵀ)·(x·w1ᵀ). The weights' device buffers are Candle's quantized storages, read
-/// through their device pointers on the device's stream.
+/// Variant 4's bytes per block of 32 elements of one row of x in its buffer (kernels/ops.cu,
+/// `qlinear4_quantize_x`): 32 quants, then the scale and the quants' sum (`XBlock8`).
+const QLINEAR4_X_BLOCK_BYTES: usize = 40;
+
+/// Variant 4's first launch, `qlinear4_quantize_x_<dtype>`: the m rows of x (m, k) quantized to
+/// 8-bit blocks of 32 into a new device buffer for its matmul kernels, k / 32 blocks per row
+/// rounded up to a multiple of 32 ([`QLINEAR4_X_BLOCK_BYTES`] each).
+fn qlinear4_quantize_x<T: DeviceRepr + WithDType>(
+    dev: &CudaDevice,
+    x: &CudaView<'_, T>,
+    m: usize,
+    k: usize,
+) -> Result<CudaSlice<u8>> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    if m == 0 || k == 0 || !k.is_multiple_of(32) || x.len() != m * k {
+        candle_core::bail!(
+            "qlinear_small: x of {} elements is not {m} rows of {k}",
+            x.len()
+        );
+    }
+    let nbp = (k / 32).next_multiple_of(32);
+    let func = load::<T>(dev, "qlinear4_quantize_x")?;
+    // SAFETY: uninitialised device memory on the device's stream; the kernel launched next on
+    // that stream writes every byte of it (each of the m·nbp blocks' 32 quants, and its scale
+    // and sum, zeros for the blocks past k / 32) before the matmul that reads it.
+    let xq = unsafe { dev.alloc::<u8>(m * nbp * QLINEAR4_X_BLOCK_BYTES) }?;
+    let stream = dev.cuda_stream();
+    {
+        let (p, _sync) = xq.device_ptr(&stream);
+        if !(p as usize).is_multiple_of(16) {
+            candle_core::bail!("qlinear_small: the buffer of quantized x is not 16-byte aligned");
+        }
+    }
+    let (m_u, k_u) = (to_u32(m, "rows")?, to_u32(k, "width")?);
+    let cfg = LaunchConfig {
+        // 128 threads per 32 blocks of a row: the threads cover the m rows' nbp blocks exactly.
+        grid_dim: (to_u32(m * nbp / 32, "blocks")?, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&func);
+    b.arg(x);
+    b.arg(&xq);
+    b.arg(&m_u);
+    b.arg(&k_u);
+    // SAFETY: the arguments match `qlinear4_quantize_x_<dtype>(const T* x, uint4* xq,
+    // uint32_t m, uint32_t k)` in kernels/ops.cu; x holds m·k elements, 16-byte aligned (the
+    // caller checked its layout), k a multiple of 32, so its 8-element loads of the blocks below
+    // k / 32 stay aligned and in bounds; xq, 16-byte aligned, holds m·nbp·40 bytes, the extent
+    // the kernel writes (quants at 32 bytes per block, then 8 per block), and the grid of
+    // m·nbp/32 blocks of 128 threads gives each thread a row below m.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(xq)
+}
+
+/// `linear_small` with weights of GGML blocks (`qlinear_small_m<M>_<type>_<dtype>` and the
+/// other variants' kernels, the one [`crate::ops::qlinear_variant_for`] gives the block type):
+/// x (m, k) times one to three weights (n_i, k) of one block type, concatenated or (`silu`, two
+/// weights) as silu(x·w0ᵀ)·(x·w1ᵀ). The weights' device buffers are Candle's quantized
+/// storages, read through their device pointers on the device's stream. Variant 4 launches
+/// [`qlinear4_quantize_x`] first, into a buffer freed (in stream order) after the matmul.
 pub(crate) fn qlinear_small(
     (x, xl): (&CudaStorage, &Layout),
     ws: &[&candle_core::quantized::QTensor],
@@ -634,7 +691,8 @@ pub(crate) fn qlinear_small(
         let block_bytes = ws[0].dtype().type_size();
         // The kernel, the output columns one warp computes, the shared memory of a block of
         // threads and, for variant 3, the chunk of x it quantizes at once (in blocks).
-        let (name, cols_per_warp, shared_bytes, xblocks) = match crate::ops::qlinear_variant() {
+        let variant = crate::ops::qlinear_variant_for(ws[0].dtype());
+        let (name, cols_per_warp, shared_bytes, xblocks) = match variant {
             // One staged row per warp, two (gate and up) with silu.
             crate::ops::QlinearVariant::V1 => (
                 format!("qlinear_small_m{bound}_{qname}"),
@@ -653,8 +711,8 @@ pub(crate) fn qlinear_small(
                     // No kernel of 4 rows for more than 4 rows of x.
                     V::V2R4 if bound <= 4 => 4,
                     V::V2R4 => 2,
-                    // Variant 3's kernels of 4 rows take at most 2 rows of x.
-                    V::V3 if bound > 2 => 2,
+                    // Variant 3's and 4's kernels of 4 rows take at most 2 rows of x.
+                    V::V3 | V::V4 if bound > 2 => 2,
                     _ => qlinear2_rows_per_warp(dev, bound, cols, silu),
                 };
                 let stages = QLINEAR_WARPS * 16 * qlinear2_small_stage_vecs(block_bytes) * r;
@@ -668,8 +726,9 @@ pub(crate) fn qlinear_small(
                         Some(to_u32(xblocks, "blocks of x")?),
                     )
                 } else {
+                    let kernel = if v == V::V4 { "qlinear4" } else { "qlinear2" };
                     (
-                        format!("qlinear2_small_r{r}_m{bound}_{qname}"),
+                        format!("{kernel}_small_r{r}_m{bound}_{qname}"),
                         cols_per_warp,
                         stages,
                         None,
@@ -706,8 +765,17 @@ pub(crate) fn qlinear_small(
         // computes a column writes that column for each row r < m; the grid covers all the
         // columns, cols_per_warp per warp).
         let out = unsafe { dev.alloc::<T>(m * cols) }?;
+        // Variant 4: x quantized into a buffer of its own first, which the kernel reads instead.
+        let xq = if variant == crate::ops::QlinearVariant::V4 {
+            Some(qlinear4_quantize_x(dev, &x, m, k)?)
+        } else {
+            None
+        };
         let mut b = stream.launch_builder(&func);
-        b.arg(&x);
+        match &xq {
+            Some(xq) => b.arg(xq),
+            None => b.arg(&x),
+        };
         // Absent weights repeat the first (a valid pointer the kernel never reads: n_i = 0).
         for i in 0..3 {
             b.arg(&ptrs[i.min(ptrs.len() - 1)]);
@@ -719,18 +787,24 @@ pub(crate) fn qlinear_small(
         }
         // SAFETY: the arguments match `qlinear_small_m<M>_<type>_<dtype>` and
         // `qlinear2_small_r<R>_m<M>_<type>_<dtype>(const T* x, const uint8_t* w0, w1, w2, T* y,
-        // uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu, and
+        // uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu,
         // `qlinear3_small_r<R>_m<M>_<type>_<dtype>` the same with `uint32_t xblocks` last (a
-        // multiple of 32), with M ≥ m, every weight of that block type and the shared memory
-        // their stages take (QStage / QStage2 mirrored above), for variant 3 with m rows of
-        // xblocks blocks of x after them. x holds m·k elements, 16-byte aligned,
-        // k a multiple of 32. Weight i is a live quantized storage of n_i·k elements (n_i = 0
-        // for absent ones, never read), 16-byte aligned, whose rows are k/32 blocks: the kernel
+        // multiple of 32), and `qlinear4_small_r<R>_m<M>_<type>_<dtype>` the same as variant
+        // 2's with `const uint4* xq` for x, with M ≥ m, every weight of that block type and the
+        // shared memory their stages take (QStage / QStage2 mirrored above), for variant 3 with
+        // m rows of xblocks blocks of x after them. x holds m·k elements, 16-byte aligned,
+        // k a multiple of 32; for variant 4, xq is the buffer qlinear4_quantize_x filled from
+        // it, launched before on this stream, for the m and k passed here (the kernel reads
+        // blocks below k / 32 of rows below m, in its extent). Weight i is a live quantized
+        // storage of n_i·k elements (n_i = 0 for absent ones, never read), 16-byte aligned,
+        // whose rows are k/32 blocks: the kernel
         // reads from the 16-byte boundary at or before a block to the one at or after a row's
         // end, at most 15 bytes past the last row, inside the 512 zeroed padding elements
         // Candle allocates after every quantized buffer. y holds m·cols elements.
         unsafe { b.launch(cfg) }.w()?;
         drop(guards);
+        // The buffer is freed in stream order, after the kernel has read it.
+        drop(xq);
         Ok(out)
     }
     let slice = match &x.slice {
