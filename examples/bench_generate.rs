@@ -73,6 +73,10 @@ struct Args {
     /// default).
     #[arg(long)]
     event_tracking: bool,
+    /// Multiply GGML blocks on the CPU against 8-bit quantized activations with integer dot
+    /// products, as llama.cpp does (`cpu_quant::set_quantized_activations`; host layers, --cpu).
+    #[arg(long)]
+    q8_activations: bool,
     /// Run the Candle compositions instead of the fused ops (`CausalLm::set_fused`, on by
     /// default on a GPU).
     #[arg(long)]
@@ -119,6 +123,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
     let device = candle_offload_suite::device(args.cpu, 0)?;
+    candle_offload::cpu_quant::set_quantized_activations(args.q8_activations);
     let gpu = !device.is_cpu();
     let candle_offload_suite::LinkBaseline {
         context_bytes,
@@ -504,6 +509,7 @@ fn main() -> Result<()> {
                 "prefetch_depth": depth,
                 "host_layers_choice": format!("{host:?}"),
                 "host_layers": host_layers,
+                "cpu_q8_activations": args.q8_activations,
                 "event_tracking": args.event_tracking,
                 "fused": model.fused(),
                 "accelerate_decode_tokens_per_s": acc_tps,

@@ -222,7 +222,7 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
         let cfg = files.config.clone();
         let n = cfg.num_hidden_layers;
         let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
-        let max_len = PROMPT.len() + 10;
+        let max_len = 24;
         let build = |settings: &OffloadSettings, host| {
             Llama::offloaded_with_host(
                 &files,
@@ -235,10 +235,18 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
                 host,
             )
         };
+        // A prompt longer than a decode step runs the host layers on the device, then decode
+        // steps on the host (their KV caches move between them).
+        let long: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 100).collect();
+        let long_tokens = |model: &Llama| -> anyhow::Result<Vec<u32>> {
+            let mut sampler = LogitsProcessor::new(0, None, None);
+            Ok(generate(model, &long, 8, &mut sampler, &[], |_| Ok(()))?.0)
+        };
         let settings = OffloadSettings::default();
         let single = build(&settings, HostLayers::None)?;
         assert_eq!(single.host_layer_count(), 0);
         let (want_logits, want_tokens) = outputs(&single)?;
+        let want_long = long_tokens(&single)?;
         drop(single);
         let e = build(&settings, HostLayers::Count(n + 1))
             .unwrap_err()
@@ -300,6 +308,11 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             }
         }
         assert_eq!(tokens, want_tokens, "{ctx}, tied {tied}");
+        assert_eq!(
+            long_tokens(&model)?,
+            want_long,
+            "{ctx}, tied {tied}, long prompt"
+        );
         drop(stages);
         drop(model);
         std::fs::remove_dir_all(&dir)?;

@@ -46,6 +46,8 @@ struct Stage {
     rt: OffloadRuntime,
     rope: Rope,
     layers: Range<usize>,
+    /// The compute dtype on this stage (the model's, but F32 for host layers of GGML blocks).
+    dtype: DType,
 }
 
 /// How hidden states cross from one stage's GPU to the next.
@@ -236,7 +238,12 @@ impl CausalLm {
             .into_iter()
             .map(|(rt, layers)| {
                 let rope = family.rope(&cfg, max_len, dtype, rt.device())?;
-                Ok(Stage { rt, rope, layers })
+                Ok(Stage {
+                    rt,
+                    rope,
+                    layers,
+                    dtype,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
@@ -477,11 +484,14 @@ impl CausalLm {
         let mut keep = vec![layout.norm.clone()];
         keep.push(layout.head_unit().to_string());
         keep.retain(|u| store.unit_id(u).is_some());
+        // The GPU also serves the host layers, for prompts (streamed through its free room,
+        // evicted first: they are not in its schedule), whose KV cache it holds one layer at a
+        // time before handing it to the host.
         let mut served = keep.clone();
-        served.extend((h..n).map(|l| layout.layer(l)));
+        served.extend((0..n).map(|l| layout.layer(l)));
         let reserve = Self::reserve_bytes(cfg, &store, device, prompt_len, max_len, dtype);
         let kv_all = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
-        let kv = kv_all / n.max(1) as u64 * (n - h) as u64;
+        let kv = kv_all / n.max(1) as u64 * (n - h + 1).min(n) as u64;
         let reserve = reserve - kv_all + kv;
         let order = || {
             let mut order: Vec<UnitId> = (h..n)
@@ -510,6 +520,20 @@ impl CausalLm {
             source,
         )?;
         model.host_layers = h;
+        // GGML blocks on the host multiply F32 activations (`cpu_quant`, and Candle's CPU
+        // quantized matmul takes nothing else); dense host layers keep the model's dtype.
+        let blocks = (0..h).any(|l| {
+            store
+                .unit_id(&layout.layer(l))
+                .is_some_and(|id| store.unit(id).has_quantized())
+        });
+        if blocks && dtype != DType::F32 {
+            let first = &mut model.stages[0];
+            first.dtype = DType::F32;
+            first.rope = model
+                .family
+                .rope(&model.cfg, max_len, DType::F32, &Device::Cpu)?;
+        }
         Ok(model)
     }
 
@@ -958,15 +982,30 @@ impl CausalLm {
             let unit = first.rt.acquire(self.units.embed)?;
             self.family.embed(
                 &self.cfg,
-                UnitWeights::new(unit.var_builder(self.dtype), Some(&unit)),
+                UnitWeights::new(unit.var_builder(first.dtype), Some(&unit)),
                 &input_ids.to_device(first.rt.device())?,
             )?
         };
-        for (si, stage) in self.stages.iter().enumerate() {
+        // With host layers, a step of more rows than a decode step (a prompt) runs every layer
+        // on the GPU, the host layers streamed through its runtime, as llama.cpp copies its
+        // CPU layers to the GPU for large batches; each host layer's KV cache then moves to
+        // the host right after the layer.
+        let (batch, _) = input_ids.dims2()?;
+        let last = &self.stages[self.stages.len() - 1];
+        let prompt_on_gpu = self.host_layers > 0 && batch * seq_len > HOST_STEP_ROWS;
+        let plan: Vec<(&Stage, Range<usize>)> = if prompt_on_gpu {
+            vec![(last, 0..self.cfg.num_hidden_layers)]
+        } else {
+            self.stages.iter().map(|s| (s, s.layers.clone())).collect()
+        };
+        let mut at = first;
+        for (stage, layers) in plan {
             let device = stage.rt.device();
-            if si > 0 {
+            if !std::ptr::eq(at, stage) {
                 xs = self.move_hidden(&xs, device)?;
+                at = stage;
             }
+            xs = xs.to_dtype(stage.dtype)?;
             let masks = Masks::padded(seq_len, index_pos, pads, device);
             let ctx = StepCtx {
                 index_pos,
@@ -974,22 +1013,30 @@ impl CausalLm {
                 masks: &masks,
                 fused: self.stage_fused(stage),
             };
-            for l in stage.layers.clone() {
+            for l in layers {
+                if self.host_layers > 0 {
+                    cache.place(l, device, stage.dtype)?;
+                }
                 let unit = stage.rt.acquire(self.units.layers[l])?;
-                let weights = UnitWeights::new(unit.var_builder(self.dtype), Some(&unit));
+                let weights = UnitWeights::new(unit.var_builder(stage.dtype), Some(&unit));
                 let block = self.family.block(
                     &self.cfg,
                     weights.pp(self.layout.layer(l)),
                     l,
-                    self.dtype,
+                    stage.dtype,
                 )?;
                 xs = block.forward(&xs, &ctx, &mut cache.kvs[l])?;
+                if prompt_on_gpu && l < self.host_layers {
+                    cache.place(l, first.rt.device(), first.dtype)?;
+                }
             }
         }
         Ok(xs)
     }
 
     /// The final norm and the output head (on the last stage), logits in f32.
+    ///
+    /// (`xs` is in the last stage's dtype.)
     fn head(&self, xs: &Tensor) -> Result<Tensor> {
         let (vocab, hidden) = (self.cfg.vocab_size, self.cfg.hidden_size);
         let last = &self.stages[self.stages.len() - 1];
@@ -1035,6 +1082,10 @@ impl CausalLm {
         &self.layout
     }
 }
+
+/// The most rows (batch × new positions) of a step that runs host layers on the host; larger
+/// steps (prompts) run them on the GPU.
+pub const HOST_STEP_ROWS: usize = 8;
 
 /// The planner's name for the output head of an HF-layout model with tied embeddings (the
 /// embedding matrix, kept a second time on the last stage); see [`Layout::tied_head_name`].

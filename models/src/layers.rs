@@ -164,6 +164,26 @@ impl Cache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Moves layer `l`'s keys and values to `device` in `dtype` where they are elsewhere (a
+    /// host layer's cache between the GPU, which runs prompts, and the host, which runs
+    /// decode steps); nothing to do for an empty cache or one already there.
+    pub(crate) fn place(&mut self, l: usize, device: &Device, dtype: DType) -> Result<()> {
+        let kv = &mut self.kvs[l];
+        let (Some(k), Some(v)) = (kv.k()?, kv.v()?) else {
+            return Ok(());
+        };
+        if k.device().same_device(device) && k.dtype() == dtype {
+            return Ok(());
+        }
+        let mut moved = KvCache::new(2, kv.k_cache().max_seq_len());
+        moved.append(
+            &k.to_device(device)?.to_dtype(dtype)?,
+            &v.to_device(device)?.to_dtype(dtype)?,
+        )?;
+        *kv = moved;
+        Ok(())
+    }
 }
 
 /// The causal mask (F32, 0 or -inf) for `seq_len` new positions after `index_pos` cached ones.
