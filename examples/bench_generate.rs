@@ -507,9 +507,6 @@ fn main() -> Result<()> {
                 "link_ceiling_tokens_per_s": if ceiling_s > 0.0 { Some(1.0 / ceiling_s) } else { None },
                 "link_ceiling_fraction": if step_s > 0.0 { ceiling_s / step_s } else { 0.0 },
                 "prefetch_depth": depth,
-                "host_layers_choice": format!("{host:?}"),
-                "host_layers": host_layers,
-                "cpu_q8_activations": args.q8_activations,
                 "event_tracking": args.event_tracking,
                 "fused": model.fused(),
                 "accelerate_decode_tokens_per_s": acc_tps,
@@ -520,6 +517,9 @@ fn main() -> Result<()> {
             // The storage tiers' fields (one `json!` would pass the macro's recursion limit).
             let tiers = serde_json::json!({
                 "engine": engine.to_string(),
+                "host_layers_choice": format!("{host:?}"),
+                "host_layers": host_layers,
+                "cpu_q8_activations": args.q8_activations,
                 // The variant forced for every block type, or "default" (each type's own).
                 "qlinear_variant": candle_offload::ops::qlinear_variant().map_or("default", |v| v.name()),
                 // The variant each GGML block type ran.
