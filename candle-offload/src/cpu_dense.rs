@@ -1,0 +1,285 @@
+//! A CPU matmul of dense F16, BF16 or F32 weights against a few activation rows (a decode
+//! step), as a Candle [`CustomOp2`]: `xs · wᵀ` with `w` (n, k) and at most [`MAX_ROWS`] rows of
+//! `xs`, each weight row read once per call and multiplied against every activation row in
+//! F32 (`sys::simd::dot_dense_rows`: F16C/AVX2 or AVX-512 conversion and FMA, detected at run
+//! time), the output columns split over the spinning workers of `sys::spin`. Candle 0.11's CPU
+//! matmul runs a decode step through the `gemm` crate, which is not built for one row, and
+//! widens a BF16 weight to F32 on every call.
+//!
+//! [`forward`] returns `None` for anything it does not cover (another device, dtype or layout,
+//! more rows, a tensor that tracks gradients), and the caller then runs Candle's matmul.
+//! Results are Candle's F32 product of the same weights to float-summation order, rounded once
+//! to `xs`'s dtype.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+
+use crate::sys::simd::{self, DenseRow};
+
+/// The most activation rows [`forward`] takes; from there on Candle's GEMM runs (its register
+/// tiling reuses each loaded weight over more rows than a dot product per row does).
+pub const MAX_ROWS: usize = 8;
+
+/// Output columns per work item at the least.
+const MIN_COLS_PER_ITEM: usize = 16;
+
+/// Work items per thread: enough that a thread the OS did not schedule in time holds up at
+/// most a few of them.
+const ITEMS_PER_THREAD: usize = 4;
+
+/// Whether [`forward`] multiplies by `w`: a 2-D contiguous F16 or BF16 tensor on the CPU that
+/// tracks no gradient. F32 weights keep Candle's matmul (see BENCHMARKS.md).
+pub fn supports(w: &Tensor) -> bool {
+    w.device().is_cpu()
+        && matches!(w.dtype(), DType::F16 | DType::BF16)
+        && w.rank() == 2
+        && w.is_contiguous()
+        && !w.track_op()
+}
+
+/// `xs · wᵀ` for `w` of shape (n, k) and `xs` (..., k) of at most [`MAX_ROWS`] rows in `w`'s
+/// dtype or F32 on the CPU, accumulated in F32, in `xs`'s dtype; `None` when [`supports`] says
+/// no or `xs` does not fit, so that the caller runs Candle's matmul instead.
+pub fn forward(w: &Tensor, xs: &Tensor) -> Result<Option<Tensor>> {
+    if !supports(w)
+        || !xs.device().is_cpu()
+        || xs.track_op()
+        || !(xs.dtype() == w.dtype() || xs.dtype() == DType::F32)
+    {
+        return Ok(None);
+    }
+    let (n, k) = w.dims2()?;
+    let dims = xs.dims();
+    if dims.last() != Some(&k) {
+        candle_core::bail!("dense matmul: input {dims:?} against weight ({n}, {k})");
+    }
+    let m = xs.elem_count() / k.max(1);
+    if k == 0 || m == 0 || m > MAX_ROWS {
+        return Ok(None);
+    }
+    // The activations in F32 once per call, contiguous (a strided view is copied).
+    let x32 = xs.to_dtype(DType::F32)?.reshape((m, k))?.contiguous()?;
+    let ys = x32.apply_op2_no_bwd(w, &DenseMatMul)?;
+    let mut out = dims.to_vec();
+    *out.last_mut().expect("non-empty dims") = n;
+    Ok(Some(ys.to_dtype(xs.dtype())?.reshape(out)?))
+}
+
+/// The op: F32 activations (m, k) against a dense weight (n, k), F32 out (m, n).
+struct DenseMatMul;
+
+impl CustomOp2 for DenseMatMul {
+    fn name(&self) -> &'static str {
+        "candle-offload-cpu-dense-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xs_l: &Layout,
+        w: &CpuStorage,
+        w_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, k) = xs_l.shape().dims2()?;
+        let (n, kw) = w_l.shape().dims2()?;
+        if k != kw {
+            candle_core::bail!("dense matmul: input ({m}, {k}) against weight ({n}, {kw})");
+        }
+        let xs = match (xs, xs_l.contiguous_offsets()) {
+            (CpuStorage::F32(v), Some((a, b))) => &v[a..b],
+            _ => candle_core::bail!("dense matmul: input must be contiguous F32"),
+        };
+        let Some((a, b)) = w_l.contiguous_offsets() else {
+            candle_core::bail!("dense matmul: weight must be contiguous");
+        };
+        let mut out_t = vec![0f32; n * m];
+        match w {
+            CpuStorage::F16(w) => columns(&mut out_t, m, k, xs, |c| {
+                DenseRow::F16(&w[a + c * k..a + (c + 1) * k])
+            }),
+            CpuStorage::BF16(w) => columns(&mut out_t, m, k, xs, |c| {
+                DenseRow::BF16(&w[a + c * k..a + (c + 1) * k])
+            }),
+            CpuStorage::F32(w) => columns(&mut out_t, m, k, xs, |c| {
+                DenseRow::F32(&w[a + c * k..a + (c + 1) * k])
+            }),
+            other => candle_core::bail!("dense matmul: weight dtype {:?}", other.dtype()),
+        }
+        debug_assert!(b - a == n * k);
+        Ok((CpuStorage::F32(transpose(out_t, m, n)), Shape::from((m, n))))
+    }
+}
+
+/// Fills `out_t`, the output in column-major order (`m` values per column), on the spinning
+/// pool: column `c` is weight row `row(c)` against the `m` rows of `xs`. Work items are ranges
+/// of columns, each writing its own slice.
+fn columns<'a>(
+    out_t: &mut [f32],
+    m: usize,
+    k: usize,
+    xs: &[f32],
+    row: impl Fn(usize) -> DenseRow<'a> + Sync,
+) {
+    let n = out_t.len() / m;
+    let cols = cols_per_item(n, crate::sys::spin::threads());
+    crate::sys::spin::for_each_chunk_mut(out_t, cols * m, |task, part| {
+        let col0 = task * cols;
+        for (c, col) in part.chunks_mut(m).enumerate() {
+            simd::dot_dense_rows(row(col0 + c), &xs[..m * k], col);
+        }
+    });
+}
+
+/// Output columns per work item for `n` columns on `threads` threads.
+fn cols_per_item(n: usize, threads: usize) -> usize {
+    n.div_ceil(ITEMS_PER_THREAD * threads.max(1))
+        .max(MIN_COLS_PER_ITEM)
+}
+
+/// The (m, n) row-major output from its column-major form (`m` values per column).
+fn transpose(out_t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
+    if m == 1 {
+        return out_t;
+    }
+    let mut out = vec![0f32; m * n];
+    for (c, col) in out_t.chunks_exact(m).enumerate() {
+        for (r, v) in col.iter().enumerate() {
+            out[r * n + c] = *v;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var};
+
+    use super::*;
+
+    /// max |got - want| / max |want|, in F32.
+    fn rel_max(got: &Tensor, want: &Tensor) -> f32 {
+        assert_eq!(got.dims(), want.dims());
+        let got = got.to_dtype(DType::F32).unwrap();
+        let d = (&got - want).unwrap().abs().unwrap().flatten_all().unwrap();
+        let w = want.abs().unwrap().flatten_all().unwrap();
+        let d = d.max(0).unwrap().to_scalar::<f32>().unwrap();
+        d / w.max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    /// Against Candle's F32 matmul of the same (rounded) weights: 1 to 8 rows, leading batch
+    /// dims, widths that are not multiples of the 8 or 16 lanes, column counts that are not
+    /// multiples of a work item; F32 activations within F32 rounding, activations in the
+    /// weights' dtype within that dtype's rounding of the output.
+    #[test]
+    fn agrees_with_candle_matmul() {
+        let dev = Device::Cpu;
+        let shapes: [(&[usize], usize); 9] = [
+            (&[1, 1, 37], 23),
+            (&[1, 64], 1),
+            (&[2, 100], 50),
+            (&[3, 1, 17], 70),
+            (&[4, 33], 129),
+            (&[1, 5, 255], 16),
+            (&[6, 576], 300),
+            (&[7, 15], 9),
+            (&[2, 4, 4099], 133),
+        ];
+        for dtype in [DType::F16, DType::BF16] {
+            for (i, &(xs_dims, n)) in shapes.iter().enumerate() {
+                let k = *xs_dims.last().unwrap();
+                let s = 1.0 / (k as f64).sqrt();
+                let w = Tensor::randn(0f32, s as f32, (n, k), &dev).unwrap();
+                let w = w.to_dtype(dtype).unwrap();
+                let w32 = w.to_dtype(DType::F32).unwrap();
+                assert!(supports(&w));
+                let x32 = Tensor::randn(0f32, 1.0, xs_dims, &dev).unwrap();
+                let want = x32.broadcast_matmul(&w32.t().unwrap()).unwrap();
+                let got = forward(&w, &x32)
+                    .unwrap()
+                    .expect("F32 activations are taken");
+                assert_eq!(got.dtype(), DType::F32);
+                let e = rel_max(&got, &want);
+                assert!(e <= 1e-5, "{dtype:?} {i} {xs_dims:?} x {n}: F32 {e}");
+                let xd = x32.to_dtype(dtype).unwrap();
+                let want = xd
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .broadcast_matmul(&w32.t().unwrap())
+                    .unwrap();
+                let got = forward(&w, &xd).unwrap().expect("same-dtype activations");
+                assert_eq!(got.dtype(), dtype);
+                let e = rel_max(&got, &want);
+                assert!(e <= 1e-2, "{dtype:?} {i} {xs_dims:?} x {n}: {e}");
+                // Candle's own matmul in the dtype, for the record of what it replaces.
+                let candle = xd.broadcast_matmul(&w.t().unwrap()).unwrap();
+                assert!(rel_max(&candle, &want) <= 1e-2);
+            }
+            // A strided input (a transposed view): made contiguous first.
+            let w = Tensor::randn(0f32, 0.1, (45, 64), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let x = Tensor::randn(0f32, 1.0, (64, 3), &dev)
+                .unwrap()
+                .t()
+                .unwrap();
+            assert!(!x.is_contiguous());
+            let want = x
+                .matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap())
+                .unwrap();
+            let got = forward(&w, &x).unwrap().unwrap();
+            assert!(rel_max(&got, &want) <= 1e-5);
+            let got = forward(&w, &x.to_dtype(dtype).unwrap()).unwrap().unwrap();
+            let want = x
+                .to_dtype(dtype)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap())
+                .unwrap();
+            assert!(rel_max(&got, &want) <= 1e-2);
+        }
+    }
+
+    /// What the op leaves to Candle: more than [`MAX_ROWS`] rows, F32 or non-contiguous
+    /// weights, activations in a third dtype, tensors that track gradients; a width that does
+    /// not match is an error.
+    #[test]
+    fn refuses_what_it_does_not_cover() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (8, 32), &dev).unwrap();
+        let wh = w.to_dtype(DType::F16).unwrap();
+        let x = |rows: usize, dtype: DType| {
+            Tensor::randn(0f32, 1.0, (rows, 32), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        assert!(forward(&wh, &x(MAX_ROWS, DType::F16)).unwrap().is_some());
+        assert!(forward(&wh, &x(MAX_ROWS + 1, DType::F16))
+            .unwrap()
+            .is_none());
+        assert!(forward(&w, &x(1, DType::F32)).unwrap().is_none());
+        assert!(forward(&wh, &x(1, DType::BF16)).unwrap().is_none());
+        let wt = Tensor::randn(0f32, 1.0, (32, 8), &dev)
+            .unwrap()
+            .to_dtype(DType::F16)
+            .unwrap()
+            .t()
+            .unwrap();
+        assert!(forward(&wt, &x(1, DType::F16)).unwrap().is_none());
+        let var = Var::from_tensor(&wh).unwrap();
+        assert!(forward(var.as_tensor(), &x(1, DType::F16))
+            .unwrap()
+            .is_none());
+        assert!(forward(&wh, &x(1, DType::F16).narrow(1, 0, 16).unwrap()).is_err());
+    }
+
+    #[test]
+    fn work_items() {
+        assert_eq!(cols_per_item(4096, 2), 512);
+        assert_eq!(cols_per_item(4096, 16), 64);
+        assert_eq!(cols_per_item(23, 16), 16);
+        assert_eq!(cols_per_item(1, 1), 16);
+    }
+}
