@@ -283,3 +283,117 @@ mod tests {
         assert_eq!(cols_per_item(1, 1), 16);
     }
 }
+
+/// Decode's dense matmul against Candle's on this CPU (not run by default):
+/// `cargo test --release -p candle-offload --lib -- --ignored ab_dense --nocapture`.
+#[cfg(test)]
+mod kernel_ab {
+    use std::time::{Duration, Instant};
+
+    use candle_core::Device;
+
+    use super::*;
+
+    /// The 7B LLaMA layer shapes (n x k), F16 one row and eight, BF16 and F32 one row: Candle's
+    /// `matmul` (`x · wᵀ`, what `candle_nn::Linear` runs) against [`forward`] (F32 weights
+    /// through the op itself). Each side runs a batch of calls over copies of the weight that
+    /// together exceed 512 MiB (more than this host's 260 MiB L3, so each call reads its
+    /// weights from memory), batches alternated 5 times with 20 ms between (the workers park).
+    /// One JSON record per line after `RECORD`.
+    #[test]
+    #[ignore]
+    fn ab_dense() {
+        let dev = Device::Cpu;
+        let cases = [
+            (DType::F16, 1usize),
+            (DType::F16, 8),
+            (DType::BF16, 1),
+            (DType::F32, 1),
+        ];
+        for (dtype, m) in cases {
+            for (n, k) in [(4096usize, 4096usize), (11008, 4096), (4096, 11008)] {
+                let bytes = n * k * dtype.size_in_bytes();
+                let copies = (512usize << 20).div_ceil(bytes).max(2);
+                let ws: Vec<Tensor> = (0..copies)
+                    .map(|_| {
+                        Tensor::randn(0f32, 0.02, (n, k), &dev)
+                            .unwrap()
+                            .to_dtype(dtype)
+                            .unwrap()
+                    })
+                    .collect();
+                let x = Tensor::randn(0f32, 1.0, (m, k), &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let ours = |w: &Tensor| {
+                    if dtype == DType::F32 {
+                        x.apply_op2_no_bwd(w, &DenseMatMul).unwrap()
+                    } else {
+                        forward(w, &x).unwrap().unwrap()
+                    }
+                };
+                let candle = |w: &Tensor| x.matmul(&w.t().unwrap()).unwrap();
+                // Warm-up (page faults, the pool's threads) and a check.
+                let e = {
+                    let (a, b) = (ours(&ws[0]), candle(&ws[0]));
+                    let (a, b) = (
+                        a.to_dtype(DType::F32).unwrap(),
+                        b.to_dtype(DType::F32).unwrap(),
+                    );
+                    let d = (&a - &b).unwrap().abs().unwrap().flatten_all().unwrap();
+                    d.max(0).unwrap().to_scalar::<f32>().unwrap()
+                        / b.abs()
+                            .unwrap()
+                            .flatten_all()
+                            .unwrap()
+                            .max(0)
+                            .unwrap()
+                            .to_scalar::<f32>()
+                            .unwrap()
+                };
+                assert!(e < 1e-2, "{dtype:?} {n}x{k}: {e}");
+                let (mut t_candle, mut t_ours) = (Vec::new(), Vec::new());
+                for _ in 0..5 {
+                    std::thread::sleep(Duration::from_millis(20));
+                    let t = Instant::now();
+                    for w in &ws {
+                        candle(w);
+                    }
+                    t_candle.push(t.elapsed().as_secs_f64() / copies as f64);
+                    std::thread::sleep(Duration::from_millis(20));
+                    let t = Instant::now();
+                    for w in &ws {
+                        ours(w);
+                    }
+                    t_ours.push(t.elapsed().as_secs_f64() / copies as f64);
+                }
+                let median = |v: &mut Vec<f64>| {
+                    v.sort_by(f64::total_cmp);
+                    v[v.len() / 2]
+                };
+                let (c, o) = (median(&mut t_candle), median(&mut t_ours));
+                println!(
+                    "RECORD {{\"dtype\": \"{dtype:?}\", \"rows\": {m}, \"n\": {n}, \"k\": {k}, \
+                     \"weight_mib\": {:.1}, \"copies\": {copies}, \"candle_ms\": {:.3}, \
+                     \"ours_ms\": {:.3}, \"candle_gbs\": {:.2}, \"ours_gbs\": {:.2}, \
+                     \"speedup\": {:.2}, \"candle_ms_all\": {:?}, \"ours_ms_all\": {:?}}}",
+                    bytes as f64 / (1 << 20) as f64,
+                    c * 1e3,
+                    o * 1e3,
+                    bytes as f64 / c / 1e9,
+                    bytes as f64 / o / 1e9,
+                    c / o,
+                    t_candle
+                        .iter()
+                        .map(|t| (t * 1e6).round() / 1e3)
+                        .collect::<Vec<_>>(),
+                    t_ours
+                        .iter()
+                        .map(|t| (t * 1e6).round() / 1e3)
+                        .collect::<Vec<_>>(),
+                );
+            }
+        }
+    }
+}
