@@ -112,7 +112,10 @@ impl CustomOp2 for DenseMatMul {
 
 /// Fills `out_t`, the output in column-major order (`m` values per column), on the spinning
 /// pool: column `c` is weight row `row(c)` against the `m` rows of `xs`. Work items are ranges
-/// of columns, each writing its own slice.
+/// of columns, each writing its own slice. With several rows, `k` is walked in blocks whose
+/// activations fit in L1 ([`X_BLOCK_BYTES`]), all the item's columns per block: the
+/// activations are re-read for every weight row, and from L2 that, not memory, bounded the
+/// kernel.
 fn columns<'a>(
     out_t: &mut [f32],
     m: usize,
@@ -122,12 +125,33 @@ fn columns<'a>(
 ) {
     let n = out_t.len() / m;
     let cols = cols_per_item(n, crate::sys::spin::threads());
+    let kb = k_block(m, k);
     crate::sys::spin::for_each_chunk_mut(out_t, cols * m, |task, part| {
         let col0 = task * cols;
-        for (c, col) in part.chunks_mut(m).enumerate() {
-            simd::dot_dense_rows(row(col0 + c), &xs[..m * k], col);
+        for k0 in (0..k).step_by(kb) {
+            let len = kb.min(k - k0);
+            for (c, col) in part.chunks_mut(m).enumerate() {
+                let w = match row(col0 + c) {
+                    DenseRow::F16(w) => DenseRow::F16(&w[k0..k0 + len]),
+                    DenseRow::BF16(w) => DenseRow::BF16(&w[k0..k0 + len]),
+                    DenseRow::F32(w) => DenseRow::F32(&w[k0..k0 + len]),
+                };
+                simd::dot_dense_rows_add(w, &xs[k0..], k, col);
+            }
         }
     });
+}
+
+/// Bytes of activations (F32, all rows) one block of `k` holds, to stay in L1.
+const X_BLOCK_BYTES: usize = 32 << 10;
+
+/// The block of `k` for `m` rows: all of it for one row (the weights' rows then stream in
+/// order), else what [`X_BLOCK_BYTES`] hold, a multiple of 64.
+fn k_block(m: usize, k: usize) -> usize {
+    if m <= 1 {
+        return k.max(1);
+    }
+    (X_BLOCK_BYTES / (4 * m) / 64 * 64).clamp(64, k.max(64))
 }
 
 /// Output columns per work item for `n` columns on `threads` threads.
@@ -281,6 +305,10 @@ mod tests {
         assert_eq!(cols_per_item(4096, 16), 64);
         assert_eq!(cols_per_item(23, 16), 16);
         assert_eq!(cols_per_item(1, 1), 16);
+        assert_eq!(k_block(1, 11008), 11008);
+        assert_eq!(k_block(8, 11008), 1024);
+        assert_eq!(k_block(3, 100), 100);
+        assert_eq!(k_block(8, 17), 64);
     }
 }
 

@@ -831,13 +831,22 @@ macro_rules! by_rows {
 /// that a decode step of a few rows reads each weight once. AVX-512 (16 lanes), else
 /// AVX2/FMA/F16C (8 lanes), detected at run time, else scalar.
 pub(crate) fn dot_dense_rows(w: DenseRow<'_>, xs: &[f32], out: &mut [f32]) {
+    out.fill(0.0);
+    dot_dense_rows_add(w, xs, w.len(), out);
+}
+
+/// [`dot_dense_rows`] of `w` with the activation rows `xs[r * ldx..r * ldx + k]` (a segment of
+/// longer rows: the matmul walks `k` in blocks whose activations stay in L1), added to
+/// `out[r]`.
+pub(crate) fn dot_dense_rows_add(w: DenseRow<'_>, xs: &[f32], ldx: usize, out: &mut [f32]) {
     let k = w.len();
-    assert!(xs.len() == out.len() * k);
+    let m = out.len();
+    assert!(ldx >= k && (m == 0 || xs.len() >= (m - 1) * ldx + k));
     if k == 0 {
-        out.fill(0.0);
         return;
     }
-    for (xs, out) in xs.chunks(DENSE_ROWS * k).zip(out.chunks_mut(DENSE_ROWS)) {
+    for (g, out) in out.chunks_mut(DENSE_ROWS).enumerate() {
+        let xs = &xs[g * DENSE_ROWS * ldx..];
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
             let m = out.len();
@@ -845,52 +854,59 @@ pub(crate) fn dot_dense_rows(w: DenseRow<'_>, xs: &[f32], out: &mut [f32]) {
             let avx512 = has_avx512();
             // SAFETY: the CPU has AVX2, FMA and F16C (checked), and AVX-512F where
             // `dense_avx512` runs (`avx512`); `w` holds `k` values of the type `D` names, `xs`
-            // `m` rows of `k` values (checked above), and `out` `m` (1 to 8) values.
+            // `m` rows of `k` values `ldx` apart (checked above: `xs` starts at row
+            // `g * DENSE_ROWS` of them), and `out` `m` (1 to 8) values.
             unsafe {
                 match (w, avx512) {
                     (DenseRow::F16(w), true) => {
                         let w = w.as_ptr() as *const u8;
-                        by_rows!(m, dense_avx512::dot_rows, DENSE_F16, w, k, x, out)
+                        by_rows!(m, dense_avx512::dot_rows, DENSE_F16, w, k, x, ldx, out)
                     }
                     (DenseRow::BF16(w), true) => {
                         let w = w.as_ptr() as *const u8;
-                        by_rows!(m, dense_avx512::dot_rows, DENSE_BF16, w, k, x, out)
+                        by_rows!(m, dense_avx512::dot_rows, DENSE_BF16, w, k, x, ldx, out)
                     }
                     (DenseRow::F32(w), true) => {
                         let w = w.as_ptr() as *const u8;
-                        by_rows!(m, dense_avx512::dot_rows, DENSE_F32, w, k, x, out)
+                        by_rows!(m, dense_avx512::dot_rows, DENSE_F32, w, k, x, ldx, out)
                     }
                     (DenseRow::F16(w), false) => {
                         let w = w.as_ptr() as *const u8;
-                        by_rows!(m, dense_avx2::dot_rows, DENSE_F16, w, k, x, out)
+                        by_rows!(m, dense_avx2::dot_rows, DENSE_F16, w, k, x, ldx, out)
                     }
                     (DenseRow::BF16(w), false) => {
                         let w = w.as_ptr() as *const u8;
-                        by_rows!(m, dense_avx2::dot_rows, DENSE_BF16, w, k, x, out)
+                        by_rows!(m, dense_avx2::dot_rows, DENSE_BF16, w, k, x, ldx, out)
                     }
                     (DenseRow::F32(w), false) => {
                         let w = w.as_ptr() as *const u8;
-                        by_rows!(m, dense_avx2::dot_rows, DENSE_F32, w, k, x, out)
+                        by_rows!(m, dense_avx2::dot_rows, DENSE_F32, w, k, x, ldx, out)
                     }
                 }
             }
             continue;
         }
-        dot_dense_rows_scalar(w, xs, out);
+        dot_dense_rows_add_scalar(w, xs, ldx, out);
     }
 }
 
 /// [`dot_dense_rows`] without SIMD.
 pub(crate) fn dot_dense_rows_scalar(w: DenseRow<'_>, xs: &[f32], out: &mut [f32]) {
+    out.fill(0.0);
+    dot_dense_rows_add_scalar(w, xs, w.len(), out);
+}
+
+/// [`dot_dense_rows_add`] without SIMD.
+fn dot_dense_rows_add_scalar(w: DenseRow<'_>, xs: &[f32], ldx: usize, out: &mut [f32]) {
     let k = w.len();
-    assert!(xs.len() == out.len() * k);
     let row: Vec<f32> = match w {
         DenseRow::F16(w) => w.iter().map(|v| v.to_f32()).collect(),
         DenseRow::BF16(w) => w.iter().map(|v| v.to_f32()).collect(),
         DenseRow::F32(w) => w.to_vec(),
     };
-    for (o, x) in out.iter_mut().zip(xs.chunks_exact(k.max(1))) {
-        *o = row.iter().zip(x).map(|(a, b)| a * b).sum();
+    for (r, o) in out.iter_mut().enumerate() {
+        let x = &xs[r * ldx..r * ldx + k];
+        *o += row.iter().zip(x).map(|(a, b)| a * b).sum::<f32>();
     }
 }
 
@@ -943,17 +959,19 @@ mod dense_avx2 {
         }
     }
 
-    /// `out[r]` = row `w` (`k` values of type `D`) · row `r` of `x` (`M` rows of `k` values);
+    /// `out[r] +=` row `w` (`k` values of type `D`) · row `r` of `x` (`M` rows, `ldx` apart);
     /// two accumulators per row up to four rows, one beyond (16 registers).
     ///
     /// # Safety
-    /// The CPU has AVX2, FMA and F16C; `k` values of type `D` at `w` and `M * k` values at `x`
+    /// The CPU has AVX2, FMA and F16C; `k` values of type `D` at `w` and `M` rows of `k`
+    /// values `ldx` apart at `x`
     /// are readable, and `out` holds `M` values.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_rows<const D: u8, const M: usize>(
         w: *const u8,
         k: usize,
         x: *const f32,
+        ldx: usize,
         out: &mut [f32],
     ) {
         let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); M], [_mm256_setzero_ps(); M]);
@@ -961,11 +979,11 @@ mod dense_avx2 {
         if M <= 4 {
             while i + 16 <= k {
                 // SAFETY: elements `i..i + 16` are below `k`, inside the weight row and each
-                // activation row (`r * k + i`, r < M); the loads are unaligned.
+                // activation row (`r * ldx + i`, r < M); the loads are unaligned.
                 unsafe {
                     let (w0, w1) = (load8::<D>(w, i), load8::<D>(w, i + 8));
                     for (r, (a0, a1)) in acc0.iter_mut().zip(acc1.iter_mut()).enumerate() {
-                        let xr = x.add(r * k + i);
+                        let xr = x.add(r * ldx + i);
                         *a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), *a0);
                         *a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr.add(8)), *a1);
                     }
@@ -978,7 +996,7 @@ mod dense_avx2 {
             unsafe {
                 let w0 = load8::<D>(w, i);
                 for (r, a) in acc0.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x.add(r * k + i)), *a);
+                    *a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x.add(r * ldx + i)), *a);
                 }
             }
             i += 8;
@@ -987,9 +1005,9 @@ mod dense_avx2 {
             let mut s = hsum(_mm256_add_ps(acc0[r], acc1[r]));
             for j in i..k {
                 // SAFETY: `j` is below `k`: inside the weight row and activation row `r`.
-                s += unsafe { dense_elem::<D>(w, j) * *x.add(r * k + j) };
+                s += unsafe { dense_elem::<D>(w, j) * *x.add(r * ldx + j) };
             }
-            *o = s;
+            *o += s;
         }
     }
 }
@@ -1021,28 +1039,29 @@ mod dense_avx512 {
         }
     }
 
-    /// `out[r]` = row `w` (`k` values of type `D`) · row `r` of `x` (`M` rows of `k` values),
+    /// `out[r] +=` row `w` (`k` values of type `D`) · row `r` of `x` (`M` rows, `ldx` apart),
     /// two accumulators per row (at most 16 of the 32 registers).
     ///
     /// # Safety
-    /// The CPU has AVX-512F, AVX2, FMA and F16C; `k` values of type `D` at `w` and `M * k`
-    /// values at `x` are readable, and `out` holds `M` values.
+    /// The CPU has AVX-512F, AVX2, FMA and F16C; `k` values of type `D` at `w` and `M` rows of
+    /// `k` values `ldx` apart at `x` are readable, and `out` holds `M` values.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub(super) unsafe fn dot_rows<const D: u8, const M: usize>(
         w: *const u8,
         k: usize,
         x: *const f32,
+        ldx: usize,
         out: &mut [f32],
     ) {
         let (mut acc0, mut acc1) = ([_mm512_setzero_ps(); M], [_mm512_setzero_ps(); M]);
         let mut i = 0;
         while i + 32 <= k {
             // SAFETY: elements `i..i + 32` are below `k`, inside the weight row and each
-            // activation row (`r * k + i`, r < M); the loads are unaligned.
+            // activation row (`r * ldx + i`, r < M); the loads are unaligned.
             unsafe {
                 let (w0, w1) = (load16::<D>(w, i), load16::<D>(w, i + 16));
                 for (r, (a0, a1)) in acc0.iter_mut().zip(acc1.iter_mut()).enumerate() {
-                    let xr = x.add(r * k + i);
+                    let xr = x.add(r * ldx + i);
                     *a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), *a0);
                     *a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr.add(16)), *a1);
                 }
@@ -1054,7 +1073,7 @@ mod dense_avx512 {
             unsafe {
                 let w0 = load16::<D>(w, i);
                 for (r, a) in acc0.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x.add(r * k + i)), *a);
+                    *a = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x.add(r * ldx + i)), *a);
                 }
             }
             i += 16;
@@ -1063,9 +1082,9 @@ mod dense_avx512 {
             let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
             for j in i..k {
                 // SAFETY: `j` is below `k`: inside the weight row and activation row `r`.
-                s += unsafe { dense_elem::<D>(w, j) * *x.add(r * k + j) };
+                s += unsafe { dense_elem::<D>(w, j) * *x.add(r * ldx + j) };
             }
-            *o = s;
+            *o += s;
         }
     }
 }
@@ -1226,6 +1245,7 @@ mod tests {
                                     w.as_ptr() as *const u8,
                                     k,
                                     x,
+                                    k,
                                     &mut avx2
                                 ),
                                 DenseRow::BF16(w) => by_rows!(
@@ -1235,6 +1255,7 @@ mod tests {
                                     w.as_ptr() as *const u8,
                                     k,
                                     x,
+                                    k,
                                     &mut avx2
                                 ),
                                 DenseRow::F32(w) => by_rows!(
@@ -1244,6 +1265,7 @@ mod tests {
                                     w.as_ptr() as *const u8,
                                     k,
                                     x,
+                                    k,
                                     &mut avx2
                                 ),
                             }
@@ -1261,6 +1283,20 @@ mod tests {
         let mut out = [1f32; 3];
         dot_dense_rows(DenseRow::F32(&[]), &[], &mut out);
         assert_eq!(out, [0.0; 3]);
+        // A segment of longer rows, added to what `out` holds.
+        let (k, ldx, m) = (37, 100, 10);
+        let xs = ramp(m * ldx, 41);
+        let w = ramp(k, 43);
+        let mut got = vec![1f32; m];
+        dot_dense_rows_add(DenseRow::F32(&w), &xs[5..], ldx, &mut got);
+        for (r, g) in got.iter().enumerate() {
+            let x = &xs[5 + r * ldx..5 + r * ldx + k];
+            let want = 1.0 + w.iter().zip(x).map(|(a, b)| a * b).sum::<f32>();
+            assert!(
+                (g - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "{r}: {g} {want}"
+            );
+        }
     }
 
     #[test]
