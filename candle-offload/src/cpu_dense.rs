@@ -322,7 +322,7 @@ mod kernel_ab {
 
     use super::*;
 
-    /// The 7B LLaMA layer shapes (n x k), F16 one row and eight, BF16 and F32 one row: Candle's
+    /// The 7B LLaMA layer shapes (n x k), F16 and F32 one row and eight, BF16 one row: Candle's
     /// `matmul` (`x · wᵀ`, what `candle_nn::Linear` runs) against [`forward`] (F32 weights
     /// through the op itself). Each side runs a batch of calls over copies of the weight that
     /// together exceed 512 MiB (more than this host's 260 MiB L3, so each call reads its
@@ -337,6 +337,7 @@ mod kernel_ab {
             (DType::F16, 8),
             (DType::BF16, 1),
             (DType::F32, 1),
+            (DType::F32, 8),
         ];
         for (dtype, m) in cases {
             for (n, k) in [(4096usize, 4096usize), (11008, 4096), (4096, 11008)] {
