@@ -1,6 +1,6 @@
 //! SIMD dot products over GGML blocks for the CPU quantized matmul (`crate::cpu_quant`), and
 //! over dense F16/BF16/F32 weight rows for the CPU dense matmul of a few rows
-//! (`crate::cpu_dense`: [`dot_dense_rows`]).
+//! (`crate::cpu_dense`: [`dot_dense_rows_add`]).
 //!
 //! Candle 0.11's CPU kernels for Q4_1 and Q8_0 are scalar unless the whole build targets AVX
 //! (`-C target-cpu`), which a portable binary does not. These kernels pick AVX2 + FMA + F16C at
@@ -825,19 +825,19 @@ macro_rules! by_rows {
     };
 }
 
-/// The dot products of one dense weight row `w` (`k` values in F16, BF16 or F32) with each of
-/// `out.len()` rows of F32 activations in `xs` (one after the other, `k` each), into `out`,
-/// accumulated in F32: up to [`DENSE_ROWS`] activation rows per pass over the weight row, so
-/// that a decode step of a few rows reads each weight once. AVX-512 (16 lanes), else
-/// AVX2/FMA/F16C (8 lanes), detected at run time, else scalar.
+/// [`dot_dense_rows_add`] into a zeroed `out`, of rows `k` apart (the tests' reference form).
+#[cfg(test)]
 pub(crate) fn dot_dense_rows(w: DenseRow<'_>, xs: &[f32], out: &mut [f32]) {
     out.fill(0.0);
     dot_dense_rows_add(w, xs, w.len(), out);
 }
 
-/// [`dot_dense_rows`] of `w` with the activation rows `xs[r * ldx..r * ldx + k]` (a segment of
-/// longer rows: the matmul walks `k` in blocks whose activations stay in L1), added to
-/// `out[r]`.
+/// The dot products of one dense weight row `w` (`k` values in F16, BF16 or F32) with each of
+/// `out.len()` rows of F32 activations `xs[r * ldx..r * ldx + k]`, added to `out[r]`,
+/// accumulated in F32: up to [`DENSE_ROWS`] activation rows per pass over the weight row, so
+/// that a decode step of a few rows reads each weight once (and the matmul can walk `k` in
+/// blocks whose activations stay in L1). AVX-512 (16 lanes), else AVX2/FMA/F16C (8 lanes),
+/// detected at run time, else scalar.
 pub(crate) fn dot_dense_rows_add(w: DenseRow<'_>, xs: &[f32], ldx: usize, out: &mut [f32]) {
     let k = w.len();
     let m = out.len();
@@ -891,6 +891,7 @@ pub(crate) fn dot_dense_rows_add(w: DenseRow<'_>, xs: &[f32], ldx: usize, out: &
 }
 
 /// [`dot_dense_rows`] without SIMD.
+#[cfg(test)]
 pub(crate) fn dot_dense_rows_scalar(w: DenseRow<'_>, xs: &[f32], out: &mut [f32]) {
     out.fill(0.0);
     dot_dense_rows_add_scalar(w, xs, w.len(), out);
