@@ -340,9 +340,9 @@ pub enum Linear {
 impl Linear {
     /// `xs · wᵀ + b`; a quantized weight computes in F32 and returns `xs`'s dtype. A dense
     /// F16/BF16 weight against at most [`candle_offload::cpu_dense::MAX_ROWS`] rows on the CPU
-    /// (a decode step; one row for F32 weights) goes through
-    /// [`candle_offload::cpu_dense::forward`] (F32 accumulation, each weight read once, on
-    /// every core); anything else through Candle's matmul.
+    /// (a decode step) goes through [`candle_offload::cpu_dense::forward`] (F32 accumulation,
+    /// each weight read once, on every core); anything else (F32 weights too) through Candle's
+    /// matmul.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         match self {
             Self::Dense(l) => match candle_offload::cpu_dense::forward(l.weight(), xs)? {
