@@ -752,3 +752,57 @@ test_device!(
     ops_fused_models_cpu,
     ops_fused_models_gpu
 );
+
+/// `layers::Linear` with a dense weight on the CPU: F16/BF16 decode-sized inputs (1 to 8
+/// rows, leading batch dims, a strided view) go through `cpu_dense` and agree with the F32
+/// product of the same weights and bias within the dtype's rounding; more rows, and F32
+/// weights, run Candle's matmul and agree too.
+#[test]
+fn ops_cpu_dense_linear() -> anyhow::Result<()> {
+    use candle_offload_models::layers::Linear;
+    let dev = Device::Cpu;
+    for dtype in DTYPES {
+        for (i, (xs, n)) in [
+            (&[1usize, 1, 4099][..], 37usize),
+            (&[2, 3, 100], 130),
+            (&[8, 33], 17),
+            (&[1, 5, 576], 300),
+            (&[9, 64], 20),
+            (&[3, 6, 64], 20),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let k = *xs.last().expect("rank ≥ 1");
+            let seed = 900 + 10 * i as u64;
+            let x = random(xs, 1.0, seed, dtype, &dev)?;
+            let w = random(&[n, k], 1.0 / (k as f32).sqrt(), seed + 1, dtype, &dev)?;
+            let b = random(&[n], 0.5, seed + 2, dtype, &dev)?;
+            let rows = x.elem_count() / k;
+            anyhow::ensure!(
+                candle_offload::cpu_dense::forward(&w, &x)?.is_some()
+                    == (dtype != DType::F32 && rows <= candle_offload::cpu_dense::MAX_ROWS)
+            );
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+            let want = f32(&x)?
+                .broadcast_matmul(&f32(&w)?.t()?)?
+                .broadcast_add(&f32(&b)?)?;
+            let linear = Linear::Dense(candle_nn::Linear::new(w.clone(), Some(b.clone())));
+            let got = linear.forward(&x)?;
+            anyhow::ensure!(got.dtype() == dtype);
+            ensure_close_values(&format!("cpu_dense {xs:?} x {n}"), &got, &want, dtype)?;
+            let no_bias = Linear::Dense(candle_nn::Linear::new(w.clone(), None));
+            let want = f32(&x)?.broadcast_matmul(&f32(&w)?.t()?)?;
+            ensure_close_values("cpu_dense no bias", &no_bias.forward(&x)?, &want, dtype)?;
+        }
+        // A strided input (a transposed view).
+        let x = random(&[64, 3], 1.0, 990, dtype, &dev)?.t()?;
+        let w = random(&[21, 64], 0.125, 991, dtype, &dev)?;
+        let got = Linear::Dense(candle_nn::Linear::new(w.clone(), None)).forward(&x)?;
+        let want = x
+            .to_dtype(DType::F32)?
+            .matmul(&w.to_dtype(DType::F32)?.t()?)?;
+        ensure_close_values("cpu_dense strided", &got, &want, dtype)?;
+    }
+    Ok(())
+}

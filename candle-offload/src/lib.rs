@@ -74,6 +74,7 @@
 
 pub mod budget;
 pub mod cache;
+pub mod cpu_dense;
 pub mod cpu_quant;
 pub mod diag;
 pub mod doctor;

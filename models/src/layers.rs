@@ -358,10 +358,20 @@ pub enum Linear {
 }
 
 impl Linear {
-    /// `xs · wᵀ + b`; a quantized weight computes in F32 and returns `xs`'s dtype.
+    /// `xs · wᵀ + b`; a quantized weight computes in F32 and returns `xs`'s dtype. A dense
+    /// F16/BF16 weight against at most [`candle_offload::cpu_dense::MAX_ROWS`] rows on the CPU
+    /// (a decode step) goes through [`candle_offload::cpu_dense::forward`] (F32 accumulation,
+    /// each weight read once, on every core); anything else (F32 weights too) through Candle's
+    /// matmul.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         match self {
-            Self::Dense(l) => l.forward(xs),
+            Self::Dense(l) => match candle_offload::cpu_dense::forward(l.weight(), xs)? {
+                Some(y) => match l.bias() {
+                    Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
+                    None => Ok(y),
+                },
+                None => l.forward(xs),
+            },
             Self::Quantized { weight, bias } => {
                 let x32 = xs.to_dtype(DType::F32)?;
                 // Q4_1 and Q8_0 on the CPU: the library's SIMD matmul; otherwise Candle's.

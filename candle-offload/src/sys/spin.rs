@@ -196,6 +196,11 @@ fn run(chunks: usize, task: &ChunkFn<'_>) {
     }
 }
 
+/// Threads a region runs on: the pool's workers and the caller.
+pub(crate) fn threads() -> usize {
+    pool().workers().len() + 1
+}
+
 /// `f(i, chunk)` for each `chunk_len`-long chunk of `data` (the last one shorter), the chunks
 /// shared out between this thread and the pool's spinning workers; returns when all are done.
 pub(crate) fn for_each_chunk_mut<T: Send>(
