@@ -422,20 +422,18 @@ impl CausalLm {
                 if layout.head.is_none() {
                     kept += bytes(&layout.embed);
                 }
-                candle_offload::host_layer_split(
-                    &layers,
-                    reserve - kv_all + kept,
-                    per_layer,
-                    budget,
-                )
-                .ok_or_else(|| {
-                    invalid(format!(
-                        "{} of the GPU budget ({} MiB) goes to the output head, final norm \
-                             and reservation, more than the budget",
-                        reserve - kv_all + kept,
-                        budget >> 20
-                    ))
-                })?
+                // One host layer's KV cache passes through the GPU while a prompt runs.
+                let fixed = reserve - kv_all + per_layer + kept;
+                candle_offload::host_layer_split(&layers, fixed, per_layer, budget).ok_or_else(
+                    || {
+                        invalid(format!(
+                            "the output head, final norm and reservation take {} MiB, more \
+                         than the GPU budget ({} MiB)",
+                            fixed >> 20,
+                            budget >> 20
+                        ))
+                    },
+                )?
             }
         };
         Ok(count)
