@@ -59,6 +59,37 @@ pub fn on_cpu_pool<R: Send>(device: &candle_core::Device, f: impl FnOnce() -> R 
     }
 }
 
+/// The most rows of a step whose Candle ops [`on_cpu_step_pool`] runs on one thread.
+pub const SERIAL_STEP_ROWS: usize = 8;
+
+/// [`on_cpu_pool`] for a step of `rows` activation rows: a decode step (at most
+/// [`SERIAL_STEP_ROWS`]) runs `f` on a rayon pool of one thread, so that Candle's own CPU ops
+/// inside it (norms, RoPE, attention's small matmuls, SiLU, softmax: vectors of a few thousand
+/// values) run serially instead of each waking a sleeping rayon worker, which costs about as
+/// much as the op on a virtual machine (BENCHMARKS.md, the rayon wake cost). The quantized and
+/// dense matmuls keep every core through `sys::spin`'s workers. Larger steps (prompts) use
+/// rayon's whole pool as [`on_cpu_pool`] does.
+pub fn on_cpu_step_pool<R: Send>(
+    device: &candle_core::Device,
+    rows: usize,
+    f: impl FnOnce() -> R + Send,
+) -> R {
+    static SERIAL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    if device.is_cpu() && rows <= SERIAL_STEP_ROWS && rayon::current_thread_index().is_none() {
+        let pool = SERIAL.get_or_init(|| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .thread_name(|_| "candle-offload-step".into())
+                .build()
+                .ok()
+        });
+        if let Some(pool) = pool {
+            return pool.install(f);
+        }
+    }
+    on_cpu_pool(device, f)
+}
+
 /// Whether [`forward`] multiplies `w` itself: a 2-D Q4_1 or Q8_0 tensor on the CPU whose rows
 /// are whole blocks.
 pub fn supports(w: &QTensor) -> bool {

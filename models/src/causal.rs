@@ -939,10 +939,14 @@ impl CausalLm {
                 index_pos + seq_len
             );
         }
-        candle_offload::cpu_quant::on_cpu_pool(self.runtime().device(), || {
-            let xs = self.decoder(input_ids, index_pos, pads, cache)?;
-            self.head(&xs.narrow(1, seq_len - 1, 1)?)?.squeeze(1)
-        })
+        candle_offload::cpu_quant::on_cpu_step_pool(
+            self.runtime().device(),
+            batch * seq_len,
+            || {
+                let xs = self.decoder(input_ids, index_pos, pads, cache)?;
+                self.head(&xs.narrow(1, seq_len - 1, 1)?)?.squeeze(1)
+            },
+        )
     }
 
     /// Logits (batch, seq, vocab) in f32 for every position of `input_ids`, from position 0
