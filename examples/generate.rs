@@ -475,7 +475,7 @@ fn main() -> Result<()> {
     if sharded {
         let t = model.transfer_totals();
         eprintln!(
-            "hidden states moved between GPUs: {} copies, {:.1} KiB",
+            "hidden states moved between devices: {} copies, {:.1} KiB",
             t.copies,
             t.bytes as f64 / 1024.0
         );
