@@ -801,9 +801,11 @@ impl SelfAttention {
             let y = y.reshape((b, seq_len, s.n_heads * s.head_dim))?;
             return self.o_proj.forward_step(&y, true);
         }
+        // Grouped-query attention without repeating k and v: the `rep` query heads of each kv
+        // head are rows of one matmul against that head's keys, read from the cache's views
+        // as they are (a repeat copied the whole cache `rep` times per layer and step).
         let rep = s.n_heads / s.n_kv_heads;
-        let k = candle_transformers::utils::repeat_kv(k, rep)?.contiguous()?;
-        let v = candle_transformers::utils::repeat_kv(v, rep)?.contiguous()?;
+        let kv_len = k.dim(2)?;
         // Scores, softmax and the weighted sum in f32, as the reference implementations do.
         let in_dtype = q.dtype();
         let (q, k, v) = (
@@ -811,17 +813,29 @@ impl SelfAttention {
             k.to_dtype(DType::F32)?,
             v.to_dtype(DType::F32)?,
         );
+        let q = q
+            .contiguous()?
+            .reshape((b, s.n_kv_heads, rep * seq_len, s.head_dim))?;
         let att = (q.matmul(&k.t()?)? / s.score_div)?;
         let att = match s.softcap {
             Some(cap) => soft_cap(&att, cap)?,
             None => att,
         };
         let att = match ctx.masks.get(s.window)? {
-            Some(m) => att.broadcast_add(&m)?,
+            Some(m) => {
+                // (seq, kv_len) or (b, 1, seq, kv_len) against (b, kv heads, rep, seq, kv_len).
+                let m = if m.rank() == 4 { m.unsqueeze(1)? } else { m };
+                att.reshape((b, s.n_kv_heads, rep, seq_len, kv_len))?
+                    .broadcast_add(&m)?
+                    .reshape((b, s.n_kv_heads, rep * seq_len, kv_len))?
+            }
             None => att,
         };
         let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let y = att.matmul(&v)?.to_dtype(in_dtype)?;
+        let y = att
+            .matmul(&v)?
+            .reshape((b, s.n_heads, seq_len, s.head_dim))?
+            .to_dtype(in_dtype)?;
         let y = y
             .transpose(1, 2)?
             .reshape((b, seq_len, s.n_heads * s.head_dim))?;
