@@ -59,16 +59,20 @@ pub fn on_cpu_pool<R: Send>(device: &candle_core::Device, f: impl FnOnce() -> R 
     }
 }
 
-/// The most rows of a step whose Candle ops [`on_cpu_step_pool`] runs on one thread.
-pub const SERIAL_STEP_ROWS: usize = 8;
+/// The most rows of a step whose Candle ops [`on_cpu_step_pool`] runs on one thread: one, a
+/// decode step of one sequence (with more rows, Candle's own matmul of F32 weights, which
+/// splits its work over the current rayon pool, would run on one core).
+pub const SERIAL_STEP_ROWS: usize = 1;
 
-/// [`on_cpu_pool`] for a step of `rows` activation rows: a decode step (at most
-/// [`SERIAL_STEP_ROWS`]) runs `f` on a rayon pool of one thread, so that Candle's own CPU ops
-/// inside it (norms, RoPE, attention's small matmuls, SiLU, softmax: vectors of a few thousand
-/// values) run serially instead of each waking a sleeping rayon worker, which costs about as
+/// [`on_cpu_pool`] for a step of `rows` activation rows: a decode step of one sequence (at
+/// most [`SERIAL_STEP_ROWS`]) runs `f` on a rayon pool of one thread, so that Candle's own CPU
+/// ops inside it (norms, RoPE, attention's small matmuls, SiLU, softmax: vectors of a few
+/// thousand values, and the one-row matmul of F32 weights, which Candle runs on one thread
+/// anyway) run serially instead of each waking a sleeping rayon worker, which costs about as
 /// much as the op on a virtual machine (BENCHMARKS.md, the rayon wake cost). The quantized and
-/// dense matmuls keep every core through `sys::spin`'s workers. Larger steps (prompts) use
-/// rayon's whole pool as [`on_cpu_pool`] does.
+/// F16/BF16 matmuls keep every core through `sys::spin`'s workers. Larger steps (prompts,
+/// batches) use rayon's whole pool as [`on_cpu_pool`] does. The one-thread pool is the
+/// process's: two threads decoding on the CPU at once take turns.
 pub fn on_cpu_step_pool<R: Send>(
     device: &candle_core::Device,
     rows: usize,

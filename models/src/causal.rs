@@ -422,8 +422,9 @@ impl CausalLm {
                 if layout.head.is_none() {
                     kept += bytes(&layout.embed);
                 }
-                // One host layer's KV cache passes through the GPU while a prompt runs.
-                let fixed = reserve - kv_all + per_layer + kept;
+                // A host layer's KV cache passes through the GPU while a prompt runs (moved in
+                // and out: two layers' worth at once).
+                let fixed = reserve - kv_all + 2 * per_layer + kept;
                 candle_offload::host_layer_split(&layers, fixed, per_layer, budget).ok_or_else(
                     || {
                         invalid(format!(
@@ -489,7 +490,8 @@ impl CausalLm {
         served.extend((0..n).map(|l| layout.layer(l)));
         let reserve = Self::reserve_bytes(cfg, &store, device, prompt_len, max_len, dtype);
         let kv_all = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
-        let kv = kv_all / n.max(1) as u64 * (n - h + 1).min(n) as u64;
+        // Two layers' worth for the one passing through (its copy and the new buffer).
+        let kv = kv_all / n.max(1) as u64 * (n - h + 2).min(n) as u64;
         let reserve = reserve - kv_all + kv;
         let order = || {
             let mut order: Vec<UnitId> = (h..n)
@@ -505,6 +507,11 @@ impl CausalLm {
             order
         };
         let mut stage = stage_config(settings, reserve, keep.clone(), order, Some(served))?;
+        if host == HostLayers::Auto {
+            // The split assumed the GPU keeps every layer it runs: a strategy that holds back
+            // room for streaming would stream some of them again.
+            stage.strategy = candle_offload::OffloadStrategy::Minimal;
+        }
         // The hidden state reaches the GPU through a host-to-device copy on the compute
         // stream, which needs no event of cudarc's (ARCHITECTURE.md, hazard H7).
         stage.event_tracking = settings.event_tracking;
@@ -526,11 +533,14 @@ impl CausalLm {
                 .is_some_and(|id| store.unit(id).has_quantized())
         });
         if blocks && dtype != DType::F32 {
-            let first = &mut model.stages[0];
-            first.dtype = DType::F32;
-            first.rope = model
+            // The positions `sharded` set up (clamped to the model's), as the GPU stage has.
+            let max_len = model.stages[1].rope.max_len();
+            let rope = model
                 .family
                 .rope(&model.cfg, max_len, DType::F32, &Device::Cpu)?;
+            let first = &mut model.stages[0];
+            first.dtype = DType::F32;
+            first.rope = rope;
         }
         Ok(model)
     }
@@ -981,10 +991,11 @@ impl CausalLm {
             );
         }
         let mut xs = {
+            // In the model's dtype: the looked-up rows, not the table, are converted below.
             let unit = first.rt.acquire(self.units.embed)?;
             self.family.embed(
                 &self.cfg,
-                UnitWeights::new(unit.var_builder(first.dtype), Some(&unit)),
+                UnitWeights::new(unit.var_builder(self.dtype), Some(&unit)),
                 &input_ids.to_device(first.rt.device())?,
             )?
         };
@@ -994,7 +1005,7 @@ impl CausalLm {
         // the host right after the layer.
         let (batch, _) = input_ids.dims2()?;
         let last = &self.stages[self.stages.len() - 1];
-        let prompt_on_gpu = self.host_layers > 0 && batch * seq_len > HOST_STEP_ROWS;
+        let prompt_on_gpu = self.host_layers > 0 && seq_len > 1 && batch * seq_len > HOST_STEP_ROWS;
         let plan: Vec<(&Stage, Range<usize>)> = if prompt_on_gpu {
             vec![(last, 0..self.cfg.num_hidden_layers)]
         } else {
@@ -1086,7 +1097,8 @@ impl CausalLm {
 }
 
 /// The most rows (batch × new positions) of a step that runs host layers on the host; larger
-/// steps (prompts) run them on the GPU.
+/// steps of more than one new position (prompts) run them on the GPU. Decode steps stay on
+/// the host whatever the batch.
 pub const HOST_STEP_ROWS: usize = 8;
 
 /// The planner's name for the output head of an HF-layout model with tied embeddings (the

@@ -170,18 +170,22 @@ impl Cache {
     /// decode steps); nothing to do for an empty cache or one already there.
     pub(crate) fn place(&mut self, l: usize, device: &Device, dtype: DType) -> Result<()> {
         let kv = &mut self.kvs[l];
-        let (Some(k), Some(v)) = (kv.k()?, kv.v()?) else {
-            return Ok(());
+        // `k` and `v` are views of buffers sized for the whole context: cut and convert them
+        // where they are, so that only the cached positions cross (a view's `to_device` copies
+        // its whole storage), and let the views go before the new buffers are allocated.
+        let moved = {
+            let (Some(k), Some(v)) = (kv.k()?, kv.v()?) else {
+                return Ok(());
+            };
+            if k.device().same_device(device) && k.dtype() == dtype {
+                return Ok(());
+            }
+            let cross = |t: Tensor| t.to_dtype(dtype)?.contiguous()?.to_device(device);
+            (cross(k)?, cross(v)?)
         };
-        if k.device().same_device(device) && k.dtype() == dtype {
-            return Ok(());
-        }
-        let mut moved = KvCache::new(2, kv.k_cache().max_seq_len());
-        moved.append(
-            &k.to_device(device)?.to_dtype(dtype)?,
-            &v.to_device(device)?.to_dtype(dtype)?,
-        )?;
-        *kv = moved;
+        let cap = kv.k_cache().max_seq_len();
+        *kv = KvCache::new(2, cap);
+        kv.append(&moved.0, &moved.1)?;
         Ok(())
     }
 }
@@ -1212,6 +1216,43 @@ pub fn norm_tensors(p: &str, names: &[&str], hidden: usize, out: &mut Vec<Tensor
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_placed_cache_keeps_its_positions_and_grows() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut cache = Cache::new(1, 6);
+        let kv = |base: f32, t: usize| {
+            let v: Vec<f32> = (0..2 * t * 3).map(|i| base + i as f32).collect();
+            Tensor::from_vec(v, (1, 2, t, 3), &dev)
+        };
+        cache.kvs[0].append(&kv(0.0, 2)?, &kv(100.0, 2)?)?;
+        let want = cache.kvs[0]
+            .k()?
+            .expect("cached")
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        cache.place(0, &dev, DType::F16)?;
+        let k = cache.kvs[0].k()?.expect("cached");
+        assert_eq!((k.dtype(), k.dims()), (DType::F16, &[1, 2, 2, 3][..]));
+        assert_eq!(
+            k.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+            want
+        );
+        assert_eq!(cache.kvs[0].k_cache().max_seq_len(), 6);
+        // Appending goes on after the moved positions; placing again where it is does nothing.
+        let f16 = |t: Tensor| t.to_dtype(DType::F16);
+        cache.kvs[0].append(&f16(kv(50.0, 1)?)?, &f16(kv(150.0, 1)?)?)?;
+        assert_eq!(cache.len(), 3);
+        cache.place(0, &dev, DType::F16)?;
+        cache.place(0, &dev, DType::F32)?;
+        let v = cache.kvs[0].v()?.expect("cached");
+        assert_eq!((v.dtype(), v.dims()), (DType::F32, &[1, 2, 3, 3][..]));
+        assert_eq!(
+            v.get(0)?.get(1)?.get(0)?.to_vec1::<f32>()?,
+            vec![106.0, 107.0, 108.0]
+        );
+        Ok(())
+    }
 
     #[test]
     fn window_mask_matches_transformers_rule() -> Result<()> {
