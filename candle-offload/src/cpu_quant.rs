@@ -231,6 +231,12 @@ impl CustomOp1 for QuantMatMul {
                         }
                     },
                 );
+            } else if q4_1 {
+                // One row (a decode step): the activations' block sums once, for every column.
+                let ysum = simd::block_sums(xs);
+                par_columns(&mut out_t, m, min_len, &data, row_bytes, |w, col| {
+                    col[0] = simd::dot_q4_1_f32_summed(w, xs, &ysum);
+                });
             } else {
                 par_columns(&mut out_t, m, min_len, &data, row_bytes, |w, col| {
                     for (v, x) in col.iter_mut().zip(xs.chunks_exact(k)) {

@@ -190,6 +190,28 @@ pub(crate) fn dot_q4_1_f32(x: &[u8], y: &[f32]) -> f32 {
     dot_q4_1_f32_scalar(x, y)
 }
 
+/// The sums of `y`'s blocks of 32 values, for [`dot_q4_1_f32_summed`].
+pub(crate) fn block_sums(y: &[f32]) -> Vec<f32> {
+    y.chunks_exact(QK).map(|b| b.iter().sum()).collect()
+}
+
+/// [`dot_q4_1_f32`] given `ysum`, the sums of `y`'s blocks ([`block_sums`], once per row of
+/// activations): with AVX-512 the `m * sum(y_j)` term is then one scalar product per block
+/// instead of two vector operations, and two accumulators take alternate blocks (a decode
+/// step's dot products, where the per-block work bounds the kernel). Elsewhere it is
+/// [`dot_q4_1_f32`].
+pub(crate) fn dot_q4_1_f32_summed(x: &[u8], y: &[f32], ysum: &[f32]) -> f32 {
+    let nb = x.len() / Q4_1_BYTES;
+    assert!(x.len() == nb * Q4_1_BYTES && y.len() == nb * QK && ysum.len() == nb);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked above), and the lengths
+        // were checked: `x` holds `nb` whole Q4_1 blocks, `y` `nb * 32` values and `ysum` `nb`.
+        return unsafe { avx512::dot_q4_1_f32_summed(x, y, ysum, nb) };
+    }
+    dot_q4_1_f32(x, y)
+}
+
 /// [`dot_q4_1_f32`] of one row of Q4_1 blocks `x` with each of `out.len()` rows of F32
 /// activations in `ys` (one after the other, each `x`'s length in elements), into `out`, each
 /// weight block dequantized once for four rows (prefill).
@@ -663,6 +685,48 @@ mod avx512 {
             }
         }
         _mm512_reduce_add_ps(_mm512_add_ps(acc, acc_m))
+    }
+
+    /// [`super::dot_q4_1_f32_summed`]'s kernel.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks, `y` `nb * 32`
+    /// values and `ysum` `nb`.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4_1_f32_summed(x: &[u8], y: &[f32], ysum: &[f32], nb: usize) -> f32 {
+        let (xp, yp) = (x.as_ptr(), y.as_ptr());
+        let low = _mm512_set1_epi32(0x0f);
+        // d * sum(q_j * y_j) of block `i`, added into `acc`; returns the block's m.
+        let block = |i: usize, acc: &mut __m512| -> f32 {
+            // SAFETY: `i` is below `nb`: 20 bytes at `xb` and 32 values at `yb` are inside the
+            // slices; the loads are unaligned.
+            unsafe {
+                let (xb, yb) = (xp.add(i * Q4_1_BYTES), yp.add(i * 32));
+                let (d, m) = two_halves(xb);
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(xb.add(4) as *const __m128i));
+                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+                let dot = _mm512_fmadd_ps(
+                    lo,
+                    _mm512_loadu_ps(yb),
+                    _mm512_mul_ps(hi, _mm512_loadu_ps(yb.add(16))),
+                );
+                *acc = _mm512_fmadd_ps(_mm512_set1_ps(d), dot, *acc);
+                m
+            }
+        };
+        let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let (mut s0, mut s1) = (0f32, 0f32);
+        let mut i = 0;
+        while i + 2 <= nb {
+            s0 += block(i, &mut a0) * ysum[i];
+            s1 += block(i + 1, &mut a1) * ysum[i + 1];
+            i += 2;
+        }
+        if i < nb {
+            s0 += block(i, &mut a0) * ysum[i];
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + (s0 + s1)
     }
 
     /// One row of Q4_1 blocks against four rows of F32 activations, each block dequantized
@@ -1147,7 +1211,12 @@ mod tests {
             })
             .collect();
         let plain: f32 = deq4.iter().zip(&yf).map(|(a, b)| a * b).sum();
-        for v in [dot_q4_1_f32(&x4, &yf), dot_q4_1_f32_scalar(&x4, &yf)] {
+        let summed = dot_q4_1_f32_summed(&x4, &yf, &block_sums(&yf));
+        for v in [
+            dot_q4_1_f32(&x4, &yf),
+            dot_q4_1_f32_scalar(&x4, &yf),
+            summed,
+        ] {
             assert!(
                 (v - plain).abs() <= 1e-4 * plain.abs().max(1.0),
                 "{v} {plain}"
