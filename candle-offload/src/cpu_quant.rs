@@ -237,6 +237,19 @@ impl CustomOp1 for QuantMatMul {
                 par_columns(&mut out_t, m, min_len, &data, row_bytes, |w, col| {
                     col[0] = simd::dot_q4_1_f32_summed(w, xs, &ysum);
                 });
+            } else if m == 1 {
+                // Q8_0, one row: two weight rows at a time (each row's number unchanged).
+                par_column_fours(&mut out_t, m, min_len, &data, row_bytes, |w, cols| {
+                    for (w, cols) in w.chunks(2).zip(cols.chunks_mut(2)) {
+                        if let ([w0, w1], [c0, c1]) = (w, &mut *cols) {
+                            (c0[0], c1[0]) = simd::dot_q8_0_f32_pair(w0, w1, xs);
+                        } else {
+                            for (w, c) in w.iter().zip(cols.iter_mut()) {
+                                c[0] = dot(w, xs);
+                            }
+                        }
+                    }
+                });
             } else {
                 par_columns(&mut out_t, m, min_len, &data, row_bytes, |w, col| {
                     for (v, x) in col.iter_mut().zip(xs.chunks_exact(k)) {

@@ -275,6 +275,22 @@ pub(crate) fn dot_q4_1_f32_rows_cols4(x: [&[u8]; 4], ys: &[f32], out: &mut [&mut
     }
 }
 
+/// [`dot_q8_0_f32`] of two weight rows `x0`, `x1` (the same length) with one row of
+/// activations `y`: each block of `y` loaded once for both, two independent chains of memory
+/// reads and additions (a decode step). Each result is the same number, bit for bit, as
+/// [`dot_q8_0_f32`] gives for its row.
+pub(crate) fn dot_q8_0_f32_pair(x0: &[u8], x1: &[u8], y: &[f32]) -> (f32, f32) {
+    let nb = x0.len() / Q8_0_BYTES;
+    assert!(x0.len() == nb * Q8_0_BYTES && x1.len() == x0.len() && y.len() == nb * QK);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked above), and the lengths
+        // were checked: `x0` and `x1` hold `nb` whole Q8_0 blocks each and `y` `nb * 32` values.
+        return unsafe { avx512::dot_q8_0_f32_pair(x0, x1, y, nb) };
+    }
+    (dot_q8_0_f32(x0, y), dot_q8_0_f32(x1, y))
+}
+
 /// The dot product of Q8_0 blocks `x` with F32 activations `y` (32 per block), the activations
 /// not quantized.
 pub(crate) fn dot_q8_0_f32(x: &[u8], y: &[f32]) -> f32 {
@@ -818,6 +834,45 @@ mod avx512 {
         out
     }
 
+    /// [`super::dot_q8_0_f32_pair`]'s kernel: per row the operations of [`dot_q8_0_f32`] in
+    /// its order.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, AVX2, FMA and F16C; `x0` and `x1` hold `nb` Q8_0 blocks each and
+    /// `y` `nb * 32` values.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q8_0_f32_pair(
+        x0: &[u8],
+        x1: &[u8],
+        y: &[f32],
+        nb: usize,
+    ) -> (f32, f32) {
+        let (p0, p1, yp) = (x0.as_ptr(), x1.as_ptr(), y.as_ptr());
+        let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for i in 0..nb {
+            // SAFETY: block `i` is below `nb`: 34 bytes at each row's block and 32 values at
+            // `yb` are inside the slices; the loads are unaligned.
+            unsafe {
+                let yb = yp.add(i * 32);
+                let (y0, y1) = (_mm512_loadu_ps(yb), _mm512_loadu_ps(yb.add(16)));
+                let row = |xb: *const u8, acc: __m512| {
+                    let (d, _) = two_halves(xb);
+                    let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(xb.add(2) as *const __m128i));
+                    let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(xb.add(18) as *const __m128i));
+                    let dot = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(q0),
+                        y0,
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(q1), y1),
+                    );
+                    _mm512_fmadd_ps(_mm512_set1_ps(d), dot, acc)
+                };
+                a0 = row(p0.add(i * Q8_0_BYTES), a0);
+                a1 = row(p1.add(i * Q8_0_BYTES), a1);
+            }
+        }
+        (_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1))
+    }
+
     /// # Safety
     /// The CPU has AVX-512F, AVX2, FMA and F16C; `x` holds `nb` Q8_0 blocks and `y`
     /// `nb * 32` values.
@@ -1196,6 +1251,16 @@ mod tests {
         let mut y8 = vec![0u8; k / QK * Q8_0_BYTES];
         quantize_q8_0(&ramp(k, 3), &mut x8);
         quantize_q8_0(&ramp(k, 11), &mut y8);
+        {
+            let (mut x8b, yf8) = (vec![0u8; x8.len()], ramp(k, 17));
+            quantize_q8_0(&ramp(k, 5), &mut x8b);
+            let pair = dot_q8_0_f32_pair(&x8, &x8b, &yf8);
+            let single = (dot_q8_0_f32(&x8, &yf8), dot_q8_0_f32(&x8b, &yf8));
+            assert_eq!(
+                (pair.0.to_bits(), pair.1.to_bits()),
+                (single.0.to_bits(), single.1.to_bits())
+            );
+        }
         let (a, b) = (dot_q8_0_q8_0(&x8, &y8), dot_q8_0_q8_0_scalar(&x8, &y8));
         assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{a} {b}");
 
