@@ -1067,6 +1067,26 @@ template <int QT> struct QOffset { static constexpr int O = 0; };
 template <> struct QOffset<QT_Q4_0> { static constexpr int O = 8; };
 template <> struct QOffset<QT_Q5_0> { static constexpr int O = 16; };
 
+// acc + the dot product of a weight block at b (quants q as quant_words gives them, scale dw)
+// with a block of quantized x (its quants' halves lo and hi, scale and sum s): variants 3 and
+// 4's terms.
+template <int QT>
+__device__ __forceinline__ float qdot8(const int *q, float dw, const uint8_t *b, const uint4 &lo,
+                                       const uint4 &hi, const XBlock8 &s, float acc) {
+    int dot = __dp4a(q[0], (int)lo.x, 0);
+    dot = __dp4a(q[1], (int)lo.y, dot);
+    dot = __dp4a(q[2], (int)lo.z, dot);
+    dot = __dp4a(q[3], (int)lo.w, dot);
+    dot = __dp4a(q[4], (int)hi.x, dot);
+    dot = __dp4a(q[5], (int)hi.y, dot);
+    dot = __dp4a(q[6], (int)hi.z, dot);
+    dot = __dp4a(q[7], (int)hi.w, dot);
+    dot -= QOffset<QT>::O * s.sum;
+    float a = fmaf(dw * s.d, (float)dot, acc);
+    if (QBlock<QT>::MIN) a = fmaf(sm_f16(b + 2) * s.d, (float)s.sum, a);
+    return a;
+}
+
 // qlinear_small's contract, variant 3: variant 2's columns per warp (qrows2), with x quantized
 // (see above) in chunks of xblocks blocks (a multiple of 32). Dynamic shared memory: variant
 // 2's R * QStage2::VECS 16-byte vectors per warp, then m * xblocks * 40 bytes of x's blocks.
@@ -1123,18 +1143,7 @@ __device__ void qlinear_small3(const T *x, const uint8_t *w0, const uint8_t *w1,
                             const uint4 *xr = xq + (size_t)r * 2u * xblocks + xv;
                             const uint4 lo = xr[0], hi = xr[32];
                             const XBlock8 s = xs[(size_t)r * xblocks + f + j];
-                            int dot = __dp4a(q[0], (int)lo.x, 0);
-                            dot = __dp4a(q[1], (int)lo.y, dot);
-                            dot = __dp4a(q[2], (int)lo.z, dot);
-                            dot = __dp4a(q[3], (int)lo.w, dot);
-                            dot = __dp4a(q[4], (int)hi.x, dot);
-                            dot = __dp4a(q[5], (int)hi.y, dot);
-                            dot = __dp4a(q[6], (int)hi.z, dot);
-                            dot = __dp4a(q[7], (int)hi.w, dot);
-                            dot -= QOffset<QT>::O * s.sum;
-                            float a = fmaf(dw * s.d, (float)dot, acc[w][r]);
-                            if (QBlock<QT>::MIN) a = fmaf(sm_f16(b + 2) * s.d, (float)s.sum, a);
-                            acc[w][r] = a;
+                            acc[w][r] = qdot8<QT>(q, dw, b, lo, hi, s, acc[w][r]);
                         }
                     }
                 }
@@ -1194,26 +1203,6 @@ __device__ void qlinear4_quantize_x(const T *x, uint4 *xq, uint32_t m, uint32_t 
         XBlock8 *xs = reinterpret_cast<XBlock8 *>(xq + (size_t)m * 2u * nbp);
         xs[(size_t)r * nbp + b] = {d, sum};
     }
-}
-
-// acc + the dot product of a weight block at b (quants q as quant_words gives them, scale dw)
-// with a block of quantized x (its quants' halves lo and hi, scale and sum s): variant 3's
-// terms, in its order.
-template <int QT>
-__device__ __forceinline__ float qdot8(const int *q, float dw, const uint8_t *b, const uint4 &lo,
-                                       const uint4 &hi, const XBlock8 &s, float acc) {
-    int dot = __dp4a(q[0], (int)lo.x, 0);
-    dot = __dp4a(q[1], (int)lo.y, dot);
-    dot = __dp4a(q[2], (int)lo.z, dot);
-    dot = __dp4a(q[3], (int)lo.w, dot);
-    dot = __dp4a(q[4], (int)hi.x, dot);
-    dot = __dp4a(q[5], (int)hi.y, dot);
-    dot = __dp4a(q[6], (int)hi.z, dot);
-    dot = __dp4a(q[7], (int)hi.w, dot);
-    dot -= QOffset<QT>::O * s.sum;
-    float a = fmaf(dw * s.d, (float)dot, acc);
-    if (QBlock<QT>::MIN) a = fmaf(sm_f16(b + 2) * s.d, (float)s.sum, a);
-    return a;
 }
 
 // Block b of row r of variant 4's quantized x (nbp blocks per row, m rows): quants and d, sq.
