@@ -274,10 +274,15 @@ impl CausalLm {
         max_len: usize,
         settings: &OffloadSettings,
     ) -> std::result::Result<Self, ModelError> {
-        let source = files.weights_path();
-        let cfg = &files.config;
-        Self::from_store(
-            cfg, store, device, dtype, prompt_len, max_len, settings, &source,
+        Self::offloaded_with_host(
+            files,
+            store,
+            device,
+            dtype,
+            prompt_len,
+            max_len,
+            settings,
+            HostLayers::None,
         )
     }
 
@@ -364,8 +369,9 @@ impl CausalLm {
     /// How many layers [`from_store_with_host`](Self::from_store_with_host) runs on the host
     /// for `host` on `device` under `settings`' budget: [`HostLayers::Auto`] takes
     /// [`candle_offload::host_layer_split`] over the layers' device bytes, with the output
-    /// head, the final norm and the reservation on the GPU (the KV cache of its own layers
-    /// only), and 0 when the whole model (embeddings included) fits.
+    /// head, the final norm and the reservation on the GPU (the KV cache of its own layers and
+    /// two layers' more for a host layer's cache passing through), and 0 when the whole model
+    /// (embeddings included) fits.
     #[allow(clippy::too_many_arguments)]
     pub fn host_layers_for(
         cfg: &Config,
@@ -397,12 +403,7 @@ impl CausalLm {
                 if device.is_cpu() {
                     return Ok(0);
                 }
-                let info = candle_offload::diag::device_info(device)?;
-                let label = candle_offload::diag::device_label(device);
-                let budget = match settings.gpu_memory_limit {
-                    Some(l) => l.resolve(&label, Some(info.total_bytes))?,
-                    None => info.free_bytes,
-                };
+                let budget = device_budget(device, settings.gpu_memory_limit)?;
                 let bytes = |name: &str| store.unit_id(name).map_or(0, |id| store.unit(id).bytes());
                 let layout = cfg.layout();
                 let layers: Vec<u64> = (0..n).map(|l| bytes(&layout.layer(l))).collect();
@@ -444,7 +445,8 @@ impl CausalLm {
     /// CPU, as [`host_layers_for`](Self::host_layers_for) decides: a pipeline of a CPU stage,
     /// which keeps its units in host memory as CPU tensors (copied once, on first use, then
     /// resident), and a GPU stage under `settings`' budget that reserves the KV cache of its
-    /// own layers only. The hidden state crosses to the GPU once per forward pass; with no
+    /// own layers and two layers' more (a host layer's cache passing through while a prompt
+    /// runs on the GPU). The hidden state crosses to the GPU once per decode step; with no
     /// host layer this is [`from_store`](Self::from_store).
     #[allow(clippy::too_many_arguments)]
     pub fn from_store_with_host(
@@ -617,18 +619,7 @@ impl CausalLm {
         let mut budgets = Vec::with_capacity(devices.len());
         for (i, dev) in devices.iter().enumerate() {
             let limit = limits.get(i).or(limits.first()).copied().flatten();
-            let name = candle_offload::diag::device_label(dev);
-            let info = if dev.is_cpu() {
-                None
-            } else {
-                Some(candle_offload::diag::device_info(dev)?)
-            };
-            let budget = match (limit, &info) {
-                (Some(l), info) => l.resolve(&name, info.as_ref().map(|i| i.total_bytes))?,
-                (None, Some(info)) => info.free_bytes,
-                (None, None) => u64::MAX / 4,
-            };
-            budgets.push((device_ordinal(dev, i), budget));
+            budgets.push((device_ordinal(dev, i), device_budget(dev, limit)?));
         }
         let request = |reserves: &[u64]| {
             budgets
@@ -1174,6 +1165,25 @@ pub enum DeviceMapChoice {
     Mode(PlacementMode),
     /// Given (`--device-map plan.json`), checked against the model and budgets.
     Map(DeviceMap),
+}
+
+/// The bytes `limit` gives `device` (resolved against a GPU's total memory); without a limit,
+/// the memory free on a GPU, no limit of ours on a CPU.
+fn device_budget(
+    device: &Device,
+    limit: Option<MemoryLimit>,
+) -> std::result::Result<u64, ModelError> {
+    let name = candle_offload::diag::device_label(device);
+    let info = if device.is_cpu() {
+        None
+    } else {
+        Some(candle_offload::diag::device_info(device)?)
+    };
+    Ok(match (limit, info) {
+        (Some(l), info) => l.resolve(&name, info.map(|i| i.total_bytes))?,
+        (None, Some(info)) => info.free_bytes,
+        (None, None) => u64::MAX / 4,
+    })
 }
 
 /// The ordinal a device map uses for `device`: the GPU's, or the position for a CPU.
