@@ -14,6 +14,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
+use crate::cpu_quant::transpose;
 use crate::sys::simd::{self, DenseRow};
 
 /// The most activation rows [`forward`] takes; from there on Candle's GEMM runs (its register
@@ -160,20 +161,6 @@ fn k_block(m: usize, k: usize) -> usize {
 fn cols_per_item(n: usize, threads: usize) -> usize {
     n.div_ceil(ITEMS_PER_THREAD * threads.max(1))
         .max(MIN_COLS_PER_ITEM)
-}
-
-/// The (m, n) row-major output from its column-major form (`m` values per column).
-fn transpose(out_t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
-    if m == 1 {
-        return out_t;
-    }
-    let mut out = vec![0f32; m * n];
-    for (c, col) in out_t.chunks_exact(m).enumerate() {
-        for (r, v) in col.iter().enumerate() {
-            out[r * n + c] = *v;
-        }
-    }
-    out
 }
 
 #[cfg(test)]

@@ -335,8 +335,9 @@ fn par_column_fours(
     });
 }
 
-/// The (m, n) row-major output from its column-major form (`m` values per column).
-fn transpose(out_t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
+/// The (m, n) row-major output from its column-major form (`m` values per column); also
+/// `cpu_dense`'s.
+pub(crate) fn transpose(out_t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
     if m == 1 {
         return out_t;
     }
