@@ -23,18 +23,21 @@ fn outputs(model: &Llama) -> anyhow::Result<(Vec<f32>, Vec<u32>)> {
     Ok((logits, tokens))
 }
 
+/// A fresh temporary directory `candle-offload-{tag}-{pid}` holding the tiny LLaMA checkpoint
+/// (tied embeddings or not).
+fn tiny_llama_dir(tag: &str, tied: bool) -> anyhow::Result<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!("candle-offload-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    crate::models::write_tiny_llama(&dir, tied, false)?;
+    Ok(dir)
+}
+
 /// Sharded over `devices` (planned sequentially under tight budgets, balanced, and from a
 /// saved map) equals the single-device model exactly, with either way of moving hidden states.
 pub fn sharded_equals_single_device(devices: &[Device]) -> anyhow::Result<()> {
     for tied in [false, true] {
-        let dir = std::env::temp_dir().join(format!(
-            "candle-offload-shard-{tied}-{}-{}",
-            devices.len(),
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
-        crate::models::write_tiny_llama(&dir, tied, false)?;
+        let dir = tiny_llama_dir(&format!("shard-{tied}-{}", devices.len()), tied)?;
         let files = loader::from_dir(&dir)?;
         let cfg = files.config.clone();
         let store = Arc::new(loader::load_store(&files, DType::F32, &devices[0], None)?);
@@ -162,13 +165,7 @@ fn sharded_equals_single_device_gpus() -> anyhow::Result<()> {
 /// Budgets too small for any placement are refused before loading, with the MiB missing.
 #[test]
 fn impossible_plans_are_refused() -> anyhow::Result<()> {
-    let dir = std::env::temp_dir().join(format!(
-        "candle-offload-shard-refuse-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
-    crate::models::write_tiny_llama(&dir, false, false)?;
+    let dir = tiny_llama_dir("shard-refuse", false)?;
     let files = loader::from_dir(&dir)?;
     let devices = [Device::Cpu, Device::Cpu];
     for mode in [PlacementMode::Sequential, PlacementMode::Balanced] {
@@ -210,14 +207,7 @@ fn impossible_plans_are_refused() -> anyhow::Result<()> {
 fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
     use candle_offload_models::HostLayers;
     for tied in [false, true] {
-        let dir = std::env::temp_dir().join(format!(
-            "candle-offload-host-layers-{tied}-{}-{}",
-            device.is_cuda(),
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
-        crate::models::write_tiny_llama(&dir, tied, false)?;
+        let dir = tiny_llama_dir(&format!("host-layers-{tied}-{}", device.is_cuda()), tied)?;
         let files = loader::from_dir(&dir)?;
         let cfg = files.config.clone();
         let n = cfg.num_hidden_layers;
