@@ -173,13 +173,15 @@ impl Cache {
         // `k` and `v` are views of buffers sized for the whole context: cut and convert them
         // where they are, so that only the cached positions cross (a view's `to_device` copies
         // its whole storage), and let the views go before the new buffers are allocated.
+        // Checked on the buffer, not on views of it: this runs before every host layer.
+        match kv.k_cache().all_data() {
+            Some(data) if !(data.device().same_device(device) && data.dtype() == dtype) => {}
+            _ => return Ok(()),
+        }
         let moved = {
             let (Some(k), Some(v)) = (kv.k()?, kv.v()?) else {
                 return Ok(());
             };
-            if k.device().same_device(device) && k.dtype() == dtype {
-                return Ok(());
-            }
             let cross = |t: Tensor| t.to_dtype(dtype)?.contiguous()?.to_device(device);
             (cross(k)?, cross(v)?)
         };
