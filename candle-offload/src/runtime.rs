@@ -340,11 +340,25 @@ impl OffloadRuntime {
             });
         }
         // A model that fits entirely needs no spare room for copies ahead of their victims.
-        let spare_depth = if plan.fits_entirely {
-            0
-        } else {
-            plan.prefetch_depth
+        // With an order given up front, what must fit is the units in it: a unit served but
+        // outside the order (a host layer that a prompt runs here, see the models crate) is
+        // fetched only now and then, and is the first victim when it is.
+        let steady_fits = match &cfg.policy {
+            PolicyChoice::Schedule(order) if !order.is_empty() => {
+                let mut counted = vec![false; unit_bytes.len()];
+                let mut steady = kept;
+                for u in order {
+                    if u.0 < counted.len() && served[u.0] && !counted[u.0] && !keep_ids.contains(u)
+                    {
+                        counted[u.0] = true;
+                        steady = steady.saturating_add(unit_bytes[u.0]);
+                    }
+                }
+                steady <= plan.weight_capacity
+            }
+            _ => plan.fits_entirely,
         };
+        let spare_depth = if steady_fits { 0 } else { plan.prefetch_depth };
         let mut cache = ResidencyCache::new(&unit_bytes, plan.weight_capacity, cfg.policy.clone())
             .with_prefetch_depth(spare_depth);
         for &u in &keep_ids {
