@@ -488,35 +488,56 @@ fn a_stage_serves_only_its_units() -> anyhow::Result<()> {
     let device = Device::Cpu;
     let store = mlp_store(LAYERS, WIDTH, &device, None)?;
     let layer = store.unit(store.layer_unit(0).unwrap()).bytes();
-    // A budget of exactly two layers: the whole model must stream through it (one spare layer
-    // for copies in flight), a stage of two layers fits entirely and never fetches twice.
-    let sweep = |units: Option<Vec<String>>| -> anyhow::Result<(OffloadRuntime, u64)> {
-        let rt = OffloadRuntime::new(
-            store.clone(),
-            &device,
-            &OffloadConfig {
-                gpu_memory_limit: Some(MemoryLimit::Bytes(2 * layer)),
-                units,
-                policy: PolicyChoice::Schedule(vec![
-                    store.layer_unit(2).unwrap(),
-                    store.layer_unit(3).unwrap(),
-                ]),
-                ..Default::default()
-            },
-        )?;
-        for _ in 0..3 {
-            rt.acquire_layer(2)?;
-            rt.acquire_layer(3)?;
-        }
-        let fetches = rt.stats()?.total.fetches;
-        Ok((rt, fetches))
-    };
-    let (_, whole) = sweep(None)?;
-    let (rt, stage) = sweep(Some(vec!["layers.2".to_string(), "layers.3".to_string()]))?;
+    // A budget of exactly two layers: the whole model's sweep must stream through it (one
+    // spare layer for copies in flight), a stage of two layers fits entirely and never
+    // fetches twice.
+    let sweep =
+        |units: Option<Vec<String>>, layers: &[usize]| -> anyhow::Result<(OffloadRuntime, u64)> {
+            let rt = OffloadRuntime::new(
+                store.clone(),
+                &device,
+                &OffloadConfig {
+                    gpu_memory_limit: Some(MemoryLimit::Bytes(2 * layer)),
+                    units,
+                    policy: PolicyChoice::Schedule(
+                        layers
+                            .iter()
+                            .map(|&l| store.layer_unit(l).unwrap())
+                            .collect(),
+                    ),
+                    ..Default::default()
+                },
+            )?;
+            for _ in 0..3 {
+                for &l in layers {
+                    rt.acquire_layer(l)?;
+                }
+            }
+            let fetches = rt.stats()?.total.fetches;
+            Ok((rt, fetches))
+        };
+    let all: Vec<usize> = (0..LAYERS).collect();
+    let (_, whole) = sweep(None, &all)?;
+    let (rt, stage) = sweep(Some(vec!["layers.2".into(), "layers.3".into()]), &[2, 3])?;
     assert_eq!(stage, 2, "a stage that fits fetches each layer once");
     assert!(
-        whole > 2,
+        whole > 2 * LAYERS as u64,
         "the whole model streams through the same budget ({whole} fetches)"
+    );
+    // Served units outside the schedule (a host layer a prompt runs here) take no spare room
+    // from a schedule that fits: its layers are fetched once, and the outsider when used.
+    let served = ["layers.1", "layers.2", "layers.3"]
+        .map(String::from)
+        .to_vec();
+    let (outside, fetches) = sweep(Some(served), &[2, 3])?;
+    assert_eq!(fetches, 2, "the schedule that fits streams nothing");
+    for l in [1, 2, 3] {
+        outside.acquire_layer(l)?;
+    }
+    assert_eq!(
+        outside.stats()?.total.fetches,
+        4,
+        "the outsider evicts one layer, then is the next victim"
     );
     let e = rt.acquire_layer(4).unwrap_err();
     assert!(

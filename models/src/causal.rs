@@ -1034,6 +1034,11 @@ impl CausalLm {
                     cache.place(l, first.rt.device(), first.dtype)?;
                 }
             }
+            if !std::ptr::eq(stage, last) {
+                // This stage idles while the later ones compute: its copy stream fetches what
+                // its next step needs first (nothing on a host stage, which keeps its units).
+                stage.rt.prefetch_ahead(usize::MAX)?;
+            }
         }
         Ok(xs)
     }
@@ -1057,22 +1062,29 @@ impl CausalLm {
         };
         // The head's weight (the embedding matrix when tied), multiplied as GGML blocks when
         // the unit holds it quantized.
-        let unit = rt.acquire(self.units.head)?;
-        let w =
-            UnitWeights::new(unit.var_builder(self.dtype), Some(&unit)).pp(self.layout.head_unit());
-        let logits = match w.quantized("weight", &[vocab, hidden])? {
-            Some(q) => crate::layers::Linear::Quantized {
-                weight: candle_core::quantized::QMatMul::from_arc(q)?,
-                bias: None,
-            }
-            .forward(&xs)?,
-            None => {
-                let m = w.vb().get((vocab, hidden), "weight")?;
-                crate::layers::Linear::Dense(candle_nn::Linear::new(m, None))
-                    .forward_step(&xs, self.stage_fused(last))?
+        let logits = {
+            let unit = rt.acquire(self.units.head)?;
+            let w = UnitWeights::new(unit.var_builder(self.dtype), Some(&unit))
+                .pp(self.layout.head_unit());
+            match w.quantized("weight", &[vocab, hidden])? {
+                Some(q) => crate::layers::Linear::Quantized {
+                    weight: candle_core::quantized::QMatMul::from_arc(q)?,
+                    bias: None,
+                }
+                .forward(&xs)?,
+                None => {
+                    let m = w.vb().get((vocab, hidden), "weight")?;
+                    crate::layers::Linear::Dense(candle_nn::Linear::new(m, None))
+                        .forward_step(&xs, self.stage_fused(last))?
+                }
             }
         }
         .to_dtype(DType::F32)?;
+        // The GPU idles until the next step reaches it (sampling, and the earlier stages
+        // with host layers or a pipeline): its copy stream starts the next step's fetches now.
+        if self.stages.len() > 1 {
+            rt.prefetch_ahead(usize::MAX)?;
+        }
         self.family.finish_logits(&self.cfg, logits)
     }
 
