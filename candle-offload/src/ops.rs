@@ -1125,13 +1125,14 @@ impl QlinearVariant {
 /// The variant each block type runs unless one is forced ([`qlinear_variant_for`]); a type
 /// missing here runs [`QlinearVariant::V2`]. Measured on the H200, 7B resident decode
 /// (BENCHMARKS.md): v2 over v1 for Q4_0 (273 against 230 tok/s) and Q8_0 (217 against 207),
-/// v3 over v2 for Q8_0 (+12%) but not for Q4_0 (−23%). Q4_1, Q5_0 and Q5_1 follow Q4_0
-/// (unmeasured); v4 is not measured yet, so no type defaults to it.
+/// v3 over v2 for Q8_0 (+12%) but not for Q4_0 (−23%); v4 over v2 for Q4_0 (261 against 224 in
+/// one call) but not over v3 for Q8_0 (173 against 235). Q4_1, Q5_0 and Q5_1 follow Q4_0
+/// (unmeasured).
 pub const DEFAULT_QLINEAR_VARIANTS: [(GgmlDType, QlinearVariant); 5] = [
-    (GgmlDType::Q4_0, QlinearVariant::V2),
-    (GgmlDType::Q4_1, QlinearVariant::V2),
-    (GgmlDType::Q5_0, QlinearVariant::V2),
-    (GgmlDType::Q5_1, QlinearVariant::V2),
+    (GgmlDType::Q4_0, QlinearVariant::V4),
+    (GgmlDType::Q4_1, QlinearVariant::V4),
+    (GgmlDType::Q5_0, QlinearVariant::V4),
+    (GgmlDType::Q5_1, QlinearVariant::V4),
     (GgmlDType::Q8_0, QlinearVariant::V3),
 ];
 
