@@ -519,6 +519,8 @@ fn main() -> Result<()> {
                 "engine": engine.to_string(),
                 "host_layers_choice": format!("{host:?}"),
                 "host_layers": host_layers,
+                // `fused` is every stage's; with host layers the CPU stage runs Candle's ops.
+                "fused_on_gpus": model.fused_on_gpus(),
                 "cpu_q8_activations": args.q8_activations,
                 // The variant forced for every block type, or "default" (each type's own).
                 "qlinear_variant": candle_offload::ops::qlinear_variant().map_or("default", |v| v.name()),

@@ -279,6 +279,9 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             assert_eq!(stages.len(), 2);
             assert_eq!(stages[0].1, 0..host);
             assert!(stages[0].0.device().is_cpu());
+            // The GPU stage runs the fused ops by default, the host stage Candle's.
+            let gpu_fused = (!device.is_cpu()).then_some(true);
+            assert_eq!(model.fused_on_gpus(), gpu_fused, "{ctx}");
             let (logits, tokens) = outputs(&model)?;
             if device.is_cpu() {
                 assert_eq!(logits, want_logits, "{ctx}, tied {tied}");

@@ -843,6 +843,14 @@ impl CausalLm {
         self.stages.iter().all(|s| self.stage_fused(s))
     }
 
+    /// Whether every stage on a GPU runs the fused ops (a host stage in front runs Candle's);
+    /// `None` for a model with no stage on a GPU.
+    pub fn fused_on_gpus(&self) -> Option<bool> {
+        let mut gpu = self.stages.iter().filter(|s| !s.rt.device().is_cpu());
+        let first = gpu.next()?;
+        Some(self.stage_fused(first) && gpu.all(|s| self.stage_fused(s)))
+    }
+
     fn stage_fused(&self, stage: &Stage) -> bool {
         // On a GPU the fused kernels are faster (BENCHMARKS.md, "The decode step"); on the
         // CPU Candle's multi-threaded ops beat their loops.
