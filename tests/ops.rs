@@ -650,6 +650,106 @@ test_device!(
     ops_qlinear_small_gpu
 );
 
+/// Turns the Q4_K kernel on or off for its lifetime and restores the previous state on drop.
+struct QlinearKGuard(bool);
+
+impl QlinearKGuard {
+    fn set(on: bool) -> Self {
+        let old = ops::qlinear_k();
+        ops::set_qlinear_k(on);
+        Self(old)
+    }
+}
+
+impl Drop for QlinearKGuard {
+    fn drop(&mut self) {
+        ops::set_qlinear_k(self.0);
+    }
+}
+
+/// The Q4_K kernel (off by default, `ops::set_qlinear_k`): `qlinear_small`, its q/k/v form and
+/// its gate/up form against x times the dequantized super-blocks in F32. On a GPU with the
+/// kernel on: within the usual tolerances, and the fit says so; with it off (and on the CPU):
+/// the composition, Candle's quantized matmul, which quantizes x to 8 bits (within 5e-2). Rows
+/// 1 to 8, and 9 (the composition); widths of 1, 2, 3, 11 and 16 super-blocks; weights of 37
+/// and 8 rows (a pair of 8 and 37 in one launch, columns past a warp's).
+fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
+    let modes: &[bool] = if device.is_cuda() {
+        &[true, false]
+    } else {
+        &[false]
+    };
+    for &on in modes {
+        // Only the GPU instance sets the switch; the CPU path is the composition either way.
+        let _guard = device.is_cuda().then(|| QlinearKGuard::set(on));
+        for dtype in DTYPES {
+            for (i, xs) in [
+                &[1usize, 1, 256][..],
+                &[2, 512],
+                &[1, 3, 768],
+                &[5, 2816],
+                &[8, 4096],
+                &[9, 256],
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let k = *xs.last().expect("rank ≥ 1");
+                let rows = xs.iter().product::<usize>() / k;
+                let seed = 900 + 7 * i as u64;
+                let x = random(xs, 1.0, seed, dtype, device)?;
+                let s = 1.0 / (k as f32).sqrt();
+                let mut ws = Vec::new();
+                for (j, n) in [37usize, 8, 8, 37].into_iter().enumerate() {
+                    let w = random(&[n, k], s, seed + 50 + j as u64, DType::F32, &Device::Cpu)?;
+                    ws.push(QTensor::quantize_onto(&w, GgmlDType::Q4K, device)?);
+                }
+                let kernel = on && device.is_cuda() && rows <= 8;
+                anyhow::ensure!(
+                    ops::qlinear_small_fits(&x, &[&ws[0]])? == kernel,
+                    "fit {xs:?} with the kernel {}",
+                    if on { "on" } else { "off" }
+                );
+                let dense_f32 = |w: &QTensor| -> anyhow::Result<Tensor> {
+                    Ok(x.to_dtype(DType::F32)?
+                        .broadcast_matmul(&w.dequantize(device)?.t()?)?)
+                };
+                let check = |what: &str, got: &Tensor, want_f32: &Tensor| {
+                    let what = format!("{what} Q4_K {xs:?} kernel {on}");
+                    let want = want_f32.to_dtype(dtype)?;
+                    if kernel {
+                        return ensure_close(&what, got, &want, dtype);
+                    }
+                    let d = rel_diff(got, &want)?;
+                    anyhow::ensure!(d <= 5e-2, "{what} {dtype:?}: relative difference {d:e}");
+                    Ok(())
+                };
+                let one = ops::qlinear_small(&x, &ws[0])?;
+                check("qlinear_small", &one, &dense_f32(&ws[0])?)?;
+                for set in [&[&ws[0], &ws[1], &ws[2]][..], &[&ws[1], &ws[3]]] {
+                    let got = ops::qlinear_small_multi(&x, set)?;
+                    anyhow::ensure!(got.len() == set.len());
+                    for (g, w) in got.iter().zip(set) {
+                        anyhow::ensure!(g.is_contiguous(), "outputs are contiguous");
+                        check("qlinear_small_multi", g, &dense_f32(w)?)?;
+                    }
+                }
+                for (gate, up) in [(&ws[1], &ws[2]), (&ws[0], &ws[3])] {
+                    let got = ops::qlinear_silu_mul(&x, gate, up)?;
+                    let want = ops::silu_mul_unfused(&dense_f32(gate)?, &dense_f32(up)?)?;
+                    check("qlinear_silu_mul", &got, &want)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    qlinear_k_matches_dequantized,
+    ops_qlinear_k_cpu,
+    ops_qlinear_k_gpu
+);
+
 fn bad_inputs_are_refused(device: &Device) -> anyhow::Result<()> {
     let x = random(&[2, 8], 1.0, 1, DType::F32, device)?;
     let w = random(&[8], 1.0, 2, DType::F32, device)?;

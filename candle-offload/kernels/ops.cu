@@ -1291,6 +1291,127 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
     qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
 }
 
+// ---------------------------------------------------------------------------------------------
+// qlinear_small for K-quant blocks (`qlinear_k_small_m<M>_<q>_<dtype>`), opt-in until measured
+// (ops::set_qlinear_k): the same contract, for weights of Q4_K super-blocks of 256 elements, 144
+// bytes each: d and dmin (f16), 12 bytes of 6-bit sub-block scales and mins, 128 bytes of 4-bit
+// quants. Element 64p + l of a super-block (p < 4, l < 32) is quant byte 32p + l's low nibble
+// times d · scale(2p), less dmin · min(2p); element 64p + 32 + l is its high nibble with
+// sub-block 2p + 1's (ggml's dequantize_row_q4_K). One warp per output column (gate and up with
+// silu); lane j takes the 64-element pairs j, j + 32, ... of the row: its 32 quant bytes in two
+// 16-byte loads (a super-block is 16-byte aligned when its row is), its two scales and mins,
+// and for each row of x the 64 x values, whose sum the mins multiply.
+
+// Sub-block j's (j < 8) 6-bit scale and min from a Q4_K super-block's 12 scale bytes s (ggml's
+// get_scale_min_k4).
+__device__ __forceinline__ void q4k_scale_min(const uint8_t *s, uint32_t j, float &sc,
+                                              float &mn) {
+    uint32_t a, b;
+    if (j < 4) {
+        a = s[j] & 63u;
+        b = s[j + 4] & 63u;
+    } else {
+        a = (s[j + 4] & 0xFu) | ((uint32_t)(s[j - 4] >> 6) << 4);
+        b = (uint32_t)(s[j + 4] >> 4) | ((uint32_t)(s[j] >> 6) << 4);
+    }
+    sc = (float)a;
+    mn = (float)b;
+}
+
+// acc[r] += this lane's share of x[r, :] · the Q4_K row at `row` (k / 256 super-blocks), for
+// r < m <= M.
+template <typename T, int M>
+__device__ __forceinline__ void q4k_dot_row(const T *x, const uint8_t *row, uint32_t m,
+                                            uint32_t k, float *acc) {
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t pairs = k >> 6;
+    for (uint32_t t = lane; t < pairs; t += 32u) {
+        const uint8_t *b = row + (size_t)(t >> 2) * 144u;
+        const uint32_t p = t & 3u;
+        const float d = __half2float(*reinterpret_cast<const __half *>(b));
+        const float dmin = __half2float(*reinterpret_cast<const __half *>(b + 2));
+        float sc0, mn0, sc1, mn1;
+        q4k_scale_min(b + 4, 2u * p, sc0, mn0);
+        q4k_scale_min(b + 4, 2u * p + 1u, sc1, mn1);
+        const uint4 *qv = reinterpret_cast<const uint4 *>(b + 16u + 32u * p);
+        const uint4 qa = __ldcs(qv), qb = __ldcs(qv + 1);
+        const uint32_t qw[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+        const size_t e0 = (size_t)t * 64u;
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+            if ((uint32_t)r < m) {
+                float s0 = 0.0f, x0 = 0.0f, s1 = 0.0f, x1 = 0.0f;
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    float lo[8], hi[8];
+                    cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 8u * u, false), lo);
+                    cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u + 8u * u, false), hi);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const uint32_t q = (qw[2 * u + i / 4] >> (8 * (i % 4))) & 0xFFu;
+                        s0 += (float)(q & 0xFu) * lo[i];
+                        x0 += lo[i];
+                        s1 += (float)(q >> 4) * hi[i];
+                        x1 += hi[i];
+                    }
+                }
+                acc[r] += d * (sc0 * s0 + sc1 * s1) - dmin * (mn0 * x0 + mn1 * x1);
+            }
+        }
+    }
+}
+
+// qlinear_small's contract (see there) for weights of Q4_K blocks, k a multiple of 256.
+template <typename T, int M>
+__device__ void qlinear_k_small(const T *x, const uint8_t *w0, const uint8_t *w1,
+                                const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
+                                uint32_t n2, uint32_t k, uint32_t silu) {
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t col = blockIdx.x * OPS_WARPS + (threadIdx.x >> 5);
+    const size_t row_bytes = (size_t)(k >> 8) * 144u;
+    if (silu) {
+        if (col >= n0) return;
+        float g[M], u[M];
+#pragma unroll
+        for (int r = 0; r < M; ++r) g[r] = u[r] = 0.0f;
+        q4k_dot_row<T, M>(x, w0 + col * row_bytes, m, k, g);
+        q4k_dot_row<T, M>(x, w1 + col * row_bytes, m, k, u);
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+            if ((uint32_t)r < m) {
+                const float gs = warp_sum(g[r]);
+                const float us = warp_sum(u[r]);
+                if (lane == 0) y[(size_t)r * n0 + col] = from_f32<T>(gs / (1.0f + expf(-gs)) * us);
+            }
+        }
+        return;
+    }
+    const uint8_t *w;
+    T *yb;
+    uint32_t c, n;
+    if (!pick_column(col, w0, w1, w2, y, m, n0, n1, n2, w, yb, c, n)) return;
+    float acc[M];
+#pragma unroll
+    for (int r = 0; r < M; ++r) acc[r] = 0.0f;
+    q4k_dot_row<T, M>(x, w + c * row_bytes, m, k, acc);
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+        if ((uint32_t)r < m) {
+            const float s = warp_sum(acc[r]);
+            if (lane == 0) yb[(size_t)r * n + c] = from_f32<T>(s);
+        }
+    }
+}
+
+// qlinear_k_small_m<M>_q4_k_<dtype>: at most M rows of x against Q4_K weights.
+#define QLINEAR_K_SMALL_FOR(T, SUFFIX, M)                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS)                                 \
+        qlinear_k_small_m##M##_q4_k_##SUFFIX(                                                   \
+        const T *x, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,  \
+        uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {                     \
+        qlinear_k_small<T, M>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                        \
+    }
+
 // qlinear_small_m<M>_<q>_<dtype>: at most M rows of x against weights of GGML type q.
 #define QLINEAR_SMALL_FOR(T, SUFFIX, M, QT, QNAME)                                              \
     extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS)                                 \
@@ -1352,6 +1473,10 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
     QLINEAR_RM_TYPES(FOR, T, SUFFIX, 1, 4)                                                      \
     QLINEAR_RM_TYPES(FOR, T, SUFFIX, 2, 4)
 #define QLINEAR_SMALL_ALL(T, SUFFIX)                                                            \
+    QLINEAR_K_SMALL_FOR(T, SUFFIX, 1)                                                           \
+    QLINEAR_K_SMALL_FOR(T, SUFFIX, 2)                                                           \
+    QLINEAR_K_SMALL_FOR(T, SUFFIX, 4)                                                           \
+    QLINEAR_K_SMALL_FOR(T, SUFFIX, 8)                                                           \
     QLINEAR_SMALL_TYPES(T, SUFFIX, 1)                                                           \
     QLINEAR_SMALL_TYPES(T, SUFFIX, 2)                                                           \
     QLINEAR_SMALL_TYPES(T, SUFFIX, 4)                                                           \

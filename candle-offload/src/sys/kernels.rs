@@ -675,7 +675,7 @@ pub(crate) fn qlinear_small(
             || m == 0
             || m > crate::ops::LINEAR_SMALL_MAX_ROWS
             || k == 0
-            || !k.is_multiple_of(32)
+            || !k.is_multiple_of(ws[0].dtype().block_size())
             || !crate::ops::aligned16(xl, T::DTYPE)
         {
             candle_core::bail!(
@@ -692,7 +692,11 @@ pub(crate) fn qlinear_small(
         // The kernel, the output columns one warp computes, the shared memory of a block of
         // threads and, for variant 3, the chunk of x it quantizes at once (in blocks).
         let variant = crate::ops::qlinear_variant_for(ws[0].dtype());
+        let kquant = crate::ops::is_qlinear_k_type(ws[0].dtype());
         let (name, cols_per_warp, shared_bytes, xblocks) = match variant {
+            // K-quant blocks: their own kernel, one column (of gate and up with silu) per
+            // warp, no shared memory; the variants are the 32-element types'.
+            _ if kquant => (format!("qlinear_k_small_m{bound}_{qname}"), 1, 0, None),
             // One staged row per warp, two (gate and up) with silu.
             crate::ops::QlinearVariant::V1 => (
                 format!("qlinear_small_m{bound}_{qname}"),
@@ -766,7 +770,7 @@ pub(crate) fn qlinear_small(
         // columns, cols_per_warp per warp).
         let out = unsafe { dev.alloc::<T>(m * cols) }?;
         // Variant 4: x quantized into a buffer of its own first, which the kernel reads instead.
-        let xq = if variant == crate::ops::QlinearVariant::V4 {
+        let xq = if variant == crate::ops::QlinearVariant::V4 && !kquant {
             Some(qlinear4_quantize_x(dev, &x, m, k)?)
         } else {
             None
@@ -800,7 +804,10 @@ pub(crate) fn qlinear_small(
         // whose rows are k/32 blocks: the kernel
         // reads from the 16-byte boundary at or before a block to the one at or after a row's
         // end, at most 15 bytes past the last row, inside the 512 zeroed padding elements
-        // Candle allocates after every quantized buffer. y holds m·cols elements.
+        // Candle allocates after every quantized buffer. For Q4_K, `qlinear_k_small_m<M>_q4_k_
+        // <dtype>` has variant 1's arguments; k is a multiple of 256, the rows are k/256
+        // super-blocks of 144 bytes (16-byte aligned as the buffer is), and the kernel reads
+        // inside them only. y holds m·cols elements.
         unsafe { b.launch(cfg) }.w()?;
         drop(guards);
         // The buffer is freed in stream order, after the kernel has read it.
