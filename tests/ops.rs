@@ -650,7 +650,7 @@ test_device!(
     ops_qlinear_small_gpu
 );
 
-/// Turns the Q4_K kernel on or off for its lifetime and restores the previous state on drop.
+/// Turns the K-quant kernel on or off for its lifetime and restores the previous state on drop.
 struct QlinearKGuard(bool);
 
 impl QlinearKGuard {
@@ -667,8 +667,8 @@ impl Drop for QlinearKGuard {
     }
 }
 
-/// The Q4_K kernel (off by default, `ops::set_qlinear_k`): `qlinear_small`, its q/k/v form and
-/// its gate/up form against x times the dequantized super-blocks in F32. On a GPU with the
+/// The K-quant kernel, Q4_K and Q6_K (off by default, `ops::set_qlinear_k`): `qlinear_small`,
+/// its q/k/v form and its gate/up form against x times the dequantized super-blocks in F32. On a GPU with the
 /// kernel on: within the usual tolerances, and the fit says so; with it off (and on the CPU):
 /// the composition, Candle's quantized matmul, which quantizes x to 8 bits (within 5e-2). Rows
 /// 1 to 8, and 9 (the composition); widths of 1, 2, 3, 11 and 16 super-blocks; weights of 37
@@ -682,7 +682,10 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
     for &on in modes {
         // Only the GPU instance sets the switch; the CPU path is the composition either way.
         let _guard = device.is_cuda().then(|| QlinearKGuard::set(on));
-        for dtype in DTYPES {
+        for (dtype, qtype) in DTYPES
+            .into_iter()
+            .flat_map(|d| [(d, GgmlDType::Q4K), (d, GgmlDType::Q6K)])
+        {
             for (i, xs) in [
                 &[1usize, 1, 256][..],
                 &[2, 512],
@@ -702,7 +705,7 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                 let mut ws = Vec::new();
                 for (j, n) in [37usize, 8, 8, 37].into_iter().enumerate() {
                     let w = random(&[n, k], s, seed + 50 + j as u64, DType::F32, &Device::Cpu)?;
-                    ws.push(QTensor::quantize_onto(&w, GgmlDType::Q4K, device)?);
+                    ws.push(QTensor::quantize_onto(&w, qtype, device)?);
                 }
                 let kernel = on && device.is_cuda() && rows <= 8;
                 anyhow::ensure!(
@@ -715,7 +718,7 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                         .broadcast_matmul(&w.dequantize(device)?.t()?)?)
                 };
                 let check = |what: &str, got: &Tensor, want_f32: &Tensor| {
-                    let what = format!("{what} Q4_K {xs:?} kernel {on}");
+                    let what = format!("{what} {qtype:?} {xs:?} kernel {on}");
                     let want = want_f32.to_dtype(dtype)?;
                     if kernel {
                         return ensure_close(&what, got, &want, dtype);

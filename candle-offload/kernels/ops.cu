@@ -1292,8 +1292,8 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
 }
 
 // ---------------------------------------------------------------------------------------------
-// qlinear_small for K-quant blocks (`qlinear_k_small_m<M>_<q>_<dtype>`), opt-in until measured
-// (ops::set_qlinear_k): the same contract, for weights of Q4_K super-blocks of 256 elements, 144
+// qlinear_small for K-quant blocks (`qlinear_k_small_m<M>_<q>_<dtype>`, Q4_K and Q6_K), opt-in
+// until measured (ops::set_qlinear_k): the same contract. Q4_K: super-blocks of 256 elements, 144
 // bytes each: d and dmin (f16), 12 bytes of 6-bit sub-block scales and mins, 128 bytes of 4-bit
 // quants. Element 64p + l of a super-block (p < 4, l < 32) is quant byte 32p + l's low nibble
 // times d · scale(2p), less dmin · min(2p); element 64p + 32 + l is its high nibble with
@@ -1361,21 +1361,91 @@ __device__ __forceinline__ void q4k_dot_row(const T *x, const uint8_t *row, uint
     }
 }
 
-// qlinear_small's contract (see there) for weights of Q4_K blocks, k a multiple of 256.
+// acc[r] += this lane's share of x[r, :] · the Q6_K row at `row` (k / 256 super-blocks of 210
+// bytes: 128 bytes of low 4 bits, 64 of high 2 bits, 16 signed 8-bit scales of 16 elements,
+// d as f16), for r < m <= M. Element 128h + 32j + l of a super-block (h < 2, j < 4, l < 32) is
+// low-bit byte 64h + 32(j & 1) + l's nibble j >> 1 with bits 2j of high-bit byte 32h + l above
+// it, less 32, times d · scale 8h + 2j + l / 16 (ggml's dequantize_row_q6_K). Lane j takes the
+// 64-element units j, j + 32, ...: unit t is super-block t / 4, half h = (t / 2) & 1 and
+// l = 16 (t & 1) .. + 16 of every j. Super-blocks are only 2-byte aligned: 16-bit loads.
 template <typename T, int M>
+__device__ __forceinline__ void q6k_dot_row(const T *x, const uint8_t *row, uint32_t m,
+                                            uint32_t k, float *acc) {
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t units = k >> 6;
+    for (uint32_t t = lane; t < units; t += 32u) {
+        const uint8_t *b = row + (size_t)(t >> 2) * 210u;
+        const uint32_t h = (t >> 1) & 1u, g = t & 1u;
+        const uint16_t *lo0 = reinterpret_cast<const uint16_t *>(b + 64u * h + 16u * g);
+        const uint16_t *lo1 = reinterpret_cast<const uint16_t *>(b + 64u * h + 32u + 16u * g);
+        const uint16_t *hi = reinterpret_cast<const uint16_t *>(b + 128u + 32u * h + 16u * g);
+        uint32_t l0[8], l1[8], hb[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            l0[i] = __ldcs(lo0 + i);
+            l1[i] = __ldcs(lo1 + i);
+            hb[i] = __ldcs(hi + i);
+        }
+        const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192u + 8u * h + g);
+        const float scj[4] = {(float)sc[0], (float)sc[2], (float)sc[4], (float)sc[6]};
+        const float d = __half2float(*reinterpret_cast<const __half *>(b + 208));
+        const size_t e0 = (size_t)(t >> 2) * 256u + 128u * h + 16u * g;
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+            if ((uint32_t)r < m) {
+                float tot = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    float xv[16];
+                    cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u * j, false), xv);
+                    cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u * j + 8u, false), xv + 8);
+                    float sj = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) {
+                        const uint32_t lw = (j & 1) ? l1[i / 2] : l0[i / 2];
+                        const uint32_t byte = (lw >> (8 * (i % 2))) & 0xFFu;
+                        const uint32_t low = (j >> 1) ? (byte >> 4) : (byte & 0xFu);
+                        const uint32_t high = ((hb[i / 2] >> (8 * (i % 2))) >> (2 * j)) & 3u;
+                        sj += (float)((int)(low | (high << 4)) - 32) * xv[i];
+                    }
+                    tot += scj[j] * sj;
+                }
+                acc[r] += d * tot;
+            }
+        }
+    }
+}
+
+enum { KT_Q4_K = 0, KT_Q6_K = 1 };
+template <int KT> struct KBlock;
+template <> struct KBlock<KT_Q4_K> { static constexpr uint32_t BYTES = 144; };
+template <> struct KBlock<KT_Q6_K> { static constexpr uint32_t BYTES = 210; };
+
+template <typename T, int M, int KT>
+__device__ __forceinline__ void kdot_row(const T *x, const uint8_t *row, uint32_t m, uint32_t k,
+                                         float *acc) {
+    if constexpr (KT == KT_Q4_K) {
+        q4k_dot_row<T, M>(x, row, m, k, acc);
+    } else {
+        q6k_dot_row<T, M>(x, row, m, k, acc);
+    }
+}
+
+// qlinear_small's contract (see there) for weights of K-quant blocks KT, k a multiple of 256.
+template <typename T, int M, int KT>
 __device__ void qlinear_k_small(const T *x, const uint8_t *w0, const uint8_t *w1,
                                 const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
                                 uint32_t n2, uint32_t k, uint32_t silu) {
     const uint32_t lane = threadIdx.x & 31u;
     const uint32_t col = blockIdx.x * OPS_WARPS + (threadIdx.x >> 5);
-    const size_t row_bytes = (size_t)(k >> 8) * 144u;
+    const size_t row_bytes = (size_t)(k >> 8) * KBlock<KT>::BYTES;
     if (silu) {
         if (col >= n0) return;
         float g[M], u[M];
 #pragma unroll
         for (int r = 0; r < M; ++r) g[r] = u[r] = 0.0f;
-        q4k_dot_row<T, M>(x, w0 + col * row_bytes, m, k, g);
-        q4k_dot_row<T, M>(x, w1 + col * row_bytes, m, k, u);
+        kdot_row<T, M, KT>(x, w0 + col * row_bytes, m, k, g);
+        kdot_row<T, M, KT>(x, w1 + col * row_bytes, m, k, u);
 #pragma unroll
         for (int r = 0; r < M; ++r) {
             if ((uint32_t)r < m) {
@@ -1393,7 +1463,7 @@ __device__ void qlinear_k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     float acc[M];
 #pragma unroll
     for (int r = 0; r < M; ++r) acc[r] = 0.0f;
-    q4k_dot_row<T, M>(x, w + c * row_bytes, m, k, acc);
+    kdot_row<T, M, KT>(x, w + c * row_bytes, m, k, acc);
 #pragma unroll
     for (int r = 0; r < M; ++r) {
         if ((uint32_t)r < m) {
@@ -1403,14 +1473,17 @@ __device__ void qlinear_k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     }
 }
 
-// qlinear_k_small_m<M>_q4_k_<dtype>: at most M rows of x against Q4_K weights.
-#define QLINEAR_K_SMALL_FOR(T, SUFFIX, M)                                                       \
+// qlinear_k_small_m<M>_<q>_<dtype>: at most M rows of x against weights of K-quant type q.
+#define QLINEAR_K_SMALL_ONE(T, SUFFIX, M, KT, QNAME)                                            \
     extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS)                                 \
-        qlinear_k_small_m##M##_q4_k_##SUFFIX(                                                   \
+        qlinear_k_small_m##M##_##QNAME##_##SUFFIX(                                              \
         const T *x, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,  \
         uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {                     \
-        qlinear_k_small<T, M>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                        \
+        qlinear_k_small<T, M, KT>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                    \
     }
+#define QLINEAR_K_SMALL_FOR(T, SUFFIX, M)                                                       \
+    QLINEAR_K_SMALL_ONE(T, SUFFIX, M, KT_Q4_K, q4_k)                                            \
+    QLINEAR_K_SMALL_ONE(T, SUFFIX, M, KT_Q6_K, q6_k)
 
 // qlinear_small_m<M>_<q>_<dtype>: at most M rows of x against weights of GGML type q.
 #define QLINEAR_SMALL_FOR(T, SUFFIX, M, QT, QNAME)                                              \

@@ -20,9 +20,9 @@
 //!   ([`DEFAULT_QLINEAR_VARIANTS`]) unless one is forced at run time ([`set_qlinear_variant`],
 //!   `CANDLE_OFFLOAD_QLINEAR`), so that one build can measure each; two of them
 //!   ([`QlinearVariant::V3`], [`QlinearVariant::V4`]) quantize x to 8 bits instead, for
-//!   integer dot products. Q4_K's super-blocks of 256 have a kernel of their own
+//!   integer dot products. Q4_K's and Q6_K's super-blocks of 256 have a kernel of their own
 //!   (`qlinear_k_small`), off until it has been measured on a GPU ([`set_qlinear_k`],
-//!   `CANDLE_OFFLOAD_QLINEAR_K`): Q4_K goes through Candle's quantized matmul otherwise.
+//!   `CANDLE_OFFLOAD_QLINEAR_K`): they go through Candle's quantized matmul otherwise.
 //!
 //! On a CUDA device they run the project's own kernels (`kernels/ops.cu`, compiled to PTX at
 //! build time); on the CPU a direct loop computes the same thing. The `*_unfused` functions are
@@ -1028,7 +1028,7 @@ pub fn linear_small_unfused(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 // Linear layers over few rows, with weights of GGML blocks
 
 /// The kernel name part of the GGML block types [`qlinear_small`] has a CUDA kernel for: blocks
-/// of 32 elements, and Q4_K's super-blocks of 256 (its own kernel, [`qlinear_k`]).
+/// of 32 elements, and Q4_K's and Q6_K's super-blocks of 256 (their own kernel, [`qlinear_k`]).
 pub(crate) fn qlinear_small_type(t: GgmlDType) -> Option<&'static str> {
     Some(match t {
         GgmlDType::Q4_0 => "q4_0",
@@ -1037,6 +1037,7 @@ pub(crate) fn qlinear_small_type(t: GgmlDType) -> Option<&'static str> {
         GgmlDType::Q5_1 => "q5_1",
         GgmlDType::Q8_0 => "q8_0",
         GgmlDType::Q4K => "q4_k",
+        GgmlDType::Q6K => "q6_k",
         _ => return None,
     })
 }
@@ -1044,7 +1045,7 @@ pub(crate) fn qlinear_small_type(t: GgmlDType) -> Option<&'static str> {
 /// Whether `t` is a K-quant type with a kernel of its own (`qlinear_k_small` in kernels/ops.cu,
 /// not one of the [`QlinearVariant`]s).
 pub(crate) fn is_qlinear_k_type(t: GgmlDType) -> bool {
-    t == GgmlDType::Q4K
+    matches!(t, GgmlDType::Q4K | GgmlDType::Q6K)
 }
 
 /// The environment variable that turns the K-quant kernel on ([`qlinear_k`]): `1`, `on` or
@@ -1054,15 +1055,15 @@ pub const QLINEAR_K_ENV: &str = "CANDLE_OFFLOAD_QLINEAR_K";
 /// [`qlinear_k`]'s state: 0 until first read or set, 1 off, 2 on.
 static QLINEAR_K: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
-/// Turns the Q4_K kernel of [`qlinear_small`] on or off for the whole process, from the next
+/// Turns the K-quant kernel of [`qlinear_small`] (Q4_K, Q6_K) on or off for the whole process, from the next
 /// call on; it wins over [`QLINEAR_K_ENV`].
 pub fn set_qlinear_k(on: bool) {
     QLINEAR_K.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Whether [`qlinear_small`] runs Q4_K weights through its own kernel. Off by default until the
-/// kernel has been measured on a GPU (Q4_K then goes through Candle's quantized matmul, the
-/// composition); on with [`set_qlinear_k`] or [`QLINEAR_K_ENV`] (read once).
+/// Whether [`qlinear_small`] runs Q4_K and Q6_K weights through their own kernel. Off by
+/// default until the kernel has been measured on a GPU (they then go through Candle's quantized
+/// matmul, the composition); on with [`set_qlinear_k`] or [`QLINEAR_K_ENV`] (read once).
 pub fn qlinear_k() -> bool {
     use std::sync::atomic::Ordering;
     match QLINEAR_K.load(Ordering::Relaxed) {
@@ -1250,9 +1251,9 @@ pub fn qlinear_variant_for(t: GgmlDType) -> QlinearVariant {
 }
 
 /// Whether the GGML-block kernel takes `x` and `ws`: x (F32, F16 or BF16) and the weights on
-/// a GPU, at most 8 rows, one block type the kernel has (Q4_K only when [`qlinear_k`] is on),
-/// every weight (n, k) with k = x's width, a multiple of the type's block (32 elements, 256 for
-/// Q4_K).
+/// a GPU, at most 8 rows, one block type the kernel has (Q4_K and Q6_K only when [`qlinear_k`]
+/// is on), every weight (n, k) with k = x's width, a multiple of the type's block (32 elements,
+/// 256 for the K-quants).
 pub fn qlinear_small_fits(x: &Tensor, ws: &[&QTensor]) -> Result<bool> {
     let k = x.dim(D::Minus1)?;
     let rows = x.elem_count() / k.max(1);

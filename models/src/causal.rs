@@ -1079,7 +1079,7 @@ impl CausalLm {
                     weight: candle_core::quantized::QMatMul::from_arc(q)?,
                     bias: None,
                 }
-                .forward(&xs)?,
+                .forward_step(&xs, self.stage_fused(last))?,
                 None => {
                     let m = w.vb().get((vocab, hidden), "weight")?;
                     crate::layers::Linear::Dense(candle_nn::Linear::new(m, None))

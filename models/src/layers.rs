@@ -403,8 +403,8 @@ impl Linear {
     /// of cuBLAS's split-K GEMM and its reduction).
     ///
     /// Quantized weights of a block type the kernel has go through
-    /// [`candle_offload::ops::qlinear_small`] the same way (dequantized in registers, x not
-    /// quantized).
+    /// [`candle_offload::ops::qlinear_small`] the same way (dequantized in registers; variants 3
+    /// and 4 quantize x to 8 bits). The output head uses this too.
     pub fn forward_step(&self, xs: &Tensor, fused: bool) -> Result<Tensor> {
         if !fused {
             return self.forward(xs);

@@ -804,9 +804,10 @@ pub(crate) fn qlinear_small(
         // whose rows are k/32 blocks: the kernel
         // reads from the 16-byte boundary at or before a block to the one at or after a row's
         // end, at most 15 bytes past the last row, inside the 512 zeroed padding elements
-        // Candle allocates after every quantized buffer. For Q4_K, `qlinear_k_small_m<M>_q4_k_
-        // <dtype>` has variant 1's arguments; k is a multiple of 256, the rows are k/256
-        // super-blocks of 144 bytes (16-byte aligned as the buffer is), and the kernel reads
+        // Candle allocates after every quantized buffer. For Q4_K and Q6_K,
+        // `qlinear_k_small_m<M>_<type>_<dtype>` has variant 1's arguments; k is a multiple of
+        // 256, the rows are k/256 super-blocks of 144 (Q4_K, 16-byte aligned as the buffer is)
+        // or 210 bytes (Q6_K, read in 16-bit loads: 2-byte aligned), and the kernel reads
         // inside them only. y holds m·cols elements.
         unsafe { b.launch(cfg) }.w()?;
         drop(guards);
