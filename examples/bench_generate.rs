@@ -524,7 +524,7 @@ fn main() -> Result<()> {
                 "cpu_q8_activations": args.q8_activations,
                 // The variant forced for every block type, or "default" (each type's own).
                 "qlinear_variant": candle_offload::ops::qlinear_variant().map_or("default", |v| v.name()),
-                // Whether Q4_K weights ran the project's kernel (opt-in, CANDLE_OFFLOAD_QLINEAR_K).
+                // The K-quant kernel's switch (Q4_K, Q6_K; off unless CANDLE_OFFLOAD_QLINEAR_K).
                 "qlinear_k": candle_offload::ops::qlinear_k(),
                 // The variant each GGML block type ran.
                 "qlinear_variants": candle_offload::ops::DEFAULT_QLINEAR_VARIANTS

@@ -1312,7 +1312,8 @@ fn qlinear_small_launch(_x: &Tensor, _ws: &[&QTensor], _silu: bool) -> Result<Te
 }
 
 /// `x · wᵀ` for a weight of GGML blocks (out, in) and an `x` (…, in): on a GPU, for at most 8
-/// rows and a block type of 32 elements ([`qlinear_small_fits`]), one pass over the blocks that
+/// rows and a block type the kernels have ([`qlinear_small_fits`]: blocks of 32 elements, and
+/// Q4_K / Q6_K when [`qlinear_k`] is on), one pass over the blocks that
 /// dequantizes them in registers and multiplies them by every row in F32; otherwise the
 /// composition ([`qlinear_small_unfused`]). The result has x's dtype.
 pub fn qlinear_small(x: &Tensor, w: &QTensor) -> Result<Tensor> {
