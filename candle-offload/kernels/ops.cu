@@ -342,15 +342,16 @@ __device__ __forceinline__ bool pick_column(uint32_t col, W *w0, W *w1, W *w2, T
     return true;
 }
 
-// x (m, k) times up to three weights (n_i, k) at once, for few rows m <= M <= LS_MAX_M
-// (decode): one warp per output column, f32 accumulation, one warp reduction per row of x.
-// - silu == 0: the columns of w0, then w1, then w2 (n1, n2 may be 0); y holds x·w0ᵀ (m, n0),
-//   then x·w1ᵀ (m, n1), then x·w2ᵀ (m, n2), each contiguous (q, k and v in one launch).
-// - silu != 0: w0 is a gate and w1 an up projection (n0 == n1); each warp computes column c of
-//   both and y (m, n0) gets silu(gate) · up (a SwiGLU MLP's first half in one launch).
-template <typename T, int M>
-__device__ void linear_small(const T *x, const T *w0, const T *w1, const T *w2, T *y, uint32_t m,
-                             uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {
+// The frame of the kernels that give each output column one warp (linear_small,
+// qlinear_k_small): with silu, the warp's column of gate w0 and up w1 and y = silu(gate) · up;
+// otherwise the column pick_column finds in w0, w1, w2. `dot(row, acc)` adds this lane's share
+// of x[r, :] · the weight row at `row` to acc[r] for r < m; rows are `row_stride` elements of
+// W apart. One warp reduction per row of x; lane 0 stores.
+template <typename T, int M, typename W, typename Dot>
+__device__ __forceinline__ void column_per_warp(const W *w0, const W *w1, const W *w2, T *y,
+                                                uint32_t m, uint32_t n0, uint32_t n1,
+                                                uint32_t n2, uint32_t row_stride, uint32_t silu,
+                                                Dot dot) {
     const uint32_t lane = threadIdx.x & 31u;
     const uint32_t col = blockIdx.x * OPS_WARPS + (threadIdx.x >> 5);
     float acc[M];
@@ -361,8 +362,8 @@ __device__ void linear_small(const T *x, const T *w0, const T *w1, const T *w2, 
         float up[M];
 #pragma unroll
         for (int r = 0; r < M; ++r) up[r] = 0.0f;
-        dot_rows<T, M>(x, w0 + (size_t)col * k, m, k, acc);
-        dot_rows<T, M>(x, w1 + (size_t)col * k, m, k, up);
+        dot(w0 + (size_t)col * row_stride, acc);
+        dot(w1 + (size_t)col * row_stride, up);
 #pragma unroll
         for (int r = 0; r < M; ++r) {
             if ((uint32_t)r < m) {
@@ -373,11 +374,11 @@ __device__ void linear_small(const T *x, const T *w0, const T *w1, const T *w2, 
         }
         return;
     }
-    const T *w;
+    const W *w;
     T *yb;
     uint32_t c, n;
     if (!pick_column(col, w0, w1, w2, y, m, n0, n1, n2, w, yb, c, n)) return;
-    dot_rows<T, M>(x, w + (size_t)c * k, m, k, acc);
+    dot(w + (size_t)c * row_stride, acc);
 #pragma unroll
     for (int r = 0; r < M; ++r) {
         if ((uint32_t)r < m) {
@@ -385,6 +386,19 @@ __device__ void linear_small(const T *x, const T *w0, const T *w1, const T *w2, 
             if (lane == 0) yb[(size_t)r * n + c] = from_f32<T>(s);
         }
     }
+}
+
+// x (m, k) times up to three weights (n_i, k) at once, for few rows m <= M <= LS_MAX_M
+// (decode): one warp per output column, f32 accumulation, one warp reduction per row of x.
+// - silu == 0: the columns of w0, then w1, then w2 (n1, n2 may be 0); y holds x·w0ᵀ (m, n0),
+//   then x·w1ᵀ (m, n1), then x·w2ᵀ (m, n2), each contiguous (q, k and v in one launch).
+// - silu != 0: w0 is a gate and w1 an up projection (n0 == n1); each warp computes column c of
+//   both and y (m, n0) gets silu(gate) · up (a SwiGLU MLP's first half in one launch).
+template <typename T, int M>
+__device__ void linear_small(const T *x, const T *w0, const T *w1, const T *w2, T *y, uint32_t m,
+                             uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {
+    column_per_warp<T, M>(w0, w1, w2, y, m, n0, n1, n2, k, silu,
+                          [=](const T *row, float *acc) { dot_rows<T, M>(x, row, m, k, acc); });
 }
 
 // linear_small_m<M>_<dtype>: the kernel for at most M rows of x. One row of f16/bf16 fits in
@@ -1436,41 +1450,11 @@ template <typename T, int M, int KT>
 __device__ void qlinear_k_small(const T *x, const uint8_t *w0, const uint8_t *w1,
                                 const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
                                 uint32_t n2, uint32_t k, uint32_t silu) {
-    const uint32_t lane = threadIdx.x & 31u;
-    const uint32_t col = blockIdx.x * OPS_WARPS + (threadIdx.x >> 5);
-    const size_t row_bytes = (size_t)(k >> 8) * KBlock<KT>::BYTES;
-    if (silu) {
-        if (col >= n0) return;
-        float g[M], u[M];
-#pragma unroll
-        for (int r = 0; r < M; ++r) g[r] = u[r] = 0.0f;
-        kdot_row<T, M, KT>(x, w0 + col * row_bytes, m, k, g);
-        kdot_row<T, M, KT>(x, w1 + col * row_bytes, m, k, u);
-#pragma unroll
-        for (int r = 0; r < M; ++r) {
-            if ((uint32_t)r < m) {
-                const float gs = warp_sum(g[r]);
-                const float us = warp_sum(u[r]);
-                if (lane == 0) y[(size_t)r * n0 + col] = from_f32<T>(gs / (1.0f + expf(-gs)) * us);
-            }
-        }
-        return;
-    }
-    const uint8_t *w;
-    T *yb;
-    uint32_t c, n;
-    if (!pick_column(col, w0, w1, w2, y, m, n0, n1, n2, w, yb, c, n)) return;
-    float acc[M];
-#pragma unroll
-    for (int r = 0; r < M; ++r) acc[r] = 0.0f;
-    kdot_row<T, M, KT>(x, w + c * row_bytes, m, k, acc);
-#pragma unroll
-    for (int r = 0; r < M; ++r) {
-        if ((uint32_t)r < m) {
-            const float s = warp_sum(acc[r]);
-            if (lane == 0) yb[(size_t)r * n + c] = from_f32<T>(s);
-        }
-    }
+    const uint32_t row_bytes = (k >> 8) * KBlock<KT>::BYTES;
+    column_per_warp<T, M>(w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu,
+                          [=](const uint8_t *row, float *acc) {
+                              kdot_row<T, M, KT>(x, row, m, k, acc);
+                          });
 }
 
 // qlinear_k_small_m<M>_<q>_<dtype>: at most M rows of x against weights of K-quant type q.
