@@ -1055,8 +1055,8 @@ pub const QLINEAR_K_ENV: &str = "CANDLE_OFFLOAD_QLINEAR_K";
 /// [`qlinear_k`]'s state: 0 until first read or set, 1 off, 2 on.
 static QLINEAR_K: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
-/// Turns the K-quant kernel of [`qlinear_small`] (Q4_K, Q6_K) on or off for the whole process, from the next
-/// call on; it wins over [`QLINEAR_K_ENV`].
+/// Turns the K-quant kernel of [`qlinear_small`] (Q4_K, Q6_K) on or off for the whole process,
+/// from the next call on; it wins over [`QLINEAR_K_ENV`].
 pub fn set_qlinear_k(on: bool) {
     QLINEAR_K.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
 }
@@ -1065,19 +1065,32 @@ pub fn set_qlinear_k(on: bool) {
 /// default until the kernel has been measured on a GPU (they then go through Candle's quantized
 /// matmul, the composition); on with [`set_qlinear_k`] or [`QLINEAR_K_ENV`] (read once).
 pub fn qlinear_k() -> bool {
+    let code = switch_code(&QLINEAR_K, || {
+        let on = std::env::var(QLINEAR_K_ENV)
+            .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "on" | "true"));
+        if on {
+            2
+        } else {
+            1
+        }
+    });
+    code == 2
+}
+
+/// The code of a process-wide switch kept in `cell` (0: not yet read or set): the value a setter
+/// stored, else `from_env()`'s (its environment variable, read once), stored unless a
+/// concurrent setter got there first, whose value then wins.
+fn switch_code(cell: &std::sync::atomic::AtomicU8, from_env: impl FnOnce() -> u8) -> u8 {
     use std::sync::atomic::Ordering;
-    match QLINEAR_K.load(Ordering::Relaxed) {
+    match cell.load(Ordering::Relaxed) {
         0 => {
-            let on = std::env::var(QLINEAR_K_ENV).is_ok_and(|v| {
-                matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "on" | "true")
-            });
-            let code = if on { 2 } else { 1 };
-            match QLINEAR_K.compare_exchange(0, code, Ordering::Relaxed, Ordering::Relaxed) {
-                Ok(_) => on,
-                Err(set) => set == 2,
+            let code = from_env();
+            match cell.compare_exchange(0, code, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => code,
+                Err(set) => set,
             }
         }
-        c => c == 2,
+        c => c,
     }
 }
 
@@ -1213,34 +1226,24 @@ pub fn clear_qlinear_variant() {
 /// ([`QlinearVariant::parse`]), read once; `None` when each type runs its default. An unknown
 /// value of the variable is reported (on stderr) and ignored.
 pub fn qlinear_variant() -> Option<QlinearVariant> {
-    use std::sync::atomic::Ordering;
-    let code = match QLINEAR_VARIANT.load(Ordering::Relaxed) {
-        0 => {
-            let from_env = std::env::var(QlinearVariant::ENV)
-                .ok()
-                .filter(|s| !s.trim().is_empty())
-                .and_then(|s| {
-                    let v = QlinearVariant::parse(&s);
-                    if v.is_none() {
-                        // Loud: a benchmark run under a misspelt variant would measure another.
-                        eprintln!(
-                            "candle-offload: {}={s:?} is not v1, v2, v2r2, v2r4, v3 or v4; \
-                             using each block type's default",
-                            QlinearVariant::ENV,
-                        );
-                    }
-                    v
-                });
-            let code = from_env.map_or(QLINEAR_PER_TYPE, QlinearVariant::code);
-            // A concurrent set_qlinear_variant or clear_qlinear_variant wins over the
-            // environment.
-            match QLINEAR_VARIANT.compare_exchange(0, code, Ordering::Relaxed, Ordering::Relaxed) {
-                Ok(_) => code,
-                Err(set) => set,
-            }
-        }
-        c => c,
-    };
+    let code = switch_code(&QLINEAR_VARIANT, || {
+        let from_env = std::env::var(QlinearVariant::ENV)
+            .ok()
+            .filter(|s| !s.trim().is_empty())
+            .and_then(|s| {
+                let v = QlinearVariant::parse(&s);
+                if v.is_none() {
+                    // Loud: a benchmark run under a misspelt variant would measure another.
+                    eprintln!(
+                        "candle-offload: {}={s:?} is not v1, v2, v2r2, v2r4, v3 or v4; \
+                         using each block type's default",
+                        QlinearVariant::ENV,
+                    );
+                }
+                v
+            });
+        from_env.map_or(QLINEAR_PER_TYPE, QlinearVariant::code)
+    });
     QlinearVariant::ALL.into_iter().find(|v| v.code() == code)
 }
 
