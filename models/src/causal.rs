@@ -407,15 +407,18 @@ impl CausalLm {
                 let bytes = |name: &str| store.unit_id(name).map_or(0, |id| store.unit(id).bytes());
                 let layout = cfg.layout();
                 let layers: Vec<u64> = (0..n).map(|l| bytes(&layout.layer(l))).collect();
-                let reserve = Self::reserve_bytes(cfg, store, device, prompt_len, max_len, dtype)
-                    .saturating_add(settings.reserve_bytes);
-                let kv_all = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
-                let per_layer = kv_all / n.max(1) as u64;
+                let (base, per_layer) =
+                    Self::host_stage_reserve(cfg, store, device, prompt_len, max_len, dtype);
+                let base = base.saturating_add(settings.reserve_bytes);
                 let mut kept = bytes(&layout.norm);
                 if let Some(h) = &layout.head {
                     kept += bytes(h);
                 }
-                let whole = reserve + bytes(&layout.embed) + kept + layers.iter().sum::<u64>();
+                let whole = base
+                    + per_layer * n as u64
+                    + bytes(&layout.embed)
+                    + kept
+                    + layers.iter().sum::<u64>();
                 if whole <= budget {
                     return Ok(0);
                 }
@@ -423,9 +426,9 @@ impl CausalLm {
                 if layout.head.is_none() {
                     kept += bytes(&layout.embed);
                 }
-                // A host layer's KV cache passes through the GPU while a prompt runs (moved in
-                // and out: two layers' worth at once).
-                let fixed = reserve - kv_all + 2 * per_layer + kept;
+                // Each GPU layer adds its KV cache; two more layers' pass through
+                // (host_stage_reserve).
+                let fixed = base + 2 * per_layer + kept;
                 candle_offload::host_layer_split(&layers, fixed, per_layer, budget).ok_or_else(
                     || {
                         invalid(format!(
@@ -439,6 +442,26 @@ impl CausalLm {
             }
         };
         Ok(count)
+    }
+
+    /// The parts of a GPU stage's reservation behind host layers: [`reserve_bytes`](Self::reserve_bytes)
+    /// without its KV cache, and one layer's KV cache. The stage reserves the caches of its own
+    /// layers and of two more (a host layer's cache passing through while a prompt runs: its
+    /// copy and the new buffer), at most the whole model's; the split plans with the same parts.
+    fn host_stage_reserve(
+        cfg: &Config,
+        store: &candle_offload::HostStore,
+        device: &Device,
+        prompt_len: usize,
+        max_len: usize,
+        dtype: DType,
+    ) -> (u64, u64) {
+        let reserve = Self::reserve_bytes(cfg, store, device, prompt_len, max_len, dtype);
+        let kv_all = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
+        (
+            reserve - kv_all,
+            kv_all / cfg.num_hidden_layers.max(1) as u64,
+        )
     }
 
     /// [`from_store`](Self::from_store) with the first layers (and the embeddings) on the host
@@ -490,11 +513,10 @@ impl CausalLm {
         // time before handing it to the host.
         let mut served = keep.clone();
         served.extend((0..n).map(|l| layout.layer(l)));
-        let reserve = Self::reserve_bytes(cfg, &store, device, prompt_len, max_len, dtype);
-        let kv_all = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
-        // Two layers' worth for the one passing through (its copy and the new buffer).
-        let kv = kv_all / n.max(1) as u64 * (n - h + 2).min(n) as u64;
-        let reserve = reserve - kv_all + kv;
+        let (base, per_layer) =
+            Self::host_stage_reserve(cfg, &store, device, prompt_len, max_len, dtype);
+        let kv = per_layer * (n - h + 2).min(n) as u64;
+        let reserve = base + kv;
         let order = || {
             let mut order: Vec<UnitId> = (h..n)
                 .filter_map(|l| store.unit_id(&layout.layer(l)))
