@@ -321,6 +321,13 @@ fn main() -> Result<()> {
             } else {
                 None
             };
+            // The driver pool's high-water marks over the timed part: in use, and held (in use,
+            // kept free, or lost to fragmentation). The reserved mark starts at what the pool
+            // holds now, warm-up included.
+            if gpu {
+                candle_offload::diag::pool_peak_used_bytes(&device, true)?;
+                candle_offload::diag::pool_peak_reserved_bytes(&device, true)?;
+            }
             let prompt = prompt_of(prompt_len);
             let mut cache = model.new_cache();
             model.begin_step()?;
@@ -372,6 +379,14 @@ fn main() -> Result<()> {
                 candle_offload::diag::profiler_capture(&device, false)?;
             }
             let host_s = median(host_times);
+            let pool_peaks = if gpu {
+                Some((
+                    candle_offload::diag::pool_peak_used_bytes(&device, false)?,
+                    candle_offload::diag::pool_peak_reserved_bytes(&device, false)?,
+                ))
+            } else {
+                None
+            };
             let peak = sampler
                 .map(|s| s.stop().saturating_sub(context_bytes))
                 .unwrap_or(0);
@@ -464,6 +479,13 @@ fn main() -> Result<()> {
                 acc_tps.map_or("-".into(), |a| format!("{a:.2}")),
                 acc_tps.map_or("-".into(), |a| format!("{:.1}x", tps / a)),
             );
+            if let Some((used, held)) = pool_peaks {
+                println!(
+                    "        pool: {} MiB in use at most, {} MiB held",
+                    used >> 20,
+                    held >> 20
+                );
+            }
             if let Some(l) = lc_decode {
                 println!(
                     "        llama.cpp -ngl {}: decode {l:.2} tok/s ({:.2}x ours over theirs), prefill {} tok/s (ours {:.1})",
@@ -489,6 +511,8 @@ fn main() -> Result<()> {
                 "budget_bytes": budget_bytes,
                 "reserve_bytes": reserve,
                 "peak_device_bytes": peak,
+                "pool_peak_used_bytes": pool_peaks.map(|p| p.0),
+                "pool_peak_reserved_bytes": pool_peaks.map(|p| p.1),
                 "context_bytes": context_bytes,
                 "peak_within_budget": budget_bytes.map(|b| peak <= b),
                 "prefill_s": prefill_s,
@@ -524,7 +548,7 @@ fn main() -> Result<()> {
                 "cpu_q8_activations": args.q8_activations,
                 // The variant forced for every block type, or "default" (each type's own).
                 "qlinear_variant": candle_offload::ops::qlinear_variant().map_or("default", |v| v.name()),
-                // The K-quant kernel's switch (Q4_K, Q6_K; off unless CANDLE_OFFLOAD_QLINEAR_K).
+                // The K-quant kernel's switch (Q4_K, Q6_K; on unless CANDLE_OFFLOAD_QLINEAR_K=0).
                 "qlinear_k": candle_offload::ops::qlinear_k(),
                 // The variant each GGML block type ran.
                 "qlinear_variants": candle_offload::ops::DEFAULT_QLINEAR_VARIANTS

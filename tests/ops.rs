@@ -667,7 +667,7 @@ impl Drop for QlinearKGuard {
     }
 }
 
-/// The K-quant kernel, Q4_K and Q6_K (off by default, `ops::set_qlinear_k`): `qlinear_small`,
+/// The K-quant kernel, Q4_K and Q6_K (on by default, `ops::set_qlinear_k`): `qlinear_small`,
 /// its q/k/v form and its gate/up form against x times the dequantized super-blocks in F32. On a GPU with the
 /// kernel on: within the usual tolerances, and the fit says so; with it off (and on the CPU):
 /// the composition, Candle's quantized matmul, which quantizes x to 8 bits (within 5e-2). Rows

@@ -308,6 +308,14 @@ pub fn pool_peak_used_bytes(device: &Device, reset: bool) -> candle_core::Result
     sys::pool_used_high_bytes(device, reset)
 }
 
+/// The most memory the driver's pool held at once since the last reset: what was in use
+/// ([`pool_peak_used_bytes`]) plus the freed blocks it kept and what fragmentation left
+/// unusable. Its excess over the used mark is memory the budget's accounting of live buffers
+/// does not see. `reset` starts a new measurement.
+pub fn pool_peak_reserved_bytes(device: &Device, reset: bool) -> candle_core::Result<u64> {
+    sys::pool_reserved_high_bytes(device, reset)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

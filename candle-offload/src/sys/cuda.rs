@@ -800,32 +800,43 @@ pub(crate) fn set_peer_access(
 /// memory pool, the pool Candle and the runtime allocate from; with `reset`, the mark is then
 /// set back to the memory in use now.
 pub(crate) fn pool_used_high_bytes(device: &Device, reset: bool) -> candle_core::Result<u64> {
+    pool_high_bytes(
+        device,
+        cusys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        reset,
+    )
+}
+
+/// The high-water mark of memory `device`'s default pool held from the driver (in use, or
+/// freed and kept for reuse); with `reset`, set back to what it holds now. Above the used mark
+/// by what fragmentation and the kept free blocks cost.
+pub(crate) fn pool_reserved_high_bytes(device: &Device, reset: bool) -> candle_core::Result<u64> {
+    pool_high_bytes(
+        device,
+        cusys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+        reset,
+    )
+}
+
+fn pool_high_bytes(
+    device: &Device,
+    attr: cusys::CUmemPool_attribute,
+    reset: bool,
+) -> candle_core::Result<u64> {
     use candle_core::cuda_backend::cudarc::driver::result;
     device.synchronize()?;
     let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
     let pool = default_pool(&ctx)?;
     let mut value: u64 = 0;
-    // SAFETY: `pool` is the live default pool of this context's device; USED_MEM_HIGH is read
-    // through a pointer to a cuuint64_t, which `value` is.
-    unsafe {
-        result::mem_pool::get_attribute(
-            pool,
-            cusys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-            (&mut value as *mut u64).cast(),
-        )
-    }
-    .w()?;
+    // SAFETY: `pool` is the live default pool of this context's device; both high-water
+    // attributes are read through a pointer to a cuuint64_t, which `value` is.
+    unsafe { result::mem_pool::get_attribute(pool, attr, (&mut value as *mut u64).cast()) }.w()?;
     if reset {
         let mut zero: u64 = 0;
-        // SAFETY: as above; setting USED_MEM_HIGH takes a pointer to a cuuint64_t holding 0.
-        unsafe {
-            result::mem_pool::set_attribute(
-                pool,
-                cusys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                (&mut zero as *mut u64).cast(),
-            )
-        }
-        .w()?;
+        // SAFETY: as above; setting a high-water attribute takes a pointer to a cuuint64_t
+        // holding 0.
+        unsafe { result::mem_pool::set_attribute(pool, attr, (&mut zero as *mut u64).cast()) }
+            .w()?;
     }
     Ok(value)
 }

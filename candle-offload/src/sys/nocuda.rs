@@ -176,6 +176,13 @@ pub(crate) fn pool_used_high_bytes(_device: &Device, _reset: bool) -> candle_cor
     .into())
 }
 
+pub(crate) fn pool_reserved_high_bytes(_device: &Device, _reset: bool) -> candle_core::Result<u64> {
+    Err(SysError::NotCompiledWithCuda {
+        what: "reading the memory pool",
+    }
+    .into())
+}
+
 /// Device-to-host copies through page-locked memory: there is no device without `cuda`.
 pub(crate) struct Downloader;
 
