@@ -291,6 +291,50 @@ impl WeightFormat {
     }
 }
 
+/// Evens out the device bytes of GGML tensors across layer units of one shape.
+///
+/// Layer units whose tensors have the same shapes in the same order stream through the same
+/// room on the device, one replacing another. When their block types differ (a Q4_K_M file
+/// keeps some layers' `attn_v` and `ffn_down` in Q6_K, the others in Q4_K), the driver's
+/// memory pool cannot serve the incoming tensor from the outgoing one's freed block and maps
+/// new memory while keeping the old: measured on a 7B Q4_K_M streamed at 4 GiB, the pool held
+/// 333 MiB more than was ever in use, and the device peak passed the budget. So each GGML
+/// tensor of such a class is allocated (and budgeted) at the class's largest device size at its
+/// position: every unit then frees exactly what the next one allocates. Units of one block
+/// type per position (all of Q4_0, Q8_0, F16 ... files) are unchanged.
+fn pad_block_classes<'a>(units: impl Iterator<Item = (Option<usize>, &'a mut Vec<TensorMeta>)>) {
+    let mut classes: HashMap<Vec<Vec<usize>>, Vec<&'a mut Vec<TensorMeta>>> = HashMap::new();
+    for (layer, tensors) in units {
+        if layer.is_some() {
+            let key = tensors.iter().map(|t| t.shape.dims().to_vec()).collect();
+            classes.entry(key).or_default().push(tensors);
+        }
+    }
+    for members in classes.values_mut() {
+        let Some(width) = members.first().map(|m| m.len()) else {
+            continue;
+        };
+        for i in 0..width {
+            let blocks = members
+                .iter()
+                .all(|m| matches!(m[i].format, WeightFormat::Ggml(_)));
+            let target = members.iter().map(|m| m[i].device_bytes).max().unwrap_or(0);
+            if !blocks || members.iter().all(|m| m[i].device_bytes == target) {
+                continue;
+            }
+            for m in members.iter_mut() {
+                let t = &mut m[i];
+                let WeightFormat::Ggml(g) = t.format else {
+                    continue;
+                };
+                let padding = t.format.device_bytes(0);
+                let whole = (target - padding).div_ceil(g.type_size());
+                t.device_bytes = whole * g.type_size() + padding;
+            }
+        }
+    }
+}
+
 impl From<DType> for WeightFormat {
     fn from(d: DType) -> Self {
         Self::Dense(d)
@@ -328,8 +372,10 @@ pub struct TensorMeta {
     pub offset: usize,
     /// Byte length in host memory.
     pub nbytes: usize,
-    /// Bytes it takes on the device (what the budget counts; see
-    /// [`WeightFormat::device_bytes`]).
+    /// Bytes it takes on the device (what the budget counts): [`WeightFormat::device_bytes`],
+    /// or for GGML blocks of a layer unit the most any layer unit of the same shapes takes at
+    /// this position (its buffer then holds whole blocks past its own, zeroed, so that layers
+    /// of mixed block types free and allocate the same sizes as they stream).
     pub device_bytes: usize,
 }
 
@@ -998,6 +1044,7 @@ impl HostStore {
             }
             layouts.push((unit_name, layer, members, tensors, len));
         }
+        pad_block_classes(layouts.iter_mut().map(|l| (l.1, &mut l.3)));
 
         let explicit = cfg.host_memory_limit.is_some();
         let host_limit = resolve_host_limit(
@@ -1594,6 +1641,68 @@ mod tests {
         assert_eq!(store.unit(u).cpu_tensor(meta)?.to_vec1::<u32>()?, [7, 8]);
         assert_eq!(store.pinned_bytes(), 0);
         Ok(())
+    }
+
+    #[test]
+    fn layers_of_mixed_block_types_take_one_size_per_position() {
+        let meta = |name: &str, format: WeightFormat, dims: (usize, usize)| {
+            let shape = Shape::from(dims);
+            let nbytes = format.host_bytes(&shape).unwrap();
+            TensorMeta {
+                name: name.into(),
+                format,
+                dtype: format.value_dtype(),
+                shape,
+                offset: 0,
+                nbytes,
+                device_bytes: format.device_bytes(nbytes),
+            }
+        };
+        let (q4k, q6k) = (
+            WeightFormat::Ggml(GgmlDType::Q4K),
+            WeightFormat::Ggml(GgmlDType::Q6K),
+        );
+        let f32 = WeightFormat::Dense(DType::F32);
+        // A Q4_K_M pattern: `v` in Q6_K in one layer, Q4_K in the other; norms dense.
+        let layer = |v: WeightFormat| {
+            vec![
+                meta("q", q4k, (8, 512)),
+                meta("v", v, (8, 512)),
+                meta("norm", f32, (1, 512)),
+            ]
+        };
+        let mut units = [
+            (Some(0), layer(q6k)),
+            (Some(1), layer(q4k)),
+            // Not a layer: left alone even with the same shapes.
+            (None, layer(q4k)),
+            // Another shape: a class of its own.
+            (Some(2), vec![meta("v", q4k, (4, 512))]),
+        ];
+        let before: Vec<Vec<usize>> = units
+            .iter()
+            .map(|(_, ts)| ts.iter().map(|t| t.device_bytes).collect())
+            .collect();
+        pad_block_classes(units.iter_mut().map(|(l, ts)| (*l, ts)));
+        let after = |u: usize, i: usize| units[u].1[i].device_bytes;
+        // `v`: the Q4_K layer takes whole Q4_K blocks up to the Q6_K layer's size.
+        let q6 = before[0][1];
+        assert_eq!(after(0, 1), q6, "the largest is unchanged");
+        assert!(
+            after(1, 1) >= q6 && after(1, 1) < q6 + 144,
+            "{} vs {q6}",
+            after(1, 1)
+        );
+        let pad = q4k.device_bytes(0);
+        assert_eq!((after(1, 1) - pad) % 144, 0, "whole blocks");
+        // Positions of one type, dense tensors, other units: unchanged.
+        for (u, sizes) in before.iter().enumerate() {
+            for (i, &b) in sizes.iter().enumerate() {
+                if (u, i) != (1, 1) {
+                    assert_eq!(units[u].1[i].device_bytes, b, "unit {u} tensor {i}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -370,13 +370,18 @@ impl CudaEngine {
     ) -> candle_core::Result<QTensor> {
         let len = item.range.len();
         let elems = item.shape.elem_count();
-        let storage = QCudaStorage::zeros(&self.cuda, elems, ggml)?;
+        // The buffer is `device_len` bytes: the tensor's blocks, possibly whole blocks more (the
+        // store evens out layers of mixed block types), then Candle's row padding.
+        let padding_blocks = GGML_ROW_PADDING_ELEMS / ggml.block_size();
+        let alloc_blocks = (device_len / ggml.type_size()).saturating_sub(padding_blocks);
+        let storage = QCudaStorage::zeros(&self.cuda, alloc_blocks * ggml.block_size(), ggml)?;
         // Candle allocated and zeroed the buffer on the compute stream; the copy stream writes
         // it only after that (explicitly, for contexts without cudarc's event tracking).
         let allocated = self.compute.record_event(None).w()?;
         self.copy.wait(&allocated).w()?;
         if storage.storage_size_in_bytes() < len
-            || len + GGML_ROW_PADDING_ELEMS / ggml.block_size() * ggml.type_size() != device_len
+            || len != elems / ggml.block_size() * ggml.type_size()
+            || (alloc_blocks + padding_blocks) * ggml.type_size() != device_len
         {
             candle_core::bail!(
                 "tensor {}: {len} bytes of {ggml:?} blocks do not fill {elems} elements \
