@@ -33,7 +33,7 @@
 #   gguf7b        waits for that build, then writes the random-weight 7B LLaMA shape as an F16
 #                 GGUF and quantizes it to $GGUF7B_TYPES (Q8_0 Q4_0 Q4_K_M) in /tmp/gguf
 #                 [GGUF_S=400]
-#   gguf13b       the same for the 13B shape (Q4_K_M, Q8_0; the F16 file is deleted after)
+#   gguf13b       the same for the 13B shape ($GGUF13B_TYPES: Q4_K_M Q8_0; the F16 file is deleted after)
 #   qbench[=W,..] bench_generate on /tmp/gguf/{7b,13b}-W.gguf (W: 7b-q4_0, 13b-q8_0, ...;
 #                 quantized blocks unless f16) next to llama.cpp on the same file in the same
 #                 process, budgets $QB_BUDGETS (4,8,12,full), prompts $QB_PROMPTS (64,512), more
@@ -274,7 +274,8 @@ for step in "${steps[@]}"; do
     gguf13b)
       wait_llamacpp || continue
       t0=$(date +%s)
-      make_gguf 13b 5120 40 13824 40 40 32000 Q4_K_M Q8_0 && rm -f /tmp/gguf/13b-f16.gguf
+      # shellcheck disable=SC2086 # GGUF13B_TYPES is a list
+      make_gguf 13b 5120 40 13824 40 40 32000 ${GGUF13B_TYPES-Q4_K_M Q8_0} && rm -f /tmp/gguf/13b-f16.gguf
       echo "gguf13b exit $? after $(($(date +%s) - t0)) s"
       ;;
     qonload | qonload=*)

@@ -1055,11 +1055,15 @@ impl OffloadRuntime {
         Ok(())
     }
 
-    /// Drops every unit that is not in use or kept.
+    /// Drops every unit that is not in use or kept, and returns the memory their buffers
+    /// leave in the weights' pool (what the device has already freed) to the driver.
     pub fn evict_all(&self) -> candle_core::Result<()> {
         let mut st = self.state()?;
         for v in st.cache.evict_idle() {
             self.drop_unit(&mut st, v, "evict_all")?;
+        }
+        if let Engine::Cuda(e) = &self.shared.engine {
+            e.trim_weights()?;
         }
         Ok(())
     }
