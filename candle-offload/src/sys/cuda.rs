@@ -351,8 +351,17 @@ impl CudaEngine {
         let copy = ctx
             .new_stream()
             .map_err(|e| SysError::Candle(candle_core::Error::wrap(e)))?;
+        // Without a pool of their own the weights share the default pool, as before it existed.
         let weights_pool = if ctx.has_async_alloc() {
-            Some(WeightsPool::new(&ctx)?)
+            WeightsPool::new(&ctx)
+                .map_err(|e| {
+                    tracing::warn!(
+                        "no memory pool of its own for the weights ({e}); they share the \
+                         device's default pool, where fragmentation can take memory past the \
+                         budget"
+                    )
+                })
+                .ok()
         } else {
             None
         };
