@@ -50,9 +50,10 @@ def peer_rate():
     return json.loads(r.stdout.strip().splitlines()[-1])["decode_tokens_per_s"]
 
 
-commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                        text=True).stdout.strip()
-dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+repo = os.path.dirname(os.path.abspath(__file__))
+commit = subprocess.run(["git", "-C", repo, "rev-parse", "--short=12", "HEAD"],
+                        capture_output=True, text=True).stdout.strip()
+dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
                        capture_output=True, text=True).stdout.strip()
 records = []
 for i in range(rounds):
