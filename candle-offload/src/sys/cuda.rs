@@ -256,21 +256,14 @@ impl WeightsPool {
         };
         // SAFETY: `props` is a valid CUmemPoolProps for the whole call.
         let pool = unsafe { result::mem_pool::create(&props) }.map_err(wrap)?;
-        let mut keep: u64 = u64::MAX;
-        // SAFETY: `pool` was just created; RELEASE_THRESHOLD takes a pointer to a cuuint64_t.
-        // Freed blocks stay in the pool for the next unit (the budget bounds what it holds).
-        unsafe {
-            result::mem_pool::set_attribute(
-                pool,
-                cusys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut keep as *mut u64).cast(),
-            )
-        }
-        .map_err(wrap)?;
-        Ok(Self {
+        // Owned from here: an error below destroys it.
+        let this = Self {
             pool,
             device: ctx.cu_device(),
-        })
+        };
+        // Freed blocks stay in the pool for the next unit (the budget bounds what it holds).
+        set_release_threshold(this.pool, u64::MAX)?;
+        Ok(this)
     }
 
     /// Makes this pool the device's current one (where `cuMemAllocAsync`, so Candle's and
@@ -769,10 +762,15 @@ fn default_pool(ctx: &Arc<CudaContext>) -> SysResult<cusys::CUmemoryPool> {
 }
 
 fn set_pool_release_threshold(ctx: &Arc<CudaContext>, bytes: u64) -> SysResult<()> {
+    set_release_threshold(default_pool(ctx)?, bytes)
+}
+
+/// Lets `pool` (a live pool) keep up to `bytes` of freed memory across synchronizations.
+fn set_release_threshold(pool: cusys::CUmemoryPool, bytes: u64) -> SysResult<()> {
     use candle_core::cuda_backend::cudarc::driver::result;
-    let pool = default_pool(ctx)?;
     let mut value: u64 = bytes;
-    // SAFETY: RELEASE_THRESHOLD takes a pointer to a cuuint64_t, which `value` is.
+    // SAFETY: `pool` is live (the caller's contract); RELEASE_THRESHOLD takes a pointer to a
+    // cuuint64_t, which `value` is.
     unsafe {
         result::mem_pool::set_attribute(
             pool,
