@@ -409,6 +409,55 @@ fn quantized_offloaded_equals_resident() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Layers of mixed block types, as a Q4_K_M file has them (layer 0's `attn_v` and `ffn_down` in
+/// Q6_K, layer 1's in Q4_K): host memory holds each tensor's own bytes, but both layer units take
+/// one device size at each position (so that a streamed layer frees what the next allocates),
+/// and the model still streams bit for bit like its resident self.
+#[test]
+fn mixed_k_quant_layers_take_one_device_size() -> anyhow::Result<()> {
+    let dir = tempdir("mixed-k");
+    let path = dir.join("q4_k_m.gguf");
+    write_random_llama_gguf(&path, 13, |g| {
+        let more = g.starts_with("blk.0.") && (g.contains("attn_v") || g.contains("ffn_down"));
+        if more {
+            GgmlDType::Q6K
+        } else {
+            GgmlDType::Q4K
+        }
+    })?;
+    let files = loader::from_gguf(&path)?;
+    let store = load(&files, true)?;
+    let unit = |l: usize| store.unit(store.layer_unit(l).expect("a layer unit"));
+    let (l0, l1) = (unit(0), unit(1));
+    assert_eq!(l0.bytes(), l1.bytes(), "one device size per layer");
+    assert!(
+        l0.host_bytes() > l1.host_bytes(),
+        "host memory keeps each type's own bytes ({} and {})",
+        l0.host_bytes(),
+        l1.host_bytes()
+    );
+    for (a, b) in l0.tensors().iter().zip(l1.tensors()) {
+        assert_eq!(a.device_bytes, b.device_bytes, "{} and {}", a.name, b.name);
+        if a.format != b.format {
+            assert!(
+                b.device_bytes > b.format.device_bytes(b.nbytes),
+                "{} is padded",
+                b.name
+            );
+            // Whole blocks of both types: a multiple of 144 and 210.
+            assert_eq!(b.device_bytes % 5040, 0, "{}", b.name);
+        }
+    }
+    let (ref_logits, ref_tokens, _) =
+        run(&files, store.clone(), None, OffloadStrategy::Minimal, 0)?;
+    let (logits, tokens, fetches) = run(&files, store, Some(1), OffloadStrategy::Minimal, 1)?;
+    assert_eq!(logits, ref_logits);
+    assert_eq!(tokens, ref_tokens);
+    assert!(fetches > 4, "the model must stream ({fetches})");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
 /// A GGUF with a quantized token embedding and no `output.weight` (a tied head, as SmolLM2's):
 /// the embedding stays as its blocks (host bytes = the file's), its rows are dequantized on
 /// lookup and the head multiplies the same blocks; logits within 2e-2 (relative L2) of the

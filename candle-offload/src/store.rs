@@ -299,9 +299,19 @@ impl WeightFormat {
 /// memory pool cannot serve the incoming tensor from the outgoing one's freed block and maps
 /// new memory while keeping the old: measured on a 7B Q4_K_M streamed at 4 GiB, the pool held
 /// 333 MiB more than was ever in use, and the device peak passed the budget. So each GGML
-/// tensor of such a class is allocated (and budgeted) at the class's largest device size at its
-/// position: every unit then frees exactly what the next one allocates. Units of one block
-/// type per position (all of Q4_0, Q8_0, F16 ... files) are unchanged.
+/// tensor of such a class is allocated (and budgeted) at one size for its position: the
+/// largest, rounded up to a multiple of every member's block size (5040 bytes for Q4_K and
+/// Q6_K), which each member's buffer of whole blocks takes exactly. Every unit then frees
+/// exactly what the next one allocates. Units of one block type per position (all of Q4_0,
+/// Q8_0, F16 ... files) are unchanged.
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 fn pad_block_classes<'a>(units: impl Iterator<Item = (Option<usize>, &'a mut Vec<TensorMeta>)>) {
     let mut classes: HashMap<Vec<Vec<usize>>, Vec<&'a mut Vec<TensorMeta>>> = HashMap::new();
     for (layer, tensors) in units {
@@ -318,18 +328,20 @@ fn pad_block_classes<'a>(units: impl Iterator<Item = (Option<usize>, &'a mut Vec
             let blocks = members
                 .iter()
                 .all(|m| matches!(m[i].format, WeightFormat::Ggml(_)));
-            let target = members.iter().map(|m| m[i].device_bytes).max().unwrap_or(0);
-            if !blocks || members.iter().all(|m| m[i].device_bytes == target) {
+            let largest = members.iter().map(|m| m[i].device_bytes).max().unwrap_or(0);
+            if !blocks || members.iter().all(|m| m[i].device_bytes == largest) {
                 continue;
             }
+            // One size every member's buffer can take exactly: a buffer is whole blocks of its
+            // type (Candle's row padding is whole blocks too), so the size is the first common
+            // multiple of the block sizes at or past the largest.
+            let common = members
+                .iter()
+                .map(|m| m[i].format.block_bytes())
+                .fold(1, |l, b| l / gcd(l, b) * b);
+            let size = largest.next_multiple_of(common);
             for m in members.iter_mut() {
-                let t = &mut m[i];
-                let WeightFormat::Ggml(g) = t.format else {
-                    continue;
-                };
-                let padding = t.format.device_bytes(0);
-                let whole = (target - padding).div_ceil(g.type_size());
-                t.device_bytes = whole * g.type_size() + padding;
+                m[i].device_bytes = size;
             }
         }
     }
@@ -1685,20 +1697,20 @@ mod tests {
             .collect();
         pad_block_classes(units.iter_mut().map(|(l, ts)| (*l, ts)));
         let after = |u: usize, i: usize| units[u].1[i].device_bytes;
-        // `v`: the Q4_K layer takes whole Q4_K blocks up to the Q6_K layer's size.
+        // `v`: both layers take the Q6_K layer's size rounded up to whole blocks of both types
+        // (a multiple of 144 and 210: 5040 bytes).
         let q6 = before[0][1];
-        assert_eq!(after(0, 1), q6, "the largest is unchanged");
+        assert_eq!(after(0, 1), after(1, 1), "one size");
         assert!(
-            after(1, 1) >= q6 && after(1, 1) < q6 + 144,
+            after(0, 1) >= q6 && after(0, 1) < q6 + 5040,
             "{} vs {q6}",
-            after(1, 1)
+            after(0, 1)
         );
-        let pad = q4k.device_bytes(0);
-        assert_eq!((after(1, 1) - pad) % 144, 0, "whole blocks");
+        assert_eq!(after(0, 1) % 5040, 0, "whole blocks of both types");
         // Positions of one type, dense tensors, other units: unchanged.
         for (u, sizes) in before.iter().enumerate() {
             for (i, &b) in sizes.iter().enumerate() {
-                if (u, i) != (1, 1) {
+                if i != 1 || u > 1 {
                     assert_eq!(units[u].1[i].device_bytes, b, "unit {u} tensor {i}");
                 }
             }
