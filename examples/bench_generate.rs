@@ -111,7 +111,8 @@ struct Args {
     /// The peer's JSON (scripts/accelerate_peer.py), measured in the same run.
     #[arg(long)]
     peer: Option<PathBuf>,
-    /// Write the results as JSON here.
+    /// Write the results as JSON here (rewritten after each configuration, so that a run cut
+    /// short keeps the rows it finished).
     #[arg(long)]
     json_out: Option<PathBuf>,
     /// More logging (-v, -vv).
@@ -577,6 +578,17 @@ fn main() -> Result<()> {
             }
             drop(model);
             drop(rt);
+            // Rewritten after every configuration: a run stopped by a time limit keeps the
+            // rows it finished.
+            if let Some(path) = &args.json_out {
+                candle_offload_suite::write_results_with_peer(
+                    path,
+                    "generate",
+                    &device,
+                    serde_json::Value::Array(records.clone()),
+                    peer.clone(),
+                )?;
+            }
         }
     }
     if let Some(path) = &args.json_out {
