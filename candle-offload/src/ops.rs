@@ -582,6 +582,21 @@ fn kv_row<'a, T>(s: &'a [T], l: &Layout, bi: usize, hi: usize, pos: usize, d: us
     &s[l.start_offset() + bi * st[0] + hi * st[1] + pos * st[2]..][..d]
 }
 
+/// `Σ a_i · b_i` in eight independent partial sums (which the compiler keeps in one vector
+/// register), then the rest: a decode step's attention scores on the CPU.
+fn dot_f32<T: WithDType>(a: &[f32], b: &[T]) -> f32 {
+    let mut part = [0f32; 8];
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (a8.remainder(), b8.remainder());
+    for (ca, cb) in a8.zip(b8) {
+        for i in 0..8 {
+            part[i] += ca[i] * f32_of(cb[i]);
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(&x, &y)| x * f32_of(y)).sum();
+    part.iter().sum::<f32>() + tail
+}
+
 fn decode_attention_cpu<T: WithDType>(
     q: &[T],
     k: &[T],
@@ -624,8 +639,7 @@ fn decode_attention_cpu<T: WithDType>(
                 }
                 let mut max = f32::NEG_INFINITY;
                 for (j, sc) in (lo..=pos).zip(scores.iter_mut()) {
-                    let kr = kv_row(k, kl, bi, kvh, j, d);
-                    *sc = qs.iter().zip(kr).map(|(&a, &b)| a * f32_of(b)).sum();
+                    *sc = dot_f32(&qs, kv_row(k, kl, bi, kvh, j, d));
                     max = max.max(*sc);
                 }
                 let mut total = 0f32;

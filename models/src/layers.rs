@@ -797,7 +797,11 @@ impl SelfAttention {
         };
         let v = shape(v, s.n_kv_heads)?.contiguous()?;
         let (k, v) = kv.append(&k.contiguous()?, &v)?;
-        if ctx.fused
+        // The fused kernel; on the CPU also for a decode step of unfused ops, where it replaces
+        // about ten small Candle ops per layer (casts, matmuls through the GEMM, mask, softmax)
+        // with one loop over the cache.
+        let cpu_step = xs.device().is_cpu() && seq_len == 1;
+        if (ctx.fused || cpu_step)
             && s.softcap.is_none()
             && seq_len <= DECODE_ATTENTION_MAX_NEW
             && !ctx.masks.is_padded()
@@ -805,7 +809,7 @@ impl SelfAttention {
             // One kernel over the cache's views: no repeat, cast, copy, mask or softmax ops.
             let y = candle_offload::ops::decode_attention(&q, &k, &v, 1.0 / s.score_div, s.window)?;
             let y = y.reshape((b, seq_len, s.n_heads * s.head_dim))?;
-            return self.o_proj.forward_step(&y, true);
+            return self.o_proj.forward_step(&y, ctx.fused);
         }
         // Grouped-query attention without repeating k and v: the `rep` query heads of each kv
         // head are rows of one matmul against that head's keys, read from the cache's views
