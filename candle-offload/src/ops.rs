@@ -613,7 +613,7 @@ fn decode_attention_cpu<T: WithDType>(
     }
     let q = contiguous(q, ql, DecodeAttention::NAME)?;
     let AttentionDims {
-        b,
+        b: _,
         hq,
         hk,
         tq,
@@ -621,43 +621,53 @@ fn decode_attention_cpu<T: WithDType>(
         d,
     } = dims;
     let mut out = vec![of_f32::<T>(0.0); dims.out_len()];
-    let mut scores = vec![0f32; kv_len];
-    let mut acc = vec![0f32; d];
-    let mut qs = vec![0f32; d];
-    for bi in 0..b {
-        for h in 0..hq {
+    // Output row c (of d values) is query head c % hq of query position (c / hq) % tq of batch
+    // row c / (hq * tq). Rows are shared out between this thread and the CPU matmul pool's
+    // workers, which spin between a decode step's matmuls, once the step is large enough.
+    let rows = out.len() / d.max(1);
+    let work = rows * kv_len * d;
+    let tasks = if work >= 1 << 15 {
+        crate::sys::spin::threads().min(rows).max(1)
+    } else {
+        1
+    };
+    let rows_per_task = rows.div_ceil(tasks);
+    crate::sys::spin::for_each_chunk_mut(&mut out, rows_per_task * d, |task, chunk| {
+        let mut scores = vec![0f32; kv_len];
+        let mut acc = vec![0f32; d];
+        let mut qs = vec![0f32; d];
+        for (r, orow) in chunk.chunks_exact_mut(d).enumerate() {
+            let c = task * rows_per_task + r;
+            let (h, qi, bi) = (c % hq, (c / hq) % tq, c / (hq * tq));
             let kvh = h / (hq / hk);
-            for qi in 0..tq {
-                let qrow = &q[((bi * hq + h) * tq + qi) * d..][..d];
-                let pos = kv_len - tq + qi;
-                let lo = match op.window {
-                    0 => 0,
-                    w => (pos + 1).saturating_sub(w as usize),
-                };
-                for (x, &a) in qs.iter_mut().zip(qrow) {
-                    *x = f32_of(a) * op.scale;
-                }
-                let mut max = f32::NEG_INFINITY;
-                for (j, sc) in (lo..=pos).zip(scores.iter_mut()) {
-                    *sc = dot_f32(&qs, kv_row(k, kl, bi, kvh, j, d));
-                    max = max.max(*sc);
-                }
-                let mut total = 0f32;
-                acc.iter_mut().for_each(|a| *a = 0.0);
-                for (j, &sc) in (lo..=pos).zip(scores.iter()) {
-                    let p = (sc - max).exp();
-                    total += p;
-                    for (a, &x) in acc.iter_mut().zip(kv_row(v, vl, bi, kvh, j, d)) {
-                        *a += p * f32_of(x);
-                    }
-                }
-                let orow = &mut out[((bi * tq + qi) * hq + h) * d..][..d];
-                for (o, &a) in orow.iter_mut().zip(&acc) {
-                    *o = of_f32(a / total);
+            let qrow = &q[((bi * hq + h) * tq + qi) * d..][..d];
+            let pos = kv_len - tq + qi;
+            let lo = match op.window {
+                0 => 0,
+                w => (pos + 1).saturating_sub(w as usize),
+            };
+            for (x, &a) in qs.iter_mut().zip(qrow) {
+                *x = f32_of(a) * op.scale;
+            }
+            let mut max = f32::NEG_INFINITY;
+            for (j, sc) in (lo..=pos).zip(scores.iter_mut()) {
+                *sc = dot_f32(&qs, kv_row(k, kl, bi, kvh, j, d));
+                max = max.max(*sc);
+            }
+            let mut total = 0f32;
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            for (j, &sc) in (lo..=pos).zip(scores.iter()) {
+                let p = (sc - max).exp();
+                total += p;
+                for (a, &x) in acc.iter_mut().zip(kv_row(v, vl, bi, kvh, j, d)) {
+                    *a += p * f32_of(x);
                 }
             }
+            for (o, &a) in orow.iter_mut().zip(&acc) {
+                *o = of_f32(a / total);
+            }
         }
-    }
+    });
     Ok(out)
 }
 
