@@ -215,7 +215,14 @@ impl OffloadRuntime {
         }
         let engine = match device {
             Device::Cpu => Engine::Cpu,
-            Device::Cuda(_) => Engine::Cuda(CudaEngine::new(device, cfg.event_tracking)?),
+            // GGML blocks (whose layers can differ in size) get the weights' own pool; dense
+            // stores keep the default pool, where their equal-sized layers measured within
+            // their budgets.
+            Device::Cuda(_) => Engine::Cuda(CudaEngine::new(
+                device,
+                cfg.event_tracking,
+                store.ggml_tensor_count() > 0,
+            )?),
             Device::Metal(_) => {
                 return Err(Error::InvalidConfig {
                     field: "device".into(),

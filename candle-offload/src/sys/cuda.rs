@@ -224,12 +224,14 @@ pub(crate) struct CudaEngine {
 }
 
 /// A stream-ordered memory pool of the runtime's own, which the uploads allocate weights
-/// from. In the device's default pool, activations (small, of every size) split the blocks that
-/// evicted weights free, and the next unit's tensors no longer fit in them: the pool maps new
-/// memory and keeps the split blocks. Measured streaming a 13B Q4_K_M at 4 GiB, the default
-/// pool held 486 MiB more than was ever in use, and the device peak passed the budget by 272
-/// MiB. Here a unit's tensors only ever replace tensors of the same sizes (the store evens out
-/// layers of mixed block types), which the pool serves from the blocks they free.
+/// from (for stores of GGML blocks). In the device's default pool, activations (small, of
+/// every size) split the blocks that evicted weights free, and the next unit's tensors no
+/// longer fit in them: the pool maps new memory and keeps the split blocks. Measured streaming
+/// a 13B Q4_K_M at 4 GiB, the default pool held 486 MiB more than was ever in use, and the
+/// device peak passed the budget by 272 MiB. Here a unit's tensors only ever replace tensors of
+/// the same sizes (the store evens out layers of mixed block types), which the pool serves from
+/// the blocks they free. Dense stores keep the default pool: their equal-sized layers measured
+/// within their budgets there, and the training benchmark's pool readings count their weights.
 #[derive(Debug)]
 struct WeightsPool {
     pool: cusys::CUmemoryPool,
@@ -311,7 +313,9 @@ fn timing_event(stream: &CudaStream) -> candle_core::Result<CudaEvent> {
 }
 
 impl CudaEngine {
-    pub(crate) fn new(device: &Device, event_tracking: bool) -> SysResult<Self> {
+    /// The engine of `device`; with `own_pool`, weights are allocated from a pool of their own
+    /// (`WeightsPool`), else from the device's default pool.
+    pub(crate) fn new(device: &Device, event_tracking: bool, own_pool: bool) -> SysResult<Self> {
         let cuda = device.as_cuda_device()?.clone();
         let compute = cuda.cuda_stream();
         let ctx = compute.context().clone();
@@ -345,7 +349,7 @@ impl CudaEngine {
             .new_stream()
             .map_err(|e| SysError::Candle(candle_core::Error::wrap(e)))?;
         // Without a pool of their own the weights share the default pool, as before it existed.
-        let weights_pool = if ctx.has_async_alloc() {
+        let weights_pool = if own_pool && ctx.has_async_alloc() {
             WeightsPool::new(&ctx)
                 .map_err(|e| {
                     tracing::warn!(

@@ -65,7 +65,7 @@ impl UnitSync {
 pub(crate) enum CudaEngine {}
 
 impl CudaEngine {
-    pub(crate) fn new(_device: &Device, _event_tracking: bool) -> SysResult<Self> {
+    pub(crate) fn new(_device: &Device, _event_tracking: bool, _own_pool: bool) -> SysResult<Self> {
         Err(SysError::NotCompiledWithCuda {
             what: "a GPU offload runtime",
         })
