@@ -323,7 +323,7 @@ fn main() -> Result<()> {
                 None
             };
             // The default pool's high-water marks over the timed part (activations and Candle's
-            // workspaces; the weights have the runtime's own pool): in use, and held (in use,
+            // workspaces, dense weights; GGML weights have the runtime's own pool): in use, and held (in use,
             // kept free, or lost to fragmentation). The reserved mark starts at what the pool
             // holds now, warm-up included.
             if gpu {
@@ -483,7 +483,7 @@ fn main() -> Result<()> {
             );
             if let Some((used, held)) = pool_peaks {
                 println!(
-                    "        default pool (activations, Candle's workspaces): {} MiB in use at most, {} MiB held",
+                    "        default pool: {} MiB in use at most, {} MiB held",
                     used >> 20,
                     held >> 20
                 );
