@@ -304,6 +304,19 @@ impl WeightFormat {
 /// Q6_K), which each member's buffer of whole blocks takes exactly. Every unit then frees
 /// exactly what the next one allocates. Units of one block type per position (all of Q4_0,
 /// Q8_0, F16 ... files) are unchanged.
+/// The environment variable that turns [`pad_block_classes`] off (`0`, `off` or `false`), to
+/// measure what the padding costs against what it saves; on otherwise.
+const EVEN_LAYERS_ENV: &str = "CANDLE_OFFLOAD_EVEN_LAYERS";
+
+fn even_layers() -> bool {
+    !std::env::var(EVEN_LAYERS_ENV).is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "off" | "false"
+        )
+    })
+}
+
 fn gcd(a: usize, b: usize) -> usize {
     if b == 0 {
         a
@@ -1056,7 +1069,9 @@ impl HostStore {
             }
             layouts.push((unit_name, layer, members, tensors, len));
         }
-        pad_block_classes(layouts.iter_mut().map(|l| (l.1, &mut l.3)));
+        if even_layers() {
+            pad_block_classes(layouts.iter_mut().map(|l| (l.1, &mut l.3)));
+        }
 
         let explicit = cfg.host_memory_limit.is_some();
         let host_limit = resolve_host_limit(
