@@ -131,6 +131,97 @@ pub fn forward(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(ys.reshape(out)?))
 }
 
+/// [`forward`] of one row of `xs` (a decode step) against several weights of one block type
+/// and width at once (q, k and v; gate and up): one pass of the pool over all their columns,
+/// each column's number the one [`forward`] gives it. `None` where [`forward`] would take
+/// another path for any of them (another type, more rows, 8-bit activations), so that the
+/// caller multiplies them one by one.
+pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tensor>>> {
+    let Some(first) = ws.first() else {
+        return Ok(None);
+    };
+    let ty = first.dtype();
+    let k = *xs.dims().last().unwrap_or(&0);
+    if quantized_activations()
+        || xs.dtype() != DType::F32
+        || !xs.device().is_cpu()
+        || xs.elem_count() != k
+        || !matches!(ty, GgmlDType::Q4_1 | GgmlDType::Q8_0)
+        || ws
+            .iter()
+            .any(|w| !supports(w) || w.dtype() != ty || w.shape().dims().get(1) != Some(&k))
+    {
+        return Ok(None);
+    }
+    let ns: Vec<usize> = ws.iter().map(|w| w.shape().dims()[0]).collect();
+    let total: usize = ns.iter().sum();
+    let datas = ws.iter().map(|w| w.data()).collect::<Result<Vec<_>>>()?;
+    let (block, nb) = match ty {
+        GgmlDType::Q4_1 => (simd::Q4_1_BYTES, k / simd::QK),
+        _ => (simd::Q8_0_BYTES, k / simd::QK),
+    };
+    let row_bytes = nb * block;
+    for (d, &n) in datas.iter().zip(&ns) {
+        if d.len() < n * row_bytes {
+            candle_core::bail!(
+                "quantized matmul: {} bytes of blocks for ({n}, {k})",
+                d.len()
+            );
+        }
+    }
+    let x = xs.flatten_all()?.to_vec1::<f32>()?;
+    let ysum = if ty == GgmlDType::Q4_1 {
+        simd::block_sums(&x)
+    } else {
+        Vec::new()
+    };
+    // Column c of the concatenated output: weight i, its row r.
+    let starts: Vec<usize> = ns
+        .iter()
+        .scan(0, |acc, &n| {
+            let s = *acc;
+            *acc += n;
+            Some(s)
+        })
+        .collect();
+    let row = |c: usize| -> (usize, usize) {
+        let i = starts.partition_point(|&s| s <= c) - 1;
+        (i, c - starts[i])
+    };
+    let min_len = MIN_BLOCKS_PER_TASK.div_ceil(COLS_PER_ITEM * nb);
+    // Tasks of an even number of columns, so that Q8_0 rows pair up as in `forward`.
+    let per_task = COLS_PER_ITEM * min_len.max(1);
+    let mut out = vec![0f32; total];
+    crate::sys::spin::for_each_chunk_mut(&mut out, per_task, |task, part| {
+        let mut c = task * per_task;
+        let end = c + part.len();
+        while c < end {
+            let (i, r) = row(c);
+            let w = |r: usize| &datas[i][r * row_bytes..(r + 1) * row_bytes];
+            let slot = c - task * per_task;
+            if ty == GgmlDType::Q4_1 {
+                part[slot] = simd::dot_q4_1_f32_summed(w(r), &x, &ysum);
+                c += 1;
+            } else if r % 2 == 0 && r + 1 < ns[i] && c + 1 < end {
+                (part[slot], part[slot + 1]) = simd::dot_q8_0_f32_pair(w(r), w(r + 1), &x);
+                c += 2;
+            } else {
+                part[slot] = simd::dot_q8_0_f32(w(r), &x);
+                c += 1;
+            }
+        }
+    });
+    let mut dims = xs.dims().to_vec();
+    ns.iter()
+        .zip(&starts)
+        .map(|(&n, &s)| {
+            *dims.last_mut().expect("non-empty dims") = n;
+            Tensor::from_slice(&out[s..s + n], dims.as_slice(), xs.device())
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
+}
+
 /// Activation rows from which F32-activation matmuls dequantize the weights and run a GEMM.
 const GEMM_ROWS: usize = 64;
 
@@ -363,8 +454,71 @@ mod tests {
         (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
     }
 
+    /// Several weights in one pass equal each weight on its own, bit for bit (one row; widths
+    /// odd and even; a type mix, more rows and 8-bit activations decline).
+    #[test]
+    fn many_weights_equal_one_by_one() {
+        let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = Device::Cpu;
+        set_quantized_activations(false);
+        for ty in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+            let ws: Vec<Arc<QTensor>> = [37usize, 5, 64]
+                .iter()
+                .map(|&n| {
+                    let w = Tensor::randn(0f32, 1.0, (n, 96), &dev).unwrap();
+                    Arc::new(QTensor::quantize(&w, ty).unwrap())
+                })
+                .collect();
+            let refs: Vec<&Arc<QTensor>> = ws.iter().collect();
+            let xs = Tensor::randn(0f32, 1.0, (1, 1, 96), &dev).unwrap();
+            let many = forward_many(&refs, &xs)
+                .unwrap()
+                .expect("one row of Q4_1 / Q8_0");
+            for (w, y) in ws.iter().zip(&many) {
+                let one = forward(w, &xs).unwrap().unwrap();
+                assert_eq!(y.dims(), one.dims());
+                let (a, b) = (
+                    y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    one.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                assert_eq!(a, b, "{ty:?}");
+            }
+            let two = Tensor::randn(0f32, 1.0, (2, 96), &dev).unwrap();
+            assert!(forward_many(&refs, &two).unwrap().is_none(), "two rows");
+            set_quantized_activations(true);
+            assert!(
+                forward_many(&refs, &xs).unwrap().is_none(),
+                "8-bit activations"
+            );
+            set_quantized_activations(false);
+        }
+        let other = Arc::new(
+            QTensor::quantize(
+                &Tensor::zeros((4, 96), DType::F32, &dev).unwrap(),
+                GgmlDType::Q8_0,
+            )
+            .unwrap(),
+        );
+        let q41 = Arc::new(
+            QTensor::quantize(
+                &Tensor::zeros((4, 96), DType::F32, &dev).unwrap(),
+                GgmlDType::Q4_1,
+            )
+            .unwrap(),
+        );
+        let xs = Tensor::zeros((1, 96), DType::F32, &dev).unwrap();
+        assert!(
+            forward_many(&[&q41, &other], &xs).unwrap().is_none(),
+            "mixed types"
+        );
+    }
+
+    /// Held by the tests that flip the process-wide activation switch.
+    static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn agrees_with_candle_qmatmul() {
+        let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
         let dev = Device::Cpu;
         for (ty, q8) in [
             (GgmlDType::Q4_1, true),

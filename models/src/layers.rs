@@ -468,6 +468,39 @@ enum OneLaunch<'a> {
     Blocks(Vec<&'a candle_core::quantized::QTensor>),
 }
 
+/// On the CPU, one row of `xs` against several projections of GGML blocks in one pass of the
+/// matmul pool ([`candle_offload::cpu_quant::forward_many`]: each output the number
+/// [`Linear::forward`] gives), their biases added; `None` where that does not apply.
+fn cpu_blocks_many(xs: &Tensor, ls: &[&Linear]) -> Result<Option<Vec<Tensor>>> {
+    if !xs.device().is_cpu() {
+        return Ok(None);
+    }
+    let ws: Option<Vec<_>> = ls
+        .iter()
+        .map(|l| match l {
+            Linear::Quantized {
+                weight: QMatMul::QTensor(q),
+                ..
+            } => Some(q),
+            _ => None,
+        })
+        .collect();
+    let Some(ws) = ws else {
+        return Ok(None);
+    };
+    let Some(ys) = candle_offload::cpu_quant::forward_many(&ws, xs)? else {
+        return Ok(None);
+    };
+    ys.into_iter()
+        .zip(ls)
+        .map(|(y, l)| match l {
+            Linear::Quantized { bias: Some(b), .. } => y.broadcast_add(&b.to_dtype(y.dtype())?),
+            _ => Ok(y),
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
+}
+
 /// The weights of `ls` when a decode step can multiply them in one launch: `xs` on a GPU with
 /// at most 8 rows, every layer without bias, and either all dense in `xs`'s dtype or all
 /// blocks the quantized kernel takes.
@@ -758,6 +791,14 @@ impl SelfAttention {
                 return Ok((next(), next(), next()));
             }
         }
+        if let (false, Qkv::Separate { q, k, v }) = (train, &self.qkv) {
+            // A CPU decode step: q, k and v in one pass of the matmul pool.
+            if let Some(ys) = cpu_blocks_many(xs, &[q, k, v])? {
+                let mut ys = ys.into_iter();
+                let mut next = || ys.next().expect("three outputs");
+                return Ok((next(), next(), next()));
+            }
+        }
         match &self.qkv {
             Qkv::Separate { q, k, v } => Ok((
                 q.run_with(xs, train, fused)?,
@@ -1033,12 +1074,22 @@ impl GatedMlp {
                 return self.down.run_with(&x, train, fused);
             }
         }
-        let (gate, up) = match &self.gate_up {
-            GateUp::Separate { gate, up } => (
+        // A CPU decode step: gate and up in one pass of the matmul pool.
+        let both = match (&self.gate_up, train) {
+            (GateUp::Separate { gate, up }, false) => cpu_blocks_many(xs, &[gate, up])?,
+            _ => None,
+        };
+        let (gate, up) = match (&self.gate_up, both) {
+            (_, Some(ys)) => {
+                let mut ys = ys.into_iter();
+                let mut next = || ys.next().expect("two outputs");
+                (next(), next())
+            }
+            (GateUp::Separate { gate, up }, None) => (
                 gate.run_with(xs, train, fused)?,
                 up.run_with(xs, train, fused)?,
             ),
-            GateUp::Fused(l) => {
+            (GateUp::Fused(l), None) => {
                 let both = l.run_with(xs, train, fused)?;
                 let i = self.intermediate;
                 (both.narrow(D::Minus1, 0, i)?, both.narrow(D::Minus1, i, i)?)
