@@ -1092,13 +1092,7 @@ pub fn set_qlinear_k(on: bool) {
 /// decodes at 170 tokens/s with it and 104 without (BENCHMARKS.md).
 pub fn qlinear_k() -> bool {
     let code = switch_code(&QLINEAR_K, || {
-        let off = std::env::var(QLINEAR_K_ENV).is_ok_and(|v| {
-            matches!(
-                v.trim().to_ascii_lowercase().as_str(),
-                "0" | "off" | "false"
-            )
-        });
-        if !off {
+        if !crate::settings::env_turns_off(QLINEAR_K_ENV) {
             2
         } else {
             1

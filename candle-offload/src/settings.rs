@@ -13,6 +13,17 @@ use std::path::Path;
 
 use crate::budget::MemoryLimit;
 use crate::error::{Error, Result};
+
+/// Whether the environment variable `var` turns a default-on switch off: `0`, `off` or
+/// `false`, in any case, spaces around ignored (unset or anything else: no).
+pub(crate) fn env_turns_off(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "off" | "false"
+        )
+    })
+}
 use crate::plan::OffloadStrategy;
 
 /// What a settings file sets (each `None` when absent).

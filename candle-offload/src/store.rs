@@ -291,6 +291,22 @@ impl WeightFormat {
     }
 }
 
+/// The environment variable that turns [`pad_block_classes`] off (`0`, `off` or `false`), to
+/// measure what the padding costs against what it saves; on otherwise.
+const EVEN_LAYERS_ENV: &str = "CANDLE_OFFLOAD_EVEN_LAYERS";
+
+fn even_layers() -> bool {
+    !crate::settings::env_turns_off(EVEN_LAYERS_ENV)
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 /// Evens out the device bytes of GGML tensors across layer units of one shape.
 ///
 /// Layer units whose tensors have the same shapes in the same order stream through the same
@@ -304,27 +320,6 @@ impl WeightFormat {
 /// Q6_K), which each member's buffer of whole blocks takes exactly. Every unit then frees
 /// exactly what the next one allocates. Units of one block type per position (all of Q4_0,
 /// Q8_0, F16 ... files) are unchanged.
-/// The environment variable that turns [`pad_block_classes`] off (`0`, `off` or `false`), to
-/// measure what the padding costs against what it saves; on otherwise.
-const EVEN_LAYERS_ENV: &str = "CANDLE_OFFLOAD_EVEN_LAYERS";
-
-fn even_layers() -> bool {
-    !std::env::var(EVEN_LAYERS_ENV).is_ok_and(|v| {
-        matches!(
-            v.trim().to_ascii_lowercase().as_str(),
-            "0" | "off" | "false"
-        )
-    })
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
-}
-
 fn pad_block_classes<'a>(units: impl Iterator<Item = (Option<usize>, &'a mut Vec<TensorMeta>)>) {
     let mut classes: HashMap<Vec<Vec<usize>>, Vec<&'a mut Vec<TensorMeta>>> = HashMap::new();
     for (layer, tensors) in units {
