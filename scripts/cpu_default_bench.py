@@ -48,36 +48,49 @@ def ours(binary, model, prompt, mode):
             "decode_tokens": int(m[3]), "decode_tokens_per_s": float(m[4]), "command": " ".join(cmd)}
 
 
+def run_peer(peer_python, model, threads, prompts):
+    """llama.cpp's answers and rates for every prompt, one server (cpu_peer.py)."""
+    out = subprocess.run([peer_python, PEER, model, str(threads)] + prompts,
+                         capture_output=True, text=True, check=True).stdout
+    return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+
+
+def record(prompt, mode, r, theirs, rnd=0):
+    """One prompt in one mode: our run `r` next to llama.cpp's `theirs` (round `rnd` > 0 is
+    marked, the first is not)."""
+    rec = {"round": rnd} if rnd else {}
+    rec.update({
+        "prompt": prompt,
+        "mode": mode,
+        "weights": MODES[mode][0],
+        "decode_tokens_per_s": r["decode_tokens_per_s"],
+        "prefill_tokens_per_s": r["prefill_tokens_per_s"],
+        "prefill_tokens": r["prefill_tokens"],
+        "llamacpp_decode_tokens_per_s": theirs["decode_tokens_per_s"],
+        "llamacpp_prefill_tokens_per_s": theirs["prefill_tokens_per_s"],
+        "cpu_vs_llamacpp": r["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
+        "prefill_vs_llamacpp": r["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"],
+        "answer": r["answer"],
+        "llamacpp_answer": theirs["answer"],
+        "same_answer_text": r["answer"].strip() == theirs["answer"].strip(),
+        "command": r["command"],
+    })
+    return rec
+
+
 def main():
     binary, model, peer_python, out = sys.argv[1:5]
     prompts = sys.argv[5:] or PROMPTS
     threads = os.cpu_count() or 2
     load_at_start = os.getloadavg()
-    peer_out = subprocess.run([peer_python, PEER, model, str(threads)] + prompts,
-                              capture_output=True, text=True, check=True).stdout
-    peer = [json.loads(l) for l in peer_out.splitlines() if l.startswith("{")]
+    peer = run_peer(peer_python, model, threads, prompts)
     records, prompts_summary = [], []
     for i, (prompt, theirs) in enumerate(zip(prompts, peer)):
         runs = {}
         for mode in MODES:
             r = ours(binary, model, prompt, mode)
             runs[mode] = r
-            records.append({
-                "prompt": prompt,
-                "mode": mode,
-                "weights": MODES[mode][0],
-                "decode_tokens_per_s": r["decode_tokens_per_s"],
-                "prefill_tokens_per_s": r["prefill_tokens_per_s"],
-                "prefill_tokens": r["prefill_tokens"],
-                "llamacpp_decode_tokens_per_s": theirs["decode_tokens_per_s"],
-                "llamacpp_prefill_tokens_per_s": theirs["prefill_tokens_per_s"],
-                "cpu_vs_llamacpp": r["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
-                "prefill_vs_llamacpp": r["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"],
-                "answer": r["answer"],
-                "llamacpp_answer": theirs["answer"],
-                "same_answer_text": r["answer"].strip() == theirs["answer"].strip(),
-                "command": r["command"],
-            })
+            records.append(record(prompt, mode, r, theirs))
         prompts_summary.append({
             "prompt": prompt,
             "factual": i < FACTUAL,
@@ -94,28 +107,10 @@ def main():
     # the summary's ratios are medians over every round.
     rounds = int(os.environ.get("CPU_BENCH_ROUNDS", "1"))
     for rnd in range(1, rounds):
-        peer_out = subprocess.run([peer_python, PEER, model, str(threads)] + prompts,
-                                  capture_output=True, text=True, check=True).stdout
-        peer = [json.loads(l) for l in peer_out.splitlines() if l.startswith("{")]
+        peer = run_peer(peer_python, model, threads, prompts)
         for prompt, theirs in zip(prompts, peer):
             r = ours(binary, model, prompt, "default")
-            records.append({
-                "round": rnd,
-                "prompt": prompt,
-                "mode": "default",
-                "weights": MODES["default"][0],
-                "decode_tokens_per_s": r["decode_tokens_per_s"],
-                "prefill_tokens_per_s": r["prefill_tokens_per_s"],
-                "prefill_tokens": r["prefill_tokens"],
-                "llamacpp_decode_tokens_per_s": theirs["decode_tokens_per_s"],
-                "llamacpp_prefill_tokens_per_s": theirs["prefill_tokens_per_s"],
-                "cpu_vs_llamacpp": r["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
-                "prefill_vs_llamacpp": r["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"],
-                "answer": r["answer"],
-                "llamacpp_answer": theirs["answer"],
-                "same_answer_text": r["answer"].strip() == theirs["answer"].strip(),
-                "command": r["command"],
-            })
+            records.append(record(prompt, "default", r, theirs, rnd))
     q = [r for r in records if r["mode"] == "default"]
     q8 = [r for r in records if r["mode"] == "q8"]
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
