@@ -240,6 +240,19 @@ fn main() -> Result<()> {
     };
 
     let mut records = Vec::new();
+    // The results file (when asked for), written whole from the records so far.
+    let write_json = |records: &[serde_json::Value]| -> Result<()> {
+        if let Some(path) = &args.json_out {
+            candle_offload_suite::write_results_with_peer(
+                path,
+                "generate",
+                &device,
+                serde_json::Value::Array(records.to_vec()),
+                peer.clone(),
+            )?;
+        }
+        Ok(())
+    };
     println!("prompt budget depth  prefill s  decode tok/s  streamed/token  link ceiling  peak MiB (budget)  accelerate tok/s  speed-up");
     let mut configs = Vec::new();
     for &prompt_len in &args.prompt_lens {
@@ -580,25 +593,13 @@ fn main() -> Result<()> {
             drop(rt);
             // Rewritten after every configuration: a run stopped by a time limit keeps the
             // rows it finished.
-            if let Some(path) = &args.json_out {
-                candle_offload_suite::write_results_with_peer(
-                    path,
-                    "generate",
-                    &device,
-                    serde_json::Value::Array(records.clone()),
-                    peer.clone(),
-                )?;
-            }
+            write_json(&records)?;
         }
     }
     if let Some(path) = &args.json_out {
-        candle_offload_suite::write_results_with_peer(
-            path,
-            "generate",
-            &device,
-            serde_json::Value::Array(records),
-            peer,
-        )?;
+        if records.is_empty() {
+            write_json(&records)?;
+        }
         println!("wrote {}", path.display());
     }
     Ok(())
