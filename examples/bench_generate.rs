@@ -335,8 +335,7 @@ fn main() -> Result<()> {
             } else {
                 None
             };
-            // The default pool's high-water marks over the timed part (activations and Candle's
-            // workspaces, dense weights; GGML weights have the runtime's own pool): in use, and held (in use,
+            // The driver pool's high-water marks over the timed part: in use, and held (in use,
             // kept free, or lost to fragmentation). The reserved mark starts at what the pool
             // holds now, warm-up included.
             if gpu {
@@ -496,7 +495,7 @@ fn main() -> Result<()> {
             );
             if let Some((used, held)) = pool_peaks {
                 println!(
-                    "        default pool: {} MiB in use at most, {} MiB held",
+                    "        pool: {} MiB in use at most, {} MiB held",
                     used >> 20,
                     held >> 20
                 );

@@ -300,18 +300,17 @@ pub fn set_peer_access(
     Ok(out)
 }
 
-/// The most memory that was in use at once (allocated by Candle and not yet freed) since the
-/// last reset, from the device's default memory pool: the analogue of PyTorch's
-/// `max_memory_allocated`, without the pool's cached free blocks that [`device_used_bytes`]
-/// also counts. An offloading runtime's GGML-block weights come from a pool of its own and
-/// are not counted here (dense weights are). `reset` starts a new measurement.
+/// The most memory that was in use at once (allocated by Candle or the runtime and not yet
+/// freed) since the last reset, from the driver's memory pool: the analogue of PyTorch's
+/// `max_memory_allocated`, without the pool's cached free blocks that
+/// [`device_used_bytes`] also counts. `reset` starts a new measurement.
 pub fn pool_peak_used_bytes(device: &Device, reset: bool) -> candle_core::Result<u64> {
     sys::pool_used_high_bytes(device, reset)
 }
 
-/// The most memory the device's default pool held at once since the last reset: what was in
-/// use ([`pool_peak_used_bytes`]) plus the freed blocks it kept and what fragmentation left
-/// unusable (an offloading runtime's GGML-block weights are in a pool of their own). Its excess over the used mark is memory the budget's accounting of live buffers
+/// The most memory the driver's pool held at once since the last reset: what was in use
+/// ([`pool_peak_used_bytes`]) plus the freed blocks it kept and what fragmentation left
+/// unusable. Its excess over the used mark is memory the budget's accounting of live buffers
 /// does not see. `reset` starts a new measurement.
 pub fn pool_peak_reserved_bytes(device: &Device, reset: bool) -> candle_core::Result<u64> {
     sys::pool_reserved_high_bytes(device, reset)

@@ -215,14 +215,7 @@ impl OffloadRuntime {
         }
         let engine = match device {
             Device::Cpu => Engine::Cpu,
-            // GGML blocks (whose layers can differ in size) get the weights' own pool; dense
-            // stores keep the default pool, where their equal-sized layers measured within
-            // their budgets.
-            Device::Cuda(_) => Engine::Cuda(CudaEngine::new(
-                device,
-                cfg.event_tracking,
-                store.ggml_tensor_count() > 0,
-            )?),
+            Device::Cuda(_) => Engine::Cuda(CudaEngine::new(device, cfg.event_tracking)?),
             Device::Metal(_) => {
                 return Err(Error::InvalidConfig {
                     field: "device".into(),
@@ -1062,15 +1055,11 @@ impl OffloadRuntime {
         Ok(())
     }
 
-    /// Drops every unit that is not in use or kept, and returns the memory their buffers
-    /// leave in the weights' pool (what the device has already freed) to the driver.
+    /// Drops every unit that is not in use or kept.
     pub fn evict_all(&self) -> candle_core::Result<()> {
         let mut st = self.state()?;
         for v in st.cache.evict_idle() {
             self.drop_unit(&mut st, v, "evict_all")?;
-        }
-        if let Engine::Cuda(e) = &self.shared.engine {
-            e.trim_weights()?;
         }
         Ok(())
     }

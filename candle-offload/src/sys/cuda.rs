@@ -220,90 +220,6 @@ pub(crate) struct CudaEngine {
     compute: Arc<CudaStream>,
     copy: Arc<CudaStream>,
     staging: Mutex<(Vec<StagingBuffer>, usize)>,
-    weights_pool: Option<WeightsPool>,
-}
-
-/// A stream-ordered memory pool of the runtime's own, which the uploads allocate weights
-/// from (for stores of GGML blocks). In the device's default pool, activations (small, of
-/// every size) split the blocks that evicted weights free, and the next unit's tensors no
-/// longer fit in them: the pool maps new memory and keeps the split blocks. Measured streaming
-/// a 13B Q4_K_M at 4 GiB, the default pool held 486 MiB more than was ever in use, and the
-/// device peak passed the budget by 272 MiB. Here a unit's tensors only ever replace tensors of
-/// the same sizes (the store evens out layers of mixed block types), which the pool serves from
-/// the blocks they free. Dense stores keep the default pool: their equal-sized layers measured
-/// within their budgets there, and the training benchmark's pool readings count their weights.
-#[derive(Debug)]
-struct WeightsPool {
-    pool: cusys::CUmemoryPool,
-    device: cusys::CUdevice,
-}
-
-// SAFETY: a CUmemoryPool handle is a process-wide driver object, usable from any thread.
-unsafe impl Send for WeightsPool {}
-// SAFETY: as above; the driver serialises calls on the pool.
-unsafe impl Sync for WeightsPool {}
-
-impl WeightsPool {
-    fn new(ctx: &Arc<CudaContext>) -> SysResult<Self> {
-        use candle_core::cuda_backend::cudarc::driver::result;
-        let wrap = |e| SysError::Candle(candle_core::Error::wrap(e));
-        ctx.bind_to_thread().map_err(wrap)?;
-        // SAFETY: an all-zero CUmemPoolProps is valid (no handle types, no size limit, no
-        // usage flags); the fields set below make it device-local pinned memory.
-        let mut props: cusys::CUmemPoolProps = unsafe { std::mem::zeroed() };
-        props.allocType = cusys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        props.location = cusys::CUmemLocation {
-            type_: cusys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: ctx.ordinal() as i32,
-        };
-        // SAFETY: `props` is a valid CUmemPoolProps for the whole call.
-        let pool = unsafe { result::mem_pool::create(&props) }.map_err(wrap)?;
-        // Owned from here: an error below destroys it.
-        let this = Self {
-            pool,
-            device: ctx.cu_device(),
-        };
-        // Freed blocks stay in the pool for the next unit (the budget bounds what it holds).
-        set_release_threshold(this.pool, u64::MAX)?;
-        Ok(this)
-    }
-
-    /// Makes this pool the device's current one (where `cuMemAllocAsync`, so Candle's and
-    /// cudarc's allocations, take memory) until the guard drops, which restores the one before.
-    fn enter(&self) -> candle_core::Result<PoolGuard> {
-        use candle_core::cuda_backend::cudarc::driver::result;
-        // SAFETY: `device` is the live device of the engine's context.
-        let before = unsafe { result::device::get_mem_pool(self.device) }.w()?;
-        // SAFETY: as above, and `pool` is a live pool of that device.
-        unsafe { result::device::set_mem_pool(self.device, self.pool) }.w()?;
-        Ok(PoolGuard {
-            device: self.device,
-            before,
-        })
-    }
-}
-
-impl Drop for WeightsPool {
-    fn drop(&mut self) {
-        use candle_core::cuda_backend::cudarc::driver::result;
-        // SAFETY: the pool is not used by this engine again. Weights still allocated from it
-        // stay valid: the driver releases the pool once the last of them is freed.
-        let _ = unsafe { result::mem_pool::destroy(self.pool) };
-    }
-}
-
-/// Restores the device's current memory pool (see [`WeightsPool::enter`]).
-struct PoolGuard {
-    device: cusys::CUdevice,
-    before: cusys::CUmemoryPool,
-}
-
-impl Drop for PoolGuard {
-    fn drop(&mut self) {
-        use candle_core::cuda_backend::cudarc::driver::result;
-        // SAFETY: `before` was the device's current pool, a live pool of `device`.
-        let _ = unsafe { result::device::set_mem_pool(self.device, self.before) };
-    }
 }
 
 fn timing_event(stream: &CudaStream) -> candle_core::Result<CudaEvent> {
@@ -313,9 +229,7 @@ fn timing_event(stream: &CudaStream) -> candle_core::Result<CudaEvent> {
 }
 
 impl CudaEngine {
-    /// The engine of `device`; with `own_pool`, weights are allocated from a pool of their own
-    /// (`WeightsPool`), else from the device's default pool.
-    pub(crate) fn new(device: &Device, event_tracking: bool, own_pool: bool) -> SysResult<Self> {
+    pub(crate) fn new(device: &Device, event_tracking: bool) -> SysResult<Self> {
         let cuda = device.as_cuda_device()?.clone();
         let compute = cuda.cuda_stream();
         let ctx = compute.context().clone();
@@ -348,27 +262,12 @@ impl CudaEngine {
         let copy = ctx
             .new_stream()
             .map_err(|e| SysError::Candle(candle_core::Error::wrap(e)))?;
-        // Without a pool of their own the weights share the default pool, as before it existed.
-        let weights_pool = if own_pool && ctx.has_async_alloc() {
-            WeightsPool::new(&ctx)
-                .map_err(|e| {
-                    tracing::warn!(
-                        "no memory pool of its own for the weights ({e}); they share the \
-                         device's default pool, where fragmentation can take memory past the \
-                         budget"
-                    )
-                })
-                .ok()
-        } else {
-            None
-        };
         Ok(Self {
             cuda,
             ctx,
             compute,
             copy,
             staging: Mutex::new((Vec::new(), 0)),
-            weights_pool,
         })
     }
 
@@ -387,11 +286,6 @@ impl CudaEngine {
         let copy_start = timing_event(&self.copy)?;
         let mut out = Vec::with_capacity(items.len());
         let managed = src.managed();
-        // The weights' buffers come from the runtime's own pool (see `WeightsPool`).
-        let _pool = match &self.weights_pool {
-            Some(p) => Some(p.enter()?),
-            None => None,
-        };
         for item in items {
             let range = item.range.clone();
             let weight = match (&item.layout, managed) {
@@ -648,17 +542,6 @@ impl CudaEngine {
             }
         });
         any.then_some(t)
-    }
-
-    /// Returns the memory the weights' pool holds unused to the driver (blocks whose frees the
-    /// device has not yet reached stay).
-    pub(crate) fn trim_weights(&self) -> candle_core::Result<()> {
-        use candle_core::cuda_backend::cudarc::driver::result;
-        if let Some(p) = &self.weights_pool {
-            // SAFETY: `p.pool` is the live pool this engine created.
-            unsafe { result::mem_pool::trim_to(p.pool, 0) }.w()?;
-        }
-        Ok(())
     }
 
     pub(crate) fn mem_get_info(&self) -> candle_core::Result<(u64, u64)> {

@@ -65,7 +65,7 @@ impl UnitSync {
 pub(crate) enum CudaEngine {}
 
 impl CudaEngine {
-    pub(crate) fn new(_device: &Device, _event_tracking: bool, _own_pool: bool) -> SysResult<Self> {
+    pub(crate) fn new(_device: &Device, _event_tracking: bool) -> SysResult<Self> {
         Err(SysError::NotCompiledWithCuda {
             what: "a GPU offload runtime",
         })
@@ -94,9 +94,6 @@ impl CudaEngine {
         match *self {}
     }
     pub(crate) fn harvest(&self, _sync: &mut UnitSync) -> Option<Timings> {
-        match *self {}
-    }
-    pub(crate) fn trim_weights(&self) -> candle_core::Result<()> {
         match *self {}
     }
     pub(crate) fn mem_get_info(&self) -> candle_core::Result<(u64, u64)> {
