@@ -113,7 +113,9 @@ struct Args {
     no_peer_access: bool,
     /// Run the first decoder layers on the host CPU instead of streaming them to the GPU
     /// (llama.cpp's split): `auto` (the fewest that let the GPU hold the rest, none when the
-    /// model fits), a count, or `none` (the default: stream what does not fit).
+    /// model fits), a count, `spread:N` (N layers spread evenly, so that the CPU computes while
+    /// the GPU's copy stream brings the streamed layers in between), or `none` (the default:
+    /// stream what does not fit).
     #[arg(long, default_value = "none", conflicts_with = "devices")]
     host_layers: HostLayers,
     /// Offload weights to host memory (with the budget below, or the free GPU memory).
@@ -385,7 +387,11 @@ fn main() -> Result<()> {
     }
     let host_layers = model.host_layer_count();
     if host_layers > 0 {
-        eprintln!("host layers: the first {host_layers} decoder layers run on the CPU");
+        let which = match args.host_layers {
+            HostLayers::Spread(_) => "spread over the model",
+            _ => "the first ones",
+        };
+        eprintln!("host layers: {host_layers} decoder layers ({which}) run on the CPU");
     }
     let sharded = sharded || host_layers > 0;
     let stages = model.stages();

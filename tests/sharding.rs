@@ -259,6 +259,8 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
         if device.is_cpu() {
             assert_eq!(build(&settings, HostLayers::Auto)?.host_layer_count(), 0);
             cases.push((build(&settings, HostLayers::Count(2))?, "count 2", false));
+            // Spread: host and device layers alternate, the hidden state crossing each time.
+            cases.push((build(&settings, HostLayers::Spread(2))?, "spread 2", false));
             // What `auto` builds on a GPU: the minimal strategy under the budget.
             let minimal = OffloadSettings {
                 strategy: candle_offload::OffloadStrategy::Minimal,
@@ -266,8 +268,12 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             };
             let split = build(&minimal, HostLayers::Count(n - 2))?;
             cases.push((split, "count n-2 under a budget", true));
+            let split = build(&minimal, HostLayers::Spread(n - 2))?;
+            cases.push((split, "spread n-2 under a budget", true));
         } else {
             cases.push((build(&limited, HostLayers::Auto)?, "auto", true));
+            // Two layers on the host, spread; the device streams what its budget does not hold.
+            cases.push((build(&limited, HostLayers::Spread(2))?, "spread 2", false));
         }
         for (model, ctx, budgeted) in cases {
             let host = model.host_layer_count();
@@ -277,7 +283,21 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             );
             let stages = model.stages();
             assert_eq!(stages.len(), 2);
-            assert_eq!(stages[0].1, 0..host);
+            let set = if ctx.starts_with("spread") {
+                HostLayers::Spread(host).host_set(host, n)
+            } else {
+                HostLayers::Count(host).host_set(host, n)
+            };
+            assert_eq!(set.iter().filter(|&&b| b).count(), host);
+            let first = set.iter().position(|&b| b).unwrap_or(0);
+            let end = set.iter().rposition(|&b| b).map_or(0, |l| l + 1);
+            assert_eq!(stages[0].1, first..end, "{ctx}");
+            if ctx.starts_with("spread") {
+                assert!(
+                    !set[0],
+                    "{ctx}: the first layer of a spread split is on the device"
+                );
+            }
             assert!(stages[0].0.device().is_cpu());
             // The GPU stage runs the fused ops by default, the host stage Candle's.
             let gpu_fused = (!device.is_cpu()).then_some(true);

@@ -76,21 +76,46 @@ pub enum HostLayers {
     Count(usize),
     /// The fewest that let the GPU hold the others resident, so that nothing streams.
     Auto,
+    /// This many, spread evenly over the layers instead of the first ones (`spread:N`): while
+    /// the CPU runs a host layer, the GPU's copy stream brings the next streamed layer, so
+    /// that host compute and PCIe transfers overlap when both are needed (a model too large
+    /// for the budget even with the host's share of it).
+    Spread(usize),
 }
 
 impl std::str::FromStr for HostLayers {
     type Err = String;
 
-    /// `auto`, `none`, or a count.
+    /// `auto`, `none`, a count, or `spread:` and a count.
     fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let count = |n: &str| {
+            n.trim().parse::<usize>().map_err(|_| {
+                format!("{s:?} is not a layer count, `spread:` and a count, `auto` or `none`")
+            })
+        };
         match s.trim() {
             "auto" => Ok(Self::Auto),
             "none" => Ok(Self::None),
-            n => n
-                .parse::<usize>()
-                .map(Self::Count)
-                .map_err(|_| format!("{s:?} is not a layer count, `auto` or `none`")),
+            t => match t.strip_prefix("spread:") {
+                Some(n) => count(n).map(Self::Spread),
+                None => count(t).map(Self::Count),
+            },
         }
+    }
+}
+
+impl HostLayers {
+    /// Which of `n` layers run on the host when `h` do: the first `h`, or for
+    /// [`Spread`](Self::Spread) every layer where `l * h / n` steps up (evenly apart, the
+    /// first on the GPU unless every layer is on the host).
+    pub fn host_set(&self, h: usize, n: usize) -> Vec<bool> {
+        let h = h.min(n);
+        (0..n)
+            .map(|l| match self {
+                Self::Spread(_) => (l + 1) * h / n > l * h / n,
+                _ => l < h,
+            })
+            .collect()
     }
 }
 
@@ -122,6 +147,11 @@ pub struct CausalLm {
     /// Layers of the first stage that run on the host in front of the device
     /// ([`from_store_with_host`](Self::from_store_with_host)).
     host_layers: usize,
+    /// Per layer, whether it runs on the host (empty without host layers).
+    on_host: Vec<bool>,
+    /// The order a step runs the layers in: stage index and layers, one entry per stage, or
+    /// with spread host layers ([`HostLayers::Spread`]) alternating runs of host and GPU layers.
+    segments: Vec<(usize, Range<usize>)>,
     timing: std::sync::atomic::AtomicBool,
     totals: std::sync::Mutex<TransferTotals>,
 }
@@ -234,6 +264,11 @@ impl CausalLm {
         };
         let max_len = max_len.min(cfg.max_position_embeddings).max(1);
         let family = cfg.family.clone();
+        let segments = stages
+            .iter()
+            .enumerate()
+            .map(|(i, (_, r))| (i, r.clone()))
+            .collect();
         let stages = stages
             .into_iter()
             .map(|(rt, layers)| {
@@ -256,6 +291,8 @@ impl CausalLm {
             transfer: HiddenTransfer::Device,
             fused: None,
             host_layers: 0,
+            on_host: Vec::new(),
+            segments,
             timing: std::sync::atomic::AtomicBool::new(false),
             totals: std::sync::Mutex::new(TransferTotals::default()),
         })
@@ -393,12 +430,12 @@ impl CausalLm {
         };
         let count = match host {
             HostLayers::None => 0,
-            HostLayers::Count(h) if h > n => {
+            HostLayers::Count(h) | HostLayers::Spread(h) if h > n => {
                 return Err(invalid(format!(
                     "{h} host layers, but the model has {n} layers"
                 )))
             }
-            HostLayers::Count(h) => h,
+            HostLayers::Count(h) | HostLayers::Spread(h) => h,
             HostLayers::Auto => {
                 if device.is_cpu() {
                     return Ok(0);
@@ -492,9 +529,11 @@ impl CausalLm {
             );
         }
         let n = cfg.num_hidden_layers;
+        let on_host = host.host_set(h, n);
+        let gpu_layers = || (0..n).filter(|&l| !on_host[l]);
         let layout = cfg.layout();
         let mut host_units = vec![layout.embed.clone()];
-        host_units.extend((0..h).map(|l| layout.layer(l)));
+        host_units.extend((0..n).filter(|&l| on_host[l]).map(|l| layout.layer(l)));
         host_units.retain(|u| store.unit_id(u).is_some());
         let cpu = OffloadRuntime::new(
             store.clone(),
@@ -518,7 +557,7 @@ impl CausalLm {
         let kv = per_layer * (n - h + 2).min(n) as u64;
         let reserve = base + kv;
         let order = || {
-            let mut order: Vec<UnitId> = (h..n)
+            let mut order: Vec<UnitId> = gpu_layers()
                 .filter_map(|l| store.unit_id(&layout.layer(l)))
                 .collect();
             for k in &keep {
@@ -549,9 +588,27 @@ impl CausalLm {
             source,
         )?;
         model.host_layers = h;
+        if on_host.iter().take(h).any(|&b| !b) {
+            // Spread: runs of host layers and GPU layers alternate.
+            let mut segments: Vec<(usize, Range<usize>)> = Vec::new();
+            for (l, &host) in on_host.iter().enumerate() {
+                let stage = usize::from(!host);
+                match segments.last_mut() {
+                    Some((s, r)) if *s == stage => r.end = l + 1,
+                    _ => segments.push((stage, l..l + 1)),
+                }
+            }
+            for (i, stage) in model.stages.iter_mut().enumerate() {
+                let mine = segments.iter().filter(|(s, _)| *s == i).map(|(_, r)| r);
+                let start = mine.clone().map(|r| r.start).min().unwrap_or(0);
+                stage.layers = start..mine.map(|r| r.end).max().unwrap_or(0);
+            }
+            model.segments = segments;
+        }
+        model.on_host = on_host.clone();
         // GGML blocks on the host multiply F32 activations (`cpu_quant`, and Candle's CPU
         // quantized matmul takes nothing else); dense host layers keep the model's dtype.
-        let blocks = (0..h).any(|l| {
+        let blocks = (0..n).filter(|&l| on_host[l]).any(|l| {
             store
                 .unit_id(&layout.layer(l))
                 .is_some_and(|id| store.unit(id).has_quantized())
@@ -826,7 +883,8 @@ impl CausalLm {
         &self.stages[0].rt
     }
 
-    /// Every stage's runtime with the layers it runs, in pipeline order.
+    /// Every stage's runtime with the layers it runs, in pipeline order (with spread host
+    /// layers, [`HostLayers::Spread`], the span from its first layer to its last).
     pub fn stages(&self) -> Vec<(&OffloadRuntime, Range<usize>)> {
         self.stages
             .iter()
@@ -1030,10 +1088,14 @@ impl CausalLm {
         let plan: Vec<(&Stage, Range<usize>)> = if prompt_on_gpu {
             vec![(last, 0..self.cfg.num_hidden_layers)]
         } else {
-            self.stages.iter().map(|s| (s, s.layers.clone())).collect()
+            self.segments
+                .iter()
+                .map(|(s, r)| (&self.stages[*s], r.clone()))
+                .collect()
         };
         let mut at = first;
-        for (stage, layers) in plan {
+        let runs = plan.len();
+        for (i, (stage, layers)) in plan.into_iter().enumerate() {
             let device = stage.rt.device();
             if !std::ptr::eq(at, stage) {
                 xs = self.move_hidden(&xs, device)?;
@@ -1060,15 +1122,22 @@ impl CausalLm {
                     stage.dtype,
                 )?;
                 xs = block.forward(&xs, &ctx, &mut cache.kvs[l])?;
-                if prompt_on_gpu && l < self.host_layers {
+                if prompt_on_gpu && self.on_host[l] {
                     cache.place(l, first.rt.device(), first.dtype)?;
                 }
             }
-            if !std::ptr::eq(stage, last) {
-                // This stage idles while the later ones compute: its copy stream fetches what
-                // its next step needs first (nothing on a host stage, which keeps its units).
+            if i + 1 < runs || !std::ptr::eq(stage, last) {
+                // This stage idles while another computes (a later stage, or the host's next
+                // run of spread layers): its copy stream fetches what it needs next, into its
+                // free room (nothing on a host stage, which keeps its units).
                 stage.rt.prefetch_ahead(usize::MAX)?;
             }
+        }
+        // Spread host layers can end on the host: the head runs on the last stage.
+        if !std::ptr::eq(at, last) {
+            xs = self
+                .move_hidden(&xs, last.rt.device())?
+                .to_dtype(last.dtype)?;
         }
         Ok(xs)
     }
@@ -1239,4 +1308,31 @@ fn device_ordinal(device: &Device, position: usize) -> usize {
 /// Greedy argmax of logits (batch 1).
 pub fn argmax(logits: &Tensor) -> Result<u32> {
     logits.flatten_all()?.argmax(D::Minus1)?.to_scalar::<u32>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HostLayers;
+
+    #[test]
+    fn host_layers_parse_and_place() {
+        assert_eq!("spread:3".parse::<HostLayers>(), Ok(HostLayers::Spread(3)));
+        assert_eq!(" 3 ".parse::<HostLayers>(), Ok(HostLayers::Count(3)));
+        assert_eq!("auto".parse::<HostLayers>(), Ok(HostLayers::Auto));
+        let e = "spread:x".parse::<HostLayers>().unwrap_err();
+        assert!(e.contains("spread:x"), "{e}");
+        let on = |v: Vec<bool>| -> Vec<usize> { (0..v.len()).filter(|&l| v[l]).collect() };
+        assert_eq!(on(HostLayers::Count(3).host_set(3, 8)), [0, 1, 2]);
+        assert_eq!(on(HostLayers::Spread(4).host_set(4, 8)), [1, 3, 5, 7]);
+        assert_eq!(on(HostLayers::Spread(3).host_set(3, 8)), [2, 5, 7]);
+        assert_eq!(on(HostLayers::Spread(8).host_set(8, 8)).len(), 8);
+        assert!(on(HostLayers::Spread(0).host_set(0, 8)).is_empty());
+        // Every count takes exactly that many layers, evenly apart.
+        for n in 1..40 {
+            for h in 0..=n {
+                let set = HostLayers::Spread(h).host_set(h, n);
+                assert_eq!(set.iter().filter(|&&b| b).count(), h, "{h} of {n}");
+            }
+        }
+    }
 }
