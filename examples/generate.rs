@@ -114,8 +114,9 @@ struct Args {
     /// Run the first decoder layers on the host CPU instead of streaming them to the GPU
     /// (llama.cpp's split): `auto` (the fewest that let the GPU hold the rest, none when the
     /// model fits), a count, `spread:N` (N layers spread evenly, so that the CPU computes while
-    /// the GPU's copy stream brings the streamed layers in between), or `none` (the default:
-    /// stream what does not fit).
+    /// the GPU's copy stream brings the streamed layers in between), `spread:auto` (a count
+    /// that balances this CPU's rate, timed on one layer, against the link's), or `none` (the
+    /// default: stream what does not fit).
     #[arg(long, default_value = "none", conflicts_with = "devices")]
     host_layers: HostLayers,
     /// Offload weights to host memory (with the budget below, or the free GPU memory).
@@ -388,7 +389,7 @@ fn main() -> Result<()> {
     let host_layers = model.host_layer_count();
     if host_layers > 0 {
         let which = match args.host_layers {
-            HostLayers::Spread(_) => "spread over the model",
+            HostLayers::Spread(_) | HostLayers::SpreadAuto => "spread over the model",
             _ => "the first ones",
         };
         eprintln!("host layers: {host_layers} decoder layers ({which}) run on the CPU");

@@ -258,6 +258,13 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
         let mut cases = Vec::new();
         if device.is_cpu() {
             assert_eq!(build(&settings, HostLayers::Auto)?.host_layer_count(), 0);
+            assert_eq!(
+                build(&settings, HostLayers::SpreadAuto)?.host_layer_count(),
+                0
+            );
+            // The host's rate that `spread:auto` weighs: one layer's step, timed.
+            let s = Llama::host_layer_seconds(&cfg, &store, DType::F32)?;
+            assert!(s > 0.0 && s < 1.0, "{s} s");
             cases.push((build(&settings, HostLayers::Count(2))?, "count 2", false));
             // Spread: host and device layers alternate, the hidden state crossing each time.
             cases.push((build(&settings, HostLayers::Spread(2))?, "spread 2", false));

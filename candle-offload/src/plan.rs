@@ -172,6 +172,68 @@ pub fn host_layer_split(
     Some(h)
 }
 
+/// How many host layers to spread over a model whose layers do not all fit a device, for
+/// spread placement ([`spread_host_set`]): with `h` host layers
+/// placed evenly between the device's, the device keeps what its budget leaves after
+/// `fixed`, the reservation of its `n − h` layers (`per_layer_reserve` each) and `slots`
+/// streaming slots of its largest layer, and streams the rest of its layers every step. The
+/// copies then overlap the host's layers, so a step costs about the larger of the host's
+/// time (`host_bytes_per_s` over the host layers' bytes) and the link's (`link_bytes_per_s`
+/// over the streamed bytes). Returns the `h` with the smallest such cost (the fewest on ties;
+/// 0 when every layer fits the device), `None` when the device cannot hold even `fixed`.
+/// Pure.
+pub fn spread_host_split(
+    layers: &[u64],
+    fixed: u64,
+    per_layer_reserve: u64,
+    budget: u64,
+    slots: usize,
+    host_bytes_per_s: f64,
+    link_bytes_per_s: f64,
+) -> Option<usize> {
+    let n = layers.len();
+    if fixed > budget {
+        return None;
+    }
+    let mut best: Option<(f64, usize)> = None;
+    for h in 0..=n {
+        let on_host = spread_host_set(h, n);
+        let (mut host, mut device, mut largest) = (0u64, 0u64, 0u64);
+        for (l, &b) in layers.iter().enumerate() {
+            if on_host[l] {
+                host += b;
+            } else {
+                device += b;
+                largest = largest.max(b);
+            }
+        }
+        let reserve = fixed.saturating_add(per_layer_reserve.saturating_mul((n - h) as u64));
+        let Some(room) = budget.checked_sub(reserve) else {
+            continue;
+        };
+        let streamed = if device <= room {
+            0
+        } else {
+            // Streaming needs its slots; what is left holds layers for good.
+            let kept = room.saturating_sub(largest.saturating_mul(slots as u64));
+            device - kept.min(device)
+        };
+        let cost = (host as f64 / host_bytes_per_s).max(streamed as f64 / link_bytes_per_s);
+        if best.is_none_or(|(c, _)| cost < c) {
+            best = Some((cost, h));
+        }
+    }
+    best.map(|(_, h)| h)
+}
+
+/// Which of `n` layers run on the host when `h` are spread evenly over them: layer `l` when
+/// `l · h / n` steps up at `l` (so the first runs on the device unless all are on the host,
+/// and the last on the host whenever any is). Pure.
+pub fn spread_host_set(h: usize, n: usize) -> Vec<bool> {
+    let h = h.min(n);
+    (0..n).map(|l| (l + 1) * h / n > l * h / n).collect()
+}
+
 /// The outcome of [`plan_capacity`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CapacityPlan {
@@ -366,5 +428,68 @@ mod tests {
         assert_eq!(host_layer_split(&[10, 10], 0, 0, 19), Some(1));
         assert_eq!(host_layer_split(&[10, 10], 21, 0, 20), None);
         assert_eq!(host_layer_split(&[], 5, 1, 5), Some(0));
+    }
+
+    #[test]
+    fn spread_host_split_balances_host_and_link() {
+        let gb = 1_000_000_000u64;
+        // Everything fits: no host layer.
+        assert_eq!(
+            spread_host_split(&[gb; 4], 0, 0, 4 * gb, 2, 1e9, 1e9),
+            Some(0)
+        );
+        assert_eq!(
+            spread_host_split(&[gb; 4], 5 * gb, 0, 4 * gb, 2, 1e9, 1e9),
+            None
+        );
+        // The 13B Q8_0 shape at 4 GiB as measured (40 layers of 0.345 GB, ~1.3 GB held
+        // besides, host 61 GB/s, link 55 GB/s): about half of what does not fit goes to the host.
+        let layer = 345_000_000u64;
+        let kv = 3_300_000u64;
+        let h = spread_host_split(&[layer; 40], 1_300_000_000, kv, 4 << 30, 2, 61e9, 55e9)
+            .expect("fits");
+        assert!((15..=20).contains(&h), "{h}");
+        // A host much slower than the link: few host layers; much faster: more.
+        let slow = spread_host_split(&[layer; 40], 1_300_000_000, kv, 4 << 30, 2, 5e9, 55e9);
+        let fast = spread_host_split(&[layer; 40], 1_300_000_000, kv, 4 << 30, 2, 500e9, 55e9);
+        assert!(
+            slow.unwrap() < h && fast.unwrap() > h,
+            "{slow:?} {h} {fast:?}"
+        );
+        // Equal layers: a faster host never takes fewer layers (its time per layer only
+        // falls; the link's part only falls as layers leave the device).
+        let mut seed = 11u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            seed >> 33
+        };
+        for _ in 0..2000 {
+            let n = (next() % 12) as usize;
+            let layers = vec![1 + next() % 50; n];
+            let (fixed, per, budget) = (next() % 40, next() % 5, next() % 400);
+            let slots = (next() % 3) as usize;
+            let link = 1.0 + (next() % 100) as f64;
+            let (slow, fast) = (1.0 + (next() % 100) as f64, 1.0 + (next() % 100) as f64);
+            let (slow, fast) = (slow.min(fast), slow.max(fast));
+            let split = |host| spread_host_split(&layers, fixed, per, budget, slots, host, link);
+            let (a, b) = (split(slow), split(fast));
+            assert_eq!(a.is_some(), fixed <= budget);
+            assert!(
+                a <= b,
+                "{layers:?} {fixed} {per} {budget} {slots} {slow} {fast} {link}"
+            );
+            // Whatever fits whole takes no host layer.
+            if fixed + (per + layers.first().copied().unwrap_or(0)) * n as u64 <= budget {
+                assert_eq!(a, Some(0));
+            }
+        }
+        // Spread sets: h layers, evenly apart.
+        for n in 0..30 {
+            for h in 0..=n {
+                assert_eq!(spread_host_set(h, n).iter().filter(|&&b| b).count(), h);
+            }
+        }
     }
 }

@@ -81,12 +81,17 @@ pub enum HostLayers {
     /// that host compute and PCIe transfers overlap when both are needed (a model too large
     /// for the budget even with the host's share of it).
     Spread(usize),
+    /// Spread, with the count chosen so that the host's time and the link's balance
+    /// (`spread:auto`): [`candle_offload::spread_host_split`] over the layers' bytes, the host's
+    /// rate timed on one layer ([`CausalLm::host_layer_seconds`]) and the link's measured;
+    /// none when the model fits the budget, and none on a CPU device.
+    SpreadAuto,
 }
 
 impl std::str::FromStr for HostLayers {
     type Err = String;
 
-    /// `auto`, `none`, a count, or `spread:` and a count.
+    /// `auto`, `none`, a count, or `spread:` and a count or `auto`.
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         let count = |n: &str| {
             n.trim().parse::<usize>().map_err(|_| {
@@ -96,6 +101,7 @@ impl std::str::FromStr for HostLayers {
         match s.trim() {
             "auto" => Ok(Self::Auto),
             "none" => Ok(Self::None),
+            "spread:auto" => Ok(Self::SpreadAuto),
             t => match t.strip_prefix("spread:") {
                 Some(n) => count(n).map(Self::Spread),
                 None => count(t).map(Self::Count),
@@ -106,16 +112,13 @@ impl std::str::FromStr for HostLayers {
 
 impl HostLayers {
     /// Which of `n` layers run on the host when `h` do: the first `h`, or for
-    /// [`Spread`](Self::Spread) every layer where `l * h / n` steps up (evenly apart, the
-    /// first on the GPU unless every layer is on the host).
+    /// [`Spread`](Self::Spread) and [`SpreadAuto`](Self::SpreadAuto) `h` evenly apart
+    /// ([`candle_offload::spread_host_set`]).
     pub fn host_set(&self, h: usize, n: usize) -> Vec<bool> {
-        let h = h.min(n);
-        (0..n)
-            .map(|l| match self {
-                Self::Spread(_) => (l + 1) * h / n > l * h / n,
-                _ => l < h,
-            })
-            .collect()
+        match self {
+            Self::Spread(_) | Self::SpreadAuto => candle_offload::spread_host_set(h, n),
+            _ => (0..n).map(|l| l < h.min(n)).collect(),
+        }
     }
 }
 
@@ -412,7 +415,7 @@ impl CausalLm {
     #[allow(clippy::too_many_arguments)]
     pub fn host_layers_for(
         cfg: &Config,
-        store: &candle_offload::HostStore,
+        store: &Arc<candle_offload::HostStore>,
         device: &Device,
         dtype: DType,
         prompt_len: usize,
@@ -436,7 +439,7 @@ impl CausalLm {
                 )))
             }
             HostLayers::Count(h) | HostLayers::Spread(h) => h,
-            HostLayers::Auto => {
+            HostLayers::Auto | HostLayers::SpreadAuto => {
                 if device.is_cpu() {
                     return Ok(0);
                 }
@@ -466,19 +469,98 @@ impl CausalLm {
                 // Each GPU layer adds its KV cache; two more layers' pass through
                 // (host_stage_reserve).
                 let fixed = base + 2 * per_layer + kept;
-                candle_offload::host_layer_split(&layers, fixed, per_layer, budget).ok_or_else(
-                    || {
-                        invalid(format!(
-                            "the output head, final norm and reservation take {} MiB, more \
-                         than the GPU budget ({} MiB)",
-                            fixed >> 20,
-                            budget >> 20
-                        ))
-                    },
-                )?
+                let split = if host == HostLayers::SpreadAuto {
+                    // The streamed layers' copies overlap the host's layers: balance the two
+                    // rates, measured here (a layer's step on this CPU; the link's copies).
+                    let host_s = Self::host_layer_seconds(cfg, store, dtype)?;
+                    let host_rate = layers.first().copied().unwrap_or(0) as f64 / host_s;
+                    let link_rate =
+                        candle_offload::diag::measure_h2d_gbps(device, 64 << 20, true, 3)? * 1e9;
+                    let slots = settings.prefetch_depth + 1;
+                    let split = candle_offload::spread_host_split(
+                        &layers, fixed, per_layer, budget, slots, host_rate, link_rate,
+                    );
+                    tracing::info!(
+                        host_gbps = host_rate / 1e9,
+                        link_gbps = link_rate / 1e9,
+                        ?split,
+                        "spread host layers"
+                    );
+                    split
+                } else {
+                    candle_offload::host_layer_split(&layers, fixed, per_layer, budget)
+                };
+                split.ok_or_else(|| {
+                    invalid(format!(
+                        "the output head, final norm and reservation take {} MiB, more than \
+                         the GPU budget ({} MiB)",
+                        fixed >> 20,
+                        budget >> 20
+                    ))
+                })?
             }
         };
         Ok(count)
+    }
+
+    /// Seconds one decode step of the first decoder layer takes on the host CPU, from a CPU copy
+    /// of its unit in `store` (best of three after a warm-up, a new KV cache each time), in the
+    /// dtype a host stage computes in (F32 for GGML blocks): the host's rate that
+    /// [`HostLayers::SpreadAuto`] weighs against the link's.
+    pub fn host_layer_seconds(
+        cfg: &Config,
+        store: &Arc<candle_offload::HostStore>,
+        dtype: DType,
+    ) -> std::result::Result<f64, ModelError> {
+        let layout = cfg.layout();
+        let name = layout.layer(0);
+        let Some(id) = store.unit_id(&name) else {
+            return Err(ModelError::Tensor {
+                path: name.clone().into(),
+                tensor: name,
+                reason: "no unit holds it".into(),
+            });
+        };
+        let dtype = if store.unit(id).has_quantized() {
+            DType::F32
+        } else {
+            dtype
+        };
+        let rt = OffloadRuntime::new(
+            store.clone(),
+            &Device::Cpu,
+            &OffloadConfig {
+                keep: vec![name.clone()],
+                units: Some(vec![name.clone()]),
+                ..Default::default()
+            },
+        )?;
+        let unit = rt.acquire(id)?;
+        let block = cfg.family.block(
+            cfg,
+            UnitWeights::new(unit.var_builder(dtype), Some(&unit)).pp(&name),
+            0,
+            dtype,
+        )?;
+        let rope = cfg.family.rope(cfg, 2, dtype, &Device::Cpu)?;
+        let masks = Masks::padded(1, 0, &[], &Device::Cpu);
+        let ctx = StepCtx {
+            index_pos: 0,
+            rope: &rope,
+            masks: &masks,
+            fused: false,
+        };
+        let xs = Tensor::zeros((1, 1, cfg.hidden_size), dtype, &Device::Cpu)?;
+        let mut best = f64::INFINITY;
+        for i in 0..4 {
+            let mut cache = Cache::new(1, 2);
+            let t0 = std::time::Instant::now();
+            block.forward(&xs, &ctx, &mut cache.kvs[0])?;
+            if i > 0 {
+                best = best.min(t0.elapsed().as_secs_f64());
+            }
+        }
+        Ok(best.max(1e-9))
     }
 
     /// The parts of a GPU stage's reservation behind host layers: [`reserve_bytes`](Self::reserve_bytes)
@@ -1319,20 +1401,18 @@ mod tests {
         assert_eq!("spread:3".parse::<HostLayers>(), Ok(HostLayers::Spread(3)));
         assert_eq!(" 3 ".parse::<HostLayers>(), Ok(HostLayers::Count(3)));
         assert_eq!("auto".parse::<HostLayers>(), Ok(HostLayers::Auto));
+        assert_eq!(
+            "spread:auto".parse::<HostLayers>(),
+            Ok(HostLayers::SpreadAuto)
+        );
         let e = "spread:x".parse::<HostLayers>().unwrap_err();
         assert!(e.contains("spread:x"), "{e}");
         let on = |v: Vec<bool>| -> Vec<usize> { (0..v.len()).filter(|&l| v[l]).collect() };
         assert_eq!(on(HostLayers::Count(3).host_set(3, 8)), [0, 1, 2]);
         assert_eq!(on(HostLayers::Spread(4).host_set(4, 8)), [1, 3, 5, 7]);
+        assert_eq!(on(HostLayers::SpreadAuto.host_set(4, 8)), [1, 3, 5, 7]);
         assert_eq!(on(HostLayers::Spread(3).host_set(3, 8)), [2, 5, 7]);
         assert_eq!(on(HostLayers::Spread(8).host_set(8, 8)).len(), 8);
         assert!(on(HostLayers::Spread(0).host_set(0, 8)).is_empty());
-        // Every count takes exactly that many layers, evenly apart.
-        for n in 1..40 {
-            for h in 0..=n {
-                let set = HostLayers::Spread(h).host_set(h, n);
-                assert_eq!(set.iter().filter(|&&b| b).count(), h, "{h} of {n}");
-            }
-        }
     }
 }
