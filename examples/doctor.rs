@@ -50,6 +50,9 @@ fn main() -> Result<()> {
             })),
             "pinned_gbps": report.pinned_gbps,
             "pageable_gbps": report.pageable_gbps,
+            "context_memory_bytes": report.context_memory.iter().map(|(what, b)| serde_json::json!({
+                "step": what, "bytes": b,
+            })).collect::<Vec<_>>(),
             "verdicts": report.verdicts.iter().map(|v| serde_json::json!({
                 "severity": format!("{:?}", v.severity), "message": v.message,
             })).collect::<Vec<_>>(),

@@ -67,6 +67,10 @@ pub struct Report {
     pub pinned_gbps: Option<f64>,
     /// Measured pageable host-to-device rate, GB/s.
     pub pageable_gbps: Option<f64>,
+    /// Device memory each step of bringing up CUDA took, in order (the bare context, Candle's
+    /// device, the first kernels; `sys::context_memory`), measured before anything else; the
+    /// budget's room is what is left after them. Empty without a GPU.
+    pub context_memory: Vec<(&'static str, u64)>,
     /// The verdicts, worst first.
     pub verdicts: Vec<Verdict>,
 }
@@ -254,6 +258,12 @@ pub fn examine(ordinal: usize, measure: bool) -> Report {
     let memlock = memlock_limit();
     let (mut device, mut device_error, mut pinning, mut pcie, mut pinned, mut pageable) =
         (None, None, None, None, None, None);
+    // First, while the process has not opened the GPU: what CUDA itself takes.
+    let context_memory = if cuda_compiled {
+        crate::sys::context_memory(ordinal).unwrap_or_default()
+    } else {
+        Vec::new()
+    };
     if cuda_compiled {
         match Device::new_cuda_with_stream(ordinal) {
             Ok(dev) => {
@@ -289,6 +299,7 @@ pub fn examine(ordinal: usize, measure: bool) -> Report {
         pcie,
         pinned_gbps: pinned,
         pageable_gbps: pageable,
+        context_memory,
         verdicts,
     }
 }
@@ -313,6 +324,14 @@ impl fmt::Display for Report {
                 human_bytes(d.total_bytes),
                 human_bytes(d.free_bytes)
             )?;
+            if !self.context_memory.is_empty() {
+                let parts: Vec<String> = self
+                    .context_memory
+                    .iter()
+                    .map(|(what, b)| format!("{what} {}", human_bytes(*b)))
+                    .collect();
+                writeln!(f, "  CUDA's own memory  {}", parts.join(", "))?;
+            }
             let v = |x: Option<CudaVersion>| x.map_or("?".to_string(), |v| v.to_string());
             writeln!(
                 f,
@@ -468,10 +487,15 @@ mod tests {
             pcie: None,
             pinned_gbps: None,
             pageable_gbps: None,
+            context_memory: vec![("CUDA context", 500 << 20), ("Candle's device", 8 << 20)],
             verdicts: Vec::new(),
         }
         .to_string();
         assert!(report.contains("unified memory     managed no"), "{report}");
+        assert!(
+            report.contains("CUDA's own memory  CUDA context 500"),
+            "{report}"
+        );
     }
 
     #[test]

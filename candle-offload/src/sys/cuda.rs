@@ -639,6 +639,42 @@ pub(crate) fn device_used_bytes(device: &Device) -> candle_core::Result<u64> {
     Ok((total - free) as u64)
 }
 
+/// Device memory in use after each step of bringing up CUDA on GPU `ordinal` in a process that
+/// has not touched it yet (the driver's total minus free, so other processes count too): the
+/// bare context, Candle's device (a cuBLAS handle and a cuRAND generator), the first Candle
+/// kernels and cuBLAS matmul, then this crate's first kernel. Each entry is what its step
+/// added. The first step is only right before anything else in the process opened the GPU.
+pub(crate) fn context_memory(ordinal: usize) -> candle_core::Result<Vec<(&'static str, u64)>> {
+    let ctx = CudaContext::new(ordinal).w()?;
+    let used = || -> candle_core::Result<u64> {
+        let (free, total) = ctx.mem_get_info().w()?;
+        Ok((total - free) as u64)
+    };
+    let bare = used()?;
+    let device = Device::new_cuda_with_stream(ordinal)?;
+    let candle = used()?;
+    let x = Tensor::ones((64, 64), DType::F16, &device)?;
+    let y = x.matmul(&x)?.exp()?;
+    device.synchronize()?;
+    let kernels = used()?;
+    let z = crate::ops::silu_mul(&y, &x)?;
+    device.synchronize()?;
+    let ours = used()?;
+    drop((y, z));
+    Ok(vec![
+        ("CUDA context", bare),
+        (
+            "Candle's device (cuBLAS, cuRAND)",
+            candle.saturating_sub(bare),
+        ),
+        (
+            "first Candle kernels and matmul",
+            kernels.saturating_sub(candle),
+        ),
+        ("first kernel of this crate", ours.saturating_sub(kernels)),
+    ])
+}
+
 fn default_pool(ctx: &Arc<CudaContext>) -> SysResult<cusys::CUmemoryPool> {
     use candle_core::cuda_backend::cudarc::driver::result;
     ctx.bind_to_thread()

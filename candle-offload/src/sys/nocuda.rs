@@ -122,6 +122,13 @@ pub(crate) fn measure_h2d_gbps(
     .into())
 }
 
+pub(crate) fn context_memory(_ordinal: usize) -> candle_core::Result<Vec<(&'static str, u64)>> {
+    Err(SysError::NotCompiledWithCuda {
+        what: "reading device memory",
+    }
+    .into())
+}
+
 pub(crate) fn device_used_bytes(_device: &Device) -> candle_core::Result<u64> {
     Err(SysError::NotCompiledWithCuda {
         what: "reading device memory",
