@@ -399,16 +399,20 @@ mod tests {
             .contains("offload_strategy"));
     }
 
-    #[test]
-    fn host_layer_split_is_the_smallest_that_fits() {
-        // Brute force over small cases: the split is the smallest h whose device share fits.
-        let mut seed = 7u64;
-        let mut next = || {
+    /// A small deterministic generator for the brute-force and property loops.
+    fn lcg(mut seed: u64) -> impl FnMut() -> u64 {
+        move || {
             seed = seed
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             seed >> 33
-        };
+        }
+    }
+
+    #[test]
+    fn host_layer_split_is_the_smallest_that_fits() {
+        // Brute force over small cases: the split is the smallest h whose device share fits.
+        let mut next = lcg(7);
         for _ in 0..2000 {
             let n = (next() % 7) as usize;
             let layers: Vec<u64> = (0..n).map(|_| 1 + next() % 50).collect();
@@ -458,13 +462,7 @@ mod tests {
         );
         // Equal layers: a faster host never takes fewer layers (its time per layer only
         // falls; the link's part only falls as layers leave the device).
-        let mut seed = 11u64;
-        let mut next = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            seed >> 33
-        };
+        let mut next = lcg(11);
         for _ in 0..2000 {
             let n = (next() % 12) as usize;
             let layers = vec![1 + next() % 50; n];
