@@ -131,6 +131,14 @@ pub fn forward(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(ys.reshape(out)?))
 }
 
+/// Lets this crate's CPU matmul workers park now instead of spinning until their next region,
+/// before the caller runs work on another thread pool: Candle's CPU quantized matmul (block
+/// types without a kernel here, such as the K-quants) and its GEMM run on pools of their own,
+/// whose threads would otherwise share every core with ours while they spin.
+pub fn park_idle_workers() {
+    crate::sys::spin::park_idle();
+}
+
 /// [`forward`] of one row of `xs` (a decode step) against several weights of one block type
 /// and width at once (q, k and v; gate and up): one pass of the pool over all their columns,
 /// each column's number the one [`forward`] gives it. `None` where [`forward`] would take

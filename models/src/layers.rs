@@ -376,7 +376,12 @@ impl Linear {
                     Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
                     None => Ok(y),
                 },
-                None => l.forward(xs),
+                None => {
+                    if xs.device().is_cpu() {
+                        candle_offload::cpu_quant::park_idle_workers();
+                    }
+                    l.forward(xs)
+                }
             },
             Self::Quantized { weight, bias } => {
                 let x32 = xs.to_dtype(DType::F32)?;
@@ -387,7 +392,13 @@ impl Linear {
                 };
                 let y = match fast {
                     Some(y) => y,
-                    None => weight.forward(&x32)?,
+                    None => {
+                        // Candle's matmul, on its own pool of threads.
+                        if x32.device().is_cpu() {
+                            candle_offload::cpu_quant::park_idle_workers();
+                        }
+                        weight.forward(&x32)?
+                    }
                 }
                 .to_dtype(xs.dtype())?;
                 match bias {

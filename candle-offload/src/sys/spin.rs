@@ -45,6 +45,8 @@ struct Pool {
     active: AtomicUsize,
     /// A task panicked in a worker during the current region.
     panicked: AtomicBool,
+    /// Idle workers park at once instead of spinning, until the next region ([`park_idle`]).
+    hush: AtomicBool,
     /// One region at a time.
     busy: Mutex<()>,
     /// The worker threads, set once after they are spawned (empty if none could be).
@@ -57,8 +59,10 @@ impl Pool {
     }
 }
 
+/// The pool, made on the first region.
+static POOL: OnceLock<&'static Pool> = OnceLock::new();
+
 fn pool() -> &'static Pool {
-    static POOL: OnceLock<&'static Pool> = OnceLock::new();
     POOL.get_or_init(|| {
         let n = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
@@ -69,6 +73,7 @@ fn pool() -> &'static Pool {
             next: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
+            hush: AtomicBool::new(false),
             busy: Mutex::new(()),
             workers: OnceLock::new(),
         }));
@@ -99,7 +104,7 @@ fn worker(pool: &'static Pool) {
             }
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(64) {
-                if idle.elapsed() > SPIN {
+                if idle.elapsed() > SPIN || pool.hush.load(Ordering::Acquire) {
                     std::thread::park_timeout(Duration::from_millis(50));
                 } else {
                     std::thread::yield_now();
@@ -155,6 +160,7 @@ fn run(chunks: usize, task: &ChunkFn<'_>) {
         unsafe { std::mem::transmute::<*const ChunkFn<'_>, *const ChunkFn<'static>>(task) };
     pool.next.store(0, Ordering::Release);
     pool.panicked.store(false, Ordering::Release);
+    pool.hush.store(false, Ordering::Release);
     *pool.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(Job {
         task: erased,
         chunks,
@@ -193,6 +199,16 @@ fn run(chunks: usize, task: &ChunkFn<'_>) {
     }
     if panicked {
         panic!("a task of the CPU matmul pool panicked in a worker");
+    }
+}
+
+/// Lets the idle workers park now rather than spin out their [`SPIN`], until the next region
+/// wakes them: for a caller about to run work on another pool of threads (Candle's CPU
+/// quantized matmul for block types this crate has no kernel for, Candle's GEMM), whose
+/// threads would otherwise share the cores with these spinning ones.
+pub(crate) fn park_idle() {
+    if let Some(pool) = POOL.get() {
+        pool.hush.store(true, Ordering::Release);
     }
 }
 
@@ -267,6 +283,35 @@ mod tests {
             c.iter_mut().for_each(|x| *x = inner.iter().sum());
         });
         assert!(outer.iter().all(|&x| x == 20));
+    }
+
+    /// Workers told to park ([`park_idle`]) come back for the next region, which the workers
+    /// share again: every chunk done once, and some on another thread than the caller's (other
+    /// tests use the pool at the same time: a region that finds it busy runs on the caller
+    /// alone, so this tries a few times).
+    #[test]
+    fn parked_workers_wake_for_the_next_region() {
+        let me = std::thread::current().id();
+        let mut woke = pool().workers().is_empty();
+        for _ in 0..50 {
+            park_idle();
+            std::thread::sleep(Duration::from_millis(10));
+            let mut v = vec![0u32; 64];
+            let others = AtomicUsize::new(0);
+            for_each_chunk_mut(&mut v, 1, |_, c| {
+                c[0] += 1;
+                if std::thread::current().id() != me {
+                    others.fetch_add(1, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            });
+            assert!(v.iter().all(|&x| x == 1));
+            if others.load(Ordering::Relaxed) > 0 {
+                woke = true;
+                break;
+            }
+        }
+        assert!(woke, "no worker woke after park_idle");
     }
 
     /// A panicking task reaches the caller as a panic, and the pool still works afterwards.
