@@ -574,3 +574,55 @@ fn types_without_a_quantized_matmul_are_dequantized_with_one_warning() -> anyhow
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+/// Host layers of GGML blocks compute in F32 beside a stage in F16; spread, the last layer runs
+/// on the host and its F32 hidden state goes back to the last stage's dtype before the head.
+/// The logits stay within 2e-2 (relative L2) of the model without host layers, and both
+/// placements give the same number of host layers.
+#[test]
+fn spread_host_layers_of_blocks_beside_a_half_precision_stage() -> anyhow::Result<()> {
+    use candle_offload_models::{HostLayers, OffloadSettings};
+    let dir = tempdir("spread");
+    let path = dir.join("q8.gguf");
+    write_random_llama_gguf(&path, 9, |_| GgmlDType::Q8_0)?;
+    let files = loader::from_gguf(&path)?;
+    let store = Arc::new(loader::load_store_with(
+        &files,
+        DType::F16,
+        &Device::Cpu,
+        None,
+        true,
+    )?);
+    let logits = |host| -> anyhow::Result<(Vec<f32>, usize)> {
+        let model = Llama::offloaded_with_host(
+            &files,
+            store.clone(),
+            &Device::Cpu,
+            DType::F16,
+            PROMPT.len(),
+            PROMPT.len() + 4,
+            &OffloadSettings::default(),
+            host,
+        )?;
+        // One position at a time: decode steps, which run the host layers on the host.
+        let mut cache = model.new_cache();
+        let mut last = Vec::new();
+        for (i, &t) in PROMPT.iter().enumerate() {
+            last = model
+                .forward(&Tensor::new(&[[t]], &Device::Cpu)?, i, &mut cache)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+        }
+        Ok((last, model.host_layer_count()))
+    };
+    let (want, none) = logits(HostLayers::None)?;
+    assert_eq!(none, 0);
+    for host in [HostLayers::Spread(1), HostLayers::Count(1)] {
+        let (got, h) = logits(host)?;
+        assert_eq!(h, 1, "{host:?}");
+        let err = rel_l2(&got, &want);
+        assert!(err <= 2e-2, "{host:?}: relative L2 {err}");
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
