@@ -147,10 +147,8 @@ pub struct CausalLm {
     transfer: HiddenTransfer,
     /// `None`: fused on each GPU stage, not on the CPU ([`set_fused`](Self::set_fused)).
     fused: Option<bool>,
-    /// Layers of the first stage that run on the host in front of the device
-    /// ([`from_store_with_host`](Self::from_store_with_host)).
-    host_layers: usize,
-    /// Per layer, whether it runs on the host (empty without host layers).
+    /// Per layer, whether it runs on the host stage in front of the device (empty without host
+    /// layers; [`from_store_with_host`](Self::from_store_with_host)).
     on_host: Vec<bool>,
     /// The order a step runs the layers in: stage index and layers, one entry per stage, or
     /// with spread host layers ([`HostLayers::Spread`]) alternating runs of host and GPU layers.
@@ -293,7 +291,6 @@ impl CausalLm {
             units,
             transfer: HiddenTransfer::Device,
             fused: None,
-            host_layers: 0,
             on_host: Vec::new(),
             segments,
             timing: std::sync::atomic::AtomicBool::new(false),
@@ -669,24 +666,22 @@ impl CausalLm {
             max_len,
             source,
         )?;
-        model.host_layers = h;
-        if on_host.iter().take(h).any(|&b| !b) {
-            // Spread: runs of host layers and GPU layers alternate.
-            let mut segments: Vec<(usize, Range<usize>)> = Vec::new();
-            for (l, &host) in on_host.iter().enumerate() {
-                let stage = usize::from(!host);
-                match segments.last_mut() {
-                    Some((s, r)) if *s == stage => r.end = l + 1,
-                    _ => segments.push((stage, l..l + 1)),
-                }
+        // The runs of host layers (stage 0) and GPU layers (stage 1) in layer order: the two
+        // ranges `sharded` set when the host layers come first, alternating runs when spread.
+        let mut segments: Vec<(usize, Range<usize>)> = Vec::new();
+        for (l, &host) in on_host.iter().enumerate() {
+            let stage = usize::from(!host);
+            match segments.last_mut() {
+                Some((s, r)) if *s == stage => r.end = l + 1,
+                _ => segments.push((stage, l..l + 1)),
             }
-            for (i, stage) in model.stages.iter_mut().enumerate() {
-                let mine = segments.iter().filter(|(s, _)| *s == i).map(|(_, r)| r);
-                let start = mine.clone().map(|r| r.start).min().unwrap_or(0);
-                stage.layers = start..mine.map(|r| r.end).max().unwrap_or(0);
-            }
-            model.segments = segments;
         }
+        for (i, stage) in model.stages.iter_mut().enumerate() {
+            let mine = segments.iter().filter(|(s, _)| *s == i).map(|(_, r)| r);
+            let start = mine.clone().map(|r| r.start).min().unwrap_or(n);
+            stage.layers = start..mine.map(|r| r.end).max().unwrap_or(n);
+        }
+        model.segments = segments;
         model.on_host = on_host.clone();
         // GGML blocks on the host multiply F32 activations (`cpu_quant`, and Candle's CPU
         // quantized matmul takes nothing else); dense host layers keep the model's dtype.
@@ -1022,7 +1017,7 @@ impl CausalLm {
     /// How many decoder layers run on the host CPU in front of the device (0 unless the
     /// model was built with [`offloaded_with_host`](Self::offloaded_with_host)).
     pub fn host_layer_count(&self) -> usize {
-        self.host_layers
+        self.on_host.iter().filter(|&&b| b).count()
     }
 
     /// Measures each move of hidden states between stages, synchronizing both devices around
@@ -1166,7 +1161,8 @@ impl CausalLm {
         // the host right after the layer.
         let (batch, _) = input_ids.dims2()?;
         let last = &self.stages[self.stages.len() - 1];
-        let prompt_on_gpu = self.host_layers > 0 && seq_len > 1 && batch * seq_len > HOST_STEP_ROWS;
+        let prompt_on_gpu =
+            !self.on_host.is_empty() && seq_len > 1 && batch * seq_len > HOST_STEP_ROWS;
         let plan: Vec<(&Stage, Range<usize>)> = if prompt_on_gpu {
             vec![(last, 0..self.cfg.num_hidden_layers)]
         } else {
@@ -1192,7 +1188,7 @@ impl CausalLm {
                 fused: self.stage_fused(stage),
             };
             for l in layers {
-                if self.host_layers > 0 {
+                if !self.on_host.is_empty() {
                     cache.place(l, device, stage.dtype)?;
                 }
                 let unit = stage.rt.acquire(self.units.layers[l])?;
