@@ -377,9 +377,7 @@ impl Linear {
                     None => Ok(y),
                 },
                 None => {
-                    if xs.device().is_cpu() {
-                        candle_offload::cpu_quant::park_idle_workers();
-                    }
+                    before_candle_matmul(xs);
                     l.forward(xs)
                 }
             },
@@ -393,10 +391,7 @@ impl Linear {
                 let y = match fast {
                     Some(y) => y,
                     None => {
-                        // Candle's matmul, on its own pool of threads.
-                        if x32.device().is_cpu() {
-                            candle_offload::cpu_quant::park_idle_workers();
-                        }
+                        before_candle_matmul(&x32);
                         weight.forward(&x32)?
                     }
                 }
@@ -477,6 +472,14 @@ enum OneLaunch<'a> {
     /// GGML blocks of one type, for [`candle_offload::ops::qlinear_small_multi`] /
     /// [`candle_offload::ops::qlinear_silu_mul`].
     Blocks(Vec<&'a candle_core::quantized::QTensor>),
+}
+
+/// Before a matmul through Candle (its CPU matmuls run on a pool of threads of its own): on
+/// the CPU, the library's matmul workers park instead of spinning beside it.
+fn before_candle_matmul(xs: &Tensor) {
+    if xs.device().is_cpu() {
+        candle_offload::cpu_quant::park_idle_workers();
+    }
 }
 
 /// On the CPU, one row of `xs` against several projections of GGML blocks in one pass of the
