@@ -282,17 +282,30 @@ fn run(
     depth: usize,
 ) -> anyhow::Result<(Vec<f32>, Vec<u32>, u64)> {
     let dev = Device::Cpu;
-    let max_len = PROMPT.len() + 6;
     let limit = layers.map(|n| {
         streaming_budget(
             &files.config,
             &store,
             &dev,
-            (PROMPT.len(), max_len),
+            (PROMPT.len(), PROMPT.len() + 6),
             DType::F32,
             n,
         )
     });
+    let (logits, tokens, stats) = run_with_limit(files, store, limit, strategy, depth)?;
+    Ok((logits, tokens, stats.total.fetches))
+}
+
+/// [`run`] under a budget of `limit` bytes (`None`: no limit), with the runtime's counters.
+fn run_with_limit(
+    files: &ModelFiles,
+    store: Arc<HostStore>,
+    limit: Option<u64>,
+    strategy: OffloadStrategy,
+    depth: usize,
+) -> anyhow::Result<(Vec<f32>, Vec<u32>, candle_offload::OffloadStats)> {
+    let dev = Device::Cpu;
+    let max_len = PROMPT.len() + 6;
     let settings = candle_offload_models::OffloadSettings {
         gpu_memory_limit: limit.map(MemoryLimit::Bytes),
         strategy,
@@ -312,8 +325,7 @@ fn run(
     let logits = model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?;
     let mut sampler = LogitsProcessor::new(0, None, None);
     let (tokens, _) = generate(&model, &PROMPT, 6, &mut sampler, &[], |_| Ok(()))?;
-    let fetches = model.runtime().stats()?.total.fetches;
-    Ok((logits, tokens, fetches))
+    Ok((logits, tokens, model.runtime().stats()?))
 }
 
 fn load(files: &ModelFiles, keep: bool) -> anyhow::Result<Arc<HostStore>> {
@@ -454,6 +466,73 @@ fn mixed_k_quant_layers_take_one_device_size() -> anyhow::Result<()> {
     assert_eq!(logits, ref_logits);
     assert_eq!(tokens, ref_tokens);
     assert!(fetches > 4, "the model must stream ({fetches})");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// The padding that evens out layers of mixed block types is for streaming: under a budget
+/// that holds every unit at its own size (and not every unit padded), the runtime gives each
+/// unit its own size and fetches each once; the logits and tokens are the resident model's.
+/// Under a budget that streams, the layers keep their padded size.
+#[test]
+fn mixed_k_quant_layers_that_stay_take_their_own_size() -> anyhow::Result<()> {
+    let dir = tempdir("mixed-k-own");
+    let path = dir.join("q4_k_m.gguf");
+    write_random_llama_gguf(&path, 17, |g| {
+        let more = g.starts_with("blk.0.") && (g.contains("attn_v") || g.contains("ffn_down"));
+        if more {
+            GgmlDType::Q6K
+        } else {
+            GgmlDType::Q4K
+        }
+    })?;
+    let files = loader::from_gguf(&path)?;
+    let store = load(&files, true)?;
+    let l1 = store.layer_unit(1).expect("a layer unit");
+    let (padded, own) = (store.unit(l1).bytes(), store.unit(l1).resident_bytes());
+    assert!(own < padded, "layer 1 is padded ({own} and {padded})");
+    let max_len = PROMPT.len() + 6;
+    let reserve = Llama::reserve_bytes(
+        &files.config,
+        &store,
+        &Device::Cpu,
+        PROMPT.len(),
+        max_len,
+        DType::F32,
+    );
+    let all_own: u64 = store.units().iter().map(|u| u.resident_bytes()).sum();
+    assert!(all_own < store.total_bytes());
+    let (ref_logits, ref_tokens, _) =
+        run_with_limit(&files, store.clone(), None, OffloadStrategy::Minimal, 0)?;
+    let limit = Some(reserve + all_own);
+    let (logits, tokens, stats) =
+        run_with_limit(&files, store.clone(), limit, OffloadStrategy::Minimal, 0)?;
+    assert_eq!(logits, ref_logits);
+    assert_eq!(tokens, ref_tokens);
+    let layer = &stats.units[l1.0];
+    assert_eq!(layer.bytes, own, "{}: its own size", layer.name);
+    assert_eq!(layer.evictions, 0, "{}", layer.name);
+    assert_eq!(
+        stats.total.fetches,
+        store.units().len() as u64,
+        "each unit fetched once"
+    );
+    // Streaming (room for one layer): the padded size.
+    let limit = streaming_budget(
+        &files.config,
+        &store,
+        &Device::Cpu,
+        (PROMPT.len(), max_len),
+        DType::F32,
+        1,
+    );
+    let (logits, tokens, stats) =
+        run_with_limit(&files, store, Some(limit), OffloadStrategy::Minimal, 0)?;
+    assert_eq!(logits, ref_logits);
+    assert_eq!(tokens, ref_tokens);
+    let layer = &stats.units[l1.0];
+    assert_eq!(layer.bytes, padded, "{}: streams padded", layer.name);
+    assert!(layer.evictions > 0, "{} must stream", layer.name);
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

@@ -255,6 +255,9 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             gpu_memory_limit: Some(MemoryLimit::Bytes(reserve + head + 2 * layer + layer / 2)),
             ..Default::default()
         };
+        // The device's step that `spread:auto` weighs: one layer, timed there.
+        let s = Llama::layer_step_seconds(&cfg, &store, DType::F32, &device)?;
+        assert!(s > 0.0 && s < 1.0, "{s} s on {device:?}");
         let mut cases = Vec::new();
         if device.is_cpu() {
             assert_eq!(build(&settings, HostLayers::Auto)?.host_layer_count(), 0);

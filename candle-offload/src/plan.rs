@@ -177,11 +177,12 @@ pub fn host_layer_split(
 /// placed evenly between the device's, the device keeps what its budget leaves after
 /// `fixed`, the reservation of its `n − h` layers (`per_layer_reserve` each) and `slots`
 /// streaming slots of its largest layer, and streams the rest of its layers every step. The
-/// copies then overlap the host's layers, so a step costs about the larger of the host's
-/// time (`host_bytes_per_s` over the host layers' bytes) and the link's (`link_bytes_per_s`
-/// over the streamed bytes). Returns the `h` with the smallest such cost (the fewest on ties;
-/// 0 when every layer fits the device), `None` when the device cannot hold even `fixed`.
-/// Pure.
+/// layers run one after another, the device's (`device_layer_s` each) and the host's
+/// (`host_bytes_per_s` over their bytes), while the copies (`link_bytes_per_s` over the
+/// streamed bytes) overlap both, so a step costs about the larger of the two. Returns the `h`
+/// with the smallest such cost (the fewest on ties; 0 when every layer fits the device),
+/// `None` when the device cannot hold even `fixed`. Pure.
+#[allow(clippy::too_many_arguments)]
 pub fn spread_host_split(
     layers: &[u64],
     fixed: u64,
@@ -190,6 +191,7 @@ pub fn spread_host_split(
     slots: usize,
     host_bytes_per_s: f64,
     link_bytes_per_s: f64,
+    device_layer_s: f64,
 ) -> Option<usize> {
     let n = layers.len();
     if fixed > budget {
@@ -218,12 +220,62 @@ pub fn spread_host_split(
             let kept = room.saturating_sub(largest.saturating_mul(slots as u64));
             device - kept.min(device)
         };
-        let cost = (host as f64 / host_bytes_per_s).max(streamed as f64 / link_bytes_per_s);
+        if h == 0 && streamed == 0 {
+            // Every layer fits the device: no host layer.
+            return Some(0);
+        }
+        let compute = device_layer_s * (n - h) as f64 + host as f64 / host_bytes_per_s;
+        let cost = compute.max(streamed as f64 / link_bytes_per_s);
         if best.is_none_or(|(c, _)| cost < c) {
             best = Some((cost, h));
         }
     }
     best.map(|(_, h)| h)
+}
+
+/// Which units a device keeps for good, at their own device sizes, when its weights do not
+/// all fit and some units take more room streaming than staying (GGML layers of mixed block
+/// types, padded to one size per position so that they free and allocate alike as they
+/// stream; see [`HostUnit::resident_bytes`](crate::HostUnit::resident_bytes)).
+///
+/// `own[u]` and `streaming[u]` are unit `u`'s bytes staying and streaming; `sweep` the units
+/// that may stay, in the order they are first used; `kept` the bytes the device already keeps;
+/// `capacity` its bytes for weights and `depth` its prefetch depth. The units that stay are the
+/// longest prefix of the sweep whose own sizes, beside the kept bytes and `depth + 1` slots of
+/// the largest streaming size among the units after it, fit in `capacity`; the rest stream in
+/// those slots. Pure.
+pub fn staying_units(
+    own: &[u64],
+    streaming: &[u64],
+    sweep: &[usize],
+    kept: u64,
+    capacity: u64,
+    depth: usize,
+) -> Vec<bool> {
+    let n = own.len().min(streaming.len());
+    let mut first = Vec::new();
+    let mut seen = vec![false; n];
+    for &u in sweep {
+        if u < n && !seen[u] {
+            seen[u] = true;
+            first.push(u);
+        }
+    }
+    let slots = depth as u64 + 1;
+    // The longest prefix of the sweep that fits beside the slots of the units after it.
+    let fits = |k: usize| {
+        let staying = first[..k]
+            .iter()
+            .fold(kept, |a, &u| a.saturating_add(own[u]));
+        let slot = first[k..].iter().map(|&u| streaming[u]).max().unwrap_or(0);
+        staying.saturating_add(slot.saturating_mul(slots)) <= capacity
+    };
+    let k = (0..=first.len()).rev().find(|&k| fits(k)).unwrap_or(0);
+    let mut stays = vec![false; n];
+    for &u in &first[..k] {
+        stays[u] = true;
+    }
+    stays
 }
 
 /// Which of `n` layers run on the host when `h` are spread evenly over them: layer `l` when
@@ -435,31 +487,94 @@ mod tests {
     }
 
     #[test]
+    fn units_stay_at_their_own_size_while_the_streaming_slots_fit() {
+        // Four layers of 100 own and 130 streaming bytes, 50 kept, room for 400, depth 0:
+        // two stay (50 + 200 + 130 for the slot = 380), a third would leave no slot.
+        let own = [100; 4];
+        let streaming = [130; 4];
+        let stays = staying_units(&own, &streaming, &[0, 1, 2, 3], 50, 400, 0);
+        assert_eq!(stays, [true, true, false, false]);
+        // Room for all at their own sizes: all stay, no slot needed.
+        let stays = staying_units(&own, &streaming, &[0, 1, 2, 3], 50, 450, 0);
+        assert_eq!(stays, [true; 4]);
+        // Depth 1 takes two slots: one unit stays (100 + 260), two would not (200 + 260).
+        let stays = staying_units(&own, &streaming, &[2, 0, 1, 3], 0, 380, 1);
+        assert_eq!(stays, [false, false, true, false]);
+        // A unit outside the sweep never stays.
+        let stays = staying_units(&own, &streaming, &[2, 0], 0, 380, 1);
+        assert_eq!(stays, [true, false, true, false]);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn staying_units_always_leave_the_streaming_slots(
+            units in proptest::collection::vec((1u64..500, 0u64..200), 1..12),
+            kept in 0u64..500,
+            capacity in 0u64..4000,
+            depth in 0usize..3,
+            rotate in 0usize..12,
+        ) {
+            let own: Vec<u64> = units.iter().map(|u| u.0).collect();
+            let streaming: Vec<u64> = units.iter().map(|u| u.0 + u.1).collect();
+            let n = own.len();
+            let mut sweep: Vec<usize> = (0..n).collect();
+            sweep.rotate_left(rotate % n);
+            sweep.push(sweep[0]);
+            let stays = staying_units(&own, &streaming, &sweep, kept, capacity, depth);
+            let staying: u64 = (0..n).filter(|&u| stays[u]).map(|u| own[u]).sum();
+            let slot = (0..n).filter(|&u| !stays[u]).map(|u| streaming[u]).max().unwrap_or(0);
+            if stays.iter().any(|&s| s) {
+                proptest::prop_assert!(kept + staying + slot * (depth as u64 + 1) <= capacity);
+            }
+            // The longest prefix: one more unit staying would leave no room for the slots.
+            let first: Vec<usize> = sweep[..n].to_vec();
+            let k = first.iter().take_while(|&&u| stays[u]).count();
+            proptest::prop_assert_eq!(stays.iter().filter(|&&s| s).count(), k);
+            if k < n {
+                let more: u64 = first[..=k].iter().map(|&u| own[u]).sum();
+                let slot = first[k + 1..].iter().map(|&u| streaming[u]).max().unwrap_or(0);
+                proptest::prop_assert!(kept + more + slot * (depth as u64 + 1) > capacity);
+            }
+        }
+    }
+
+    #[test]
     fn spread_host_split_balances_host_and_link() {
         let gb = 1_000_000_000u64;
         // Everything fits: no host layer.
         assert_eq!(
-            spread_host_split(&[gb; 4], 0, 0, 4 * gb, 2, 1e9, 1e9),
+            spread_host_split(&[gb; 4], 0, 0, 4 * gb, 2, 1e9, 1e9, 0.0),
             Some(0)
         );
         assert_eq!(
-            spread_host_split(&[gb; 4], 5 * gb, 0, 4 * gb, 2, 1e9, 1e9),
+            spread_host_split(&[gb; 4], 5 * gb, 0, 4 * gb, 2, 1e9, 1e9, 0.0),
             None
         );
         // The 13B Q8_0 shape at 4 GiB as measured (40 layers of 0.345 GB, ~1.3 GB held
         // besides, host 61 GB/s, link 55 GB/s): about half of what does not fit goes to the host.
         let layer = 345_000_000u64;
         let kv = 3_300_000u64;
-        let h = spread_host_split(&[layer; 40], 1_300_000_000, kv, 4 << 30, 2, 61e9, 55e9)
+        let dev = 0.5e-3;
+        let h = spread_host_split(&[layer; 40], 1_300_000_000, kv, 4 << 30, 2, 61e9, 55e9, dev)
             .expect("fits");
         assert!((15..=20).contains(&h), "{h}");
         // A host much slower than the link: few host layers; much faster: more.
-        let slow = spread_host_split(&[layer; 40], 1_300_000_000, kv, 4 << 30, 2, 5e9, 55e9);
-        let fast = spread_host_split(&[layer; 40], 1_300_000_000, kv, 4 << 30, 2, 500e9, 55e9);
+        let split =
+            |host| spread_host_split(&[layer; 40], 1_300_000_000, kv, 4 << 30, 2, host, 55e9, dev);
+        let (slow, fast) = (split(5e9), split(500e9));
         assert!(
             slow.unwrap() < h && fast.unwrap() > h,
             "{slow:?} {h} {fast:?}"
         );
+        // The device's own time counts: 40 layers of 0.19 GB, 0.48 GB of them streamed
+        // (8.7 ms at 55 GB/s) behind 10.8 ms of device compute, a host layer 4.2 ms. A host
+        // layer would only add to the compute: none. Blind to the device's time, it would
+        // take some (as `spread:auto` did measured on a 13B Q4_K_M at 8 GiB: 65.8 tok/s
+        // against 72.7 with none).
+        let (layer, fixed, budget) = (190_000_000u64, 600_000_000, 8_100_000_000);
+        let split = |dev| spread_host_split(&[layer; 40], fixed, 0, budget, 2, 45e9, 55e9, dev);
+        assert_eq!(split(0.27e-3), Some(0));
+        assert!(split(0.0).unwrap() > 0);
         // Equal layers: a faster host never takes fewer layers (its time per layer only
         // falls; the link's part only falls as layers leave the device).
         let mut next = lcg(11);
@@ -471,7 +586,9 @@ mod tests {
             let link = 1.0 + (next() % 100) as f64;
             let (slow, fast) = (1.0 + (next() % 100) as f64, 1.0 + (next() % 100) as f64);
             let (slow, fast) = (slow.min(fast), slow.max(fast));
-            let split = |host| spread_host_split(&layers, fixed, per, budget, slots, host, link);
+            let dev = (next() % 20) as f64 / 10.0;
+            let split =
+                |host| spread_host_split(&layers, fixed, per, budget, slots, host, link, dev);
             let (a, b) = (split(slow), split(fast));
             assert_eq!(a.is_some(), fixed <= budget);
             assert!(

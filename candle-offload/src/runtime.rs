@@ -166,9 +166,25 @@ struct Shared {
     prefetch_depth: usize,
     trainable: bool,
     served: Vec<bool>,
+    /// Per unit: it stays on the device for good, at its own size
+    /// ([`HostUnit::resident_bytes`]) rather than its streaming size ([`HostUnit::bytes`]).
+    own_size: Vec<bool>,
     state: Mutex<State>,
     /// Reader threads for the disk units' read-ahead (`None`: no disk units served).
     read_pool: Option<crate::sys::ReadPool>,
+}
+
+impl Shared {
+    /// The device bytes unit `u` takes in this runtime: its own size when it stays for good,
+    /// its streaming size otherwise.
+    fn size_of(&self, u: UnitId) -> u64 {
+        let unit = self.store.unit(u);
+        if self.own_size.get(u.0).copied().unwrap_or(false) {
+            unit.resident_bytes()
+        } else {
+            unit.bytes()
+        }
+    }
 }
 
 impl Drop for Shared {
@@ -195,6 +211,85 @@ pub(crate) const READ_AHEAD_UNITS: usize = 2;
 
 /// Reader threads for read-ahead: one per unit read ahead.
 const READ_THREADS: usize = READ_AHEAD_UNITS;
+
+/// Which units stay on the device for good at their own sizes
+/// ([`HostUnit::resident_bytes`]), when some stream larger ([`HostUnit::bytes`]: layers of
+/// mixed block types padded alike). All served units when they all fit at their own sizes
+/// (nothing is ever replaced); otherwise the kept units and, when the policy is a schedule
+/// that every other served unit is in, the ones [`staying_units`](crate::staying_units)
+/// chooses along it. A unit that streams keeps its padded size: the driver's pool then serves
+/// each incoming unit from the one it replaces.
+fn staying(
+    budget: Budget,
+    streaming: &[u64],
+    own: &[u64],
+    served: &[bool],
+    keep: &[UnitId],
+    cfg: &OffloadConfig,
+) -> Vec<bool> {
+    let n = streaming.len();
+    let mut stays = vec![false; n];
+    if (0..n).all(|i| !served[i] || own[i] == streaming[i]) {
+        return stays;
+    }
+    let kept = |u: usize| keep.contains(&UnitId(u));
+    let plan = |sizes: &dyn Fn(usize) -> u64| {
+        let evictable: Vec<u64> = (0..n)
+            .filter(|&i| served[i] && !kept(i))
+            .map(sizes)
+            .collect();
+        let kept_bytes = (0..n).filter(|&i| served[i] && kept(i)).map(sizes).sum();
+        WeightNeed::new(&evictable, kept_bytes).plan(
+            budget.weight_bytes(),
+            cfg.strategy,
+            cfg.prefetch_depth,
+        )
+    };
+    if plan(&|i| own[i]).is_some_and(|p| p.fits_entirely) {
+        return served.to_vec();
+    }
+    for &u in keep {
+        if u.0 < n {
+            stays[u.0] = true;
+        }
+    }
+    let PolicyChoice::Schedule(order) = &cfg.policy else {
+        return stays;
+    };
+    let mut sweep = Vec::new();
+    let mut seen = vec![false; n];
+    for u in order {
+        if u.0 < n && served[u.0] && !kept(u.0) && !seen[u.0] {
+            seen[u.0] = true;
+            sweep.push(u.0);
+        }
+    }
+    // A served unit outside the sweep streams now and then, replacing whichever unit is the
+    // victim then: every unit keeps its streaming size.
+    if (0..n).any(|i| served[i] && !kept(i) && !seen[i]) {
+        return stays;
+    }
+    let size = |i: usize| if kept(i) { own[i] } else { streaming[i] };
+    let Some(p) = plan(&size) else {
+        return stays;
+    };
+    let kept_bytes = (0..n)
+        .filter(|&i| served[i] && kept(i))
+        .map(|i| own[i])
+        .sum();
+    let chosen = crate::plan::staying_units(
+        own,
+        streaming,
+        &sweep,
+        kept_bytes,
+        p.weight_capacity,
+        p.prefetch_depth,
+    );
+    for (s, c) in stays.iter_mut().zip(chosen) {
+        *s |= c;
+    }
+    stays
+}
 
 fn lock_err<T>(_: T) -> candle_core::Error {
     candle_core::Error::Msg("offload runtime state poisoned by an earlier panic".into())
@@ -238,6 +333,7 @@ impl OffloadRuntime {
             reserve_bytes: cfg.reserve_bytes,
         };
         let mut unit_bytes = store.unit_bytes();
+        let mut own_bytes = store.resident_unit_bytes();
         let mut served = vec![true; unit_bytes.len()];
         if let Some(names) = &cfg.units {
             served = vec![false; unit_bytes.len()];
@@ -249,9 +345,9 @@ impl OffloadRuntime {
                 served[id.0] = true;
             }
             // Units of other runtimes take no room here and are never acquired.
-            for (b, &s) in unit_bytes.iter_mut().zip(&served) {
+            for ((b, o), &s) in unit_bytes.iter_mut().zip(&mut own_bytes).zip(&served) {
                 if !s {
-                    *b = 0;
+                    (*b, *o) = (0, 0);
                 }
             }
         }
@@ -261,6 +357,18 @@ impl OffloadRuntime {
                 what: "unit",
                 name: name.clone(),
             })?);
+        }
+        // Units that stay for good take their own sizes, without the streaming padding; when
+        // not every unit fits, the ones that stay are kept from then on.
+        let own_size = staying(budget, &unit_bytes, &own_bytes, &served, &keep_ids, cfg);
+        let everything = (0..unit_bytes.len()).all(|i| own_size[i] || !served[i]);
+        for (i, &own) in own_size.iter().enumerate() {
+            if own {
+                unit_bytes[i] = own_bytes[i];
+                if !everything && !keep_ids.contains(&UnitId(i)) {
+                    keep_ids.push(UnitId(i));
+                }
+            }
         }
         let kept: u64 = keep_ids.iter().map(|u| unit_bytes[u.0]).sum();
         // Kept units are counted once, in `kept`; the largest of the others must fit beside them.
@@ -396,6 +504,7 @@ impl OffloadRuntime {
                 prefetch_depth: plan.prefetch_depth,
                 trainable: cfg.trainable,
                 served,
+                own_size,
                 state: Mutex::new(State {
                     cache,
                     resident: (0..n).map(|_| None).collect(),
@@ -643,8 +752,9 @@ impl OffloadRuntime {
         }
         let Some(u) = t.fetch else { return Ok(()) };
         let unit = self.shared.store.unit(u);
-        let _span = tracing::debug_span!("offload.fetch", unit = unit.name(), bytes = unit.bytes())
-            .entered();
+        let size = self.shared.size_of(u);
+        let _span =
+            tracing::debug_span!("offload.fetch", unit = unit.name(), bytes = size).entered();
         let started = std::time::Instant::now();
         if unit.tier() == TierKind::Disk {
             let r = &mut st.telemetry.read_ahead;
@@ -681,12 +791,12 @@ impl OffloadRuntime {
                         .collect();
                     candle_core::Error::from(RuntimeError::FetchFailed {
                         unit: unit.name().to_string(),
-                        unit_mib: unit.bytes().div_ceil(1 << 20),
+                        unit_mib: size.div_ceil(1 << 20),
                         error: second.to_string(),
                         first_error: first.to_string(),
                         budget_mib: budget.limit_bytes >> 20,
                         reserve_mib: budget.reserve_bytes >> 20,
-                        resident_mib: st.cache.used().saturating_sub(unit.bytes()) >> 20,
+                        resident_mib: st.cache.used().saturating_sub(size) >> 20,
                         resident: resident.into_iter().map(str::to_string).collect(),
                     })
                 })
@@ -699,7 +809,7 @@ impl OffloadRuntime {
                 return Err(e);
             }
         };
-        st.telemetry.fetched(unit.bytes());
+        st.telemetry.fetched(size);
         if matches!(self.shared.engine, Engine::Cpu) {
             st.telemetry.timings(Timings {
                 copy_s: Some(started.elapsed().as_secs_f64()),
@@ -707,7 +817,7 @@ impl OffloadRuntime {
             });
         }
         st.resident[u.0] = Some(Resident { weights, sync });
-        self.log(st, EventKind::Fetch, Some(u), unit.bytes(), reason, None);
+        self.log(st, EventKind::Fetch, Some(u), size, reason, None);
         let used = st.cache.used();
         st.telemetry.peak_resident = st.telemetry.peak_resident.max(used);
         Ok(())
@@ -756,7 +866,11 @@ impl OffloadRuntime {
                             WeightFormat::Dense(d) => DeviceLayout::Dense(d),
                             WeightFormat::Ggml(ggml) => DeviceLayout::Blocks {
                                 ggml,
-                                device_len: t.device_bytes,
+                                device_len: if self.shared.own_size[u.0] {
+                                    t.own_device_bytes
+                                } else {
+                                    t.device_bytes
+                                },
                             },
                         },
                     })
@@ -820,7 +934,7 @@ impl OffloadRuntime {
             st,
             EventKind::Evict,
             Some(v),
-            self.shared.store.unit(v).bytes(),
+            self.shared.size_of(v),
             reason,
             None,
         );
@@ -1085,7 +1199,7 @@ impl OffloadRuntime {
                 let c = st.cache.counters(UnitId(i));
                 UnitStats {
                     name: u.name().to_string(),
-                    bytes: u.bytes(),
+                    bytes: self.shared.size_of(UnitId(i)),
                     hits: c.hits,
                     misses: c.misses,
                     prefetches: c.prefetches,

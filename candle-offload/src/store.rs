@@ -336,8 +336,12 @@ fn pad_block_classes<'a>(units: impl Iterator<Item = (Option<usize>, &'a mut Vec
             let blocks = members
                 .iter()
                 .all(|m| matches!(m[i].format, WeightFormat::Ggml(_)));
-            let largest = members.iter().map(|m| m[i].device_bytes).max().unwrap_or(0);
-            if !blocks || members.iter().all(|m| m[i].device_bytes == largest) {
+            let largest = members
+                .iter()
+                .map(|m| m[i].own_device_bytes)
+                .max()
+                .unwrap_or(0);
+            if !blocks || members.iter().all(|m| m[i].own_device_bytes == largest) {
                 continue;
             }
             // One size every member's buffer can take exactly: a buffer is whole blocks of its
@@ -392,11 +396,15 @@ pub struct TensorMeta {
     pub offset: usize,
     /// Byte length in host memory.
     pub nbytes: usize,
-    /// Bytes it takes on the device (what the budget counts): [`WeightFormat::device_bytes`],
-    /// or for GGML blocks of a layer unit the most any layer unit of the same shapes takes at
-    /// this position (its buffer then holds whole blocks past its own, zeroed, so that layers
-    /// of mixed block types free and allocate the same sizes as they stream).
+    /// Bytes it takes on the device when it streams (what the budget counts for a unit that
+    /// comes and goes): [`WeightFormat::device_bytes`], or for GGML blocks of a layer unit the
+    /// most any layer unit of the same shapes takes at this position (its buffer then holds
+    /// whole blocks past its own, zeroed, so that layers of mixed block types free and
+    /// allocate the same sizes as they stream).
     pub device_bytes: usize,
+    /// Bytes it takes on the device when its unit stays there for good (uploaded once, never
+    /// replaced): [`WeightFormat::device_bytes`], without the streaming padding.
+    pub own_device_bytes: usize,
 }
 
 /// One unit: its tensors' layout and its host buffer.
@@ -406,6 +414,7 @@ pub struct HostUnit {
     layer: Option<usize>,
     tensors: Vec<TensorMeta>,
     bytes: u64,
+    own_bytes: u64,
     /// Where its bytes live. Written only by
     /// [`OffloadRuntime::update_weights`](crate::OffloadRuntime::update_weights), after it has
     /// waited for every copy out of it.
@@ -462,6 +471,14 @@ impl HostUnit {
     /// managed memory, rounded up to the 2 MiB granules its pages take there).
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// Bytes it takes on the device when it stays there for good: [`bytes`](Self::bytes)
+    /// without the padding that evens out the layers of mixed block types for streaming
+    /// (their tensors' [`TensorMeta::own_device_bytes`]). A runtime gives a unit this size
+    /// when it never replaces it.
+    pub fn resident_bytes(&self) -> u64 {
+        self.own_bytes
     }
 
     /// Whether its host buffer is page-locked.
@@ -1059,6 +1076,7 @@ impl HostStore {
                     offset: len,
                     nbytes,
                     device_bytes: format.device_bytes(nbytes),
+                    own_device_bytes: format.device_bytes(nbytes),
                 });
                 len += nbytes;
             }
@@ -1161,22 +1179,28 @@ impl HostStore {
                 tensor_index.insert(t.name.clone(), (uid, k));
             }
             unit_index.insert(unit_name.clone(), uid);
-            let mut bytes: u64 = tensors.iter().map(|t| t.device_bytes as u64).sum();
-            if let Some(m) = buf.managed() {
-                // Dense tensors' pages migrate in whole granules (up to the allocation's);
-                // blocks are copied into buffers of their own.
-                let blocks: u64 = tensors
-                    .iter()
-                    .filter(|t| matches!(t.format, WeightFormat::Ggml(_)))
-                    .map(|t| t.device_bytes as u64)
-                    .sum();
-                bytes = m.device_footprint() as u64 + blocks;
-            }
+            let sum = |size: fn(&TensorMeta) -> usize| -> u64 {
+                match buf.managed() {
+                    // Dense tensors' pages migrate in whole granules (up to the allocation's);
+                    // blocks are copied into buffers of their own.
+                    Some(m) => {
+                        let blocks: u64 = tensors
+                            .iter()
+                            .filter(|t| matches!(t.format, WeightFormat::Ggml(_)))
+                            .map(|t| size(t) as u64)
+                            .sum();
+                        m.device_footprint() as u64 + blocks
+                    }
+                    None => tensors.iter().map(|t| size(t) as u64).sum(),
+                }
+            };
+            let (bytes, own_bytes) = (sum(|t| t.device_bytes), sum(|t| t.own_device_bytes));
             units.push(HostUnit {
                 name: unit_name,
                 layer,
                 tensors,
                 bytes,
+                own_bytes,
                 buf: RwLock::new(buf),
             });
         }
@@ -1242,6 +1266,11 @@ impl HostStore {
     /// Sizes of all units in order (the cache's input).
     pub fn unit_bytes(&self) -> Vec<u64> {
         self.units.iter().map(|u| u.bytes).collect()
+    }
+
+    /// Every unit's [`HostUnit::resident_bytes`], in unit order.
+    pub fn resident_unit_bytes(&self) -> Vec<u64> {
+        self.units.iter().map(|u| u.own_bytes).collect()
     }
 
     /// Total bytes of all units.
@@ -1678,6 +1707,7 @@ mod tests {
                 offset: 0,
                 nbytes,
                 device_bytes: format.device_bytes(nbytes),
+                own_device_bytes: format.device_bytes(nbytes),
             }
         };
         let (q4k, q6k) = (
@@ -1919,12 +1949,14 @@ mod tests {
             offset: 0,
             nbytes: 12,
             device_bytes: 12,
+            own_device_bytes: 12,
         };
         let unit = HostUnit {
             name: "u".into(),
             layer: None,
             tensors: vec![meta.clone()],
             bytes: 12,
+            own_bytes: 12,
             buf: RwLock::new(Box::new(ReadOnlyTier(data.clone()))),
         };
         assert_eq!(&*unit.tensor_bytes(&meta), &data[..]);

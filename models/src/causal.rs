@@ -81,10 +81,11 @@ pub enum HostLayers {
     /// that host compute and PCIe transfers overlap when both are needed (a model too large
     /// for the budget even with the host's share of it).
     Spread(usize),
-    /// Spread, with the count chosen so that the host's time and the link's balance
-    /// (`spread:auto`): [`candle_offload::spread_host_split`] over the layers' bytes, the host's
-    /// rate timed on one layer ([`CausalLm::host_layer_seconds`]) and the link's measured;
-    /// none when the model fits the budget, and none on a CPU device.
+    /// Spread, with the count chosen so that the layers' compute and the link's copies
+    /// balance (`spread:auto`): [`candle_offload::spread_host_split`] over the layers' bytes,
+    /// one layer's step timed on the host and on the GPU
+    /// ([`CausalLm::layer_step_seconds`]) and the link's rate measured; none when the model
+    /// fits the budget, and none on a CPU device.
     SpreadAuto,
 }
 
@@ -451,11 +452,18 @@ impl CausalLm {
                 if let Some(h) = &layout.head {
                     kept += bytes(h);
                 }
+                // Everything on the device: every unit at its own size (none streams).
+                let own = |name: &str| {
+                    store
+                        .unit_id(name)
+                        .map_or(0, |id| store.unit(id).resident_bytes())
+                };
                 let whole = base
                     + per_layer * n as u64
-                    + bytes(&layout.embed)
-                    + kept
-                    + layers.iter().sum::<u64>();
+                    + own(&layout.embed)
+                    + own(&layout.norm)
+                    + layout.head.as_deref().map_or(0, own)
+                    + (0..n).map(|l| own(&layout.layer(l))).sum::<u64>();
                 if whole <= budget {
                     return Ok(0);
                 }
@@ -471,15 +479,17 @@ impl CausalLm {
                     // rates, measured here (a layer's step on this CPU; the link's copies).
                     let host_s = Self::host_layer_seconds(cfg, store, dtype)?;
                     let host_rate = layers.first().copied().unwrap_or(0) as f64 / host_s;
+                    let device_s = Self::layer_step_seconds(cfg, store, dtype, device)?;
                     let link_rate =
                         candle_offload::diag::measure_h2d_gbps(device, 64 << 20, true, 3)? * 1e9;
                     let slots = settings.prefetch_depth + 1;
                     let split = candle_offload::spread_host_split(
-                        &layers, fixed, per_layer, budget, slots, host_rate, link_rate,
+                        &layers, fixed, per_layer, budget, slots, host_rate, link_rate, device_s,
                     );
                     tracing::info!(
                         host_gbps = host_rate / 1e9,
                         link_gbps = link_rate / 1e9,
+                        device_layer_ms = device_s * 1e3,
                         ?split,
                         "spread host layers"
                     );
@@ -501,13 +511,26 @@ impl CausalLm {
     }
 
     /// Seconds one decode step of the first decoder layer takes on the host CPU, from a CPU copy
-    /// of its unit in `store` (best of three after a warm-up, a new KV cache each time), in the
-    /// dtype a host stage computes in (F32 for GGML blocks): the host's rate that
-    /// [`HostLayers::SpreadAuto`] weighs against the link's.
+    /// of its unit in `store`, in the dtype a host stage computes in (F32 for GGML blocks): the
+    /// host's rate that [`HostLayers::SpreadAuto`] weighs against the link's.
     pub fn host_layer_seconds(
         cfg: &Config,
         store: &Arc<candle_offload::HostStore>,
         dtype: DType,
+    ) -> std::result::Result<f64, ModelError> {
+        Self::layer_step_seconds(cfg, store, dtype, &Device::Cpu)
+    }
+
+    /// Seconds one decode step of the first decoder layer takes on `device` with its weights
+    /// there (a copy of its unit in `store`; best of three after a warm-up, a new KV cache
+    /// each time, the device synchronized around each), computing as a stage there does (F32
+    /// for GGML blocks on the CPU, `dtype` and the fused kernels on a GPU).
+    /// [`HostLayers::SpreadAuto`] weighs the host's and the GPU's.
+    pub fn layer_step_seconds(
+        cfg: &Config,
+        store: &Arc<candle_offload::HostStore>,
+        dtype: DType,
+        device: &Device,
     ) -> std::result::Result<f64, ModelError> {
         let layout = cfg.layout();
         let name = layout.layer(0);
@@ -518,14 +541,14 @@ impl CausalLm {
                 reason: "no unit holds it".into(),
             });
         };
-        let dtype = if store.unit(id).has_quantized() {
+        let dtype = if device.is_cpu() && store.unit(id).has_quantized() {
             DType::F32
         } else {
             dtype
         };
         let rt = OffloadRuntime::new(
             store.clone(),
-            &Device::Cpu,
+            device,
             &OffloadConfig {
                 keep: vec![name.clone()],
                 units: Some(vec![name.clone()]),
@@ -539,20 +562,22 @@ impl CausalLm {
             0,
             dtype,
         )?;
-        let rope = cfg.family.rope(cfg, 2, dtype, &Device::Cpu)?;
-        let masks = Masks::padded(1, 0, &[], &Device::Cpu);
+        let rope = cfg.family.rope(cfg, 2, dtype, device)?;
+        let masks = Masks::padded(1, 0, &[], device);
         let ctx = StepCtx {
             index_pos: 0,
             rope: &rope,
             masks: &masks,
-            fused: false,
+            fused: device.is_cuda(),
         };
-        let xs = Tensor::zeros((1, 1, cfg.hidden_size), dtype, &Device::Cpu)?;
+        let xs = Tensor::zeros((1, 1, cfg.hidden_size), dtype, device)?;
         let mut best = f64::INFINITY;
         for i in 0..4 {
             let mut cache = Cache::new(1, 2);
+            device.synchronize()?;
             let t0 = std::time::Instant::now();
             block.forward(&xs, &ctx, &mut cache.kvs[0])?;
+            device.synchronize()?;
             if i > 0 {
                 best = best.min(t0.elapsed().as_secs_f64());
             }
