@@ -256,7 +256,7 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             ..Default::default()
         };
         // The device's step that `spread:auto` weighs: one layer, timed there.
-        let s = Llama::layer_step_seconds(&cfg, &store, DType::F32, &device)?;
+        let s = Llama::layer_step_seconds(&cfg, &store, DType::F32, device)?;
         assert!(s > 0.0 && s < 1.0, "{s} s on {device:?}");
         let mut cases = Vec::new();
         if device.is_cpu() {
