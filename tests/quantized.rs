@@ -421,6 +421,20 @@ fn quantized_offloaded_equals_resident() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A random-weight GGUF whose layers mix block types as a Q4_K_M file's do: layer 0's
+/// `attn_v` and `ffn_down` in Q6_K, everything else in Q4_K.
+fn mixed_k_quant_gguf(path: &Path, seed: u64) -> anyhow::Result<ModelFiles> {
+    write_random_llama_gguf(path, seed, |g| {
+        let more = g.starts_with("blk.0.") && (g.contains("attn_v") || g.contains("ffn_down"));
+        if more {
+            GgmlDType::Q6K
+        } else {
+            GgmlDType::Q4K
+        }
+    })?;
+    Ok(loader::from_gguf(path)?)
+}
+
 /// Layers of mixed block types, as a Q4_K_M file has them (layer 0's `attn_v` and `ffn_down` in
 /// Q6_K, layer 1's in Q4_K): host memory holds each tensor's own bytes, but both layer units take
 /// one device size at each position (so that a streamed layer frees what the next allocates),
@@ -429,15 +443,7 @@ fn quantized_offloaded_equals_resident() -> anyhow::Result<()> {
 fn mixed_k_quant_layers_take_one_device_size() -> anyhow::Result<()> {
     let dir = tempdir("mixed-k");
     let path = dir.join("q4_k_m.gguf");
-    write_random_llama_gguf(&path, 13, |g| {
-        let more = g.starts_with("blk.0.") && (g.contains("attn_v") || g.contains("ffn_down"));
-        if more {
-            GgmlDType::Q6K
-        } else {
-            GgmlDType::Q4K
-        }
-    })?;
-    let files = loader::from_gguf(&path)?;
+    let files = mixed_k_quant_gguf(&path, 13)?;
     let store = load(&files, true)?;
     let unit = |l: usize| store.unit(store.layer_unit(l).expect("a layer unit"));
     let (l0, l1) = (unit(0), unit(1));
@@ -478,15 +484,7 @@ fn mixed_k_quant_layers_take_one_device_size() -> anyhow::Result<()> {
 fn mixed_k_quant_layers_that_stay_take_their_own_size() -> anyhow::Result<()> {
     let dir = tempdir("mixed-k-own");
     let path = dir.join("q4_k_m.gguf");
-    write_random_llama_gguf(&path, 17, |g| {
-        let more = g.starts_with("blk.0.") && (g.contains("attn_v") || g.contains("ffn_down"));
-        if more {
-            GgmlDType::Q6K
-        } else {
-            GgmlDType::Q4K
-        }
-    })?;
-    let files = loader::from_gguf(&path)?;
+    let files = mixed_k_quant_gguf(&path, 17)?;
     let store = load(&files, true)?;
     let l1 = store.layer_unit(1).expect("a layer unit");
     let (padded, own) = (store.unit(l1).bytes(), store.unit(l1).resident_bytes());
