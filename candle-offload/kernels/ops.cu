@@ -1332,124 +1332,45 @@ __device__ __forceinline__ void q4k_scale_min(const uint8_t *s, uint32_t j, floa
     mn = (float)b;
 }
 
-// One lane's unit of a Q4_K row: 64 elements (pair t: super-block t / 4, quarter t % 4), its
-// 32 quant bytes as words, d, dmin and its two sub-blocks' scales and mins.
-struct Q4KUnit {
-    uint32_t qw[8];
-    float d, dmin, sc0, mn0, sc1, mn1;
-};
-
-__device__ __forceinline__ void q4k_load(const uint8_t *row, uint32_t t, Q4KUnit &u) {
-    const uint8_t *b = row + (size_t)(t >> 2) * 144u;
-    const uint32_t p = t & 3u;
-    u.d = __half2float(*reinterpret_cast<const __half *>(b));
-    u.dmin = __half2float(*reinterpret_cast<const __half *>(b + 2));
-    q4k_scale_min(b + 4, 2u * p, u.sc0, u.mn0);
-    q4k_scale_min(b + 4, 2u * p + 1u, u.sc1, u.mn1);
-    const uint4 *qv = reinterpret_cast<const uint4 *>(b + 16u + 32u * p);
-    const uint4 qa = __ldcs(qv), qb = __ldcs(qv + 1);
-    u.qw[0] = qa.x, u.qw[1] = qa.y, u.qw[2] = qa.z, u.qw[3] = qa.w;
-    u.qw[4] = qb.x, u.qw[5] = qb.y, u.qw[6] = qb.z, u.qw[7] = qb.w;
-}
-
-// acc[r] += x[r, 64t .. 64t + 64] · unit u's dequantized elements, for r < m <= M.
-template <typename T, int M>
-__device__ __forceinline__ void q4k_unit_dot(const T *x, const Q4KUnit &u, uint32_t t,
-                                             uint32_t m, uint32_t k, float *acc) {
-    const size_t e0 = (size_t)t * 64u;
-#pragma unroll
-    for (int r = 0; r < M; ++r) {
-        if ((uint32_t)r < m) {
-            float s0 = 0.0f, x0 = 0.0f, s1 = 0.0f, x1 = 0.0f;
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                float lo[8], hi[8];
-                cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 8u * v, false), lo);
-                cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u + 8u * v, false), hi);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const uint32_t q = (u.qw[2 * v + i / 4] >> (8 * (i % 4))) & 0xFFu;
-                    s0 += (float)(q & 0xFu) * lo[i];
-                    x0 += lo[i];
-                    s1 += (float)(q >> 4) * hi[i];
-                    x1 += hi[i];
-                }
-            }
-            acc[r] += u.d * (u.sc0 * s0 + u.sc1 * s1) - u.dmin * (u.mn0 * x0 + u.mn1 * x1);
-        }
-    }
-}
-
 // acc[r] += this lane's share of x[r, :] · the Q4_K row at `row` (k / 256 super-blocks), for
-// r < m <= M. Lane j takes pairs j, j + 32, ...; two at a time, both loaded before either is
-// multiplied, so that each lane has two units' loads in flight (a 4096-wide row is only two
-// units a lane: one at a time, the warp waited for memory twice in a row).
+// r < m <= M.
 template <typename T, int M>
 __device__ __forceinline__ void q4k_dot_row(const T *x, const uint8_t *row, uint32_t m,
                                             uint32_t k, float *acc) {
     const uint32_t lane = threadIdx.x & 31u;
     const uint32_t pairs = k >> 6;
-    for (uint32_t t = lane; t < pairs; t += 64u) {
-        const bool two = t + 32u < pairs;
-        Q4KUnit a, b;
-        q4k_load(row, t, a);
-        if (two) q4k_load(row, t + 32u, b);
-        q4k_unit_dot<T, M>(x, a, t, m, k, acc);
-        if (two) q4k_unit_dot<T, M>(x, b, t + 32u, m, k, acc);
-    }
-}
-
-// One lane's unit of a Q6_K row (see q6k_dot_row): 16-bit words of its low bits (two groups of
-// 16 bytes) and high bits, its four scales and d.
-struct Q6KUnit {
-    uint32_t l0[8], l1[8], hb[8];
-    float scj[4], d;
-};
-
-__device__ __forceinline__ void q6k_load(const uint8_t *row, uint32_t t, Q6KUnit &u) {
-    const uint8_t *b = row + (size_t)(t >> 2) * 210u;
-    const uint32_t h = (t >> 1) & 1u, g = t & 1u;
-    const uint16_t *lo0 = reinterpret_cast<const uint16_t *>(b + 64u * h + 16u * g);
-    const uint16_t *lo1 = reinterpret_cast<const uint16_t *>(b + 64u * h + 32u + 16u * g);
-    const uint16_t *hi = reinterpret_cast<const uint16_t *>(b + 128u + 32u * h + 16u * g);
+    for (uint32_t t = lane; t < pairs; t += 32u) {
+        const uint8_t *b = row + (size_t)(t >> 2) * 144u;
+        const uint32_t p = t & 3u;
+        const float d = __half2float(*reinterpret_cast<const __half *>(b));
+        const float dmin = __half2float(*reinterpret_cast<const __half *>(b + 2));
+        float sc0, mn0, sc1, mn1;
+        q4k_scale_min(b + 4, 2u * p, sc0, mn0);
+        q4k_scale_min(b + 4, 2u * p + 1u, sc1, mn1);
+        const uint4 *qv = reinterpret_cast<const uint4 *>(b + 16u + 32u * p);
+        const uint4 qa = __ldcs(qv), qb = __ldcs(qv + 1);
+        const uint32_t qw[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+        const size_t e0 = (size_t)t * 64u;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        u.l0[i] = __ldcs(lo0 + i);
-        u.l1[i] = __ldcs(lo1 + i);
-        u.hb[i] = __ldcs(hi + i);
-    }
-    const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192u + 8u * h + g);
+        for (int r = 0; r < M; ++r) {
+            if ((uint32_t)r < m) {
+                float s0 = 0.0f, x0 = 0.0f, s1 = 0.0f, x1 = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) u.scj[j] = (float)sc[2 * j];
-    u.d = __half2float(*reinterpret_cast<const __half *>(b + 208));
-}
-
-template <typename T, int M>
-__device__ __forceinline__ void q6k_unit_dot(const T *x, const Q6KUnit &u, uint32_t t,
-                                             uint32_t m, uint32_t k, float *acc) {
-    const uint32_t h = (t >> 1) & 1u, g = t & 1u;
-    const size_t e0 = (size_t)(t >> 2) * 256u + 128u * h + 16u * g;
+                for (int u = 0; u < 4; ++u) {
+                    float lo[8], hi[8];
+                    cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 8u * u, false), lo);
+                    cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u + 8u * u, false), hi);
 #pragma unroll
-    for (int r = 0; r < M; ++r) {
-        if ((uint32_t)r < m) {
-            float tot = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                float xv[16];
-                cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u * j, false), xv);
-                cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u * j + 8u, false), xv + 8);
-                float sj = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                    const uint32_t lw = (j & 1) ? u.l1[i / 2] : u.l0[i / 2];
-                    const uint32_t byte = (lw >> (8 * (i % 2))) & 0xFFu;
-                    const uint32_t low = (j >> 1) ? (byte >> 4) : (byte & 0xFu);
-                    const uint32_t high = ((u.hb[i / 2] >> (8 * (i % 2))) >> (2 * j)) & 3u;
-                    sj += (float)((int)(low | (high << 4)) - 32) * xv[i];
+                    for (int i = 0; i < 8; ++i) {
+                        const uint32_t q = (qw[2 * u + i / 4] >> (8 * (i % 4))) & 0xFFu;
+                        s0 += (float)(q & 0xFu) * lo[i];
+                        x0 += lo[i];
+                        s1 += (float)(q >> 4) * hi[i];
+                        x1 += hi[i];
+                    }
                 }
-                tot += u.scj[j] * sj;
+                acc[r] += d * (sc0 * s0 + sc1 * s1) - dmin * (mn0 * x0 + mn1 * x1);
             }
-            acc[r] += u.d * tot;
         }
     }
 }
@@ -1460,20 +1381,52 @@ __device__ __forceinline__ void q6k_unit_dot(const T *x, const Q6KUnit &u, uint3
 // low-bit byte 64h + 32(j & 1) + l's nibble j >> 1 with bits 2j of high-bit byte 32h + l above
 // it, less 32, times d · scale 8h + 2j + l / 16 (ggml's dequantize_row_q6_K). Lane j takes the
 // 64-element units j, j + 32, ...: unit t is super-block t / 4, half h = (t / 2) & 1 and
-// l = 16 (t & 1) .. + 16 of every j; two units at a time, both loaded first (as Q4_K's).
-// Super-blocks are only 2-byte aligned: 16-bit loads.
+// l = 16 (t & 1) .. + 16 of every j. Super-blocks are only 2-byte aligned: 16-bit loads.
 template <typename T, int M>
 __device__ __forceinline__ void q6k_dot_row(const T *x, const uint8_t *row, uint32_t m,
                                             uint32_t k, float *acc) {
     const uint32_t lane = threadIdx.x & 31u;
     const uint32_t units = k >> 6;
-    for (uint32_t t = lane; t < units; t += 64u) {
-        const bool two = t + 32u < units;
-        Q6KUnit a, b;
-        q6k_load(row, t, a);
-        if (two) q6k_load(row, t + 32u, b);
-        q6k_unit_dot<T, M>(x, a, t, m, k, acc);
-        if (two) q6k_unit_dot<T, M>(x, b, t + 32u, m, k, acc);
+    for (uint32_t t = lane; t < units; t += 32u) {
+        const uint8_t *b = row + (size_t)(t >> 2) * 210u;
+        const uint32_t h = (t >> 1) & 1u, g = t & 1u;
+        const uint16_t *lo0 = reinterpret_cast<const uint16_t *>(b + 64u * h + 16u * g);
+        const uint16_t *lo1 = reinterpret_cast<const uint16_t *>(b + 64u * h + 32u + 16u * g);
+        const uint16_t *hi = reinterpret_cast<const uint16_t *>(b + 128u + 32u * h + 16u * g);
+        uint32_t l0[8], l1[8], hb[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            l0[i] = __ldcs(lo0 + i);
+            l1[i] = __ldcs(lo1 + i);
+            hb[i] = __ldcs(hi + i);
+        }
+        const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192u + 8u * h + g);
+        const float scj[4] = {(float)sc[0], (float)sc[2], (float)sc[4], (float)sc[6]};
+        const float d = __half2float(*reinterpret_cast<const __half *>(b + 208));
+        const size_t e0 = (size_t)(t >> 2) * 256u + 128u * h + 16u * g;
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+            if ((uint32_t)r < m) {
+                float tot = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    float xv[16];
+                    cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u * j, false), xv);
+                    cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u * j + 8u, false), xv + 8);
+                    float sj = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) {
+                        const uint32_t lw = (j & 1) ? l1[i / 2] : l0[i / 2];
+                        const uint32_t byte = (lw >> (8 * (i % 2))) & 0xFFu;
+                        const uint32_t low = (j >> 1) ? (byte >> 4) : (byte & 0xFu);
+                        const uint32_t high = ((hb[i / 2] >> (8 * (i % 2))) >> (2 * j)) & 3u;
+                        sj += (float)((int)(low | (high << 4)) - 32) * xv[i];
+                    }
+                    tot += scj[j] * sj;
+                }
+                acc[r] += d * tot;
+            }
+        }
     }
 }
 
