@@ -673,15 +673,35 @@ impl Drop for QlinearKGuard {
 /// the composition, Candle's quantized matmul, which quantizes x to 8 bits (within 5e-2). Rows
 /// 1 to 8, and 9 (the composition); widths of 1, 2, 3, 11 and 16 super-blocks; weights of 37
 /// and 8 rows (a pair of 8 and 37 in one launch, columns past a warp's).
+struct QlinearKRowsGuard(usize);
+
+impl QlinearKRowsGuard {
+    fn set(rows: usize) -> Self {
+        let old = ops::qlinear_k_rows();
+        ops::set_qlinear_k_rows(rows);
+        Self(old)
+    }
+}
+
+impl Drop for QlinearKRowsGuard {
+    fn drop(&mut self) {
+        ops::set_qlinear_k_rows(self.0);
+    }
+}
+
 fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
-    let modes: &[bool] = if device.is_cuda() {
-        &[true, false]
+    // (kernel on, its columns per warp): 2 and 4 sum each dot product in the same order as 1,
+    // so their outputs must equal its bit for bit.
+    let modes: &[(bool, usize)] = if device.is_cuda() {
+        &[(true, 1), (true, 2), (true, 4), (false, 1)]
     } else {
-        &[false]
+        &[(false, 1)]
     };
-    for &on in modes {
+    let mut by_one: std::collections::HashMap<String, Vec<f32>> = Default::default();
+    for &(on, cols) in modes {
         // Only the GPU instance sets the switch; the CPU path is the composition either way.
         let _guard = device.is_cuda().then(|| QlinearKGuard::set(on));
+        let _rows = device.is_cuda().then(|| QlinearKRowsGuard::set(cols));
         for (dtype, qtype) in DTYPES
             .into_iter()
             .flat_map(|d| [(d, GgmlDType::Q4K), (d, GgmlDType::Q6K)])
@@ -717,8 +737,26 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                     Ok(x.to_dtype(DType::F32)?
                         .broadcast_matmul(&w.dequantize(device)?.t()?)?)
                 };
+                let mut same = |what: &str, got: &Tensor| -> anyhow::Result<()> {
+                    if !on {
+                        return Ok(());
+                    }
+                    let key = format!("{what} {dtype:?} {qtype:?} {xs:?}");
+                    let v = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                    match by_one.get(&key) {
+                        None if cols == 1 => {
+                            by_one.insert(key, v);
+                        }
+                        None => anyhow::bail!("{key}: no output with one column a warp"),
+                        Some(want) => anyhow::ensure!(
+                            *want == v,
+                            "{key}: {cols} columns a warp differ from one"
+                        ),
+                    }
+                    Ok(())
+                };
                 let check = |what: &str, got: &Tensor, want_f32: &Tensor| {
-                    let what = format!("{what} {qtype:?} {xs:?} kernel {on}");
+                    let what = format!("{what} {qtype:?} {xs:?} kernel {on} columns {cols}");
                     let want = want_f32.to_dtype(dtype)?;
                     if kernel {
                         return ensure_close(&what, got, &want, dtype);
@@ -729,18 +767,25 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                 };
                 let one = ops::qlinear_small(&x, &ws[0])?;
                 check("qlinear_small", &one, &dense_f32(&ws[0])?)?;
-                for set in [&[&ws[0], &ws[1], &ws[2]][..], &[&ws[1], &ws[3]]] {
+                same("qlinear_small", &one)?;
+                for (s, set) in [&[&ws[0], &ws[1], &ws[2]][..], &[&ws[1], &ws[3]]]
+                    .into_iter()
+                    .enumerate()
+                {
                     let got = ops::qlinear_small_multi(&x, set)?;
                     anyhow::ensure!(got.len() == set.len());
-                    for (g, w) in got.iter().zip(set) {
+                    for (j, (g, w)) in got.iter().zip(set).enumerate() {
                         anyhow::ensure!(g.is_contiguous(), "outputs are contiguous");
                         check("qlinear_small_multi", g, &dense_f32(w)?)?;
+                        same(&format!("qlinear_small_multi {s} {j}"), g)?;
                     }
                 }
-                for (gate, up) in [(&ws[1], &ws[2]), (&ws[0], &ws[3])] {
+                for (s, (gate, up)) in [(&ws[1], &ws[2]), (&ws[0], &ws[3])].into_iter().enumerate()
+                {
                     let got = ops::qlinear_silu_mul(&x, gate, up)?;
                     let want = ops::silu_mul_unfused(&dense_f32(gate)?, &dense_f32(up)?)?;
                     check("qlinear_silu_mul", &got, &want)?;
+                    same(&format!("qlinear_silu_mul {s}"), &got)?;
                 }
             }
         }

@@ -1469,6 +1469,219 @@ __device__ void qlinear_k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     QLINEAR_K_SMALL_ONE(T, SUFFIX, M, KT_Q4_K, q4_k)                                            \
     QLINEAR_K_SMALL_ONE(T, SUFFIX, M, KT_Q6_K, q6_k)
 
+// qlinear_k_small with R output columns per warp (`qlinear_k2_small_r<R>_m<M>_<q>_<dtype>`,
+// opt-in: ops::set_qlinear_k_rows): the same contract and results (each dot product sums in the
+// same order), but a warp takes columns R·w .. R·w + R (with silu, gate and up of each) and each
+// lane loads and converts its share of x once for all of their rows, where one column per warp
+// re-reads all of x for every column (F16 x: 4 bytes read for each byte of Q4_K weight).
+template <int KT> struct KUnit;
+template <> struct KUnit<KT_Q4_K> {
+    uint32_t qw[8];
+    float d, dmin, sc0, mn0, sc1, mn1;
+    __device__ __forceinline__ void load(const uint8_t *row, uint32_t t) {
+        const uint8_t *b = row + (size_t)(t >> 2) * 144u;
+        const uint32_t p = t & 3u;
+        d = __half2float(*reinterpret_cast<const __half *>(b));
+        dmin = __half2float(*reinterpret_cast<const __half *>(b + 2));
+        q4k_scale_min(b + 4, 2u * p, sc0, mn0);
+        q4k_scale_min(b + 4, 2u * p + 1u, sc1, mn1);
+        const uint4 *qv = reinterpret_cast<const uint4 *>(b + 16u + 32u * p);
+        const uint4 qa = __ldcs(qv), qb = __ldcs(qv + 1);
+        qw[0] = qa.x, qw[1] = qa.y, qw[2] = qa.z, qw[3] = qa.w;
+        qw[4] = qb.x, qw[5] = qb.y, qw[6] = qb.z, qw[7] = qb.w;
+    }
+};
+template <> struct KUnit<KT_Q6_K> {
+    uint32_t l0[8], l1[8], hb[8];
+    float scj[4], d;
+    __device__ __forceinline__ void load(const uint8_t *row, uint32_t t) {
+        const uint8_t *b = row + (size_t)(t >> 2) * 210u;
+        const uint32_t h = (t >> 1) & 1u, g = t & 1u;
+        const uint16_t *lo0 = reinterpret_cast<const uint16_t *>(b + 64u * h + 16u * g);
+        const uint16_t *lo1 = reinterpret_cast<const uint16_t *>(b + 64u * h + 32u + 16u * g);
+        const uint16_t *hi = reinterpret_cast<const uint16_t *>(b + 128u + 32u * h + 16u * g);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            l0[i] = __ldcs(lo0 + i);
+            l1[i] = __ldcs(lo1 + i);
+            hb[i] = __ldcs(hi + i);
+        }
+        const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192u + 8u * h + g);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) scj[j] = (float)sc[2 * j];
+        d = __half2float(*reinterpret_cast<const __half *>(b + 208));
+    }
+};
+
+// acc[j][r] += x[r, unit t] · unit u[j] for every live j < NR and r < m: q4k_dot_row's and
+// q6k_dot_row's arithmetic, x converted once for all NR units.
+template <typename T, int M, int NR>
+__device__ __forceinline__ void k_units_dot(const T *x, const KUnit<KT_Q4_K> *u, const bool *live,
+                                            uint32_t t, uint32_t m, uint32_t k,
+                                            float (*acc)[M]) {
+    const size_t e0 = (size_t)t * 64u;
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+        if ((uint32_t)r < m) {
+            float s0[NR], s1[NR], x0 = 0.0f, x1 = 0.0f;
+#pragma unroll
+            for (int j = 0; j < NR; ++j) s0[j] = 0.0f, s1[j] = 0.0f;
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                float lo[8], hi[8];
+                cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 8u * v, false), lo);
+                cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u + 8u * v, false), hi);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    x0 += lo[i];
+                    x1 += hi[i];
+#pragma unroll
+                    for (int j = 0; j < NR; ++j) {
+                        const uint32_t q = (u[j].qw[2 * v + i / 4] >> (8 * (i % 4))) & 0xFFu;
+                        s0[j] += (float)(q & 0xFu) * lo[i];
+                        s1[j] += (float)(q >> 4) * hi[i];
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < NR; ++j) {
+                if (live[j]) {
+                    acc[j][r] += u[j].d * (u[j].sc0 * s0[j] + u[j].sc1 * s1[j]) -
+                                 u[j].dmin * (u[j].mn0 * x0 + u[j].mn1 * x1);
+                }
+            }
+        }
+    }
+}
+template <typename T, int M, int NR>
+__device__ __forceinline__ void k_units_dot(const T *x, const KUnit<KT_Q6_K> *u, const bool *live,
+                                            uint32_t t, uint32_t m, uint32_t k,
+                                            float (*acc)[M]) {
+    const uint32_t h = (t >> 1) & 1u, g = t & 1u;
+    const size_t e0 = (size_t)(t >> 2) * 256u + 128u * h + 16u * g;
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+        if ((uint32_t)r < m) {
+            float tot[NR];
+#pragma unroll
+            for (int q = 0; q < NR; ++q) tot[q] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float xv[16];
+                cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u * j, false), xv);
+                cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u * j + 8u, false), xv + 8);
+#pragma unroll
+                for (int q = 0; q < NR; ++q) {
+                    float sj = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) {
+                        const uint32_t lw = (j & 1) ? u[q].l1[i / 2] : u[q].l0[i / 2];
+                        const uint32_t byte = (lw >> (8 * (i % 2))) & 0xFFu;
+                        const uint32_t low = (j >> 1) ? (byte >> 4) : (byte & 0xFu);
+                        const uint32_t high = ((u[q].hb[i / 2] >> (8 * (i % 2))) >> (2 * j)) & 3u;
+                        sj += (float)((int)(low | (high << 4)) - 32) * xv[i];
+                    }
+                    tot[q] += u[q].scj[j] * sj;
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < NR; ++q) {
+                if (live[q]) acc[q][r] += u[q].d * tot[q];
+            }
+        }
+    }
+}
+
+template <typename T, int M, int R, int KT>
+__device__ void qlinear_k2_small(const T *x, const uint8_t *w0, const uint8_t *w1,
+                                 const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
+                                 uint32_t n2, uint32_t k, uint32_t silu) {
+    constexpr int NR = 2 * R;  // weight rows: with silu gate and up of each column
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t first = (blockIdx.x * OPS_WARPS + (threadIdx.x >> 5)) * R;
+    const uint32_t row_bytes = (k >> 8) * KBlock<KT>::BYTES;
+    const uint8_t *rows[NR];
+    bool live[NR];
+    T *yb[R];
+    uint32_t cs[R], ns[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+        const uint32_t col = first + j;
+        live[j] = false, live[R + j] = false;
+        rows[j] = w0, rows[R + j] = w0;
+        yb[j] = y, cs[j] = 0, ns[j] = 0;
+        if (silu) {
+            if (col < n0) {
+                live[j] = live[R + j] = true;
+                rows[j] = w0 + (size_t)col * row_bytes;
+                rows[R + j] = w1 + (size_t)col * row_bytes;
+                cs[j] = col, ns[j] = n0;
+            }
+        } else {
+            const uint8_t *w;
+            if (pick_column(col, w0, w1, w2, y, m, n0, n1, n2, w, yb[j], cs[j], ns[j])) {
+                live[j] = true;
+                rows[j] = w + (size_t)cs[j] * row_bytes;
+            }
+        }
+    }
+    bool any = false;
+#pragma unroll
+    for (int j = 0; j < NR; ++j) any |= live[j];
+    if (!any) return;
+    float acc[NR][M];
+#pragma unroll
+    for (int j = 0; j < NR; ++j)
+#pragma unroll
+        for (int r = 0; r < M; ++r) acc[j][r] = 0.0f;
+    const uint32_t units = k >> 6;
+    for (uint32_t t = lane; t < units; t += 32u) {
+        KUnit<KT> u[NR];
+#pragma unroll
+        for (int j = 0; j < NR; ++j) {
+            if (live[j]) u[j].load(rows[j], t);
+        }
+        if (silu) {
+            k_units_dot<T, M, NR>(x, u, live, t, m, k, acc);
+        } else {
+            // Without silu only the first R rows are live.
+            k_units_dot<T, M, R>(x, u, live, t, m, k, acc);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+            if ((uint32_t)r < m && live[j]) {
+                const float a = warp_sum(acc[j][r]);
+                if (silu) {
+                    const float up = warp_sum(acc[R + j][r]);
+                    if (lane == 0) y[(size_t)r * n0 + cs[j]] = from_f32<T>(a / (1.0f + expf(-a)) * up);
+                } else if (lane == 0) {
+                    yb[j][(size_t)r * ns[j] + cs[j]] = from_f32<T>(a);
+                }
+            }
+        }
+    }
+}
+
+// qlinear_k2_small_r<R>_m<M>_<q>_<dtype>: qlinear_k_small's arguments, R columns per warp.
+#define QLINEAR_K2_SMALL_ONE(T, SUFFIX, M, R, KT, QNAME)                                        \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS)                                 \
+        qlinear_k2_small_r##R##_m##M##_##QNAME##_##SUFFIX(                                      \
+        const T *x, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,  \
+        uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {                     \
+        qlinear_k2_small<T, M, R, KT>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                \
+    }
+// R = 2 up to 2 rows of x, R = 4 for one (decode).
+#define QLINEAR_K2_SMALL_ALL(T, SUFFIX)                                                         \
+    QLINEAR_K2_SMALL_ONE(T, SUFFIX, 1, 2, KT_Q4_K, q4_k)                                        \
+    QLINEAR_K2_SMALL_ONE(T, SUFFIX, 1, 2, KT_Q6_K, q6_k)                                        \
+    QLINEAR_K2_SMALL_ONE(T, SUFFIX, 2, 2, KT_Q4_K, q4_k)                                        \
+    QLINEAR_K2_SMALL_ONE(T, SUFFIX, 2, 2, KT_Q6_K, q6_k)                                        \
+    QLINEAR_K2_SMALL_ONE(T, SUFFIX, 1, 4, KT_Q4_K, q4_k)                                        \
+    QLINEAR_K2_SMALL_ONE(T, SUFFIX, 1, 4, KT_Q6_K, q6_k)
+
 // qlinear_small_m<M>_<q>_<dtype>: at most M rows of x against weights of GGML type q.
 #define QLINEAR_SMALL_FOR(T, SUFFIX, M, QT, QNAME)                                              \
     extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS)                                 \
@@ -1530,6 +1743,7 @@ __device__ void qlinear_k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     QLINEAR_RM_TYPES(FOR, T, SUFFIX, 1, 4)                                                      \
     QLINEAR_RM_TYPES(FOR, T, SUFFIX, 2, 4)
 #define QLINEAR_SMALL_ALL(T, SUFFIX)                                                            \
+    QLINEAR_K2_SMALL_ALL(T, SUFFIX)                                                             \
     QLINEAR_K_SMALL_FOR(T, SUFFIX, 1)                                                           \
     QLINEAR_K_SMALL_FOR(T, SUFFIX, 2)                                                           \
     QLINEAR_K_SMALL_FOR(T, SUFFIX, 4)                                                           \

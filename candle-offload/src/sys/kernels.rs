@@ -695,8 +695,15 @@ pub(crate) fn qlinear_small(
         let kquant = crate::ops::is_qlinear_k_type(ws[0].dtype());
         let (name, cols_per_warp, shared_bytes, xblocks) = match variant {
             // K-quant blocks: their own kernel, one column (of gate and up with silu) per
-            // warp, no shared memory; the variants are the 32-element types'.
-            _ if kquant => (format!("qlinear_k_small_m{bound}_{qname}"), 1, 0, None),
+            // warp, or R with `qlinear_k_rows`, no shared memory; the variants are the
+            // 32-element types'.
+            _ if kquant => match crate::ops::qlinear_k_rows() {
+                4 if bound == 1 => (format!("qlinear_k2_small_r4_m1_{qname}"), 4, 0, None),
+                2 | 4 if bound <= 2 => {
+                    (format!("qlinear_k2_small_r2_m{bound}_{qname}"), 2, 0, None)
+                }
+                _ => (format!("qlinear_k_small_m{bound}_{qname}"), 1, 0, None),
+            },
             // One staged row per warp, two (gate and up) with silu.
             crate::ops::QlinearVariant::V1 => (
                 format!("qlinear_small_m{bound}_{qname}"),
@@ -805,7 +812,8 @@ pub(crate) fn qlinear_small(
         // reads from the 16-byte boundary at or before a block to the one at or after a row's
         // end, at most 15 bytes past the last row, inside the 512 zeroed padding elements
         // Candle allocates after every quantized buffer. For Q4_K and Q6_K,
-        // `qlinear_k_small_m<M>_<type>_<dtype>` has variant 1's arguments; k is a multiple of
+        // `qlinear_k_small_m<M>_<type>_<dtype>` and `qlinear_k2_small_r<R>_m<M>_<type>_<dtype>`
+        // (R columns a warp, the grid sized for them) have variant 1's arguments; k is a multiple of
         // 256, the rows are k/256 super-blocks of 144 (Q4_K, 16-byte aligned as the buffer is)
         // or 210 bytes (Q6_K, read in 16-bit loads: 2-byte aligned), and the kernel reads
         // inside them only. y holds m·cols elements.
