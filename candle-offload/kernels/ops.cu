@@ -1673,14 +1673,12 @@ __device__ void qlinear_k2_small(const T *x, const uint8_t *w0, const uint8_t *w
         uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {                     \
         qlinear_k2_small<T, M, R, KT>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                \
     }
-// R = 2 up to 2 rows of x, R = 4 for one (decode).
+// Q4_K only, R = 2, up to 2 rows of x: ptxas -v (sm_90) gives 128 registers for one row and
+// 148 for two without spills; Q6_K's units (24 words each) spilled 600-760 bytes at R = 2, and
+// R = 4 took all 255 registers, so those are not built.
 #define QLINEAR_K2_SMALL_ALL(T, SUFFIX)                                                         \
     QLINEAR_K2_SMALL_ONE(T, SUFFIX, 1, 2, KT_Q4_K, q4_k)                                        \
-    QLINEAR_K2_SMALL_ONE(T, SUFFIX, 1, 2, KT_Q6_K, q6_k)                                        \
-    QLINEAR_K2_SMALL_ONE(T, SUFFIX, 2, 2, KT_Q4_K, q4_k)                                        \
-    QLINEAR_K2_SMALL_ONE(T, SUFFIX, 2, 2, KT_Q6_K, q6_k)                                        \
-    QLINEAR_K2_SMALL_ONE(T, SUFFIX, 1, 4, KT_Q4_K, q4_k)                                        \
-    QLINEAR_K2_SMALL_ONE(T, SUFFIX, 1, 4, KT_Q6_K, q6_k)
+    QLINEAR_K2_SMALL_ONE(T, SUFFIX, 2, 2, KT_Q4_K, q4_k)
 
 // qlinear_small_m<M>_<q>_<dtype>: at most M rows of x against weights of GGML type q.
 #define QLINEAR_SMALL_FOR(T, SUFFIX, M, QT, QNAME)                                              \

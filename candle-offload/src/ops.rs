@@ -1101,29 +1101,25 @@ pub fn qlinear_k() -> bool {
     code == 2
 }
 
-/// The environment variable that gives the K-quant kernel R output columns per warp
-/// ([`qlinear_k_rows`]): `2` or `4`; anything else (and unset) is one.
+/// The environment variable that gives the K-quant kernel two output columns per warp
+/// ([`qlinear_k_rows`]): `2`; anything else (and unset) is one.
 pub const QLINEAR_K_ROWS_ENV: &str = "CANDLE_OFFLOAD_QLINEAR_K_ROWS";
 
-/// [`qlinear_k_rows`]'s state: 0 until first read or set, else the rows per warp.
+/// [`qlinear_k_rows`]'s state: 0 until first read or set, else the columns per warp.
 static QLINEAR_K_ROWS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
-/// Sets the output columns per warp of the K-quant kernel (1, 2 or 4; others are 1) for the
-/// whole process, from the next call on; it wins over [`QLINEAR_K_ROWS_ENV`].
+/// Sets the output columns per warp of the K-quant kernel for Q4_K (2; anything else is 1) for
+/// the whole process, from the next call on; it wins over [`QLINEAR_K_ROWS_ENV`].
 pub fn set_qlinear_k_rows(rows: usize) {
-    let code = match rows {
-        2 => 2,
-        4 => 4,
-        _ => 1,
-    };
+    let code = if rows == 2 { 2 } else { 1 };
     QLINEAR_K_ROWS.store(code, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Output columns per warp of the K-quant kernel (`qlinear_k2_small_r<R>` in kernels/ops.cu
-/// for 2 and 4, which converts its share of x once for all of their rows; `qlinear_k_small`
-/// for 1, the default). Opt-in until measured on a GPU: [`set_qlinear_k_rows`] or
-/// [`QLINEAR_K_ROWS_ENV`] (read once). The launcher uses fewer for more rows of x than the
-/// kernel has (R = 2 up to 2 rows, R = 4 for one).
+/// Output columns per warp of the K-quant kernel for Q4_K weights: 2 runs
+/// `qlinear_k2_small_r2` (kernels/ops.cu), which converts its share of x once for both rows,
+/// up to 2 rows of x (more, and Q6_K, take `qlinear_k_small`); 1, the default, one column a
+/// warp. Opt-in until measured on a GPU: [`set_qlinear_k_rows`] or [`QLINEAR_K_ROWS_ENV`]
+/// (read once).
 pub fn qlinear_k_rows() -> usize {
     usize::from(switch_code(&QLINEAR_K_ROWS, || {
         match std::env::var(QLINEAR_K_ROWS_ENV)
@@ -1132,7 +1128,6 @@ pub fn qlinear_k_rows() -> usize {
             .map(str::trim)
         {
             Some("2") => 2,
-            Some("4") => 4,
             _ => 1,
         }
     }))

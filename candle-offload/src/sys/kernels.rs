@@ -695,15 +695,15 @@ pub(crate) fn qlinear_small(
         let kquant = crate::ops::is_qlinear_k_type(ws[0].dtype());
         let (name, cols_per_warp, shared_bytes, xblocks) = match variant {
             // K-quant blocks: their own kernel, one column (of gate and up with silu) per
-            // warp, or R with `qlinear_k_rows`, no shared memory; the variants are the
-            // 32-element types'.
-            _ if kquant => match crate::ops::qlinear_k_rows() {
-                4 if bound == 1 => (format!("qlinear_k2_small_r4_m1_{qname}"), 4, 0, None),
-                2 | 4 if bound <= 2 => {
+            // warp, or two for Q4_K with `qlinear_k_rows`, no shared memory; the variants are
+            // the 32-element types'.
+            _ if kquant => {
+                if crate::ops::qlinear_k_rows() == 2 && bound <= 2 && qname == "q4_k" {
                     (format!("qlinear_k2_small_r2_m{bound}_{qname}"), 2, 0, None)
+                } else {
+                    (format!("qlinear_k_small_m{bound}_{qname}"), 1, 0, None)
                 }
-                _ => (format!("qlinear_k_small_m{bound}_{qname}"), 1, 0, None),
-            },
+            }
             // One staged row per warp, two (gate and up) with silu.
             crate::ops::QlinearVariant::V1 => (
                 format!("qlinear_small_m{bound}_{qname}"),
