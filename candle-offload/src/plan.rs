@@ -236,7 +236,7 @@ pub fn spread_host_split(
 /// Which units a device keeps for good, at their own device sizes, when its weights do not
 /// all fit and some units take more room streaming than staying (GGML layers of mixed block
 /// types, padded to one size per position so that they free and allocate alike as they
-/// stream; see [`HostUnit::resident_bytes`](crate::HostUnit::resident_bytes)).
+/// stream; see [`HostUnit::resident_bytes`](crate::store::HostUnit::resident_bytes)).
 ///
 /// `own[u]` and `streaming[u]` are unit `u`'s bytes staying and streaming; `sweep` the units
 /// that may stay, in the order they are first used; `kept` the bytes the device already keeps;
