@@ -1474,6 +1474,8 @@ __device__ void qlinear_k_small(const T *x, const uint8_t *w0, const uint8_t *w1
 // same order), but a warp takes columns R·w .. R·w + R (with silu, gate and up of each) and each
 // lane loads and converts its share of x once for all of their rows, where one column per warp
 // re-reads all of x for every column (F16 x: 4 bytes read for each byte of Q4_K weight).
+// One lane's 64-element unit t of a Q4_K row (q4k_dot_row's loads): its 32 quant bytes as
+// words, d, dmin and its two sub-blocks' scales and mins.
 template <int KT> struct KUnit;
 template <> struct KUnit<KT_Q4_K> {
     uint32_t qw[8];
@@ -1491,30 +1493,9 @@ template <> struct KUnit<KT_Q4_K> {
         qw[4] = qb.x, qw[5] = qb.y, qw[6] = qb.z, qw[7] = qb.w;
     }
 };
-template <> struct KUnit<KT_Q6_K> {
-    uint32_t l0[8], l1[8], hb[8];
-    float scj[4], d;
-    __device__ __forceinline__ void load(const uint8_t *row, uint32_t t) {
-        const uint8_t *b = row + (size_t)(t >> 2) * 210u;
-        const uint32_t h = (t >> 1) & 1u, g = t & 1u;
-        const uint16_t *lo0 = reinterpret_cast<const uint16_t *>(b + 64u * h + 16u * g);
-        const uint16_t *lo1 = reinterpret_cast<const uint16_t *>(b + 64u * h + 32u + 16u * g);
-        const uint16_t *hi = reinterpret_cast<const uint16_t *>(b + 128u + 32u * h + 16u * g);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            l0[i] = __ldcs(lo0 + i);
-            l1[i] = __ldcs(lo1 + i);
-            hb[i] = __ldcs(hi + i);
-        }
-        const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192u + 8u * h + g);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) scj[j] = (float)sc[2 * j];
-        d = __half2float(*reinterpret_cast<const __half *>(b + 208));
-    }
-};
-
-// acc[j][r] += x[r, unit t] · unit u[j] for every live j < NR and r < m: q4k_dot_row's and
-// q6k_dot_row's arithmetic, x converted once for all NR units.
+// acc[j][r] += x[r, unit t] · unit u[j] for every live j < NR and r < m: q4k_dot_row's
+// arithmetic (the same order for each sum), x converted once for all NR units. (Q6_K's form
+// spilled 600-760 bytes at two columns, ptxas -v, and is not kept.)
 template <typename T, int M, int NR>
 __device__ __forceinline__ void k_units_dot(const T *x, const KUnit<KT_Q4_K> *u, const bool *live,
                                             uint32_t t, uint32_t m, uint32_t k,
@@ -1553,45 +1534,6 @@ __device__ __forceinline__ void k_units_dot(const T *x, const KUnit<KT_Q4_K> *u,
         }
     }
 }
-template <typename T, int M, int NR>
-__device__ __forceinline__ void k_units_dot(const T *x, const KUnit<KT_Q6_K> *u, const bool *live,
-                                            uint32_t t, uint32_t m, uint32_t k,
-                                            float (*acc)[M]) {
-    const uint32_t h = (t >> 1) & 1u, g = t & 1u;
-    const size_t e0 = (size_t)(t >> 2) * 256u + 128u * h + 16u * g;
-#pragma unroll
-    for (int r = 0; r < M; ++r) {
-        if ((uint32_t)r < m) {
-            float tot[NR];
-#pragma unroll
-            for (int q = 0; q < NR; ++q) tot[q] = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                float xv[16];
-                cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u * j, false), xv);
-                cvt8<T>(ld_raw(x + (size_t)r * k + e0 + 32u * j + 8u, false), xv + 8);
-#pragma unroll
-                for (int q = 0; q < NR; ++q) {
-                    float sj = 0.0f;
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) {
-                        const uint32_t lw = (j & 1) ? u[q].l1[i / 2] : u[q].l0[i / 2];
-                        const uint32_t byte = (lw >> (8 * (i % 2))) & 0xFFu;
-                        const uint32_t low = (j >> 1) ? (byte >> 4) : (byte & 0xFu);
-                        const uint32_t high = ((u[q].hb[i / 2] >> (8 * (i % 2))) >> (2 * j)) & 3u;
-                        sj += (float)((int)(low | (high << 4)) - 32) * xv[i];
-                    }
-                    tot[q] += u[q].scj[j] * sj;
-                }
-            }
-#pragma unroll
-            for (int q = 0; q < NR; ++q) {
-                if (live[q]) acc[q][r] += u[q].d * tot[q];
-            }
-        }
-    }
-}
-
 template <typename T, int M, int R, int KT>
 __device__ void qlinear_k2_small(const T *x, const uint8_t *w0, const uint8_t *w1,
                                  const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
