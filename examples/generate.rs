@@ -115,8 +115,8 @@ struct Args {
     /// (llama.cpp's split): `auto` (the fewest that let the GPU hold the rest, none when the
     /// model fits), a count, `spread:N` (N layers spread evenly, so that the CPU computes while
     /// the GPU's copy stream brings the streamed layers in between), `spread:auto` (a count
-    /// that balances this CPU's rate, timed on one layer, against the link's), or `none` (the
-    /// default: stream what does not fit).
+    /// that balances the layers' compute, one layer timed on this CPU and on the GPU, against
+    /// the link's copies), or `none` (the default: stream what does not fit).
     #[arg(long, default_value = "none", conflicts_with = "devices")]
     host_layers: HostLayers,
     /// Offload weights to host memory (with the budget below, or the free GPU memory).
