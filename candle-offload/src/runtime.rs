@@ -233,19 +233,9 @@ fn staying(
         return stays;
     }
     let kept = |u: usize| keep.contains(&UnitId(u));
-    let plan = |sizes: &dyn Fn(usize) -> u64| {
-        let evictable: Vec<u64> = (0..n)
-            .filter(|&i| served[i] && !kept(i))
-            .map(sizes)
-            .collect();
-        let kept_bytes = (0..n).filter(|&i| served[i] && kept(i)).map(sizes).sum();
-        WeightNeed::new(&evictable, kept_bytes).plan(
-            budget.weight_bytes(),
-            cfg.strategy,
-            cfg.prefetch_depth,
-        )
-    };
-    if plan(&|i| own[i]).is_some_and(|p| p.fits_entirely) {
+    let plan =
+        |need: &WeightNeed| need.plan(budget.weight_bytes(), cfg.strategy, cfg.prefetch_depth);
+    if plan(&weight_need(|i| own[i], served, keep)).is_some_and(|p| p.fits_entirely) {
         return served.to_vec();
     }
     for &u in keep {
@@ -269,19 +259,19 @@ fn staying(
     if (0..n).any(|i| served[i] && !kept(i) && !seen[i]) {
         return stays;
     }
-    let size = |i: usize| if kept(i) { own[i] } else { streaming[i] };
-    let Some(p) = plan(&size) else {
+    let need = weight_need(
+        |i| if kept(i) { own[i] } else { streaming[i] },
+        served,
+        keep,
+    );
+    let Some(p) = plan(&need) else {
         return stays;
     };
-    let kept_bytes = (0..n)
-        .filter(|&i| served[i] && kept(i))
-        .map(|i| own[i])
-        .sum();
     let chosen = crate::plan::staying_units(
         own,
         streaming,
         &sweep,
-        kept_bytes,
+        need.kept,
         p.weight_capacity,
         p.prefetch_depth,
     );
@@ -289,6 +279,15 @@ fn staying(
         *s |= c;
     }
     stays
+}
+
+/// What the served units need of a device at `size(i)` bytes each: the units in `keep` never
+/// leave it, the others may be evicted.
+fn weight_need(size: impl Fn(usize) -> u64, served: &[bool], keep: &[UnitId]) -> WeightNeed {
+    let kept = |i: usize| keep.contains(&UnitId(i));
+    let served = || (0..served.len()).filter(|&i| served[i]);
+    let evictable: Vec<u64> = served().filter(|&i| !kept(i)).map(&size).collect();
+    WeightNeed::new(&evictable, served().filter(|&i| kept(i)).map(&size).sum())
 }
 
 fn lock_err<T>(_: T) -> candle_core::Error {
@@ -370,12 +369,9 @@ impl OffloadRuntime {
                 }
             }
         }
-        let kept: u64 = keep_ids.iter().map(|u| unit_bytes[u.0]).sum();
         // Kept units are counted once, in `kept`; the largest of the others must fit beside them.
-        let evictable: Vec<u64> = (0..unit_bytes.len())
-            .filter(|i| served[*i] && !keep_ids.contains(&UnitId(*i)))
-            .map(|i| unit_bytes[i])
-            .collect();
+        let need = weight_need(|i| unit_bytes[i], &served, &keep_ids);
+        let kept = need.kept;
         let largest = (0..unit_bytes.len())
             .filter(|i| served[*i] && !keep_ids.contains(&UnitId(*i)))
             .max_by_key(|&i| unit_bytes[i]);
@@ -392,7 +388,7 @@ impl OffloadRuntime {
         let plan = plan_capacity_for(
             &name,
             budget,
-            &WeightNeed::new(&evictable, kept),
+            &need,
             &what,
             cfg.strategy,
             cfg.prefetch_depth,
