@@ -284,19 +284,6 @@ fn main() -> Result<()> {
                 reserve_bytes: cfg.batch_reserve_bytes(args.batch, prompt_len, max_len, dtype),
                 ..Default::default()
             };
-            // What `spread:auto` weighs, timed again here for the record (one layer's step on
-            // the host and on the device, before the model takes its budget; the split times
-            // its own when the model is built).
-            let layer_steps = if host == HostLayers::SpreadAuto {
-                let steps = (
-                    Llama::host_layer_seconds(&cfg, &store, dtype)?,
-                    Llama::layer_step_seconds(&cfg, &store, dtype, &device)?,
-                );
-                diag::trim_memory_pool(&device)?;
-                Some(steps)
-            } else {
-                None
-            };
             let mut model = Llama::offloaded_with_host(
                 &files,
                 store.clone(),
@@ -311,6 +298,8 @@ fn main() -> Result<()> {
                 model.set_fused(false);
             }
             let host_layers = model.host_layer_count();
+            // What `spread:auto` timed to choose (one layer's step on the host and the GPU).
+            let layer_steps = model.spread_auto_layer_steps();
             if host_layers > 0 {
                 println!("        {host_layers} layers on the host CPU ({host:?})");
             }
@@ -569,8 +558,8 @@ fn main() -> Result<()> {
             let tiers = serde_json::json!({
                 "engine": engine.to_string(),
                 "host_layers_choice": format!("{host:?}"),
-                "host_layer_step_s": layer_steps.map(|s| s.0),
-                "device_layer_step_s": layer_steps.map(|s| s.1),
+                "host_layer_step_s": layer_steps.map(|s| s.host_s),
+                "device_layer_step_s": layer_steps.map(|s| s.device_s),
                 "host_layers": host_layers,
                 // `fused` is every stage's; with host layers the CPU stage runs Candle's ops.
                 "fused_on_gpus": model.fused_on_gpus(),

@@ -261,10 +261,11 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
         let mut cases = Vec::new();
         if device.is_cpu() {
             assert_eq!(build(&settings, HostLayers::Auto)?.host_layer_count(), 0);
-            assert_eq!(
-                build(&settings, HostLayers::SpreadAuto)?.host_layer_count(),
-                0
-            );
+            let auto = build(&settings, HostLayers::SpreadAuto)?;
+            assert_eq!(auto.host_layer_count(), 0);
+            // A CPU device runs every layer itself: `spread:auto` times nothing.
+            assert_eq!(auto.spread_auto_layer_steps(), None);
+            drop(auto);
             // The host's rate that `spread:auto` weighs: one layer's step, timed.
             let s = Llama::host_layer_seconds(&cfg, &store, DType::F32)?;
             assert!(s > 0.0 && s < 1.0, "{s} s");
@@ -281,6 +282,13 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             let split = build(&minimal, HostLayers::Spread(n - 2))?;
             cases.push((split, "spread n-2 under a budget", true));
         } else {
+            // Under a budget that streams, `spread:auto` times a layer on each side.
+            let auto = build(&limited, HostLayers::SpreadAuto)?;
+            let steps = auto
+                .spread_auto_layer_steps()
+                .expect("timed under a budget");
+            assert!(steps.host_s > 0.0 && steps.device_s > 0.0, "{steps:?}");
+            drop(auto);
             cases.push((build(&limited, HostLayers::Auto)?, "auto", true));
             // Two layers on the host, spread; the device streams what its budget does not hold.
             cases.push((build(&limited, HostLayers::Spread(2))?, "spread 2", false));

@@ -89,6 +89,16 @@ pub enum HostLayers {
     SpreadAuto,
 }
 
+/// One decoder layer's decode step, timed on the host CPU and on the GPU
+/// ([`CausalLm::layer_step_seconds`]): what [`HostLayers::SpreadAuto`] weighs against the link.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerSteps {
+    /// Seconds on the host CPU.
+    pub host_s: f64,
+    /// Seconds on the GPU.
+    pub device_s: f64,
+}
+
 impl std::str::FromStr for HostLayers {
     type Err = String;
 
@@ -154,6 +164,8 @@ pub struct CausalLm {
     /// The order a step runs the layers in: stage index and layers, one entry per stage, or
     /// with spread host layers ([`HostLayers::Spread`]) alternating runs of host and GPU layers.
     segments: Vec<(usize, Range<usize>)>,
+    /// What `spread:auto` timed to choose the host layers ([`spread_auto_layer_steps`](Self::spread_auto_layer_steps)).
+    layer_steps: Option<LayerSteps>,
     timing: std::sync::atomic::AtomicBool,
     totals: std::sync::Mutex<TransferTotals>,
 }
@@ -294,6 +306,7 @@ impl CausalLm {
             fused: None,
             on_host: Vec::new(),
             segments,
+            layer_steps: None,
             timing: std::sync::atomic::AtomicBool::new(false),
             totals: std::sync::Mutex::new(TransferTotals::default()),
         })
@@ -421,7 +434,27 @@ impl CausalLm {
         settings: &OffloadSettings,
         host: HostLayers,
     ) -> std::result::Result<usize, ModelError> {
+        Self::host_split(
+            cfg, store, device, dtype, prompt_len, max_len, settings, host,
+        )
+        .map(|(h, _)| h)
+    }
+
+    /// [`host_layers_for`](Self::host_layers_for), with the layer steps
+    /// [`HostLayers::SpreadAuto`] timed to choose (`None` where it timed none).
+    #[allow(clippy::too_many_arguments)]
+    fn host_split(
+        cfg: &Config,
+        store: &Arc<candle_offload::HostStore>,
+        device: &Device,
+        dtype: DType,
+        prompt_len: usize,
+        max_len: usize,
+        settings: &OffloadSettings,
+        host: HostLayers,
+    ) -> std::result::Result<(usize, Option<LayerSteps>), ModelError> {
         let n = cfg.num_hidden_layers;
+        let mut steps = None;
         let invalid = |reason: String| -> ModelError {
             candle_offload::Error::InvalidConfig {
                 field: "host_layers".into(),
@@ -439,7 +472,7 @@ impl CausalLm {
             HostLayers::Count(h) | HostLayers::Spread(h) => h,
             HostLayers::Auto | HostLayers::SpreadAuto => {
                 if device.is_cpu() {
-                    return Ok(0);
+                    return Ok((0, None));
                 }
                 let budget = device_budget(device, settings.gpu_memory_limit)?;
                 let bytes = |name: &str| store.unit_id(name).map_or(0, |id| store.unit(id).bytes());
@@ -465,7 +498,7 @@ impl CausalLm {
                     + layout.head.as_deref().map_or(0, own)
                     + (0..n).map(|l| own(&layout.layer(l))).sum::<u64>();
                 if whole <= budget {
-                    return Ok(0);
+                    return Ok((0, None));
                 }
                 // Tied embeddings: the GPU keeps the head, which is the embedding matrix.
                 if layout.head.is_none() {
@@ -486,6 +519,7 @@ impl CausalLm {
                     let split = candle_offload::spread_host_split(
                         &layers, fixed, per_layer, budget, slots, host_rate, link_rate, device_s,
                     );
+                    steps = Some(LayerSteps { host_s, device_s });
                     tracing::info!(
                         host_gbps = host_rate / 1e9,
                         link_gbps = link_rate / 1e9,
@@ -507,7 +541,14 @@ impl CausalLm {
                 })?
             }
         };
-        Ok(count)
+        Ok((count, steps))
+    }
+
+    /// What [`HostLayers::SpreadAuto`] timed when this model was built, to choose its host
+    /// layers (`None` for other choices, and where it timed nothing: on a CPU device, or a
+    /// model that fits).
+    pub fn spread_auto_layer_steps(&self) -> Option<LayerSteps> {
+        self.layer_steps
     }
 
     /// Seconds one decode step of the first decoder layer takes on the host CPU, from a CPU copy
@@ -624,13 +665,15 @@ impl CausalLm {
         host: HostLayers,
         source: &std::path::Path,
     ) -> std::result::Result<Self, ModelError> {
-        let h = Self::host_layers_for(
+        let (h, steps) = Self::host_split(
             cfg, &store, device, dtype, prompt_len, max_len, settings, host,
         )?;
         if h == 0 {
-            return Self::from_store(
+            let mut model = Self::from_store(
                 cfg, store, device, dtype, prompt_len, max_len, settings, source,
-            );
+            )?;
+            model.layer_steps = steps;
+            return Ok(model);
         }
         let n = cfg.num_hidden_layers;
         let on_host = host.host_set(h, n);
@@ -708,6 +751,7 @@ impl CausalLm {
         }
         model.segments = segments;
         model.on_host = on_host.clone();
+        model.layer_steps = steps;
         // GGML blocks on the host multiply F32 activations (`cpu_quant`, and Candle's CPU
         // quantized matmul takes nothing else); dense host layers keep the model's dtype.
         let blocks = (0..n).filter(|&l| on_host[l]).any(|l| {

@@ -44,7 +44,9 @@ pub mod quantize;
 pub mod sampling;
 pub mod train;
 
-pub use causal::{CausalLm, DeviceMapChoice, HiddenTransfer, HostLayers, OffloadSettings};
+pub use causal::{
+    CausalLm, DeviceMapChoice, HiddenTransfer, HostLayers, LayerSteps, OffloadSettings,
+};
 pub use chat::ChatTemplate;
 pub use config::Config;
 pub use error::{ModelError, Result};
