@@ -423,32 +423,41 @@ fn quantize_x_q8(x: &Tensor) -> anyhow::Result<Tensor> {
     Ok(Tensor::from_vec(v, x.shape(), &Device::Cpu)?)
 }
 
-/// Forces a `qlinear_small` kernel variant (`None`: each block type its default) for its
-/// lifetime and restores the previous state on drop (also when a check fails). Other tests that
-/// run meanwhile and use the quantized ops get the variant set here: they compare with
-/// dequantized models within tolerances that Candle's own quantized matmul meets with x
-/// quantized to 8 bits, so they pass with any variant, v3's and v4's quantized x included.
-struct QlinearVariantGuard(Option<ops::QlinearVariant>);
+/// Sets one of `ops`' process-wide switches for its lifetime and restores the value it had on
+/// drop (also when a check fails).
+struct Switch<T: Copy> {
+    old: T,
+    set: fn(T),
+}
 
-impl QlinearVariantGuard {
-    fn set(v: Option<ops::QlinearVariant>) -> Self {
-        let old = ops::qlinear_variant();
-        Self::apply(v);
-        Self(old)
-    }
-
-    fn apply(v: Option<ops::QlinearVariant>) {
-        match v {
-            Some(v) => ops::set_qlinear_variant(v),
-            None => ops::clear_qlinear_variant(),
-        }
+impl<T: Copy> Switch<T> {
+    fn set(get: fn() -> T, set: fn(T), value: T) -> Self {
+        let old = get();
+        set(value);
+        Self { old, set }
     }
 }
 
-impl Drop for QlinearVariantGuard {
+impl<T: Copy> Drop for Switch<T> {
     fn drop(&mut self) {
-        Self::apply(self.0);
+        (self.set)(self.old);
     }
+}
+
+/// Forces a `qlinear_small` kernel variant (`None`: each block type its default) for its
+/// lifetime. Other tests that run meanwhile and use the quantized ops get the variant set here:
+/// they compare with dequantized models within tolerances that Candle's own quantized matmul
+/// meets with x quantized to 8 bits, so they pass with any variant, v3's and v4's quantized x
+/// included.
+fn force_qlinear_variant(v: Option<ops::QlinearVariant>) -> Switch<Option<ops::QlinearVariant>> {
+    Switch::set(
+        ops::qlinear_variant,
+        |v| match v {
+            Some(v) => ops::set_qlinear_variant(v),
+            None => ops::clear_qlinear_variant(),
+        },
+        v,
+    )
 }
 
 /// The names `CANDLE_OFFLOAD_QLINEAR` takes, each its variant's, in any case; others none.
@@ -509,7 +518,7 @@ fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
     // catches any other setter that would make a variant's checks run another kernel.
     let forced = ops::QlinearVariant::ALL.map(Some);
     for variant in forced.into_iter().chain([None]) {
-        let _guard = QlinearVariantGuard::set(variant);
+        let _guard = force_qlinear_variant(variant);
         anyhow::ensure!(ops::qlinear_variant() == variant, "variant not set");
         qlinear_small_matches_dequantized_in(device, variant)?;
         anyhow::ensure!(
@@ -650,45 +659,12 @@ test_device!(
     ops_qlinear_small_gpu
 );
 
-/// Turns the K-quant kernel on or off for its lifetime and restores the previous state on drop.
-struct QlinearKGuard(bool);
-
-impl QlinearKGuard {
-    fn set(on: bool) -> Self {
-        let old = ops::qlinear_k();
-        ops::set_qlinear_k(on);
-        Self(old)
-    }
-}
-
-impl Drop for QlinearKGuard {
-    fn drop(&mut self) {
-        ops::set_qlinear_k(self.0);
-    }
-}
-
 /// The K-quant kernel, Q4_K and Q6_K (on by default, `ops::set_qlinear_k`): `qlinear_small`,
 /// its q/k/v form and its gate/up form against x times the dequantized super-blocks in F32. On a GPU with the
 /// kernel on: within the usual tolerances, and the fit says so; with it off (and on the CPU):
 /// the composition, Candle's quantized matmul, which quantizes x to 8 bits (within 5e-2). Rows
 /// 1 to 8, and 9 (the composition); widths of 1, 2, 3, 11 and 16 super-blocks; weights of 37
 /// and 8 rows (a pair of 8 and 37 in one launch, columns past a warp's).
-struct QlinearKRowsGuard(usize);
-
-impl QlinearKRowsGuard {
-    fn set(rows: usize) -> Self {
-        let old = ops::qlinear_k_rows();
-        ops::set_qlinear_k_rows(rows);
-        Self(old)
-    }
-}
-
-impl Drop for QlinearKRowsGuard {
-    fn drop(&mut self) {
-        ops::set_qlinear_k_rows(self.0);
-    }
-}
-
 fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
     // (kernel on, its columns per warp): 2 (Q4_K, up to 2 rows of x) sums each dot product in
     // the same order as 1, so its outputs must equal those bit for bit.
@@ -700,8 +676,12 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
     let mut by_one: std::collections::HashMap<String, Vec<f32>> = Default::default();
     for &(on, cols) in modes {
         // Only the GPU instance sets the switch; the CPU path is the composition either way.
-        let _guard = device.is_cuda().then(|| QlinearKGuard::set(on));
-        let _rows = device.is_cuda().then(|| QlinearKRowsGuard::set(cols));
+        let _guard = device
+            .is_cuda()
+            .then(|| Switch::set(ops::qlinear_k, ops::set_qlinear_k, on));
+        let _rows = device
+            .is_cuda()
+            .then(|| Switch::set(ops::qlinear_k_rows, ops::set_qlinear_k_rows, cols));
         for (dtype, qtype) in DTYPES
             .into_iter()
             .flat_map(|d| [(d, GgmlDType::Q4K), (d, GgmlDType::Q6K)])
