@@ -661,27 +661,39 @@ test_device!(
 
 /// The K-quant kernel, Q4_K and Q6_K (on by default, `ops::set_qlinear_k`): `qlinear_small`,
 /// its q/k/v form and its gate/up form against x times the dequantized super-blocks in F32. On a GPU with the
-/// kernel on: within the usual tolerances, and the fit says so; with it off (and on the CPU):
+/// kernel on: within the usual tolerances, and the fit says so; with x quantized to 8 bits
+/// (`ops::set_qlinear_k_q8`): within [`v3_tolerance`] of x rounded as variant 4 rounds it times
+/// the same weights (a wrong nibble, high bit, scale or min fails that) and within 5e-2 of x;
+/// with the kernel off (and on the CPU):
 /// the composition, Candle's quantized matmul, which quantizes x to 8 bits (within 5e-2). Rows
-/// 1 to 8, and 9 (the composition); widths of 1, 2, 3, 11 and 16 super-blocks; weights of 37
+/// 1 to 8, and 9 (the composition); widths of 1, 2, 3, 11 and 16 super-blocks (Q6_K rows of an
+/// odd number of super-blocks start 2 bytes past a 4-byte boundary); weights of 37
 /// and 8 rows (a pair of 8 and 37 in one launch, columns past a warp's).
 fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
-    // (kernel on, its columns per warp): 2 (Q4_K, up to 2 rows of x) sums each dot product in
-    // the same order as 1, so its outputs must equal those bit for bit.
-    let modes: &[(bool, usize)] = if device.is_cuda() {
-        &[(true, 1), (true, 2), (false, 1)]
+    // (kernel on, its columns per warp, x quantized): 2 (Q4_K, up to 2 rows of x) sums each dot
+    // product in the same order as 1, so its outputs must equal those bit for bit.
+    let modes: &[(bool, usize, bool)] = if device.is_cuda() {
+        &[
+            (true, 1, false),
+            (true, 2, false),
+            (true, 1, true),
+            (false, 1, false),
+        ]
     } else {
-        &[(false, 1)]
+        &[(false, 1, false)]
     };
     let mut by_one: std::collections::HashMap<String, Vec<f32>> = Default::default();
-    for &(on, cols) in modes {
-        // Only the GPU instance sets the switch; the CPU path is the composition either way.
+    for &(on, cols, q8) in modes {
+        // Only the GPU instance sets the switches; the CPU path is the composition either way.
         let _guard = device
             .is_cuda()
             .then(|| Switch::set(ops::qlinear_k, ops::set_qlinear_k, on));
         let _rows = device
             .is_cuda()
             .then(|| Switch::set(ops::qlinear_k_rows, ops::set_qlinear_k_rows, cols));
+        let _q8 = device
+            .is_cuda()
+            .then(|| Switch::set(ops::qlinear_k_q8, ops::set_qlinear_k_q8, q8));
         for (dtype, qtype) in DTYPES
             .into_iter()
             .flat_map(|d| [(d, GgmlDType::Q4K), (d, GgmlDType::Q6K)])
@@ -717,8 +729,14 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                     Ok(x.to_dtype(DType::F32)?
                         .broadcast_matmul(&w.dequantize(device)?.t()?)?)
                 };
+                // x rounded as the quantizing kernel rounds it, times the same weights.
+                let xq = quantize_x_q8(&x)?;
+                let qdense = |w: &QTensor| -> anyhow::Result<Tensor> {
+                    let w = w.dequantize(device)?.to_device(&Device::Cpu)?;
+                    Ok(xq.broadcast_matmul(&w.t()?)?)
+                };
                 let mut same = |what: &str, got: &Tensor| -> anyhow::Result<()> {
-                    if !on {
+                    if !on || q8 {
                         return Ok(());
                     }
                     let key = format!("{what} {dtype:?} {qtype:?} {xs:?}");
@@ -735,9 +753,20 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                     }
                     Ok(())
                 };
-                let check = |what: &str, got: &Tensor, want_f32: &Tensor| {
-                    let what = format!("{what} {qtype:?} {xs:?} kernel {on} columns {cols}");
+                let check = |what: &str, got: &Tensor, want_f32: &Tensor, qwant: &Tensor| {
+                    let what =
+                        format!("{what} {qtype:?} {xs:?} kernel {on} columns {cols} q8 {q8}");
                     let want = want_f32.to_dtype(dtype)?;
+                    if kernel && q8 {
+                        let (d, tol) = (rel_diff_values(got, qwant)?, v3_tolerance(dtype));
+                        anyhow::ensure!(
+                            d <= tol,
+                            "{what} {dtype:?}: {d:e} > {tol:e} (x quantized)"
+                        );
+                        let d = rel_diff_values(got, &want)?;
+                        anyhow::ensure!(d <= 5e-2, "{what} {dtype:?}: {d:e} > 5e-2 (x)");
+                        return Ok(());
+                    }
                     if kernel {
                         return ensure_close(&what, got, &want, dtype);
                     }
@@ -746,7 +775,7 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                     Ok(())
                 };
                 let one = ops::qlinear_small(&x, &ws[0])?;
-                check("qlinear_small", &one, &dense_f32(&ws[0])?)?;
+                check("qlinear_small", &one, &dense_f32(&ws[0])?, &qdense(&ws[0])?)?;
                 same("qlinear_small", &one)?;
                 for (s, set) in [&[&ws[0], &ws[1], &ws[2]][..], &[&ws[1], &ws[3]]]
                     .into_iter()
@@ -756,7 +785,7 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                     anyhow::ensure!(got.len() == set.len());
                     for (j, (g, w)) in got.iter().zip(set).enumerate() {
                         anyhow::ensure!(g.is_contiguous(), "outputs are contiguous");
-                        check("qlinear_small_multi", g, &dense_f32(w)?)?;
+                        check("qlinear_small_multi", g, &dense_f32(w)?, &qdense(w)?)?;
                         same(&format!("qlinear_small_multi {s} {j}"), g)?;
                     }
                 }
@@ -764,7 +793,8 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                 {
                     let got = ops::qlinear_silu_mul(&x, gate, up)?;
                     let want = ops::silu_mul_unfused(&dense_f32(gate)?, &dense_f32(up)?)?;
-                    check("qlinear_silu_mul", &got, &want)?;
+                    let qwant = ops::silu_mul_unfused(&qdense(gate)?, &qdense(up)?)?;
+                    check("qlinear_silu_mul", &got, &want, &qwant)?;
                     same(&format!("qlinear_silu_mul {s}"), &got)?;
                 }
             }

@@ -1607,6 +1607,145 @@ __device__ void qlinear_k2_small(const T *x, const uint8_t *w0, const uint8_t *w
     }
 }
 
+// qlinear_small for K-quant blocks with x quantized (`qlinear4k_small_r<R>_m<M>_<q>_<dtype>`,
+// opt-in until measured: ops::set_qlinear_k_q8): variant 4's arithmetic for Q4_K and Q6_K. x
+// comes as qlinear4_quantize_x wrote it (8-bit blocks of 32 with scale and quant sum), and the
+// dot products are __dp4a over words of four weight quants, as llama.cpp's K-quant kernels take
+// them (its q8_1 x), where qlinear_k_small converts every weight and x value to float: the
+// conversions bound that kernel at about 0.65 TB/s of weights on an H200. Variant 2's warps and
+// columns (qrows2, qstore2); lane j of a round takes block j of 32 elements (one 6-bit-scaled
+// sub-block of Q4_K, two 16-element sub-blocks of Q6_K) of each of its R weight rows, reading
+// its quants straight from global memory (the two lanes of a Q4_K byte pair, and the four of a
+// Q6_K high-bit group, read the same words in the same instruction), and x's block b once per
+// row of x.
+//
+// A block of 32 elements of a K-quant row, as the integer dot products take it: its quants as
+// eight words of signed bytes in element order (Q6_K's less 32), the scales s0 of words 0..3
+// and s1 of words 4..7, and the min mn (Q4_K's dmin · min; 0 for Q6_K), so that its dot product
+// with x's quantized block (scale dx, quants q, their sum sq) is
+//     dx (s0 Σ_{g<4} dp4a(w_g, q_g) + s1 Σ_{g≥4} dp4a(w_g, q_g) - mn sq).
+struct KQ8Block {
+    int q[8];
+    float s0, s1, mn;
+};
+// Eight little-endian words from p, only 2-byte aligned (Q6_K's super-blocks): nine aligned
+// word loads and funnel shifts; the ninth word lies inside the same super-block for every use
+// below.
+__device__ __forceinline__ void ld_words_a2(const uint8_t *p, uint32_t *w) {
+    const uint32_t *a = reinterpret_cast<const uint32_t *>((uintptr_t)p & ~(uintptr_t)3);
+    const uint32_t sh = ((uint32_t)(uintptr_t)p & 3u) * 8u;
+    uint32_t v[9];
+#pragma unroll
+    for (int i = 0; i < 9; ++i) v[i] = __ldcs(a + i);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = __funnelshift_r(v[i], v[i + 1], sh);
+}
+template <int KT> __device__ __forceinline__ void kq8_block(const uint8_t *row, uint32_t b,
+                                                           KQ8Block &o);
+// Q4_K block b: sub-block j = b % 8 of super-block b / 8, the low (j even) or high nibbles of
+// quant bytes 32 (j / 2) .. + 32 (q4k_dot_row's layout).
+template <> __device__ __forceinline__ void kq8_block<KT_Q4_K>(const uint8_t *row, uint32_t b,
+                                                              KQ8Block &o) {
+    const uint8_t *sb = row + (size_t)(b >> 3) * 144u;
+    const uint32_t j = b & 7u;
+    const uint4 *qv = reinterpret_cast<const uint4 *>(sb + 16u + 32u * (j >> 1));
+    const uint4 qa = __ldcs(qv), qb = __ldcs(qv + 1);
+    const uint32_t w[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+    const uint32_t sh = 4u * (j & 1u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o.q[i] = (int)((w[i] >> sh) & 0x0F0F0F0Fu);
+    const __half2 dm = *reinterpret_cast<const __half2 *>(sb);
+    float sc, mn;
+    q4k_scale_min(sb + 4, j, sc, mn);
+    o.s0 = o.s1 = __low2float(dm) * sc;
+    o.mn = __high2float(dm) * mn;
+}
+// Q6_K block b: within super-block b / 8, half h = (b / 4) % 2 and j = b % 4 (q6k_dot_row's
+// element 128h + 32j + l): low bits from bytes 64h + 32 (j % 2) + l, nibble j / 2, high bits
+// 2j of bytes 128 + 32h + l, scales 8h + 2j (l < 16) and 8h + 2j + 1.
+template <> __device__ __forceinline__ void kq8_block<KT_Q6_K>(const uint8_t *row, uint32_t b,
+                                                              KQ8Block &o) {
+    const uint8_t *sb = row + (size_t)(b >> 3) * 210u;
+    const uint32_t h = (b >> 2) & 1u, j = b & 3u;
+    uint32_t lo[8], hi[8];
+    ld_words_a2(sb + 64u * h + 32u * (j & 1u), lo);
+    ld_words_a2(sb + 128u + 32u * h, hi);
+    const uint32_t ls = 4u * (j >> 1), hs = 2u * j;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const uint32_t v = ((lo[i] >> ls) & 0x0F0F0F0Fu) | (((hi[i] >> hs) & 0x03030303u) << 4);
+        o.q[i] = (int)__vsub4(v, 0x20202020u);
+    }
+    const uint16_t sc = *reinterpret_cast<const uint16_t *>(sb + 192u + 8u * h + 2u * j);
+    const float d = sm_f16(sb + 208);
+    o.s0 = d * (float)(int8_t)(sc & 0xFFu);
+    o.s1 = d * (float)(int8_t)(sc >> 8);
+    o.mn = 0.0f;
+}
+// acc + the block's dot product with x's block (lo, hi, s) (the formula above).
+__device__ __forceinline__ float kq8_dot(const KQ8Block &w, const uint4 &lo, const uint4 &hi,
+                                         const XBlock8 &s, float acc) {
+    int a = __dp4a(w.q[0], (int)lo.x, 0);
+    a = __dp4a(w.q[1], (int)lo.y, a);
+    a = __dp4a(w.q[2], (int)lo.z, a);
+    a = __dp4a(w.q[3], (int)lo.w, a);
+    int c = __dp4a(w.q[4], (int)hi.x, 0);
+    c = __dp4a(w.q[5], (int)hi.y, c);
+    c = __dp4a(w.q[6], (int)hi.z, c);
+    c = __dp4a(w.q[7], (int)hi.w, c);
+    return fmaf(s.d, w.s0 * (float)a + w.s1 * (float)c - w.mn * (float)s.sum, acc);
+}
+// qlinear_small's contract for K-quant weights, x given as qlinear4_quantize_x wrote it.
+template <typename T, int M, int KT, int R>
+__device__ void qlinear4k_small(const uint4 *xq, const uint8_t *w0, const uint8_t *w1,
+                                const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
+                                uint32_t n2, uint32_t k, uint32_t silu) {
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t gw = blockIdx.x * OPS_WARPS + (threadIdx.x >> 5);
+    const size_t row_bytes = (size_t)(k >> 8) * KBlock<KT>::BYTES;
+    const uint8_t *rows[R];
+    uint32_t col0;
+    if (!qrows2<T, R>(gw, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu, col0, rows)) return;
+    const uint32_t nb = k >> 5;
+    const uint32_t nbp = (nb + 31u) & ~31u;
+    const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)m * 2u * nbp);
+    float acc[R][M];
+#pragma unroll
+    for (int w = 0; w < R; ++w)
+#pragma unroll
+        for (int r = 0; r < M; ++r) acc[w][r] = 0.0f;
+#pragma unroll 2
+    for (uint32_t b = lane; b < nb; b += 32u) {
+        if (M == 1) {
+            uint4 lo, hi;
+            XBlock8 s;
+            load_xblock(xq, xs, nbp, 0, b, lo, hi, s);
+#pragma unroll
+            for (int w = 0; w < R; ++w) {
+                KQ8Block q;
+                kq8_block<KT>(rows[w], b, q);
+                acc[w][0] = kq8_dot(q, lo, hi, s, acc[w][0]);
+            }
+        } else {
+#pragma unroll
+            for (int w = 0; w < R; ++w) {
+                KQ8Block q;
+                kq8_block<KT>(rows[w], b, q);
+#pragma unroll
+                for (int r = 0; r < M; ++r) {
+                    if ((uint32_t)r < m) {
+                        uint4 lo, hi;
+                        XBlock8 s;
+                        load_xblock(xq, xs, nbp, r, b, lo, hi, s);
+                        acc[w][r] = kq8_dot(q, lo, hi, s, acc[w][r]);
+                    }
+                }
+            }
+        }
+    }
+    qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
+}
+
 // qlinear_k2_small_r<R>_m<M>_<q>_<dtype>: qlinear_k_small's arguments, R columns per warp.
 #define QLINEAR_K2_SMALL_ONE(T, SUFFIX, M, R, KT, QNAME)                                        \
     extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS)                                 \
@@ -1621,6 +1760,30 @@ __device__ void qlinear_k2_small(const T *x, const uint8_t *w0, const uint8_t *w
 #define QLINEAR_K2_SMALL_ALL(T, SUFFIX)                                                         \
     QLINEAR_K2_SMALL_ONE(T, SUFFIX, 1, 2, KT_Q4_K, q4_k)                                        \
     QLINEAR_K2_SMALL_ONE(T, SUFFIX, 2, 2, KT_Q4_K, q4_k)
+// qlinear4k_small_r<R>_m<M>_<q>_<dtype>: qlinear4k_small, variant 4's arguments, R weight rows
+// per warp; variant 4's instances (R = 2 up to 8 rows of x, R = 4 up to 2). At most 80 registers
+// (6 blocks of 4 warps per SM): within 64, ptxas -v (sm_90) spilled 4-128 bytes in most of
+// them (two rounds of blocks in flight per lane, `unroll 2`).
+#define QLINEAR4K_SMALL_FOR(T, SUFFIX, M, R)                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
+        qlinear4k_small_r##R##_m##M##_q4_k_##SUFFIX(                                            \
+        const uint4 *xq, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y,         \
+        uint32_t m, uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {         \
+        qlinear4k_small<T, M, KT_Q4_K, R>(xq, w0, w1, w2, y, m, n0, n1, n2, k, silu);           \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
+        qlinear4k_small_r##R##_m##M##_q6_k_##SUFFIX(                                            \
+        const uint4 *xq, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y,         \
+        uint32_t m, uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {         \
+        qlinear4k_small<T, M, KT_Q6_K, R>(xq, w0, w1, w2, y, m, n0, n1, n2, k, silu);           \
+    }
+#define QLINEAR4K_SMALL_ALL(T, SUFFIX)                                                          \
+    QLINEAR4K_SMALL_FOR(T, SUFFIX, 1, 2)                                                        \
+    QLINEAR4K_SMALL_FOR(T, SUFFIX, 2, 2)                                                        \
+    QLINEAR4K_SMALL_FOR(T, SUFFIX, 4, 2)                                                        \
+    QLINEAR4K_SMALL_FOR(T, SUFFIX, 8, 2)                                                        \
+    QLINEAR4K_SMALL_FOR(T, SUFFIX, 1, 4)                                                        \
+    QLINEAR4K_SMALL_FOR(T, SUFFIX, 2, 4)
 
 // qlinear_small_m<M>_<q>_<dtype>: at most M rows of x against weights of GGML type q.
 #define QLINEAR_SMALL_FOR(T, SUFFIX, M, QT, QNAME)                                              \
@@ -1684,6 +1847,7 @@ __device__ void qlinear_k2_small(const T *x, const uint8_t *w0, const uint8_t *w
     QLINEAR_RM_TYPES(FOR, T, SUFFIX, 2, 4)
 #define QLINEAR_SMALL_ALL(T, SUFFIX)                                                            \
     QLINEAR_K2_SMALL_ALL(T, SUFFIX)                                                             \
+    QLINEAR4K_SMALL_ALL(T, SUFFIX)                                                              \
     QLINEAR_K_SMALL_FOR(T, SUFFIX, 1)                                                           \
     QLINEAR_K_SMALL_FOR(T, SUFFIX, 2)                                                           \
     QLINEAR_K_SMALL_FOR(T, SUFFIX, 4)                                                           \

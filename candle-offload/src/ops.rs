@@ -1133,6 +1133,47 @@ pub fn qlinear_k_rows() -> usize {
     }))
 }
 
+/// The environment variable that sets whether the K-quant kernel quantizes x to 8 bits
+/// ([`qlinear_k_q8`]): `1`, `on` or `true` turn it on, `0`, `off` or `false` off; anything else
+/// (and unset) leaves the default.
+pub const QLINEAR_K_Q8_ENV: &str = "CANDLE_OFFLOAD_QLINEAR_K_Q8";
+
+/// [`qlinear_k_q8`]'s state: 0 until first read or set, 1 off, 2 on.
+static QLINEAR_K_Q8: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether [`qlinear_k_q8`] is on when neither [`set_qlinear_k_q8`] nor [`QLINEAR_K_Q8_ENV`]
+/// says.
+pub const DEFAULT_QLINEAR_K_Q8: bool = false;
+
+/// Turns x's 8-bit quantization in the K-quant kernel on or off for the whole process, from the
+/// next call on; it wins over [`QLINEAR_K_Q8_ENV`].
+pub fn set_qlinear_k_q8(on: bool) {
+    QLINEAR_K_Q8.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the K-quant kernel (Q4_K, Q6_K; [`qlinear_k`]) quantizes x to 8 bits in blocks of
+/// 32 first and takes integer dot products (`qlinear4k_small` in kernels/ops.cu, after variant
+/// 4's quantizing launch, [`QlinearVariant::V4`]), as llama.cpp's K-quant kernels do, instead
+/// of converting every weight and x value to float. Its results are x rounded to those blocks
+/// times the dequantized weights, as [`QlinearVariant::V4`]'s are for the 32-element types; it
+/// takes up to 8 rows of x, and wins over [`qlinear_k_rows`]. [`DEFAULT_QLINEAR_K_Q8`] unless
+/// [`set_qlinear_k_q8`] or [`QLINEAR_K_Q8_ENV`] (read once) say otherwise.
+pub fn qlinear_k_q8() -> bool {
+    let code = switch_code(&QLINEAR_K_Q8, || {
+        match std::env::var(QLINEAR_K_Q8_ENV)
+            .ok()
+            .map(|v| v.trim().to_ascii_lowercase())
+            .as_deref()
+        {
+            Some("1" | "on" | "true") => 2,
+            Some("0" | "off" | "false") => 1,
+            _ if DEFAULT_QLINEAR_K_Q8 => 2,
+            _ => 1,
+        }
+    });
+    code == 2
+}
+
 /// The code of a process-wide switch kept in `cell` (0: not yet read or set): the value a setter
 /// stored, else `from_env()`'s (its environment variable, read once), stored unless a
 /// concurrent setter got there first, whose value then wins.
