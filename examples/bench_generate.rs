@@ -569,7 +569,6 @@ fn main() -> Result<()> {
                 // The K-quant kernel's switch (Q4_K, Q6_K; on unless CANDLE_OFFLOAD_QLINEAR_K=0).
                 "qlinear_k": candle_offload::ops::qlinear_k(),
                 "qlinear_k_rows": candle_offload::ops::qlinear_k_rows(),
-                "qlinear_k_q8": candle_offload::ops::qlinear_k_q8(),
                 // The variant each GGML block type ran.
                 "qlinear_variants": candle_offload::ops::DEFAULT_QLINEAR_VARIANTS
                     .map(|(t, _)| (format!("{t:?}"), candle_offload::ops::qlinear_variant_for(t).name()))

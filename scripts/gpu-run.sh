@@ -38,7 +38,7 @@
 #                 quantized blocks unless f16) next to llama.cpp on the same file in the same
 #                 process, budgets $QB_BUDGETS (4,8,12,full), prompts $QB_PROMPTS (64,512), more
 #                 bench_generate arguments from $QB_ARGS, once per qlinear_small kernel variant
-#                 in $QB_VARIANTS (v1 v2 v2r2 v2r4 v3 v4; k / k-off: the K-quant kernel on (floats) / off; k2: on, 2 columns a warp (Q4_K); kq8: on with x quantized to 8 bits; or default: each block type's
+#                 in $QB_VARIANTS (v1 v2 v2r2 v2r4 v3 v4; k / k-off: the K-quant kernel on converting to floats (v2) / off; k2: k at 2 columns a warp (Q4_K); or default: each block type's
 #                 own, ops::DEFAULT_QLINEAR_VARIANTS; llama.cpp with the first only)
 #                 -> $OUT/qbench-W[-V].json [QBENCH_S=300]
 #   qonload[=W,..] bench_generate on /tmp/llama7b (needs make7b) quantized on load to W (q4_0,
@@ -158,13 +158,12 @@ bench_variants() {
   shift 2
   for v in ${QB_VARIANTS:-default}; do
     tag=$w; [[ "$v" == default ]] || tag=$w-$v
-    # `k` and `k-off`: the default variants with the K-quant kernel forced on (converting to
-    # floats) or off; `k2`: on at 2 output columns a warp for Q4_K (ops::set_qlinear_k_rows);
-    # `kq8`: on with x quantized to 8 bits (ops::set_qlinear_k_q8).
-    local kq= kr= k8=
-    case "$v" in k) kq=1 k8=0 ;; k-off) kq=0 ;; k2) kq=1 kr=2 k8=0 ;; kq8) kq=1 k8=1 ;; esac
-    [[ -n "$kq" ]] && v=default
-    (cd /tmp && CANDLE_OFFLOAD_QLINEAR_K_Q8=${k8:-${CANDLE_OFFLOAD_QLINEAR_K_Q8:-}} CANDLE_OFFLOAD_QLINEAR_K_ROWS=${kr:-${CANDLE_OFFLOAD_QLINEAR_K_ROWS:-}} CANDLE_OFFLOAD_QLINEAR_K=${kq:-${CANDLE_OFFLOAD_QLINEAR_K:-}} CANDLE_OFFLOAD_QLINEAR=${v/default/} timeout "${QBENCH_S:-300}" "$BIN/bench_generate" \
+    # `k`: the K-quant kernel forced on, converting to floats (v2 for every type: for K-quant
+    # files); `k-off`: the default variants with it off; `k2`: `k` at 2 output columns a warp
+    # for Q4_K (ops::set_qlinear_k_rows). v3 / v4 on a K-quant file: x quantized to 8 bits.
+    local kq= kr=
+    case "$v" in k) kq=1 v=v2 ;; k-off) kq=0 v=default ;; k2) kq=1 kr=2 v=v2 ;; esac
+    (cd /tmp && CANDLE_OFFLOAD_QLINEAR_K_ROWS=${kr:-${CANDLE_OFFLOAD_QLINEAR_K_ROWS:-}} CANDLE_OFFLOAD_QLINEAR_K=${kq:-${CANDLE_OFFLOAD_QLINEAR_K:-}} CANDLE_OFFLOAD_QLINEAR=${v/default/} timeout "${QBENCH_S:-300}" "$BIN/bench_generate" \
       "$@" "${first_args[@]}" --json-out "$OUT/$prefix-$tag.json") >"$OUT/$prefix-$tag.log" 2>&1
     echo "$prefix $tag exit $?"
     grep -v "^llama.cpp probe" "$OUT/$prefix-$tag.log" | tail -"${QB_TAIL:-20}"

@@ -475,11 +475,11 @@ fn ops_qlinear_variant_names() {
     }
 }
 
-/// The per-type defaults: every block type with a kernel listed once, each type's default its
-/// entry, and a type without one V2.
+/// The per-type defaults: every block type with a kernel listed once (the K-quants too), each
+/// type's default its entry, and a type without one V2.
 #[test]
 fn ops_qlinear_default_variants() {
-    for t in QTYPES {
+    for t in QTYPES.into_iter().chain([GgmlDType::Q4K, GgmlDType::Q6K]) {
         let entries: Vec<_> = ops::DEFAULT_QLINEAR_VARIANTS
             .iter()
             .filter(|(ty, _)| *ty == t)
@@ -488,10 +488,14 @@ fn ops_qlinear_default_variants() {
         assert_eq!(ops::default_qlinear_variant(t), entries[0].1, "{t:?}");
     }
     assert_eq!(
-        ops::default_qlinear_variant(GgmlDType::Q4K),
+        ops::default_qlinear_variant(GgmlDType::Q2K),
         ops::QlinearVariant::V2
     );
 }
+
+/// Held by the GPU tests that force a kernel variant (the switch is process-wide), so that
+/// each sees its own variants run.
+static VARIANT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// `qlinear_small`, its q/k/v and gate/up forms, against x times the blocks dequantized to F32,
 /// on a GPU once per kernel variant forced (v1; v2 with the rows per warp it picks, and with 2
@@ -514,8 +518,10 @@ fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
         // process-wide variant alone (the GPU instance may be setting it at the same time).
         return qlinear_small_matches_dequantized_in(device, None);
     }
-    // Only this instance sets the variant in this test binary; checking it after the run too
-    // catches any other setter that would make a variant's checks run another kernel.
+    // Only the GPU tests holding VARIANT_LOCK set the variant in this test binary; checking it
+    // after the run too catches any other setter that would make a variant's checks run
+    // another kernel.
+    let _lock = VARIANT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let forced = ops::QlinearVariant::ALL.map(Some);
     for variant in forced.into_iter().chain([None]) {
         let _guard = force_qlinear_variant(variant);
@@ -659,41 +665,47 @@ test_device!(
     ops_qlinear_small_gpu
 );
 
-/// The K-quant kernel, Q4_K and Q6_K (on by default, `ops::set_qlinear_k`): `qlinear_small`,
+/// The K-quant kernels, Q4_K and Q6_K (on by default, `ops::set_qlinear_k`): `qlinear_small`,
 /// its q/k/v form and its gate/up form against x times the dequantized super-blocks in F32. On a GPU with the
-/// kernel on: within the usual tolerances, and the fit says so; with x quantized to 8 bits
-/// (`ops::set_qlinear_k_q8`): within [`v3_tolerance`] of x rounded as variant 4 rounds it times
-/// the same weights (a wrong nibble, high bit, scale or min fails that) and within 5e-2 of x;
+/// kernel on: converting to floats (variant 2 forced), within the usual tolerances, and the
+/// fit says so; with x quantized to 8 bits (variants 3 and 4 forced, and each type's default):
+/// within [`v3_tolerance`] of x rounded as variants 3 and 4 round it times the same weights (a
+/// wrong nibble, high bit, scale or min fails that) and within 5e-2 of x;
 /// with the kernel off (and on the CPU):
 /// the composition, Candle's quantized matmul, which quantizes x to 8 bits (within 5e-2). Rows
 /// 1 to 8, and 9 (the composition); widths of 1, 2, 3, 11 and 16 super-blocks (Q6_K rows of an
 /// odd number of super-blocks start 2 bytes past a 4-byte boundary); weights of 37
 /// and 8 rows (a pair of 8 and 37 in one launch, columns past a warp's).
 fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
-    // (kernel on, its columns per warp, x quantized): 2 (Q4_K, up to 2 rows of x) sums each dot
-    // product in the same order as 1, so its outputs must equal those bit for bit.
-    let modes: &[(bool, usize, bool)] = if device.is_cuda() {
+    use ops::QlinearVariant as V;
+    // (kernel on, its columns per warp converting to floats, the variant forced or None for
+    // each type's default): 2 (Q4_K, up to 2 rows of x) sums each dot product in the same
+    // order as 1, so its outputs must equal those bit for bit.
+    let modes: &[(bool, usize, Option<V>)] = if device.is_cuda() {
         &[
-            (true, 1, false),
-            (true, 2, false),
-            (true, 1, true),
-            (false, 1, false),
+            (true, 1, Some(V::V2)),
+            (true, 2, Some(V::V2)),
+            (true, 1, Some(V::V3)),
+            (true, 1, Some(V::V4)),
+            (true, 1, None),
+            (false, 1, Some(V::V2)),
         ]
     } else {
-        &[(false, 1, false)]
+        &[(false, 1, None)]
     };
+    // Only the GPU instance sets the switches; the CPU path is the composition either way.
+    let _lock = device
+        .is_cuda()
+        .then(|| VARIANT_LOCK.lock().unwrap_or_else(|e| e.into_inner()));
     let mut by_one: std::collections::HashMap<String, Vec<f32>> = Default::default();
-    for &(on, cols, q8) in modes {
-        // Only the GPU instance sets the switches; the CPU path is the composition either way.
+    for &(on, cols, variant) in modes {
         let _guard = device
             .is_cuda()
             .then(|| Switch::set(ops::qlinear_k, ops::set_qlinear_k, on));
         let _rows = device
             .is_cuda()
             .then(|| Switch::set(ops::qlinear_k_rows, ops::set_qlinear_k_rows, cols));
-        let _q8 = device
-            .is_cuda()
-            .then(|| Switch::set(ops::qlinear_k_q8, ops::set_qlinear_k_q8, q8));
+        let _variant = device.is_cuda().then(|| force_qlinear_variant(variant));
         for (dtype, qtype) in DTYPES
             .into_iter()
             .flat_map(|d| [(d, GgmlDType::Q4K), (d, GgmlDType::Q6K)])
@@ -712,6 +724,8 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                 let k = *xs.last().expect("rank ≥ 1");
                 let rows = xs.iter().product::<usize>() / k;
                 let seed = 900 + 7 * i as u64;
+                // x quantized to 8 bits: the variant the type runs is 3 or 4.
+                let q8 = matches!(ops::qlinear_variant_for(qtype), V::V3 | V::V4);
                 let x = random(xs, 1.0, seed, dtype, device)?;
                 let s = 1.0 / (k as f32).sqrt();
                 let mut ws = Vec::new();
@@ -754,8 +768,9 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                     Ok(())
                 };
                 let check = |what: &str, got: &Tensor, want_f32: &Tensor, qwant: &Tensor| {
-                    let what =
-                        format!("{what} {qtype:?} {xs:?} kernel {on} columns {cols} q8 {q8}");
+                    let what = format!(
+                        "{what} {qtype:?} {xs:?} kernel {on} columns {cols} variant {variant:?}"
+                    );
                     let want = want_f32.to_dtype(dtype)?;
                     if kernel && q8 {
                         let (d, tol) = (rel_diff_values(got, qwant)?, v3_tolerance(dtype));

@@ -1607,17 +1607,18 @@ __device__ void qlinear_k2_small(const T *x, const uint8_t *w0, const uint8_t *w
     }
 }
 
-// qlinear_small for K-quant blocks with x quantized (`qlinear4k_small_r<R>_m<M>_<q>_<dtype>`,
-// opt-in until measured: ops::set_qlinear_k_q8): variant 4's arithmetic for Q4_K and Q6_K. x
-// comes as qlinear4_quantize_x wrote it (8-bit blocks of 32 with scale and quant sum), and the
-// dot products are __dp4a over words of four weight quants, as llama.cpp's K-quant kernels take
-// them (its q8_1 x), where qlinear_k_small converts every weight and x value to float: the
-// conversions bound that kernel at about 0.65 TB/s of weights on an H200. Variant 2's warps and
-// columns (qrows2, qstore2); lane j of a round takes block j of 32 elements (one 6-bit-scaled
-// sub-block of Q4_K, two 16-element sub-blocks of Q6_K) of each of its R weight rows, reading
-// its quants straight from global memory (the two lanes of a Q4_K byte pair, and the four of a
-// Q6_K high-bit group, read the same words in the same instruction), and x's block b once per
-// row of x.
+// qlinear_small for K-quant blocks with x quantized, in variant 3's and 4's two forms
+// (`qlinear3k_small_r<R>_m<M>_<q>_<dtype>`: x quantized by each block of threads into shared
+// memory; `qlinear4k_small_r<R>_m<M>_<q>_<dtype>`: x as qlinear4_quantize_x wrote it, a launch
+// before), the variant ops::qlinear_variant_for gives Q4_K and Q6_K. x in 8-bit blocks of 32
+// with scale and quant sum, and the dot products __dp4a over words of four weight quants, as
+// llama.cpp's K-quant kernels take them (its q8_1 x), where qlinear_k_small converts every
+// weight and x value to float: the conversions bound that kernel at about 0.65 TB/s of weights
+// on an H200. Variant 2's warps and columns (qrows2, qstore2); lane j of a round takes block j
+// of 32 elements (one 6-bit-scaled sub-block of Q4_K, two 16-element sub-blocks of Q6_K) of
+// each of its R weight rows, reading its quants straight from global memory (the two lanes of
+// a Q4_K byte pair, and the four of a Q6_K high-bit group, read the same words in the same
+// instruction), and x's block once per row of x.
 //
 // A block of 32 elements of a K-quant row, as the integer dot products take it: its quants as
 // eight words of signed bytes in element order (Q6_K's less 32), the scales s0 of words 0..3
@@ -1746,6 +1747,56 @@ __device__ void qlinear4k_small(const uint4 *xq, const uint8_t *w0, const uint8_
     qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
 }
 
+// qlinear4k_small with x quantized by each block of threads (variant 3's quantize_x, in chunks
+// of xblocks blocks; dynamic shared memory m · xblocks · 40 bytes), no launch before.
+template <typename T, int M, int KT, int R>
+__device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1,
+                                const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
+                                uint32_t n2, uint32_t k, uint32_t silu, uint32_t xblocks) {
+    extern __shared__ uint4 qstage[];
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t gw = blockIdx.x * OPS_WARPS + (threadIdx.x >> 5);
+    const size_t row_bytes = (size_t)(k >> 8) * KBlock<KT>::BYTES;
+    uint4 *xq = qstage;
+    XBlock8 *xs = reinterpret_cast<XBlock8 *>(xq + (size_t)m * 2u * xblocks);
+    const uint8_t *rows[R];
+    uint32_t col0;
+    // A warp without columns (in the grid's last block of threads) still quantizes its share
+    // of x and meets the barriers.
+    const bool active = qrows2<T, R>(gw, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu, col0, rows);
+    float acc[R][M];
+#pragma unroll
+    for (int w = 0; w < R; ++w)
+#pragma unroll
+        for (int r = 0; r < M; ++r) acc[w][r] = 0.0f;
+    const uint32_t nb = k >> 5;
+    for (uint32_t c0 = 0; c0 < nb; c0 += xblocks) {
+        const uint32_t cn = min(xblocks, nb - c0);
+        __syncthreads();  // every warp is done with the previous chunk of x
+        quantize_x<T>(x, m, k, c0, cn, xblocks, xq, xs);
+        __syncthreads();
+        if (!active) continue;
+        for (uint32_t j = lane; j < cn; j += 32u) {
+            // Block j of the chunk: its x halves at lane of their sweeps (j % 32 == lane).
+            const uint32_t xv = (j >> 5) * 64u + lane;
+#pragma unroll
+            for (int w = 0; w < R; ++w) {
+                KQ8Block q;
+                kq8_block<KT>(rows[w], c0 + j, q);
+#pragma unroll
+                for (int r = 0; r < M; ++r) {
+                    if ((uint32_t)r < m) {
+                        const uint4 *xr = xq + (size_t)r * 2u * xblocks + xv;
+                        acc[w][r] = kq8_dot(q, xr[0], xr[32], xs[(size_t)r * xblocks + j],
+                                            acc[w][r]);
+                    }
+                }
+            }
+        }
+    }
+    if (active) qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
+}
+
 // qlinear_k2_small_r<R>_m<M>_<q>_<dtype>: qlinear_k_small's arguments, R columns per warp.
 #define QLINEAR_K2_SMALL_ONE(T, SUFFIX, M, R, KT, QNAME)                                        \
     extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS)                                 \
@@ -1777,13 +1828,34 @@ __device__ void qlinear4k_small(const uint4 *xq, const uint8_t *w0, const uint8_
         uint32_t m, uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {         \
         qlinear4k_small<T, M, KT_Q6_K, R>(xq, w0, w1, w2, y, m, n0, n1, n2, k, silu);           \
     }
+// qlinear3k_small_r<R>_m<M>_<q>_<dtype>: qlinear3k_small, variant 3's arguments (x's chunk
+// length last), the instances and register bound of qlinear4k_small's.
+#define QLINEAR3K_SMALL_FOR(T, SUFFIX, M, R)                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
+        qlinear3k_small_r##R##_m##M##_q4_k_##SUFFIX(                                            \
+        const T *x, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,  \
+        uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu, uint32_t xblocks) {   \
+        qlinear3k_small<T, M, KT_Q4_K, R>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu, xblocks);   \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
+        qlinear3k_small_r##R##_m##M##_q6_k_##SUFFIX(                                            \
+        const T *x, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,  \
+        uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu, uint32_t xblocks) {   \
+        qlinear3k_small<T, M, KT_Q6_K, R>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu, xblocks);   \
+    }
 #define QLINEAR4K_SMALL_ALL(T, SUFFIX)                                                          \
     QLINEAR4K_SMALL_FOR(T, SUFFIX, 1, 2)                                                        \
     QLINEAR4K_SMALL_FOR(T, SUFFIX, 2, 2)                                                        \
     QLINEAR4K_SMALL_FOR(T, SUFFIX, 4, 2)                                                        \
     QLINEAR4K_SMALL_FOR(T, SUFFIX, 8, 2)                                                        \
     QLINEAR4K_SMALL_FOR(T, SUFFIX, 1, 4)                                                        \
-    QLINEAR4K_SMALL_FOR(T, SUFFIX, 2, 4)
+    QLINEAR4K_SMALL_FOR(T, SUFFIX, 2, 4)                                                        \
+    QLINEAR3K_SMALL_FOR(T, SUFFIX, 1, 2)                                                        \
+    QLINEAR3K_SMALL_FOR(T, SUFFIX, 2, 2)                                                        \
+    QLINEAR3K_SMALL_FOR(T, SUFFIX, 4, 2)                                                        \
+    QLINEAR3K_SMALL_FOR(T, SUFFIX, 8, 2)                                                        \
+    QLINEAR3K_SMALL_FOR(T, SUFFIX, 1, 4)                                                        \
+    QLINEAR3K_SMALL_FOR(T, SUFFIX, 2, 4)
 
 // qlinear_small_m<M>_<q>_<dtype>: at most M rows of x against weights of GGML type q.
 #define QLINEAR_SMALL_FOR(T, SUFFIX, M, QT, QNAME)                                              \

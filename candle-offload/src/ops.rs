@@ -20,9 +20,10 @@
 //!   ([`DEFAULT_QLINEAR_VARIANTS`]) unless one is forced at run time ([`set_qlinear_variant`],
 //!   `CANDLE_OFFLOAD_QLINEAR`), so that one build can measure each; two of them
 //!   ([`QlinearVariant::V3`], [`QlinearVariant::V4`]) quantize x to 8 bits instead, for
-//!   integer dot products. Q4_K's and Q6_K's super-blocks of 256 have a kernel of their own
-//!   (`qlinear_k_small`), on by default since it was measured (a resident 7B Q4_K_M decodes
-//!   1.6x faster than through Candle's quantized matmul); [`set_qlinear_k`] or
+//!   integer dot products. Q4_K's and Q6_K's super-blocks of 256 have kernels of their own,
+//!   on by default since they were measured (a resident 7B Q4_K_M decodes 1.6x faster than
+//!   through Candle's quantized matmul); of the variants only x's quantization applies to
+//!   them (see [`DEFAULT_QLINEAR_VARIANTS`]); [`set_qlinear_k`] or
 //!   `CANDLE_OFFLOAD_QLINEAR_K=0` send them through Candle's quantized matmul instead.
 //!
 //! On a CUDA device they run the project's own kernels (`kernels/ops.cu`, compiled to PTX at
@@ -1115,7 +1116,8 @@ pub fn set_qlinear_k_rows(rows: usize) {
     QLINEAR_K_ROWS.store(code, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Output columns per warp of the K-quant kernel for Q4_K weights: 2 runs
+/// Output columns per warp of the K-quant kernel that converts to floats (the variants but
+/// [`QlinearVariant::V3`] and [`QlinearVariant::V4`]) for Q4_K weights: 2 runs
 /// `qlinear_k2_small_r2` (kernels/ops.cu), which converts its share of x once for both rows,
 /// up to 2 rows of x (more, and Q6_K, take `qlinear_k_small`); 1, the default, one column a
 /// warp. Opt-in until measured on a GPU: [`set_qlinear_k_rows`] or [`QLINEAR_K_ROWS_ENV`]
@@ -1131,47 +1133,6 @@ pub fn qlinear_k_rows() -> usize {
             _ => 1,
         }
     }))
-}
-
-/// The environment variable that sets whether the K-quant kernel quantizes x to 8 bits
-/// ([`qlinear_k_q8`]): `1`, `on` or `true` turn it on, `0`, `off` or `false` off; anything else
-/// (and unset) leaves the default.
-pub const QLINEAR_K_Q8_ENV: &str = "CANDLE_OFFLOAD_QLINEAR_K_Q8";
-
-/// [`qlinear_k_q8`]'s state: 0 until first read or set, 1 off, 2 on.
-static QLINEAR_K_Q8: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// Whether [`qlinear_k_q8`] is on when neither [`set_qlinear_k_q8`] nor [`QLINEAR_K_Q8_ENV`]
-/// says.
-pub const DEFAULT_QLINEAR_K_Q8: bool = false;
-
-/// Turns x's 8-bit quantization in the K-quant kernel on or off for the whole process, from the
-/// next call on; it wins over [`QLINEAR_K_Q8_ENV`].
-pub fn set_qlinear_k_q8(on: bool) {
-    QLINEAR_K_Q8.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether the K-quant kernel (Q4_K, Q6_K; [`qlinear_k`]) quantizes x to 8 bits in blocks of
-/// 32 first and takes integer dot products (`qlinear4k_small` in kernels/ops.cu, after variant
-/// 4's quantizing launch, [`QlinearVariant::V4`]), as llama.cpp's K-quant kernels do, instead
-/// of converting every weight and x value to float. Its results are x rounded to those blocks
-/// times the dequantized weights, as [`QlinearVariant::V4`]'s are for the 32-element types; it
-/// takes up to 8 rows of x, and wins over [`qlinear_k_rows`]. [`DEFAULT_QLINEAR_K_Q8`] unless
-/// [`set_qlinear_k_q8`] or [`QLINEAR_K_Q8_ENV`] (read once) say otherwise.
-pub fn qlinear_k_q8() -> bool {
-    let code = switch_code(&QLINEAR_K_Q8, || {
-        match std::env::var(QLINEAR_K_Q8_ENV)
-            .ok()
-            .map(|v| v.trim().to_ascii_lowercase())
-            .as_deref()
-        {
-            Some("1" | "on" | "true") => 2,
-            Some("0" | "off" | "false") => 1,
-            _ if DEFAULT_QLINEAR_K_Q8 => 2,
-            _ => 1,
-        }
-    });
-    code == 2
 }
 
 /// The code of a process-wide switch kept in `cell` (0: not yet read or set): the value a setter
@@ -1281,12 +1242,21 @@ impl QlinearVariant {
 /// v3 over v2 for Q8_0 (+12%) but not for Q4_0 (−23%); v4 over v2 for Q4_0 (261 against 224 in
 /// one call) but not over v3 for Q8_0 (173 against 235). Q4_1, Q5_0 and Q5_1 follow Q4_0
 /// (unmeasured).
-pub const DEFAULT_QLINEAR_VARIANTS: [(GgmlDType, QlinearVariant); 5] = [
+///
+/// Q4_K and Q6_K run their own kernels ([`qlinear_k`]), and of the variants only x's
+/// quantization applies to them: [`QlinearVariant::V3`] and [`QlinearVariant::V4`] quantize x
+/// to 8 bits as those do (in each block of threads, or in a launch of its own) and take
+/// integer dot products, any other converts weights and x to floats (`qlinear_k_small`, with
+/// [`qlinear_k_rows`] columns a warp). Measured (13B Q4_K_M resident, one call): v4 139
+/// against 95 tokens/s converting to floats.
+pub const DEFAULT_QLINEAR_VARIANTS: [(GgmlDType, QlinearVariant); 7] = [
     (GgmlDType::Q4_0, QlinearVariant::V4),
     (GgmlDType::Q4_1, QlinearVariant::V4),
     (GgmlDType::Q5_0, QlinearVariant::V4),
     (GgmlDType::Q5_1, QlinearVariant::V4),
     (GgmlDType::Q8_0, QlinearVariant::V3),
+    (GgmlDType::Q4K, QlinearVariant::V4),
+    (GgmlDType::Q6K, QlinearVariant::V4),
 ];
 
 /// The variant [`DEFAULT_QLINEAR_VARIANTS`] gives block type `t` ([`QlinearVariant::V2`] for a

@@ -697,20 +697,30 @@ pub(crate) fn qlinear_small(
             // K-quant blocks: their own kernel, one column (of gate and up with silu) per
             // warp, or two for Q4_K with `qlinear_k_rows`, no shared memory; the variants are
             // the 32-element types'.
-            _ if kquant && crate::ops::qlinear_k_q8() => {
-                // x quantized first (variant 4's launch); variant 4's rows per warp.
+            // K-quant blocks with x quantized: variant 3's or 4's way, their rows per warp.
+            crate::ops::QlinearVariant::V3 | crate::ops::QlinearVariant::V4 if kquant => {
                 let r = if bound > 2 {
                     2
                 } else {
                     qlinear2_rows_per_warp(dev, bound, cols, silu)
                 };
                 let cols_per_warp = if silu { r / 2 } else { r };
-                (
-                    format!("qlinear4k_small_r{r}_m{bound}_{qname}"),
-                    cols_per_warp,
-                    0,
-                    None,
-                )
+                if variant == crate::ops::QlinearVariant::V3 {
+                    let xblocks = qlinear3_x_blocks(m, k / 32, 0);
+                    (
+                        format!("qlinear3k_small_r{r}_m{bound}_{qname}"),
+                        cols_per_warp,
+                        m * xblocks * QLINEAR3_X_BLOCK_BYTES,
+                        Some(to_u32(xblocks, "blocks of x")?),
+                    )
+                } else {
+                    (
+                        format!("qlinear4k_small_r{r}_m{bound}_{qname}"),
+                        cols_per_warp,
+                        0,
+                        None,
+                    )
+                }
             }
             _ if kquant => {
                 if crate::ops::qlinear_k_rows() == 2 && bound <= 2 && qname == "q4_k" {
@@ -792,9 +802,7 @@ pub(crate) fn qlinear_small(
         // columns, cols_per_warp per warp).
         let out = unsafe { dev.alloc::<T>(m * cols) }?;
         // Variant 4: x quantized into a buffer of its own first, which the kernel reads instead.
-        let xq = if (kquant && crate::ops::qlinear_k_q8())
-            || (variant == crate::ops::QlinearVariant::V4 && !kquant)
-        {
+        let xq = if variant == crate::ops::QlinearVariant::V4 {
             Some(qlinear4_quantize_x(dev, &x, m, k)?)
         } else {
             None
@@ -833,8 +841,10 @@ pub(crate) fn qlinear_small(
         // (R columns a warp, the grid sized for them) have variant 1's arguments; k is a multiple of
         // 256, the rows are k/256 super-blocks of 144 (Q4_K, 16-byte aligned as the buffer is)
         // or 210 bytes (Q6_K, read in 16-bit loads: 2-byte aligned), and the kernel reads
-        // inside them only. `qlinear4k_small_r<R>_m<M>_<type>_<dtype>` (Q4_K, Q6_K) has variant
-        // 4's arguments, xq filled as for variant 4, and reads those rows the same way, except
+        // inside them only. `qlinear4k_small_r<R>_m<M>_<type>_<dtype>` and
+        // `qlinear3k_small_r<R>_m<M>_<type>_<dtype>` (Q4_K, Q6_K) have variant 4's and 3's
+        // arguments (xq filled as for variant 4; the shared memory of m rows of xblocks blocks
+        // of x), and read those rows the same way, except
         // Q6_K's groups of quant bytes, read in the aligned 4-byte words that hold them: from
         // at most 2 bytes before a group (the buffer starts 16-byte aligned, so that word is in
         // it) to at most 3 past it, still inside its super-block. y holds m·cols elements.
