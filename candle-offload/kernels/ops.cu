@@ -1814,7 +1814,9 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
 // qlinear4k_small_r<R>_m<M>_<q>_<dtype>: qlinear4k_small, variant 4's arguments, R weight rows
 // per warp; variant 4's instances (R = 2 up to 8 rows of x, R = 4 up to 2). At most 80 registers
 // (6 blocks of 4 warps per SM): within 64, ptxas -v (sm_90) spilled 4-128 bytes in most of
-// them (two rounds of blocks in flight per lane, `unroll 2`).
+// them (two rounds of blocks in flight per lane, `unroll 2`); within 80 only R = 4 with one
+// row still spills (12 bytes for Q4_K, 76 for Q6_K). qlinear3k_small's instances take 54-80
+// registers without spills.
 #define QLINEAR4K_SMALL_FOR(T, SUFFIX, M, R)                                                    \
     extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
         qlinear4k_small_r##R##_m##M##_q4_k_##SUFFIX(                                            \
