@@ -2,7 +2,9 @@
 """The default model on this machine's CPU: our generate (a GGUF's quantized blocks against F32
 activations, the default; the blocks against 8-bit activations as llama.cpp computes,
 `--q8-activations`; and `--dequantize`) next to llama.cpp on the same file in the same run,
-with the agreement checks of issue 12.
+with the agreement checks of issue 12; also llama.cpp's answers under two other attention
+configurations of its own (scripts/cpu_peer_attention.py: no flash attention, and that with an
+F32 KV cache, our attention's arithmetic) and ours against those.
 
 Usage: python3 scripts/cpu_default_bench.py GENERATE_BIN MODEL.gguf PEER_PYTHON OUT.json [PROMPT ...]
 (CPU_BENCH_ROUNDS=N repeats llama.cpp's prompts and then ours N - 1 more times, default mode only.)
@@ -23,6 +25,10 @@ import subprocess
 import sys
 
 PEER = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "peer", "llamacpp", "cpu_peer.py")
+PEER_ATTENTION = os.path.join(os.path.dirname(__file__), "cpu_peer_attention.py")
+# llama.cpp's attention configurations besides its default (flash attention, F16 KV cache):
+# name -> (flash_attn_type, KV cache type). "f32_attention" is ours: F32 cache, no flash attention.
+PEER_CONFIGS = {"no_flash_f16_cache": (0, 1), "f32_attention": (0, 0)}
 
 # Chosen once, before any result: three factual questions, then two open ones.
 PROMPTS = ["What is the capital of France?",
@@ -55,6 +61,14 @@ def run_peer(peer_python, model, threads, prompts):
     return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
 
 
+def run_peer_config(peer_python, model, threads, prompts, config):
+    """llama.cpp's answers under one attention configuration of PEER_CONFIGS."""
+    fa, cache = PEER_CONFIGS[config]
+    out = subprocess.run([peer_python, PEER_ATTENTION, model, str(threads), str(fa), str(cache)] + prompts,
+                         capture_output=True, text=True, check=True).stdout
+    return [json.loads(l)["answer"] for l in out.splitlines() if l.startswith("{")]
+
+
 def record(prompt, mode, r, theirs, rnd=0):
     """One prompt in one mode: our run `r` next to llama.cpp's `theirs` (round `rnd` > 0 is
     marked, the first is not)."""
@@ -84,6 +98,7 @@ def main():
     threads = os.cpu_count() or 2
     load_at_start = os.getloadavg()
     peer = run_peer(peer_python, model, threads, prompts)
+    others = {c: run_peer_config(peer_python, model, threads, prompts, c) for c in PEER_CONFIGS}
     records, prompts_summary = [], []
     for i, (prompt, theirs) in enumerate(zip(prompts, peer)):
         runs = {}
@@ -102,6 +117,16 @@ def main():
             "q8_answer": runs["q8"]["answer"],
             "llamacpp_answer": theirs["answer"],
         })
+        # llama.cpp under its other attention configurations: its own answers, and ours against
+        # them (the default mode and q8).
+        for c, answers in others.items():
+            a = answers[i].strip()
+            prompts_summary[-1].update({
+                f"llamacpp_{c}_answer": answers[i],
+                f"llamacpp_{c}_equals_llamacpp": a == theirs["answer"].strip(),
+                f"agrees_with_llamacpp_{c}": runs["default"]["answer"].strip() == a,
+                f"q8_agrees_with_llamacpp_{c}": runs["q8"]["answer"].strip() == a,
+            })
     # More rounds (CPU_BENCH_ROUNDS, default 1): llama.cpp's prompts again, then ours (the
     # default mode), so that a host whose speed drifts within the minute weighs on both sides;
     # the summary's ratios are medians over every round.
@@ -132,6 +157,12 @@ def main():
            "q8_cpu_vs_llamacpp": statistics.median(r["cpu_vs_llamacpp"] for r in q8),
            "q8_prefill_vs_llamacpp": statistics.median(r["prefill_vs_llamacpp"] for r in q8),
            "q8_prompts_agreeing_with_llamacpp": sum(p["q8_agrees_with_llamacpp"] for p in prompts_summary),
+           **{f"{name}_{c}": sum(p[f"{key}_{c}"] for p in prompts_summary)
+              for c in PEER_CONFIGS
+              for name, key in [("prompts_agreeing_with_llamacpp", "agrees_with_llamacpp"),
+                                ("q8_prompts_agreeing_with_llamacpp", "q8_agrees_with_llamacpp")]},
+           **{f"llamacpp_{c}_prompts_equal_to_its_default": sum(
+               p[f"llamacpp_{c}_equals_llamacpp"] for p in prompts_summary) for c in PEER_CONFIGS},
            "factual_quantized_equals_dequantized": all(
                p["quantized_equals_dequantized"] for p in prompts_summary if p["factual"]),
            "prompts": prompts_summary,
@@ -144,6 +175,10 @@ def main():
     for p in prompts_summary:
         print(f"agrees with llama.cpp {p['agrees_with_llamacpp']!s:5} (q8 {p['q8_agrees_with_llamacpp']!s:5}), quantized == dequantized "
               f"{p['quantized_equals_dequantized']!s:5}: {p['prompt']} -> {p['answer'][:60]!r}")
+    for c in PEER_CONFIGS:
+        print(f"llama.cpp {c}: equal to its default on {doc[f'llamacpp_{c}_prompts_equal_to_its_default']} of "
+              f"{len(prompts)}; ours agree on {doc[f'prompts_agreeing_with_llamacpp_{c}']} "
+              f"(q8 {doc[f'q8_prompts_agreeing_with_llamacpp_{c}']})")
     print(f"cpu_vs_llamacpp (median) {doc['cpu_vs_llamacpp']:.2f}, prefill {doc['prefill_vs_llamacpp']:.2f}; "
           f"q8: {doc['q8_cpu_vs_llamacpp']:.2f}, prefill {doc['q8_prefill_vs_llamacpp']:.2f}")
 
