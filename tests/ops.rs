@@ -673,8 +673,9 @@ test_device!(
 /// wrong nibble, high bit, scale or min fails that) and within 5e-2 of x;
 /// with the kernel off (and on the CPU):
 /// the composition, Candle's quantized matmul, which quantizes x to 8 bits (within 5e-2). Rows
-/// 1 to 8, and 9 (the composition); widths of 1, 2, 3, 11 and 16 super-blocks (Q6_K rows of an
-/// odd number of super-blocks start 2 bytes past a 4-byte boundary); weights of 37
+/// 1 to 8, and 9 (the composition); widths of 1, 2, 3, 11, 16 and 43 super-blocks (Q6_K rows
+/// of an odd number of super-blocks start 2 bytes past a 4-byte boundary; 43 of 7 rows take v3
+/// three chunks of x); weights of 37
 /// and 8 rows (a pair of 8 and 37 in one launch, columns past a warp's).
 fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
     use ops::QlinearVariant as V;
@@ -716,6 +717,7 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                 &[1, 3, 768],
                 &[5, 2816],
                 &[8, 4096],
+                &[7, 11008],
                 &[9, 256],
             ]
             .into_iter()
