@@ -694,35 +694,15 @@ pub(crate) fn qlinear_small(
         let variant = crate::ops::qlinear_variant_for(ws[0].dtype());
         let kquant = crate::ops::is_qlinear_k_type(ws[0].dtype());
         let (name, cols_per_warp, shared_bytes, xblocks) = match variant {
-            // K-quant blocks: their own kernel, one column (of gate and up with silu) per
-            // warp, or two for Q4_K with `qlinear_k_rows`, no shared memory; the variants are
-            // the 32-element types'.
-            // K-quant blocks with x quantized: variant 3's or 4's way, their rows per warp.
-            crate::ops::QlinearVariant::V3 | crate::ops::QlinearVariant::V4 if kquant => {
-                let r = if bound > 2 {
-                    2
-                } else {
-                    qlinear2_rows_per_warp(dev, bound, cols, silu)
-                };
-                let cols_per_warp = if silu { r / 2 } else { r };
-                if variant == crate::ops::QlinearVariant::V3 {
-                    let xblocks = qlinear3_x_blocks(m, k / 32, 0);
-                    (
-                        format!("qlinear3k_small_r{r}_m{bound}_{qname}"),
-                        cols_per_warp,
-                        m * xblocks * QLINEAR3_X_BLOCK_BYTES,
-                        Some(to_u32(xblocks, "blocks of x")?),
-                    )
-                } else {
-                    (
-                        format!("qlinear4k_small_r{r}_m{bound}_{qname}"),
-                        cols_per_warp,
-                        0,
-                        None,
-                    )
-                }
-            }
-            _ if kquant => {
+            // K-quant blocks converting to floats (every variant but 3 and 4): their own
+            // kernel, one column (of gate and up with silu) per warp, or two for Q4_K with
+            // `qlinear_k_rows`, no shared memory.
+            v if kquant
+                && !matches!(
+                    v,
+                    crate::ops::QlinearVariant::V3 | crate::ops::QlinearVariant::V4
+                ) =>
+            {
                 if crate::ops::qlinear_k_rows() == 2 && bound <= 2 && qname == "q4_k" {
                     (format!("qlinear_k2_small_r2_m{bound}_{qname}"), 2, 0, None)
                 } else {
@@ -739,7 +719,9 @@ pub(crate) fn qlinear_small(
                     * (1 + usize::from(silu)),
                 None,
             ),
-            // r staged rows per warp: r columns, or r / 2 columns of gate and of up.
+            // r staged rows per warp: r columns, or r / 2 columns of gate and of up. K-quant
+            // blocks under variants 3 and 4 (`qlinear3k`/`qlinear4k`) take the same rows per
+            // warp and x's chunks but read their rows unstaged.
             v => {
                 use crate::ops::QlinearVariant as V;
                 let r = match v {
@@ -751,12 +733,19 @@ pub(crate) fn qlinear_small(
                     V::V3 | V::V4 if bound > 2 => 2,
                     _ => qlinear2_rows_per_warp(dev, bound, cols, silu),
                 };
-                let stages = QLINEAR_WARPS * 16 * qlinear2_small_stage_vecs(block_bytes) * r;
+                let (stages, kq) = if kquant {
+                    (0, "k")
+                } else {
+                    (
+                        QLINEAR_WARPS * 16 * qlinear2_small_stage_vecs(block_bytes) * r,
+                        "",
+                    )
+                };
                 let cols_per_warp = if silu { r / 2 } else { r };
                 if v == V::V3 {
                     let xblocks = qlinear3_x_blocks(m, k / 32, stages);
                     (
-                        format!("qlinear3_small_r{r}_m{bound}_{qname}"),
+                        format!("qlinear3{kq}_small_r{r}_m{bound}_{qname}"),
                         cols_per_warp,
                         stages + m * xblocks * QLINEAR3_X_BLOCK_BYTES,
                         Some(to_u32(xblocks, "blocks of x")?),
@@ -764,7 +753,7 @@ pub(crate) fn qlinear_small(
                 } else {
                     let kernel = if v == V::V4 { "qlinear4" } else { "qlinear2" };
                     (
-                        format!("{kernel}_small_r{r}_m{bound}_{qname}"),
+                        format!("{kernel}{kq}_small_r{r}_m{bound}_{qname}"),
                         cols_per_warp,
                         stages,
                         None,
