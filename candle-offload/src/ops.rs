@@ -1247,10 +1247,11 @@ impl QlinearVariant {
 /// quantization applies to them: [`QlinearVariant::V3`] and [`QlinearVariant::V4`] quantize x
 /// to 8 bits as those do (in each block of threads, or in a launch of its own) and take
 /// integer dot products, any other converts weights and x to floats (`qlinear_k_small`, with
-/// [`qlinear_k_rows`] columns a warp). Measured, resident Q4_K_M decode on the H200 in one
-/// call (BENCHMARKS.md): 7B v3 219, v4 171, floats 168 tokens/s; 13B v3 136, v4 140, floats 94.
-/// v4's extra launch per matmul costs the host more time than its GPU saves where the step
-/// is bound by the host's launches (7B).
+/// [`qlinear_k_rows`] columns a warp). Measured, resident Q4_K_M decode on the H200
+/// (BENCHMARKS.md, stop 30): 13B in one call v3 136, v4 140, floats 94 tokens/s; 7B v4 173
+/// against floats 170 in one call, v3 237 in the next (and 219 against v4's 171 printed by a
+/// call whose records did not come back). v4's extra launch per matmul costs the host more
+/// time than its GPU saves where the step is bound by the host's launches (7B).
 pub const DEFAULT_QLINEAR_VARIANTS: [(GgmlDType, QlinearVariant); 7] = [
     (GgmlDType::Q4_0, QlinearVariant::V4),
     (GgmlDType::Q4_1, QlinearVariant::V4),
