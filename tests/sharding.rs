@@ -203,7 +203,8 @@ fn impossible_plans_are_refused() -> anyhow::Result<()> {
 /// Host layers (llama.cpp's split): the first layers and the embeddings on the CPU, the rest
 /// and the head on `device`. On the CPU a split at two layers is the same model bit for bit;
 /// on a GPU `auto` under a budget that holds about two layers beside the head puts the others
-/// on the host, streams nothing, and agrees with the GPU-only model.
+/// on the host, streams nothing, and agrees with the GPU-only model; no host layers under that
+/// budget keeps an untied embedding table on the host and agrees too.
 fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
     use candle_offload_models::HostLayers;
     for tied in [false, true] {
@@ -292,6 +293,32 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             cases.push((build(&limited, HostLayers::Auto)?, "auto", true));
             // Two layers on the host, spread; the device streams what its budget does not hold.
             cases.push((build(&limited, HostLayers::Spread(2))?, "spread 2", false));
+            // No host layer under a budget the model does not fit whole: the device streams
+            // its layers, and an embedding table of its own stays on the host (tied, it is the
+            // head, which the device keeps).
+            let none = build(&limited, HostLayers::None)?;
+            assert_eq!(none.host_layer_count(), 0);
+            let stages = none.stages();
+            if tied {
+                assert_eq!(stages.len(), 1, "tied");
+            } else {
+                assert_eq!(stages.len(), 2, "untied");
+                assert!(stages[0].0.device().is_cpu());
+                assert!(stages[0].1.is_empty(), "{:?}", stages[0].1);
+                assert!(stages[1].0.device().is_cuda());
+                assert_eq!(stages[1].1, 0..n);
+            }
+            let (logits, tokens) = outputs(&none)?;
+            let err = logits
+                .iter()
+                .zip(&want_logits)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let scale = want_logits.iter().map(|v| v.abs()).fold(0f32, f32::max);
+            assert!(err <= 1e-4 * scale.max(1.0), "none, tied {tied}: {err}");
+            assert_eq!(tokens, want_tokens, "none, tied {tied}");
+            assert_eq!(long_tokens(&none)?, want_long, "none, tied {tied}, long");
+            drop(none);
         }
         for (model, ctx, budgeted) in cases {
             let host = model.host_layer_count();

@@ -69,7 +69,8 @@ pub enum HiddenTransfer {
 /// ([`CausalLm::offloaded_with_host`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum HostLayers {
-    /// None: layers that do not fit the budget are streamed to the GPU.
+    /// None: layers that do not fit the budget are streamed to the GPU (an embedding table of
+    /// the model's own then stays on the host).
     #[default]
     None,
     /// This many (0 to the number of layers).
@@ -485,19 +486,7 @@ impl CausalLm {
                 if let Some(h) = &layout.head {
                     kept += bytes(h);
                 }
-                // Everything on the device: every unit at its own size (none streams).
-                let own = |name: &str| {
-                    store
-                        .unit_id(name)
-                        .map_or(0, |id| store.unit(id).resident_bytes())
-                };
-                let whole = base
-                    + per_layer * n as u64
-                    + own(&layout.embed)
-                    + own(&layout.norm)
-                    + layout.head.as_deref().map_or(0, own)
-                    + (0..n).map(|l| own(&layout.layer(l))).sum::<u64>();
-                if whole <= budget {
+                if Self::fits_whole(cfg, store, device, dtype, prompt_len, max_len, settings)? {
                     return Ok((0, None));
                 }
                 // Tied embeddings: the GPU keeps the head, which is the embedding matrix.
@@ -542,6 +531,60 @@ impl CausalLm {
             }
         };
         Ok((count, steps))
+    }
+
+    /// Whether every unit of the model fits `device`'s budget at its own size beside the
+    /// reservation (the KV cache of every layer, activations and the workspace allowance):
+    /// nothing would stream and nothing needs the host.
+    #[allow(clippy::too_many_arguments)]
+    fn fits_whole(
+        cfg: &Config,
+        store: &candle_offload::HostStore,
+        device: &Device,
+        dtype: DType,
+        prompt_len: usize,
+        max_len: usize,
+        settings: &OffloadSettings,
+    ) -> std::result::Result<bool, ModelError> {
+        let budget = device_budget(device, settings.gpu_memory_limit)?;
+        let n = cfg.num_hidden_layers;
+        let layout = cfg.layout();
+        let (base, per_layer) =
+            Self::host_stage_reserve(cfg, store, device, prompt_len, max_len, dtype);
+        let own = |name: &str| {
+            store
+                .unit_id(name)
+                .map_or(0, |id| store.unit(id).resident_bytes())
+        };
+        let whole = base.saturating_add(settings.reserve_bytes)
+            + per_layer * n as u64
+            + own(&layout.embed)
+            + own(&layout.norm)
+            + layout.head.as_deref().map_or(0, own)
+            + (0..n).map(|l| own(&layout.layer(l))).sum::<u64>();
+        Ok(whole <= budget)
+    }
+
+    /// Whether a model with no host layers still looks its embeddings up on the host, as
+    /// llama.cpp always does: on a GPU, with an output head of its own (tied embeddings are the
+    /// head, which the GPU keeps), when the model does not fit the budget whole
+    /// ([`fits_whole`](Self::fits_whole)). The table then takes no device memory (70 MiB of a
+    /// 7B Q4_K_M, 250 MiB in F16) and a decode step copies one row of the hidden state up.
+    #[allow(clippy::too_many_arguments)]
+    fn embed_on_host(
+        cfg: &Config,
+        store: &candle_offload::HostStore,
+        device: &Device,
+        dtype: DType,
+        prompt_len: usize,
+        max_len: usize,
+        settings: &OffloadSettings,
+    ) -> std::result::Result<bool, ModelError> {
+        let layout = cfg.layout();
+        Ok(device.is_cuda()
+            && layout.head.is_some()
+            && store.unit_id(&layout.embed).is_some()
+            && !Self::fits_whole(cfg, store, device, dtype, prompt_len, max_len, settings)?)
     }
 
     /// What [`HostLayers::SpreadAuto`] timed when this model was built, to choose its host
@@ -652,7 +695,9 @@ impl CausalLm {
     /// resident), and a GPU stage under `settings`' budget that reserves the KV cache of its
     /// own layers and two layers' more (a host layer's cache passing through while a prompt
     /// runs on the GPU). The hidden state crosses to the GPU once per decode step; with no
-    /// host layer this is [`from_store`](Self::from_store).
+    /// host layer this is [`from_store`](Self::from_store), except that a model which does not
+    /// fit the budget whole keeps an embedding table of its own on the host (a CPU stage of no
+    /// layers), as llama.cpp does, so that the GPU's room goes to layers.
     #[allow(clippy::too_many_arguments)]
     pub fn from_store_with_host(
         cfg: &Config,
@@ -668,7 +713,9 @@ impl CausalLm {
         let (h, steps) = Self::host_split(
             cfg, &store, device, dtype, prompt_len, max_len, settings, host,
         )?;
-        if h == 0 {
+        if h == 0
+            && !Self::embed_on_host(cfg, &store, device, dtype, prompt_len, max_len, settings)?
+        {
             let mut model = Self::from_store(
                 cfg, store, device, dtype, prompt_len, max_len, settings, source,
             )?;
@@ -1024,9 +1071,11 @@ impl CausalLm {
         &self.cfg
     }
 
-    /// The runtime of the first stage (the only one on a single device).
+    /// The runtime of the first stage that runs layers (the only one on a single device; the
+    /// device's where only the embeddings stay on the host).
     pub fn runtime(&self) -> &OffloadRuntime {
-        &self.stages[0].rt
+        let stage = self.stages.iter().find(|s| !s.layers.is_empty());
+        &stage.unwrap_or(&self.stages[0]).rt
     }
 
     /// Every stage's runtime with the layers it runs, in pipeline order (with spread host
