@@ -44,7 +44,7 @@ GROUPS = [
     ("quantized matmul", r"mul_mat|dequantize|quantize_q8|mmvq|mmq"),
     ("decode_attention (fused)", r"^decode_attention_"),
     ("linear_small (fused)", r"^linear_small_"),
-    ("qlinear_small (fused, GGML blocks)", r"^qlinear_small_"),
+    ("qlinear (fused, GGML blocks; x quantized to 8 bits included)", r"^qlinear"),
     ("rms_norm_residual (fused)", r"^rms_norm_residual_"),
     ("silu_mul (fused)", r"^silu_mul_"),
     ("rope_qk (fused)", r"^rope_qk_"),

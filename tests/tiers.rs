@@ -493,8 +493,17 @@ fn gguf_run(
             n,
         )
     });
+    // Streamed runs stream by strategy, not only by budget: under `minimal` this 2-layer model
+    // with room for one fits whole on a GPU when its blocks stay quantized (a resident stage
+    // reserves one unit less of the workspace allowance).
+    let strategy = if layers.is_some() {
+        candle_offload::OffloadStrategy::Aggressive
+    } else {
+        candle_offload::OffloadStrategy::Minimal
+    };
     let settings = candle_offload_models::OffloadSettings {
         gpu_memory_limit: limit.map(MemoryLimit::Bytes),
+        strategy,
         ..Default::default()
     };
     let store = Arc::new(store);

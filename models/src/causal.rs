@@ -374,7 +374,7 @@ impl CausalLm {
         let cfg = cfg.clone();
         let mut reserve = Self::reserve_bytes(&cfg, &store, device, prompt_len, max_len, dtype);
         if Self::fits_whole(&cfg, &store, device, dtype, prompt_len, max_len, settings)? {
-            reserve -= Self::resident_saving(&store, device);
+            reserve -= Self::resident_saving(&store, device, settings);
         }
         let kv = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
         let rt = OffloadRuntime::new(
@@ -574,7 +574,7 @@ impl CausalLm {
         let n = cfg.num_hidden_layers;
         let layout = cfg.layout();
         let reserve = Self::reserve_bytes(cfg, store, device, prompt_len, max_len, dtype)
-            - Self::resident_saving(store, device);
+            - Self::resident_saving(store, device, settings);
         let own = |name: &str| {
             store
                 .unit_id(name)
@@ -595,9 +595,15 @@ impl CausalLm {
     /// token prompt): 181 MiB beside the weights (72 outside the pool: Candle's kernels and
     /// quantized-matmul workspace; 41 of fragmentation in it) against a 343 MiB reservation;
     /// streamed 13B layers left only 80-100 MiB of the budget unused. Dense weights (cuBLAS's
-    /// workspaces) keep the whole allowance.
-    fn resident_saving(store: &candle_offload::HostStore, device: &Device) -> u64 {
-        if device.is_cuda() && store.ggml_tensor_count() > 0 {
+    /// workspaces) keep the whole allowance, and so do the strategies that stream what would
+    /// fit (`balanced`, `aggressive`).
+    fn resident_saving(
+        store: &candle_offload::HostStore,
+        device: &Device,
+        settings: &OffloadSettings,
+    ) -> u64 {
+        let minimal = settings.strategy == candle_offload::OffloadStrategy::Minimal;
+        if minimal && device.is_cuda() && store.ggml_tensor_count() > 0 {
             let unit = store.units().iter().map(|u| u.bytes()).max().unwrap_or(0);
             unit.min(96 << 20)
         } else {
@@ -797,7 +803,7 @@ impl CausalLm {
                 cfg, &store, device, dtype, prompt_len, max_len, settings, false,
             )?;
             if need <= budget {
-                reserve -= Self::resident_saving(&store, device);
+                reserve -= Self::resident_saving(&store, device, settings);
             }
         }
         let order = || {
