@@ -276,7 +276,6 @@ fn main() -> Result<()> {
                 b => Some(MemoryLimit::parse("--budgets", b)?),
             };
             let max_len = prompt_len + args.new_tokens + 2;
-            let reserve = Llama::reserve_bytes(&cfg, &store, &device, prompt_len, max_len, dtype);
             let settings = OffloadSettings {
                 gpu_memory_limit: limit,
                 prefetch_depth: depth,
@@ -298,6 +297,9 @@ fn main() -> Result<()> {
                 model.set_fused(false);
             }
             let host_layers = model.host_layer_count();
+            // What the device's stage reserves (a resident stage of GGML blocks less than
+            // `Llama::reserve_bytes`), less the batch's extra room.
+            let reserve = model.runtime().budget().reserve_bytes - settings.reserve_bytes;
             // What `spread:auto` timed to choose (one layer's step on the host and the GPU).
             let layer_steps = model.spread_auto_layer_steps();
             if host_layers > 0 {

@@ -195,6 +195,8 @@ __device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uin
             const T *kr = kb + j * k_st;
             float dot = 0.0f;
             if (vec) {
+                // Eight of the row's 16-byte loads in flight (a 128-wide head is 16).
+#pragma unroll 8
                 for (uint32_t i = 0; i < d; i += 8) {
                     float kv8[8];
                     load8(kr + i, kv8);
@@ -1747,6 +1749,18 @@ __device__ void qlinear4k_small(const uint4 *xq, const uint8_t *w0, const uint8_
     qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
 }
 
+// Asks L2 for the R weight rows of row_bytes each a warp will read (lane l the 128-byte lines
+// l, l + 32, ...), without waiting: issued before x is quantized, the rows' bytes come in while
+// it is (qlinear_small3 starts its cp.async stages there for the same reason).
+template <int R>
+__device__ __forceinline__ void prefetch_rows_l2(const uint8_t *const *rows, size_t row_bytes,
+                                                 uint32_t lane) {
+#pragma unroll
+    for (int w = 0; w < R; ++w)
+        for (size_t off = (size_t)lane * 128u; off < row_bytes; off += 32u * 128u)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(rows[w] + off));
+}
+
 // qlinear4k_small with x quantized by each block of threads (variant 3's quantize_x, in chunks
 // of xblocks blocks; dynamic shared memory m · xblocks · 40 bytes), no launch before.
 template <typename T, int M, int KT, int R>
@@ -1764,6 +1778,7 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     // A warp without columns (in the grid's last block of threads) still quantizes its share
     // of x and meets the barriers.
     const bool active = qrows2<T, R>(gw, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu, col0, rows);
+    if (active) prefetch_rows_l2<R>(rows, row_bytes, lane);
     float acc[R][M];
 #pragma unroll
     for (int w = 0; w < R; ++w)
@@ -1776,6 +1791,8 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
         quantize_x<T>(x, m, k, c0, cn, xblocks, xq, xs);
         __syncthreads();
         if (!active) continue;
+        // Two rounds' weight loads in flight (a 4096-wide row is 4 rounds).
+#pragma unroll 2
         for (uint32_t j = lane; j < cn; j += 32u) {
             // Block j of the chunk: its x halves at lane of their sweeps (j % 32 == lane).
             const uint32_t xv = (j >> 5) * 64u + lane;

@@ -804,6 +804,14 @@ impl SelfAttention {
                 let mut next = || out.next().expect("three outputs");
                 return Ok((next(), next(), next()));
             }
+            // Blocks of two types (Q4_K_M keeps v in Q6_K in some layers): q and k in one
+            // kernel, v in its own.
+            if let Some(OneLaunch::Blocks(ws)) = one_launch_weights(xs, &[q, k])? {
+                let mut out = candle_offload::ops::qlinear_small_multi(xs, &ws)?.into_iter();
+                let mut next = || out.next().expect("two outputs");
+                let (q, k) = (next(), next());
+                return Ok((q, k, v.run_with(xs, train, fused)?));
+            }
         }
         if let (false, Qkv::Separate { q, k, v }) = (train, &self.qkv) {
             // A CPU decode step: q, k and v in one pass of the matmul pool.
