@@ -166,9 +166,9 @@ __device__ __forceinline__ float block_max(float v) {
 // causal and sliding-window masks). GQA/MQA: q head h reads kv head h / (hq / hk).
 // The visible keys go by in chunks of DA_THREADS: each thread scores one key of the chunk
 // (q pre-scaled, in shared memory; with `vec`, 16-byte loads of the key row), the chunk's
-// maximum and sum update an online softmax, and each thread then accumulates its own output
-// dims (tid, tid + DA_THREADS) over the chunk's value rows, reads that are coalesced across
-// the block. out is (b, tq, hq, d); d <= 2 * DA_THREADS.
+// maximum and sum update an online softmax, and each warp then accumulates the chunk's value
+// rows w, w + 4, ... (lane l the dims l, l + 32, ...: each row read coalesced by one warp, four
+// rows at once), the warps' sums added at the end. out is (b, tq, hq, d); d <= 2 * DA_THREADS.
 template <typename T>
 __device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uint32_t tq,
                                  uint32_t hq, uint32_t hk, uint32_t d, uint32_t kv_len,
@@ -187,7 +187,11 @@ __device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uin
     const uint32_t lo = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
     const T *kb = k + bi * k_sb + kvh * k_sh;
     const T *vb = v + bi * v_sb + kvh * v_sh;
-    float m = -__int_as_float(0x7f800000), l = 0.0f, acc0 = 0.0f, acc1 = 0.0f;
+    constexpr uint32_t WARPS = DA_THREADS / 32, DIMS = 2 * DA_THREADS / 32;
+    const uint32_t warp = tid >> 5, lane = tid & 31u;
+    float m = -__int_as_float(0x7f800000), l = 0.0f, acc[DIMS];
+#pragma unroll
+    for (uint32_t i = 0; i < DIMS; ++i) acc[i] = 0.0f;
     for (uint32_t c = lo; c <= pos; c += DA_THREADS) {
         const uint32_t j = c + tid;
         float s = -__int_as_float(0x7f800000);
@@ -195,8 +199,6 @@ __device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uin
             const T *kr = kb + j * k_st;
             float dot = 0.0f;
             if (vec) {
-                // Eight of the row's 16-byte loads in flight (a 128-wide head is 16).
-#pragma unroll 8
                 for (uint32_t i = 0; i < d; i += 8) {
                     float kv8[8];
                     load8(kr + i, kv8);
@@ -214,22 +216,33 @@ __device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uin
         const float p = j <= pos ? expf(s - m_new) : 0.0f;
         ps[tid] = p;
         l = l * corr + block_sum(p);  // its barriers also publish ps
-        acc0 *= corr;
-        acc1 *= corr;
+#pragma unroll
+        for (uint32_t i = 0; i < DIMS; ++i) acc[i] *= corr;
         const uint32_t n = min(DA_THREADS, pos + 1 - c);
-#pragma unroll 8
-        for (uint32_t jj = 0; jj < n; ++jj) {
+#pragma unroll 4
+        for (uint32_t jj = warp; jj < n; jj += WARPS) {
             const T *vr = vb + (size_t)(c + jj) * v_st;
             const float pj = ps[jj];
-            if (tid < d) acc0 += pj * to_f32(vr[tid]);
-            if (tid + DA_THREADS < d) acc1 += pj * to_f32(vr[tid + DA_THREADS]);
+#pragma unroll
+            for (uint32_t i = 0; i < DIMS; ++i)
+                if (lane + 32u * i < d) acc[i] += pj * to_f32(vr[lane + 32u * i]);
         }
         m = m_new;
         __syncthreads();  // ps is rewritten by the next chunk
     }
+    // The warps' partial sums, added per dim.
+    __shared__ float part[WARPS][2 * DA_THREADS];
+#pragma unroll
+    for (uint32_t i = 0; i < DIMS; ++i)
+        if (lane + 32u * i < d) part[warp][lane + 32u * i] = acc[i];
+    __syncthreads();
     T *orow = out + (((size_t)bi * tq + qi) * hq + h) * d;
-    if (tid < d) orow[tid] = from_f32<T>(acc0 / l);
-    if (tid + DA_THREADS < d) orow[tid + DA_THREADS] = from_f32<T>(acc1 / l);
+    for (uint32_t e = tid; e < d; e += DA_THREADS) {
+        float a = 0.0f;
+#pragma unroll
+        for (uint32_t w = 0; w < WARPS; ++w) a += part[w][e];
+        orow[e] = from_f32<T>(a / l);
+    }
 }
 
 // Maximum rows of x in linear_small.
@@ -1749,18 +1762,6 @@ __device__ void qlinear4k_small(const uint4 *xq, const uint8_t *w0, const uint8_
     qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
 }
 
-// Asks L2 for the R weight rows of row_bytes each a warp will read (lane l the 128-byte lines
-// l, l + 32, ...), without waiting: issued before x is quantized, the rows' bytes come in while
-// it is (qlinear_small3 starts its cp.async stages there for the same reason).
-template <int R>
-__device__ __forceinline__ void prefetch_rows_l2(const uint8_t *const *rows, size_t row_bytes,
-                                                 uint32_t lane) {
-#pragma unroll
-    for (int w = 0; w < R; ++w)
-        for (size_t off = (size_t)lane * 128u; off < row_bytes; off += 32u * 128u)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(rows[w] + off));
-}
-
 // qlinear4k_small with x quantized by each block of threads (variant 3's quantize_x, in chunks
 // of xblocks blocks; dynamic shared memory m · xblocks · 40 bytes), no launch before.
 template <typename T, int M, int KT, int R>
@@ -1778,7 +1779,6 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     // A warp without columns (in the grid's last block of threads) still quantizes its share
     // of x and meets the barriers.
     const bool active = qrows2<T, R>(gw, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu, col0, rows);
-    if (active) prefetch_rows_l2<R>(rows, row_bytes, lane);
     float acc[R][M];
 #pragma unroll
     for (int w = 0; w < R; ++w)
@@ -1791,8 +1791,6 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
         quantize_x<T>(x, m, k, c0, cn, xblocks, xq, xs);
         __syncthreads();
         if (!active) continue;
-        // Two rounds' weight loads in flight (a 4096-wide row is 4 rounds).
-#pragma unroll 2
         for (uint32_t j = lane; j < cn; j += 32u) {
             // Block j of the chunk: its x halves at lane of their sweeps (j % 32 == lane).
             const uint32_t xv = (j >> 5) * 64u + lane;
