@@ -682,27 +682,32 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
     // (kernel on, its columns per warp converting to floats, the variant forced or None for
     // each type's default): 2 (Q4_K, up to 2 rows of x) sums each dot product in the same
     // order as 1, so its outputs must equal those bit for bit.
-    let modes: &[(bool, usize, Option<V>)] = if device.is_cuda() {
+    // The last: warps a column group under variant 3 (0: the grid's size chooses).
+    let modes: &[(bool, usize, Option<V>, usize)] = if device.is_cuda() {
         &[
-            (true, 1, Some(V::V2)),
-            (true, 2, Some(V::V2)),
-            (true, 1, Some(V::V3)),
-            (true, 1, Some(V::V4)),
-            (true, 1, None),
-            (false, 1, Some(V::V2)),
+            (true, 1, Some(V::V2), 0),
+            (true, 2, Some(V::V2), 0),
+            (true, 1, Some(V::V3), 1),
+            (true, 1, Some(V::V3), 2),
+            (true, 1, Some(V::V4), 0),
+            (true, 1, None, 0),
+            (false, 1, Some(V::V2), 0),
         ]
     } else {
-        &[(false, 1, None)]
+        &[(false, 1, None, 0)]
     };
     // Only the GPU instance sets the switches; the CPU path is the composition either way.
     let _lock = device
         .is_cuda()
         .then(|| VARIANT_LOCK.lock().unwrap_or_else(|e| e.into_inner()));
     let mut by_one: std::collections::HashMap<String, Vec<f32>> = Default::default();
-    for &(on, cols, variant) in modes {
+    for &(on, cols, variant, splits) in modes {
         let _guard = device
             .is_cuda()
             .then(|| Switch::set(ops::qlinear_k, ops::set_qlinear_k, on));
+        let _splits = device
+            .is_cuda()
+            .then(|| Switch::set(ops::qlinear_k_splits, ops::set_qlinear_k_splits, splits));
         let _rows = device
             .is_cuda()
             .then(|| Switch::set(ops::qlinear_k_rows, ops::set_qlinear_k_rows, cols));
@@ -771,7 +776,8 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                 };
                 let check = |what: &str, got: &Tensor, want_f32: &Tensor, qwant: &Tensor| {
                     let what = format!(
-                        "{what} {qtype:?} {xs:?} kernel {on} columns {cols} variant {variant:?}"
+                        "{what} {qtype:?} {xs:?} kernel {on} columns {cols} variant {variant:?} \
+                         splits {splits}"
                     );
                     let want = want_f32.to_dtype(dtype)?;
                     if kernel && q8 {

@@ -1028,7 +1028,7 @@ __device__ __forceinline__ void quantize_x(const T *x, uint32_t m, uint32_t k, u
         const T *xr = x + (size_t)r * k + (size_t)c0 * 32u;
         // Every lane of a warp runs each round (the shuffles); a group of 4 is in or out
         // together, as parts is a multiple of 4.
-        for (uint32_t base = 0; base < parts; base += 32u * OPS_WARPS) {
+        for (uint32_t base = 0; base < parts; base += blockDim.x) {
             const uint32_t e = base + threadIdx.x;
             const bool in = e < parts;
             float v[8];
@@ -1763,14 +1763,20 @@ __device__ void qlinear4k_small(const uint4 *xq, const uint8_t *w0, const uint8_
 }
 
 // qlinear4k_small with x quantized by each block of threads (variant 3's quantize_x, in chunks
-// of xblocks blocks; dynamic shared memory m · xblocks · 40 bytes), no launch before.
-template <typename T, int M, int KT, int R>
+// of xblocks blocks; dynamic shared memory m · xblocks · 40 bytes), no launch before. With S > 1
+// a block of threads has S · OPS_WARPS warps: S warps take each group of columns, warp s of
+// them the rounds s, s + S, ... of each chunk's blocks (more warps in flight where the grid is
+// small: a 4096-column projection is 512 blocks of 4 warps), and adds its sums to the first's
+// through shared memory before that one stores them.
+template <typename T, int M, int KT, int R, int S>
 __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1,
                                 const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
                                 uint32_t n2, uint32_t k, uint32_t silu, uint32_t xblocks) {
     extern __shared__ uint4 qstage[];
     const uint32_t lane = threadIdx.x & 31u;
-    const uint32_t gw = blockIdx.x * OPS_WARPS + (threadIdx.x >> 5);
+    const uint32_t wi = threadIdx.x >> 5;
+    const uint32_t split = wi / OPS_WARPS, group = wi % OPS_WARPS;
+    const uint32_t gw = blockIdx.x * OPS_WARPS + group;
     const size_t row_bytes = (size_t)(k >> 8) * KBlock<KT>::BYTES;
     uint4 *xq = qstage;
     XBlock8 *xs = reinterpret_cast<XBlock8 *>(xq + (size_t)m * 2u * xblocks);
@@ -1791,7 +1797,7 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
         quantize_x<T>(x, m, k, c0, cn, xblocks, xq, xs);
         __syncthreads();
         if (!active) continue;
-        for (uint32_t j = lane; j < cn; j += 32u) {
+        for (uint32_t j = lane + 32u * split; j < cn; j += 32u * S) {
             // Block j of the chunk: its x halves at lane of their sweeps (j % 32 == lane).
             const uint32_t xv = (j >> 5) * 64u + lane;
 #pragma unroll
@@ -1809,7 +1815,29 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
             }
         }
     }
-    if (active) qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
+    if constexpr (S > 1) {
+        // Each lane's sums of the later splits, added to the first split's lane.
+        __shared__ float part[(S - 1) * OPS_WARPS * R * M * 32];
+        if (split > 0) {
+            float *mine = part + (size_t)((split - 1) * OPS_WARPS + group) * R * M * 32;
+#pragma unroll
+            for (int w = 0; w < R; ++w)
+#pragma unroll
+                for (int r = 0; r < M; ++r) mine[(w * M + r) * 32 + lane] = acc[w][r];
+        }
+        __syncthreads();
+        if (split == 0) {
+            for (uint32_t t = 1; t < (uint32_t)S; ++t) {
+                const float *other = part + (size_t)((t - 1) * OPS_WARPS + group) * R * M * 32;
+#pragma unroll
+                for (int w = 0; w < R; ++w)
+#pragma unroll
+                    for (int r = 0; r < M; ++r) acc[w][r] += other[(w * M + r) * 32 + lane];
+            }
+        }
+    }
+    if (active && split == 0)
+        qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
 }
 
 // qlinear_k2_small_r<R>_m<M>_<q>_<dtype>: qlinear_k_small's arguments, R columns per warp.
@@ -1846,20 +1874,21 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
         qlinear4k_small<T, M, KT_Q6_K, R>(xq, w0, w1, w2, y, m, n0, n1, n2, k, silu);           \
     }
 // qlinear3k_small_r<R>_m<M>_<q>_<dtype>: qlinear3k_small, variant 3's arguments (x's chunk
-// length last), the instances and register bound of qlinear4k_small's.
-#define QLINEAR3K_SMALL_FOR(T, SUFFIX, M, R)                                                    \
-    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
-        qlinear3k_small_r##R##_m##M##_q4_k_##SUFFIX(                                            \
+// length last), the instances and register bound of qlinear4k_small's; qlinear3ks2_small_...
+// the same with two warps a column group (S = 2, blocks of 8 warps), up to 2 rows of x.
+#define QLINEAR3K_SMALL_ONE(T, SUFFIX, M, R, S, NAME, KT, QNAME)                                \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS * S, 6 / S)                      \
+        NAME##_small_r##R##_m##M##_##QNAME##_##SUFFIX(                                          \
         const T *x, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,  \
         uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu, uint32_t xblocks) {   \
-        qlinear3k_small<T, M, KT_Q4_K, R>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu, xblocks);   \
-    }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
-        qlinear3k_small_r##R##_m##M##_q6_k_##SUFFIX(                                            \
-        const T *x, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,  \
-        uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu, uint32_t xblocks) {   \
-        qlinear3k_small<T, M, KT_Q6_K, R>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu, xblocks);   \
+        qlinear3k_small<T, M, KT, R, S>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu, xblocks);     \
     }
+#define QLINEAR3K_SMALL_FOR(T, SUFFIX, M, R)                                                    \
+    QLINEAR3K_SMALL_ONE(T, SUFFIX, M, R, 1, qlinear3k, KT_Q4_K, q4_k)                           \
+    QLINEAR3K_SMALL_ONE(T, SUFFIX, M, R, 1, qlinear3k, KT_Q6_K, q6_k)
+#define QLINEAR3KS2_SMALL_FOR(T, SUFFIX, M, R)                                                  \
+    QLINEAR3K_SMALL_ONE(T, SUFFIX, M, R, 2, qlinear3ks2, KT_Q4_K, q4_k)                         \
+    QLINEAR3K_SMALL_ONE(T, SUFFIX, M, R, 2, qlinear3ks2, KT_Q6_K, q6_k)
 #define QLINEAR4K_SMALL_ALL(T, SUFFIX)                                                          \
     QLINEAR4K_SMALL_FOR(T, SUFFIX, 1, 2)                                                        \
     QLINEAR4K_SMALL_FOR(T, SUFFIX, 2, 2)                                                        \
@@ -1872,7 +1901,11 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     QLINEAR3K_SMALL_FOR(T, SUFFIX, 4, 2)                                                        \
     QLINEAR3K_SMALL_FOR(T, SUFFIX, 8, 2)                                                        \
     QLINEAR3K_SMALL_FOR(T, SUFFIX, 1, 4)                                                        \
-    QLINEAR3K_SMALL_FOR(T, SUFFIX, 2, 4)
+    QLINEAR3K_SMALL_FOR(T, SUFFIX, 2, 4)                                                        \
+    QLINEAR3KS2_SMALL_FOR(T, SUFFIX, 1, 2)                                                      \
+    QLINEAR3KS2_SMALL_FOR(T, SUFFIX, 2, 2)                                                      \
+    QLINEAR3KS2_SMALL_FOR(T, SUFFIX, 1, 4)                                                      \
+    QLINEAR3KS2_SMALL_FOR(T, SUFFIX, 2, 4)
 
 // qlinear_small_m<M>_<q>_<dtype>: at most M rows of x against weights of GGML type q.
 #define QLINEAR_SMALL_FOR(T, SUFFIX, M, QT, QNAME)                                              \

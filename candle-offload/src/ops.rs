@@ -1135,6 +1135,47 @@ pub fn qlinear_k_rows() -> usize {
     }))
 }
 
+/// The environment variable that sets how many warps share each column group of the K-quant
+/// kernels on 8-bit x ([`qlinear_k_splits`]): `1` or `2`; anything else (and unset) lets the
+/// grid's size choose.
+pub const QLINEAR_K_SPLITS_ENV: &str = "CANDLE_OFFLOAD_QLINEAR_K_SPLITS";
+
+/// [`qlinear_k_splits`]'s state: 0 until first read or set, else the splits plus one.
+static QLINEAR_K_SPLITS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Sets how many warps share each column group of the K-quant kernels on 8-bit x (variant 3)
+/// for the whole process, from the next call on: 1 or 2 forced, anything else (0) chosen by the
+/// grid's size; it wins over [`QLINEAR_K_SPLITS_ENV`].
+pub fn set_qlinear_k_splits(splits: usize) {
+    let code = if matches!(splits, 1 | 2) {
+        splits + 1
+    } else {
+        1
+    };
+    QLINEAR_K_SPLITS.store(code as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// How many warps share each column group of Q4_K and Q6_K weights under variant 3, up to 2
+/// rows of x: 2 (`qlinear3ks2_small`, blocks of 8 warps, each pair taking alternate rounds of a
+/// row's blocks) or 1 (`qlinear3k_small`, blocks of 4 warps); 0, the default, takes 2 where
+/// blocks of 4 warps would give the GPU fewer than 4 a multiprocessor (a 4096-column
+/// projection on an H200: 512 blocks for 132). Set by [`set_qlinear_k_splits`] or
+/// [`QLINEAR_K_SPLITS_ENV`] (read once).
+pub fn qlinear_k_splits() -> usize {
+    usize::from(switch_code(&QLINEAR_K_SPLITS, || {
+        match std::env::var(QLINEAR_K_SPLITS_ENV)
+            .ok()
+            .as_deref()
+            .map(str::trim)
+        {
+            Some("1") => 2,
+            Some("2") => 3,
+            _ => 1,
+        }
+    }))
+    .saturating_sub(1)
+}
+
 /// The code of a process-wide switch kept in `cell` (0: not yet read or set): the value a setter
 /// stored, else `from_env()`'s (its environment variable, read once), stored unless a
 /// concurrent setter got there first, whose value then wins.

@@ -557,23 +557,29 @@ fn qlinear3_x_blocks(m: usize, nb: usize, stage_bytes: usize) -> usize {
 /// it up to 2 rows of x (their kernels of 4 rows). The SM count is the
 /// first device's asked, read once (a heuristic only: any count gives the same results).
 fn qlinear2_rows_per_warp(dev: &CudaDevice, bound: usize, cols: usize, silu: bool) -> usize {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
-    static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     if bound > 4 {
         return 2;
     }
-    let sms = *SMS.get_or_init(|| {
-        dev.cuda_stream()
-            .context()
-            .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_or(132, |v| v.max(1) as usize)
-    });
+    let sms = multiprocessors(dev);
     let cols_per_block = QLINEAR_WARPS * if silu { 2 } else { 4 };
     if cols.div_ceil(cols_per_block) >= 2 * sms {
         4
     } else {
         2
     }
+}
+
+/// The multiprocessors of the first device asked, read once (for grid heuristics only: any
+/// count gives the same results).
+fn multiprocessors(dev: &CudaDevice) -> usize {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *SMS.get_or_init(|| {
+        dev.cuda_stream()
+            .context()
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(132, |v| v.max(1) as usize)
+    })
 }
 
 /// Variant 4's bytes per block of 32 elements of one row of x in its buffer (kernels/ops.cu,
@@ -693,6 +699,8 @@ pub(crate) fn qlinear_small(
         // threads and, for variant 3, the chunk of x it quantizes at once (in blocks).
         let variant = crate::ops::qlinear_variant_for(ws[0].dtype());
         let kquant = crate::ops::is_qlinear_k_type(ws[0].dtype());
+        // Warps a column group (qlinear3ks2_small: 2).
+        let mut splits = 1usize;
         let (name, cols_per_warp, shared_bytes, xblocks) = match variant {
             // K-quant blocks converting to floats (every variant but 3 and 4): their own
             // kernel, one column (of gate and up with silu) per warp, or two for Q4_K with
@@ -743,9 +751,31 @@ pub(crate) fn qlinear_small(
                 };
                 let cols_per_warp = if silu { r / 2 } else { r };
                 if v == V::V3 {
-                    let xblocks = qlinear3_x_blocks(m, k / 32, stages);
+                    // K-quant blocks up to 2 rows of x: two warps a column group where the grid
+                    // is small (qlinear3ks2_small), their sums' static shared memory beside x.
+                    splits = if kquant && bound <= 2 {
+                        match crate::ops::qlinear_k_splits() {
+                            1 => 1,
+                            2 => 2,
+                            _ if cols.div_ceil(QLINEAR_WARPS * cols_per_warp)
+                                < 4 * multiprocessors(dev) =>
+                            {
+                                2
+                            }
+                            _ => 1,
+                        }
+                    } else {
+                        1
+                    };
+                    let sums = (splits - 1) * QLINEAR_WARPS * r * bound * 32 * 4;
+                    let xblocks = qlinear3_x_blocks(m, k / 32, stages + sums);
+                    let kernel = if splits == 2 {
+                        "3ks2".to_string()
+                    } else {
+                        format!("3{kq}")
+                    };
                     (
-                        format!("qlinear3{kq}_small_r{r}_m{bound}_{qname}"),
+                        format!("qlinear{kernel}_small_r{r}_m{bound}_{qname}"),
                         cols_per_warp,
                         stages + m * xblocks * QLINEAR3_X_BLOCK_BYTES,
                         Some(to_u32(xblocks, "blocks of x")?),
@@ -769,7 +799,7 @@ pub(crate) fn qlinear_small(
                 1,
                 1,
             ),
-            block_dim: (32 * QLINEAR_WARPS as u32, 1, 1),
+            block_dim: (32 * (QLINEAR_WARPS * splits) as u32, 1, 1),
             shared_mem_bytes: to_u32(shared_bytes, "shared memory")?,
         };
         let stream = dev.cuda_stream();
@@ -814,7 +844,8 @@ pub(crate) fn qlinear_small(
         // `qlinear2_small_r<R>_m<M>_<type>_<dtype>(const T* x, const uint8_t* w0, w1, w2, T* y,
         // uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu,
         // `qlinear3_small_r<R>_m<M>_<type>_<dtype>` the same with `uint32_t xblocks` last (a
-        // multiple of 32), and `qlinear4_small_r<R>_m<M>_<type>_<dtype>` the same as variant
+        // multiple of 32; `qlinear3ks2_small_...` in blocks of 8 warps, whose static shared
+        // memory for the sums was left beside x's chunk within the 48 KB), and `qlinear4_small_r<R>_m<M>_<type>_<dtype>` the same as variant
         // 2's with `const uint4* xq` for x, with M ≥ m, every weight of that block type and the
         // shared memory their stages take (QStage / QStage2 mirrored above), for variant 3 with
         // m rows of xblocks blocks of x after them. x holds m·k elements, 16-byte aligned,
