@@ -239,6 +239,18 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
         let (want_logits, want_tokens) = outputs(&single)?;
         let want_long = long_tokens(&single)?;
         drop(single);
+        // The largest difference from the device-only logits, and their largest magnitude.
+        let max_err = |logits: &[f32]| -> (f32, f32) {
+            let err = logits
+                .iter()
+                .zip(&want_logits)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            (
+                err,
+                want_logits.iter().map(|v| v.abs()).fold(0f32, f32::max),
+            )
+        };
         let e = build(&settings, HostLayers::Count(n + 1))
             .unwrap_err()
             .to_string();
@@ -309,12 +321,7 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
                 assert_eq!(stages[1].1, 0..n);
             }
             let (logits, tokens) = outputs(&none)?;
-            let err = logits
-                .iter()
-                .zip(&want_logits)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            let scale = want_logits.iter().map(|v| v.abs()).fold(0f32, f32::max);
+            let (err, scale) = max_err(&logits);
             assert!(err <= 1e-4 * scale.max(1.0), "none, tied {tied}: {err}");
             assert_eq!(tokens, want_tokens, "none, tied {tied}");
             assert_eq!(long_tokens(&none)?, want_long, "none, tied {tied}, long");
@@ -351,12 +358,7 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             if device.is_cpu() {
                 assert_eq!(logits, want_logits, "{ctx}, tied {tied}");
             } else {
-                let err = logits
-                    .iter()
-                    .zip(&want_logits)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f32, f32::max);
-                let scale = want_logits.iter().map(|v| v.abs()).fold(0f32, f32::max);
+                let (err, scale) = max_err(&logits);
                 assert!(
                     err <= 1e-4 * scale.max(1.0),
                     "{ctx}, tied {tied}: {err} of {scale}"
