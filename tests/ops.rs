@@ -497,6 +497,19 @@ fn ops_qlinear_default_variants() {
 /// each sees its own variants run.
 static VARIANT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// The K-quant kernels' splits switch: 1 and 2 are forced as set, anything else lets the grid
+/// choose (0), and the value before comes back (under the variants' lock: GPU tests read it).
+#[test]
+fn ops_qlinear_k_splits_switch() {
+    let _lock = VARIANT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let before = ops::qlinear_k_splits();
+    for (set, want) in [(1, 1), (2, 2), (0, 0), (3, 0), (2, 2)] {
+        let _s = Switch::set(ops::qlinear_k_splits, ops::set_qlinear_k_splits, set);
+        assert_eq!(ops::qlinear_k_splits(), want, "set {set}");
+    }
+    assert_eq!(ops::qlinear_k_splits(), before);
+}
+
 /// `qlinear_small`, its q/k/v and gate/up forms, against x times the blocks dequantized to F32,
 /// on a GPU once per kernel variant forced (v1; v2 with the rows per warp it picks, and with 2
 /// and 4 forced; v3; v4) and once with each block type's default variant (checked as the
