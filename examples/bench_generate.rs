@@ -297,9 +297,14 @@ fn main() -> Result<()> {
                 model.set_fused(false);
             }
             let host_layers = model.host_layer_count();
-            // What the device's stage reserves (a resident stage of GGML blocks less than
-            // `Llama::reserve_bytes`), less the batch's extra room.
-            let reserve = model.runtime().budget().reserve_bytes - settings.reserve_bytes;
+            // What the device's stage (the last: host layers and embeddings run in a CPU stage
+            // before it) reserves, less the batch's extra room: a resident stage of GGML blocks
+            // less than `Llama::reserve_bytes`, a stage behind host layers its own layers' KV.
+            let reserve = model
+                .stages()
+                .last()
+                .map_or(0, |(rt, _)| rt.budget().reserve_bytes)
+                .saturating_sub(settings.reserve_bytes);
             // What `spread:auto` timed to choose (one layer's step on the host and the GPU).
             let layer_steps = model.spread_auto_layer_steps();
             if host_layers > 0 {
