@@ -1099,17 +1099,17 @@ template <> struct QOffset<QT_Q5_0> { static constexpr int O = 16; };
 // acc + the dot product of a weight block at b (quants q as quant_words gives them, scale dw)
 // with a block of quantized x (its quants' halves lo and hi, scale and sum s): variants 3 and
 // 4's terms.
+// acc + the dot products of four words of quants q with x's four words v, in order.
+__device__ __forceinline__ int dp4a4(const int *q, const uint4 &v, int acc) {
+    acc = __dp4a(q[0], (int)v.x, acc);
+    acc = __dp4a(q[1], (int)v.y, acc);
+    acc = __dp4a(q[2], (int)v.z, acc);
+    return __dp4a(q[3], (int)v.w, acc);
+}
 template <int QT>
 __device__ __forceinline__ float qdot8(const int *q, float dw, const uint8_t *b, const uint4 &lo,
                                        const uint4 &hi, const XBlock8 &s, float acc) {
-    int dot = __dp4a(q[0], (int)lo.x, 0);
-    dot = __dp4a(q[1], (int)lo.y, dot);
-    dot = __dp4a(q[2], (int)lo.z, dot);
-    dot = __dp4a(q[3], (int)lo.w, dot);
-    dot = __dp4a(q[4], (int)hi.x, dot);
-    dot = __dp4a(q[5], (int)hi.y, dot);
-    dot = __dp4a(q[6], (int)hi.z, dot);
-    dot = __dp4a(q[7], (int)hi.w, dot);
+    int dot = dp4a4(q + 4, hi, dp4a4(q, lo, 0));
     dot -= QOffset<QT>::O * s.sum;
     float a = fmaf(dw * s.d, (float)dot, acc);
     if (QBlock<QT>::MIN) a = fmaf(sm_f16(b + 2) * s.d, (float)s.sum, a);
@@ -1701,14 +1701,7 @@ template <> __device__ __forceinline__ void kq8_block<KT_Q6_K>(const uint8_t *ro
 // acc + the block's dot product with x's block (lo, hi, s) (the formula above).
 __device__ __forceinline__ float kq8_dot(const KQ8Block &w, const uint4 &lo, const uint4 &hi,
                                          const XBlock8 &s, float acc) {
-    int a = __dp4a(w.q[0], (int)lo.x, 0);
-    a = __dp4a(w.q[1], (int)lo.y, a);
-    a = __dp4a(w.q[2], (int)lo.z, a);
-    a = __dp4a(w.q[3], (int)lo.w, a);
-    int c = __dp4a(w.q[4], (int)hi.x, 0);
-    c = __dp4a(w.q[5], (int)hi.y, c);
-    c = __dp4a(w.q[6], (int)hi.z, c);
-    c = __dp4a(w.q[7], (int)hi.w, c);
+    const int a = dp4a4(w.q, lo, 0), c = dp4a4(w.q + 4, hi, 0);
     return fmaf(s.d, w.s0 * (float)a + w.s1 * (float)c - w.mn * (float)s.sum, acc);
 }
 // qlinear_small's contract for K-quant weights, x given as qlinear4_quantize_x wrote it.

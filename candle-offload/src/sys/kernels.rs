@@ -845,8 +845,9 @@ pub(crate) fn qlinear_small(
         // uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu,
         // `qlinear3_small_r<R>_m<M>_<type>_<dtype>` the same with `uint32_t xblocks` last (a
         // multiple of 32; `qlinear3ks2_small_...` in blocks of 8 warps, whose static shared
-        // memory for the sums was left beside x's chunk within the 48 KB), and `qlinear4_small_r<R>_m<M>_<type>_<dtype>` the same as variant
-        // 2's with `const uint4* xq` for x, with M ≥ m, every weight of that block type and the
+        // memory for the sums was left beside x's chunk within the 48 KB), and
+        // `qlinear4_small_r<R>_m<M>_<type>_<dtype>` the same as variant 2's with
+        // `const uint4* xq` for x, with M ≥ m, every weight of that block type and the
         // shared memory their stages take (QStage / QStage2 mirrored above), for variant 3 with
         // m rows of xblocks blocks of x after them. x holds m·k elements, 16-byte aligned,
         // k a multiple of 32; for variant 4, xq is the buffer qlinear4_quantize_x filled from
