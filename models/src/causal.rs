@@ -20,7 +20,7 @@ use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, PolicyChoice, U
 
 use crate::config::Config;
 use crate::error::ModelError;
-use crate::family::{Family, Layout, StepCtx, UnitWeights};
+use crate::family::{Family, Hidden, Layout, StepCtx, UnitWeights};
 use crate::layers::{Cache, Masks, Rope};
 
 /// The units of a model in the runtimes' (shared) store.
@@ -1353,7 +1353,9 @@ impl CausalLm {
                 xs = self.move_hidden(&xs, device)?;
                 at = stage;
             }
-            xs = xs.to_dtype(stage.dtype)?;
+            // The layers pass the hidden state on split where they can (the residual add left
+            // to the next layer's norm kernel); it is whole again between stages.
+            let mut hidden = Hidden::Whole(xs.to_dtype(stage.dtype)?);
             let masks = Masks::padded(seq_len, index_pos, pads, device);
             let ctx = StepCtx {
                 index_pos,
@@ -1373,11 +1375,12 @@ impl CausalLm {
                     l,
                     stage.dtype,
                 )?;
-                xs = block.forward(&xs, &ctx, &mut cache.kvs[l])?;
+                hidden = block.forward_hidden(hidden, &ctx, &mut cache.kvs[l])?;
                 if prompt_on_gpu && self.on_host[l] {
                     cache.place(l, first.rt.device(), first.dtype)?;
                 }
             }
+            xs = hidden.into_tensor()?;
             if i + 1 < runs || !std::ptr::eq(stage, last) {
                 // This stage idles while another computes (a later stage, or the host's next
                 // run of spread layers): its copy stream fetches what it needs next, into its

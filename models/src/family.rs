@@ -165,11 +165,43 @@ impl<'a> UnitWeights<'a> {
     }
 }
 
+/// The hidden state between decoder layers: whole, or as a sum not yet taken, the last
+/// residual add left for the next layer's first kernel (its norm) to do.
+#[derive(Debug, Clone)]
+pub enum Hidden {
+    /// The hidden state itself (batch, seq, hidden).
+    Whole(Tensor),
+    /// The hidden state is `h + residual` (same shape and dtype).
+    Split {
+        /// The last sub-layer's output.
+        h: Tensor,
+        /// The residual stream it is added to.
+        residual: Tensor,
+    },
+}
+
+impl Hidden {
+    /// The hidden state, adding a pending sum.
+    pub fn into_tensor(self) -> Result<Tensor> {
+        match self {
+            Self::Whole(t) => Ok(t),
+            Self::Split { h, residual } => h + residual,
+        }
+    }
+}
+
 /// One decoder layer, built from its unit right before it runs.
 pub trait DecoderBlock: std::fmt::Debug {
     /// Runs on `xs` (batch, seq, hidden) at positions `ctx.index_pos..`, appending this layer's
     /// keys and values to `kv`.
     fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Tensor>;
+
+    /// As [`forward`](Self::forward) on a [`Hidden`] state, which a block may return split
+    /// (its last residual add pending) so that the next block adds it in its first kernel:
+    /// one launch less per layer. The default takes the sum and returns the state whole.
+    fn forward_hidden(&self, xs: Hidden, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Hidden> {
+        Ok(Hidden::Whole(self.forward(&xs.into_tensor()?, ctx, kv)?))
+    }
 
     /// The training pass over whole sequences from position 0, with differentiable ops only.
     /// Families without one refuse training with this error.

@@ -16,7 +16,7 @@ use candle_nn::VarBuilder;
 use candle_offload::train::attention::{flash_attention, flash_attention_supported};
 
 use crate::config::Config;
-use crate::family::{DecoderBlock, StepCtx, TrainCtx, UnitWeights};
+use crate::family::{DecoderBlock, Hidden, StepCtx, TrainCtx, UnitWeights};
 
 mod by_hand;
 
@@ -1175,36 +1175,64 @@ pub struct PreNormBlock {
     pub post_mlp_norm: Option<Norm>,
 }
 
+/// The weight and epsilon of `norm` where one kernel can add `a + b` and norm the sum
+/// ([`candle_offload::ops::rms_norm_residual`]): a fused step, an RMSNorm computed in the
+/// inputs' dtype, all three of one dtype.
+fn fusable_norm<'a>(
+    norm: &'a Norm,
+    ctx: &StepCtx<'_>,
+    a: &Tensor,
+    b: &Tensor,
+) -> Option<(&'a Tensor, f64)> {
+    norm.rms_parts()
+        .filter(|(w, _)| ctx.fused && w.dtype() == a.dtype() && b.dtype() == a.dtype())
+}
+
+/// `norm(a + b)` and the sum, in one kernel where [`fusable_norm`] allows.
+fn add_norm(norm: &Norm, ctx: &StepCtx<'_>, a: Tensor, b: Tensor) -> Result<(Tensor, Tensor)> {
+    match fusable_norm(norm, ctx, &a, &b) {
+        Some((w, eps)) => candle_offload::ops::rms_norm_residual(&a, &b, w, eps),
+        None => {
+            let sum = (a + b)?;
+            let normed = norm.forward(&sum)?;
+            Ok((sum, normed))
+        }
+    }
+}
+
 impl DecoderBlock for PreNormBlock {
     fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Tensor> {
-        let residual = xs;
-        let h = self.attn.forward(&self.input_norm.forward(xs)?, ctx, kv)?;
+        self.forward_hidden(Hidden::Whole(xs.clone()), ctx, kv)?
+            .into_tensor()
+    }
+
+    /// A fused step leaves the MLP's residual add to the next block's input norm (or the
+    /// caller), which does it in its own kernel.
+    fn forward_hidden(&self, xs: Hidden, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Hidden> {
+        let (residual, normed) = match xs {
+            Hidden::Whole(xs) => {
+                let normed = self.input_norm.forward(&xs)?;
+                (xs, normed)
+            }
+            Hidden::Split { h, residual } => add_norm(&self.input_norm, ctx, h, residual)?,
+        };
+        let h = self.attn.forward(&normed, ctx, kv)?;
         let h = match &self.post_attn_norm {
             Some(n) => n.forward(&h)?,
             None => h,
         };
-        let fusable = self
-            .pre_mlp_norm
-            .rms_parts()
-            .filter(|(w, _)| ctx.fused && w.dtype() == h.dtype() && residual.dtype() == h.dtype());
-        let (h, xs) = if let Some((w, eps)) = fusable {
-            // The residual add and the norm after it in one kernel.
-            let (xs, normed) = candle_offload::ops::rms_norm_residual(&h, residual, w, eps)?;
-            (self.mlp.forward_fused(&normed)?, xs)
+        // The residual add and the norm after it in one kernel where it can.
+        let (xs, normed) = add_norm(&self.pre_mlp_norm, ctx, h, residual)?;
+        let h = if ctx.fused {
+            self.mlp.forward_fused(&normed)?
         } else {
-            let xs = (h + residual)?;
-            let h = if ctx.fused {
-                self.mlp.forward_fused(&self.pre_mlp_norm.forward(&xs)?)?
-            } else {
-                self.mlp.forward(&self.pre_mlp_norm.forward(&xs)?)?
-            };
-            (h, xs)
+            self.mlp.forward(&normed)?
         };
-        let h = match &self.post_mlp_norm {
-            Some(n) => n.forward(&h)?,
-            None => h,
-        };
-        h + xs
+        match &self.post_mlp_norm {
+            Some(n) => Ok(Hidden::Whole((n.forward(&h)? + xs)?)),
+            None if ctx.fused => Ok(Hidden::Split { h, residual: xs }),
+            None => Ok(Hidden::Whole((h + xs)?)),
+        }
     }
 
     /// The residual stream stays in `xs`'s dtype (F32 under autocast), norms run in it, and

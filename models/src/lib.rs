@@ -50,7 +50,7 @@ pub use causal::{
 pub use chat::ChatTemplate;
 pub use config::Config;
 pub use error::{ModelError, Result};
-pub use family::{DecoderBlock, Family, Layout, StepCtx, TrainCtx, UnitWeights};
+pub use family::{DecoderBlock, Family, Hidden, Layout, StepCtx, TrainCtx, UnitWeights};
 pub use layers::Cache;
 pub use llama::Llama;
 pub use loader::{ModelFiles, Weights};
