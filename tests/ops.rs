@@ -234,10 +234,10 @@ test_device!(
 /// (batch, q heads, kv heads, new positions, cached positions, head_dim, sliding window):
 /// decode (one new), GQA, MQA with a window, several new positions, all positions new, odd head
 /// dims, the largest head_dim of the kernel and one past it (the composition's fallback), and
-/// more visible keys than one chunk of the CUDA kernel (128) holds.
+/// more visible keys than one block of the CUDA kernel scores (256), split into ranges.
 type AttentionShape = (usize, usize, usize, usize, usize, usize, Option<usize>);
 
-const ATTENTION_SHAPES: [AttentionShape; 11] = [
+const ATTENTION_SHAPES: [AttentionShape; 13] = [
     (1, 4, 4, 1, 1, 8, None),
     (1, 32, 32, 1, 77, 128, None),
     (2, 8, 2, 1, 33, 64, None),
@@ -249,6 +249,9 @@ const ATTENTION_SHAPES: [AttentionShape; 11] = [
     (1, 4, 4, 1, 1000, 64, Some(100)),
     (1, 4, 2, 2, 300, 128, None),
     (1, 2, 2, 1, 260, 36, Some(200)),
+    // The CUDA kernel cuts these keys into ranges (flash-decoding) and combines them.
+    (1, 2, 1, 3, 600, 64, None),
+    (1, 32, 8, 1, 528, 128, None),
 ];
 
 fn decode_attention_matches_composition(device: &Device) -> anyhow::Result<()> {

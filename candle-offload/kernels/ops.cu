@@ -100,43 +100,12 @@ __device__ void rope_qk(const T *q, const T *k, const T *cs, T *out, uint32_t b,
     }
 }
 
-// Threads per block of decode_attention (head_dim up to twice as many).
-#define DA_THREADS 128
 // Warps per block of linear_small.
 #define OPS_WARPS 4
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
-}
-
-// Loads 8 consecutive elements as f32 (16 bytes of f16/bf16, two 16-byte loads of f32); p is
-// 16-byte aligned.
-__device__ __forceinline__ void load8(const __half *p, float *o) {
-    const uint4 u = *reinterpret_cast<const uint4 *>(p);
-    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __half22float2(h[i]);
-        o[2 * i] = f.x;
-        o[2 * i + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *o) {
-    const uint4 u = *reinterpret_cast<const uint4 *>(p);
-    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        o[2 * i] = f.x;
-        o[2 * i + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load8(const float *p, float *o) {
-    const float4 a = *reinterpret_cast<const float4 *>(p);
-    const float4 b = *reinterpret_cast<const float4 *>(p + 4);
-    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-    o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
 }
 
 // Maximum of `v` over the block (as block_sum).
@@ -158,90 +127,148 @@ __device__ __forceinline__ float block_max(float v) {
     return total;
 }
 
-// Attention of tq new queries over the first kv_len positions of a KV cache, for decode:
-// one block of DA_THREADS threads per (query, q head, batch row). q is contiguous
-// (b, hq, tq, d); k and v are (b, hk, >= kv_len, d) with the last dim contiguous and the other
-// strides given (views of a preallocated cache); query qi sits at position kv_len - tq + qi and
-// sees keys j <= its position, and with window > 0 only those with position < j + window (the
-// causal and sliding-window masks). GQA/MQA: q head h reads kv head h / (hq / hk).
-// The visible keys go by in chunks of DA_THREADS: each thread scores one key of the chunk
-// (q pre-scaled, in shared memory; with `vec`, 16-byte loads of the key row), the chunk's
-// maximum and sum update an online softmax, and each warp then accumulates the chunk's value
-// rows w, w + 4, ... (lane l the dims l, l + 32, ...: each row read coalesced by one warp, four
-// rows at once), the warps' sums added at the end. out is (b, tq, hq, d); d <= 2 * DA_THREADS.
+// Attention of tq new queries over the first kv_len positions of a KV cache, for decode.
+// q is contiguous (b, hq, tq, d); k and v are (b, hk, >= kv_len, d) with the last dim contiguous
+// and the other strides given (views of a preallocated cache); query qi sits at position
+// kv_len - tq + qi and sees keys j <= its position, and with window > 0 only those with
+// position < j + window (the causal and sliding-window masks). GQA/MQA: q head h reads kv head
+// h / (hq / hk). out is (b, tq, hq, d); d <= 32 * DA_DIMS.
+//
+// Each query's visible keys are cut into `splits` equal ranges of at most DA_CHUNK keys
+// (flash-decoding), one block of DA_WARPS warps each: grid (tq * splits, hq, b). A warp scores
+// one key at a time, lane l multiplying dims l, l + 32, ... (each key row read coalesced), the
+// warp's sum into shared memory; the range's maximum and exponentials follow, then each warp
+// accumulates the value rows of its keys (again one coalesced row at a time) and the warps'
+// sums are added. With one split the block writes its row of out. Otherwise it writes its
+// range's (max, sum, weighted values) to `part`, and the last of the query's blocks to finish
+// (an atomic count in `counters`, which it sets back to 0) combines them into out.
+#define DA_WARPS 8
+#define DA_CHUNK 256
+#define DA_DIMS 8
 template <typename T>
-__device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uint32_t tq,
-                                 uint32_t hq, uint32_t hk, uint32_t d, uint32_t kv_len,
-                                 uint64_t k_sb, uint64_t k_sh, uint64_t k_st, uint64_t v_sb,
-                                 uint64_t v_sh, uint64_t v_st, float scale, uint32_t window,
-                                 uint32_t vec) {
-    __shared__ float qs[2 * DA_THREADS];
-    __shared__ float ps[DA_THREADS];
-    const uint32_t qi = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
-    const uint32_t tid = threadIdx.x;
+__device__ void decode_attention(const T *q, const T *k, const T *v, T *out, float *part,
+                                 uint32_t *counters, uint32_t tq, uint32_t hq, uint32_t hk,
+                                 uint32_t d, uint32_t kv_len, uint64_t k_sb, uint64_t k_sh,
+                                 uint64_t k_st, uint64_t v_sb, uint64_t v_sh, uint64_t v_st,
+                                 float scale, uint32_t window, uint32_t splits) {
+    __shared__ float ps[DA_CHUNK];
+    __shared__ float sums[DA_WARPS][32 * DA_DIMS];
+    __shared__ bool last;
+    const uint32_t qi = blockIdx.x / splits, sp = blockIdx.x % splits;
+    const uint32_t h = blockIdx.y, bi = blockIdx.z;
+    const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
     const uint32_t kvh = h / (hq / hk);
-    const T *qrow = q + (((size_t)bi * hq + h) * tq + qi) * d;
-    for (uint32_t i = tid; i < d; i += DA_THREADS) qs[i] = to_f32(qrow[i]) * scale;
-    __syncthreads();
     const uint32_t pos = kv_len - tq + qi;
     const uint32_t lo = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
-    const T *kb = k + bi * k_sb + kvh * k_sh;
-    const T *vb = v + bi * v_sb + kvh * v_sh;
-    constexpr uint32_t WARPS = DA_THREADS / 32, DIMS = 2 * DA_THREADS / 32;
-    const uint32_t warp = tid >> 5, lane = tid & 31u;
-    float m = -__int_as_float(0x7f800000), l = 0.0f, acc[DIMS];
+    const uint32_t per = (pos + 1 - lo + splits - 1) / splits;
+    const uint32_t start = lo + sp * per;
+    const uint32_t end = min(pos + 1, start + per);
+    const uint32_t n = end > start ? end - start : 0;
+    const T *qrow = q + (((size_t)bi * hq + h) * tq + qi) * d;
+    float qr[DA_DIMS];
 #pragma unroll
-    for (uint32_t i = 0; i < DIMS; ++i) acc[i] = 0.0f;
-    for (uint32_t c = lo; c <= pos; c += DA_THREADS) {
-        const uint32_t j = c + tid;
-        float s = -__int_as_float(0x7f800000);
-        if (j <= pos) {
-            const T *kr = kb + j * k_st;
-            float dot = 0.0f;
-            if (vec) {
-                for (uint32_t i = 0; i < d; i += 8) {
-                    float kv8[8];
-                    load8(kr + i, kv8);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) dot += qs[i + e] * kv8[e];
-                }
-            } else {
-                for (uint32_t i = 0; i < d; ++i) dot += qs[i] * to_f32(kr[i]);
-            }
-            s = dot;
-        }
-        // The chunk's first key is visible, so m_new is finite.
-        const float m_new = fmaxf(m, block_max(s));
-        const float corr = expf(m - m_new);
-        const float p = j <= pos ? expf(s - m_new) : 0.0f;
-        ps[tid] = p;
-        l = l * corr + block_sum(p);  // its barriers also publish ps
-#pragma unroll
-        for (uint32_t i = 0; i < DIMS; ++i) acc[i] *= corr;
-        const uint32_t n = min(DA_THREADS, pos + 1 - c);
-#pragma unroll 4
-        for (uint32_t jj = warp; jj < n; jj += WARPS) {
-            const T *vr = vb + (size_t)(c + jj) * v_st;
-            const float pj = ps[jj];
-#pragma unroll
-            for (uint32_t i = 0; i < DIMS; ++i)
-                if (lane + 32u * i < d) acc[i] += pj * to_f32(vr[lane + 32u * i]);
-        }
-        m = m_new;
-        __syncthreads();  // ps is rewritten by the next chunk
+    for (uint32_t i = 0; i < DA_DIMS; ++i) {
+        const uint32_t e = lane + 32u * i;
+        qr[i] = e < d ? to_f32(qrow[e]) * scale : 0.0f;
     }
-    // The warps' partial sums, added per dim.
-    __shared__ float part[WARPS][2 * DA_THREADS];
+    const T *kb = k + bi * k_sb + kvh * k_sh + (size_t)start * k_st;
+    const T *vb = v + bi * v_sb + kvh * v_sh + (size_t)start * v_st;
+    // Scores, two keys in flight per warp.
+    for (uint32_t j = warp; j < n; j += 2 * DA_WARPS) {
+        const uint32_t j2 = j + DA_WARPS;
+        const T *k1 = kb + (size_t)j * k_st;
+        const T *k2 = kb + (size_t)(j2 < n ? j2 : j) * k_st;
+        float a1 = 0.0f, a2 = 0.0f;
 #pragma unroll
-    for (uint32_t i = 0; i < DIMS; ++i)
-        if (lane + 32u * i < d) part[warp][lane + 32u * i] = acc[i];
+        for (uint32_t i = 0; i < DA_DIMS; ++i) {
+            const uint32_t e = lane + 32u * i;
+            if (e < d) {
+                a1 += qr[i] * to_f32(k1[e]);
+                a2 += qr[i] * to_f32(k2[e]);
+            }
+        }
+        a1 = warp_sum(a1);
+        a2 = warp_sum(a2);
+        if (lane == 0) {
+            ps[j] = a1;
+            if (j2 < n) ps[j2] = a2;
+        }
+    }
     __syncthreads();
-    T *orow = out + (((size_t)bi * tq + qi) * hq + h) * d;
-    for (uint32_t e = tid; e < d; e += DA_THREADS) {
+    float mx = -__int_as_float(0x7f800000);
+    for (uint32_t j = tid; j < n; j += blockDim.x) mx = fmaxf(mx, ps[j]);
+    mx = block_max(mx);  // its barriers order the reads above before the writes below
+    float l = 0.0f;
+    for (uint32_t j = tid; j < n; j += blockDim.x) {
+        const float p = expf(ps[j] - mx);
+        ps[j] = p;
+        l += p;
+    }
+    l = block_sum(l);  // its barriers also publish ps
+    float acc[DA_DIMS];
+#pragma unroll
+    for (uint32_t i = 0; i < DA_DIMS; ++i) acc[i] = 0.0f;
+    for (uint32_t j = warp; j < n; j += DA_WARPS) {
+        const T *vr = vb + (size_t)j * v_st;
+        const float pj = ps[j];
+#pragma unroll
+        for (uint32_t i = 0; i < DA_DIMS; ++i) {
+            const uint32_t e = lane + 32u * i;
+            if (e < d) acc[i] += pj * to_f32(vr[e]);
+        }
+    }
+#pragma unroll
+    for (uint32_t i = 0; i < DA_DIMS; ++i) sums[warp][lane + 32u * i] = acc[i];
+    __syncthreads();
+    const size_t row = ((size_t)bi * tq + qi) * hq + h;  // out's row, and the record's
+    T *orow = out + row * d;
+    if (splits == 1) {
+        for (uint32_t e = tid; e < d; e += blockDim.x) {
+            float a = 0.0f;
+#pragma unroll
+            for (uint32_t w = 0; w < DA_WARPS; ++w) a += sums[w][e];
+            orow[e] = from_f32<T>(a / l);
+        }
+        return;
+    }
+    // This range's record: max, sum, then d weighted values.
+    float *rec = part + (row * splits + sp) * (d + 2);
+    for (uint32_t e = tid; e < d; e += blockDim.x) {
         float a = 0.0f;
 #pragma unroll
-        for (uint32_t w = 0; w < WARPS; ++w) a += part[w][e];
-        orow[e] = from_f32<T>(a / l);
+        for (uint32_t w = 0; w < DA_WARPS; ++w) a += sums[w][e];
+        rec[2 + e] = a;
+    }
+    if (tid == 0) {
+        rec[0] = n > 0 ? mx : -__int_as_float(0x7f800000);
+        rec[1] = l;
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        const uint32_t done = atomicAdd(counters + row, 1u);
+        last = done == splits - 1;
+        if (last) counters[row] = 0;  // ready for the next launch on this stream
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // Split 0 is never empty (it starts at lo <= pos), so the maximum is finite.
+    const float *recs = part + row * splits * (d + 2);
+    float m = -__int_as_float(0x7f800000);
+    for (uint32_t s = 0; s < splits; ++s) m = fmaxf(m, __ldcg(recs + s * (d + 2)));
+    float total = 0.0f;
+    for (uint32_t s = 0; s < splits; ++s) {
+        const float *r = recs + s * (d + 2);
+        total += expf(__ldcg(r) - m) * __ldcg(r + 1);
+    }
+    for (uint32_t e = tid; e < d; e += blockDim.x) {
+        float a = 0.0f;
+        for (uint32_t s = 0; s < splits; ++s) {
+            const float *r = recs + s * (d + 2);
+            a += expf(__ldcg(r) - m) * __ldcg(r + 2 + e);
+        }
+        orow[e] = from_f32<T>(a / total);
     }
 }
 
@@ -1994,12 +2021,13 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
                                                 uint32_t hk, uint32_t d, uint32_t rot_half) {   \
         rope_qk<T>(q, k, cs, out, b, t, hq, hk, d, rot_half);                                   \
     }                                                                                           \
-    extern "C" __global__ void decode_attention_##SUFFIX(                                       \
-        const T *q, const T *k, const T *v, T *out, uint32_t tq, uint32_t hq, uint32_t hk,      \
-        uint32_t d, uint32_t kv_len, uint64_t k_sb, uint64_t k_sh, uint64_t k_st, uint64_t v_sb, \
-        uint64_t v_sh, uint64_t v_st, float scale, uint32_t window, uint32_t vec) {             \
-        decode_attention<T>(q, k, v, out, tq, hq, hk, d, kv_len, k_sb, k_sh, k_st, v_sb, v_sh,  \
-                            v_st, scale, window, vec);                                          \
+    extern "C" __global__ void __launch_bounds__(32 * DA_WARPS) decode_attention_##SUFFIX(     \
+        const T *q, const T *k, const T *v, T *out, float *part, uint32_t *counters,            \
+        uint32_t tq, uint32_t hq, uint32_t hk, uint32_t d, uint32_t kv_len, uint64_t k_sb,      \
+        uint64_t k_sh, uint64_t k_st, uint64_t v_sb, uint64_t v_sh, uint64_t v_st, float scale, \
+        uint32_t window, uint32_t splits) {                                                     \
+        decode_attention<T>(q, k, v, out, part, counters, tq, hq, hk, d, kv_len, k_sb, k_sh,    \
+                            k_st, v_sb, v_sh, v_st, scale, window, splits);                     \
     }                                                                                           \
     LINEAR_SMALL_FOR(T, SUFFIX, 1)                                                              \
     LINEAR_SMALL_FOR(T, SUFFIX, 2)                                                              \

@@ -2,7 +2,8 @@
 //! embedded here) on a Candle device's stream, for the custom ops of [`crate::ops`].
 //!
 //! Each module is loaded once per device by `CudaDevice::get_or_load_custom_func` (Candle
-//! caches it by name) and its kernels run on the device's own stream, ordered with every other
+//! caches it by name), each kernel's handle is looked up once per device and thread
+//! ([`cached_func`]), and the kernels run on the device's own stream, ordered with every other
 //! Candle op. Inputs are contiguous slices of one float dtype (the ops check both before they
 //! get here); every output element is written by the kernel that fills it.
 
@@ -10,8 +11,11 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::{kernel_name, CudaStorage, Map2, Map3, WrapErr};
+use candle_core::cuda_backend::{CudaStorage, DeviceId, Map2, Map3, WrapErr};
 use candle_core::{CudaDevice, DType, Layout, Result, WithDType};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
 
 use crate::ops::RopeDims;
 
@@ -25,14 +29,55 @@ const MODULE: &str = "candle_offload_ops";
 /// Threads per block of the elementwise kernels.
 const ELEMWISE_BLOCK: u32 = 256;
 
+/// Kernel handles already looked up, per thread: (device, module, dtype) to the kernel's root
+/// name to its handle.
+type FuncKey = (DeviceId, &'static str, Option<DType>);
+
+thread_local! {
+    static FUNCS: RefCell<HashMap<FuncKey, HashMap<String, CudaFunction>>> =
+        RefCell::new(HashMap::new());
+}
+
+/// The kernel `{root}_{dtype}` (or `root` where `dtype` is `None`) of the module `module`
+/// (source `ptx`) on `dev`. Candle's `get_or_load_custom_func` takes a lock, formats the name
+/// into a C string and asks the driver (`cuModuleGetFunction`) on every call, about once per
+/// launch; a decode step launches a hundred and more of ours, so each handle is kept here
+/// after its first lookup (a clone is one reference count). Device ids are never reused, so
+/// an entry cannot name another device's kernel.
+pub(crate) fn cached_func(
+    dev: &CudaDevice,
+    module: &'static str,
+    ptx: &'static str,
+    root: &str,
+    dtype: Option<DType>,
+) -> Result<CudaFunction> {
+    let key = (dev.id(), module, dtype);
+    let hit = FUNCS.with(|c| c.borrow().get(&key).and_then(|m| m.get(root)).cloned());
+    if let Some(f) = hit {
+        return Ok(f);
+    }
+    let name = match dtype {
+        Some(d) => format!("{root}_{}", d.as_str()),
+        None => root.to_string(),
+    };
+    let f = dev
+        .get_or_load_custom_func(&name, module, ptx)?
+        .into_cuda_function();
+    FUNCS.with(|c| {
+        c.borrow_mut()
+            .entry(key)
+            .or_default()
+            .insert(root.to_string(), f.clone())
+    });
+    Ok(f)
+}
+
 /// The kernel `{name}_{dtype}` of our module on `dev`.
 fn load<T: WithDType>(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
     if !matches!(T::DTYPE, DType::F32 | DType::F16 | DType::BF16) {
         candle_core::bail!("{name}: no kernel for {:?}", T::DTYPE);
     }
-    Ok(dev
-        .get_or_load_custom_func(&kernel_name::<T>(name), MODULE, ptx::OPS)?
-        .into_cuda_function())
+    cached_func(dev, MODULE, ptx::OPS, name, Some(T::DTYPE))
 }
 
 /// The contiguous part of `s` that `l` covers.
@@ -154,9 +199,7 @@ pub(crate) fn rms_norm_residual(
 /// Launches the empty `profile_mark(phase)` kernel on `dev`'s stream: a boundary a profiler's
 /// kernel list shows in launch order.
 pub(crate) fn profile_mark(dev: &CudaDevice, phase: u32) -> Result<()> {
-    let func = dev
-        .get_or_load_custom_func("profile_mark", MODULE, ptx::OPS)?
-        .into_cuda_function();
+    let func = cached_func(dev, MODULE, ptx::OPS, "profile_mark", None)?;
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&func);
     b.arg(&phase);
@@ -313,6 +356,31 @@ fn strided_kv<'a, T>(
     ))
 }
 
+/// Warps per block of `decode_attention` (DA_WARPS in kernels/ops.cu).
+const ATTENTION_WARPS: u32 = 8;
+thread_local! {
+    /// `decode_attention`'s per-row counters of finished ranges, per device: zeros between
+    /// launches (each row's last block sets its counter back).
+    /// (An `Rc`: a `CudaSlice`'s clone copies the memory.)
+    static COUNTERS: RefCell<HashMap<DeviceId, Rc<CudaSlice<u32>>>> = RefCell::new(HashMap::new());
+}
+
+/// At least `rows` (and at least one) zeroed counters on `dev`, kept for later launches.
+fn attention_counters(dev: &CudaDevice, rows: usize) -> Result<Rc<CudaSlice<u32>>> {
+    let have = COUNTERS.with(|c| {
+        c.borrow()
+            .get(&dev.id())
+            .filter(|s| s.len() >= rows.max(1))
+            .cloned()
+    });
+    if let Some(s) = have {
+        return Ok(s);
+    }
+    let s = Rc::new(dev.alloc_zeros::<u32>(rows.max(64))?);
+    COUNTERS.with(|c| c.borrow_mut().insert(dev.id(), s.clone()));
+    Ok(s)
+}
+
 /// `decode_attention`: q (b, hq, tq, d) contiguous over the first `kv_len` positions of the
 /// strided caches k and v (b, hk, ≥ kv_len, d) → (b, tq, hq, d).
 pub(crate) fn decode_attention(
@@ -338,12 +406,6 @@ pub(crate) fn decode_attention(
             let func = load::<T>(dev, "decode_attention")?;
             let d = self.0;
             let q = view(q, ql, "q")?;
-            // 16-byte loads of key rows when every row starts 16-byte aligned.
-            let vec = u32::from(
-                d.d.is_multiple_of(8)
-                    && kl.start_offset().is_multiple_of(8)
-                    && kl.stride()[..3].iter().all(|s| s.is_multiple_of(8)),
-            );
             let (k, ks) = strided_kv(k, kl, d.kv_len, "k")?;
             let (v, vs) = strided_kv(v, vl, d.kv_len, "v")?;
             let n = d.out_len();
@@ -356,17 +418,29 @@ pub(crate) fn decode_attention(
             {
                 candle_core::bail!("decode_attention: buffers do not match {d:?}");
             }
-            let [tq, hq, hk, hd, kv_len] =
-                [d.tq, d.hq, d.hk, d.d, d.kv_len].map(|v| to_u32(v, "attention dimension"));
-            let (tq, hq, hk, hd, kv_len) = (tq?, hq?, hk?, hd?, kv_len?);
+            let rows = d.b * d.tq * d.hq;
+            let splits = crate::ops::attention_splits(d.kv_len, self.2, rows, multiprocessors(dev));
+            let [tq, hq, hk, hd, kv_len, splits_u] =
+                [d.tq, d.hq, d.hk, d.d, d.kv_len, splits].map(|v| to_u32(v, "attention dimension"));
+            let (tq, hq, hk, hd, kv_len, splits_u) = (tq?, hq?, hk?, hd?, kv_len?, splits_u?);
             let cfg = LaunchConfig {
-                grid_dim: (tq, hq, to_u32(d.b, "batch")?),
-                block_dim: (32 * 4, 1, 1),
+                grid_dim: (tq * splits_u, hq, to_u32(d.b, "batch")?),
+                block_dim: (32 * ATTENTION_WARPS, 1, 1),
                 shared_mem_bytes: 0,
             };
+            // One record (max, sum, d values) per range of each output row, and one counter
+            // per row, only where the keys are split.
+            let part = if splits > 1 {
+                // SAFETY: uninitialised device memory on the device's stream; the kernel
+                // writes every record before the last block of its row reads any.
+                Some(unsafe { dev.alloc::<f32>(rows * splits * (d.d + 2)) }?)
+            } else {
+                None
+            };
+            let counters = attention_counters(dev, if splits > 1 { rows } else { 0 })?;
             // SAFETY: uninitialised device memory of n elements on the device's stream; the
-            // kernel launched next on that stream writes every one of them (one block per
-            // (query, head, batch row) writes that row's d values).
+            // kernel launched next on that stream writes every one of them (for each (query,
+            // head, batch row), its one block or the last of its blocks writes the d values).
             let out = unsafe { dev.alloc::<T>(n) }?;
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&func);
@@ -374,6 +448,13 @@ pub(crate) fn decode_attention(
             b.arg(&k);
             b.arg(&v);
             b.arg(&out);
+            // With one split the kernel never touches `part` or `counters`: any valid
+            // pointer serves (the counters' buffer, which always exists).
+            match &part {
+                Some(p) => b.arg(p),
+                None => b.arg(&*counters),
+            };
+            b.arg(&*counters);
             b.arg(&tq);
             b.arg(&hq);
             b.arg(&hk);
@@ -384,16 +465,18 @@ pub(crate) fn decode_attention(
             }
             b.arg(&self.1);
             b.arg(&self.2);
-            b.arg(&vec);
+            b.arg(&splits_u);
             // SAFETY: the arguments match `decode_attention_<dtype>(const T*, const T*,
-            // const T*, T*, uint32_t tq, hq, hk, d, kv_len, uint64_t k strides ×3, v strides ×3,
-            // float, uint32_t window, uint32_t vec)` in kernels/ops.cu; q holds b·hq·tq·d
-            // elements and out as many; the k and v views end after the last element of
-            // position kv_len - 1 of the last (batch, head) (checked by strided_kv), and the
-            // kernel reads positions below kv_len only (1 ≤ tq ≤ kv_len), kv heads below hk
-            // (hq a multiple of hk) and d ≤ 256 dims per row (twice its 128 threads, the size
-            // of its q buffer); with vec, key rows start 16-byte aligned (start offset, strides
-            // and d multiples of 8 elements in a buffer Candle allocated aligned).
+            // const T*, T*, float *part, uint32_t *counters, uint32_t tq, hq, hk, d, kv_len,
+            // uint64_t k strides ×3, v strides ×3, float, uint32_t window, uint32_t splits)` in
+            // kernels/ops.cu; q holds b·hq·tq·d elements and out as many; the k and v views
+            // end after the last element of position kv_len - 1 of the last (batch, head)
+            // (checked by strided_kv), and the kernel reads positions below kv_len only
+            // (1 ≤ tq ≤ kv_len), kv heads below hk (hq a multiple of hk) and d ≤ 256 dims per
+            // row (8 per lane); each block scores at most ATTENTION_CHUNK keys (its shared
+            // buffer; ops::attention_splits guarantees it); with splits > 1, part holds
+            // rows·splits records of d + 2 floats and counters at least `rows` zeros (each
+            // row's last block sets its counter back to 0).
             unsafe { b.launch(cfg) }.w()?;
             Ok(out)
         }

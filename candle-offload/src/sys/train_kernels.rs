@@ -3,7 +3,8 @@
 //! [`crate::train::attention`].
 //!
 //! The module is loaded once per device by `CudaDevice::get_or_load_custom_func` under its own
-//! name, and every kernel runs on the device's own stream, ordered with every other Candle op.
+//! name, each kernel's handle is kept once looked up ([`super::kernels::cached_func`]), and
+//! every kernel runs on the device's own stream, ordered with every other Candle op.
 //! Inputs are contiguous (the ops make them so before they get here) and of one float dtype
 //! (targets U32, CE gradients and AdamW buffers F32); every output element is written by the
 //! kernel that fills it.
@@ -12,7 +13,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::{kernel_name, CudaDType, CudaStorage, WrapErr};
+use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
 use candle_core::{CudaDevice, DType, Layout, Result, WithDType};
 
 /// build.rs's constants, one per kernel file; this module uses `TRAIN`.
@@ -49,14 +50,12 @@ macro_rules! by_dtype {
 }
 
 fn load_named(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
-    Ok(dev
-        .get_or_load_custom_func(name, MODULE, ptx::TRAIN)?
-        .into_cuda_function())
+    super::kernels::cached_func(dev, MODULE, ptx::TRAIN, name, None)
 }
 
 /// The kernel `{name}_{dtype}` of our module on `dev`.
 fn load<T: Elem>(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
-    load_named(dev, &kernel_name::<T>(name))
+    super::kernels::cached_func(dev, MODULE, ptx::TRAIN, name, Some(T::DTYPE))
 }
 
 /// The contiguous part of `s`'s buffer that `l` covers, as `T`.
