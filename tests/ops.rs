@@ -231,6 +231,75 @@ test_device!(
     ops_rope_qk_gpu
 );
 
+/// `rope_qk_cache` rotates q and k as `rope_qk` does and writes k and v into the caches' given
+/// positions only: the positions before and after keep what they held, q comes back
+/// (b, hq, t, d).
+fn rope_qk_cache_writes_its_positions(device: &Device) -> anyhow::Result<()> {
+    // (batch, new positions, q heads, kv heads, head_dim, rotated dims, position, cache size)
+    let cases = [
+        (1, 1, 32, 8, 128, 128, 37, 40),
+        (2, 3, 6, 2, 64, 64, 5, 8),
+        (1, 2, 3, 3, 10, 6, 0, 2),
+    ];
+    for dtype in DTYPES {
+        for (i, &(b, t, hq, hk, d, rot, pos, cap)) in cases.iter().enumerate() {
+            let seed = 700 + 10 * i as u64;
+            let q = random(&[b, t, hq, d], 2.0, seed, dtype, device)?;
+            let k = random(&[b, t, hk, d], 2.0, seed + 1, dtype, device)?;
+            let v = random(&[b, t, hk, d], 2.0, seed + 2, dtype, device)?;
+            let kc = random(&[b, hk, cap, d], 1.0, seed + 3, dtype, device)?;
+            let vc = random(&[b, hk, cap, d], 1.0, seed + 4, dtype, device)?;
+            let (k_before, v_before) = (kc.copy()?, vc.copy()?);
+            let (cos, sin) = tables(rot / 2, 64, dtype, device)?;
+            let table = ops::rope_table(&cos, &sin)?.narrow(0, pos, t)?;
+            let got_q = ops::rope_qk_cache(&q, &k, &v, &table, (&kc, &vc), pos)?;
+            let (want_q, want_k) = ops::rope_qk_unfused(&q, &k, &table)?;
+            let want_v = v.transpose(1, 2)?.contiguous()?;
+            let what = format!("rope_qk_cache {:?}", cases[i]);
+            anyhow::ensure!(
+                got_q.dims() == [b, hq, t, d],
+                "{what}: q {:?}",
+                got_q.dims()
+            );
+            ensure_close(&format!("{what} q"), &got_q, &want_q, dtype)?;
+            ensure_close(&format!("{what} k"), &kc.narrow(2, pos, t)?, &want_k, dtype)?;
+            ensure_close(&format!("{what} v"), &vc.narrow(2, pos, t)?, &want_v, dtype)?;
+            for (after, before, name) in [(&kc, &k_before, "k"), (&vc, &v_before, "v")] {
+                let same = |a: usize, n: usize| -> anyhow::Result<bool> {
+                    let diff = (after.narrow(2, a, n)? - before.narrow(2, a, n)?)?;
+                    Ok(diff
+                        .abs()?
+                        .to_dtype(DType::F32)?
+                        .max_all()?
+                        .to_scalar::<f32>()?
+                        == 0.0)
+                };
+                anyhow::ensure!(
+                    pos == 0 || same(0, pos)?,
+                    "{what}: {name} before pos changed"
+                );
+                let end = pos + t;
+                anyhow::ensure!(
+                    end == cap || same(end, cap - end)?,
+                    "{what}: {name} after the new positions changed"
+                );
+            }
+        }
+    }
+    // No room for the new positions: an error.
+    let q = random(&[1, 2, 2, 8], 1.0, 1, DType::F32, device)?;
+    let kc = Tensor::zeros((1, 2, 3, 8), DType::F32, device)?;
+    let (cos, sin) = tables(4, 8, DType::F32, device)?;
+    let table = ops::rope_table(&cos, &sin)?.narrow(0, 2, 2)?;
+    anyhow::ensure!(ops::rope_qk_cache(&q, &q, &q, &table, (&kc, &kc.copy()?), 2).is_err());
+    Ok(())
+}
+test_device!(
+    rope_qk_cache_writes_its_positions,
+    ops_rope_qk_cache_cpu,
+    ops_rope_qk_cache_gpu
+);
+
 /// (batch, q heads, kv heads, new positions, cached positions, head_dim, sliding window):
 /// decode (one new), GQA, MQA with a window, several new positions, all positions new, odd head
 /// dims, the largest head_dim of the kernel and one past it (the composition's fallback), and

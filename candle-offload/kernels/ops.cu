@@ -64,20 +64,24 @@ __device__ void silu_mul(const T *gate, const T *up, T *out, size_t n) {
 }
 
 // Half-rotated RoPE of q (b, t, hq, d) and k (b, t, hk, d) in one pass, written transposed:
-// `out` holds q as (b, hq, t, d), then k as (b, hk, t, d). `cs` holds one row per position
-// (t rows of 2 * rot_half: the cos of each rotated pair, then its sin); the first 2 * rot_half
-// dimensions of each head rotate, the rest pass through (partial rotary).
+// q as (b, hq, t, d) into qout, k into positions pos .. pos + t of kout, (b, hk, cap, d) (a KV
+// cache's buffer; cap = t and pos = 0 for a plain (b, hk, t, d) output), and, where v is not
+// null, v (b, t, hk, d) unrotated into the same positions of vout. `cs` holds one row per
+// position (t rows of 2 * rot_half: the cos of each rotated pair, then its sin); the first
+// 2 * rot_half dimensions of each head rotate, the rest pass through (partial rotary).
 template <typename T>
-__device__ void rope_qk(const T *q, const T *k, const T *cs, T *out, uint32_t b, uint32_t t,
-                        uint32_t hq, uint32_t hk, uint32_t d, uint32_t rot_half) {
+__device__ void rope_qk(const T *q, const T *k, const T *v, const T *cs, T *qout, T *kout,
+                        T *vout, uint32_t b, uint32_t t, uint32_t hq, uint32_t hk, uint32_t d,
+                        uint32_t rot_half, uint32_t cap, uint32_t pos) {
     const size_t nq = (size_t)b * hq * t * d;
-    const size_t n = nq + (size_t)b * hk * t * d;
+    const size_t nk = (size_t)b * hk * t * d;
+    const size_t n = nq + nk + (v != nullptr ? nk : 0);
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
          e += (size_t)gridDim.x * blockDim.x) {
-        const bool is_q = e < nq;
-        const size_t o = is_q ? e : e - nq;
-        const uint32_t h = is_q ? hq : hk;
-        const T *src = is_q ? q : k;
+        const int part = e < nq ? 0 : (e < nq + nk ? 1 : 2);  // q, k, v
+        const size_t o = part == 0 ? e : (part == 1 ? e - nq : e - nq - nk);
+        const uint32_t h = part == 0 ? hq : hk;
+        const T *src = part == 0 ? q : (part == 1 ? k : v);
         const uint32_t i = (uint32_t)(o % d);
         const size_t row = o / d;  // (bi * h + hi) * t + ti
         const uint32_t ti = (uint32_t)(row % t);
@@ -86,7 +90,7 @@ __device__ void rope_qk(const T *q, const T *k, const T *cs, T *out, uint32_t b,
         const size_t bi = bh / h;
         const T *head = src + ((bi * t + ti) * h + hi) * (size_t)d;
         float y;
-        if (i < 2 * rot_half) {
+        if (part < 2 && i < 2 * rot_half) {
             const uint32_t j = i < rot_half ? i : i - rot_half;
             const float x1 = to_f32(head[j]);
             const float x2 = to_f32(head[j + rot_half]);
@@ -96,7 +100,12 @@ __device__ void rope_qk(const T *q, const T *k, const T *cs, T *out, uint32_t b,
         } else {
             y = to_f32(head[i]);
         }
-        out[e] = from_f32<T>(y);
+        if (part == 0) {
+            qout[e] = from_f32<T>(y);
+        } else {
+            T *dst = part == 1 ? kout : vout;
+            dst[(bh * cap + pos + ti) * (size_t)d + i] = from_f32<T>(y);
+        }
     }
 }
 
@@ -2016,10 +2025,11 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     extern "C" __global__ void silu_mul_##SUFFIX(const T *gate, const T *up, T *out, size_t n) { \
         silu_mul<T>(gate, up, out, n);                                                          \
     }                                                                                           \
-    extern "C" __global__ void rope_qk_##SUFFIX(const T *q, const T *k, const T *cs, T *out,   \
-                                                uint32_t b, uint32_t t, uint32_t hq,            \
-                                                uint32_t hk, uint32_t d, uint32_t rot_half) {   \
-        rope_qk<T>(q, k, cs, out, b, t, hq, hk, d, rot_half);                                   \
+    extern "C" __global__ void rope_qk_##SUFFIX(                                                \
+        const T *q, const T *k, const T *v, const T *cs, T *qout, T *kout, T *vout, uint32_t b, \
+        uint32_t t, uint32_t hq, uint32_t hk, uint32_t d, uint32_t rot_half, uint32_t cap,      \
+        uint32_t pos) {                                                                         \
+        rope_qk<T>(q, k, v, cs, qout, kout, vout, b, t, hq, hk, d, rot_half, cap, pos);         \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * DA_WARPS) decode_attention_##SUFFIX(     \
         const T *q, const T *k, const T *v, T *out, float *part, uint32_t *counters,            \

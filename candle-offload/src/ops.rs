@@ -488,6 +488,87 @@ pub fn rope_qk(q: &Tensor, k: &Tensor, table: &Tensor) -> Result<(Tensor, Tensor
     ))
 }
 
+/// [`rope_qk`] for a decode step into a KV cache: q (b, t, hq, d) and k (b, t, hk, d) rotated
+/// by `table`'s t rows as there, q returned as (b, hq, t, d), and k with v (b, t, hk, d)
+/// unrotated written into positions `pos..pos + t` of `k_cache` and `v_cache`, contiguous
+/// buffers (b, hk, cap, d) that are changed in place. On a GPU one kernel, in place of
+/// `rope_qk` and the cache's two copies; elsewhere that composition (`rope_qk`, then
+/// `slice_set`).
+pub fn rope_qk_cache(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    table: &Tensor,
+    (k_cache, v_cache): (&Tensor, &Tensor),
+    pos: usize,
+) -> Result<Tensor> {
+    check_dtypes(RopeQk::NAME, &[q, k, v, table, k_cache, v_cache])?;
+    if v.dims() != k.dims() {
+        candle_core::bail!(
+            "{}: v {:?} is not shaped as k {:?}",
+            RopeQk::NAME,
+            v.dims(),
+            k.dims()
+        );
+    }
+    for c in [k_cache, v_cache] {
+        if !c.is_contiguous() || c.rank() != 4 {
+            candle_core::bail!(
+                "{}: a cache {:?} has to be a contiguous (b, heads, positions, d) buffer",
+                RopeQk::NAME,
+                c.dims()
+            );
+        }
+    }
+    if q.device().is_cuda() {
+        #[cfg(feature = "cuda")]
+        return rope_qk_cache_launch(q, k, v, table, (k_cache, v_cache), pos);
+    }
+    let (q, k) = rope_qk(q, k, table)?;
+    k_cache.slice_set(&k, 2, pos)?;
+    v_cache.slice_set(&v.transpose(1, 2)?.contiguous()?, 2, pos)?;
+    Ok(q)
+}
+
+#[cfg(feature = "cuda")]
+fn rope_qk_cache_launch(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    table: &Tensor,
+    (k_cache, v_cache): (&Tensor, &Tensor),
+    pos: usize,
+) -> Result<Tensor> {
+    use candle_core::Storage;
+    let (q, k, v, table) = (
+        q.contiguous()?,
+        k.contiguous()?,
+        v.contiguous()?,
+        table.contiguous()?,
+    );
+    let dims = RopeDims::of(q.layout(), k.layout(), table.layout())?;
+    let out = {
+        let guards = [&q, &k, &v, &table, k_cache, v_cache].map(|t| t.storage_and_layout());
+        let mut cuda = Vec::with_capacity(6);
+        for (s, l) in &guards {
+            let Storage::Cuda(s) = &**s else {
+                candle_core::bail!("{}: every operand has to be on the GPU", RopeQk::NAME)
+            };
+            cuda.push((s, *l));
+        }
+        crate::sys::kernels::rope_qk_cache(
+            dims, cuda[0], cuda[1], cuda[2], cuda[3], cuda[4], cuda[5], pos,
+        )?
+    };
+    let (b, t, hq, d) = q.dims4()?;
+    Ok(Tensor::from_storage(
+        Storage::Cuda(out),
+        (b, hq, t, d),
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
+}
+
 /// The Candle composition [`rope_qk`] replaces: transpose each of q and k to (batch, heads,
 /// seq, head_dim), make it contiguous and apply `candle_nn::rotary_emb::rope` (to the rotated
 /// dims only, under partial rotary).

@@ -8,8 +8,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::kv_cache::KvCache;
 use candle_offload::{HostStore, MemoryLimit, PlacementMode, StoreConfig};
+use candle_offload_models::KvCache;
 use candle_offload_models::{CausalLm, DeviceMapChoice, OffloadSettings};
 
 use super::glue;
@@ -118,7 +118,7 @@ pub fn run(
         None => None,
     };
 
-    let mut kvs: Vec<KvCache> = (0..c.layers).map(|_| KvCache::new(2, c.max_len)).collect();
+    let mut kvs: Vec<KvCache> = (0..c.layers).map(|_| KvCache::new(c.max_len)).collect();
     let mut cache_o = offloaded.new_cache();
     let mut cache_s = sharded.as_ref().map(|s| s.new_cache());
     let (mut input, mut pos) = (prompt.to_vec(), 0);

@@ -1,11 +1,13 @@
 //! An application's own decoder, "TinyLm", as it was written before it was offloaded: plain
 //! candle-nn, its own tensor names (`tok_embeddings`, `layers.N.attn.wqkv`, `norm`, `output`),
 //! LayerNorm, fused q/k/v attention with RoPE over a KV cache, and a GELU MLP. Nothing here
-//! comes from candle-offload; `glue.rs` is all it takes to run it offloaded.
+//! comes from candle-offload but the KV cache, `candle_offload_models::KvCache`, which has
+//! candle-nn's `KvCache::append` (the fused decode step writes into it in place);
+//! `glue.rs` is all it takes to run it offloaded.
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
-use candle_nn::kv_cache::KvCache;
 use candle_nn::{Embedding, LayerNorm, Linear, VarBuilder};
+use candle_offload_models::KvCache;
 
 /// The application's configuration.
 #[derive(Debug, Clone)]

@@ -17,9 +17,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::layers::KvCache;
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Result, Tensor};
-use candle_nn::kv_cache::KvCache;
 use candle_nn::VarBuilder;
 
 use candle_offload::UnitGuard;

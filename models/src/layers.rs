@@ -11,7 +11,6 @@ use std::sync::Mutex;
 
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Module, Result, Tensor, D};
-use candle_nn::kv_cache::KvCache;
 use candle_nn::VarBuilder;
 use candle_offload::train::attention::{flash_attention, flash_attention_supported};
 
@@ -140,6 +139,133 @@ impl Rope {
     }
 }
 
+/// One layer's keys and values: buffers (batch, kv heads, positions, head_dim) allocated for
+/// the whole context on first use (so that decoding does not grow, copy or fragment them),
+/// and how many positions they hold. `append` is candle-nn's `KvCache::append` (a model of
+/// its own can take this cache as it would take that one); `append_rotated` is the fused
+/// decode step's way in: RoPE and both writes in one kernel on a GPU
+/// ([`candle_offload::ops::rope_qk_cache`]).
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+    len: usize,
+    /// Positions the buffers get when first allocated, and what they grow by when full.
+    max_len: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `max_len` positions (it grows by as many if more come).
+    pub fn new(max_len: usize) -> Self {
+        Self {
+            k: None,
+            v: None,
+            len: 0,
+            max_len: max_len.max(1),
+        }
+    }
+
+    /// Positions cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Positions the buffers hold (allocated or not).
+    pub fn capacity(&self) -> usize {
+        self.k
+            .as_ref()
+            .and_then(|k| k.dim(2).ok())
+            .unwrap_or(self.max_len)
+    }
+
+    /// The keys' whole buffer, once allocated.
+    pub fn k_buffer(&self) -> Option<&Tensor> {
+        self.k.as_ref()
+    }
+
+    /// The cached keys (b, kv heads, len, head_dim): a view of the buffer.
+    pub fn k(&self) -> Result<Option<Tensor>> {
+        self.k
+            .as_ref()
+            .map(|k| k.narrow(2, 0, self.len))
+            .transpose()
+    }
+
+    /// The cached values, as [`k`](Self::k).
+    pub fn v(&self) -> Result<Option<Tensor>> {
+        self.v
+            .as_ref()
+            .map(|v| v.narrow(2, 0, self.len))
+            .transpose()
+    }
+
+    /// Room for `t` more positions of `(b, heads, d)` in `dtype` on `device`: the buffers
+    /// allocated (zeros) on first use, grown by `max_len` positions while they are full.
+    fn make_room(
+        &mut self,
+        (b, heads, d): (usize, usize, usize),
+        t: usize,
+        like: &Tensor,
+    ) -> Result<()> {
+        let alloc = |n| Tensor::zeros((b, heads, n, d), like.dtype(), like.device());
+        if self.k.is_none() {
+            let n = self.max_len.max(t);
+            self.k = Some(alloc(n)?);
+            self.v = Some(alloc(n)?);
+        }
+        while self.len + t > self.capacity() {
+            let grow = |c: &Tensor| Tensor::cat(&[c, &alloc(self.max_len)?], 2);
+            self.k = Some(grow(self.k.as_ref().expect("allocated"))?);
+            self.v = Some(grow(self.v.as_ref().expect("allocated"))?);
+        }
+        Ok(())
+    }
+
+    /// Appends `k` and `v` (b, kv heads, t, head_dim) and returns every cached position's
+    /// keys and values (views of the buffers).
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, heads, t, d) = k.dims4()?;
+        self.make_room((b, heads, d), t, k)?;
+        let (kb, vb) = (
+            self.k.as_ref().expect("room"),
+            self.v.as_ref().expect("room"),
+        );
+        kb.slice_set(k, 2, self.len)?;
+        vb.slice_set(v, 2, self.len)?;
+        self.len += t;
+        Ok((kb.narrow(2, 0, self.len)?, vb.narrow(2, 0, self.len)?))
+    }
+
+    /// The fused step's append: q and k (b, t, heads, head_dim, as the projections give them)
+    /// rotated by `rope` for positions `index_pos..`, k and v (b, t, kv heads, head_dim)
+    /// written into the buffers at the cache's end. Returns q rotated (b, heads, t, head_dim)
+    /// and every cached position's keys and values.
+    pub fn append_rotated(
+        &mut self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rope: &Rope,
+        index_pos: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, heads, d) = k.dims4()?;
+        self.make_room((b, heads, d), t, k)?;
+        let (kb, vb) = (
+            self.k.as_ref().expect("room"),
+            self.v.as_ref().expect("room"),
+        );
+        let table = rope.table.narrow(0, index_pos, t)?;
+        let q = candle_offload::ops::rope_qk_cache(q, k, v, &table, (kb, vb), self.len)?;
+        self.len += t;
+        Ok((q, kb.narrow(2, 0, self.len)?, vb.narrow(2, 0, self.len)?))
+    }
+}
+
 /// Per-layer key/value cache, on the device, allocated once for the whole context (so that
 /// decoding does not grow, copy or fragment it).
 #[derive(Debug, Clone)]
@@ -151,13 +277,13 @@ impl Cache {
     /// An empty cache for `n_layers` layers and up to `max_len` positions.
     pub fn new(n_layers: usize, max_len: usize) -> Self {
         Self {
-            kvs: (0..n_layers).map(|_| KvCache::new(2, max_len)).collect(),
+            kvs: (0..n_layers).map(|_| KvCache::new(max_len)).collect(),
         }
     }
 
     /// Positions cached so far.
     pub fn len(&self) -> usize {
-        self.kvs.first().map_or(0, |kv| kv.current_seq_len())
+        self.kvs.first().map_or(0, KvCache::len)
     }
 
     /// True when nothing is cached.
@@ -174,7 +300,7 @@ impl Cache {
         // where they are, so that only the cached positions cross (a view's `to_device` copies
         // its whole storage), and let the views go before the new buffers are allocated.
         // Checked on the buffer, not on views of it: this runs before every host layer.
-        match kv.k_cache().all_data() {
+        match kv.k_buffer() {
             Some(data) if !(data.device().same_device(device) && data.dtype() == dtype) => {}
             _ => return Ok(()),
         }
@@ -185,8 +311,8 @@ impl Cache {
             let cross = |t: Tensor| t.to_dtype(dtype)?.contiguous()?.to_device(device);
             (cross(k)?, cross(v)?)
         };
-        let cap = kv.k_cache().max_seq_len();
-        *kv = KvCache::new(2, cap);
+        let cap = kv.capacity();
+        *kv = KvCache::new(cap);
         kv.append(&moved.0, &moved.1)?;
         Ok(())
     }
@@ -847,28 +973,41 @@ impl SelfAttention {
         let shape =
             |t: Tensor, heads: usize| t.reshape((b, seq_len, heads, s.head_dim))?.transpose(1, 2);
         let (q, k, v) = self.project(xs, false, ctx.fused)?;
-        let (q, k) = if ctx.fused {
-            // One kernel reads both in the projections' layout and writes them transposed.
-            let heads = |t: Tensor, n: usize| t.reshape((b, seq_len, n, s.head_dim));
-            let (q, k) = (heads(q, s.n_heads)?, heads(k, s.n_kv_heads)?);
-            ctx.rope.apply_qk(&q, &k, ctx.index_pos)?
-        } else {
-            (
-                ctx.rope.apply(&shape(q, s.n_heads)?, ctx.index_pos)?,
-                ctx.rope.apply(&shape(k, s.n_kv_heads)?, ctx.index_pos)?,
-            )
-        };
-        let v = shape(v, s.n_kv_heads)?.contiguous()?;
-        let (k, v) = kv.append(&k.contiguous()?, &v)?;
-        // The fused kernel; on the CPU also for a decode step of unfused ops, where it replaces
-        // about ten small Candle ops per layer (casts, matmuls through the GEMM, mask, softmax)
-        // with one loop over the cache.
+        // The fused attention kernel; on the CPU also for a decode step of unfused ops, where
+        // it replaces about ten small Candle ops per layer (casts, matmuls through the GEMM,
+        // mask, softmax) with one loop over the cache.
         let cpu_step = xs.device().is_cpu() && seq_len == 1;
-        if (ctx.fused || cpu_step)
+        let decode = (ctx.fused || cpu_step)
             && s.softcap.is_none()
             && seq_len <= DECODE_ATTENTION_MAX_NEW
-            && !ctx.masks.is_padded()
-        {
+            && !ctx.masks.is_padded();
+        let heads = |t: Tensor, n: usize| t.reshape((b, seq_len, n, s.head_dim));
+        let (q, k, v) = if ctx.fused && decode {
+            // One kernel rotates q and k from the projections' layout and writes k and v
+            // into the cache.
+            kv.append_rotated(
+                &heads(q, s.n_heads)?,
+                &heads(k, s.n_kv_heads)?,
+                &heads(v, s.n_kv_heads)?,
+                ctx.rope,
+                ctx.index_pos,
+            )?
+        } else {
+            let (q, k) = if ctx.fused {
+                // One kernel reads both in the projections' layout and writes them transposed.
+                let (q, k) = (heads(q, s.n_heads)?, heads(k, s.n_kv_heads)?);
+                ctx.rope.apply_qk(&q, &k, ctx.index_pos)?
+            } else {
+                (
+                    ctx.rope.apply(&shape(q, s.n_heads)?, ctx.index_pos)?,
+                    ctx.rope.apply(&shape(k, s.n_kv_heads)?, ctx.index_pos)?,
+                )
+            };
+            let v = shape(v, s.n_kv_heads)?.contiguous()?;
+            let (k, v) = kv.append(&k.contiguous()?, &v)?;
+            (q, k, v)
+        };
+        if decode {
             // One kernel over the cache's views: no repeat, cast, copy, mask or softmax ops.
             let y = candle_offload::ops::decode_attention(&q, &k, &v, 1.0 / s.score_div, s.window)?;
             let y = y.reshape((b, seq_len, s.n_heads * s.head_dim))?;
@@ -1345,7 +1484,7 @@ mod tests {
             k.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
             want
         );
-        assert_eq!(cache.kvs[0].k_cache().max_seq_len(), 6);
+        assert_eq!(cache.kvs[0].capacity(), 6);
         // Appending goes on after the moved positions; placing again where it is does nothing.
         let f16 = |t: Tensor| t.to_dtype(DType::F16);
         cache.kvs[0].append(&f16(kv(50.0, 1)?)?, &f16(kv(150.0, 1)?)?)?;

@@ -51,7 +51,7 @@ pub use chat::ChatTemplate;
 pub use config::Config;
 pub use error::{ModelError, Result};
 pub use family::{DecoderBlock, Family, Hidden, Layout, StepCtx, TrainCtx, UnitWeights};
-pub use layers::Cache;
+pub use layers::{Cache, KvCache};
 pub use llama::Llama;
 pub use loader::{ModelFiles, Weights};
 pub use train::{PhaseObserver, StepReport, TrainPhase, TrainSettings, Trainer};
