@@ -1464,6 +1464,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_kv_cache_grows_by_its_length_and_keeps_every_position() -> Result<()> {
+        let dev = Device::Cpu;
+        let rows = |base: f32, n: usize| {
+            let v: Vec<f32> = (0..n * 4).map(|i| base + i as f32).collect();
+            Tensor::from_vec(v, (1, 1, n, 4), &dev)
+        };
+        let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+        let mut kv = KvCache::new(2);
+        assert!(kv.is_empty() && kv.k()?.is_none());
+        kv.append(&rows(0.0, 1)?, &rows(100.0, 1)?)?;
+        assert_eq!((kv.len(), kv.capacity()), (1, 2));
+        // Three more than fit: the buffers grow by the cache's length (2) until they do.
+        let (k, v) = kv.append(&rows(10.0, 3)?, &rows(110.0, 3)?)?;
+        assert_eq!((kv.len(), kv.capacity()), (4, 4));
+        assert_eq!(k.dims(), &[1, 1, 4, 4]);
+        assert_eq!(flat(&k.narrow(2, 0, 1)?)?, flat(&rows(0.0, 1)?)?);
+        assert_eq!(flat(&k.narrow(2, 1, 3)?)?, flat(&rows(10.0, 3)?)?);
+        assert_eq!(flat(&v.narrow(2, 0, 1)?)?, flat(&rows(100.0, 1)?)?);
+        assert_eq!(flat(&v.narrow(2, 1, 3)?)?, flat(&rows(110.0, 3)?)?);
+        assert_eq!(flat(&kv.v()?.expect("cached"))?, flat(&v)?);
+        Ok(())
+    }
+
+    #[test]
     fn a_placed_cache_keeps_its_positions_and_grows() -> Result<()> {
         let dev = Device::Cpu;
         let mut cache = Cache::new(1, 6);
