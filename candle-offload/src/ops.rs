@@ -522,7 +522,7 @@ pub fn rope_qk_cache(
     }
     if q.device().is_cuda() {
         #[cfg(feature = "cuda")]
-        return rope_qk_cache_launch(q, k, v, table, (k_cache, v_cache), pos);
+        return rope_qk_cache_launch([q, k, v, table, k_cache, v_cache], pos);
     }
     let (q, k) = rope_qk(q, k, table)?;
     k_cache.slice_set(&k, 2, pos)?;
@@ -530,13 +530,11 @@ pub fn rope_qk_cache(
     Ok(q)
 }
 
+/// [`rope_qk_cache`]'s kernel, for its operands `[q, k, v, table, k_cache, v_cache]` as it
+/// checked them.
 #[cfg(feature = "cuda")]
 fn rope_qk_cache_launch(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    table: &Tensor,
-    (k_cache, v_cache): (&Tensor, &Tensor),
+    [q, k, v, table, k_cache, v_cache]: [&Tensor; 6],
     pos: usize,
 ) -> Result<Tensor> {
     use candle_core::Storage;

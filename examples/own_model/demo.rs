@@ -9,8 +9,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use candle_offload::{HostStore, MemoryLimit, PlacementMode, StoreConfig};
-use candle_offload_models::KvCache;
-use candle_offload_models::{CausalLm, DeviceMapChoice, OffloadSettings};
+use candle_offload_models::{CausalLm, DeviceMapChoice, KvCache, OffloadSettings};
 
 use super::glue;
 use super::model::{TinyConfig, TinyLm};

@@ -8,8 +8,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 use candle_offload_models::layers::{Norm, Rope};
-use candle_offload_models::KvCache;
-use candle_offload_models::{Config, DecoderBlock, Family, Layout, StepCtx, UnitWeights};
+use candle_offload_models::{Config, DecoderBlock, Family, KvCache, Layout, StepCtx, UnitWeights};
 
 use super::model::{Block, TinyConfig};
 

@@ -17,7 +17,6 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::layers::KvCache;
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -25,7 +24,7 @@ use candle_nn::VarBuilder;
 use candle_offload::UnitGuard;
 
 use crate::config::Config;
-use crate::layers::{Linear, Masks, Norm, Rope};
+use crate::layers::{KvCache, Linear, Masks, Norm, Rope};
 
 /// What a forward pass gives every block on one device.
 #[derive(Debug)]

@@ -75,9 +75,12 @@ impl Rope {
     /// returning them as (batch, heads, seq, head_dim), contiguous: what [`apply`](Self::apply)
     /// gives for each after a transpose.
     pub fn apply_qk(&self, q: &Tensor, k: &Tensor, index_pos: usize) -> Result<(Tensor, Tensor)> {
-        let seq_len = q.dim(1)?;
-        let table = self.table.narrow(0, index_pos, seq_len)?;
-        candle_offload::ops::rope_qk(q, k, &table)
+        candle_offload::ops::rope_qk(q, k, &self.table_rows(index_pos, q.dim(1)?)?)
+    }
+
+    /// The fused table's rows (cos | sin) for positions `index_pos..index_pos + n`.
+    fn table_rows(&self, index_pos: usize, n: usize) -> Result<Tensor> {
+        self.table.narrow(0, index_pos, n)
     }
 
     /// The columns the tables rotate (twice their width): the whole head unless the rotary
@@ -147,8 +150,8 @@ impl Rope {
 /// ([`candle_offload::ops::rope_qk_cache`]).
 #[derive(Debug, Clone)]
 pub struct KvCache {
-    k: Option<Tensor>,
-    v: Option<Tensor>,
+    /// The key and value buffers, once allocated.
+    bufs: Option<(Tensor, Tensor)>,
     len: usize,
     /// Positions the buffers get when first allocated, and what they grow by when full.
     max_len: usize,
@@ -158,8 +161,7 @@ impl KvCache {
     /// An empty cache for `max_len` positions (it grows by as many if more come).
     pub fn new(max_len: usize) -> Self {
         Self {
-            k: None,
-            v: None,
+            bufs: None,
             len: 0,
             max_len: max_len.max(1),
         }
@@ -177,68 +179,73 @@ impl KvCache {
 
     /// Positions the buffers hold (allocated or not).
     pub fn capacity(&self) -> usize {
-        self.k
+        self.bufs
             .as_ref()
-            .and_then(|k| k.dim(2).ok())
+            .and_then(|(k, _)| k.dim(2).ok())
             .unwrap_or(self.max_len)
     }
 
     /// The keys' whole buffer, once allocated.
     pub fn k_buffer(&self) -> Option<&Tensor> {
-        self.k.as_ref()
+        self.bufs.as_ref().map(|(k, _)| k)
     }
 
     /// The cached keys (b, kv heads, len, head_dim): a view of the buffer.
     pub fn k(&self) -> Result<Option<Tensor>> {
-        self.k
+        self.bufs
             .as_ref()
-            .map(|k| k.narrow(2, 0, self.len))
+            .map(|(k, _)| k.narrow(2, 0, self.len))
             .transpose()
     }
 
     /// The cached values, as [`k`](Self::k).
     pub fn v(&self) -> Result<Option<Tensor>> {
-        self.v
+        self.bufs
             .as_ref()
-            .map(|v| v.narrow(2, 0, self.len))
+            .map(|(_, v)| v.narrow(2, 0, self.len))
             .transpose()
     }
 
-    /// Room for `t` more positions of `(b, heads, d)` in `dtype` on `device`: the buffers
-    /// allocated (zeros) on first use, grown by `max_len` positions while they are full.
+    /// The buffers, with room for `t` more positions of `(b, heads, d)` in `like`'s dtype and
+    /// device: allocated (zeros) on first use, grown by `max_len` positions while they are
+    /// full. On an error the cache is as it was.
     fn make_room(
         &mut self,
         (b, heads, d): (usize, usize, usize),
         t: usize,
         like: &Tensor,
-    ) -> Result<()> {
+    ) -> Result<(Tensor, Tensor)> {
         let alloc = |n| Tensor::zeros((b, heads, n, d), like.dtype(), like.device());
-        if self.k.is_none() {
-            let n = self.max_len.max(t);
-            self.k = Some(alloc(n)?);
-            self.v = Some(alloc(n)?);
+        let (mut k, mut v) = match &self.bufs {
+            Some(kv) => kv.clone(),
+            None => {
+                let n = self.max_len.max(t);
+                (alloc(n)?, alloc(n)?)
+            }
+        };
+        while self.len + t > k.dim(2)? {
+            k = Tensor::cat(&[&k, &alloc(self.max_len)?], 2)?;
+            v = Tensor::cat(&[&v, &alloc(self.max_len)?], 2)?;
         }
-        while self.len + t > self.capacity() {
-            let grow = |c: &Tensor| Tensor::cat(&[c, &alloc(self.max_len)?], 2);
-            self.k = Some(grow(self.k.as_ref().expect("allocated"))?);
-            self.v = Some(grow(self.v.as_ref().expect("allocated"))?);
-        }
-        Ok(())
+        self.bufs = Some((k.clone(), v.clone()));
+        Ok((k, v))
+    }
+
+    /// `t` more positions written into the buffers `(k, v)`: every cached position's keys and
+    /// values (views).
+    fn advance(&mut self, t: usize, (k, v): (Tensor, Tensor)) -> Result<(Tensor, Tensor)> {
+        self.len += t;
+        Ok((k.narrow(2, 0, self.len)?, v.narrow(2, 0, self.len)?))
     }
 
     /// Appends `k` and `v` (b, kv heads, t, head_dim) and returns every cached position's
     /// keys and values (views of the buffers).
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, heads, t, d) = k.dims4()?;
-        self.make_room((b, heads, d), t, k)?;
-        let (kb, vb) = (
-            self.k.as_ref().expect("room"),
-            self.v.as_ref().expect("room"),
-        );
+        let (kb, vb) = self.make_room((b, heads, d), t, k)?;
         kb.slice_set(k, 2, self.len)?;
         vb.slice_set(v, 2, self.len)?;
-        self.len += t;
-        Ok((kb.narrow(2, 0, self.len)?, vb.narrow(2, 0, self.len)?))
+        self.advance(t, (kb, vb))
     }
 
     /// The fused step's append: q and k (b, t, heads, head_dim, as the projections give them)
@@ -254,15 +261,11 @@ impl KvCache {
         index_pos: usize,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, heads, d) = k.dims4()?;
-        self.make_room((b, heads, d), t, k)?;
-        let (kb, vb) = (
-            self.k.as_ref().expect("room"),
-            self.v.as_ref().expect("room"),
-        );
-        let table = rope.table.narrow(0, index_pos, t)?;
-        let q = candle_offload::ops::rope_qk_cache(q, k, v, &table, (kb, vb), self.len)?;
-        self.len += t;
-        Ok((q, kb.narrow(2, 0, self.len)?, vb.narrow(2, 0, self.len)?))
+        let (kb, vb) = self.make_room((b, heads, d), t, k)?;
+        let table = rope.table_rows(index_pos, t)?;
+        let q = candle_offload::ops::rope_qk_cache(q, k, v, &table, (&kb, &vb), self.len)?;
+        let (k, v) = self.advance(t, (kb, vb))?;
+        Ok((q, k, v))
     }
 }
 
@@ -1314,22 +1317,14 @@ pub struct PreNormBlock {
     pub post_mlp_norm: Option<Norm>,
 }
 
-/// The weight and epsilon of `norm` where one kernel can add `a + b` and norm the sum
-/// ([`candle_offload::ops::rms_norm_residual`]): a fused step, an RMSNorm computed in the
-/// inputs' dtype, all three of one dtype.
-fn fusable_norm<'a>(
-    norm: &'a Norm,
-    ctx: &StepCtx<'_>,
-    a: &Tensor,
-    b: &Tensor,
-) -> Option<(&'a Tensor, f64)> {
-    norm.rms_parts()
-        .filter(|(w, _)| ctx.fused && w.dtype() == a.dtype() && b.dtype() == a.dtype())
-}
-
-/// `norm(a + b)` and the sum, in one kernel where [`fusable_norm`] allows.
+/// `norm(a + b)` and the sum: in one kernel ([`candle_offload::ops::rms_norm_residual`]) on a
+/// fused step with an RMSNorm computed in the inputs' dtype, all three of one dtype; otherwise
+/// the add, then the norm.
 fn add_norm(norm: &Norm, ctx: &StepCtx<'_>, a: Tensor, b: Tensor) -> Result<(Tensor, Tensor)> {
-    match fusable_norm(norm, ctx, &a, &b) {
+    let fusable = norm
+        .rms_parts()
+        .filter(|(w, _)| ctx.fused && w.dtype() == a.dtype() && b.dtype() == a.dtype());
+    match fusable {
         Some((w, eps)) => candle_offload::ops::rms_norm_residual(&a, &b, w, eps),
         None => {
             let sum = (a + b)?;
