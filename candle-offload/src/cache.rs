@@ -83,6 +83,13 @@ pub enum CacheError {
         /// Bytes held by units that cannot be evicted now.
         unevictable: u64,
     },
+    /// The capacity cannot shrink to `capacity`: units in use (or kept) hold more.
+    CannotShrink {
+        /// The capacity asked for.
+        capacity: u64,
+        /// Bytes held by units that cannot be evicted now.
+        unevictable: u64,
+    },
 }
 
 impl fmt::Display for CacheError {
@@ -98,6 +105,14 @@ impl fmt::Display for CacheError {
                 f,
                 "no room for unit {unit} ({needed} B): {unevictable} B of the {capacity} B weight \
                  capacity are held by units in use or kept resident"
+            ),
+            Self::CannotShrink {
+                capacity,
+                unevictable,
+            } => write!(
+                f,
+                "the weight capacity cannot shrink to {capacity} B: units in use or kept \
+                 resident hold {unevictable} B"
             ),
         }
     }
@@ -768,6 +783,71 @@ impl ResidencyCache {
         self.counters[v.0].evictions += 1;
     }
 
+    /// The units that may be evicted now (present, idle, not kept, not `skip`), best victim
+    /// first: under the schedule the furthest next use, under LRU (and among ties) the oldest
+    /// last use. With `harm_limit = Some(d)`, units whose next use is `d` accesses away or
+    /// nearer are left out (prefetch's "do no harm").
+    fn ranked_victims(&self, skip: Option<UnitId>, harm_limit: Option<usize>) -> Vec<UnitId> {
+        let mut candidates: Vec<(u64, u64, UnitId)> = Vec::new();
+        for (i, e) in self.entries.iter().enumerate() {
+            if !e.present || e.pins > 0 || e.keep || skip == Some(UnitId(i)) {
+                continue;
+            }
+            let v = UnitId(i);
+            let nearness = match &self.schedule {
+                Some(s) => {
+                    let d = s.distance(v);
+                    if harm_limit.is_some_and(|limit| d <= limit) {
+                        continue;
+                    }
+                    u64::MAX - d as u64
+                }
+                None => 0,
+            };
+            candidates.push((nearness, e.last_use, v));
+        }
+        candidates.sort_unstable();
+        candidates.into_iter().map(|(_, _, v)| v).collect()
+    }
+
+    /// Changes the byte capacity for weights (the caller's reservation changed, see
+    /// `OffloadRuntime::set_reserve_bytes`) and the copies that may run ahead of their victims
+    /// at it. Shrinking evicts idle units, the policy's best victims first, until what is
+    /// present fits; the evicted units are returned for the caller to free. Refused, with
+    /// nothing changed, when the units in use and the kept units alone exceed `capacity`.
+    pub fn set_capacity(
+        &mut self,
+        capacity: u64,
+        prefetch_depth: usize,
+    ) -> Result<Vec<UnitId>, CacheError> {
+        let mut victims = Vec::new();
+        if self.used > capacity {
+            let ranked = self.ranked_victims(None, None);
+            let mut used = self.used;
+            for v in ranked {
+                if used <= capacity {
+                    break;
+                }
+                used -= self.entries[v.0].bytes;
+                victims.push(v);
+            }
+            if used > capacity {
+                return Err(CacheError::CannotShrink {
+                    capacity,
+                    unevictable: used,
+                });
+            }
+            for &v in &victims {
+                self.remove(v);
+            }
+        }
+        self.capacity = capacity;
+        self.prefetch_depth = prefetch_depth;
+        self.planner = None;
+        self.pending.clear();
+        Ok(victims)
+    }
+
     /// Chooses and removes victims until `u` fits. With `harm_limit = Some(d)`, only units whose
     /// next use is further than `d` accesses away may go (prefetch's "do no harm").
     fn make_room(
@@ -796,36 +876,13 @@ impl ResidencyCache {
         if self.used + needed <= self.capacity {
             return Ok(Vec::new());
         }
-        // Rank the evictable units, best victim first: under the schedule the furthest next
-        // use, under LRU (and among ties) the oldest last use.
-        let mut candidates: Vec<(u64, u64, UnitId)> = Vec::new();
-        for (i, e) in self.entries.iter().enumerate() {
-            if !e.present || e.pins > 0 || e.keep || i == u.0 {
-                continue;
-            }
-            let v = UnitId(i);
-            let nearness = match &self.schedule {
-                Some(s) => {
-                    let d = s.distance(v);
-                    if harm_limit.is_some_and(|limit| d <= limit) {
-                        continue;
-                    }
-                    u64::MAX - d as u64
-                }
-                None => 0,
-            };
-            candidates.push((nearness, e.last_use, v));
-        }
-        candidates.sort_unstable();
-        let free_after: u64 = candidates
-            .iter()
-            .map(|&(_, _, v)| self.entries[v.0].bytes)
-            .sum();
+        let candidates = self.ranked_victims(Some(u), harm_limit);
+        let free_after: u64 = candidates.iter().map(|v| self.entries[v.0].bytes).sum();
         if self.capacity - self.used + free_after < needed {
             return Err(no_room(self));
         }
         let mut victims = Vec::new();
-        for (_, _, v) in candidates {
+        for v in candidates {
             if self.used + needed <= self.capacity {
                 break;
             }
@@ -1209,6 +1266,86 @@ mod proptests {
                 let later = &fetched[at..];
                 let m = next.len().min(later.len());
                 prop_assert_eq!(&next[..m], &later[..m], "announced at fetch {}", at);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// A capacity that changes between sweeps (a prompt's reservation, then decode's) keeps
+        /// every invariant: what is present fits the capacity of the moment, a shrink is refused
+        /// only when the unit in use and the kept units exceed it (and then changes nothing),
+        /// and a capacity that holds every unit fetches nothing after one sweep.
+        #[test]
+        fn capacity_changes_between_and_within_sweeps(
+            sizes in prop::collection::vec(1u64..6, 2..10),
+            caps in prop::collection::vec(0u64..40, 1..8),
+            depth in 0usize..3,
+            kept in prop::option::of(0usize..10),
+        ) {
+            let n = sizes.len();
+            let order: Vec<UnitId> = (0..n).map(UnitId).collect();
+            let largest = *sizes.iter().max().unwrap();
+            let kept = kept.filter(|&k| k < n);
+            let kept_bytes = kept.map_or(0, |k| sizes[k]);
+            let floor = largest + kept_bytes;
+            let mut cap = floor;
+            let mut c = ResidencyCache::new(&sizes, cap, PolicyChoice::Schedule(order))
+                .with_prefetch_depth(depth);
+            if let Some(k) = kept {
+                c.set_keep(UnitId(k), true);
+            }
+            for (i, &raw) in caps.iter().enumerate() {
+                // Half the changes happen while a unit is in use, as a prompt starts mid-sweep.
+                let held = (i % 2 == 1).then_some(UnitId(i % n));
+                if let Some(h) = held {
+                    c.acquire(h).unwrap();
+                }
+                let want = raw.max(floor);
+                let busy: u64 = (0..n)
+                    .filter(|&u| c.is_present(UnitId(u)) && (c.in_use(UnitId(u)) || Some(u) == kept))
+                    .map(|u| sizes[u])
+                    .sum();
+                let before = c.present_units();
+                match c.set_capacity(want, depth) {
+                    Ok(victims) => {
+                        prop_assert!(busy <= want);
+                        for v in &victims {
+                            prop_assert!(before.contains(v) && !c.is_present(*v));
+                            prop_assert!(!c.in_use(*v) && Some(v.0) != kept);
+                        }
+                        cap = want;
+                    }
+                    Err(CacheError::CannotShrink { .. }) => {
+                        prop_assert!(busy > want);
+                        prop_assert_eq!(c.present_units(), before);
+                        prop_assert_eq!(c.capacity(), cap);
+                    }
+                    Err(e) => prop_assert!(false, "{e}"),
+                }
+                prop_assert!(c.used() <= c.capacity());
+                if let Some(h) = held {
+                    c.release(h);
+                }
+                for u in 0..n {
+                    c.acquire(UnitId(u)).unwrap();
+                    prop_assert!(c.used() <= cap);
+                    c.prefetch_planned(depth + 1);
+                    prop_assert!(c.used() <= cap);
+                    c.release(UnitId(u));
+                }
+            }
+            let total: u64 = sizes.iter().sum();
+            c.set_capacity(total, 0).unwrap();
+            for u in 0..n {
+                c.acquire(UnitId(u)).unwrap();
+                c.release(UnitId(u));
+            }
+            for u in 0..n {
+                let t = c.acquire(UnitId(u)).unwrap();
+                prop_assert!(t.fetch.is_none() && t.evict.is_empty(), "unit {} fetched again", u);
+                c.release(UnitId(u));
             }
         }
     }

@@ -16,6 +16,7 @@
 //! unit's tensors) finds the bytes read.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
@@ -27,7 +28,9 @@ use crate::cache::{CacheError, PolicyChoice, ResidencyCache, Transfer, UnitId};
 use crate::diag::device_label;
 use crate::error::{Error, Result};
 use crate::history::{EventKind, MemoryEvent, MemoryHistory};
-use crate::plan::{plan_capacity_for, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH};
+use crate::plan::{
+    plan_capacity_for, CapacityPlan, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH,
+};
 use crate::runtime_error::RuntimeError;
 use crate::store::{HostStore, HostUnit, TierKind, WeightFormat};
 use crate::sys::{CudaEngine, DeviceLayout, DeviceWeight, ReadAhead, UnitSync, UploadItem};
@@ -162,8 +165,12 @@ struct Shared {
     device: Device,
     store: Arc<HostStore>,
     engine: Engine,
-    budget: Budget,
-    prefetch_depth: usize,
+    /// The budget's limit; the reservation is `reserve` (it may change at run time).
+    limit_bytes: u64,
+    reserve: AtomicU64,
+    prefetch_depth: AtomicUsize,
+    /// What a change of the reservation plans the weights' capacity from.
+    resize: Resize,
     trainable: bool,
     served: Vec<bool>,
     /// Per unit: it stays on the device for good, at its own size
@@ -194,6 +201,41 @@ impl Drop for Shared {
         for u in st.read_ahead.drain(..) {
             self.store.unit(u).buffer().end_read_ahead();
         }
+    }
+}
+
+/// What [`OffloadRuntime::set_reserve_bytes`] plans a new capacity from: the weights' need
+/// and the settings the runtime started with.
+#[derive(Debug)]
+struct Resize {
+    device: String,
+    need: WeightNeed,
+    /// Names the kept units and the largest unit in a refusal.
+    what: String,
+    strategy: OffloadStrategy,
+    asked_depth: usize,
+    /// The bytes of the units a steady sweep holds: at a capacity that holds them no copy runs
+    /// ahead of its victim, so no spare room is kept for one.
+    steady: u64,
+}
+
+impl Resize {
+    /// The weights' capacity and the cache's prefetch depth under `budget`.
+    fn plan(&self, budget: Budget) -> Result<(CapacityPlan, usize)> {
+        let plan = plan_capacity_for(
+            &self.device,
+            budget,
+            &self.need,
+            &self.what,
+            self.strategy,
+            self.asked_depth,
+        )?;
+        let spare = if self.steady <= plan.weight_capacity {
+            0
+        } else {
+            plan.prefetch_depth
+        };
+        Ok((plan, spare))
     }
 }
 
@@ -385,14 +427,34 @@ impl OffloadRuntime {
             Some(i) => format!("the largest unit, {}", store.unit(UnitId(i)).name()),
             None => format!("the kept units ({})", crate::budget::human_bytes(kept)),
         };
-        let plan = plan_capacity_for(
-            &name,
-            budget,
-            &need,
-            &what,
-            cfg.strategy,
-            cfg.prefetch_depth,
-        )?;
+        // With an order given up front, what must fit is the units in it: a unit served but
+        // outside the order (a host layer that a prompt runs here, see the models crate) is
+        // fetched only now and then, and is the first victim when it is. A model whose steady
+        // sweep fits needs no spare room for copies ahead of their victims.
+        let steady = match &cfg.policy {
+            PolicyChoice::Schedule(order) if !order.is_empty() => {
+                let mut counted = vec![false; unit_bytes.len()];
+                let mut steady = kept;
+                for u in order {
+                    if u.0 < counted.len() && served[u.0] && !counted[u.0] && !keep_ids.contains(u)
+                    {
+                        counted[u.0] = true;
+                        steady = steady.saturating_add(unit_bytes[u.0]);
+                    }
+                }
+                steady
+            }
+            _ => need.all(),
+        };
+        let resize = Resize {
+            device: name.clone(),
+            need,
+            what,
+            strategy: cfg.strategy,
+            asked_depth: cfg.prefetch_depth,
+            steady,
+        };
+        let (plan, spare_depth) = resize.plan(budget)?;
         // Managed units may not stream. Measured on the H200 (driver 580, BENCHMARKS.md): once
         // the driver has migrated a page to the GPU it keeps the device memory after migrating
         // the page back (600 MiB prefetched and returned: 640 MiB still held), so a managed
@@ -443,26 +505,6 @@ impl OffloadRuntime {
                 ),
             });
         }
-        // A model that fits entirely needs no spare room for copies ahead of their victims.
-        // With an order given up front, what must fit is the units in it: a unit served but
-        // outside the order (a host layer that a prompt runs here, see the models crate) is
-        // fetched only now and then, and is the first victim when it is.
-        let steady_fits = match &cfg.policy {
-            PolicyChoice::Schedule(order) if !order.is_empty() => {
-                let mut counted = vec![false; unit_bytes.len()];
-                let mut steady = kept;
-                for u in order {
-                    if u.0 < counted.len() && served[u.0] && !counted[u.0] && !keep_ids.contains(u)
-                    {
-                        counted[u.0] = true;
-                        steady = steady.saturating_add(unit_bytes[u.0]);
-                    }
-                }
-                steady <= plan.weight_capacity
-            }
-            _ => plan.fits_entirely,
-        };
-        let spare_depth = if steady_fits { 0 } else { plan.prefetch_depth };
         let mut cache = ResidencyCache::new(&unit_bytes, plan.weight_capacity, cfg.policy.clone())
             .with_prefetch_depth(spare_depth);
         for &u in &keep_ids {
@@ -496,8 +538,10 @@ impl OffloadRuntime {
                 device: device.clone(),
                 store,
                 engine,
-                budget,
-                prefetch_depth: plan.prefetch_depth,
+                limit_bytes: budget.limit_bytes,
+                reserve: AtomicU64::new(budget.reserve_bytes),
+                prefetch_depth: AtomicUsize::new(plan.prefetch_depth),
+                resize,
                 trainable: cfg.trainable,
                 served,
                 own_size,
@@ -528,12 +572,15 @@ impl OffloadRuntime {
 
     /// The resolved budget.
     pub fn budget(&self) -> Budget {
-        self.shared.budget
+        Budget {
+            limit_bytes: self.shared.limit_bytes,
+            reserve_bytes: self.shared.reserve.load(Ordering::Relaxed),
+        }
     }
 
     /// The prefetch depth in force.
     pub fn prefetch_depth(&self) -> usize {
-        self.shared.prefetch_depth
+        self.shared.prefetch_depth.load(Ordering::Relaxed)
     }
 
     fn state(&self) -> candle_core::Result<MutexGuard<'_, State>> {
@@ -576,7 +623,10 @@ impl OffloadRuntime {
         // starting at once then read their files in parallel), and the window is topped up
         // past them once they have started.
         self.read_ahead(&mut st);
-        self.start_planned(&mut st, self.shared.prefetch_depth + 1);
+        self.start_planned(
+            &mut st,
+            self.shared.prefetch_depth.load(Ordering::Relaxed) + 1,
+        );
         self.read_ahead(&mut st);
         Ok(UnitGuard {
             rt: self.clone(),
@@ -714,7 +764,7 @@ impl OffloadRuntime {
     }
 
     fn cache_error(&self, unit: UnitId, e: CacheError) -> candle_core::Error {
-        let budget = self.shared.budget;
+        let budget = self.budget();
         let unit = match self.shared.served.get(unit.0) {
             Some(_) => self.shared.store.unit(unit).name().to_string(),
             None => unit.to_string(),
@@ -777,7 +827,7 @@ impl OffloadRuntime {
                     self.drop_unit(st, v, "idle")?;
                 }
                 self.attempt_upload(st, u).map_err(|second| {
-                    let budget = self.shared.budget;
+                    let budget = self.budget();
                     let resident: Vec<&str> = st
                         .cache
                         .present_units()
@@ -1016,6 +1066,65 @@ impl OffloadRuntime {
         Ok(())
     }
 
+    /// Changes the reservation beside the weights to `reserve` bytes, between passes: a model
+    /// reserves its prompt's activations while a prompt runs and gives that room to weights
+    /// while it decodes. The budget's limit stays; the weights' capacity is planned again as
+    /// at the start (refused when the reservation leaves no room for the largest unit). A
+    /// smaller capacity evicts idle units first (refused when units in use hold more). Either
+    /// way the device waits for its work and the memory pool returns what it caches unused to
+    /// the driver, so that blocks freed in one phase's shapes do not add to the next one's
+    /// peak (the budget is measured outside the allocator). Nothing happens when the
+    /// reservation is unchanged.
+    pub fn set_reserve_bytes(&self, reserve: u64) -> candle_core::Result<()> {
+        let old = self.budget();
+        if reserve == old.reserve_bytes {
+            return Ok(());
+        }
+        let _span = tracing::debug_span!("offload.set_reserve", reserve).entered();
+        let budget = Budget {
+            limit_bytes: old.limit_bytes,
+            reserve_bytes: reserve,
+        };
+        let (plan, spare) = self
+            .shared
+            .resize
+            .plan(budget)
+            .map_err(candle_core::Error::wrap)?;
+        {
+            let mut st = self.state()?;
+            let victims = st
+                .cache
+                .set_capacity(plan.weight_capacity, spare)
+                .map_err(|cause| {
+                    candle_core::Error::from(RuntimeError::BudgetExhausted {
+                        device: device_label(&self.shared.device),
+                        unit: "(a reservation change)".into(),
+                        budget_mib: budget.limit_bytes >> 20,
+                        reserve_mib: reserve >> 20,
+                        cause,
+                    })
+                })?;
+            for v in victims {
+                self.drop_unit(&mut st, v, "reserve")?;
+            }
+            self.shared.reserve.store(reserve, Ordering::Relaxed);
+            self.shared
+                .prefetch_depth
+                .store(plan.prefetch_depth, Ordering::Relaxed);
+        }
+        tracing::debug!(
+            reserve,
+            capacity = plan.weight_capacity,
+            depth = plan.prefetch_depth,
+            "reservation changed"
+        );
+        if let Engine::Cuda(e) = &self.shared.engine {
+            e.synchronize()?;
+            crate::sys::trim_memory_pool(&self.shared.device)?;
+        }
+        Ok(())
+    }
+
     /// Names the parts of the reservation (KV cache, activations, ...) for the memory history
     /// and its timeline; the parts should add up to `reserve_bytes`.
     pub fn declare_reservation(&self, parts: &[(&str, u64)]) -> candle_core::Result<()> {
@@ -1028,8 +1137,8 @@ impl OffloadRuntime {
         let st = self.state()?;
         Ok(st.history.as_ref().map(|rec| MemoryHistory {
             device: device_label(&self.shared.device),
-            budget_bytes: self.shared.budget.limit_bytes,
-            reserve_bytes: self.shared.budget.reserve_bytes,
+            budget_bytes: self.budget().limit_bytes,
+            reserve_bytes: self.budget().reserve_bytes,
             weight_capacity_bytes: st.cache.capacity(),
             baseline_device_bytes: rec.baseline,
             reservation_parts: st.reservation_parts.clone(),
@@ -1206,8 +1315,8 @@ impl OffloadRuntime {
             .collect();
         Ok(OffloadStats {
             device: device_label(&self.shared.device),
-            budget_bytes: self.shared.budget.limit_bytes,
-            reserve_bytes: self.shared.budget.reserve_bytes,
+            budget_bytes: self.budget().limit_bytes,
+            reserve_bytes: self.budget().reserve_bytes,
             weight_capacity_bytes: st.cache.capacity(),
             resident_bytes: st.cache.used(),
             peak_resident_bytes: st.telemetry.peak_resident,
@@ -1238,7 +1347,7 @@ impl OffloadRuntime {
             host_limit_bytes: store.host_limit_bytes(),
             host_memory: crate::diag::host_memory(),
             memlock_limit: crate::diag::memlock_limit(),
-            prefetch_depth: self.shared.prefetch_depth,
+            prefetch_depth: self.shared.prefetch_depth.load(Ordering::Relaxed),
             policy: st.cache.active_policy(),
             steps: st.telemetry.steps,
             total: st.telemetry.total,
@@ -1512,6 +1621,79 @@ mod tests {
             }
         }
         assert_eq!(rt.stats()?.peak_resident_bytes, unit);
+        Ok(())
+    }
+
+    #[test]
+    fn a_smaller_reservation_gives_its_room_to_weights_and_a_larger_one_takes_it_back(
+    ) -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let specs: Vec<RawTensorSpec> = (0..4)
+            .map(|l| RawTensorSpec {
+                name: format!("model.layers.{l}.w"),
+                format: WeightFormat::Dense(DType::F32),
+                shape: Shape::from(256),
+            })
+            .collect();
+        let store = HostStore::from_raw(&specs, &StoreConfig::default(), &dev, |_, _, dst| {
+            dst.fill(0);
+            Ok(())
+        })?;
+        let unit = store.units()[0].bytes();
+        let order: Vec<UnitId> = (0..4).map(|l| store.layer_unit(l).unwrap()).collect();
+        // Room for two units beside a prompt's reservation, for all four beside decode's.
+        let prompt = 2 * unit;
+        let rt = OffloadRuntime::new(
+            Arc::new(store),
+            &dev,
+            &OffloadConfig {
+                gpu_memory_limit: Some(crate::MemoryLimit::Bytes(4 * unit)),
+                reserve_bytes: prompt,
+                prefetch_depth: 0,
+                policy: PolicyChoice::Schedule(order),
+                ..Default::default()
+            },
+        )?;
+        let sweep = |n: usize| -> anyhow::Result<u64> {
+            let before = rt.stats()?.total.fetches;
+            for _ in 0..n {
+                for l in 0..4 {
+                    drop(rt.acquire_layer(l)?);
+                }
+            }
+            Ok(rt.stats()?.total.fetches - before)
+        };
+        assert_eq!(rt.stats()?.weight_capacity_bytes, 2 * unit);
+        sweep(1)?;
+        assert!(sweep(1)? >= 2, "two units cannot stay");
+
+        rt.set_reserve_bytes(0)?;
+        let st = rt.stats()?;
+        assert_eq!((st.reserve_bytes, st.weight_capacity_bytes), (0, 4 * unit));
+        sweep(1)?;
+        assert_eq!(sweep(2)?, 0, "every unit stays beside decode's reservation");
+        assert_eq!(rt.stats()?.resident_bytes, 4 * unit);
+
+        // Back to the prompt's: idle units go until two fit, and the budget still holds.
+        rt.set_reserve_bytes(prompt)?;
+        let st = rt.stats()?;
+        assert_eq!(st.weight_capacity_bytes, 2 * unit);
+        assert!(st.resident_bytes <= 2 * unit, "{}", st.resident_bytes);
+        sweep(1)?;
+        assert!(rt.stats()?.resident_bytes <= 2 * unit);
+
+        // Units in use cannot be evicted: a reservation that needs their room is refused, and
+        // one that leaves no room for the largest unit is refused by the plan.
+        let held = (rt.acquire_layer(0)?, rt.acquire_layer(1)?);
+        let e = rt.set_reserve_bytes(3 * unit).unwrap_err().to_string();
+        assert!(e.contains("cannot shrink"), "{e}");
+        assert_eq!(rt.budget().reserve_bytes, prompt);
+        drop(held);
+        rt.set_reserve_bytes(3 * unit)?;
+        assert_eq!(rt.stats()?.resident_bytes, unit);
+        let e = rt.set_reserve_bytes(4 * unit + 1).unwrap_err().to_string();
+        assert!(e.contains("missing"), "{e}");
+        assert_eq!(rt.budget().reserve_bytes, 3 * unit);
         Ok(())
     }
 }
