@@ -293,6 +293,106 @@ test_device!(
     offloaded_equals_resident_gpu
 );
 
+/// A long prompt's reservation leaves room for half the weights, decode's for all of them:
+/// the prompt streams, the decode steps after the first fetch nothing, the greedy tokens
+/// equal the resident model's, and the weights never exceed the capacity of the moment
+/// (the stats' capacity follows the phase).
+fn decode_gives_the_prompts_room_to_weights(device: &Device) -> anyhow::Result<()> {
+    let dir = tempdir(&format!("phase-{}", device.is_cpu()));
+    write_tiny_llama(&dir, false, false)?;
+    let files = loader::from_dir(&dir)?;
+    let cfg = files.config.clone();
+    let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
+    let mut rng = rand::rng();
+    let prompt: Vec<u32> = (0..96)
+        .map(|_| rng.random_range(0..cfg.vocab_size as u32))
+        .collect();
+    let max_len = prompt.len() + 10;
+    let reserve = |rows| Llama::reserve_bytes(&cfg, &store, device, rows, max_len, DType::F32);
+    let share = reserve(prompt.len()) - reserve(1);
+    let total = store.total_bytes();
+    assert!(
+        share > total,
+        "the prompt's activations ({share} B) must outweigh the model ({total} B)"
+    );
+    let settings = |limit: Option<u64>| candle_offload_models::OffloadSettings {
+        gpu_memory_limit: limit.map(MemoryLimit::Bytes),
+        ..Default::default()
+    };
+    let decode = |model: &Llama| -> anyhow::Result<(Vec<u32>, Vec<u64>)> {
+        let rt = model.runtime().clone();
+        let mut cache = model.new_cache();
+        let ids = Tensor::new(prompt.as_slice(), device)?.unsqueeze(0)?;
+        let mut token = candle_offload_models::llama::argmax(&model.forward(&ids, 0, &mut cache)?)?;
+        let (mut tokens, mut fetches) = (vec![token], vec![rt.stats()?.total.fetches]);
+        for step in 0..8 {
+            let x = Tensor::new(&[token], device)?.unsqueeze(0)?;
+            token = candle_offload_models::llama::argmax(&model.forward(
+                &x,
+                prompt.len() + step,
+                &mut cache,
+            )?)?;
+            let st = rt.stats()?;
+            assert!(st.resident_bytes <= st.weight_capacity_bytes);
+            tokens.push(token);
+            fetches.push(st.total.fetches);
+        }
+        Ok((tokens, fetches))
+    };
+    let resident = Llama::offloaded(
+        &files,
+        store.clone(),
+        device,
+        DType::F32,
+        prompt.len(),
+        max_len,
+        &settings(None),
+    )?;
+    let (want, _) = decode(&resident)?;
+    drop(resident);
+
+    let limit = reserve(prompt.len()) + total / 2;
+    let model = Llama::offloaded(
+        &files,
+        store.clone(),
+        device,
+        DType::F32,
+        prompt.len(),
+        max_len,
+        &settings(Some(limit)),
+    )?;
+    let rt = model.runtime().clone();
+    let prompt_capacity = rt.stats()?.weight_capacity_bytes;
+    assert!(prompt_capacity < total, "the prompt's phase must stream");
+    let (got, fetches) = decode(&model)?;
+    assert_eq!(
+        got, want,
+        "greedy tokens, offloaded by phase against resident"
+    );
+    let st = rt.stats()?;
+    assert!(st.weight_capacity_bytes > prompt_capacity, "{st:?}");
+    assert_eq!(
+        st.reserve_bytes,
+        reserve(1),
+        "decode reserves one row's activations"
+    );
+    assert_eq!(
+        fetches[8], fetches[2],
+        "decode steps after the first fetch nothing: {fetches:?}"
+    );
+
+    // A second prompt takes the room back: the capacity shrinks again, and the tokens repeat.
+    let (again, _) = decode(&model)?;
+    assert_eq!(again, want);
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+test_device!(
+    decode_gives_the_prompts_room_to_weights,
+    decode_gives_the_prompts_room_to_weights_cpu,
+    decode_gives_the_prompts_room_to_weights_gpu
+);
+
 /// Batch decode of left-padded prompts of different lengths, for every family (windows,
 /// soft-capping and biases included): each row's logits, at the prefill and at every decode
 /// step after it, equal that prompt's alone (F32, within 1e-4); greedy `generate_batch` gives

@@ -48,6 +48,18 @@ struct Stage {
     layers: Range<usize>,
     /// The compute dtype on this stage (the model's, but F32 for host layers of GGML blocks).
     dtype: DType,
+    /// The runtime's reservation while a prompt runs and while decoding (`None`: fixed).
+    phase: Option<PhaseReserve>,
+}
+
+/// A stage's reservation by phase: a pass of many rows (a prompt) needs its activations, a
+/// decode step one row's; the KV cache and workspaces are the same in both. Decode gives the
+/// prompt's room to weights ([`OffloadRuntime::set_reserve_bytes`]), so that a model that
+/// streams at a long prompt's reservation streams less, or nothing, while it decodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PhaseReserve {
+    prompt: u64,
+    decode: u64,
 }
 
 /// How hidden states cross from one stage's GPU to the next.
@@ -293,6 +305,7 @@ impl CausalLm {
                     rope,
                     layers,
                     dtype,
+                    phase: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -358,6 +371,31 @@ impl CausalLm {
         }
     }
 
+    /// The part of [`reserve_bytes`](Self::reserve_bytes) for `prompt_len` rows that a decode
+    /// step (one row) does not need: the prompt's activations (and its rows' quantized-matmul
+    /// buffers).
+    fn prompt_share(
+        cfg: &Config,
+        store: &candle_offload::HostStore,
+        device: &Device,
+        prompt_len: usize,
+        max_len: usize,
+        dtype: DType,
+    ) -> u64 {
+        let at = |rows| Self::reserve_bytes(cfg, store, device, rows, max_len, dtype);
+        at(prompt_len).saturating_sub(at(1))
+    }
+
+    /// Lets every stage that reserves room give `prompt_share` bytes of it to weights while
+    /// decoding ([`PhaseReserve`]); the stages start in the prompt's phase.
+    fn reserve_by_phase(&mut self, prompt_share: u64) {
+        for stage in &mut self.stages {
+            let prompt = stage.rt.budget().reserve_bytes;
+            let decode = prompt.saturating_sub(prompt_share);
+            stage.phase = (decode < prompt).then_some(PhaseReserve { prompt, decode });
+        }
+    }
+
     /// [`offloaded`](Self::offloaded) for any configuration and store (an application's own
     /// model and weights); `source` names the weights in errors.
     #[allow(clippy::too_many_arguments)]
@@ -389,7 +427,10 @@ impl CausalLm {
             )?,
         )?;
         declare_reservation(&rt, kv, reserve, settings.reserve_bytes)?;
-        Self::new(cfg, rt, dtype, max_len, source)
+        let share = Self::prompt_share(&cfg, &store, device, prompt_len, max_len, dtype);
+        let mut model = Self::new(cfg, rt, dtype, max_len, source)?;
+        model.reserve_by_phase(share);
+        Ok(model)
     }
 
     /// [`offloaded`](Self::offloaded) with the first layers on the host CPU (see
@@ -855,6 +896,9 @@ impl CausalLm {
         model.segments = segments;
         model.on_host = on_host.clone();
         model.layer_steps = steps;
+        model.reserve_by_phase(Self::prompt_share(
+            cfg, &store, device, prompt_len, max_len, dtype,
+        ));
         // GGML blocks on the host multiply F32 activations (`cpu_quant`, and Candle's CPU
         // quantized matmul takes nothing else); dense host layers keep the model's dtype.
         let blocks = (0..n).filter(|&l| on_host[l]).any(|l| {
@@ -1312,6 +1356,12 @@ impl CausalLm {
         cache: &mut Cache,
     ) -> Result<Tensor> {
         let (_, seq_len) = input_ids.dims2()?;
+        for stage in &self.stages {
+            if let Some(p) = stage.phase {
+                let reserve = if seq_len > 1 { p.prompt } else { p.decode };
+                stage.rt.set_reserve_bytes(reserve)?;
+            }
+        }
         let first = &self.stages[0];
         if index_pos + seq_len > first.rope.max_len() {
             candle_core::bail!(
