@@ -364,6 +364,7 @@ fn decode_gives_the_prompts_room_to_weights(device: &Device) -> anyhow::Result<(
     let rt = model.runtime().clone();
     let prompt_capacity = rt.stats()?.weight_capacity_bytes;
     assert!(prompt_capacity < total, "the prompt's phase must stream");
+    rt.record_history(true)?;
     let (got, fetches) = decode(&model)?;
     assert_eq!(
         got, want,
@@ -384,6 +385,16 @@ fn decode_gives_the_prompts_room_to_weights(device: &Device) -> anyhow::Result<(
     // A second prompt takes the room back: the capacity shrinks again, and the tokens repeat.
     let (again, _) = decode(&model)?;
     assert_eq!(again, want);
+    // The history saw each change: to decode's, back to the prompt's, to decode's again.
+    let history = rt.history()?.expect("recording");
+    let changes: Vec<u64> = history
+        .events
+        .iter()
+        .filter(|e| e.kind == candle_offload::history::EventKind::Reserve)
+        .map(|e| e.bytes)
+        .collect();
+    assert_eq!(changes, [reserve(1), reserve(prompt.len()), reserve(1)]);
+    assert!(history.to_svg().contains("polygon"));
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

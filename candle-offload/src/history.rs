@@ -22,6 +22,10 @@ pub enum EventKind {
     StepEnd,
     /// A unit was acquired for use (a prefetched unit stops being "in flight").
     Acquire,
+    /// The reservation beside the weights changed to `bytes`
+    /// ([`OffloadRuntime::set_reserve_bytes`](crate::OffloadRuntime::set_reserve_bytes): a
+    /// model's prompt and decode phases).
+    Reserve,
 }
 
 /// One entry of the history.
@@ -35,7 +39,7 @@ pub struct MemoryEvent {
     pub unit: Option<String>,
     /// Bytes moved or released.
     pub bytes: u64,
-    /// Why: `miss`, `prefetch`, `victim`, `idle`, `evict_all`, `retry`.
+    /// Why: `miss`, `prefetch`, `victim`, `idle`, `evict_all`, `retry`, `reserve`.
     pub reason: &'static str,
     /// Weights on the device after the event.
     pub resident_bytes: u64,
@@ -50,13 +54,16 @@ pub struct MemoryHistory {
     pub device: String,
     /// The budget.
     pub budget_bytes: u64,
-    /// The caller's reservation (KV cache, activations, workspace).
+    /// The caller's reservation (KV cache, activations, workspace) when recording started;
+    /// [`EventKind::Reserve`] events change it ([`reserve_series`](Self::reserve_series)).
     pub reserve_bytes: u64,
     /// What weights may take.
     pub weight_capacity_bytes: u64,
     /// Device memory in use when recording started (the CUDA context and anything before).
     pub baseline_device_bytes: Option<u64>,
-    /// The reservation by part, as the caller declared it (KV cache, activations, ...).
+    /// The reservation by part, as the caller declared it (KV cache, activations, ...). Where
+    /// the reservation changes, the part named for activations (the last part if none is)
+    /// takes the difference in the timeline.
     pub reservation_parts: Vec<(String, u64)>,
     /// The events, in order.
     pub events: Vec<MemoryEvent>,
@@ -97,6 +104,48 @@ impl MemoryHistory {
         out
     }
 
+    /// The reservation in force after each event.
+    pub fn reserve_series(&self) -> Vec<u64> {
+        let mut now = self.reserve_bytes;
+        self.events
+            .iter()
+            .map(|e| {
+                if e.kind == EventKind::Reserve {
+                    now = e.bytes;
+                }
+                now
+            })
+            .collect()
+    }
+
+    /// The reservation's parts after each event (part-major: `out[part][event]`): as declared,
+    /// with the part named for activations (the last if none is) taking any change of the
+    /// reservation since the declaration.
+    fn part_series(&self, parts: &[(String, u64)]) -> Vec<Vec<u64>> {
+        let declared: u64 = parts.iter().map(|p| p.1).sum();
+        let varying = parts
+            .iter()
+            .position(|(n, _)| n.contains("activation"))
+            .unwrap_or(parts.len().saturating_sub(1));
+        let reserve = self.reserve_series();
+        parts
+            .iter()
+            .enumerate()
+            .map(|(i, &(_, bytes))| {
+                reserve
+                    .iter()
+                    .map(|&r| {
+                        if i == varying {
+                            (bytes + r).saturating_sub(declared)
+                        } else {
+                            bytes
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     /// Renders the timeline as SVG: device memory by category, stacked (resident weights,
     /// weights in flight, then each declared part of the reservation: KV cache, activations),
     /// the device memory measured outside the allocator (less the baseline), and the budget.
@@ -110,7 +159,10 @@ impl MemoryHistory {
         } else {
             self.reservation_parts.clone()
         };
-        let reserved: u64 = parts.iter().map(|p| p.1).sum();
+        let part_values = self.part_series(&parts);
+        let reserved: Vec<u64> = (0..series.len())
+            .map(|k| part_values.iter().map(|v| v[k]).sum())
+            .collect();
         let measured: Vec<(f64, f64)> = self
             .events
             .iter()
@@ -125,7 +177,12 @@ impl MemoryHistory {
             .collect();
         let y_max = [mib(self.budget_bytes)]
             .into_iter()
-            .chain(series.iter().map(|&(_, a, b)| mib(a + b + reserved)))
+            .chain(
+                series
+                    .iter()
+                    .zip(&reserved)
+                    .map(|(&(_, a, b), &r)| mib(a + b + r)),
+            )
             .chain(measured.iter().map(|p| p.1))
             .fold(1.0, f64::max)
             * 1.08;
@@ -173,12 +230,8 @@ impl MemoryHistory {
             ),
         ];
         let colors = ["#f58518", "#eeca3b", "#b279a2", "#9d755d"];
-        for (i, (name, bytes)) in parts.iter().enumerate() {
-            bands.push((
-                name.clone(),
-                colors[i % colors.len()],
-                vec![*bytes; series.len()],
-            ));
+        for (i, ((name, _), values)) in parts.iter().zip(part_values).enumerate() {
+            bands.push((name.clone(), colors[i % colors.len()], values));
         }
         let mut below = vec![0u64; series.len()];
         for (_, color, values) in &bands {
@@ -365,5 +418,41 @@ mod tests {
         let svg = h.to_svg();
         assert!(svg.contains("Device memory on cuda:0 (GiB)"), "{svg}");
         assert!(svg.contains(r#"text-anchor="end">6</text>"#), "{svg}");
+    }
+
+    #[test]
+    fn a_changed_reservation_moves_the_activations_part() {
+        let ev = |kind, bytes| MemoryEvent {
+            t_s: 0.0,
+            kind,
+            unit: None,
+            bytes,
+            reason: "",
+            resident_bytes: 0,
+            device_used_bytes: None,
+        };
+        let h = MemoryHistory {
+            device: "cuda:0".into(),
+            budget_bytes: 1000,
+            reserve_bytes: 600,
+            weight_capacity_bytes: 400,
+            baseline_device_bytes: None,
+            reservation_parts: vec![
+                ("KV cache".into(), 200),
+                ("activations and workspace".into(), 300),
+                ("caller's reservation".into(), 100),
+            ],
+            events: vec![
+                ev(EventKind::StepBegin, 0),
+                ev(EventKind::Reserve, 350),
+                ev(EventKind::StepEnd, 0),
+                ev(EventKind::Reserve, 600),
+            ],
+        };
+        assert_eq!(h.reserve_series(), [600, 350, 350, 600]);
+        assert_eq!(
+            h.part_series(&h.reservation_parts),
+            [vec![200; 4], vec![300, 50, 50, 300], vec![100; 4]]
+        );
     }
 }

@@ -143,6 +143,8 @@ struct Resident {
 struct Recording {
     start: std::time::Instant,
     baseline: Option<u64>,
+    /// The reservation when recording started.
+    reserve: u64,
     events: Vec<MemoryEvent>,
 }
 
@@ -1058,9 +1060,11 @@ impl OffloadRuntime {
             _ => None,
         };
         let mut st = self.state()?;
+        let reserve = self.budget().reserve_bytes;
         st.history = on.then(|| Recording {
             start: std::time::Instant::now(),
             baseline,
+            reserve,
             events: Vec::new(),
         });
         Ok(())
@@ -1108,6 +1112,7 @@ impl OffloadRuntime {
                 self.drop_unit(&mut st, v, "reserve")?;
             }
             self.shared.reserve.store(reserve, Ordering::Relaxed);
+            self.log(&mut st, EventKind::Reserve, None, reserve, "reserve", None);
             self.shared
                 .prefetch_depth
                 .store(plan.prefetch_depth, Ordering::Relaxed);
@@ -1138,7 +1143,7 @@ impl OffloadRuntime {
         Ok(st.history.as_ref().map(|rec| MemoryHistory {
             device: device_label(&self.shared.device),
             budget_bytes: self.budget().limit_bytes,
-            reserve_bytes: self.budget().reserve_bytes,
+            reserve_bytes: rec.reserve,
             weight_capacity_bytes: st.cache.capacity(),
             baseline_device_bytes: rec.baseline,
             reservation_parts: st.reservation_parts.clone(),
