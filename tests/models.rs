@@ -339,28 +339,21 @@ fn decode_gives_the_prompts_room_to_weights(device: &Device) -> anyhow::Result<(
         }
         Ok((tokens, fetches))
     };
-    let resident = Llama::offloaded(
-        &files,
-        store.clone(),
-        device,
-        DType::F32,
-        prompt.len(),
-        max_len,
-        &settings(None),
-    )?;
-    let (want, _) = decode(&resident)?;
-    drop(resident);
+    let build = |limit: Option<u64>| {
+        Llama::offloaded(
+            &files,
+            store.clone(),
+            device,
+            DType::F32,
+            prompt.len(),
+            max_len,
+            &settings(limit),
+        )
+    };
+    let (want, _) = decode(&build(None)?)?;
 
     let limit = reserve(prompt.len()) + total / 2;
-    let model = Llama::offloaded(
-        &files,
-        store.clone(),
-        device,
-        DType::F32,
-        prompt.len(),
-        max_len,
-        &settings(Some(limit)),
-    )?;
+    let model = build(Some(limit))?;
     let rt = model.runtime().clone();
     let prompt_capacity = rt.stats()?.weight_capacity_bytes;
     assert!(prompt_capacity < total, "the prompt's phase must stream");

@@ -371,27 +371,22 @@ impl CausalLm {
         }
     }
 
-    /// The part of [`reserve_bytes`](Self::reserve_bytes) for `prompt_len` rows that a decode
-    /// step (one row) does not need: the prompt's activations (and its rows' quantized-matmul
-    /// buffers).
-    fn prompt_share(
-        cfg: &Config,
+    /// Lets every stage that reserves room give the part of its reservation a decode step (one
+    /// row) does not need to weights while decoding ([`PhaseReserve`]): the prompt's activations
+    /// and its rows' quantized-matmul buffers, [`reserve_bytes`](Self::reserve_bytes) at
+    /// `prompt_len` rows less at one. The stages start in the prompt's phase.
+    fn reserve_by_phase(
+        &mut self,
         store: &candle_offload::HostStore,
         device: &Device,
         prompt_len: usize,
         max_len: usize,
-        dtype: DType,
-    ) -> u64 {
-        let at = |rows| Self::reserve_bytes(cfg, store, device, rows, max_len, dtype);
-        at(prompt_len).saturating_sub(at(1))
-    }
-
-    /// Lets every stage that reserves room give `prompt_share` bytes of it to weights while
-    /// decoding ([`PhaseReserve`]); the stages start in the prompt's phase.
-    fn reserve_by_phase(&mut self, prompt_share: u64) {
+    ) {
+        let at = |rows| Self::reserve_bytes(&self.cfg, store, device, rows, max_len, self.dtype);
+        let share = at(prompt_len).saturating_sub(at(1));
         for stage in &mut self.stages {
             let prompt = stage.rt.budget().reserve_bytes;
-            let decode = prompt.saturating_sub(prompt_share);
+            let decode = prompt.saturating_sub(share);
             stage.phase = (decode < prompt).then_some(PhaseReserve { prompt, decode });
         }
     }
@@ -427,9 +422,8 @@ impl CausalLm {
             )?,
         )?;
         declare_reservation(&rt, kv, reserve, settings.reserve_bytes)?;
-        let share = Self::prompt_share(&cfg, &store, device, prompt_len, max_len, dtype);
         let mut model = Self::new(cfg, rt, dtype, max_len, source)?;
-        model.reserve_by_phase(share);
+        model.reserve_by_phase(&store, device, prompt_len, max_len);
         Ok(model)
     }
 
@@ -896,9 +890,7 @@ impl CausalLm {
         model.segments = segments;
         model.on_host = on_host.clone();
         model.layer_steps = steps;
-        model.reserve_by_phase(Self::prompt_share(
-            cfg, &store, device, prompt_len, max_len, dtype,
-        ));
+        model.reserve_by_phase(&store, device, prompt_len, max_len);
         // GGML blocks on the host multiply F32 activations (`cpu_quant`, and Candle's CPU
         // quantized matmul takes nothing else); dense host layers keep the model's dtype.
         let blocks = (0..n).filter(|&l| on_host[l]).any(|l| {
