@@ -9,6 +9,7 @@
 //! Run with: `cargo run --release --features cuda --example bench_generate -- --model-dir DIR
 //! --budgets 4,8,12,full --prompt-lens 64,512 --peer accelerate.json --json-out generate.json`;
 //! for a GGUF file, `--model-dir FILE.gguf [--quantized] --llamacpp llamacpp.jsonl`.
+#![recursion_limit = "256"] // the records' `serde_json::json!` literal
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -396,6 +397,12 @@ fn main() -> Result<()> {
                 bytes.push(rt.stats()?.last_step.map_or(0.0, |s| s.bytes as f64));
             }
             let decode_wall_s = decode_t0.elapsed().as_secs_f64();
+            // The device stage's reservation and weight capacity while decoding (a model gives
+            // the prompt's activations to weights then: `CausalLm`'s phase reservation).
+            let decode_stats = match model.stages().last() {
+                Some((rt, _)) => Some(rt.stats()?),
+                None => None,
+            };
             let disk_per_token =
                 (disk_fetched(&rt)? - disk_before) as f64 / args.new_tokens.max(1) as f64;
             if args.profile_decode {
@@ -533,6 +540,8 @@ fn main() -> Result<()> {
                 "budget": budget,
                 "budget_bytes": budget_bytes,
                 "reserve_bytes": reserve,
+                "decode_reserve_bytes": decode_stats.as_ref().map(|s| s.reserve_bytes),
+                "decode_weight_capacity_bytes": decode_stats.as_ref().map(|s| s.weight_capacity_bytes),
                 "peak_device_bytes": peak,
                 "pool_peak_used_bytes": pool_peaks.map(|p| p.0),
                 "pool_peak_reserved_bytes": pool_peaks.map(|p| p.1),
