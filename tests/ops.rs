@@ -129,6 +129,73 @@ test_device!(
     ops_rms_norm_residual_gpu
 );
 
+/// The norm that also quantizes its rows for the next matmul gives the plain norm's results,
+/// and the matmuls that read its quantized rows (q/k/v in one launch, gate/up with SiLU) give
+/// bit for bit what they give on a copy of the same rows, which they quantize themselves; for
+/// each block type of variant 4 and of other variants (which ignore the quantized rows), with
+/// the rows of a decode step and more.
+fn rms_norm_residual_q8_feeds_the_matmuls(device: &Device) -> anyhow::Result<()> {
+    let types = [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q8_0,
+    ];
+    for dtype in DTYPES {
+        for rows in [1usize, 3, 8, 12] {
+            for (i, &qtype) in types.iter().enumerate() {
+                let (k, n) = (96 * (i + 1), 72);
+                let seed = 500 + 10 * (rows + i) as u64;
+                let x = random(&[1, rows, k], 2.0, seed, dtype, device)?;
+                let r = random(&[1, rows, k], 3.0, seed + 1, dtype, device)?;
+                let w = random(&[k], 1.5, seed + 2, dtype, device)?;
+                let (sum, normed) = ops::rms_norm_residual_q8(&x, &r, &w, 1e-5)?;
+                let (want_sum, want_normed) = ops::rms_norm_residual(&x, &r, &w, 1e-5)?;
+                let what = format!("{dtype:?} {qtype:?} {rows} rows");
+                let same = |a: &Tensor, b: &Tensor| -> anyhow::Result<bool> {
+                    Ok(a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?
+                        == b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+                };
+                anyhow::ensure!(same(&sum, &want_sum)?, "{what}: sum");
+                anyhow::ensure!(same(&normed, &want_normed)?, "{what}: normed");
+                let weights: Vec<QTensor> = (0..3)
+                    .map(|j| {
+                        let wt = random(&[n, k], 1.0, seed + 3 + j, DType::F32, device)?;
+                        Ok(QTensor::quantize_onto(&wt, qtype, device)?)
+                    })
+                    .collect::<anyhow::Result<_>>()?;
+                let ws: Vec<&QTensor> = weights.iter().collect();
+                // A copy: the same rows under another id, quantized by the matmul itself.
+                let copy = (&normed + 0.0)?;
+                anyhow::ensure!(same(&copy, &normed)?);
+                let found = ops::quantized_rows_found();
+                let got = ops::qlinear_small_multi(&normed, &ws)?;
+                let want = ops::qlinear_small_multi(&copy, &ws)?;
+                for (g, w) in got.iter().zip(&want) {
+                    anyhow::ensure!(same(g, w)?, "{what}: q/k/v");
+                }
+                let got = ops::qlinear_silu_mul(&normed, ws[0], ws[1])?;
+                let want = ops::qlinear_silu_mul(&copy, ws[0], ws[1])?;
+                anyhow::ensure!(same(&got, &want)?, "{what}: gate/up");
+                // On a GPU, for a decode step's rows, both matmuls found the norm's quantized
+                // rows (and variant 4 read them: a buffer that does not fit is an error).
+                let expect = if device.is_cuda() && rows <= 8 { 2 } else { 0 };
+                anyhow::ensure!(
+                    ops::quantized_rows_found() - found == expect,
+                    "{what}: quantized rows found {} times, not {expect}",
+                    ops::quantized_rows_found() - found
+                );
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    rms_norm_residual_q8_feeds_the_matmuls,
+    ops_rms_norm_residual_q8_cpu,
+    ops_rms_norm_residual_q8_gpu
+);
+
 fn silu_mul_matches_composition(device: &Device) -> anyhow::Result<()> {
     for dtype in DTYPES {
         for (i, shape) in ROW_SHAPES.iter().enumerate() {

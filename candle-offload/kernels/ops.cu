@@ -32,9 +32,10 @@ __device__ __forceinline__ float block_sum(float v) {
 
 // One block per row of `n_cols`: sum = x + r (rounded to T), normed = sum / rms(sum) * w.
 // `out` holds all the sums (n_rows * n_cols), then all the normed rows.
+// Returns the row's 1 / rms, for rms_norm_residual_q8.
 template <typename T>
-__device__ void rms_norm_residual(const T *x, const T *r, const T *w, T *out, uint32_t n_rows,
-                                  uint32_t n_cols, float eps) {
+__device__ float rms_norm_residual(const T *x, const T *r, const T *w, T *out, uint32_t n_rows,
+                                   uint32_t n_cols, float eps) {
     const size_t row = blockIdx.x;
     const size_t base = row * n_cols;
     T *sum = out + base;
@@ -51,6 +52,7 @@ __device__ void rms_norm_residual(const T *x, const T *r, const T *w, T *out, ui
     for (uint32_t i = threadIdx.x; i < n_cols; i += blockDim.x) {
         normed[i] = from_f32<T>(to_f32(sum[i]) * inv * to_f32(w[i]));
     }
+    return inv;
 }
 
 // out = silu(gate) * up, elementwise over `n`.
@@ -1270,6 +1272,47 @@ __device__ void qlinear4_quantize_x(const T *x, uint4 *xq, uint32_t m, uint32_t 
     }
 }
 
+// rms_norm_residual, and its normed rows quantized as qlinear4_quantize_x quantizes x (xq, the
+// layout above, m = n_rows, k = n_cols, a multiple of 32): variant 4's matmuls of the normed
+// rows then need no launch of their own to quantize them. The normed values are computed again
+// from x, r and w (read-only inputs; the rows written above are other threads' and would need
+// the coherent path) with the same roundings, so the quants are exactly those
+// qlinear4_quantize_x makes of the normed rows. A warp's lanes are all in a round or all out
+// (4 nbp, the parts per row, is a multiple of 128 and blockDim of 32).
+template <typename T>
+__device__ void rms_norm_residual_q8(const T *x, const T *r, const T *w, T *out, uint4 *xq,
+                                     uint32_t n_rows, uint32_t n_cols, float eps) {
+    const float inv = rms_norm_residual<T>(x, r, w, out, n_rows, n_cols, eps);
+    const uint32_t row = blockIdx.x;
+    const size_t base = (size_t)row * n_cols;
+    const uint32_t nb = n_cols >> 5;
+    const uint32_t nbp = (nb + 31u) & ~31u;
+    for (uint32_t e = threadIdx.x; e < nbp * 4u; e += blockDim.x) {
+        const uint32_t b = e >> 2, p = e & 3u;
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const uint32_t c = 8u * e + i;
+            if (b < nb) {
+                const T s = from_f32<T>(to_f32(x[base + c]) + to_f32(r[base + c]));
+                v[i] = to_f32(from_f32<T>(to_f32(s) * inv * to_f32(w[c])));
+            } else {
+                v[i] = 0.0f;
+            }
+        }
+        uint2 packed;
+        int sum;
+        float d;
+        quantize8(v, packed, sum, d);
+        uint4 *half = xq + (size_t)row * 2u * nbp + (b >> 5) * 64u + (p >> 1) * 32u + (b & 31u);
+        reinterpret_cast<uint2 *>(half)[p & 1u] = packed;
+        if (p == 0) {
+            XBlock8 *xs = reinterpret_cast<XBlock8 *>(xq + (size_t)n_rows * 2u * nbp);
+            xs[(size_t)row * nbp + b] = {d, sum};
+        }
+    }
+}
+
 // Block b of row r of variant 4's quantized x (nbp blocks per row, m rows): quants and d, sq.
 __device__ __forceinline__ void load_xblock(const uint4 *xq, const XBlock8 *xs, uint32_t nbp,
                                             uint32_t r, uint32_t b, uint4 &lo, uint4 &hi,
@@ -2021,6 +2064,11 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
                                                           T *out, uint32_t n_rows,              \
                                                           uint32_t n_cols, float eps) {         \
         rms_norm_residual<T>(x, r, w, out, n_rows, n_cols, eps);                               \
+    }                                                                                           \
+    extern "C" __global__ void rms_norm_residual_q8_##SUFFIX(                                   \
+        const T *x, const T *r, const T *w, T *out, uint4 *xq, uint32_t n_rows, uint32_t n_cols, \
+        float eps) {                                                                            \
+        rms_norm_residual_q8<T>(x, r, w, out, xq, n_rows, n_cols, eps);                         \
     }                                                                                           \
     extern "C" __global__ void silu_mul_##SUFFIX(const T *gate, const T *up, T *out, size_t n) { \
         silu_mul<T>(gate, up, out, n);                                                          \

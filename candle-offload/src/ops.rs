@@ -185,7 +185,8 @@ impl candle_core::CustomOp3 for RmsNormResidual {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::sys::kernels::rms_norm_residual(self.eps, (s1, l1), (s2, l2), (s3, l3))?;
+        let (out, _) =
+            crate::sys::kernels::rms_norm_residual(self.eps, (s1, l1), (s2, l2), (s3, l3), false)?;
         Ok((out, stacked_shape(l1)))
     }
 }
@@ -234,6 +235,106 @@ pub fn rms_norm_residual(
         &RmsNormResidual { eps: eps as f32 },
     )?;
     Ok((out.get(0)?, out.get(1)?))
+}
+
+/// [`rms_norm_residual`] for a norm whose rows go next into GGML-block matmuls of variant 4
+/// ([`QlinearVariant::V4`], which quantizes x to 8 bits in a launch of its own): on a GPU, for
+/// decode rows (at most 8, a width that is a multiple of 32), the same kernel also writes the
+/// normed rows quantized, and [`qlinear_small_multi`] / [`qlinear_silu_mul`] given that very
+/// tensor (by its id; the latest norm's only, per thread) read them instead of quantizing them
+/// again. The results equal [`rms_norm_residual`]'s, and the matmuls' theirs, bit for bit.
+/// Elsewhere it is [`rms_norm_residual`].
+pub fn rms_norm_residual_q8(
+    x: &Tensor,
+    residual: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    {
+        let width = x.dim(D::Minus1)?;
+        let rows = x.elem_count() / width.max(1);
+        if x.device().is_cuda()
+            && width.is_multiple_of(32)
+            && (1..=LINEAR_SMALL_MAX_ROWS).contains(&rows)
+            && x.shape() == residual.shape()
+            && weight.dims1()? == width
+        {
+            check_dtypes(RmsNormResidual::NAME, &[x, residual, weight])?;
+            return prequantized::norm(x, residual, weight, eps);
+        }
+    }
+    rms_norm_residual(x, residual, weight, eps)
+}
+
+/// The normed rows [`rms_norm_residual_q8`] quantized, per thread: the normed tensor's id and
+/// variant 4's buffer of its rows.
+#[cfg(feature = "cuda")]
+mod prequantized {
+    use candle_core::{Result, Storage, Tensor, TensorId};
+    use std::cell::RefCell;
+
+    thread_local! {
+        static LATEST: RefCell<Option<(TensorId, Tensor)>> = const { RefCell::new(None) };
+        pub(super) static FOUND: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+
+    pub(super) fn norm(
+        x: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        eps: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        let (x, residual, weight) = (
+            x.contiguous()?,
+            residual.contiguous()?,
+            weight.contiguous()?,
+        );
+        let width = x.dim(candle_core::D::Minus1)?;
+        let rows = x.elem_count() / width;
+        let out = {
+            let (xs, xl) = x.storage_and_layout();
+            let (rs, rl) = residual.storage_and_layout();
+            let (ws, wl) = weight.storage_and_layout();
+            let (Storage::Cuda(xs), Storage::Cuda(rs), Storage::Cuda(ws)) = (&*xs, &*rs, &*ws)
+            else {
+                candle_core::bail!("rms_norm_residual_q8: inputs on different devices")
+            };
+            crate::sys::kernels::rms_norm_residual(eps as f32, (xs, xl), (rs, rl), (ws, wl), true)?
+        };
+        let (out, Some(xq)) = out else {
+            candle_core::bail!("rms_norm_residual_q8: the kernel gave no quantized rows")
+        };
+        let mut dims = vec![2];
+        dims.extend_from_slice(x.dims());
+        let out = Tensor::from_storage(
+            Storage::Cuda(out),
+            dims,
+            candle_core::op::BackpropOp::none(),
+            false,
+        );
+        let (sum, normed) = (out.get(0)?, out.get(1)?);
+        let bytes = Tensor::from_storage(
+            Storage::Cuda(xq),
+            crate::sys::kernels::qlinear4_x_bytes(rows, width),
+            candle_core::op::BackpropOp::none(),
+            false,
+        );
+        LATEST.with(|l| *l.borrow_mut() = Some((normed.id(), bytes)));
+        Ok((sum, normed))
+    }
+
+    /// The quantized rows of `x`, if the latest norm on this thread made `x` and them.
+    pub(super) fn of(x: &Tensor) -> Option<Tensor> {
+        let found = LATEST.with(|l| match &*l.borrow() {
+            Some((id, bytes)) if *id == x.id() => Some(bytes.clone()),
+            _ => None,
+        });
+        if found.is_some() {
+            FOUND.with(|f| f.set(f.get() + 1));
+        }
+        found
+    }
 }
 
 /// The Candle composition [`rms_norm_residual`] replaces: an add, then Candle's RMSNorm.
@@ -1495,7 +1596,12 @@ pub fn qlinear_small_fits(x: &Tensor, ws: &[&QTensor]) -> Result<bool> {
 /// Runs the GGML-block CUDA kernel on x (rows, k): its one output buffer as a flat tensor
 /// without a gradient (see [`linear_small_launch`]).
 #[cfg(feature = "cuda")]
-fn qlinear_small_launch(x: &Tensor, ws: &[&QTensor], silu: bool) -> Result<Tensor> {
+fn qlinear_small_launch(
+    x: &Tensor,
+    ws: &[&QTensor],
+    silu: bool,
+    pre: Option<Tensor>,
+) -> Result<Tensor> {
     use candle_core::Storage;
     let rows = x.dim(0)?;
     let x = if aligned16(x.layout(), x.dtype()) && x.is_contiguous() {
@@ -1513,7 +1619,12 @@ fn qlinear_small_launch(x: &Tensor, ws: &[&QTensor], silu: bool) -> Result<Tenso
         let Storage::Cuda(xs) = &*xs else {
             candle_core::bail!("{QLINEAR_SMALL}: x is not on a GPU")
         };
-        crate::sys::kernels::qlinear_small((xs, xl), ws, silu)?
+        let pre = pre.as_ref().map(|p| p.storage_and_layout());
+        let pre = match pre.as_ref().map(|(s, _)| &**s) {
+            Some(Storage::Cuda(p)) => Some(p),
+            _ => None,
+        };
+        crate::sys::kernels::qlinear_small((xs, xl), ws, silu, pre)?
     };
     Ok(Tensor::from_storage(
         Storage::Cuda(out),
@@ -1524,8 +1635,30 @@ fn qlinear_small_launch(x: &Tensor, ws: &[&QTensor], silu: bool) -> Result<Tenso
 }
 
 #[cfg(not(feature = "cuda"))]
-fn qlinear_small_launch(_x: &Tensor, _ws: &[&QTensor], _silu: bool) -> Result<Tensor> {
+fn qlinear_small_launch(
+    _x: &Tensor,
+    _ws: &[&QTensor],
+    _silu: bool,
+    _pre: Option<Tensor>,
+) -> Result<Tensor> {
     candle_core::bail!("{QLINEAR_SMALL}: needs a build with `--features cuda`")
+}
+
+/// How many times, on this thread, a GGML-block matmul found its x quantized by the norm that
+/// made it ([`rms_norm_residual_q8`]); 0 without CUDA. For tests and diagnostics.
+pub fn quantized_rows_found() -> u64 {
+    #[cfg(feature = "cuda")]
+    return prequantized::FOUND.with(|f| f.get());
+    #[cfg(not(feature = "cuda"))]
+    0
+}
+
+/// The rows of `x` quantized by the norm that made it ([`rms_norm_residual_q8`]), if it did.
+fn prequantized_of(_x: &Tensor) -> Option<Tensor> {
+    #[cfg(feature = "cuda")]
+    return prequantized::of(_x);
+    #[cfg(not(feature = "cuda"))]
+    None
 }
 
 /// `x · wᵀ` for a weight of GGML blocks (out, in) and an `x` (…, in): on a GPU, for at most 8
@@ -1549,7 +1682,7 @@ pub fn qlinear_small_multi(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
     }
     let k = x.dim(D::Minus1)?;
     let rows = x.elem_count() / k;
-    let flat = qlinear_small_launch(&x.reshape((rows, k))?, ws, false)?;
+    let flat = qlinear_small_launch(&x.reshape((rows, k))?, ws, false, prequantized_of(x))?;
     let ns: Vec<usize> = ws.iter().map(|w| w.shape().dims()[0]).collect();
     split_multi(x, &flat, &ns)
 }
@@ -1575,7 +1708,13 @@ pub fn qlinear_silu_mul(x: &Tensor, gate: &QTensor, up: &QTensor) -> Result<Tens
     let rows = x.elem_count() / k;
     let mut dims = x.dims().to_vec();
     *dims.last_mut().expect("x has a last dim") = gate.shape().dims()[0];
-    qlinear_small_launch(&x.reshape((rows, k))?, &[gate, up], true)?.reshape(dims)
+    qlinear_small_launch(
+        &x.reshape((rows, k))?,
+        &[gate, up],
+        true,
+        prequantized_of(x),
+    )?
+    .reshape(dims)
 }
 
 /// The composition [`qlinear_small`] replaces: Candle's quantized matmul (`QMatMul`'s) on x

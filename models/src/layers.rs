@@ -682,6 +682,23 @@ fn one_launch_weights<'a>(xs: &Tensor, ls: &[&'a Linear]) -> Result<Option<OneLa
     })
 }
 
+/// Whether `l` multiplies GGML blocks by x quantized in a launch of its own (the decode
+/// kernels' variant 4): a norm right before it then quantizes its rows instead
+/// ([`candle_offload::ops::rms_norm_residual_q8`]).
+fn takes_quantized_x(l: &Linear) -> bool {
+    match l {
+        Linear::Quantized {
+            weight: QMatMul::QTensor(q),
+            ..
+        } => {
+            q.device().is_cuda()
+                && candle_offload::ops::qlinear_variant_for(q.dtype())
+                    == candle_offload::ops::QlinearVariant::V4
+        }
+        _ => false,
+    }
+}
+
 /// A linear layer on (batch, seq, in) as one (batch·seq, in) matmul, for training: the weight
 /// gradient is then one GEMM, where `Linear::forward` broadcasts the weight over the batch and
 /// its backward pass materializes and sums a gradient per sequence.
@@ -919,6 +936,14 @@ impl SelfAttention {
     /// The attention's shape and scoring.
     pub fn spec(&self) -> &AttentionSpec {
         &self.spec
+    }
+
+    /// Whether its input projection takes x quantized by the norm before it.
+    fn takes_quantized_x(&self) -> bool {
+        match &self.qkv {
+            Qkv::Separate { q, .. } => takes_quantized_x(q),
+            Qkv::Fused(l) => takes_quantized_x(l),
+        }
     }
 
     fn project(&self, xs: &Tensor, train: bool, fused: bool) -> Result<(Tensor, Tensor, Tensor)> {
@@ -1223,6 +1248,14 @@ impl GatedMlp {
         })
     }
 
+    /// Whether its gate (and up) projection takes x quantized by the norm before it.
+    fn takes_quantized_x(&self) -> bool {
+        match &self.gate_up {
+            GateUp::Separate { gate, .. } => takes_quantized_x(gate),
+            GateUp::Fused(l) => takes_quantized_x(l),
+        }
+    }
+
     fn run(&self, xs: &Tensor, train: bool, fused: bool) -> Result<Tensor> {
         if let (false, true, Activation::Silu, GateUp::Separate { gate, up }) =
             (train, fused, self.act, &self.gate_up)
@@ -1318,13 +1351,21 @@ pub struct PreNormBlock {
 }
 
 /// `norm(a + b)` and the sum: in one kernel ([`candle_offload::ops::rms_norm_residual`]) on a
-/// fused step with an RMSNorm computed in the inputs' dtype, all three of one dtype; otherwise
-/// the add, then the norm.
-fn add_norm(norm: &Norm, ctx: &StepCtx<'_>, a: Tensor, b: Tensor) -> Result<(Tensor, Tensor)> {
+/// fused step with an RMSNorm computed in the inputs' dtype, all three of one dtype, which with
+/// `q8` (the next matmul takes x quantized: `takes_quantized_x`) also quantizes the normed rows
+/// ([`candle_offload::ops::rms_norm_residual_q8`]); otherwise the add, then the norm.
+fn add_norm(
+    norm: &Norm,
+    ctx: &StepCtx<'_>,
+    a: Tensor,
+    b: Tensor,
+    q8: bool,
+) -> Result<(Tensor, Tensor)> {
     let fusable = norm
         .rms_parts()
         .filter(|(w, _)| ctx.fused && w.dtype() == a.dtype() && b.dtype() == a.dtype());
     match fusable {
+        Some((w, eps)) if q8 => candle_offload::ops::rms_norm_residual_q8(&a, &b, w, eps),
         Some((w, eps)) => candle_offload::ops::rms_norm_residual(&a, &b, w, eps),
         None => {
             let sum = (a + b)?;
@@ -1348,7 +1389,13 @@ impl DecoderBlock for PreNormBlock {
                 let normed = self.input_norm.forward(&xs)?;
                 (xs, normed)
             }
-            Hidden::Split { h, residual } => add_norm(&self.input_norm, ctx, h, residual)?,
+            Hidden::Split { h, residual } => add_norm(
+                &self.input_norm,
+                ctx,
+                h,
+                residual,
+                self.attn.takes_quantized_x(),
+            )?,
         };
         let h = self.attn.forward(&normed, ctx, kv)?;
         let h = match &self.post_attn_norm {
@@ -1356,7 +1403,13 @@ impl DecoderBlock for PreNormBlock {
             None => h,
         };
         // The residual add and the norm after it in one kernel where it can.
-        let (xs, normed) = add_norm(&self.pre_mlp_norm, ctx, h, residual)?;
+        let (xs, normed) = add_norm(
+            &self.pre_mlp_norm,
+            ctx,
+            h,
+            residual,
+            self.mlp.takes_quantized_x(),
+        )?;
         let h = if ctx.fused {
             self.mlp.forward_fused(&normed)?
         } else {

@@ -127,14 +127,18 @@ fn elementwise(n: usize) -> LaunchConfig {
 }
 
 /// `rms_norm_residual`: (x, residual, weight) → the sums, then the normed rows (2 · x's
-/// elements).
+/// elements). With `q8` (`rms_norm_residual_q8`), also the normed rows quantized as
+/// [`qlinear4_quantize_x`] quantizes x (row width a multiple of 32), in a buffer of
+/// [`qlinear4_x_bytes`] for variant 4's matmuls.
 pub(crate) fn rms_norm_residual(
     eps: f32,
     (x, xl): (&CudaStorage, &Layout),
     (r, rl): (&CudaStorage, &Layout),
     (w, wl): (&CudaStorage, &Layout),
-) -> Result<CudaStorage> {
-    struct K(f32);
+    q8: bool,
+) -> Result<(CudaStorage, Option<CudaStorage>)> {
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    struct K(f32, bool, std::cell::RefCell<Option<CudaSlice<u8>>>);
     impl Map3 for K {
         fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
             &self,
@@ -146,7 +150,12 @@ pub(crate) fn rms_norm_residual(
             wl: &Layout,
             dev: &CudaDevice,
         ) -> Result<CudaSlice<T>> {
-            let func = load::<T>(dev, "rms_norm_residual")?;
+            let name = if self.1 {
+                "rms_norm_residual_q8"
+            } else {
+                "rms_norm_residual"
+            };
+            let func = load::<T>(dev, name)?;
             let (x, r, w) = (
                 view(x, xl, "x")?,
                 view(r, rl, "residual")?,
@@ -156,6 +165,9 @@ pub(crate) fn rms_norm_residual(
             let n_cols = w.len();
             if n_cols == 0 || !el.is_multiple_of(n_cols) || r.len() != el {
                 candle_core::bail!("rms_norm_residual: {el} elements are not rows of {n_cols}");
+            }
+            if self.1 && !n_cols.is_multiple_of(32) {
+                candle_core::bail!("rms_norm_residual: rows of {n_cols} are not blocks of 32");
             }
             let n_rows = to_u32(el / n_cols, "rows")?;
             let n_cols_u = to_u32(n_cols, "row width")?;
@@ -170,30 +182,49 @@ pub(crate) fn rms_norm_residual(
             // kernel launched next on that stream writes every one of them (each row's sums and
             // normed values) before any later op can read them.
             let out = unsafe { dev.alloc::<T>(2 * el) }?;
+            let xq = if self.1 {
+                // SAFETY: uninitialised device memory on the device's stream; the kernel
+                // launched next writes every byte of it (each of the rows' blocks, zeros for the
+                // padding blocks past n_cols / 32, and each block's scale and sum).
+                Some(unsafe { dev.alloc::<u8>(qlinear4_x_bytes(el / n_cols, n_cols)) }?)
+            } else {
+                None
+            };
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&func);
             b.arg(&x);
             b.arg(&r);
             b.arg(&w);
             b.arg(&out);
+            if let Some(xq) = &xq {
+                b.arg(xq);
+            }
             b.arg(&n_rows);
             b.arg(&n_cols_u);
             b.arg(&self.0);
             // SAFETY: the arguments match `rms_norm_residual_<dtype>(const T*, const T*,
             // const T*, T*, uint32_t, uint32_t, float)` in kernels/ops.cu in number, order and
-            // type; x and residual hold n_rows·n_cols elements, weight n_cols and out twice
+            // type, or with xq `rms_norm_residual_q8_<dtype>`, which takes a uint4* after out;
+            // x and residual hold n_rows·n_cols elements, weight n_cols and out twice
             // n_rows·n_cols, so every index the kernel forms (row < gridDim.x, col < n_cols) is
-            // in bounds; blockDim is a multiple of 32 up to 1024, as its block reduction needs.
+            // in bounds; xq (16-byte aligned, from the allocator) holds the n_rows rows of
+            // n_cols / 32 blocks rounded up to 32 at 40 bytes each, the extent the kernel
+            // writes; blockDim is a multiple of 32 up to 1024, as its block
+            // reduction and the quantization's lane groups need.
             unsafe { b.launch(cfg) }.w()?;
+            *self.2.borrow_mut() = xq;
             Ok(out)
         }
     }
     let dev = x.device();
-    let slice = K(eps).map(&x.slice, xl, &r.slice, rl, &w.slice, wl, dev)?;
-    Ok(CudaStorage {
+    let k = K(eps, q8, std::cell::RefCell::new(None));
+    let slice = k.map(&x.slice, xl, &r.slice, rl, &w.slice, wl, dev)?;
+    let storage = |slice| CudaStorage {
         slice,
         device: dev.clone(),
-    })
+    };
+    let xq = k.2.into_inner().map(|b| storage(S::U8(b)));
+    Ok((storage(slice), xq))
 }
 
 /// Launches the empty `profile_mark(phase)` kernel on `dev`'s stream: a boundary a profiler's
@@ -828,6 +859,12 @@ fn multiprocessors(dev: &CudaDevice) -> usize {
 /// `qlinear4_quantize_x`): 32 quants, then the scale and the quants' sum (`XBlock8`).
 const QLINEAR4_X_BLOCK_BYTES: usize = 40;
 
+/// The bytes of variant 4's buffer of quantized x for m rows of k: k / 32 blocks per row
+/// rounded up to a multiple of 32, [`QLINEAR4_X_BLOCK_BYTES`] each.
+pub(crate) fn qlinear4_x_bytes(m: usize, k: usize) -> usize {
+    m * (k / 32).next_multiple_of(32) * QLINEAR4_X_BLOCK_BYTES
+}
+
 /// Variant 4's first launch, `qlinear4_quantize_x_<dtype>`: the m rows of x (m, k) quantized to
 /// 8-bit blocks of 32 into a new device buffer for its matmul kernels, k / 32 blocks per row
 /// rounded up to a multiple of 32 ([`QLINEAR4_X_BLOCK_BYTES`] each).
@@ -849,7 +886,7 @@ fn qlinear4_quantize_x<T: DeviceRepr + WithDType>(
     // SAFETY: uninitialised device memory on the device's stream; the kernel launched next on
     // that stream writes every byte of it (each of the m·nbp blocks' 32 quants, and its scale
     // and sum, zeros for the blocks past k / 32) before the matmul that reads it.
-    let xq = unsafe { dev.alloc::<u8>(m * nbp * QLINEAR4_X_BLOCK_BYTES) }?;
+    let xq = unsafe { dev.alloc::<u8>(qlinear4_x_bytes(m, k)) }?;
     let stream = dev.cuda_stream();
     {
         let (p, _sync) = xq.device_ptr(&stream);
@@ -885,10 +922,14 @@ fn qlinear4_quantize_x<T: DeviceRepr + WithDType>(
 /// weights) as silu(x·w0ᵀ)·(x·w1ᵀ). The weights' device buffers are Candle's quantized
 /// storages, read through their device pointers on the device's stream. Variant 4 launches
 /// [`qlinear4_quantize_x`] first, into a buffer freed (in stream order) after the matmul.
+///
+/// `pre`: x already quantized for variant 4 (by `rms_norm_residual_q8`, from these very rows),
+/// used instead of quantizing it again when variant 4 runs.
 pub(crate) fn qlinear_small(
     (x, xl): (&CudaStorage, &Layout),
     ws: &[&candle_core::quantized::QTensor],
     silu: bool,
+    pre: Option<&CudaStorage>,
 ) -> Result<CudaStorage> {
     use candle_core::cuda_backend::CudaStorageSlice as S;
     fn run<T: DeviceRepr + WithDType + ValidAsZeroBits>(
@@ -897,6 +938,7 @@ pub(crate) fn qlinear_small(
         xl: &Layout,
         ws: &[&candle_core::quantized::QTensor],
         silu: bool,
+        pre: Option<&CudaSlice<u8>>,
     ) -> Result<CudaSlice<T>> {
         let (m, k) = xl.shape().dims2()?;
         let ggml = ws.first().map(|w| w.dtype());
@@ -1062,14 +1104,23 @@ pub(crate) fn qlinear_small(
         // computes a column writes that column for each row r < m; the grid covers all the
         // columns, cols_per_warp per warp).
         let out = unsafe { dev.alloc::<T>(m * cols) }?;
-        // Variant 4: x quantized into a buffer of its own first, which the kernel reads instead.
-        let xq = if variant == crate::ops::QlinearVariant::V4 {
-            Some(qlinear4_quantize_x(dev, &x, m, k)?)
-        } else {
-            None
+        // Variant 4: x quantized into a buffer of its own first (unless the norm before it
+        // wrote one: `pre`), which the kernel reads instead.
+        let own;
+        let xq = match (variant == crate::ops::QlinearVariant::V4, pre) {
+            (false, _) => None,
+            (true, Some(p)) if p.len() == qlinear4_x_bytes(m, k) => Some(p),
+            (true, Some(p)) => candle_core::bail!(
+                "qlinear_small: {} bytes of quantized x for {m} rows of {k}",
+                p.len()
+            ),
+            (true, None) => {
+                own = qlinear4_quantize_x(dev, &x, m, k)?;
+                Some(&own)
+            }
         };
         let mut b = stream.launch_builder(&func);
-        match &xq {
+        match xq {
             Some(xq) => b.arg(xq),
             None => b.arg(&x),
         };
@@ -1092,8 +1143,9 @@ pub(crate) fn qlinear_small(
         // `const uint4* xq` for x, with M ≥ m, every weight of that block type and the
         // shared memory their stages take (QStage / QStage2 mirrored above), for variant 3 with
         // m rows of xblocks blocks of x after them. x holds m·k elements, 16-byte aligned,
-        // k a multiple of 32; for variant 4, xq is the buffer qlinear4_quantize_x filled from
-        // it, launched before on this stream, for the m and k passed here (the kernel reads
+        // k a multiple of 32; for variant 4, xq is the buffer qlinear4_quantize_x (or, as
+        // `pre`, rms_norm_residual_q8 from the same rows: the ops module matches them by tensor
+        // id) filled from it, launched before on this stream, for the m and k passed here (the kernel reads
         // blocks below k / 32 of rows below m, in its extent). Weight i is a live quantized
         // storage of n_i·k elements (n_i = 0 for absent ones, never read), 16-byte aligned,
         // whose rows are k/32 blocks: the kernel
@@ -1113,14 +1165,19 @@ pub(crate) fn qlinear_small(
         // it) to at most 3 past it, still inside its super-block. y holds m·cols elements.
         unsafe { b.launch(cfg) }.w()?;
         drop(guards);
-        // The buffer is freed in stream order, after the kernel has read it.
-        drop(xq);
+        // A buffer of its own is freed in stream order (at the end of this scope), after the
+        // kernel has read it.
         Ok(out)
     }
+    let pre = match pre.map(|p| &p.slice) {
+        Some(S::U8(p)) => Some(p),
+        Some(_) => candle_core::bail!("qlinear_small: quantized x is not a buffer of bytes"),
+        None => None,
+    };
     let slice = match &x.slice {
-        S::F32(v) => S::F32(run(&x.device, v, xl, ws, silu)?),
-        S::F16(v) => S::F16(run(&x.device, v, xl, ws, silu)?),
-        S::BF16(v) => S::BF16(run(&x.device, v, xl, ws, silu)?),
+        S::F32(v) => S::F32(run(&x.device, v, xl, ws, silu, pre)?),
+        S::F16(v) => S::F16(run(&x.device, v, xl, ws, silu, pre)?),
+        S::BF16(v) => S::BF16(run(&x.device, v, xl, ws, silu, pre)?),
         _ => candle_core::bail!("qlinear_small: unsupported dtype {:?}", x.dtype()),
     };
     Ok(CudaStorage {
