@@ -102,6 +102,17 @@ pub fn sharded_equals_single_device(devices: &[Device]) -> anyhow::Result<()> {
                 assert_eq!(logits, want_logits, "logits: {ctx}");
                 assert_eq!(tokens, want_tokens, "greedy tokens: {ctx}");
                 assert!(model.transfer_totals().copies >= stages as u64 - 1, "{ctx}");
+                // The last pass was a decode step: every stage gave the prompt's share of its
+                // reservation to weights.
+                assert!(map.decode_share_bytes > 0, "{ctx}");
+                let planned = map.devices.iter().filter(|d| d.layer_count > 0);
+                for ((rt, _), d) in model.stages().into_iter().zip(planned) {
+                    assert_eq!(
+                        rt.budget().reserve_bytes + map.decode_share_bytes,
+                        d.reserve_bytes,
+                        "{ctx}"
+                    );
+                }
                 for (rt, layers) in model.stages() {
                     let st = rt.stats()?;
                     assert!(st.peak_resident_bytes <= st.weight_capacity_bytes, "{ctx}");

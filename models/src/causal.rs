@@ -371,19 +371,24 @@ impl CausalLm {
         }
     }
 
-    /// Lets every stage that reserves room give the part of its reservation a decode step (one
-    /// row) does not need to weights while decoding ([`PhaseReserve`]): the prompt's activations
-    /// and its rows' quantized-matmul buffers, [`reserve_bytes`](Self::reserve_bytes) at
-    /// `prompt_len` rows less at one. The stages start in the prompt's phase.
-    fn reserve_by_phase(
-        &mut self,
+    /// The part of [`reserve_bytes`](Self::reserve_bytes) at `prompt_len` rows that a decode
+    /// step (one row) does not need: the prompt's activations and its rows' quantized-matmul
+    /// buffers.
+    fn prompt_share(
+        &self,
         store: &candle_offload::HostStore,
         device: &Device,
         prompt_len: usize,
         max_len: usize,
-    ) {
+    ) -> u64 {
         let at = |rows| Self::reserve_bytes(&self.cfg, store, device, rows, max_len, self.dtype);
-        let share = at(prompt_len).saturating_sub(at(1));
+        at(prompt_len).saturating_sub(at(1))
+    }
+
+    /// Lets every stage that reserves room give `share` bytes of it (see
+    /// [`prompt_share`](Self::prompt_share)) to weights while decoding ([`PhaseReserve`]); the
+    /// stages start in the prompt's phase.
+    fn reserve_by_phase(&mut self, share: u64) {
         for stage in &mut self.stages {
             let prompt = stage.rt.budget().reserve_bytes;
             let decode = prompt.saturating_sub(share);
@@ -423,7 +428,7 @@ impl CausalLm {
         )?;
         declare_reservation(&rt, kv, reserve, settings.reserve_bytes)?;
         let mut model = Self::new(cfg, rt, dtype, max_len, source)?;
-        model.reserve_by_phase(&store, device, prompt_len, max_len);
+        model.reserve_by_phase(model.prompt_share(&store, device, prompt_len, max_len));
         Ok(model)
     }
 
@@ -890,7 +895,7 @@ impl CausalLm {
         model.segments = segments;
         model.on_host = on_host.clone();
         model.layer_steps = steps;
-        model.reserve_by_phase(&store, device, prompt_len, max_len);
+        model.reserve_by_phase(model.prompt_share(&store, device, prompt_len, max_len));
         // GGML blocks on the host multiply F32 activations (`cpu_quant`, and Candle's CPU
         // quantized matmul takes nothing else); dense host layers keep the model's dtype.
         let blocks = (0..n).filter(|&l| on_host[l]).any(|l| {
@@ -1017,16 +1022,21 @@ impl CausalLm {
             .iter()
             .map(|d| reserve - kv_all + kv_per_layer * d.layer_count as u64)
             .collect();
-        if let Ok(tight) = plan(&request(&shares)) {
+        // What each device's runtime gives to weights while decoding (see `PhaseReserve`).
+        let decode_share = reserve.saturating_sub(cfg.reserve_bytes(1, max_len, dtype));
+        if let Ok(mut tight) = plan(&request(&shares)) {
             let enough = tight
                 .devices
                 .iter()
                 .zip(&shares)
                 .all(|(d, &r)| reserve - kv_all + kv_per_layer * d.layer_count as u64 <= r);
             if enough {
+                tight.decode_share_bytes = decode_share;
                 return Ok(tight);
             }
         }
+        let mut full = full;
+        full.decode_share_bytes = decode_share;
         Ok(full)
     }
 
@@ -1131,7 +1141,9 @@ impl CausalLm {
             declare_reservation(&rt, kv, dp.reserve_bytes, settings.reserve_bytes)?;
             stages.push((rt, layers));
         }
-        Self::sharded(cfg, stages, dtype, max_len, source)
+        let mut model = Self::sharded(cfg, stages, dtype, max_len, source)?;
+        model.reserve_by_phase(map.decode_share_bytes);
+        Ok(model)
     }
 
     /// The order in which a forward pass acquires units (for a given schedule policy).

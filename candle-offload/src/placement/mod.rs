@@ -319,6 +319,11 @@ pub struct DeviceMap {
     /// hand-written map).
     #[serde(default)]
     pub units: Vec<UnitPlacement>,
+    /// Bytes of each device's reservation that a decode step does not need (a prompt's
+    /// activations), which its runtime gives to weights while decoding; 0 (a hand-written map's
+    /// default): the reservation stays as planned.
+    #[serde(default)]
+    pub decode_share_bytes: u64,
     /// Where it was read from, for messages.
     #[serde(skip)]
     source: Option<String>,
@@ -331,6 +336,7 @@ impl PartialEq for DeviceMap {
             && self.prefetch_depth == other.prefetch_depth
             && self.devices == other.devices
             && self.units == other.units
+            && self.decode_share_bytes == other.decode_share_bytes
     }
 }
 

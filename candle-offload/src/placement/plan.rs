@@ -458,6 +458,7 @@ impl<'r, 'a> Model<'r, 'a> {
             prefetch_depth: req.prefetch_depth,
             devices,
             units,
+            decode_share_bytes: 0,
             source,
         })
     }
