@@ -103,9 +103,13 @@ macro_rules! cpu_dispatch3 {
 // ---------------------------------------------------------------------------------------------
 // RMSNorm with the residual add
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 struct RmsNormResidual {
     eps: f32,
+    /// `Some`: the CUDA kernel also writes the normed rows quantized for variant 4
+    /// ([`rms_norm_residual_q8`]) and leaves their buffer here.
+    #[cfg(feature = "cuda")]
+    q8: Option<std::cell::RefCell<Option<candle_core::CudaStorage>>>,
 }
 
 impl RmsNormResidual {
@@ -185,8 +189,16 @@ impl candle_core::CustomOp3 for RmsNormResidual {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (out, _) =
-            crate::sys::kernels::rms_norm_residual(self.eps, (s1, l1), (s2, l2), (s3, l3), false)?;
+        let (out, xq) = crate::sys::kernels::rms_norm_residual(
+            self.eps,
+            (s1, l1),
+            (s2, l2),
+            (s3, l3),
+            self.q8.is_some(),
+        )?;
+        if let Some(slot) = &self.q8 {
+            *slot.borrow_mut() = xq;
+        }
         Ok((out, stacked_shape(l1)))
     }
 }
@@ -208,6 +220,21 @@ pub fn rms_norm_residual(
     weight: &Tensor,
     eps: f64,
 ) -> Result<(Tensor, Tensor)> {
+    let op = RmsNormResidual {
+        eps: eps as f32,
+        #[cfg(feature = "cuda")]
+        q8: None,
+    };
+    rms_norm_residual_with(x, residual, weight, &op)
+}
+
+/// [`rms_norm_residual`] through `op` (which may also quantize the normed rows).
+fn rms_norm_residual_with(
+    x: &Tensor,
+    residual: &Tensor,
+    weight: &Tensor,
+    op: &RmsNormResidual,
+) -> Result<(Tensor, Tensor)> {
     check_dtypes(RmsNormResidual::NAME, &[x, residual, weight])?;
     if x.shape() != residual.shape() {
         candle_core::bail!(
@@ -227,13 +254,11 @@ pub fn rms_norm_residual(
         );
     }
     if x.elem_count() == 0 {
-        return rms_norm_residual_unfused(x, residual, weight, eps);
+        return rms_norm_residual_unfused(x, residual, weight, f64::from(op.eps));
     }
-    let out = x.contiguous()?.apply_op3_no_bwd(
-        &residual.contiguous()?,
-        &weight.contiguous()?,
-        &RmsNormResidual { eps: eps as f32 },
-    )?;
+    let out =
+        x.contiguous()?
+            .apply_op3_no_bwd(&residual.contiguous()?, &weight.contiguous()?, op)?;
     Ok((out.get(0)?, out.get(1)?))
 }
 
@@ -257,11 +282,16 @@ pub fn rms_norm_residual_q8(
         if x.device().is_cuda()
             && width.is_multiple_of(32)
             && (1..=LINEAR_SMALL_MAX_ROWS).contains(&rows)
-            && x.shape() == residual.shape()
-            && weight.dims1()? == width
         {
-            check_dtypes(RmsNormResidual::NAME, &[x, residual, weight])?;
-            return prequantized::norm(x, residual, weight, eps);
+            let op = RmsNormResidual {
+                eps: eps as f32,
+                q8: Some(std::cell::RefCell::new(None)),
+            };
+            let (sum, normed) = rms_norm_residual_with(x, residual, weight, &op)?;
+            if let Some(xq) = op.q8.and_then(std::cell::RefCell::into_inner) {
+                prequantized::remember(&normed, xq, rows, width);
+            }
+            return Ok((sum, normed));
         }
     }
     rms_norm_residual(x, residual, weight, eps)
@@ -271,7 +301,7 @@ pub fn rms_norm_residual_q8(
 /// variant 4's buffer of its rows.
 #[cfg(feature = "cuda")]
 mod prequantized {
-    use candle_core::{Result, Storage, Tensor, TensorId};
+    use candle_core::{Storage, Tensor, TensorId};
     use std::cell::RefCell;
 
     thread_local! {
@@ -279,41 +309,14 @@ mod prequantized {
         pub(super) static FOUND: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     }
 
-    pub(super) fn norm(
-        x: &Tensor,
-        residual: &Tensor,
-        weight: &Tensor,
-        eps: f64,
-    ) -> Result<(Tensor, Tensor)> {
-        let (x, residual, weight) = (
-            x.contiguous()?,
-            residual.contiguous()?,
-            weight.contiguous()?,
-        );
-        let width = x.dim(candle_core::D::Minus1)?;
-        let rows = x.elem_count() / width;
-        let out = {
-            let (xs, xl) = x.storage_and_layout();
-            let (rs, rl) = residual.storage_and_layout();
-            let (ws, wl) = weight.storage_and_layout();
-            let (Storage::Cuda(xs), Storage::Cuda(rs), Storage::Cuda(ws)) = (&*xs, &*rs, &*ws)
-            else {
-                candle_core::bail!("rms_norm_residual_q8: inputs on different devices")
-            };
-            crate::sys::kernels::rms_norm_residual(eps as f32, (xs, xl), (rs, rl), (ws, wl), true)?
-        };
-        let (out, Some(xq)) = out else {
-            candle_core::bail!("rms_norm_residual_q8: the kernel gave no quantized rows")
-        };
-        let mut dims = vec![2];
-        dims.extend_from_slice(x.dims());
-        let out = Tensor::from_storage(
-            Storage::Cuda(out),
-            dims,
-            candle_core::op::BackpropOp::none(),
-            false,
-        );
-        let (sum, normed) = (out.get(0)?, out.get(1)?);
+    /// Keeps `xq`, the quantized buffer of `normed` (`rows` of `width`), for the matmuls that
+    /// take `normed` next.
+    pub(super) fn remember(
+        normed: &Tensor,
+        xq: candle_core::CudaStorage,
+        rows: usize,
+        width: usize,
+    ) {
         let bytes = Tensor::from_storage(
             Storage::Cuda(xq),
             crate::sys::kernels::qlinear4_x_bytes(rows, width),
@@ -321,7 +324,6 @@ mod prequantized {
             false,
         );
         LATEST.with(|l| *l.borrow_mut() = Some((normed.id(), bytes)));
-        Ok((sum, normed))
     }
 
     /// The quantized rows of `x`, if the latest norm on this thread made `x` and them.
