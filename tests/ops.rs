@@ -202,6 +202,91 @@ test_device!(
     ops_rms_norm_residual_q8_gpu
 );
 
+/// The attention and the gate/up matmul that also quantize their output for the next matmul
+/// (the output and the down projections) give the plain ops' values, and those projections
+/// give bit for bit what they give on a copy of the same rows, which they quantize themselves:
+/// split and unsplit attention, several heads' blocks, batches and continuations of a few
+/// rows; a head dim that is not blocks of 32 (80) falls back.
+fn attention_and_silu_q8_feed_the_matmuls(device: &Device) -> anyhow::Result<()> {
+    let same = |a: &Tensor, b: &Tensor| -> anyhow::Result<bool> {
+        Ok(a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?
+            == b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    };
+    let types = [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q8_0,
+    ];
+    // (batch, q heads, kv heads, new positions, cached positions, head dim)
+    let shapes = [
+        (1usize, 8usize, 2usize, 1usize, 40usize, 64usize),
+        (1, 4, 4, 1, 700, 128),
+        (2, 4, 1, 3, 9, 32),
+        (1, 8, 8, 1, 33, 80),
+    ];
+    for dtype in DTYPES {
+        for (i, &(b, hq, hk, tq, kv, d)) in shapes.iter().enumerate() {
+            let qtype = types[i % types.len()];
+            let seed = 900 + 10 * i as u64;
+            let q = random(&[b, hq, tq, d], 1.0, seed, dtype, device)?;
+            let k = random(&[b, hk, kv, d], 1.0, seed + 1, dtype, device)?;
+            let v = random(&[b, hk, kv, d], 1.0, seed + 2, dtype, device)?;
+            let what = format!("{dtype:?} {qtype:?} attention {:?}", shapes[i]);
+            let y = ops::decode_attention_q8(&q, &k, &v, 0.125, None)?;
+            let want = ops::decode_attention(&q, &k, &v, 0.125, None)?.reshape((b, tq, hq * d))?;
+            anyhow::ensure!(same(&y, &want)?, "{what}: attention");
+            let wt = random(&[72, hq * d], 1.0, seed + 3, DType::F32, &Device::Cpu)?;
+            let w = QTensor::quantize_onto(&wt, qtype, device)?;
+            let copy = (&y + 0.0)?;
+            let found = ops::quantized_rows_found();
+            let got = ops::qlinear_small(&y, &w)?;
+            anyhow::ensure!(
+                same(&got, &ops::qlinear_small(&copy, &w)?)?,
+                "{what}: o_proj"
+            );
+            let expect = u64::from(device.is_cuda() && d % 32 == 0);
+            let seen = ops::quantized_rows_found() - found;
+            anyhow::ensure!(seen == expect, "{what}: quantized rows found {seen} times");
+        }
+        for (i, &qtype) in types.iter().enumerate() {
+            for (rows, n) in [(1usize, 96usize), (2, 64), (5, 160), (8, 32)] {
+                let k = 64 * (i + 1);
+                let seed = 950 + 10 * (rows + i) as u64;
+                let x = random(&[1, rows, k], 2.0, seed, dtype, device)?;
+                let quantize = |s: u64, shape: [usize; 2]| -> anyhow::Result<QTensor> {
+                    let wt = random(&shape, 1.0, s, DType::F32, &Device::Cpu)?;
+                    Ok(QTensor::quantize_onto(&wt, qtype, device)?)
+                };
+                let (gate, up) = (quantize(seed + 1, [n, k])?, quantize(seed + 2, [n, k])?);
+                let down = quantize(seed + 3, [40, n])?;
+                let what = format!("{dtype:?} {qtype:?} gate/up {rows} rows of {n}");
+                let y = ops::qlinear_silu_mul_q8(&x, &gate, &up)?;
+                let want = ops::qlinear_silu_mul(&x, &gate, &up)?;
+                anyhow::ensure!(same(&y, &want)?, "{what}: gate/up");
+                let copy = (&y + 0.0)?;
+                let found = ops::quantized_rows_found();
+                let got = ops::qlinear_small(&y, &down)?;
+                anyhow::ensure!(
+                    same(&got, &ops::qlinear_small(&copy, &down)?)?,
+                    "{what}: down"
+                );
+                // Only variant 4's kernel for blocks of 32 writes a quantized output.
+                let v4 = ops::qlinear_variant_for(qtype) == ops::QlinearVariant::V4;
+                let expect = u64::from(device.is_cuda() && v4);
+                let seen = ops::quantized_rows_found() - found;
+                anyhow::ensure!(seen == expect, "{what}: quantized rows found {seen} times");
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    attention_and_silu_q8_feed_the_matmuls,
+    ops_attention_and_silu_q8_cpu,
+    ops_attention_and_silu_q8_gpu
+);
+
 fn silu_mul_matches_composition(device: &Device) -> anyhow::Result<()> {
     for dtype in DTYPES {
         for (i, shape) in ROW_SHAPES.iter().enumerate() {

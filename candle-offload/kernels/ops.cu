@@ -138,6 +138,72 @@ __device__ __forceinline__ float block_max(float v) {
     return total;
 }
 
+// Variant 4's buffer of quantized x (the layout is described at qlinear4_quantize_x below):
+// each block of 32 elements' scale and quant sum, and the quantizing helpers that every writer
+// of that buffer shares (qlinear4_quantize_x, rms_norm_residual_q8, decode_attention and the
+// SiLU store of qlinear_small4), so that they all round x alike.
+struct __align__(8) XBlock8 {
+    float d;
+    int sum;
+};
+
+// Eight values v of a block of 32 quantized, by the four consecutive lanes (4i .. 4i + 3 of
+// the warp) that hold the block's four parts of eight (every lane of the warp calls, for the
+// shuffles): the block's scale d, this part's quants packed four to a word in element order,
+// and the sum of the block's 32 quants (above: d = amax / 127, quants v · (127 / amax) rounded
+// to nearest). Variants 3 and 4 quantize x with this one function, so that they round it alike.
+__device__ __forceinline__ void quantize8(const float *v, uint2 &packed, int &sum, float &d) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    d = __fdiv_rn(amax, 127.0f);
+    const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    const float scale = isfinite(id) ? id : 0.0f;
+    uint32_t words[2] = {0u, 0u};
+    sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int q = __float2int_rn(__fmul_rn(v[i], scale));
+        sum += q;
+        words[i >> 2] |= ((uint32_t)q & 0xFFu) << (8 * (i & 3));
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    packed = make_uint2(words[0], words[1]);
+}
+
+
+// Stores part p (of 4) of block b of row r, as quantize8 made it, into variant 4's buffer xq
+// of m rows of nbp blocks (k / 32 rounded up to a multiple of 32): the quants in variant 3's
+// order, and (part 0) the block's scale and sum after all the rows' quants.
+__device__ __forceinline__ void store_q8(uint4 *xq, uint32_t m, uint32_t nbp, uint32_t r,
+                                         uint32_t b, uint32_t p, uint2 packed, int sum,
+                                         float d) {
+    uint4 *half = xq + (size_t)r * 2u * nbp + (b >> 5) * 64u + (p >> 1) * 32u + (b & 31u);
+    reinterpret_cast<uint2 *>(half)[p & 1u] = packed;
+    if (p == 0) {
+        XBlock8 *xs = reinterpret_cast<XBlock8 *>(xq + (size_t)m * 2u * nbp);
+        xs[(size_t)r * nbp + b] = {d, sum};
+    }
+}
+
+// Blocks of 32 per row of variant 4's buffer: k / 32 rounded up to a multiple of 32.
+__device__ __forceinline__ uint32_t q8_row_blocks(uint32_t k) {
+    return ((k >> 5) + 31u) & ~31u;
+}
+
+// f32 of an element another block of threads wrote in this launch (an L2 load, past L1).
+__device__ __forceinline__ float ld_cg_f32(const float *p) { return __ldcg(p); }
+__device__ __forceinline__ float ld_cg_f32(const __half *p) {
+    return __half2float(__ushort_as_half(__ldcg(reinterpret_cast<const unsigned short *>(p))));
+}
+__device__ __forceinline__ float ld_cg_f32(const __nv_bfloat16 *p) {
+    return __bfloat162float(
+        __ushort_as_bfloat16(__ldcg(reinterpret_cast<const unsigned short *>(p))));
+}
+
 // Attention of tq new queries over the first kv_len positions of a KV cache, for decode.
 // q is contiguous (b, hq, tq, d); k and v are (b, hk, >= kv_len, d) with the last dim contiguous
 // and the other strides given (views of a preallocated cache); query qi sits at position
@@ -153,12 +219,39 @@ __device__ __forceinline__ float block_max(float v) {
 // sums are added. With one split the block writes its row of out. Otherwise it writes its
 // range's (max, sum, weighted values) to `part`, and the last of the query's blocks to finish
 // (an atomic count in `counters`, which it sets back to 0) combines them into out.
+//
+// With xq (not null; d a multiple of 32), the block that writes a row of out also writes it
+// quantized into xq, variant 4's buffer for the output projection's x: m = b tq rows of
+// k = hq d, the head's d / 32 blocks at h d / 32 (attention_row_q8), exactly as
+// qlinear4_quantize_x would quantize out, so that projection needs no launch of its own.
 #define DA_WARPS 8
+
+// The row of out (d values, rounded to T, in `vals` in shared memory) quantized into xq by
+// warp 0 of the block that wrote it: lane l takes elements 8 l .. 8 l + 7, part l % 4 of block
+// l / 4 of the head (d <= 256: at most 32 lanes; the others quantize zeros for the shuffles).
+__device__ __forceinline__ void attention_row_q8(const float *vals, uint4 *xq, uint32_t m,
+                                                 uint32_t row, uint32_t h, uint32_t hq,
+                                                 uint32_t d) {
+    const uint32_t lane = threadIdx.x & 31u;
+    const bool mine = lane < d / 8u;
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = mine ? vals[8u * lane + i] : 0.0f;
+    uint2 packed;
+    int sum;
+    float scale;
+    quantize8(v, packed, sum, scale);
+    if (mine)
+        store_q8(xq, m, q8_row_blocks(hq * d), row, h * (d / 32u) + lane / 4u, lane & 3u, packed,
+                 sum, scale);
+}
+
 #define DA_CHUNK 256
 #define DA_DIMS 8
 template <typename T>
-__device__ void decode_attention(const T *q, const T *k, const T *v, T *out, float *part,
-                                 uint32_t *counters, uint32_t tq, uint32_t hq, uint32_t hk,
+__device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uint4 *xq,
+                                 float *part, uint32_t *counters, uint32_t tq, uint32_t hq,
+                                 uint32_t hk,
                                  uint32_t d, uint32_t kv_len, uint64_t k_sb, uint64_t k_sh,
                                  uint64_t k_st, uint64_t v_sb, uint64_t v_sh, uint64_t v_st,
                                  float scale, uint32_t window, uint32_t splits) {
@@ -233,12 +326,19 @@ __device__ void decode_attention(const T *q, const T *k, const T *v, T *out, flo
     __syncthreads();
     const size_t row = ((size_t)bi * tq + qi) * hq + h;  // out's row, and the record's
     T *orow = out + row * d;
+    const uint32_t m = (uint32_t)gridDim.z * tq, xrow = bi * tq + qi;  // xq's rows, this one's
     if (splits == 1) {
         for (uint32_t e = tid; e < d; e += blockDim.x) {
             float a = 0.0f;
 #pragma unroll
             for (uint32_t w = 0; w < DA_WARPS; ++w) a += sums[w][e];
-            orow[e] = from_f32<T>(a / l);
+            const T o = from_f32<T>(a / l);
+            orow[e] = o;
+            sums[0][e] = to_f32(o);  // only this thread read column e above
+        }
+        if (xq != nullptr) {
+            __syncthreads();
+            if (warp == 0) attention_row_q8(sums[0], xq, m, xrow, h, hq, d);
         }
         return;
     }
@@ -266,20 +366,26 @@ __device__ void decode_attention(const T *q, const T *k, const T *v, T *out, flo
     __threadfence();
     // Split 0 is never empty (it starts at lo <= pos), so the maximum is finite.
     const float *recs = part + row * splits * (d + 2);
-    float m = -__int_as_float(0x7f800000);
-    for (uint32_t s = 0; s < splits; ++s) m = fmaxf(m, __ldcg(recs + s * (d + 2)));
+    float mx_all = -__int_as_float(0x7f800000);
+    for (uint32_t s = 0; s < splits; ++s) mx_all = fmaxf(mx_all, __ldcg(recs + s * (d + 2)));
     float total = 0.0f;
     for (uint32_t s = 0; s < splits; ++s) {
         const float *r = recs + s * (d + 2);
-        total += expf(__ldcg(r) - m) * __ldcg(r + 1);
+        total += expf(__ldcg(r) - mx_all) * __ldcg(r + 1);
     }
     for (uint32_t e = tid; e < d; e += blockDim.x) {
         float a = 0.0f;
         for (uint32_t s = 0; s < splits; ++s) {
             const float *r = recs + s * (d + 2);
-            a += expf(__ldcg(r) - m) * __ldcg(r + 2 + e);
+            a += expf(__ldcg(r) - mx_all) * __ldcg(r + 2 + e);
         }
-        orow[e] = from_f32<T>(a / total);
+        const T o = from_f32<T>(a / total);
+        orow[e] = o;
+        sums[0][e] = to_f32(o);  // sums is not read after the records were written
+    }
+    if (xq != nullptr) {
+        __syncthreads();
+        if (warp == 0) attention_row_q8(sums[0], xq, m, xrow, h, hq, d);
     }
 }
 
@@ -1021,37 +1127,7 @@ __device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
 // b as two 16-byte halves h at vector (b / 32) 64 + 32 h + b % 32 (a warp, whose lanes take 32
 // consecutive blocks, reads one half of each in one conflict-free sweep of 512 bytes), then,
 // after all the rows' quants, each block's scale d and quant sum sq.
-struct __align__(8) XBlock8 {
-    float d;
-    int sum;
-};
-
-// Eight values v of a block of 32 quantized, by the four consecutive lanes (4i .. 4i + 3 of
-// the warp) that hold the block's four parts of eight (every lane of the warp calls, for the
-// shuffles): the block's scale d, this part's quants packed four to a word in element order,
-// and the sum of the block's 32 quants (above: d = amax / 127, quants v · (127 / amax) rounded
-// to nearest). Variants 3 and 4 quantize x with this one function, so that they round it alike.
-__device__ __forceinline__ void quantize8(const float *v, uint2 &packed, int &sum, float &d) {
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    d = __fdiv_rn(amax, 127.0f);
-    const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-    const float scale = isfinite(id) ? id : 0.0f;
-    uint32_t words[2] = {0u, 0u};
-    sum = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int q = __float2int_rn(__fmul_rn(v[i], scale));
-        sum += q;
-        words[i >> 2] |= ((uint32_t)q & 0xFFu) << (8 * (i & 3));
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    packed = make_uint2(words[0], words[1]);
-}
+// (XBlock8 and quantize8, which variant 4's writers share, are defined near the top.)
 
 // Blocks c0 .. c0 + nblk of the m rows of x (row length k) quantized into xq and xs, laid out
 // for chunks of xblocks blocks (all the block's threads call; 4 threads per block of 32, each
@@ -1246,7 +1322,7 @@ __device__ void qlinear_small3(const T *x, const uint8_t *w0, const uint8_t *w1,
 template <typename T>
 __device__ void qlinear4_quantize_x(const T *x, uint4 *xq, uint32_t m, uint32_t k) {
     const uint32_t nb = k >> 5;
-    const uint32_t nbp = (nb + 31u) & ~31u;
+    const uint32_t nbp = q8_row_blocks(k);
     const uint32_t per_row = nbp * 4u;  // a multiple of 128: whole warps per row
     const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
     const uint32_t r = t / per_row;
@@ -1264,12 +1340,7 @@ __device__ void qlinear4_quantize_x(const T *x, uint4 *xq, uint32_t m, uint32_t 
     int sum;
     float d;
     quantize8(v, packed, sum, d);
-    uint4 *half = xq + (size_t)r * 2u * nbp + (b >> 5) * 64u + (p >> 1) * 32u + (b & 31u);
-    reinterpret_cast<uint2 *>(half)[p & 1u] = packed;
-    if (p == 0) {
-        XBlock8 *xs = reinterpret_cast<XBlock8 *>(xq + (size_t)m * 2u * nbp);
-        xs[(size_t)r * nbp + b] = {d, sum};
-    }
+    store_q8(xq, m, nbp, r, b, p, packed, sum, d);
 }
 
 // rms_norm_residual, and its normed rows quantized as qlinear4_quantize_x quantizes x (xq, the
@@ -1286,7 +1357,7 @@ __device__ void rms_norm_residual_q8(const T *x, const T *r, const T *w, T *out,
     const uint32_t row = blockIdx.x;
     const size_t base = (size_t)row * n_cols;
     const uint32_t nb = n_cols >> 5;
-    const uint32_t nbp = (nb + 31u) & ~31u;
+    const uint32_t nbp = q8_row_blocks(n_cols);
     for (uint32_t e = threadIdx.x; e < nbp * 4u; e += blockDim.x) {
         const uint32_t b = e >> 2, p = e & 3u;
         float v[8];
@@ -1304,12 +1375,7 @@ __device__ void rms_norm_residual_q8(const T *x, const T *r, const T *w, T *out,
         int sum;
         float d;
         quantize8(v, packed, sum, d);
-        uint4 *half = xq + (size_t)row * 2u * nbp + (b >> 5) * 64u + (p >> 1) * 32u + (b & 31u);
-        reinterpret_cast<uint2 *>(half)[p & 1u] = packed;
-        if (p == 0) {
-            XBlock8 *xs = reinterpret_cast<XBlock8 *>(xq + (size_t)n_rows * 2u * nbp);
-            xs[(size_t)row * nbp + b] = {d, sum};
-        }
+        store_q8(xq, n_rows, nbp, row, b, p, packed, sum, d);
     }
 }
 
@@ -1325,6 +1391,39 @@ __device__ __forceinline__ void load_xblock(const uint4 *xq, const XBlock8 *xs, 
     s.sum = sd.y;
 }
 
+// With silu and yq (not null), qlinear_small4 also writes its output y (m rows of n0, n0 a
+// multiple of 32) quantized into yq, variant 4's buffer for the down projection's x, as
+// qlinear4_quantize_x would quantize y. A group of 32 columns is quantized by the last warp to
+// store one of them: after its stores, lane 0 of each warp adds its C columns to the group's
+// counter (after a fence: the stores are seen before the count); the warp that brings it to 32
+// sets it back to 0 for the next launch on the stream and, after a fence, reads the group's
+// 32 columns of every row from L2 (lane l: row l / 4, part l % 4; m <= 8) and quantizes them.
+template <typename T, int C>
+__device__ __forceinline__ void silu_group_q8(const T *y, uint4 *yq, uint32_t *counters,
+                                              uint32_t m, uint32_t n0, uint32_t col0) {
+    static_assert(32 % C == 0, "a warp's columns lie in one group of 32");
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t g = col0 >> 5;
+    uint32_t done = 0;
+    if (lane == 0) {
+        __threadfence();
+        done = atomicAdd(counters + g, (uint32_t)C) + C;
+    }
+    if (__shfl_sync(0xffffffffu, done, 0) != 32u) return;
+    __threadfence();
+    if (lane == 0) counters[g] = 0;
+    const uint32_t r = lane >> 2, p = lane & 3u;
+    float v[8];
+    const T *src = y + (size_t)r * n0 + 32u * g + 8u * p;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = r < m ? ld_cg_f32(src + i) : 0.0f;
+    uint2 packed;
+    int sum;
+    float d;
+    quantize8(v, packed, sum, d);
+    if (r < m) store_q8(yq, m, q8_row_blocks(n0), r, g, p, packed, sum, d);
+}
+
 // qlinear_small's contract, variant 4, x given as qlinear4_quantize_x wrote it (xq; m and k as
 // it had them). Dynamic shared memory: variant 2's R * QStage2::VECS 16-byte vectors per warp.
 // Columns per warp as in variant 2 (qrows2, qstore2); lane j of a round takes block j of the
@@ -1332,7 +1431,8 @@ __device__ __forceinline__ void load_xblock(const uint4 *xq, const XBlock8 *xs, 
 template <typename T, int M, int QT, int R>
 __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t *w1,
                                const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
-                               uint32_t n2, uint32_t k, uint32_t silu) {
+                               uint32_t n2, uint32_t k, uint32_t silu, uint4 *yq,
+                               uint32_t *counters) {
     constexpr int B = QBlock<QT>::BYTES;
     constexpr uint32_t BLOCKS = QStage2<QT>::BLOCKS;
     extern __shared__ uint4 qstage[];
@@ -1397,6 +1497,7 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
         __syncwarp();
     }
     qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
+    if (yq != nullptr) silu_group_q8<T, R / 2>(y, yq, counters, m, n0, col0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2012,8 +2113,9 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, R * M >= 16 ? 7 : 8)            \
         qlinear4_small_r##R##_m##M##_##QNAME##_##SUFFIX(                                        \
         const uint4 *xq, const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, T *y,         \
-        uint32_t m, uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu) {         \
-        qlinear_small4<T, M, QT, R>(xq, w0, w1, w2, y, m, n0, n1, n2, k, silu);                 \
+        uint32_t m, uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu,           \
+        uint4 *yq, uint32_t *counters) {                                                        \
+        qlinear_small4<T, M, QT, R>(xq, w0, w1, w2, y, m, n0, n1, n2, k, silu, yq, counters);   \
     }
 #define QLINEAR_SMALL_TYPES(T, SUFFIX, M)                                                       \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q4_0, q4_0)                                              \
@@ -2080,12 +2182,12 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
         rope_qk<T>(q, k, v, cs, qout, kout, vout, b, t, hq, hk, d, rot_half, cap, pos);         \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * DA_WARPS) decode_attention_##SUFFIX(     \
-        const T *q, const T *k, const T *v, T *out, float *part, uint32_t *counters,            \
-        uint32_t tq, uint32_t hq, uint32_t hk, uint32_t d, uint32_t kv_len, uint64_t k_sb,      \
-        uint64_t k_sh, uint64_t k_st, uint64_t v_sb, uint64_t v_sh, uint64_t v_st, float scale, \
-        uint32_t window, uint32_t splits) {                                                     \
-        decode_attention<T>(q, k, v, out, part, counters, tq, hq, hk, d, kv_len, k_sb, k_sh,    \
-                            k_st, v_sb, v_sh, v_st, scale, window, splits);                     \
+        const T *q, const T *k, const T *v, T *out, uint4 *xq, float *part,                     \
+        uint32_t *counters, uint32_t tq, uint32_t hq, uint32_t hk, uint32_t d, uint32_t kv_len, \
+        uint64_t k_sb, uint64_t k_sh, uint64_t k_st, uint64_t v_sb, uint64_t v_sh,              \
+        uint64_t v_st, float scale, uint32_t window, uint32_t splits) {                         \
+        decode_attention<T>(q, k, v, out, xq, part, counters, tq, hq, hk, d, kv_len, k_sb,      \
+                            k_sh, k_st, v_sb, v_sh, v_st, scale, window, splits);               \
     }                                                                                           \
     LINEAR_SMALL_FOR(T, SUFFIX, 1)                                                              \
     LINEAR_SMALL_FOR(T, SUFFIX, 2)                                                              \

@@ -297,8 +297,9 @@ pub fn rms_norm_residual_q8(
     rms_norm_residual(x, residual, weight, eps)
 }
 
-/// The normed rows [`rms_norm_residual_q8`] quantized, per thread: the normed tensor's id and
-/// variant 4's buffer of its rows.
+/// Rows quantized for variant 4 by the op that wrote them ([`rms_norm_residual_q8`],
+/// [`decode_attention_q8`], [`qlinear_silu_mul_q8`]), per thread: the latest such tensor's id
+/// and variant 4's buffer of its rows.
 #[cfg(feature = "cuda")]
 mod prequantized {
     use candle_core::{Storage, Tensor, TensorId};
@@ -310,7 +311,7 @@ mod prequantized {
     }
 
     /// Keeps `xq`, the quantized buffer of `normed` (`rows` of `width`), for the matmuls that
-    /// take `normed` next.
+    /// take `normed` next (replacing the one kept before).
     pub(super) fn remember(
         normed: &Tensor,
         xq: candle_core::CudaStorage,
@@ -326,7 +327,7 @@ mod prequantized {
         LATEST.with(|l| *l.borrow_mut() = Some((normed.id(), bytes)));
     }
 
-    /// The quantized rows of `x`, if the latest norm on this thread made `x` and them.
+    /// The quantized rows of `x`, if the latest writer on this thread made `x` and them.
     pub(super) fn of(x: &Tensor) -> Option<Tensor> {
         let found = LATEST.with(|l| match &*l.borrow() {
             Some((id, bytes)) if *id == x.id() => Some(bytes.clone()),
@@ -878,9 +879,19 @@ fn decode_attention_cpu<T: WithDType>(
     Ok(out)
 }
 
-impl candle_core::CustomOp3 for DecodeAttention {
+/// [`DecodeAttention`] as a custom op, with the slot of [`decode_attention_q8`].
+#[derive(Debug)]
+struct DecodeAttentionOp {
+    params: DecodeAttention,
+    /// `Some`: the CUDA kernel also writes the output rows quantized for variant 4 and leaves
+    /// their buffer here.
+    #[cfg(feature = "cuda")]
+    q8: Option<std::cell::RefCell<Option<candle_core::CudaStorage>>>,
+}
+
+impl candle_core::CustomOp3 for DecodeAttentionOp {
     fn name(&self) -> &'static str {
-        Self::NAME
+        DecodeAttention::NAME
     }
 
     fn cpu_fwd(
@@ -894,13 +905,13 @@ impl candle_core::CustomOp3 for DecodeAttention {
     ) -> Result<(CpuStorage, Shape)> {
         let dims = AttentionDims::of(l1, l2, l3)?;
         let out = cpu_dispatch3!(
-            Self::NAME,
+            DecodeAttention::NAME,
             s1,
             s2,
             s3,
             decode_attention_cpu,
             (l1, l2, l3),
-            *self
+            self.params
         );
         Ok((out, Shape::from((dims.b, dims.tq, dims.hq, dims.d))))
     }
@@ -916,14 +927,18 @@ impl candle_core::CustomOp3 for DecodeAttention {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = AttentionDims::of(l1, l2, l3)?;
-        let out = crate::sys::kernels::decode_attention(
+        let (out, xq) = crate::sys::kernels::decode_attention(
             dims,
-            self.scale,
-            self.window,
+            self.params.scale,
+            self.params.window,
             (s1, l1),
             (s2, l2),
             (s3, l3),
+            self.q8.is_some(),
         )?;
+        if let Some(slot) = &self.q8 {
+            *slot.borrow_mut() = xq;
+        }
         Ok((out, Shape::from((dims.b, dims.tq, dims.hq, dims.d))))
     }
 }
@@ -945,6 +960,35 @@ pub fn decode_attention(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Tensor> {
+    decode_attention_with(q, k, v, scale, window, false)
+}
+
+/// [`decode_attention`] reshaped to (batch, new, q_heads · head_dim), the rows the output
+/// projection reads, for a projection of GGML blocks under variant 4 ([`QlinearVariant::V4`]):
+/// on a GPU, for at most 8 rows and a head dim that is a multiple of 32, the kernel also writes
+/// those rows quantized, and [`qlinear_small`] given this very tensor (by its id, as after
+/// [`rms_norm_residual_q8`]) reads them instead of quantizing them in a launch of its own. The
+/// values equal [`decode_attention`]'s, and the projection's, bit for bit.
+pub fn decode_attention_q8(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    decode_attention_with(q, k, v, scale, window, true)
+}
+
+/// [`decode_attention`], or with `q8` [`decode_attention_q8`] (the reshaped rows, whose
+/// quantized copy is remembered for that very tensor).
+fn decode_attention_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    window: Option<usize>,
+    q8: bool,
+) -> Result<Tensor> {
     check_dtypes(DecodeAttention::NAME, &[q, k, v])?;
     let dims = AttentionDims::of(q.layout(), k.layout(), v.layout())?;
     let window = match window {
@@ -952,8 +996,16 @@ pub fn decode_attention(
         Some(0) => candle_core::bail!("{}: a window of 0 positions", DecodeAttention::NAME),
         Some(w) => u32::try_from(w).unwrap_or(u32::MAX),
     };
+    let flat = |y: Tensor| -> Result<Tensor> {
+        if q8 {
+            y.reshape((dims.b, dims.tq, dims.hq * dims.d))
+        } else {
+            Ok(y)
+        }
+    };
     if dims.d > ATTENTION_MAX_HEAD_DIM || dims.out_len() == 0 {
-        return decode_attention_unfused(q, k, v, scale, (window > 0).then_some(window as usize));
+        let window = (window > 0).then_some(window as usize);
+        return flat(decode_attention_unfused(q, k, v, scale, window)?);
     }
     let last_dim_contiguous = |t: &Tensor| -> Result<Tensor> {
         if t.stride()[3] == 1 {
@@ -962,14 +1014,39 @@ pub fn decode_attention(
             t.contiguous()
         }
     };
-    q.contiguous()?.apply_op3_no_bwd(
-        &last_dim_contiguous(k)?,
-        &last_dim_contiguous(v)?,
-        &DecodeAttention {
-            scale: scale as f32,
-            window,
+    let params = DecodeAttention {
+        scale: scale as f32,
+        window,
+    };
+    let (k, v) = (last_dim_contiguous(k)?, last_dim_contiguous(v)?);
+    #[cfg(feature = "cuda")]
+    {
+        let rows = dims.b * dims.tq;
+        if q8
+            && q.device().is_cuda()
+            && dims.d.is_multiple_of(32)
+            && (1..=LINEAR_SMALL_MAX_ROWS).contains(&rows)
+        {
+            let op = DecodeAttentionOp {
+                params,
+                q8: Some(std::cell::RefCell::new(None)),
+            };
+            let y = flat(q.contiguous()?.apply_op3_no_bwd(&k, &v, &op)?)?;
+            if let Some(xq) = op.q8.and_then(std::cell::RefCell::into_inner) {
+                prequantized::remember(&y, xq, rows, dims.hq * dims.d);
+            }
+            return Ok(y);
+        }
+    }
+    flat(q.contiguous()?.apply_op3_no_bwd(
+        &k,
+        &v,
+        &DecodeAttentionOp {
+            params,
+            #[cfg(feature = "cuda")]
+            q8: None,
         },
-    )
+    )?)
 }
 
 /// The Candle composition [`decode_attention`] replaces (the model's attention before it): k
@@ -1604,6 +1681,19 @@ fn qlinear_small_launch(
     silu: bool,
     pre: Option<Tensor>,
 ) -> Result<Tensor> {
+    Ok(qlinear_small_launch_q8(x, ws, silu, pre, false)?.0)
+}
+
+/// [`qlinear_small_launch`], with `q8_out` also the output quantized for variant 4
+/// (`sys::kernels::qlinear_small`'s conditions).
+#[cfg(feature = "cuda")]
+fn qlinear_small_launch_q8(
+    x: &Tensor,
+    ws: &[&QTensor],
+    silu: bool,
+    pre: Option<Tensor>,
+    q8_out: bool,
+) -> Result<(Tensor, Option<candle_core::CudaStorage>)> {
     use candle_core::Storage;
     let rows = x.dim(0)?;
     let x = if aligned16(x.layout(), x.dtype()) && x.is_contiguous() {
@@ -1626,13 +1716,17 @@ fn qlinear_small_launch(
             Some(Storage::Cuda(p)) => Some(p),
             _ => None,
         };
-        crate::sys::kernels::qlinear_small((xs, xl), ws, silu, pre)?
+        crate::sys::kernels::qlinear_small((xs, xl), ws, silu, pre, q8_out)?
     };
-    Ok(Tensor::from_storage(
-        Storage::Cuda(out),
-        rows * cols,
-        candle_core::op::BackpropOp::none(),
-        false,
+    let (out, yq) = out;
+    Ok((
+        Tensor::from_storage(
+            Storage::Cuda(out),
+            rows * cols,
+            candle_core::op::BackpropOp::none(),
+            false,
+        ),
+        yq,
     ))
 }
 
@@ -1646,8 +1740,9 @@ fn qlinear_small_launch(
     candle_core::bail!("{QLINEAR_SMALL}: needs a build with `--features cuda`")
 }
 
-/// How many times, on this thread, a GGML-block matmul found its x quantized by the norm that
-/// made it ([`rms_norm_residual_q8`]); 0 without CUDA. For tests and diagnostics.
+/// How many times, on this thread, a GGML-block matmul found its x quantized by the op that
+/// made it ([`rms_norm_residual_q8`], [`decode_attention_q8`], [`qlinear_silu_mul_q8`]); 0
+/// without CUDA. For tests and diagnostics.
 pub fn quantized_rows_found() -> u64 {
     #[cfg(feature = "cuda")]
     return prequantized::FOUND.with(|f| f.get());
@@ -1655,7 +1750,8 @@ pub fn quantized_rows_found() -> u64 {
     0
 }
 
-/// The rows of `x` quantized by the norm that made it ([`rms_norm_residual_q8`]), if it did.
+/// The rows of `x` quantized by the op that made it ([`rms_norm_residual_q8`] and the like), if
+/// it did.
 fn prequantized_of(_x: &Tensor) -> Option<Tensor> {
     #[cfg(feature = "cuda")]
     return prequantized::of(_x);
@@ -1692,6 +1788,20 @@ pub fn qlinear_small_multi(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
 /// `silu(x · gateᵀ) · (x · upᵀ)` for weights of GGML blocks: one launch on a GPU
 /// ([`qlinear_small_fits`]); otherwise [`qlinear_small_unfused`] twice and [`silu_mul`].
 pub fn qlinear_silu_mul(x: &Tensor, gate: &QTensor, up: &QTensor) -> Result<Tensor> {
+    qlinear_silu_mul_with(x, gate, up, false)
+}
+
+/// [`qlinear_silu_mul`] for an output that goes next into a GGML-block matmul of variant 4 (the
+/// down projection): on a GPU, where gate and up run variant 4's kernel for blocks of 32 and
+/// their width is a multiple of 32, the kernel also writes its output quantized, and
+/// [`qlinear_small`] given this very tensor (by its id, as after [`rms_norm_residual_q8`]) reads
+/// it instead of quantizing it in a launch of its own. The values equal
+/// [`qlinear_silu_mul`]'s, and the next matmul's, bit for bit.
+pub fn qlinear_silu_mul_q8(x: &Tensor, gate: &QTensor, up: &QTensor) -> Result<Tensor> {
+    qlinear_silu_mul_with(x, gate, up, true)
+}
+
+fn qlinear_silu_mul_with(x: &Tensor, gate: &QTensor, up: &QTensor, q8: bool) -> Result<Tensor> {
     check_dtypes(QLINEAR_SMALL, &[x])?;
     if gate.shape() != up.shape() {
         candle_core::bail!(
@@ -1710,6 +1820,29 @@ pub fn qlinear_silu_mul(x: &Tensor, gate: &QTensor, up: &QTensor) -> Result<Tens
     let rows = x.elem_count() / k;
     let mut dims = x.dims().to_vec();
     *dims.last_mut().expect("x has a last dim") = gate.shape().dims()[0];
+    #[cfg(feature = "cuda")]
+    {
+        let n = gate.shape().dims()[0];
+        if q8
+            && qlinear_variant_for(gate.dtype()) == QlinearVariant::V4
+            && !is_qlinear_k_type(gate.dtype())
+            && n.is_multiple_of(32)
+        {
+            let (y, yq) = qlinear_small_launch_q8(
+                &x.reshape((rows, k))?,
+                &[gate, up],
+                true,
+                prequantized_of(x),
+                true,
+            )?;
+            let y = y.reshape(dims)?;
+            if let Some(yq) = yq {
+                prequantized::remember(&y, yq, rows, n);
+            }
+            return Ok(y);
+        }
+    }
+    let _ = q8;
     qlinear_small_launch(
         &x.reshape((rows, k))?,
         &[gate, up],

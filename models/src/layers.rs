@@ -1037,8 +1037,15 @@ impl SelfAttention {
         };
         if decode {
             // One kernel over the cache's views: no repeat, cast, copy, mask or softmax ops.
-            let y = candle_offload::ops::decode_attention(&q, &k, &v, 1.0 / s.score_div, s.window)?;
-            let y = y.reshape((b, seq_len, s.n_heads * s.head_dim))?;
+            let scale = 1.0 / s.score_div;
+            let y =
+                if takes_quantized_x(&self.o_proj) {
+                    // The kernel also quantizes its rows for the output projection.
+                    candle_offload::ops::decode_attention_q8(&q, &k, &v, scale, s.window)?
+                } else {
+                    candle_offload::ops::decode_attention(&q, &k, &v, scale, s.window)?
+                        .reshape((b, seq_len, s.n_heads * s.head_dim))?
+                };
             return self.o_proj.forward_step(&y, ctx.fused);
         }
         // Grouped-query attention without repeating k and v: the `rep` query heads of each kv
@@ -1264,6 +1271,10 @@ impl GatedMlp {
                 // Gate, up and SiLU · mul in one kernel.
                 let x = match ws {
                     OneLaunch::Dense(ws) => candle_offload::ops::linear_silu_mul(xs, ws[0], ws[1])?,
+                    // The kernel also quantizes its output for the down projection.
+                    OneLaunch::Blocks(ws) if takes_quantized_x(&self.down) => {
+                        candle_offload::ops::qlinear_silu_mul_q8(xs, ws[0], ws[1])?
+                    }
                     OneLaunch::Blocks(ws) => {
                         candle_offload::ops::qlinear_silu_mul(xs, ws[0], ws[1])?
                     }

@@ -549,14 +549,18 @@ fn strided_kv<'a, T>(
 /// Warps per block of `decode_attention` (DA_WARPS in kernels/ops.cu).
 const ATTENTION_WARPS: u32 = 8;
 thread_local! {
-    /// `decode_attention`'s per-row counters of finished ranges, per device: zeros between
-    /// launches (each row's last block sets its counter back).
+    /// Counters of finished work for kernels whose last block to finish a piece completes it
+    /// (`decode_attention`'s ranges per row, `qlinear4_small`'s columns per group of 32), per
+    /// device: zeros between launches (the block that completes a piece sets its counter back).
     /// (An `Rc`: a `CudaSlice`'s clone copies the memory.)
     static COUNTERS: RefCell<HashMap<DeviceId, Rc<CudaSlice<u32>>>> = RefCell::new(HashMap::new());
 }
 
-/// At least `rows` (and at least one) zeroed counters on `dev`, kept for later launches.
-fn attention_counters(dev: &CudaDevice, rows: usize) -> Result<Rc<CudaSlice<u32>>> {
+/// At least `rows` (and at least one) zeroed counters on `dev`, kept for later launches: each
+/// kernel that counts in them (`decode_attention`'s rows, `qlinear4_small`'s groups of 32
+/// columns) sets every counter it used back to 0 before it ends, so that launches in stream
+/// order share them.
+fn zeroed_counters(dev: &CudaDevice, rows: usize) -> Result<Rc<CudaSlice<u32>>> {
     let have = COUNTERS.with(|c| {
         c.borrow()
             .get(&dev.id())
@@ -572,7 +576,9 @@ fn attention_counters(dev: &CudaDevice, rows: usize) -> Result<Rc<CudaSlice<u32>
 }
 
 /// `decode_attention`: q (b, hq, tq, d) contiguous over the first `kv_len` positions of the
-/// strided caches k and v (b, hk, ≥ kv_len, d) → (b, tq, hq, d).
+/// strided caches k and v (b, hk, ≥ kv_len, d) → (b, tq, hq, d). With `q8` (d a multiple of
+/// 32), also the output's b·tq rows of hq·d quantized as [`qlinear4_quantize_x`] quantizes x,
+/// in a buffer of [`qlinear4_x_bytes`] for the output projection's variant-4 matmul.
 pub(crate) fn decode_attention(
     dims: crate::ops::AttentionDims,
     scale: f32,
@@ -580,8 +586,16 @@ pub(crate) fn decode_attention(
     (q, ql): (&CudaStorage, &Layout),
     (k, kl): (&CudaStorage, &Layout),
     (v, vl): (&CudaStorage, &Layout),
-) -> Result<CudaStorage> {
-    struct K(crate::ops::AttentionDims, f32, u32);
+    q8: bool,
+) -> Result<(CudaStorage, Option<CudaStorage>)> {
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    struct K(
+        crate::ops::AttentionDims,
+        f32,
+        u32,
+        bool,
+        std::cell::RefCell<Option<CudaSlice<u8>>>,
+    );
     impl Map3 for K {
         fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
             &self,
@@ -608,6 +622,9 @@ pub(crate) fn decode_attention(
             {
                 candle_core::bail!("decode_attention: buffers do not match {d:?}");
             }
+            if self.3 && !d.d.is_multiple_of(32) {
+                candle_core::bail!("decode_attention: heads of {} are not blocks of 32", d.d);
+            }
             let rows = d.b * d.tq * d.hq;
             let splits = crate::ops::attention_splits(d.kv_len, self.2, rows, multiprocessors(dev));
             let [tq, hq, hk, hd, kv_len, splits_u] =
@@ -627,17 +644,32 @@ pub(crate) fn decode_attention(
             } else {
                 None
             };
-            let counters = attention_counters(dev, if splits > 1 { rows } else { 0 })?;
+            let counters = zeroed_counters(dev, if splits > 1 { rows } else { 0 })?;
             // SAFETY: uninitialised device memory of n elements on the device's stream; the
             // kernel launched next on that stream writes every one of them (for each (query,
             // head, batch row), its one block or the last of its blocks writes the d values).
             let out = unsafe { dev.alloc::<T>(n) }?;
+            let xq = if self.3 {
+                // SAFETY: uninitialised device memory on the device's stream; the kernel
+                // launched next writes the quants and the scale and sum of every block of the
+                // b·tq rows of hq·d / 32 blocks (each head's by the block that writes its
+                // values); the padding blocks up to a multiple of 32 per row stay unwritten,
+                // and variant 4's matmuls read only blocks below k / 32.
+                Some(unsafe { dev.alloc::<u8>(qlinear4_x_bytes(d.b * d.tq, d.hq * d.d)) }?)
+            } else {
+                None
+            };
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&func);
             b.arg(&q);
             b.arg(&k);
             b.arg(&v);
             b.arg(&out);
+            let null = 0u64;
+            match &xq {
+                Some(xq) => b.arg(xq),
+                None => b.arg(&null),
+            };
             // With one split the kernel never touches `part` or `counters`: any valid
             // pointer serves (the counters' buffer, which always exists).
             match &part {
@@ -657,7 +689,7 @@ pub(crate) fn decode_attention(
             b.arg(&self.2);
             b.arg(&splits_u);
             // SAFETY: the arguments match `decode_attention_<dtype>(const T*, const T*,
-            // const T*, T*, float *part, uint32_t *counters, uint32_t tq, hq, hk, d, kv_len,
+            // const T*, T*, uint4 *xq (null: none), float *part, uint32_t *counters, uint32_t tq, hq, hk, d, kv_len,
             // uint64_t k strides ×3, v strides ×3, float, uint32_t window, uint32_t splits)` in
             // kernels/ops.cu; q holds b·hq·tq·d elements and out as many; the k and v views
             // end after the last element of position kv_len - 1 of the last (batch, head)
@@ -666,17 +698,23 @@ pub(crate) fn decode_attention(
             // row (8 per lane); each block scores at most ATTENTION_CHUNK keys (its shared
             // buffer; ops::attention_splits guarantees it); with splits > 1, part holds
             // rows·splits records of d + 2 floats and counters at least `rows` zeros (each
-            // row's last block sets its counter back to 0).
+            // row's last block sets its counter back to 0); xq, when given, holds b·tq rows of
+            // hq·d / 32 blocks rounded up to 32 at 40 bytes each (16-byte aligned, from the
+            // allocator), the extent the row-writing blocks write (d a multiple of 32).
             unsafe { b.launch(cfg) }.w()?;
+            *self.4.borrow_mut() = xq;
             Ok(out)
         }
     }
     let dev = q.device();
-    let slice = K(dims, scale, window).map(&q.slice, ql, &k.slice, kl, &v.slice, vl, dev)?;
-    Ok(CudaStorage {
+    let op = K(dims, scale, window, q8, std::cell::RefCell::new(None));
+    let slice = op.map(&q.slice, ql, &k.slice, kl, &v.slice, vl, dev)?;
+    let storage = |slice| CudaStorage {
         slice,
         device: dev.clone(),
-    })
+    };
+    let xq = op.4.into_inner().map(|b| storage(S::U8(b)));
+    Ok((storage(slice), xq))
 }
 
 /// `linear_small`: x (m, k) times up to three weights (n_i, k) in one launch, m ≤ 8, k a
@@ -923,15 +961,21 @@ fn qlinear4_quantize_x<T: DeviceRepr + WithDType>(
 /// storages, read through their device pointers on the device's stream. Variant 4 launches
 /// [`qlinear4_quantize_x`] first, into a buffer freed (in stream order) after the matmul.
 ///
-/// `pre`: x already quantized for variant 4 (by `rms_norm_residual_q8`, from these very rows),
-/// used instead of quantizing it again when variant 4 runs.
+/// `pre`: x already quantized for variant 4 (by `rms_norm_residual_q8` or another writer of
+/// that buffer, from these very rows), used instead of quantizing it again when variant 4 runs.
+///
+/// `q8_out` (variant 4's kernel for blocks of 32, `silu`, n0 a multiple of 32): the kernel also
+/// writes its output quantized as [`qlinear4_quantize_x`] would, in a buffer of
+/// [`qlinear4_x_bytes`] for the next variant-4 matmul (the down projection), returned beside it.
 pub(crate) fn qlinear_small(
     (x, xl): (&CudaStorage, &Layout),
     ws: &[&candle_core::quantized::QTensor],
     silu: bool,
     pre: Option<&CudaStorage>,
-) -> Result<CudaStorage> {
+    q8_out: bool,
+) -> Result<(CudaStorage, Option<CudaStorage>)> {
     use candle_core::cuda_backend::CudaStorageSlice as S;
+    type Out<T> = (CudaSlice<T>, Option<CudaSlice<u8>>);
     fn run<T: DeviceRepr + WithDType + ValidAsZeroBits>(
         dev: &CudaDevice,
         x: &CudaSlice<T>,
@@ -939,7 +983,8 @@ pub(crate) fn qlinear_small(
         ws: &[&candle_core::quantized::QTensor],
         silu: bool,
         pre: Option<&CudaSlice<u8>>,
-    ) -> Result<CudaSlice<T>> {
+        q8_out: bool,
+    ) -> Result<Out<T>> {
         let (m, k) = xl.shape().dims2()?;
         let ggml = ws.first().map(|w| w.dtype());
         let qname = ggml.and_then(crate::ops::qlinear_small_type);
@@ -1075,6 +1120,15 @@ pub(crate) fn qlinear_small(
                 }
             }
         };
+        // Variant 4's kernels for blocks of 32 (not qlinear4k) take yq and counters last.
+        let v4_blocks = variant == crate::ops::QlinearVariant::V4 && !kquant;
+        if q8_out && !(v4_blocks && silu && ns[0].is_multiple_of(32)) {
+            candle_core::bail!(
+                "qlinear_small: a quantized output needs variant 4, blocks of 32, gate and up, \
+                 and a width that is a multiple of 32 ({variant:?}, {ggml:?}, {} columns)",
+                ns[0]
+            );
+        }
         let func = load::<T>(dev, &name)?;
         let dims = SmallDims::new(m, ns, k, silu)?;
         let cfg = LaunchConfig {
@@ -1119,6 +1173,22 @@ pub(crate) fn qlinear_small(
                 Some(&own)
             }
         };
+        // The quantized output and its groups' counters (`q8_out`).
+        let yq = if q8_out {
+            // SAFETY: uninitialised device memory on the device's stream; the kernel launched
+            // next writes the quants and the scale and sum of every block of the m rows of
+            // n0 / 32 blocks (each group's by the last warp to store one of its columns); the
+            // padding blocks up to a multiple of 32 per row stay unwritten, and variant 4's
+            // matmuls read only blocks below k / 32.
+            Some(unsafe { dev.alloc::<u8>(qlinear4_x_bytes(m, ns[0])) }?)
+        } else {
+            None
+        };
+        let counters = if v4_blocks {
+            Some(zeroed_counters(dev, if q8_out { ns[0] / 32 } else { 0 })?)
+        } else {
+            None
+        };
         let mut b = stream.launch_builder(&func);
         match xq {
             Some(xq) => b.arg(xq),
@@ -1133,6 +1203,14 @@ pub(crate) fn qlinear_small(
         if let Some(xblocks) = &xblocks {
             b.arg(xblocks);
         }
+        let null = 0u64;
+        if let Some(counters) = &counters {
+            match &yq {
+                Some(yq) => b.arg(yq),
+                None => b.arg(&null),
+            };
+            b.arg(&**counters);
+        }
         // SAFETY: the arguments match `qlinear_small_m<M>_<type>_<dtype>` and
         // `qlinear2_small_r<R>_m<M>_<type>_<dtype>(const T* x, const uint8_t* w0, w1, w2, T* y,
         // uint32_t m, n0, n1, n2, k, silu)` in kernels/ops.cu,
@@ -1140,7 +1218,10 @@ pub(crate) fn qlinear_small(
         // multiple of 32; `qlinear3ks2_small_...` in blocks of 8 warps, whose static shared
         // memory for the sums was left beside x's chunk within the 48 KB), and
         // `qlinear4_small_r<R>_m<M>_<type>_<dtype>` the same as variant 2's with
-        // `const uint4* xq` for x, with M ≥ m, every weight of that block type and the
+        // `const uint4* xq` for x and `uint4* yq, uint32_t* counters` last (yq null, or with
+        // silu m rows of n0 / 32 blocks rounded up to 32 at 40 bytes, 16-byte aligned, n0 a
+        // multiple of 32 and m ≤ 8, and then n0 / 32 zeroed counters, which the kernel sets
+        // back to 0), with M ≥ m, every weight of that block type and the
         // shared memory their stages take (QStage / QStage2 mirrored above), for variant 3 with
         // m rows of xblocks blocks of x after them. x holds m·k elements, 16-byte aligned,
         // k a multiple of 32; for variant 4, xq is the buffer qlinear4_quantize_x (or, as
@@ -1167,21 +1248,26 @@ pub(crate) fn qlinear_small(
         drop(guards);
         // A buffer of its own is freed in stream order (at the end of this scope), after the
         // kernel has read it.
-        Ok(out)
+        Ok((out, yq))
     }
     let pre = match pre.map(|p| &p.slice) {
         Some(S::U8(p)) => Some(p),
         Some(_) => candle_core::bail!("qlinear_small: quantized x is not a buffer of bytes"),
         None => None,
     };
-    let slice = match &x.slice {
-        S::F32(v) => S::F32(run(&x.device, v, xl, ws, silu, pre)?),
-        S::F16(v) => S::F16(run(&x.device, v, xl, ws, silu, pre)?),
-        S::BF16(v) => S::BF16(run(&x.device, v, xl, ws, silu, pre)?),
+    fn wrap<T>((out, yq): Out<T>, f: impl Fn(CudaSlice<T>) -> S) -> (S, Option<S>) {
+        (f(out), yq.map(S::U8))
+    }
+    let dev = &x.device;
+    let (slice, yq) = match &x.slice {
+        S::F32(v) => wrap(run(dev, v, xl, ws, silu, pre, q8_out)?, S::F32),
+        S::F16(v) => wrap(run(dev, v, xl, ws, silu, pre, q8_out)?, S::F16),
+        S::BF16(v) => wrap(run(dev, v, xl, ws, silu, pre, q8_out)?, S::BF16),
         _ => candle_core::bail!("qlinear_small: unsupported dtype {:?}", x.dtype()),
     };
-    Ok(CudaStorage {
+    let storage = |slice| CudaStorage {
         slice,
-        device: x.device.clone(),
-    })
+        device: dev.clone(),
+    };
+    Ok((storage(slice), yq.map(storage)))
 }
