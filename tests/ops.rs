@@ -85,8 +85,10 @@ fn ensure_close(what: &str, got: &Tensor, want: &Tensor, dtype: DType) -> anyhow
     ensure_close_values(what, got, want, dtype)
 }
 
-/// Decode (one row), small and prefill shapes, with odd widths.
-const ROW_SHAPES: [&[usize]; 7] = [
+/// Decode (one row), small and prefill shapes, with odd widths, and widths of parts of 8 (the
+/// CUDA norm's register-resident kernel: one part a thread, several, and too many, which
+/// falls back).
+const ROW_SHAPES: [&[usize]; 10] = [
     &[1, 1, 1],
     &[1, 1, 7],
     &[1, 1, 577],
@@ -94,6 +96,9 @@ const ROW_SHAPES: [&[usize]; 7] = [
     &[2, 9, 577],
     &[1, 33, 4099],
     &[5, 64],
+    &[3, 5, 4104],
+    &[1, 2, 20000],
+    &[1, 1, 40000],
 ];
 
 fn rms_norm_residual_matches_composition(device: &Device) -> anyhow::Result<()> {
@@ -113,6 +118,15 @@ fn rms_norm_residual_matches_composition(device: &Device) -> anyhow::Result<()> 
             anyhow::ensure!(sum.is_contiguous() && normed.is_contiguous());
         }
     }
+    // Inputs that do not start 16-byte aligned (the CUDA norm's loop over elements).
+    let wide = random(&[2, 4097], 1.0, 4, DType::F16, device)?;
+    let x = wide.narrow(1, 1, 4096)?.get(0)?;
+    let r = wide.narrow(1, 0, 4096)?.get(1)?;
+    let w = random(&[4096], 1.0, 6, DType::F16, device)?;
+    let (s, n) = ops::rms_norm_residual(&x, &r, &w, 1e-6)?;
+    let (ws, wn) = ops::rms_norm_residual_unfused(&x, &r, &w, 1e-6)?;
+    ensure_close("unaligned sum", &s, &ws, DType::F16)?;
+    ensure_close("unaligned normed", &n, &wn, DType::F16)?;
     // A non-contiguous input is made contiguous first.
     let x = random(&[8, 6], 1.0, 7, DType::F32, device)?.t()?;
     let r = random(&[6, 8], 1.0, 8, DType::F32, device)?;

@@ -1343,6 +1343,95 @@ __device__ void qlinear4_quantize_x(const T *x, uint4 *xq, uint32_t m, uint32_t 
     store_q8(xq, m, nbp, r, b, p, packed, sum, d);
 }
 
+// Eight values rounded to T and stored at p (16-byte aligned) in one or two 16-byte stores.
+template <typename T> __device__ __forceinline__ void st8(T *p, const float *v);
+template <> __device__ __forceinline__ void st8<float>(float *p, const float *v) {
+    float4 *q = reinterpret_cast<float4 *>(p);
+    q[0] = make_float4(v[0], v[1], v[2], v[3]);
+    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+template <> __device__ __forceinline__ void st8<__half>(__half *p, const float *v) {
+    uint4 u;
+    uint32_t *w = reinterpret_cast<uint32_t *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __half2 h = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+        w[i] = *reinterpret_cast<const uint32_t *>(&h);
+    }
+    *reinterpret_cast<uint4 *>(p) = u;
+}
+template <>
+__device__ __forceinline__ void st8<__nv_bfloat16>(__nv_bfloat16 *p, const float *v) {
+    uint4 u;
+    uint32_t *w = reinterpret_cast<uint32_t *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+        w[i] = *reinterpret_cast<const uint32_t *>(&h);
+    }
+    *reinterpret_cast<uint4 *>(p) = u;
+}
+
+// rms_norm_residual's contract (and with xq, rms_norm_residual_q8's) for rows whose parts of 8
+// elements fit the block's threads, RN_PARTS a thread (n_cols a multiple of 8, at most
+// 8 RN_PARTS blockDim.x; with xq a multiple of 32), x, r, w and out 16-byte aligned: each
+// thread holds its parts in registers, so x, r and w are read once, in 16-byte loads, and the
+// sums and normed values written in 16-byte stores; with xq the normed values are quantized
+// from those registers (part e of a row is part e % 4 of block e / 4, and the four parts of a
+// block are four consecutive lanes, as quantize8 needs). One block of threads per row. Every
+// launch of rms_norm_residual_vec rounds alike with or without xq (the same sums, in the same
+// order), so the normed rows of the two equal each other bit for bit.
+#define RN_PARTS 4
+template <typename T>
+__device__ void rms_norm_residual_vec(const T *x, const T *r, const T *w, T *out, uint4 *xq,
+                                      uint32_t n_rows, uint32_t n_cols, float eps) {
+    const size_t base = (size_t)blockIdx.x * n_cols;
+    const uint32_t parts = n_cols >> 3;
+    float v[RN_PARTS][8];
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < RN_PARTS; ++j) {
+        const uint32_t e = threadIdx.x + j * blockDim.x;
+        if (e < parts) {
+            float a[8], b[8];
+            cvt8<T>(ld_raw(x + base + 8u * e, false), a);
+            cvt8<T>(ld_raw(r + base + 8u * e, false), b);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                v[j][i] = to_f32(from_f32<T>(a[i] + b[i]));
+                acc += v[j][i] * v[j][i];
+            }
+            st8<T>(out + base + 8u * e, v[j]);
+        }
+    }
+    const float inv = 1.0f / sqrtf(block_sum(acc) / (float)n_cols + eps);
+    T *normed = out + (size_t)n_rows * n_cols + base;
+    const uint32_t nbp = q8_row_blocks(n_cols);
+#pragma unroll
+    for (int j = 0; j < RN_PARTS; ++j) {
+        if (j * blockDim.x >= parts) break;  // uniform over the block
+        const uint32_t e = threadIdx.x + j * blockDim.x;
+        const bool mine = e < parts;
+        if (mine) {
+            float wv[8];
+            cvt8<T>(ld_raw(w + 8u * e, false), wv);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[j][i] = to_f32(from_f32<T>(v[j][i] * inv * wv[i]));
+            st8<T>(normed + 8u * e, v[j]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[j][i] = 0.0f;
+        }
+        if (xq != nullptr) {
+            uint2 packed;
+            int sum;
+            float d;
+            quantize8(v[j], packed, sum, d);
+            if (mine) store_q8(xq, n_rows, nbp, blockIdx.x, e >> 2, e & 3u, packed, sum, d);
+        }
+    }
+}
+
 // rms_norm_residual, and its normed rows quantized as qlinear4_quantize_x quantizes x (xq, the
 // layout above, m = n_rows, k = n_cols, a multiple of 32): variant 4's matmuls of the normed
 // rows then need no launch of their own to quantize them. The normed values are computed again
@@ -2171,6 +2260,11 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
         const T *x, const T *r, const T *w, T *out, uint4 *xq, uint32_t n_rows, uint32_t n_cols, \
         float eps) {                                                                            \
         rms_norm_residual_q8<T>(x, r, w, out, xq, n_rows, n_cols, eps);                         \
+    }                                                                                           \
+    extern "C" __global__ void rms_norm_residual_vec_##SUFFIX(                                  \
+        const T *x, const T *r, const T *w, T *out, uint4 *xq, uint32_t n_rows, uint32_t n_cols, \
+        float eps) {                                                                            \
+        rms_norm_residual_vec<T>(x, r, w, out, xq, n_rows, n_cols, eps);                        \
     }                                                                                           \
     extern "C" __global__ void silu_mul_##SUFFIX(const T *gate, const T *up, T *out, size_t n) { \
         silu_mul<T>(gate, up, out, n);                                                          \

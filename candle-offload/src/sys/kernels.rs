@@ -126,6 +126,9 @@ fn elementwise(n: usize) -> LaunchConfig {
     }
 }
 
+/// Parts of 8 elements a thread of `rms_norm_residual_vec` holds (RN_PARTS in kernels/ops.cu).
+const RMS_NORM_VEC_PARTS: usize = 4;
+
 /// `rms_norm_residual`: (x, residual, weight) → the sums, then the normed rows (2 · x's
 /// elements). With `q8` (`rms_norm_residual_q8`), also the normed rows quantized as
 /// [`qlinear4_quantize_x`] quantizes x (row width a multiple of 32), in a buffer of
@@ -150,10 +153,19 @@ pub(crate) fn rms_norm_residual(
             wl: &Layout,
             dev: &CudaDevice,
         ) -> Result<CudaSlice<T>> {
-            let name = if self.1 {
-                "rms_norm_residual_q8"
-            } else {
-                "rms_norm_residual"
+            let el = xl.shape().elem_count();
+            let n_cols = wl.shape().elem_count();
+            // Rows whose parts of 8 fit the threads of a block (RN_PARTS each), all three
+            // inputs 16-byte aligned: the register-resident kernel, with or without xq.
+            let vec = n_cols.is_multiple_of(8)
+                && n_cols / 8 <= RMS_NORM_VEC_PARTS * 1024
+                && [xl, rl, wl]
+                    .iter()
+                    .all(|l| crate::ops::aligned16(l, T::DTYPE));
+            let name = match (vec, self.1) {
+                (true, _) => "rms_norm_residual_vec",
+                (false, true) => "rms_norm_residual_q8",
+                (false, false) => "rms_norm_residual",
             };
             let func = load::<T>(dev, name)?;
             let (x, r, w) = (
@@ -161,9 +173,7 @@ pub(crate) fn rms_norm_residual(
                 view(r, rl, "residual")?,
                 view(w, wl, "weight")?,
             );
-            let el = xl.shape().elem_count();
-            let n_cols = w.len();
-            if n_cols == 0 || !el.is_multiple_of(n_cols) || r.len() != el {
+            if n_cols == 0 || n_cols != w.len() || !el.is_multiple_of(n_cols) || r.len() != el {
                 candle_core::bail!("rms_norm_residual: {el} elements are not rows of {n_cols}");
             }
             if self.1 && !n_cols.is_multiple_of(32) {
@@ -171,8 +181,10 @@ pub(crate) fn rms_norm_residual(
             }
             let n_rows = to_u32(el / n_cols, "rows")?;
             let n_cols_u = to_u32(n_cols, "row width")?;
-            // One block per row; about four elements per thread, whole warps, at most 1024.
-            let block = (n_cols.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32;
+            // One block per row: whole warps, at most 1024; a part of 8 elements per thread
+            // (up to RN_PARTS) for the register-resident kernel, else about four elements.
+            let per_thread = if vec { 8 } else { 4 };
+            let block = (n_cols.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
             let cfg = LaunchConfig {
                 grid_dim: (n_rows, 1, 1),
                 block_dim: (block, 1, 1),
@@ -184,8 +196,9 @@ pub(crate) fn rms_norm_residual(
             let out = unsafe { dev.alloc::<T>(2 * el) }?;
             let xq = if self.1 {
                 // SAFETY: uninitialised device memory on the device's stream; the kernel
-                // launched next writes every byte of it (each of the rows' blocks, zeros for the
-                // padding blocks past n_cols / 32, and each block's scale and sum).
+                // launched next writes the quants and the scale and sum of each of the rows'
+                // blocks below n_cols / 32 (`rms_norm_residual_q8` also zeros for the padding
+                // blocks up to a multiple of 32, which variant 4's matmuls never read).
                 Some(unsafe { dev.alloc::<u8>(qlinear4_x_bytes(el / n_cols, n_cols)) }?)
             } else {
                 None
@@ -196,15 +209,28 @@ pub(crate) fn rms_norm_residual(
             b.arg(&r);
             b.arg(&w);
             b.arg(&out);
-            if let Some(xq) = &xq {
-                b.arg(xq);
+            let null = 0u64;
+            match (&xq, vec) {
+                (Some(xq), _) => {
+                    b.arg(xq);
+                }
+                (None, true) => {
+                    b.arg(&null);
+                }
+                (None, false) => {}
             }
             b.arg(&n_rows);
             b.arg(&n_cols_u);
             b.arg(&self.0);
             // SAFETY: the arguments match `rms_norm_residual_<dtype>(const T*, const T*,
             // const T*, T*, uint32_t, uint32_t, float)` in kernels/ops.cu in number, order and
-            // type, or with xq `rms_norm_residual_q8_<dtype>`, which takes a uint4* after out;
+            // type, or with xq `rms_norm_residual_q8_<dtype>`, which takes a uint4* after out,
+            // as `rms_norm_residual_vec_<dtype>` does (null: no quantized rows), which runs
+            // only where x, residual and weight start 16-byte aligned (out does, from the
+            // allocator), n_cols is a multiple of 8 (of 32 with xq, checked above) and its
+            // n_cols / 8 parts fit RN_PARTS = 4 a thread of this block (n_cols / 8 ≤ 4096 and
+            // the block takes min(1024, the parts rounded up to whole warps) threads), so its
+            // 16-byte loads and stores stay aligned and inside each row;
             // x and residual hold n_rows·n_cols elements, weight n_cols and out twice
             // n_rows·n_cols, so every index the kernel forms (row < gridDim.x, col < n_cols) is
             // in bounds; xq (16-byte aligned, from the allocator) holds the n_rows rows of
