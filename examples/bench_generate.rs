@@ -47,6 +47,10 @@ struct Args {
     /// llama-bench repetitions per measured configuration.
     #[arg(long, default_value_t = 2)]
     llamacpp_reps: u32,
+    /// How often the peak-memory sampler polls the driver's free memory during the timed part,
+    /// in microseconds; 0 runs without it (no peak recorded), to see what polling costs.
+    #[arg(long, default_value_t = 500)]
+    sampler_us: u64,
     /// Budgets in GiB, or `full` (no limit: everything on the GPU).
     #[arg(long, value_delimiter = ',', default_value = "4,8,12,full")]
     budgets: Vec<String>,
@@ -337,10 +341,10 @@ fn main() -> Result<()> {
                     &mut cache,
                 )?)?;
             }
-            let sampler = if gpu {
+            let sampler = if gpu && args.sampler_us > 0 {
                 Some(PeakMemorySampler::start(
                     &device,
-                    Duration::from_micros(500),
+                    Duration::from_micros(args.sampler_us),
                 )?)
             } else {
                 None
@@ -417,9 +421,7 @@ fn main() -> Result<()> {
             } else {
                 None
             };
-            let peak = sampler
-                .map(|s| s.stop().saturating_sub(context_bytes))
-                .unwrap_or(0);
+            let peak = sampler.map(|s| s.stop().saturating_sub(context_bytes));
             let step_s = median(times);
             let streamed = median(bytes);
             let batch = if args.batch > 1 {
@@ -504,7 +506,7 @@ fn main() -> Result<()> {
                 "{prompt_len:>6} {budget:>6} {depth:>5}  {prefill_s:>9.3}  {tps:>12.2}  {:>11.2} GB  {:>12.3}  {:>8} ({:>6})  {:>16}  {:>8}",
                 streamed / 1e9,
                 ceiling_s / step_s,
-                peak >> 20,
+                peak.map_or("-".into(), |p| (p >> 20).to_string()),
                 budget_bytes.map_or("none".into(), |b| (b >> 20).to_string()),
                 acc_tps.map_or("-".into(), |a| format!("{a:.2}")),
                 acc_tps.map_or("-".into(), |a| format!("{:.1}x", tps / a)),
@@ -543,10 +545,11 @@ fn main() -> Result<()> {
                 "decode_reserve_bytes": decode_stats.as_ref().map(|s| s.reserve_bytes),
                 "decode_weight_capacity_bytes": decode_stats.as_ref().map(|s| s.weight_capacity_bytes),
                 "peak_device_bytes": peak,
+                "sampler_period_us": (gpu && args.sampler_us > 0).then_some(args.sampler_us),
                 "pool_peak_used_bytes": pool_peaks.map(|p| p.0),
                 "pool_peak_reserved_bytes": pool_peaks.map(|p| p.1),
                 "context_bytes": context_bytes,
-                "peak_within_budget": budget_bytes.map(|b| peak <= b),
+                "peak_within_budget": budget_bytes.zip(peak).map(|(b, p)| p <= b),
                 "prefill_s": prefill_s,
                 "decode_step_s_median": step_s,
                 "decode_tokens_per_s": tps,
