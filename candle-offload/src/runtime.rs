@@ -109,6 +109,22 @@ struct Weights {
     quantized: Arc<HashMap<String, Arc<QTensor>>>,
     /// The GGML type of each quantized tensor (for the `VarBuilder`'s messages).
     quantized_formats: Arc<HashMap<String, GgmlDType>>,
+    /// What a user built from these tensors ([`UnitGuard::derived`]); dropped with them.
+    derived: Arc<Mutex<Derived>>,
+}
+
+/// [`UnitGuard::derived`]'s slot: one value of any type.
+#[derive(Default)]
+struct Derived(Option<Arc<dyn std::any::Any + Send + Sync>>);
+
+impl std::fmt::Debug for Derived {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Derived(Some)"
+        } else {
+            "Derived(None)"
+        })
+    }
 }
 
 impl Weights {
@@ -124,6 +140,7 @@ impl Weights {
             dense: Arc::new(dense),
             quantized: Arc::new(quantized.into_iter().map(|(n, (_, q))| (n, q)).collect()),
             quantized_formats: Arc::new(quantized_formats),
+            derived: Arc::default(),
         }
     }
 
@@ -1450,6 +1467,32 @@ impl UnitGuard {
         QMatMul::from_arc(self.get_quantized(name)?)
     }
 
+    /// A value built from this unit's tensors (a model's layer, say): `make` builds it the
+    /// first time it is asked for while the unit is resident, and later guards of the same
+    /// residency get that very value back, without building it again (a decode step then
+    /// looks up no tensor by name). It is kept beside the unit's tensors and dropped with them
+    /// when the unit leaves the device, so a unit fetched again builds it anew. One value per
+    /// unit: asking for another type builds and keeps that one instead.
+    ///
+    /// The value should hold only the unit's own tensors (clones share their memory): anything
+    /// else it allocates on the device stays allocated, outside the budget, for as long as
+    /// the unit does.
+    pub fn derived<T: std::any::Any + Send + Sync>(
+        &self,
+        make: impl FnOnce() -> candle_core::Result<T>,
+    ) -> candle_core::Result<Arc<T>> {
+        let mut slot =
+            self.weights.derived.lock().map_err(|_| {
+                candle_core::Error::Msg("a unit's derived value was poisoned".into())
+            })?;
+        if let Some(v) = slot.0.clone().and_then(|v| v.downcast::<T>().ok()) {
+            return Ok(v);
+        }
+        let v = Arc::new(make()?);
+        slot.0 = Some(v.clone());
+        Ok(v)
+    }
+
     /// A `VarBuilder` over the unit's dense tensors, rooted at the checkpoint's top level, so
     /// that existing candle-nn and candle-transformers `load(vb.pp("model.layers.3"), &cfg)`
     /// code runs unchanged. Tensors of another dtype than `dtype` are converted on the device.
@@ -1699,6 +1742,56 @@ mod tests {
         let e = rt.set_reserve_bytes(4 * unit + 1).unwrap_err().to_string();
         assert!(e.contains("missing"), "{e}");
         assert_eq!(rt.budget().reserve_bytes, 3 * unit);
+        Ok(())
+    }
+
+    #[test]
+    fn a_derived_value_lives_as_long_as_the_residency() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let specs: Vec<RawTensorSpec> = (0..2)
+            .map(|l| RawTensorSpec {
+                name: format!("model.layers.{l}.w"),
+                format: WeightFormat::Dense(DType::F32),
+                shape: Shape::from(64),
+            })
+            .collect();
+        let store = HostStore::from_raw(&specs, &StoreConfig::default(), &dev, |_, _, dst| {
+            dst.fill(0);
+            Ok(())
+        })?;
+        let unit = store.units()[0].bytes();
+        // Room for one unit: acquiring the other evicts it.
+        let rt = OffloadRuntime::new(
+            Arc::new(store),
+            &dev,
+            &OffloadConfig {
+                gpu_memory_limit: Some(crate::MemoryLimit::Bytes(unit)),
+                prefetch_depth: 0,
+                ..Default::default()
+            },
+        )?;
+        let built = std::cell::Cell::new(0);
+        let derive = |g: &UnitGuard| {
+            g.derived(|| {
+                built.set(built.get() + 1);
+                Ok((built.get(), g.get("model.layers.0.w")?))
+            })
+        };
+        let first = derive(&rt.acquire_layer(0)?)?;
+        let again = derive(&rt.acquire_layer(0)?)?;
+        assert!(Arc::ptr_eq(&first, &again), "kept while resident");
+        assert_eq!(built.get(), 1);
+        // Another type replaces it.
+        let other = rt.acquire_layer(0)?.derived(|| Ok("other"))?;
+        assert_eq!(*other, "other");
+        // Evicted and fetched again: built anew, and a failing build keeps nothing.
+        drop(rt.acquire_layer(1)?);
+        assert_eq!(rt.stats()?.resident_bytes, unit);
+        let g = rt.acquire_layer(0)?;
+        assert!(g.derived::<u8>(|| candle_core::bail!("no")).is_err());
+        let fresh = derive(&g)?;
+        assert_eq!((fresh.0, built.get()), (2, 2));
+        assert!(!Arc::ptr_eq(&first, &fresh));
         Ok(())
     }
 }

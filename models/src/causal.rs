@@ -158,6 +158,9 @@ pub struct TransferTotals {
     pub seconds: f64,
 }
 
+/// A decoder layer built from a unit (`CausalLm::layer_block`): the block, its layer and dtype.
+struct BuiltBlock(Box<dyn crate::family::DecoderBlock>, usize, DType);
+
 /// A causal LM of any [`Family`] whose weights come from one [`OffloadRuntime`] per device:
 /// one device is the single-GPU path; several run the layers as a pipeline (layer sharding).
 #[derive(Debug)]
@@ -1350,6 +1353,35 @@ impl CausalLm {
         self.head(&xs)
     }
 
+    /// Decoder layer `l` built from its acquired unit in `dtype`. Where the unit's dense
+    /// tensors already have that dtype (the block then holds nothing but the unit's tensors),
+    /// it is built once per residency and kept with the unit (`UnitGuard::derived`): a resident
+    /// model's decode step builds no layer and looks up no tensor by name. Otherwise (tensors
+    /// converted on use, whose copies should not outlive the step) it is built each time.
+    fn layer_block(
+        &self,
+        unit: &candle_offload::UnitGuard,
+        l: usize,
+        dtype: DType,
+    ) -> Result<Arc<BuiltBlock>> {
+        let build = || -> Result<BuiltBlock> {
+            let _span = tracing::trace_span!("llama.block", l).entered();
+            let weights = UnitWeights::new(unit.var_builder(dtype), Some(unit));
+            let block = self
+                .family
+                .block(&self.cfg, weights.pp(self.layout.layer(l)), l, dtype)?;
+            Ok(BuiltBlock(block, l, dtype))
+        };
+        if !unit.tensors().values().all(|t| t.dtype() == dtype) {
+            return Ok(Arc::new(build()?));
+        }
+        let kept = unit.derived(build)?;
+        if (kept.1, kept.2) == (l, dtype) {
+            return Ok(kept);
+        }
+        Ok(Arc::new(build()?))
+    }
+
     /// Embeddings and every decoder layer, each acquired from its stage's runtime as it runs;
     /// the hidden state moves to the next stage's device at each stage boundary.
     fn decoder(
@@ -1422,14 +1454,9 @@ impl CausalLm {
                     cache.place(l, device, stage.dtype)?;
                 }
                 let unit = stage.rt.acquire(self.units.layers[l])?;
-                let weights = UnitWeights::new(unit.var_builder(stage.dtype), Some(&unit));
-                let block = self.family.block(
-                    &self.cfg,
-                    weights.pp(self.layout.layer(l)),
-                    l,
-                    stage.dtype,
-                )?;
-                hidden = block.forward_hidden(hidden, &ctx, &mut cache.kvs[l])?;
+                let block = self.layer_block(&unit, l, stage.dtype)?;
+                let _span = tracing::trace_span!("llama.layer", l).entered();
+                hidden = block.0.forward_hidden(hidden, &ctx, &mut cache.kvs[l])?;
                 if prompt_on_gpu && self.on_host[l] {
                     cache.place(l, first.rt.device(), first.dtype)?;
                 }

@@ -190,7 +190,7 @@ impl Hidden {
 }
 
 /// One decoder layer, built from its unit right before it runs.
-pub trait DecoderBlock: std::fmt::Debug {
+pub trait DecoderBlock: std::fmt::Debug + Send + Sync {
     /// Runs on `xs` (batch, seq, hidden) at positions `ctx.index_pos..`, appending this layer's
     /// keys and values to `kv`.
     fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Tensor>;
