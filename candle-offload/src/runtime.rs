@@ -1672,21 +1672,31 @@ mod tests {
         Ok(())
     }
 
+    /// A store of `layers` layers, each one F32 vector `model.layers.{l}.w` of `len` zeros.
+    fn zero_layers(layers: usize, len: usize, dev: &Device) -> anyhow::Result<HostStore> {
+        let specs: Vec<RawTensorSpec> = (0..layers)
+            .map(|l| RawTensorSpec {
+                name: format!("model.layers.{l}.w"),
+                format: WeightFormat::Dense(DType::F32),
+                shape: Shape::from(len),
+            })
+            .collect();
+        Ok(HostStore::from_raw(
+            &specs,
+            &StoreConfig::default(),
+            dev,
+            |_, _, dst| {
+                dst.fill(0);
+                Ok(())
+            },
+        )?)
+    }
+
     #[test]
     fn a_smaller_reservation_gives_its_room_to_weights_and_a_larger_one_takes_it_back(
     ) -> anyhow::Result<()> {
         let dev = Device::Cpu;
-        let specs: Vec<RawTensorSpec> = (0..4)
-            .map(|l| RawTensorSpec {
-                name: format!("model.layers.{l}.w"),
-                format: WeightFormat::Dense(DType::F32),
-                shape: Shape::from(256),
-            })
-            .collect();
-        let store = HostStore::from_raw(&specs, &StoreConfig::default(), &dev, |_, _, dst| {
-            dst.fill(0);
-            Ok(())
-        })?;
+        let store = zero_layers(4, 256, &dev)?;
         let unit = store.units()[0].bytes();
         let order: Vec<UnitId> = (0..4).map(|l| store.layer_unit(l).unwrap()).collect();
         // Room for two units beside a prompt's reservation, for all four beside decode's.
@@ -1748,17 +1758,7 @@ mod tests {
     #[test]
     fn a_derived_value_lives_as_long_as_the_residency() -> anyhow::Result<()> {
         let dev = Device::Cpu;
-        let specs: Vec<RawTensorSpec> = (0..2)
-            .map(|l| RawTensorSpec {
-                name: format!("model.layers.{l}.w"),
-                format: WeightFormat::Dense(DType::F32),
-                shape: Shape::from(64),
-            })
-            .collect();
-        let store = HostStore::from_raw(&specs, &StoreConfig::default(), &dev, |_, _, dst| {
-            dst.fill(0);
-            Ok(())
-        })?;
+        let store = zero_layers(2, 64, &dev)?;
         let unit = store.units()[0].bytes();
         // Room for one unit: acquiring the other evicts it.
         let rt = OffloadRuntime::new(
