@@ -31,11 +31,11 @@ __device__ __forceinline__ float block_sum(float v) {
 }
 
 // One block per row of `n_cols`: sum = x + r (rounded to T), normed = sum / rms(sum) * w.
-// `out` holds all the sums (n_rows * n_cols), then all the normed rows.
-// Returns the row's 1 / rms, for rms_norm_residual_q8.
+// `out` holds all the sums (n_rows * n_cols), then all the normed rows. (rms_norm_residual_vec
+// below, for aligned rows of parts of 8, also quantizes them.)
 template <typename T>
-__device__ float rms_norm_residual(const T *x, const T *r, const T *w, T *out, uint32_t n_rows,
-                                   uint32_t n_cols, float eps) {
+__device__ void rms_norm_residual(const T *x, const T *r, const T *w, T *out, uint32_t n_rows,
+                                  uint32_t n_cols, float eps) {
     const size_t row = blockIdx.x;
     const size_t base = row * n_cols;
     T *sum = out + base;
@@ -52,7 +52,6 @@ __device__ float rms_norm_residual(const T *x, const T *r, const T *w, T *out, u
     for (uint32_t i = threadIdx.x; i < n_cols; i += blockDim.x) {
         normed[i] = from_f32<T>(to_f32(sum[i]) * inv * to_f32(w[i]));
     }
-    return inv;
 }
 
 // out = silu(gate) * up, elementwise over `n`.
@@ -140,7 +139,7 @@ __device__ __forceinline__ float block_max(float v) {
 
 // Variant 4's buffer of quantized x (the layout is described at qlinear4_quantize_x below):
 // each block of 32 elements' scale and quant sum, and the quantizing helpers that every writer
-// of that buffer shares (qlinear4_quantize_x, rms_norm_residual_q8, decode_attention and the
+// of that buffer shares (qlinear4_quantize_x, rms_norm_residual_vec, decode_attention and the
 // SiLU store of qlinear_small4), so that they all round x alike.
 struct __align__(8) XBlock8 {
     float d;
@@ -187,6 +186,18 @@ __device__ __forceinline__ void store_q8(uint4 *xq, uint32_t m, uint32_t nbp, ui
         XBlock8 *xs = reinterpret_cast<XBlock8 *>(xq + (size_t)m * 2u * nbp);
         xs[(size_t)r * nbp + b] = {d, sum};
     }
+}
+
+// Eight values v quantized (quantize8: every lane of the warp calls) and, where `store`, stored
+// as part p of block b of row r (store_q8).
+__device__ __forceinline__ void quantize8_store(const float *v, bool store, uint4 *xq,
+                                                uint32_t m, uint32_t nbp, uint32_t r,
+                                                uint32_t b, uint32_t p) {
+    uint2 packed;
+    int sum;
+    float d;
+    quantize8(v, packed, sum, d);
+    if (store) store_q8(xq, m, nbp, r, b, p, packed, sum, d);
 }
 
 // Blocks of 32 per row of variant 4's buffer: k / 32 rounded up to a multiple of 32.
@@ -237,13 +248,8 @@ __device__ __forceinline__ void attention_row_q8(const float *vals, uint4 *xq, u
     float v[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = mine ? vals[8u * lane + i] : 0.0f;
-    uint2 packed;
-    int sum;
-    float scale;
-    quantize8(v, packed, sum, scale);
-    if (mine)
-        store_q8(xq, m, q8_row_blocks(hq * d), row, h * (d / 32u) + lane / 4u, lane & 3u, packed,
-                 sum, scale);
+    quantize8_store(v, mine, xq, m, q8_row_blocks(hq * d), row, h * (d / 32u) + lane / 4u,
+                    lane & 3u);
 }
 
 #define DA_CHUNK 256
@@ -1336,11 +1342,7 @@ __device__ void qlinear4_quantize_x(const T *x, uint4 *xq, uint32_t m, uint32_t 
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = 0.0f;
     }
-    uint2 packed;
-    int sum;
-    float d;
-    quantize8(v, packed, sum, d);
-    store_q8(xq, m, nbp, r, b, p, packed, sum, d);
+    quantize8_store(v, true, xq, m, nbp, r, b, p);
 }
 
 // Eight values rounded to T and stored at p (16-byte aligned) in one or two 16-byte stores.
@@ -1372,15 +1374,17 @@ __device__ __forceinline__ void st8<__nv_bfloat16>(__nv_bfloat16 *p, const float
     *reinterpret_cast<uint4 *>(p) = u;
 }
 
-// rms_norm_residual's contract (and with xq, rms_norm_residual_q8's) for rows whose parts of 8
-// elements fit the block's threads, RN_PARTS a thread (n_cols a multiple of 8, at most
-// 8 RN_PARTS blockDim.x; with xq a multiple of 32), x, r, w and out 16-byte aligned: each
-// thread holds its parts in registers, so x, r and w are read once, in 16-byte loads, and the
-// sums and normed values written in 16-byte stores; with xq the normed values are quantized
-// from those registers (part e of a row is part e % 4 of block e / 4, and the four parts of a
-// block are four consecutive lanes, as quantize8 needs). One block of threads per row. Every
-// launch of rms_norm_residual_vec rounds alike with or without xq (the same sums, in the same
-// order), so the normed rows of the two equal each other bit for bit.
+// rms_norm_residual's contract for rows whose parts of 8 elements fit the block's threads,
+// RN_PARTS a thread (n_cols a multiple of 8, at most 8 RN_PARTS blockDim.x; with xq a multiple
+// of 32), x, r, w and out 16-byte aligned: each thread holds its parts in registers, so x, r
+// and w are read once, in 16-byte loads, and the sums and normed values written in 16-byte
+// stores. With xq (not null) the normed rows are also quantized as qlinear4_quantize_x
+// quantizes x (xq, its layout; m = n_rows, k = n_cols), from those registers, so that variant
+// 4's matmuls of them need no launch of their own (part e of a row is part e % 4 of block
+// e / 4, and the four parts of a block are four consecutive lanes, as quantize8 needs). One
+// block of threads per row. Every launch of rms_norm_residual_vec rounds alike with or without
+// xq (the same sums, in the same order), so the normed rows of the two equal each other bit
+// for bit.
 #define RN_PARTS 4
 template <typename T>
 __device__ void rms_norm_residual_vec(const T *x, const T *r, const T *w, T *out, uint4 *xq,
@@ -1422,49 +1426,8 @@ __device__ void rms_norm_residual_vec(const T *x, const T *r, const T *w, T *out
 #pragma unroll
             for (int i = 0; i < 8; ++i) v[j][i] = 0.0f;
         }
-        if (xq != nullptr) {
-            uint2 packed;
-            int sum;
-            float d;
-            quantize8(v[j], packed, sum, d);
-            if (mine) store_q8(xq, n_rows, nbp, blockIdx.x, e >> 2, e & 3u, packed, sum, d);
-        }
-    }
-}
-
-// rms_norm_residual, and its normed rows quantized as qlinear4_quantize_x quantizes x (xq, the
-// layout above, m = n_rows, k = n_cols, a multiple of 32): variant 4's matmuls of the normed
-// rows then need no launch of their own to quantize them. The normed values are computed again
-// from x, r and w (read-only inputs; the rows written above are other threads' and would need
-// the coherent path) with the same roundings, so the quants are exactly those
-// qlinear4_quantize_x makes of the normed rows. A warp's lanes are all in a round or all out
-// (4 nbp, the parts per row, is a multiple of 128 and blockDim of 32).
-template <typename T>
-__device__ void rms_norm_residual_q8(const T *x, const T *r, const T *w, T *out, uint4 *xq,
-                                     uint32_t n_rows, uint32_t n_cols, float eps) {
-    const float inv = rms_norm_residual<T>(x, r, w, out, n_rows, n_cols, eps);
-    const uint32_t row = blockIdx.x;
-    const size_t base = (size_t)row * n_cols;
-    const uint32_t nb = n_cols >> 5;
-    const uint32_t nbp = q8_row_blocks(n_cols);
-    for (uint32_t e = threadIdx.x; e < nbp * 4u; e += blockDim.x) {
-        const uint32_t b = e >> 2, p = e & 3u;
-        float v[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const uint32_t c = 8u * e + i;
-            if (b < nb) {
-                const T s = from_f32<T>(to_f32(x[base + c]) + to_f32(r[base + c]));
-                v[i] = to_f32(from_f32<T>(to_f32(s) * inv * to_f32(w[c])));
-            } else {
-                v[i] = 0.0f;
-            }
-        }
-        uint2 packed;
-        int sum;
-        float d;
-        quantize8(v, packed, sum, d);
-        store_q8(xq, n_rows, nbp, row, b, p, packed, sum, d);
+        if (xq != nullptr)
+            quantize8_store(v[j], mine, xq, n_rows, nbp, blockIdx.x, e >> 2, e & 3u);
     }
 }
 
@@ -1506,11 +1469,7 @@ __device__ __forceinline__ void silu_group_q8(const T *y, uint4 *yq, uint32_t *c
     const T *src = y + (size_t)r * n0 + 32u * g + 8u * p;
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = r < m ? ld_cg_f32(src + i) : 0.0f;
-    uint2 packed;
-    int sum;
-    float d;
-    quantize8(v, packed, sum, d);
-    if (r < m) store_q8(yq, m, q8_row_blocks(n0), r, g, p, packed, sum, d);
+    quantize8_store(v, r < m, yq, m, q8_row_blocks(n0), r, g, p);
 }
 
 // qlinear_small's contract, variant 4, x given as qlinear4_quantize_x wrote it (xq; m and k as
@@ -1534,7 +1493,7 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
     uint32_t col0;
     if (!qrows2<T, R>(gw, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu, col0, rows)) return;
     const uint32_t nb = k >> 5;
-    const uint32_t nbp = (nb + 31u) & ~31u;
+    const uint32_t nbp = q8_row_blocks(k);
     const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)m * 2u * nbp);
     float acc[R][M];
 #pragma unroll
@@ -1985,7 +1944,7 @@ __device__ void qlinear4k_small(const uint4 *xq, const uint8_t *w0, const uint8_
     uint32_t col0;
     if (!qrows2<T, R>(gw, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu, col0, rows)) return;
     const uint32_t nb = k >> 5;
-    const uint32_t nbp = (nb + 31u) & ~31u;
+    const uint32_t nbp = q8_row_blocks(k);
     const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)m * 2u * nbp);
     float acc[R][M];
 #pragma unroll
@@ -2255,11 +2214,6 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
                                                           T *out, uint32_t n_rows,              \
                                                           uint32_t n_cols, float eps) {         \
         rms_norm_residual<T>(x, r, w, out, n_rows, n_cols, eps);                               \
-    }                                                                                           \
-    extern "C" __global__ void rms_norm_residual_q8_##SUFFIX(                                   \
-        const T *x, const T *r, const T *w, T *out, uint4 *xq, uint32_t n_rows, uint32_t n_cols, \
-        float eps) {                                                                            \
-        rms_norm_residual_q8<T>(x, r, w, out, xq, n_rows, n_cols, eps);                         \
     }                                                                                           \
     extern "C" __global__ void rms_norm_residual_vec_##SUFFIX(                                  \
         const T *x, const T *r, const T *w, T *out, uint4 *xq, uint32_t n_rows, uint32_t n_cols, \

@@ -264,8 +264,8 @@ fn rms_norm_residual_with(
 
 /// [`rms_norm_residual`] for a norm whose rows go next into GGML-block matmuls of variant 4
 /// ([`QlinearVariant::V4`], which quantizes x to 8 bits in a launch of its own): on a GPU, for
-/// decode rows (at most 8, a width that is a multiple of 32), the same kernel also writes the
-/// normed rows quantized, and [`qlinear_small_multi`] / [`qlinear_silu_mul`] given that very
+/// decode rows (at most 8, a width that is a multiple of 32, inputs that start 16-byte aligned,
+/// at most 32768 wide), the same kernel also writes the normed rows quantized, and [`qlinear_small_multi`] / [`qlinear_silu_mul`] given that very
 /// tensor (by its id; the latest norm's only, per thread) read them instead of quantizing them
 /// again. The results equal [`rms_norm_residual`]'s, and the matmuls' theirs, bit for bit.
 /// Elsewhere it is [`rms_norm_residual`].
@@ -1018,35 +1018,29 @@ fn decode_attention_with(
         scale: scale as f32,
         window,
     };
-    let (k, v) = (last_dim_contiguous(k)?, last_dim_contiguous(v)?);
+    let rows = dims.b * dims.tq;
+    // Where the kernel also quantizes the rows: a GPU, a decode step's rows, blocks of 32.
+    let hand_over = q8
+        && q.device().is_cuda()
+        && dims.d.is_multiple_of(32)
+        && (1..=LINEAR_SMALL_MAX_ROWS).contains(&rows);
+    let op = DecodeAttentionOp {
+        params,
+        #[cfg(feature = "cuda")]
+        q8: hand_over.then(|| std::cell::RefCell::new(None)),
+    };
+    let y = flat(q.contiguous()?.apply_op3_no_bwd(
+        &last_dim_contiguous(k)?,
+        &last_dim_contiguous(v)?,
+        &op,
+    )?)?;
     #[cfg(feature = "cuda")]
-    {
-        let rows = dims.b * dims.tq;
-        if q8
-            && q.device().is_cuda()
-            && dims.d.is_multiple_of(32)
-            && (1..=LINEAR_SMALL_MAX_ROWS).contains(&rows)
-        {
-            let op = DecodeAttentionOp {
-                params,
-                q8: Some(std::cell::RefCell::new(None)),
-            };
-            let y = flat(q.contiguous()?.apply_op3_no_bwd(&k, &v, &op)?)?;
-            if let Some(xq) = op.q8.and_then(std::cell::RefCell::into_inner) {
-                prequantized::remember(&y, xq, rows, dims.hq * dims.d);
-            }
-            return Ok(y);
-        }
+    if let Some(xq) = op.q8.and_then(std::cell::RefCell::into_inner) {
+        prequantized::remember(&y, xq, rows, dims.hq * dims.d);
     }
-    flat(q.contiguous()?.apply_op3_no_bwd(
-        &k,
-        &v,
-        &DecodeAttentionOp {
-            params,
-            #[cfg(feature = "cuda")]
-            q8: None,
-        },
-    )?)
+    #[cfg(not(feature = "cuda"))]
+    let _ = hand_over;
+    Ok(y)
 }
 
 /// The Candle composition [`decode_attention`] replaces (the model's attention before it): k

@@ -126,13 +126,27 @@ fn elementwise(n: usize) -> LaunchConfig {
     }
 }
 
+/// A kernel's optional output buffer as its pointer argument: the buffer, or null for none.
+fn arg_or_null<'a>(
+    b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>,
+    buf: Option<&'a CudaSlice<u8>>,
+) {
+    /// The null device pointer.
+    static NULL: u64 = 0;
+    match buf {
+        Some(buf) => b.arg(buf),
+        None => b.arg(&NULL),
+    };
+}
+
 /// Parts of 8 elements a thread of `rms_norm_residual_vec` holds (RN_PARTS in kernels/ops.cu).
 const RMS_NORM_VEC_PARTS: usize = 4;
 
 /// `rms_norm_residual`: (x, residual, weight) → the sums, then the normed rows (2 · x's
-/// elements). With `q8` (`rms_norm_residual_q8`), also the normed rows quantized as
-/// [`qlinear4_quantize_x`] quantizes x (row width a multiple of 32), in a buffer of
-/// [`qlinear4_x_bytes`] for variant 4's matmuls.
+/// elements). With `q8` (`rms_norm_residual_q8`; row width a multiple of 32), where the
+/// register-resident kernel runs (16-byte aligned rows of at most 32768), also the normed rows
+/// quantized as [`qlinear4_quantize_x`] quantizes x, in a buffer of [`qlinear4_x_bytes`] for
+/// variant 4's matmuls; elsewhere none (the matmuls then quantize the rows themselves).
 pub(crate) fn rms_norm_residual(
     eps: f32,
     (x, xl): (&CudaStorage, &Layout),
@@ -162,10 +176,10 @@ pub(crate) fn rms_norm_residual(
                 && [xl, rl, wl]
                     .iter()
                     .all(|l| crate::ops::aligned16(l, T::DTYPE));
-            let name = match (vec, self.1) {
-                (true, _) => "rms_norm_residual_vec",
-                (false, true) => "rms_norm_residual_q8",
-                (false, false) => "rms_norm_residual",
+            let name = if vec {
+                "rms_norm_residual_vec"
+            } else {
+                "rms_norm_residual"
             };
             let func = load::<T>(dev, name)?;
             let (x, r, w) = (
@@ -194,11 +208,11 @@ pub(crate) fn rms_norm_residual(
             // kernel launched next on that stream writes every one of them (each row's sums and
             // normed values) before any later op can read them.
             let out = unsafe { dev.alloc::<T>(2 * el) }?;
-            let xq = if self.1 {
+            let xq = if self.1 && vec {
                 // SAFETY: uninitialised device memory on the device's stream; the kernel
                 // launched next writes the quants and the scale and sum of each of the rows'
-                // blocks below n_cols / 32 (`rms_norm_residual_q8` also zeros for the padding
-                // blocks up to a multiple of 32, which variant 4's matmuls never read).
+                // blocks below n_cols / 32 (the padding blocks up to a multiple of 32 stay
+                // unwritten, and variant 4's matmuls never read them).
                 Some(unsafe { dev.alloc::<u8>(qlinear4_x_bytes(el / n_cols, n_cols)) }?)
             } else {
                 None
@@ -209,24 +223,16 @@ pub(crate) fn rms_norm_residual(
             b.arg(&r);
             b.arg(&w);
             b.arg(&out);
-            let null = 0u64;
-            match (&xq, vec) {
-                (Some(xq), _) => {
-                    b.arg(xq);
-                }
-                (None, true) => {
-                    b.arg(&null);
-                }
-                (None, false) => {}
+            if vec {
+                arg_or_null(&mut b, xq.as_ref());
             }
             b.arg(&n_rows);
             b.arg(&n_cols_u);
             b.arg(&self.0);
             // SAFETY: the arguments match `rms_norm_residual_<dtype>(const T*, const T*,
             // const T*, T*, uint32_t, uint32_t, float)` in kernels/ops.cu in number, order and
-            // type, or with xq `rms_norm_residual_q8_<dtype>`, which takes a uint4* after out,
-            // as `rms_norm_residual_vec_<dtype>` does (null: no quantized rows), which runs
-            // only where x, residual and weight start 16-byte aligned (out does, from the
+            // type, or `rms_norm_residual_vec_<dtype>`, which takes a uint4* xq after out (null:
+            // no quantized rows) and runs only where x, residual and weight start 16-byte aligned (out does, from the
             // allocator), n_cols is a multiple of 8 (of 32 with xq, checked above) and its
             // n_cols / 8 parts fit RN_PARTS = 4 a thread of this block (n_cols / 8 ≤ 4096 and
             // the block takes min(1024, the parts rounded up to whole warps) threads), so its
@@ -691,11 +697,7 @@ pub(crate) fn decode_attention(
             b.arg(&k);
             b.arg(&v);
             b.arg(&out);
-            let null = 0u64;
-            match &xq {
-                Some(xq) => b.arg(xq),
-                None => b.arg(&null),
-            };
+            arg_or_null(&mut b, xq.as_ref());
             // With one split the kernel never touches `part` or `counters`: any valid
             // pointer serves (the counters' buffer, which always exists).
             match &part {
@@ -1229,12 +1231,8 @@ pub(crate) fn qlinear_small(
         if let Some(xblocks) = &xblocks {
             b.arg(xblocks);
         }
-        let null = 0u64;
         if let Some(counters) = &counters {
-            match &yq {
-                Some(yq) => b.arg(yq),
-                None => b.arg(&null),
-            };
+            arg_or_null(&mut b, yq.as_ref());
             b.arg(&**counters);
         }
         // SAFETY: the arguments match `qlinear_small_m<M>_<type>_<dtype>` and
