@@ -86,6 +86,10 @@ struct Args {
     /// default on a GPU).
     #[arg(long)]
     unfused: bool,
+    /// Decode every step eagerly: no CUDA graph capture and replay (`CausalLm::set_graphs`,
+    /// on by default; it applies to single-sequence decode steps of a resident GPU model).
+    #[arg(long)]
+    no_graphs: bool,
     /// After each configuration's single-sequence run, decode this many left-padded prompts
     /// at once (lengths prompt-len, prompt-len − 1, …) and report tokens/s in total and per
     /// sequence; the budget's reserve then includes the batch (`Config::batch_reserve_bytes`).
@@ -300,6 +304,9 @@ fn main() -> Result<()> {
             )?;
             if args.unfused {
                 model.set_fused(false);
+            }
+            if args.no_graphs {
+                model.set_graphs(false);
             }
             let host_layers = model.host_layer_count();
             // What the device's stage (the last: host layers and embeddings run in a CPU stage
@@ -573,6 +580,19 @@ fn main() -> Result<()> {
                 "accelerate_peak_gpu_bytes_torch": peer_rec.as_ref().and_then(|r| r["peak_gpu_bytes_torch"].as_u64()),
                 "speedup_vs_accelerate": acc_tps.map(|a| tps / a),
             }));
+            let graph_stats = model.graph_stats();
+            println!(
+                "  graphs {}: {} captured, {} replayed, {} eager{}",
+                if model.graphs() { "on" } else { "off" },
+                graph_stats.captures,
+                graph_stats.replays,
+                graph_stats.eager_steps,
+                graph_stats
+                    .last_reason
+                    .as_deref()
+                    .map(|r| format!(" ({r})"))
+                    .unwrap_or_default()
+            );
             // The storage tiers' fields (one `json!` would pass the macro's recursion limit).
             let tiers = serde_json::json!({
                 "engine": engine.to_string(),
@@ -606,6 +626,12 @@ fn main() -> Result<()> {
                 "disk_threads_env": std::env::var("CANDLE_OFFLOAD_DISK_THREADS").ok(),
                 "disk_piece_mib_env": std::env::var("CANDLE_OFFLOAD_DISK_PIECE_MIB").ok(),
                 "accelerate_page_cache_dropped": peer_rec.as_ref().and_then(|r| r["page_cache_dropped"].as_str().map(String::from)),
+                // CUDA graph replay of decode steps (over this configuration's runs).
+                "graphs": model.graphs(),
+                "graph_captures": graph_stats.captures,
+                "graph_replays": graph_stats.replays,
+                "graph_eager_steps": graph_stats.eager_steps,
+                "graph_last_reason": graph_stats.last_reason,
             });
             if let (Some(rec), serde_json::Value::Object(t)) =
                 (records.last_mut().and_then(|r| r.as_object_mut()), tiers)

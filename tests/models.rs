@@ -293,6 +293,124 @@ test_device!(
     offloaded_equals_resident_gpu
 );
 
+/// Decode steps replayed from a CUDA graph give the eager steps' greedy tokens over 64 steps:
+/// resident, where a LLaMA captures its first decode step and replays the other 62 (a second
+/// generation, with a new KV cache, captures again); and offloaded, where weights stream and
+/// every step runs eagerly, saying why. Families whose attention the captured kernels do not
+/// cover (Gemma 2's soft-capping) fail the capture and decode eagerly with the same tokens. On
+/// the CPU nothing is captured.
+fn graph_replay_equals_eager(device: &Device) -> anyhow::Result<()> {
+    let prompt = [5u32, 17, 42, 3, 99, 64, 8];
+    let new = 64;
+    for kind in Tiny::ALL {
+        let dir = tempdir(&format!("graph-{}-{}", kind.tag(), device.is_cpu()));
+        write_tiny(&dir, kind)?;
+        let files = loader::from_dir(&dir)?;
+        let cfg = files.config.clone();
+        let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
+        let max_len = prompt.len() + new;
+        let reserve = if device.is_cpu() {
+            0
+        } else {
+            cfg.reserve_bytes(prompt.len(), max_len, DType::F32)
+        };
+        let layer = store.units().iter().map(|u| u.bytes()).max().unwrap();
+        let model = |limit: Option<u64>| -> anyhow::Result<Llama> {
+            let rt = OffloadRuntime::new(
+                store.clone(),
+                device,
+                &OffloadConfig {
+                    gpu_memory_limit: limit.map(|l| MemoryLimit::Bytes(l + reserve)),
+                    reserve_bytes: reserve,
+                    policy: PolicyChoice::Schedule(Llama::schedule(&store, &cfg)),
+                    ..Default::default()
+                },
+            )?;
+            Ok(Llama::new(
+                cfg.clone(),
+                rt,
+                DType::F32,
+                max_len,
+                &files.weights_path(),
+            )?)
+        };
+        let tokens = |m: &Llama| -> anyhow::Result<Vec<u32>> {
+            let mut sampler = LogitsProcessor::new(0, None, None);
+            Ok(generate(m, &prompt, new, &mut sampler, &[], |_| Ok(()))?.0)
+        };
+        let what = kind.tag();
+        let eager = model(None)?;
+        eager.set_graphs(false);
+        let want = tokens(&eager)?;
+        assert_eq!(want.len(), new, "{what}");
+        assert_eq!(eager.graph_stats().captures, 0, "{what}");
+
+        let resident = model(None)?;
+        assert!(resident.graphs(), "graphs are on by default");
+        assert_eq!(
+            tokens(&resident)?,
+            want,
+            "{what}: resident, first generation"
+        );
+        assert_eq!(
+            tokens(&resident)?,
+            want,
+            "{what}: resident, second generation"
+        );
+        let stats = resident.graph_stats();
+        let decode_steps = 2 * (new as u64 - 1);
+        if device.is_cpu() {
+            assert_eq!(
+                (stats.captures, stats.replays, stats.eager_steps),
+                (0, 0, 0),
+                "{what}"
+            );
+        } else if stats.captures > 0 {
+            assert_eq!(
+                stats.captures, 2,
+                "{what}: one capture per generation ({stats:?})"
+            );
+            assert_eq!(stats.replays, decode_steps - 2, "{what}: {stats:?}");
+            assert_eq!(stats.eager_steps, 0, "{what}: {stats:?}");
+        } else {
+            assert!(
+                !matches!(kind, Tiny::Llama { .. }),
+                "{what}: a LLaMA must capture its decode step ({stats:?})"
+            );
+            assert_eq!(stats.eager_steps, decode_steps, "{what}: {stats:?}");
+            assert!(
+                stats
+                    .last_reason
+                    .as_deref()
+                    .is_some_and(|r| r.contains("capture")),
+                "{what}: {stats:?}"
+            );
+        }
+
+        let offloaded = model(Some(2 * layer))?;
+        assert_eq!(tokens(&offloaded)?, want, "{what}: offloaded");
+        let stats = offloaded.graph_stats();
+        assert_eq!(stats.captures, 0, "{what}: offloaded ({stats:?})");
+        if !device.is_cpu() {
+            assert_eq!(stats.eager_steps, new as u64 - 1, "{what}: {stats:?}");
+            assert!(
+                stats
+                    .last_reason
+                    .as_deref()
+                    .is_some_and(|r| r.contains("stream")),
+                "{what}: {stats:?}"
+            );
+        }
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(())
+}
+test_device!(
+    graph_replay_equals_eager,
+    graph_replay_equals_eager_cpu,
+    graph_replay_equals_eager_gpu
+);
+
 /// A long prompt's reservation leaves room for half the weights, decode's for all of them:
 /// the prompt streams, the decode steps after the first fetch nothing, the greedy tokens
 /// equal the resident model's, and the weights never exceed the capacity of the moment

@@ -472,6 +472,79 @@ test_device!(
     ops_rope_qk_cache_gpu
 );
 
+/// The ops of a captured decode step, which read the position from the device, give what the
+/// ops given it on the host give: `rope_qk_cache_at` (with the whole table) writes the same
+/// caches and q bit for bit, `decode_attention_at` over the whole cache equals the composition
+/// over the cached positions (the kernel's key ranges follow the cache's length, so the
+/// summation order may differ). On a GPU, a head dim no kernel takes is refused rather than
+/// read to the host.
+fn ops_at_a_device_position(device: &Device) -> anyhow::Result<()> {
+    let cases = [
+        (1, 1, 32, 8, 128, 128, 37, 40),
+        (2, 1, 6, 2, 64, 64, 5, 8),
+        (1, 2, 3, 3, 10, 6, 0, 2),
+    ];
+    for dtype in DTYPES {
+        for (i, &(b, t, hq, hk, d, rot, pos, cap)) in cases.iter().enumerate() {
+            let seed = 900 + 10 * i as u64;
+            let q = random(&[b, t, hq, d], 2.0, seed, dtype, device)?;
+            let k = random(&[b, t, hk, d], 2.0, seed + 1, dtype, device)?;
+            let v = random(&[b, t, hk, d], 2.0, seed + 2, dtype, device)?;
+            let kc = random(&[b, hk, cap, d], 1.0, seed + 3, dtype, device)?;
+            let vc = random(&[b, hk, cap, d], 1.0, seed + 4, dtype, device)?;
+            let (kc2, vc2) = (kc.copy()?, vc.copy()?);
+            let (cos, sin) = tables(rot / 2, 64, dtype, device)?;
+            let table = ops::rope_table(&cos, &sin)?;
+            let want = ops::rope_qk_cache(&q, &k, &v, &table.narrow(0, pos, t)?, (&kc, &vc), pos)?;
+            let at = Tensor::new(&[pos as u32], device)?;
+            let got = ops::rope_qk_cache_at(&q, &k, &v, &table, (&kc2, &vc2), &at)?;
+            let what = format!("rope_qk_cache_at {:?} {dtype:?}", cases[i]);
+            for (g, w, name) in [(&got, &want, "q"), (&kc2, &kc, "k"), (&vc2, &vc, "v")] {
+                anyhow::ensure!(
+                    rel_diff(g, w)? == 0.0,
+                    "{what}: {name} differs from rope_qk_cache's"
+                );
+            }
+        }
+        for (i, &(b, hq, hk, tq, kv, d, window)) in ATTENTION_SHAPES.iter().enumerate() {
+            let seed = 20 * i as u64 + 1;
+            let q = random(&[b, hq, tq, d], 1.0, seed, dtype, device)?;
+            let k = random(&[b, hk, kv + 7, d], 1.0, seed + 1, dtype, device)?;
+            let v = random(&[b, hk, kv + 7, d], 1.0, seed + 2, dtype, device)?;
+            let scale = 1.0 / (d as f64).sqrt();
+            let at = Tensor::new(&[(kv - tq) as u32], device)?;
+            let what = format!("decode_attention_at {:?} {dtype:?}", ATTENTION_SHAPES[i]);
+            let got = ops::decode_attention_at(&q, &k, &v, scale, window, &at, false);
+            if device.is_cuda() && d > 256 {
+                anyhow::ensure!(got.is_err(), "{what}: no kernel, and no host read");
+                continue;
+            }
+            let (kn, vn) = (k.narrow(2, 0, kv)?, v.narrow(2, 0, kv)?);
+            let want = ops::decode_attention_unfused(&q, &kn, &vn, scale, window)?;
+            ensure_close(&what, &got?, &want, dtype)?;
+        }
+    }
+    // A position that is not one u32 on the device of the operands: an error.
+    let q = random(&[1, 1, 2, 8], 1.0, 1, DType::F32, device)?;
+    let kc = Tensor::zeros((1, 2, 3, 8), DType::F32, device)?;
+    let (cos, sin) = tables(4, 8, DType::F32, device)?;
+    let table = ops::rope_table(&cos, &sin)?;
+    for bad in [
+        Tensor::new(&[1u32, 2], device)?,
+        Tensor::new(&[1f32], device)?,
+    ] {
+        anyhow::ensure!(
+            ops::rope_qk_cache_at(&q, &q, &q, &table, (&kc, &kc.copy()?), &bad).is_err()
+        );
+    }
+    Ok(())
+}
+test_device!(
+    ops_at_a_device_position,
+    ops_at_a_device_position_cpu,
+    ops_at_a_device_position_gpu
+);
+
 /// (batch, q heads, kv heads, new positions, cached positions, head_dim, sliding window):
 /// decode (one new), GQA, MQA with a window, several new positions, all positions new, odd head
 /// dims, the largest head_dim of the kernel and one past it (the composition's fallback), and

@@ -70,10 +70,21 @@ __device__ void silu_mul(const T *gate, const T *up, T *out, size_t n) {
 // null, v (b, t, hk, d) unrotated into the same positions of vout. `cs` holds one row per
 // position (t rows of 2 * rot_half: the cos of each rotated pair, then its sin); the first
 // 2 * rot_half dimensions of each head rotate, the rest pass through (partial rotary).
+//
+// With pos_dev (not null; a decode step replayed from a CUDA graph), the position is read from
+// the device, *pos_dev, in place of `pos`, and `cs` is the whole table of cs_rows positions,
+// read from row pos on. A position whose rows would not fit the cache or the table writes
+// nothing (the host checks it before each replay; this only keeps the writes in bounds).
 template <typename T>
 __device__ void rope_qk(const T *q, const T *k, const T *v, const T *cs, T *qout, T *kout,
                         T *vout, uint32_t b, uint32_t t, uint32_t hq, uint32_t hk, uint32_t d,
-                        uint32_t rot_half, uint32_t cap, uint32_t pos) {
+                        uint32_t rot_half, uint32_t cap, uint32_t pos, const uint32_t *pos_dev,
+                        uint32_t cs_rows) {
+    if (pos_dev != nullptr) {
+        pos = *pos_dev;
+        if (pos > cap - t || pos > cs_rows - t) return;
+        cs += (size_t)pos * 2 * rot_half;
+    }
     const size_t nq = (size_t)b * hq * t * d;
     const size_t nk = (size_t)b * hk * t * d;
     const size_t n = nq + nk + (v != nullptr ? nk : 0);
@@ -260,7 +271,11 @@ __device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uin
                                  uint32_t hk,
                                  uint32_t d, uint32_t kv_len, uint64_t k_sb, uint64_t k_sh,
                                  uint64_t k_st, uint64_t v_sb, uint64_t v_sh, uint64_t v_st,
-                                 float scale, uint32_t window, uint32_t splits) {
+                                 float scale, uint32_t window, uint32_t splits,
+                                 const uint32_t *pos_dev) {
+    // A replayed decode step reads the cached length from the device: kv_len is then the
+    // views' capacity, and the positions are *pos_dev + tq of them (at most kv_len).
+    if (pos_dev != nullptr) kv_len = min(*pos_dev + tq, kv_len);
     __shared__ float ps[DA_CHUNK];
     __shared__ float sums[DA_WARPS][32 * DA_DIMS];
     __shared__ bool last;
@@ -2226,16 +2241,18 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     extern "C" __global__ void rope_qk_##SUFFIX(                                                \
         const T *q, const T *k, const T *v, const T *cs, T *qout, T *kout, T *vout, uint32_t b, \
         uint32_t t, uint32_t hq, uint32_t hk, uint32_t d, uint32_t rot_half, uint32_t cap,      \
-        uint32_t pos) {                                                                         \
-        rope_qk<T>(q, k, v, cs, qout, kout, vout, b, t, hq, hk, d, rot_half, cap, pos);         \
+        uint32_t pos, const uint32_t *pos_dev, uint32_t cs_rows) {                              \
+        rope_qk<T>(q, k, v, cs, qout, kout, vout, b, t, hq, hk, d, rot_half, cap, pos, pos_dev, \
+                   cs_rows);                                                                    \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * DA_WARPS) decode_attention_##SUFFIX(     \
         const T *q, const T *k, const T *v, T *out, uint4 *xq, float *part,                     \
         uint32_t *counters, uint32_t tq, uint32_t hq, uint32_t hk, uint32_t d, uint32_t kv_len, \
         uint64_t k_sb, uint64_t k_sh, uint64_t k_st, uint64_t v_sb, uint64_t v_sh,              \
-        uint64_t v_st, float scale, uint32_t window, uint32_t splits) {                         \
+        uint64_t v_st, float scale, uint32_t window, uint32_t splits,                           \
+        const uint32_t *pos_dev) {                                                              \
         decode_attention<T>(q, k, v, out, xq, part, counters, tq, hq, hk, d, kv_len, k_sb,      \
-                            k_sh, k_st, v_sb, v_sh, v_st, scale, window, splits);               \
+                            k_sh, k_st, v_sb, v_sh, v_st, scale, window, splits, pos_dev);      \
     }                                                                                           \
     LINEAR_SMALL_FOR(T, SUFFIX, 1)                                                              \
     LINEAR_SMALL_FOR(T, SUFFIX, 2)                                                              \

@@ -105,7 +105,7 @@ pub use plan::{
     host_layer_split, plan_capacity, spread_host_set, spread_host_split, staying_units,
     CapacityPlan, OffloadStrategy, WeightNeed, MAX_PREFETCH_DEPTH,
 };
-pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, UnitGuard};
+pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, StepGraph, UnitGuard};
 pub use runtime_error::RuntimeError;
 pub use settings::Settings;
 pub use store::{

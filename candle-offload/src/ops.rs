@@ -327,6 +327,11 @@ mod prequantized {
         LATEST.with(|l| *l.borrow_mut() = Some((normed.id(), bytes)));
     }
 
+    /// Drops the kept buffer (a captured step must not end holding memory it allocated).
+    pub(super) fn forget() {
+        LATEST.with(|l| *l.borrow_mut() = None);
+    }
+
     /// The quantized rows of `x`, if the latest writer on this thread made `x` and them.
     pub(super) fn of(x: &Tensor) -> Option<Tensor> {
         let found = LATEST.with(|l| match &*l.borrow() {
@@ -338,6 +343,14 @@ mod prequantized {
         }
         found
     }
+}
+
+/// Drops the quantized rows this thread keeps for the next matmul ([`rms_norm_residual_q8`]
+/// and the other writers of variant 4's buffer); [`crate::OffloadRuntime::capture_step`] calls
+/// it before a capture ends, so that the graph leaves no allocation of its own alive.
+pub(crate) fn forget_handover() {
+    #[cfg(feature = "cuda")]
+    prequantized::forget();
 }
 
 /// The Candle composition [`rms_norm_residual`] replaces: an add, then Candle's RMSNorm.
@@ -603,8 +616,60 @@ pub fn rope_qk_cache(
     k: &Tensor,
     v: &Tensor,
     table: &Tensor,
+    caches: (&Tensor, &Tensor),
+    pos: usize,
+) -> Result<Tensor> {
+    rope_qk_cache_with(q, k, v, table, caches, pos, None)
+}
+
+/// [`rope_qk_cache`] at the position held on the device by `pos` (one u32: the positions
+/// already cached), with `table` the whole table (a row for every position, as
+/// [`rope_table`] makes it): what a decode step captured in a CUDA graph launches, so that
+/// each replay writes `pos`'s current value and the kernel reads it. On a GPU the kernel reads
+/// `pos` itself (a position whose rows do not fit the cache or the table writes nothing; the
+/// caller checks it); elsewhere `pos` is read to the host and [`rope_qk_cache`] runs.
+pub fn rope_qk_cache_at(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    table: &Tensor,
+    caches: (&Tensor, &Tensor),
+    pos: &Tensor,
+) -> Result<Tensor> {
+    check_position(RopeQk::NAME, pos, q)?;
+    if q.device().is_cuda() {
+        return rope_qk_cache_with(q, k, v, table, caches, 0, Some(pos));
+    }
+    let p = pos.flatten_all()?.to_vec1::<u32>()?[0] as usize;
+    rope_qk_cache(q, k, v, &table.narrow(0, p, q.dim(1)?)?, caches, p)
+}
+
+/// A device position's checks: one u32 on `like`'s device.
+fn check_position(op: &str, pos: &Tensor, like: &Tensor) -> Result<()> {
+    if pos.dtype() != DType::U32
+        || pos.elem_count() != 1
+        || !pos.device().same_device(like.device())
+    {
+        candle_core::bail!(
+            "{op}: a position has to be one u32 on {:?}, not {:?} {:?} on {:?}",
+            like.device(),
+            pos.dtype(),
+            pos.dims(),
+            pos.device()
+        );
+    }
+    Ok(())
+}
+
+/// [`rope_qk_cache`], or with `pos_dev` [`rope_qk_cache_at`] on a GPU.
+fn rope_qk_cache_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    table: &Tensor,
     (k_cache, v_cache): (&Tensor, &Tensor),
     pos: usize,
+    pos_dev: Option<&Tensor>,
 ) -> Result<Tensor> {
     check_dtypes(RopeQk::NAME, &[q, k, v, table, k_cache, v_cache])?;
     if v.dims() != k.dims() {
@@ -626,7 +691,10 @@ pub fn rope_qk_cache(
     }
     if q.device().is_cuda() {
         #[cfg(feature = "cuda")]
-        return rope_qk_cache_launch([q, k, v, table, k_cache, v_cache], pos);
+        return rope_qk_cache_launch([q, k, v, table, k_cache, v_cache], pos, pos_dev);
+    }
+    if pos_dev.is_some() {
+        candle_core::bail!("{}: a device position off the GPU", RopeQk::NAME);
     }
     let (q, k) = rope_qk(q, k, table)?;
     k_cache.slice_set(&k, 2, pos)?;
@@ -640,6 +708,7 @@ pub fn rope_qk_cache(
 fn rope_qk_cache_launch(
     [q, k, v, table, k_cache, v_cache]: [&Tensor; 6],
     pos: usize,
+    pos_dev: Option<&Tensor>,
 ) -> Result<Tensor> {
     use candle_core::Storage;
     let (q, k, v, table) = (
@@ -648,7 +717,23 @@ fn rope_qk_cache_launch(
         v.contiguous()?,
         table.contiguous()?,
     );
-    let dims = RopeDims::of(q.layout(), k.layout(), table.layout())?;
+    // The table's shape is checked against q's rows; from a device position it holds more.
+    let rows = match pos_dev {
+        Some(_) => table.narrow(0, 0, q.dim(1)?)?,
+        None => table.clone(),
+    };
+    let dims = RopeDims::of(q.layout(), k.layout(), rows.layout())?;
+    let pos_guard = pos_dev.map(|p| p.contiguous()).transpose()?;
+    let pos_guard = pos_guard.as_ref().map(|p| p.storage_and_layout());
+    let pos_dev = match &pos_guard {
+        Some((s, l)) => {
+            let Storage::Cuda(s) = &**s else {
+                candle_core::bail!("{}: the position has to be on the GPU", RopeQk::NAME)
+            };
+            Some((s, *l))
+        }
+        None => None,
+    };
     let out = {
         let guards = [&q, &k, &v, &table, k_cache, v_cache].map(|t| t.storage_and_layout());
         let mut cuda = Vec::with_capacity(6);
@@ -659,7 +744,7 @@ fn rope_qk_cache_launch(
             cuda.push((s, *l));
         }
         crate::sys::kernels::rope_qk_cache(
-            dims, cuda[0], cuda[1], cuda[2], cuda[3], cuda[4], cuda[5], pos,
+            dims, cuda[0], cuda[1], cuda[2], cuda[3], cuda[4], cuda[5], pos, pos_dev,
         )?
     };
     let (b, t, hq, d) = q.dims4()?;
@@ -887,6 +972,9 @@ struct DecodeAttentionOp {
     /// their buffer here.
     #[cfg(feature = "cuda")]
     q8: Option<std::cell::RefCell<Option<candle_core::CudaStorage>>>,
+    /// The cached positions read on the device ([`decode_attention_at`]).
+    #[cfg(feature = "cuda")]
+    pos: Option<Tensor>,
 }
 
 impl candle_core::CustomOp3 for DecodeAttentionOp {
@@ -927,6 +1015,14 @@ impl candle_core::CustomOp3 for DecodeAttentionOp {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = AttentionDims::of(l1, l2, l3)?;
+        let pos = self.pos.as_ref().map(|p| p.storage_and_layout());
+        let pos = match &pos {
+            Some((s, l)) => match &**s {
+                candle_core::Storage::Cuda(s) => Some((s, *l)),
+                _ => candle_core::bail!("{}: the position is not on the GPU", self.name()),
+            },
+            None => None,
+        };
         let (out, xq) = crate::sys::kernels::decode_attention(
             dims,
             self.params.scale,
@@ -935,6 +1031,7 @@ impl candle_core::CustomOp3 for DecodeAttentionOp {
             (s2, l2),
             (s3, l3),
             self.q8.is_some(),
+            pos,
         )?;
         if let Some(slot) = &self.q8 {
             *slot.borrow_mut() = xq;
@@ -960,7 +1057,33 @@ pub fn decode_attention(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Tensor> {
-    decode_attention_with(q, k, v, scale, window, false)
+    decode_attention_with(q, k, v, scale, window, false, None)
+}
+
+/// [`decode_attention`] (with `q8`: [`decode_attention_q8`]) over the positions of `k` and `v`
+/// that `pos` says are cached: `pos` holds one u32 on the device, the positions cached before
+/// the new ones, and `k`, `v` are views of the whole cache (every position a replay may
+/// reach). What a decode step captured in a CUDA graph launches: each replay writes `pos`'s
+/// current value and the kernel reads `pos + new` keys (at most the views' length). On a GPU
+/// the kernel's key ranges are set by the views' length, so every replay launches the same
+/// grid; elsewhere `pos` is read to the host and the plain op runs on the narrowed views.
+pub fn decode_attention_at(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    window: Option<usize>,
+    pos: &Tensor,
+    q8: bool,
+) -> Result<Tensor> {
+    check_position(DecodeAttention::NAME, pos, q)?;
+    if q.device().is_cuda() {
+        return decode_attention_with(q, k, v, scale, window, q8, Some(pos));
+    }
+    let p = pos.flatten_all()?.to_vec1::<u32>()?[0] as usize;
+    let n = p + q.dim(2)?;
+    let (k, v) = (k.narrow(2, 0, n)?, v.narrow(2, 0, n)?);
+    decode_attention_with(q, &k, &v, scale, window, q8, None)
 }
 
 /// [`decode_attention`] reshaped to (batch, new, q_heads · head_dim), the rows the output
@@ -976,11 +1099,12 @@ pub fn decode_attention_q8(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Tensor> {
-    decode_attention_with(q, k, v, scale, window, true)
+    decode_attention_with(q, k, v, scale, window, true, None)
 }
 
 /// [`decode_attention`], or with `q8` [`decode_attention_q8`] (the reshaped rows, whose
-/// quantized copy is remembered for that very tensor).
+/// quantized copy is remembered for that very tensor), with `pos` from a device position
+/// ([`decode_attention_at`], GPU only).
 fn decode_attention_with(
     q: &Tensor,
     k: &Tensor,
@@ -988,6 +1112,7 @@ fn decode_attention_with(
     scale: f64,
     window: Option<usize>,
     q8: bool,
+    pos: Option<&Tensor>,
 ) -> Result<Tensor> {
     check_dtypes(DecodeAttention::NAME, &[q, k, v])?;
     let dims = AttentionDims::of(q.layout(), k.layout(), v.layout())?;
@@ -1003,7 +1128,15 @@ fn decode_attention_with(
             Ok(y)
         }
     };
-    if dims.d > ATTENTION_MAX_HEAD_DIM || dims.out_len() == 0 {
+    let plain = dims.d > ATTENTION_MAX_HEAD_DIM || dims.out_len() == 0;
+    if pos.is_some() && (plain || !q.device().is_cuda()) {
+        candle_core::bail!(
+            "{}: no kernel reads a device position for {dims:?} on {:?}",
+            DecodeAttention::NAME,
+            q.device()
+        );
+    }
+    if plain {
         let window = (window > 0).then_some(window as usize);
         return flat(decode_attention_unfused(q, k, v, scale, window)?);
     }
@@ -1028,6 +1161,8 @@ fn decode_attention_with(
         params,
         #[cfg(feature = "cuda")]
         q8: hand_over.then(|| std::cell::RefCell::new(None)),
+        #[cfg(feature = "cuda")]
+        pos: pos.cloned(),
     };
     let y = flat(q.contiguous()?.apply_op3_no_bwd(
         &last_dim_contiguous(k)?,

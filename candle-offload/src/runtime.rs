@@ -177,6 +177,16 @@ struct State {
     reservation_parts: Vec<(String, u64)>,
     /// Disk units with a read-ahead issued and not yet used by their fetch.
     read_ahead: Vec<UnitId>,
+    /// Graph capture ([`OffloadRuntime::capture_step`]) under way: units are neither moved
+    /// nor waited for, and their uses record no events (an event recorded inside a capture
+    /// cannot be waited on outside it).
+    capturing: bool,
+    /// Bumped whenever a unit arrives or leaves: a captured step holds the addresses of the
+    /// units resident at its capture and may replay only while this is unchanged.
+    generation: u64,
+    /// A captured step was replayed: units' `last_use` events predate work on the compute
+    /// stream, so an eviction records a fresh one first (hazard H19).
+    replayed: bool,
 }
 
 #[derive(Debug)]
@@ -264,6 +274,15 @@ impl Resize {
 #[derive(Debug, Clone)]
 pub struct OffloadRuntime {
     shared: Arc<Shared>,
+}
+
+/// A decode step captured as a CUDA graph by [`OffloadRuntime::capture_step`] and launched by
+/// [`OffloadRuntime::replay_step`], valid while the units resident at its capture stay.
+#[derive(Debug)]
+pub struct StepGraph {
+    graph: crate::sys::StepGraph,
+    /// The runtime's residency generation at the capture.
+    generation: u64,
 }
 
 /// Disk units read ahead of their fetch at a time (each staged whole in host memory until its
@@ -574,6 +593,9 @@ impl OffloadRuntime {
                     injected_failures: 0,
                     reservation_parts: Vec::new(),
                     read_ahead: Vec::new(),
+                    capturing: false,
+                    generation: 0,
+                    replayed: false,
                 }),
             }),
         })
@@ -626,6 +648,7 @@ impl OffloadRuntime {
             st.cache.release(unit);
             return Err(e);
         }
+        let capturing = st.capturing;
         let Some(resident) = st.resident[unit.0].as_mut() else {
             st.cache.release(unit);
             candle_core::bail!(
@@ -634,7 +657,15 @@ impl OffloadRuntime {
             );
         };
         if let (Engine::Cuda(engine), Some(sync)) = (&self.shared.engine, resident.sync.as_mut()) {
-            engine.wait_ready(sync)?;
+            if !capturing {
+                engine.wait_ready(sync)?;
+            } else if !engine.is_ready(sync)? {
+                let name = self.shared.store.unit(unit).name().to_string();
+                st.cache.release(unit);
+                candle_core::bail!(
+                    "unit {name} is still being copied: a captured step needs every unit ready"
+                );
+            }
         }
         let weights = resident.weights.clone();
         self.log(&mut st, EventKind::Acquire, Some(unit), 0, "", None);
@@ -727,6 +758,9 @@ impl OffloadRuntime {
     /// Starts the schedule's planned fetches, up to `max_ahead` ahead of their use; returns
     /// how many. A failed prefetch fails nothing: the unit is fetched again when needed.
     fn start_planned(&self, st: &mut State, max_ahead: usize) -> usize {
+        if st.capturing {
+            return 0;
+        }
         let planned = st.cache.prefetch_planned(max_ahead);
         let n = planned.len();
         for t in planned {
@@ -769,6 +803,7 @@ impl OffloadRuntime {
 
     fn release(&self, unit: UnitId) -> candle_core::Result<()> {
         let mut st = self.state()?;
+        let capturing = st.capturing;
         if let (
             Engine::Cuda(engine),
             Some(Resident {
@@ -776,7 +811,9 @@ impl OffloadRuntime {
             }),
         ) = (&self.shared.engine, st.resident[unit.0].as_mut())
         {
-            engine.record_last_use(sync)?;
+            if !capturing {
+                engine.record_last_use(sync)?;
+            }
         }
         st.cache.release(unit);
         Ok(())
@@ -812,6 +849,11 @@ impl OffloadRuntime {
         t: &Transfer,
         reason: &'static str,
     ) -> candle_core::Result<()> {
+        if st.capturing && (t.fetch.is_some() || !t.evict.is_empty()) {
+            candle_core::bail!(
+                "a captured step cannot move units (every unit has to stay resident)"
+            );
+        }
         for &v in &t.evict {
             self.drop_unit(st, v, "victim")?;
         }
@@ -882,6 +924,7 @@ impl OffloadRuntime {
             });
         }
         st.resident[u.0] = Some(Resident { weights, sync });
+        st.generation += 1;
         self.log(st, EventKind::Fetch, Some(u), size, reason, None);
         let used = st.cache.used();
         st.telemetry.peak_resident = st.telemetry.peak_resident.max(used);
@@ -995,6 +1038,7 @@ impl OffloadRuntime {
         let Some(Resident { weights, sync }) = st.resident[v.0].take() else {
             return Ok(());
         };
+        st.generation += 1;
         self.log(
             st,
             EventKind::Evict,
@@ -1012,6 +1056,10 @@ impl OffloadRuntime {
         }
         match (&self.shared.engine, sync) {
             (Engine::Cuda(engine), Some(mut sync)) => {
+                if st.replayed {
+                    // Replays used the unit without recording its use: after all of them.
+                    engine.record_last_use(&mut sync)?;
+                }
                 let blocks = !weights.quantized.is_empty();
                 engine.evict(weights, &sync, blocks)?;
                 if let Some(t) = engine.harvest(&mut sync) {
@@ -1242,6 +1290,92 @@ impl OffloadRuntime {
         self.harvest(&mut st);
         st.telemetry.end_step();
         self.step_marker(&mut st, EventKind::StepEnd)
+    }
+
+    /// Whether every unit this runtime serves is on its device with its copies done: what
+    /// [`capture_step`](Self::capture_step) needs (a fully resident model after its first
+    /// pass). Always false off the GPU.
+    pub fn all_resident(&self) -> candle_core::Result<bool> {
+        let Engine::Cuda(engine) = &self.shared.engine else {
+            return Ok(false);
+        };
+        let st = self.state()?;
+        for (u, served) in self.shared.served.iter().enumerate() {
+            if !served {
+                continue;
+            }
+            match &st.resident[u] {
+                Some(Resident {
+                    sync: Some(sync), ..
+                }) if engine.is_ready(sync)? => {}
+                _ => return Ok(false),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Captures the GPU work `f` enqueues (a decode step: its acquires, kernels and
+    /// allocations) into a CUDA graph: [`replay_step`](Self::replay_step) runs it, as often as
+    /// wanted, with one launch. `f` runs twice: once eagerly (a warm-up whose work is done, so
+    /// `f` must give the same result when repeated), then captured, when nothing runs. While
+    /// it runs, acquires neither move nor wait for units and record no uses: every unit has to
+    /// be resident and ready ([`all_resident`](Self::all_resident)), or the capture is
+    /// refused. `f` must leave nothing it allocated alive when it returns (write results into
+    /// buffers allocated before), and everything the graph should read anew at each replay
+    /// (token ids, the position) must live in such buffers too. An error from `f`, or a
+    /// capture the driver refuses, is returned after the capture ended; the stream then runs
+    /// as before.
+    pub fn capture_step<R>(
+        &self,
+        mut f: impl FnMut() -> candle_core::Result<R>,
+    ) -> candle_core::Result<(StepGraph, R)> {
+        let _span = tracing::debug_span!("offload.capture").entered();
+        let Engine::Cuda(engine) = &self.shared.engine else {
+            candle_core::bail!(
+                "CUDA graphs need a GPU runtime, not {}",
+                device_label(&self.shared.device)
+            );
+        };
+        if !self.all_resident()? {
+            candle_core::bail!("a captured step needs every unit resident and ready");
+        }
+        let generation = {
+            let mut st = self.state()?;
+            st.capturing = true;
+            // From now on uses go unrecorded: evictions record a fresh last use (H19).
+            st.replayed = true;
+            st.generation
+        };
+        // The hand-over slot's buffer was allocated before: it must not be freed inside.
+        crate::ops::forget_handover();
+        let out = engine.capture(|| {
+            let r = f();
+            crate::ops::forget_handover();
+            r
+        });
+        let mut st = self.state()?;
+        st.capturing = false;
+        let (graph, r) = out?;
+        if st.generation != generation {
+            candle_core::bail!("units moved while the step was captured");
+        }
+        Ok((StepGraph { graph, generation }, r))
+    }
+
+    /// Launches `graph` on the device's compute stream (after everything enqueued there
+    /// before) and returns true; returns false, launching nothing, when a unit arrived or
+    /// left since the capture (the graph would read freed weights: capture again).
+    pub fn replay_step(&self, graph: &StepGraph) -> candle_core::Result<bool> {
+        let Engine::Cuda(engine) = &self.shared.engine else {
+            candle_core::bail!("CUDA graphs need a GPU runtime");
+        };
+        let mut st = self.state()?;
+        if st.generation != graph.generation {
+            return Ok(false);
+        }
+        st.replayed = true;
+        engine.replay(&graph.graph)?;
+        Ok(true)
     }
 
     /// Waits for all copies and compute of this runtime's device to finish.

@@ -23,6 +23,9 @@ use crate::error::ModelError;
 use crate::family::{Family, Hidden, Layout, StepCtx, UnitWeights};
 use crate::layers::{Cache, Masks, Rope};
 
+mod graph;
+pub use graph::GraphStats;
+
 /// The units of a model in the runtimes' (shared) store.
 #[derive(Debug, Clone)]
 struct Units {
@@ -184,6 +187,8 @@ pub struct CausalLm {
     layer_steps: Option<LayerSteps>,
     timing: std::sync::atomic::AtomicBool,
     totals: std::sync::Mutex<TransferTotals>,
+    /// Decode steps replayed from a CUDA graph ([`set_graphs`](Self::set_graphs)).
+    graphs: graph::Graphs,
 }
 
 impl CausalLm {
@@ -326,6 +331,7 @@ impl CausalLm {
             layer_steps: None,
             timing: std::sync::atomic::AtomicBool::new(false),
             totals: std::sync::Mutex::new(TransferTotals::default()),
+            graphs: graph::Graphs::default(),
         })
     }
 
@@ -742,6 +748,7 @@ impl CausalLm {
             rope: &rope,
             masks: &masks,
             fused: device.is_cuda(),
+            pos_dev: None,
         };
         let xs = Tensor::zeros((1, 1, cfg.hidden_size), dtype, device)?;
         let mut best = f64::INFINITY;
@@ -1334,7 +1341,12 @@ impl CausalLm {
             self.runtime().device(),
             batch * seq_len,
             || {
-                let xs = self.decoder(input_ids, index_pos, pads, cache)?;
+                if pads.iter().all(|&p| p == 0) {
+                    if let Some(logits) = self.graph_step(input_ids, index_pos, cache)? {
+                        return Ok(logits);
+                    }
+                }
+                let xs = self.decoder(input_ids, index_pos, pads, None, cache)?;
                 self.head(&xs.narrow(1, seq_len - 1, 1)?)?.squeeze(1)
             },
         )
@@ -1348,6 +1360,7 @@ impl CausalLm {
             input_ids,
             0,
             &[],
+            None,
             &mut Cache::new(self.cfg.num_hidden_layers, seq_len),
         )?;
         self.head(&xs)
@@ -1383,12 +1396,14 @@ impl CausalLm {
     }
 
     /// Embeddings and every decoder layer, each acquired from its stage's runtime as it runs;
-    /// the hidden state moves to the next stage's device at each stage boundary.
+    /// the hidden state moves to the next stage's device at each stage boundary. `pos_dev`:
+    /// `index_pos` also held on the device, for a step being captured ([`graph`]).
     fn decoder(
         &self,
         input_ids: &Tensor,
         index_pos: usize,
         pads: &[usize],
+        pos_dev: Option<&Tensor>,
         cache: &mut Cache,
     ) -> Result<Tensor> {
         let (_, seq_len) = input_ids.dims2()?;
@@ -1448,6 +1463,7 @@ impl CausalLm {
                 rope: &stage.rope,
                 masks: &masks,
                 fused: self.stage_fused(stage),
+                pos_dev,
             };
             for l in layers {
                 if !self.on_host.is_empty() {

@@ -38,6 +38,11 @@ pub struct StepCtx<'a> {
     /// Use the fused ops of `candle_offload::ops` (RMSNorm with the residual add, SiLU · mul,
     /// RoPE of q and k) where a block can.
     pub fused: bool,
+    /// A decode step being captured as a CUDA graph: `index_pos` held on the device (one
+    /// u32), which the attention's kernels read instead, so that each replay runs at the
+    /// position written there. A block that cannot read it fails the capture (the step then
+    /// runs eagerly).
+    pub pos_dev: Option<&'a Tensor>,
 }
 
 /// What a training pass gives every block: a whole sequence from position 0.

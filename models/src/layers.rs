@@ -267,6 +267,46 @@ impl KvCache {
         let (k, v) = self.advance(t, (kb, vb))?;
         Ok((q, k, v))
     }
+
+    /// [`append_rotated`](Self::append_rotated) at the position `pos` holds on the device (one
+    /// u32, which must equal [`len`](Self::len): a captured decode step, whose replays each
+    /// write their own), for a cache whose buffers already have room for `t` more positions.
+    /// Returns q rotated and the buffers' whole keys and values: the attention reads as many
+    /// positions as `pos` says ([`candle_offload::ops::decode_attention_at`]).
+    pub fn append_rotated_at(
+        &mut self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rope: &Rope,
+        pos: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let t = k.dim(1)?;
+        let Some((kb, vb)) = self
+            .bufs
+            .clone()
+            .filter(|_| self.len + t <= self.capacity())
+        else {
+            candle_core::bail!(
+                "a captured step needs the cache allocated with room for {} positions",
+                self.len + t
+            );
+        };
+        let q = candle_offload::ops::rope_qk_cache_at(q, k, v, &rope.table, (&kb, &vb), pos)?;
+        self.len += t;
+        Ok((q, kb, vb))
+    }
+
+    /// Counts `t` positions that a replayed step wrote into the buffers (the host's record of
+    /// what the device holds).
+    pub(crate) fn replayed(&mut self, t: usize) {
+        self.len += t;
+    }
+
+    /// Forgets the positions after the first `len` (a capture that failed: nothing ran).
+    pub(crate) fn rewind(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
 }
 
 /// Per-layer key/value cache, on the device, allocated once for the whole context (so that
@@ -1010,6 +1050,39 @@ impl SelfAttention {
             && seq_len <= DECODE_ATTENTION_MAX_NEW
             && !ctx.masks.is_padded();
         let heads = |t: Tensor, n: usize| t.reshape((b, seq_len, n, s.head_dim));
+        if let Some(pos) = ctx.pos_dev {
+            // A captured step: the position is read on the device, by the two kernels that
+            // depend on it, so that every replay of the graph runs at its own position.
+            if !(ctx.fused && decode) {
+                candle_core::bail!(
+                    "this attention (soft-capping, padding or unfused ops) cannot run in a \
+                     captured step"
+                );
+            }
+            let (q, k, v) = kv.append_rotated_at(
+                &heads(q, s.n_heads)?,
+                &heads(k, s.n_kv_heads)?,
+                &heads(v, s.n_kv_heads)?,
+                ctx.rope,
+                pos,
+            )?;
+            let q8 = takes_quantized_x(&self.o_proj);
+            let y = candle_offload::ops::decode_attention_at(
+                &q,
+                &k,
+                &v,
+                1.0 / s.score_div,
+                s.window,
+                pos,
+                q8,
+            )?;
+            let y = if q8 {
+                y
+            } else {
+                y.reshape((b, seq_len, s.n_heads * s.head_dim))?
+            };
+            return self.o_proj.forward_step(&y, ctx.fused);
+        }
         let (q, k, v) = if ctx.fused && decode {
             // One kernel rotates q and k from the projections' layout and writes k and v
             // into the cache.

@@ -45,7 +45,7 @@ pub mod sampling;
 pub mod train;
 
 pub use causal::{
-    CausalLm, DeviceMapChoice, HiddenTransfer, HostLayers, LayerSteps, OffloadSettings,
+    CausalLm, DeviceMapChoice, GraphStats, HiddenTransfer, HostLayers, LayerSteps, OffloadSettings,
 };
 pub use chat::ChatTemplate;
 pub use config::Config;

@@ -15,6 +15,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use candle_core::cuda_backend::cudarc;
 use candle_core::cuda_backend::cudarc::driver::result as cudarc_result;
 use candle_core::cuda_backend::cudarc::driver::{
     sys as cusys, CudaContext, CudaEvent, CudaSlice, CudaStream, CudaViewMut, DeviceRepr,
@@ -487,6 +488,11 @@ impl CudaEngine {
         Ok(())
     }
 
+    /// Whether the unit's copies are done (never waits).
+    pub(crate) fn is_ready(&self, sync: &UnitSync) -> candle_core::Result<bool> {
+        sync.ready.try_is_complete().w()
+    }
+
     pub(crate) fn record_last_use(&self, sync: &mut UnitSync) -> candle_core::Result<()> {
         sync.last_use = Some(self.compute.record_event(None).w()?);
         Ok(())
@@ -552,6 +558,59 @@ impl CudaEngine {
     pub(crate) fn synchronize(&self) -> candle_core::Result<()> {
         self.copy.synchronize().w()?;
         self.compute.synchronize().w()
+    }
+
+    /// Captures what `f` enqueues on the compute stream (Candle's stream) into a graph, in
+    /// relaxed mode (the capturing thread may still query events and load modules). `f` runs
+    /// twice: first eagerly, as a warm-up whose work is real (so `f` must be repeatable), then
+    /// captured, when nothing runs: the work runs at each [`replay`](Self::replay). Both runs
+    /// keep Candle's cache of host data for kernels on (`enable_cuda_graph_htod_cache`): the
+    /// warm-up uploads each op's dims and strides once, and the captured kernels read those
+    /// persistent copies, where a plain upload would leave the graph a copy node reading host
+    /// memory freed after the capture (hazard H19); an upload the warm-up did not make fails
+    /// the capture. With cudarc's event tracking on (multi-GPU pipelines) every buffer's use
+    /// would record events inside the graph that waits outside it could not use: refused.
+    pub(crate) fn capture<R>(
+        &self,
+        mut f: impl FnMut() -> candle_core::Result<R>,
+    ) -> candle_core::Result<(StepGraph, R)> {
+        if self.ctx.is_event_tracking() {
+            candle_core::bail!("a CUDA graph needs cudarc's event tracking off on this device");
+        }
+        super::kernels::prepare_capture(&self.cuda)?;
+        let _params = self.cuda.enable_cuda_graph_htod_cache();
+        f()?;
+        self.compute
+            .begin_capture(cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .w()?;
+        let out = f();
+        // Always end the capture, also after an error, so the stream runs work again.
+        let graph = self.compute.end_capture(cusys::CUgraphInstantiate_flags(0));
+        let out = out?;
+        match graph.w()? {
+            Some(g) => Ok((StepGraph(g), out)),
+            None => candle_core::bail!("the captured step enqueued nothing"),
+        }
+    }
+
+    /// Launches `graph` on the compute stream, after everything enqueued there before.
+    pub(crate) fn replay(&self, graph: &StepGraph) -> candle_core::Result<()> {
+        graph.0.launch().w()
+    }
+}
+
+/// Work captured on a device's compute stream ([`CudaEngine::capture`]).
+pub(crate) struct StepGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: a CUDA graph may be used from any thread as long as no two threads use it at once
+// (the driver's graph thread-safety rules); `StepGraph` is only launched through `&self` by
+// its owner, who keeps it behind a lock (`Send` without `Sync`), and cudarc binds the context
+// to the launching thread before each launch.
+unsafe impl Send for StepGraph {}
+
+impl std::fmt::Debug for StepGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepGraph")
     }
 }
 

@@ -88,6 +88,22 @@ fn view<'a, T>(s: &'a CudaSlice<T>, l: &Layout, what: &str) -> Result<CudaView<'
     }
 }
 
+/// A decode step's position read on the device ([`crate::ops::rope_qk_cache_at`],
+/// [`crate::ops::decode_attention_at`]): one u32 element of a contiguous u32 storage.
+pub(crate) type PosOnDevice<'a> = Option<(&'a CudaStorage, &'a Layout)>;
+
+/// `pos`'s one element as a view, checked.
+fn pos_view<'a>(pos: PosOnDevice<'a>) -> Result<Option<CudaView<'a, u32>>> {
+    let Some((s, l)) = pos else {
+        return Ok(None);
+    };
+    let v = view(s.as_cuda_slice::<u32>()?, l, "position")?;
+    if v.len() != 1 {
+        candle_core::bail!("a device position of {} elements, not 1", v.len());
+    }
+    Ok(Some(v))
+}
+
 fn to_u32(v: usize, what: &str) -> Result<u32> {
     u32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("{what} {v} exceeds u32")))
 }
@@ -131,13 +147,14 @@ fn arg_or_null<'a>(
     b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>,
     buf: Option<&'a CudaSlice<u8>>,
 ) {
-    /// The null device pointer.
-    static NULL: u64 = 0;
     match buf {
         Some(buf) => b.arg(buf),
         None => b.arg(&NULL),
     };
 }
+
+/// The null device pointer.
+static NULL: u64 = 0;
 
 /// Parts of 8 elements a thread of `rms_norm_residual_vec` holds (RN_PARTS in kernels/ops.cu).
 const RMS_NORM_VEC_PARTS: usize = 4;
@@ -366,7 +383,9 @@ pub(crate) fn rope_qk(
                 // SAFETY: q, k and the table hold the extents check_rope verified; out holds nq
                 // elements for q, then b·hk·t·d for k (cap = t, pos = 0), disjoint from the
                 // inputs (a new buffer); no v.
-                unsafe { launch_rope::<T>(dev, d, [qp, kp, 0, cp], [op, kout, 0], d.t, 0) }?;
+                unsafe {
+                    launch_rope::<T>(dev, d, [qp, kp, 0, cp], [op, kout, 0], d.t, 0, 0, d.t)
+                }?;
             }
             Ok(out)
         }
@@ -396,12 +415,16 @@ fn check_rope(d: RopeDims, q: usize, k: usize, v: Option<usize>, cs: usize) -> R
 
 /// Launches `rope_qk_<dtype>` on `dev`'s stream over the device addresses `[q, k, v, table]`
 /// into `[qout, kout, vout]`, k and v at positions `pos..pos + t` of caches of `cap` positions
-/// (v and vout 0: no values).
+/// (v and vout 0: no values). With `pos_dev` (not 0: the address of one u32) the kernel reads
+/// the position there instead of `pos`, and the table holds `cs_rows` rows from position 0
+/// (otherwise exactly t, the rows of positions pos..pos + t).
 ///
 /// # Safety
 /// The addresses are live device memory of `dev`'s context in `T`: the inputs of the extents
-/// [`check_rope`] gives for `d`; qout b·hq·t·d writable elements, kout (and vout unless v is 0)
-/// b·hk·cap·d, with pos + t ≤ cap; no output overlapping an input or another output.
+/// [`check_rope`] gives for `d` (the table cs_rows ≥ t rows); qout b·hq·t·d writable elements,
+/// kout (and vout unless v is 0) b·hk·cap·d, with pos + t ≤ cap; no output overlapping an input
+/// or another output. The kernel skips a device position past cap - t or cs_rows - t.
+#[allow(clippy::too_many_arguments)]
 unsafe fn launch_rope<T: WithDType>(
     dev: &CudaDevice,
     d: RopeDims,
@@ -409,6 +432,8 @@ unsafe fn launch_rope<T: WithDType>(
     outputs: [u64; 3],
     cap: usize,
     pos: usize,
+    pos_dev: u64,
+    cs_rows: usize,
 ) -> Result<()> {
     let func = load::<T>(dev, "rope_qk")?;
     let args = [d.b, d.t, d.hq, d.hk, d.d, d.rot_half, cap, pos]
@@ -429,10 +454,14 @@ unsafe fn launch_rope<T: WithDType>(
     for a in &args {
         b.arg(a);
     }
+    let cs_rows = to_u32(cs_rows, "rope table rows")?;
+    b.arg(&pos_dev);
+    b.arg(&cs_rows);
     // SAFETY: the arguments match `rope_qk_<dtype>(const T* q, k, v, cs, T* qout, kout, vout,
-    // uint32_t b, t, hq, hk, d, rot_half, cap, pos)` in kernels/ops.cu (device addresses are
-    // pointer-sized); the caller guarantees the extents, which are exactly what the kernel's
-    // grid-stride loop over the n elements of q, k and v indexes.
+    // uint32_t b, t, hq, hk, d, rot_half, cap, pos, const uint32_t *pos_dev, uint32_t cs_rows)`
+    // in kernels/ops.cu (device addresses are pointer-sized); the caller guarantees the
+    // extents, which are exactly what the kernel's grid-stride loop over the n elements of q,
+    // k and v indexes (from a device position it checks itself).
     unsafe { b.launch(elementwise(n)) }.w()?;
     Ok(())
 }
@@ -470,6 +499,7 @@ pub(crate) fn rope_qk_cache(
     (kc, kcl): (&CudaStorage, &Layout),
     (vc, vcl): (&CudaStorage, &Layout),
     pos: usize,
+    pos_dev: PosOnDevice<'_>,
 ) -> Result<CudaStorage> {
     use candle_core::cuda_backend::cudarc::driver::DevicePtr;
     use candle_core::cuda_backend::CudaStorageSlice as S;
@@ -478,6 +508,7 @@ pub(crate) fn rope_qk_cache(
         d: RopeDims,
         [q, k, v, cs, kc, vc]: [(&CudaSlice<T>, &Layout); 6],
         pos: usize,
+        pos_dev: Option<CudaView<'_, u32>>,
     ) -> Result<CudaSlice<T>> {
         let (q, k, v, cs) = (
             view(q.0, q.1, "q")?,
@@ -485,7 +516,14 @@ pub(crate) fn rope_qk_cache(
             view(v.0, v.1, "v")?,
             view(cs.0, cs.1, "table")?,
         );
-        check_rope(d, q.len(), k.len(), Some(v.len()), cs.len())?;
+        // From a device position, the whole table (any number of rows ≥ t).
+        let row = 2 * d.rot_half;
+        let cs_rows = cs.len().checked_div(row).unwrap_or(0);
+        let cs_checked = match &pos_dev {
+            Some(_) if cs_rows >= d.t && cs_rows * row == cs.len() => d.t * row,
+            _ => cs.len(),
+        };
+        check_rope(d, q.len(), k.len(), Some(v.len()), cs_checked)?;
         let (kc, cap) = cache_view(kc, d, pos, "key")?;
         let (vc, vcap) = cache_view(vc, d, pos, "value")?;
         if cap != vcap {
@@ -499,6 +537,8 @@ pub(crate) fn rope_qk_cache(
         let (kp, _g2) = k.device_ptr(&stream);
         let (vp, _g3) = v.device_ptr(&stream);
         let (cp, _g4) = cs.device_ptr(&stream);
+        let pos_guard = pos_dev.as_ref().map(|p| p.device_ptr(&stream));
+        let pp = pos_guard.as_ref().map_or(0, |(p, _)| *p);
         {
             let (op, _g5) = qout.device_ptr(&stream);
             let (kcp, _g6) = kc.device_ptr(&stream);
@@ -506,11 +546,23 @@ pub(crate) fn rope_qk_cache(
             if kcp == vcp || [qp, kp, vp].iter().any(|&p| p == kcp || p == vcp) {
                 candle_core::bail!("rope_qk: a cache shares its buffer with another operand");
             }
-            // SAFETY: the inputs hold the extents check_rope verified; qout is a new buffer of
-            // b·hq·t·d; each cache view is contiguous (b, hk, cap, d) with pos + t ≤ cap (checked
-            // above), the key and value caches and the inputs distinct buffers (Candle's storages
-            // never overlap, and the addresses differ).
-            unsafe { launch_rope::<T>(dev, d, [qp, kp, vp, cp], [op, kcp, vcp], cap, pos) }?;
+            // SAFETY: the inputs hold the extents check_rope verified (the table cs_rows ≥ t
+            // rows); qout is a new buffer of b·hq·t·d; each cache view is contiguous (b, hk,
+            // cap, d) with pos + t ≤ cap (checked above; a device position the kernel checks),
+            // the key and value caches and the inputs distinct buffers (Candle's storages
+            // never overlap, and the addresses differ); pp is 0 or the position's one u32.
+            unsafe {
+                launch_rope::<T>(
+                    dev,
+                    d,
+                    [qp, kp, vp, cp],
+                    [op, kcp, vcp],
+                    cap,
+                    pos,
+                    pp,
+                    if pp == 0 { d.t } else { cs_rows },
+                )
+            }?;
         }
         Ok(qout)
     }
@@ -535,6 +587,7 @@ pub(crate) fn rope_qk_cache(
                     one(vc, vcl)?,
                 ],
                 pos,
+                pos_view(pos_dev)?,
             )?)
         }};
     }
@@ -580,6 +633,16 @@ fn strided_kv<'a, T>(
 
 /// Warps per block of `decode_attention` (DA_WARPS in kernels/ops.cu).
 const ATTENTION_WARPS: u32 = 8;
+/// Counters made at least (enough for a decode step's rows of attention, 8 rows of 128 heads,
+/// and for the columns of a 131072-wide matmul in groups of 32).
+const COUNTERS_MIN: usize = 4096;
+
+/// Makes this thread's completion counters on `dev` before a step is captured, so that the
+/// captured kernels use counters allocated outside the graph.
+pub(crate) fn prepare_capture(dev: &CudaDevice) -> Result<()> {
+    zeroed_counters(dev, COUNTERS_MIN).map(drop)
+}
+
 thread_local! {
     /// Counters of finished work for kernels whose last block to finish a piece completes it
     /// (`decode_attention`'s ranges per row, `qlinear4_small`'s columns per group of 32), per
@@ -602,7 +665,19 @@ fn zeroed_counters(dev: &CudaDevice, rows: usize) -> Result<Rc<CudaSlice<u32>>> 
     if let Some(s) = have {
         return Ok(s);
     }
-    let s = Rc::new(dev.alloc_zeros::<u32>(rows.max(64))?);
+    // Kept past the launch: an allocation inside a captured step would belong to the graph
+    // (hazard H19), so a capture that needs more counters than were made before it fails.
+    let capturing = dev
+        .cuda_stream()
+        .capture_status()
+        .w()?
+        != candle_core::cuda_backend::cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    if capturing {
+        candle_core::bail!(
+            "{rows} completion counters are needed inside a captured step, more than were made before it"
+        );
+    }
+    let s = Rc::new(dev.alloc_zeros::<u32>(rows.max(COUNTERS_MIN))?);
     COUNTERS.with(|c| c.borrow_mut().insert(dev.id(), s.clone()));
     Ok(s)
 }
@@ -610,7 +685,10 @@ fn zeroed_counters(dev: &CudaDevice, rows: usize) -> Result<Rc<CudaSlice<u32>>> 
 /// `decode_attention`: q (b, hq, tq, d) contiguous over the first `kv_len` positions of the
 /// strided caches k and v (b, hk, ≥ kv_len, d) → (b, tq, hq, d). With `q8` (d a multiple of
 /// 32), also the output's b·tq rows of hq·d quantized as [`qlinear4_quantize_x`] quantizes x,
-/// in a buffer of [`qlinear4_x_bytes`] for the output projection's variant-4 matmul.
+/// in a buffer of [`qlinear4_x_bytes`] for the output projection's variant-4 matmul. With
+/// `pos_dev`, kv_len is the views' length and the kernel reads the keys up to that position
+/// plus tq.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn decode_attention(
     dims: crate::ops::AttentionDims,
     scale: f32,
@@ -619,16 +697,18 @@ pub(crate) fn decode_attention(
     (k, kl): (&CudaStorage, &Layout),
     (v, vl): (&CudaStorage, &Layout),
     q8: bool,
+    pos_dev: PosOnDevice<'_>,
 ) -> Result<(CudaStorage, Option<CudaStorage>)> {
     use candle_core::cuda_backend::CudaStorageSlice as S;
-    struct K(
+    struct K<'p>(
         crate::ops::AttentionDims,
         f32,
         u32,
         bool,
         std::cell::RefCell<Option<CudaSlice<u8>>>,
+        Option<CudaView<'p, u32>>,
     );
-    impl Map3 for K {
+    impl Map3 for K<'_> {
         fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
             &self,
             q: &CudaSlice<T>,
@@ -716,12 +796,18 @@ pub(crate) fn decode_attention(
             b.arg(&self.1);
             b.arg(&self.2);
             b.arg(&splits_u);
+            match &self.5 {
+                Some(p) => b.arg(p),
+                None => b.arg(&NULL),
+            };
             // SAFETY: the arguments match `decode_attention_<dtype>(const T*, const T*,
             // const T*, T*, uint4 *xq (null: none), float *part, uint32_t *counters, uint32_t tq, hq, hk, d, kv_len,
-            // uint64_t k strides ×3, v strides ×3, float, uint32_t window, uint32_t splits)` in
-            // kernels/ops.cu; q holds b·hq·tq·d elements and out as many; the k and v views
-            // end after the last element of position kv_len - 1 of the last (batch, head)
-            // (checked by strided_kv), and the kernel reads positions below kv_len only
+            // uint64_t k strides ×3, v strides ×3, float, uint32_t window, uint32_t splits,
+            // const uint32_t *pos_dev (null: none))` in kernels/ops.cu; q holds b·hq·tq·d
+            // elements and out as many; the k and v views end after the last element of
+            // position kv_len - 1 of the last (batch, head) (checked by strided_kv), and the
+            // kernel reads positions below kv_len only (below min(*pos_dev + tq, kv_len) from a
+            // device position, whose one u32 pos_view checked)
             // (1 ≤ tq ≤ kv_len), kv heads below hk (hq a multiple of hk) and d ≤ 256 dims per
             // row (8 per lane); each block scores at most ATTENTION_CHUNK keys (its shared
             // buffer; ops::attention_splits guarantees it); with splits > 1, part holds
@@ -735,7 +821,14 @@ pub(crate) fn decode_attention(
         }
     }
     let dev = q.device();
-    let op = K(dims, scale, window, q8, std::cell::RefCell::new(None));
+    let op = K(
+        dims,
+        scale,
+        window,
+        q8,
+        std::cell::RefCell::new(None),
+        pos_view(pos_dev)?,
+    );
     let slice = op.map(&q.slice, ql, &k.slice, kl, &v.slice, vl, dev)?;
     let storage = |slice| CudaStorage {
         slice,

@@ -43,7 +43,7 @@ pub(crate) use imp::{
     context_memory, device_info, device_used_bytes, keep_pool_memory, measure_h2d_gbps, pci_bus_id,
     pool_reserved_high_bytes, pool_used_high_bytes, profile_mark, profiler_capture,
     set_event_tracking, set_peer_access, trim_memory_pool, trim_memory_pool_to, try_pin,
-    CudaEngine, Downloader, Pinner, UnitSync,
+    CudaEngine, Downloader, Pinner, StepGraph, UnitSync,
 };
 #[cfg(not(feature = "cuda"))]
 pub(crate) use imp::{um_table, ManagedBuffer};

@@ -60,6 +60,10 @@ impl UnitSync {
     }
 }
 
+/// A captured decode step (never exists without CUDA).
+#[derive(Debug)]
+pub(crate) enum StepGraph {}
+
 /// The copy engine of a GPU (never exists without CUDA).
 #[derive(Debug)]
 pub(crate) enum CudaEngine {}
@@ -82,6 +86,9 @@ impl CudaEngine {
     pub(crate) fn wait_ready(&self, _sync: &mut UnitSync) -> candle_core::Result<()> {
         match *self {}
     }
+    pub(crate) fn is_ready(&self, _sync: &UnitSync) -> candle_core::Result<bool> {
+        match *self {}
+    }
     pub(crate) fn record_last_use(&self, _sync: &mut UnitSync) -> candle_core::Result<()> {
         match *self {}
     }
@@ -94,6 +101,15 @@ impl CudaEngine {
         match *self {}
     }
     pub(crate) fn harvest(&self, _sync: &mut UnitSync) -> Option<Timings> {
+        match *self {}
+    }
+    pub(crate) fn capture<R>(
+        &self,
+        _f: impl FnMut() -> candle_core::Result<R>,
+    ) -> candle_core::Result<(StepGraph, R)> {
+        match *self {}
+    }
+    pub(crate) fn replay(&self, _graph: &StepGraph) -> candle_core::Result<()> {
         match *self {}
     }
     pub(crate) fn mem_get_info(&self) -> candle_core::Result<(u64, u64)> {

@@ -1,0 +1,246 @@
+//! Decode steps replayed from a CUDA graph: a single-GPU model whose units are all resident
+//! captures its first eligible decode step (every kernel, allocation and free of the layers and
+//! the head) once, then launches the whole step with one call per token. The host's ~260
+//! launches of a 7B step (about 3 ms, as long as the GPU's work; BENCHMARKS.md, stop 34) become
+//! one.
+//!
+//! What changes between replays lives in device buffers the graph reads: the token ids and
+//! the position (`inputs`, written before each launch), which the RoPE/KV-cache kernel and the
+//! decode attention read on the device ([`candle_offload::ops::rope_qk_cache_at`],
+//! [`candle_offload::ops::decode_attention_at`]); the logits land in a buffer allocated before
+//! the capture and are copied out after each launch. A graph is replayed only while the units
+//! resident at its capture stay ([`candle_offload::OffloadRuntime::replay_step`]), for the same
+//! batch size and the same KV buffers; otherwise it is captured again. Where a graph cannot
+//! apply (a prompt, weights that stream, host layers, a pipeline, padding, an attention the
+//! kernels do not cover, a failed capture) the step runs eagerly, and a debug message says why.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use candle_core::{DType, Result, Tensor, TensorId};
+use candle_offload::StepGraph;
+
+use super::CausalLm;
+use crate::layers::Cache;
+
+/// What graph replay did so far ([`CausalLm::graph_stats`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GraphStats {
+    /// Decode steps captured into a graph (each also ran, as that graph's first launch).
+    pub captures: u64,
+    /// Decode steps replayed from a graph captured earlier.
+    pub replays: u64,
+    /// Single-token steps on a GPU that ran eagerly while graphs were on.
+    pub eager_steps: u64,
+    /// Why the latest eager step could not use a graph.
+    pub last_reason: Option<String>,
+}
+
+/// The model's graph state.
+#[derive(Debug)]
+pub(super) struct Graphs {
+    on: AtomicBool,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    captured: Option<Captured>,
+    /// A capture failed with this error: not tried again until graphs are switched on anew.
+    refused: Option<String>,
+    stats: GraphStats,
+}
+
+/// One captured step and the buffers it reads and writes.
+#[derive(Debug)]
+struct Captured {
+    graph: StepGraph,
+    batch: usize,
+    /// u32 (batch + 1): the token ids, then the position.
+    inputs: Tensor,
+    /// f32 (batch, vocab).
+    logits: Tensor,
+    /// Each layer's key buffer at the capture.
+    kv: Vec<Option<TensorId>>,
+}
+
+impl Default for Graphs {
+    /// On unless `CANDLE_OFFLOAD_GRAPHS=0`.
+    fn default() -> Self {
+        Self {
+            on: AtomicBool::new(std::env::var("CANDLE_OFFLOAD_GRAPHS").as_deref() != Ok("0")),
+            state: Mutex::new(State::default()),
+        }
+    }
+}
+
+impl State {
+    fn eager(&mut self, why: String) -> Option<Tensor> {
+        if self.stats.last_reason.as_deref() != Some(&why) {
+            tracing::debug!(reason = %why, "decoding eagerly (no CUDA graph)");
+        }
+        self.stats.eager_steps += 1;
+        self.stats.last_reason = Some(why);
+        None
+    }
+}
+
+impl CausalLm {
+    /// Whether single-token decode steps of a resident single-GPU model are captured once as
+    /// a CUDA graph and replayed (default on). Switching it on again also retries a capture
+    /// that failed.
+    pub fn set_graphs(&self, on: bool) {
+        self.graphs.on.store(on, Ordering::Relaxed);
+        if let Ok(mut st) = self.graphs.state.lock() {
+            st.refused = None;
+            if !on {
+                st.captured = None;
+            }
+        }
+    }
+
+    /// Whether graph replay is on ([`set_graphs`](Self::set_graphs)).
+    pub fn graphs(&self) -> bool {
+        self.graphs.on.load(Ordering::Relaxed)
+    }
+
+    /// Captures, replays and eager steps so far.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graphs
+            .state
+            .lock()
+            .map(|s| s.stats.clone())
+            .unwrap_or_default()
+    }
+
+    /// The logits (batch, vocab) of the decode step `input_ids` (batch, 1) at `index_pos`,
+    /// replayed from the captured graph or captured now; `None` where no graph applies (the
+    /// caller then runs the step eagerly; nothing has changed).
+    pub(super) fn graph_step(
+        &self,
+        input_ids: &Tensor,
+        index_pos: usize,
+        cache: &mut Cache,
+    ) -> Result<Option<Tensor>> {
+        let (batch, seq_len) = input_ids.dims2()?;
+        let stage = &self.stages[0];
+        if !self.graphs() || seq_len != 1 || !stage.rt.device().is_cuda() {
+            return Ok(None);
+        }
+        let mut st =
+            self.graphs.state.lock().map_err(|_| {
+                candle_core::Error::Msg("the graph state's lock is poisoned".into())
+            })?;
+        if self.stages.len() > 1 {
+            return Ok(st.eager("the layers run as a pipeline of several devices".into()));
+        }
+        if !self.on_host.is_empty() {
+            return Ok(st.eager("layers run on the host".into()));
+        }
+        if !self.stage_fused(stage) {
+            return Ok(st.eager("the fused ops are off".into()));
+        }
+        if let Some(why) = &st.refused {
+            let why = format!("an earlier capture failed: {why}");
+            return Ok(st.eager(why));
+        }
+        // The decode phase's reservation first (it may evict; it synchronises, which a
+        // capture cannot), as the eager step would set it.
+        if let Some(p) = stage.phase {
+            stage.rt.set_reserve_bytes(p.decode)?;
+        }
+        if !stage.rt.all_resident()? {
+            return Ok(st.eager("weights stream (not every unit is resident)".into()));
+        }
+        let room = index_pos < stage.rope.max_len()
+            && cache.kvs.iter().all(|kv| {
+                kv.k_buffer().is_some() && kv.len() == index_pos && kv.capacity() > kv.len()
+            });
+        if !room {
+            return Ok(st.eager("the KV cache is not allocated, or full, at this position".into()));
+        }
+        let kv: Vec<Option<TensorId>> = cache
+            .kvs
+            .iter()
+            .map(|kv| kv.k_buffer().map(Tensor::id))
+            .collect();
+        if let Some(c) = st
+            .captured
+            .as_ref()
+            .filter(|c| c.batch == batch && c.kv == kv)
+        {
+            write_inputs(&c.inputs, input_ids, index_pos)?;
+            if stage.rt.replay_step(&c.graph)? {
+                for kv in &mut cache.kvs {
+                    kv.replayed(1);
+                }
+                let logits = c.logits.copy()?;
+                st.stats.replays += 1;
+                return Ok(Some(logits));
+            }
+            tracing::debug!("units moved since the capture: capturing the decode step again");
+        }
+        if st.captured.take().is_some() {
+            // The old graph may still run: let it finish before it is destroyed.
+            stage.rt.synchronize()?;
+        }
+        let _span = tracing::debug_span!("llama.capture", batch, index_pos).entered();
+        let device = stage.rt.device();
+        let inputs = Tensor::zeros(batch + 1, DType::U32, device)?;
+        let logits = Tensor::zeros((batch, self.cfg.vocab_size), DType::F32, device)?;
+        write_inputs(&inputs, input_ids, index_pos)?;
+        let lens: Vec<usize> = cache.kvs.iter().map(|kv| kv.len()).collect();
+        // Run twice (a warm-up, then captured): each run starts from the same positions.
+        let captured = stage.rt.capture_step(|| {
+            for (kv, &len) in cache.kvs.iter_mut().zip(&lens) {
+                kv.rewind(len);
+            }
+            let ids = inputs.narrow(0, 0, batch)?.reshape((batch, 1))?;
+            let pos = inputs.narrow(0, batch, 1)?;
+            let xs = self.decoder(&ids, index_pos, &[], Some(&pos), cache)?;
+            let out = self.head(&xs)?.squeeze(1)?;
+            logits.slice_set(&out, 0, 0)
+        });
+        let graph = match captured {
+            Ok((graph, ())) => graph,
+            Err(e) => {
+                // The step runs eagerly from the positions it started at (a warm-up that ran
+                // wrote this step's keys and values, which the eager step writes again).
+                for (kv, len) in cache.kvs.iter_mut().zip(lens) {
+                    kv.rewind(len);
+                }
+                let why = e.to_string();
+                st.refused = Some(why.clone());
+                return Ok(st.eager(format!("the capture failed: {why}")));
+            }
+        };
+        // The capture ran nothing: its first launch computes this step.
+        if !stage.rt.replay_step(&graph)? {
+            candle_core::bail!("units moved between the capture and its first launch");
+        }
+        let out = logits.copy()?;
+        st.stats.captures += 1;
+        st.captured = Some(Captured {
+            graph,
+            batch,
+            inputs,
+            logits,
+            kv,
+        });
+        Ok(Some(out))
+    }
+}
+
+/// Writes the step's token ids and position where the graph reads them.
+fn write_inputs(inputs: &Tensor, input_ids: &Tensor, index_pos: usize) -> Result<()> {
+    let ids = input_ids
+        .flatten_all()?
+        .to_dtype(DType::U32)?
+        .to_device(inputs.device())?;
+    let n = ids.dim(0)?;
+    let pos = u32::try_from(index_pos)
+        .map_err(|_| candle_core::Error::Msg(format!("position {index_pos} exceeds u32")))?;
+    inputs.slice_set(&ids, 0, 0)?;
+    inputs.slice_set(&Tensor::new(&[pos], inputs.device())?, 0, n)
+}
