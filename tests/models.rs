@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice};
-use candle_offload_models::generation::generate;
+use candle_offload_models::generation::{generate, generate_batch};
 use candle_offload_models::loader::{self, HubLocation};
 use candle_offload_models::{Config, Llama, ModelError};
 use candle_transformers::generation::LogitsProcessor;
@@ -185,6 +185,42 @@ pub fn write_tiny_llama(dir: &Path, tied: bool, bias: bool) -> anyhow::Result<()
     write_tiny(dir, Tiny::Llama { tied, bias })
 }
 
+/// The model of `files` over `store` on `device` with room for prompts of `prompt_len` and
+/// `max_len` positions: resident (`limit` None) or under a budget of `limit` bytes of weights
+/// beside the model's reservation, with the runtime's strategy, prefetch depth and policy
+/// (default: the model's own sweep).
+#[allow(clippy::too_many_arguments)]
+fn model_over(
+    files: &loader::ModelFiles,
+    store: &Arc<candle_offload::HostStore>,
+    device: &Device,
+    dtype: DType,
+    (prompt_len, max_len): (usize, usize),
+    limit: Option<u64>,
+    (strategy, depth): (OffloadStrategy, usize),
+    policy: Option<PolicyChoice>,
+) -> anyhow::Result<Llama> {
+    let cfg = files.config.clone();
+    let reserve = if device.is_cpu() {
+        0
+    } else {
+        cfg.reserve_bytes(prompt_len, max_len, dtype)
+    };
+    let rt = OffloadRuntime::new(
+        store.clone(),
+        device,
+        &OffloadConfig {
+            gpu_memory_limit: limit.map(|l| MemoryLimit::Bytes(l + reserve)),
+            reserve_bytes: reserve,
+            strategy,
+            prefetch_depth: depth,
+            policy: policy.unwrap_or_else(|| PolicyChoice::Schedule(Llama::schedule(store, &cfg))),
+            ..Default::default()
+        },
+    )?;
+    Ok(Llama::new(cfg, rt, dtype, max_len, &files.weights_path())?)
+}
+
 fn run(
     dir: &Path,
     device: &Device,
@@ -195,28 +231,20 @@ fn run(
     policy: Option<PolicyChoice>,
 ) -> anyhow::Result<(Vec<f32>, Vec<u32>, OffloadRuntime)> {
     let files = loader::from_dir(dir)?;
-    let cfg = files.config.clone();
     let store = Arc::new(loader::load_store(&files, dtype, device, None)?);
     let prompt = [5u32, 17, 42, 3, 99, 64, 8];
     let max_len = prompt.len() + 12;
-    let reserve = if device.is_cpu() {
-        0
-    } else {
-        cfg.reserve_bytes(prompt.len(), max_len, dtype)
-    };
-    let rt = OffloadRuntime::new(
-        store.clone(),
+    let model = model_over(
+        &files,
+        &store,
         device,
-        &OffloadConfig {
-            gpu_memory_limit: limit.map(|l| MemoryLimit::Bytes(l + reserve)),
-            reserve_bytes: reserve,
-            strategy,
-            prefetch_depth: depth,
-            policy: policy.unwrap_or_else(|| PolicyChoice::Schedule(Llama::schedule(&store, &cfg))),
-            ..Default::default()
-        },
+        dtype,
+        (prompt.len(), max_len),
+        limit,
+        (strategy, depth),
+        policy,
     )?;
-    let model = Llama::new(cfg, rt.clone(), dtype, max_len, &files.weights_path())?;
+    let rt = model.runtime().clone();
     let ids = Tensor::new(&prompt, device)?.unsqueeze(0)?;
     let logits = model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?;
     let mut sampler = LogitsProcessor::new(0, None, None);
@@ -306,33 +334,19 @@ fn graph_replay_equals_eager(device: &Device) -> anyhow::Result<()> {
         let dir = tempdir(&format!("graph-{}-{}", kind.tag(), device.is_cpu()));
         write_tiny(&dir, kind)?;
         let files = loader::from_dir(&dir)?;
-        let cfg = files.config.clone();
         let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
-        let max_len = prompt.len() + new;
-        let reserve = if device.is_cpu() {
-            0
-        } else {
-            cfg.reserve_bytes(prompt.len(), max_len, DType::F32)
-        };
         let layer = store.units().iter().map(|u| u.bytes()).max().unwrap();
-        let model = |limit: Option<u64>| -> anyhow::Result<Llama> {
-            let rt = OffloadRuntime::new(
-                store.clone(),
+        let model = |limit: Option<u64>| {
+            model_over(
+                &files,
+                &store,
                 device,
-                &OffloadConfig {
-                    gpu_memory_limit: limit.map(|l| MemoryLimit::Bytes(l + reserve)),
-                    reserve_bytes: reserve,
-                    policy: PolicyChoice::Schedule(Llama::schedule(&store, &cfg)),
-                    ..Default::default()
-                },
-            )?;
-            Ok(Llama::new(
-                cfg.clone(),
-                rt,
                 DType::F32,
-                max_len,
-                &files.weights_path(),
-            )?)
+                (prompt.len(), prompt.len() + new),
+                limit,
+                (OffloadStrategy::default(), 1),
+                None,
+            )
         };
         let tokens = |m: &Llama| -> anyhow::Result<Vec<u32>> {
             let mut sampler = LogitsProcessor::new(0, None, None);
@@ -385,6 +399,21 @@ fn graph_replay_equals_eager(device: &Device) -> anyhow::Result<()> {
                     .is_some_and(|r| r.contains("capture")),
                 "{what}: {stats:?}"
             );
+        }
+
+        // Two prompts of one length: no padding, so a batch of two captures its own graph.
+        let other = [9u32, 4, 77, 31, 2, 58, 13];
+        let batch = |m: &Llama| -> anyhow::Result<Vec<Vec<u32>>> {
+            let mut sampler = LogitsProcessor::new(0, None, None);
+            let prompts: [&[u32]; 2] = [&prompt, &other];
+            Ok(generate_batch(m, &prompts, 16, &mut sampler, &[], |_, _| Ok(()))?.0)
+        };
+        let before = resident.graph_stats();
+        assert_eq!(batch(&resident)?, batch(&eager)?, "{what}: a batch of two");
+        let after = resident.graph_stats();
+        if !device.is_cpu() && before.captures > 0 {
+            assert_eq!(after.captures, before.captures + 1, "{what}: {after:?}");
+            assert_eq!(after.replays, before.replays + 14, "{what}: {after:?}");
         }
 
         let offloaded = model(Some(2 * layer))?;
@@ -526,7 +555,6 @@ fn batch_decode_matches_single(device: &Device) -> anyhow::Result<()> {
 }
 
 fn batch_decode_matches_single_in(dir: &Path, device: &Device) -> anyhow::Result<()> {
-    use candle_offload_models::generation::{generate, generate_batch};
     let model = resident_model(dir, device, DType::F32)?;
     let prompts: Vec<Vec<u32>> = [3usize, 9, 6]
         .iter()

@@ -1890,6 +1890,33 @@ mod tests {
     }
 
     #[test]
+    fn a_cpu_runtime_captures_no_step() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let rt = OffloadRuntime::new(
+            Arc::new(zero_layers(2, 64, &dev)?),
+            &dev,
+            &OffloadConfig::default(),
+        )?;
+        for i in 0..2 {
+            drop(rt.acquire_layer(i)?);
+        }
+        assert!(
+            !rt.all_resident()?,
+            "only a GPU runtime holds units a graph can read"
+        );
+        let mut ran = false;
+        let err = rt
+            .capture_step(|| {
+                ran = true;
+                Ok(())
+            })
+            .unwrap_err();
+        assert!(err.to_string().contains("GPU runtime"), "{err}");
+        assert!(!ran, "nothing runs when the capture is refused");
+        Ok(())
+    }
+
+    #[test]
     fn a_derived_value_lives_as_long_as_the_residency() -> anyhow::Result<()> {
         let dev = Device::Cpu;
         let store = zero_layers(2, 64, &dev)?;

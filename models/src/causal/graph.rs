@@ -181,10 +181,9 @@ impl CausalLm {
             }
             tracing::debug!("units moved since the capture: capturing the decode step again");
         }
-        if st.captured.take().is_some() {
-            // The old graph may still run: let it finish before it is destroyed.
-            stage.rt.synchronize()?;
-        }
+        // An old graph may still run: the driver frees an executable graph in flight only when
+        // it completes, and its buffers are freed in the stream's order.
+        st.captured = None;
         let _span = tracing::debug_span!("llama.capture", batch, index_pos).entered();
         let device = stage.rt.device();
         let inputs = Tensor::zeros(batch + 1, DType::U32, device)?;
