@@ -1359,6 +1359,12 @@ impl OffloadRuntime {
         if st.generation != generation {
             candle_core::bail!("units moved while the step was captured");
         }
+        drop(st);
+        // The graph keeps one step's activations in memory of its own from its first launch;
+        // the blocks earlier eager steps left cached in the pool go back to the driver, so the
+        // two do not add up at the peak.
+        engine.synchronize()?;
+        crate::sys::trim_memory_pool(&self.shared.device)?;
         Ok((StepGraph { graph, generation }, r))
     }
 
