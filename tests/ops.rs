@@ -545,6 +545,77 @@ test_device!(
     ops_at_a_device_position_gpu
 );
 
+/// A padded batch's decode attention leaves each row's padding out: row r equals the
+/// composition over its own positions from `pads[r]` on (attention depends only on the
+/// distance between positions, windows included), for GQA, windows, several new positions,
+/// split ranges and the quantized hand-over's variant; pads of zero are no padding; a head
+/// dim past the kernel's and a wrong number of counts are refused.
+/// (q heads, kv heads, new positions, cached positions, head_dim, window, pads)
+type PaddedCase = (
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    Option<usize>,
+    &'static [usize],
+);
+
+fn decode_attention_skips_each_rows_padding(device: &Device) -> anyhow::Result<()> {
+    let cases: [PaddedCase; 4] = [
+        (4, 2, 1, 9, 32, None, &[0, 3, 5]),
+        (8, 8, 2, 40, 64, Some(6), &[10, 0]),
+        (4, 1, 1, 600, 64, None, &[0, 17, 300, 599]),
+        (2, 2, 1, 5, 32, None, &[0, 0]),
+    ];
+    for dtype in DTYPES {
+        for (i, &(hq, hk, tq, kv, d, window, pads)) in cases.iter().enumerate() {
+            let b = pads.len();
+            let seed = 1200 + 10 * i as u64;
+            let q = random(&[b, hq, tq, d], 1.0, seed, dtype, device)?;
+            let k = random(&[b, hk, kv, d], 1.0, seed + 1, dtype, device)?;
+            let v = random(&[b, hk, kv, d], 1.0, seed + 2, dtype, device)?;
+            let scale = 1.0 / (d as f64).sqrt();
+            for q8 in [false, true] {
+                let got = ops::decode_attention_padded(&q, &k, &v, scale, window, pads, q8)?;
+                let got = got.reshape((b, tq, hq, d))?;
+                for (r, &p) in pads.iter().enumerate() {
+                    let row = |t: &Tensor| t.narrow(0, r, 1)?.narrow(2, p, kv - p);
+                    let want = ops::decode_attention_unfused(
+                        &q.narrow(0, r, 1)?,
+                        &row(&k)?,
+                        &row(&v)?,
+                        scale,
+                        window,
+                    )?;
+                    ensure_close(
+                        &format!("padded attention {:?} row {r} q8 {q8} {dtype:?}", cases[i]),
+                        &got.narrow(0, r, 1)?,
+                        &want,
+                        dtype,
+                    )?;
+                }
+            }
+        }
+    }
+    let (q, k) = (
+        random(&[2, 2, 1, 320], 1.0, 1, DType::F32, device)?,
+        random(&[2, 2, 4, 320], 1.0, 2, DType::F32, device)?,
+    );
+    anyhow::ensure!(ops::decode_attention_padded(&q, &k, &k, 0.1, None, &[1, 0], false).is_err());
+    let (q, k) = (
+        random(&[2, 2, 1, 32], 1.0, 1, DType::F32, device)?,
+        random(&[2, 2, 4, 32], 1.0, 2, DType::F32, device)?,
+    );
+    anyhow::ensure!(ops::decode_attention_padded(&q, &k, &k, 0.1, None, &[1], false).is_err());
+    Ok(())
+}
+test_device!(
+    decode_attention_skips_each_rows_padding,
+    ops_decode_attention_padded_cpu,
+    ops_decode_attention_padded_gpu
+);
+
 /// (batch, q heads, kv heads, new positions, cached positions, head_dim, sliding window):
 /// decode (one new), GQA, MQA with a window, several new positions, all positions new, odd head
 /// dims, the largest head_dim of the kernel and one past it (the composition's fallback), and

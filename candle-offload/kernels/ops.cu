@@ -272,7 +272,7 @@ __device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uin
                                  uint32_t d, uint32_t kv_len, uint64_t k_sb, uint64_t k_sh,
                                  uint64_t k_st, uint64_t v_sb, uint64_t v_sh, uint64_t v_st,
                                  float scale, uint32_t window, uint32_t splits,
-                                 const uint32_t *pos_dev) {
+                                 const uint32_t *pos_dev, const uint32_t *pads) {
     // A replayed decode step reads the cached length from the device: kv_len is then the
     // views' capacity, and the positions are *pos_dev + tq of them (at most kv_len).
     if (pos_dev != nullptr) kv_len = min(*pos_dev + tq, kv_len);
@@ -284,7 +284,10 @@ __device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uin
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
     const uint32_t kvh = h / (hq / hk);
     const uint32_t pos = kv_len - tq + qi;
-    const uint32_t lo = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    uint32_t lo = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    // Left padding of this batch row (pads not null): keys before pads[bi] are not tokens; a
+    // query inside the padding sees only itself.
+    if (pads != nullptr) lo = pos < pads[bi] ? pos : max(lo, pads[bi]);
     const uint32_t per = (pos + 1 - lo + splits - 1) / splits;
     const uint32_t start = lo + sp * per;
     const uint32_t end = min(pos + 1, start + per);
@@ -2250,9 +2253,10 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
         uint32_t *counters, uint32_t tq, uint32_t hq, uint32_t hk, uint32_t d, uint32_t kv_len, \
         uint64_t k_sb, uint64_t k_sh, uint64_t k_st, uint64_t v_sb, uint64_t v_sh,              \
         uint64_t v_st, float scale, uint32_t window, uint32_t splits,                           \
-        const uint32_t *pos_dev) {                                                              \
+        const uint32_t *pos_dev, const uint32_t *pads) {                                        \
         decode_attention<T>(q, k, v, out, xq, part, counters, tq, hq, hk, d, kv_len, k_sb,      \
-                            k_sh, k_st, v_sb, v_sh, v_st, scale, window, splits, pos_dev);      \
+                            k_sh, k_st, v_sb, v_sh, v_st, scale, window, splits, pos_dev,       \
+                            pads);                                                              \
     }                                                                                           \
     LINEAR_SMALL_FOR(T, SUFFIX, 1)                                                              \
     LINEAR_SMALL_FOR(T, SUFFIX, 2)                                                              \

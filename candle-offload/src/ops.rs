@@ -786,7 +786,7 @@ pub fn rope_qk_unfused(q: &Tensor, k: &Tensor, table: &Tensor) -> Result<(Tensor
 // Decode attention over a KV cache
 
 /// The largest head_dim [`decode_attention`]'s CUDA kernel handles (8 values per lane).
-pub(crate) const ATTENTION_MAX_HEAD_DIM: usize = 256;
+pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
 
 /// The most keys one `decode_attention` block scores (DA_CHUNK in kernels/ops.cu).
 const ATTENTION_CHUNK: usize = 256;
@@ -895,7 +895,7 @@ fn decode_attention_cpu<T: WithDType>(
     k: &[T],
     v: &[T],
     (ql, kl, vl): (&Layout, &Layout, &Layout),
-    op: DecodeAttention,
+    (op, pads): (DecodeAttention, &[u32]),
 ) -> Result<Vec<T>> {
     let dims = AttentionDims::of(ql, kl, vl)?;
     if kl.stride()[3] != 1 || vl.stride()[3] != 1 {
@@ -939,6 +939,13 @@ fn decode_attention_cpu<T: WithDType>(
                 0 => 0,
                 w => (pos + 1).saturating_sub(w as usize),
             };
+            // Left padding: keys before the row's first token are not tokens; a query inside
+            // the padding sees only itself.
+            let lo = match pads.get(bi).map(|&p| p as usize) {
+                Some(p) if pos < p => pos,
+                Some(p) => lo.max(p),
+                None => lo,
+            };
             for (x, &a) in qs.iter_mut().zip(qrow) {
                 *x = f32_of(a) * op.scale;
             }
@@ -968,6 +975,11 @@ fn decode_attention_cpu<T: WithDType>(
 #[derive(Debug)]
 struct DecodeAttentionOp {
     params: DecodeAttention,
+    /// Per batch row, the left padding positions (empty: none).
+    pads: Vec<u32>,
+    /// `pads` on the GPU.
+    #[cfg(feature = "cuda")]
+    pads_dev: Option<Tensor>,
     /// `Some`: the CUDA kernel also writes the output rows quantized for variant 4 and leaves
     /// their buffer here.
     #[cfg(feature = "cuda")]
@@ -999,7 +1011,7 @@ impl candle_core::CustomOp3 for DecodeAttentionOp {
             s3,
             decode_attention_cpu,
             (l1, l2, l3),
-            self.params
+            (self.params, &self.pads[..])
         );
         Ok((out, Shape::from((dims.b, dims.tq, dims.hq, dims.d))))
     }
@@ -1015,14 +1027,18 @@ impl candle_core::CustomOp3 for DecodeAttentionOp {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = AttentionDims::of(l1, l2, l3)?;
-        let pos = self.pos.as_ref().map(|p| p.storage_and_layout());
-        let pos = match &pos {
-            Some((s, l)) => match &**s {
-                candle_core::Storage::Cuda(s) => Some((s, *l)),
-                _ => candle_core::bail!("{}: the position is not on the GPU", self.name()),
-            },
-            None => None,
-        };
+        let guards =
+            [&self.pos, &self.pads_dev].map(|t| t.as_ref().map(|t| t.storage_and_layout()));
+        let mut on_gpu = [None, None];
+        for (g, out) in guards.iter().zip(on_gpu.iter_mut()) {
+            if let Some((s, l)) = g {
+                match &**s {
+                    candle_core::Storage::Cuda(s) => *out = Some((s, *l)),
+                    _ => candle_core::bail!("{}: a u32 operand is not on the GPU", self.name()),
+                }
+            }
+        }
+        let [pos, pads] = on_gpu;
         let (out, xq) = crate::sys::kernels::decode_attention(
             dims,
             self.params.scale,
@@ -1032,6 +1048,7 @@ impl candle_core::CustomOp3 for DecodeAttentionOp {
             (s3, l3),
             self.q8.is_some(),
             pos,
+            pads,
         )?;
         if let Some(slot) = &self.q8 {
             *slot.borrow_mut() = xq;
@@ -1057,7 +1074,24 @@ pub fn decode_attention(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Tensor> {
-    decode_attention_with(q, k, v, scale, window, false, None)
+    decode_attention_with(q, k, v, scale, window, false, None, &[])
+}
+
+/// [`decode_attention`] (with `q8`: [`decode_attention_q8`]) for a batch of left-padded
+/// sequences: batch row r's first `pads[r]` positions are padding, which no query attends to
+/// (a query inside the padding sees only itself), as `Masks::padded` masks them in the models'
+/// composition. For decode steps of a padded batch, whose new positions all lie past the
+/// padding. Head dims above 256 are refused (the caller keeps its masked composition).
+pub fn decode_attention_padded(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    window: Option<usize>,
+    pads: &[usize],
+    q8: bool,
+) -> Result<Tensor> {
+    decode_attention_with(q, k, v, scale, window, q8, None, pads)
 }
 
 /// [`decode_attention`] (with `q8`: [`decode_attention_q8`]) over the positions of `k` and `v`
@@ -1078,12 +1112,12 @@ pub fn decode_attention_at(
 ) -> Result<Tensor> {
     check_position(DecodeAttention::NAME, pos, q)?;
     if q.device().is_cuda() {
-        return decode_attention_with(q, k, v, scale, window, q8, Some(pos));
+        return decode_attention_with(q, k, v, scale, window, q8, Some(pos), &[]);
     }
     let p = pos.flatten_all()?.to_vec1::<u32>()?[0] as usize;
     let n = p + q.dim(2)?;
     let (k, v) = (k.narrow(2, 0, n)?, v.narrow(2, 0, n)?);
-    decode_attention_with(q, &k, &v, scale, window, q8, None)
+    decode_attention_with(q, &k, &v, scale, window, q8, None, &[])
 }
 
 /// [`decode_attention`] reshaped to (batch, new, q_heads · head_dim), the rows the output
@@ -1099,12 +1133,14 @@ pub fn decode_attention_q8(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Tensor> {
-    decode_attention_with(q, k, v, scale, window, true, None)
+    decode_attention_with(q, k, v, scale, window, true, None, &[])
 }
 
 /// [`decode_attention`], or with `q8` [`decode_attention_q8`] (the reshaped rows, whose
 /// quantized copy is remembered for that very tensor), with `pos` from a device position
-/// ([`decode_attention_at`], GPU only).
+/// ([`decode_attention_at`], GPU only) and `pads` the batch rows' left padding (empty: none;
+/// [`decode_attention_padded`]).
+#[allow(clippy::too_many_arguments)]
 fn decode_attention_with(
     q: &Tensor,
     k: &Tensor,
@@ -1113,6 +1149,7 @@ fn decode_attention_with(
     window: Option<usize>,
     q8: bool,
     pos: Option<&Tensor>,
+    pads: &[usize],
 ) -> Result<Tensor> {
     check_dtypes(DecodeAttention::NAME, &[q, k, v])?;
     let dims = AttentionDims::of(q.layout(), k.layout(), v.layout())?;
@@ -1136,6 +1173,21 @@ fn decode_attention_with(
             q.device()
         );
     }
+    let pads: Vec<u32> = if pads.iter().any(|&p| p > 0) {
+        if pads.len() != dims.b || plain {
+            candle_core::bail!(
+                "{}: {} padding counts for {dims:?} (one per batch row, head dims up to {})",
+                DecodeAttention::NAME,
+                pads.len(),
+                ATTENTION_MAX_HEAD_DIM
+            );
+        }
+        pads.iter()
+            .map(|&p| u32::try_from(p).unwrap_or(u32::MAX))
+            .collect()
+    } else {
+        Vec::new()
+    };
     if plain {
         let window = (window > 0).then_some(window as usize);
         return flat(decode_attention_unfused(q, k, v, scale, window)?);
@@ -1157,8 +1209,17 @@ fn decode_attention_with(
         && q.device().is_cuda()
         && dims.d.is_multiple_of(32)
         && (1..=LINEAR_SMALL_MAX_ROWS).contains(&rows);
+    #[cfg(feature = "cuda")]
+    let pads_dev = if !pads.is_empty() && q.device().is_cuda() {
+        Some(Tensor::new(&pads[..], q.device())?)
+    } else {
+        None
+    };
     let op = DecodeAttentionOp {
         params,
+        pads,
+        #[cfg(feature = "cuda")]
+        pads_dev,
         #[cfg(feature = "cuda")]
         q8: hand_over.then(|| std::cell::RefCell::new(None)),
         #[cfg(feature = "cuda")]

@@ -435,6 +435,11 @@ impl Masks {
         !self.pads.is_empty()
     }
 
+    /// Per batch row, its left padding positions (empty: no padding).
+    pub fn pads(&self) -> &[usize] {
+        &self.pads
+    }
+
     /// Whether [`get(None)`](Self::get) is the plain causal mask of a fresh sequence (no
     /// cached positions, no padding): query `i` sees keys `0..=i`.
     pub fn is_plain_causal(&self) -> bool {
@@ -1048,12 +1053,12 @@ impl SelfAttention {
         let decode = (ctx.fused || cpu_step)
             && s.softcap.is_none()
             && seq_len <= DECODE_ATTENTION_MAX_NEW
-            && !ctx.masks.is_padded();
+            && (!ctx.masks.is_padded() || padded_decode(ctx, s));
         let heads = |t: Tensor, n: usize| t.reshape((b, seq_len, n, s.head_dim));
         if let Some(pos) = ctx.pos_dev {
             // A captured step: the position is read on the device, by the two kernels that
             // depend on it, so that every replay of the graph runs at its own position.
-            if !(ctx.fused && decode) {
+            if !(ctx.fused && decode) || ctx.masks.is_padded() {
                 candle_core::bail!(
                     "this attention (soft-capping, padding or unfused ops) cannot run in a \
                      captured step"
@@ -1111,8 +1116,25 @@ impl SelfAttention {
         if decode {
             // One kernel over the cache's views: no repeat, cast, copy, mask or softmax ops.
             let scale = 1.0 / s.score_div;
+            let q8 = takes_quantized_x(&self.o_proj);
             let y =
-                if takes_quantized_x(&self.o_proj) {
+                if ctx.masks.is_padded() {
+                    // Each row's padding is left out by the kernel itself.
+                    let y = candle_offload::ops::decode_attention_padded(
+                        &q,
+                        &k,
+                        &v,
+                        scale,
+                        s.window,
+                        ctx.masks.pads(),
+                        q8,
+                    )?;
+                    if q8 {
+                        y
+                    } else {
+                        y.reshape((b, seq_len, s.n_heads * s.head_dim))?
+                    }
+                } else if q8 {
                     // The kernel also quantizes its rows for the output projection.
                     candle_offload::ops::decode_attention_q8(&q, &k, &v, scale, s.window)?
                 } else {
@@ -1432,6 +1454,14 @@ pub struct PreNormBlock {
     pub mlp: GatedMlp,
     /// After the MLP, before the residual add (Gemma 2).
     pub post_mlp_norm: Option<Norm>,
+}
+
+/// Whether a padded batch's step can take the decode attention kernel, which leaves each row's
+/// padding out itself: every new position past every row's padding (the decode steps after a
+/// padded prompt), and a head dim the kernel takes.
+fn padded_decode(ctx: &StepCtx<'_>, s: &AttentionSpec) -> bool {
+    ctx.masks.pads().iter().all(|&p| p <= ctx.index_pos)
+        && s.head_dim <= candle_offload::ops::ATTENTION_MAX_HEAD_DIM
 }
 
 /// `norm(a + b)` and the sum: in one kernel ([`candle_offload::ops::rms_norm_residual`]) on a

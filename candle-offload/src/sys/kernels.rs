@@ -698,6 +698,7 @@ pub(crate) fn decode_attention(
     (v, vl): (&CudaStorage, &Layout),
     q8: bool,
     pos_dev: PosOnDevice<'_>,
+    pads: PosOnDevice<'_>,
 ) -> Result<(CudaStorage, Option<CudaStorage>)> {
     use candle_core::cuda_backend::CudaStorageSlice as S;
     struct K<'p>(
@@ -706,6 +707,7 @@ pub(crate) fn decode_attention(
         u32,
         bool,
         std::cell::RefCell<Option<CudaSlice<u8>>>,
+        Option<CudaView<'p, u32>>,
         Option<CudaView<'p, u32>>,
     );
     impl Map3 for K<'_> {
@@ -796,14 +798,17 @@ pub(crate) fn decode_attention(
             b.arg(&self.1);
             b.arg(&self.2);
             b.arg(&splits_u);
-            match &self.5 {
-                Some(p) => b.arg(p),
-                None => b.arg(&NULL),
-            };
+            for p in [&self.5, &self.6] {
+                match p {
+                    Some(p) => b.arg(p),
+                    None => b.arg(&NULL),
+                };
+            }
             // SAFETY: the arguments match `decode_attention_<dtype>(const T*, const T*,
             // const T*, T*, uint4 *xq (null: none), float *part, uint32_t *counters, uint32_t tq, hq, hk, d, kv_len,
             // uint64_t k strides ×3, v strides ×3, float, uint32_t window, uint32_t splits,
-            // const uint32_t *pos_dev (null: none))` in kernels/ops.cu; q holds b·hq·tq·d
+            // const uint32_t *pos_dev, const uint32_t *pads (null: none))` in kernels/ops.cu;
+            // pads, when given, holds one u32 per batch row (checked below); q holds b·hq·tq·d
             // elements and out as many; the k and v views end after the last element of
             // position kv_len - 1 of the last (batch, head) (checked by strided_kv), and the
             // kernel reads positions below kv_len only (below min(*pos_dev + tq, kv_len) from a
@@ -821,6 +826,20 @@ pub(crate) fn decode_attention(
         }
     }
     let dev = q.device();
+    let pads = match pads {
+        Some((s, l)) => {
+            let v = view(s.as_cuda_slice::<u32>()?, l, "padding")?;
+            if v.len() != dims.b {
+                candle_core::bail!(
+                    "decode_attention: {} padding counts for a batch of {}",
+                    v.len(),
+                    dims.b
+                );
+            }
+            Some(v)
+        }
+        None => None,
+    };
     let op = K(
         dims,
         scale,
@@ -828,6 +847,7 @@ pub(crate) fn decode_attention(
         q8,
         std::cell::RefCell::new(None),
         pos_view(pos_dev)?,
+        pads,
     );
     let slice = op.map(&q.slice, ql, &k.slice, kl, &v.slice, vl, dev)?;
     let storage = |slice| CudaStorage {
