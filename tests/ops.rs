@@ -576,8 +576,9 @@ fn decode_attention_skips_each_rows_padding(device: &Device) -> anyhow::Result<(
             let k = random(&[b, hk, kv, d], 1.0, seed + 1, dtype, device)?;
             let v = random(&[b, hk, kv, d], 1.0, seed + 2, dtype, device)?;
             let scale = 1.0 / (d as f64).sqrt();
+            let counts = Tensor::new(pads.iter().map(|&p| p as u32).collect::<Vec<_>>(), device)?;
             for q8 in [false, true] {
-                let got = ops::decode_attention_padded(&q, &k, &v, scale, window, pads, q8)?;
+                let got = ops::decode_attention_padded(&q, &k, &v, scale, window, &counts, q8)?;
                 let got = got.reshape((b, tq, hq, d))?;
                 for (r, &p) in pads.iter().enumerate() {
                     let row = |t: &Tensor| t.narrow(0, r, 1)?.narrow(2, p, kv - p);
@@ -602,12 +603,30 @@ fn decode_attention_skips_each_rows_padding(device: &Device) -> anyhow::Result<(
         random(&[2, 2, 1, 320], 1.0, 1, DType::F32, device)?,
         random(&[2, 2, 4, 320], 1.0, 2, DType::F32, device)?,
     );
-    anyhow::ensure!(ops::decode_attention_padded(&q, &k, &k, 0.1, None, &[1, 0], false).is_err());
+    anyhow::ensure!(ops::decode_attention_padded(
+        &q,
+        &k,
+        &k,
+        0.1,
+        None,
+        &Tensor::new(&[1u32, 0], device)?,
+        false
+    )
+    .is_err());
     let (q, k) = (
         random(&[2, 2, 1, 32], 1.0, 1, DType::F32, device)?,
         random(&[2, 2, 4, 32], 1.0, 2, DType::F32, device)?,
     );
-    anyhow::ensure!(ops::decode_attention_padded(&q, &k, &k, 0.1, None, &[1], false).is_err());
+    anyhow::ensure!(ops::decode_attention_padded(
+        &q,
+        &k,
+        &k,
+        0.1,
+        None,
+        &Tensor::new(&[1u32], device)?,
+        false
+    )
+    .is_err());
     Ok(())
 }
 test_device!(

@@ -702,6 +702,18 @@ fn rope_qk_cache_with(
     Ok(q)
 }
 
+/// A tensor's storage guard as the CUDA storage a launcher takes, or an error naming `op`.
+#[cfg(feature = "cuda")]
+fn on_gpu<'a, G: std::ops::Deref<Target = candle_core::Storage>>(
+    op: &str,
+    (s, l): &'a (G, &'a Layout),
+) -> Result<(&'a candle_core::CudaStorage, &'a Layout)> {
+    match &**s {
+        candle_core::Storage::Cuda(s) => Ok((s, *l)),
+        _ => candle_core::bail!("{op}: every operand has to be on the GPU"),
+    }
+}
+
 /// [`rope_qk_cache`]'s kernel, for its operands `[q, k, v, table, k_cache, v_cache]` as it
 /// checked them.
 #[cfg(feature = "cuda")]
@@ -725,24 +737,16 @@ fn rope_qk_cache_launch(
     let dims = RopeDims::of(q.layout(), k.layout(), rows.layout())?;
     let pos_guard = pos_dev.map(|p| p.contiguous()).transpose()?;
     let pos_guard = pos_guard.as_ref().map(|p| p.storage_and_layout());
-    let pos_dev = match &pos_guard {
-        Some((s, l)) => {
-            let Storage::Cuda(s) = &**s else {
-                candle_core::bail!("{}: the position has to be on the GPU", RopeQk::NAME)
-            };
-            Some((s, *l))
-        }
-        None => None,
-    };
+    let pos_dev = pos_guard
+        .as_ref()
+        .map(|g| on_gpu(RopeQk::NAME, g))
+        .transpose()?;
     let out = {
         let guards = [&q, &k, &v, &table, k_cache, v_cache].map(|t| t.storage_and_layout());
-        let mut cuda = Vec::with_capacity(6);
-        for (s, l) in &guards {
-            let Storage::Cuda(s) = &**s else {
-                candle_core::bail!("{}: every operand has to be on the GPU", RopeQk::NAME)
-            };
-            cuda.push((s, *l));
-        }
+        let cuda = guards
+            .iter()
+            .map(|g| on_gpu(RopeQk::NAME, g))
+            .collect::<Result<Vec<_>>>()?;
         crate::sys::kernels::rope_qk_cache(
             dims, cuda[0], cuda[1], cuda[2], cuda[3], cuda[4], cuda[5], pos, pos_dev,
         )?
@@ -975,9 +979,9 @@ fn decode_attention_cpu<T: WithDType>(
 #[derive(Debug)]
 struct DecodeAttentionOp {
     params: DecodeAttention,
-    /// Per batch row, the left padding positions (empty: none).
+    /// Per batch row, the left padding positions, for the CPU loop (empty: none).
     pads: Vec<u32>,
-    /// `pads` on the GPU.
+    /// The padding counts on the GPU, for the kernel.
     #[cfg(feature = "cuda")]
     pads_dev: Option<Tensor>,
     /// `Some`: the CUDA kernel also writes the output rows quantized for variant 4 and leaves
@@ -1027,18 +1031,10 @@ impl candle_core::CustomOp3 for DecodeAttentionOp {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = AttentionDims::of(l1, l2, l3)?;
-        let guards =
+        let [pos, pads] =
             [&self.pos, &self.pads_dev].map(|t| t.as_ref().map(|t| t.storage_and_layout()));
-        let mut on_gpu = [None, None];
-        for (g, out) in guards.iter().zip(on_gpu.iter_mut()) {
-            if let Some((s, l)) = g {
-                match &**s {
-                    candle_core::Storage::Cuda(s) => *out = Some((s, *l)),
-                    _ => candle_core::bail!("{}: a u32 operand is not on the GPU", self.name()),
-                }
-            }
-        }
-        let [pos, pads] = on_gpu;
+        let pos = pos.as_ref().map(|g| on_gpu(self.name(), g)).transpose()?;
+        let pads = pads.as_ref().map(|g| on_gpu(self.name(), g)).transpose()?;
         let (out, xq) = crate::sys::kernels::decode_attention(
             dims,
             self.params.scale,
@@ -1074,12 +1070,13 @@ pub fn decode_attention(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Tensor> {
-    decode_attention_with(q, k, v, scale, window, false, None, &[])
+    decode_attention_with(q, k, v, scale, window, false, None, None)
 }
 
 /// [`decode_attention`] (with `q8`: [`decode_attention_q8`]) for a batch of left-padded
-/// sequences: batch row r's first `pads[r]` positions are padding, which no query attends to
-/// (a query inside the padding sees only itself), as `Masks::padded` masks them in the models'
+/// sequences: `pads` (u32, one per batch row, on q's device; made once per pass, not per
+/// layer) says how many of row r's first positions are padding, which no query attends to (a
+/// query inside the padding sees only itself), as `Masks::padded` masks them in the models'
 /// composition. For decode steps of a padded batch, whose new positions all lie past the
 /// padding. Head dims above 256 are refused (the caller keeps its masked composition).
 pub fn decode_attention_padded(
@@ -1088,10 +1085,10 @@ pub fn decode_attention_padded(
     v: &Tensor,
     scale: f64,
     window: Option<usize>,
-    pads: &[usize],
+    pads: &Tensor,
     q8: bool,
 ) -> Result<Tensor> {
-    decode_attention_with(q, k, v, scale, window, q8, None, pads)
+    decode_attention_with(q, k, v, scale, window, q8, None, Some(pads))
 }
 
 /// [`decode_attention`] (with `q8`: [`decode_attention_q8`]) over the positions of `k` and `v`
@@ -1112,12 +1109,12 @@ pub fn decode_attention_at(
 ) -> Result<Tensor> {
     check_position(DecodeAttention::NAME, pos, q)?;
     if q.device().is_cuda() {
-        return decode_attention_with(q, k, v, scale, window, q8, Some(pos), &[]);
+        return decode_attention_with(q, k, v, scale, window, q8, Some(pos), None);
     }
     let p = pos.flatten_all()?.to_vec1::<u32>()?[0] as usize;
     let n = p + q.dim(2)?;
     let (k, v) = (k.narrow(2, 0, n)?, v.narrow(2, 0, n)?);
-    decode_attention_with(q, &k, &v, scale, window, q8, None, &[])
+    decode_attention_with(q, &k, &v, scale, window, q8, None, None)
 }
 
 /// [`decode_attention`] reshaped to (batch, new, q_heads · head_dim), the rows the output
@@ -1133,13 +1130,13 @@ pub fn decode_attention_q8(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Tensor> {
-    decode_attention_with(q, k, v, scale, window, true, None, &[])
+    decode_attention_with(q, k, v, scale, window, true, None, None)
 }
 
 /// [`decode_attention`], or with `q8` [`decode_attention_q8`] (the reshaped rows, whose
 /// quantized copy is remembered for that very tensor), with `pos` from a device position
-/// ([`decode_attention_at`], GPU only) and `pads` the batch rows' left padding (empty: none;
-/// [`decode_attention_padded`]).
+/// ([`decode_attention_at`], GPU only) and `pads` the batch rows' left padding
+/// ([`decode_attention_padded`]).
 #[allow(clippy::too_many_arguments)]
 fn decode_attention_with(
     q: &Tensor,
@@ -1149,7 +1146,7 @@ fn decode_attention_with(
     window: Option<usize>,
     q8: bool,
     pos: Option<&Tensor>,
-    pads: &[usize],
+    pads: Option<&Tensor>,
 ) -> Result<Tensor> {
     check_dtypes(DecodeAttention::NAME, &[q, k, v])?;
     let dims = AttentionDims::of(q.layout(), k.layout(), v.layout())?;
@@ -1173,20 +1170,22 @@ fn decode_attention_with(
             q.device()
         );
     }
-    let pads: Vec<u32> = if pads.iter().any(|&p| p > 0) {
-        if pads.len() != dims.b || plain {
+    if let Some(p) = pads {
+        if p.dtype() != DType::U32 || p.dims() != [dims.b] || plain {
             candle_core::bail!(
-                "{}: {} padding counts for {dims:?} (one per batch row, head dims up to {})",
+                "{}: padding counts {:?} {:?} for {dims:?} (one u32 per batch row, head dims \
+                 up to {})",
                 DecodeAttention::NAME,
-                pads.len(),
+                p.dtype(),
+                p.dims(),
                 ATTENTION_MAX_HEAD_DIM
             );
         }
-        pads.iter()
-            .map(|&p| u32::try_from(p).unwrap_or(u32::MAX))
-            .collect()
-    } else {
-        Vec::new()
+    }
+    // The CPU loop reads the counts on the host; the CUDA kernel from the tensor.
+    let pads_host = match pads {
+        Some(p) if !q.device().is_cuda() => p.to_vec1::<u32>()?,
+        _ => Vec::new(),
     };
     if plain {
         let window = (window > 0).then_some(window as usize);
@@ -1209,17 +1208,14 @@ fn decode_attention_with(
         && q.device().is_cuda()
         && dims.d.is_multiple_of(32)
         && (1..=LINEAR_SMALL_MAX_ROWS).contains(&rows);
-    #[cfg(feature = "cuda")]
-    let pads_dev = if !pads.is_empty() && q.device().is_cuda() {
-        Some(Tensor::new(&pads[..], q.device())?)
-    } else {
-        None
-    };
     let op = DecodeAttentionOp {
         params,
-        pads,
+        pads: pads_host,
         #[cfg(feature = "cuda")]
-        pads_dev,
+        pads_dev: pads
+            .filter(|_| q.device().is_cuda())
+            .map(|p| p.contiguous())
+            .transpose()?,
         #[cfg(feature = "cuda")]
         q8: hand_over.then(|| std::cell::RefCell::new(None)),
         #[cfg(feature = "cuda")]

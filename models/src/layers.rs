@@ -402,6 +402,8 @@ pub struct Masks {
     pads: Vec<usize>,
     device: Device,
     built: Mutex<Vec<(Option<usize>, Option<Tensor>)>>,
+    /// `pads` as a u32 tensor on `device`, made on first use.
+    pads_tensor: std::sync::OnceLock<Tensor>,
 }
 
 impl Masks {
@@ -427,6 +429,7 @@ impl Masks {
             pads,
             device: device.clone(),
             built: Mutex::new(Vec::new()),
+            pads_tensor: std::sync::OnceLock::new(),
         }
     }
 
@@ -438,6 +441,25 @@ impl Masks {
     /// Per batch row, its left padding positions (empty: no padding).
     pub fn pads(&self) -> &[usize] {
         &self.pads
+    }
+
+    /// [`pads`](Self::pads) as a u32 tensor on this pass's device (what
+    /// [`candle_offload::ops::decode_attention_padded`] reads), made once and shared by the
+    /// layers; `None` without padding.
+    pub fn pads_tensor(&self) -> Result<Option<Tensor>> {
+        if self.pads.is_empty() {
+            return Ok(None);
+        }
+        if let Some(t) = self.pads_tensor.get() {
+            return Ok(Some(t.clone()));
+        }
+        let counts = self
+            .pads
+            .iter()
+            .map(|&p| u32::try_from(p).unwrap_or(u32::MAX))
+            .collect::<Vec<_>>();
+        let t = Tensor::new(counts, &self.device)?;
+        Ok(Some(self.pads_tensor.get_or_init(|| t).clone()))
     }
 
     /// Whether [`get(None)`](Self::get) is the plain causal mask of a fresh sequence (no
@@ -1118,16 +1140,10 @@ impl SelfAttention {
             let scale = 1.0 / s.score_div;
             let q8 = takes_quantized_x(&self.o_proj);
             let y =
-                if ctx.masks.is_padded() {
+                if let Some(pads) = ctx.masks.pads_tensor()? {
                     // Each row's padding is left out by the kernel itself.
                     let y = candle_offload::ops::decode_attention_padded(
-                        &q,
-                        &k,
-                        &v,
-                        scale,
-                        s.window,
-                        ctx.masks.pads(),
-                        q8,
+                        &q, &k, &v, scale, s.window, &pads, q8,
                     )?;
                     if q8 {
                         y

@@ -150,9 +150,6 @@ impl CausalLm {
         if let Some(p) = stage.phase {
             stage.rt.set_reserve_bytes(p.decode)?;
         }
-        if !stage.rt.all_resident()? {
-            return Ok(st.eager("weights stream (not every unit is resident)".into()));
-        }
         let room = index_pos < stage.rope.max_len()
             && cache.kvs.iter().all(|kv| {
                 kv.k_buffer().is_some() && kv.len() == index_pos && kv.capacity() > kv.len()
@@ -184,6 +181,11 @@ impl CausalLm {
         // An old graph may still run: the driver frees an executable graph in flight only when
         // it completes, and its buffers are freed in the stream's order.
         st.captured = None;
+        // Checked here, not before each replay: a replay needs only the residency generation
+        // of its capture (`replay_step`), which any arrival or eviction changes.
+        if !stage.rt.all_resident()? {
+            return Ok(st.eager("weights stream (not every unit is resident)".into()));
+        }
         let _span = tracing::debug_span!("llama.capture", batch, index_pos).entered();
         let device = stage.rt.device();
         let inputs = Tensor::zeros(batch + 1, DType::U32, device)?;
