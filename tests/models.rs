@@ -401,19 +401,39 @@ fn graph_replay_equals_eager(device: &Device) -> anyhow::Result<()> {
             );
         }
 
-        // Two prompts of one length: no padding, so a batch of two captures its own graph.
+        // Two prompts of one length: no padding, so a batch of two captures its own graph;
+        // then of two lengths: the shorter is left-padded, and the padded batch captures
+        // another (its padding counts are read on the device).
         let other = [9u32, 4, 77, 31, 2, 58, 13];
-        let batch = |m: &Llama| -> anyhow::Result<Vec<Vec<u32>>> {
+        let batch = |m: &Llama, second: &[u32]| -> anyhow::Result<Vec<Vec<u32>>> {
             let mut sampler = LogitsProcessor::new(0, None, None);
-            let prompts: [&[u32]; 2] = [&prompt, &other];
+            let prompts: [&[u32]; 2] = [&prompt, second];
             Ok(generate_batch(m, &prompts, 16, &mut sampler, &[], |_, _| Ok(()))?.0)
         };
-        let before = resident.graph_stats();
-        assert_eq!(batch(&resident)?, batch(&eager)?, "{what}: a batch of two");
-        let after = resident.graph_stats();
-        if !device.is_cpu() && before.captures > 0 {
-            assert_eq!(after.captures, before.captures + 1, "{what}: {after:?}");
-            assert_eq!(after.replays, before.replays + 14, "{what}: {after:?}");
+        for (second, how) in [(&other[..], "one length"), (&other[..4], "padded")] {
+            let before = resident.graph_stats();
+            assert_eq!(
+                batch(&resident, second)?,
+                batch(&eager, second)?,
+                "{what}: a batch of two, {how}"
+            );
+            let after = resident.graph_stats();
+            if !device.is_cpu() && before.captures > 0 {
+                assert_eq!(
+                    after.captures,
+                    before.captures + 1,
+                    "{what}, {how}: {after:?}"
+                );
+                assert_eq!(
+                    after.replays,
+                    before.replays + 14,
+                    "{what}, {how}: {after:?}"
+                );
+                assert_eq!(
+                    after.eager_steps, before.eager_steps,
+                    "{what}, {how}: {after:?}"
+                );
+            }
         }
 
         let offloaded = model(Some(2 * layer))?;

@@ -476,8 +476,9 @@ test_device!(
 /// ops given it on the host give: `rope_qk_cache_at` (with the whole table) writes the same
 /// caches and q bit for bit, `decode_attention_at` over the whole cache equals the composition
 /// over the cached positions (the kernel's key ranges follow the cache's length, so the
-/// summation order may differ). On a GPU, a head dim no kernel takes is refused rather than
-/// read to the host.
+/// summation order may differ), also for a padded batch (its counts on the device too,
+/// against `decode_attention_padded` over the cached positions). On a GPU, a head dim no
+/// kernel takes is refused rather than read to the host.
 fn ops_at_a_device_position(device: &Device) -> anyhow::Result<()> {
     let cases = [
         (1, 1, 32, 8, 128, 128, 37, 40),
@@ -514,7 +515,7 @@ fn ops_at_a_device_position(device: &Device) -> anyhow::Result<()> {
             let scale = 1.0 / (d as f64).sqrt();
             let at = Tensor::new(&[(kv - tq) as u32], device)?;
             let what = format!("decode_attention_at {:?} {dtype:?}", ATTENTION_SHAPES[i]);
-            let got = ops::decode_attention_at(&q, &k, &v, scale, window, &at, false);
+            let got = ops::decode_attention_at(&q, &k, &v, scale, window, &at, None, false);
             if device.is_cuda() && d > 256 {
                 anyhow::ensure!(got.is_err(), "{what}: no kernel, and no host read");
                 continue;
@@ -522,6 +523,32 @@ fn ops_at_a_device_position(device: &Device) -> anyhow::Result<()> {
             let (kn, vn) = (k.narrow(2, 0, kv)?, v.narrow(2, 0, kv)?);
             let want = ops::decode_attention_unfused(&q, &kn, &vn, scale, window)?;
             ensure_close(&what, &got?, &want, dtype)?;
+        }
+        // A padded batch's step: the counts are read on the device as well.
+        for (i, &(hq, hk, tq, kv, d, window, pads)) in PADDED_CASES.iter().enumerate() {
+            let b = pads.len();
+            let seed = 1500 + 10 * i as u64;
+            let q = random(&[b, hq, tq, d], 1.0, seed, dtype, device)?;
+            let k = random(&[b, hk, kv + 5, d], 1.0, seed + 1, dtype, device)?;
+            let v = random(&[b, hk, kv + 5, d], 1.0, seed + 2, dtype, device)?;
+            let scale = 1.0 / (d as f64).sqrt();
+            let at = Tensor::new(&[(kv - tq) as u32], device)?;
+            let counts = Tensor::new(pads.iter().map(|&p| p as u32).collect::<Vec<_>>(), device)?;
+            let (kn, vn) = (k.narrow(2, 0, kv)?, v.narrow(2, 0, kv)?);
+            for q8 in [false, true] {
+                let got =
+                    ops::decode_attention_at(&q, &k, &v, scale, window, &at, Some(&counts), q8)?;
+                let want = ops::decode_attention_padded(&q, &kn, &vn, scale, window, &counts, q8)?;
+                ensure_close(
+                    &format!(
+                        "padded decode_attention_at {:?} q8 {q8} {dtype:?}",
+                        PADDED_CASES[i]
+                    ),
+                    &got,
+                    &want,
+                    dtype,
+                )?;
+            }
         }
     }
     // A position that is not one u32 on the device of the operands: an error.
@@ -561,13 +588,15 @@ type PaddedCase = (
     &'static [usize],
 );
 
+const PADDED_CASES: [PaddedCase; 4] = [
+    (4, 2, 1, 9, 32, None, &[0, 3, 5]),
+    (8, 8, 2, 40, 64, Some(6), &[10, 0]),
+    (4, 1, 1, 600, 64, None, &[0, 17, 300, 599]),
+    (2, 2, 1, 5, 32, None, &[0, 0]),
+];
+
 fn decode_attention_skips_each_rows_padding(device: &Device) -> anyhow::Result<()> {
-    let cases: [PaddedCase; 4] = [
-        (4, 2, 1, 9, 32, None, &[0, 3, 5]),
-        (8, 8, 2, 40, 64, Some(6), &[10, 0]),
-        (4, 1, 1, 600, 64, None, &[0, 17, 300, 599]),
-        (2, 2, 1, 5, 32, None, &[0, 0]),
-    ];
+    let cases = PADDED_CASES;
     for dtype in DTYPES {
         for (i, &(hq, hk, tq, kv, d, window, pads)) in cases.iter().enumerate() {
             let b = pads.len();

@@ -1098,6 +1098,9 @@ pub fn decode_attention_padded(
 /// current value and the kernel reads `pos + new` keys (at most the views' length). On a GPU
 /// the kernel's key ranges are set by the views' length, so every replay launches the same
 /// grid; elsewhere `pos` is read to the host and the plain op runs on the narrowed views.
+/// `pads`: a padded batch's left padding per row, as [`decode_attention_padded`] takes it (a
+/// device tensor too, so a replay may read other counts).
+#[allow(clippy::too_many_arguments)]
 pub fn decode_attention_at(
     q: &Tensor,
     k: &Tensor,
@@ -1105,16 +1108,17 @@ pub fn decode_attention_at(
     scale: f64,
     window: Option<usize>,
     pos: &Tensor,
+    pads: Option<&Tensor>,
     q8: bool,
 ) -> Result<Tensor> {
     check_position(DecodeAttention::NAME, pos, q)?;
     if q.device().is_cuda() {
-        return decode_attention_with(q, k, v, scale, window, q8, Some(pos), None);
+        return decode_attention_with(q, k, v, scale, window, q8, Some(pos), pads);
     }
     let p = pos.flatten_all()?.to_vec1::<u32>()?[0] as usize;
     let n = p + q.dim(2)?;
     let (k, v) = (k.narrow(2, 0, n)?, v.narrow(2, 0, n)?);
-    decode_attention_with(q, &k, &v, scale, window, q8, None, None)
+    decode_attention_with(q, &k, &v, scale, window, q8, None, pads)
 }
 
 /// [`decode_attention`] reshaped to (batch, new, q_heads · head_dim), the rows the output

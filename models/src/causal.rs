@@ -1317,8 +1317,10 @@ impl CausalLm {
     /// (batch, seq) begins with `pads[r]` padding positions (any token id) that no position
     /// attends to; `pads` empty means no padding. Every row must hold at least one token by
     /// the end of this pass. Returns the logits of each row's last position, (batch, vocab).
-    /// With padding, attention runs as the masked composition (the fused decode attention
-    /// assumes none). The KV cache from [`new_cache`](Self::new_cache) takes any batch size.
+    /// With padding, a prompt's attention runs as the masked composition; decode steps, whose
+    /// new positions lie past every row's padding, take the decode attention kernel, which
+    /// leaves each row's padding out (and replay from a CUDA graph like unpadded ones). The
+    /// KV cache from [`new_cache`](Self::new_cache) takes any batch size.
     pub fn forward_batch(
         &self,
         input_ids: &Tensor,
@@ -1341,10 +1343,8 @@ impl CausalLm {
             self.runtime().device(),
             batch * seq_len,
             || {
-                if pads.iter().all(|&p| p == 0) {
-                    if let Some(logits) = self.graph_step(input_ids, index_pos, cache)? {
-                        return Ok(logits);
-                    }
+                if let Some(logits) = self.graph_step(input_ids, index_pos, pads, cache)? {
+                    return Ok(logits);
                 }
                 let xs = self.decoder(input_ids, index_pos, pads, None, cache)?;
                 self.head(&xs.narrow(1, seq_len - 1, 1)?)?.squeeze(1)
@@ -1396,14 +1396,14 @@ impl CausalLm {
     }
 
     /// Embeddings and every decoder layer, each acquired from its stage's runtime as it runs;
-    /// the hidden state moves to the next stage's device at each stage boundary. `pos_dev`:
-    /// `index_pos` also held on the device, for a step being captured ([`graph`]).
+    /// the hidden state moves to the next stage's device at each stage boundary. `on_device`:
+    /// `index_pos` and `pads` also held on the device, for a step being captured ([`graph`]).
     fn decoder(
         &self,
         input_ids: &Tensor,
         index_pos: usize,
         pads: &[usize],
-        pos_dev: Option<&Tensor>,
+        on_device: Option<&graph::DeviceInputs>,
         cache: &mut Cache,
     ) -> Result<Tensor> {
         let (_, seq_len) = input_ids.dims2()?;
@@ -1457,13 +1457,16 @@ impl CausalLm {
             // The layers pass the hidden state on split where they can (the residual add left
             // to the next layer's norm kernel); it is whole again between stages.
             let mut hidden = Hidden::Whole(xs.to_dtype(stage.dtype)?);
-            let masks = Masks::padded(seq_len, index_pos, pads, device);
+            let mut masks = Masks::padded(seq_len, index_pos, pads, device);
+            if let Some(counts) = on_device.and_then(|d| d.pads.clone()) {
+                masks = masks.with_pads_tensor(counts);
+            }
             let ctx = StepCtx {
                 index_pos,
                 rope: &stage.rope,
                 masks: &masks,
                 fused: self.stage_fused(stage),
-                pos_dev,
+                pos_dev: on_device.map(|d| &d.pos),
             };
             for l in layers {
                 if !self.on_host.is_empty() {

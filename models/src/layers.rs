@@ -433,6 +433,15 @@ impl Masks {
         }
     }
 
+    /// These masks with the counts [`pads_tensor`](Self::pads_tensor) gives already made: a
+    /// captured step's, which live in the graph's inputs so that each replay reads its own.
+    pub fn with_pads_tensor(self, counts: Tensor) -> Self {
+        if self.is_padded() {
+            let _ = self.pads_tensor.set(counts);
+        }
+        self
+    }
+
     /// Whether some row has padding (the masks are then per row: (batch, 1, new, cached)).
     pub fn is_padded(&self) -> bool {
         !self.pads.is_empty()
@@ -1080,10 +1089,11 @@ impl SelfAttention {
         if let Some(pos) = ctx.pos_dev {
             // A captured step: the position is read on the device, by the two kernels that
             // depend on it, so that every replay of the graph runs at its own position.
-            if !(ctx.fused && decode) || ctx.masks.is_padded() {
+            // A padded batch's counts are read on the device too (the graph's inputs).
+            if !(ctx.fused && decode) {
                 candle_core::bail!(
-                    "this attention (soft-capping, padding or unfused ops) cannot run in a \
-                     captured step"
+                    "this attention (soft-capping, a new position in a row's padding or \
+                     unfused ops) cannot run in a captured step"
                 );
             }
             let (q, k, v) = kv.append_rotated_at(
@@ -1101,6 +1111,7 @@ impl SelfAttention {
                 1.0 / s.score_div,
                 s.window,
                 pos,
+                ctx.masks.pads_tensor()?.as_ref(),
                 q8,
             )?;
             let y = if q8 {

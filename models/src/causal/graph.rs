@@ -4,15 +4,16 @@
 //! launches of a 7B step (about 3 ms, as long as the GPU's work; BENCHMARKS.md, stop 34) become
 //! one.
 //!
-//! What changes between replays lives in device buffers the graph reads: the token ids and
-//! the position (`inputs`, written before each launch), which the RoPE/KV-cache kernel and the
-//! decode attention read on the device ([`candle_offload::ops::rope_qk_cache_at`],
+//! What changes between replays lives in device buffers the graph reads: the token ids, the
+//! position and a padded batch's left padding per row (`inputs`, written before each launch),
+//! which the RoPE/KV-cache kernel and the decode attention read on the device ([`candle_offload::ops::rope_qk_cache_at`],
 //! [`candle_offload::ops::decode_attention_at`]); the logits land in a buffer allocated before
 //! the capture and are copied out after each launch. A graph is replayed only while the units
 //! resident at its capture stay ([`candle_offload::OffloadRuntime::replay_step`]), for the same
-//! batch size and the same KV buffers; otherwise it is captured again. Where a graph cannot
-//! apply (a prompt, weights that stream, host layers, a pipeline, padding, an attention the
-//! kernels do not cover, a failed capture) the step runs eagerly, and a debug message says why.
+//! batch size, padded or not, and the same KV buffers; otherwise it is captured again. Where a
+//! graph cannot apply (a prompt, weights that stream, host layers, a pipeline, a new position
+//! inside a row's padding, an attention the kernels do not cover, a failed capture) the step
+//! runs eagerly, and a debug message says why.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -52,12 +53,24 @@ struct State {
     stats: GraphStats,
 }
 
+/// What a captured step reads on the device instead of the host: views of its `inputs`.
+#[derive(Debug)]
+pub(super) struct DeviceInputs {
+    /// One u32: the positions cached before this step.
+    pub(super) pos: Tensor,
+    /// u32 (batch): each row's left padding, for a padded batch.
+    pub(super) pads: Option<Tensor>,
+}
+
 /// One captured step and the buffers it reads and writes.
 #[derive(Debug)]
 struct Captured {
     graph: StepGraph,
     batch: usize,
-    /// u32 (batch + 1): the token ids, then the position.
+    /// Captured for a padded batch (the attention reads the counts in `inputs`).
+    padded: bool,
+    /// u32 (batch + 1, and batch more when padded): the token ids, the position, then the
+    /// padding counts.
     inputs: Tensor,
     /// f32 (batch, vocab).
     logits: Tensor,
@@ -115,15 +128,22 @@ impl CausalLm {
     }
 
     /// The logits (batch, vocab) of the decode step `input_ids` (batch, 1) at `index_pos`,
-    /// replayed from the captured graph or captured now; `None` where no graph applies (the
-    /// caller then runs the step eagerly; nothing has changed).
+    /// with `pads` as [`forward_batch`](Self::forward_batch) takes them, replayed from the
+    /// captured graph or captured now; `None` where no graph applies (the caller then runs
+    /// the step eagerly; nothing has changed).
     pub(super) fn graph_step(
         &self,
         input_ids: &Tensor,
         index_pos: usize,
+        pads: &[usize],
         cache: &mut Cache,
     ) -> Result<Option<Tensor>> {
         let (batch, seq_len) = input_ids.dims2()?;
+        let pads = if pads.iter().all(|&p| p == 0) {
+            &[][..]
+        } else {
+            pads
+        };
         let stage = &self.stages[0];
         if !self.graphs() || seq_len != 1 || !stage.rt.device().is_cuda() {
             return Ok(None);
@@ -145,6 +165,12 @@ impl CausalLm {
             let why = format!("an earlier capture failed: {why}");
             return Ok(st.eager(why));
         }
+        // The kernel leaves a row's padding out only for new positions past it (as the eager
+        // step decides; see `padded_decode`).
+        if pads.iter().any(|&p| p > index_pos) {
+            return Ok(st.eager("the new position lies inside a row's padding".into()));
+        }
+        let padded = !pads.is_empty();
         // The decode phase's reservation first (it may evict; it synchronises, which a
         // capture cannot), as the eager step would set it.
         if let Some(p) = stage.phase {
@@ -165,9 +191,9 @@ impl CausalLm {
         if let Some(c) = st
             .captured
             .as_ref()
-            .filter(|c| c.batch == batch && c.kv == kv)
+            .filter(|c| c.batch == batch && c.padded == padded && c.kv == kv)
         {
-            write_inputs(&c.inputs, input_ids, index_pos)?;
+            write_inputs(&c.inputs, input_ids, index_pos, pads)?;
             if stage.rt.replay_step(&c.graph)? {
                 for kv in &mut cache.kvs {
                     kv.replayed(1);
@@ -188,9 +214,21 @@ impl CausalLm {
         }
         let _span = tracing::debug_span!("llama.capture", batch, index_pos).entered();
         let device = stage.rt.device();
-        let inputs = Tensor::zeros(batch + 1, DType::U32, device)?;
+        let inputs = Tensor::zeros(
+            batch + 1 + if padded { batch } else { 0 },
+            DType::U32,
+            device,
+        )?;
         let logits = Tensor::zeros((batch, self.cfg.vocab_size), DType::F32, device)?;
-        write_inputs(&inputs, input_ids, index_pos)?;
+        write_inputs(&inputs, input_ids, index_pos, pads)?;
+        let on_device = DeviceInputs {
+            pos: inputs.narrow(0, batch, 1)?,
+            pads: if padded {
+                Some(inputs.narrow(0, batch + 1, batch)?)
+            } else {
+                None
+            },
+        };
         let lens: Vec<usize> = cache.kvs.iter().map(|kv| kv.len()).collect();
         // Run twice (a warm-up, then captured): each run starts from the same positions.
         let captured = stage.rt.capture_step(|| {
@@ -198,8 +236,7 @@ impl CausalLm {
                 kv.rewind(len);
             }
             let ids = inputs.narrow(0, 0, batch)?.reshape((batch, 1))?;
-            let pos = inputs.narrow(0, batch, 1)?;
-            let xs = self.decoder(&ids, index_pos, &[], Some(&pos), cache)?;
+            let xs = self.decoder(&ids, index_pos, pads, Some(&on_device), cache)?;
             let out = self.head(&xs)?.squeeze(1)?;
             logits.slice_set(&out, 0, 0)
         });
@@ -225,6 +262,7 @@ impl CausalLm {
         st.captured = Some(Captured {
             graph,
             batch,
+            padded,
             inputs,
             logits,
             kv,
@@ -233,8 +271,14 @@ impl CausalLm {
     }
 }
 
-/// Writes the step's token ids and position where the graph reads them.
-fn write_inputs(inputs: &Tensor, input_ids: &Tensor, index_pos: usize) -> Result<()> {
+/// Writes the step's token ids, position and padding counts (none when `pads` is empty) where
+/// the graph reads them.
+fn write_inputs(
+    inputs: &Tensor,
+    input_ids: &Tensor,
+    index_pos: usize,
+    pads: &[usize],
+) -> Result<()> {
     let ids = input_ids
         .flatten_all()?
         .to_dtype(DType::U32)?
@@ -242,6 +286,13 @@ fn write_inputs(inputs: &Tensor, input_ids: &Tensor, index_pos: usize) -> Result
     let n = ids.dim(0)?;
     let pos = u32::try_from(index_pos)
         .map_err(|_| candle_core::Error::Msg(format!("position {index_pos} exceeds u32")))?;
+    let mut tail = vec![pos];
+    for &p in pads {
+        tail.push(
+            u32::try_from(p)
+                .map_err(|_| candle_core::Error::Msg(format!("padding {p} exceeds u32")))?,
+        );
+    }
     inputs.slice_set(&ids, 0, 0)?;
-    inputs.slice_set(&Tensor::new(&[pos], inputs.device())?, 0, n)
+    inputs.slice_set(&Tensor::new(tail, inputs.device())?, 0, n)
 }
