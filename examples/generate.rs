@@ -116,8 +116,9 @@ struct Args {
     /// model fits), a count, `spread:N` (N layers spread evenly, so that the CPU computes while
     /// the GPU's copy stream brings the streamed layers in between), `spread:auto` (a count
     /// that balances the layers' compute, one layer timed on this CPU and on the GPU, against
-    /// the link's copies), or `none` (the default: stream what does not fit).
-    #[arg(long, default_value = "none", conflicts_with = "devices")]
+    /// the link's copies; the default: none when the model fits or runs on the CPU), or
+    /// `none` (stream what does not fit).
+    #[arg(long, default_value = "spread:auto", conflicts_with = "devices")]
     host_layers: HostLayers,
     /// Offload weights to host memory (with the budget below, or the free GPU memory).
     #[arg(long)]
