@@ -403,27 +403,44 @@ test_device!(
     ops_rope_qk_gpu
 );
 
+/// (batch, new positions, q heads, kv heads, head_dim, rotated dims, position, cache size)
+type RopeCacheCase = (usize, usize, usize, usize, usize, usize, usize, usize);
+
+/// A RoPE/KV-cache case's operands from `seed`: q, k, v, the key and value caches, and the
+/// whole RoPE table (64 positions).
+fn rope_cache_operands(
+    (b, t, hq, hk, d, rot, _pos, cap): RopeCacheCase,
+    seed: u64,
+    dtype: DType,
+    device: &Device,
+) -> anyhow::Result<[Tensor; 6]> {
+    let (cos, sin) = tables(rot / 2, 64, dtype, device)?;
+    Ok([
+        random(&[b, t, hq, d], 2.0, seed, dtype, device)?,
+        random(&[b, t, hk, d], 2.0, seed + 1, dtype, device)?,
+        random(&[b, t, hk, d], 2.0, seed + 2, dtype, device)?,
+        random(&[b, hk, cap, d], 1.0, seed + 3, dtype, device)?,
+        random(&[b, hk, cap, d], 1.0, seed + 4, dtype, device)?,
+        ops::rope_table(&cos, &sin)?,
+    ])
+}
+
 /// `rope_qk_cache` rotates q and k as `rope_qk` does and writes k and v into the caches' given
 /// positions only: the positions before and after keep what they held, q comes back
 /// (b, hq, t, d).
 fn rope_qk_cache_writes_its_positions(device: &Device) -> anyhow::Result<()> {
-    // (batch, new positions, q heads, kv heads, head_dim, rotated dims, position, cache size)
-    let cases = [
+    let cases: [RopeCacheCase; 3] = [
         (1, 1, 32, 8, 128, 128, 37, 40),
         (2, 3, 6, 2, 64, 64, 5, 8),
         (1, 2, 3, 3, 10, 6, 0, 2),
     ];
     for dtype in DTYPES {
-        for (i, &(b, t, hq, hk, d, rot, pos, cap)) in cases.iter().enumerate() {
-            let seed = 700 + 10 * i as u64;
-            let q = random(&[b, t, hq, d], 2.0, seed, dtype, device)?;
-            let k = random(&[b, t, hk, d], 2.0, seed + 1, dtype, device)?;
-            let v = random(&[b, t, hk, d], 2.0, seed + 2, dtype, device)?;
-            let kc = random(&[b, hk, cap, d], 1.0, seed + 3, dtype, device)?;
-            let vc = random(&[b, hk, cap, d], 1.0, seed + 4, dtype, device)?;
+        for (i, &case) in cases.iter().enumerate() {
+            let (b, t, hq, _, d, _, pos, cap) = case;
+            let [q, k, v, kc, vc, table] =
+                rope_cache_operands(case, 700 + 10 * i as u64, dtype, device)?;
             let (k_before, v_before) = (kc.copy()?, vc.copy()?);
-            let (cos, sin) = tables(rot / 2, 64, dtype, device)?;
-            let table = ops::rope_table(&cos, &sin)?.narrow(0, pos, t)?;
+            let table = table.narrow(0, pos, t)?;
             let got_q = ops::rope_qk_cache(&q, &k, &v, &table, (&kc, &vc), pos)?;
             let (want_q, want_k) = ops::rope_qk_unfused(&q, &k, &table)?;
             let want_v = v.transpose(1, 2)?.contiguous()?;
@@ -480,22 +497,17 @@ test_device!(
 /// against `decode_attention_padded` over the cached positions). On a GPU, a head dim no
 /// kernel takes is refused rather than read to the host.
 fn ops_at_a_device_position(device: &Device) -> anyhow::Result<()> {
-    let cases = [
+    let cases: [RopeCacheCase; 3] = [
         (1, 1, 32, 8, 128, 128, 37, 40),
         (2, 1, 6, 2, 64, 64, 5, 8),
         (1, 2, 3, 3, 10, 6, 0, 2),
     ];
     for dtype in DTYPES {
-        for (i, &(b, t, hq, hk, d, rot, pos, cap)) in cases.iter().enumerate() {
-            let seed = 900 + 10 * i as u64;
-            let q = random(&[b, t, hq, d], 2.0, seed, dtype, device)?;
-            let k = random(&[b, t, hk, d], 2.0, seed + 1, dtype, device)?;
-            let v = random(&[b, t, hk, d], 2.0, seed + 2, dtype, device)?;
-            let kc = random(&[b, hk, cap, d], 1.0, seed + 3, dtype, device)?;
-            let vc = random(&[b, hk, cap, d], 1.0, seed + 4, dtype, device)?;
+        for (i, &case) in cases.iter().enumerate() {
+            let (_, t, _, _, _, _, pos, _) = case;
+            let [q, k, v, kc, vc, table] =
+                rope_cache_operands(case, 900 + 10 * i as u64, dtype, device)?;
             let (kc2, vc2) = (kc.copy()?, vc.copy()?);
-            let (cos, sin) = tables(rot / 2, 64, dtype, device)?;
-            let table = ops::rope_table(&cos, &sin)?;
             let want = ops::rope_qk_cache(&q, &k, &v, &table.narrow(0, pos, t)?, (&kc, &vc), pos)?;
             let at = Tensor::new(&[pos as u32], device)?;
             let got = ops::rope_qk_cache_at(&q, &k, &v, &table, (&kc2, &vc2), &at)?;

@@ -1086,6 +1086,16 @@ impl SelfAttention {
             && seq_len <= DECODE_ATTENTION_MAX_NEW
             && (!ctx.masks.is_padded() || padded_decode(ctx, s));
         let heads = |t: Tensor, n: usize| t.reshape((b, seq_len, n, s.head_dim));
+        // The decode attention's output as the output projection's rows: with `q8` the kernels
+        // hand them over already flat (and quantized), otherwise (b, new, heads, head_dim).
+        let q8 = takes_quantized_x(&self.o_proj);
+        let rows = |y: Tensor| -> Result<Tensor> {
+            if q8 {
+                Ok(y)
+            } else {
+                y.reshape((b, seq_len, s.n_heads * s.head_dim))
+            }
+        };
         if let Some(pos) = ctx.pos_dev {
             // A captured step: the position is read on the device, by the two kernels that
             // depend on it, so that every replay of the graph runs at its own position.
@@ -1103,7 +1113,6 @@ impl SelfAttention {
                 ctx.rope,
                 pos,
             )?;
-            let q8 = takes_quantized_x(&self.o_proj);
             let y = candle_offload::ops::decode_attention_at(
                 &q,
                 &k,
@@ -1114,12 +1123,7 @@ impl SelfAttention {
                 ctx.masks.pads_tensor()?.as_ref(),
                 q8,
             )?;
-            let y = if q8 {
-                y
-            } else {
-                y.reshape((b, seq_len, s.n_heads * s.head_dim))?
-            };
-            return self.o_proj.forward_step(&y, ctx.fused);
+            return self.o_proj.forward_step(&rows(y)?, ctx.fused);
         }
         let (q, k, v) = if ctx.fused && decode {
             // One kernel rotates q and k from the projections' layout and writes k and v
@@ -1149,26 +1153,18 @@ impl SelfAttention {
         if decode {
             // One kernel over the cache's views: no repeat, cast, copy, mask or softmax ops.
             let scale = 1.0 / s.score_div;
-            let q8 = takes_quantized_x(&self.o_proj);
-            let y =
-                if let Some(pads) = ctx.masks.pads_tensor()? {
-                    // Each row's padding is left out by the kernel itself.
-                    let y = candle_offload::ops::decode_attention_padded(
-                        &q, &k, &v, scale, s.window, &pads, q8,
-                    )?;
-                    if q8 {
-                        y
-                    } else {
-                        y.reshape((b, seq_len, s.n_heads * s.head_dim))?
-                    }
-                } else if q8 {
-                    // The kernel also quantizes its rows for the output projection.
+            let y = match ctx.masks.pads_tensor()? {
+                // Each row's padding is left out by the kernel itself.
+                Some(pads) => candle_offload::ops::decode_attention_padded(
+                    &q, &k, &v, scale, s.window, &pads, q8,
+                )?,
+                // The kernel also quantizes its rows for the output projection.
+                None if q8 => {
                     candle_offload::ops::decode_attention_q8(&q, &k, &v, scale, s.window)?
-                } else {
-                    candle_offload::ops::decode_attention(&q, &k, &v, scale, s.window)?
-                        .reshape((b, seq_len, s.n_heads * s.head_dim))?
-                };
-            return self.o_proj.forward_step(&y, ctx.fused);
+                }
+                None => candle_offload::ops::decode_attention(&q, &k, &v, scale, s.window)?,
+            };
+            return self.o_proj.forward_step(&rows(y)?, ctx.fused);
         }
         // Grouped-query attention without repeating k and v: the `rep` query heads of each kv
         // head are rows of one matmul against that head's keys, read from the cache's views

@@ -92,14 +92,15 @@ fn view<'a, T>(s: &'a CudaSlice<T>, l: &Layout, what: &str) -> Result<CudaView<'
 /// [`crate::ops::decode_attention_at`]): one u32 element of a contiguous u32 storage.
 pub(crate) type PosOnDevice<'a> = Option<(&'a CudaStorage, &'a Layout)>;
 
-/// `pos`'s one element as a view, checked.
-fn pos_view<'a>(pos: PosOnDevice<'a>) -> Result<Option<CudaView<'a, u32>>> {
-    let Some((s, l)) = pos else {
+/// `buf`'s `n` u32 elements (a device position: 1; padding counts: one per batch row) as a
+/// view, checked; `what` names them in the error.
+fn u32_view<'a>(buf: PosOnDevice<'a>, n: usize, what: &str) -> Result<Option<CudaView<'a, u32>>> {
+    let Some((s, l)) = buf else {
         return Ok(None);
     };
-    let v = view(s.as_cuda_slice::<u32>()?, l, "position")?;
-    if v.len() != 1 {
-        candle_core::bail!("a device position of {} elements, not 1", v.len());
+    let v = view(s.as_cuda_slice::<u32>()?, l, what)?;
+    if v.len() != n {
+        candle_core::bail!("{} {what} on the device, not {n}", v.len());
     }
     Ok(Some(v))
 }
@@ -142,19 +143,22 @@ fn elementwise(n: usize) -> LaunchConfig {
     }
 }
 
-/// A kernel's optional output buffer as its pointer argument: the buffer, or null for none.
-fn arg_or_null<'a>(
+/// A kernel's optional buffer (an output, a device position) as its pointer argument: the
+/// buffer, or null for none.
+fn arg_or_null<'a, B>(
     b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>,
-    buf: Option<&'a CudaSlice<u8>>,
-) {
+    buf: Option<&'a B>,
+) where
+    candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>:
+        PushKernelArg<&'a B> + PushKernelArg<&'a u64>,
+{
+    /// The null device pointer.
+    static NULL: u64 = 0;
     match buf {
-        Some(buf) => b.arg(buf),
-        None => b.arg(&NULL),
+        Some(buf) => PushKernelArg::<&'a B>::arg(b, buf),
+        None => PushKernelArg::<&'a u64>::arg(b, &NULL),
     };
 }
-
-/// The null device pointer.
-static NULL: u64 = 0;
 
 /// Parts of 8 elements a thread of `rms_norm_residual_vec` holds (RN_PARTS in kernels/ops.cu).
 const RMS_NORM_VEC_PARTS: usize = 4;
@@ -587,7 +591,7 @@ pub(crate) fn rope_qk_cache(
                     one(vc, vcl)?,
                 ],
                 pos,
-                pos_view(pos_dev)?,
+                u32_view(pos_dev, 1, "position")?,
             )?)
         }};
     }
@@ -798,12 +802,8 @@ pub(crate) fn decode_attention(
             b.arg(&self.1);
             b.arg(&self.2);
             b.arg(&splits_u);
-            for p in [&self.5, &self.6] {
-                match p {
-                    Some(p) => b.arg(p),
-                    None => b.arg(&NULL),
-                };
-            }
+            arg_or_null(&mut b, self.5.as_ref());
+            arg_or_null(&mut b, self.6.as_ref());
             // SAFETY: the arguments match `decode_attention_<dtype>(const T*, const T*,
             // const T*, T*, uint4 *xq (null: none), float *part, uint32_t *counters, uint32_t tq, hq, hk, d, kv_len,
             // uint64_t k strides ×3, v strides ×3, float, uint32_t window, uint32_t splits,
@@ -812,7 +812,7 @@ pub(crate) fn decode_attention(
             // elements and out as many; the k and v views end after the last element of
             // position kv_len - 1 of the last (batch, head) (checked by strided_kv), and the
             // kernel reads positions below kv_len only (below min(*pos_dev + tq, kv_len) from a
-            // device position, whose one u32 pos_view checked)
+            // device position, whose one u32 u32_view checked)
             // (1 ≤ tq ≤ kv_len), kv heads below hk (hq a multiple of hk) and d ≤ 256 dims per
             // row (8 per lane); each block scores at most ATTENTION_CHUNK keys (its shared
             // buffer; ops::attention_splits guarantees it); with splits > 1, part holds
@@ -826,28 +826,14 @@ pub(crate) fn decode_attention(
         }
     }
     let dev = q.device();
-    let pads = match pads {
-        Some((s, l)) => {
-            let v = view(s.as_cuda_slice::<u32>()?, l, "padding")?;
-            if v.len() != dims.b {
-                candle_core::bail!(
-                    "decode_attention: {} padding counts for a batch of {}",
-                    v.len(),
-                    dims.b
-                );
-            }
-            Some(v)
-        }
-        None => None,
-    };
     let op = K(
         dims,
         scale,
         window,
         q8,
         std::cell::RefCell::new(None),
-        pos_view(pos_dev)?,
-        pads,
+        u32_view(pos_dev, 1, "position")?,
+        u32_view(pads, dims.b, "padding counts (one per batch row)")?,
     );
     let slice = op.map(&q.slice, ql, &k.slice, kl, &v.slice, vl, dev)?;
     let storage = |slice| CudaStorage {
