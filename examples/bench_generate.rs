@@ -1,14 +1,15 @@
 //! Generation benchmark: prefill time and decode tokens/s, batch 1, of a LLaMA checkpoint under
 //! several GPU budgets and prompt lengths, with the bytes streamed per token against the raw
 //! pinned host-to-device rate measured in the same run, and the peak device memory measured
-//! outside the allocator. Merges the peers' figures if given: accelerate's
-//! (scripts/accelerate_peer.py) and llama.cpp's (`--llamacpp`, the JSON lines of
-//! `../shared/peer/llamacpp/bench.sh` at several `-ngl`, of which each budget takes the most
-//! layers whose measured device peak, less the idle CUDA context, stays within it).
+//! outside the allocator. Merges accelerate's figures if given (scripts/accelerate_peer.py), and
+//! runs llama.cpp's llama-bench on the same GGUF file in the same process (`--llamacpp-bin`):
+//! for each budget and prompt length, the most layers (`-ngl`) whose measured device peak at that
+//! prompt, less the idle CUDA context, stays within the budget; its prefill of the prompt from an
+//! empty context, and its decode after the prompt's length of context (`-d`), as ours decodes.
 //!
 //! Run with: `cargo run --release --features cuda --example bench_generate -- --model-dir DIR
 //! --budgets 4,8,12,full --prompt-lens 64,512 --peer accelerate.json --json-out generate.json`;
-//! for a GGUF file, `--model-dir FILE.gguf [--quantized] --llamacpp llamacpp.jsonl`.
+//! for a GGUF file, `--model-dir FILE.gguf [--quantized] --llamacpp-bin LLAMA_CPP_BUILD/bin`.
 #![recursion_limit = "256"] // the records' `serde_json::json!` literal
 
 use std::path::PathBuf;
@@ -466,22 +467,14 @@ fn main() -> Result<()> {
             let budget_bytes = limit
                 .map(|l| l.resolve("gpu", rt.device_memory().ok().flatten().map(|(_, t)| t)))
                 .transpose()?;
-            let lc_rec = llamacpp.iter().find(|r| r.budget_bytes == budget_bytes);
+            let lc_rec = llamacpp
+                .iter()
+                .find(|r| r.budget_bytes == budget_bytes && r.prompt_len == prompt_len);
             let ngl = lc_rec.map(|r| r.ngl);
-            let lc = |pp: bool| -> Option<f64> {
-                lc_rec?
-                    .runs
-                    .iter()
-                    .find(|(p, g, _)| {
-                        if pp {
-                            *p == prompt_len && *g == 0
-                        } else {
-                            *p == 0
-                        }
-                    })
-                    .map(|r| r.2)
-            };
-            let (lc_decode, lc_prefill) = (lc(false), lc(true));
+            // Both decode after the prompt: its decode at the prompt's depth is the peer figure.
+            let lc_decode = lc_rec.and_then(|r| r.decode_at(prompt_len));
+            let lc_decode_empty = lc_rec.and_then(|r| r.decode_at(0));
+            let lc_prefill = lc_rec.and_then(LlamaCppRecord::prefill);
             let lc_peak = lc_rec.map(|r| r.peak_bytes);
             let peer_rec = peer.as_ref().and_then(|p| {
                 p["results"]
@@ -543,6 +536,8 @@ fn main() -> Result<()> {
                 "llamacpp_ngl": ngl,
                 "llamacpp_peak_device_bytes": lc_peak,
                 "llamacpp_decode_tokens_per_s": lc_decode,
+                "llamacpp_decode_depth": lc_decode.map(|_| prompt_len),
+                "llamacpp_decode_tokens_per_s_empty_context": lc_decode_empty,
                 "llamacpp_prefill_tokens_per_s": lc_prefill,
                 "vs_llamacpp": lc_decode.map(|l| tps / l),
                 "prompt_len": prompt_len,
@@ -663,18 +658,42 @@ struct LlamaCpp {
     layers: u32,
 }
 
-/// llama.cpp's figures at one budget.
+/// llama.cpp's figures at one budget and prompt length.
 struct LlamaCppRecord {
     budget_bytes: Option<u64>,
+    prompt_len: usize,
     ngl: u32,
     /// Its device peak less the idle CUDA context, bytes.
     peak_bytes: u64,
-    /// (prompt tokens, generated tokens, tokens/s) of each llama-bench test.
-    runs: LlamaCppRuns,
+    /// Each llama-bench test's result.
+    runs: Vec<LlamaCppRun>,
 }
 
-/// llama-bench's results: (prompt tokens, generated tokens, tokens/s) per test.
-type LlamaCppRuns = Vec<(usize, usize, f64)>;
+/// One llama-bench test: `prompt` tokens processed or `gen` generated, after `depth` tokens
+/// already in its context, at `tokens_per_s`.
+#[derive(Debug, Clone, Copy)]
+struct LlamaCppRun {
+    prompt: usize,
+    gen: usize,
+    depth: usize,
+    tokens_per_s: f64,
+}
+
+impl LlamaCppRecord {
+    /// Its prefill of the prompt from an empty context, as ours is timed.
+    fn prefill(&self) -> Option<f64> {
+        self.find(|r| r.prompt == self.prompt_len && r.gen == 0 && r.depth == 0)
+    }
+
+    /// Its decode after `depth` tokens in its context.
+    fn decode_at(&self, depth: usize) -> Option<f64> {
+        self.find(|r| r.prompt == 0 && r.gen > 0 && r.depth == depth)
+    }
+
+    fn find(&self, test: impl Fn(&LlamaCppRun) -> bool) -> Option<f64> {
+        self.runs.iter().find(|r| test(r)).map(|r| r.tokens_per_s)
+    }
+}
 
 impl LlamaCpp {
     /// One llama-bench run at `ngl`: its tests, and the device memory it took at its peak
@@ -684,11 +703,17 @@ impl LlamaCpp {
         ngl: u32,
         prompts: &[usize],
         gen: usize,
+        depths: &[usize],
         reps: u32,
-    ) -> Result<(LlamaCppRuns, u64)> {
+    ) -> Result<(Vec<LlamaCppRun>, u64)> {
         let before = diag::device_used_bytes(&self.device)?;
         let sampler = PeakMemorySampler::start(&self.device, Duration::from_millis(2))?;
-        let prompts: Vec<String> = prompts.iter().map(|p| p.to_string()).collect();
+        let list = |v: &[usize]| {
+            v.iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let out = std::process::Command::new(&self.bench)
             .args([
@@ -697,7 +722,14 @@ impl LlamaCpp {
                 "-ngl",
                 &ngl.to_string(),
             ])
-            .args(["-p", &prompts.join(","), "-n", &gen.to_string()])
+            .args([
+                "-p",
+                &list(prompts),
+                "-n",
+                &gen.to_string(),
+                "-d",
+                &list(depths),
+            ])
             .args([
                 "-r",
                 &reps.to_string(),
@@ -724,10 +756,15 @@ impl LlamaCpp {
             let r: serde_json::Value =
                 serde_json::from_str(line).with_context(|| format!("llama-bench: {line}"))?;
             let field = |k: &str| r[k].as_u64().map(|v| v as usize);
-            if let (Some(p), Some(g), Some(ts)) =
+            if let (Some(prompt), Some(gen), Some(tokens_per_s)) =
                 (field("n_prompt"), field("n_gen"), r["avg_ts"].as_f64())
             {
-                runs.push((p, g, ts));
+                runs.push(LlamaCppRun {
+                    prompt,
+                    gen,
+                    depth: field("n_depth").unwrap_or(0),
+                    tokens_per_s,
+                });
             }
         }
         let used = peak
@@ -736,8 +773,10 @@ impl LlamaCpp {
         Ok((runs, used))
     }
 
-    /// For each budget (`None`: everything on the GPU), the most layers whose probe peak
-    /// (the longest prompt, no decode) fits it, then the full measurement there.
+    /// For each budget (`None`: everything on the GPU) and prompt length, the most layers whose
+    /// probe peak (that prompt, no decode) fits it, then the measurement there: the prompt's
+    /// prefill from an empty context, and `gen` tokens decoded after the prompt's length of
+    /// context (llama-bench's `-d`) as ours are, and from an empty one for reference.
     fn measure(
         &self,
         budgets: &[Option<u64>],
@@ -746,60 +785,62 @@ impl LlamaCpp {
         reps: u32,
     ) -> Result<Vec<LlamaCppRecord>> {
         let all = self.layers + 1; // the layers and the output head
-        let longest = prompts.iter().copied().max().unwrap_or(64);
-        let mut probes: std::collections::BTreeMap<u32, u64> = Default::default();
-        let mut peak_at = |ngl: u32| -> Result<u64> {
-            if let Some(p) = probes.get(&ngl) {
-                return Ok(*p);
-            }
-            let (_, p) = self.run(ngl, &[longest], 0, 1)?;
-            println!("llama.cpp probe -ngl {ngl}: {} MiB", p >> 20);
-            probes.insert(ngl, p);
-            Ok(p)
-        };
+        let mut probes: std::collections::BTreeMap<(u32, usize), u64> = Default::default();
         let mut out = Vec::new();
-        for &budget in budgets {
-            let ngl = match budget {
-                None => all,
-                Some(b) => {
-                    // The largest n in 0..=all with peak(n) <= b. Peaks grow with n, nearly
-                    // linearly (a layer's bytes each), so each probe is placed where the line
-                    // through the bracket's ends crosses the budget: two or three probes per
-                    // budget instead of a bisection's six.
-                    let top = peak_at(all)?;
-                    if top <= b {
-                        all
-                    } else {
-                        let (mut lo, mut hi) = (0u32, all); // peak(lo) fits or lo == 0; hi doesn't
-                        let (mut p_lo, mut p_hi) = (peak_at(0)?, top);
-                        while hi - lo > 1 {
-                            let frac = b.saturating_sub(p_lo) as f64
-                                / p_hi.saturating_sub(p_lo).max(1) as f64;
-                            let guess = lo + (frac * (hi - lo) as f64).round() as u32;
-                            let mid = guess.clamp(lo + 1, hi - 1);
-                            let p = peak_at(mid)?;
-                            if p <= b {
-                                (lo, p_lo) = (mid, p);
-                            } else {
-                                (hi, p_hi) = (mid, p);
-                            }
-                        }
-                        lo
-                    }
+        for &prompt in prompts {
+            let mut peak_at = |ngl: u32| -> Result<u64> {
+                if let Some(p) = probes.get(&(ngl, prompt)) {
+                    return Ok(*p);
                 }
+                let (_, p) = self.run(ngl, &[prompt], 0, &[0], 1)?;
+                println!("llama.cpp probe -ngl {ngl} -p {prompt}: {} MiB", p >> 20);
+                probes.insert((ngl, prompt), p);
+                Ok(p)
             };
-            let (runs, peak_bytes) = self.run(ngl, prompts, gen, reps)?;
-            println!(
-                "llama.cpp -ngl {ngl} (budget {}): {runs:?}, peak {} MiB",
-                budget.map_or("none".into(), |b| format!("{} MiB", b >> 20)),
-                peak_bytes >> 20
-            );
-            out.push(LlamaCppRecord {
-                budget_bytes: budget,
-                ngl,
-                peak_bytes,
-                runs,
-            });
+            for &budget in budgets {
+                let ngl = match budget {
+                    None => all,
+                    Some(b) => {
+                        // The largest n in 0..=all with peak(n) <= b. Peaks grow with n,
+                        // nearly linearly (a layer's bytes each), so each probe is placed where
+                        // the line through the bracket's ends crosses the budget: two or three
+                        // probes per budget instead of a bisection's six.
+                        let top = peak_at(all)?;
+                        if top <= b {
+                            all
+                        } else {
+                            let (mut lo, mut hi) = (0u32, all); // peak(lo) fits or lo == 0
+                            let (mut p_lo, mut p_hi) = (peak_at(0)?, top);
+                            while hi - lo > 1 {
+                                let frac = b.saturating_sub(p_lo) as f64
+                                    / p_hi.saturating_sub(p_lo).max(1) as f64;
+                                let guess = lo + (frac * (hi - lo) as f64).round() as u32;
+                                let mid = guess.clamp(lo + 1, hi - 1);
+                                let p = peak_at(mid)?;
+                                if p <= b {
+                                    (lo, p_lo) = (mid, p);
+                                } else {
+                                    (hi, p_hi) = (mid, p);
+                                }
+                            }
+                            lo
+                        }
+                    }
+                };
+                let (runs, peak_bytes) = self.run(ngl, &[prompt], gen, &[0, prompt], reps)?;
+                println!(
+                    "llama.cpp -ngl {ngl} (budget {}, prompt {prompt}): {runs:?}, peak {} MiB",
+                    budget.map_or("none".into(), |b| format!("{} MiB", b >> 20)),
+                    peak_bytes >> 20
+                );
+                out.push(LlamaCppRecord {
+                    budget_bytes: budget,
+                    prompt_len: prompt,
+                    ngl,
+                    peak_bytes,
+                    runs,
+                });
+            }
         }
         Ok(out)
     }
