@@ -827,7 +827,13 @@ impl LlamaCpp {
                         }
                     }
                 };
-                let (runs, peak_bytes) = self.run(ngl, &[prompt], gen, &[0, prompt], reps)?;
+                // Two runs, so that no test's context is longer than our run's: the prefill
+                // from an empty context, then the decode after the prompt's length of context
+                // and, for reference, from an empty one (`-p 0`: no prefill test).
+                let (mut runs, prefill_peak) = self.run(ngl, &[prompt], 0, &[0], reps)?;
+                let (decode, decode_peak) = self.run(ngl, &[0], gen, &[0, prompt], reps)?;
+                runs.extend(decode);
+                let peak_bytes = prefill_peak.max(decode_peak);
                 println!(
                     "llama.cpp -ngl {ngl} (budget {}, prompt {prompt}): {runs:?}, peak {} MiB",
                     budget.map_or("none".into(), |b| format!("{} MiB", b >> 20)),
