@@ -62,8 +62,9 @@ struct Args {
     #[arg(long, default_value_t = 16)]
     new_tokens: usize,
     /// Decoder layers run on the host CPU in front of the GPU, per configuration: `none`
-    /// (stream what does not fit), `auto` (the fewest that let the GPU hold the rest), or a
-    /// count; several (comma-separated) run each budget once per entry.
+    /// (stream what does not fit), `auto` (the fewest that let the GPU hold the rest), a
+    /// count, `spread:N`, `spread:N+head` (the output head on the host too) or `spread:auto`;
+    /// several (comma-separated) run each budget once per entry.
     #[arg(long, value_delimiter = ',', default_value = "none")]
     host_layers: Vec<HostLayers>,
     /// Prefetch depths to run (comma-separated).
@@ -320,8 +321,13 @@ fn main() -> Result<()> {
                 .saturating_sub(settings.reserve_bytes);
             // What `spread:auto` timed to choose (one layer's step on the host and the GPU).
             let layer_steps = model.spread_auto_layer_steps();
-            if host_layers > 0 {
-                println!("        {host_layers} layers on the host CPU ({host:?})");
+            if host_layers > 0 || model.head_on_host() {
+                let head = if model.head_on_host() {
+                    " and the output head"
+                } else {
+                    ""
+                };
+                println!("        {host_layers} layers{head} on the host CPU ({host:?})");
             }
             // The GPU's runtime (the last stage's; the only one without host layers).
             let rt = model
@@ -595,6 +601,7 @@ fn main() -> Result<()> {
                 "host_layer_step_s": layer_steps.map(|s| s.host_s),
                 "device_layer_step_s": layer_steps.map(|s| s.device_s),
                 "host_layers": host_layers,
+                "host_head": model.head_on_host(),
                 // `fused` is every stage's; with host layers the CPU stage runs Candle's ops.
                 "fused_on_gpus": model.fused_on_gpus(),
                 "cpu_q8_activations": args.q8_activations,

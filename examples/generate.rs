@@ -116,8 +116,10 @@ struct Args {
     /// model fits), a count, `spread:N` (N layers spread evenly, so that the CPU computes while
     /// the GPU's copy stream brings the streamed layers in between), `spread:auto` (a count
     /// that balances the layers' compute, one layer timed on this CPU and on the GPU, against
-    /// the link's copies; the default: none when the model fits or runs on the CPU), or
-    /// `none` (stream what does not fit).
+    /// the link's copies, and whether the output head runs on the CPU too, as llama.cpp's
+    /// `-ngl` below the layer count + 1 places it; the default: none when the model fits or
+    /// runs on the CPU), `spread:N+head` (N spread layers and the head on the CPU), or `none`
+    /// (stream what does not fit).
     #[arg(long, default_value = "spread:auto", conflicts_with = "devices")]
     host_layers: HostLayers,
     /// Offload weights to host memory (with the budget below, or the free GPU memory).
@@ -390,10 +392,15 @@ fn main() -> Result<()> {
     let host_layers = model.host_layer_count();
     if host_layers > 0 {
         let which = match args.host_layers {
-            HostLayers::Spread(_) | HostLayers::SpreadAuto => "spread over the model",
+            HostLayers::Spread(_) | HostLayers::SpreadAuto | HostLayers::SpreadWithHead(_) => {
+                "spread over the model"
+            }
             _ => "the first ones",
         };
         eprintln!("host layers: {host_layers} decoder layers ({which}) run on the CPU");
+    }
+    if model.head_on_host() {
+        eprintln!("host head: the final norm and the output head run on the CPU");
     }
     let sharded = sharded || host_layers > 0;
     let stages = model.stages();

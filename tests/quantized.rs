@@ -694,7 +694,11 @@ fn spread_host_layers_of_blocks_beside_a_half_precision_stage() -> anyhow::Resul
     };
     let (want, none) = logits(HostLayers::None)?;
     assert_eq!(none, 0);
-    for host in [HostLayers::Spread(1), HostLayers::Count(1)] {
+    for host in [
+        HostLayers::Spread(1),
+        HostLayers::Count(1),
+        HostLayers::SpreadWithHead(1),
+    ] {
         let (got, h) = logits(host)?;
         assert_eq!(h, 1, "{host:?}");
         let err = rel_l2(&got, &want);

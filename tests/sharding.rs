@@ -296,6 +296,16 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             cases.push((build(&settings, HostLayers::Count(2))?, "count 2", false));
             // Spread: host and device layers alternate, the hidden state crossing each time.
             cases.push((build(&settings, HostLayers::Spread(2))?, "spread 2", false));
+            // The head on the host too (a head of its own only: a tied one is refused).
+            if tied {
+                let e = build(&settings, HostLayers::SpreadWithHead(2))
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains("host_layers") && e.contains("tied"), "{e}");
+            } else {
+                let m = build(&settings, HostLayers::SpreadWithHead(2))?;
+                cases.push((m, "spread 2+head", false));
+            }
             // What `auto` builds on a GPU: the minimal strategy under the budget.
             let minimal = OffloadSettings {
                 strategy: candle_offload::OffloadStrategy::Minimal,
@@ -316,6 +326,10 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             cases.push((build(&limited, HostLayers::Auto)?, "auto", true));
             // Two layers on the host, spread; the device streams what its budget does not hold.
             cases.push((build(&limited, HostLayers::Spread(2))?, "spread 2", false));
+            if !tied {
+                let m = build(&limited, HostLayers::SpreadWithHead(2))?;
+                cases.push((m, "spread 2+head", false));
+            }
             // No host layer under a budget the model does not fit whole: the device streams
             // its layers, and an embedding table of its own stays on the host (tied, it is the
             // head, which the device keeps).
@@ -362,6 +376,7 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
                 );
             }
             assert!(stages[0].0.device().is_cpu());
+            assert_eq!(model.head_on_host(), ctx.ends_with("+head"), "{ctx}");
             // The GPU stage runs the fused ops by default, the host stage Candle's.
             let gpu_fused = (!device.is_cpu()).then_some(true);
             assert_eq!(model.fused_on_gpus(), gpu_fused, "{ctx}");

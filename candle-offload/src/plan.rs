@@ -193,14 +193,93 @@ pub fn spread_host_split(
     link_bytes_per_s: f64,
     device_layer_s: f64,
 ) -> Option<usize> {
+    let rates = SplitRates {
+        host_bytes_per_s,
+        link_bytes_per_s,
+        device_layer_s,
+    };
+    spread_best(layers, fixed, 0, per_layer_reserve, budget, slots, &rates).map(|b| b.host_layers)
+}
+
+/// [`spread_host_split`] that may also place the output head on the host, as llama.cpp does
+/// below `-ngl` = layers + 1: `fixed` includes the head's `head` bytes, which the host would
+/// then read every step (at `host_bytes_per_s`, like a host layer) while the device gets
+/// their room for layers. Returns the host layer count and whether the head goes to the host:
+/// the cheaper of the two placements by [`spread_host_split`]'s cost, the head staying on the
+/// device on ties and whenever every layer fits beside it. Pure.
+#[allow(clippy::too_many_arguments)]
+pub fn spread_host_split_with_head(
+    layers: &[u64],
+    fixed: u64,
+    head: u64,
+    per_layer_reserve: u64,
+    budget: u64,
+    slots: usize,
+    host_bytes_per_s: f64,
+    link_bytes_per_s: f64,
+    device_layer_s: f64,
+) -> Option<(usize, bool)> {
+    let rates = SplitRates {
+        host_bytes_per_s,
+        link_bytes_per_s,
+        device_layer_s,
+    };
+    let on_device = spread_best(layers, fixed, 0, per_layer_reserve, budget, slots, &rates);
+    if on_device.as_ref().is_some_and(|b| b.fits) {
+        return Some((0, false));
+    }
+    let head = head.min(fixed);
+    let on_host = spread_best(
+        layers,
+        fixed - head,
+        head,
+        per_layer_reserve,
+        budget,
+        slots,
+        &rates,
+    );
+    match (on_device, on_host) {
+        (Some(d), Some(h)) if h.cost < d.cost => Some((h.host_layers, true)),
+        (Some(d), _) => Some((d.host_layers, false)),
+        (None, Some(h)) => Some((h.host_layers, true)),
+        (None, None) => None,
+    }
+}
+
+/// The rates [`spread_host_split`] weighs.
+struct SplitRates {
+    host_bytes_per_s: f64,
+    link_bytes_per_s: f64,
+    device_layer_s: f64,
+}
+
+/// The cheapest spread split ([`spread_host_split`]), the host also reading `host_extra`
+/// bytes a step.
+struct SplitChoice {
+    host_layers: usize,
+    /// Seconds a step, as the model prices it.
+    cost: f64,
+    /// Every layer fits the device (and nothing extra is on the host): no host layer.
+    fits: bool,
+}
+
+fn spread_best(
+    layers: &[u64],
+    fixed: u64,
+    host_extra: u64,
+    per_layer_reserve: u64,
+    budget: u64,
+    slots: usize,
+    rates: &SplitRates,
+) -> Option<SplitChoice> {
     let n = layers.len();
     if fixed > budget {
         return None;
     }
-    let mut best: Option<(f64, usize)> = None;
+    let mut best: Option<SplitChoice> = None;
     for h in 0..=n {
         let on_host = spread_host_set(h, n);
-        let (mut host, mut device, mut largest) = (0u64, 0u64, 0u64);
+        let (mut host, mut device, mut largest) = (host_extra, 0u64, 0u64);
         for (l, &b) in layers.iter().enumerate() {
             if on_host[l] {
                 host += b;
@@ -220,17 +299,25 @@ pub fn spread_host_split(
             let kept = room.saturating_sub(largest.saturating_mul(slots as u64));
             device - kept.min(device)
         };
-        if h == 0 && streamed == 0 {
+        let compute = rates.device_layer_s * (n - h) as f64 + host as f64 / rates.host_bytes_per_s;
+        let cost = compute.max(streamed as f64 / rates.link_bytes_per_s);
+        if h == 0 && streamed == 0 && host_extra == 0 {
             // Every layer fits the device: no host layer.
-            return Some(0);
+            return Some(SplitChoice {
+                host_layers: 0,
+                cost,
+                fits: true,
+            });
         }
-        let compute = device_layer_s * (n - h) as f64 + host as f64 / host_bytes_per_s;
-        let cost = compute.max(streamed as f64 / link_bytes_per_s);
-        if best.is_none_or(|(c, _)| cost < c) {
-            best = Some((cost, h));
+        if best.as_ref().is_none_or(|b| cost < b.cost) {
+            best = Some(SplitChoice {
+                host_layers: h,
+                cost,
+                fits: false,
+            });
         }
     }
-    best.map(|(_, h)| h)
+    best
 }
 
 /// Which units a device keeps for good, at their own device sizes, when its weights do not
@@ -534,6 +621,73 @@ mod tests {
                 let more: u64 = first[..=k].iter().map(|&u| own[u]).sum();
                 let slot = first[k + 1..].iter().map(|&u| streaming[u]).max().unwrap_or(0);
                 proptest::prop_assert!(kept + more + slot * (depth as u64 + 1) > capacity);
+            }
+        }
+    }
+
+    #[test]
+    fn the_head_goes_to_the_host_only_when_that_is_cheaper() {
+        let gb = 1_000_000_000u64;
+        let split = |layers: &[u64], fixed, head, budget, host, dev| {
+            spread_host_split_with_head(layers, fixed, head, 0, budget, 2, host, 55e9, dev)
+        };
+        // Everything fits beside the head: nothing moves.
+        assert_eq!(
+            split(&[gb; 4], gb, gb / 4, 5 * gb, 50e9, 1e-3),
+            Some((0, false))
+        );
+        // Nothing fits even without the head.
+        assert_eq!(split(&[gb; 4], 6 * gb, gb / 4, 5 * gb, 50e9, 1e-3), None);
+        // The layers fit without the head, which is half a layer: the host reads the head
+        // (10 ms) rather than a layer (20 ms).
+        assert_eq!(
+            split(&[gb; 4], 2 * gb, gb / 2, 5 * gb + gb / 2, 50e9, 1e-3),
+            Some((0, true))
+        );
+        // A head as large as a layer: the host reads as much either way, and the device keeps
+        // the head and runs one layer fewer.
+        assert_eq!(
+            split(&[gb; 4], 2 * gb, gb, 5 * gb, 50e9, 1e-3),
+            Some((1, false))
+        );
+        // The 7B F16 shape at 12 GiB (32 layers of 0.405 GB, a 0.262 GB head among 0.685 GB
+        // held besides; host 80 GB/s, a device layer 0.3 ms): with the head on the device two
+        // layers go to the host (19.1 ms a step; one would stream 1.17 GB, 21 ms), with the
+        // head on the host one layer (17.6 ms: the host reads 0.67 GB instead of 0.81).
+        let layers = [405_000_000u64; 32];
+        let (fixed, head, budget) = (685_000_000u64, 262_000_000u64, 12_885_000_000u64);
+        assert_eq!(
+            spread_host_split(&layers, fixed, 0, budget, 2, 80e9, 55e9, 0.3e-3),
+            Some(2)
+        );
+        assert_eq!(
+            split(&layers, fixed, head, budget, 80e9, 0.3e-3),
+            Some((1, true))
+        );
+        // A host far slower than the link: the head stays, and the device streams.
+        assert_eq!(
+            split(&layers, fixed, head, budget, 0.1e9, 0.3e-3),
+            Some((0, false))
+        );
+        // Never worse than the split without the head's choice, by the same cost model.
+        let mut next = lcg(5);
+        for _ in 0..2000 {
+            let n = (next() % 10) as usize;
+            let layers = vec![1 + next() % 50; n];
+            let (fixed, budget) = (next() % 60, next() % 400);
+            let head = next() % (fixed + 1);
+            let (host, dev) = (1.0 + (next() % 100) as f64, (next() % 20) as f64 / 10.0);
+            let plain = spread_host_split(&layers, fixed, 0, budget, 1, host, 30.0, dev);
+            let with =
+                spread_host_split_with_head(&layers, fixed, head, 0, budget, 1, host, 30.0, dev);
+            if plain.is_some() {
+                assert!(with.is_some());
+            }
+            if plain == Some(0) && fixed + layers.iter().sum::<u64>() <= budget {
+                assert_eq!(with, Some((0, false)));
+            }
+            if let Some((h, false)) = with {
+                assert_eq!(Some(h), plain, "{layers:?} {fixed} {head} {budget}");
             }
         }
     }

@@ -101,8 +101,14 @@ pub enum HostLayers {
     /// balance (`spread:auto`): [`candle_offload::spread_host_split`] over the layers' bytes,
     /// one layer's step timed on the host and on the GPU
     /// ([`CausalLm::layer_step_seconds`]) and the link's rate measured; none when the model
-    /// fits the budget, and none on a CPU device.
+    /// fits the budget, and none on a CPU device. It also weighs putting the output head
+    /// (with the final norm) on the host, as llama.cpp's `-ngl` below the layer count + 1 does
+    /// ([`candle_offload::spread_host_split_with_head`]): the host then reads the head's bytes
+    /// every step and the GPU has their room for layers.
     SpreadAuto,
+    /// [`Spread`](Self::Spread) with the output head and the final norm on the host too
+    /// (`spread:N+head`); for models with a head of their own (not tied to the embeddings).
+    SpreadWithHead(usize),
 }
 
 /// One decoder layer's decode step, timed on the host CPU and on the GPU
@@ -115,10 +121,20 @@ pub struct LayerSteps {
     pub device_s: f64,
 }
 
+/// Where [`CausalLm::host_split`] puts the work: host layers, and whether the head goes too.
+#[derive(Debug, Clone, Copy, Default)]
+struct HostSplit {
+    layers: usize,
+    head_on_host: bool,
+    /// What [`HostLayers::SpreadAuto`] timed (`None` where it timed nothing).
+    steps: Option<LayerSteps>,
+}
+
 impl std::str::FromStr for HostLayers {
     type Err = String;
 
-    /// `auto`, `none`, a count, or `spread:` and a count or `auto`.
+    /// `auto`, `none`, a count, or `spread:` and a count or `auto`; `spread:N+head` also puts
+    /// the output head on the host.
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         let count = |n: &str| {
             n.trim().parse::<usize>().map_err(|_| {
@@ -130,7 +146,10 @@ impl std::str::FromStr for HostLayers {
             "none" => Ok(Self::None),
             "spread:auto" => Ok(Self::SpreadAuto),
             t => match t.strip_prefix("spread:") {
-                Some(n) => count(n).map(Self::Spread),
+                Some(n) => match n.trim().strip_suffix("+head") {
+                    Some(n) => count(n).map(Self::SpreadWithHead),
+                    None => count(n).map(Self::Spread),
+                },
                 None => count(t).map(Self::Count),
             },
         }
@@ -143,7 +162,9 @@ impl HostLayers {
     /// ([`candle_offload::spread_host_set`]).
     pub fn host_set(&self, h: usize, n: usize) -> Vec<bool> {
         match self {
-            Self::Spread(_) | Self::SpreadAuto => candle_offload::spread_host_set(h, n),
+            Self::Spread(_) | Self::SpreadAuto | Self::SpreadWithHead(_) => {
+                candle_offload::spread_host_set(h, n)
+            }
             _ => (0..n).map(|l| l < h.min(n)).collect(),
         }
     }
@@ -185,6 +206,9 @@ pub struct CausalLm {
     segments: Vec<(usize, Range<usize>)>,
     /// What `spread:auto` timed to choose the host layers ([`spread_auto_layer_steps`](Self::spread_auto_layer_steps)).
     layer_steps: Option<LayerSteps>,
+    /// The final norm and the output head run on the first stage (the host) instead of the
+    /// last ([`head_on_host`](Self::head_on_host)).
+    head_on_host: bool,
     timing: std::sync::atomic::AtomicBool,
     totals: std::sync::Mutex<TransferTotals>,
     /// Decode steps replayed from a CUDA graph ([`set_graphs`](Self::set_graphs)).
@@ -329,6 +353,7 @@ impl CausalLm {
             on_host: Vec::new(),
             segments,
             layer_steps: None,
+            head_on_host: false,
             timing: std::sync::atomic::AtomicBool::new(false),
             totals: std::sync::Mutex::new(TransferTotals::default()),
             graphs: graph::Graphs::default(),
@@ -490,11 +515,11 @@ impl CausalLm {
         Self::host_split(
             cfg, store, device, dtype, prompt_len, max_len, settings, host,
         )
-        .map(|(h, _)| h)
+        .map(|s| s.layers)
     }
 
-    /// [`host_layers_for`](Self::host_layers_for), with the layer steps
-    /// [`HostLayers::SpreadAuto`] timed to choose (`None` where it timed none).
+    /// [`host_layers_for`](Self::host_layers_for), with whether the head goes to the host and
+    /// the layer steps [`HostLayers::SpreadAuto`] timed to choose.
     #[allow(clippy::too_many_arguments)]
     fn host_split(
         cfg: &Config,
@@ -505,9 +530,10 @@ impl CausalLm {
         max_len: usize,
         settings: &OffloadSettings,
         host: HostLayers,
-    ) -> std::result::Result<(usize, Option<LayerSteps>), ModelError> {
+    ) -> std::result::Result<HostSplit, ModelError> {
         let n = cfg.num_hidden_layers;
         let mut steps = None;
+        let mut head_on_host = false;
         let invalid = |reason: String| -> ModelError {
             candle_offload::Error::InvalidConfig {
                 field: "host_layers".into(),
@@ -517,15 +543,28 @@ impl CausalLm {
         };
         let count = match host {
             HostLayers::None => 0,
-            HostLayers::Count(h) | HostLayers::Spread(h) if h > n => {
+            HostLayers::Count(h) | HostLayers::Spread(h) | HostLayers::SpreadWithHead(h)
+                if h > n =>
+            {
                 return Err(invalid(format!(
                     "{h} host layers, but the model has {n} layers"
                 )))
             }
+            HostLayers::SpreadWithHead(_) if cfg.layout().head.is_none() => {
+                return Err(invalid(
+                    "`+head`: this model's output head is its embedding matrix (tied), which \
+                     the GPU keeps"
+                        .into(),
+                ))
+            }
+            HostLayers::SpreadWithHead(h) => {
+                head_on_host = true;
+                h
+            }
             HostLayers::Count(h) | HostLayers::Spread(h) => h,
             HostLayers::Auto | HostLayers::SpreadAuto => {
                 if device.is_cpu() {
-                    return Ok((0, None));
+                    return Ok(HostSplit::default());
                 }
                 let budget = device_budget(device, settings.gpu_memory_limit)?;
                 let bytes = |name: &str| store.unit_id(name).map_or(0, |id| store.unit(id).bytes());
@@ -539,7 +578,7 @@ impl CausalLm {
                     kept += bytes(h);
                 }
                 if Self::fits_whole(cfg, store, device, dtype, prompt_len, max_len, settings)? {
-                    return Ok((0, None));
+                    return Ok(HostSplit::default());
                 }
                 // Tied embeddings: the GPU keeps the head, which is the embedding matrix.
                 if layout.head.is_none() {
@@ -557,8 +596,12 @@ impl CausalLm {
                     let link_rate =
                         candle_offload::diag::measure_h2d_gbps(device, 64 << 20, true, 3)? * 1e9;
                     let slots = settings.prefetch_depth + 1;
-                    let split = candle_offload::spread_host_split(
-                        &layers, fixed, per_layer, budget, slots, host_rate, link_rate, device_s,
+                    // A head of its own may go to the host too (a tied one is the embedding
+                    // table, which the GPU keeps).
+                    let head = layout.head.as_deref().map_or(0, bytes);
+                    let split = candle_offload::spread_host_split_with_head(
+                        &layers, fixed, head, per_layer, budget, slots, host_rate, link_rate,
+                        device_s,
                     );
                     steps = Some(LayerSteps { host_s, device_s });
                     tracing::info!(
@@ -568,7 +611,8 @@ impl CausalLm {
                         ?split,
                         "spread host layers"
                     );
-                    split
+                    head_on_host = split.is_some_and(|(_, on_host)| on_host);
+                    split.map(|(h, _)| h)
                 } else {
                     candle_offload::host_layer_split(&layers, fixed, per_layer, budget)
                 };
@@ -582,7 +626,11 @@ impl CausalLm {
                 })?
             }
         };
-        Ok((count, steps))
+        Ok(HostSplit {
+            layers: count,
+            head_on_host,
+            steps,
+        })
     }
 
     /// Whether every unit of the model fits `device`'s budget at its own size beside a
@@ -806,10 +854,12 @@ impl CausalLm {
         host: HostLayers,
         source: &std::path::Path,
     ) -> std::result::Result<Self, ModelError> {
-        let (h, steps) = Self::host_split(
+        let split = Self::host_split(
             cfg, &store, device, dtype, prompt_len, max_len, settings, host,
         )?;
+        let (h, steps, head_on_host) = (split.layers, split.steps, split.head_on_host);
         if h == 0
+            && !head_on_host
             && !Self::embed_on_host(cfg, &store, device, dtype, prompt_len, max_len, settings)?
         {
             let mut model = Self::from_store(
@@ -824,6 +874,10 @@ impl CausalLm {
         let layout = cfg.layout();
         let mut host_units = vec![layout.embed.clone()];
         host_units.extend((0..n).filter(|&l| on_host[l]).map(|l| layout.layer(l)));
+        if head_on_host {
+            host_units.push(layout.norm.clone());
+            host_units.push(layout.head_unit().to_string());
+        }
         host_units.retain(|u| store.unit_id(u).is_some());
         let cpu = OffloadRuntime::new(
             store.clone(),
@@ -835,7 +889,9 @@ impl CausalLm {
             },
         )?;
         let mut keep = vec![layout.norm.clone()];
-        keep.push(layout.head_unit().to_string());
+        if !head_on_host {
+            keep.push(layout.head_unit().to_string());
+        }
         keep.retain(|u| store.unit_id(u).is_some());
         // The GPU also serves the host layers, for prompts (streamed through its free room,
         // evicted first: they are not in its schedule), whose KV cache it holds one layer at a
@@ -905,12 +961,20 @@ impl CausalLm {
         model.segments = segments;
         model.on_host = on_host.clone();
         model.layer_steps = steps;
+        model.head_on_host = head_on_host;
         model.reserve_by_phase(model.prompt_share(&store, device, prompt_len, max_len));
         // GGML blocks on the host multiply F32 activations (`cpu_quant`, and Candle's CPU
         // quantized matmul takes nothing else); dense host layers keep the model's dtype.
-        let blocks = (0..n).filter(|&l| on_host[l]).any(|l| {
+        let mut on_cpu: Vec<String> = (0..n)
+            .filter(|&l| on_host[l])
+            .map(|l| layout.layer(l))
+            .collect();
+        if head_on_host {
+            on_cpu.push(layout.head_unit().to_string());
+        }
+        let blocks = on_cpu.iter().any(|u| {
             store
-                .unit_id(&layout.layer(l))
+                .unit_id(u)
                 .is_some_and(|id| store.unit(id).has_quantized())
         });
         if blocks && dtype != DType::F32 {
@@ -1252,6 +1316,12 @@ impl CausalLm {
         self.on_host.iter().filter(|&&b| b).count()
     }
 
+    /// Whether the final norm and the output head run on the host CPU
+    /// ([`HostLayers::SpreadWithHead`], or [`HostLayers::SpreadAuto`]'s choice).
+    pub fn head_on_host(&self) -> bool {
+        self.head_on_host
+    }
+
     /// Measures each move of hidden states between stages, synchronizing both devices around
     /// it (a small cost per stage boundary; off by default).
     pub fn time_transfers(&self, on: bool) {
@@ -1502,15 +1572,28 @@ impl CausalLm {
     /// (`xs` is in the last stage's dtype.)
     fn head(&self, xs: &Tensor) -> Result<Tensor> {
         let (vocab, hidden) = (self.cfg.vocab_size, self.cfg.hidden_size);
-        let last = &self.stages[self.stages.len() - 1];
+        let gpu = &self.stages[self.stages.len() - 1];
+        let (last, xs) = if self.head_on_host {
+            // The GPU idles through the host's head: its copy stream starts the next step's
+            // fetches now.
+            gpu.rt.prefetch_ahead(usize::MAX)?;
+            let host = &self.stages[0];
+            let xs = self
+                .move_hidden(xs, host.rt.device())?
+                .to_dtype(host.dtype)?;
+            (host, xs)
+        } else {
+            (gpu, xs.clone())
+        };
+        let xs = &xs;
         let rt = &last.rt;
         let xs = {
             let unit = rt.acquire(self.units.norm)?;
             self.family
                 .final_norm(
                     &self.cfg,
-                    unit.var_builder(self.dtype).pp(&self.layout.norm),
-                    self.dtype,
+                    unit.var_builder(last.dtype).pp(&self.layout.norm),
+                    last.dtype,
                 )?
                 .forward(xs)?
         };
@@ -1518,7 +1601,7 @@ impl CausalLm {
         // the unit holds it quantized.
         let logits = {
             let unit = rt.acquire(self.units.head)?;
-            let w = UnitWeights::new(unit.var_builder(self.dtype), Some(&unit))
+            let w = UnitWeights::new(unit.var_builder(last.dtype), Some(&unit))
                 .pp(self.layout.head_unit());
             match w.quantized("weight", &[vocab, hidden])? {
                 Some(q) => crate::layers::Linear::Quantized {
@@ -1536,7 +1619,7 @@ impl CausalLm {
         .to_dtype(DType::F32)?;
         // The GPU idles until the next step reaches it (sampling, and the earlier stages
         // with host layers or a pipeline): its copy stream starts the next step's fetches now.
-        if self.stages.len() > 1 {
+        if self.stages.len() > 1 && !self.head_on_host {
             rt.prefetch_ahead(usize::MAX)?;
         }
         self.family.finish_logits(&self.cfg, logits)
@@ -1678,11 +1761,21 @@ mod tests {
             "spread:auto".parse::<HostLayers>(),
             Ok(HostLayers::SpreadAuto)
         );
+        assert_eq!(
+            "spread:2+head".parse::<HostLayers>(),
+            Ok(HostLayers::SpreadWithHead(2))
+        );
         let e = "spread:x".parse::<HostLayers>().unwrap_err();
         assert!(e.contains("spread:x"), "{e}");
+        let e = "spread:x+head".parse::<HostLayers>().unwrap_err();
+        assert!(e.contains("spread:x+head"), "{e}");
         let on = |v: Vec<bool>| -> Vec<usize> { (0..v.len()).filter(|&l| v[l]).collect() };
         assert_eq!(on(HostLayers::Count(3).host_set(3, 8)), [0, 1, 2]);
         assert_eq!(on(HostLayers::Spread(4).host_set(4, 8)), [1, 3, 5, 7]);
+        assert_eq!(
+            on(HostLayers::SpreadWithHead(4).host_set(4, 8)),
+            [1, 3, 5, 7]
+        );
         assert_eq!(on(HostLayers::SpreadAuto.host_set(4, 8)), [1, 3, 5, 7]);
         assert_eq!(on(HostLayers::Spread(3).host_set(3, 8)), [2, 5, 7]);
         assert_eq!(on(HostLayers::Spread(8).host_set(8, 8)).len(), 8);
