@@ -1571,8 +1571,9 @@ impl CausalLm {
                 stage.rt.prefetch_ahead(usize::MAX)?;
             }
         }
-        // Spread host layers can end on the host: the head runs on the last stage.
-        if !std::ptr::eq(at, last) {
+        // Spread host layers can end on the host: the head runs on the last stage, unless it
+        // runs on the host ([`head`](Self::head) moves the hidden state there).
+        if !std::ptr::eq(at, last) && !self.head_on_host {
             xs = self
                 .move_hidden(&xs, last.rt.device())?
                 .to_dtype(last.dtype)?;
@@ -1580,9 +1581,9 @@ impl CausalLm {
         Ok(xs)
     }
 
-    /// The final norm and the output head (on the last stage), logits in f32.
-    ///
-    /// (`xs` is in the last stage's dtype.)
+    /// The final norm and the output head, logits in f32: on the last stage (`xs` in its
+    /// dtype), or on the host stage with [`head_on_host`](Self::head_on_host) (`xs` on either
+    /// stage, moved to the host here).
     fn head(&self, xs: &Tensor) -> Result<Tensor> {
         let (vocab, hidden) = (self.cfg.vocab_size, self.cfg.hidden_size);
         let gpu = &self.stages[self.stages.len() - 1];
@@ -1591,9 +1592,12 @@ impl CausalLm {
             // fetches now.
             gpu.rt.prefetch_ahead(usize::MAX)?;
             let host = &self.stages[0];
-            let xs = self
-                .move_hidden(xs, host.rt.device())?
-                .to_dtype(host.dtype)?;
+            let xs = if xs.device().same_device(host.rt.device()) {
+                xs.clone()
+            } else {
+                self.move_hidden(xs, host.rt.device())?
+            };
+            let xs = xs.to_dtype(host.dtype)?;
             (host, xs)
         } else {
             (gpu, xs.clone())
