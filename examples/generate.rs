@@ -389,6 +389,18 @@ fn main() -> Result<()> {
     if args.unfused {
         model.set_fused(false);
     }
+    // The weights that stay resident are copied in now, with the load, not in the prompt's
+    // step (llama.cpp, too, has its weights in place before it times a prompt).
+    let t_warm = std::time::Instant::now();
+    let warmed = model.warm_up()?;
+    if warmed > 0 {
+        eprintln!(
+            "resident: {:.2} GiB copied to {} in {:.2} s",
+            warmed as f64 / 2f64.powi(30),
+            candle_offload::diag::device_label(&device),
+            t_warm.elapsed().as_secs_f64()
+        );
+    }
     let host_layers = model.host_layer_count();
     if host_layers > 0 {
         let which = match args.host_layers {

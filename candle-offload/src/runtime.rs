@@ -205,6 +205,9 @@ struct Shared {
     /// Per unit: it stays on the device for good, at its own size
     /// ([`HostUnit::resident_bytes`]) rather than its streaming size ([`HostUnit::bytes`]).
     own_size: Vec<bool>,
+    /// Per unit: it stays on the device once fetched (kept, or every served unit when they
+    /// all fit the weights' capacity); what [`OffloadRuntime::warm_up`] fetches.
+    stays: Vec<bool>,
     state: Mutex<State>,
     /// Reader threads for the disk units' read-ahead (`None`: no disk units served).
     read_pool: Option<crate::sys::ReadPool>,
@@ -543,6 +546,9 @@ impl OffloadRuntime {
                 ),
             });
         }
+        let stays: Vec<bool> = (0..unit_bytes.len())
+            .map(|i| served[i] && (plan.fits_entirely || keep_ids.contains(&UnitId(i))))
+            .collect();
         let mut cache = ResidencyCache::new(&unit_bytes, plan.weight_capacity, cfg.policy.clone())
             .with_prefetch_depth(spare_depth);
         for &u in &keep_ids {
@@ -583,6 +589,7 @@ impl OffloadRuntime {
                 trainable: cfg.trainable,
                 served,
                 own_size,
+                stays,
                 state: Mutex::new(State {
                     cache,
                     resident: (0..n).map(|_| None).collect(),
@@ -769,6 +776,22 @@ impl OffloadRuntime {
             }
         }
         n
+    }
+
+    /// Fetches every served unit that stays on the device for good (the kept ones, or every
+    /// served unit when they all fit the weights' capacity) and is not there yet, so that a model's first step finds them
+    /// there: the copies that step would make (a whole CPU model's tensors copied out of the
+    /// store, a resident GPU model's uploads) happen now, as part of loading. Units that
+    /// stream are left to the steps. Returns the bytes fetched.
+    pub fn warm_up(&self) -> candle_core::Result<u64> {
+        let _span = tracing::debug_span!("offload.warm_up").entered();
+        let mut bytes = 0;
+        for i in 0..self.shared.served.len() {
+            if self.shared.stays[i] && self.prefetch(UnitId(i))? {
+                bytes += self.shared.size_of(UnitId(i));
+            }
+        }
+        Ok(bytes)
     }
 
     /// Hints that `unit` will be needed soon: fetches it if that evicts nothing needed sooner.
@@ -1702,6 +1725,41 @@ mod tests {
             &Device::Cpu,
             &OffloadConfig::default(),
         )?)
+    }
+
+    #[test]
+    fn warm_up_fetches_what_stays_and_nothing_else() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let build = |limit: Option<u64>, keep: Vec<String>| -> anyhow::Result<OffloadRuntime> {
+            let store = zero_layers(4, 256, &dev)?;
+            Ok(OffloadRuntime::new(
+                Arc::new(store),
+                &dev,
+                &OffloadConfig {
+                    gpu_memory_limit: limit.map(crate::MemoryLimit::Bytes),
+                    prefetch_depth: 0,
+                    keep,
+                    ..Default::default()
+                },
+            )?)
+        };
+        // Everything fits: every unit is fetched now, and a sweep fetches nothing more.
+        let rt = build(None, Vec::new())?;
+        let unit = rt.store().units()[0].bytes();
+        assert_eq!(rt.warm_up()?, 4 * unit);
+        assert_eq!(rt.stats()?.resident_bytes, 4 * unit);
+        let fetched = rt.stats()?.total.fetches;
+        for l in 0..4 {
+            drop(rt.acquire_layer(l)?);
+        }
+        assert_eq!(rt.stats()?.total.fetches, fetched);
+        // A second warm-up has nothing to do.
+        assert_eq!(rt.warm_up()?, 0);
+        // Two of four fit: only the kept unit is fetched; the others stream as steps need them.
+        let rt = build(Some(2 * unit), vec!["model.layers.2".into()])?;
+        assert_eq!(rt.warm_up()?, unit);
+        assert_eq!(rt.stats()?.resident_bytes, unit);
+        Ok(())
     }
 
     #[test]

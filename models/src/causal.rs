@@ -1329,6 +1329,17 @@ impl CausalLm {
         self.on_host.iter().filter(|&&b| b).count()
     }
 
+    /// Fetches, on every stage, the units that stay there for good
+    /// ([`OffloadRuntime::warm_up`]), so that the first step (the prompt) computes instead of
+    /// copying weights; returns the bytes fetched.
+    pub fn warm_up(&self) -> Result<u64> {
+        let mut bytes = 0;
+        for stage in &self.stages {
+            bytes += stage.rt.warm_up()?;
+        }
+        Ok(bytes)
+    }
+
     /// Whether the final norm and the output head run on the host CPU
     /// ([`HostLayers::SpreadWithHead`], or [`HostLayers::SpreadAuto`]'s choice).
     pub fn head_on_host(&self) -> bool {
