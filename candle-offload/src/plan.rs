@@ -193,12 +193,19 @@ pub fn spread_host_split(
     link_bytes_per_s: f64,
     device_layer_s: f64,
 ) -> Option<usize> {
-    let rates = SplitRates {
+    // A head of no bytes never goes to the host (the two placements cost the same).
+    spread_host_split_with_head(
+        layers,
+        fixed,
+        0,
+        per_layer_reserve,
+        budget,
+        slots,
         host_bytes_per_s,
         link_bytes_per_s,
         device_layer_s,
-    };
-    spread_best(layers, fixed, 0, per_layer_reserve, budget, slots, &rates).map(|b| b.host_layers)
+    )
+    .map(|(h, _)| h)
 }
 
 /// [`spread_host_split`] that may also place the output head on the host, as llama.cpp does
