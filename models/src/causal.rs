@@ -901,8 +901,10 @@ impl CausalLm {
                 ..Default::default()
             },
         )?;
-        let mut keep = vec![layout.norm.clone()];
+        // The final norm and the head, unless the host runs them.
+        let mut keep = Vec::new();
         if !head_on_host {
+            keep.push(layout.norm.clone());
             keep.push(layout.head_unit().to_string());
         }
         keep.retain(|u| store.unit_id(u).is_some());
