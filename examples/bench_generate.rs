@@ -792,47 +792,23 @@ impl LlamaCpp {
         reps: u32,
     ) -> Result<Vec<LlamaCppRecord>> {
         let all = self.layers + 1; // the layers and the output head
-        let mut probes: std::collections::BTreeMap<(u32, usize), u64> = Default::default();
         let mut out = Vec::new();
         for &prompt in prompts {
+            // Each `-ngl` is probed once per prompt length, whichever budgets ask for it.
+            let mut probes: std::collections::BTreeMap<u32, u64> = Default::default();
             let mut peak_at = |ngl: u32| -> Result<u64> {
-                if let Some(p) = probes.get(&(ngl, prompt)) {
+                if let Some(p) = probes.get(&ngl) {
                     return Ok(*p);
                 }
                 let (_, p) = self.run(ngl, &[prompt], 0, &[0], 1)?;
                 println!("llama.cpp probe -ngl {ngl} -p {prompt}: {} MiB", p >> 20);
-                probes.insert((ngl, prompt), p);
+                probes.insert(ngl, p);
                 Ok(p)
             };
             for &budget in budgets {
                 let ngl = match budget {
                     None => all,
-                    Some(b) => {
-                        // The largest n in 0..=all with peak(n) <= b. Peaks grow with n,
-                        // nearly linearly (a layer's bytes each), so each probe is placed where
-                        // the line through the bracket's ends crosses the budget: two or three
-                        // probes per budget instead of a bisection's six.
-                        let top = peak_at(all)?;
-                        if top <= b {
-                            all
-                        } else {
-                            let (mut lo, mut hi) = (0u32, all); // peak(lo) fits or lo == 0
-                            let (mut p_lo, mut p_hi) = (peak_at(0)?, top);
-                            while hi - lo > 1 {
-                                let frac = b.saturating_sub(p_lo) as f64
-                                    / p_hi.saturating_sub(p_lo).max(1) as f64;
-                                let guess = lo + (frac * (hi - lo) as f64).round() as u32;
-                                let mid = guess.clamp(lo + 1, hi - 1);
-                                let p = peak_at(mid)?;
-                                if p <= b {
-                                    (lo, p_lo) = (mid, p);
-                                } else {
-                                    (hi, p_hi) = (mid, p);
-                                }
-                            }
-                            lo
-                        }
-                    }
+                    Some(b) => most_layers_within(all, b, &mut peak_at)?,
                 };
                 // Two runs, so that no test's context is longer than our run's: the prefill
                 // from an empty context, then the decode after the prompt's length of context
@@ -857,6 +833,35 @@ impl LlamaCpp {
         }
         Ok(out)
     }
+}
+
+/// The largest `n` in `0..=all` whose `peak_at(n)` is within `budget` (0 when none is). Peaks
+/// grow with `n`, nearly linearly (a layer's bytes each), so each probe is placed where the line
+/// through the bracket's ends crosses the budget: two or three probes instead of a bisection's
+/// six.
+fn most_layers_within(
+    all: u32,
+    budget: u64,
+    peak_at: &mut impl FnMut(u32) -> Result<u64>,
+) -> Result<u32> {
+    let top = peak_at(all)?;
+    if top <= budget {
+        return Ok(all);
+    }
+    let (mut lo, mut hi) = (0u32, all); // peak(lo) fits or lo == 0; hi doesn't
+    let (mut p_lo, mut p_hi) = (peak_at(0)?, top);
+    while hi - lo > 1 {
+        let frac = budget.saturating_sub(p_lo) as f64 / p_hi.saturating_sub(p_lo).max(1) as f64;
+        let guess = lo + (frac * (hi - lo) as f64).round() as u32;
+        let mid = guess.clamp(lo + 1, hi - 1);
+        let p = peak_at(mid)?;
+        if p <= budget {
+            (lo, p_lo) = (mid, p);
+        } else {
+            (hi, p_hi) = (mid, p);
+        }
+    }
+    Ok(lo)
 }
 
 /// One batch-decode measurement.

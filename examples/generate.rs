@@ -394,10 +394,10 @@ fn main() -> Result<()> {
     let t_warm = std::time::Instant::now();
     let warmed = model.warm_up()?;
     if warmed > 0 {
+        // Over every stage (a host stage's layers too); a GPU's copies may still be finishing.
         eprintln!(
-            "resident: {:.2} GiB copied to {} in {:.2} s",
+            "resident: {:.2} GiB fetched before the prompt in {:.2} s",
             warmed as f64 / 2f64.powi(30),
-            candle_offload::diag::device_label(&device),
             t_warm.elapsed().as_secs_f64()
         );
     }

@@ -779,10 +779,11 @@ impl OffloadRuntime {
     }
 
     /// Fetches every served unit that stays on the device for good (the kept ones, or every
-    /// served unit when they all fit the weights' capacity) and is not there yet, so that a model's first step finds them
-    /// there: the copies that step would make (a whole CPU model's tensors copied out of the
-    /// store, a resident GPU model's uploads) happen now, as part of loading. Units that
-    /// stream are left to the steps. Returns the bytes fetched.
+    /// served unit when they all fit the weights' capacity) and is not there yet, so that a
+    /// model's first step finds them there: the copies that step would make (a whole CPU
+    /// model's tensors copied out of the store, a resident GPU model's uploads, started on the
+    /// copy stream) happen now, as part of loading. Units that stream are left to the steps.
+    /// Returns the bytes fetched.
     pub fn warm_up(&self) -> candle_core::Result<u64> {
         let _span = tracing::debug_span!("offload.warm_up").entered();
         let mut bytes = 0;

@@ -1599,12 +1599,14 @@ impl CausalLm {
     /// stage, moved to the host here).
     fn head(&self, xs: &Tensor) -> Result<Tensor> {
         let (vocab, hidden) = (self.cfg.vocab_size, self.cfg.hidden_size);
-        let gpu = &self.stages[self.stages.len() - 1];
-        let (last, xs) = if self.head_on_host {
+        let last = &self.stages[self.stages.len() - 1];
+        // The stage that runs the head, and `xs` there in its dtype.
+        let (stage, xs) = if self.head_on_host {
             // The GPU idles through the host's head: its copy stream starts the next step's
             // fetches now.
-            gpu.rt.prefetch_ahead(usize::MAX)?;
+            last.rt.prefetch_ahead(usize::MAX)?;
             let host = &self.stages[0];
+            // Already there when the step's last layer ran on the host.
             let xs = if xs.device().same_device(host.rt.device()) {
                 xs.clone()
             } else {
@@ -1613,17 +1615,17 @@ impl CausalLm {
             let xs = xs.to_dtype(host.dtype)?;
             (host, xs)
         } else {
-            (gpu, xs.clone())
+            (last, xs.clone())
         };
         let xs = &xs;
-        let rt = &last.rt;
+        let rt = &stage.rt;
         let xs = {
             let unit = rt.acquire(self.units.norm)?;
             self.family
                 .final_norm(
                     &self.cfg,
-                    unit.var_builder(last.dtype).pp(&self.layout.norm),
-                    last.dtype,
+                    unit.var_builder(stage.dtype).pp(&self.layout.norm),
+                    stage.dtype,
                 )?
                 .forward(xs)?
         };
@@ -1631,18 +1633,18 @@ impl CausalLm {
         // the unit holds it quantized.
         let logits = {
             let unit = rt.acquire(self.units.head)?;
-            let w = UnitWeights::new(unit.var_builder(last.dtype), Some(&unit))
+            let w = UnitWeights::new(unit.var_builder(stage.dtype), Some(&unit))
                 .pp(self.layout.head_unit());
             match w.quantized("weight", &[vocab, hidden])? {
                 Some(q) => crate::layers::Linear::Quantized {
                     weight: candle_core::quantized::QMatMul::from_arc(q)?,
                     bias: None,
                 }
-                .forward_step(&xs, self.stage_fused(last))?,
+                .forward_step(&xs, self.stage_fused(stage))?,
                 None => {
                     let m = w.vb().get((vocab, hidden), "weight")?;
                     crate::layers::Linear::Dense(candle_nn::Linear::new(m, None))
-                        .forward_step(&xs, self.stage_fused(last))?
+                        .forward_step(&xs, self.stage_fused(stage))?
                 }
             }
         }
