@@ -535,6 +535,74 @@ fn mixed_k_quant_layers_that_stay_take_their_own_size() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A budget that holds every unit at its own size beside the decode step's reservation but not
+/// beside the prompt's: the units still take their own sizes (none padded), the prompt streams
+/// through the room its activations take, and once decoding, the steps fetch nothing; the
+/// logits and tokens are the resident model's.
+#[test]
+fn a_model_that_fits_while_decoding_holds_every_unit_then() -> anyhow::Result<()> {
+    let dir = tempdir("mixed-k-decode-fit");
+    let path = dir.join("q4_k_m.gguf");
+    let files = mixed_k_quant_gguf(&path, 23)?;
+    let store = load(&files, true)?;
+    let max_len = PROMPT.len() + 6;
+    let reserve = |rows| {
+        Llama::reserve_bytes(
+            &files.config,
+            &store,
+            &Device::Cpu,
+            rows,
+            max_len,
+            DType::F32,
+        )
+    };
+    let all_own: u64 = store.units().iter().map(|u| u.resident_bytes()).sum();
+    assert!(reserve(PROMPT.len()) > reserve(1) + 4096);
+    let (ref_logits, ref_tokens, _) =
+        run_with_limit(&files, store.clone(), None, OffloadStrategy::Minimal, 0)?;
+    let settings = candle_offload_models::OffloadSettings {
+        gpu_memory_limit: Some(MemoryLimit::Bytes(reserve(1) + all_own)),
+        prefetch_depth: 0,
+        ..Default::default()
+    };
+    let model = Llama::offloaded(
+        &files,
+        store.clone(),
+        &Device::Cpu,
+        DType::F32,
+        PROMPT.len(),
+        max_len,
+        &settings,
+    )?;
+    let ids = Tensor::new(&PROMPT, &Device::Cpu)?.unsqueeze(0)?;
+    let logits = model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?;
+    assert_eq!(logits, ref_logits);
+    let after_prompt = model.runtime().stats()?;
+    assert!(
+        after_prompt.units.iter().any(|u| u.evictions > 0),
+        "the prompt must stream"
+    );
+    let mut fetched = Vec::new();
+    let mut sampler = LogitsProcessor::new(0, None, None);
+    let (tokens, _) = generate(&model, &PROMPT, 6, &mut sampler, &[], |_| {
+        fetched.push(model.runtime().stats()?.total.fetches);
+        Ok(())
+    })?;
+    assert_eq!(tokens, ref_tokens);
+    // The first token comes out of the prompt's pass; the decode steps after the second fetch
+    // nothing.
+    assert!(
+        fetched.windows(2).skip(1).all(|w| w[0] == w[1]),
+        "fetches after each token: {fetched:?}"
+    );
+    let stats = model.runtime().stats()?;
+    for (u, unit) in stats.units.iter().zip(store.units()) {
+        assert_eq!(u.bytes, unit.resident_bytes(), "{}: its own size", u.name);
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
 /// A GGUF with a quantized token embedding and no `output.weight` (a tied head, as SmolLM2's):
 /// the embedding stays as its blocks (host bytes = the file's), its rows are dequantized on
 /// lookup and the head multiplies the same blocks; logits within 2e-2 (relative L2) of the

@@ -74,6 +74,13 @@ pub struct OffloadConfig {
     /// `true`. Pipelines over several GPUs and training keep it: the device-to-device
     /// hidden-state copy relies on it. Ignored on the CPU.
     pub event_tracking: bool,
+    /// The reservation of the phase this runtime spends most of its passes in, where lower than
+    /// `reserve_bytes` (a model's decode steps, after a prompt that needs room for its
+    /// activations; see [`set_reserve_bytes`](OffloadRuntime::set_reserve_bytes)). When every
+    /// served unit fits beside it, each unit takes its own device size, without the streaming
+    /// padding: the prompt then streams what its activations leave no room for, and the
+    /// steady phase holds every unit. `None`: `reserve_bytes`.
+    pub steady_reserve_bytes: Option<u64>,
 }
 
 impl Default for OffloadConfig {
@@ -88,6 +95,7 @@ impl Default for OffloadConfig {
             trainable: false,
             units: None,
             event_tracking: false,
+            steady_reserve_bytes: None,
         }
     }
 }
@@ -298,12 +306,13 @@ const READ_THREADS: usize = READ_AHEAD_UNITS;
 /// Which units stay on the device for good at their own sizes
 /// ([`HostUnit::resident_bytes`]), when some stream larger ([`HostUnit::bytes`]: layers of
 /// mixed block types padded alike). All served units when they all fit at their own sizes
-/// (nothing is ever replaced); otherwise the kept units and, when the policy is a schedule
+/// beside the `steady` phase's reservation (nothing is replaced then); otherwise the kept units and, when the policy is a schedule
 /// that every other served unit is in, the ones [`staying_units`](crate::staying_units)
 /// chooses along it. A unit that streams keeps its padded size: the driver's pool then serves
 /// each incoming unit from the one it replaces.
 fn staying(
     budget: Budget,
+    steady: Budget,
     streaming: &[u64],
     own: &[u64],
     served: &[bool],
@@ -316,9 +325,12 @@ fn staying(
         return stays;
     }
     let kept = |u: usize| keep.contains(&UnitId(u));
-    let plan =
-        |need: &WeightNeed| need.plan(budget.weight_bytes(), cfg.strategy, cfg.prefetch_depth);
-    if plan(&weight_need(|i| own[i], served, keep)).is_some_and(|p| p.fits_entirely) {
+    let plan_under = |budget: Budget, need: &WeightNeed| {
+        need.plan(budget.weight_bytes(), cfg.strategy, cfg.prefetch_depth)
+    };
+    let plan = |need: &WeightNeed| plan_under(budget, need);
+    let own_need = weight_need(|i| own[i], served, keep);
+    if plan_under(steady, &own_need).is_some_and(|p| p.fits_entirely) {
         return served.to_vec();
     }
     for &u in keep {
@@ -442,7 +454,21 @@ impl OffloadRuntime {
         }
         // Units that stay for good take their own sizes, without the streaming padding; when
         // not every unit fits, the ones that stay are kept from then on.
-        let own_size = staying(budget, &unit_bytes, &own_bytes, &served, &keep_ids, cfg);
+        let steady = Budget {
+            reserve_bytes: cfg
+                .steady_reserve_bytes
+                .map_or(budget.reserve_bytes, |r| r.min(budget.reserve_bytes)),
+            ..budget
+        };
+        let own_size = staying(
+            budget,
+            steady,
+            &unit_bytes,
+            &own_bytes,
+            &served,
+            &keep_ids,
+            cfg,
+        );
         let everything = (0..unit_bytes.len()).all(|i| own_size[i] || !served[i]);
         for (i, &own) in own_size.iter().enumerate() {
             if own {

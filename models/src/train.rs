@@ -494,6 +494,7 @@ impl Trainer {
                     units: None,
                     // Not yet measured or reviewed for training's gradient paths.
                     event_tracking: true,
+                    steady_reserve_bytes: None,
                 },
             )?;
             Source::Offloaded(rt)
