@@ -329,6 +329,9 @@ fn main() -> Result<()> {
                 };
                 println!("        {host_layers} layers{head} on the host CPU ({host:?})");
             }
+            if let Some(rows) = model.prompt_chunk() {
+                println!("        the prompt runs in passes of {rows} rows (a near fit)");
+            }
             // The GPU's runtime (the last stage's; the only one without host layers).
             let rt = model
                 .stages()
@@ -602,6 +605,7 @@ fn main() -> Result<()> {
                 "device_layer_step_s": layer_steps.map(|s| s.device_s),
                 "host_layers": host_layers,
                 "host_head": model.head_on_host(),
+                "prompt_chunk": model.prompt_chunk(),
                 // `fused` is every stage's; with host layers the CPU stage runs Candle's ops.
                 "fused_on_gpus": model.fused_on_gpus(),
                 "cpu_q8_activations": args.q8_activations,

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_offload::store::WeightFormat;
 use candle_offload::{HostStore, MemoryLimit, OffloadStrategy};
 use candle_offload_models::generation::generate;
-use candle_offload_models::{loader, Llama, ModelFiles};
+use candle_offload_models::{loader, Llama, ModelFiles, MIN_PROMPT_CHUNK};
 use candle_transformers::generation::LogitsProcessor;
 use rand::Rng as _;
 
@@ -599,6 +599,89 @@ fn a_model_that_fits_while_decoding_holds_every_unit_then() -> anyhow::Result<()
     for (u, unit) in stats.units.iter().zip(store.units()) {
         assert_eq!(u.bytes, unit.resident_bytes(), "{}: its own size", u.name);
     }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// A near fit: every unit fits at its own size beside the activations of a 40-row pass but not
+/// beside a whole 96-token prompt's. The model runs prompts in passes of the most rows that fit
+/// (`prompt_chunk`), so that nothing is evicted: each unit is fetched once. The logits match
+/// the unlimited model's (one pass; the passes change the order of the sums only) and the
+/// greedy tokens are the same.
+#[test]
+fn a_near_fit_runs_its_prompt_in_passes_and_streams_nothing() -> anyhow::Result<()> {
+    let dir = tempdir("near-fit-chunks");
+    let path = dir.join("q4_k_m.gguf");
+    let files = mixed_k_quant_gguf(&path, 29)?;
+    let store = load(&files, true)?;
+    let prompt: Vec<u32> = (0..96).map(|i| (i * 13 % 90) as u32).collect();
+    let max_len = prompt.len() + 6;
+    let reserve = |rows| {
+        Llama::reserve_bytes(
+            &files.config,
+            &store,
+            &Device::Cpu,
+            rows,
+            max_len,
+            DType::F32,
+        )
+    };
+    let all_own: u64 = store.units().iter().map(|u| u.resident_bytes()).sum();
+    let build = |limit: Option<u64>| {
+        let settings = candle_offload_models::OffloadSettings {
+            gpu_memory_limit: limit.map(MemoryLimit::Bytes),
+            prefetch_depth: 0,
+            ..Default::default()
+        };
+        Llama::offloaded(
+            &files,
+            store.clone(),
+            &Device::Cpu,
+            DType::F32,
+            prompt.len(),
+            max_len,
+            &settings,
+        )
+    };
+    let run = |model: &Llama| -> anyhow::Result<(Vec<f32>, Vec<u32>)> {
+        let ids = Tensor::new(prompt.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
+        let mut cache = model.new_cache();
+        let logits = model
+            .forward(&ids, 0, &mut cache)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let mut sampler = LogitsProcessor::new(0, None, None);
+        let (tokens, _) = generate(model, &prompt, 6, &mut sampler, &[], |_| Ok(()))?;
+        Ok((logits, tokens))
+    };
+    let whole = build(None)?;
+    assert_eq!(whole.prompt_chunk(), None);
+    let (ref_logits, ref_tokens) = run(&whole)?;
+    let near = build(Some(reserve(40) + all_own))?;
+    let chunk = near
+        .prompt_chunk()
+        .expect("a near fit runs its prompt in passes");
+    assert!((40..prompt.len()).contains(&chunk), "{chunk} rows a pass");
+    let (logits, tokens) = run(&near)?;
+    let rel = rel_l2(&logits, &ref_logits);
+    assert!(rel < 1e-5, "logits in passes: rel L2 {rel}");
+    assert_eq!(tokens, ref_tokens);
+    let stats = near.runtime().stats()?;
+    for u in &stats.units {
+        assert_eq!(u.evictions, 0, "{}: nothing streams", u.name);
+    }
+    assert_eq!(
+        stats.total.fetches,
+        store.units().len() as u64,
+        "each unit fetched once"
+    );
+    // One byte short of the fewest rows a pass is cut to: no smaller passes; the whole
+    // prompt's reservation, which this budget cannot hold beside a streamed layer.
+    let short = build(Some(reserve(MIN_PROMPT_CHUNK) + all_own - 1));
+    assert!(
+        short.is_err(),
+        "passes of fewer than {MIN_PROMPT_CHUNK} rows"
+    );
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

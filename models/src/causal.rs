@@ -209,6 +209,8 @@ pub struct CausalLm {
     /// The final norm and the output head run on the first stage (the host) instead of the
     /// last ([`head_on_host`](Self::head_on_host)).
     head_on_host: bool,
+    /// Prompts run in passes of at most this many rows ([`prompt_chunk`](Self::prompt_chunk)).
+    prompt_chunk: Option<usize>,
     timing: std::sync::atomic::AtomicBool,
     totals: std::sync::Mutex<TransferTotals>,
     /// Decode steps replayed from a CUDA graph ([`set_graphs`](Self::set_graphs)).
@@ -354,6 +356,7 @@ impl CausalLm {
             segments,
             layer_steps: None,
             head_on_host: false,
+            prompt_chunk: None,
             timing: std::sync::atomic::AtomicBool::new(false),
             totals: std::sync::Mutex::new(TransferTotals::default()),
             graphs: graph::Graphs::default(),
@@ -420,27 +423,44 @@ impl CausalLm {
         at(prompt_len).saturating_sub(at(DECODE_ROWS))
     }
 
-    /// A stage's reservation while a prompt runs and what it gives to weights while decoding
-    /// (the `share` of [`reserve_by_phase`](Self::reserve_by_phase)), from the reservation at
-    /// `prompt_len` rows before [`resident_saving`](Self::resident_saving): a stage whose units
-    /// all fit beside the prompt's reservation reserves that much less in both phases; one whose
-    /// units fit only beside the decode step's (`fits(DECODE_ROWS)`) streams while a prompt
-    /// runs and saves it while decoding, when it holds every unit. `fits(rows)`: whether every
-    /// unit of the stage fits at its own size beside the reservation at `rows`, less the saving.
+    /// A stage's reservation while a prompt runs, what it gives to weights while decoding (the
+    /// `share` of [`reserve_by_phase`](Self::reserve_by_phase)) and the prompt's pass size
+    /// ([`prompt_chunk`](Self::prompt_chunk)), from `at(rows)`, the reservation for a pass of
+    /// `rows` before [`resident_saving`](Self::resident_saving), and `fits(rows)`, whether every
+    /// unit of the stage fits at its own size beside it less the saving:
+    /// - every unit fits beside the whole prompt's: that reservation, less the saving;
+    /// - beside a pass of fewer rows (at least [`MIN_PROMPT_CHUNK`]): the most such rows, whose
+    ///   reservation, less the saving, the stage keeps, and prompts run in passes of that many
+    ///   rows, so that nothing streams;
+    /// - otherwise the whole prompt's reservation, and the stage streams. (Where every unit fits
+    ///   only beside a decode step's, the units keep their own sizes and stay while decoding,
+    ///   `OffloadConfig::steady_reserve_bytes`; the saving is not taken there: measured on 7B
+    ///   Q4_0 at 4 GiB with a 512-token prompt, units evicted for the prompt's activations and
+    ///   fetched again left 159 MiB of the pool unused and the peak 8 MiB over the budget.)
     fn phase_reserves(
-        reserve: u64,
-        share: u64,
+        at: impl Fn(usize) -> u64,
         saving: u64,
         prompt_len: usize,
         mut fits: impl FnMut(usize) -> std::result::Result<bool, ModelError>,
-    ) -> std::result::Result<(u64, u64), ModelError> {
+    ) -> std::result::Result<(u64, u64, Option<usize>), ModelError> {
+        let share = |rows| at(rows).saturating_sub(at(DECODE_ROWS));
         if fits(prompt_len)? {
-            Ok((reserve - saving, share))
-        } else if fits(DECODE_ROWS)? {
-            Ok((reserve, share + saving))
-        } else {
-            Ok((reserve, share))
+            return Ok((at(prompt_len) - saving, share(prompt_len), None));
         }
+        if prompt_len > MIN_PROMPT_CHUNK && fits(MIN_PROMPT_CHUNK)? {
+            // The most rows that fit: fits(lo) holds, fits(hi) does not.
+            let (mut lo, mut hi) = (MIN_PROMPT_CHUNK, prompt_len);
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if fits(mid)? {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            return Ok((at(lo) - saving, share(lo), Some(lo)));
+        }
+        Ok((at(prompt_len), share(prompt_len), None))
     }
 
     /// Lets every stage that reserves room give `share` bytes of it (see
@@ -468,9 +488,8 @@ impl CausalLm {
         source: &std::path::Path,
     ) -> std::result::Result<Self, ModelError> {
         let cfg = cfg.clone();
-        let (reserve, share) = Self::phase_reserves(
-            Self::reserve_bytes(&cfg, &store, device, prompt_len, max_len, dtype),
-            Self::prompt_share(&cfg, &store, device, prompt_len, max_len, dtype),
+        let (reserve, share, chunk) = Self::phase_reserves(
+            |rows| Self::reserve_bytes(&cfg, &store, device, rows, max_len, dtype),
             Self::resident_saving(&store, device, settings),
             prompt_len,
             |rows| Self::fits_whole(&cfg, &store, device, dtype, rows, max_len, settings),
@@ -488,6 +507,7 @@ impl CausalLm {
         declare_reservation(&rt, kv, reserve, settings.reserve_bytes)?;
         let mut model = Self::new(cfg, rt, dtype, max_len, source)?;
         model.reserve_by_phase(share);
+        model.prompt_chunk = chunk;
         Ok(model)
     }
 
@@ -943,10 +963,13 @@ impl CausalLm {
         let share = Self::prompt_share(cfg, &store, device, prompt_len, max_len, dtype);
         // Only the embeddings on the host: a GPU stage that holds every other unit reserves as
         // a resident one does (with host layers, prompts stream those layers through it).
-        let (reserve, share) = if h == 0 {
+        let (reserve, share, chunk) = if h == 0 {
+            let at = |rows| Self::host_stage_reserve(cfg, &store, device, rows, max_len, dtype);
             Self::phase_reserves(
-                base + kv,
-                share,
+                |rows| {
+                    let (base, per_layer) = at(rows);
+                    base + per_layer * n as u64
+                },
                 Self::resident_saving(&store, device, settings),
                 prompt_len,
                 |rows| {
@@ -957,7 +980,7 @@ impl CausalLm {
                 },
             )?
         } else {
-            (base + kv, share)
+            (base + kv, share, None)
         };
         let order = || {
             let mut order: Vec<UnitId> = gpu_layers()
@@ -1011,6 +1034,7 @@ impl CausalLm {
         model.layer_steps = steps;
         model.head_on_host = head_on_host;
         model.reserve_by_phase(share);
+        model.prompt_chunk = chunk;
         // GGML blocks on the host multiply F32 activations (`cpu_quant`, and Candle's CPU
         // quantized matmul takes nothing else); dense host layers keep the model's dtype.
         let mut on_cpu: Vec<String> = (0..n)
@@ -1381,6 +1405,15 @@ impl CausalLm {
         self.head_on_host
     }
 
+    /// The most rows a prompt's pass runs (`None`: the whole prompt in one pass): set where the
+    /// model holds every unit beside the activations of this many rows but not beside a whole
+    /// prompt's (a near fit), so that [`forward`](Self::forward) runs a longer prompt in passes
+    /// of this many rows and nothing streams, rather than evicting weights for one pass's
+    /// activations and fetching them again. Batches share the rows.
+    pub fn prompt_chunk(&self) -> Option<usize> {
+        self.prompt_chunk
+    }
+
     /// Measures each move of hidden states between stages, synchronizing both devices around
     /// it (a small cost per stage boundary; off by default).
     pub fn time_transfers(&self, on: bool) {
@@ -1459,6 +1492,18 @@ impl CausalLm {
     ) -> Result<Tensor> {
         let _span = tracing::debug_span!("llama.forward", index_pos).entered();
         let (batch, seq_len) = input_ids.dims2()?;
+        let rows = self.prompt_chunk.map_or(seq_len, |c| (c / batch).max(1));
+        if seq_len > rows && pads.is_empty() {
+            // A near fit: passes of `rows` positions, each within the reservation.
+            let mut logits =
+                self.forward_batch(&input_ids.narrow(1, 0, rows)?, index_pos, pads, cache)?;
+            for start in (rows..seq_len).step_by(rows) {
+                let n = rows.min(seq_len - start);
+                let ids = input_ids.narrow(1, start, n)?;
+                logits = self.forward_batch(&ids, index_pos + start, pads, cache)?;
+            }
+            return Ok(logits);
+        }
         if !pads.is_empty() && pads.len() != batch {
             candle_core::bail!("{} padding counts for a batch of {batch}", pads.len());
         }
@@ -1710,6 +1755,10 @@ pub const HOST_STEP_ROWS: usize = 8;
 /// (host layers, the embedding table, what stays resident) is planned at this reservation; a
 /// prompt streams what its activations leave no room for.
 const DECODE_ROWS: usize = 1;
+
+/// The fewest rows a prompt's pass is cut to ([`CausalLm::prompt_chunk`]): below this a pass
+/// runs the quantized matmuls' few-row kernels, which read the weights once per 8 rows.
+pub const MIN_PROMPT_CHUNK: usize = 32;
 
 /// The planner's name for the output head of an HF-layout model with tied embeddings (the
 /// embedding matrix, kept a second time on the last stage); see [`Layout::tied_head_name`].

@@ -46,6 +46,7 @@ pub mod train;
 
 pub use causal::{
     CausalLm, DeviceMapChoice, GraphStats, HiddenTransfer, HostLayers, LayerSteps, OffloadSettings,
+    MIN_PROMPT_CHUNK,
 };
 pub use chat::ChatTemplate;
 pub use config::Config;
