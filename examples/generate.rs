@@ -453,6 +453,8 @@ fn main() -> Result<()> {
     // the host); on the CPU Candle's LogitsProcessor, whose host sort is cheaper there.
     let temperature = (args.temperature > 0.0).then_some(args.temperature);
     let top_p = temperature.and(args.top_p);
+    // Greedy: only each step's largest logit is used (a Q8_0 head on the CPU is screened).
+    model.set_greedy_head(temperature.is_none());
     let on_gpu = stages.last().is_some_and(|(rt, _)| rt.device().is_cuda());
     let mut sampler: Box<dyn TokenSampler> = if on_gpu {
         Box::new(DeviceSampler::new(args.seed, temperature, top_p)?)

@@ -745,6 +745,47 @@ fn quantized_embedding_and_tied_head() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Greedy decoding with the screened head (`set_greedy_head`): a Q8_0 tied head on the CPU
+/// gives the same greedy tokens over 32 steps, and each step the same largest logit, as the
+/// full product; only the other logits may differ (and stay below it).
+#[test]
+fn the_greedy_head_keeps_every_token() -> anyhow::Result<()> {
+    let dir = tempdir("greedy-head");
+    let path = dir.join("q8-head.gguf");
+    write_random_llama_gguf_with(&path, 31, |_| GgmlDType::Q4_1, Some(GgmlDType::Q8_0))?;
+    let files = loader::from_gguf(&path)?;
+    let store = load(&files, true)?;
+    let new = 32;
+    let model = Llama::offloaded(
+        &files,
+        store,
+        &Device::Cpu,
+        DType::F32,
+        PROMPT.len(),
+        PROMPT.len() + new,
+        &Default::default(),
+    )?;
+    assert!(!model.greedy_head(), "off by default");
+    let run = |greedy: bool| -> anyhow::Result<(Vec<u32>, Vec<f32>)> {
+        model.set_greedy_head(greedy);
+        let mut sampler = LogitsProcessor::new(0, None, None);
+        let (tokens, _) = generate(&model, &PROMPT, new, &mut sampler, &[], |_| Ok(()))?;
+        let ids = Tensor::new(&PROMPT, &Device::Cpu)?.unsqueeze(0)?;
+        let logits = model.forward(&ids, 0, &mut model.new_cache())?;
+        Ok((tokens, logits.flatten_all()?.to_vec1::<f32>()?))
+    };
+    let (want, full) = run(false)?;
+    let (got, screened) = run(true)?;
+    assert_eq!(got, want, "greedy tokens");
+    let max = |v: &[f32]| v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    assert_eq!(max(&screened), max(&full), "the largest logit, bit for bit");
+    for (s, f) in screened.iter().zip(&full) {
+        assert!(s == f || *s < max(&full));
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
 /// A `tracing` writer into memory.
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);

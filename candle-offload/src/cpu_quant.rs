@@ -131,6 +131,83 @@ pub fn forward(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(ys.reshape(out)?))
 }
 
+/// [`forward`] of one row `xs` (k values, F32) against an output head `w` (n, k) of Q8_0 blocks,
+/// for a caller that takes only the largest logit (greedy decoding): every row that could be
+/// the largest gets the number [`forward`] gives it, bit for bit, and every other row a lower
+/// value than that largest one, so the index and value of the maximum are [`forward`]'s.
+///
+/// Each row is screened first with the activations quantized to Q8_0 (llama.cpp's arithmetic:
+/// integer products, about half the work per block of the F32 path), together with a bound on
+/// how far quantizing the activations moved it ([`simd::dot_q8_0_q8_0_bound`]). The largest
+/// screened value less its bound is below the true maximum; only rows whose screened value
+/// plus bound reaches it are computed again with the F32 activations (a handful of 49152 for
+/// SmolLM2). Rows not recomputed keep their screened values, which are within their bound of
+/// [`forward`]'s but not equal to them: sampling at a temperature needs [`forward`].
+///
+/// `None` where [`forward`] would take another path (other block types, more rows, 8-bit
+/// activations on, another device).
+pub fn forward_greedy(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
+    let k = *xs.dims().last().unwrap_or(&0);
+    if quantized_activations()
+        || w.dtype() != GgmlDType::Q8_0
+        || !supports(w)
+        || xs.dtype() != DType::F32
+        || !xs.device().is_cpu()
+        || xs.elem_count() != k
+        || w.shape().dims()[1] != k
+    {
+        return Ok(None);
+    }
+    let n = w.shape().dims()[0];
+    let nb = k / simd::QK;
+    let row_bytes = nb * simd::Q8_0_BYTES;
+    let data = w.data()?;
+    if data.len() < n * row_bytes {
+        candle_core::bail!(
+            "quantized matmul: {} bytes of blocks for ({n}, {k})",
+            data.len()
+        );
+    }
+    let x = xs.flatten_all()?.to_vec1::<f32>()?;
+    let mut yq = vec![0u8; row_bytes];
+    simd::quantize_q8_0(&x, &mut yq);
+    let amax: Vec<f32> = x
+        .chunks_exact(simd::QK)
+        .map(|b| b.iter().fold(0f32, |a, v| a.max(v.abs())))
+        .collect();
+    let row = |r: usize| &data[r * row_bytes..(r + 1) * row_bytes];
+    // (screened value, bound) per row.
+    let per_task = MIN_BLOCKS_PER_TASK.div_ceil(nb).max(1);
+    let mut screened = vec![0f32; 2 * n];
+    crate::sys::spin::for_each_chunk_mut(&mut screened, 2 * per_task, |task, part| {
+        for (j, pair) in part.chunks_exact_mut(2).enumerate() {
+            let (v, scale) = simd::dot_q8_0_q8_0_bound(row(task * per_task + j), &yq, &amax);
+            pair[0] = v;
+            pair[1] = scale * simd::Q8_0_SCREEN_BOUND;
+        }
+    });
+    // Every row's true value is at least its screened value less its bound, so the largest of
+    // these is at most the true maximum; a row whose screened value plus bound stays below it
+    // cannot be the maximum.
+    let floor = screened
+        .chunks_exact(2)
+        .map(|p| p[0] - p[1])
+        .fold(f32::NEG_INFINITY, f32::max);
+    if !floor.is_finite() || screened.iter().any(|v| v.is_nan()) {
+        // NaN or infinite activations: the plain path says what they give.
+        return forward(w, xs);
+    }
+    let mut out: Vec<f32> = screened.chunks_exact(2).map(|p| p[0]).collect();
+    for (r, p) in screened.chunks_exact(2).enumerate() {
+        if p[0] + p[1] >= floor {
+            out[r] = simd::dot_q8_0_f32(row(r), &x);
+        }
+    }
+    let mut dims = xs.dims().to_vec();
+    *dims.last_mut().expect("non-empty dims") = n;
+    Ok(Some(Tensor::from_vec(out, dims.as_slice(), xs.device())?))
+}
+
 /// Lets this crate's CPU matmul workers park now instead of spinning until their next region,
 /// before the caller runs work on another thread pool: Candle's CPU quantized matmul (block
 /// types without a kernel here, such as the K-quants) and its GEMM run on pools of their own,
@@ -521,8 +598,126 @@ mod tests {
         );
     }
 
+    /// The greedy head keeps the maximum: the index and value of the largest logit are
+    /// `forward`'s, bit for bit, and every row it did not recompute is below that value, for
+    /// Gaussian rows and for clusters of near-tied rows (each a copy of one row with a few
+    /// quants nudged) against activations with outliers. The screen's bound holds for every
+    /// row, and its SIMD and scalar kernels agree. Other paths decline.
+    #[test]
+    fn greedy_head_keeps_the_maximum() {
+        let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+        set_quantized_activations(false);
+        let dev = Device::Cpu;
+        for (case, (n, k)) in [(7usize, 64usize), (300, 576), (2049, 128)]
+            .into_iter()
+            .enumerate()
+        {
+            let base = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+            // Rows 0..n/2 near-tied: row 0 plus noise a thousandth of its scale.
+            let half = n / 2;
+            let tie = base
+                .narrow(0, 0, 1)
+                .unwrap()
+                .broadcast_add(&(base.narrow(0, 0, half).unwrap() * 1e-3).unwrap())
+                .unwrap();
+            let w = Tensor::cat(&[&tie, &base.narrow(0, half, n - half).unwrap()], 0).unwrap();
+            let q = Arc::new(QTensor::quantize(&w, GgmlDType::Q8_0).unwrap());
+            let mut x: Vec<f32> = Tensor::randn(0f32, 1.0, k, &dev)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            x[case] = 12.0;
+            x[k - 1] = -8.0;
+            // Aligned with row 0, so that the tied rows hold the maximum.
+            let r0: Vec<f32> = w.get(0).unwrap().to_vec1().unwrap();
+            for (v, w) in x.iter_mut().zip(&r0) {
+                *v += 3.0 * w;
+            }
+            let xs = Tensor::from_vec(x.clone(), (1, k), &dev).unwrap();
+            let exact: Vec<f32> = forward(&q, &xs)
+                .unwrap()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let greedy: Vec<f32> = forward_greedy(&q, &xs)
+                .unwrap()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let argmax = |v: &[f32]| {
+                v.iter()
+                    .enumerate()
+                    .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| {
+                        if x > bv {
+                            (i, x)
+                        } else {
+                            (bi, bv)
+                        }
+                    })
+            };
+            let (i, max) = argmax(&exact);
+            assert_eq!(argmax(&greedy), (i, max), "case {case}: the maximum");
+            assert!(
+                i < half,
+                "case {case}: the maximum lies in the tied rows ({i})"
+            );
+            for (r, (&g, &e)) in greedy.iter().zip(&exact).enumerate() {
+                assert!(
+                    g == e || g < max,
+                    "case {case}, row {r}: {g} (exact {e}, max {max})"
+                );
+            }
+            // Some near-tied rows were recomputed, and (with rows enough) some were not.
+            let recomputed = greedy.iter().zip(&exact).filter(|(g, e)| g == e).count();
+            assert!(recomputed >= 2, "case {case}: {recomputed} rows recomputed");
+            if n >= 300 {
+                assert!(recomputed < n, "case {case}: every row recomputed");
+            }
+            // The screen's bound, and its kernels.
+            let data = q.data().unwrap();
+            let nb = k / simd::QK;
+            let row_bytes = nb * simd::Q8_0_BYTES;
+            let mut yq = vec![0u8; row_bytes];
+            simd::quantize_q8_0(&x, &mut yq);
+            let amax: Vec<f32> = x
+                .chunks_exact(simd::QK)
+                .map(|b| b.iter().fold(0f32, |a, v| a.max(v.abs())))
+                .collect();
+            for (r, &e) in exact.iter().enumerate() {
+                let w = &data[r * row_bytes..(r + 1) * row_bytes];
+                let (v, scale) = simd::dot_q8_0_q8_0_bound(w, &yq, &amax);
+                let (vs, ss) = simd::dot_q8_0_q8_0_bound_scalar(w, &yq, &amax);
+                assert!(
+                    (v - vs).abs() <= 1e-5 * ss && (scale - ss).abs() <= 1e-5 * ss,
+                    "case {case}, row {r}"
+                );
+                assert!(
+                    (v - e).abs() <= scale * simd::Q8_0_SCREEN_BOUND,
+                    "case {case}, row {r}: {v} vs {e}, scale {scale}"
+                );
+            }
+        }
+        let w = Tensor::randn(0f32, 1.0, (16, 64), &dev).unwrap();
+        let q8 = Arc::new(QTensor::quantize(&w, GgmlDType::Q8_0).unwrap());
+        let q41 = Arc::new(QTensor::quantize(&w, GgmlDType::Q4_1).unwrap());
+        let one = Tensor::randn(0f32, 1.0, (1, 64), &dev).unwrap();
+        let two = Tensor::randn(0f32, 1.0, (2, 64), &dev).unwrap();
+        assert!(forward_greedy(&q8, &two).unwrap().is_none(), "two rows");
+        assert!(forward_greedy(&q41, &one).unwrap().is_none(), "Q4_1");
+        set_quantized_activations(true);
+        assert!(
+            forward_greedy(&q8, &one).unwrap().is_none(),
+            "8-bit activations"
+        );
+        set_quantized_activations(false);
+    }
+
     /// Held by the tests that flip the process-wide activation switch.
-    static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    pub(super) static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     #[test]
     fn agrees_with_candle_qmatmul() {
@@ -626,5 +821,44 @@ mod kernel_ab {
                 t_new / 30.0 * 1e3
             );
         }
+    }
+}
+
+/// The output head of SmolLM2-135M (49152 x 576, Q8_0) against one row on this CPU: the F32
+/// activations' product, the greedy screen ([`forward_greedy`]) and 8-bit activations, 50 steps
+/// each, three rounds (not run by default):
+/// `cargo test --release -p candle-offload --lib -- --ignored ab_head --nocapture`.
+#[cfg(test)]
+mod head_ab {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    #[ignore]
+    fn ab_head() {
+        let _switch = tests::SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = Device::Cpu;
+        let (n, k) = (49152usize, 576usize);
+        let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+        let q = Arc::new(QTensor::quantize(&w, GgmlDType::Q8_0).unwrap());
+        let xs = Tensor::randn(0f32, 1.0, (1, k), &dev).unwrap();
+        for round in 0..3 {
+            for mode in ["f32", "greedy", "q8"] {
+                set_quantized_activations(mode == "q8");
+                let t = std::time::Instant::now();
+                for _ in 0..50 {
+                    let _ = if mode == "greedy" {
+                        forward_greedy(&q, &xs).unwrap().unwrap()
+                    } else {
+                        forward(&q, &xs).unwrap().unwrap()
+                    };
+                }
+                eprintln!(
+                    "round {round} {mode}: {:.3} ms",
+                    t.elapsed().as_secs_f64() * 1e3 / 50.0
+                );
+            }
+        }
+        set_quantized_activations(false);
     }
 }

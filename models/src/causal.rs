@@ -211,6 +211,8 @@ pub struct CausalLm {
     head_on_host: bool,
     /// Prompts run in passes of at most this many rows ([`prompt_chunk`](Self::prompt_chunk)).
     prompt_chunk: Option<usize>,
+    /// Only the largest logit is used ([`set_greedy_head`](Self::set_greedy_head)).
+    greedy_head: std::sync::atomic::AtomicBool,
     timing: std::sync::atomic::AtomicBool,
     totals: std::sync::Mutex<TransferTotals>,
     /// Decode steps replayed from a CUDA graph ([`set_graphs`](Self::set_graphs)).
@@ -357,6 +359,7 @@ impl CausalLm {
             layer_steps: None,
             head_on_host: false,
             prompt_chunk: None,
+            greedy_head: std::sync::atomic::AtomicBool::new(false),
             timing: std::sync::atomic::AtomicBool::new(false),
             totals: std::sync::Mutex::new(TransferTotals::default()),
             graphs: graph::Graphs::default(),
@@ -1414,6 +1417,23 @@ impl CausalLm {
         self.prompt_chunk
     }
 
+    /// Tells the model that its caller takes only the largest logit of each step (greedy
+    /// decoding, as `generate --temperature 0`; off by default). A one-row step whose output
+    /// head is Q8_0 blocks on the CPU then screens the head with 8-bit activations and
+    /// recomputes only the rows that could be the largest
+    /// ([`candle_offload::cpu_quant::forward_greedy`]): the largest logit and its token are
+    /// exactly those of the full product, the other logits lower than it but not exact. Off,
+    /// every logit is exact (what sampling at a temperature needs).
+    pub fn set_greedy_head(&self, on: bool) {
+        self.greedy_head
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`set_greedy_head`](Self::set_greedy_head).
+    pub fn greedy_head(&self) -> bool {
+        self.greedy_head.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Measures each move of hidden states between stages, synchronizing both devices around
     /// it (a small cost per stage boundary; off by default).
     pub fn time_transfers(&self, on: bool) {
@@ -1714,11 +1734,21 @@ impl CausalLm {
             let w = UnitWeights::new(unit.var_builder(stage.dtype), Some(&unit))
                 .pp(self.layout.head_unit());
             match w.quantized("weight", &[vocab, hidden])? {
-                Some(q) => crate::layers::Linear::Quantized {
-                    weight: candle_core::quantized::QMatMul::from_arc(q)?,
-                    bias: None,
+                Some(q) => {
+                    let screened = if self.greedy_head() {
+                        candle_offload::cpu_quant::forward_greedy(&q, &xs)?
+                    } else {
+                        None
+                    };
+                    match screened {
+                        Some(logits) => logits,
+                        None => crate::layers::Linear::Quantized {
+                            weight: candle_core::quantized::QMatMul::from_arc(q)?,
+                            bias: None,
+                        }
+                        .forward_step(&xs, self.stage_fused(stage))?,
+                    }
                 }
-                .forward_step(&xs, self.stage_fused(stage))?,
                 None => {
                     let m = w.vb().get((vocab, hidden), "weight")?;
                     crate::layers::Linear::Dense(candle_nn::Linear::new(m, None))

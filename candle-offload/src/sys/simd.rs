@@ -169,6 +169,50 @@ pub(crate) fn dot_q8_0_q8_0(x: &[u8], y: &[u8]) -> f32 {
     dot_q8_0_q8_0_scalar(x, y)
 }
 
+/// [`dot_q8_0_q8_0`] of weight blocks `x` with 8-bit activations `y`, and the scale of its
+/// error against the F32 activations they were quantized from: `sum_b |d_b| * sum_j |q_bj| *
+/// amax[b]`, with `amax[b]` the largest magnitude of the activations' block `b`. Quantizing to
+/// Q8_0 moves each activation by at most `0.5 * amax / 127` (round to nearest) plus its f16
+/// scale's rounding (`127 * 2^-11` of a step), so the product moves by at most this scale times
+/// [`Q8_0_SCREEN_BOUND`].
+pub(crate) fn dot_q8_0_q8_0_bound(x: &[u8], y: &[u8], amax: &[f32]) -> (f32, f32) {
+    let nb = x.len() / Q8_0_BYTES;
+    assert!(x.len() == nb * Q8_0_BYTES && y.len() == nb * Q8_0_BYTES && amax.len() == nb);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked above); both slices hold `nb` whole
+        // Q8_0 blocks and `amax` `nb` values (checked above).
+        return unsafe { avx2::dot_q8_0_q8_0_bound(x, y, amax, nb) };
+    }
+    dot_q8_0_q8_0_bound_scalar(x, y, amax)
+}
+
+/// The bound on `|dot with F32 activations - dot with their Q8_0 blocks|` per unit of the scale
+/// [`dot_q8_0_q8_0_bound`] returns: `(0.5 + 127 * 2^-11) / 127` for the quantization, with 1%
+/// and `1e-4` more for the float sums of either product (each within a few units of 2^-24 of
+/// that scale).
+pub(crate) const Q8_0_SCREEN_BOUND: f32 = (0.5 + 127.0 / 2048.0) / 127.0 * 1.01 + 1e-4;
+
+/// [`dot_q8_0_q8_0_bound`] without SIMD.
+pub(crate) fn dot_q8_0_q8_0_bound_scalar(x: &[u8], y: &[u8], amax: &[f32]) -> (f32, f32) {
+    let (mut sumf, mut scale) = (0f32, 0f32);
+    for ((xb, yb), &a) in x
+        .chunks_exact(Q8_0_BYTES)
+        .zip(y.chunks_exact(Q8_0_BYTES))
+        .zip(amax)
+    {
+        let (mut sumi, mut sumq) = (0i32, 0i32);
+        for (&q, &v) in xb[2..].iter().zip(&yb[2..]) {
+            sumi += q as i8 as i32 * v as i8 as i32;
+            sumq += (q as i8 as i32).abs();
+        }
+        let d = half_at(xb, 0);
+        sumf += sumi as f32 * d * half_at(yb, 0);
+        scale += sumq as f32 * d.abs() * a;
+    }
+    (sumf, scale)
+}
+
 /// The dot product of Q4_1 blocks `x` with F32 activations `y` (32 per block), the
 /// activations not quantized: per block `d * sum(q_j * y_j) + m * sum(y_j)`, the values the
 /// dequantized weights give, summed in another order.
@@ -555,6 +599,44 @@ mod avx2 {
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc);
         }
         hsum(acc)
+    }
+
+    /// [`super::dot_q8_0_q8_0_bound`]'s kernel.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `x` and `y` each hold `nb` Q8_0 blocks and `amax` `nb`
+    /// values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q8_0_q8_0_bound(
+        x: &[u8],
+        y: &[u8],
+        amax: &[f32],
+        nb: usize,
+    ) -> (f32, f32) {
+        let (xp, yp) = (x.as_ptr(), y.as_ptr());
+        let ones = _mm256_set1_epi8(1);
+        let (mut acc, mut scale) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for (i, &a) in amax.iter().enumerate().take(nb) {
+            // SAFETY: block `i` is below `nb`: 34 bytes at each block are inside the slices
+            // (`two_halves` reads the scale and the first two quants); the loads are unaligned.
+            unsafe {
+                let (xb, yb) = (xp.add(i * Q8_0_BYTES), yp.add(i * Q8_0_BYTES));
+                let (dx, _) = two_halves(xb);
+                let (dy, _) = two_halves(yb);
+                let qx = _mm256_loadu_si256(xb.add(2) as *const __m256i);
+                let qy = _mm256_loadu_si256(yb.add(2) as *const __m256i);
+                let ax = _mm256_sign_epi8(qx, qx);
+                let sy = _mm256_sign_epi8(qy, qx);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy), mul_sum_us8_pairs(ax, sy), acc);
+                // |q| summed in pairs, then in fours: sum_j |q_j| over the block's lanes.
+                scale = _mm256_fmadd_ps(
+                    _mm256_set1_ps(dx.abs() * a),
+                    mul_sum_us8_pairs(ax, ones),
+                    scale,
+                );
+            }
+        }
+        (hsum(acc), hsum(scale))
     }
 
     /// The eight int8 at `p` as f32 lanes.
