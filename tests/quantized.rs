@@ -423,6 +423,15 @@ fn quantized_offloaded_equals_resident() -> anyhow::Result<()> {
 
 /// A random-weight GGUF whose layers mix block types as a Q4_K_M file's do: layer 0's
 /// `attn_v` and `ffn_down` in Q6_K, everything else in Q4_K.
+/// A fresh directory `tag` with [`mixed_k_quant_gguf`] of `seed` in it, and its store (blocks
+/// kept).
+fn mixed_k_store(tag: &str, seed: u64) -> anyhow::Result<(PathBuf, ModelFiles, Arc<HostStore>)> {
+    let dir = tempdir(tag);
+    let files = mixed_k_quant_gguf(&dir.join("q4_k_m.gguf"), seed)?;
+    let store = load(&files, true)?;
+    Ok((dir, files, store))
+}
+
 fn mixed_k_quant_gguf(path: &Path, seed: u64) -> anyhow::Result<ModelFiles> {
     write_random_llama_gguf(path, seed, |g| {
         let more = g.starts_with("blk.0.") && (g.contains("attn_v") || g.contains("ffn_down"));
@@ -441,10 +450,7 @@ fn mixed_k_quant_gguf(path: &Path, seed: u64) -> anyhow::Result<ModelFiles> {
 /// and the model still streams bit for bit like its resident self.
 #[test]
 fn mixed_k_quant_layers_take_one_device_size() -> anyhow::Result<()> {
-    let dir = tempdir("mixed-k");
-    let path = dir.join("q4_k_m.gguf");
-    let files = mixed_k_quant_gguf(&path, 13)?;
-    let store = load(&files, true)?;
+    let (dir, files, store) = mixed_k_store("mixed-k", 13)?;
     let unit = |l: usize| store.unit(store.layer_unit(l).expect("a layer unit"));
     let (l0, l1) = (unit(0), unit(1));
     assert_eq!(l0.bytes(), l1.bytes(), "one device size per layer");
@@ -482,10 +488,7 @@ fn mixed_k_quant_layers_take_one_device_size() -> anyhow::Result<()> {
 /// Under a budget that streams, the layers keep their padded size.
 #[test]
 fn mixed_k_quant_layers_that_stay_take_their_own_size() -> anyhow::Result<()> {
-    let dir = tempdir("mixed-k-own");
-    let path = dir.join("q4_k_m.gguf");
-    let files = mixed_k_quant_gguf(&path, 17)?;
-    let store = load(&files, true)?;
+    let (dir, files, store) = mixed_k_store("mixed-k-own", 17)?;
     let l1 = store.layer_unit(1).expect("a layer unit");
     let (padded, own) = (store.unit(l1).bytes(), store.unit(l1).resident_bytes());
     assert!(own < padded, "layer 1 is padded ({own} and {padded})");
@@ -541,10 +544,7 @@ fn mixed_k_quant_layers_that_stay_take_their_own_size() -> anyhow::Result<()> {
 /// logits and tokens are the resident model's.
 #[test]
 fn a_model_that_fits_while_decoding_holds_every_unit_then() -> anyhow::Result<()> {
-    let dir = tempdir("mixed-k-decode-fit");
-    let path = dir.join("q4_k_m.gguf");
-    let files = mixed_k_quant_gguf(&path, 23)?;
-    let store = load(&files, true)?;
+    let (dir, files, store) = mixed_k_store("mixed-k-decode-fit", 23)?;
     let max_len = PROMPT.len() + 6;
     let reserve = |rows| {
         Llama::reserve_bytes(
@@ -610,10 +610,7 @@ fn a_model_that_fits_while_decoding_holds_every_unit_then() -> anyhow::Result<()
 /// greedy tokens are the same.
 #[test]
 fn a_near_fit_runs_its_prompt_in_passes_and_streams_nothing() -> anyhow::Result<()> {
-    let dir = tempdir("near-fit-chunks");
-    let path = dir.join("q4_k_m.gguf");
-    let files = mixed_k_quant_gguf(&path, 29)?;
-    let store = load(&files, true)?;
+    let (dir, files, store) = mixed_k_store("near-fit-chunks", 29)?;
     let prompt: Vec<u32> = (0..96).map(|i| (i * 13 % 90) as u32).collect();
     let max_len = prompt.len() + 6;
     let reserve = |rows| {
