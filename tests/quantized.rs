@@ -10,7 +10,7 @@ use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use candle_offload::store::WeightFormat;
 use candle_offload::{HostStore, MemoryLimit, OffloadStrategy};
-use candle_offload_models::generation::generate;
+use candle_offload_models::generation::{generate, generate_batch};
 use candle_offload_models::{loader, Llama, ModelFiles, MIN_PROMPT_CHUNK};
 use candle_transformers::generation::LogitsProcessor;
 use rand::Rng as _;
@@ -672,6 +672,14 @@ fn a_near_fit_runs_its_prompt_in_passes_and_streams_nothing() -> anyhow::Result<
         store.units().len() as u64,
         "each unit fetched once"
     );
+    // A left-padded batch of two (96 and 61 tokens): passes too, the first reaching the
+    // shorter prompt's first token; the greedy tokens are the unlimited model's.
+    let batch = |model: &Llama| -> anyhow::Result<Vec<Vec<u32>>> {
+        let mut sampler = LogitsProcessor::new(0, None, None);
+        let prompts: [&[u32]; 2] = [&prompt, &prompt[35..]];
+        Ok(generate_batch(model, &prompts, 6, &mut sampler, &[], |_, _| Ok(()))?.0)
+    };
+    assert_eq!(batch(&near)?, batch(&whole)?, "a padded batch in passes");
     // One byte short of the fewest rows a pass is cut to: no smaller passes; the whole
     // prompt's reservation, which this budget cannot hold beside a streamed layer.
     let short = build(Some(reserve(MIN_PROMPT_CHUNK) + all_own - 1));

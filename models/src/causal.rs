@@ -1502,8 +1502,39 @@ impl CausalLm {
     /// With padding, a prompt's attention runs as the masked composition; decode steps, whose
     /// new positions lie past every row's padding, take the decode attention kernel, which
     /// leaves each row's padding out (and replay from a CUDA graph like unpadded ones). The
-    /// KV cache from [`new_cache`](Self::new_cache) takes any batch size.
+    /// KV cache from [`new_cache`](Self::new_cache) takes any batch size. A model with a
+    /// [`prompt_chunk`](Self::prompt_chunk) runs a longer pass as several, each of that many
+    /// positions over the batch (the first, with padding, reaching every row's first token).
     pub fn forward_batch(
+        &self,
+        input_ids: &Tensor,
+        index_pos: usize,
+        pads: &[usize],
+        cache: &mut Cache,
+    ) -> Result<Tensor> {
+        let (batch, seq_len) = input_ids.dims2()?;
+        let rows = self.prompt_chunk.map_or(seq_len, |c| (c / batch).max(1));
+        if seq_len <= rows || (!pads.is_empty() && pads.len() != batch) {
+            return self.forward_pass(input_ids, index_pos, pads, cache);
+        }
+        // A near fit: passes of `rows` positions, each within the reservation.
+        let first = pads
+            .iter()
+            .map(|&p| (p + 1).saturating_sub(index_pos))
+            .fold(rows, usize::max)
+            .min(seq_len);
+        let mut logits =
+            self.forward_pass(&input_ids.narrow(1, 0, first)?, index_pos, pads, cache)?;
+        for start in (first..seq_len).step_by(rows) {
+            let n = rows.min(seq_len - start);
+            let ids = input_ids.narrow(1, start, n)?;
+            logits = self.forward_pass(&ids, index_pos + start, pads, cache)?;
+        }
+        Ok(logits)
+    }
+
+    /// [`forward_batch`](Self::forward_batch) as one pass.
+    fn forward_pass(
         &self,
         input_ids: &Tensor,
         index_pos: usize,
@@ -1512,18 +1543,6 @@ impl CausalLm {
     ) -> Result<Tensor> {
         let _span = tracing::debug_span!("llama.forward", index_pos).entered();
         let (batch, seq_len) = input_ids.dims2()?;
-        let rows = self.prompt_chunk.map_or(seq_len, |c| (c / batch).max(1));
-        if seq_len > rows && pads.is_empty() {
-            // A near fit: passes of `rows` positions, each within the reservation.
-            let mut logits =
-                self.forward_batch(&input_ids.narrow(1, 0, rows)?, index_pos, pads, cache)?;
-            for start in (rows..seq_len).step_by(rows) {
-                let n = rows.min(seq_len - start);
-                let ids = input_ids.narrow(1, start, n)?;
-                logits = self.forward_batch(&ids, index_pos + start, pads, cache)?;
-            }
-            return Ok(logits);
-        }
         if !pads.is_empty() && pads.len() != batch {
             candle_core::bail!("{} padding counts for a batch of {batch}", pads.len());
         }
