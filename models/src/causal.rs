@@ -411,23 +411,10 @@ impl CausalLm {
         }
     }
 
-    /// The part of [`reserve_bytes`](Self::reserve_bytes) at `prompt_len` rows that a decode
-    /// step (one row) does not need: the prompt's activations and its rows' quantized-matmul
-    /// buffers.
-    fn prompt_share(
-        cfg: &Config,
-        store: &candle_offload::HostStore,
-        device: &Device,
-        prompt_len: usize,
-        max_len: usize,
-        dtype: DType,
-    ) -> u64 {
-        let at = |rows| Self::reserve_bytes(cfg, store, device, rows, max_len, dtype);
-        at(prompt_len).saturating_sub(at(DECODE_ROWS))
-    }
-
     /// A stage's reservation while a prompt runs, what it gives to weights while decoding (the
-    /// `share` of [`reserve_by_phase`](Self::reserve_by_phase)) and the prompt's pass size
+    /// `share` of [`reserve_by_phase`](Self::reserve_by_phase): the prompt's activations and
+    /// its rows' quantized-matmul buffers, which a decode step does not need) and the prompt's
+    /// pass size
     /// ([`prompt_chunk`](Self::prompt_chunk)), from `at(rows)`, the reservation for a pass of
     /// `rows` before [`resident_saving`](Self::resident_saving), and `fits(rows)`, whether every
     /// unit of the stage fits at its own size beside it less the saving:
@@ -467,7 +454,7 @@ impl CausalLm {
     }
 
     /// Lets every stage that reserves room give `share` bytes of it (see
-    /// [`prompt_share`](Self::prompt_share)) to weights while decoding ([`PhaseReserve`]); the
+    /// [`phase_reserves`](Self::phase_reserves)) to weights while decoding ([`PhaseReserve`]); the
     /// stages start in the prompt's phase.
     fn reserve_by_phase(&mut self, share: u64) {
         for stage in &mut self.stages {
@@ -960,31 +947,29 @@ impl CausalLm {
         // time before handing it to the host.
         let mut served = keep.clone();
         served.extend((0..n).map(|l| layout.layer(l)));
-        let (base, per_layer) =
-            Self::host_stage_reserve(cfg, &store, device, prompt_len, max_len, dtype);
-        let kv = per_layer * (n - h + 2).min(n) as u64;
-        let share = Self::prompt_share(cfg, &store, device, prompt_len, max_len, dtype);
-        // Only the embeddings on the host: a GPU stage that holds every other unit reserves as
-        // a resident one does (with host layers, prompts stream those layers through it).
-        let (reserve, share, chunk) = if h == 0 {
-            let at = |rows| Self::host_stage_reserve(cfg, &store, device, rows, max_len, dtype);
-            Self::phase_reserves(
-                |rows| {
-                    let (base, per_layer) = at(rows);
-                    base + per_layer * n as u64
-                },
-                Self::resident_saving(&store, device, settings),
-                prompt_len,
-                |rows| {
-                    let (need, budget) = Self::whole_bytes(
-                        cfg, &store, device, dtype, rows, max_len, settings, false,
-                    )?;
-                    Ok(need <= budget)
-                },
-            )?
-        } else {
-            (base + kv, share, None)
+        // Its own layers' KV cache and two layers' more (a host layer's, for prompts).
+        let kv_layers = (n - h + 2).min(n) as u64;
+        let at = |rows| {
+            let (base, per_layer) =
+                Self::host_stage_reserve(cfg, &store, device, rows, max_len, dtype);
+            (base + per_layer * kv_layers, per_layer * kv_layers)
         };
+        let kv = at(prompt_len).1;
+        // Only the embeddings on the host: a GPU stage that holds every other unit reserves as
+        // a resident one does; with host layers, prompts stream those layers through it.
+        let (reserve, share, chunk) = Self::phase_reserves(
+            |rows| at(rows).0,
+            Self::resident_saving(&store, device, settings),
+            prompt_len,
+            |rows| {
+                if h > 0 {
+                    return Ok(false);
+                }
+                let (need, budget) =
+                    Self::whole_bytes(cfg, &store, device, dtype, rows, max_len, settings, false)?;
+                Ok(need <= budget)
+            },
+        )?;
         let order = || {
             let mut order: Vec<UnitId> = gpu_layers()
                 .filter_map(|l| store.unit_id(&layout.layer(l)))

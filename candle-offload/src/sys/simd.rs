@@ -478,6 +478,19 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q8_0_block(xb: *const u8, yb: *const u8) -> (__m256, f32) {
+        // SAFETY: the caller guarantees the same 34 readable bytes at each.
+        let (ax, sy, dx, dy) = unsafe { q8_0_block_parts(xb, yb) };
+        (mul_sum_us8_pairs(ax, sy), dx * dy)
+    }
+
+    /// One Q8_0 block at `xb` and one at `yb` as `maddubs` takes them: `|qx|` (unsigned), `qy`
+    /// with `qx`'s signs, and the two scales.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; 34 bytes at `xb` and at `yb` are readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_0_block_parts(xb: *const u8, yb: *const u8) -> (__m256i, __m256i, f32, f32) {
         // SAFETY: the caller guarantees 34 readable bytes at each: `two_halves` reads the
         // 2-byte scale and the first two quants, the loads the 32 quants at offset 2.
         unsafe {
@@ -485,9 +498,7 @@ mod avx2 {
             let (dy, _) = two_halves(yb);
             let qx = _mm256_loadu_si256(xb.add(2) as *const __m256i);
             let qy = _mm256_loadu_si256(yb.add(2) as *const __m256i);
-            let ax = _mm256_sign_epi8(qx, qx);
-            let sy = _mm256_sign_epi8(qy, qx);
-            (mul_sum_us8_pairs(ax, sy), dx * dy)
+            (_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx), dx, dy)
         }
     }
 
@@ -617,16 +628,10 @@ mod avx2 {
         let ones = _mm256_set1_epi8(1);
         let (mut acc, mut scale) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for (i, &a) in amax.iter().enumerate().take(nb) {
-            // SAFETY: block `i` is below `nb`: 34 bytes at each block are inside the slices
-            // (`two_halves` reads the scale and the first two quants); the loads are unaligned.
+            // SAFETY: block `i` is below `nb`: 34 bytes at each block are inside the slices.
             unsafe {
                 let (xb, yb) = (xp.add(i * Q8_0_BYTES), yp.add(i * Q8_0_BYTES));
-                let (dx, _) = two_halves(xb);
-                let (dy, _) = two_halves(yb);
-                let qx = _mm256_loadu_si256(xb.add(2) as *const __m256i);
-                let qy = _mm256_loadu_si256(yb.add(2) as *const __m256i);
-                let ax = _mm256_sign_epi8(qx, qx);
-                let sy = _mm256_sign_epi8(qy, qx);
+                let (ax, sy, dx, dy) = q8_0_block_parts(xb, yb);
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy), mul_sum_us8_pairs(ax, sy), acc);
                 // |q| summed in pairs, then in fours: sum_j |q_j| over the block's lanes.
                 scale = _mm256_fmadd_ps(
