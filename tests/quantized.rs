@@ -432,6 +432,23 @@ fn mixed_k_store(tag: &str, seed: u64) -> anyhow::Result<(PathBuf, ModelFiles, A
     Ok((dir, files, store))
 }
 
+/// The reservation of a CPU model in F32 for passes of `rows` and `max_len` positions.
+fn cpu_reserve(files: &ModelFiles, store: &HostStore, rows: usize, max_len: usize) -> u64 {
+    Llama::reserve_bytes(
+        &files.config,
+        store,
+        &Device::Cpu,
+        rows,
+        max_len,
+        DType::F32,
+    )
+}
+
+/// Every unit of `store` at its own (unpadded) device size.
+fn own_bytes(store: &HostStore) -> u64 {
+    store.units().iter().map(|u| u.resident_bytes()).sum()
+}
+
 fn mixed_k_quant_gguf(path: &Path, seed: u64) -> anyhow::Result<ModelFiles> {
     write_random_llama_gguf(path, seed, |g| {
         let more = g.starts_with("blk.0.") && (g.contains("attn_v") || g.contains("ffn_down"));
@@ -493,15 +510,8 @@ fn mixed_k_quant_layers_that_stay_take_their_own_size() -> anyhow::Result<()> {
     let (padded, own) = (store.unit(l1).bytes(), store.unit(l1).resident_bytes());
     assert!(own < padded, "layer 1 is padded ({own} and {padded})");
     let max_len = PROMPT.len() + 6;
-    let reserve = Llama::reserve_bytes(
-        &files.config,
-        &store,
-        &Device::Cpu,
-        PROMPT.len(),
-        max_len,
-        DType::F32,
-    );
-    let all_own: u64 = store.units().iter().map(|u| u.resident_bytes()).sum();
+    let reserve = cpu_reserve(&files, &store, PROMPT.len(), max_len);
+    let all_own = own_bytes(&store);
     assert!(all_own < store.total_bytes());
     let (ref_logits, ref_tokens, _) =
         run_with_limit(&files, store.clone(), None, OffloadStrategy::Minimal, 0)?;
@@ -546,17 +556,8 @@ fn mixed_k_quant_layers_that_stay_take_their_own_size() -> anyhow::Result<()> {
 fn a_model_that_fits_while_decoding_holds_every_unit_then() -> anyhow::Result<()> {
     let (dir, files, store) = mixed_k_store("mixed-k-decode-fit", 23)?;
     let max_len = PROMPT.len() + 6;
-    let reserve = |rows| {
-        Llama::reserve_bytes(
-            &files.config,
-            &store,
-            &Device::Cpu,
-            rows,
-            max_len,
-            DType::F32,
-        )
-    };
-    let all_own: u64 = store.units().iter().map(|u| u.resident_bytes()).sum();
+    let reserve = |rows| cpu_reserve(&files, &store, rows, max_len);
+    let all_own = own_bytes(&store);
     assert!(reserve(PROMPT.len()) > reserve(1) + 4096);
     let (ref_logits, ref_tokens, _) =
         run_with_limit(&files, store.clone(), None, OffloadStrategy::Minimal, 0)?;
@@ -613,17 +614,8 @@ fn a_near_fit_runs_its_prompt_in_passes_and_streams_nothing() -> anyhow::Result<
     let (dir, files, store) = mixed_k_store("near-fit-chunks", 29)?;
     let prompt: Vec<u32> = (0..96).map(|i| (i * 13 % 90) as u32).collect();
     let max_len = prompt.len() + 6;
-    let reserve = |rows| {
-        Llama::reserve_bytes(
-            &files.config,
-            &store,
-            &Device::Cpu,
-            rows,
-            max_len,
-            DType::F32,
-        )
-    };
-    let all_own: u64 = store.units().iter().map(|u| u.resident_bytes()).sum();
+    let reserve = |rows| cpu_reserve(&files, &store, rows, max_len);
+    let all_own = own_bytes(&store);
     let build = |limit: Option<u64>| {
         let settings = candle_offload_models::OffloadSettings {
             gpu_memory_limit: limit.map(MemoryLimit::Bytes),
