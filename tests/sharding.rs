@@ -423,3 +423,83 @@ test_device!(
     host_layers_equal_device_only_cpu,
     host_layers_equal_device_only_gpu
 );
+
+/// A near fit: every unit but the (untied) embedding table fits beside the decode step's
+/// reservation, so on a GPU the table stays on the host, a host stage of no layers, and the
+/// GPU's stage captures its decode step as a CUDA graph from the looked-up rows (copied where
+/// the graph reads them before each launch). The greedy tokens equal the eager model's over
+/// 32 steps and two generations; nearly every decode step is replayed. On the CPU the model is
+/// one stage and the tokens agree as well.
+fn near_fit_replays_from_the_looked_up_rows(device: &Device) -> anyhow::Result<()> {
+    use candle_offload_models::HostLayers;
+    let dir = tiny_llama_dir(&format!("near-fit-graph-{}", device.is_cuda()), false)?;
+    let files = loader::from_dir(&dir)?;
+    let cfg = files.config.clone();
+    let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
+    let new = 32;
+    let max_len = PROMPT.len() + new;
+    let embed = store
+        .unit(
+            store
+                .unit_id("model.embed_tokens")
+                .expect("an embedding unit"),
+        )
+        .bytes();
+    let all = store.total_bytes();
+    let decode = Llama::reserve_bytes(&cfg, &store, device, 1, max_len, DType::F32);
+    let build = |limit: Option<u64>| {
+        let settings = OffloadSettings {
+            gpu_memory_limit: limit.map(MemoryLimit::Bytes),
+            ..Default::default()
+        };
+        Llama::offloaded_with_host(
+            &files,
+            store.clone(),
+            device,
+            DType::F32,
+            PROMPT.len(),
+            max_len,
+            &settings,
+            HostLayers::SpreadAuto,
+        )
+    };
+    let tokens = |m: &Llama| -> anyhow::Result<Vec<u32>> {
+        let mut sampler = LogitsProcessor::new(0, None, None);
+        Ok(generate(m, &PROMPT, new, &mut sampler, &[], |_| Ok(()))?.0)
+    };
+    let eager = build(None)?;
+    eager.set_graphs(false);
+    let want = tokens(&eager)?;
+    let near = build(Some(decode + all - embed / 2))?;
+    assert_eq!(near.host_layer_count(), 0);
+    assert_eq!(tokens(&near)?, want, "first generation");
+    assert_eq!(tokens(&near)?, want, "second generation");
+    let stats = near.graph_stats();
+    if device.is_cuda() {
+        let stages = near.stages();
+        assert_eq!(stages.len(), 2, "the table on the host");
+        assert!(stages[0].0.device().is_cpu() && stages[0].1.is_empty());
+        assert!(stats.captures >= 1, "{stats:?}");
+        let steps = 2 * (new as u64 - 1);
+        assert_eq!(
+            stats.captures + stats.replays + stats.eager_steps,
+            steps,
+            "{stats:?}"
+        );
+        assert!(stats.replays + 6 >= steps, "{stats:?}");
+    } else {
+        assert_eq!(near.stages().len(), 1);
+        assert_eq!(
+            (stats.captures, stats.replays, stats.eager_steps),
+            (0, 0, 0)
+        );
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+test_device!(
+    near_fit_replays_from_the_looked_up_rows,
+    near_fit_replays_from_the_looked_up_rows_cpu,
+    near_fit_replays_from_the_looked_up_rows_gpu
+);

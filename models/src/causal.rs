@@ -1619,21 +1619,18 @@ impl CausalLm {
                 first.rope.max_len()
             );
         }
-        let mut xs = {
-            // In the model's dtype: the looked-up rows, not the table, are converted below.
-            let unit = first.rt.acquire(self.units.embed)?;
-            self.family.embed(
-                &self.cfg,
-                UnitWeights::new(unit.var_builder(self.dtype), Some(&unit)),
-                &input_ids.to_device(first.rt.device())?,
-            )?
+        let last = &self.stages[self.stages.len() - 1];
+        // A captured step of a model whose host stage only looks the embeddings up starts
+        // from the looked-up rows, already on the GPU ([`graph`]).
+        let (mut xs, mut at) = match on_device.and_then(|d| d.hidden.clone()) {
+            Some(rows) => (rows, last),
+            None => (self.embed_rows(input_ids)?, first),
         };
         // With host layers, a step of more rows than a decode step (a prompt) runs every layer
         // on the GPU, the host layers streamed through its runtime, as llama.cpp copies its
         // CPU layers to the GPU for large batches; each host layer's KV cache then moves to
         // the host right after the layer.
         let (batch, _) = input_ids.dims2()?;
-        let last = &self.stages[self.stages.len() - 1];
         let prompt_on_gpu =
             !self.on_host.is_empty() && seq_len > 1 && batch * seq_len > HOST_STEP_ROWS;
         let plan: Vec<(&Stage, Range<usize>)> = if prompt_on_gpu {
@@ -1644,7 +1641,6 @@ impl CausalLm {
                 .map(|(s, r)| (&self.stages[*s], r.clone()))
                 .collect()
         };
-        let mut at = first;
         let runs = plan.len();
         for (i, (stage, layers)) in plan.into_iter().enumerate() {
             let device = stage.rt.device();
@@ -1694,6 +1690,18 @@ impl CausalLm {
                 .to_dtype(last.dtype)?;
         }
         Ok(xs)
+    }
+
+    /// The embedding rows of `input_ids`, looked up on the first stage, in the model's dtype
+    /// (the looked-up rows, not the table, are converted).
+    fn embed_rows(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let first = &self.stages[0];
+        let unit = first.rt.acquire(self.units.embed)?;
+        self.family.embed(
+            &self.cfg,
+            UnitWeights::new(unit.var_builder(self.dtype), Some(&unit)),
+            &input_ids.to_device(first.rt.device())?,
+        )
     }
 
     /// The final norm and the output head, logits in f32: on the last stage (`xs` in its

@@ -11,7 +11,10 @@
 //! the logits land in a buffer allocated before the capture and are copied out after each
 //! launch. A graph is replayed only while the units resident at its capture stay
 //! ([`candle_offload::OffloadRuntime::replay_step`]), for the same batch size, padded or not,
-//! and the same KV buffers; otherwise it is captured again. Where a
+//! and the same KV buffers; otherwise it is captured again. A model whose host stage only
+//! looks the embeddings up (a near fit, [`CausalLm::from_store_with_host`]) captures its GPU
+//! stage: the rows are looked up on the host before each launch and copied where the graph
+//! reads them. Where a
 //! graph cannot apply (a prompt, weights that stream, host layers, a pipeline, a new position
 //! inside a row's padding, an attention the kernels do not cover, a failed capture) the step
 //! runs eagerly, and a debug message says why.
@@ -61,6 +64,9 @@ pub(super) struct DeviceInputs {
     pub(super) pos: Tensor,
     /// u32 (batch): each row's left padding, for a padded batch.
     pub(super) pads: Option<Tensor>,
+    /// (batch, 1, hidden) in the GPU stage's dtype: the embedding rows, looked up on the host
+    /// before each launch, where the host stage does nothing else.
+    pub(super) hidden: Option<Tensor>,
 }
 
 /// One captured step and the buffers it reads and writes.
@@ -77,6 +83,8 @@ struct Captured {
     logits: Tensor,
     /// Each layer's key buffer at the capture.
     kv: Vec<Option<TensorId>>,
+    /// Where the graph reads the embedding rows (`DeviceInputs::hidden`).
+    hidden: Option<Tensor>,
 }
 
 impl Default for Graphs {
@@ -145,7 +153,13 @@ impl CausalLm {
         } else {
             pads
         };
-        let stage = &self.stages[0];
+        // A host stage that only looks the embeddings up (a near fit, as llama.cpp keeps its
+        // table on the host): the graph runs the GPU's stage from the looked-up rows.
+        let host_embed = self.stages.len() == 2
+            && self.stages[0].rt.device().is_cpu()
+            && !self.on_host.contains(&true)
+            && !self.head_on_host;
+        let stage = &self.stages[usize::from(host_embed)];
         if !self.graphs() || seq_len != 1 || !stage.rt.device().is_cuda() {
             return Ok(None);
         }
@@ -153,12 +167,18 @@ impl CausalLm {
             self.graphs.state.lock().map_err(|_| {
                 candle_core::Error::Msg("the graph state's lock is poisoned".into())
             })?;
-        if self.stages.len() > 1 {
+        if self.on_host.contains(&true) || self.head_on_host {
+            return Ok(st.eager("layers or the output head run on the host".into()));
+        }
+        if self.stages.len() > 1 && !host_embed {
             return Ok(st.eager("the layers run as a pipeline of several devices".into()));
         }
-        if !self.on_host.is_empty() {
-            return Ok(st.eager("layers run on the host".into()));
-        }
+        // Looked up outside the graph, before the launch (nothing on the GPU yet).
+        let rows = if host_embed {
+            Some(self.embed_rows(input_ids)?.to_dtype(stage.dtype)?)
+        } else {
+            None
+        };
         if !self.stage_fused(stage) {
             return Ok(st.eager("the fused ops are off".into()));
         }
@@ -195,6 +215,9 @@ impl CausalLm {
             .filter(|c| c.batch == batch && c.padded == padded && c.kv == kv)
         {
             write_inputs(&c.inputs, input_ids, index_pos, pads)?;
+            if let (Some(buf), Some(rows)) = (&c.hidden, &rows) {
+                buf.slice_set(&rows.to_device(buf.device())?, 0, 0)?;
+            }
             if stage.rt.replay_step(&c.graph)? {
                 for kv in &mut cache.kvs {
                     kv.replayed(1);
@@ -222,6 +245,10 @@ impl CausalLm {
         )?;
         let logits = Tensor::zeros((batch, self.cfg.vocab_size), DType::F32, device)?;
         write_inputs(&inputs, input_ids, index_pos, pads)?;
+        let hidden = match &rows {
+            Some(rows) => Some(rows.to_device(device)?.contiguous()?.copy()?),
+            None => None,
+        };
         let on_device = DeviceInputs {
             pos: inputs.narrow(0, batch, 1)?,
             pads: if padded {
@@ -229,6 +256,7 @@ impl CausalLm {
             } else {
                 None
             },
+            hidden: hidden.clone(),
         };
         let lens: Vec<usize> = cache.kvs.iter().map(|kv| kv.len()).collect();
         // Run twice (a warm-up, then captured): each run starts from the same positions.
@@ -267,6 +295,7 @@ impl CausalLm {
             inputs,
             logits,
             kv,
+            hidden,
         });
         Ok(Some(out))
     }
