@@ -472,6 +472,31 @@ fn near_fit_replays_from_the_looked_up_rows(device: &Device) -> anyhow::Result<(
     let want = tokens(&eager)?;
     let near = build(Some(decode + all - embed / 2))?;
     assert_eq!(near.host_layer_count(), 0);
+    // Host layers (in front, spread, spread with the head): each run of GPU layers replays
+    // a graph of its own between the host's runs.
+    for host in [
+        HostLayers::Count(2),
+        HostLayers::Spread(2),
+        HostLayers::SpreadWithHead(2),
+    ] {
+        let settings = OffloadSettings::default();
+        let m = Llama::offloaded_with_host(
+            &files,
+            store.clone(),
+            device,
+            DType::F32,
+            PROMPT.len(),
+            max_len,
+            &settings,
+            host,
+        )?;
+        assert_eq!(tokens(&m)?, want, "{host:?}");
+        let stats = m.graph_stats();
+        if device.is_cuda() {
+            assert_eq!(stats.captures, 1, "{host:?}: {stats:?}");
+            assert_eq!(stats.replays, new as u64 - 2, "{host:?}: {stats:?}");
+        }
+    }
     assert_eq!(tokens(&near)?, want, "first generation");
     assert_eq!(tokens(&near)?, want, "second generation");
     let stats = near.graph_stats();

@@ -222,6 +222,11 @@ struct Shared {
 }
 
 impl Shared {
+    /// Whether this runtime's device is a GPU.
+    fn engine_is_cuda(&self) -> bool {
+        matches!(self.engine, Engine::Cuda(_))
+    }
+
     /// The device bytes unit `u` takes in this runtime: its own size when it stays for good,
     /// its streaming size otherwise.
     fn size_of(&self, u: UnitId) -> u64 {
@@ -1346,15 +1351,22 @@ impl OffloadRuntime {
     /// [`capture_step`](Self::capture_step) needs (a fully resident model after its first
     /// pass). Always false off the GPU.
     pub fn all_resident(&self) -> candle_core::Result<bool> {
+        let served = self.shared.served.iter().enumerate().filter(|(_, s)| **s);
+        self.resident_all_of(served.map(|(u, _)| UnitId(u)))
+    }
+
+    /// [`all_resident`](Self::all_resident) for `units` only (a capture of part of a step,
+    /// whose runtime also serves units it does not run). Always false off the GPU.
+    pub fn resident_all_of(
+        &self,
+        units: impl IntoIterator<Item = UnitId>,
+    ) -> candle_core::Result<bool> {
         let Engine::Cuda(engine) = &self.shared.engine else {
             return Ok(false);
         };
         let st = self.state()?;
-        for (u, served) in self.shared.served.iter().enumerate() {
-            if !served {
-                continue;
-            }
-            match &st.resident[u] {
+        for UnitId(u) in units {
+            match st.resident.get(u).and_then(Option::as_ref) {
                 Some(Resident {
                     sync: Some(sync), ..
                 }) if engine.is_ready(sync)? => {}
@@ -1377,6 +1389,31 @@ impl OffloadRuntime {
     /// as before.
     pub fn capture_step<R>(
         &self,
+        f: impl FnMut() -> candle_core::Result<R>,
+    ) -> candle_core::Result<(StepGraph, R)> {
+        if self.shared.engine_is_cuda() && !self.all_resident()? {
+            candle_core::bail!("a captured step needs every unit resident and ready");
+        }
+        self.capture_resident(f)
+    }
+
+    /// [`capture_step`](Self::capture_step) of work that acquires only `units` (each resident
+    /// and ready, or the capture is refused), on a runtime that serves others too (a GPU
+    /// stage that also serves host layers for prompts, capturing one run of its own layers).
+    pub fn capture_step_of<R>(
+        &self,
+        units: &[UnitId],
+        f: impl FnMut() -> candle_core::Result<R>,
+    ) -> candle_core::Result<(StepGraph, R)> {
+        if self.shared.engine_is_cuda() && !self.resident_all_of(units.iter().copied())? {
+            candle_core::bail!("a captured run needs its units resident and ready");
+        }
+        self.capture_resident(f)
+    }
+
+    /// The capture behind [`capture_step`](Self::capture_step), once residency is checked.
+    fn capture_resident<R>(
+        &self,
         mut f: impl FnMut() -> candle_core::Result<R>,
     ) -> candle_core::Result<(StepGraph, R)> {
         let _span = tracing::debug_span!("offload.capture").entered();
@@ -1386,9 +1423,6 @@ impl OffloadRuntime {
                 device_label(&self.shared.device)
             );
         };
-        if !self.all_resident()? {
-            candle_core::bail!("a captured step needs every unit resident and ready");
-        }
         let generation = {
             let mut st = self.state()?;
             st.capturing = true;

@@ -1643,38 +1643,19 @@ impl CausalLm {
         };
         let runs = plan.len();
         for (i, (stage, layers)) in plan.into_iter().enumerate() {
-            let device = stage.rt.device();
             if !std::ptr::eq(at, stage) {
-                xs = self.move_hidden(&xs, device)?;
+                xs = self.move_hidden(&xs, stage.rt.device())?;
                 at = stage;
             }
-            // The layers pass the hidden state on split where they can (the residual add left
-            // to the next layer's norm kernel); it is whole again between stages.
-            let mut hidden = Hidden::Whole(xs.to_dtype(stage.dtype)?);
-            let mut masks = Masks::padded(seq_len, index_pos, pads, device);
-            if let Some(counts) = on_device.and_then(|d| d.pads.clone()) {
-                masks = masks.with_pads_tensor(counts);
-            }
-            let ctx = StepCtx {
-                index_pos,
-                rope: &stage.rope,
-                masks: &masks,
-                fused: self.stage_fused(stage),
-                pos_dev: on_device.map(|d| &d.pos),
-            };
-            for l in layers {
-                if !self.on_host.is_empty() {
-                    cache.place(l, device, stage.dtype)?;
-                }
-                let unit = stage.rt.acquire(self.units.layers[l])?;
-                let block = self.layer_block(&unit, l, stage.dtype)?;
-                let _span = tracing::trace_span!("llama.layer", l).entered();
-                hidden = block.0.forward_hidden(hidden, &ctx, &mut cache.kvs[l])?;
-                if prompt_on_gpu && self.on_host[l] {
-                    cache.place(l, first.rt.device(), first.dtype)?;
-                }
-            }
-            xs = hidden.into_tensor()?;
+            xs = self.run_segment(
+                stage,
+                layers,
+                &xs,
+                (seq_len, index_pos, pads),
+                on_device,
+                cache,
+                prompt_on_gpu,
+            )?;
             if i + 1 < runs || !std::ptr::eq(stage, last) {
                 // This stage idles while another computes (a later stage, or the host's next
                 // run of spread layers): its copy stream fetches what it needs next, into its
@@ -1690,6 +1671,52 @@ impl CausalLm {
                 .to_dtype(last.dtype)?;
         }
         Ok(xs)
+    }
+
+    /// The decoder `layers` on `stage` over `xs` (already on its device): `(seq_len,
+    /// index_pos, pads)` of the step, `on_device` for a step being captured ([`graph`]),
+    /// `prompt_on_gpu` where a prompt runs host layers here (their KV cache then returns to
+    /// the host after each). Returns the hidden state, whole, in the stage's dtype.
+    #[allow(clippy::too_many_arguments)]
+    fn run_segment(
+        &self,
+        stage: &Stage,
+        layers: Range<usize>,
+        xs: &Tensor,
+        (seq_len, index_pos, pads): (usize, usize, &[usize]),
+        on_device: Option<&graph::DeviceInputs>,
+        cache: &mut Cache,
+        prompt_on_gpu: bool,
+    ) -> Result<Tensor> {
+        let device = stage.rt.device();
+        let first = &self.stages[0];
+        // The layers pass the hidden state on split where they can (the residual add left
+        // to the next layer's norm kernel); it is whole again between stages.
+        let mut hidden = Hidden::Whole(xs.to_dtype(stage.dtype)?);
+        let mut masks = Masks::padded(seq_len, index_pos, pads, device);
+        if let Some(counts) = on_device.and_then(|d| d.pads.clone()) {
+            masks = masks.with_pads_tensor(counts);
+        }
+        let ctx = StepCtx {
+            index_pos,
+            rope: &stage.rope,
+            masks: &masks,
+            fused: self.stage_fused(stage),
+            pos_dev: on_device.map(|d| &d.pos),
+        };
+        for l in layers {
+            if !self.on_host.is_empty() {
+                cache.place(l, device, stage.dtype)?;
+            }
+            let unit = stage.rt.acquire(self.units.layers[l])?;
+            let block = self.layer_block(&unit, l, stage.dtype)?;
+            let _span = tracing::trace_span!("llama.layer", l).entered();
+            hidden = block.0.forward_hidden(hidden, &ctx, &mut cache.kvs[l])?;
+            if prompt_on_gpu && self.on_host[l] {
+                cache.place(l, first.rt.device(), first.dtype)?;
+            }
+        }
+        hidden.into_tensor()
     }
 
     /// The embedding rows of `input_ids`, looked up on the first stage, in the model's dtype

@@ -14,7 +14,8 @@
 //! and the same KV buffers; otherwise it is captured again. A model whose host stage only
 //! looks the embeddings up (a near fit, [`CausalLm::from_store_with_host`]) captures its GPU
 //! stage: the rows are looked up on the host before each launch and copied where the graph
-//! reads them. Where a
+//! reads them. A model with host layers or a host head captures each run of GPU layers as a
+//! graph of its own, the host parts running eagerly between launches (`pipeline_step`). Where a
 //! graph cannot apply (a prompt, weights that stream, host layers, a pipeline, a new position
 //! inside a row's padding, an attention the kernels do not cover, a failed capture) the step
 //! runs eagerly, and a debug message says why.
@@ -52,9 +53,34 @@ pub(super) struct Graphs {
 #[derive(Debug, Default)]
 struct State {
     captured: Option<Captured>,
+    /// The GPU runs of a model with host layers or a host head, captured one graph each.
+    pipeline: Option<Pipeline>,
     /// A capture failed with this error: not tried again until graphs are switched on anew.
     refused: Option<String>,
     stats: GraphStats,
+}
+
+/// A decode step of a model with layers or the head on the host, whose GPU runs (the
+/// runs of GPU layers between host ones, `CausalLm::segments`) were captured one graph each:
+/// the host parts run eagerly between their launches.
+#[derive(Debug)]
+struct Pipeline {
+    batch: usize,
+    /// Each layer's key buffer at the capture.
+    kv: Vec<Option<TensorId>>,
+    /// u32 (batch + 1): the token ids (which no graph reads) and the position.
+    inputs: Tensor,
+    /// Per entry of the model's segments: the GPU run's graph (`None` for a host run).
+    runs: Vec<Option<GpuRun>>,
+}
+
+/// One captured run of GPU layers: its graph reads the hidden state from `input` and leaves
+/// it in `output`, both (batch, 1, hidden) in the GPU stage's dtype.
+#[derive(Debug)]
+struct GpuRun {
+    graph: StepGraph,
+    input: Tensor,
+    output: Tensor,
 }
 
 /// What a captured step reads on the device instead of the host: views of its `inputs`.
@@ -118,6 +144,7 @@ impl CausalLm {
             st.refused = None;
             if !on {
                 st.captured = None;
+                st.pipeline = None;
             }
         }
     }
@@ -159,7 +186,11 @@ impl CausalLm {
             && self.stages[0].rt.device().is_cpu()
             && !self.on_host.contains(&true)
             && !self.head_on_host;
-        let stage = &self.stages[usize::from(host_embed)];
+        // Host layers or a host head in front of one GPU: a graph per run of GPU layers.
+        let host_pipeline = self.stages.len() == 2
+            && self.stages[0].rt.device().is_cpu()
+            && (self.on_host.contains(&true) || self.head_on_host);
+        let stage = &self.stages[usize::from(host_embed || host_pipeline)];
         if !self.graphs() || seq_len != 1 || !stage.rt.device().is_cuda() {
             return Ok(None);
         }
@@ -167,6 +198,9 @@ impl CausalLm {
             self.graphs.state.lock().map_err(|_| {
                 candle_core::Error::Msg("the graph state's lock is poisoned".into())
             })?;
+        if host_pipeline {
+            return self.pipeline_step(&mut st, input_ids, index_pos, pads, cache);
+        }
         if self.on_host.contains(&true) || self.head_on_host {
             return Ok(st.eager("layers or the output head run on the host".into()));
         }
@@ -298,6 +332,196 @@ impl CausalLm {
             hidden,
         });
         Ok(Some(out))
+    }
+}
+
+impl CausalLm {
+    /// [`graph_step`](Self::graph_step) for a model with host layers or a host head in front
+    /// of one GPU: the embeddings, the host runs and a host head run eagerly; each run of GPU
+    /// layers is captured once as a graph of its own (from a buffer the hidden state is copied
+    /// into, to one it is copied out of) and replayed at later steps. Where a run's units
+    /// moved since its capture, the rest of the step runs eagerly and the next captures again.
+    /// The GPU's head runs eagerly after the last run (two kernels).
+    fn pipeline_step(
+        &self,
+        st: &mut State,
+        input_ids: &Tensor,
+        index_pos: usize,
+        pads: &[usize],
+        cache: &mut Cache,
+    ) -> Result<Option<Tensor>> {
+        let (batch, _) = input_ids.dims2()?;
+        let gpu = &self.stages[1];
+        if !pads.is_empty() {
+            return Ok(st.eager("a padded batch with host layers".into()));
+        }
+        if !self.stage_fused(gpu) {
+            return Ok(st.eager("the fused ops are off".into()));
+        }
+        if let Some(why) = &st.refused {
+            let why = format!("an earlier capture failed: {why}");
+            return Ok(st.eager(why));
+        }
+        if let Some(p) = gpu.phase {
+            gpu.rt.set_reserve_bytes(p.decode)?;
+        }
+        let room = index_pos < gpu.rope.max_len()
+            && cache.kvs.iter().all(|kv| {
+                kv.k_buffer().is_some() && kv.len() == index_pos && kv.capacity() > kv.len()
+            });
+        if !room {
+            return Ok(st.eager("the KV cache is not allocated, or full, at this position".into()));
+        }
+        let kv: Vec<Option<TensorId>> = cache
+            .kvs
+            .iter()
+            .map(|kv| kv.k_buffer().map(Tensor::id))
+            .collect();
+        let step = (1, index_pos, &[][..]);
+        let replay = st
+            .pipeline
+            .take()
+            .filter(|c| c.batch == batch && c.kv == kv);
+        // The units the GPU's runs acquire (it also serves the host layers, for prompts).
+        let run_units: Vec<candle_offload::UnitId> = self
+            .segments
+            .iter()
+            .filter(|(s, _)| *s == 1)
+            .flat_map(|(_, layers)| layers.clone().map(|l| self.units.layers[l]))
+            .collect();
+        if replay.is_none() && !gpu.rt.resident_all_of(run_units.iter().copied())? {
+            return Ok(st.eager("weights stream (not every unit is resident)".into()));
+        }
+        let _span = tracing::debug_span!("llama.pipeline_graphs", batch, index_pos).entered();
+        let dev = gpu.rt.device();
+        let (inputs, mut runs) = match replay {
+            Some(c) => {
+                write_inputs(&c.inputs, input_ids, index_pos, &[])?;
+                (c.inputs, Some(c.runs))
+            }
+            None => {
+                let inputs = Tensor::zeros(batch + 1, DType::U32, dev)?;
+                write_inputs(&inputs, input_ids, index_pos, &[])?;
+                (inputs, None)
+            }
+        };
+        let capturing = runs.is_none();
+        let on_device = DeviceInputs {
+            pos: inputs.narrow(0, batch, 1)?,
+            pads: None,
+            hidden: None,
+        };
+        let mut captured: Vec<Option<GpuRun>> = Vec::new();
+        // Set once a graph cannot launch or a capture fails: the rest runs eagerly.
+        let mut eager: Option<String> = None;
+        let mut xs = self.embed_rows(input_ids)?;
+        for (i, (s, layers)) in self.segments.iter().enumerate() {
+            let stage = &self.stages[*s];
+            if !xs.device().same_device(stage.rt.device()) {
+                xs = self.move_hidden(&xs, stage.rt.device())?;
+            }
+            if *s == 0 || eager.is_some() {
+                xs = self.run_segment(stage, layers.clone(), &xs, step, None, cache, false)?;
+                captured.push(None);
+                continue;
+            }
+            if let Some(run) = runs
+                .as_mut()
+                .and_then(|r| r.get_mut(i))
+                .and_then(Option::take)
+            {
+                run.input
+                    .slice_set(&xs.to_dtype(run.input.dtype())?.to_device(dev)?, 0, 0)?;
+                if gpu.rt.replay_step(&run.graph)? {
+                    for l in layers.clone() {
+                        cache.kvs[l].replayed(1);
+                    }
+                    xs = run.output.clone();
+                    captured.push(Some(run));
+                    continue;
+                }
+                eager = Some("units moved since the capture".into());
+                xs = self.run_segment(stage, layers.clone(), &xs, step, None, cache, false)?;
+                captured.push(None);
+                continue;
+            }
+            if !capturing {
+                candle_core::bail!("a GPU run of the pipeline has no graph");
+            }
+            let input = xs
+                .to_dtype(gpu.dtype)?
+                .to_device(dev)?
+                .contiguous()?
+                .copy()?;
+            let output = input.zeros_like()?;
+            let lens: Vec<usize> = layers.clone().map(|l| cache.kvs[l].len()).collect();
+            // Run twice (a warm-up, then captured): each run starts from the same positions.
+            let graph = gpu.rt.capture_step_of(&run_units, || {
+                for (l, &len) in layers.clone().zip(&lens) {
+                    cache.kvs[l].rewind(len);
+                }
+                let h = self.run_segment(
+                    gpu,
+                    layers.clone(),
+                    &input,
+                    step,
+                    Some(&on_device),
+                    cache,
+                    false,
+                )?;
+                output.slice_set(&h, 0, 0)
+            });
+            match graph {
+                Ok((graph, ())) => {
+                    // The capture ran nothing: its first launch computes this run.
+                    if !gpu.rt.replay_step(&graph)? {
+                        candle_core::bail!("units moved between the capture and its first launch");
+                    }
+                    xs = output.clone();
+                    captured.push(Some(GpuRun {
+                        graph,
+                        input,
+                        output,
+                    }));
+                }
+                Err(e) => {
+                    for (l, len) in layers.clone().zip(lens) {
+                        cache.kvs[l].rewind(len);
+                    }
+                    let why = e.to_string();
+                    st.refused = Some(why.clone());
+                    eager = Some(format!("the capture failed: {why}"));
+                    xs = self.run_segment(gpu, layers.clone(), &input, step, None, cache, false)?;
+                    captured.push(None);
+                }
+            }
+        }
+        let last = &self.stages[self.stages.len() - 1];
+        if !self.head_on_host && !xs.device().same_device(last.rt.device()) {
+            xs = self
+                .move_hidden(&xs, last.rt.device())?
+                .to_dtype(last.dtype)?;
+        }
+        let logits = self.head(&xs)?.squeeze(1)?;
+        match eager {
+            Some(why) => {
+                st.eager(why);
+            }
+            None => {
+                if capturing {
+                    st.stats.captures += 1;
+                } else {
+                    st.stats.replays += 1;
+                }
+                st.pipeline = Some(Pipeline {
+                    batch,
+                    kv,
+                    inputs,
+                    runs: captured,
+                });
+            }
+        }
+        Ok(Some(logits))
     }
 }
 
