@@ -385,6 +385,22 @@ fn main() -> Result<()> {
             let mut next = argmax(&logits)?;
             let prefill_s = t0.elapsed().as_secs_f64();
             model.end_step()?;
+            // The prompt's marks, then the decode's from here (which phase reached the peak).
+            let prefill_peaks = if gpu {
+                Some((
+                    sampler
+                        .as_ref()
+                        .map(|s| s.peak().saturating_sub(context_bytes)),
+                    candle_offload::diag::pool_peak_used_bytes(&device, true)?,
+                    candle_offload::diag::pool_peak_reserved_bytes(&device, true)?,
+                ))
+            } else {
+                None
+            };
+            if let Some(s) = &sampler {
+                s.reset(diag::device_used_bytes(&device)?);
+            }
+            let reused_before = rt.stats()?.total.reused_buffers;
             let mut times = Vec::new();
             let mut host_times = Vec::new();
             let mut bytes = Vec::new();
@@ -418,6 +434,7 @@ fn main() -> Result<()> {
                 bytes.push(rt.stats()?.last_step.map_or(0.0, |s| s.bytes as f64));
             }
             let decode_wall_s = decode_t0.elapsed().as_secs_f64();
+            let reused = rt.stats()?.total.reused_buffers - reused_before;
             // The device stage's reservation and weight capacity while decoding (a model gives
             // the prompt's activations to weights then: `CausalLm`'s phase reservation).
             let decode_stats = match model.stages().last() {
@@ -430,15 +447,18 @@ fn main() -> Result<()> {
                 candle_offload::diag::profiler_capture(&device, false)?;
             }
             let host_s = median(host_times);
-            let pool_peaks = if gpu {
-                Some((
-                    candle_offload::diag::pool_peak_used_bytes(&device, false)?,
-                    candle_offload::diag::pool_peak_reserved_bytes(&device, false)?,
-                ))
-            } else {
-                None
+            // Over the prompt and the decode.
+            let pool_peaks = match prefill_peaks {
+                Some((_, used, held)) => Some((
+                    candle_offload::diag::pool_peak_used_bytes(&device, false)?.max(used),
+                    candle_offload::diag::pool_peak_reserved_bytes(&device, false)?.max(held),
+                )),
+                None => None,
             };
-            let peak = sampler.map(|s| s.stop().saturating_sub(context_bytes));
+            let peak = sampler.map(|s| {
+                let decode = s.stop().saturating_sub(context_bytes);
+                decode.max(prefill_peaks.and_then(|p| p.0).unwrap_or(0))
+            });
             let step_s = median(times);
             let streamed = median(bytes);
             let batch = if args.batch > 1 {
@@ -527,6 +547,15 @@ fn main() -> Result<()> {
                     held >> 20
                 );
             }
+            if let Some((dev_peak, used, held)) = prefill_peaks {
+                println!(
+                    "        prompt: peak {} MiB, pool {} MiB in use at most, {} held; decode: {:.1} buffers reused a token",
+                    dev_peak.map_or("-".into(), |p| (p >> 20).to_string()),
+                    used >> 20,
+                    held >> 20,
+                    reused as f64 / args.new_tokens.max(1) as f64
+                );
+            }
             if let Some(l) = lc_decode {
                 println!(
                     "        llama.cpp -ngl {}: decode {l:.2} tok/s ({:.2}x ours over theirs), prefill {} tok/s (ours {:.1})",
@@ -559,6 +588,10 @@ fn main() -> Result<()> {
                 "sampler_period_us": (gpu && args.sampler_us > 0).then_some(args.sampler_us),
                 "pool_peak_used_bytes": pool_peaks.map(|p| p.0),
                 "pool_peak_reserved_bytes": pool_peaks.map(|p| p.1),
+                "prefill_peak_device_bytes": prefill_peaks.and_then(|p| p.0),
+                "prefill_pool_peak_used_bytes": prefill_peaks.map(|p| p.1),
+                "prefill_pool_peak_reserved_bytes": prefill_peaks.map(|p| p.2),
+                "decode_reused_buffers_per_token": reused as f64 / args.new_tokens.max(1) as f64,
                 "context_bytes": context_bytes,
                 "peak_within_budget": budget_bytes.zip(peak).map(|(b, p)| p <= b),
                 "prefill_s": prefill_s,
@@ -785,7 +818,8 @@ impl LlamaCpp {
     }
 
     /// For each budget (`None`: everything on the GPU) and prompt length, the most layers whose
-    /// probe peak (that prompt, no decode) fits it, then the measurement there: the prompt's
+    /// probe peak (the larger of a prefill of that prompt and a decode of `gen` tokens after
+    /// it, each run once) fits it, then the measurement there: the prompt's
     /// prefill from an empty context, and `gen` tokens decoded after the prompt's length of
     /// context (llama-bench's `-d`) as ours are, and from an empty one for reference.
     fn measure(
@@ -804,8 +838,17 @@ impl LlamaCpp {
                 if let Some(p) = probes.get(&ngl) {
                     return Ok(*p);
                 }
-                let (_, p) = self.run(ngl, &[prompt], 0, &[0], 1)?;
-                println!("llama.cpp probe -ngl {ngl} -p {prompt}: {} MiB", p >> 20);
+                // Both timed runs: the prefill, and the decode after the prompt's context,
+                // which holds more (llama.cpp rounds its context up: 7B Q4_K_M at 4 GiB,
+                // `-ngl 32`: 4054 MiB for the prompt, 4184 decoding after it).
+                let (_, prefill) = self.run(ngl, &[prompt], 0, &[0], 1)?;
+                let (_, decode) = self.run(ngl, &[0], gen, &[prompt], 1)?;
+                let p = prefill.max(decode);
+                println!(
+                    "llama.cpp probe -ngl {ngl} -p {prompt}: {} MiB; -n {gen} -d {prompt}: {} MiB",
+                    prefill >> 20,
+                    decode >> 20
+                );
                 probes.insert(ngl, p);
                 Ok(p)
             };

@@ -1164,8 +1164,17 @@ fn quantized_projections_reach_every_family(dev: &Device) -> anyhow::Result<()> 
                 // A second pass fetches layers again: they did not all stay.
                 let first = model.runtime().stats()?.total.fetches;
                 model.forward_all(&ids)?;
-                let second = model.runtime().stats()?.total.fetches - first;
+                let stats = model.runtime().stats()?;
+                let second = stats.total.fetches - first;
                 assert!(second >= 2, "{kind:?}: must stream ({second} fetches)");
+                // On a GPU, streamed blocks are written into their victims' buffers (the
+                // logits below check that this changes nothing).
+                if dev.is_cuda() && store.ggml_tensor_count() > 0 {
+                    assert!(
+                        stats.total.reused_buffers > 0,
+                        "{kind:?}: no evicted buffer was reused"
+                    );
+                }
             }
             Ok(logits)
         };

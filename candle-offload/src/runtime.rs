@@ -156,6 +156,35 @@ impl Weights {
     fn is_shared(&self) -> bool {
         Arc::strong_count(&self.dense) > 1 || Arc::strong_count(&self.quantized) > 1
     }
+
+    /// Takes the quantized tensors that nothing else holds, for their buffers to take another
+    /// unit's blocks (`CudaEngine::upload`); what a user derived from them is dropped first,
+    /// and tensors still held elsewhere stay (and are freed with these weights).
+    fn take_unique_blocks(&mut self) -> Vec<QTensor> {
+        if self.is_shared() || self.quantized.is_empty() {
+            return Vec::new();
+        }
+        if Arc::strong_count(&self.derived) == 1 {
+            if let Ok(mut d) = self.derived.lock() {
+                d.0 = None;
+            }
+        }
+        let Some(map) = Arc::get_mut(&mut self.quantized) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        let mut kept = HashMap::new();
+        for (name, q) in map.drain() {
+            match Arc::try_unwrap(q) {
+                Ok(q) => out.push(q),
+                Err(q) => {
+                    kept.insert(name, q);
+                }
+            }
+        }
+        *map = kept;
+        out
+    }
 }
 
 #[derive(Debug)]
@@ -189,6 +218,10 @@ struct State {
     /// nor waited for, and their uses record no events (an event recorded inside a capture
     /// cannot be waited on outside it).
     capturing: bool,
+    /// The quantized tensors of units evicted for the fetch under way, whose buffers its blocks
+    /// may take (`carry_out`; empty outside it, so no buffer is held that the cache does not
+    /// count).
+    spare_blocks: Vec<QTensor>,
     /// Bumped whenever a unit arrives or leaves: a captured step holds the addresses of the
     /// units resident at its capture and may replay only while this is unchanged.
     generation: u64,
@@ -632,6 +665,7 @@ impl OffloadRuntime {
                     reservation_parts: Vec::new(),
                     read_ahead: Vec::new(),
                     capturing: false,
+                    spare_blocks: Vec::new(),
                     generation: 0,
                     replayed: false,
                 }),
@@ -910,9 +944,23 @@ impl OffloadRuntime {
             );
         }
         for &v in &t.evict {
-            self.drop_unit(st, v, "victim")?;
+            self.drop_unit(st, v, "victim", t.fetch.is_some())?;
         }
         let Some(u) = t.fetch else { return Ok(()) };
+        let done = self.fetch_unit(st, u, reason);
+        // The victims' buffers the fetch did not take are freed now.
+        st.spare_blocks.clear();
+        done
+    }
+
+    /// The fetch of `carry_out`: `u`'s tensors uploaded, into the victims' buffers where they
+    /// match.
+    fn fetch_unit(
+        &self,
+        st: &mut State,
+        u: UnitId,
+        reason: &'static str,
+    ) -> candle_core::Result<()> {
         let unit = self.shared.store.unit(u);
         let size = self.shared.size_of(u);
         let _span =
@@ -940,7 +988,7 @@ impl OffloadRuntime {
                 let idle = st.cache.evict_idle_except(Some(u));
                 tracing::warn!(unit = unit.name(), error = %first, evicted = idle.len(), "fetch failed; evicting idle units and retrying once");
                 for v in idle {
-                    self.drop_unit(st, v, "idle")?;
+                    self.drop_unit(st, v, "idle", false)?;
                 }
                 self.attempt_upload(st, u).map_err(|second| {
                     let budget = self.budget();
@@ -992,9 +1040,6 @@ impl OffloadRuntime {
         st: &mut State,
         u: UnitId,
     ) -> candle_core::Result<(Weights, Option<UnitSync>)> {
-        // Only injected faults need the state.
-        #[cfg(not(feature = "fault-injection"))]
-        let _ = st;
         #[cfg(feature = "fault-injection")]
         if st.injected_failures > 0 {
             st.injected_failures -= 1;
@@ -1002,7 +1047,9 @@ impl OffloadRuntime {
                 "injected fault: the allocation was refused (as CUDA_ERROR_OUT_OF_MEMORY would be)"
             );
         }
-        self.upload(u)
+        let (weights, sync, reused) = self.upload(u, &mut st.spare_blocks)?;
+        st.telemetry.reused(reused);
+        Ok((weights, sync))
     }
 
     /// For testing fault handling: the next `n` fetches fail as if the driver had refused
@@ -1013,10 +1060,16 @@ impl OffloadRuntime {
         Ok(())
     }
 
-    fn upload(&self, u: UnitId) -> candle_core::Result<(Weights, Option<UnitSync>)> {
+    /// Uploads `u`, its GGML blocks into `spare`'s buffers where they match (taken out of it),
+    /// and counts the tensors written into such buffers.
+    fn upload(
+        &self,
+        u: UnitId,
+        spare: &mut Vec<QTensor>,
+    ) -> candle_core::Result<(Weights, Option<UnitSync>, u64)> {
         let unit = self.shared.store.unit(u);
         match &self.shared.engine {
-            Engine::Cpu => Ok((self.cpu_weights(unit)?, None)),
+            Engine::Cpu => Ok((self.cpu_weights(unit)?, None, 0)),
             Engine::Cuda(engine) => {
                 let items: Vec<UploadItem<'_>> = unit
                     .tensors()
@@ -1040,8 +1093,8 @@ impl OffloadRuntime {
                     .collect();
                 // The read lock keeps `update_weights` out while the copies are enqueued.
                 let tier = unit.buffer();
-                let (uploaded, sync) =
-                    engine.upload(unit.name(), &**tier, &items, self.shared.trainable)?;
+                let (uploaded, sync, reused) =
+                    engine.upload(unit.name(), &**tier, &items, self.shared.trainable, spare)?;
                 let mut dense = HashMap::with_capacity(unit.tensors().len());
                 let mut quantized = HashMap::new();
                 for (t, w) in unit.tensors().iter().zip(uploaded) {
@@ -1057,7 +1110,7 @@ impl OffloadRuntime {
                         }
                     }
                 }
-                Ok((Weights::new(dense, quantized), Some(sync)))
+                Ok((Weights::new(dense, quantized), Some(sync), reused))
             }
         }
     }
@@ -1084,13 +1137,16 @@ impl OffloadRuntime {
         Ok(Weights::new(dense, quantized))
     }
 
+    /// Evicts `v`; with `recycle`, its quantized buffers go to `st.spare_blocks` for the fetch
+    /// that follows (`carry_out`), instead of back to the pool.
     fn drop_unit(
         &self,
         st: &mut State,
         v: UnitId,
         reason: &'static str,
+        recycle: bool,
     ) -> candle_core::Result<()> {
-        let Some(Resident { weights, sync }) = st.resident[v.0].take() else {
+        let Some(Resident { mut weights, sync }) = st.resident[v.0].take() else {
             return Ok(());
         };
         st.generation += 1;
@@ -1116,7 +1172,14 @@ impl OffloadRuntime {
                     engine.record_last_use(&mut sync)?;
                 }
                 let blocks = !weights.quantized.is_empty();
+                let spare = if recycle {
+                    weights.take_unique_blocks()
+                } else {
+                    Vec::new()
+                };
+                // After the eviction's waits: the copy stream has waited for the last use.
                 engine.evict(weights, &sync, blocks)?;
+                st.spare_blocks.extend(spare);
                 if let Some(t) = engine.harvest(&mut sync) {
                     st.telemetry.timings(t);
                 }
@@ -1229,7 +1292,7 @@ impl OffloadRuntime {
                     })
                 })?;
             for v in victims {
-                self.drop_unit(&mut st, v, "reserve")?;
+                self.drop_unit(&mut st, v, "reserve", false)?;
             }
             self.shared.reserve.store(reserve, Ordering::Relaxed);
             self.log(&mut st, EventKind::Reserve, None, reserve, "reserve", None);
@@ -1510,7 +1573,7 @@ impl OffloadRuntime {
         self.synchronize()?;
         for &u in by_unit.keys() {
             if st.cache.invalidate(u) {
-                self.drop_unit(&mut st, u, "updated")?;
+                self.drop_unit(&mut st, u, "updated", false)?;
             }
         }
         drop(st);
@@ -1524,7 +1587,7 @@ impl OffloadRuntime {
     pub fn evict_all(&self) -> candle_core::Result<()> {
         let mut st = self.state()?;
         for v in st.cache.evict_idle() {
-            self.drop_unit(&mut st, v, "evict_all")?;
+            self.drop_unit(&mut st, v, "evict_all", false)?;
         }
         Ok(())
     }

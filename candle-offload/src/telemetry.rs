@@ -44,6 +44,9 @@ pub struct TransferStats {
     pub stall_s: f64,
     /// Wall-clock seconds of the interval (steps only).
     pub wall_s: f64,
+    /// GGML tensors written into a buffer that a unit evicted for the same fetch left, instead
+    /// of a new allocation (GPU only).
+    pub reused_buffers: u64,
 }
 
 impl TransferStats {
@@ -303,6 +306,12 @@ impl Telemetry {
             steps: 0,
             peak_resident: 0,
             read_ahead: ReadAheadStats::default(),
+        }
+    }
+
+    pub fn reused(&mut self, tensors: u64) {
+        for t in [&mut self.total, &mut self.step] {
+            t.reused_buffers += tensors;
         }
     }
 

@@ -274,19 +274,23 @@ impl CudaEngine {
 
     /// Allocates and copies a unit's tensors on the copy stream, reading them out of `src`
     /// (straight from page-locked memory, through the staging ring from any other tier), and
-    /// records the unit's events.
+    /// records the unit's events. GGML blocks go into a buffer taken from `spare` where one of
+    /// the same type, shape and size is there (the buffers of units evicted for this fetch, see
+    /// [`upload_blocks`](Self::upload_blocks)); the second value counts those.
     pub(crate) fn upload(
         &self,
         unit: &str,
         src: &dyn HostTier,
         items: &[UploadItem<'_>],
         trainable: bool,
-    ) -> candle_core::Result<(Vec<DeviceWeight>, UnitSync)> {
+        spare: &mut Vec<QTensor>,
+    ) -> candle_core::Result<(Vec<DeviceWeight>, UnitSync, u64)> {
         let bytes: usize = items.iter().map(|i| i.range.len()).sum();
         let _span = tracing::debug_span!("offload.h2d", unit, bytes).entered();
         let copy_start = timing_event(&self.copy)?;
         let mut out = Vec::with_capacity(items.len());
         let managed = src.managed();
+        let mut reused = 0;
         for item in items {
             let range = item.range.clone();
             let weight = match (&item.layout, managed) {
@@ -318,9 +322,11 @@ impl CudaEngine {
                 }
                 // Candle's quantized storage cannot point into memory it did not allocate, so
                 // blocks are copied even from managed memory (through the staging ring).
-                (DeviceLayout::Blocks { ggml, device_len }, _) => DeviceWeight::Blocks(Box::new(
-                    self.upload_blocks(src, item, *ggml, *device_len)?,
-                )),
+                (DeviceLayout::Blocks { ggml, device_len }, _) => {
+                    let (q, recycled) = self.upload_blocks(src, item, *ggml, *device_len, spare)?;
+                    reused += u64::from(recycled);
+                    DeviceWeight::Blocks(Box::new(q))
+                }
             };
             out.push(weight);
         }
@@ -335,6 +341,7 @@ impl CudaEngine {
                 last_use: None,
                 managed: managed.map(|m| m.pages()),
             },
+            reused,
         ))
     }
 
@@ -358,23 +365,53 @@ impl CudaEngine {
     }
 
     /// A tensor's GGML blocks as a Candle `QTensor` in device memory, copied on the copy
-    /// stream. Candle 0.11.1 cannot wrap a device buffer it did not allocate (`QCudaStorage`'s
-    /// fields are private), so Candle allocates it (`QCudaStorage::zeros`: stream-ordered on the
-    /// compute stream, from the memory pool, with the zeroed row padding its kernels read) and
+    /// stream, and whether its buffer was an evicted one from `spare`.
+    ///
+    /// Candle 0.11.1 cannot wrap a device buffer it did not allocate (`QCudaStorage`'s fields
+    /// are private). A new buffer is Candle's (`QCudaStorage::zeros`: stream-ordered on the
+    /// compute stream, from the memory pool, with the zeroed row padding its kernels read), and
     /// the blocks are written through its device pointer.
+    ///
+    /// A spare `QTensor` of the same GGML type, shape and block bytes is written over instead:
+    /// its buffer is exactly what `zeros` would allocate, and its bytes past the blocks are
+    /// still the zeros `zeros` wrote (every write covers the same `len` bytes). No allocation
+    /// and no free, so a streamed unit takes over its victim's memory without the pool seeing
+    /// a freed block that an activation could split (hazard H12). The victim's last use was
+    /// waited for on the copy stream when it was evicted (`evict`), before these copies.
     fn upload_blocks(
         &self,
         src: &dyn HostTier,
         item: &UploadItem<'_>,
         ggml: GgmlDType,
         device_len: usize,
-    ) -> candle_core::Result<QTensor> {
+        spare: &mut Vec<QTensor>,
+    ) -> candle_core::Result<(QTensor, bool)> {
         let len = item.range.len();
         let elems = item.shape.elem_count();
         // The buffer is `device_len` bytes: the tensor's blocks, possibly whole blocks more (the
         // store evens out layers of mixed block types), then Candle's row padding.
         let padding_blocks = GGML_ROW_PADDING_ELEMS / ggml.block_size();
         let alloc_blocks = (device_len / ggml.type_size()).saturating_sub(padding_blocks);
+        let found = spare.iter().position(|q| {
+            q.dtype() == ggml
+                && q.shape() == item.shape
+                && q.storage_size_in_bytes() == alloc_blocks * ggml.type_size()
+        });
+        if let Some(k) = found {
+            let q = spare.swap_remove(k);
+            if len != elems / ggml.block_size() * ggml.type_size()
+                || (alloc_blocks + padding_blocks) * ggml.type_size() != device_len
+                || len > q.storage_size_in_bytes()
+            {
+                candle_core::bail!(
+                    "tensor {}: {len} bytes of {ggml:?} blocks do not fill {elems} elements \
+                     ({device_len} bytes budgeted)",
+                    item.name
+                );
+            }
+            self.write_blocks(src, item, &q, len)?;
+            return Ok((q, true));
+        }
         let storage = QCudaStorage::zeros(&self.cuda, alloc_blocks * ggml.block_size(), ggml)?;
         // Candle allocated and zeroed the buffer on the compute stream; the copy stream writes
         // it only after that (explicitly, for contexts without cudarc's event tracking).
@@ -391,29 +428,45 @@ impl CudaEngine {
                 storage.storage_size_in_bytes()
             );
         }
-        if len > 0 {
-            // The guard makes the copy stream wait for the allocation's memset (recorded on the
-            // compute stream); on drop it records the copy as a read, which the free waits for.
-            let (ptr, _guard) = storage.device_ptr_with_guard(&self.copy)?;
-            let base = ptr as cusys::CUdeviceptr;
-            self.copy_chunks(src, item.range.clone(), |bytes, offset| {
-                debug_assert!(offset + bytes.len() <= len);
-                // SAFETY: `base..base + len` is the blocks' part of the buffer Candle allocated
-                // above (`storage_size_in_bytes() >= len`, checked), alive until `storage` is
-                // dropped, after the guard. `bytes` is host memory that stays valid until the
-                // copy completes: page-locked store memory, or a staging buffer that is not
-                // reused before its `done` event (see `copy_chunks`).
-                unsafe {
-                    cudarc_result::memcpy_htod_async(
-                        base + offset as cusys::CUdeviceptr,
-                        bytes,
-                        self.copy.cu_stream(),
-                    )
-                }
-                .w()
-            })?;
+        let q = QTensor::new(QStorage::Cuda(storage), item.shape.clone())?;
+        self.write_blocks(src, item, &q, len)?;
+        Ok((q, false))
+    }
+
+    /// Copies `item`'s `len` bytes of blocks into the start of `q`'s buffer on the copy stream.
+    fn write_blocks(
+        &self,
+        src: &dyn HostTier,
+        item: &UploadItem<'_>,
+        q: &QTensor,
+        len: usize,
+    ) -> candle_core::Result<()> {
+        if len == 0 {
+            return Ok(());
         }
-        QTensor::new(QStorage::Cuda(storage), item.shape.clone())
+        // With cudarc's event tracking, the guard makes the copy stream wait for the buffer's
+        // last write and reads (the allocation's memset, or an evicted unit's matmuls); on drop
+        // it records the copy as a write, which later reads and the free wait for.
+        let (ptr, _guard) = q.device_ptr_with_guard(&self.copy)?;
+        let base = ptr as cusys::CUdeviceptr;
+        self.copy_chunks(src, item.range.clone(), |bytes, offset| {
+            debug_assert!(offset + bytes.len() <= len);
+            // SAFETY: `base..base + len` is the blocks' part of `q`'s buffer (its callers check
+            // `storage_size_in_bytes() >= len`), alive until `q` is dropped, after the guard.
+            // Nothing reads it before the unit's `ready` event, recorded after these copies;
+            // a reused buffer's earlier readers finished before its eviction's wait on the copy
+            // stream. `bytes` is host memory that stays valid until the copy completes:
+            // page-locked store memory, or a staging buffer that is not reused before its `done`
+            // event (see `copy_chunks`).
+            unsafe {
+                cudarc_result::memcpy_htod_async(
+                    base + offset as cusys::CUdeviceptr,
+                    bytes,
+                    self.copy.cu_stream(),
+                )
+            }
+            .w()
+        })
     }
 
     /// Copies `range` of `src` into `dst` on the copy stream.

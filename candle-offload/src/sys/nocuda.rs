@@ -80,7 +80,8 @@ impl CudaEngine {
         _src: &dyn HostTier,
         _items: &[UploadItem<'_>],
         _trainable: bool,
-    ) -> candle_core::Result<(Vec<DeviceWeight>, UnitSync)> {
+        _spare: &mut Vec<candle_core::quantized::QTensor>,
+    ) -> candle_core::Result<(Vec<DeviceWeight>, UnitSync, u64)> {
         match *self {}
     }
     pub(crate) fn wait_ready(&self, _sync: &mut UnitSync) -> candle_core::Result<()> {
