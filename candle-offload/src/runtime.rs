@@ -218,9 +218,11 @@ struct State {
     /// nor waited for, and their uses record no events (an event recorded inside a capture
     /// cannot be waited on outside it).
     capturing: bool,
-    /// The quantized tensors of units evicted for the fetch under way, whose buffers its blocks
-    /// may take (`carry_out`; empty outside it, so no buffer is held that the cache does not
-    /// count).
+    /// The quantized tensors of evicted units, whose buffers the next fetch's blocks take
+    /// where they match (it frees the others first). The cache no longer counts them, but
+    /// they hold only memory it freed and has not given out since: resident units and these
+    /// together stay within the weights' capacity. Emptied (freed) whenever the reservation
+    /// changes and by [`OffloadRuntime::evict_all`].
     spare_blocks: Vec<QTensor>,
     /// Bumped whenever a unit arrives or leaves: a captured step holds the addresses of the
     /// units resident at its capture and may replay only while this is unchanged.
@@ -944,23 +946,9 @@ impl OffloadRuntime {
             );
         }
         for &v in &t.evict {
-            self.drop_unit(st, v, "victim", t.fetch.is_some())?;
+            self.drop_unit(st, v, "victim", true)?;
         }
         let Some(u) = t.fetch else { return Ok(()) };
-        let done = self.fetch_unit(st, u, reason);
-        // The victims' buffers the fetch did not take are freed now.
-        st.spare_blocks.clear();
-        done
-    }
-
-    /// The fetch of `carry_out`: `u`'s tensors uploaded, into the victims' buffers where they
-    /// match.
-    fn fetch_unit(
-        &self,
-        st: &mut State,
-        u: UnitId,
-        reason: &'static str,
-    ) -> candle_core::Result<()> {
         let unit = self.shared.store.unit(u);
         let size = self.shared.size_of(u);
         let _span =
@@ -988,7 +976,7 @@ impl OffloadRuntime {
                 let idle = st.cache.evict_idle_except(Some(u));
                 tracing::warn!(unit = unit.name(), error = %first, evicted = idle.len(), "fetch failed; evicting idle units and retrying once");
                 for v in idle {
-                    self.drop_unit(st, v, "idle", false)?;
+                    self.drop_unit(st, v, "idle", true)?;
                 }
                 self.attempt_upload(st, u).map_err(|second| {
                     let budget = self.budget();
@@ -1137,8 +1125,8 @@ impl OffloadRuntime {
         Ok(Weights::new(dense, quantized))
     }
 
-    /// Evicts `v`; with `recycle`, its quantized buffers go to `st.spare_blocks` for the fetch
-    /// that follows (`carry_out`), instead of back to the pool.
+    /// Evicts `v`; with `recycle`, its quantized buffers go to `st.spare_blocks` for the next
+    /// fetch, instead of back to the pool.
     fn drop_unit(
         &self,
         st: &mut State,
@@ -1294,6 +1282,8 @@ impl OffloadRuntime {
             for v in victims {
                 self.drop_unit(&mut st, v, "reserve", false)?;
             }
+            // The room evicted units' buffers held may go to the new reservation.
+            st.spare_blocks.clear();
             self.shared.reserve.store(reserve, Ordering::Relaxed);
             self.log(&mut st, EventKind::Reserve, None, reserve, "reserve", None);
             self.shared
@@ -1589,6 +1579,7 @@ impl OffloadRuntime {
         for v in st.cache.evict_idle() {
             self.drop_unit(&mut st, v, "evict_all", false)?;
         }
+        st.spare_blocks.clear();
         Ok(())
     }
 
@@ -2141,6 +2132,46 @@ mod tests {
         let fresh = derive(&g)?;
         assert_eq!((fresh.0, built.get()), (2, 2));
         assert!(!Arc::ptr_eq(&first, &fresh));
+        Ok(())
+    }
+
+    /// An evicted unit's quantized buffers are offered for reuse only where nothing else holds
+    /// them: what was derived from them is dropped first; a tensor a caller still holds, or
+    /// weights still shared, stay.
+    #[test]
+    fn only_unshared_blocks_are_taken_for_reuse() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let q = |seed: f32| -> anyhow::Result<Arc<QTensor>> {
+            let t = Tensor::full(seed, (4, 64), &dev)?;
+            Ok(Arc::new(QTensor::quantize(&t, GgmlDType::Q8_0)?))
+        };
+        let weights = |held: &[Arc<QTensor>]| {
+            let map = held
+                .iter()
+                .enumerate()
+                .map(|(i, q)| (format!("w{i}"), (GgmlDType::Q8_0, q.clone())))
+                .collect();
+            Weights::new(HashMap::new(), map)
+        };
+        // Derived values hold clones: dropped first, then both are taken.
+        let (a, b) = (q(1.0)?, q(2.0)?);
+        let mut w = weights(&[a, b]);
+        let kept: Vec<_> = w.quantized.values().cloned().collect();
+        w.derived.lock().unwrap().0 = Some(Arc::new(kept));
+        assert_eq!(w.take_unique_blocks().len(), 2);
+        assert!(w.quantized.is_empty());
+        // A tensor held elsewhere stays with the weights.
+        let (a, held) = (q(1.0)?, q(3.0)?);
+        let mut w = weights(&[a, held.clone()]);
+        let taken = w.take_unique_blocks();
+        assert_eq!(taken.len(), 1);
+        assert_eq!(w.quantized.len(), 1);
+        assert!(Arc::ptr_eq(w.quantized.values().next().unwrap(), &held));
+        // Shared weights (a guard's clone) give nothing.
+        let mut w = weights(&[q(1.0)?]);
+        let guard = w.clone();
+        assert!(w.take_unique_blocks().is_empty());
+        assert_eq!(guard.quantized.len(), 1);
         Ok(())
     }
 }

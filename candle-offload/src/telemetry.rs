@@ -44,8 +44,8 @@ pub struct TransferStats {
     pub stall_s: f64,
     /// Wall-clock seconds of the interval (steps only).
     pub wall_s: f64,
-    /// GGML tensors written into a buffer that a unit evicted for the same fetch left, instead
-    /// of a new allocation (GPU only).
+    /// GGML tensors written into a buffer an evicted unit left, instead of a new allocation
+    /// (GPU only).
     pub reused_buffers: u64,
 }
 

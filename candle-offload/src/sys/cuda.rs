@@ -275,8 +275,9 @@ impl CudaEngine {
     /// Allocates and copies a unit's tensors on the copy stream, reading them out of `src`
     /// (straight from page-locked memory, through the staging ring from any other tier), and
     /// records the unit's events. GGML blocks go into a buffer taken from `spare` where one of
-    /// the same type, shape and size is there (the buffers of units evicted for this fetch, see
-    /// [`upload_blocks`](Self::upload_blocks)); the second value counts those.
+    /// the same type, shape and size is there (evicted units' buffers, see
+    /// [`upload_blocks`](Self::upload_blocks)); the rest of `spare` is freed. The third value
+    /// counts the buffers taken.
     pub(crate) fn upload(
         &self,
         unit: &str,
@@ -290,6 +291,22 @@ impl CudaEngine {
         let copy_start = timing_event(&self.copy)?;
         let mut out = Vec::with_capacity(items.len());
         let managed = src.managed();
+        // The spare buffers this unit's blocks take, one each; the others are freed now (on
+        // the compute stream, after their units' copies: `evict`), before anything here
+        // allocates: held, they would sit in room the budget gives to those allocations.
+        let mut taken = Vec::new();
+        for item in items {
+            if let DeviceLayout::Blocks { ggml, device_len } = &item.layout {
+                if let Some(k) = spare
+                    .iter()
+                    .position(|q| takes_spare(q, item, *ggml, *device_len))
+                {
+                    taken.push(spare.swap_remove(k));
+                }
+            }
+        }
+        spare.clear();
+        let spare = &mut taken;
         let mut reused = 0;
         for item in items {
             let range = item.range.clone();
@@ -392,11 +409,9 @@ impl CudaEngine {
         // store evens out layers of mixed block types), then Candle's row padding.
         let padding_blocks = GGML_ROW_PADDING_ELEMS / ggml.block_size();
         let alloc_blocks = (device_len / ggml.type_size()).saturating_sub(padding_blocks);
-        let found = spare.iter().position(|q| {
-            q.dtype() == ggml
-                && q.shape() == item.shape
-                && q.storage_size_in_bytes() == alloc_blocks * ggml.type_size()
-        });
+        let found = spare
+            .iter()
+            .position(|q| takes_spare(q, item, ggml, device_len));
         if let Some(k) = found {
             let q = spare.swap_remove(k);
             if len != elems / ggml.block_size() * ggml.type_size()
@@ -784,6 +799,16 @@ pub(crate) fn context_memory(ordinal: usize) -> candle_core::Result<Vec<(&'stati
         ),
         ("first kernel of this crate", ours.saturating_sub(kernels)),
     ])
+}
+
+/// Whether `item`'s blocks (`ggml`, `device_len` bytes on the device) go into `q`'s buffer: the
+/// same type and shape, and the buffer `QCudaStorage::zeros` would allocate for them.
+fn takes_spare(q: &QTensor, item: &UploadItem<'_>, ggml: GgmlDType, device_len: usize) -> bool {
+    let padding_blocks = GGML_ROW_PADDING_ELEMS / ggml.block_size();
+    let alloc_blocks = (device_len / ggml.type_size()).saturating_sub(padding_blocks);
+    q.dtype() == ggml
+        && q.shape() == item.shape
+        && q.storage_size_in_bytes() == alloc_blocks * ggml.type_size()
 }
 
 fn default_pool(ctx: &Arc<CudaContext>) -> SysResult<cusys::CUmemoryPool> {
