@@ -36,7 +36,8 @@
 #   gguf13b       the same for the 13B shape ($GGUF13B_TYPES: Q4_K_M Q8_0; the F16 file is deleted after)
 #   qbench[=W,..] bench_generate on /tmp/gguf/{7b,13b}-W.gguf (W: 7b-q4_0, 13b-q8_0, ...;
 #                 quantized blocks unless f16) next to llama.cpp on the same file in the same
-#                 process, budgets $QB_BUDGETS (4,8,12,full), prompts $QB_PROMPTS (64,512), more
+#                 process, budgets $QB_BUDGETS (4,8,12,full), prompts $QB_PROMPTS (64,512),
+#                 prefetch depths $QB_DEPTHS (2; the library's default is 1), more
 #                 bench_generate arguments from $QB_ARGS, once per qlinear_small kernel variant
 #                 in $QB_VARIANTS (v1 v2 v2r2 v2r4 v3 v4; k / k-off: the K-quant kernel on converting to floats (v2) / off; k2: k at 2 columns a warp (Q4_K); or default: each block type's
 #                 own, ops::DEFAULT_QLINEAR_VARIANTS; llama.cpp with the first only)
@@ -305,7 +306,8 @@ for step in "${steps[@]}"; do
         # llama.cpp runs with the first variant only (the same call for the others).
         first_args=(--llamacpp-bin "$lc_bin")
         bench_variants qbench "$w" --model-dir "$f" "${q[@]}" --weights "$w" \
-          --budgets "${QB_BUDGETS:-4,8,12,full}" --prompt-lens "${QB_PROMPTS:-64,512}" --depths 2
+          --budgets "${QB_BUDGETS:-4,8,12,full}" --prompt-lens "${QB_PROMPTS:-64,512}" \
+          --depths "${QB_DEPTHS:-2}"
       done
       ;;
     decode | decode=*)
