@@ -216,33 +216,16 @@ impl CausalLm {
         if !self.stage_fused(stage) {
             return Ok(st.eager("the fused ops are off".into()));
         }
-        if let Some(why) = &st.refused {
-            let why = format!("an earlier capture failed: {why}");
-            return Ok(st.eager(why));
-        }
         // The kernel leaves a row's padding out only for new positions past it (as the eager
         // step decides; see `padded_decode`).
-        if pads.iter().any(|&p| p > index_pos) {
+        if st.refused.is_none() && pads.iter().any(|&p| p > index_pos) {
             return Ok(st.eager("the new position lies inside a row's padding".into()));
         }
         let padded = !pads.is_empty();
-        // The decode phase's reservation first (it may evict; it synchronises, which a
-        // capture cannot), as the eager step would set it.
-        if let Some(p) = stage.phase {
-            stage.rt.set_reserve_bytes(p.decode)?;
-        }
-        let room = index_pos < stage.rope.max_len()
-            && cache.kvs.iter().all(|kv| {
-                kv.k_buffer().is_some() && kv.len() == index_pos && kv.capacity() > kv.len()
-            });
-        if !room {
-            return Ok(st.eager("the KV cache is not allocated, or full, at this position".into()));
-        }
-        let kv: Vec<Option<TensorId>> = cache
-            .kvs
-            .iter()
-            .map(|kv| kv.k_buffer().map(Tensor::id))
-            .collect();
+        let kv = match capture_preconditions(st.refused.as_deref(), stage, cache, index_pos)? {
+            Ok(kv) => kv,
+            Err(why) => return Ok(st.eager(why)),
+        };
         if let Some(c) = st
             .captured
             .as_ref()
@@ -358,25 +341,10 @@ impl CausalLm {
         if !self.stage_fused(gpu) {
             return Ok(st.eager("the fused ops are off".into()));
         }
-        if let Some(why) = &st.refused {
-            let why = format!("an earlier capture failed: {why}");
-            return Ok(st.eager(why));
-        }
-        if let Some(p) = gpu.phase {
-            gpu.rt.set_reserve_bytes(p.decode)?;
-        }
-        let room = index_pos < gpu.rope.max_len()
-            && cache.kvs.iter().all(|kv| {
-                kv.k_buffer().is_some() && kv.len() == index_pos && kv.capacity() > kv.len()
-            });
-        if !room {
-            return Ok(st.eager("the KV cache is not allocated, or full, at this position".into()));
-        }
-        let kv: Vec<Option<TensorId>> = cache
-            .kvs
-            .iter()
-            .map(|kv| kv.k_buffer().map(Tensor::id))
-            .collect();
+        let kv = match capture_preconditions(st.refused.as_deref(), gpu, cache, index_pos)? {
+            Ok(kv) => kv,
+            Err(why) => return Ok(st.eager(why)),
+        };
         let step = (1, index_pos, &[][..]);
         let replay = st
             .pipeline
@@ -527,6 +495,40 @@ impl CausalLm {
 
 /// Writes the step's token ids, position and padding counts (none when `pads` is empty) where
 /// the graph reads them.
+/// What every capture checks and sets up first: that no earlier capture failed (`refused`),
+/// the decode phase's reservation (it may evict, and it synchronises, which a capture cannot),
+/// as the eager step would set it, and a KV cache allocated with room at `index_pos`.
+/// `Ok(Err(reason))` where the step has to run eagerly; otherwise the KV buffers' ids, which a
+/// replay must find unchanged.
+fn capture_preconditions(
+    refused: Option<&str>,
+    stage: &super::Stage,
+    cache: &Cache,
+    index_pos: usize,
+) -> Result<std::result::Result<Vec<Option<TensorId>>, String>> {
+    if let Some(why) = refused {
+        return Ok(Err(format!("an earlier capture failed: {why}")));
+    }
+    if let Some(p) = stage.phase {
+        stage.rt.set_reserve_bytes(p.decode)?;
+    }
+    let room = index_pos < stage.rope.max_len()
+        && cache
+            .kvs
+            .iter()
+            .all(|kv| kv.k_buffer().is_some() && kv.len() == index_pos && kv.capacity() > kv.len());
+    if !room {
+        return Ok(Err(
+            "the KV cache is not allocated, or full, at this position".into(),
+        ));
+    }
+    Ok(Ok(cache
+        .kvs
+        .iter()
+        .map(|kv| kv.k_buffer().map(Tensor::id))
+        .collect()))
+}
+
 fn write_inputs(
     inputs: &Tensor,
     input_ids: &Tensor,
