@@ -604,6 +604,83 @@ fn a_model_that_fits_while_decoding_holds_every_unit_then() -> anyhow::Result<()
     Ok(())
 }
 
+/// A device stage behind a host layer serves that layer too (for prompts, outside its schedule),
+/// yet keeps the layers it runs at their own sizes when they fit so (`runtime::staying`): the
+/// 7B Q4_K_M at 4 GiB charged all its layers their padded sizes, 13% more, and streamed 0.52 GB
+/// a token with a split that would have held its layers at their own sizes (stop 39). A budget
+/// for the stage's reservation, its kept units and one padded layer (the host layer streams
+/// through it for prompts) holds the stage's layer at its own size (not for good: a prompt may
+/// evict it); decode steps fetch nothing, and the logits are the unlimited model's.
+#[test]
+fn a_stage_behind_host_layers_keeps_its_layers_at_their_own_size() -> anyhow::Result<()> {
+    use candle_offload_models::{HostLayers, OffloadSettings};
+    let (dir, files, store) = mixed_k_store("mixed-k-host", 29)?;
+    let (l0, l1) = (store.layer_unit(0).unwrap(), store.layer_unit(1).unwrap());
+    let (padded, own) = (store.unit(l1).bytes(), store.unit(l1).resident_bytes());
+    assert!(own < padded, "layer 1 is padded ({own} and {padded})");
+    let max_len = PROMPT.len() + 1;
+    // Built for one row a step, so that every token is a decode step (the host layer on the
+    // host) and the reservation has one phase.
+    let build = |limit: Option<u64>| {
+        Llama::offloaded_with_host(
+            &files,
+            store.clone(),
+            &Device::Cpu,
+            DType::F32,
+            1,
+            max_len,
+            &OffloadSettings {
+                gpu_memory_limit: limit.map(MemoryLimit::Bytes),
+                prefetch_depth: 0,
+                ..Default::default()
+            },
+            HostLayers::Count(1),
+        )
+    };
+    let run = |model: &Llama| -> anyhow::Result<(Vec<Vec<f32>>, Vec<u64>)> {
+        let mut cache = model.new_cache();
+        let (mut logits, mut fetches) = (Vec::new(), Vec::new());
+        for (i, &t) in PROMPT.iter().enumerate() {
+            let l = model.forward(&Tensor::new(&[[t]], &Device::Cpu)?, i, &mut cache)?;
+            logits.push(l.flatten_all()?.to_vec1::<f32>()?);
+            let rt = model.stages().last().unwrap().0.clone();
+            fetches.push(rt.stats()?.total.fetches);
+        }
+        Ok((logits, fetches))
+    };
+    let free = build(None)?;
+    assert_eq!(free.host_layer_count(), 1);
+    let (want, _) = run(&free)?;
+    let rt = free.stages().last().unwrap().0.clone();
+    let stats = rt.stats()?;
+    // The stage keeps the final norm and the head (the embeddings are looked up on the host).
+    let kept: u64 = ["model.norm", "lm_head"]
+        .iter()
+        .map(|n| store.unit(store.unit_id(n).unwrap()).resident_bytes())
+        .sum();
+    // Room for one layer padded: the stage's layer at its own size fits, and both layers at
+    // theirs do not.
+    let limit = stats.reserve_bytes + kept + store.unit(l0).bytes();
+    assert!(own + store.unit(l0).resident_bytes() > store.unit(l0).bytes());
+    let model = build(Some(limit))?;
+    let (got, fetches) = run(&model)?;
+    assert_eq!(got, want);
+    let rt = model.stages().last().unwrap().0.clone();
+    let stats = rt.stats()?;
+    let layer = stats
+        .units
+        .iter()
+        .find(|u| u.name == store.unit(l1).name())
+        .unwrap();
+    assert_eq!(layer.bytes, own, "{}: its own size", layer.name);
+    assert!(
+        fetches.windows(2).all(|w| w[0] == w[1]),
+        "fetches after each step: {fetches:?}"
+    );
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
 /// A near fit: every unit fits at its own size beside the activations of a 40-row pass but not
 /// beside a whole 96-token prompt's. The model runs prompts in passes of the most rows that fit
 /// (`prompt_chunk`), so that nothing is evicted: each unit is fetched once. The logits match

@@ -345,11 +345,18 @@ const READ_THREADS: usize = READ_AHEAD_UNITS;
 
 /// Which units stay on the device for good at their own sizes
 /// ([`HostUnit::resident_bytes`]), when some stream larger ([`HostUnit::bytes`]: layers of
-/// mixed block types padded alike). All served units when they all fit at their own sizes
-/// beside the `steady` phase's reservation (nothing is replaced then); otherwise the kept units and, when the policy is a schedule
-/// that every other served unit is in, the ones [`staying_units`](crate::staying_units)
+/// mixed block types padded alike). All units of the steady state (the kept units and, under a
+/// schedule, the units it sweeps; otherwise every served unit) when they fit at their own sizes
+/// beside the `steady` phase's reservation: nothing is replaced then, and a served unit outside
+/// the schedule (a host layer a prompt runs on the device) keeps its padded size and streams
+/// through whatever room the prompt leaves. Otherwise the kept units and, when the policy is a
+/// schedule that every other served unit is in, the ones [`staying_units`](crate::staying_units)
 /// chooses along it. A unit that streams keeps its padded size: the driver's pool then serves
 /// each incoming unit from the one it replaces.
+///
+/// The flag says whether the steady state fits at its own sizes (the first case): its units may
+/// then still be evicted (for a prompt's activations) and fetched again; in the second case
+/// the units that stay are kept for good.
 fn staying(
     budget: Budget,
     steady: Budget,
@@ -358,20 +365,34 @@ fn staying(
     served: &[bool],
     keep: &[UnitId],
     cfg: &OffloadConfig,
-) -> Vec<bool> {
+) -> (Vec<bool>, bool) {
     let n = streaming.len();
     let mut stays = vec![false; n];
     if (0..n).all(|i| !served[i] || own[i] == streaming[i]) {
-        return stays;
+        return (stays, false);
     }
     let kept = |u: usize| keep.contains(&UnitId(u));
     let plan_under = |budget: Budget, need: &WeightNeed| {
         need.plan(budget.weight_bytes(), cfg.strategy, cfg.prefetch_depth)
     };
     let plan = |need: &WeightNeed| plan_under(budget, need);
-    let own_need = weight_need(|i| own[i], served, keep);
+    // The steady state's units: under a schedule, the kept units and the ones it sweeps (the
+    // others come only with prompts); otherwise every served unit.
+    let steady_units: Vec<bool> = match &cfg.policy {
+        PolicyChoice::Schedule(order) => {
+            let mut s: Vec<bool> = (0..n).map(|i| served[i] && kept(i)).collect();
+            for u in order {
+                if u.0 < n && served[u.0] {
+                    s[u.0] = true;
+                }
+            }
+            s
+        }
+        _ => served.to_vec(),
+    };
+    let own_need = weight_need(|i| own[i], &steady_units, keep);
     if plan_under(steady, &own_need).is_some_and(|p| p.fits_entirely) {
-        return served.to_vec();
+        return (steady_units, true);
     }
     for &u in keep {
         if u.0 < n {
@@ -379,7 +400,7 @@ fn staying(
         }
     }
     let PolicyChoice::Schedule(order) = &cfg.policy else {
-        return stays;
+        return (stays, false);
     };
     let mut sweep = Vec::new();
     let mut seen = vec![false; n];
@@ -392,7 +413,7 @@ fn staying(
     // A served unit outside the sweep streams now and then, replacing whichever unit is the
     // victim then: every unit keeps its streaming size.
     if (0..n).any(|i| served[i] && !kept(i) && !seen[i]) {
-        return stays;
+        return (stays, false);
     }
     let need = weight_need(
         |i| if kept(i) { own[i] } else { streaming[i] },
@@ -400,7 +421,7 @@ fn staying(
         keep,
     );
     let Some(p) = plan(&need) else {
-        return stays;
+        return (stays, false);
     };
     let chosen = crate::plan::staying_units(
         own,
@@ -413,7 +434,7 @@ fn staying(
     for (s, c) in stays.iter_mut().zip(chosen) {
         *s |= c;
     }
-    stays
+    (stays, false)
 }
 
 /// What the served units need of a device at `size(i)` bytes each: the units in `keep` never
@@ -500,7 +521,7 @@ impl OffloadRuntime {
                 .map_or(budget.reserve_bytes, |r| r.min(budget.reserve_bytes)),
             ..budget
         };
-        let own_size = staying(
+        let (own_size, steady_fits) = staying(
             budget,
             steady,
             &unit_bytes,
@@ -509,11 +530,10 @@ impl OffloadRuntime {
             &keep_ids,
             cfg,
         );
-        let everything = (0..unit_bytes.len()).all(|i| own_size[i] || !served[i]);
         for (i, &own) in own_size.iter().enumerate() {
             if own {
                 unit_bytes[i] = own_bytes[i];
-                if !everything && !keep_ids.contains(&UnitId(i)) {
+                if !steady_fits && !keep_ids.contains(&UnitId(i)) {
                     keep_ids.push(UnitId(i));
                 }
             }
