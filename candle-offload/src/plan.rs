@@ -230,8 +230,32 @@ pub fn spread_host_split_with_head(
         host_bytes_per_s,
         link_bytes_per_s,
         device_layer_s,
+        resident_device_layer_s: device_layer_s,
     };
-    let on_device = spread_best(layers, fixed, 0, per_layer_reserve, budget, slots, &rates);
+    spread_host_split_at(
+        layers,
+        fixed,
+        head,
+        per_layer_reserve,
+        budget,
+        slots,
+        &rates,
+    )
+}
+
+/// [`spread_host_split_with_head`] with all of its rates in `rates`, where a device layer may
+/// take less time in a split that streams nothing (`resident_device_layer_s`: a model replays
+/// such a decode step from a CUDA graph, and one that streams runs it eagerly). Pure.
+pub fn spread_host_split_at(
+    layers: &[u64],
+    fixed: u64,
+    head: u64,
+    per_layer_reserve: u64,
+    budget: u64,
+    slots: usize,
+    rates: &SplitRates,
+) -> Option<(usize, bool)> {
+    let on_device = spread_best(layers, fixed, 0, per_layer_reserve, budget, slots, rates);
     if on_device.as_ref().is_some_and(|b| b.fits) {
         return Some((0, false));
     }
@@ -243,7 +267,7 @@ pub fn spread_host_split_with_head(
         per_layer_reserve,
         budget,
         slots,
-        &rates,
+        rates,
     );
     match (on_device, on_host) {
         (Some(d), Some(h)) if h.cost < d.cost => Some((h.host_layers, true)),
@@ -253,11 +277,17 @@ pub fn spread_host_split_with_head(
     }
 }
 
-/// The rates [`spread_host_split`] weighs.
-struct SplitRates {
-    host_bytes_per_s: f64,
-    link_bytes_per_s: f64,
-    device_layer_s: f64,
+/// The rates [`spread_host_split_at`] weighs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SplitRates {
+    /// Bytes a second the host reads its layers' (and head's) weights at, computing them.
+    pub host_bytes_per_s: f64,
+    /// Bytes a second the link copies streamed layers at.
+    pub link_bytes_per_s: f64,
+    /// Seconds of one device layer's decode step in a split that streams.
+    pub device_layer_s: f64,
+    /// Seconds of one device layer's decode step in a split that streams nothing.
+    pub resident_device_layer_s: f64,
 }
 
 /// The cheapest spread split ([`spread_host_split`]), the host also reading `host_extra`
@@ -306,7 +336,12 @@ fn spread_best(
             let kept = room.saturating_sub(largest.saturating_mul(slots as u64));
             device - kept.min(device)
         };
-        let compute = rates.device_layer_s * (n - h) as f64 + host as f64 / rates.host_bytes_per_s;
+        let layer_s = if streamed == 0 {
+            rates.resident_device_layer_s
+        } else {
+            rates.device_layer_s
+        };
+        let compute = layer_s * (n - h) as f64 + host as f64 / rates.host_bytes_per_s;
         let cost = compute.max(streamed as f64 / rates.link_bytes_per_s);
         if h == 0 && streamed == 0 && host_extra == 0 {
             // Every layer fits the device: no host layer.
@@ -630,6 +665,68 @@ mod tests {
                 proptest::prop_assert!(kept + more + slot * (depth as u64 + 1) > capacity);
             }
         }
+    }
+
+    /// A split that streams nothing may run its device layers faster (replayed from a graph):
+    /// the 7B Q4_K_M shape at 4 GiB, prompt 512 (stop 39: 2 host layers and the head, 0.52 GB
+    /// streamed a token, 15.5 ms a step), priced with the measured rates, takes a third host
+    /// layer and streams nothing once resident layers cost 0.6 of an eager one; at equal
+    /// rates, the choice is `spread_host_split_with_head`'s.
+    #[test]
+    fn a_split_that_streams_nothing_may_run_its_layers_faster() {
+        let mib = 1u64 << 20;
+        let layers = [118 * mib; 32];
+        let (head, kept_besides, per_layer) = (103 * mib, 0, 8 * mib + mib / 2);
+        // Beside the head: the decode reservation's base, two layers' KV cache passing through.
+        let fixed = head + kept_besides + 300 * mib + 2 * per_layer;
+        let budget = 4096 * mib;
+        let eager = SplitRates {
+            host_bytes_per_s: 118.0 * mib as f64 / 2.1e-3,
+            link_bytes_per_s: 55e9,
+            device_layer_s: 0.194e-3,
+            resident_device_layer_s: 0.194e-3,
+        };
+        let at = |rates: &SplitRates| {
+            spread_host_split_at(&layers, fixed, head, per_layer, budget, 3, rates)
+        };
+        let (h, on_host) = at(&eager).unwrap();
+        assert_eq!(
+            Some((h, on_host)),
+            spread_host_split_with_head(
+                &layers,
+                fixed,
+                head,
+                per_layer,
+                budget,
+                3,
+                eager.host_bytes_per_s,
+                55e9,
+                0.194e-3
+            )
+        );
+        let replayed = SplitRates {
+            resident_device_layer_s: 0.6 * 0.194e-3,
+            ..eager
+        };
+        let (h2, on_host2) = at(&replayed).unwrap();
+        // Resident now: the device holds every layer it runs.
+        let device: u64 = (0..32)
+            .filter(|&l| !spread_host_set(h2, 32)[l])
+            .map(|l| layers[l])
+            .sum();
+        let reserve = fixed - if on_host2 { head } else { 0 } + per_layer * (32 - h2) as u64;
+        assert!(
+            device + reserve <= budget,
+            "{h2} host layers, head on the host: {on_host2}"
+        );
+        assert!(h2 >= h, "{h} -> {h2}");
+        // And the streaming split it replaced did stream.
+        let device1: u64 = (0..32)
+            .filter(|&l| !spread_host_set(h, 32)[l])
+            .map(|l| layers[l])
+            .sum();
+        let reserve1 = fixed - if on_host { head } else { 0 } + per_layer * (32 - h) as u64;
+        assert!(device1 + reserve1 > budget, "{h} host layers must stream");
     }
 
     #[test]

@@ -598,7 +598,14 @@ impl CausalLm {
                     return Ok(HostSplit::default());
                 }
                 let budget = device_budget(device, settings.gpu_memory_limit)?;
-                let bytes = |name: &str| store.unit_id(name).map_or(0, |id| store.unit(id).bytes());
+                // Own sizes: what units that stay take on the device (`runtime::staying`) and
+                // what the host reads; GGML layers of mixed block types stream padded, larger
+                // (the streaming slots below take the own sizes too, a little short then).
+                let bytes = |name: &str| {
+                    store
+                        .unit_id(name)
+                        .map_or(0, |id| store.unit(id).resident_bytes())
+                };
                 let layout = cfg.layout();
                 let layers: Vec<u64> = (0..n).map(|l| bytes(&layout.layer(l))).collect();
                 // Planned for the decode step (`DECODE_ROWS`): a prompt streams through the
@@ -648,9 +655,21 @@ impl CausalLm {
                     // A head of its own may go to the host too (a tied one is the embedding
                     // table, which the GPU keeps).
                     let head = layout.head.as_deref().map_or(0, bytes);
-                    let split = candle_offload::spread_host_split_with_head(
-                        &layers, fixed, head, per_layer, budget, slots, host_rate, link_rate,
-                        device_s,
+                    // A split that streams nothing replays its decode step from a graph
+                    // (`graph`), a faster step than the eager one timed here.
+                    let resident_s = if graph::on_by_default() {
+                        device_s * GRAPH_REPLAY_FRACTION
+                    } else {
+                        device_s
+                    };
+                    let rates = candle_offload::SplitRates {
+                        host_bytes_per_s: host_rate,
+                        link_bytes_per_s: link_rate,
+                        device_layer_s: device_s,
+                        resident_device_layer_s: resident_s,
+                    };
+                    let split = candle_offload::spread_host_split_at(
+                        &layers, fixed, head, per_layer, budget, slots, &rates,
                     );
                     steps = Some(LayerSteps { host_s, device_s });
                     tracing::info!(
@@ -1824,6 +1843,13 @@ pub const HOST_STEP_ROWS: usize = 8;
 /// (host layers, the embedding table, what stays resident) is planned at this reservation; a
 /// prompt streams what its activations leave no room for.
 const DECODE_ROWS: usize = 1;
+
+/// A GPU layer's decode step replayed from a CUDA graph, over the same step run eagerly (what
+/// [`CausalLm::layer_step_seconds`] times), for `spread:auto` to price splits that stream
+/// nothing. Measured on the H200 at stop 39 (`benches/results/2026-12-03-stop39-*`): 7B F16
+/// with one host layer and the head, 0.135 ms a GPU layer replayed against 0.228 ms timed
+/// eagerly (0.59); 7B Q4_K_M resident, 0.097 against 0.194 ms (0.50). The larger, rounded up.
+const GRAPH_REPLAY_FRACTION: f64 = 0.6;
 
 /// The fewest rows a prompt's pass is cut to ([`CausalLm::prompt_chunk`]): below this a pass
 /// runs the quantized matmuls' few-row kernels, which read the weights once per 8 rows.

@@ -113,11 +113,16 @@ struct Captured {
     hidden: Option<Tensor>,
 }
 
+/// Whether a new model replays its decode steps from graphs: unless `CANDLE_OFFLOAD_GRAPHS=0`.
+pub(super) fn on_by_default() -> bool {
+    std::env::var("CANDLE_OFFLOAD_GRAPHS").as_deref() != Ok("0")
+}
+
 impl Default for Graphs {
     /// On unless `CANDLE_OFFLOAD_GRAPHS=0`.
     fn default() -> Self {
         Self {
-            on: AtomicBool::new(std::env::var("CANDLE_OFFLOAD_GRAPHS").as_deref() != Ok("0")),
+            on: AtomicBool::new(on_by_default()),
             state: Mutex::new(State::default()),
         }
     }
