@@ -1175,6 +1175,14 @@ fn quantized_projections_reach_every_family(dev: &Device) -> anyhow::Result<()> 
                         "{kind:?}: no evicted buffer was reused"
                     );
                 }
+                // Spare buffers sit in room the cache freed: within the weights' capacity.
+                assert!(
+                    stats.resident_bytes + stats.spare_bytes <= stats.weight_capacity_bytes,
+                    "{kind:?}: {} resident and {} spare, capacity {}",
+                    stats.resident_bytes,
+                    stats.spare_bytes,
+                    stats.weight_capacity_bytes
+                );
             }
             Ok(logits)
         };

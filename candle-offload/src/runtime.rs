@@ -1640,6 +1640,11 @@ impl OffloadRuntime {
             weight_capacity_bytes: st.cache.capacity(),
             resident_bytes: st.cache.used(),
             peak_resident_bytes: st.telemetry.peak_resident,
+            spare_bytes: st
+                .spare_blocks
+                .iter()
+                .map(|q| q.storage_size_in_bytes() as u64)
+                .sum(),
             pinned_bytes: store.pinned_bytes(),
             pageable_bytes: store.pageable_bytes(),
             managed_bytes: store.managed_bytes(),

@@ -89,6 +89,9 @@ pub struct OffloadStats {
     pub resident_bytes: u64,
     /// The most weights ever on the device at once.
     pub peak_resident_bytes: u64,
+    /// Buffers of evicted GGML units held for the next fetch to write its blocks into (GPU;
+    /// within the weights' capacity, beside `resident_bytes`).
+    pub spare_bytes: u64,
     /// Page-locked host bytes of the store.
     pub pinned_bytes: u64,
     /// Pageable host bytes of the store (transfers go through staging).
@@ -176,11 +179,16 @@ impl OffloadStats {
         let n_res = self.units.iter().filter(|u| u.resident).count();
         let _ = writeln!(
             s,
-            "  resident {:>11} ({} of {} units)   peak {:>11}",
+            "  resident {:>11} ({} of {} units)   peak {:>11}{}",
             human_bytes(self.resident_bytes),
             n_res,
             self.units.len(),
-            human_bytes(self.peak_resident_bytes)
+            human_bytes(self.peak_resident_bytes),
+            if self.spare_bytes > 0 {
+                format!("   spare buffers {}", human_bytes(self.spare_bytes))
+            } else {
+                String::new()
+            }
         );
         let _ = writeln!(
             s,
