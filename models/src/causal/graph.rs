@@ -498,8 +498,6 @@ impl CausalLm {
     }
 }
 
-/// Writes the step's token ids, position and padding counts (none when `pads` is empty) where
-/// the graph reads them.
 /// What every capture checks and sets up first: that no earlier capture failed (`refused`),
 /// the decode phase's reservation (it may evict, and it synchronises, which a capture cannot),
 /// as the eager step would set it, and a KV cache allocated with room at `index_pos`.
@@ -534,6 +532,8 @@ fn capture_preconditions(
         .collect()))
 }
 
+/// Writes the step's token ids, position and padding counts (none when `pads` is empty) where
+/// the graph reads them.
 fn write_inputs(
     inputs: &Tensor,
     input_ids: &Tensor,
