@@ -291,24 +291,22 @@ impl CudaEngine {
         let copy_start = timing_event(&self.copy)?;
         let mut out = Vec::with_capacity(items.len());
         let managed = src.managed();
-        // The spare buffers this unit's blocks take, one each; the others are freed now (on
-        // the compute stream, after their units' copies: `evict`), before anything here
+        // The spare buffer each item's blocks take, if one matches; the others are freed now
+        // (on the compute stream, after their units' copies: `evict`), before anything here
         // allocates: held, they would sit in room the budget gives to those allocations.
-        let mut taken = Vec::new();
-        for item in items {
-            if let DeviceLayout::Blocks { ggml, device_len } = &item.layout {
-                if let Some(k) = spare
+        let mut taken: Vec<Option<QTensor>> = items
+            .iter()
+            .map(|item| match &item.layout {
+                DeviceLayout::Blocks { ggml, device_len } => spare
                     .iter()
                     .position(|q| takes_spare(q, item, *ggml, *device_len))
-                {
-                    taken.push(spare.swap_remove(k));
-                }
-            }
-        }
+                    .map(|k| spare.swap_remove(k)),
+                DeviceLayout::Dense(_) => None,
+            })
+            .collect();
         spare.clear();
-        let spare = &mut taken;
         let mut reused = 0;
-        for item in items {
+        for (item, buffer) in items.iter().zip(&mut taken) {
             let range = item.range.clone();
             let weight = match (&item.layout, managed) {
                 (DeviceLayout::Dense(dtype), Some(m)) => {
@@ -340,8 +338,9 @@ impl CudaEngine {
                 // Candle's quantized storage cannot point into memory it did not allocate, so
                 // blocks are copied even from managed memory (through the staging ring).
                 (DeviceLayout::Blocks { ggml, device_len }, _) => {
-                    let (q, recycled) = self.upload_blocks(src, item, *ggml, *device_len, spare)?;
-                    reused += u64::from(recycled);
+                    let recycled = buffer.take();
+                    reused += u64::from(recycled.is_some());
+                    let q = self.upload_blocks(src, item, *ggml, *device_len, recycled)?;
                     DeviceWeight::Blocks(Box::new(q))
                 }
             };
@@ -382,57 +381,47 @@ impl CudaEngine {
     }
 
     /// A tensor's GGML blocks as a Candle `QTensor` in device memory, copied on the copy
-    /// stream, and whether its buffer was an evicted one from `spare`.
+    /// stream: into `spare` where given (an evicted unit's, matched by [`takes_spare`]),
+    /// otherwise into a new buffer.
     ///
     /// Candle 0.11.1 cannot wrap a device buffer it did not allocate (`QCudaStorage`'s fields
     /// are private). A new buffer is Candle's (`QCudaStorage::zeros`: stream-ordered on the
     /// compute stream, from the memory pool, with the zeroed row padding its kernels read), and
     /// the blocks are written through its device pointer.
     ///
-    /// A spare `QTensor` of the same GGML type, shape and block bytes is written over instead:
-    /// its buffer is exactly what `zeros` would allocate, and its bytes past the blocks are
-    /// still the zeros `zeros` wrote (every write covers the same `len` bytes). No allocation
-    /// and no free, so a streamed unit takes over its victim's memory without the pool seeing
-    /// a freed block that an activation could split (hazard H12). The victim's last use was
-    /// waited for on the copy stream when it was evicted (`evict`), before these copies.
+    /// A spare's buffer is exactly what `zeros` would allocate, and its bytes past the blocks
+    /// are still the zeros `zeros` wrote (every write covers the same `len` bytes). No
+    /// allocation and no free, so a streamed unit takes over its victim's memory without the
+    /// pool seeing a freed block that an activation could split (hazard H12). The victim's
+    /// last use was waited for on the copy stream when it was evicted (`evict`), before these
+    /// copies.
     fn upload_blocks(
         &self,
         src: &dyn HostTier,
         item: &UploadItem<'_>,
         ggml: GgmlDType,
         device_len: usize,
-        spare: &mut Vec<QTensor>,
-    ) -> candle_core::Result<(QTensor, bool)> {
+        spare: Option<QTensor>,
+    ) -> candle_core::Result<QTensor> {
         let len = item.range.len();
         let elems = item.shape.elem_count();
         // The buffer is `device_len` bytes: the tensor's blocks, possibly whole blocks more (the
         // store evens out layers of mixed block types), then Candle's row padding.
-        let padding_blocks = GGML_ROW_PADDING_ELEMS / ggml.block_size();
-        let alloc_blocks = (device_len / ggml.type_size()).saturating_sub(padding_blocks);
-        let found = spare
-            .iter()
-            .position(|q| takes_spare(q, item, ggml, device_len));
-        if let Some(k) = found {
-            let q = spare.swap_remove(k);
-            if len != elems / ggml.block_size() * ggml.type_size()
-                || (alloc_blocks + padding_blocks) * ggml.type_size() != device_len
-                || len > q.storage_size_in_bytes()
-            {
-                candle_core::bail!(
-                    "tensor {}: {len} bytes of {ggml:?} blocks do not fill {elems} elements \
-                     ({device_len} bytes budgeted)",
-                    item.name
-                );
+        let (alloc_blocks, padding_blocks) = block_buffer(ggml, device_len);
+        let q = match spare {
+            Some(q) => q,
+            None => {
+                let storage =
+                    QCudaStorage::zeros(&self.cuda, alloc_blocks * ggml.block_size(), ggml)?;
+                // Candle allocated and zeroed the buffer on the compute stream; the copy stream
+                // writes it only after that (explicitly, for contexts without cudarc's event
+                // tracking).
+                let allocated = self.compute.record_event(None).w()?;
+                self.copy.wait(&allocated).w()?;
+                QTensor::new(QStorage::Cuda(storage), item.shape.clone())?
             }
-            self.write_blocks(src, item, &q, len)?;
-            return Ok((q, true));
-        }
-        let storage = QCudaStorage::zeros(&self.cuda, alloc_blocks * ggml.block_size(), ggml)?;
-        // Candle allocated and zeroed the buffer on the compute stream; the copy stream writes
-        // it only after that (explicitly, for contexts without cudarc's event tracking).
-        let allocated = self.compute.record_event(None).w()?;
-        self.copy.wait(&allocated).w()?;
-        if storage.storage_size_in_bytes() < len
+        };
+        if q.storage_size_in_bytes() < len
             || len != elems / ggml.block_size() * ggml.type_size()
             || (alloc_blocks + padding_blocks) * ggml.type_size() != device_len
         {
@@ -440,12 +429,11 @@ impl CudaEngine {
                 "tensor {}: {len} bytes of {ggml:?} blocks do not fill {elems} elements \
                  ({} bytes on the device, {device_len} budgeted)",
                 item.name,
-                storage.storage_size_in_bytes()
+                q.storage_size_in_bytes()
             );
         }
-        let q = QTensor::new(QStorage::Cuda(storage), item.shape.clone())?;
         self.write_blocks(src, item, &q, len)?;
-        Ok((q, false))
+        Ok(q)
     }
 
     /// Copies `item`'s `len` bytes of blocks into the start of `q`'s buffer on the copy stream.
@@ -804,11 +792,18 @@ pub(crate) fn context_memory(ordinal: usize) -> candle_core::Result<Vec<(&'stati
 /// Whether `item`'s blocks (`ggml`, `device_len` bytes on the device) go into `q`'s buffer: the
 /// same type and shape, and the buffer `QCudaStorage::zeros` would allocate for them.
 fn takes_spare(q: &QTensor, item: &UploadItem<'_>, ggml: GgmlDType, device_len: usize) -> bool {
-    let padding_blocks = GGML_ROW_PADDING_ELEMS / ggml.block_size();
-    let alloc_blocks = (device_len / ggml.type_size()).saturating_sub(padding_blocks);
+    let (alloc_blocks, _) = block_buffer(ggml, device_len);
     q.dtype() == ggml
         && q.shape() == item.shape
         && q.storage_size_in_bytes() == alloc_blocks * ggml.type_size()
+}
+
+/// The blocks `QCudaStorage::zeros` is asked for, and the blocks of row padding it adds, for a
+/// buffer of `device_len` bytes of `ggml` blocks.
+fn block_buffer(ggml: GgmlDType, device_len: usize) -> (usize, usize) {
+    let padding_blocks = GGML_ROW_PADDING_ELEMS / ggml.block_size();
+    let alloc_blocks = (device_len / ggml.type_size()).saturating_sub(padding_blocks);
+    (alloc_blocks, padding_blocks)
 }
 
 fn default_pool(ctx: &Arc<CudaContext>) -> SysResult<cusys::CUmemoryPool> {
