@@ -171,10 +171,7 @@ pub fn forward_greedy(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
     let x = xs.flatten_all()?.to_vec1::<f32>()?;
     let mut yq = vec![0u8; row_bytes];
     simd::quantize_q8_0(&x, &mut yq);
-    let amax: Vec<f32> = x
-        .chunks_exact(simd::QK)
-        .map(|b| b.iter().fold(0f32, |a, v| a.max(v.abs())))
-        .collect();
+    let amax = simd::block_amax(&x);
     let row = |r: usize| &data[r * row_bytes..(r + 1) * row_bytes];
     // (screened value, bound) per row.
     let per_task = MIN_BLOCKS_PER_TASK.div_ceil(nb).max(1);
@@ -683,10 +680,7 @@ mod tests {
             let row_bytes = nb * simd::Q8_0_BYTES;
             let mut yq = vec![0u8; row_bytes];
             simd::quantize_q8_0(&x, &mut yq);
-            let amax: Vec<f32> = x
-                .chunks_exact(simd::QK)
-                .map(|b| b.iter().fold(0f32, |a, v| a.max(v.abs())))
-                .collect();
+            let amax = simd::block_amax(&x);
             for (r, &e) in exact.iter().enumerate() {
                 let w = &data[r * row_bytes..(r + 1) * row_bytes];
                 let (v, scale) = simd::dot_q8_0_q8_0_bound(w, &yq, &amax);

@@ -239,6 +239,13 @@ pub(crate) fn block_sums(y: &[f32]) -> Vec<f32> {
     y.chunks_exact(QK).map(|b| b.iter().sum()).collect()
 }
 
+/// The largest magnitude in each of `y`'s blocks of 32 values, for [`dot_q8_0_q8_0_bound`].
+pub(crate) fn block_amax(y: &[f32]) -> Vec<f32> {
+    y.chunks_exact(QK)
+        .map(|b| b.iter().fold(0f32, |a, v| a.max(v.abs())))
+        .collect()
+}
+
 /// [`dot_q4_1_f32`] given `ysum`, the sums of `y`'s blocks ([`block_sums`], once per row of
 /// activations): with AVX-512 the `m * sum(y_j)` term is then one scalar product per block
 /// instead of two vector operations, and two accumulators take alternate blocks (a decode
