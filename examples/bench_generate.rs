@@ -413,6 +413,7 @@ fn main() -> Result<()> {
                     .sum())
             };
             let disk_before = disk_fetched(&rt)?;
+            let host_before = model.host_totals();
             let decode_t0 = Instant::now();
             if args.profile_decode {
                 candle_offload::diag::profiler_capture(&device, true)?;
@@ -434,6 +435,18 @@ fn main() -> Result<()> {
                 bytes.push(rt.stats()?.last_step.map_or(0.0, |s| s.bytes as f64));
             }
             let decode_wall_s = decode_t0.elapsed().as_secs_f64();
+            // The host's share of the timed steps, and one host layer timed again as
+            // `spread:auto` timed it at build (what it predicted, against what ran).
+            let host_run = model.host_totals().since(&host_before);
+            let host_retimed_s = match host_run.layer_step_s() {
+                Some(_) => Some(candle_offload_models::CausalLm::host_layer_seconds(
+                    model.config(),
+                    &store,
+                    model.dtype(),
+                    prompt_len + args.new_tokens / 2,
+                )?),
+                None => None,
+            };
             let reused = rt.stats()?.total.reused_buffers - reused_before;
             // The device stage's reservation and weight capacity while decoding (a model gives
             // the prompt's activations to weights then: `CausalLm`'s phase reservation).
@@ -556,6 +569,16 @@ fn main() -> Result<()> {
                     reused as f64 / args.new_tokens.max(1) as f64
                 );
             }
+            if host_run.layer_steps + host_run.head_steps > 0 {
+                let ms = |s: Option<f64>| s.map_or("-".into(), |s| format!("{:.2} ms", s * 1e3));
+                println!(
+                    "        host: {} a layer while decoding ({} timed alone now, {} at build), the head {}",
+                    ms(host_run.layer_step_s()),
+                    ms(host_retimed_s),
+                    ms(layer_steps.map(|s| s.host_s)),
+                    ms(host_run.head_step_s())
+                );
+            }
             if let Some(l) = lc_decode {
                 println!(
                     "        llama.cpp -ngl {}: decode {l:.2} tok/s ({:.2}x ours over theirs), prefill {} tok/s (ours {:.1})",
@@ -635,6 +658,10 @@ fn main() -> Result<()> {
                 "engine": engine.to_string(),
                 "host_layers_choice": format!("{host:?}"),
                 "host_layer_step_s": layer_steps.map(|s| s.host_s),
+                // Measured while decoding (mean over the timed steps), and timed again alone.
+                "decode_host_layer_s": host_run.layer_step_s(),
+                "decode_host_head_s": host_run.head_step_s(),
+                "host_layer_step_s_after_decode": host_retimed_s,
                 "device_layer_step_s": layer_steps.map(|s| s.device_s),
                 "host_layers": host_layers,
                 "host_head": model.head_on_host(),

@@ -280,7 +280,7 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             ..Default::default()
         };
         // The device's step that `spread:auto` weighs: one layer, timed there.
-        let s = Llama::layer_step_seconds(&cfg, &store, DType::F32, device)?;
+        let s = Llama::layer_step_seconds(&cfg, &store, DType::F32, device, PROMPT.len())?;
         assert!(s > 0.0 && s < 1.0, "{s} s on {device:?}");
         let mut cases = Vec::new();
         if device.is_cpu() {
@@ -291,7 +291,7 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             assert_eq!(auto.spread_auto_layer_steps(), None);
             drop(auto);
             // The host's rate that `spread:auto` weighs: one layer's step, timed.
-            let s = Llama::host_layer_seconds(&cfg, &store, DType::F32)?;
+            let s = Llama::host_layer_seconds(&cfg, &store, DType::F32, PROMPT.len())?;
             assert!(s > 0.0 && s < 1.0, "{s} s");
             cases.push((build(&settings, HostLayers::Count(2))?, "count 2", false));
             // Spread: host and device layers alternate, the hidden state crossing each time.

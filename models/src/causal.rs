@@ -182,6 +182,43 @@ pub struct TransferTotals {
     pub seconds: f64,
 }
 
+/// Wall time the host CPU spent on its share of the steps of a model with host layers or a
+/// host head, in front of a GPU ([`CausalLm::host_totals`]): what `spread:auto`'s timing at
+/// build ([`CausalLm::spread_auto_layer_steps`]) predicts, measured while the model runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct HostTotals {
+    /// Layer steps run on the host (a step of `n` host layers counts `n`).
+    pub layer_steps: u64,
+    /// Seconds those took, from the hidden state on the host to its output there.
+    pub layer_seconds: f64,
+    /// Steps of the output head (with the final norm) on the host.
+    pub head_steps: u64,
+    /// Seconds those took.
+    pub head_seconds: f64,
+}
+
+impl HostTotals {
+    /// What happened between `earlier` and `self`.
+    pub fn since(&self, earlier: &HostTotals) -> HostTotals {
+        HostTotals {
+            layer_steps: self.layer_steps.saturating_sub(earlier.layer_steps),
+            layer_seconds: self.layer_seconds - earlier.layer_seconds,
+            head_steps: self.head_steps.saturating_sub(earlier.head_steps),
+            head_seconds: self.head_seconds - earlier.head_seconds,
+        }
+    }
+
+    /// Mean seconds of a host layer's step (`None` before any).
+    pub fn layer_step_s(&self) -> Option<f64> {
+        (self.layer_steps > 0).then(|| self.layer_seconds / self.layer_steps as f64)
+    }
+
+    /// Mean seconds of the host head's step (`None` before any).
+    pub fn head_step_s(&self) -> Option<f64> {
+        (self.head_steps > 0).then(|| self.head_seconds / self.head_steps as f64)
+    }
+}
+
 /// A decoder layer built from a unit (`CausalLm::layer_block`): the block, its layer and dtype.
 struct BuiltBlock(Box<dyn crate::family::DecoderBlock>, usize, DType);
 
@@ -215,6 +252,8 @@ pub struct CausalLm {
     greedy_head: std::sync::atomic::AtomicBool,
     timing: std::sync::atomic::AtomicBool,
     totals: std::sync::Mutex<TransferTotals>,
+    /// The host's share of the steps ([`host_totals`](Self::host_totals)).
+    host_totals: std::sync::Mutex<HostTotals>,
     /// Decode steps replayed from a CUDA graph ([`set_graphs`](Self::set_graphs)).
     graphs: graph::Graphs,
 }
@@ -362,6 +401,7 @@ impl CausalLm {
             greedy_head: std::sync::atomic::AtomicBool::new(false),
             timing: std::sync::atomic::AtomicBool::new(false),
             totals: std::sync::Mutex::new(TransferTotals::default()),
+            host_totals: std::sync::Mutex::new(HostTotals::default()),
             graphs: graph::Graphs::default(),
         })
     }
@@ -646,9 +686,11 @@ impl CausalLm {
                 let split = if host == HostLayers::SpreadAuto {
                     // The streamed layers' copies overlap the host's layers: balance the two
                     // rates, measured here (a layer's step on this CPU; the link's copies).
-                    let host_s = Self::host_layer_seconds(cfg, store, dtype)?;
+                    // At half the context: a generation that fills it averages that.
+                    let context = max_len / 2;
+                    let host_s = Self::host_layer_seconds(cfg, store, dtype, context)?;
                     let host_rate = layers.first().copied().unwrap_or(0) as f64 / host_s;
-                    let device_s = Self::layer_step_seconds(cfg, store, dtype, device)?;
+                    let device_s = Self::layer_step_seconds(cfg, store, dtype, device, context)?;
                     let link_rate =
                         candle_offload::diag::measure_h2d_gbps(device, 64 << 20, true, 3)? * 1e9;
                     let slots = settings.prefetch_depth + 1;
@@ -805,38 +847,54 @@ impl CausalLm {
         self.layer_steps
     }
 
-    /// Seconds one decode step of the first decoder layer takes on the host CPU, from a CPU copy
-    /// of its unit in `store`, in the dtype a host stage computes in (F32 for GGML blocks): the
-    /// host's rate that [`HostLayers::SpreadAuto`] weighs against the link's.
+    /// Seconds one decode step of the first decoder layer takes on the host CPU after `context`
+    /// cached positions, from a CPU copy of its unit in `store`, in the dtype a host stage
+    /// computes in (F32 for GGML blocks): the host's rate that [`HostLayers::SpreadAuto`]
+    /// weighs against the link's.
     pub fn host_layer_seconds(
         cfg: &Config,
         store: &Arc<candle_offload::HostStore>,
         dtype: DType,
+        context: usize,
     ) -> std::result::Result<f64, ModelError> {
-        Self::layer_step_seconds(cfg, store, dtype, &Device::Cpu)
+        Self::layer_step_seconds(cfg, store, dtype, &Device::Cpu, context)
     }
 
-    /// Seconds one decode step of the first decoder layer takes on `device` with its weights
-    /// there (a copy of its unit in `store`; best of three after a warm-up, a new KV cache
-    /// each time, the device synchronized around each), computing as a stage there does (F32
-    /// for GGML blocks on the CPU, `dtype` and the fused kernels on a GPU).
-    /// [`HostLayers::SpreadAuto`] weighs the host's and the GPU's.
+    /// Seconds one decoder layer's decode step takes on `device` with its weights there after
+    /// `context` cached positions (zeros), computing as a stage there does: F32 for GGML
+    /// blocks on the CPU and on the thread pool a decode step runs on
+    /// ([`candle_offload::cpu_quant::on_cpu_step_pool`]), `dtype` and the fused kernels on a
+    /// GPU. [`HostLayers::SpreadAuto`] weighs the host's and the GPU's.
+    ///
+    /// The first two layers (copies of their units in `store`) run in turn, and the mean of
+    /// the pair is taken, fastest of seven after a warm-up, the device synchronized around
+    /// each: a step runs one layer after another, so a layer's weights are not in the CPU's
+    /// cache when it runs. One layer timed over and over read part of its 124 MB from a cache
+    /// on the H200's host: 2.0 ms a 7B Q4_K_M layer, against 3.6 ms each while decoding
+    /// (stop 40).
     pub fn layer_step_seconds(
         cfg: &Config,
         store: &Arc<candle_offload::HostStore>,
         dtype: DType,
         device: &Device,
+        context: usize,
     ) -> std::result::Result<f64, ModelError> {
         let layout = cfg.layout();
-        let name = layout.layer(0);
-        let Some(id) = store.unit_id(&name) else {
-            return Err(ModelError::Tensor {
-                path: name.clone().into(),
-                tensor: name,
-                reason: "no unit holds it".into(),
-            });
-        };
-        let dtype = if device.is_cpu() && store.unit(id).has_quantized() {
+        let names: Vec<String> = (0..cfg.num_hidden_layers.clamp(1, 2))
+            .map(|l| layout.layer(l))
+            .collect();
+        let mut ids = Vec::new();
+        for name in &names {
+            let Some(id) = store.unit_id(name) else {
+                return Err(ModelError::Tensor {
+                    path: name.clone().into(),
+                    tensor: name.clone(),
+                    reason: "no unit holds it".into(),
+                });
+            };
+            ids.push(id);
+        }
+        let dtype = if device.is_cpu() && store.unit(ids[0]).has_quantized() {
             DType::F32
         } else {
             dtype
@@ -845,40 +903,67 @@ impl CausalLm {
             store.clone(),
             device,
             &OffloadConfig {
-                keep: vec![name.clone()],
-                units: Some(vec![name.clone()]),
+                keep: names.clone(),
+                units: Some(names.clone()),
                 ..Default::default()
             },
         )?;
-        let unit = rt.acquire(id)?;
-        let block = cfg.family.block(
-            cfg,
-            UnitWeights::new(unit.var_builder(dtype), Some(&unit)).pp(&name),
-            0,
-            dtype,
-        )?;
-        let rope = cfg.family.rope(cfg, 2, dtype, device)?;
-        let masks = Masks::padded(1, 0, &[], device);
+        let units = ids
+            .iter()
+            .map(|&id| rt.acquire(id))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let blocks = units
+            .iter()
+            .zip(&names)
+            .enumerate()
+            .map(|(l, (unit, name))| {
+                cfg.family.block(
+                    cfg,
+                    UnitWeights::new(unit.var_builder(dtype), Some(unit)).pp(name),
+                    l,
+                    dtype,
+                )
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let rope = cfg.family.rope(cfg, context + 2, dtype, device)?;
+        let masks = Masks::padded(1, context, &[], device);
         let ctx = StepCtx {
-            index_pos: 0,
+            index_pos: context,
             rope: &rope,
             masks: &masks,
             fused: device.is_cuda(),
             pos_dev: None,
         };
         let xs = Tensor::zeros((1, 1, cfg.hidden_size), dtype, device)?;
+        // The cached positions the step attends over (a decode step after a prompt of
+        // `context` tokens reads them all).
+        let mut cache = Cache::new(blocks.len(), context + 1);
+        if context > 0 {
+            let kv = Tensor::zeros(
+                (1, cfg.num_key_value_heads, context, cfg.head_dim),
+                dtype,
+                device,
+            )?;
+            for kvs in &mut cache.kvs {
+                kvs.append(&kv, &kv)?;
+            }
+        }
         // The fastest of seven (after one to warm up): a step timed while the host's memory
         // is busy elsewhere took twice as long once (a 7B F16 host layer, 11.9 against 6.1 ms
         // in the same process, stop 39).
         let mut best = f64::INFINITY;
         for i in 0..8 {
-            let mut cache = Cache::new(1, 2);
             device.synchronize()?;
             let t0 = std::time::Instant::now();
-            block.forward(&xs, &ctx, &mut cache.kvs[0])?;
+            for (block, kvs) in blocks.iter().zip(&mut cache.kvs) {
+                kvs.rewind(context);
+                candle_offload::cpu_quant::on_cpu_step_pool(device, 1, || {
+                    block.forward(&xs, &ctx, kvs)
+                })?;
+            }
             device.synchronize()?;
             if i > 0 {
-                best = best.min(t0.elapsed().as_secs_f64());
+                best = best.min(t0.elapsed().as_secs_f64() / blocks.len() as f64);
             }
         }
         Ok(best.max(1e-9))
@@ -1452,6 +1537,25 @@ impl CausalLm {
         self.totals.lock().map(|t| *t).unwrap_or_default()
     }
 
+    /// The host CPU's share of the steps so far, for a model with host layers or a host head
+    /// in front of a GPU (zero otherwise): always measured (a clock read around each host run).
+    pub fn host_totals(&self) -> HostTotals {
+        self.host_totals.lock().map(|t| *t).unwrap_or_default()
+    }
+
+    /// Adds a host run of `layers` layers (0: the head) that took `seconds`.
+    fn add_host_time(&self, layers: usize, seconds: f64) {
+        if let Ok(mut t) = self.host_totals.lock() {
+            if layers == 0 {
+                t.head_steps += 1;
+                t.head_seconds += seconds;
+            } else {
+                t.layer_steps += layers as u64;
+                t.layer_seconds += seconds;
+            }
+        }
+    }
+
     fn move_hidden(&self, xs: &Tensor, to: &Device) -> Result<Tensor> {
         let _span = tracing::debug_span!("llama.move_hidden").entered();
         let timing = self.timing.load(std::sync::atomic::Ordering::Relaxed);
@@ -1712,6 +1816,8 @@ impl CausalLm {
     ) -> Result<Tensor> {
         let device = stage.rt.device();
         let first = &self.stages[0];
+        let host_run = (device.is_cpu() && !self.on_host.is_empty())
+            .then(|| (std::time::Instant::now(), layers.len()));
         // The layers pass the hidden state on split where they can (the residual add left
         // to the next layer's norm kernel); it is whole again between stages.
         let mut hidden = Hidden::Whole(xs.to_dtype(stage.dtype)?);
@@ -1738,7 +1844,11 @@ impl CausalLm {
                 cache.place(l, first.rt.device(), first.dtype)?;
             }
         }
-        hidden.into_tensor()
+        let out = hidden.into_tensor()?;
+        if let Some((t0, n)) = host_run {
+            self.add_host_time(n, t0.elapsed().as_secs_f64());
+        }
+        Ok(out)
     }
 
     /// The embedding rows of `input_ids`, looked up on the first stage, in the model's dtype
@@ -1778,6 +1888,7 @@ impl CausalLm {
         };
         let xs = &xs;
         let rt = &stage.rt;
+        let t0 = std::time::Instant::now();
         let xs = {
             let unit = rt.acquire(self.units.norm)?;
             self.family
@@ -1818,6 +1929,9 @@ impl CausalLm {
             }
         }
         .to_dtype(DType::F32)?;
+        if self.head_on_host {
+            self.add_host_time(0, t0.elapsed().as_secs_f64());
+        }
         // The GPU idles until the next step reaches it (sampling, and the earlier stages
         // with host layers or a pipeline): its copy stream starts the next step's fetches now.
         if self.stages.len() > 1 && !self.head_on_host {

@@ -45,8 +45,8 @@ pub mod sampling;
 pub mod train;
 
 pub use causal::{
-    CausalLm, DeviceMapChoice, GraphStats, HiddenTransfer, HostLayers, LayerSteps, OffloadSettings,
-    MIN_PROMPT_CHUNK,
+    CausalLm, DeviceMapChoice, GraphStats, HiddenTransfer, HostLayers, HostTotals, LayerSteps,
+    OffloadSettings, MIN_PROMPT_CHUNK,
 };
 pub use chat::ChatTemplate;
 pub use config::Config;
