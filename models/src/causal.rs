@@ -860,18 +860,21 @@ impl CausalLm {
         Self::layer_step_seconds(cfg, store, dtype, &Device::Cpu, context)
     }
 
-    /// Seconds one decoder layer's decode step takes on `device` with its weights there after
-    /// `context` cached positions (zeros), computing as a stage there does: F32 for GGML
-    /// blocks on the CPU and on the thread pool a decode step runs on
-    /// ([`candle_offload::cpu_quant::on_cpu_step_pool`]), `dtype` and the fused kernels on a
-    /// GPU. [`HostLayers::SpreadAuto`] weighs the host's and the GPU's.
+    /// Seconds one decode step of the first decoder layer takes on `device` with its weights
+    /// there (a copy of its unit in `store`) after `context` cached positions (zeros),
+    /// computing as a stage there does: F32 for GGML blocks on the CPU and on the thread pool a
+    /// decode step runs on ([`candle_offload::cpu_quant::on_cpu_step_pool`]), `dtype` and the
+    /// fused kernels on a GPU. The fastest of seven after a warm-up, the device synchronized
+    /// around each. [`HostLayers::SpreadAuto`] weighs the host's and the GPU's.
     ///
-    /// The first two layers (copies of their units in `store`) run in turn, and the mean of
-    /// the pair is taken, fastest of seven after a warm-up, the device synchronized around
-    /// each: a step runs one layer after another, so a layer's weights are not in the CPU's
-    /// cache when it runs. One layer timed over and over read part of its 124 MB from a cache
-    /// on the H200's host: 2.0 ms a 7B Q4_K_M layer, against 3.6 ms each while decoding
-    /// (stop 40).
+    /// One layer timed over and over reads part of its weights from the CPU's cache, so this
+    /// is below what a host layer takes while decoding (a 7B Q4_K_M layer on the H200's host:
+    /// 2.0 ms here, 3.6 ms while decoding with nothing streamed, 10.1 ms beside 0.65 GB of
+    /// copies a token, stop 40). Timing two layers in turn came closer (2.7-3.8 ms), but
+    /// `spread:auto` then chose to stream beside one host layer, and the copies' reads of host
+    /// memory slowed the host's layers threefold: 39.4 tok/s against 69.5 with two host layers
+    /// and the head in the same call. Until the split weighs that contention, the faster
+    /// estimate is kept.
     pub fn layer_step_seconds(
         cfg: &Config,
         store: &Arc<candle_offload::HostStore>,
@@ -880,21 +883,15 @@ impl CausalLm {
         context: usize,
     ) -> std::result::Result<f64, ModelError> {
         let layout = cfg.layout();
-        let names: Vec<String> = (0..cfg.num_hidden_layers.clamp(1, 2))
-            .map(|l| layout.layer(l))
-            .collect();
-        let mut ids = Vec::new();
-        for name in &names {
-            let Some(id) = store.unit_id(name) else {
-                return Err(ModelError::Tensor {
-                    path: name.clone().into(),
-                    tensor: name.clone(),
-                    reason: "no unit holds it".into(),
-                });
-            };
-            ids.push(id);
-        }
-        let dtype = if device.is_cpu() && store.unit(ids[0]).has_quantized() {
+        let name = layout.layer(0);
+        let Some(id) = store.unit_id(&name) else {
+            return Err(ModelError::Tensor {
+                path: name.clone().into(),
+                tensor: name,
+                reason: "no unit holds it".into(),
+            });
+        };
+        let dtype = if device.is_cpu() && store.unit(id).has_quantized() {
             DType::F32
         } else {
             dtype
@@ -903,28 +900,18 @@ impl CausalLm {
             store.clone(),
             device,
             &OffloadConfig {
-                keep: names.clone(),
-                units: Some(names.clone()),
+                keep: vec![name.clone()],
+                units: Some(vec![name.clone()]),
                 ..Default::default()
             },
         )?;
-        let units = ids
-            .iter()
-            .map(|&id| rt.acquire(id))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let blocks = units
-            .iter()
-            .zip(&names)
-            .enumerate()
-            .map(|(l, (unit, name))| {
-                cfg.family.block(
-                    cfg,
-                    UnitWeights::new(unit.var_builder(dtype), Some(unit)).pp(name),
-                    l,
-                    dtype,
-                )
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let unit = rt.acquire(id)?;
+        let block = cfg.family.block(
+            cfg,
+            UnitWeights::new(unit.var_builder(dtype), Some(&unit)).pp(&name),
+            0,
+            dtype,
+        )?;
         let rope = cfg.family.rope(cfg, context + 2, dtype, device)?;
         let masks = Masks::padded(1, context, &[], device);
         let ctx = StepCtx {
@@ -937,33 +924,29 @@ impl CausalLm {
         let xs = Tensor::zeros((1, 1, cfg.hidden_size), dtype, device)?;
         // The cached positions the step attends over (a decode step after a prompt of
         // `context` tokens reads them all).
-        let mut cache = Cache::new(blocks.len(), context + 1);
+        let mut cache = Cache::new(1, context + 1);
         if context > 0 {
             let kv = Tensor::zeros(
                 (1, cfg.num_key_value_heads, context, cfg.head_dim),
                 dtype,
                 device,
             )?;
-            for kvs in &mut cache.kvs {
-                kvs.append(&kv, &kv)?;
-            }
+            cache.kvs[0].append(&kv, &kv)?;
         }
         // The fastest of seven (after one to warm up): a step timed while the host's memory
         // is busy elsewhere took twice as long once (a 7B F16 host layer, 11.9 against 6.1 ms
         // in the same process, stop 39).
         let mut best = f64::INFINITY;
         for i in 0..8 {
+            cache.kvs[0].rewind(context);
             device.synchronize()?;
             let t0 = std::time::Instant::now();
-            for (block, kvs) in blocks.iter().zip(&mut cache.kvs) {
-                kvs.rewind(context);
-                candle_offload::cpu_quant::on_cpu_step_pool(device, 1, || {
-                    block.forward(&xs, &ctx, kvs)
-                })?;
-            }
+            candle_offload::cpu_quant::on_cpu_step_pool(device, 1, || {
+                block.forward(&xs, &ctx, &mut cache.kvs[0])
+            })?;
             device.synchronize()?;
             if i > 0 {
-                best = best.min(t0.elapsed().as_secs_f64() / blocks.len() as f64);
+                best = best.min(t0.elapsed().as_secs_f64());
             }
         }
         Ok(best.max(1e-9))
