@@ -412,6 +412,16 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
                 want_long,
                 "{ctx}, tied {tied}, long prompt"
             );
+            // The host's runs were timed: every decode step ran the host layers (and the
+            // head, where it is on the host) there.
+            let t = model.host_totals();
+            assert!(
+                t.layer_steps >= host as u64 && t.layer_seconds > 0.0,
+                "{ctx}, tied {tied}: {t:?}"
+            );
+            assert_eq!(t.head_steps > 0, model.head_on_host(), "{ctx}: {t:?}");
+            let mean = t.layer_step_s().expect("host layer steps");
+            assert!(mean > 0.0 && mean < 1.0, "{ctx}: {t:?}");
         }
         std::fs::remove_dir_all(&dir)?;
     }

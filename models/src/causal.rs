@@ -1799,7 +1799,9 @@ impl CausalLm {
     ) -> Result<Tensor> {
         let device = stage.rt.device();
         let first = &self.stages[0];
-        let host_run = (device.is_cpu() && !self.on_host.is_empty())
+        // The host stage's runs (a model with host layers; on a CPU device the other stage
+        // is on the CPU too, and not counted).
+        let host_run = (std::ptr::eq(stage, first) && !self.on_host.is_empty())
             .then(|| (std::time::Instant::now(), layers.len()));
         // The layers pass the hidden state on split where they can (the residual add left
         // to the next layer's norm kernel); it is whole again between stages.
