@@ -343,6 +343,19 @@ fn spread_best(
         };
         let compute = layer_s * (n - h) as f64 + host as f64 / rates.host_bytes_per_s;
         let cost = compute.max(streamed as f64 / rates.link_bytes_per_s);
+        // Every candidate's price, to set against measured steps (`RUST_LOG=
+        // candle_offload::plan=debug`): the copies are priced as hidden behind compute, which
+        // a host layer beside them does not bear out (BENCHMARKS.md, stop 40).
+        tracing::debug!(
+            host_layers = h,
+            host_head = host_extra > 0,
+            host_bytes = host,
+            streamed_bytes = streamed,
+            compute_ms = compute * 1e3,
+            copies_ms = streamed as f64 / rates.link_bytes_per_s * 1e3,
+            cost_ms = cost * 1e3,
+            "spread split priced"
+        );
         if h == 0 && streamed == 0 && host_extra == 0 {
             // Every layer fits the device: no host layer.
             return Some(SplitChoice {
