@@ -457,7 +457,7 @@ fn near_fit_replays_from_the_looked_up_rows(device: &Device) -> anyhow::Result<(
         .bytes();
     let all = store.total_bytes();
     let decode = Llama::reserve_bytes(&cfg, &store, device, 1, max_len, DType::F32);
-    let build = |limit: Option<u64>| {
+    let build = |limit: Option<u64>, host: HostLayers| {
         let settings = OffloadSettings {
             gpu_memory_limit: limit.map(MemoryLimit::Bytes),
             ..Default::default()
@@ -470,17 +470,17 @@ fn near_fit_replays_from_the_looked_up_rows(device: &Device) -> anyhow::Result<(
             PROMPT.len(),
             max_len,
             &settings,
-            HostLayers::SpreadAuto,
+            host,
         )
     };
     let tokens = |m: &Llama| -> anyhow::Result<Vec<u32>> {
         let mut sampler = LogitsProcessor::new(0, None, None);
         Ok(generate(m, &PROMPT, new, &mut sampler, &[], |_| Ok(()))?.0)
     };
-    let eager = build(None)?;
+    let eager = build(None, HostLayers::SpreadAuto)?;
     eager.set_graphs(false);
     let want = tokens(&eager)?;
-    let near = build(Some(decode + all - embed / 2))?;
+    let near = build(Some(decode + all - embed / 2), HostLayers::SpreadAuto)?;
     assert_eq!(near.host_layer_count(), 0);
     // Host layers (in front, spread, spread with the head): each run of GPU layers replays
     // a graph of its own between the host's runs.
@@ -489,17 +489,7 @@ fn near_fit_replays_from_the_looked_up_rows(device: &Device) -> anyhow::Result<(
         HostLayers::Spread(2),
         HostLayers::SpreadWithHead(2),
     ] {
-        let settings = OffloadSettings::default();
-        let m = Llama::offloaded_with_host(
-            &files,
-            store.clone(),
-            device,
-            DType::F32,
-            PROMPT.len(),
-            max_len,
-            &settings,
-            host,
-        )?;
+        let m = build(None, host)?;
         assert_eq!(tokens(&m)?, want, "{host:?}");
         let stats = m.graph_stats();
         if device.is_cuda() {

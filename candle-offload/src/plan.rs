@@ -342,7 +342,8 @@ fn spread_best(
             rates.device_layer_s
         };
         let compute = layer_s * (n - h) as f64 + host as f64 / rates.host_bytes_per_s;
-        let cost = compute.max(streamed as f64 / rates.link_bytes_per_s);
+        let copies = streamed as f64 / rates.link_bytes_per_s;
+        let cost = compute.max(copies);
         // Every candidate's price, to set against measured steps (`RUST_LOG=
         // candle_offload::plan=debug`): the copies are priced as hidden behind compute, which
         // a host layer beside them does not bear out (BENCHMARKS.md, stop 40).
@@ -352,7 +353,7 @@ fn spread_best(
             host_bytes = host,
             streamed_bytes = streamed,
             compute_ms = compute * 1e3,
-            copies_ms = streamed as f64 / rates.link_bytes_per_s * 1e3,
+            copies_ms = copies * 1e3,
             cost_ms = cost * 1e3,
             "spread split priced"
         );
@@ -722,24 +723,22 @@ mod tests {
             ..eager
         };
         let (h2, on_host2) = at(&replayed).unwrap();
+        // What the device holds for a split: the layers it runs and its reservation.
+        let need = |h: usize, on_host: bool| {
+            let device: u64 = (0..32)
+                .filter(|&l| !spread_host_set(h, 32)[l])
+                .map(|l| layers[l])
+                .sum();
+            device + fixed - if on_host { head } else { 0 } + per_layer * (32 - h) as u64
+        };
         // Resident now: the device holds every layer it runs.
-        let device: u64 = (0..32)
-            .filter(|&l| !spread_host_set(h2, 32)[l])
-            .map(|l| layers[l])
-            .sum();
-        let reserve = fixed - if on_host2 { head } else { 0 } + per_layer * (32 - h2) as u64;
         assert!(
-            device + reserve <= budget,
+            need(h2, on_host2) <= budget,
             "{h2} host layers, head on the host: {on_host2}"
         );
         assert!(h2 >= h, "{h} -> {h2}");
         // And the streaming split it replaced did stream.
-        let device1: u64 = (0..32)
-            .filter(|&l| !spread_host_set(h, 32)[l])
-            .map(|l| layers[l])
-            .sum();
-        let reserve1 = fixed - if on_host { head } else { 0 } + per_layer * (32 - h) as u64;
-        assert!(device1 + reserve1 > budget, "{h} host layers must stream");
+        assert!(need(h, on_host) > budget, "{h} host layers must stream");
     }
 
     #[test]

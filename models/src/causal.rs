@@ -1873,7 +1873,8 @@ impl CausalLm {
         };
         let xs = &xs;
         let rt = &stage.rt;
-        let t0 = std::time::Instant::now();
+        // The host's share of the step, where it runs the head.
+        let t0 = self.head_on_host.then(std::time::Instant::now);
         let xs = {
             let unit = rt.acquire(self.units.norm)?;
             self.family
@@ -1914,7 +1915,7 @@ impl CausalLm {
             }
         }
         .to_dtype(DType::F32)?;
-        if self.head_on_host {
+        if let Some(t0) = t0 {
             self.add_host_time(0, t0.elapsed().as_secs_f64());
         }
         // The GPU idles until the next step reaches it (sampling, and the earlier stages
