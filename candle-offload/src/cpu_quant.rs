@@ -14,12 +14,15 @@
 //! and the caller then runs Candle's `QMatMul`; results agree with it to float-summation order
 //! (Candle rounds Q8_1 activations half away from zero, ggml and this op half to even).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::k_quants::{
+    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, QK_K,
+};
+use candle_core::quantized::{GgmlDType, GgmlType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 use crate::sys::simd;
@@ -107,6 +110,9 @@ pub fn supports(w: &QTensor) -> bool {
 /// `None` when [`supports`] says no or `xs` is not F32, so that the caller runs Candle's
 /// `QMatMul` instead.
 pub fn forward(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
+    if is_kquant(w.dtype()) {
+        return Ok(kquant_many(&[w], xs)?.and_then(|mut ys| ys.pop()));
+    }
     if !supports(w) || xs.dtype() != DType::F32 || !xs.device().is_cpu() {
         return Ok(None);
     }
@@ -222,6 +228,9 @@ pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tens
     let Some(first) = ws.first() else {
         return Ok(None);
     };
+    if ws.iter().all(|w| is_kquant(w.dtype())) {
+        return kquant_many(ws, xs);
+    }
     let ty = first.dtype();
     let k = *xs.dims().last().unwrap_or(&0);
     if quantized_activations()
@@ -299,6 +308,190 @@ pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tens
         .map(|(&n, &s)| {
             *dims.last_mut().expect("non-empty dims") = n;
             Tensor::from_slice(&out[s..s + n], dims.as_slice(), xs.device())
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
+}
+
+/// The environment variable that sends K-quant rows on the CPU through Candle's quantized
+/// matmul instead of [`forward`]'s loop over the blocks as they are ([`kquants`]): `0`.
+pub const KQUANTS_ENV: &str = "CANDLE_OFFLOAD_CPU_KQUANTS";
+
+/// [`kquants`]'s state: 0 until first read or set, 1 off, 2 on.
+static KQUANTS: AtomicU8 = AtomicU8::new(0);
+
+/// Turns [`forward`]'s own K-quant loop on or off for the whole process, from the next call
+/// on; it wins over [`KQUANTS_ENV`].
+pub fn set_kquants(on: bool) {
+    KQUANTS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Whether [`forward`] and [`forward_many`] multiply K-quant weights (Q2_K-Q6_K) against at
+/// most [`KQUANT_MAX_ROWS`] rows themselves: on unless [`set_kquants`] or [`KQUANTS_ENV`] (read
+/// once) turns it off. Off, Candle's quantized matmul runs them. On an x86 CPU with AVX2 that
+/// one multiplies Q4_K through tiles it repacks on first use (6 bits a weight against the
+/// blocks' 4.5: a third more bytes read per token, and a second copy in host memory), on a
+/// thread pool of its own; here the blocks are read as they are, with Candle's own dot
+/// product (`GgmlType::vec_dot`, the same numbers as its unrepacked path), on this module's
+/// spinning workers, and the projections of one input (q, k and v; gate and up) go in one
+/// pass whatever their block types.
+pub fn kquants() -> bool {
+    crate::ops::switch_code(&KQUANTS, || {
+        if crate::settings::env_turns_off(KQUANTS_ENV) {
+            1
+        } else {
+            2
+        }
+    }) == 2
+}
+
+/// The most activation rows of a K-quant matmul [`forward`] runs itself (decode steps of up
+/// to eight sequences); prompts go to Candle's, whose tiled kernels reuse each weight tile
+/// across many rows.
+pub const KQUANT_MAX_ROWS: usize = 8;
+
+/// Weight elements per work item of the K-quant loop (rounded up to whole output columns).
+const KQUANT_ELEMS_PER_TASK: usize = 1 << 16;
+
+/// Whether `t` is a K-quant block type (256 elements a block, activations in Q8_K blocks).
+fn is_kquant(t: GgmlDType) -> bool {
+    matches!(
+        t,
+        GgmlDType::Q2K | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K
+    )
+}
+
+/// A K-quant weight's blocks, typed.
+enum KRows<'a> {
+    Q2K(&'a [BlockQ2K]),
+    Q3K(&'a [BlockQ3K]),
+    Q4K(&'a [BlockQ4K]),
+    Q5K(&'a [BlockQ5K]),
+    Q6K(&'a [BlockQ6K]),
+}
+
+impl<'a> KRows<'a> {
+    /// `bytes` as blocks of `ty`; `None` for another type or bytes that are not whole,
+    /// aligned blocks.
+    fn new(ty: GgmlDType, bytes: &'a [u8]) -> Option<Self> {
+        use crate::sys::simd::k_blocks;
+        Some(match ty {
+            GgmlDType::Q2K => Self::Q2K(k_blocks(bytes)?),
+            GgmlDType::Q3K => Self::Q3K(k_blocks(bytes)?),
+            GgmlDType::Q4K => Self::Q4K(k_blocks(bytes)?),
+            GgmlDType::Q5K => Self::Q5K(k_blocks(bytes)?),
+            GgmlDType::Q6K => Self::Q6K(k_blocks(bytes)?),
+            _ => return None,
+        })
+    }
+
+    fn blocks(&self) -> usize {
+        match self {
+            Self::Q2K(b) => b.len(),
+            Self::Q3K(b) => b.len(),
+            Self::Q4K(b) => b.len(),
+            Self::Q5K(b) => b.len(),
+            Self::Q6K(b) => b.len(),
+        }
+    }
+
+    /// Row `r` (of `nb` blocks, `k` elements) against one row of activation blocks.
+    fn dot(&self, r: usize, nb: usize, k: usize, ys: &[BlockQ8K]) -> f32 {
+        fn one<T: GgmlType<VecDotType = BlockQ8K>>(
+            b: &[T],
+            r: usize,
+            nb: usize,
+            k: usize,
+            ys: &[BlockQ8K],
+        ) -> f32 {
+            T::vec_dot(k, &b[r * nb..(r + 1) * nb], ys)
+        }
+        match self {
+            Self::Q2K(b) => one(b, r, nb, k, ys),
+            Self::Q3K(b) => one(b, r, nb, k, ys),
+            Self::Q4K(b) => one(b, r, nb, k, ys),
+            Self::Q5K(b) => one(b, r, nb, k, ys),
+            Self::Q6K(b) => one(b, r, nb, k, ys),
+        }
+    }
+}
+
+/// `xs · wᵀ` for each K-quant weight of `ws` (each (n, k), block types may differ) against
+/// the same `xs` (at most [`KQUANT_MAX_ROWS`] rows of `k`, any float dtype), in one pass of
+/// the spinning pool over all their output columns; outputs in `xs`'s dtype. The activations
+/// are quantized to Q8_K once, as Candle's matmul quantizes them, and each output is Candle's
+/// `vec_dot` of a weight row with them. `None` where this does not apply (turned off, another
+/// device or type, more rows, weights whose bytes are not aligned blocks), so that the caller
+/// runs Candle's matmul.
+fn kquant_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tensor>>> {
+    let k = *xs.dims().last().unwrap_or(&0);
+    if ws.is_empty() || !kquants() || !xs.device().is_cpu() || k == 0 || !k.is_multiple_of(QK_K) {
+        return Ok(None);
+    }
+    let m = xs.elem_count() / k;
+    if m == 0 || m > KQUANT_MAX_ROWS || !xs.dtype().is_float() {
+        return Ok(None);
+    }
+    let mut ns = Vec::with_capacity(ws.len());
+    for w in ws {
+        match w.shape().dims() {
+            &[n, wk] if wk == k && w.device().is_cpu() && is_kquant(w.dtype()) => ns.push(n),
+            _ => return Ok(None),
+        }
+    }
+    let nb = k / QK_K;
+    let datas = ws.iter().map(|w| w.data()).collect::<Result<Vec<_>>>()?;
+    let Some(rows) = ws
+        .iter()
+        .zip(&datas)
+        .map(|(w, d)| KRows::new(w.dtype(), d))
+        .collect::<Option<Vec<_>>>()
+    else {
+        return Ok(None);
+    };
+    for ((rows, &n), w) in rows.iter().zip(&ns).zip(ws) {
+        if rows.blocks() < n * nb {
+            candle_core::bail!(
+                "quantized matmul: {} blocks of {:?} for ({n}, {k})",
+                rows.blocks(),
+                w.dtype()
+            );
+        }
+    }
+    let x = xs.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut yq = vec![BlockQ8K::zeros(); m * nb];
+    for (x, y) in x.chunks_exact(k).zip(yq.chunks_exact_mut(nb)) {
+        BlockQ8K::from_float(x, y);
+    }
+    let starts: Vec<usize> = ns
+        .iter()
+        .scan(0, |acc, &n| {
+            let s = *acc;
+            *acc += n;
+            Some(s)
+        })
+        .collect();
+    let total: usize = ns.iter().sum();
+    let per_task = KQUANT_ELEMS_PER_TASK.div_ceil(k).max(1);
+    // Column-major: the `m` values of output column c (all weights' columns in a row) at c * m.
+    let mut out_t = vec![0f32; total * m];
+    crate::sys::spin::for_each_chunk_mut(&mut out_t, per_task * m, |task, part| {
+        let c0 = task * per_task;
+        for (j, col) in part.chunks_mut(m).enumerate() {
+            let c = c0 + j;
+            let i = starts.partition_point(|&s| s <= c) - 1;
+            for (v, y) in col.iter_mut().zip(yq.chunks_exact(nb)) {
+                *v = rows[i].dot(c - starts[i], nb, k, y);
+            }
+        }
+    });
+    let mut dims = xs.dims().to_vec();
+    ns.iter()
+        .zip(&starts)
+        .map(|(&n, &s)| {
+            *dims.last_mut().expect("non-empty dims") = n;
+            let y = transpose(out_t[s * m..(s + n) * m].to_vec(), m, n);
+            Tensor::from_vec(y, dims.as_slice(), xs.device())?.to_dtype(xs.dtype())
         })
         .collect::<Result<Vec<_>>>()
         .map(Some)
@@ -595,6 +788,93 @@ mod tests {
         );
     }
 
+    /// K-quant weights: each output is Candle's, bit for bit where Candle multiplies the
+    /// blocks as they are (37 rows: no repacking into tiles of 16) and within float-summation
+    /// noise where it repacks; several weights of mixed K types in one pass equal each on its
+    /// own; up to `KQUANT_MAX_ROWS` rows, in F32 and F16; more rows, a non-K type in the mix
+    /// and the switch turned off decline.
+    #[test]
+    fn kquants_match_candle() {
+        let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = Device::Cpu;
+        let k = 512;
+        let types = [
+            GgmlDType::Q2K,
+            GgmlDType::Q3K,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+        ];
+        let quantize = |n: usize, ty: GgmlDType| {
+            let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+            Arc::new(QTensor::quantize(&w, ty).unwrap())
+        };
+        let values = |t: &Tensor| {
+            t.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        set_kquants(true);
+        for ty in types {
+            for m in [1usize, 3] {
+                let xs = Tensor::randn(0f32, 1.0, (1, m, k), &dev).unwrap();
+                for n in [37usize, 64] {
+                    let w = quantize(n, ty);
+                    let ours = forward(&w, &xs).unwrap().expect("a K-quant decode row");
+                    let candle = QMatMul::from_arc(w.clone()).unwrap().forward(&xs).unwrap();
+                    assert_eq!(ours.dims(), candle.dims());
+                    if n == 37 {
+                        assert_eq!(values(&ours), values(&candle), "{ty:?} m {m}");
+                    } else {
+                        let e = rel_l2(&ours, &candle);
+                        assert!(e < 1e-5, "{ty:?} m {m}: {e}");
+                    }
+                }
+            }
+        }
+        let ws: Vec<Arc<QTensor>> = [
+            (37, GgmlDType::Q4K),
+            (5, GgmlDType::Q6K),
+            (64, GgmlDType::Q4K),
+        ]
+        .into_iter()
+        .map(|(n, ty)| quantize(n, ty))
+        .collect();
+        let refs: Vec<&Arc<QTensor>> = ws.iter().collect();
+        for dtype in [DType::F32, DType::F16] {
+            let xs = Tensor::randn(0f32, 1.0, (2, k), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let many = forward_many(&refs, &xs).unwrap().expect("mixed K types");
+            for (w, y) in ws.iter().zip(&many) {
+                assert_eq!(y.dtype(), dtype);
+                let one = forward(w, &xs.to_dtype(DType::F32).unwrap())
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(
+                    values(y),
+                    values(&one.to_dtype(dtype).unwrap()),
+                    "{dtype:?}"
+                );
+            }
+        }
+        let rows = Tensor::randn(0f32, 1.0, (KQUANT_MAX_ROWS + 1, k), &dev).unwrap();
+        assert!(forward(&ws[0], &rows).unwrap().is_none(), "too many rows");
+        let q8 = quantize(4, GgmlDType::Q8_0);
+        let one = Tensor::randn(0f32, 1.0, (1, k), &dev).unwrap();
+        assert!(
+            forward_many(&[&ws[0], &q8], &one).unwrap().is_none(),
+            "a K type beside Q8_0"
+        );
+        set_kquants(false);
+        assert!(forward(&ws[0], &one).unwrap().is_none(), "turned off");
+        set_kquants(true);
+    }
+
     /// The greedy head keeps the maximum: the index and value of the largest logit are
     /// `forward`'s, bit for bit, and every row it did not recompute is below that value, for
     /// Gaussian rows and for clusters of near-tied rows (each a copy of one row with a few
@@ -757,7 +1037,10 @@ mod tests {
         )
         .unwrap();
         let xs = Tensor::zeros((1, 256), DType::F32, &dev).unwrap();
+        // K-quants: `kquants_match_candle`; with that loop off, Candle's.
+        set_kquants(false);
         assert!(forward(&Arc::new(q), &xs).unwrap().is_none());
+        set_kquants(true);
     }
 }
 
@@ -854,5 +1137,53 @@ mod head_ab {
             }
         }
         set_quantized_activations(false);
+    }
+}
+
+/// The K-quant decode loop against Candle's quantized matmul on this CPU, for a 7B layer's
+/// projections (not run by default): `cargo test --release -p candle-offload --lib
+/// kquant_ab -- --ignored --nocapture`.
+#[cfg(test)]
+mod kquant_ab {
+    use super::*;
+    use candle_core::quantized::QMatMul;
+    use candle_core::{Device, Module};
+
+    #[test]
+    #[ignore]
+    fn ab_kquant_layer() {
+        let _switch = tests::SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = Device::Cpu;
+        let shapes = [
+            (4096usize, 4096usize, GgmlDType::Q4K),
+            (11008, 4096, GgmlDType::Q4K),
+            (4096, 11008, GgmlDType::Q6K),
+        ];
+        for (n, k, ty) in shapes {
+            let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+            let q = Arc::new(QTensor::quantize(&w, ty).unwrap());
+            let mm = QMatMul::from_arc(q.clone()).unwrap();
+            let xs = Tensor::randn(0f32, 1.0, (1, k), &dev).unwrap();
+            let bytes = q.storage_size_in_bytes() as f64;
+            for round in 0..2 {
+                for ours in [true, false] {
+                    let t = std::time::Instant::now();
+                    for _ in 0..20 {
+                        let _ = if ours {
+                            forward(&q, &xs).unwrap().unwrap()
+                        } else {
+                            mm.forward(&xs).unwrap()
+                        };
+                    }
+                    let s = t.elapsed().as_secs_f64() / 20.0;
+                    eprintln!(
+                        "round {round} ({n}, {k}) {ty:?} {}: {:.3} ms, {:.1} GB/s",
+                        if ours { "ours" } else { "candle" },
+                        s * 1e3,
+                        bytes / s / 1e9
+                    );
+                }
+            }
+        }
     }
 }

@@ -1652,7 +1652,7 @@ pub fn qlinear_k_splits() -> usize {
 /// The code of a process-wide switch kept in `cell` (0: not yet read or set): the value a setter
 /// stored, else `from_env()`'s (its environment variable, read once), stored unless a
 /// concurrent setter got there first, whose value then wins.
-fn switch_code(cell: &std::sync::atomic::AtomicU8, from_env: impl FnOnce() -> u8) -> u8 {
+pub(crate) fn switch_code(cell: &std::sync::atomic::AtomicU8, from_env: impl FnOnce() -> u8) -> u8 {
     use std::sync::atomic::Ordering;
     match cell.load(Ordering::Relaxed) {
         0 => {

@@ -25,6 +25,31 @@ pub(crate) const Q8_0_BYTES: usize = 34;
 /// Bytes of one Q8_1 block.
 pub(crate) const Q8_1_BYTES: usize = 36;
 
+/// Candle's K-quant block types (Q2_K-Q6_K), which [`k_blocks`] may view bytes as: `#[repr(C)]`
+/// structs of byte arrays, small integers and `f16`s, for which every bit pattern is a value.
+pub(crate) trait PlainBlock: Sized {}
+impl PlainBlock for candle_core::quantized::k_quants::BlockQ2K {}
+impl PlainBlock for candle_core::quantized::k_quants::BlockQ3K {}
+impl PlainBlock for candle_core::quantized::k_quants::BlockQ4K {}
+impl PlainBlock for candle_core::quantized::k_quants::BlockQ5K {}
+impl PlainBlock for candle_core::quantized::k_quants::BlockQ6K {}
+
+/// `bytes` (a tensor's GGML blocks as `QTensor::data` hands them out) as a slice of blocks of
+/// `T`; `None` unless it is a whole number of them, aligned for `T`.
+pub(crate) fn k_blocks<T: PlainBlock>(bytes: &[u8]) -> Option<&[T]> {
+    let size = std::mem::size_of::<T>();
+    if size == 0
+        || !bytes.len().is_multiple_of(size)
+        || bytes.as_ptr().align_offset(std::mem::align_of::<T>()) != 0
+    {
+        return None;
+    }
+    // SAFETY: the pointer is aligned for `T` and `bytes.len() / size` values of `T` fill
+    // exactly the borrowed bytes, which stay borrowed (immutably) for the slice's lifetime;
+    // `T: PlainBlock` has no padding-sensitive or invalid bit patterns (see the trait).
+    Some(unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / size) })
+}
+
 /// Whether this CPU runs the AVX2/FMA/F16C kernels (detected once).
 pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
