@@ -221,9 +221,10 @@ pub fn park_idle_workers() {
 
 /// [`forward`] of one row of `xs` (a decode step) against several weights of one block type
 /// and width at once (q, k and v; gate and up): one pass of the pool over all their columns,
-/// each column's number the one [`forward`] gives it. `None` where [`forward`] would take
-/// another path for any of them (another type, more rows, 8-bit activations), so that the
-/// caller multiplies them one by one.
+/// each column's number the one [`forward`] gives it (with 8-bit activations too: the row is
+/// quantized once). K-quant weights may mix their types and take up to [`KQUANT_MAX_ROWS`]
+/// rows ([`kquants`]). `None` where [`forward`] would take another path for any of them
+/// (another type, more rows), so that the caller multiplies them one by one.
 pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tensor>>> {
     let Some(first) = ws.first() else {
         return Ok(None);
@@ -233,8 +234,7 @@ pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tens
     }
     let ty = first.dtype();
     let k = *xs.dims().last().unwrap_or(&0);
-    if quantized_activations()
-        || xs.dtype() != DType::F32
+    if xs.dtype() != DType::F32
         || !xs.device().is_cpu()
         || xs.elem_count() != k
         || !matches!(ty, GgmlDType::Q4_1 | GgmlDType::Q8_0)
@@ -261,7 +261,22 @@ pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tens
         }
     }
     let x = xs.flatten_all()?.to_vec1::<f32>()?;
-    let ysum = if ty == GgmlDType::Q4_1 {
+    // With 8-bit activations, the row quantized once as `QuantMatMul` quantizes it.
+    let q8 = quantized_activations();
+    let yq = match (q8, ty) {
+        (false, _) => Vec::new(),
+        (true, GgmlDType::Q4_1) => {
+            let mut y = vec![0u8; nb * simd::Q8_1_BYTES];
+            simd::quantize_q8_1(&x, &mut y);
+            y
+        }
+        (true, _) => {
+            let mut y = vec![0u8; nb * simd::Q8_0_BYTES];
+            simd::quantize_q8_0(&x, &mut y);
+            y
+        }
+    };
+    let ysum = if ty == GgmlDType::Q4_1 && !q8 {
         simd::block_sums(&x)
     } else {
         Vec::new()
@@ -290,7 +305,14 @@ pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tens
             let (i, r) = row(c);
             let w = |r: usize| &datas[i][r * row_bytes..(r + 1) * row_bytes];
             let slot = c - task * per_task;
-            if ty == GgmlDType::Q4_1 {
+            if q8 {
+                part[slot] = if ty == GgmlDType::Q4_1 {
+                    simd::dot_q4_1_q8_1(w(r), &yq)
+                } else {
+                    simd::dot_q8_0_q8_0(w(r), &yq)
+                };
+                c += 1;
+            } else if ty == GgmlDType::Q4_1 {
                 part[slot] = simd::dot_q4_1_f32_summed(w(r), &x, &ysum);
                 c += 1;
             } else if r % 2 == 0 && r + 1 < ns[i] && c + 1 < end {
@@ -730,7 +752,7 @@ mod tests {
     }
 
     /// Several weights in one pass equal each weight on its own, bit for bit (one row; widths
-    /// odd and even; a type mix, more rows and 8-bit activations decline).
+    /// odd and even; F32 and 8-bit activations; a type mix and more rows decline).
     #[test]
     fn many_weights_equal_one_by_one() {
         let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
@@ -761,10 +783,17 @@ mod tests {
             let two = Tensor::randn(0f32, 1.0, (2, 96), &dev).unwrap();
             assert!(forward_many(&refs, &two).unwrap().is_none(), "two rows");
             set_quantized_activations(true);
-            assert!(
-                forward_many(&refs, &xs).unwrap().is_none(),
-                "8-bit activations"
-            );
+            let many = forward_many(&refs, &xs)
+                .unwrap()
+                .expect("8-bit activations");
+            for (w, y) in ws.iter().zip(&many) {
+                let one = forward(w, &xs).unwrap().unwrap();
+                let (a, b) = (
+                    y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    one.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                assert_eq!(a, b, "{ty:?}, 8-bit activations");
+            }
             set_quantized_activations(false);
         }
         let other = Arc::new(
