@@ -607,6 +607,7 @@ fn main() -> Result<()> {
                 "reserve_bytes": reserve,
                 "decode_reserve_bytes": decode_stats.as_ref().map(|s| s.reserve_bytes),
                 "decode_weight_capacity_bytes": decode_stats.as_ref().map(|s| s.weight_capacity_bytes),
+                "decode_resident_bytes": decode_stats.as_ref().map(|s| s.resident_bytes),
                 "peak_device_bytes": peak,
                 "sampler_period_us": (gpu && args.sampler_us > 0).then_some(args.sampler_us),
                 "pool_peak_used_bytes": pool_peaks.map(|p| p.0),
