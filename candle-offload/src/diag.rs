@@ -145,6 +145,32 @@ pub fn keep_pool_memory(device: &Device, keep: bool) -> candle_core::Result<()> 
     sys::keep_pool_memory(device, keep)
 }
 
+/// Runs `alloc` with the GPU's memory pool for long-lived buffers as the current one, so that
+/// the stream-ordered allocations in it (Candle's tensors) come from the pool the runtime
+/// keeps weights in, apart from the activations in the default pool: for buffers that live
+/// as long as the model, such as its KV cache. Allocated among a prompt's activations, such a
+/// buffer keeps the memory around it from being returned when the prompt ends (the pool gives
+/// back only whole chunks). Just `alloc()` on a CPU, without `cuda`, or where
+/// `CANDLE_OFFLOAD_WEIGHT_POOL=0` keeps weights in the default pool.
+pub fn long_lived<R>(
+    device: &Device,
+    alloc: impl FnOnce() -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    if device.is_cpu() {
+        return alloc();
+    }
+    sys::long_lived(device, alloc)
+}
+
+/// Whether [`long_lived`] allocates from a pool of its own on `device` (a GPU with
+/// stream-ordered memory pools, unless `CANDLE_OFFLOAD_WEIGHT_POOL=0`).
+pub fn has_long_lived_pool(device: &Device) -> candle_core::Result<bool> {
+    if device.is_cpu() {
+        return Ok(false);
+    }
+    sys::has_long_lived_pool(device)
+}
+
 /// Waits for the device and returns the memory its stream-ordered pool holds unused to the
 /// driver (a no-op on a CPU or without `cuda`).
 pub fn trim_memory_pool(device: &Device) -> candle_core::Result<()> {

@@ -215,7 +215,13 @@ impl KvCache {
         t: usize,
         like: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        let alloc = |n| Tensor::zeros((b, heads, n, d), like.dtype(), like.device());
+        // In the GPU's pool for long-lived buffers: the first append comes in the middle of
+        // a prompt's activations, whose memory the buffers would otherwise keep held.
+        let alloc = |n| {
+            candle_offload::diag::long_lived(like.device(), || {
+                Tensor::zeros((b, heads, n, d), like.dtype(), like.device())
+            })
+        };
         let (mut k, mut v) = match &self.bufs {
             Some(kv) => kv.clone(),
             None => {

@@ -239,6 +239,49 @@ unsafe impl Sync for Pool {}
 /// activations and caches, instead of a pool of their own ([`weight_pool`]): `0`.
 pub(crate) const WEIGHT_POOL_ENV: &str = "CANDLE_OFFLOAD_WEIGHT_POOL";
 
+/// `alloc()` with `pools.0` as the current pool of `ctx`'s device, `pools.1` (its default
+/// pool) current again after; just `alloc()` without pools.
+fn with_current_pool<R>(
+    ctx: &Arc<CudaContext>,
+    pools: Option<(Pool, Pool)>,
+    alloc: impl FnOnce() -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    use candle_core::cuda_backend::cudarc::driver::result;
+    let Some((weights, default)) = pools else {
+        return alloc();
+    };
+    ctx.bind_to_thread().w()?;
+    let dev = ctx.cu_device();
+    // SAFETY: `dev` is this live context's device and `weights` a live pool made for it
+    // (`weight_pool`, never destroyed).
+    unsafe { result::device::set_mem_pool(dev, weights.0) }.w()?;
+    let out = alloc();
+    // SAFETY: as above, with the device's own default pool.
+    unsafe { result::device::set_mem_pool(dev, default.0) }.w()?;
+    out
+}
+
+/// `alloc()` with `device`'s pool for long-lived buffers current ([`weight_pool`]: weights,
+/// and what lives as long as they do, such as a model's KV cache), as the runtime allocates
+/// weights; just `alloc()` where there is no such pool.
+pub(crate) fn long_lived<R>(
+    device: &Device,
+    alloc: impl FnOnce() -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
+    let pools = match weight_pool(&ctx)? {
+        Some(weights) => Some((weights, Pool(default_pool(&ctx)?))),
+        None => None,
+    };
+    with_current_pool(&ctx, pools, alloc)
+}
+
+/// Whether `device` has a pool for long-lived buffers ([`weight_pool`]).
+pub(crate) fn has_long_lived_pool(device: &Device) -> candle_core::Result<bool> {
+    let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
+    Ok(weight_pool(&ctx)?.is_some())
+}
+
 /// The memory pool the runtime allocates weights from on `ctx`'s device, made on first use and
 /// kept for the process (one per device), with the default pool's keep-freed-memory setting;
 /// `None` where [`WEIGHT_POOL_ENV`] turns it off or the device has no stream-ordered pools.
@@ -347,19 +390,7 @@ impl CudaEngine {
         &self,
         alloc: impl FnOnce() -> candle_core::Result<R>,
     ) -> candle_core::Result<R> {
-        use candle_core::cuda_backend::cudarc::driver::result;
-        let Some((weights, default)) = self.pools else {
-            return alloc();
-        };
-        self.ctx.bind_to_thread().w()?;
-        let dev = self.ctx.cu_device();
-        // SAFETY: `dev` is this live context's device and `weights` a live pool made for it
-        // (`weight_pool`, never destroyed).
-        unsafe { result::device::set_mem_pool(dev, weights.0) }.w()?;
-        let out = alloc();
-        // SAFETY: as above, with the device's own default pool.
-        unsafe { result::device::set_mem_pool(dev, default.0) }.w()?;
-        out
+        with_current_pool(&self.ctx, self.pools, alloc)
     }
 
     /// Allocates and copies a unit's tensors on the copy stream, reading them out of `src`

@@ -40,10 +40,10 @@ mod managed;
 pub(crate) use managed::{um_table, ManagedBuffer};
 
 pub(crate) use imp::{
-    context_memory, device_info, device_used_bytes, keep_pool_memory, measure_h2d_gbps, pci_bus_id,
-    pool_reserved_high_bytes, pool_used_high_bytes, profile_mark, profiler_capture,
-    set_event_tracking, set_peer_access, trim_memory_pool, trim_memory_pool_to, try_pin,
-    CudaEngine, Downloader, Pinner, StepGraph, UnitSync,
+    context_memory, device_info, device_used_bytes, has_long_lived_pool, keep_pool_memory,
+    long_lived, measure_h2d_gbps, pci_bus_id, pool_reserved_high_bytes, pool_used_high_bytes,
+    profile_mark, profiler_capture, set_event_tracking, set_peer_access, trim_memory_pool,
+    trim_memory_pool_to, try_pin, CudaEngine, Downloader, Pinner, StepGraph, UnitSync,
 };
 #[cfg(not(feature = "cuda"))]
 pub(crate) use imp::{um_table, ManagedBuffer};

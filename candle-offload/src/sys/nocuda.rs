@@ -169,6 +169,17 @@ pub(crate) fn trim_memory_pool(_device: &Device) -> candle_core::Result<()> {
     Ok(())
 }
 
+pub(crate) fn has_long_lived_pool(_device: &Device) -> candle_core::Result<bool> {
+    Ok(false)
+}
+
+pub(crate) fn long_lived<R>(
+    _device: &Device,
+    alloc: impl FnOnce() -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    alloc()
+}
+
 pub(crate) fn profiler_capture(_device: &Device, _on: bool) -> candle_core::Result<()> {
     Ok(())
 }
