@@ -358,6 +358,23 @@ mod tests {
         }
     }
 
+    /// On a CPU there is no pool: `long_lived` runs the allocation as it is and hands its
+    /// result (or its error) back.
+    #[test]
+    fn long_lived_is_the_allocation_itself_on_a_cpu() {
+        let dev = Device::Cpu;
+        assert!(!has_long_lived_pool(&dev).unwrap());
+        let t = long_lived(&dev, || {
+            candle_core::Tensor::ones(3, candle_core::DType::F32, &dev)
+        })
+        .unwrap();
+        assert_eq!(t.to_vec1::<f32>().unwrap(), vec![1.0; 3]);
+        let e = long_lived(&dev, || -> candle_core::Result<()> {
+            candle_core::bail!("no room")
+        });
+        assert!(e.unwrap_err().to_string().contains("no room"));
+    }
+
     #[test]
     fn devices_are_labelled_by_kind_and_ordinal() {
         assert_eq!(device_label(&Device::Cpu), "cpu");
