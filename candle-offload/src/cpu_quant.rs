@@ -335,8 +335,8 @@ pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tens
         .map(Some)
 }
 
-/// The environment variable that sends K-quant rows on the CPU through Candle's quantized
-/// matmul instead of [`forward`]'s loop over the blocks as they are ([`kquants`]): `0`.
+/// The environment variable that turns [`forward`]'s loop over K-quant blocks as they are off
+/// (`0`: Candle's quantized matmul) or on (`1`) whatever the thread count ([`kquants`]).
 pub const KQUANTS_ENV: &str = "CANDLE_OFFLOAD_CPU_KQUANTS";
 
 /// [`kquants`]'s state: 0 until first read or set, 1 off, 2 on.
@@ -349,8 +349,9 @@ pub fn set_kquants(on: bool) {
 }
 
 /// Whether [`forward`] and [`forward_many`] multiply K-quant weights (Q2_K-Q6_K) against at
-/// most [`KQUANT_MAX_ROWS`] rows themselves: on unless [`set_kquants`] or [`KQUANTS_ENV`] (read
-/// once) turns it off. Off, Candle's quantized matmul runs them. On an x86 CPU with AVX2 that
+/// most [`KQUANT_MAX_ROWS`] rows themselves: by default where the matmul pool has at least
+/// [`KQUANT_MIN_THREADS`] threads; [`set_kquants`] or [`KQUANTS_ENV`] (read once: `0` off,
+/// `1` on) decide otherwise. Off, Candle's quantized matmul runs them. On an x86 CPU with AVX2 that
 /// one multiplies Q4_K through tiles it repacks on first use (6 bits a weight against the
 /// blocks' 4.5: a third more bytes read per token, and a second copy in host memory), on a
 /// thread pool of its own; here the blocks are read as they are, with Candle's own dot
@@ -359,13 +360,29 @@ pub fn set_kquants(on: bool) {
 /// pass whatever their block types.
 pub fn kquants() -> bool {
     crate::ops::switch_code(&KQUANTS, || {
-        if crate::settings::env_turns_off(KQUANTS_ENV) {
-            1
-        } else {
+        let env = std::env::var(KQUANTS_ENV).ok();
+        let on = match env.as_deref().map(str::trim) {
+            Some("1" | "on" | "true") => true,
+            _ if crate::settings::env_turns_off(KQUANTS_ENV) => false,
+            _ => crate::sys::spin::threads() >= KQUANT_MIN_THREADS,
+        };
+        if on {
             2
+        } else {
+            1
         }
     }) == 2
 }
+
+/// Threads from which [`kquants`] is on by default. Its dot product (Candle's AVX2
+/// `vec_dot`, one weight row at a time) computes at about half the rate of Candle's repacked
+/// tiles: on the 2-core machine, 13-19 GB/s of blocks against 34-54 GB/s from the cache
+/// (`kquant_ab`). It wins where host memory, not arithmetic, bounds the step: with enough
+/// threads both kernels outrun the memory, and the blocks are a quarter fewer bytes than the
+/// tiles. At about 8 G weights a second a thread against the tiles' 16 and some 55 GB/s of
+/// host memory, that is from 10 threads; measured on the H200's 16-thread host, a 7B
+/// Q4_K_M layer took 2.1-2.5 ms against 2.9-3.6 (BENCHMARKS.md, stop 41).
+pub const KQUANT_MIN_THREADS: usize = 12;
 
 /// The most activation rows of a K-quant matmul [`forward`] runs itself (decode steps of up
 /// to eight sequences); prompts go to Candle's, whose tiled kernels reuse each weight tile
@@ -1184,6 +1201,9 @@ mod kquant_ab {
         let _switch = tests::SWITCH.lock().unwrap_or_else(|e| e.into_inner());
         let dev = Device::Cpu;
         let shapes = [
+            (576usize, 1536usize, GgmlDType::Q4K),
+            (1536, 576 * 4, GgmlDType::Q4K),
+            (2048, 2048, GgmlDType::Q4K),
             (4096usize, 4096usize, GgmlDType::Q4K),
             (11008, 4096, GgmlDType::Q4K),
             (4096, 11008, GgmlDType::Q6K),
