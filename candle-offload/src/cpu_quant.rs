@@ -282,18 +282,8 @@ pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tens
         Vec::new()
     };
     // Column c of the concatenated output: weight i, its row r.
-    let starts: Vec<usize> = ns
-        .iter()
-        .scan(0, |acc, &n| {
-            let s = *acc;
-            *acc += n;
-            Some(s)
-        })
-        .collect();
-    let row = |c: usize| -> (usize, usize) {
-        let i = starts.partition_point(|&s| s <= c) - 1;
-        (i, c - starts[i])
-    };
+    let starts = column_starts(&ns);
+    let row = |c: usize| column_of(&starts, c);
     let min_len = MIN_BLOCKS_PER_TASK.div_ceil(COLS_PER_ITEM * nb);
     // Tasks of an even number of columns, so that Q8_0 rows pair up as in `forward`.
     let per_task = COLS_PER_ITEM * min_len.max(1);
@@ -360,11 +350,12 @@ pub fn set_kquants(on: bool) {
 /// pass whatever their block types.
 pub fn kquants() -> bool {
     crate::ops::switch_code(&KQUANTS, || {
-        let env = std::env::var(KQUANTS_ENV).ok();
-        let on = match env.as_deref().map(str::trim) {
-            Some("1" | "on" | "true") => true,
-            _ if crate::settings::env_turns_off(KQUANTS_ENV) => false,
-            _ => crate::sys::spin::threads() >= KQUANT_MIN_THREADS,
+        let on = if crate::settings::env_turns_on(KQUANTS_ENV) {
+            true
+        } else if crate::settings::env_turns_off(KQUANTS_ENV) {
+            false
+        } else {
+            crate::sys::spin::threads() >= KQUANT_MIN_THREADS
         };
         if on {
             2
@@ -502,14 +493,7 @@ fn kquant_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tensor>>>
     for (x, y) in x.chunks_exact(k).zip(yq.chunks_exact_mut(nb)) {
         BlockQ8K::from_float(x, y);
     }
-    let starts: Vec<usize> = ns
-        .iter()
-        .scan(0, |acc, &n| {
-            let s = *acc;
-            *acc += n;
-            Some(s)
-        })
-        .collect();
+    let starts = column_starts(&ns);
     let total: usize = ns.iter().sum();
     let per_task = KQUANT_ELEMS_PER_TASK.div_ceil(k).max(1);
     // Column-major: the `m` values of output column c (all weights' columns in a row) at c * m.
@@ -517,10 +501,9 @@ fn kquant_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tensor>>>
     crate::sys::spin::for_each_chunk_mut(&mut out_t, per_task * m, |task, part| {
         let c0 = task * per_task;
         for (j, col) in part.chunks_mut(m).enumerate() {
-            let c = c0 + j;
-            let i = starts.partition_point(|&s| s <= c) - 1;
+            let (i, r) = column_of(&starts, c0 + j);
             for (v, y) in col.iter_mut().zip(yq.chunks_exact(nb)) {
-                *v = rows[i].dot(c - starts[i], nb, k, y);
+                *v = rows[i].dot(r, nb, k, y);
             }
         }
     });
@@ -534,6 +517,24 @@ fn kquant_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tensor>>>
         })
         .collect::<Result<Vec<_>>>()
         .map(Some)
+}
+
+/// Where each weight's output columns start when the columns of weights `ns` rows long are
+/// laid end to end (one pass over several projections).
+fn column_starts(ns: &[usize]) -> Vec<usize> {
+    ns.iter()
+        .scan(0, |acc, &n| {
+            let s = *acc;
+            *acc += n;
+            Some(s)
+        })
+        .collect()
+}
+
+/// Column `c` of the laid-out columns ([`column_starts`]): its weight and its row there.
+fn column_of(starts: &[usize], c: usize) -> (usize, usize) {
+    let i = starts.partition_point(|&s| s <= c) - 1;
+    (i, c - starts[i])
 }
 
 /// Activation rows from which F32-activation matmuls dequantize the weights and run a GEMM.

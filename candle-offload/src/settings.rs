@@ -17,12 +17,18 @@ use crate::error::{Error, Result};
 /// Whether the environment variable `var` turns a default-on switch off: `0`, `off` or
 /// `false`, in any case, spaces around ignored (unset or anything else: no).
 pub(crate) fn env_turns_off(var: &str) -> bool {
-    std::env::var(var).is_ok_and(|v| {
-        matches!(
-            v.trim().to_ascii_lowercase().as_str(),
-            "0" | "off" | "false"
-        )
-    })
+    env_is(var, &["0", "off", "false"])
+}
+
+/// Whether the environment variable `var` turns a switch on: `1`, `on` or `true`, in any case,
+/// spaces around ignored (unset or anything else: no).
+pub(crate) fn env_turns_on(var: &str) -> bool {
+    env_is(var, &["1", "on", "true"])
+}
+
+/// Whether `var` is set to one of `words` (lowercase), in any case, spaces around ignored.
+fn env_is(var: &str, words: &[&str]) -> bool {
+    std::env::var(var).is_ok_and(|v| words.contains(&v.trim().to_ascii_lowercase().as_str()))
 }
 use crate::plan::OffloadStrategy;
 

@@ -269,17 +269,27 @@ pub(crate) fn long_lived<R>(
     alloc: impl FnOnce() -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {
     let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
-    let pools = match weight_pool(&ctx)? {
-        Some(weights) => Some((weights, Pool(default_pool(&ctx)?))),
-        None => None,
-    };
-    with_current_pool(&ctx, pools, alloc)
+    with_current_pool(&ctx, pools_of(&ctx)?, alloc)
 }
 
-/// Whether `device` has a pool for long-lived buffers ([`weight_pool`]).
+/// `ctx`'s device's weight pool and its default pool, where weights get a pool of their own.
+fn pools_of(ctx: &Arc<CudaContext>) -> SysResult<Option<(Pool, Pool)>> {
+    Ok(match weight_pool(ctx)? {
+        Some(weights) => Some((weights, Pool(default_pool(ctx)?))),
+        None => None,
+    })
+}
+
+/// Whether `device` has a pool for long-lived buffers ([`weight_pool`]), without making it.
 pub(crate) fn has_long_lived_pool(device: &Device) -> candle_core::Result<bool> {
     let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
-    Ok(weight_pool(&ctx)?.is_some())
+    Ok(wants_weight_pool(&ctx))
+}
+
+/// Whether `ctx`'s device gets a weight pool: it has stream-ordered pools and
+/// [`WEIGHT_POOL_ENV`] does not turn it off.
+fn wants_weight_pool(ctx: &Arc<CudaContext>) -> bool {
+    ctx.has_async_alloc() && !crate::settings::env_turns_off(WEIGHT_POOL_ENV)
 }
 
 /// The memory pool the runtime allocates weights from on `ctx`'s device, made on first use and
@@ -294,7 +304,7 @@ pub(crate) fn has_long_lived_pool(device: &Device) -> candle_core::Result<bool> 
 fn weight_pool(ctx: &Arc<CudaContext>) -> SysResult<Option<Pool>> {
     use candle_core::cuda_backend::cudarc::driver::result;
     static POOLS: Mutex<Vec<(usize, Pool)>> = Mutex::new(Vec::new());
-    if !ctx.has_async_alloc() || crate::settings::env_turns_off(WEIGHT_POOL_ENV) {
+    if !wants_weight_pool(ctx) {
         return Ok(None);
     }
     let ordinal = ctx.ordinal();
@@ -367,10 +377,7 @@ impl CudaEngine {
         let copy = ctx
             .new_stream()
             .map_err(|e| SysError::Candle(candle_core::Error::wrap(e)))?;
-        let pools = match weight_pool(&ctx)? {
-            Some(weights) => Some((weights, Pool(default_pool(&ctx)?))),
-            None => None,
-        };
+        let pools = pools_of(&ctx)?;
         Ok(Self {
             cuda,
             ctx,
