@@ -1200,6 +1200,8 @@ mod kquant_ab {
     #[ignore]
     fn ab_kquant_layer() {
         let _switch = tests::SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+        // The loop whatever this machine's default (`KQUANT_MIN_THREADS`).
+        set_kquants(true);
         let dev = Device::Cpu;
         let shapes = [
             (576usize, 1536usize, GgmlDType::Q4K),
