@@ -1126,6 +1126,96 @@ test_device!(
     ops_qlinear_small_gpu
 );
 
+/// `qlinear_prefill` (a prompt's rows through F16 weights and cuBLAS): on the CPU, and below
+/// `PREFILL_GEMM_MIN_ROWS` rows, it declines. On a GPU, for every block type it has a kernel
+/// for:
+/// - x the identity (k rows) gives the weight's dequantized elements themselves, each within
+///   F16's rounding (1e-3 relative) of Candle's dequantization: a wrong nibble, high bit,
+///   scale or min anywhere fails;
+/// - random x of 32 and 2x40 rows, in each dtype, within 1e-2 of x times the dequantized
+///   weight in F32;
+/// - weights of 37 and 300 rows, and (Q4_0, Q6_K) one of 4200 rows of 4096, over
+///   `PREFILL_GEMM_SLICE_BYTES` in F16, which goes in two slices.
+fn qlinear_prefill_matches_dequantized(device: &Device) -> anyhow::Result<()> {
+    let w = random(&[64, 256], 0.1, 7, DType::F32, &Device::Cpu)?;
+    let w = QTensor::quantize_onto(&w, GgmlDType::Q4_0, device)?;
+    let few = random(
+        &[1, ops::PREFILL_GEMM_MIN_ROWS - 1, 256],
+        1.0,
+        8,
+        DType::F32,
+        device,
+    )?;
+    anyhow::ensure!(
+        ops::qlinear_prefill(&few, &w)?.is_none(),
+        "ran on too few rows"
+    );
+    let many = random(
+        &[1, ops::PREFILL_GEMM_MIN_ROWS, 256],
+        1.0,
+        9,
+        DType::F32,
+        device,
+    )?;
+    let ran = ops::qlinear_prefill(&many, &w)?.is_some();
+    if !device.is_cuda() {
+        anyhow::ensure!(!ran, "ran on the CPU");
+        return Ok(());
+    }
+    anyhow::ensure!(ran && ops::prefill_gemm(), "did not run on the GPU");
+    let types = QTYPES.iter().chain(&[GgmlDType::Q4K, GgmlDType::Q6K]);
+    for (t, &qtype) in types.enumerate() {
+        let sliced: &[(usize, usize)] = match qtype {
+            GgmlDType::Q4_0 | GgmlDType::Q6K => &[(4200, 4096)],
+            _ => &[],
+        };
+        for &(n, k) in [(37, 768), (300, 512)].iter().chain(sliced) {
+            let what = format!("{qtype:?} {n}x{k}");
+            let seed = 700 + 10 * t as u64 + n as u64;
+            let w = random(
+                &[n, k],
+                1.0 / (k as f32).sqrt(),
+                seed,
+                DType::F32,
+                &Device::Cpu,
+            )?;
+            let w = QTensor::quantize_onto(&w, qtype, device)?;
+            let want = w.dequantize(&Device::Cpu)?;
+            // The identity: y's column c is row c of the weight.
+            let eye = Tensor::eye(k, DType::F32, device)?;
+            let got = ops::qlinear_prefill(&eye, &w)?.expect("runs on the GPU");
+            let got = got.t()?.to_device(&Device::Cpu)?;
+            let err = ((&got - &want)?.abs()? - (want.abs()? * 1e-3)?)?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            anyhow::ensure!(
+                err <= 1e-6,
+                "{what}: an element off by {err:e} past F16's rounding"
+            );
+            for dtype in DTYPES {
+                for xs in [&[ops::PREFILL_GEMM_MIN_ROWS, k][..], &[2, 40, k]] {
+                    let x = random(xs, 1.0, seed + 1, dtype, device)?;
+                    let got = ops::qlinear_prefill(&x, &w)?.expect("runs on the GPU");
+                    anyhow::ensure!(got.dtype() == dtype, "{what}: {:?} out", got.dtype());
+                    let want = x
+                        .to_dtype(DType::F32)?
+                        .to_device(&Device::Cpu)?
+                        .broadcast_matmul(&want.t()?)?;
+                    let d = rel_diff_values(&got, &want)?;
+                    anyhow::ensure!(d <= 1e-2, "{what} {dtype:?} {xs:?}: {d:e}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    qlinear_prefill_matches_dequantized,
+    ops_qlinear_prefill_cpu,
+    ops_qlinear_prefill_gpu
+);
+
 /// The K-quant kernels, Q4_K and Q6_K (on by default, `ops::set_qlinear_k`): `qlinear_small`,
 /// its q/k/v form and its gate/up form against x times the dequantized super-blocks in F32. On a GPU with the
 /// kernel on: converting to floats (variant 2 forced), within the usual tolerances, and the

@@ -2268,6 +2268,72 @@ OPS_FOR(float, f32)
 OPS_FOR(__half, f16)
 OPS_FOR(__nv_bfloat16, bf16)
 
+// dequant_f16_<q>: consecutive rows of a weight of GGML blocks to F16, in element order (GGML's
+// dequantize_row_* for each type: scale times quant, less the min, in f32, rounded once), for a
+// prompt's GEMM (ops::qlinear_prefill). `w` points at the first row's first block and the rows
+// are back to back, so the slice is `groups` runs of 32 elements; thread g writes run g with
+// four 16-byte stores (out 16-byte aligned).
+template <int QT> __device__ __forceinline__ void dequant_run(const uint8_t *w, uint32_t g,
+                                                              float *o) {
+    float q[32], d, mn;
+    decode_block<QT>(w + (size_t)g * QBlock<QT>::BYTES, q, d, mn);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) o[e] = d * q[e] + mn;
+}
+// Q4_K: run s of a super-block is sub-block s, the low (s even) or high (s odd) nibbles of
+// quant bytes 32 (s / 2) .. 32 (s / 2) + 32.
+__device__ __forceinline__ void dequant_run_q4k(const uint8_t *w, uint32_t g, float *o) {
+    const uint8_t *b = w + (size_t)(g >> 3) * 144u;
+    const uint32_t s = g & 7u;
+    const float d = __half2float(*reinterpret_cast<const __half *>(b));
+    const float dmin = __half2float(*reinterpret_cast<const __half *>(b + 2));
+    float sc, mn;
+    q4k_scale_min(b + 4, s, sc, mn);
+    const float d1 = d * sc, m1 = dmin * mn;
+    const uint8_t *qs = b + 16u + 32u * (s >> 1);
+    const uint32_t shift = (s & 1u) * 4u;
+#pragma unroll
+    for (int l = 0; l < 32; ++l) o[l] = d1 * (float)((qs[l] >> shift) & 0xFu) - m1;
+}
+// Q6_K (ql[128], qh[64], int8 scales[16], d): run s is quarter s % 4 of half s / 4, 32 elements
+// whose low 4 bits are the low (quarters 0, 1) or high (2, 3) nibbles of ql bytes l or l + 32
+// (odd quarters) of the half's 64, and whose top 2 bits are bits 2 (s % 4) of its 32 qh bytes;
+// sixteen elements share a scale.
+__device__ __forceinline__ void dequant_run_q6k(const uint8_t *w, uint32_t g, float *o) {
+    const uint8_t *b = w + (size_t)(g >> 3) * 210u;
+    const uint32_t h = (g & 7u) >> 2, t = g & 3u;
+    const float d = __half2float(*reinterpret_cast<const __half *>(b + 208));
+    const uint8_t *ql = b + 64u * h + 32u * (t & 1u);
+    const uint8_t *qh = b + 128u + 32u * h;
+    const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192) + 8u * h + 2u * t;
+    const uint32_t lshift = (t >> 1) * 4u, hshift = 2u * t;
+#pragma unroll
+    for (int l = 0; l < 32; ++l) {
+        const int q = (int)(((ql[l] >> lshift) & 0xFu) | (((qh[l] >> hshift) & 3u) << 4)) - 32;
+        o[l] = d * (float)sc[l / 16] * (float)q;
+    }
+}
+__device__ __forceinline__ void store_run(__half *out, const float *o) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st8<__half>(out + 8 * i, o + 8 * i);
+}
+#define DEQUANT_F16(QNAME, RUN)                                                                 \
+    extern "C" __global__ void dequant_f16_##QNAME(const uint8_t *w, __half *out,              \
+                                                   uint32_t groups) {                           \
+        const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;                               \
+        if (g >= groups) return;                                                                \
+        float o[32];                                                                            \
+        RUN(w, g, o);                                                                           \
+        store_run(out + (size_t)g * 32u, o);                                                    \
+    }
+DEQUANT_F16(q4_0, dequant_run<QT_Q4_0>)
+DEQUANT_F16(q4_1, dequant_run<QT_Q4_1>)
+DEQUANT_F16(q5_0, dequant_run<QT_Q5_0>)
+DEQUANT_F16(q5_1, dequant_run<QT_Q5_1>)
+DEQUANT_F16(q8_0, dequant_run<QT_Q8_0>)
+DEQUANT_F16(q4_k, dequant_run_q4k)
+DEQUANT_F16(q6_k, dequant_run_q6k)
+
 // An empty kernel whose only effect is its launch: a profiler's list of kernels (ncu, in
 // launch order) shows it where a program marks a boundary (diag::profile_mark), the phase in
 // its argument.

@@ -2042,6 +2042,121 @@ fn qlinear_silu_mul_with(x: &Tensor, gate: &QTensor, up: &QTensor, q8: bool) -> 
     .reshape(dims)
 }
 
+/// The environment variable for [`prefill_gemm`]: `0`, `off` or `false` turn it off.
+pub const PREFILL_GEMM_ENV: &str = "CANDLE_OFFLOAD_PREFILL_GEMM";
+
+/// [`prefill_gemm`]'s state: 0 until first read or set, 1 off, 2 on.
+static PREFILL_GEMM: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Turns [`qlinear_prefill`] on or off for the whole process, from the next call on; it wins
+/// over [`PREFILL_GEMM_ENV`].
+pub fn set_prefill_gemm(on: bool) {
+    PREFILL_GEMM.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`qlinear_prefill`] multiplies a prompt's rows through F16 weights and cuBLAS: on
+/// unless [`set_prefill_gemm`] or [`PREFILL_GEMM_ENV`] (read once) turns it off; off, Candle's
+/// quantized matmul (its MMQ kernels on 8-bit x) takes them.
+pub fn prefill_gemm() -> bool {
+    switch_code(&PREFILL_GEMM, || {
+        if crate::settings::env_turns_off(PREFILL_GEMM_ENV) {
+            1
+        } else {
+            2
+        }
+    }) == 2
+}
+
+/// The fewest rows of x that [`qlinear_prefill`] takes: below this Candle's quantized matmul
+/// keeps them (its MMQ kernels read the blocks once for a few rows; a GEMM over F16 weights
+/// writes and reads every weight twice more).
+pub const PREFILL_GEMM_MIN_ROWS: usize = 32;
+
+/// The most bytes of F16 weight [`qlinear_prefill`] dequantizes at once: a larger weight goes
+/// in slices of whole rows, each multiplied before the next is written, so that a prompt's
+/// workspace grows by at most this much ([`prefill_gemm_bytes`]).
+pub const PREFILL_GEMM_SLICE_BYTES: usize = 32 << 20;
+
+/// The device bytes [`qlinear_prefill`] holds at once beside x and its output, for `rows` rows
+/// of x against a weight of `n` output columns and width `k`: one F16 slice of the weight, x in
+/// F16, the F16 output and one slice's part of it. Zero where it would not run (too few rows).
+pub fn prefill_gemm_bytes(rows: usize, n: usize, k: usize) -> u64 {
+    if rows < PREFILL_GEMM_MIN_ROWS {
+        return 0;
+    }
+    let slice_rows = prefill_slice_rows(n, k);
+    (2 * (slice_rows * k + rows * k + rows * n + rows * slice_rows)) as u64
+}
+
+/// Weight rows per slice of [`qlinear_prefill`]: as many as fit [`PREFILL_GEMM_SLICE_BYTES`] in
+/// F16, a multiple of 64, at least 64, at most `n`.
+fn prefill_slice_rows(n: usize, k: usize) -> usize {
+    let fit = (PREFILL_GEMM_SLICE_BYTES / (2 * k.max(1))) / 64 * 64;
+    fit.max(64).min(n)
+}
+
+/// `x · wᵀ` for a prompt's rows on a GPU: w's blocks dequantized to F16 a slice of rows at a
+/// time and multiplied by x in F16 through cuBLAS (F32 accumulation), returned in x's dtype.
+/// `None` where it does not apply: off ([`prefill_gemm`]), not on a CUDA device, fewer than
+/// [`PREFILL_GEMM_MIN_ROWS`] rows, or a weight that is not 2-D.
+///
+/// Candle's quantized matmul quantizes x to 8 bits and runs integer tiles (MMQ); on a GPU with
+/// fast F16 tensor cores the dense GEMM is several times faster for a prompt, and x keeps its
+/// precision.
+pub fn qlinear_prefill(x: &Tensor, w: &QTensor) -> Result<Option<Tensor>> {
+    let k = x.dim(D::Minus1)?;
+    let rows = x.elem_count() / k.max(1);
+    let applies = prefill_gemm()
+        && x.device().is_cuda()
+        && rows >= PREFILL_GEMM_MIN_ROWS
+        && qlinear_small_type(w.dtype()).is_some()
+        && w.shape().rank() == 2;
+    if !applies {
+        return Ok(None);
+    }
+    let (n, wk) = w.shape().dims2()?;
+    if wk != k {
+        candle_core::bail!("qlinear_prefill: x is {k} wide, the weight {wk}");
+    }
+    let _span = tracing::trace_span!("qlinear_prefill", rows, n, k).entered();
+    let x16 = x.reshape((rows, k))?.to_dtype(DType::F16)?;
+    let slice_rows = prefill_slice_rows(n, k);
+    let y = if slice_rows >= n {
+        x16.matmul(&dequantize_rows_f16(w, 0, n)?.t()?)?
+    } else {
+        let y = Tensor::zeros((rows, n), DType::F16, x.device())?;
+        let mut r0 = 0;
+        while r0 < n {
+            let r = slice_rows.min(n - r0);
+            let part = x16.matmul(&dequantize_rows_f16(w, r0, r)?.t()?)?;
+            y.slice_set(&part, 1, r0)?;
+            r0 += r;
+        }
+        y
+    };
+    let mut out = x.dims().to_vec();
+    *out.last_mut().expect("x has a last dim") = n;
+    Ok(Some(y.to_dtype(x.dtype())?.reshape(out)?))
+}
+
+/// Rows `r0 .. r0 + rows` of `w` as an F16 tensor (rows, k), on w's GPU.
+#[cfg(feature = "cuda")]
+fn dequantize_rows_f16(w: &QTensor, r0: usize, rows: usize) -> Result<Tensor> {
+    let k = w.shape().dims2()?.1;
+    let s = crate::sys::kernels::dequantize_rows_f16(w, r0, rows)?;
+    Ok(Tensor::from_storage(
+        candle_core::Storage::Cuda(s),
+        (rows, k),
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn dequantize_rows_f16(_w: &QTensor, _r0: usize, _rows: usize) -> Result<Tensor> {
+    candle_core::bail!("qlinear_prefill: needs a build with `--features cuda`")
+}
+
 /// The composition [`qlinear_small`] replaces: Candle's quantized matmul (`QMatMul`'s) on x
 /// in F32, cast back to x's dtype. Candle's CPU dot products of some types take blocks in
 /// pairs and panic on an odd count per row; those rows are dequantized and multiplied densely.

@@ -432,12 +432,25 @@ impl Config {
     /// kept for the process), the activations quantized to Q8_1 blocks, and for the widest
     /// projection an F32 copy of the input and an F32 output. Measured: a 7B Q8_0 model with a
     /// 512-token prompt at 4 GiB went 42 MiB over its budget without it.
+    ///
+    /// From [`candle_offload::ops::PREFILL_GEMM_MIN_ROWS`] rows on, a prompt's projections
+    /// go through F16 weights and cuBLAS instead ([`candle_offload::ops::qlinear_prefill`],
+    /// [`candle_offload::ops::prefill_gemm_bytes`] for the widest); block types without that
+    /// kernel still take Candle's, so this is the larger of the two.
     pub fn quantized_matmul_bytes(&self, seq_len: usize) -> u64 {
         let s = seq_len as u64;
-        let k = self.hidden_size.max(self.intermediate_size) as u64;
+        let (h, i) = (self.hidden_size, self.intermediate_size);
+        let k = h.max(i) as u64;
         let fixup = 256 * 128 * 128 * 4;
         let q8_1 = (s * k.div_ceil(512) * 512 / 128 + 128) * 144;
-        fixup + q8_1 + 2 * s * k * 4
+        let mmq = fixup + q8_1 + 2 * s * k * 4;
+        let q = self.num_attention_heads * self.head_dim;
+        let gemm = [(i, h), (h, i), (q, h), (h, q)]
+            .into_iter()
+            .map(|(n, k)| candle_offload::ops::prefill_gemm_bytes(seq_len, n, k))
+            .max()
+            .unwrap_or(0);
+        mmq.max(gemm)
     }
 
     /// Model FLOPs of one training step per token at `seq_len` (forward and backward, no

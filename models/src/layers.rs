@@ -575,7 +575,8 @@ pub enum Linear {
 }
 
 impl Linear {
-    /// `xs · wᵀ + b`; a quantized weight computes in F32 and returns `xs`'s dtype. A dense
+    /// `xs · wᵀ + b`; a quantized weight computes in F32 and returns `xs`'s dtype (a prompt's
+    /// rows on a GPU: in F16 through cuBLAS, [`candle_offload::ops::qlinear_prefill`]). A dense
     /// F16/BF16 weight against at most [`candle_offload::cpu_dense::MAX_ROWS`] rows on the CPU
     /// (a decode step) goes through [`candle_offload::cpu_dense::forward`] (F32 accumulation,
     /// each weight read once, on every core); anything else (F32 weights too) through Candle's
@@ -593,6 +594,17 @@ impl Linear {
                 }
             },
             Self::Quantized { weight, bias } => {
+                // A prompt's rows on a GPU: F16 weights and cuBLAS (see qlinear_prefill).
+                let gemm = match weight {
+                    QMatMul::QTensor(q) => candle_offload::ops::qlinear_prefill(xs, q)?,
+                    _ => None,
+                };
+                if let Some(y) = gemm {
+                    return match bias {
+                        Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
+                        None => Ok(y),
+                    };
+                }
                 let x32 = xs.to_dtype(DType::F32)?;
                 // Q4_1 and Q8_0 on the CPU: the library's SIMD matmul; otherwise Candle's.
                 let fast = match weight {

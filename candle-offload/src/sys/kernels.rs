@@ -1394,3 +1394,69 @@ pub(crate) fn qlinear_small(
     };
     Ok((storage(slice), yq.map(storage)))
 }
+
+/// Rows `r0 .. r0 + rows` of the GGML weight `w` (rows of k elements, a type
+/// [`crate::ops::qlinear_small_type`] names) as F16, row-major, for
+/// [`crate::ops::qlinear_prefill`]: `dequant_f16_<type>` in kernels/ops.cu, on the device's
+/// stream.
+pub(crate) fn dequantize_rows_f16(
+    w: &candle_core::quantized::QTensor,
+    r0: usize,
+    rows: usize,
+) -> Result<CudaStorage> {
+    let what = "dequantize_rows_f16";
+    let (n, k) = w.shape().dims2()?;
+    let ggml = w.dtype();
+    let Some(qname) = crate::ops::qlinear_small_type(ggml) else {
+        candle_core::bail!("{what}: no kernel for {ggml:?}");
+    };
+    let block = ggml.block_size();
+    if !k.is_multiple_of(block) || r0 + rows > n || rows == 0 {
+        candle_core::bail!(
+            "{what}: rows {r0}..{} of a {n}x{k} {ggml:?} weight",
+            r0 + rows
+        );
+    }
+    let row_bytes = k / block * ggml.type_size();
+    let candle_core::Device::Cuda(dev) = w.device() else {
+        candle_core::bail!("{what}: the weight is not on a GPU");
+    };
+    let func = cached_func(
+        &dev,
+        MODULE,
+        ptx::OPS,
+        &format!("dequant_f16_{qname}"),
+        None,
+    )?;
+    let groups = to_u32(rows * k / 32, "runs of 32")?;
+    let stream = dev.cuda_stream();
+    // The guard orders the stream after the weight's upload and records this read on drop.
+    let (p, guard) = w.device_ptr_with_guard(&stream)?;
+    let first = p as u64 + (r0 * row_bytes) as u64;
+    // SAFETY: uninitialised device memory of rows·k elements on the device's stream; the kernel
+    // launched next writes every one (thread g of the grid below, which covers all
+    // rows·k / 32 runs, writes elements 32g .. 32g + 32).
+    let out = unsafe { dev.alloc::<half::f16>(rows * k) }?;
+    let mut b = stream.launch_builder(&func);
+    b.arg(&first);
+    b.arg(&out);
+    b.arg(&groups);
+    let cfg = LaunchConfig {
+        grid_dim: (groups.div_ceil(ELEMWISE_BLOCK), 1, 1),
+        block_dim: (ELEMWISE_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match `dequant_f16_<type>(const uint8_t* w, __half* out, uint32_t
+    // groups)` in kernels/ops.cu. `first` points at row r0 of the weight's buffer (rows are
+    // k / block_size blocks back to back, r0 + rows <= n), and the kernel reads the blocks of
+    // rows r0 .. r0 + rows only: thread g reads the block holding run g (a 32-element block, or
+    // the 144- or 210-byte super-block of 256 for Q4_K and Q6_K, in 2-byte and byte loads).
+    // out holds rows·k elements and is 16-byte aligned (the allocator's granularity) for the
+    // kernel's 16-byte stores.
+    unsafe { b.launch(cfg) }.w()?;
+    drop(guard);
+    Ok(CudaStorage {
+        slice: candle_core::cuda_backend::CudaStorageSlice::F16(out),
+        device: dev.clone(),
+    })
+}
