@@ -2067,10 +2067,27 @@ pub fn prefill_gemm() -> bool {
     }) == 2
 }
 
-/// The fewest rows of x that [`qlinear_prefill`] takes: below this Candle's quantized matmul
-/// keeps them (its MMQ kernels read the blocks once for a few rows; a GEMM over F16 weights
-/// writes and reads every weight twice more).
-pub const PREFILL_GEMM_MIN_ROWS: usize = 32;
+/// The fewest rows of x that [`qlinear_prefill`] takes for blocks of 32 (Q4_0 to Q8_0): below
+/// this Candle's quantized matmul keeps them. Its MMQ kernels read the blocks once whatever the
+/// rows; the GEMM first writes every weight in F16 and reads it back, a cost per prompt that
+/// only a long prompt's faster GEMM pays back. Measured on an H200, a resident 7B Q4_0: the
+/// prompt of 64 took 14.7 ms through MMQ and 22.1 through the GEMM, that of 512 64.4 and 46.0,
+/// level at about 190 rows (BENCHMARKS.md, stop 42).
+pub const PREFILL_GEMM_MIN_ROWS: usize = 192;
+
+/// [`PREFILL_GEMM_MIN_ROWS`] for Q4_K and Q6_K, whose MMQ tiles cost more per row: a resident
+/// 7B Q4_K_M took 15.9 ms (MMQ) and 18.3 (GEMM) for 64 rows, 71.5 and 43.9 for 512, level at
+/// about 100.
+pub const PREFILL_GEMM_MIN_ROWS_K: usize = 96;
+
+/// The fewest rows of x that [`qlinear_prefill`] takes for weights of `t`.
+pub fn prefill_gemm_min_rows(t: GgmlDType) -> usize {
+    if is_qlinear_k_type(t) {
+        PREFILL_GEMM_MIN_ROWS_K
+    } else {
+        PREFILL_GEMM_MIN_ROWS
+    }
+}
 
 /// The most bytes of F16 weight [`qlinear_prefill`] dequantizes at once: a larger weight goes
 /// in slices of whole rows, each multiplied before the next is written, so that a prompt's
@@ -2079,9 +2096,10 @@ pub const PREFILL_GEMM_SLICE_BYTES: usize = 32 << 20;
 
 /// The device bytes [`qlinear_prefill`] holds at once beside x and its output, for `rows` rows
 /// of x against a weight of `n` output columns and width `k`: one F16 slice of the weight, x in
-/// F16, the F16 output and one slice's part of it. Zero where it would not run (too few rows).
+/// F16, the F16 output and one slice's part of it. Zero where it would not run for any block
+/// type (fewer than [`PREFILL_GEMM_MIN_ROWS_K`] rows).
 pub fn prefill_gemm_bytes(rows: usize, n: usize, k: usize) -> u64 {
-    if rows < PREFILL_GEMM_MIN_ROWS {
+    if rows < PREFILL_GEMM_MIN_ROWS_K {
         return 0;
     }
     let slice_rows = prefill_slice_rows(n, k);
@@ -2097,18 +2115,20 @@ fn prefill_slice_rows(n: usize, k: usize) -> usize {
 
 /// `x · wᵀ` for a prompt's rows on a GPU: w's blocks dequantized to F16 a slice of rows at a
 /// time and multiplied by x in F16 through cuBLAS (F32 accumulation), returned in x's dtype.
-/// `None` where it does not apply: off ([`prefill_gemm`]), not on a CUDA device, fewer than
-/// [`PREFILL_GEMM_MIN_ROWS`] rows, or a weight that is not 2-D.
+/// `None` where it does not apply: off ([`prefill_gemm`]), not on a CUDA device, fewer rows
+/// than [`prefill_gemm_min_rows`], or a block type without the dequantizing kernel (Candle's
+/// quantized matmul keeps those).
 ///
-/// Candle's quantized matmul quantizes x to 8 bits and runs integer tiles (MMQ); on a GPU with
-/// fast F16 tensor cores the dense GEMM is several times faster for a prompt, and x keeps its
-/// precision.
+/// Candle's quantized matmul quantizes x to 8 bits and runs integer tiles (MMQ). For a long
+/// prompt the F16 GEMM on tensor cores is faster, even with the weight written out in F16
+/// first, and x keeps its precision: a resident 7B's prompt of 512 went from 64.4 to 46.0 ms
+/// (Q4_0) and from 71.5 to 43.9 ms (Q4_K_M) on an H200.
 pub fn qlinear_prefill(x: &Tensor, w: &QTensor) -> Result<Option<Tensor>> {
     let k = x.dim(D::Minus1)?;
     let rows = x.elem_count() / k.max(1);
     let applies = prefill_gemm()
         && x.device().is_cuda()
-        && rows >= PREFILL_GEMM_MIN_ROWS
+        && rows >= prefill_gemm_min_rows(w.dtype())
         && qlinear_small_type(w.dtype()).is_some()
         && w.shape().rank() == 2;
     if !applies {

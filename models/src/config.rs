@@ -433,7 +433,7 @@ impl Config {
     /// projection an F32 copy of the input and an F32 output. Measured: a 7B Q8_0 model with a
     /// 512-token prompt at 4 GiB went 42 MiB over its budget without it.
     ///
-    /// From [`candle_offload::ops::PREFILL_GEMM_MIN_ROWS`] rows on, a prompt's projections
+    /// From [`candle_offload::ops::prefill_gemm_min_rows`] rows on, a prompt's projections
     /// go through F16 weights and cuBLAS instead ([`candle_offload::ops::qlinear_prefill`],
     /// [`candle_offload::ops::prefill_gemm_bytes`] for the widest); block types without that
     /// kernel still take Candle's, so this is the larger of the two.
