@@ -672,6 +672,7 @@ fn main() -> Result<()> {
                 "cpu_q8_activations": args.q8_activations,
                 "cpu_kquants": candle_offload::cpu_quant::kquants(),
                 "weight_pool_env": std::env::var("CANDLE_OFFLOAD_WEIGHT_POOL").ok(),
+                "prefill_gemm": candle_offload::ops::prefill_gemm(),
                 // The variant forced for every block type, or "default" (each type's own).
                 "qlinear_variant": candle_offload::ops::qlinear_variant().map_or("default", |v| v.name()),
                 // The K-quant kernel's switch (Q4_K, Q6_K; on unless CANDLE_OFFLOAD_QLINEAR_K=0).
