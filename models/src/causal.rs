@@ -972,7 +972,12 @@ impl CausalLm {
             && store.ggml_tensor_count() > 0
             && candle_offload::diag::has_long_lived_pool(device).unwrap_or(false)
         {
-            reserve = reserve.saturating_sub(QUANTIZED_DECODE_WORKSPACE_SAVING);
+            // What the separate pool saves grows with the prompt's activations that no longer
+            // fragment it (see the constant): a quarter of the longest prompt's share.
+            let prompt = Self::reserve_bytes(cfg, store, device, max_len, max_len, dtype);
+            let saving =
+                (prompt.saturating_sub(reserve) / 4).min(QUANTIZED_DECODE_WORKSPACE_SAVING);
+            reserve = reserve.saturating_sub(saving);
         }
         let kv_all = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
         (
@@ -1973,9 +1978,14 @@ const GRAPH_REPLAY_FRACTION: f64 = 0.6;
 /// used, which the separate pool is for. A prompt keeps the whole allowance: the share that
 /// goes to weights while decoding ([`CausalLm::reserve_by_phase`]) takes this too.
 ///
-/// Only a stage behind host layers plans with it (`host_stage_reserve`), where it was measured
-/// within the budget (7B Q4_K_M at 4 GiB, prompt 512: one host layer and the head, peak 4072
-/// MiB). Whether a model fits whole, or keeps its embeddings on the host, is still decided
+/// Only a stage behind host layers plans with it (`host_stage_reserve`), and there at most a
+/// quarter of what the longest prompt reserves beyond a decode step: the fragmentation the
+/// separate pool avoids comes from the prompt's activations, so a short prompt saves little.
+/// Measured on the H200: 7B Q4_K_M at 4 GiB, prompt 512 (a share of 466 MiB, one host layer and
+/// the head) peaked at 4072 MiB with the whole 128 saved; 13B Q8_0 at 12 GiB, prompt 64 (a share
+/// of 161 MiB, 3 host layers, graphs) went over its budget with it, 12348 MiB (stop 42: 109 MiB
+/// held unused in the pools and 92 outside them while decoding, against 150 of the reservation
+/// beside its KV cache). Whether a model fits whole, or keeps its embeddings on the host, is still decided
 /// with the whole allowance: with it a resident 7B Q4_K_M took its embedding table onto the
 /// GPU and peaked at 4104 MiB, over its 4 GiB (prompt 64: 104 MiB outside the pools and 43
 /// MiB held unused).
