@@ -1126,12 +1126,12 @@ test_device!(
     ops_qlinear_small_gpu
 );
 
-/// `qlinear_prefill` (a prompt's rows through F16 weights and cuBLAS): on the CPU, and below
-/// its type's `prefill_gemm_min_rows`, it declines. On a GPU, for every block type it has a
-/// kernel for:
+/// `qlinear_prefill` (a prompt's rows through dequantized weights and cuBLAS): on the CPU,
+/// and below its type's `prefill_gemm_min_rows`, it declines. On a GPU, for every block type it
+/// has a kernel for:
 /// - x the identity (k rows) gives the weight's dequantized elements themselves, each within
-///   F16's rounding (1e-3 relative) of Candle's dequantization: a wrong nibble, high bit,
-///   scale or min anywhere fails;
+///   F16's rounding (1e-3 relative; F16 x) or BF16's (4e-3; BF16 x) of Candle's
+///   dequantization: a wrong nibble, high bit, scale or min anywhere fails;
 /// - random x of 192 and 2x100 rows, in each dtype, within 1e-2 of x times the dequantized
 ///   weight in F32;
 /// - weights of 37 and 300 rows, and (Q4_0) one of 4200 rows of 4096, over
@@ -1172,18 +1172,21 @@ fn qlinear_prefill_matches_dequantized(device: &Device) -> anyhow::Result<()> {
             )?;
             let w = QTensor::quantize_onto(&w, qtype, device)?;
             let want = w.dequantize(&Device::Cpu)?;
-            // The identity: y's column c is row c of the weight.
-            let eye = Tensor::eye(k, DType::F32, device)?;
-            let got = ops::qlinear_prefill(&eye, &w)?.expect("runs on the GPU");
-            let got = got.t()?.to_device(&Device::Cpu)?;
-            let err = ((&got - &want)?.abs()? - (want.abs()? * 1e-3)?)?
-                .flatten_all()?
-                .max(0)?
-                .to_scalar::<f32>()?;
-            anyhow::ensure!(
-                err <= 1e-6,
-                "{what}: an element off by {err:e} past F16's rounding"
-            );
+            // The identity: y's column c is row c of the weight, in the GEMM's dtype (F16 for
+            // F16 x, BF16 otherwise), each element within its rounding.
+            for (eye_dtype, tol) in [(DType::F16, 1e-3), (DType::BF16, 4e-3)] {
+                let eye = Tensor::eye(k, eye_dtype, device)?;
+                let got = ops::qlinear_prefill(&eye, &w)?.expect("runs on the GPU");
+                let got = got.t()?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+                let err = ((&got - &want)?.abs()? - (want.abs()? * tol)?)?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f32>()?;
+                anyhow::ensure!(
+                    err <= 1e-6,
+                    "{what} {eye_dtype:?}: an element off by {err:e} past its rounding"
+                );
+            }
             for dtype in DTYPES {
                 for xs in [&[ops::PREFILL_GEMM_MIN_ROWS, k][..], &[2, 100, k]] {
                     let x = random(xs, 1.0, seed + 1, dtype, device)?;

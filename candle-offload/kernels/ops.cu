@@ -2268,9 +2268,9 @@ OPS_FOR(float, f32)
 OPS_FOR(__half, f16)
 OPS_FOR(__nv_bfloat16, bf16)
 
-// dequant_f16_<q>: consecutive rows of a weight of GGML blocks to F16, in element order (GGML's
-// dequantize_row_* for each type: scale times quant, less the min, in f32, rounded once), for a
-// prompt's GEMM (ops::qlinear_prefill). `w` points at the first row's first block and the rows
+// dequant_{f16,bf16}_<q>: consecutive rows of a weight of GGML blocks to F16 or BF16, in element
+// order (GGML's dequantize_row_* for each type: scale times quant, less the min, in f32, rounded
+// once), for a prompt's GEMM (ops::qlinear_prefill). `w` points at the first row's first block and the rows
 // are back to back, so the slice is `groups` runs of 32 elements; thread g writes run g with
 // four 16-byte stores (out 16-byte aligned).
 template <int QT> __device__ __forceinline__ void dequant_run(const uint8_t *w, uint32_t g,
@@ -2313,26 +2313,30 @@ __device__ __forceinline__ void dequant_run_q6k(const uint8_t *w, uint32_t g, fl
         o[l] = d * (float)sc[l / 16] * (float)q;
     }
 }
-__device__ __forceinline__ void store_run(__half *out, const float *o) {
+template <typename T> __device__ __forceinline__ void store_run(T *out, const float *o) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) st8<__half>(out + 8 * i, o + 8 * i);
+    for (int i = 0; i < 4; ++i) st8<T>(out + 8 * i, o + 8 * i);
 }
-#define DEQUANT_F16(QNAME, RUN)                                                                 \
-    extern "C" __global__ void dequant_f16_##QNAME(const uint8_t *w, __half *out,              \
-                                                   uint32_t groups) {                           \
+// dequant_<f16|bf16>_<q>: the output in F16 or BF16 (the GEMM's dtype).
+#define DEQUANT_ONE(T, SUFFIX, QNAME, RUN)                                                      \
+    extern "C" __global__ void dequant_##SUFFIX##_##QNAME(const uint8_t *w, T *out,            \
+                                                          uint32_t groups) {                    \
         const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;                               \
         if (g >= groups) return;                                                                \
         float o[32];                                                                            \
         RUN(w, g, o);                                                                           \
-        store_run(out + (size_t)g * 32u, o);                                                    \
+        store_run<T>(out + (size_t)g * 32u, o);                                                 \
     }
-DEQUANT_F16(q4_0, dequant_run<QT_Q4_0>)
-DEQUANT_F16(q4_1, dequant_run<QT_Q4_1>)
-DEQUANT_F16(q5_0, dequant_run<QT_Q5_0>)
-DEQUANT_F16(q5_1, dequant_run<QT_Q5_1>)
-DEQUANT_F16(q8_0, dequant_run<QT_Q8_0>)
-DEQUANT_F16(q4_k, dequant_run_q4k)
-DEQUANT_F16(q6_k, dequant_run_q6k)
+#define DEQUANT_FOR(T, SUFFIX)                                                                  \
+    DEQUANT_ONE(T, SUFFIX, q4_0, dequant_run<QT_Q4_0>)                                          \
+    DEQUANT_ONE(T, SUFFIX, q4_1, dequant_run<QT_Q4_1>)                                          \
+    DEQUANT_ONE(T, SUFFIX, q5_0, dequant_run<QT_Q5_0>)                                          \
+    DEQUANT_ONE(T, SUFFIX, q5_1, dequant_run<QT_Q5_1>)                                          \
+    DEQUANT_ONE(T, SUFFIX, q8_0, dequant_run<QT_Q8_0>)                                          \
+    DEQUANT_ONE(T, SUFFIX, q4_k, dequant_run_q4k)                                               \
+    DEQUANT_ONE(T, SUFFIX, q6_k, dequant_run_q6k)
+DEQUANT_FOR(__half, f16)
+DEQUANT_FOR(__nv_bfloat16, bf16)
 
 // An empty kernel whose only effect is its launch: a profiler's list of kernels (ncu, in
 // launch order) shows it where a program marks a boundary (diag::profile_mark), the phase in

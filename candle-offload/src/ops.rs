@@ -2054,9 +2054,9 @@ pub fn set_prefill_gemm(on: bool) {
     PREFILL_GEMM.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Whether [`qlinear_prefill`] multiplies a prompt's rows through F16 weights and cuBLAS: on
-/// unless [`set_prefill_gemm`] or [`PREFILL_GEMM_ENV`] (read once) turns it off; off, Candle's
-/// quantized matmul (its MMQ kernels on 8-bit x) takes them.
+/// Whether [`qlinear_prefill`] multiplies a prompt's rows through dequantized weights and
+/// cuBLAS: on unless [`set_prefill_gemm`] or [`PREFILL_GEMM_ENV`] (read once) turns it off;
+/// off, Candle's quantized matmul (its MMQ kernels on 8-bit x) takes them.
 pub fn prefill_gemm() -> bool {
     switch_code(&PREFILL_GEMM, || {
         if crate::settings::env_turns_off(PREFILL_GEMM_ENV) {
@@ -2095,9 +2095,9 @@ pub fn prefill_gemm_min_rows(t: GgmlDType) -> usize {
 pub const PREFILL_GEMM_SLICE_BYTES: usize = 32 << 20;
 
 /// The device bytes [`qlinear_prefill`] holds at once beside x and its output, for `rows` rows
-/// of x against a weight of `n` output columns and width `k`: one F16 slice of the weight, x in
-/// F16, the F16 output and one slice's part of it. Zero where it would not run for any block
-/// type (fewer than [`PREFILL_GEMM_MIN_ROWS_K`] rows).
+/// of x against a weight of `n` output columns and width `k`: one 16-bit slice of the weight, x
+/// in 16 bits, the 16-bit output and one slice's part of it. Zero where it would not run for
+/// any block type (fewer than [`PREFILL_GEMM_MIN_ROWS_K`] rows).
 pub fn prefill_gemm_bytes(rows: usize, n: usize, k: usize) -> u64 {
     if rows < PREFILL_GEMM_MIN_ROWS_K {
         return 0;
@@ -2113,8 +2113,10 @@ fn prefill_slice_rows(n: usize, k: usize) -> usize {
     fit.max(64).min(n)
 }
 
-/// `x · wᵀ` for a prompt's rows on a GPU: w's blocks dequantized to F16 a slice of rows at a
-/// time and multiplied by x in F16 through cuBLAS (F32 accumulation), returned in x's dtype.
+/// `x · wᵀ` for a prompt's rows on a GPU: w's blocks dequantized a slice of rows at a time and
+/// multiplied by x through cuBLAS (F32 accumulation), returned in x's dtype. Both in F16 for F16
+/// x; in BF16 for BF16 and F32 x, whose values may exceed F16's range (a model run in F32 for
+/// that reason keeps it).
 /// `None` where it does not apply: off ([`prefill_gemm`]), not on a CUDA device, fewer rows
 /// than [`prefill_gemm_min_rows`], or a block type without the dequantizing kernel (Candle's
 /// quantized matmul keeps those).
@@ -2139,16 +2141,21 @@ pub fn qlinear_prefill(x: &Tensor, w: &QTensor) -> Result<Option<Tensor>> {
         candle_core::bail!("qlinear_prefill: x is {k} wide, the weight {wk}");
     }
     let _span = tracing::trace_span!("qlinear_prefill", rows, n, k).entered();
-    let x16 = x.reshape((rows, k))?.to_dtype(DType::F16)?;
+    let dtype = if x.dtype() == DType::F16 {
+        DType::F16
+    } else {
+        DType::BF16
+    };
+    let xg = x.reshape((rows, k))?.to_dtype(dtype)?;
     let slice_rows = prefill_slice_rows(n, k);
     let y = if slice_rows >= n {
-        x16.matmul(&dequantize_rows_f16(w, 0, n)?.t()?)?
+        xg.matmul(&dequantize_rows(w, 0, n, dtype)?.t()?)?
     } else {
-        let y = Tensor::zeros((rows, n), DType::F16, x.device())?;
+        let y = Tensor::zeros((rows, n), dtype, x.device())?;
         let mut r0 = 0;
         while r0 < n {
             let r = slice_rows.min(n - r0);
-            let part = x16.matmul(&dequantize_rows_f16(w, r0, r)?.t()?)?;
+            let part = xg.matmul(&dequantize_rows(w, r0, r, dtype)?.t()?)?;
             y.slice_set(&part, 1, r0)?;
             r0 += r;
         }
@@ -2159,11 +2166,11 @@ pub fn qlinear_prefill(x: &Tensor, w: &QTensor) -> Result<Option<Tensor>> {
     Ok(Some(y.to_dtype(x.dtype())?.reshape(out)?))
 }
 
-/// Rows `r0 .. r0 + rows` of `w` as an F16 tensor (rows, k), on w's GPU.
+/// Rows `r0 .. r0 + rows` of `w` as a `dtype` (F16 or BF16) tensor (rows, k), on w's GPU.
 #[cfg(feature = "cuda")]
-fn dequantize_rows_f16(w: &QTensor, r0: usize, rows: usize) -> Result<Tensor> {
+fn dequantize_rows(w: &QTensor, r0: usize, rows: usize, dtype: DType) -> Result<Tensor> {
     let k = w.shape().dims2()?.1;
-    let s = crate::sys::kernels::dequantize_rows_f16(w, r0, rows)?;
+    let s = crate::sys::kernels::dequantize_rows(w, r0, rows, dtype)?;
     Ok(Tensor::from_storage(
         candle_core::Storage::Cuda(s),
         (rows, k),
@@ -2173,7 +2180,7 @@ fn dequantize_rows_f16(w: &QTensor, r0: usize, rows: usize) -> Result<Tensor> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn dequantize_rows_f16(_w: &QTensor, _r0: usize, _rows: usize) -> Result<Tensor> {
+fn dequantize_rows(_w: &QTensor, _r0: usize, _rows: usize, _dtype: DType) -> Result<Tensor> {
     candle_core::bail!("qlinear_prefill: needs a build with `--features cuda`")
 }
 

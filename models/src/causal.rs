@@ -1985,8 +1985,10 @@ const GRAPH_REPLAY_FRACTION: f64 = 0.6;
 /// the head) peaked at 4072 MiB with the whole 128 saved; 13B Q8_0 at 12 GiB, prompt 64 (a share
 /// of 161 MiB, 3 host layers, graphs) went over its budget with it, 12348 MiB (stop 42: 109 MiB
 /// held unused in the pools and 92 outside them while decoding, against 150 of the reservation
-/// beside its KV cache). Whether a model fits whole, or keeps its embeddings on the host, is still decided
-/// with the whole allowance: with it a resident 7B Q4_K_M took its embedding table onto the
+/// beside its KV cache).
+///
+/// Whether a model fits whole, or keeps its embeddings on the host, is still decided with the
+/// whole allowance: with it a resident 7B Q4_K_M took its embedding table onto the
 /// GPU and peaked at 4104 MiB, over its 4 GiB (prompt 64: 104 MiB outside the pools and 43
 /// MiB held unused).
 const QUANTIZED_DECODE_WORKSPACE_SAVING: u64 = 128 << 20;

@@ -576,7 +576,7 @@ pub enum Linear {
 
 impl Linear {
     /// `xs · wᵀ + b`; a quantized weight computes in F32 and returns `xs`'s dtype (a prompt's
-    /// rows on a GPU: in F16 through cuBLAS, [`candle_offload::ops::qlinear_prefill`]). A dense
+    /// rows on a GPU: in 16 bits through cuBLAS, [`candle_offload::ops::qlinear_prefill`]). A dense
     /// F16/BF16 weight against at most [`candle_offload::cpu_dense::MAX_ROWS`] rows on the CPU
     /// (a decode step) goes through [`candle_offload::cpu_dense::forward`] (F32 accumulation,
     /// each weight read once, on every core); anything else (F32 weights too) through Candle's
@@ -594,7 +594,7 @@ impl Linear {
                 }
             },
             Self::Quantized { weight, bias } => {
-                // A prompt's rows on a GPU: F16 weights and cuBLAS (see qlinear_prefill).
+                // A prompt's rows on a GPU: 16-bit weights and cuBLAS (see qlinear_prefill).
                 let gemm = match weight {
                     QMatMul::QTensor(q) => candle_offload::ops::qlinear_prefill(xs, q)?,
                     _ => None,

@@ -1396,15 +1396,16 @@ pub(crate) fn qlinear_small(
 }
 
 /// Rows `r0 .. r0 + rows` of the GGML weight `w` (rows of k elements, a type
-/// [`crate::ops::qlinear_small_type`] names) as F16, row-major, for
-/// [`crate::ops::qlinear_prefill`]: `dequant_f16_<type>` in kernels/ops.cu, on the device's
-/// stream.
-pub(crate) fn dequantize_rows_f16(
+/// [`crate::ops::qlinear_small_type`] names) in `dtype` (F16 or BF16), row-major, for
+/// [`crate::ops::qlinear_prefill`]: `dequant_{f16,bf16}_<type>` in kernels/ops.cu, on the
+/// device's stream.
+pub(crate) fn dequantize_rows(
     w: &candle_core::quantized::QTensor,
     r0: usize,
     rows: usize,
+    dtype: DType,
 ) -> Result<CudaStorage> {
-    let what = "dequantize_rows_f16";
+    let what = "dequantize_rows";
     let (n, k) = w.shape().dims2()?;
     let ggml = w.dtype();
     let Some(qname) = crate::ops::qlinear_small_type(ggml) else {
@@ -1421,11 +1422,16 @@ pub(crate) fn dequantize_rows_f16(
     let candle_core::Device::Cuda(dev) = w.device() else {
         candle_core::bail!("{what}: the weight is not on a GPU");
     };
+    let out_name = match dtype {
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        _ => candle_core::bail!("{what}: no kernel writes {dtype:?}"),
+    };
     let func = cached_func(
         &dev,
         MODULE,
         ptx::OPS,
-        &format!("dequant_f16_{qname}"),
+        &format!("dequant_{out_name}_{qname}"),
         None,
     )?;
     let groups = to_u32(rows * k / 32, "runs of 32")?;
@@ -1433,21 +1439,32 @@ pub(crate) fn dequantize_rows_f16(
     // The guard orders the stream after the weight's upload and records this read on drop.
     let (p, guard) = w.device_ptr_with_guard(&stream)?;
     let first = p as u64 + (r0 * row_bytes) as u64;
-    // SAFETY: uninitialised device memory of rows·k elements on the device's stream; the kernel
-    // launched next writes every one (thread g of the grid below, which covers all
-    // rows·k / 32 runs, writes elements 32g .. 32g + 32).
-    let out = unsafe { dev.alloc::<half::f16>(rows * k) }?;
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    // Uninitialised device memory of rows·k elements on the device's stream; the kernel
+    // launched next writes every one (thread g of the grid below, which covers all rows·k / 32
+    // runs, writes elements 32g .. 32g + 32).
+    let out = if dtype == DType::F16 {
+        // SAFETY: written whole by the launch below (see above).
+        S::F16(unsafe { dev.alloc::<half::f16>(rows * k) }?)
+    } else {
+        // SAFETY: written whole by the launch below (see above).
+        S::BF16(unsafe { dev.alloc::<half::bf16>(rows * k) }?)
+    };
     let mut b = stream.launch_builder(&func);
     b.arg(&first);
-    b.arg(&out);
+    match &out {
+        S::F16(o) => b.arg(o),
+        S::BF16(o) => b.arg(o),
+        _ => unreachable!("allocated F16 or BF16 above"),
+    };
     b.arg(&groups);
     let cfg = LaunchConfig {
         grid_dim: (groups.div_ceil(ELEMWISE_BLOCK), 1, 1),
         block_dim: (ELEMWISE_BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: the arguments match `dequant_f16_<type>(const uint8_t* w, __half* out, uint32_t
-    // groups)` in kernels/ops.cu. `first` points at row r0 of the weight's buffer (rows are
+    // SAFETY: the arguments match `dequant_<f16|bf16>_<type>(const uint8_t* w, T* out, uint32_t
+    // groups)` in kernels/ops.cu, T the element type allocated above. `first` points at row r0 of the weight's buffer (rows are
     // k / block_size blocks back to back, r0 + rows <= n), and the kernel reads the blocks of
     // rows r0 .. r0 + rows only: thread g reads the block holding run g (a 32-element block, or
     // the 144- or 210-byte super-block of 256 for Q4_K and Q6_K, in 2-byte and byte loads).
@@ -1456,7 +1473,7 @@ pub(crate) fn dequantize_rows_f16(
     unsafe { b.launch(cfg) }.w()?;
     drop(guard);
     Ok(CudaStorage {
-        slice: candle_core::cuda_backend::CudaStorageSlice::F16(out),
+        slice: out,
         device: dev.clone(),
     })
 }
