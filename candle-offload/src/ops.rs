@@ -2080,6 +2080,9 @@ pub const PREFILL_GEMM_MIN_ROWS: usize = 192;
 /// about 100.
 pub const PREFILL_GEMM_MIN_ROWS_K: usize = 96;
 
+// `prefill_gemm_bytes` counts from the lower of the two.
+const _: () = assert!(PREFILL_GEMM_MIN_ROWS_K <= PREFILL_GEMM_MIN_ROWS);
+
 /// The fewest rows of x that [`qlinear_prefill`] takes for weights of `t`.
 pub fn prefill_gemm_min_rows(t: GgmlDType) -> usize {
     if is_qlinear_k_type(t) {
@@ -2202,6 +2205,37 @@ pub fn qlinear_small_unfused(x: &Tensor, w: &QTensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefill_slices_bound_the_workspace() {
+        for k in [32, 256, 4096, 5120, 11008, 13824, 100_000, 1 << 20] {
+            for n in [1, 37, 64, 300, 4096, 4200, 11008, 32000] {
+                let r = prefill_slice_rows(n, k);
+                let at = format!("n {n} k {k}: {r} rows a slice");
+                assert!(r >= 1 && r <= n, "{at}");
+                assert!(r == n || r.is_multiple_of(64), "{at}");
+                // A slice fits the bound unless even 64 rows do not.
+                if 2 * 64 * k <= PREFILL_GEMM_SLICE_BYTES {
+                    assert!(2 * r * k <= PREFILL_GEMM_SLICE_BYTES, "{at}");
+                }
+                // The workspace counted covers the slice, x and the output, from the fewest
+                // rows the GEMM takes.
+                for rows in [PREFILL_GEMM_MIN_ROWS_K, 512] {
+                    let bytes = prefill_gemm_bytes(rows, n, k);
+                    assert!(bytes >= (2 * (r * k + rows * k + rows * n)) as u64, "{at}");
+                }
+                assert_eq!(prefill_gemm_bytes(PREFILL_GEMM_MIN_ROWS_K - 1, n, k), 0);
+            }
+        }
+        assert_eq!(
+            prefill_gemm_min_rows(GgmlDType::Q6K),
+            PREFILL_GEMM_MIN_ROWS_K
+        );
+        assert_eq!(
+            prefill_gemm_min_rows(GgmlDType::Q8_0),
+            PREFILL_GEMM_MIN_ROWS
+        );
+    }
 
     #[test]
     fn attention_splits_bound_each_block_and_fill_the_device_once() {
