@@ -576,53 +576,51 @@ pub enum Linear {
 
 impl Linear {
     /// `xs · wᵀ + b`; a quantized weight computes in F32 and returns `xs`'s dtype (a prompt's
-    /// rows on a GPU: in 16 bits through cuBLAS, [`candle_offload::ops::qlinear_prefill`]). A dense
-    /// F16/BF16 weight against at most [`candle_offload::cpu_dense::MAX_ROWS`] rows on the CPU
-    /// (a decode step) goes through [`candle_offload::cpu_dense::forward`] (F32 accumulation,
-    /// each weight read once, on every core); anything else (F32 weights too) through Candle's
-    /// matmul.
+    /// rows on a GPU: in 16 bits through cuBLAS, [`candle_offload::ops::qlinear_prefill`]). A
+    /// dense F16/BF16 weight against at most [`candle_offload::cpu_dense::MAX_ROWS`] rows on the
+    /// CPU (a decode step) goes through [`candle_offload::cpu_dense::forward`] (F32
+    /// accumulation, each weight read once, on every core); anything else (F32 weights too)
+    /// through Candle's matmul.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         match self {
             Self::Dense(l) => match candle_offload::cpu_dense::forward(l.weight(), xs)? {
-                Some(y) => match l.bias() {
-                    Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
-                    None => Ok(y),
-                },
+                Some(y) => with_bias(y, l.bias()),
                 None => {
                     before_candle_matmul(xs);
                     l.forward(xs)
                 }
             },
             Self::Quantized { weight, bias } => {
+                let blocks = match weight {
+                    QMatMul::QTensor(q) => Some(q),
+                    _ => None,
+                };
                 // A prompt's rows on a GPU: 16-bit weights and cuBLAS (see qlinear_prefill).
-                let gemm = match weight {
-                    QMatMul::QTensor(q) => candle_offload::ops::qlinear_prefill(xs, q)?,
-                    _ => None,
+                let gemm = match blocks {
+                    Some(q) => candle_offload::ops::qlinear_prefill(xs, q)?,
+                    None => None,
                 };
-                if let Some(y) = gemm {
-                    return match bias {
-                        Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
-                        None => Ok(y),
-                    };
-                }
-                let x32 = xs.to_dtype(DType::F32)?;
-                // Q4_1 and Q8_0 on the CPU: the library's SIMD matmul; otherwise Candle's.
-                let fast = match weight {
-                    QMatMul::QTensor(q) => candle_offload::cpu_quant::forward(q, &x32)?,
-                    _ => None,
-                };
-                let y = match fast {
+                let y = match gemm {
                     Some(y) => y,
                     None => {
-                        before_candle_matmul(&x32);
-                        weight.forward(&x32)?
+                        let x32 = xs.to_dtype(DType::F32)?;
+                        // Q4_1 and Q8_0 on the CPU: the library's SIMD matmul; otherwise
+                        // Candle's.
+                        let fast = match blocks {
+                            Some(q) => candle_offload::cpu_quant::forward(q, &x32)?,
+                            None => None,
+                        };
+                        match fast {
+                            Some(y) => y,
+                            None => {
+                                before_candle_matmul(&x32);
+                                weight.forward(&x32)?
+                            }
+                        }
+                        .to_dtype(xs.dtype())?
                     }
-                }
-                .to_dtype(xs.dtype())?;
-                match bias {
-                    Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
-                    None => Ok(y),
-                }
+                };
+                with_bias(y, bias.as_ref())
             }
         }
     }
@@ -655,10 +653,7 @@ impl Linear {
             }
             Self::Quantized { .. } => return self.forward(xs),
         };
-        match bias {
-            Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
-            None => Ok(y),
-        }
+        with_bias(y, bias)
     }
 
     /// [`forward_train`](Self::forward_train) when `train`, else [`forward`](Self::forward).
@@ -731,11 +726,19 @@ fn cpu_blocks_many(xs: &Tensor, ls: &[&Linear]) -> Result<Option<Vec<Tensor>>> {
     ys.into_iter()
         .zip(ls)
         .map(|(y, l)| match l {
-            Linear::Quantized { bias: Some(b), .. } => y.broadcast_add(&b.to_dtype(y.dtype())?),
-            _ => Ok(y),
+            Linear::Quantized { bias, .. } => with_bias(y, bias.as_ref()),
+            Linear::Dense(_) => Ok(y),
         })
         .collect::<Result<Vec<_>>>()
         .map(Some)
+}
+
+/// `y + b` broadcast over y's rows, the bias cast to y's dtype; `y` itself without a bias.
+fn with_bias(y: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    match bias {
+        Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
+        None => Ok(y),
+    }
 }
 
 /// The weights of `ls` when a decode step can multiply them in one launch: `xs` on a GPU with
