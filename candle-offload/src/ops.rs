@@ -1565,14 +1565,7 @@ pub fn set_qlinear_k(on: bool) {
 /// Candle's quantized matmul (the composition). Measured on an H200: a resident 7B Q4_K_M
 /// decodes at 170 tokens/s with it and 104 without (BENCHMARKS.md).
 pub fn qlinear_k() -> bool {
-    let code = switch_code(&QLINEAR_K, || {
-        if !crate::settings::env_turns_off(QLINEAR_K_ENV) {
-            2
-        } else {
-            1
-        }
-    });
-    code == 2
+    on_unless_env_off(&QLINEAR_K, QLINEAR_K_ENV)
 }
 
 /// The environment variable that gives the K-quant kernel two output columns per warp
@@ -1664,6 +1657,18 @@ pub(crate) fn switch_code(cell: &std::sync::atomic::AtomicU8, from_env: impl FnO
         }
         c => c,
     }
+}
+
+/// Whether a switch kept in `cell` by [`switch_code`] (1 off, 2 on) is on, where it is on
+/// unless a setter or the environment variable `var` (`0`, `off`, `false`) turns it off.
+fn on_unless_env_off(cell: &std::sync::atomic::AtomicU8, var: &str) -> bool {
+    switch_code(cell, || {
+        if crate::settings::env_turns_off(var) {
+            1
+        } else {
+            2
+        }
+    }) == 2
 }
 
 const QLINEAR_SMALL: &str = "qlinear-small";
@@ -2058,13 +2063,7 @@ pub fn set_prefill_gemm(on: bool) {
 /// cuBLAS: on unless [`set_prefill_gemm`] or [`PREFILL_GEMM_ENV`] (read once) turns it off;
 /// off, Candle's quantized matmul (its MMQ kernels on 8-bit x) takes them.
 pub fn prefill_gemm() -> bool {
-    switch_code(&PREFILL_GEMM, || {
-        if crate::settings::env_turns_off(PREFILL_GEMM_ENV) {
-            1
-        } else {
-            2
-        }
-    }) == 2
+    on_unless_env_off(&PREFILL_GEMM, PREFILL_GEMM_ENV)
 }
 
 /// The fewest rows of x that [`qlinear_prefill`] takes for blocks of 32 (Q4_0 to Q8_0): below
