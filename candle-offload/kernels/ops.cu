@@ -2270,9 +2270,9 @@ OPS_FOR(__nv_bfloat16, bf16)
 
 // dequant_{f16,bf16}_<q>: consecutive rows of a weight of GGML blocks to F16 or BF16, in element
 // order (GGML's dequantize_row_* for each type: scale times quant, less the min, in f32, rounded
-// once), for a prompt's GEMM (ops::qlinear_prefill). `w` points at the first row's first block and the rows
-// are back to back, so the slice is `groups` runs of 32 elements; thread g writes run g with
-// four 16-byte stores (out 16-byte aligned).
+// once), for a prompt's GEMM (ops::qlinear_prefill). `w` points at the first row's first block
+// and the rows are back to back, so the slice is `groups` runs of 32 elements; thread g writes
+// run g with four 16-byte stores (out 16-byte aligned).
 template <int QT> __device__ __forceinline__ void dequant_run(const uint8_t *w, uint32_t g,
                                                               float *o) {
     float q[32], d, mn;

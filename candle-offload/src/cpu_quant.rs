@@ -368,11 +368,12 @@ pub fn kquants() -> bool {
 /// Threads from which [`kquants`] is on by default. Its dot product (Candle's AVX2
 /// `vec_dot`, one weight row at a time) computes at about half the rate of Candle's repacked
 /// tiles: on the 2-core machine, 9-27 GB/s of blocks against 25-53 GB/s for matrices up to
-/// 4096 wide (`kquant_ab`, BENCHMARKS.md stop 41). It wins where host memory, not arithmetic, bounds the step: with enough
-/// threads both kernels outrun the memory, and the blocks are a quarter fewer bytes than the
-/// tiles. At about 8 G weights a second a thread against the tiles' 16 and some 55 GB/s of
-/// host memory, that is from 10 threads; measured on the H200's 16-thread host, a 7B
-/// Q4_K_M layer took 2.1-2.5 ms against 2.9-3.6 (BENCHMARKS.md, stop 41).
+/// 4096 wide (`kquant_ab`, BENCHMARKS.md stop 41). It wins where host memory, not
+/// arithmetic, bounds the step: with enough threads both kernels outrun the memory, and the
+/// blocks are a quarter fewer bytes than the tiles. At about 8 G weights a second a thread
+/// against the tiles' 16 and some 55 GB/s of host memory, that is from 10 threads; measured on
+/// the H200's 16-thread host, a 7B Q4_K_M layer took 2.1-2.5 ms against 2.9-3.6
+/// (BENCHMARKS.md, stop 41).
 pub const KQUANT_MIN_THREADS: usize = 12;
 
 /// The most activation rows of a K-quant matmul [`forward`] runs itself (decode steps of up

@@ -952,10 +952,10 @@ impl CausalLm {
         Ok(best.max(1e-9))
     }
 
-    /// The parts of a GPU stage's reservation behind host layers: [`reserve_bytes`](Self::reserve_bytes)
-    /// without its KV cache (for a decode step of GGML blocks, less
-    /// [`QUANTIZED_DECODE_WORKSPACE_SAVING`] where the GPU keeps long-lived buffers apart), and
-    /// one layer's KV cache. The stage reserves the caches of its own
+    /// The parts of a GPU stage's reservation behind host layers:
+    /// [`reserve_bytes`](Self::reserve_bytes) without its KV cache (for a decode step of GGML
+    /// blocks, less up to [`QUANTIZED_DECODE_WORKSPACE_SAVING`] where the GPU keeps long-lived
+    /// buffers apart), and one layer's KV cache. The stage reserves the caches of its own
     /// layers and of two more (a host layer's cache passing through while a prompt runs: its
     /// copy and the new buffer), at most the whole model's; the split plans with the same parts.
     fn host_stage_reserve(

@@ -434,9 +434,10 @@ impl Config {
     /// 512-token prompt at 4 GiB went 42 MiB over its budget without it.
     ///
     /// From [`candle_offload::ops::prefill_gemm_min_rows`] rows on, a prompt's projections
-    /// go through dequantized 16-bit weights and cuBLAS instead ([`candle_offload::ops::qlinear_prefill`],
-    /// [`candle_offload::ops::prefill_gemm_bytes`] for the widest); block types without that
-    /// kernel still take Candle's, so this is the larger of the two.
+    /// go through dequantized 16-bit weights and cuBLAS instead
+    /// ([`candle_offload::ops::qlinear_prefill`], [`candle_offload::ops::prefill_gemm_bytes`]
+    /// for the widest); block types without that kernel still take Candle's, so this is the
+    /// larger of the two.
     pub fn quantized_matmul_bytes(&self, seq_len: usize) -> u64 {
         let s = seq_len as u64;
         let (h, i) = (self.hidden_size, self.intermediate_size);

@@ -1464,10 +1464,11 @@ pub(crate) fn dequantize_rows(
         shared_mem_bytes: 0,
     };
     // SAFETY: the arguments match `dequant_<f16|bf16>_<type>(const uint8_t* w, T* out, uint32_t
-    // groups)` in kernels/ops.cu, T the element type allocated above. `first` points at row r0 of the weight's buffer (rows are
-    // k / block_size blocks back to back, r0 + rows <= n), and the kernel reads the blocks of
-    // rows r0 .. r0 + rows only: thread g reads the block holding run g (a 32-element block, or
-    // the 144- or 210-byte super-block of 256 for Q4_K and Q6_K, in 2-byte and byte loads).
+    // groups)` in kernels/ops.cu, T the element type allocated above. `first` points at row r0
+    // of the weight's buffer (rows are k / block_size blocks back to back, r0 + rows <= n), and
+    // the kernel reads the blocks of rows r0 .. r0 + rows only: thread g reads the block
+    // holding run g (a 32-element block, or the 144- or 210-byte super-block of 256 for Q4_K
+    // and Q6_K, in 2-byte and byte loads).
     // out holds rows·k elements and is 16-byte aligned (the allocator's granularity) for the
     // kernel's 16-byte stores.
     unsafe { b.launch(cfg) }.w()?;
