@@ -740,6 +740,77 @@ test_device!(
     ops_decode_attention_gpu
 );
 
+/// (batch, q heads, kv heads, new positions, cached positions, head_dim) of a prompt's pass: a
+/// whole prompt (new = cached), later passes over a cache (GQA, MQA, batch 2, rows that are
+/// not a multiple of the kernel's 64), one row, a 13B-shaped pass of 128 rows after 384, and a
+/// head width without a kernel (the composition everywhere).
+const PROMPT_SHAPES: [(usize, usize, usize, usize, usize, usize); 7] = [
+    (1, 4, 4, 64, 64, 64),
+    (1, 8, 2, 100, 300, 128),
+    (2, 8, 1, 65, 130, 64),
+    (1, 4, 2, 1, 9, 64),
+    (1, 2, 2, 70, 70, 128),
+    (1, 40, 40, 128, 512, 128),
+    (1, 4, 4, 17, 40, 40),
+];
+
+/// `prompt_attention` over strided cache views against two references: the composition it
+/// replaces on F32 copies on the CPU, and FlashAttention over every cached position's query
+/// (`train::flash_attention`, from position 0; on the CPU its own loop), of which the pass's
+/// rows are the last. On a GPU the kernel runs for F16 and BF16 and widths 64 and 128.
+fn prompt_attention_matches_composition(device: &Device) -> anyhow::Result<()> {
+    use candle_offload::train::flash_attention;
+    for dtype in DTYPES {
+        for (i, &(b, hq, hk, tq, kv, d)) in PROMPT_SHAPES.iter().enumerate() {
+            let what = format!("prompt_attention {:?} {dtype:?}", PROMPT_SHAPES[i]);
+            let seed = 1300 + 10 * i as u64;
+            let q_all = random(&[b, hq, kv, d], 1.5, seed, dtype, device)?;
+            let q = q_all.narrow(2, kv - tq, tq)?.contiguous()?;
+            // k and v as views of a longer preallocated cache, as the KV cache hands them out.
+            let cache = |s| -> anyhow::Result<Tensor> {
+                Ok(random(&[b, hk, kv + 9, d], 1.5, s, dtype, device)?.narrow(2, 0, kv)?)
+            };
+            let (k, v) = (cache(seed + 1)?, cache(seed + 2)?);
+            let scale = 1.0 / (d as f64).sqrt();
+            let kernel = device.is_cuda()
+                && dtype != DType::F32
+                && (d == 64 || d == 128)
+                && cfg!(feature = "cuda");
+            anyhow::ensure!(
+                ops::prompt_attention_supported(device, dtype, d) == kernel,
+                "{what}: kernel expected: {kernel}"
+            );
+            let got = ops::prompt_attention(&q, &k, &v, scale)?;
+            anyhow::ensure!(
+                got.dims() == [b, tq, hq, d],
+                "{what}: shape {:?}",
+                got.dims()
+            );
+            anyhow::ensure!(got.dtype() == dtype, "{what}: dtype {:?}", got.dtype());
+            let f32_cpu = |t: &Tensor| -> anyhow::Result<Tensor> {
+                Ok(t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?)
+            };
+            let want = ops::decode_attention_unfused(
+                &f32_cpu(&q)?,
+                &f32_cpu(&k)?,
+                &f32_cpu(&v)?,
+                scale,
+                None,
+            )?;
+            ensure_close_values(&format!("{what} vs composition"), &got, &want, dtype)?;
+            let full = flash_attention(&q_all, &k.contiguous()?, &v.contiguous()?, scale as f32)?;
+            let rows = full.narrow(2, kv - tq, tq)?.transpose(1, 2)?;
+            ensure_close_values(&format!("{what} vs flash_attention"), &got, &rows, dtype)?;
+        }
+    }
+    Ok(())
+}
+test_device!(
+    prompt_attention_matches_composition,
+    ops_prompt_attention_cpu,
+    ops_prompt_attention_gpu
+);
+
 fn linear_small_matches_composition(device: &Device) -> anyhow::Result<()> {
     // (x shape, weight rows): one row, several, the most the kernel takes, one past it (the
     // composition), a width that is not a multiple of 8 (the composition), a 7B-sized row.

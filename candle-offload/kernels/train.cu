@@ -265,6 +265,11 @@ extern "C" __global__ void adamw_multi_f32(const uint64_t *table, float lr, floa
 // (ceil(t / 64), b * h), 4 warps; a CTA owns 64 query rows (a warp 16 of them) and loops over
 // 64-key tiles up to the diagonal with an online softmax. Writes O and L = m + log l.
 //
+// prompt_attn_* runs the same forward for an inference prompt (`candle_offload::ops::
+// prompt_attention`): k and v are the tk >= t cached positions of a KV cache whose heads lie
+// kstride elements apart (rows of D contiguous); query row i sits at position tk - t + i and
+// attends to keys 0..=tk - t + i. No L.
+//
 // Backward (WMMA 16x16x16; S, P, dP and dS go through shared memory, as WMMA fragments'
 // layout is opaque): flash_attn_bwd_prep computes D = rowsum(dO * O) (f32) first; then grid
 // (ceil(t / 64), b * h), 8 warps: a CTA owns 64 keys of one query head (so of the kv head of
@@ -442,7 +447,7 @@ template <typename T, int D>
 __device__ void flash_attn_fwd_mma(const T *__restrict__ q, const T *__restrict__ k,
                                const T *__restrict__ v, T *__restrict__ o,
                                float *__restrict__ lse, uint32_t h, uint32_t hkv, uint32_t t,
-                               float scale) {
+                               uint32_t tk, size_t kstride, float scale) {
 #if __CUDA_ARCH__ >= 800
     using S = FaSmem<D>;
     constexpr int LDT = S::LDT;
@@ -462,8 +467,9 @@ __device__ void flash_attn_fwd_mma(const T *__restrict__ q, const T *__restrict_
     const uint32_t head = blockIdx.y;  // b * h + hi
     const uint32_t bi = head / h, hi = head % h;
     const uint32_t kvh = bi * hkv + hi / (h / hkv);
-    const T *kh = k + (size_t)kvh * t * D;
-    const T *vh = v + (size_t)kvh * t * D;
+    const T *kh = k + (size_t)kvh * kstride;
+    const T *vh = v + (size_t)kvh * kstride;
+    const uint32_t off = tk - t;  // query row r sits at position off + r
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, tq = lane & 3;
     // ldmatrix addressing: the row and column this lane points at within a 16x16 block.
@@ -484,17 +490,17 @@ __device__ void flash_attn_fwd_mma(const T *__restrict__ q, const T *__restrict_
     for (int j = 0; j < D / 8; ++j) oacc[j][0] = oacc[j][1] = oacc[j][2] = oacc[j][3] = 0.0f;
     float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.0f, 0.0f};
 
-    const uint32_t last = min(t, m0 + FA_BM);  // keys < last are seen by some row
+    const uint32_t last = min(tk, off + m0 + FA_BM);  // keys < last are seen by some row
     const uint32_t n_tiles = (last + FA_BN - 1) / FA_BN;
-    fa_load_tile_async<T, D, LDT>(sk_of(0), kh, 0, t);
-    fa_load_tile_async<T, D, LDT>(sv_of(0), vh, 0, t);
+    fa_load_tile_async<T, D, LDT>(sk_of(0), kh, 0, tk);
+    fa_load_tile_async<T, D, LDT>(sv_of(0), vh, 0, tk);
     fa_cp_async_commit();
     for (uint32_t kt = 0; kt < n_tiles; ++kt) {
         const uint32_t n0 = kt * FA_BN;
         if (kt + 1 < n_tiles) {
             // The other buffer was last read in tile kt - 1, before its closing barrier.
-            fa_load_tile_async<T, D, LDT>(sk_of(kt + 1), kh, n0 + FA_BN, t);
-            fa_load_tile_async<T, D, LDT>(sv_of(kt + 1), vh, n0 + FA_BN, t);
+            fa_load_tile_async<T, D, LDT>(sk_of(kt + 1), kh, n0 + FA_BN, tk);
+            fa_load_tile_async<T, D, LDT>(sv_of(kt + 1), vh, n0 + FA_BN, tk);
             fa_cp_async_commit();
             fa_cp_async_wait<1>();  // this thread's copies of tile kt have landed
         } else {
@@ -518,7 +524,7 @@ __device__ void flash_attn_fwd_mma(const T *__restrict__ q, const T *__restrict_
             }
         }
 
-        // Scale and mask (key after the row or past t), then the rows' maxima.
+        // Scale and mask (key after the row's position or past tk), then the rows' maxima.
         float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
         for (int j = 0; j < FA_BN / 8; ++j) {
@@ -526,7 +532,7 @@ __device__ void flash_attn_fwd_mma(const T *__restrict__ q, const T *__restrict_
             for (int e = 0; e < 4; ++e) {
                 const uint32_t col = n0 + j * 8 + 2 * tq + (e & 1);
                 const uint32_t row = e < 2 ? row0 : row1;
-                const float val = (col <= row && col < t) ? s[j][e] * scale : neg_inf();
+                const float val = (col <= row + off && col < tk) ? s[j][e] * scale : neg_inf();
                 s[j][e] = val;
                 mx[e >> 1] = fmaxf(mx[e >> 1], val);
             }
@@ -595,7 +601,7 @@ __device__ void flash_attn_fwd_mma(const T *__restrict__ q, const T *__restrict_
             const uint32_t packed = fa_pack2<T>(oacc[j][2 * i] * inv[i], oacc[j][2 * i + 1] * inv[i]);
             *reinterpret_cast<uint32_t *>(oh + (size_t)row * D + j * 8 + 2 * tq) = packed;
         }
-        if (tq == 0) lse[(size_t)head * t + row] = m_run[i] + logf(l_run[i]);
+        if (lse != nullptr && tq == 0) lse[(size_t)head * t + row] = m_run[i] + logf(l_run[i]);
     }
 #else
     __trap();
@@ -1332,7 +1338,13 @@ __device__ void flash_attn_bwd_f32(const float *__restrict__ q, const float *__r
     extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * 32)                             \
         flash_attn_fwd_d##D##_##SUFFIX(const T *q, const T *k, const T *v, T *o, float *lse,    \
                                        uint32_t h, uint32_t hkv, uint32_t t, float scale) {     \
-        flash_attn_fwd_mma<T, D>(q, k, v, o, lse, h, hkv, t, scale);                            \
+        flash_attn_fwd_mma<T, D>(q, k, v, o, lse, h, hkv, t, t, (size_t)t * D, scale);          \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * 32)                             \
+        prompt_attn_d##D##_##SUFFIX(const T *q, const T *k, const T *v, T *o, uint32_t h,       \
+                                    uint32_t hkv, uint32_t t, uint32_t tk, uint64_t kstride,    \
+                                    float scale) {                                              \
+        flash_attn_fwd_mma<T, D>(q, k, v, o, nullptr, h, hkv, t, tk, kstride, scale);           \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * 32)                             \
         flash_attn_fwd_wmma_d##D##_##SUFFIX(const T *q, const T *k, const T *v, T *o,           \

@@ -432,9 +432,10 @@ impl CausalLm {
     }
 
     /// The device bytes [`from_store`](Self::from_store) reserves beside the weights on
-    /// `device`: [`Config::reserve_bytes`], plus Candle's quantized-matmul workspaces
-    /// ([`Config::quantized_matmul_bytes`]) on a GPU when `store` holds GGML blocks. A budget
-    /// meant to hold some units computes from this.
+    /// `device`: [`Config::reserve_bytes`] (without the composition's attention buffers where
+    /// every layer's prompt attention runs as one kernel: [`Config::reserve_bytes_with`]),
+    /// plus Candle's quantized-matmul workspaces ([`Config::quantized_matmul_bytes`]) on a GPU
+    /// when `store` holds GGML blocks. A budget meant to hold some units computes from this.
     pub fn reserve_bytes(
         cfg: &Config,
         store: &candle_offload::HostStore,
@@ -443,7 +444,9 @@ impl CausalLm {
         max_len: usize,
         dtype: DType,
     ) -> u64 {
-        let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
+        let kernel = cfg.family.plain_attention(cfg)
+            && candle_offload::ops::prompt_attention_supported(device, dtype, cfg.head_dim);
+        let reserve = cfg.reserve_bytes_with(prompt_len, max_len, dtype, kernel);
         if device.is_cuda() && store.ggml_tensor_count() > 0 {
             reserve + cfg.quantized_matmul_bytes(prompt_len)
         } else {
@@ -1625,7 +1628,11 @@ impl CausalLm {
         if seq_len <= rows || (!pads.is_empty() && pads.len() != batch) {
             return self.forward_pass(input_ids, index_pos, pads, cache);
         }
-        // A near fit: passes of `rows` positions, each within the reservation.
+        // A near fit: passes of at most `rows` positions, each within the reservation, of
+        // even length (512 in passes of at most 170: four of 128, not three of 170 and one of
+        // 2), so that each is as long as the fewest passes allow (the prompt GEMM of
+        // `candle_offload::ops::qlinear_prefill` starts at a row count).
+        let rows = seq_len.div_ceil(seq_len.div_ceil(rows));
         let first = pads
             .iter()
             .map(|&p| (p + 1).saturating_sub(index_pos))

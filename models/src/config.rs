@@ -401,13 +401,32 @@ impl Config {
     /// Measured on a 7B model with a 512-token prompt, 128 MiB of slack and no fragmentation
     /// allowance were 22-86 MiB short; this estimate is sized from that measurement.
     pub fn reserve_bytes(&self, seq_len: usize, max_len: usize, dtype: candle_core::DType) -> u64 {
+        self.reserve_bytes_with(seq_len, max_len, dtype, false)
+    }
+
+    /// [`reserve_bytes`](Self::reserve_bytes), where with `attention_kernel` a pass's attention
+    /// runs as one kernel ([`candle_offload::ops::prompt_attention`] on a GPU): then it holds
+    /// no F32 copies of q, k and v and no score matrix, only the rotated queries and the
+    /// output (twice: as the kernel writes it and as the output projection reads it) in
+    /// `dtype`.
+    pub fn reserve_bytes_with(
+        &self,
+        seq_len: usize,
+        max_len: usize,
+        dtype: candle_core::DType,
+        attention_kernel: bool,
+    ) -> u64 {
         let d = dtype.size_in_bytes() as u64;
         let (s, m) = (seq_len as u64, max_len as u64);
         let (nh, hd) = (self.num_attention_heads as u64, self.head_dim as u64);
         let kv = self.kv_cache_bytes(max_len, dtype);
         let hidden = 8 * s * self.hidden_size as u64 * d;
         let mlp = 4 * s * self.intermediate_size as u64 * d;
-        let attn = 4 * (2 * s * nh * hd + 2 * m * nh * hd + 3 * nh * s * m);
+        let attn = if attention_kernel {
+            3 * s * nh * hd * d
+        } else {
+            4 * (2 * s * nh * hd + 2 * m * nh * hd + 3 * nh * s * m)
+        };
         let logits = 2 * 4 * self.vocab_size as u64;
         kv + (hidden + mlp + attn) * 3 / 2 + logits + (256 << 20)
     }

@@ -338,6 +338,16 @@ pub trait Family: std::fmt::Debug + Send + Sync + 'static {
         let _ = cfg;
         false
     }
+
+    /// Whether every layer's attention is plain causal attention (no sliding window, no
+    /// soft-capping), so that a prompt's attention on a GPU runs as one kernel
+    /// ([`candle_offload::ops::prompt_attention`]) in every layer and the reservation may
+    /// count on it ([`Config::reserve_bytes_with`]). Default: no (the composition's
+    /// reservation, the larger).
+    fn plain_attention(&self, cfg: &Config) -> bool {
+        let _ = cfg;
+        false
+    }
 }
 
 /// How the crate finds a family for a `config.json`.

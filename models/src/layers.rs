@@ -1187,6 +1187,18 @@ impl SelfAttention {
             };
             return self.o_proj.forward_step(&rows(y)?, ctx.fused);
         }
+        if s.softcap.is_none()
+            && s.window.is_none()
+            && !ctx.masks.is_padded()
+            && candle_offload::ops::prompt_attention_supported(xs.device(), q.dtype(), s.head_dim)
+        {
+            // One flash-attention kernel over the cache's views: no F32 copies, no score
+            // matrix, no mask or softmax launches.
+            let y = candle_offload::ops::prompt_attention(&q, &k, &v, 1.0 / s.score_div)?;
+            return self
+                .o_proj
+                .forward(&y.reshape((b, seq_len, s.n_heads * s.head_dim))?);
+        }
         // Grouped-query attention without repeating k and v: the `rep` query heads of each kv
         // head are rows of one matmul against that head's keys, read from the cache's views
         // as they are (a repeat copied the whole cache `rep` times per layer and step).

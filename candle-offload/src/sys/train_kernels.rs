@@ -700,6 +700,117 @@ pub(crate) fn flash_attn_fwd(
     )
 }
 
+/// An inference prompt's causal attention (F16, BF16): O (q's dtype, (b, h, t, d)) for q
+/// (b, h, t, d), contiguous, against the `tk` ≥ t cached positions of k and v, views
+/// (b, hkv, tk, d) of a KV cache's buffers whose rows are contiguous and whose heads lie
+/// `stride[1]` elements apart (batch `stride[0]` = hkv · `stride[1]`); query row i sits at
+/// position tk − t + i. [`flash_attn_fwd`]'s mma.sync kernel with that offset, no log-sum-exp.
+pub(crate) fn prompt_attn_fwd(
+    dims: AttnSizes,
+    tk: usize,
+    scale: f32,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    /// The cache view's elements from its start to its last row's end, and its head stride.
+    fn cache<'a, T: Elem>(
+        s: &'a CudaStorage,
+        l: &Layout,
+        [b, hkv, tk, d]: [usize; 4],
+        what: &str,
+    ) -> Result<(CudaView<'a, T>, u64)> {
+        let st = l.stride();
+        let start = l.start_offset();
+        if l.shape().dims() != [b, hkv, tk, d]
+            || st[3] != 1
+            || st[2] != d
+            || st[0] != hkv * st[1]
+            || st[1] < tk * d
+            || !start.is_multiple_of(8)
+            || !st[1].is_multiple_of(8)
+        {
+            candle_core::bail!(
+                "prompt-attention: {what} {:?} / {st:?} at {start} is not a cache view \
+                 (b, {hkv}, {tk}, {d}) with contiguous, 16-byte aligned rows",
+                l.shape()
+            );
+        }
+        let slice = s.as_cuda_slice::<T>()?;
+        let end = start + (b * hkv - 1) * st[1] + tk * d;
+        if end > slice.len() {
+            candle_core::bail!("prompt-attention: {what} runs past its buffer");
+        }
+        Ok((slice.slice(start..end), st[1] as u64))
+    }
+    fn run<T: Elem>(
+        dims: AttnSizes,
+        tk: usize,
+        scale: f32,
+        (q, ql): (&CudaStorage, &Layout),
+        (k, kl): (&CudaStorage, &Layout),
+        (v, vl): (&CudaStorage, &Layout),
+    ) -> Result<CudaStorage> {
+        let dev = &q.device;
+        let [b, h, hkv, t, d] = dims;
+        if T::DTYPE == DType::F32 || hkv == 0 || !h.is_multiple_of(hkv) || t == 0 || tk < t {
+            candle_core::bail!(
+                "prompt-attention: no kernel for {:?} with sizes {dims:?} (b, h, hkv, t, d) \
+                 and {tk} keys",
+                T::DTYPE
+            );
+        }
+        let ((smem, threads), _) = fa_config::<T>(d, false);
+        let func = fa_load::<T>(dev, "prompt_attn", d, smem)?;
+        let nq = b * h * t * d;
+        let qv = fa_view::<T>(q, ql, nq, "q")?;
+        let (kv, ks) = cache::<T>(k, kl, [b, hkv, tk, d], "k")?;
+        let (vv, vs) = cache::<T>(v, vl, [b, hkv, tk, d], "v")?;
+        if ks != vs {
+            candle_core::bail!("prompt-attention: k and v lie {ks} and {vs} elements a head apart");
+        }
+        let (h_u, hkv_u, t_u, tk_u) = (
+            to_u32(h, "heads")?,
+            to_u32(hkv, "kv heads")?,
+            to_u32(t, "t")?,
+            to_u32(tk, "keys")?,
+        );
+        let grid_y = fa_heads(b * h)?;
+        // SAFETY: uninitialised device memory on the device's stream; the kernel launched next
+        // writes every element (each row below t of each head: its d outputs).
+        let out = unsafe { dev.alloc::<T>(nq) }?;
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(t.div_ceil(FA_TILE), "tiles")?, grid_y, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let stream = dev.cuda_stream();
+        let mut bl = stream.launch_builder(&func);
+        bl.arg(&qv).arg(&kv).arg(&vv).arg(&out);
+        bl.arg(&h_u)
+            .arg(&hkv_u)
+            .arg(&t_u)
+            .arg(&tk_u)
+            .arg(&ks)
+            .arg(&scale);
+        // SAFETY: the arguments match `prompt_attn_d<d>_<dtype>(const T*, const T*, const T*,
+        // T*, uint32_t h, uint32_t hkv, uint32_t t, uint32_t tk, uint64_t kstride, float)` in
+        // kernels/train.cu; q and out hold b·h·t·d elements; k and v reach (b·hkv − 1)·kstride
+        // + tk·d elements from their views' starts (checked above), which is the furthest the
+        // kernel reads (kv head < b·hkv, key rows below tk); the grid is (tiles of 64 rows,
+        // b·h), the block size the kernel is written for (128 threads), with the shared memory
+        // its layout takes for this d (allowed on the function above); q, k and v start
+        // 16-byte aligned and k's, v's heads lie a multiple of 8 elements apart (checked).
+        unsafe { bl.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+    by_dtype!(
+        "prompt-attention",
+        q.dtype(),
+        run(dims, tk, scale, (q, ql), (k, kl), (v, vl))
+    )
+}
+
 /// Causal attention backward from q, k, v, O, dO (one dtype) and the forward's log-sum-exp:
 /// dq, dk and dv as one F32 buffer, in that order.
 pub(crate) fn flash_attn_bwd(

@@ -110,6 +110,10 @@ impl Family for LlamaFamily {
         })
     }
 
+    fn plain_attention(&self, _cfg: &Config) -> bool {
+        self.windows.iter().all(Option::is_none)
+    }
+
     fn block(
         &self,
         cfg: &Config,
