@@ -1299,20 +1299,19 @@ pub fn decode_attention_unfused(
 /// The environment variable for [`prompt_attention_on`]: `0`, `off` or `false` turn it off.
 pub const PROMPT_ATTENTION_ENV: &str = "CANDLE_OFFLOAD_PROMPT_ATTENTION";
 
-/// [`prompt_attention_on`]'s state: 0 until first read or set, 1 off, 2 on.
-static PROMPT_ATTENTION: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static PROMPT_ATTENTION: EnvSwitch = EnvSwitch::new(PROMPT_ATTENTION_ENV);
 
 /// Turns [`prompt_attention`]'s kernel on or off for the whole process, from the next call on;
 /// it wins over [`PROMPT_ATTENTION_ENV`].
 pub fn set_prompt_attention(on: bool) {
-    PROMPT_ATTENTION.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+    PROMPT_ATTENTION.set(on);
 }
 
 /// Whether [`prompt_attention`] may run its kernel: on unless [`set_prompt_attention`] or
 /// [`PROMPT_ATTENTION_ENV`] (read once) turns it off; off, it computes the composition
 /// everywhere.
 pub fn prompt_attention_on() -> bool {
-    on_unless_env_off(&PROMPT_ATTENTION, PROMPT_ATTENTION_ENV)
+    PROMPT_ATTENTION.on()
 }
 
 /// Whether [`prompt_attention`] runs its kernel for inputs of `dtype` with head width `d` on
@@ -1664,13 +1663,12 @@ pub(crate) fn is_qlinear_k_type(t: GgmlDType) -> bool {
 /// `false` (anything else leaves it on).
 pub const QLINEAR_K_ENV: &str = "CANDLE_OFFLOAD_QLINEAR_K";
 
-/// [`qlinear_k`]'s state: 0 until first read or set, 1 off, 2 on.
-static QLINEAR_K: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static QLINEAR_K: EnvSwitch = EnvSwitch::new(QLINEAR_K_ENV);
 
 /// Turns the K-quant kernel of [`qlinear_small`] (Q4_K, Q6_K) on or off for the whole process,
 /// from the next call on; it wins over [`QLINEAR_K_ENV`].
 pub fn set_qlinear_k(on: bool) {
-    QLINEAR_K.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+    QLINEAR_K.set(on);
 }
 
 /// Whether [`qlinear_small`] runs Q4_K and Q6_K weights through their own kernel: on unless
@@ -1678,7 +1676,7 @@ pub fn set_qlinear_k(on: bool) {
 /// Candle's quantized matmul (the composition). Measured on an H200: a resident 7B Q4_K_M
 /// decodes at 170 tokens/s with it and 104 without (BENCHMARKS.md).
 pub fn qlinear_k() -> bool {
-    on_unless_env_off(&QLINEAR_K, QLINEAR_K_ENV)
+    QLINEAR_K.on()
 }
 
 /// The environment variable that gives the K-quant kernel two output columns per warp
@@ -1772,16 +1770,37 @@ pub(crate) fn switch_code(cell: &std::sync::atomic::AtomicU8, from_env: impl FnO
     }
 }
 
-/// Whether a switch kept in `cell` by [`switch_code`] (1 off, 2 on) is on, where it is on
-/// unless a setter or the environment variable `var` (`0`, `off`, `false`) turns it off.
-fn on_unless_env_off(cell: &std::sync::atomic::AtomicU8, var: &str) -> bool {
-    switch_code(cell, || {
-        if crate::settings::env_turns_off(var) {
-            1
-        } else {
-            2
+/// A process-wide switch that is on unless its setter or its environment variable (`0`,
+/// `off`, `false`; read once, on first use) turns it off.
+struct EnvSwitch {
+    /// 0 until first read or set, 1 off, 2 on ([`switch_code`]).
+    cell: std::sync::atomic::AtomicU8,
+    var: &'static str,
+}
+
+impl EnvSwitch {
+    const fn new(var: &'static str) -> Self {
+        Self {
+            cell: std::sync::atomic::AtomicU8::new(0),
+            var,
         }
-    }) == 2
+    }
+
+    /// From the next read on, whatever the variable says.
+    fn set(&self, on: bool) {
+        let code = if on { 2 } else { 1 };
+        self.cell.store(code, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn on(&self) -> bool {
+        switch_code(&self.cell, || {
+            if crate::settings::env_turns_off(self.var) {
+                1
+            } else {
+                2
+            }
+        }) == 2
+    }
 }
 
 const QLINEAR_SMALL: &str = "qlinear-small";
@@ -2163,20 +2182,19 @@ fn qlinear_silu_mul_with(x: &Tensor, gate: &QTensor, up: &QTensor, q8: bool) -> 
 /// The environment variable for [`prefill_gemm`]: `0`, `off` or `false` turn it off.
 pub const PREFILL_GEMM_ENV: &str = "CANDLE_OFFLOAD_PREFILL_GEMM";
 
-/// [`prefill_gemm`]'s state: 0 until first read or set, 1 off, 2 on.
-static PREFILL_GEMM: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static PREFILL_GEMM: EnvSwitch = EnvSwitch::new(PREFILL_GEMM_ENV);
 
 /// Turns [`qlinear_prefill`] on or off for the whole process, from the next call on; it wins
 /// over [`PREFILL_GEMM_ENV`].
 pub fn set_prefill_gemm(on: bool) {
-    PREFILL_GEMM.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+    PREFILL_GEMM.set(on);
 }
 
 /// Whether [`qlinear_prefill`] multiplies a prompt's rows through dequantized weights and
 /// cuBLAS: on unless [`set_prefill_gemm`] or [`PREFILL_GEMM_ENV`] (read once) turns it off;
 /// off, Candle's quantized matmul (its MMQ kernels on 8-bit x) takes them.
 pub fn prefill_gemm() -> bool {
-    on_unless_env_off(&PREFILL_GEMM, PREFILL_GEMM_ENV)
+    PREFILL_GEMM.on()
 }
 
 /// The fewest rows of x that [`qlinear_prefill`] takes for blocks of 32 (Q4_0 to Q8_0): below

@@ -1628,11 +1628,8 @@ impl CausalLm {
         if seq_len <= rows || (!pads.is_empty() && pads.len() != batch) {
             return self.forward_pass(input_ids, index_pos, pads, cache);
         }
-        // A near fit: passes of at most `rows` positions, each within the reservation, of
-        // even length (512 in passes of at most 170: four of 128, not three of 170 and one of
-        // 2), so that each is as long as the fewest passes allow (the prompt GEMM of
-        // `candle_offload::ops::qlinear_prefill` starts at a row count).
-        let rows = seq_len.div_ceil(seq_len.div_ceil(rows));
+        // A near fit: passes of at most `rows` positions, each within the reservation.
+        let rows = even_pass_rows(seq_len, rows);
         let first = pads
             .iter()
             .map(|&p| (p + 1).saturating_sub(index_pos))
@@ -2004,6 +2001,15 @@ const QUANTIZED_DECODE_WORKSPACE_SAVING: u64 = 128 << 20;
 /// runs the quantized matmuls' few-row kernels, which read the weights once per 8 rows.
 pub const MIN_PROMPT_CHUNK: usize = 32;
 
+/// The rows of each pass when `seq_len` positions run in passes of at most `max_rows`: the
+/// fewest passes, of even length (512 under 170: four of 128, not three of 170 and one of 2),
+/// so that each is as long as those passes allow (the prompt GEMM of
+/// [`candle_offload::ops::qlinear_prefill`] starts at a row count). Pure.
+fn even_pass_rows(seq_len: usize, max_rows: usize) -> usize {
+    let max_rows = max_rows.max(1);
+    seq_len.div_ceil(seq_len.div_ceil(max_rows).max(1)).max(1)
+}
+
 /// The planner's name for the output head of an HF-layout model with tied embeddings (the
 /// embedding matrix, kept a second time on the last stage); see [`Layout::tied_head_name`].
 pub const TIED_HEAD: &str = "model.embed_tokens (tied output head)";
@@ -2113,7 +2119,29 @@ pub fn argmax(logits: &Tensor) -> Result<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::HostLayers;
+    use super::{even_pass_rows, HostLayers};
+
+    #[test]
+    fn passes_are_even_and_fewest() {
+        // (positions, most rows a pass) -> rows a pass
+        for (n, max, want) in [
+            (512, 170, 128),
+            (512, 202, 171),
+            (512, 184, 171),
+            (512, 512, 512),
+            (512, 600, 512),
+            (513, 512, 257),
+            (100, 32, 25),
+            (7, 1, 1),
+            (1, 0, 1),
+        ] {
+            let rows = even_pass_rows(n, max);
+            assert_eq!(rows, want, "{n} positions under {max}");
+            assert!(rows <= max.max(1), "{n} under {max}: {rows} rows");
+            // No more passes than the fewest that fit.
+            assert_eq!(n.div_ceil(rows), n.div_ceil(max.max(1)), "{n} under {max}");
+        }
+    }
 
     #[test]
     fn host_layers_parse_and_place() {

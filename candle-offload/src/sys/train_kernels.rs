@@ -624,6 +624,16 @@ fn fa_heads(heads: usize) -> Result<u32> {
     Ok(y)
 }
 
+/// A forward kernel's launch: one block of `threads` per 64 query rows of each of `heads`
+/// heads (batch times heads), with `smem` bytes of shared memory.
+fn fa_fwd_cfg(t: usize, heads: usize, smem: u32, threads: u32) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid_dim: (to_u32(t.div_ceil(FA_TILE), "tiles")?, fa_heads(heads)?, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem,
+    })
+}
+
 /// Causal attention forward: O (q's dtype, (b, h, t, d)) and each row's log-sum-exp (F32,
 /// (b, h, t)); for F16 and BF16 with `wmma` the WMMA kernel, otherwise the mma.sync one; for
 /// F32 the FP32 kernel (`wmma` ignored).
@@ -665,17 +675,12 @@ pub(crate) fn flash_attn_fwd(
             to_u32(hkv, "kv heads")?,
             to_u32(t, "t")?,
         );
-        let grid_y = fa_heads(b * h)?;
+        let cfg = fa_fwd_cfg(t, b * h, smem, threads)?;
         // SAFETY: uninitialised device memory on the device's stream; the kernel launched next
         // writes every element (each row below t of each head: its d outputs).
         let out = unsafe { dev.alloc::<T>(nq) }?;
         // SAFETY: as above: the kernel writes each row's log-sum-exp.
         let lse = unsafe { dev.alloc::<f32>(b * h * t) }?;
-        let cfg = LaunchConfig {
-            grid_dim: (to_u32(t.div_ceil(FA_TILE), "tiles")?, grid_y, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem,
-        };
         let stream = dev.cuda_stream();
         let mut bl = stream.launch_builder(&func);
         bl.arg(&qv).arg(&kv).arg(&vv).arg(&out).arg(&lse);
@@ -775,15 +780,10 @@ pub(crate) fn prompt_attn_fwd(
             to_u32(t, "t")?,
             to_u32(tk, "keys")?,
         );
-        let grid_y = fa_heads(b * h)?;
+        let cfg = fa_fwd_cfg(t, b * h, smem, threads)?;
         // SAFETY: uninitialised device memory on the device's stream; the kernel launched next
         // writes every element (each row below t of each head: its d outputs).
         let out = unsafe { dev.alloc::<T>(nq) }?;
-        let cfg = LaunchConfig {
-            grid_dim: (to_u32(t.div_ceil(FA_TILE), "tiles")?, grid_y, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem,
-        };
         let stream = dev.cuda_stream();
         let mut bl = stream.launch_builder(&func);
         bl.arg(&qv).arg(&kv).arg(&vv).arg(&out);
