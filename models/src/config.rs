@@ -570,6 +570,37 @@ mod tests {
         assert_eq!(attention, 12.0 * 32.0 * 4096.0 * 4096.0);
     }
 
+    /// With the prompt-attention kernel the reservation drops exactly the composition's F32
+    /// q/k/v copies and score matrix (with the fragmentation allowance) and adds the kernel's
+    /// three (rows, heads · head_dim) tensors in the dtype; SmolLM's llama family is plain
+    /// causal, a config with a sliding window is not.
+    #[test]
+    fn the_attention_kernel_reserves_less() {
+        let c = Config::from_json_str(SMOL, Path::new("config.json")).unwrap();
+        assert!(c.family.plain_attention(&c));
+        let (nh, hd) = (9u64, 64u64);
+        for (s, m) in [(1u64, 16u64), (64, 96), (512, 544)] {
+            let (su, mu) = (s as usize, m as usize);
+            let dense = c.reserve_bytes(su, mu, candle_core::DType::F16);
+            assert_eq!(
+                c.reserve_bytes_with(su, mu, candle_core::DType::F16, false),
+                dense
+            );
+            let kernel = c.reserve_bytes_with(su, mu, candle_core::DType::F16, true);
+            let composition = 4 * (2 * s * nh * hd + 2 * m * nh * hd + 3 * nh * s * m);
+            let own = 3 * s * nh * hd * 2;
+            let rest = 8 * s * 576 * 2 + 4 * s * 1536 * 2; // hidden states and the MLP
+            let want = (rest + composition) * 3 / 2 - (rest + own) * 3 / 2;
+            assert_eq!(dense - kernel, want, "{s} rows");
+        }
+        let windowed = SMOL.replace(
+            "\"model_type\":\"llama\"",
+            "\"model_type\":\"mistral\",\"sliding_window\":4096",
+        );
+        let w = Config::from_json_str(&windowed, Path::new("config.json")).unwrap();
+        assert!(!w.family.plain_attention(&w));
+    }
+
     #[test]
     fn reads_smollm_and_defaults_qwen2_bias() {
         let c = Config::from_json_str(SMOL, Path::new("config.json")).unwrap();
