@@ -319,8 +319,24 @@ fn main() -> Result<()> {
                 .last()
                 .map_or(0, |(rt, _)| rt.budget().reserve_bytes)
                 .saturating_sub(settings.reserve_bytes);
-            // What `spread:auto` timed to choose (one layer's step on the host and the GPU).
+            // What `spread:auto` timed to choose (one layer's step on the host and the GPU), and
+            // the splits it priced, this one among them.
             let layer_steps = model.spread_auto_layer_steps();
+            let prices = model.spread_auto_prices();
+            let chosen_price = prices
+                .iter()
+                .find(|p| (p.host_layers, p.host_head) == (host_layers, model.head_on_host()));
+            let price_json = |p: &candle_offload::SplitPrice| {
+                serde_json::json!({
+                    "host_layers": p.host_layers,
+                    "host_head": p.host_head,
+                    "host_bytes": p.host_bytes,
+                    "streamed_bytes": p.streamed_bytes,
+                    "compute_s": p.compute_s,
+                    "copies_s": p.copies_s,
+                    "cost_s": p.cost_s,
+                })
+            };
             if host_layers > 0 || model.head_on_host() {
                 let head = if model.head_on_host() {
                     " and the output head"
@@ -328,6 +344,14 @@ fn main() -> Result<()> {
                     ""
                 };
                 println!("        {host_layers} layers{head} on the host CPU ({host:?})");
+                if let Some(p) = chosen_price {
+                    println!(
+                        "        priced at {:.1} ms a step (compute {:.1} ms, copies {:.1} ms)",
+                        p.cost_s * 1e3,
+                        p.compute_s * 1e3,
+                        p.copies_s * 1e3
+                    );
+                }
             }
             if let Some(rows) = model.prompt_chunk() {
                 println!("        the prompt runs in passes of {rows} rows (a near fit)");
@@ -664,6 +688,10 @@ fn main() -> Result<()> {
                 "decode_host_head_s": host_run.head_step_s(),
                 "host_layer_step_s_after_decode": host_retimed_s,
                 "device_layer_step_s": layer_steps.map(|s| s.device_s),
+                // `spread:auto`'s price of the split it chose (seconds a decode step) and of
+                // every split it weighed, to set against `decode_step_s_median`.
+                "spread_price_s": chosen_price.map(|p| p.cost_s),
+                "spread_prices": prices.iter().map(price_json).collect::<Vec<_>>(),
                 "host_layers": host_layers,
                 "host_head": model.head_on_host(),
                 "prompt_chunk": model.prompt_chunk(),

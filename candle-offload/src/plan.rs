@@ -290,17 +290,28 @@ pub struct SplitRates {
     pub resident_device_layer_s: f64,
 }
 
-/// The cheapest spread split ([`spread_host_split`]), the host also reading `host_extra`
-/// bytes a step.
-struct SplitChoice {
-    host_layers: usize,
-    /// Seconds a step, as the model prices it.
-    cost: f64,
-    /// Every layer fits the device (and nothing extra is on the host): no host layer.
-    fits: bool,
+/// One spread split as [`spread_host_split_at`] prices it ([`spread_host_prices`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SplitPrice {
+    /// Layers on the host, spread as [`spread_host_set`] places them.
+    pub host_layers: usize,
+    /// The output head is on the host too.
+    pub host_head: bool,
+    /// Bytes the host reads a step (its layers, and the head where it has it).
+    pub host_bytes: u64,
+    /// Bytes the link streams a step.
+    pub streamed_bytes: u64,
+    /// Seconds of the step's compute: the device's layers and the host's bytes.
+    pub compute_s: f64,
+    /// Seconds of the step's copies.
+    pub copies_s: f64,
+    /// The price: the larger of the two, the copies taken as hidden behind the compute.
+    pub cost_s: f64,
 }
 
-fn spread_best(
+/// Every spread split of `layers` with the host also reading `host_extra` bytes a step (the
+/// head, where it goes there) that the budget can hold, fewest host layers first, priced.
+fn spread_candidates(
     layers: &[u64],
     fixed: u64,
     host_extra: u64,
@@ -308,12 +319,12 @@ fn spread_best(
     budget: u64,
     slots: usize,
     rates: &SplitRates,
-) -> Option<SplitChoice> {
+) -> Vec<SplitPrice> {
     let n = layers.len();
     if fixed > budget {
-        return None;
+        return Vec::new();
     }
-    let mut best: Option<SplitChoice> = None;
+    let mut out = Vec::new();
     for h in 0..=n {
         let on_host = spread_host_set(h, n);
         let (mut host, mut device, mut largest) = (host_extra, 0u64, 0u64);
@@ -343,37 +354,110 @@ fn spread_best(
         };
         let compute = layer_s * (n - h) as f64 + host as f64 / rates.host_bytes_per_s;
         let copies = streamed as f64 / rates.link_bytes_per_s;
-        let cost = compute.max(copies);
+        let price = SplitPrice {
+            host_layers: h,
+            host_head: host_extra > 0,
+            host_bytes: host,
+            streamed_bytes: streamed,
+            compute_s: compute,
+            copies_s: copies,
+            cost_s: compute.max(copies),
+        };
         // Every candidate's price, to set against measured steps (`RUST_LOG=
-        // candle_offload::plan=debug`): the copies are priced as hidden behind compute, which
-        // a host layer beside them does not bear out (BENCHMARKS.md, stop 40).
+        // candle_offload::plan=debug`, or [`spread_host_prices`]): the copies are priced as
+        // hidden behind compute, which a host layer beside them does not bear out
+        // (BENCHMARKS.md, stops 40 and 43).
         tracing::debug!(
             host_layers = h,
-            host_head = host_extra > 0,
+            host_head = price.host_head,
             host_bytes = host,
             streamed_bytes = streamed,
             compute_ms = compute * 1e3,
             copies_ms = copies * 1e3,
-            cost_ms = cost * 1e3,
+            cost_ms = price.cost_s * 1e3,
             "spread split priced"
         );
-        if h == 0 && streamed == 0 && host_extra == 0 {
+        out.push(price);
+    }
+    out
+}
+
+/// The cheapest spread split ([`spread_host_split`]), the host also reading `host_extra`
+/// bytes a step.
+struct SplitChoice {
+    host_layers: usize,
+    /// Seconds a step, as the model prices it.
+    cost: f64,
+    /// Every layer fits the device (and nothing extra is on the host): no host layer.
+    fits: bool,
+}
+
+fn spread_best(
+    layers: &[u64],
+    fixed: u64,
+    host_extra: u64,
+    per_layer_reserve: u64,
+    budget: u64,
+    slots: usize,
+    rates: &SplitRates,
+) -> Option<SplitChoice> {
+    let candidates = spread_candidates(
+        layers,
+        fixed,
+        host_extra,
+        per_layer_reserve,
+        budget,
+        slots,
+        rates,
+    );
+    let mut best: Option<SplitChoice> = None;
+    for c in candidates {
+        if c.host_layers == 0 && c.streamed_bytes == 0 && host_extra == 0 {
             // Every layer fits the device: no host layer.
             return Some(SplitChoice {
                 host_layers: 0,
-                cost,
+                cost: c.cost_s,
                 fits: true,
             });
         }
-        if best.as_ref().is_none_or(|b| cost < b.cost) {
+        if best.as_ref().is_none_or(|b| c.cost_s < b.cost) {
             best = Some(SplitChoice {
-                host_layers: h,
-                cost,
+                host_layers: c.host_layers,
+                cost: c.cost_s,
                 fits: false,
             });
         }
     }
     best
+}
+
+/// Every split [`spread_host_split_at`] weighs with the same arguments, with its price: the
+/// head on the device, then (for a head of any bytes) on the host, each fewest host layers
+/// first; splits the budget cannot hold are left out. For setting the prices against
+/// measured steps (BENCHMARKS.md). Pure.
+pub fn spread_host_prices(
+    layers: &[u64],
+    fixed: u64,
+    head: u64,
+    per_layer_reserve: u64,
+    budget: u64,
+    slots: usize,
+    rates: &SplitRates,
+) -> Vec<SplitPrice> {
+    let mut out = spread_candidates(layers, fixed, 0, per_layer_reserve, budget, slots, rates);
+    let head = head.min(fixed);
+    if head > 0 {
+        out.extend(spread_candidates(
+            layers,
+            fixed - head,
+            head,
+            per_layer_reserve,
+            budget,
+            slots,
+            rates,
+        ));
+    }
+    out
 }
 
 /// Which units a device keeps for good, at their own device sizes, when its weights do not
@@ -806,6 +890,84 @@ mod tests {
                 assert_eq!(Some(h), plain, "{layers:?} {fixed} {head} {budget}");
             }
         }
+    }
+
+    /// `spread_host_prices` lists what `spread_host_split_at` weighs: the chosen split is the
+    /// cheapest listed (the head on the device on ties), every listed split fits the budget, and
+    /// the 13B Q8_0 shape's prices add up as the cost model says.
+    #[test]
+    fn spread_prices_are_what_the_split_weighs() {
+        let mut next = lcg(23);
+        for _ in 0..2000 {
+            let n = (next() % 10) as usize;
+            let layers: Vec<u64> = (0..n).map(|_| 1 + next() % 40).collect();
+            let (fixed, head, per, budget) = (next() % 60, next() % 20, next() % 4, next() % 300);
+            let slots = (next() % 3) as usize;
+            let rates = SplitRates {
+                host_bytes_per_s: 1.0 + (next() % 50) as f64,
+                link_bytes_per_s: 1.0 + (next() % 50) as f64,
+                device_layer_s: (next() % 10) as f64 / 10.0,
+                resident_device_layer_s: (next() % 10) as f64 / 20.0,
+            };
+            let chosen = spread_host_split_at(&layers, fixed, head, per, budget, slots, &rates);
+            let prices = spread_host_prices(&layers, fixed, head, per, budget, slots, &rates);
+            assert_eq!(
+                chosen.is_some(),
+                !prices.is_empty(),
+                "{layers:?} {fixed} {budget}"
+            );
+            for p in &prices {
+                let reserve = if p.host_head {
+                    fixed - head.min(fixed)
+                } else {
+                    fixed
+                } + per * (n - p.host_layers) as u64;
+                assert!(reserve <= budget);
+                assert_eq!(p.cost_s, p.compute_s.max(p.copies_s));
+            }
+            let Some((h, on_host)) = chosen else {
+                continue;
+            };
+            let pick = prices
+                .iter()
+                .find(|p| (p.host_layers, p.host_head) == (h, on_host && head.min(fixed) > 0))
+                .expect("the chosen split is listed");
+            let fits_whole = prices
+                .iter()
+                .any(|p| p.host_layers == 0 && !p.host_head && p.streamed_bytes == 0);
+            if !fits_whole {
+                let least = prices
+                    .iter()
+                    .map(|p| p.cost_s)
+                    .fold(f64::INFINITY, f64::min);
+                assert_eq!(pick.cost_s, least, "{layers:?} {fixed} {head} {budget}");
+            }
+        }
+        // 40 layers of 0.345 GB, 1.3 GB held besides, head 0.17 GB, 4 GiB.
+        let layer = 345_000_000u64;
+        let rates = SplitRates {
+            host_bytes_per_s: 61e9,
+            link_bytes_per_s: 55e9,
+            device_layer_s: 0.5e-3,
+            resident_device_layer_s: 0.5e-3,
+        };
+        let prices = spread_host_prices(
+            &[layer; 40],
+            1_300_000_000,
+            170_000_000,
+            0,
+            4 << 30,
+            2,
+            &rates,
+        );
+        let p = prices
+            .iter()
+            .find(|p| p.host_layers == 17 && p.host_head)
+            .expect("listed");
+        assert_eq!(p.host_bytes, 17 * layer + 170_000_000);
+        let compute = 23.0 * 0.5e-3 + p.host_bytes as f64 / 61e9;
+        assert!((p.compute_s - compute).abs() < 1e-12);
+        assert!((p.copies_s - p.streamed_bytes as f64 / 55e9).abs() < 1e-12);
     }
 
     #[test]

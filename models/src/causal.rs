@@ -122,12 +122,14 @@ pub struct LayerSteps {
 }
 
 /// Where [`CausalLm::host_split`] puts the work: host layers, and whether the head goes too.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct HostSplit {
     layers: usize,
     head_on_host: bool,
     /// What [`HostLayers::SpreadAuto`] timed (`None` where it timed nothing).
     steps: Option<LayerSteps>,
+    /// Every split [`HostLayers::SpreadAuto`] weighed, priced (empty where it weighed none).
+    prices: Vec<candle_offload::SplitPrice>,
 }
 
 impl std::str::FromStr for HostLayers {
@@ -243,6 +245,8 @@ pub struct CausalLm {
     segments: Vec<(usize, Range<usize>)>,
     /// What `spread:auto` timed to choose the host layers ([`spread_auto_layer_steps`](Self::spread_auto_layer_steps)).
     layer_steps: Option<LayerSteps>,
+    /// The splits `spread:auto` weighed ([`spread_auto_prices`](Self::spread_auto_prices)).
+    split_prices: Vec<candle_offload::SplitPrice>,
     /// The final norm and the output head run on the first stage (the host) instead of the
     /// last ([`head_on_host`](Self::head_on_host)).
     head_on_host: bool,
@@ -396,6 +400,7 @@ impl CausalLm {
             on_host: Vec::new(),
             segments,
             layer_steps: None,
+            split_prices: Vec::new(),
             head_on_host: false,
             prompt_chunk: None,
             greedy_head: std::sync::atomic::AtomicBool::new(false),
@@ -607,6 +612,7 @@ impl CausalLm {
     ) -> std::result::Result<HostSplit, ModelError> {
         let n = cfg.num_hidden_layers;
         let mut steps = None;
+        let mut prices = Vec::new();
         let mut head_on_host = false;
         let invalid = |reason: String| -> ModelError {
             candle_offload::Error::InvalidConfig {
@@ -716,6 +722,9 @@ impl CausalLm {
                     let split = candle_offload::spread_host_split_at(
                         &layers, fixed, head, per_layer, budget, slots, &rates,
                     );
+                    prices = candle_offload::spread_host_prices(
+                        &layers, fixed, head, per_layer, budget, slots, &rates,
+                    );
                     steps = Some(LayerSteps { host_s, device_s });
                     tracing::info!(
                         host_gbps = host_rate / 1e9,
@@ -743,6 +752,7 @@ impl CausalLm {
             layers: count,
             head_on_host,
             steps,
+            prices,
         })
     }
 
@@ -848,6 +858,15 @@ impl CausalLm {
     /// model that fits).
     pub fn spread_auto_layer_steps(&self) -> Option<LayerSteps> {
         self.layer_steps
+    }
+
+    /// Every split [`HostLayers::SpreadAuto`] weighed when this model was built, with the price
+    /// it gave each ([`candle_offload::spread_host_prices`]; the chosen one is
+    /// [`host_layer_count`](Self::host_layer_count) with [`head_on_host`](Self::head_on_host)),
+    /// to set against measured steps; empty where it weighed none (the same cases as
+    /// [`spread_auto_layer_steps`](Self::spread_auto_layer_steps)).
+    pub fn spread_auto_prices(&self) -> &[candle_offload::SplitPrice] {
+        &self.split_prices
     }
 
     /// Seconds one decode step of the first decoder layer takes on the host CPU after `context`
@@ -1012,6 +1031,7 @@ impl CausalLm {
     ) -> std::result::Result<Self, ModelError> {
         let split = Self::host_split(cfg, &store, device, dtype, max_len, settings, host)?;
         let (h, steps, head_on_host) = (split.layers, split.steps, split.head_on_host);
+        let prices = split.prices;
         if h == 0
             && !head_on_host
             && !Self::embed_on_host(cfg, &store, device, dtype, DECODE_ROWS, max_len, settings)?
@@ -1020,6 +1040,7 @@ impl CausalLm {
                 cfg, store, device, dtype, prompt_len, max_len, settings, source,
             )?;
             model.layer_steps = steps;
+            model.split_prices = prices;
             return Ok(model);
         }
         let n = cfg.num_hidden_layers;
@@ -1127,6 +1148,7 @@ impl CausalLm {
         model.segments = segments;
         model.on_host = on_host.clone();
         model.layer_steps = steps;
+        model.split_prices = prices;
         model.head_on_host = head_on_host;
         model.reserve_by_phase(share);
         model.prompt_chunk = chunk;
