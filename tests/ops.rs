@@ -1487,6 +1487,21 @@ fn bad_inputs_are_refused(device: &Device) -> anyhow::Result<()> {
     anyhow::ensure!(e.contains("do not fit"), "{e}");
     let e = err(ops::decode_attention(&q, &kv4, &kv4, 1.0, Some(0)))?;
     anyhow::ensure!(e.contains("window"), "{e}");
+    // The prompt's attention names itself: mismatched heads, more rows than cached, dtypes.
+    for (q, what) in [(&q3, "heads"), (&q5, "rows")] {
+        let e = err(ops::prompt_attention(q, &kv4, &kv4, 1.0))?;
+        anyhow::ensure!(
+            e.contains("prompt-attention") && e.contains("do not fit"),
+            "{what}: {e}"
+        );
+    }
+    let e = err(ops::prompt_attention(
+        &q5.to_dtype(DType::F16)?,
+        &kv4,
+        &kv4,
+        1.0,
+    ))?;
+    anyhow::ensure!(e.contains("mixed dtypes"), "{e}");
     let e = err(ops::linear_small(&x, &w.reshape((1, 8))?.narrow(1, 0, 7)?))?;
     anyhow::ensure!(e.contains("does not match"), "{e}");
     Ok(())

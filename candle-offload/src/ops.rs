@@ -840,6 +840,11 @@ pub(crate) struct AttentionDims {
 
 impl AttentionDims {
     fn of(q: &Layout, k: &Layout, v: &Layout) -> Result<Self> {
+        Self::of_op(DecodeAttention::NAME, q, k, v)
+    }
+
+    /// [`of`](Self::of) for the op named `op` in the error.
+    fn of_op(op: &str, q: &Layout, k: &Layout, v: &Layout) -> Result<Self> {
         let (b, hq, tq, d) = q.shape().dims4()?;
         let (kb, hk, kv_len, kd) = k.shape().dims4()?;
         if (kb, kd) != (b, d)
@@ -850,9 +855,8 @@ impl AttentionDims {
             || tq > kv_len
         {
             candle_core::bail!(
-                "{}: q {:?}, k {:?} and v {:?} do not fit together (q (b, q_heads, new, d), \
+                "{op}: q {:?}, k {:?} and v {:?} do not fit together (q (b, q_heads, new, d), \
                  k and v (b, kv_heads, cached ≥ new, d), q_heads a multiple of kv_heads)",
-                DecodeAttention::NAME,
                 q.shape(),
                 k.shape(),
                 v.shape()
@@ -1365,7 +1369,7 @@ impl candle_core::CustomOp3 for PromptAttention {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let dims = AttentionDims::of(l1, l2, l3)?;
+        let dims = AttentionDims::of_op(Self::NAME, l1, l2, l3)?;
         let out = crate::sys::train_kernels::prompt_attn_fwd(
             [dims.b, dims.hq, dims.hk, dims.tq, dims.d],
             dims.kv_len,
@@ -1393,7 +1397,7 @@ impl candle_core::CustomOp3 for PromptAttention {
 pub fn prompt_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     let op = PromptAttention::NAME;
     let dtype = check_dtypes(op, &[q, k, v])?;
-    let dims = AttentionDims::of(q.layout(), k.layout(), v.layout())?;
+    let dims = AttentionDims::of_op(op, q.layout(), k.layout(), v.layout())?;
     if dims.out_len() == 0 || !prompt_attention_supported(q.device(), dtype, dims.d) {
         return decode_attention_unfused(q, k, v, scale, None);
     }
