@@ -255,22 +255,41 @@ pub fn spread_host_split_at(
     slots: usize,
     rates: &SplitRates,
 ) -> Option<(usize, bool)> {
-    let on_device = spread_best(layers, fixed, 0, per_layer_reserve, budget, slots, rates);
-    if on_device.as_ref().is_some_and(|b| b.fits) {
-        return Some((0, false));
-    }
-    let head = head.min(fixed);
-    let on_host = spread_best(
+    spread_host_choice(&spread_host_prices(
         layers,
-        fixed - head,
+        fixed,
         head,
         per_layer_reserve,
         budget,
         slots,
         rates,
-    );
-    match (on_device, on_host) {
-        (Some(d), Some(h)) if h.cost < d.cost => Some((h.host_layers, true)),
+    ))
+}
+
+/// The split [`spread_host_split_at`] takes from the splits [`spread_host_prices`] lists: no
+/// host layer where every layer fits the device beside the head; otherwise the cheapest, the
+/// fewest host layers among equal prices and the head on the device on ties. `None` where
+/// nothing is listed. Pure.
+pub fn spread_host_choice(prices: &[SplitPrice]) -> Option<(usize, bool)> {
+    let fits = prices
+        .iter()
+        .any(|p| !p.host_head && p.host_layers == 0 && p.streamed_bytes == 0);
+    if fits {
+        return Some((0, false));
+    }
+    // The first of the cheapest (the list runs from the fewest host layers).
+    let cheapest = |head: bool| {
+        prices.iter().filter(|p| p.host_head == head).fold(
+            None::<&SplitPrice>,
+            |best, p| match best {
+                Some(b) if p.cost_s < b.cost_s => Some(p),
+                None => Some(p),
+                kept => kept,
+            },
+        )
+    };
+    match (cheapest(false), cheapest(true)) {
+        (Some(d), Some(h)) if h.cost_s < d.cost_s => Some((h.host_layers, true)),
         (Some(d), _) => Some((d.host_layers, false)),
         (None, Some(h)) => Some((h.host_layers, true)),
         (None, None) => None,
@@ -380,55 +399,6 @@ fn spread_candidates(
         out.push(price);
     }
     out
-}
-
-/// The cheapest spread split ([`spread_host_split`]), the host also reading `host_extra`
-/// bytes a step.
-struct SplitChoice {
-    host_layers: usize,
-    /// Seconds a step, as the model prices it.
-    cost: f64,
-    /// Every layer fits the device (and nothing extra is on the host): no host layer.
-    fits: bool,
-}
-
-fn spread_best(
-    layers: &[u64],
-    fixed: u64,
-    host_extra: u64,
-    per_layer_reserve: u64,
-    budget: u64,
-    slots: usize,
-    rates: &SplitRates,
-) -> Option<SplitChoice> {
-    let candidates = spread_candidates(
-        layers,
-        fixed,
-        host_extra,
-        per_layer_reserve,
-        budget,
-        slots,
-        rates,
-    );
-    let mut best: Option<SplitChoice> = None;
-    for c in candidates {
-        if c.host_layers == 0 && c.streamed_bytes == 0 && host_extra == 0 {
-            // Every layer fits the device: no host layer.
-            return Some(SplitChoice {
-                host_layers: 0,
-                cost: c.cost_s,
-                fits: true,
-            });
-        }
-        if best.as_ref().is_none_or(|b| c.cost_s < b.cost) {
-            best = Some(SplitChoice {
-                host_layers: c.host_layers,
-                cost: c.cost_s,
-                fits: false,
-            });
-        }
-    }
-    best
 }
 
 /// Every split [`spread_host_split_at`] weighs with the same arguments, with its price: the

@@ -719,12 +719,10 @@ impl CausalLm {
                         device_layer_s: device_s,
                         resident_device_layer_s: resident_s,
                     };
-                    let split = candle_offload::spread_host_split_at(
-                        &layers, fixed, head, per_layer, budget, slots, &rates,
-                    );
                     prices = candle_offload::spread_host_prices(
                         &layers, fixed, head, per_layer, budget, slots, &rates,
                     );
+                    let split = candle_offload::spread_host_choice(&prices);
                     steps = Some(LayerSteps { host_s, device_s });
                     tracing::info!(
                         host_gbps = host_rate / 1e9,
