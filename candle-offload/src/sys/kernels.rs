@@ -610,7 +610,7 @@ pub(crate) fn rope_qk_cache(
 /// A strided (b, h, positions, d) view of `s` with the last dim contiguous: the slice from its
 /// start offset and the batch, head and position strides, after checking that the first
 /// `rows` positions of every (batch, head) lie inside `s`.
-fn strided_kv<'a, T>(
+pub(crate) fn strided_kv<'a, T>(
     s: &'a CudaSlice<T>,
     l: &Layout,
     rows: usize,
@@ -622,13 +622,18 @@ fn strided_kv<'a, T>(
         candle_core::bail!("{what}: the last dim has to be contiguous");
     }
     let start = l.start_offset();
-    let last = start + (b - 1) * st[0] + (h - 1) * st[1] + (rows - 1) * st[2] + d;
-    if b == 0 || h == 0 || rows == 0 || d == 0 || last > s.len() {
+    // The end of the last row, for a view of at least one of each (checked first, as the
+    // offset counts from 1 of each).
+    let nonempty = b > 0 && h > 0 && rows > 0 && d > 0;
+    let last = nonempty
+        .then(|| start + (b - 1) * st[0] + (h - 1) * st[1] + (rows - 1) * st[2] + d)
+        .filter(|&last| last <= s.len());
+    let Some(last) = last else {
         candle_core::bail!(
             "{what}: view {:?} / {st:?} does not fit its buffer",
             l.shape()
         );
-    }
+    };
     Ok((
         s.slice(start..last),
         [st[0], st[1], st[2]].map(|v| v as u64),

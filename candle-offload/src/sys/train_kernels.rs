@@ -718,35 +718,37 @@ pub(crate) fn prompt_attn_fwd(
     (k, kl): (&CudaStorage, &Layout),
     (v, vl): (&CudaStorage, &Layout),
 ) -> Result<CudaStorage> {
-    /// The cache view's elements from its start to its last row's end, and its head stride.
+    /// The cache view's elements from its start to its last row's end
+    /// ([`super::kernels::strided_kv`]), and its head stride, where its rows are contiguous,
+    /// its batches `hkv` heads apart and it starts and its heads lie 16-byte aligned.
     fn cache<'a, T: Elem>(
         s: &'a CudaStorage,
         l: &Layout,
         [b, hkv, tk, d]: [usize; 4],
         what: &str,
     ) -> Result<(CudaView<'a, T>, u64)> {
-        let st = l.stride();
+        let (view, [sb, sh, sr]) = super::kernels::strided_kv(
+            s.as_cuda_slice::<T>()?,
+            l,
+            tk,
+            &format!("prompt-attention: {what}"),
+        )?;
         let start = l.start_offset();
         if l.shape().dims() != [b, hkv, tk, d]
-            || st[3] != 1
-            || st[2] != d
-            || st[0] != hkv * st[1]
-            || st[1] < tk * d
+            || sr != d as u64
+            || sb != hkv as u64 * sh
+            || sh < (tk * d) as u64
             || !start.is_multiple_of(8)
-            || !st[1].is_multiple_of(8)
+            || !sh.is_multiple_of(8)
         {
             candle_core::bail!(
-                "prompt-attention: {what} {:?} / {st:?} at {start} is not a cache view \
+                "prompt-attention: {what} {:?} / {:?} at {start} is not a cache view \
                  (b, {hkv}, {tk}, {d}) with contiguous, 16-byte aligned rows",
-                l.shape()
+                l.shape(),
+                l.stride()
             );
         }
-        let slice = s.as_cuda_slice::<T>()?;
-        let end = start + (b * hkv - 1) * st[1] + tk * d;
-        if end > slice.len() {
-            candle_core::bail!("prompt-attention: {what} runs past its buffer");
-        }
-        Ok((slice.slice(start..end), st[1] as u64))
+        Ok((view, sh))
     }
     fn run<T: Elem>(
         dims: AttnSizes,
