@@ -1401,15 +1401,11 @@ pub fn prompt_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
     if dims.out_len() == 0 || !prompt_attention_supported(q.device(), dtype, dims.d) {
         return decode_attention_unfused(q, k, v, scale, None);
     }
-    let q = if q.is_contiguous() {
-        q.clone()
-    } else {
-        q.contiguous()?
-    };
     let op = PromptAttention {
         scale: scale as f32,
     };
-    q.apply_op3_no_bwd(k, v, &op)?.transpose(1, 2)
+    // `contiguous` copies q only where it is not (the kernel reads it row-major).
+    q.contiguous()?.apply_op3_no_bwd(k, v, &op)?.transpose(1, 2)
 }
 
 // ---------------------------------------------------------------------------------------------

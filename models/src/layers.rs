@@ -602,23 +602,7 @@ impl Linear {
                 };
                 let y = match gemm {
                     Some(y) => y,
-                    None => {
-                        let x32 = xs.to_dtype(DType::F32)?;
-                        // Q4_1 and Q8_0 on the CPU: the library's SIMD matmul; otherwise
-                        // Candle's.
-                        let fast = match blocks {
-                            Some(q) => candle_offload::cpu_quant::forward(q, &x32)?,
-                            None => None,
-                        };
-                        match fast {
-                            Some(y) => y,
-                            None => {
-                                before_candle_matmul(&x32);
-                                weight.forward(&x32)?
-                            }
-                        }
-                        .to_dtype(xs.dtype())?
-                    }
+                    None => quantized_in_f32(weight, blocks, xs)?,
                 };
                 with_bias(y, bias.as_ref())
             }
@@ -731,6 +715,28 @@ fn cpu_blocks_many(xs: &Tensor, ls: &[&Linear]) -> Result<Option<Vec<Tensor>>> {
         })
         .collect::<Result<Vec<_>>>()
         .map(Some)
+}
+
+/// `xs · wᵀ` for a quantized weight in F32, returned in `xs`'s dtype: Q4_1 and Q8_0 blocks
+/// (`blocks`, the weight's) on the CPU through the library's SIMD matmul, otherwise Candle's.
+fn quantized_in_f32(
+    weight: &QMatMul,
+    blocks: Option<&std::sync::Arc<candle_core::quantized::QTensor>>,
+    xs: &Tensor,
+) -> Result<Tensor> {
+    let x32 = xs.to_dtype(DType::F32)?;
+    let fast = match blocks {
+        Some(q) => candle_offload::cpu_quant::forward(q, &x32)?,
+        None => None,
+    };
+    let y = match fast {
+        Some(y) => y,
+        None => {
+            before_candle_matmul(&x32);
+            weight.forward(&x32)?
+        }
+    };
+    y.to_dtype(xs.dtype())
 }
 
 /// `y + b` broadcast over y's rows, the bias cast to y's dtype; `y` itself without a bias.
