@@ -2197,6 +2197,26 @@ pub fn prefill_gemm() -> bool {
     PREFILL_GEMM.on()
 }
 
+/// The environment variable that sends [`dequantize_rows`] back to its first kernels (`0`,
+/// `off` or `false`): one thread per 32 elements instead of one per 8, for measuring one
+/// against the other (the values are the same, bit for bit).
+#[doc(hidden)]
+pub const DEQUANT8_ENV: &str = "CANDLE_OFFLOAD_DEQUANT8";
+
+static DEQUANT8: EnvSwitch = EnvSwitch::new(DEQUANT8_ENV);
+
+/// [`DEQUANT8_ENV`] for the whole process, from the next call on (see there).
+#[doc(hidden)]
+pub fn set_dequant8(on: bool) {
+    DEQUANT8.set(on);
+}
+
+/// Whether [`dequantize_rows`] runs the kernels of one thread per 32 elements.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn dequant_per_block() -> bool {
+    !DEQUANT8.on()
+}
+
 /// The fewest rows of x that [`qlinear_prefill`] takes for blocks of 32 (Q4_0 to Q8_0): below
 /// this Candle's quantized matmul keeps them. Its MMQ kernels read the blocks once whatever the
 /// rows; the GEMM first writes every weight in F16 and reads it back, a cost per prompt that
@@ -2299,9 +2319,12 @@ pub fn qlinear_prefill(x: &Tensor, w: &QTensor) -> Result<Option<Tensor>> {
     Ok(Some(y.to_dtype(x.dtype())?.reshape(out)?))
 }
 
-/// Rows `r0 .. r0 + rows` of `w` as a `dtype` (F16 or BF16) tensor (rows, k), on w's GPU.
+/// Rows `r0 .. r0 + rows` of `w` as a `dtype` (F16 or BF16) tensor (rows, k), on w's GPU: what
+/// [`qlinear_prefill`] multiplies, a slice at a time. GGML's values (scale times quant, less the
+/// min, in F32, rounded once). Errors for a weight not on a GPU, a block type
+/// [`qlinear_small_type`] does not name, rows past the weight's, or a build without CUDA.
 #[cfg(feature = "cuda")]
-fn dequantize_rows(w: &QTensor, r0: usize, rows: usize, dtype: DType) -> Result<Tensor> {
+pub fn dequantize_rows(w: &QTensor, r0: usize, rows: usize, dtype: DType) -> Result<Tensor> {
     let k = w.shape().dims2()?.1;
     let s = crate::sys::kernels::dequantize_rows(w, r0, rows, dtype)?;
     Ok(Tensor::from_storage(
@@ -2312,9 +2335,11 @@ fn dequantize_rows(w: &QTensor, r0: usize, rows: usize, dtype: DType) -> Result<
     ))
 }
 
+/// Rows `r0 .. r0 + rows` of `w` as a `dtype` tensor on w's GPU; this build has no CUDA, so it
+/// errors.
 #[cfg(not(feature = "cuda"))]
-fn dequantize_rows(_w: &QTensor, _r0: usize, _rows: usize, _dtype: DType) -> Result<Tensor> {
-    candle_core::bail!("qlinear_prefill: needs a build with `--features cuda`")
+pub fn dequantize_rows(_w: &QTensor, _r0: usize, _rows: usize, _dtype: DType) -> Result<Tensor> {
+    candle_core::bail!("dequantize_rows: needs a build with `--features cuda`")
 }
 
 /// The composition [`qlinear_small`] replaces: Candle's quantized matmul (`QMatMul`'s) on x

@@ -1432,22 +1432,28 @@ pub(crate) fn dequantize_rows(
         DType::BF16 => "bf16",
         _ => candle_core::bail!("{what}: no kernel writes {dtype:?}"),
     };
+    // Elements a thread writes: 8 (`dequant8_*`, one 16-byte store) or 32 (`dequant_*`).
+    let (prefix, per) = if crate::ops::dequant_per_block() {
+        ("dequant", 32)
+    } else {
+        ("dequant8", 8)
+    };
     let func = cached_func(
         &dev,
         MODULE,
         ptx::OPS,
-        &format!("dequant_{out_name}_{qname}"),
+        &format!("{prefix}_{out_name}_{qname}"),
         None,
     )?;
-    let groups = to_u32(rows * k / 32, "runs of 32")?;
+    let groups = to_u32(rows * k / per, "runs of elements")?;
     let stream = dev.cuda_stream();
     // The guard orders the stream after the weight's upload and records this read on drop.
     let (p, guard) = w.device_ptr_with_guard(&stream)?;
     let first = p as u64 + (r0 * row_bytes) as u64;
     use candle_core::cuda_backend::CudaStorageSlice as S;
     // Uninitialised device memory of rows·k elements on the device's stream; the kernel
-    // launched next writes every one (thread g of the grid below, which covers all rows·k / 32
-    // runs, writes elements 32g .. 32g + 32).
+    // launched next writes every one (thread g of the grid below, which covers all rows·k / per
+    // runs, writes elements per·g .. per·(g + 1); k is a multiple of 32).
     let out = if dtype == DType::F16 {
         // SAFETY: written whole by the launch below (see above).
         S::F16(unsafe { dev.alloc::<half::f16>(rows * k) }?)
@@ -1468,12 +1474,12 @@ pub(crate) fn dequantize_rows(
         block_dim: (ELEMWISE_BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: the arguments match `dequant_<f16|bf16>_<type>(const uint8_t* w, T* out, uint32_t
-    // groups)` in kernels/ops.cu, T the element type allocated above. `first` points at row r0
-    // of the weight's buffer (rows are k / block_size blocks back to back, r0 + rows <= n), and
-    // the kernel reads the blocks of rows r0 .. r0 + rows only: thread g reads the block
-    // holding run g (a 32-element block, or the 144- or 210-byte super-block of 256 for Q4_K
-    // and Q6_K, in 2-byte and byte loads).
+    // SAFETY: the arguments match `dequant{,8}_<f16|bf16>_<type>(const uint8_t* w, T* out,
+    // uint32_t groups)` in kernels/ops.cu, T the element type allocated above. `first` points
+    // at row r0 of the weight's buffer (rows are k / block_size blocks back to back, r0 + rows
+    // <= n), and the kernel reads the blocks of rows r0 .. r0 + rows only: thread g reads the
+    // block holding elements `per`·g .. `per`·(g + 1) (a 32-element block, or the 144- or
+    // 210-byte super-block of 256 for Q4_K and Q6_K, in 2-byte and byte loads).
     // out holds rows·k elements and is 16-byte aligned (the allocator's granularity) for the
     // kernel's 16-byte stores.
     unsafe { b.launch(cfg) }.w()?;

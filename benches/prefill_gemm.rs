@@ -1,0 +1,208 @@
+//! A prompt's quantized projections on a GPU, piece by piece: for LLaMA 7B and 13B projection
+//! shapes, GGML block types and prompt lengths, the time of
+//! - `dequant8` / `dequant32`: `ops::dequantize_rows` over the whole weight, with the kernels of
+//!   8 and of 32 elements a thread (the same values), and the bytes a second they write;
+//! - `gemm`: x (F16) times the weight already in F16 (cuBLAS), the GEMM alone;
+//! - `prefill8` / `prefill32`: `ops::qlinear_prefill` (slices dequantized, then multiplied) with
+//!   each kernel;
+//! - `mmq`: Candle's quantized matmul on F32 x (its MMQ kernels), what takes the rows below
+//!   `ops::prefill_gemm_min_rows`.
+//!
+//! Each is the median of `--reps` runs between device synchronizations. Per model, type and
+//! rows it also sums one pass over every layer's projections (q, k, v, o, gate, up, down), the
+//! part of a prompt pass these ops are.
+//!
+//! Run with: `cargo bench --features cuda --bench prefill_gemm -- --json-out prefill.json`.
+//! It needs a GPU.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{ensure, Result};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_offload::ops;
+use candle_offload_suite::median;
+use clap::Parser;
+
+/// Times dequantization, GEMM and Candle's MMQ for a prompt's quantized projections.
+#[derive(Parser, Debug)]
+struct Args {
+    /// Models whose projection shapes to time: 7b, 13b (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "7b,13b")]
+    models: Vec<String>,
+    /// GGML block types (comma-separated): q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k.
+    #[arg(long, value_delimiter = ',', default_value = "q4_0,q8_0,q4_k,q6_k")]
+    types: Vec<String>,
+    /// Prompt rows (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "64,128,171,256,512")]
+    rows: Vec<usize>,
+    /// Timed runs of each op (the median is kept), after two untimed.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// GPU ordinal.
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json_out: Option<PathBuf>,
+}
+
+/// (hidden, intermediate, layers) of a model name.
+fn model_shape(name: &str) -> Result<(usize, usize, usize)> {
+    Ok(match name {
+        "7b" => (4096, 11008, 32),
+        "13b" => (5120, 13824, 40),
+        _ => anyhow::bail!("--models: unknown model {name:?} (7b, 13b)"),
+    })
+}
+
+fn ggml_type(name: &str) -> Result<GgmlDType> {
+    Ok(match name {
+        "q4_0" => GgmlDType::Q4_0,
+        "q4_1" => GgmlDType::Q4_1,
+        "q5_0" => GgmlDType::Q5_0,
+        "q5_1" => GgmlDType::Q5_1,
+        "q8_0" => GgmlDType::Q8_0,
+        "q4_k" => GgmlDType::Q4K,
+        "q6_k" => GgmlDType::Q6K,
+        _ => anyhow::bail!("--types: unknown type {name:?}"),
+    })
+}
+
+/// Median seconds of `f` over `reps` runs after two untimed, each between synchronizations.
+fn time<T>(device: &Device, reps: usize, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    device.synchronize()?;
+    let mut v = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = Instant::now();
+        let out = f()?;
+        device.synchronize()?;
+        v.push(t.elapsed().as_secs_f64());
+        drop(out);
+    }
+    Ok(median(v))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    ensure!(args.reps > 0, "--reps must be at least 1");
+    let device = Device::new_cuda(args.gpu)
+        .map_err(|e| anyhow::anyhow!("prefill_gemm needs a GPU (a build with cuda): {e}"))?;
+    let types = args
+        .types
+        .iter()
+        .map(|t| ggml_type(t))
+        .collect::<Result<Vec<_>>>()?;
+    let mut records = Vec::new();
+    for model in &args.models {
+        let (h, i, layers) = model_shape(model)?;
+        // (n, k, projections of this shape a layer): q, k, v, o; gate, up; down.
+        let shapes = [(h, h, 4usize), (i, h, 2), (h, i, 1)];
+        for &qtype in &types {
+            // Seconds of one layer's projections, per op and rows.
+            let mut layer = vec![[0f64; 6]; args.rows.len()];
+            for &(n, k, count) in &shapes {
+                let w = Tensor::randn(0f32, 0.02, (n, k), &Device::Cpu)?;
+                let w = QTensor::quantize_onto(&w, qtype, &device)?;
+                let out_bytes = (2 * n * k) as f64;
+                let d8 = time(&device, args.reps, || {
+                    Ok(ops::dequantize_rows(&w, 0, n, DType::F16)?)
+                })?;
+                ops::set_dequant8(false);
+                let d32 = time(&device, args.reps, || {
+                    Ok(ops::dequantize_rows(&w, 0, n, DType::F16)?)
+                });
+                ops::set_dequant8(true);
+                let d32 = d32?;
+                let wf = ops::dequantize_rows(&w, 0, n, DType::F16)?;
+                let qmm = QMatMul::from_arc(std::sync::Arc::new(w))?;
+                let QMatMul::QTensor(wq) = &qmm else {
+                    anyhow::bail!("{qtype:?} {n}x{k}: Candle keeps it dequantized")
+                };
+                for (r, &rows) in args.rows.iter().enumerate() {
+                    let x =
+                        Tensor::randn(0f32, 1.0, (rows, k), &Device::Cpu)?.to_device(&device)?;
+                    let xh = x.to_dtype(DType::F16)?;
+                    let gemm = time(&device, args.reps, || Ok(xh.matmul(&wf.t()?)?))?;
+                    let prefill = |eight: bool| -> Result<Option<f64>> {
+                        ops::set_dequant8(eight);
+                        let ran = ops::qlinear_prefill(&xh, wq)?.is_some();
+                        let s = ran
+                            .then(|| {
+                                time(&device, args.reps, || Ok(ops::qlinear_prefill(&xh, wq)?))
+                            })
+                            .transpose();
+                        ops::set_dequant8(true);
+                        s
+                    };
+                    let (p8, p32) = (prefill(true)?, prefill(false)?);
+                    let mmq = time(&device, args.reps, || Ok(qmm.forward(&x)?))?;
+                    let row = [
+                        d8,
+                        d32,
+                        gemm,
+                        p8.unwrap_or(f64::NAN),
+                        p32.unwrap_or(f64::NAN),
+                        mmq,
+                    ];
+                    for (acc, s) in layer[r].iter_mut().zip(row) {
+                        *acc += count as f64 * s;
+                    }
+                    println!(
+                        "{model} {qtype:?} {n}x{k} rows {rows}: dequant8 {:.3} ms ({:.0} GB/s) \
+                         dequant32 {:.3} ms ({:.0} GB/s), gemm {:.3}, prefill8 {:.3}, \
+                         prefill32 {:.3}, mmq {:.3}",
+                        d8 * 1e3,
+                        out_bytes / d8 / 1e9,
+                        d32 * 1e3,
+                        out_bytes / d32 / 1e9,
+                        gemm * 1e3,
+                        row[3] * 1e3,
+                        row[4] * 1e3,
+                        mmq * 1e3
+                    );
+                    records.push(serde_json::json!({
+                        "model": model, "type": format!("{qtype:?}"), "n": n, "k": k,
+                        "rows": rows, "dequant8_s": d8, "dequant32_s": d32,
+                        "dequant8_out_gbps": out_bytes / d8 / 1e9,
+                        "dequant32_out_gbps": out_bytes / d32 / 1e9,
+                        "gemm_s": gemm, "prefill8_s": p8, "prefill32_s": p32, "mmq_s": mmq,
+                    }));
+                }
+            }
+            for (r, &rows) in args.rows.iter().enumerate() {
+                let pass = layer[r].map(|s| s * layers as f64);
+                println!(
+                    "{model} {qtype:?} rows {rows}, a pass of {layers} layers: dequant8 {:.1} ms, \
+                     dequant32 {:.1}, gemm {:.1}, prefill8 {:.1}, prefill32 {:.1}, mmq {:.1}",
+                    pass[0] * 1e3,
+                    pass[1] * 1e3,
+                    pass[2] * 1e3,
+                    pass[3] * 1e3,
+                    pass[4] * 1e3,
+                    pass[5] * 1e3
+                );
+                records.push(serde_json::json!({
+                    "model": model, "type": format!("{qtype:?}"), "rows": rows,
+                    "pass_layers": layers, "pass_dequant8_s": pass[0], "pass_dequant32_s": pass[1],
+                    "pass_gemm_s": pass[2], "pass_prefill8_s": pass[3],
+                    "pass_prefill32_s": pass[4], "pass_mmq_s": pass[5],
+                }));
+            }
+        }
+    }
+    if let Some(path) = &args.json_out {
+        candle_offload_suite::write_results(
+            path,
+            "prefill_gemm",
+            &device,
+            serde_json::Value::Array(records),
+        )?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
