@@ -179,7 +179,8 @@ pub fn host_layer_split(
 /// streaming slots of its largest layer, and streams the rest of its layers every step. The
 /// layers run one after another, the device's (`device_layer_s` each) and the host's
 /// (`host_bytes_per_s` over their bytes), while the copies (`link_bytes_per_s` over the
-/// streamed bytes) overlap both, so a step costs about the larger of the two. Returns the `h`
+/// streamed bytes) overlap both, so a step costs about the larger of the two plus
+/// [`SPREAD_OVERLAP_LOSS`] of the smaller (the part the overlap loses). Returns the `h`
 /// with the smallest such cost (the fewest on ties; 0 when every layer fits the device),
 /// `None` when the device cannot hold even `fixed`. Pure.
 #[allow(clippy::too_many_arguments)]
@@ -309,6 +310,17 @@ pub struct SplitRates {
     pub resident_device_layer_s: f64,
 }
 
+/// The share of the shorter of a split's compute and copies that does not hide behind the
+/// longer. Streaming from host memory while the host computes slows both: the host's layers
+/// read their weights from the same memory the copies read. Measured on an H200 host (13B
+/// Q8_0 at 8 and 12 GiB, nine streaming splits, BENCHMARKS.md stop 44), the decode step took
+/// the longer of the two plus 0.12 to 0.5 of the shorter, most near 0.3; splits that stream
+/// nothing took 1.07 to 1.12 times their compute, which does not change which of them wins.
+/// Priced as fully hidden, `spread:auto` took splits that stream as much as they compute over
+/// ones that stream nothing: 30.4 tok/s at 12 GiB with a 512-token prompt, where one more
+/// host layer and no streaming is priced 26.3 ms a step against 31.0.
+pub const SPREAD_OVERLAP_LOSS: f64 = 0.3;
+
 /// One spread split as [`spread_host_split_at`] prices it ([`spread_host_prices`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SplitPrice {
@@ -324,7 +336,7 @@ pub struct SplitPrice {
     pub compute_s: f64,
     /// Seconds of the step's copies.
     pub copies_s: f64,
-    /// The price: the larger of the two, the copies taken as hidden behind the compute.
+    /// The price: the larger of the two, plus [`SPREAD_OVERLAP_LOSS`] of the smaller.
     pub cost_s: f64,
 }
 
@@ -380,12 +392,11 @@ fn spread_candidates(
             streamed_bytes: streamed,
             compute_s: compute,
             copies_s: copies,
-            cost_s: compute.max(copies),
+            cost_s: compute.max(copies) + SPREAD_OVERLAP_LOSS * compute.min(copies),
         };
         // Every candidate's price, to set against measured steps (`RUST_LOG=
-        // candle_offload::plan=debug`, or [`spread_host_prices`]): the copies are priced as
-        // hidden behind compute, which a host layer beside them does not bear out
-        // (BENCHMARKS.md, stops 40 and 43).
+        // candle_offload::plan=debug`, or [`spread_host_prices`]; BENCHMARKS.md, stops 40, 43
+        // and 44).
         tracing::debug!(
             host_layers = h,
             host_head = price.host_head,
@@ -737,9 +748,10 @@ mod tests {
 
     /// A split that streams nothing may run its device layers faster (replayed from a graph):
     /// the 7B Q4_K_M shape at 4 GiB, prompt 512 (stop 39: 2 host layers and the head, 0.52 GB
-    /// streamed a token, 15.5 ms a step), priced with the measured rates, takes a third host
-    /// layer and streams nothing once resident layers cost 0.6 of an eager one; at equal
-    /// rates, the choice is `spread_host_split_with_head`'s.
+    /// streamed a token, 15.5 ms a step), priced with the measured rates but a faster link
+    /// (70 GB/s: at 55 the overlap's loss alone takes it to a resident split), streams with
+    /// one host layer at equal rates and takes three and streams nothing once resident layers
+    /// cost 0.6 of an eager one; at equal rates, the choice is `spread_host_split_with_head`'s.
     #[test]
     fn a_split_that_streams_nothing_may_run_its_layers_faster() {
         let mib = 1u64 << 20;
@@ -750,7 +762,7 @@ mod tests {
         let budget = 4096 * mib;
         let eager = SplitRates {
             host_bytes_per_s: 118.0 * mib as f64 / 2.1e-3,
-            link_bytes_per_s: 55e9,
+            link_bytes_per_s: 70e9,
             device_layer_s: 0.194e-3,
             resident_device_layer_s: 0.194e-3,
         };
@@ -768,7 +780,7 @@ mod tests {
                 budget,
                 3,
                 eager.host_bytes_per_s,
-                55e9,
+                70e9,
                 0.194e-3
             )
         );
@@ -822,8 +834,10 @@ mod tests {
         );
         // The 7B F16 shape at 12 GiB (32 layers of 0.405 GB, a 0.262 GB head among 0.685 GB
         // held besides; host 80 GB/s, a device layer 0.3 ms): with the head on the device two
-        // layers go to the host (19.1 ms a step; one would stream 1.17 GB, 21 ms), with the
-        // head on the host one layer (17.6 ms: the host reads 0.67 GB instead of 0.81).
+        // layers go to the host (19.1 ms a step; one would stream 1.17 GB, 21.2 ms and 14.4
+        // of compute: 25.5). With the head on the host, one layer computes in 17.6 ms but
+        // streams 0.9 GB (16.4 ms: 22.6), so the two layers stay cheaper. On a link twice as
+        // fast, the head alone goes to the host (12.9 ms of compute, 11.9 of copies: 16.4).
         let layers = [405_000_000u64; 32];
         let (fixed, head, budget) = (685_000_000u64, 262_000_000u64, 12_885_000_000u64);
         assert_eq!(
@@ -832,7 +846,11 @@ mod tests {
         );
         assert_eq!(
             split(&layers, fixed, head, budget, 80e9, 0.3e-3),
-            Some((1, true))
+            Some((2, false))
+        );
+        assert_eq!(
+            spread_host_split_with_head(&layers, fixed, head, 0, budget, 2, 80e9, 110e9, 0.3e-3),
+            Some((0, true))
         );
         // A host far slower than the link: the head stays, and the device streams.
         assert_eq!(
@@ -893,7 +911,8 @@ mod tests {
                     fixed
                 } + per * (n - p.host_layers) as u64;
                 assert!(reserve <= budget);
-                assert_eq!(p.cost_s, p.compute_s.max(p.copies_s));
+                let (c, l) = (p.compute_s, p.copies_s);
+                assert_eq!(p.cost_s, c.max(l) + SPREAD_OVERLAP_LOSS * c.min(l));
             }
             let Some((h, on_host)) = chosen else {
                 continue;
