@@ -1205,7 +1205,7 @@ test_device!(
 /// - x the identity (k rows) gives the weight's dequantized elements themselves, each within
 ///   F16's rounding (1e-3 relative; F16 x) or BF16's (4e-3; BF16 x) of Candle's
 ///   dequantization: a wrong nibble, high bit, scale or min anywhere fails;
-/// - random x of 192 and 2x100 rows, in each dtype, within 1e-2 of x times the dequantized
+/// - random x of `PREFILL_GEMM_MIN_ROWS` and 2x100 rows, in each dtype, within 1e-2 of x times the dequantized
 ///   weight in F32;
 /// - weights of 37 and 300 rows, and (Q4_0) one of 4200 rows of 4096, over
 ///   `PREFILL_GEMM_SLICE_BYTES` in F16, which goes in two slices.

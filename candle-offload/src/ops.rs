@@ -2220,10 +2220,13 @@ pub(crate) fn dequant_per_block() -> bool {
 /// The fewest rows of x that [`qlinear_prefill`] takes for blocks of 32 (Q4_0 to Q8_0): below
 /// this Candle's quantized matmul keeps them. Its MMQ kernels read the blocks once whatever the
 /// rows; the GEMM first writes every weight in F16 and reads it back, a cost per prompt that
-/// only a long prompt's faster GEMM pays back. Measured on an H200, a resident 7B Q4_0: the
-/// prompt of 64 took 14.7 ms through MMQ and 22.1 through the GEMM, that of 512 64.4 and 46.0,
-/// level at about 190 rows (BENCHMARKS.md, stop 42).
-pub const PREFILL_GEMM_MIN_ROWS: usize = 192;
+/// only a long prompt's faster GEMM pays back. Measured on an H200 (`benches/prefill_gemm`,
+/// BENCHMARKS.md stop 44), one pass over a 7B Q4_0's projections: MMQ 11.8 ms for 64 rows and
+/// 16.8 for 128, the weight written in F16 (6.9 ms, 8 elements a thread) plus the GEMM 7.6 and
+/// 8.1; at 13B 27.5 ms against 13.1 + 12.9 for 128 rows, level at about 100 to 130 rows for
+/// Q4_0 and Q8_0. (Stop 42, with the first kernels and each slice's product copied into place,
+/// put the level at about 190.)
+pub const PREFILL_GEMM_MIN_ROWS: usize = 128;
 
 /// [`PREFILL_GEMM_MIN_ROWS`] for Q4_K and Q6_K, whose MMQ tiles cost more per row: a resident
 /// 7B Q4_K_M took 15.9 ms (MMQ) and 18.3 (GEMM) for 64 rows, 71.5 and 43.9 for 512, level at
@@ -2249,14 +2252,15 @@ pub const PREFILL_GEMM_SLICE_BYTES: usize = 32 << 20;
 
 /// The device bytes [`qlinear_prefill`] holds at once beside x and its output, for `rows` rows
 /// of x against a weight of `n` output columns and width `k`: one 16-bit slice of the weight, x
-/// in 16 bits, the 16-bit output and one slice's part of it. Zero where it would not run for
-/// any block type (fewer than [`PREFILL_GEMM_MIN_ROWS_K`] rows).
+/// in 16 bits and the 16-bit output (each slice's product goes straight into its columns).
+/// Zero where it would not run for any block type (fewer than [`PREFILL_GEMM_MIN_ROWS_K`]
+/// rows).
 pub fn prefill_gemm_bytes(rows: usize, n: usize, k: usize) -> u64 {
     if rows < PREFILL_GEMM_MIN_ROWS_K {
         return 0;
     }
     let slice_rows = prefill_slice_rows(n, k);
-    (2 * (slice_rows * k + rows * k + rows * n + rows * slice_rows)) as u64
+    (2 * (slice_rows * k + rows * k + rows * n)) as u64
 }
 
 /// Weight rows per slice of [`qlinear_prefill`]: as many as fit [`PREFILL_GEMM_SLICE_BYTES`] in
@@ -2299,24 +2303,34 @@ pub fn qlinear_prefill(x: &Tensor, w: &QTensor) -> Result<Option<Tensor>> {
     } else {
         DType::BF16
     };
-    let xg = x.reshape((rows, k))?.to_dtype(dtype)?;
-    let slice_rows = prefill_slice_rows(n, k);
-    let y = if slice_rows >= n {
-        xg.matmul(&dequantize_rows(w, 0, n, dtype)?.t()?)?
-    } else {
-        let y = Tensor::zeros((rows, n), dtype, x.device())?;
-        let mut r0 = 0;
-        while r0 < n {
-            let r = slice_rows.min(n - r0);
-            let part = xg.matmul(&dequantize_rows(w, r0, r, dtype)?.t()?)?;
-            y.slice_set(&part, 1, r0)?;
-            r0 += r;
-        }
-        y
-    };
+    let xg = x.reshape((rows, k))?.to_dtype(dtype)?.contiguous()?;
+    let y = prefill_gemm_run(&xg, w, prefill_slice_rows(n, k))?;
     let mut out = x.dims().to_vec();
     *out.last_mut().expect("x has a last dim") = n;
     Ok(Some(y.to_dtype(x.dtype())?.reshape(out)?))
+}
+
+/// x (rows × k, F16 or BF16, contiguous) times wᵀ through `slice_rows` dequantized rows at a
+/// time ([`crate::sys::kernels::qlinear_prefill_gemm`]).
+#[cfg(feature = "cuda")]
+fn prefill_gemm_run(x: &Tensor, w: &QTensor, slice_rows: usize) -> Result<Tensor> {
+    let (storage, layout) = x.storage_and_layout();
+    let candle_core::Storage::Cuda(xs) = &*storage else {
+        candle_core::bail!("qlinear_prefill: x is not on a GPU");
+    };
+    let y = crate::sys::kernels::qlinear_prefill_gemm(xs, layout, w, slice_rows)?;
+    let n = w.shape().dims2()?.0;
+    Ok(Tensor::from_storage(
+        candle_core::Storage::Cuda(y),
+        (layout.shape().dims2()?.0, n),
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn prefill_gemm_run(_x: &Tensor, _w: &QTensor, _slice_rows: usize) -> Result<Tensor> {
+    candle_core::bail!("qlinear_prefill: needs a build with `--features cuda`")
 }
 
 /// Rows `r0 .. r0 + rows` of `w` as a `dtype` (F16 or BF16) tensor (rows, k), on w's GPU: what
