@@ -1,14 +1,16 @@
 //! A prompt's quantized projections on a GPU, piece by piece: for LLaMA 7B and 13B projection
 //! shapes, GGML block types and prompt lengths, the time of
-//! - `dequant8` / `dequant32`: `ops::dequantize_rows` over the whole weight, with the kernels of
-//!   8 and of 32 elements a thread (the same values), and the bytes a second they write;
+//! - `dequant`: `ops::dequantize_rows` over the whole weight, and the bytes a second it writes;
 //! - `gemm`: x (F16) times the weight already in F16 (cuBLAS), the GEMM alone;
-//! - `prefill8` / `prefill32`: `ops::qlinear_prefill` (slices dequantized, then multiplied) with
-//!   each kernel;
+//! - `prefill`: `ops::qlinear_prefill` (slices dequantized, each multiplied into its columns);
 //! - `mmq`: Candle's quantized matmul on F32 x (its MMQ kernels), what takes the rows below
 //!   `ops::prefill_gemm_min_rows`.
 //!
-//! Each is the median of `--reps` runs between device synchronizations. Per model, type and
+//! Each is the median of `--reps` runs between device synchronizations, with the GPU set up as a
+//! model runs it: cudarc's per-buffer event tracking off and freed memory kept in the stream's
+//! pool across synchronizations (`--event-tracking` keeps the tracking; stop 44's first runs
+//! had both, and timed `qlinear_prefill` 0.05-0.1 ms a call slower than its dequantization
+//! plus GEMM). Per model, type and
 //! rows it also sums one pass over every layer's projections (q, k, v, o, gate, up, down), the
 //! part of a prompt pass these ops are.
 //!
@@ -43,6 +45,9 @@ struct Args {
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
     gpu: usize,
+    /// Keep cudarc's per-buffer event tracking on (the models run with it off).
+    #[arg(long)]
+    event_tracking: bool,
     /// Write the results as JSON here.
     #[arg(long)]
     json_out: Option<PathBuf>,
@@ -92,6 +97,9 @@ fn main() -> Result<()> {
     ensure!(args.reps > 0, "--reps must be at least 1");
     let device = Device::new_cuda(args.gpu)
         .map_err(|e| anyhow::anyhow!("prefill_gemm needs a GPU (a build with cuda): {e}"))?;
+    // One stream, no offload runtime: tracking may go (train::set_event_tracking's contract).
+    candle_offload::train::set_event_tracking(&device, args.event_tracking)?;
+    candle_offload::diag::keep_pool_memory(&device, true)?;
     let types = args
         .types
         .iter()
@@ -104,20 +112,14 @@ fn main() -> Result<()> {
         let shapes = [(h, h, 4usize), (i, h, 2), (h, i, 1)];
         for &qtype in &types {
             // Seconds of one layer's projections, per op and rows.
-            let mut layer = vec![[0f64; 6]; args.rows.len()];
+            let mut layer = vec![[0f64; 4]; args.rows.len()];
             for &(n, k, count) in &shapes {
                 let w = Tensor::randn(0f32, 0.02, (n, k), &Device::Cpu)?;
                 let w = QTensor::quantize_onto(&w, qtype, &device)?;
                 let out_bytes = (2 * n * k) as f64;
-                let d8 = time(&device, args.reps, || {
+                let dq = time(&device, args.reps, || {
                     Ok(ops::dequantize_rows(&w, 0, n, DType::F16)?)
                 })?;
-                ops::set_dequant8(false);
-                let d32 = time(&device, args.reps, || {
-                    Ok(ops::dequantize_rows(&w, 0, n, DType::F16)?)
-                });
-                ops::set_dequant8(true);
-                let d32 = d32?;
                 let wf = ops::dequantize_rows(&w, 0, n, DType::F16)?;
                 let qmm = QMatMul::from_arc(std::sync::Arc::new(w))?;
                 let QMatMul::QTensor(wq) = &qmm else {
@@ -128,69 +130,45 @@ fn main() -> Result<()> {
                         Tensor::randn(0f32, 1.0, (rows, k), &Device::Cpu)?.to_device(&device)?;
                     let xh = x.to_dtype(DType::F16)?;
                     let gemm = time(&device, args.reps, || Ok(xh.matmul(&wf.t()?)?))?;
-                    let prefill = |eight: bool| -> Result<Option<f64>> {
-                        ops::set_dequant8(eight);
-                        let ran = ops::qlinear_prefill(&xh, wq)?.is_some();
-                        let s = ran
-                            .then(|| {
-                                time(&device, args.reps, || Ok(ops::qlinear_prefill(&xh, wq)?))
-                            })
-                            .transpose();
-                        ops::set_dequant8(true);
-                        s
-                    };
-                    let (p8, p32) = (prefill(true)?, prefill(false)?);
+                    let prefill = ops::qlinear_prefill(&xh, wq)?
+                        .is_some()
+                        .then(|| time(&device, args.reps, || Ok(ops::qlinear_prefill(&xh, wq)?)))
+                        .transpose()?;
                     let mmq = time(&device, args.reps, || Ok(qmm.forward(&x)?))?;
-                    let row = [
-                        d8,
-                        d32,
-                        gemm,
-                        p8.unwrap_or(f64::NAN),
-                        p32.unwrap_or(f64::NAN),
-                        mmq,
-                    ];
+                    let row = [dq, gemm, prefill.unwrap_or(f64::NAN), mmq];
                     for (acc, s) in layer[r].iter_mut().zip(row) {
                         *acc += count as f64 * s;
                     }
                     println!(
-                        "{model} {qtype:?} {n}x{k} rows {rows}: dequant8 {:.3} ms ({:.0} GB/s) \
-                         dequant32 {:.3} ms ({:.0} GB/s), gemm {:.3}, prefill8 {:.3}, \
-                         prefill32 {:.3}, mmq {:.3}",
-                        d8 * 1e3,
-                        out_bytes / d8 / 1e9,
-                        d32 * 1e3,
-                        out_bytes / d32 / 1e9,
+                        "{model} {qtype:?} {n}x{k} rows {rows}: dequant {:.3} ms ({:.0} GB/s), \
+                         gemm {:.3}, prefill {:.3}, mmq {:.3}",
+                        dq * 1e3,
+                        out_bytes / dq / 1e9,
                         gemm * 1e3,
-                        row[3] * 1e3,
-                        row[4] * 1e3,
+                        row[2] * 1e3,
                         mmq * 1e3
                     );
                     records.push(serde_json::json!({
                         "model": model, "type": format!("{qtype:?}"), "n": n, "k": k,
-                        "rows": rows, "dequant8_s": d8, "dequant32_s": d32,
-                        "dequant8_out_gbps": out_bytes / d8 / 1e9,
-                        "dequant32_out_gbps": out_bytes / d32 / 1e9,
-                        "gemm_s": gemm, "prefill8_s": p8, "prefill32_s": p32, "mmq_s": mmq,
+                        "rows": rows, "dequant_s": dq, "dequant_out_gbps": out_bytes / dq / 1e9,
+                        "gemm_s": gemm, "prefill_s": prefill, "mmq_s": mmq,
                     }));
                 }
             }
             for (r, &rows) in args.rows.iter().enumerate() {
                 let pass = layer[r].map(|s| s * layers as f64);
                 println!(
-                    "{model} {qtype:?} rows {rows}, a pass of {layers} layers: dequant8 {:.1} ms, \
-                     dequant32 {:.1}, gemm {:.1}, prefill8 {:.1}, prefill32 {:.1}, mmq {:.1}",
+                    "{model} {qtype:?} rows {rows}, a pass of {layers} layers: dequant {:.1} ms, \
+                     gemm {:.1}, prefill {:.1}, mmq {:.1}",
                     pass[0] * 1e3,
                     pass[1] * 1e3,
                     pass[2] * 1e3,
-                    pass[3] * 1e3,
-                    pass[4] * 1e3,
-                    pass[5] * 1e3
+                    pass[3] * 1e3
                 );
                 records.push(serde_json::json!({
                     "model": model, "type": format!("{qtype:?}"), "rows": rows,
-                    "pass_layers": layers, "pass_dequant8_s": pass[0], "pass_dequant32_s": pass[1],
-                    "pass_gemm_s": pass[2], "pass_prefill8_s": pass[3],
-                    "pass_prefill32_s": pass[4], "pass_mmq_s": pass[5],
+                    "pass_layers": layers, "pass_dequant_s": pass[0], "pass_gemm_s": pass[1],
+                    "pass_prefill_s": pass[2], "pass_mmq_s": pass[3],
                 }));
             }
         }

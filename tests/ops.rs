@@ -1200,8 +1200,9 @@ test_device!(
 /// `qlinear_prefill` (a prompt's rows through dequantized weights and cuBLAS): on the CPU,
 /// and below its type's `prefill_gemm_min_rows`, it declines. On a GPU, for every block type it
 /// has a kernel for:
-/// - `dequantize_rows` (rows 1 .. n - 1) gives the same bits from both its kernels, each
-///   element within its dtype's rounding of Candle's dequantization;
+/// - `dequantize_rows` (rows 1 .. n - 1) gives each element within its dtype's rounding of
+///   Candle's dequantization (its kernels of 8 elements a thread gave the same bits as stop
+///   42's of 32 on an H200 before those went);
 /// - x the identity (k rows) gives the weight's dequantized elements themselves, each within
 ///   F16's rounding (1e-3 relative; F16 x) or BF16's (4e-3; BF16 x) of Candle's
 ///   dequantization: a wrong nibble, high bit, scale or min anywhere fails;
@@ -1245,28 +1246,14 @@ fn qlinear_prefill_matches_dequantized(device: &Device) -> anyhow::Result<()> {
             )?;
             let w = QTensor::quantize_onto(&w, qtype, device)?;
             let want = w.dequantize(&Device::Cpu)?;
-            // Rows 1 .. n - 1 straight from the dequantizing kernels: both (8 elements a thread
-            // and 32) give the same bits, within the dtype's rounding of Candle's values.
+            // Rows 1 .. n - 1 straight from the dequantizing kernel, each element within its
+            // dtype's rounding of Candle's values.
             for (dtype, tol) in [(DType::F16, 1e-3), (DType::BF16, 4e-3)] {
-                let eight = ops::dequantize_rows(&w, 1, n - 2, dtype)?;
-                ops::set_dequant8(false);
-                let per_block = ops::dequantize_rows(&w, 1, n - 2, dtype);
-                ops::set_dequant8(true);
-                let per_block = per_block?;
-                anyhow::ensure!(eight.dims() == [n - 2, k], "{what}: {:?}", eight.dims());
-                let (a, b) = (eight.to_dtype(DType::F32)?, per_block.to_dtype(DType::F32)?);
-                let same = a
-                    .eq(&b)?
-                    .to_dtype(DType::F32)?
-                    .sum_all()?
-                    .to_scalar::<f32>()?;
-                anyhow::ensure!(
-                    same as usize == (n - 2) * k,
-                    "{what} {dtype:?}: the kernels differ in {} elements",
-                    (n - 2) * k - same as usize
-                );
+                let got = ops::dequantize_rows(&w, 1, n - 2, dtype)?;
+                anyhow::ensure!(got.dims() == [n - 2, k], "{what}: {:?}", got.dims());
                 let want = want.narrow(0, 1, n - 2)?;
-                let err = ((a.to_device(&Device::Cpu)? - &want)?.abs()? - (want.abs()? * tol)?)?
+                let got = got.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+                let err = ((got - &want)?.abs()? - (want.abs()? * tol)?)?
                     .flatten_all()?
                     .max(0)?
                     .to_scalar::<f32>()?;

@@ -2271,77 +2271,11 @@ OPS_FOR(__nv_bfloat16, bf16)
 // dequant_{f16,bf16}_<q>: consecutive rows of a weight of GGML blocks to F16 or BF16, in element
 // order (GGML's dequantize_row_* for each type: scale times quant, less the min, in f32, rounded
 // once), for a prompt's GEMM (ops::qlinear_prefill). `w` points at the first row's first block
-// and the rows are back to back, so the slice is `groups` runs of 32 elements; thread g writes
-// run g with four 16-byte stores (out 16-byte aligned).
-template <int QT> __device__ __forceinline__ void dequant_run(const uint8_t *w, uint32_t g,
-                                                              float *o) {
-    float q[32], d, mn;
-    decode_block<QT>(w + (size_t)g * QBlock<QT>::BYTES, q, d, mn);
-#pragma unroll
-    for (int e = 0; e < 32; ++e) o[e] = d * q[e] + mn;
-}
-// Q4_K: run s of a super-block is sub-block s, the low (s even) or high (s odd) nibbles of
-// quant bytes 32 (s / 2) .. 32 (s / 2) + 32.
-__device__ __forceinline__ void dequant_run_q4k(const uint8_t *w, uint32_t g, float *o) {
-    const uint8_t *b = w + (size_t)(g >> 3) * 144u;
-    const uint32_t s = g & 7u;
-    const float d = __half2float(*reinterpret_cast<const __half *>(b));
-    const float dmin = __half2float(*reinterpret_cast<const __half *>(b + 2));
-    float sc, mn;
-    q4k_scale_min(b + 4, s, sc, mn);
-    const float d1 = d * sc, m1 = dmin * mn;
-    const uint8_t *qs = b + 16u + 32u * (s >> 1);
-    const uint32_t shift = (s & 1u) * 4u;
-#pragma unroll
-    for (int l = 0; l < 32; ++l) o[l] = d1 * (float)((qs[l] >> shift) & 0xFu) - m1;
-}
-// Q6_K (ql[128], qh[64], int8 scales[16], d): run s is quarter s % 4 of half s / 4, 32 elements
-// whose low 4 bits are the low (quarters 0, 1) or high (2, 3) nibbles of ql bytes l or l + 32
-// (odd quarters) of the half's 64, and whose top 2 bits are bits 2 (s % 4) of its 32 qh bytes;
-// sixteen elements share a scale.
-__device__ __forceinline__ void dequant_run_q6k(const uint8_t *w, uint32_t g, float *o) {
-    const uint8_t *b = w + (size_t)(g >> 3) * 210u;
-    const uint32_t h = (g & 7u) >> 2, t = g & 3u;
-    const float d = __half2float(*reinterpret_cast<const __half *>(b + 208));
-    const uint8_t *ql = b + 64u * h + 32u * (t & 1u);
-    const uint8_t *qh = b + 128u + 32u * h;
-    const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192) + 8u * h + 2u * t;
-    const uint32_t lshift = (t >> 1) * 4u, hshift = 2u * t;
-#pragma unroll
-    for (int l = 0; l < 32; ++l) {
-        const int q = (int)(((ql[l] >> lshift) & 0xFu) | (((qh[l] >> hshift) & 3u) << 4)) - 32;
-        o[l] = d * (float)sc[l / 16] * (float)q;
-    }
-}
-template <typename T> __device__ __forceinline__ void store_run(T *out, const float *o) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) st8<T>(out + 8 * i, o + 8 * i);
-}
-// dequant_<f16|bf16>_<q>: the output in F16 or BF16 (the GEMM's dtype).
-#define DEQUANT_ONE(T, SUFFIX, QNAME, RUN)                                                      \
-    extern "C" __global__ void dequant_##SUFFIX##_##QNAME(const uint8_t *w, T *out,            \
-                                                          uint32_t groups) {                    \
-        const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;                               \
-        if (g >= groups) return;                                                                \
-        float o[32];                                                                            \
-        RUN(w, g, o);                                                                           \
-        store_run<T>(out + (size_t)g * 32u, o);                                                 \
-    }
-#define DEQUANT_FOR(T, SUFFIX)                                                                  \
-    DEQUANT_ONE(T, SUFFIX, q4_0, dequant_run<QT_Q4_0>)                                          \
-    DEQUANT_ONE(T, SUFFIX, q4_1, dequant_run<QT_Q4_1>)                                          \
-    DEQUANT_ONE(T, SUFFIX, q5_0, dequant_run<QT_Q5_0>)                                          \
-    DEQUANT_ONE(T, SUFFIX, q5_1, dequant_run<QT_Q5_1>)                                          \
-    DEQUANT_ONE(T, SUFFIX, q8_0, dequant_run<QT_Q8_0>)                                          \
-    DEQUANT_ONE(T, SUFFIX, q4_k, dequant_run_q4k)                                               \
-    DEQUANT_ONE(T, SUFFIX, q6_k, dequant_run_q6k)
-DEQUANT_FOR(__half, f16)
-DEQUANT_FOR(__nv_bfloat16, bf16)
-
-// dequant8_{f16,bf16}_<q>: the same contract and the same values, bit for bit, with thread g
-// writing the 8 elements 8g .. 8g + 8 as one 16-byte store, so that a warp's stores cover 512
-// contiguous bytes (dequant_* above writes 64 bytes a thread, 64 bytes apart across the warp).
-// `groups8` is rows·k / 8. Part p (0..3) of a 32-element run: elements 8p .. 8p + 8.
+// and the rows are back to back; thread g writes the 8 elements 8g .. 8g + 8 as one 16-byte
+// store (out 16-byte aligned), so that a warp's stores cover 512 contiguous bytes. `groups8` is
+// rows·k / 8. Part p (0..3) of a 32-element run: elements 8p .. 8p + 8. (Stop 42's kernels
+// wrote 32 elements a thread, 64 bytes apart across the warp: the same bits, 1.2 to 1.6 times
+// slower on an H200, BENCHMARKS.md stop 44.)
 // Low 4 bits of element 8p + i of a 32-element block whose quants are packed GGML-style
 // (element j and j + 16 in the low and high nibble of byte j): byte 8 (p & 1) + i, nibble p / 2.
 __device__ __forceinline__ void nibbles8(const uint8_t *qs, uint32_t p, uint32_t &lo,
@@ -2350,7 +2284,7 @@ __device__ __forceinline__ void nibbles8(const uint8_t *qs, uint32_t p, uint32_t
     lo = (sm_u32(qs + 8u * (p & 1u)) >> sh) & 0x0F0F0F0Fu;
     hi = (sm_u32(qs + 8u * (p & 1u) + 4u) >> sh) & 0x0F0F0F0Fu;
 }
-template <int QT> __device__ __forceinline__ void dequant8_run(const uint8_t *w, uint32_t g,
+template <int QT> __device__ __forceinline__ void dequant_run(const uint8_t *w, uint32_t g,
                                                                float *o) {
     const uint8_t *b = w + (size_t)(g >> 2) * QBlock<QT>::BYTES;
     const uint32_t p = g & 3u;
@@ -2394,7 +2328,7 @@ template <int QT> __device__ __forceinline__ void dequant8_run(const uint8_t *w,
     for (int e = 0; e < 8; ++e) o[e] = d * q[e] + mn;
 }
 // Q4_K: thread t (0..31) of a super-block writes elements 8 (t % 4) .. + 8 of sub-block t / 4.
-__device__ __forceinline__ void dequant8_run_q4k(const uint8_t *w, uint32_t g, float *o) {
+__device__ __forceinline__ void dequant_run_q4k(const uint8_t *w, uint32_t g, float *o) {
     const uint8_t *b = w + (size_t)(g >> 5) * 144u;
     const uint32_t s = (g >> 2) & 7u, p = g & 3u;
     const float d = __half2float(*reinterpret_cast<const __half *>(b));
@@ -2412,9 +2346,12 @@ __device__ __forceinline__ void dequant8_run_q4k(const uint8_t *w, uint32_t g, f
         o[4 + i] = d1 * byte_f32(hi, i, 0.0f) - m1;
     }
 }
-// Q6_K: thread t of a super-block writes elements 8 (t % 4) .. + 8 of run t / 4 (dequant_run_q6k's
-// runs), all under one scale.
-__device__ __forceinline__ void dequant8_run_q6k(const uint8_t *w, uint32_t g, float *o) {
+// Q6_K (ql[128], qh[64], int8 scales[16], d): thread t of a super-block writes elements
+// 8 (t % 4) .. + 8 of run r = t / 4, quarter r % 4 of half r / 4: 32 elements whose low 4 bits
+// are the low (quarters 0, 1) or high (2, 3) nibbles of ql bytes l or l + 32 (odd quarters) of
+// the half's 64, and whose top 2 bits are bits 2 (r % 4) of its 32 qh bytes; a thread's 8 share
+// one of the scales (sixteen elements share each).
+__device__ __forceinline__ void dequant_run_q6k(const uint8_t *w, uint32_t g, float *o) {
     const uint8_t *b = w + (size_t)(g >> 5) * 210u;
     const uint32_t r = (g >> 2) & 7u, p = g & 3u;
     const uint32_t h = r >> 2, t = r & 3u;
@@ -2431,25 +2368,25 @@ __device__ __forceinline__ void dequant8_run_q6k(const uint8_t *w, uint32_t g, f
         for (int i = 0; i < 4; ++i) o[4 * j + i] = d * sc * byte_f32(l4 | h4, i, 32.0f);
     }
 }
-#define DEQUANT8_ONE(T, SUFFIX, QNAME, RUN)                                                     \
-    extern "C" __global__ void dequant8_##SUFFIX##_##QNAME(const uint8_t *w, T *out,           \
-                                                           uint32_t groups8) {                  \
+#define DEQUANT_ONE(T, SUFFIX, QNAME, RUN)                                                      \
+    extern "C" __global__ void dequant_##SUFFIX##_##QNAME(const uint8_t *w, T *out,            \
+                                                          uint32_t groups8) {                   \
         const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;                               \
         if (g >= groups8) return;                                                               \
         float o[8];                                                                             \
         RUN(w, g, o);                                                                           \
         st8<T>(out + (size_t)g * 8u, o);                                                        \
     }
-#define DEQUANT8_FOR(T, SUFFIX)                                                                 \
-    DEQUANT8_ONE(T, SUFFIX, q4_0, dequant8_run<QT_Q4_0>)                                        \
-    DEQUANT8_ONE(T, SUFFIX, q4_1, dequant8_run<QT_Q4_1>)                                        \
-    DEQUANT8_ONE(T, SUFFIX, q5_0, dequant8_run<QT_Q5_0>)                                        \
-    DEQUANT8_ONE(T, SUFFIX, q5_1, dequant8_run<QT_Q5_1>)                                        \
-    DEQUANT8_ONE(T, SUFFIX, q8_0, dequant8_run<QT_Q8_0>)                                        \
-    DEQUANT8_ONE(T, SUFFIX, q4_k, dequant8_run_q4k)                                             \
-    DEQUANT8_ONE(T, SUFFIX, q6_k, dequant8_run_q6k)
-DEQUANT8_FOR(__half, f16)
-DEQUANT8_FOR(__nv_bfloat16, bf16)
+#define DEQUANT_FOR(T, SUFFIX)                                                                 \
+    DEQUANT_ONE(T, SUFFIX, q4_0, dequant_run<QT_Q4_0>)                                        \
+    DEQUANT_ONE(T, SUFFIX, q4_1, dequant_run<QT_Q4_1>)                                        \
+    DEQUANT_ONE(T, SUFFIX, q5_0, dequant_run<QT_Q5_0>)                                        \
+    DEQUANT_ONE(T, SUFFIX, q5_1, dequant_run<QT_Q5_1>)                                        \
+    DEQUANT_ONE(T, SUFFIX, q8_0, dequant_run<QT_Q8_0>)                                        \
+    DEQUANT_ONE(T, SUFFIX, q4_k, dequant_run_q4k)                                             \
+    DEQUANT_ONE(T, SUFFIX, q6_k, dequant_run_q6k)
+DEQUANT_FOR(__half, f16)
+DEQUANT_FOR(__nv_bfloat16, bf16)
 
 // An empty kernel whose only effect is its launch: a profiler's list of kernels (ncu, in
 // launch order) shows it where a program marks a boundary (diag::profile_mark), the phase in

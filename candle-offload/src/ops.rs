@@ -2197,26 +2197,6 @@ pub fn prefill_gemm() -> bool {
     PREFILL_GEMM.on()
 }
 
-/// The environment variable that sends [`dequantize_rows`] back to its first kernels (`0`,
-/// `off` or `false`): one thread per 32 elements instead of one per 8, for measuring one
-/// against the other (the values are the same, bit for bit).
-#[doc(hidden)]
-pub const DEQUANT8_ENV: &str = "CANDLE_OFFLOAD_DEQUANT8";
-
-static DEQUANT8: EnvSwitch = EnvSwitch::new(DEQUANT8_ENV);
-
-/// [`DEQUANT8_ENV`] for the whole process, from the next call on (see there).
-#[doc(hidden)]
-pub fn set_dequant8(on: bool) {
-    DEQUANT8.set(on);
-}
-
-/// Whether [`dequantize_rows`] runs the kernels of one thread per 32 elements.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn dequant_per_block() -> bool {
-    !DEQUANT8.on()
-}
-
 /// The fewest rows of x that [`qlinear_prefill`] takes for blocks of 32 (Q4_0 to Q8_0): below
 /// this Candle's quantized matmul keeps them. Its MMQ kernels read the blocks once whatever the
 /// rows; the GEMM first writes every weight in F16 and reads it back, a cost per prompt that

@@ -1458,17 +1458,11 @@ fn launch_dequant<T: DequantOut>(
     rows: usize,
     out: &mut CudaSlice<T>,
 ) -> Result<()> {
-    // Elements a thread writes: 8 (`dequant8_*`, one 16-byte store) or 32 (`dequant_*`).
-    let (prefix, per) = if crate::ops::dequant_per_block() {
-        ("dequant", 32)
-    } else {
-        ("dequant8", 8)
-    };
     let func = cached_func(
         &src.dev,
         MODULE,
         ptx::OPS,
-        &format!("{prefix}_{}_{}", T::NAME, src.qname),
+        &format!("dequant_{}_{}", T::NAME, src.qname),
         None,
     )?;
     if out.len() < rows * src.k {
@@ -1478,7 +1472,8 @@ fn launch_dequant<T: DequantOut>(
             src.k
         );
     }
-    let groups = to_u32(rows * src.k / per, "runs of elements")?;
+    // Each thread writes 8 elements (k is a multiple of 32).
+    let groups = to_u32(rows * src.k / 8, "parts of 8 elements")?;
     let mut b = stream.launch_builder(&func);
     b.arg(&first);
     b.arg(out);
@@ -1488,13 +1483,12 @@ fn launch_dequant<T: DequantOut>(
         block_dim: (ELEMWISE_BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: the arguments match `dequant{,8}_<f16|bf16>_<type>(const uint8_t* w, T* out,
-    // uint32_t groups)` in kernels/ops.cu, T the element type of `out`. `first` points at the
+    // SAFETY: the arguments match `dequant_<f16|bf16>_<type>(const uint8_t* w, T* out,
+    // uint32_t groups8)` in kernels/ops.cu, T the element type of `out`. `first` points at the
     // first of `rows` whole rows of the weight's buffer (the callers check r0 + rows <= n and
-    // hold the buffer's read guard), and thread g reads only the block holding elements
-    // `per`·g .. `per`·(g + 1) of those rows (a 32-element block, or the 144- or 210-byte
-    // super-block of 256 for Q4_K and Q6_K, in 2-byte and byte loads; k is a multiple of the
-    // block). It writes those elements of `out`, which holds at least rows·k (checked above)
+    // hold the buffer's read guard), and thread g reads only the block holding elements 8g ..
+    // 8g + 8 of those rows (a 32-element block, or the 144- or 210-byte super-block of 256 for
+    // Q4_K and Q6_K, in 2-byte and byte loads; k is a multiple of the block). It writes those elements of `out`, which holds at least rows·k (checked above)
     // and is 16-byte aligned (the allocator's granularity) for the 16-byte stores.
     unsafe { b.launch(cfg) }.w()?;
     Ok(())
