@@ -1400,7 +1400,7 @@ pub(crate) fn qlinear_small(
     Ok((storage(slice), yq.map(storage)))
 }
 
-/// A GGML weight on a GPU that `dequant{,8}_*` in kernels/ops.cu read: its device, its type's
+/// A GGML weight on a GPU that `dequant_*` in kernels/ops.cu read: its device, its type's
 /// kernel name, its shape (n rows of k) and the bytes of a row.
 struct DequantSource {
     dev: CudaDevice,
@@ -1488,8 +1488,9 @@ fn launch_dequant<T: DequantOut>(
     // first of `rows` whole rows of the weight's buffer (the callers check r0 + rows <= n and
     // hold the buffer's read guard), and thread g reads only the block holding elements 8g ..
     // 8g + 8 of those rows (a 32-element block, or the 144- or 210-byte super-block of 256 for
-    // Q4_K and Q6_K, in 2-byte and byte loads; k is a multiple of the block). It writes those elements of `out`, which holds at least rows·k (checked above)
-    // and is 16-byte aligned (the allocator's granularity) for the 16-byte stores.
+    // Q4_K and Q6_K, in 2-byte and byte loads; k is a multiple of the block). It writes those
+    // elements of `out`, which holds at least rows·k (checked above) and is 16-byte aligned
+    // (the allocator's granularity) for the 16-byte stores.
     unsafe { b.launch(cfg) }.w()?;
     Ok(())
 }
