@@ -321,6 +321,12 @@ pub struct SplitRates {
 /// host layer and no streaming is priced 26.3 ms a step against 31.0.
 pub const SPREAD_OVERLAP_LOSS: f64 = 0.3;
 
+/// The price of a split whose compute and copies take `compute_s` and `copies_s` seconds: the
+/// larger plus [`SPREAD_OVERLAP_LOSS`] of the smaller ([`SplitPrice::cost_s`]).
+pub fn split_cost(compute_s: f64, copies_s: f64) -> f64 {
+    compute_s.max(copies_s) + SPREAD_OVERLAP_LOSS * compute_s.min(copies_s)
+}
+
 /// One spread split as [`spread_host_split_at`] prices it ([`spread_host_prices`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SplitPrice {
@@ -392,7 +398,7 @@ fn spread_candidates(
             streamed_bytes: streamed,
             compute_s: compute,
             copies_s: copies,
-            cost_s: compute.max(copies) + SPREAD_OVERLAP_LOSS * compute.min(copies),
+            cost_s: split_cost(compute, copies),
         };
         // Every candidate's price, to set against measured steps (`RUST_LOG=
         // candle_offload::plan=debug`, or [`spread_host_prices`]; BENCHMARKS.md, stops 40, 43
@@ -807,6 +813,41 @@ mod tests {
         assert!(need(h, on_host) > budget, "{h} host layers must stream");
     }
 
+    /// The splits `spread:auto` priced for a 13B Q8_0 at 12 GiB with a 512-token prompt on an
+    /// H200 (BENCHMARKS.md stop 44, `2026-12-03-stop44-13b-q8_0-8-12gib-7b58879-h200.json`;
+    /// host layers, head on the host, compute and copies in ms). Priced as the larger of the
+    /// two, the choice was three host layers and the head, streaming 1.01 GB a step: measured
+    /// 32.9 ms (0.89x llama.cpp). With the overlap's loss it is four and the head, streaming
+    /// nothing: measured 27.5 ms (0.985x) in the next session.
+    #[test]
+    fn the_overlaps_loss_keeps_a_measured_13b_split_resident() {
+        #[rustfmt::skip]
+        let measured: [(usize, bool, f64, f64); 16] = [
+            (0, false, 7.29, 45.16), (1, false, 12.06, 38.81), (2, false, 16.83, 32.45),
+            (3, false, 21.6, 26.1), (4, false, 26.37, 19.74), (5, false, 28.59, 0.0),
+            (6, false, 33.43, 0.0), (7, false, 38.28, 0.0),
+            (0, true, 9.85, 41.98), (1, true, 14.62, 35.63), (2, true, 19.39, 29.27),
+            (3, true, 24.16, 22.92), (4, true, 26.3, 0.0), (5, true, 31.15, 0.0),
+            (6, true, 35.99, 0.0), (7, true, 40.83, 0.0),
+        ];
+        let list = |cost: &dyn Fn(f64, f64) -> f64| -> Vec<SplitPrice> {
+            measured
+                .iter()
+                .map(|&(h, head, c, l)| SplitPrice {
+                    host_layers: h,
+                    host_head: head,
+                    host_bytes: 0,
+                    streamed_bytes: (l * 55e6) as u64,
+                    compute_s: c * 1e-3,
+                    copies_s: l * 1e-3,
+                    cost_s: cost(c * 1e-3, l * 1e-3),
+                })
+                .collect()
+        };
+        assert_eq!(spread_host_choice(&list(&f64::max)), Some((3, true)));
+        assert_eq!(spread_host_choice(&list(&split_cost)), Some((4, true)));
+    }
+
     #[test]
     fn the_head_goes_to_the_host_only_when_that_is_cheaper() {
         let gb = 1_000_000_000u64;
@@ -913,6 +954,7 @@ mod tests {
                 assert!(reserve <= budget);
                 let (c, l) = (p.compute_s, p.copies_s);
                 assert_eq!(p.cost_s, c.max(l) + SPREAD_OVERLAP_LOSS * c.min(l));
+                assert_eq!(p.cost_s, split_cost(c, l));
             }
             let Some((h, on_host)) = chosen else {
                 continue;
