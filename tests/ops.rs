@@ -1520,6 +1520,21 @@ fn bad_inputs_are_refused(device: &Device) -> anyhow::Result<()> {
     anyhow::ensure!(e.contains("mixed dtypes"), "{e}");
     let e = err(ops::linear_small(&x, &w.reshape((1, 8))?.narrow(1, 0, 7)?))?;
     anyhow::ensure!(e.contains("does not match"), "{e}");
+    // dequantize_rows names itself: rows past the weight, a type without its kernel, a dtype
+    // it does not write (on a CPU, or without CUDA, every call is refused).
+    let dense = random(&[64, 256], 0.1, 8, DType::F32, &Device::Cpu)?;
+    let q4 = QTensor::quantize_onto(&dense, GgmlDType::Q4_0, device)?;
+    let q5k = QTensor::quantize_onto(&dense, GgmlDType::Q5K, device)?;
+    for (w, r0, rows, dtype, what) in [
+        (&q4, 60, 10, DType::F16, "rows 60..70"),
+        (&q4, 0, 0, DType::F16, "rows 0..0"),
+        (&q5k, 0, 1, DType::F16, "no kernel for Q5K"),
+        (&q4, 0, 1, DType::F32, "no kernel writes F32"),
+    ] {
+        let e = err(ops::dequantize_rows(w, r0, rows, dtype))?;
+        anyhow::ensure!(e.contains("dequantize_rows"), "{what}: {e}");
+        anyhow::ensure!(!device.is_cuda() || e.contains(what), "{what}: {e}");
+    }
     Ok(())
 }
 test_device!(

@@ -2315,8 +2315,9 @@ fn prefill_gemm_run(_x: &Tensor, _w: &QTensor, _slice_rows: usize) -> Result<Ten
 
 /// Rows `r0 .. r0 + rows` of `w` as a `dtype` (F16 or BF16) tensor (rows, k), on w's GPU: what
 /// [`qlinear_prefill`] multiplies, a slice at a time. GGML's values (scale times quant, less the
-/// min, in F32, rounded once). Errors for a weight not on a GPU, a block type
-/// [`qlinear_small_type`] does not name, rows past the weight's, or a build without CUDA.
+/// min, in F32, rounded once). Errors for a weight not on a GPU, a block type without the
+/// kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K have it), rows past the weight's, a
+/// dtype other than F16 and BF16, or a build without CUDA.
 #[cfg(feature = "cuda")]
 pub fn dequantize_rows(w: &QTensor, r0: usize, rows: usize, dtype: DType) -> Result<Tensor> {
     let k = w.shape().dims2()?.1;
