@@ -1197,6 +1197,16 @@ test_device!(
     ops_qlinear_small_gpu
 );
 
+/// How far past `tol` of `want`'s magnitude (F32, on the CPU) the furthest element of `got`
+/// lies: 0 when every element is within its rounding.
+fn past_rounding(got: &Tensor, want: &Tensor, tol: f64) -> anyhow::Result<f32> {
+    let got = got.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+    Ok(((got - want)?.abs()? - (want.abs()? * tol)?)?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?)
+}
+
 /// `qlinear_prefill` (a prompt's rows through dequantized weights and cuBLAS): on the CPU,
 /// and below its type's `prefill_gemm_min_rows`, it declines. On a GPU, for every block type it
 /// has a kernel for:
@@ -1206,8 +1216,8 @@ test_device!(
 /// - x the identity (k rows) gives the weight's dequantized elements themselves, each within
 ///   F16's rounding (1e-3 relative; F16 x) or BF16's (4e-3; BF16 x) of Candle's
 ///   dequantization: a wrong nibble, high bit, scale or min anywhere fails;
-/// - random x of `PREFILL_GEMM_MIN_ROWS` and 2x100 rows, in each dtype, within 1e-2 of x times the dequantized
-///   weight in F32;
+/// - random x of `PREFILL_GEMM_MIN_ROWS` and 2x100 rows, in each dtype, within 1e-2 of x times
+///   the dequantized weight in F32;
 /// - weights of 37 and 300 rows, and (Q4_0) one of 4200 rows of 4096, over
 ///   `PREFILL_GEMM_SLICE_BYTES` in F16, which goes in two slices.
 fn qlinear_prefill_matches_dequantized(device: &Device) -> anyhow::Result<()> {
@@ -1251,12 +1261,7 @@ fn qlinear_prefill_matches_dequantized(device: &Device) -> anyhow::Result<()> {
             for (dtype, tol) in [(DType::F16, 1e-3), (DType::BF16, 4e-3)] {
                 let got = ops::dequantize_rows(&w, 1, n - 2, dtype)?;
                 anyhow::ensure!(got.dims() == [n - 2, k], "{what}: {:?}", got.dims());
-                let want = want.narrow(0, 1, n - 2)?;
-                let got = got.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
-                let err = ((got - &want)?.abs()? - (want.abs()? * tol)?)?
-                    .flatten_all()?
-                    .max(0)?
-                    .to_scalar::<f32>()?;
+                let err = past_rounding(&got, &want.narrow(0, 1, n - 2)?, tol)?;
                 anyhow::ensure!(err <= 1e-6, "{what} {dtype:?}: dequantized off by {err:e}");
             }
             // The identity: y's column c is row c of the weight, in the GEMM's dtype (F16 for
@@ -1264,11 +1269,7 @@ fn qlinear_prefill_matches_dequantized(device: &Device) -> anyhow::Result<()> {
             for (eye_dtype, tol) in [(DType::F16, 1e-3), (DType::BF16, 4e-3)] {
                 let eye = Tensor::eye(k, eye_dtype, device)?;
                 let got = ops::qlinear_prefill(&eye, &w)?.expect("runs on the GPU");
-                let got = got.t()?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
-                let err = ((&got - &want)?.abs()? - (want.abs()? * tol)?)?
-                    .flatten_all()?
-                    .max(0)?
-                    .to_scalar::<f32>()?;
+                let err = past_rounding(&got.t()?, &want, tol)?;
                 anyhow::ensure!(
                     err <= 1e-6,
                     "{what} {eye_dtype:?}: an element off by {err:e} past its rounding"
