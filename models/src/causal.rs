@@ -459,6 +459,20 @@ impl CausalLm {
         }
     }
 
+    /// What a stage that streams nothing may leave out of a prompt pass's reservation of `rows`
+    /// rows: on a GPU, the allowance for the pool's fragmentation
+    /// ([`Config::fragmentation_bytes`]), since the passes' activations are then the only
+    /// allocations and come alike pass after pass (a 7B Q4_0 at 4 GiB, prompt 512, then runs
+    /// passes of 256 instead of 171); nothing on a CPU, whose budget is the accounting alone.
+    fn pass_slack(cfg: &Config, device: &Device, rows: usize, max_len: usize, dtype: DType) -> u64 {
+        if !device.is_cuda() {
+            return 0;
+        }
+        let kernel = cfg.family.plain_attention(cfg)
+            && candle_offload::ops::prompt_attention_supported(device, dtype, cfg.head_dim);
+        cfg.fragmentation_bytes(rows, max_len, dtype, kernel)
+    }
+
     /// A stage's reservation while a prompt runs, what it gives to weights while decoding (the
     /// `share` of [`reserve_by_phase`](Self::reserve_by_phase): the prompt's activations and
     /// its rows' quantized-matmul buffers, which a decode step does not need) and the prompt's
@@ -468,8 +482,9 @@ impl CausalLm {
     /// unit of the stage fits at its own size beside it less the saving:
     /// - every unit fits beside the whole prompt's: that reservation, less the saving;
     /// - beside a pass of fewer rows (at least [`MIN_PROMPT_CHUNK`]): the most such rows, whose
-    ///   reservation, less the saving, the stage keeps, and prompts run in passes of that many
-    ///   rows, so that nothing streams;
+    ///   reservation, less the saving and less `slack(rows)` (the allowance for fragmentation,
+    ///   [`pass_slack`](Self::pass_slack), which `fits(rows, slack)` discounts too), the stage
+    ///   keeps, and prompts run in passes of that many rows, so that nothing streams;
     /// - otherwise the whole prompt's reservation, and the stage streams. (Where every unit fits
     ///   only beside a decode step's, the units keep their own sizes and stay while decoding,
     ///   `OffloadConfig::steady_reserve_bytes`; the saving is not taken there: measured on 7B
@@ -479,24 +494,28 @@ impl CausalLm {
         at: impl Fn(usize) -> u64,
         saving: u64,
         prompt_len: usize,
-        mut fits: impl FnMut(usize) -> std::result::Result<bool, ModelError>,
+        slack: impl Fn(usize) -> u64,
+        mut fits: impl FnMut(usize, u64) -> std::result::Result<bool, ModelError>,
     ) -> std::result::Result<(u64, u64, Option<usize>), ModelError> {
         let share = |rows| at(rows).saturating_sub(at(DECODE_ROWS));
-        if fits(prompt_len)? {
+        if fits(prompt_len, 0)? {
             return Ok((at(prompt_len) - saving, share(prompt_len), None));
         }
-        if prompt_len > MIN_PROMPT_CHUNK && fits(MIN_PROMPT_CHUNK)? {
+        let mut pass_fits = |rows| fits(rows, slack(rows));
+        if prompt_len > MIN_PROMPT_CHUNK && pass_fits(MIN_PROMPT_CHUNK)? {
             // The most rows that fit: fits(lo) holds, fits(hi) does not.
             let (mut lo, mut hi) = (MIN_PROMPT_CHUNK, prompt_len);
             while hi - lo > 1 {
                 let mid = lo + (hi - lo) / 2;
-                if fits(mid)? {
+                if pass_fits(mid)? {
                     lo = mid;
                 } else {
                     hi = mid;
                 }
             }
-            return Ok((at(lo) - saving, share(lo), Some(lo)));
+            let pass = at(lo).saturating_sub(slack(lo)).max(at(DECODE_ROWS));
+            let share = pass - at(DECODE_ROWS);
+            return Ok((pass - saving, share, Some(lo)));
         }
         Ok((at(prompt_len), share(prompt_len), None))
     }
@@ -530,7 +549,12 @@ impl CausalLm {
             |rows| Self::reserve_bytes(&cfg, &store, device, rows, max_len, dtype),
             Self::resident_saving(&store, device, settings),
             prompt_len,
-            |rows| Self::fits_whole(&cfg, &store, device, dtype, rows, max_len, settings),
+            |rows| Self::pass_slack(&cfg, device, rows, max_len, dtype),
+            |rows, slack| {
+                let (need, budget) =
+                    Self::whole_bytes(&cfg, &store, device, dtype, rows, max_len, settings, true)?;
+                Ok(need.saturating_sub(slack) <= budget)
+            },
         )?;
         let kv = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
         let mut stage = stage_config(
@@ -1013,8 +1037,9 @@ impl CausalLm {
     /// own layers and two layers' more (a host layer's cache passing through while a prompt
     /// runs on the GPU). The hidden state crosses to the GPU once per decode step; with no
     /// host layer this is [`from_store`](Self::from_store), except that a model which does not
-    /// fit the budget whole keeps an embedding table of its own on the host (a CPU stage of no
-    /// layers), as llama.cpp does, so that the GPU's room goes to layers.
+    /// fit the budget whole beside its whole prompt keeps an embedding table of its own on the
+    /// host (a CPU stage of no layers), as llama.cpp does, so that the GPU's room goes to
+    /// layers and to the prompt's passes.
     #[allow(clippy::too_many_arguments)]
     pub fn from_store_with_host(
         cfg: &Config,
@@ -1030,9 +1055,15 @@ impl CausalLm {
         let split = Self::host_split(cfg, &store, device, dtype, max_len, settings, host)?;
         let (h, steps, head_on_host) = (split.layers, split.steps, split.head_on_host);
         let prices = split.prices;
+        // The table's place is decided beside the whole prompt's reservation: a model that fits
+        // only beside a decode step's would otherwise keep the table on the GPU and run its
+        // prompt in passes or streaming (7B Q4_0 at 4 GiB, prompt 512, 16 new tokens: no room
+        // for passes beside the table, so 3 layers streamed a token, 158 tok/s; with the table
+        // on the host, passes and nothing streamed, 363 tok/s).
+        let rows = prompt_len.max(DECODE_ROWS);
         if h == 0
             && !head_on_host
-            && !Self::embed_on_host(cfg, &store, device, dtype, DECODE_ROWS, max_len, settings)?
+            && !Self::embed_on_host(cfg, &store, device, dtype, rows, max_len, settings)?
         {
             let mut model = Self::from_store(
                 cfg, store, device, dtype, prompt_len, max_len, settings, source,
@@ -1087,13 +1118,14 @@ impl CausalLm {
             |rows| at(rows).0,
             Self::resident_saving(&store, device, settings),
             prompt_len,
-            |rows| {
+            |rows| Self::pass_slack(cfg, device, rows, max_len, dtype),
+            |rows, slack| {
                 if h > 0 {
                     return Ok(false);
                 }
                 let (need, budget) =
                     Self::whole_bytes(cfg, &store, device, dtype, rows, max_len, settings, false)?;
-                Ok(need <= budget)
+                Ok(need.saturating_sub(slack) <= budget)
             },
         )?;
         let order = || {
@@ -2139,7 +2171,45 @@ pub fn argmax(logits: &Tensor) -> Result<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{even_pass_rows, HostLayers};
+    use super::{even_pass_rows, CausalLm, HostLayers, DECODE_ROWS};
+
+    /// A near fit sizes its passes with the slack left out of both the check and the
+    /// reservation it keeps; the whole prompt's check takes none, and a prompt that fits whole
+    /// keeps its whole reservation.
+    #[test]
+    fn near_fit_passes_leave_the_slack_out() {
+        let at = |rows: usize| 1000 + 10 * rows as u64;
+        let slack = |rows: usize| 4 * rows as u64;
+        let run = |budget: u64, slack: &dyn Fn(usize) -> u64| {
+            CausalLm::phase_reserves(at, 7, 512, slack, |rows, s| {
+                Ok(at(rows).saturating_sub(s) <= budget)
+            })
+            .unwrap()
+        };
+        let budget = at(189) + 5;
+        let (reserve, share, chunk) = run(budget, &|_| 0);
+        assert_eq!(
+            (reserve, share, chunk),
+            (at(189) - 7, at(189) - at(DECODE_ROWS), Some(189))
+        );
+        let (reserve, share, chunk) = run(budget, &slack);
+        // 1000 + 6 rows <= 2895: 315 rows.
+        let pass = at(315) - slack(315);
+        assert_eq!(
+            (reserve, share, chunk),
+            (pass - 7, pass - at(DECODE_ROWS), Some(315))
+        );
+        // The whole prompt: no slack taken, even where the slack would make it fit.
+        let budget = at(512) - slack(512);
+        let (reserve, _, chunk) = run(budget, &slack);
+        assert_eq!(chunk, Some(511));
+        assert!(reserve < at(512) - 7);
+        let (reserve, share, chunk) = run(at(512), &slack);
+        assert_eq!(
+            (reserve, share, chunk),
+            (at(512) - 7, at(512) - at(DECODE_ROWS), None)
+        );
+    }
 
     #[test]
     fn passes_are_even_and_fewest() {
