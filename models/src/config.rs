@@ -454,8 +454,8 @@ impl Config {
     /// streams nothing while its prompt runs in passes may leave it out (the passes'
     /// allocations are all it makes, alike pass after pass); measured on the H200 with a
     /// resident 7B Q4_0 at passes of 149, 312 and 512 rows, the pool's bytes in use grew
-    /// 3957, 3971, 3999 MiB, 42 MiB for 363 rows, against 100 MiB that the estimate without
-    /// this part adds.
+    /// 3957, 3971, 3999 MiB, 42 MiB for 363 rows, against 121 MiB that the estimate adds over
+    /// those rows (91 without this part).
     pub fn fragmentation_bytes(
         &self,
         seq_len: usize,
