@@ -2171,7 +2171,7 @@ pub fn argmax(logits: &Tensor) -> Result<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{even_pass_rows, CausalLm, HostLayers, DECODE_ROWS};
+    use super::{even_pass_rows, CausalLm, HostLayers, DECODE_ROWS, MIN_PROMPT_CHUNK};
 
     /// A near fit sizes its passes with the slack left out of both the check and the
     /// reservation it keeps; the whole prompt's check takes none, and a prompt that fits whole
@@ -2209,6 +2209,62 @@ mod tests {
             (reserve, share, chunk),
             (at(512) - 7, at(512) - at(DECODE_ROWS), None)
         );
+    }
+
+    proptest::proptest! {
+        /// For any reservation growing with the rows faster than its slack, the passes are
+        /// the most rows whose reservation less the slack fits, the kept reservation is that
+        /// (never below a decode step's) and fits the budget, and the whole prompt is checked
+        /// without the slack; what is given back while decoding leaves a decode step's.
+        #[test]
+        fn near_fit_passes_are_the_most_that_fit(
+            base in 0u64..1 << 30,
+            per_row in 1u64..1 << 20,
+            slack_share in 0u64..100,
+            saving in 0u64..1 << 20,
+            prompt_len in 1usize..2048,
+            budget in 0u64..(1 << 31),
+        ) {
+            let at = |rows: usize| base + saving + per_row * rows as u64;
+            let slack = |rows: usize| per_row * slack_share / 100 * rows as u64;
+            let fits = |rows: usize, s: u64| at(rows) - saving - s <= budget;
+            let (reserve, share, chunk) = CausalLm::phase_reserves(
+                at,
+                saving,
+                prompt_len,
+                slack,
+                |rows, s| Ok(fits(rows, s)),
+            )
+            .unwrap();
+            let decode = at(DECODE_ROWS) - saving;
+            match chunk {
+                None if fits(prompt_len, 0) => {
+                    proptest::prop_assert_eq!(reserve, at(prompt_len) - saving);
+                }
+                None => {
+                    // Streams: no pass of MIN_PROMPT_CHUNK rows fits either.
+                    proptest::prop_assert!(
+                        prompt_len <= MIN_PROMPT_CHUNK
+                            || !fits(MIN_PROMPT_CHUNK, slack(MIN_PROMPT_CHUNK))
+                    );
+                    // A stage that streams takes no resident saving.
+                    proptest::prop_assert_eq!(reserve, at(prompt_len));
+                    proptest::prop_assert_eq!(reserve - share, at(DECODE_ROWS));
+                    return Ok(());
+                }
+                Some(rows) => {
+                    proptest::prop_assert!(!fits(prompt_len, 0));
+                    proptest::prop_assert!((MIN_PROMPT_CHUNK..prompt_len).contains(&rows));
+                    proptest::prop_assert!(fits(rows, slack(rows)));
+                    let more = rows + 1;
+                    proptest::prop_assert!(more == prompt_len || !fits(more, slack(more)));
+                    let pass = (at(rows) - slack(rows)).max(at(DECODE_ROWS));
+                    proptest::prop_assert_eq!(reserve, pass - saving);
+                    proptest::prop_assert!(reserve >= decode && reserve <= budget.max(decode));
+                }
+            }
+            proptest::prop_assert_eq!(reserve + saving - share, at(DECODE_ROWS));
+        }
     }
 
     #[test]
