@@ -449,8 +449,7 @@ impl CausalLm {
         max_len: usize,
         dtype: DType,
     ) -> u64 {
-        let kernel = cfg.family.plain_attention(cfg)
-            && candle_offload::ops::prompt_attention_supported(device, dtype, cfg.head_dim);
+        let kernel = Self::prompt_attention_kernel(cfg, device, dtype);
         let reserve = cfg.reserve_bytes_with(prompt_len, max_len, dtype, kernel);
         if device.is_cuda() && store.ggml_tensor_count() > 0 {
             reserve + cfg.quantized_matmul_bytes(prompt_len)
@@ -468,9 +467,16 @@ impl CausalLm {
         if !device.is_cuda() {
             return 0;
         }
-        let kernel = cfg.family.plain_attention(cfg)
-            && candle_offload::ops::prompt_attention_supported(device, dtype, cfg.head_dim);
+        let kernel = Self::prompt_attention_kernel(cfg, device, dtype);
         cfg.fragmentation_bytes(rows, max_len, dtype, kernel)
+    }
+
+    /// Whether every layer's prompt attention runs as one kernel on `device` in `dtype`
+    /// ([`candle_offload::ops::prompt_attention`]): plain causal layers and a supported head
+    /// width, what the reservations count its buffers for.
+    fn prompt_attention_kernel(cfg: &Config, device: &Device, dtype: DType) -> bool {
+        cfg.family.plain_attention(cfg)
+            && candle_offload::ops::prompt_attention_supported(device, dtype, cfg.head_dim)
     }
 
     /// A stage's reservation while a prompt runs, what it gives to weights while decoding (the
