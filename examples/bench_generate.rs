@@ -101,6 +101,11 @@ struct Args {
     /// started with `--profile-from-start off` (scripts/kernel_breakdown.py decode runs ncu so).
     #[arg(long)]
     profile_decode: bool,
+    /// Sample the host threads' stacks during the timed decode steps (a build with the suite's
+    /// `host-profile` feature): one folded-stack file per configuration in this directory,
+    /// and each thread's samples and the busiest thread's top functions in the record.
+    #[arg(long)]
+    host_profile: Option<PathBuf>,
     /// Host memory for the weights (GiB, `12GiB`, `50%`): the layers past it stay in the
     /// checkpoint file and are read from disk on every fetch (`StoreConfig::host_memory_limit`).
     #[arg(long)]
@@ -442,6 +447,15 @@ fn main() -> Result<()> {
             if args.profile_decode {
                 candle_offload::diag::profiler_capture(&device, true)?;
             }
+            let host_profile = match &args.host_profile {
+                Some(dir) => {
+                    std::fs::create_dir_all(dir).with_context(|| {
+                        format!("--host-profile {}: cannot create", dir.display())
+                    })?;
+                    Some(candle_offload_suite::HostProfile::start(997)?)
+                }
+                None => None,
+            };
             for i in 0..args.new_tokens {
                 model.begin_step()?;
                 let t0 = Instant::now();
@@ -459,6 +473,14 @@ fn main() -> Result<()> {
                 bytes.push(rt.stats()?.last_step.map_or(0.0, |s| s.bytes as f64));
             }
             let decode_wall_s = decode_t0.elapsed().as_secs_f64();
+            let host_top = match (host_profile, &args.host_profile) {
+                (Some(p), Some(dir)) => {
+                    let name = format!("{weights}-{budget}-p{prompt_len}-d{depth}-{host:?}")
+                        .replace(|c: char| !c.is_ascii_alphanumeric() && c != '-', "_");
+                    Some(p.finish(&dir.join(format!("{name}.folded")), 40)?)
+                }
+                _ => None,
+            };
             // The host's share of the timed steps, and one host layer timed again as
             // `spread:auto` timed it at build (what it predicted, against what ran).
             let host_run = model.host_totals().since(&host_before);
@@ -700,6 +722,8 @@ fn main() -> Result<()> {
                 "cpu_q8_activations": args.q8_activations,
                 "cpu_kquants": candle_offload::cpu_quant::kquants(),
                 "weight_pool_env": std::env::var("CANDLE_OFFLOAD_WEIGHT_POOL").ok(),
+                "cpu_threads_env": std::env::var("CANDLE_OFFLOAD_CPU_THREADS").ok(),
+                "host_profile": host_top,
                 "prefill_gemm": candle_offload::ops::prefill_gemm(),
                 // The variant forced for every block type, or "default" (each type's own).
                 "qlinear_variant": candle_offload::ops::qlinear_variant().map_or("default", |v| v.name()),
