@@ -723,6 +723,7 @@ fn main() -> Result<()> {
                 "cpu_kquants": candle_offload::cpu_quant::kquants(),
                 "weight_pool_env": std::env::var("CANDLE_OFFLOAD_WEIGHT_POOL").ok(),
                 "cpu_threads_env": std::env::var("CANDLE_OFFLOAD_CPU_THREADS").ok(),
+                "cpu_prefetch_bytes_env": std::env::var("CANDLE_OFFLOAD_CPU_PREFETCH_BYTES").ok(),
                 "host_profile": host_top,
                 "prefill_gemm": candle_offload::ops::prefill_gemm(),
                 // The variant forced for every block type, or "default" (each type's own).

@@ -67,6 +67,88 @@ pub(crate) fn has_avx2() -> bool {
     }
 }
 
+/// Software prefetch in the CPU matmuls, being measured (BENCHMARKS.md): the weight rows
+/// ahead of the one a worker multiplies whose lines it asks the memory for first
+/// ([`prefetch_row_ahead`]; 0: none).
+pub(crate) static PREFETCH_ROWS: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
+/// Overrides [`DEFAULT_PREFETCH_BYTES`] for the process (read once; 0 to 65536, 0 turns the
+/// prefetch off).
+pub(crate) const PREFETCH_BYTES_ENV: &str = "CANDLE_OFFLOAD_CPU_PREFETCH_BYTES";
+
+/// How many bytes ahead of its reads of a weight row the dense and Q8_0 kernels ask the memory
+/// for a line.
+const DEFAULT_PREFETCH_BYTES: usize = 4096;
+
+/// [`prefetch_bytes`]' value, `usize::MAX` until first read.
+pub(crate) static PREFETCH_BYTES: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// The bytes ahead the kernels prefetch: [`PREFETCH_BYTES_ENV`]'s value where set to a whole
+/// number from 0 to 65536 (anything else is ignored with a warning), otherwise
+/// [`DEFAULT_PREFETCH_BYTES`].
+#[inline]
+pub(crate) fn prefetch_bytes() -> usize {
+    use std::sync::atomic::Ordering;
+    let v = PREFETCH_BYTES.load(Ordering::Relaxed);
+    if v != usize::MAX {
+        return v;
+    }
+    let v = match std::env::var(PREFETCH_BYTES_ENV) {
+        Ok(s) => match s.trim().parse::<usize>() {
+            Ok(n) if n <= 65536 => n,
+            _ => {
+                tracing::warn!(
+                    "{PREFETCH_BYTES_ENV}={s:?} is not a whole number from 0 to 65536; ignored"
+                );
+                DEFAULT_PREFETCH_BYTES
+            }
+        },
+        Err(_) => DEFAULT_PREFETCH_BYTES,
+    };
+    PREFETCH_BYTES.store(v, Ordering::Relaxed);
+    v
+}
+
+/// The rows ahead [`PREFETCH_ROWS`] holds.
+#[inline]
+pub(crate) fn prefetch_rows() -> usize {
+    PREFETCH_ROWS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Asks the memory for every cache line of `bytes` (a weight row a worker multiplies next),
+/// into the first-level cache; no effect on what any read returns.
+#[inline]
+pub(crate) fn prefetch_lines(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (0..bytes.len()).step_by(64) {
+        // SAFETY: `off` is inside `bytes`; a prefetch reads nothing the program sees and never
+        // faults (SSE, which every x86_64 CPU has).
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                bytes.as_ptr().add(off) as *const i8,
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
+/// [`prefetch_lines`] of row `c + ahead` of a work item's rows `c0..end` (`row(c)`, `ahead`
+/// from [`prefetch_rows`]), where that row is in the item.
+#[inline]
+pub(crate) fn prefetch_row_ahead<'a>(
+    c: usize,
+    end: usize,
+    ahead: usize,
+    row: impl Fn(usize) -> &'a [u8],
+) {
+    if ahead > 0 && c + ahead < end {
+        prefetch_lines(row(c + ahead));
+    }
+}
+
 /// Whether this CPU runs the AVX-512 kernels of the F32-activation dot products (detected
 /// once).
 pub(crate) fn has_avx512() -> bool {
@@ -189,7 +271,8 @@ pub(crate) fn dot_q8_0_q8_0(x: &[u8], y: &[u8]) -> f32 {
     if has_avx2() {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked above), and both slices hold `nb`
         // whole Q8_0 blocks (checked above).
-        return unsafe { avx2::dot_q8_0_q8_0(x, y, nb) };
+        let pf = prefetch_bytes();
+        return unsafe { avx2::dot_q8_0_q8_0(x, y, nb, pf) };
     }
     dot_q8_0_q8_0_scalar(x, y)
 }
@@ -620,11 +703,15 @@ mod avx2 {
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `x` and `y` each hold `nb` Q8_0 blocks.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q8_0_q8_0(x: &[u8], y: &[u8], nb: usize) -> f32 {
+    pub(super) unsafe fn dot_q8_0_q8_0(x: &[u8], y: &[u8], nb: usize, pf: usize) -> f32 {
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
         let mut acc = _mm256_setzero_ps();
         let mut i = 0;
         while i + 1 < nb {
+            if pf > 0 {
+                // The line `pf` bytes ahead of these blocks (a prefetch never faults).
+                super::prefetch(xp.wrapping_add(i * Q8_0_BYTES + pf));
+            }
             // SAFETY: blocks `i` and `i + 1` are below `nb`, inside both slices.
             let ((p0, d0), (p1, d1)) = unsafe {
                 (
@@ -1028,13 +1115,25 @@ pub(crate) enum DenseRow<'a> {
     F32(&'a [f32]),
 }
 
-impl DenseRow<'_> {
+impl<'a> DenseRow<'a> {
     fn len(&self) -> usize {
         match self {
             Self::F16(w) => w.len(),
             Self::BF16(w) => w.len(),
             Self::F32(w) => w.len(),
         }
+    }
+
+    /// The row's memory, as bytes.
+    pub(crate) fn bytes(&self) -> &'a [u8] {
+        let (p, n) = match *self {
+            Self::F16(w) => (w.as_ptr().cast::<u8>(), std::mem::size_of_val(w)),
+            Self::BF16(w) => (w.as_ptr().cast::<u8>(), std::mem::size_of_val(w)),
+            Self::F32(w) => (w.as_ptr().cast::<u8>(), std::mem::size_of_val(w)),
+        };
+        // SAFETY: `p` and `n` are a borrowed slice's start and size in bytes, borrowed for
+        // `'a`; bytes need no alignment and every bit pattern is one.
+        unsafe { std::slice::from_raw_parts(p, n) }
     }
 }
 
@@ -1090,6 +1189,7 @@ pub(crate) fn dot_dense_rows_add(w: DenseRow<'_>, xs: &[f32], ldx: usize, out: &
             let m = out.len();
             let x = xs.as_ptr();
             let avx512 = has_avx512();
+            let pf = prefetch_bytes();
             // SAFETY: the CPU has AVX2, FMA and F16C (checked), and AVX-512F where
             // `dense_avx512` runs (`avx512`); `w` holds `k` values of the type `D` names, `xs`
             // `m` rows of `k` values `ldx` apart (checked above: `xs` starts at row
@@ -1098,27 +1198,27 @@ pub(crate) fn dot_dense_rows_add(w: DenseRow<'_>, xs: &[f32], ldx: usize, out: &
                 match (w, avx512) {
                     (DenseRow::F16(w), true) => {
                         let w = w.as_ptr() as *const u8;
-                        by_rows!(m, dense_avx512::dot_rows, DENSE_F16, w, k, x, ldx, out)
+                        by_rows!(m, dense_avx512::dot_rows, DENSE_F16, w, k, x, ldx, out, pf)
                     }
                     (DenseRow::BF16(w), true) => {
                         let w = w.as_ptr() as *const u8;
-                        by_rows!(m, dense_avx512::dot_rows, DENSE_BF16, w, k, x, ldx, out)
+                        by_rows!(m, dense_avx512::dot_rows, DENSE_BF16, w, k, x, ldx, out, pf)
                     }
                     (DenseRow::F32(w), true) => {
                         let w = w.as_ptr() as *const u8;
-                        by_rows!(m, dense_avx512::dot_rows, DENSE_F32, w, k, x, ldx, out)
+                        by_rows!(m, dense_avx512::dot_rows, DENSE_F32, w, k, x, ldx, out, pf)
                     }
                     (DenseRow::F16(w), false) => {
                         let w = w.as_ptr() as *const u8;
-                        by_rows!(m, dense_avx2::dot_rows, DENSE_F16, w, k, x, ldx, out)
+                        by_rows!(m, dense_avx2::dot_rows, DENSE_F16, w, k, x, ldx, out, pf)
                     }
                     (DenseRow::BF16(w), false) => {
                         let w = w.as_ptr() as *const u8;
-                        by_rows!(m, dense_avx2::dot_rows, DENSE_BF16, w, k, x, ldx, out)
+                        by_rows!(m, dense_avx2::dot_rows, DENSE_BF16, w, k, x, ldx, out, pf)
                     }
                     (DenseRow::F32(w), false) => {
                         let w = w.as_ptr() as *const u8;
-                        by_rows!(m, dense_avx2::dot_rows, DENSE_F32, w, k, x, ldx, out)
+                        by_rows!(m, dense_avx2::dot_rows, DENSE_F32, w, k, x, ldx, out, pf)
                     }
                 }
             }
@@ -1149,6 +1249,27 @@ fn dot_dense_rows_add_scalar(w: DenseRow<'_>, xs: &[f32], ldx: usize, out: &mut 
     }
 }
 
+/// Bytes per element of a dense row of type `D`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+const fn size<const D: u8>() -> usize {
+    match D {
+        DENSE_F16 | DENSE_BF16 => 2,
+        _ => 4,
+    }
+}
+
+/// Asks the memory for the cache line at `p` (any address: a prefetch never faults).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    // SAFETY: a prefetch reads nothing the program sees and never faults, wherever `p`
+    // points (SSE, which every x86_64 CPU has).
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+    };
+}
+
 /// The value of element `i` of a dense row of type `D` at `w`, as f32.
 ///
 /// # Safety
@@ -1176,7 +1297,7 @@ mod dense_avx2 {
     use std::arch::x86_64::*;
 
     use super::avx2::hsum;
-    use super::{dense_elem, DENSE_BF16, DENSE_F16};
+    use super::{dense_elem, prefetch, size, DENSE_BF16, DENSE_F16};
 
     /// Values `i..i + 8` of a dense row of type `D` at `w`, as f32.
     ///
@@ -1212,6 +1333,7 @@ mod dense_avx2 {
         x: *const f32,
         ldx: usize,
         out: &mut [f32],
+        pf: usize,
     ) {
         let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); M], [_mm256_setzero_ps(); M]);
         let mut i = 0;
@@ -1220,6 +1342,10 @@ mod dense_avx2 {
                 // SAFETY: elements `i..i + 16` are below `k`, inside the weight row and each
                 // activation row (`r * ldx + i`, r < M); the loads are unaligned.
                 unsafe {
+                    if pf > 0 {
+                        // The line `pf` bytes ahead (a prefetch never faults).
+                        prefetch(w.wrapping_add(i * size::<D>() + pf));
+                    }
                     let (w0, w1) = (load8::<D>(w, i), load8::<D>(w, i + 8));
                     for (r, (a0, a1)) in acc0.iter_mut().zip(acc1.iter_mut()).enumerate() {
                         let xr = x.add(r * ldx + i);
@@ -1256,7 +1382,7 @@ mod dense_avx2 {
 mod dense_avx512 {
     use std::arch::x86_64::*;
 
-    use super::{dense_elem, DENSE_BF16, DENSE_F16};
+    use super::{dense_elem, prefetch, size, DENSE_BF16, DENSE_F16};
 
     /// Values `i..i + 16` of a dense row of type `D` at `w`, as f32.
     ///
@@ -1291,6 +1417,7 @@ mod dense_avx512 {
         x: *const f32,
         ldx: usize,
         out: &mut [f32],
+        pf: usize,
     ) {
         let (mut acc0, mut acc1) = ([_mm512_setzero_ps(); M], [_mm512_setzero_ps(); M]);
         let mut i = 0;
@@ -1298,6 +1425,13 @@ mod dense_avx512 {
             // SAFETY: elements `i..i + 32` are below `k`, inside the weight row and each
             // activation row (`r * ldx + i`, r < M); the loads are unaligned.
             unsafe {
+                if pf > 0 {
+                    // The line `pf` bytes ahead (a prefetch never faults).
+                    prefetch(w.wrapping_add(i * size::<D>() + pf));
+                    if size::<D>() == 4 {
+                        prefetch(w.wrapping_add(i * 4 + pf + 64));
+                    }
+                }
                 let (w0, w1) = (load16::<D>(w, i), load16::<D>(w, i + 16));
                 for (r, (a0, a1)) in acc0.iter_mut().zip(acc1.iter_mut()).enumerate() {
                     let xr = x.add(r * ldx + i);
@@ -1485,7 +1619,7 @@ mod tests {
                     }
                     #[cfg(target_arch = "x86_64")]
                     if has_avx2() && m <= DENSE_ROWS {
-                        // The AVX2 kernel too where AVX-512 takes the public path.
+                        // The AVX2 kernel too where AVX-512 takes the public path, with a prefetch.
                         let mut avx2 = vec![0f32; m];
                         let x = xs.as_ptr();
                         // SAFETY: the CPU has AVX2, FMA and F16C (checked); each row holds
@@ -1500,7 +1634,8 @@ mod tests {
                                     k,
                                     x,
                                     k,
-                                    &mut avx2
+                                    &mut avx2,
+                                    256
                                 ),
                                 DenseRow::BF16(w) => by_rows!(
                                     m,
@@ -1510,7 +1645,8 @@ mod tests {
                                     k,
                                     x,
                                     k,
-                                    &mut avx2
+                                    &mut avx2,
+                                    256
                                 ),
                                 DenseRow::F32(w) => by_rows!(
                                     m,
@@ -1520,7 +1656,8 @@ mod tests {
                                     k,
                                     x,
                                     k,
-                                    &mut avx2
+                                    &mut avx2,
+                                    256
                                 ),
                             }
                         }
