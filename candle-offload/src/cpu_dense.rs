@@ -129,16 +129,11 @@ fn columns<'a>(
     let n = out_t.len() / m;
     let cols = cols_per_item(n, crate::sys::spin::threads());
     let kb = k_block(m, k);
-    let ahead = simd::prefetch_rows();
     crate::sys::spin::for_each_chunk_mut(out_t, cols * m, |task, part| {
         let col0 = task * cols;
-        let end = col0 + part.len() / m;
         for k0 in (0..k).step_by(kb) {
             let len = kb.min(k - k0);
             for (c, col) in part.chunks_mut(m).enumerate() {
-                if kb == k {
-                    simd::prefetch_row_ahead(col0 + c, end, ahead, |c| row(c).bytes());
-                }
                 let w = match row(col0 + c) {
                     DenseRow::F16(w) => DenseRow::F16(&w[k0..k0 + len]),
                     DenseRow::BF16(w) => DenseRow::BF16(&w[k0..k0 + len]),
@@ -432,13 +427,12 @@ mod kernel_ab {
 
     /// Software prefetch in the host layers' matmuls: a 7B LLaMA layer's seven projections
     /// (q, k, v, o: 4096 x 4096; gate, up: 11008 x 4096; down: 4096 x 11008) against one row,
-    /// as a decode step runs them, over `LAYERS` copies (more than a 300 MiB L3), F16 through
-    /// [`forward`] and Q8_0 through `cpu_quant` with 8-bit activations (q, k, v and gate, up
-    /// in one pass each). Each prefetch setting ([`simd::PREFETCH_ROWS`] rows ahead,
-    /// [`simd::PREFETCH_BYTES`] bytes ahead in the dense and Q8_0 kernels) runs a sweep over
-    /// the copies,
-    /// settings alternated over 7 rounds; medians, GB/s of weights read. Every setting's
-    /// outputs must equal the first's bit for bit. One JSON record per line after `RECORD`.
+    /// as a decode step runs them, over `LAYERS` copies (more than a 300 MiB L3): F16 through
+    /// [`forward`], Q8_0 through `cpu_quant` with F32 and with 8-bit activations, Q4_K through
+    /// `cpu_quant`'s K-quant path (q, k, v and gate, up in one pass each). Each distance of
+    /// [`simd::prefetch_bytes`] (0: none) runs a sweep over the copies, distances alternated
+    /// over 7 rounds; medians, GB/s of weights read. Every distance's outputs must equal the
+    /// first's bit for bit. One JSON record per line after `RECORD`.
     #[test]
     #[ignore]
     fn ab_prefetch() {
@@ -478,36 +472,42 @@ mod kernel_ab {
                     .collect()
             })
             .collect();
-        let q8_layers: Vec<Vec<Arc<QTensor>>> = (0..LAYERS)
-            .map(|l| {
-                shapes
-                    .iter()
-                    .enumerate()
-                    .map(|(j, &(n, k))| {
-                        // Q8_0 blocks: an f16 scale, then 32 signed bytes.
-                        let nb = n * k / 32;
-                        let mut b = vec![0u8; nb * 34];
-                        for (i, blk) in b.chunks_exact_mut(34).enumerate() {
-                            blk[..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
-                            for (t, q) in blk[2..].iter_mut().enumerate() {
-                                *q = ((i * 31 + t * 7 + l + j) % 255) as u8;
+        // Blocks of `ty` from bytes: the f16 scales at `scales` set to small values, the rest
+        // varied.
+        let blocks = |ty: GgmlDType, scales: &[usize], seed: usize| -> Vec<Vec<Arc<QTensor>>> {
+            let size = ty.type_size();
+            (0..LAYERS)
+                .map(|l| {
+                    shapes
+                        .iter()
+                        .enumerate()
+                        .map(|(j, &(n, k))| {
+                            let mut b = vec![0u8; n * k / ty.block_size() * size];
+                            for (i, blk) in b.chunks_exact_mut(size).enumerate() {
+                                for (t, q) in blk.iter_mut().enumerate() {
+                                    *q = ((i * 31 + t * 7 + l + j + seed) % 255) as u8;
+                                }
+                                for &at in scales {
+                                    let d = half::f16::from_f32(0.01).to_le_bytes();
+                                    blk[at..at + 2].copy_from_slice(&d);
+                                }
                             }
-                        }
-                        let st = QStorage::from_data(
-                            std::borrow::Cow::Borrowed(&b),
-                            &dev,
-                            GgmlDType::Q8_0,
-                        )
-                        .unwrap();
-                        Arc::new(QTensor::new(st, (n, k)).unwrap())
-                    })
-                    .collect()
-            })
-            .collect();
+                            let st = QStorage::from_data(std::borrow::Cow::Borrowed(&b), &dev, ty)
+                                .unwrap();
+                            Arc::new(QTensor::new(st, (n, k)).unwrap())
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        let q8_layers = blocks(GgmlDType::Q8_0, &[0], 0);
+        let q4k_layers = blocks(GgmlDType::Q4K, &[0, 2], 1);
         let x = Tensor::from_vec(values(4096, 9), (1, 4096), &dev).unwrap();
         let x2 = Tensor::from_vec(values(11008, 5), (1, 11008), &dev).unwrap();
-        let x16 = x.to_dtype(DType::F16).unwrap();
-        let x216 = x2.to_dtype(DType::F16).unwrap();
+        let (x16, x216) = (
+            x.to_dtype(DType::F16).unwrap(),
+            x2.to_dtype(DType::F16).unwrap(),
+        );
         let f16_sweep = || -> Vec<Tensor> {
             let mut outs = Vec::new();
             for ws in &f16_layers {
@@ -518,15 +518,16 @@ mod kernel_ab {
             }
             outs
         };
-        let q8_sweep = || -> Vec<Tensor> {
+        let quant_sweep = |layers: &Vec<Vec<Arc<QTensor>>>| -> Vec<Tensor> {
             let mut outs = Vec::new();
-            for ws in &q8_layers {
-                let qkv = crate::cpu_quant::forward_many(&[&ws[0], &ws[1], &ws[2]], &x);
-                outs.extend(qkv.unwrap().unwrap());
-                outs.push(crate::cpu_quant::forward(&ws[3], &x).unwrap().unwrap());
-                let gu = crate::cpu_quant::forward_many(&[&ws[4], &ws[5]], &x);
-                outs.extend(gu.unwrap().unwrap());
-                outs.push(crate::cpu_quant::forward(&ws[6], &x2).unwrap().unwrap());
+            let many = |ws: &[&Arc<QTensor>], x: &Tensor| {
+                crate::cpu_quant::forward_many(ws, x).unwrap().unwrap()
+            };
+            for ws in layers {
+                outs.extend(many(&[&ws[0], &ws[1], &ws[2]], &x));
+                outs.extend(many(&[&ws[3]], &x));
+                outs.extend(many(&[&ws[4], &ws[5]], &x));
+                outs.extend(many(&[&ws[6]], &x2));
             }
             outs
         };
@@ -535,52 +536,53 @@ mod kernel_ab {
             t.to_vec1::<f32>().unwrap()
         };
         let elems: usize = shapes.iter().map(|(n, k)| n * k).sum::<usize>() * LAYERS;
-        crate::cpu_quant::set_quantized_activations(true);
-        let settings: [(&str, usize, usize); 9] = [
-            ("none", 0, 0),
-            ("bytes1024", 0, 1024),
-            ("bytes2048", 0, 2048),
-            ("bytes4096", 0, 4096),
-            ("bytes8192", 0, 8192),
-            ("bytes16384", 0, 16384),
-            ("rows1", 1, 0),
-            ("rows4", 4, 0),
-            ("rows1+bytes4096", 1, 4096),
+        let distances = [0usize, 1024, 2048, 4096, 8192, 16384];
+        let q8_sweep = || {
+            crate::cpu_quant::set_quantized_activations(true);
+            let outs = quant_sweep(&q8_layers);
+            crate::cpu_quant::set_quantized_activations(false);
+            outs
+        };
+        let q8f_sweep = || quant_sweep(&q8_layers);
+        let q4k_sweep = || {
+            // The K-quant path, whatever this machine's default.
+            let was = crate::cpu_quant::kquants();
+            crate::cpu_quant::set_kquants(true);
+            let outs = quant_sweep(&q4k_layers);
+            crate::cpu_quant::set_kquants(was);
+            outs
+        };
+        let runs: [(&str, usize, &dyn Fn() -> Vec<Tensor>); 4] = [
+            ("F16", elems * 2, &f16_sweep),
+            ("Q8_0 (8-bit activations)", elems / 32 * 34, &q8_sweep),
+            ("Q8_0", elems / 32 * 34, &q8f_sweep),
+            ("Q4_K", elems / 256 * 144, &q4k_sweep),
         ];
-        for (weights, bytes, sweep) in [
-            ("F16", elems * 2, &f16_sweep as &dyn Fn() -> Vec<Tensor>),
-            ("Q8_0", elems / 32 * 34, &q8_sweep),
-        ] {
-            let set = |rows: usize, bytes: usize| {
-                simd::PREFETCH_ROWS.store(rows, Ordering::Relaxed);
-                simd::PREFETCH_BYTES.store(bytes, Ordering::Relaxed);
-            };
-            let settings: Vec<_> = settings.iter().collect();
-            set(0, 0);
-            let want: Vec<Vec<f32>> = sweep().iter().map(|t| as_f32(t)).collect();
-            let mut times = vec![Vec::new(); settings.len()];
+        for (weights, bytes, sweep) in runs {
+            let set = |pf: usize| simd::PREFETCH_BYTES.store(pf, Ordering::Relaxed);
+            set(0);
+            let want: Vec<Vec<f32>> = sweep().iter().map(as_f32).collect();
+            let mut times = vec![Vec::new(); distances.len()];
             for _ in 0..7 {
-                for (s, &&(name, rows, pf)) in settings.iter().enumerate() {
-                    set(rows, pf);
+                for (s, &pf) in distances.iter().enumerate() {
+                    set(pf);
                     std::thread::sleep(Duration::from_millis(20));
                     let t = Instant::now();
                     let got = sweep();
                     times[s].push(t.elapsed().as_secs_f64());
                     for (g, w) in got.iter().zip(&want) {
-                        assert!(as_f32(g) == *w, "{weights} {name}: outputs differ");
+                        assert!(as_f32(g) == *w, "{weights} {pf}: outputs differ");
                     }
                 }
             }
-            set(0, 0);
-            for (s, &&(name, rows, pf)) in settings.iter().enumerate() {
+            for (s, &pf) in distances.iter().enumerate() {
                 let mut t = times[s].clone();
                 t.sort_by(f64::total_cmp);
                 let med = t[t.len() / 2];
                 println!(
-                    "RECORD {{\"weights\": \"{weights}\", \"setting\": \"{name}\", \
-                     \"rows_ahead\": {rows}, \"bytes_ahead\": {pf}, \"layers\": {LAYERS}, \
-                     \"threads\": {}, \"layer_ms\": {:.3}, \"gbs\": {:.2}, \
-                     \"sweep_ms_all\": {:?}}}",
+                    "RECORD {{\"weights\": \"{weights}\", \"bytes_ahead\": {pf}, \
+                     \"layers\": {LAYERS}, \"threads\": {}, \"layer_ms\": {:.3}, \
+                     \"gbs\": {:.2}, \"sweep_ms_all\": {:?}}}",
                     crate::sys::spin::threads(),
                     med * 1e3 / LAYERS as f64,
                     bytes as f64 / med / 1e9,
@@ -591,6 +593,7 @@ mod kernel_ab {
                 );
             }
         }
-        crate::cpu_quant::set_quantized_activations(false);
+        // Back to the process's setting.
+        simd::PREFETCH_BYTES.store(usize::MAX, Ordering::Relaxed);
     }
 }

@@ -288,15 +288,10 @@ pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tens
     // Tasks of an even number of columns, so that Q8_0 rows pair up as in `forward`.
     let per_task = COLS_PER_ITEM * min_len.max(1);
     let mut out = vec![0f32; total];
-    let ahead = simd::prefetch_rows();
     crate::sys::spin::for_each_chunk_mut(&mut out, per_task, |task, part| {
         let mut c = task * per_task;
         let end = c + part.len();
         while c < end {
-            simd::prefetch_row_ahead(c, end, ahead, |c| {
-                let (i, r) = row(c);
-                &datas[i][r * row_bytes..(r + 1) * row_bytes]
-            });
             let (i, r) = row(c);
             let w = |r: usize| &datas[i][r * row_bytes..(r + 1) * row_bytes];
             let slot = c - task * per_task;
@@ -504,10 +499,21 @@ fn kquant_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tensor>>>
     let per_task = KQUANT_ELEMS_PER_TASK.div_ceil(k).max(1);
     // Column-major: the `m` values of output column c (all weights' columns in a row) at c * m.
     let mut out_t = vec![0f32; total * m];
+    // Candle's kernels read each row in order; the rows ahead far enough to cover the bytes
+    // the in-kernel prefetch of the other types covers are asked for first (whole rows).
+    let row_bytes: Vec<usize> = ws.iter().map(|w| nb * w.dtype().type_size()).collect();
+    let pf = simd::prefetch_bytes();
+    let row = |c: usize| {
+        let (i, r) = column_of(&starts, c);
+        &datas[i][r * row_bytes[i]..(r + 1) * row_bytes[i]]
+    };
     crate::sys::spin::for_each_chunk_mut(&mut out_t, per_task * m, |task, part| {
         let c0 = task * per_task;
+        let end = c0 + part.len() / m;
         for (j, col) in part.chunks_mut(m).enumerate() {
             let (i, r) = column_of(&starts, c0 + j);
+            let ahead = pf.div_ceil(row_bytes[i].max(1));
+            simd::prefetch_row_ahead(c0 + j, end, ahead, row);
             for (v, y) in col.iter_mut().zip(yq.chunks_exact(nb)) {
                 *v = rows[i].dot(r, nb, k, y);
             }
@@ -712,14 +718,9 @@ fn par_columns(
     column: impl Fn(&[u8], &mut [f32]) + Sync + Send,
 ) {
     let cols = COLS_PER_ITEM * min_len.max(1);
-    let ahead = simd::prefetch_rows();
     crate::sys::spin::for_each_chunk_mut(out_t, cols * m, |task, part| {
         let col0 = task * cols;
-        let end = col0 + part.len() / m;
         for (c, col) in part.chunks_mut(m).enumerate() {
-            simd::prefetch_row_ahead(col0 + c, end, ahead, |c| {
-                &data[c * row_bytes..(c + 1) * row_bytes]
-            });
             column(
                 &data[(col0 + c) * row_bytes..(col0 + c + 1) * row_bytes],
                 col,
@@ -739,18 +740,11 @@ fn par_column_fours(
     columns: impl Fn(&[&[u8]], &mut [&mut [f32]]) + Sync + Send,
 ) {
     let per_task = COLS_PER_ITEM * min_len.max(1);
-    let ahead = simd::prefetch_rows();
     crate::sys::spin::for_each_chunk_mut(out_t, per_task * m, |task, part| {
         let col0 = task * per_task;
         let mut cols: Vec<&mut [f32]> = part.chunks_mut(m).collect();
-        let end = col0 + cols.len();
         for (g, group) in cols.chunks_mut(4).enumerate() {
             let first = col0 + 4 * g;
-            for a in 0..4 {
-                simd::prefetch_row_ahead(first + a, end, ahead, |c| {
-                    &data[c * row_bytes..(c + 1) * row_bytes]
-                });
-            }
             let rows: Vec<&[u8]> = (first..first + group.len())
                 .map(|c| &data[c * row_bytes..(c + 1) * row_bytes])
                 .collect();

@@ -67,12 +67,6 @@ pub(crate) fn has_avx2() -> bool {
     }
 }
 
-/// Software prefetch in the CPU matmuls, being measured (BENCHMARKS.md): the weight rows
-/// ahead of the one a worker multiplies whose lines it asks the memory for first
-/// ([`prefetch_row_ahead`]; 0: none).
-pub(crate) static PREFETCH_ROWS: std::sync::atomic::AtomicUsize =
-    std::sync::atomic::AtomicUsize::new(0);
-
 /// Overrides [`DEFAULT_PREFETCH_BYTES`] for the process (read once; 0 to 65536, 0 turns the
 /// prefetch off).
 pub(crate) const PREFETCH_BYTES_ENV: &str = "CANDLE_OFFLOAD_CPU_PREFETCH_BYTES";
@@ -111,12 +105,6 @@ pub(crate) fn prefetch_bytes() -> usize {
     v
 }
 
-/// The rows ahead [`PREFETCH_ROWS`] holds.
-#[inline]
-pub(crate) fn prefetch_rows() -> usize {
-    PREFETCH_ROWS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// Asks the memory for every cache line of `bytes` (a weight row a worker multiplies next),
 /// into the first-level cache; no effect on what any read returns.
 #[inline]
@@ -135,8 +123,8 @@ pub(crate) fn prefetch_lines(bytes: &[u8]) {
     let _ = bytes;
 }
 
-/// [`prefetch_lines`] of row `c + ahead` of a work item's rows `c0..end` (`row(c)`, `ahead`
-/// from [`prefetch_rows`]), where that row is in the item.
+/// [`prefetch_lines`] of row `c + ahead` of a work item whose rows end before `end`
+/// (`row(c)`), where that row is in the item and `ahead` is not 0.
 #[inline]
 pub(crate) fn prefetch_row_ahead<'a>(
     c: usize,
@@ -218,7 +206,7 @@ pub(crate) fn dot_q4_1_q8_1(x: &[u8], y: &[u8]) -> f32 {
     if has_avx2() {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked above), and the lengths were checked:
         // `x` holds `nb` whole Q4_1 blocks and `y` `nb` whole Q8_1 blocks.
-        return unsafe { avx2::dot_q4_1_q8_1(x, y, nb) };
+        return unsafe { avx2::dot_q4_1_q8_1(x, y, nb, prefetch_bytes()) };
     }
     dot_q4_1_q8_1_scalar(x, y)
 }
@@ -269,9 +257,9 @@ pub(crate) fn dot_q8_0_q8_0(x: &[u8], y: &[u8]) -> f32 {
     assert!(x.len() == nb * Q8_0_BYTES && y.len() == nb * Q8_0_BYTES);
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
+        let pf = prefetch_bytes();
         // SAFETY: the CPU has AVX2, FMA and F16C (checked above), and both slices hold `nb`
         // whole Q8_0 blocks (checked above).
-        let pf = prefetch_bytes();
         return unsafe { avx2::dot_q8_0_q8_0(x, y, nb, pf) };
     }
     dot_q8_0_q8_0_scalar(x, y)
@@ -366,7 +354,7 @@ pub(crate) fn dot_q4_1_f32_summed(x: &[u8], y: &[f32], ysum: &[f32]) -> f32 {
     if has_avx512() {
         // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked above), and the lengths
         // were checked: `x` holds `nb` whole Q4_1 blocks, `y` `nb * 32` values and `ysum` `nb`.
-        return unsafe { avx512::dot_q4_1_f32_summed(x, y, ysum, nb) };
+        return unsafe { avx512::dot_q4_1_f32_summed(x, y, ysum, nb, prefetch_bytes()) };
     }
     dot_q4_1_f32(x, y)
 }
@@ -445,7 +433,7 @@ pub(crate) fn dot_q8_0_f32_pair(x0: &[u8], x1: &[u8], y: &[f32]) -> (f32, f32) {
     if has_avx512() {
         // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked above), and the lengths
         // were checked: `x0` and `x1` hold `nb` whole Q8_0 blocks each and `y` `nb * 32` values.
-        return unsafe { avx512::dot_q8_0_f32_pair(x0, x1, y, nb) };
+        return unsafe { avx512::dot_q8_0_f32_pair(x0, x1, y, nb, prefetch_bytes()) };
     }
     (dot_q8_0_f32(x0, y), dot_q8_0_f32(x1, y))
 }
@@ -459,13 +447,13 @@ pub(crate) fn dot_q8_0_f32(x: &[u8], y: &[f32]) -> f32 {
     if has_avx512() {
         // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked above), and the lengths
         // were checked: `x` holds `nb` whole Q8_0 blocks and `y` `nb * 32` values.
-        return unsafe { avx512::dot_q8_0_f32(x, y, nb) };
+        return unsafe { avx512::dot_q8_0_f32(x, y, nb, prefetch_bytes()) };
     }
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked above), and the lengths were checked:
         // `x` holds `nb` whole Q8_0 blocks and `y` `nb * 32` values.
-        return unsafe { avx2::dot_q8_0_f32(x, y, nb) };
+        return unsafe { avx2::dot_q8_0_f32(x, y, nb, prefetch_bytes()) };
     }
     dot_q8_0_f32_scalar(x, y)
 }
@@ -620,7 +608,7 @@ mod avx2 {
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks and `y` `nb` Q8_1 blocks.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q4_1_q8_1(x: &[u8], y: &[u8], nb: usize) -> f32 {
+    pub(super) unsafe fn dot_q4_1_q8_1(x: &[u8], y: &[u8], nb: usize, pf: usize) -> f32 {
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
         // One accumulator and the blocks in order, as ggml sums them: a different float order
         // flips near-tied greedy tokens of a small model against llama.cpp's.
@@ -628,6 +616,10 @@ mod avx2 {
         let mut summs = 0f32;
         let mut i = 0;
         while i + 1 < nb {
+            if pf > 0 {
+                // The line `pf` bytes ahead of these blocks (a prefetch never faults).
+                super::prefetch(xp.wrapping_add(i * Q4_1_BYTES + pf));
+            }
             // SAFETY: blocks `i` and `i + 1` are below `nb`, inside both slices.
             let ((p0, d0, m0), (p1, d1, m1)) = unsafe {
                 (
@@ -852,10 +844,14 @@ mod avx2 {
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q8_0 blocks and `y` `nb * 32` values.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q8_0_f32(x: &[u8], y: &[f32], nb: usize) -> f32 {
+    pub(super) unsafe fn dot_q8_0_f32(x: &[u8], y: &[f32], nb: usize, pf: usize) -> f32 {
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
         let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for i in 0..nb {
+            if pf > 0 {
+                // The line `pf` bytes ahead of this block (a prefetch never faults).
+                super::prefetch(xp.wrapping_add(i * Q8_0_BYTES + pf));
+            }
             // SAFETY: block `i` is below `nb`: 34 bytes at `xb` and 32 values at `yb` are
             // inside the slices (`two_halves` reads the scale and the first two quants, the
             // four 8-byte loads the quants); the loads are unaligned.
@@ -915,7 +911,13 @@ mod avx512 {
     /// The CPU has AVX-512F, AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks, `y` `nb * 32`
     /// values and `ysum` `nb`.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q4_1_f32_summed(x: &[u8], y: &[f32], ysum: &[f32], nb: usize) -> f32 {
+    pub(super) unsafe fn dot_q4_1_f32_summed(
+        x: &[u8],
+        y: &[f32],
+        ysum: &[f32],
+        nb: usize,
+        pf: usize,
+    ) -> f32 {
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
         let low = _mm512_set1_epi32(0x0f);
         // d * sum(q_j * y_j) of block `i`, added into `acc`; returns the block's m.
@@ -941,6 +943,10 @@ mod avx512 {
         let (mut s0, mut s1) = (0f32, 0f32);
         let mut i = 0;
         while i + 2 <= nb {
+            if pf > 0 {
+                // The line `pf` bytes ahead of these blocks (a prefetch never faults).
+                super::prefetch(xp.wrapping_add(i * Q4_1_BYTES + pf));
+            }
             s0 += block(i, &mut a0) * ysum[i];
             s1 += block(i + 1, &mut a1) * ysum[i + 1];
             i += 2;
@@ -1052,10 +1058,17 @@ mod avx512 {
         x1: &[u8],
         y: &[f32],
         nb: usize,
+        pf: usize,
     ) -> (f32, f32) {
         let (p0, p1, yp) = (x0.as_ptr(), x1.as_ptr(), y.as_ptr());
         let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         for i in 0..nb {
+            if pf > 0 {
+                // The lines `pf` bytes ahead of this block in both rows (a prefetch never
+                // faults).
+                super::prefetch(p0.wrapping_add(i * Q8_0_BYTES + pf));
+                super::prefetch(p1.wrapping_add(i * Q8_0_BYTES + pf));
+            }
             // SAFETY: block `i` is below `nb`: 34 bytes at each row's block and 32 values at
             // `yb` are inside the slices; the loads are unaligned.
             unsafe {
@@ -1083,10 +1096,14 @@ mod avx512 {
     /// The CPU has AVX-512F, AVX2, FMA and F16C; `x` holds `nb` Q8_0 blocks and `y`
     /// `nb * 32` values.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q8_0_f32(x: &[u8], y: &[f32], nb: usize) -> f32 {
+    pub(super) unsafe fn dot_q8_0_f32(x: &[u8], y: &[f32], nb: usize, pf: usize) -> f32 {
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
         let mut acc = _mm512_setzero_ps();
         for i in 0..nb {
+            if pf > 0 {
+                // The line `pf` bytes ahead of this block (a prefetch never faults).
+                super::prefetch(xp.wrapping_add(i * Q8_0_BYTES + pf));
+            }
             // SAFETY: block `i` is below `nb`: 34 bytes at `xb` and 32 values at `yb` are
             // inside the slices (`two_halves` reads the scale and the first two quants); the
             // loads are unaligned.
@@ -1115,25 +1132,13 @@ pub(crate) enum DenseRow<'a> {
     F32(&'a [f32]),
 }
 
-impl<'a> DenseRow<'a> {
+impl DenseRow<'_> {
     fn len(&self) -> usize {
         match self {
             Self::F16(w) => w.len(),
             Self::BF16(w) => w.len(),
             Self::F32(w) => w.len(),
         }
-    }
-
-    /// The row's memory, as bytes.
-    pub(crate) fn bytes(&self) -> &'a [u8] {
-        let (p, n) = match *self {
-            Self::F16(w) => (w.as_ptr().cast::<u8>(), std::mem::size_of_val(w)),
-            Self::BF16(w) => (w.as_ptr().cast::<u8>(), std::mem::size_of_val(w)),
-            Self::F32(w) => (w.as_ptr().cast::<u8>(), std::mem::size_of_val(w)),
-        };
-        // SAFETY: `p` and `n` are a borrowed slice's start and size in bytes, borrowed for
-        // `'a`; bytes need no alignment and every bit pattern is one.
-        unsafe { std::slice::from_raw_parts(p, n) }
     }
 }
 
@@ -1548,7 +1553,7 @@ mod tests {
             let (a, b) = unsafe {
                 (
                     avx2::dot_q4_1_f32(&x4, &yf, k / QK),
-                    avx2::dot_q8_0_f32(&x8, &yf, k / QK),
+                    avx2::dot_q8_0_f32(&x8, &yf, k / QK, 512),
                 )
             };
             let (pa, pb) = (dot_q4_1_f32_scalar(&x4, &yf), dot_q8_0_f32_scalar(&x8, &yf));
