@@ -428,8 +428,8 @@ mod kernel_ab {
     /// Software prefetch in the host layers' matmuls: a 7B LLaMA layer's seven projections
     /// (q, k, v, o: 4096 x 4096; gate, up: 11008 x 4096; down: 4096 x 11008) against one row,
     /// as a decode step runs them, over `LAYERS` copies (more than a 300 MiB L3): F16 through
-    /// [`forward`], Q8_0 through `cpu_quant` with F32 and with 8-bit activations, Q4_K through
-    /// `cpu_quant`'s K-quant path (q, k, v and gate, up in one pass each). Each distance of
+    /// [`forward`], Q8_0 through `cpu_quant` with F32 and with 8-bit activations (q, k, v and
+    /// gate, up in one pass each). Each distance of
     /// [`simd::prefetch_bytes`] (0: none) runs a sweep over the copies, distances alternated
     /// over 7 rounds; medians, GB/s of weights read. Every distance's outputs must equal the
     /// first's bit for bit. One JSON record per line after `RECORD`.
@@ -501,7 +501,6 @@ mod kernel_ab {
                 .collect()
         };
         let q8_layers = blocks(GgmlDType::Q8_0, &[0], 0);
-        let q4k_layers = blocks(GgmlDType::Q4K, &[0, 2], 1);
         let x = Tensor::from_vec(values(4096, 9), (1, 4096), &dev).unwrap();
         let x2 = Tensor::from_vec(values(11008, 5), (1, 11008), &dev).unwrap();
         let (x16, x216) = (
@@ -544,19 +543,10 @@ mod kernel_ab {
             outs
         };
         let q8f_sweep = || quant_sweep(&q8_layers);
-        let q4k_sweep = || {
-            // The K-quant path, whatever this machine's default.
-            let was = crate::cpu_quant::kquants();
-            crate::cpu_quant::set_kquants(true);
-            let outs = quant_sweep(&q4k_layers);
-            crate::cpu_quant::set_kquants(was);
-            outs
-        };
-        let runs: [(&str, usize, &dyn Fn() -> Vec<Tensor>); 4] = [
+        let runs: [(&str, usize, &dyn Fn() -> Vec<Tensor>); 3] = [
             ("F16", elems * 2, &f16_sweep),
             ("Q8_0 (8-bit activations)", elems / 32 * 34, &q8_sweep),
             ("Q8_0", elems / 32 * 34, &q8f_sweep),
-            ("Q4_K", elems / 256 * 144, &q4k_sweep),
         ];
         for (weights, bytes, sweep) in runs {
             let set = |pf: usize| simd::PREFETCH_BYTES.store(pf, Ordering::Relaxed);

@@ -499,21 +499,10 @@ fn kquant_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tensor>>>
     let per_task = KQUANT_ELEMS_PER_TASK.div_ceil(k).max(1);
     // Column-major: the `m` values of output column c (all weights' columns in a row) at c * m.
     let mut out_t = vec![0f32; total * m];
-    // Candle's kernels read each row in order; the rows ahead far enough to cover the bytes
-    // the in-kernel prefetch of the other types covers are asked for first (whole rows).
-    let row_bytes: Vec<usize> = ws.iter().map(|w| nb * w.dtype().type_size()).collect();
-    let pf = simd::prefetch_bytes();
-    let row = |c: usize| {
-        let (i, r) = column_of(&starts, c);
-        &datas[i][r * row_bytes[i]..(r + 1) * row_bytes[i]]
-    };
     crate::sys::spin::for_each_chunk_mut(&mut out_t, per_task * m, |task, part| {
         let c0 = task * per_task;
-        let end = c0 + part.len() / m;
         for (j, col) in part.chunks_mut(m).enumerate() {
             let (i, r) = column_of(&starts, c0 + j);
-            let ahead = pf.div_ceil(row_bytes[i].max(1));
-            simd::prefetch_row_ahead(c0 + j, end, ahead, row);
             for (v, y) in col.iter_mut().zip(yq.chunks_exact(nb)) {
                 *v = rows[i].dot(r, nb, k, y);
             }

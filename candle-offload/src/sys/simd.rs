@@ -105,38 +105,6 @@ pub(crate) fn prefetch_bytes() -> usize {
     v
 }
 
-/// Asks the memory for every cache line of `bytes` (a weight row a worker multiplies next),
-/// into the first-level cache; no effect on what any read returns.
-#[inline]
-pub(crate) fn prefetch_lines(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for off in (0..bytes.len()).step_by(64) {
-        // SAFETY: `off` is inside `bytes`; a prefetch reads nothing the program sees and never
-        // faults (SSE, which every x86_64 CPU has).
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                bytes.as_ptr().add(off) as *const i8,
-            )
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
-}
-
-/// [`prefetch_lines`] of row `c + ahead` of a work item whose rows end before `end`
-/// (`row(c)`), where that row is in the item and `ahead` is not 0.
-#[inline]
-pub(crate) fn prefetch_row_ahead<'a>(
-    c: usize,
-    end: usize,
-    ahead: usize,
-    row: impl Fn(usize) -> &'a [u8],
-) {
-    if ahead > 0 && c + ahead < end {
-        prefetch_lines(row(c + ahead));
-    }
-}
-
 /// Whether this CPU runs the AVX-512 kernels of the F32-activation dot products (detected
 /// once).
 pub(crate) fn has_avx512() -> bool {
