@@ -174,7 +174,7 @@ pub(crate) fn dot_q4_1_q8_1(x: &[u8], y: &[u8]) -> f32 {
     if has_avx2() {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked above), and the lengths were checked:
         // `x` holds `nb` whole Q4_1 blocks and `y` `nb` whole Q8_1 blocks.
-        return unsafe { avx2::dot_q4_1_q8_1(x, y, nb, prefetch_bytes()) };
+        return unsafe { avx2::dot_q4_1_q8_1(x, y, nb) };
     }
     dot_q4_1_q8_1_scalar(x, y)
 }
@@ -322,7 +322,7 @@ pub(crate) fn dot_q4_1_f32_summed(x: &[u8], y: &[f32], ysum: &[f32]) -> f32 {
     if has_avx512() {
         // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked above), and the lengths
         // were checked: `x` holds `nb` whole Q4_1 blocks, `y` `nb * 32` values and `ysum` `nb`.
-        return unsafe { avx512::dot_q4_1_f32_summed(x, y, ysum, nb, prefetch_bytes()) };
+        return unsafe { avx512::dot_q4_1_f32_summed(x, y, ysum, nb) };
     }
     dot_q4_1_f32(x, y)
 }
@@ -576,7 +576,7 @@ mod avx2 {
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks and `y` `nb` Q8_1 blocks.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q4_1_q8_1(x: &[u8], y: &[u8], nb: usize, pf: usize) -> f32 {
+    pub(super) unsafe fn dot_q4_1_q8_1(x: &[u8], y: &[u8], nb: usize) -> f32 {
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
         // One accumulator and the blocks in order, as ggml sums them: a different float order
         // flips near-tied greedy tokens of a small model against llama.cpp's.
@@ -584,10 +584,6 @@ mod avx2 {
         let mut summs = 0f32;
         let mut i = 0;
         while i + 1 < nb {
-            if pf > 0 {
-                // The line `pf` bytes ahead of these blocks (a prefetch never faults).
-                super::prefetch(xp.wrapping_add(i * Q4_1_BYTES + pf));
-            }
             // SAFETY: blocks `i` and `i + 1` are below `nb`, inside both slices.
             let ((p0, d0, m0), (p1, d1, m1)) = unsafe {
                 (
@@ -879,13 +875,7 @@ mod avx512 {
     /// The CPU has AVX-512F, AVX2, FMA and F16C; `x` holds `nb` Q4_1 blocks, `y` `nb * 32`
     /// values and `ysum` `nb`.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q4_1_f32_summed(
-        x: &[u8],
-        y: &[f32],
-        ysum: &[f32],
-        nb: usize,
-        pf: usize,
-    ) -> f32 {
+    pub(super) unsafe fn dot_q4_1_f32_summed(x: &[u8], y: &[f32], ysum: &[f32], nb: usize) -> f32 {
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
         let low = _mm512_set1_epi32(0x0f);
         // d * sum(q_j * y_j) of block `i`, added into `acc`; returns the block's m.
@@ -911,10 +901,6 @@ mod avx512 {
         let (mut s0, mut s1) = (0f32, 0f32);
         let mut i = 0;
         while i + 2 <= nb {
-            if pf > 0 {
-                // The line `pf` bytes ahead of these blocks (a prefetch never faults).
-                super::prefetch(xp.wrapping_add(i * Q4_1_BYTES + pf));
-            }
             s0 += block(i, &mut a0) * ysum[i];
             s1 += block(i + 1, &mut a1) * ysum[i + 1];
             i += 2;
