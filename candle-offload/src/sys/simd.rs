@@ -89,20 +89,25 @@ pub(crate) fn prefetch_bytes() -> usize {
     if v != usize::MAX {
         return v;
     }
-    let v = match std::env::var(PREFETCH_BYTES_ENV) {
-        Ok(s) => match s.trim().parse::<usize>() {
-            Ok(n) if n <= 65536 => n,
-            _ => {
-                tracing::warn!(
-                    "{PREFETCH_BYTES_ENV}={s:?} is not a whole number from 0 to 65536; ignored"
-                );
-                DEFAULT_PREFETCH_BYTES
-            }
-        },
-        Err(_) => DEFAULT_PREFETCH_BYTES,
-    };
+    let v = prefetch_bytes_from(std::env::var(PREFETCH_BYTES_ENV).ok().as_deref());
     PREFETCH_BYTES.store(v, Ordering::Relaxed);
     v
+}
+
+/// [`prefetch_bytes`] from the variable's value `var` (`None`: unset).
+fn prefetch_bytes_from(var: Option<&str>) -> usize {
+    let Some(v) = var else {
+        return DEFAULT_PREFETCH_BYTES;
+    };
+    match v.trim().parse::<usize>() {
+        Ok(n) if n <= 65536 => n,
+        _ => {
+            tracing::warn!(
+                "{PREFETCH_BYTES_ENV}={v:?} is not a whole number from 0 to 65536; ignored"
+            );
+            DEFAULT_PREFETCH_BYTES
+        }
+    }
 }
 
 /// Whether this CPU runs the AVX-512 kernels of the F32-activation dot products (detected
@@ -1424,6 +1429,22 @@ mod dense_avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The variable's distance where it is one (0 included: off), the default otherwise.
+    #[test]
+    fn prefetch_bytes_take_the_variable_or_the_default() {
+        assert_eq!(prefetch_bytes_from(None), DEFAULT_PREFETCH_BYTES);
+        assert_eq!(prefetch_bytes_from(Some("0")), 0);
+        assert_eq!(prefetch_bytes_from(Some(" 2048 ")), 2048);
+        assert_eq!(prefetch_bytes_from(Some("65536")), 65536);
+        for bad in ["", "65537", "-1", "4k", "1.5"] {
+            assert_eq!(
+                prefetch_bytes_from(Some(bad)),
+                DEFAULT_PREFETCH_BYTES,
+                "{bad:?}"
+            );
+        }
+    }
 
     fn ramp(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
