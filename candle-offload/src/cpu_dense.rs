@@ -543,7 +543,8 @@ mod kernel_ab {
             outs
         };
         let q8f_sweep = || quant_sweep(&q8_layers);
-        let runs: [(&str, usize, &dyn Fn() -> Vec<Tensor>); 3] = [
+        type Sweep<'a> = &'a dyn Fn() -> Vec<Tensor>;
+        let runs: [(&str, usize, Sweep); 3] = [
             ("F16", elems * 2, &f16_sweep),
             ("Q8_0 (8-bit activations)", elems / 32 * 34, &q8_sweep),
             ("Q8_0", elems / 32 * 34, &q8f_sweep),
