@@ -472,35 +472,27 @@ mod kernel_ab {
                     .collect()
             })
             .collect();
-        // Blocks of `ty` from bytes: the f16 scales at `scales` set to small values, the rest
-        // varied.
-        let blocks = |ty: GgmlDType, scales: &[usize], seed: usize| -> Vec<Vec<Arc<QTensor>>> {
-            let size = ty.type_size();
-            (0..LAYERS)
-                .map(|l| {
-                    shapes
-                        .iter()
-                        .enumerate()
-                        .map(|(j, &(n, k))| {
-                            let mut b = vec![0u8; n * k / ty.block_size() * size];
-                            for (i, blk) in b.chunks_exact_mut(size).enumerate() {
-                                for (t, q) in blk.iter_mut().enumerate() {
-                                    *q = ((i * 31 + t * 7 + l + j + seed) % 255) as u8;
-                                }
-                                for &at in scales {
-                                    let d = half::f16::from_f32(0.01).to_le_bytes();
-                                    blk[at..at + 2].copy_from_slice(&d);
-                                }
+        // Q8_0 blocks from bytes: each block's f16 scale small, its 32 quants varied.
+        let q8_layers: Vec<Vec<Arc<QTensor>>> = (0..LAYERS)
+            .map(|l| {
+                shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &(n, k))| {
+                        let mut b = vec![0u8; n * k / 32 * 34];
+                        for (i, blk) in b.chunks_exact_mut(34).enumerate() {
+                            blk[..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+                            for (t, q) in blk[2..].iter_mut().enumerate() {
+                                *q = ((i * 31 + t * 7 + l + j) % 255) as u8;
                             }
-                            let st = QStorage::from_data(std::borrow::Cow::Borrowed(&b), &dev, ty)
-                                .unwrap();
-                            Arc::new(QTensor::new(st, (n, k)).unwrap())
-                        })
-                        .collect()
-                })
-                .collect()
-        };
-        let q8_layers = blocks(GgmlDType::Q8_0, &[0], 0);
+                        }
+                        let b = std::borrow::Cow::Borrowed(&b[..]);
+                        let st = QStorage::from_data(b, &dev, GgmlDType::Q8_0).unwrap();
+                        Arc::new(QTensor::new(st, (n, k)).unwrap())
+                    })
+                    .collect()
+            })
+            .collect();
         let x = Tensor::from_vec(values(4096, 9), (1, 4096), &dev).unwrap();
         let x2 = Tensor::from_vec(values(11008, 5), (1, 11008), &dev).unwrap();
         let (x16, x216) = (
