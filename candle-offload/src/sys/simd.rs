@@ -661,6 +661,8 @@ mod avx2 {
         ]
     }
 
+    /// `pf`: how far ahead of its reads of the weights it prefetches, in bytes (0: not at all).
+    ///
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `x` and `y` each hold `nb` Q8_0 blocks.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -810,6 +812,8 @@ mod avx2 {
         [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
     }
 
+    /// `pf`: how far ahead of its reads of the weights it prefetches, in bytes (0: not at all).
+    ///
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q8_0 blocks and `y` `nb * 32` values.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1008,6 +1012,8 @@ mod avx512 {
     /// [`super::dot_q8_0_f32_pair`]'s kernel: per row the operations of [`dot_q8_0_f32`] in
     /// its order.
     ///
+    /// `pf`: how far ahead of its reads of the weights it prefetches, in bytes (0: not at all).
+    ///
     /// # Safety
     /// The CPU has AVX-512F, AVX2, FMA and F16C; `x0` and `x1` hold `nb` Q8_0 blocks each and
     /// `y` `nb * 32` values.
@@ -1051,6 +1057,8 @@ mod avx512 {
         (_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1))
     }
 
+    /// `pf`: how far ahead of its reads of the weights it prefetches, in bytes (0: not at all).
+    ///
     /// # Safety
     /// The CPU has AVX-512F, AVX2, FMA and F16C; `x` holds `nb` Q8_0 blocks and `y`
     /// `nb * 32` values.
@@ -1286,6 +1294,8 @@ mod dense_avx2 {
     /// `out[r] +=` row `w` (`k` values of type `D`) · row `r` of `x` (`M` rows, `ldx` apart);
     /// two accumulators per row up to four rows, one beyond (16 registers).
     ///
+    /// `pf`: how far ahead of its reads of the weights it prefetches, in bytes (0: not at all).
+    ///
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `k` values of type `D` at `w` and `M` rows of `k`
     /// values `ldx` apart at `x`
@@ -1370,6 +1380,8 @@ mod dense_avx512 {
 
     /// `out[r] +=` row `w` (`k` values of type `D`) · row `r` of `x` (`M` rows, `ldx` apart),
     /// two accumulators per row (at most 16 of the 32 registers).
+    ///
+    /// `pf`: how far ahead of its reads of the weights it prefetches, in bytes (0: not at all).
     ///
     /// # Safety
     /// The CPU has AVX-512F, AVX2, FMA and F16C; `k` values of type `D` at `w` and `M` rows of
