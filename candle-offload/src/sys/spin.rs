@@ -99,7 +99,9 @@ fn pool() -> &'static Pool {
         let mut threads = Vec::new();
         for i in 0..n {
             let spawned = std::thread::Builder::new()
-                .name(format!("candle-offload-spin-{i}"))
+                // At most 15 characters on Linux: a longer name is cut, and a profile then
+                // sees every worker (and the disk readers) as one thread.
+                .name(format!("offload-spin-{i}"))
                 .spawn(move || worker(pool));
             if let Ok(handle) = spawned {
                 threads.push(handle.thread().clone());
