@@ -100,7 +100,7 @@ fn pool() -> &'static Pool {
         for i in 0..n {
             let spawned = std::thread::Builder::new()
                 // At most 15 characters on Linux: a longer name is cut, and a profile then
-                // sees every worker (and the disk readers) as one thread.
+                // sees every worker as one thread.
                 .name(format!("offload-spin-{i}"))
                 .spawn(move || worker(pool));
             if let Ok(handle) = spawned {
