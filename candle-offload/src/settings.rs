@@ -26,6 +26,31 @@ pub(crate) fn env_turns_on(var: &str) -> bool {
     env_is(var, &["1", "on", "true"])
 }
 
+/// The whole number an environment variable `name` holds, from its value `v` (`None`: unset):
+/// `None` where unset or blank, and, with one warning naming the variable, where it is not a
+/// whole number in `range`.
+pub(crate) fn env_number(
+    name: &str,
+    v: Option<&str>,
+    range: std::ops::RangeInclusive<u64>,
+) -> Option<u64> {
+    let v = v?.trim();
+    if v.is_empty() {
+        return None;
+    }
+    match v.parse::<u64>() {
+        Ok(n) if range.contains(&n) => Some(n),
+        _ => {
+            tracing::warn!(
+                "{name}={v:?} is not a whole number from {} to {}; ignored",
+                range.start(),
+                range.end()
+            );
+            None
+        }
+    }
+}
+
 /// Whether `var` is set to one of `words` (lowercase), in any case, spaces around ignored.
 fn env_is(var: &str, words: &[&str]) -> bool {
     std::env::var(var).is_ok_and(|v| words.contains(&v.trim().to_ascii_lowercase().as_str()))

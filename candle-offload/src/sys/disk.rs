@@ -66,19 +66,7 @@ impl ReadShape {
 
     /// The default shape with the variables' overrides (`None`: unset).
     fn from_vars(threads: Option<&str>, piece_mib: Option<&str>) -> Self {
-        fn parse(name: &str, v: Option<&str>, max: u64) -> Option<u64> {
-            let v = v?.trim();
-            if v.is_empty() {
-                return None;
-            }
-            match v.parse::<u64>() {
-                Ok(n) if (1..=max).contains(&n) => Some(n),
-                _ => {
-                    tracing::warn!("{name}={v:?} is not a whole number from 1 to {max}; ignored");
-                    None
-                }
-            }
-        }
+        let parse = |name, v, max| crate::settings::env_number(name, v, 1..=max);
         let d = Self::DEFAULT;
         Self {
             threads: parse("CANDLE_OFFLOAD_DISK_THREADS", threads, 64)

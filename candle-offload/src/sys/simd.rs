@@ -96,18 +96,8 @@ pub(crate) fn prefetch_bytes() -> usize {
 
 /// [`prefetch_bytes`] from the variable's value `var` (`None`: unset).
 fn prefetch_bytes_from(var: Option<&str>) -> usize {
-    let Some(v) = var else {
-        return DEFAULT_PREFETCH_BYTES;
-    };
-    match v.trim().parse::<usize>() {
-        Ok(n) if n <= 65536 => n,
-        _ => {
-            tracing::warn!(
-                "{PREFETCH_BYTES_ENV}={v:?} is not a whole number from 0 to 65536; ignored"
-            );
-            DEFAULT_PREFETCH_BYTES
-        }
-    }
+    crate::settings::env_number(PREFETCH_BYTES_ENV, var, 0..=65536)
+        .map_or(DEFAULT_PREFETCH_BYTES, |n| n as usize)
 }
 
 /// Whether this CPU runs the AVX-512 kernels of the F32-activation dot products (detected

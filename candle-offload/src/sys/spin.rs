@@ -29,16 +29,7 @@ pub(crate) const THREADS_ENV: &str = "CANDLE_OFFLOAD_CPU_THREADS";
 /// The threads a region runs on: [`THREADS_ENV`]'s value `var` where it is a whole number from
 /// 1 to 1024 (anything else is ignored with a warning), otherwise `cores`; at least 1.
 fn pool_threads(var: Option<&str>, cores: usize) -> usize {
-    match var.map(str::trim).filter(|v| !v.is_empty()) {
-        None => cores.max(1),
-        Some(v) => match v.parse::<usize>() {
-            Ok(n) if (1..=1024).contains(&n) => n,
-            _ => {
-                tracing::warn!("{THREADS_ENV}={v:?} is not a whole number from 1 to 1024; ignored");
-                cores.max(1)
-            }
-        },
-    }
+    crate::settings::env_number(THREADS_ENV, var, 1..=1024).map_or(cores.max(1), |n| n as usize)
 }
 
 /// One region's chunk function over type-erased chunk pointers.
