@@ -661,10 +661,7 @@ mod avx2 {
         let mut acc = _mm256_setzero_ps();
         let mut i = 0;
         while i + 1 < nb {
-            if pf > 0 {
-                // The line `pf` bytes ahead of these blocks (a prefetch never faults).
-                super::prefetch(xp.wrapping_add(i * Q8_0_BYTES + pf));
-            }
+            super::prefetch_ahead(xp, i * Q8_0_BYTES, pf);
             // SAFETY: blocks `i` and `i + 1` are below `nb`, inside both slices.
             let ((p0, d0), (p1, d1)) = unsafe {
                 (
@@ -811,10 +808,7 @@ mod avx2 {
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
         let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for i in 0..nb {
-            if pf > 0 {
-                // The line `pf` bytes ahead of this block (a prefetch never faults).
-                super::prefetch(xp.wrapping_add(i * Q8_0_BYTES + pf));
-            }
+            super::prefetch_ahead(xp, i * Q8_0_BYTES, pf);
             // SAFETY: block `i` is below `nb`: 34 bytes at `xb` and 32 values at `yb` are
             // inside the slices (`two_halves` reads the scale and the first two quants, the
             // four 8-byte loads the quants); the loads are unaligned.
@@ -1018,12 +1012,8 @@ mod avx512 {
         let (p0, p1, yp) = (x0.as_ptr(), x1.as_ptr(), y.as_ptr());
         let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         for i in 0..nb {
-            if pf > 0 {
-                // The lines `pf` bytes ahead of this block in both rows (a prefetch never
-                // faults).
-                super::prefetch(p0.wrapping_add(i * Q8_0_BYTES + pf));
-                super::prefetch(p1.wrapping_add(i * Q8_0_BYTES + pf));
-            }
+            super::prefetch_ahead(p0, i * Q8_0_BYTES, pf);
+            super::prefetch_ahead(p1, i * Q8_0_BYTES, pf);
             // SAFETY: block `i` is below `nb`: 34 bytes at each row's block and 32 values at
             // `yb` are inside the slices; the loads are unaligned.
             unsafe {
@@ -1057,10 +1047,7 @@ mod avx512 {
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
         let mut acc = _mm512_setzero_ps();
         for i in 0..nb {
-            if pf > 0 {
-                // The line `pf` bytes ahead of this block (a prefetch never faults).
-                super::prefetch(xp.wrapping_add(i * Q8_0_BYTES + pf));
-            }
+            super::prefetch_ahead(xp, i * Q8_0_BYTES, pf);
             // SAFETY: block `i` is below `nb`: 34 bytes at `xb` and 32 values at `yb` are
             // inside the slices (`two_halves` reads the scale and the first two quants); the
             // loads are unaligned.
@@ -1221,10 +1208,16 @@ const fn size<const D: u8>() -> usize {
     }
 }
 
-/// Asks the memory for the cache line at `p` (any address: a prefetch never faults).
+/// Asks the memory for the cache line `pf` bytes past byte `at` of a weight row at `p` (a
+/// kernel's next reads, `pf` from [`prefetch_bytes`]); nothing where `pf` is 0. Any address
+/// will do: a prefetch never faults.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch(p: *const u8) {
+fn prefetch_ahead(p: *const u8, at: usize, pf: usize) {
+    if pf == 0 {
+        return;
+    }
+    let p = p.wrapping_add(at + pf);
     // SAFETY: a prefetch reads nothing the program sees and never faults, wherever `p`
     // points (SSE, which every x86_64 CPU has).
     unsafe {
@@ -1259,7 +1252,7 @@ mod dense_avx2 {
     use std::arch::x86_64::*;
 
     use super::avx2::hsum;
-    use super::{dense_elem, prefetch, size, DENSE_BF16, DENSE_F16};
+    use super::{dense_elem, prefetch_ahead, size, DENSE_BF16, DENSE_F16};
 
     /// Values `i..i + 8` of a dense row of type `D` at `w`, as f32.
     ///
@@ -1306,10 +1299,7 @@ mod dense_avx2 {
                 // SAFETY: elements `i..i + 16` are below `k`, inside the weight row and each
                 // activation row (`r * ldx + i`, r < M); the loads are unaligned.
                 unsafe {
-                    if pf > 0 {
-                        // The line `pf` bytes ahead (a prefetch never faults).
-                        prefetch(w.wrapping_add(i * size::<D>() + pf));
-                    }
+                    prefetch_ahead(w, i * size::<D>(), pf);
                     let (w0, w1) = (load8::<D>(w, i), load8::<D>(w, i + 8));
                     for (r, (a0, a1)) in acc0.iter_mut().zip(acc1.iter_mut()).enumerate() {
                         let xr = x.add(r * ldx + i);
@@ -1346,7 +1336,7 @@ mod dense_avx2 {
 mod dense_avx512 {
     use std::arch::x86_64::*;
 
-    use super::{dense_elem, prefetch, size, DENSE_BF16, DENSE_F16};
+    use super::{dense_elem, prefetch_ahead, size, DENSE_BF16, DENSE_F16};
 
     /// Values `i..i + 16` of a dense row of type `D` at `w`, as f32.
     ///
@@ -1391,12 +1381,10 @@ mod dense_avx512 {
             // SAFETY: elements `i..i + 32` are below `k`, inside the weight row and each
             // activation row (`r * ldx + i`, r < M); the loads are unaligned.
             unsafe {
-                if pf > 0 {
-                    // The line `pf` bytes ahead (a prefetch never faults).
-                    prefetch(w.wrapping_add(i * size::<D>() + pf));
-                    if size::<D>() == 4 {
-                        prefetch(w.wrapping_add(i * 4 + pf + 64));
-                    }
+                // 64 or 128 bytes of the row a step: one line or two.
+                prefetch_ahead(w, i * size::<D>(), pf);
+                if size::<D>() == 4 {
+                    prefetch_ahead(w, i * 4 + 64, pf);
                 }
                 let (w0, w1) = (load16::<D>(w, i), load16::<D>(w, i + 16));
                 for (r, (a0, a1)) in acc0.iter_mut().zip(acc1.iter_mut()).enumerate() {
