@@ -448,12 +448,7 @@ fn main() -> Result<()> {
                 candle_offload::diag::profiler_capture(&device, true)?;
             }
             let host_profile = match &args.host_profile {
-                Some(dir) => {
-                    std::fs::create_dir_all(dir).with_context(|| {
-                        format!("--host-profile {}: cannot create", dir.display())
-                    })?;
-                    Some(candle_offload_suite::HostProfile::start(997)?)
-                }
+                Some(dir) => Some(candle_offload_suite::HostProfile::start_in(dir, 997)?),
                 None => None,
             };
             for i in 0..args.new_tokens {

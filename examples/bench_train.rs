@@ -438,9 +438,7 @@ fn run_one(
         let armed = i == args.warmup + timed;
         if i == args.warmup {
             if let Some(dir) = &args.host_profile {
-                std::fs::create_dir_all(dir)
-                    .with_context(|| format!("--host-profile {}: cannot create", dir.display()))?;
-                host_profile = Some(candle_offload_suite::HostProfile::start(997)?);
+                host_profile = Some(candle_offload_suite::HostProfile::start_in(dir, 997)?);
             }
         }
         clock

@@ -374,6 +374,15 @@ impl std::fmt::Debug for HostProfile {
 }
 
 impl HostProfile {
+    /// Creates `dir`, the `--host-profile` directory the profiles will be written to, then
+    /// [`start`](Self::start)s sampling.
+    pub fn start_in(dir: &std::path::Path, hz: i32) -> anyhow::Result<Self> {
+        use anyhow::Context as _;
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("--host-profile {}: cannot create", dir.display()))?;
+        Self::start(hz)
+    }
+
     /// Starts sampling every thread's stack `hz` times per second of CPU time.
     pub fn start(hz: i32) -> anyhow::Result<Self> {
         #[cfg(feature = "host-profile")]
