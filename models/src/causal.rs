@@ -897,17 +897,36 @@ impl CausalLm {
         &self.split_prices
     }
 
-    /// Seconds one decode step of the first decoder layer takes on the host CPU after `context`
-    /// cached positions, from a CPU copy of its unit in `store`, in the dtype a host stage
-    /// computes in (F32 for GGML blocks): the host's rate that [`HostLayers::SpreadAuto`]
-    /// weighs against the link's.
+    /// Seconds one decode step of a decoder layer takes on the host CPU after `context` cached
+    /// positions, from CPU copies of the first layers' units in `store`, in the dtype a host
+    /// stage computes in (F32 for GGML blocks): the host's rate that
+    /// [`HostLayers::SpreadAuto`] weighs against the link's.
+    ///
+    /// The steps go round as many layers as hold [`HOST_TIMING_BYTES`] (all of a smaller
+    /// model), so that each reads its weights from memory, as a host stage's sweep does, and
+    /// not from the CPU's last-level cache. One 7B F16 layer (405 MB) timed over and over on
+    /// the H200's host (300 MiB of L3) took 4.25 ms; the same layers took 5.1 ms in the decode
+    /// step that followed, and `spread:auto` chose 12 host layers and the head at 0.94x
+    /// llama.cpp over the 8 that ran at 1.05-1.15x (stop 46). At stop 40 a slower estimate
+    /// (two layers in turn) made `spread:auto` stream beside one host layer of a 7B Q4_K_M,
+    /// whose copies slowed the host threefold; the price now charges that contention
+    /// ([`candle_offload::plan::SPREAD_OVERLAP_LOSS`], stop 44).
     pub fn host_layer_seconds(
         cfg: &Config,
         store: &Arc<candle_offload::HostStore>,
         dtype: DType,
         context: usize,
     ) -> std::result::Result<f64, ModelError> {
-        Self::layer_step_seconds(cfg, store, dtype, &Device::Cpu, context)
+        let layout = cfg.layout();
+        let mut bytes = 0u64;
+        let mut count = 0;
+        while count < cfg.num_hidden_layers && bytes < HOST_TIMING_BYTES {
+            bytes += store
+                .unit_id(&layout.layer(count))
+                .map_or(0, |id| store.unit(id).host_bytes());
+            count += 1;
+        }
+        Self::layers_step_seconds(cfg, store, dtype, &Device::Cpu, context, count.max(1))
     }
 
     /// Seconds one decode step of the first decoder layer takes on `device` with its weights
@@ -915,16 +934,8 @@ impl CausalLm {
     /// computing as a stage there does: F32 for GGML blocks on the CPU and on the thread pool a
     /// decode step runs on ([`candle_offload::cpu_quant::on_cpu_step_pool`]), `dtype` and the
     /// fused kernels on a GPU. The fastest of seven after a warm-up, the device synchronized
-    /// around each. [`HostLayers::SpreadAuto`] weighs the host's and the GPU's.
-    ///
-    /// One layer timed over and over reads part of its weights from the CPU's cache, so this
-    /// is below what a host layer takes while decoding (a 7B Q4_K_M layer on the H200's host:
-    /// 2.0 ms here, 3.6 ms while decoding with nothing streamed, 10.1 ms beside 0.65 GB of
-    /// copies a token, stop 40). Timing two layers in turn came closer (2.7-3.8 ms), but
-    /// `spread:auto` then chose to stream beside one host layer, and the copies' reads of host
-    /// memory slowed the host's layers threefold: 39.4 tok/s against 69.5 with two host layers
-    /// and the head in the same call. Until the split weighs that contention, the faster
-    /// estimate is kept.
+    /// around each. [`HostLayers::SpreadAuto`] weighs the GPU's against the host's
+    /// ([`host_layer_seconds`](Self::host_layer_seconds), which goes round several layers).
     pub fn layer_step_seconds(
         cfg: &Config,
         store: &Arc<candle_offload::HostStore>,
@@ -932,16 +943,33 @@ impl CausalLm {
         device: &Device,
         context: usize,
     ) -> std::result::Result<f64, ModelError> {
+        Self::layers_step_seconds(cfg, store, dtype, device, context, 1)
+    }
+
+    /// [`layer_step_seconds`](Self::layer_step_seconds) over the first `count` layers in turn:
+    /// the mean of a round's steps, the fastest of seven rounds after a warm-up round.
+    fn layers_step_seconds(
+        cfg: &Config,
+        store: &Arc<candle_offload::HostStore>,
+        dtype: DType,
+        device: &Device,
+        context: usize,
+        count: usize,
+    ) -> std::result::Result<f64, ModelError> {
         let layout = cfg.layout();
-        let name = layout.layer(0);
-        let Some(id) = store.unit_id(&name) else {
-            return Err(ModelError::Tensor {
-                path: name.clone().into(),
-                tensor: name,
-                reason: "no unit holds it".into(),
-            });
-        };
-        let dtype = if device.is_cpu() && store.unit(id).has_quantized() {
+        let names: Vec<String> = (0..count.max(1)).map(|l| layout.layer(l)).collect();
+        let mut ids = Vec::with_capacity(names.len());
+        for name in &names {
+            let Some(id) = store.unit_id(name) else {
+                return Err(ModelError::Tensor {
+                    path: name.clone().into(),
+                    tensor: name.clone(),
+                    reason: "no unit holds it".into(),
+                });
+            };
+            ids.push(id);
+        }
+        let dtype = if device.is_cpu() && ids.iter().any(|&id| store.unit(id).has_quantized()) {
             DType::F32
         } else {
             dtype
@@ -950,18 +978,23 @@ impl CausalLm {
             store.clone(),
             device,
             &OffloadConfig {
-                keep: vec![name.clone()],
-                units: Some(vec![name.clone()]),
+                keep: names.clone(),
+                units: Some(names.clone()),
                 ..Default::default()
             },
         )?;
-        let unit = rt.acquire(id)?;
-        let block = cfg.family.block(
-            cfg,
-            UnitWeights::new(unit.var_builder(dtype), Some(&unit)).pp(&name),
-            0,
-            dtype,
-        )?;
+        let mut units = Vec::with_capacity(ids.len());
+        let mut blocks = Vec::with_capacity(ids.len());
+        for (l, (&id, name)) in ids.iter().zip(&names).enumerate() {
+            let unit = rt.acquire(id)?;
+            blocks.push(cfg.family.block(
+                cfg,
+                UnitWeights::new(unit.var_builder(dtype), Some(&unit)).pp(name),
+                l,
+                dtype,
+            )?);
+            units.push(unit);
+        }
         let rope = cfg.family.rope(cfg, context + 2, dtype, device)?;
         let masks = Masks::padded(1, context, &[], device);
         let ctx = StepCtx {
@@ -972,31 +1005,37 @@ impl CausalLm {
             pos_dev: None,
         };
         let xs = Tensor::zeros((1, 1, cfg.hidden_size), dtype, device)?;
-        // The cached positions the step attends over (a decode step after a prompt of
+        // The cached positions each step attends over (a decode step after a prompt of
         // `context` tokens reads them all).
-        let mut cache = Cache::new(1, context + 1);
+        let mut cache = Cache::new(blocks.len(), context + 1);
         if context > 0 {
             let kv = Tensor::zeros(
                 (1, cfg.num_key_value_heads, context, cfg.head_dim),
                 dtype,
                 device,
             )?;
-            cache.kvs[0].append(&kv, &kv)?;
+            for kvs in &mut cache.kvs {
+                kvs.append(&kv, &kv)?;
+            }
         }
-        // The fastest of seven (after one to warm up): a step timed while the host's memory
-        // is busy elsewhere took twice as long once (a 7B F16 host layer, 11.9 against 6.1 ms
-        // in the same process, stop 39).
+        // The fastest of seven rounds (after one to warm up): a step timed while the host's
+        // memory is busy elsewhere took twice as long once (a 7B F16 host layer, 11.9 against
+        // 6.1 ms in the same process, stop 39).
         let mut best = f64::INFINITY;
-        for i in 0..8 {
-            cache.kvs[0].rewind(context);
-            device.synchronize()?;
-            let t0 = std::time::Instant::now();
-            candle_offload::cpu_quant::on_cpu_step_pool(device, 1, || {
-                block.forward(&xs, &ctx, &mut cache.kvs[0])
-            })?;
-            device.synchronize()?;
-            if i > 0 {
-                best = best.min(t0.elapsed().as_secs_f64());
+        for round in 0..8 {
+            let mut total = 0.0;
+            for (block, kvs) in blocks.iter().zip(cache.kvs.iter_mut()) {
+                kvs.rewind(context);
+                device.synchronize()?;
+                let t0 = std::time::Instant::now();
+                candle_offload::cpu_quant::on_cpu_step_pool(device, 1, || {
+                    block.forward(&xs, &ctx, kvs)
+                })?;
+                device.synchronize()?;
+                total += t0.elapsed().as_secs_f64();
+            }
+            if round > 0 {
+                best = best.min(total / blocks.len() as f64);
             }
         }
         Ok(best.max(1e-9))
@@ -2029,6 +2068,11 @@ const DECODE_ROWS: usize = 1;
 /// with one host layer and the head, 0.135 ms a GPU layer replayed against 0.228 ms timed
 /// eagerly (0.59); 7B Q4_K_M resident, 0.097 against 0.194 ms (0.50). The larger, rounded up.
 const GRAPH_REPLAY_FRACTION: f64 = 0.6;
+
+/// The weight bytes [`CausalLm::host_layer_seconds`] goes round, so that its steps read their
+/// weights from memory: more than three times the largest last-level cache it has met (the
+/// H200 host's 300 MiB of L3).
+const HOST_TIMING_BYTES: u64 = 1 << 30;
 
 /// Of [`Config::reserve_bytes`]'s 256 MiB allowance for workspaces and fragmentation, what a
 /// decode step of GGML blocks on a GPU leaves unused where weights and KV caches live in a
