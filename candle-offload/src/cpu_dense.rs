@@ -429,7 +429,8 @@ mod kernel_ab {
     /// (q, k, v, o: 4096 x 4096; gate, up: 11008 x 4096; down: 4096 x 11008) against one row,
     /// as a decode step runs them, over `LAYERS` copies (more than a 300 MiB L3): F16 through
     /// [`forward`], Q8_0 through `cpu_quant` with F32 and with 8-bit activations (q, k, v and
-    /// gate, up in one pass each). Each distance of
+    /// gate, up in one pass each), and Q4_K with Q6_K for v and down (Q4_K_M) through its
+    /// K-quant loop. Each distance of
     /// [`simd::prefetch_bytes`] (0: none) runs a sweep over the copies, distances alternated
     /// over 7 rounds; medians, GB/s of weights read. Every distance's outputs must equal the
     /// first's bit for bit. One JSON record per line after `RECORD`.
@@ -493,6 +494,49 @@ mod kernel_ab {
                     .collect()
             })
             .collect();
+        // Q4_K_M as llama.cpp writes it, near enough: Q6_K for v and down, Q4_K elsewhere;
+        // blocks from bytes (any bits are a block), scales small.
+        let kq_type = |j: usize| {
+            if j == 2 || j == 6 {
+                GgmlDType::Q6K
+            } else {
+                GgmlDType::Q4K
+            }
+        };
+        let kq_layers: Vec<Vec<Arc<QTensor>>> = (0..LAYERS)
+            .map(|l| {
+                shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &(n, k))| {
+                        let ty = kq_type(j);
+                        let (size, d_at) = if ty == GgmlDType::Q6K {
+                            (210, &[208][..])
+                        } else {
+                            (144, &[0, 2][..])
+                        };
+                        let mut b = vec![0u8; n * k / 256 * size];
+                        for (i, blk) in b.chunks_exact_mut(size).enumerate() {
+                            for (t, q) in blk.iter_mut().enumerate() {
+                                *q = ((i * 31 + t * 7 + l + j) % 251) as u8;
+                            }
+                            for &at in d_at {
+                                blk[at..at + 2]
+                                    .copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+                            }
+                        }
+                        let b = std::borrow::Cow::Borrowed(&b[..]);
+                        let st = QStorage::from_data(b, &dev, ty).unwrap();
+                        Arc::new(QTensor::new(st, (n, k)).unwrap())
+                    })
+                    .collect()
+            })
+            .collect();
+        let kq_bytes: usize = kq_layers[0]
+            .iter()
+            .map(|w| w.storage_size_in_bytes())
+            .sum::<usize>()
+            * LAYERS;
         let x = Tensor::from_vec(values(4096, 9), (1, 4096), &dev).unwrap();
         let x2 = Tensor::from_vec(values(11008, 5), (1, 11008), &dev).unwrap();
         let (x16, x216) = (
@@ -535,11 +579,15 @@ mod kernel_ab {
             outs
         };
         let q8f_sweep = || quant_sweep(&q8_layers);
+        // Our K-quant loop whatever the thread count (`cpu_quant::KQUANT_MIN_THREADS`).
+        crate::cpu_quant::set_kquants(true);
+        let kq_sweep = || quant_sweep(&kq_layers);
         type Sweep<'a> = &'a dyn Fn() -> Vec<Tensor>;
-        let runs: [(&str, usize, Sweep); 3] = [
+        let runs: [(&str, usize, Sweep); 4] = [
             ("F16", elems * 2, &f16_sweep),
             ("Q8_0 (8-bit activations)", elems / 32 * 34, &q8_sweep),
             ("Q8_0", elems / 32 * 34, &q8f_sweep),
+            ("Q4_K_M (Q4_K, Q6_K for v and down)", kq_bytes, &kq_sweep),
         ];
         for (weights, bytes, sweep) in runs {
             let set = |pf: usize| simd::PREFETCH_BYTES.store(pf, Ordering::Relaxed);

@@ -440,9 +440,9 @@ impl<'a> KRows<'a> {
         match self {
             Self::Q2K(b) => one(b, r, nb, k, ys),
             Self::Q3K(b) => one(b, r, nb, k, ys),
-            Self::Q4K(b) => one(b, r, nb, k, ys),
+            Self::Q4K(b) => crate::sys::simd_k::dot_q4k_q8k(&b[r * nb..(r + 1) * nb], ys),
             Self::Q5K(b) => one(b, r, nb, k, ys),
-            Self::Q6K(b) => one(b, r, nb, k, ys),
+            Self::Q6K(b) => crate::sys::simd_k::dot_q6k_q8k(&b[r * nb..(r + 1) * nb], ys),
         }
     }
 }

@@ -19,6 +19,7 @@ use candle_core::{DType, Shape, Tensor};
 
 mod disk;
 pub(crate) mod simd;
+pub(crate) mod simd_k;
 pub(crate) mod spin;
 
 pub(crate) use disk::{Conversion, DiskFile, DiskTier, ReadAhead, ReadPool, Segment};

@@ -1213,7 +1213,7 @@ const fn size<const D: u8>() -> usize {
 /// will do: a prefetch never faults.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_ahead(p: *const u8, at: usize, pf: usize) {
+pub(super) fn prefetch_ahead(p: *const u8, at: usize, pf: usize) {
     if pf == 0 {
         return;
     }
