@@ -430,6 +430,7 @@ fn main() -> Result<()> {
                 s.reset(diag::device_used_bytes(&device)?);
             }
             let reused_before = rt.stats()?.total.reused_buffers;
+            let trims_before = rt.stats()?.total.pool_trims;
             let mut times = Vec::new();
             let mut host_times = Vec::new();
             let mut bytes = Vec::new();
@@ -489,6 +490,7 @@ fn main() -> Result<()> {
                 None => None,
             };
             let reused = rt.stats()?.total.reused_buffers - reused_before;
+            let decode_trims = rt.stats()?.total.pool_trims - trims_before;
             // The device stage's reservation and weight capacity while decoding (a model gives
             // the prompt's activations to weights then: `CausalLm`'s phase reservation).
             let decode_stats = match model.stages().last() {
@@ -657,6 +659,8 @@ fn main() -> Result<()> {
                 "prefill_pool_peak_used_bytes": prefill_peaks.map(|p| p.1),
                 "prefill_pool_peak_reserved_bytes": prefill_peaks.map(|p| p.2),
                 "decode_reused_buffers_per_token": reused as f64 / args.new_tokens.max(1) as f64,
+                "decode_pool_trims": decode_trims,
+                "pool_trims_total": rt.stats()?.total.pool_trims,
                 "context_bytes": context_bytes,
                 "peak_within_budget": budget_bytes.zip(peak).map(|(b, p)| p <= b),
                 "prefill_s": prefill_s,

@@ -983,6 +983,7 @@ impl OffloadRuntime {
                 ReadAhead::None => {}
             }
         }
+        self.trim_held_weights(st, size)?;
         let uploaded = self.attempt_upload(st, u);
         // Its read-ahead (if any) has served this fetch, or failed it: free the bytes.
         if let Some(k) = st.read_ahead.iter().position(|&r| r == u) {
@@ -1039,6 +1040,41 @@ impl OffloadRuntime {
         self.log(st, EventKind::Fetch, Some(u), size, reason, None);
         let used = st.cache.used();
         st.telemetry.peak_resident = st.telemetry.peak_resident.max(used);
+        Ok(())
+    }
+
+    /// Before a fetch of `size` bytes: where the weight pool holds freed memory that would put
+    /// it past the weight capacity with the fetch (beside the resident weights and the evicted
+    /// buffers kept for it), waits for the device and gives that memory back to the driver.
+    ///
+    /// Freed buffers of one size do not serve allocations of another: a stage whose units stay
+    /// at their own sizes while a prompt streams padded host layers through it (GGML layers of
+    /// mixed block types) left its pool holding 462 MiB more than it used, 272 MiB over a
+    /// 4 GiB budget (13B Q4_K_M, 20 host layers, stop 47). Streaming of one size reuses its
+    /// evicted buffers, holds nothing freed, and never waits here.
+    fn trim_held_weights(&self, st: &mut State, size: u64) -> candle_core::Result<()> {
+        if !matches!(self.shared.engine, Engine::Cuda(_)) {
+            return Ok(());
+        }
+        let Some(held) = crate::sys::weight_pool_held_bytes(&self.shared.device)? else {
+            return Ok(());
+        };
+        let spare: u64 = st
+            .spare_blocks
+            .iter()
+            .map(|q| q.storage_size_in_bytes() as u64)
+            .sum();
+        let capacity = st.cache.capacity();
+        if held.saturating_sub(spare).saturating_add(size) > capacity {
+            crate::sys::trim_weight_pool(&self.shared.device)?;
+            st.telemetry.trimmed();
+            tracing::debug!(
+                held_mib = held >> 20,
+                spare_mib = spare >> 20,
+                capacity_mib = capacity >> 20,
+                "weight pool trimmed before a fetch"
+            );
+        }
         Ok(())
     }
 

@@ -47,6 +47,9 @@ pub struct TransferStats {
     /// GGML tensors written into a buffer an evicted unit left, instead of a new allocation
     /// (GPU only).
     pub reused_buffers: u64,
+    /// Times the weight pool's freed memory went back to the driver before a fetch, to keep
+    /// the pool within the weight capacity (GPU only; `OffloadRuntime`'s fetch).
+    pub pool_trims: u64,
 }
 
 impl TransferStats {
@@ -320,6 +323,12 @@ impl Telemetry {
     pub fn reused(&mut self, tensors: u64) {
         for t in [&mut self.total, &mut self.step] {
             t.reused_buffers += tensors;
+        }
+    }
+
+    pub fn trimmed(&mut self) {
+        for t in [&mut self.total, &mut self.step] {
+            t.pool_trims += 1;
         }
     }
 

@@ -169,6 +169,14 @@ pub(crate) fn trim_memory_pool(_device: &Device) -> candle_core::Result<()> {
     Ok(())
 }
 
+pub(crate) fn weight_pool_held_bytes(_device: &Device) -> candle_core::Result<Option<u64>> {
+    Ok(None)
+}
+
+pub(crate) fn trim_weight_pool(_device: &Device) -> candle_core::Result<()> {
+    Ok(())
+}
+
 pub(crate) fn has_long_lived_pool(_device: &Device) -> candle_core::Result<bool> {
     Ok(false)
 }
