@@ -224,6 +224,8 @@ struct State {
     /// together stay within the weights' capacity. Emptied (freed) whenever the reservation
     /// changes and by [`OffloadRuntime::evict_all`].
     spare_blocks: Vec<QTensor>,
+    /// The last upload freed spare buffers it could not use ([`OffloadRuntime::trim_if_pending`]).
+    trim_pending: bool,
     /// Bumped whenever a unit arrives or leaves: a captured step holds the addresses of the
     /// units resident at its capture and may replay only while this is unchanged.
     generation: u64,
@@ -688,6 +690,7 @@ impl OffloadRuntime {
                     read_ahead: Vec::new(),
                     capturing: false,
                     spare_blocks: Vec::new(),
+                    trim_pending: false,
                     generation: 0,
                     replayed: false,
                 }),
@@ -983,7 +986,7 @@ impl OffloadRuntime {
                 ReadAhead::None => {}
             }
         }
-        self.trim_held_weights(st, size)?;
+        self.trim_if_pending(st)?;
         let uploaded = self.attempt_upload(st, u);
         // Its read-ahead (if any) has served this fetch, or failed it: free the bytes.
         if let Some(k) = st.read_ahead.iter().position(|&r| r == u) {
@@ -1043,37 +1046,26 @@ impl OffloadRuntime {
         Ok(())
     }
 
-    /// Before a fetch of `size` bytes: where the weight pool holds freed memory that would put
-    /// it past the weight capacity with the fetch (beside the resident weights and the evicted
-    /// buffers kept for it), waits for the device and gives that memory back to the driver.
+    /// Before a fetch, where the last upload freed evicted buffers that matched none of its
+    /// tensors: waits for the device and gives the weight pool's freed memory back to the
+    /// driver.
     ///
-    /// Freed buffers of one size do not serve allocations of another: a stage whose units stay
-    /// at their own sizes while a prompt streams padded host layers through it (GGML layers of
-    /// mixed block types) left its pool holding 462 MiB more than it used, 272 MiB over a
-    /// 4 GiB budget (13B Q4_K_M, 20 host layers, stop 47). Streaming of one size reuses its
-    /// evicted buffers, holds nothing freed, and never waits here.
-    fn trim_held_weights(&self, st: &mut State, size: u64) -> candle_core::Result<()> {
-        if !matches!(self.shared.engine, Engine::Cuda(_)) {
+    /// Those buffers are freed on the compute stream, and the copy stream's allocations do not
+    /// take their room until the device has run past the frees: the pool grows instead, and
+    /// keeps the room. Units of one size take evicted buffers as they are and free nothing;
+    /// mixed sizes do not. A stage keeping its layers at their own sizes while a prompt
+    /// streamed padded host layers through it (GGML layers of mixed block types) held 462 MiB
+    /// more than it used and went 272 MiB over a 4 GiB budget (13B Q4_K_M, 20 host layers,
+    /// stop 47).
+    fn trim_if_pending(&self, st: &mut State) -> candle_core::Result<()> {
+        if !st.trim_pending {
             return Ok(());
         }
-        let Some(held) = crate::sys::weight_pool_held_bytes(&self.shared.device)? else {
-            return Ok(());
-        };
-        let spare: u64 = st
-            .spare_blocks
-            .iter()
-            .map(|q| q.storage_size_in_bytes() as u64)
-            .sum();
-        let capacity = st.cache.capacity();
-        if held.saturating_sub(spare).saturating_add(size) > capacity {
+        st.trim_pending = false;
+        if matches!(self.shared.engine, Engine::Cuda(_)) {
             crate::sys::trim_weight_pool(&self.shared.device)?;
             st.telemetry.trimmed();
-            tracing::debug!(
-                held_mib = held >> 20,
-                spare_mib = spare >> 20,
-                capacity_mib = capacity >> 20,
-                "weight pool trimmed before a fetch"
-            );
+            tracing::debug!("weight pool trimmed before a fetch");
         }
         Ok(())
     }
@@ -1091,8 +1083,11 @@ impl OffloadRuntime {
                 "injected fault: the allocation was refused (as CUDA_ERROR_OUT_OF_MEMORY would be)"
             );
         }
+        let spares = st.spare_blocks.len() as u64;
         let (weights, sync, reused) = self.upload(u, &mut st.spare_blocks)?;
         st.telemetry.reused(reused);
+        // The spares it did not take were freed (`trim_if_pending`).
+        st.trim_pending |= spares > reused;
         Ok((weights, sync))
     }
 
@@ -1636,6 +1631,7 @@ impl OffloadRuntime {
             self.drop_unit(&mut st, v, "evict_all", false)?;
         }
         st.spare_blocks.clear();
+        st.trim_pending = true;
         Ok(())
     }
 

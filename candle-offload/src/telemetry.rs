@@ -47,8 +47,8 @@ pub struct TransferStats {
     /// GGML tensors written into a buffer an evicted unit left, instead of a new allocation
     /// (GPU only).
     pub reused_buffers: u64,
-    /// Times the weight pool's freed memory went back to the driver before a fetch, to keep
-    /// the pool within the weight capacity (GPU only; `OffloadRuntime`'s fetch).
+    /// Times the weight pool's freed memory went back to the driver before a fetch, after an
+    /// upload freed evicted buffers it could not use (GPU only; `OffloadRuntime`'s fetch).
     pub pool_trims: u64,
 }
 

@@ -1159,16 +1159,9 @@ impl CausalLm {
         let kv = at(prompt_len).1;
         // Only the embeddings on the host: a GPU stage that holds every other unit reserves as
         // a resident one does; with host layers, prompts stream those layers through it.
-        // A stage that runs host layers' prompts streams them through: it keeps the whole
-        // allowance for what that fragments.
-        let saving = if h > 0 {
-            0
-        } else {
-            Self::resident_saving(&store, device, settings)
-        };
         let (reserve, share, chunk) = Self::phase_reserves(
             |rows| at(rows).0,
-            saving,
+            Self::resident_saving(&store, device, settings),
             prompt_len,
             |rows| Self::pass_slack(cfg, device, rows, max_len, dtype),
             |rows, slack| {

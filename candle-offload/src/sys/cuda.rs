@@ -1024,28 +1024,6 @@ pub(crate) fn trim_memory_pool_to(device: &Device, keep: u64) -> candle_core::Re
     Ok(())
 }
 
-/// Bytes `device`'s weight pool ([`weight_pool`]) holds from the driver now (in use, or freed
-/// and kept for reuse); `None` where it has none. Reads an attribute: no synchronisation.
-pub(crate) fn weight_pool_held_bytes(device: &Device) -> candle_core::Result<Option<u64>> {
-    use candle_core::cuda_backend::cudarc::driver::result;
-    let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
-    let Some(pool) = weight_pool(&ctx)? else {
-        return Ok(None);
-    };
-    let mut value: u64 = 0;
-    // SAFETY: `pool` is this device's live weight pool (never destroyed); the attribute is
-    // read through a pointer to a cuuint64_t, which `value` is.
-    unsafe {
-        result::mem_pool::get_attribute(
-            pool.0,
-            cusys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-            (&mut value as *mut u64).cast(),
-        )
-    }
-    .w()?;
-    Ok(Some(value))
-}
-
 /// Waits for the device, then returns the memory `device`'s weight pool holds beyond the
 /// weights in use to the driver (nothing where it has no weight pool).
 pub(crate) fn trim_weight_pool(device: &Device) -> candle_core::Result<()> {

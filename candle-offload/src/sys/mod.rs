@@ -44,8 +44,8 @@ pub(crate) use imp::{
     context_memory, device_info, device_used_bytes, has_long_lived_pool, keep_pool_memory,
     long_lived, measure_h2d_gbps, pci_bus_id, pool_reserved_high_bytes, pool_used_high_bytes,
     profile_mark, profiler_capture, set_event_tracking, set_peer_access, trim_memory_pool,
-    trim_memory_pool_to, trim_weight_pool, try_pin, weight_pool_held_bytes, CudaEngine, Downloader,
-    Pinner, StepGraph, UnitSync,
+    trim_memory_pool_to, trim_weight_pool, try_pin, CudaEngine, Downloader, Pinner, StepGraph,
+    UnitSync,
 };
 #[cfg(not(feature = "cuda"))]
 pub(crate) use imp::{um_table, ManagedBuffer};

@@ -169,10 +169,6 @@ pub(crate) fn trim_memory_pool(_device: &Device) -> candle_core::Result<()> {
     Ok(())
 }
 
-pub(crate) fn weight_pool_held_bytes(_device: &Device) -> candle_core::Result<Option<u64>> {
-    Ok(None)
-}
-
 pub(crate) fn trim_weight_pool(_device: &Device) -> candle_core::Result<()> {
     Ok(())
 }
