@@ -902,7 +902,7 @@ impl CausalLm {
     /// stage computes in (F32 for GGML blocks): the host's rate that
     /// [`HostLayers::SpreadAuto`] weighs against the link's.
     ///
-    /// The steps go round as many layers as hold [`HOST_TIMING_BYTES`] (all of a smaller
+    /// The steps go round as many layers as hold 1 GiB (`HOST_TIMING_BYTES`; all of a smaller
     /// model), so that each reads its weights from memory, as a host stage's sweep does, and
     /// not from the CPU's last-level cache. One 7B F16 layer (405 MB) timed over and over on
     /// the H200's host (300 MiB of L3) took 4.25 ms; the same layers took 5.1 ms in the decode
