@@ -604,6 +604,59 @@ fn a_model_that_fits_while_decoding_holds_every_unit_then() -> anyhow::Result<()
     Ok(())
 }
 
+/// On a GPU, the scene of [`a_model_that_fits_while_decoding_holds_every_unit_then`]: the units
+/// take their own sizes, and the prompt evicts some to fetch others. Layer 0's `attn_v` and
+/// `ffn_down` are Q6_K and layer 1's Q4_K, so an upload finds evicted buffers none of its tensors
+/// can take, frees them, and the next fetch first trims the weight pool (13B Q4_K_M at 4 GiB held
+/// 462 MiB more than it used without this, stop 47). The trims are counted, and the logits and
+/// tokens are the unlimited model's, bit for bit.
+#[cfg(feature = "cuda")]
+#[test]
+fn unmatched_spares_trim_the_weight_pool_gpu() -> anyhow::Result<()> {
+    let dev = Device::new_cuda_with_stream(0)?;
+    let (dir, files, store) = mixed_k_store("mixed-k-trim", 31)?;
+    let max_len = PROMPT.len() + 6;
+    let reserve =
+        |rows| Llama::reserve_bytes(&files.config, &store, &dev, rows, max_len, DType::F32);
+    let run =
+        |limit: Option<u64>| -> anyhow::Result<(Vec<f32>, Vec<u32>, candle_offload::OffloadStats)> {
+            let settings = candle_offload_models::OffloadSettings {
+                gpu_memory_limit: limit.map(MemoryLimit::Bytes),
+                prefetch_depth: 0,
+                ..Default::default()
+            };
+            let model = Llama::offloaded(
+                &files,
+                store.clone(),
+                &dev,
+                DType::F32,
+                PROMPT.len(),
+                max_len,
+                &settings,
+            )?;
+            let ids = Tensor::new(&PROMPT, &dev)?.unsqueeze(0)?;
+            let logits = model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?;
+            let mut sampler = LogitsProcessor::new(0, None, None);
+            let (tokens, _) = generate(&model, &PROMPT, 6, &mut sampler, &[], |_| Ok(()))?;
+            Ok((logits, tokens, model.runtime().stats()?))
+        };
+    let (ref_logits, ref_tokens, _) = run(None)?;
+    let (logits, tokens, stats) = run(Some(reserve(1) + own_bytes(&store)))?;
+    assert_eq!(logits, ref_logits);
+    assert_eq!(tokens, ref_tokens);
+    assert!(
+        stats.units.iter().any(|u| u.evictions > 0),
+        "the prompt must stream"
+    );
+    assert!(
+        stats.total.pool_trims > 0,
+        "an upload freed unmatched spares, so a fetch trims ({} tensors reused)",
+        stats.total.reused_buffers
+    );
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
 /// A device stage behind a host layer serves that layer too (for prompts, outside its schedule),
 /// yet keeps the layers it runs at their own sizes when they fit so (`runtime::staying`): the
 /// 7B Q4_K_M at 4 GiB charged all its layers their padded sizes, 13% more, and streamed 0.52 GB
