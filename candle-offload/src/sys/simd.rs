@@ -241,7 +241,7 @@ pub(crate) fn dot_q8_0_q8_0_bound(x: &[u8], y: &[u8], amax: &[f32]) -> (f32, f32
     if has_avx2() {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked above); both slices hold `nb` whole
         // Q8_0 blocks and `amax` `nb` values (checked above).
-        return unsafe { avx2::dot_q8_0_q8_0_bound(x, y, amax, nb) };
+        return unsafe { avx2::dot_q8_0_q8_0_bound(x, y, amax, nb, prefetch_bytes()) };
     }
     dot_q8_0_q8_0_bound_scalar(x, y, amax)
 }
@@ -692,11 +692,13 @@ mod avx2 {
         y: &[u8],
         amax: &[f32],
         nb: usize,
+        pf: usize,
     ) -> (f32, f32) {
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
         let ones = _mm256_set1_epi8(1);
         let (mut acc, mut scale) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for (i, &a) in amax.iter().enumerate().take(nb) {
+            super::prefetch_ahead(xp, i * Q8_0_BYTES, pf);
             // SAFETY: block `i` is below `nb`: 34 bytes at each block are inside the slices.
             unsafe {
                 let (xb, yb) = (xp.add(i * Q8_0_BYTES), yp.add(i * Q8_0_BYTES));
