@@ -304,7 +304,18 @@ fn run_with_limit(
     strategy: OffloadStrategy,
     depth: usize,
 ) -> anyhow::Result<(Vec<f32>, Vec<u32>, candle_offload::OffloadStats)> {
-    let dev = Device::Cpu;
+    run_on(&Device::Cpu, files, store, limit, strategy, depth)
+}
+
+/// [`run_with_limit`] on `dev`.
+fn run_on(
+    dev: &Device,
+    files: &ModelFiles,
+    store: Arc<HostStore>,
+    limit: Option<u64>,
+    strategy: OffloadStrategy,
+    depth: usize,
+) -> anyhow::Result<(Vec<f32>, Vec<u32>, candle_offload::OffloadStats)> {
     let max_len = PROMPT.len() + 6;
     let settings = candle_offload_models::OffloadSettings {
         gpu_memory_limit: limit.map(MemoryLimit::Bytes),
@@ -315,13 +326,13 @@ fn run_with_limit(
     let model = Llama::offloaded(
         files,
         store,
-        &dev,
+        dev,
         DType::F32,
         PROMPT.len(),
         max_len,
         &settings,
     )?;
-    let ids = Tensor::new(&PROMPT, &dev)?.unsqueeze(0)?;
+    let ids = Tensor::new(&PROMPT, dev)?.unsqueeze(0)?;
     let logits = model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?;
     let mut sampler = LogitsProcessor::new(0, None, None);
     let (tokens, _) = generate(&model, &PROMPT, 6, &mut sampler, &[], |_| Ok(()))?;
@@ -618,28 +629,16 @@ fn unmatched_spares_trim_the_weight_pool_gpu() -> anyhow::Result<()> {
     let max_len = PROMPT.len() + 6;
     let reserve =
         |rows| Llama::reserve_bytes(&files.config, &store, &dev, rows, max_len, DType::F32);
-    let run =
-        |limit: Option<u64>| -> anyhow::Result<(Vec<f32>, Vec<u32>, candle_offload::OffloadStats)> {
-            let settings = candle_offload_models::OffloadSettings {
-                gpu_memory_limit: limit.map(MemoryLimit::Bytes),
-                prefetch_depth: 0,
-                ..Default::default()
-            };
-            let model = Llama::offloaded(
-                &files,
-                store.clone(),
-                &dev,
-                DType::F32,
-                PROMPT.len(),
-                max_len,
-                &settings,
-            )?;
-            let ids = Tensor::new(&PROMPT, &dev)?.unsqueeze(0)?;
-            let logits = model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?;
-            let mut sampler = LogitsProcessor::new(0, None, None);
-            let (tokens, _) = generate(&model, &PROMPT, 6, &mut sampler, &[], |_| Ok(()))?;
-            Ok((logits, tokens, model.runtime().stats()?))
-        };
+    let run = |limit| {
+        run_on(
+            &dev,
+            &files,
+            store.clone(),
+            limit,
+            OffloadStrategy::Minimal,
+            0,
+        )
+    };
     let (ref_logits, ref_tokens, _) = run(None)?;
     let (logits, tokens, stats) = run(Some(reserve(1) + own_bytes(&store)))?;
     assert_eq!(logits, ref_logits);
