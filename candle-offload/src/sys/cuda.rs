@@ -1017,9 +1017,7 @@ pub(crate) fn trim_memory_pool_to(device: &Device, keep: u64) -> candle_core::Re
     // SAFETY: `pool` is the live default pool of this context's device.
     unsafe { result::mem_pool::trim_to(pool, keep as usize) }.w()?;
     if let Some(weights) = weight_pool(&ctx)? {
-        // SAFETY: `weights` is this device's live weight pool (never destroyed); what it
-        // holds beyond the weights in use is freed weights' memory, all of it returned.
-        unsafe { result::mem_pool::trim_to(weights.0, 0) }.w()?;
+        trim_weights(weights)?;
     }
     Ok(())
 }
@@ -1027,16 +1025,22 @@ pub(crate) fn trim_memory_pool_to(device: &Device, keep: u64) -> candle_core::Re
 /// Waits for the device, then returns the memory `device`'s weight pool holds beyond the
 /// weights in use to the driver (nothing where it has no weight pool).
 pub(crate) fn trim_weight_pool(device: &Device) -> candle_core::Result<()> {
-    use candle_core::cuda_backend::cudarc::driver::result;
     let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
-    let Some(pool) = weight_pool(&ctx)? else {
+    let Some(weights) = weight_pool(&ctx)? else {
         return Ok(());
     };
     device.synchronize()?;
     ctx.synchronize().w()?;
-    // SAFETY: `pool` is this device's live weight pool (never destroyed); after the
-    // synchronisation every free enqueued on it has happened.
-    unsafe { result::mem_pool::trim_to(pool.0, 0) }.w()?;
+    trim_weights(weights)
+}
+
+/// Returns what the weight pool `weights` holds beyond the weights in use to the driver, all
+/// of it (freed weights' memory). The caller has synchronised its context, so that every free
+/// enqueued on the pool has happened.
+fn trim_weights(weights: Pool) -> candle_core::Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::result;
+    // SAFETY: `weights` is a device's live weight pool (`weight_pool`: never destroyed).
+    unsafe { result::mem_pool::trim_to(weights.0, 0) }.w()?;
     Ok(())
 }
 
