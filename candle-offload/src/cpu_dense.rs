@@ -473,65 +473,53 @@ mod kernel_ab {
                     .collect()
             })
             .collect();
-        // Q8_0 blocks from bytes: each block's f16 scale small, its 32 quants varied.
-        let q8_layers: Vec<Vec<Arc<QTensor>>> = (0..LAYERS)
-            .map(|l| {
-                shapes
-                    .iter()
-                    .enumerate()
-                    .map(|(j, &(n, k))| {
-                        let mut b = vec![0u8; n * k / 32 * 34];
-                        for (i, blk) in b.chunks_exact_mut(34).enumerate() {
-                            blk[..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
-                            for (t, q) in blk[2..].iter_mut().enumerate() {
-                                *q = ((i * 31 + t * 7 + l + j) % 255) as u8;
+        // GGML blocks from bytes (any bits are a block): each block's f16 scales small (for
+        // Q8_0 its quants from byte 2 on, for the K types every byte before the scales are
+        // written), the rest varied modulo `modulus`; weight `j` of the layer of type `ty(j)`.
+        let blocks = |ty: &dyn Fn(usize) -> GgmlDType, modulus: usize| -> Vec<Vec<Arc<QTensor>>> {
+            (0..LAYERS)
+                .map(|l| {
+                    shapes
+                        .iter()
+                        .enumerate()
+                        .map(|(j, &(n, k))| {
+                            let ty = ty(j);
+                            let (first, scales): (usize, &[usize]) = match ty {
+                                GgmlDType::Q8_0 => (2, &[0]),
+                                GgmlDType::Q6K => (0, &[208]),
+                                _ => (0, &[0, 2]),
+                            };
+                            let size = ty.type_size();
+                            let mut b = vec![0u8; n * k / ty.block_size() * size];
+                            for (i, blk) in b.chunks_exact_mut(size).enumerate() {
+                                for (t, q) in blk[first..].iter_mut().enumerate() {
+                                    *q = ((i * 31 + t * 7 + l + j) % modulus) as u8;
+                                }
+                                for &at in scales {
+                                    blk[at..at + 2]
+                                        .copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+                                }
                             }
-                        }
-                        let b = std::borrow::Cow::Borrowed(&b[..]);
-                        let st = QStorage::from_data(b, &dev, GgmlDType::Q8_0).unwrap();
-                        Arc::new(QTensor::new(st, (n, k)).unwrap())
-                    })
-                    .collect()
-            })
-            .collect();
-        // Q4_K_M as llama.cpp writes it, near enough: Q6_K for v and down, Q4_K elsewhere;
-        // blocks from bytes (any bits are a block), scales small.
-        let kq_type = |j: usize| {
-            if j == 2 || j == 6 {
-                GgmlDType::Q6K
-            } else {
-                GgmlDType::Q4K
-            }
+                            let b = std::borrow::Cow::Borrowed(&b[..]);
+                            let st = QStorage::from_data(b, &dev, ty).unwrap();
+                            Arc::new(QTensor::new(st, (n, k)).unwrap())
+                        })
+                        .collect()
+                })
+                .collect()
         };
-        let kq_layers: Vec<Vec<Arc<QTensor>>> = (0..LAYERS)
-            .map(|l| {
-                shapes
-                    .iter()
-                    .enumerate()
-                    .map(|(j, &(n, k))| {
-                        let ty = kq_type(j);
-                        let (size, d_at) = if ty == GgmlDType::Q6K {
-                            (210, &[208][..])
-                        } else {
-                            (144, &[0, 2][..])
-                        };
-                        let mut b = vec![0u8; n * k / 256 * size];
-                        for (i, blk) in b.chunks_exact_mut(size).enumerate() {
-                            for (t, q) in blk.iter_mut().enumerate() {
-                                *q = ((i * 31 + t * 7 + l + j) % 251) as u8;
-                            }
-                            for &at in d_at {
-                                blk[at..at + 2]
-                                    .copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
-                            }
-                        }
-                        let b = std::borrow::Cow::Borrowed(&b[..]);
-                        let st = QStorage::from_data(b, &dev, ty).unwrap();
-                        Arc::new(QTensor::new(st, (n, k)).unwrap())
-                    })
-                    .collect()
-            })
-            .collect();
+        let q8_layers = blocks(&|_| GgmlDType::Q8_0, 255);
+        // Q4_K_M as llama.cpp writes it, near enough: Q6_K for v and down, Q4_K elsewhere.
+        let kq_layers = blocks(
+            &|j| {
+                if j == 2 || j == 6 {
+                    GgmlDType::Q6K
+                } else {
+                    GgmlDType::Q4K
+                }
+            },
+            251,
+        );
         let kq_bytes: usize = kq_layers[0]
             .iter()
             .map(|w| w.storage_size_in_bytes())
