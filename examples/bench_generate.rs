@@ -429,8 +429,7 @@ fn main() -> Result<()> {
             if let Some(s) = &sampler {
                 s.reset(diag::device_used_bytes(&device)?);
             }
-            let reused_before = rt.stats()?.total.reused_buffers;
-            let trims_before = rt.stats()?.total.pool_trims;
+            let before_decode = rt.stats()?.total;
             let mut times = Vec::new();
             let mut host_times = Vec::new();
             let mut bytes = Vec::new();
@@ -489,8 +488,9 @@ fn main() -> Result<()> {
                 )?),
                 None => None,
             };
-            let reused = rt.stats()?.total.reused_buffers - reused_before;
-            let decode_trims = rt.stats()?.total.pool_trims - trims_before;
+            let after_decode = rt.stats()?.total;
+            let reused = after_decode.reused_buffers - before_decode.reused_buffers;
+            let decode_trims = after_decode.pool_trims - before_decode.pool_trims;
             // The device stage's reservation and weight capacity while decoding (a model gives
             // the prompt's activations to weights then: `CausalLm`'s phase reservation).
             let decode_stats = match model.stages().last() {
