@@ -926,7 +926,7 @@ impl CausalLm {
                 .map_or(0, |id| store.unit(id).host_bytes());
             count += 1;
         }
-        Self::layers_step_seconds(cfg, store, dtype, &Device::Cpu, context, count.max(1))
+        Self::layers_step_seconds(cfg, store, dtype, &Device::Cpu, context, count)
     }
 
     /// Seconds one decode step of the first decoder layer takes on `device` with its weights
