@@ -615,41 +615,73 @@ fn a_model_that_fits_while_decoding_holds_every_unit_then() -> anyhow::Result<()
     Ok(())
 }
 
-/// On a GPU, the scene of [`a_model_that_fits_while_decoding_holds_every_unit_then`]: the units
-/// take their own sizes, and the prompt evicts some to fetch others. Layer 0's `attn_v` and
-/// `ffn_down` are Q6_K and layer 1's Q4_K, so an upload finds evicted buffers none of its tensors
-/// can take, frees them, and the next fetch first trims the weight pool (13B Q4_K_M at 4 GiB held
-/// 462 MiB more than it used without this, stop 47). The trims are counted, and the logits and
-/// tokens are the unlimited model's, bit for bit.
+/// On a GPU, the scene of [`a_stage_behind_host_layers_keeps_its_layers_at_their_own_size`]
+/// with whole prompts: the stage keeps layer 1 (Q4_K) at its own size, and each prompt runs the
+/// host layer 0 (Q6_K `attn_v` and `ffn_down`, padded) on the device through room for one
+/// padded layer, so that the two evict each other. The evicted buffers are of other sizes than
+/// the incoming tensors', so the upload frees them, and the next fetch first trims the weight
+/// pool (13B Q4_K_M at 4 GiB held 462 MiB more than it used without this, stop 47). The trims
+/// are counted, layer 1 keeps its own size, and the greedy tokens of two prompts are the
+/// unlimited model's.
 #[cfg(feature = "cuda")]
 #[test]
 fn unmatched_spares_trim_the_weight_pool_gpu() -> anyhow::Result<()> {
+    use candle_offload_models::{HostLayers, OffloadSettings};
     let dev = Device::new_cuda_with_stream(0)?;
     let (dir, files, store) = mixed_k_store("mixed-k-trim", 31)?;
+    let (l0, l1) = (store.layer_unit(0).unwrap(), store.layer_unit(1).unwrap());
+    let own = store.unit(l1).resident_bytes();
+    assert!(own < store.unit(l1).bytes(), "layer 1 is padded");
     let max_len = PROMPT.len() + 6;
-    let reserve =
-        |rows| Llama::reserve_bytes(&files.config, &store, &dev, rows, max_len, DType::F32);
-    let run = |limit| {
-        run_on(
-            &dev,
+    let build = |limit: Option<u64>| {
+        Llama::offloaded_with_host(
             &files,
             store.clone(),
-            limit,
-            OffloadStrategy::Minimal,
-            0,
+            &dev,
+            DType::F32,
+            PROMPT.len(),
+            max_len,
+            &OffloadSettings {
+                gpu_memory_limit: limit.map(MemoryLimit::Bytes),
+                prefetch_depth: 0,
+                ..Default::default()
+            },
+            HostLayers::Count(1),
         )
     };
-    let (ref_logits, ref_tokens, _) = run(None)?;
-    let (logits, tokens, stats) = run(Some(reserve(1) + own_bytes(&store)))?;
-    assert_eq!(logits, ref_logits);
-    assert_eq!(tokens, ref_tokens);
-    assert!(
-        stats.units.iter().any(|u| u.evictions > 0),
-        "the prompt must stream"
-    );
+    // Two prompts, each then decoding (the host layer on the host).
+    let run = |model: &Llama| -> anyhow::Result<Vec<Vec<u32>>> {
+        let mut out = Vec::new();
+        for _ in 0..2 {
+            let mut sampler = LogitsProcessor::new(0, None, None);
+            out.push(generate(model, &PROMPT, 6, &mut sampler, &[], |_| Ok(()))?.0);
+        }
+        Ok(out)
+    };
+    let stage = |model: &Llama| model.stages().last().unwrap().0.clone();
+    let free = build(None)?;
+    assert_eq!(free.host_layer_count(), 1);
+    let want = run(&free)?;
+    let reserve = stage(&free).stats()?.reserve_bytes;
+    drop(free);
+    let kept: u64 = ["model.norm", "lm_head"]
+        .iter()
+        .map(|n| store.unit(store.unit_id(n).unwrap()).resident_bytes())
+        .sum();
+    // Room for one layer padded: layer 1 at its own size fits, and it beside layer 0 does not.
+    assert!(own + store.unit(l0).resident_bytes() > store.unit(l0).bytes());
+    let model = build(Some(reserve + kept + store.unit(l0).bytes()))?;
+    assert_eq!(run(&model)?, want);
+    let stats = stage(&model).stats()?;
+    let layer = |u: candle_offload::UnitId| {
+        let name = store.unit(u).name();
+        stats.units.iter().find(|s| s.name == name).unwrap()
+    };
+    assert_eq!(layer(l1).bytes, own, "layer 1 at its own size");
+    assert!(layer(l0).evictions > 0, "the prompts stream layer 0");
     assert!(
         stats.total.pool_trims > 0,
-        "an upload freed unmatched spares, so a fetch trims ({} tensors reused)",
+        "an upload freed spares of other sizes, so a fetch trims ({} tensors reused)",
         stats.total.reused_buffers
     );
     std::fs::remove_dir_all(&dir)?;

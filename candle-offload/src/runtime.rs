@@ -33,7 +33,9 @@ use crate::plan::{
 };
 use crate::runtime_error::RuntimeError;
 use crate::store::{HostStore, HostUnit, TierKind, WeightFormat};
-use crate::sys::{CudaEngine, DeviceLayout, DeviceWeight, ReadAhead, UnitSync, UploadItem};
+use crate::sys::{
+    CudaEngine, DeviceLayout, DeviceWeight, ReadAhead, SpareUse, UnitSync, UploadItem,
+};
 use crate::telemetry::{OffloadStats, ReadAheadStats, Telemetry, Timings, UnitStats};
 use crate::varbuilder::UnitBackend;
 
@@ -1046,17 +1048,19 @@ impl OffloadRuntime {
         Ok(())
     }
 
-    /// Before a fetch, where the last upload freed evicted buffers that matched none of its
-    /// tensors: waits for the device and gives the weight pool's freed memory back to the
-    /// driver.
+    /// Before a fetch, where an upload freed evicted buffers whose room no new buffer took back
+    /// ([`SpareUse::stranded`]): waits for the device and gives the weight pool's freed memory
+    /// back to the driver.
     ///
-    /// Those buffers are freed on the compute stream, and the copy stream's allocations do not
-    /// take their room until the device has run past the frees: the pool grows instead, and
-    /// keeps the room. Units of one size take evicted buffers as they are and free nothing;
-    /// mixed sizes do not. A stage keeping its layers at their own sizes while a prompt
-    /// streamed padded host layers through it (GGML layers of mixed block types) held 462 MiB
-    /// more than it used and went 272 MiB over a 4 GiB budget (13B Q4_K_M, 20 host layers,
-    /// stop 47).
+    /// The pool serves an allocation from a freed block of the size it needs; a freed block of
+    /// another size stays mapped beside the new one. Units of one size take evicted buffers as
+    /// they are, and a buffer freed for a tensor of another block type but the same padded
+    /// size (layers of mixed block types streaming alike) comes straight back out of the pool;
+    /// own sizes mixed with padded ones do not. A stage keeping its layers at their own sizes
+    /// while a prompt streamed padded host layers through it (GGML layers of mixed block
+    /// types) held 462 MiB more than it used and went 272 MiB over a 4 GiB budget (13B Q4_K_M,
+    /// 20 host layers, stop 47). Trimming after every unmatched free instead (stop 48) synced
+    /// six times a decode step where Q6_K and Q4_K layers alternate at one size.
     fn trim_if_pending(&self, st: &mut State) -> candle_core::Result<()> {
         if !st.trim_pending {
             return Ok(());
@@ -1083,11 +1087,11 @@ impl OffloadRuntime {
                 "injected fault: the allocation was refused (as CUDA_ERROR_OUT_OF_MEMORY would be)"
             );
         }
-        let spares = st.spare_blocks.len() as u64;
-        let (weights, sync, reused) = self.upload(u, &mut st.spare_blocks)?;
-        st.telemetry.reused(reused);
-        // The spares it did not take were freed (`trim_if_pending`).
-        st.trim_pending |= spares > reused;
+        let (weights, sync, spares) = self.upload(u, &mut st.spare_blocks)?;
+        st.telemetry.reused(spares.taken);
+        // The spares it did not take were freed; where no new buffer took their room back at
+        // their sizes, the pool keeps it (`trim_if_pending`).
+        st.trim_pending |= spares.stranded;
         Ok((weights, sync))
     }
 
@@ -1100,15 +1104,15 @@ impl OffloadRuntime {
     }
 
     /// Uploads `u`, its GGML blocks into `spare`'s buffers where they match (taken out of it),
-    /// and counts the tensors written into such buffers.
+    /// and says what it did with the others ([`SpareUse`]).
     fn upload(
         &self,
         u: UnitId,
         spare: &mut Vec<QTensor>,
-    ) -> candle_core::Result<(Weights, Option<UnitSync>, u64)> {
+    ) -> candle_core::Result<(Weights, Option<UnitSync>, SpareUse)> {
         let unit = self.shared.store.unit(u);
         match &self.shared.engine {
-            Engine::Cpu => Ok((self.cpu_weights(unit)?, None, 0)),
+            Engine::Cpu => Ok((self.cpu_weights(unit)?, None, SpareUse::default())),
             Engine::Cuda(engine) => {
                 let items: Vec<UploadItem<'_>> = unit
                     .tensors()
@@ -1132,7 +1136,7 @@ impl OffloadRuntime {
                     .collect();
                 // The read lock keeps `update_weights` out while the copies are enqueued.
                 let tier = unit.buffer();
-                let (uploaded, sync, reused) =
+                let (uploaded, sync, spares) =
                     engine.upload(unit.name(), &**tier, &items, self.shared.trainable, spare)?;
                 let mut dense = HashMap::with_capacity(unit.tensors().len());
                 let mut quantized = HashMap::new();
@@ -1149,7 +1153,7 @@ impl OffloadRuntime {
                         }
                     }
                 }
-                Ok((Weights::new(dense, quantized), Some(sync), reused))
+                Ok((Weights::new(dense, quantized), Some(sync), spares))
             }
         }
     }

@@ -27,8 +27,9 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 
 use super::{
-    DeviceLayout, DeviceWeight, GpuFacts, HostTier, PageableBuffer, SysError, SysResult, TierKind,
-    Timings, UploadItem, GGML_ROW_PADDING_ELEMS,
+    frees_reallocated, ggml_buffer_len, DeviceLayout, DeviceWeight, GpuFacts, HostTier,
+    PageableBuffer, SpareUse, SysError, SysResult, TierKind, Timings, UploadItem,
+    GGML_ROW_PADDING_ELEMS,
 };
 
 // The padding the budget counts for GGML tensors is the padding Candle allocates.
@@ -405,7 +406,7 @@ impl CudaEngine {
     /// records the unit's events. GGML blocks go into a buffer taken from `spare` where one of
     /// the same type, shape and size is there (evicted units' buffers, see
     /// [`upload_blocks`](Self::upload_blocks)); the rest of `spare` is freed. The third value
-    /// counts the buffers taken.
+    /// counts the buffers taken, and says whether the freed ones left room behind.
     pub(crate) fn upload(
         &self,
         unit: &str,
@@ -413,7 +414,7 @@ impl CudaEngine {
         items: &[UploadItem<'_>],
         trainable: bool,
         spare: &mut Vec<QTensor>,
-    ) -> candle_core::Result<(Vec<DeviceWeight>, UnitSync, u64)> {
+    ) -> candle_core::Result<(Vec<DeviceWeight>, UnitSync, SpareUse)> {
         let bytes: usize = items.iter().map(|i| i.range.len()).sum();
         let _span = tracing::debug_span!("offload.h2d", unit, bytes).entered();
         let copy_start = timing_event(&self.copy)?;
@@ -430,6 +431,23 @@ impl CudaEngine {
                     .position(|q| takes_spare(q, item, *ggml, *device_len))
                     .map(|k| spare.swap_remove(k)),
                 DeviceLayout::Dense(_) => None,
+            })
+            .collect();
+        // The sizes of the spares freed here against those of the buffers allocated new:
+        // whether the pool keeps room it no longer serves (`SpareUse::stranded`).
+        let freed: Vec<usize> = spare
+            .iter()
+            .map(|q| ggml_buffer_len(q.dtype(), q.storage_size_in_bytes()))
+            .collect();
+        let allocated: Vec<usize> = items
+            .iter()
+            .zip(&taken)
+            .filter_map(|(item, t)| match (&item.layout, t) {
+                (DeviceLayout::Blocks { ggml, device_len }, None) => {
+                    let (alloc_blocks, _) = block_buffer(*ggml, *device_len);
+                    Some(ggml_buffer_len(*ggml, alloc_blocks * ggml.type_size()))
+                }
+                _ => None,
             })
             .collect();
         spare.clear();
@@ -485,7 +503,10 @@ impl CudaEngine {
                 last_use: None,
                 managed: managed.map(|m| m.pages()),
             },
-            reused,
+            SpareUse {
+                taken: reused,
+                stranded: !frees_reallocated(&freed, &allocated),
+            },
         ))
     }
 

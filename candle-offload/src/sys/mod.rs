@@ -55,6 +55,42 @@ pub(crate) use imp::{um_table, ManagedBuffer};
 /// its matmul kernels read whole padded rows.
 pub(crate) const GGML_ROW_PADDING_ELEMS: usize = 512;
 
+/// What an upload did with the evicted units' GGML buffers it was offered (the spares).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SpareUse {
+    /// Buffers its tensors took as they were (the same type, shape and size).
+    pub taken: u64,
+    /// Whether it freed spares whose room its new allocations do not take back at the same
+    /// sizes ([`frees_reallocated`]): the weight pool then keeps that room beside what it maps
+    /// for the new buffers, until it is trimmed.
+    pub stranded: bool,
+}
+
+/// Bytes Candle's CUDA quantized storage allocates for `blocks_len` bytes of `ggml` blocks: the
+/// blocks and the row padding after them (`QCudaStorage::zeros`).
+pub(crate) fn ggml_buffer_len(ggml: candle_core::quantized::GgmlDType, blocks_len: usize) -> usize {
+    blocks_len + GGML_ROW_PADDING_ELEMS.div_ceil(ggml.block_size()) * ggml.type_size()
+}
+
+/// Whether the buffers an upload freed (their byte sizes, `freed`) are taken back one for one
+/// by its new allocations of the same sizes (`allocated`). A stream-ordered pool serves an
+/// allocation from a block freed earlier on the same stream at once, so an exact size comes
+/// back out of the freed block: a Q6_K buffer freed for a Q4_K tensor of the same padded size
+/// (layers of mixed block types streaming at one size) costs nothing. A freed size that no new
+/// allocation takes leaves room in the pool that the budget no longer counts.
+pub(crate) fn frees_reallocated(freed: &[usize], allocated: &[usize]) -> bool {
+    let mut left = allocated.to_vec();
+    freed
+        .iter()
+        .all(|f| match left.iter().position(|a| a == f) {
+            Some(k) => {
+                left.swap_remove(k);
+                true
+            }
+            None => false,
+        })
+}
+
 /// Allocation granule of a unit in managed memory: 2 MiB, the GPU's large page, so that a
 /// unit's pages on the device never exceed its size rounded up to it (the size the budget
 /// counts for it).
@@ -385,6 +421,30 @@ impl MappedFile {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn frees_are_reallocated_one_for_one_by_size() {
+        use super::frees_reallocated;
+        // Nothing freed: nothing stranded, whatever was allocated.
+        assert!(frees_reallocated(&[], &[]));
+        assert!(frees_reallocated(&[], &[10, 20]));
+        // Each freed size taken back once, in any order.
+        assert!(frees_reallocated(&[20, 10], &[10, 20, 30]));
+        assert!(frees_reallocated(&[10, 10], &[10, 30, 10]));
+        // A size allocated once cannot take two frees, nor a near size one.
+        assert!(!frees_reallocated(&[10, 10], &[10, 30]));
+        assert!(!frees_reallocated(&[10], &[11]));
+        assert!(!frees_reallocated(&[10], &[]));
+    }
+
+    #[test]
+    fn ggml_buffers_hold_the_row_padding_candle_adds() {
+        use candle_core::quantized::GgmlDType;
+        // 512 elements: two Q4_K (144 bytes) or Q6_K (210 bytes) blocks, sixteen Q8_0 blocks.
+        assert_eq!(super::ggml_buffer_len(GgmlDType::Q4K, 1440), 1440 + 288);
+        assert_eq!(super::ggml_buffer_len(GgmlDType::Q6K, 2100), 2100 + 420);
+        assert_eq!(super::ggml_buffer_len(GgmlDType::Q8_0, 340), 340 + 16 * 34);
+    }
+
     use super::*;
 
     #[test]

@@ -81,7 +81,7 @@ impl CudaEngine {
         _items: &[UploadItem<'_>],
         _trainable: bool,
         _spare: &mut Vec<candle_core::quantized::QTensor>,
-    ) -> candle_core::Result<(Vec<DeviceWeight>, UnitSync, u64)> {
+    ) -> candle_core::Result<(Vec<DeviceWeight>, UnitSync, super::SpareUse)> {
         match *self {}
     }
     pub(crate) fn wait_ready(&self, _sync: &mut UnitSync) -> candle_core::Result<()> {
