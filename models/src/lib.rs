@@ -46,7 +46,7 @@ pub mod train;
 
 pub use causal::{
     CausalLm, DeviceMapChoice, GraphStats, HiddenTransfer, HostLayers, HostTotals, LayerSteps,
-    OffloadSettings, MIN_PROMPT_CHUNK,
+    OffloadSettings, HOST_STEP_ROWS, MIN_PROMPT_CHUNK,
 };
 pub use chat::ChatTemplate;
 pub use config::Config;
