@@ -68,6 +68,7 @@ pub(crate) struct SpareUse {
 
 /// Bytes Candle's CUDA quantized storage allocates for `blocks_len` bytes of `ggml` blocks: the
 /// blocks and the row padding after them (`QCudaStorage::zeros`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn ggml_buffer_len(ggml: candle_core::quantized::GgmlDType, blocks_len: usize) -> usize {
     blocks_len + GGML_ROW_PADDING_ELEMS.div_ceil(ggml.block_size()) * ggml.type_size()
 }
@@ -78,6 +79,7 @@ pub(crate) fn ggml_buffer_len(ggml: candle_core::quantized::GgmlDType, blocks_le
 /// back out of the freed block: a Q6_K buffer freed for a Q4_K tensor of the same padded size
 /// (layers of mixed block types streaming at one size) costs nothing. A freed size that no new
 /// allocation takes leaves room in the pool that the budget no longer counts.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn frees_reallocated(freed: &[usize], allocated: &[usize]) -> bool {
     let mut left = allocated.to_vec();
     freed
