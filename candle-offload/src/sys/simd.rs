@@ -228,31 +228,51 @@ pub(crate) fn dot_q8_0_q8_0(x: &[u8], y: &[u8]) -> f32 {
     dot_q8_0_q8_0_scalar(x, y)
 }
 
-/// [`dot_q8_0_q8_0`] of weight blocks `x` with 8-bit activations `y`, and the scale of its
-/// error against the F32 activations they were quantized from: `sum_b |d_b| * sum_j |q_bj| *
-/// amax[b]`, with `amax[b]` the largest magnitude of the activations' block `b`. Quantizing to
-/// Q8_0 moves each activation by at most `0.5 * amax / 127` (round to nearest) plus its f16
-/// scale's rounding (`127 * 2^-11` of a step), so the product moves by at most this scale times
-/// [`Q8_0_SCREEN_BOUND`].
-pub(crate) fn dot_q8_0_q8_0_bound(x: &[u8], y: &[u8], amax: &[f32]) -> (f32, f32) {
-    let nb = x.len() / Q8_0_BYTES;
-    assert!(x.len() == nb * Q8_0_BYTES && y.len() == nb * Q8_0_BYTES && amax.len() == nb);
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU has AVX2, FMA and F16C (checked above); both slices hold `nb` whole
-        // Q8_0 blocks and `amax` `nb` values (checked above).
-        return unsafe { avx2::dot_q8_0_q8_0_bound(x, y, amax, nb, prefetch_bytes()) };
-    }
-    dot_q8_0_q8_0_bound_scalar(x, y, amax)
-}
-
-/// The bound on `|dot with F32 activations - dot with their Q8_0 blocks|` per unit of the scale
-/// [`dot_q8_0_q8_0_bound`] returns: `(0.5 + 127 * 2^-11) / 127` for the quantization, with 1%
+/// The bound on `|dot with F32 activations - dot with their Q8_0 blocks|` ([`dot_q8_0_q8_0`] of
+/// a weight row with the activations quantized) per unit of the row's scale `sum_b |d_b| *
+/// sum_j |q_bj| * amax[b]`, with `amax[b]` the largest magnitude of the activations' block `b`
+/// ([`block_amax`]; the weights' part per block is [`q8_0_abs_scales`]). Quantizing to Q8_0
+/// moves each activation by at most `0.5 * amax / 127` (round to nearest) plus its f16 scale's
+/// rounding (`127 * 2^-11` of a step): `(0.5 + 127 * 2^-11) / 127` for the quantization, with 1%
 /// and `1e-4` more for the float sums of either product (each within a few units of 2^-24 of
 /// that scale).
 pub(crate) const Q8_0_SCREEN_BOUND: f32 = (0.5 + 127.0 / 2048.0) / 127.0 * 1.01 + 1e-4;
 
-/// [`dot_q8_0_q8_0_bound`] without SIMD.
+/// The weights' part of the screen's scale ([`Q8_0_SCREEN_BOUND`]) for each of `x`'s Q8_0 blocks:
+/// `|d_b| * sum_j |q_bj|` (exact in f32: an f16 times an integer below 2^12), into `out`.
+/// Given these once per weight row, a row's scale is `sum_b out[b] * amax[b]`.
+pub(crate) fn q8_0_abs_scales(x: &[u8], out: &mut [f32]) {
+    let nb = x.len() / Q8_0_BYTES;
+    assert!(x.len() == nb * Q8_0_BYTES && out.len() == nb);
+    for (o, xb) in out.iter_mut().zip(x.chunks_exact(Q8_0_BYTES)) {
+        let sumq: i32 = xb[2..].iter().map(|&q| (q as i8 as i32).abs()).sum();
+        *o = half_at(xb, 0).abs() * sumq as f32;
+    }
+}
+
+/// `sum_i s[i] * a[i]` over eight independent lanes (a short dot product whose sum in one chain
+/// would wait on each add: the greedy screen's bound, one per head row).
+pub(crate) fn weighted_sum(s: &[f32], a: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (cs, ca) = (s.chunks_exact(8), a.chunks_exact(8));
+    let tail: f32 = cs
+        .remainder()
+        .iter()
+        .zip(ca.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in cs.zip(ca) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    tail + lanes.iter().sum::<f32>()
+}
+
+/// [`dot_q8_0_q8_0`] of a weight row `x` with 8-bit activations `y`, and its scale for
+/// [`Q8_0_SCREEN_BOUND`], in one scalar loop: the reference the screen's kernels are tested
+/// against.
+#[cfg(test)]
 pub(crate) fn dot_q8_0_q8_0_bound_scalar(x: &[u8], y: &[u8], amax: &[f32]) -> (f32, f32) {
     let (mut sumf, mut scale) = (0f32, 0f32);
     for ((xb, yb), &a) in x
@@ -298,7 +318,7 @@ pub(crate) fn block_sums(y: &[f32]) -> Vec<f32> {
     y.chunks_exact(QK).map(|b| b.iter().sum()).collect()
 }
 
-/// The largest magnitude in each of `y`'s blocks of 32 values, for [`dot_q8_0_q8_0_bound`].
+/// The largest magnitude in each of `y`'s blocks of 32 values, for [`Q8_0_SCREEN_BOUND`].
 pub(crate) fn block_amax(y: &[f32]) -> Vec<f32> {
     y.chunks_exact(QK)
         .map(|b| b.iter().fold(0f32, |a, v| a.max(v.abs())))
@@ -679,40 +699,6 @@ mod avx2 {
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc);
         }
         hsum(acc)
-    }
-
-    /// [`super::dot_q8_0_q8_0_bound`]'s kernel.
-    ///
-    /// # Safety
-    /// The CPU has AVX2, FMA and F16C; `x` and `y` each hold `nb` Q8_0 blocks and `amax` `nb`
-    /// values.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q8_0_q8_0_bound(
-        x: &[u8],
-        y: &[u8],
-        amax: &[f32],
-        nb: usize,
-        pf: usize,
-    ) -> (f32, f32) {
-        let (xp, yp) = (x.as_ptr(), y.as_ptr());
-        let ones = _mm256_set1_epi8(1);
-        let (mut acc, mut scale) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for (i, &a) in amax.iter().enumerate().take(nb) {
-            super::prefetch_ahead(xp, i * Q8_0_BYTES, pf);
-            // SAFETY: block `i` is below `nb`: 34 bytes at each block are inside the slices.
-            unsafe {
-                let (xb, yb) = (xp.add(i * Q8_0_BYTES), yp.add(i * Q8_0_BYTES));
-                let (ax, sy, dx, dy) = q8_0_block_parts(xb, yb);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy), mul_sum_us8_pairs(ax, sy), acc);
-                // |q| summed in pairs, then in fours: sum_j |q_j| over the block's lanes.
-                scale = _mm256_fmadd_ps(
-                    _mm256_set1_ps(dx.abs() * a),
-                    mul_sum_us8_pairs(ax, ones),
-                    scale,
-                );
-            }
-        }
-        (hsum(acc), hsum(scale))
     }
 
     /// The eight int8 at `p` as f32 lanes.
