@@ -460,6 +460,32 @@ fn own_bytes(store: &HostStore) -> u64 {
     store.units().iter().map(|u| u.resident_bytes()).sum()
 }
 
+/// `files` on `dev` in F32 with its first layer on the host, built for passes of `rows` and
+/// `max_len` positions under `limit`, fetching nothing ahead.
+fn one_host_layer(
+    files: &ModelFiles,
+    store: &Arc<HostStore>,
+    dev: &Device,
+    rows: usize,
+    max_len: usize,
+    limit: Option<u64>,
+) -> Result<Llama, candle_offload_models::ModelError> {
+    Llama::offloaded_with_host(
+        files,
+        store.clone(),
+        dev,
+        DType::F32,
+        rows,
+        max_len,
+        &candle_offload_models::OffloadSettings {
+            gpu_memory_limit: limit.map(MemoryLimit::Bytes),
+            prefetch_depth: 0,
+            ..Default::default()
+        },
+        candle_offload_models::HostLayers::Count(1),
+    )
+}
+
 fn mixed_k_quant_gguf(path: &Path, seed: u64) -> anyhow::Result<ModelFiles> {
     write_random_llama_gguf(path, seed, |g| {
         let more = g.starts_with("blk.0.") && (g.contains("attn_v") || g.contains("ffn_down"));
@@ -637,7 +663,6 @@ fn unmatched_spares_trim_the_weight_pool_cpu() -> anyhow::Result<()> {
 }
 
 fn unmatched_spares_trim_the_weight_pool(dev: &Device) -> anyhow::Result<()> {
-    use candle_offload_models::{HostLayers, OffloadSettings};
     let dev = dev.clone();
     let (dir, files, store) = mixed_k_store("mixed-k-trim", 31)?;
     let (l0, l1) = (store.layer_unit(0).unwrap(), store.layer_unit(1).unwrap());
@@ -647,22 +672,7 @@ fn unmatched_spares_trim_the_weight_pool(dev: &Device) -> anyhow::Result<()> {
     let prompt: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 90).collect();
     assert!(prompt.len() > candle_offload_models::HOST_STEP_ROWS);
     let max_len = prompt.len() + 6;
-    let build = |limit: Option<u64>| {
-        Llama::offloaded_with_host(
-            &files,
-            store.clone(),
-            &dev,
-            DType::F32,
-            prompt.len(),
-            max_len,
-            &OffloadSettings {
-                gpu_memory_limit: limit.map(MemoryLimit::Bytes),
-                prefetch_depth: 0,
-                ..Default::default()
-            },
-            HostLayers::Count(1),
-        )
-    };
+    let build = |limit| one_host_layer(&files, &store, &dev, prompt.len(), max_len, limit);
     // Two prompts, each then decoding (the host layer on the host).
     let run = |model: &Llama| -> anyhow::Result<Vec<Vec<u32>>> {
         let mut out = Vec::new();
@@ -712,7 +722,6 @@ fn unmatched_spares_trim_the_weight_pool(dev: &Device) -> anyhow::Result<()> {
 /// evict it); decode steps fetch nothing, and the logits are the unlimited model's.
 #[test]
 fn a_stage_behind_host_layers_keeps_its_layers_at_their_own_size() -> anyhow::Result<()> {
-    use candle_offload_models::{HostLayers, OffloadSettings};
     let (dir, files, store) = mixed_k_store("mixed-k-host", 29)?;
     let (l0, l1) = (store.layer_unit(0).unwrap(), store.layer_unit(1).unwrap());
     let (padded, own) = (store.unit(l1).bytes(), store.unit(l1).resident_bytes());
@@ -720,22 +729,7 @@ fn a_stage_behind_host_layers_keeps_its_layers_at_their_own_size() -> anyhow::Re
     let max_len = PROMPT.len() + 1;
     // Built for one row a step, so that every token is a decode step (the host layer on the
     // host) and the reservation has one phase.
-    let build = |limit: Option<u64>| {
-        Llama::offloaded_with_host(
-            &files,
-            store.clone(),
-            &Device::Cpu,
-            DType::F32,
-            1,
-            max_len,
-            &OffloadSettings {
-                gpu_memory_limit: limit.map(MemoryLimit::Bytes),
-                prefetch_depth: 0,
-                ..Default::default()
-            },
-            HostLayers::Count(1),
-        )
-    };
+    let build = |limit| one_host_layer(&files, &store, &Device::Cpu, 1, max_len, limit);
     let run = |model: &Llama| -> anyhow::Result<(Vec<Vec<f32>>, Vec<u64>)> {
         let mut cache = model.new_cache();
         let (mut logits, mut fetches) = (Vec::new(), Vec::new());

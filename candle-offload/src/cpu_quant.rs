@@ -997,20 +997,16 @@ mod tests {
                 *v += 3.0 * w;
             }
             let xs = Tensor::from_vec(x.clone(), (1, k), &dev).unwrap();
-            let exact: Vec<f32> = forward(&q, &xs)
-                .unwrap()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let greedy: Vec<f32> = forward_greedy(&q, &xs)
-                .unwrap()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let values = |t: Result<Option<Tensor>>| -> Vec<f32> {
+                t.unwrap()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            };
+            let exact = values(forward(&q, &xs));
+            let greedy = values(forward_greedy(&q, &xs));
             let argmax = |v: &[f32]| {
                 v.iter()
                     .enumerate()
@@ -1025,14 +1021,11 @@ mod tests {
             let (i, max) = argmax(&exact);
             assert_eq!(argmax(&greedy), (i, max), "case {case}: the maximum");
             // Again, with the head's bound scales kept from the first call.
-            let again: Vec<f32> = forward_greedy(&q, &xs)
-                .unwrap()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            assert_eq!(again, greedy, "case {case}: the kept scales");
+            assert_eq!(
+                values(forward_greedy(&q, &xs)),
+                greedy,
+                "case {case}: the kept scales"
+            );
             assert!(
                 i < half,
                 "case {case}: the maximum lies in the tied rows ({i})"
