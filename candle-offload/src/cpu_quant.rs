@@ -145,7 +145,7 @@ pub fn forward(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
 /// Each row is screened first with the activations quantized to Q8_0 (llama.cpp's arithmetic:
 /// integer products, about half the work per block of the F32 path), together with a bound on
 /// how far quantizing the activations moved it (`sys::simd::Q8_0_SCREEN_BOUND`; the weights'
-/// part of it is computed once per head and kept, [`SCREEN_SCALES`]). The largest
+/// part of it is computed once per head and kept, `SCREEN_SCALES`). The largest
 /// screened value less its bound is below the true maximum; only rows whose screened value
 /// plus bound reaches it are computed again with the F32 activations (a handful of 49152 for
 /// SmolLM2). Rows not recomputed keep their screened values, which are within their bound of
