@@ -181,15 +181,17 @@ pub fn forward_greedy(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
     let amax = simd::block_amax(&x);
     let row = |r: usize| &data[r * row_bytes..(r + 1) * row_bytes];
     let scales = screen_scales(w, &data[..n * row_bytes], nb);
-    // (screened value, bound) per row.
+    let bound = simd::Q8_0_SCREEN_BOUND;
+    // First a coarse bound per row, its weights' part summed over the blocks ahead and the
+    // activations' the largest block's: one float per row read beside its blocks.
+    let amax_all = amax.iter().fold(0f32, |a, &b| a.max(b));
     let per_task = MIN_BLOCKS_PER_TASK.div_ceil(nb).max(1);
     let mut screened = vec![0f32; 2 * n];
     crate::sys::spin::for_each_chunk_mut(&mut screened, 2 * per_task, |task, part| {
         for (j, pair) in part.chunks_exact_mut(2).enumerate() {
             let r = task * per_task + j;
-            let scale = simd::weighted_sum(&scales[r * nb..(r + 1) * nb], &amax);
             pair[0] = simd::dot_q8_0_q8_0(row(r), &yq);
-            pair[1] = scale * simd::Q8_0_SCREEN_BOUND;
+            pair[1] = scales.rows[r] * amax_all * bound;
         }
     });
     // Every row's true value is at least its screened value less its bound, so the largest of
@@ -203,9 +205,26 @@ pub fn forward_greedy(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
         // NaN or infinite activations: the plain path says what they give.
         return forward(w, xs);
     }
+    // The rows the coarse bound leaves (a handful a decode step for SmolLM2, a few thousand
+    // where one block's activations stand far above the others), each with its tight bound:
+    // block by block, `sum_b |d_b| * sum_j |q_bj| * amax[b]`. The floor stays a lower bound on
+    // the maximum, and only rows reaching it are computed again with the F32 activations.
+    let candidates: Vec<(usize, f32)> = screened
+        .chunks_exact(2)
+        .enumerate()
+        .filter(|(_, p)| p[0] + p[1] >= floor)
+        .map(|(r, p)| {
+            let tight = simd::weighted_sum(&scales.blocks[r * nb..(r + 1) * nb], &amax) * bound;
+            (r, p[0] + tight.min(p[1]))
+        })
+        .collect();
+    let floor = candidates
+        .iter()
+        .map(|&(r, high)| 2.0 * screened[2 * r] - high)
+        .fold(floor, f32::max);
     let mut out: Vec<f32> = screened.chunks_exact(2).map(|p| p[0]).collect();
-    for (r, p) in screened.chunks_exact(2).enumerate() {
-        if p[0] + p[1] >= floor {
+    for (r, high) in candidates {
+        if high >= floor {
             out[r] = simd::dot_q8_0_f32(row(r), &x);
         }
     }
@@ -214,37 +233,46 @@ pub fn forward_greedy(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(Tensor::from_vec(out, dims.as_slice(), xs.device())?))
 }
 
-/// The head [`forward_greedy`] screened last and the weights' part of its bound, per row and
-/// block ([`simd::q8_0_abs_scales`]): kept while that head lives, so that a decode step's
-/// screen reads each row's blocks once for the value and `nb` floats for the bound, instead of
-/// summing every block's magnitudes again (which made the screen slower than the plain F32
-/// head on an AVX-512 VNNI host: 1.9 against 1.5 ms for SmolLM2's, stop 48). The `Weak` keeps
-/// the head's allocation from being reused by another tensor while it is kept here.
+/// The weights' part of [`forward_greedy`]'s bounds for one Q8_0 head: per row and block
+/// `|d_b| * sum_j |q_bj|` ([`simd::q8_0_abs_scales`]), and per row their sum.
+struct ScreenScales {
+    blocks: Vec<f32>,
+    rows: Vec<f32>,
+}
+
+/// The head [`forward_greedy`] screened last, held weakly, and its [`ScreenScales`]: kept while
+/// that head lives, so that a decode step's screen reads each row's blocks and one float for
+/// its bound, instead of summing every block's magnitudes again (which made the screen slower
+/// than the plain F32 head on an AVX-512 VNNI host: 1.9 against 1.5 ms for SmolLM2's, stop 48).
+/// The `Weak` keeps the head's allocation from being reused by another tensor while it is kept
+/// here. One head at a time: models decoding in turn in one process compute theirs again.
 static SCREEN_SCALES: std::sync::Mutex<Option<KeptScales>> = std::sync::Mutex::new(None);
 
 /// A head, held weakly, and its bound scales ([`SCREEN_SCALES`]).
-type KeptScales = (std::sync::Weak<QTensor>, Arc<Vec<f32>>);
+type KeptScales = (std::sync::Weak<QTensor>, Arc<ScreenScales>);
 
-/// [`SCREEN_SCALES`] for `w`, whose `n` rows of `nb` Q8_0 blocks are `data`: computed (every
-/// core) where another head, or none, is kept.
-fn screen_scales(w: &Arc<QTensor>, data: &[u8], nb: usize) -> Arc<Vec<f32>> {
+/// [`SCREEN_SCALES`] for `w`, whose rows of `nb` Q8_0 blocks are `data`: computed (every core)
+/// where another head, or none, is kept.
+fn screen_scales(w: &Arc<QTensor>, data: &[u8], nb: usize) -> Arc<ScreenScales> {
     let mut kept = SCREEN_SCALES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((head, scales)) = kept.as_ref() {
         if head.upgrade().is_some_and(|h| Arc::ptr_eq(&h, w)) {
             return scales.clone();
         }
     }
+    let nb = nb.max(1);
     let row_bytes = nb * simd::Q8_0_BYTES;
-    let n = data.len() / row_bytes.max(1);
-    let mut scales = vec![0f32; n * nb];
-    let per_task = MIN_BLOCKS_PER_TASK.div_ceil(nb.max(1)).max(1);
-    crate::sys::spin::for_each_chunk_mut(&mut scales, nb * per_task, |task, part| {
-        for (j, out) in part.chunks_exact_mut(nb.max(1)).enumerate() {
+    let n = data.len() / row_bytes;
+    let mut blocks = vec![0f32; n * nb];
+    let per_task = MIN_BLOCKS_PER_TASK.div_ceil(nb).max(1);
+    crate::sys::spin::for_each_chunk_mut(&mut blocks, nb * per_task, |task, part| {
+        for (j, out) in part.chunks_exact_mut(nb).enumerate() {
             let r = task * per_task + j;
             simd::q8_0_abs_scales(&data[r * row_bytes..(r + 1) * row_bytes], out);
         }
     });
-    let scales = Arc::new(scales);
+    let rows = blocks.chunks_exact(nb).map(|b| b.iter().sum()).collect();
+    let scales = Arc::new(ScreenScales { blocks, rows });
     *kept = Some((Arc::downgrade(w), scales.clone()));
     scales
 }
