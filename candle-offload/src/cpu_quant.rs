@@ -191,7 +191,7 @@ pub fn forward_greedy(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
         for (j, pair) in part.chunks_exact_mut(2).enumerate() {
             let r = task * per_task + j;
             pair[0] = simd::dot_q8_0_q8_0(row(r), &yq);
-            pair[1] = scales.rows[r] * amax_all * bound;
+            pair[1] = scales[r] * amax_all * bound;
         }
     });
     // Every row's true value is at least its screened value less its bound, so the largest of
@@ -206,15 +206,17 @@ pub fn forward_greedy(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
         return forward(w, xs);
     }
     // The rows the coarse bound leaves (a handful a decode step for SmolLM2, a few thousand
-    // where one block's activations stand far above the others), each with its tight bound:
-    // block by block, `sum_b |d_b| * sum_j |q_bj| * amax[b]`. The floor stays a lower bound on
+    // where one block's activations stand far above the others), each with its tight bound,
+    // block by block: `sum_b |d_b| * sum_j |q_bj| * amax[b]`. The floor stays a lower bound on
     // the maximum, and only rows reaching it are computed again with the F32 activations.
+    let mut abs_scales = vec![0f32; nb];
     let candidates: Vec<(usize, f32)> = screened
         .chunks_exact(2)
         .enumerate()
         .filter(|(_, p)| p[0] + p[1] >= floor)
         .map(|(r, p)| {
-            let tight = simd::weighted_sum(&scales.blocks[r * nb..(r + 1) * nb], &amax) * bound;
+            simd::q8_0_abs_scales(row(r), &mut abs_scales);
+            let tight = simd::weighted_sum(&abs_scales, &amax) * bound;
             (r, p[0] + tight.min(p[1]))
         })
         .collect();
@@ -233,27 +235,22 @@ pub fn forward_greedy(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(Tensor::from_vec(out, dims.as_slice(), xs.device())?))
 }
 
-/// The weights' part of [`forward_greedy`]'s bounds for one Q8_0 head: per row and block
-/// `|d_b| * sum_j |q_bj|` ([`simd::q8_0_abs_scales`]), and per row their sum.
-struct ScreenScales {
-    blocks: Vec<f32>,
-    rows: Vec<f32>,
-}
-
-/// The head [`forward_greedy`] screened last, held weakly, and its [`ScreenScales`]: kept while
-/// that head lives, so that a decode step's screen reads each row's blocks and one float for
-/// its bound, instead of summing every block's magnitudes again (which made the screen slower
-/// than the plain F32 head on an AVX-512 VNNI host: 1.9 against 1.5 ms for SmolLM2's, stop 48).
-/// The `Weak` keeps the head's allocation from being reused by another tensor while it is kept
-/// here. One head at a time: models decoding in turn in one process compute theirs again.
+/// The head [`forward_greedy`] screened last, held weakly, and the weights' part of its
+/// coarse bound per row: `sum_b |d_b| * sum_j |q_bj|` ([`simd::q8_0_abs_scales`], summed).
+/// Kept while that head lives (one float per row), so that a decode step's screen reads each
+/// row's blocks and that float, instead of summing every block's magnitudes again (which made
+/// the screen slower than the plain F32 head on an AVX-512 VNNI host: 1.9 against 1.5 ms for
+/// SmolLM2's, stop 48). The `Weak` keeps the head's allocation from being reused by another
+/// tensor while it is kept here. One head at a time: models decoding in turn in one process
+/// compute theirs again.
 static SCREEN_SCALES: std::sync::Mutex<Option<KeptScales>> = std::sync::Mutex::new(None);
 
-/// A head, held weakly, and its bound scales ([`SCREEN_SCALES`]).
-type KeptScales = (std::sync::Weak<QTensor>, Arc<ScreenScales>);
+/// A head, held weakly, and its rows' bound scales ([`SCREEN_SCALES`]).
+type KeptScales = (std::sync::Weak<QTensor>, Arc<Vec<f32>>);
 
 /// [`SCREEN_SCALES`] for `w`, whose rows of `nb` Q8_0 blocks are `data`: computed (every core)
 /// where another head, or none, is kept.
-fn screen_scales(w: &Arc<QTensor>, data: &[u8], nb: usize) -> Arc<ScreenScales> {
+fn screen_scales(w: &Arc<QTensor>, data: &[u8], nb: usize) -> Arc<Vec<f32>> {
     let mut kept = SCREEN_SCALES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((head, scales)) = kept.as_ref() {
         if head.upgrade().is_some_and(|h| Arc::ptr_eq(&h, w)) {
@@ -262,17 +259,17 @@ fn screen_scales(w: &Arc<QTensor>, data: &[u8], nb: usize) -> Arc<ScreenScales> 
     }
     let nb = nb.max(1);
     let row_bytes = nb * simd::Q8_0_BYTES;
-    let n = data.len() / row_bytes;
-    let mut blocks = vec![0f32; n * nb];
+    let mut rows = vec![0f32; data.len() / row_bytes];
     let per_task = MIN_BLOCKS_PER_TASK.div_ceil(nb).max(1);
-    crate::sys::spin::for_each_chunk_mut(&mut blocks, nb * per_task, |task, part| {
-        for (j, out) in part.chunks_exact_mut(nb).enumerate() {
+    crate::sys::spin::for_each_chunk_mut(&mut rows, per_task, |task, part| {
+        let mut blocks = vec![0f32; nb];
+        for (j, out) in part.iter_mut().enumerate() {
             let r = task * per_task + j;
-            simd::q8_0_abs_scales(&data[r * row_bytes..(r + 1) * row_bytes], out);
+            simd::q8_0_abs_scales(&data[r * row_bytes..(r + 1) * row_bytes], &mut blocks);
+            *out = blocks.iter().sum();
         }
     });
-    let rows = blocks.chunks_exact(nb).map(|b| b.iter().sum()).collect();
-    let scales = Arc::new(ScreenScales { blocks, rows });
+    let scales = Arc::new(rows);
     *kept = Some((Arc::downgrade(w), scales.clone()));
     scales
 }
