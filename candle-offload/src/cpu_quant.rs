@@ -210,23 +210,24 @@ pub fn forward_greedy(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
     // block by block: `sum_b |d_b| * sum_j |q_bj| * amax[b]`. The floor stays a lower bound on
     // the maximum, and only rows reaching it are computed again with the F32 activations.
     let mut abs_scales = vec![0f32; nb];
-    let candidates: Vec<(usize, f32)> = screened
+    // (row, screened value, its tighter bound) for each.
+    let candidates: Vec<(usize, f32, f32)> = screened
         .chunks_exact(2)
         .enumerate()
         .filter(|(_, p)| p[0] + p[1] >= floor)
         .map(|(r, p)| {
             simd::q8_0_abs_scales(row(r), &mut abs_scales);
             let tight = simd::weighted_sum(&abs_scales, &amax) * bound;
-            (r, p[0] + tight.min(p[1]))
+            (r, p[0], tight.min(p[1]))
         })
         .collect();
     let floor = candidates
         .iter()
-        .map(|&(r, high)| 2.0 * screened[2 * r] - high)
+        .map(|&(_, v, b)| v - b)
         .fold(floor, f32::max);
     let mut out: Vec<f32> = screened.chunks_exact(2).map(|p| p[0]).collect();
-    for (r, high) in candidates {
-        if high >= floor {
+    for (r, v, b) in candidates {
+        if v + b >= floor {
             out[r] = simd::dot_q8_0_f32(row(r), &x);
         }
     }

@@ -444,8 +444,8 @@ impl CudaEngine {
             .zip(&taken)
             .filter_map(|(item, t)| match (&item.layout, t) {
                 (DeviceLayout::Blocks { ggml, device_len }, None) => {
-                    let (alloc_blocks, _) = block_buffer(*ggml, *device_len);
-                    Some(ggml_buffer_len(*ggml, alloc_blocks * ggml.type_size()))
+                    let (alloc_blocks, padding_blocks) = block_buffer(*ggml, *device_len);
+                    Some((alloc_blocks + padding_blocks) * ggml.type_size())
                 }
                 _ => None,
             })
