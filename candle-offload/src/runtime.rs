@@ -226,7 +226,8 @@ struct State {
     /// together stay within the weights' capacity. Emptied (freed) whenever the reservation
     /// changes and by [`OffloadRuntime::evict_all`].
     spare_blocks: Vec<QTensor>,
-    /// The last upload freed spare buffers it could not use ([`OffloadRuntime::trim_if_pending`]).
+    /// An upload freed spare buffers whose room no new buffer took back
+    /// ([`OffloadRuntime::trim_if_pending`]).
     trim_pending: bool,
     /// Bumped whenever a unit arrives or leaves: a captured step holds the addresses of the
     /// units resident at its capture and may replay only while this is unchanged.

@@ -48,7 +48,8 @@ pub struct TransferStats {
     /// (GPU only).
     pub reused_buffers: u64,
     /// Times the weight pool's freed memory went back to the driver before a fetch, after an
-    /// upload freed evicted buffers it could not use (GPU only; `OffloadRuntime`'s fetch).
+    /// upload freed evicted buffers whose room no new buffer took back (GPU only;
+    /// `OffloadRuntime`'s fetch).
     pub pool_trims: u64,
 }
 
