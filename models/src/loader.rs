@@ -240,7 +240,7 @@ pub(crate) fn gguf_content(path: &Path) -> Result<(gguf_file::Content, std::fs::
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        gguf_file::Content::read(&mut file)
+        gguf_file::Content::read(&mut Positioned::new(&file))
     }));
     std::panic::set_hook(hook);
     let content = match read {
@@ -281,6 +281,45 @@ pub(crate) fn gguf_content(path: &Path) -> Result<(gguf_file::Content, std::fs::
         }
     };
     Ok((content, file))
+}
+
+/// A buffered reader that keeps its own position. Candle's GGUF parser asks for the stream
+/// position before every length-prefixed value and reads each field on its own: on a bare
+/// `File` that is an `lseek` and one or two `read`s per metadata string, about a million system
+/// calls for a tokenizer of 49152 tokens and as many merges (0.3 s and more of a small model's
+/// start, three headers read per load). Here the reads come from a buffer and the position
+/// from a counter.
+struct Positioned<R> {
+    inner: std::io::BufReader<R>,
+    pos: u64,
+}
+
+impl<R: std::io::Read> Positioned<R> {
+    fn new(inner: R) -> Self {
+        Self {
+            inner: std::io::BufReader::with_capacity(1 << 16, inner),
+            pos: 0,
+        }
+    }
+}
+
+impl<R: std::io::Read> std::io::Read for Positioned<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.pos += n as u64;
+        Ok(n)
+    }
+}
+
+impl<R: std::io::Read + Seek> Seek for Positioned<R> {
+    fn seek(&mut self, to: std::io::SeekFrom) -> std::io::Result<u64> {
+        self.pos = self.inner.seek(to)?;
+        Ok(self.pos)
+    }
+
+    fn stream_position(&mut self) -> std::io::Result<u64> {
+        Ok(self.pos)
+    }
 }
 
 /// GGML type names by id (ggml.h; removed ids are empty), for messages.
@@ -972,6 +1011,33 @@ fn gguf_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn positioned_reader_keeps_the_position_through_reads_and_seeks() {
+        use std::io::{Cursor, Read, SeekFrom};
+        let data: Vec<u8> = (0..=255u8).cycle().take(200_000).collect();
+        let mut r = Positioned::new(Cursor::new(&data));
+        let mut buf = [0u8; 7];
+        r.read_exact(&mut buf).unwrap();
+        assert_eq!((r.stream_position().unwrap(), buf[6]), (7, 6));
+        // Past the buffer's first fill, then back and forth.
+        let mut big = vec![0u8; 70_000];
+        r.read_exact(&mut big).unwrap();
+        assert_eq!(r.stream_position().unwrap(), 70_007);
+        assert_eq!(big[69_999], data[70_006]);
+        assert_eq!(r.seek(SeekFrom::End(0)).unwrap(), 200_000);
+        assert_eq!(r.seek(SeekFrom::Start(100)).unwrap(), 100);
+        r.read_exact(&mut buf).unwrap();
+        assert_eq!((r.stream_position().unwrap(), buf[0]), (107, data[100]));
+        assert_eq!(r.seek(SeekFrom::Current(-7)).unwrap(), 100);
+        r.read_exact(&mut buf).unwrap();
+        assert_eq!(buf[0], data[100]);
+        // A short read (what the buffer holds) moves the position by what it returned.
+        let n = r.read(&mut big).unwrap();
+        assert!(n > 0);
+        assert_eq!(r.stream_position().unwrap(), 107 + n as u64);
+        assert_eq!(big[n - 1], data[106 + n]);
+    }
 
     #[test]
     fn gguf_names_map_to_hf() {

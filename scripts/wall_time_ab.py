@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""Whole-process wall time of two `generate` binaries on the same command, alternated: the
+README's default question to the default model on this machine's CPU (load, prompt and 32
+greedy tokens), nine rounds, the first of each pair swapped every round so that a host whose
+speed drifts weighs on both. Each answer must still name Paris.
+
+Usage: python3 scripts/wall_time_ab.py OLD_GENERATE NEW_GENERATE MODEL.gguf OUT.json
+The JSON has the commit (of this checkout), the command, the machine, the date, each run's
+seconds, the medians and `new_over_old`.
+"""
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROUNDS = 9
+
+
+def main():
+    old, new, model, out = sys.argv[1:5]
+    args = ["--cpu", "--model", model, "--prompt", "What is the capital of France?",
+            "--max-new-tokens", "32", "--temperature", "0"]
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    load_at_start = os.getloadavg()
+    wall = {"old": [], "new": []}
+    for i in range(ROUNDS):
+        pairs = [("old", old), ("new", new)]
+        for name, binary in pairs if i % 2 == 0 else pairs[::-1]:
+            t = time.perf_counter()
+            p = subprocess.run([binary] + args, capture_output=True, text=True, check=True)
+            wall[name].append(time.perf_counter() - t)
+            if "Paris" not in p.stdout:
+                sys.exit(f"{binary} answered {p.stdout!r}")
+    median = {k: statistics.median(v) for k, v in wall.items()}
+    print(f"wall s, median of {ROUNDS}: old {median['old']:.3f}, new {median['new']:.3f} "
+          f"({median['new'] / median['old']:.2f}x)")
+    with open(out, "w") as f:
+        json.dump({"benchmark": "cpu_default_command_wall_time", "commit": commit,
+                   "command": "python3 " + " ".join(sys.argv), "generate_args": args,
+                   "machine": {"cpu": "AMD EPYC", "cores": os.cpu_count(), "gpu": None,
+                               "load_average_at_start": load_at_start,
+                               "load_average_at_end": os.getloadavg()},
+                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                   "rounds": ROUNDS, "wall_s": wall, "wall_s_median": median,
+                   "new_over_old": median["new"] / median["old"]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
