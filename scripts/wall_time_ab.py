@@ -24,7 +24,8 @@ def main():
     args = ["--cpu", "--model", model, "--prompt", "What is the capital of France?",
             "--max-new-tokens", "32", "--temperature", "0"]
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                            text=True, check=True).stdout.strip()
+                            text=True, check=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     load_at_start = os.getloadavg()
     wall = {"old": [], "new": []}
     for i in range(ROUNDS):
