@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Whole-process wall time of two `generate` binaries on the same command, alternated: the
-README's default question to the default model on this machine's CPU (load, prompt and 32
-greedy tokens), nine rounds, the first of each pair swapped every round so that a host whose
+README's default question to the default model on this machine's CPU (load, prompt and up to
+32 greedy tokens; the answer ends after 8), nine rounds, the first of each pair swapped every round so that a host whose
 speed drifts weighs on both. Each answer must still name Paris.
 
 Usage: python3 scripts/wall_time_ab.py OLD_GENERATE NEW_GENERATE MODEL.gguf OUT.json
