@@ -16,13 +16,14 @@ llama.cpp's (`agrees_with_llamacpp`, the decoded texts compared exactly), and wh
 quantized and dequantized answers are identical on the three factual prompts (the first three),
 with commit, command, machine and date.
 """
-import datetime
 import json
 import os
 import re
 import statistics
 import subprocess
 import sys
+
+import bench_record
 
 PEER = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "peer", "llamacpp", "cpu_peer.py")
 PEER_ATTENTION = os.path.join(os.path.dirname(__file__), "cpu_peer_attention.py")
@@ -138,15 +139,9 @@ def main():
             records.append(record(prompt, "default", r, theirs, rnd))
     q = [r for r in records if r["mode"] == "default"]
     q8 = [r for r in records if r["mode"] == "q8"]
-    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True).stdout.strip() != ""
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
-    doc = {"benchmark": "cpu_default_model", "commit": commit + ("-dirty" if dirty else ""),
-           "command": " ".join(sys.argv),
-           "machine": {"cpu": cpu, "cores": threads, "gpu": None,
-                       "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()},
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    doc = {**bench_record.header("cpu_default_model", cores=threads,
+                                 load_average_at_start=load_at_start,
+                                 load_average_at_end=os.getloadavg()),
            "rounds": rounds,
            "cpu_vs_llamacpp_per_round": [
                statistics.median(r["cpu_vs_llamacpp"] for r in q if r.get("round", 0) == rnd)

@@ -8,11 +8,11 @@ Usage: cpu_gguf_vs_llamacpp.py OUT.json MODEL.gguf ROUNDS BENCH_GENERATE [BEFORE
 (run llama.cpp's half with the xllamacpp environment's python: set XL_PYTHON)."""
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-import time
+
+import bench_record
 
 out, model, rounds, ours = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 before = sys.argv[5] if len(sys.argv) > 5 else None
@@ -50,11 +50,6 @@ def peer_rate():
     return json.loads(r.stdout.strip().splitlines()[-1])["decode_tokens_per_s"]
 
 
-repo = os.path.dirname(os.path.abspath(__file__))
-commit = subprocess.run(["git", "-C", repo, "rev-parse", "--short=12", "HEAD"],
-                        capture_output=True, text=True).stdout.strip()
-dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
-                       capture_output=True, text=True).stdout.strip()
 records = []
 for i in range(rounds):
     rec = {"round": i + 1}
@@ -68,13 +63,8 @@ for i in range(rounds):
     print(json.dumps(rec), flush=True)
     records.append(rec)
 json.dump({
-    "benchmark": "cpu_gguf_decode_vs_llamacpp",
-    "commit": commit + ("-dirty" if dirty else ""),
-    "command": " ".join(sys.argv),
+    **bench_record.header("cpu_gguf_decode_vs_llamacpp", load_average_at_end=list(os.getloadavg())),
     "model": model,
-    "machine": {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
-                "load_average_at_end": list(os.getloadavg())},
-    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     "records": records,
 }, open(out, "w"), indent=1)
 print("wrote", out)

@@ -8,13 +8,14 @@ Usage: python3 scripts/wall_time_ab.py OLD_GENERATE NEW_GENERATE MODEL.gguf OUT.
 The JSON has the commit (of this checkout), the command, the machine, the date, each run's
 seconds, the medians and `new_over_old`.
 """
-import datetime
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+
+import bench_record
 
 ROUNDS = 9
 
@@ -23,9 +24,6 @@ def main():
     old, new, model, out = sys.argv[1:5]
     args = ["--cpu", "--model", model, "--prompt", "What is the capital of France?",
             "--max-new-tokens", "32", "--temperature", "0"]
-    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                            text=True, check=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     load_at_start = os.getloadavg()
     wall = {"old": [], "new": []}
     for i in range(ROUNDS):
@@ -40,12 +38,10 @@ def main():
     print(f"wall s, median of {ROUNDS}: old {median['old']:.3f}, new {median['new']:.3f} "
           f"({median['new'] / median['old']:.2f}x)")
     with open(out, "w") as f:
-        json.dump({"benchmark": "cpu_default_command_wall_time", "commit": commit,
-                   "command": "python3 " + " ".join(sys.argv), "generate_args": args,
-                   "machine": {"cpu": "AMD EPYC", "cores": os.cpu_count(), "gpu": None,
-                               "load_average_at_start": load_at_start,
-                               "load_average_at_end": os.getloadavg()},
-                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        doc = bench_record.header("cpu_default_command_wall_time",
+                                  load_average_at_start=load_at_start,
+                                  load_average_at_end=os.getloadavg())
+        json.dump({**doc, "generate_args": args,
                    "rounds": ROUNDS, "wall_s": wall, "wall_s_median": median,
                    "new_over_old": median["new"] / median["old"]}, f, indent=1)
 
