@@ -411,6 +411,9 @@ fn main() -> Result<()> {
                 0,
                 &mut cache,
             )?;
+            // When the host had enqueued the prompt's work (the argmax below waits for the GPU):
+            // near `prefill_s`, the host's launches pace the prompt; well under it, the GPU does.
+            let prefill_enqueue_s = t0.elapsed().as_secs_f64();
             let mut next = argmax(&logits)?;
             let prefill_s = t0.elapsed().as_secs_f64();
             model.end_step()?;
@@ -605,10 +608,12 @@ fn main() -> Result<()> {
             }
             if let Some((dev_peak, used, held)) = prefill_peaks {
                 println!(
-                    "        prompt: peak {} MiB, pool {} MiB in use at most, {} held; decode: {:.1} buffers reused a token",
+                    "        prompt: peak {} MiB, pool {} MiB in use at most, {} held, enqueued in {:.2} of {:.2} ms; decode: {:.1} buffers reused a token",
                     dev_peak.map_or("-".into(), |p| (p >> 20).to_string()),
                     used >> 20,
                     held >> 20,
+                    prefill_enqueue_s * 1e3,
+                    prefill_s * 1e3,
                     reused as f64 / args.new_tokens.max(1) as f64
                 );
             }
@@ -664,6 +669,7 @@ fn main() -> Result<()> {
                 "context_bytes": context_bytes,
                 "peak_within_budget": budget_bytes.zip(peak).map(|(b, p)| p <= b),
                 "prefill_s": prefill_s,
+                "prefill_enqueue_s": prefill_enqueue_s,
                 "decode_step_s_median": step_s,
                 "decode_tokens_per_s": tps,
                 "decode_host_forward_s_median": host_s,

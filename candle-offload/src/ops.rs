@@ -2216,9 +2216,34 @@ pub const PREFILL_GEMM_MIN_ROWS_K: usize = 96;
 // `prefill_gemm_bytes` counts from the lower of the two.
 const _: () = assert!(PREFILL_GEMM_MIN_ROWS_K <= PREFILL_GEMM_MIN_ROWS);
 
-/// The fewest rows of x that [`qlinear_prefill`] takes for weights of `t`.
+/// The environment variable that sets [`prefill_gemm_min_rows`] for every block type (a
+/// whole number of rows, at least 9: fewer rows are a decode step's), for measuring where the
+/// GEMM overtakes Candle's MMQ; read once. [`prefill_gemm_bytes`] counts from it too.
+pub const PREFILL_GEMM_MIN_ROWS_ENV: &str = "CANDLE_OFFLOAD_PREFILL_GEMM_MIN_ROWS";
+
+/// [`PREFILL_GEMM_MIN_ROWS_ENV`]'s value, where it is set to a number above 8.
+fn prefill_gemm_min_rows_env() -> Option<usize> {
+    static ROWS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        let v = std::env::var(PREFILL_GEMM_MIN_ROWS_ENV).ok()?;
+        match v.trim().parse::<usize>() {
+            Ok(n) if n > 8 => Some(n),
+            _ => {
+                tracing::warn!(
+                    "{PREFILL_GEMM_MIN_ROWS_ENV}={v:?} is not a number of rows above 8; ignored"
+                );
+                None
+            }
+        }
+    })
+}
+
+/// The fewest rows of x that [`qlinear_prefill`] takes for weights of `t`
+/// ([`PREFILL_GEMM_MIN_ROWS_ENV`] overrides it for every type).
 pub fn prefill_gemm_min_rows(t: GgmlDType) -> usize {
-    if is_qlinear_k_type(t) {
+    if let Some(n) = prefill_gemm_min_rows_env() {
+        n
+    } else if is_qlinear_k_type(t) {
         PREFILL_GEMM_MIN_ROWS_K
     } else {
         PREFILL_GEMM_MIN_ROWS
@@ -2234,9 +2259,9 @@ pub const PREFILL_GEMM_SLICE_BYTES: usize = 32 << 20;
 /// of x against a weight of `n` output columns and width `k`: one 16-bit slice of the weight, x
 /// in 16 bits and the 16-bit output (each slice's product goes straight into its columns).
 /// Zero where it would not run for any block type (fewer than [`PREFILL_GEMM_MIN_ROWS_K`]
-/// rows).
+/// rows, or than [`PREFILL_GEMM_MIN_ROWS_ENV`]'s where set).
 pub fn prefill_gemm_bytes(rows: usize, n: usize, k: usize) -> u64 {
-    if rows < PREFILL_GEMM_MIN_ROWS_K {
+    if rows < prefill_gemm_min_rows_env().unwrap_or(PREFILL_GEMM_MIN_ROWS_K) {
         return 0;
     }
     let slice_rows = prefill_slice_rows(n, k);
