@@ -2199,19 +2199,20 @@ pub fn prefill_gemm() -> bool {
 
 /// The fewest rows of x that [`qlinear_prefill`] takes for blocks of 32 (Q4_0 to Q8_0): below
 /// this Candle's quantized matmul keeps them. Its MMQ kernels read the blocks once whatever the
-/// rows; the GEMM first writes every weight in F16 and reads it back, a cost per prompt that
-/// only a long prompt's faster GEMM pays back. Measured on an H200 (`benches/prefill_gemm`,
-/// BENCHMARKS.md stop 44), one pass over a 7B Q4_0's projections: MMQ 11.8 ms for 64 rows and
-/// 16.8 for 128, the weight written in F16 (6.9 ms, 8 elements a thread) plus the GEMM 7.6 and
-/// 8.1; at 13B 27.5 ms against 13.1 + 12.9 for 128 rows, level at about 100 to 130 rows for
-/// Q4_0 and Q8_0. (Stop 42, with the first kernels and each slice's product copied into place,
-/// put the level at about 190.)
-pub const PREFILL_GEMM_MIN_ROWS: usize = 128;
+/// rows; the GEMM first writes every weight in F16 and reads it back, a cost per prompt that a
+/// prompt's faster GEMM pays back from a few dozen rows. Measured in the model on an H200
+/// (BENCHMARKS.md stop 50; resident 7B, prompt pass in ms, MMQ against the GEMM, two alternated
+/// runs each): Q4_0 10.7 / 11.5 at 32 rows, 13.1 / 11.8 at 64, 16.1 / 13.3 at 96; level at
+/// about 45 rows. Stop 44 had put the level at 100 to 130 rows from `benches/prefill_gemm`,
+/// which times each op between synchronizations and so charges the GEMM's two ops twice for
+/// them. Q8_0, Q4_1, Q5_0 and Q5_1 were not measured in the model at these lengths; their MMQ
+/// costs at least Q4_0's per row there and their weights write out within 10% of its time.
+pub const PREFILL_GEMM_MIN_ROWS: usize = 64;
 
-/// [`PREFILL_GEMM_MIN_ROWS`] for Q4_K and Q6_K, whose MMQ tiles cost more per row: a resident
-/// 7B Q4_K_M took 15.9 ms (MMQ) and 18.3 (GEMM) for 64 rows, 71.5 and 43.9 for 512, level at
-/// about 100.
-pub const PREFILL_GEMM_MIN_ROWS_K: usize = 96;
+/// [`PREFILL_GEMM_MIN_ROWS`] for Q4_K and Q6_K: the same since stop 50 (a resident 7B Q4_K_M,
+/// whose layers hold both types: MMQ against the GEMM 11.0 / 12.4 ms at 32 rows, 14.2 / 12.6
+/// at 64; BENCHMARKS.md). Stop 42 had 96, when writing the weights out took longer.
+pub const PREFILL_GEMM_MIN_ROWS_K: usize = 64;
 
 // `prefill_gemm_bytes` counts from the lower of the two.
 const _: () = assert!(PREFILL_GEMM_MIN_ROWS_K <= PREFILL_GEMM_MIN_ROWS);
