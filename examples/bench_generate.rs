@@ -731,6 +731,13 @@ fn main() -> Result<()> {
                 "cpu_prefetch_bytes_env": std::env::var("CANDLE_OFFLOAD_CPU_PREFETCH_BYTES").ok(),
                 "host_profile": host_top,
                 "prefill_gemm": candle_offload::ops::prefill_gemm(),
+                // The fewest prompt rows the GEMM takes (the same for every block type unless the
+                // override below sets it; Q4_0's stands for all).
+                "prefill_gemm_min_rows": candle_offload::ops::prefill_gemm_min_rows(
+                    candle_core::quantized::GgmlDType::Q4_0
+                ),
+                "prefill_gemm_min_rows_env":
+                    std::env::var(candle_offload::ops::PREFILL_GEMM_MIN_ROWS_ENV).ok(),
                 // The variant forced for every block type, or "default" (each type's own).
                 "qlinear_variant": candle_offload::ops::qlinear_variant().map_or("default", |v| v.name()),
                 // The K-quant kernel's switch (Q4_K, Q6_K; on unless CANDLE_OFFLOAD_QLINEAR_K=0).
