@@ -2197,25 +2197,19 @@ pub fn prefill_gemm() -> bool {
     PREFILL_GEMM.on()
 }
 
-/// The fewest rows of x that [`qlinear_prefill`] takes for blocks of 32 (Q4_0 to Q8_0): below
-/// this Candle's quantized matmul keeps them. Its MMQ kernels read the blocks once whatever the
+/// The fewest rows of x that [`qlinear_prefill`] takes, for every block type: below this
+/// Candle's quantized matmul keeps them. Its MMQ kernels read the blocks once whatever the
 /// rows; the GEMM first writes every weight in F16 and reads it back, a cost per prompt that a
 /// prompt's faster GEMM pays back from a few dozen rows. Measured in the model on an H200
 /// (BENCHMARKS.md stop 50; resident 7B, prompt pass in ms, MMQ against the GEMM, two alternated
 /// runs each): Q4_0 10.7 / 11.5 at 32 rows, 13.1 / 11.8 at 64, 16.1 / 13.3 at 96; level at
 /// about 45 rows. Stop 44 had put the level at 100 to 130 rows from `benches/prefill_gemm`,
 /// which times each op between synchronizations and so charges the GEMM's two ops twice for
-/// them. Q8_0, Q4_1, Q5_0 and Q5_1 were not measured in the model at these lengths; their MMQ
-/// costs at least Q4_0's per row there and their weights write out within 10% of its time.
+/// them. Q4_K and Q6_K (a resident 7B Q4_K_M, whose layers hold both): 11.0 / 12.4 ms at 32
+/// rows, 14.2 / 12.6 at 64; until stop 50 they had a threshold of their own, 96. Q8_0, Q4_1,
+/// Q5_0 and Q5_1 were not measured in the model at these lengths; their MMQ costs at least
+/// Q4_0's per row there and their weights write out within 10% of its time.
 pub const PREFILL_GEMM_MIN_ROWS: usize = 64;
-
-/// [`PREFILL_GEMM_MIN_ROWS`] for Q4_K and Q6_K: the same since stop 50 (a resident 7B Q4_K_M,
-/// whose layers hold both types: MMQ against the GEMM 11.0 / 12.4 ms at 32 rows, 14.2 / 12.6
-/// at 64; BENCHMARKS.md). Stop 42 had 96, when writing the weights out took longer.
-pub const PREFILL_GEMM_MIN_ROWS_K: usize = 64;
-
-// `prefill_gemm_bytes` counts from the lower of the two.
-const _: () = assert!(PREFILL_GEMM_MIN_ROWS_K <= PREFILL_GEMM_MIN_ROWS);
 
 /// The environment variable that sets [`prefill_gemm_min_rows`] for every block type (a
 /// whole number of rows, at least 9: fewer rows are a decode step's), for measuring where the
@@ -2239,16 +2233,12 @@ fn prefill_gemm_min_rows_env() -> Option<usize> {
     })
 }
 
-/// The fewest rows of x that [`qlinear_prefill`] takes for weights of `t`
-/// ([`PREFILL_GEMM_MIN_ROWS_ENV`] overrides it for every type).
-pub fn prefill_gemm_min_rows(t: GgmlDType) -> usize {
-    if let Some(n) = prefill_gemm_min_rows_env() {
-        n
-    } else if is_qlinear_k_type(t) {
-        PREFILL_GEMM_MIN_ROWS_K
-    } else {
-        PREFILL_GEMM_MIN_ROWS
-    }
+/// The fewest rows of x that [`qlinear_prefill`] takes for weights of `t`:
+/// [`PREFILL_GEMM_MIN_ROWS`] for every type today, or [`PREFILL_GEMM_MIN_ROWS_ENV`]'s value. (A
+/// type whose crossover with MMQ lies elsewhere would get its own here;
+/// [`prefill_gemm_bytes`] counts from the fewest over all types.)
+pub fn prefill_gemm_min_rows(_t: GgmlDType) -> usize {
+    prefill_gemm_min_rows_env().unwrap_or(PREFILL_GEMM_MIN_ROWS)
 }
 
 /// The most bytes of F16 weight [`qlinear_prefill`] dequantizes at once: a larger weight goes
@@ -2259,10 +2249,9 @@ pub const PREFILL_GEMM_SLICE_BYTES: usize = 32 << 20;
 /// The device bytes [`qlinear_prefill`] holds at once beside x and its output, for `rows` rows
 /// of x against a weight of `n` output columns and width `k`: one 16-bit slice of the weight, x
 /// in 16 bits and the 16-bit output (each slice's product goes straight into its columns).
-/// Zero where it would not run for any block type (fewer than [`PREFILL_GEMM_MIN_ROWS_K`]
-/// rows, or than [`PREFILL_GEMM_MIN_ROWS_ENV`]'s where set).
+/// Zero where it would not run for any block type (fewer than [`prefill_gemm_min_rows`] rows).
 pub fn prefill_gemm_bytes(rows: usize, n: usize, k: usize) -> u64 {
-    if rows < prefill_gemm_min_rows_env().unwrap_or(PREFILL_GEMM_MIN_ROWS_K) {
+    if rows < prefill_gemm_min_rows(GgmlDType::Q4_0) {
         return 0;
     }
     let slice_rows = prefill_slice_rows(n, k);
@@ -2396,17 +2385,14 @@ mod tests {
                 }
                 // The workspace counted covers the slice, x and the output, from the fewest
                 // rows the GEMM takes.
-                for rows in [PREFILL_GEMM_MIN_ROWS_K, 512] {
+                for rows in [PREFILL_GEMM_MIN_ROWS, 512] {
                     let bytes = prefill_gemm_bytes(rows, n, k);
                     assert!(bytes >= (2 * (r * k + rows * k + rows * n)) as u64, "{at}");
                 }
-                assert_eq!(prefill_gemm_bytes(PREFILL_GEMM_MIN_ROWS_K - 1, n, k), 0);
+                assert_eq!(prefill_gemm_bytes(PREFILL_GEMM_MIN_ROWS - 1, n, k), 0);
             }
         }
-        assert_eq!(
-            prefill_gemm_min_rows(GgmlDType::Q6K),
-            PREFILL_GEMM_MIN_ROWS_K
-        );
+        assert_eq!(prefill_gemm_min_rows(GgmlDType::Q6K), PREFILL_GEMM_MIN_ROWS);
         assert_eq!(
             prefill_gemm_min_rows(GgmlDType::Q8_0),
             PREFILL_GEMM_MIN_ROWS
