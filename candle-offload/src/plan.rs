@@ -321,10 +321,27 @@ pub struct SplitRates {
 /// host layer and no streaming is priced 26.3 ms a step against 31.0.
 pub const SPREAD_OVERLAP_LOSS: f64 = 0.3;
 
+/// What a split that streams nothing takes beyond its priced compute, as a share of it. Its
+/// host layers run slower in the decode step than the layers timed to price them (1.2x in the
+/// H200 rows that record both, `decode_host_layer_s` against `host_layer_step_s`), in every
+/// split; in splits that stream, [`SPREAD_OVERLAP_LOSS`], fitted on them, carries that too
+/// (their steps took 0.89-1.32x their price, median 1.05, 36 rows of stops 45-51), while
+/// splits that stream nothing took 1.06-1.48x (median 1.20, 20 rows). Priced without it, 7B
+/// Q8_0 at 4 GiB (prompt 64) took 14 host layers and the head, nothing streaming, priced 33.9
+/// ms a step against 35.9 for 10 that stream, and ran 44.6 ms against their 37.4 (stop 51,
+/// 0.96x llama.cpp in that call; 1.01x at stop 49). With it, of every spread choice recorded
+/// since stop 48, only that one changes.
+pub const RESIDENT_SPLIT_LOSS: f64 = 0.15;
+
 /// The price of a split whose compute and copies take `compute_s` and `copies_s` seconds: the
-/// larger plus [`SPREAD_OVERLAP_LOSS`] of the smaller ([`SplitPrice::cost_s`]).
+/// larger plus [`SPREAD_OVERLAP_LOSS`] of the smaller, or for a split that copies nothing its
+/// compute and [`RESIDENT_SPLIT_LOSS`] of it ([`SplitPrice::cost_s`]).
 pub fn split_cost(compute_s: f64, copies_s: f64) -> f64 {
-    compute_s.max(copies_s) + SPREAD_OVERLAP_LOSS * compute_s.min(copies_s)
+    if copies_s > 0.0 {
+        compute_s.max(copies_s) + SPREAD_OVERLAP_LOSS * compute_s.min(copies_s)
+    } else {
+        compute_s * (1.0 + RESIDENT_SPLIT_LOSS)
+    }
 }
 
 /// One spread split as [`spread_host_split_at`] prices it ([`spread_host_prices`]).
@@ -342,7 +359,8 @@ pub struct SplitPrice {
     pub compute_s: f64,
     /// Seconds of the step's copies.
     pub copies_s: f64,
-    /// The price: the larger of the two, plus [`SPREAD_OVERLAP_LOSS`] of the smaller.
+    /// The price ([`split_cost`]): the larger of the two plus [`SPREAD_OVERLAP_LOSS`] of the
+    /// smaller; with no copies, the compute plus [`RESIDENT_SPLIT_LOSS`] of it.
     pub cost_s: f64,
 }
 
@@ -848,6 +866,48 @@ mod tests {
         assert_eq!(spread_host_choice(&list(&split_cost)), Some((4, true)));
     }
 
+    /// The splits `spread:auto` priced for a 7B Q8_0 at 4 GiB with a 64-token prompt on an H200
+    /// (stop 51, `2026-12-04-stop51-*`; host layers, head on the host, compute and copies in
+    /// ms; the neighbours of the two that ran). Without [`RESIDENT_SPLIT_LOSS`] the choice was
+    /// 14 host layers and the head, nothing streaming: measured 44.6 ms a step, 0.96x
+    /// llama.cpp. With it, ten and the head, streaming: ten (without the head) ran 37.4 ms in
+    /// the call before, and ten and the head 38.0 at stop 46.
+    #[test]
+    fn a_split_that_streams_nothing_pays_its_measured_loss() {
+        #[rustfmt::skip]
+        let measured: [(usize, bool, f64, f64); 16] = [
+            (8, false, 20.84, 35.52), (9, false, 22.94, 31.60), (10, false, 25.03, 27.68),
+            (11, false, 27.13, 23.76), (12, false, 29.23, 19.84), (13, false, 31.32, 15.92),
+            (14, false, 33.42, 12.00), (15, false, 34.65, 0.0),
+            (8, true, 22.28, 32.99), (9, true, 24.38, 29.08), (10, true, 26.47, 25.16),
+            (11, true, 28.57, 21.24), (12, true, 30.67, 17.32), (13, true, 32.76, 13.40),
+            (14, true, 33.95, 0.0), (15, true, 36.09, 0.0),
+        ];
+        let list = |cost: &dyn Fn(f64, f64) -> f64| -> Vec<SplitPrice> {
+            measured
+                .iter()
+                .map(|&(h, head, c, l)| SplitPrice {
+                    host_layers: h,
+                    host_head: head,
+                    host_bytes: 0,
+                    streamed_bytes: (l * 55e6) as u64,
+                    compute_s: c * 1e-3,
+                    copies_s: l * 1e-3,
+                    cost_s: cost(c * 1e-3, l * 1e-3),
+                })
+                .collect()
+        };
+        let without = |c: f64, l: f64| {
+            if l > 0.0 {
+                c.max(l) + SPREAD_OVERLAP_LOSS * c.min(l)
+            } else {
+                c
+            }
+        };
+        assert_eq!(spread_host_choice(&list(&without)), Some((14, true)));
+        assert_eq!(spread_host_choice(&list(&split_cost)), Some((10, true)));
+    }
+
     #[test]
     fn the_head_goes_to_the_host_only_when_that_is_cheaper() {
         let gb = 1_000_000_000u64;
@@ -953,7 +1013,12 @@ mod tests {
                 } + per * (n - p.host_layers) as u64;
                 assert!(reserve <= budget);
                 let (c, l) = (p.compute_s, p.copies_s);
-                assert_eq!(p.cost_s, c.max(l) + SPREAD_OVERLAP_LOSS * c.min(l));
+                if p.streamed_bytes > 0 {
+                    assert_eq!(p.cost_s, c.max(l) + SPREAD_OVERLAP_LOSS * c.min(l));
+                } else {
+                    assert_eq!(l, 0.0);
+                    assert_eq!(p.cost_s, c * (1.0 + RESIDENT_SPLIT_LOSS));
+                }
                 assert_eq!(p.cost_s, split_cost(c, l));
             }
             let Some((h, on_host)) = chosen else {

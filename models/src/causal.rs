@@ -910,7 +910,9 @@ impl CausalLm {
     /// llama.cpp over the 8 that ran at 1.05-1.15x (stop 46). At stop 40 a slower estimate
     /// (two layers in turn) made `spread:auto` stream beside one host layer of a 7B Q4_K_M,
     /// whose copies slowed the host threefold; the price now charges that contention
-    /// ([`candle_offload::plan::SPREAD_OVERLAP_LOSS`], stop 44).
+    /// ([`candle_offload::plan::SPREAD_OVERLAP_LOSS`], stop 44). Host layers still ran ~1.2x
+    /// the time timed here while decoding; a split that streams nothing is charged that
+    /// ([`candle_offload::plan::RESIDENT_SPLIT_LOSS`], stop 51).
     pub fn host_layer_seconds(
         cfg: &Config,
         store: &Arc<candle_offload::HostStore>,
