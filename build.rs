@@ -12,7 +12,22 @@ fn main() {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_else(|| "unknown".to_string());
     println!("cargo:rustc-env=CANDLE_OFFLOAD_COMMIT={commit}");
-    for path in [".git/HEAD", ".git/index", ".git/refs/heads"] {
+    // The sources too (directories are scanned whole): `--dirty` is only true if the script
+    // runs again after an uncommitted edit, which touches none of git's files (stop 51's GPU
+    // binaries, built from an edited tree, named the clean commit below it).
+    for path in [
+        ".git/HEAD",
+        ".git/index",
+        ".git/refs/heads",
+        "Cargo.toml",
+        "Cargo.lock",
+        "src",
+        "examples",
+        "benches",
+        "tests",
+        "candle-offload",
+        "models",
+    ] {
         if std::path::Path::new(path).exists() {
             println!("cargo:rerun-if-changed={path}");
         }
