@@ -831,6 +831,26 @@ mod tests {
         assert!(need(h, on_host) > budget, "{h} host layers must stream");
     }
 
+    /// Splits as `spread:auto` recorded them (host layers, head on the host, compute and copies
+    /// in ms), priced by `cost` over seconds; the streamed bytes at 55 GB/s.
+    fn priced(
+        measured: &[(usize, bool, f64, f64)],
+        cost: &dyn Fn(f64, f64) -> f64,
+    ) -> Vec<SplitPrice> {
+        measured
+            .iter()
+            .map(|&(h, head, c, l)| SplitPrice {
+                host_layers: h,
+                host_head: head,
+                host_bytes: 0,
+                streamed_bytes: (l * 55e6) as u64,
+                compute_s: c * 1e-3,
+                copies_s: l * 1e-3,
+                cost_s: cost(c * 1e-3, l * 1e-3),
+            })
+            .collect()
+    }
+
     /// The splits `spread:auto` priced for a 13B Q8_0 at 12 GiB with a 512-token prompt on an
     /// H200 (BENCHMARKS.md stop 44, `2026-12-03-stop44-13b-q8_0-8-12gib-7b58879-h200.json`;
     /// host layers, head on the host, compute and copies in ms). Priced as the larger of the
@@ -848,20 +868,7 @@ mod tests {
             (3, true, 24.16, 22.92), (4, true, 26.3, 0.0), (5, true, 31.15, 0.0),
             (6, true, 35.99, 0.0), (7, true, 40.83, 0.0),
         ];
-        let list = |cost: &dyn Fn(f64, f64) -> f64| -> Vec<SplitPrice> {
-            measured
-                .iter()
-                .map(|&(h, head, c, l)| SplitPrice {
-                    host_layers: h,
-                    host_head: head,
-                    host_bytes: 0,
-                    streamed_bytes: (l * 55e6) as u64,
-                    compute_s: c * 1e-3,
-                    copies_s: l * 1e-3,
-                    cost_s: cost(c * 1e-3, l * 1e-3),
-                })
-                .collect()
-        };
+        let list = |cost: &dyn Fn(f64, f64) -> f64| priced(&measured, cost);
         assert_eq!(spread_host_choice(&list(&f64::max)), Some((3, true)));
         assert_eq!(spread_host_choice(&list(&split_cost)), Some((4, true)));
     }
@@ -883,27 +890,9 @@ mod tests {
             (11, true, 28.57, 21.24), (12, true, 30.67, 17.32), (13, true, 32.76, 13.40),
             (14, true, 33.95, 0.0), (15, true, 36.09, 0.0),
         ];
-        let list = |cost: &dyn Fn(f64, f64) -> f64| -> Vec<SplitPrice> {
-            measured
-                .iter()
-                .map(|&(h, head, c, l)| SplitPrice {
-                    host_layers: h,
-                    host_head: head,
-                    host_bytes: 0,
-                    streamed_bytes: (l * 55e6) as u64,
-                    compute_s: c * 1e-3,
-                    copies_s: l * 1e-3,
-                    cost_s: cost(c * 1e-3, l * 1e-3),
-                })
-                .collect()
-        };
-        let without = |c: f64, l: f64| {
-            if l > 0.0 {
-                c.max(l) + SPREAD_OVERLAP_LOSS * c.min(l)
-            } else {
-                c
-            }
-        };
+        let list = |cost: &dyn Fn(f64, f64) -> f64| priced(&measured, cost);
+        // The price before it: a split that copies nothing costs its compute.
+        let without = |c: f64, l: f64| if l > 0.0 { split_cost(c, l) } else { c };
         assert_eq!(spread_host_choice(&list(&without)), Some((14, true)));
         assert_eq!(spread_host_choice(&list(&split_cost)), Some((10, true)));
     }
