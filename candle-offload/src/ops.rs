@@ -2206,9 +2206,10 @@ pub fn prefill_gemm() -> bool {
 /// about 45 rows. Stop 44 had put the level at 100 to 130 rows from `benches/prefill_gemm`,
 /// which times each op between synchronizations and so charges the GEMM's two ops twice for
 /// them. Q4_K and Q6_K (a resident 7B Q4_K_M, whose layers hold both): 11.0 / 12.4 ms at 32
-/// rows, 14.2 / 12.6 at 64; until stop 50 they had a threshold of their own, 96. Q8_0, Q4_1,
-/// Q5_0 and Q5_1 were not measured in the model at these lengths; their MMQ costs at least
-/// Q4_0's per row there and their weights write out within 10% of its time.
+/// rows, 14.2 / 12.6 at 64; until stop 50 they had a threshold of their own, 96. Q8_0 (a
+/// resident 7B Q8_0, stop 51): 14.0 / 12.6 and 14.0 / 12.9 at 64. Q4_1, Q5_0 and Q5_1 were not
+/// measured in the model at these lengths; their MMQ costs at least Q4_0's per row there and
+/// their weights write out within 10% of its time.
 pub const PREFILL_GEMM_MIN_ROWS: usize = 64;
 
 /// The environment variable that sets [`prefill_gemm_min_rows`] for every block type (a
@@ -2220,16 +2221,9 @@ pub const PREFILL_GEMM_MIN_ROWS_ENV: &str = "CANDLE_OFFLOAD_PREFILL_GEMM_MIN_ROW
 fn prefill_gemm_min_rows_env() -> Option<usize> {
     static ROWS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     *ROWS.get_or_init(|| {
-        let v = std::env::var(PREFILL_GEMM_MIN_ROWS_ENV).ok()?;
-        match v.trim().parse::<usize>() {
-            Ok(n) if n > 8 => Some(n),
-            _ => {
-                tracing::warn!(
-                    "{PREFILL_GEMM_MIN_ROWS_ENV}={v:?} is not a number of rows above 8; ignored"
-                );
-                None
-            }
-        }
+        let v = std::env::var(PREFILL_GEMM_MIN_ROWS_ENV).ok();
+        crate::settings::env_number(PREFILL_GEMM_MIN_ROWS_ENV, v.as_deref(), 9..=u64::MAX)
+            .map(|n| n as usize)
     })
 }
 
