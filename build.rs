@@ -1,5 +1,6 @@
 //! Embeds the commit the binaries were built from, so that results written on the GPU machine
-//! (which has no git) name it.
+//! (which has no git) name it. The benchmark crate (`bench/`) reads it through this package's
+//! `COMMIT`, so its sources are watched here too.
 
 use std::process::Command;
 
@@ -13,8 +14,8 @@ fn main() {
         .unwrap_or_else(|| "unknown".to_string());
     println!("cargo:rustc-env=CANDLE_OFFLOAD_COMMIT={commit}");
     // The sources too (directories are scanned whole): `--dirty` is only true if the script
-    // runs again after an uncommitted edit, which touches none of git's files (stop 51's GPU
-    // binaries, built from an edited tree, named the clean commit below it).
+    // runs again after an uncommitted edit, which touches none of git's files (without them, a
+    // binary built from an edited tree names the clean commit below it).
     for path in [
         ".git/HEAD",
         ".git/index",
@@ -23,7 +24,7 @@ fn main() {
         "Cargo.lock",
         "src",
         "examples",
-        "benches",
+        "bench",
         "tests",
         "candle-offload",
         "models",

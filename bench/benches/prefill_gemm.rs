@@ -24,7 +24,7 @@ use anyhow::{ensure, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_offload::ops;
-use candle_offload_suite::median;
+use candle_offload_bench::median;
 use clap::Parser;
 
 /// Times dequantization, GEMM and Candle's MMQ for a prompt's quantized projections.

@@ -21,7 +21,7 @@ use candle_offload::{
     ActivePolicy, HostStore, MemoryLimit, OffloadConfig, OffloadRuntime, PolicyChoice, StoreConfig,
     TensorSpec,
 };
-use candle_offload_suite::median;
+use candle_offload_bench::median;
 use clap::Parser;
 use rand::Rng as _;
 
@@ -139,11 +139,11 @@ fn main() -> Result<()> {
     let inter = args.intermediate.unwrap_or(if gpu { 11008 } else { 688 });
 
     // The CUDA context's own footprint, right after start, and the link's ceiling.
-    let candle_offload_suite::LinkBaseline {
+    let candle_offload_bench::LinkBaseline {
         context_bytes,
         raw_pinned_gbps,
         raw_pageable_gbps,
-    } = candle_offload_suite::link_baseline(&device, true)?;
+    } = candle_offload_bench::link_baseline(&device, true)?;
     println!("context {:.0} MiB; raw host->device: pinned {raw_pinned_gbps:.1} GB/s, pageable {raw_pageable_gbps:.1} GB/s",
         context_bytes as f64 / 1048576.0);
 

@@ -20,9 +20,9 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 use candle_offload::diag::{self, PeakMemorySampler};
 use candle_offload::MemoryLimit;
+use candle_offload_bench::median;
 use candle_offload_models::llama::argmax;
 use candle_offload_models::{loader, quantize, HostLayers, Llama, OffloadSettings};
-use candle_offload_suite::median;
 use clap::Parser;
 
 /// Measures prefill and decode of a checkpoint under GPU budgets.
@@ -142,11 +142,11 @@ fn main() -> Result<()> {
     let device = candle_offload_suite::device(args.cpu, 0)?;
     candle_offload::cpu_quant::set_quantized_activations(args.q8_activations);
     let gpu = !device.is_cpu();
-    let candle_offload_suite::LinkBaseline {
+    let candle_offload_bench::LinkBaseline {
         context_bytes,
         raw_pinned_gbps,
         ..
-    } = candle_offload_suite::link_baseline(&device, false)?;
+    } = candle_offload_bench::link_baseline(&device, false)?;
     let peer: Option<serde_json::Value> = match &args.peer {
         Some(p) => Some(serde_json::from_str(
             &std::fs::read_to_string(p).with_context(|| format!("{}", p.display()))?,
@@ -252,14 +252,14 @@ fn main() -> Result<()> {
         None => Vec::new(),
     };
     let prompt_of = |len: usize| {
-        candle_offload_suite::random_tokens(len, cfg.vocab_size, len as u64 * 2654435761 + 1)
+        candle_offload_bench::random_tokens(len, cfg.vocab_size, len as u64 * 2654435761 + 1)
     };
 
     let mut records = Vec::new();
     // The results file (when asked for), written whole from the records so far.
     let write_json = |records: &[serde_json::Value]| -> Result<()> {
         if let Some(path) = &args.json_out {
-            candle_offload_suite::write_results_with_peer(
+            candle_offload_bench::write_results_with_peer(
                 path,
                 "generate",
                 &device,
@@ -451,7 +451,7 @@ fn main() -> Result<()> {
                 candle_offload::diag::profiler_capture(&device, true)?;
             }
             let host_profile = match &args.host_profile {
-                Some(dir) => Some(candle_offload_suite::HostProfile::start_in(dir, 997)?),
+                Some(dir) => Some(candle_offload_bench::HostProfile::start_in(dir, 997)?),
                 None => None,
             };
             for i in 0..args.new_tokens {

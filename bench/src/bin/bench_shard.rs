@@ -17,9 +17,9 @@ use candle_core::{DType, Tensor};
 use candle_offload::diag::{self, PeakMemorySampler};
 use candle_offload::placement::PlacementMode;
 use candle_offload::MemoryLimit;
+use candle_offload_bench::median;
 use candle_offload_models::llama::{argmax, DeviceMapChoice, HiddenTransfer};
 use candle_offload_models::{loader, Llama, OffloadSettings};
-use candle_offload_suite::median;
 use clap::Parser;
 
 /// Measures decode of a checkpoint sharded over GPUs.
@@ -136,7 +136,7 @@ fn main() -> Result<()> {
         store.pinned_bytes() as f64 / 2f64.powi(30),
         t0.elapsed().as_secs_f64()
     );
-    let prompt = candle_offload_suite::random_tokens(args.prompt_len, cfg.vocab_size, 2654435761);
+    let prompt = candle_offload_bench::random_tokens(args.prompt_len, cfg.vocab_size, 2654435761);
     let max_len = args.prompt_len + args.new_tokens + args.timed_tokens + 4;
 
     let mut records = Vec::new();
@@ -310,7 +310,7 @@ fn main() -> Result<()> {
     println!("{summary}");
     if let Some(path) = &args.json_out {
         let results = serde_json::json!({ "configs": records, "summary": summary });
-        candle_offload_suite::write_results_with_peer(path, "shard", &devices[0], results, None)?;
+        candle_offload_bench::write_results_with_peer(path, "shard", &devices[0], results, None)?;
         println!("wrote {}", path.display());
     }
     Ok(())

@@ -29,8 +29,8 @@ use candle_core::{Device, Tensor};
 use candle_nn::ParamsAdamW;
 use candle_offload::diag::{self, PeakMemorySampler};
 use candle_offload::{MemoryLimit, Precision};
+use candle_offload_bench::median;
 use candle_offload_models::{Config, TrainPhase, TrainSettings, Trainer};
-use candle_offload_suite::median;
 use clap::Parser;
 use serde_json::{json, Value};
 
@@ -258,7 +258,7 @@ fn shape_config(args: &Args) -> Result<Config> {
 /// Deterministic token ids: `batch` rows of `seq + 1`.
 fn batch(cfg: &Config, b: usize, s: usize, device: &Device) -> Result<(Tensor, Tensor)> {
     let ids =
-        candle_offload_suite::random_tokens(b * (s + 1), cfg.vocab_size, 0x2545_F491_4F6C_DD1D);
+        candle_offload_bench::random_tokens(b * (s + 1), cfg.vocab_size, 0x2545_F491_4F6C_DD1D);
     let all = Tensor::from_vec(ids, (b, s + 1), device)?;
     Ok((
         all.narrow(1, 0, s)?.contiguous()?,
@@ -438,7 +438,7 @@ fn run_one(
         let armed = i == args.warmup + timed;
         if i == args.warmup {
             if let Some(dir) = &args.host_profile {
-                host_profile = Some(candle_offload_suite::HostProfile::start_in(dir, 997)?);
+                host_profile = Some(candle_offload_bench::HostProfile::start_in(dir, 997)?);
             }
         }
         clock
@@ -959,7 +959,7 @@ fn main() -> Result<()> {
     });
     let write = |records: &[Value]| -> Result<()> {
         if let Some(path) = &args.json_out {
-            candle_offload_suite::write_results_with_peer(
+            candle_offload_bench::write_results_with_peer(
                 path,
                 "train",
                 &device,

@@ -133,7 +133,7 @@ fn main() -> Result<()> {
             copy_rates.push(step.copy_gbps());
         }
     }
-    let copy_gbps = candle_offload_suite::median(copy_rates);
+    let copy_gbps = candle_offload_bench::median(copy_rates);
     println!(
         "copy stream: {} MiB from {} host memory at {copy_gbps:.1} GB/s (median of 5; store built in {load_s:.2} s)",
         args.copy_mib,
