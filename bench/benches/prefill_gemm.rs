@@ -14,7 +14,8 @@
 //! rows it also sums one pass over every layer's projections (q, k, v, o, gate, up, down), the
 //! part of a prompt pass these ops are.
 //!
-//! Run with: `cargo bench --features cuda --bench prefill_gemm -- --json-out prefill.json`.
+//! Run with: `cargo bench -p candle-offload-bench --features cuda --bench prefill_gemm --
+//! --json-out prefill.json`.
 //! It needs a GPU.
 
 use std::path::PathBuf;

@@ -7,7 +7,8 @@
 //! (achieved over raw pinned) and the peak device memory measured outside the allocator
 //! (`cuMemGetInfo`, polled), minus the CUDA context's own footprint measured at start.
 //!
-//! Run with: `cargo bench --features cuda --bench streaming -- --json-out streaming.json`.
+//! Run with: `cargo bench -p candle-offload-bench --features cuda --bench streaming --
+//! --json-out streaming.json`.
 //! Without CUDA it runs a small CPU version (`--layers 4 --hidden 256` by default there).
 
 use std::path::PathBuf;

@@ -7,8 +7,9 @@
 //! prompt, less the idle CUDA context, stays within the budget; its prefill of the prompt from an
 //! empty context, and its decode after the prompt's length of context (`-d`), as ours decodes.
 //!
-//! Run with: `cargo run --release --features cuda --example bench_generate -- --model-dir DIR
-//! --budgets 4,8,12,full --prompt-lens 64,512 --peer accelerate.json --json-out generate.json`;
+//! Run with: `cargo run --release --features cuda -p candle-offload-bench --bin bench_generate --
+//! --model-dir DIR --budgets 4,8,12,full --prompt-lens 64,512 --peer accelerate.json --json-out
+//! generate.json`;
 //! for a GGUF file, `--model-dir FILE.gguf [--quantized] --llamacpp-bin LLAMA_CPP_BUILD/bin`.
 #![recursion_limit = "256"] // the records' `serde_json::json!` literal
 
@@ -101,9 +102,9 @@ struct Args {
     /// started with `--profile-from-start off` (scripts/kernel_breakdown.py decode runs ncu so).
     #[arg(long)]
     profile_decode: bool,
-    /// Sample the host threads' stacks during the timed decode steps (a build with the suite's
-    /// `host-profile` feature): one folded-stack file per configuration in this directory,
-    /// and each thread's samples and the busiest thread's top functions in the record.
+    /// Sample the host threads' stacks during the timed decode steps (a build with the
+    /// `host-profile` feature of this crate): one folded-stack file per configuration in this
+    /// directory, and each thread's samples and the busiest thread's top functions in the record.
     #[arg(long)]
     host_profile: Option<PathBuf>,
     /// Host memory for the weights (GiB, `12GiB`, `50%`): the layers past it stay in the

@@ -5,8 +5,8 @@
 //! its budget, and whether every configuration produces the same greedy tokens (two GPUs with
 //! peer access on and off, and through the host).
 //!
-//! Run with: `cargo run --release --features cuda --example bench_shard -- --model-dir DIR
-//! --configs 1x4,1x12,2x4,2x6 --json-out shard.json`
+//! Run with: `cargo run --release --features cuda -p candle-offload-bench --bin bench_shard --
+//! --model-dir DIR --configs 1x4,1x12,2x4,2x6 --json-out shard.json`
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -5,10 +5,10 @@
 //! PyTorch peer's figures (`scripts/train_peer.py`, same shapes and configurations) and derives
 //! the activation memory reduction, the checkpointing overhead and the ratio to PyTorch.
 //!
-//! Run with: `cargo run --release --features cuda --example bench_train -- --peer
-//! train_peer.json --json-out train.json`; a CPU smoke run with tiny shapes: `cargo run
-//! --release --example bench_train -- --cpu --layers 2 --hidden 64 --heads 4 --kv-heads 2
-//! --intermediate 96 --vocab 101 --batch-size 1 --seq-len 16`.
+//! Run with: `cargo run --release --features cuda -p candle-offload-bench --bin bench_train --
+//! --peer train_peer.json --json-out train.json`; a CPU smoke run with tiny shapes: `cargo run
+//! --release -p candle-offload-bench --bin bench_train -- --cpu --layers 2 --hidden 64 --heads 4
+//! --kv-heads 2 --intermediate 96 --vocab 101 --batch-size 1 --seq-len 16`.
 //!
 //! Memory is measured from outside the allocator (`cuMemGetInfo` polled every millisecond on
 //! another thread) relative to a baseline read before each configuration, after the memory

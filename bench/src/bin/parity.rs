@@ -9,7 +9,7 @@
 //! (a random-weight model can amplify half-precision rounding past 2e-2 in both).
 //!
 //! Run with: `python3 scripts/hf_reference.py refs && cargo run --release --features cuda
-//! --example parity -- refs/* --json-out parity.json`
+//! -p candle-offload-bench --bin parity -- refs/* --json-out parity.json`
 
 use std::path::PathBuf;
 use std::sync::Arc;

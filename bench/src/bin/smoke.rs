@@ -1,7 +1,7 @@
 //! Smoke test of a build on a machine: the device, a matmul checked against the CPU, and a
 //! weight unit copied from pinned host memory to the GPU on the runtime's copy stream, timed.
 //!
-//! Run with: `cargo run --release --example smoke -- --json-out smoke.json`
+//! Run with: `cargo run --release -p candle-offload-bench --bin smoke -- --json-out smoke.json`
 //! (`--features cuda` for the GPU; without it, everything runs on the CPU).
 
 use std::path::PathBuf;
