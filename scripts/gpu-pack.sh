@@ -2,6 +2,7 @@
 # gpu-pack.sh: build chosen CUDA binaries (release) and pack them into .gpu/ for the GPU machine,
 # which has no Rust. Each binary is stripped and xz-compressed to .gpu/<name>.xz:
 #   --example NAME  -> .gpu/NAME.xz
+#   --bin NAME      -> .gpu/NAME.xz
 #   --bench NAME    -> .gpu/NAME.xz
 #   --tests         -> .gpu/test-<target>.xz for every test executable of the workspace
 #                      (the integration binary: test-integration; library unit tests:
@@ -12,16 +13,19 @@ set -euo pipefail
 
 usage() {
   cat <<'EOF'
-Usage: scripts/gpu-pack.sh [--example NAME]... [--bench NAME]... [--tests] [--clean]
+Usage: scripts/gpu-pack.sh [--example NAME]... [--bin NAME]... [--bench NAME]... [--tests] [--clean]
 
 Builds the chosen binaries with --release --features cuda (CUDA 13.0 build-only toolkit from
 scripts/cuda-toolkit.sh) and writes stripped, xz-compressed copies to .gpu/<name>.xz.
   --example NAME  an example (examples/NAME.rs); repeatable
-  --bench NAME    a bench target (benches/); repeatable
+  --bin NAME      a benchmark binary (bench/src/bin/NAME.rs: bench_generate, bench_train,
+                  bench_shard, parity, smoke); repeatable
+  --bench NAME    a cargo bench of the benchmark crate (bench/benches/); repeatable
   --tests         every test executable of the workspace, as test-<target-name>
   --clean         delete .gpu/*.xz from earlier packs first (otherwise they are kept)
-  --features LIST more features of the suite for --example/--bench builds, comma-separated
-                  (cuda is always on), e.g. host-profile for bench_train --host-profile
+  --features LIST more features of the benchmark crate for --bin/--bench builds,
+                  comma-separated (cuda is always on), e.g. host-profile for
+                  bench_train --host-profile
   --keep-symbols  keep the symbol tables (strip debug info only): what an in-process
                   profiler such as --host-profile needs to name functions (larger packs)
 Environment: CARGO_TARGET_DIR (default ~/.cache/candle-offload/target-cuda-release),
@@ -31,11 +35,13 @@ EOF
 
 die() { echo "gpu-pack: $*" >&2; exit 1; }
 
-examples=() benches=() tests=0 clean=0 features=cuda keep_symbols=0
+examples=() bins=() benches=() tests=0 clean=0 features=cuda keep_symbols=0
 while (($# > 0)); do
   case "$1" in
     --example) (($# >= 2)) || die "--example needs a NAME"; examples+=("$2"); shift 2 ;;
     --example=*) examples+=("${1#*=}"); shift ;;
+    --bin) (($# >= 2)) || die "--bin needs a NAME"; bins+=("$2"); shift 2 ;;
+    --bin=*) bins+=("${1#*=}"); shift ;;
     --bench) (($# >= 2)) || die "--bench needs a NAME"; benches+=("$2"); shift 2 ;;
     --bench=*) benches+=("${1#*=}"); shift ;;
     --tests) tests=1; shift ;;
@@ -47,11 +53,11 @@ while (($# > 0)); do
     *) usage >&2; die "unknown argument: $1" ;;
   esac
 done
-if ((${#examples[@]} + ${#benches[@]} + tests == 0)); then
+if ((${#examples[@]} + ${#bins[@]} + ${#benches[@]} + tests == 0)); then
   usage >&2
-  die "nothing to pack: give --example NAME, --bench NAME and/or --tests"
+  die "nothing to pack: give --example NAME, --bin NAME, --bench NAME and/or --tests"
 fi
-for n in "${examples[@]}" "${benches[@]}"; do
+for n in "${examples[@]}" "${bins[@]}" "${benches[@]}"; do
   [[ "$n" =~ ^[A-Za-z0-9_-]+$ ]] || die "bad target name '$n' (letters, digits, _ and - only)"
 done
 
@@ -73,7 +79,7 @@ list="$work/binaries.tsv"   # name <TAB> path of the built executable
 : > "$list"
 
 # Reads cargo's JSON messages on stdin, prints "name<TAB>executable" for the wanted artifacts.
-#   pick KIND NAME : the artifact of the target NAME whose kinds include KIND (example, bench)
+#   pick KIND NAME : the artifact of the target NAME whose kinds include KIND (example, bin, bench)
 #   pick tests     : every test-harness executable, named test-<target-name>
 pick() {
   python3 -c '
@@ -120,11 +126,15 @@ add_one() {
 }
 
 for n in "${examples[@]}"; do
-  cargo_json "$work/example-$n.json" build --release --features "$features" --example "$n"
+  cargo_json "$work/example-$n.json" build --release --features cuda --example "$n"
   add_one example "$n" "$work/example-$n.json"
 done
+for n in "${bins[@]}"; do
+  cargo_json "$work/bin-$n.json" build --release -p candle-offload-bench --features "$features" --bin "$n"
+  add_one bin "$n" "$work/bin-$n.json"
+done
 for n in "${benches[@]}"; do
-  cargo_json "$work/bench-$n.json" bench --no-run --features "$features" --bench "$n"
+  cargo_json "$work/bench-$n.json" bench --no-run -p candle-offload-bench --features "$features" --bench "$n"
   add_one bench "$n" "$work/bench-$n.json"
 done
 if ((tests)); then

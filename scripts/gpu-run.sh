@@ -12,7 +12,7 @@
 #                 filters F (default: train sharding cuda:: offloaded_equals_resident_gpu)
 #                 -> $OUT/tests.log [TESTS_S=240]
 #   parity[=N,..] reference checkpoints and logits from transformers (scripts/hf_reference.py,
-#                 configurations N, default all) then the parity example on them
+#                 configurations N, default all) then the parity binary on them
 #                 -> $OUT/parity.json, $OUT/parity.log [PARITY_S=240]
 #   own_model     the bring-your-own-model example on GPU 0 (and 1) -> $OUT/own_model.log
 #                 [OWN_S=60]
@@ -79,7 +79,7 @@
 #                 $MAX_S (170) unless the arguments after `--` give one, and those
 #                 arguments -> $OUT/train.json [TRAIN_S=260]
 #
-# Examples (binaries: `scripts/gpu-pack.sh --tests --example bench_shard --example bench_train`):
+# Examples (binaries: `scripts/gpu-pack.sh --tests --bin bench_shard --bin bench_train`):
 #   bash scripts/gpu-run.sh gpus tests make7b shard                  # kind nvidia-h200-x2
 #   bash scripts/gpu-run.sh tests=train:: peer train
 #   bash scripts/gpu-run.sh make7b peer shard train -- --offload-steps 1 --configs none-f32,offload-4gib-bf16
@@ -199,7 +199,7 @@ for step in "${steps[@]}"; do
       grep -E "^test |test result" "$OUT/tests.log" | tail -30
       ;;
     parity | parity=*)
-      need_bin parity parity "--example parity" || continue
+      need_bin parity parity "--bin parity" || continue
       names=()
       [[ "$step" == parity=* ]] && IFS=, read -r -a names <<<"${step#parity=}"
       rm -rf /tmp/refs
@@ -240,7 +240,7 @@ for step in "${steps[@]}"; do
       echo "peer exit $?"
       ;;
     shard)
-      need_bin bench_shard shard "--example bench_shard" || continue
+      need_bin bench_shard shard "--bin bench_shard" || continue
       wait_make7b || continue
       timeout "${SHARD_S:-300}" "$BIN/bench_shard" --model-dir /tmp/llama7b --json-out "$OUT/shard.json" \
         >"$OUT/bench_shard.log" 2>&1
@@ -281,7 +281,7 @@ for step in "${steps[@]}"; do
       echo "gguf13b exit $? after $(($(date +%s) - t0)) s"
       ;;
     qonload | qonload=*)
-      need_bin bench_generate qonload "--example bench_generate" || continue
+      need_bin bench_generate qonload "--bin bench_generate" || continue
       wait_make7b || continue
       ws=(q4_0 q8_0)
       [[ "$step" == qonload=* ]] && IFS=, read -r -a ws <<<"${step#qonload=}"
@@ -292,7 +292,7 @@ for step in "${steps[@]}"; do
       done
       ;;
     qbench | qbench=*)
-      need_bin bench_generate qbench "--example bench_generate" || continue
+      need_bin bench_generate qbench "--bin bench_generate" || continue
       wait_llamacpp || continue
       ws=(7b-q4_0 7b-q8_0)
       [[ "$step" == qbench=* ]] && IFS=, read -r -a ws <<<"${step#qbench=}"
@@ -311,7 +311,7 @@ for step in "${steps[@]}"; do
       done
       ;;
     decode | decode=*)
-      need_bin bench_generate decode "--example bench_generate" || continue
+      need_bin bench_generate decode "--bin bench_generate" || continue
       wait_make7b || continue
       vs=(default)
       [[ "$step" == decode=* ]] && IFS=, read -r -a vs <<<"${step#decode=}"
@@ -326,7 +326,7 @@ for step in "${steps[@]}"; do
       done
       ;;
     breakdown | breakdown=*)
-      need_bin bench_generate breakdown "--example bench_generate" || continue
+      need_bin bench_generate breakdown "--bin bench_generate" || continue
       model=${BREAKDOWN_MODEL:-/tmp/llama7b}
       [[ -n "${BREAKDOWN_MODEL:-}" ]] || wait_make7b || continue
       v=default
@@ -343,7 +343,7 @@ for step in "${steps[@]}"; do
       grep -A40 "kernels per token" "$OUT/breakdown-$v.log" | head -45
       ;;
     tiers)
-      need_bin bench_generate tiers "--example bench_generate" || continue
+      need_bin bench_generate tiers "--bin bench_generate" || continue
       wait_make7b || continue
       t_end=$(($(date +%s) + ${TIERS_S:-540}))
       # Seconds left of TIERS_S, at least 1 (`timeout 0` would mean no limit at all).
@@ -392,7 +392,7 @@ for step in "${steps[@]}"; do
       done
       ;;
     managed)
-      need_bin bench_generate managed "--example bench_generate" || continue
+      need_bin bench_generate managed "--bin bench_generate" || continue
       wait_make7b || continue
       for e in explicit managed; do
         (cd /tmp && timeout "${MANAGED_S:-240}" "$BIN/bench_generate" --model-dir /tmp/llama7b --engine "$e" \
@@ -406,7 +406,7 @@ for step in "${steps[@]}"; do
         --prompt-lens 64 --new-tokens 2) >"$OUT/managed-refused.log" 2>&1
       echo "managed at 4 GiB: exit $? (refusal expected)"
       tail -2 "$OUT/managed-refused.log"
-      if need_bin smoke managed "--example smoke"; then
+      if need_bin smoke managed "--bin smoke"; then
         (cd /tmp && timeout 120 "$BIN/smoke" --copy-mib 64 --um-table-mib 600 --json-out "$OUT/um-table.json") \
           >"$OUT/um-table.log" 2>&1
         echo "um table exit $?"
@@ -414,7 +414,7 @@ for step in "${steps[@]}"; do
       fi
       ;;
     trainprof | trainprof=*)
-      need_bin bench_train trainprof "--example bench_train" || continue
+      need_bin bench_train trainprof "--bin bench_train" || continue
       cs=none-bf16
       [[ "$step" == trainprof=* ]] && cs=${step#trainprof=}
       for c in ${cs//,/ }; do
@@ -428,7 +428,7 @@ for step in "${steps[@]}"; do
       done
       ;;
     train)
-      need_bin bench_train train "--example bench_train" || continue
+      need_bin bench_train train "--bin bench_train" || continue
       peer=()
       [[ -s "$OUT/train_peer.json" ]] && peer=(--peer "$OUT/train_peer.json")
       limit=(--max-seconds "${MAX_S:-170}")

@@ -7,7 +7,7 @@ For each configuration NAME (all of them when none is named) it writes OUT_DIR/N
 (config.json, model.safetensors) and OUT_DIR/NAME/reference.json: the input ids, the float32
 logits for every position, the logits of the same model run in float16 and bfloat16, and 32
 greedy tokens (float32, no KV cache: the whole sequence is run again for every token).
-Used on the GPU machine by examples/parity.rs (logit parity of our families with transformers).
+Used on the GPU machine by bench/src/bin/parity.rs (logit parity of our families with transformers).
 
 The LLaMA configurations are written exactly as they always were. The Phi-3 and Gemma ones run
 transformers' eager attention (the exact reference: Gemma 2's soft-capping needs it), and have

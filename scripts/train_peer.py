@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch peer of examples/bench_train.rs: the same 1B-shaped LLaMA, batch, sequence and
+"""PyTorch peer of bench/src/bin/bench_train.rs: the same 1B-shaped LLaMA, batch, sequence and
 AdamW, in the same nine configurations:
 
     precision     {f32, f16 (torch.autocast + torch.amp.GradScaler), bf16 (torch.autocast)}
