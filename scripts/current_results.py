@@ -487,16 +487,17 @@ def render_glance(rows):
               + (f"Our peak memory within the budget: {sum(within)} of {len(within)} budgeted rows."
                  if within else "")]
     if train:
-        st = {(r["benchmark"], r["weights"]): r["ratio"] for r in train if r["metric"] == "step_s"}
+        by_prec = {}
+        for r in train:
+            if r["metric"] == "step_s":
+                by_prec.setdefault(r["weights"], []).append(r["ratio"])
         pk = [r["ratio"] for r in train if r["metric"] == "peak_mib"]
-        precs = [p.upper() for p in TRAIN_PRECISIONS]
-        L += ["", f"| training ({train[0]['model']}): PyTorch's step time over ours | "
-              + " | ".join(precs) + " |", "| --- |" + " --- |" * len(precs)]
-        names = {"none": "no checkpointing", "layer": "every layer checkpointed", "sqrt": "sqrt(layers) segments"}
-        for k in TRAIN_CONFIGS:
-            L.append(f"| {names[k]} | " + " | ".join(fmt(st.get((f"train-{k}", p))) for p in precs) + " |")
-        L += ["", f"Peak memory, PyTorch's over ours: {rng(pk)}x."
-              + (" Offloaded training: " + "; ".join(
+        L += ["", f"Training ({train[0]['model']}, with and without checkpointing) against PyTorch, "
+              "its step time over ours: "
+              + ", ".join(f"{p.upper()} {rng(by_prec[p.upper()])}" for p in TRAIN_PRECISIONS
+                          if p.upper() in by_prec)
+              + f"; its peak memory over ours: {rng(pk)}."
+              + (" Offloaded: " + "; ".join(
                   f"{r['weights']} within {budget_label(r['budget_gib'])}, {fmt(r['ours'], 3)} s a "
                   f"step, peak {fmt(r['peak_mib'])} MiB" for r in off) + "." if off else "")]
     if cpu:
