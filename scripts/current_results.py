@@ -449,21 +449,17 @@ def rng(values):
 
 
 def render_glance(rows):
+    """README's compact version: the decode grid as a table, the rest in one paragraph."""
     gpu = [r for r in rows if r["benchmark"] == "generate-gpu"]
     cpu = [r for r in rows if r["benchmark"] == "generate-cpu"]
     train = [r for r in rows if r["benchmark"].startswith("train-") and r["benchmark"] != "train-offload"]
     off = [r for r in rows if r["benchmark"] == "train-offload"]
-    L = [
-        "Ours over the peer, each pair measured in the same call on the same machine (above 1: "
-        "ours is faster, or smaller). Every figure, with its peak memory, commit and raw file: "
-        "[BENCHMARKS.md](BENCHMARKS.md).",
-        "",
-    ]
+    L, text = [], []
     if gpu:
         gpu_name = machines()["generate-gpu"].split(",")[0].replace("NVIDIA ", "")
         budgets = [4, 8, 12, None]
         L += [
-            f"| {gpu_name}, LLaMA shapes: decode vs llama.cpp, prompt 64 / 512 | "
+            f"| {gpu_name}, decode: ours over llama.cpp in the same call (prompt 64 / 512) | "
             + " | ".join(budget_label(b) for b in budgets) + " |",
             "| --- |" + " --- |" * len(budgets),
         ]
@@ -483,31 +479,36 @@ def render_glance(rows):
         pre = [r["ratio"] for r in gpu if r["metric"] == "prefill_tokens_per_s"]
         within = [r["within_budget"] for r in gpu
                   if r["within_budget"] is not None and r["metric"] == "decode_tokens_per_s"]
-        L += ["", f"Prefill against llama.cpp in the same rows: {rng(pre)}x. "
-              + (f"Our peak memory within the budget: {sum(within)} of {len(within)} budgeted rows."
-                 if within else "")]
+        text.append(f"Prefill in the same rows: {rng(pre)}x"
+                    + (f"; our peak within the budget in {sum(within)} of {len(within)} rows." if within else "."))
     if train:
         by_prec = {}
         for r in train:
             if r["metric"] == "step_s":
                 by_prec.setdefault(r["weights"], []).append(r["ratio"])
         pk = [r["ratio"] for r in train if r["metric"] == "peak_mib"]
-        L += ["", f"Training ({train[0]['model']}, with and without checkpointing) against PyTorch, "
-              "its step time over ours: "
-              + ", ".join(f"{p.upper()} {rng(by_prec[p.upper()])}" for p in TRAIN_PRECISIONS
-                          if p.upper() in by_prec)
-              + f"; its peak memory over ours: {rng(pk)}."
-              + (" Offloaded: " + "; ".join(
-                  f"{r['weights']} within {budget_label(r['budget_gib'])}, {fmt(r['ours'], 3)} s a "
-                  f"step, peak {fmt(r['peak_mib'])} MiB" for r in off) + "." if off else "")]
+        text.append(
+            f"Training ({train[0]['model']}, with and without checkpointing) against PyTorch in the "
+            "same call, its step time over ours: "
+            + ", ".join(f"{p.upper()} {rng(by_prec[p.upper()])}" for p in TRAIN_PRECISIONS
+                        if p.upper() in by_prec)
+            + f"; its peak memory over ours: {rng(pk)}"
+            + ("; offloaded: " + ", ".join(
+                f"{r['weights']} within {budget_label(r['budget_gib'])} at {fmt(r['ours'], 2)} s a step"
+                for r in off) if off else "") + ".")
     if cpu:
         d = next((r for r in cpu if r["metric"] == "decode_tokens_per_s"), None)
         f = next((r for r in cpu if r["metric"] == "prefill_tokens_per_s"), None)
         host = machines()["generate-cpu"].replace(" host", "")
-        L += ["", f"The default model ({cpu[0]['model']} {cpu[0]['weights']}) on a {host} CPU, "
-              f"against llama.cpp: decode {fmt(d['ratio']) if d else '-'}x, "
-              f"prefill {fmt(f['ratio']) if f else '-'}x."]
-    return "\n".join(L).rstrip("\n") + "\n"
+        text.append(f"The default model ({cpu[0]['model']} {cpu[0]['weights']}) on a {host} CPU "
+                    f"against llama.cpp in the same run: decode {fmt(d['ratio']) if d else '-'}x, "
+                    f"prefill {fmt(f['ratio']) if f else '-'}x.")
+    text.append("Above 1, ours is faster (or smaller). Every row with its peak, commit and raw "
+                "file: [BENCHMARKS.md](BENCHMARKS.md).")
+    if L:
+        L.append("")
+    L.append(" ".join(text))
+    return "\n".join(L) + "\n"
 
 
 # -- files ------------------------------------------------------------------------------------
