@@ -2,6 +2,9 @@
 //! selection, logging set-up, the model flags, the seeded random generator, and benchmark
 //! records with their provenance.
 
+pub mod report;
+pub mod tuning_env;
+
 use std::io::Write as _;
 use std::path::Path;
 
