@@ -25,9 +25,14 @@ struct Args {
     verbose: u8,
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
+    let verbose = args.verbose > 0;
+    candle_offload_suite::report::exit_code(run(args), verbose)
+}
+
+fn run(args: Args) -> Result<()> {
     let report = doctor::examine(args.device, !args.no_measure);
     if args.json {
         let d = report.device.as_ref();

@@ -257,10 +257,14 @@ fn save(
     write_json("tokenizer_config.json", &tc)
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
+    let verbose = args.verbose > 0;
+    candle_offload_suite::report::exit_code(run(args), verbose)
+}
 
+fn run(args: Args) -> Result<()> {
     // Cheap checks first (the numbers and names are checked as clap parses them): bad flags
     // fail before a model is loaded.
     let mut limit = args
@@ -375,6 +379,8 @@ fn main() -> Result<()> {
         fused: !args.unfused,
         hand_backward: true,
         event_tracking: false,
+        tuning: candle_offload_suite::tuning_env::tuning_from_env(Default::default())
+            .fitted_to_host(),
     };
     let t0 = Instant::now();
     let mut trainer = Trainer::from_files(&files, &device, &settings)?;

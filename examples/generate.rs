@@ -127,7 +127,7 @@ struct Args {
     offload: bool,
     /// GPU memory budget: GiB (`3.5`), or `3.5GiB`, `3GB`, `50%`; with --devices one per
     /// device (`4,6`) or one for all. Implies --offload.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     gpu_memory_limit: Option<String>,
     /// Host memory for the weights: GiB (`12`), `12GiB`, or a share of RAM (`50%`); a
     /// model's layers past it (safetensors or GGUF) stay in the file and are read from disk on
@@ -165,7 +165,8 @@ struct Args {
     /// is checked, one decode run per stage.
     #[arg(long)]
     leak_check: Option<usize>,
-    /// Settings file with `memory.offload_strategy` and `memory.max_gpu_memory`.
+    /// Settings file (YAML): `memory.offload_strategy`, `memory.max_gpu_memory`,
+    /// `memory.max_cpu_memory` and a `tuning:` section (docs/tuning.md).
     #[arg(long)]
     config: Option<PathBuf>,
     /// More logging (-v, -vv).
@@ -173,10 +174,15 @@ struct Args {
     verbose: u8,
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     pin_cpu_thread_count();
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
+    let verbose = args.verbose > 0;
+    candle_offload_suite::report::exit_code(run(args), verbose)
+}
+
+fn run(args: Args) -> Result<()> {
     if let Some(d) = &args.devices {
         flags::distinct_devices(d).map_err(|e| {
             let list: Vec<String> = d.iter().map(|o| o.to_string()).collect();
@@ -222,6 +228,14 @@ fn main() -> Result<()> {
         Some(p) => Settings::from_file(p)?,
         None => Settings::default(),
     };
+    // Performance choices: the defaults for this host, the settings file's `tuning:` over
+    // them, the environment's overrides over both (docs/tuning.md).
+    let mut tuning =
+        candle_offload_suite::tuning_env::tuning_from_env(settings.tuning.unwrap_or_default())
+            .fitted_to_host();
+    if args.q8_activations {
+        tuning.kernels.cpu_q8_activations = true;
+    }
     let (mut strategy, mut limit) = (settings.offload_strategy, settings.max_gpu_memory);
     let mut limits = Vec::new();
     if let Some(s) = &args.gpu_memory_limit {
@@ -336,6 +350,7 @@ fn main() -> Result<()> {
         dtype: Some(dtype),
         host_memory_limit,
         engine,
+        disk_reads: tuning.disk,
         ..Default::default()
     };
     let store = match &args.quantize {
@@ -351,7 +366,6 @@ fn main() -> Result<()> {
             !args.dequantize,
         )?),
     };
-    candle_offload::cpu_quant::set_quantized_activations(args.q8_activations);
     let blocks = store.ggml_tensor_count();
     eprintln!(
         "weights: {:.2} GiB in {} units ({:.2} GiB pinned, {blocks} tensors as GGML blocks), loaded in {:.1} s",
@@ -369,6 +383,7 @@ fn main() -> Result<()> {
         strategy: strategy.unwrap_or_default(),
         prefetch_depth: args.prefetch_depth as usize,
         policy,
+        tuning,
         ..Default::default()
     };
     let mut model = match &device_map {

@@ -2,6 +2,9 @@
 //! benchmark crate `bench/`): device selection, logging set-up, the model flags, the seeded
 //! random generator, MFU, and JSON records with their provenance.
 
+pub mod report;
+pub mod tuning_env;
+
 use std::io::Write as _;
 use std::path::Path;
 

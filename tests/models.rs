@@ -472,7 +472,17 @@ fn decode_gives_the_prompts_room_to_weights(device: &Device) -> anyhow::Result<(
         .map(|_| rng.random_range(0..cfg.vocab_size as u32))
         .collect();
     let max_len = prompt.len() + 10;
-    let reserve = |rows| Llama::reserve_bytes(&cfg, &store, device, rows, max_len, DType::F32);
+    let reserve = |rows| {
+        Llama::reserve_bytes(
+            &cfg,
+            &store,
+            device,
+            rows,
+            max_len,
+            DType::F32,
+            &Default::default(),
+        )
+    };
     let share = reserve(prompt.len()) - reserve(1);
     let total = store.total_bytes();
     assert!(

@@ -7,7 +7,7 @@
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor, D};
-use candle_offload::ops;
+use candle_offload::{ops, KernelTuning, QlinearVariants};
 use candle_offload_models::Llama;
 use rand::Rng as _;
 
@@ -149,6 +149,7 @@ test_device!(
 /// each block type of variant 4 and of other variants (which ignore the quantized rows), with
 /// the rows of a decode step and more.
 fn rms_norm_residual_q8_feeds_the_matmuls(device: &Device) -> anyhow::Result<()> {
+    let tun = KernelTuning::default();
     let types = [
         GgmlDType::Q4_0,
         GgmlDType::Q4_1,
@@ -189,13 +190,13 @@ fn rms_norm_residual_q8_feeds_the_matmuls(device: &Device) -> anyhow::Result<()>
                 let copy = (&normed + 0.0)?;
                 anyhow::ensure!(same(&copy, &normed)?);
                 let found = ops::quantized_rows_found();
-                let got = ops::qlinear_small_multi(&normed, &ws)?;
-                let want = ops::qlinear_small_multi(&copy, &ws)?;
+                let got = ops::qlinear_small_multi(&normed, &ws, &tun)?;
+                let want = ops::qlinear_small_multi(&copy, &ws, &tun)?;
                 for (g, w) in got.iter().zip(&want) {
                     anyhow::ensure!(same(g, w)?, "{what}: q/k/v");
                 }
-                let got = ops::qlinear_silu_mul(&normed, ws[0], ws[1])?;
-                let want = ops::qlinear_silu_mul(&copy, ws[0], ws[1])?;
+                let got = ops::qlinear_silu_mul(&normed, ws[0], ws[1], &tun)?;
+                let want = ops::qlinear_silu_mul(&copy, ws[0], ws[1], &tun)?;
                 anyhow::ensure!(same(&got, &want)?, "{what}: gate/up");
                 // On a GPU, for a decode step's rows, both matmuls found the norm's quantized
                 // rows (and variant 4 read them: a buffer that does not fit is an error).
@@ -222,6 +223,7 @@ test_device!(
 /// split and unsplit attention, several heads' blocks, batches and continuations of a few
 /// rows; a head dim that is not blocks of 32 (80) falls back.
 fn attention_and_silu_q8_feed_the_matmuls(device: &Device) -> anyhow::Result<()> {
+    let tun = KernelTuning::default();
     let same = |a: &Tensor, b: &Tensor| -> anyhow::Result<bool> {
         Ok(a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?
             == b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
@@ -254,9 +256,9 @@ fn attention_and_silu_q8_feed_the_matmuls(device: &Device) -> anyhow::Result<()>
             let w = QTensor::quantize_onto(&wt, qtype, device)?;
             let copy = (&y + 0.0)?;
             let found = ops::quantized_rows_found();
-            let got = ops::qlinear_small(&y, &w)?;
+            let got = ops::qlinear_small(&y, &w, &tun)?;
             anyhow::ensure!(
-                same(&got, &ops::qlinear_small(&copy, &w)?)?,
+                same(&got, &ops::qlinear_small(&copy, &w, &tun)?)?,
                 "{what}: o_proj"
             );
             let expect = u64::from(device.is_cuda() && d % 32 == 0);
@@ -275,18 +277,18 @@ fn attention_and_silu_q8_feed_the_matmuls(device: &Device) -> anyhow::Result<()>
                 let (gate, up) = (quantize(seed + 1, [n, k])?, quantize(seed + 2, [n, k])?);
                 let down = quantize(seed + 3, [40, n])?;
                 let what = format!("{dtype:?} {qtype:?} gate/up {rows} rows of {n}");
-                let y = ops::qlinear_silu_mul_q8(&x, &gate, &up)?;
-                let want = ops::qlinear_silu_mul(&x, &gate, &up)?;
+                let y = ops::qlinear_silu_mul_q8(&x, &gate, &up, &tun)?;
+                let want = ops::qlinear_silu_mul(&x, &gate, &up, &tun)?;
                 anyhow::ensure!(same(&y, &want)?, "{what}: gate/up");
                 let copy = (&y + 0.0)?;
                 let found = ops::quantized_rows_found();
-                let got = ops::qlinear_small(&y, &down)?;
+                let got = ops::qlinear_small(&y, &down, &tun)?;
                 anyhow::ensure!(
-                    same(&got, &ops::qlinear_small(&copy, &down)?)?,
+                    same(&got, &ops::qlinear_small(&copy, &down, &tun)?)?,
                     "{what}: down"
                 );
                 // Only variant 4's kernel for blocks of 32 writes a quantized output.
-                let v4 = ops::qlinear_variant_for(qtype) == ops::QlinearVariant::V4;
+                let v4 = tun.qlinear_variant(qtype) == ops::QlinearVariant::V4;
                 let expect = u64::from(device.is_cuda() && v4);
                 let seen = ops::quantized_rows_found() - found;
                 anyhow::ensure!(seen == expect, "{what}: quantized rows found {seen} times");
@@ -759,6 +761,7 @@ const PROMPT_SHAPES: [(usize, usize, usize, usize, usize, usize); 7] = [
 /// (`train::flash_attention`, from position 0; on the CPU its own loop), of which the pass's
 /// rows are the last. On a GPU the kernel runs for F16 and BF16 and widths 64 and 128.
 fn prompt_attention_matches_composition(device: &Device) -> anyhow::Result<()> {
+    let tun = KernelTuning::default();
     use candle_offload::train::flash_attention;
     for dtype in DTYPES {
         for (i, &(b, hq, hk, tq, kv, d)) in PROMPT_SHAPES.iter().enumerate() {
@@ -777,10 +780,10 @@ fn prompt_attention_matches_composition(device: &Device) -> anyhow::Result<()> {
                 && (d == 64 || d == 128)
                 && cfg!(feature = "cuda");
             anyhow::ensure!(
-                ops::prompt_attention_supported(device, dtype, d) == kernel,
+                ops::prompt_attention_supported(device, dtype, d, &tun) == kernel,
                 "{what}: kernel expected: {kernel}"
             );
-            let got = ops::prompt_attention(&q, &k, &v, scale)?;
+            let got = ops::prompt_attention(&q, &k, &v, scale, &tun)?;
             anyhow::ensure!(
                 got.dims() == [b, tq, hq, d],
                 "{what}: shape {:?}",
@@ -942,44 +945,17 @@ fn quantize_x_q8(x: &Tensor) -> anyhow::Result<Tensor> {
     Ok(Tensor::from_vec(v, x.shape(), &Device::Cpu)?)
 }
 
-/// Sets one of `ops`' process-wide switches for its lifetime and restores the value it had on
-/// drop (also when a check fails).
-struct Switch<T: Copy> {
-    old: T,
-    set: fn(T),
-}
-
-impl<T: Copy> Switch<T> {
-    fn set(get: fn() -> T, set: fn(T), value: T) -> Self {
-        let old = get();
-        set(value);
-        Self { old, set }
+/// Kernel choices with `variant` forced for every block type (`None`: each type's default).
+fn tuned(variant: Option<ops::QlinearVariant>) -> KernelTuning {
+    let mut t = KernelTuning::default();
+    if let Some(v) = variant {
+        t.qlinear = QlinearVariants::all(v);
     }
+    t
 }
 
-impl<T: Copy> Drop for Switch<T> {
-    fn drop(&mut self) {
-        (self.set)(self.old);
-    }
-}
-
-/// Forces a `qlinear_small` kernel variant (`None`: each block type its default) for its
-/// lifetime. Other tests that run meanwhile and use the quantized ops get the variant set here:
-/// they compare with dequantized models within tolerances that Candle's own quantized matmul
-/// meets with x quantized to 8 bits, so they pass with any variant, v3's and v4's quantized x
-/// included.
-fn force_qlinear_variant(v: Option<ops::QlinearVariant>) -> Switch<Option<ops::QlinearVariant>> {
-    Switch::set(
-        ops::qlinear_variant,
-        |v| match v {
-            Some(v) => ops::set_qlinear_variant(v),
-            None => ops::clear_qlinear_variant(),
-        },
-        v,
-    )
-}
-
-/// The names `CANDLE_OFFLOAD_QLINEAR` takes, each its variant's, in any case; others none.
+/// The names a variant is given by (`kernels.qlinear`), each its variant's, in any case;
+/// others none.
 #[test]
 fn ops_qlinear_variant_names() {
     for v in ops::QlinearVariant::ALL {
@@ -998,35 +974,17 @@ fn ops_qlinear_variant_names() {
 /// type's default its entry, and a type without one V2.
 #[test]
 fn ops_qlinear_default_variants() {
+    let defaults = QlinearVariants::default();
     for t in QTYPES.into_iter().chain([GgmlDType::Q4K, GgmlDType::Q6K]) {
-        let entries: Vec<_> = ops::DEFAULT_QLINEAR_VARIANTS
-            .iter()
+        let entries: Vec<_> = defaults
+            .entries()
+            .into_iter()
             .filter(|(ty, _)| *ty == t)
             .collect();
         assert_eq!(entries.len(), 1, "{t:?}");
-        assert_eq!(ops::default_qlinear_variant(t), entries[0].1, "{t:?}");
+        assert_eq!(defaults.of(t), entries[0].1, "{t:?}");
     }
-    assert_eq!(
-        ops::default_qlinear_variant(GgmlDType::Q2K),
-        ops::QlinearVariant::V2
-    );
-}
-
-/// Held by the GPU tests that force a kernel variant (the switch is process-wide), so that
-/// each sees its own variants run.
-static VARIANT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// The K-quant kernels' splits switch: 1 and 2 are forced as set, anything else lets the grid
-/// choose (0), and the value before comes back (under the variants' lock: GPU tests read it).
-#[test]
-fn ops_qlinear_k_splits_switch() {
-    let _lock = VARIANT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let before = ops::qlinear_k_splits();
-    for (set, want) in [(1, 1), (2, 2), (0, 0), (3, 0), (2, 2)] {
-        let _s = Switch::set(ops::qlinear_k_splits, ops::set_qlinear_k_splits, set);
-        assert_eq!(ops::qlinear_k_splits(), want, "set {set}");
-    }
-    assert_eq!(ops::qlinear_k_splits(), before);
+    assert_eq!(defaults.of(GgmlDType::Q2K), ops::QlinearVariant::V2);
 }
 
 /// `qlinear_small`, its q/k/v and gate/up forms, against x times the blocks dequantized to F32,
@@ -1046,23 +1004,12 @@ fn ops_qlinear_k_splits_switch() {
 /// and of 37 rows.
 fn qlinear_small_matches_dequantized(device: &Device) -> anyhow::Result<()> {
     if !device.is_cuda() {
-        // The CPU path is the composition whatever the variant, so this instance leaves the
-        // process-wide variant alone (the GPU instance may be setting it at the same time).
+        // The CPU path is the composition whatever the variant.
         return qlinear_small_matches_dequantized_in(device, None);
     }
-    // Only the GPU tests holding VARIANT_LOCK set the variant in this test binary; checking it
-    // after the run too catches any other setter that would make a variant's checks run
-    // another kernel.
-    let _lock = VARIANT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let forced = ops::QlinearVariant::ALL.map(Some);
     for variant in forced.into_iter().chain([None]) {
-        let _guard = force_qlinear_variant(variant);
-        anyhow::ensure!(ops::qlinear_variant() == variant, "variant not set");
         qlinear_small_matches_dequantized_in(device, variant)?;
-        anyhow::ensure!(
-            ops::qlinear_variant() == variant,
-            "the variant changed while {variant:?} was tested"
-        );
     }
     Ok(())
 }
@@ -1073,16 +1020,15 @@ fn qlinear_small_matches_dequantized_in(
     device: &Device,
     variant: Option<ops::QlinearVariant>,
 ) -> anyhow::Result<()> {
+    let tun = tuned(variant);
     for (t, &qtype) in QTYPES.iter().enumerate() {
         // The kernel the type runs on a GPU.
-        let runs = variant.unwrap_or_else(|| ops::default_qlinear_variant(qtype));
-        if device.is_cuda() {
-            anyhow::ensure!(
-                ops::qlinear_variant_for(qtype) == runs,
-                "{qtype:?} runs {:?}, not {runs:?}",
-                ops::qlinear_variant_for(qtype)
-            );
-        }
+        let runs = variant.unwrap_or_else(|| QlinearVariants::default().of(qtype));
+        anyhow::ensure!(
+            tun.qlinear_variant(qtype) == runs,
+            "{qtype:?} runs {:?}, not {runs:?}",
+            tun.qlinear_variant(qtype)
+        );
         let name = match variant {
             Some(v) => v.name().to_string(),
             None => format!("default ({})", runs.name()),
@@ -1159,7 +1105,7 @@ fn qlinear_small_matches_dequantized_in(
                         Ok(())
                     };
                 for set in [&[&ws[0], &ws[1], &ws[2]][..], &[&ws[1], &ws[0]]] {
-                    let got = ops::qlinear_small_multi(&x, set)?;
+                    let got = ops::qlinear_small_multi(&x, set, &tun)?;
                     anyhow::ensure!(got.len() == set.len());
                     for (g, w) in got.iter().zip(set) {
                         anyhow::ensure!(g.is_contiguous(), "outputs are contiguous");
@@ -1167,7 +1113,7 @@ fn qlinear_small_matches_dequantized_in(
                         check("qlinear_small_multi", g, &dense(w)?, &qdense(w)?, &unfused)?;
                     }
                 }
-                let one = ops::qlinear_small(&x, &ws[0])?;
+                let one = ops::qlinear_small(&x, &ws[0], &tun)?;
                 check(
                     "qlinear_small",
                     &one,
@@ -1176,7 +1122,7 @@ fn qlinear_small_matches_dequantized_in(
                     &ops::qlinear_small_unfused(&x, &ws[0])?,
                 )?;
                 for (gate, up) in [(&ws[1], &ws[2]), (&ws[0], &ws[3])] {
-                    let got = ops::qlinear_silu_mul(&x, gate, up)?;
+                    let got = ops::qlinear_silu_mul(&x, gate, up, &tun)?;
                     let want = ops::silu_mul_unfused(&dense_f32(gate)?, &dense_f32(up)?)?
                         .to_dtype(dtype)?;
                     let unfused = ops::silu_mul(
@@ -1221,23 +1167,24 @@ fn past_rounding(got: &Tensor, want: &Tensor, tol: f64) -> anyhow::Result<f32> {
 /// - weights of 37 and 300 rows, and (Q4_0) one of 4200 rows of 4096, over
 ///   `PREFILL_GEMM_SLICE_BYTES` in F16, which goes in two slices.
 fn qlinear_prefill_matches_dequantized(device: &Device) -> anyhow::Result<()> {
+    let tun = KernelTuning::default();
     for qtype in [GgmlDType::Q4_0, GgmlDType::Q4K] {
         let w = random(&[64, 256], 0.1, 7, DType::F32, &Device::Cpu)?;
         let w = QTensor::quantize_onto(&w, qtype, device)?;
-        let min = ops::prefill_gemm_min_rows(qtype);
+        let min = tun.prefill_gemm_min_rows;
         let few = random(&[1, min - 1, 256], 1.0, 8, DType::F32, device)?;
         anyhow::ensure!(
-            ops::qlinear_prefill(&few, &w)?.is_none(),
+            ops::qlinear_prefill(&few, &w, &tun)?.is_none(),
             "ran on too few rows"
         );
         let many = random(&[1, min, 256], 1.0, 9, DType::F32, device)?;
-        let ran = ops::qlinear_prefill(&many, &w)?.is_some();
+        let ran = ops::qlinear_prefill(&many, &w, &tun)?.is_some();
         anyhow::ensure!(ran == device.is_cuda(), "ran: {ran}, on {device:?}");
     }
     if !device.is_cuda() {
         return Ok(());
     }
-    anyhow::ensure!(ops::prefill_gemm(), "off on the GPU");
+    anyhow::ensure!(tun.prefill_gemm, "off by default");
     let types = QTYPES.iter().chain(&[GgmlDType::Q4K, GgmlDType::Q6K]);
     for (t, &qtype) in types.enumerate() {
         let sliced: &[(usize, usize)] = match qtype {
@@ -1268,7 +1215,7 @@ fn qlinear_prefill_matches_dequantized(device: &Device) -> anyhow::Result<()> {
             // F16 x, BF16 otherwise), each element within its rounding.
             for (eye_dtype, tol) in [(DType::F16, 1e-3), (DType::BF16, 4e-3)] {
                 let eye = Tensor::eye(k, eye_dtype, device)?;
-                let got = ops::qlinear_prefill(&eye, &w)?.expect("runs on the GPU");
+                let got = ops::qlinear_prefill(&eye, &w, &tun)?.expect("runs on the GPU");
                 let err = past_rounding(&got.t()?, &want, tol)?;
                 anyhow::ensure!(
                     err <= 1e-6,
@@ -1278,7 +1225,7 @@ fn qlinear_prefill_matches_dequantized(device: &Device) -> anyhow::Result<()> {
             for dtype in DTYPES {
                 for xs in [&[ops::PREFILL_GEMM_MIN_ROWS, k][..], &[2, 100, k]] {
                     let x = random(xs, 1.0, seed + 1, dtype, device)?;
-                    let got = ops::qlinear_prefill(&x, &w)?.expect("runs on the GPU");
+                    let got = ops::qlinear_prefill(&x, &w, &tun)?.expect("runs on the GPU");
                     anyhow::ensure!(got.dtype() == dtype, "{what}: {:?} out", got.dtype());
                     let want = x
                         .to_dtype(DType::F32)?
@@ -1298,7 +1245,7 @@ test_device!(
     ops_qlinear_prefill_gpu
 );
 
-/// The K-quant kernels, Q4_K and Q6_K (on by default, `ops::set_qlinear_k`): `qlinear_small`,
+/// The K-quant kernels, Q4_K and Q6_K (on by default, `KernelTuning::qlinear_k`): `qlinear_small`,
 /// its q/k/v form and its gate/up form against x times the dequantized super-blocks in F32. On a GPU with the
 /// kernel on: converting to floats (variant 2 forced), within the usual tolerances, and the
 /// fit says so; with x quantized to 8 bits (variants 3 and 4 forced, and each type's default):
@@ -1329,22 +1276,12 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
     } else {
         &[(false, 1, None, 0)]
     };
-    // Only the GPU instance sets the switches; the CPU path is the composition either way.
-    let _lock = device
-        .is_cuda()
-        .then(|| VARIANT_LOCK.lock().unwrap_or_else(|e| e.into_inner()));
     let mut by_one: std::collections::HashMap<String, Vec<f32>> = Default::default();
     for &(on, cols, variant, splits) in modes {
-        let _guard = device
-            .is_cuda()
-            .then(|| Switch::set(ops::qlinear_k, ops::set_qlinear_k, on));
-        let _splits = device
-            .is_cuda()
-            .then(|| Switch::set(ops::qlinear_k_splits, ops::set_qlinear_k_splits, splits));
-        let _rows = device
-            .is_cuda()
-            .then(|| Switch::set(ops::qlinear_k_rows, ops::set_qlinear_k_rows, cols));
-        let _variant = device.is_cuda().then(|| force_qlinear_variant(variant));
+        let mut tun = tuned(variant);
+        tun.qlinear_k = on;
+        tun.qlinear_k_splits = splits;
+        tun.qlinear_k_rows = cols;
         for (dtype, qtype) in DTYPES
             .into_iter()
             .flat_map(|d| [(d, GgmlDType::Q4K), (d, GgmlDType::Q6K)])
@@ -1365,7 +1302,7 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                 let rows = xs.iter().product::<usize>() / k;
                 let seed = 900 + 7 * i as u64;
                 // x quantized to 8 bits: the variant the type runs is 3 or 4.
-                let q8 = matches!(ops::qlinear_variant_for(qtype), V::V3 | V::V4);
+                let q8 = matches!(tun.qlinear_variant(qtype), V::V3 | V::V4);
                 let x = random(xs, 1.0, seed, dtype, device)?;
                 let s = 1.0 / (k as f32).sqrt();
                 let mut ws = Vec::new();
@@ -1375,7 +1312,7 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                 }
                 let kernel = on && device.is_cuda() && rows <= 8;
                 anyhow::ensure!(
-                    ops::qlinear_small_fits(&x, &[&ws[0]])? == kernel,
+                    ops::qlinear_small_fits(&x, &[&ws[0]], &tun)? == kernel,
                     "fit {xs:?} with the kernel {}",
                     if on { "on" } else { "off" }
                 );
@@ -1430,14 +1367,14 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                     anyhow::ensure!(d <= 5e-2, "{what} {dtype:?}: relative difference {d:e}");
                     Ok(())
                 };
-                let one = ops::qlinear_small(&x, &ws[0])?;
+                let one = ops::qlinear_small(&x, &ws[0], &tun)?;
                 check("qlinear_small", &one, &dense_f32(&ws[0])?, &qdense(&ws[0])?)?;
                 same("qlinear_small", &one)?;
                 for (s, set) in [&[&ws[0], &ws[1], &ws[2]][..], &[&ws[1], &ws[3]]]
                     .into_iter()
                     .enumerate()
                 {
-                    let got = ops::qlinear_small_multi(&x, set)?;
+                    let got = ops::qlinear_small_multi(&x, set, &tun)?;
                     anyhow::ensure!(got.len() == set.len());
                     for (j, (g, w)) in got.iter().zip(set).enumerate() {
                         anyhow::ensure!(g.is_contiguous(), "outputs are contiguous");
@@ -1447,7 +1384,7 @@ fn qlinear_k_matches_dequantized(device: &Device) -> anyhow::Result<()> {
                 }
                 for (s, (gate, up)) in [(&ws[1], &ws[2]), (&ws[0], &ws[3])].into_iter().enumerate()
                 {
-                    let got = ops::qlinear_silu_mul(&x, gate, up)?;
+                    let got = ops::qlinear_silu_mul(&x, gate, up, &tun)?;
                     let want = ops::silu_mul_unfused(&dense_f32(gate)?, &dense_f32(up)?)?;
                     let qwant = ops::silu_mul_unfused(&qdense(gate)?, &qdense(up)?)?;
                     check("qlinear_silu_mul", &got, &want, &qwant)?;
@@ -1465,6 +1402,7 @@ test_device!(
 );
 
 fn bad_inputs_are_refused(device: &Device) -> anyhow::Result<()> {
+    let tun = KernelTuning::default();
     let x = random(&[2, 8], 1.0, 1, DType::F32, device)?;
     let w = random(&[8], 1.0, 2, DType::F32, device)?;
     let half = x.to_dtype(DType::F16)?;
@@ -1506,7 +1444,7 @@ fn bad_inputs_are_refused(device: &Device) -> anyhow::Result<()> {
     anyhow::ensure!(e.contains("window"), "{e}");
     // The prompt's attention names itself: mismatched heads, more rows than cached, dtypes.
     for (q, what) in [(&q3, "heads"), (&q5, "rows")] {
-        let e = err(ops::prompt_attention(q, &kv4, &kv4, 1.0))?;
+        let e = err(ops::prompt_attention(q, &kv4, &kv4, 1.0, &tun))?;
         anyhow::ensure!(
             e.contains("prompt-attention") && e.contains("do not fit"),
             "{what}: {e}"
@@ -1517,6 +1455,7 @@ fn bad_inputs_are_refused(device: &Device) -> anyhow::Result<()> {
         &kv4,
         &kv4,
         1.0,
+        &tun,
     ))?;
     anyhow::ensure!(e.contains("mixed dtypes"), "{e}");
     let e = err(ops::linear_small(&x, &w.reshape((1, 8))?.narrow(1, 0, 7)?))?;
@@ -1603,6 +1542,7 @@ test_device!(
 /// weights, run Candle's matmul and agree too.
 #[test]
 fn ops_cpu_dense_linear() -> anyhow::Result<()> {
+    let tun = KernelTuning::default();
     use candle_offload_models::layers::Linear;
     let dev = Device::Cpu;
     for dtype in DTYPES {
@@ -1624,25 +1564,25 @@ fn ops_cpu_dense_linear() -> anyhow::Result<()> {
             let b = random(&[n], 0.5, seed + 2, dtype, &dev)?;
             let rows = x.elem_count() / k;
             anyhow::ensure!(
-                candle_offload::cpu_dense::forward(&w, &x)?.is_some()
+                candle_offload::cpu_dense::forward(&w, &x, &tun)?.is_some()
                     == (dtype != DType::F32 && rows <= candle_offload::cpu_dense::MAX_ROWS)
             );
             let f32 = |t: &Tensor| t.to_dtype(DType::F32);
             let want = f32(&x)?
                 .broadcast_matmul(&f32(&w)?.t()?)?
                 .broadcast_add(&f32(&b)?)?;
-            let linear = Linear::Dense(candle_nn::Linear::new(w.clone(), Some(b.clone())));
+            let linear = Linear::Dense(candle_nn::Linear::new(w.clone(), Some(b.clone())), tun);
             let got = linear.forward(&x)?;
             anyhow::ensure!(got.dtype() == dtype);
             ensure_close_values(&format!("cpu_dense {xs:?} x {n}"), &got, &want, dtype)?;
-            let no_bias = Linear::Dense(candle_nn::Linear::new(w.clone(), None));
+            let no_bias = Linear::Dense(candle_nn::Linear::new(w.clone(), None), tun);
             let want = f32(&x)?.broadcast_matmul(&f32(&w)?.t()?)?;
             ensure_close_values("cpu_dense no bias", &no_bias.forward(&x)?, &want, dtype)?;
         }
         // A strided input (a transposed view).
         let x = random(&[64, 3], 1.0, 990, dtype, &dev)?.t()?;
         let w = random(&[21, 64], 0.125, 991, dtype, &dev)?;
-        let got = Linear::Dense(candle_nn::Linear::new(w.clone(), None)).forward(&x)?;
+        let got = Linear::Dense(candle_nn::Linear::new(w.clone(), None), tun).forward(&x)?;
         let want = x
             .to_dtype(DType::F32)?
             .matmul(&w.to_dtype(DType::F32)?.t()?)?;

@@ -269,7 +269,16 @@ pub fn streaming_budget(
         .filter_map(|n| store.unit_id(n))
         .map(|u| store.unit(u).bytes())
         .sum();
-    Llama::reserve_bytes(cfg, store, dev, prompt_len, max_len, dtype) + kept + layers * layer
+    Llama::reserve_bytes(
+        cfg,
+        store,
+        dev,
+        prompt_len,
+        max_len,
+        dtype,
+        &Default::default(),
+    ) + kept
+        + layers * layer
 }
 
 /// Logits of the whole prompt and 6 greedy tokens after it, on the CPU, with `layers` layer
@@ -452,6 +461,7 @@ fn cpu_reserve(files: &ModelFiles, store: &HostStore, rows: usize, max_len: usiz
         rows,
         max_len,
         DType::F32,
+        &Default::default(),
     )
 }
 

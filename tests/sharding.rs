@@ -274,13 +274,28 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
         let units = Llama::placement_units(&cfg, DType::F32);
         let layer = units.layers[0].1;
         let head = units.post.iter().map(|u| u.1).sum::<u64>();
-        let reserve = Llama::reserve_bytes(&cfg, &store, device, PROMPT.len(), max_len, DType::F32);
+        let reserve = Llama::reserve_bytes(
+            &cfg,
+            &store,
+            device,
+            PROMPT.len(),
+            max_len,
+            DType::F32,
+            &Default::default(),
+        );
         let limited = OffloadSettings {
             gpu_memory_limit: Some(MemoryLimit::Bytes(reserve + head + 2 * layer + layer / 2)),
             ..Default::default()
         };
         // The device's step that `spread:auto` weighs: one layer, timed there.
-        let s = Llama::layer_step_seconds(&cfg, &store, DType::F32, device, PROMPT.len())?;
+        let s = Llama::layer_step_seconds(
+            &cfg,
+            &store,
+            DType::F32,
+            device,
+            PROMPT.len(),
+            &Default::default(),
+        )?;
         assert!(s > 0.0 && s < 1.0, "{s} s on {device:?}");
         let mut cases = Vec::new();
         if device.is_cpu() {
@@ -291,7 +306,13 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             assert_eq!(auto.spread_auto_layer_steps(), None);
             drop(auto);
             // The host's rate that `spread:auto` weighs: one layer's step, timed.
-            let s = Llama::host_layer_seconds(&cfg, &store, DType::F32, PROMPT.len())?;
+            let s = Llama::host_layer_seconds(
+                &cfg,
+                &store,
+                DType::F32,
+                PROMPT.len(),
+                &Default::default(),
+            )?;
             assert!(s > 0.0 && s < 1.0, "{s} s");
             cases.push((build(&settings, HostLayers::Count(2))?, "count 2", false));
             // Spread: host and device layers alternate, the hidden state crossing each time.
@@ -456,7 +477,15 @@ fn near_fit_replays_from_the_looked_up_rows(device: &Device) -> anyhow::Result<(
         )
         .bytes();
     let all = store.total_bytes();
-    let decode = Llama::reserve_bytes(&cfg, &store, device, 1, max_len, DType::F32);
+    let decode = Llama::reserve_bytes(
+        &cfg,
+        &store,
+        device,
+        1,
+        max_len,
+        DType::F32,
+        &Default::default(),
+    );
     let build = |limit: Option<u64>, host: HostLayers| {
         let settings = OffloadSettings {
             gpu_memory_limit: limit.map(MemoryLimit::Bytes),

@@ -131,9 +131,14 @@ fn main() -> Result<()> {
                         Tensor::randn(0f32, 1.0, (rows, k), &Device::Cpu)?.to_device(&device)?;
                     let xh = x.to_dtype(DType::F16)?;
                     let gemm = time(&device, args.reps, || Ok(xh.matmul(&wf.t()?)?))?;
-                    let prefill = ops::qlinear_prefill(&xh, wq)?
+                    let t = candle_offload::KernelTuning::default();
+                    let prefill = ops::qlinear_prefill(&xh, wq, &t)?
                         .is_some()
-                        .then(|| time(&device, args.reps, || Ok(ops::qlinear_prefill(&xh, wq)?)))
+                        .then(|| {
+                            time(&device, args.reps, || {
+                                Ok(ops::qlinear_prefill(&xh, wq, &t)?)
+                            })
+                        })
                         .transpose()?;
                     let mmq = time(&device, args.reps, || Ok(qmm.forward(&x)?))?;
                     let row = [dq, gemm, prefill.unwrap_or(f64::NAN), mmq];

@@ -42,8 +42,13 @@ pub fn supports(w: &Tensor) -> bool {
 
 /// `xs · wᵀ` for `w` of shape (n, k) and `xs` (..., k) of at most [`MAX_ROWS`] rows in `w`'s
 /// dtype or F32 on the CPU, accumulated in F32, in `xs`'s dtype; `None` when [`supports`] says
-/// no or `xs` does not fit, so that the caller runs Candle's matmul instead.
-pub fn forward(w: &Tensor, xs: &Tensor) -> Result<Option<Tensor>> {
+/// no or `xs` does not fit, so that the caller runs Candle's matmul instead. `tuning` gives the
+/// prefetch distance.
+pub fn forward(
+    w: &Tensor,
+    xs: &Tensor,
+    tuning: &crate::tuning::KernelTuning,
+) -> Result<Option<Tensor>> {
     if !supports(w)
         || !xs.device().is_cpu()
         || xs.track_op()
@@ -62,14 +67,20 @@ pub fn forward(w: &Tensor, xs: &Tensor) -> Result<Option<Tensor>> {
     }
     // The activations in F32 once per call, contiguous (a strided view is copied).
     let x32 = xs.to_dtype(DType::F32)?.reshape((m, k))?.contiguous()?;
-    let ys = x32.apply_op2_no_bwd(w, &DenseMatMul)?;
+    let op = DenseMatMul {
+        pf: tuning.cpu_prefetch_bytes,
+    };
+    let ys = x32.apply_op2_no_bwd(w, &op)?;
     let mut out = dims.to_vec();
     *out.last_mut().expect("non-empty dims") = n;
     Ok(Some(ys.to_dtype(xs.dtype())?.reshape(out)?))
 }
 
 /// The op: F32 activations (m, k) against a dense weight (n, k), F32 out (m, n).
-struct DenseMatMul;
+struct DenseMatMul {
+    /// The prefetch distance.
+    pf: usize,
+}
 
 impl CustomOp2 for DenseMatMul {
     fn name(&self) -> &'static str {
@@ -97,13 +108,13 @@ impl CustomOp2 for DenseMatMul {
         };
         let mut out_t = vec![0f32; n * m];
         match w {
-            CpuStorage::F16(w) => columns(&mut out_t, m, k, xs, |c| {
+            CpuStorage::F16(w) => columns(&mut out_t, (m, k), xs, self.pf, |c| {
                 DenseRow::F16(&w[a + c * k..a + (c + 1) * k])
             }),
-            CpuStorage::BF16(w) => columns(&mut out_t, m, k, xs, |c| {
+            CpuStorage::BF16(w) => columns(&mut out_t, (m, k), xs, self.pf, |c| {
                 DenseRow::BF16(&w[a + c * k..a + (c + 1) * k])
             }),
-            CpuStorage::F32(w) => columns(&mut out_t, m, k, xs, |c| {
+            CpuStorage::F32(w) => columns(&mut out_t, (m, k), xs, self.pf, |c| {
                 DenseRow::F32(&w[a + c * k..a + (c + 1) * k])
             }),
             other => candle_core::bail!("dense matmul: weight dtype {:?}", other.dtype()),
@@ -121,9 +132,9 @@ impl CustomOp2 for DenseMatMul {
 /// kernel.
 fn columns<'a>(
     out_t: &mut [f32],
-    m: usize,
-    k: usize,
+    (m, k): (usize, usize),
     xs: &[f32],
+    pf: usize,
     row: impl Fn(usize) -> DenseRow<'a> + Sync,
 ) {
     let n = out_t.len() / m;
@@ -139,7 +150,7 @@ fn columns<'a>(
                     DenseRow::BF16(w) => DenseRow::BF16(&w[k0..k0 + len]),
                     DenseRow::F32(w) => DenseRow::F32(&w[k0..k0 + len]),
                 };
-                simd::dot_dense_rows_add(w, &xs[k0..], k, col);
+                simd::dot_dense_rows_add(w, &xs[k0..], k, col, pf);
             }
         }
     });
@@ -168,6 +179,7 @@ mod tests {
     use candle_core::{Device, Var};
 
     use super::*;
+    use crate::tuning::KernelTuning;
 
     /// max |got - want| / max |want|, in F32.
     fn rel_max(got: &Tensor, want: &Tensor) -> f32 {
@@ -207,7 +219,7 @@ mod tests {
                 assert!(supports(&w));
                 let x32 = Tensor::randn(0f32, 1.0, xs_dims, &dev).unwrap();
                 let want = x32.broadcast_matmul(&w32.t().unwrap()).unwrap();
-                let got = forward(&w, &x32)
+                let got = forward(&w, &x32, &KernelTuning::default())
                     .unwrap()
                     .expect("F32 activations are taken");
                 assert_eq!(got.dtype(), DType::F32);
@@ -219,7 +231,9 @@ mod tests {
                     .unwrap()
                     .broadcast_matmul(&w32.t().unwrap())
                     .unwrap();
-                let got = forward(&w, &xd).unwrap().expect("same-dtype activations");
+                let got = forward(&w, &xd, &KernelTuning::default())
+                    .unwrap()
+                    .expect("same-dtype activations");
                 assert_eq!(got.dtype(), dtype);
                 let e = rel_max(&got, &want);
                 assert!(e <= 1e-2, "{dtype:?} {i} {xs_dims:?} x {n}: {e}");
@@ -234,7 +248,7 @@ mod tests {
             let got = x
                 .reshape((1, 4099))
                 .unwrap()
-                .apply_op2_no_bwd(&w, &DenseMatMul);
+                .apply_op2_no_bwd(&w, &DenseMatMul { pf: 4096 });
             let got = got.unwrap().reshape((1, 1, 131)).unwrap();
             assert!(rel_max(&got, &want) <= 1e-5);
             // A strided input (a transposed view): made contiguous first.
@@ -250,9 +264,11 @@ mod tests {
             let want = x
                 .matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap())
                 .unwrap();
-            let got = forward(&w, &x).unwrap().unwrap();
+            let got = forward(&w, &x, &KernelTuning::default()).unwrap().unwrap();
             assert!(rel_max(&got, &want) <= 1e-5);
-            let got = forward(&w, &x.to_dtype(dtype).unwrap()).unwrap().unwrap();
+            let got = forward(&w, &x.to_dtype(dtype).unwrap(), &KernelTuning::default())
+                .unwrap()
+                .unwrap();
             let want = x
                 .to_dtype(dtype)
                 .unwrap()
@@ -278,24 +294,43 @@ mod tests {
                 .to_dtype(dtype)
                 .unwrap()
         };
-        assert!(forward(&wh, &x(MAX_ROWS, DType::F16)).unwrap().is_some());
-        assert!(forward(&wh, &x(MAX_ROWS + 1, DType::F16))
+        assert!(
+            forward(&wh, &x(MAX_ROWS, DType::F16), &KernelTuning::default())
+                .unwrap()
+                .is_some()
+        );
+        assert!(
+            forward(&wh, &x(MAX_ROWS + 1, DType::F16), &KernelTuning::default())
+                .unwrap()
+                .is_none()
+        );
+        assert!(forward(&w, &x(1, DType::F32), &KernelTuning::default())
             .unwrap()
             .is_none());
-        assert!(forward(&w, &x(1, DType::F32)).unwrap().is_none());
-        assert!(forward(&wh, &x(1, DType::BF16)).unwrap().is_none());
+        assert!(forward(&wh, &x(1, DType::BF16), &KernelTuning::default())
+            .unwrap()
+            .is_none());
         let wt = Tensor::randn(0f32, 1.0, (32, 8), &dev)
             .unwrap()
             .to_dtype(DType::F16)
             .unwrap()
             .t()
             .unwrap();
-        assert!(forward(&wt, &x(1, DType::F16)).unwrap().is_none());
-        let var = Var::from_tensor(&wh).unwrap();
-        assert!(forward(var.as_tensor(), &x(1, DType::F16))
+        assert!(forward(&wt, &x(1, DType::F16), &KernelTuning::default())
             .unwrap()
             .is_none());
-        assert!(forward(&wh, &x(1, DType::F16).narrow(1, 0, 16).unwrap()).is_err());
+        let var = Var::from_tensor(&wh).unwrap();
+        assert!(
+            forward(var.as_tensor(), &x(1, DType::F16), &KernelTuning::default())
+                .unwrap()
+                .is_none()
+        );
+        assert!(forward(
+            &wh,
+            &x(1, DType::F16).narrow(1, 0, 16).unwrap(),
+            &KernelTuning::default()
+        )
+        .is_err());
     }
 
     #[test]
@@ -320,6 +355,7 @@ mod kernel_ab {
     use candle_core::Device;
 
     use super::*;
+    use crate::tuning::KernelTuning;
 
     /// The 7B LLaMA layer shapes (n x k), F16 and F32 one row and eight, BF16 one row: Candle's
     /// `matmul` (`x · wᵀ`, what `candle_nn::Linear` runs) against [`forward`] (F32 weights
@@ -356,9 +392,9 @@ mod kernel_ab {
                     .unwrap();
                 let ours = |w: &Tensor| {
                     if dtype == DType::F32 {
-                        x.apply_op2_no_bwd(w, &DenseMatMul).unwrap()
+                        x.apply_op2_no_bwd(w, &DenseMatMul { pf: 4096 }).unwrap()
                     } else {
-                        forward(w, &x).unwrap().unwrap()
+                        forward(w, &x, &KernelTuning::default()).unwrap().unwrap()
                     }
                 };
                 let candle = |w: &Tensor| x.matmul(&w.t().unwrap()).unwrap();
@@ -437,7 +473,6 @@ mod kernel_ab {
     #[test]
     #[ignore]
     fn ab_prefetch() {
-        use std::sync::atomic::Ordering;
         use std::sync::Arc;
 
         use candle_core::quantized::{GgmlDType, QStorage, QTensor};
@@ -531,20 +566,20 @@ mod kernel_ab {
             x.to_dtype(DType::F16).unwrap(),
             x2.to_dtype(DType::F16).unwrap(),
         );
-        let f16_sweep = || -> Vec<Tensor> {
+        let f16_sweep = |t: &KernelTuning| -> Vec<Tensor> {
             let mut outs = Vec::new();
             for ws in &f16_layers {
                 for (j, w) in ws.iter().enumerate() {
                     let x = if j == 6 { &x216 } else { &x16 };
-                    outs.push(forward(w, x).unwrap().unwrap());
+                    outs.push(forward(w, x, t).unwrap().unwrap());
                 }
             }
             outs
         };
-        let quant_sweep = |layers: &Vec<Vec<Arc<QTensor>>>| -> Vec<Tensor> {
+        let quant_sweep = |layers: &Vec<Vec<Arc<QTensor>>>, t: &KernelTuning| -> Vec<Tensor> {
             let mut outs = Vec::new();
             let many = |ws: &[&Arc<QTensor>], x: &Tensor| {
-                crate::cpu_quant::forward_many(ws, x).unwrap().unwrap()
+                crate::cpu_quant::forward_many(ws, x, t).unwrap().unwrap()
             };
             for ws in layers {
                 outs.extend(many(&[&ws[0], &ws[1], &ws[2]], &x));
@@ -560,17 +595,23 @@ mod kernel_ab {
         };
         let elems: usize = shapes.iter().map(|(n, k)| n * k).sum::<usize>() * LAYERS;
         let distances = [0usize, 1024, 2048, 4096, 8192, 16384];
-        let q8_sweep = || {
-            crate::cpu_quant::set_quantized_activations(true);
-            let outs = quant_sweep(&q8_layers);
-            crate::cpu_quant::set_quantized_activations(false);
-            outs
+        let q8_sweep = |t: &KernelTuning| {
+            let t = KernelTuning {
+                cpu_q8_activations: true,
+                ..*t
+            };
+            quant_sweep(&q8_layers, &t)
         };
-        let q8f_sweep = || quant_sweep(&q8_layers);
+        let q8f_sweep = |t: &KernelTuning| quant_sweep(&q8_layers, t);
         // Our K-quant loop whatever the thread count (`cpu_quant::KQUANT_MIN_THREADS`).
-        crate::cpu_quant::set_kquants(true);
-        let kq_sweep = || quant_sweep(&kq_layers);
-        type Sweep<'a> = &'a dyn Fn() -> Vec<Tensor>;
+        let kq_sweep = |t: &KernelTuning| {
+            let t = KernelTuning {
+                cpu_kquants: Some(true),
+                ..*t
+            };
+            quant_sweep(&kq_layers, &t)
+        };
+        type Sweep<'a> = &'a dyn Fn(&KernelTuning) -> Vec<Tensor>;
         let runs: [(&str, usize, Sweep); 4] = [
             ("F16", elems * 2, &f16_sweep),
             ("Q8_0 (8-bit activations)", elems / 32 * 34, &q8_sweep),
@@ -578,16 +619,18 @@ mod kernel_ab {
             ("Q4_K_M (Q4_K, Q6_K for v and down)", kq_bytes, &kq_sweep),
         ];
         for (weights, bytes, sweep) in runs {
-            let set = |pf: usize| simd::PREFETCH_BYTES.store(pf, Ordering::Relaxed);
-            set(0);
-            let want: Vec<Vec<f32>> = sweep().iter().map(as_f32).collect();
+            let at = |pf: usize| KernelTuning {
+                cpu_prefetch_bytes: pf,
+                ..KernelTuning::default()
+            };
+            let want: Vec<Vec<f32>> = sweep(&at(0)).iter().map(as_f32).collect();
             let mut times = vec![Vec::new(); distances.len()];
             for _ in 0..7 {
                 for (s, &pf) in distances.iter().enumerate() {
-                    set(pf);
+                    let tuning = at(pf);
                     std::thread::sleep(Duration::from_millis(20));
                     let t = Instant::now();
-                    let got = sweep();
+                    let got = sweep(&tuning);
                     times[s].push(t.elapsed().as_secs_f64());
                     for (g, w) in got.iter().zip(&want) {
                         assert!(as_f32(g) == *w, "{weights} {pf}: outputs differ");
@@ -612,7 +655,5 @@ mod kernel_ab {
                 );
             }
         }
-        // Back to the process's setting.
-        simd::PREFETCH_BYTES.store(usize::MAX, Ordering::Relaxed);
     }
 }

@@ -14,7 +14,6 @@
 //! and the caller then runs Candle's `QMatMul`; results agree with it to float-summation order
 //! (Candle rounds Q8_1 activations half away from zero, ggml and this op half to even).
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -26,28 +25,13 @@ use candle_core::quantized::{GgmlDType, GgmlType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 use crate::sys::simd;
+use crate::tuning::KernelTuning;
 
 /// Output columns per work item.
 const COLS_PER_ITEM: usize = 16;
 
 /// Block dot products below which a work item is not split off (a join costs about as much).
 const MIN_BLOCKS_PER_TASK: usize = 2048;
-
-static QUANTIZED_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
-
-/// Whether [`forward`] quantizes the activations to 8-bit blocks before multiplying, as
-/// llama.cpp does (`true`), or multiplies the weight blocks against the F32 activations
-/// (`false`, the default). The 8-bit path is llama.cpp's arithmetic (its greedy tokens, its
-/// speed); the F32 path gives what the dequantized model gives. For the whole process, like
-/// Candle's own switches for its quantized kernels.
-pub fn set_quantized_activations(on: bool) {
-    QUANTIZED_ACTIVATIONS.store(on, Ordering::Relaxed);
-}
-
-/// See [`set_quantized_activations`].
-pub fn quantized_activations() -> bool {
-    QUANTIZED_ACTIVATIONS.load(Ordering::Relaxed)
-}
 
 /// Runs `f` on a thread of rayon's pool when `device` is the CPU (and this thread is not one
 /// already): the quantized matmuls and Candle's parallel CPU ops inside `f` then split their
@@ -108,10 +92,11 @@ pub fn supports(w: &QTensor) -> bool {
 
 /// `xs · wᵀ` for `w` of shape (n, k) held as GGML blocks and `xs` (..., k) in F32 on the CPU;
 /// `None` when [`supports`] says no or `xs` is not F32, so that the caller runs Candle's
-/// `QMatMul` instead.
-pub fn forward(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
+/// `QMatMul` instead. `tuning`: [`KernelTuning::cpu_q8_activations`],
+/// [`KernelTuning::cpu_kquants`] and the prefetch distance.
+pub fn forward(w: &Arc<QTensor>, xs: &Tensor, tuning: &KernelTuning) -> Result<Option<Tensor>> {
     if is_kquant(w.dtype()) {
-        return Ok(kquant_many(&[w], xs)?.and_then(|mut ys| ys.pop()));
+        return Ok(kquant_many(&[w], xs, tuning)?.and_then(|mut ys| ys.pop()));
     }
     if !supports(w) || xs.dtype() != DType::F32 || !xs.device().is_cpu() {
         return Ok(None);
@@ -122,14 +107,20 @@ pub fn forward(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
         candle_core::bail!("quantized matmul: input {dims:?} against weight ({n}, {k})");
     }
     let m = xs.elem_count() / k;
-    let ys = if m >= GEMM_ROWS && !quantized_activations() {
+    let ys = if m >= GEMM_ROWS && !tuning.cpu_q8_activations {
         // A prompt: the weights dequantized into a buffer once (every core, a few ms for a
         // whole small model) and Candle's F32 GEMM, whose register tiling beats a dot product
         // per row pair; the same numbers as the dequantized model's matmul.
         let wd = dequantize(w, n, k)?;
         xs.reshape((m, k))?.matmul(&wd.t()?)?
     } else {
-        let op = QuantMatMul { w: w.clone(), n, k };
+        let op = QuantMatMul {
+            w: w.clone(),
+            n,
+            k,
+            q8: tuning.cpu_q8_activations,
+            pf: tuning.cpu_prefetch_bytes,
+        };
         xs.reshape((m, k))?.apply_op1_no_bwd(&op)?
     };
     let mut out = dims.to_vec();
@@ -153,9 +144,14 @@ pub fn forward(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
 ///
 /// `None` where [`forward`] would take another path (other block types, more rows, 8-bit
 /// activations on, another device).
-pub fn forward_greedy(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
+pub fn forward_greedy(
+    w: &Arc<QTensor>,
+    xs: &Tensor,
+    tuning: &KernelTuning,
+) -> Result<Option<Tensor>> {
     let k = *xs.dims().last().unwrap_or(&0);
-    if quantized_activations()
+    let pf = tuning.cpu_prefetch_bytes;
+    if tuning.cpu_q8_activations
         || w.dtype() != GgmlDType::Q8_0
         || !supports(w)
         || xs.dtype() != DType::F32
@@ -190,7 +186,7 @@ pub fn forward_greedy(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
     crate::sys::spin::for_each_chunk_mut(&mut screened, 2 * per_task, |task, part| {
         for (j, pair) in part.chunks_exact_mut(2).enumerate() {
             let r = task * per_task + j;
-            pair[0] = simd::dot_q8_0_q8_0(row(r), &yq);
+            pair[0] = simd::dot_q8_0_q8_0(row(r), &yq, pf);
             pair[1] = scales[r] * amax_all * bound;
         }
     });
@@ -203,7 +199,7 @@ pub fn forward_greedy(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
         .fold(f32::NEG_INFINITY, f32::max);
     if !floor.is_finite() || screened.iter().any(|v| v.is_nan()) {
         // NaN or infinite activations: the plain path says what they give.
-        return forward(w, xs);
+        return forward(w, xs, tuning);
     }
     // The rows the coarse bound leaves (a handful a decode step for SmolLM2, a few thousand
     // where one block's activations stand far above the others), each with its tight bound,
@@ -228,7 +224,7 @@ pub fn forward_greedy(w: &Arc<QTensor>, xs: &Tensor) -> Result<Option<Tensor>> {
     let mut out: Vec<f32> = screened.chunks_exact(2).map(|p| p[0]).collect();
     for (r, v, b) in candidates {
         if v + b >= floor {
-            out[r] = simd::dot_q8_0_f32(row(r), &x);
+            out[r] = simd::dot_q8_0_f32(row(r), &x, pf);
         }
     }
     let mut dims = xs.dims().to_vec();
@@ -287,15 +283,20 @@ pub fn park_idle_workers() {
 /// and width at once (q, k and v; gate and up): one pass of the pool over all their columns,
 /// each column's number the one [`forward`] gives it (with 8-bit activations too: the row is
 /// quantized once). K-quant weights may mix their types and take up to [`KQUANT_MAX_ROWS`]
-/// rows ([`kquants`]). `None` where [`forward`] would take another path for any of them
-/// (another type, more rows), so that the caller multiplies them one by one.
-pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tensor>>> {
+/// rows ([`KernelTuning::cpu_kquants`]). `None` where [`forward`] would take another path for
+/// any of them (another type, more rows), so that the caller multiplies them one by one.
+pub fn forward_many(
+    ws: &[&Arc<QTensor>],
+    xs: &Tensor,
+    tuning: &KernelTuning,
+) -> Result<Option<Vec<Tensor>>> {
     let Some(first) = ws.first() else {
         return Ok(None);
     };
     if ws.iter().all(|w| is_kquant(w.dtype())) {
-        return kquant_many(ws, xs);
+        return kquant_many(ws, xs, tuning);
     }
+    let pf = tuning.cpu_prefetch_bytes;
     let ty = first.dtype();
     let k = *xs.dims().last().unwrap_or(&0);
     if xs.dtype() != DType::F32
@@ -326,7 +327,7 @@ pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tens
     }
     let x = xs.flatten_all()?.to_vec1::<f32>()?;
     // With 8-bit activations, the row quantized once as `QuantMatMul` quantizes it.
-    let q8 = quantized_activations();
+    let q8 = tuning.cpu_q8_activations;
     let yq = match (q8, ty) {
         (false, _) => Vec::new(),
         (true, GgmlDType::Q4_1) => {
@@ -363,17 +364,17 @@ pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tens
                 part[slot] = if ty == GgmlDType::Q4_1 {
                     simd::dot_q4_1_q8_1(w(r), &yq)
                 } else {
-                    simd::dot_q8_0_q8_0(w(r), &yq)
+                    simd::dot_q8_0_q8_0(w(r), &yq, pf)
                 };
                 c += 1;
             } else if ty == GgmlDType::Q4_1 {
                 part[slot] = simd::dot_q4_1_f32_summed(w(r), &x, &ysum);
                 c += 1;
             } else if r % 2 == 0 && r + 1 < ns[i] && c + 1 < end {
-                (part[slot], part[slot + 1]) = simd::dot_q8_0_f32_pair(w(r), w(r + 1), &x);
+                (part[slot], part[slot + 1]) = simd::dot_q8_0_f32_pair(w(r), w(r + 1), &x, pf);
                 c += 2;
             } else {
-                part[slot] = simd::dot_q8_0_f32(w(r), &x);
+                part[slot] = simd::dot_q8_0_f32(w(r), &x, pf);
                 c += 1;
             }
         }
@@ -389,56 +390,7 @@ pub fn forward_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tens
         .map(Some)
 }
 
-/// The environment variable that turns [`forward`]'s loop over K-quant blocks as they are off
-/// (`0`: Candle's quantized matmul) or on (`1`) whatever the thread count ([`kquants`]).
-pub const KQUANTS_ENV: &str = "CANDLE_OFFLOAD_CPU_KQUANTS";
-
-/// [`kquants`]'s state: 0 until first read or set, 1 off, 2 on.
-static KQUANTS: AtomicU8 = AtomicU8::new(0);
-
-/// Turns [`forward`]'s own K-quant loop on or off for the whole process, from the next call
-/// on; it wins over [`KQUANTS_ENV`].
-pub fn set_kquants(on: bool) {
-    KQUANTS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-}
-
-/// Whether [`forward`] and [`forward_many`] multiply K-quant weights (Q2_K-Q6_K) against at
-/// most [`KQUANT_MAX_ROWS`] rows themselves: by default where the matmul pool has at least
-/// [`KQUANT_MIN_THREADS`] threads; [`set_kquants`] or [`KQUANTS_ENV`] (read once: `0` off,
-/// `1` on) decide otherwise. Off, Candle's quantized matmul runs them. On an x86 CPU with AVX2 that
-/// one multiplies Q4_K through tiles it repacks on first use (6 bits a weight against the
-/// blocks' 4.5: a third more bytes read per token, and a second copy in host memory), on a
-/// thread pool of its own; here the blocks are read as they are, with Candle's own dot
-/// product (`GgmlType::vec_dot`, the same numbers as its unrepacked path), on this module's
-/// spinning workers, and the projections of one input (q, k and v; gate and up) go in one
-/// pass whatever their block types.
-pub fn kquants() -> bool {
-    crate::ops::switch_code(&KQUANTS, || {
-        let on = if crate::settings::env_turns_on(KQUANTS_ENV) {
-            true
-        } else if crate::settings::env_turns_off(KQUANTS_ENV) {
-            false
-        } else {
-            crate::sys::spin::threads() >= KQUANT_MIN_THREADS
-        };
-        if on {
-            2
-        } else {
-            1
-        }
-    }) == 2
-}
-
-/// Threads from which [`kquants`] is on by default. Its dot product (Candle's AVX2
-/// `vec_dot`, one weight row at a time) computes at about half the rate of Candle's repacked
-/// tiles: on the 2-core machine, 9-27 GB/s of blocks against 25-53 GB/s for matrices up to
-/// 4096 wide (`kquant_ab`, BENCHMARKS.md stop 41). It wins where host memory, not
-/// arithmetic, bounds the step: with enough threads both kernels outrun the memory, and the
-/// blocks are a quarter fewer bytes than the tiles. At about 8 G weights a second a thread
-/// against the tiles' 16 and some 55 GB/s of host memory, that is from 10 threads; measured on
-/// the H200's 16-thread host, a 7B Q4_K_M layer took 2.1-2.5 ms against 2.9-3.6
-/// (BENCHMARKS.md, stop 41).
-pub const KQUANT_MIN_THREADS: usize = 12;
+pub use crate::tuning::KQUANT_MIN_THREADS;
 
 /// The most activation rows of a K-quant matmul [`forward`] runs itself (decode steps of up
 /// to eight sequences); prompts go to Candle's, whose tiled kernels reuse each weight tile
@@ -491,7 +443,7 @@ impl<'a> KRows<'a> {
     }
 
     /// Row `r` (of `nb` blocks, `k` elements) against one row of activation blocks.
-    fn dot(&self, r: usize, nb: usize, k: usize, ys: &[BlockQ8K]) -> f32 {
+    fn dot(&self, r: usize, nb: usize, k: usize, ys: &[BlockQ8K], pf: usize) -> f32 {
         fn one<T: GgmlType<VecDotType = BlockQ8K>>(
             b: &[T],
             r: usize,
@@ -504,9 +456,9 @@ impl<'a> KRows<'a> {
         match self {
             Self::Q2K(b) => one(b, r, nb, k, ys),
             Self::Q3K(b) => one(b, r, nb, k, ys),
-            Self::Q4K(b) => crate::sys::simd_k::dot_q4k_q8k(&b[r * nb..(r + 1) * nb], ys),
+            Self::Q4K(b) => crate::sys::simd_k::dot_q4k_q8k(&b[r * nb..(r + 1) * nb], ys, pf),
             Self::Q5K(b) => one(b, r, nb, k, ys),
-            Self::Q6K(b) => crate::sys::simd_k::dot_q6k_q8k(&b[r * nb..(r + 1) * nb], ys),
+            Self::Q6K(b) => crate::sys::simd_k::dot_q6k_q8k(&b[r * nb..(r + 1) * nb], ys, pf),
         }
     }
 }
@@ -518,9 +470,17 @@ impl<'a> KRows<'a> {
 /// `vec_dot` of a weight row with them. `None` where this does not apply (turned off, another
 /// device or type, more rows, weights whose bytes are not aligned blocks), so that the caller
 /// runs Candle's matmul.
-fn kquant_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tensor>>> {
+fn kquant_many(
+    ws: &[&Arc<QTensor>],
+    xs: &Tensor,
+    tuning: &KernelTuning,
+) -> Result<Option<Vec<Tensor>>> {
     let k = *xs.dims().last().unwrap_or(&0);
-    if ws.is_empty() || !kquants() || !xs.device().is_cpu() || k == 0 || !k.is_multiple_of(QK_K) {
+    let pf = tuning.cpu_prefetch_bytes;
+    let on = tuning
+        .cpu_kquants
+        .unwrap_or_else(|| crate::sys::spin::threads() >= KQUANT_MIN_THREADS);
+    if ws.is_empty() || !on || !xs.device().is_cpu() || k == 0 || !k.is_multiple_of(QK_K) {
         return Ok(None);
     }
     let m = xs.elem_count() / k;
@@ -568,7 +528,7 @@ fn kquant_many(ws: &[&Arc<QTensor>], xs: &Tensor) -> Result<Option<Vec<Tensor>>>
         for (j, col) in part.chunks_mut(m).enumerate() {
             let (i, r) = column_of(&starts, c0 + j);
             for (v, y) in col.iter_mut().zip(yq.chunks_exact(nb)) {
-                *v = rows[i].dot(r, nb, k, y);
+                *v = rows[i].dot(r, nb, k, y, pf);
             }
         }
     });
@@ -644,13 +604,17 @@ fn dequantize(w: &QTensor, n: usize, k: usize) -> Result<Tensor> {
 }
 
 /// A dot product of one row of weight blocks with one row of activation blocks.
-type DotFn = fn(&[u8], &[u8]) -> f32;
+type DotFn = fn(&[u8], &[u8], usize) -> f32;
 
 /// The op: `w` (n, k) in Q4_1 or Q8_0 blocks.
 struct QuantMatMul {
     w: Arc<QTensor>,
     n: usize,
     k: usize,
+    /// [`KernelTuning::cpu_q8_activations`].
+    q8: bool,
+    /// The prefetch distance.
+    pf: usize,
 }
 
 impl CustomOp1 for QuantMatMul {
@@ -666,8 +630,11 @@ impl CustomOp1 for QuantMatMul {
             _ => candle_core::bail!("quantized matmul: input must be contiguous F32"),
         };
         let data = self.w.data()?;
+        let pf = self.pf;
         let (w_block, y_block, dot): (usize, usize, DotFn) = match self.w.dtype() {
-            GgmlDType::Q4_1 => (simd::Q4_1_BYTES, simd::Q8_1_BYTES, simd::dot_q4_1_q8_1),
+            GgmlDType::Q4_1 => (simd::Q4_1_BYTES, simd::Q8_1_BYTES, |x, y, _| {
+                simd::dot_q4_1_q8_1(x, y)
+            }),
             GgmlDType::Q8_0 => (simd::Q8_0_BYTES, simd::Q8_0_BYTES, simd::dot_q8_0_q8_0),
             other => candle_core::bail!("quantized matmul: {other:?} is not handled here"),
         };
@@ -681,9 +648,9 @@ impl CustomOp1 for QuantMatMul {
         let min_len = MIN_BLOCKS_PER_TASK.div_ceil(COLS_PER_ITEM * nb * m);
         let mut out_t = vec![0f32; n * m];
         let q4_1 = self.w.dtype() == GgmlDType::Q4_1;
-        if !quantized_activations() {
-            let dot: fn(&[u8], &[f32]) -> f32 = match self.w.dtype() {
-                GgmlDType::Q4_1 => simd::dot_q4_1_f32,
+        if !self.q8 {
+            let dot: fn(&[u8], &[f32], usize) -> f32 = match self.w.dtype() {
+                GgmlDType::Q4_1 => |x, y, _| simd::dot_q4_1_f32(x, y),
                 _ => simd::dot_q8_0_f32,
             };
             if q4_1 && m > 1 {
@@ -713,10 +680,10 @@ impl CustomOp1 for QuantMatMul {
                 par_column_fours(&mut out_t, m, min_len, &data, row_bytes, |w, cols| {
                     for (w, cols) in w.chunks(2).zip(cols.chunks_mut(2)) {
                         if let ([w0, w1], [c0, c1]) = (w, &mut *cols) {
-                            (c0[0], c1[0]) = simd::dot_q8_0_f32_pair(w0, w1, xs);
+                            (c0[0], c1[0]) = simd::dot_q8_0_f32_pair(w0, w1, xs, pf);
                         } else {
                             for (w, c) in w.iter().zip(cols.iter_mut()) {
-                                c[0] = dot(w, xs);
+                                c[0] = dot(w, xs, pf);
                             }
                         }
                     }
@@ -724,7 +691,7 @@ impl CustomOp1 for QuantMatMul {
             } else {
                 par_columns(&mut out_t, m, min_len, &data, row_bytes, |w, col| {
                     for (v, x) in col.iter_mut().zip(xs.chunks_exact(k)) {
-                        *v = dot(w, x);
+                        *v = dot(w, x, pf);
                     }
                 });
             }
@@ -749,7 +716,7 @@ impl CustomOp1 for QuantMatMul {
                 simd::dot_q4_1_q8_1_rows(w, yq, &scales, col);
             } else {
                 for (v, y) in col.iter_mut().zip(yq.chunks_exact(nb * y_block)) {
-                    *v = dot(w, y);
+                    *v = dot(w, y, pf);
                 }
             }
         });
@@ -840,9 +807,12 @@ mod tests {
     /// odd and even; F32 and 8-bit activations; a type mix and more rows decline).
     #[test]
     fn many_weights_equal_one_by_one() {
-        let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = KernelTuning {
+            cpu_kquants: Some(true),
+            ..KernelTuning::default()
+        };
         let dev = Device::Cpu;
-        set_quantized_activations(false);
+        t.cpu_q8_activations = false;
         for ty in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
             let ws: Vec<Arc<QTensor>> = [37usize, 5, 64]
                 .iter()
@@ -853,11 +823,11 @@ mod tests {
                 .collect();
             let refs: Vec<&Arc<QTensor>> = ws.iter().collect();
             let xs = Tensor::randn(0f32, 1.0, (1, 1, 96), &dev).unwrap();
-            let many = forward_many(&refs, &xs)
+            let many = forward_many(&refs, &xs, &t)
                 .unwrap()
                 .expect("one row of Q4_1 / Q8_0");
             for (w, y) in ws.iter().zip(&many) {
-                let one = forward(w, &xs).unwrap().unwrap();
+                let one = forward(w, &xs, &t).unwrap().unwrap();
                 assert_eq!(y.dims(), one.dims());
                 let (a, b) = (
                     y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
@@ -866,20 +836,20 @@ mod tests {
                 assert_eq!(a, b, "{ty:?}");
             }
             let two = Tensor::randn(0f32, 1.0, (2, 96), &dev).unwrap();
-            assert!(forward_many(&refs, &two).unwrap().is_none(), "two rows");
-            set_quantized_activations(true);
-            let many = forward_many(&refs, &xs)
+            assert!(forward_many(&refs, &two, &t).unwrap().is_none(), "two rows");
+            t.cpu_q8_activations = true;
+            let many = forward_many(&refs, &xs, &t)
                 .unwrap()
                 .expect("8-bit activations");
             for (w, y) in ws.iter().zip(&many) {
-                let one = forward(w, &xs).unwrap().unwrap();
+                let one = forward(w, &xs, &t).unwrap().unwrap();
                 let (a, b) = (
                     y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
                     one.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
                 );
                 assert_eq!(a, b, "{ty:?}, 8-bit activations");
             }
-            set_quantized_activations(false);
+            t.cpu_q8_activations = false;
         }
         let other = Arc::new(
             QTensor::quantize(
@@ -897,7 +867,7 @@ mod tests {
         );
         let xs = Tensor::zeros((1, 96), DType::F32, &dev).unwrap();
         assert!(
-            forward_many(&[&q41, &other], &xs).unwrap().is_none(),
+            forward_many(&[&q41, &other], &xs, &t).unwrap().is_none(),
             "mixed types"
         );
     }
@@ -909,7 +879,10 @@ mod tests {
     /// and the switch turned off decline.
     #[test]
     fn kquants_match_candle() {
-        let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = KernelTuning {
+            cpu_kquants: Some(true),
+            ..KernelTuning::default()
+        };
         let dev = Device::Cpu;
         let k = 512;
         let types = [
@@ -931,13 +904,13 @@ mod tests {
                 .to_vec1::<f32>()
                 .unwrap()
         };
-        set_kquants(true);
+        t.cpu_kquants = Some(true);
         for ty in types {
             for m in [1usize, 3] {
                 let xs = Tensor::randn(0f32, 1.0, (1, m, k), &dev).unwrap();
                 for n in [37usize, 64] {
                     let w = quantize(n, ty);
-                    let ours = forward(&w, &xs).unwrap().expect("a K-quant decode row");
+                    let ours = forward(&w, &xs, &t).unwrap().expect("a K-quant decode row");
                     let candle = QMatMul::from_arc(w.clone()).unwrap().forward(&xs).unwrap();
                     assert_eq!(ours.dims(), candle.dims());
                     if n == 37 {
@@ -963,10 +936,12 @@ mod tests {
                 .unwrap()
                 .to_dtype(dtype)
                 .unwrap();
-            let many = forward_many(&refs, &xs).unwrap().expect("mixed K types");
+            let many = forward_many(&refs, &xs, &t)
+                .unwrap()
+                .expect("mixed K types");
             for (w, y) in ws.iter().zip(&many) {
                 assert_eq!(y.dtype(), dtype);
-                let one = forward(w, &xs.to_dtype(DType::F32).unwrap())
+                let one = forward(w, &xs.to_dtype(DType::F32).unwrap(), &t)
                     .unwrap()
                     .unwrap();
                 assert_eq!(
@@ -977,16 +952,18 @@ mod tests {
             }
         }
         let rows = Tensor::randn(0f32, 1.0, (KQUANT_MAX_ROWS + 1, k), &dev).unwrap();
-        assert!(forward(&ws[0], &rows).unwrap().is_none(), "too many rows");
+        assert!(
+            forward(&ws[0], &rows, &t).unwrap().is_none(),
+            "too many rows"
+        );
         let q8 = quantize(4, GgmlDType::Q8_0);
         let one = Tensor::randn(0f32, 1.0, (1, k), &dev).unwrap();
         assert!(
-            forward_many(&[&ws[0], &q8], &one).unwrap().is_none(),
+            forward_many(&[&ws[0], &q8], &one, &t).unwrap().is_none(),
             "a K type beside Q8_0"
         );
-        set_kquants(false);
-        assert!(forward(&ws[0], &one).unwrap().is_none(), "turned off");
-        set_kquants(true);
+        t.cpu_kquants = Some(false);
+        assert!(forward(&ws[0], &one, &t).unwrap().is_none(), "turned off");
     }
 
     /// The greedy head keeps the maximum: the index and value of the largest logit are
@@ -996,8 +973,11 @@ mod tests {
     /// row, and its SIMD and scalar kernels agree. Other paths decline.
     #[test]
     fn greedy_head_keeps_the_maximum() {
-        let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
-        set_quantized_activations(false);
+        let mut t = KernelTuning {
+            cpu_kquants: Some(true),
+            ..KernelTuning::default()
+        };
+        t.cpu_q8_activations = false;
         let dev = Device::Cpu;
         for (case, (n, k)) in [(7usize, 64usize), (300, 576), (2049, 128)]
             .into_iter()
@@ -1033,8 +1013,8 @@ mod tests {
                     .to_vec1()
                     .unwrap()
             };
-            let exact = values(forward(&q, &xs));
-            let greedy = values(forward_greedy(&q, &xs));
+            let exact = values(forward(&q, &xs, &t));
+            let greedy = values(forward_greedy(&q, &xs, &t));
             let argmax = |v: &[f32]| {
                 v.iter()
                     .enumerate()
@@ -1050,7 +1030,7 @@ mod tests {
             assert_eq!(argmax(&greedy), (i, max), "case {case}: the maximum");
             // Again, with the head's bound scales kept from the first call.
             assert_eq!(
-                values(forward_greedy(&q, &xs)),
+                values(forward_greedy(&q, &xs, &t)),
                 greedy,
                 "case {case}: the kept scales"
             );
@@ -1082,7 +1062,7 @@ mod tests {
                 let w = &data[r * row_bytes..(r + 1) * row_bytes];
                 simd::q8_0_abs_scales(w, &mut abs_scales);
                 let (v, scale) = (
-                    simd::dot_q8_0_q8_0(w, &yq),
+                    simd::dot_q8_0_q8_0(w, &yq, t.cpu_prefetch_bytes),
                     simd::weighted_sum(&abs_scales, &amax),
                 );
                 let (vs, ss) = simd::dot_q8_0_q8_0_bound_scalar(w, &yq, &amax);
@@ -1101,22 +1081,21 @@ mod tests {
         let q41 = Arc::new(QTensor::quantize(&w, GgmlDType::Q4_1).unwrap());
         let one = Tensor::randn(0f32, 1.0, (1, 64), &dev).unwrap();
         let two = Tensor::randn(0f32, 1.0, (2, 64), &dev).unwrap();
-        assert!(forward_greedy(&q8, &two).unwrap().is_none(), "two rows");
-        assert!(forward_greedy(&q41, &one).unwrap().is_none(), "Q4_1");
-        set_quantized_activations(true);
+        assert!(forward_greedy(&q8, &two, &t).unwrap().is_none(), "two rows");
+        assert!(forward_greedy(&q41, &one, &t).unwrap().is_none(), "Q4_1");
+        t.cpu_q8_activations = true;
         assert!(
-            forward_greedy(&q8, &one).unwrap().is_none(),
+            forward_greedy(&q8, &one, &t).unwrap().is_none(),
             "8-bit activations"
         );
-        set_quantized_activations(false);
     }
-
-    /// Held by the tests that flip the process-wide activation switch.
-    pub(super) static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     #[test]
     fn agrees_with_candle_qmatmul() {
-        let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = KernelTuning {
+            cpu_kquants: Some(true),
+            ..KernelTuning::default()
+        };
         let dev = Device::Cpu;
         for (ty, q8) in [
             (GgmlDType::Q4_1, true),
@@ -1124,13 +1103,13 @@ mod tests {
             (GgmlDType::Q4_1, false),
             (GgmlDType::Q8_0, false),
         ] {
-            set_quantized_activations(q8);
+            t.cpu_q8_activations = q8;
             for m in [1, 3, 7, 8, 33, 65] {
                 let w = Tensor::randn(0f32, 1.0, (37, 128), &dev).unwrap();
                 let q = Arc::new(QTensor::quantize(&w, ty).unwrap());
                 assert!(supports(&q));
                 let xs = Tensor::randn(0f32, 1.0, (1, m, 128), &dev).unwrap();
-                let ours = forward(&q, &xs).unwrap().unwrap();
+                let ours = forward(&q, &xs, &t).unwrap().unwrap();
                 let candle = QMatMul::from_arc(q.clone()).unwrap().forward(&xs).unwrap();
                 assert_eq!(ours.dims(), candle.dims());
                 let e = rel_l2(&ours, &candle);
@@ -1151,7 +1130,7 @@ mod tests {
                 }
             }
         }
-        set_quantized_activations(false);
+        t.cpu_q8_activations = false;
         let q = QTensor::quantize(
             &Tensor::zeros((8, 256), DType::F32, &dev).unwrap(),
             GgmlDType::Q4K,
@@ -1159,9 +1138,8 @@ mod tests {
         .unwrap();
         let xs = Tensor::zeros((1, 256), DType::F32, &dev).unwrap();
         // K-quants: `kquants_match_candle`; with that loop off, Candle's.
-        set_kquants(false);
-        assert!(forward(&Arc::new(q), &xs).unwrap().is_none());
-        set_kquants(true);
+        t.cpu_kquants = Some(false);
+        assert!(forward(&Arc::new(q), &xs, &t).unwrap().is_none());
     }
 }
 
@@ -1234,7 +1212,10 @@ mod head_ab {
     #[test]
     #[ignore]
     fn ab_head() {
-        let _switch = tests::SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = KernelTuning {
+            cpu_kquants: Some(true),
+            ..KernelTuning::default()
+        };
         let dev = Device::Cpu;
         let (n, k) = (49152usize, 576usize);
         let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
@@ -1244,16 +1225,16 @@ mod head_ab {
         let mut times = vec![Vec::new(); modes.len()];
         for _ in 0..9 {
             for (mode, times) in modes.iter().zip(&mut times) {
-                set_quantized_activations(*mode == "q8");
-                let t = std::time::Instant::now();
+                t.cpu_q8_activations = *mode == "q8";
+                let start = std::time::Instant::now();
                 for _ in 0..50 {
                     let _ = if *mode == "greedy" {
-                        forward_greedy(&q, &xs).unwrap().unwrap()
+                        forward_greedy(&q, &xs, &t).unwrap().unwrap()
                     } else {
-                        forward(&q, &xs).unwrap().unwrap()
+                        forward(&q, &xs, &t).unwrap().unwrap()
                     };
                 }
-                times.push(t.elapsed().as_secs_f64() * 1e3 / 50.0);
+                times.push(start.elapsed().as_secs_f64() * 1e3 / 50.0);
             }
         }
         for (mode, mut t) in modes.iter().zip(times) {
@@ -1263,7 +1244,6 @@ mod head_ab {
                 t[4], t[0]
             );
         }
-        set_quantized_activations(false);
     }
 }
 
@@ -1278,8 +1258,11 @@ mod q4_1_ab {
     #[test]
     #[ignore]
     fn ab_q4_1_decode() {
-        let _switch = tests::SWITCH.lock().unwrap_or_else(|e| e.into_inner());
-        set_quantized_activations(false);
+        let mut t = KernelTuning {
+            cpu_kquants: Some(true),
+            ..KernelTuning::default()
+        };
+        t.cpu_q8_activations = false;
         let dev = Device::Cpu;
         let shapes = [
             (576usize, 576usize),
@@ -1310,13 +1293,13 @@ mod q4_1_ab {
             .sum();
         let mut times = Vec::new();
         for _ in 0..15 {
-            let t = std::time::Instant::now();
+            let start = std::time::Instant::now();
             for layer in &layers {
                 for (q, xs) in layer {
-                    forward(q, xs).unwrap().unwrap();
+                    forward(q, xs, &t).unwrap().unwrap();
                 }
             }
-            times.push(t.elapsed().as_secs_f64() * 1e3);
+            times.push(start.elapsed().as_secs_f64() * 1e3);
         }
         times.sort_by(f64::total_cmp);
         eprintln!(
@@ -1340,9 +1323,12 @@ mod kquant_ab {
     #[test]
     #[ignore]
     fn ab_kquant_layer() {
-        let _switch = tests::SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = KernelTuning {
+            cpu_kquants: Some(true),
+            ..KernelTuning::default()
+        };
         // The loop whatever this machine's default (`KQUANT_MIN_THREADS`).
-        set_kquants(true);
+        t.cpu_kquants = Some(true);
         let dev = Device::Cpu;
         let shapes = [
             (576usize, 1536usize, GgmlDType::Q4K),
@@ -1360,15 +1346,15 @@ mod kquant_ab {
             let bytes = q.storage_size_in_bytes() as f64;
             for round in 0..2 {
                 for ours in [true, false] {
-                    let t = std::time::Instant::now();
+                    let start = std::time::Instant::now();
                     for _ in 0..20 {
                         let _ = if ours {
-                            forward(&q, &xs).unwrap().unwrap()
+                            forward(&q, &xs, &t).unwrap().unwrap()
                         } else {
                             mm.forward(&xs).unwrap()
                         };
                     }
-                    let s = t.elapsed().as_secs_f64() / 20.0;
+                    let s = start.elapsed().as_secs_f64() / 20.0;
                     eprintln!(
                         "round {round} ({n}, {k}) {ty:?} {}: {:.3} ms, {:.1} GB/s",
                         if ours { "ours" } else { "candle" },

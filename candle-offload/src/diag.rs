@@ -150,8 +150,8 @@ pub fn keep_pool_memory(device: &Device, keep: bool) -> candle_core::Result<()> 
 /// keeps weights in, apart from the activations in the default pool: for buffers that live
 /// as long as the model, such as its KV cache. Allocated among a prompt's activations, such a
 /// buffer keeps the memory around it from being returned when the prompt ends (the pool gives
-/// back only whole chunks). Just `alloc()` on a CPU, without `cuda`, or where
-/// `CANDLE_OFFLOAD_WEIGHT_POOL=0` keeps weights in the default pool.
+/// back only whole chunks). Just `alloc()` on a CPU, without `cuda`, or where no runtime made
+/// that pool ([`crate::Tuning::weight_pool`] off).
 pub fn long_lived<R>(
     device: &Device,
     alloc: impl FnOnce() -> candle_core::Result<R>,
@@ -162,8 +162,8 @@ pub fn long_lived<R>(
     sys::long_lived(device, alloc)
 }
 
-/// Whether [`long_lived`] allocates from a pool of its own on `device` (a GPU with
-/// stream-ordered memory pools, unless `CANDLE_OFFLOAD_WEIGHT_POOL=0`).
+/// Whether [`long_lived`] can allocate from a pool of its own on `device` (a GPU with
+/// stream-ordered memory pools, once a runtime with [`crate::Tuning::weight_pool`] made it).
 pub fn has_long_lived_pool(device: &Device) -> candle_core::Result<bool> {
     if device.is_cpu() {
         return Ok(false);

@@ -91,6 +91,7 @@ pub mod store;
 mod sys;
 pub mod telemetry;
 pub mod train;
+pub mod tuning;
 pub mod varbuilder;
 
 pub use budget::{human_bytes, Budget, MemoryLimit};
@@ -115,4 +116,5 @@ pub use store::{
 };
 pub use telemetry::{OffloadStats, TransferStats, UnitStats};
 pub use train::{Autocast, Checkpointer, GradScaler, GradScalerConfig, Precision, ScaledOptimizer};
+pub use tuning::{DiskTuning, KernelTuning, QlinearVariant, QlinearVariants, Tuning, TuningError};
 pub use varbuilder::UnitBackend;

@@ -37,6 +37,7 @@ use crate::sys::{
     CudaEngine, DeviceLayout, DeviceWeight, ReadAhead, SpareUse, UnitSync, UploadItem,
 };
 use crate::telemetry::{OffloadStats, ReadAheadStats, Telemetry, Timings, UnitStats};
+use crate::tuning::Tuning;
 use crate::varbuilder::UnitBackend;
 
 /// Settings of an [`OffloadRuntime`].
@@ -83,6 +84,9 @@ pub struct OffloadConfig {
     /// padding: the prompt then streams what its activations leave no room for, and the
     /// steady phase holds every unit. `None`: `reserve_bytes`.
     pub steady_reserve_bytes: Option<u64>,
+    /// The performance choices ([`Tuning`]): the ops' kernels (read by the code built over
+    /// this runtime, [`OffloadRuntime::tuning`]), the CPU pool's threads, the weight pool.
+    pub tuning: Tuning,
 }
 
 impl Default for OffloadConfig {
@@ -98,6 +102,7 @@ impl Default for OffloadConfig {
             units: None,
             event_tracking: false,
             steady_reserve_bytes: None,
+            tuning: Tuning::default(),
         }
     }
 }
@@ -259,6 +264,8 @@ struct Shared {
     state: Mutex<State>,
     /// Reader threads for the disk units' read-ahead (`None`: no disk units served).
     read_pool: Option<crate::sys::ReadPool>,
+    /// The configuration's performance choices.
+    tuning: Tuning,
 }
 
 impl Shared {
@@ -468,9 +475,25 @@ impl OffloadRuntime {
                 reason: format!("{} is more than {MAX_PREFETCH_DEPTH}", cfg.prefetch_depth),
             });
         }
+        cfg.tuning.validate().map_err(|e| Error::InvalidConfig {
+            field: format!("tuning.{}", e.key),
+            reason: e.reason,
+        })?;
+        let threads = cfg.tuning.threads();
+        let pool = crate::sys::spin::ask_threads(threads);
+        if pool != threads {
+            tracing::warn!(
+                "the CPU matmul pool has {pool} threads (sized by an earlier runtime), not the \
+                 {threads} this one's tuning asks for"
+            );
+        }
         let engine = match device {
             Device::Cpu => Engine::Cpu,
-            Device::Cuda(_) => Engine::Cuda(CudaEngine::new(device, cfg.event_tracking)?),
+            Device::Cuda(_) => Engine::Cuda(CudaEngine::new(
+                device,
+                cfg.event_tracking,
+                cfg.tuning.weight_pool,
+            )?),
             Device::Metal(_) => {
                 return Err(Error::InvalidConfig {
                     field: "device".into(),
@@ -669,6 +692,7 @@ impl OffloadRuntime {
         };
         Ok(Self {
             shared: Arc::new(Shared {
+                tuning: cfg.tuning,
                 read_pool,
                 device: device.clone(),
                 store,
@@ -709,6 +733,12 @@ impl OffloadRuntime {
     /// The host store.
     pub fn store(&self) -> &Arc<HostStore> {
         &self.shared.store
+    }
+
+    /// The performance choices this runtime was configured with
+    /// ([`OffloadConfig::tuning`]): what the layers built over it pass to the ops.
+    pub fn tuning(&self) -> &Tuning {
+        &self.shared.tuning
     }
 
     /// The resolved budget.
@@ -1755,6 +1785,11 @@ impl UnitGuard {
     /// The unit.
     pub fn unit(&self) -> UnitId {
         self.unit
+    }
+
+    /// The performance choices of the runtime the unit came from ([`OffloadRuntime::tuning`]).
+    pub fn tuning(&self) -> &Tuning {
+        self.rt.tuning()
     }
 
     /// One of the unit's dense tensors by full name.

@@ -5,6 +5,10 @@
 //!   offload_strategy: balanced   # minimal | balanced | aggressive
 //!   max_gpu_memory: 3GB          # or 3.5 (GiB), 3.5GiB, 50%
 //!   max_cpu_memory: 12GiB        # host memory for weights: a size or a share of RAM
+//! tuning:                        # optional: any field of `Tuning` (docs/tuning.md)
+//!   kernels:
+//!     prefill_gemm_min_rows: 128
+//!   graphs: false
 //! ```
 //!
 //! Unknown keys are refused, so a typo is an error rather than a silently ignored setting.
@@ -13,49 +17,8 @@ use std::path::Path;
 
 use crate::budget::MemoryLimit;
 use crate::error::{Error, Result};
-
-/// Whether the environment variable `var` turns a default-on switch off: `0`, `off` or
-/// `false`, in any case, spaces around ignored (unset or anything else: no).
-pub(crate) fn env_turns_off(var: &str) -> bool {
-    env_is(var, &["0", "off", "false"])
-}
-
-/// Whether the environment variable `var` turns a switch on: `1`, `on` or `true`, in any case,
-/// spaces around ignored (unset or anything else: no).
-pub(crate) fn env_turns_on(var: &str) -> bool {
-    env_is(var, &["1", "on", "true"])
-}
-
-/// The whole number an environment variable `name` holds, from its value `v` (`None`: unset):
-/// `None` where unset or blank, and, with one warning naming the variable, where it is not a
-/// whole number in `range`.
-pub(crate) fn env_number(
-    name: &str,
-    v: Option<&str>,
-    range: std::ops::RangeInclusive<u64>,
-) -> Option<u64> {
-    let v = v?.trim();
-    if v.is_empty() {
-        return None;
-    }
-    match v.parse::<u64>() {
-        Ok(n) if range.contains(&n) => Some(n),
-        _ => {
-            tracing::warn!(
-                "{name}={v:?} is not a whole number from {} to {}; ignored",
-                range.start(),
-                range.end()
-            );
-            None
-        }
-    }
-}
-
-/// Whether `var` is set to one of `words` (lowercase), in any case, spaces around ignored.
-fn env_is(var: &str, words: &[&str]) -> bool {
-    std::env::var(var).is_ok_and(|v| words.contains(&v.trim().to_ascii_lowercase().as_str()))
-}
 use crate::plan::OffloadStrategy;
+use crate::tuning::Tuning;
 
 /// What a settings file sets (each `None` when absent).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -67,6 +30,8 @@ pub struct Settings {
     /// `memory.max_cpu_memory`: the host store's cap
     /// ([`StoreConfig::host_memory_limit`](crate::StoreConfig::host_memory_limit)).
     pub max_cpu_memory: Option<MemoryLimit>,
+    /// `tuning`: performance choices over [`Tuning::default`] (each field optional).
+    pub tuning: Option<Tuning>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -74,6 +39,7 @@ pub struct Settings {
 struct FileConfig {
     #[serde(default)]
     memory: MemorySection,
+    tuning: Option<Tuning>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -100,8 +66,20 @@ impl Settings {
             path: path.into(),
             reason,
         };
-        let cfg: FileConfig = serde_norway::from_str(text)
-            .map_err(|e| file(format!("not a valid settings file: {e}")))?;
+        let de = serde_norway::Deserializer::from_str(text);
+        let cfg: FileConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+            let at = e.path().to_string();
+            let inner = e.into_inner();
+            if at == "." || at.is_empty() {
+                file(format!("not a valid settings file: {inner}"))
+            } else {
+                file(format!("not a valid settings file: {at}: {inner}"))
+            }
+        })?;
+        if let Some(t) = &cfg.tuning {
+            t.validate()
+                .map_err(|e| file(format!("tuning.{}: {}", e.key, e.reason)))?;
+        }
         let offload_strategy = cfg
             .memory
             .offload_strategy
@@ -124,6 +102,7 @@ impl Settings {
             offload_strategy,
             max_gpu_memory,
             max_cpu_memory,
+            tuning: cfg.tuning,
         })
     }
 }
@@ -155,6 +134,14 @@ mod tests {
             Settings::from_yaml("", Path::new("c.yaml")).unwrap(),
             Settings::default()
         );
+        let s = Settings::from_yaml(
+            "tuning:\n  kernels:\n    prefill_gemm_min_rows: 128\n  graphs: false\n",
+            Path::new("c.yaml"),
+        )
+        .unwrap();
+        let t = s.tuning.unwrap();
+        assert_eq!(t.kernels.prefill_gemm_min_rows, 128);
+        assert!(!t.graphs && t.weight_pool);
     }
 
     #[test]
@@ -177,6 +164,15 @@ mod tests {
                 "memory.max_cpu_memory",
             ),
             ("not: [valid", "/etc/c.yaml"),
+            ("tuning:\n  graph: false\n", "tuning"),
+            (
+                "tuning:\n  kernels:\n    qlinear_k_rows: 3\n",
+                "tuning.kernels.qlinear_k_rows",
+            ),
+            (
+                "tuning:\n  kernels:\n    qlinear:\n      q8_0: v7\n",
+                "tuning.kernels.qlinear.q8_0",
+            ),
         ] {
             let e = Settings::from_yaml(text, p).unwrap_err().to_string();
             assert!(e.contains(needle), "{text:?}: {e}");

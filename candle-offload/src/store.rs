@@ -128,6 +128,8 @@ pub struct StoreConfig {
     /// How weights reach the GPU: copied from host memory (the default), or migrated in
     /// managed (Unified) memory.
     pub engine: EngineKind,
+    /// How the disk tier cuts its reads ([`crate::Tuning::disk`]).
+    pub disk_reads: crate::tuning::DiskTuning,
 }
 
 /// How the store's weights reach the GPU (`--engine`).
@@ -289,14 +291,6 @@ impl WeightFormat {
             }
         }
     }
-}
-
-/// The environment variable that turns [`pad_block_classes`] off (`0`, `off` or `false`), to
-/// measure what the padding costs against what it saves; on otherwise.
-const EVEN_LAYERS_ENV: &str = "CANDLE_OFFLOAD_EVEN_LAYERS";
-
-fn even_layers() -> bool {
-    !crate::settings::env_turns_off(EVEN_LAYERS_ENV)
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -1082,9 +1076,7 @@ impl HostStore {
             }
             layouts.push((unit_name, layer, members, tensors, len));
         }
-        if even_layers() {
-            pad_block_classes(layouts.iter_mut().map(|l| (l.1, &mut l.3)));
-        }
+        pad_block_classes(layouts.iter_mut().map(|l| (l.1, &mut l.3)));
 
         let explicit = cfg.host_memory_limit.is_some();
         let host_limit = resolve_host_limit(
@@ -1139,7 +1131,13 @@ impl HostStore {
                     .collect()
             };
             let buf: Box<dyn HostTier> = if let Some(spans) = spans {
-                Box::new(disk_tier(&unit_name, len, &tensors, &spans)?)
+                Box::new(disk_tier(
+                    &unit_name,
+                    len,
+                    &tensors,
+                    &spans,
+                    cfg.disk_reads,
+                )?)
             } else {
                 if !fits {
                     let why = format!(
@@ -1351,6 +1349,7 @@ fn disk_tier(
     len: usize,
     tensors: &[TensorMeta],
     spans: &[&FileSpan],
+    reads: crate::tuning::DiskTuning,
 ) -> Result<sys::DiskTier> {
     let mut segments = Vec::with_capacity(tensors.len());
     for (t, span) in tensors.iter().zip(spans) {
@@ -1406,7 +1405,11 @@ fn disk_tier(
             r += n;
         }
     }
-    Ok(sys::DiskTier::new(unit, len, segments)?)
+    let shape = sys::ReadShape {
+        threads: reads.threads,
+        piece: (reads.piece_mib as u64) << 20,
+    };
+    Ok(sys::DiskTier::new(unit, len, segments, shape)?)
 }
 
 /// How a disk segment's file bytes (`from`) become its stored bytes (`to`): `None` when they

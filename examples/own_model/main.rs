@@ -29,9 +29,14 @@ struct Args {
     verbose: u8,
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
+    let verbose = args.verbose > 0;
+    candle_offload_suite::report::exit_code(run(args), verbose)
+}
+
+fn run(args: Args) -> Result<()> {
     let (first, second) = if args.gpu {
         let first = candle_core::Device::new_cuda_with_stream(0)?;
         (first, candle_core::Device::new_cuda_with_stream(1).ok())

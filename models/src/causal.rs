@@ -16,7 +16,9 @@ use candle_core::{DType, Device, Result, Tensor, D};
 use candle_offload::placement::{
     plan_placement, DeviceBudget, DeviceMap, PlacementMode, PlacementRequest,
 };
-use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, PolicyChoice, UnitId};
+use candle_offload::{
+    KernelTuning, MemoryLimit, OffloadConfig, OffloadRuntime, PolicyChoice, Tuning, UnitId,
+};
 
 use crate::config::Config;
 use crate::error::ModelError;
@@ -388,6 +390,7 @@ impl CausalLm {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let graphs = graph::Graphs::new(stages.first().is_none_or(|s| s.rt.tuning().graphs));
         Ok(Self {
             cfg,
             family,
@@ -407,7 +410,7 @@ impl CausalLm {
             timing: std::sync::atomic::AtomicBool::new(false),
             totals: std::sync::Mutex::new(TransferTotals::default()),
             host_totals: std::sync::Mutex::new(HostTotals::default()),
-            graphs: graph::Graphs::default(),
+            graphs,
         })
     }
 
@@ -441,6 +444,8 @@ impl CausalLm {
     /// every layer's prompt attention runs as one kernel: [`Config::reserve_bytes_with`]),
     /// plus Candle's quantized-matmul workspaces ([`Config::quantized_matmul_bytes`]) on a GPU
     /// when `store` holds GGML blocks. A budget meant to hold some units computes from this.
+    ///
+    /// `tuning`: the ops' choices the model will run with (its settings' [`Tuning`]'s kernels).
     pub fn reserve_bytes(
         cfg: &Config,
         store: &candle_offload::HostStore,
@@ -448,11 +453,12 @@ impl CausalLm {
         prompt_len: usize,
         max_len: usize,
         dtype: DType,
+        tuning: &KernelTuning,
     ) -> u64 {
-        let kernel = Self::prompt_attention_kernel(cfg, device, dtype);
+        let kernel = Self::prompt_attention_kernel(cfg, device, dtype, tuning);
         let reserve = cfg.reserve_bytes_with(prompt_len, max_len, dtype, kernel);
         if device.is_cuda() && store.ggml_tensor_count() > 0 {
-            reserve + cfg.quantized_matmul_bytes(prompt_len)
+            reserve + cfg.quantized_matmul_bytes(prompt_len, tuning)
         } else {
             reserve
         }
@@ -463,20 +469,32 @@ impl CausalLm {
     /// ([`Config::fragmentation_bytes`]), since the passes' activations are then the only
     /// allocations and come alike pass after pass (a 7B Q4_0 at 4 GiB, prompt 512, then runs
     /// passes of 256 instead of 171); nothing on a CPU, whose budget is the accounting alone.
-    fn pass_slack(cfg: &Config, device: &Device, rows: usize, max_len: usize, dtype: DType) -> u64 {
+    fn pass_slack(
+        cfg: &Config,
+        device: &Device,
+        rows: usize,
+        max_len: usize,
+        dtype: DType,
+        tuning: &KernelTuning,
+    ) -> u64 {
         if !device.is_cuda() {
             return 0;
         }
-        let kernel = Self::prompt_attention_kernel(cfg, device, dtype);
+        let kernel = Self::prompt_attention_kernel(cfg, device, dtype, tuning);
         cfg.fragmentation_bytes(rows, max_len, dtype, kernel)
     }
 
     /// Whether every layer's prompt attention runs as one kernel on `device` in `dtype`
     /// ([`candle_offload::ops::prompt_attention`]): plain causal layers and a supported head
     /// width, what the reservations count its buffers for.
-    fn prompt_attention_kernel(cfg: &Config, device: &Device, dtype: DType) -> bool {
+    fn prompt_attention_kernel(
+        cfg: &Config,
+        device: &Device,
+        dtype: DType,
+        tuning: &KernelTuning,
+    ) -> bool {
         cfg.family.plain_attention(cfg)
-            && candle_offload::ops::prompt_attention_supported(device, dtype, cfg.head_dim)
+            && candle_offload::ops::prompt_attention_supported(device, dtype, cfg.head_dim, tuning)
     }
 
     /// A stage's reservation while a prompt runs, what it gives to weights while decoding (the
@@ -552,10 +570,20 @@ impl CausalLm {
     ) -> std::result::Result<Self, ModelError> {
         let cfg = cfg.clone();
         let (reserve, share, chunk) = Self::phase_reserves(
-            |rows| Self::reserve_bytes(&cfg, &store, device, rows, max_len, dtype),
+            |rows| {
+                Self::reserve_bytes(
+                    &cfg,
+                    &store,
+                    device,
+                    rows,
+                    max_len,
+                    dtype,
+                    &settings.tuning.kernels,
+                )
+            },
             Self::resident_saving(&store, device, settings),
             prompt_len,
-            |rows| Self::pass_slack(&cfg, device, rows, max_len, dtype),
+            |rows| Self::pass_slack(&cfg, device, rows, max_len, dtype, &settings.tuning.kernels),
             |rows, slack| {
                 let (need, budget) =
                     Self::whole_bytes(&cfg, &store, device, dtype, rows, max_len, settings, true)?;
@@ -692,8 +720,15 @@ impl CausalLm {
                 // prompt's reservation, the GPU kept 355 MB less for weights and streamed 3
                 // layers of 32 a token, 159 tok/s against llama.cpp's 337 all resident).
                 let rows = DECODE_ROWS;
-                let (base, per_layer) =
-                    Self::host_stage_reserve(cfg, store, device, rows, max_len, dtype);
+                let (base, per_layer) = Self::host_stage_reserve(
+                    cfg,
+                    store,
+                    device,
+                    rows,
+                    max_len,
+                    dtype,
+                    &settings.tuning,
+                );
                 let base = base.saturating_add(settings.reserve_bytes);
                 let mut kept = bytes(&layout.norm);
                 if let Some(h) = &layout.head {
@@ -727,9 +762,17 @@ impl CausalLm {
                     // rates, measured here (a layer's step on this CPU; the link's copies).
                     // At half the context: a generation that fills it averages that.
                     let context = max_len / 2;
-                    let host_s = Self::host_layer_seconds(cfg, store, dtype, context)?;
+                    let host_s =
+                        Self::host_layer_seconds(cfg, store, dtype, context, &settings.tuning)?;
                     let host_rate = layers.first().copied().unwrap_or(0) as f64 / host_s;
-                    let device_s = Self::layer_step_seconds(cfg, store, dtype, device, context)?;
+                    let device_s = Self::layer_step_seconds(
+                        cfg,
+                        store,
+                        dtype,
+                        device,
+                        context,
+                        &settings.tuning,
+                    )?;
                     let link_rate =
                         candle_offload::diag::measure_h2d_gbps(device, 64 << 20, true, 3)? * 1e9;
                     let slots = settings.prefetch_depth + 1;
@@ -738,7 +781,7 @@ impl CausalLm {
                     let head = layout.head.as_deref().map_or(0, bytes);
                     // A split that streams nothing replays its decode step from a graph
                     // (`graph`), a faster step than the eager one timed here.
-                    let resident_s = if graph::on_by_default() {
+                    let resident_s = if settings.tuning.graphs {
                         device_s * GRAPH_REPLAY_FRACTION
                     } else {
                         device_s
@@ -821,8 +864,15 @@ impl CausalLm {
         let budget = device_budget(device, settings.gpu_memory_limit)?;
         let n = cfg.num_hidden_layers;
         let layout = cfg.layout();
-        let reserve = Self::reserve_bytes(cfg, store, device, prompt_len, max_len, dtype)
-            - Self::resident_saving(store, device, settings);
+        let reserve = Self::reserve_bytes(
+            cfg,
+            store,
+            device,
+            prompt_len,
+            max_len,
+            dtype,
+            &settings.tuning.kernels,
+        ) - Self::resident_saving(store, device, settings);
         let own = |name: &str| {
             store
                 .unit_id(name)
@@ -918,6 +968,7 @@ impl CausalLm {
         store: &Arc<candle_offload::HostStore>,
         dtype: DType,
         context: usize,
+        tuning: &Tuning,
     ) -> std::result::Result<f64, ModelError> {
         let layout = cfg.layout();
         let mut bytes = 0u64;
@@ -928,7 +979,7 @@ impl CausalLm {
                 .map_or(0, |id| store.unit(id).host_bytes());
             count += 1;
         }
-        Self::layers_step_seconds(cfg, store, dtype, &Device::Cpu, context, count)
+        Self::layers_step_seconds(cfg, store, dtype, &Device::Cpu, context, count, tuning)
     }
 
     /// Seconds one decode step of the first decoder layer takes on `device` with its weights
@@ -944,8 +995,9 @@ impl CausalLm {
         dtype: DType,
         device: &Device,
         context: usize,
+        tuning: &Tuning,
     ) -> std::result::Result<f64, ModelError> {
-        Self::layers_step_seconds(cfg, store, dtype, device, context, 1)
+        Self::layers_step_seconds(cfg, store, dtype, device, context, 1, tuning)
     }
 
     /// [`layer_step_seconds`](Self::layer_step_seconds) over the first `count` layers in turn:
@@ -957,6 +1009,7 @@ impl CausalLm {
         device: &Device,
         context: usize,
         count: usize,
+        tuning: &Tuning,
     ) -> std::result::Result<f64, ModelError> {
         let layout = cfg.layout();
         let names: Vec<String> = (0..count.max(1)).map(|l| layout.layer(l)).collect();
@@ -982,6 +1035,7 @@ impl CausalLm {
             &OffloadConfig {
                 keep: names.clone(),
                 units: Some(names.clone()),
+                tuning: *tuning,
                 ..Default::default()
             },
         )?;
@@ -1056,16 +1110,19 @@ impl CausalLm {
         prompt_len: usize,
         max_len: usize,
         dtype: DType,
+        tuning: &candle_offload::Tuning,
     ) -> (u64, u64) {
-        let mut reserve = Self::reserve_bytes(cfg, store, device, prompt_len, max_len, dtype);
+        let k = &tuning.kernels;
+        let mut reserve = Self::reserve_bytes(cfg, store, device, prompt_len, max_len, dtype, k);
         if prompt_len <= DECODE_ROWS
             && device.is_cuda()
             && store.ggml_tensor_count() > 0
+            && tuning.weight_pool
             && candle_offload::diag::has_long_lived_pool(device).unwrap_or(false)
         {
             // What the separate pool saves grows with the prompt's activations that no longer
             // fragment it (see the constant): a quarter of the longest prompt's share.
-            let prompt = Self::reserve_bytes(cfg, store, device, max_len, max_len, dtype);
+            let prompt = Self::reserve_bytes(cfg, store, device, max_len, max_len, dtype, k);
             let saving =
                 (prompt.saturating_sub(reserve) / 4).min(QUANTIZED_DECODE_WORKSPACE_SAVING);
             reserve = reserve.saturating_sub(saving);
@@ -1136,6 +1193,7 @@ impl CausalLm {
             &OffloadConfig {
                 keep: host_units.clone(),
                 units: Some(host_units),
+                tuning: settings.tuning,
                 ..Default::default()
             },
         )?;
@@ -1154,8 +1212,15 @@ impl CausalLm {
         // Its own layers' KV cache and two layers' more (a host layer's, for prompts).
         let kv_layers = (n - h + 2).min(n) as u64;
         let at = |rows| {
-            let (base, per_layer) =
-                Self::host_stage_reserve(cfg, &store, device, rows, max_len, dtype);
+            let (base, per_layer) = Self::host_stage_reserve(
+                cfg,
+                &store,
+                device,
+                rows,
+                max_len,
+                dtype,
+                &settings.tuning,
+            );
             (base + per_layer * kv_layers, per_layer * kv_layers)
         };
         let kv = at(prompt_len).1;
@@ -1165,7 +1230,7 @@ impl CausalLm {
             |rows| at(rows).0,
             Self::resident_saving(&store, device, settings),
             prompt_len,
-            |rows| Self::pass_slack(cfg, device, rows, max_len, dtype),
+            |rows| Self::pass_slack(cfg, device, rows, max_len, dtype, &settings.tuning.kernels),
             |rows, slack| {
                 if h > 0 {
                     return Ok(false);
@@ -2008,10 +2073,11 @@ impl CausalLm {
             let unit = rt.acquire(self.units.head)?;
             let w = UnitWeights::new(unit.var_builder(stage.dtype), Some(&unit))
                 .pp(self.layout.head_unit());
+            let tuning = unit.tuning().kernels;
             match w.quantized("weight", &[vocab, hidden])? {
                 Some(q) => {
                     let screened = if self.greedy_head() {
-                        candle_offload::cpu_quant::forward_greedy(&q, &xs)?
+                        candle_offload::cpu_quant::forward_greedy(&q, &xs, &tuning)?
                     } else {
                         None
                     };
@@ -2020,13 +2086,14 @@ impl CausalLm {
                         None => crate::layers::Linear::Quantized {
                             weight: candle_core::quantized::QMatMul::from_arc(q)?,
                             bias: None,
+                            tuning,
                         }
                         .forward_step(&xs, self.stage_fused(stage))?,
                     }
                 }
                 None => {
                     let m = w.vb().get((vocab, hidden), "weight")?;
-                    crate::layers::Linear::Dense(candle_nn::Linear::new(m, None))
+                    crate::layers::Linear::Dense(candle_nn::Linear::new(m, None), tuning)
                         .forward_step(&xs, self.stage_fused(stage))?
                 }
             }

@@ -487,12 +487,16 @@ impl Config {
     /// projection an F32 copy of the input and an F32 output. Measured: a 7B Q8_0 model with a
     /// 512-token prompt at 4 GiB went 42 MiB over its budget without it.
     ///
-    /// From [`candle_offload::ops::prefill_gemm_min_rows`] rows on, a prompt's projections
-    /// go through dequantized 16-bit weights and cuBLAS instead
+    /// From `tuning`'s [`prefill_gemm_min_rows`](candle_offload::KernelTuning::prefill_gemm_min_rows)
+    /// rows on, a prompt's projections go through dequantized 16-bit weights and cuBLAS instead
     /// ([`candle_offload::ops::qlinear_prefill`], [`candle_offload::ops::prefill_gemm_bytes`]
     /// for the widest); block types without that kernel still take Candle's, so this is the
     /// larger of the two.
-    pub fn quantized_matmul_bytes(&self, seq_len: usize) -> u64 {
+    pub fn quantized_matmul_bytes(
+        &self,
+        seq_len: usize,
+        tuning: &candle_offload::KernelTuning,
+    ) -> u64 {
         let s = seq_len as u64;
         let (h, i) = (self.hidden_size, self.intermediate_size);
         let k = h.max(i) as u64;
@@ -502,7 +506,7 @@ impl Config {
         let q = self.num_attention_heads * self.head_dim;
         let gemm = [(i, h), (h, i), (q, h), (h, q)]
             .into_iter()
-            .map(|(n, k)| candle_offload::ops::prefill_gemm_bytes(seq_len, n, k))
+            .map(|(n, k)| candle_offload::ops::prefill_gemm_bytes(seq_len, n, k, tuning))
             .max()
             .unwrap_or(0);
         mmq.max(gemm)

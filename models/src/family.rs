@@ -154,8 +154,9 @@ impl<'a> UnitWeights<'a> {
     /// a quantized matmul over the blocks when the unit holds the weight quantized, dense
     /// otherwise.
     pub fn linear(&self, in_dim: usize, out_dim: usize, bias: bool) -> Result<Linear> {
+        let tuning = self.kernels();
         let Some(q) = self.quantized("weight", &[out_dim, in_dim])? else {
-            return crate::layers::linear(in_dim, out_dim, bias, self.vb.clone());
+            return crate::layers::linear(in_dim, out_dim, bias, self.vb.clone(), tuning);
         };
         let bias = if bias {
             Some(self.vb.get(out_dim, "bias")?)
@@ -165,7 +166,14 @@ impl<'a> UnitWeights<'a> {
         Ok(Linear::Quantized {
             weight: candle_core::quantized::QMatMul::from_arc(q)?,
             bias,
+            tuning,
         })
+    }
+
+    /// The kernel choices of the runtime the unit came from (the defaults for dense weights
+    /// without a unit).
+    pub fn kernels(&self) -> candle_offload::KernelTuning {
+        self.unit.map(|u| u.tuning().kernels).unwrap_or_default()
     }
 }
 

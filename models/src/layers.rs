@@ -13,6 +13,7 @@ use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use candle_offload::train::attention::{flash_attention, flash_attention_supported};
+use candle_offload::KernelTuning;
 
 use crate::config::Config;
 use crate::family::{DecoderBlock, Hidden, StepCtx, TrainCtx, UnitWeights};
@@ -544,14 +545,20 @@ pub fn embed_lookup(cfg: &Config, unit: &str, w: &UnitWeights<'_>, ids: &Tensor)
     candle_nn::Embedding::new(m, hidden).forward(ids)
 }
 
-/// A linear layer with or without bias, dense from `vb`.
-pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
+/// A linear layer with or without bias, dense from `vb`, run with `tuning`'s kernels.
+pub fn linear(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    vb: VarBuilder,
+    tuning: KernelTuning,
+) -> Result<Linear> {
     let l = if bias {
         candle_nn::linear(in_dim, out_dim, vb)?
     } else {
         candle_nn::linear_no_bias(in_dim, out_dim, vb)?
     };
-    Ok(Linear::Dense(l))
+    Ok(Linear::Dense(l, tuning))
 }
 
 /// The most new positions per step that attention runs through the fused
@@ -560,21 +567,31 @@ pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Resu
 pub const DECODE_ATTENTION_MAX_NEW: usize = 8;
 
 /// A linear layer whose weight is dense (a Candle `Linear`) or GGML-quantized (a `QMatMul`
-/// over the blocks as the unit holds them), as [`UnitWeights::linear`] finds it.
+/// over the blocks as the unit holds them), as [`UnitWeights::linear`] finds it, with the
+/// kernel choices it runs with (the runtime's [`candle_offload::Tuning::kernels`]).
 #[derive(Debug, Clone)]
 pub enum Linear {
     /// A dense weight.
-    Dense(candle_nn::Linear),
+    Dense(candle_nn::Linear, KernelTuning),
     /// Quantized blocks, multiplied as they are; the bias, if any, dense.
     Quantized {
         /// The matmul over the blocks.
         weight: QMatMul,
         /// The bias.
         bias: Option<Tensor>,
+        /// The kernel choices.
+        tuning: KernelTuning,
     },
 }
 
 impl Linear {
+    /// The kernel choices it runs with.
+    pub fn tuning(&self) -> &KernelTuning {
+        match self {
+            Self::Dense(_, t) | Self::Quantized { tuning: t, .. } => t,
+        }
+    }
+
     /// `xs · wᵀ + b`; a quantized weight computes in F32 and returns `xs`'s dtype (a prompt's
     /// rows on a GPU: in 16 bits through cuBLAS, [`candle_offload::ops::qlinear_prefill`]). A
     /// dense F16/BF16 weight against at most [`candle_offload::cpu_dense::MAX_ROWS`] rows on the
@@ -583,26 +600,30 @@ impl Linear {
     /// through Candle's matmul.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         match self {
-            Self::Dense(l) => match candle_offload::cpu_dense::forward(l.weight(), xs)? {
+            Self::Dense(l, t) => match candle_offload::cpu_dense::forward(l.weight(), xs, t)? {
                 Some(y) => with_bias(y, l.bias()),
                 None => {
                     before_candle_matmul(xs);
                     l.forward(xs)
                 }
             },
-            Self::Quantized { weight, bias } => {
+            Self::Quantized {
+                weight,
+                bias,
+                tuning,
+            } => {
                 let blocks = match weight {
                     QMatMul::QTensor(q) => Some(q),
                     _ => None,
                 };
                 // A prompt's rows on a GPU: 16-bit weights and cuBLAS (see qlinear_prefill).
                 let gemm = match blocks {
-                    Some(q) => candle_offload::ops::qlinear_prefill(xs, q)?,
+                    Some(q) => candle_offload::ops::qlinear_prefill(xs, q, tuning)?,
                     None => None,
                 };
                 let y = match gemm {
                     Some(y) => y,
-                    None => quantized_in_f32(weight, blocks, xs)?,
+                    None => quantized_in_f32(weight, blocks, xs, tuning)?,
                 };
                 with_bias(y, bias.as_ref())
             }
@@ -621,7 +642,7 @@ impl Linear {
             return self.forward(xs);
         }
         let (y, bias) = match self {
-            Self::Dense(l) => {
+            Self::Dense(l, _) => {
                 let width = xs.dim(D::Minus1)?.max(1);
                 let rows = xs.elem_count() / width;
                 if !(xs.device().is_cuda() && rows <= 8 && l.weight().dtype() == xs.dtype()) {
@@ -632,9 +653,11 @@ impl Linear {
             Self::Quantized {
                 weight: QMatMul::QTensor(q),
                 bias,
-            } if candle_offload::ops::qlinear_small_fits(xs, &[q])? => {
-                (candle_offload::ops::qlinear_small(xs, q)?, bias.as_ref())
-            }
+                tuning,
+            } if candle_offload::ops::qlinear_small_fits(xs, &[q], tuning)? => (
+                candle_offload::ops::qlinear_small(xs, q, tuning)?,
+                bias.as_ref(),
+            ),
             Self::Quantized { .. } => return self.forward(xs),
         };
         with_bias(y, bias)
@@ -658,7 +681,7 @@ impl Linear {
     /// The training form (see [`linear_2d`]); quantized weights have none.
     pub fn forward_train(&self, xs: &Tensor) -> Result<Tensor> {
         match self {
-            Self::Dense(l) => linear_2d(l, xs),
+            Self::Dense(l, _) => linear_2d(l, xs),
             Self::Quantized { .. } => {
                 candle_core::bail!("quantized weights cannot be trained; load the model dense")
             }
@@ -704,14 +727,14 @@ fn cpu_blocks_many(xs: &Tensor, ls: &[&Linear]) -> Result<Option<Vec<Tensor>>> {
     let Some(ws) = ws else {
         return Ok(None);
     };
-    let Some(ys) = candle_offload::cpu_quant::forward_many(&ws, xs)? else {
+    let Some(ys) = candle_offload::cpu_quant::forward_many(&ws, xs, ls[0].tuning())? else {
         return Ok(None);
     };
     ys.into_iter()
         .zip(ls)
         .map(|(y, l)| match l {
             Linear::Quantized { bias, .. } => with_bias(y, bias.as_ref()),
-            Linear::Dense(_) => Ok(y),
+            Linear::Dense(..) => Ok(y),
         })
         .collect::<Result<Vec<_>>>()
         .map(Some)
@@ -723,10 +746,11 @@ fn quantized_in_f32(
     weight: &QMatMul,
     blocks: Option<&std::sync::Arc<candle_core::quantized::QTensor>>,
     xs: &Tensor,
+    tuning: &KernelTuning,
 ) -> Result<Tensor> {
     let x32 = xs.to_dtype(DType::F32)?;
     let fast = match blocks {
-        Some(q) => candle_offload::cpu_quant::forward(q, &x32)?,
+        Some(q) => candle_offload::cpu_quant::forward(q, &x32, tuning)?,
         None => None,
     };
     let y = match fast {
@@ -758,7 +782,7 @@ fn one_launch_weights<'a>(xs: &Tensor, ls: &[&'a Linear]) -> Result<Option<OneLa
     let dense: Option<Vec<_>> = ls
         .iter()
         .map(|l| match l {
-            Linear::Dense(d) if d.bias().is_none() && d.weight().dtype() == xs.dtype() => {
+            Linear::Dense(d, _) if d.bias().is_none() && d.weight().dtype() == xs.dtype() => {
                 Some(d.weight())
             }
             _ => None,
@@ -773,12 +797,13 @@ fn one_launch_weights<'a>(xs: &Tensor, ls: &[&'a Linear]) -> Result<Option<OneLa
             Linear::Quantized {
                 weight: QMatMul::QTensor(q),
                 bias: None,
+                ..
             } => Some(q.as_ref()),
             _ => None,
         })
         .collect();
     Ok(match blocks {
-        Some(ws) if candle_offload::ops::qlinear_small_fits(xs, &ws)? => {
+        Some(ws) if candle_offload::ops::qlinear_small_fits(xs, &ws, ls[0].tuning())? => {
             Some(OneLaunch::Blocks(ws))
         }
         _ => None,
@@ -792,11 +817,11 @@ fn takes_quantized_x(l: &Linear) -> bool {
     match l {
         Linear::Quantized {
             weight: QMatMul::QTensor(q),
+            tuning,
             ..
         } => {
             q.device().is_cuda()
-                && candle_offload::ops::qlinear_variant_for(q.dtype())
-                    == candle_offload::ops::QlinearVariant::V4
+                && tuning.qlinear_variant(q.dtype()) == candle_offload::QlinearVariant::V4
         }
         _ => false,
     }
@@ -1055,7 +1080,9 @@ impl SelfAttention {
                 // q, k and v in one kernel, each written contiguous.
                 let out = match ws {
                     OneLaunch::Dense(ws) => candle_offload::ops::linear_small_multi(xs, &ws)?,
-                    OneLaunch::Blocks(ws) => candle_offload::ops::qlinear_small_multi(xs, &ws)?,
+                    OneLaunch::Blocks(ws) => {
+                        candle_offload::ops::qlinear_small_multi(xs, &ws, q.tuning())?
+                    }
                 };
                 let mut out = out.into_iter();
                 let mut next = || out.next().expect("three outputs");
@@ -1064,7 +1091,8 @@ impl SelfAttention {
             // Blocks of two types (Q4_K_M keeps v in Q6_K in some layers): q and k in one
             // kernel, v in its own.
             if let Some(OneLaunch::Blocks(ws)) = one_launch_weights(xs, &[q, k])? {
-                let mut out = candle_offload::ops::qlinear_small_multi(xs, &ws)?.into_iter();
+                let mut out =
+                    candle_offload::ops::qlinear_small_multi(xs, &ws, q.tuning())?.into_iter();
                 let mut next = || out.next().expect("two outputs");
                 let (q, k) = (next(), next());
                 return Ok((q, k, v.run_with(xs, train, fused)?));
@@ -1196,11 +1224,22 @@ impl SelfAttention {
         if s.softcap.is_none()
             && s.window.is_none()
             && !ctx.masks.is_padded()
-            && candle_offload::ops::prompt_attention_supported(xs.device(), q.dtype(), s.head_dim)
+            && candle_offload::ops::prompt_attention_supported(
+                xs.device(),
+                q.dtype(),
+                s.head_dim,
+                self.o_proj.tuning(),
+            )
         {
             // One flash-attention kernel over the cache's views: no F32 copies, no score
             // matrix, no mask or softmax launches.
-            let y = candle_offload::ops::prompt_attention(&q, &k, &v, 1.0 / s.score_div)?;
+            let y = candle_offload::ops::prompt_attention(
+                &q,
+                &k,
+                &v,
+                1.0 / s.score_div,
+                self.o_proj.tuning(),
+            )?;
             return self
                 .o_proj
                 .forward(&y.reshape((b, seq_len, s.n_heads * s.head_dim))?);
@@ -1430,10 +1469,10 @@ impl GatedMlp {
                     OneLaunch::Dense(ws) => candle_offload::ops::linear_silu_mul(xs, ws[0], ws[1])?,
                     // The kernel also quantizes its output for the down projection.
                     OneLaunch::Blocks(ws) if takes_quantized_x(&self.down) => {
-                        candle_offload::ops::qlinear_silu_mul_q8(xs, ws[0], ws[1])?
+                        candle_offload::ops::qlinear_silu_mul_q8(xs, ws[0], ws[1], gate.tuning())?
                     }
                     OneLaunch::Blocks(ws) => {
-                        candle_offload::ops::qlinear_silu_mul(xs, ws[0], ws[1])?
+                        candle_offload::ops::qlinear_silu_mul(xs, ws[0], ws[1], gate.tuning())?
                     }
                 };
                 return self.down.run_with(&x, train, fused);

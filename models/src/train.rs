@@ -78,6 +78,8 @@ pub struct TrainSettings {
     /// the whole step: hazard H15 in ARCHITECTURE.md) and restores it when dropped; keep it on
     /// where something else uses this GPU on another stream meanwhile.
     pub event_tracking: bool,
+    /// The performance choices of the offloaded runtime ([`candle_offload::Tuning`]).
+    pub tuning: candle_offload::Tuning,
 }
 
 impl Default for TrainSettings {
@@ -101,6 +103,7 @@ impl Default for TrainSettings {
             fused: true,
             hand_backward: true,
             event_tracking: false,
+            tuning: candle_offload::Tuning::default(),
         }
     }
 }
@@ -495,6 +498,7 @@ impl Trainer {
                     // Not yet measured or reviewed for training's gradient paths.
                     event_tracking: true,
                     steady_reserve_bytes: None,
+                    tuning: settings.tuning,
                 },
             )?;
             Source::Offloaded(rt)

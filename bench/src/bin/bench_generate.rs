@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 use candle_offload::diag::{self, PeakMemorySampler};
-use candle_offload::MemoryLimit;
+use candle_offload::{MemoryLimit, Tuning};
 use candle_offload_bench::median;
 use candle_offload_models::llama::argmax;
 use candle_offload_models::{loader, quantize, HostLayers, Llama, OffloadSettings};
@@ -82,7 +82,7 @@ struct Args {
     #[arg(long)]
     event_tracking: bool,
     /// Multiply GGML blocks on the CPU against 8-bit quantized activations with integer dot
-    /// products, as llama.cpp does (`cpu_quant::set_quantized_activations`; host layers, --cpu).
+    /// products, as llama.cpp does (`Tuning::kernels.cpu_q8_activations`; host layers, --cpu).
     #[arg(long)]
     q8_activations: bool,
     /// Run the Candle compositions instead of the fused ops (`CausalLm::set_fused`, on by
@@ -141,7 +141,16 @@ fn main() -> Result<()> {
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
     let device = candle_offload_suite::device(args.cpu, 0)?;
-    candle_offload::cpu_quant::set_quantized_activations(args.q8_activations);
+    // The defaults for this host with the environment's overrides (docs/tuning.md), and
+    // --q8-activations.
+    let mut tuning =
+        candle_offload_suite::tuning_env::tuning_from_env(Tuning::default()).fitted_to_host();
+    if args.q8_activations {
+        tuning.kernels.cpu_q8_activations = true;
+    }
+    // What a record calls an override: a choice other than this host's default.
+    let defaults = Tuning::for_host();
+    let changed = |differs: bool, value: String| differs.then_some(value);
     let gpu = !device.is_cpu();
     let candle_offload_bench::LinkBaseline {
         context_bytes,
@@ -180,6 +189,7 @@ fn main() -> Result<()> {
             .transpose()?,
         disk_page_cache: args.disk_page_cache,
         engine,
+        disk_reads: tuning.disk,
         ..Default::default()
     };
     let store = Arc::new(match &args.quantize {
@@ -298,6 +308,7 @@ fn main() -> Result<()> {
                 prefetch_depth: depth,
                 event_tracking: args.event_tracking,
                 reserve_bytes: cfg.batch_reserve_bytes(args.batch, prompt_len, max_len, dtype),
+                tuning,
                 ..Default::default()
             };
             let mut model = Llama::offloaded_with_host(
@@ -489,6 +500,7 @@ fn main() -> Result<()> {
                     &store,
                     model.dtype(),
                     prompt_len + args.new_tokens / 2,
+                    &tuning,
                 )?),
                 None => None,
             };
@@ -725,28 +737,40 @@ fn main() -> Result<()> {
                 "prompt_chunk": model.prompt_chunk(),
                 // `fused` is every stage's; with host layers the CPU stage runs Candle's ops.
                 "fused_on_gpus": model.fused_on_gpus(),
-                "cpu_q8_activations": args.q8_activations,
-                "cpu_kquants": candle_offload::cpu_quant::kquants(),
-                "weight_pool_env": std::env::var("CANDLE_OFFLOAD_WEIGHT_POOL").ok(),
-                "cpu_threads_env": std::env::var("CANDLE_OFFLOAD_CPU_THREADS").ok(),
-                "cpu_prefetch_bytes_env": std::env::var("CANDLE_OFFLOAD_CPU_PREFETCH_BYTES").ok(),
-                "host_profile": host_top,
-                "prefill_gemm": candle_offload::ops::prefill_gemm(),
-                // The fewest prompt rows the GEMM takes (the same for every block type unless the
-                // override below sets it; Q4_0's stands for all).
-                "prefill_gemm_min_rows": candle_offload::ops::prefill_gemm_min_rows(
-                    candle_core::quantized::GgmlDType::Q4_0
+                // Every performance choice this run made, as the library took it.
+                "tuning": tuning,
+                "cpu_q8_activations": tuning.kernels.cpu_q8_activations,
+                "cpu_kquants": tuning.kernels.cpu_kquants,
+                // Choices other than this host's defaults (`None`: the default).
+                "weight_pool_env": changed(
+                    tuning.weight_pool != defaults.weight_pool,
+                    tuning.weight_pool.to_string()
                 ),
-                "prefill_gemm_min_rows_env":
-                    std::env::var(candle_offload::ops::PREFILL_GEMM_MIN_ROWS_ENV).ok(),
-                // The variant forced for every block type, or "default" (each type's own).
-                "qlinear_variant": candle_offload::ops::qlinear_variant().map_or("default", |v| v.name()),
-                // The K-quant kernel's switch (Q4_K, Q6_K; on unless CANDLE_OFFLOAD_QLINEAR_K=0).
-                "qlinear_k": candle_offload::ops::qlinear_k(),
-                "qlinear_k_rows": candle_offload::ops::qlinear_k_rows(),
+                "cpu_threads_env": tuning.cpu_threads.map(|n| n.to_string()),
+                "cpu_prefetch_bytes_env": changed(
+                    tuning.kernels.cpu_prefetch_bytes != defaults.kernels.cpu_prefetch_bytes,
+                    tuning.kernels.cpu_prefetch_bytes.to_string()
+                ),
+                "host_profile": host_top,
+                "prefill_gemm": tuning.kernels.prefill_gemm,
+                // The fewest prompt rows the GEMM takes, for every block type.
+                "prefill_gemm_min_rows": tuning.kernels.prefill_gemm_min_rows,
+                "prefill_gemm_min_rows_env": changed(
+                    tuning.kernels.prefill_gemm_min_rows != defaults.kernels.prefill_gemm_min_rows,
+                    tuning.kernels.prefill_gemm_min_rows.to_string()
+                ),
+                // "default" where every block type runs its default variant, else "forced".
+                "qlinear_variant": if tuning.kernels.qlinear == defaults.kernels.qlinear {
+                    "default"
+                } else {
+                    "forced"
+                },
+                // The K-quant kernel's switch (Q4_K, Q6_K).
+                "qlinear_k": tuning.kernels.qlinear_k,
+                "qlinear_k_rows": tuning.kernels.qlinear_k_rows,
                 // The variant each GGML block type ran.
-                "qlinear_variants": candle_offload::ops::DEFAULT_QLINEAR_VARIANTS
-                    .map(|(t, _)| (format!("{t:?}"), candle_offload::ops::qlinear_variant_for(t).name()))
+                "qlinear_variants": tuning.kernels.qlinear.entries()
+                    .map(|(t, v)| (format!("{t:?}"), v.name()))
                     .into_iter()
                     .collect::<std::collections::BTreeMap<_, _>>(),
                 "host_budget_bytes": store.host_limit_bytes(),
@@ -759,8 +783,14 @@ fn main() -> Result<()> {
                 "raw_disk_gbps": args.raw_disk_gbps,
                 "disk_efficiency": disk_efficiency,
                 // The read shape's overrides, where set (the library's defaults otherwise).
-                "disk_threads_env": std::env::var("CANDLE_OFFLOAD_DISK_THREADS").ok(),
-                "disk_piece_mib_env": std::env::var("CANDLE_OFFLOAD_DISK_PIECE_MIB").ok(),
+                "disk_threads_env": changed(
+                    tuning.disk.threads != defaults.disk.threads,
+                    tuning.disk.threads.to_string()
+                ),
+                "disk_piece_mib_env": changed(
+                    tuning.disk.piece_mib != defaults.disk.piece_mib,
+                    tuning.disk.piece_mib.to_string()
+                ),
                 "accelerate_page_cache_dropped": peer_rec.as_ref().and_then(|r| r["page_cache_dropped"].as_str().map(String::from)),
                 // CUDA graph replay of decode steps (over this configuration's runs).
                 "graphs": model.graphs(),

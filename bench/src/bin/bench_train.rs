@@ -392,6 +392,8 @@ fn run_one(
         fused: true,
         hand_backward: !args.graph_backward,
         event_tracking: args.event_tracking,
+        tuning: candle_offload_suite::tuning_env::tuning_from_env(Default::default())
+            .fitted_to_host(),
     };
     let baseline = used(device)?;
     // The pool's in-use high-water mark, reset to what is in use now (then read back: that).

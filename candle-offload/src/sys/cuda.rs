@@ -236,10 +236,6 @@ unsafe impl Send for Pool {}
 // SAFETY: as for `Send`: the handle is only passed to the driver, never dereferenced here.
 unsafe impl Sync for Pool {}
 
-/// The environment variable that keeps weights in the device's default memory pool, beside
-/// activations and caches, instead of a pool of their own ([`weight_pool`]): `0`.
-pub(crate) const WEIGHT_POOL_ENV: &str = "CANDLE_OFFLOAD_WEIGHT_POOL";
-
 /// `alloc()` with `pools.0` as the current pool of `ctx`'s device, `pools.1` (its default
 /// pool) current again after; just `alloc()` without pools.
 fn with_current_pool<R>(
@@ -270,42 +266,39 @@ pub(crate) fn long_lived<R>(
     alloc: impl FnOnce() -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {
     let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
-    with_current_pool(&ctx, pools_of(&ctx)?, alloc)
+    with_current_pool(&ctx, pools_of(&ctx, false)?, alloc)
 }
 
-/// `ctx`'s device's weight pool and its default pool, where weights get a pool of their own.
-fn pools_of(ctx: &Arc<CudaContext>) -> SysResult<Option<(Pool, Pool)>> {
-    Ok(match weight_pool(ctx)? {
+/// `ctx`'s device's weight pool and its default pool, where weights get a pool of their own
+/// (made here with `create`, else only where a runtime made it already).
+fn pools_of(ctx: &Arc<CudaContext>, create: bool) -> SysResult<Option<(Pool, Pool)>> {
+    Ok(match weight_pool(ctx, create)? {
         Some(weights) => Some((weights, Pool(default_pool(ctx)?))),
         None => None,
     })
 }
 
-/// Whether `device` has a pool for long-lived buffers ([`weight_pool`]), without making it.
+/// Whether `device` can have a pool for long-lived buffers ([`weight_pool`]): it has
+/// stream-ordered memory pools.
 pub(crate) fn has_long_lived_pool(device: &Device) -> candle_core::Result<bool> {
     let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
-    Ok(wants_weight_pool(&ctx))
+    Ok(ctx.has_async_alloc())
 }
 
-/// Whether `ctx`'s device gets a weight pool: it has stream-ordered pools and
-/// [`WEIGHT_POOL_ENV`] does not turn it off.
-fn wants_weight_pool(ctx: &Arc<CudaContext>) -> bool {
-    ctx.has_async_alloc() && !crate::settings::env_turns_off(WEIGHT_POOL_ENV)
-}
-
-/// The memory pool the runtime allocates weights from on `ctx`'s device, made on first use and
-/// kept for the process (one per device), with the default pool's keep-freed-memory setting;
-/// `None` where [`WEIGHT_POOL_ENV`] turns it off or the device has no stream-ordered pools.
+/// The memory pool the runtime allocates weights from on `ctx`'s device, made by the first
+/// runtime asking for it (`create`) and kept for the process (one per device), with the default
+/// pool's keep-freed-memory setting; `None` where none was made (or is to be) or the device has
+/// no stream-ordered pools.
 ///
 /// Weights apart from activations: in one pool, a weight allocated into a block an
 /// activation freed pins that block's chunk of physical memory after the activations around
 /// it are gone, so that trimming the pool when a prompt ends cannot give it back (measured on
 /// 7B Q4_K_M at 4 GiB: the pool held 187-202 MiB more than it used while decoding). Each
 /// pool only ever holds its own kind.
-fn weight_pool(ctx: &Arc<CudaContext>) -> SysResult<Option<Pool>> {
+fn weight_pool(ctx: &Arc<CudaContext>, create: bool) -> SysResult<Option<Pool>> {
     use candle_core::cuda_backend::cudarc::driver::result;
     static POOLS: Mutex<Vec<(usize, Pool)>> = Mutex::new(Vec::new());
-    if !wants_weight_pool(ctx) {
+    if !ctx.has_async_alloc() {
         return Ok(None);
     }
     let ordinal = ctx.ordinal();
@@ -314,6 +307,9 @@ fn weight_pool(ctx: &Arc<CudaContext>) -> SysResult<Option<Pool>> {
         .map_err(|_| SysError::Candle(candle_core::Error::Msg("weight pools poisoned".into())))?;
     if let Some((_, pool)) = pools.iter().find(|(o, _)| *o == ordinal) {
         return Ok(Some(*pool));
+    }
+    if !create {
+        return Ok(None);
     }
     ctx.bind_to_thread()
         .map_err(|e| SysError::Candle(candle_core::Error::wrap(e)))?;
@@ -345,7 +341,9 @@ fn timing_event(stream: &CudaStream) -> candle_core::Result<CudaEvent> {
 }
 
 impl CudaEngine {
-    pub(crate) fn new(device: &Device, event_tracking: bool) -> SysResult<Self> {
+    /// The engine of `device`; `weight_pool`: weights in a memory pool of their own
+    /// ([`weight_pool`]).
+    pub(crate) fn new(device: &Device, event_tracking: bool, weight_pool: bool) -> SysResult<Self> {
         let cuda = device.as_cuda_device()?.clone();
         let compute = cuda.cuda_stream();
         let ctx = compute.context().clone();
@@ -378,7 +376,11 @@ impl CudaEngine {
         let copy = ctx
             .new_stream()
             .map_err(|e| SysError::Candle(candle_core::Error::wrap(e)))?;
-        let pools = pools_of(&ctx)?;
+        let pools = if weight_pool {
+            pools_of(&ctx, true)?
+        } else {
+            None
+        };
         Ok(Self {
             cuda,
             ctx,

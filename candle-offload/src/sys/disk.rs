@@ -40,53 +40,26 @@ const MERGE_GAP: u64 = 4096;
 /// buffer of its file bytes).
 const MAX_RUN: u64 = 8 << 20;
 
-/// Threads that read the pieces of one unit at once, by default; `CANDLE_OFFLOAD_DISK_THREADS`
-/// overrides it (see [`ReadShape`]). Two, with two read-aheads in flight, keep four 8 MiB
-/// requests at the disk: on the GPU machine's virtual disk that read at 1.56 GB/s, where four
-/// (eight requests) read at 1.14 and one 16 MiB request per unit at 1.26 (BENCHMARKS.md).
+/// Threads that read the pieces of one unit at once in the tests' [`ReadShape::DEFAULT`].
+#[cfg(test)]
 const READ_PARALLEL: usize = 2;
 
 /// How a long read is cut up: into pieces of `piece` bytes (the largest request one O_DIRECT
 /// `pread` makes), read by up to `threads` threads at once. Disks differ in the requests that
 /// reach their rate (a local NVMe wants several in flight, some virtual disks want large ones),
-/// so both can be set for a process: `CANDLE_OFFLOAD_DISK_THREADS` (1-64, default
-/// [`READ_PARALLEL`]) and `CANDLE_OFFLOAD_DISK_PIECE_MIB` (1-256, default [`MAX_RUN`] in MiB).
-/// A value out of range or not a number is ignored with one warning.
+/// so each disk unit is given its shape when it is made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ReadShape {
     pub threads: usize,
     pub piece: u64,
 }
 
+#[cfg(test)]
 impl ReadShape {
     pub(crate) const DEFAULT: Self = Self {
         threads: READ_PARALLEL,
         piece: MAX_RUN,
     };
-
-    /// The default shape with the variables' overrides (`None`: unset).
-    fn from_vars(threads: Option<&str>, piece_mib: Option<&str>) -> Self {
-        let parse = |name, v, max| crate::settings::env_number(name, v, 1..=max);
-        let d = Self::DEFAULT;
-        Self {
-            threads: parse("CANDLE_OFFLOAD_DISK_THREADS", threads, 64)
-                .map_or(d.threads, |n| n as usize),
-            piece: parse("CANDLE_OFFLOAD_DISK_PIECE_MIB", piece_mib, 256)
-                .map_or(d.piece, |n| n << 20),
-        }
-    }
-
-    /// The process's shape, read from the environment once.
-    pub(crate) fn get() -> Self {
-        static SHAPE: OnceLock<ReadShape> = OnceLock::new();
-        *SHAPE.get_or_init(|| {
-            let var = |k| std::env::var(k).ok();
-            Self::from_vars(
-                var("CANDLE_OFFLOAD_DISK_THREADS").as_deref(),
-                var("CANDLE_OFFLOAD_DISK_PIECE_MIB").as_deref(),
-            )
-        })
-    }
 }
 
 /// Alignment of O_DIRECT reads (offset, length and buffer): a multiple of every common logical
@@ -203,9 +176,10 @@ impl DiskFile {
         self.direct().is_some()
     }
 
-    /// Fills `dst` from `offset` in the process's [`ReadShape`].
+    /// Fills `dst` from `offset` in the default [`ReadShape`].
+    #[cfg(test)]
     fn read_exact_at(&self, dst: &mut [u8], offset: u64) -> io::Result<()> {
-        self.read_exact_shaped(dst, offset, ReadShape::get())
+        self.read_exact_shaped(dst, offset, ReadShape::DEFAULT)
     }
 
     /// Fills `dst` from `offset`: with O_DIRECT through aligned buffers of at most
@@ -392,6 +366,8 @@ pub(crate) struct DiskUnit {
     unit: String,
     len: usize,
     segments: Vec<Segment>,
+    /// How its reads are cut up.
+    shape: ReadShape,
 }
 
 impl DiskUnit {
@@ -419,7 +395,7 @@ impl DiskUnit {
 
     /// Reads `range` of the unit's layout into `dst` (its length), zeros between segments.
     fn read(&self, range: Range<usize>, dst: &mut [u8]) -> io::Result<()> {
-        self.read_shaped(range, dst, ReadShape::get())
+        self.read_shaped(range, dst, self.shape)
     }
 
     /// [`read`](Self::read) with its plain tensors read in `shape`.
@@ -514,7 +490,7 @@ impl DiskUnit {
             first
                 .seg
                 .file
-                .read_exact_at(&mut buf, start)
+                .read_exact_shaped(&mut buf, start, self.shape)
                 .map_err(|e| named(first.seg, e))?;
             for p in run {
                 let src = &buf[(p.file.start - start) as usize..(p.file.end - start) as usize];
@@ -847,9 +823,14 @@ impl DiskTier {
 }
 
 impl DiskTier {
-    /// A unit of `len` bytes made of `segments` (inside `0..len`, not overlapping); each
-    /// segment's file range is checked against the file's size.
-    pub(crate) fn new(unit: &str, len: usize, mut segments: Vec<Segment>) -> SysResult<Self> {
+    /// A unit of `len` bytes made of `segments` (inside `0..len`, not overlapping), read in
+    /// `shape`; each segment's file range is checked against the file's size.
+    pub(crate) fn new(
+        unit: &str,
+        len: usize,
+        mut segments: Vec<Segment>,
+        shape: ReadShape,
+    ) -> SysResult<Self> {
         segments.sort_by_key(|s| s.at);
         let mut end = 0;
         for s in &segments {
@@ -891,6 +872,7 @@ impl DiskTier {
                 unit: unit.to_string(),
                 len,
                 segments,
+                shape,
             }),
             staged: Mutex::new(None),
         })
@@ -1012,7 +994,7 @@ mod tests {
             conversion,
         };
         // Raw bytes at offset 4 of an 24-byte unit, zeros around them.
-        let tier = DiskTier::new("u", 24, vec![seg(4, 16, None)])?;
+        let tier = DiskTier::new("u", 24, vec![seg(4, 16, None)], ReadShape::DEFAULT)?;
         let mut out = vec![7u8; 24];
         tier.read_into(0..24, &mut out)?;
         assert_eq!(&out[..4], &[0; 4]);
@@ -1025,7 +1007,12 @@ mod tests {
             to_group: 2,
             convert: Arc::new(f32_to_f16),
         };
-        let tier = DiskTier::new("u", 8, vec![seg(0, 8, Some(conv.clone()))])?;
+        let tier = DiskTier::new(
+            "u",
+            8,
+            vec![seg(0, 8, Some(conv.clone()))],
+            ReadShape::DEFAULT,
+        )?;
         let mut all = vec![0u8; 8];
         tier.read_into(0..8, &mut all)?;
         let want: Vec<u8> = values
@@ -1046,7 +1033,7 @@ mod tests {
                     ..seg((3 - k) * width, width, conversion.clone())
                 })
                 .collect();
-            DiskTier::new("u", 4 * width, segments)
+            DiskTier::new("u", 4 * width, segments, ReadShape::DEFAULT)
         };
         let reversed: Vec<u8> = data[3..].chunks(4).rev().flatten().copied().collect();
         let mut out = vec![0u8; 16];
@@ -1060,7 +1047,7 @@ mod tests {
         rows(2, Some(conv))?.read_into(0..8, &mut out)?;
         assert_eq!(out, want_rev);
         // A segment past the end of the file is refused when the tier is made.
-        let e = DiskTier::new("u", 64, vec![seg(0, 20, None)]).unwrap_err();
+        let e = DiskTier::new("u", 64, vec![seg(0, 20, None)], ReadShape::DEFAULT).unwrap_err();
         assert!(e.to_string().contains("w.bin"), "{e}");
         // The file shrinks: the next read names it.
         std::fs::OpenOptions::new()
@@ -1086,7 +1073,7 @@ mod tests {
         let segments = (0..4)
             .map(|k| plain(&file, "t", (3 - k) * row, row, (k * row) as u64))
             .collect();
-        let tier = DiskTier::new("u", 4 * row, segments)?;
+        let tier = DiskTier::new("u", 4 * row, segments, ReadShape::DEFAULT)?;
         let mut out = vec![0u8; 4 * row];
         tier.read_into(0..4 * row, &mut out)?;
         for k in 0..4 {
@@ -1166,24 +1153,6 @@ mod tests {
     }
 
     #[test]
-    fn read_shape_takes_valid_overrides_only() {
-        let d = ReadShape::DEFAULT;
-        assert_eq!(ReadShape::from_vars(None, None), d);
-        assert_eq!(ReadShape::from_vars(Some(""), Some(" ")), d);
-        let s = ReadShape::from_vars(Some("8"), Some("32"));
-        assert_eq!((s.threads, s.piece), (8, 32 << 20));
-        for bad in ["0", "65", "-1", "x", "1.5"] {
-            assert_eq!(
-                ReadShape::from_vars(Some(bad), None).threads,
-                d.threads,
-                "{bad}"
-            );
-        }
-        assert_eq!(ReadShape::from_vars(None, Some("257")).piece, d.piece);
-        assert_eq!(ReadShape::from_vars(None, Some("1")).piece, 1 << 20);
-    }
-
-    #[test]
     fn read_ahead_serves_reads_and_still_checks_the_file() -> anyhow::Result<()> {
         let dir =
             std::env::temp_dir().join(format!("candle-offload-readahead-{}", std::process::id()));
@@ -1192,7 +1161,12 @@ mod tests {
         let data: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
         std::fs::write(&path, &data)?;
         let file = DiskFile::open(&path, false)?;
-        let tier = DiskTier::new("u", 10_000, vec![plain(&file, "t", 0, 10_000, 0)])?;
+        let tier = DiskTier::new(
+            "u",
+            10_000,
+            vec![plain(&file, "t", 0, 10_000, 0)],
+            ReadShape::DEFAULT,
+        )?;
         let pool = ReadPool::new(2)?;
         assert_eq!(tier.read_ahead_state(), ReadAhead::None);
         assert!(tier.read_ahead(&pool));
@@ -1220,6 +1194,7 @@ mod tests {
             "v",
             10_000,
             vec![plain(&DiskFile::open(&path, false)?, "t", 0, 10_000, 0)],
+            ReadShape::DEFAULT,
         )?;
         let pool = ReadPool::new(1)?;
         tier.read_ahead(&pool);
@@ -1243,8 +1218,13 @@ mod tests {
         let seg = |at, len, file_offset| plain(&file, "t", at, len, file_offset);
         // The same length; the first covers every byte, the second leaves 0..256 and
         // 1256..1512 as gaps.
-        let full = DiskTier::new("full", 2000, vec![seg(0, 2000, 0)])?;
-        let gappy = DiskTier::new("gappy", 2000, vec![seg(256, 1000, 7), seg(1512, 488, 3000)])?;
+        let full = DiskTier::new("full", 2000, vec![seg(0, 2000, 0)], ReadShape::DEFAULT)?;
+        let gappy = DiskTier::new(
+            "gappy",
+            2000,
+            vec![seg(256, 1000, 7), seg(1512, 488, 3000)],
+            ReadShape::DEFAULT,
+        )?;
         let pool = ReadPool::new(1)?;
         for _ in 0..3 {
             for tier in [&full, &gappy] {
@@ -1292,6 +1272,7 @@ mod tests {
                     seg("b", a + 4096, b, 5),
                     seg("c", a + 4096 + b, c, (4 << 20) + 500),
                 ],
+                ReadShape::DEFAULT,
             )?;
             let mut want = vec![0u8; unit_len];
             want[..a].copy_from_slice(&data[(1 << 20) + 17..(1 << 20) + 17 + a]);

@@ -1087,7 +1087,7 @@ fn qlinear4_quantize_x<T: DeviceRepr + WithDType>(
 }
 
 /// `linear_small` with weights of GGML blocks (`qlinear_small_m<M>_<type>_<dtype>` and the
-/// other variants' kernels, the one [`crate::ops::qlinear_variant_for`] gives the block type):
+/// other variants' kernels, the one `tuning` gives the block type):
 /// x (m, k) times one to three weights (n_i, k) of one block type, concatenated or (`silu`, two
 /// weights) as silu(x·w0ᵀ)·(x·w1ᵀ). The weights' device buffers are Candle's quantized
 /// storages, read through their device pointers on the device's stream. Variant 4 launches
@@ -1105,17 +1105,18 @@ pub(crate) fn qlinear_small(
     silu: bool,
     pre: Option<&CudaStorage>,
     q8_out: bool,
+    tuning: &crate::tuning::KernelTuning,
 ) -> Result<(CudaStorage, Option<CudaStorage>)> {
     use candle_core::cuda_backend::CudaStorageSlice as S;
     type Out<T> = (CudaSlice<T>, Option<CudaSlice<u8>>);
     fn run<T: DeviceRepr + WithDType + ValidAsZeroBits>(
         dev: &CudaDevice,
-        x: &CudaSlice<T>,
-        xl: &Layout,
+        (x, xl): (&CudaSlice<T>, &Layout),
         ws: &[&candle_core::quantized::QTensor],
         silu: bool,
         pre: Option<&CudaSlice<u8>>,
         q8_out: bool,
+        tuning: &crate::tuning::KernelTuning,
     ) -> Result<Out<T>> {
         let (m, k) = xl.shape().dims2()?;
         let ggml = ws.first().map(|w| w.dtype());
@@ -1158,7 +1159,7 @@ pub(crate) fn qlinear_small(
         let block_bytes = ws[0].dtype().type_size();
         // The kernel, the output columns one warp computes, the shared memory of a block of
         // threads and, for variant 3, the chunk of x it quantizes at once (in blocks).
-        let variant = crate::ops::qlinear_variant_for(ws[0].dtype());
+        let variant = tuning.qlinear_variant(ws[0].dtype());
         let kquant = crate::ops::is_qlinear_k_type(ws[0].dtype());
         // Warps a column group (qlinear3ks2_small: 2).
         let mut splits = 1usize;
@@ -1172,7 +1173,7 @@ pub(crate) fn qlinear_small(
                     crate::ops::QlinearVariant::V3 | crate::ops::QlinearVariant::V4
                 ) =>
             {
-                if crate::ops::qlinear_k_rows() == 2 && bound <= 2 && qname == "q4_k" {
+                if tuning.qlinear_k_rows == 2 && bound <= 2 && qname == "q4_k" {
                     (format!("qlinear_k2_small_r2_m{bound}_{qname}"), 2, 0, None)
                 } else {
                     (format!("qlinear_k_small_m{bound}_{qname}"), 1, 0, None)
@@ -1215,7 +1216,7 @@ pub(crate) fn qlinear_small(
                     // K-quant blocks up to 2 rows of x: two warps a column group where the grid
                     // is small (qlinear3ks2_small), their sums' static shared memory beside x.
                     splits = if kquant && bound <= 2 {
-                        match crate::ops::qlinear_k_splits() {
+                        match tuning.qlinear_k_splits {
                             1 => 1,
                             2 => 2,
                             _ if cols.div_ceil(QLINEAR_WARPS * cols_per_warp)
@@ -1388,9 +1389,9 @@ pub(crate) fn qlinear_small(
     }
     let dev = &x.device;
     let (slice, yq) = match &x.slice {
-        S::F32(v) => wrap(run(dev, v, xl, ws, silu, pre, q8_out)?, S::F32),
-        S::F16(v) => wrap(run(dev, v, xl, ws, silu, pre, q8_out)?, S::F16),
-        S::BF16(v) => wrap(run(dev, v, xl, ws, silu, pre, q8_out)?, S::BF16),
+        S::F32(v) => wrap(run(dev, (v, xl), ws, silu, pre, q8_out, tuning)?, S::F32),
+        S::F16(v) => wrap(run(dev, (v, xl), ws, silu, pre, q8_out, tuning)?, S::F16),
+        S::BF16(v) => wrap(run(dev, (v, xl), ws, silu, pre, q8_out, tuning)?, S::BF16),
         _ => candle_core::bail!("qlinear_small: unsupported dtype {:?}", x.dtype()),
     };
     let storage = |slice| CudaStorage {

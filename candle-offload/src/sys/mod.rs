@@ -22,7 +22,7 @@ pub(crate) mod simd;
 pub(crate) mod simd_k;
 pub(crate) mod spin;
 
-pub(crate) use disk::{Conversion, DiskFile, DiskTier, ReadAhead, ReadPool, Segment};
+pub(crate) use disk::{Conversion, DiskFile, DiskTier, ReadAhead, ReadPool, ReadShape, Segment};
 
 #[cfg(feature = "cuda")]
 #[path = "cuda.rs"]

@@ -69,7 +69,11 @@ pub(crate) enum StepGraph {}
 pub(crate) enum CudaEngine {}
 
 impl CudaEngine {
-    pub(crate) fn new(_device: &Device, _event_tracking: bool) -> SysResult<Self> {
+    pub(crate) fn new(
+        _device: &Device,
+        _event_tracking: bool,
+        _weight_pool: bool,
+    ) -> SysResult<Self> {
         Err(SysError::NotCompiledWithCuda {
             what: "a GPU offload runtime",
         })

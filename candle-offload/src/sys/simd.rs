@@ -67,39 +67,6 @@ pub(crate) fn has_avx2() -> bool {
     }
 }
 
-/// Overrides [`DEFAULT_PREFETCH_BYTES`] for the process (read once; 0 to 65536, 0 turns the
-/// prefetch off).
-pub(crate) const PREFETCH_BYTES_ENV: &str = "CANDLE_OFFLOAD_CPU_PREFETCH_BYTES";
-
-/// How many bytes ahead of its reads of a weight row the dense and Q8_0 kernels ask the memory
-/// for a line.
-const DEFAULT_PREFETCH_BYTES: usize = 4096;
-
-/// [`prefetch_bytes`]' value, `usize::MAX` until first read.
-pub(crate) static PREFETCH_BYTES: std::sync::atomic::AtomicUsize =
-    std::sync::atomic::AtomicUsize::new(usize::MAX);
-
-/// The bytes ahead the kernels prefetch: [`PREFETCH_BYTES_ENV`]'s value where set to a whole
-/// number from 0 to 65536 (anything else is ignored with a warning), otherwise
-/// [`DEFAULT_PREFETCH_BYTES`].
-#[inline]
-pub(crate) fn prefetch_bytes() -> usize {
-    use std::sync::atomic::Ordering;
-    let v = PREFETCH_BYTES.load(Ordering::Relaxed);
-    if v != usize::MAX {
-        return v;
-    }
-    let v = prefetch_bytes_from(std::env::var(PREFETCH_BYTES_ENV).ok().as_deref());
-    PREFETCH_BYTES.store(v, Ordering::Relaxed);
-    v
-}
-
-/// [`prefetch_bytes`] from the variable's value `var` (`None`: unset).
-fn prefetch_bytes_from(var: Option<&str>) -> usize {
-    crate::settings::env_number(PREFETCH_BYTES_ENV, var, 0..=65536)
-        .map_or(DEFAULT_PREFETCH_BYTES, |n| n as usize)
-}
-
 /// Whether this CPU runs the AVX-512 kernels of the F32-activation dot products (detected
 /// once).
 pub(crate) fn has_avx512() -> bool {
@@ -215,12 +182,13 @@ pub(crate) fn dot_q4_1_q8_1_rows(x: &[u8], ys: &[u8], scales: &[f32], out: &mut 
 }
 
 /// The dot product of Q8_0 blocks `x` with Q8_0 blocks `y` (the same number of blocks).
-pub(crate) fn dot_q8_0_q8_0(x: &[u8], y: &[u8]) -> f32 {
+///
+/// `pf`: the bytes ahead of its reads of `x` the kernel prefetches (0: none).
+pub(crate) fn dot_q8_0_q8_0(x: &[u8], y: &[u8], pf: usize) -> f32 {
     let nb = x.len() / Q8_0_BYTES;
     assert!(x.len() == nb * Q8_0_BYTES && y.len() == nb * Q8_0_BYTES);
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        let pf = prefetch_bytes();
         // SAFETY: the CPU has AVX2, FMA and F16C (checked above), and both slices hold `nb`
         // whole Q8_0 blocks (checked above).
         return unsafe { avx2::dot_q8_0_q8_0(x, y, nb, pf) };
@@ -409,34 +377,36 @@ pub(crate) fn dot_q4_1_f32_rows_cols4(x: [&[u8]; 4], ys: &[f32], out: &mut [&mut
 /// activations `y`: each block of `y` loaded once for both, two independent chains of memory
 /// reads and additions (a decode step). Each result is the same number, bit for bit, as
 /// [`dot_q8_0_f32`] gives for its row.
-pub(crate) fn dot_q8_0_f32_pair(x0: &[u8], x1: &[u8], y: &[f32]) -> (f32, f32) {
+/// `pf` as for [`dot_q8_0_q8_0`].
+pub(crate) fn dot_q8_0_f32_pair(x0: &[u8], x1: &[u8], y: &[f32], pf: usize) -> (f32, f32) {
     let nb = x0.len() / Q8_0_BYTES;
     assert!(x0.len() == nb * Q8_0_BYTES && x1.len() == x0.len() && y.len() == nb * QK);
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
         // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked above), and the lengths
         // were checked: `x0` and `x1` hold `nb` whole Q8_0 blocks each and `y` `nb * 32` values.
-        return unsafe { avx512::dot_q8_0_f32_pair(x0, x1, y, nb, prefetch_bytes()) };
+        return unsafe { avx512::dot_q8_0_f32_pair(x0, x1, y, nb, pf) };
     }
-    (dot_q8_0_f32(x0, y), dot_q8_0_f32(x1, y))
+    (dot_q8_0_f32(x0, y, pf), dot_q8_0_f32(x1, y, pf))
 }
 
 /// The dot product of Q8_0 blocks `x` with F32 activations `y` (32 per block), the activations
 /// not quantized.
-pub(crate) fn dot_q8_0_f32(x: &[u8], y: &[f32]) -> f32 {
+/// `pf` as for [`dot_q8_0_q8_0`].
+pub(crate) fn dot_q8_0_f32(x: &[u8], y: &[f32], pf: usize) -> f32 {
     let nb = x.len() / Q8_0_BYTES;
     assert!(x.len() == nb * Q8_0_BYTES && y.len() == nb * QK);
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
         // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked above), and the lengths
         // were checked: `x` holds `nb` whole Q8_0 blocks and `y` `nb * 32` values.
-        return unsafe { avx512::dot_q8_0_f32(x, y, nb, prefetch_bytes()) };
+        return unsafe { avx512::dot_q8_0_f32(x, y, nb, pf) };
     }
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked above), and the lengths were checked:
         // `x` holds `nb` whole Q8_0 blocks and `y` `nb * 32` values.
-        return unsafe { avx2::dot_q8_0_f32(x, y, nb, prefetch_bytes()) };
+        return unsafe { avx2::dot_q8_0_f32(x, y, nb, pf) };
     }
     dot_q8_0_f32_scalar(x, y)
 }
@@ -1103,7 +1073,7 @@ macro_rules! by_rows {
 #[cfg(test)]
 pub(crate) fn dot_dense_rows(w: DenseRow<'_>, xs: &[f32], out: &mut [f32]) {
     out.fill(0.0);
-    dot_dense_rows_add(w, xs, w.len(), out);
+    dot_dense_rows_add(w, xs, w.len(), out, crate::tuning::CPU_PREFETCH_BYTES);
 }
 
 /// The dot products of one dense weight row `w` (`k` values in F16, BF16 or F32) with each of
@@ -1112,7 +1082,14 @@ pub(crate) fn dot_dense_rows(w: DenseRow<'_>, xs: &[f32], out: &mut [f32]) {
 /// that a decode step of a few rows reads each weight once (and the matmul can walk `k` in
 /// blocks whose activations stay in L1). AVX-512 (16 lanes), else AVX2/FMA/F16C (8 lanes),
 /// detected at run time, else scalar.
-pub(crate) fn dot_dense_rows_add(w: DenseRow<'_>, xs: &[f32], ldx: usize, out: &mut [f32]) {
+/// `pf` as for [`dot_q8_0_q8_0`].
+pub(crate) fn dot_dense_rows_add(
+    w: DenseRow<'_>,
+    xs: &[f32],
+    ldx: usize,
+    out: &mut [f32],
+    pf: usize,
+) {
     let k = w.len();
     let m = out.len();
     assert!(ldx >= k && (m == 0 || xs.len() >= (m - 1) * ldx + k));
@@ -1126,7 +1103,6 @@ pub(crate) fn dot_dense_rows_add(w: DenseRow<'_>, xs: &[f32], ldx: usize, out: &
             let m = out.len();
             let x = xs.as_ptr();
             let avx512 = has_avx512();
-            let pf = prefetch_bytes();
             // SAFETY: the CPU has AVX2, FMA and F16C (checked), and AVX-512F where
             // `dense_avx512` runs (`avx512`); `w` holds `k` values of the type `D` names, `xs`
             // `m` rows of `k` values `ldx` apart (checked above: `xs` starts at row
@@ -1197,7 +1173,7 @@ const fn size<const D: u8>() -> usize {
 }
 
 /// Asks the memory for the cache line `pf` bytes past byte `at` of a weight row at `p` (a
-/// kernel's next reads, `pf` from [`prefetch_bytes`]); nothing where `pf` is 0. Any address
+/// kernel's next reads, `pf` as its caller was given it); nothing where `pf` is 0. Any address
 /// will do: a prefetch never faults.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -1408,22 +1384,6 @@ mod dense_avx512 {
 mod tests {
     use super::*;
 
-    /// The variable's distance where it is one (0 included: off), the default otherwise.
-    #[test]
-    fn prefetch_bytes_take_the_variable_or_the_default() {
-        assert_eq!(prefetch_bytes_from(None), DEFAULT_PREFETCH_BYTES);
-        assert_eq!(prefetch_bytes_from(Some("0")), 0);
-        assert_eq!(prefetch_bytes_from(Some(" 2048 ")), 2048);
-        assert_eq!(prefetch_bytes_from(Some("65536")), 65536);
-        for bad in ["", "65537", "-1", "4k", "1.5"] {
-            assert_eq!(
-                prefetch_bytes_from(Some(bad)),
-                DEFAULT_PREFETCH_BYTES,
-                "{bad:?}"
-            );
-        }
-    }
-
     fn ramp(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
             .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 250.0 - 2.0)
@@ -1465,14 +1425,20 @@ mod tests {
         {
             let (mut x8b, yf8) = (vec![0u8; x8.len()], ramp(k, 17));
             quantize_q8_0(&ramp(k, 5), &mut x8b);
-            let pair = dot_q8_0_f32_pair(&x8, &x8b, &yf8);
-            let single = (dot_q8_0_f32(&x8, &yf8), dot_q8_0_f32(&x8b, &yf8));
+            let pair = dot_q8_0_f32_pair(&x8, &x8b, &yf8, 4096);
+            let single = (
+                dot_q8_0_f32(&x8, &yf8, 4096),
+                dot_q8_0_f32(&x8b, &yf8, 4096),
+            );
             assert_eq!(
                 (pair.0.to_bits(), pair.1.to_bits()),
                 (single.0.to_bits(), single.1.to_bits())
             );
         }
-        let (a, b) = (dot_q8_0_q8_0(&x8, &y8), dot_q8_0_q8_0_scalar(&x8, &y8));
+        let (a, b) = (
+            dot_q8_0_q8_0(&x8, &y8, 4096),
+            dot_q8_0_q8_0_scalar(&x8, &y8),
+        );
         assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{a} {b}");
 
         // F32 activations: SIMD, scalar and the dequantized weights' plain dot agree.
@@ -1538,7 +1504,7 @@ mod tests {
             })
             .collect();
         let plain: f32 = deq8.iter().zip(&yf).map(|(a, b)| a * b).sum();
-        for v in [dot_q8_0_f32(&x8, &yf), dot_q8_0_f32_scalar(&x8, &yf)] {
+        for v in [dot_q8_0_f32(&x8, &yf, 4096), dot_q8_0_f32_scalar(&x8, &yf)] {
             assert!(
                 (v - plain).abs() <= 1e-4 * plain.abs().max(1.0),
                 "{v} {plain}"
@@ -1637,7 +1603,7 @@ mod tests {
         let xs = ramp(m * ldx, 41);
         let w = ramp(k, 43);
         let mut got = vec![1f32; m];
-        dot_dense_rows_add(DenseRow::F32(&w), &xs[5..], ldx, &mut got);
+        dot_dense_rows_add(DenseRow::F32(&w), &xs[5..], ldx, &mut got, 4096);
         for (r, g) in got.iter().enumerate() {
             let x = &xs[5 + r * ldx..5 + r * ldx + k];
             let want = 1.0 + w.iter().zip(x).map(|(a, b)| a * b).sum::<f32>();

@@ -4,8 +4,7 @@
 //! Candle's own `vec_dot` for these types (its AVX2 kernels) reads each row without asking
 //! the memory for anything ahead, and no prefetch can be put inside it. On the H200's 16-core
 //! host a K-quant host layer then read its blocks at about 46 GB/s, where the dense and Q8_0
-//! kernels read 80-95 with a prefetch 4096 bytes ahead ([`super::simd::prefetch_bytes`],
-//! BENCHMARKS.md stop 46). These kernels compute exactly what Candle's AVX2 `vec_dot` computes,
+//! kernels read 80-95 with a prefetch 4096 bytes ahead (docs/tuning.md). These kernels compute exactly what Candle's AVX2 `vec_dot` computes,
 //! in the same order (the integer sums are exact, and every float operation is the same one
 //! on the same lanes), so their results are Candle's bit for bit; they only add the prefetch.
 //! Without AVX2 they call Candle's `vec_dot`.
@@ -20,11 +19,11 @@ use candle_core::quantized::GgmlType;
 
 /// Row `x` of Q4_K blocks against activations `y` (as many Q8_K blocks): Candle's
 /// `BlockQ4K::vec_dot`, bit for bit, prefetching the row ahead.
-pub(crate) fn dot_q4k_q8k(x: &[BlockQ4K], y: &[BlockQ8K]) -> f32 {
+/// `pf`: the bytes ahead of its reads of `x` it prefetches (0: none).
+pub(crate) fn dot_q4k_q8k(x: &[BlockQ4K], y: &[BlockQ8K], pf: usize) -> f32 {
     assert_eq!(x.len(), y.len(), "Q4_K row against Q8_K activations");
     #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2() {
-        let pf = super::simd::prefetch_bytes();
         // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` and `y` are slices of
         // `x.len()` whole blocks of Candle's `#[repr(C)]` types, whose sizes are asserted below.
         return unsafe { avx2::dot_q4k_q8k(x.as_ptr().cast(), y.as_ptr().cast(), x.len(), pf) };
@@ -34,11 +33,11 @@ pub(crate) fn dot_q4k_q8k(x: &[BlockQ4K], y: &[BlockQ8K]) -> f32 {
 
 /// Row `x` of Q6_K blocks against activations `y` (as many Q8_K blocks): Candle's
 /// `BlockQ6K::vec_dot`, bit for bit, prefetching the row ahead.
-pub(crate) fn dot_q6k_q8k(x: &[BlockQ6K], y: &[BlockQ8K]) -> f32 {
+/// `pf` as for [`dot_q4k_q8k`].
+pub(crate) fn dot_q6k_q8k(x: &[BlockQ6K], y: &[BlockQ8K], pf: usize) -> f32 {
     assert_eq!(x.len(), y.len(), "Q6_K row against Q8_K activations");
     #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2() {
-        let pf = super::simd::prefetch_bytes();
         // SAFETY: as in `dot_q4k_q8k`.
         return unsafe { avx2::dot_q6k_q8k(x.as_ptr().cast(), y.as_ptr().cast(), x.len(), pf) };
     }
@@ -304,19 +303,17 @@ mod tests {
             let want4 = BlockQ4K::vec_dot(k, &q4, &yq);
             let want6 = BlockQ6K::vec_dot(k, &q6, &yq);
             for pf in [0usize, 64, 4096] {
-                super::super::simd::PREFETCH_BYTES.store(pf, std::sync::atomic::Ordering::Relaxed);
                 assert_eq!(
-                    dot_q4k_q8k(&q4, &yq).to_bits(),
+                    dot_q4k_q8k(&q4, &yq, pf).to_bits(),
                     want4.to_bits(),
                     "Q4_K nb {nb}"
                 );
                 assert_eq!(
-                    dot_q6k_q8k(&q6, &yq).to_bits(),
+                    dot_q6k_q8k(&q6, &yq, pf).to_bits(),
                     want6.to_bits(),
                     "Q6_K nb {nb}"
                 );
             }
         }
-        super::super::simd::PREFETCH_BYTES.store(usize::MAX, std::sync::atomic::Ordering::Relaxed);
     }
 }

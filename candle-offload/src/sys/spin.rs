@@ -21,15 +21,20 @@ use std::time::{Duration, Instant};
 /// How long an idle worker spins before it parks.
 const SPIN: Duration = Duration::from_millis(5);
 
-/// Overrides the threads a region runs on (the caller and the workers), read once when the
-/// pool starts: 1 to 1024. By default, one per core the process may use
-/// (`available_parallelism`).
-pub(crate) const THREADS_ENV: &str = "CANDLE_OFFLOAD_CPU_THREADS";
+/// The threads a region runs on (the caller and the workers) asked for before the pool
+/// started ([`ask_threads`]); unset: one per core the process may use.
+static ASKED: OnceLock<usize> = OnceLock::new();
 
-/// The threads a region runs on: [`THREADS_ENV`]'s value `var` where it is a whole number from
-/// 1 to 1024 (anything else is ignored with a warning), otherwise `cores`; at least 1.
-fn pool_threads(var: Option<&str>, cores: usize) -> usize {
-    crate::settings::env_number(THREADS_ENV, var, 1..=1024).map_or(cores.max(1), |n| n as usize)
+/// Asks for a pool of `threads` threads (the caller and the workers; at least 1). The pool is
+/// one per process, made on the first region: the first ask before that sizes it, and the
+/// returned value is the size it has or will have, which differs from `threads` when the pool
+/// was sized by an earlier ask (or started without one).
+pub(crate) fn ask_threads(threads: usize) -> usize {
+    let _ = ASKED.set(threads.max(1));
+    match POOL.get() {
+        Some(pool) => pool.workers().len() + 1,
+        None => *ASKED.get().expect("set above"),
+    }
 }
 
 /// One region's chunk function over type-erased chunk pointers.
@@ -76,7 +81,7 @@ static POOL: OnceLock<&'static Pool> = OnceLock::new();
 fn pool() -> &'static Pool {
     POOL.get_or_init(|| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let n = pool_threads(std::env::var(THREADS_ENV).ok().as_deref(), cores) - 1;
+        let n = ASKED.get().copied().unwrap_or(cores).max(1) - 1;
         let pool: &'static Pool = Box::leak(Box::new(Pool {
             job: Mutex::new(None),
             epoch: AtomicU64::new(0),
@@ -269,20 +274,6 @@ unsafe impl<T: Send> Sync for SendPtr<T> {}
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The variable's count where it is one, the cores otherwise (unset, empty, zero, too
-    /// many, not a number).
-    #[test]
-    fn pool_threads_take_the_variable_or_the_cores() {
-        assert_eq!(pool_threads(None, 16), 16);
-        assert_eq!(pool_threads(Some(" 8 "), 16), 8);
-        assert_eq!(pool_threads(Some("1"), 16), 1);
-        assert_eq!(pool_threads(Some("24"), 16), 24);
-        for bad in ["", "0", "1025", "-3", "eight", "2.5"] {
-            assert_eq!(pool_threads(Some(bad), 16), 16, "{bad:?}");
-        }
-        assert_eq!(pool_threads(None, 0), 1);
-    }
 
     /// Every element is visited once by the chunk that holds it, over many regions in a row,
     /// with uneven last chunks; nested calls (a task calling in) run inline.

@@ -113,16 +113,11 @@ struct Captured {
     hidden: Option<Tensor>,
 }
 
-/// Whether a new model replays its decode steps from graphs: unless `CANDLE_OFFLOAD_GRAPHS=0`.
-pub(super) fn on_by_default() -> bool {
-    std::env::var("CANDLE_OFFLOAD_GRAPHS").as_deref() != Ok("0")
-}
-
-impl Default for Graphs {
-    /// On unless `CANDLE_OFFLOAD_GRAPHS=0`.
-    fn default() -> Self {
+impl Graphs {
+    /// A model's graphs, on or off as its tuning says ([`candle_offload::Tuning::graphs`]).
+    pub(super) fn new(on: bool) -> Self {
         Self {
-            on: AtomicBool::new(on_by_default()),
+            on: AtomicBool::new(on),
             state: Mutex::new(State::default()),
         }
     }

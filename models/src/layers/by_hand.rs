@@ -39,7 +39,7 @@ struct Proj {
 
 impl Proj {
     fn of(l: &Linear, dtype: DType) -> Option<Self> {
-        let Linear::Dense(d) = l else { return None };
+        let Linear::Dense(d, _) = l else { return None };
         if d.weight().dtype() != dtype || d.weight().rank() != 2 {
             return None;
         }

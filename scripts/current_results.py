@@ -1,0 +1,602 @@
+#!/usr/bin/env python3
+"""Regenerate benches/current.json, the current-results table, from the raw result files.
+
+    python3 scripts/current_results.py            # rewrite the files below
+    python3 scripts/current_results.py --check    # exit 1 where any of them differs
+
+It reads the raw records under benches/results/ (through benches/results/index.json), picks for
+every measured configuration the newest record of our default configuration that has its peer
+measured in the same call, and writes:
+
+- benches/current.json: one row per configuration and metric (fields in FIELDS);
+- BENCHMARKS.md: the summary tables between `<!-- current:begin -->` and `<!-- current:end -->`;
+- README.md: a compact "results at a glance" between `<!-- glance:begin -->` and
+  `<!-- glance:end -->`, where README.md has those markers;
+- benches/results/index.json: the `current` flag of every entry (true for the files that feed
+  a row); the other fields of the index are written by hand.
+
+Every number comes from the raw files. What this script holds is the selection: which raw
+files may hold a family's newest measurement (SOURCES), what counts as our default there
+(the `*_default` functions), and which configurations the grid expects (GRID_EXPECTED), so
+that a configuration never measured shows up as such. A new measurement goes in as a raw
+file plus its index entry; add the file to SOURCES and rerun this script.
+
+Python 3 standard library only.
+"""
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = "benches/results"
+INDEX = f"{RESULTS}/index.json"
+CURRENT = "benches/current.json"
+BENCHMARKS = "BENCHMARKS.md"
+README = "README.md"
+MARKERS = {
+    BENCHMARKS: ("<!-- current:begin -->", "<!-- current:end -->"),
+    README: ("<!-- glance:begin -->", "<!-- glance:end -->"),
+}
+
+FIELDS = [
+    "benchmark", "model", "weights", "budget_gib", "prompt_len", "metric",
+    "ours", "peer", "peer_value", "ratio",
+    "peak_mib", "budget_mib", "within_budget",
+    "commit", "date", "source",
+]
+MIB = 1 << 20
+
+# -- the selection --------------------------------------------------------------------------
+# Raw files that may hold the newest measurement of each family, relative to benches/results/.
+# Within a family the newest default record of a configuration wins (file date, then device
+# call, then order in the file), so an older file listed here only fills what newer ones lack.
+SOURCES = {
+    # bench_generate on the GPU, llama.cpp on the same GGUF file in the same process.
+    "generate-gpu": [
+        "2026-12-04/2026-12-04-stop48-q4_k_m-trim-every-unmatched-free-fdb199e-h200.json",
+        "2026-12-04/2026-12-04-stop48-q4_k_m-4gib-9736af5-h200.json",
+        "2026-12-04/2026-12-04-stop49-grid-13b-q8_0-7b-f16-q8_0-d7971bb-h200.json",
+        "2026-12-04/2026-12-04-stop50-grid-7b-q4_0-q4_k_m-a61df2c-h200.json",
+        "2026-12-04/2026-12-04-stop51-p64-gemm-from-64-e095323-h200.json",
+        "2026-12-04/2026-12-04-stop51-spread-resident-loss-9e01ec2-h200.json",
+    ],
+    # scripts/cpu_default_bench.py: generate --cpu on the default model, llama.cpp's Python
+    # binding in the same run, prompt by prompt, round by round.
+    "generate-cpu": [
+        "2026-12-04/2026-12-04-stop49-cpu-default-model-3ab4984.json",
+        "2026-12-04/2026-12-04-stop49-cpu-default-model-9437729.json",
+        "2026-12-04/2026-12-04-stop51-cpu-default-model-fc29c6d-run1.json",
+        "2026-12-04/2026-12-04-stop51-cpu-default-model-fc29c6d-run2.json",
+    ],
+    # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
+    "train": [
+        "2026-12-01/2026-12-01-train-hand-first-h200.json",
+        "2026-12-01/2026-12-01-train-scaler-rows-h200.json",
+        "2026-12-01/2026-12-01-train-hand-backward-h200.json",
+        "2026-12-01/2026-12-01-train-head-by-hand-h200.json",
+        "2026-12-01/2026-12-01-train-head-by-hand-f32-offload-h200.json",
+    ],
+}
+
+# The grid the GPU rows should cover: (model size, weights) x budgets (GiB, None = all on the
+# GPU) x prompt lengths. A configuration with no record is listed under the table.
+GRID_EXPECTED = [
+    (size, w, b, p)
+    for size, ws, budgets in [
+        ("7b", ["f16", "q8_0", "q4_k_m", "q4_0"], [4, 8, 12, None]),
+        ("13b", ["q4_k_m", "q8_0"], [4, 8, 12, None]),
+    ]
+    for w in ws
+    for b in budgets
+    for p in (64, 512)
+]
+TRAIN_CONFIGS = ["none", "layer", "sqrt"]
+TRAIN_PRECISIONS = ["bf16", "f16", "f32"]
+
+
+def grid_default(r):
+    """A bench_generate record of generate's default choices, next to llama.cpp.
+
+    `--host-layers spread:auto` is generate's default; every tuning variable unset, each
+    block type's own kernel, the explicit engine, graphs and the prompt GEMM on. The grid runs
+    `--q8-activations` and `--prefetch-depth 2` throughout (see the table's note)."""
+    env_set = [k for k, v in r.items() if k.endswith("_env") and v is not None]
+    return (
+        r.get("batch", 1) == 1
+        and r.get("host_layers_choice") == "SpreadAuto"
+        and r.get("qlinear_variant", "default") == "default"
+        and not env_set
+        and r.get("engine", "explicit") == "explicit"
+        and r.get("graphs", True) is True
+        and r.get("prefill_gemm", True) is True
+        and r.get("quantize_on_load") is None
+        and not r.get("disk_page_cache")
+        and bool(r.get("llamacpp_decode_tokens_per_s"))
+    )
+
+
+def train_default(c):
+    """A bench_train configuration as the trainer runs it by default (the layer's backward by
+    hand), finished without error."""
+    return c.get("hand_backward") is True and c.get("error") is None and not c.get("host_profile")
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def load(rel):
+    with open(ROOT / RESULTS / rel) as f:
+        return json.load(f)
+
+
+def day(doc):
+    return str(doc["date"])[:10]
+
+
+def rnd(x, digits):
+    if x is None:
+        return None
+    v = round(float(x), digits)
+    return int(v) if digits == 0 else v
+
+
+def gib(x):
+    """A budget in GiB: an integer where it is one."""
+    if x is None:
+        return None
+    v = round(float(x), 2)
+    return int(v) if v == int(v) else v
+
+
+def ratio(ours, peer, higher_is_better):
+    if not ours or not peer:
+        return None
+    return round(ours / peer if higher_is_better else peer / ours, 4)
+
+
+def call_number(r):
+    m = re.search(r"device call (\d+)", str(r.get("call", "")))
+    return int(m.group(1)) if m else -1
+
+
+def row(**kw):
+    missing = [f for f in FIELDS if f not in kw]
+    assert not missing and len(kw) == len(FIELDS), f"row fields: missing {missing}"
+    return {f: kw[f] for f in FIELDS}
+
+
+# -- families ---------------------------------------------------------------------------------
+def gpu_rows():
+    best = {}
+    for rel in SOURCES["generate-gpu"]:
+        doc = load(rel)
+        for i, r in enumerate(doc["records"]):
+            if not grid_default(r):
+                continue
+            size, w = r["weights"].split("-", 1)
+            b = None if r["budget"] == "full" else float(r["budget"])
+            key = (size, w, b, r["prompt_len"])
+            order = (str(doc["date"]), call_number(r), i)
+            if key not in best or order > best[key][0]:
+                best[key] = (order, rel, doc, r)
+    rows = []
+    for key in sorted(best, key=lambda k: GRID_EXPECTED.index(k) if k in GRID_EXPECTED else 1e9):
+        _, rel, doc, r = best[key]
+        size, w, b, p = key
+        peak = r["peak_device_bytes"] / MIB
+        budget_mib = r["budget_bytes"] / MIB if r.get("budget_bytes") else None
+        common = dict(
+            benchmark="generate-gpu",
+            model=f"LLaMA {size.upper()} shape",
+            weights=w.upper(),
+            budget_gib=gib(b),
+            prompt_len=p,
+            peer="llama.cpp",
+            peak_mib=rnd(peak, 0),
+            budget_mib=rnd(budget_mib, 0),
+            within_budget=(r["peak_within_budget"] if budget_mib else None),
+            commit=str(doc["commit"]),
+            date=day(doc),
+            source=f"{RESULTS}/{rel}",
+        )
+        for metric, ours, peer in [
+            ("decode_tokens_per_s", r["decode_tokens_per_s"], r["llamacpp_decode_tokens_per_s"]),
+            ("prefill_tokens_per_s", r["prefill_tokens_per_s"], r.get("llamacpp_prefill_tokens_per_s")),
+        ]:
+            if ours and peer:
+                rows.append(row(metric=metric, ours=rnd(ours, 2), peer_value=rnd(peer, 2),
+                                ratio=ratio(ours, peer, True), **common))
+    return rows
+
+
+def cpu_rows():
+    newest = None
+    for rel in SOURCES["generate-cpu"]:
+        doc = load(rel)
+        q = [r for r in doc["records"] if r.get("mode") == "default"]
+        if q and (newest is None or str(doc["date"]) > str(newest[1]["date"])):
+            newest = (rel, doc, q)
+    if newest is None:
+        return []
+    rel, doc, q = newest
+    m = re.search(r"([\w.-]+?)\.(Q\w+|F16|F32|BF16)\.gguf", doc["command"])
+    model, weights = (m.group(1), m.group(2)) if m else ("default model", None)
+    rows = []
+    for metric, ours_k, peer_k, ratio_k in [
+        ("decode_tokens_per_s", "decode_tokens_per_s", "llamacpp_decode_tokens_per_s", "cpu_vs_llamacpp"),
+        ("prefill_tokens_per_s", "prefill_tokens_per_s", "llamacpp_prefill_tokens_per_s", "prefill_vs_llamacpp"),
+    ]:
+        # Rounds of paired runs: each side's median, and the median of the pairs' ratios (the
+        # harness's own summary, which this recomputes and checks).
+        r_med = statistics.median(r[ratio_k] for r in q)
+        if not math.isclose(r_med, doc[ratio_k], rel_tol=1e-9):
+            sys.exit(f"{rel}: {ratio_k} is {doc[ratio_k]}, its records' median {r_med}")
+        rows.append(row(
+            benchmark="generate-cpu", model=model, weights=weights, budget_gib=None,
+            prompt_len=None, metric=metric,
+            ours=rnd(statistics.median(r[ours_k] for r in q), 2), peer="llama.cpp",
+            peer_value=rnd(statistics.median(r[peer_k] for r in q), 2), ratio=round(r_med, 4),
+            peak_mib=None, budget_mib=None, within_budget=None,
+            commit=str(doc["commit"]), date=day(doc), source=f"{RESULTS}/{rel}"))
+    return rows
+
+
+def train_rows():
+    best = {}
+    for rel in SOURCES["train"]:
+        doc = load(rel)
+        recs = doc["records"]
+        shape = recs["shape"]
+        for c in recs["configs"]:
+            if not train_default(c):
+                continue
+            offload = bool(c.get("offload"))
+            if not offload and not (c.get("pytorch") and c.get("step_time_vs_pytorch")):
+                continue  # a resident row counts only next to PyTorch's of the same call
+            key = c["config"]
+            if key not in best or str(doc["date"]) > str(best[key][1]["date"]):
+                best[key] = (rel, doc, c, shape)
+    rows = []
+    order = [f"{k}-{p}" for p in TRAIN_PRECISIONS for k in TRAIN_CONFIGS]
+    for key in sorted(best, key=lambda k: (k.startswith("offload"), order.index(k) if k in order else k)):
+        rel, doc, c, shape = best[key]
+        params = c["parameters"] / 1e9
+        common = dict(
+            model=f"LLaMA {params:.1f}B shape",
+            weights=c["precision"].upper(),
+            prompt_len=None,
+            commit=str(doc["commit"]),
+            date=day(doc),
+            source=f"{RESULTS}/{rel}",
+        )
+        if c.get("offload"):
+            budget = c["budget_bytes"]
+            rows.append(row(
+                benchmark="train-offload", budget_gib=gib(budget / (1 << 30)), metric="step_s",
+                ours=rnd(c["step_s"], 4), peer=None, peer_value=None, ratio=None,
+                peak_mib=rnd(c["peak_over_context_bytes"] / MIB, 0), budget_mib=rnd(budget / MIB, 0),
+                within_budget=c["budget_holds_driver"], **common))
+            continue
+        pt = c["pytorch"]
+        peak = c["peak_device_bytes"] / MIB
+        bench = "train-" + c["config"].split("-")[0]
+        rows.append(row(
+            benchmark=bench, budget_gib=None, metric="step_s",
+            ours=rnd(c["step_s"], 4), peer="PyTorch", peer_value=rnd(pt["step_s"], 4),
+            ratio=ratio(c["step_s"], pt["step_s"], False),
+            peak_mib=rnd(peak, 0), budget_mib=None, within_budget=None, **common))
+        rows.append(row(
+            benchmark=bench, budget_gib=None, metric="peak_mib",
+            ours=rnd(peak, 0), peer="PyTorch", peer_value=rnd(pt["peak_device_bytes"] / MIB, 0),
+            ratio=ratio(c["peak_device_bytes"], pt["peak_device_bytes"], False),
+            peak_mib=rnd(peak, 0), budget_mib=None, within_budget=None, **common))
+    return rows
+
+
+def machines():
+    """One line per family: the machine its sources name."""
+    out = {}
+    for fam, rels in SOURCES.items():
+        names = set()
+        for rel in rels:
+            m = load(rel).get("machine") or {}
+            gpu = (m.get("gpu") or {}).get("name") if isinstance(m.get("gpu"), dict) else m.get("gpu")
+            cpu = f"{m.get('cores')}-core {m.get('cpu')} host" if m.get("cores") else None
+            names.add(", ".join(x for x in [gpu, cpu] if x))
+        out[fam] = "; ".join(sorted(n for n in names if n))
+    return out
+
+
+# -- rendering --------------------------------------------------------------------------------
+def fmt(x, digits=2):
+    if x is None:
+        return "-"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return f"{x:,.{digits}f}"
+
+
+def budget_label(b):
+    return "all on the GPU" if b is None else f"{fmt(b, 0) if b == int(b) else b} GiB"
+
+
+def measured(r):
+    return f"{r['date']}, `{r['commit'][:7]}`, [json]({r['source']})"
+
+
+def by_key(rows, *fields):
+    out = {}
+    for r in rows:
+        out.setdefault(tuple(r[f] for f in fields), []).append(r)
+    return out
+
+
+def render_benchmarks(rows):
+    mach = machines()
+    gpu = [r for r in rows if r["benchmark"] == "generate-gpu"]
+    cpu = [r for r in rows if r["benchmark"] == "generate-cpu"]
+    train = [r for r in rows if r["benchmark"].startswith("train-") and r["benchmark"] != "train-offload"]
+    off = [r for r in rows if r["benchmark"] == "train-offload"]
+    L = [
+        f"Generated by `scripts/current_results.py` from `{CURRENT}` ({len(rows)} rows); "
+        "CI checks that the two agree. \"x\" is ours over the peer's rate, or the peer's time or "
+        "memory over ours: above 1, ours is better.",
+        "",
+    ]
+    if gpu:
+        L += [
+            "### Generation on the GPU, against llama.cpp",
+            "",
+            f"{mach['generate-gpu']}; batch 1; random-weight LLaMA-shaped GGUF files; llama.cpp "
+            "on the same file in the same `bench_generate` process, its `-ngl` probed per budget "
+            "and prompt. Ours with generate's default `--host-layers spread:auto`, plus the "
+            "grid's `--q8-activations` (host layers multiply 8-bit activations, as llama.cpp "
+            "does) and `--prefetch-depth 2` (generate's default is 1); neither changes a row "
+            "where the whole model is on the GPU. Peak: device memory in use over the CUDA "
+            "context, polled.",
+            "",
+            "| model | weights | budget | prompt | decode tok/s, ours / llama.cpp | x | prefill tok/s, ours / llama.cpp | x | peak MiB (budget) | measured |",
+            "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | --- |",
+        ]
+        groups = by_key(gpu, "model", "weights", "budget_gib", "prompt_len")
+        for (model, w, b, p), rs in groups.items():
+            d = next((r for r in rs if r["metric"] == "decode_tokens_per_s"), None)
+            f = next((r for r in rs if r["metric"] == "prefill_tokens_per_s"), None)
+            any_r = d or f
+            peak = fmt(any_r["peak_mib"]) + (f" ({fmt(any_r['budget_mib'])})" if any_r["budget_mib"] else "")
+            if any_r["within_budget"] is False:
+                peak += " **over**"
+            L.append(
+                f"| {model.replace(' shape', '')} | {w} | {budget_label(b)} | {p} | "
+                f"{fmt(d['ours']) + ' / ' + fmt(d['peer_value']) if d else '-'} | "
+                f"{'**' + fmt(d['ratio']) + '**' if d else '-'} | "
+                f"{fmt(f['ours'], 0) + ' / ' + fmt(f['peer_value'], 0) if f else '-'} | "
+                f"{fmt(f['ratio']) if f else '-'} | {peak} | {measured(any_r)} |"
+            )
+        have = {(r["model"], r["weights"], r["budget_gib"], r["prompt_len"]) for r in gpu}
+        missing = {}
+        for size, w, b, p in GRID_EXPECTED:
+            if (f"LLaMA {size.upper()} shape", w.upper(), b, p) not in have:
+                missing.setdefault((size.upper(), w.upper(), b), []).append(p)
+        if missing:
+            L += ["", "Not measured: " + "; ".join(
+                f"{s} {w} {budget_label(b)} (prompt {', '.join(map(str, ps))})"
+                for (s, w, b), ps in missing.items()) + "."]
+        L.append("")
+    if cpu:
+        L += [
+            "### Generation on the CPU, the default model, against llama.cpp",
+            "",
+            f"{mach['generate-cpu']}; `generate --cpu` with no tuning flags on the "
+            "default model against llama.cpp (its Python binding, same file, same thread count) "
+            "in the same run: the same chat prompts, in rounds alternating the two; ours and "
+            "llama.cpp: each side's median over every prompt and round; x: the median of the "
+            "pairs' ratios.",
+            "",
+            "| model | weights | metric | ours | llama.cpp | x | measured |",
+            "| --- | --- | --- | ---: | ---: | ---: | --- |",
+        ]
+        for r in cpu:
+            L.append(f"| {r['model']} | {r['weights']} | {r['metric'].split('_')[0]} tok/s | "
+                     f"{fmt(r['ours'])} | {fmt(r['peer_value'])} | **{fmt(r['ratio'])}** | {measured(r)} |")
+        L.append("")
+    if train:
+        L += [
+            "### Training against PyTorch",
+            "",
+            f"{mach['train']}; `bench_train`, {train[0]['model']}, random weights, AdamW, "
+            "F32 masters with autocast to the precision named; PyTorch "
+            "(`scripts/train_peer.py`, SDPA attention, autocast) in the same call. Checkpointing: "
+            "none, every layer, or sqrt(layers) segments. Peak: the memory pool's high-water "
+            "mark of memory in use (PyTorch: `max_memory_allocated`).",
+            "",
+            "| checkpointing | precision | step s, ours / PyTorch | x | peak MiB, ours / PyTorch | x | measured |",
+            "| --- | --- | --- | ---: | --- | ---: | --- |",
+        ]
+        for (bench, w), rs in by_key(train, "benchmark", "weights").items():
+            s = next((r for r in rs if r["metric"] == "step_s"), None)
+            m = next((r for r in rs if r["metric"] == "peak_mib"), None)
+            L.append(
+                f"| {bench.split('-', 1)[1]} | {w} | "
+                f"{fmt(s['ours'], 3)} / {fmt(s['peer_value'], 3)} | **{fmt(s['ratio'])}** | "
+                f"{fmt(m['ours'])} / {fmt(m['peer_value'])} | {fmt(m['ratio'])} | {measured(s or m)} |"
+            )
+        L.append("")
+    if off:
+        L += [
+            "Offloaded training (no peer in these calls: the weights stream from host memory "
+            "under the budget, every layer checkpointed, AdamW on the host); peak: device memory "
+            "in use over the CUDA context, polled:",
+            "",
+            "| budget | precision | step s | peak MiB (budget) | within | measured |",
+            "| --- | --- | ---: | --- | --- | --- |",
+        ]
+        for r in off:
+            L.append(f"| {budget_label(r['budget_gib'])} | {r['weights']} | {fmt(r['ours'], 3)} | "
+                     f"{fmt(r['peak_mib'])} ({fmt(r['budget_mib'])}) | "
+                     f"{'yes' if r['within_budget'] else '**no**'} | {measured(r)} |")
+        L.append("")
+    return "\n".join(L).rstrip("\n") + "\n"
+
+
+def rng(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    lo, hi = min(values), max(values)
+    return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)}-{fmt(hi)}"
+
+
+def render_glance(rows):
+    """README's compact version: the decode grid as a table, the rest in one paragraph."""
+    gpu = [r for r in rows if r["benchmark"] == "generate-gpu"]
+    cpu = [r for r in rows if r["benchmark"] == "generate-cpu"]
+    train = [r for r in rows if r["benchmark"].startswith("train-") and r["benchmark"] != "train-offload"]
+    off = [r for r in rows if r["benchmark"] == "train-offload"]
+    L, text = [], []
+    if gpu:
+        gpu_name = machines()["generate-gpu"].split(",")[0].replace("NVIDIA ", "")
+        budgets = [4, 8, 12, None]
+        L += [
+            f"| {gpu_name}, decode: ours over llama.cpp in the same call (prompt 64 / 512) | "
+            + " | ".join(budget_label(b) for b in budgets) + " |",
+            "| --- |" + " --- |" * len(budgets),
+        ]
+        dec = {(r["model"], r["weights"], r["budget_gib"], r["prompt_len"]): r["ratio"]
+               for r in gpu if r["metric"] == "decode_tokens_per_s"}
+        models = []
+        for size, w, _, _ in GRID_EXPECTED:
+            k = (f"LLaMA {size.upper()} shape", w.upper())
+            if k not in models:
+                models.append(k)
+        for model, w in models:
+            cells = []
+            for b in budgets:
+                a, c = dec.get((model, w, b, 64)), dec.get((model, w, b, 512))
+                cells.append("not measured" if a is None and c is None else f"{fmt(a)} / {fmt(c)}")
+            L.append(f"| {model.replace('LLaMA ', '').replace(' shape', '')} {w} | " + " | ".join(cells) + " |")
+        pre = [r["ratio"] for r in gpu if r["metric"] == "prefill_tokens_per_s"]
+        within = [r["within_budget"] for r in gpu
+                  if r["within_budget"] is not None and r["metric"] == "decode_tokens_per_s"]
+        text.append(f"Prefill in the same rows: {rng(pre)}x"
+                    + (f"; our peak within the budget in {sum(within)} of {len(within)} rows." if within else "."))
+    if train:
+        by_prec = {}
+        for r in train:
+            if r["metric"] == "step_s":
+                by_prec.setdefault(r["weights"], []).append(r["ratio"])
+        pk = [r["ratio"] for r in train if r["metric"] == "peak_mib"]
+        text.append(
+            f"Training ({train[0]['model']}, with and without checkpointing) against PyTorch in the "
+            "same call, its step time over ours: "
+            + ", ".join(f"{p.upper()} {rng(by_prec[p.upper()])}" for p in TRAIN_PRECISIONS
+                        if p.upper() in by_prec)
+            + f"; its peak memory over ours: {rng(pk)}"
+            + ("; offloaded: " + ", ".join(
+                f"{r['weights']} within {budget_label(r['budget_gib'])} at {fmt(r['ours'], 2)} s a step"
+                for r in off) if off else "") + ".")
+    if cpu:
+        d = next((r for r in cpu if r["metric"] == "decode_tokens_per_s"), None)
+        f = next((r for r in cpu if r["metric"] == "prefill_tokens_per_s"), None)
+        host = machines()["generate-cpu"].replace(" host", "")
+        text.append(f"The default model ({cpu[0]['model']} {cpu[0]['weights']}) on a {host} CPU "
+                    f"against llama.cpp in the same run: decode {fmt(d['ratio']) if d else '-'}x, "
+                    f"prefill {fmt(f['ratio']) if f else '-'}x.")
+    text.append("Above 1, ours is faster (or smaller). Every row with its peak, commit and raw "
+                "file: [BENCHMARKS.md](BENCHMARKS.md).")
+    if L:
+        L.append("")
+    L.append(" ".join(text))
+    return "\n".join(L) + "\n"
+
+
+# -- files ------------------------------------------------------------------------------------
+def splice(text, begin, end, body):
+    i, j = text.find(begin), text.find(end)
+    if i < 0 or j < 0 or j < i:
+        return None
+    return text[: i + len(begin)] + "\n" + body + text[j:]
+
+
+def index_text(entries):
+    """A JSON list with one entry a line (current.json's rows, the index's files)."""
+    return "[\n" + ",\n".join(json.dumps(e, ensure_ascii=False) for e in entries) + "\n]\n"
+
+
+def check_index(entries):
+    """Every raw file has one entry, and every entry names a file of its date's folder."""
+    problems = []
+    on_disk = {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / RESULTS).glob("*/*")
+        if p.is_file() and re.fullmatch(r"\d{4}-\d{2}-\d{2}", p.parent.name)
+    }
+    listed = [e["path"] for e in entries]
+    for p in sorted(on_disk - set(listed)):
+        problems.append(f"{p}: a raw file with no entry in {INDEX}")
+    for e in entries:
+        if e["path"] not in on_disk:
+            problems.append(f"{INDEX}: {e['path']} does not exist")
+        folder = e["path"].split("/")[-2]
+        if e["date"] != folder or not e["path"].split("/")[-1].startswith(folder):
+            problems.append(f"{INDEX}: {e['path']}: date {e['date']} and folder disagree")
+        if set(e) != {"path", "date", "kind", "what", "current"}:
+            problems.append(f"{INDEX}: {e['path']}: fields {sorted(e)}")
+    if len(listed) != len(set(listed)):
+        problems.append(f"{INDEX}: a path is listed twice")
+    return problems
+
+
+def main():
+    check = "--check" in sys.argv[1:]
+    rows = gpu_rows() + train_rows() + cpu_rows()
+    sources = {r["source"] for r in rows}
+
+    with open(ROOT / INDEX) as f:
+        entries = json.load(f)
+    problems = check_index(entries)
+    for e in entries:
+        e["current"] = e["path"] in sources
+    for s in sorted(sources - {e["path"] for e in entries}):
+        problems.append(f"{s}: feeds a row but has no entry in {INDEX}")
+
+    outputs = {
+        CURRENT: index_text(rows),
+        INDEX: index_text(entries),
+    }
+    for path, body in [(BENCHMARKS, render_benchmarks(rows)), (README, render_glance(rows))]:
+        text = (ROOT / path).read_text()
+        new = splice(text, *MARKERS[path], body)
+        if new is None:
+            if path == BENCHMARKS:
+                problems.append(f"{path}: no {MARKERS[path][0]} ... {MARKERS[path][1]} region")
+            continue  # README.md's region is optional
+        outputs[path] = new
+
+    stale = []
+    for path, body in outputs.items():
+        old = (ROOT / path).read_text() if (ROOT / path).exists() else None
+        if old != body:
+            stale.append(path)
+            if not check:
+                (ROOT / path).write_text(body)
+    if problems:
+        print("\n".join(f"current_results: {p}" for p in problems), file=sys.stderr)
+    if check:
+        if stale:
+            print(f"current_results: out of date with the raw results: {', '.join(stale)}; "
+                  "run `python3 scripts/current_results.py` and commit what it writes",
+                  file=sys.stderr)
+        if stale or problems:
+            sys.exit(1)
+        print(f"current_results: {CURRENT} ({len(rows)} rows), {BENCHMARKS}, {INDEX}"
+              + (f" and {README}'s glance" if README in outputs else "") + " agree with the raw results")
+    else:
+        print(f"current_results: {len(rows)} rows; wrote {', '.join(stale) or 'nothing (all up to date)'}")
+        if problems:
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
