@@ -14,8 +14,8 @@ fn main() {
         .unwrap_or_else(|| "unknown".to_string());
     println!("cargo:rustc-env=CANDLE_OFFLOAD_COMMIT={commit}");
     // The sources too (directories are scanned whole): `--dirty` is only true if the script
-    // runs again after an uncommitted edit, which touches none of git's files (without them, a
-    // binary built from an edited tree names the clean commit below it).
+    // runs again after an uncommitted edit, which touches none of git's files (otherwise
+    // binaries built from an edited tree would name the clean commit below it).
     for path in [
         ".git/HEAD",
         ".git/index",

@@ -181,7 +181,7 @@ fn rms_norm_residual_q8_feeds_the_matmuls(device: &Device) -> anyhow::Result<()>
                     .collect::<anyhow::Result<_>>()?;
                 let ws: Vec<&QTensor> = weights.iter().collect();
                 // Past 8 rows a GPU runs Candle's quantized matmul on both, which gave two
-                // equal inputs different results once (F16, Q5_0, 12 rows of 288 on the H200):
+                // equal inputs different results once (F16, Q5_0, 12 rows of 288 on a GPU):
                 // the hand-over is not involved there, so only the norm is compared.
                 if device.is_cuda() && rows > 8 {
                     continue;
@@ -1087,7 +1087,7 @@ fn qlinear_small_matches_dequantized_in(
                                 "{what} {dtype:?}: {d:e} > {tol:e} (x quantized)"
                             );
                             // The 8-bit rounding of x itself, bounded as for the composition,
-                            // which quantizes x to 8 bits too (2.04e-2 measured on an H200 at
+                            // which quantizes x to 8 bits too (2.04e-2 measured on a GPU at
                             // [1, 96] BF16 SiLU·mul of Q8_0: three blocks, little averaging).
                             let d = rel_diff_values(got, want)?;
                             anyhow::ensure!(d <= 5e-2, "{what} {dtype:?}: {d:e} > 5e-2 (x)");
@@ -1154,11 +1154,11 @@ fn past_rounding(got: &Tensor, want: &Tensor, tol: f64) -> anyhow::Result<f32> {
 }
 
 /// `qlinear_prefill` (a prompt's rows through dequantized weights and cuBLAS): on the CPU,
-/// and below its type's `prefill_gemm_min_rows`, it declines. On a GPU, for every block type it
+/// and below `prefill_gemm_min_rows`, it declines. On a GPU, for every block type it
 /// has a kernel for:
 /// - `dequantize_rows` (rows 1 .. n - 1) gives each element within its dtype's rounding of
-///   Candle's dequantization (its kernels of 8 elements a thread gave the same bits as stop
-///   42's of 32 on an H200 before those went);
+///   Candle's dequantization (its kernels of 8 elements a thread gave the same bits as the
+///   first ones, of 32, before those went);
 /// - x the identity (k rows) gives the weight's dequantized elements themselves, each within
 ///   F16's rounding (1e-3 relative; F16 x) or BF16's (4e-3; BF16 x) of Candle's
 ///   dequantization: a wrong nibble, high bit, scale or min anywhere fails;

@@ -656,8 +656,8 @@ fn a_model_that_fits_while_decoding_holds_every_unit_then() -> anyhow::Result<()
 /// host layer 0 (Q6_K `attn_v` and `ffn_down`, padded) on the device through room for one
 /// padded layer, so that the two evict each other. The evicted buffers are of other sizes than
 /// the incoming tensors', so the upload frees them, and the next fetch first trims the weight
-/// pool (13B Q4_K_M at 4 GiB held 462 MiB more than it used without this, stop 47). The trims
-/// are counted, layer 1 keeps its own size, and the greedy tokens of two prompts are the
+/// pool (without this a 13B Q4_K_M at 4 GiB held far more than it used: docs/tuning.md). The
+/// trims are counted, layer 1 keeps its own size, and the greedy tokens of two prompts are the
 /// unlimited model's.
 #[cfg(feature = "cuda")]
 #[test]
@@ -726,7 +726,7 @@ fn unmatched_spares_trim_the_weight_pool(dev: &Device) -> anyhow::Result<()> {
 /// A device stage behind a host layer serves that layer too (for prompts, outside its schedule),
 /// yet keeps the layers it runs at their own sizes when they fit so (`runtime::staying`): the
 /// 7B Q4_K_M at 4 GiB charged all its layers their padded sizes, 13% more, and streamed 0.52 GB
-/// a token with a split that would have held its layers at their own sizes (stop 39). A budget
+/// a token with a split that would have held its layers at their own sizes (2026-12-03). A budget
 /// for the stage's reservation, its kept units and one padded layer (the host layer streams
 /// through it for prompts) holds the stage's layer at its own size (not for good: a prompt may
 /// evict it); decode steps fetch nothing, and the logits are the unlimited model's.

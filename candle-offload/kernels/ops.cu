@@ -856,7 +856,7 @@ __device__ void qlinear_small(const T *x, const uint8_t *w0, const uint8_t *w1, 
 
 // ---------------------------------------------------------------------------------------------
 // qlinear_small, variant 2 (`qlinear2_small_r<R>_m<M>_<q>_<dtype>`; the launcher picks the
-// variant, ops::set_qlinear_variant): the same contract, but each warp reads R weight rows
+// variant from KernelTuning::qlinear): the same contract, but each warp reads R weight rows
 // together (R output columns, or R / 2 columns of gate and up with silu), so that the x values
 // of a block, loaded and converted once per lane, serve R rows instead of one. Per round the
 // warp stages QStage2::BLOCKS blocks of each of its R rows; lane j takes block j of every row,
@@ -1144,8 +1144,7 @@ __device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
 // thread quantizes m k / 128 elements at about 8 each (load, |v|, max, multiply, round, pack,
 // sum), about half of its share of the dot products for one row (k / 32 blocks of R rows over
 // 32 lanes, ~30 each), which the block of threads issues before anything else; its first
-// weight copies go out before that, so that their latency overlaps it. Whether this beats
-// variant 2 is measured, not assumed.
+// weight copies go out before that, so that their latency overlaps it.
 
 // Where variant 3 keeps x's quantized blocks: per row of x, the 32 quants of the chunk's block
 // b as two 16-byte halves h at vector (b / 32) 64 + 32 h + b % 32 (a warp, whose lanes take 32
@@ -1567,15 +1566,15 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
 }
 
 // ---------------------------------------------------------------------------------------------
-// qlinear_small for K-quant blocks (`qlinear_k_small_m<M>_<q>_<dtype>`, Q4_K and Q6_K), opt-in
-// until measured (ops::set_qlinear_k): the same contract. Q4_K: super-blocks of 256 elements, 144
-// bytes each: d and dmin (f16), 12 bytes of 6-bit sub-block scales and mins, 128 bytes of 4-bit
-// quants. Element 64p + l of a super-block (p < 4, l < 32) is quant byte 32p + l's low nibble
-// times d · scale(2p), less dmin · min(2p); element 64p + 32 + l is its high nibble with
-// sub-block 2p + 1's (ggml's dequantize_row_q4_K). One warp per output column (gate and up with
-// silu); lane j takes the 64-element pairs j, j + 32, ... of the row: its 32 quant bytes in two
-// 16-byte loads (a super-block is 16-byte aligned when its row is), its two scales and mins,
-// and for each row of x the 64 x values, whose sum the mins multiply.
+// qlinear_small for K-quant blocks (`qlinear_k_small_m<M>_<q>_<dtype>`, Q4_K and Q6_K), on
+// unless KernelTuning::qlinear_k is off: the same contract. Q4_K: super-blocks of 256
+// elements, 144 bytes each: d and dmin (f16), 12 bytes of 6-bit sub-block scales and mins, 128
+// bytes of 4-bit quants. Element 64p + l of a super-block (p < 4, l < 32) is quant byte
+// 32p + l's low nibble times d · scale(2p), less dmin · min(2p); element 64p + 32 + l is its high
+// nibble with sub-block 2p + 1's (ggml's dequantize_row_q4_K). One warp per output column (gate
+// and up with silu); lane j takes the 64-element pairs j, j + 32, ... of the row: its 32 quant
+// bytes in two 16-byte loads (a super-block is 16-byte aligned when its row is), its two scales
+// and mins, and for each row of x the 64 x values, whose sum the mins multiply.
 
 // Sub-block j's (j < 8) 6-bit scale and min from a Q4_K super-block's 12 scale bytes s (ggml's
 // get_scale_min_k4).
@@ -1731,10 +1730,11 @@ __device__ void qlinear_k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     QLINEAR_K_SMALL_ONE(T, SUFFIX, M, KT_Q6_K, q6_k)
 
 // qlinear_k_small with R output columns per warp (`qlinear_k2_small_r<R>_m<M>_<q>_<dtype>`,
-// opt-in: ops::set_qlinear_k_rows): the same contract and results (each dot product sums in the
-// same order), but a warp takes columns R·w .. R·w + R (with silu, gate and up of each) and each
-// lane loads and converts its share of x once for all of their rows, where one column per warp
-// re-reads all of x for every column (F16 x: 4 bytes read for each byte of Q4_K weight).
+// opt-in: KernelTuning::qlinear_k_rows = 2): the same contract and results (each dot product
+// sums in the same order), but a warp takes columns R·w .. R·w + R (with silu, gate and up of
+// each) and each lane loads and converts its share of x once for all of their rows, where one
+// column per warp re-reads all of x for every column (F16 x: 4 bytes read for each byte of
+// Q4_K weight).
 // One lane's 64-element unit t of a Q4_K row (q4k_dot_row's loads): its 32 quant bytes as
 // words, d, dmin and its two sub-blocks' scales and mins.
 template <int KT> struct KUnit;
@@ -1871,11 +1871,11 @@ __device__ void qlinear_k2_small(const T *x, const uint8_t *w0, const uint8_t *w
 // qlinear_small for K-quant blocks with x quantized, in variant 3's and 4's two forms
 // (`qlinear3k_small_r<R>_m<M>_<q>_<dtype>`: x quantized by each block of threads into shared
 // memory; `qlinear4k_small_r<R>_m<M>_<q>_<dtype>`: x as qlinear4_quantize_x wrote it, a launch
-// before), the variant ops::qlinear_variant_for gives Q4_K and Q6_K. x in 8-bit blocks of 32
-// with scale and quant sum, and the dot products __dp4a over words of four weight quants, as
-// llama.cpp's K-quant kernels take them (its q8_1 x), where qlinear_k_small converts every
-// weight and x value to float: the conversions bound that kernel at about 0.65 TB/s of weights
-// on an H200. Variant 2's warps and columns (qrows2, qstore2); lane j of a round takes block j
+// before), what Q4_K and Q6_K run under variants 3 and 4 (KernelTuning::qlinear). x in 8-bit
+// blocks of 32 with scale and quant sum, and the dot products __dp4a over words of four weight
+// quants, as llama.cpp's K-quant kernels take them (its q8_1 x), where qlinear_k_small converts
+// every weight and x value to float, and the conversions bound that kernel (docs/tuning.md).
+// Variant 2's warps and columns (qrows2, qstore2); lane j of a round takes block j
 // of 32 elements (one 6-bit-scaled sub-block of Q4_K, two 16-element sub-blocks of Q6_K) of
 // each of its R weight rows, reading its quants straight from global memory (the two lanes of
 // a Q4_K byte pair, and the four of a Q6_K high-bit group, read the same words in the same
@@ -2273,9 +2273,8 @@ OPS_FOR(__nv_bfloat16, bf16)
 // once), for a prompt's GEMM (ops::qlinear_prefill). `w` points at the first row's first block
 // and the rows are back to back; thread g writes the 8 elements 8g .. 8g + 8 as one 16-byte
 // store (out 16-byte aligned), so that a warp's stores cover 512 contiguous bytes. `groups8` is
-// rows·k / 8. Part p (0..3) of a 32-element run: elements 8p .. 8p + 8. (Stop 42's kernels
-// wrote 32 elements a thread, 64 bytes apart across the warp: the same bits, 1.2 to 1.6 times
-// slower on an H200, BENCHMARKS.md stop 44.)
+// rows·k / 8. Part p (0..3) of a 32-element run: elements 8p .. 8p + 8 (faster than 32
+// elements a thread, 64 bytes apart across the warp: docs/tuning.md, the prompt GEMM).
 // Low 4 bits of element 8p + i of a 32-element block whose quants are packed GGML-style
 // (element j and j + 16 in the low and high nibble of byte j): byte 8 (p & 1) + i, nibble p / 2.
 __device__ __forceinline__ void nibbles8(const uint8_t *qs, uint32_t p, uint32_t &lo,

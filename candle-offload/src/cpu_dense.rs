@@ -29,9 +29,9 @@ const MIN_COLS_PER_ITEM: usize = 16;
 const ITEMS_PER_THREAD: usize = 4;
 
 /// Whether [`forward`] multiplies by `w`: a 2-D contiguous F16 or BF16 tensor on the CPU that
-/// tracks no gradient. F32 weights keep Candle's matmul, though the op is about twice as fast
-/// on one row (BENCHMARKS.md): the CPU F32 path then stays bit-identical to a plain candle-nn
-/// model's (the own-model test's promise), and Candle matched the op at eight rows.
+/// tracks no gradient. F32 weights keep Candle's matmul, though the op is faster on one row
+/// (docs/tuning.md, CPU threads): the CPU F32 path then stays bit-identical to a plain
+/// candle-nn model's (the own-model test's promise), and Candle matched the op at eight rows.
 pub fn supports(w: &Tensor) -> bool {
     w.device().is_cpu()
         && matches!(w.dtype(), DType::F16 | DType::BF16)

@@ -1,14 +1,14 @@
 //! A CPU quantized matmul for the GGML types whose Candle 0.11 CPU kernels have no SIMD path
 //! in a portable build (Q4_1 and Q8_0 weights), as a Candle [`CustomOp1`]: the weight blocks
 //! are multiplied as they are, against the F32 activations (by default: the dequantized
-//! model's numbers, in another summation order) or, with [`set_quantized_activations`],
-//! against activations quantized once per row as llama.cpp quantizes them (Q8_1 for Q4_1,
-//! Q8_0 for Q8_0: integer dot products, llama.cpp's numerics). The dot products run on AVX2
-//! when the CPU has it (`sys::simd`, detected at run time), split over a small pool of
-//! spinning workers (`sys::spin`): a decode step is some 200 matmuls of a few hundred
-//! microseconds, and waking a sleeping rayon worker for each cost 100 µs and more on a
-//! virtual machine. The caller runs chunks too and waits only for workers that took some, so
-//! a worker the OS did not schedule in time costs the op its parallelism, not a wait.
+//! model's numbers, in another summation order) or, with [`KernelTuning::cpu_q8_activations`],
+//! against activations quantized once per row as llama.cpp quantizes them (Q8_1 for Q4_1, Q8_0
+//! for Q8_0: integer dot products, llama.cpp's numerics). The dot products run on AVX2 when the
+//! CPU has it (`sys::simd`, detected at run time), split over a small pool of spinning workers
+//! (`sys::spin`): a decode step is some 200 matmuls of a few hundred microseconds, and waking a
+//! sleeping rayon worker for each costs about as much on a virtual machine (docs/tuning.md, CPU
+//! threads). The caller runs chunks too and waits only for workers that took some, so a worker
+//! the OS did not schedule in time costs the op its parallelism, not a wait.
 //!
 //! [`forward`] returns `None` for anything it does not cover (another device, type or dtype),
 //! and the caller then runs Candle's `QMatMul`; results agree with it to float-summation order
@@ -56,7 +56,7 @@ pub const SERIAL_STEP_ROWS: usize = 1;
 /// ops inside it (norms, RoPE, attention's small matmuls, SiLU, softmax: vectors of a few
 /// thousand values, and the one-row matmul of F32 weights, which Candle runs on one thread
 /// anyway) run serially instead of each waking a sleeping rayon worker, which costs about as
-/// much as the op on a virtual machine (BENCHMARKS.md, the rayon wake cost). The quantized and
+/// much as the op on a virtual machine (docs/tuning.md, CPU threads). The quantized and
 /// F16/BF16 matmuls keep every core through `sys::spin`'s workers. Larger steps (prompts,
 /// batches) use rayon's whole pool as [`on_cpu_pool`] does. The one-thread pool is the
 /// process's: two threads decoding on the CPU at once take turns.
@@ -236,10 +236,9 @@ pub fn forward_greedy(
 /// coarse bound per row: `sum_b |d_b| * sum_j |q_bj|` ([`simd::q8_0_abs_scales`], summed).
 /// Kept while that head lives (one float per row), so that a decode step's screen reads each
 /// row's blocks and that float, instead of summing every block's magnitudes again (which made
-/// the screen slower than the plain F32 head on an AVX-512 VNNI host: 1.9 against 1.5 ms for
-/// SmolLM2's, stop 48). The `Weak` keeps the head's allocation from being reused by another
-/// tensor while it is kept here. One head at a time: models decoding in turn in one process
-/// compute theirs again.
+/// the screen slower than the plain F32 head). The `Weak` keeps the head's allocation from
+/// being reused by another tensor while it is kept here. One head at a time: models decoding in
+/// turn in one process compute theirs again.
 static SCREEN_SCALES: std::sync::Mutex<Option<KeptScales>> = std::sync::Mutex::new(None);
 
 /// A head, held weakly, and its rows' bound scales ([`SCREEN_SCALES`]).

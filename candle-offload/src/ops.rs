@@ -16,15 +16,12 @@
 //! - [`qlinear_small`], [`qlinear_small_multi`], [`qlinear_silu_mul`]: the same three with
 //!   weights of GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, as Candle's quantized CUDA storage
 //!   holds them), dequantized in registers; x stays in its float type. Their CUDA kernel
-//!   comes in variants of one contract, each block type with its default
-//!   ([`DEFAULT_QLINEAR_VARIANTS`]) unless one is forced at run time ([`set_qlinear_variant`],
-//!   `CANDLE_OFFLOAD_QLINEAR`), so that one build can measure each; two of them
-//!   ([`QlinearVariant::V3`], [`QlinearVariant::V4`]) quantize x to 8 bits instead, for
-//!   integer dot products. Q4_K's and Q6_K's super-blocks of 256 have kernels of their own,
-//!   on by default since they were measured (a resident 7B Q4_K_M decodes 1.6x faster than
-//!   through Candle's quantized matmul); of the variants only x's quantization applies to
-//!   them (see [`DEFAULT_QLINEAR_VARIANTS`]); [`set_qlinear_k`] or
-//!   `CANDLE_OFFLOAD_QLINEAR_K=0` send them through Candle's quantized matmul instead.
+//!   comes in variants of one contract; each block type runs its variant from the tuning
+//!   ([`KernelTuning::qlinear`], docs/tuning.md). Two of them ([`QlinearVariant::V3`],
+//!   [`QlinearVariant::V4`]) quantize x to 8 bits instead, for integer dot products. Q4_K's
+//!   and Q6_K's super-blocks of 256 have kernels of their own, on by default; of the variants
+//!   only x's quantization applies to them. With [`KernelTuning::qlinear_k`] off they go
+//!   through Candle's quantized matmul instead.
 //!
 //! On a CUDA device they run the project's own kernels (`kernels/ops.cu`, compiled to PTX at
 //! build time); on the CPU a direct loop computes the same thing. The `*_unfused` functions are
@@ -1632,7 +1629,8 @@ pub fn linear_small_unfused(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 // Linear layers over few rows, with weights of GGML blocks
 
 /// The kernel name part of the GGML block types [`qlinear_small`] has a CUDA kernel for: blocks
-/// of 32 elements, and Q4_K's and Q6_K's super-blocks of 256 (their own kernel, [`qlinear_k`]).
+/// of 32 elements, and Q4_K's and Q6_K's super-blocks of 256 (their own kernel,
+/// [`KernelTuning::qlinear_k`]).
 pub(crate) fn qlinear_small_type(t: GgmlDType) -> Option<&'static str> {
     Some(match t {
         GgmlDType::Q4_0 => "q4_0",
@@ -1927,8 +1925,7 @@ fn prefill_slice_rows(n: usize, k: usize) -> usize {
 ///
 /// Candle's quantized matmul quantizes x to 8 bits and runs integer tiles (MMQ). For a long
 /// prompt the F16 GEMM on tensor cores is faster, even with the weight written out in F16
-/// first, and x keeps its precision: a resident 7B's prompt of 512 went from 64.4 to 46.0 ms
-/// (Q4_0) and from 71.5 to 43.9 ms (Q4_K_M) on an H200.
+/// first, and x keeps its precision (measured: docs/tuning.md, the prompt GEMM).
 pub fn qlinear_prefill(x: &Tensor, w: &QTensor, tuning: &KernelTuning) -> Result<Option<Tensor>> {
     let k = x.dim(D::Minus1)?;
     let rows = x.elem_count() / k.max(1);

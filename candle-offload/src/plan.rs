@@ -312,25 +312,13 @@ pub struct SplitRates {
 
 /// The share of the shorter of a split's compute and copies that does not hide behind the
 /// longer. Streaming from host memory while the host computes slows both: the host's layers
-/// read their weights from the same memory the copies read. Measured on an H200 host (13B
-/// Q8_0 at 8 and 12 GiB, nine streaming splits, BENCHMARKS.md stop 44), the decode step took
-/// the longer of the two plus 0.12 to 0.5 of the shorter, most near 0.3; splits that stream
-/// nothing took 1.07 to 1.12 times their compute, which does not change which of them wins.
-/// Priced as fully hidden, `spread:auto` took splits that stream as much as they compute over
-/// ones that stream nothing: 30.4 tok/s at 12 GiB with a 512-token prompt, where one more
-/// host layer and no streaming is priced 26.3 ms a step against 31.0.
+/// read their weights from the same memory the copies read (measured: docs/tuning.md).
 pub const SPREAD_OVERLAP_LOSS: f64 = 0.3;
 
 /// What a split that streams nothing takes beyond its priced compute, as a share of it. Its
-/// host layers run slower in the decode step than the layers timed to price them (1.2x in the
-/// H200 rows that record both, `decode_host_layer_s` against `host_layer_step_s`), in every
+/// host layers run slower in the decode step than the layers timed to price them, in every
 /// split; in splits that stream, [`SPREAD_OVERLAP_LOSS`], fitted on them, carries that too
-/// (their steps took 0.89-1.32x their price, median 1.05, 36 rows of stops 45-51), while
-/// splits that stream nothing took 1.06-1.48x (median 1.20, 20 rows). Priced without it, 7B
-/// Q8_0 at 4 GiB (prompt 64) took 14 host layers and the head, nothing streaming, priced 33.9
-/// ms a step against 35.9 for 10 that stream, and ran 44.6 ms against their 37.4 (stop 51,
-/// 0.96x llama.cpp in that call; 1.01x at stop 49). With it, of every spread choice recorded
-/// since stop 48, only that one changes.
+/// (measured: docs/tuning.md).
 pub const RESIDENT_SPLIT_LOSS: f64 = 0.15;
 
 /// The price of a split whose compute and copies take `compute_s` and `copies_s` seconds: the
@@ -419,8 +407,7 @@ fn spread_candidates(
             cost_s: split_cost(compute, copies),
         };
         // Every candidate's price, to set against measured steps (`RUST_LOG=
-        // candle_offload::plan=debug`, or [`spread_host_prices`]; BENCHMARKS.md, stops 40, 43
-        // and 44).
+        // candle_offload::plan=debug`, or [`spread_host_prices`]).
         tracing::debug!(
             host_layers = h,
             host_head = price.host_head,
@@ -439,7 +426,7 @@ fn spread_candidates(
 /// Every split [`spread_host_split_at`] weighs with the same arguments, with its price: the
 /// head on the device, then (for a head of any bytes) on the host, each fewest host layers
 /// first; splits the budget cannot hold are left out. For setting the prices against
-/// measured steps (BENCHMARKS.md). Pure.
+/// measured steps. Pure.
 pub fn spread_host_prices(
     layers: &[u64],
     fixed: u64,
@@ -771,11 +758,12 @@ mod tests {
     }
 
     /// A split that streams nothing may run its device layers faster (replayed from a graph):
-    /// the 7B Q4_K_M shape at 4 GiB, prompt 512 (stop 39: 2 host layers and the head, 0.52 GB
-    /// streamed a token, 15.5 ms a step), priced with the measured rates but a faster link
-    /// (70 GB/s: at 55 the overlap's loss alone takes it to a resident split), streams with
-    /// one host layer at equal rates and takes three and streams nothing once resident layers
-    /// cost 0.6 of an eager one; at equal rates, the choice is `spread_host_split_with_head`'s.
+    /// the 7B Q4_K_M shape at 4 GiB, prompt 512 (measured 2026-12-03: 2 host layers and the
+    /// head, 0.52 GB streamed a token, 15.5 ms a step), priced with the measured rates but a
+    /// faster link (70 GB/s: at 55 the overlap's loss alone takes it to a resident split),
+    /// streams with one host layer at equal rates and takes three and streams nothing once
+    /// resident layers cost 0.6 of an eager one; at equal rates, the choice is
+    /// `spread_host_split_with_head`'s.
     #[test]
     fn a_split_that_streams_nothing_may_run_its_layers_faster() {
         let mib = 1u64 << 20;
@@ -851,12 +839,12 @@ mod tests {
             .collect()
     }
 
-    /// The splits `spread:auto` priced for a 13B Q8_0 at 12 GiB with a 512-token prompt on an
-    /// H200 (BENCHMARKS.md stop 44, `2026-12-03-stop44-13b-q8_0-8-12gib-7b58879-h200.json`;
-    /// host layers, head on the host, compute and copies in ms). Priced as the larger of the
-    /// two, the choice was three host layers and the head, streaming 1.01 GB a step: measured
-    /// 32.9 ms (0.89x llama.cpp). With the overlap's loss it is four and the head, streaming
-    /// nothing: measured 27.5 ms (0.985x) in the next session.
+    /// The splits `spread:auto` priced for a 13B Q8_0 at 12 GiB with a 512-token prompt
+    /// (2026-12-03, file `2026-12-03-stop44-13b-q8_0-8-12gib-7b58879-h200.json`; host layers,
+    /// head on the host, compute and copies in ms). Priced as the larger of the two, the
+    /// choice was three host layers and the head, streaming 1.01 GB a step: measured 32.9 ms
+    /// (0.89x llama.cpp). With the overlap's loss it is four and the head, streaming nothing:
+    /// measured 27.5 ms (0.985x) in the next session.
     #[test]
     fn the_overlaps_loss_keeps_a_measured_13b_split_resident() {
         #[rustfmt::skip]
@@ -873,12 +861,13 @@ mod tests {
         assert_eq!(spread_host_choice(&list(&split_cost)), Some((4, true)));
     }
 
-    /// The splits `spread:auto` priced for a 7B Q8_0 at 4 GiB with a 64-token prompt on an H200
-    /// (stop 51, `2026-12-04-stop51-*`; host layers, head on the host, compute and copies in
-    /// ms; the neighbours of the two that ran). Without [`RESIDENT_SPLIT_LOSS`] the choice was
-    /// 14 host layers and the head, nothing streaming: measured 44.6 ms a step, 0.96x
-    /// llama.cpp. With it, ten and the head, streaming: ten (without the head) ran 37.4 ms in
-    /// the call before, and ten and the head 38.0 at stop 46.
+    /// The splits `spread:auto` priced for a 7B Q8_0 at 4 GiB with a 64-token prompt
+    /// (2026-12-04, file `2026-12-04-stop51-spread-resident-loss-9e01ec2-h200.json`; host
+    /// layers, head on the host, compute and copies in ms; the neighbours of the two that ran).
+    /// Without [`RESIDENT_SPLIT_LOSS`] the choice was 14 host layers and the head, nothing
+    /// streaming: measured 44.6 ms a step, 0.96x llama.cpp. With it, ten and the head,
+    /// streaming: ten (without the head) ran 37.4 ms in the call before, and ten and the head
+    /// 38.0 on 2026-12-03.
     #[test]
     fn a_split_that_streams_nothing_pays_its_measured_loss() {
         #[rustfmt::skip]

@@ -54,8 +54,8 @@ pub struct OffloadConfig {
     pub policy: PolicyChoice,
     /// Copies that may run ahead of their victims' release, 0 to [`MAX_PREFETCH_DEPTH`]. Each
     /// step of depth keeps one largest unit of the budget free for copies in flight: 0 moves
-    /// the fewest bytes, more hides copies behind more compute. 1 (the default) was fastest or within 4% of it for
-    /// decode at every budget measured (BENCHMARKS.md); 2 keeps the link busiest.
+    /// the fewest bytes, more hides copies behind more compute. 1 by default (docs/tuning.md);
+    /// 2 keeps the link busiest.
     pub prefetch_depth: usize,
     /// Units (by name) that never leave the device once fetched.
     pub keep: Vec<String>,
@@ -71,11 +71,11 @@ pub struct OffloadConfig {
     /// second stream exists, cudarc records an event for every buffer a kernel reads or writes
     /// and makes the next user wait on it: two or three driver calls per argument per launch.
     /// The runtime orders its copy stream with its own events (ARCHITECTURE.md, hazard table),
-    /// so a single-device model is safe without it, and decodes a resident 7B about 30% faster
-    /// (BENCHMARKS.md). `false` turns it off for the whole context from then on (cudarc has no
-    /// per-stream switch): an application that runs its own streams on the same device sets
-    /// `true`. Pipelines over several GPUs and training keep it: the device-to-device
-    /// hidden-state copy relies on it. Ignored on the CPU.
+    /// so a single-device model is safe without it, and decodes faster (docs/tuning.md).
+    /// `false` turns it off for the whole context from then on (cudarc has no per-stream
+    /// switch): an application that runs its own streams on the same device sets `true`.
+    /// Pipelines over several GPUs and training keep it: the device-to-device hidden-state copy
+    /// relies on it. Ignored on the CPU.
     pub event_tracking: bool,
     /// The reservation of the phase this runtime spends most of its passes in, where lower than
     /// `reserve_bytes` (a model's decode steps, after a prompt that needs room for its
@@ -610,11 +610,10 @@ impl OffloadRuntime {
             steady,
         };
         let (plan, spare_depth) = resize.plan(budget)?;
-        // Managed units may not stream. Measured on the H200 (driver 580, BENCHMARKS.md): once
-        // the driver has migrated a page to the GPU it keeps the device memory after migrating
-        // the page back (600 MiB prefetched and returned: 640 MiB still held), so a managed
-        // model that streams grows the device's use to its whole size whatever the budget
-        // (13.1 GB at 4 GiB). Managed memory therefore only serves what fits in the capacity.
+        // Managed units may not stream: once the driver has migrated a page to the GPU it keeps
+        // the device memory after migrating the page back, so a managed model that streams
+        // grows the device's use to its whole size whatever the budget (ARCHITECTURE.md,
+        // invariants). Managed memory therefore only serves what fits in the capacity.
         // The served managed units: (bytes, the GPU their memory belongs to).
         let managed_units: Vec<(u64, usize)> = (0..unit_bytes.len())
             .filter(|&i| served[i])
@@ -1087,11 +1086,11 @@ impl OffloadRuntime {
     /// another size stays mapped beside the new one. Units of one size take evicted buffers as
     /// they are, and a buffer freed for a tensor of another block type but the same padded
     /// size (layers of mixed block types streaming alike) comes straight back out of the pool;
-    /// own sizes mixed with padded ones do not. A stage keeping its layers at their own sizes
+    /// own sizes mixed with padded ones do not: a stage keeping its layers at their own sizes
     /// while a prompt streamed padded host layers through it (GGML layers of mixed block
-    /// types) held 462 MiB more than it used and went 272 MiB over a 4 GiB budget (13B Q4_K_M,
-    /// 20 host layers, stop 47). Trimming after every unmatched free instead (stop 48) synced
-    /// six times a decode step where Q6_K and Q4_K layers alternate at one size.
+    /// types) held more than it used and went over its budget. Trimming after every unmatched
+    /// free instead synced several times a decode step where Q6_K and Q4_K layers alternate at
+    /// one size (docs/tuning.md).
     fn trim_if_pending(&self, st: &mut State) -> candle_core::Result<()> {
         if !st.trim_pending {
             return Ok(());

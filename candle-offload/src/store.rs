@@ -307,13 +307,12 @@ fn gcd(a: usize, b: usize) -> usize {
 /// room on the device, one replacing another. When their block types differ (a Q4_K_M file
 /// keeps some layers' `attn_v` and `ffn_down` in Q6_K, the others in Q4_K), the driver's
 /// memory pool cannot serve the incoming tensor from the outgoing one's freed block and maps
-/// new memory while keeping the old: measured on a 7B Q4_K_M streamed at 4 GiB, the pool held
-/// 333 MiB more than was ever in use, and the device peak passed the budget. So each GGML
-/// tensor of such a class is allocated (and budgeted) at one size for its position: the
-/// largest, rounded up to a multiple of every member's block size (5040 bytes for Q4_K and
-/// Q6_K), which each member's buffer of whole blocks takes exactly. Every unit then frees
-/// exactly what the next one allocates. Units of one block type per position (all of Q4_0,
-/// Q8_0, F16 ... files) are unchanged.
+/// new memory while keeping the old, and the device peak passes the budget (docs/tuning.md).
+/// So each GGML tensor of such a class is allocated (and budgeted) at one size for its
+/// position: the largest, rounded up to a multiple of every member's block size (5040 bytes for
+/// Q4_K and Q6_K), which each member's buffer of whole blocks takes exactly. Every unit then
+/// frees exactly what the next one allocates. Units of one block type per position (all of
+/// Q4_0, Q8_0, F16 ... files) are unchanged.
 fn pad_block_classes<'a>(units: impl Iterator<Item = (Option<usize>, &'a mut Vec<TensorMeta>)>) {
     let mut classes: HashMap<Vec<Vec<usize>>, Vec<&'a mut Vec<TensorMeta>>> = HashMap::new();
     for (layer, tensors) in units {

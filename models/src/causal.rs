@@ -511,9 +511,9 @@ impl CausalLm {
     ///   keeps, and prompts run in passes of that many rows, so that nothing streams;
     /// - otherwise the whole prompt's reservation, and the stage streams. (Where every unit fits
     ///   only beside a decode step's, the units keep their own sizes and stay while decoding,
-    ///   `OffloadConfig::steady_reserve_bytes`; the saving is not taken there: measured on 7B
-    ///   Q4_0 at 4 GiB with a 512-token prompt, units evicted for the prompt's activations and
-    ///   fetched again left 159 MiB of the pool unused and the peak 8 MiB over the budget.)
+    ///   `OffloadConfig::steady_reserve_bytes`; the saving is not taken there: units evicted
+    ///   for the prompt's activations and fetched again leave part of the pool unused, and the
+    ///   peak can pass the budget.)
     fn phase_reserves(
         at: impl Fn(usize) -> u64,
         saving: u64,
@@ -716,9 +716,9 @@ impl CausalLm {
                 let layout = cfg.layout();
                 let layers: Vec<u64> = (0..n).map(|l| bytes(&layout.layer(l))).collect();
                 // Planned for the decode step (`DECODE_ROWS`): a prompt streams through the
-                // room its activations take (7B Q4_0 at 4 GiB, prompt 512: planned at the
-                // prompt's reservation, the GPU kept 355 MB less for weights and streamed 3
-                // layers of 32 a token, 159 tok/s against llama.cpp's 337 all resident).
+                // room its activations take (planned at the prompt's reservation, a model that
+                // holds every unit while decoding would stream layers every token;
+                // docs/tuning.md, host steps and prompt passes).
                 let rows = DECODE_ROWS;
                 let (base, per_layer) = Self::host_stage_reserve(
                     cfg,
@@ -739,9 +739,9 @@ impl CausalLm {
                 }
                 // Nor where every unit but the embedding table fits: with no host layer the
                 // table stays on the host (`embed_on_host`) and the GPU holds the rest, as
-                // `from_store_with_host` builds it (7B Q4_K_M at 4 GiB, prompt 64: stop 33's
-                // 269 tok/s all resident, where the split below, which holds back two layers'
-                // KV cache for host layers, took two host layers and 83 tok/s at stop 37).
+                // `from_store_with_host` builds it (the split below holds back two layers' KV
+                // cache for host layers, and would take host layers such a model does not
+                // need).
                 if Self::embed_on_host(cfg, store, device, dtype, rows, max_len, settings)? {
                     let (need, budget) = Self::whole_bytes(
                         cfg, store, device, dtype, rows, max_len, settings, false,
@@ -888,11 +888,8 @@ impl CausalLm {
 
     /// The part of the workspace allowance in [`Config::reserve_bytes`] that a GPU stage of GGML
     /// blocks needs only while it streams, for the pool's fragmentation by buffers fetched and
-    /// evicted: one unit's size, at most 96 of the allowance's 256 MiB. A stage that holds every
-    /// unit it runs reserves that much less. Measured on the H200 with a resident 7B Q4_K_M (64-
-    /// token prompt): 181 MiB beside the weights (72 outside the pool: Candle's kernels and
-    /// quantized-matmul workspace; 41 of fragmentation in it) against a 343 MiB reservation;
-    /// streamed 13B layers left only 80-100 MiB of the budget unused. Dense weights (cuBLAS's
+    /// evicted: one unit's size, at most 96 of the allowance's 256 MiB (docs/tuning.md). A
+    /// stage that holds every unit it runs reserves that much less. Dense weights (cuBLAS's
     /// workspaces) keep the whole allowance, and so do the strategies that stream what would
     /// fit (`balanced`, `aggressive`).
     fn resident_saving(
@@ -954,15 +951,10 @@ impl CausalLm {
     ///
     /// The steps go round as many layers as hold 1 GiB (`HOST_TIMING_BYTES`; all of a smaller
     /// model), so that each reads its weights from memory, as a host stage's sweep does, and
-    /// not from the CPU's last-level cache. One 7B F16 layer (405 MB) timed over and over on
-    /// the H200's host (300 MiB of L3) took 4.25 ms; the same layers took 5.1 ms in the decode
-    /// step that followed, and `spread:auto` chose 12 host layers and the head at 0.94x
-    /// llama.cpp over the 8 that ran at 1.05-1.15x (stop 46). At stop 40 a slower estimate
-    /// (two layers in turn) made `spread:auto` stream beside one host layer of a 7B Q4_K_M,
-    /// whose copies slowed the host threefold; the price now charges that contention
-    /// ([`candle_offload::plan::SPREAD_OVERLAP_LOSS`], stop 44). Host layers still ran ~1.2x
-    /// the time timed here while decoding; a split that streams nothing is charged that
-    /// ([`candle_offload::plan::RESIDENT_SPLIT_LOSS`], stop 51).
+    /// not from the CPU's last-level cache (docs/tuning.md, timing a host layer). Host layers
+    /// still run slower while decoding than timed here, beside copies
+    /// ([`candle_offload::plan::SPREAD_OVERLAP_LOSS`]) and without
+    /// ([`candle_offload::plan::RESIDENT_SPLIT_LOSS`]); the split's price charges both.
     pub fn host_layer_seconds(
         cfg: &Config,
         store: &Arc<candle_offload::HostStore>,
@@ -1075,8 +1067,7 @@ impl CausalLm {
             }
         }
         // The fastest of seven rounds (after one to warm up): a step timed while the host's
-        // memory is busy elsewhere took twice as long once (a 7B F16 host layer, 11.9 against
-        // 6.1 ms in the same process, stop 39).
+        // memory is busy elsewhere can take twice as long.
         let mut best = f64::INFINITY;
         for round in 0..8 {
             let mut total = 0.0;
@@ -1161,9 +1152,8 @@ impl CausalLm {
         let prices = split.prices;
         // The table's place is decided beside the whole prompt's reservation: a model that fits
         // only beside a decode step's would otherwise keep the table on the GPU and run its
-        // prompt in passes or streaming (7B Q4_0 at 4 GiB, prompt 512, 16 new tokens: no room
-        // for passes beside the table, so 3 layers streamed a token, 158 tok/s; with the table
-        // on the host, passes and nothing streamed, 363 tok/s).
+        // prompt in passes or streaming (no room for passes beside the table, so layers
+        // stream every token; docs/tuning.md, host steps and prompt passes).
         let rows = prompt_len.max(DECODE_ROWS);
         if h == 0
             && !head_on_host
@@ -1615,9 +1605,8 @@ impl CausalLm {
     /// with the residual add, SiLU · mul, RoPE of q and k, attention over the KV cache for steps
     /// of at most [`DECODE_ATTENTION_MAX_NEW`](crate::layers::DECODE_ATTENTION_MAX_NEW) new
     /// positions, and dense projections of at most 8 rows as one weight pass. Default: on for
-    /// each stage on a GPU (each is one kernel of ours there, measured faster in
-    /// BENCHMARKS.md), off for a stage on the CPU, where Candle's multi-threaded ops beat the
-    /// ops' loops. This sets every stage.
+    /// each stage on a GPU (each is one kernel of ours there, and faster), off for a stage on
+    /// the CPU, where Candle's multi-threaded ops beat the ops' loops. This sets every stage.
     pub fn set_fused(&mut self, on: bool) {
         self.fused = Some(on);
     }
@@ -1636,8 +1625,8 @@ impl CausalLm {
     }
 
     fn stage_fused(&self, stage: &Stage) -> bool {
-        // On a GPU the fused kernels are faster (BENCHMARKS.md, "The decode step"); on the
-        // CPU Candle's multi-threaded ops beat their loops.
+        // On a GPU the fused kernels are faster; on the CPU Candle's multi-threaded ops beat
+        // their loops.
         self.fused.unwrap_or_else(|| stage.rt.device().is_cuda())
     }
 
@@ -2133,14 +2122,11 @@ const DECODE_ROWS: usize = 1;
 
 /// A GPU layer's decode step replayed from a CUDA graph, over the same step run eagerly (what
 /// [`CausalLm::layer_step_seconds`] times), for `spread:auto` to price splits that stream
-/// nothing. Measured on the H200 at stop 39 (`benches/results/2026-12-03-stop39-*`): 7B F16
-/// with one host layer and the head, 0.135 ms a GPU layer replayed against 0.228 ms timed
-/// eagerly (0.59); 7B Q4_K_M resident, 0.097 against 0.194 ms (0.50). The larger, rounded up.
+/// nothing (measured: docs/tuning.md).
 const GRAPH_REPLAY_FRACTION: f64 = 0.6;
 
 /// The weight bytes [`CausalLm::host_layer_seconds`] goes round, so that its steps read their
-/// weights from memory: more than three times the largest last-level cache it has met (the
-/// H200 host's 300 MiB of L3).
+/// weights from memory: more than three times a large last-level cache.
 const HOST_TIMING_BYTES: u64 = 1 << 30;
 
 /// Of [`Config::reserve_bytes`]'s 256 MiB allowance for workspaces and fragmentation, what a
@@ -2148,24 +2134,16 @@ const HOST_TIMING_BYTES: u64 = 1 << 30;
 /// pool apart from activations (`candle_offload::diag::long_lived`): the step runs the
 /// library's own kernels (no GEMM workspace beyond what the prompt already made, which stays
 /// counted), and a prompt's freed activations no longer leave chunks held around a cache
-/// buffer. Measured on 7B Q4_K_M at 4 GiB while decoding: 104 MiB of device memory outside the
-/// pools (cuBLAS, graphs) and 7 MiB of activations; the pool then held 187 MiB more than it
-/// used, which the separate pool is for. A prompt keeps the whole allowance: the share that
-/// goes to weights while decoding ([`CausalLm::reserve_by_phase`]) takes this too.
+/// buffer. A prompt keeps the whole allowance: the share that goes to weights while decoding
+/// ([`CausalLm::reserve_by_phase`]) takes this too.
 ///
 /// Only a stage behind host layers plans with it (`host_stage_reserve`), and there at most a
 /// quarter of what the longest prompt reserves beyond a decode step: the fragmentation the
 /// separate pool avoids comes from the prompt's activations, so a short prompt saves little.
-/// Measured on the H200: 7B Q4_K_M at 4 GiB, prompt 512 (a share of 466 MiB, one host layer and
-/// the head) peaked at 4072 MiB with the whole 128 saved; 13B Q8_0 at 12 GiB, prompt 64 (a share
-/// of 161 MiB, 3 host layers, graphs) went over its budget with it, 12348 MiB (stop 42: 109 MiB
-/// held unused in the pools and 92 outside them while decoding, against 150 of the reservation
-/// beside its KV cache).
 ///
 /// Whether a model fits whole, or keeps its embeddings on the host, is still decided with the
-/// whole allowance: with it a resident 7B Q4_K_M took its embedding table onto the
-/// GPU and peaked at 4104 MiB, over its 4 GiB (prompt 64: 104 MiB outside the pools and 43
-/// MiB held unused).
+/// whole allowance: with the saving there, a resident model can take its embedding table onto
+/// the GPU and pass its budget (measured: docs/tuning.md, workspace saved).
 const QUANTIZED_DECODE_WORKSPACE_SAVING: u64 = 128 << 20;
 
 /// The fewest rows a prompt's pass is cut to ([`CausalLm::prompt_chunk`]): below this a pass

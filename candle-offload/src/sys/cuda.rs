@@ -292,9 +292,8 @@ pub(crate) fn has_long_lived_pool(device: &Device) -> candle_core::Result<bool> 
 ///
 /// Weights apart from activations: in one pool, a weight allocated into a block an
 /// activation freed pins that block's chunk of physical memory after the activations around
-/// it are gone, so that trimming the pool when a prompt ends cannot give it back (measured on
-/// 7B Q4_K_M at 4 GiB: the pool held 187-202 MiB more than it used while decoding). Each
-/// pool only ever holds its own kind.
+/// it are gone, so that trimming the pool when a prompt ends cannot give it back
+/// (docs/tuning.md). Each pool only ever holds its own kind.
 fn weight_pool(ctx: &Arc<CudaContext>, create: bool) -> SysResult<Option<Pool>> {
     use candle_core::cuda_backend::cudarc::driver::result;
     static POOLS: Mutex<Vec<(usize, Pool)>> = Mutex::new(Vec::new());

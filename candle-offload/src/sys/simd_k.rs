@@ -2,12 +2,11 @@
 //! step's K-quant host layers (`crate::cpu_quant`'s K-quant loop).
 //!
 //! Candle's own `vec_dot` for these types (its AVX2 kernels) reads each row without asking
-//! the memory for anything ahead, and no prefetch can be put inside it. On the H200's 16-core
-//! host a K-quant host layer then read its blocks at about 46 GB/s, where the dense and Q8_0
-//! kernels read 80-95 with a prefetch 4096 bytes ahead (docs/tuning.md). These kernels compute exactly what Candle's AVX2 `vec_dot` computes,
-//! in the same order (the integer sums are exact, and every float operation is the same one
-//! on the same lanes), so their results are Candle's bit for bit; they only add the prefetch.
-//! Without AVX2 they call Candle's `vec_dot`.
+//! the memory for anything ahead, and no prefetch can be put inside it; these kernels add one
+//! (docs/tuning.md, CPU prefetch distance). They compute exactly what Candle's AVX2 `vec_dot`
+//! computes, in the same order (the integer sums are exact, and every float operation is the
+//! same one on the same lanes), so their results are Candle's bit for bit; they only add the
+//! prefetch. Without AVX2 they call Candle's `vec_dot`.
 //!
 //! Blocks are Candle's `#[repr(C)]` structs, read here as bytes (their fields are private to
 //! Candle): Q4_K `[d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128]]` (144 bytes), Q6_K

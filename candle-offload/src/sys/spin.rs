@@ -1,9 +1,8 @@
 //! A pool of spinning worker threads for the CPU quantized matmul's short parallel regions.
 //!
 //! A decode step on the CPU is some 200 matmuls of a few hundred microseconds each. Rayon's
-//! idle workers sleep on a futex between them, and on a virtual machine waking one costs
-//! 100 µs and more (measured: a two-task region took 30 µs back to back and 105-140 µs after a
-//! pause of 0.2-1 ms), which is the order of the matmul itself. llama.cpp's threads spin
+//! idle workers sleep on a futex between them, and on a virtual machine waking one costs about
+//! as much as a small matmul itself (docs/tuning.md, CPU threads). llama.cpp's threads spin
 //! between its ops instead. These workers do the same: after a region they spin (yielding the
 //! core now and then, so that a runnable thread is not starved) for [`SPIN`] before parking.
 //!

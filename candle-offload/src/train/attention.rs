@@ -67,8 +67,7 @@ impl AttnDims {
 pub enum FlashForward {
     /// `mma.sync` m16n8k16 with every accumulator in registers (FlashAttention-2's layout),
     /// only the Q tile and double-buffered K and V tiles (`cp.async`) in shared memory: the
-    /// faster forward on an H200 in the standalone timings of `scripts/flash_attn_check.py`
-    /// (not recorded in benches/results).
+    /// default, the faster of the two (docs/tuning.md, prompt attention).
     #[default]
     Mma,
     /// WMMA 16x16x16 fragments, with S, P and the O accumulator staged in shared memory: the

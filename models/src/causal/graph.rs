@@ -1,8 +1,7 @@
 //! Decode steps replayed from a CUDA graph: a single-GPU model whose units are all resident
 //! captures its first eligible decode step (every kernel, allocation and free of the layers and
 //! the head) once, then launches the whole step with one call per token. The host's ~260
-//! launches of a 7B step (about 3 ms, as long as the GPU's work; BENCHMARKS.md, stop 34) become
-//! one.
+//! launches of a 7B step (as long as the GPU's work; docs/tuning.md, graphs) become one.
 //!
 //! What changes between replays lives in device buffers the graph reads: the token ids, the
 //! position and a padded batch's left padding per row (`inputs`, written before each launch),

@@ -2,8 +2,8 @@
 //!
 //! Through Candle's autograd, every op of a layer is a graph node, and Candle's backward walk
 //! sums each node's gradient into a fresh zeroed buffer (`GradStore::or_insert` then `add`),
-//! views and casts included: about forty full-size memsets and adds per layer, 41% of the GPU
-//! time of a BF16 step in the profile (BENCHMARKS.md). Candle's walk cannot be replaced (its
+//! views and casts included: about forty full-size memsets and adds per layer, much of the GPU
+//! time of a BF16 step. Candle's walk cannot be replaced (its
 //! ops are private), so here the whole layer is one node ([`with_gradient`]): the forward pass
 //! runs the same kernels without a graph and keeps what the backward pass reads; the backward
 //! pass calls the fused ops' backward kernels, the matmuls' transposes and RoPE's inverse
