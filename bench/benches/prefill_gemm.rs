@@ -8,11 +8,10 @@
 //!
 //! Each is the median of `--reps` runs between device synchronizations, with the GPU set up as a
 //! model runs it: cudarc's per-buffer event tracking off and freed memory kept in the stream's
-//! pool across synchronizations (`--event-tracking` keeps the tracking; stop 44's first runs
-//! had both, and timed `qlinear_prefill` 0.05-0.1 ms a call slower than its dequantization
-//! plus GEMM). Per model, type and
-//! rows it also sums one pass over every layer's projections (q, k, v, o, gate, up, down), the
-//! part of a prompt pass these ops are.
+//! pool across synchronizations (`--event-tracking` keeps the tracking, which times
+//! `qlinear_prefill` 0.05-0.1 ms a call slower than its dequantization plus GEMM). Per model,
+//! type and rows it also sums one pass over every layer's projections (q, k, v, o, gate, up,
+//! down), the part of a prompt pass these ops are.
 //!
 //! Run with: `cargo bench -p candle-offload-bench --features cuda --bench prefill_gemm --
 //! --json-out prefill.json`.
