@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::config::Config;
+use crate::family::Config;
 
 /// Where the weights are.
 #[derive(Debug, Clone, PartialEq, Eq)]

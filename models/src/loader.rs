@@ -12,8 +12,8 @@ use candle_core::{DType, Device, Shape, Tensor};
 use candle_offload::store::{RawTensorSpec, WeightFormat};
 use candle_offload::{FileSource, HostStore, StoreConfig};
 
-use crate::config::Config;
 use crate::error::{ModelError, Result};
+use crate::family::Config;
 pub use crate::files::{cache_dir, ModelFiles, SpecialTokens, Weights};
 use crate::gguf::{
     check_tensor_data, ggml_name, gguf_content, keeps_blocks, keeps_embedding_blocks, meta,
