@@ -9,10 +9,13 @@
 //! - how a block runs with a KV cache it does not own ([`DecoderBlock::forward`]), and, for
 //!   training, over a whole sequence ([`DecoderBlock::forward_train`]).
 //!
-//! The families this crate ships are registered in [`crate::families::REGISTRY`] (one line
-//! each), which `config.json`'s `model_type` or `architectures` is looked up in. An
-//! application's own decoder implements [`Family`] and is set on its [`Config`]; see the crate
-//! docs and `examples/own_model.rs`.
+//! The [`Config`] a family reads (the shapes every family shares, the family itself and the
+//! family's own fields as read) is defined here with it; what a configuration implies (RoPE
+//! frequencies, memory to reserve, FLOPs) is in [`crate::config`], reading an HF
+//! `config.json` in [`crate::hf_config`]; the families this crate ships, and the registry that
+//! finds one by a `config.json`'s `model_type` or `architectures`, are [`crate::families`].
+//! An application's own decoder implements [`Family`] and is set on its [`Config`]; see the
+//! crate docs and `examples/own_model.rs`.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -22,8 +25,8 @@ use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use candle_offload::UnitGuard;
+use candle_transformers::models::llama::Llama3RopeConfig;
 
-use crate::config::Config;
 use crate::layers::{KvCache, Linear, Masks, Norm, Rope};
 
 /// What a forward pass gives every block on one device.
@@ -358,143 +361,118 @@ pub trait Family: std::fmt::Debug + Send + Sync + 'static {
     }
 }
 
-/// How the crate finds a family for a `config.json`.
-#[derive(Debug, Clone, Copy)]
-pub struct Registration {
-    /// HF `model_type` values, each with the `architectures` entry transformers writes for it.
-    pub model_types: &'static [(&'static str, &'static str)],
-    /// Reads the whole configuration of a model of this family.
-    pub from_hf: fn(&HfFields<'_>) -> crate::Result<Config>,
+/// A validated decoder configuration: the fields every family shares, the family, and the
+/// family's own fields as read.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The HF `model_type` (`llama`, `mistral`, `qwen2`, `phi3`, `gemma`, `gemma2`, ...).
+    pub model_type: String,
+    /// Model width.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub intermediate_size: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (fewer than query heads: GQA; one: MQA).
+    pub num_key_value_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// Llama 3 RoPE scaling, if any.
+    pub rope_scaling: Option<Llama3RopeConfig>,
+    /// Longest context.
+    pub max_position_embeddings: usize,
+    /// Whether the output head shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Whether q/k/v projections have biases (Qwen2).
+    pub attention_bias: bool,
+    /// Beginning-of-sequence token.
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence tokens.
+    pub eos_token_ids: Vec<u32>,
+    /// The family that builds the model's blocks (looked up by `model_type` when read from
+    /// `config.json`; an application's own decoder sets its own).
+    pub family: Arc<dyn Family>,
+    /// The whole `config.json` object as read (empty for GGUF and hand-made configs): the
+    /// family's own fields, kept by [`to_hf_json`](Self::to_hf_json).
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
-/// A `config.json` object with typed readers that name the file and the field in errors.
-#[derive(Debug)]
-pub struct HfFields<'a> {
-    /// The parsed object.
-    pub obj: &'a serde_json::Map<String, serde_json::Value>,
-    /// The file, for errors.
-    pub path: &'a Path,
-    /// The `model_type` (given, or from `architectures`).
-    pub model_type: &'a str,
-}
-
-impl HfFields<'_> {
-    /// The raw value of a field (`None` when absent or null).
-    pub fn get(&self, name: &str) -> Option<&serde_json::Value> {
-        self.obj.get(name).filter(|v| !v.is_null())
+impl Config {
+    /// A configuration for an application's own decoder (`family`): the shapes the runtime
+    /// plans with. The rest takes the usual defaults (`head_dim` = hidden / heads, as many KV
+    /// heads as query heads, RMSNorm eps 1e-6, RoPE base 10 000 without scaling, 4096
+    /// positions, untied head, no biases, no special tokens); set the public fields to change
+    /// them, then [`validate`](Self::validate).
+    pub fn new(
+        family: Arc<dyn Family>,
+        hidden_size: usize,
+        intermediate_size: usize,
+        num_hidden_layers: usize,
+        num_attention_heads: usize,
+        vocab_size: usize,
+    ) -> Self {
+        Self {
+            model_type: family.name().to_string(),
+            hidden_size,
+            intermediate_size,
+            vocab_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads: num_attention_heads,
+            head_dim: hidden_size / num_attention_heads.max(1),
+            rms_norm_eps: 1e-6,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            max_position_embeddings: 4096,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+            family,
+            extra: Default::default(),
+        }
     }
 
-    /// A required positive integer.
-    pub fn usize(&self, name: &str) -> crate::Result<usize> {
-        let x = self
-            .get(name)
-            .ok_or_else(|| crate::ModelError::config(self.path, name, "missing"))?;
-        let n = x.as_u64().ok_or_else(|| {
-            crate::ModelError::config(
-                self.path,
-                name,
-                format!("expected a positive integer, got {x}"),
-            )
-        })?;
-        if n == 0 {
+    /// Checks the relations between fields.
+    pub fn validate(&self, path: &Path) -> crate::Result<()> {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(crate::ModelError::config(
-                self.path,
-                name,
-                "must be larger than zero",
+                path,
+                "num_key_value_heads",
+                format!(
+                    "{} does not divide num_attention_heads {}",
+                    self.num_key_value_heads, self.num_attention_heads
+                ),
             ));
         }
-        Ok(n as usize)
-    }
-
-    /// An optional positive integer.
-    pub fn opt_usize(&self, name: &str) -> crate::Result<Option<usize>> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(_) => self.usize(name).map(Some),
-        }
-    }
-
-    /// A positive finite number, `default` when absent.
-    pub fn f64_or(&self, name: &str, default: f64) -> crate::Result<f64> {
-        match self.get(name) {
-            None => Ok(default),
-            Some(x) => x
-                .as_f64()
-                .filter(|f| f.is_finite() && *f > 0.0)
-                .ok_or_else(|| {
-                    crate::ModelError::config(
-                        self.path,
-                        name,
-                        format!("expected a positive number, got {x}"),
-                    )
-                }),
-        }
-    }
-
-    /// An optional positive finite number.
-    pub fn opt_f64(&self, name: &str) -> crate::Result<Option<f64>> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(_) => self.f64_or(name, 1.0).map(Some),
-        }
-    }
-
-    /// A boolean, `default` when absent.
-    pub fn bool_or(&self, name: &str, default: bool) -> crate::Result<bool> {
-        match self.get(name) {
-            None => Ok(default),
-            Some(x) => x.as_bool().ok_or_else(|| {
-                crate::ModelError::config(
-                    self.path,
-                    name,
-                    format!("expected true or false, got {x}"),
-                )
-            }),
-        }
-    }
-
-    /// Which of `n` layers use a sliding window: `layer_types` (`sliding_attention` or
-    /// `full_attention`, one per layer) when given, otherwise `default(layer)`.
-    pub fn sliding_layers(
-        &self,
-        n: usize,
-        default: impl Fn(usize) -> bool,
-    ) -> crate::Result<Vec<bool>> {
-        let Some(x) = self.get("layer_types") else {
-            return Ok((0..n).map(default).collect());
-        };
-        let kinds: Vec<&str> = x
-            .as_array()
-            .map(|a| a.iter().filter_map(|k| k.as_str()).collect())
-            .unwrap_or_default();
-        if kinds.len() != n {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(crate::ModelError::config(
-                self.path,
-                "layer_types",
-                format!("expected {n} layer types (one per layer), got {x}"),
+                path,
+                "head_dim",
+                format!("{} is odd; RoPE needs an even width", self.head_dim),
             ));
         }
-        kinds
-            .iter()
-            .map(|k| match *k {
-                "sliding_attention" => Ok(true),
-                "full_attention" => Ok(false),
-                other => Err(crate::ModelError::config(
-                    self.path,
-                    "layer_types",
-                    format!("unknown layer type {other:?}"),
-                )),
-            })
-            .collect()
+        self.family.validate(self, path)
     }
 
-    /// A string, `default` when absent.
-    pub fn str_or<'s>(&'s self, name: &str, default: &'s str) -> crate::Result<&'s str> {
-        match self.get(name) {
-            None => Ok(default),
-            Some(x) => x.as_str().ok_or_else(|| {
-                crate::ModelError::config(self.path, name, format!("expected a string, got {x}"))
-            }),
-        }
+    /// The unit names of this model's family.
+    pub fn layout(&self) -> Layout {
+        self.family.layout(self)
+    }
+
+    /// Every tensor a checkpoint of this configuration must have, with its shape.
+    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        self.family.tensors(self)
     }
 }

@@ -8,8 +8,10 @@
 //!   [`candle_offload::OffloadRuntime`] as it runs, on one device or as a pipeline over
 //!   several; [`generation::generate`] runs it token by token.
 //! - [`family`]: the extension point. A [`Family`] names its checkpoint's tensors and units and
-//!   builds its blocks from acquired units; [`families`] holds the ones this crate ships and
-//!   the registry `config.json` is looked up in; [`layers`] the building blocks they share.
+//!   builds its blocks from acquired units, and the [`Config`] it reads is defined with it;
+//!   [`families`] holds the ones this crate ships and the registry `config.json` is looked up
+//!   in, [`hf_config`] the readers of a `config.json`'s fields they use, and [`layers`] the
+//!   building blocks they share.
 //! - [`Trainer`]: fine-tuning any family whose blocks have a training path.
 //! - [`ChatTemplate`]: the model's own chat template.
 //!
@@ -36,7 +38,10 @@ pub mod config;
 mod error;
 pub mod families;
 pub mod family;
+mod files;
 pub mod generation;
+mod gguf;
+pub mod hf_config;
 pub mod layers;
 pub mod llama;
 pub mod loader;

@@ -2,7 +2,7 @@
 //! type on the host, tensors spread over threads, cached as a GGUF next to the model, and
 //! loaded from that file with the projections kept as blocks (`QMatMul`).
 //!
-//! **Which tensors.** Exactly those the GGUF loader keeps as blocks (`loader::keeps_blocks`):
+//! **Which tensors.** Exactly those the GGUF loader keeps as blocks (`gguf::keeps_blocks`):
 //! the 2-D `*_proj.weight`s inside decoder layers and an untied `lm_head.weight`, whose rows
 //! are whole blocks of the type. Embeddings, norms and biases stay dense, in their source dtype
 //! (F64 as F32). Projections whose rows are not whole blocks stay dense, with one warning.
@@ -38,7 +38,8 @@ use candle_offload::store::{RawTensorSpec, WeightFormat};
 use candle_offload::{FileSource, HostStore, StoreConfig};
 
 use crate::error::{ModelError, Result};
-use crate::loader::{ModelFiles, Weights};
+use crate::files::{cache_dir, ModelFiles, Weights};
+use crate::gguf::{gguf_content, keeps_blocks};
 
 /// The types quantize-on-load writes, by the names `--quantize` takes.
 pub const TYPES: [(&str, GgmlDType); 5] = [
@@ -300,12 +301,10 @@ fn plan(files: &ModelFiles, ty: GgmlDType) -> Result<Plan> {
                     data_start + b
                 )));
             }
-            let target = if crate::loader::keeps_blocks(name, ty, &shape) {
+            let target = if keeps_blocks(name, ty, &shape) {
                 ty
             } else {
-                if shape.len() == 2
-                    && crate::loader::keeps_blocks(name, ty, &[shape[0], ty.block_size()])
-                {
+                if shape.len() == 2 && keeps_blocks(name, ty, &[shape[0], ty.block_size()]) {
                     uneven.push(name.clone());
                 }
                 match dtype {
@@ -383,7 +382,7 @@ fn cache_dirs(plan: &Plan, opts: &QuantizeOptions<'_>) -> Vec<PathBuf> {
         .map(Path::to_path_buf)
         .unwrap_or_default();
     let abs = std::path::absolute(&model_dir).unwrap_or_else(|_| model_dir.clone());
-    let fallback = crate::loader::cache_dir()
+    let fallback = cache_dir()
         .join("quantized")
         .join(format!("{:016x}", fnv1a(abs.to_string_lossy().as_bytes())));
     vec![model_dir, fallback]
@@ -396,7 +395,7 @@ fn cache_name(ty: GgmlDType) -> String {
 
 /// Why the cache file at `path` does not serve `plan`, or `Ok` if it does.
 fn check(path: &Path, plan: &Plan, ty: GgmlDType) -> std::result::Result<(), String> {
-    let (c, file) = crate::loader::gguf_content(path).map_err(|e| e.to_string())?;
+    let (c, file) = gguf_content(path).map_err(|e| e.to_string())?;
     let text = |k: &str| c.metadata.get(k).and_then(|v| v.to_string().ok()).cloned();
     if c.metadata.get(KEY_VERSION).and_then(|v| v.to_u32().ok()) != Some(FORMAT_VERSION) {
         return Err(format!(
@@ -743,7 +742,7 @@ pub fn load_cached_config(
     cfg: &StoreConfig,
     device: &Device,
 ) -> Result<HostStore> {
-    let (c, mut file) = crate::loader::gguf_content(gguf)?;
+    let (c, mut file) = gguf_content(gguf)?;
     let arch = c
         .metadata
         .get("general.architecture")

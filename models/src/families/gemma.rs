@@ -13,8 +13,8 @@ use std::sync::Arc;
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::config::{CommonDefaults, Config};
-use crate::family::{DecoderBlock, Family, HfFields, Registration, UnitWeights};
+use crate::family::{Config, DecoderBlock, Family, UnitWeights};
+use crate::hf_config::{CommonDefaults, HfFields, Registration};
 use crate::layers::{
     attention_tensors, embed_lookup, hf_tensors, mlp_tensors, norm_tensors, soft_cap, Activation,
     AttentionSpec, GatedMlp, Norm, PreNormBlock, SelfAttention, TensorShape,

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use candle_core::{DType, Result};
 use candle_transformers::models::llama::Llama3RopeConfig;
 
-use crate::config::{CommonDefaults, Config};
-use crate::family::{DecoderBlock, Family, HfFields, Registration, UnitWeights};
+use crate::family::{Config, DecoderBlock, Family, UnitWeights};
+use crate::hf_config::{CommonDefaults, HfFields, Registration};
 use crate::layers::{
     attention_tensors, hf_tensors, mlp_tensors, norm_tensors, Activation, AttentionSpec, GatedMlp,
     Norm, PreNormBlock, SelfAttention, TensorShape,

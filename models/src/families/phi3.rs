@@ -16,8 +16,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Result};
 
-use crate::config::{CommonDefaults, Config};
-use crate::family::{DecoderBlock, Family, HfFields, Registration, UnitWeights};
+use crate::family::{Config, DecoderBlock, Family, UnitWeights};
+use crate::hf_config::{CommonDefaults, HfFields, Registration};
 use crate::layers::{
     hf_tensors, norm_tensors, Activation, AttentionSpec, GatedMlp, Norm, PreNormBlock, Rope,
     SelfAttention, TensorShape,
