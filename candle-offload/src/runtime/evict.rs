@@ -193,9 +193,10 @@ mod tests {
 
     use candle_core::Device;
 
+    use super::super::config::OffloadConfig;
+    use super::super::shared::OffloadRuntime;
     use super::super::testutil::zero_layers;
     use crate::cache::{PolicyChoice, UnitId};
-    use crate::{OffloadConfig, OffloadRuntime};
     #[test]
     fn a_smaller_reservation_gives_its_room_to_weights_and_a_larger_one_takes_it_back(
     ) -> anyhow::Result<()> {
@@ -209,7 +210,7 @@ mod tests {
             Arc::new(store),
             &dev,
             &OffloadConfig {
-                gpu_memory_limit: Some(crate::MemoryLimit::Bytes(4 * unit)),
+                gpu_memory_limit: Some(crate::budget::MemoryLimit::Bytes(4 * unit)),
                 reserve_bytes: prompt,
                 prefetch_depth: 0,
                 policy: PolicyChoice::Schedule(order),

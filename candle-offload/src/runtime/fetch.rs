@@ -349,8 +349,9 @@ mod tests {
 
     use candle_core::Device;
 
+    use super::super::config::OffloadConfig;
+    use super::super::shared::OffloadRuntime;
     use super::super::testutil::zero_layers;
-    use crate::{OffloadConfig, OffloadRuntime};
     #[test]
     fn warm_up_fetches_what_stays_and_nothing_else() -> anyhow::Result<()> {
         let dev = Device::Cpu;
@@ -360,7 +361,7 @@ mod tests {
                 Arc::new(store),
                 &dev,
                 &OffloadConfig {
-                    gpu_memory_limit: limit.map(crate::MemoryLimit::Bytes),
+                    gpu_memory_limit: limit.map(crate::budget::MemoryLimit::Bytes),
                     prefetch_depth: 0,
                     keep,
                     ..Default::default()

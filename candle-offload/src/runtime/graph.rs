@@ -143,8 +143,9 @@ mod tests {
 
     use candle_core::Device;
 
+    use super::super::config::OffloadConfig;
+    use super::super::shared::OffloadRuntime;
     use super::super::testutil::zero_layers;
-    use crate::{OffloadConfig, OffloadRuntime};
     #[test]
     fn a_cpu_runtime_captures_no_step() -> anyhow::Result<()> {
         let dev = Device::Cpu;

@@ -145,10 +145,11 @@ mod tests {
     use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
     use candle_core::{DType, Device, Module, Tensor};
 
+    use super::super::config::OffloadConfig;
+    use super::super::shared::OffloadRuntime;
     use super::super::testutil::{runtime_with, zero_layers};
     use super::*;
     use crate::store::WeightFormat;
-    use crate::{OffloadConfig, OffloadRuntime};
     #[test]
     fn acquired_quantized_weights_match_candle_bit_for_bit() -> anyhow::Result<()> {
         let dev = Device::Cpu;
@@ -227,7 +228,7 @@ mod tests {
             Arc::new(store),
             &dev,
             &OffloadConfig {
-                gpu_memory_limit: Some(crate::MemoryLimit::Bytes(unit)),
+                gpu_memory_limit: Some(crate::budget::MemoryLimit::Bytes(unit)),
                 prefetch_depth: 0,
                 ..Default::default()
             },

@@ -215,8 +215,9 @@ mod tests {
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::{Device, Tensor};
 
+    use super::super::config::OffloadConfig;
+    use super::super::shared::OffloadRuntime;
     use crate::store::{HostStore, RawTensorSpec, StoreConfig};
-    use crate::{OffloadConfig, OffloadRuntime};
 
     #[test]
     fn the_budget_counts_padded_quantized_units() -> anyhow::Result<()> {
@@ -239,7 +240,7 @@ mod tests {
         let store = Arc::new(store);
         // One byte short of the padded unit is refused; the padded size is enough.
         let cfg = |limit| OffloadConfig {
-            gpu_memory_limit: Some(crate::MemoryLimit::Bytes(limit)),
+            gpu_memory_limit: Some(crate::budget::MemoryLimit::Bytes(limit)),
             prefetch_depth: 0,
             ..Default::default()
         };

@@ -5,8 +5,9 @@ use std::sync::Arc;
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Shape};
 
+use super::config::OffloadConfig;
+use super::shared::OffloadRuntime;
 use crate::store::{HostStore, RawTensorSpec, StoreConfig, WeightFormat};
-use crate::{OffloadConfig, OffloadRuntime};
 
 /// A store with one layer holding a quantized matrix (raw blocks of `q`) and a dense
 /// vector, and a runtime over it on the CPU.
