@@ -18,7 +18,7 @@ use crate::plan::{plan_capacity, MAX_PREFETCH_DEPTH};
 #[non_exhaustive]
 pub enum PlacementError {
     /// No device map places the model's layers within the devices' budgets (see the
-    /// [module documentation](self) for when exactly a placement is impossible).
+    /// [module documentation](crate::placement) for when exactly a placement is impossible).
     #[error("no {mode} device map fits: {}; {reason}", missing_list(.per_device))]
     Impossible {
         /// The placement mode asked for.

@@ -46,7 +46,7 @@ pub struct OffloadConfig {
     pub event_tracking: bool,
     /// The reservation of the phase this runtime spends most of its passes in, where lower than
     /// `reserve_bytes` (a model's decode steps, after a prompt that needs room for its
-    /// activations; see [`set_reserve_bytes`](OffloadRuntime::set_reserve_bytes)). When every
+    /// activations; see [`set_reserve_bytes`](crate::OffloadRuntime::set_reserve_bytes)). When every
     /// served unit fits beside it, each unit takes its own device size, without the streaming
     /// padding: the prompt then streams what its activations leave no room for, and the
     /// steady phase holds every unit. `None`: `reserve_bytes`.

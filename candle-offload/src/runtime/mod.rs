@@ -15,12 +15,12 @@
 //! their file into host memory by reader threads (`sys::ReadPool`), so that their fetch (the
 //! copy, or on the CPU the unit's tensors) finds the bytes read.
 //!
-//! The files, by concern: [`config`] the settings, [`start`] the steps of
-//! [`OffloadRuntime::new`], [`sizes`] the units' device sizes and the weights' need (planning,
-//! no device), [`shared`] the state behind the handle, [`fetch`] and [`upload`] bringing units
-//! in, [`evict`] taking them out, [`guard`] the pinned unit handed out, [`weights`] its
-//! tensors, [`graph`] captured steps, [`stats`] what a runtime reports, [`error`] its typed
-//! failures.
+//! The files, by concern: `config.rs` the settings, `start.rs` the steps of
+//! [`OffloadRuntime::new`], `sizes.rs` the units' device sizes and the weights' need (planning,
+//! no device), `shared.rs` the state behind the handle, `fetch.rs` and `upload.rs` bringing
+//! units in, `evict.rs` taking them out, `guard.rs` the pinned unit handed out, `weights.rs`
+//! its tensors, `graph.rs` captured steps, `stats.rs` what a runtime reports, `error.rs` its
+//! typed failures.
 
 mod config;
 mod error;

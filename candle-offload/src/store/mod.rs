@@ -30,9 +30,10 @@
 //! warning. Loading from safetensors streams tensor by tensor out of the memory-mapped file, so
 //! the model is never held twice.
 //!
-//! The files, by concern: [`config`] the settings, [`format`] the weight formats, [`layout`]
-//! the units' layouts, [`unit`] one unit and its bytes, [`host`] the store and its placement,
-//! [`sources`] the loaders, [`disk`] the disk tier's reads, [`convert`] byte conversions.
+//! The files, by concern: `config.rs` the settings, `format.rs` the weight formats,
+//! `layout.rs` the units' layouts, `unit.rs` one unit and its bytes, `host.rs` the store and
+//! its placement, `sources.rs` the loaders, `disk.rs` the disk tier's reads, `convert.rs` byte
+//! conversions.
 
 mod config;
 mod convert;
