@@ -16,6 +16,8 @@ use std::str::FromStr;
 use crate::budget::{human_bytes, Budget};
 use crate::error::{Error, Result};
 
+pub mod spread;
+
 /// How much of the model stays on the device (the seed's `memory.offload_strategy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OffloadStrategy {
