@@ -26,7 +26,11 @@ use candle_offload::train::attention::{
 use candle_offload::train::fused::{rms_norm, rms_norm_backward, swiglu, swiglu_backward};
 use candle_offload::train::grad::with_gradient;
 
-use super::{Activation, GateUp, Linear, PreNormBlock, Qkv};
+use super::attention::Qkv;
+use super::block::PreNormBlock;
+use super::linear::Linear;
+use super::mlp::{Activation, GateUp};
+use super::norm::Norm;
 use crate::family::{TrainCtx, WeightGradSink};
 
 /// A dense projection: the weight as served (the key its gradient is handed over under) and
@@ -78,7 +82,7 @@ struct RmsWeight {
 }
 
 impl RmsWeight {
-    fn of(n: &super::Norm, dtype: DType) -> Option<Self> {
+    fn of(n: &Norm, dtype: DType) -> Option<Self> {
         let (w, eps) = n.rms_parts()?;
         (w.dtype() == dtype).then(|| Self {
             served: w.clone(),
@@ -165,97 +169,101 @@ struct Saved {
     act: Tensor,
 }
 
-/// The layer's output for `xs` (batch, seq, hidden) with its gradient computed by hand, or
-/// `None` where this block, device or context is not one this path handles (the caller then
-/// runs Candle's graph), or where no [`WeightGradSink`] is given.
-pub(super) fn forward_train(
-    block: &PreNormBlock,
-    xs: &Tensor,
-    ctx: &TrainCtx<'_>,
-) -> Result<Option<Tensor>> {
-    let Some(sink) = &ctx.weight_grads else {
-        return Ok(None);
-    };
-    let Some(p) = Parts::of(block, xs, ctx)? else {
-        return Ok(None);
-    };
-    let _span = tracing::trace_span!("block.by_hand.forward").entered();
-    let s = block.attn.spec;
-    let (b, t, hidden) = xs.dims3()?;
-    let (n, d, cd) = (b * t, s.head_dim, ctx.compute);
-    let x = xs.detach().reshape((n, hidden))?;
-    let heads = |y: &Tensor, nh: usize| y.reshape((b, t, nh, d))?.transpose(1, 2)?.contiguous();
-    let hc = rms_norm(&x, &p.input_norm.w, p.input_norm.eps)?.to_dtype(cd)?;
-    let q = ctx
-        .rope
-        .apply_plain(&heads(&p.q.forward(&hc)?, s.n_heads)?)?;
-    let k = ctx
-        .rope
-        .apply_plain(&heads(&p.k.forward(&hc)?, s.n_kv_heads)?)?;
-    let v = heads(&p.v.forward(&hc)?, s.n_kv_heads)?;
-    let scale = (1.0 / s.score_div) as f32;
-    let (o, flash) = flash_attention_forward(&q, &k, &v, scale)?;
-    let o2 = o.transpose(1, 2)?.reshape((n, s.n_heads * d))?;
-    let x1 = (&x + p.o.forward(&o2)?.to_dtype(x.dtype())?)?;
-    let h2c = rms_norm(&x1, &p.mlp_norm.w, p.mlp_norm.eps)?.to_dtype(cd)?;
-    let gate = p.gate.forward(&h2c)?;
-    let up = p.up.forward(&h2c)?;
-    let act = swiglu(&gate, &up)?;
-    let out = (&x1 + p.down.forward(&act)?.to_dtype(x.dtype())?)?.reshape((b, t, hidden))?;
-    if !xs.track_op() {
-        return Ok(Some(out));
+impl PreNormBlock {
+    /// The layer's output for `xs` (batch, seq, hidden) with its gradient computed by hand, or
+    /// `None` where this block, device or context is not one this path handles (the caller
+    /// then runs Candle's graph), or where no [`WeightGradSink`] is given.
+    pub(super) fn forward_train_by_hand(
+        &self,
+        xs: &Tensor,
+        ctx: &TrainCtx<'_>,
+    ) -> Result<Option<Tensor>> {
+        let block = self;
+        let Some(sink) = &ctx.weight_grads else {
+            return Ok(None);
+        };
+        let Some(p) = Parts::of(block, xs, ctx)? else {
+            return Ok(None);
+        };
+        let _span = tracing::trace_span!("block.by_hand.forward").entered();
+        let s = block.attn.spec;
+        let (b, t, hidden) = xs.dims3()?;
+        let (n, d, cd) = (b * t, s.head_dim, ctx.compute);
+        let x = xs.detach().reshape((n, hidden))?;
+        let heads = |y: &Tensor, nh: usize| y.reshape((b, t, nh, d))?.transpose(1, 2)?.contiguous();
+        let hc = rms_norm(&x, &p.input_norm.w, p.input_norm.eps)?.to_dtype(cd)?;
+        let q = ctx
+            .rope
+            .apply_plain(&heads(&p.q.forward(&hc)?, s.n_heads)?)?;
+        let k = ctx
+            .rope
+            .apply_plain(&heads(&p.k.forward(&hc)?, s.n_kv_heads)?)?;
+        let v = heads(&p.v.forward(&hc)?, s.n_kv_heads)?;
+        let scale = (1.0 / s.score_div) as f32;
+        let (o, flash) = flash_attention_forward(&q, &k, &v, scale)?;
+        let o2 = o.transpose(1, 2)?.reshape((n, s.n_heads * d))?;
+        let x1 = (&x + p.o.forward(&o2)?.to_dtype(x.dtype())?)?;
+        let h2c = rms_norm(&x1, &p.mlp_norm.w, p.mlp_norm.eps)?.to_dtype(cd)?;
+        let gate = p.gate.forward(&h2c)?;
+        let up = p.up.forward(&h2c)?;
+        let act = swiglu(&gate, &up)?;
+        let out = (&x1 + p.down.forward(&act)?.to_dtype(x.dtype())?)?.reshape((b, t, hidden))?;
+        if !xs.track_op() {
+            return Ok(Some(out));
+        }
+        let saved = Mutex::new(Some(Saved {
+            x,
+            hc,
+            q,
+            k,
+            v,
+            o,
+            flash,
+            o2,
+            x1,
+            h2c,
+            gate,
+            up,
+            act,
+        }));
+        let (sink, rope) = (sink.clone(), ctx.rope.clone());
+        let out = with_gradient(xs, out, move |dy| {
+            let _span = tracing::trace_span!("block.by_hand.backward").entered();
+            let sv = saved
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("block activations poisoned".into()))?
+                .take()
+                .ok_or_else(|| candle_core::Error::Msg("block backward ran twice".into()))?;
+            let dy = dy.reshape((n, hidden))?;
+            // MLP.
+            let dyc = dy.to_dtype(cd)?;
+            let dact = p.down.backward(&sv.act, &dyc, &sink)?;
+            drop(sv.act);
+            let (dgate, dup) = swiglu_backward(&sv.gate, &sv.up, &dact)?;
+            drop((dact, sv.gate, sv.up));
+            let dh2 = (p.gate.backward(&sv.h2c, &dgate, &sink)?
+                + p.up.backward(&sv.h2c, &dup, &sink)?)?;
+            drop((dgate, dup, sv.h2c));
+            let dx1 = p.mlp_norm.backward(&sv.x1, &dh2, &sink)?;
+            drop((dh2, sv.x1));
+            let dx1 = (dy + dx1)?;
+            // Attention.
+            let do2 = p.o.backward(&sv.o2, &dx1.to_dtype(cd)?, &sink)?;
+            drop(sv.o2);
+            let do4 = do2.reshape((b, t, s.n_heads, d))?.transpose(1, 2)?;
+            let (dq, dk, dv) =
+                flash_attention_backward(&sv.q, &sv.k, &sv.v, &sv.o, &do4, &sv.flash)?;
+            drop((do4, sv.q, sv.k, sv.v, sv.o, sv.flash));
+            let rows = |g: Tensor, nh: usize| g.transpose(1, 2)?.reshape((n, nh * d));
+            let dq = rows(rope.unrotate_plain(&dq)?, s.n_heads)?;
+            let dk = rows(rope.unrotate_plain(&dk)?, s.n_kv_heads)?;
+            let dv = rows(dv, s.n_kv_heads)?;
+            let dh = ((p.q.backward(&sv.hc, &dq, &sink)? + p.k.backward(&sv.hc, &dk, &sink)?)?
+                + p.v.backward(&sv.hc, &dv, &sink)?)?;
+            drop((dq, dk, dv, sv.hc));
+            let dx = p.input_norm.backward(&sv.x, &dh, &sink)?;
+            (dx1 + dx)?.reshape((b, t, hidden))
+        })?;
+        Ok(Some(out))
     }
-    let saved = Mutex::new(Some(Saved {
-        x,
-        hc,
-        q,
-        k,
-        v,
-        o,
-        flash,
-        o2,
-        x1,
-        h2c,
-        gate,
-        up,
-        act,
-    }));
-    let (sink, rope) = (sink.clone(), ctx.rope.clone());
-    let out = with_gradient(xs, out, move |dy| {
-        let _span = tracing::trace_span!("block.by_hand.backward").entered();
-        let sv = saved
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("block activations poisoned".into()))?
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("block backward ran twice".into()))?;
-        let dy = dy.reshape((n, hidden))?;
-        // MLP.
-        let dyc = dy.to_dtype(cd)?;
-        let dact = p.down.backward(&sv.act, &dyc, &sink)?;
-        drop(sv.act);
-        let (dgate, dup) = swiglu_backward(&sv.gate, &sv.up, &dact)?;
-        drop((dact, sv.gate, sv.up));
-        let dh2 =
-            (p.gate.backward(&sv.h2c, &dgate, &sink)? + p.up.backward(&sv.h2c, &dup, &sink)?)?;
-        drop((dgate, dup, sv.h2c));
-        let dx1 = p.mlp_norm.backward(&sv.x1, &dh2, &sink)?;
-        drop((dh2, sv.x1));
-        let dx1 = (dy + dx1)?;
-        // Attention.
-        let do2 = p.o.backward(&sv.o2, &dx1.to_dtype(cd)?, &sink)?;
-        drop(sv.o2);
-        let do4 = do2.reshape((b, t, s.n_heads, d))?.transpose(1, 2)?;
-        let (dq, dk, dv) = flash_attention_backward(&sv.q, &sv.k, &sv.v, &sv.o, &do4, &sv.flash)?;
-        drop((do4, sv.q, sv.k, sv.v, sv.o, sv.flash));
-        let rows = |g: Tensor, nh: usize| g.transpose(1, 2)?.reshape((n, nh * d));
-        let dq = rows(rope.unrotate_plain(&dq)?, s.n_heads)?;
-        let dk = rows(rope.unrotate_plain(&dk)?, s.n_kv_heads)?;
-        let dv = rows(dv, s.n_kv_heads)?;
-        let dh = ((p.q.backward(&sv.hc, &dq, &sink)? + p.k.backward(&sv.hc, &dk, &sink)?)?
-            + p.v.backward(&sv.hc, &dv, &sink)?)?;
-        drop((dq, dk, dv, sv.hc));
-        let dx = p.input_norm.backward(&sv.x, &dh, &sink)?;
-        (dx1 + dx)?.reshape((b, t, hidden))
-    })?;
-    Ok(Some(out))
 }

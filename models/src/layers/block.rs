@@ -1,0 +1,137 @@
+//! The pre-norm decoder layer that LLaMA, Phi-3 and Gemma 1/2 are all instances of:
+//! `h = x + post_attn(attn(norm(x)))`, `out = h + post_mlp(mlp(pre_mlp(h)))`, with the residual
+//! add and the next norm in one kernel on a fused step.
+
+use candle_core::{Result, Tensor};
+
+use super::attention::SelfAttention;
+use super::cache::KvCache;
+use super::mlp::GatedMlp;
+use super::norm::Norm;
+use crate::family::{DecoderBlock, Hidden, StepCtx, TrainCtx};
+
+/// A pre-norm decoder layer:
+/// `h = x + post_attn(attn(norm(x)))`, `out = h + post_mlp(mlp(pre_mlp(h)))`, where the
+/// post-norms exist only in Gemma 2.
+#[derive(Debug)]
+pub struct PreNormBlock {
+    /// Before attention.
+    pub input_norm: Norm,
+    /// Self-attention.
+    pub attn: SelfAttention,
+    /// After attention, before the residual add (Gemma 2).
+    pub post_attn_norm: Option<Norm>,
+    /// Before the MLP.
+    pub pre_mlp_norm: Norm,
+    /// The MLP.
+    pub mlp: GatedMlp,
+    /// After the MLP, before the residual add (Gemma 2).
+    pub post_mlp_norm: Option<Norm>,
+}
+
+/// `norm(a + b)` and the sum: in one kernel ([`candle_offload::ops::rms_norm_residual`]) on a
+/// fused step with an RMSNorm computed in the inputs' dtype, all three of one dtype, which with
+/// `q8` (the next matmul takes x quantized: `takes_quantized_x`) also quantizes the normed rows
+/// ([`candle_offload::ops::rms_norm_residual_q8`]); otherwise the add, then the norm.
+fn add_norm(
+    norm: &Norm,
+    ctx: &StepCtx<'_>,
+    a: Tensor,
+    b: Tensor,
+    q8: bool,
+) -> Result<(Tensor, Tensor)> {
+    let fusable = norm
+        .rms_parts()
+        .filter(|(w, _)| ctx.fused && w.dtype() == a.dtype() && b.dtype() == a.dtype());
+    match fusable {
+        Some((w, eps)) if q8 => candle_offload::ops::rms_norm_residual_q8(&a, &b, w, eps),
+        Some((w, eps)) => candle_offload::ops::rms_norm_residual(&a, &b, w, eps),
+        None => {
+            let sum = (a + b)?;
+            let normed = norm.forward(&sum)?;
+            Ok((sum, normed))
+        }
+    }
+}
+
+impl DecoderBlock for PreNormBlock {
+    fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Tensor> {
+        self.forward_hidden(Hidden::Whole(xs.clone()), ctx, kv)?
+            .into_tensor()
+    }
+
+    /// A fused step leaves the MLP's residual add to the next block's input norm (or the
+    /// caller), which does it in its own kernel.
+    fn forward_hidden(&self, xs: Hidden, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Hidden> {
+        let (residual, normed) = match xs {
+            Hidden::Whole(xs) => {
+                let normed = self.input_norm.forward(&xs)?;
+                (xs, normed)
+            }
+            Hidden::Split { h, residual } => add_norm(
+                &self.input_norm,
+                ctx,
+                h,
+                residual,
+                self.attn.takes_quantized_x(),
+            )?,
+        };
+        let h = self.attn.forward(&normed, ctx, kv)?;
+        let h = match &self.post_attn_norm {
+            Some(n) => n.forward(&h)?,
+            None => h,
+        };
+        // The residual add and the norm after it in one kernel where it can.
+        let (xs, normed) = add_norm(
+            &self.pre_mlp_norm,
+            ctx,
+            h,
+            residual,
+            self.mlp.takes_quantized_x(),
+        )?;
+        let h = if ctx.fused {
+            self.mlp.forward_fused(&normed)?
+        } else {
+            self.mlp.forward(&normed)?
+        };
+        match &self.post_mlp_norm {
+            Some(n) => Ok(Hidden::Whole((n.forward(&h)? + xs)?)),
+            None if ctx.fused => Ok(Hidden::Split { h, residual: xs }),
+            None => Ok(Hidden::Whole((h + xs)?)),
+        }
+    }
+
+    /// The residual stream stays in `xs`'s dtype (F32 under autocast), norms run in it, and
+    /// the attention and MLP compute in `ctx.compute`.
+    fn forward_train(&self, xs: &Tensor, ctx: &TrainCtx<'_>) -> Result<Tensor> {
+        if ctx.fused {
+            if let Some(out) = self.forward_train_by_hand(xs, ctx)? {
+                return Ok(out);
+            }
+        }
+        let residual = xs;
+        let stream = residual.dtype();
+        let fused = ctx.fused;
+        let h = self.input_norm.forward_train(xs, fused)?;
+        let h = self.attn.forward_train(&h.to_dtype(ctx.compute)?, ctx)?;
+        let h = h.to_dtype(stream)?;
+        let h = match &self.post_attn_norm {
+            Some(n) => n.forward_train(&h, fused)?,
+            None => h,
+        };
+        let xs = (h + residual)?;
+        let h = self.pre_mlp_norm.forward_train(&xs, fused)?;
+        let h = h.to_dtype(ctx.compute)?;
+        let h = if fused {
+            self.mlp.forward_train_fused(&h)?
+        } else {
+            self.mlp.forward_train(&h)?
+        };
+        let h = h.to_dtype(stream)?;
+        let h = match &self.post_mlp_norm {
+            Some(n) => n.forward_train(&h, fused)?,
+            None => h,
+        };
+        h + xs
+    }
+}

@@ -1,0 +1,176 @@
+//! The gated MLP, `down(act(gate(x)) · up(x))` (SwiGLU, GeGLU; separate or fused gate/up):
+//! gate, up and the activation in one kernel on a decode step where they can.
+
+use candle_core::{Result, Tensor, D};
+
+use super::linear::{cpu_blocks_many, one_launch_weights, takes_quantized_x, Linear, OneLaunch};
+use crate::family::UnitWeights;
+
+/// The gate's activation in a gated MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (SwiGLU: LLaMA, Phi-3).
+    Silu,
+    /// GELU, tanh approximation (GeGLU: Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+    /// Exact GELU (erf; HF `gelu`).
+    Gelu,
+}
+
+impl Activation {
+    /// From an HF `hidden_act` / `hidden_activation` name.
+    pub fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Self::Silu),
+            "gelu_pytorch_tanh" | "gelu_tanh" | "gelu_new" | "gelu_fast" => Some(Self::GeluTanh),
+            "gelu" => Some(Self::Gelu),
+            _ => None,
+        }
+    }
+
+    fn apply(self, xs: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Silu => candle_nn::ops::silu(xs),
+            Self::GeluTanh => xs.gelu(),
+            Self::Gelu => xs.gelu_erf(),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(super) enum GateUp {
+    Separate { gate: Linear, up: Linear },
+    Fused(Linear),
+}
+
+/// `down(act(gate(x)) · up(x))`.
+#[derive(Debug)]
+pub struct GatedMlp {
+    pub(super) gate_up: GateUp,
+    pub(super) down: Linear,
+    pub(super) act: Activation,
+    pub(super) intermediate: usize,
+}
+
+impl GatedMlp {
+    /// `gate_proj`, `up_proj` and `down_proj` under `w`, each dense or quantized as the unit
+    /// holds it.
+    pub fn load(
+        w: UnitWeights<'_>,
+        hidden: usize,
+        intermediate: usize,
+        act: Activation,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_up: GateUp::Separate {
+                gate: w.pp("gate_proj").linear(hidden, intermediate, false)?,
+                up: w.pp("up_proj").linear(hidden, intermediate, false)?,
+            },
+            down: w.pp("down_proj").linear(intermediate, hidden, false)?,
+            act,
+            intermediate,
+        })
+    }
+
+    /// One fused `fused` projection (rows: gate, then up) and `down_proj` under `w` (Phi-3).
+    pub fn load_fused(
+        w: UnitWeights<'_>,
+        fused: &str,
+        hidden: usize,
+        intermediate: usize,
+        act: Activation,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_up: GateUp::Fused(w.pp(fused).linear(hidden, 2 * intermediate, false)?),
+            down: w.pp("down_proj").linear(intermediate, hidden, false)?,
+            act,
+            intermediate,
+        })
+    }
+
+    /// Whether its gate (and up) projection takes x quantized by the norm before it.
+    pub(super) fn takes_quantized_x(&self) -> bool {
+        match &self.gate_up {
+            GateUp::Separate { gate, .. } => takes_quantized_x(gate),
+            GateUp::Fused(l) => takes_quantized_x(l),
+        }
+    }
+
+    fn run(&self, xs: &Tensor, train: bool, fused: bool) -> Result<Tensor> {
+        if let (false, true, Activation::Silu, GateUp::Separate { gate, up }) =
+            (train, fused, self.act, &self.gate_up)
+        {
+            if let Some(ws) = one_launch_weights(xs, &[gate, up])? {
+                // Gate, up and SiLU · mul in one kernel.
+                let x = match ws {
+                    OneLaunch::Dense(ws) => candle_offload::ops::linear_silu_mul(xs, ws[0], ws[1])?,
+                    // The kernel also quantizes its output for the down projection.
+                    OneLaunch::Blocks(ws) if takes_quantized_x(&self.down) => {
+                        candle_offload::ops::qlinear_silu_mul_q8(xs, ws[0], ws[1], gate.tuning())?
+                    }
+                    OneLaunch::Blocks(ws) => {
+                        candle_offload::ops::qlinear_silu_mul(xs, ws[0], ws[1], gate.tuning())?
+                    }
+                };
+                return self.down.run_with(&x, train, fused);
+            }
+        }
+        // A CPU decode step: gate and up in one pass of the matmul pool.
+        let both = match (&self.gate_up, train) {
+            (GateUp::Separate { gate, up }, false) => cpu_blocks_many(xs, &[gate, up])?,
+            _ => None,
+        };
+        let (gate, up) = match (&self.gate_up, both) {
+            (_, Some(ys)) => {
+                let mut ys = ys.into_iter();
+                let mut next = || ys.next().expect("two outputs");
+                (next(), next())
+            }
+            (GateUp::Separate { gate, up }, None) => (
+                gate.run_with(xs, train, fused)?,
+                up.run_with(xs, train, fused)?,
+            ),
+            (GateUp::Fused(l), None) => {
+                let both = l.run_with(xs, train, fused)?;
+                let i = self.intermediate;
+                (both.narrow(D::Minus1, 0, i)?, both.narrow(D::Minus1, i, i)?)
+            }
+        };
+        // Views of a fused gate/up projection would need copies first: those stay unfused
+        // in inference (training's op copies them; its backward needs them contiguous anyway).
+        let silu = fused && self.act == Activation::Silu;
+        let x = if silu && train {
+            candle_offload::train::swiglu(&gate, &up)?
+        } else if silu && gate.is_contiguous() && up.is_contiguous() {
+            candle_offload::ops::silu_mul(&gate, &up)?
+        } else {
+            (self.act.apply(&gate)? * up)?
+        };
+        self.down.run_with(&x, train, fused)
+    }
+
+    /// Inference.
+    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.run(xs, false, false)
+    }
+
+    /// Inference with SiLU · up as one fused op ([`candle_offload::ops::silu_mul`]) where the
+    /// activation is SiLU and gate and up are separate projections (otherwise as
+    /// [`forward`](Self::forward)).
+    pub fn forward_fused(&self, xs: &Tensor) -> Result<Tensor> {
+        self.run(xs, false, true)
+    }
+
+    /// Training: each projection one 2-D matmul (see [`linear_2d`](super::linear_2d)), the
+    /// activation composed of Candle ops.
+    pub fn forward_train(&self, xs: &Tensor) -> Result<Tensor> {
+        self.run(xs, true, false)
+    }
+
+    /// Training with SiLU · up as one op with its own backward kernel
+    /// ([`candle_offload::train::swiglu`]) where the activation is SiLU (otherwise as
+    /// [`forward_train`](Self::forward_train)).
+    pub fn forward_train_fused(&self, xs: &Tensor) -> Result<Tensor> {
+        self.run(xs, true, true)
+    }
+}

@@ -1,0 +1,32 @@
+//! Building blocks shared by the model families: RoPE tables (`rope.rs`), the KV cache and the
+//! causal, sliding-window and padded masks (`cache.rs`), the embedding lookup (`embed.rs`),
+//! linear layers over dense or GGML weights (`linear.rs`), RMSNorm (plain and Gemma's
+//! `1 + w`) and LayerNorm (`norm.rs`), self-attention (separate or fused q/k/v, GQA/MQA,
+//! optional logit soft-capping and sliding window) with its training path (`attention.rs`),
+//! the gated MLP (SwiGLU, GeGLU; separate or fused gate/up; `mlp.rs`), and the pre-norm decoder
+//! block that LLaMA, Phi-3 and Gemma 1/2 are all instances of (`block.rs`, its hand-written
+//! training pass in `by_hand.rs`); `tensors.rs` lists an HF-layout checkpoint's tensors.
+//!
+//! A family file picks and names these pieces (`vb.pp(..)` names mirror its checkpoint keys);
+//! nothing here knows a tensor name beyond what the caller passes in.
+
+mod attention;
+mod block;
+mod by_hand;
+mod cache;
+mod embed;
+mod linear;
+mod mlp;
+mod norm;
+mod rope;
+mod tensors;
+
+pub use attention::{soft_cap, AttentionSpec, SelfAttention, DECODE_ATTENTION_MAX_NEW};
+pub use block::PreNormBlock;
+pub use cache::{causal_mask, window_mask, Cache, KvCache, Masks};
+pub use embed::embed_lookup;
+pub use linear::{linear, linear_2d, Linear};
+pub use mlp::{Activation, GatedMlp};
+pub use norm::Norm;
+pub use rope::Rope;
+pub use tensors::{attention_tensors, hf_tensors, mlp_tensors, norm_tensors, TensorShape};
