@@ -19,7 +19,7 @@ use candle_offload_models::llama::{argmax, DeviceMapChoice};
 use candle_offload_models::loader;
 use candle_offload_models::quantize;
 use candle_offload_models::sampling::{DeviceSampler, TokenSampler};
-use candle_offload_models::{ChatTemplate, HostLayers, Llama, OffloadSettings};
+use candle_offload_models::{ChatTemplate, DeviceMapRequest, HostLayers, Llama, OffloadSettings};
 use candle_offload_suite::flags;
 use candle_transformers::generation::LogitsProcessor;
 use clap::builder::PossibleValuesParser;
@@ -308,13 +308,15 @@ fn run(args: Args) -> Result<()> {
         };
         let map = Llama::plan_devices(
             &cfg,
-            dtype,
-            &devices,
-            &per_device,
-            prompt_ids.len(),
-            max_len,
-            choice,
-            args.prefetch_depth as usize,
+            &DeviceMapRequest {
+                devices: &devices,
+                limits: &per_device,
+                dtype,
+                prompt_len: prompt_ids.len(),
+                max_len,
+                choice,
+                prefetch_depth: args.prefetch_depth as usize,
+            },
         )?;
         eprint!("{map}");
         if let Some(p) = &args.save_device_map {
@@ -387,19 +389,21 @@ fn run(args: Args) -> Result<()> {
         ..Default::default()
     };
     let mut model = match &device_map {
-        Some(map) => {
-            Llama::offloaded_sharded(&files, store, &devices, map, dtype, max_len, &settings)?
-        }
-        None => Llama::offloaded_with_host(
-            &files,
-            store,
-            &device,
-            dtype,
-            prompt_ids.len(),
-            max_len,
-            &settings,
-            args.host_layers,
-        )?,
+        Some(map) => Llama::builder(&files, store)
+            .devices(&devices)
+            .device_map(DeviceMapChoice::Planned(map.clone()))
+            .dtype(dtype)
+            .max_len(max_len)
+            .settings(settings.clone())
+            .build()?,
+        None => Llama::builder(&files, store)
+            .device(&device)
+            .dtype(dtype)
+            .prompt_len(prompt_ids.len())
+            .max_len(max_len)
+            .settings(settings.clone())
+            .host_layers(args.host_layers)
+            .build()?,
     };
     if args.unfused {
         model.set_fused(false);

@@ -48,13 +48,11 @@ pub fn resident_model(dir: &Path, device: &Device, dtype: DType) -> anyhow::Resu
     let files = loader::from_dir(dir)?;
     let store = Arc::new(loader::load_store(&files, dtype, device, None)?);
     let rt = OffloadRuntime::new(store, device, &OffloadConfig::default())?;
-    Ok(Llama::new(
-        files.config.clone(),
-        rt,
-        dtype,
-        64,
-        &files.weights_path(),
-    )?)
+    Ok(Llama::builder(&files, rt.store().clone())
+        .runtime(rt)
+        .dtype(dtype)
+        .max_len(64)
+        .build()?)
 }
 
 /// The tiny random checkpoints the model tests write: LLaMA (GQA; optionally tied embeddings
@@ -218,7 +216,12 @@ fn model_over(
             ..Default::default()
         },
     )?;
-    Ok(Llama::new(cfg, rt, dtype, max_len, &files.weights_path())?)
+    Ok(Llama::builder(cfg, rt.store().clone())
+        .runtime(rt)
+        .dtype(dtype)
+        .max_len(max_len)
+        .source_path(files.weights_path())
+        .build()?)
 }
 
 fn run(
@@ -514,15 +517,13 @@ fn decode_gives_the_prompts_room_to_weights(device: &Device) -> anyhow::Result<(
         Ok((tokens, fetches))
     };
     let build = |limit: Option<u64>| {
-        Llama::offloaded(
-            &files,
-            store.clone(),
-            device,
-            DType::F32,
-            prompt.len(),
-            max_len,
-            &settings(limit),
-        )
+        Llama::builder(&files, store.clone())
+            .device(device)
+            .dtype(DType::F32)
+            .prompt_len(prompt.len())
+            .max_len(max_len)
+            .settings(settings(limit))
+            .build()
     };
     let (want, _) = decode(&build(None)?)?;
 
@@ -796,15 +797,13 @@ fn bad_model_inputs_are_clear_errors() -> anyhow::Result<()> {
         candle_core::safetensors::save(tensors, &st)?;
         let store = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
         let rt = OffloadRuntime::new(store, &Device::Cpu, &OffloadConfig::default())?;
-        Ok(Llama::new(
-            files.config.clone(),
-            rt,
-            DType::F32,
-            32,
-            &files.weights_path(),
-        )
-        .unwrap_err()
-        .to_string())
+        Ok(Llama::builder(&files, rt.store().clone())
+            .runtime(rt)
+            .dtype(DType::F32)
+            .max_len(32)
+            .build()
+            .unwrap_err()
+            .to_string())
     };
     let name = "model.layers.1.mlp.up_proj.weight";
     let mut tensors = candle_core::safetensors::load(&st, &Device::Cpu)?;
@@ -985,13 +984,12 @@ fn smollm2_gguf_knows_the_capital_of_france() -> anyhow::Result<()> {
             ..Default::default()
         },
     )?;
-    let model = Llama::new(
-        files.config.clone(),
-        rt.clone(),
-        DType::F32,
-        ids.len() + 16,
-        &gguf,
-    )?;
+    let model = Llama::builder(files.config.clone(), rt.store().clone())
+        .runtime(rt.clone())
+        .dtype(DType::F32)
+        .max_len(ids.len() + 16)
+        .source_path(gguf)
+        .build()?;
     let mut sampler = LogitsProcessor::new(0, None, None);
     let (tokens, _) = generate(
         &model,
@@ -1028,15 +1026,13 @@ fn no_leak_over_1000_decode_steps(device: &Device) -> anyhow::Result<()> {
         )),
         ..Default::default()
     };
-    let model = Llama::offloaded(
-        &files,
-        store.clone(),
-        device,
-        DType::F32,
-        1,
-        steps + 8,
-        &settings,
-    )?;
+    let model = Llama::builder(&files, store.clone())
+        .device(device)
+        .dtype(DType::F32)
+        .prompt_len(1)
+        .max_len(steps + 8)
+        .settings(settings.clone())
+        .build()?;
     let rt = model.runtime().clone();
     let mut cache = model.new_cache();
     let mut token = 7u32;
@@ -1168,7 +1164,13 @@ fn quantized_projections_reach_every_family(dev: &Device) -> anyhow::Result<()> 
                 event_tracking,
                 ..Default::default()
             };
-            let model = Llama::offloaded(&files, store.clone(), dev, DType::F32, 8, 16, &settings)?;
+            let model = Llama::builder(&files, store.clone())
+                .device(dev)
+                .dtype(DType::F32)
+                .prompt_len(8)
+                .max_len(16)
+                .settings(settings.clone())
+                .build()?;
             let logits = model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?;
             if tight {
                 // A second pass fetches layers again: they did not all stay.
@@ -1291,7 +1293,13 @@ fn smollm2_gguf_runs_with_quantized_blocks() -> anyhow::Result<()> {
             gpu_memory_limit: Some(MemoryLimit::Bytes(budget)),
             ..Default::default()
         };
-        let model = Llama::offloaded(&files, store, &Device::Cpu, DType::F32, 12, 16, &settings)?;
+        let model = Llama::builder(&files, store)
+            .device(&Device::Cpu)
+            .dtype(DType::F32)
+            .prompt_len(12)
+            .max_len(16)
+            .settings(settings.clone())
+            .build()?;
         let mut cache = model.new_cache();
         logits.push(
             model
@@ -1358,3 +1366,57 @@ test_device!(
     device_sampler_agrees_with_the_host_cpu,
     device_sampler_agrees_with_the_host_gpu
 );
+
+/// README.md's library example, line for line (checked below): compiled here, not run (it needs
+/// a GPU and the hub).
+#[allow(dead_code)]
+#[rustfmt::skip]
+fn readme_library_example() -> anyhow::Result<()> {
+    // readme:begin
+    use candle_core::{DType, Device};
+    use candle_offload::{MemoryLimit, StoreConfig, Tuning};
+    use candle_offload_models::{generation, loader, sampling::DeviceSampler, CausalLm, HostLayers};
+
+    let device = Device::new_cuda_with_stream(0)?;
+    let files = loader::resolve("meta-llama/Llama-2-7b-hf", None, false)?; // hub id, HF dir or .gguf
+    let store = loader::load_store_config(&files, &StoreConfig::default(), &device, true)?;
+    let model = CausalLm::builder(&files, store.into())
+        .device(&device)
+        .gpu_memory_limit(MemoryLimit::gib(4.0))      // never exceeded
+        .host_layers(HostLayers::SpreadAuto)
+        .tuning(Tuning::for_host())
+        .dtype(DType::F16)
+        .max_len(512)                                 // prompt and new tokens, reserved for
+        .build()?;
+    let tokenizer = loader::load_tokenizer(&files)?;
+    let prompt = tokenizer.encode("What is the capital of France?", true).map_err(anyhow::Error::msg)?;
+    let mut greedy = DeviceSampler::new(0, None, None)?;
+    let eos = &files.config.eos_token_ids;
+    let (tokens, stats) = generation::generate(&model, prompt.get_ids(), 32, &mut greedy, eos, |_| Ok(()))?;
+    println!("{} ({:.1} tok/s)", tokenizer.decode(&tokens, true).map_err(anyhow::Error::msg)?, stats.decode_tokens_per_s());
+    // readme:end
+    Ok(())
+}
+
+/// The example README.md shows under "Using it as a library" is the one compiled above.
+#[test]
+fn the_readme_library_example_compiles_here() {
+    let readme = include_str!("../README.md");
+    let block = readme
+        .split("## Using it as a library")
+        .nth(1)
+        .and_then(|s| s.split("```rust,ignore\n").nth(1))
+        .and_then(|s| s.split("```").next())
+        .expect("README.md's library example");
+    let here = include_str!("models.rs");
+    let body = here
+        .split("// readme:begin\n")
+        .nth(1)
+        .and_then(|s| s.split("    // readme:end").next())
+        .expect("the example's markers");
+    let body: Vec<&str> = body
+        .lines()
+        .map(|l| l.strip_prefix("    ").unwrap_or(l))
+        .collect();
+    assert_eq!(body, block.lines().collect::<Vec<_>>());
+}

@@ -69,7 +69,13 @@ fn logits(files: &ModelFiles, store: HostStore) -> anyhow::Result<Vec<f32>> {
         )),
         ..Default::default()
     };
-    let model = Llama::offloaded(files, Arc::new(store), &dev, DType::F32, 8, 16, &settings)?;
+    let model = Llama::builder(files, Arc::new(store))
+        .device(&dev)
+        .dtype(DType::F32)
+        .prompt_len(8)
+        .max_len(16)
+        .settings(settings.clone())
+        .build()?;
     let ids = Tensor::new(&[[3u32, 17, 42, 5, 77, 8, 91, 23]], &dev)?;
     Ok(model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?)
 }

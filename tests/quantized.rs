@@ -332,15 +332,13 @@ fn run_on(
         prefetch_depth: depth,
         ..Default::default()
     };
-    let model = Llama::offloaded(
-        files,
-        store,
-        dev,
-        DType::F32,
-        PROMPT.len(),
-        max_len,
-        &settings,
-    )?;
+    let model = Llama::builder(files, store)
+        .device(dev)
+        .dtype(DType::F32)
+        .prompt_len(PROMPT.len())
+        .max_len(max_len)
+        .settings(settings.clone())
+        .build()?;
     let ids = Tensor::new(&PROMPT, dev)?.unsqueeze(0)?;
     let logits = model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?;
     let mut sampler = LogitsProcessor::new(0, None, None);
@@ -480,20 +478,18 @@ fn one_host_layer(
     max_len: usize,
     limit: Option<u64>,
 ) -> Result<Llama, candle_offload_models::ModelError> {
-    Llama::offloaded_with_host(
-        files,
-        store.clone(),
-        dev,
-        DType::F32,
-        rows,
-        max_len,
-        &candle_offload_models::OffloadSettings {
+    Llama::builder(files, store.clone())
+        .device(dev)
+        .dtype(DType::F32)
+        .prompt_len(rows)
+        .max_len(max_len)
+        .settings(candle_offload_models::OffloadSettings {
             gpu_memory_limit: limit.map(MemoryLimit::Bytes),
             prefetch_depth: 0,
             ..Default::default()
-        },
-        candle_offload_models::HostLayers::Count(1),
-    )
+        })
+        .host_layers(candle_offload_models::HostLayers::Count(1))
+        .build()
 }
 
 fn mixed_k_quant_gguf(path: &Path, seed: u64) -> anyhow::Result<ModelFiles> {
@@ -613,15 +609,13 @@ fn a_model_that_fits_while_decoding_holds_every_unit_then() -> anyhow::Result<()
         prefetch_depth: 0,
         ..Default::default()
     };
-    let model = Llama::offloaded(
-        &files,
-        store.clone(),
-        &Device::Cpu,
-        DType::F32,
-        PROMPT.len(),
-        max_len,
-        &settings,
-    )?;
+    let model = Llama::builder(&files, store.clone())
+        .device(&Device::Cpu)
+        .dtype(DType::F32)
+        .prompt_len(PROMPT.len())
+        .max_len(max_len)
+        .settings(settings.clone())
+        .build()?;
     let ids = Tensor::new(&PROMPT, &Device::Cpu)?.unsqueeze(0)?;
     let logits = model.forward_all(&ids)?.flatten_all()?.to_vec1::<f32>()?;
     assert_eq!(logits, ref_logits);
@@ -802,15 +796,13 @@ fn a_near_fit_runs_its_prompt_in_passes_and_streams_nothing() -> anyhow::Result<
             prefetch_depth: 0,
             ..Default::default()
         };
-        Llama::offloaded(
-            &files,
-            store.clone(),
-            &Device::Cpu,
-            DType::F32,
-            prompt.len(),
-            max_len,
-            &settings,
-        )
+        Llama::builder(&files, store.clone())
+            .device(&Device::Cpu)
+            .dtype(DType::F32)
+            .prompt_len(prompt.len())
+            .max_len(max_len)
+            .settings(settings.clone())
+            .build()
     };
     let run = |model: &Llama| -> anyhow::Result<(Vec<f32>, Vec<u32>)> {
         let ids = Tensor::new(prompt.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
@@ -933,15 +925,13 @@ fn the_greedy_head_keeps_every_token() -> anyhow::Result<()> {
     let files = loader::from_gguf(&path)?;
     let store = load(&files, true)?;
     let new = 32;
-    let model = Llama::offloaded(
-        &files,
-        store,
-        &Device::Cpu,
-        DType::F32,
-        PROMPT.len(),
-        PROMPT.len() + new,
-        &Default::default(),
-    )?;
+    let model = Llama::builder(&files, store)
+        .device(&Device::Cpu)
+        .dtype(DType::F32)
+        .prompt_len(PROMPT.len())
+        .max_len(PROMPT.len() + new)
+        .settings(Default::default())
+        .build()?;
     assert!(!model.greedy_head(), "off by default");
     let run = |greedy: bool| -> anyhow::Result<(Vec<u32>, Vec<f32>)> {
         model.set_greedy_head(greedy);
@@ -1040,16 +1030,14 @@ fn spread_host_layers_of_blocks_beside_a_half_precision_stage() -> anyhow::Resul
         true,
     )?);
     let logits = |host| -> anyhow::Result<(Vec<f32>, usize)> {
-        let model = Llama::offloaded_with_host(
-            &files,
-            store.clone(),
-            &Device::Cpu,
-            DType::F16,
-            PROMPT.len(),
-            PROMPT.len() + 4,
-            &OffloadSettings::default(),
-            host,
-        )?;
+        let model = Llama::builder(&files, store.clone())
+            .device(&Device::Cpu)
+            .dtype(DType::F16)
+            .prompt_len(PROMPT.len())
+            .max_len(PROMPT.len() + 4)
+            .settings(OffloadSettings::default())
+            .host_layers(host)
+            .build()?;
         // One position at a time: decode steps, which run the host layers on the host.
         let mut cache = model.new_cache();
         let mut last = Vec::new();

@@ -10,7 +10,7 @@ use candle_offload::MemoryLimit;
 use candle_offload_models::generation::generate;
 use candle_offload_models::llama::{DeviceMapChoice, HiddenTransfer};
 use candle_offload_models::loader;
-use candle_offload_models::{Llama, OffloadSettings};
+use candle_offload_models::{DeviceMapRequest, Llama, OffloadSettings};
 use candle_transformers::generation::LogitsProcessor;
 
 const PROMPT: [u32; 7] = [5, 17, 42, 3, 99, 64, 8];
@@ -43,15 +43,13 @@ pub fn sharded_equals_single_device(devices: &[Device]) -> anyhow::Result<()> {
         let store = Arc::new(loader::load_store(&files, DType::F32, &devices[0], None)?);
         let max_len = PROMPT.len() + 10;
         let settings = OffloadSettings::default();
-        let single = Llama::offloaded(
-            &files,
-            store.clone(),
-            &devices[0],
-            DType::F32,
-            PROMPT.len(),
-            max_len,
-            &settings,
-        )?;
+        let single = Llama::builder(&files, store.clone())
+            .device(&devices[0])
+            .dtype(DType::F32)
+            .prompt_len(PROMPT.len())
+            .max_len(max_len)
+            .settings(settings.clone())
+            .build()?;
         let (want_logits, want_tokens) = outputs(&single)?;
         drop(single);
 
@@ -76,26 +74,26 @@ pub fn sharded_equals_single_device(devices: &[Device]) -> anyhow::Result<()> {
         ] {
             let map = Llama::plan_devices(
                 &cfg,
-                DType::F32,
-                devices,
-                &[limit],
-                PROMPT.len(),
-                max_len,
-                &choice,
-                1,
+                &DeviceMapRequest {
+                    devices,
+                    limits: &[limit],
+                    dtype: DType::F32,
+                    prompt_len: PROMPT.len(),
+                    max_len,
+                    choice: &choice,
+                    prefetch_depth: 1,
+                },
             )?;
             let stages = map.stages().iter().filter(|(_, r)| !r.is_empty()).count();
             assert!(stages >= 2, "{what} tied {tied}: one stage only\n{map}");
             for transfer in [HiddenTransfer::Device, HiddenTransfer::Host] {
-                let mut model = Llama::offloaded_sharded(
-                    &files,
-                    store.clone(),
-                    devices,
-                    &map,
-                    DType::F32,
-                    max_len,
-                    &settings,
-                )?;
+                let mut model = Llama::builder(&files, store.clone())
+                    .devices(devices)
+                    .device_map(DeviceMapChoice::Planned(map.clone()))
+                    .dtype(DType::F32)
+                    .max_len(max_len)
+                    .settings(settings.clone())
+                    .build()?;
                 model.set_hidden_transfer(transfer);
                 let (logits, tokens) = outputs(&model)?;
                 let ctx = format!("{what}, {transfer:?}, tied {tied}\n{map}");
@@ -133,13 +131,15 @@ pub fn sharded_equals_single_device(devices: &[Device]) -> anyhow::Result<()> {
         let back = DeviceMap::from_json(&text, "plan.json")?;
         let replanned = Llama::plan_devices(
             &cfg,
-            DType::F32,
-            devices,
-            &[None],
-            PROMPT.len(),
-            max_len,
-            &DeviceMapChoice::Map(back),
-            1,
+            &DeviceMapRequest {
+                devices,
+                limits: &[None],
+                dtype: DType::F32,
+                prompt_len: PROMPT.len(),
+                max_len,
+                choice: &DeviceMapChoice::Map(back),
+                prefetch_depth: 1,
+            },
         )?;
         assert_eq!(replanned.stages(), map.stages());
         std::fs::remove_dir_all(&dir)?;
@@ -182,13 +182,15 @@ fn impossible_plans_are_refused() -> anyhow::Result<()> {
     for mode in [PlacementMode::Sequential, PlacementMode::Balanced] {
         let e = Llama::plan_devices(
             &files.config,
-            DType::F32,
-            &devices,
-            &[Some(MemoryLimit::Bytes(1 << 20))],
-            7,
-            20,
-            &DeviceMapChoice::Mode(mode),
-            1,
+            &DeviceMapRequest {
+                devices: &devices,
+                limits: &[Some(MemoryLimit::Bytes(1 << 20))],
+                dtype: DType::F32,
+                prompt_len: 7,
+                max_len: 20,
+                choice: &DeviceMapChoice::Mode(mode),
+                prefetch_depth: 1,
+            },
         )
         .unwrap_err()
         .to_string();
@@ -196,13 +198,15 @@ fn impossible_plans_are_refused() -> anyhow::Result<()> {
     }
     let e = Llama::plan_devices(
         &files.config,
-        DType::F32,
-        &devices,
-        &[None, None, None],
-        7,
-        20,
-        &DeviceMapChoice::Mode(PlacementMode::Balanced),
-        1,
+        &DeviceMapRequest {
+            devices: &devices,
+            limits: &[None, None, None],
+            dtype: DType::F32,
+            prompt_len: 7,
+            max_len: 20,
+            choice: &DeviceMapChoice::Mode(PlacementMode::Balanced),
+            prefetch_depth: 1,
+        },
     )
     .unwrap_err()
     .to_string();
@@ -226,16 +230,14 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
         let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
         let max_len = 24;
         let build = |settings: &OffloadSettings, host| {
-            Llama::offloaded_with_host(
-                &files,
-                store.clone(),
-                device,
-                DType::F32,
-                PROMPT.len(),
-                max_len,
-                settings,
-                host,
-            )
+            Llama::builder(&files, store.clone())
+                .device(device)
+                .dtype(DType::F32)
+                .prompt_len(PROMPT.len())
+                .max_len(max_len)
+                .settings(settings.clone())
+                .host_layers(host)
+                .build()
         };
         // A prompt longer than a decode step runs the host layers on the device, then decode
         // steps on the host (their KV caches move between them).
@@ -491,16 +493,14 @@ fn near_fit_replays_from_the_looked_up_rows(device: &Device) -> anyhow::Result<(
             gpu_memory_limit: limit.map(MemoryLimit::Bytes),
             ..Default::default()
         };
-        Llama::offloaded_with_host(
-            &files,
-            store.clone(),
-            device,
-            DType::F32,
-            PROMPT.len(),
-            max_len,
-            &settings,
-            host,
-        )
+        Llama::builder(&files, store.clone())
+            .device(device)
+            .dtype(DType::F32)
+            .prompt_len(PROMPT.len())
+            .max_len(max_len)
+            .settings(settings.clone())
+            .host_layers(host)
+            .build()
     };
     let tokens = |m: &Llama| -> anyhow::Result<Vec<u32>> {
         let mut sampler = LogitsProcessor::new(0, None, None);

@@ -84,13 +84,11 @@ fn model(
             ..Default::default()
         },
     )?;
-    let m = Llama::new(
-        files.config.clone(),
-        rt.clone(),
-        dtype,
-        32,
-        &files.weights_path(),
-    )?;
+    let m = Llama::builder(files, rt.store().clone())
+        .runtime(rt.clone())
+        .dtype(dtype)
+        .max_len(32)
+        .build()?;
     Ok((m, rt))
 }
 
@@ -507,15 +505,13 @@ fn gguf_run(
         ..Default::default()
     };
     let store = Arc::new(store);
-    let model = Llama::offloaded(
-        files,
-        store.clone(),
-        dev,
-        dtype,
-        GGUF_PROMPT.len(),
-        max_len,
-        &settings,
-    )?;
+    let model = Llama::builder(files, store.clone())
+        .device(dev)
+        .dtype(dtype)
+        .prompt_len(GGUF_PROMPT.len())
+        .max_len(max_len)
+        .settings(settings.clone())
+        .build()?;
     let ids = Tensor::new(&GGUF_PROMPT, dev)?.unsqueeze(0)?;
     let logits = model
         .forward_all(&ids)?

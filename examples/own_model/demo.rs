@@ -4,7 +4,6 @@
 //! the integration test.
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
@@ -85,32 +84,27 @@ pub fn run(
         gpu_memory_limit: Some(MemoryLimit::Bytes(budget)),
         ..Default::default()
     };
-    let src = Path::new("<tinylm>");
     let (n, max) = (prompt.len(), c.max_len);
+    // The model over the store, named `<tinylm>` in errors about its weights.
+    let builder = || {
+        CausalLm::builder(&cfg, store.clone())
+            .source_path("<tinylm>")
+            .settings(settings.clone())
+            .dtype(DType::F32)
+            .prompt_len(n)
+            .max_len(max)
+    };
     // The comparison is bit for bit, so the head runs Candle's matmul as the application's
     // model does: on a GPU the runtime's fused one-row kernel (on by default there) rounds
     // differently, within the tolerance its own tests check.
-    let mut offloaded =
-        CausalLm::from_store(&cfg, store.clone(), dev, DType::F32, n, max, &settings, src)?;
+    let mut offloaded = builder().device(dev).build()?;
     offloaded.set_fused(false);
-    let balanced = DeviceMapChoice::Mode(PlacementMode::Balanced);
-    let limit = [Some(MemoryLimit::Bytes(budget))];
-    let mut plan = None;
     let sharded = match second {
         Some(second) => {
-            let two = [dev.clone(), second.clone()];
-            let map = CausalLm::plan_devices(&cfg, DType::F32, &two, &limit, n, max, &balanced, 1)?;
-            let mut model = CausalLm::sharded_from_store(
-                &cfg,
-                store,
-                &two,
-                &map,
-                DType::F32,
-                max,
-                &settings,
-                src,
-            )?;
-            plan = Some(map);
+            let mut model = builder()
+                .devices(&[dev.clone(), second.clone()])
+                .device_map(DeviceMapChoice::Mode(PlacementMode::Balanced))
+                .build()?;
             model.set_fused(false);
             Some(model)
         }
@@ -129,8 +123,9 @@ pub fn run(
         layer_fetches: 0,
         budget_bytes: budget,
         peak_resident_bytes: 0,
-        device_map: plan
+        device_map: sharded
             .iter()
+            .filter_map(|m| m.device_map())
             .flat_map(|p| &p.devices)
             .map(|d| (d.ordinal, d.first_layer, d.layer_count, d.streams))
             .collect(),

@@ -28,9 +28,9 @@
 //! 3. [`Config::new`] takes the shapes the runtime plans with (layers, widths, heads, vocab)
 //!    and the family.
 //!
-//! [`CausalLm::offloaded`] and [`CausalLm::offloaded_sharded`] then do the rest: the
-//! reservation for the KV cache and activations, the kept units, Belady over the sweep, the
-//! device map. `examples/own_model.rs` is a complete example in under 60 lines of glue.
+//! [`CausalLm::builder`] then does the rest, on one device or over several: the reservation
+//! for the KV cache and activations, the kept units, Belady over the sweep, the device map.
+//! `examples/own_model/` is a complete example in under 60 lines of glue.
 
 pub mod causal;
 pub mod chat;
@@ -50,8 +50,9 @@ pub mod sampling;
 pub mod train;
 
 pub use causal::{
-    CausalLm, DeviceMapChoice, GraphStats, HiddenTransfer, HostLayers, HostTotals, LayerSteps,
-    OffloadSettings, HOST_STEP_ROWS, MIN_PROMPT_CHUNK,
+    CausalLm, CausalLmBuilder, DeviceMapChoice, DeviceMapRequest, GraphStats, HiddenTransfer,
+    HostLayers, HostTotals, LayerSteps, ModelSource, OffloadSettings, HOST_STEP_ROWS,
+    MIN_PROMPT_CHUNK,
 };
 pub use chat::ChatTemplate;
 pub use config::Config;

@@ -311,16 +311,14 @@ fn main() -> Result<()> {
                 tuning,
                 ..Default::default()
             };
-            let mut model = Llama::offloaded_with_host(
-                &files,
-                store.clone(),
-                &device,
-                dtype,
-                prompt_len,
-                max_len,
-                &settings,
-                host,
-            )?;
+            let mut model = Llama::builder(&files, store.clone())
+                .device(&device)
+                .dtype(dtype)
+                .prompt_len(prompt_len)
+                .max_len(max_len)
+                .settings(settings.clone())
+                .host_layers(host)
+                .build()?;
             if args.unfused {
                 model.set_fused(false);
             }

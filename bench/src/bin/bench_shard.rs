@@ -19,7 +19,7 @@ use candle_offload::placement::PlacementMode;
 use candle_offload::MemoryLimit;
 use candle_offload_bench::median;
 use candle_offload_models::llama::{argmax, DeviceMapChoice, HiddenTransfer};
-use candle_offload_models::{loader, Llama, OffloadSettings};
+use candle_offload_models::{loader, DeviceMapRequest, Llama, OffloadSettings};
 use clap::Parser;
 
 /// Measures decode of a checkpoint sharded over GPUs.
@@ -154,24 +154,24 @@ fn main() -> Result<()> {
         let limit = MemoryLimit::Bytes((setup.gib * 2f64.powi(30)) as u64);
         let map = Llama::plan_devices(
             &cfg,
-            dtype,
-            used,
-            &[Some(limit)],
-            args.prompt_len,
-            max_len,
-            &DeviceMapChoice::Mode(mode),
-            1,
+            &DeviceMapRequest {
+                devices: used,
+                limits: &[Some(limit)],
+                dtype,
+                prompt_len: args.prompt_len,
+                max_len,
+                choice: &DeviceMapChoice::Mode(mode),
+                prefetch_depth: 1,
+            },
         )?;
         print!("{map}");
-        let mut model = Llama::offloaded_sharded(
-            &files,
-            store.clone(),
-            used,
-            &map,
-            dtype,
-            max_len,
-            &OffloadSettings::default(),
-        )?;
+        let mut model = Llama::builder(&files, store.clone())
+            .devices(used)
+            .device_map(DeviceMapChoice::Planned(map.clone()))
+            .dtype(dtype)
+            .max_len(max_len)
+            .settings(OffloadSettings::default())
+            .build()?;
         model.set_hidden_transfer(setup.transfer);
         let first = used[0].clone();
         // Warm-up: JIT-compiles kernels and fills the caches.

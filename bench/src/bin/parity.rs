@@ -94,13 +94,12 @@ fn main() -> Result<()> {
                     ..Default::default()
                 },
             )?;
-            let model = Llama::new(
-                cfg.clone(),
-                rt.clone(),
-                dtype,
-                max_len,
-                &files.weights_path(),
-            )?;
+            let model = Llama::builder(cfg.clone(), rt.store().clone())
+                .runtime(rt.clone())
+                .dtype(dtype)
+                .max_len(max_len)
+                .source_path(files.weights_path())
+                .build()?;
             let logits = model.forward_all(&ids)?.squeeze(0)?.to_vec2::<f32>()?;
             let ours: Vec<f32> = logits.concat();
             let theirs: Vec<f32> = expected.concat();

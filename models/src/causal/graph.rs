@@ -10,128 +10,23 @@
 //! the logits land in a buffer allocated before the capture and are copied out after each
 //! launch. A graph is replayed only while the units resident at its capture stay
 //! ([`candle_offload::OffloadRuntime::replay_step`]), for the same batch size, padded or not,
-//! and the same KV buffers; otherwise it is captured again. A model whose host stage only
-//! looks the embeddings up (a near fit, [`CausalLm::from_store_with_host`]) captures its GPU
-//! stage: the rows are looked up on the host before each launch and copied where the graph
-//! reads them. A model with host layers or a host head captures each run of GPU layers as a
-//! graph of its own, the host parts running eagerly between launches (`pipeline_step`). Where a
-//! graph cannot apply (a prompt, weights that stream, host layers, a pipeline, a new position
-//! inside a row's padding, an attention the kernels do not cover, a failed capture) the step
-//! runs eagerly, and a debug message says why.
+//! and the same KV buffers; otherwise it is captured again. A model whose host stage only looks
+//! the embeddings up (a near fit on one device) captures its GPU stage: the rows are looked up
+//! on the host before each launch and copied where the graph reads them. A model with host
+//! layers or a host head captures each run of GPU layers as a graph of its own, the host parts
+//! running eagerly between launches (`pipeline_step`). Where a graph cannot apply (a prompt,
+//! weights that stream, host layers, a pipeline, a new position inside a row's padding, an
+//! attention the kernels do not cover, a failed capture) the step runs eagerly, and a debug
+//! message says why.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 
 use candle_core::{DType, Result, Tensor, TensorId};
-use candle_offload::StepGraph;
 
-use super::CausalLm;
+use super::forward::StepInputs;
+use super::graph_state::{Captured, DeviceInputs, GpuRun, GraphStats, Pipeline, State};
+use super::model::{CausalLm, Stage};
 use crate::layers::Cache;
-
-/// What graph replay did so far ([`CausalLm::graph_stats`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct GraphStats {
-    /// Decode steps captured into a graph (each also ran, as that graph's first launch).
-    pub captures: u64,
-    /// Decode steps replayed from a graph captured earlier.
-    pub replays: u64,
-    /// Single-token steps on a GPU that ran eagerly while graphs were on.
-    pub eager_steps: u64,
-    /// Why the latest eager step could not use a graph.
-    pub last_reason: Option<String>,
-}
-
-/// The model's graph state.
-#[derive(Debug)]
-pub(super) struct Graphs {
-    on: AtomicBool,
-    state: Mutex<State>,
-}
-
-#[derive(Debug, Default)]
-struct State {
-    captured: Option<Captured>,
-    /// The GPU runs of a model with host layers or a host head, captured one graph each.
-    pipeline: Option<Pipeline>,
-    /// A capture failed with this error: not tried again until graphs are switched on anew.
-    refused: Option<String>,
-    stats: GraphStats,
-}
-
-/// A decode step of a model with layers or the head on the host, whose GPU runs (the
-/// runs of GPU layers between host ones, `CausalLm::segments`) were captured one graph each:
-/// the host parts run eagerly between their launches.
-#[derive(Debug)]
-struct Pipeline {
-    batch: usize,
-    /// Each layer's key buffer at the capture.
-    kv: Vec<Option<TensorId>>,
-    /// u32 (batch + 1): the token ids (which no graph reads) and the position.
-    inputs: Tensor,
-    /// Per entry of the model's segments: the GPU run's graph (`None` for a host run).
-    runs: Vec<Option<GpuRun>>,
-}
-
-/// One captured run of GPU layers: its graph reads the hidden state from `input` and leaves
-/// it in `output`, both (batch, 1, hidden) in the GPU stage's dtype.
-#[derive(Debug)]
-struct GpuRun {
-    graph: StepGraph,
-    input: Tensor,
-    output: Tensor,
-}
-
-/// What a captured step reads on the device instead of the host: views of its `inputs`.
-#[derive(Debug)]
-pub(super) struct DeviceInputs {
-    /// One u32: the positions cached before this step.
-    pub(super) pos: Tensor,
-    /// u32 (batch): each row's left padding, for a padded batch.
-    pub(super) pads: Option<Tensor>,
-    /// (batch, 1, hidden) in the GPU stage's dtype: the embedding rows, looked up on the host
-    /// before each launch, where the host stage does nothing else.
-    pub(super) hidden: Option<Tensor>,
-}
-
-/// One captured step and the buffers it reads and writes.
-#[derive(Debug)]
-struct Captured {
-    graph: StepGraph,
-    batch: usize,
-    /// Captured for a padded batch (the attention reads the counts in `inputs`).
-    padded: bool,
-    /// u32 (batch + 1, and batch more when padded): the token ids, the position, then the
-    /// padding counts.
-    inputs: Tensor,
-    /// f32 (batch, vocab).
-    logits: Tensor,
-    /// Each layer's key buffer at the capture.
-    kv: Vec<Option<TensorId>>,
-    /// Where the graph reads the embedding rows (`DeviceInputs::hidden`).
-    hidden: Option<Tensor>,
-}
-
-impl Graphs {
-    /// A model's graphs, on or off as its tuning says ([`candle_offload::Tuning::graphs`]).
-    pub(super) fn new(on: bool) -> Self {
-        Self {
-            on: AtomicBool::new(on),
-            state: Mutex::new(State::default()),
-        }
-    }
-}
-
-impl State {
-    fn eager(&mut self, why: String) -> Option<Tensor> {
-        if self.stats.last_reason.as_deref() != Some(&why) {
-            tracing::debug!(reason = %why, "decoding eagerly (no CUDA graph)");
-        }
-        self.stats.eager_steps += 1;
-        self.stats.last_reason = Some(why);
-        None
-    }
-}
 
 impl CausalLm {
     /// Whether single-token decode steps of a resident single-GPU model are captured once as
@@ -344,7 +239,12 @@ impl CausalLm {
             Ok(kv) => kv,
             Err(why) => return Ok(st.eager(why)),
         };
-        let step = (1, index_pos, &[][..]);
+        let step = StepInputs {
+            seq_len: 1,
+            index_pos,
+            pads: &[],
+            on_device: None,
+        };
         let replay = st
             .pipeline
             .take()
@@ -388,7 +288,7 @@ impl CausalLm {
                 xs = self.move_hidden(&xs, stage.rt.device())?;
             }
             if *s == 0 || eager.is_some() {
-                xs = self.run_segment(stage, layers.clone(), &xs, step, None, cache, false)?;
+                xs = self.run_segment(stage, layers.clone(), &xs, step, cache, false)?;
                 captured.push(None);
                 continue;
             }
@@ -408,7 +308,7 @@ impl CausalLm {
                     continue;
                 }
                 eager = Some("units moved since the capture".into());
-                xs = self.run_segment(stage, layers.clone(), &xs, step, None, cache, false)?;
+                xs = self.run_segment(stage, layers.clone(), &xs, step, cache, false)?;
                 captured.push(None);
                 continue;
             }
@@ -431,8 +331,10 @@ impl CausalLm {
                     gpu,
                     layers.clone(),
                     &input,
-                    step,
-                    Some(&on_device),
+                    StepInputs {
+                        on_device: Some(&on_device),
+                        ..step
+                    },
                     cache,
                     false,
                 )?;
@@ -458,7 +360,7 @@ impl CausalLm {
                     let why = e.to_string();
                     st.refused = Some(why.clone());
                     eager = Some(format!("the capture failed: {why}"));
-                    xs = self.run_segment(gpu, layers.clone(), &input, step, None, cache, false)?;
+                    xs = self.run_segment(gpu, layers.clone(), &input, step, cache, false)?;
                     captured.push(None);
                 }
             }
@@ -499,7 +401,7 @@ impl CausalLm {
 /// replay must find unchanged.
 fn capture_preconditions(
     refused: Option<&str>,
-    stage: &super::Stage,
+    stage: &Stage,
     cache: &Cache,
     index_pos: usize,
 ) -> Result<std::result::Result<Vec<Option<TensorId>>, String>> {

@@ -1,0 +1,37 @@
+//! The family-neutral offloaded causal LM: every model family runs through [`CausalLm`].
+//!
+//! Every weight lives in the runtime's host store. Each forward pass acquires the units in
+//! order (embeddings, each decoder layer, the final norm, the output head, as the family's
+//! [`Layout`](crate::Layout) names them), builds each block through the
+//! [`Family`](crate::Family) from the unit's `VarBuilder` right before it runs, and releases
+//! the unit right after, so the runtime can stream what does not fit the budget. The KV cache
+//! stays on the device; the budget reserves room for it. One device is the single-GPU path,
+//! with host layers in front of it where asked; several run the layers as a pipeline (layer
+//! sharding), each device with its own runtime, budget, copy stream and schedule over one
+//! shared host store.
+//!
+//! - `model.rs`: the struct, its stages and accessors;
+//! - `builder.rs`: [`CausalLm::builder`], the one way to build it;
+//! - `reserve.rs`: what a stage reserves beside its weights, and whether they fit;
+//! - `host.rs`: host layers in front of one device (the split itself is planned in
+//!   [`candle_offload::plan::spread`]);
+//! - `devices.rs`: a pipeline over several devices and its device map;
+//! - `forward.rs`: the forward pass; `graph.rs` and `graph_state.rs`: decode steps replayed
+//!   from CUDA graphs.
+
+mod builder;
+mod devices;
+mod forward;
+mod graph;
+mod graph_state;
+mod host;
+mod model;
+mod reserve;
+
+pub use builder::{CausalLmBuilder, ModelSource};
+pub use candle_offload::plan::spread::{HostLayers, LayerSteps};
+pub use devices::{DeviceMapChoice, DeviceMapRequest, PlacementUnits, TIED_HEAD};
+pub use forward::{argmax, HOST_STEP_ROWS};
+pub use graph_state::GraphStats;
+pub use model::{CausalLm, HiddenTransfer, HostTotals, TransferTotals};
+pub use reserve::{OffloadSettings, MIN_PROMPT_CHUNK};
