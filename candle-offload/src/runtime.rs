@@ -480,7 +480,7 @@ impl OffloadRuntime {
             reason: e.reason,
         })?;
         let threads = cfg.tuning.threads();
-        let pool = crate::sys::spin::ask_threads(threads);
+        let pool = candle_offload_kernels::pool::ask_threads(threads);
         if pool != threads {
             tracing::warn!(
                 "the CPU matmul pool has {pool} threads (sized by an earlier runtime), not the \
@@ -1569,10 +1569,10 @@ impl OffloadRuntime {
             st.generation
         };
         // The hand-over slot's buffer was allocated before: it must not be freed inside.
-        crate::ops::forget_handover();
+        candle_offload_kernels::forget_handover();
         let out = engine.capture(|| {
             let r = f();
-            crate::ops::forget_handover();
+            candle_offload_kernels::forget_handover();
             r
         });
         let mut st = self.state()?;

@@ -485,7 +485,7 @@ impl CausalLm {
     }
 
     /// Whether every layer's prompt attention runs as one kernel on `device` in `dtype`
-    /// ([`candle_offload::ops::prompt_attention`]): plain causal layers and a supported head
+    /// ([`candle_offload::kernels::attention::prompt_attention`]): plain causal layers and a supported head
     /// width, what the reservations count its buffers for.
     fn prompt_attention_kernel(
         cfg: &Config,
@@ -494,7 +494,12 @@ impl CausalLm {
         tuning: &KernelTuning,
     ) -> bool {
         cfg.family.plain_attention(cfg)
-            && candle_offload::ops::prompt_attention_supported(device, dtype, cfg.head_dim, tuning)
+            && candle_offload::kernels::attention::prompt_attention_supported(
+                device,
+                dtype,
+                cfg.head_dim,
+                tuning,
+            )
     }
 
     /// A stage's reservation while a prompt runs, what it gives to weights while decoding (the
@@ -977,7 +982,7 @@ impl CausalLm {
     /// Seconds one decode step of the first decoder layer takes on `device` with its weights
     /// there (a copy of its unit in `store`) after `context` cached positions (zeros),
     /// computing as a stage there does: F32 for GGML blocks on the CPU and on the thread pool a
-    /// decode step runs on ([`candle_offload::cpu_quant::on_cpu_step_pool`]), `dtype` and the
+    /// decode step runs on ([`candle_offload::kernels::pool::on_cpu_step_pool`]), `dtype` and the
     /// fused kernels on a GPU. The fastest of seven after a warm-up, the device synchronized
     /// around each. [`HostLayers::SpreadAuto`] weighs the GPU's against the host's
     /// ([`host_layer_seconds`](Self::host_layer_seconds), which goes round several layers).
@@ -1075,7 +1080,7 @@ impl CausalLm {
                 kvs.rewind(context);
                 device.synchronize()?;
                 let t0 = std::time::Instant::now();
-                candle_offload::cpu_quant::on_cpu_step_pool(device, 1, || {
+                candle_offload::kernels::pool::on_cpu_step_pool(device, 1, || {
                     block.forward(&xs, &ctx, kvs)
                 })?;
                 device.synchronize()?;
@@ -1601,7 +1606,7 @@ impl CausalLm {
         self.transfer = how;
     }
 
-    /// Whether inference uses the fused ops of `candle_offload::ops` where a block can: RMSNorm
+    /// Whether inference uses the fused ops of `candle_offload::kernels` where a block can: RMSNorm
     /// with the residual add, SiLU · mul, RoPE of q and k, attention over the KV cache for steps
     /// of at most [`DECODE_ATTENTION_MAX_NEW`](crate::layers::DECODE_ATTENTION_MAX_NEW) new
     /// positions, and dense projections of at most 8 rows as one weight pass. Default: on for
@@ -1666,7 +1671,7 @@ impl CausalLm {
     /// decoding, as `generate --temperature 0`; off by default). A one-row step whose output
     /// head is Q8_0 blocks on the CPU then screens the head with 8-bit activations and
     /// recomputes only the rows that could be the largest
-    /// ([`candle_offload::cpu_quant::forward_greedy`]): the largest logit and its token are
+    /// ([`candle_offload::kernels::linear::cpu_quant::forward_greedy`]): the largest logit and its token are
     /// exactly those of the full product, the other logits lower than it but not exact. Off,
     /// every logit is exact (what sampling at a temperature needs).
     pub fn set_greedy_head(&self, on: bool) {
@@ -1817,7 +1822,7 @@ impl CausalLm {
                 index_pos + seq_len
             );
         }
-        candle_offload::cpu_quant::on_cpu_step_pool(
+        candle_offload::kernels::pool::on_cpu_step_pool(
             self.runtime().device(),
             batch * seq_len,
             || {
@@ -2066,7 +2071,9 @@ impl CausalLm {
             match w.quantized("weight", &[vocab, hidden])? {
                 Some(q) => {
                     let screened = if self.greedy_head() {
-                        candle_offload::cpu_quant::forward_greedy(&q, &xs, &tuning)?
+                        candle_offload::kernels::linear::cpu_quant::forward_greedy(
+                            &q, &xs, &tuning,
+                        )?
                     } else {
                         None
                     };
@@ -2153,7 +2160,7 @@ pub const MIN_PROMPT_CHUNK: usize = 32;
 /// The rows of each pass when `seq_len` positions run in passes of at most `max_rows`: the
 /// fewest passes, of even length (512 under 170: four of 128, not three of 170 and one of 2),
 /// so that each is as long as those passes allow (the prompt GEMM of
-/// [`candle_offload::ops::qlinear_prefill`] starts at a row count). Pure.
+/// [`candle_offload::kernels::gemm::qlinear_prefill`] starts at a row count). Pure.
 fn even_pass_rows(seq_len: usize, max_rows: usize) -> usize {
     let max_rows = max_rows.max(1);
     seq_len.div_ceil(seq_len.div_ceil(max_rows).max(1)).max(1)

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
-use candle_offload::train::attention::{flash_attention, flash_attention_supported};
+use candle_offload::kernels::attention::{flash_attention, flash_attention_supported};
 use candle_offload::KernelTuning;
 
 use crate::config::Config;
@@ -56,7 +56,7 @@ impl Rope {
             ((freqs.cos()? * scale)?, (freqs.sin()? * scale)?)
         };
         let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
-        let table = candle_offload::ops::rope_table(&cos, &sin)?;
+        let table = candle_offload::kernels::rope::rope_table(&cos, &sin)?;
         Ok(Self { cos, sin, table })
     }
 
@@ -72,11 +72,11 @@ impl Rope {
     }
 
     /// Rotates `q` (batch, seq, q_heads, head_dim) and `k` (batch, seq, kv_heads, head_dim)
-    /// for positions `index_pos..` in one fused kernel ([`candle_offload::ops::rope_qk`]),
+    /// for positions `index_pos..` in one fused kernel ([`candle_offload::kernels::rope::rope_qk`]),
     /// returning them as (batch, heads, seq, head_dim), contiguous: what [`apply`](Self::apply)
     /// gives for each after a transpose.
     pub fn apply_qk(&self, q: &Tensor, k: &Tensor, index_pos: usize) -> Result<(Tensor, Tensor)> {
-        candle_offload::ops::rope_qk(q, k, &self.table_rows(index_pos, q.dim(1)?)?)
+        candle_offload::kernels::rope::rope_qk(q, k, &self.table_rows(index_pos, q.dim(1)?)?)
     }
 
     /// The fused table's rows (cos | sin) for positions `index_pos..index_pos + n`.
@@ -148,7 +148,7 @@ impl Rope {
 /// and how many positions they hold. `append` is candle-nn's `KvCache::append` (a model of
 /// its own can take this cache as it would take that one); `append_rotated` is the fused
 /// decode step's way in: RoPE and both writes in one kernel on a GPU
-/// ([`candle_offload::ops::rope_qk_cache`]).
+/// ([`candle_offload::kernels::rope::rope_qk_cache`]).
 #[derive(Debug, Clone)]
 pub struct KvCache {
     /// The key and value buffers, once allocated.
@@ -270,7 +270,8 @@ impl KvCache {
         let (b, t, heads, d) = k.dims4()?;
         let (kb, vb) = self.make_room((b, heads, d), t, k)?;
         let table = rope.table_rows(index_pos, t)?;
-        let q = candle_offload::ops::rope_qk_cache(q, k, v, &table, (&kb, &vb), self.len)?;
+        let q =
+            candle_offload::kernels::rope::rope_qk_cache(q, k, v, &table, (&kb, &vb), self.len)?;
         let (k, v) = self.advance(t, (kb, vb))?;
         Ok((q, k, v))
     }
@@ -279,7 +280,7 @@ impl KvCache {
     /// u32, which must equal [`len`](Self::len): a captured decode step, whose replays each
     /// write their own), for a cache whose buffers already have room for `t` more positions.
     /// Returns q rotated and the buffers' whole keys and values: the attention reads as many
-    /// positions as `pos` says ([`candle_offload::ops::decode_attention_at`]).
+    /// positions as `pos` says ([`candle_offload::kernels::attention::decode_attention_at`]).
     pub fn append_rotated_at(
         &mut self,
         q: &Tensor,
@@ -299,7 +300,8 @@ impl KvCache {
                 self.len + t
             );
         };
-        let q = candle_offload::ops::rope_qk_cache_at(q, k, v, &rope.table, (&kb, &vb), pos)?;
+        let q =
+            candle_offload::kernels::rope::rope_qk_cache_at(q, k, v, &rope.table, (&kb, &vb), pos)?;
         self.len += t;
         Ok((q, kb, vb))
     }
@@ -460,7 +462,7 @@ impl Masks {
     }
 
     /// [`pads`](Self::pads) as a u32 tensor on this pass's device (what
-    /// [`candle_offload::ops::decode_attention_padded`] reads), made once and shared by the
+    /// [`candle_offload::kernels::attention::decode_attention_padded`] reads), made once and shared by the
     /// layers; `None` without padding.
     pub fn pads_tensor(&self) -> Result<Option<Tensor>> {
         if self.pads.is_empty() {
@@ -562,7 +564,7 @@ pub fn linear(
 }
 
 /// The most new positions per step that attention runs through the fused
-/// [`candle_offload::ops::decode_attention`] kernel (decode and short continuations); longer
+/// [`candle_offload::kernels::attention::decode_attention`] kernel (decode and short continuations); longer
 /// prompts use the matmul composition, which is faster there.
 pub const DECODE_ATTENTION_MAX_NEW: usize = 8;
 
@@ -593,20 +595,22 @@ impl Linear {
     }
 
     /// `xs · wᵀ + b`; a quantized weight computes in F32 and returns `xs`'s dtype (a prompt's
-    /// rows on a GPU: in 16 bits through cuBLAS, [`candle_offload::ops::qlinear_prefill`]). A
-    /// dense F16/BF16 weight against at most [`candle_offload::cpu_dense::MAX_ROWS`] rows on the
-    /// CPU (a decode step) goes through [`candle_offload::cpu_dense::forward`] (F32
+    /// rows on a GPU: in 16 bits through cuBLAS, [`candle_offload::kernels::gemm::qlinear_prefill`]). A
+    /// dense F16/BF16 weight against at most [`candle_offload::kernels::linear::cpu_dense::MAX_ROWS`] rows on the
+    /// CPU (a decode step) goes through [`candle_offload::kernels::linear::cpu_dense::forward`] (F32
     /// accumulation, each weight read once, on every core); anything else (F32 weights too)
     /// through Candle's matmul.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         match self {
-            Self::Dense(l, t) => match candle_offload::cpu_dense::forward(l.weight(), xs, t)? {
-                Some(y) => with_bias(y, l.bias()),
-                None => {
-                    before_candle_matmul(xs);
-                    l.forward(xs)
+            Self::Dense(l, t) => {
+                match candle_offload::kernels::linear::cpu_dense::forward(l.weight(), xs, t)? {
+                    Some(y) => with_bias(y, l.bias()),
+                    None => {
+                        before_candle_matmul(xs);
+                        l.forward(xs)
+                    }
                 }
-            },
+            }
             Self::Quantized {
                 weight,
                 bias,
@@ -618,7 +622,7 @@ impl Linear {
                 };
                 // A prompt's rows on a GPU: 16-bit weights and cuBLAS (see qlinear_prefill).
                 let gemm = match blocks {
-                    Some(q) => candle_offload::ops::qlinear_prefill(xs, q, tuning)?,
+                    Some(q) => candle_offload::kernels::gemm::qlinear_prefill(xs, q, tuning)?,
                     None => None,
                 };
                 let y = match gemm {
@@ -631,11 +635,11 @@ impl Linear {
     }
 
     /// Inference; with `fused`, a dense weight against at most 8 rows (a decode step) on a GPU
-    /// goes through [`candle_offload::ops::linear_small`] (one bandwidth-bound kernel instead
+    /// goes through [`candle_offload::kernels::linear::linear_small`] (one bandwidth-bound kernel instead
     /// of cuBLAS's split-K GEMM and its reduction).
     ///
     /// Quantized weights of a block type the kernel has go through
-    /// [`candle_offload::ops::qlinear_small`] the same way (dequantized in registers; variants 3
+    /// [`candle_offload::kernels::linear::qlinear_small`] the same way (dequantized in registers; variants 3
     /// and 4 quantize x to 8 bits). The output head uses this too.
     pub fn forward_step(&self, xs: &Tensor, fused: bool) -> Result<Tensor> {
         if !fused {
@@ -648,14 +652,17 @@ impl Linear {
                 if !(xs.device().is_cuda() && rows <= 8 && l.weight().dtype() == xs.dtype()) {
                     return self.forward(xs);
                 }
-                (candle_offload::ops::linear_small(xs, l.weight())?, l.bias())
+                (
+                    candle_offload::kernels::linear::linear_small(xs, l.weight())?,
+                    l.bias(),
+                )
             }
             Self::Quantized {
                 weight: QMatMul::QTensor(q),
                 bias,
                 tuning,
-            } if candle_offload::ops::qlinear_small_fits(xs, &[q], tuning)? => (
-                candle_offload::ops::qlinear_small(xs, q, tuning)?,
+            } if candle_offload::kernels::linear::qlinear_small_fits(xs, &[q], tuning)? => (
+                candle_offload::kernels::linear::qlinear_small(xs, q, tuning)?,
                 bias.as_ref(),
             ),
             Self::Quantized { .. } => return self.forward(xs),
@@ -691,11 +698,11 @@ impl Linear {
 
 /// The weights of layers that a decode step multiplies in one launch.
 enum OneLaunch<'a> {
-    /// Dense, for [`candle_offload::ops::linear_small_multi`] /
-    /// [`candle_offload::ops::linear_silu_mul`].
+    /// Dense, for [`candle_offload::kernels::linear::linear_small_multi`] /
+    /// [`candle_offload::kernels::linear::linear_silu_mul`].
     Dense(Vec<&'a Tensor>),
-    /// GGML blocks of one type, for [`candle_offload::ops::qlinear_small_multi`] /
-    /// [`candle_offload::ops::qlinear_silu_mul`].
+    /// GGML blocks of one type, for [`candle_offload::kernels::linear::qlinear_small_multi`] /
+    /// [`candle_offload::kernels::linear::qlinear_silu_mul`].
     Blocks(Vec<&'a candle_core::quantized::QTensor>),
 }
 
@@ -703,12 +710,12 @@ enum OneLaunch<'a> {
 /// the CPU, the library's matmul workers park instead of spinning beside it.
 fn before_candle_matmul(xs: &Tensor) {
     if xs.device().is_cpu() {
-        candle_offload::cpu_quant::park_idle_workers();
+        candle_offload::kernels::pool::park_idle_workers();
     }
 }
 
 /// On the CPU, one row of `xs` against several projections of GGML blocks in one pass of the
-/// matmul pool ([`candle_offload::cpu_quant::forward_many`]: each output the number
+/// matmul pool ([`candle_offload::kernels::linear::cpu_quant::forward_many`]: each output the number
 /// [`Linear::forward`] gives), their biases added; `None` where that does not apply.
 fn cpu_blocks_many(xs: &Tensor, ls: &[&Linear]) -> Result<Option<Vec<Tensor>>> {
     if !xs.device().is_cpu() {
@@ -727,7 +734,9 @@ fn cpu_blocks_many(xs: &Tensor, ls: &[&Linear]) -> Result<Option<Vec<Tensor>>> {
     let Some(ws) = ws else {
         return Ok(None);
     };
-    let Some(ys) = candle_offload::cpu_quant::forward_many(&ws, xs, ls[0].tuning())? else {
+    let Some(ys) =
+        candle_offload::kernels::linear::cpu_quant::forward_many(&ws, xs, ls[0].tuning())?
+    else {
         return Ok(None);
     };
     ys.into_iter()
@@ -750,7 +759,7 @@ fn quantized_in_f32(
 ) -> Result<Tensor> {
     let x32 = xs.to_dtype(DType::F32)?;
     let fast = match blocks {
-        Some(q) => candle_offload::cpu_quant::forward(q, &x32, tuning)?,
+        Some(q) => candle_offload::kernels::linear::cpu_quant::forward(q, &x32, tuning)?,
         None => None,
     };
     let y = match fast {
@@ -803,7 +812,9 @@ fn one_launch_weights<'a>(xs: &Tensor, ls: &[&'a Linear]) -> Result<Option<OneLa
         })
         .collect();
     Ok(match blocks {
-        Some(ws) if candle_offload::ops::qlinear_small_fits(xs, &ws, ls[0].tuning())? => {
+        Some(ws)
+            if candle_offload::kernels::linear::qlinear_small_fits(xs, &ws, ls[0].tuning())? =>
+        {
             Some(OneLaunch::Blocks(ws))
         }
         _ => None,
@@ -812,7 +823,7 @@ fn one_launch_weights<'a>(xs: &Tensor, ls: &[&'a Linear]) -> Result<Option<OneLa
 
 /// Whether `l` multiplies GGML blocks by x quantized in a launch of its own (the decode
 /// kernels' variant 4): a norm right before it then quantizes its rows instead
-/// ([`candle_offload::ops::rms_norm_residual_q8`]).
+/// ([`candle_offload::kernels::norm::rms_norm_residual_q8`]).
 fn takes_quantized_x(l: &Linear) -> bool {
     match l {
         Linear::Quantized {
@@ -910,7 +921,7 @@ impl Norm {
     }
 
     /// The weight and epsilon of a plain RMSNorm that computes in the weight's dtype (what
-    /// [`candle_offload::ops::rms_norm_residual`] can replace); `None` for LayerNorm and for
+    /// [`candle_offload::kernels::norm::rms_norm_residual`] can replace); `None` for LayerNorm and for
     /// Gemma's `1 + w` norms computed in F32.
     pub fn rms_parts(&self) -> Option<(&Tensor, f64)> {
         match &self.kind {
@@ -925,7 +936,7 @@ impl Norm {
     }
 
     /// Differentiable, an RMSNorm as one op with its own backward kernels
-    /// ([`candle_offload::train::rms_norm`]); LayerNorm, and weights in another dtype than the
+    /// ([`candle_offload::kernels::norm::rms_norm`]); LayerNorm, and weights in another dtype than the
     /// input, as [`forward_diff`](Self::forward_diff).
     pub fn forward_train_fused(&self, xs: &Tensor) -> Result<Tensor> {
         let NormKind::Rms(n) = &self.kind else {
@@ -940,7 +951,7 @@ impl Norm {
         if n.weight().dtype() != x.dtype() {
             return self.forward_diff(xs);
         }
-        let y = candle_offload::train::rms_norm(&x, n.weight(), n.eps())?;
+        let y = candle_offload::kernels::norm::rms_norm(&x, n.weight(), n.eps())?;
         if self.f32_compute {
             y.to_dtype(dtype)
         } else {
@@ -1079,9 +1090,11 @@ impl SelfAttention {
             if let Some(ws) = one_launch_weights(xs, &[q, k, v])? {
                 // q, k and v in one kernel, each written contiguous.
                 let out = match ws {
-                    OneLaunch::Dense(ws) => candle_offload::ops::linear_small_multi(xs, &ws)?,
+                    OneLaunch::Dense(ws) => {
+                        candle_offload::kernels::linear::linear_small_multi(xs, &ws)?
+                    }
                     OneLaunch::Blocks(ws) => {
-                        candle_offload::ops::qlinear_small_multi(xs, &ws, q.tuning())?
+                        candle_offload::kernels::linear::qlinear_small_multi(xs, &ws, q.tuning())?
                     }
                 };
                 let mut out = out.into_iter();
@@ -1092,7 +1105,8 @@ impl SelfAttention {
             // kernel, v in its own.
             if let Some(OneLaunch::Blocks(ws)) = one_launch_weights(xs, &[q, k])? {
                 let mut out =
-                    candle_offload::ops::qlinear_small_multi(xs, &ws, q.tuning())?.into_iter();
+                    candle_offload::kernels::linear::qlinear_small_multi(xs, &ws, q.tuning())?
+                        .into_iter();
                 let mut next = || out.next().expect("two outputs");
                 let (q, k) = (next(), next());
                 return Ok((q, k, v.run_with(xs, train, fused)?));
@@ -1168,7 +1182,7 @@ impl SelfAttention {
                 ctx.rope,
                 pos,
             )?;
-            let y = candle_offload::ops::decode_attention_at(
+            let y = candle_offload::kernels::attention::decode_attention_at(
                 &q,
                 &k,
                 &v,
@@ -1210,21 +1224,23 @@ impl SelfAttention {
             let scale = 1.0 / s.score_div;
             let y = match ctx.masks.pads_tensor()? {
                 // Each row's padding is left out by the kernel itself.
-                Some(pads) => candle_offload::ops::decode_attention_padded(
+                Some(pads) => candle_offload::kernels::attention::decode_attention_padded(
                     &q, &k, &v, scale, s.window, &pads, q8,
                 )?,
                 // The kernel also quantizes its rows for the output projection.
-                None if q8 => {
-                    candle_offload::ops::decode_attention_q8(&q, &k, &v, scale, s.window)?
-                }
-                None => candle_offload::ops::decode_attention(&q, &k, &v, scale, s.window)?,
+                None if q8 => candle_offload::kernels::attention::decode_attention_q8(
+                    &q, &k, &v, scale, s.window,
+                )?,
+                None => candle_offload::kernels::attention::decode_attention(
+                    &q, &k, &v, scale, s.window,
+                )?,
             };
             return self.o_proj.forward_step(&rows(y)?, ctx.fused);
         }
         if s.softcap.is_none()
             && s.window.is_none()
             && !ctx.masks.is_padded()
-            && candle_offload::ops::prompt_attention_supported(
+            && candle_offload::kernels::attention::prompt_attention_supported(
                 xs.device(),
                 q.dtype(),
                 s.head_dim,
@@ -1233,7 +1249,7 @@ impl SelfAttention {
         {
             // One flash-attention kernel over the cache's views: no F32 copies, no score
             // matrix, no mask or softmax launches.
-            let y = candle_offload::ops::prompt_attention(
+            let y = candle_offload::kernels::attention::prompt_attention(
                 &q,
                 &k,
                 &v,
@@ -1466,14 +1482,24 @@ impl GatedMlp {
             if let Some(ws) = one_launch_weights(xs, &[gate, up])? {
                 // Gate, up and SiLU · mul in one kernel.
                 let x = match ws {
-                    OneLaunch::Dense(ws) => candle_offload::ops::linear_silu_mul(xs, ws[0], ws[1])?,
+                    OneLaunch::Dense(ws) => {
+                        candle_offload::kernels::linear::linear_silu_mul(xs, ws[0], ws[1])?
+                    }
                     // The kernel also quantizes its output for the down projection.
                     OneLaunch::Blocks(ws) if takes_quantized_x(&self.down) => {
-                        candle_offload::ops::qlinear_silu_mul_q8(xs, ws[0], ws[1], gate.tuning())?
+                        candle_offload::kernels::linear::qlinear_silu_mul_q8(
+                            xs,
+                            ws[0],
+                            ws[1],
+                            gate.tuning(),
+                        )?
                     }
-                    OneLaunch::Blocks(ws) => {
-                        candle_offload::ops::qlinear_silu_mul(xs, ws[0], ws[1], gate.tuning())?
-                    }
+                    OneLaunch::Blocks(ws) => candle_offload::kernels::linear::qlinear_silu_mul(
+                        xs,
+                        ws[0],
+                        ws[1],
+                        gate.tuning(),
+                    )?,
                 };
                 return self.down.run_with(&x, train, fused);
             }
@@ -1503,9 +1529,9 @@ impl GatedMlp {
         // in inference (training's op copies them; its backward needs them contiguous anyway).
         let silu = fused && self.act == Activation::Silu;
         let x = if silu && train {
-            candle_offload::train::swiglu(&gate, &up)?
+            candle_offload::kernels::activation::swiglu(&gate, &up)?
         } else if silu && gate.is_contiguous() && up.is_contiguous() {
-            candle_offload::ops::silu_mul(&gate, &up)?
+            candle_offload::kernels::activation::silu_mul(&gate, &up)?
         } else {
             (self.act.apply(&gate)? * up)?
         };
@@ -1517,7 +1543,7 @@ impl GatedMlp {
         self.run(xs, false, false)
     }
 
-    /// Inference with SiLU · up as one fused op ([`candle_offload::ops::silu_mul`]) where the
+    /// Inference with SiLU · up as one fused op ([`candle_offload::kernels::activation::silu_mul`]) where the
     /// activation is SiLU and gate and up are separate projections (otherwise as
     /// [`forward`](Self::forward)).
     pub fn forward_fused(&self, xs: &Tensor) -> Result<Tensor> {
@@ -1531,7 +1557,7 @@ impl GatedMlp {
     }
 
     /// Training with SiLU · up as one op with its own backward kernel
-    /// ([`candle_offload::train::swiglu`]) where the activation is SiLU (otherwise as
+    /// ([`candle_offload::kernels::activation::swiglu`]) where the activation is SiLU (otherwise as
     /// [`forward_train`](Self::forward_train)).
     pub fn forward_train_fused(&self, xs: &Tensor) -> Result<Tensor> {
         self.run(xs, true, true)
@@ -1562,13 +1588,13 @@ pub struct PreNormBlock {
 /// padded prompt), and a head dim the kernel takes.
 fn padded_decode(ctx: &StepCtx<'_>, s: &AttentionSpec) -> bool {
     ctx.masks.pads().iter().all(|&p| p <= ctx.index_pos)
-        && s.head_dim <= candle_offload::ops::ATTENTION_MAX_HEAD_DIM
+        && s.head_dim <= candle_offload::kernels::attention::ATTENTION_MAX_HEAD_DIM
 }
 
-/// `norm(a + b)` and the sum: in one kernel ([`candle_offload::ops::rms_norm_residual`]) on a
+/// `norm(a + b)` and the sum: in one kernel ([`candle_offload::kernels::norm::rms_norm_residual`]) on a
 /// fused step with an RMSNorm computed in the inputs' dtype, all three of one dtype, which with
 /// `q8` (the next matmul takes x quantized: `takes_quantized_x`) also quantizes the normed rows
-/// ([`candle_offload::ops::rms_norm_residual_q8`]); otherwise the add, then the norm.
+/// ([`candle_offload::kernels::norm::rms_norm_residual_q8`]); otherwise the add, then the norm.
 fn add_norm(
     norm: &Norm,
     ctx: &StepCtx<'_>,
@@ -1580,8 +1606,8 @@ fn add_norm(
         .rms_parts()
         .filter(|(w, _)| ctx.fused && w.dtype() == a.dtype() && b.dtype() == a.dtype());
     match fusable {
-        Some((w, eps)) if q8 => candle_offload::ops::rms_norm_residual_q8(&a, &b, w, eps),
-        Some((w, eps)) => candle_offload::ops::rms_norm_residual(&a, &b, w, eps),
+        Some((w, eps)) if q8 => candle_offload::kernels::norm::rms_norm_residual_q8(&a, &b, w, eps),
+        Some((w, eps)) => candle_offload::kernels::norm::rms_norm_residual(&a, &b, w, eps),
         None => {
             let sum = (a + b)?;
             let normed = norm.forward(&sum)?;
