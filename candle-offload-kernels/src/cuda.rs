@@ -418,3 +418,87 @@ pub(crate) fn profile_mark(dev: &CudaDevice, phase: u32) -> Result<()> {
     unsafe { b.launch(one) }.w()?;
     Ok(())
 }
+
+/// The kernels (`.entry` names) of a PTX module.
+#[cfg(test)]
+pub(crate) fn entries(ptx: &str) -> Vec<&str> {
+    ptx.lines()
+        .filter_map(|l| l.trim_start().strip_prefix(".visible .entry "))
+        .filter_map(|l| l.split('(').next())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every module has kernels, under a name of its own in Candle's cache.
+    #[test]
+    fn modules_are_distinct_and_not_empty() {
+        let mut names: Vec<_> = ALL.iter().map(|m| m.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), ALL.len());
+        for m in ALL {
+            assert!(!entries(m.ptx).is_empty(), "{}", m.name);
+        }
+    }
+
+    /// The kernels the launchers outside `linear` load (by their root names, once per dtype
+    /// where they take one) are in the module they load them from.
+    #[test]
+    fn every_launched_kernel_is_in_its_module() {
+        const FLOATS: &[&str] = &["f32", "f16", "bf16"];
+        const HALVES: &[&str] = &["f16", "bf16"];
+        let launched: &[(Module, &str, &[&str])] = &[
+            (NORM, "rms_norm_residual", FLOATS),
+            (NORM, "rms_norm_residual_vec", FLOATS),
+            (NORM_TRAIN, "rms_norm_fwd", FLOATS),
+            (NORM_TRAIN, "rms_rstd", FLOATS),
+            (NORM_TRAIN, "rms_norm_bwd_dx", FLOATS),
+            (NORM_TRAIN, "rms_norm_bwd_dw", FLOATS),
+            (ROPE, "rope_qk", FLOATS),
+            (ACTIVATION, "silu_mul", FLOATS),
+            (ACTIVATION, "swiglu_fwd", FLOATS),
+            (ACTIVATION, "swiglu_bwd", FLOATS),
+            (ATTENTION, "decode_attention", FLOATS),
+            (FLASH, "flash_attn_fwd_d64", HALVES),
+            (FLASH, "flash_attn_fwd_d128", HALVES),
+            (FLASH, "flash_attn_fwd_wmma_d64", HALVES),
+            (FLASH, "flash_attn_fwd_wmma_d128", HALVES),
+            (FLASH, "prompt_attn_d64", HALVES),
+            (FLASH, "prompt_attn_d128", HALVES),
+            (FLASH, "flash_attn_bwd_d64", HALVES),
+            (FLASH, "flash_attn_bwd_d128", HALVES),
+            (FLASH, "flash_attn_bwd_prep", HALVES),
+            (FLASH_F32, "flash_attn_fwd_d64", &["f32"]),
+            (FLASH_F32, "flash_attn_fwd_d128", &["f32"]),
+            (FLASH_F32, "flash_attn_bwd_d64", &["f32"]),
+            (FLASH_F32, "flash_attn_bwd_d128", &["f32"]),
+            (FLASH_F32, "flash_attn_bwd_prep", &["f32"]),
+            (LINEAR_Q8, "qlinear4_quantize_x", FLOATS),
+            (LOSS, "cross_entropy_fwd", FLOATS),
+            (LOSS, "cross_entropy_bwd", FLOATS),
+            (OPTIMIZER, "adamw_multi_f32", &[""]),
+            (PROFILE, "profile_mark", &[""]),
+        ];
+        for (module, root, dtypes) in launched {
+            let have = entries(module.ptx);
+            for d in *dtypes {
+                let name = if d.is_empty() {
+                    root.to_string()
+                } else {
+                    format!("{root}_{d}")
+                };
+                assert!(have.contains(&name.as_str()), "{name} in {}", module.name);
+            }
+        }
+        let dequant = entries(GEMM.ptx);
+        for out in ["f16", "bf16"] {
+            for q in ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"] {
+                let name = format!("dequant_{out}_{q}");
+                assert!(dequant.contains(&name.as_str()), "{name}");
+            }
+        }
+    }
+}

@@ -6,7 +6,7 @@
 //! idle workers sleep on a futex between them, and on a virtual machine waking one costs about
 //! as much as a small matmul itself (docs/tuning.md, CPU threads). llama.cpp's threads spin
 //! between its ops instead. These workers do the same: after a region they spin (yielding the
-//! core now and then, so that a runnable thread is not starved) for [`SPIN`] before parking.
+//! core now and then, so that a runnable thread is not starved) for `SPIN` before parking.
 //!
 //! `for_each_chunk_mut` is the workers' only entry point: `data` cut into chunks, `f(index, chunk)`
 //! run for each on the calling thread and the workers, returning when every chunk is done.
@@ -220,7 +220,7 @@ fn run(chunks: usize, task: &ChunkFn<'_>) {
     }
 }
 
-/// Lets the idle workers park now rather than spin out their [`SPIN`], until the next region
+/// Lets the idle workers park now rather than spin out their `SPIN`, until the next region
 /// wakes them: for a caller about to run work on another pool of threads (Candle's CPU
 /// quantized matmul for block types this crate has no kernel for, such as the K-quants, and
 /// Candle's GEMM), whose threads would otherwise share every core with these spinning ones.

@@ -277,10 +277,10 @@ pub fn decode_attention_at(
 }
 
 /// [`decode_attention`] reshaped to (batch, new, q_heads · head_dim), the rows the output
-/// projection reads, for a projection of GGML blocks under variant 4 ([`QlinearVariant::V4`]):
+/// projection reads, for a projection of GGML blocks under variant 4 ([`QlinearVariant::V4`](crate::QlinearVariant::V4)):
 /// on a GPU, for at most 8 rows and a head dim that is a multiple of 32, the kernel also writes
-/// those rows quantized, and [`qlinear_small`] given this very tensor (by its id, as after
-/// [`rms_norm_residual_q8`]) reads them instead of quantizing them in a launch of its own. The
+/// those rows quantized, and [`qlinear_small`](crate::linear::qlinear_small) given this very tensor (by its id, as after
+/// [`rms_norm_residual_q8`](crate::norm::rms_norm_residual_q8)) reads them instead of quantizing them in a launch of its own. The
 /// values equal [`decode_attention`]'s, and the projection's, bit for bit.
 pub fn decode_attention_q8(
     q: &Tensor,

@@ -6,7 +6,7 @@ use candle_core::{Layout, Result};
 /// The decode attention's name in errors.
 pub(crate) const DECODE_ATTENTION: &str = "decode-attention";
 
-/// The largest head_dim [`decode_attention`]'s CUDA kernel handles (8 values per lane).
+/// The largest head_dim [`decode_attention`](crate::attention::decode_attention)'s CUDA kernel handles (8 values per lane).
 pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
 
 /// The most keys one `decode_attention` block scores (DA_CHUNK in kernels/attention.cu).
@@ -33,7 +33,7 @@ pub(crate) fn attention_splits(kv_len: usize, window: u32, rows: usize, sms: usi
     needed.max(wanted)
 }
 
-/// The sizes [`decode_attention`]'s kernel works with.
+/// The sizes [`decode_attention`](crate::attention::decode_attention)'s kernel works with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct AttentionDims {
     pub(crate) b: usize,

@@ -80,7 +80,7 @@ impl candle_core::CustomOp3 for PromptAttention {
 
 /// Causal attention of a prompt's pass, `q` (batch, q_heads, new, head_dim), over the first
 /// positions of a KV cache `k`, `v` (batch, kv_heads, cached, head_dim), the new positions
-/// being the last `new` of the `cached` ones: what [`decode_attention`] computes, for passes
+/// being the last `new` of the `cached` ones: what [`decode_attention`](crate::attention::decode_attention) computes, for passes
 /// of many rows. Returns (batch, new, q_heads, head_dim).
 ///
 /// Where [`prompt_attention_supported`], one FlashAttention-2 kernel (the training forward of

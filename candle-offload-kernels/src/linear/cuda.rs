@@ -580,3 +580,21 @@ pub(crate) fn kernel_module(name: &str) -> Module {
         LINEAR
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel of the three decode-matmul modules is found in the module `kernel_module`
+    /// names for it, which is where the launcher loads it from.
+    #[test]
+    fn every_decode_matmul_kernel_resolves_in_its_module() {
+        for module in [LINEAR, LINEAR_Q8, LINEAR_K] {
+            let names = crate::cuda::entries(module.ptx);
+            assert!(!names.is_empty(), "{}", module.name);
+            for name in names {
+                assert_eq!(kernel_module(name).name, module.name, "{name}");
+            }
+        }
+    }
+}

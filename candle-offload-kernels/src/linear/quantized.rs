@@ -162,7 +162,7 @@ pub fn qlinear_silu_mul(
 /// [`qlinear_silu_mul`] for an output that goes next into a GGML-block matmul of variant 4 (the
 /// down projection): on a GPU, where gate and up run variant 4's kernel for blocks of 32 and
 /// their width is a multiple of 32, the kernel also writes its output quantized, and
-/// [`qlinear_small`] given this very tensor (by its id, as after [`rms_norm_residual_q8`]) reads
+/// [`qlinear_small`] given this very tensor (by its id, as after [`rms_norm_residual_q8`](crate::norm::rms_norm_residual_q8)) reads
 /// it instead of quantizing it in a launch of its own. The values equal
 /// [`qlinear_silu_mul`]'s, and the next matmul's, bit for bit.
 pub fn qlinear_silu_mul_q8(

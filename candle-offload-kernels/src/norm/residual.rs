@@ -161,9 +161,9 @@ fn rms_norm_residual_with(
 }
 
 /// [`rms_norm_residual`] for a norm whose rows go next into GGML-block matmuls of variant 4
-/// ([`QlinearVariant::V4`], which quantizes x to 8 bits in a launch of its own): on a GPU, for
+/// ([`QlinearVariant::V4`](crate::QlinearVariant::V4), which quantizes x to 8 bits in a launch of its own): on a GPU, for
 /// decode rows (at most 8, a width that is a multiple of 32, inputs that start 16-byte aligned,
-/// at most 32768 wide), the same kernel also writes the normed rows quantized, and [`qlinear_small_multi`] / [`qlinear_silu_mul`] given that very
+/// at most 32768 wide), the same kernel also writes the normed rows quantized, and [`qlinear_small_multi`](crate::linear::qlinear_small_multi) / [`qlinear_silu_mul`](crate::linear::qlinear_silu_mul) given that very
 /// tensor (by its id; the latest norm's only, per thread) read them instead of quantizing them
 /// again. The results equal [`rms_norm_residual`]'s, and the matmuls' theirs, bit for bit.
 /// Elsewhere it is [`rms_norm_residual`].
