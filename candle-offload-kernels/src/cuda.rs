@@ -7,7 +7,6 @@
 //! caches it by name) the first time one of its kernels runs, and every kernel runs on the
 //! device's own stream, ordered with every other Candle op.
 
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };

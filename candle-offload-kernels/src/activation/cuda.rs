@@ -2,6 +2,7 @@
 //! the training SwiGLU's forward and backward, elementwise grid-stride loops over contiguous
 //! slices of one float dtype.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, PushKernelArg, ValidAsZeroBits,
 };

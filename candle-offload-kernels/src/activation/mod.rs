@@ -3,6 +3,7 @@
 //! direct loops compute the same thing.
 
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 mod cuda;
 mod silu;
 mod swiglu;

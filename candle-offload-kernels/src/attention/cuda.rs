@@ -2,6 +2,7 @@
 //! strided views of a KV cache, the keys split into ranges across blocks where they are many,
 //! optionally the output rows quantized for the next matmul.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };

@@ -2,6 +2,7 @@
 //! `kernels/flash_f32.cu` for F32): the training forward and backward, and a prompt's attention
 //! over a KV cache's strided views.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaView, LaunchConfig, PushKernelArg,
 };
@@ -9,7 +10,8 @@ use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{CudaDevice, DType, Layout, Result};
 
 use crate::cuda::{
-    by_dtype, load, storage_view as view, strided_kv, to_u32, Elem, Module, FLASH, FLASH_F32,
+    by_dtype, load, storage_view as view, strided_kv, to_u32, view_of, Elem, Module, FLASH,
+    FLASH_F32,
 };
 
 /// Threads per block of the attention kernels (`FA_FWD_WARPS`, `FA_BWD_WARPS` and, for F32,

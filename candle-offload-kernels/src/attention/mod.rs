@@ -5,11 +5,13 @@
 //! `kernels/flash_f32.cu`; on the CPU direct loops or the compositions compute the same thing.
 
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 mod cuda;
 mod decode;
 mod dims;
 mod flash;
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 mod flash_cuda;
 mod prompt;
 

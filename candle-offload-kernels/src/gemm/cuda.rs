@@ -1,6 +1,7 @@
 //! The CUDA launches of the prompt GEMM (`kernels/gemm.cu`): a GGML weight's rows dequantized
 //! to F16 or BF16, and x times the weight through those rows a slice at a time and cuBLAS.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };

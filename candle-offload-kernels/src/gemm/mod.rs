@@ -3,6 +3,7 @@
 //! ([`dequantize_rows`]).
 
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 mod cuda;
 mod prefill;
 

@@ -10,6 +10,7 @@ mod blocks;
 pub mod cpu_dense;
 pub mod cpu_quant;
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 mod cuda;
 mod quantized;
 #[allow(unsafe_code)]

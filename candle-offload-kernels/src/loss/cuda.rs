@@ -1,6 +1,7 @@
 //! The CUDA launches of the softmax cross-entropy (`kernels/loss.cu`), forward and backward:
 //! one block per row of logits.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{Layout, Result};

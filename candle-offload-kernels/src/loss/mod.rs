@@ -5,6 +5,7 @@
 //! direct loop computes the same thing. The losses are F32.
 
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 mod cuda;
 
 use candle_core::backend::BackendStorage;

@@ -3,6 +3,7 @@
 //! RMSNorm's forward and backward. Inputs are contiguous slices of one float dtype (the ops check
 //! both before they get here); every output element is written by the kernel that fills it.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
@@ -10,8 +11,8 @@ use candle_core::cuda_backend::{CudaStorage, Map3, WrapErr};
 use candle_core::{CudaDevice, Layout, Result, WithDType};
 
 use crate::cuda::{
-    arg_or_null, by_dtype, load, per_row, rows_of, storage_view as view_t, to_u32, view, Elem,
-    ELEMWISE_BLOCK, NORM, NORM_TRAIN,
+    arg_or_null, by_dtype, load, per_row, rows_of, storage_view as view_t, to_u32, view, view_of,
+    Elem, ELEMWISE_BLOCK, NORM, NORM_TRAIN,
 };
 use crate::handover::qlinear4_x_bytes;
 use crate::util::aligned16;

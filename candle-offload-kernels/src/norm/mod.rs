@@ -4,6 +4,7 @@
 //! `kernels/norm_train.cu`; on the CPU direct loops compute the same thing.
 
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 mod cuda;
 mod residual;
 mod train;

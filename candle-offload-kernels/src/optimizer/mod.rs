@@ -3,6 +3,7 @@
 //! ([`HostAdamW`]).
 
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 mod cuda;
 mod fused;
 mod host;

@@ -1,6 +1,7 @@
 //! The CUDA launches of RoPE (`kernels/rope.cu`): q and k rotated into a new buffer, or into a
 //! KV cache's buffers in place, at a position given on the host or read on the device.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DeviceRepr, PushKernelArg, ValidAsZeroBits,
 };

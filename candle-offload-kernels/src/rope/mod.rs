@@ -4,6 +4,7 @@
 //! the cache) computes the same thing.
 
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 mod cuda;
 mod dims;
 mod qk;
