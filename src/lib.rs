@@ -35,6 +35,7 @@ pub fn init_tracing(verbosity: u8) {
         .with_env_filter(filter)
         .with_span_events(spans)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 

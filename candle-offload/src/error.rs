@@ -3,9 +3,9 @@
 //! Code that runs inside a model's `forward` (acquiring a unit, prefetching) returns
 //! [`candle_core::Result`] so that callers can use `?` as everywhere in Candle; an
 //! [`Error`] converts into a `candle_core::Error` and back out of one without losing its text.
-//! This module depends on no other module of the crate: device placement has its own error
-//! type, [`crate::placement::PlacementError`], as the residency cache has
-//! [`crate::cache::CacheError`].
+//! This module depends on no other module of the crate but the leaf `sys`, whose errors it
+//! converts: device placement has its own error type, [`crate::placement::PlacementError`], as
+//! the residency cache has [`crate::cache::CacheError`].
 
 use std::path::PathBuf;
 

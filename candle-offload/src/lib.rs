@@ -84,7 +84,6 @@ pub mod history;
 pub mod placement;
 pub mod plan;
 mod runtime;
-mod runtime_error;
 mod settings;
 pub mod store;
 #[allow(unsafe_code)]
@@ -107,8 +106,7 @@ pub use plan::{
     spread_host_split, spread_host_split_at, spread_host_split_with_head, staying_units,
     CapacityPlan, OffloadStrategy, SplitPrice, SplitRates, WeightNeed, MAX_PREFETCH_DEPTH,
 };
-pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, StepGraph, UnitGuard};
-pub use runtime_error::RuntimeError;
+pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, RuntimeError, StepGraph, UnitGuard};
 pub use settings::Settings;
 pub use store::{
     EngineKind, FileSource, HostStore, RawTensorSpec, StoreConfig, TensorSpec, TierKind,

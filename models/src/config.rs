@@ -44,9 +44,7 @@ impl Config {
     /// activations of one layer (hidden states, the MLP, f32 attention: queries, keys and
     /// values, scores and their softmax) with half again for the allocator's fragmentation;
     /// the logits; and 256 MiB for library workspaces (cuBLAS) and small tables.
-    ///
-    /// Measured on a 7B model with a 512-token prompt, 128 MiB of slack and no fragmentation
-    /// allowance were 22-86 MiB short; this estimate is sized from that measurement.
+    /// Sized from measured peaks (docs/tuning.md, "Reservation and fragmentation allowance").
     pub fn reserve_bytes(&self, seq_len: usize, max_len: usize, dtype: candle_core::DType) -> u64 {
         self.reserve_bytes_with(seq_len, max_len, dtype, false)
     }
@@ -99,10 +97,7 @@ impl Config {
     /// The part of [`reserve_bytes_with`](Self::reserve_bytes_with) that allows for the
     /// allocator's fragmentation by those activations: half again their size. A stage that
     /// streams nothing while its prompt runs in passes may leave it out (the passes'
-    /// allocations are all it makes, alike pass after pass); measured on the H200 with a
-    /// resident 7B Q4_0 at passes of 149, 312 and 512 rows, the pool's bytes in use grew
-    /// 3957, 3971, 3999 MiB, 42 MiB for 363 rows, against 121 MiB that the estimate adds over
-    /// those rows (91 without this part).
+    /// allocations are all it makes, alike pass after pass; measured: docs/tuning.md).
     pub fn fragmentation_bytes(
         &self,
         seq_len: usize,
@@ -131,8 +126,8 @@ impl Config {
     /// Device bytes Candle 0.11's CUDA quantized matmul holds beside the weights for `seq_len`
     /// rows, which the dense estimate above does not see: its stream-k fixup workspace (16 MiB,
     /// kept for the process), the activations quantized to Q8_1 blocks, and for the widest
-    /// projection an F32 copy of the input and an F32 output. Measured: a 7B Q8_0 model with a
-    /// 512-token prompt at 4 GiB went 42 MiB over its budget without it.
+    /// projection an F32 copy of the input and an F32 output (without it a budget can be
+    /// passed: docs/tuning.md).
     ///
     /// From `tuning`'s [`prefill_gemm_min_rows`](candle_offload::KernelTuning::prefill_gemm_min_rows)
     /// rows on, a prompt's projections go through dequantized 16-bit weights and cuBLAS instead
@@ -185,7 +180,7 @@ impl Config {
     /// `compute`: segment boundaries (F32), one segment's recomputed graph and its backward
     /// temporaries, one attention head group's scores (at most 64 MiB each), one chunk of
     /// output logits (at most 128 MiB), one segment's weight gradients, and workspace. An
-    /// estimate; BENCHMARKS.md compares it with measured peaks.
+    /// estimate, checked against measured peaks by the training benchmark.
     pub fn train_reserve_bytes(
         &self,
         batch: usize,

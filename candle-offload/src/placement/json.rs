@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use super::{DeviceMap, PlacementError, Result};
+use super::types::{DeviceMap, PlacementError, Result};
 
 impl DeviceMap {
     /// The map as pretty-printed JSON (what `--device-map plan.json` reads back).

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use super::{
+use super::types::{
     DeviceBudget, DeviceMap, DevicePlacement, PlacementError, PlacementMode, PlacementRequest,
     Residency, Result, UnitPlacement,
 };
@@ -801,7 +801,7 @@ mod tests {
                     prop_assert_eq!(d.prefetch_depth, cap.prefetch_depth);
                     prop_assert_eq!(d.streams, !cap.fits_entirely);
                 }
-                (Err(PlacementError::Impossible { per_device, .. }), Err(crate::Error::BudgetTooSmall { missing_mib, .. })) => {
+                (Err(PlacementError::Impossible { per_device, .. }), Err(crate::error::Error::BudgetTooSmall { missing_mib, .. })) => {
                     prop_assert_eq!(per_device, vec![(c.devices[0].ordinal, missing_mib)]);
                 }
                 (a, b) => prop_assert!(false, "disagree: {:?} vs {:?}", a.map(|m| m.to_string()), b),

@@ -2,7 +2,8 @@
 
 use std::fmt;
 
-use super::{plan_placement, DeviceBudget, DeviceMap, PlacementMode, PlacementRequest};
+use super::plan::plan_placement;
+use super::types::{DeviceBudget, DeviceMap, PlacementMode, PlacementRequest};
 
 pub(super) const MIB: u64 = 1 << 20;
 

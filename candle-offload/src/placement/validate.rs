@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use super::plan::Model;
-use super::{DeviceMap, PlacementError, PlacementRequest, Result};
+use super::types::{DeviceMap, PlacementError, PlacementRequest, Result};
 use crate::budget::mib_ceil;
 
 impl DeviceMap {

@@ -996,7 +996,7 @@ pub(crate) fn keep_pool_memory(device: &Device, keep: bool) -> candle_core::Resu
     }
     let bytes = if keep { u64::MAX } else { 0 };
     set_pool_release_threshold(&ctx, bytes)?;
-    if let Some(weights) = weight_pool(&ctx)? {
+    if let Some(weights) = weight_pool(&ctx, false)? {
         set_release_threshold(weights.0, bytes)?;
     }
     Ok(())
@@ -1038,7 +1038,7 @@ pub(crate) fn trim_memory_pool_to(device: &Device, keep: u64) -> candle_core::Re
     ctx.synchronize().w()?;
     // SAFETY: `pool` is the live default pool of this context's device.
     unsafe { result::mem_pool::trim_to(pool, keep as usize) }.w()?;
-    if let Some(weights) = weight_pool(&ctx)? {
+    if let Some(weights) = weight_pool(&ctx, false)? {
         trim_weights(weights)?;
     }
     Ok(())
@@ -1048,7 +1048,7 @@ pub(crate) fn trim_memory_pool_to(device: &Device, keep: u64) -> candle_core::Re
 /// weights in use to the driver (nothing where it has no weight pool).
 pub(crate) fn trim_weight_pool(device: &Device) -> candle_core::Result<()> {
     let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
-    let Some(weights) = weight_pool(&ctx)? else {
+    let Some(weights) = weight_pool(&ctx, false)? else {
         return Ok(());
     };
     device.synchronize()?;
@@ -1186,7 +1186,7 @@ fn pool_high_bytes(
     device.synchronize()?;
     let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
     let mut pools = vec![default_pool(&ctx)?];
-    pools.extend(weight_pool(&ctx)?.map(|p| p.0));
+    pools.extend(weight_pool(&ctx, false)?.map(|p| p.0));
     let mut total = 0;
     for pool in pools {
         let mut value: u64 = 0;
