@@ -10,6 +10,7 @@ mod attention;
 pub(crate) mod common;
 mod fused_models;
 mod gemm;
+mod layer;
 pub(crate) mod linear;
 mod norm;
 mod refused;

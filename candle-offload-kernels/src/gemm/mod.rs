@@ -7,6 +7,7 @@
 mod cuda;
 mod prefill;
 
+pub(crate) use prefill::prefill_applies;
 pub use prefill::{
     dequantize_rows, prefill_gemm_bytes, qlinear_prefill, PREFILL_GEMM_MIN_ROWS,
     PREFILL_GEMM_SLICE_BYTES,

@@ -35,6 +35,20 @@ fn prefill_slice_rows(n: usize, k: usize) -> usize {
     fit.max(64).min(n)
 }
 
+/// Whether [`qlinear_prefill`] multiplies `x` by `w` (rather than declining): on
+/// ([`KernelTuning::prefill_gemm`]), x on a GPU with at least
+/// [`KernelTuning::prefill_gemm_min_rows`] rows, and a 2-D weight of a block type the
+/// dequantizing kernel has.
+pub(crate) fn prefill_applies(x: &Tensor, w: &QTensor, tuning: &KernelTuning) -> bool {
+    let k = x.dims().last().copied().unwrap_or(0);
+    let rows = x.elem_count() / k.max(1);
+    tuning.prefill_gemm
+        && x.device().is_cuda()
+        && rows >= tuning.prefill_gemm_min_rows
+        && qlinear_small_type(w.dtype()).is_some()
+        && w.shape().rank() == 2
+}
+
 /// `x · wᵀ` for a prompt's rows on a GPU: w's blocks dequantized a slice of rows at a time and
 /// multiplied by x through cuBLAS (F32 accumulation), returned in x's dtype. Both in F16 for F16
 /// x; in BF16 for BF16 and F32 x, whose values may exceed F16's range (a model run in F32 for
@@ -49,12 +63,7 @@ fn prefill_slice_rows(n: usize, k: usize) -> usize {
 pub fn qlinear_prefill(x: &Tensor, w: &QTensor, tuning: &KernelTuning) -> Result<Option<Tensor>> {
     let k = x.dim(D::Minus1)?;
     let rows = x.elem_count() / k.max(1);
-    let applies = tuning.prefill_gemm
-        && x.device().is_cuda()
-        && rows >= tuning.prefill_gemm_min_rows
-        && qlinear_small_type(w.dtype()).is_some()
-        && w.shape().rank() == 2;
-    if !applies {
+    if !prefill_applies(x, w, tuning) {
         return Ok(None);
     }
     let (n, wk) = w.shape().dims2()?;

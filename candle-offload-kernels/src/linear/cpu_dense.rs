@@ -40,6 +40,27 @@ pub fn supports(w: &Tensor) -> bool {
         && !w.track_op()
 }
 
+/// Whether [`forward`] multiplies `xs` by `w` (rather than declining): [`supports`] says yes,
+/// and `xs` is on the CPU, tracks no gradient, is in `w`'s dtype or F32 and has 1 to
+/// [`MAX_ROWS`] rows of a non-zero width (an `xs` of another width than `w`'s is an error).
+pub fn applies(w: &Tensor, xs: &Tensor) -> bool {
+    if !takes(w, xs) {
+        return false;
+    }
+    let k = w.dims()[1];
+    let m = xs.elem_count() / k.max(1);
+    xs.dims().last() != Some(&k) || (k != 0 && m != 0 && m <= MAX_ROWS)
+}
+
+/// The checks of [`applies`] before the shapes: [`supports`], and `xs` on the CPU, without a
+/// gradient, in `w`'s dtype or F32.
+fn takes(w: &Tensor, xs: &Tensor) -> bool {
+    supports(w)
+        && xs.device().is_cpu()
+        && !xs.track_op()
+        && (xs.dtype() == w.dtype() || xs.dtype() == DType::F32)
+}
+
 /// `xs · wᵀ` for `w` of shape (n, k) and `xs` (..., k) of at most [`MAX_ROWS`] rows in `w`'s
 /// dtype or F32 on the CPU, accumulated in F32, in `xs`'s dtype; `None` when [`supports`] says
 /// no or `xs` does not fit, so that the caller runs Candle's matmul instead. `tuning` gives the
@@ -49,11 +70,7 @@ pub fn forward(
     xs: &Tensor,
     tuning: &crate::tuning::KernelTuning,
 ) -> Result<Option<Tensor>> {
-    if !supports(w)
-        || !xs.device().is_cpu()
-        || xs.track_op()
-        || !(xs.dtype() == w.dtype() || xs.dtype() == DType::F32)
-    {
+    if !takes(w, xs) {
         return Ok(None);
     }
     let (n, k) = w.dims2()?;

@@ -12,6 +12,7 @@ pub mod cpu_quant;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 mod cuda;
+mod layer;
 mod quantized;
 #[allow(unsafe_code)]
 mod simd;
@@ -22,6 +23,7 @@ mod simd_k;
 mod small;
 
 pub(crate) use blocks::qlinear_small_type;
+pub use layer::{Linear, LinearKernel, LinearWeight};
 pub use quantized::{
     qlinear_silu_mul, qlinear_silu_mul_q8, qlinear_small, qlinear_small_fits, qlinear_small_multi,
     qlinear_small_unfused,
