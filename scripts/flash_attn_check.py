@@ -1,7 +1,7 @@
-"""Checks kernels/train.cu's flash attention kernels against PyTorch autograd on a GPU,
-without building the crate: compiles train.cu with nvcc (sm_90a), launches the forward, the
-D precompute and the backward as candle-offload's launchers do (sys/train_kernels.rs: same
-grids, blocks and shared memory), and compares O, the log-sum-exp and dq, dk, dv with F32
+"""Checks the flash attention kernels (candle-offload-kernels/kernels/flash.cu for F16/BF16,
+flash_f32.cu for F32) against PyTorch autograd on a GPU, without building the crate: compiles
+them with nvcc (sm_90a), launches the forward, the D precompute and the backward as the
+crate's launchers do (src/attention/flash_cuda.rs: same grids, blocks and shared memory), and compares O, the log-sum-exp and dq, dk, dv with F32
 PyTorch autograd of the causal composition (max abs difference over the reference's max abs,
 floored for dq and dk at 1% of dv's as tests/train_ops.rs does; 1e-2 for F16/BF16, 1e-5 for
 the F32 kernels against an F64 reference), then times forward + backward beside torch's SDPA
@@ -12,13 +12,25 @@ Needs torch and cupy with a GPU: `python3 scripts/flash_attn_check.py` from the 
 import subprocess, sys, math, time
 import numpy as np, torch, cupy as cp
 
-subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", "-Icandle-offload/kernels",
-                "candle-offload/kernels/train.cu", "-o", "/tmp/train.cubin"], check=True)
-mod = cp.RawModule(path="/tmp/train.cubin")
+KERNELS = "candle-offload-kernels/kernels"
+for name in ("flash", "flash_f32"):
+    subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", f"-I{KERNELS}",
+                    f"{KERNELS}/{name}.cu", "-o", f"/tmp/{name}.cubin"], check=True)
+MODULES = {name: cp.RawModule(path=f"/tmp/{name}.cubin") for name in ("flash", "flash_f32")}
+
+
+class _Kernels:
+    """The two cubins as one module: F32 kernels from flash_f32.cu, the others from flash.cu."""
+
+    def get_function(self, name):
+        return MODULES["flash_f32" if name.endswith("_f32") else "flash"].get_function(name)
+
+
+mod = _Kernels()
 
 def smem(d, wmma, f32=False):
     """The forward's and the backward's dynamic shared memory (fa_smem, fa32_smem in
-    train_kernels.rs)."""
+    attention/flash_cuda.rs)."""
     if f32:
         tile = 64 * (d + 4) * 4
         return 3 * tile, 4 * tile + 64 * 68 * 4 + 2 * 64 * 4

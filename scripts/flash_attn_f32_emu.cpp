@@ -1,4 +1,4 @@
-// flash_attn_f32_emu.cpp: runs kernels/train.cu's F32 flash attention kernels
+// flash_attn_f32_emu.cpp: runs kernels/flash_f32.cu's F32 flash attention kernels
 // (flash_attn_fwd_f32, flash_attn_bwd_f32; D formed on the host as flash_attn_bwd_prep_f32 does) on
 // the CPU, one std::thread per CUDA thread (barriers and warp shuffles emulated, blocks one
 // after another, shared memory poisoned before each block), and compares O, the log-sum-exp
@@ -8,7 +8,7 @@
 // path runs). From the repository root:
 //
 //   awk '/^\/\/ F32 attention on the FP32 cores/{p=1} p{print} /^}  \/\/ namespace/{if(p) exit}' \
-//       candle-offload/kernels/train.cu | grep -v '^}  // namespace' \
+//       candle-offload-kernels/kernels/flash_f32.cu | grep -v '^}  // namespace' \
 //     | sed 's/extern __shared__ __align__(128) unsigned char fa_smem\[\];/unsigned char *fa_smem = g_smem;/' \
 //     > /tmp/fa32_kern.inc
 //   g++ -std=c++20 -O2 -mfma -ffp-contract=fast -pthread -I/tmp scripts/flash_attn_f32_emu.cpp \

@@ -37,7 +37,7 @@ import sys
 from collections import defaultdict
 
 # What a kernel does, from its name (first match wins). Names are Candle's kernels
-# (candle-kernels), ours (candle-offload/kernels/ops.cu), cuBLAS/CUTLASS and Candle's
+# (candle-kernels), ours (candle-offload-kernels/kernels/*.cu), cuBLAS/CUTLASS and Candle's
 # quantized kernels.
 GROUPS = [
     ("matmul (cuBLAS)", r"gemv|gemm|xmma|cutlass|splitKreduce|sm\d\d_|ampere_|hopper"),

@@ -1,4 +1,5 @@
-//! The fused training ops of `candle_offload::train::fused` against Candle autograd of the
+//! The fused training ops of `candle_offload::kernels` (`norm::rms_norm`, `activation::swiglu`,
+//! `loss::cross_entropy`, `attention::flash_attention`) against Candle autograd of the
 //! compositions they replace, per device (the CPU runs their CPU loops, CUDA the project's
 //! kernels): forward values and every gradient, F32 within 1e-5 and F16/BF16 within 1e-2 (max
 //! abs difference over the reference's max abs; the reference runs in F32 on the same rounded
@@ -7,12 +8,13 @@
 
 use candle_core::{DType, Device, Module as _, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use candle_offload::train::fused;
+use candle_offload::kernels::optimizer::FusedAdamW;
+use candle_offload::kernels::{activation, loss, norm};
 use candle_offload::Precision;
 use candle_offload_models::{TrainSettings, Trainer};
 use rand::Rng as _;
 
-use crate::ops::{
+use crate::ops::common::{
     ensure_close_values as ensure_close, rel_diff_values as rel_diff, tolerance, DTYPES,
 };
 
@@ -58,10 +60,10 @@ fn rms_norm_matches_composition(device: &Device) -> anyhow::Result<()> {
             let up = random(shape, 1.0, seed + 2)?.to_device(device)?;
             let eps = 1e-5;
 
-            let y = fused::rms_norm(&x, &w, eps)?;
+            let y = norm::rms_norm(&x, &w, eps)?;
             anyhow::ensure!(y.dtype() == dtype, "output dtype {:?}", y.dtype());
             let grads = weighted_sum(&y, &up)?.backward()?;
-            let y_ref = fused::rms_norm_composite(&x32, &w32, eps)?;
+            let y_ref = norm::rms_norm_composite(&x32, &w32, eps)?;
             let grads_ref = weighted_sum(&y_ref, &up)?.backward()?;
 
             let what = format!("rms_norm {shape:?}");
@@ -133,7 +135,7 @@ fn rms_norm_keeps_the_gradient_candle_nn_cuts() -> anyhow::Result<()> {
         cut_grads.get(&x).is_none(),
         "candle-nn's RmsNorm now passes gradients: this test's premise changed"
     );
-    let ours = fused::rms_norm(&x, &w, 1e-5)?;
+    let ours = norm::rms_norm(&x, &w, 1e-5)?;
     let grads = (ours * 2.0)?.sum_all()?.backward()?;
     anyhow::ensure!(grads.get(&x).is_some(), "fused rms_norm cut the gradient");
     Ok(())
@@ -147,10 +149,10 @@ fn swiglu_matches_composition(device: &Device) -> anyhow::Result<()> {
             let (u, u32_) = pair(&random(shape, 2.0, seed + 1)?, dtype, device)?;
             let up = random(shape, 1.0, seed + 2)?.to_device(device)?;
 
-            let y = fused::swiglu(&a, &u)?;
+            let y = activation::swiglu(&a, &u)?;
             anyhow::ensure!(y.dtype() == dtype, "output dtype {:?}", y.dtype());
             let grads = weighted_sum(&y, &up)?.backward()?;
-            let y_ref = fused::swiglu_composite(&a32, &u32_)?;
+            let y_ref = activation::swiglu_composite(&a32, &u32_)?;
             let grads_ref = weighted_sum(&y_ref, &up)?.backward()?;
 
             let what = format!("swiglu {shape:?}");
@@ -196,10 +198,10 @@ fn cross_entropy_matches_composition(device: &Device) -> anyhow::Result<()> {
             let targets = Tensor::new(t, device)?;
             let up = (random(&[rows], 1.0, seed + 2)? + 1.5)?.to_device(device)?;
 
-            let loss = fused::cross_entropy(&x, &targets)?;
+            let loss = loss::cross_entropy(&x, &targets)?;
             anyhow::ensure!(loss.dtype() == DType::F32, "loss dtype {:?}", loss.dtype());
             let grads = (&loss * &up)?.sum_all()?.backward()?;
-            let loss_ref = fused::cross_entropy_composite(&x32, &targets)?;
+            let loss_ref = loss::cross_entropy_composite(&x32, &targets)?;
             let grads_ref = (&loss_ref * &up)?.sum_all()?.backward()?;
 
             let what = format!("cross_entropy ({rows}, {vocab})");
@@ -245,9 +247,9 @@ fn strided_inputs_match(device: &Device) -> anyhow::Result<()> {
     let up = random(&[33, 40], 1.0, 502)?.to_device(device)?;
     // A transposed view: the op copies it, the gradient flows back through the copy.
     let x_t = base.t()?;
-    let y = fused::rms_norm(&x_t, &w, 1e-6)?;
+    let y = norm::rms_norm(&x_t, &w, 1e-6)?;
     let g = weighted_sum(&y, &up)?.backward()?;
-    let y_ref = fused::rms_norm_composite(&x_t, &w, 1e-6)?;
+    let y_ref = norm::rms_norm_composite(&x_t, &w, 1e-6)?;
     let g_ref = weighted_sum(&y_ref, &up)?.backward()?;
     ensure_close("rms_norm transposed y", &y, &y_ref, DType::F32)?;
     for (what, v) in [("dx", &base), ("dw", &w)] {
@@ -258,9 +260,9 @@ fn strided_inputs_match(device: &Device) -> anyhow::Result<()> {
         ensure_close(&format!("rms_norm transposed {what}"), a, b, DType::F32)?;
     }
     let (gate, upv) = (base.t()?, base.t()?.affine(0.5, 0.1)?);
-    let y = fused::swiglu(&gate, &upv)?;
+    let y = activation::swiglu(&gate, &upv)?;
     let g = weighted_sum(&y, &up)?.backward()?;
-    let y_ref = fused::swiglu_composite(&gate, &upv)?;
+    let y_ref = activation::swiglu_composite(&gate, &upv)?;
     let g_ref = weighted_sum(&y_ref, &up)?.backward()?;
     ensure_close("swiglu transposed y", &y, &y_ref, DType::F32)?;
     let (Some(a), Some(b)) = (g.get(&base), g_ref.get(&base)) else {
@@ -270,9 +272,9 @@ fn strided_inputs_match(device: &Device) -> anyhow::Result<()> {
     // Rows 7.. of the logits and targets: contiguous views at an offset.
     let targets = Tensor::new((0..40u32).map(|i| (i * 7) % 33).collect::<Vec<_>>(), device)?;
     let (x, t) = (base.narrow(0, 7, 20)?, targets.narrow(0, 7, 20)?);
-    let loss = fused::cross_entropy(&x, &t)?;
+    let loss = loss::cross_entropy(&x, &t)?;
     let g = loss.sum_all()?.backward()?;
-    let loss_ref = fused::cross_entropy_composite(&x, &t)?;
+    let loss_ref = loss::cross_entropy_composite(&x, &t)?;
     let g_ref = loss_ref.sum_all()?.backward()?;
     ensure_close("cross_entropy offset loss", &loss, &loss_ref, DType::F32)?;
     let (Some(a), Some(b)) = (g.get(&base), g_ref.get(&base)) else {
@@ -301,7 +303,7 @@ const ATTN_SHAPES: [(usize, usize, usize, usize, usize); 7] = [
 ];
 
 fn flash_attention_matches_composition(device: &Device) -> anyhow::Result<()> {
-    use candle_offload::train::attention::{self, FlashForward};
+    use candle_offload::kernels::attention::{self, FlashForward};
     for (dtype, forward) in DTYPES
         .into_iter()
         .flat_map(|d| [(d, FlashForward::Mma), (d, FlashForward::Wmma)])
@@ -378,7 +380,7 @@ test_device!(
 /// Inputs at an odd offset in their buffers and transposed views: the same values and
 /// gradients as the composition.
 fn flash_attention_strided_inputs(device: &Device) -> anyhow::Result<()> {
-    use candle_offload::train::attention;
+    use candle_offload::kernels::attention;
     for dtype in [DType::F32, DType::BF16] {
         let (b, h, hkv, t, d) = (1, 4, 2, 33, 64);
         let base = random(&[1 + 3 * b * h * t * d], 2.0, 700)?;
@@ -421,7 +423,7 @@ test_device!(
 
 #[test]
 fn train_ops_flash_attention_refuses_bad_input() -> anyhow::Result<()> {
-    use candle_offload::train::attention::flash_attention;
+    use candle_offload::kernels::attention::flash_attention;
     let q = random(&[1, 4, 5, 8], 1.0, 1)?;
     let kv = random(&[1, 2, 5, 8], 1.0, 2)?;
     let cases = [
@@ -479,23 +481,23 @@ fn fused_ops_refuse_bad_input() -> anyhow::Result<()> {
         Ok(_) => anyhow::bail!("accepted"),
         Err(e) => Ok(e.to_string()),
     };
-    let e = err(fused::rms_norm(
+    let e = err(norm::rms_norm(
         &x,
         &Tensor::ones(4, DType::F32, &dev)?,
         1e-5,
     ))?;
     anyhow::ensure!(e.contains("does not match"), "{e}");
-    let e = err(fused::rms_norm(
+    let e = err(norm::rms_norm(
         &x,
         &Tensor::ones(5, DType::F16, &dev)?,
         1e-5,
     ))?;
     anyhow::ensure!(e.contains("mixed dtypes"), "{e}");
-    let e = err(fused::swiglu(&x, &random(&[5, 2], 1.0, 2)?))?;
+    let e = err(activation::swiglu(&x, &random(&[5, 2], 1.0, 2)?))?;
     anyhow::ensure!(e.contains("differ in shape"), "{e}");
-    let e = err(fused::cross_entropy(&x, &Tensor::new(&[1u32, 2, 3], &dev)?))?;
+    let e = err(loss::cross_entropy(&x, &Tensor::new(&[1u32, 2, 3], &dev)?))?;
     anyhow::ensure!(e.contains("do not match"), "{e}");
-    let e = err(fused::cross_entropy(&x, &Tensor::new(&[1u32, 5], &dev)?))?;
+    let e = err(loss::cross_entropy(&x, &Tensor::new(&[1u32, 5], &dev)?))?;
     anyhow::ensure!(e.contains("outside the vocabulary"), "{e}");
     Ok(())
 }
@@ -537,10 +539,10 @@ fn fused_adamw_follows_candle_nn(device: &Device) -> anyhow::Result<()> {
         weight_decay: 0.1,
         ..Default::default()
     };
-    let mut ours = fused::FusedAdamW::new(ours_vars.clone(), params.clone())?;
+    let mut ours = FusedAdamW::new(ours_vars.clone(), params.clone())?;
     let mut reference = AdamW::new(ref_vars.clone(), params.clone())?;
     // Gradients of a loss scaled by 2^10, unscaled inside the step: exactly `ours`.
-    let mut scaled = fused::FusedAdamW::new(scaled_vars.clone(), params)?;
+    let mut scaled = FusedAdamW::new(scaled_vars.clone(), params)?;
     for step in 0..100 {
         if step == 50 {
             ours.set_learning_rate(5e-3);
@@ -595,7 +597,7 @@ test_device!(
 #[test]
 fn fused_adamw_refuses_non_f32_variables() -> anyhow::Result<()> {
     let v = Var::from_tensor(&Tensor::zeros(3, DType::F16, &Device::Cpu)?)?;
-    let e = fused::FusedAdamW::new(vec![v], ParamsAdamW::default()).unwrap_err();
+    let e = FusedAdamW::new(vec![v], ParamsAdamW::default()).unwrap_err();
     anyhow::ensure!(e.to_string().contains("F32"), "{e}");
     Ok(())
 }

@@ -1,10 +1,10 @@
 //! A prompt's quantized projections on a GPU, piece by piece: for LLaMA 7B and 13B projection
 //! shapes, GGML block types and prompt lengths, the time of
-//! - `dequant`: `ops::dequantize_rows` over the whole weight, and the bytes a second it writes;
+//! - `dequant`: `gemm::dequantize_rows` over the whole weight, and the bytes a second it writes;
 //! - `gemm`: x (F16) times the weight already in F16 (cuBLAS), the GEMM alone;
-//! - `prefill`: `ops::qlinear_prefill` (slices dequantized, each multiplied into its columns);
+//! - `prefill`: `gemm::qlinear_prefill` (slices dequantized, each multiplied into its columns);
 //! - `mmq`: Candle's quantized matmul on F32 x (its MMQ kernels), what takes the rows below
-//!   `ops::prefill_gemm_min_rows`.
+//!   `KernelTuning::prefill_gemm_min_rows`.
 //!
 //! Each is the median of `--reps` runs between device synchronizations, with the GPU set up as a
 //! model runs it: cudarc's per-buffer event tracking off and freed memory kept in the stream's
@@ -23,7 +23,7 @@ use std::time::Instant;
 use anyhow::{ensure, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
-use candle_offload::ops;
+use candle_offload::kernels::gemm;
 use candle_offload_bench::median;
 use clap::Parser;
 
@@ -118,9 +118,9 @@ fn main() -> Result<()> {
                 let w = QTensor::quantize_onto(&w, qtype, &device)?;
                 let out_bytes = (2 * n * k) as f64;
                 let dq = time(&device, args.reps, || {
-                    Ok(ops::dequantize_rows(&w, 0, n, DType::F16)?)
+                    Ok(gemm::dequantize_rows(&w, 0, n, DType::F16)?)
                 })?;
-                let wf = ops::dequantize_rows(&w, 0, n, DType::F16)?;
+                let wf = gemm::dequantize_rows(&w, 0, n, DType::F16)?;
                 let qmm = QMatMul::from_arc(std::sync::Arc::new(w))?;
                 let QMatMul::QTensor(wq) = &qmm else {
                     anyhow::bail!("{qtype:?} {n}x{k}: Candle keeps it dequantized")
@@ -131,11 +131,11 @@ fn main() -> Result<()> {
                     let xh = x.to_dtype(DType::F16)?;
                     let gemm = time(&device, args.reps, || Ok(xh.matmul(&wf.t()?)?))?;
                     let t = candle_offload::KernelTuning::default();
-                    let prefill = ops::qlinear_prefill(&xh, wq, &t)?
+                    let prefill = gemm::qlinear_prefill(&xh, wq, &t)?
                         .is_some()
                         .then(|| {
                             time(&device, args.reps, || {
-                                Ok(ops::qlinear_prefill(&xh, wq, &t)?)
+                                Ok(gemm::qlinear_prefill(&xh, wq, &t)?)
                             })
                         })
                         .transpose()?;

@@ -19,6 +19,9 @@
 //!   (device maps for several GPUs): the pure planning parts.
 //! - [`train`]: autocast, dynamic loss scaling and gradient checkpointing for training on top
 //!   of Candle's autograd, with offloaded weights fetched again for each recomputed segment.
+//! - [`kernels`]: the custom ops the models run (fused norms, RoPE, decode and prompt
+//!   attention, the decode matmuls of dense and quantized weights, the prompt GEMM, the
+//!   training kernels), by op family.
 //!
 //! # Example
 //! A four-layer model run layer by layer with room for only two layers at a time:
@@ -74,13 +77,10 @@
 
 pub mod budget;
 pub mod cache;
-pub mod cpu_dense;
-pub mod cpu_quant;
 pub mod diag;
 pub mod doctor;
 mod error;
 pub mod history;
-pub mod ops;
 pub mod placement;
 pub mod plan;
 mod runtime;
@@ -114,5 +114,9 @@ pub use store::{
 };
 pub use telemetry::{OffloadStats, TransferStats, UnitStats};
 pub use train::{Autocast, Checkpointer, GradScaler, GradScalerConfig, Precision, ScaledOptimizer};
+
+/// The custom ops (norms, RoPE, attention, small and quantized linears, the prompt GEMM, the
+/// training kernels and the CPU matmuls): the `candle-offload-kernels` crate.
+pub use candle_offload_kernels as kernels;
 pub use tuning::{DiskTuning, KernelTuning, QlinearVariant, QlinearVariants, Tuning, TuningError};
 pub use varbuilder::UnitBackend;

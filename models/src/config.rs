@@ -50,7 +50,7 @@ impl Config {
     }
 
     /// [`reserve_bytes`](Self::reserve_bytes), where with `attention_kernel` a pass's attention
-    /// runs as one kernel ([`candle_offload::ops::prompt_attention`] on a GPU): then it holds
+    /// runs as one kernel ([`candle_offload::kernels::attention::prompt_attention`] on a GPU): then it holds
     /// no F32 copies of q, k and v and no score matrix, only the rotated queries and the
     /// output (twice: as the kernel writes it and as the output projection reads it) in
     /// `dtype`.
@@ -131,7 +131,7 @@ impl Config {
     ///
     /// From `tuning`'s [`prefill_gemm_min_rows`](candle_offload::KernelTuning::prefill_gemm_min_rows)
     /// rows on, a prompt's projections go through dequantized 16-bit weights and cuBLAS instead
-    /// ([`candle_offload::ops::qlinear_prefill`], [`candle_offload::ops::prefill_gemm_bytes`]
+    /// ([`candle_offload::kernels::gemm::qlinear_prefill`], [`candle_offload::kernels::gemm::prefill_gemm_bytes`]
     /// for the widest); block types without that kernel still take Candle's, so this is the
     /// larger of the two.
     pub fn quantized_matmul_bytes(
@@ -148,7 +148,7 @@ impl Config {
         let q = self.num_attention_heads * self.head_dim;
         let gemm = [(i, h), (h, i), (q, h), (h, q)]
             .into_iter()
-            .map(|(n, k)| candle_offload::ops::prefill_gemm_bytes(seq_len, n, k, tuning))
+            .map(|(n, k)| candle_offload::kernels::gemm::prefill_gemm_bytes(seq_len, n, k, tuning))
             .max()
             .unwrap_or(0);
         mmq.max(gemm)

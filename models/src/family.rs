@@ -38,7 +38,7 @@ pub struct StepCtx<'a> {
     pub rope: &'a Rope,
     /// Masks for this pass: `masks.get(window)`.
     pub masks: &'a Masks,
-    /// Use the fused ops of `candle_offload::ops` (RMSNorm with the residual add, SiLU · mul,
+    /// Use the fused ops of `candle_offload::kernels` (RMSNorm with the residual add, SiLU · mul,
     /// RoPE of q and k) where a block can.
     pub fused: bool,
     /// A decode step being captured as a CUDA graph: `index_pos` held on the device (one
@@ -59,8 +59,8 @@ pub struct TrainCtx<'a> {
     pub compute: DType,
     /// Attention head groups, each checkpointed (1: all heads at once).
     pub head_chunks: usize,
-    /// Use the fused training ops of `candle_offload::train::fused` (RMSNorm, SwiGLU) and
-    /// `train::flash_attention` where a block can; `false`: the Candle compositions.
+    /// Use the fused training ops of `candle_offload::kernels` (RMSNorm, SwiGLU) and
+    /// `kernels::attention::flash_attention` where a block can; `false`: the Candle compositions.
     pub fused: bool,
     /// With `fused`: where a block that computes its own backward pass (the plain pre-norm
     /// block, [`crate::layers::PreNormBlock`]) hands its weights' gradients; `None`: every
@@ -352,7 +352,7 @@ pub trait Family: std::fmt::Debug + Send + Sync + 'static {
 
     /// Whether every layer's attention is plain causal attention (no sliding window, no
     /// soft-capping), so that a prompt's attention on a GPU runs as one kernel
-    /// ([`candle_offload::ops::prompt_attention`]) in every layer and the reservation may
+    /// ([`candle_offload::kernels::attention::prompt_attention`]) in every layer and the reservation may
     /// count on it ([`Config::reserve_bytes_with`]). Default: no (the composition's
     /// reservation, the larger).
     fn plain_attention(&self, cfg: &Config) -> bool {

@@ -24,11 +24,12 @@ use std::sync::{Arc, Mutex};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, TensorId, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
-use candle_offload::train::{fused, segment_ranges, CastOrigins, FusedAdamW};
+use candle_offload::kernels::optimizer::{FusedAdamW, HostAdamW};
+use candle_offload::kernels::{loss, norm};
+use candle_offload::train::{segment_ranges, CastOrigins};
 use candle_offload::{
-    train::HostAdamW, Autocast, Checkpointer, GradScaler, GradScalerConfig, MemoryLimit,
-    OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice, Precision, StoreConfig,
-    UnitGuard,
+    Autocast, Checkpointer, GradScaler, GradScalerConfig, MemoryLimit, OffloadConfig,
+    OffloadRuntime, OffloadStrategy, PolicyChoice, Precision, StoreConfig, UnitGuard,
 };
 
 use crate::causal::CausalLm;
@@ -62,9 +63,9 @@ pub struct TrainSettings {
     /// Tokens per output-head chunk; `None`: enough that one chunk's logits stay under
     /// 128 MiB.
     pub loss_chunk_tokens: Option<usize>,
-    /// The fused training ops of `candle_offload::train::fused`: RMSNorm and SwiGLU with their
+    /// The fused training ops of `candle_offload::kernels` (`norm`, `activation`): RMSNorm and SwiGLU with their
     /// own backward kernels, the softmax cross-entropy without an F32 probability matrix,
-    /// causal attention as `train::flash_attention` (no score matrix, no head groups), and
+    /// causal attention as `kernels::attention::flash_attention` (no score matrix, no head groups), and
     /// [`FusedAdamW`] for masters on a GPU (default). `false`: the Candle compositions and
     /// candle-nn's `AdamW`.
     pub fused: bool,
@@ -270,9 +271,9 @@ impl Core {
                 .finish_logits(&self.cfg, logits.to_dtype(DType::F32)?)?
         };
         if self.fused {
-            return fused::cross_entropy(&logits, targets)?.sum_all();
+            return loss::cross_entropy(&logits, targets)?.sum_all();
         }
-        fused::cross_entropy_composite(&logits, targets)?.sum_all()
+        loss::cross_entropy_composite(&logits, targets)?.sum_all()
     }
 
     /// [`head_loss_sum`](Self::head_loss_sum) as one graph node with its backward pass by
@@ -290,9 +291,9 @@ impl Core {
         let _span = tracing::trace_span!("train.head_loss.by_hand").entered();
         let cd = self.autocast.compute_dtype();
         let (x, nw, wd) = (xs.detach(), norm_w.detach(), w.detach());
-        let hc = fused::rms_norm(&x, &nw, eps)?.to_dtype(cd)?;
+        let hc = norm::rms_norm(&x, &nw, eps)?.to_dtype(cd)?;
         let logits = hc.matmul(&wd.t()?)?;
-        let loss = fused::cross_entropy(&logits, targets)?.sum_all()?;
+        let loss = loss::cross_entropy(&logits, targets)?.sum_all()?;
         if !xs.track_op() {
             return Ok(loss);
         }
@@ -309,13 +310,13 @@ impl Core {
                 .to_dtype(DType::F32)?
                 .broadcast_as(rows)?
                 .contiguous()?;
-            let dlogits = fused::cross_entropy_backward(&logits, &targets, &dy)?;
+            let dlogits = loss::cross_entropy_backward(&logits, &targets, &dy)?;
             drop(logits);
             sink(&served_w, dlogits.t()?.matmul(&hc)?)?;
             drop(hc);
             let dh = dlogits.matmul(&wd)?;
             drop(dlogits);
-            let (dx, dnw) = fused::rms_norm_backward(&x, &nw, eps, &dh.to_dtype(x.dtype())?)?;
+            let (dx, dnw) = norm::rms_norm_backward(&x, &nw, eps, &dh.to_dtype(x.dtype())?)?;
             sink(&served_nw, dnw)?;
             Ok(dx)
         })

@@ -99,10 +99,10 @@ impl OffloadRuntime {
             st.generation
         };
         // The hand-over slot's buffer was allocated before: it must not be freed inside.
-        crate::ops::forget_handover();
+        candle_offload_kernels::forget_handover();
         let out = engine.capture(|| {
             let r = f();
-            crate::ops::forget_handover();
+            candle_offload_kernels::forget_handover();
             r
         });
         let mut st = self.state()?;

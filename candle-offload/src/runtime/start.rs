@@ -80,7 +80,7 @@ impl OffloadRuntime {
 /// process, so a later runtime asking for another count gets a warning.
 fn size_cpu_pool(tuning: &Tuning) {
     let threads = tuning.threads();
-    let pool = crate::sys::spin::ask_threads(threads);
+    let pool = candle_offload_kernels::pool::ask_threads(threads);
     if pool != threads {
         tracing::warn!(
             "the CPU matmul pool has {pool} threads (sized by an earlier runtime), not the \

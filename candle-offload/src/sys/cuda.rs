@@ -785,7 +785,7 @@ impl CudaEngine {
         if self.ctx.is_event_tracking() {
             candle_core::bail!("a CUDA graph needs cudarc's event tracking off on this device");
         }
-        super::kernels::prepare_capture(&self.cuda)?;
+        candle_offload_kernels::prepare_capture(&self.cuda)?;
         let _params = self.cuda.enable_cuda_graph_htod_cache();
         f()?;
         self.compute
@@ -924,7 +924,7 @@ pub(crate) fn context_memory(ordinal: usize) -> candle_core::Result<Vec<(&'stati
     let y = x.matmul(&x)?.exp()?;
     device.synchronize()?;
     let kernels = used()?;
-    crate::ops::silu_mul(&y, &x)?;
+    candle_offload_kernels::activation::silu_mul(&y, &x)?;
     device.synchronize()?;
     let ours = used()?;
     Ok(vec![
@@ -1086,7 +1086,7 @@ pub(crate) fn profiler_capture(device: &Device, on: bool) -> candle_core::Result
 
 /// Launches the empty marker kernel `profile_mark(phase)` on `device`'s stream.
 pub(crate) fn profile_mark(device: &Device, phase: u32) -> candle_core::Result<()> {
-    super::kernels::profile_mark(device.as_cuda_device()?, phase)
+    candle_offload_kernels::profile_mark(device.as_cuda_device()?, phase)
 }
 
 /// Whether `bytes` of host memory can be pinned in `device`'s context.

@@ -2,11 +2,11 @@
 //!
 //! It selects `cuda.rs` (page-locked buffers, the copy stream, events) or `nocuda.rs` (the same
 //! API with uninhabited types, so a CPU build has no `cfg` anywhere else), and holds the one
-//! memory map used to stream safetensors into the store, and the SIMD dot products over GGML
-//! blocks of the CPU quantized matmul (`simd.rs`, AVX2 detected at run time). Every `unsafe` block carries a
-//! `// SAFETY:` comment.
+//! memory map used to stream safetensors into the store and the disk tier's reads (`disk.rs`).
+//! Every `unsafe` block carries a `// SAFETY:` comment.
 //!
-//! This module is the leaf of the crate: it imports nothing from it. It speaks in plain bytes,
+//! This module is the leaf of the crate: it imports nothing from it (only from the kernels crate
+//! below it, `candle_offload_kernels`, whose ops `cuda.rs` launches). It speaks in plain bytes,
 //! Candle types and its own [`SysError`] (converted upward in `error.rs`); the store's units
 //! reach it as a [`HostTier`] (where the bytes live) and a list of [`UploadItem`]s (what to
 //! make of them on the device).
@@ -18,9 +18,6 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Shape, Tensor};
 
 mod disk;
-pub(crate) mod simd;
-pub(crate) mod simd_k;
-pub(crate) mod spin;
 
 pub(crate) use disk::{Conversion, DiskFile, DiskTier, ReadAhead, ReadPool, ReadShape, Segment};
 
@@ -30,10 +27,6 @@ mod imp;
 #[cfg(not(feature = "cuda"))]
 #[path = "nocuda.rs"]
 mod imp;
-#[cfg(feature = "cuda")]
-pub(crate) mod kernels;
-#[cfg(feature = "cuda")]
-pub(crate) mod train_kernels;
 
 #[cfg(feature = "cuda")]
 mod managed;

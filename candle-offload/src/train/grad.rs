@@ -116,7 +116,8 @@ impl CustomOp1 for Precomputed {
         }
     }
 
-    #[cfg(feature = "cuda")]
+    // Candle's dummy CUDA storage stands in without the `cuda` feature (no value is ever on
+    // a GPU then, so this never runs).
     fn cuda_fwd(
         &self,
         _: &candle_core::CudaStorage,

@@ -11,25 +11,24 @@
 //!   keep only segment boundaries in the forward pass and recompute each segment during the
 //!   backward pass; with an offload runtime the recompute fetches the segment's weights again.
 //!
-//! - [`attention`]: causal self-attention (GQA/MQA) as one op with its own backward
-//!   (FlashAttention-2: no score matrix, no repeated k/v).
-//! - [`fused`]: RMSNorm, SwiGLU and softmax cross-entropy as custom ops with their own
-//!   backward kernels, and [`FusedAdamW`], a multi-tensor AdamW in one launch per step.
+//! - [`accumulate_on_host`] / [`HostGradients`]: gradients summed in F32 in host memory, where
+//!   offloaded training's optimizer steps the masters.
+//!
+//! The training ops with kernels of their own (RMSNorm, SwiGLU, softmax cross-entropy,
+//! FlashAttention-2, a fused AdamW) are in [`crate::kernels`] (`norm::rms_norm`,
+//! `activation::swiglu`, `loss::cross_entropy`, `attention::flash_attention`,
+//! `optimizer::FusedAdamW` and `optimizer::HostAdamW`).
 //!
 //! Models must use differentiable ops on the training path: `candle_nn::ops::softmax` (not
 //! `softmax_last_dim`), `rms_norm_slow` / `RmsNorm::forward_diff` (not the fused `rms_norm`),
 //! `rope_slow` (not `rope`); the fused kernels silently cut the gradient graph
 //! (candle-internals.md §4.4).
 
-pub mod attention;
 mod autocast;
 mod checkpoint;
-pub mod fused;
 pub mod grad;
-mod host_adam;
+mod host_grad;
 mod scaler;
-
-pub use attention::{flash_attention, flash_attention_composite};
 
 /// Turns cudarc's per-buffer event tracking of `device`'s context on or off and returns
 /// whether it was on (a no-op returning `on` on a CPU or without `cuda`). Tracking records and
@@ -47,6 +46,5 @@ pub fn set_event_tracking(device: &candle_core::Device, on: bool) -> candle_core
 }
 pub use autocast::{Autocast, AutocastBackend, CastOrigins, Precision};
 pub use checkpoint::{segment_ranges, Checkpointer, GradSink};
-pub use fused::{cross_entropy, rms_norm, swiglu, FusedAdamW};
-pub use host_adam::{accumulate_on_host, HostAdamW, HostGradients};
+pub use host_grad::{accumulate_on_host, HostGradients};
 pub use scaler::{GradScaler, GradScalerConfig, ScaledOptimizer, StepOutcome};

@@ -171,7 +171,7 @@ impl GradScaler {
             };
             let g = g.to_dtype(v.dtype())?;
             if in_place && self.cfg.enabled {
-                if let Some(finite) = super::host_adam::scale_host_in_place(&g, inv as f32)? {
+                if let Some(finite) = super::host_grad::scale_host_in_place(&g, inv as f32)? {
                     host_finite &= finite;
                     out.insert(v.as_tensor(), g);
                     continue;
@@ -226,16 +226,16 @@ impl GradScaler {
         Ok(self.update(finite))
     }
 
-    /// [`step_owned`](Self::step_owned) for [`FusedAdamW`](super::FusedAdamW): the gradients
+    /// [`step_owned`](Self::step_owned) for [`FusedAdamW`](candle_offload_kernels::optimizer::FusedAdamW): the gradients
     /// are checked as they are (one sum per row, no copy) and unscaled inside the optimizer's
-    /// kernel ([`FusedAdamW::step_scaled`](super::FusedAdamW::step_scaled)), so the step makes
+    /// kernel ([`FusedAdamW::step_scaled`](candle_offload_kernels::optimizer::FusedAdamW::step_scaled)), so the step makes
     /// no pass of its own to divide them. A gradient finite before the division stays finite
     /// after it while the scale is at least 1, as it is unless many overflows in a row backed
     /// it off below 1. Masters on the host (a CPU run) go through
     /// [`step_owned`](Self::step_owned), whose in-place unscale runs on every core.
     pub fn step_fused(
         &mut self,
-        opt: &mut super::FusedAdamW,
+        opt: &mut candle_offload_kernels::optimizer::FusedAdamW,
         vars: &[Var],
         grads: GradStore,
     ) -> candle_core::Result<StepOutcome> {

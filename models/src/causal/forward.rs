@@ -133,7 +133,7 @@ impl CausalLm {
                 index_pos + seq_len
             );
         }
-        candle_offload::cpu_quant::on_cpu_step_pool(
+        candle_offload::kernels::pool::on_cpu_step_pool(
             self.runtime().device(),
             batch * seq_len,
             || {
@@ -384,7 +384,9 @@ impl CausalLm {
             match w.quantized("weight", &[vocab, hidden])? {
                 Some(q) => {
                     let screened = if self.greedy_head() {
-                        candle_offload::cpu_quant::forward_greedy(&q, &xs, &tuning)?
+                        candle_offload::kernels::linear::cpu_quant::forward_greedy(
+                            &q, &xs, &tuning,
+                        )?
                     } else {
                         None
                     };
@@ -421,7 +423,7 @@ impl CausalLm {
 /// The rows of each pass when `seq_len` positions run in passes of at most `max_rows`: the
 /// fewest passes, of even length (512 under 170: four of 128, not three of 170 and one of 2),
 /// so that each is as long as those passes allow (the prompt GEMM of
-/// [`candle_offload::ops::qlinear_prefill`] starts at a row count). Pure.
+/// [`candle_offload::kernels::gemm::qlinear_prefill`] starts at a row count). Pure.
 fn even_pass_rows(seq_len: usize, max_rows: usize) -> usize {
     let max_rows = max_rows.max(1);
     seq_len.div_ceil(seq_len.div_ceil(max_rows).max(1)).max(1)

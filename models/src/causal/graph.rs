@@ -6,7 +6,7 @@
 //! What changes between replays lives in device buffers the graph reads: the token ids, the
 //! position and a padded batch's left padding per row (`inputs`, written before each launch),
 //! which the RoPE/KV-cache kernel and the decode attention read on the device
-//! ([`candle_offload::ops::rope_qk_cache_at`], [`candle_offload::ops::decode_attention_at`]);
+//! ([`candle_offload::kernels::rope::rope_qk_cache_at`], [`candle_offload::kernels::attention::decode_attention_at`]);
 //! the logits land in a buffer allocated before the capture and are copied out after each
 //! launch. A graph is replayed only while the units resident at its capture stay
 //! ([`candle_offload::OffloadRuntime::replay_step`]), for the same batch size, padded or not,

@@ -392,7 +392,7 @@ impl CausalLm {
     /// Seconds one decode step of the first decoder layer takes on `device` with its weights
     /// there (a copy of its unit in `store`) after `context` cached positions (zeros),
     /// computing as a stage there does: F32 for GGML blocks on the CPU and on the thread pool a
-    /// decode step runs on ([`candle_offload::cpu_quant::on_cpu_step_pool`]), `dtype` and the
+    /// decode step runs on ([`candle_offload::kernels::pool::on_cpu_step_pool`]), `dtype` and the
     /// fused kernels on a GPU. The fastest of seven after a warm-up, the device synchronized
     /// around each. [`HostLayers::SpreadAuto`] weighs the GPU's against the host's
     /// ([`host_layer_seconds`](Self::host_layer_seconds), which goes round several layers).
@@ -490,7 +490,7 @@ impl CausalLm {
                 kvs.rewind(context);
                 device.synchronize()?;
                 let t0 = std::time::Instant::now();
-                candle_offload::cpu_quant::on_cpu_step_pool(device, 1, || {
+                candle_offload::kernels::pool::on_cpu_step_pool(device, 1, || {
                     block.forward(&xs, &ctx, kvs)
                 })?;
                 device.synchronize()?;

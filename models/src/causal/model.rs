@@ -424,7 +424,7 @@ impl CausalLm {
     /// decoding, as `generate --temperature 0`; off by default). A one-row step whose output
     /// head is Q8_0 blocks on the CPU then screens the head with 8-bit activations and
     /// recomputes only the rows that could be the largest
-    /// ([`candle_offload::cpu_quant::forward_greedy`]): the largest logit and its token are
+    /// ([`candle_offload::kernels::linear::cpu_quant::forward_greedy`]): the largest logit and its token are
     /// exactly those of the full product, the other logits lower than it but not exact. Off,
     /// every logit is exact (what sampling at a temperature needs).
     pub fn set_greedy_head(&self, on: bool) {

@@ -252,7 +252,7 @@ impl OnDevice<'_> {
 }
 
 /// Whether every layer's prompt attention runs as one kernel on `device` in `dtype`
-/// ([`candle_offload::ops::prompt_attention`]): plain causal layers and a supported head
+/// ([`candle_offload::kernels::attention::prompt_attention`]): plain causal layers and a supported head
 /// width, what the reservations count its buffers for.
 fn prompt_attention_kernel(
     cfg: &Config,
@@ -261,7 +261,12 @@ fn prompt_attention_kernel(
     tuning: &KernelTuning,
 ) -> bool {
     cfg.family.plain_attention(cfg)
-        && candle_offload::ops::prompt_attention_supported(device, dtype, cfg.head_dim, tuning)
+        && candle_offload::kernels::attention::prompt_attention_supported(
+            device,
+            dtype,
+            cfg.head_dim,
+            tuning,
+        )
 }
 
 /// A stage's reservation while a prompt runs, what it gives to weights while decoding (the

@@ -4,14 +4,14 @@
 //! path.
 
 use candle_core::{DType, Result, Tensor, D};
-use candle_offload::train::attention::{flash_attention, flash_attention_supported};
+use candle_offload::kernels::attention::{flash_attention, flash_attention_supported};
 
 use super::cache::KvCache;
 use super::linear::{cpu_blocks_many, one_launch_weights, takes_quantized_x, Linear, OneLaunch};
 use crate::family::{Config, StepCtx, TrainCtx, UnitWeights};
 
 /// The most new positions per step that attention runs through the fused
-/// [`candle_offload::ops::decode_attention`] kernel (decode and short continuations); longer
+/// [`candle_offload::kernels::attention::decode_attention`] kernel (decode and short continuations); longer
 /// prompts use the matmul composition, which is faster there.
 pub const DECODE_ATTENTION_MAX_NEW: usize = 8;
 
@@ -127,9 +127,11 @@ impl SelfAttention {
             if let Some(ws) = one_launch_weights(xs, &[q, k, v])? {
                 // q, k and v in one kernel, each written contiguous.
                 let out = match ws {
-                    OneLaunch::Dense(ws) => candle_offload::ops::linear_small_multi(xs, &ws)?,
+                    OneLaunch::Dense(ws) => {
+                        candle_offload::kernels::linear::linear_small_multi(xs, &ws)?
+                    }
                     OneLaunch::Blocks(ws) => {
-                        candle_offload::ops::qlinear_small_multi(xs, &ws, q.tuning())?
+                        candle_offload::kernels::linear::qlinear_small_multi(xs, &ws, q.tuning())?
                     }
                 };
                 let mut out = out.into_iter();
@@ -140,7 +142,8 @@ impl SelfAttention {
             // kernel, v in its own.
             if let Some(OneLaunch::Blocks(ws)) = one_launch_weights(xs, &[q, k])? {
                 let mut out =
-                    candle_offload::ops::qlinear_small_multi(xs, &ws, q.tuning())?.into_iter();
+                    candle_offload::kernels::linear::qlinear_small_multi(xs, &ws, q.tuning())?
+                        .into_iter();
                 let mut next = || out.next().expect("two outputs");
                 let (q, k) = (next(), next());
                 return Ok((q, k, v.run_with(xs, train, fused)?));
@@ -216,7 +219,7 @@ impl SelfAttention {
                 ctx.rope,
                 pos,
             )?;
-            let y = candle_offload::ops::decode_attention_at(
+            let y = candle_offload::kernels::attention::decode_attention_at(
                 &q,
                 &k,
                 &v,
@@ -258,21 +261,23 @@ impl SelfAttention {
             let scale = 1.0 / s.score_div;
             let y = match ctx.masks.pads_tensor()? {
                 // Each row's padding is left out by the kernel itself.
-                Some(pads) => candle_offload::ops::decode_attention_padded(
+                Some(pads) => candle_offload::kernels::attention::decode_attention_padded(
                     &q, &k, &v, scale, s.window, &pads, q8,
                 )?,
                 // The kernel also quantizes its rows for the output projection.
-                None if q8 => {
-                    candle_offload::ops::decode_attention_q8(&q, &k, &v, scale, s.window)?
-                }
-                None => candle_offload::ops::decode_attention(&q, &k, &v, scale, s.window)?,
+                None if q8 => candle_offload::kernels::attention::decode_attention_q8(
+                    &q, &k, &v, scale, s.window,
+                )?,
+                None => candle_offload::kernels::attention::decode_attention(
+                    &q, &k, &v, scale, s.window,
+                )?,
             };
             return self.o_proj.forward_step(&rows(y)?, ctx.fused);
         }
         if s.softcap.is_none()
             && s.window.is_none()
             && !ctx.masks.is_padded()
-            && candle_offload::ops::prompt_attention_supported(
+            && candle_offload::kernels::attention::prompt_attention_supported(
                 xs.device(),
                 q.dtype(),
                 s.head_dim,
@@ -281,7 +286,7 @@ impl SelfAttention {
         {
             // One flash-attention kernel over the cache's views: no F32 copies, no score
             // matrix, no mask or softmax launches.
-            let y = candle_offload::ops::prompt_attention(
+            let y = candle_offload::kernels::attention::prompt_attention(
                 &q,
                 &k,
                 &v,
@@ -422,5 +427,5 @@ fn train_attention(
 /// padded prompt), and a head dim the kernel takes.
 fn padded_decode(ctx: &StepCtx<'_>, s: &AttentionSpec) -> bool {
     ctx.masks.pads().iter().all(|&p| p <= ctx.index_pos)
-        && s.head_dim <= candle_offload::ops::ATTENTION_MAX_HEAD_DIM
+        && s.head_dim <= candle_offload::kernels::attention::ATTENTION_MAX_HEAD_DIM
 }

@@ -29,10 +29,10 @@ pub struct PreNormBlock {
     pub post_mlp_norm: Option<Norm>,
 }
 
-/// `norm(a + b)` and the sum: in one kernel ([`candle_offload::ops::rms_norm_residual`]) on a
+/// `norm(a + b)` and the sum: in one kernel ([`candle_offload::kernels::norm::rms_norm_residual`]) on a
 /// fused step with an RMSNorm computed in the inputs' dtype, all three of one dtype, which with
 /// `q8` (the next matmul takes x quantized: `takes_quantized_x`) also quantizes the normed rows
-/// ([`candle_offload::ops::rms_norm_residual_q8`]); otherwise the add, then the norm.
+/// ([`candle_offload::kernels::norm::rms_norm_residual_q8`]); otherwise the add, then the norm.
 fn add_norm(
     norm: &Norm,
     ctx: &StepCtx<'_>,
@@ -44,8 +44,8 @@ fn add_norm(
         .rms_parts()
         .filter(|(w, _)| ctx.fused && w.dtype() == a.dtype() && b.dtype() == a.dtype());
     match fusable {
-        Some((w, eps)) if q8 => candle_offload::ops::rms_norm_residual_q8(&a, &b, w, eps),
-        Some((w, eps)) => candle_offload::ops::rms_norm_residual(&a, &b, w, eps),
+        Some((w, eps)) if q8 => candle_offload::kernels::norm::rms_norm_residual_q8(&a, &b, w, eps),
+        Some((w, eps)) => candle_offload::kernels::norm::rms_norm_residual(&a, &b, w, eps),
         None => {
             let sum = (a + b)?;
             let normed = norm.forward(&sum)?;

@@ -20,10 +20,11 @@
 use std::sync::Mutex;
 
 use candle_core::{DType, Result, Tensor};
-use candle_offload::train::attention::{
+use candle_offload::kernels::activation::{swiglu, swiglu_backward};
+use candle_offload::kernels::attention::{
     flash_attention_backward, flash_attention_forward, flash_attention_supported, FlashState,
 };
-use candle_offload::train::fused::{rms_norm, rms_norm_backward, swiglu, swiglu_backward};
+use candle_offload::kernels::norm::{rms_norm, rms_norm_backward};
 use candle_offload::train::grad::with_gradient;
 
 use super::attention::Qkv;

@@ -12,7 +12,7 @@ use super::rope::Rope;
 /// and how many positions they hold. `append` is candle-nn's `KvCache::append` (a model of
 /// its own can take this cache as it would take that one); `append_rotated` is the fused
 /// decode step's way in: RoPE and both writes in one kernel on a GPU
-/// ([`candle_offload::ops::rope_qk_cache`]).
+/// ([`candle_offload::kernels::rope::rope_qk_cache`]).
 #[derive(Debug, Clone)]
 pub struct KvCache {
     /// The key and value buffers, once allocated.
@@ -134,7 +134,8 @@ impl KvCache {
         let (b, t, heads, d) = k.dims4()?;
         let (kb, vb) = self.make_room((b, heads, d), t, k)?;
         let table = rope.table_rows(index_pos, t)?;
-        let q = candle_offload::ops::rope_qk_cache(q, k, v, &table, (&kb, &vb), self.len)?;
+        let q =
+            candle_offload::kernels::rope::rope_qk_cache(q, k, v, &table, (&kb, &vb), self.len)?;
         let (k, v) = self.advance(t, (kb, vb))?;
         Ok((q, k, v))
     }
@@ -143,7 +144,7 @@ impl KvCache {
     /// u32, which must equal [`len`](Self::len): a captured decode step, whose replays each
     /// write their own), for a cache whose buffers already have room for `t` more positions.
     /// Returns q rotated and the buffers' whole keys and values: the attention reads as many
-    /// positions as `pos` says ([`candle_offload::ops::decode_attention_at`]).
+    /// positions as `pos` says ([`candle_offload::kernels::attention::decode_attention_at`]).
     pub fn append_rotated_at(
         &mut self,
         q: &Tensor,
@@ -163,7 +164,14 @@ impl KvCache {
                 self.len + t
             );
         };
-        let q = candle_offload::ops::rope_qk_cache_at(q, k, v, rope.table(), (&kb, &vb), pos)?;
+        let q = candle_offload::kernels::rope::rope_qk_cache_at(
+            q,
+            k,
+            v,
+            rope.table(),
+            (&kb, &vb),
+            pos,
+        )?;
         self.len += t;
         Ok((q, kb, vb))
     }
@@ -324,7 +332,7 @@ impl Masks {
     }
 
     /// [`pads`](Self::pads) as a u32 tensor on this pass's device (what
-    /// [`candle_offload::ops::decode_attention_padded`] reads), made once and shared by the
+    /// [`candle_offload::kernels::attention::decode_attention_padded`] reads), made once and shared by the
     /// layers; `None` without padding.
     pub fn pads_tensor(&self) -> Result<Option<Tensor>> {
         if self.pads.is_empty() {

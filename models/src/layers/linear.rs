@@ -52,20 +52,22 @@ impl Linear {
     }
 
     /// `xs · wᵀ + b`; a quantized weight computes in F32 and returns `xs`'s dtype (a prompt's
-    /// rows on a GPU: in 16 bits through cuBLAS, [`candle_offload::ops::qlinear_prefill`]). A
-    /// dense F16/BF16 weight against at most [`candle_offload::cpu_dense::MAX_ROWS`] rows on the
-    /// CPU (a decode step) goes through [`candle_offload::cpu_dense::forward`] (F32
+    /// rows on a GPU: in 16 bits through cuBLAS, [`candle_offload::kernels::gemm::qlinear_prefill`]). A
+    /// dense F16/BF16 weight against at most [`candle_offload::kernels::linear::cpu_dense::MAX_ROWS`] rows on the
+    /// CPU (a decode step) goes through [`candle_offload::kernels::linear::cpu_dense::forward`] (F32
     /// accumulation, each weight read once, on every core); anything else (F32 weights too)
     /// through Candle's matmul.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         match self {
-            Self::Dense(l, t) => match candle_offload::cpu_dense::forward(l.weight(), xs, t)? {
-                Some(y) => with_bias(y, l.bias()),
-                None => {
-                    before_candle_matmul(xs);
-                    l.forward(xs)
+            Self::Dense(l, t) => {
+                match candle_offload::kernels::linear::cpu_dense::forward(l.weight(), xs, t)? {
+                    Some(y) => with_bias(y, l.bias()),
+                    None => {
+                        before_candle_matmul(xs);
+                        l.forward(xs)
+                    }
                 }
-            },
+            }
             Self::Quantized {
                 weight,
                 bias,
@@ -77,7 +79,7 @@ impl Linear {
                 };
                 // A prompt's rows on a GPU: 16-bit weights and cuBLAS (see qlinear_prefill).
                 let gemm = match blocks {
-                    Some(q) => candle_offload::ops::qlinear_prefill(xs, q, tuning)?,
+                    Some(q) => candle_offload::kernels::gemm::qlinear_prefill(xs, q, tuning)?,
                     None => None,
                 };
                 let y = match gemm {
@@ -90,11 +92,11 @@ impl Linear {
     }
 
     /// Inference; with `fused`, a dense weight against at most 8 rows (a decode step) on a GPU
-    /// goes through [`candle_offload::ops::linear_small`] (one bandwidth-bound kernel instead
+    /// goes through [`candle_offload::kernels::linear::linear_small`] (one bandwidth-bound kernel instead
     /// of cuBLAS's split-K GEMM and its reduction).
     ///
     /// Quantized weights of a block type the kernel has go through
-    /// [`candle_offload::ops::qlinear_small`] the same way (dequantized in registers; variants 3
+    /// [`candle_offload::kernels::linear::qlinear_small`] the same way (dequantized in registers; variants 3
     /// and 4 quantize x to 8 bits). The output head uses this too.
     pub fn forward_step(&self, xs: &Tensor, fused: bool) -> Result<Tensor> {
         if !fused {
@@ -107,14 +109,17 @@ impl Linear {
                 if !(xs.device().is_cuda() && rows <= 8 && l.weight().dtype() == xs.dtype()) {
                     return self.forward(xs);
                 }
-                (candle_offload::ops::linear_small(xs, l.weight())?, l.bias())
+                (
+                    candle_offload::kernels::linear::linear_small(xs, l.weight())?,
+                    l.bias(),
+                )
             }
             Self::Quantized {
                 weight: QMatMul::QTensor(q),
                 bias,
                 tuning,
-            } if candle_offload::ops::qlinear_small_fits(xs, &[q], tuning)? => (
-                candle_offload::ops::qlinear_small(xs, q, tuning)?,
+            } if candle_offload::kernels::linear::qlinear_small_fits(xs, &[q], tuning)? => (
+                candle_offload::kernels::linear::qlinear_small(xs, q, tuning)?,
                 bias.as_ref(),
             ),
             Self::Quantized { .. } => return self.forward(xs),
@@ -150,11 +155,11 @@ impl Linear {
 
 /// The weights of layers that a decode step multiplies in one launch.
 pub(super) enum OneLaunch<'a> {
-    /// Dense, for [`candle_offload::ops::linear_small_multi`] /
-    /// [`candle_offload::ops::linear_silu_mul`].
+    /// Dense, for [`candle_offload::kernels::linear::linear_small_multi`] /
+    /// [`candle_offload::kernels::linear::linear_silu_mul`].
     Dense(Vec<&'a Tensor>),
-    /// GGML blocks of one type, for [`candle_offload::ops::qlinear_small_multi`] /
-    /// [`candle_offload::ops::qlinear_silu_mul`].
+    /// GGML blocks of one type, for [`candle_offload::kernels::linear::qlinear_small_multi`] /
+    /// [`candle_offload::kernels::linear::qlinear_silu_mul`].
     Blocks(Vec<&'a candle_core::quantized::QTensor>),
 }
 
@@ -162,12 +167,12 @@ pub(super) enum OneLaunch<'a> {
 /// the CPU, the library's matmul workers park instead of spinning beside it.
 fn before_candle_matmul(xs: &Tensor) {
     if xs.device().is_cpu() {
-        candle_offload::cpu_quant::park_idle_workers();
+        candle_offload::kernels::pool::park_idle_workers();
     }
 }
 
 /// On the CPU, one row of `xs` against several projections of GGML blocks in one pass of the
-/// matmul pool ([`candle_offload::cpu_quant::forward_many`]: each output the number
+/// matmul pool ([`candle_offload::kernels::linear::cpu_quant::forward_many`]: each output the number
 /// [`Linear::forward`] gives), their biases added; `None` where that does not apply.
 pub(super) fn cpu_blocks_many(xs: &Tensor, ls: &[&Linear]) -> Result<Option<Vec<Tensor>>> {
     if !xs.device().is_cpu() {
@@ -186,7 +191,9 @@ pub(super) fn cpu_blocks_many(xs: &Tensor, ls: &[&Linear]) -> Result<Option<Vec<
     let Some(ws) = ws else {
         return Ok(None);
     };
-    let Some(ys) = candle_offload::cpu_quant::forward_many(&ws, xs, ls[0].tuning())? else {
+    let Some(ys) =
+        candle_offload::kernels::linear::cpu_quant::forward_many(&ws, xs, ls[0].tuning())?
+    else {
         return Ok(None);
     };
     ys.into_iter()
@@ -209,7 +216,7 @@ fn quantized_in_f32(
 ) -> Result<Tensor> {
     let x32 = xs.to_dtype(DType::F32)?;
     let fast = match blocks {
-        Some(q) => candle_offload::cpu_quant::forward(q, &x32, tuning)?,
+        Some(q) => candle_offload::kernels::linear::cpu_quant::forward(q, &x32, tuning)?,
         None => None,
     };
     let y = match fast {
@@ -265,7 +272,9 @@ pub(super) fn one_launch_weights<'a>(
         })
         .collect();
     Ok(match blocks {
-        Some(ws) if candle_offload::ops::qlinear_small_fits(xs, &ws, ls[0].tuning())? => {
+        Some(ws)
+            if candle_offload::kernels::linear::qlinear_small_fits(xs, &ws, ls[0].tuning())? =>
+        {
             Some(OneLaunch::Blocks(ws))
         }
         _ => None,
@@ -274,7 +283,7 @@ pub(super) fn one_launch_weights<'a>(
 
 /// Whether `l` multiplies GGML blocks by x quantized in a launch of its own (the decode
 /// kernels' variant 4): a norm right before it then quantizes its rows instead
-/// ([`candle_offload::ops::rms_norm_residual_q8`]).
+/// ([`candle_offload::kernels::norm::rms_norm_residual_q8`]).
 pub(super) fn takes_quantized_x(l: &Linear) -> bool {
     match l {
         Linear::Quantized {

@@ -103,14 +103,24 @@ impl GatedMlp {
             if let Some(ws) = one_launch_weights(xs, &[gate, up])? {
                 // Gate, up and SiLU · mul in one kernel.
                 let x = match ws {
-                    OneLaunch::Dense(ws) => candle_offload::ops::linear_silu_mul(xs, ws[0], ws[1])?,
+                    OneLaunch::Dense(ws) => {
+                        candle_offload::kernels::linear::linear_silu_mul(xs, ws[0], ws[1])?
+                    }
                     // The kernel also quantizes its output for the down projection.
                     OneLaunch::Blocks(ws) if takes_quantized_x(&self.down) => {
-                        candle_offload::ops::qlinear_silu_mul_q8(xs, ws[0], ws[1], gate.tuning())?
+                        candle_offload::kernels::linear::qlinear_silu_mul_q8(
+                            xs,
+                            ws[0],
+                            ws[1],
+                            gate.tuning(),
+                        )?
                     }
-                    OneLaunch::Blocks(ws) => {
-                        candle_offload::ops::qlinear_silu_mul(xs, ws[0], ws[1], gate.tuning())?
-                    }
+                    OneLaunch::Blocks(ws) => candle_offload::kernels::linear::qlinear_silu_mul(
+                        xs,
+                        ws[0],
+                        ws[1],
+                        gate.tuning(),
+                    )?,
                 };
                 return self.down.run_with(&x, train, fused);
             }
@@ -140,9 +150,9 @@ impl GatedMlp {
         // in inference (training's op copies them; its backward needs them contiguous anyway).
         let silu = fused && self.act == Activation::Silu;
         let x = if silu && train {
-            candle_offload::train::swiglu(&gate, &up)?
+            candle_offload::kernels::activation::swiglu(&gate, &up)?
         } else if silu && gate.is_contiguous() && up.is_contiguous() {
-            candle_offload::ops::silu_mul(&gate, &up)?
+            candle_offload::kernels::activation::silu_mul(&gate, &up)?
         } else {
             (self.act.apply(&gate)? * up)?
         };
@@ -154,7 +164,7 @@ impl GatedMlp {
         self.run(xs, false, false)
     }
 
-    /// Inference with SiLU · up as one fused op ([`candle_offload::ops::silu_mul`]) where the
+    /// Inference with SiLU · up as one fused op ([`candle_offload::kernels::activation::silu_mul`]) where the
     /// activation is SiLU and gate and up are separate projections (otherwise as
     /// [`forward`](Self::forward)).
     pub fn forward_fused(&self, xs: &Tensor) -> Result<Tensor> {
@@ -168,7 +178,7 @@ impl GatedMlp {
     }
 
     /// Training with SiLU · up as one op with its own backward kernel
-    /// ([`candle_offload::train::swiglu`]) where the activation is SiLU (otherwise as
+    /// ([`candle_offload::kernels::activation::swiglu`]) where the activation is SiLU (otherwise as
     /// [`forward_train`](Self::forward_train)).
     pub fn forward_train_fused(&self, xs: &Tensor) -> Result<Tensor> {
         self.run(xs, true, true)

@@ -69,7 +69,7 @@ impl Norm {
     }
 
     /// The weight and epsilon of a plain RMSNorm that computes in the weight's dtype (what
-    /// [`candle_offload::ops::rms_norm_residual`] can replace); `None` for LayerNorm and for
+    /// [`candle_offload::kernels::norm::rms_norm_residual`] can replace); `None` for LayerNorm and for
     /// Gemma's `1 + w` norms computed in F32.
     pub fn rms_parts(&self) -> Option<(&Tensor, f64)> {
         match &self.kind {
@@ -84,7 +84,7 @@ impl Norm {
     }
 
     /// Differentiable, an RMSNorm as one op with its own backward kernels
-    /// ([`candle_offload::train::rms_norm`]); LayerNorm, and weights in another dtype than the
+    /// ([`candle_offload::kernels::norm::rms_norm`]); LayerNorm, and weights in another dtype than the
     /// input, as [`forward_diff`](Self::forward_diff).
     pub fn forward_train_fused(&self, xs: &Tensor) -> Result<Tensor> {
         let NormKind::Rms(n) = &self.kind else {
@@ -99,7 +99,7 @@ impl Norm {
         if n.weight().dtype() != x.dtype() {
             return self.forward_diff(xs);
         }
-        let y = candle_offload::train::rms_norm(&x, n.weight(), n.eps())?;
+        let y = candle_offload::kernels::norm::rms_norm(&x, n.weight(), n.eps())?;
         if self.f32_compute {
             y.to_dtype(dtype)
         } else {

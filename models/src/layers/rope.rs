@@ -42,7 +42,7 @@ impl Rope {
             ((freqs.cos()? * scale)?, (freqs.sin()? * scale)?)
         };
         let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
-        let table = candle_offload::ops::rope_table(&cos, &sin)?;
+        let table = candle_offload::kernels::rope::rope_table(&cos, &sin)?;
         Ok(Self { cos, sin, table })
     }
 
@@ -58,11 +58,11 @@ impl Rope {
     }
 
     /// Rotates `q` (batch, seq, q_heads, head_dim) and `k` (batch, seq, kv_heads, head_dim)
-    /// for positions `index_pos..` in one fused kernel ([`candle_offload::ops::rope_qk`]),
+    /// for positions `index_pos..` in one fused kernel ([`candle_offload::kernels::rope::rope_qk`]),
     /// returning them as (batch, heads, seq, head_dim), contiguous: what [`apply`](Self::apply)
     /// gives for each after a transpose.
     pub fn apply_qk(&self, q: &Tensor, k: &Tensor, index_pos: usize) -> Result<(Tensor, Tensor)> {
-        candle_offload::ops::rope_qk(q, k, &self.table_rows(index_pos, q.dim(1)?)?)
+        candle_offload::kernels::rope::rope_qk(q, k, &self.table_rows(index_pos, q.dim(1)?)?)
     }
 
     /// The fused table's rows (cos | sin) for positions `index_pos..index_pos + n`.

@@ -1,0 +1,77 @@
+// The RoPE of `candle_offload_kernels::rope` (rope_qk, rope_qk_cache and its form at a device
+// position), once per element type as `rope_qk_<dtype>`.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "common.cuh"
+
+// Half-rotated RoPE of q (b, t, hq, d) and k (b, t, hk, d) in one pass, written transposed:
+// q as (b, hq, t, d) into qout, k into positions pos .. pos + t of kout, (b, hk, cap, d) (a KV
+// cache's buffer; cap = t and pos = 0 for a plain (b, hk, t, d) output), and, where v is not
+// null, v (b, t, hk, d) unrotated into the same positions of vout. `cs` holds one row per
+// position (t rows of 2 * rot_half: the cos of each rotated pair, then its sin); the first
+// 2 * rot_half dimensions of each head rotate, the rest pass through (partial rotary).
+//
+// With pos_dev (not null; a decode step replayed from a CUDA graph), the position is read from
+// the device, *pos_dev, in place of `pos`, and `cs` is the whole table of cs_rows positions,
+// read from row pos on. A position whose rows would not fit the cache or the table writes
+// nothing (the host checks it before each replay; this only keeps the writes in bounds).
+template <typename T>
+__device__ void rope_qk(const T *q, const T *k, const T *v, const T *cs, T *qout, T *kout,
+                        T *vout, uint32_t b, uint32_t t, uint32_t hq, uint32_t hk, uint32_t d,
+                        uint32_t rot_half, uint32_t cap, uint32_t pos, const uint32_t *pos_dev,
+                        uint32_t cs_rows) {
+    if (pos_dev != nullptr) {
+        pos = *pos_dev;
+        if (pos > cap - t || pos > cs_rows - t) return;
+        cs += (size_t)pos * 2 * rot_half;
+    }
+    const size_t nq = (size_t)b * hq * t * d;
+    const size_t nk = (size_t)b * hk * t * d;
+    const size_t n = nq + nk + (v != nullptr ? nk : 0);
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (size_t)gridDim.x * blockDim.x) {
+        const int part = e < nq ? 0 : (e < nq + nk ? 1 : 2);  // q, k, v
+        const size_t o = part == 0 ? e : (part == 1 ? e - nq : e - nq - nk);
+        const uint32_t h = part == 0 ? hq : hk;
+        const T *src = part == 0 ? q : (part == 1 ? k : v);
+        const uint32_t i = (uint32_t)(o % d);
+        const size_t row = o / d;  // (bi * h + hi) * t + ti
+        const uint32_t ti = (uint32_t)(row % t);
+        const size_t bh = row / t;
+        const uint32_t hi = (uint32_t)(bh % h);
+        const size_t bi = bh / h;
+        const T *head = src + ((bi * t + ti) * h + hi) * (size_t)d;
+        float y;
+        if (part < 2 && i < 2 * rot_half) {
+            const uint32_t j = i < rot_half ? i : i - rot_half;
+            const float x1 = to_f32(head[j]);
+            const float x2 = to_f32(head[j + rot_half]);
+            const float c = to_f32(cs[(size_t)ti * 2 * rot_half + j]);
+            const float s = to_f32(cs[(size_t)ti * 2 * rot_half + rot_half + j]);
+            y = i < rot_half ? x1 * c - x2 * s : x2 * c + x1 * s;
+        } else {
+            y = to_f32(head[i]);
+        }
+        if (part == 0) {
+            qout[e] = from_f32<T>(y);
+        } else {
+            T *dst = part == 1 ? kout : vout;
+            dst[(bh * cap + pos + ti) * (size_t)d + i] = from_f32<T>(y);
+        }
+    }
+}
+
+#define ROPE_FOR(T, SUFFIX)                                                                     \
+    extern "C" __global__ void rope_qk_##SUFFIX(                                                \
+        const T *q, const T *k, const T *v, const T *cs, T *qout, T *kout, T *vout, uint32_t b, \
+        uint32_t t, uint32_t hq, uint32_t hk, uint32_t d, uint32_t rot_half, uint32_t cap,      \
+        uint32_t pos, const uint32_t *pos_dev, uint32_t cs_rows) {                              \
+        rope_qk<T>(q, k, v, cs, qout, kout, vout, b, t, hq, hk, d, rot_half, cap, pos, pos_dev, \
+                   cs_rows);                                                                    \
+    }
+
+ROPE_FOR(float, f32)
+ROPE_FOR(__half, f16)
+ROPE_FOR(__nv_bfloat16, bf16)

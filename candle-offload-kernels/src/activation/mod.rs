@@ -1,0 +1,12 @@
+//! Activations: `silu(gate) · up` for inference ([`silu_mul`]) and the training SwiGLU with
+//! its own backward ([`swiglu`]). On a CUDA device they run `kernels/activation.cu`; on the CPU
+//! direct loops compute the same thing.
+
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+mod cuda;
+mod silu;
+mod swiglu;
+
+pub use silu::{silu_mul, silu_mul_unfused};
+pub use swiglu::{swiglu, swiglu_backward, swiglu_composite};

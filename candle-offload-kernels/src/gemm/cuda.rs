@@ -1,0 +1,261 @@
+//! The CUDA launches of the prompt GEMM (`kernels/gemm.cu`): a GGML weight's rows dequantized
+//! to F16 or BF16, and x times the weight through those rows a slice at a time and cuBLAS.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::{CudaStorage, WrapErr};
+use candle_core::{CudaDevice, DType, Layout, Result};
+
+use crate::cuda::{load_named, to_u32, ELEMWISE_BLOCK, GEMM};
+use crate::linear::qlinear_small_type;
+
+/// A GGML weight on a GPU that `dequant_*` in kernels/gemm.cu read: its device, its type's
+/// kernel name, its shape (n rows of k) and the bytes of a row.
+struct DequantSource {
+    dev: CudaDevice,
+    qname: &'static str,
+    n: usize,
+    k: usize,
+    row_bytes: usize,
+}
+
+fn dequant_source(w: &candle_core::quantized::QTensor, what: &str) -> Result<DequantSource> {
+    let (n, k) = w.shape().dims2()?;
+    let ggml = w.dtype();
+    let Some(qname) = qlinear_small_type(ggml) else {
+        candle_core::bail!("{what}: no kernel for {ggml:?}");
+    };
+    if !k.is_multiple_of(ggml.block_size()) {
+        candle_core::bail!("{what}: a {n}x{k} {ggml:?} weight's rows are not whole blocks");
+    }
+    let candle_core::Device::Cuda(dev) = w.device() else {
+        candle_core::bail!("{what}: the weight is not on a GPU");
+    };
+    Ok(DequantSource {
+        dev,
+        qname,
+        n,
+        k,
+        row_bytes: k / ggml.block_size() * ggml.type_size(),
+    })
+}
+
+/// The 16-bit element types the dequantizing kernels write.
+trait DequantOut: DeviceRepr + ValidAsZeroBits + Copy + 'static {
+    const NAME: &'static str;
+    const ONE: Self;
+    const ZERO: Self;
+}
+impl DequantOut for half::f16 {
+    const NAME: &'static str = "f16";
+    const ONE: Self = half::f16::ONE;
+    const ZERO: Self = half::f16::ZERO;
+}
+impl DequantOut for half::bf16 {
+    const NAME: &'static str = "bf16";
+    const ONE: Self = half::bf16::ONE;
+    const ZERO: Self = half::bf16::ZERO;
+}
+
+/// Launches the dequantizing kernel on `stream`: the `rows` rows of `src`'s weight whose first
+/// block is at device address `first` (within the weight's buffer, whose read the caller
+/// holds a guard of) into `out`'s first rows·k elements.
+fn launch_dequant<T: DequantOut>(
+    src: &DequantSource,
+    stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    first: u64,
+    rows: usize,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    let func = load_named(
+        &src.dev,
+        GEMM,
+        &format!("dequant_{}_{}", T::NAME, src.qname),
+    )?;
+    if out.len() < rows * src.k {
+        candle_core::bail!(
+            "dequantize: {} elements out for {rows}x{}",
+            out.len(),
+            src.k
+        );
+    }
+    // Each thread writes 8 elements (k is a multiple of 32).
+    let groups = to_u32(rows * src.k / 8, "parts of 8 elements")?;
+    let mut b = stream.launch_builder(&func);
+    b.arg(&first);
+    b.arg(out);
+    b.arg(&groups);
+    let cfg = LaunchConfig {
+        grid_dim: (groups.div_ceil(ELEMWISE_BLOCK), 1, 1),
+        block_dim: (ELEMWISE_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match `dequant_<f16|bf16>_<type>(const uint8_t* w, T* out,
+    // uint32_t groups8)` in kernels/gemm.cu, T the element type of `out`. `first` points at the
+    // first of `rows` whole rows of the weight's buffer (the callers check r0 + rows <= n and
+    // hold the buffer's read guard), and thread g reads only the block holding elements 8g ..
+    // 8g + 8 of those rows (a 32-element block, or the 144- or 210-byte super-block of 256 for
+    // Q4_K and Q6_K, in 2-byte and byte loads; k is a multiple of the block). It writes those
+    // elements of `out`, which holds at least rows·k (checked above) and is 16-byte aligned
+    // (the allocator's granularity) for the 16-byte stores.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Rows `r0 .. r0 + rows` of the GGML weight `w` (rows of k elements, a type
+/// `qlinear_small_type` names) in `dtype` (F16 or BF16), row-major: the
+/// dequantizing kernels of kernels/gemm.cu, on the device's stream.
+pub(crate) fn dequantize_rows(
+    w: &candle_core::quantized::QTensor,
+    r0: usize,
+    rows: usize,
+    dtype: DType,
+) -> Result<CudaStorage> {
+    let what = "dequantize_rows";
+    let src = dequant_source(w, what)?;
+    if r0 + rows > src.n || rows == 0 {
+        candle_core::bail!(
+            "{what}: rows {r0}..{} of a {}x{} weight",
+            r0 + rows,
+            src.n,
+            src.k
+        );
+    }
+    fn run<T: DequantOut>(
+        w: &candle_core::quantized::QTensor,
+        src: &DequantSource,
+        r0: usize,
+        rows: usize,
+    ) -> Result<CudaSlice<T>> {
+        let stream = src.dev.cuda_stream();
+        // Uninitialised device memory of rows·k elements on the device's stream; the kernel
+        // launched next writes every one.
+        // SAFETY: written whole by launch_dequant below before anything reads it.
+        let mut out = unsafe { src.dev.alloc::<T>(rows * src.k) }?;
+        // The guard orders the stream after the weight's upload and records this read on
+        // drop.
+        let (p, guard) = w.device_ptr_with_guard(&stream)?;
+        launch_dequant(
+            src,
+            &stream,
+            p as u64 + (r0 * src.row_bytes) as u64,
+            rows,
+            &mut out,
+        )?;
+        drop(guard);
+        Ok(out)
+    }
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    let slice = match dtype {
+        DType::F16 => S::F16(run::<half::f16>(w, &src, r0, rows)?),
+        DType::BF16 => S::BF16(run::<half::bf16>(w, &src, r0, rows)?),
+        _ => candle_core::bail!("{what}: no kernel writes {dtype:?}"),
+    };
+    Ok(CudaStorage {
+        slice,
+        device: src.dev.clone(),
+    })
+}
+
+/// `x · wᵀ` for x (rows × k, F16 or BF16, `x_l` its layout) and the GGML weight `w` (n × k):
+/// w dequantized `slice_rows` rows at a time into one buffer, each slice multiplied by cuBLAS
+/// straight into its columns of the output (rows × n, x's dtype; F32 accumulation). For
+/// [`crate::gemm::qlinear_prefill`]: one scratch buffer and one output, no copy of the parts.
+pub(crate) fn qlinear_prefill_gemm(
+    x: &CudaStorage,
+    x_l: &Layout,
+    w: &candle_core::quantized::QTensor,
+    slice_rows: usize,
+) -> Result<CudaStorage> {
+    let what = "qlinear_prefill";
+    let src = dequant_source(w, what)?;
+    let (rows, k) = x_l.shape().dims2()?;
+    if k != src.k || slice_rows == 0 || rows == 0 {
+        candle_core::bail!(
+            "{what}: x {rows}x{k} against a {}x{} weight in slices of {slice_rows}",
+            src.n,
+            src.k
+        );
+    }
+    let Some((o1, o2)) = x_l.contiguous_offsets() else {
+        candle_core::bail!("{what}: x is not contiguous");
+    };
+    fn run<T: DequantOut>(
+        v: &CudaSlice<T>,
+        (o1, o2): (usize, usize),
+        rows: usize,
+        w: &candle_core::quantized::QTensor,
+        src: &DequantSource,
+        slice_rows: usize,
+    ) -> Result<CudaSlice<T>>
+    where
+        candle_core::cuda_backend::cudarc::cublas::CudaBlas:
+            candle_core::cuda_backend::cudarc::cublas::Gemm<T>,
+    {
+        use candle_core::cuda_backend::cudarc::cublas::{sys::cublasOperation_t as Op, Gemm};
+        let (n, k) = (src.n, src.k);
+        let x = v.slice(o1..o2);
+        let stream = src.dev.cuda_stream();
+        let blas = src.dev.cublas_handle();
+        let slice_rows = slice_rows.min(n);
+        // SAFETY: uninitialised; each slice's launch_dequant below writes the rows the GEMM
+        // after it reads.
+        let mut part = unsafe { src.dev.alloc::<T>(slice_rows * k) }?;
+        // SAFETY: uninitialised; the GEMMs below write every element (their columns r0 .. r0 +
+        // r cover 0 .. n, beta 0).
+        let mut y = unsafe { src.dev.alloc::<T>(rows * n) }?;
+        let (p, guard) = w.device_ptr_with_guard(&stream)?;
+        let to = |v: usize| -> Result<i32> {
+            i32::try_from(v)
+                .map_err(|_| candle_core::Error::Msg(format!("qlinear_prefill: {v} too large")))
+        };
+        let mut r0 = 0;
+        while r0 < n {
+            let r = slice_rows.min(n - r0);
+            launch_dequant(
+                src,
+                &stream,
+                p as u64 + (r0 * src.row_bytes) as u64,
+                r,
+                &mut part,
+            )?;
+            // Column-major, as cuBLAS reads: the slice (r rows of k, row-major) is k × r, x is
+            // k × rows, and y (rows × n, row-major) is n × rows with leading dimension n, so
+            // yᵀ's rows r0 .. r0 + r are C = sliceᵀ · x, from element r0 on.
+            let cfg = candle_core::cuda_backend::cudarc::cublas::GemmConfig {
+                transa: Op::CUBLAS_OP_T,
+                transb: Op::CUBLAS_OP_N,
+                m: to(r)?,
+                n: to(rows)?,
+                k: to(k)?,
+                alpha: T::ONE,
+                lda: to(k)?,
+                ldb: to(k)?,
+                beta: T::ZERO,
+                ldc: to(n)?,
+            };
+            let mut c = y.slice_mut(r0..);
+            // SAFETY: A is `part`'s first r·k elements (written by the launch above, ordered
+            // before on the same stream), B is x's rows·k, C is y from element r0: cuBLAS
+            // writes (j, i) at r0 + j·n + i for i < r, j < rows, at most r0 + (rows − 1)·n +
+            // r − 1 < rows·n, within y. All three are on the blas handle's stream (the
+            // device's), which `device_ptr` orders.
+            unsafe { blas.gemm(cfg, &part.slice(..r * k), &x, &mut c) }.w()?;
+            r0 += r;
+        }
+        drop(guard);
+        Ok(y)
+    }
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    let slice = match &x.slice {
+        S::F16(v) => S::F16(run(v, (o1, o2), rows, w, &src, slice_rows)?),
+        S::BF16(v) => S::BF16(run(v, (o1, o2), rows, w, &src, slice_rows)?),
+        _ => candle_core::bail!("{what}: x is {:?}, not F16 or BF16", x.dtype()),
+    };
+    Ok(CudaStorage {
+        slice,
+        device: src.dev.clone(),
+    })
+}

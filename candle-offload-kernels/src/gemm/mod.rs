@@ -1,0 +1,14 @@
+//! The prompt GEMM: a prompt's rows against GGML-block weights through 16-bit weights and
+//! cuBLAS ([`qlinear_prefill`]), with the dequantizing kernels of `kernels/gemm.cu`
+//! ([`dequantize_rows`]).
+
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+mod cuda;
+mod prefill;
+
+pub(crate) use prefill::prefill_applies;
+pub use prefill::{
+    dequantize_rows, prefill_gemm_bytes, qlinear_prefill, PREFILL_GEMM_MIN_ROWS,
+    PREFILL_GEMM_SLICE_BYTES,
+};

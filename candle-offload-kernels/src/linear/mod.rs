@@ -1,0 +1,31 @@
+//! Linear layers, `x · wᵀ`: a decode step's few rows against dense weights
+//! ([`linear_small`]) or GGML blocks ([`qlinear_small`]) on a GPU, in one bandwidth-bound pass
+//! over the weight, also for two or three weights that read the same x in one launch (q, k and
+//! v; a SwiGLU's gate and up with the SiLU · mul); and on the CPU the quantized
+//! ([`cpu_quant`]) and 16-bit ([`cpu_dense`]) matmuls with their SIMD kernels, split over the
+//! [`crate::pool`]'s workers. On a CUDA device the few-row ops run `kernels/linear.cu`,
+//! `kernels/linear_q8.cu` and `kernels/linear_k.cu`; elsewhere the compositions they replace.
+
+mod blocks;
+pub mod cpu_dense;
+pub mod cpu_quant;
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+mod cuda;
+mod layer;
+mod quantized;
+#[allow(unsafe_code)]
+mod simd;
+#[allow(unsafe_code)]
+mod simd_dense;
+#[allow(unsafe_code)]
+mod simd_k;
+mod small;
+
+pub(crate) use blocks::qlinear_small_type;
+pub use layer::{Linear, LinearKernel, LinearWeight};
+pub use quantized::{
+    qlinear_silu_mul, qlinear_silu_mul_q8, qlinear_small, qlinear_small_fits, qlinear_small_multi,
+    qlinear_small_unfused,
+};
+pub use small::{linear_silu_mul, linear_small, linear_small_multi, linear_small_unfused};

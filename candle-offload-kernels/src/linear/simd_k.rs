@@ -1,0 +1,318 @@
+//! Q4_K and Q6_K weight rows against Q8_K activations with a software prefetch: the decode
+//! step's K-quant host layers ([`crate::linear::cpu_quant`]'s K-quant loop).
+//!
+//! Candle's own `vec_dot` for these types (its AVX2 kernels) reads each row without asking
+//! the memory for anything ahead, and no prefetch can be put inside it; these kernels add one
+//! (docs/tuning.md, CPU prefetch distance). They compute exactly what Candle's AVX2 `vec_dot`
+//! computes, in the same order (the integer sums are exact, and every float operation is the
+//! same one on the same lanes), so their results are Candle's bit for bit; they only add the
+//! prefetch. Without AVX2 they call Candle's `vec_dot`.
+//!
+//! Blocks are Candle's `#[repr(C)]` structs, read here as bytes (their fields are private to
+//! Candle): Q4_K `[d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128]]` (144 bytes), Q6_K
+//! `[ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16]` (210 bytes), Q8_K `[d: f32,
+//! qs: [i8; 256], bsums: [i16; 16]]` (292 bytes).
+
+use candle_core::quantized::k_quants::{BlockQ4K, BlockQ6K, BlockQ8K, QK_K};
+use candle_core::quantized::GgmlType;
+
+/// Row `x` of Q4_K blocks against activations `y` (as many Q8_K blocks): Candle's
+/// `BlockQ4K::vec_dot`, bit for bit, prefetching the row ahead.
+/// `pf`: the bytes ahead of its reads of `x` it prefetches (0: none).
+pub(crate) fn dot_q4k_q8k(x: &[BlockQ4K], y: &[BlockQ8K], pf: usize) -> f32 {
+    assert_eq!(x.len(), y.len(), "Q4_K row against Q8_K activations");
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx2() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` and `y` are slices of
+        // `x.len()` whole blocks of Candle's `#[repr(C)]` types, whose sizes are asserted below.
+        return unsafe { avx2::dot_q4k_q8k(x.as_ptr().cast(), y.as_ptr().cast(), x.len(), pf) };
+    }
+    BlockQ4K::vec_dot(x.len() * QK_K, x, y)
+}
+
+/// Row `x` of Q6_K blocks against activations `y` (as many Q8_K blocks): Candle's
+/// `BlockQ6K::vec_dot`, bit for bit, prefetching the row ahead.
+/// `pf` as for [`dot_q4k_q8k`].
+pub(crate) fn dot_q6k_q8k(x: &[BlockQ6K], y: &[BlockQ8K], pf: usize) -> f32 {
+    assert_eq!(x.len(), y.len(), "Q6_K row against Q8_K activations");
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx2() {
+        // SAFETY: as in `dot_q4k_q8k`.
+        return unsafe { avx2::dot_q6k_q8k(x.as_ptr().cast(), y.as_ptr().cast(), x.len(), pf) };
+    }
+    BlockQ6K::vec_dot(x.len() * QK_K, x, y)
+}
+
+/// Bytes of one Q4_K block.
+const Q4K_BYTES: usize = 144;
+/// Bytes of one Q6_K block.
+const Q6K_BYTES: usize = 210;
+/// Bytes of one Q8_K block.
+const Q8K_BYTES: usize = 292;
+const _: () = assert!(std::mem::size_of::<BlockQ4K>() == Q4K_BYTES);
+const _: () = assert!(std::mem::size_of::<BlockQ6K>() == Q6K_BYTES);
+const _: () = assert!(std::mem::size_of::<BlockQ8K>() == Q8K_BYTES);
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::super::simd::prefetch_ahead;
+    use super::{Q4K_BYTES, Q6K_BYTES, Q8K_BYTES};
+
+    /// The f16 at `p` as f32.
+    ///
+    /// # Safety
+    /// The CPU has F16C; 2 bytes at `p` are readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn half(p: *const u8) -> f32 {
+        // SAFETY: the caller guarantees 2 readable bytes; the read is unaligned-safe.
+        let bits = unsafe { std::ptr::read_unaligned(p as *const u16) };
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// The f32 at `p`.
+    ///
+    /// # Safety
+    /// 4 bytes at `p` are readable.
+    #[inline(always)]
+    unsafe fn single(p: *const u8) -> f32 {
+        // SAFETY: the caller guarantees 4 readable bytes; the read is unaligned-safe.
+        unsafe { std::ptr::read_unaligned(p as *const f32) }
+    }
+
+    /// Sum of the 8 lanes, in Candle's order (`hsum_float_8`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum8(x: __m256) -> f32 {
+        let r = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
+        let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        let r = _mm_add_ss(r, _mm_movehdup_ps(r));
+        _mm_cvtss_f32(r)
+    }
+
+    /// Asks for the lines `pf` bytes past a block of `bytes` at `p`: one address every 64
+    /// bytes and the block's last, so that consecutive blocks leave no line out.
+    #[inline(always)]
+    fn prefetch_block(p: *const u8, bytes: usize, pf: usize) {
+        let mut at = 0;
+        while at < bytes {
+            prefetch_ahead(p, at, pf);
+            at += 64;
+        }
+        prefetch_ahead(p, bytes - 1, pf);
+    }
+
+    /// Q4_K's 12 bytes of packed 6-bit scales and mins at `p` as four words: the 8 scales'
+    /// bytes, then the 8 mins' (ggml's `get_scale_min_k4` layout).
+    ///
+    /// # Safety
+    /// 12 bytes at `p` are readable.
+    #[inline(always)]
+    unsafe fn q4k_scales_mins(p: *const u8) -> [u32; 4] {
+        const KMASK1: u32 = 0x3f3f3f3f;
+        const KMASK2: u32 = 0x0f0f0f0f;
+        const KMASK3: u32 = 0x03030303;
+        // SAFETY: the caller guarantees the 12 bytes; the reads are unaligned-safe.
+        let u = unsafe {
+            [
+                u32::from_le(std::ptr::read_unaligned(p as *const u32)),
+                u32::from_le(std::ptr::read_unaligned(p.add(4) as *const u32)),
+                u32::from_le(std::ptr::read_unaligned(p.add(8) as *const u32)),
+            ]
+        };
+        [
+            u[0] & KMASK1,
+            (u[2] & KMASK2) | (((u[0] >> 6) & KMASK3) << 4),
+            u[1] & KMASK1,
+            ((u[2] >> 4) & KMASK2) | (((u[1] >> 6) & KMASK3) << 4),
+        ]
+    }
+
+    /// `nb` Q4_K blocks at `x` against `nb` Q8_K blocks at `y`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `nb` whole blocks are readable at `x` and at `y`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4k_q8k(x: *const u8, y: *const u8, nb: usize, pf: usize) -> f32 {
+        let m4 = _mm256_set1_epi8(0xF);
+        let mut acc = _mm256_setzero_ps();
+        let mut acc_m = _mm_setzero_ps();
+        for b in 0..nb {
+            let xb = x.wrapping_add(b * Q4K_BYTES);
+            let yb = y.wrapping_add(b * Q8K_BYTES);
+            prefetch_block(xb, Q4K_BYTES, pf);
+            // SAFETY: block `b` of each is readable (the caller's guarantee): the x block's
+            // d, dmin (bytes 0-3), scales (4-15) and quants (16-143); the y block's d (0-3),
+            // quants (4-259) and sums (260-291). Every load is unaligned-safe.
+            unsafe {
+                let yd = single(yb);
+                let d = yd * half(xb);
+                let dmin = -yd * half(xb.add(2));
+                let u = q4k_scales_mins(xb.add(4));
+                let mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(
+                    u[3] as i32,
+                    u[2] as i32,
+                    u[1] as i32,
+                    u[0] as i32,
+                ));
+                let q8sums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+                let q8s = _mm_hadd_epi16(
+                    _mm256_extracti128_si256::<0>(q8sums),
+                    _mm256_extracti128_si256::<1>(q8sums),
+                );
+                let prod = _mm_madd_epi16(_mm256_extracti128_si256::<1>(mins_and_scales), q8s);
+                acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
+
+                let sc = _mm256_extracti128_si256::<0>(mins_and_scales);
+                let mut scale = [0i16; 8];
+                _mm_storeu_si128(scale.as_mut_ptr() as *mut __m128i, sc);
+                let mut sumi = _mm256_setzero_si256();
+                for j in 0..4 {
+                    let scale_l = _mm256_set1_epi16(scale[2 * j]);
+                    let scale_h = _mm256_set1_epi16(scale[2 * j + 1]);
+                    let q4bits = _mm256_loadu_si256(xb.add(16 + 32 * j) as *const __m256i);
+                    let q4l = _mm256_and_si256(q4bits, m4);
+                    let q4h = _mm256_and_si256(_mm256_srli_epi16::<4>(q4bits), m4);
+                    let q8l = _mm256_loadu_si256(yb.add(4 + 64 * j) as *const __m256i);
+                    let q8h = _mm256_loadu_si256(yb.add(4 + 64 * j + 32) as *const __m256i);
+                    let p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, q8l));
+                    sumi = _mm256_add_epi32(sumi, p16l);
+                    let p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, q8h));
+                    sumi = _mm256_add_epi32(sumi, p16h);
+                }
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            }
+        }
+        let acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+        let acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+        hsum8(acc) + _mm_cvtss_f32(acc_m)
+    }
+
+    /// Q6_K's two high bits of each quant, `shift` bits down in `bits`, moved above its low
+    /// four.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q6_high(bits: __m256i, shift: i32, m2: __m256i) -> __m256i {
+        _mm256_slli_epi16::<4>(_mm256_and_si256(
+            _mm256_srl_epi16(bits, _mm_cvtsi32_si128(shift)),
+            m2,
+        ))
+    }
+
+    /// `nb` Q6_K blocks at `x` against `nb` Q8_K blocks at `y`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `nb` whole blocks are readable at `x` and at `y`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q6k_q8k(x: *const u8, y: *const u8, nb: usize, pf: usize) -> f32 {
+        let m4 = _mm256_set1_epi8(0xF);
+        let m2 = _mm256_set1_epi8(3);
+        let m32s = _mm256_set1_epi8(32);
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..nb {
+            let xb = x.wrapping_add(b * Q6K_BYTES);
+            let yb = y.wrapping_add(b * Q8K_BYTES);
+            prefetch_block(xb, Q6K_BYTES, pf);
+            // SAFETY: block `b` of each is readable (the caller's guarantee): the x block's
+            // low bits (bytes 0-127), high bits (128-191), scales (192-207) and d (208-209);
+            // the y block's d (0-3) and quants (4-259). Every load is unaligned-safe.
+            unsafe {
+                let d = single(yb) * half(xb.add(208));
+                let scales = xb.add(192) as *const i8;
+                let mut sumi = _mm256_setzero_si256();
+                for j in 0..2 {
+                    let ql = xb.add(64 * j);
+                    let q4bits1 = _mm256_loadu_si256(ql as *const __m256i);
+                    let q4bits2 = _mm256_loadu_si256(ql.add(32) as *const __m256i);
+                    let q4bits_h = _mm256_loadu_si256(xb.add(128 + 32 * j) as *const __m256i);
+                    let q4 = [
+                        _mm256_or_si256(_mm256_and_si256(q4bits1, m4), q6_high(q4bits_h, 0, m2)),
+                        _mm256_or_si256(_mm256_and_si256(q4bits2, m4), q6_high(q4bits_h, 2, m2)),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(q4bits1), m4),
+                            q6_high(q4bits_h, 4, m2),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(q4bits2), m4),
+                            q6_high(q4bits_h, 6, m2),
+                        ),
+                    ];
+                    let mut p = [_mm256_setzero_si256(); 4];
+                    for (i, (p, q4)) in p.iter_mut().zip(q4).enumerate() {
+                        let q8 = _mm256_loadu_si256(yb.add(4 + 128 * j + 32 * i) as *const __m256i);
+                        let q8s = _mm256_maddubs_epi16(m32s, q8);
+                        let p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q4, q8), q8s);
+                        // Sub-blocks 16 long: the first 16 bytes take one scale, the next 16
+                        // the following one.
+                        let s = 2 * (4 * j + i);
+                        let sc = _mm256_setr_m128i(
+                            _mm_set1_epi16(*scales.add(s) as i16),
+                            _mm_set1_epi16(*scales.add(s + 1) as i16),
+                        );
+                        *p = _mm256_madd_epi16(sc, p16);
+                    }
+                    sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[0], p[1]));
+                    sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[2], p[3]));
+                }
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            }
+        }
+        hsum8(acc)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::k_quants::BlockQ8K;
+
+    /// Rows with a few large values among small ones, so that scales and mins vary.
+    fn row(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..n)
+            .map(|i| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                let v = (s % 2001) as f32 / 1000.0 - 1.0;
+                if i % 97 == 3 {
+                    v * 40.0
+                } else {
+                    v
+                }
+            })
+            .collect()
+    }
+
+    /// Both kernels give Candle's `vec_dot` bit for bit, at every prefetch distance (0: off),
+    /// over rows of 1 to 43 blocks with activations of mixed magnitudes.
+    #[test]
+    fn kquant_rows_equal_candles_vec_dot() {
+        for nb in [1usize, 2, 5, 16, 43] {
+            let k = nb * QK_K;
+            let xs = row(k, nb as u32);
+            let mut yq = vec![BlockQ8K::zeros(); nb];
+            BlockQ8K::from_float(&row(k, 7 + nb as u32), &mut yq);
+            let mut q4 = vec![BlockQ4K::zeros(); nb];
+            BlockQ4K::from_float(&xs, &mut q4);
+            let mut q6 = vec![BlockQ6K::zeros(); nb];
+            BlockQ6K::from_float(&xs, &mut q6);
+            let want4 = BlockQ4K::vec_dot(k, &q4, &yq);
+            let want6 = BlockQ6K::vec_dot(k, &q6, &yq);
+            for pf in [0usize, 64, 4096] {
+                assert_eq!(
+                    dot_q4k_q8k(&q4, &yq, pf).to_bits(),
+                    want4.to_bits(),
+                    "Q4_K nb {nb}"
+                );
+                assert_eq!(
+                    dot_q6k_q8k(&q6, &yq, pf).to_bits(),
+                    want6.to_bits(),
+                    "Q6_K nb {nb}"
+                );
+            }
+        }
+    }
+}
