@@ -226,6 +226,19 @@ impl Config {
     }
 }
 
+/// A model's RoPE tables: the rotation's own code (`layers/rope.rs`) knows no `Config`.
+impl crate::layers::Rope {
+    /// The tables of `cfg` (base `rope_theta`, Llama 3 scaling where configured).
+    pub fn new(
+        cfg: &Config,
+        max_len: usize,
+        dtype: candle_core::DType,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Self> {
+        Self::from_inv_freq(&cfg.rope_inv_freq(), max_len, 1.0, dtype, device)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::Path;

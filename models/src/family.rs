@@ -21,7 +21,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::quantized::QTensor;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use candle_offload::UnitGuard;
@@ -315,9 +315,9 @@ pub trait Family: std::fmt::Debug + Send + Sync + 'static {
 
     /// Embeds `ids` with the embedding unit's weights (`w` rooted at the checkpoint's top
     /// level; the matrix may be GGML blocks, whose looked-up rows alone are dequantized).
-    /// Default: a plain lookup of `{layout.embed}.weight` ([`crate::layers::embed_lookup`]).
+    /// Default: a plain lookup of `{layout.embed}.weight` ([`embed_lookup`]).
     fn embed(&self, cfg: &Config, w: UnitWeights<'_>, ids: &Tensor) -> Result<Tensor> {
-        crate::layers::embed_lookup(cfg, &self.layout(cfg).embed, &w, ids)
+        embed_lookup(cfg, &self.layout(cfg).embed, &w, ids)
     }
 
     /// Decoder layer `layer` from its unit (`w` rooted at the layer's prefix), with the norm
@@ -475,4 +475,15 @@ impl Config {
     pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
         self.family.tensors(self)
     }
+}
+
+/// Looks `ids` up in the embedding matrix `{unit}.weight` (vocab, hidden) of `vb`.
+pub fn embed_lookup(cfg: &Config, unit: &str, w: &UnitWeights<'_>, ids: &Tensor) -> Result<Tensor> {
+    let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+    let w = w.pp(unit);
+    if let Some(q) = w.quantized("weight", &[vocab, hidden])? {
+        return q.embedding(ids)?.to_dtype(w.vb().dtype());
+    }
+    let m = w.vb().get((vocab, hidden), "weight")?;
+    candle_nn::Embedding::new(m, hidden).forward(ids)
 }

@@ -13,11 +13,11 @@ use std::sync::Arc;
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::family::{Config, DecoderBlock, Family, UnitWeights};
+use crate::family::{embed_lookup, Config, DecoderBlock, Family, UnitWeights};
 use crate::hf_config::{CommonDefaults, HfFields, Registration};
 use crate::layers::{
-    attention_tensors, embed_lookup, hf_tensors, mlp_tensors, norm_tensors, soft_cap, Activation,
-    AttentionSpec, GatedMlp, Norm, PreNormBlock, SelfAttention, TensorShape,
+    attention_tensors, hf_tensors, mlp_tensors, norm_tensors, soft_cap, Activation, AttentionSpec,
+    GatedMlp, Norm, PreNormBlock, SelfAttention, TensorShape,
 };
 use crate::ModelError;
 

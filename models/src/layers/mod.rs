@@ -1,5 +1,5 @@
 //! Building blocks shared by the model families: RoPE tables (`rope.rs`), the KV cache and the
-//! causal, sliding-window and padded masks (`cache.rs`), the embedding lookup (`embed.rs`),
+//! causal, sliding-window and padded masks (`cache.rs`),
 //! linear layers over dense or GGML weights (`linear.rs`), RMSNorm (plain and Gemma's
 //! `1 + w`) and LayerNorm (`norm.rs`), self-attention (separate or fused q/k/v, GQA/MQA,
 //! optional logit soft-capping and sliding window) with its training path (`attention.rs`),
@@ -14,7 +14,6 @@ mod attention;
 mod block;
 mod by_hand;
 mod cache;
-mod embed;
 mod linear;
 mod mlp;
 mod norm;
@@ -24,7 +23,6 @@ mod tensors;
 pub use attention::{soft_cap, AttentionSpec, SelfAttention, DECODE_ATTENTION_MAX_NEW};
 pub use block::PreNormBlock;
 pub use cache::{causal_mask, window_mask, Cache, KvCache, Masks};
-pub use embed::embed_lookup;
 pub use linear::{linear, linear_2d, Linear};
 pub use mlp::{Activation, GatedMlp};
 pub use norm::Norm;

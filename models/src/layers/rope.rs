@@ -4,8 +4,6 @@
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
-use crate::family::Config;
-
 /// RoPE tables (cos, sin) for positions `0..max_len`, on one device.
 #[derive(Debug, Clone)]
 pub struct Rope {
@@ -16,11 +14,6 @@ pub struct Rope {
 }
 
 impl Rope {
-    /// The tables of `cfg` (base `rope_theta`, Llama 3 scaling where configured).
-    pub fn new(cfg: &Config, max_len: usize, dtype: DType, device: &Device) -> Result<Self> {
-        Self::from_inv_freq(&cfg.rope_inv_freq(), max_len, 1.0, dtype, device)
-    }
-
     /// Tables from inverse frequencies (one per pair of rotated dimensions), with cos and sin
     /// multiplied by `scale` (the attention factor of long-context scalings; 1 otherwise).
     pub fn from_inv_freq(
