@@ -140,40 +140,40 @@ impl Tuning {
             reason,
         };
         let flag = || parse_bool(v).ok_or_else(|| err(format!("{v:?} is not on/off")));
-        let number = |lo: usize, hi: usize| match v.parse::<usize>() {
-            Ok(n) if (lo..=hi).contains(&n) => Ok(n),
-            _ => Err(err(format!(
-                "{v:?} is not a whole number from {lo} to {hi}"
-            ))),
+        // Ranges are `validate`'s, checked below on the whole value.
+        let number = || {
+            v.parse::<usize>()
+                .map_err(|_| err(format!("{v:?} is not a whole number")))
         };
         let variant = || {
             QlinearVariant::parse(v)
                 .ok_or_else(|| err(format!("{v:?} is not v1, v2, v2r2, v2r4, v3 or v4")))
         };
-        let k = &mut self.kernels;
+        let mut next = *self;
+        let k = &mut next.kernels;
         match key.trim() {
             "kernels.qlinear" if v.is_empty() || v.eq_ignore_ascii_case("auto") => {
                 k.qlinear = QlinearVariants::default();
             }
             "kernels.qlinear" => k.qlinear = QlinearVariants::all(variant()?),
             "kernels.qlinear_k" => k.qlinear_k = flag()?,
-            "kernels.qlinear_k_rows" => k.qlinear_k_rows = number(1, 2)?,
-            "kernels.qlinear_k_splits" => k.qlinear_k_splits = number(0, 2)?,
+            "kernels.qlinear_k_rows" => k.qlinear_k_rows = number()?,
+            "kernels.qlinear_k_splits" => k.qlinear_k_splits = number()?,
             "kernels.prefill_gemm" => k.prefill_gemm = flag()?,
-            "kernels.prefill_gemm_min_rows" => k.prefill_gemm_min_rows = number(9, 1 << 20)?,
+            "kernels.prefill_gemm_min_rows" => k.prefill_gemm_min_rows = number()?,
             "kernels.prompt_attention" => k.prompt_attention = flag()?,
             "kernels.cpu_kquants" if v.eq_ignore_ascii_case("auto") => k.cpu_kquants = None,
             "kernels.cpu_kquants" => k.cpu_kquants = Some(flag()?),
-            "kernels.cpu_prefetch_bytes" => k.cpu_prefetch_bytes = number(0, 65536)?,
+            "kernels.cpu_prefetch_bytes" => k.cpu_prefetch_bytes = number()?,
             "kernels.cpu_q8_activations" => k.cpu_q8_activations = flag()?,
             "cpu_threads" if v.is_empty() || v.eq_ignore_ascii_case("auto") => {
-                self.cpu_threads = None;
+                next.cpu_threads = None;
             }
-            "cpu_threads" => self.cpu_threads = Some(number(1, 1024)?),
-            "graphs" => self.graphs = flag()?,
-            "weight_pool" => self.weight_pool = flag()?,
-            "disk.threads" => self.disk.threads = number(1, 64)?,
-            "disk.piece_mib" => self.disk.piece_mib = number(1, 256)?,
+            "cpu_threads" => next.cpu_threads = Some(number()?),
+            "graphs" => next.graphs = flag()?,
+            "weight_pool" => next.weight_pool = flag()?,
+            "disk.threads" => next.disk.threads = number()?,
+            "disk.piece_mib" => next.disk.piece_mib = number()?,
             other => {
                 let slot = other
                     .strip_prefix("kernels.qlinear.")
@@ -198,10 +198,13 @@ impl Tuning {
                 }
             }
         }
+        next.validate()?;
+        *self = next;
         Ok(())
     }
 
-    /// Checks every range [`Self::set`] checks, for a value built or deserialized whole.
+    /// Checks every field's range (the one place they are written; [`Self::set`] checks
+    /// through it), for a value built, set or deserialized.
     pub fn validate(&self) -> Result<(), TuningError> {
         let k = &self.kernels;
         let checks: [(&str, usize, usize, usize); 6] = [
