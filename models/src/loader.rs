@@ -70,6 +70,7 @@ pub fn from_dir(dir: &Path) -> Result<ModelFiles> {
             ));
         }
     }
+    let config = fit_to_checkpoint(config, &files);
     let tokenizer = dir.join("tokenizer.json");
     let (chat_template, special_tokens) =
         read_tokenizer_config(&dir.join("tokenizer_config.json"))?;
@@ -81,6 +82,42 @@ pub fn from_dir(dir: &Path) -> Result<ModelFiles> {
         special_tokens,
         origin: dir.display().to_string(),
     })
+}
+
+/// The tensor names in safetensors files, from their headers; `None` when a header cannot be
+/// read (the store's loader then says why).
+fn safetensors_names(paths: &[PathBuf]) -> Option<Vec<String>> {
+    let mut names = Vec::new();
+    for p in paths {
+        let mut f = std::fs::File::open(p).ok()?;
+        let mut len = [0u8; 8];
+        f.read_exact(&mut len).ok()?;
+        let len = u64::from_le_bytes(len);
+        if len > 100 << 20 {
+            return None;
+        }
+        let mut header = vec![0u8; len as usize];
+        f.read_exact(&mut header).ok()?;
+        let v: serde_json::Value = serde_json::from_slice(&header).ok()?;
+        names.extend(
+            v.as_object()?
+                .keys()
+                .filter(|k| *k != "__metadata__")
+                .cloned(),
+        );
+    }
+    Some(names)
+}
+
+/// `config` with its family fitted to the tensors the checkpoint holds
+/// ([`Family::for_checkpoint`](crate::Family::for_checkpoint)).
+fn fit_to_checkpoint(mut config: Config, paths: &[PathBuf]) -> Config {
+    if let Some(names) = safetensors_names(paths) {
+        if let Some(f) = config.family.for_checkpoint(&config, &names) {
+            config.family = f;
+        }
+    }
+    config
 }
 
 /// A model from the HF Hub by id (`HuggingFaceTB/SmolLM2-135M-Instruct`), at `revision`
@@ -171,6 +208,7 @@ pub fn from_hub_at(
                 .collect::<Result<Vec<_>>>()?
         }
     };
+    let config = fit_to_checkpoint(config, &weights);
     let tokenizer_json = get("tokenizer.json").ok();
     let (chat_template, special_tokens) = match get("tokenizer_config.json") {
         Ok(p) => read_tokenizer_config(&p)?,

@@ -384,14 +384,16 @@ mod tests {
 
     #[test]
     fn unknown_model_type_lists_the_supported_ones() {
-        let text = config("gemma3", serde_json::json!({}), &[]);
+        let text = config("gemma4", serde_json::json!({}), &[]);
         let e = Config::from_json_str(&text, Path::new("/m/config.json")).unwrap_err();
         assert!(matches!(e, ModelError::UnknownArchitecture { .. }), "{e:?}");
         let e = e.to_string();
-        for known in ["llama", "mistral", "qwen2", "phi3", "gemma", "gemma2"] {
+        for known in [
+            "llama", "mistral", "qwen2", "phi3", "gemma", "gemma2", "qwen3", "gemma3",
+        ] {
             assert!(e.contains(known), "{known} missing from: {e}");
         }
-        assert!(e.contains("gemma3") && e.contains("/m/config.json"), "{e}");
+        assert!(e.contains("gemma4") && e.contains("/m/config.json"), "{e}");
     }
 
     #[test]
