@@ -4,7 +4,8 @@
 //! `sqrt(query_pre_attn_scalar)`) with an RMSNorm (`1 + w`) over each head of q and of k before
 //! RoPE, sliding-window layers beside global ones, and two RoPE bases: the local layers rotate
 //! with `rope_local_base_freq` unscaled, the global ones with `rope_theta` and its linear
-//! scaling. No soft-capping unless a config asks for it.
+//! scaling. No soft-capping unless a config asks for it. Norm weights from a GGUF file already
+//! hold the `1 +` ([`Gemma3::norm_offset`] 0).
 //!
 //! Both config forms are read: transformers 5's `rope_parameters` keyed by layer type
 //! (`sliding_attention`, `full_attention`) and `layer_types`; the older `rope_theta`,
@@ -100,6 +101,9 @@ pub struct Gemma3 {
     pub local_rope: RopeBase,
     /// Where the checkpoint keeps the text model.
     pub keys: TextKeys,
+    /// Norm weights are applied as `norm_offset + w` (1 from HF checkpoints; 0 from GGUF
+    /// files, whose converter adds the 1).
+    pub norm_offset: f64,
 }
 
 /// transformers' `Gemma3TextConfig` defaults for what a config leaves out.
@@ -285,6 +289,7 @@ fn parse(f: &HfFields<'_>) -> crate::Result<(Config, Gemma3)> {
         global_rope,
         local_rope,
         keys: TextKeys::Text,
+        norm_offset: 1.0,
     });
     let mut cfg = Config::from_hf_common(
         &t,
@@ -319,6 +324,7 @@ fn parse(f: &HfFields<'_>) -> crate::Result<(Config, Gemma3)> {
         } else {
             TextKeys::Text
         },
+        norm_offset: 1.0,
     };
     Ok((cfg, gemma))
 }
@@ -408,7 +414,8 @@ impl Family for Gemma3 {
         norm_dtype: DType,
     ) -> Result<Box<dyn DecoderBlock>> {
         let (h, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
-        let norm = |name: &str, n| Norm::load(n, eps, 1.0, w.vb().pp(name), norm_dtype);
+        let _ = norm_dtype; // Gemma's norms compute in F32.
+        let norm = |name: &str, n| Norm::load_f32(n, eps, self.norm_offset, w.vb().pp(name));
         let sliding = self.sliding(layer);
         let spec = AttentionSpec {
             score_div: self.query_pre_attn_scalar.sqrt(),
@@ -429,8 +436,8 @@ impl Family for Gemma3 {
         }))
     }
 
-    fn final_norm(&self, cfg: &Config, vb: VarBuilder, dtype: DType) -> Result<Norm> {
-        Norm::load(cfg.hidden_size, cfg.rms_norm_eps, 1.0, vb, dtype)
+    fn final_norm(&self, cfg: &Config, vb: VarBuilder, _dtype: DType) -> Result<Norm> {
+        Norm::load_f32(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset, vb)
     }
 
     fn finish_logits(&self, _cfg: &Config, logits: Tensor) -> Result<Tensor> {
