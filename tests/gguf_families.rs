@@ -215,3 +215,67 @@ fn unsupported_gguf_architecture_names_the_supported_ones() -> anyhow::Result<()
     }
     Ok(())
 }
+
+/// A multimodal `gemma3` checkpoint (config nesting `text_config`, a vision tower beside) runs
+/// its text model, whether transformers 5 saved it (`model.language_model.*`, `lm_head`) or
+/// transformers 4 (`language_model.model.*`, `language_model.lm_head`): the same logits as the
+/// `Gemma3ForCausalLM` checkpoint it was made from.
+#[test]
+fn multimodal_gemma3_checkpoint_under_either_key_layout() -> anyhow::Result<()> {
+    let dir = fixtures()?;
+    let text_dir = dir.join("gemma3");
+    let text = loader::from_dir(&text_dir)?;
+    let ids = prompt(text.config.vocab_size);
+    let (reference, _) = model(&text, false, ids.len())?;
+    let want = logits(&reference, &ids)?;
+    let text_config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(text_dir.join("config.json"))?)?;
+    let weights = candle_core::safetensors::load(text_dir.join("model.safetensors"), &Device::Cpu)?;
+    for (layout, prefix, head) in [
+        ("v5", "model.language_model.", "lm_head"),
+        ("v4", "language_model.model.", "language_model.lm_head"),
+    ] {
+        for tied in [true, false] {
+            let mm = dir.join(format!("gemma3-mm-{layout}-{tied}"));
+            std::fs::create_dir_all(&mm)?;
+            let mut tensors: std::collections::HashMap<String, Tensor> = weights
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        format!("{prefix}{}", k.strip_prefix("model.").unwrap()),
+                        v.clone(),
+                    )
+                })
+                .collect();
+            if !tied {
+                tensors.insert(
+                    format!("{head}.weight"),
+                    weights["model.embed_tokens.weight"].clone(),
+                );
+            }
+            // A vision tower the text model does not use.
+            tensors.insert(
+                "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight".into(),
+                Tensor::zeros((32, 32), DType::F32, &Device::Cpu)?,
+            );
+            candle_core::safetensors::save(&tensors, mm.join("model.safetensors"))?;
+            let mut text_cfg = text_config.clone();
+            text_cfg
+                .as_object_mut()
+                .unwrap()
+                .remove("tie_word_embeddings");
+            let config = serde_json::json!({
+                "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                "tie_word_embeddings": tied, "text_config": text_cfg,
+                "vision_config": {"hidden_size": 32},
+            });
+            std::fs::write(mm.join("config.json"), config.to_string())?;
+            let files = loader::from_dir(&mm)?;
+            assert_eq!(files.config.tie_word_embeddings, tied);
+            let (ours, _) = model(&files, false, ids.len())?;
+            let err = rel_l2(&logits(&ours, &ids)?, &want);
+            assert!(err <= 1e-6, "{layout}, tied {tied}: rel L2 {err:.3e}");
+        }
+    }
+    Ok(())
+}
