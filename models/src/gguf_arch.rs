@@ -90,7 +90,7 @@ fn positive(c: &Content, path: &Path, key: &str) -> Result<Option<f64>> {
         None => Ok(None),
         Some(_) => match number(c, key) {
             Some(x) if x.is_finite() && x > 0.0 => Ok(Some(x)),
-            Some(x) if x == 0.0 => Ok(None),
+            Some(0.0) => Ok(None),
             _ => Err(ModelError::config(path, key, "expected a positive number")),
         },
     }

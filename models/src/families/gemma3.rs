@@ -382,7 +382,7 @@ impl Family for Gemma3 {
         }
         let has = |keys: TextKeys| {
             let embed = format!("{}embed_tokens.weight", keys.prefixes().0);
-            names.iter().any(|n| *n == embed)
+            names.contains(&embed)
         };
         [TextKeys::LanguageModel, TextKeys::LanguageModelV4]
             .into_iter()
