@@ -120,7 +120,12 @@ pub(crate) fn config(c: &Content, path: &Path) -> Result<Config> {
     let gemma = arch.starts_with("gemma");
     let rope_theta = positive(c, path, &key("rope.freq_base"))?.unwrap_or(10_000.0);
     let mut cfg = Config {
-        model_type: arch.clone(),
+        // The HF model type of the text model (`gemma3` names the multimodal one).
+        model_type: if arch == "gemma3" {
+            "gemma3_text".into()
+        } else {
+            arch.clone()
+        },
         hidden_size,
         intermediate_size: meta_usize(c, path, &key("feed_forward_length"))?,
         vocab_size,
