@@ -9,9 +9,10 @@ logits for every position, the logits of the same model run in float16 and bfloa
 greedy tokens (float32, no KV cache: the whole sequence is run again for every token).
 Used on the GPU machine by bench/src/bin/parity.rs (logit parity of our families with transformers).
 
-The LLaMA configurations are written exactly as they always were. The Phi-3 and Gemma ones run
-transformers' eager attention (the exact reference: Gemma 2's soft-capping needs it), and have
-their norm weights drawn at random too, so that Gemma's `1 + w` and every norm is exercised.
+The LLaMA configurations are written exactly as they always were. The Phi-3, Gemma and Qwen3 ones
+run transformers' eager attention (the exact reference: Gemma 2's soft-capping needs it), and have
+their norm weights drawn at random too (Qwen3's and Gemma 3's per-head q/k norms included), so that
+Gemma's `1 + w` and every norm is exercised.
 
 Phi-3's LongRoPE: transformers picks the long factors once the sequence seen so far is longer
 than `original_max_position_embeddings`, our tables when the model is set up for more positions
@@ -95,6 +96,39 @@ CONFIGS = {
                      dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
                           num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False, rope_theta=10000.0,
                           use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    # Qwen3: per-head q/k RMSNorms (random weights), head_dim 48 != hidden / heads = 32, GQA, no
+    # biases, separate output head.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=48, vocab_size=1024, tie_word_embeddings=False,
+                   rope_theta=1000000.0)),
+    # Qwen3 with tied embeddings and sliding windows of 16 on the layers from max_window_layers 1
+    # on (prompt + 32 crosses them).
+    "qwen3_tied_window": ("Qwen3Config", "Qwen3ForCausalLM",
+                          dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=1024,
+                               tie_word_embeddings=True, rope_theta=10000.0, use_sliding_window=True,
+                               sliding_window=16, max_window_layers=1)),
+    # Gemma 3 text: q/k norms (1 + w, random), local layers with a window of 12 (crossed) and
+    # RoPE base 10 beside global layers with base 100000 and linear scaling 4, GQA,
+    # query_pre_attn_scalar 48 != head_dim 64, pre/post norms, tied embeddings.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, vocab_size=1024, hidden_activation="gelu_pytorch_tanh",
+                    query_pre_attn_scalar=48, sliding_window=12,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+                    rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10.0),
+                                     "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=100000.0)})),
+    # Gemma 3 with a separate output head, MQA, and the pattern from sliding_window_pattern 3
+    # (layers 2 and 5 global), window 20, bases 1000 (local) and 1000000 (global, scaled by 8).
+    "gemma3_untied": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                      dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=32, vocab_size=1024,
+                           hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=32, sliding_window=20,
+                           sliding_window_pattern=3, tie_word_embeddings=False,
+                           rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=1000.0),
+                                            "full_attention": dict(rope_type="linear", factor=8.0,
+                                                                   rope_theta=1000000.0)})),
 }
 
 

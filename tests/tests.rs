@@ -8,6 +8,7 @@ mod util;
 mod bad_input;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod gguf_families;
 mod models;
 mod ops;
 mod own_model;

@@ -302,6 +302,16 @@ pub trait Family: std::fmt::Debug + Send + Sync + 'static {
         Layout::hf(cfg.tie_word_embeddings)
     }
 
+    /// The family fitted to a checkpoint whose tensors are `names`, where the configuration
+    /// alone does not say where they are (a multimodal Gemma 3 checkpoint keeps its text model
+    /// under `language_model.model.` or `model.language_model.`, by the transformers version
+    /// that saved it); `None`: as configured. The loader asks once it knows the names.
+    /// Default: `None`.
+    fn for_checkpoint(&self, cfg: &Config, names: &[String]) -> Option<Arc<dyn Family>> {
+        let _ = (cfg, names);
+        None
+    }
+
     /// Checks relations between fields that only this family has; `path` names the config.
     fn validate(&self, cfg: &Config, path: &Path) -> crate::Result<()> {
         let _ = (cfg, path);

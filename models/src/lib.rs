@@ -41,6 +41,7 @@ pub mod family;
 mod files;
 pub mod generation;
 mod gguf;
+mod gguf_arch;
 pub mod hf_config;
 pub mod layers;
 pub mod llama;

@@ -17,8 +17,8 @@ use crate::family::Config;
 pub use crate::files::{cache_dir, ModelFiles, SpecialTokens, Weights};
 use crate::gguf::{
     check_tensor_data, ggml_name, gguf_content, keeps_blocks, keeps_embedding_blocks, meta,
-    meta_usize,
 };
+use crate::gguf_arch::Permuted;
 
 /// Fetches one file of a hub repository (from the cache or the hub).
 type Fetch = Box<dyn Fn(&str) -> std::result::Result<PathBuf, String>>;
@@ -70,6 +70,7 @@ pub fn from_dir(dir: &Path) -> Result<ModelFiles> {
             ));
         }
     }
+    let config = fit_to_checkpoint(config, &files);
     let tokenizer = dir.join("tokenizer.json");
     let (chat_template, special_tokens) =
         read_tokenizer_config(&dir.join("tokenizer_config.json"))?;
@@ -81,6 +82,42 @@ pub fn from_dir(dir: &Path) -> Result<ModelFiles> {
         special_tokens,
         origin: dir.display().to_string(),
     })
+}
+
+/// The tensor names in safetensors files, from their headers; `None` when a header cannot be
+/// read (the store's loader then says why).
+fn safetensors_names(paths: &[PathBuf]) -> Option<Vec<String>> {
+    let mut names = Vec::new();
+    for p in paths {
+        let mut f = std::fs::File::open(p).ok()?;
+        let mut len = [0u8; 8];
+        f.read_exact(&mut len).ok()?;
+        let len = u64::from_le_bytes(len);
+        if len > 100 << 20 {
+            return None;
+        }
+        let mut header = vec![0u8; len as usize];
+        f.read_exact(&mut header).ok()?;
+        let v: serde_json::Value = serde_json::from_slice(&header).ok()?;
+        names.extend(
+            v.as_object()?
+                .keys()
+                .filter(|k| *k != "__metadata__")
+                .cloned(),
+        );
+    }
+    Some(names)
+}
+
+/// `config` with its family fitted to the tensors the checkpoint holds
+/// ([`Family::for_checkpoint`](crate::Family::for_checkpoint)).
+fn fit_to_checkpoint(mut config: Config, paths: &[PathBuf]) -> Config {
+    if let Some(names) = safetensors_names(paths) {
+        if let Some(f) = config.family.for_checkpoint(&config, &names) {
+            config.family = f;
+        }
+    }
+    config
 }
 
 /// A model from the HF Hub by id (`HuggingFaceTB/SmolLM2-135M-Instruct`), at `revision`
@@ -171,6 +208,7 @@ pub fn from_hub_at(
                 .collect::<Result<Vec<_>>>()?
         }
     };
+    let config = fit_to_checkpoint(config, &weights);
     let tokenizer_json = get("tokenizer.json").ok();
     let (chat_template, special_tokens) = match get("tokenizer_config.json") {
         Ok(p) => read_tokenizer_config(&p)?,
@@ -186,63 +224,15 @@ pub fn from_hub_at(
     })
 }
 
-/// A GGUF file (llama architecture), whose tensors are dequantized into the host store.
+/// A GGUF file of a supported architecture (`llama`, `mistral`, `qwen2`, `qwen3`, `phi3`,
+/// `gemma`, `gemma2`, `gemma3`; another is [`ModelError::UnknownArchitecture`] naming them),
+/// whose tensors are dequantized into the host store (or kept as blocks: [`load_store_with`]).
 pub fn from_gguf(path: &Path) -> Result<ModelFiles> {
     let (c, _) = gguf_content(path)?;
-    let arch = meta(&c, path, "general.architecture")?
-        .to_string()
-        .map_err(|e| ModelError::config(path, "general.architecture", e))?
-        .clone();
-    if !["llama", "mistral", "qwen2"].contains(&arch.as_str()) {
-        return Err(ModelError::UnknownArchitecture {
-            path: path.into(),
-            name: arch,
-            supported: "llama, mistral, qwen2 (GGUF files; other families from safetensors)".into(),
-        });
-    }
-    let key = |k: &str| format!("{arch}.{k}");
-    let hidden_size = meta_usize(&c, path, &key("embedding_length"))?;
-    let num_attention_heads = meta_usize(&c, path, &key("attention.head_count"))?;
-    let num_key_value_heads =
-        meta_usize(&c, path, &key("attention.head_count_kv")).unwrap_or(num_attention_heads);
+    let config = crate::gguf_arch::config(&c, path)?;
     let tokens = meta(&c, path, "tokenizer.ggml.tokens")?
         .to_vec()
         .map_err(|e| ModelError::config(path, "tokenizer.ggml.tokens", e))?;
-    let vocab_size = c
-        .tensor_infos
-        .get("token_embd.weight")
-        .map(|t| t.shape.dims()[0])
-        .unwrap_or(tokens.len());
-    let f32_meta = |k: &str, default: f32| {
-        c.metadata
-            .get(k)
-            .and_then(|v| v.to_f32().ok())
-            .unwrap_or(default)
-    };
-    let token_id = |k: &str| c.metadata.get(k).and_then(|v| v.to_u32().ok());
-    let config = Config {
-        model_type: arch.clone(),
-        hidden_size,
-        intermediate_size: meta_usize(&c, path, &key("feed_forward_length"))?,
-        vocab_size,
-        num_hidden_layers: meta_usize(&c, path, &key("block_count"))?,
-        num_attention_heads,
-        num_key_value_heads,
-        head_dim: hidden_size / num_attention_heads,
-        rms_norm_eps: f64::from(f32_meta(&key("attention.layer_norm_rms_epsilon"), 1e-5)),
-        rope_theta: f32_meta(&key("rope.freq_base"), 10_000.0),
-        rope_scaling: None,
-        max_position_embeddings: meta_usize(&c, path, &key("context_length")).unwrap_or(4096),
-        tie_word_embeddings: !c.tensor_infos.contains_key("output.weight"),
-        attention_bias: c.tensor_infos.contains_key("blk.0.attn_q.bias"),
-        bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
-        eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
-            .into_iter()
-            .collect(),
-        family: crate::families::llama::family(),
-        extra: Default::default(),
-    };
-    config.validate(path)?;
     let token_text = |id: Option<u32>| {
         id.and_then(|i| tokens.get(i as usize))
             .and_then(|t| t.to_string().ok())
@@ -264,44 +254,6 @@ pub fn from_gguf(path: &Path) -> Result<ModelFiles> {
         chat_template,
         origin: path.display().to_string(),
     })
-}
-
-/// The HF name of a GGUF tensor, and whether it is a q/k projection permuted for llama.cpp's rope.
-fn hf_name(gguf: &str) -> Option<(String, Option<Permuted>)> {
-    let fixed = match gguf {
-        "token_embd.weight" => Some("model.embed_tokens.weight"),
-        "output_norm.weight" => Some("model.norm.weight"),
-        "output.weight" => Some("lm_head.weight"),
-        _ => None,
-    };
-    if let Some(f) = fixed {
-        return Some((f.to_string(), None));
-    }
-    let rest = gguf.strip_prefix("blk.")?;
-    let (layer, tail) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let (hf, perm) = match tail {
-        "attn_q.weight" => ("self_attn.q_proj.weight", Some(Permuted::Q)),
-        "attn_k.weight" => ("self_attn.k_proj.weight", Some(Permuted::K)),
-        "attn_q.bias" => ("self_attn.q_proj.bias", Some(Permuted::Q)),
-        "attn_k.bias" => ("self_attn.k_proj.bias", Some(Permuted::K)),
-        "attn_v.weight" => ("self_attn.v_proj.weight", None),
-        "attn_v.bias" => ("self_attn.v_proj.bias", None),
-        "attn_output.weight" => ("self_attn.o_proj.weight", None),
-        "ffn_gate.weight" => ("mlp.gate_proj.weight", None),
-        "ffn_up.weight" => ("mlp.up_proj.weight", None),
-        "ffn_down.weight" => ("mlp.down_proj.weight", None),
-        "attn_norm.weight" => ("input_layernorm.weight", None),
-        "ffn_norm.weight" => ("post_attention_layernorm.weight", None),
-        _ => return None,
-    };
-    Some((format!("model.layers.{layer}.{hf}"), perm))
-}
-
-#[derive(Debug, Clone, Copy)]
-enum Permuted {
-    Q,
-    K,
 }
 
 /// Undoes llama.cpp's q/k permutation (its converter interleaves the two rotary halves of
@@ -328,6 +280,7 @@ fn gguf_store(
         .metadata()
         .map_err(|e| ModelError::file(path, format!("cannot read: {e}")))?
         .len();
+    let arch = crate::gguf_arch::architecture(&c, path)?;
     let mut names: Vec<&String> = c.tensor_infos.keys().collect();
     names.sort();
     let model = &files.config;
@@ -341,7 +294,7 @@ fn gguf_store(
     // Quantized projections whose type has no quantized matmul, dequantized instead.
     let mut no_matmul: Vec<(&str, GgmlDType)> = Vec::new();
     for g in names {
-        let Some((hf, perm)) = hf_name(g) else {
+        let Some((hf, perm)) = crate::gguf_arch::hf_name(&arch, g) else {
             tracing::debug!(tensor = %g, "GGUF tensor not used");
             continue;
         };
@@ -659,15 +612,16 @@ mod tests {
 
     #[test]
     fn gguf_names_map_to_hf() {
+        use crate::gguf_arch::hf_name;
         assert_eq!(
-            hf_name("blk.3.attn_q.weight").unwrap().0,
+            hf_name("llama", "blk.3.attn_q.weight").unwrap().0,
             "model.layers.3.self_attn.q_proj.weight"
         );
         assert_eq!(
-            hf_name("token_embd.weight").unwrap().0,
+            hf_name("llama", "token_embd.weight").unwrap().0,
             "model.embed_tokens.weight"
         );
-        assert!(hf_name("rope_freqs.weight").is_none());
+        assert!(hf_name("llama", "rope_freqs.weight").is_none());
     }
 
     #[test]

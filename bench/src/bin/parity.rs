@@ -1,4 +1,4 @@
-//! Logit parity of our model families (LLaMA, Phi-3, Gemma 1/2: whichever `config.json` names)
+//! Logit parity of our model families (LLaMA, Qwen3, Phi-3, Gemma 1/2/3: whichever `config.json` names)
 //! with HF transformers on random-weight checkpoints that `scripts/hf_reference.py` writes:
 //! relative L2 error of the logits of every position (F32, F16, BF16), and 32 greedy tokens (F32,
 //! with our KV cache), run through the offload runtime with a budget that holds only part of the

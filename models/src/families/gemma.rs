@@ -2,7 +2,8 @@
 //! `1 + w` in F32, embeddings scaled by `sqrt(hidden)`, head_dim 256 and tied embeddings; Gemma 2
 //! adds norms after attention and after the MLP, scores scaled by `query_pre_attn_scalar`,
 //! soft-capped attention and final logits, and sliding-window layers alternating with global
-//! ones (`layer_types`, or every even layer).
+//! ones (`layer_types`, or every even layer). Norm weights from a GGUF file already hold the
+//! `1 +` ([`Gemma::norm_offset`] 0).
 //!
 //! Fields a config leaves out take transformers 5's defaults (head_dim 256; Gemma 2: soft-caps
 //! 50 and 30, sliding window 4096); `null` turns a soft-cap or the window off. Gemma 1's
@@ -47,6 +48,9 @@ pub struct Gemma {
     pub sliding_window: Option<usize>,
     /// Per layer: whether it uses the sliding window.
     pub sliding_layers: Vec<bool>,
+    /// Norm weights are applied as `norm_offset + w` (1 from HF checkpoints; 0 from GGUF
+    /// files, whose converter adds the 1).
+    pub norm_offset: f64,
 }
 
 fn from_hf(f: &HfFields<'_>) -> crate::Result<Config> {
@@ -101,6 +105,7 @@ fn parse(f: &HfFields<'_>) -> crate::Result<(Config, Gemma)> {
         final_logit_softcapping: None,
         sliding_window: None,
         sliding_layers: Vec::new(),
+        norm_offset: 1.0,
     });
     let mut cfg = Config::from_hf_common(
         f,
@@ -125,6 +130,7 @@ fn parse(f: &HfFields<'_>) -> crate::Result<(Config, Gemma)> {
             final_logit_softcapping: None,
             sliding_window: None,
             sliding_layers: vec![false; n],
+            norm_offset: 1.0,
         }
     } else {
         // Absent: transformers' default; null: none.
@@ -149,6 +155,7 @@ fn parse(f: &HfFields<'_>) -> crate::Result<(Config, Gemma)> {
             final_logit_softcapping: or_default("final_logit_softcapping", 30.0)?,
             sliding_window,
             sliding_layers,
+            norm_offset: 1.0,
         }
     };
     Ok((cfg, gemma))
@@ -187,7 +194,9 @@ impl Family for Gemma {
         norm_dtype: DType,
     ) -> Result<Box<dyn DecoderBlock>> {
         let h = cfg.hidden_size;
-        let norm = |name: &str| Norm::load(h, cfg.rms_norm_eps, 1.0, w.vb().pp(name), norm_dtype);
+        let _ = norm_dtype; // Gemma's norms compute in F32.
+        let norm =
+            |name: &str| Norm::load_f32(h, cfg.rms_norm_eps, self.norm_offset, w.vb().pp(name));
         let sliding = self.sliding_layers.get(layer).copied().unwrap_or(false);
         let spec = AttentionSpec {
             score_div: self.query_pre_attn_scalar.sqrt(),
@@ -219,8 +228,8 @@ impl Family for Gemma {
         Ok(Box::new(block))
     }
 
-    fn final_norm(&self, cfg: &Config, vb: VarBuilder, dtype: DType) -> Result<Norm> {
-        Norm::load(cfg.hidden_size, cfg.rms_norm_eps, 1.0, vb, dtype)
+    fn final_norm(&self, cfg: &Config, vb: VarBuilder, _dtype: DType) -> Result<Norm> {
+        Norm::load_f32(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset, vb)
     }
 
     fn finish_logits(&self, _cfg: &Config, logits: Tensor) -> Result<Tensor> {
@@ -384,14 +393,16 @@ mod tests {
 
     #[test]
     fn unknown_model_type_lists_the_supported_ones() {
-        let text = config("gemma3", serde_json::json!({}), &[]);
+        let text = config("gemma4", serde_json::json!({}), &[]);
         let e = Config::from_json_str(&text, Path::new("/m/config.json")).unwrap_err();
         assert!(matches!(e, ModelError::UnknownArchitecture { .. }), "{e:?}");
         let e = e.to_string();
-        for known in ["llama", "mistral", "qwen2", "phi3", "gemma", "gemma2"] {
+        for known in [
+            "llama", "mistral", "qwen2", "phi3", "gemma", "gemma2", "qwen3", "gemma3",
+        ] {
             assert!(e.contains(known), "{known} missing from: {e}");
         }
-        assert!(e.contains("gemma3") && e.contains("/m/config.json"), "{e}");
+        assert!(e.contains("gemma4") && e.contains("/m/config.json"), "{e}");
     }
 
     #[test]

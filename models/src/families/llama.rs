@@ -38,11 +38,12 @@ pub fn family() -> Arc<dyn Family> {
     Arc::new(LlamaFamily::default())
 }
 
-/// The sliding windows of a `mistral` or `qwen2` config, as transformers applies them.
-fn windows(f: &HfFields<'_>, n: usize) -> crate::Result<Vec<Option<usize>>> {
+/// The sliding windows of a `mistral`, `qwen2` or `qwen3` config, as transformers applies them.
+pub(crate) fn windows(f: &HfFields<'_>, n: usize) -> crate::Result<Vec<Option<usize>>> {
+    let qwen = matches!(f.model_type, "qwen2" | "qwen3");
     let window = match f.model_type {
         "mistral" => f.opt_usize("sliding_window")?,
-        "qwen2" if f.bool_or("use_sliding_window", false)? => {
+        _ if qwen && f.bool_or("use_sliding_window", false)? => {
             if f.obj.contains_key("sliding_window") {
                 f.opt_usize("sliding_window")?
             } else {
@@ -53,7 +54,7 @@ fn windows(f: &HfFields<'_>, n: usize) -> crate::Result<Vec<Option<usize>>> {
     };
     let sliding = match window {
         None => None,
-        Some(w) if f.model_type == "qwen2" => {
+        Some(w) if qwen => {
             let from = f.opt_usize("max_window_layers")?.unwrap_or(28);
             Some((w, f.sliding_layers(n, |i| i >= from)?))
         }
@@ -65,8 +66,9 @@ fn windows(f: &HfFields<'_>, n: usize) -> crate::Result<Vec<Option<usize>>> {
     })
 }
 
-fn from_hf(f: &HfFields<'_>) -> crate::Result<Config> {
-    let rope_scaling = match Config::hf_rope_scaling(f) {
+/// The RoPE scaling of a config: none, or Llama 3's; other types are refused.
+pub(crate) fn llama3_rope_scaling(f: &HfFields<'_>) -> crate::Result<Option<Llama3RopeConfig>> {
+    Ok(match Config::hf_rope_scaling(f) {
         None | Some(("default", _, _)) => None,
         Some(("llama3", x, _)) => Some(
             serde_json::from_value::<Llama3RopeConfig>(x.clone())
@@ -79,7 +81,11 @@ fn from_hf(f: &HfFields<'_>) -> crate::Result<Config> {
                 format!("rope type {other:?} is not supported"),
             ))
         }
-    };
+    })
+}
+
+fn from_hf(f: &HfFields<'_>) -> crate::Result<Config> {
+    let rope_scaling = llama3_rope_scaling(f)?;
     let mut cfg = Config::from_hf_common(
         f,
         family(),

@@ -14,12 +14,19 @@ use crate::family::Config;
 use crate::hf_config::{HfFields, Registration};
 
 pub mod gemma;
+pub mod gemma3;
 pub mod llama;
 pub mod phi3;
+pub mod qwen3;
 
 /// Every family `Config::from_json_str` knows, by HF `model_type`.
-pub static REGISTRY: &[Registration] =
-    &[llama::REGISTRATION, phi3::REGISTRATION, gemma::REGISTRATION];
+pub static REGISTRY: &[Registration] = &[
+    llama::REGISTRATION,
+    qwen3::REGISTRATION,
+    phi3::REGISTRATION,
+    gemma::REGISTRATION,
+    gemma3::REGISTRATION,
+];
 
 /// The registration of a `model_type`.
 pub fn lookup(model_type: &str) -> Option<&'static Registration> {

@@ -1,5 +1,7 @@
-//! Self-attention: the projections (separate or fused q/k/v), RoPE, the KV cache, GQA/MQA,
-//! optional logit soft-capping and a sliding window, and the output projection; the fused
+//! Self-attention: the projections (separate or fused q/k/v), optional per-head RMSNorms of q
+//! and k (Qwen3, Gemma 3), RoPE (the model's tables, or its local ones: Gemma 3's
+//! sliding-window layers), the KV cache, GQA/MQA, optional logit soft-capping and a sliding
+//! window, and the output projection; the fused
 //! decode and prompt kernels where they apply, the composition elsewhere, and the training
 //! path.
 
@@ -8,6 +10,7 @@ use candle_offload::kernels::attention::{flash_attention, flash_attention_suppor
 
 use super::cache::KvCache;
 use super::linear::{cpu_blocks_many, one_launch_weights, takes_quantized_x, Linear, OneLaunch};
+use super::norm::Norm;
 use crate::family::{Config, StepCtx, TrainCtx, UnitWeights};
 
 /// The most new positions per step that attention runs through the fused
@@ -35,6 +38,9 @@ pub struct AttentionSpec {
     pub softcap: Option<f64>,
     /// Keys further back than this are hidden (sliding-window layers).
     pub window: Option<usize>,
+    /// Rotate with the RoPE tables' local set ([`crate::layers::Rope::for_layer`]: Gemma 3's
+    /// sliding-window layers have their own base) instead of the global one.
+    pub local_rope: bool,
 }
 
 impl AttentionSpec {
@@ -55,6 +61,7 @@ impl AttentionSpec {
             score_div: (cfg.head_dim as f64).sqrt(),
             softcap: None,
             window: None,
+            local_rope: false,
         }
     }
 }
@@ -71,6 +78,8 @@ pub struct SelfAttention {
     pub(super) qkv: Qkv,
     pub(super) o_proj: Linear,
     pub(super) spec: AttentionSpec,
+    /// RMSNorms over each head of q and of k, before RoPE (width head_dim).
+    pub(super) qk_norm: Option<(Norm, Norm)>,
 }
 
 impl SelfAttention {
@@ -91,6 +100,7 @@ impl SelfAttention {
             },
             o_proj: w.pp("o_proj").linear(q, hidden, false)?,
             spec,
+            qk_norm: None,
         })
     }
 
@@ -106,7 +116,42 @@ impl SelfAttention {
             qkv: Qkv::Fused(w.pp(fused).linear(hidden, q + 2 * kv, false)?),
             o_proj: w.pp("o_proj").linear(q, hidden, false)?,
             spec,
+            qk_norm: None,
         })
+    }
+
+    /// The same attention with `q_norm` and `k_norm` (each of width head_dim) applied to every
+    /// head of q and of k before RoPE (Qwen3, Gemma 3).
+    pub fn with_qk_norm(mut self, q_norm: Norm, k_norm: Norm) -> Self {
+        self.qk_norm = Some((q_norm, k_norm));
+        self
+    }
+
+    /// Whether q and k are normed per head before RoPE.
+    pub fn has_qk_norm(&self) -> bool {
+        self.qk_norm.is_some()
+    }
+
+    /// q (.., heads · head_dim) and k (.., kv_heads · head_dim) with the per-head norms applied
+    /// (as they are without them).
+    fn norm_qk(&self, q: Tensor, k: Tensor, train: bool) -> Result<(Tensor, Tensor)> {
+        let Some((qn, kn)) = &self.qk_norm else {
+            return Ok((q, k));
+        };
+        let s = &self.spec;
+        let per_head = |t: Tensor, n: &Norm, heads: usize| -> Result<Tensor> {
+            let dims = t.dims().to_vec();
+            let mut split = dims[..dims.len() - 1].to_vec();
+            split.extend([heads, s.head_dim]);
+            let t = t.reshape(split)?;
+            let t = if train {
+                n.forward_diff(&t)?
+            } else {
+                n.forward(&t)?
+            };
+            t.reshape(dims)
+        };
+        Ok((per_head(q, qn, s.n_heads)?, per_head(k, kn, s.n_kv_heads)?))
     }
 
     /// The attention's shape and scoring.
@@ -183,6 +228,8 @@ impl SelfAttention {
         let shape =
             |t: Tensor, heads: usize| t.reshape((b, seq_len, heads, s.head_dim))?.transpose(1, 2);
         let (q, k, v) = self.project(xs, false, ctx.fused)?;
+        let (q, k) = self.norm_qk(q, k, false)?;
+        let rope = ctx.rope.for_layer(s.local_rope);
         // The fused attention kernel; on the CPU also for a decode step of unfused ops, where
         // it replaces about ten small Candle ops per layer (casts, matmuls through the GEMM,
         // mask, softmax) with one loop over the cache.
@@ -216,7 +263,7 @@ impl SelfAttention {
                 &heads(q, s.n_heads)?,
                 &heads(k, s.n_kv_heads)?,
                 &heads(v, s.n_kv_heads)?,
-                ctx.rope,
+                rope,
                 pos,
             )?;
             let y = candle_offload::kernels::attention::decode_attention_at(
@@ -238,18 +285,18 @@ impl SelfAttention {
                 &heads(q, s.n_heads)?,
                 &heads(k, s.n_kv_heads)?,
                 &heads(v, s.n_kv_heads)?,
-                ctx.rope,
+                rope,
                 ctx.index_pos,
             )?
         } else {
             let (q, k) = if ctx.fused {
                 // One kernel reads both in the projections' layout and writes them transposed.
                 let (q, k) = (heads(q, s.n_heads)?, heads(k, s.n_kv_heads)?);
-                ctx.rope.apply_qk(&q, &k, ctx.index_pos)?
+                rope.apply_qk(&q, &k, ctx.index_pos)?
             } else {
                 (
-                    ctx.rope.apply(&shape(q, s.n_heads)?, ctx.index_pos)?,
-                    ctx.rope.apply(&shape(k, s.n_kv_heads)?, ctx.index_pos)?,
+                    rope.apply(&shape(q, s.n_heads)?, ctx.index_pos)?,
+                    rope.apply(&shape(k, s.n_kv_heads)?, ctx.index_pos)?,
                 )
             };
             let v = shape(v, s.n_kv_heads)?.contiguous()?;
@@ -351,10 +398,10 @@ impl SelfAttention {
         let shape =
             |t: Tensor, heads: usize| t.reshape((b, seq_len, heads, s.head_dim))?.transpose(1, 2);
         let (q, k, v) = self.project(xs, true, false)?;
-        let q = ctx.rope.apply_diff(&shape(q, s.n_heads)?.contiguous()?)?;
-        let k = ctx
-            .rope
-            .apply_diff(&shape(k, s.n_kv_heads)?.contiguous()?)?;
+        let (q, k) = self.norm_qk(q, k, true)?;
+        let rope = ctx.rope.for_layer(s.local_rope);
+        let q = rope.apply_diff(&shape(q, s.n_heads)?.contiguous()?)?;
+        let k = rope.apply_diff(&shape(k, s.n_kv_heads)?.contiguous()?)?;
         let v = shape(v, s.n_kv_heads)?.contiguous()?;
         if ctx.fused
             && s.softcap.is_none()

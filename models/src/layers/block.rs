@@ -1,4 +1,4 @@
-//! The pre-norm decoder layer that LLaMA, Phi-3 and Gemma 1/2 are all instances of:
+//! The pre-norm decoder layer that LLaMA, Qwen3, Phi-3 and Gemma 1/2/3 are all instances of:
 //! `h = x + post_attn(attn(norm(x)))`, `out = h + post_mlp(mlp(pre_mlp(h)))`, with the residual
 //! add and the next norm in one kernel on a fused step.
 
@@ -12,20 +12,20 @@ use crate::family::{DecoderBlock, Hidden, StepCtx, TrainCtx};
 
 /// A pre-norm decoder layer:
 /// `h = x + post_attn(attn(norm(x)))`, `out = h + post_mlp(mlp(pre_mlp(h)))`, where the
-/// post-norms exist only in Gemma 2.
+/// post-norms exist only in Gemma 2 and 3.
 #[derive(Debug)]
 pub struct PreNormBlock {
     /// Before attention.
     pub input_norm: Norm,
     /// Self-attention.
     pub attn: SelfAttention,
-    /// After attention, before the residual add (Gemma 2).
+    /// After attention, before the residual add (Gemma 2, 3).
     pub post_attn_norm: Option<Norm>,
     /// Before the MLP.
     pub pre_mlp_norm: Norm,
     /// The MLP.
     pub mlp: GatedMlp,
-    /// After the MLP, before the residual add (Gemma 2).
+    /// After the MLP, before the residual add (Gemma 2, 3).
     pub post_mlp_norm: Option<Norm>,
 }
 

@@ -122,6 +122,8 @@ impl Parts {
             && block.post_mlp_norm.is_none()
             && s.softcap.is_none()
             && s.window.is_none()
+            && !s.local_rope
+            && block.attn.qk_norm.is_none()
             && block.mlp.act == Activation::Silu
             && ctx.masks.is_plain_causal()
             && ctx.rope.rotary_width()? >= s.head_dim

@@ -1,11 +1,12 @@
 //! Building blocks shared by the model families: RoPE tables (`rope.rs`), the KV cache and the
 //! causal, sliding-window and padded masks (`cache.rs`),
 //! linear layers over dense or GGML weights (`linear.rs`), RMSNorm (plain and Gemma's
-//! `1 + w`) and LayerNorm (`norm.rs`), self-attention (separate or fused q/k/v, GQA/MQA,
-//! optional logit soft-capping and sliding window) with its training path (`attention.rs`),
-//! the gated MLP (SwiGLU, GeGLU; separate or fused gate/up; `mlp.rs`), and the pre-norm decoder
-//! block that LLaMA, Phi-3 and Gemma 1/2 are all instances of (`block.rs`, its hand-written
-//! training pass in `by_hand.rs`); `tensors.rs` lists an HF-layout checkpoint's tensors.
+//! `1 + w`) and LayerNorm (`norm.rs`), self-attention (separate or fused q/k/v, per-head q/k
+//! norms, local or global RoPE tables, GQA/MQA, optional logit soft-capping and sliding
+//! window) with its training path (`attention.rs`), the gated MLP (SwiGLU, GeGLU; separate or
+//! fused gate/up; `mlp.rs`), and the pre-norm decoder block that LLaMA, Qwen3, Phi-3 and Gemma
+//! 1/2/3 are all instances of (`block.rs`, its hand-written training pass in `by_hand.rs`);
+//! `tensors.rs` lists an HF-layout checkpoint's tensors.
 //!
 //! A family file picks and names these pieces (`vb.pp(..)` names mirror its checkpoint keys);
 //! nothing here knows a tensor name beyond what the caller passes in.

@@ -27,8 +27,14 @@ impl Norm {
                 f32_compute: false,
             });
         }
+        Self::load_f32(size, eps, offset, vb)
+    }
+
+    /// RMSNorm computed in F32 whatever the input's dtype, its weight applied as `offset + w`
+    /// (Gemma: offset 1 for HF checkpoints; 0 for GGUF files, whose converter adds the 1).
+    pub fn load_f32(size: usize, eps: f64, offset: f64, vb: VarBuilder) -> Result<Self> {
         let w = vb.to_dtype(DType::F32).get(size, "weight")?;
-        let w = (w + offset)?;
+        let w = if offset == 0.0 { w } else { (w + offset)? };
         Ok(Self {
             kind: NormKind::Rms(candle_nn::RmsNorm::new(w, eps)),
             f32_compute: true,

@@ -1,6 +1,7 @@
-//! RoPE tables (cos, sin) for a model's positions on one device, and the rotations that use
-//! them: plain, of q and k in one fused kernel, and the differentiable and hand-written
-//! training forms.
+//! RoPE tables (cos, sin) for a model's positions on one device (with a second, local set for
+//! models whose sliding-window layers rotate with their own base, as Gemma 3's), and the
+//! rotations that use them: plain, of q and k in one fused kernel, and the differentiable and
+//! hand-written training forms.
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
@@ -11,6 +12,8 @@ pub struct Rope {
     sin: Tensor,
     /// cos and sin side by side per position, as the fused `rope_qk` reads them.
     table: Tensor,
+    /// The tables of the layers that rotate with a local base, if the model has any.
+    local: Option<Box<Rope>>,
 }
 
 impl Rope {
@@ -36,7 +39,35 @@ impl Rope {
         };
         let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
         let table = candle_offload::kernels::rope::rope_table(&cos, &sin)?;
-        Ok(Self { cos, sin, table })
+        Ok(Self {
+            cos,
+            sin,
+            table,
+            local: None,
+        })
+    }
+
+    /// These tables for the global layers and `local` for the layers that ask for the local
+    /// ones ([`for_layer`](Self::for_layer)); both must cover the same positions.
+    pub fn with_local(mut self, local: Rope) -> Result<Self> {
+        if local.max_len() != self.max_len() {
+            candle_core::bail!(
+                "local RoPE tables cover {} positions, the global ones {}",
+                local.max_len(),
+                self.max_len()
+            );
+        }
+        self.local = Some(Box::new(local));
+        Ok(self)
+    }
+
+    /// The tables a layer rotates with: the local set when `local` and the model has one, these
+    /// otherwise.
+    pub fn for_layer(&self, local: bool) -> &Rope {
+        match &self.local {
+            Some(l) if local => l,
+            _ => self,
+        }
     }
 
     /// Rotates `x` (batch, heads, seq, head_dim) for positions `index_pos..`. Tables narrower

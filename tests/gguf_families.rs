@@ -1,0 +1,281 @@
+//! GGUF files of every architecture the GGUF loader supports, made by llama.cpp's own converter
+//! from tiny random HF checkpoints (`tests/fixtures/gguf_families.tar.xz`, written by
+//! `scripts/gguf_fixtures.py`): our logits from the F32 GGUF equal our logits from the
+//! safetensors checkpoint (rel L2 ≤ 1e-5), greedy generation from the GGUF, offloaded, gives the
+//! checkpoint's tokens, and the Q8_0 GGUF runs generation with its blocks kept.
+//!
+//! The fixtures' vocabulary is a SentencePiece model (`tokenizer.ggml.model` `llama`), so these
+//! tests feed token ids; the text round trip through a GGUF's own tokenizer is tested with the
+//! tokenizers.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, PolicyChoice};
+use candle_offload_models::generation::generate;
+use candle_offload_models::loader::{self, ModelFiles};
+use candle_offload_models::Llama;
+use candle_transformers::generation::LogitsProcessor;
+
+const FAMILIES: [&str; 8] = [
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
+];
+
+/// The fixtures, unpacked once per test process.
+fn fixtures() -> anyhow::Result<PathBuf> {
+    static DIR: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let archive =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf_families.tar.xz");
+        let dir = std::env::temp_dir().join(format!(
+            "candle-offload-gguf-families-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let out = std::process::Command::new("tar")
+            .arg("xJf")
+            .arg(&archive)
+            .arg("-C")
+            .arg(&dir)
+            .output()
+            .map_err(|e| format!("cannot run tar to unpack {}: {e}", archive.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "tar xJf {}: {}",
+                archive.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        Ok(dir)
+    })
+    .clone()
+    .map_err(anyhow::Error::msg)
+}
+
+/// Our model of `files` in F32, offloaded: the budget holds half of the weights.
+fn model(
+    files: &ModelFiles,
+    keep_blocks: bool,
+    max_len: usize,
+) -> anyhow::Result<(Llama, OffloadRuntime)> {
+    let store = Arc::new(loader::load_store_with(
+        files,
+        DType::F32,
+        &Device::Cpu,
+        None,
+        keep_blocks,
+    )?);
+    let layer = store
+        .layer_unit(0)
+        .map(|u| store.unit(u).bytes())
+        .unwrap_or(0);
+    let rt = OffloadRuntime::new(
+        store.clone(),
+        &Device::Cpu,
+        &OffloadConfig {
+            gpu_memory_limit: Some(MemoryLimit::Bytes(store.total_bytes() / 2 + 2 * layer)),
+            policy: PolicyChoice::Schedule(Llama::schedule(&store, &files.config)),
+            ..Default::default()
+        },
+    )?;
+    let model = Llama::builder(files.config.clone(), rt.store().clone())
+        .runtime(rt.clone())
+        .dtype(DType::F32)
+        .max_len(max_len)
+        .source_path(files.weights_path())
+        .build()?;
+    Ok((model, rt))
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// 24 token ids (the windows of the fixtures are 8: crossed), the same for every family.
+fn prompt(vocab: usize) -> Vec<u32> {
+    (0..24u32).map(|i| (i * 37 + 11) % vocab as u32).collect()
+}
+
+fn logits(model: &Llama, ids: &[u32]) -> anyhow::Result<Vec<f32>> {
+    let t = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
+    Ok(model.forward_all(&t)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+fn greedy(model: &Llama, ids: &[u32], n: usize) -> anyhow::Result<Vec<u32>> {
+    let mut sampler = LogitsProcessor::new(0, None, None);
+    Ok(generate(model, ids, n, &mut sampler, &[], |_| Ok(()))?.0)
+}
+
+#[test]
+fn gguf_logits_equal_safetensors_for_every_family() -> anyhow::Result<()> {
+    let dir = fixtures()?;
+    let mut report = Vec::new();
+    for name in FAMILIES {
+        let hf = loader::from_dir(&dir.join(name))?;
+        let gguf = loader::from_gguf(&dir.join(format!("{name}.f32.gguf")))?;
+        let (a, b) = (&hf.config, &gguf.config);
+        assert_eq!(
+            (
+                a.family.name(),
+                a.num_hidden_layers,
+                a.head_dim,
+                a.num_key_value_heads
+            ),
+            (
+                b.family.name(),
+                b.num_hidden_layers,
+                b.head_dim,
+                b.num_key_value_heads
+            ),
+            "{name}: the GGUF's configuration"
+        );
+        assert_eq!(a.tie_word_embeddings, b.tie_word_embeddings, "{name}");
+        assert_eq!(a.vocab_size, b.vocab_size, "{name}");
+        let ids = prompt(a.vocab_size);
+        let steps = 8;
+        let (ours_hf, _) = model(&hf, false, ids.len() + steps)?;
+        let (ours_gguf, rt) = model(&gguf, false, ids.len() + steps)?;
+        let (x, y) = (logits(&ours_gguf, &ids)?, logits(&ours_hf, &ids)?);
+        let err = rel_l2(&x, &y);
+        report.push(format!("{name}: rel L2 {err:.2e}"));
+        assert!(
+            err <= 1e-5,
+            "{name}: GGUF logits differ from safetensors: rel L2 {err:.3e}"
+        );
+        assert_eq!(
+            greedy(&ours_gguf, &ids, steps)?,
+            greedy(&ours_hf, &ids, steps)?,
+            "{name}: greedy tokens"
+        );
+        assert!(rt.stats()?.total.fetches > 0, "{name}: streamed");
+    }
+    eprintln!("{}", report.join("\n"));
+    Ok(())
+}
+
+/// A Q8_0 GGUF of each architecture runs with its projections kept as blocks (phi3's fused
+/// q/k/v and gate/up too), close to the F32 file.
+#[test]
+fn q8_0_gguf_of_every_family_generates_with_blocks_kept() -> anyhow::Result<()> {
+    let dir = fixtures()?;
+    for name in FAMILIES {
+        let f32_files = loader::from_gguf(&dir.join(format!("{name}.f32.gguf")))?;
+        let q8_files = loader::from_gguf(&dir.join(format!("{name}.q8_0.gguf")))?;
+        let ids = prompt(q8_files.config.vocab_size);
+        let steps = 6;
+        let (reference, _) = model(&f32_files, false, ids.len() + steps)?;
+        let (q8, rt) = model(&q8_files, true, ids.len() + steps)?;
+        // Every projection of every layer, and the untied heads.
+        let layers = q8_files.config.num_hidden_layers;
+        assert!(
+            rt.store().ggml_tensor_count() >= 3 * layers,
+            "{name}: {} tensors kept as blocks",
+            rt.store().ggml_tensor_count()
+        );
+        let err = rel_l2(&logits(&q8, &ids)?, &logits(&reference, &ids)?);
+        assert!(err < 5e-2, "{name}: Q8_0 logits rel L2 {err:.3e} from F32");
+        let tokens = greedy(&q8, &ids, steps)?;
+        assert_eq!(tokens.len(), steps, "{name}");
+        assert!(
+            tokens
+                .iter()
+                .all(|t| (*t as usize) < q8_files.config.vocab_size),
+            "{name}: {tokens:?}"
+        );
+    }
+    Ok(())
+}
+
+/// An architecture outside the supported list is refused, naming it and the list.
+#[test]
+fn unsupported_gguf_architecture_names_the_supported_ones() -> anyhow::Result<()> {
+    let dir = fixtures()?;
+    let bytes = std::fs::read(dir.join("qwen3.f32.gguf"))?;
+    // `general.architecture` = "qwen3" -> "qwen9" (same length).
+    let at = bytes
+        .windows(5)
+        .position(|w| w == b"qwen3")
+        .expect("the architecture string");
+    let mut patched = bytes.clone();
+    patched[at + 4] = b'9';
+    let path = dir.join("qwen9.gguf");
+    std::fs::write(&path, patched)?;
+    let e = loader::from_gguf(&path).unwrap_err().to_string();
+    assert!(e.contains("qwen9") && e.contains("qwen9.gguf"), "{e}");
+    for known in FAMILIES {
+        assert!(e.contains(known), "{known} missing from: {e}");
+    }
+    Ok(())
+}
+
+/// A multimodal `gemma3` checkpoint (config nesting `text_config`, a vision tower beside) runs
+/// its text model, whether transformers 5 saved it (`model.language_model.*`, `lm_head`) or
+/// transformers 4 (`language_model.model.*`, `language_model.lm_head`): the same logits as the
+/// `Gemma3ForCausalLM` checkpoint it was made from.
+#[test]
+fn multimodal_gemma3_checkpoint_under_either_key_layout() -> anyhow::Result<()> {
+    let dir = fixtures()?;
+    let text_dir = dir.join("gemma3");
+    let text = loader::from_dir(&text_dir)?;
+    let ids = prompt(text.config.vocab_size);
+    let (reference, _) = model(&text, false, ids.len())?;
+    let want = logits(&reference, &ids)?;
+    let text_config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(text_dir.join("config.json"))?)?;
+    let weights = candle_core::safetensors::load(text_dir.join("model.safetensors"), &Device::Cpu)?;
+    for (layout, prefix, head) in [
+        ("v5", "model.language_model.", "lm_head"),
+        ("v4", "language_model.model.", "language_model.lm_head"),
+    ] {
+        for tied in [true, false] {
+            let mm = dir.join(format!("gemma3-mm-{layout}-{tied}"));
+            std::fs::create_dir_all(&mm)?;
+            let mut tensors: std::collections::HashMap<String, Tensor> = weights
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        format!("{prefix}{}", k.strip_prefix("model.").unwrap()),
+                        v.clone(),
+                    )
+                })
+                .collect();
+            if !tied {
+                tensors.insert(
+                    format!("{head}.weight"),
+                    weights["model.embed_tokens.weight"].clone(),
+                );
+            }
+            // A vision tower the text model does not use.
+            tensors.insert(
+                "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight".into(),
+                Tensor::zeros((32, 32), DType::F32, &Device::Cpu)?,
+            );
+            candle_core::safetensors::save(&tensors, mm.join("model.safetensors"))?;
+            let mut text_cfg = text_config.clone();
+            text_cfg
+                .as_object_mut()
+                .unwrap()
+                .remove("tie_word_embeddings");
+            let config = serde_json::json!({
+                "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                "tie_word_embeddings": tied, "text_config": text_cfg,
+                "vision_config": {"hidden_size": 32},
+            });
+            std::fs::write(mm.join("config.json"), config.to_string())?;
+            let files = loader::from_dir(&mm)?;
+            assert_eq!(files.config.tie_word_embeddings, tied);
+            let (ours, _) = model(&files, false, ids.len())?;
+            let err = rel_l2(&logits(&ours, &ids)?, &want);
+            assert!(err <= 1e-6, "{layout}, tied {tied}: rel L2 {err:.3e}");
+        }
+    }
+    Ok(())
+}
