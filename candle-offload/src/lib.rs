@@ -103,8 +103,8 @@ pub use placement::{
 };
 pub use plan::{
     host_layer_split, plan_capacity, spread_host_choice, spread_host_prices, spread_host_set,
-    spread_host_split, spread_host_split_at, spread_host_split_with_head, staying_units,
-    CapacityPlan, OffloadStrategy, SplitPrice, SplitRates, WeightNeed, MAX_PREFETCH_DEPTH,
+    spread_host_split, spread_host_split_at, staying_units, CapacityPlan, OffloadStrategy,
+    SplitPrice, SplitRates, WeightNeed, MAX_PREFETCH_DEPTH,
 };
 pub use runtime::{LeakReport, OffloadConfig, OffloadRuntime, RuntimeError, StepGraph, UnitGuard};
 pub use settings::Settings;

@@ -179,76 +179,32 @@ pub fn host_layer_split(
 /// placed evenly between the device's, the device keeps what its budget leaves after
 /// `fixed`, the reservation of its `n − h` layers (`per_layer_reserve` each) and `slots`
 /// streaming slots of its largest layer, and streams the rest of its layers every step. The
-/// layers run one after another, the device's (`device_layer_s` each) and the host's
-/// (`host_bytes_per_s` over their bytes), while the copies (`link_bytes_per_s` over the
-/// streamed bytes) overlap both, so a step costs about the larger of the two plus
+/// layers run one after another, the device's (`rates.device_layer_s` each) and the host's
+/// (`rates.host_bytes_per_s` over their bytes), while the copies (`rates.link_bytes_per_s`
+/// over the streamed bytes) overlap both, so a step costs about the larger of the two plus
 /// [`SPREAD_OVERLAP_LOSS`] of the smaller (the part the overlap loses). Returns the `h`
 /// with the smallest such cost (the fewest on ties; 0 when every layer fits the device),
 /// `None` when the device cannot hold even `fixed`. Pure.
-#[allow(clippy::too_many_arguments)]
 pub fn spread_host_split(
     layers: &[u64],
     fixed: u64,
     per_layer_reserve: u64,
     budget: u64,
     slots: usize,
-    host_bytes_per_s: f64,
-    link_bytes_per_s: f64,
-    device_layer_s: f64,
+    rates: &SplitRates,
 ) -> Option<usize> {
     // A head of no bytes never goes to the host (the two placements cost the same).
-    spread_host_split_with_head(
-        layers,
-        fixed,
-        0,
-        per_layer_reserve,
-        budget,
-        slots,
-        host_bytes_per_s,
-        link_bytes_per_s,
-        device_layer_s,
-    )
-    .map(|(h, _)| h)
+    spread_host_split_at(layers, fixed, 0, per_layer_reserve, budget, slots, rates).map(|(h, _)| h)
 }
 
 /// [`spread_host_split`] that may also place the output head on the host, as llama.cpp does
 /// below `-ngl` = layers + 1: `fixed` includes the head's `head` bytes, which the host would
-/// then read every step (at `host_bytes_per_s`, like a host layer) while the device gets
+/// then read every step (at `rates.host_bytes_per_s`, like a host layer) while the device gets
 /// their room for layers. Returns the host layer count and whether the head goes to the host:
 /// the cheaper of the two placements by [`spread_host_split`]'s cost, the head staying on the
-/// device on ties and whenever every layer fits beside it. Pure.
-#[allow(clippy::too_many_arguments)]
-pub fn spread_host_split_with_head(
-    layers: &[u64],
-    fixed: u64,
-    head: u64,
-    per_layer_reserve: u64,
-    budget: u64,
-    slots: usize,
-    host_bytes_per_s: f64,
-    link_bytes_per_s: f64,
-    device_layer_s: f64,
-) -> Option<(usize, bool)> {
-    let rates = SplitRates {
-        host_bytes_per_s,
-        link_bytes_per_s,
-        device_layer_s,
-        resident_device_layer_s: device_layer_s,
-    };
-    spread_host_split_at(
-        layers,
-        fixed,
-        head,
-        per_layer_reserve,
-        budget,
-        slots,
-        &rates,
-    )
-}
-
-/// [`spread_host_split_with_head`] with all of its rates in `rates`, where a device layer may
-/// take less time in a split that streams nothing (`resident_device_layer_s`: a model replays
-/// such a decode step from a CUDA graph, and one that streams runs it eagerly). Pure.
+/// device on ties and whenever every layer fits beside it. A device layer may take less time
+/// in a split that streams nothing (`rates.resident_device_layer_s`: a model replays such a
+/// decode step from a CUDA graph, and one that streams runs it eagerly). Pure.
 pub fn spread_host_split_at(
     layers: &[u64],
     fixed: u64,
@@ -310,6 +266,19 @@ pub struct SplitRates {
     pub device_layer_s: f64,
     /// Seconds of one device layer's decode step in a split that streams nothing.
     pub resident_device_layer_s: f64,
+}
+
+impl SplitRates {
+    /// Rates with a device layer as fast in a split that streams nothing as in one that
+    /// streams.
+    pub fn even(host_bytes_per_s: f64, link_bytes_per_s: f64, device_layer_s: f64) -> Self {
+        Self {
+            host_bytes_per_s,
+            link_bytes_per_s,
+            device_layer_s,
+            resident_device_layer_s: device_layer_s,
+        }
+    }
 }
 
 /// The share of the shorter of a split's compute and copies that does not hide behind the
@@ -584,6 +553,10 @@ pub(crate) fn plan_capacity_for(
 mod tests {
     use super::*;
 
+    fn even(host: f64, link: f64, dev: f64) -> SplitRates {
+        SplitRates::even(host, link, dev)
+    }
+
     const MIB: u64 = 1 << 20;
 
     fn budget(limit_mib: u64, reserve_mib: u64) -> Budget {
@@ -764,8 +737,7 @@ mod tests {
     /// head, 0.52 GB streamed a token, 15.5 ms a step), priced with the measured rates but a
     /// faster link (70 GB/s: at 55 the overlap's loss alone takes it to a resident split),
     /// streams with one host layer at equal rates and takes three and streams nothing once
-    /// resident layers cost 0.6 of an eager one; at equal rates, the choice is
-    /// `spread_host_split_with_head`'s.
+    /// resident layers cost 0.6 of an eager one; the eager rates are `SplitRates::even`'s.
     #[test]
     fn a_split_that_streams_nothing_may_run_its_layers_faster() {
         let mib = 1u64 << 20;
@@ -785,18 +757,8 @@ mod tests {
         };
         let (h, on_host) = at(&eager).unwrap();
         assert_eq!(
-            Some((h, on_host)),
-            spread_host_split_with_head(
-                &layers,
-                fixed,
-                head,
-                per_layer,
-                budget,
-                3,
-                eager.host_bytes_per_s,
-                70e9,
-                0.194e-3
-            )
+            eager,
+            SplitRates::even(eager.host_bytes_per_s, 70e9, 0.194e-3)
         );
         let replayed = SplitRates {
             resident_device_layer_s: 0.6 * 0.194e-3,
@@ -892,7 +854,7 @@ mod tests {
     fn the_head_goes_to_the_host_only_when_that_is_cheaper() {
         let gb = 1_000_000_000u64;
         let split = |layers: &[u64], fixed, head, budget, host, dev| {
-            spread_host_split_with_head(layers, fixed, head, 0, budget, 2, host, 55e9, dev)
+            spread_host_split_at(layers, fixed, head, 0, budget, 2, &even(host, 55e9, dev))
         };
         // Everything fits beside the head: nothing moves.
         assert_eq!(
@@ -922,7 +884,7 @@ mod tests {
         let layers = [405_000_000u64; 32];
         let (fixed, head, budget) = (685_000_000u64, 262_000_000u64, 12_885_000_000u64);
         assert_eq!(
-            spread_host_split(&layers, fixed, 0, budget, 2, 80e9, 55e9, 0.3e-3),
+            spread_host_split(&layers, fixed, 0, budget, 2, &even(80e9, 55e9, 0.3e-3)),
             Some(2)
         );
         assert_eq!(
@@ -930,7 +892,15 @@ mod tests {
             Some((2, false))
         );
         assert_eq!(
-            spread_host_split_with_head(&layers, fixed, head, 0, budget, 2, 80e9, 110e9, 0.3e-3),
+            spread_host_split_at(
+                &layers,
+                fixed,
+                head,
+                0,
+                budget,
+                2,
+                &even(80e9, 110e9, 0.3e-3)
+            ),
             Some((0, true))
         );
         // A host far slower than the link: the head stays, and the device streams.
@@ -946,9 +916,9 @@ mod tests {
             let (fixed, budget) = (next() % 60, next() % 400);
             let head = next() % (fixed + 1);
             let (host, dev) = (1.0 + (next() % 100) as f64, (next() % 20) as f64 / 10.0);
-            let plain = spread_host_split(&layers, fixed, 0, budget, 1, host, 30.0, dev);
-            let with =
-                spread_host_split_with_head(&layers, fixed, head, 0, budget, 1, host, 30.0, dev);
+            let rates = even(host, 30.0, dev);
+            let plain = spread_host_split(&layers, fixed, 0, budget, 1, &rates);
+            let with = spread_host_split_at(&layers, fixed, head, 0, budget, 1, &rates);
             if plain.is_some() {
                 assert!(with.is_some());
             }
@@ -1051,11 +1021,11 @@ mod tests {
         let gb = 1_000_000_000u64;
         // Everything fits: no host layer.
         assert_eq!(
-            spread_host_split(&[gb; 4], 0, 0, 4 * gb, 2, 1e9, 1e9, 0.0),
+            spread_host_split(&[gb; 4], 0, 0, 4 * gb, 2, &even(1e9, 1e9, 0.0)),
             Some(0)
         );
         assert_eq!(
-            spread_host_split(&[gb; 4], 5 * gb, 0, 4 * gb, 2, 1e9, 1e9, 0.0),
+            spread_host_split(&[gb; 4], 5 * gb, 0, 4 * gb, 2, &even(1e9, 1e9, 0.0)),
             None
         );
         // The 13B Q8_0 shape at 4 GiB as measured (40 layers of 0.345 GB, ~1.3 GB held
@@ -1063,12 +1033,19 @@ mod tests {
         let layer = 345_000_000u64;
         let kv = 3_300_000u64;
         let dev = 0.5e-3;
-        let h = spread_host_split(&[layer; 40], 1_300_000_000, kv, 4 << 30, 2, 61e9, 55e9, dev)
-            .expect("fits");
+        let split = |host| {
+            spread_host_split(
+                &[layer; 40],
+                1_300_000_000,
+                kv,
+                4 << 30,
+                2,
+                &even(host, 55e9, dev),
+            )
+        };
+        let h = split(61e9).expect("fits");
         assert!((15..=20).contains(&h), "{h}");
         // A host much slower than the link: few host layers; much faster: more.
-        let split =
-            |host| spread_host_split(&[layer; 40], 1_300_000_000, kv, 4 << 30, 2, host, 55e9, dev);
         let (slow, fast) = (split(5e9), split(500e9));
         assert!(
             slow.unwrap() < h && fast.unwrap() > h,
@@ -1080,7 +1057,8 @@ mod tests {
         // take some (as `spread:auto` did measured on a 13B Q4_K_M at 8 GiB: 65.8 tok/s
         // against 72.7 with none).
         let (layer, fixed, budget) = (190_000_000u64, 600_000_000, 8_100_000_000);
-        let split = |dev| spread_host_split(&[layer; 40], fixed, 0, budget, 2, 45e9, 55e9, dev);
+        let split =
+            |dev| spread_host_split(&[layer; 40], fixed, 0, budget, 2, &even(45e9, 55e9, dev));
         assert_eq!(split(0.27e-3), Some(0));
         assert!(split(0.0).unwrap() > 0);
         // Equal layers: a faster host never takes fewer layers (its time per layer only
@@ -1095,8 +1073,9 @@ mod tests {
             let (slow, fast) = (1.0 + (next() % 100) as f64, 1.0 + (next() % 100) as f64);
             let (slow, fast) = (slow.min(fast), slow.max(fast));
             let dev = (next() % 20) as f64 / 10.0;
-            let split =
-                |host| spread_host_split(&layers, fixed, per, budget, slots, host, link, dev);
+            let split = |host| {
+                spread_host_split(&layers, fixed, per, budget, slots, &even(host, link, dev))
+            };
             let (a, b) = (split(slow), split(fast));
             assert_eq!(a.is_some(), fixed <= budget);
             assert!(

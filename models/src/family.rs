@@ -27,7 +27,7 @@ use candle_nn::VarBuilder;
 use candle_offload::UnitGuard;
 use candle_transformers::models::llama::Llama3RopeConfig;
 
-use crate::layers::{KvCache, Linear, Masks, Norm, Rope};
+use crate::layers::{KvCache, Linear, LinearWeight, Masks, Norm, Rope};
 
 /// What a forward pass gives every block on one device.
 #[derive(Debug)]
@@ -166,11 +166,11 @@ impl<'a> UnitWeights<'a> {
         } else {
             None
         };
-        Ok(Linear::Quantized {
-            weight: candle_core::quantized::QMatMul::from_arc(q)?,
+        Ok(Linear::new(
+            LinearWeight::Quantized(candle_core::quantized::QMatMul::from_arc(q)?),
             bias,
             tuning,
-        })
+        ))
     }
 
     /// The kernel choices of the runtime the unit came from (the defaults for dense weights

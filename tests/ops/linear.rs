@@ -497,7 +497,7 @@ test_device!(
 #[test]
 fn ops_cpu_dense_linear() -> anyhow::Result<()> {
     let tun = KernelTuning::default();
-    use candle_offload_models::layers::Linear;
+    use candle_offload_models::layers::{Linear, LinearWeight};
     let dev = Device::Cpu;
     for dtype in DTYPES {
         for (i, (xs, n)) in [
@@ -526,18 +526,18 @@ fn ops_cpu_dense_linear() -> anyhow::Result<()> {
             let want = f32(&x)?
                 .broadcast_matmul(&f32(&w)?.t()?)?
                 .broadcast_add(&f32(&b)?)?;
-            let linear = Linear::Dense(candle_nn::Linear::new(w.clone(), Some(b.clone())), tun);
+            let linear = Linear::new(LinearWeight::Dense(w.clone()), Some(b.clone()), tun);
             let got = linear.forward(&x)?;
             anyhow::ensure!(got.dtype() == dtype);
             ensure_close_values(&format!("cpu_dense {xs:?} x {n}"), &got, &want, dtype)?;
-            let no_bias = Linear::Dense(candle_nn::Linear::new(w.clone(), None), tun);
+            let no_bias = Linear::new(LinearWeight::Dense(w.clone()), None, tun);
             let want = f32(&x)?.broadcast_matmul(&f32(&w)?.t()?)?;
             ensure_close_values("cpu_dense no bias", &no_bias.forward(&x)?, &want, dtype)?;
         }
         // A strided input (a transposed view).
         let x = random(&[64, 3], 1.0, 990, dtype, &dev)?.t()?;
         let w = random(&[21, 64], 0.125, 991, dtype, &dev)?;
-        let got = Linear::Dense(candle_nn::Linear::new(w.clone(), None), tun).forward(&x)?;
+        let got = Linear::new(LinearWeight::Dense(w.clone()), None, tun).forward(&x)?;
         let want = x
             .to_dtype(DType::F32)?
             .matmul(&w.to_dtype(DType::F32)?.t()?)?;

@@ -1,4 +1,5 @@
-//! Attention: a decode step's few new positions over a KV cache ([`decode_attention`] and its
+//! Attention: one inference step's attention over a KV cache, which chooses its kernel itself
+//! ([`AttentionStep`]); a decode step's few new positions over a KV cache ([`decode_attention`] and its
 //! padded, device-position and 8-bit forms), a prompt's pass over it ([`prompt_attention`]),
 //! and causal self-attention for training with its own backward ([`flash_attention`],
 //! FlashAttention-2). On a CUDA device they run `kernels/attention.cu`, `kernels/flash.cu` and
@@ -14,6 +15,7 @@ mod flash;
 #[allow(unsafe_code)]
 mod flash_cuda;
 mod prompt;
+mod step;
 
 pub use decode::{
     decode_attention, decode_attention_at, decode_attention_padded, decode_attention_q8,
@@ -26,3 +28,6 @@ pub use flash::{
     FLASH_GPU_HEAD_DIMS,
 };
 pub use prompt::{prompt_attention, prompt_attention_supported};
+pub use step::{
+    AttentionKernel, AttentionShape, AttentionStep, StepInfo, StepMasks, DECODE_ATTENTION_MAX_NEW,
+};

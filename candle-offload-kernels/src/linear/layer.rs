@@ -124,7 +124,9 @@ impl Linear {
                     LinearKernel::SmallBlocks(self.tuning.qlinear_variant(q.dtype()))
                 }
                 Some(q) if prefill_applies(xs, q, &self.tuning) => LinearKernel::PrefillGemm,
-                Some(q) if xs.device().is_cpu() && q.device().is_cpu() => LinearKernel::CpuBlocks,
+                // The CPU matmul itself declines blocks it has no kernel for (and blocks off
+                // the CPU): Candle's then.
+                Some(_) if xs.device().is_cpu() => LinearKernel::CpuBlocks,
                 _ => LinearKernel::Candle,
             },
         })
@@ -207,22 +209,70 @@ impl Linear {
     /// ([`cpu_quant::forward_many`]); otherwise one by one. The results are each layer's
     /// [`forward`](Self::forward), up to the summation order of the kernel that ran.
     pub fn forward_many(xs: &Tensor, layers: &[&Linear]) -> Result<Vec<Tensor>> {
-        if let Some(ys) = one_launch(xs, layers)? {
-            return Ok(ys);
-        }
-        if layers.len() > 2 {
-            if let Some(OneLaunch::Blocks(ws)) = one_launch_weights(xs, &layers[..2])? {
-                let mut ys = qlinear_small_multi(xs, &ws, layers[0].tuning())?;
-                for l in &layers[2..] {
-                    ys.push(l.forward(xs)?);
-                }
+        Self::forward_many_with(xs, layers, true)
+    }
+
+    /// [`forward_many`](Self::forward_many), with `decode_kernels` as [`kernel`](Self::kernel)
+    /// takes it: off, no launch is shared on a GPU and each layer runs
+    /// [`forward_with`](Self::forward_with) off ([`forward_each`](Self::forward_each)).
+    pub fn forward_many_with(
+        xs: &Tensor,
+        layers: &[&Linear],
+        decode_kernels: bool,
+    ) -> Result<Vec<Tensor>> {
+        if decode_kernels {
+            if let Some(ys) = one_launch(xs, layers)? {
                 return Ok(ys);
             }
+            if layers.len() > 2 {
+                if let Some(OneLaunch::Blocks(ws)) = one_launch_weights(xs, &layers[..2])? {
+                    let mut ys = qlinear_small_multi(xs, &ws, layers[0].tuning())?;
+                    for l in &layers[2..] {
+                        ys.push(l.forward_with(xs, decode_kernels)?);
+                    }
+                    return Ok(ys);
+                }
+            }
         }
+        Self::forward_each(xs, layers, decode_kernels)
+    }
+
+    /// Each layer of `layers` on the same `xs` by its own kernel
+    /// ([`forward_with`](Self::forward_with) with `decode_kernels`), except that on the CPU
+    /// layers all of GGML blocks run in one pass of the worker pool
+    /// ([`cpu_quant::forward_many`]); no launch is shared on a GPU (a GeGLU's gate and up).
+    pub fn forward_each(
+        xs: &Tensor,
+        layers: &[&Linear],
+        decode_kernels: bool,
+    ) -> Result<Vec<Tensor>> {
         if let Some(ys) = cpu_blocks_many(xs, layers)? {
             return Ok(ys);
         }
-        layers.iter().map(|l| l.forward(xs)).collect()
+        layers
+            .iter()
+            .map(|l| l.forward_with(xs, decode_kernels))
+            .collect()
+    }
+
+    /// The training form: x (batch, seq, in) as one (batch·seq, in) matmul against the dense
+    /// weight, so that the weight's gradient is one GEMM (a broadcast weight's backward pass
+    /// would materialize and sum one per sequence); quantized weights have none.
+    pub fn forward_train(&self, xs: &Tensor) -> Result<Tensor> {
+        match &self.weight {
+            LinearWeight::Dense(w) => {
+                let (b, t, d) = xs.dims3()?;
+                let y = xs.reshape((b * t, d))?.matmul(&w.t()?)?;
+                let y = match &self.bias {
+                    Some(bias) => y.broadcast_add(bias)?,
+                    None => y,
+                };
+                y.reshape((b, t, ()))
+            }
+            LinearWeight::Quantized(_) => {
+                candle_core::bail!("quantized weights cannot be trained; load the model dense")
+            }
+        }
     }
 
     /// `silu(xs · gateᵀ) · (xs · upᵀ)` in one launch where a decode step's kernels take gate
@@ -392,6 +442,130 @@ mod tests {
         assert!(max_diff(&quant.forward(&x1)?, &want(&x1, &wq)?)? < 1e-4);
         assert!(max_diff(&quant.forward(&x20)?, &want(&x20, &wq)?)? < 1e-4);
         Ok(())
+    }
+
+    /// The kernel the models' own dispatch chose before it moved here (their `Linear`'s
+    /// `forward_step(xs, fused)`, which fell back to `forward`), written out as it was: the
+    /// reference [`Linear::kernel`] must equal.
+    fn models_choice(l: &Linear, xs: &Tensor, fused: bool) -> Result<LinearKernel> {
+        let rows = xs.elem_count() / xs.dim(D::Minus1)?.max(1);
+        let blocks = match &l.weight {
+            LinearWeight::Quantized(QMatMul::QTensor(q)) => Some(q),
+            _ => None,
+        };
+        if fused {
+            match (&l.weight, blocks) {
+                (LinearWeight::Dense(w), _)
+                    if xs.device().is_cuda() && rows <= 8 && w.dtype() == xs.dtype() =>
+                {
+                    return Ok(LinearKernel::SmallDense)
+                }
+                (_, Some(q)) if qlinear_small_fits(xs, &[q], &l.tuning)? => {
+                    return Ok(LinearKernel::SmallBlocks(
+                        l.tuning.qlinear_variant(q.dtype()),
+                    ))
+                }
+                _ => {}
+            }
+        }
+        Ok(match (&l.weight, blocks) {
+            // `cpu_dense::forward` was tried first: it runs where it applies.
+            (LinearWeight::Dense(w), _) if cpu_dense::applies(w, xs) => LinearKernel::CpuDense,
+            (LinearWeight::Dense(_), _) => LinearKernel::Candle,
+            // `qlinear_prefill` first, then `cpu_quant::forward` (which declines off the CPU).
+            (_, Some(q)) if prefill_applies(xs, q, &l.tuning) => LinearKernel::PrefillGemm,
+            (_, Some(_)) if xs.device().is_cpu() => LinearKernel::CpuBlocks,
+            _ => LinearKernel::Candle,
+        })
+    }
+
+    /// Over a table of weights (dense F32/F16/BF16, GGML blocks of several types, with and
+    /// without bias), x dtypes, rows (a decode step's, a few, a prompt's), the decode kernels
+    /// on and off and several tunings, [`Linear::kernel`] chooses what the models chose, and
+    /// [`Linear::forward_with`] computes.
+    fn choice_table(device: &Device) -> Result<()> {
+        let k = 256;
+        let w32 = ramp((32, k), 0.6)?.to_device(device)?;
+        let bias = ramp((1, 32), 1.1)?.flatten_all()?.to_device(device)?;
+        let mut weights = Vec::new();
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            weights.push(LinearWeight::Dense(w32.to_dtype(dtype)?));
+        }
+        for ty in [
+            GgmlDType::Q8_0,
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+        ] {
+            let q = QTensor::quantize_onto(&w32.to_device(&Device::Cpu)?, ty, device)?;
+            weights.push(LinearWeight::Quantized(QMatMul::QTensor(Arc::new(q))));
+        }
+        let default = KernelTuning::default();
+        let mut tunings = vec![default];
+        let mut t = default;
+        t.prefill_gemm = false;
+        t.cpu_kquants = Some(true);
+        t.qlinear_k = false;
+        tunings.push(t);
+        let mut t = default;
+        t.cpu_kquants = Some(false);
+        t.cpu_q8_activations = !default.cpu_q8_activations;
+        t.prefill_gemm_min_rows = 4;
+        tunings.push(t);
+        let mut cases = 0;
+        for w in &weights {
+            for b in [None, Some(bias.clone())] {
+                for tuning in &tunings {
+                    let l = Linear::new(w.clone(), b.clone(), *tuning);
+                    for x_dtype in [DType::F32, DType::F16] {
+                        for rows in [1, 3, 8, 9, 80] {
+                            let x = ramp((rows, k), 0.2)?
+                                .to_dtype(x_dtype)?
+                                .to_device(device)?
+                                .unsqueeze(0)?;
+                            for fused in [true, false] {
+                                let want = models_choice(&l, &x, fused)?;
+                                assert_eq!(
+                                    l.kernel(&x, fused)?,
+                                    want,
+                                    "{w:?} bias {} {tuning:?} {x_dtype:?} {rows} rows, \
+                                     decode kernels {fused}",
+                                    b.is_some()
+                                );
+                                // Dense weights of another dtype than x: Candle refuses them.
+                                let same_dtype = match w {
+                                    LinearWeight::Dense(w) => w.dtype() == x_dtype,
+                                    LinearWeight::Quantized(_) => true,
+                                };
+                                if same_dtype || want == LinearKernel::CpuDense {
+                                    let y = l.forward_with(&x, fused)?;
+                                    assert_eq!(y.dims(), &[1, rows, 32]);
+                                }
+                                cases += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(cases, 8 * 2 * 3 * 2 * 5 * 2);
+        Ok(())
+    }
+
+    #[test]
+    fn chooses_the_kernel_the_models_chose_on_the_cpu() -> Result<()> {
+        choice_table(&Device::Cpu)
+    }
+
+    /// The same table on a GPU, where there is one.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn chooses_the_kernel_the_models_chose_on_a_gpu() -> Result<()> {
+        match Device::new_cuda(0) {
+            Ok(device) => choice_table(&device),
+            Err(_) => Ok(()),
+        }
     }
 
     /// Several layers on one x give each layer's own result: blocks in one pass of the CPU

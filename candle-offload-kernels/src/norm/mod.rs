@@ -9,5 +9,7 @@ mod cuda;
 mod residual;
 mod train;
 
-pub use residual::{rms_norm_residual, rms_norm_residual_q8, rms_norm_residual_unfused};
+pub use residual::{
+    rms_norm_residual, rms_norm_residual_for, rms_norm_residual_q8, rms_norm_residual_unfused,
+};
 pub use train::{rms_norm, rms_norm_backward, rms_norm_composite};

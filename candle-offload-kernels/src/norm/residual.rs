@@ -195,6 +195,23 @@ pub fn rms_norm_residual_q8(
     rms_norm_residual(x, residual, weight, eps)
 }
 
+/// `norm(x + residual)` and the sum for the input of the linear layer `next`: where `next`
+/// takes x quantized ([`Linear::takes_quantized_x`](crate::linear::Linear::takes_quantized_x)),
+/// [`rms_norm_residual_q8`], else [`rms_norm_residual`]; the caller need not know which.
+pub fn rms_norm_residual_for(
+    x: &Tensor,
+    residual: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    next: &crate::linear::Linear,
+) -> Result<(Tensor, Tensor)> {
+    if next.takes_quantized_x() {
+        rms_norm_residual_q8(x, residual, weight, eps)
+    } else {
+        rms_norm_residual(x, residual, weight, eps)
+    }
+}
+
 /// The Candle composition [`rms_norm_residual`] replaces: an add, then Candle's RMSNorm.
 pub fn rms_norm_residual_unfused(
     x: &Tensor,

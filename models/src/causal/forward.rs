@@ -392,18 +392,20 @@ impl CausalLm {
                     };
                     match screened {
                         Some(logits) => logits,
-                        None => crate::layers::Linear::Quantized {
-                            weight: candle_core::quantized::QMatMul::from_arc(q)?,
-                            bias: None,
+                        None => crate::layers::Linear::new(
+                            crate::layers::LinearWeight::Quantized(
+                                candle_core::quantized::QMatMul::from_arc(q)?,
+                            ),
+                            None,
                             tuning,
-                        }
-                        .forward_step(&xs, self.stage_fused(stage))?,
+                        )
+                        .forward_with(&xs, self.stage_fused(stage))?,
                     }
                 }
                 None => {
                     let m = w.vb().get((vocab, hidden), "weight")?;
-                    crate::layers::Linear::Dense(candle_nn::Linear::new(m, None), tuning)
-                        .forward_step(&xs, self.stage_fused(stage))?
+                    crate::layers::Linear::new(crate::layers::LinearWeight::Dense(m), None, tuning)
+                        .forward_with(&xs, self.stage_fused(stage))?
                 }
             }
         }

@@ -6,17 +6,16 @@
 //! path.
 
 use candle_core::{DType, Result, Tensor, D};
-use candle_offload::kernels::attention::{flash_attention, flash_attention_supported};
+use candle_offload::kernels::attention::{
+    flash_attention, flash_attention_supported, AttentionShape, AttentionStep, StepInfo,
+};
 
-use super::cache::KvCache;
-use super::linear::{cpu_blocks_many, one_launch_weights, takes_quantized_x, Linear, OneLaunch};
 use super::norm::Norm;
+use super::cache::KvCache;
+use super::linear::{run, Linear};
 use crate::family::{Config, StepCtx, TrainCtx, UnitWeights};
 
-/// The most new positions per step that attention runs through the fused
-/// [`candle_offload::kernels::attention::decode_attention`] kernel (decode and short continuations); longer
-/// prompts use the matmul composition, which is faster there.
-pub const DECODE_ATTENTION_MAX_NEW: usize = 8;
+pub use candle_offload::kernels::attention::DECODE_ATTENTION_MAX_NEW;
 
 /// `cap · tanh(x / cap)` (Gemma 2's attention and final logit soft-capping).
 pub fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor> {
@@ -50,6 +49,18 @@ impl AttentionSpec {
             self.n_heads * self.head_dim,
             self.n_kv_heads * self.head_dim,
         )
+    }
+
+    /// The attention op's form of it ([`AttentionStep`]).
+    pub fn shape(&self) -> AttentionShape {
+        AttentionShape {
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            score_div: self.score_div,
+            softcap: self.softcap,
+            window: self.window,
+        }
     }
 
     /// Plain attention of `cfg`'s shape: scores over `sqrt(head_dim)`, no cap, no window.
@@ -159,57 +170,29 @@ impl SelfAttention {
         &self.spec
     }
 
-    /// Whether its input projection takes x quantized by the norm before it.
-    pub(super) fn takes_quantized_x(&self) -> bool {
+    /// The projection that reads its input (q, or the fused q/k/v).
+    pub(super) fn first(&self) -> &Linear {
         match &self.qkv {
-            Qkv::Separate { q, .. } => takes_quantized_x(q),
-            Qkv::Fused(l) => takes_quantized_x(l),
+            Qkv::Separate { q, .. } => q,
+            Qkv::Fused(l) => l,
         }
     }
 
     fn project(&self, xs: &Tensor, train: bool, fused: bool) -> Result<(Tensor, Tensor, Tensor)> {
-        if let (false, true, Qkv::Separate { q, k, v }) = (train, fused, &self.qkv) {
-            if let Some(ws) = one_launch_weights(xs, &[q, k, v])? {
-                // q, k and v in one kernel, each written contiguous.
-                let out = match ws {
-                    OneLaunch::Dense(ws) => {
-                        candle_offload::kernels::linear::linear_small_multi(xs, &ws)?
-                    }
-                    OneLaunch::Blocks(ws) => {
-                        candle_offload::kernels::linear::qlinear_small_multi(xs, &ws, q.tuning())?
-                    }
-                };
-                let mut out = out.into_iter();
-                let mut next = || out.next().expect("three outputs");
-                return Ok((next(), next(), next()));
-            }
-            // Blocks of two types (Q4_K_M keeps v in Q6_K in some layers): q and k in one
-            // kernel, v in its own.
-            if let Some(OneLaunch::Blocks(ws)) = one_launch_weights(xs, &[q, k])? {
-                let mut out =
-                    candle_offload::kernels::linear::qlinear_small_multi(xs, &ws, q.tuning())?
-                        .into_iter();
-                let mut next = || out.next().expect("two outputs");
-                let (q, k) = (next(), next());
-                return Ok((q, k, v.run_with(xs, train, fused)?));
-            }
-        }
-        if let (false, Qkv::Separate { q, k, v }) = (train, &self.qkv) {
-            // A CPU decode step: q, k and v in one pass of the matmul pool.
-            if let Some(ys) = cpu_blocks_many(xs, &[q, k, v])? {
-                let mut ys = ys.into_iter();
-                let mut next = || ys.next().expect("three outputs");
-                return Ok((next(), next(), next()));
-            }
-        }
         match &self.qkv {
+            // q, k and v in one launch (each written contiguous) where the linear op can.
+            Qkv::Separate { q, k, v } if !train => {
+                let mut out = Linear::forward_many_with(xs, &[q, k, v], fused)?.into_iter();
+                let mut next = || out.next().expect("three outputs");
+                Ok((next(), next(), next()))
+            }
             Qkv::Separate { q, k, v } => Ok((
-                q.run_with(xs, train, fused)?,
-                k.run_with(xs, train, fused)?,
-                v.run_with(xs, train, fused)?,
+                run(q, xs, train, fused)?,
+                run(k, xs, train, fused)?,
+                run(v, xs, train, fused)?,
             )),
             Qkv::Fused(l) => {
-                let all = l.run_with(xs, train, fused)?;
+                let all = run(l, xs, train, fused)?;
                 let (q, kv) = self.spec.widths();
                 Ok((
                     all.narrow(D::Minus1, 0, q)?,
@@ -221,7 +204,8 @@ impl SelfAttention {
     }
 
     /// Inference over `xs` (batch, seq, hidden) at positions `ctx.index_pos..`, appending to
-    /// `kv`.
+    /// `kv`: the attention op ([`AttentionStep`]) chooses its kernel and runs it with the
+    /// output projection.
     pub fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Tensor> {
         let s = &self.spec;
         let (b, seq_len, _) = xs.dims3()?;
@@ -230,159 +214,57 @@ impl SelfAttention {
         let (q, k, v) = self.project(xs, false, ctx.fused)?;
         let (q, k) = self.norm_qk(q, k, false)?;
         let rope = ctx.rope.for_layer(s.local_rope);
-        // The fused attention kernel; on the CPU also for a decode step of unfused ops, where
-        // it replaces about ten small Candle ops per layer (casts, matmuls through the GEMM,
-        // mask, softmax) with one loop over the cache.
-        let cpu_step = xs.device().is_cpu() && seq_len == 1;
-        let decode = (ctx.fused || cpu_step)
-            && s.softcap.is_none()
-            && seq_len <= DECODE_ATTENTION_MAX_NEW
-            && (!ctx.masks.is_padded() || padded_decode(ctx, s));
+        let step = AttentionStep::new(
+            s.shape(),
+            &q,
+            StepInfo {
+                index_pos: ctx.index_pos,
+                fused: ctx.fused,
+                pos: ctx.pos_dev,
+                masks: ctx.masks,
+                tuning: self.o_proj.tuning(),
+            },
+        )?;
         let heads = |t: Tensor, n: usize| t.reshape((b, seq_len, n, s.head_dim));
-        // The decode attention's output as the output projection's rows: with `q8` the kernels
-        // hand them over already flat (and quantized), otherwise (b, new, heads, head_dim).
-        let q8 = takes_quantized_x(&self.o_proj);
-        let rows = |y: Tensor| -> Result<Tensor> {
-            if q8 {
-                Ok(y)
-            } else {
-                y.reshape((b, seq_len, s.n_heads * s.head_dim))
-            }
-        };
-        if let Some(pos) = ctx.pos_dev {
+        let (q, k, v) = match ctx.pos_dev {
             // A captured step: the position is read on the device, by the two kernels that
             // depend on it, so that every replay of the graph runs at its own position.
-            // A padded batch's counts are read on the device too (the graph's inputs).
-            if !(ctx.fused && decode) {
-                candle_core::bail!(
-                    "this attention (soft-capping, a new position in a row's padding or \
-                     unfused ops) cannot run in a captured step"
-                );
-            }
-            let (q, k, v) = kv.append_rotated_at(
+            Some(pos) if step.rotates_into_cache() => kv.append_rotated_at(
                 &heads(q, s.n_heads)?,
                 &heads(k, s.n_kv_heads)?,
                 &heads(v, s.n_kv_heads)?,
                 rope,
                 pos,
-            )?;
-            let y = candle_offload::kernels::attention::decode_attention_at(
-                &q,
-                &k,
-                &v,
-                1.0 / s.score_div,
-                s.window,
-                pos,
-                ctx.masks.pads_tensor()?.as_ref(),
-                q8,
-            )?;
-            return self.o_proj.forward_step(&rows(y)?, ctx.fused);
-        }
-        let (q, k, v) = if ctx.fused && decode {
-            // One kernel rotates q and k from the projections' layout and writes k and v
-            // into the cache.
-            kv.append_rotated(
+            )?,
+            // The attention op refuses it.
+            Some(_) => (q, k, v),
+            // One kernel rotates q and k from the projections' layout and writes k and v into
+            // the cache.
+            None if step.rotates_into_cache() => kv.append_rotated(
                 &heads(q, s.n_heads)?,
                 &heads(k, s.n_kv_heads)?,
                 &heads(v, s.n_kv_heads)?,
                 rope,
                 ctx.index_pos,
-            )?
-        } else {
-            let (q, k) = if ctx.fused {
-                // One kernel reads both in the projections' layout and writes them transposed.
-                let (q, k) = (heads(q, s.n_heads)?, heads(k, s.n_kv_heads)?);
-                rope.apply_qk(&q, &k, ctx.index_pos)?
-            } else {
-                (
-                    rope.apply(&shape(q, s.n_heads)?, ctx.index_pos)?,
-                    rope.apply(&shape(k, s.n_kv_heads)?, ctx.index_pos)?,
-                )
-            };
-            let v = shape(v, s.n_kv_heads)?.contiguous()?;
-            let (k, v) = kv.append(&k.contiguous()?, &v)?;
-            (q, k, v)
-        };
-        if decode {
-            // One kernel over the cache's views: no repeat, cast, copy, mask or softmax ops.
-            let scale = 1.0 / s.score_div;
-            let y = match ctx.masks.pads_tensor()? {
-                // Each row's padding is left out by the kernel itself.
-                Some(pads) => candle_offload::kernels::attention::decode_attention_padded(
-                    &q, &k, &v, scale, s.window, &pads, q8,
-                )?,
-                // The kernel also quantizes its rows for the output projection.
-                None if q8 => candle_offload::kernels::attention::decode_attention_q8(
-                    &q, &k, &v, scale, s.window,
-                )?,
-                None => candle_offload::kernels::attention::decode_attention(
-                    &q, &k, &v, scale, s.window,
-                )?,
-            };
-            return self.o_proj.forward_step(&rows(y)?, ctx.fused);
-        }
-        if s.softcap.is_none()
-            && s.window.is_none()
-            && !ctx.masks.is_padded()
-            && candle_offload::kernels::attention::prompt_attention_supported(
-                xs.device(),
-                q.dtype(),
-                s.head_dim,
-                self.o_proj.tuning(),
-            )
-        {
-            // One flash-attention kernel over the cache's views: no F32 copies, no score
-            // matrix, no mask or softmax launches.
-            let y = candle_offload::kernels::attention::prompt_attention(
-                &q,
-                &k,
-                &v,
-                1.0 / s.score_div,
-                self.o_proj.tuning(),
-            )?;
-            return self
-                .o_proj
-                .forward(&y.reshape((b, seq_len, s.n_heads * s.head_dim))?);
-        }
-        // Grouped-query attention without repeating k and v: the `rep` query heads of each kv
-        // head are rows of one matmul against that head's keys, read from the cache's views
-        // as they are (a repeat copied the whole cache `rep` times per layer and step).
-        let rep = s.n_heads / s.n_kv_heads;
-        let kv_len = k.dim(2)?;
-        // Scores, softmax and the weighted sum in f32, as the reference implementations do.
-        let in_dtype = q.dtype();
-        let (q, k, v) = (
-            q.to_dtype(DType::F32)?,
-            k.to_dtype(DType::F32)?,
-            v.to_dtype(DType::F32)?,
-        );
-        let q = q
-            .contiguous()?
-            .reshape((b, s.n_kv_heads, rep * seq_len, s.head_dim))?;
-        let att = (q.matmul(&k.t()?)? / s.score_div)?;
-        let att = match s.softcap {
-            Some(cap) => soft_cap(&att, cap)?,
-            None => att,
-        };
-        let att = match ctx.masks.get(s.window)? {
-            Some(m) => {
-                // (seq, kv_len) or (b, 1, seq, kv_len) against (b, kv heads, rep, seq, kv_len).
-                let m = if m.rank() == 4 { m.unsqueeze(1)? } else { m };
-                att.reshape((b, s.n_kv_heads, rep, seq_len, kv_len))?
-                    .broadcast_add(&m)?
-                    .reshape((b, s.n_kv_heads, rep * seq_len, kv_len))?
+            )?,
+            None => {
+                let (q, k) = if ctx.fused {
+                    // One kernel reads both in the projections' layout and writes them
+                    // transposed.
+                    let (q, k) = (heads(q, s.n_heads)?, heads(k, s.n_kv_heads)?);
+                    rope.apply_qk(&q, &k, ctx.index_pos)?
+                } else {
+                    (
+                        rope.apply(&shape(q, s.n_heads)?, ctx.index_pos)?,
+                        rope.apply(&shape(k, s.n_kv_heads)?, ctx.index_pos)?,
+                    )
+                };
+                let v = shape(v, s.n_kv_heads)?.contiguous()?;
+                let (k, v) = kv.append(&k.contiguous()?, &v)?;
+                (q, k, v)
             }
-            None => att,
         };
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let y = att
-            .matmul(&v)?
-            .reshape((b, s.n_heads, seq_len, s.head_dim))?
-            .to_dtype(in_dtype)?;
-        let y = y
-            .transpose(1, 2)?
-            .reshape((b, seq_len, s.n_heads * s.head_dim))?;
-        self.o_proj.forward(&y)
+        step.forward(&q, &k, &v, &self.o_proj)
     }
 
     /// Causal self-attention over the whole sequence with differentiable ops (training).
@@ -467,12 +349,4 @@ fn train_attention(
     };
     let att = candle_nn::ops::softmax(&att, D::Minus1)?.to_dtype(dtype)?;
     att.matmul(v)
-}
-
-/// Whether a padded batch's step can take the decode attention kernel, which leaves each row's
-/// padding out itself: every new position past every row's padding (the decode steps after a
-/// padded prompt), and a head dim the kernel takes.
-fn padded_decode(ctx: &StepCtx<'_>, s: &AttentionSpec) -> bool {
-    ctx.masks.pads().iter().all(|&p| p <= ctx.index_pos)
-        && s.head_dim <= candle_offload::kernels::attention::ATTENTION_MAX_HEAD_DIM
 }

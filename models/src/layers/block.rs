@@ -6,6 +6,7 @@ use candle_core::{Result, Tensor};
 
 use super::attention::SelfAttention;
 use super::cache::KvCache;
+use super::linear::Linear;
 use super::mlp::GatedMlp;
 use super::norm::Norm;
 use crate::family::{DecoderBlock, Hidden, StepCtx, TrainCtx};
@@ -29,23 +30,24 @@ pub struct PreNormBlock {
     pub post_mlp_norm: Option<Norm>,
 }
 
-/// `norm(a + b)` and the sum: in one kernel ([`candle_offload::kernels::norm::rms_norm_residual`]) on a
-/// fused step with an RMSNorm computed in the inputs' dtype, all three of one dtype, which with
-/// `q8` (the next matmul takes x quantized: `takes_quantized_x`) also quantizes the normed rows
-/// ([`candle_offload::kernels::norm::rms_norm_residual_q8`]); otherwise the add, then the norm.
+/// `norm(a + b)` and the sum: in one kernel on a fused step with an RMSNorm computed in the
+/// inputs' dtype, all three of one dtype, the normed rows made for `next`, the linear layer
+/// that reads them ([`candle_offload::kernels::norm::rms_norm_residual_for`]); otherwise the
+/// add, then the norm.
 fn add_norm(
     norm: &Norm,
     ctx: &StepCtx<'_>,
     a: Tensor,
     b: Tensor,
-    q8: bool,
+    next: &Linear,
 ) -> Result<(Tensor, Tensor)> {
     let fusable = norm
         .rms_parts()
         .filter(|(w, _)| ctx.fused && w.dtype() == a.dtype() && b.dtype() == a.dtype());
     match fusable {
-        Some((w, eps)) if q8 => candle_offload::kernels::norm::rms_norm_residual_q8(&a, &b, w, eps),
-        Some((w, eps)) => candle_offload::kernels::norm::rms_norm_residual(&a, &b, w, eps),
+        Some((w, eps)) => {
+            candle_offload::kernels::norm::rms_norm_residual_for(&a, &b, w, eps, next)
+        }
         None => {
             let sum = (a + b)?;
             let normed = norm.forward(&sum)?;
@@ -68,13 +70,9 @@ impl DecoderBlock for PreNormBlock {
                 let normed = self.input_norm.forward(&xs)?;
                 (xs, normed)
             }
-            Hidden::Split { h, residual } => add_norm(
-                &self.input_norm,
-                ctx,
-                h,
-                residual,
-                self.attn.takes_quantized_x(),
-            )?,
+            Hidden::Split { h, residual } => {
+                add_norm(&self.input_norm, ctx, h, residual, self.attn.first())?
+            }
         };
         let h = self.attn.forward(&normed, ctx, kv)?;
         let h = match &self.post_attn_norm {
@@ -82,13 +80,7 @@ impl DecoderBlock for PreNormBlock {
             None => h,
         };
         // The residual add and the norm after it in one kernel where it can.
-        let (xs, normed) = add_norm(
-            &self.pre_mlp_norm,
-            ctx,
-            h,
-            residual,
-            self.mlp.takes_quantized_x(),
-        )?;
+        let (xs, normed) = add_norm(&self.pre_mlp_norm, ctx, h, residual, self.mlp.first())?;
         let h = if ctx.fused {
             self.mlp.forward_fused(&normed)?
         } else {

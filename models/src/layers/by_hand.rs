@@ -29,7 +29,7 @@ use candle_offload::train::grad::with_gradient;
 
 use super::attention::Qkv;
 use super::block::PreNormBlock;
-use super::linear::Linear;
+use super::linear::{Linear, LinearWeight};
 use super::mlp::{Activation, GateUp};
 use super::norm::Norm;
 use crate::family::{TrainCtx, WeightGradSink};
@@ -44,14 +44,16 @@ struct Proj {
 
 impl Proj {
     fn of(l: &Linear, dtype: DType) -> Option<Self> {
-        let Linear::Dense(d, _) = l else { return None };
-        if d.weight().dtype() != dtype || d.weight().rank() != 2 {
+        let LinearWeight::Dense(w) = l.weight() else {
+            return None;
+        };
+        if w.dtype() != dtype || w.rank() != 2 {
             return None;
         }
         Some(Self {
-            served: d.weight().clone(),
-            w: d.weight().detach(),
-            bias: d.bias().map(|b| (b.clone(), b.detach())),
+            served: w.clone(),
+            w: w.detach(),
+            bias: l.bias().map(|b| (b.clone(), b.detach())),
         })
     }
 

@@ -406,6 +406,21 @@ impl Masks {
     }
 }
 
+/// What the attention op reads of a pass's masks.
+impl candle_offload::kernels::attention::StepMasks for Masks {
+    fn pads(&self) -> &[usize] {
+        Masks::pads(self)
+    }
+
+    fn pads_tensor(&self) -> Result<Option<Tensor>> {
+        Masks::pads_tensor(self)
+    }
+
+    fn mask(&self, window: Option<usize>) -> Result<Option<Tensor>> {
+        self.get(window)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -497,3 +512,4 @@ mod tests {
         Ok(())
     }
 }
+

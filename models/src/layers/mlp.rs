@@ -3,7 +3,7 @@
 
 use candle_core::{Result, Tensor, D};
 
-use super::linear::{cpu_blocks_many, one_launch_weights, takes_quantized_x, Linear, OneLaunch};
+use super::linear::{run, Linear};
 use crate::family::UnitWeights;
 
 /// The gate's activation in a gated MLP.
@@ -88,11 +88,11 @@ impl GatedMlp {
         })
     }
 
-    /// Whether its gate (and up) projection takes x quantized by the norm before it.
-    pub(super) fn takes_quantized_x(&self) -> bool {
+    /// The projection that reads its input (the gate, or the fused gate/up).
+    pub(super) fn first(&self) -> &Linear {
         match &self.gate_up {
-            GateUp::Separate { gate, .. } => takes_quantized_x(gate),
-            GateUp::Fused(l) => takes_quantized_x(l),
+            GateUp::Separate { gate, .. } => gate,
+            GateUp::Fused(l) => l,
         }
     }
 
@@ -100,48 +100,22 @@ impl GatedMlp {
         if let (false, true, Activation::Silu, GateUp::Separate { gate, up }) =
             (train, fused, self.act, &self.gate_up)
         {
-            if let Some(ws) = one_launch_weights(xs, &[gate, up])? {
-                // Gate, up and SiLU · mul in one kernel.
-                let x = match ws {
-                    OneLaunch::Dense(ws) => {
-                        candle_offload::kernels::linear::linear_silu_mul(xs, ws[0], ws[1])?
-                    }
-                    // The kernel also quantizes its output for the down projection.
-                    OneLaunch::Blocks(ws) if takes_quantized_x(&self.down) => {
-                        candle_offload::kernels::linear::qlinear_silu_mul_q8(
-                            xs,
-                            ws[0],
-                            ws[1],
-                            gate.tuning(),
-                        )?
-                    }
-                    OneLaunch::Blocks(ws) => candle_offload::kernels::linear::qlinear_silu_mul(
-                        xs,
-                        ws[0],
-                        ws[1],
-                        gate.tuning(),
-                    )?,
-                };
-                return self.down.run_with(&x, train, fused);
+            // Gate, up and SiLU · mul in one kernel where the linear op has one for them.
+            if let Some(x) = Linear::silu_gate_up(xs, gate, up, Some(&self.down))? {
+                return run(&self.down, &x, train, fused);
             }
         }
-        // A CPU decode step: gate and up in one pass of the matmul pool.
-        let both = match (&self.gate_up, train) {
-            (GateUp::Separate { gate, up }, false) => cpu_blocks_many(xs, &[gate, up])?,
-            _ => None,
-        };
-        let (gate, up) = match (&self.gate_up, both) {
-            (_, Some(ys)) => {
-                let mut ys = ys.into_iter();
+        let (gate, up) = match &self.gate_up {
+            GateUp::Separate { gate, up } if !train => {
+                let mut ys = Linear::forward_each(xs, &[gate, up], fused)?.into_iter();
                 let mut next = || ys.next().expect("two outputs");
                 (next(), next())
             }
-            (GateUp::Separate { gate, up }, None) => (
-                gate.run_with(xs, train, fused)?,
-                up.run_with(xs, train, fused)?,
-            ),
-            (GateUp::Fused(l), None) => {
-                let both = l.run_with(xs, train, fused)?;
+            GateUp::Separate { gate, up } => {
+                (run(gate, xs, train, fused)?, run(up, xs, train, fused)?)
+            }
+            GateUp::Fused(l) => {
+                let both = run(l, xs, train, fused)?;
                 let i = self.intermediate;
                 (both.narrow(D::Minus1, 0, i)?, both.narrow(D::Minus1, i, i)?)
             }
@@ -156,7 +130,7 @@ impl GatedMlp {
         } else {
             (self.act.apply(&gate)? * up)?
         };
-        self.down.run_with(&x, train, fused)
+        run(&self.down, &x, train, fused)
     }
 
     /// Inference.

@@ -1,0 +1,240 @@
+//! One inference step's attention over a KV cache, whatever the step ([`AttentionStep`]): it
+//! chooses its kernel once, in [`AttentionStep::new`], from the device, the dtype, the new
+//! positions, the scoring, the padding and the [`KernelTuning`] (the decode kernel, the
+//! prompt's flash kernel, or the composition), and runs it with the output projection after
+//! it. The model code calls one op and knows nothing of the kernels' forms.
+
+use candle_core::{DType, Result, Tensor};
+
+use crate::attention::decode::{
+    decode_attention, decode_attention_at, decode_attention_padded, decode_attention_q8,
+};
+use crate::attention::dims::ATTENTION_MAX_HEAD_DIM;
+use crate::attention::prompt::{prompt_attention, prompt_attention_supported};
+use crate::linear::Linear;
+use crate::tuning::KernelTuning;
+
+/// The most new positions per step that attention runs through the decode kernel
+/// ([`decode_attention`]: decode and short continuations); longer prompts use the prompt
+/// kernel or the matmul composition, which are faster there.
+pub const DECODE_ATTENTION_MAX_NEW: usize = 8;
+
+/// The masks of a step, as the caller keeps them (made once per pass, shared by the layers).
+pub trait StepMasks: std::fmt::Debug {
+    /// Each batch row's left padding (empty: none).
+    fn pads(&self) -> &[usize];
+    /// [`pads`](Self::pads) as u32 on the step's device (what [`decode_attention_padded`]
+    /// reads); `None` without padding.
+    fn pads_tensor(&self) -> Result<Option<Tensor>>;
+    /// The additive mask of a layer with this sliding window ((new, cached), or (batch, 1, new,
+    /// cached) for a padded batch); `None` when nothing needs hiding.
+    fn mask(&self, window: Option<usize>) -> Result<Option<Tensor>>;
+}
+
+/// What a step's attention computes, and the step it runs in.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (GQA: fewer; MQA: one).
+    pub n_kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// Scores are divided by this.
+    pub score_div: f64,
+    /// Soft-capping of the scores before the mask (`cap · tanh(s / cap)`).
+    pub softcap: Option<f64>,
+    /// Keys further back than this are hidden (sliding-window layers).
+    pub window: Option<usize>,
+}
+
+/// The kernel an [`AttentionStep`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AttentionKernel {
+    /// [`decode_attention`] over the cache's views (its padded, device-position and 8-bit
+    /// forms as the step needs): q (batch, heads, new, head_dim).
+    Decode,
+    /// [`prompt_attention`], one flash-attention kernel over the cache's views.
+    Prompt,
+    /// The composition: grouped-query matmuls in F32, the soft cap, the mask and the softmax.
+    Composition,
+}
+
+/// The step an attention runs in, the same for every layer of a pass.
+#[derive(Debug, Clone, Copy)]
+pub struct StepInfo<'a> {
+    /// Positions already cached before the new ones.
+    pub index_pos: usize,
+    /// The step's fused ops (and the decode kernels) on.
+    pub fused: bool,
+    /// A captured step's position, read on the device (one u32).
+    pub pos: Option<&'a Tensor>,
+    /// The pass's masks and padding.
+    pub masks: &'a dyn StepMasks,
+    /// The kernel choices.
+    pub tuning: &'a KernelTuning,
+}
+
+/// One inference step's attention in one layer: its shape, the step and the kernel chosen.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionStep<'a> {
+    shape: AttentionShape,
+    new: usize,
+    step: StepInfo<'a>,
+    kernel: AttentionKernel,
+}
+
+impl<'a> AttentionStep<'a> {
+    /// The attention of `q` (batch, new, heads · head_dim, as the projection gives it) in
+    /// `step`. Its kernel: the decode kernel for at most [`DECODE_ATTENTION_MAX_NEW`] new
+    /// positions of a fused step (or a CPU step of one position), without a soft cap, and a
+    /// padded batch's only past every row's padding with a head dim the kernel takes; else the
+    /// prompt kernel without a soft cap, window or padding where
+    /// [`prompt_attention_supported`]; else the composition.
+    pub fn new(shape: AttentionShape, q: &Tensor, step: StepInfo<'a>) -> Result<Self> {
+        let new = q.dim(1)?;
+        let device = q.device();
+        let pads = step.masks.pads();
+        let cpu_step = device.is_cpu() && new == 1;
+        let padded_decode =
+            pads.iter().all(|&p| p <= step.index_pos) && shape.head_dim <= ATTENTION_MAX_HEAD_DIM;
+        let decode = (step.fused || cpu_step)
+            && shape.softcap.is_none()
+            && new <= DECODE_ATTENTION_MAX_NEW
+            && (pads.is_empty() || padded_decode);
+        let kernel = if decode {
+            AttentionKernel::Decode
+        } else if shape.softcap.is_none()
+            && shape.window.is_none()
+            && pads.is_empty()
+            && prompt_attention_supported(device, q.dtype(), shape.head_dim, step.tuning)
+        {
+            AttentionKernel::Prompt
+        } else {
+            AttentionKernel::Composition
+        };
+        Ok(Self {
+            shape,
+            new,
+            step,
+            kernel,
+        })
+    }
+
+    /// The kernel it runs.
+    pub fn kernel(&self) -> AttentionKernel {
+        self.kernel
+    }
+
+    /// Whether the caller hands q, k and v over as the fused step's RoPE-into-the-cache kernel
+    /// writes them (a fused decode step: [`crate::rope::rope_qk_cache`]).
+    pub fn rotates_into_cache(&self) -> bool {
+        self.step.fused && self.kernel == AttentionKernel::Decode
+    }
+
+    /// The attention of q (batch, heads, new, head_dim) over the cache's k and v (batch, kv
+    /// heads, cached, head_dim), then `out`, the output projection, on its rows: by the
+    /// chosen kernel, the decode kernel writing its rows quantized where `out` takes them so
+    /// ([`Linear::takes_quantized_x`]). A captured step runs the decode kernel only, else
+    /// fails.
+    pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Linear) -> Result<Tensor> {
+        let masks = self.step.masks;
+        if self.step.pos.is_some() && !self.rotates_into_cache() {
+            candle_core::bail!(
+                "this attention (soft-capping, a new position in a row's padding or unfused \
+                 ops) cannot run in a captured step"
+            );
+        }
+        let s = &self.shape;
+        let b = q.dim(0)?;
+        let hidden = s.n_heads * s.head_dim;
+        match self.kernel {
+            AttentionKernel::Decode => {
+                // One kernel over the cache's views: no repeat, cast, copy, mask or softmax.
+                let q8 = out.takes_quantized_x();
+                let scale = 1.0 / s.score_div;
+                let pads = masks.pads_tensor()?;
+                let y = match (self.step.pos, pads) {
+                    // Read on the device, so that each replay of a graph runs at its own.
+                    (Some(pos), pads) => {
+                        decode_attention_at(q, k, v, scale, s.window, pos, pads.as_ref(), q8)?
+                    }
+                    // Each row's padding is left out by the kernel itself.
+                    (None, Some(pads)) => {
+                        decode_attention_padded(q, k, v, scale, s.window, &pads, q8)?
+                    }
+                    // The kernel also quantizes its rows for the output projection.
+                    (None, None) if q8 => decode_attention_q8(q, k, v, scale, s.window)?,
+                    (None, None) => decode_attention(q, k, v, scale, s.window)?,
+                };
+                // With `q8` the rows come flat already (and their quantized copy is kept for
+                // this very tensor); otherwise (b, new, heads, head_dim).
+                let rows = if q8 {
+                    y
+                } else {
+                    y.reshape((b, self.new, hidden))?
+                };
+                out.forward_with(&rows, self.step.fused)
+            }
+            AttentionKernel::Prompt => {
+                // One flash-attention kernel over the cache's views: no F32 copies, no score
+                // matrix, no mask or softmax launches.
+                let y = prompt_attention(q, k, v, 1.0 / s.score_div, self.step.tuning)?;
+                out.forward_with(&y.reshape((b, self.new, hidden))?, false)
+            }
+            AttentionKernel::Composition => {
+                let y = self.composition(q, k, v, masks.mask(s.window)?)?;
+                out.forward_with(&y, false)
+            }
+        }
+    }
+
+    /// Grouped-query attention without repeating k and v: the `rep` query heads of each kv
+    /// head are rows of one matmul against that head's keys, read from the cache's views as
+    /// they are; scores, softmax and the weighted sum in F32, as the reference implementations
+    /// do. Returns (batch, new, heads · head_dim) in q's dtype.
+    fn composition(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<Tensor>,
+    ) -> Result<Tensor> {
+        let s = &self.shape;
+        let (b, seq_len) = (q.dim(0)?, self.new);
+        let rep = s.n_heads / s.n_kv_heads;
+        let kv_len = k.dim(2)?;
+        let in_dtype = q.dtype();
+        let (q, k, v) = (
+            q.to_dtype(DType::F32)?,
+            k.to_dtype(DType::F32)?,
+            v.to_dtype(DType::F32)?,
+        );
+        let q = q
+            .contiguous()?
+            .reshape((b, s.n_kv_heads, rep * seq_len, s.head_dim))?;
+        let att = (q.matmul(&k.t()?)? / s.score_div)?;
+        let att = match s.softcap {
+            Some(cap) => ((&att / cap)?.tanh()? * cap)?,
+            None => att,
+        };
+        let att = match mask {
+            Some(m) => {
+                // (seq, kv_len) or (b, 1, seq, kv_len) against (b, kv heads, rep, seq, kv_len).
+                let m = if m.rank() == 4 { m.unsqueeze(1)? } else { m };
+                att.reshape((b, s.n_kv_heads, rep, seq_len, kv_len))?
+                    .broadcast_add(&m)?
+                    .reshape((b, s.n_kv_heads, rep * seq_len, kv_len))?
+            }
+            None => att,
+        };
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let y = att
+            .matmul(&v)?
+            .reshape((b, s.n_heads, seq_len, s.head_dim))?
+            .to_dtype(in_dtype)?;
+        y.transpose(1, 2)?
+            .reshape((b, seq_len, s.n_heads * s.head_dim))
+    }
+}
