@@ -238,3 +238,149 @@ impl<'a> AttentionStep<'a> {
             .reshape((b, seq_len, s.n_heads * s.head_dim))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::linear::LinearWeight;
+    use candle_core::Device;
+
+    /// Masks of a step without a sliding window: each row's padding, the causal mask of `new`
+    /// positions after `index_pos`.
+    #[derive(Debug)]
+    struct TestMasks {
+        pads: Vec<usize>,
+        new: usize,
+        index_pos: usize,
+    }
+
+    impl StepMasks for TestMasks {
+        fn pads(&self) -> &[usize] {
+            &self.pads
+        }
+
+        fn pads_tensor(&self) -> Result<Option<Tensor>> {
+            if self.pads.is_empty() {
+                return Ok(None);
+            }
+            let pads: Vec<u32> = self.pads.iter().map(|&p| p as u32).collect();
+            Ok(Some(Tensor::new(pads, &Device::Cpu)?))
+        }
+
+        fn mask(&self, _window: Option<usize>) -> Result<Option<Tensor>> {
+            let kv = self.index_pos + self.new;
+            let m: Vec<f32> = (0..self.new)
+                .flat_map(|i| {
+                    (0..kv).map(move |j| {
+                        if j > self.index_pos + i {
+                            f32::NEG_INFINITY
+                        } else {
+                            0.0
+                        }
+                    })
+                })
+                .collect();
+            Ok(Some(Tensor::from_vec(m, (self.new, kv), &Device::Cpu)?))
+        }
+    }
+
+    fn shape(head_dim: usize, softcap: Option<f64>) -> AttentionShape {
+        AttentionShape {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim,
+            score_div: (head_dim as f64).sqrt(),
+            softcap,
+            window: None,
+        }
+    }
+
+    fn kernel(
+        shape: AttentionShape,
+        new: usize,
+        index_pos: usize,
+        pads: &[usize],
+        fused: bool,
+    ) -> Result<AttentionKernel> {
+        let tuning = KernelTuning::default();
+        let masks = TestMasks {
+            pads: pads.to_vec(),
+            new,
+            index_pos,
+        };
+        let q = Tensor::zeros((1, new, 4 * shape.head_dim), DType::F32, &Device::Cpu)?;
+        let info = StepInfo {
+            index_pos,
+            fused,
+            pos: None,
+            masks: &masks,
+            tuning: &tuning,
+        };
+        Ok(AttentionStep::new(shape, &q, info)?.kernel())
+    }
+
+    /// The choice the models' attention made: the decode kernel for a fused step of at most 8
+    /// new positions or a CPU step of one, not with a soft cap, and a padded batch's only past
+    /// every row's padding with a head dim the kernel takes; else (on the CPU, where there is
+    /// no prompt kernel) the composition.
+    #[test]
+    fn chooses_the_kernel_the_models_chose() -> Result<()> {
+        use AttentionKernel::{Composition, Decode};
+        let plain = shape(64, None);
+        assert_eq!(kernel(plain, 1, 5, &[], true)?, Decode);
+        assert_eq!(kernel(plain, 8, 5, &[], true)?, Decode);
+        assert_eq!(kernel(plain, 9, 5, &[], true)?, Composition);
+        assert_eq!(kernel(plain, 1, 5, &[], false)?, Decode);
+        assert_eq!(kernel(plain, 2, 5, &[], false)?, Composition);
+        assert_eq!(kernel(shape(64, Some(50.0)), 1, 5, &[], true)?, Composition);
+        assert_eq!(kernel(plain, 1, 3, &[3, 0], true)?, Decode);
+        assert_eq!(kernel(plain, 1, 2, &[3, 0], true)?, Composition);
+        assert_eq!(kernel(shape(512, None), 1, 3, &[3, 0], true)?, Composition);
+        assert_eq!(kernel(shape(512, None), 1, 3, &[], true)?, Decode);
+        Ok(())
+    }
+
+    /// The decode kernel and the composition give the same rows through the output projection.
+    #[test]
+    fn decode_and_composition_agree() -> Result<()> {
+        let (d, new, index_pos) = (32, 2, 5);
+        let cached = index_pos + new;
+        let dev = Device::Cpu;
+        let ramp = |shape: (usize, usize, usize, usize), seed: f32| -> Result<Tensor> {
+            let n = shape.0 * shape.1 * shape.2 * shape.3;
+            let v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.71 + seed).sin()).collect();
+            Tensor::from_vec(v, shape, &dev)
+        };
+        let q = ramp((1, 4, new, d), 0.1)?;
+        let k = ramp((1, 2, cached, d), 0.2)?;
+        let v = ramp((1, 2, cached, d), 0.3)?;
+        let w = ramp((1, 1, 8, 4 * d), 0.4)?.squeeze(0)?.squeeze(0)?;
+        let out = Linear::new(LinearWeight::Dense(w), None, KernelTuning::default());
+        let tuning = KernelTuning::default();
+        let masks = TestMasks {
+            pads: Vec::new(),
+            new,
+            index_pos,
+        };
+        let rows = Tensor::zeros((1, new, 4 * d), DType::F32, &dev)?;
+        let step = |fused| -> Result<AttentionStep<'_>> {
+            let info = StepInfo {
+                index_pos,
+                fused,
+                pos: None,
+                masks: &masks,
+                tuning: &tuning,
+            };
+            AttentionStep::new(shape(d, None), &rows, info)
+        };
+        let (decode, composition) = (step(true)?, step(false)?);
+        assert_eq!(decode.kernel(), AttentionKernel::Decode);
+        assert_eq!(composition.kernel(), AttentionKernel::Composition);
+        let a = decode.forward(&q, &k, &v, &out)?;
+        let b = composition.forward(&q, &k, &v, &out)?;
+        assert_eq!(a.dims(), &[1, new, 8]);
+        let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert!(diff < 1e-4, "{diff}");
+        Ok(())
+    }
+}
