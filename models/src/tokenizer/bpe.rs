@@ -46,7 +46,10 @@ struct Symbol {
 
 /// Appends the tokens of `text` (one fragment between special tokens) to `out`.
 pub(crate) fn tokenize(vocab: &Vocab, text: &str, out: &mut Vec<u32>) {
-    let pre = vocab.pre.as_ref().expect("a BPE vocabulary has a pre-tokenizer");
+    let pre = vocab
+        .pre
+        .as_ref()
+        .expect("a BPE vocabulary has a pre-tokenizer");
     let chars: Vec<char> = text.chars().collect();
     let (to_char, _) = byte_chars();
     for range in pre.split(&chars) {

@@ -12,6 +12,7 @@
 
 mod bpe;
 mod pre;
+mod special;
 mod spm;
 mod vocab;
 
@@ -43,10 +44,15 @@ impl Tokenizer {
     /// Reads `path`: a GGUF file (by its `.gguf` extension or magic) or a `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
         if !path.is_file() {
-            return Err(ModelError::file(path, "is not a file (want a tokenizer.json or a GGUF file)"));
+            return Err(ModelError::file(
+                path,
+                "is not a file (want a tokenizer.json or a GGUF file)",
+            ));
         }
         let mut magic = [0u8; 4];
-        let is_gguf = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        let is_gguf = path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
             || std::fs::File::open(path)
                 .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
                 .is_ok_and(|_| &magic == b"GGUF");
@@ -180,9 +186,9 @@ impl Tokenizer {
         }
     }
 
-    /// Tokens that end a generation besides the configuration's EOS: a GGUF vocabulary's end
-    /// of turn (`<end_of_turn>`, `<|im_end|>`, `<|eot_id|>`) and end of message. Empty for a
-    /// `tokenizer.json`.
+    /// Tokens that end a generation, as llama.cpp lists them for a GGUF vocabulary: EOS, end
+    /// of turn (`<end_of_turn>`, `<|im_end|>`, `<|eot_id|>`), end of message, and the other
+    /// texts it knows. Empty for a `tokenizer.json`.
     pub fn end_of_generation(&self) -> Vec<u32> {
         match &self.inner {
             Inner::Json(_) => Vec::new(),

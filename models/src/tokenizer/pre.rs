@@ -160,7 +160,7 @@ impl PreTokenizer {
 
     /// Splits `text` into words, as ranges of `chars`.
     pub(crate) fn split(&self, chars: &[char]) -> Vec<Range<usize>> {
-        let mut pieces = vec![0..chars.len()];
+        let mut pieces: Vec<Range<usize>> = std::iter::once(0..chars.len()).collect();
         if chars.is_empty() {
             return pieces;
         }
@@ -187,7 +187,10 @@ fn split_piece(pass: Pass, s: &[char]) -> Vec<usize> {
         Pass::Llama3 { digits } => split_llama3(s, digits),
         Pass::EachNumber => split_matches(s, |s, i| usize::from(is_collapsed_number(s[i]))),
         Pass::NumberRuns => split_matches(s, |s, i| {
-            s[i..].iter().take_while(|&&c| is_collapsed_number(c)).count()
+            s[i..]
+                .iter()
+                .take_while(|&&c| is_collapsed_number(c))
+                .count()
         }),
         Pass::PunctuationRuns => split_matches(s, |s, i| {
             s[i..]
@@ -488,12 +491,18 @@ mod tests {
 
     #[test]
     fn smollm_isolates_each_digit() {
-        assert_eq!(words("smollm", "in 2024,"), ["in", " ", "2", "0", "2", "4", ","]);
+        assert_eq!(
+            words("smollm", "in 2024,"),
+            ["in", " ", "2", "0", "2", "4", ","]
+        );
     }
 
     #[test]
     fn default_splits_punctuation_then_digit_triples() {
-        assert_eq!(words("default", "a+b 12345"), ["a", "+", "b", " ", "123", "45"]);
+        assert_eq!(
+            words("default", "a+b 12345"),
+            ["a", "+", "b", " ", "123", "45"]
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::{Content, Value};
 
 use super::pre::{byte_chars, PreTokenizer, SUPPORTED};
+use super::special;
 use crate::error::{ModelError, Result};
 
 /// The token types of GGUF (`tokenizer.ggml.token_type`).
@@ -63,8 +64,8 @@ pub(crate) struct Vocab {
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     pub unk: Option<u32>,
-    pub eot: Option<u32>,
-    pub eom: Option<u32>,
+    /// Tokens that end generation (EOS, end of turn, ...).
+    end: Vec<u32>,
     pub add_bos: bool,
     pub add_eos: bool,
     pub add_space_prefix: bool,
@@ -107,9 +108,7 @@ fn numbers<T>(
         ));
     }
     list.iter()
-        .map(|v| {
-            read(v).ok_or_else(|| ModelError::config(path, key, format!("bad entry {v:?}")))
-        })
+        .map(|v| read(v).ok_or_else(|| ModelError::config(path, key, format!("bad entry {v:?}"))))
         .collect::<Result<Vec<_>>>()
         .map(Some)
 }
@@ -194,15 +193,14 @@ impl Vocab {
         }
         let mut merges = HashMap::new();
         if model == Model::Bpe {
-            let list = strings(c, path, "tokenizer.ggml.merges")?.ok_or_else(|| {
-                ModelError::config(path, "tokenizer.ggml.merges", "is missing")
-            })?;
+            let list = strings(c, path, "tokenizer.ggml.merges")?
+                .ok_or_else(|| ModelError::config(path, "tokenizer.ggml.merges", "is missing"))?;
             merges.reserve(list.len());
             for (rank, m) in list.into_iter().enumerate() {
                 // llama.cpp splits at the first space after the first byte.
-                let key = match m.get(1..).and_then(|r| r.find(' ')) {
-                    Some(_) => m,
-                    None => " ".to_string(),
+                let key = match m.as_bytes().iter().skip(1).any(|&b| b == b' ') {
+                    true => m,
+                    false => " ".to_string(),
                 };
                 merges.entry(key).or_insert(rank as u32);
             }
@@ -228,8 +226,6 @@ impl Vocab {
         let bos = pick("tokenizer.ggml.bos_token_id", bos0)?;
         let eos = pick("tokenizer.ggml.eos_token_id", eos0)?;
         let unk = pick("tokenizer.ggml.unknown_token_id", unk0)?;
-        let mut eot = pick("tokenizer.ggml.eot_token_id", None)?;
-        let mut eom = pick("tokenizer.ggml.eom_token_id", None)?;
         let (add_bos0, add_space_prefix0, clean_spaces) = match (&model, &pre) {
             (Model::Spm, _) => (true, true, false),
             (Model::Bpe, Some(p)) => (p.add_bos, false, p.clean_spaces),
@@ -243,41 +239,16 @@ impl Vocab {
             }
             Model::Bpe => false,
         };
-        // Tokens llama.cpp recognizes by their text: an end of turn or message that is not
-        // marked control is made one (the first such text in byte order).
-        let mut promote = |slot: &mut Option<u32>, names: &[&str]| {
-            if slot.is_some() {
-                return;
+        let mut named = HashMap::new();
+        for k in [
+            "eot", "eom", "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep",
+            "prefix", "suffix", "middle",
+        ] {
+            if let Some(i) = pick(&format!("tokenizer.ggml.{k}_token_id"), None)? {
+                named.insert(k, i);
             }
-            let mut found: Vec<(&str, u32)> = names
-                .iter()
-                .filter_map(|t| ids.get(*t).map(|&i| (*t, i)))
-                .collect();
-            found.sort_unstable();
-            if let Some(&(_, i)) = found.first() {
-                *slot = Some(i);
-                if kinds[i as usize] != Kind::Control {
-                    kinds[i as usize] = Kind::Control;
-                }
-            }
-        };
-        promote(
-            &mut eot,
-            &[
-                "<|eot_id|>",
-                "<|im_end|>",
-                "<|end|>",
-                "<end_of_turn>",
-                "<|endoftext|>",
-                "<|end_of_text|>",
-                "<EOT>",
-                "_<EOT>",
-                "[EOT]",
-                "<｜end▁of▁sentence｜>",
-                "<end_of_utterance>",
-            ],
-        );
-        promote(&mut eom, &["<|eom_id|>"]);
+        }
+        let end = special::mark(&ids, &mut kinds, |k| named.get(k).copied(), eos);
         let mut specials: Vec<u32> = (0..n as u32)
             .filter(|&i| {
                 matches!(
@@ -324,8 +295,7 @@ impl Vocab {
             bos,
             eos,
             unk,
-            eot,
-            eom,
+            end,
             add_bos,
             add_eos,
             add_space_prefix,
@@ -372,9 +342,7 @@ impl Vocab {
 
     /// The tokens that end generation: EOS, end of turn, end of message.
     pub(crate) fn end_ids(&self) -> Vec<u32> {
-        let mut v: Vec<u32> = [self.eos, self.eot, self.eom].into_iter().flatten().collect();
-        v.dedup();
-        v
+        self.end.clone()
     }
 
     /// Splits `text` around the special tokens it contains (longest first): text fragments
@@ -439,14 +407,19 @@ impl Vocab {
 
     /// The bytes of `ids`, as llama.cpp detokenizes: with `remove_special`, a leading BOS and
     /// trailing EOS the model adds are dropped; with `special`, control tokens are written.
-    pub(crate) fn detokenize(&self, mut ids: &[u32], remove_special: bool, special: bool) -> Vec<u8> {
+    pub(crate) fn detokenize(
+        &self,
+        mut ids: &[u32],
+        remove_special: bool,
+        special: bool,
+    ) -> Vec<u8> {
         let mut remove_space = self.add_space_prefix;
-        if remove_special && self.add_bos && ids.first().is_some() && ids.first() == self.bos.as_ref()
-        {
+        if remove_special && self.add_bos && !ids.is_empty() && ids.first() == self.bos.as_ref() {
             remove_space = false;
             ids = &ids[1..];
         }
-        if remove_special && self.add_eos && ids.last().is_some() && ids.last() == self.eos.as_ref() {
+        if remove_special && self.add_eos && ids.last().is_some() && ids.last() == self.eos.as_ref()
+        {
             ids = &ids[..ids.len() - 1];
         }
         let mut out = Vec::new();
