@@ -21,24 +21,26 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers")
 }
 
-/// The fixture GGUF `name`, decompressed once per process (with `xz`).
+/// The fixture GGUF `name`, decompressed (with `xz`) into a directory shared by runs, under a
+/// name that changes with the compressed file.
 fn fixture_gguf(name: &str) -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    let dir = DIR.get_or_init(|| {
-        let d = std::env::temp_dir().join(format!("candle-offload-tok-{}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    });
-    let out = dir.join(format!("{name}.gguf"));
+    let src = fixtures().join(format!("{name}.gguf.xz"));
+    let len = std::fs::metadata(&src)
+        .unwrap_or_else(|e| panic!("{}: {e}", src.display()))
+        .len();
+    let out = tempfile_dir("fixtures").join(format!("{name}-{len}.gguf"));
     if !out.is_file() {
-        let src = fixtures().join(format!("{name}.gguf.xz"));
         let data = std::process::Command::new("xz")
             .arg("-dc")
             .arg(&src)
             .output()
             .unwrap_or_else(|e| panic!("cannot run xz to decompress {}: {e}", src.display()));
         assert!(data.status.success(), "xz -dc {} failed", src.display());
-        let tmp = out.with_extension(format!("tmp{:?}", std::thread::current().id()));
+        let tmp = out.with_extension(format!(
+            "{}-{:?}.tmp",
+            std::process::id(),
+            std::thread::current().id()
+        ));
         std::fs::write(&tmp, data.stdout).unwrap();
         std::fs::rename(&tmp, &out).unwrap();
     }
@@ -174,7 +176,7 @@ fn strings(v: &[&str]) -> Value {
 #[test]
 fn unsupported_tokenizers_are_errors_naming_them() {
     let dir = tempfile_dir("unsupported");
-    let pre = dir.join("pre.gguf");
+    let pre = dir.join(format!("pre-{}.gguf", std::process::id()));
     write_gguf(
         &pre,
         &[
@@ -189,7 +191,7 @@ fn unsupported_tokenizers_are_errors_naming_them() {
         e.contains("no-such-pre") && e.contains("smollm") && e.contains("tokenizer.ggml.pre"),
         "{e}"
     );
-    let model = dir.join("model.gguf");
+    let model = dir.join(format!("model-{}.gguf", std::process::id()));
     write_gguf(
         &model,
         &[
@@ -200,7 +202,7 @@ fn unsupported_tokenizers_are_errors_naming_them() {
     let e = Tokenizer::from_gguf(&model).unwrap_err().to_string();
     assert!(e.contains("\"bert\"") && e.contains("gpt2"), "{e}");
     // A bad --tokenizer file is an error naming it.
-    let bad = dir.join("tokenizer.json");
+    let bad = dir.join(format!("tokenizer-{}.json", std::process::id()));
     std::fs::write(&bad, "{ not json").unwrap();
     let files = loader::from_gguf(&llama2_model()).unwrap();
     let e = tokenizer::load(&files, Some(&bad)).unwrap_err().to_string();
@@ -215,7 +217,7 @@ fn unsupported_tokenizers_are_errors_naming_them() {
 #[test]
 fn byte_level_bpe_from_metadata_merges_by_rank() {
     let dir = tempfile_dir("bpe");
-    let path = dir.join("bpe.gguf");
+    let path = dir.join(format!("bpe-{}.gguf", std::process::id()));
     // Ranks: "a b" before "b c": "abc" is "ab" + "c".
     write_gguf(
         &path,
@@ -234,8 +236,10 @@ fn byte_level_bpe_from_metadata_merges_by_rank() {
     assert_eq!(tok.decode(&[3, 2, 6], false).unwrap(), "abc a");
 }
 
+/// `candle-offload-tok-NAME` in the temporary directory (the same for every run: tests write
+/// there under fixed names, replaced atomically).
 fn tempfile_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("candle-offload-tok-{name}-{}", std::process::id()));
+    let d = std::env::temp_dir().join(format!("candle-offload-tok-{name}"));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
@@ -301,7 +305,9 @@ fn llama2_model() -> PathBuf {
     static P: OnceLock<PathBuf> = OnceLock::new();
     P.get_or_init(|| {
         let out = tempfile_dir("model").join("llama2-random.gguf");
-        random_llama_with_vocab(&fixture_gguf("llama2"), &out).unwrap();
+        let tmp = out.with_extension(format!("{}.tmp", std::process::id()));
+        random_llama_with_vocab(&fixture_gguf("llama2"), &tmp).unwrap();
+        std::fs::rename(&tmp, &out).unwrap();
         out
     })
     .clone()
