@@ -214,7 +214,7 @@ fn save(
     dir: &Path,
     trainer: &Trainer,
     files: &ModelFiles,
-    tokenizer: &tokenizers::Tokenizer,
+    tokenizer: &candle_offload_models::Tokenizer,
     dtype: DType,
 ) -> Result<()> {
     let at = |f: &str| dir.join(f);
@@ -230,9 +230,7 @@ fn save(
             .map_err(|e| anyhow!("cannot write {}: {e}", p.display()))
     };
     write_json("config.json", &config)?;
-    tokenizer
-        .save(at("tokenizer.json"), false)
-        .map_err(|e| anyhow!("cannot write {}: {e}", at("tokenizer.json").display()))?;
+    tokenizer.save_json(&at("tokenizer.json"))?;
     let token_text = |given: &Option<String>, id: Option<u32>| {
         given
             .clone()
@@ -336,9 +334,7 @@ fn run(args: Args) -> Result<()> {
     let tokenizer = loader::load_tokenizer(&files)?;
     let ids = tokenizer
         .encode(text.as_str(), false)
-        .map_err(|e| anyhow!("--data {data_name}: cannot tokenize: {e}"))?
-        .get_ids()
-        .to_vec();
+        .map_err(|e| anyhow!("--data {data_name}: cannot tokenize: {e}"))?;
     if ids.len() < args.seq_len + 1 {
         bail!(
             "--data {data_name}: has {} tokens; --seq-len {} needs at least {} (one window of \

@@ -49,6 +49,11 @@ struct Args {
     /// Feed the prompt as is, without the model's chat template.
     #[arg(long)]
     no_chat_template: bool,
+    /// The tokenizer: a tokenizer.json, or a GGUF file whose vocabulary to use. Overrides the
+    /// model's tokenizer.json and the tokenizer stored in a GGUF model (which is otherwise
+    /// rebuilt from its metadata: SentencePiece `llama` and byte-level BPE `gpt2`).
+    #[arg(long, value_name = "FILE")]
+    tokenizer: Option<PathBuf>,
     /// Tokens to generate at most (1 or more).
     #[arg(long, default_value_t = 64, value_parser = flags::at_least_one)]
     max_new_tokens: usize,
@@ -266,7 +271,11 @@ fn run(args: Args) -> Result<()> {
         None if device.is_cpu() => DType::F32,
         None => DType::F16,
     };
-    let tokenizer = loader::load_tokenizer(&files)?;
+    let tokenizer = candle_offload_models::tokenizer::load(&files, args.tokenizer.as_deref())
+        .map_err(|e| match &args.tokenizer {
+            Some(_) => anyhow!("--tokenizer: {e}"),
+            None => e.into(),
+        })?;
     let prompt = match (&files.chat_template, args.no_chat_template) {
         (Some(t), false) => ChatTemplate::new(
             t.clone(),
@@ -276,10 +285,9 @@ fn run(args: Args) -> Result<()> {
         .render(&args.prompt, args.system.as_deref())?,
         _ => args.prompt.clone(),
     };
-    let encoding = tokenizer
-        .encode(prompt.as_str(), false)
+    let prompt_ids = tokenizer
+        .encode_prompt(prompt.as_str())
         .map_err(|e| anyhow::anyhow!("cannot tokenize the prompt: {e}"))?;
-    let prompt_ids = encoding.get_ids().to_vec();
     if prompt_ids.is_empty() {
         bail!("the prompt is empty after tokenization");
     }
@@ -481,15 +489,22 @@ fn run(args: Args) -> Result<()> {
         Box::new(LogitsProcessor::new(args.seed, temperature, top_p))
     };
     let mut stream = TokenStream::new(&tokenizer);
+    // The configuration's EOS, and the vocabulary's end of turn (Gemma's `<end_of_turn>`).
+    let mut stops = cfg.eos_token_ids.clone();
+    for t in tokenizer.end_of_generation() {
+        if !stops.contains(&t) {
+            stops.push(t);
+        }
+    }
     let mut stdout = std::io::stdout();
     let (_, stats) = generate(
         &model,
         &prompt_ids,
         args.max_new_tokens,
         &mut sampler,
-        &cfg.eos_token_ids,
+        &stops,
         |t| {
-            if cfg.eos_token_ids.contains(&t) {
+            if stops.contains(&t) {
                 return Ok(());
             }
             if let Some(text) = stream.next_token(t)? {

@@ -967,11 +967,7 @@ fn smollm2_gguf_knows_the_capital_of_france() -> anyhow::Result<()> {
         files.special_tokens.eos.clone(),
     )
     .render("What is the capital of France?", None)?;
-    let ids = tokenizer
-        .encode(prompt.as_str(), false)
-        .map_err(anyhow::Error::msg)?
-        .get_ids()
-        .to_vec();
+    let ids = tokenizer.encode(prompt.as_str(), false)?;
     let store = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
     let layer = store.layer_unit(0).map(|u| store.unit(u).bytes()).unwrap();
     // Offloaded: room for a third of the model.
@@ -999,9 +995,7 @@ fn smollm2_gguf_knows_the_capital_of_france() -> anyhow::Result<()> {
         &files.config.eos_token_ids,
         |_| Ok(()),
     )?;
-    let answer = tokenizer
-        .decode(&tokens, true)
-        .map_err(anyhow::Error::msg)?;
+    let answer = tokenizer.decode(&tokens, true)?;
     assert!(answer.contains("Paris"), "{answer:?}");
     assert!(
         rt.stats()?.total.fetches > 30,
@@ -1389,11 +1383,11 @@ fn readme_library_example() -> anyhow::Result<()> {
         .max_len(512)                                 // prompt and new tokens, reserved for
         .build()?;
     let tokenizer = loader::load_tokenizer(&files)?;
-    let prompt = tokenizer.encode("What is the capital of France?", true).map_err(anyhow::Error::msg)?;
+    let prompt = tokenizer.encode("What is the capital of France?", true)?;
     let mut greedy = DeviceSampler::new(0, None, None)?;
     let eos = &files.config.eos_token_ids;
-    let (tokens, stats) = generation::generate(&model, prompt.get_ids(), 32, &mut greedy, eos, |_| Ok(()))?;
-    println!("{} ({:.1} tok/s)", tokenizer.decode(&tokens, true).map_err(anyhow::Error::msg)?, stats.decode_tokens_per_s());
+    let (tokens, stats) = generation::generate(&model, &prompt, 32, &mut greedy, eos, |_| Ok(()))?;
+    println!("{} ({:.1} tok/s)", tokenizer.decode(&tokens, true)?, stats.decode_tokens_per_s());
     // readme:end
     Ok(())
 }

@@ -18,5 +18,6 @@ mod runtime;
 mod sharding;
 mod store;
 mod tiers;
+mod tokenizers;
 mod train;
 mod train_ops;

@@ -173,7 +173,7 @@ pub fn generate_batch(
 /// Decodes tokens incrementally, yielding text only once it is complete UTF-8 and stable.
 #[derive(Debug)]
 pub struct TokenStream<'a> {
-    tokenizer: &'a tokenizers::Tokenizer,
+    tokenizer: &'a crate::Tokenizer,
     tokens: Vec<u32>,
     prev: usize,
     current: usize,
@@ -181,7 +181,7 @@ pub struct TokenStream<'a> {
 
 impl<'a> TokenStream<'a> {
     /// A stream over `tokenizer`.
-    pub fn new(tokenizer: &'a tokenizers::Tokenizer) -> Self {
+    pub fn new(tokenizer: &'a crate::Tokenizer) -> Self {
         Self {
             tokenizer,
             tokens: Vec::new(),
@@ -193,7 +193,7 @@ impl<'a> TokenStream<'a> {
     fn decode(&self, tokens: &[u32]) -> candle_core::Result<String> {
         self.tokenizer
             .decode(tokens, true)
-            .map_err(|e| candle_core::Error::Msg(format!("cannot decode: {e}")))
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))
     }
 
     /// Adds a token; returns the new text, if any is ready.

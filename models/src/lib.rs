@@ -14,6 +14,8 @@
 //!   building blocks they share.
 //! - [`Trainer`]: fine-tuning any family whose blocks have a training path.
 //! - [`ChatTemplate`]: the model's own chat template.
+//! - [`Tokenizer`]: a `tokenizer.json`, or the tokenizer of a GGUF file rebuilt as llama.cpp
+//!   reads it.
 //!
 //! # Bring your own model
 //! A decoder written with candle-nn runs offloaded (under a budget, streamed, prefetched) and
@@ -48,6 +50,7 @@ pub mod llama;
 pub mod loader;
 pub mod quantize;
 pub mod sampling;
+pub mod tokenizer;
 pub mod train;
 
 pub use causal::{
@@ -62,4 +65,5 @@ pub use family::{DecoderBlock, Family, Hidden, Layout, StepCtx, TrainCtx, UnitWe
 pub use layers::{Cache, KvCache};
 pub use llama::Llama;
 pub use loader::{ModelFiles, Weights};
+pub use tokenizer::Tokenizer;
 pub use train::{PhaseObserver, StepReport, TrainPhase, TrainSettings, Trainer};

@@ -517,93 +517,10 @@ pub fn quantized_store(
     crate::quantize::load_store(files, ty, dtype, device, pinned_cap_bytes, opts)
 }
 
-/// The tokenizer: `tokenizer.json`, or the one stored in the GGUF metadata.
-pub fn load_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
-    if let Some(p) = &files.tokenizer_json {
-        return tokenizers::Tokenizer::from_file(p)
-            .map_err(|e| ModelError::file(p, format!("not a valid tokenizer.json: {e}")));
-    }
-    match &files.weights {
-        Weights::Gguf(path) => gguf_tokenizer(path),
-        Weights::Safetensors(_) => Err(ModelError::Source {
-            id: files.origin.clone(),
-            reason: "has no tokenizer.json".into(),
-        }),
-    }
-}
-
-/// Rebuilds a byte-level BPE tokenizer (GGUF `tokenizer.ggml.model = gpt2`) from the metadata.
-fn gguf_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer> {
-    let (c, _) = gguf_content(path)?;
-    let model = meta(&c, path, "tokenizer.ggml.model")?
-        .to_string()
-        .map_err(|e| ModelError::config(path, "tokenizer.ggml.model", e))?;
-    if model != "gpt2" {
-        return Err(ModelError::config(
-            path,
-            "tokenizer.ggml.model",
-            format!("{model:?} tokenizers are not rebuilt from GGUF yet; pass a tokenizer.json"),
-        ));
-    }
-    let strings = |k: &str| -> Result<Vec<String>> {
-        meta(&c, path, k)?
-            .to_vec()
-            .map_err(|e| ModelError::config(path, k, e))?
-            .iter()
-            .map(|v| {
-                v.to_string()
-                    .cloned()
-                    .map_err(|e| ModelError::config(path, k, e))
-            })
-            .collect()
-    };
-    let tokens = strings("tokenizer.ggml.tokens")?;
-    let merges = strings("tokenizer.ggml.merges")?;
-    let types: Vec<i32> = match c.metadata.get("tokenizer.ggml.token_type") {
-        Some(v) => v
-            .to_vec()
-            .map_err(|e| ModelError::config(path, "tokenizer.ggml.token_type", e))?
-            .iter()
-            .map(|t| t.to_i32().unwrap_or(1))
-            .collect(),
-        None => vec![1; tokens.len()],
-    };
-    let vocab: serde_json::Map<String, serde_json::Value> = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), serde_json::Value::from(i)))
-        .collect();
-    // Control (3) and user-defined (4) tokens are matched whole, never split.
-    let added: Vec<serde_json::Value> = tokens
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| matches!(types.get(*i), Some(3) | Some(4)))
-        .map(|(i, t)| {
-            serde_json::json!({"id": i, "content": t, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": types[i] == 3})
-        })
-        .collect();
-    let json = serde_json::json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-        "post_processor": null,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-            "vocab": vocab, "merges": merges},
-    });
-    json.to_string()
-        .parse::<tokenizers::Tokenizer>()
-        .map_err(|e| {
-            ModelError::file(
-                path,
-                format!("cannot rebuild the tokenizer from GGUF metadata: {e}"),
-            )
-        })
+/// The tokenizer: `tokenizer.json`, or the one stored in the GGUF metadata (see
+/// [`crate::tokenizer::load`]).
+pub fn load_tokenizer(files: &ModelFiles) -> Result<crate::Tokenizer> {
+    crate::tokenizer::load(files, None)
 }
 
 #[cfg(test)]
