@@ -162,7 +162,9 @@ quantize_gguf() {
 # family_gguf NAME ARCH TYPES: the random-weight GGUF of ARCH's shape (scripts/gguf_random_family.py)
 # quantized to each of TYPES (a list), the F16 file deleted after.
 family_gguf() {
-  local name=$1 arch=$2 t0 rc
+  local name=$1 arch=$2 t0 rc t missing=0
+  for t in $3; do [[ -s /tmp/gguf/$name-${t,,}.gguf ]] || missing=1; done
+  ((missing)) || { echo "$name: already in /tmp/gguf ($3)"; return 0; }
   t0=$(date +%s)
   # shellcheck disable=SC2086 # $3 and GGUF_FAMILY_ARGS are lists
   write_gguf "$name" scripts/gguf_random_family.py "$arch" ${GGUF_FAMILY_ARGS:-} && quantize_gguf "$name" $3
