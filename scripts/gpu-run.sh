@@ -40,7 +40,10 @@
 #   gguf_gemma3_12b the same for the Gemma-3-12B text shape (gemma3: tied head, local/global
 #                 layers, a SentencePiece vocabulary of 262208) in $GGUF_GEMMA3_TYPES (Q4_K_M)
 #                 -> /tmp/gguf/gemma3-12b-q4_k_m.gguf
-#                 (both: more writer arguments from $GGUF_FAMILY_ARGS, e.g. --tiny for a dry run)
+#                 (both: more writer arguments from $GGUF_FAMILY_ARGS, e.g. --tiny for a dry run;
+#                 on the H200 host: qwen3 F16 16.4 GB written in 12 s, Q4_K_M (4.7 GiB) in 95 s;
+#                 gemma3 23.5 GB in 15 s, Q4_K_M (6.8 GiB) in 146 s. With the build (5.3 min)
+#                 both do not fit one call: build once and keep it with llamacpp_save)
 #   qbench[=W,..] bench_generate on /tmp/gguf/W.gguf (W: 7b-q4_0, 13b-q8_0, qwen3-8b-q4_k_m,
 #                 gemma3-12b-q4_k_m, ...;
 #                 quantized blocks unless f16) next to llama.cpp on the same file in the same
@@ -91,7 +94,9 @@
 #   bash scripts/gpu-run.sh gpus tests make7b shard                  # kind nvidia-h200-x2
 #   bash scripts/gpu-run.sh tests=train:: peer train
 #   bash scripts/gpu-run.sh make7b peer shard train -- --offload-steps 1 --configs none-f32,offload-4gib-bf16
+#   bash scripts/gpu-run.sh llamacpp llamacpp_save                    # once: keep $OUT/lcbin.* in .lcbin/
 #   QB_BUDGETS=4 QB_PROMPTS=64 bash scripts/gpu-run.sh llamacpp gguf_qwen3_8b qbench=qwen3-8b-q4_k_m
+#   QB_BUDGETS=4 QB_PROMPTS=64 bash scripts/gpu-run.sh llamacpp gguf_gemma3_12b qbench=gemma3-12b-q4_k_m
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
 BIN="${GPU_BIN:-/tmp/bin}"  # where the binaries are unpacked
