@@ -34,7 +34,18 @@
 #                 GGUF and quantizes it to $GGUF7B_TYPES (Q8_0 Q4_0 Q4_K_M) in /tmp/gguf
 #                 [GGUF_S=400]
 #   gguf13b       the same for the 13B shape ($GGUF13B_TYPES: Q4_K_M Q8_0; the F16 file is deleted after)
-#   qbench[=W,..] bench_generate on /tmp/gguf/{7b,13b}-W.gguf (W: 7b-q4_0, 13b-q8_0, ...;
+#   gguf_qwen3_8b the same for the Qwen3-8B shape (scripts/gguf_random_family.py qwen3: the
+#                 converter's layout, q/k norms, a gpt2 vocabulary of 151936) in $GGUF_QWEN3_TYPES
+#                 (Q4_K_M) -> /tmp/gguf/qwen3-8b-q4_k_m.gguf; the F16 file is deleted after
+#   gguf_gemma3_12b the same for the Gemma-3-12B text shape (gemma3: tied head, local/global
+#                 layers, a SentencePiece vocabulary of 262208) in $GGUF_GEMMA3_TYPES (Q4_K_M)
+#                 -> /tmp/gguf/gemma3-12b-q4_k_m.gguf
+#                 (both: more writer arguments from $GGUF_FAMILY_ARGS, e.g. --tiny for a dry run;
+#                 on the H200 host: qwen3 F16 16.4 GB written in 12 s, Q4_K_M (4.7 GiB) in 95 s;
+#                 gemma3 23.5 GB in 15 s, Q4_K_M (6.8 GiB) in 146 s. With the build (5.3 min)
+#                 both do not fit one call: build once and keep it with llamacpp_save)
+#   qbench[=W,..] bench_generate on /tmp/gguf/W.gguf (W: 7b-q4_0, 13b-q8_0, qwen3-8b-q4_k_m,
+#                 gemma3-12b-q4_k_m, ...;
 #                 quantized blocks unless f16) next to llama.cpp on the same file in the same
 #                 process, budgets $QB_BUDGETS (4,8,12,full), prompts $QB_PROMPTS (64,512),
 #                 prefetch depths $QB_DEPTHS (2; the library's default is 1), more
@@ -83,6 +94,9 @@
 #   bash scripts/gpu-run.sh gpus tests make7b shard                  # kind nvidia-h200-x2
 #   bash scripts/gpu-run.sh tests=train:: peer train
 #   bash scripts/gpu-run.sh make7b peer shard train -- --offload-steps 1 --configs none-f32,offload-4gib-bf16
+#   bash scripts/gpu-run.sh llamacpp llamacpp_save                    # once: keep $OUT/lcbin.* in .lcbin/
+#   QB_BUDGETS=4 QB_PROMPTS=64 bash scripts/gpu-run.sh llamacpp gguf_qwen3_8b qbench=qwen3-8b-q4_k_m
+#   QB_BUDGETS=4 QB_PROMPTS=64 bash scripts/gpu-run.sh llamacpp gguf_gemma3_12b qbench=gemma3-12b-q4_k_m
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
 BIN="${GPU_BIN:-/tmp/bin}"  # where the binaries are unpacked
@@ -95,9 +109,9 @@ while (($# > 0)); do
   case "$1" in
     --) shift; break ;;
     -h | --help) usage; exit 0 ;;
-    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | llamacpp_save | gguf7b | gguf13b | qbench | qbench=* | qonload | qonload=* | decode | decode=* | breakdown | breakdown=* | trainprof | trainprof=* | tiers | managed)
+    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | llamacpp_save | gguf7b | gguf13b | gguf_qwen3_8b | gguf_gemma3_12b | qbench | qbench=* | qonload | qonload=* | decode | decode=* | breakdown | breakdown=* | trainprof | trainprof=* | tiers | managed)
       steps+=("$1"); shift ;;
-    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp llamacpp_save gguf7b gguf13b qbench[=W,...] qonload[=W,...] decode[=V,...] breakdown[=V] trainprof[=C,...] tiers managed)" >&2; exit 2 ;;
+    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp llamacpp_save gguf7b gguf13b gguf_qwen3_8b gguf_gemma3_12b qbench[=W,...] qonload[=W,...] decode[=V,...] breakdown[=V] trainprof[=C,...] tiers managed)" >&2; exit 2 ;;
   esac
 done
 train_args=("$@")
@@ -121,16 +135,47 @@ wait_llamacpp() {
 # make_gguf NAME HIDDEN LAYERS INTER HEADS KV VOCAB TYPE...: /tmp/gguf/NAME-f16.gguf, quantized.
 make_gguf() {
   local name=$1 shape=("${@:2:6}") types=("${@:8}")
+  write_gguf "$name" .gpu/llamacpp/gguf_random_llama.py "${shape[@]}" || return 1
+  quantize_gguf "$name" "${types[@]}"
+}
+# write_gguf NAME SCRIPT ARGS...: /tmp/gguf/NAME-f16.gguf from SCRIPT (a random-weight writer),
+# unless it is there already.
+write_gguf() {
+  local name=$1 script=$2 t0
   mkdir -p /tmp/gguf
+  [[ -s /tmp/gguf/$name-f16.gguf ]] && return 0
+  t0=$(date +%s)
+  PYTHONPATH=/tmp/llamacpp/gguf-py timeout "${GGUF_S:-400}" \
+    python3 "$script" "/tmp/gguf/$name-f16.gguf" "${@:3}" || { rm -f "/tmp/gguf/$name-f16.gguf"; return 1; }
+  echo "$name-f16.gguf written in $(($(date +%s) - t0)) s"
+}
+# quantize_gguf NAME TYPE...: /tmp/gguf/NAME-TYPE.gguf (lower case) from NAME-f16.gguf, for each
+# TYPE not there already.
+quantize_gguf() {
+  local name=$1 t q t0
   local f16=/tmp/gguf/$name-f16.gguf
-  [[ -s "$f16" ]] || PYTHONPATH=/tmp/llamacpp/gguf-py timeout "${GGUF_S:-400}" \
-    python3 .gpu/llamacpp/gguf_random_llama.py "$f16" "${shape[@]}" || return 1
-  for t in "${types[@]}"; do
+  for t in "${@:2}"; do
     local q=/tmp/gguf/$name-${t,,}.gguf
-    [[ -s "$q" ]] || timeout "${GGUF_S:-400}" "$lc_bin/llama-quantize" "$f16" "$q" "$t" "$(nproc)" \
-      >>"$OUT/quantize.log" 2>&1 || return 1
+    [[ -s "$q" ]] && continue
+    t0=$(date +%s)
+    timeout "${GGUF_S:-400}" "$lc_bin/llama-quantize" "$f16" "$q" "$t" "$(nproc)" \
+      >>"$OUT/quantize.log" 2>&1 || { rm -f "$q"; return 1; }
+    echo "$name-${t,,}.gguf quantized in $(($(date +%s) - t0)) s"
   done
   ls -la /tmp/gguf
+}
+# family_gguf NAME ARCH TYPES: the random-weight GGUF of ARCH's shape (scripts/gguf_random_family.py)
+# quantized to each of TYPES (a list), the F16 file deleted after.
+family_gguf() {
+  local name=$1 arch=$2 t0 rc t missing=0
+  for t in $3; do [[ -s /tmp/gguf/$name-${t,,}.gguf ]] || missing=1; done
+  ((missing)) || { echo "$name: already in /tmp/gguf ($3)"; return 0; }
+  t0=$(date +%s)
+  # shellcheck disable=SC2086 # $3 and GGUF_FAMILY_ARGS are lists
+  write_gguf "$name" scripts/gguf_random_family.py "$arch" ${GGUF_FAMILY_ARGS:-} && quantize_gguf "$name" $3
+  rc=$?
+  rm -f "/tmp/gguf/$name-f16.gguf"
+  echo "$name exit $rc after $(($(date +%s) - t0)) s ($(df -h /tmp | awk 'NR == 2 {print $4}') free)"
 }
 
 for f in .gpu/*.xz; do
@@ -280,6 +325,14 @@ for step in "${steps[@]}"; do
       make_gguf 13b 5120 40 13824 40 40 32000 ${GGUF13B_TYPES-Q4_K_M Q8_0} && rm -f /tmp/gguf/13b-f16.gguf
       echo "gguf13b exit $? after $(($(date +%s) - t0)) s"
       ;;
+    gguf_qwen3_8b)
+      wait_llamacpp || continue
+      family_gguf qwen3-8b qwen3 "${GGUF_QWEN3_TYPES-Q4_K_M}"
+      ;;
+    gguf_gemma3_12b)
+      wait_llamacpp || continue
+      family_gguf gemma3-12b gemma3 "${GGUF_GEMMA3_TYPES-Q4_K_M}"
+      ;;
     qonload | qonload=*)
       need_bin bench_generate qonload "--bin bench_generate" || continue
       wait_make7b || continue
@@ -298,7 +351,7 @@ for step in "${steps[@]}"; do
       [[ "$step" == qbench=* ]] && IFS=, read -r -a ws <<<"${step#qbench=}"
       for w in "${ws[@]}"; do
         f=/tmp/gguf/$w.gguf
-        [[ -s "$f" ]] || { echo "qbench: no $f (run gguf7b / gguf13b)"; continue; }
+        [[ -s "$f" ]] || { echo "qbench: no $f (run gguf7b / gguf13b / gguf_qwen3_8b / gguf_gemma3_12b)"; continue; }
         q=(--quantized)
         [[ "$w" == *f16 ]] && q=()
         # shellcheck disable=SC2206 # QB_ARGS is a list of arguments
