@@ -1,4 +1,5 @@
-//! The pre-norm decoder layer that LLaMA, Qwen3, Phi-3 and Gemma 1/2/3 are all instances of:
+//! The pre-norm decoder layer that LLaMA, Qwen3, Phi-3, Gemma 1/2/3, Mixtral and Qwen3-MoE are
+//! all instances of:
 //! `h = x + post_attn(attn(norm(x)))`, `out = h + post_mlp(mlp(pre_mlp(h)))`, with the residual
 //! add and the next norm in one kernel on a fused step.
 
@@ -7,6 +8,7 @@ use candle_core::{Result, Tensor};
 use super::attention::SelfAttention;
 use super::cache::KvCache;
 use super::mlp::GatedMlp;
+use super::moe::SparseMoe;
 use super::norm::Norm;
 use crate::family::{DecoderBlock, Hidden, StepCtx, TrainCtx};
 
@@ -23,10 +25,60 @@ pub struct PreNormBlock {
     pub post_attn_norm: Option<Norm>,
     /// Before the MLP.
     pub pre_mlp_norm: Norm,
-    /// The MLP.
-    pub mlp: GatedMlp,
+    /// The MLP (`GatedMlp::load(..)?.into()`).
+    pub mlp: FeedForward,
     /// After the MLP, before the residual add (Gemma 2, 3).
     pub post_mlp_norm: Option<Norm>,
+}
+
+/// A block's MLP: dense, or a sparse mixture of experts.
+#[derive(Debug)]
+pub enum FeedForward {
+    /// A gated MLP.
+    Dense(GatedMlp),
+    /// A mixture of experts.
+    Sparse(SparseMoe),
+}
+
+impl From<GatedMlp> for FeedForward {
+    fn from(m: GatedMlp) -> Self {
+        Self::Dense(m)
+    }
+}
+
+impl From<SparseMoe> for FeedForward {
+    fn from(m: SparseMoe) -> Self {
+        Self::Sparse(m)
+    }
+}
+
+impl FeedForward {
+    /// Whether its first projection takes x quantized by the norm before it (never for a
+    /// mixture of experts, whose router reads x first).
+    fn takes_quantized_x(&self) -> bool {
+        match self {
+            Self::Dense(m) => m.takes_quantized_x(),
+            Self::Sparse(_) => false,
+        }
+    }
+
+    fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>) -> Result<Tensor> {
+        match self {
+            Self::Dense(m) if ctx.fused => m.forward_fused(xs),
+            Self::Dense(m) => m.forward(xs),
+            Self::Sparse(m) => m.forward(xs, ctx, ctx.fused),
+        }
+    }
+
+    fn forward_train(&self, xs: &Tensor, fused: bool) -> Result<Tensor> {
+        match self {
+            Self::Dense(m) if fused => m.forward_train_fused(xs),
+            Self::Dense(m) => m.forward_train(xs),
+            Self::Sparse(_) => {
+                candle_core::bail!("mixture-of-experts layers have no training path")
+            }
+        }
+    }
 }
 
 /// `norm(a + b)` and the sum: in one kernel ([`candle_offload::kernels::norm::rms_norm_residual`]) on a
@@ -89,11 +141,7 @@ impl DecoderBlock for PreNormBlock {
             residual,
             self.mlp.takes_quantized_x(),
         )?;
-        let h = if ctx.fused {
-            self.mlp.forward_fused(&normed)?
-        } else {
-            self.mlp.forward(&normed)?
-        };
+        let h = self.mlp.forward(&normed, ctx)?;
         match &self.post_mlp_norm {
             Some(n) => Ok(Hidden::Whole((n.forward(&h)? + xs)?)),
             None if ctx.fused => Ok(Hidden::Split { h, residual: xs }),
@@ -122,11 +170,7 @@ impl DecoderBlock for PreNormBlock {
         let xs = (h + residual)?;
         let h = self.pre_mlp_norm.forward_train(&xs, fused)?;
         let h = h.to_dtype(ctx.compute)?;
-        let h = if fused {
-            self.mlp.forward_train_fused(&h)?
-        } else {
-            self.mlp.forward_train(&h)?
-        };
+        let h = self.mlp.forward_train(&h, fused)?;
         let h = h.to_dtype(stream)?;
         let h = match &self.post_mlp_norm {
             Some(n) => n.forward_train(&h, fused)?,
