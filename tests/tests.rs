@@ -10,6 +10,7 @@ mod bad_input;
 mod cuda;
 mod gguf_families;
 mod models;
+mod moe_families;
 mod ops;
 mod own_model;
 mod quantize;

@@ -80,6 +80,7 @@ pub mod cache;
 pub mod diag;
 pub mod doctor;
 mod error;
+pub mod experts;
 pub mod history;
 pub mod placement;
 pub mod plan;

@@ -31,6 +31,7 @@ impl Family for TinyFamily {
             layer_prefix: "layers.".into(),
             norm: "norm".into(),
             head: Some("output".into()),
+            experts: None,
         }
     }
 

@@ -30,7 +30,6 @@ use candle_transformers::models::llama::Llama3RopeConfig;
 use crate::layers::{KvCache, Linear, LinearWeight, Masks, Norm, Rope};
 
 /// What a forward pass gives every block on one device.
-#[derive(Debug)]
 pub struct StepCtx<'a> {
     /// Position of the first new token (the number already in the KV cache).
     pub index_pos: usize,
@@ -46,6 +45,22 @@ pub struct StepCtx<'a> {
     /// position written there. A block that cannot read it fails the capture (the step then
     /// runs eagerly).
     pub pos_dev: Option<&'a Tensor>,
+    /// Where a mixture-of-experts block acquires experts that are units of their own
+    /// ([`Layout::experts`]); `None` where the model has none.
+    pub experts: Option<&'a dyn crate::layers::ExpertUnits>,
+}
+
+impl std::fmt::Debug for StepCtx<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepCtx")
+            .field("index_pos", &self.index_pos)
+            .field("rope", self.rope)
+            .field("masks", self.masks)
+            .field("fused", &self.fused)
+            .field("pos_dev", &self.pos_dev)
+            .field("experts", &self.experts.is_some())
+            .finish()
+    }
 }
 
 /// What a training pass gives every block: a whole sequence from position 0.
@@ -153,6 +168,17 @@ impl<'a> UnitWeights<'a> {
         Ok(Some(q))
     }
 
+    /// Whether the tensor `name` under this prefix is in these weights (dense or blocks).
+    pub fn contains(&self, name: &str) -> bool {
+        let full = match self.vb.prefix() {
+            p if p.is_empty() => name.to_string(),
+            p => format!("{p}.{name}"),
+        };
+        self.unit
+            .is_some_and(|u| u.quantized_tensors().contains_key(&full))
+            || self.vb.contains_tensor(name)
+    }
+
     /// The linear layer at this prefix (`weight` of shape (out, in), and `bias` when `bias`):
     /// a quantized matmul over the blocks when the unit holds the weight quantized, dense
     /// otherwise.
@@ -238,6 +264,21 @@ pub struct Layout {
     pub norm: String,
     /// The output head's unit (`lm_head`), or `None` when it is the embedding matrix (tied).
     pub head: Option<String>,
+    /// The experts of mixture-of-experts layers, when each is a unit of its own.
+    pub experts: Option<ExpertLayout>,
+}
+
+/// Where the experts of a model's mixture-of-experts layers are, each a unit of its own:
+/// expert `e` of layer `l` is the unit `{layer_prefix}{l}.{infix}{e}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertLayout {
+    /// The experts' prefix inside a layer (`mlp.experts.`, Mixtral's
+    /// `block_sparse_moe.experts.`).
+    pub infix: String,
+    /// Experts per mixture-of-experts layer.
+    pub count: usize,
+    /// Per decoder layer, whether it is a mixture-of-experts layer.
+    pub sparse: Vec<bool>,
 }
 
 impl Layout {
@@ -248,13 +289,41 @@ impl Layout {
             layer_prefix: "model.layers.".into(),
             norm: "model.norm".into(),
             head: (!tied).then(|| "lm_head".into()),
+            experts: None,
         }
     }
 
     /// How a host store groups this layout's tensors into units (one unit per decoder layer
     /// under `layer_prefix`, one per module otherwise).
     pub fn grouping(&self) -> candle_offload::UnitGrouping {
-        candle_offload::UnitGrouping::by_prefixes(&[&self.layer_prefix])
+        let g = candle_offload::UnitGrouping::by_prefixes(&[&self.layer_prefix]);
+        match &self.experts {
+            Some(x) => g.with_experts(&[&x.infix]),
+            None => g,
+        }
+    }
+
+    /// The unit of expert `e` of layer `l` (`None` without [`experts`](Self::experts)).
+    pub fn expert(&self, l: usize, e: usize) -> Option<String> {
+        let x = self.experts.as_ref()?;
+        Some(format!("{}{l}.{}{e}", self.layer_prefix, x.infix))
+    }
+
+    /// The expert units of layer `l` (none for a dense layer).
+    pub fn experts_of(&self, l: usize) -> Vec<String> {
+        match &self.experts {
+            Some(x) if x.sparse.get(l).copied().unwrap_or(false) => {
+                (0..x.count).filter_map(|e| self.expert(l, e)).collect()
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Every unit of layer `l`: the layer's and its experts'.
+    pub fn units_of(&self, l: usize) -> Vec<String> {
+        let mut out = vec![self.layer(l)];
+        out.extend(self.experts_of(l));
+        out
     }
 
     /// The unit of decoder layer `i`.
@@ -276,6 +345,9 @@ impl Layout {
     /// The unit a tensor of this layout belongs to: `model.layers.3.mlp.up_proj.weight` ->
     /// `model.layers.3`, `model.norm.weight` -> `model.norm`.
     pub fn unit_of(&self, tensor: &str) -> String {
+        if self.experts.is_some() {
+            return self.grouping().unit_of(tensor).0;
+        }
         if let Some(rest) = tensor.strip_prefix(&self.layer_prefix) {
             let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
             if !digits.is_empty() {

@@ -312,9 +312,18 @@ pub(crate) fn meta_usize(c: &gguf_file::Content, path: &Path, key: &str) -> Resu
 pub(crate) fn keeps_blocks(hf: &str, t: GgmlDType, shape: &[usize]) -> bool {
     let quantized = !matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
     quantized
-        && ((hf.contains(".layers.") && hf.ends_with("_proj.weight")) || hf == "lm_head.weight")
+        && ((hf.contains(".layers.") && is_projection(hf)) || hf == "lm_head.weight")
         && shape.len() == 2
         && shape[1].is_multiple_of(t.block_size())
+}
+
+/// A layer's projection weight: `*_proj.weight`, or a Mixtral expert's `w1`/`w2`/`w3`.
+fn is_projection(hf: &str) -> bool {
+    hf.ends_with("_proj.weight")
+        || (hf.contains(".experts.")
+            && [".w1.weight", ".w2.weight", ".w3.weight"]
+                .iter()
+                .any(|s| hf.ends_with(s)))
 }
 
 /// Whether a GGUF's token embedding (HF name `hf`) stays as its blocks when a file's blocks

@@ -3,8 +3,8 @@
 //! and how a tensor is changed back into the HF one (llama's q/k rows un-permuted). The Gemma
 //! families' norm weights keep the 1 the converter added (their `norm_offset` is 0).
 //!
-//! Architectures: `llama` (also Mistral-shaped models, which the converter writes as `llama`),
-//! `mistral`, `qwen2`, `qwen3`, `phi3` (fused `attn_qkv`; `ffn_up` holds gate and up), `gemma`,
+//! Architectures: `llama` (also Mistral-shaped models, which the converter writes as `llama`,
+//! and Mixtral: `llama` with `expert_count`), `mistral`, `qwen2`, `qwen3`, `qwen3moe`, `phi3` (fused `attn_qkv`; `ffn_up` holds gate and up), `gemma`,
 //! `gemma2`, `gemma3`. What llama.cpp assumes where the file is silent:
 //! - Gemma 2 and 3 scale scores by `1/sqrt(head_dim)`, or `1/sqrt(hidden / heads)` for the
 //!   27B shapes (46 and 62 layers): the converter does not store `query_pre_attn_scalar`.
@@ -15,6 +15,11 @@
 //!   absent) unscaled, the global ones with `rope.freq_base` and `rope.scaling.factor`
 //!   (linear). Its converter trims the embedding to the tokenizer's size: the vocabulary is
 //!   the embedding's rows.
+//! - Mixture-of-experts layers (Mixtral, `qwen3moe`): every layer, the chosen experts'
+//!   weights renormalised (llama.cpp's graph for both); an expert's width is
+//!   `expert_feed_forward_length`, or `feed_forward_length` where absent (Mixtral). The
+//!   experts' stacks (`ffn_{gate,up,down}_exps`) are read one expert at a time, as the HF
+//!   per-expert tensors `mlp.experts.{e}.{gate,up,down}_proj` ([`expert_stack`]).
 //! - Phi-3's sliding window is ignored (llama.cpp turns it off); LongRoPE factors stored as
 //!   tensors are refused.
 
@@ -26,14 +31,15 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use crate::error::{ModelError, Result};
 use crate::families::gemma::Gemma;
 use crate::families::gemma3::{Gemma3, RopeBase, TextKeys};
+use crate::families::moe::{ExpertKeys, Moe, MoeKind};
 use crate::families::phi3::Phi3;
 use crate::family::{Config, Family};
 use crate::gguf::{meta, meta_usize};
-use crate::layers::Activation;
+use crate::layers::{Activation, Routing};
 
 /// The GGUF architectures this crate loads.
 pub(crate) const SUPPORTED: &[&str] = &[
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
+    "llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma", "gemma2", "gemma3",
 ];
 
 /// A q or k projection whose rows llama.cpp's converter permuted for its rope (to be put
@@ -119,12 +125,24 @@ pub(crate) fn config(c: &Content, path: &Path) -> Result<Config> {
     let token_id = |k: &str| c.metadata.get(k).and_then(|v| v.to_u32().ok());
     let gemma = arch.starts_with("gemma");
     let rope_theta = positive(c, path, &key("rope.freq_base"))?.unwrap_or(10_000.0);
+    let experts = match positive(c, path, &key("expert_count"))? {
+        Some(e) => Some((
+            e as usize,
+            meta_usize(c, path, &key("expert_used_count"))?,
+            match positive(c, path, &key("expert_feed_forward_length"))? {
+                Some(i) => i as usize,
+                None => meta_usize(c, path, &key("feed_forward_length"))?,
+            },
+        )),
+        None => None,
+    };
     let mut cfg = Config {
         // The HF model type of the text model (`gemma3` names the multimodal one).
-        model_type: if arch == "gemma3" {
-            "gemma3_text".into()
-        } else {
-            arch.clone()
+        model_type: match arch.as_str() {
+            "gemma3" => "gemma3_text".into(),
+            "qwen3moe" => "qwen3_moe".into(),
+            "llama" | "mistral" if experts.is_some() => "mixtral".into(),
+            _ => arch.clone(),
         },
         hidden_size,
         intermediate_size: meta_usize(c, path, &key("feed_forward_length"))?,
@@ -173,7 +191,41 @@ pub(crate) fn config(c: &Content, path: &Path) -> Result<Config> {
         }
     };
     let family: Arc<dyn Family> = match arch.as_str() {
-        "llama" | "mistral" | "qwen2" | "qwen3" if scaled => return unsupported_scaling("this"),
+        "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3moe" if scaled => {
+            return unsupported_scaling("this")
+        }
+        "llama" | "mistral" | "qwen3moe" if experts.is_some() || arch == "qwen3moe" => {
+            let Some((count, top_k, width)) = experts else {
+                return Err(ModelError::config(
+                    path,
+                    &key("expert_count"),
+                    "missing from the GGUF metadata",
+                ));
+            };
+            if top_k > count {
+                return Err(ModelError::config(
+                    path,
+                    &key("expert_used_count"),
+                    format!("{top_k} is more than the {count} experts"),
+                ));
+            }
+            Arc::new(Moe {
+                kind: if arch == "qwen3moe" {
+                    MoeKind::Qwen3Moe
+                } else {
+                    MoeKind::Mixtral
+                },
+                routing: Routing {
+                    experts: count,
+                    top_k,
+                    renormalize: true,
+                },
+                expert_intermediate: width,
+                sparse: vec![true; num_hidden_layers],
+                keys: ExpertKeys::PerExpert,
+                windows: vec![None; num_hidden_layers],
+            })
+        }
         "llama" | "mistral" | "qwen2" => crate::families::llama::family(),
         "qwen3" => crate::families::qwen3::family(),
         "phi3" => {
@@ -340,6 +392,7 @@ pub(crate) fn hf_name(arch: &str, gguf: &str) -> Option<(String, Option<Permuted
         (_, "attn_q_norm.weight") => ("self_attn.q_norm.weight", None),
         (_, "attn_k_norm.weight") => ("self_attn.k_norm.weight", None),
         ("phi3", "ffn_up.weight") => ("mlp.gate_up_proj.weight", None),
+        (_, "ffn_gate_inp.weight") => ("mlp.gate.weight", None),
         (_, "ffn_gate.weight") => ("mlp.gate_proj.weight", None),
         (_, "ffn_up.weight") => ("mlp.up_proj.weight", None),
         (_, "ffn_down.weight") => ("mlp.down_proj.weight", None),
@@ -357,9 +410,39 @@ pub(crate) fn hf_name(arch: &str, gguf: &str) -> Option<(String, Option<Permuted
     Some((format!("model.layers.{layer}.{hf}"), perm))
 }
 
+/// A stack of every expert's projection of one layer (`blk.{l}.ffn_{gate,up,down}_exps.weight`,
+/// experts first): the layer and the HF name of expert `e`'s slice, `None` for other tensors.
+pub(crate) fn expert_stack(gguf: &str) -> Option<(usize, impl Fn(usize) -> String)> {
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let proj = match tail {
+        "ffn_gate_exps.weight" => "gate_proj",
+        "ffn_up_exps.weight" => "up_proj",
+        "ffn_down_exps.weight" => "down_proj",
+        _ => return None,
+    };
+    Some((layer, move |e: usize| {
+        format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn expert_stacks_name_each_expert() {
+        let (l, name) = expert_stack("blk.7.ffn_down_exps.weight").unwrap();
+        assert_eq!(l, 7);
+        assert_eq!(name(3), "model.layers.7.mlp.experts.3.down_proj.weight");
+        assert!(expert_stack("blk.7.ffn_down.weight").is_none());
+        assert!(expert_stack("output.weight").is_none());
+        assert_eq!(
+            hf_name("qwen3moe", "blk.1.ffn_gate_inp.weight").unwrap().0,
+            "model.layers.1.mlp.gate.weight"
+        );
+    }
 
     #[test]
     fn names_map_per_architecture() {

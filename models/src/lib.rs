@@ -1,5 +1,6 @@
 //! Causal language models on the candle-offload runtime: the LLaMA family (Llama 2/3,
-//! Mistral, Qwen2, SmolLM), Phi-3 and Gemma 1/2, and any application's own decoder.
+//! Mistral, Qwen2, SmolLM), Qwen3, Phi-3, Gemma 1/2/3, the mixtures of experts Mixtral and
+//! Qwen3-MoE, and any application's own decoder.
 //!
 //! - [`loader`]: find a model (local directory, HF Hub, GGUF file) and load its weights into a
 //!   host store and its tokenizer.
@@ -61,7 +62,9 @@ pub use causal::{
 pub use chat::ChatTemplate;
 pub use config::Config;
 pub use error::{ModelError, Result};
-pub use family::{DecoderBlock, Family, Hidden, Layout, StepCtx, TrainCtx, UnitWeights};
+pub use family::{
+    DecoderBlock, ExpertLayout, Family, Hidden, Layout, StepCtx, TrainCtx, UnitWeights,
+};
 pub use layers::{Cache, KvCache};
 pub use llama::Llama;
 pub use loader::{ModelFiles, Weights};

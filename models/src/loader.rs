@@ -293,14 +293,43 @@ fn gguf_store(
     let mut origin = HashMap::new();
     // Quantized projections whose type has no quantized matmul, dequantized instead.
     let mut no_matmul: Vec<(&str, GgmlDType)> = Vec::new();
+    // Each tensor, or each expert of a stack of experts (a byte range of the stack: its
+    // blocks, rows of whole blocks, are contiguous), as the HF tensors it holds.
+    let mut parts = Vec::new();
     for g in names {
+        let info = &c.tensor_infos[g];
+        if let Some((_, name)) = crate::gguf_arch::expert_stack(g) {
+            check_tensor_data(path, g, info, c.tensor_data_offset, file_len)?;
+            let dims = info.shape.dims();
+            let experts = dims.first().copied().unwrap_or(0);
+            let (t, elems) = (info.ggml_dtype, info.shape.elem_count());
+            if dims.len() != 3 || experts == 0 {
+                return Err(ModelError::Tensor {
+                    path: path.to_path_buf(),
+                    tensor: g.clone(),
+                    reason: format!("shape {dims:?} is not a stack of experts' matrices"),
+                });
+            }
+            let bytes = (elems / experts / t.block_size() * t.type_size()) as u64;
+            for e in 0..experts {
+                parts.push((g, name(e), None, Some((e, bytes))));
+            }
+            continue;
+        }
         let Some((hf, perm)) = crate::gguf_arch::hf_name(&arch, g) else {
             tracing::debug!(tensor = %g, "GGUF tensor not used");
             continue;
         };
-        let info = &c.tensor_infos[g];
         check_tensor_data(path, g, info, c.tensor_data_offset, file_len)?;
-        let dims = info.shape.dims();
+        parts.push((g, hf, perm, None));
+    }
+    for (g, hf, perm, expert) in parts {
+        let info = &c.tensor_infos[g];
+        let dims = match expert {
+            Some(_) => &info.shape.dims()[1..],
+            None => info.shape.dims(),
+        };
+        let slice_at = expert.map_or(0, |(e, bytes)| e as u64 * bytes);
         let blocks = WeightFormat::Ggml(info.ggml_dtype);
         let kept = keeps_blocks(&hf, info.ggml_dtype, dims)
             || keeps_embedding_blocks(&hf, info.ggml_dtype, dims);
@@ -322,7 +351,7 @@ fn gguf_store(
         // Where it is in the file, for the disk tier: its blocks, or the floats a GGML
         // F32/F16/BF16 tensor holds; q/k rows in the unpermuted order.
         let in_file = WeightFormat::in_gguf(info.ggml_dtype);
-        let source = FileSource::new(path, c.tensor_data_offset + info.offset, in_file);
+        let source = FileSource::new(path, c.tensor_data_offset + info.offset + slice_at, in_file);
         sources.push(Some(match &perm {
             Some(p) => {
                 source.with_row_order(unpermuted_row_order(dims[0], heads(p)).map_err(|e| {
@@ -335,7 +364,7 @@ fn gguf_store(
             }
             None => source,
         }));
-        origin.insert(hf, (g.clone(), perm));
+        origin.insert(hf, (g.clone(), perm, expert));
     }
     if !no_matmul.is_empty() {
         let mut types: Vec<String> = no_matmul.iter().map(|(_, t)| ggml_name(*t)).collect();
@@ -360,20 +389,28 @@ fn gguf_store(
     };
     let store =
         HostStore::from_raw_in_files(&specs, &sources, &cfg, device, |spec, format, dst| {
-            let (g, perm) = &origin[&spec.name];
+            let (g, perm, expert) = &origin[&spec.name];
             let read = |file: &mut std::fs::File| -> candle_core::Result<Vec<u8>> {
                 // Read here rather than through `Content::tensor`, whose GGML reader has no Q8_1 or
                 // Q8_K; `check_tensor_data` has checked the range. The buffer is aligned for any
                 // block type (8 bytes), as Candle's `QStorage::from_data` needs.
                 let info = &c.tensor_infos[g];
-                let (t, dims) = (info.ggml_dtype, info.shape.dims());
-                let n = info.shape.elem_count() / t.block_size() * t.type_size();
+                let t = info.ggml_dtype;
+                // One expert of a stack: its slice.
+                let (shape, at_bytes) = match expert {
+                    Some((e, bytes)) => (Shape::from(&info.shape.dims()[1..]), *e as u64 * bytes),
+                    None => (info.shape.clone(), 0),
+                };
+                let dims = shape.dims();
+                let n = shape.elem_count() / t.block_size() * t.type_size();
                 let mut buf = vec![0u8; n + 8];
                 let at = buf.as_ptr().align_offset(8);
                 if at > 8 {
                     candle_core::bail!("cannot align a buffer for its blocks");
                 }
-                file.seek(std::io::SeekFrom::Start(c.tensor_data_offset + info.offset))?;
+                file.seek(std::io::SeekFrom::Start(
+                    c.tensor_data_offset + info.offset + at_bytes,
+                ))?;
                 file.read_exact(&mut buf[at..at + n])?;
                 let raw = &buf[at..at + n];
                 // Blocks, and floats already in the store's dtype, are copied as they are (q/k
@@ -387,8 +424,7 @@ fn gguf_store(
                     WeightFormat::Dense(dtype) => {
                         let storage =
                             QStorage::from_data(std::borrow::Cow::Borrowed(raw), &Device::Cpu, t)?;
-                        let t =
-                            QTensor::new(storage, info.shape.clone())?.dequantize(&Device::Cpu)?;
+                        let t = QTensor::new(storage, shape.clone())?.dequantize(&Device::Cpu)?;
                         let t = match perm {
                             Some(p) => unpermute(&t, heads(p))?,
                             None => t,
@@ -498,7 +534,18 @@ pub fn load_store_config(
             };
             Ok(HostStore::from_safetensors(paths, &cfg, device)?)
         }
-        Weights::Gguf(path) => gguf_store(files, path, &cfg, device, keep_blocks),
+        Weights::Gguf(path) => {
+            // A mixture of experts' experts, units of their own.
+            let layout = files.config.layout();
+            let cfg = match layout.experts {
+                Some(_) => StoreConfig {
+                    grouping: layout.grouping(),
+                    ..cfg
+                },
+                None => cfg,
+            };
+            gguf_store(files, path, &cfg, device, keep_blocks)
+        }
     }
 }
 

@@ -12,6 +12,11 @@ use crate::error::{Error, Result};
 pub struct UnitGrouping {
     /// Prefixes followed by a layer index: `model.layers.` makes `model.layers.7` a unit.
     pub layer_prefixes: Vec<String>,
+    /// Inside a layer, infixes followed by an expert index that make each expert of a
+    /// mixture-of-experts layer a unit of its own: with `mlp.experts.`, the tensors
+    /// `model.layers.7.mlp.experts.5.*` are the unit `model.layers.7.mlp.experts.5` (a unit
+    /// of no layer index), the rest of the layer stays the unit `model.layers.7`.
+    pub expert_infixes: Vec<String>,
 }
 
 impl Default for UnitGrouping {
@@ -28,6 +33,7 @@ impl Default for UnitGrouping {
             .into_iter()
             .map(String::from)
             .collect(),
+            expert_infixes: Vec::new(),
         }
     }
 }
@@ -37,7 +43,15 @@ impl UnitGrouping {
     pub fn by_prefixes<S: AsRef<str>>(prefixes: &[S]) -> Self {
         Self {
             layer_prefixes: prefixes.iter().map(|p| p.as_ref().to_string()).collect(),
+            expert_infixes: Vec::new(),
         }
+    }
+
+    /// The same grouping with each expert under one of `infixes` (after the layer index and
+    /// its dot, followed by the expert index) a unit of its own.
+    pub fn with_experts<S: AsRef<str>>(mut self, infixes: &[S]) -> Self {
+        self.expert_infixes = infixes.iter().map(|p| p.as_ref().to_string()).collect();
+        self
     }
 
     /// The unit a tensor belongs to, and for layer units the layer index.
@@ -47,6 +61,9 @@ impl UnitGrouping {
                 let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
                 let after = &rest[digits.len()..];
                 if !digits.is_empty() && (after.is_empty() || after.starts_with('.')) {
+                    if let Some(expert) = self.expert_of(&after[after.len().min(1)..]) {
+                        return (format!("{p}{digits}.{expert}"), None);
+                    }
                     if let Ok(idx) = digits.parse() {
                         return (format!("{p}{digits}"), Some(idx));
                     }
@@ -57,6 +74,16 @@ impl UnitGrouping {
             Some((module, _)) => (module.to_string(), None),
             None => (tensor.to_string(), None),
         }
+    }
+
+    /// `mlp.experts.5` of `mlp.experts.5.gate_proj.weight` (a name inside a layer) when an
+    /// expert infix starts it and a dot follows the expert index.
+    fn expert_of<'a>(&self, in_layer: &'a str) -> Option<&'a str> {
+        self.expert_infixes.iter().find_map(|infix| {
+            let rest = in_layer.strip_prefix(infix.as_str())?;
+            let n = rest.chars().take_while(|c| c.is_ascii_digit()).count();
+            (n > 0 && rest[n..].starts_with('.')).then(|| &in_layer[..infix.len() + n])
+        })
     }
 }
 
@@ -189,6 +216,34 @@ mod tests {
             ("model.layers.x".into(), None)
         );
         assert_eq!(g.unit_of("scale"), ("scale".into(), None));
+        // Experts stay in their layer's unit unless asked.
+        assert_eq!(
+            g.unit_of("model.layers.2.mlp.experts.5.up_proj.weight").0,
+            "model.layers.2"
+        );
+    }
+
+    #[test]
+    fn experts_are_units_of_their_own() {
+        let g = UnitGrouping::by_prefixes(&["model.layers."])
+            .with_experts(&["mlp.experts.", "block_sparse_moe.experts."]);
+        assert_eq!(
+            g.unit_of("model.layers.2.mlp.experts.15.up_proj.weight"),
+            ("model.layers.2.mlp.experts.15".into(), None)
+        );
+        assert_eq!(
+            g.unit_of("model.layers.0.block_sparse_moe.experts.3.w1.weight"),
+            ("model.layers.0.block_sparse_moe.experts.3".into(), None)
+        );
+        // The router, and fused stacks of all experts, stay with the layer.
+        for t in [
+            "model.layers.2.mlp.gate.weight",
+            "model.layers.2.mlp.experts.gate_up_proj",
+            "model.layers.2.mlp.experts.7",
+            "model.layers.2.self_attn.q_proj.weight",
+        ] {
+            assert_eq!(g.unit_of(t), ("model.layers.2".into(), Some(2)), "{t}");
+        }
     }
 
     #[test]

@@ -271,7 +271,7 @@ impl Pipeline<'_> {
             }
             let layers = dp.layers();
             let mut served = keep.clone();
-            served.extend(layers.clone().map(|l| layout.layer(l)));
+            served.extend(layers.clone().flat_map(|l| layout.units_of(l)));
             let order = || {
                 let mut order: Vec<UnitId> = Vec::new();
                 if keep.contains(&layout.embed) && layers.start == 0 {

@@ -75,7 +75,11 @@ impl OnDevice<'_> {
         let gpu_layers = || (0..n).filter(|&l| !on_host[l]);
         let layout = cfg.layout();
         let mut host_units = vec![layout.embed.clone()];
-        host_units.extend((0..n).filter(|&l| on_host[l]).map(|l| layout.layer(l)));
+        host_units.extend(
+            (0..n)
+                .filter(|&l| on_host[l])
+                .flat_map(|l| layout.units_of(l)),
+        );
         if head_on_host {
             host_units.push(layout.norm.clone());
             host_units.push(layout.head_unit().to_string());
@@ -102,7 +106,7 @@ impl OnDevice<'_> {
         // evicted first: they are not in its schedule), whose KV cache it holds one layer at a
         // time before handing it to the host.
         let mut served = keep.clone();
-        served.extend((0..n).map(|l| layout.layer(l)));
+        served.extend((0..n).flat_map(|l| layout.units_of(l)));
         // Its own layers' KV cache and two layers' more (a host layer's, for prompts).
         let kv_layers = (n - h + PASS_THROUGH_LAYERS).min(n) as u64;
         let at = |rows| {
@@ -436,12 +440,14 @@ impl CausalLm {
         } else {
             dtype
         };
+        // The layers and their experts (units of their own in a mixture-of-experts model).
+        let served: Vec<String> = (0..names.len()).flat_map(|l| layout.units_of(l)).collect();
         let rt = OffloadRuntime::new(
             store.clone(),
             device,
             &OffloadConfig {
-                keep: names.clone(),
-                units: Some(names.clone()),
+                keep: served.clone(),
+                units: Some(served),
                 tuning: *tuning,
                 ..Default::default()
             },
@@ -460,12 +466,18 @@ impl CausalLm {
         }
         let rope = cfg.family.rope(cfg, context + 2, dtype, device)?;
         let masks = Masks::padded(1, context, &[], device);
+        let experts = super::experts::RuntimeExperts {
+            rt: &rt,
+            layout: &layout,
+            dtype,
+        };
         let ctx = StepCtx {
             index_pos: context,
             rope: &rope,
             masks: &masks,
             fused: device.is_cuda(),
             pos_dev: None,
+            experts: layout.experts.is_some().then_some(&experts as _),
         };
         let xs = Tensor::zeros((1, 1, cfg.hidden_size), dtype, device)?;
         // The cached positions each step attends over (a decode step after a prompt of

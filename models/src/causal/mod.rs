@@ -16,11 +16,13 @@
 //! - `host.rs`: host layers in front of one device (the split itself is planned in
 //!   [`candle_offload::plan::spread`]);
 //! - `devices.rs`: a pipeline over several devices and its device map;
+//! - `experts.rs`: mixture-of-experts layers' experts acquired one by one as units;
 //! - `forward.rs`: the forward pass; `graph.rs` and `graph_state.rs`: decode steps replayed
 //!   from CUDA graphs.
 
 mod builder;
 mod devices;
+mod experts;
 mod forward;
 mod graph;
 mod graph_state;

@@ -205,7 +205,7 @@ impl Family for Gemma {
             ..AttentionSpec::of(cfg)
         };
         let attn = SelfAttention::load(w.pp("self_attn"), h, spec, cfg.attention_bias)?;
-        let mlp = GatedMlp::load(w.pp("mlp"), h, cfg.intermediate_size, self.act)?;
+        let mlp = GatedMlp::load(w.pp("mlp"), h, cfg.intermediate_size, self.act)?.into();
         let block = if self.version == 2 {
             PreNormBlock {
                 input_norm: norm("input_layernorm")?,

@@ -373,6 +373,7 @@ impl Family for Gemma3 {
             layer_prefix: format!("{prefix}layers."),
             norm: format!("{prefix}norm"),
             head: (!cfg.tie_word_embeddings).then(|| head.to_string()),
+            experts: None,
         }
     }
 
@@ -431,7 +432,7 @@ impl Family for Gemma3 {
             attn,
             post_attn_norm: Some(norm("post_attention_layernorm", h)?),
             pre_mlp_norm: norm("pre_feedforward_layernorm", h)?,
-            mlp: GatedMlp::load(w.pp("mlp"), h, cfg.intermediate_size, self.act)?,
+            mlp: GatedMlp::load(w.pp("mlp"), h, cfg.intermediate_size, self.act)?.into(),
             post_mlp_norm: Some(norm("post_feedforward_layernorm", h)?),
         }))
     }

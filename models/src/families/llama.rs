@@ -38,11 +38,11 @@ pub fn family() -> Arc<dyn Family> {
     Arc::new(LlamaFamily::default())
 }
 
-/// The sliding windows of a `mistral`, `qwen2` or `qwen3` config, as transformers applies them.
+/// The sliding windows of a `mistral`, `mixtral`, `qwen2`, `qwen3` or `qwen3_moe` config, as transformers applies them.
 pub(crate) fn windows(f: &HfFields<'_>, n: usize) -> crate::Result<Vec<Option<usize>>> {
-    let qwen = matches!(f.model_type, "qwen2" | "qwen3");
+    let qwen = matches!(f.model_type, "qwen2" | "qwen3" | "qwen3_moe");
     let window = match f.model_type {
-        "mistral" => f.opt_usize("sliding_window")?,
+        "mistral" | "mixtral" => f.opt_usize("sliding_window")?,
         _ if qwen && f.bool_or("use_sliding_window", false)? => {
             if f.obj.contains_key("sliding_window") {
                 f.opt_usize("sliding_window")?
@@ -138,7 +138,7 @@ impl Family for LlamaFamily {
             attn: SelfAttention::load(w.pp("self_attn"), h, spec, cfg.attention_bias)?,
             post_attn_norm: None,
             pre_mlp_norm: norm("post_attention_layernorm")?,
-            mlp: GatedMlp::load(w.pp("mlp"), h, cfg.intermediate_size, Activation::Silu)?,
+            mlp: GatedMlp::load(w.pp("mlp"), h, cfg.intermediate_size, Activation::Silu)?.into(),
             post_mlp_norm: None,
         }))
     }

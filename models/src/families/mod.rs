@@ -16,6 +16,7 @@ use crate::hf_config::{HfFields, Registration};
 pub mod gemma;
 pub mod gemma3;
 pub mod llama;
+pub mod moe;
 pub mod phi3;
 pub mod qwen3;
 
@@ -23,6 +24,7 @@ pub mod qwen3;
 pub static REGISTRY: &[Registration] = &[
     llama::REGISTRATION,
     qwen3::REGISTRATION,
+    moe::REGISTRATION,
     phi3::REGISTRATION,
     gemma::REGISTRATION,
     gemma3::REGISTRATION,

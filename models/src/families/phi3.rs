@@ -262,7 +262,8 @@ impl Family for Phi3 {
                 h,
                 cfg.intermediate_size,
                 self.act,
-            )?,
+            )?
+            .into(),
             post_mlp_norm: None,
         }))
     }

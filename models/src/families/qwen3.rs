@@ -83,7 +83,7 @@ impl Family for Qwen3 {
             attn,
             post_attn_norm: None,
             pre_mlp_norm: norm("post_attention_layernorm", h)?,
-            mlp: GatedMlp::load(w.pp("mlp"), h, cfg.intermediate_size, Activation::Silu)?,
+            mlp: GatedMlp::load(w.pp("mlp"), h, cfg.intermediate_size, Activation::Silu)?.into(),
             post_mlp_norm: None,
         }))
     }

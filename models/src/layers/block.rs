@@ -8,6 +8,7 @@ use super::attention::SelfAttention;
 use super::cache::KvCache;
 use super::linear::Linear;
 use super::mlp::GatedMlp;
+use super::moe::SparseMoe;
 use super::norm::Norm;
 use crate::family::{DecoderBlock, Hidden, StepCtx, TrainCtx};
 
@@ -24,31 +25,82 @@ pub struct PreNormBlock {
     pub post_attn_norm: Option<Norm>,
     /// Before the MLP.
     pub pre_mlp_norm: Norm,
-    /// The MLP.
-    pub mlp: GatedMlp,
+    /// The MLP: dense, or a mixture of experts.
+    pub mlp: FeedForward,
     /// After the MLP, before the residual add (Gemma 2, 3).
     pub post_mlp_norm: Option<Norm>,
 }
 
+/// A block's MLP: dense, or a sparse mixture of experts.
+#[derive(Debug)]
+pub enum FeedForward {
+    /// A gated MLP.
+    Dense(GatedMlp),
+    /// A mixture of experts.
+    Sparse(SparseMoe),
+}
+
+impl From<GatedMlp> for FeedForward {
+    fn from(m: GatedMlp) -> Self {
+        Self::Dense(m)
+    }
+}
+
+impl From<SparseMoe> for FeedForward {
+    fn from(m: SparseMoe) -> Self {
+        Self::Sparse(m)
+    }
+}
+
+impl FeedForward {
+    /// The linear layer that reads the normed rows first (none for a mixture of experts,
+    /// whose router reads them first, in floats).
+    fn first(&self) -> Option<&Linear> {
+        match self {
+            Self::Dense(m) => Some(m.first()),
+            Self::Sparse(_) => None,
+        }
+    }
+
+    fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>) -> Result<Tensor> {
+        match self {
+            Self::Dense(m) if ctx.fused => m.forward_fused(xs),
+            Self::Dense(m) => m.forward(xs),
+            Self::Sparse(m) => m.forward(xs, ctx, ctx.fused),
+        }
+    }
+
+    fn forward_train(&self, xs: &Tensor, fused: bool) -> Result<Tensor> {
+        match self {
+            Self::Dense(m) if fused => m.forward_train_fused(xs),
+            Self::Dense(m) => m.forward_train(xs),
+            Self::Sparse(_) => {
+                candle_core::bail!("mixture-of-experts layers have no training path")
+            }
+        }
+    }
+}
+
 /// `norm(a + b)` and the sum: in one kernel on a fused step with an RMSNorm computed in the
 /// inputs' dtype, all three of one dtype, the normed rows made for `next`, the linear layer
-/// that reads them ([`candle_offload::kernels::norm::rms_norm_residual_for`]); otherwise the
-/// add, then the norm.
+/// that reads them ([`candle_offload::kernels::norm::rms_norm_residual_for`]; plain rows when
+/// no linear layer reads them first); otherwise the add, then the norm.
 fn add_norm(
     norm: &Norm,
     ctx: &StepCtx<'_>,
     a: Tensor,
     b: Tensor,
-    next: &Linear,
+    next: Option<&Linear>,
 ) -> Result<(Tensor, Tensor)> {
     let fusable = norm
         .rms_parts()
         .filter(|(w, _)| ctx.fused && w.dtype() == a.dtype() && b.dtype() == a.dtype());
-    match fusable {
-        Some((w, eps)) => {
+    match (fusable, next) {
+        (Some((w, eps)), Some(next)) => {
             candle_offload::kernels::norm::rms_norm_residual_for(&a, &b, w, eps, next)
         }
-        None => {
+        (Some((w, eps)), None) => candle_offload::kernels::norm::rms_norm_residual(&a, &b, w, eps),
+        (None, _) => {
             let sum = (a + b)?;
             let normed = norm.forward(&sum)?;
             Ok((sum, normed))
@@ -71,7 +123,7 @@ impl DecoderBlock for PreNormBlock {
                 (xs, normed)
             }
             Hidden::Split { h, residual } => {
-                add_norm(&self.input_norm, ctx, h, residual, self.attn.first())?
+                add_norm(&self.input_norm, ctx, h, residual, Some(self.attn.first()))?
             }
         };
         let h = self.attn.forward(&normed, ctx, kv)?;
@@ -81,11 +133,7 @@ impl DecoderBlock for PreNormBlock {
         };
         // The residual add and the norm after it in one kernel where it can.
         let (xs, normed) = add_norm(&self.pre_mlp_norm, ctx, h, residual, self.mlp.first())?;
-        let h = if ctx.fused {
-            self.mlp.forward_fused(&normed)?
-        } else {
-            self.mlp.forward(&normed)?
-        };
+        let h = self.mlp.forward(&normed, ctx)?;
         match &self.post_mlp_norm {
             Some(n) => Ok(Hidden::Whole((n.forward(&h)? + xs)?)),
             None if ctx.fused => Ok(Hidden::Split { h, residual: xs }),
@@ -114,11 +162,7 @@ impl DecoderBlock for PreNormBlock {
         let xs = (h + residual)?;
         let h = self.pre_mlp_norm.forward_train(&xs, fused)?;
         let h = h.to_dtype(ctx.compute)?;
-        let h = if fused {
-            self.mlp.forward_train_fused(&h)?
-        } else {
-            self.mlp.forward_train(&h)?
-        };
+        let h = self.mlp.forward_train(&h, fused)?;
         let h = h.to_dtype(stream)?;
         let h = match &self.post_mlp_norm {
             Some(n) => n.forward_train(&h, fused)?,

@@ -28,7 +28,7 @@ use candle_offload::kernels::norm::{rms_norm, rms_norm_backward};
 use candle_offload::train::grad::with_gradient;
 
 use super::attention::Qkv;
-use super::block::PreNormBlock;
+use super::block::{FeedForward, PreNormBlock};
 use super::linear::{Linear, LinearWeight};
 use super::mlp::{Activation, GateUp};
 use super::norm::Norm;
@@ -120,13 +120,16 @@ impl Parts {
     fn of(block: &PreNormBlock, xs: &Tensor, ctx: &TrainCtx<'_>) -> Result<Option<Self>> {
         let s = &block.attn.spec;
         let cd = ctx.compute;
+        let FeedForward::Dense(mlp) = &block.mlp else {
+            return Ok(None);
+        };
         let plain = block.post_attn_norm.is_none()
             && block.post_mlp_norm.is_none()
             && s.softcap.is_none()
             && s.window.is_none()
             && !s.local_rope
             && block.attn.qk_norm.is_none()
-            && block.mlp.act == Activation::Silu
+            && mlp.act == Activation::Silu
             && ctx.masks.is_plain_causal()
             && ctx.rope.rotary_width()? >= s.head_dim
             && xs.rank() == 3
@@ -135,7 +138,7 @@ impl Parts {
             return Ok(None);
         }
         let (Qkv::Separate { q, k, v }, GateUp::Separate { gate, up }) =
-            (&block.attn.qkv, &block.mlp.gate_up)
+            (&block.attn.qkv, &mlp.gate_up)
         else {
             return Ok(None);
         };
@@ -150,7 +153,7 @@ impl Parts {
                 mlp_norm: RmsWeight::of(&block.pre_mlp_norm, stream)?,
                 gate: Proj::of(gate, cd)?,
                 up: Proj::of(up, cd)?,
-                down: Proj::of(&block.mlp.down, cd)?,
+                down: Proj::of(&mlp.down, cd)?,
             })
         })();
         Ok(parts)

@@ -72,6 +72,46 @@ impl GatedMlp {
         })
     }
 
+    /// As [`load`](Self::load) with other names for gate, up and down (Mixtral's experts:
+    /// `w1`, `w3`, `w2`).
+    pub fn load_named(
+        w: UnitWeights<'_>,
+        [gate, up, down]: [&str; 3],
+        hidden: usize,
+        intermediate: usize,
+        act: Activation,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_up: GateUp::Separate {
+                gate: w.pp(gate).linear(hidden, intermediate, false)?,
+                up: w.pp(up).linear(hidden, intermediate, false)?,
+            },
+            down: w.pp(down).linear(intermediate, hidden, false)?,
+            act,
+            intermediate,
+        })
+    }
+
+    /// From dense tensors: `gate_up` (2·intermediate, hidden), gate rows first, and `down`
+    /// (hidden, intermediate), such as one expert's views of fused expert stacks.
+    pub fn from_fused_tensors(
+        gate_up: Tensor,
+        down: Tensor,
+        intermediate: usize,
+        act: Activation,
+        tuning: candle_offload::KernelTuning,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_up: GateUp::Fused(Linear::from_candle(
+                &candle_nn::Linear::new(gate_up, None),
+                tuning,
+            )),
+            down: Linear::from_candle(&candle_nn::Linear::new(down, None), tuning),
+            act,
+            intermediate,
+        })
+    }
+
     /// One fused `fused` projection (rows: gate, then up) and `down_proj` under `w` (Phi-3).
     pub fn load_fused(
         w: UnitWeights<'_>,

@@ -1,0 +1,445 @@
+//! Mixture-of-experts residency, pure: a per-layer cache of experts (each expert one unit:
+//! its gate, up and down as stored) with LRU or LFU-with-ageing eviction and hit/miss counters
+//! per layer, the slots a byte budget gives each layer, and the price of a missing expert
+//! computed on the host CPU against fetched over the link and computed on the GPU.
+//!
+//! The runtime asks, the cache answers; nothing here touches a device. Which experts a token
+//! uses changes from token to token, so the periodic sweep Belady relies on
+//! ([`crate::cache`]) does not exist for them: recency and frequency are what is left.
+
+/// How an [`ExpertCache`] chooses the expert to evict.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum ExpertPolicy {
+    /// Least recently used.
+    #[default]
+    Lru,
+    /// Least frequently used, each use's weight halving every `half_life` accesses of the
+    /// layer (so that popularity follows the text); ties go to the least recent.
+    Lfu {
+        /// Accesses of the layer after which a use counts half.
+        half_life: f64,
+    },
+}
+
+/// What an access did: a hit, or a miss that admitted the expert (evicting `evicted`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertAccess {
+    /// The expert was resident.
+    Hit,
+    /// It was not; it is now, in place of `evicted` when the layer was full.
+    Miss {
+        /// The expert it replaced.
+        evicted: Option<usize>,
+    },
+}
+
+/// One layer's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LayerCounters {
+    /// Accesses that found the expert resident.
+    pub hits: u64,
+    /// Accesses that did not.
+    pub misses: u64,
+    /// Experts evicted.
+    pub evictions: u64,
+}
+
+impl LayerCounters {
+    /// Hits over accesses (0 without accesses).
+    pub fn hit_rate(&self) -> f64 {
+        let n = self.hits + self.misses;
+        if n == 0 {
+            0.0
+        } else {
+            self.hits as f64 / n as f64
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Slot {
+    expert: usize,
+    last_use: u64,
+    /// Ageing use count at `scored_at`.
+    score: f64,
+    scored_at: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Layer {
+    slots: usize,
+    resident: Vec<Slot>,
+    clock: u64,
+    counters: LayerCounters,
+}
+
+/// Per layer, which experts are resident in that layer's slots. See the module docs.
+#[derive(Debug, Clone)]
+pub struct ExpertCache {
+    policy: ExpertPolicy,
+    experts: usize,
+    layers: Vec<Layer>,
+}
+
+impl ExpertCache {
+    /// A cache of `slots[l]` experts for each layer `l` of `experts` experts.
+    pub fn new(policy: ExpertPolicy, experts: usize, slots: &[usize]) -> Self {
+        Self {
+            policy,
+            experts,
+            layers: slots
+                .iter()
+                .map(|&s| Layer {
+                    slots: s.min(experts),
+                    resident: Vec::new(),
+                    clock: 0,
+                    counters: LayerCounters::default(),
+                })
+                .collect(),
+        }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> ExpertPolicy {
+        self.policy
+    }
+
+    /// Slots of layer `l`.
+    pub fn slots(&self, l: usize) -> usize {
+        self.layers.get(l).map_or(0, |x| x.slots)
+    }
+
+    /// Whether expert `e` of layer `l` is resident.
+    pub fn contains(&self, l: usize, e: usize) -> bool {
+        self.layers
+            .get(l)
+            .is_some_and(|x| x.resident.iter().any(|s| s.expert == e))
+    }
+
+    /// The resident experts of layer `l`, in no particular order.
+    pub fn resident(&self, l: usize) -> Vec<usize> {
+        self.layers
+            .get(l)
+            .map(|x| x.resident.iter().map(|s| s.expert).collect())
+            .unwrap_or_default()
+    }
+
+    /// The counters of layer `l`.
+    pub fn counters(&self, l: usize) -> LayerCounters {
+        self.layers.get(l).map(|x| x.counters).unwrap_or_default()
+    }
+
+    /// All layers' counters summed.
+    pub fn total(&self) -> LayerCounters {
+        self.layers
+            .iter()
+            .fold(LayerCounters::default(), |a, x| LayerCounters {
+                hits: a.hits + x.counters.hits,
+                misses: a.misses + x.counters.misses,
+                evictions: a.evictions + x.counters.evictions,
+            })
+    }
+
+    fn decayed(policy: ExpertPolicy, s: &Slot, now: u64) -> f64 {
+        match policy {
+            ExpertPolicy::Lru => 0.0,
+            ExpertPolicy::Lfu { half_life } => {
+                let age = (now - s.scored_at) as f64;
+                s.score * (-age / half_life.max(f64::MIN_POSITIVE)).exp2()
+            }
+        }
+    }
+
+    /// A use of expert `e` of layer `l`: a hit, or a miss that admits it (evicting the
+    /// policy's victim when the layer is full). A layer of no slots admits nothing (its
+    /// experts always miss). An expert or layer out of range is a miss that admits nothing.
+    pub fn access(&mut self, l: usize, e: usize) -> ExpertAccess {
+        let policy = self.policy;
+        let experts = self.experts;
+        let Some(layer) = self.layers.get_mut(l) else {
+            return ExpertAccess::Miss { evicted: None };
+        };
+        layer.clock += 1;
+        let now = layer.clock;
+        if let Some(s) = layer.resident.iter_mut().find(|s| s.expert == e) {
+            s.score = Self::decayed(policy, s, now) + 1.0;
+            s.scored_at = now;
+            s.last_use = now;
+            layer.counters.hits += 1;
+            return ExpertAccess::Hit;
+        }
+        layer.counters.misses += 1;
+        if layer.slots == 0 || e >= experts {
+            return ExpertAccess::Miss { evicted: None };
+        }
+        let mut evicted = None;
+        if layer.resident.len() >= layer.slots {
+            let victim = layer
+                .resident
+                .iter()
+                .enumerate()
+                .min_by(|(_, a), (_, b)| {
+                    let (sa, sb) = (Self::decayed(policy, a, now), Self::decayed(policy, b, now));
+                    sa.total_cmp(&sb).then(a.last_use.cmp(&b.last_use))
+                })
+                .map(|(i, _)| i)
+                .expect("a full layer has residents");
+            evicted = Some(layer.resident.swap_remove(victim).expert);
+            layer.counters.evictions += 1;
+        }
+        layer.resident.push(Slot {
+            expert: e,
+            last_use: now,
+            score: 1.0,
+            scored_at: now,
+        });
+        ExpertAccess::Miss { evicted }
+    }
+}
+
+/// Expert slots per sparse layer that `budget_bytes` (what the budget leaves after the dense
+/// part) holds for `layers` layers of experts of `expert_bytes` each, spread evenly, at most
+/// `experts` per layer.
+pub fn slots_for_budget(
+    budget_bytes: u64,
+    expert_bytes: u64,
+    layers: usize,
+    experts: usize,
+) -> usize {
+    if expert_bytes == 0 || layers == 0 {
+        return experts;
+    }
+    let per_layer = budget_bytes / layers as u64 / expert_bytes;
+    (per_layer as usize).min(experts)
+}
+
+/// Measured rates a missing expert's price is made of (bytes and FLOPs per second).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExpertRates {
+    /// The host CPU reading weights for its quantized matmuls.
+    pub cpu_read: f64,
+    /// The host CPU's arithmetic on those matmuls.
+    pub cpu_flops: f64,
+    /// Host-to-device copies over the link.
+    pub link: f64,
+    /// The GPU reading weights from its memory.
+    pub gpu_read: f64,
+    /// The GPU's arithmetic.
+    pub gpu_flops: f64,
+}
+
+/// Where a missing expert runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertPlace {
+    /// On the host CPU, from host memory.
+    Cpu,
+    /// Fetched over the link, then on the GPU.
+    Fetch,
+}
+
+/// The seconds a missing expert of `bytes` (as stored) costs for `tokens` tokens of
+/// `flops_per_token` each: on the CPU (the slower of reading its bytes and computing), and
+/// fetched and computed on the GPU (the copy, then the slower of reading and computing).
+pub fn missing_expert_seconds(
+    bytes: u64,
+    flops_per_token: f64,
+    tokens: usize,
+    r: &ExpertRates,
+) -> (f64, f64) {
+    let b = bytes as f64;
+    let flops = flops_per_token * tokens as f64;
+    let cpu = (b / r.cpu_read).max(flops / r.cpu_flops);
+    let gpu = b / r.link + (b / r.gpu_read).max(flops / r.gpu_flops);
+    (cpu, gpu)
+}
+
+/// The cheaper place for a missing expert ([`missing_expert_seconds`]); the CPU on a tie.
+pub fn place_missing_expert(
+    bytes: u64,
+    flops_per_token: f64,
+    tokens: usize,
+    r: &ExpertRates,
+) -> ExpertPlace {
+    let (cpu, gpu) = missing_expert_seconds(bytes, flops_per_token, tokens, r);
+    if gpu < cpu {
+        ExpertPlace::Fetch
+    } else {
+        ExpertPlace::Cpu
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn lru_evicts_the_least_recent() {
+        let mut c = ExpertCache::new(ExpertPolicy::Lru, 8, &[2]);
+        assert_eq!(c.access(0, 1), ExpertAccess::Miss { evicted: None });
+        assert_eq!(c.access(0, 2), ExpertAccess::Miss { evicted: None });
+        assert_eq!(c.access(0, 1), ExpertAccess::Hit);
+        assert_eq!(c.access(0, 3), ExpertAccess::Miss { evicted: Some(2) });
+        assert_eq!(
+            c.counters(0),
+            LayerCounters {
+                hits: 1,
+                misses: 3,
+                evictions: 1
+            }
+        );
+        assert!((c.counters(0).hit_rate() - 0.25).abs() < 1e-12);
+    }
+
+    #[test]
+    fn lfu_keeps_the_popular_and_forgets_with_age() {
+        let mut c = ExpertCache::new(ExpertPolicy::Lfu { half_life: 1e9 }, 8, &[2]);
+        for _ in 0..5 {
+            c.access(0, 0);
+        }
+        c.access(0, 1);
+        // 1 is used once, 0 five times: the newcomer replaces 1, not 0.
+        assert_eq!(c.access(0, 2), ExpertAccess::Miss { evicted: Some(1) });
+        assert!(c.contains(0, 0));
+        // With a short half-life, old popularity fades: 0's five uses long ago weigh less
+        // than 3's two recent ones.
+        let mut c = ExpertCache::new(ExpertPolicy::Lfu { half_life: 2.0 }, 8, &[2]);
+        for _ in 0..5 {
+            c.access(0, 0);
+        }
+        for _ in 0..20 {
+            c.access(0, 3);
+        }
+        c.access(0, 4);
+        assert!(!c.contains(0, 0));
+    }
+
+    #[test]
+    fn layers_without_slots_admit_nothing() {
+        let mut c = ExpertCache::new(ExpertPolicy::Lru, 4, &[0, 9]);
+        assert_eq!(c.slots(1), 4);
+        assert_eq!(c.access(0, 1), ExpertAccess::Miss { evicted: None });
+        assert_eq!(c.access(0, 1), ExpertAccess::Miss { evicted: None });
+        assert!(c.resident(0).is_empty());
+        assert_eq!(c.access(5, 1), ExpertAccess::Miss { evicted: None });
+        assert_eq!(c.access(1, 7), ExpertAccess::Miss { evicted: None });
+        assert!(c.resident(1).is_empty());
+    }
+
+    #[test]
+    fn slots_follow_the_budget() {
+        // 4 GiB left for 48 layers of 3 MiB experts: 28 per layer.
+        assert_eq!(slots_for_budget(4 << 30, 3 << 20, 48, 128), 28);
+        assert_eq!(slots_for_budget(u64::MAX, 3 << 20, 48, 128), 128);
+        assert_eq!(slots_for_budget(0, 3 << 20, 48, 128), 0);
+    }
+
+    /// An H200 host: the CPU reads ~60 GB/s and computes ~1 TFLOP/s; the link moves ~25 GB/s;
+    /// the GPU reads ~4 TB/s and computes ~400 TFLOP/s. A Qwen3-30B-A3B expert in Q8_0: 3
+    /// matrices of 2048 x 768, 1.0625 bytes a weight, 2 FLOPs a weight per token.
+    #[test]
+    fn one_token_stays_on_the_cpu_a_prompt_fetches() {
+        let r = ExpertRates {
+            cpu_read: 60e9,
+            cpu_flops: 1e12,
+            link: 25e9,
+            gpu_read: 4e12,
+            gpu_flops: 400e12,
+        };
+        let weights = 3.0 * 2048.0 * 768.0;
+        let bytes = (weights * 1.0625) as u64;
+        let flops = 2.0 * weights;
+        assert_eq!(place_missing_expert(bytes, flops, 1, &r), ExpertPlace::Cpu);
+        assert_eq!(
+            place_missing_expert(bytes, flops, 32, &r),
+            ExpertPlace::Fetch
+        );
+        let (cpu, gpu) = missing_expert_seconds(bytes, flops, 1, &r);
+        assert!((cpu - bytes as f64 / 60e9).abs() < 1e-12);
+        assert!((gpu - (bytes as f64 / 25e9 + bytes as f64 / 4e12)).abs() < 1e-12);
+        // A slow link keeps even a prompt's experts on the CPU.
+        let slow = ExpertRates { link: 1e9, ..r };
+        assert_eq!(
+            place_missing_expert(bytes, flops, 32, &slow),
+            ExpertPlace::Cpu
+        );
+    }
+
+    /// A reference LRU: a list, most recent last.
+    fn reference_lru(slots: usize, trace: &[usize]) -> Vec<ExpertAccess> {
+        let mut list: Vec<usize> = Vec::new();
+        trace
+            .iter()
+            .map(|&e| {
+                if let Some(i) = list.iter().position(|&x| x == e) {
+                    list.remove(i);
+                    list.push(e);
+                    return ExpertAccess::Hit;
+                }
+                let evicted = (list.len() >= slots).then(|| list.remove(0));
+                list.push(e);
+                ExpertAccess::Miss { evicted }
+            })
+            .collect()
+    }
+
+    proptest! {
+        #[test]
+        fn lru_equals_the_reference(slots in 1usize..6, trace in prop::collection::vec(0usize..10, 0..200)) {
+            let mut c = ExpertCache::new(ExpertPolicy::Lru, 10, &[slots]);
+            let got: Vec<_> = trace.iter().map(|&e| c.access(0, e)).collect();
+            prop_assert_eq!(got, reference_lru(slots, &trace));
+        }
+
+        #[test]
+        fn never_over_capacity_and_counters_add_up(
+            lfu in any::<bool>(),
+            half_life in 1.0f64..100.0,
+            slots in prop::collection::vec(0usize..5, 1..4),
+            trace in prop::collection::vec((0usize..4, 0usize..12), 0..300),
+        ) {
+            let policy = if lfu { ExpertPolicy::Lfu { half_life } } else { ExpertPolicy::Lru };
+            let mut c = ExpertCache::new(policy, 12, &slots);
+            let mut seen = vec![0u64; slots.len()];
+            for &(l, e) in &trace {
+                let before = c.contains(l, e);
+                let a = c.access(l, e);
+                prop_assert_eq!(before, a == ExpertAccess::Hit);
+                if l < slots.len() {
+                    seen[l] += 1;
+                    prop_assert!(c.resident(l).len() <= slots[l]);
+                    prop_assert_eq!(c.contains(l, e), slots[l] > 0);
+                    if let ExpertAccess::Miss { evicted: Some(v) } = a {
+                        prop_assert!(!c.contains(l, v));
+                    }
+                }
+            }
+            for (l, &n) in seen.iter().enumerate() {
+                let k = c.counters(l);
+                prop_assert_eq!(k.hits + k.misses, n);
+                prop_assert!(k.evictions <= k.misses);
+                prop_assert_eq!(k.misses - k.evictions, c.resident(l).len() as u64 + if slots[l] == 0 { k.misses } else { 0 });
+            }
+        }
+
+        /// Without ageing, LFU evicts a resident used least often (counted since admitted).
+        #[test]
+        fn lfu_without_ageing_evicts_a_least_used(slots in 1usize..5, trace in prop::collection::vec(0usize..8, 0..200)) {
+            let mut c = ExpertCache::new(ExpertPolicy::Lfu { half_life: 1e12 }, 8, &[slots]);
+            let mut uses = [0u64; 8];
+            for &e in &trace {
+                let counts: Vec<(usize, u64)> = c.resident(0).iter().map(|&r| (r, uses[r])).collect();
+                match c.access(0, e) {
+                    ExpertAccess::Miss { evicted: Some(v) } => {
+                        let least = counts.iter().map(|c| c.1).min().unwrap();
+                        prop_assert_eq!(uses[v], least);
+                        uses[v] = 0;
+                        uses[e] = 1;
+                    }
+                    ExpertAccess::Miss { evicted: None } => uses[e] = 1,
+                    ExpertAccess::Hit => uses[e] += 1,
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,337 @@
+//! The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router (a linear layer to one
+//! logit per expert), softmax, the top-k experts of each token with optional renormalisation
+//! of their weights, each routed token through its experts' gated MLPs, and the weighted sum.
+//!
+//! The experts are either built with the layer (their weights in the layer's unit: fused
+//! stacks of all experts, or a grouping that does not split them off) or units of their own,
+//! acquired through [`ExpertUnits`] only when a token is routed to them: the unit a
+//! residency policy caches one by one. Routing is a pure function ([`route_row`]).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Result, Tensor, D};
+
+use super::linear::Linear;
+use super::mlp::{Activation, GatedMlp};
+use crate::family::{StepCtx, UnitWeights};
+
+/// How a router's logits choose experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Routing {
+    /// Experts in the layer.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Divide the chosen experts' probabilities by their sum (Mixtral always; Qwen3-MoE when
+    /// `norm_topk_prob`).
+    pub renormalize: bool,
+}
+
+/// One token's experts and their weights, as transformers' routers compute them: softmax of
+/// the logits in F32, the `top_k` largest probabilities (largest first), divided by their sum
+/// when `renormalize`. Exact ties go to the lower expert index (torch's `topk` leaves their
+/// order unspecified; the weights are the same either way).
+pub fn route_row(logits: &[f32], r: Routing) -> Vec<(usize, f32)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    // Largest probability first; NaN last; ties by index.
+    order.sort_by(|&a, &b| {
+        exps[b]
+            .partial_cmp(&exps[a])
+            .unwrap_or_else(|| exps[a].is_nan().cmp(&exps[b].is_nan()))
+            .then(a.cmp(&b))
+    });
+    let mut chosen: Vec<(usize, f32)> = order
+        .into_iter()
+        .take(r.top_k)
+        .map(|e| (e, exps[e] / sum))
+        .collect();
+    if r.renormalize {
+        let total: f32 = chosen.iter().map(|(_, p)| p).sum();
+        for (_, p) in &mut chosen {
+            *p /= total;
+        }
+    }
+    chosen
+}
+
+/// For each expert some row of a batch is routed to (in expert order), the rows and their
+/// weights.
+pub fn group_by_expert(routes: &[Vec<(usize, f32)>]) -> BTreeMap<usize, (Vec<u32>, Vec<f32>)> {
+    let mut by: BTreeMap<usize, (Vec<u32>, Vec<f32>)> = BTreeMap::new();
+    for (row, choice) in routes.iter().enumerate() {
+        for &(e, w) in choice {
+            let slot = by.entry(e).or_default();
+            slot.0.push(row as u32);
+            slot.1.push(w);
+        }
+    }
+    by
+}
+
+/// An expert acquired for a step: its MLP and the guard that keeps its unit acquired.
+#[derive(Debug)]
+pub struct Expert {
+    /// The expert's gated MLP.
+    pub mlp: Arc<GatedMlp>,
+    /// The unit's guard (`None`: the expert lives in the layer's unit).
+    pub guard: Option<candle_offload::UnitGuard>,
+}
+
+/// Builds an expert's MLP from its unit's weights (rooted at the expert's prefix).
+pub type BuildExpert<'a> = &'a dyn Fn(UnitWeights<'_>) -> Result<GatedMlp>;
+
+/// Where a block finds the experts that are units of their own
+/// ([`Layout::experts`](crate::Layout::experts)): a model's forward pass acquires each from
+/// the runtime of the stage running the layer, builds it once per residency, and hands it
+/// back with its guard. The place where a later runtime decides per expert between the GPU's
+/// cache and the host CPU.
+pub trait ExpertUnits: Send + Sync {
+    /// Expert `expert` of decoder layer `layer`, built with `build` where it is not already.
+    fn expert(&self, layer: usize, expert: usize, build: BuildExpert<'_>) -> Result<Expert>;
+}
+
+/// The names of an expert's three projections under its prefix, and its widths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertShape {
+    /// Gate, up and down projection names (`gate_proj`, `up_proj`, `down_proj`; Mixtral's
+    /// `w1`, `w3`, `w2`).
+    pub names: [&'static str; 3],
+    /// Model width.
+    pub hidden: usize,
+    /// Expert MLP width.
+    pub intermediate: usize,
+}
+
+impl ExpertShape {
+    /// The expert's MLP from weights rooted at its prefix (each projection dense or blocks).
+    pub fn load(&self, w: UnitWeights<'_>) -> Result<GatedMlp> {
+        GatedMlp::load_named(
+            w,
+            self.names,
+            self.hidden,
+            self.intermediate,
+            Activation::Silu,
+        )
+    }
+}
+
+/// Where a sparse MLP's experts are.
+#[derive(Debug)]
+pub enum Experts {
+    /// Built with the layer, from its unit.
+    InLayer(Vec<Arc<GatedMlp>>),
+    /// Units of their own, acquired through [`StepCtx::experts`] when routed to.
+    Units(ExpertShape),
+}
+
+/// A sparse mixture-of-experts MLP. See the module docs.
+#[derive(Debug)]
+pub struct SparseMoe {
+    /// The router: one logit per expert, `(experts, hidden)`.
+    pub router: Linear,
+    /// How its logits choose experts.
+    pub routing: Routing,
+    /// The experts.
+    pub experts: Experts,
+    /// The decoder layer (for [`ExpertUnits`]).
+    pub layer: usize,
+}
+
+impl SparseMoe {
+    /// The experts of a layer from fused stacks: `gate_up` `(experts, 2·inter, hidden)`
+    /// (each expert's gate rows, then its up rows) and `down` `(experts, hidden, inter)`,
+    /// as transformers 5 keeps them. Each expert is a view of the stacks.
+    pub fn stacked_experts(
+        gate_up: &Tensor,
+        down: &Tensor,
+        tuning: candle_offload::KernelTuning,
+    ) -> Result<Vec<Arc<GatedMlp>>> {
+        let (e, two_i, _) = gate_up.dims3()?;
+        (0..e)
+            .map(|i| {
+                let gu = gate_up.get(i)?;
+                let d = down.get(i)?;
+                Ok(Arc::new(GatedMlp::from_fused_tensors(
+                    gu,
+                    d,
+                    two_i / 2,
+                    Activation::Silu,
+                    tuning,
+                )?))
+            })
+            .collect()
+    }
+
+    fn expert(&self, e: usize, ctx: &StepCtx<'_>) -> Result<Expert> {
+        match &self.experts {
+            Experts::InLayer(v) => match v.get(e) {
+                Some(m) => Ok(Expert {
+                    mlp: m.clone(),
+                    guard: None,
+                }),
+                None => candle_core::bail!("layer {}: no expert {e}", self.layer),
+            },
+            Experts::Units(shape) => {
+                let Some(units) = ctx.experts else {
+                    candle_core::bail!(
+                        "layer {}: its experts are units of their own, and this step has no \
+                         ExpertUnits to acquire them from",
+                        self.layer
+                    );
+                };
+                units.expert(self.layer, e, &|w| shape.load(w))
+            }
+        }
+    }
+
+    /// The router's choice for each row of `x2` (rows, hidden).
+    pub fn route(&self, x2: &Tensor) -> Result<Vec<Vec<(usize, f32)>>> {
+        let logits = self.router.forward(x2)?.to_dtype(DType::F32)?;
+        let logits = logits.to_vec2::<f32>()?;
+        if logits
+            .first()
+            .is_some_and(|r| r.len() != self.routing.experts)
+        {
+            candle_core::bail!(
+                "layer {}: the router gives {} logits for {} experts",
+                self.layer,
+                logits[0].len(),
+                self.routing.experts
+            );
+        }
+        Ok(logits.iter().map(|r| route_row(r, self.routing)).collect())
+    }
+
+    /// Inference over `xs` (..., hidden): each row through its experts, weighted and summed;
+    /// `fused` as [`GatedMlp::forward_fused`].
+    pub fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, fused: bool) -> Result<Tensor> {
+        let dims = xs.dims().to_vec();
+        let h = xs.dim(D::Minus1)?;
+        let x2 = xs.reshape(((), h))?;
+        let rows = x2.dim(0)?;
+        let routes = self.route(&x2)?;
+        let device = xs.device();
+        let mut out: Option<Tensor> = None;
+        for (e, (ids, ws)) in group_by_expert(&routes) {
+            let expert = self.expert(e, ctx)?;
+            let all = ids.len() == rows && ids.iter().enumerate().all(|(i, &r)| i == r as usize);
+            let ids = Tensor::from_vec(ids, ws.len(), device)?;
+            let xe = if all {
+                x2.clone()
+            } else {
+                x2.index_select(&ids, 0)?
+            };
+            let y = if fused {
+                expert.mlp.forward_fused(&xe)?
+            } else {
+                expert.mlp.forward(&xe)?
+            };
+            let n = ws.len();
+            let w = Tensor::from_vec(ws, (n, 1), device)?.to_dtype(y.dtype())?;
+            let y = y.broadcast_mul(&w)?;
+            out = Some(match (out, all) {
+                (None, true) => y,
+                (Some(o), true) => (o + y)?,
+                (o, false) => {
+                    let o = match o {
+                        Some(o) => o,
+                        None => x2.zeros_like()?.to_dtype(y.dtype())?,
+                    };
+                    o.index_add(&ids, &y, 0)?
+                }
+            });
+            drop(expert);
+        }
+        let out = match out {
+            Some(o) => o.to_dtype(xs.dtype())?,
+            None => x2.zeros_like()?,
+        };
+        out.reshape(dims)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(experts: usize, top_k: usize, renormalize: bool) -> Routing {
+        Routing {
+            experts,
+            top_k,
+            renormalize,
+        }
+    }
+
+    /// Expected values from transformers' routers (torch 2.15: softmax in F32, `topk`,
+    /// renormalised or not) on the same logits.
+    /// Expected values printed by transformers' router code (torch 2.15: softmax in F32,
+    /// `topk`, renormalised or not) on the same logits.
+    #[test]
+    fn routes_as_transformers() {
+        let close = |got: Vec<(usize, f32)>, want: &[(usize, f32)]| {
+            assert_eq!(got.len(), want.len());
+            for (g, w) in got.iter().zip(want) {
+                assert!(
+                    g.0 == w.0 && (g.1 - w.1).abs() < 1e-6,
+                    "{got:?} != {want:?}"
+                );
+            }
+        };
+        let a = [0.3f32, -1.2, 2.5, 0.9, 2.4, -0.1];
+        close(
+            route_row(&a, r(6, 2, false)),
+            &[(2, 0.4316793), (4, 0.3905996)],
+        );
+        close(
+            route_row(&a, r(6, 2, true)),
+            &[(2, 0.5249791), (4, 0.4750208)],
+        );
+        let b = [-0.5f32, 0.25, 0.1, -2.0, 0.7, 0.69, 3.0, -1.0];
+        close(
+            route_row(&b, r(8, 4, false)),
+            &[
+                (6, 0.7279492),
+                (4, 0.0729833),
+                (5, 0.0722571),
+                (1, 0.0465362),
+            ],
+        );
+        close(
+            route_row(&b, r(8, 4, true)),
+            &[
+                (6, 0.7914849),
+                (4, 0.0793533),
+                (5, 0.0785637),
+                (1, 0.0505979),
+            ],
+        );
+        // Top-1 renormalised is weight 1 (Mixtral's top-1 configs).
+        assert_eq!(route_row(&a, r(6, 1, true)), [(2, 1.0)]);
+        // Large logits do not overflow.
+        let big = route_row(&[1000.0, 999.0, -1000.0], r(3, 2, false));
+        assert_eq!(big[0].0, 0);
+        assert!((big[0].1 - 1.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn ties_choose_the_lower_index_with_equal_weights() {
+        let got = route_row(&[1.0, 3.0, 3.0, 3.0, 0.0], r(5, 2, true));
+        assert_eq!(got, [(1, 0.5), (2, 0.5)]);
+        let flat = route_row(&[0.0; 8], r(8, 3, false));
+        assert_eq!(flat.iter().map(|c| c.0).collect::<Vec<_>>(), [0, 1, 2]);
+        assert!(flat.iter().all(|c| (c.1 - 0.125).abs() < 1e-7));
+    }
+
+    #[test]
+    fn groups_rows_by_expert_in_expert_order() {
+        let routes = vec![vec![(3, 0.6), (1, 0.4)], vec![(1, 0.9), (0, 0.1)]];
+        let g = group_by_expert(&routes);
+        assert_eq!(g.keys().copied().collect::<Vec<_>>(), [0, 1, 3]);
+        assert_eq!(g[&1], (vec![0, 1], vec![0.4, 0.9]));
+        assert_eq!(g[&3], (vec![0], vec![0.6]));
+    }
+}

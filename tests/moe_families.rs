@@ -1,0 +1,226 @@
+//! Mixture-of-experts models (Mixtral, Qwen3-MoE) against transformers: tiny random
+//! checkpoints and transformers' own logits for them (`tests/fixtures/moe_families.tar.xz`,
+//! written by `scripts/moe_fixtures.py`), in every expert layout (one tensor per expert, and the
+//! fused stacks transformers 5 holds), resident and offloaded with each expert a unit; GGUF
+//! files made by llama.cpp's converter give the safetensors logits, and the experts of a Q8_0
+//! file, sliced out of their stacks, are the stack's blocks.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Tensor};
+use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, PolicyChoice};
+use candle_offload_models::generation::generate;
+use candle_offload_models::loader::{self, ModelFiles};
+use candle_offload_models::Llama;
+use candle_transformers::generation::LogitsProcessor;
+
+const VOCAB: usize = 300;
+
+/// The fixtures, unpacked once per test process.
+fn fixtures() -> anyhow::Result<PathBuf> {
+    static DIR: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let archive =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/moe_families.tar.xz");
+        let dir = std::env::temp_dir().join(format!(
+            "candle-offload-moe-families-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let out = std::process::Command::new("tar")
+            .arg("xJf")
+            .arg(&archive)
+            .arg("-C")
+            .arg(&dir)
+            .output()
+            .map_err(|e| format!("cannot run tar to unpack {}: {e}", archive.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "tar xJf {}: {}",
+                archive.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        Ok(dir)
+    })
+    .clone()
+    .map_err(anyhow::Error::msg)
+}
+
+/// Our model of `files` in F32: resident, or offloaded under a budget of a third of the
+/// weights (experts and layers then stream, LRU).
+fn model(files: &ModelFiles, keep_blocks: bool, offload: bool) -> anyhow::Result<Llama> {
+    let store = Arc::new(loader::load_store_with(
+        files,
+        DType::F32,
+        &Device::Cpu,
+        None,
+        keep_blocks,
+    )?);
+    let limit = offload.then(|| {
+        let layer = store
+            .layer_unit(0)
+            .map(|u| store.unit(u).bytes())
+            .unwrap_or(0);
+        MemoryLimit::Bytes(store.total_bytes() / 3 + 2 * layer)
+    });
+    let rt = OffloadRuntime::new(
+        store.clone(),
+        &Device::Cpu,
+        &OffloadConfig {
+            gpu_memory_limit: limit,
+            policy: PolicyChoice::Lru,
+            ..Default::default()
+        },
+    )?;
+    Ok(Llama::builder(files.config.clone(), rt.store().clone())
+        .runtime(rt)
+        .dtype(DType::F32)
+        .max_len(64)
+        .source_path(files.weights_path())
+        .build()?)
+}
+
+fn prompt() -> Vec<u32> {
+    (0..24u32).map(|i| (i * 37 + 11) % VOCAB as u32).collect()
+}
+
+/// Logits of the prompt's last 8 positions, (8 · vocab) flattened.
+fn logits(model: &Llama) -> anyhow::Result<Vec<f32>> {
+    let t = Tensor::new(prompt().as_slice(), &Device::Cpu)?.unsqueeze(0)?;
+    let all = model.forward_all(&t)?.squeeze(0)?;
+    Ok(all.narrow(0, 16, 8)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+fn reference(dir: &Path) -> anyhow::Result<Vec<f32>> {
+    let bytes = std::fs::read(dir.join("logits.f32"))?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+#[test]
+fn moe_logits_equal_transformers_in_every_layout() -> anyhow::Result<()> {
+    let dir = fixtures()?;
+    for (name, family, expert_unit) in [
+        (
+            "mixtral",
+            "mixtral",
+            Some("model.layers.1.block_sparse_moe.experts.3"),
+        ),
+        ("mixtral_fused", "mixtral", None),
+        (
+            "qwen3_moe",
+            "qwen3_moe",
+            Some("model.layers.0.mlp.experts.2"),
+        ),
+        (
+            "qwen3_moe_mixed",
+            "qwen3_moe",
+            Some("model.layers.2.mlp.experts.0"),
+        ),
+        ("qwen3_moe_mixed_fused", "qwen3_moe", None),
+    ] {
+        let files = loader::from_dir(&dir.join(name))?;
+        assert_eq!(files.config.family.name(), family);
+        let want = reference(&dir.join(name))?;
+        for offload in [false, true] {
+            let m = model(&files, false, offload)?;
+            let got = logits(&m)?;
+            let d = max_abs(&got, &want);
+            assert!(d <= 1e-4, "{name} offload={offload}: max |Δ| {d}");
+            let store = m.runtime().store().clone();
+            // Per-expert checkpoints: each expert a unit; fused stacks stay with the layer.
+            match expert_unit {
+                Some(u) => assert!(store.unit_id(u).is_some(), "{name}: no unit {u}"),
+                None => assert!(store.unit_id("model.layers.0.mlp.experts.0").is_none()),
+            }
+            if offload && expert_unit.is_some() {
+                // Experts were evicted and fetched again.
+                let s = m.runtime().stats()?;
+                let evicted: u64 = s
+                    .units
+                    .iter()
+                    .filter(|u| u.name.contains(".experts."))
+                    .map(|u| u.evictions)
+                    .sum();
+                assert!(evicted > 0, "{name}: nothing streamed");
+            }
+        }
+    }
+    // The middle layer of the mixed checkpoint is dense: no experts there.
+    let files = loader::from_dir(&dir.join("qwen3_moe_mixed"))?;
+    let layout = files.config.layout();
+    assert!(layout.experts_of(1).is_empty());
+    assert_eq!(layout.experts_of(2).len(), 4);
+    Ok(())
+}
+
+#[test]
+fn moe_gguf_equals_safetensors_and_slices_experts() -> anyhow::Result<()> {
+    let dir = fixtures()?;
+    for name in ["mixtral", "qwen3_moe"] {
+        let st = loader::from_dir(&dir.join(name))?;
+        let want = logits(&model(&st, false, false)?)?;
+        let f32_gguf = loader::from_gguf(&dir.join(format!("{name}.f32.gguf")))?;
+        assert_eq!(f32_gguf.config.family.name(), st.config.family.name());
+        let got = logits(&model(&f32_gguf, false, true)?)?;
+        let r = rel_l2(&got, &want);
+        assert!(r <= 1e-5, "{name}: F32 GGUF rel L2 {r}");
+
+        // Q8_0: the blocks kept, each expert's sliced out of its stack.
+        let path = dir.join(format!("{name}.q8_0.gguf"));
+        let q8 = loader::from_gguf(&path)?;
+        let m = model(&q8, true, false)?;
+        let got = logits(&m)?;
+        let r = rel_l2(&got, &want);
+        assert!(r <= 0.05, "{name}: Q8_0 GGUF rel L2 {r}");
+        let rt = m.runtime();
+        let mut file = std::fs::File::open(&path)?;
+        let content = gguf_file::Content::read(&mut file)?;
+        for (stack, proj) in [
+            ("ffn_gate_exps", "gate_proj"),
+            ("ffn_down_exps", "down_proj"),
+        ] {
+            let whole = content
+                .tensor(&mut file, &format!("blk.1.{stack}.weight"), &Device::Cpu)?
+                .dequantize(&Device::Cpu)?;
+            for e in 0..4 {
+                let unit = rt.acquire_named(&format!("model.layers.1.mlp.experts.{e}"))?;
+                let q =
+                    unit.get_quantized(&format!("model.layers.1.mlp.experts.{e}.{proj}.weight"))?;
+                assert_eq!(format!("{:?}", q.dtype()), "Q8_0");
+                let ours = q.dequantize(&Device::Cpu)?;
+                let theirs = whole.get(e)?;
+                let d = (ours - theirs)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert_eq!(d, 0.0, "{name} {stack} expert {e}");
+            }
+        }
+        let mut sampler = LogitsProcessor::new(0, None, None);
+        let (tokens, _) = generate(&m, &prompt()[..6], 4, &mut sampler, &[], |_| Ok(()))?;
+        assert_eq!(tokens.len(), 4);
+    }
+    Ok(())
+}
