@@ -70,6 +70,7 @@ SOURCES = {
         "2026-12-04/2026-12-04-stop49-cpu-default-model-9437729.json",
         "2026-12-04/2026-12-04-stop51-cpu-default-model-fc29c6d-run1.json",
         "2026-12-04/2026-12-04-stop51-cpu-default-model-fc29c6d-run2.json",
+        "2026-12-04/2026-12-04-cpu-default-model-b5a4840.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     "train": [
