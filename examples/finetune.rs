@@ -230,7 +230,7 @@ fn save(
             .map_err(|e| anyhow!("cannot write {}: {e}", p.display()))
     };
     write_json("config.json", &config)?;
-    tokenizer.save_json(&at("tokenizer.json"))?;
+    tokenizer.save(dir)?;
     let token_text = |given: &Option<String>, id: Option<u32>| {
         given
             .clone()

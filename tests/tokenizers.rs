@@ -355,3 +355,25 @@ fn a_gguf_with_the_llama2_vocabulary_tokenizes_and_decodes_in_generate() -> anyh
     assert!(!text.is_empty());
     Ok(())
 }
+
+/// A GGUF tokenizer saved into a model directory (`tokenizer.gguf`, what `finetune` writes)
+/// reads back as the same tokenizer, and the loader finds it beside safetensors weights.
+#[test]
+fn a_saved_gguf_tokenizer_reads_back_the_same() {
+    for name in ["qwen3", "llama2"] {
+        let tok = Tokenizer::from_gguf(&fixture_gguf(name)).unwrap();
+        let dir = tempfile_dir(&format!("saved-{name}"));
+        let path = tok.save(&dir).unwrap();
+        assert_eq!(path, dir.join(tokenizer::TOKENIZER_GGUF));
+        let back = Tokenizer::from_gguf(&path).unwrap();
+        check(name, &back);
+        assert_eq!(back.describe(), tok.describe());
+        assert_eq!(back.bos_added(), tok.bos_added());
+        assert_eq!(back.end_of_generation(), tok.end_of_generation());
+        // Beside safetensors weights (no tokenizer.json), the loader takes it.
+        crate::models::write_tiny_llama(&dir, false, false).unwrap();
+        let files = loader::from_dir(&dir).unwrap();
+        let found = tokenizer::load(&files, None).unwrap();
+        assert_eq!(found.source(), path.as_path());
+    }
+}

@@ -196,18 +196,48 @@ impl Tokenizer {
         }
     }
 
-    /// Writes the tokenizer as a `tokenizer.json`; only one read from a `tokenizer.json` can be.
-    pub fn save_json(&self, path: &Path) -> Result<()> {
+    /// Writes the tokenizer into the model directory `dir`, as the loader reads it back: a
+    /// `tokenizer.json` for one read from a `tokenizer.json`; for one rebuilt from a GGUF file,
+    /// a vocabulary-only `tokenizer.gguf` holding that file's `tokenizer.*` metadata as it is
+    /// (no `tokenizer.json` can say what llama.cpp's tokenizers do). Returns the file written.
+    pub fn save(&self, dir: &Path) -> Result<PathBuf> {
         match &self.inner {
-            Inner::Json(t) => t
-                .save(path, false)
-                .map_err(|e| ModelError::file(path, format!("cannot write: {e}"))),
-            Inner::Gguf(_) => Err(ModelError::file(
-                &self.source,
-                "a tokenizer rebuilt from GGUF metadata cannot be written as a tokenizer.json",
-            )),
+            Inner::Json(t) => {
+                let path = dir.join(TOKENIZER_JSON);
+                t.save(&path, false)
+                    .map_err(|e| ModelError::file(&path, format!("cannot write: {e}")))?;
+                Ok(path)
+            }
+            Inner::Gguf(_) => {
+                let path = dir.join(TOKENIZER_GGUF);
+                write_vocab_gguf(&self.source, &path)?;
+                Ok(path)
+            }
         }
     }
+}
+
+/// The file name of a model directory's tokenizer in HF's format.
+pub const TOKENIZER_JSON: &str = "tokenizer.json";
+/// The file name of a model directory's vocabulary-only GGUF ([`Tokenizer::save`]).
+pub const TOKENIZER_GGUF: &str = "tokenizer.gguf";
+
+/// Copies `source`'s `tokenizer.*` metadata (and `general.name`) into a GGUF file with no
+/// tensors at `dest`.
+fn write_vocab_gguf(source: &Path, dest: &Path) -> Result<()> {
+    let (c, _) = gguf_content(source)?;
+    let mut keys: Vec<&String> = c
+        .metadata
+        .keys()
+        .filter(|k| k.starts_with("tokenizer.") || k.as_str() == "general.name")
+        .collect();
+    keys.sort();
+    let metadata: Vec<(&str, &candle_core::quantized::gguf_file::Value)> =
+        keys.iter().map(|k| (k.as_str(), &c.metadata[*k])).collect();
+    let mut out = std::fs::File::create(dest)
+        .map_err(|e| ModelError::file(dest, format!("cannot create: {e}")))?;
+    candle_core::quantized::gguf_file::write(&mut out, &metadata, &[])
+        .map_err(|e| ModelError::file(dest, format!("cannot write: {e}")))
 }
 
 fn encode_gguf(v: &Vocab, text: &str, add_special: bool) -> Vec<u32> {
@@ -252,7 +282,8 @@ fn encode_gguf(v: &Vocab, text: &str, add_special: bool) -> Vec<u32> {
 }
 
 /// The tokenizer of a model: `--tokenizer`'s file if given (`override_file`), else its
-/// `tokenizer.json`, else the one in its GGUF file's metadata. A GGUF whose tokenizer this
+/// `tokenizer.json`, else the one in its GGUF file's metadata (or, for safetensors weights,
+/// in a `tokenizer.gguf` beside them: [`Tokenizer::save`]). A GGUF whose tokenizer this
 /// crate cannot rebuild uses a `tokenizer.json` beside it, if there is one.
 pub fn load(files: &ModelFiles, override_file: Option<&Path>) -> Result<Tokenizer> {
     if let Some(p) = override_file {
@@ -275,9 +306,16 @@ pub fn load(files: &ModelFiles, override_file: Option<&Path>) -> Result<Tokenize
             }
             Err(e) => Err(e),
         },
-        Weights::Safetensors(_) => Err(ModelError::Source {
-            id: files.origin.clone(),
-            reason: "has no tokenizer.json (pass one with --tokenizer)".into(),
-        }),
+        Weights::Safetensors(paths) => {
+            // A model saved from a GGUF-tokenized one keeps its vocabulary as `tokenizer.gguf`.
+            let beside = paths.first().map(|p| p.with_file_name(TOKENIZER_GGUF));
+            match beside {
+                Some(p) if p.is_file() => Tokenizer::from_gguf(&p),
+                _ => Err(ModelError::Source {
+                    id: files.origin.clone(),
+                    reason: "has no tokenizer.json (pass one with --tokenizer)".into(),
+                }),
+            }
+        }
     }
 }
