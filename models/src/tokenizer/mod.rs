@@ -11,6 +11,7 @@
 //! llama.cpp's on the same file.
 
 mod bpe;
+mod kind;
 mod pre;
 mod special;
 mod spm;

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use super::vocab::Kind;
+use super::kind::Kind;
 
 const EOT: &[&str] = &[
     "<|eot_id|>",

@@ -7,35 +7,10 @@ use std::path::Path;
 
 use candle_core::quantized::gguf_file::{Content, Value};
 
+use super::kind::Kind;
 use super::pre::{byte_chars, PreTokenizer, SUPPORTED};
 use super::special;
 use crate::error::{ModelError, Result};
-
-/// The token types of GGUF (`tokenizer.ggml.token_type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
-    Normal,
-    Unknown,
-    Control,
-    UserDefined,
-    Unused,
-    Byte,
-    Undefined,
-}
-
-impl Kind {
-    fn from_gguf(t: i32) -> Self {
-        match t {
-            1 => Kind::Normal,
-            2 => Kind::Unknown,
-            3 => Kind::Control,
-            4 => Kind::UserDefined,
-            5 => Kind::Unused,
-            6 => Kind::Byte,
-            _ => Kind::Undefined,
-        }
-    }
-}
 
 /// `tokenizer.ggml.model`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
