@@ -21,33 +21,7 @@ const VOCAB: usize = 300;
 /// The fixtures, unpacked once per test process.
 fn fixtures() -> anyhow::Result<PathBuf> {
     static DIR: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| {
-        let archive =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/moe_families.tar.xz");
-        let dir = std::env::temp_dir().join(format!(
-            "candle-offload-moe-families-{}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-        let out = std::process::Command::new("tar")
-            .arg("xJf")
-            .arg(&archive)
-            .arg("-C")
-            .arg(&dir)
-            .output()
-            .map_err(|e| format!("cannot run tar to unpack {}: {e}", archive.display()))?;
-        if !out.status.success() {
-            return Err(format!(
-                "tar xJf {}: {}",
-                archive.display(),
-                String::from_utf8_lossy(&out.stderr)
-            ));
-        }
-        Ok(dir)
-    })
-    .clone()
-    .map_err(anyhow::Error::msg)
+    crate::util::unpacked_fixture("moe_families", &DIR)
 }
 
 /// Our model of `files` in F32: resident, or offloaded under a budget of a third of the

@@ -82,3 +82,39 @@ pub fn mlp_store(
         device,
     )?))
 }
+
+/// `tests/fixtures/NAME.tar.xz` unpacked (with `tar`) into a directory of this test process's
+/// own, the same directory for every call with `dir` (a `OnceLock` of the caller's).
+pub fn unpacked_fixture(
+    name: &str,
+    dir: &'static std::sync::OnceLock<Result<std::path::PathBuf, String>>,
+) -> anyhow::Result<std::path::PathBuf> {
+    dir.get_or_init(|| {
+        let archive = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("tests/fixtures/{name}.tar.xz"));
+        let dir = std::env::temp_dir().join(format!(
+            "candle-offload-{}-{}",
+            name.replace('_', "-"),
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let out = std::process::Command::new("tar")
+            .arg("xJf")
+            .arg(&archive)
+            .arg("-C")
+            .arg(&dir)
+            .output()
+            .map_err(|e| format!("cannot run tar to unpack {}: {e}", archive.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "tar xJf {}: {}",
+                archive.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        Ok(dir)
+    })
+    .clone()
+    .map_err(anyhow::Error::msg)
+}
