@@ -24,7 +24,7 @@ mod tensors;
 pub use attention::{soft_cap, AttentionSpec, SelfAttention, DECODE_ATTENTION_MAX_NEW};
 pub use block::PreNormBlock;
 pub use cache::{causal_mask, window_mask, Cache, KvCache, Masks};
-pub use linear::{linear, linear_2d, Linear, LinearWeight};
+pub use linear::{linear, linear_2d, Linear, LinearWeight, LoraAdapter};
 pub use mlp::{Activation, GatedMlp};
 pub use norm::Norm;
 pub use rope::Rope;
