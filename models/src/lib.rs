@@ -48,6 +48,7 @@ pub mod hf_config;
 pub mod layers;
 pub mod llama;
 pub mod loader;
+pub mod lora;
 pub mod quantize;
 pub mod sampling;
 pub mod tokenizer;

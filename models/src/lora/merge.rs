@@ -1,0 +1,137 @@
+//! Folding adapters into their base weights: `W + scale·B·A`, for dense weights in their dtype
+//! and for GGML blocks (dequantized one weight at a time, the sum quantized again to the same
+//! type, and the error that second quantization adds measured).
+//!
+//! Weights are merged as this crate holds them, in the HF checkpoint's row order: the GGUF
+//! loader has already put llama's permuted q/k rows back. [`gguf_permute`] gives a merged q or
+//! k weight llama.cpp's row order again, for writing it into a llama-architecture GGUF.
+
+use candle_core::quantized::QTensor;
+use candle_core::{DType, Result, Tensor};
+
+use super::Adapters;
+
+/// `weight` (out, in) of the module at `path` with its adapter folded in, in the weight's
+/// dtype; the weight itself where the module has no adapter.
+pub fn merge_dense(adapters: &Adapters, path: &str, weight: &Tensor) -> Result<Tensor> {
+    let Some(a) = adapters.get(path) else {
+        return Ok(weight.clone());
+    };
+    let delta = a.delta_weight()?.to_device(weight.device())?;
+    (weight.to_dtype(DType::F32)? + delta)?.to_dtype(weight.dtype())
+}
+
+/// What quantizing a merged weight again added.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RequantError {
+    /// ‖q(W + ΔW) − (W + ΔW)‖ / ‖W + ΔW‖, W the dequantized base.
+    pub rel_l2: f64,
+    /// ‖ΔW‖ / ‖W‖: how large the update is beside it.
+    pub update_rel_l2: f64,
+}
+
+/// GGML blocks `q` (out, in) of the module at `path` with its adapter folded in: dequantized,
+/// the update added in F32, quantized again to `q`'s type, with the error that adds; `None`
+/// where the module has no adapter.
+pub fn merge_blocks(
+    adapters: &Adapters,
+    path: &str,
+    q: &QTensor,
+) -> Result<Option<(QTensor, RequantError)>> {
+    let Some(a) = adapters.get(path) else {
+        return Ok(None);
+    };
+    let device = candle_core::Device::Cpu;
+    let w = q.dequantize(&device)?;
+    let delta = a.delta_weight()?.to_device(&device)?;
+    let merged = (&w + &delta)?;
+    let requant = QTensor::quantize(&merged, q.dtype())?;
+    let back = requant.dequantize(&device)?;
+    let norm = |t: &Tensor| -> Result<f64> {
+        Ok(t.to_dtype(DType::F64)?
+            .sqr()?
+            .sum_all()?
+            .to_scalar::<f64>()?
+            .sqrt())
+    };
+    let base = norm(&merged)?.max(f64::MIN_POSITIVE);
+    let err = RequantError {
+        rel_l2: norm(&(back - &merged)?)? / base,
+        update_rel_l2: norm(&delta)? / norm(&w)?.max(f64::MIN_POSITIVE),
+    };
+    Ok(Some((requant, err)))
+}
+
+/// A q or k weight (heads·head_dim, in) in HF row order put into llama.cpp's order for
+/// `heads` heads (its converter's `permute`: each head's two rotary halves interleaved), the
+/// inverse of what the GGUF loader undoes.
+pub fn gguf_permute(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (out, inp) = w.dims2()?;
+    if heads == 0 || out % (2 * heads) != 0 {
+        candle_core::bail!(
+            "gguf_permute: {out} rows do not split into {heads} heads of two halves"
+        );
+    }
+    w.reshape((heads, 2, out / heads / 2, inp))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((out, inp))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lora::LoraConfig;
+    use candle_core::Device;
+    use std::collections::BTreeMap;
+
+    fn adapters(out: usize, inp: usize) -> Result<Adapters> {
+        let a = Tensor::randn(0f32, 0.1, (4, inp), &Device::Cpu)?;
+        let b = Tensor::randn(0f32, 0.1, (out, 4), &Device::Cpu)?;
+        let mut t = BTreeMap::new();
+        t.insert("m".to_string(), (a, b));
+        Adapters::from_tensors(LoraConfig::default(), t, &Device::Cpu)
+    }
+
+    /// A merged dense weight gives the unmerged layer's output; merged blocks come back within
+    /// the type's own error and report it.
+    #[test]
+    fn merged_weights_give_the_adapted_layer() -> Result<()> {
+        let (out, inp) = (32, 256);
+        let ad = adapters(out, inp)?;
+        let w = Tensor::randn(0f32, 0.5, (out, inp), &Device::Cpu)?;
+        let x = Tensor::randn(0f32, 1.0, (3, inp), &Device::Cpu)?;
+        let merged = merge_dense(&ad, "m", &w)?;
+        let want = (x.matmul(&w.t()?)? + ad.get("m").unwrap().delta(&x, false)?)?;
+        let got = x.matmul(&merged.t()?)?;
+        let diff = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-4, "{diff}");
+        assert_eq!(
+            merge_dense(&ad, "other", &w)?.to_vec2::<f32>()?,
+            w.to_vec2::<f32>()?
+        );
+        let q = QTensor::quantize(&w, candle_core::quantized::GgmlDType::Q8_0)?;
+        let (mq, err) = merge_blocks(&ad, "m", &q)?.unwrap();
+        assert_eq!(mq.dtype(), q.dtype());
+        assert!(err.rel_l2 > 0.0 && err.rel_l2 < 1e-2, "{err:?}");
+        assert!(err.update_rel_l2 > 0.0);
+        Ok(())
+    }
+
+    /// llama.cpp's permutation, undone as the GGUF loader undoes it, gives the weight back.
+    #[test]
+    fn gguf_permute_is_undone_by_the_inverse() -> Result<()> {
+        let (heads, hd, inp) = (4, 8, 5);
+        let w = Tensor::arange(0f32, (heads * hd * inp) as f32, &Device::Cpu)?
+            .reshape((heads * hd, inp))?;
+        let p = gguf_permute(&w, heads)?;
+        assert_ne!(p.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
+        let back = p
+            .reshape((heads, hd / 2, 2, inp))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((heads * hd, inp))?;
+        assert_eq!(back.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
+        Ok(())
+    }
+}

@@ -1,0 +1,195 @@
+//! LoRA adapters against PEFT: an adapter PEFT saved on a tiny random llama
+//! (`tests/fixtures/peft`, made by `scripts/peft_fixtures.py make`; rsLoRA, a rank pattern and
+//! an alpha pattern, every projection targeted) gives PEFT's logits here; an adapter saved here
+//! reloads bit-exactly with the same logits (and, with `LORA_PEFT_OUT` set, is written with its
+//! logits for `scripts/peft_fixtures.py check` to load in PEFT); a merged base gives the
+//! unmerged adapter's logits.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_offload_models::lora::{merge, peft, Adapters, LoraConfig};
+use candle_offload_models::{loader, CausalLm, ModelFiles};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/peft")
+}
+
+fn rel_l2(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
+    let a = a.to_dtype(DType::F64)?;
+    let b = b.to_dtype(DType::F64)?;
+    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+    let den = b.sqr()?.sum_all()?.to_scalar::<f64>()?;
+    Ok((num / den.max(1e-30)).sqrt())
+}
+
+/// The model of `files` in F32 on the CPU, with `adapters`.
+fn model(files: &ModelFiles, adapters: Option<Arc<Adapters>>) -> anyhow::Result<CausalLm> {
+    let store = loader::load_store(files, DType::F32, &Device::Cpu, None)?;
+    let mut m = CausalLm::builder(files, Arc::new(store))
+        .max_len(32)
+        .build()?;
+    m.set_adapters(adapters)?;
+    Ok(m)
+}
+
+/// Logits (batch, seq, vocab) of every position of `ids`: those of the first half as prompts
+/// (each prefix's last position), the rest as decode steps after the first half's prompt.
+fn logits(m: &CausalLm, ids: &Tensor) -> anyhow::Result<Tensor> {
+    let (_, t) = ids.dims2()?;
+    let half = t / 2;
+    let mut out = Vec::new();
+    for row in 0..ids.dim(0)? {
+        let ids = ids.narrow(0, row, 1)?;
+        let mut per_pos = Vec::new();
+        for p in 1..=half {
+            let mut cache = m.new_cache();
+            per_pos.push(m.forward(&ids.narrow(1, 0, p)?, 0, &mut cache)?);
+        }
+        let mut cache = m.new_cache();
+        m.forward(&ids.narrow(1, 0, half)?, 0, &mut cache)?;
+        for p in half..t {
+            per_pos.push(m.forward(&ids.narrow(1, p, 1)?, p, &mut cache)?);
+        }
+        out.push(Tensor::cat(&per_pos, 0)?.unsqueeze(0)?);
+    }
+    Ok(Tensor::cat(&out, 0)?)
+}
+
+fn reference() -> anyhow::Result<(Tensor, Tensor)> {
+    let t = candle_core::safetensors::load(fixtures().join("logits.safetensors"), &Device::Cpu)?;
+    Ok((
+        t["ids"].to_dtype(DType::U32)?,
+        t["logits"].to_dtype(DType::F32)?,
+    ))
+}
+
+#[test]
+fn peft_adapter_gives_peft_logits() -> anyhow::Result<()> {
+    let files = loader::from_dir(&fixtures().join("base"))?;
+    let adapters = peft::load(&fixtures().join("adapter"), &files.config, &Device::Cpu)?;
+    let cfg = adapters.config();
+    assert!(cfg.use_rslora);
+    assert_eq!(cfg.rank_of("model.layers.1.self_attn.q_proj"), 2);
+    assert_eq!(adapters.modules().len(), 14);
+    let (ids, want) = reference()?;
+    let got = logits(&model(&files, Some(Arc::new(adapters)))?, &ids)?;
+    let rel = rel_l2(&got, &want)?;
+    assert!(rel <= 1e-5, "rel L2 {rel} against PEFT's logits");
+    // Without the adapter the logits are far from PEFT's: the comparison can fail.
+    let base = logits(&model(&files, None)?, &ids)?;
+    let off = rel_l2(&base, &want)?;
+    assert!(off > 1e-2, "the adapter changes the logits by only {off}");
+    Ok(())
+}
+
+/// Adapters of our own (random A and B, a rank pattern, rsLoRA off) saved in PEFT's format
+/// reload bit-exactly with the same logits; their files are what PEFT writes (keys, config
+/// fields); with `LORA_PEFT_OUT` set they are also written there with our logits, for
+/// `scripts/peft_fixtures.py check tests/fixtures/peft/base $LORA_PEFT_OUT`.
+#[test]
+fn saved_adapter_reloads_bit_exactly() -> anyhow::Result<()> {
+    let files = loader::from_dir(&fixtures().join("base"))?;
+    let mut config = LoraConfig {
+        r: 4,
+        alpha: 6.0,
+        target_modules: vec!["down_proj".into(), "q_proj".into(), "v_proj".into()],
+        ..Default::default()
+    };
+    config
+        .rank_pattern
+        .insert("model.layers.0.self_attn.v_proj".into(), 3);
+    let init = Adapters::init(config.clone(), &files.config, &Device::Cpu, 3)
+        .map_err(anyhow::Error::msg)?;
+    let mut tensors = BTreeMap::new();
+    for (path, m) in init.modules() {
+        let b = Tensor::randn(0f32, 0.3, m.b.shape(), &Device::Cpu)?;
+        tensors.insert(path.clone(), (m.a.as_tensor().clone(), b));
+    }
+    let ours = Adapters::from_tensors(config, tensors, &Device::Cpu)?;
+    let dir = match std::env::var_os("LORA_PEFT_OUT") {
+        Some(d) => PathBuf::from(d),
+        None => std::env::temp_dir().join(format!("candle-offload-lora-{}", std::process::id())),
+    };
+    peft::save(&ours, &dir, DType::F32)?;
+    let back = peft::load(&dir, &files.config, &Device::Cpu)?;
+    assert_eq!(back.config(), ours.config());
+    for ((p, a), (q, b)) in ours.modules().iter().zip(back.modules()) {
+        assert_eq!(p, q);
+        assert_eq!(
+            a.a.as_tensor().to_vec2::<f32>()?,
+            b.a.as_tensor().to_vec2::<f32>()?
+        );
+        assert_eq!(
+            a.b.as_tensor().to_vec2::<f32>()?,
+            b.b.as_tensor().to_vec2::<f32>()?
+        );
+        assert_eq!(a.adapter.scale(), b.adapter.scale());
+    }
+    assert_eq!(
+        back.modules()["model.layers.0.self_attn.v_proj"]
+            .adapter
+            .rank(),
+        3
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join(peft::CONFIG_FILE))?)?;
+    assert_eq!(json["task_type"], "CAUSAL_LM");
+    assert_eq!(json["bias"], "none");
+    assert_eq!(
+        json["target_modules"],
+        serde_json::json!(["down_proj", "q_proj", "v_proj"])
+    );
+    let keys = candle_core::safetensors::load(dir.join(peft::WEIGHTS_FILE), &Device::Cpu)?;
+    assert!(keys.contains_key("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"));
+    assert_eq!(keys.len(), 2 * 3 * 2);
+    let (ids, _) = reference()?;
+    let a = logits(&model(&files, Some(Arc::new(ours)))?, &ids)?;
+    let b = logits(&model(&files, Some(Arc::new(back)))?, &ids)?;
+    assert_eq!(
+        a.flatten_all()?.to_vec1::<f32>()?,
+        b.flatten_all()?.to_vec1::<f32>()?
+    );
+    let mut out = std::collections::HashMap::new();
+    out.insert("ids".to_string(), ids.to_dtype(DType::I64)?);
+    out.insert("logits".to_string(), a);
+    candle_core::safetensors::save(&out, dir.join("logits.safetensors"))?;
+    if std::env::var_os("LORA_PEFT_OUT").is_none() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(())
+}
+
+/// The base with PEFT's adapter merged into its weights gives the unmerged logits.
+#[test]
+fn merged_base_gives_the_unmerged_logits() -> anyhow::Result<()> {
+    let files = loader::from_dir(&fixtures().join("base"))?;
+    let adapters = peft::load(&fixtures().join("adapter"), &files.config, &Device::Cpu)?;
+    let tensors =
+        candle_core::safetensors::load(fixtures().join("base/model.safetensors"), &Device::Cpu)?;
+    let mut merged = Vec::new();
+    for (name, t) in tensors {
+        let t = match name.strip_suffix(".weight") {
+            Some(path) => merge::merge_dense(&adapters, path, &t)?,
+            None => t,
+        };
+        merged.push((name, t));
+    }
+    let store = candle_offload::HostStore::from_tensors(
+        &merged,
+        &candle_offload::StoreConfig {
+            grouping: files.config.layout().grouping(),
+            ..Default::default()
+        },
+        &Device::Cpu,
+    )?;
+    let m = CausalLm::builder(&files, Arc::new(store))
+        .max_len(32)
+        .build()?;
+    let (ids, want) = reference()?;
+    let rel = rel_l2(&logits(&m, &ids)?, &want)?;
+    assert!(rel <= 1e-5, "merged: rel L2 {rel}");
+    Ok(())
+}
