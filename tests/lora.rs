@@ -193,3 +193,97 @@ fn merged_base_gives_the_unmerged_logits() -> anyhow::Result<()> {
     assert!(rel <= 1e-5, "merged: rel L2 {rel}");
     Ok(())
 }
+
+/// The fixture's base with its decoder layers' projections held as Q8_0 blocks (the rest
+/// dense), and the same weights dequantized (its twin).
+fn q8_stores(
+    files: &ModelFiles,
+) -> anyhow::Result<(candle_offload::HostStore, candle_offload::HostStore)> {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_offload::{HostStore, RawTensorSpec, StoreConfig, WeightFormat};
+    let tensors =
+        candle_core::safetensors::load(fixtures().join("base/model.safetensors"), &Device::Cpu)?;
+    let cfg = StoreConfig {
+        grouping: files.config.layout().grouping(),
+        ..Default::default()
+    };
+    let mut specs = Vec::new();
+    let mut bytes = Vec::new();
+    let mut twin = Vec::new();
+    for (name, t) in tensors {
+        let blocks = name.starts_with("model.layers.") && t.rank() == 2;
+        if blocks {
+            let q = QTensor::quantize(&t, GgmlDType::Q8_0)?;
+            twin.push((name.clone(), q.dequantize(&Device::Cpu)?));
+            specs.push(RawTensorSpec {
+                name,
+                format: WeightFormat::Ggml(GgmlDType::Q8_0),
+                shape: t.shape().clone(),
+            });
+            bytes.push(q.data()?.into_owned());
+        } else {
+            let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            bytes.push(v.iter().flat_map(|x| x.to_le_bytes()).collect());
+            specs.push(RawTensorSpec {
+                name: name.clone(),
+                format: WeightFormat::Dense(DType::F32),
+                shape: t.shape().clone(),
+            });
+            twin.push((name, t));
+        }
+    }
+    let q8 = HostStore::from_raw(&specs, &cfg, &Device::Cpu, |spec, _, dst| {
+        let i = specs.iter().position(|s| s.name == spec.name).unwrap();
+        dst.copy_from_slice(&bytes[i]);
+        Ok(())
+    })?;
+    Ok((q8, HostStore::from_tensors(&twin, &cfg, &Device::Cpu)?))
+}
+
+/// QLoRA inference: PEFT's adapter on a base of GGML blocks gives the logits it gives on the
+/// dequantized twin (only the activations' rounding in the blocks' matmul differs); merged
+/// into the blocks (re-quantized, the error reported) it stays close to unmerged.
+#[test]
+fn adapter_on_blocks_gives_the_dequantized_twins_logits() -> anyhow::Result<()> {
+    let files = loader::from_dir(&fixtures().join("base"))?;
+    let adapters = Arc::new(peft::load(
+        &fixtures().join("adapter"),
+        &files.config,
+        &Device::Cpu,
+    )?);
+    let (q8, twin) = q8_stores(&files)?;
+    assert_eq!(q8.ggml_tensor_count(), 14);
+    let (ids, _) = reference()?;
+    let build =
+        |store: candle_offload::HostStore, a: Option<Arc<Adapters>>| -> anyhow::Result<CausalLm> {
+            let mut m = CausalLm::builder(&files, Arc::new(store))
+                .max_len(32)
+                .build()?;
+            m.set_adapters(a)?;
+            Ok(m)
+        };
+    let cfg = candle_offload::StoreConfig {
+        grouping: files.config.layout().grouping(),
+        ..Default::default()
+    };
+    let (merged, report) = merge::merge_store(&q8, &adapters, &cfg, &Device::Cpu)?;
+    assert_eq!(report.requantized.len(), 14);
+    assert_eq!(merged.ggml_tensor_count(), 14);
+    let worst = report.max_requant_rel_l2();
+    assert!(worst > 0.0 && worst < 1e-2, "re-quantizing added {worst}");
+    let on_blocks = logits(&build(q8, Some(adapters.clone()))?, &ids)?;
+    let on_twin = logits(&build(twin, Some(adapters))?, &ids)?;
+    let rel = rel_l2(&on_blocks, &on_twin)?;
+    assert!(rel < 1e-2, "blocks vs twin: rel L2 {rel}");
+    // Two roundings of Q8_0 (the weights' second quantization, the activations') through
+    // two layers of large random weights: a few percent, where dropping the adapter is far more.
+    let merged = logits(&build(merged, None)?, &ids)?;
+    let rel = rel_l2(&merged, &on_blocks)?;
+    let (q8, _) = q8_stores(&files)?;
+    let without = rel_l2(&logits(&build(q8, None)?, &ids)?, &on_blocks)?;
+    assert!(
+        rel < 5e-2 && rel * 10.0 < without,
+        "merged blocks vs unmerged: rel L2 {rel}, without the adapter {without}"
+    );
+    Ok(())
+}

@@ -88,8 +88,8 @@ impl LoraAdapter {
         } else {
             x
         };
-        let a = self.a.to_dtype(x.dtype())?;
-        let b = self.b.to_dtype(x.dtype())?;
+        let a = self.a.to_device(x.device())?.to_dtype(x.dtype())?;
+        let b = self.b.to_device(x.device())?.to_dtype(x.dtype())?;
         let y = x
             .matmul(&a.t()?)?
             .matmul(&b.t()?)?

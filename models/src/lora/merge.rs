@@ -8,6 +8,7 @@
 
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Result, Tensor};
+use candle_offload::{HostStore, RawTensorSpec, StoreConfig, WeightFormat};
 
 use super::Adapters;
 
@@ -60,6 +61,89 @@ pub fn merge_blocks(
         update_rel_l2: norm(&delta)? / norm(&w)?.max(f64::MIN_POSITIVE),
     };
     Ok(Some((requant, err)))
+}
+
+/// What [`merge_store`] did: weights merged, and per re-quantized weight the error it added.
+#[derive(Debug, Clone, Default)]
+pub struct MergeReport {
+    /// Dense weights the adapters were added to.
+    pub dense: usize,
+    /// GGML-block weights merged and quantized again, with the error that added.
+    pub requantized: Vec<(String, RequantError)>,
+}
+
+impl MergeReport {
+    /// The largest error a re-quantization added (0 without any).
+    pub fn max_requant_rel_l2(&self) -> f64 {
+        self.requantized
+            .iter()
+            .map(|(_, e)| e.rel_l2)
+            .fold(0.0, f64::max)
+    }
+}
+
+/// A copy of `store` with `adapters` folded into their weights: dense weights in the store's
+/// dtype, GGML blocks re-quantized to their type ([`merge_blocks`]); every other tensor as it
+/// is. The copy is laid out by `cfg` on `device` as a new store (the original is left as it is).
+pub fn merge_store(
+    store: &HostStore,
+    adapters: &Adapters,
+    cfg: &StoreConfig,
+    device: &candle_core::Device,
+) -> std::result::Result<(HostStore, MergeReport), crate::ModelError> {
+    let mut specs = Vec::new();
+    let mut data: Vec<Vec<u8>> = Vec::new();
+    let mut report = MergeReport::default();
+    for unit in store.units() {
+        for t in unit.tensors() {
+            let path = t.name.strip_suffix(".weight").unwrap_or(&t.name);
+            let (format, bytes) = match t.format {
+                WeightFormat::Ggml(_) => {
+                    let q = unit.cpu_qtensor(t)?;
+                    match merge_blocks(adapters, path, &q)? {
+                        Some((m, err)) => {
+                            report.requantized.push((t.name.clone(), err));
+                            (t.format, m.data()?.into_owned())
+                        }
+                        None => (t.format, q.data()?.into_owned()),
+                    }
+                }
+                _ => {
+                    let w = unit.cpu_tensor(t)?;
+                    let w = if adapters.get(path).is_some() {
+                        report.dense += 1;
+                        merge_dense(adapters, path, &w)?
+                    } else {
+                        w
+                    };
+                    let v = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                    let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    (WeightFormat::Dense(DType::F32), bytes)
+                }
+            };
+            specs.push(RawTensorSpec {
+                name: t.name.clone(),
+                format,
+                shape: t.shape.clone(),
+            });
+            data.push(bytes);
+        }
+    }
+    let merged = HostStore::from_raw(&specs, cfg, device, |spec, _, dst| {
+        let i = specs
+            .iter()
+            .position(|s| s.name == spec.name)
+            .expect("a spec of this list");
+        if dst.len() != data[i].len() {
+            return Err(candle_offload::Error::InvalidConfig {
+                field: spec.name.clone(),
+                reason: format!("{} bytes for a buffer of {}", data[i].len(), dst.len()),
+            });
+        }
+        dst.copy_from_slice(&data[i]);
+        Ok(())
+    })?;
+    Ok((merged, report))
 }
 
 /// A q or k weight (heads·head_dim, in) in HF row order put into llama.cpp's order for
