@@ -4,7 +4,9 @@
 make OUT: writes a tiny random llama (transformers, safetensors) to OUT/base, a non-zero
 LoRA adapter PEFT made on it (init_lora_weights=False, rsLoRA, a rank_pattern and an
 alpha_pattern, every projection targeted) to OUT/adapter, and the adapted model's F32 logits for
-fixed token ids to OUT/logits.safetensors (`ids` int64 (2, 12), `logits` f32 (2, 12, vocab)).
+fixed token ids to OUT/logits.safetensors (`ids` int64 (2, 12), `logits` f32 (2, 12, vocab)),
+with PEFT's mean cross-entropy of ids[:, 1:] after ids[:, :-1] (`loss`) and the adapters'
+gradients of it (`grad:<PEFT key>`).
 
 check BASE ADAPTER: loads the adapter our code saved (ADAPTER, PEFT's two files, with our
 logits in ADAPTER/logits.safetensors, written by the test `lora_saved_adapter_for_peft` when
@@ -73,7 +75,17 @@ def make(out: Path):
     x = ids()
     with torch.no_grad():
         logits = peft_model(input_ids=x).logits.float().contiguous()
-    save_file({"ids": x.contiguous(), "logits": logits}, str(out / "logits.safetensors"))
+    # PEFT's loss (mean cross-entropy of ids[:, 1:] after ids[:, :-1]) and the adapters'
+    # gradients, for the trainer's test.
+    peft_model.zero_grad()
+    step = peft_model(input_ids=x[:, :-1]).logits.float()
+    loss = torch.nn.functional.cross_entropy(step.reshape(-1, step.shape[-1]), x[:, 1:].reshape(-1))
+    loss.backward()
+    saved = {"ids": x.contiguous(), "logits": logits, "loss": loss.detach().reshape(1)}
+    for n, p in peft_model.named_parameters():
+        if "lora_" in n:
+            saved["grad:" + n.replace(".default", "")] = p.grad.detach().contiguous()
+    save_file(saved, str(out / "logits.safetensors"))
     # Keep only what the tests read (config.json, the weights).
     for p in (out / "base").iterdir():
         if p.name not in ("config.json", "model.safetensors"):

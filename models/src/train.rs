@@ -141,6 +141,9 @@ pub type PhaseObserver = Box<dyn FnMut(TrainPhase) -> Result<()> + Send>;
 enum Source {
     Resident(VarMap),
     Offloaded(OffloadRuntime),
+    /// A frozen base under LoRA adapters: its weights (dense, or GGML blocks in the decoder
+    /// layers) served by a runtime under the budget, resident or streamed, never updated.
+    Frozen(OffloadRuntime),
 }
 
 /// Everything the forward pass (and its recomputes) needs; shared with checkpoint closures.
@@ -176,6 +179,8 @@ struct Core {
     /// step: the next step writes its first contributions into them rather than allocating
     /// (and faulting in) gigabytes of new host memory every step.
     spare_grads: Mutex<HashMap<String, Tensor>>,
+    /// LoRA adapters on a frozen base ([`Trainer::lora`]): the only trained weights.
+    adapters: Option<Arc<crate::lora::Adapters>>,
 }
 
 fn poisoned<T>(_: T) -> candle_core::Error {
@@ -191,6 +196,12 @@ impl Core {
                 Ok(self
                     .autocast
                     .var_builder_recording(vars, &self.device, &self.origins))
+            }
+            Source::Frozen(rt) => {
+                let guard = rt.acquire_named(prefix)?;
+                let vb = guard.var_builder(self.autocast.compute_dtype());
+                self.held.lock().map_err(poisoned)?.push(guard);
+                Ok(vb)
             }
             Source::Offloaded(rt) => {
                 let guard = rt.acquire_named(prefix)?;
@@ -222,19 +233,33 @@ impl Core {
     fn layer(&self, l: usize, xs: &Tensor, masks: &Masks) -> Result<Tensor> {
         let _span = tracing::trace_span!("train.layer", l).entered();
         let prefix = self.layout.layer(l);
+        let ctx = TrainCtx {
+            rope: &self.rope,
+            masks,
+            compute: self.autocast.compute_dtype(),
+            head_chunks: self.head_chunks,
+            fused: self.fused,
+            weight_grads: self.weight_grads.lock().map_err(poisoned)?.clone(),
+        };
+        if let Source::Frozen(rt) = &self.source {
+            // The unit's blocks stay blocks; each projection gets its adapter.
+            let guard = rt.acquire_named(&prefix)?;
+            let out = {
+                let weights = UnitWeights::new(
+                    guard.var_builder(self.autocast.compute_dtype()),
+                    Some(&guard),
+                )
+                .with_adapters(self.adapters.clone())
+                .pp(&prefix);
+                let block = self.family.block(&self.cfg, weights, l, DType::F32)?;
+                block.forward_train(xs, &ctx)
+            };
+            self.held.lock().map_err(poisoned)?.push(guard);
+            return out;
+        }
         let weights = UnitWeights::dense(self.vb(&prefix)?.pp(&prefix));
         let block = self.family.block(&self.cfg, weights, l, DType::F32)?;
-        block.forward_train(
-            xs,
-            &TrainCtx {
-                rope: &self.rope,
-                masks,
-                compute: self.autocast.compute_dtype(),
-                head_chunks: self.head_chunks,
-                fused: self.fused,
-                weight_grads: self.weight_grads.lock().map_err(poisoned)?.clone(),
-            },
-        )
+        block.forward_train(xs, &ctx)
     }
 
     /// Summed cross-entropy of `xs` (tokens, hidden) against `targets` (tokens).
@@ -560,6 +585,7 @@ impl Trainer {
                 host_grads: Mutex::new(HashMap::new()),
                 host_staging: Mutex::new(candle_offload::train::HostGradients::new()),
                 spare_grads: Mutex::new(HashMap::new()),
+                adapters: None,
             }),
             opt,
             vars,
@@ -627,6 +653,144 @@ impl Trainer {
         )
     }
 
+    /// A trainer of LoRA `adapters` on the frozen base in `store` (the checkpoint's tensors:
+    /// dense in any float dtype, or GGML blocks, which stay blocks in the decoder layers:
+    /// QLoRA), for a model of `cfg`, computing on `device`. The base is served by an offload
+    /// runtime under [`TrainSettings::gpu_memory_limit`] (resident where it fits, streamed
+    /// otherwise); only the adapters have gradients, F32 masters (on `device`) and AdamW
+    /// state. Blocks outside the decoder layers (embeddings, output head) are dequantized.
+    pub fn lora(
+        cfg: Config,
+        store: Arc<candle_offload::HostStore>,
+        adapters: crate::lora::Adapters,
+        device: &Device,
+        settings: &TrainSettings,
+    ) -> std::result::Result<Self, ModelError> {
+        adapters.check(&cfg).map_err(|reason| ModelError::Config {
+            path: "<adapter>".into(),
+            field: "lora".into(),
+            reason,
+        })?;
+        let tensors = adapters
+            .modules()
+            .iter()
+            .map(|(p, m)| {
+                (
+                    p.clone(),
+                    (m.a.as_tensor().clone(), m.b.as_tensor().clone()),
+                )
+            })
+            .collect();
+        let adapters = Arc::new(crate::lora::Adapters::from_tensors(
+            adapters.config().clone(),
+            tensors,
+            device,
+        )?);
+        let autocast = Autocast::new(settings.precision);
+        let compute = autocast.compute_dtype();
+        let layout = cfg.layout();
+        let store_cfg = StoreConfig {
+            grouping: layout.grouping(),
+            ..Default::default()
+        };
+        let store =
+            crate::lora::merge::frozen_base(store, &layout.layer_prefix, &store_cfg, device)?;
+        let rt = OffloadRuntime::new(
+            store.clone(),
+            device,
+            &OffloadConfig {
+                gpu_memory_limit: settings.gpu_memory_limit,
+                reserve_bytes: cfg.train_reserve_bytes(
+                    settings.batch_size,
+                    settings.seq_len,
+                    settings.checkpoint_segments,
+                    compute,
+                ),
+                strategy: OffloadStrategy::Minimal,
+                policy: PolicyChoice::Lru,
+                prefetch_depth: settings.prefetch_depth,
+                keep: CausalLm::kept_units(&store, &cfg),
+                trainable: false,
+                units: None,
+                event_tracking: true,
+                steady_reserve_bytes: None,
+                tuning: settings.tuning,
+            },
+        )?;
+        let (names, vars): (Vec<String>, Vec<Var>) = adapters.named_vars().into_iter().unzip();
+        let opt = if device.is_cpu() {
+            Adam::Host(HostAdamW::new(vars.clone(), settings.adamw.clone())?)
+        } else if settings.fused {
+            Adam::Fused(FusedAdamW::new(vars.clone(), settings.adamw.clone())?)
+        } else {
+            Adam::Device(AdamW::new(vars.clone(), settings.adamw.clone())?)
+        };
+        let head_chunks = settings
+            .head_chunks
+            .unwrap_or_else(|| head_chunks_for(&cfg, settings.batch_size, settings.seq_len));
+        let loss_chunk = settings
+            .loss_chunk_tokens
+            .unwrap_or_else(|| ((128usize << 20) / (cfg.vocab_size * 4)).max(64));
+        let rope = cfg
+            .family
+            .rope(&cfg, settings.seq_len.max(1), compute, device)?;
+        let scaler = if settings.precision.needs_loss_scaling() {
+            GradScaler::new(GradScalerConfig::default())
+        } else {
+            GradScaler::disabled()
+        };
+        Ok(Self {
+            tracking_was: None,
+            core: Arc::new(Core {
+                family: cfg.family.clone(),
+                layout,
+                cfg,
+                autocast,
+                device: device.clone(),
+                rope,
+                head_chunks,
+                loss_chunk,
+                fused: settings.fused,
+                hand_backward: false,
+                origins: CastOrigins::default(),
+                weight_grads: Mutex::new(None),
+                hand_grads: Arc::new(AtomicUsize::new(0)),
+                source: Source::Frozen(rt),
+                held: Mutex::new(Vec::new()),
+                leaf_names: Mutex::new(HashMap::new()),
+                host_grads: Mutex::new(HashMap::new()),
+                host_staging: Mutex::new(candle_offload::train::HostGradients::new()),
+                spare_grads: Mutex::new(HashMap::new()),
+                adapters: Some(adapters),
+            }),
+            opt,
+            vars,
+            names,
+            scaler,
+            checkpoint_segments: settings.checkpoint_segments,
+            recomputes: 0,
+            observer: None,
+        })
+    }
+
+    /// The LoRA adapters being trained ([`Trainer::lora`]).
+    pub fn adapters(&self) -> Option<&Arc<crate::lora::Adapters>> {
+        self.core.adapters.as_ref()
+    }
+
+    /// Writes the LoRA adapters in PEFT's format into `dir` (F32). The optimizer's state is
+    /// not written: a run resumed from the adapter starts AdamW's moments afresh.
+    pub fn save_adapter(&self, dir: &std::path::Path) -> std::result::Result<(), ModelError> {
+        match &self.core.adapters {
+            Some(a) => crate::lora::peft::save(a, dir, DType::F32),
+            None => Err(ModelError::Config {
+                path: dir.into(),
+                field: "lora".into(),
+                reason: "this trainer trains every weight, not LoRA adapters".into(),
+            }),
+        }
+    }
+
     /// The model configuration.
     pub fn config(&self) -> &Config {
         &self.core.cfg
@@ -635,7 +799,7 @@ impl Trainer {
     /// The offload runtime, when weights are offloaded.
     pub fn runtime(&self) -> Option<&OffloadRuntime> {
         match &self.core.source {
-            Source::Offloaded(rt) => Some(rt),
+            Source::Offloaded(rt) | Source::Frozen(rt) => Some(rt),
             Source::Resident(_) => None,
         }
     }
@@ -805,7 +969,7 @@ impl Trainer {
         };
         core.origins.clear()?;
         core.hand_grads.store(0, Ordering::Relaxed);
-        if !offloaded && core.fused && core.hand_backward {
+        if !offloaded && core.fused && core.hand_backward && core.adapters.is_none() {
             // A weight's gradient, from a block's own backward pass, goes to its F32 master
             // through the checkpointer's side store, which `backward` merges.
             let (origins, side, count) =
@@ -873,7 +1037,7 @@ impl Trainer {
                 .zip(&self.vars)
                 .filter_map(|(n, v)| grads.get(v.as_tensor()).map(|g| (n.clone(), g.clone())))
                 .collect(),
-            Source::Resident(_) => Vec::new(),
+            Source::Resident(_) | Source::Frozen(_) => Vec::new(),
         };
         let outcome = match &mut self.opt {
             Adam::Fused(o) => self.scaler.step_fused(o, &self.vars, grads)?,

@@ -8,6 +8,7 @@
 
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Result, Tensor};
+use candle_offload::store::{HostUnit, TensorMeta};
 use candle_offload::{HostStore, RawTensorSpec, StoreConfig, WeightFormat};
 
 use super::Adapters;
@@ -91,31 +92,83 @@ pub fn merge_store(
     cfg: &StoreConfig,
     device: &candle_core::Device,
 ) -> std::result::Result<(HostStore, MergeReport), crate::ModelError> {
+    let mut report = MergeReport::default();
+    let merged = rebuild(store, cfg, device, |unit, t| {
+        let path = t.name.strip_suffix(".weight").unwrap_or(&t.name);
+        match t.format {
+            WeightFormat::Ggml(_) => {
+                let q = unit.cpu_qtensor(t)?;
+                Ok(match merge_blocks(adapters, path, &q)? {
+                    Some((m, err)) => {
+                        report.requantized.push((t.name.clone(), err));
+                        Stored::Blocks(m)
+                    }
+                    None => Stored::Blocks(q),
+                })
+            }
+            _ => {
+                let w = unit.cpu_tensor(t)?;
+                if adapters.get(path).is_some() {
+                    report.dense += 1;
+                    return Ok(Stored::Dense(merge_dense(adapters, path, &w)?));
+                }
+                Ok(Stored::Dense(w))
+            }
+        }
+    })?;
+    Ok((merged, report))
+}
+
+/// A copy of `store` for a frozen LoRA base: GGML blocks kept in the units whose names start
+/// with `keep_blocks_under` (the decoder layers, whose projections carry the adapters),
+/// dequantized elsewhere (embeddings, final norm, output head: read dense by training); the
+/// store itself where nothing needs dequantizing.
+pub fn frozen_base(
+    store: std::sync::Arc<HostStore>,
+    keep_blocks_under: &str,
+    cfg: &StoreConfig,
+    device: &candle_core::Device,
+) -> std::result::Result<std::sync::Arc<HostStore>, crate::ModelError> {
+    let outside = |name: &str| !name.starts_with(keep_blocks_under);
+    let needs = store.units().iter().any(|u| {
+        outside(u.name())
+            && u.tensors()
+                .iter()
+                .any(|t| matches!(t.format, WeightFormat::Ggml(_)))
+    });
+    if !needs {
+        return Ok(store);
+    }
+    let copy = rebuild(&store, cfg, device, |unit, t| match t.format {
+        WeightFormat::Ggml(_) if !outside(unit.name()) => Ok(Stored::Blocks(unit.cpu_qtensor(t)?)),
+        WeightFormat::Ggml(_) => Ok(Stored::Dense(
+            unit.cpu_qtensor(t)?.dequantize(&candle_core::Device::Cpu)?,
+        )),
+        _ => Ok(Stored::Dense(unit.cpu_tensor(t)?)),
+    })?;
+    Ok(std::sync::Arc::new(copy))
+}
+
+/// A tensor of a rebuilt store.
+enum Stored {
+    Dense(Tensor),
+    Blocks(QTensor),
+}
+
+/// A new store of `store`'s tensors as `each` gives them, laid out by `cfg` on `device`.
+fn rebuild(
+    store: &HostStore,
+    cfg: &StoreConfig,
+    device: &candle_core::Device,
+    mut each: impl FnMut(&HostUnit, &TensorMeta) -> Result<Stored>,
+) -> std::result::Result<HostStore, crate::ModelError> {
     let mut specs = Vec::new();
     let mut data: Vec<Vec<u8>> = Vec::new();
-    let mut report = MergeReport::default();
     for unit in store.units() {
         for t in unit.tensors() {
-            let path = t.name.strip_suffix(".weight").unwrap_or(&t.name);
-            let (format, bytes) = match t.format {
-                WeightFormat::Ggml(_) => {
-                    let q = unit.cpu_qtensor(t)?;
-                    match merge_blocks(adapters, path, &q)? {
-                        Some((m, err)) => {
-                            report.requantized.push((t.name.clone(), err));
-                            (t.format, m.data()?.into_owned())
-                        }
-                        None => (t.format, q.data()?.into_owned()),
-                    }
-                }
-                _ => {
-                    let w = unit.cpu_tensor(t)?;
-                    let w = if adapters.get(path).is_some() {
-                        report.dense += 1;
-                        merge_dense(adapters, path, &w)?
-                    } else {
-                        w
-                    };
+            let (format, bytes) = match each(unit, t)? {
+                Stored::Blocks(q) => (WeightFormat::Ggml(q.dtype()), q.data()?.into_owned()),
+                Stored::Dense(w) => {
                     let v = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
                     let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
                     (WeightFormat::Dense(DType::F32), bytes)
@@ -129,21 +182,22 @@ pub fn merge_store(
             data.push(bytes);
         }
     }
-    let merged = HostStore::from_raw(&specs, cfg, device, |spec, _, dst| {
-        let i = specs
-            .iter()
-            .position(|s| s.name == spec.name)
-            .expect("a spec of this list");
-        if dst.len() != data[i].len() {
+    let index: std::collections::HashMap<String, usize> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.name.clone(), i))
+        .collect();
+    Ok(HostStore::from_raw(&specs, cfg, device, |spec, _, dst| {
+        let bytes = &data[index[&spec.name]];
+        if dst.len() != bytes.len() {
             return Err(candle_offload::Error::InvalidConfig {
                 field: spec.name.clone(),
-                reason: format!("{} bytes for a buffer of {}", data[i].len(), dst.len()),
+                reason: format!("{} bytes for a buffer of {}", bytes.len(), dst.len()),
             });
         }
-        dst.copy_from_slice(&data[i]);
+        dst.copy_from_slice(bytes);
         Ok(())
-    })?;
-    Ok((merged, report))
+    })?)
 }
 
 /// A q or k weight (heads·head_dim, in) in HF row order put into llama.cpp's order for

@@ -123,8 +123,9 @@ impl LoraConfig {
     }
 
     /// The linear modules of a model of `cfg` this config adapts: path, (in, out). Only the
-    /// decoder layers' projections can be adapted; a target that matches none of them is an
-    /// error naming it (as PEFT refuses one).
+    /// decoder layers' projections can be adapted; targets that match none of them are an
+    /// error naming them (as PEFT refuses them), while one of several that matches nothing is
+    /// passed over (the defaults name both Phi-3's fused projections and the separate ones).
     pub fn modules(
         &self,
         cfg: &Config,
@@ -139,14 +140,13 @@ impl LoraConfig {
                     .then(|| (path.to_string(), shape[1], shape[0]))
             })
             .collect();
-        for t in &self.target_modules {
-            if !linear.iter().any(|(p, _, _)| matches(p, t)) {
-                return Err(format!(
-                    "target module {t:?} matches no linear layer of the decoder (its layers' \
-                     modules are named like {:?})",
-                    linear.first().map(|(p, _, _)| p.as_str()).unwrap_or("")
-                ));
-            }
+        if !linear.iter().any(|(p, _, _)| self.targets(p)) {
+            return Err(format!(
+                "target modules {:?} match no linear layer of the decoder (its layers' modules \
+                 are named like {:?})",
+                self.target_modules,
+                linear.first().map(|(p, _, _)| p.as_str()).unwrap_or("")
+            ));
         }
         Ok(linear
             .into_iter()
