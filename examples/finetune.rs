@@ -93,6 +93,31 @@ struct Args {
     /// Write the per-step losses (with the run's settings, commit and machine) to this JSON.
     #[arg(long)]
     losses_json: Option<PathBuf>,
+    /// Train LoRA adapters on the frozen base instead of every weight; the adapter is saved in
+    /// PEFT's format (`adapter_config.json`, `adapter_model.safetensors`) to --output. The base
+    /// is served under --gpu-memory-limit (resident where it fits, streamed otherwise).
+    #[arg(long)]
+    lora: bool,
+    /// LoRA rank.
+    #[arg(long, default_value_t = 8, requires = "lora", value_parser = flags::at_least_one)]
+    lora_rank: usize,
+    /// LoRA alpha (the update is scaled by alpha / rank).
+    #[arg(long, default_value_t = 16.0, requires = "lora", value_parser = flags::positive)]
+    lora_alpha: f64,
+    /// Dropout on the adapters' input.
+    #[arg(long, default_value_t = 0.0, requires = "lora", value_parser = flags::dropout)]
+    lora_dropout: f64,
+    /// Modules to adapt, comma-separated: HF module names (`q_proj`, `qkv_proj`) or the short
+    /// `q,k,v,o,gate,up,down` (and `qkv`, `gate_up`, `all`). Default: every projection.
+    #[arg(long, value_delimiter = ',', requires = "lora")]
+    lora_targets: Option<Vec<String>>,
+    /// Start from this saved adapter (PEFT's files) instead of a fresh one.
+    #[arg(long, value_name = "DIR", requires = "lora")]
+    lora_resume: Option<PathBuf>,
+    /// With --lora: quantize the base on load to this GGML type (QLoRA), its blocks kept as
+    /// blocks; a GGUF base keeps its own blocks without it.
+    #[arg(long, value_name = "TYPE", requires = "lora")]
+    quantize: Option<String>,
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
@@ -255,6 +280,75 @@ fn save(
     write_json("tokenizer_config.json", &tc)
 }
 
+/// The LoRA trainer of `--lora`: the base loaded with its blocks kept (or quantized on load
+/// with `--quantize`), dense weights in the compute dtype, and a fresh adapter (or
+/// `--lora-resume`'s).
+fn lora_trainer(
+    args: &Args,
+    files: &ModelFiles,
+    device: &Device,
+    settings: &TrainSettings,
+) -> Result<Trainer> {
+    use candle_offload_models::lora::{self, Adapters, LoraConfig};
+    use candle_offload_models::quantize;
+    let store_cfg = candle_offload::StoreConfig {
+        dtype: Some(candle_offload::Autocast::new(settings.precision).compute_dtype()),
+        ..Default::default()
+    };
+    let store = match &args.quantize {
+        Some(name) => {
+            let ty = quantize::parse_type(name)
+                .ok_or_else(|| anyhow!("--quantize {name}: not a quantize type"))?;
+            quantize::load_store_config(files, ty, &store_cfg, device, &Default::default())?.0
+        }
+        None => loader::load_store_config(files, &store_cfg, device, true)?,
+    };
+    let adapters = match &args.lora_resume {
+        Some(dir) => lora::peft::load(dir, &files.config, device)?,
+        None => {
+            let target_modules = match &args.lora_targets {
+                None => lora::DEFAULT_TARGETS
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect(),
+                Some(list) => {
+                    let mut out = Vec::new();
+                    for t in list {
+                        match lora::target_alias(t).as_slice() {
+                            [] => out.push(t.clone()),
+                            names => out.extend(names.iter().map(|s| s.to_string())),
+                        }
+                    }
+                    out
+                }
+            };
+            let config = LoraConfig {
+                r: args.lora_rank,
+                alpha: args.lora_alpha,
+                dropout: args.lora_dropout as f32,
+                target_modules,
+                base_model_name_or_path: Some(files.origin.clone()),
+                ..Default::default()
+            };
+            Adapters::init(config, &files.config, device, args.seed)
+                .map_err(|e| anyhow!("--lora-targets: {e}"))?
+        }
+    };
+    eprintln!(
+        "LoRA: {} modules, {:.2} M adapter parameters, base {} GGML tensors",
+        adapters.modules().len(),
+        adapters.parameter_count() as f64 / 1e6,
+        store.ggml_tensor_count()
+    );
+    Ok(Trainer::lora(
+        files.config.clone(),
+        std::sync::Arc::new(store),
+        adapters,
+        device,
+        settings,
+    )?)
+}
+
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
@@ -379,13 +473,19 @@ fn run(args: Args) -> Result<()> {
             .fitted_to_host(),
     };
     let t0 = Instant::now();
-    let mut trainer = Trainer::from_files(&files, &device, &settings)?;
+    let mut trainer = if args.lora {
+        lora_trainer(&args, &files, &device, &settings)?
+    } else {
+        Trainer::from_files(&files, &device, &settings)?
+    };
     eprintln!(
         "trainer: {:.1} M parameters, autocast {precision}, {} checkpoint segments, {}, \
          built in {:.1} s",
         trainer.parameter_count() as f64 / 1e6,
         segments,
-        if offload {
+        if args.lora {
+            "LoRA adapters on a frozen base"
+        } else if offload {
             "masters offloaded to host memory"
         } else {
             "masters on the device"
@@ -416,7 +516,10 @@ fn run(args: Args) -> Result<()> {
     );
     let log_every = (args.steps / 20).max(1);
     // MFU against the GPU's dense BF16 peak, where the table knows the GPU.
-    let flops_per_token = cfg.train_flops_per_token(args.seq_len);
+    let flops_per_token = match trainer.adapters() {
+        Some(a) => cfg.lora_train_flops_per_token(args.seq_len, a.forward_flops_per_token() as f64),
+        None => cfg.train_flops_per_token(args.seq_len),
+    };
     let peak_flops = candle_offload_suite::dense_bf16_peak_flops(&device);
     let mut losses = Vec::with_capacity(args.steps);
     let (mut ema, mut tokens, mut streamed) = (0f32, 0usize, 0u64);
@@ -480,7 +583,11 @@ fn run(args: Args) -> Result<()> {
     let t0 = Instant::now();
     std::fs::create_dir_all(&args.output)
         .map_err(|e| anyhow!("--output {}: cannot create: {e}", args.output.display()))?;
-    save(&args.output, &trainer, &files, &tokenizer, save_dtype)?;
+    if args.lora {
+        trainer.save_adapter(&args.output)?;
+    } else {
+        save(&args.output, &trainer, &files, &tokenizer, save_dtype)?;
+    }
     let save_s = t0.elapsed().as_secs_f64();
 
     // Summary.
@@ -526,13 +633,23 @@ fn run(args: Args) -> Result<()> {
             streamed as f64 / n as f64 / 1e9
         );
     }
-    println!(
-        "saved {} ({} weights, config.json, tokenizer.json, tokenizer_config.json) in {save_s:.1} s; \
-         try: cargo run --release --example generate -- --model {}",
-        args.output.display(),
-        dtype_name(save_dtype),
-        args.output.display()
-    );
+    if args.lora {
+        println!(
+            "saved the LoRA adapter to {} in {save_s:.1} s; try: cargo run --release --example \
+             generate -- --model {} --lora {}",
+            args.output.display(),
+            files.origin,
+            args.output.display()
+        );
+    } else {
+        println!(
+            "saved {} ({} weights, config.json, tokenizer.json, tokenizer_config.json) in \
+             {save_s:.1} s; try: cargo run --release --example generate -- --model {}",
+            args.output.display(),
+            dtype_name(save_dtype),
+            args.output.display()
+        );
+    }
     if let Some(path) = &args.losses_json {
         let record = serde_json::json!({
             "model": files.origin,
@@ -540,6 +657,13 @@ fn run(args: Args) -> Result<()> {
             "precision": precision.to_string(),
             "checkpoint_segments": segments,
             "offload": offload,
+            "lora": args.lora.then(|| serde_json::json!({
+                "rank": args.lora_rank,
+                "alpha": args.lora_alpha,
+                "targets": trainer.adapters().map(|a| a.config().target_modules.clone()),
+                "quantize": args.quantize,
+                "parameters": trainer.parameter_count(),
+            })),
             "steps": n,
             "batch_size": args.batch_size,
             "seq_len": args.seq_len,

@@ -86,14 +86,28 @@ def make(out: Path):
         if "lora_" in n:
             saved["grad:" + n.replace(".default", "")] = p.grad.detach().contiguous()
     save_file(saved, str(out / "logits.safetensors"))
-    # Keep only what the tests read (config.json, the weights).
+    # Keep only what the tests read (config.json, the weights, the tokenizer).
     for p in (out / "base").iterdir():
-        if p.name not in ("config.json", "model.safetensors"):
+        if p.name not in ("config.json", "model.safetensors", "tokenizer.json"):
             p.unlink()
     for p in (out / "adapter").iterdir():
         if p.name not in ("adapter_config.json", "adapter_model.safetensors"):
             p.unlink()
+    write_tokenizer(out / "base" / "tokenizer.json")
     print(json.dumps({"out": str(out), "logits": list(logits.shape)}))
+
+
+def write_tokenizer(path: Path):
+    """A character-level tokenizer of the base's 96 ids: printable ASCII and [UNK] (id 95), for
+    running the binaries on the fixture."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {chr(c): c - 32 for c in range(32, 127)}
+    vocab["[UNK]"] = 95
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(path))
 
 
 def check(base: Path, adapter: Path):

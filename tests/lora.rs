@@ -452,3 +452,27 @@ fn lora_gradients_equal_peft_gradients() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// MFU's FLOPs under LoRA: the base's matmuls without weight gradients (two thirds of full
+/// training's), attention unchanged, each adapter FLOP of the forward pass three times.
+#[test]
+fn lora_flops_leave_out_the_bases_weight_gradients() -> anyhow::Result<()> {
+    let files = loader::from_dir(&fixtures().join("base"))?;
+    let cfg = &files.config;
+    let seq = 12;
+    let attention =
+        12.0 * (cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq) as f64;
+    let full = cfg.train_flops_per_token(seq);
+    let lora = cfg.lora_train_flops_per_token(seq, 0.0);
+    assert!((lora - (attention + (full - attention) * 2.0 / 3.0)).abs() < 1e-9 * full);
+    assert!((cfg.lora_train_flops_per_token(seq, 10.0) - lora - 30.0).abs() < 1e-6);
+    let adapters = peft::load(&fixtures().join("adapter"), cfg, &Device::Cpu)?;
+    // q_proj of layer 1 has rank 2, every other module rank 4.
+    let want: usize = adapters
+        .modules()
+        .values()
+        .map(|m| 2 * m.adapter.rank() * (m.adapter.dims().0 + m.adapter.dims().1))
+        .sum();
+    assert_eq!(adapters.forward_flops_per_token(), want as u64);
+    Ok(())
+}

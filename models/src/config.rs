@@ -175,6 +175,21 @@ impl Config {
         6.0 * matmul_params + 12.0 * self.num_hidden_layers as f64 * nh * hd * seq_len as f64
     }
 
+    /// [`train_flops_per_token`](Self::train_flops_per_token) of LoRA on a frozen base: the
+    /// base's matmuls forward and backward to the activations only (4·N, no weight
+    /// gradients), attention as there, and the adapters' `adapter_forward_flops` a token
+    /// three times (forward, backward to x, backward to A and B). Recomputation is not
+    /// counted, as there.
+    pub fn lora_train_flops_per_token(&self, seq_len: usize, adapter_forward_flops: f64) -> f64 {
+        let full = self.train_flops_per_token(seq_len);
+        let attention = 12.0
+            * self.num_hidden_layers as f64
+            * self.num_attention_heads as f64
+            * self.head_dim as f64
+            * seq_len as f64;
+        (full - attention) * 4.0 / 6.0 + attention + 3.0 * adapter_forward_flops
+    }
+
     /// Device bytes a training step needs besides the weights, for `batch` sequences of
     /// `seq_len` tokens with `segments` checkpointed segments (0: none) and matmuls in
     /// `compute`: segment boundaries (F32), one segment's recomputed graph and its backward
