@@ -23,7 +23,7 @@ use candle_nn::ParamsAdamW;
 use candle_offload::diag::{self, PeakMemorySampler};
 use candle_offload::{MemoryLimit, Precision};
 use candle_offload_models::loader::{self, ModelFiles, Weights};
-use candle_offload_models::{TrainSettings, Trainer};
+use candle_offload_models::{TrainSettings, Trainer, IGNORE_TARGET};
 use candle_offload_suite::flags;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -39,7 +39,9 @@ const SAMPLE_NAME: &str = "examples/data/sample.txt (bundled)";
 struct Args {
     #[command(flatten)]
     model: candle_offload_suite::ModelArgs,
-    /// UTF-8 text to train on. Default: the bundled sample, examples/data/sample.txt.
+    /// UTF-8 text to train on, or chat JSONL (a `.jsonl` file of `{"messages": [{"role": ..,
+    /// "content": ..}, ..]}` lines), rendered with the model's chat template, the loss only on
+    /// the assistants' tokens. Default: the bundled sample, examples/data/sample.txt.
     #[arg(long)]
     data: Option<PathBuf>,
     /// Optimizer steps (1 or more).
@@ -129,9 +131,11 @@ struct Args {
     verbose: u8,
 }
 
-/// Windows of `seq_len + 1` tokens, served in batches in a seeded order.
+/// Windows of `seq_len + 1` tokens, or chat examples (inputs and targets of `seq_len`
+/// tokens each, the untrained targets [`IGNORE_TARGET`]), served in batches in a seeded order.
 struct Batches {
     ids: Vec<u32>,
+    examples: Vec<(Vec<u32>, Vec<u32>)>,
     seq_len: usize,
     order: Vec<usize>,
     cursor: usize,
@@ -146,6 +150,22 @@ impl Batches {
         order.shuffle(&mut rng);
         Self {
             ids,
+            examples: Vec::new(),
+            seq_len,
+            order,
+            cursor: 0,
+            rng,
+        }
+    }
+
+    /// Chat examples, each already `seq_len` inputs and targets.
+    fn chat(examples: Vec<(Vec<u32>, Vec<u32>)>, seq_len: usize, seed: u64) -> Self {
+        let mut rng = candle_offload_suite::rng(seed);
+        let mut order: Vec<usize> = (0..examples.len()).collect();
+        order.shuffle(&mut rng);
+        Self {
+            ids: Vec::new(),
+            examples,
             seq_len,
             order,
             cursor: 0,
@@ -166,8 +186,14 @@ impl Batches {
                 self.order.shuffle(&mut self.rng);
                 self.cursor = 0;
             }
-            let start = self.order[self.cursor] * s;
+            let at = self.order[self.cursor];
             self.cursor += 1;
+            if let Some((i, t)) = self.examples.get(at) {
+                inputs.extend_from_slice(i);
+                targets.extend_from_slice(t);
+                continue;
+            }
+            let start = at * s;
             let w = &self.ids[start..start + s + 1];
             inputs.extend_from_slice(&w[..s]);
             targets.extend_from_slice(&w[1..]);
@@ -349,6 +375,106 @@ fn lora_trainer(
     )?)
 }
 
+/// Batches of windows of `text`'s tokens.
+fn text_batches(
+    text: &str,
+    data_name: &str,
+    tokenizer: &candle_offload_models::Tokenizer,
+    seq_len: usize,
+    seed: u64,
+    t0: Instant,
+) -> Result<Batches> {
+    let ids = tokenizer
+        .encode(text, false)
+        .map_err(|e| anyhow!("--data {data_name}: cannot tokenize: {e}"))?;
+    if ids.len() < seq_len + 1 {
+        bail!(
+            "--data {data_name}: has {} tokens; --seq-len {} needs at least {} (one window of \
+             inputs plus the next-token target): give more text or lower --seq-len",
+            ids.len(),
+            seq_len,
+            seq_len + 1
+        );
+    }
+    let n_tokens = ids.len();
+    let batches = Batches::new(ids, seq_len, seed);
+    eprintln!(
+        "data: {data_name}: {n_tokens} tokens, {} windows of {}+1, tokenized in {:.2} s",
+        batches.windows(),
+        seq_len,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(batches)
+}
+
+/// Chat JSONL (`{"messages": [{"role": .., "content": ..}, ..]}` a line) as training
+/// examples: each conversation rendered with the model's chat template, tokenized piece by
+/// piece, cut or padded to `seq_len + 1` tokens; only the assistants' tokens are targets.
+fn chat_examples(
+    text: &str,
+    data_name: &str,
+    template: &candle_offload_models::ChatTemplate,
+    tokenizer: &candle_offload_models::Tokenizer,
+    seq_len: usize,
+) -> Result<Vec<(Vec<u32>, Vec<u32>)>> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("--data {data_name}: line {}", n + 1);
+        let v: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{}: not JSON", at()))?;
+        let msgs = v["messages"]
+            .as_array()
+            .ok_or_else(|| anyhow!("{}: no \"messages\" list", at()))?;
+        let mut messages = Vec::new();
+        for (i, m) in msgs.iter().enumerate() {
+            let (Some(role), Some(content)) = (m["role"].as_str(), m["content"].as_str()) else {
+                bail!(
+                    "{}: messages[{i}] needs string \"role\" and \"content\"",
+                    at()
+                );
+            };
+            messages.push((role.to_string(), content.to_string()));
+        }
+        if !messages.iter().any(|(r, _)| r == "assistant") {
+            bail!("{}: no assistant message to train on", at());
+        }
+        let mut ids = Vec::new();
+        let mut trained = Vec::new();
+        for (piece, train) in template.training_pieces(&messages).with_context(at)? {
+            let t = tokenizer
+                .encode(piece.as_str(), false)
+                .map_err(|e| anyhow!("{}: cannot tokenize: {e}", at()))?;
+            trained.extend(std::iter::repeat_n(train, t.len()));
+            ids.extend(t);
+        }
+        ids.truncate(seq_len + 1);
+        trained.truncate(seq_len + 1);
+        let mut inputs: Vec<u32> = ids[..ids.len() - 1].to_vec();
+        let mut targets: Vec<u32> = ids[1..]
+            .iter()
+            .zip(&trained[1..])
+            .map(|(&id, &t)| if t { id } else { IGNORE_TARGET })
+            .collect();
+        inputs.resize(seq_len, 0);
+        targets.resize(seq_len, IGNORE_TARGET);
+        if targets.iter().all(|&t| t == IGNORE_TARGET) {
+            eprintln!(
+                "{}: no assistant token within --seq-len {seq_len}; skipped",
+                at()
+            );
+            continue;
+        }
+        out.push((inputs, targets));
+    }
+    if out.is_empty() {
+        bail!("--data {data_name}: no conversation to train on");
+    }
+    Ok(out)
+}
+
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
@@ -426,26 +552,37 @@ fn run(args: Args) -> Result<()> {
     // The data.
     let t0 = Instant::now();
     let tokenizer = loader::load_tokenizer(&files)?;
-    let ids = tokenizer
-        .encode(text.as_str(), false)
-        .map_err(|e| anyhow!("--data {data_name}: cannot tokenize: {e}"))?;
-    if ids.len() < args.seq_len + 1 {
-        bail!(
-            "--data {data_name}: has {} tokens; --seq-len {} needs at least {} (one window of \
-             inputs plus the next-token target): give more text or lower --seq-len",
-            ids.len(),
-            args.seq_len,
-            args.seq_len + 1
+    let is_jsonl = args
+        .data
+        .as_deref()
+        .and_then(Path::extension)
+        .is_some_and(|e| e == "jsonl");
+    let mut batches = if is_jsonl {
+        let template = files.chat_template.clone().ok_or_else(|| {
+            anyhow!(
+                "--data {data_name}: chat data needs the model's chat template, and it has none"
+            )
+        })?;
+        let template = candle_offload_models::ChatTemplate::new(
+            template,
+            files.special_tokens.bos.clone(),
+            files.special_tokens.eos.clone(),
         );
-    }
-    let n_tokens = ids.len();
-    let mut batches = Batches::new(ids, args.seq_len, args.seed);
-    eprintln!(
-        "data: {data_name}: {n_tokens} tokens, {} windows of {}+1, tokenized in {:.2} s",
-        batches.windows(),
-        args.seq_len,
-        t0.elapsed().as_secs_f64()
-    );
+        let examples = chat_examples(&text, &data_name, &template, &tokenizer, args.seq_len)?;
+        let trained: usize = examples
+            .iter()
+            .map(|(_, t)| t.iter().filter(|&&x| x != IGNORE_TARGET).count())
+            .sum();
+        eprintln!(
+            "data: {data_name}: {} conversations, {trained} trained tokens (the prompts' \
+             masked), in {:.2} s",
+            examples.len(),
+            t0.elapsed().as_secs_f64()
+        );
+        Batches::chat(examples, args.seq_len, args.seed)
+    } else {
+        text_batches(&text, &data_name, &tokenizer, args.seq_len, args.seed, t0)?
+    };
 
     // The trainer.
     let segments =

@@ -23,6 +23,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
+CHATML = (
+    "{% for message in messages %}{{'<' + message['role'] + '>' + message['content'] + '|'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}"
+)
+
+
 def ids():
     g = torch.Generator().manual_seed(7)
     return torch.randint(0, 96, (2, 12), generator=g)
@@ -88,12 +94,13 @@ def make(out: Path):
     save_file(saved, str(out / "logits.safetensors"))
     # Keep only what the tests read (config.json, the weights, the tokenizer).
     for p in (out / "base").iterdir():
-        if p.name not in ("config.json", "model.safetensors", "tokenizer.json"):
+        if p.name not in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
             p.unlink()
     for p in (out / "adapter").iterdir():
         if p.name not in ("adapter_config.json", "adapter_model.safetensors"):
             p.unlink()
     write_tokenizer(out / "base" / "tokenizer.json")
+    (out / "base" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}, indent=2))
     print(json.dumps({"out": str(out), "logits": list(logits.shape)}))
 
 

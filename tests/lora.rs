@@ -476,3 +476,58 @@ fn lora_flops_leave_out_the_bases_weight_gradients() -> anyhow::Result<()> {
     assert_eq!(adapters.forward_flops_per_token(), want as u64);
     Ok(())
 }
+
+/// Ignored targets ([`IGNORE_TARGET`]: a chat prompt's tokens) add nothing: with the targets
+/// after position k ignored, the loss and the gradients are those of the sequences cut at k
+/// (the model is causal), for LoRA and for full training (whose head has a hand-written
+/// backward pass).
+#[test]
+fn ignored_targets_give_the_cut_sequences_loss_and_gradients() -> anyhow::Result<()> {
+    use candle_offload_models::{Trainer, IGNORE_TARGET};
+    let files = loader::from_dir(&fixtures().join("base"))?;
+    let (inputs, targets) = batch()?;
+    let k = 6;
+    let ignored = Tensor::cat(
+        &[
+            targets.narrow(1, 0, k)?,
+            Tensor::full(IGNORE_TARGET, (2, 11 - k), &Device::Cpu)?,
+        ],
+        1,
+    )?;
+    let (cut_in, cut_tg) = (inputs.narrow(1, 0, k)?, targets.narrow(1, 0, k)?);
+    let check = |t: &mut Trainer| -> anyhow::Result<()> {
+        let (la, ga) = t.loss_and_grads(&inputs, &ignored)?;
+        let (lb, gb) = t.loss_and_grads(&cut_in, &cut_tg)?;
+        assert!((la - lb).abs() <= 1e-5 * lb.abs(), "loss {la} vs {lb}");
+        assert_eq!(ga.len(), gb.len());
+        for (k, g) in &ga {
+            let rel = rel_l2(g, &gb[k])?;
+            assert!(rel < 1e-4, "{k}: rel L2 {rel}");
+        }
+        Ok(())
+    };
+    let store = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
+    let adapter = peft::load(&fixtures().join("adapter"), &files.config, &Device::Cpu)?;
+    check(&mut Trainer::lora(
+        files.config.clone(),
+        store,
+        adapter,
+        &Device::Cpu,
+        &train_settings(1),
+    )?)?;
+    let tensors =
+        candle_core::safetensors::load(fixtures().join("base/model.safetensors"), &Device::Cpu)?;
+    let mut full = Trainer::new(
+        files.config.clone(),
+        tensors.into_iter().collect(),
+        &Device::Cpu,
+        &train_settings(0),
+        Path::new("base"),
+    )?;
+    check(&mut full)?;
+    assert!(
+        full.hand_backward_gradients() > 0,
+        "the head's hand-written backward did not run"
+    );
+    Ok(())
+}

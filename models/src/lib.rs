@@ -67,4 +67,4 @@ pub use layers::{Cache, KvCache};
 pub use llama::Llama;
 pub use loader::{ModelFiles, Weights};
 pub use tokenizer::Tokenizer;
-pub use train::{PhaseObserver, StepReport, TrainPhase, TrainSettings, Trainer};
+pub use train::{PhaseObserver, StepReport, TrainPhase, TrainSettings, Trainer, IGNORE_TARGET};

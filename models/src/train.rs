@@ -116,7 +116,7 @@ pub struct StepReport {
     pub loss: f32,
     /// Applied, or skipped by the loss scaler.
     pub outcome: candle_offload::train::StepOutcome,
-    /// Target tokens in the batch.
+    /// Target tokens in the batch that count (not [`IGNORE_TARGET`]).
     pub tokens: usize,
 }
 
@@ -263,7 +263,14 @@ impl Core {
     }
 
     /// Summed cross-entropy of `xs` (tokens, hidden) against `targets` (tokens).
-    fn head_loss_sum(&self, xs: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    /// `mask` (tokens, F32 0 or 1): which targets count (`None`: all); an ignored target's id
+    /// must be a valid one (it is multiplied by 0).
+    fn head_loss_sum(
+        &self,
+        xs: &Tensor,
+        targets: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let _span = tracing::trace_span!("train.head_loss").entered();
         let (v, h) = (self.cfg.vocab_size, self.cfg.hidden_size);
         let norm = self.family.final_norm(
@@ -280,7 +287,7 @@ impl Core {
             self.family.finishes_logits(&self.cfg),
         ) {
             if self.fused && nw.dtype() == xs.dtype() && xs.rank() == 2 {
-                return self.head_loss_by_hand(xs, targets, (nw, eps), &w, sink);
+                return self.head_loss_by_hand(xs, targets, mask, (nw, eps), &w, sink);
             }
         }
         let xs = norm
@@ -295,10 +302,15 @@ impl Core {
             self.family
                 .finish_logits(&self.cfg, logits.to_dtype(DType::F32)?)?
         };
-        if self.fused {
-            return loss::cross_entropy(&logits, targets)?.sum_all();
+        let rows = if self.fused {
+            loss::cross_entropy(&logits, targets)?
+        } else {
+            loss::cross_entropy_composite(&logits, targets)?
+        };
+        match mask {
+            Some(m) => (rows * m)?.sum_all(),
+            None => rows.sum_all(),
         }
-        loss::cross_entropy_composite(&logits, targets)?.sum_all()
     }
 
     /// [`head_loss_sum`](Self::head_loss_sum) as one graph node with its backward pass by
@@ -309,6 +321,7 @@ impl Core {
         &self,
         xs: &Tensor,
         targets: &Tensor,
+        mask: Option<&Tensor>,
         (norm_w, eps): (&Tensor, f64),
         w: &Tensor,
         sink: WeightGradSink,
@@ -318,12 +331,17 @@ impl Core {
         let (x, nw, wd) = (xs.detach(), norm_w.detach(), w.detach());
         let hc = norm::rms_norm(&x, &nw, eps)?.to_dtype(cd)?;
         let logits = hc.matmul(&wd.t()?)?;
-        let loss = loss::cross_entropy(&logits, targets)?.sum_all()?;
+        let rows = loss::cross_entropy(&logits, targets)?;
+        let loss = match mask {
+            Some(m) => (rows * m)?.sum_all()?,
+            None => rows.sum_all()?,
+        };
         if !xs.track_op() {
             return Ok(loss);
         }
         let saved = Mutex::new(Some((x, hc, logits)));
         let (targets, served_w, served_nw) = (targets.clone(), w.clone(), norm_w.clone());
+        let mask = mask.cloned();
         candle_offload::train::grad::with_gradient(xs, loss, move |dloss| {
             let (x, hc, logits) = saved
                 .lock()
@@ -331,10 +349,11 @@ impl Core {
                 .take()
                 .ok_or_else(|| candle_core::Error::Msg("head backward ran twice".into()))?;
             let rows = logits.dim(0)?;
-            let dy = dloss
-                .to_dtype(DType::F32)?
-                .broadcast_as(rows)?
-                .contiguous()?;
+            let dy = dloss.to_dtype(DType::F32)?.broadcast_as(rows)?;
+            let dy = match &mask {
+                Some(m) => (dy * m)?,
+                None => dy.contiguous()?,
+            };
             let dlogits = loss::cross_entropy_backward(&logits, &targets, &dy)?;
             drop(logits);
             sink(&served_w, dlogits.t()?.matmul(&hc)?)?;
@@ -418,6 +437,24 @@ impl std::fmt::Debug for Trainer {
 
 /// Attention head groups for `batch` sequences of `seq` tokens: 1 when every head's F32
 /// scores fit in 64 MiB together, otherwise enough groups that each group's do.
+/// A target id that is not trained on (a prompt's token under chat data, padding): its
+/// position adds nothing to the loss, and the mean is over the other targets.
+pub const IGNORE_TARGET: u32 = u32::MAX;
+
+/// `targets` (tokens, U32) with [`IGNORE_TARGET`]s replaced by 0, the F32 mask of the others
+/// (`None` when none is ignored) and how many count.
+fn masked_targets(targets: &Tensor) -> Result<(Tensor, Option<Tensor>, usize)> {
+    let n = targets.elem_count();
+    let ignore = Tensor::full(IGNORE_TARGET, n, targets.device())?;
+    let valid = targets.ne(&ignore)?;
+    let counted = valid.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as usize;
+    if counted == n {
+        return Ok((targets.clone(), None, n));
+    }
+    let safe = valid.where_cond(targets, &targets.zeros_like()?)?;
+    Ok((safe, Some(valid.to_dtype(DType::F32)?), counted))
+}
+
 fn head_chunks_for(cfg: &Config, batch: usize, seq: usize) -> usize {
     let per_head = (batch * seq * seq * 4) as u64;
     let all = per_head * cfg.num_attention_heads as u64;
@@ -880,25 +917,30 @@ impl Trainer {
         let n = b * t;
         let xs = xs.reshape((n, h))?;
         let targets = targets.flatten_all()?.to_dtype(DType::U32)?;
+        let (targets, mask, counted) = masked_targets(&targets)?;
+        if counted == 0 {
+            candle_core::bail!("every target of the batch is ignored (IGNORE_TARGET)");
+        }
         let chunk = core.loss_chunk.clamp(1, n);
         let total = if chunk >= n {
-            core.head_loss_sum(&xs, &targets)?
+            core.head_loss_sum(&xs, &targets, mask.as_ref())?
         } else {
             let mut parts = Vec::new();
             for start in (0..n).step_by(chunk) {
                 let len = chunk.min(n - start);
                 let (core, tg) = (core.clone(), targets.narrow(0, start, len)?);
+                let m = mask.as_ref().map(|m| m.narrow(0, start, len)).transpose()?;
                 parts.push(ck.checkpoint(
                     move |x| {
                         core.release_held()?;
-                        core.head_loss_sum(x, &tg)
+                        core.head_loss_sum(x, &tg, m.as_ref())
                     },
                     &xs.narrow(0, start, len)?,
                 )?);
             }
             Tensor::stack(&parts, 0)?.sum_all()?
         };
-        total / n as f64
+        total / counted as f64
     }
 
     /// How many weight gradients the last backward pass computed by hand
@@ -1063,7 +1105,7 @@ impl Trainer {
         Ok(StepReport {
             loss,
             outcome,
-            tokens: targets.elem_count(),
+            tokens: masked_targets(&targets.flatten_all()?.to_dtype(DType::U32)?)?.2,
         })
     }
 
