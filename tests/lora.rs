@@ -531,3 +531,22 @@ fn ignored_targets_give_the_cut_sequences_loss_and_gradients() -> anyhow::Result
     );
     Ok(())
 }
+
+/// LoRA reserves no room for the base's weight gradients: less than full training, by one
+/// checkpointed segment's weights twice.
+#[test]
+fn lora_reserves_no_base_weight_gradients() -> anyhow::Result<()> {
+    let files = loader::from_dir(&fixtures().join("base"))?;
+    let cfg = &files.config;
+    let full = cfg.train_reserve_bytes(2, 12, 2, DType::F32);
+    let lora = cfg.lora_train_reserve_bytes(2, 12, 2, DType::F32);
+    let (h, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+    let (nh, kv, hd) = (
+        cfg.num_attention_heads as u64,
+        cfg.num_key_value_heads as u64,
+        cfg.head_dim as u64,
+    );
+    let layer = (2 * h * nh * hd + 2 * h * kv * hd + 3 * h * i) * 4;
+    assert_eq!(full - lora, 2 * layer);
+    Ok(())
+}

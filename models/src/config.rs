@@ -203,6 +203,29 @@ impl Config {
         segments: usize,
         compute: candle_core::DType,
     ) -> u64 {
+        self.reserve_for_training(batch, seq_len, segments, compute, true)
+    }
+
+    /// [`train_reserve_bytes`](Self::train_reserve_bytes) of LoRA on a frozen base: the same
+    /// without the base's weight gradients (the adapters' are negligible beside it).
+    pub fn lora_train_reserve_bytes(
+        &self,
+        batch: usize,
+        seq_len: usize,
+        segments: usize,
+        compute: candle_core::DType,
+    ) -> u64 {
+        self.reserve_for_training(batch, seq_len, segments, compute, false)
+    }
+
+    fn reserve_for_training(
+        &self,
+        batch: usize,
+        seq_len: usize,
+        segments: usize,
+        compute: candle_core::DType,
+        weight_grads: bool,
+    ) -> u64 {
         let c = compute.size_in_bytes() as u64;
         let tokens = (batch * seq_len) as u64;
         let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
@@ -222,7 +245,11 @@ impl Config {
         let per_layer = tokens * (12 * h * 4 + (3 * nh * hd + 4 * kv * hd + 2 * h) * c + 4 * i * c);
         let scores = 4 * (64u64 << 20);
         let logits = 5 * (128u64 << 20);
-        let layer_weights = (2 * h * nh * hd + 2 * h * kv * hd + 3 * h * i) * c;
+        let layer_weights = if weight_grads {
+            (2 * h * nh * hd + 2 * h * kv * hd + 3 * h * i) * c
+        } else {
+            0
+        };
         boundaries
             + 2 * seg_len * per_layer
             + scores

@@ -737,7 +737,7 @@ impl Trainer {
             device,
             &OffloadConfig {
                 gpu_memory_limit: settings.gpu_memory_limit,
-                reserve_bytes: cfg.train_reserve_bytes(
+                reserve_bytes: cfg.lora_train_reserve_bytes(
                     settings.batch_size,
                     settings.seq_len,
                     settings.checkpoint_segments,
