@@ -77,6 +77,7 @@ fn peft_adapter_gives_peft_logits() -> anyhow::Result<()> {
     let (ids, want) = reference()?;
     let got = logits(&model(&files, Some(Arc::new(adapters)))?, &ids)?;
     let rel = rel_l2(&got, &want)?;
+    eprintln!("peft_roundtrip_rel_l2 (PEFT's adapter here): {rel:.3e}");
     assert!(rel <= 1e-5, "rel L2 {rel} against PEFT's logits");
     // Without the adapter the logits are far from PEFT's: the comparison can fail.
     let base = logits(&model(&files, None)?, &ids)?;
@@ -446,6 +447,7 @@ fn lora_gradients_equal_peft_gradients() -> anyhow::Result<()> {
             .ok_or_else(|| anyhow::anyhow!("PEFT has no gradient {k}"))?;
         worst = worst.max(rel_l2(g, theirs)?);
     }
+    eprintln!("adapter gradients against PEFT's: max rel L2 {worst:.3e}");
     assert!(
         worst <= 1e-4,
         "adapter gradients differ from PEFT's by rel L2 {worst}"
