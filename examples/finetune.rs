@@ -113,7 +113,8 @@ struct Args {
     /// `q,k,v,o,gate,up,down` (and `qkv`, `gate_up`, `all`). Default: every projection.
     #[arg(long, value_delimiter = ',', requires = "lora")]
     lora_targets: Option<Vec<String>>,
-    /// Start from this saved adapter (PEFT's files) instead of a fresh one.
+    /// Start from this saved adapter (PEFT's files) instead of a fresh one, and from the AdamW
+    /// state saved beside it where there is one.
     #[arg(long, value_name = "DIR", requires = "lora")]
     lora_resume: Option<PathBuf>,
     /// With --lora: quantize the base on load to this GGML type (QLoRA), its blocks kept as
@@ -615,6 +616,14 @@ fn run(args: Args) -> Result<()> {
     } else {
         Trainer::from_files(&files, &device, &settings)?
     };
+    if let Some(dir) = &args.lora_resume {
+        if trainer.load_optimizer(dir)? {
+            eprintln!(
+                "resumed AdamW's state from {}",
+                dir.join(candle_offload_models::OPTIMIZER_FILE).display()
+            );
+        }
+    }
     eprintln!(
         "trainer: {:.1} M parameters, autocast {precision}, {} checkpoint segments, {}, \
          built in {:.1} s",

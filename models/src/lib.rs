@@ -67,4 +67,6 @@ pub use layers::{Cache, KvCache};
 pub use llama::Llama;
 pub use loader::{ModelFiles, Weights};
 pub use tokenizer::Tokenizer;
-pub use train::{PhaseObserver, StepReport, TrainPhase, TrainSettings, Trainer, IGNORE_TARGET};
+pub use train::{
+    PhaseObserver, StepReport, TrainPhase, TrainSettings, Trainer, IGNORE_TARGET, OPTIMIZER_FILE,
+};

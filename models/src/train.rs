@@ -437,6 +437,9 @@ impl std::fmt::Debug for Trainer {
 
 /// Attention head groups for `batch` sequences of `seq` tokens: 1 when every head's F32
 /// scores fit in 64 MiB together, otherwise enough groups that each group's do.
+/// The file of AdamW's state beside a saved adapter ([`Trainer::save_adapter`]).
+pub const OPTIMIZER_FILE: &str = "optimizer_state.safetensors";
+
 /// A target id that is not trained on (a prompt's token under chat data, padding): its
 /// position adds nothing to the loss, and the mean is over the other targets.
 pub const IGNORE_TARGET: u32 = u32::MAX;
@@ -815,16 +818,101 @@ impl Trainer {
         self.core.adapters.as_ref()
     }
 
-    /// Writes the LoRA adapters in PEFT's format into `dir` (F32). The optimizer's state is
-    /// not written: a run resumed from the adapter starts AdamW's moments afresh.
+    /// Writes the LoRA adapters in PEFT's format into `dir` (F32), and beside them AdamW's
+    /// state ([`OPTIMIZER_FILE`]: the step count and each adapter's moments; not with the
+    /// unfused optimizer), which [`load_optimizer`](Self::load_optimizer) reads to resume.
     pub fn save_adapter(&self, dir: &std::path::Path) -> std::result::Result<(), ModelError> {
-        match &self.core.adapters {
-            Some(a) => crate::lora::peft::save(a, dir, DType::F32),
-            None => Err(ModelError::Config {
+        let Some(a) = &self.core.adapters else {
+            return Err(ModelError::Config {
                 path: dir.into(),
                 field: "lora".into(),
                 reason: "this trainer trains every weight, not LoRA adapters".into(),
-            }),
+            });
+        };
+        crate::lora::peft::save(a, dir, DType::F32)?;
+        if let Adam::Device(_) = self.opt {
+            // candle-nn's AdamW keeps its state private: the adapter alone.
+            return Ok(());
+        }
+        let path = dir.join(OPTIMIZER_FILE);
+        let (step, moments) = self.moments().map_err(|e| ModelError::file(&path, e))?;
+        let mut tensors = HashMap::new();
+        tensors.insert(
+            "step".to_string(),
+            Tensor::new(&[step as i64], &Device::Cpu)?,
+        );
+        for ((name, var), (m, v)) in self.names.iter().zip(&self.vars).zip(moments) {
+            tensors.insert(
+                format!("m.{name}"),
+                Tensor::from_vec(m, var.shape(), &Device::Cpu)?,
+            );
+            tensors.insert(
+                format!("v.{name}"),
+                Tensor::from_vec(v, var.shape(), &Device::Cpu)?,
+            );
+        }
+        candle_core::safetensors::save(&tensors, &path).map_err(|e| ModelError::file(&path, e))
+    }
+
+    /// Resumes AdamW's state from `dir`'s [`OPTIMIZER_FILE`] (written by
+    /// [`save_adapter`](Self::save_adapter) for the same adapters); `false` when there is none.
+    pub fn load_optimizer(
+        &mut self,
+        dir: &std::path::Path,
+    ) -> std::result::Result<bool, ModelError> {
+        let path = dir.join(OPTIMIZER_FILE);
+        if !path.exists() {
+            return Ok(false);
+        }
+        let t = candle_core::safetensors::load(&path, &Device::Cpu)
+            .map_err(|e| ModelError::file(&path, e))?;
+        let bad = |tensor: &str, reason: &str| ModelError::Tensor {
+            path: path.clone(),
+            tensor: tensor.into(),
+            reason: reason.into(),
+        };
+        let step = t
+            .get("step")
+            .ok_or_else(|| bad("step", "missing"))?
+            .flatten_all()?
+            .to_vec1::<i64>()?
+            .first()
+            .copied()
+            .ok_or_else(|| bad("step", "empty"))?;
+        let mut moments = Vec::with_capacity(self.vars.len());
+        for (name, var) in self.names.iter().zip(&self.vars) {
+            let get = |k: String| -> std::result::Result<Vec<f32>, ModelError> {
+                let x = t.get(&k).ok_or_else(|| bad(&k, "missing"))?;
+                if x.dims() != var.dims() {
+                    return Err(bad(&k, "has another shape than the adapter's weight"));
+                }
+                Ok(x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+            };
+            moments.push((get(format!("m.{name}"))?, get(format!("v.{name}"))?));
+        }
+        let step = usize::try_from(step).map_err(|_| bad("step", "negative"))?;
+        match &mut self.opt {
+            Adam::Fused(o) => o.set_moments(step, moments)?,
+            Adam::Host(o) => o.set_moments(step, moments)?,
+            Adam::Device(_) => {
+                return Err(bad(
+                    "step",
+                    "candle-nn's AdamW (the unfused optimizer) cannot resume",
+                ))
+            }
+        }
+        Ok(true)
+    }
+
+    fn moments(&self) -> Result<(usize, candle_offload::kernels::optimizer::Moments)> {
+        match &self.opt {
+            Adam::Fused(o) => o.moments(),
+            Adam::Host(o) => Ok(o.moments()),
+            Adam::Device(_) => {
+                candle_core::bail!(
+                    "candle-nn's AdamW (the unfused optimizer) keeps its state private"
+                )
+            }
         }
     }
 

@@ -195,7 +195,8 @@ pub struct Adapters {
 }
 
 impl Adapters {
-    /// Adapters of `a` and `b` by module path, in F32 on `device`, scaled as `config` says.
+    /// Adapters of `a` and `b` by module path, in F32 on `device`, scaled as `config` says;
+    /// new variables (copies), whatever `a` and `b` are.
     pub fn from_tensors(
         config: LoraConfig,
         tensors: BTreeMap<String, (Tensor, Tensor)>,
@@ -203,8 +204,9 @@ impl Adapters {
     ) -> Result<Self> {
         let mut modules = BTreeMap::new();
         for (path, (a, b)) in tensors {
-            let a = Var::from_tensor(&a.to_dtype(DType::F32)?.to_device(device)?)?;
-            let b = Var::from_tensor(&b.to_dtype(DType::F32)?.to_device(device)?)?;
+            // Detached first: a variable given here is copied, never shared with the caller's.
+            let a = Var::from_tensor(&a.detach().to_dtype(DType::F32)?.to_device(device)?)?;
+            let b = Var::from_tensor(&b.detach().to_dtype(DType::F32)?.to_device(device)?)?;
             let adapter = Arc::new(LoraAdapter::new(
                 a.as_tensor().clone(),
                 b.as_tensor().clone(),
