@@ -23,7 +23,7 @@ use candle_nn::ParamsAdamW;
 use candle_offload::diag::{self, PeakMemorySampler};
 use candle_offload::{MemoryLimit, Precision};
 use candle_offload_models::loader::{self, ModelFiles, Weights};
-use candle_offload_models::{TrainSettings, Trainer};
+use candle_offload_models::{TrainSettings, Trainer, IGNORE_TARGET};
 use candle_offload_suite::flags;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -39,7 +39,9 @@ const SAMPLE_NAME: &str = "examples/data/sample.txt (bundled)";
 struct Args {
     #[command(flatten)]
     model: candle_offload_suite::ModelArgs,
-    /// UTF-8 text to train on. Default: the bundled sample, examples/data/sample.txt.
+    /// UTF-8 text to train on, or chat JSONL (a `.jsonl` file of `{"messages": [{"role": ..,
+    /// "content": ..}, ..]}` lines), rendered with the model's chat template, the loss only on
+    /// the assistants' tokens. Default: the bundled sample, examples/data/sample.txt.
     #[arg(long)]
     data: Option<PathBuf>,
     /// Optimizer steps (1 or more).
@@ -93,6 +95,32 @@ struct Args {
     /// Write the per-step losses (with the run's settings, commit and machine) to this JSON.
     #[arg(long)]
     losses_json: Option<PathBuf>,
+    /// Train LoRA adapters on the frozen base instead of every weight; the adapter is saved in
+    /// PEFT's format (`adapter_config.json`, `adapter_model.safetensors`) to --output. The base
+    /// is served under --gpu-memory-limit (resident where it fits, streamed otherwise).
+    #[arg(long)]
+    lora: bool,
+    /// LoRA rank.
+    #[arg(long, default_value_t = 8, requires = "lora", value_parser = flags::at_least_one)]
+    lora_rank: usize,
+    /// LoRA alpha (the update is scaled by alpha / rank).
+    #[arg(long, default_value_t = 16.0, requires = "lora", value_parser = flags::positive)]
+    lora_alpha: f64,
+    /// Dropout on the adapters' input.
+    #[arg(long, default_value_t = 0.0, requires = "lora", value_parser = flags::dropout)]
+    lora_dropout: f64,
+    /// Modules to adapt, comma-separated: HF module names (`q_proj`, `qkv_proj`) or the short
+    /// `q,k,v,o,gate,up,down` (and `qkv`, `gate_up`, `all`). Default: every projection.
+    #[arg(long, value_delimiter = ',', requires = "lora")]
+    lora_targets: Option<Vec<String>>,
+    /// Start from this saved adapter (PEFT's files) instead of a fresh one, and from the AdamW
+    /// state saved beside it where there is one.
+    #[arg(long, value_name = "DIR", requires = "lora")]
+    lora_resume: Option<PathBuf>,
+    /// With --lora: quantize the base on load to this GGML type (QLoRA), its blocks kept as
+    /// blocks; a GGUF base keeps its own blocks without it.
+    #[arg(long, value_name = "TYPE", requires = "lora")]
+    quantize: Option<String>,
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
@@ -104,9 +132,11 @@ struct Args {
     verbose: u8,
 }
 
-/// Windows of `seq_len + 1` tokens, served in batches in a seeded order.
+/// Windows of `seq_len + 1` tokens, or chat examples (inputs and targets of `seq_len`
+/// tokens each, the untrained targets [`IGNORE_TARGET`]), served in batches in a seeded order.
 struct Batches {
     ids: Vec<u32>,
+    examples: Vec<(Vec<u32>, Vec<u32>)>,
     seq_len: usize,
     order: Vec<usize>,
     cursor: usize,
@@ -121,6 +151,22 @@ impl Batches {
         order.shuffle(&mut rng);
         Self {
             ids,
+            examples: Vec::new(),
+            seq_len,
+            order,
+            cursor: 0,
+            rng,
+        }
+    }
+
+    /// Chat examples, each already `seq_len` inputs and targets.
+    fn chat(examples: Vec<(Vec<u32>, Vec<u32>)>, seq_len: usize, seed: u64) -> Self {
+        let mut rng = candle_offload_suite::rng(seed);
+        let mut order: Vec<usize> = (0..examples.len()).collect();
+        order.shuffle(&mut rng);
+        Self {
+            ids: Vec::new(),
+            examples,
             seq_len,
             order,
             cursor: 0,
@@ -141,8 +187,14 @@ impl Batches {
                 self.order.shuffle(&mut self.rng);
                 self.cursor = 0;
             }
-            let start = self.order[self.cursor] * s;
+            let at = self.order[self.cursor];
             self.cursor += 1;
+            if let Some((i, t)) = self.examples.get(at) {
+                inputs.extend_from_slice(i);
+                targets.extend_from_slice(t);
+                continue;
+            }
+            let start = at * s;
             let w = &self.ids[start..start + s + 1];
             inputs.extend_from_slice(&w[..s]);
             targets.extend_from_slice(&w[1..]);
@@ -255,6 +307,175 @@ fn save(
     write_json("tokenizer_config.json", &tc)
 }
 
+/// The LoRA trainer of `--lora`: the base loaded with its blocks kept (or quantized on load
+/// with `--quantize`), dense weights in the compute dtype, and a fresh adapter (or
+/// `--lora-resume`'s).
+fn lora_trainer(
+    args: &Args,
+    files: &ModelFiles,
+    device: &Device,
+    settings: &TrainSettings,
+) -> Result<Trainer> {
+    use candle_offload_models::lora::{self, Adapters, LoraConfig};
+    use candle_offload_models::quantize;
+    let store_cfg = candle_offload::StoreConfig {
+        dtype: Some(candle_offload::Autocast::new(settings.precision).compute_dtype()),
+        ..Default::default()
+    };
+    let store = match &args.quantize {
+        Some(name) => {
+            let ty = quantize::parse_type(name)
+                .ok_or_else(|| anyhow!("--quantize {name}: not a quantize type"))?;
+            quantize::load_store_config(files, ty, &store_cfg, device, &Default::default())?.0
+        }
+        None => loader::load_store_config(files, &store_cfg, device, true)?,
+    };
+    let adapters = match &args.lora_resume {
+        Some(dir) => lora::peft::load(dir, &files.config, device)?,
+        None => {
+            let target_modules = match &args.lora_targets {
+                None => lora::DEFAULT_TARGETS
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect(),
+                Some(list) => {
+                    let mut out = Vec::new();
+                    for t in list {
+                        match lora::target_alias(t).as_slice() {
+                            [] => out.push(t.clone()),
+                            names => out.extend(names.iter().map(|s| s.to_string())),
+                        }
+                    }
+                    out
+                }
+            };
+            let config = LoraConfig {
+                r: args.lora_rank,
+                alpha: args.lora_alpha,
+                dropout: args.lora_dropout as f32,
+                target_modules,
+                base_model_name_or_path: Some(files.origin.clone()),
+                ..Default::default()
+            };
+            Adapters::init(config, &files.config, device, args.seed)
+                .map_err(|e| anyhow!("--lora-targets: {e}"))?
+        }
+    };
+    eprintln!(
+        "LoRA: {} modules, {:.2} M adapter parameters, base {} GGML tensors",
+        adapters.modules().len(),
+        adapters.parameter_count() as f64 / 1e6,
+        store.ggml_tensor_count()
+    );
+    Ok(Trainer::lora(
+        files.config.clone(),
+        std::sync::Arc::new(store),
+        adapters,
+        device,
+        settings,
+    )?)
+}
+
+/// Batches of windows of `text`'s tokens.
+fn text_batches(
+    text: &str,
+    data_name: &str,
+    tokenizer: &candle_offload_models::Tokenizer,
+    seq_len: usize,
+    seed: u64,
+    t0: Instant,
+) -> Result<Batches> {
+    let ids = tokenizer
+        .encode(text, false)
+        .map_err(|e| anyhow!("--data {data_name}: cannot tokenize: {e}"))?;
+    if ids.len() < seq_len + 1 {
+        bail!(
+            "--data {data_name}: has {} tokens; --seq-len {} needs at least {} (one window of \
+             inputs plus the next-token target): give more text or lower --seq-len",
+            ids.len(),
+            seq_len,
+            seq_len + 1
+        );
+    }
+    let n_tokens = ids.len();
+    let batches = Batches::new(ids, seq_len, seed);
+    eprintln!(
+        "data: {data_name}: {n_tokens} tokens, {} windows of {}+1, tokenized in {:.2} s",
+        batches.windows(),
+        seq_len,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(batches)
+}
+
+/// Chat JSONL (`{"messages": [{"role": .., "content": ..}, ..]}` a line) as training
+/// examples: each conversation rendered with the model's chat template, tokenized piece by
+/// piece, cut or padded to `seq_len + 1` tokens; only the assistants' tokens are targets.
+fn chat_examples(
+    text: &str,
+    data_name: &str,
+    template: &candle_offload_models::ChatTemplate,
+    tokenizer: &candle_offload_models::Tokenizer,
+    seq_len: usize,
+) -> Result<Vec<(Vec<u32>, Vec<u32>)>> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("--data {data_name}: line {}", n + 1);
+        let v: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{}: not JSON", at()))?;
+        let msgs = v["messages"]
+            .as_array()
+            .ok_or_else(|| anyhow!("{}: no \"messages\" list", at()))?;
+        let mut messages = Vec::new();
+        for (i, m) in msgs.iter().enumerate() {
+            let (Some(role), Some(content)) = (m["role"].as_str(), m["content"].as_str()) else {
+                bail!(
+                    "{}: messages[{i}] needs string \"role\" and \"content\"",
+                    at()
+                );
+            };
+            messages.push((role.to_string(), content.to_string()));
+        }
+        if !messages.iter().any(|(r, _)| r == "assistant") {
+            bail!("{}: no assistant message to train on", at());
+        }
+        let mut ids = Vec::new();
+        let mut trained = Vec::new();
+        for (piece, train) in template.training_pieces(&messages).with_context(at)? {
+            let t = tokenizer
+                .encode(piece.as_str(), false)
+                .map_err(|e| anyhow!("{}: cannot tokenize: {e}", at()))?;
+            trained.extend(std::iter::repeat_n(train, t.len()));
+            ids.extend(t);
+        }
+        ids.truncate(seq_len + 1);
+        trained.truncate(seq_len + 1);
+        let mut inputs: Vec<u32> = ids[..ids.len() - 1].to_vec();
+        let mut targets: Vec<u32> = ids[1..]
+            .iter()
+            .zip(&trained[1..])
+            .map(|(&id, &t)| if t { id } else { IGNORE_TARGET })
+            .collect();
+        inputs.resize(seq_len, 0);
+        targets.resize(seq_len, IGNORE_TARGET);
+        if targets.iter().all(|&t| t == IGNORE_TARGET) {
+            eprintln!(
+                "{}: no assistant token within --seq-len {seq_len}; skipped",
+                at()
+            );
+            continue;
+        }
+        out.push((inputs, targets));
+    }
+    if out.is_empty() {
+        bail!("--data {data_name}: no conversation to train on");
+    }
+    Ok(out)
+}
+
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
     candle_offload_suite::init_tracing(args.verbose);
@@ -332,26 +553,37 @@ fn run(args: Args) -> Result<()> {
     // The data.
     let t0 = Instant::now();
     let tokenizer = loader::load_tokenizer(&files)?;
-    let ids = tokenizer
-        .encode(text.as_str(), false)
-        .map_err(|e| anyhow!("--data {data_name}: cannot tokenize: {e}"))?;
-    if ids.len() < args.seq_len + 1 {
-        bail!(
-            "--data {data_name}: has {} tokens; --seq-len {} needs at least {} (one window of \
-             inputs plus the next-token target): give more text or lower --seq-len",
-            ids.len(),
-            args.seq_len,
-            args.seq_len + 1
+    let is_jsonl = args
+        .data
+        .as_deref()
+        .and_then(Path::extension)
+        .is_some_and(|e| e == "jsonl");
+    let mut batches = if is_jsonl {
+        let template = files.chat_template.clone().ok_or_else(|| {
+            anyhow!(
+                "--data {data_name}: chat data needs the model's chat template, and it has none"
+            )
+        })?;
+        let template = candle_offload_models::ChatTemplate::new(
+            template,
+            files.special_tokens.bos.clone(),
+            files.special_tokens.eos.clone(),
         );
-    }
-    let n_tokens = ids.len();
-    let mut batches = Batches::new(ids, args.seq_len, args.seed);
-    eprintln!(
-        "data: {data_name}: {n_tokens} tokens, {} windows of {}+1, tokenized in {:.2} s",
-        batches.windows(),
-        args.seq_len,
-        t0.elapsed().as_secs_f64()
-    );
+        let examples = chat_examples(&text, &data_name, &template, &tokenizer, args.seq_len)?;
+        let trained: usize = examples
+            .iter()
+            .map(|(_, t)| t.iter().filter(|&&x| x != IGNORE_TARGET).count())
+            .sum();
+        eprintln!(
+            "data: {data_name}: {} conversations, {trained} trained tokens (the prompts' \
+             masked), in {:.2} s",
+            examples.len(),
+            t0.elapsed().as_secs_f64()
+        );
+        Batches::chat(examples, args.seq_len, args.seed)
+    } else {
+        text_batches(&text, &data_name, &tokenizer, args.seq_len, args.seed, t0)?
+    };
 
     // The trainer.
     let segments =
@@ -379,13 +611,27 @@ fn run(args: Args) -> Result<()> {
             .fitted_to_host(),
     };
     let t0 = Instant::now();
-    let mut trainer = Trainer::from_files(&files, &device, &settings)?;
+    let mut trainer = if args.lora {
+        lora_trainer(&args, &files, &device, &settings)?
+    } else {
+        Trainer::from_files(&files, &device, &settings)?
+    };
+    if let Some(dir) = &args.lora_resume {
+        if trainer.load_optimizer(dir)? {
+            eprintln!(
+                "resumed AdamW's state from {}",
+                dir.join(candle_offload_models::OPTIMIZER_FILE).display()
+            );
+        }
+    }
     eprintln!(
         "trainer: {:.1} M parameters, autocast {precision}, {} checkpoint segments, {}, \
          built in {:.1} s",
         trainer.parameter_count() as f64 / 1e6,
         segments,
-        if offload {
+        if args.lora {
+            "LoRA adapters on a frozen base"
+        } else if offload {
             "masters offloaded to host memory"
         } else {
             "masters on the device"
@@ -416,7 +662,10 @@ fn run(args: Args) -> Result<()> {
     );
     let log_every = (args.steps / 20).max(1);
     // MFU against the GPU's dense BF16 peak, where the table knows the GPU.
-    let flops_per_token = cfg.train_flops_per_token(args.seq_len);
+    let flops_per_token = match trainer.adapters() {
+        Some(a) => cfg.lora_train_flops_per_token(args.seq_len, a.forward_flops_per_token() as f64),
+        None => cfg.train_flops_per_token(args.seq_len),
+    };
     let peak_flops = candle_offload_suite::dense_bf16_peak_flops(&device);
     let mut losses = Vec::with_capacity(args.steps);
     let (mut ema, mut tokens, mut streamed) = (0f32, 0usize, 0u64);
@@ -480,7 +729,11 @@ fn run(args: Args) -> Result<()> {
     let t0 = Instant::now();
     std::fs::create_dir_all(&args.output)
         .map_err(|e| anyhow!("--output {}: cannot create: {e}", args.output.display()))?;
-    save(&args.output, &trainer, &files, &tokenizer, save_dtype)?;
+    if args.lora {
+        trainer.save_adapter(&args.output)?;
+    } else {
+        save(&args.output, &trainer, &files, &tokenizer, save_dtype)?;
+    }
     let save_s = t0.elapsed().as_secs_f64();
 
     // Summary.
@@ -526,13 +779,23 @@ fn run(args: Args) -> Result<()> {
             streamed as f64 / n as f64 / 1e9
         );
     }
-    println!(
-        "saved {} ({} weights, config.json, tokenizer.json, tokenizer_config.json) in {save_s:.1} s; \
-         try: cargo run --release --example generate -- --model {}",
-        args.output.display(),
-        dtype_name(save_dtype),
-        args.output.display()
-    );
+    if args.lora {
+        println!(
+            "saved the LoRA adapter to {} in {save_s:.1} s; try: cargo run --release --example \
+             generate -- --model {} --lora {}",
+            args.output.display(),
+            files.origin,
+            args.output.display()
+        );
+    } else {
+        println!(
+            "saved {} ({} weights, config.json, tokenizer.json, tokenizer_config.json) in \
+             {save_s:.1} s; try: cargo run --release --example generate -- --model {}",
+            args.output.display(),
+            dtype_name(save_dtype),
+            args.output.display()
+        );
+    }
     if let Some(path) = &args.losses_json {
         let record = serde_json::json!({
             "model": files.origin,
@@ -540,6 +803,13 @@ fn run(args: Args) -> Result<()> {
             "precision": precision.to_string(),
             "checkpoint_segments": segments,
             "offload": offload,
+            "lora": args.lora.then(|| serde_json::json!({
+                "rank": args.lora_rank,
+                "alpha": args.lora_alpha,
+                "targets": trainer.adapters().map(|a| a.config().target_modules.clone()),
+                "quantize": args.quantize,
+                "parameters": trainer.parameter_count(),
+            })),
             "steps": n,
             "batch_size": args.batch_size,
             "seq_len": args.seq_len,

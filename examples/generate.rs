@@ -95,6 +95,14 @@ struct Args {
     #[arg(long, value_name = "TYPE", conflicts_with_all = ["quantized", "dequantize"],
           value_parser = PossibleValuesParser::new(quantize::TYPES.map(|(n, _)| n)))]
     quantize: Option<String>,
+    /// A LoRA adapter directory (PEFT's `adapter_config.json` and `adapter_model.safetensors`),
+    /// run unmerged beside the frozen weights (dense or GGML blocks); no host layers then.
+    #[arg(long, value_name = "DIR")]
+    lora: Option<PathBuf>,
+    /// With `--lora`: fold the adapter into the weights before running (dense weights in their
+    /// dtype; GGML blocks dequantized, merged and quantized again, with the error that adds).
+    #[arg(long, requires = "lora")]
+    merge: bool,
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
@@ -376,6 +384,47 @@ fn run(args: Args) -> Result<()> {
             !args.dequantize,
         )?),
     };
+    let mut host_layers_choice = args.host_layers;
+    let mut adapters = None;
+    let store = match &args.lora {
+        None => store,
+        Some(dir) => {
+            let a = candle_offload_models::lora::peft::load(dir, &cfg, &device)?;
+            eprintln!(
+                "LoRA adapter {}: {} modules, {} parameters",
+                dir.display(),
+                a.modules().len(),
+                a.parameter_count()
+            );
+            if args.merge {
+                let t = std::time::Instant::now();
+                let merge_cfg = candle_offload::StoreConfig {
+                    grouping: cfg.layout().grouping(),
+                    ..store_cfg.clone()
+                };
+                let (merged, report) = candle_offload_models::lora::merge::merge_store(
+                    &store, &a, &merge_cfg, &device,
+                )?;
+                eprintln!(
+                    "merged in {:.1} s: {} dense weights, {} re-quantized (the largest error \
+                     re-quantizing added: rel L2 {:.3e})",
+                    t.elapsed().as_secs_f64(),
+                    report.dense,
+                    report.requantized.len(),
+                    report.max_requant_rel_l2()
+                );
+                drop(store);
+                Arc::new(merged)
+            } else {
+                if host_layers_choice != HostLayers::None {
+                    eprintln!("LoRA unmerged: no host layers (--host-layers ignored)");
+                    host_layers_choice = HostLayers::None;
+                }
+                adapters = Some(Arc::new(a));
+                store
+            }
+        }
+    };
     let blocks = store.ggml_tensor_count();
     eprintln!(
         "weights: {:.2} GiB in {} units ({:.2} GiB pinned, {blocks} tensors as GGML blocks), loaded in {:.1} s",
@@ -410,9 +459,10 @@ fn run(args: Args) -> Result<()> {
             .prompt_len(prompt_ids.len())
             .max_len(max_len)
             .settings(settings.clone())
-            .host_layers(args.host_layers)
+            .host_layers(host_layers_choice)
             .build()?,
     };
+    model.set_adapters(adapters)?;
     if args.unfused {
         model.set_fused(false);
     }

@@ -247,6 +247,16 @@ pub mod flags {
         }
     }
 
+    /// A dropout rate in [0, 1) (`--lora-dropout`).
+    pub fn dropout(s: &str) -> Result<f64, String> {
+        let p: f64 = number(s)?;
+        if (0.0..1.0).contains(&p) {
+            Ok(p)
+        } else {
+            Err(format!("{p} is not a dropout rate in [0, 1)"))
+        }
+    }
+
     /// A finite number, zero or more (`--temperature`, `--weight-decay`).
     pub fn non_negative(s: &str) -> Result<f64, String> {
         let x: f64 = number(s)?;

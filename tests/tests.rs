@@ -9,6 +9,7 @@ mod bad_input;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod gguf_families;
+mod lora;
 mod models;
 mod moe_families;
 mod ops;

@@ -175,6 +175,21 @@ impl Config {
         6.0 * matmul_params + 12.0 * self.num_hidden_layers as f64 * nh * hd * seq_len as f64
     }
 
+    /// [`train_flops_per_token`](Self::train_flops_per_token) of LoRA on a frozen base: the
+    /// base's matmuls forward and backward to the activations only (4·N, no weight
+    /// gradients), attention as there, and the adapters' `adapter_forward_flops` a token
+    /// three times (forward, backward to x, backward to A and B). Recomputation is not
+    /// counted, as there.
+    pub fn lora_train_flops_per_token(&self, seq_len: usize, adapter_forward_flops: f64) -> f64 {
+        let full = self.train_flops_per_token(seq_len);
+        let attention = 12.0
+            * self.num_hidden_layers as f64
+            * self.num_attention_heads as f64
+            * self.head_dim as f64
+            * seq_len as f64;
+        (full - attention) * 4.0 / 6.0 + attention + 3.0 * adapter_forward_flops
+    }
+
     /// Device bytes a training step needs besides the weights, for `batch` sequences of
     /// `seq_len` tokens with `segments` checkpointed segments (0: none) and matmuls in
     /// `compute`: segment boundaries (F32), one segment's recomputed graph and its backward
@@ -187,6 +202,29 @@ impl Config {
         seq_len: usize,
         segments: usize,
         compute: candle_core::DType,
+    ) -> u64 {
+        self.reserve_for_training(batch, seq_len, segments, compute, true)
+    }
+
+    /// [`train_reserve_bytes`](Self::train_reserve_bytes) of LoRA on a frozen base: the same
+    /// without the base's weight gradients (the adapters' are negligible beside it).
+    pub fn lora_train_reserve_bytes(
+        &self,
+        batch: usize,
+        seq_len: usize,
+        segments: usize,
+        compute: candle_core::DType,
+    ) -> u64 {
+        self.reserve_for_training(batch, seq_len, segments, compute, false)
+    }
+
+    fn reserve_for_training(
+        &self,
+        batch: usize,
+        seq_len: usize,
+        segments: usize,
+        compute: candle_core::DType,
+        weight_grads: bool,
     ) -> u64 {
         let c = compute.size_in_bytes() as u64;
         let tokens = (batch * seq_len) as u64;
@@ -207,7 +245,11 @@ impl Config {
         let per_layer = tokens * (12 * h * 4 + (3 * nh * hd + 4 * kv * hd + 2 * h) * c + 4 * i * c);
         let scores = 4 * (64u64 << 20);
         let logits = 5 * (128u64 << 20);
-        let layer_weights = (2 * h * nh * hd + 2 * h * kv * hd + 3 * h * i) * c;
+        let layer_weights = if weight_grads {
+            (2 * h * nh * hd + 2 * h * kv * hd + 3 * h * i) * c
+        } else {
+            0
+        };
         boundaries
             + 2 * seg_len * per_layer
             + scores

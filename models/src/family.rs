@@ -107,6 +107,7 @@ pub type WeightGradSink = Arc<dyn Fn(&Tensor, Tensor) -> Result<()> + Send + Syn
 pub struct UnitWeights<'a> {
     vb: VarBuilder<'static>,
     unit: Option<&'a UnitGuard>,
+    adapters: Option<Arc<crate::lora::Adapters>>,
 }
 
 impl std::fmt::Debug for UnitWeights<'_> {
@@ -124,12 +125,27 @@ impl std::fmt::Debug for UnitWeights<'_> {
 impl<'a> UnitWeights<'a> {
     /// Dense tensors from `vb`, and quantized ones from `unit` (the guard `vb` came from).
     pub fn new(vb: VarBuilder<'static>, unit: Option<&'a UnitGuard>) -> Self {
-        Self { vb, unit }
+        Self {
+            vb,
+            unit,
+            adapters: None,
+        }
     }
 
     /// Only dense tensors, from any `VarBuilder` (training's masters, an application's own).
     pub fn dense(vb: VarBuilder<'static>) -> Self {
-        Self { vb, unit: None }
+        Self {
+            vb,
+            unit: None,
+            adapters: None,
+        }
+    }
+
+    /// The same weights with LoRA `adapters`: [`linear`](Self::linear) gives a layer whose
+    /// module path has one its adapter.
+    pub fn with_adapters(mut self, adapters: Option<Arc<crate::lora::Adapters>>) -> Self {
+        self.adapters = adapters;
+        self
     }
 
     /// The same weights under `prefix.s`.
@@ -137,6 +153,7 @@ impl<'a> UnitWeights<'a> {
         Self {
             vb: self.vb.pp(s),
             unit: self.unit,
+            adapters: self.adapters.clone(),
         }
     }
 
@@ -181,22 +198,35 @@ impl<'a> UnitWeights<'a> {
 
     /// The linear layer at this prefix (`weight` of shape (out, in), and `bias` when `bias`):
     /// a quantized matmul over the blocks when the unit holds the weight quantized, dense
-    /// otherwise.
+    /// otherwise; with the LoRA adapter of this module path where the weights carry one
+    /// ([`with_adapters`](Self::with_adapters)).
     pub fn linear(&self, in_dim: usize, out_dim: usize, bias: bool) -> Result<Linear> {
         let tuning = self.kernels();
-        let Some(q) = self.quantized("weight", &[out_dim, in_dim])? else {
-            return crate::layers::linear(in_dim, out_dim, bias, self.vb.clone(), tuning);
+        let l = match self.quantized("weight", &[out_dim, in_dim])? {
+            None => crate::layers::linear(in_dim, out_dim, bias, self.vb.clone(), tuning)?,
+            Some(q) => {
+                let bias = if bias {
+                    Some(self.vb.get(out_dim, "bias")?)
+                } else {
+                    None
+                };
+                Linear::new(
+                    LinearWeight::Quantized(candle_core::quantized::QMatMul::from_arc(q)?),
+                    bias,
+                    tuning,
+                )
+            }
         };
-        let bias = if bias {
-            Some(self.vb.get(out_dim, "bias")?)
-        } else {
-            None
-        };
-        Ok(Linear::new(
-            LinearWeight::Quantized(candle_core::quantized::QMatMul::from_arc(q)?),
-            bias,
-            tuning,
-        ))
+        Ok(
+            match self
+                .adapters
+                .as_ref()
+                .and_then(|a| a.get(&self.vb.prefix()))
+            {
+                Some(adapter) => l.with_adapter(adapter.clone()),
+                None => l,
+            },
+        )
     }
 
     /// The kernel choices of the runtime the unit came from (the defaults for dense weights

@@ -49,6 +49,7 @@ pub mod hf_config;
 pub mod layers;
 pub mod llama;
 pub mod loader;
+pub mod lora;
 pub mod quantize;
 pub mod sampling;
 pub mod tokenizer;
@@ -69,4 +70,6 @@ pub use layers::{Cache, KvCache};
 pub use llama::Llama;
 pub use loader::{ModelFiles, Weights};
 pub use tokenizer::Tokenizer;
-pub use train::{PhaseObserver, StepReport, TrainPhase, TrainSettings, Trainer};
+pub use train::{
+    PhaseObserver, StepReport, TrainPhase, TrainSettings, Trainer, IGNORE_TARGET, OPTIMIZER_FILE,
+};

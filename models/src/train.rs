@@ -116,7 +116,7 @@ pub struct StepReport {
     pub loss: f32,
     /// Applied, or skipped by the loss scaler.
     pub outcome: candle_offload::train::StepOutcome,
-    /// Target tokens in the batch.
+    /// Target tokens in the batch that count (not [`IGNORE_TARGET`]).
     pub tokens: usize,
 }
 
@@ -141,6 +141,9 @@ pub type PhaseObserver = Box<dyn FnMut(TrainPhase) -> Result<()> + Send>;
 enum Source {
     Resident(VarMap),
     Offloaded(OffloadRuntime),
+    /// A frozen base under LoRA adapters: its weights (dense, or GGML blocks in the decoder
+    /// layers) served by a runtime under the budget, resident or streamed, never updated.
+    Frozen(OffloadRuntime),
 }
 
 /// Everything the forward pass (and its recomputes) needs; shared with checkpoint closures.
@@ -176,6 +179,8 @@ struct Core {
     /// step: the next step writes its first contributions into them rather than allocating
     /// (and faulting in) gigabytes of new host memory every step.
     spare_grads: Mutex<HashMap<String, Tensor>>,
+    /// LoRA adapters on a frozen base ([`Trainer::lora`]): the only trained weights.
+    adapters: Option<Arc<crate::lora::Adapters>>,
 }
 
 fn poisoned<T>(_: T) -> candle_core::Error {
@@ -191,6 +196,12 @@ impl Core {
                 Ok(self
                     .autocast
                     .var_builder_recording(vars, &self.device, &self.origins))
+            }
+            Source::Frozen(rt) => {
+                let guard = rt.acquire_named(prefix)?;
+                let vb = guard.var_builder(self.autocast.compute_dtype());
+                self.held.lock().map_err(poisoned)?.push(guard);
+                Ok(vb)
             }
             Source::Offloaded(rt) => {
                 let guard = rt.acquire_named(prefix)?;
@@ -222,23 +233,44 @@ impl Core {
     fn layer(&self, l: usize, xs: &Tensor, masks: &Masks) -> Result<Tensor> {
         let _span = tracing::trace_span!("train.layer", l).entered();
         let prefix = self.layout.layer(l);
+        let ctx = TrainCtx {
+            rope: &self.rope,
+            masks,
+            compute: self.autocast.compute_dtype(),
+            head_chunks: self.head_chunks,
+            fused: self.fused,
+            weight_grads: self.weight_grads.lock().map_err(poisoned)?.clone(),
+        };
+        if let Source::Frozen(rt) = &self.source {
+            // The unit's blocks stay blocks; each projection gets its adapter.
+            let guard = rt.acquire_named(&prefix)?;
+            let out = {
+                let weights = UnitWeights::new(
+                    guard.var_builder(self.autocast.compute_dtype()),
+                    Some(&guard),
+                )
+                .with_adapters(self.adapters.clone())
+                .pp(&prefix);
+                let block = self.family.block(&self.cfg, weights, l, DType::F32)?;
+                block.forward_train(xs, &ctx)
+            };
+            self.held.lock().map_err(poisoned)?.push(guard);
+            return out;
+        }
         let weights = UnitWeights::dense(self.vb(&prefix)?.pp(&prefix));
         let block = self.family.block(&self.cfg, weights, l, DType::F32)?;
-        block.forward_train(
-            xs,
-            &TrainCtx {
-                rope: &self.rope,
-                masks,
-                compute: self.autocast.compute_dtype(),
-                head_chunks: self.head_chunks,
-                fused: self.fused,
-                weight_grads: self.weight_grads.lock().map_err(poisoned)?.clone(),
-            },
-        )
+        block.forward_train(xs, &ctx)
     }
 
     /// Summed cross-entropy of `xs` (tokens, hidden) against `targets` (tokens).
-    fn head_loss_sum(&self, xs: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    /// `mask` (tokens, F32 0 or 1): which targets count (`None`: all); an ignored target's id
+    /// must be a valid one (it is multiplied by 0).
+    fn head_loss_sum(
+        &self,
+        xs: &Tensor,
+        targets: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let _span = tracing::trace_span!("train.head_loss").entered();
         let (v, h) = (self.cfg.vocab_size, self.cfg.hidden_size);
         let norm = self.family.final_norm(
@@ -255,7 +287,7 @@ impl Core {
             self.family.finishes_logits(&self.cfg),
         ) {
             if self.fused && nw.dtype() == xs.dtype() && xs.rank() == 2 {
-                return self.head_loss_by_hand(xs, targets, (nw, eps), &w, sink);
+                return self.head_loss_by_hand(xs, targets, mask, (nw, eps), &w, sink);
             }
         }
         let xs = norm
@@ -270,10 +302,15 @@ impl Core {
             self.family
                 .finish_logits(&self.cfg, logits.to_dtype(DType::F32)?)?
         };
-        if self.fused {
-            return loss::cross_entropy(&logits, targets)?.sum_all();
+        let rows = if self.fused {
+            loss::cross_entropy(&logits, targets)?
+        } else {
+            loss::cross_entropy_composite(&logits, targets)?
+        };
+        match mask {
+            Some(m) => (rows * m)?.sum_all(),
+            None => rows.sum_all(),
         }
-        loss::cross_entropy_composite(&logits, targets)?.sum_all()
     }
 
     /// [`head_loss_sum`](Self::head_loss_sum) as one graph node with its backward pass by
@@ -284,6 +321,7 @@ impl Core {
         &self,
         xs: &Tensor,
         targets: &Tensor,
+        mask: Option<&Tensor>,
         (norm_w, eps): (&Tensor, f64),
         w: &Tensor,
         sink: WeightGradSink,
@@ -293,12 +331,17 @@ impl Core {
         let (x, nw, wd) = (xs.detach(), norm_w.detach(), w.detach());
         let hc = norm::rms_norm(&x, &nw, eps)?.to_dtype(cd)?;
         let logits = hc.matmul(&wd.t()?)?;
-        let loss = loss::cross_entropy(&logits, targets)?.sum_all()?;
+        let rows = loss::cross_entropy(&logits, targets)?;
+        let loss = match mask {
+            Some(m) => (rows * m)?.sum_all()?,
+            None => rows.sum_all()?,
+        };
         if !xs.track_op() {
             return Ok(loss);
         }
         let saved = Mutex::new(Some((x, hc, logits)));
         let (targets, served_w, served_nw) = (targets.clone(), w.clone(), norm_w.clone());
+        let mask = mask.cloned();
         candle_offload::train::grad::with_gradient(xs, loss, move |dloss| {
             let (x, hc, logits) = saved
                 .lock()
@@ -306,10 +349,11 @@ impl Core {
                 .take()
                 .ok_or_else(|| candle_core::Error::Msg("head backward ran twice".into()))?;
             let rows = logits.dim(0)?;
-            let dy = dloss
-                .to_dtype(DType::F32)?
-                .broadcast_as(rows)?
-                .contiguous()?;
+            let dy = dloss.to_dtype(DType::F32)?.broadcast_as(rows)?;
+            let dy = match &mask {
+                Some(m) => (dy * m)?,
+                None => dy.contiguous()?,
+            };
             let dlogits = loss::cross_entropy_backward(&logits, &targets, &dy)?;
             drop(logits);
             sink(&served_w, dlogits.t()?.matmul(&hc)?)?;
@@ -393,6 +437,27 @@ impl std::fmt::Debug for Trainer {
 
 /// Attention head groups for `batch` sequences of `seq` tokens: 1 when every head's F32
 /// scores fit in 64 MiB together, otherwise enough groups that each group's do.
+/// The file of AdamW's state beside a saved adapter ([`Trainer::save_adapter`]).
+pub const OPTIMIZER_FILE: &str = "optimizer_state.safetensors";
+
+/// A target id that is not trained on (a prompt's token under chat data, padding): its
+/// position adds nothing to the loss, and the mean is over the other targets.
+pub const IGNORE_TARGET: u32 = u32::MAX;
+
+/// `targets` (tokens, U32) with [`IGNORE_TARGET`]s replaced by 0, the F32 mask of the others
+/// (`None` when none is ignored) and how many count.
+fn masked_targets(targets: &Tensor) -> Result<(Tensor, Option<Tensor>, usize)> {
+    let n = targets.elem_count();
+    let ignore = Tensor::full(IGNORE_TARGET, n, targets.device())?;
+    let valid = targets.ne(&ignore)?;
+    let counted = valid.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as usize;
+    if counted == n {
+        return Ok((targets.clone(), None, n));
+    }
+    let safe = valid.where_cond(targets, &targets.zeros_like()?)?;
+    Ok((safe, Some(valid.to_dtype(DType::F32)?), counted))
+}
+
 fn head_chunks_for(cfg: &Config, batch: usize, seq: usize) -> usize {
     let per_head = (batch * seq * seq * 4) as u64;
     let all = per_head * cfg.num_attention_heads as u64;
@@ -560,6 +625,7 @@ impl Trainer {
                 host_grads: Mutex::new(HashMap::new()),
                 host_staging: Mutex::new(candle_offload::train::HostGradients::new()),
                 spare_grads: Mutex::new(HashMap::new()),
+                adapters: None,
             }),
             opt,
             vars,
@@ -627,6 +693,229 @@ impl Trainer {
         )
     }
 
+    /// A trainer of LoRA `adapters` on the frozen base in `store` (the checkpoint's tensors:
+    /// dense in any float dtype, or GGML blocks, which stay blocks in the decoder layers:
+    /// QLoRA), for a model of `cfg`, computing on `device`. The base is served by an offload
+    /// runtime under [`TrainSettings::gpu_memory_limit`] (resident where it fits, streamed
+    /// otherwise); only the adapters have gradients, F32 masters (on `device`) and AdamW
+    /// state. Blocks outside the decoder layers (embeddings, output head) are dequantized.
+    pub fn lora(
+        cfg: Config,
+        store: Arc<candle_offload::HostStore>,
+        adapters: crate::lora::Adapters,
+        device: &Device,
+        settings: &TrainSettings,
+    ) -> std::result::Result<Self, ModelError> {
+        adapters.check(&cfg).map_err(|reason| ModelError::Config {
+            path: "<adapter>".into(),
+            field: "lora".into(),
+            reason,
+        })?;
+        let tensors = adapters
+            .modules()
+            .iter()
+            .map(|(p, m)| {
+                (
+                    p.clone(),
+                    (m.a.as_tensor().clone(), m.b.as_tensor().clone()),
+                )
+            })
+            .collect();
+        let adapters = Arc::new(crate::lora::Adapters::from_tensors(
+            adapters.config().clone(),
+            tensors,
+            device,
+        )?);
+        let autocast = Autocast::new(settings.precision);
+        let compute = autocast.compute_dtype();
+        let layout = cfg.layout();
+        let store_cfg = StoreConfig {
+            grouping: layout.grouping(),
+            ..Default::default()
+        };
+        let store =
+            crate::lora::merge::frozen_base(store, &layout.layer_prefix, &store_cfg, device)?;
+        let rt = OffloadRuntime::new(
+            store.clone(),
+            device,
+            &OffloadConfig {
+                gpu_memory_limit: settings.gpu_memory_limit,
+                reserve_bytes: cfg.lora_train_reserve_bytes(
+                    settings.batch_size,
+                    settings.seq_len,
+                    settings.checkpoint_segments,
+                    compute,
+                ),
+                strategy: OffloadStrategy::Minimal,
+                policy: PolicyChoice::Lru,
+                prefetch_depth: settings.prefetch_depth,
+                keep: CausalLm::kept_units(&store, &cfg),
+                trainable: false,
+                units: None,
+                event_tracking: true,
+                steady_reserve_bytes: None,
+                tuning: settings.tuning,
+            },
+        )?;
+        let (names, vars): (Vec<String>, Vec<Var>) = adapters.named_vars().into_iter().unzip();
+        let opt = if device.is_cpu() {
+            Adam::Host(HostAdamW::new(vars.clone(), settings.adamw.clone())?)
+        } else if settings.fused {
+            Adam::Fused(FusedAdamW::new(vars.clone(), settings.adamw.clone())?)
+        } else {
+            Adam::Device(AdamW::new(vars.clone(), settings.adamw.clone())?)
+        };
+        let head_chunks = settings
+            .head_chunks
+            .unwrap_or_else(|| head_chunks_for(&cfg, settings.batch_size, settings.seq_len));
+        let loss_chunk = settings
+            .loss_chunk_tokens
+            .unwrap_or_else(|| ((128usize << 20) / (cfg.vocab_size * 4)).max(64));
+        let rope = cfg
+            .family
+            .rope(&cfg, settings.seq_len.max(1), compute, device)?;
+        let scaler = if settings.precision.needs_loss_scaling() {
+            GradScaler::new(GradScalerConfig::default())
+        } else {
+            GradScaler::disabled()
+        };
+        Ok(Self {
+            tracking_was: None,
+            core: Arc::new(Core {
+                family: cfg.family.clone(),
+                layout,
+                cfg,
+                autocast,
+                device: device.clone(),
+                rope,
+                head_chunks,
+                loss_chunk,
+                fused: settings.fused,
+                hand_backward: false,
+                origins: CastOrigins::default(),
+                weight_grads: Mutex::new(None),
+                hand_grads: Arc::new(AtomicUsize::new(0)),
+                source: Source::Frozen(rt),
+                held: Mutex::new(Vec::new()),
+                leaf_names: Mutex::new(HashMap::new()),
+                host_grads: Mutex::new(HashMap::new()),
+                host_staging: Mutex::new(candle_offload::train::HostGradients::new()),
+                spare_grads: Mutex::new(HashMap::new()),
+                adapters: Some(adapters),
+            }),
+            opt,
+            vars,
+            names,
+            scaler,
+            checkpoint_segments: settings.checkpoint_segments,
+            recomputes: 0,
+            observer: None,
+        })
+    }
+
+    /// The LoRA adapters being trained ([`Trainer::lora`]).
+    pub fn adapters(&self) -> Option<&Arc<crate::lora::Adapters>> {
+        self.core.adapters.as_ref()
+    }
+
+    /// Writes the LoRA adapters in PEFT's format into `dir` (F32), and beside them AdamW's
+    /// state ([`OPTIMIZER_FILE`]: the step count and each adapter's moments; not with the
+    /// unfused optimizer), which [`load_optimizer`](Self::load_optimizer) reads to resume.
+    pub fn save_adapter(&self, dir: &std::path::Path) -> std::result::Result<(), ModelError> {
+        let Some(a) = &self.core.adapters else {
+            return Err(ModelError::Config {
+                path: dir.into(),
+                field: "lora".into(),
+                reason: "this trainer trains every weight, not LoRA adapters".into(),
+            });
+        };
+        crate::lora::peft::save(a, dir, DType::F32)?;
+        if let Adam::Device(_) = self.opt {
+            // candle-nn's AdamW keeps its state private: the adapter alone.
+            return Ok(());
+        }
+        let path = dir.join(OPTIMIZER_FILE);
+        let (step, moments) = self.moments().map_err(|e| ModelError::file(&path, e))?;
+        let mut tensors = HashMap::new();
+        tensors.insert(
+            "step".to_string(),
+            Tensor::new(&[step as i64], &Device::Cpu)?,
+        );
+        for ((name, var), (m, v)) in self.names.iter().zip(&self.vars).zip(moments) {
+            tensors.insert(
+                format!("m.{name}"),
+                Tensor::from_vec(m, var.shape(), &Device::Cpu)?,
+            );
+            tensors.insert(
+                format!("v.{name}"),
+                Tensor::from_vec(v, var.shape(), &Device::Cpu)?,
+            );
+        }
+        candle_core::safetensors::save(&tensors, &path).map_err(|e| ModelError::file(&path, e))
+    }
+
+    /// Resumes AdamW's state from `dir`'s [`OPTIMIZER_FILE`] (written by
+    /// [`save_adapter`](Self::save_adapter) for the same adapters); `false` when there is none.
+    pub fn load_optimizer(
+        &mut self,
+        dir: &std::path::Path,
+    ) -> std::result::Result<bool, ModelError> {
+        let path = dir.join(OPTIMIZER_FILE);
+        if !path.exists() {
+            return Ok(false);
+        }
+        let t = candle_core::safetensors::load(&path, &Device::Cpu)
+            .map_err(|e| ModelError::file(&path, e))?;
+        let bad = |tensor: &str, reason: &str| ModelError::Tensor {
+            path: path.clone(),
+            tensor: tensor.into(),
+            reason: reason.into(),
+        };
+        let step = t
+            .get("step")
+            .ok_or_else(|| bad("step", "missing"))?
+            .flatten_all()?
+            .to_vec1::<i64>()?
+            .first()
+            .copied()
+            .ok_or_else(|| bad("step", "empty"))?;
+        let mut moments = Vec::with_capacity(self.vars.len());
+        for (name, var) in self.names.iter().zip(&self.vars) {
+            let get = |k: String| -> std::result::Result<Vec<f32>, ModelError> {
+                let x = t.get(&k).ok_or_else(|| bad(&k, "missing"))?;
+                if x.dims() != var.dims() {
+                    return Err(bad(&k, "has another shape than the adapter's weight"));
+                }
+                Ok(x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+            };
+            moments.push((get(format!("m.{name}"))?, get(format!("v.{name}"))?));
+        }
+        let step = usize::try_from(step).map_err(|_| bad("step", "negative"))?;
+        match &mut self.opt {
+            Adam::Fused(o) => o.set_moments(step, moments)?,
+            Adam::Host(o) => o.set_moments(step, moments)?,
+            Adam::Device(_) => {
+                return Err(bad(
+                    "step",
+                    "candle-nn's AdamW (the unfused optimizer) cannot resume",
+                ))
+            }
+        }
+        Ok(true)
+    }
+
+    fn moments(&self) -> Result<(usize, candle_offload::kernels::optimizer::Moments)> {
+        match &self.opt {
+            Adam::Fused(o) => o.moments(),
+            Adam::Host(o) => Ok(o.moments()),
+            Adam::Device(_) => {
+                candle_core::bail!(
+                    "candle-nn's AdamW (the unfused optimizer) keeps its state private"
+                )
+            }
+        }
+    }
+
     /// The model configuration.
     pub fn config(&self) -> &Config {
         &self.core.cfg
@@ -635,7 +924,7 @@ impl Trainer {
     /// The offload runtime, when weights are offloaded.
     pub fn runtime(&self) -> Option<&OffloadRuntime> {
         match &self.core.source {
-            Source::Offloaded(rt) => Some(rt),
+            Source::Offloaded(rt) | Source::Frozen(rt) => Some(rt),
             Source::Resident(_) => None,
         }
     }
@@ -716,25 +1005,30 @@ impl Trainer {
         let n = b * t;
         let xs = xs.reshape((n, h))?;
         let targets = targets.flatten_all()?.to_dtype(DType::U32)?;
+        let (targets, mask, counted) = masked_targets(&targets)?;
+        if counted == 0 {
+            candle_core::bail!("every target of the batch is ignored (IGNORE_TARGET)");
+        }
         let chunk = core.loss_chunk.clamp(1, n);
         let total = if chunk >= n {
-            core.head_loss_sum(&xs, &targets)?
+            core.head_loss_sum(&xs, &targets, mask.as_ref())?
         } else {
             let mut parts = Vec::new();
             for start in (0..n).step_by(chunk) {
                 let len = chunk.min(n - start);
                 let (core, tg) = (core.clone(), targets.narrow(0, start, len)?);
+                let m = mask.as_ref().map(|m| m.narrow(0, start, len)).transpose()?;
                 parts.push(ck.checkpoint(
                     move |x| {
                         core.release_held()?;
-                        core.head_loss_sum(x, &tg)
+                        core.head_loss_sum(x, &tg, m.as_ref())
                     },
                     &xs.narrow(0, start, len)?,
                 )?);
             }
             Tensor::stack(&parts, 0)?.sum_all()?
         };
-        total / n as f64
+        total / counted as f64
     }
 
     /// How many weight gradients the last backward pass computed by hand
@@ -805,7 +1099,7 @@ impl Trainer {
         };
         core.origins.clear()?;
         core.hand_grads.store(0, Ordering::Relaxed);
-        if !offloaded && core.fused && core.hand_backward {
+        if !offloaded && core.fused && core.hand_backward && core.adapters.is_none() {
             // A weight's gradient, from a block's own backward pass, goes to its F32 master
             // through the checkpointer's side store, which `backward` merges.
             let (origins, side, count) =
@@ -873,7 +1167,7 @@ impl Trainer {
                 .zip(&self.vars)
                 .filter_map(|(n, v)| grads.get(v.as_tensor()).map(|g| (n.clone(), g.clone())))
                 .collect(),
-            Source::Resident(_) => Vec::new(),
+            Source::Resident(_) | Source::Frozen(_) => Vec::new(),
         };
         let outcome = match &mut self.opt {
             Adam::Fused(o) => self.scaler.step_fused(o, &self.vars, grads)?,
@@ -899,7 +1193,7 @@ impl Trainer {
         Ok(StepReport {
             loss,
             outcome,
-            tokens: targets.elem_count(),
+            tokens: masked_targets(&targets.flatten_all()?.to_dtype(DType::U32)?)?.2,
         })
     }
 

@@ -43,7 +43,9 @@ struct Args {
     /// Configurations, comma-separated: `{none,layer,sqrt}-{f32,f16,bf16}` (checkpointing:
     /// none, one segment per layer, round(sqrt(layers)) segments), and
     /// `offload[-<N>gib]-{f32,f16,bf16}` (offloaded weights, one segment per layer, budget N
-    /// GiB or --budget-gib).
+    /// GiB or --budget-gib), and `lora[-<type>][-<N>gib]-{f32,f16,bf16}` (LoRA adapters of
+    /// --lora-rank on every projection of a frozen random base, dense or quantized to a GGML
+    /// type such as `q4_k` (QLoRA), one segment per layer, resident or under an N GiB budget).
     #[arg(long, value_delimiter = ',', default_value = DEFAULT_CONFIGS)]
     configs: Vec<String>,
     /// Timed steps per resident configuration (median).
@@ -125,7 +127,11 @@ struct Args {
     /// (`TrainSettings::event_tracking`; the trainer turns it off by default).
     #[arg(long)]
     event_tracking: bool,
-    /// The peer's JSON (scripts/train_peer.py), measured in the same run.
+    /// LoRA rank of the `lora-*` configurations (alpha = 2·rank, every projection targeted).
+    #[arg(long, default_value_t = 16)]
+    lora_rank: usize,
+    /// The peer's JSON (scripts/train_peer.py, or scripts/lora_peer.py for `lora-*`), measured
+    /// in the same run.
     #[arg(long)]
     peer: Option<PathBuf>,
     /// Write the results as JSON here.
@@ -168,8 +174,10 @@ struct Bench {
     precision: Precision,
     label: &'static str,
     ckpt: Ckpt,
-    /// Offloaded, with this budget in GiB.
+    /// Offloaded (LoRA: the frozen base served), with this budget in GiB.
     offload_gib: Option<f64>,
+    /// LoRA on a frozen base, of GGML blocks of this type or dense (`None` inside).
+    lora: Option<Option<candle_core::quantized::GgmlDType>>,
 }
 
 fn parse_config(s: &str, default_budget: f64) -> Result<Bench> {
@@ -180,6 +188,34 @@ fn parse_config(s: &str, default_budget: f64) -> Result<Bench> {
         )
     };
     let parts: Vec<&str> = s.trim().split('-').collect();
+    if parts.first() == Some(&"lora") && parts.len() >= 2 {
+        let prec = parts[parts.len() - 1];
+        let precision: Precision = prec.parse().map_err(|_| bad("has an unknown precision"))?;
+        let (mut quant, mut budget) = (None, None);
+        for m in &parts[1..parts.len() - 1] {
+            if let Some(n) = m.strip_suffix("gib") {
+                budget = Some(
+                    n.parse::<f64>()
+                        .ok()
+                        .filter(|g| g.is_finite() && *g > 0.0)
+                        .ok_or_else(|| bad("has a budget that is not <N>gib"))?,
+                );
+            } else {
+                quant = Some(
+                    candle_offload_models::quantize::parse_type(m)
+                        .ok_or_else(|| bad("has an unknown GGML type"))?,
+                );
+            }
+        }
+        return Ok(Bench {
+            name: s.trim().to_string(),
+            precision,
+            label: precision.compute_dtype().as_str(),
+            ckpt: Ckpt::Layer,
+            offload_gib: budget,
+            lora: Some(quant),
+        });
+    }
     let (head, mid, prec) = match parts.as_slice() {
         [h, p] => (*h, None, *p),
         [h, m, p] => (*h, Some(*m), *p),
@@ -208,7 +244,89 @@ fn parse_config(s: &str, default_budget: f64) -> Result<Bench> {
         label,
         ckpt,
         offload_gib,
+        lora: None,
     })
+}
+
+/// A LoRA trainer of `row`'s base: random weights of `cfg` (normal(0, 0.02), norms one) in
+/// the compute dtype, the decoder layers' matrices as GGML blocks of `quant` where given, and
+/// adapters of `rank` on every projection (B random, so that the update is not zero).
+fn lora_trainer(
+    cfg: &Config,
+    quant: Option<candle_core::quantized::GgmlDType>,
+    rank: usize,
+    device: &Device,
+    settings: &TrainSettings,
+) -> Result<Trainer> {
+    use candle_offload::{HostStore, RawTensorSpec, StoreConfig, WeightFormat};
+    use candle_offload_models::lora::{Adapters, LoraConfig};
+    let layout = cfg.layout();
+    let specs: Vec<RawTensorSpec> = cfg
+        .expected_tensors()
+        .into_iter()
+        .map(|(name, shape)| {
+            let blocks = shape.len() == 2 && name.starts_with(&layout.layer_prefix);
+            RawTensorSpec {
+                format: match quant {
+                    Some(q) if blocks => WeightFormat::Ggml(q),
+                    _ => WeightFormat::Dense(candle_core::DType::F32),
+                },
+                name,
+                shape: shape.into(),
+            }
+        })
+        .collect();
+    let store_cfg = StoreConfig {
+        dtype: Some(settings.precision.compute_dtype()),
+        grouping: layout.grouping(),
+        ..Default::default()
+    };
+    let store = HostStore::from_raw(&specs, &store_cfg, device, |spec, _, dst| {
+        let dims = spec.shape.dims();
+        let cpu = &Device::Cpu;
+        let t = if dims.len() == 1 {
+            Tensor::ones(dims, candle_core::DType::F32, cpu)
+        } else {
+            Tensor::randn(0f32, 0.02, dims, cpu)
+        }
+        .map_err(candle_offload::Error::from)?;
+        let bytes = match spec.format {
+            WeightFormat::Ggml(q) => candle_core::quantized::QTensor::quantize(&t, q)
+                .and_then(|q| Ok(q.data()?.into_owned()))
+                .map_err(candle_offload::Error::from)?,
+            _ => t
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(candle_offload::Error::from)?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+        };
+        dst.copy_from_slice(&bytes);
+        Ok(())
+    })?;
+    let config = LoraConfig {
+        r: rank,
+        alpha: 2.0 * rank as f64,
+        ..Default::default()
+    };
+    let init = Adapters::init(config.clone(), cfg, &Device::Cpu, 0).map_err(|e| anyhow!(e))?;
+    let tensors = init
+        .modules()
+        .iter()
+        .map(|(p, m)| {
+            let b = Tensor::randn(0f32, 0.01, m.b.shape(), &Device::Cpu)?;
+            Ok((p.clone(), (m.a.as_tensor().clone(), b)))
+        })
+        .collect::<Result<_>>()?;
+    let adapters = Adapters::from_tensors(config, tensors, &Device::Cpu)?;
+    Ok(Trainer::lora(
+        cfg.clone(),
+        Arc::new(store),
+        adapters,
+        device,
+        settings,
+    )?)
 }
 
 /// The model shape from the flags, through the same parser as a `config.json`.
@@ -378,7 +496,7 @@ fn run_one(
     let settings = TrainSettings {
         precision: b.precision,
         checkpoint_segments: segments,
-        offload: b.offload_gib.is_some(),
+        offload: b.offload_gib.is_some() && b.lora.is_none(),
         gpu_memory_limit: budget_bytes.map(MemoryLimit::Bytes),
         prefetch_depth: 1,
         adamw: ParamsAdamW {
@@ -408,7 +526,10 @@ fn run_one(
     };
     let alloc_base = in_use_now(true)?;
     let t0 = Instant::now();
-    let mut trainer = Trainer::random(cfg.clone(), device, &settings)?;
+    let mut trainer = match b.lora {
+        Some(quant) => lora_trainer(cfg, quant, args.lora_rank, device, &settings)?,
+        None => Trainer::random(cfg.clone(), device, &settings)?,
+    };
     let build_s = t0.elapsed().as_secs_f64();
     let static_driver = used(device)?.saturating_sub(baseline);
     let static_bytes = in_use_now(true)?.saturating_sub(alloc_base);
@@ -506,7 +627,7 @@ fn run_one(
         drop(grads);
         fwd_bwd_peak_driver = sampler.map(|s| s.stop().saturating_sub(baseline));
     }
-    let grad_bytes = if b.offload_gib.is_some() {
+    let grad_bytes = if b.offload_gib.is_some() && b.lora.is_none() {
         0
     } else {
         4 * params
@@ -518,14 +639,27 @@ fn run_one(
     };
     let step_s = median(times.clone());
     let tokens = (args.batch_size * args.seq_len) as f64;
-    let flops_per_token = cfg.train_flops_per_token(args.seq_len);
+    let flops_per_token = match trainer.adapters() {
+        Some(a) => cfg.lora_train_flops_per_token(args.seq_len, a.forward_flops_per_token() as f64),
+        None => cfg.train_flops_per_token(args.seq_len),
+    };
     let peak_flops = candle_offload_suite::dense_bf16_peak_flops(device);
+    let lora_rec = b.lora.map(|quant| {
+        json!({
+            "rank": args.lora_rank,
+            "alpha": 2 * args.lora_rank,
+            "targets": candle_offload_models::lora::DEFAULT_TARGETS,
+            "base": quant.and_then(candle_offload_models::quantize::type_name).unwrap_or(b.label),
+            "budget_gib": b.offload_gib,
+        })
+    });
     let mut rec = json!({
+        "lora": lora_rec,
         "config": b.name,
         "precision": b.label,
         "checkpointing": b.ckpt.name(),
         "checkpoint_segments": segments,
-        "offload": b.offload_gib.is_some(),
+        "offload": b.offload_gib.is_some() && b.lora.is_none(),
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "parameters": params,
@@ -685,6 +819,41 @@ fn derive(records: &mut [Value], peer: Option<&Value>) {
                     }
                 }
             }
+        }
+        if !r["lora"].is_null() {
+            // LoRA: against PEFT (scripts/lora_peer.py) where both hold the base; under a
+            // budget, against the ideal: the bytes streamed at the link's raw pinned rate plus
+            // the step of the same base resident (the row without the budget, same run).
+            if let Some(p) = peer_rec(&name) {
+                if let (Some(ours), Some(theirs)) = (r["step_s"].as_f64(), p["step_s"].as_f64()) {
+                    if theirs > 0.0 {
+                        r["step_time_vs_peft"] = (ours / theirs).into();
+                        r["meets_peft_target"] = (ours / theirs <= 1.1).into();
+                    }
+                }
+                r["peft"] = p;
+            }
+            if !r["budget_bytes"].is_null() {
+                r["peak_within_budget"] = r["budget_holds_driver"].clone();
+                let resident: Vec<&str> = name.split('-').filter(|m| !m.ends_with("gib")).collect();
+                if let Some(res) = find(&snapshot, &resident.join("-")) {
+                    let parts = (
+                        r["streamed_bytes_per_step"].as_f64(),
+                        r["raw_pinned_h2d_gbps"].as_f64(),
+                        res["step_s"].as_f64(),
+                        r["step_s"].as_f64(),
+                    );
+                    if let (Some(bytes), Some(gbps), Some(compute), Some(step)) = parts {
+                        if gbps > 0.0 {
+                            let ideal = bytes / (gbps * 1e9) + compute;
+                            r["lora_step_ideal_s"] = ideal.into();
+                            r["step_vs_ideal"] = (step / ideal).into();
+                            r["meets_ideal_target"] = (step / ideal <= 1.5).into();
+                        }
+                    }
+                }
+            }
+            continue;
         }
         if let Some(p) = peer_rec(&name) {
             r["pytorch"] = p.clone();

@@ -10,6 +10,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Module, Result, Tensor, D};
 
 use crate::gemm::{prefill_applies, qlinear_prefill};
+use crate::linear::lora::{quantized_train, LoraAdapter};
 use crate::linear::quantized::{
     qlinear_silu_mul, qlinear_silu_mul_q8, qlinear_small, qlinear_small_fits, qlinear_small_multi,
 };
@@ -51,12 +52,14 @@ pub enum LinearKernel {
     Candle,
 }
 
-/// A linear layer: its weight, its bias and the kernel choices it runs with.
+/// A linear layer: its weight, its bias, the kernel choices it runs with, and a LoRA adapter
+/// beside its frozen weight where it has one ([`with_adapter`](Self::with_adapter)).
 #[derive(Debug, Clone)]
 pub struct Linear {
     weight: LinearWeight,
     bias: Option<Tensor>,
     tuning: KernelTuning,
+    adapter: Option<Arc<LoraAdapter>>,
 }
 
 impl Linear {
@@ -66,7 +69,21 @@ impl Linear {
             weight,
             bias,
             tuning,
+            adapter: None,
         }
+    }
+
+    /// The same layer with `adapter` beside its weight: every forward form adds
+    /// `adapter.delta(x)` ([`LoraAdapter::delta`]; dropout only in
+    /// [`forward_train`](Self::forward_train)).
+    pub fn with_adapter(mut self, adapter: Arc<LoraAdapter>) -> Self {
+        self.adapter = Some(adapter);
+        self
+    }
+
+    /// The LoRA adapter beside the weight, if any.
+    pub fn adapter(&self) -> Option<&Arc<LoraAdapter>> {
+        self.adapter.as_ref()
     }
 
     /// A candle-nn `Linear`'s weight and bias, run with `tuning`.
@@ -166,7 +183,19 @@ impl Linear {
             }
             _ => self.candle(xs)?,
         };
-        with_bias(y, self.bias.as_ref())
+        let y = with_bias(y, self.bias.as_ref())?;
+        self.with_delta(y, xs, false)
+    }
+
+    /// `y` plus the adapter's update of `xs` (dropout when `train`), `y` without an adapter.
+    fn with_delta(&self, y: Tensor, xs: &Tensor, train: bool) -> Result<Tensor> {
+        match &self.adapter {
+            Some(a) => {
+                let d = a.delta(xs, train)?.to_dtype(y.dtype())?;
+                y + d
+            }
+            None => Ok(y),
+        }
     }
 
     /// The blocks of a weight [`kernel`](Self::kernel) chose a kernel of blocks for.
@@ -220,7 +249,7 @@ impl Linear {
         layers: &[&Linear],
         decode_kernels: bool,
     ) -> Result<Vec<Tensor>> {
-        if decode_kernels {
+        if decode_kernels && layers.iter().all(|l| l.adapter.is_none()) {
             if let Some(ys) = one_launch(xs, layers)? {
                 return Ok(ys);
             }
@@ -257,22 +286,40 @@ impl Linear {
 
     /// The training form: x (batch, seq, in) as one (batch·seq, in) matmul against the dense
     /// weight, so that the weight's gradient is one GEMM (a broadcast weight's backward pass
-    /// would materialize and sum one per sequence); quantized weights have none.
+    /// would materialize and sum one per sequence), plus the adapter's update with its
+    /// dropout. A quantized weight is frozen: it is multiplied as blocks, differentiable in x
+    /// only ([`quantized_train`]), and is refused without an adapter (nothing would train).
     pub fn forward_train(&self, xs: &Tensor) -> Result<Tensor> {
-        match &self.weight {
+        let (b, t, d) = xs.dims3()?;
+        let x2 = xs.reshape((b * t, d))?;
+        let y = match &self.weight {
             LinearWeight::Dense(w) => {
-                let (b, t, d) = xs.dims3()?;
-                let y = xs.reshape((b * t, d))?.matmul(&w.t()?)?;
-                let y = match &self.bias {
+                let y = x2.matmul(&w.t()?)?;
+                match &self.bias {
                     Some(bias) => y.broadcast_add(bias)?,
                     None => y,
-                };
-                y.reshape((b, t, ()))
+                }
             }
-            LinearWeight::Quantized(_) => {
-                candle_core::bail!("quantized weights cannot be trained; load the model dense")
+            LinearWeight::Quantized(m) => {
+                if self.adapter.is_none() {
+                    candle_core::bail!(
+                        "quantized weights cannot be trained; load the model dense or train \
+                         LoRA adapters on it"
+                    )
+                }
+                let value = self.forward_base(&x2.detach())?;
+                with_bias(quantized_train(&x2, value, m)?, self.bias.as_ref())?
             }
-        }
+        };
+        let y = self.with_delta(y, &x2, true)?;
+        y.reshape((b, t, ()))
+    }
+
+    /// The base layer without its adapter and bias, by the kernel [`kernel`](Self::kernel)
+    /// chooses with the decode kernels off.
+    fn forward_base(&self, xs: &Tensor) -> Result<Tensor> {
+        let base = Self::new(self.weight.clone(), None, self.tuning);
+        base.forward_with(xs, false)
     }
 
     /// `silu(xs · gateᵀ) · (xs · upᵀ)` in one launch where a decode step's kernels take gate
@@ -286,6 +333,9 @@ impl Linear {
         up: &Linear,
         next: Option<&Linear>,
     ) -> Result<Option<Tensor>> {
+        if gate.adapter.is_some() || up.adapter.is_some() {
+            return Ok(None);
+        }
         Ok(match one_launch_weights(xs, &[gate, up])? {
             Some(OneLaunch::Dense(ws)) => Some(linear_silu_mul(xs, ws[0], ws[1])?),
             Some(OneLaunch::Blocks(ws)) if next.is_some_and(Linear::takes_quantized_x) => {
@@ -357,7 +407,7 @@ fn one_launch(xs: &Tensor, layers: &[&Linear]) -> Result<Option<Vec<Tensor>>> {
 /// pool ([`cpu_quant::forward_many`]: each output the number [`Linear::forward`] gives), their
 /// biases added; `None` where that does not apply.
 fn cpu_blocks_many(xs: &Tensor, layers: &[&Linear]) -> Result<Option<Vec<Tensor>>> {
-    if !xs.device().is_cpu() || layers.is_empty() {
+    if !xs.device().is_cpu() || layers.is_empty() || layers.iter().any(|l| l.adapter.is_some()) {
         return Ok(None);
     }
     let Some(ws) = layers

@@ -13,6 +13,7 @@ pub mod cpu_quant;
 #[allow(unsafe_code)]
 mod cuda;
 mod layer;
+pub mod lora;
 mod quantized;
 #[allow(unsafe_code)]
 mod simd;
@@ -24,6 +25,7 @@ mod small;
 
 pub(crate) use blocks::qlinear_small_type;
 pub use layer::{Linear, LinearKernel, LinearWeight};
+pub use lora::{quantized_train, LoraAdapter};
 pub use quantized::{
     qlinear_silu_mul, qlinear_silu_mul_q8, qlinear_small, qlinear_small_fits, qlinear_small_multi,
     qlinear_small_unfused,

@@ -7,7 +7,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Result, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 
-use crate::optimizer::host::HostAdamW;
+use crate::optimizer::host::{HostAdamW, Moments};
 
 /// PyTorch AdamW (decoupled weight decay, bias correction; candle-nn's `ParamsAdamW`) over F32
 /// variables, fused: on a GPU one kernel launch steps every parameter with a gradient, its
@@ -37,6 +37,47 @@ impl FusedAdamW {
     /// The hyper-parameters.
     pub fn params(&self) -> &ParamsAdamW {
         &self.params
+    }
+
+    /// The steps taken and each variable's first and second moments (flat F32, copied to the
+    /// host), in the variables' order ([`HostAdamW::moments`]).
+    pub fn moments(&self) -> Result<(usize, Moments)> {
+        match &self.state {
+            AdamState::Host(o) => Ok(o.moments()),
+            AdamState::Device {
+                vars,
+                offsets,
+                m,
+                v,
+                ..
+            } => {
+                let mut out = Vec::with_capacity(vars.len());
+                for (var, &at) in vars.iter().zip(offsets) {
+                    let n = var.elem_count();
+                    out.push((
+                        m.narrow(0, at, n)?.to_vec1::<f32>()?,
+                        v.narrow(0, at, n)?.to_vec1::<f32>()?,
+                    ));
+                }
+                Ok((self.step_t, out))
+            }
+        }
+    }
+
+    /// Sets what [`moments`](Self::moments) gives: one pair per variable, each of its size.
+    pub fn set_moments(&mut self, step: usize, moments: Moments) -> Result<()> {
+        match &mut self.state {
+            AdamState::Host(o) => o.set_moments(step, moments)?,
+            AdamState::Device { vars, m, v, .. } => {
+                crate::optimizer::host::check_moments(vars, &moments)?;
+                let (ms, vs): (Vec<Vec<f32>>, Vec<Vec<f32>>) = moments.into_iter().unzip();
+                let device = m.device().clone();
+                *m = Tensor::new(ms.concat(), &device)?;
+                *v = Tensor::new(vs.concat(), &device)?;
+            }
+        }
+        self.step_t = step;
+        Ok(())
     }
 
     /// Whether the masters and moments live in host memory (`HostAdamW` underneath).

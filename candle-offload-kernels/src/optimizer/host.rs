@@ -26,10 +26,30 @@ pub struct HostAdamW {
 /// Elements per thread below which a chunk is not split further.
 const MIN_CHUNK: usize = 1 << 16;
 
+/// Each variable's first and second AdamW moments (flat F32), in the variables' order.
+pub type Moments = Vec<(Vec<f32>, Vec<f32>)>;
+
 impl HostAdamW {
     /// The hyper-parameters.
     pub fn params(&self) -> &ParamsAdamW {
         &self.params
+    }
+
+    /// The steps taken and each variable's first and second moments (flat F32), in the
+    /// variables' order: what resuming needs besides the variables.
+    pub fn moments(&self) -> (usize, Moments) {
+        (
+            self.step_t,
+            self.m.iter().cloned().zip(self.v.iter().cloned()).collect(),
+        )
+    }
+
+    /// Sets what [`moments`](Self::moments) gives: one pair per variable, each of its size.
+    pub fn set_moments(&mut self, step: usize, moments: Moments) -> candle_core::Result<()> {
+        check_moments(&self.vars, &moments)?;
+        let (m, v) = moments.into_iter().unzip();
+        (self.m, self.v, self.step_t) = (m, v, step);
+        Ok(())
     }
 }
 
@@ -187,6 +207,31 @@ impl Coefficients {
             theta[i] = theta[i] * self.decay - adjusted * self.lr;
         }
     }
+}
+
+/// One pair of moments per variable, each of its size.
+pub(crate) fn check_moments(
+    vars: &[Var],
+    moments: &[(Vec<f32>, Vec<f32>)],
+) -> candle_core::Result<()> {
+    if moments.len() != vars.len() {
+        candle_core::bail!(
+            "AdamW state: {} moment pairs for {} variables",
+            moments.len(),
+            vars.len()
+        );
+    }
+    for (i, (var, (m, v))) in vars.iter().zip(moments).enumerate() {
+        if m.len() != var.elem_count() || v.len() != var.elem_count() {
+            candle_core::bail!(
+                "AdamW state: variable {i} has {} elements, its moments {} and {}",
+                var.elem_count(),
+                m.len(),
+                v.len()
+            );
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

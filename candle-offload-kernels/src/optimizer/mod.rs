@@ -9,4 +9,4 @@ mod fused;
 mod host;
 
 pub use fused::FusedAdamW;
-pub use host::HostAdamW;
+pub use host::{HostAdamW, Moments};

@@ -173,7 +173,8 @@ impl CausalLm {
     ) -> Result<Arc<BuiltBlock>> {
         let build = || -> Result<BuiltBlock> {
             let _span = tracing::trace_span!("llama.block", l).entered();
-            let weights = UnitWeights::new(unit.var_builder(dtype), Some(unit));
+            let weights = UnitWeights::new(unit.var_builder(dtype), Some(unit))
+                .with_adapters(self.adapters.clone());
             let block = self
                 .family
                 .block(&self.cfg, weights.pp(self.layout.layer(l)), l, dtype)?;

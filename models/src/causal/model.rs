@@ -156,6 +156,8 @@ pub struct CausalLm {
     pub(super) graphs: Graphs,
     /// The device map of a pipeline over several devices ([`device_map`](Self::device_map)).
     pub(super) device_map: Option<DeviceMap>,
+    /// LoRA adapters every layer's projections run with ([`set_adapters`](Self::set_adapters)).
+    pub(super) adapters: Option<Arc<crate::lora::Adapters>>,
 }
 
 impl CausalLm {
@@ -293,6 +295,7 @@ impl CausalLm {
             host_totals: std::sync::Mutex::new(HostTotals::default()),
             graphs,
             device_map: None,
+            adapters: None,
         })
     }
 
@@ -430,6 +433,36 @@ impl CausalLm {
     pub fn set_greedy_head(&self, on: bool) {
         self.greedy_head
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Runs every layer with LoRA `adapters` beside its frozen weights, unmerged (`None`:
+    /// without). Set before the first forward pass: a resident layer keeps the block it built.
+    /// The adapters are checked against the model's layers; host layers are refused (their
+    /// blocks are built with the model).
+    pub fn set_adapters(
+        &mut self,
+        adapters: Option<Arc<crate::lora::Adapters>>,
+    ) -> std::result::Result<(), crate::ModelError> {
+        if let Some(a) = &adapters {
+            let invalid = |reason: String| crate::ModelError::Config {
+                path: "<adapter>".into(),
+                field: "lora".into(),
+                reason,
+            };
+            a.check(&self.cfg).map_err(invalid)?;
+            if self.on_host.iter().any(|&h| h) {
+                return Err(invalid(
+                    "LoRA adapters with host layers are not supported yet".into(),
+                ));
+            }
+        }
+        self.adapters = adapters;
+        Ok(())
+    }
+
+    /// The LoRA adapters the layers run with.
+    pub fn adapters(&self) -> Option<&Arc<crate::lora::Adapters>> {
+        self.adapters.as_ref()
     }
 
     /// See [`set_greedy_head`](Self::set_greedy_head).

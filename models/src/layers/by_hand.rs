@@ -14,8 +14,8 @@
 //! Only the block this was written for takes this path: RMSNorm before attention and MLP (no
 //! post-norms), separate dense q/k/v/o projections (biases allowed), plain causal flash
 //! attention with full-width RoPE, a SiLU-gated MLP with separate dense projections, and every
-//! projection weight in the compute dtype. Anything else returns `None` and runs through
-//! Candle's graph as before.
+//! projection weight in the compute dtype, no LoRA adapter. Anything else returns `None` and
+//! runs through Candle's graph as before.
 
 use std::sync::Mutex;
 
@@ -44,6 +44,10 @@ struct Proj {
 
 impl Proj {
     fn of(l: &Linear, dtype: DType) -> Option<Self> {
+        // A LoRA adapter's update goes through Candle's graph.
+        if l.adapter().is_some() {
+            return None;
+        }
         let LinearWeight::Dense(w) = l.weight() else {
             return None;
         };

@@ -7,7 +7,7 @@ use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 use candle_offload::KernelTuning;
 
-pub use candle_offload::kernels::linear::{Linear, LinearWeight};
+pub use candle_offload::kernels::linear::{Linear, LinearWeight, LoraAdapter};
 
 /// A linear layer with or without bias, dense from `vb`, run with `tuning`'s kernels.
 pub fn linear(

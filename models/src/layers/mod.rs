@@ -27,7 +27,7 @@ mod tensors;
 pub use attention::{soft_cap, AttentionSpec, SelfAttention, DECODE_ATTENTION_MAX_NEW};
 pub use block::{FeedForward, PreNormBlock};
 pub use cache::{causal_mask, window_mask, Cache, KvCache, Masks};
-pub use linear::{linear, linear_2d, Linear, LinearWeight};
+pub use linear::{linear, linear_2d, Linear, LinearWeight, LoraAdapter};
 pub use mlp::{Activation, GatedMlp};
 pub use moe::{
     group_by_expert, route_row, BuildExpert, Expert, ExpertShape, ExpertUnits, Experts, Routing,
