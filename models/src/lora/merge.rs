@@ -101,9 +101,9 @@ pub fn merge_store(
                 Ok(match merge_blocks(adapters, path, &q)? {
                     Some((m, err)) => {
                         report.requantized.push((t.name.clone(), err));
-                        Stored::Blocks(m)
+                        Stored::Blocks(Box::new(m))
                     }
-                    None => Stored::Blocks(q),
+                    None => Stored::Blocks(Box::new(q)),
                 })
             }
             _ => {
@@ -140,7 +140,7 @@ pub fn frozen_base(
         return Ok(store);
     }
     let copy = rebuild(&store, cfg, device, |unit, t| match t.format {
-        WeightFormat::Ggml(_) if !outside(unit.name()) => Ok(Stored::Blocks(unit.cpu_qtensor(t)?)),
+        WeightFormat::Ggml(_) if !outside(unit.name()) => Ok(Stored::Blocks(Box::new(unit.cpu_qtensor(t)?))),
         WeightFormat::Ggml(_) => Ok(Stored::Dense(
             unit.cpu_qtensor(t)?.dequantize(&candle_core::Device::Cpu)?,
         )),
@@ -152,7 +152,7 @@ pub fn frozen_base(
 /// A tensor of a rebuilt store.
 enum Stored {
     Dense(Tensor),
-    Blocks(QTensor),
+    Blocks(Box<QTensor>),
 }
 
 /// A new store of `store`'s tensors as `each` gives them, laid out by `cfg` on `device`.
