@@ -2,7 +2,8 @@
 """The CPU target of the mixture-of-experts issue: a small random Qwen3-MoE in Q4_K_M
 (gguf_random_moe.py --shape cpu-small, then llama-quantize --allow-requantize ... Q4_K_M)
 decoded by `generate --cpu` and by llama.cpp (the xllamacpp wheel, in this process, loaded
-once) on the same prompt token ids, interleaved: each round runs ours, then llama.cpp (their
+once; its prompt cache off, so that every round computes the whole prompt) on the same prompt
+token ids, interleaved: each round runs ours, then llama.cpp (their
 order swapped every other round), greedy, 32 new tokens, 2 threads for llama.cpp.
 
 Usage: python3 scripts/moe_cpu_bench.py GENERATE MODEL.gguf OUT.json [ROUNDS] [PROMPT]
@@ -48,7 +49,7 @@ def peer_server(model):
 
 def peer(server, ids):
     r = server.handle_completions({"prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0.0,
-                                   "ignore_eos": True})
+                                   "ignore_eos": True, "cache_prompt": False})
     t = r.get("timings", {})
     return {"prefill_tokens": t.get("prompt_n"), "prefill_tokens_per_s": t.get("prompt_per_second"),
             "decode_tokens": t.get("predicted_n"), "decode_tokens_per_s": t.get("predicted_per_second")}
