@@ -372,8 +372,8 @@ mod tests {
             cpu_threads: Some(2),
             ..Tuning::default()
         };
-        assert_eq!(t.clone().fitted_to_model(true).kernels.cpu_kquants, Some(true));
-        assert_eq!(t.clone().fitted_to_model(false).kernels.cpu_kquants, Some(false));
+        assert_eq!(t.fitted_to_model(true).kernels.cpu_kquants, Some(true));
+        assert_eq!(t.fitted_to_model(false).kernels.cpu_kquants, Some(false));
         t.kernels.cpu_kquants = Some(false);
         assert_eq!(t.fitted_to_model(true).kernels.cpu_kquants, Some(false));
     }

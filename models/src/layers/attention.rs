@@ -10,9 +10,9 @@ use candle_offload::kernels::attention::{
     flash_attention, flash_attention_supported, AttentionShape, AttentionStep, StepInfo,
 };
 
-use super::norm::Norm;
 use super::cache::KvCache;
 use super::linear::{run, Linear};
+use super::norm::Norm;
 use crate::family::{Config, StepCtx, TrainCtx, UnitWeights};
 
 pub use candle_offload::kernels::attention::DECODE_ATTENTION_MAX_NEW;

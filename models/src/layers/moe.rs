@@ -250,7 +250,10 @@ impl SparseMoe {
                 inputs.push(xe);
                 owners.push((
                     slot,
-                    ids.iter().map(|&r| r as usize).zip(ws.iter().copied()).collect(),
+                    ids.iter()
+                        .map(|&r| r as usize)
+                        .zip(ws.iter().copied())
+                        .collect(),
                 ));
             }
         }
@@ -469,7 +472,11 @@ mod tests {
         };
         let experts = (0..e)
             .map(|j| {
-                let down = if j % 2 == 0 { GgmlDType::Q4K } else { GgmlDType::Q6K };
+                let down = if j % 2 == 0 {
+                    GgmlDType::Q4K
+                } else {
+                    GgmlDType::Q6K
+                };
                 Ok(Arc::new(GatedMlp {
                     gate_up: GateUp::Separate {
                         gate: q(i, h, GgmlDType::Q4K)?,
@@ -505,18 +512,26 @@ mod tests {
             let xs = Tensor::randn(0f32, 1.0, (1, rows, h), &dev)?;
             let x2 = xs.reshape((rows, h))?;
             let routes = moe.route(&x2)?;
-            let fast = moe.forward_cpu_blocks(&x2, &routes, &ctx)?.expect("K-quant experts");
+            let fast = moe
+                .forward_cpu_blocks(&x2, &routes, &ctx)?
+                .expect("K-quant experts");
             let generic = moe.forward(&xs, &ctx, false)?.reshape((rows, h))?;
             // `forward` itself takes the fast path: compare with each expert by hand.
             let mut want = x2.zeros_like()?;
             for (ex, (ids, ws)) in group_by_expert(&routes) {
-                let Experts::InLayer(v) = &moe.experts else { unreachable!() };
+                let Experts::InLayer(v) = &moe.experts else {
+                    unreachable!()
+                };
                 let ids = Tensor::from_vec(ids, ws.len(), &dev)?;
                 let y = v[ex].forward(&x2.index_select(&ids, 0)?)?;
                 let w = Tensor::from_vec(ws.clone(), (ws.len(), 1), &dev)?;
                 want = want.index_add(&ids, &y.broadcast_mul(&w)?, 0)?;
             }
-            let diff = (&fast - &want)?.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt();
+            let diff = (&fast - &want)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f32>()?
+                .sqrt();
             let norm = want.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt();
             assert!(diff / norm < 1e-2, "rows {rows}: rel L2 {}", diff / norm);
             assert_eq!(fast.to_vec2::<f32>()?, generic.to_vec2::<f32>()?);
