@@ -243,9 +243,9 @@ fn run(args: Args) -> Result<()> {
     };
     // Performance choices: the defaults for this host, the settings file's `tuning:` over
     // them, the environment's overrides over both (docs/tuning.md).
+    // Fitted to the host once the weights say whether the model is a mixture of experts.
     let mut tuning =
-        candle_offload_suite::tuning_env::tuning_from_env(settings.tuning.unwrap_or_default())
-            .fitted_to_host();
+        candle_offload_suite::tuning_env::tuning_from_env(settings.tuning.unwrap_or_default());
     if args.q8_activations {
         tuning.kernels.cpu_q8_activations = true;
     }
@@ -298,6 +298,10 @@ fn run(args: Args) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("cannot tokenize the prompt: {e}"))?;
     if prompt_ids.is_empty() {
         bail!("the prompt is empty after tokenization");
+    }
+    if args.verbose > 0 {
+        // The ids, for a peer given the same tokens (a GGUF whose vocabulary it cannot read).
+        eprintln!("prompt ids: {prompt_ids:?}");
     }
     let new_tokens = args.max_new_tokens.max(args.leak_check.unwrap_or(0) + 1);
     let max_len = prompt_ids.len() + new_tokens;
@@ -433,6 +437,11 @@ fn run(args: Args) -> Result<()> {
         store.pinned_bytes() as f64 / 2f64.powi(30),
         t0.elapsed().as_secs_f64()
     );
+    let experts = store
+        .units()
+        .iter()
+        .any(|u| u.tensors().iter().any(|t| t.name.contains(".experts.")));
+    let tuning = tuning.fitted_to_model(experts);
     let policy = match args.policy {
         Policy::Schedule => PolicyChoice::Auto,
         Policy::Lru => PolicyChoice::Lru,

@@ -102,6 +102,19 @@ impl Tuning {
         self
     }
 
+    /// [`fitted_to_host`](Self::fitted_to_host) for a model that `experts` says is a mixture
+    /// of experts: there the CPU K-quant loop is on whatever the threads, since the experts'
+    /// many small matmuls run on its pool ([`crate::kernels::linear::cpu_experts`]), and the
+    /// dense layers' matmuls on Candle's pool between them would leave each pool to wake the
+    /// other's threads a few dozen times a step (a 2-core host decodes a small Q4_K_M
+    /// Qwen3-MoE some five times faster with one pool). Choices already made stay.
+    pub fn fitted_to_model(mut self, experts: bool) -> Self {
+        if experts {
+            self.kernels.cpu_kquants.get_or_insert(true);
+        }
+        self.fitted_to_host()
+    }
+
     /// The threads of the CPU matmul pool this tuning asks for.
     pub fn threads(&self) -> usize {
         self.cpu_threads.unwrap_or_else(|| {
@@ -351,5 +364,17 @@ mod tests {
         // A choice made stays.
         t.kernels.cpu_kquants = Some(false);
         assert_eq!(t.fitted_to_host().kernels.cpu_kquants, Some(false));
+    }
+
+    #[test]
+    fn a_mixture_of_experts_turns_the_kquant_loop_on_at_any_thread_count() {
+        let mut t = Tuning {
+            cpu_threads: Some(2),
+            ..Tuning::default()
+        };
+        assert_eq!(t.fitted_to_model(true).kernels.cpu_kquants, Some(true));
+        assert_eq!(t.fitted_to_model(false).kernels.cpu_kquants, Some(false));
+        t.kernels.cpu_kquants = Some(false);
+        assert_eq!(t.fitted_to_model(true).kernels.cpu_kquants, Some(false));
     }
 }

@@ -344,7 +344,7 @@ pub const KQUANT_MAX_ROWS: usize = 8;
 const KQUANT_ELEMS_PER_TASK: usize = 1 << 16;
 
 /// Whether `t` is a K-quant block type (256 elements a block, activations in Q8_K blocks).
-fn is_kquant(t: GgmlDType) -> bool {
+pub(crate) fn is_kquant(t: GgmlDType) -> bool {
     matches!(
         t,
         GgmlDType::Q2K | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K
@@ -352,7 +352,7 @@ fn is_kquant(t: GgmlDType) -> bool {
 }
 
 /// A K-quant weight's blocks, typed.
-enum KRows<'a> {
+pub(crate) enum KRows<'a> {
     Q2K(&'a [BlockQ2K]),
     Q3K(&'a [BlockQ3K]),
     Q4K(&'a [BlockQ4K]),
@@ -363,7 +363,7 @@ enum KRows<'a> {
 impl<'a> KRows<'a> {
     /// `bytes` as blocks of `ty`; `None` for another type or bytes that are not whole,
     /// aligned blocks.
-    fn new(ty: GgmlDType, bytes: &'a [u8]) -> Option<Self> {
+    pub(crate) fn new(ty: GgmlDType, bytes: &'a [u8]) -> Option<Self> {
         use crate::linear::simd::k_blocks;
         Some(match ty {
             GgmlDType::Q2K => Self::Q2K(k_blocks(bytes)?),
@@ -375,7 +375,7 @@ impl<'a> KRows<'a> {
         })
     }
 
-    fn blocks(&self) -> usize {
+    pub(crate) fn blocks(&self) -> usize {
         match self {
             Self::Q2K(b) => b.len(),
             Self::Q3K(b) => b.len(),
@@ -386,7 +386,7 @@ impl<'a> KRows<'a> {
     }
 
     /// Row `r` (of `nb` blocks, `k` elements) against one row of activation blocks.
-    fn dot(&self, r: usize, nb: usize, k: usize, ys: &[BlockQ8K], pf: usize) -> f32 {
+    pub(crate) fn dot(&self, r: usize, nb: usize, k: usize, ys: &[BlockQ8K], pf: usize) -> f32 {
         fn one<T: GgmlType<VecDotType = BlockQ8K>>(
             b: &[T],
             r: usize,

@@ -8,6 +8,7 @@
 
 mod blocks;
 pub mod cpu_dense;
+pub mod cpu_experts;
 pub mod cpu_quant;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]

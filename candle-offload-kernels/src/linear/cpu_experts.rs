@@ -1,0 +1,211 @@
+//! Many small K-quant matmuls on the CPU in one pass of the worker pool: a
+//! mixture-of-experts layer's experts for a decode step or a short prompt (each expert's gate
+//! and up against its rows, then each expert's down against its own activations). Candle's
+//! matmul would run each of them as a job of its own thread pool, a dozen synchronisations
+//! of a few microseconds' work per layer; here every output value of every matmul is one work
+//! item of one pass ([`crate::pool`]), each the dot product [`super::cpu_quant::forward`]'s
+//! K-quant loop computes (Candle's `vec_dot` over the blocks as they are, against activations
+//! quantized to Q8_K once per input).
+
+use std::sync::Arc;
+
+use candle_core::quantized::k_quants::{BlockQ8K, QK_K};
+use candle_core::quantized::{GgmlType, QTensor};
+use candle_core::Result;
+
+use super::cpu_quant::{is_kquant, KRows, KQUANT_MAX_ROWS};
+use crate::tuning::KernelTuning;
+
+/// Dot products per work item (about 64 Ki weights at a width of 1024).
+const DOTS_PER_TASK: usize = 64;
+
+/// One input of [`kquant_batch`]: `m` rows of `k` F32 values, row-major.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows<'a> {
+    /// The values.
+    pub x: &'a [f32],
+    /// The width of a row.
+    pub k: usize,
+}
+
+/// Whether [`kquant_batch`] takes `w` against rows of width `k`: a 2-D K-quant tensor on the
+/// CPU, `(n, k)`, `k` whole Q8_K blocks.
+pub fn supports(w: &QTensor, k: usize) -> bool {
+    w.device().is_cpu()
+        && is_kquant(w.dtype())
+        && k > 0
+        && k.is_multiple_of(QK_K)
+        && matches!(w.shape().dims(), &[_, wk] if wk == k)
+}
+
+/// `inputs[i] · wᵀ` for each `(w, i)` of `items` (`w` `(n, k)` K-quant blocks, input `i` at
+/// most [`KQUANT_MAX_ROWS`] rows of the same `k`), all in one pass of the pool: item `j`'s
+/// result is `m × n`, row-major. Each input is quantized to Q8_K once, however many items read
+/// it. `None` where an item is not [`supports`]ed or an input has no rows or too many, so that
+/// the caller takes another path.
+pub fn kquant_batch(
+    inputs: &[Rows<'_>],
+    items: &[(&Arc<QTensor>, usize)],
+    tuning: &KernelTuning,
+) -> Result<Option<Vec<Vec<f32>>>> {
+    let pf = tuning.cpu_prefetch_bytes;
+    let mut ms = Vec::with_capacity(inputs.len());
+    for r in inputs {
+        if r.k == 0 || !r.k.is_multiple_of(QK_K) || !r.x.len().is_multiple_of(r.k) {
+            return Ok(None);
+        }
+        let m = r.x.len() / r.k;
+        if m == 0 || m > KQUANT_MAX_ROWS {
+            return Ok(None);
+        }
+        ms.push(m);
+    }
+    let mut ns = Vec::with_capacity(items.len());
+    for &(w, i) in items {
+        let Some(input) = inputs.get(i) else {
+            candle_core::bail!("expert matmul: no input {i} of {}", inputs.len());
+        };
+        if !supports(w, input.k) {
+            return Ok(None);
+        }
+        ns.push(w.shape().dims()[0]);
+    }
+    let datas = items
+        .iter()
+        .map(|(w, _)| w.data())
+        .collect::<Result<Vec<_>>>()?;
+    let Some(rows) = items
+        .iter()
+        .zip(&datas)
+        .map(|((w, _), d)| KRows::new(w.dtype(), d))
+        .collect::<Option<Vec<_>>>()
+    else {
+        return Ok(None);
+    };
+    for ((rows, &n), &(w, i)) in rows.iter().zip(&ns).zip(items) {
+        let nb = inputs[i].k / QK_K;
+        if rows.blocks() < n * nb {
+            candle_core::bail!(
+                "expert matmul: {} blocks of {:?} for ({n}, {})",
+                rows.blocks(),
+                w.dtype(),
+                inputs[i].k
+            );
+        }
+    }
+    let yq: Vec<Vec<BlockQ8K>> = inputs
+        .iter()
+        .map(|r| {
+            let nb = r.k / QK_K;
+            let mut y = vec![BlockQ8K::zeros(); r.x.len() / QK_K];
+            for (x, y) in r.x.chunks_exact(r.k).zip(y.chunks_exact_mut(nb)) {
+                BlockQ8K::from_float(x, y);
+            }
+            y
+        })
+        .collect();
+    // Item j's values at starts[j]: column-major, its m values of output column c at c * m.
+    let sizes: Vec<usize> = items
+        .iter()
+        .zip(&ns)
+        .map(|(&(_, i), &n)| n * ms[i])
+        .collect();
+    let mut starts = Vec::with_capacity(sizes.len());
+    let mut total = 0;
+    for s in &sizes {
+        starts.push(total);
+        total += s;
+    }
+    let mut out = vec![0f32; total];
+    crate::pool::for_each_chunk_mut(&mut out, DOTS_PER_TASK, |task, part| {
+        let e0 = task * DOTS_PER_TASK;
+        let mut j = starts.partition_point(|&s| s <= e0) - 1;
+        for (o, v) in part.iter_mut().enumerate() {
+            let e = e0 + o;
+            while e >= starts[j] + sizes[j] {
+                j += 1;
+            }
+            let i = items[j].1;
+            let (m, k) = (ms[i], inputs[i].k);
+            let nb = k / QK_K;
+            let local = e - starts[j];
+            let (c, r) = (local / m, local % m);
+            *v = rows[j].dot(c, nb, k, &yq[i][r * nb..(r + 1) * nb], pf);
+        }
+    });
+    Ok(Some(
+        items
+            .iter()
+            .enumerate()
+            .map(|(j, &(_, i))| {
+                super::cpu_quant::transpose(
+                    out[starts[j]..starts[j] + sizes[j]].to_vec(),
+                    ms[i],
+                    ns[j],
+                )
+            })
+            .collect(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::GgmlDType;
+    use candle_core::{Device, Tensor};
+
+    /// Each item's result is the dequantized weight's product with its input, within the
+    /// error of quantizing the activations to Q8_K, for mixed block types, widths and rows.
+    #[test]
+    fn batch_matches_each_matmul() {
+        let dev = Device::Cpu;
+        let t = KernelTuning::default();
+        let q = |n, k, ty| {
+            let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+            Arc::new(QTensor::quantize(&w, ty).unwrap())
+        };
+        let ws = [
+            q(48, 512, GgmlDType::Q4K),
+            q(32, 512, GgmlDType::Q6K),
+            q(16, 256, GgmlDType::Q4K),
+        ];
+        let xs: Vec<Vec<f32>> = [(3usize, 512usize), (1, 512), (8, 256)]
+            .iter()
+            .map(|&(m, k)| {
+                Tensor::randn(0f32, 1.0, m * k, &dev)
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            })
+            .collect();
+        let inputs = [
+            Rows { x: &xs[0], k: 512 },
+            Rows { x: &xs[1], k: 512 },
+            Rows { x: &xs[2], k: 256 },
+        ];
+        let items = [(&ws[0], 0), (&ws[1], 0), (&ws[0], 1), (&ws[2], 2)];
+        let got = kquant_batch(&inputs, &items, &t).unwrap().unwrap();
+        for (&(w, i), y) in items.iter().zip(&got) {
+            let k = inputs[i].k;
+            let x = Tensor::from_slice(inputs[i].x, (inputs[i].x.len() / k, k), &dev).unwrap();
+            let want = x
+                .matmul(&w.dequantize(&dev).unwrap().t().unwrap())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            assert_eq!(y.len(), want.len());
+            let err: f32 = y.iter().zip(&want).map(|(a, b)| (a - b).powi(2)).sum();
+            let norm: f32 = want.iter().map(|b| b * b).sum();
+            assert!((err / norm).sqrt() < 0.02, "rel L2 {}", (err / norm).sqrt());
+        }
+        // Too many rows, or a type it has no loop for: the caller's path.
+        let long = vec![0f32; 9 * 256];
+        let r = [Rows { x: &long, k: 256 }];
+        assert!(kquant_batch(&r, &[(&ws[2], 0)], &t).unwrap().is_none());
+        let q8 = q(16, 256, GgmlDType::Q8_0);
+        let r = [Rows { x: &xs[2], k: 256 }];
+        assert!(kquant_batch(&r, &[(&q8, 0)], &t).unwrap().is_none());
+    }
+}
