@@ -140,7 +140,9 @@ pub fn frozen_base(
         return Ok(store);
     }
     let copy = rebuild(&store, cfg, device, |unit, t| match t.format {
-        WeightFormat::Ggml(_) if !outside(unit.name()) => Ok(Stored::Blocks(Box::new(unit.cpu_qtensor(t)?))),
+        WeightFormat::Ggml(_) if !outside(unit.name()) => {
+            Ok(Stored::Blocks(Box::new(unit.cpu_qtensor(t)?)))
+        }
         WeightFormat::Ggml(_) => Ok(Stored::Dense(
             unit.cpu_qtensor(t)?.dequantize(&candle_core::Device::Cpu)?,
         )),
