@@ -72,6 +72,11 @@ SOURCES = {
         "2026-12-04/2026-12-04-stop51-cpu-default-model-fc29c6d-run2.json",
         "2026-12-04/2026-12-04-cpu-default-model-b5a4840.json",
     ],
+    # scripts/moe_cpu_bench.py: generate --cpu on a random small Qwen3-MoE GGUF, llama.cpp's
+    # Python binding on the same file and token ids in the same run, rounds alternating.
+    "moe-cpu": [
+        "2026-12-04/2026-12-04-moe-cpu-small-1586905.json",
+    ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     "train": [
         "2026-12-01/2026-12-01-train-hand-first-h200.json",
@@ -243,6 +248,24 @@ def cpu_rows():
     return rows
 
 
+def moe_cpu_rows():
+    rows = []
+    newest = max((load(rel) | {"_rel": rel} for rel in SOURCES["moe-cpu"]),
+                 key=lambda d: str(d["date"]), default=None)
+    if newest is None:
+        return rows
+    for metric in ("decode_tokens_per_s", "prefill_tokens_per_s"):
+        s = newest["summary"][metric]
+        rows.append(row(
+            benchmark="generate-cpu-moe", model="Qwen3-MoE small shape (random)",
+            weights="Q4_K_M", budget_gib=None, prompt_len=len(newest["prompt_ids"]), metric=metric,
+            ours=rnd(s["ours_median"], 2), peer="llama.cpp", peer_value=rnd(s["llamacpp_median"], 2),
+            ratio=ratio(s["ours_median"], s["llamacpp_median"], True), peak_mib=None,
+            budget_mib=None, within_budget=None, commit=str(newest["commit"]),
+            date=day(newest), source=f"{RESULTS}/{newest['_rel']}"))
+    return rows
+
+
 def train_rows():
     best = {}
     for rel in SOURCES["train"]:
@@ -337,6 +360,7 @@ def render_benchmarks(rows):
     mach = machines()
     gpu = [r for r in rows if r["benchmark"] == "generate-gpu"]
     cpu = [r for r in rows if r["benchmark"] == "generate-cpu"]
+    moe_cpu = [r for r in rows if r["benchmark"] == "generate-cpu-moe"]
     train = [r for r in rows if r["benchmark"].startswith("train-") and r["benchmark"] != "train-offload"]
     off = [r for r in rows if r["benchmark"] == "train-offload"]
     L = [
@@ -402,6 +426,23 @@ def render_benchmarks(rows):
             L.append(f"| {r['model']} | {r['weights']} | {r['metric'].split('_')[0]} tok/s | "
                      f"{fmt(r['ours'])} | {fmt(r['peer_value'])} | **{fmt(r['ratio'])}** | {measured(r)} |")
         L.append("")
+    if moe_cpu:
+        L += [
+            "### A mixture of experts on the CPU, against llama.cpp",
+            "",
+            f"{mach['moe-cpu']}; `generate --cpu` on a random-weight Qwen3-MoE GGUF (hidden 1024, "
+            "16 layers, 64 experts, top 4, expert FFN 512, vocab 32000; `scripts/gguf_random_moe.py "
+            "--shape cpu-small`, requantized to Q4_K_M by llama-quantize) against llama.cpp (its "
+            "Python binding, the same file, the same prompt token ids, 2 threads, prompt cache off) "
+            "in the same run, rounds alternating; medians over rounds.",
+            "",
+            "| model | weights | metric | ours | llama.cpp | x | measured |",
+            "| --- | --- | --- | ---: | ---: | ---: | --- |",
+        ]
+        for r in moe_cpu:
+            L.append(f"| {r['model']} | {r['weights']} | {r['metric'].split('_')[0]} tok/s | "
+                     f"{fmt(r['ours'])} | {fmt(r['peer_value'])} | **{fmt(r['ratio'])}** | {measured(r)} |")
+        L.append("")
     if train:
         L += [
             "### Training against PyTorch",
@@ -453,6 +494,7 @@ def render_glance(rows):
     """README's compact version: the decode grid as a table, the rest in one paragraph."""
     gpu = [r for r in rows if r["benchmark"] == "generate-gpu"]
     cpu = [r for r in rows if r["benchmark"] == "generate-cpu"]
+    moe_cpu = [r for r in rows if r["benchmark"] == "generate-cpu-moe"]
     train = [r for r in rows if r["benchmark"].startswith("train-") and r["benchmark"] != "train-offload"]
     off = [r for r in rows if r["benchmark"] == "train-offload"]
     L, text = [], []
@@ -551,7 +593,7 @@ def check_index(entries):
 
 def main():
     check = "--check" in sys.argv[1:]
-    rows = gpu_rows() + train_rows() + cpu_rows()
+    rows = gpu_rows() + train_rows() + cpu_rows() + moe_cpu_rows()
     sources = {r["source"] for r in rows}
 
     with open(ROOT / INDEX) as f:
