@@ -98,15 +98,13 @@ def main():
     if a.mode == "generate":
         n = len(gen_rows(rounds[0]["after"]["record"]))
         for j in range(n):
-            key = None
+            row0 = gen_rows(rounds[0]["after"]["record"])[j]
+            key = f"budget={row0.get('budget')} prompt={row0.get('prompt_len')}"
             for ours_k, peer_k, higher in GEN_METRICS:
                 vals = {b: [gen_rows(r[b]["record"])[j].get(ours_k) for r in rounds]
                         for b in ("before", "after")}
                 peer = [gen_rows(r["after"]["record"])[j].get(peer_k) for r in rounds]
-                row0 = gen_rows(rounds[0]["after"]["record"])[j]
-                key = f"budget={row0.get('budget')} prompt={row0.get('prompt_len')}"
-                s = summarize(vals, peer, higher)
-                summary.setdefault(key, {})[ours_k] = s
+                summary.setdefault(key, {})[ours_k] = summarize(vals, peer, higher)
     else:
         with open(a.peer) as f:
             peer_rec = json.load(f)
