@@ -63,6 +63,16 @@ impl std::fmt::Debug for StepCtx<'_> {
     }
 }
 
+/// One sequence of a ragged step ([`DecoderBlock::forward_ragged`]): its new positions, which
+/// follow the previous sequence's rows, and where they start in its own KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RaggedSegment {
+    /// New positions (rows of the step).
+    pub len: usize,
+    /// Positions already in this sequence's cache.
+    pub index_pos: usize,
+}
+
 /// What a training pass gives every block: a whole sequence from position 0.
 pub struct TrainCtx<'a> {
     /// RoPE tables on the training device.
@@ -272,6 +282,26 @@ pub trait DecoderBlock: std::fmt::Debug + Send + Sync {
     /// one launch less per layer. The default takes the sum and returns the state whole.
     fn forward_hidden(&self, xs: Hidden, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Hidden> {
         Ok(Hidden::Whole(self.forward(&xs.into_tensor()?, ctx, kv)?))
+    }
+
+    /// A ragged step: `xs` (1, rows, hidden) holds the new positions of several sequences one
+    /// after the other (`segs`), each appending to its own cache in `kvs`; `ctx` gives the
+    /// pass's RoPE tables, fused ops and experts (its position and masks are not used: each
+    /// sequence has its own). The rows run together through everything but the attention,
+    /// which each sequence runs over its cache. Blocks without one refuse batching by
+    /// sequence with this error.
+    fn forward_ragged(
+        &self,
+        xs: Hidden,
+        ctx: &StepCtx<'_>,
+        segs: &[RaggedSegment],
+        kvs: &mut [&mut KvCache],
+    ) -> Result<Hidden> {
+        let _ = (xs, ctx, segs, kvs);
+        candle_core::bail!(
+            "this model family's blocks cannot run sequences of a batch apart \
+             (DecoderBlock::forward_ragged)"
+        )
     }
 
     /// The training pass over whole sequences from position 0, with differentiable ops only.

@@ -13,6 +13,7 @@
 //!   [`families`] holds the ones this crate ships and the registry `config.json` is looked up
 //!   in, [`hf_config`] the readers of a `config.json`'s fields they use, and [`layers`] the
 //!   building blocks they share.
+//! - [`batching`]: continuous batching, sequences joining and leaving a running batch.
 //! - [`Trainer`]: fine-tuning any family whose blocks have a training path.
 //! - [`ChatTemplate`]: the model's own chat template.
 //! - [`Tokenizer`]: a `tokenizer.json`, or the tokenizer of a GGUF file rebuilt as llama.cpp
@@ -35,6 +36,7 @@
 //! for the KV cache and activations, the kept units, Belady over the sweep, the device map.
 //! `examples/own_model/` is a complete example in under 60 lines of glue.
 
+pub mod batching;
 pub mod causal;
 pub mod chat;
 pub mod config;
@@ -57,14 +59,15 @@ pub mod train;
 
 pub use causal::{
     CausalLm, CausalLmBuilder, DeviceMapChoice, DeviceMapRequest, GraphStats, HiddenTransfer,
-    HostLayers, HostTotals, LayerSteps, ModelSource, OffloadSettings, HOST_STEP_ROWS,
+    HostLayers, HostTotals, LayerSteps, ModelSource, OffloadSettings, RaggedSeq, HOST_STEP_ROWS,
     MIN_PROMPT_CHUNK,
 };
 pub use chat::ChatTemplate;
 pub use config::Config;
 pub use error::{ModelError, Result};
 pub use family::{
-    DecoderBlock, ExpertLayout, Family, Hidden, Layout, StepCtx, TrainCtx, UnitWeights,
+    DecoderBlock, ExpertLayout, Family, Hidden, Layout, RaggedSegment, StepCtx, TrainCtx,
+    UnitWeights,
 };
 pub use layers::{Cache, KvCache};
 pub use llama::Llama;

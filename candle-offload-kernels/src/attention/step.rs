@@ -139,6 +139,23 @@ impl<'a> AttentionStep<'a> {
     /// ([`Linear::takes_quantized_x`]). A captured step runs the decode kernel only, else
     /// fails.
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Linear) -> Result<Tensor> {
+        let decode = self.kernel == AttentionKernel::Decode;
+        // The decode kernel also quantizes its rows for the output projection.
+        let q8 = decode && out.takes_quantized_x();
+        let rows = self.rows(q, k, v, q8)?;
+        out.forward_with(&rows, decode && self.step.fused)
+    }
+
+    /// The attention's rows (batch, new, heads · head_dim) in q's dtype, before any output
+    /// projection: [`forward`](Self::forward) without it (a ragged step's sequences attend
+    /// one by one, and their rows go through the projection together).
+    pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        self.rows(q, k, v, false)
+    }
+
+    /// The attention's rows by the chosen kernel; with `q8` (the decode kernel only) flat
+    /// and quantized as the output projection takes them.
+    fn rows(&self, q: &Tensor, k: &Tensor, v: &Tensor, q8: bool) -> Result<Tensor> {
         let masks = self.step.masks;
         if self.step.pos.is_some() && !self.rotates_into_cache() {
             candle_core::bail!(
@@ -152,7 +169,6 @@ impl<'a> AttentionStep<'a> {
         match self.kernel {
             AttentionKernel::Decode => {
                 // One kernel over the cache's views: no repeat, cast, copy, mask or softmax.
-                let q8 = out.takes_quantized_x();
                 let scale = 1.0 / s.score_div;
                 let pads = masks.pads_tensor()?;
                 let y = match (self.step.pos, pads) {
@@ -164,29 +180,24 @@ impl<'a> AttentionStep<'a> {
                     (None, Some(pads)) => {
                         decode_attention_padded(q, k, v, scale, s.window, &pads, q8)?
                     }
-                    // The kernel also quantizes its rows for the output projection.
                     (None, None) if q8 => decode_attention_q8(q, k, v, scale, s.window)?,
                     (None, None) => decode_attention(q, k, v, scale, s.window)?,
                 };
                 // With `q8` the rows come flat already (and their quantized copy is kept for
                 // this very tensor); otherwise (b, new, heads, head_dim).
-                let rows = if q8 {
-                    y
+                if q8 {
+                    Ok(y)
                 } else {
-                    y.reshape((b, self.new, hidden))?
-                };
-                out.forward_with(&rows, self.step.fused)
+                    y.reshape((b, self.new, hidden))
+                }
             }
             AttentionKernel::Prompt => {
                 // One flash-attention kernel over the cache's views: no F32 copies, no score
                 // matrix, no mask or softmax launches.
                 let y = prompt_attention(q, k, v, 1.0 / s.score_div, self.step.tuning)?;
-                out.forward_with(&y.reshape((b, self.new, hidden))?, false)
+                y.reshape((b, self.new, hidden))
             }
-            AttentionKernel::Composition => {
-                let y = self.composition(q, k, v, masks.mask(s.window)?)?;
-                out.forward_with(&y, false)
-            }
+            AttentionKernel::Composition => self.composition(q, k, v, masks.mask(s.window)?),
         }
     }
 

@@ -165,7 +165,7 @@ impl CausalLm {
     /// it is built once per residency and kept with the unit (`UnitGuard::derived`): a resident
     /// model's decode step builds no layer and looks up no tensor by name. Otherwise (tensors
     /// converted on use, whose copies should not outlive the step) it is built each time.
-    fn layer_block(
+    pub(super) fn layer_block(
         &self,
         unit: &candle_offload::UnitGuard,
         l: usize,

@@ -17,7 +17,8 @@
 //!   [`candle_offload::plan::spread`]);
 //! - `devices.rs`: a pipeline over several devices and its device map;
 //! - `experts.rs`: mixture-of-experts layers' experts acquired one by one as units;
-//! - `forward.rs`: the forward pass; `graph.rs` and `graph_state.rs`: decode steps replayed
+//! - `forward.rs`: the forward pass; `ragged.rs`: one pass over several sequences, each with
+//!   its own cache (continuous batching); `graph.rs` and `graph_state.rs`: decode steps replayed
 //!   from CUDA graphs.
 
 mod builder;
@@ -28,6 +29,7 @@ mod graph;
 mod graph_state;
 mod host;
 mod model;
+mod ragged;
 mod reserve;
 
 pub use builder::{CausalLmBuilder, ModelSource};
@@ -36,4 +38,5 @@ pub use devices::{DeviceMapChoice, DeviceMapRequest, PlacementUnits, TIED_HEAD};
 pub use forward::{argmax, HOST_STEP_ROWS};
 pub use graph_state::GraphStats;
 pub use model::{CausalLm, HiddenTransfer, HostTotals, TransferTotals};
+pub use ragged::RaggedSeq;
 pub use reserve::{OffloadSettings, MIN_PROMPT_CHUNK};

@@ -10,10 +10,10 @@ use candle_offload::kernels::attention::{
     flash_attention, flash_attention_supported, AttentionShape, AttentionStep, StepInfo,
 };
 
-use super::cache::KvCache;
+use super::cache::{KvCache, Masks};
 use super::linear::{run, Linear};
 use super::norm::Norm;
-use crate::family::{Config, StepCtx, TrainCtx, UnitWeights};
+use crate::family::{Config, RaggedSegment, StepCtx, TrainCtx, UnitWeights};
 
 pub use candle_offload::kernels::attention::DECODE_ATTENTION_MAX_NEW;
 
@@ -207,12 +207,71 @@ impl SelfAttention {
     /// `kv`: the attention op ([`AttentionStep`]) chooses its kernel and runs it with the
     /// output projection.
     pub fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Tensor> {
-        let s = &self.spec;
-        let (b, seq_len, _) = xs.dims3()?;
-        let shape =
-            |t: Tensor, heads: usize| t.reshape((b, seq_len, heads, s.head_dim))?.transpose(1, 2);
         let (q, k, v) = self.project(xs, false, ctx.fused)?;
         let (q, k) = self.norm_qk(q, k, false)?;
+        let (step, q, k, v) = self.cached_step(q, k, v, ctx, kv)?;
+        step.forward(&q, &k, &v, &self.o_proj)
+    }
+
+    /// [`forward`](Self::forward) for a ragged step: `xs` (1, rows, hidden) holds the new
+    /// positions of several sequences one after the other, `segs` their counts and positions,
+    /// `kvs` their caches (one each). The projections run over all rows at once, the attention
+    /// per sequence over its own cache, the output projection over all rows again.
+    pub fn forward_ragged(
+        &self,
+        xs: &Tensor,
+        ctx: &StepCtx<'_>,
+        segs: &[RaggedSegment],
+        kvs: &mut [&mut KvCache],
+    ) -> Result<Tensor> {
+        let (b, rows, _) = xs.dims3()?;
+        let total: usize = segs.iter().map(|s| s.len).sum();
+        if b != 1 || total != rows || segs.len() != kvs.len() {
+            candle_core::bail!(
+                "a ragged step needs (1, rows, hidden) with the segments' {total} rows and one \
+                 cache per segment: got ({b}, {rows}, ..), {} segments, {} caches",
+                segs.len(),
+                kvs.len()
+            );
+        }
+        let (q, k, v) = self.project(xs, false, ctx.fused)?;
+        let (q, k) = self.norm_qk(q, k, false)?;
+        let mut outs = Vec::with_capacity(segs.len());
+        let mut start = 0;
+        for (seg, kv) in segs.iter().zip(kvs.iter_mut()) {
+            let cut = |t: &Tensor| t.narrow(1, start, seg.len);
+            let masks = Masks::new(seg.len, seg.index_pos, xs.device());
+            let seg_ctx = StepCtx {
+                index_pos: seg.index_pos,
+                rope: ctx.rope,
+                masks: &masks,
+                fused: ctx.fused,
+                pos_dev: None,
+                experts: ctx.experts,
+            };
+            let (step, q, k, v) = self.cached_step(cut(&q)?, cut(&k)?, cut(&v)?, &seg_ctx, kv)?;
+            outs.push(step.attend(&q, &k, &v)?);
+            start += seg.len;
+        }
+        let y = Tensor::cat(&outs, 1)?;
+        self.o_proj.forward_with(&y, ctx.fused)
+    }
+
+    /// The attention op for q, k and v (batch, seq, width, as the projections give them) in
+    /// `ctx`, with k and v appended to `kv`: the step, q as it attends (batch, heads, seq,
+    /// head_dim, rotated) and every cached position's keys and values.
+    fn cached_step<'c>(
+        &'c self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        ctx: &StepCtx<'c>,
+        kv: &mut KvCache,
+    ) -> Result<(AttentionStep<'c>, Tensor, Tensor, Tensor)> {
+        let s = &self.spec;
+        let (b, seq_len, _) = q.dims3()?;
+        let shape =
+            |t: Tensor, heads: usize| t.reshape((b, seq_len, heads, s.head_dim))?.transpose(1, 2);
         let rope = ctx.rope.for_layer(s.local_rope);
         let step = AttentionStep::new(
             s.shape(),
@@ -264,7 +323,7 @@ impl SelfAttention {
                 (q, k, v)
             }
         };
-        step.forward(&q, &k, &v, &self.o_proj)
+        Ok((step, q, k, v))
     }
 
     /// Causal self-attention over the whole sequence with differentiable ops (training).

@@ -10,7 +10,7 @@ use super::linear::Linear;
 use super::mlp::GatedMlp;
 use super::moe::SparseMoe;
 use super::norm::Norm;
-use crate::family::{DecoderBlock, Hidden, StepCtx, TrainCtx};
+use crate::family::{DecoderBlock, Hidden, RaggedSegment, StepCtx, TrainCtx};
 
 /// A pre-norm decoder layer:
 /// `h = x + post_attn(attn(norm(x)))`, `out = h + post_mlp(mlp(pre_mlp(h)))`, where the
@@ -108,15 +108,14 @@ fn add_norm(
     }
 }
 
-impl DecoderBlock for PreNormBlock {
-    fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Tensor> {
-        self.forward_hidden(Hidden::Whole(xs.clone()), ctx, kv)?
-            .into_tensor()
-    }
-
-    /// A fused step leaves the MLP's residual add to the next block's input norm (or the
-    /// caller), which does it in its own kernel.
-    fn forward_hidden(&self, xs: Hidden, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Hidden> {
+impl PreNormBlock {
+    /// The block over `xs` with `attn` as its attention (on the normed rows).
+    fn run(
+        &self,
+        xs: Hidden,
+        ctx: &StepCtx<'_>,
+        attn: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Hidden> {
         let (residual, normed) = match xs {
             Hidden::Whole(xs) => {
                 let normed = self.input_norm.forward(&xs)?;
@@ -126,7 +125,7 @@ impl DecoderBlock for PreNormBlock {
                 add_norm(&self.input_norm, ctx, h, residual, Some(self.attn.first()))?
             }
         };
-        let h = self.attn.forward(&normed, ctx, kv)?;
+        let h = attn(&normed)?;
         let h = match &self.post_attn_norm {
             Some(n) => n.forward(&h)?,
             None => h,
@@ -139,6 +138,31 @@ impl DecoderBlock for PreNormBlock {
             None if ctx.fused => Ok(Hidden::Split { h, residual: xs }),
             None => Ok(Hidden::Whole((h + xs)?)),
         }
+    }
+}
+
+impl DecoderBlock for PreNormBlock {
+    fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Tensor> {
+        self.forward_hidden(Hidden::Whole(xs.clone()), ctx, kv)?
+            .into_tensor()
+    }
+
+    /// A fused step leaves the MLP's residual add to the next block's input norm (or the
+    /// caller), which does it in its own kernel.
+    fn forward_hidden(&self, xs: Hidden, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Hidden> {
+        self.run(xs, ctx, |normed| self.attn.forward(normed, ctx, kv))
+    }
+
+    fn forward_ragged(
+        &self,
+        xs: Hidden,
+        ctx: &StepCtx<'_>,
+        segs: &[RaggedSegment],
+        kvs: &mut [&mut KvCache],
+    ) -> Result<Hidden> {
+        self.run(xs, ctx, |normed| {
+            self.attn.forward_ragged(normed, ctx, segs, kvs)
+        })
     }
 
     /// The residual stream stays in `xs`'s dtype (F32 under autocast), norms run in it, and

@@ -1,0 +1,474 @@
+//! Continuous batching: sequences join a running batch at the next step and leave when done,
+//! each with its own KV cache and sampler, every step one forward pass over all of them
+//! ([`CausalLm::forward_ragged`]).
+//!
+//! The policy ([`Batcher::step`]):
+//! - **Admission**, first come first served: a waiting sequence starts when fewer than
+//!   [`BatchOptions::max_running`] run and its KV cache (its prompt and all its new tokens, the
+//!   whole cache it can ever need: [`Batcher::kv_bytes`]) fits beside the running ones' in
+//!   [`BatchOptions::kv_limit_bytes`]. It is allocated for those positions when it starts and
+//!   freed when it finishes or is cancelled, so a running sequence never waits for memory.
+//! - **A step** carries one new token of every decoding sequence, then prompt chunks of the
+//!   sequences still reading their prompt, in arrival order, while the step's rows stay within
+//!   [`BatchOptions::step_tokens`] (the first prompt chunk always goes, so prompts progress).
+//!   A prompt runs in chunks of [`BatchOptions::prompt_chunk`] positions at fixed offsets, so
+//!   a sequence's forward passes are the same whatever else runs beside it; decoding
+//!   sequences stream a token every step while a long prompt is read.
+//! - A sequence **finishes** at one of its end tokens or after its `max_new_tokens`.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use candle_core::{Result, Tensor};
+use candle_transformers::generation::LogitsProcessor;
+
+use crate::causal::RaggedSeq;
+use crate::layers::Cache;
+use crate::llama::Llama;
+use crate::sampling::{DeviceSampler, TokenSampler};
+
+/// How a [`Batcher`] schedules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchOptions {
+    /// Sequences that run at once, at most.
+    pub max_running: usize,
+    /// Rows (new positions over all sequences) a step carries, at most (beside the first
+    /// prompt chunk, which always goes).
+    pub step_tokens: usize,
+    /// Positions of a prompt per forward pass.
+    pub prompt_chunk: usize,
+    /// Bytes the running sequences' KV caches may take together.
+    pub kv_limit_bytes: u64,
+    /// Positions a sequence may reach (its prompt and new tokens): the model's context.
+    pub max_len: usize,
+}
+
+impl BatchOptions {
+    /// `max_running` sequences of up to `max_len` positions each, their whole caches within
+    /// the limit, steps of up to 512 rows and prompt chunks of 256.
+    pub fn new(model: &Llama, max_running: usize, max_len: usize) -> Self {
+        let per_seq = model
+            .config()
+            .kv_cache_bytes(max_len, model.dtype());
+        Self {
+            max_running: max_running.max(1),
+            step_tokens: 512,
+            prompt_chunk: 256,
+            kv_limit_bytes: per_seq * max_running.max(1) as u64,
+            max_len,
+        }
+    }
+}
+
+/// How a sequence samples its tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// Above 0: sample at this temperature; `None` (or 0): greedy.
+    pub temperature: Option<f64>,
+    /// Nucleus sampling's probability mass, with a temperature.
+    pub top_p: Option<f64>,
+    /// The seed of this sequence's generator.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: None,
+            top_p: None,
+            seed: 299792458,
+        }
+    }
+}
+
+/// A sequence to generate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqRequest {
+    /// The prompt's token ids (at least one).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (at least one).
+    pub max_new_tokens: usize,
+    /// How to sample them.
+    pub sampling: SamplingParams,
+    /// Tokens that end the sequence (sent, then the sequence finishes).
+    pub end_tokens: Vec<u32>,
+}
+
+/// Why a request cannot run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Rejection {
+    /// The prompt has no tokens.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// `max_new_tokens` is 0.
+    #[error("max_new_tokens must be at least 1")]
+    NoNewTokens,
+    /// The prompt and new tokens exceed the context.
+    #[error(
+        "the prompt ({prompt} tokens) and {new} new tokens exceed the context of {max_len} positions"
+    )]
+    TooLong {
+        /// Prompt tokens.
+        prompt: usize,
+        /// Tokens asked for.
+        new: usize,
+        /// The context.
+        max_len: usize,
+    },
+    /// Its KV cache alone exceeds the batch's KV memory.
+    #[error("its KV cache ({needed} bytes) exceeds the KV memory of the batch ({limit} bytes)")]
+    NeverFits {
+        /// Bytes its cache needs.
+        needed: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// A sequence with this id is already known.
+    #[error("sequence {0} is already queued or running")]
+    DuplicateId(u64),
+}
+
+/// What happened to a sequence in a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqEvent {
+    /// Its next token (an end token too, before [`SeqEvent::Finished`]).
+    Token(u32),
+    /// It is done and its memory freed.
+    Finished(FinishReason),
+}
+
+/// Why a sequence finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It produced one of its end tokens.
+    EndToken,
+    /// It reached its `max_new_tokens`.
+    Length,
+}
+
+/// A [`Batcher`]'s state, for monitoring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BatchGauges {
+    /// Sequences running (reading their prompt or decoding).
+    pub running: usize,
+    /// Sequences waiting to start.
+    pub waiting: usize,
+    /// Bytes the running sequences' KV caches hold (reserved for all their positions).
+    pub kv_bytes: u64,
+    /// The limit on those bytes.
+    pub kv_limit_bytes: u64,
+    /// Sequences in the last step.
+    pub last_batch: usize,
+    /// Rows (new positions) of the last step.
+    pub last_rows: usize,
+    /// Steps run.
+    pub steps: u64,
+}
+
+/// A sequence's sampler: on the device where the logits are (only the id crosses), or the
+/// host's `LogitsProcessor`.
+enum Sampler {
+    Host(LogitsProcessor),
+    Device(Box<DeviceSampler>),
+}
+
+impl Sampler {
+    fn new(p: &SamplingParams, on_gpu: bool) -> Result<Self> {
+        let temperature = p.temperature.filter(|&t| t > 0.0);
+        let top_p = temperature.and(p.top_p);
+        Ok(if on_gpu {
+            Self::Device(Box::new(DeviceSampler::new(p.seed, temperature, top_p)?))
+        } else {
+            Self::Host(LogitsProcessor::new(p.seed, temperature, top_p))
+        })
+    }
+
+    fn sample(&mut self, logits: &Tensor) -> Result<u32> {
+        match self {
+            Self::Host(s) => s.sample_token(logits),
+            Self::Device(s) => s.sample_token(logits),
+        }
+    }
+}
+
+struct Running {
+    id: u64,
+    req: SeqRequest,
+    cache: Cache,
+    kv_bytes: u64,
+    /// Prompt positions already in the cache.
+    read: usize,
+    /// Tokens generated; the last one is the next step's input.
+    generated: Vec<u32>,
+    sampler: Sampler,
+}
+
+impl Running {
+    fn decoding(&self) -> bool {
+        self.read == self.req.prompt.len()
+    }
+}
+
+/// Runs sequences as one batch that they join and leave between steps.
+pub struct Batcher {
+    model: Arc<Llama>,
+    opts: BatchOptions,
+    waiting: VecDeque<(u64, SeqRequest)>,
+    running: Vec<Running>,
+    kv_bytes: u64,
+    last: (usize, usize),
+    steps: u64,
+}
+
+impl std::fmt::Debug for Batcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batcher")
+            .field("opts", &self.opts)
+            .field("gauges", &self.gauges())
+            .finish()
+    }
+}
+
+impl Batcher {
+    /// A batcher over `model`.
+    pub fn new(model: Arc<Llama>, opts: BatchOptions) -> Self {
+        Self {
+            model,
+            opts,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            kv_bytes: 0,
+            last: (0, 0),
+            steps: 0,
+        }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<Llama> {
+        &self.model
+    }
+
+    /// Its options.
+    pub fn options(&self) -> &BatchOptions {
+        &self.opts
+    }
+
+    /// Bytes the KV cache of a sequence of `positions` positions takes.
+    pub fn kv_bytes(&self, positions: usize) -> u64 {
+        self.model
+            .config()
+            .kv_cache_bytes(positions, self.model.dtype())
+    }
+
+    /// Whether `req` could ever run (it may still wait for room).
+    pub fn check(&self, req: &SeqRequest) -> std::result::Result<(), Rejection> {
+        if req.prompt.is_empty() {
+            return Err(Rejection::EmptyPrompt);
+        }
+        if req.max_new_tokens == 0 {
+            return Err(Rejection::NoNewTokens);
+        }
+        let positions = req.prompt.len() + req.max_new_tokens;
+        if positions > self.opts.max_len {
+            return Err(Rejection::TooLong {
+                prompt: req.prompt.len(),
+                new: req.max_new_tokens,
+                max_len: self.opts.max_len,
+            });
+        }
+        let needed = self.kv_bytes(positions);
+        if needed > self.opts.kv_limit_bytes {
+            return Err(Rejection::NeverFits {
+                needed,
+                limit: self.opts.kv_limit_bytes,
+            });
+        }
+        Ok(())
+    }
+
+    /// Queues `req` as sequence `id`; it starts at a later step.
+    pub fn submit(&mut self, id: u64, req: SeqRequest) -> std::result::Result<(), Rejection> {
+        self.check(&req)?;
+        if self.waiting.iter().any(|(i, _)| *i == id) || self.running.iter().any(|r| r.id == id)
+        {
+            return Err(Rejection::DuplicateId(id));
+        }
+        self.waiting.push_back((id, req));
+        Ok(())
+    }
+
+    /// Drops sequence `id`, waiting or running, and frees its cache. False if unknown.
+    pub fn cancel(&mut self, id: u64) -> bool {
+        if let Some(i) = self.waiting.iter().position(|(w, _)| *w == id) {
+            self.waiting.remove(i);
+            return true;
+        }
+        match self.running.iter().position(|r| r.id == id) {
+            Some(i) => {
+                let r = self.running.remove(i);
+                self.kv_bytes -= r.kv_bytes;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Drops every sequence (after a failed step); returns their ids.
+    pub fn abort_all(&mut self) -> Vec<u64> {
+        let mut ids: Vec<u64> = self.running.drain(..).map(|r| r.id).collect();
+        ids.extend(self.waiting.drain(..).map(|(id, _)| id));
+        self.kv_bytes = 0;
+        ids
+    }
+
+    /// Nothing waits or runs.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// The current state.
+    pub fn gauges(&self) -> BatchGauges {
+        BatchGauges {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_bytes: self.kv_bytes,
+            kv_limit_bytes: self.opts.kv_limit_bytes,
+            last_batch: self.last.0,
+            last_rows: self.last.1,
+            steps: self.steps,
+        }
+    }
+
+    /// Starts the waiting sequences that fit, in order (the first that does not fit waits,
+    /// and so do those behind it).
+    fn admit(&mut self) -> Result<()> {
+        let on_gpu = self.model.runtime().device().is_cuda();
+        while self.running.len() < self.opts.max_running {
+            let Some((_, req)) = self.waiting.front() else {
+                break;
+            };
+            let positions = req.prompt.len() + req.max_new_tokens;
+            let bytes = self.kv_bytes(positions);
+            if self.kv_bytes + bytes > self.opts.kv_limit_bytes {
+                break;
+            }
+            let Some((id, req)) = self.waiting.pop_front() else {
+                break;
+            };
+            let sampler = Sampler::new(&req.sampling, on_gpu)?;
+            self.running.push(Running {
+                id,
+                cache: Cache::new(self.model.config().num_hidden_layers, positions),
+                kv_bytes: bytes,
+                read: 0,
+                generated: Vec::new(),
+                sampler,
+                req,
+            });
+            self.kv_bytes += bytes;
+        }
+        Ok(())
+    }
+
+    /// One step: admits what fits, runs one forward pass over the step's sequences, samples
+    /// the next token of each that finished its prompt, and retires the finished ones.
+    /// Returns what happened to each sequence, in order. Nothing to do: no events.
+    pub fn step(&mut self) -> Result<Vec<(u64, SeqEvent)>> {
+        self.admit()?;
+        // Which sequences run, and how many of their positions.
+        let mut plan: Vec<(usize, usize)> = Vec::new();
+        let mut rows = 0;
+        for (i, r) in self.running.iter().enumerate() {
+            if r.decoding() {
+                plan.push((i, 1));
+                rows += 1;
+            }
+        }
+        let mut first_chunk = true;
+        for (i, r) in self.running.iter().enumerate() {
+            if r.decoding() {
+                continue;
+            }
+            let n = (r.req.prompt.len() - r.read).min(self.opts.prompt_chunk.max(1));
+            if !first_chunk && rows + n > self.opts.step_tokens {
+                break;
+            }
+            plan.push((i, n));
+            rows += n;
+            first_chunk = false;
+        }
+        if plan.is_empty() {
+            return Ok(Vec::new());
+        }
+        let logits = {
+            let _span = tracing::debug_span!("batch.step", seqs = plan.len(), rows).entered();
+            let mut taken: Vec<Option<&mut Running>> =
+                self.running.iter_mut().map(Some).collect();
+            let mut seqs = Vec::with_capacity(plan.len());
+            for &(i, n) in &plan {
+                let Some(r) = taken[i].take() else {
+                    candle_core::bail!("sequence {i} planned twice");
+                };
+                let tokens: Vec<u32> = if r.decoding() {
+                    r.generated.last().copied().into_iter().collect()
+                } else {
+                    r.req.prompt[r.read..r.read + n].to_vec()
+                };
+                seqs.push(RaggedSeq {
+                    tokens,
+                    cache: &mut r.cache,
+                });
+            }
+            self.model.begin_step()?;
+            let logits = self.model.forward_ragged(&mut seqs)?;
+            self.model.end_step()?;
+            logits
+        };
+        self.steps += 1;
+        self.last = (plan.len(), rows);
+        let mut events = Vec::new();
+        let mut finished = Vec::new();
+        for (k, &(i, n)) in plan.iter().enumerate() {
+            let r = &mut self.running[i];
+            if !r.decoding() {
+                r.read += n;
+                if !r.decoding() {
+                    // More of the prompt to read: its logits are not used.
+                    continue;
+                }
+            }
+            sample_next(r, &logits, k, &mut events, &mut finished)?;
+        }
+        for id in finished {
+            self.cancel(id);
+        }
+        Ok(events)
+    }
+}
+
+/// Samples sequence `r`'s next token from row `k` of `logits`, recording it and whether `r`
+/// is done.
+fn sample_next(
+    r: &mut Running,
+    logits: &Tensor,
+    k: usize,
+    events: &mut Vec<(u64, SeqEvent)>,
+    finished: &mut Vec<u64>,
+) -> Result<()> {
+    let t = r.sampler.sample(&logits.get(k)?)?;
+    r.generated.push(t);
+    events.push((r.id, SeqEvent::Token(t)));
+    let reason = if r.req.end_tokens.contains(&t) {
+        Some(FinishReason::EndToken)
+    } else if r.generated.len() >= r.req.max_new_tokens {
+        Some(FinishReason::Length)
+    } else {
+        None
+    };
+    if let Some(reason) = reason {
+        events.push((r.id, SeqEvent::Finished(reason)));
+        finished.push(r.id);
+    }
+    Ok(())
+}
