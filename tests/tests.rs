@@ -6,6 +6,7 @@
 mod util;
 
 mod bad_input;
+mod batching;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod gguf_families;
