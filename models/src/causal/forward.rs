@@ -202,13 +202,7 @@ impl CausalLm {
         on_device: Option<&DeviceInputs>,
         cache: &mut Cache,
     ) -> Result<Tensor> {
-        let (_, seq_len) = input_ids.dims2()?;
-        for stage in &self.stages {
-            if let Some(p) = stage.phase {
-                let reserve = if seq_len > 1 { p.prompt } else { p.decode };
-                stage.rt.set_reserve_bytes(reserve)?;
-            }
-        }
+        let (batch, seq_len) = input_ids.dims2()?;
         let first = &self.stages[0];
         if index_pos + seq_len > first.rope.max_len() {
             candle_core::bail!(
@@ -220,18 +214,46 @@ impl CausalLm {
         let last = &self.stages[self.stages.len() - 1];
         // A captured step of a model whose host stage only looks the embeddings up starts
         // from the looked-up rows, already on the GPU ([`graph`](super::graph)).
-        let (mut xs, mut at) = match on_device.and_then(|d| d.hidden.clone()) {
+        let (xs, at) = match on_device.and_then(|d| d.hidden.clone()) {
             Some(rows) => (rows, last),
             None => (self.embed_rows(input_ids)?, first),
         };
-        // With host layers, a step of more rows than a decode step (a prompt) runs every layer
-        // on the GPU, the host layers streamed through its runtime, as llama.cpp copies its
-        // CPU layers to the GPU for large batches; each host layer's KV cache then moves to
-        // the host right after the layer.
-        let (batch, _) = input_ids.dims2()?;
-        let prompt_on_gpu =
-            !self.on_host.is_empty() && seq_len > 1 && batch * seq_len > HOST_STEP_ROWS;
-        let plan: Vec<(&Stage, Range<usize>)> = if prompt_on_gpu {
+        let step = StepInputs {
+            seq_len,
+            index_pos,
+            pads,
+            on_device,
+        };
+        self.run_stages(xs, at, seq_len > 1, batch * seq_len, |stage, layers, xs, on_gpu| {
+            self.run_segment(stage, layers, xs, step, cache, on_gpu)
+        })
+    }
+
+    /// The stages' runs of layers over `xs` (the embedded rows, on stage `at`): each stage's
+    /// reservation set for a step of `rows` rows that reads a prompt or not, the hidden state
+    /// moved at each stage boundary, `run(stage, layers, xs, prompt_on_gpu)` for each run, and
+    /// the result on the stage that runs the head. With host layers, a step of more rows than
+    /// a decode step (a prompt) runs every layer on the GPU, the host layers streamed through
+    /// its runtime, as llama.cpp copies its CPU layers to the GPU for large batches
+    /// (`prompt_on_gpu`: each host layer's KV cache then moves to the host right after it).
+    pub(super) fn run_stages<'s>(
+        &'s self,
+        mut xs: Tensor,
+        mut at: &'s Stage,
+        prompt: bool,
+        rows: usize,
+        mut run: impl FnMut(&Stage, Range<usize>, &Tensor, bool) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        for stage in &self.stages {
+            if let Some(p) = stage.phase {
+                stage
+                    .rt
+                    .set_reserve_bytes(if prompt { p.prompt } else { p.decode })?;
+            }
+        }
+        let last = &self.stages[self.stages.len() - 1];
+        let prompt_on_gpu = !self.on_host.is_empty() && prompt && rows > HOST_STEP_ROWS;
+        let plan: Vec<(&'s Stage, Range<usize>)> = if prompt_on_gpu {
             vec![(last, 0..self.cfg.num_hidden_layers)]
         } else {
             self.segments
@@ -240,18 +262,12 @@ impl CausalLm {
                 .collect()
         };
         let runs = plan.len();
-        let step = StepInputs {
-            seq_len,
-            index_pos,
-            pads,
-            on_device,
-        };
         for (i, (stage, layers)) in plan.into_iter().enumerate() {
             if !std::ptr::eq(at, stage) {
                 xs = self.move_hidden(&xs, stage.rt.device())?;
                 at = stage;
             }
-            xs = self.run_segment(stage, layers, &xs, step, cache, prompt_on_gpu)?;
+            xs = run(stage, layers, &xs, prompt_on_gpu)?;
             if i + 1 < runs || !std::ptr::eq(stage, last) {
                 // This stage idles while another computes (a later stage, or the host's next
                 // run of spread layers): its copy stream fetches what it needs next, into its

@@ -9,7 +9,6 @@ use std::ops::Range;
 
 use candle_core::{Result, Tensor};
 
-use super::forward::HOST_STEP_ROWS;
 use super::model::{CausalLm, Stage};
 use crate::family::{Hidden, RaggedSegment, StepCtx};
 use crate::layers::{Cache, Masks};
@@ -29,7 +28,7 @@ impl CausalLm {
     /// forward pass over all of `seqs`' new tokens, each at the positions after its cache's.
     /// One sequence runs as [`forward`](Self::forward) does (the same passes, CUDA graphs
     /// included); several run eagerly, with host layers where the model has them (a step of
-    /// more than [`HOST_STEP_ROWS`] rows that reads a prompt runs them on the GPU, as a
+    /// more than [`HOST_STEP_ROWS`](super::HOST_STEP_ROWS) rows that reads a prompt runs them on the GPU, as a
     /// prompt does).
     pub fn forward_ragged(&self, seqs: &mut [RaggedSeq<'_>]) -> Result<Tensor> {
         if seqs.is_empty() {
@@ -88,43 +87,10 @@ impl CausalLm {
     ) -> Result<Tensor> {
         let rows = ids.dim(1)?;
         let prompt = segs.iter().any(|s| s.len > 1);
-        for stage in &self.stages {
-            if let Some(p) = stage.phase {
-                stage
-                    .rt
-                    .set_reserve_bytes(if prompt { p.prompt } else { p.decode })?;
-            }
-        }
-        let first = &self.stages[0];
-        let last = &self.stages[self.stages.len() - 1];
-        let prompt_on_gpu = !self.on_host.is_empty() && prompt && rows > HOST_STEP_ROWS;
-        let plan: Vec<(&Stage, Range<usize>)> = if prompt_on_gpu {
-            vec![(last, 0..self.cfg.num_hidden_layers)]
-        } else {
-            self.segments
-                .iter()
-                .map(|(s, r)| (&self.stages[*s], r.clone()))
-                .collect()
-        };
-        let mut xs = self.embed_rows(ids)?;
-        let mut at = first;
-        let runs = plan.len();
-        for (i, (stage, layers)) in plan.into_iter().enumerate() {
-            if !std::ptr::eq(at, stage) {
-                xs = self.move_hidden(&xs, stage.rt.device())?;
-                at = stage;
-            }
-            xs = self.run_ragged_segment(stage, layers, &xs, segs, caches, prompt_on_gpu)?;
-            if i + 1 < runs || !std::ptr::eq(stage, last) {
-                stage.rt.prefetch_ahead(usize::MAX)?;
-            }
-        }
-        if !std::ptr::eq(at, last) && !self.head_on_host {
-            xs = self
-                .move_hidden(&xs, last.rt.device())?
-                .to_dtype(last.dtype)?;
-        }
-        Ok(xs)
+        let xs = self.embed_rows(ids)?;
+        self.run_stages(xs, &self.stages[0], prompt, rows, |stage, layers, xs, on_gpu| {
+            self.run_ragged_segment(stage, layers, xs, segs, caches, on_gpu)
+        })
     }
 
     /// [`run_segment`](Self::run_segment) for a ragged step.
