@@ -198,3 +198,50 @@ fn moe_gguf_equals_safetensors_and_slices_experts() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// A ragged step of mixture-of-experts layers (experts as units, offloaded under a budget):
+/// two sequences, one reading its prompt in two chunks while the other decodes, give each the
+/// logits it gets alone.
+#[test]
+fn moe_ragged_steps_equal_each_sequence_alone() -> anyhow::Result<()> {
+    let dir = fixtures()?;
+    for name in ["mixtral", "qwen3_moe"] {
+        let files = loader::from_dir(&dir.join(name))?;
+        let m = model(&files, false, true)?;
+        let p = prompt();
+        let steps: [[&[u32]; 2]; 3] = [
+            [&p[..9], &p[3..7]],
+            [&[17], &p[7..20]],
+            [&[23], &[5]],
+        ];
+        let mut caches = [m.new_cache(), m.new_cache()];
+        let mut got = [Vec::new(), Vec::new()];
+        for step in &steps {
+            let [a, b] = &mut caches;
+            let mut seqs = [
+                candle_offload_models::RaggedSeq {
+                    tokens: step[0].to_vec(),
+                    cache: a,
+                },
+                candle_offload_models::RaggedSeq {
+                    tokens: step[1].to_vec(),
+                    cache: b,
+                },
+            ];
+            let logits = m.forward_ragged(&mut seqs)?;
+            for (i, g) in got.iter_mut().enumerate() {
+                g.push(logits.get(i)?.to_vec1::<f32>()?);
+            }
+        }
+        for (i, g) in got.iter().enumerate() {
+            let mut cache = m.new_cache();
+            for (k, step) in steps.iter().enumerate() {
+                let ids = Tensor::new(step[i], &Device::Cpu)?.unsqueeze(0)?;
+                let want = m.forward(&ids, cache.len(), &mut cache)?.squeeze(0)?;
+                let d = max_abs(&g[k], &want.to_vec1::<f32>()?);
+                assert!(d <= 1e-4, "{name}, sequence {i}, step {k}: max |Δ| {d}");
+            }
+        }
+    }
+    Ok(())
+}
