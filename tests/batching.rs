@@ -15,7 +15,9 @@ use candle_offload_models::{Cache, Llama, RaggedSeq};
 use crate::models::{for_each_tiny, resident_model, Tiny};
 
 fn prompt(n: usize, salt: usize) -> Vec<u32> {
-    (0..n).map(|i| ((i * 37 + salt * 11 + 5) % 101) as u32).collect()
+    (0..n)
+        .map(|i| ((i * 37 + salt * 11 + 5) % 101) as u32)
+        .collect()
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
@@ -205,7 +207,10 @@ fn batcher_matches_requests_alone(device: &Device) -> anyhow::Result<()> {
             } else {
                 &wants[k][..]
             };
-            anyhow::ensure!(tokens == want, "request {id}: batched {tokens:?}, alone {want:?}");
+            anyhow::ensure!(
+                tokens == want,
+                "request {id}: batched {tokens:?}, alone {want:?}"
+            );
             let want_reason = if *id == 5 {
                 FinishReason::EndToken
             } else {
@@ -222,7 +227,10 @@ fn batcher_matches_requests_alone(device: &Device) -> anyhow::Result<()> {
         // A request cancelled while it decodes: the others finish, its memory is freed.
         let got = drain(&mut batcher, reqs[..3].to_vec(), Some((4, 2)))?;
         anyhow::ensure!(got[&1].0 == wants[0] && got[&3].0 == wants[2], "{got:?}");
-        anyhow::ensure!(got[&2].1.is_none(), "the cancelled request finished: {got:?}");
+        anyhow::ensure!(
+            got[&2].1.is_none(),
+            "the cancelled request finished: {got:?}"
+        );
         anyhow::ensure!(batcher.gauges().kv_bytes == 0, "{:?}", batcher.gauges());
         // Requests that can never run.
         let refused = [

@@ -253,3 +253,103 @@ fn multimodal_gemma3_checkpoint_under_either_key_layout() -> anyhow::Result<()> 
     }
     Ok(())
 }
+
+/// Phi-3 with LongRoPE from a GGUF (the factors as llama.cpp's converter stores them: the
+/// tensors `rope_factors_{short,long}.weight`, the original context and the cos/sin multiplier
+/// in the metadata) gives the logits of the safetensors checkpoint configured with the same
+/// LongRoPE, past the original context (the long factors); bad factors are refused by name.
+#[test]
+fn phi3_longrope_gguf_equals_safetensors() -> anyhow::Result<()> {
+    use candle_core::quantized::gguf_file::{self, Value};
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let fixtures = fixtures()?;
+    let dir = std::env::temp_dir().join(format!("candle-offload-longrope-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("hf"))?;
+    // The checkpoint, with LongRoPE over its rotary width of 4 (2 factors) and an original
+    // context of 16.
+    let (short, long) = ([1.0f32, 1.5], [2.0f32, 5.0]);
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixtures.join("phi3/config.json"))?)?;
+    cfg["original_max_position_embeddings"] = 16.into();
+    cfg["rope_scaling"] = serde_json::json!({
+        "type": "longrope", "short_factor": short, "long_factor": long,
+    });
+    std::fs::write(dir.join("hf/config.json"), cfg.to_string())?;
+    std::fs::copy(
+        fixtures.join("phi3/model.safetensors"),
+        dir.join("hf/model.safetensors"),
+    )?;
+    // The GGUF of the same weights, with the factors as tensors.
+    let write = |name: &str, factors: (&[f32], &[f32]), attn: Option<f32>| -> anyhow::Result<()> {
+        let src = fixtures.join("phi3.f32.gguf");
+        let mut f = std::fs::File::open(&src)?;
+        let c = gguf_file::Content::read(&mut f)?;
+        let mut tensors = Vec::new();
+        for n in c.tensor_infos.keys() {
+            tensors.push((n.clone(), c.tensor(&mut f, n, &Device::Cpu)?));
+        }
+        for (n, v) in [
+            ("rope_factors_short.weight", factors.0),
+            ("rope_factors_long.weight", factors.1),
+        ] {
+            let t = Tensor::new(v, &Device::Cpu)?;
+            tensors.push((n.to_string(), QTensor::quantize(&t, GgmlDType::F32)?));
+        }
+        let mut meta: Vec<(String, Value)> = c.metadata.into_iter().collect();
+        meta.push((
+            "phi3.rope.scaling.original_context_length".into(),
+            Value::U32(16),
+        ));
+        if let Some(a) = attn {
+            meta.push(("phi3.rope.scaling.attn_factor".into(), Value::F32(a)));
+        }
+        let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let tensor_refs: Vec<(&str, &QTensor)> =
+            tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let mut out = std::fs::File::create(dir.join(name))?;
+        gguf_file::write(&mut out, &meta_refs, &tensor_refs)?;
+        Ok(())
+    };
+    let hf = loader::from_dir(&dir.join("hf"))?;
+    let ids = prompt(hf.config.vocab_size);
+    let max_len = ids.len() + 8;
+    let (ours_hf, _) = model(&hf, false, max_len)?;
+    let want = logits(&ours_hf, &ids)?;
+    // The multiplier stored, and left to its default (the same from the two contexts).
+    let stored = (1.0f64 + 16f64.ln() / 16f64.ln()).sqrt() as f32;
+    for (name, attn) in [("stored.gguf", Some(stored)), ("default.gguf", None)] {
+        write(name, (&short, &long), attn)?;
+        let gguf = loader::from_gguf(&dir.join(name))?;
+        let (ours_gguf, _) = model(&gguf, false, max_len)?;
+        let err = rel_l2(&logits(&ours_gguf, &ids)?, &want);
+        assert!(
+            err <= 1e-5,
+            "{name}: rel L2 {err:.3e} against the safetensors"
+        );
+    }
+    // Without LongRoPE the logits differ: the test sees the factors.
+    let plain = loader::from_gguf(&fixtures.join("phi3.f32.gguf"))?;
+    let (ours_plain, _) = model(&plain, false, max_len)?;
+    let err = rel_l2(&logits(&ours_plain, &ids)?, &want);
+    assert!(err > 1e-3, "the factors changed nothing: rel L2 {err:.3e}");
+    // Factors of the wrong width, or not positive, are refused by name.
+    write("narrow.gguf", (&[1.0], &[2.0]), None)?;
+    let e = loader::from_gguf(&dir.join("narrow.gguf"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rope_factors_short.weight") && e.contains("rotary width"),
+        "{e}"
+    );
+    write("negative.gguf", (&short, &[2.0, -1.0]), None)?;
+    let e = loader::from_gguf(&dir.join("negative.gguf"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rope_factors_long.weight") && e.contains("positive"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}

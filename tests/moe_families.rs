@@ -209,11 +209,7 @@ fn moe_ragged_steps_equal_each_sequence_alone() -> anyhow::Result<()> {
         let files = loader::from_dir(&dir.join(name))?;
         let m = model(&files, false, true)?;
         let p = prompt();
-        let steps: [[&[u32]; 2]; 3] = [
-            [&p[..9], &p[3..7]],
-            [&[17], &p[7..20]],
-            [&[23], &[5]],
-        ];
+        let steps: [[&[u32]; 2]; 3] = [[&p[..9], &p[3..7]], [&[17], &p[7..20]], [&[23], &[5]]];
         let mut caches = [m.new_cache(), m.new_cache()];
         let mut got = [Vec::new(), Vec::new()];
         for step in &steps {

@@ -47,9 +47,7 @@ impl BatchOptions {
     /// `max_running` sequences of up to `max_len` positions each, their whole caches within
     /// the limit, steps of up to 512 rows and prompt chunks of 256.
     pub fn new(model: &Llama, max_running: usize, max_len: usize) -> Self {
-        let per_seq = model
-            .config()
-            .kv_cache_bytes(max_len, model.dtype());
+        let per_seq = model.config().kv_cache_bytes(max_len, model.dtype());
         Self {
             max_running: max_running.max(1),
             step_tokens: 512,
@@ -290,8 +288,7 @@ impl Batcher {
     /// Queues `req` as sequence `id`; it starts at a later step.
     pub fn submit(&mut self, id: u64, req: SeqRequest) -> std::result::Result<(), Rejection> {
         self.check(&req)?;
-        if self.waiting.iter().any(|(i, _)| *i == id) || self.running.iter().any(|r| r.id == id)
-        {
+        if self.waiting.iter().any(|(i, _)| *i == id) || self.running.iter().any(|r| r.id == id) {
             return Err(Rejection::DuplicateId(id));
         }
         self.waiting.push_back((id, req));
@@ -403,8 +400,7 @@ impl Batcher {
         }
         let logits = {
             let _span = tracing::debug_span!("batch.step", seqs = plan.len(), rows).entered();
-            let mut taken: Vec<Option<&mut Running>> =
-                self.running.iter_mut().map(Some).collect();
+            let mut taken: Vec<Option<&mut Running>> = self.running.iter_mut().map(Some).collect();
             let mut seqs = Vec::with_capacity(plan.len());
             for &(i, n) in &plan {
                 let Some(r) = taken[i].take() else {

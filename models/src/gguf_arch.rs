@@ -20,8 +20,8 @@
 //!   `expert_feed_forward_length`, or `feed_forward_length` where absent (Mixtral). The
 //!   experts' stacks (`ffn_{gate,up,down}_exps`) are read one expert at a time, as the HF
 //!   per-expert tensors `mlp.experts.{e}.{gate,up,down}_proj` ([`expert_stack`]).
-//! - Phi-3's sliding window is ignored (llama.cpp turns it off); LongRoPE factors stored as
-//!   tensors are refused.
+//! - Phi-3's sliding window is ignored (llama.cpp turns it off); its LongRoPE factors are the
+//!   tensors `rope_factors_{short,long}.weight` ([`long_rope`]).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -32,7 +32,7 @@ use crate::error::{ModelError, Result};
 use crate::families::gemma::Gemma;
 use crate::families::gemma3::{Gemma3, RopeBase, TextKeys};
 use crate::families::moe::{ExpertKeys, Moe, MoeKind};
-use crate::families::phi3::Phi3;
+use crate::families::phi3::{LongRope, Phi3};
 use crate::family::{Config, Family};
 use crate::gguf::{meta, meta_usize};
 use crate::layers::{Activation, Routing};
@@ -229,25 +229,16 @@ pub(crate) fn config(c: &Content, path: &Path) -> Result<Config> {
         "llama" | "mistral" | "qwen2" => crate::families::llama::family(),
         "qwen3" => crate::families::qwen3::family(),
         "phi3" => {
-            if c.tensor_infos.contains_key("rope_factors_long.weight")
-                || c.tensor_infos.contains_key("rope_factors_short.weight")
-            {
-                return Err(ModelError::config(
-                    path,
-                    "rope_factors_long.weight",
-                    "LongRoPE factors in a GGUF file are not supported (load the safetensors \
-                     checkpoint)",
-                ));
-            }
             if scaled {
                 return unsupported_scaling("this");
             }
             let rotary_dim =
                 positive(c, path, &key("rope.dimension_count"))?.map_or(head_dim, |d| d as usize);
+            let context = meta_usize(c, path, &key("context_length")).unwrap_or(4096);
             Arc::new(Phi3 {
                 act: Activation::Silu,
                 rotary_dim,
-                long_rope: None,
+                long_rope: long_rope(c, path, &key, rotary_dim, context)?,
                 sliding_window: None,
             })
         }
@@ -357,6 +348,77 @@ fn swa_layers(
 
 /// The HF name of a GGUF tensor of `arch`, and whether its rows are permuted; `None` for
 /// tensors the model does not use.
+/// Phi-3's LongRoPE as llama.cpp's converter stores it: the per-dimension factors as the
+/// tensors `rope_factors_short.weight` and `rope_factors_long.weight` (F32, rotary_dim / 2
+/// each), the pre-training context as `rope.scaling.original_context_length` and the cos/sin
+/// multiplier as `rope.scaling.attn_factor` (where absent, transformers' default from the two
+/// contexts). `None` where the file has no factors.
+fn long_rope(
+    c: &Content,
+    path: &Path,
+    key: &dyn Fn(&str) -> String,
+    rotary_dim: usize,
+    context: usize,
+) -> Result<Option<LongRope>> {
+    const SHORT: &str = "rope_factors_short.weight";
+    const LONG: &str = "rope_factors_long.weight";
+    let (has_short, has_long) = (
+        c.tensor_infos.contains_key(SHORT),
+        c.tensor_infos.contains_key(LONG),
+    );
+    if !has_short && !has_long {
+        return Ok(None);
+    }
+    let read = |name: &str| -> Result<Vec<f64>> {
+        if !c.tensor_infos.contains_key(name) {
+            return Err(ModelError::Tensor {
+                path: path.to_path_buf(),
+                tensor: name.to_string(),
+                reason: "missing: LongRoPE needs both the short and the long factors".into(),
+            });
+        }
+        let bad = |e: String| ModelError::Tensor {
+            path: path.to_path_buf(),
+            tensor: name.to_string(),
+            reason: e,
+        };
+        let mut file = std::fs::File::open(path)
+            .map_err(|e| ModelError::file(path, format!("cannot open: {e}")))?;
+        let values = c
+            .tensor(&mut file, name, &candle_core::Device::Cpu)
+            .and_then(|t| t.dequantize(&candle_core::Device::Cpu))
+            .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+            .map_err(|e| bad(e.to_string()))?;
+        if values.len() != rotary_dim / 2 {
+            return Err(bad(format!(
+                "{} factors for a rotary width of {rotary_dim} (want {})",
+                values.len(),
+                rotary_dim / 2
+            )));
+        }
+        if let Some(v) = values.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
+            return Err(bad(format!("factor {v} is not a positive number")));
+        }
+        Ok(values.into_iter().map(f64::from).collect())
+    };
+    let original = match positive(c, path, &key("rope.scaling.original_context_length"))? {
+        Some(n) => n as usize,
+        None => 4096,
+    };
+    let factor = context as f64 / original as f64;
+    let attention_factor = match positive(c, path, &key("rope.scaling.attn_factor"))? {
+        Some(a) => a,
+        None if factor <= 1.0 => 1.0,
+        None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+    };
+    Ok(Some(LongRope {
+        short_factor: read(SHORT)?,
+        long_factor: read(LONG)?,
+        original_max_position_embeddings: original,
+        attention_factor,
+    }))
+}
+
 pub(crate) fn hf_name(arch: &str, gguf: &str) -> Option<(String, Option<Permuted>)> {
     let fixed = match gguf {
         "token_embd.weight" => Some(("model.embed_tokens.weight", None)),

@@ -224,9 +224,13 @@ impl CausalLm {
             pads,
             on_device,
         };
-        self.run_stages(xs, at, seq_len > 1, batch * seq_len, |stage, layers, xs, on_gpu| {
-            self.run_segment(stage, layers, xs, step, cache, on_gpu)
-        })
+        self.run_stages(
+            xs,
+            at,
+            seq_len > 1,
+            batch * seq_len,
+            |stage, layers, xs, on_gpu| self.run_segment(stage, layers, xs, step, cache, on_gpu),
+        )
     }
 
     /// The stages' runs of layers over `xs` (the embedded rows, on stage `at`): each stage's

@@ -88,9 +88,15 @@ impl CausalLm {
         let rows = ids.dim(1)?;
         let prompt = segs.iter().any(|s| s.len > 1);
         let xs = self.embed_rows(ids)?;
-        self.run_stages(xs, &self.stages[0], prompt, rows, |stage, layers, xs, on_gpu| {
-            self.run_ragged_segment(stage, layers, xs, segs, caches, on_gpu)
-        })
+        self.run_stages(
+            xs,
+            &self.stages[0],
+            prompt,
+            rows,
+            |stage, layers, xs, on_gpu| {
+                self.run_ragged_segment(stage, layers, xs, segs, caches, on_gpu)
+            },
+        )
     }
 
     /// [`run_segment`](Self::run_segment) for a ragged step.
