@@ -341,18 +341,17 @@ impl Batcher {
     /// and so do those behind it).
     fn admit(&mut self) -> Result<()> {
         let on_gpu = self.model.runtime().device().is_cuda();
-        while self.running.len() < self.opts.max_running {
-            let Some((_, req)) = self.waiting.front() else {
-                break;
-            };
-            let positions = req.prompt.len() + req.max_new_tokens;
-            let bytes = self.kv_bytes(positions);
-            if self.kv_bytes + bytes > self.opts.kv_limit_bytes {
-                break;
-            }
+        let sizes: Vec<u64> = self
+            .waiting
+            .iter()
+            .map(|(_, r)| self.kv_bytes(r.prompt.len() + r.max_new_tokens))
+            .collect();
+        let n = admissible(&sizes, self.running.len(), self.kv_bytes, &self.opts);
+        for bytes in sizes.into_iter().take(n) {
             let Some((id, req)) = self.waiting.pop_front() else {
                 break;
             };
+            let positions = req.prompt.len() + req.max_new_tokens;
             let sampler = Sampler::new(&req.sampling, on_gpu)?;
             self.running.push(Running {
                 id,
@@ -373,28 +372,15 @@ impl Batcher {
     /// Returns what happened to each sequence, in order. Nothing to do: no events.
     pub fn step(&mut self) -> Result<Vec<(u64, SeqEvent)>> {
         self.admit()?;
-        // Which sequences run, and how many of their positions.
-        let mut plan: Vec<(usize, usize)> = Vec::new();
-        let mut rows = 0;
-        for (i, r) in self.running.iter().enumerate() {
-            if r.decoding() {
-                plan.push((i, 1));
-                rows += 1;
-            }
-        }
-        let mut first_chunk = true;
-        for (i, r) in self.running.iter().enumerate() {
-            if r.decoding() {
-                continue;
-            }
-            let n = (r.req.prompt.len() - r.read).min(self.opts.prompt_chunk.max(1));
-            if !first_chunk && rows + n > self.opts.step_tokens {
-                break;
-            }
-            plan.push((i, n));
-            rows += n;
-            first_chunk = false;
-        }
+        let states: Vec<SeqState> = self
+            .running
+            .iter()
+            .map(|r| SeqState {
+                prompt_left: r.req.prompt.len() - r.read,
+            })
+            .collect();
+        let plan = plan_step(&states, &self.opts);
+        let rows: usize = plan.iter().map(|&(_, n)| n).sum();
         if plan.is_empty() {
             return Ok(Vec::new());
         }
@@ -443,6 +429,63 @@ impl Batcher {
     }
 }
 
+/// What the step planner needs of a running sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqState {
+    /// Prompt positions not yet in its cache (0: it decodes).
+    pub prompt_left: usize,
+}
+
+/// The sequences of a step and how many new positions each brings, in the order they run:
+/// every decoding sequence's one token, then prompt chunks (at most
+/// [`BatchOptions::prompt_chunk`] each, in the order of `states`) while the rows stay within
+/// [`BatchOptions::step_tokens`]; the first chunk always goes, so that prompts progress even
+/// beside many decoding sequences. Pure.
+pub fn plan_step(states: &[SeqState], opts: &BatchOptions) -> Vec<(usize, usize)> {
+    let mut plan: Vec<(usize, usize)> = states
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.prompt_left == 0)
+        .map(|(i, _)| (i, 1))
+        .collect();
+    let mut rows = plan.len();
+    let mut first_chunk = true;
+    for (i, s) in states.iter().enumerate() {
+        if s.prompt_left == 0 {
+            continue;
+        }
+        let n = s.prompt_left.min(opts.prompt_chunk.max(1));
+        if !first_chunk && rows + n > opts.step_tokens {
+            break;
+        }
+        plan.push((i, n));
+        rows += n;
+        first_chunk = false;
+    }
+    plan
+}
+
+/// How many of the waiting sequences (their KV bytes in arrival order) start now, beside
+/// `running` sequences holding `kv_bytes`: first come first served, while fewer than
+/// [`BatchOptions::max_running`] run and each one's bytes fit under
+/// [`BatchOptions::kv_limit_bytes`]; the first that does not fit waits, and so do those behind
+/// it. Pure.
+pub fn admissible(waiting: &[u64], running: usize, kv_bytes: u64, opts: &BatchOptions) -> usize {
+    let mut used = kv_bytes;
+    let room = opts.max_running.saturating_sub(running);
+    waiting
+        .iter()
+        .take(room)
+        .take_while(|&&b| {
+            let fits = used.saturating_add(b) <= opts.kv_limit_bytes;
+            if fits {
+                used += b;
+            }
+            fits
+        })
+        .count()
+}
+
 /// Samples sequence `r`'s next token from row `k` of `logits`, recording it and whether `r`
 /// is done.
 fn sample_next(
@@ -467,4 +510,85 @@ fn sample_next(
         finished.push(r.id);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn opts(step_tokens: usize, prompt_chunk: usize) -> BatchOptions {
+        BatchOptions {
+            max_running: 64,
+            step_tokens,
+            prompt_chunk,
+            kv_limit_bytes: 1000,
+            max_len: 4096,
+        }
+    }
+
+    proptest! {
+        /// Every decoding sequence runs each step with one token; prompt chunks follow in
+        /// order, each at most a chunk and never more than the prompt left; the rows stay
+        /// within the step's unless the first chunk alone exceeds them; at least one prompt
+        /// progresses whenever one waits; no sequence runs twice.
+        #[test]
+        fn steps_keep_decoders_and_bound_rows(
+            left in proptest::collection::vec(prop_oneof![Just(0usize), 1usize..700], 0..20),
+            step_tokens in 1usize..600,
+            chunk in 1usize..300,
+        ) {
+            let states: Vec<SeqState> = left.iter().map(|&l| SeqState { prompt_left: l }).collect();
+            let o = opts(step_tokens, chunk);
+            let plan = plan_step(&states, &o);
+            let mut seen = std::collections::HashSet::new();
+            for &(i, _) in &plan {
+                prop_assert!(seen.insert(i), "sequence {} twice", i);
+            }
+            for (i, s) in states.iter().enumerate() {
+                if s.prompt_left == 0 {
+                    prop_assert!(plan.contains(&(i, 1)), "decoder {} left out", i);
+                }
+            }
+            let prompts: Vec<(usize, usize)> =
+                plan.iter().copied().filter(|&(i, _)| states[i].prompt_left > 0).collect();
+            for w in prompts.windows(2) {
+                prop_assert!(w[0].0 < w[1].0, "prompt chunks out of order");
+            }
+            for &(i, n) in &prompts {
+                prop_assert!(n >= 1 && n <= chunk && n <= states[i].prompt_left);
+            }
+            let rows: usize = plan.iter().map(|&(_, n)| n).sum();
+            let decoders = plan.len() - prompts.len();
+            if prompts.len() > 1 {
+                prop_assert!(rows <= step_tokens, "{} rows over {}", rows, step_tokens);
+            }
+            if states.iter().any(|s| s.prompt_left > 0) {
+                prop_assert!(!prompts.is_empty(), "no prompt progressed");
+                // The first waiting prompt is the one that goes first.
+                let first = states.iter().position(|s| s.prompt_left > 0);
+                prop_assert_eq!(Some(prompts[0].0), first);
+            }
+            prop_assert!(decoders + prompts.len() == plan.len());
+        }
+
+        /// Admission is a prefix of the queue, never exceeds the running count or the KV
+        /// limit, and stops only where the next one does not fit.
+        #[test]
+        fn admission_is_fifo_within_limits(
+            waiting in proptest::collection::vec(1u64..600, 0..12),
+            running in 0usize..6,
+            used in 0u64..1000,
+            max_running in 1usize..8,
+        ) {
+            let o = BatchOptions { max_running, ..opts(512, 256) };
+            let n = admissible(&waiting, running, used, &o);
+            prop_assert!(running + n <= max_running.max(running));
+            let taken: u64 = waiting[..n].iter().sum();
+            prop_assert!(used + taken <= 1000 || n == 0);
+            if n < waiting.len() && running + n < max_running {
+                prop_assert!(used + taken + waiting[n] > 1000, "{} left waiting though it fits", n);
+            }
+        }
+    }
 }
