@@ -44,14 +44,6 @@
 #                 on the H200 host: qwen3 F16 16.4 GB written in 12 s, Q4_K_M (4.7 GiB) in 95 s;
 #                 gemma3 23.5 GB in 15 s, Q4_K_M (6.8 GiB) in 146 s. With the build (5.3 min)
 #                 both do not fit one call: build once and keep it with llamacpp_save)
-#   gguf8b        the same for the Llama-3-8B shape (GQA 4:1, vocabulary 128256) in $GGUF8B_TYPES
-#                 (Q4_K_M) -> /tmp/gguf/8b-q4_k_m.gguf; the F16 file is deleted after
-#   serve         `serve` against llama-server (build llama.cpp with LLAMACPP_TARGETS including
-#                 llama-server) on /tmp/gguf/8b-q4_k_m.gguf, closed loop at concurrency
-#                 $SERVE_CONC (1,4,16), prompts of 64-512 token ids, 128 new tokens, EOS
-#                 ignored (scripts/serve_bench.py): all on the GPU, then at $SERVE_BUDGET GiB
-#                 (6; llama-server's -ngl searched down from 33 until its peak fits)
-#                 -> $OUT/serve-full.json, $OUT/serve-6gib.json [SERVE_S=560]
 #   qbench[=W,..] bench_generate on /tmp/gguf/W.gguf (W: 7b-q4_0, 13b-q8_0, qwen3-8b-q4_k_m,
 #                 gemma3-12b-q4_k_m, ...;
 #                 quantized blocks unless f16) next to llama.cpp on the same file in the same
@@ -117,9 +109,9 @@ while (($# > 0)); do
   case "$1" in
     --) shift; break ;;
     -h | --help) usage; exit 0 ;;
-    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | llamacpp_save | gguf7b | gguf13b | gguf_qwen3_8b | gguf_gemma3_12b | gguf8b | serve | qbench | qbench=* | qonload | qonload=* | decode | decode=* | breakdown | breakdown=* | trainprof | trainprof=* | tiers | managed)
+    gpus | tests | tests=* | parity | parity=* | own_model | streaming | make7b | peer | shard | train | llamacpp | llamacpp_save | gguf7b | gguf13b | gguf_qwen3_8b | gguf_gemma3_12b | qbench | qbench=* | qonload | qonload=* | decode | decode=* | breakdown | breakdown=* | trainprof | trainprof=* | tiers | managed)
       steps+=("$1"); shift ;;
-    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp llamacpp_save gguf7b gguf13b gguf_qwen3_8b gguf_gemma3_12b gguf8b serve qbench[=W,...] qonload[=W,...] decode[=V,...] breakdown[=V] trainprof[=C,...] tiers managed)" >&2; exit 2 ;;
+    *) echo "gpu-run.sh: unknown step '$1' (steps: gpus tests[=F,...] parity[=N,...] own_model streaming make7b peer shard train llamacpp llamacpp_save gguf7b gguf13b gguf_qwen3_8b gguf_gemma3_12b qbench[=W,...] qonload[=W,...] decode[=V,...] breakdown[=V] trainprof[=C,...] tiers managed)" >&2; exit 2 ;;
   esac
 done
 train_args=("$@")
@@ -332,35 +324,6 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2086 # GGUF13B_TYPES is a list
       make_gguf 13b 5120 40 13824 40 40 32000 ${GGUF13B_TYPES-Q4_K_M Q8_0} && rm -f /tmp/gguf/13b-f16.gguf
       echo "gguf13b exit $? after $(($(date +%s) - t0)) s"
-      ;;
-    gguf8b)
-      wait_llamacpp || continue
-      t0=$(date +%s)
-      # shellcheck disable=SC2086 # GGUF8B_TYPES is a list
-      make_gguf 8b 4096 32 14336 32 8 128256 ${GGUF8B_TYPES-Q4_K_M} && rm -f /tmp/gguf/8b-f16.gguf
-      echo "gguf8b exit $? after $(($(date +%s) - t0)) s"
-      ;;
-    serve)
-      need_bin serve serve "--example serve" || continue
-      wait_llamacpp || continue
-      [[ -x "$lc_bin/llama-server" ]] || { echo "serve: llama-server not built (LLAMACPP_TARGETS)"; continue; }
-      f=/tmp/gguf/8b-q4_k_m.gguf
-      [[ -s "$f" ]] || { echo "serve: no $f (run gguf8b)"; continue; }
-      conc=${SERVE_CONC:-1,4,16}
-      np=${conc##*,}
-      ctx=$((np * 640))
-      budget=${SERVE_BUDGET:-6}
-      common=(--concurrency "$conc" --model-name 8b --gpu --id-high 128000)
-      ours="$BIN/serve --model $f --parallel $np --ctx-size 640 --port 8081 --model-name 8b"
-      peer="$lc_bin/llama-server -m $f --port 8082 -c $ctx -np $np --cont-batching -fa on -a 8b"
-      timeout "${SERVE_S:-560}" python3 scripts/serve_bench.py "${common[@]}" \
-        --ours "$ours" --peer "$peer -ngl 99" --out "$OUT/serve-full.json" --log-prefix "$OUT/serve-full-"
-      echo "serve full exit $?"
-      timeout "${SERVE_S:-560}" python3 scripts/serve_bench.py "${common[@]}" --budget-gib "$budget" \
-        --ours "$ours --gpu-memory-limit $budget" --peer "$peer -ngl {ngl}" \
-        --peer-ngl-search "${SERVE_NGL:-33,31,29,27,25,23,21,19}" \
-        --out "$OUT/serve-${budget}gib.json" --log-prefix "$OUT/serve-${budget}gib-"
-      echo "serve ${budget} GiB exit $?"
       ;;
     gguf_qwen3_8b)
       wait_llamacpp || continue
