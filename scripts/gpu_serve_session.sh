@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# gpu_serve_session.sh: the GPU rows of the OpenAI-server issue, `serve` against llama.cpp's
+# llama-server on the same Llama-3-8B-shaped Q4_K_M GGUF (random weights; token-id prompts,
+# EOS ignored), in three chained calls of the GPU machine (its /tmp survives ~30 s between
+# calls).
+#
+# Here, before the calls: `scripts/gpu-pack.sh --example serve --tests` (CUDA), a copy of the
+# pinned peer folder in .gpu/llamacpp, this script run from the tree.
+# Call 1 (carry .gpu/llamacpp, serve.xz, test-integration.xz): `bash scripts/gpu_serve_session.sh call1`
+#   llama.cpp's CUDA build with llama-server in the background; the F16 8B GGUF, a CPU-only
+#   llama-quantize and the Q4_K_M file in a detached session (they outlive the call); the
+#   batching tests on the GPU (ragged steps and the batcher against each sequence alone).
+# Call 2 (carry serve.xz): `bash scripts/gpu_serve_session.sh call2`
+#   both servers all on the GPU, concurrency 1, 4 and 16 -> serve-full.json
+# Call 3 (carry serve.xz): `bash scripts/gpu_serve_session.sh call3`
+#   both at a 6 GiB budget ($SERVE_BUDGET), llama-server's -ngl searched down until its peak
+#   fits -> serve-6gib.json
+# Each call leaves $OUT/CALL.tgz with its logs and JSON.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296
+FINAL=${OUT:-/tmp/out}; OUT=/tmp/res-$1; mkdir -p "$FINAL" "$OUT" /tmp/gguf /tmp/bin
+R=$PWD
+T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+[[ -x /tmp/bin/serve ]] || { xz -dc .gpu/serve.xz > /tmp/bin/serve && chmod +x /tmp/bin/serve; }
+F=/tmp/gguf/8b-q4_k_m.gguf
+CONC=${SERVE_CONC:-1,4,16}
+NP=${CONC##*,}
+# The same context per slot on both sides: the longest prompt and the new tokens.
+OURS="/tmp/bin/serve --model $F --parallel $NP --ctx-size 640 --port 8081 --model-name 8b"
+PEER="/tmp/llamacpp/build/bin/llama-server -m $F --port 8082 -c $((NP * 640)) -np $NP --cont-batching -fa on -a 8b"
+bench() { # bench NAME ARGS...: scripts/serve_bench.py -> $OUT/NAME.json, copied to $FINAL
+  local name=$1; shift
+  (cd /tmp && timeout "${SERVE_S:-540}" python3 "$R/scripts/serve_bench.py" --concurrency "$CONC" \
+    --model-name 8b --gpu --id-high 128000 --out "$OUT/$name.json" --log-prefix "$OUT/$name-" "$@") \
+    > "$OUT/$name.log" 2>&1
+  echo "$name exit $?"; tail -20 "$OUT/$name.log"
+  cp "$OUT/$name.json" "$FINAL/" 2>/dev/null
+}
+case "$1" in
+  call1)
+    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$OUT/gpus.txt"
+    LLAMACPP_TARGETS="llama-bench llama-quantize llama-server" nice -n 5 \
+      bash .gpu/llamacpp/build.sh /tmp/llamacpp > "$OUT/llamacpp-build.log" 2>&1 &
+    lc=$!
+    mkdir -p /tmp/lcq && tar xJf .gpu/llamacpp/llamacpp-src.tar.xz -C /tmp/lcq --strip-components=1
+    cat > /tmp/quant.sh <<'Q'
+set -x
+t0=$(date +%s)
+PYTHONPATH=/tmp/lcq/gguf-py python3 GGUFW /tmp/gguf/8b-f16.gguf.part 4096 32 14336 32 8 128256 && mv /tmp/gguf/8b-f16.gguf.part /tmp/gguf/8b-f16.gguf
+echo "f16 written $(( $(date +%s)-t0 )) s"
+cmake -S /tmp/lcq -B /tmp/lcq/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > /tmp/lcq.cmake.log 2>&1
+cmake --build /tmp/lcq/build -j 16 --target llama-quantize > /tmp/lcq.build.log 2>&1
+echo "quantize built $(( $(date +%s)-t0 )) s"
+/tmp/lcq/build/bin/llama-quantize /tmp/gguf/8b-f16.gguf /tmp/gguf/8b-q4_k_m.gguf.part Q4_K_M 16 > /tmp/q4.log 2>&1 && mv /tmp/gguf/8b-q4_k_m.gguf.part /tmp/gguf/8b-q4_k_m.gguf
+rm -f /tmp/gguf/8b-f16.gguf
+echo "quantized $(( $(date +%s)-t0 )) s"; touch /tmp/gguf/done
+Q
+    sed -i "s#GGUFW#$R/.gpu/llamacpp/gguf_random_llama.py#" /tmp/quant.sh
+    setsid bash /tmp/quant.sh > /tmp/quant.log 2>&1 < /dev/null &
+    xz -dc .gpu/test-integration.xz > /tmp/bin/test-integration && chmod +x /tmp/bin/test-integration
+    el "tests"
+    (cd /tmp && timeout "${TESTS_S:-240}" /tmp/bin/test-integration --test-threads 1 ${TESTS:-batching ragged}) > "$OUT/tests.log" 2>&1
+    echo "tests exit $?" | tee -a "$OUT/tests.log"; grep -E "test result|FAILED|panicked" "$OUT/tests.log" | tail -8
+    el "waiting for llama.cpp"; wait $lc; tail -1 "$OUT/llamacpp-build.log"; grep -v "^+" /tmp/quant.log
+    el "done"
+    ;;
+  call2 | call3)
+    [[ -f /tmp/gguf/done ]] || { el "waiting for quantize"; while [[ ! -f /tmp/gguf/done ]] && pgrep -f quant.sh >/dev/null; do sleep 2; done; }
+    grep -v "^+" /tmp/quant.log; ls -la /tmp/gguf
+    [[ -x /tmp/llamacpp/build/bin/llama-server ]] || { echo "no llama-server (call1 first)"; exit 1; }
+    if [[ $1 == call2 ]]; then
+      el "all on the GPU"; bench serve-full --ours "$OURS" --peer "$PEER -ngl 99"
+    else
+      b=${SERVE_BUDGET:-6}
+      el "$b GiB"; bench "serve-${b}gib" --budget-gib "$b" --ours "$OURS --gpu-memory-limit $b" \
+        --peer "$PEER -ngl {ngl}" --peer-ngl-search "${SERVE_NGL:-31,29,27,25,23,21,19,17}"
+    fi
+    el "done"
+    ;;
+esac
+cp /tmp/quant.log /tmp/q4.log "$OUT/" 2>/dev/null; tar czf "$FINAL/$1.tgz" -C "$OUT" . ; ls -la "$FINAL"
