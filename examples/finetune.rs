@@ -261,15 +261,22 @@ fn read_text(data: Option<&Path>) -> Result<(String, String)> {
     Ok((text, name))
 }
 
-/// Writes the fine-tuned model to `dir` in the HF layout that `loader::from_dir` reads.
+/// Writes the fine-tuned model to `dir`, laid out as the base: a GGUF base as `model.gguf`
+/// with the base's metadata and tensor names (its tokenizer and chat template inside); a
+/// safetensors base in the HF layout. `loader::from_dir` reads both. Returns what it wrote.
 fn save(
     dir: &Path,
     trainer: &Trainer,
     files: &ModelFiles,
     tokenizer: &candle_offload_models::Tokenizer,
     dtype: DType,
-) -> Result<()> {
+) -> Result<&'static str> {
     let at = |f: &str| dir.join(f);
+    if let Weights::Gguf(source) = &files.weights {
+        let weights = trainer.weights(dtype)?;
+        candle_offload_models::gguf_save::save_like(source, &weights, dtype, &at("model.gguf"))?;
+        return Ok("model.gguf");
+    }
     trainer
         .save_safetensors(&at("model.safetensors"), dtype)
         .with_context(|| format!("cannot write {}", at("model.safetensors").display()))?;
@@ -304,7 +311,8 @@ fn save(
     if let Some(t) = &files.chat_template {
         tc["chat_template"] = t.clone().into();
     }
-    write_json("tokenizer_config.json", &tc)
+    write_json("tokenizer_config.json", &tc)?;
+    Ok("config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
 }
 
 /// The LoRA trainer of `--lora`: the base loaded with its blocks kept (or quantized on load
@@ -729,11 +737,12 @@ fn run(args: Args) -> Result<()> {
     let t0 = Instant::now();
     std::fs::create_dir_all(&args.output)
         .map_err(|e| anyhow!("--output {}: cannot create: {e}", args.output.display()))?;
-    if args.lora {
+    let written = if args.lora {
         trainer.save_adapter(&args.output)?;
+        "adapter"
     } else {
-        save(&args.output, &trainer, &files, &tokenizer, save_dtype)?;
-    }
+        save(&args.output, &trainer, &files, &tokenizer, save_dtype)?
+    };
     let save_s = t0.elapsed().as_secs_f64();
 
     // Summary.
@@ -789,8 +798,8 @@ fn run(args: Args) -> Result<()> {
         );
     } else {
         println!(
-            "saved {} ({} weights, config.json, tokenizer.json, tokenizer_config.json) in \
-             {save_s:.1} s; try: cargo run --release --example generate -- --model {}",
+            "saved {} ({} weights: {written}) in {save_s:.1} s; try: cargo run --release \
+             --example generate -- --model {}",
             args.output.display(),
             dtype_name(save_dtype),
             args.output.display()

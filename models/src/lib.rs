@@ -47,6 +47,7 @@ mod files;
 pub mod generation;
 mod gguf;
 mod gguf_arch;
+pub mod gguf_save;
 pub mod hf_config;
 pub mod layers;
 pub mod llama;

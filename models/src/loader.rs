@@ -55,10 +55,17 @@ fn read_tokenizer_config(path: &Path) -> Result<(Option<String>, SpecialTokens)>
     ))
 }
 
-/// A model in the HF layout in `dir`.
+/// A model in the HF layout in `dir`, or a directory holding one GGUF file and no
+/// `config.json` (what `finetune` writes from a GGUF base).
 pub fn from_dir(dir: &Path) -> Result<ModelFiles> {
     if !dir.is_dir() {
         return Err(ModelError::file(dir, "is not a directory"));
+    }
+    // A directory holding one GGUF file and no config.json (as `finetune` saves a GGUF base).
+    if !dir.join("config.json").exists() {
+        if let Some(gguf) = single_gguf(dir) {
+            return from_gguf(&gguf);
+        }
     }
     let config = Config::from_json_file(&dir.join("config.json"))?;
     let files = candle_offload::store::safetensors_in_dir(dir)?;
@@ -82,6 +89,16 @@ pub fn from_dir(dir: &Path) -> Result<ModelFiles> {
         special_tokens,
         origin: dir.display().to_string(),
     })
+}
+
+/// The one `.gguf` file in `dir`, if it holds exactly one.
+fn single_gguf(dir: &Path) -> Option<PathBuf> {
+    let mut found = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "gguf"));
+    let first = found.next()?;
+    found.next().is_none().then_some(first)
 }
 
 /// The tensor names in safetensors files, from their headers; `None` when a header cannot be
@@ -723,13 +740,17 @@ pub fn default_model_gguf(offline: bool) -> Result<PathBuf> {
 /// Resolves `--model`: a directory (HF layout), a `.gguf` file, or a hub id.
 pub fn resolve(model: &str, revision: Option<&str>, offline: bool) -> Result<ModelFiles> {
     let path = Path::new(model);
-    const EXPECTED: &str = "a model is a directory in the HF layout (config.json, *.safetensors) \
-                            or a .gguf file";
+    const EXPECTED: &str = "a model is a directory in the HF layout (config.json, *.safetensors), \
+                            a directory holding one .gguf file, or a .gguf file";
     match std::fs::metadata(path) {
-        Ok(m) if m.is_dir() && !path.join("config.json").exists() => Err(ModelError::file(
-            path,
-            format!("is a directory without config.json, not a model: {EXPECTED}"),
-        )),
+        Ok(m)
+            if m.is_dir() && !path.join("config.json").exists() && single_gguf(path).is_none() =>
+        {
+            Err(ModelError::file(
+                path,
+                format!("is a directory without config.json, not a model: {EXPECTED}"),
+            ))
+        }
         Ok(m) if m.is_dir() => from_dir(path),
         Ok(m) if m.is_file() => from_gguf(path),
         Ok(m) => Err(ModelError::file(

@@ -1197,11 +1197,9 @@ impl Trainer {
         })
     }
 
-    /// Writes the master weights as one safetensors file in `dtype`, under their checkpoint
-    /// names.
-    pub fn save_safetensors(&self, path: &std::path::Path, dtype: DType) -> Result<()> {
-        let tensors: HashMap<String, Tensor> = self
-            .names
+    /// The master weights in `dtype` on the host, under their checkpoint names.
+    pub fn weights(&self, dtype: DType) -> Result<Vec<(String, Tensor)>> {
+        self.names
             .iter()
             .zip(&self.vars)
             .map(|(n, v)| {
@@ -1210,7 +1208,13 @@ impl Trainer {
                     v.as_tensor().to_dtype(dtype)?.to_device(&Device::Cpu)?,
                 ))
             })
-            .collect::<Result<_>>()?;
+            .collect()
+    }
+
+    /// Writes the master weights as one safetensors file in `dtype`, under their checkpoint
+    /// names.
+    pub fn save_safetensors(&self, path: &std::path::Path, dtype: DType) -> Result<()> {
+        let tensors: HashMap<String, Tensor> = self.weights(dtype)?.into_iter().collect();
         candle_core::safetensors::save(&tensors, path)
     }
 }
