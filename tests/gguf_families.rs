@@ -429,3 +429,86 @@ fn gguf_save_round_trips_every_family() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&out_dir)?;
     Ok(())
 }
+
+/// A Llama 3.1-style GGUF, whose RoPE scaling is the tensor `rope_freqs.weight` as llama.cpp's
+/// converter computes it from `rope_scaling` (a divisor per rotated pair), gives the logits of
+/// the safetensors checkpoint configured with that `rope_scaling`; without the tensor they
+/// differ.
+#[test]
+fn llama3_rope_freqs_gguf_equals_safetensors() -> anyhow::Result<()> {
+    use candle_core::quantized::gguf_file::{self, Value};
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let fixtures = fixtures()?;
+    let dir = std::env::temp_dir().join(format!("candle-offload-ropefreqs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("hf"))?;
+    // Llama 3 scaling over the fixture's 4 rotated pairs (head_dim 8, base 10000): wavelengths
+    // 6.3, 63, 628 and 6283 against 64 / 1 and 64 / 4: one pair kept, one smoothed, two scaled.
+    let (factor, low, high, original) = (8.0f64, 1.0f64, 4.0f64, 64.0f64);
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixtures.join("llama/config.json"))?)?;
+    cfg["rope_scaling"] = serde_json::json!({
+        "rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+        "high_freq_factor": high, "original_max_position_embeddings": original as u64,
+    });
+    std::fs::write(dir.join("hf/config.json"), cfg.to_string())?;
+    std::fs::copy(
+        fixtures.join("llama/model.safetensors"),
+        dir.join("hf/model.safetensors"),
+    )?;
+    let hf = loader::from_dir(&dir.join("hf"))?;
+    let (head_dim, theta) = (hf.config.head_dim, f64::from(hf.config.rope_theta));
+    // The converter's rope_freqs (LlamaModel.generate_extra_tensors).
+    let freqs: Vec<f32> = (0..head_dim)
+        .step_by(2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf(i as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let (low_wavelen, high_wavelen) = (original / low, original / high);
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor as f32
+            } else {
+                let smooth = (original / wavelen - low) / (high - low);
+                (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+            }
+        })
+        .collect();
+    assert!(
+        freqs.iter().any(|&f| f > 1.0 && f < 8.0),
+        "{freqs:?}: no smoothed pair"
+    );
+    let src = fixtures.join("llama.f32.gguf");
+    let mut f = std::fs::File::open(&src)?;
+    let c = gguf_file::Content::read(&mut f)?;
+    let mut tensors = Vec::new();
+    for n in c.tensor_infos.keys() {
+        tensors.push((n.clone(), c.tensor(&mut f, n, &Device::Cpu)?));
+    }
+    let t = Tensor::new(freqs.as_slice(), &Device::Cpu)?;
+    tensors.push((
+        "rope_freqs.weight".into(),
+        QTensor::quantize(&t, GgmlDType::F32)?,
+    ));
+    let meta: Vec<(String, Value)> = c.metadata.into_iter().collect();
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(
+        &mut std::fs::File::create(dir.join("freqs.gguf"))?,
+        &meta_refs,
+        &tensor_refs,
+    )?;
+    let ids = prompt(hf.config.vocab_size);
+    let (ours_hf, _) = model(&hf, false, ids.len())?;
+    let want = logits(&ours_hf, &ids)?;
+    let gguf = loader::from_gguf(&dir.join("freqs.gguf"))?;
+    let (ours_gguf, _) = model(&gguf, false, ids.len())?;
+    let err = rel_l2(&logits(&ours_gguf, &ids)?, &want);
+    assert!(err <= 1e-5, "rel L2 {err:.3e} against the safetensors");
+    let (plain, _) = model(&loader::from_gguf(&src)?, false, ids.len())?;
+    let err = rel_l2(&logits(&plain, &ids)?, &want);
+    assert!(err > 1e-3, "the factors changed nothing: rel L2 {err:.3e}");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}

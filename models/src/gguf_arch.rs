@@ -20,6 +20,8 @@
 //!   `expert_feed_forward_length`, or `feed_forward_length` where absent (Mixtral). The
 //!   experts' stacks (`ffn_{gate,up,down}_exps`) are read one expert at a time, as the HF
 //!   per-expert tensors `mlp.experts.{e}.{gate,up,down}_proj` ([`expert_stack`]).
+//! - Llama 3.1's RoPE scaling is the tensor `rope_freqs.weight` (a divisor per rotated pair,
+//!   [`LlamaFamily::freq_factors`](crate::families::llama::LlamaFamily::freq_factors)).
 //! - Phi-3's sliding window is ignored (llama.cpp turns it off); its LongRoPE factors are the
 //!   tensors `rope_factors_{short,long}.weight` ([`long_rope`]).
 
@@ -226,7 +228,20 @@ pub(crate) fn config(c: &Content, path: &Path) -> Result<Config> {
                 windows: vec![None; num_hidden_layers],
             })
         }
-        "llama" | "mistral" | "qwen2" => crate::families::llama::family(),
+        "llama" | "mistral" | "qwen2" => {
+            const FREQS: &str = "rope_freqs.weight";
+            if c.tensor_infos.contains_key(FREQS) {
+                let rotary = positive(c, path, &key("rope.dimension_count"))?
+                    .map_or(head_dim, |d| d as usize);
+                let factors = factor_tensor(c, path, FREQS, rotary / 2)?;
+                Arc::new(crate::families::llama::LlamaFamily {
+                    windows: Vec::new(),
+                    freq_factors: Some(factors.into_iter().map(|f| f as f32).collect()),
+                })
+            } else {
+                crate::families::llama::family()
+            }
+        }
         "qwen3" => crate::families::qwen3::family(),
         "phi3" => {
             if scaled {
@@ -348,6 +363,38 @@ fn swa_layers(
 
 /// The HF name of a GGUF tensor of `arch`, and whether its rows are permuted; `None` for
 /// tensors the model does not use.
+/// The `n` positive factors of the small F32 tensor `name` (RoPE factors per rotated pair),
+/// read from the file; a tensor that is missing, of another length or not positive is an
+/// error naming it.
+fn factor_tensor(c: &Content, path: &Path, name: &str, n: usize) -> Result<Vec<f64>> {
+    let bad = |e: String| ModelError::Tensor {
+        path: path.to_path_buf(),
+        tensor: name.to_string(),
+        reason: e,
+    };
+    if !c.tensor_infos.contains_key(name) {
+        return Err(bad("is missing".into()));
+    }
+    let mut file = std::fs::File::open(path)
+        .map_err(|e| ModelError::file(path, format!("cannot open: {e}")))?;
+    let values = c
+        .tensor(&mut file, name, &candle_core::Device::Cpu)
+        .and_then(|t| t.dequantize(&candle_core::Device::Cpu))
+        .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+        .map_err(|e| bad(e.to_string()))?;
+    if values.len() != n {
+        return Err(bad(format!(
+            "{} factors for a rotary width of {} (want {n})",
+            values.len(),
+            2 * n
+        )));
+    }
+    if let Some(v) = values.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
+        return Err(bad(format!("factor {v} is not a positive number")));
+    }
+    Ok(values.into_iter().map(f64::from).collect())
+}
+
 /// Phi-3's LongRoPE as llama.cpp's converter stores it: the per-dimension factors as the
 /// tensors `rope_factors_short.weight` and `rope_factors_long.weight` (F32, rotary_dim / 2
 /// each), the pre-training context as `rope.scaling.original_context_length` and the cos/sin
@@ -362,45 +409,20 @@ fn long_rope(
 ) -> Result<Option<LongRope>> {
     const SHORT: &str = "rope_factors_short.weight";
     const LONG: &str = "rope_factors_long.weight";
-    let (has_short, has_long) = (
+    match (
         c.tensor_infos.contains_key(SHORT),
         c.tensor_infos.contains_key(LONG),
-    );
-    if !has_short && !has_long {
-        return Ok(None);
-    }
-    let read = |name: &str| -> Result<Vec<f64>> {
-        if !c.tensor_infos.contains_key(name) {
+    ) {
+        (false, false) => return Ok(None),
+        (true, true) => {}
+        (short, _) => {
             return Err(ModelError::Tensor {
                 path: path.to_path_buf(),
-                tensor: name.to_string(),
+                tensor: (if short { LONG } else { SHORT }).to_string(),
                 reason: "missing: LongRoPE needs both the short and the long factors".into(),
-            });
+            })
         }
-        let bad = |e: String| ModelError::Tensor {
-            path: path.to_path_buf(),
-            tensor: name.to_string(),
-            reason: e,
-        };
-        let mut file = std::fs::File::open(path)
-            .map_err(|e| ModelError::file(path, format!("cannot open: {e}")))?;
-        let values = c
-            .tensor(&mut file, name, &candle_core::Device::Cpu)
-            .and_then(|t| t.dequantize(&candle_core::Device::Cpu))
-            .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
-            .map_err(|e| bad(e.to_string()))?;
-        if values.len() != rotary_dim / 2 {
-            return Err(bad(format!(
-                "{} factors for a rotary width of {rotary_dim} (want {})",
-                values.len(),
-                rotary_dim / 2
-            )));
-        }
-        if let Some(v) = values.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
-            return Err(bad(format!("factor {v} is not a positive number")));
-        }
-        Ok(values.into_iter().map(f64::from).collect())
-    };
+    }
     let original = match positive(c, path, &key("rope.scaling.original_context_length"))? {
         Some(n) => n as usize,
         None => 4096,
@@ -412,8 +434,8 @@ fn long_rope(
         None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
     };
     Ok(Some(LongRope {
-        short_factor: read(SHORT)?,
-        long_factor: read(LONG)?,
+        short_factor: factor_tensor(c, path, SHORT, rotary_dim / 2)?,
+        long_factor: factor_tensor(c, path, LONG, rotary_dim / 2)?,
         original_max_position_embeddings: original,
         attention_factor,
     }))

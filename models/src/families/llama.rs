@@ -3,14 +3,14 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Result};
+use candle_core::{DType, Device, Result};
 use candle_transformers::models::llama::Llama3RopeConfig;
 
 use crate::family::{Config, DecoderBlock, Family, UnitWeights};
 use crate::hf_config::{CommonDefaults, HfFields, Registration};
 use crate::layers::{
     attention_tensors, hf_tensors, mlp_tensors, norm_tensors, Activation, AttentionSpec, GatedMlp,
-    Norm, PreNormBlock, SelfAttention, TensorShape,
+    Norm, PreNormBlock, Rope, SelfAttention, TensorShape,
 };
 use crate::ModelError;
 
@@ -25,12 +25,16 @@ pub const REGISTRATION: Registration = Registration {
 };
 
 /// The LLaMA family.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct LlamaFamily {
     /// Per layer, the sliding window of its attention, if any: every layer of a Mistral whose
     /// config sets `sliding_window`; the layers `layer_types` names (by default those from
     /// `max_window_layers` on) of a Qwen2 with `use_sliding_window`; none for Llama.
     pub windows: Vec<Option<usize>>,
+    /// Per rotated pair of dimensions, a divisor of its RoPE frequency: a GGUF file's
+    /// `rope_freqs.weight` (Llama 3.1's scaling as llama.cpp's converter stores it, in place
+    /// of the `rope_scaling` a `config.json` gives). `None`: the configuration's own RoPE.
+    pub freq_factors: Option<Vec<f32>>,
 }
 
 /// The family without sliding windows (Llama, and GGUF files), shared.
@@ -97,7 +101,10 @@ fn from_hf(f: &HfFields<'_>) -> crate::Result<Config> {
     cfg.rope_scaling = rope_scaling;
     let windows = windows(f, cfg.num_hidden_layers)?;
     if windows.iter().any(Option::is_some) {
-        cfg.family = Arc::new(LlamaFamily { windows });
+        cfg.family = Arc::new(LlamaFamily {
+            windows,
+            freq_factors: None,
+        });
     }
     Ok(cfg)
 }
@@ -118,6 +125,22 @@ impl Family for LlamaFamily {
 
     fn plain_attention(&self, _cfg: &Config) -> bool {
         self.windows.iter().all(Option::is_none)
+    }
+
+    fn rope(&self, cfg: &Config, max_len: usize, dtype: DType, device: &Device) -> Result<Rope> {
+        let inv_freq = cfg.rope_inv_freq();
+        let inv_freq = match &self.freq_factors {
+            None => inv_freq,
+            Some(f) if f.len() == inv_freq.len() => {
+                inv_freq.iter().zip(f).map(|(x, d)| x / d).collect()
+            }
+            Some(f) => candle_core::bail!(
+                "{} RoPE frequency factors for {} rotated pairs",
+                f.len(),
+                inv_freq.len()
+            ),
+        };
+        Rope::from_inv_freq(&inv_freq, max_len, 1.0, dtype, device)
     }
 
     fn block(
@@ -161,7 +184,7 @@ mod tests {
 
     #[test]
     fn sliding_windows_follow_transformers() {
-        let none = "LlamaFamily { windows: [] }";
+        let none = "LlamaFamily { windows: [], freq_factors: None }";
         assert_eq!(family(r#""model_type":"llama","sliding_window":8"#), none);
         assert_eq!(
             family(r#""model_type":"mistral","sliding_window":null"#),
@@ -169,21 +192,21 @@ mod tests {
         );
         assert_eq!(
             family(r#""model_type":"mistral","sliding_window":8"#),
-            "LlamaFamily { windows: [Some(8), Some(8), Some(8), Some(8)] }"
+            "LlamaFamily { windows: [Some(8), Some(8), Some(8), Some(8)], freq_factors: None }"
         );
         assert_eq!(family(r#""model_type":"qwen2","sliding_window":8"#), none);
         assert_eq!(
             family(
                 r#""model_type":"qwen2","use_sliding_window":true,"sliding_window":8,"max_window_layers":2"#
             ),
-            "LlamaFamily { windows: [None, None, Some(8), Some(8)] }"
+            "LlamaFamily { windows: [None, None, Some(8), Some(8)], freq_factors: None }"
         );
         let types = r#""layer_types":["sliding_attention","full_attention","sliding_attention","full_attention"]"#;
         assert_eq!(
             family(&format!(
                 r#""model_type":"mistral","sliding_window":5,{types}"#
             )),
-            "LlamaFamily { windows: [Some(5), None, Some(5), None] }"
+            "LlamaFamily { windows: [Some(5), None, Some(5), None], freq_factors: None }"
         );
         let bad = format!(
             r#"{{{BASE},"model_type":"mistral","sliding_window":5,"layer_types":["sliding_attention"]}}"#
