@@ -102,14 +102,17 @@ fn alone(model: &Llama, req: &SeqRequest) -> anyhow::Result<Vec<u32>> {
     Ok(tokens)
 }
 
+/// Each request's tokens and how it finished, by id.
+type Outcomes = HashMap<u64, (Vec<u32>, Option<FinishReason>)>;
+
 /// Runs the batcher until idle, submitting `later` requests at their steps; returns each
 /// request's tokens and finish reason, checking the gauges at every step.
 fn drain(
     batcher: &mut Batcher,
     mut later: Vec<(usize, u64, SeqRequest)>,
     cancel_at: Option<(usize, u64)>,
-) -> anyhow::Result<HashMap<u64, (Vec<u32>, Option<FinishReason>)>> {
-    let mut out: HashMap<u64, (Vec<u32>, Option<FinishReason>)> = HashMap::new();
+) -> anyhow::Result<Outcomes> {
+    let mut out = Outcomes::new();
     let limit = batcher.options().kv_limit_bytes;
     for step in 0.. {
         later.retain(|(at, id, req)| {

@@ -167,7 +167,7 @@ pub struct BatchGauges {
 /// A sequence's sampler: on the device where the logits are (only the id crosses), or the
 /// host's `LogitsProcessor`.
 enum Sampler {
-    Host(LogitsProcessor),
+    Host(Box<LogitsProcessor>),
     Device(Box<DeviceSampler>),
 }
 
@@ -178,7 +178,7 @@ impl Sampler {
         Ok(if on_gpu {
             Self::Device(Box::new(DeviceSampler::new(p.seed, temperature, top_p)?))
         } else {
-            Self::Host(LogitsProcessor::new(p.seed, temperature, top_p))
+            Self::Host(Box::new(LogitsProcessor::new(p.seed, temperature, top_p)))
         })
     }
 
