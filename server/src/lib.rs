@@ -72,7 +72,7 @@ impl std::fmt::Debug for Loaded {
 #[non_exhaustive]
 pub enum ServerError {
     /// The address could not be bound.
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}")]
     Bind {
         /// `host:port`.
         addr: String,
@@ -203,8 +203,11 @@ pub struct Server {
 }
 
 impl Server {
-    /// Binds `config.host:config.port`.
+    /// Binds `config.host:config.port` (after checking the settings that can be wrong).
     pub async fn bind(config: ServerConfig) -> Result<Self, ServerError> {
+        if let Some(origin) = &config.cors_origin {
+            let _checked = routes::cors_layer(origin).map_err(ServerError::Config)?;
+        }
         let addr = format!("{}:{}", config.host, config.port);
         let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
             .await
