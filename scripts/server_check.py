@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """End-to-end check of `serve` with the real `openai` Python client (CI runs it on the CPU).
 
-Usage: python scripts/server_check.py PATH/TO/serve [extra serve flags...]
+Usage: python scripts/server_check.py [--log FILE] PATH/TO/serve [extra serve flags...]
+
+`--log FILE` keeps serve's output (stdout and stderr) there.
 
 Starts `serve` with the default model (SmolLM2-135M-Instruct, as `generate` resolves it) on a
 free loopback port with an API key, waits for /health 200, then checks:
@@ -91,12 +93,12 @@ def metrics(base):
     return out
 
 
-def start(serve, extra):
+def start(serve, extra, log_path):
     port = free_port()
     cmd = [serve, "--port", str(port), "--api-key", API_KEY, "--ctx-size", str(CTX),
            "--max-body-bytes", str(MAX_BODY), *extra]
     print("server_check: " + " ".join(cmd), flush=True)
-    log = open(os.environ.get("SERVER_CHECK_LOG", os.devnull), "w")
+    log = open(log_path or os.devnull, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -104,7 +106,7 @@ def start(serve, extra):
     while time.time() < deadline:
         if proc.poll() is not None:
             fail(f"serve exited with {proc.returncode} before it was ready "
-                 f"(SERVER_CHECK_LOG=FILE keeps its output)")
+                 f"(--log FILE keeps its output)")
         try:
             status, _, body = http(base, "GET", "/health", headers={"Authorization": None})
             if status == 200 and json.loads(body) == {"status": "ok"}:
@@ -330,9 +332,15 @@ def bad_requests(base, model):
 def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    serve, extra = sys.argv[1], sys.argv[2:]
+    args = sys.argv[1:]
+    log_path = None
+    if args[:1] == ["--log"] and len(args) >= 2:
+        log_path, args = args[1], args[2:]
+    if not args:
+        sys.exit(__doc__)
+    serve, extra = args[0], args[1:]
     t0 = time.time()
-    proc, base = start(serve, extra)
+    proc, base = start(serve, extra, log_path)
     try:
         client = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0,
                                timeout=300)
