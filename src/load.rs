@@ -185,8 +185,7 @@ impl LoadArgs {
         // Performance choices: the defaults for this host, the settings file's `tuning:` over
         // them, the environment's overrides over both (docs/tuning.md).
         // Fitted to the host once the weights say whether the model is a mixture of experts.
-        let mut tuning =
-            crate::tuning_env::tuning_from_env(settings.tuning.clone().unwrap_or_default());
+        let mut tuning = crate::tuning_env::tuning_from_env(settings.tuning.unwrap_or_default());
         if self.q8_activations {
             tuning.kernels.cpu_q8_activations = true;
         }
@@ -333,7 +332,7 @@ impl LoadArgs {
             .units()
             .iter()
             .any(|u| u.tensors().iter().any(|t| t.name.contains(".experts.")));
-        let tuning = plan.tuning.clone().fitted_to_model(experts);
+        let tuning = plan.tuning.fitted_to_model(experts);
         let policy = match self.policy {
             Policy::Schedule => PolicyChoice::Auto,
             Policy::Lru => PolicyChoice::Lru,

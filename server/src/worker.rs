@@ -231,6 +231,7 @@ struct Worker {
     metrics: Arc<Metrics>,
     active: HashMap<u64, tmpsc::UnboundedSender<Event>>,
     probe: Option<MemoryProbe>,
+    probed: Option<Instant>,
 }
 
 /// What a panic carried, as text.
@@ -328,7 +329,12 @@ impl Worker {
         g.last_batch.store(b.last_batch, Ordering::Relaxed);
         g.last_rows.store(b.last_rows, Ordering::Relaxed);
         g.steps.store(b.steps, Ordering::Relaxed);
-        if let Some(probe) = &mut self.probe {
+        // The device's memory at most every 100 ms (a driver call).
+        let due = self
+            .probed
+            .is_none_or(|t| t.elapsed() >= Duration::from_millis(100));
+        if let (Some(probe), true) = (&mut self.probe, due) {
+            self.probed = Some(Instant::now());
             if let Some((used, budget)) = probe() {
                 g.gpu_used_bytes.store(used, Ordering::Relaxed);
                 g.gpu_budget_bytes.store(budget, Ordering::Relaxed);
@@ -434,6 +440,7 @@ impl EngineThread {
             metrics: self.metrics,
             active: HashMap::new(),
             probe,
+            probed: None,
         };
         worker.run(self.rx);
     }

@@ -70,6 +70,15 @@ async fn a_completion_of_text_or_token_ids() {
     assert_eq!(v["usage"]["prompt_tokens"], 4);
 }
 
+/// A bad request: body, status, error type, param, code.
+type Row = (
+    String,
+    StatusCode,
+    &'static str,
+    Option<&'static str>,
+    Option<&'static str>,
+);
+
 #[tokio::test]
 async fn bad_requests_get_openais_error_object() {
     let cfg = ServerConfig {
@@ -80,8 +89,7 @@ async fn bad_requests_get_openais_error_object() {
     let router = a.router();
     let chat = "/v1/chat/completions";
     let msgs = json!([{"role": "user", "content": "Hi"}]);
-    // (body, status, type, param, code)
-    let table: Vec<(String, StatusCode, &str, Option<&str>, Option<&str>)> =
+    let table: Vec<Row> =
         vec![
         ("{\"messages\": [".into(), StatusCode::BAD_REQUEST, "invalid_request_error", None, None),
         ("[1, 2]".into(), StatusCode::BAD_REQUEST, "invalid_request_error", None, None),
