@@ -8,38 +8,25 @@
 use std::io::Write as _;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Result};
-use candle_core::DType;
 use candle_offload::placement::{DeviceMap, PlacementMode};
-use candle_offload::{MemoryLimit, OffloadRuntime, OffloadStrategy, PolicyChoice, Settings};
+use candle_offload::{MemoryLimit, OffloadRuntime};
 use candle_offload_models::generation::{generate, TokenStream};
 use candle_offload_models::llama::{argmax, DeviceMapChoice};
-use candle_offload_models::loader;
-use candle_offload_models::quantize;
 use candle_offload_models::sampling::{DeviceSampler, TokenSampler};
-use candle_offload_models::{ChatTemplate, DeviceMapRequest, HostLayers, Llama, OffloadSettings};
+use candle_offload_models::{ChatTemplate, DeviceMapRequest, Llama};
 use candle_offload_suite::flags;
+use candle_offload_suite::load::{pin_cpu_thread_count, LoadArgs, Target};
 use candle_transformers::generation::LogitsProcessor;
-use clap::builder::PossibleValuesParser;
-use clap::{Parser, ValueEnum};
-
-/// `--policy`: the model's own layer sweep, or one of the library's learned policies.
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Policy {
-    /// Belady over the model's layer sweep (the default for generation).
-    Schedule,
-    /// Least recently used.
-    Lru,
-}
+use clap::Parser;
 
 /// Generates text with a LLaMA-family model whose weights need not fit in GPU memory.
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
     #[command(flatten)]
-    model: candle_offload_suite::ModelArgs,
+    load: LoadArgs,
     /// The prompt.
     #[arg(long, default_value = "What is the capital of France?")]
     prompt: String,
@@ -49,11 +36,6 @@ struct Args {
     /// Feed the prompt as is, without the model's chat template.
     #[arg(long)]
     no_chat_template: bool,
-    /// The tokenizer: a tokenizer.json, or a GGUF file whose vocabulary to use. Overrides the
-    /// model's tokenizer.json and the tokenizer stored in a GGUF model (which is otherwise
-    /// rebuilt from its metadata: SentencePiece `llama` and byte-level BPE `gpt2`).
-    #[arg(long, value_name = "FILE")]
-    tokenizer: Option<PathBuf>,
     /// Tokens to generate at most (1 or more).
     #[arg(long, default_value_t = 64, value_parser = flags::at_least_one)]
     max_new_tokens: usize,
@@ -66,52 +48,10 @@ struct Args {
     /// Sampling seed.
     #[arg(long, default_value_t = 299792458)]
     seed: u64,
-    /// Compute dtype: f32, f16 or bf16 (default: f16 on a GPU, f32 on the CPU).
-    #[arg(long, value_parser = flags::float_dtype)]
-    dtype: Option<DType>,
-    /// Dequantize a GGUF file's quantized weights to dense ones. By default they stay GGML
-    /// blocks: the layer projections and the head are multiplied as blocks, embedding rows
-    /// dequantized on lookup, on the CPU and the GPU.
-    #[arg(long)]
-    dequantize: bool,
-    /// On the CPU, quantize the activations to 8-bit blocks before each quantized matmul, as
-    /// llama.cpp does (its arithmetic and greedy tokens; integer dot products). By default the
-    /// blocks multiply F32 activations and give what the dequantized model gives.
-    #[arg(long, conflicts_with = "dequantize")]
-    q8_activations: bool,
-    /// On a GPU, run the Candle op compositions instead of the library's fused ops (attention
-    /// over the KV cache, one-pass projections, RMSNorm with the residual add, SiLU · mul,
-    /// RoPE of q and k): the decode step as it was before them, for comparison. The CPU runs
-    /// the compositions anyway.
-    #[arg(long)]
-    unfused: bool,
-    /// Keep a GGUF file's quantized weights as GGML blocks: the default, accepted for older
-    /// command lines.
-    #[arg(long, hide = true, conflicts_with = "dequantize")]
-    quantized: bool,
-    /// Quantize a safetensors model's layer projections to this GGML type on load and
-    /// multiply them as blocks, on the CPU or the GPU. The result is cached as a GGUF next to the
-    /// model (`candle-offload.<type>.gguf`), so later runs read that file instead.
-    #[arg(long, value_name = "TYPE", conflicts_with_all = ["quantized", "dequantize"],
-          value_parser = PossibleValuesParser::new(quantize::TYPES.map(|(n, _)| n)))]
-    quantize: Option<String>,
-    /// A LoRA adapter directory (PEFT's `adapter_config.json` and `adapter_model.safetensors`),
-    /// run unmerged beside the frozen weights (dense or GGML blocks); no host layers then.
-    #[arg(long, value_name = "DIR")]
-    lora: Option<PathBuf>,
-    /// With `--lora`: fold the adapter into the weights before running (dense weights in their
-    /// dtype; GGML blocks dequantized, merged and quantized again, with the error that adds).
-    #[arg(long, requires = "lora")]
-    merge: bool,
-    /// Run on the CPU.
-    #[arg(long)]
-    cpu: bool,
-    /// GPU ordinal (one device; --devices names several).
-    #[arg(long, default_value_t = 0, conflicts_with = "devices")]
-    device: usize,
     /// Shard the layers over these GPUs (`0,1`, each once): each runs a contiguous range of
-    /// layers with its own budget, and streams what does not fit from host memory.
-    #[arg(long, value_delimiter = ',')]
+    /// layers with its own budget, and streams what does not fit from host memory. Not with
+    /// --device or --host-layers.
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["device", "host_layers"])]
     devices: Option<Vec<usize>>,
     /// With --devices: `sequential` (fill GPU 0 first), `balanced` (even layer counts), or a
     /// device map JSON file (as --save-device-map writes).
@@ -124,46 +64,6 @@ struct Args {
     /// staged by the driver.
     #[arg(long)]
     no_peer_access: bool,
-    /// Run the first decoder layers on the host CPU instead of streaming them to the GPU
-    /// (llama.cpp's split): `auto` (the fewest that let the GPU hold the rest, none when the
-    /// model fits), a count, `spread:N` (N layers spread evenly, so that the CPU computes while
-    /// the GPU's copy stream brings the streamed layers in between), `spread:auto` (a count
-    /// that balances the layers' compute, one layer timed on this CPU and on the GPU, against
-    /// the link's copies, and whether the output head runs on the CPU too, as llama.cpp's
-    /// `-ngl` below the layer count + 1 places it; the default: none when the model fits or
-    /// runs on the CPU), `spread:N+head` (N spread layers and the head on the CPU), or `none`
-    /// (stream what does not fit).
-    #[arg(long, default_value = "spread:auto", conflicts_with = "devices")]
-    host_layers: HostLayers,
-    /// Offload weights to host memory (with the budget below, or the free GPU memory).
-    #[arg(long)]
-    offload: bool,
-    /// GPU memory budget: GiB (`3.5`), or `3.5GiB`, `3GB`, `50%`; with --devices one per
-    /// device (`4,6`) or one for all. Implies --offload.
-    #[arg(long, allow_hyphen_values = true)]
-    gpu_memory_limit: Option<String>,
-    /// Host memory for the weights: GiB (`12`), `12GiB`, or a share of RAM (`50%`); a
-    /// model's layers past it (safetensors or GGUF) stay in the file and are read from disk on
-    /// every fetch. Default: 3/4 of RAM (or `memory.max_cpu_memory` in --config).
-    #[arg(long)]
-    cpu_memory_limit: Option<String>,
-    /// How weights reach the GPU: `explicit` (copied from pinned host memory on a copy
-    /// stream, the default; streams what does not fit) or `managed` (CUDA Unified Memory,
-    /// migrated to the GPU by prefetch before first use; only for a model that fits the budget,
-    /// and a GPU with concurrent managed access).
-    #[arg(long, default_value = "explicit")]
-    engine: String,
-    /// How much stays resident: minimal, balanced or aggressive offloading.
-    #[arg(long)]
-    offload_strategy: Option<OffloadStrategy>,
-    /// Eviction policy.
-    #[arg(long, value_enum, default_value = "schedule")]
-    policy: Policy,
-    /// Copies that may run ahead of their victims' release (0 moves the fewest bytes, at most
-    /// 3).
-    #[arg(long, default_value_t = 1,
-          value_parser = clap::value_parser!(u64).range(0..=candle_offload::MAX_PREFETCH_DEPTH as u64))]
-    prefetch_depth: u64,
     /// Record every fetch and eviction and write the history as JSON here. With --devices,
     /// one file per stage: `h.json` becomes `h.stage0.json`, `h.stage1.json`, ...
     #[arg(long)]
@@ -178,10 +78,6 @@ struct Args {
     /// is checked, one decode run per stage.
     #[arg(long)]
     leak_check: Option<usize>,
-    /// Settings file (YAML): `memory.offload_strategy`, `memory.max_gpu_memory`,
-    /// `memory.max_cpu_memory` and a `tuning:` section (docs/tuning.md).
-    #[arg(long)]
-    config: Option<PathBuf>,
     /// More logging (-v, -vv).
     #[arg(short, long, action = clap::ArgAction::Count)]
     verbose: u8,
@@ -208,10 +104,13 @@ fn run(args: Args) -> Result<()> {
     if args.top_p.is_some() && args.temperature == 0.0 {
         eprintln!("note: --top-p has no effect with --temperature 0 (greedy decoding)");
     }
-    let ordinals = args.devices.clone().unwrap_or_else(|| vec![args.device]);
+    let ordinals = args
+        .devices
+        .clone()
+        .unwrap_or_else(|| vec![args.load.device]);
     let devices = ordinals
         .iter()
-        .map(|&o| candle_offload_suite::device(args.cpu, o))
+        .map(|&o| candle_offload_suite::device(args.load.cpu, o))
         .collect::<candle_core::Result<Vec<_>>>()?;
     let device = devices[0].clone();
     let sharded = args.devices.is_some();
@@ -237,53 +136,14 @@ fn run(args: Args) -> Result<()> {
         None
     };
 
-    let settings = match &args.config {
-        Some(p) => Settings::from_file(p)?,
-        None => Settings::default(),
-    };
-    // Performance choices: the defaults for this host, the settings file's `tuning:` over
-    // them, the environment's overrides over both (docs/tuning.md).
-    // Fitted to the host once the weights say whether the model is a mixture of experts.
-    let mut tuning =
-        candle_offload_suite::tuning_env::tuning_from_env(settings.tuning.unwrap_or_default());
-    if args.q8_activations {
-        tuning.kernels.cpu_q8_activations = true;
-    }
-    let (mut strategy, mut limit) = (settings.offload_strategy, settings.max_gpu_memory);
-    let mut limits = Vec::new();
-    if let Some(s) = &args.gpu_memory_limit {
-        for part in s.split(',') {
-            limits.push(MemoryLimit::parse("--gpu-memory-limit", part)?);
-        }
-        if limits.len() > 1 && limits.len() != devices.len() {
-            bail!(
-                "--gpu-memory-limit has {} values for {} device(s): give one, or one per --devices entry",
-                limits.len(),
-                devices.len()
-            );
-        }
-        limit = limits.first().copied();
-    }
-    if args.offload_strategy.is_some() {
-        strategy = args.offload_strategy;
-    }
-    if limit.is_none() && (args.offload || strategy.is_some()) && !device.is_cpu() {
-        limit = Some(MemoryLimit::FractionOfDevice(0.9));
-    }
+    let plan = args.load.memory(&devices)?;
+    let (limit, limits) = (plan.limit, &plan.limits);
 
     // The model.
-    let files = args.model.resolve()?;
+    let files = args.load.model.resolve()?;
     let cfg = files.config.clone();
-    let dtype = match args.dtype {
-        Some(d) => d,
-        None if device.is_cpu() => DType::F32,
-        None => DType::F16,
-    };
-    let tokenizer = candle_offload_models::tokenizer::load(&files, args.tokenizer.as_deref())
-        .map_err(|e| match &args.tokenizer {
-            Some(_) => anyhow!("--tokenizer: {e}"),
-            None => e.into(),
-        })?;
+    let dtype = args.load.dtype_on(&device);
+    let tokenizer = args.load.tokenizer(&files)?;
     let prompt = match (&files.chat_template, args.no_chat_template) {
         (Some(t), false) => ChatTemplate::new(
             t.clone(),
@@ -335,7 +195,7 @@ fn run(args: Args) -> Result<()> {
                 prompt_len: prompt_ids.len(),
                 max_len,
                 choice,
-                prefetch_depth: args.prefetch_depth as usize,
+                prefetch_depth: args.load.prefetch_depth as usize,
             },
         )?;
         eprint!("{map}");
@@ -359,147 +219,19 @@ fn run(args: Args) -> Result<()> {
         None
     };
 
-    let t0 = std::time::Instant::now();
-    let host_memory_limit = match &args.cpu_memory_limit {
-        Some(s) => Some(MemoryLimit::parse("--cpu-memory-limit", s)?),
-        None => settings.max_cpu_memory,
-    };
-    let engine: candle_offload::EngineKind = args
-        .engine
-        .parse()
-        .map_err(|e| anyhow!("--engine {}: {e}", args.engine))?;
-    let store_cfg = candle_offload::StoreConfig {
-        dtype: Some(dtype),
-        host_memory_limit,
-        engine,
-        disk_reads: tuning.disk,
-        ..Default::default()
-    };
-    let store = match &args.quantize {
-        Some(name) => {
-            let ty = quantize::parse_type(name)
-                .ok_or_else(|| anyhow!("--quantize {name}: not a quantize type"))?;
-            Arc::new(quantize_on_load(&files, ty, &store_cfg, &device)?)
-        }
-        None => Arc::new(loader::load_store_config(
-            &files,
-            &store_cfg,
-            &device,
-            !args.dequantize,
-        )?),
-    };
-    let mut host_layers_choice = args.host_layers;
-    let mut adapters = None;
-    let store = match &args.lora {
-        None => store,
-        Some(dir) => {
-            let a = candle_offload_models::lora::peft::load(dir, &cfg, &device)?;
-            eprintln!(
-                "LoRA adapter {}: {} modules, {} parameters",
-                dir.display(),
-                a.modules().len(),
-                a.parameter_count()
-            );
-            if args.merge {
-                let t = std::time::Instant::now();
-                let merge_cfg = candle_offload::StoreConfig {
-                    grouping: cfg.layout().grouping(),
-                    ..store_cfg.clone()
-                };
-                let (merged, report) = candle_offload_models::lora::merge::merge_store(
-                    &store, &a, &merge_cfg, &device,
-                )?;
-                eprintln!(
-                    "merged in {:.1} s: {} dense weights, {} re-quantized (the largest error \
-                     re-quantizing added: rel L2 {:.3e})",
-                    t.elapsed().as_secs_f64(),
-                    report.dense,
-                    report.requantized.len(),
-                    report.max_requant_rel_l2()
-                );
-                drop(store);
-                Arc::new(merged)
-            } else {
-                if host_layers_choice != HostLayers::None {
-                    eprintln!("LoRA unmerged: no host layers (--host-layers ignored)");
-                    host_layers_choice = HostLayers::None;
-                }
-                adapters = Some(Arc::new(a));
-                store
-            }
-        }
-    };
-    let blocks = store.ggml_tensor_count();
-    eprintln!(
-        "weights: {:.2} GiB in {} units ({:.2} GiB pinned, {blocks} tensors as GGML blocks), loaded in {:.1} s",
-        store.total_bytes() as f64 / 2f64.powi(30),
-        store.units().len(),
-        store.pinned_bytes() as f64 / 2f64.powi(30),
-        t0.elapsed().as_secs_f64()
-    );
-    let experts = store
-        .units()
-        .iter()
-        .any(|u| u.tensors().iter().any(|t| t.name.contains(".experts.")));
-    let tuning = tuning.fitted_to_model(experts);
-    let policy = match args.policy {
-        Policy::Schedule => PolicyChoice::Auto,
-        Policy::Lru => PolicyChoice::Lru,
-    };
-    let settings = OffloadSettings {
-        gpu_memory_limit: limit,
-        strategy: strategy.unwrap_or_default(),
-        prefetch_depth: args.prefetch_depth as usize,
-        policy,
-        tuning,
-        ..Default::default()
-    };
-    let mut model = match &device_map {
-        Some(map) => Llama::builder(&files, store)
-            .devices(&devices)
-            .device_map(DeviceMapChoice::Planned(map.clone()))
-            .dtype(dtype)
-            .max_len(max_len)
-            .settings(settings.clone())
-            .build()?,
-        None => Llama::builder(&files, store)
-            .device(&device)
-            .dtype(dtype)
-            .prompt_len(prompt_ids.len())
-            .max_len(max_len)
-            .settings(settings.clone())
-            .host_layers(host_layers_choice)
-            .build()?,
-    };
-    model.set_adapters(adapters)?;
-    if args.unfused {
-        model.set_fused(false);
-    }
-    // The weights that stay resident are copied in now, with the load, not in the prompt's
-    // step (llama.cpp, too, has its weights in place before it times a prompt).
-    let t_warm = std::time::Instant::now();
-    let warmed = model.warm_up()?;
-    if warmed > 0 {
-        // Over every stage (a host stage's layers too); a GPU's copies may still be finishing.
-        eprintln!(
-            "resident: {:.2} GiB fetched before the prompt in {:.2} s",
-            warmed as f64 / 2f64.powi(30),
-            t_warm.elapsed().as_secs_f64()
-        );
-    }
+    let model = args.load.build(
+        &files,
+        &plan,
+        &Target {
+            device: &device,
+            device_map: device_map.as_ref().map(|m| (m, devices.as_slice())),
+            dtype,
+            prompt_len: prompt_ids.len(),
+            max_len,
+            extra_reserve: 0,
+        },
+    )?;
     let host_layers = model.host_layer_count();
-    if host_layers > 0 {
-        let which = match args.host_layers {
-            HostLayers::Spread(_) | HostLayers::SpreadAuto | HostLayers::SpreadWithHead(_) => {
-                "spread over the model"
-            }
-            _ => "the first ones",
-        };
-        eprintln!("host layers: {host_layers} decoder layers ({which}) run on the CPU");
-    }
-    if model.head_on_host() {
-        eprintln!("host head: the final norm and the output head run on the CPU");
-    }
     let sharded = sharded || host_layers > 0;
     let stages = model.stages();
     if args.memory_history.is_some() || args.timeline.is_some() {
@@ -606,18 +338,6 @@ fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// Sets `RAYON_NUM_THREADS` (when unset) to the thread count Candle picks, before any thread
-/// starts. Candle 0.11.1 asks for that count on every dense CPU matmul, and where the kernel
-/// exposes no `cpu_capacity` (most VMs) it counts physical cores by reading `/proc/cpuinfo`
-/// each time: some 60 reads per decode step, a quarter of a 135M model's step on 2 cores.
-/// With the variable set it reads the variable instead; the count is the same.
-fn pin_cpu_thread_count() {
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        let n = candle_core::utils::get_num_threads();
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    }
-}
-
 /// `stage K (layers A..B, DEVICE): ` for a sharded model's stage `k`; empty otherwise.
 fn stage_name(sharded: bool, k: usize, layers: &Range<usize>, rt: &OffloadRuntime) -> String {
     if !sharded {
@@ -671,49 +391,4 @@ fn write_histories(
         }
     }
     Ok(())
-}
-
-/// `--quantize`: the store of `files` with its projections quantized to `ty`, from the cached
-/// GGUF or quantized now under a progress bar.
-fn quantize_on_load(
-    files: &loader::ModelFiles,
-    ty: candle_core::quantized::GgmlDType,
-    cfg: &candle_offload::StoreConfig,
-    device: &candle_core::Device,
-) -> Result<candle_offload::HostStore> {
-    let style = indicatif::ProgressStyle::with_template(
-        "quantizing {bar:30} {binary_bytes}/{binary_total_bytes} [{elapsed_precise}<{eta_precise}] {wide_msg}",
-    )
-    .map_err(|e| anyhow!("progress bar template: {e}"))?;
-    let bar: std::sync::OnceLock<indicatif::ProgressBar> = std::sync::OnceLock::new();
-    let progress = |p: &quantize::Progress<'_>| {
-        let b = bar
-            .get_or_init(|| indicatif::ProgressBar::new(p.total_bytes).with_style(style.clone()));
-        b.set_position(p.done_bytes);
-        b.set_message(p.tensor.to_string());
-        std::ops::ControlFlow::Continue(())
-    };
-    let opts = quantize::QuantizeOptions {
-        progress: Some(&progress),
-        ..Default::default()
-    };
-    let (store, cached) = quantize::load_store_config(files, ty, cfg, device, &opts)?;
-    if let Some(b) = bar.get() {
-        b.finish_and_clear();
-    }
-    let how = match &cached.state {
-        quantize::CacheState::Hit => "read from the cache".to_string(),
-        quantize::CacheState::Built => format!("{} tensors quantized", cached.requantized),
-        quantize::CacheState::Rebuilt { reason } => format!(
-            "{} tensors quantized again (the cache was {reason})",
-            cached.requantized
-        ),
-        other => format!("{other:?}"),
-    };
-    eprintln!(
-        "quantized weights ({}): {}, {how}",
-        quantize::type_name(ty).unwrap_or("?"),
-        cached.path.display()
-    );
-    Ok(store)
 }

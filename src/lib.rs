@@ -1,7 +1,8 @@
 //! Helpers shared by the suite's binaries (the examples, the integration tests, and the
-//! benchmark crate `bench/`): device selection, logging set-up, the model flags, the seeded
-//! random generator, MFU, and JSON records with their provenance.
+//! benchmark crate `bench/`): device selection, logging set-up, the model flags and loading
+//! (`load`), the seeded random generator, MFU, and JSON records with their provenance.
 
+pub mod load;
 pub mod report;
 pub mod tuning_env;
 
@@ -186,7 +187,7 @@ pub fn write_results(
     write_json(path, &results_document(benchmark, device, records))
 }
 
-/// The model flags `generate` and `finetune` share.
+/// The model flags `generate`, `serve` and `finetune` share.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
     /// A hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`), a directory in the HF layout, or a

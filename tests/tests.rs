@@ -18,6 +18,7 @@ mod own_model;
 mod quantize;
 mod quantized;
 mod runtime;
+mod server;
 mod sharding;
 mod store;
 mod tiers;

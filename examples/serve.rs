@@ -1,0 +1,246 @@
+//! An OpenAI-compatible HTTP server: chat and text completions (streamed or not) from one
+//! model, with requests batched continuously (they join the running batch at the next step
+//! and leave when done), under the same memory budget and flags as `generate`.
+//!
+//! Run with: `cargo run --release --example serve` (SmolLM2-135M-Instruct on
+//! 127.0.0.1:8080), then e.g. `curl http://127.0.0.1:8080/v1/chat/completions -H
+//! 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "Hi"}]}'`.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+use candle_offload::MemoryLimit;
+use candle_offload_models::batching::{BatchOptions, Batcher};
+use candle_offload_models::{loader, ChatTemplate};
+use candle_offload_server::{BoxError, Loaded, MemoryProbe, ModelInfo, ServerConfig};
+use candle_offload_suite::flags;
+use candle_offload_suite::load::{pin_cpu_thread_count, LoadArgs, MemoryPlan, Target};
+use clap::Parser;
+
+/// Serves a LLaMA-family model over an OpenAI-compatible HTTP API (`/v1/chat/completions`,
+/// `/v1/completions`, `/v1/models`, `/health`, `/metrics`).
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    #[command(flatten)]
+    load: LoadArgs,
+    /// The address to listen on (`0.0.0.0`: every interface).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// The port.
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on `/v1/...` (`/health` and `/metrics` stay open).
+    #[arg(long, value_name = "KEY")]
+    api_key: Option<String>,
+    /// Allow cross-origin requests from this origin (`*`: any). Off by default.
+    #[arg(long, value_name = "ORIGIN")]
+    cors: Option<String>,
+    /// Sequences that run at once, at most.
+    #[arg(long, default_value_t = 8, value_parser = flags::at_least_one)]
+    parallel: usize,
+    /// Positions per request (prompt and new tokens). Default: the model's context, at most
+    /// 4096.
+    #[arg(long, value_parser = flags::at_least_one)]
+    ctx_size: Option<usize>,
+    /// Bytes the running requests' KV caches may take together (`2GiB`, `512MiB`); a request
+    /// waits until its cache fits. Default: --parallel caches of --ctx-size positions. On a
+    /// GPU it is kept out of the weights' budget.
+    #[arg(long, value_name = "SIZE")]
+    kv_memory: Option<String>,
+    /// Requests that may wait to start beyond the running ones; more get 503 with
+    /// Retry-After.
+    #[arg(long, default_value_t = candle_offload_server::config::DEFAULT_QUEUE)]
+    queue: usize,
+    /// The largest request body in bytes; larger ones get 413.
+    #[arg(long, default_value_t = candle_offload_server::config::DEFAULT_MAX_BODY_BYTES,
+          value_parser = flags::at_least_one)]
+    max_body_bytes: usize,
+    /// New tokens of a request that gives no max_tokens (less where the context leaves less
+    /// room).
+    #[arg(long, default_value_t = candle_offload_server::config::DEFAULT_MAX_TOKENS,
+          value_parser = flags::at_least_one)]
+    max_tokens_default: usize,
+    /// The model's name in /v1/models and in requests' `model`. Default: the model file's
+    /// (or directory's) name, or the hub id.
+    #[arg(long)]
+    model_name: Option<String>,
+    /// More logging (-v, -vv).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+}
+
+fn main() -> std::process::ExitCode {
+    pin_cpu_thread_count();
+    let args = Args::parse();
+    candle_offload_suite::init_tracing(args.verbose);
+    let verbose = args.verbose > 0;
+    candle_offload_suite::report::exit_code(run(args), verbose)
+}
+
+/// The served model's default name: the file or directory `--model` names, else the hub id.
+fn default_name(model: Option<&str>) -> String {
+    match model {
+        Some(m) => {
+            let p = Path::new(m);
+            match p.file_name() {
+                Some(f) if p.exists() => f.to_string_lossy().into_owned(),
+                _ => m.to_string(),
+            }
+        }
+        None => loader::DEFAULT_MODEL.to_string(),
+    }
+}
+
+/// What the server's engine thread runs once it listens.
+struct Load {
+    args: LoadArgs,
+    plan: MemoryPlan,
+    device: Device,
+    parallel: usize,
+    ctx_size: Option<usize>,
+    kv_memory: Option<u64>,
+}
+
+impl Load {
+    fn run(self) -> Result<Loaded> {
+        let files = self.args.model.resolve()?;
+        let cfg = files.config.clone();
+        let tokenizer = self.args.tokenizer(&files)?;
+        let max_pos = cfg.max_position_embeddings;
+        let ctx = match self.ctx_size {
+            Some(n) if n > max_pos => bail!(
+                "--ctx-size {n}: more than the model's context (max_position_embeddings {max_pos})"
+            ),
+            Some(n) => n,
+            None => max_pos.min(4096),
+        };
+        let dtype = self.args.dtype_on(&self.device);
+        let per_seq = cfg.kv_cache_bytes(ctx, dtype);
+        let kv_limit = self
+            .kv_memory
+            .unwrap_or(per_seq.saturating_mul(self.parallel as u64));
+        // On a GPU the batch's KV caches are reserved beside the model's own (one sequence
+        // of ctx positions), so the weights' budget leaves room for them.
+        let extra_reserve = if self.device.is_cpu() {
+            0
+        } else {
+            kv_limit.saturating_sub(per_seq)
+        };
+        let model = self.args.build(
+            &files,
+            &self.plan,
+            &Target {
+                device: &self.device,
+                device_map: None,
+                dtype,
+                // A step's rows: BatchOptions::new's step_tokens.
+                prompt_len: 512.min(ctx),
+                max_len: ctx,
+                extra_reserve,
+            },
+        )?;
+        // Requests mix greedy and sampled decoding: the whole head is computed.
+        model.set_greedy_head(false);
+        let model = Arc::new(model);
+        let mut opts = BatchOptions::new(&model, self.parallel, ctx);
+        opts.kv_limit_bytes = kv_limit;
+        let mut end_tokens = cfg.eos_token_ids.clone();
+        for t in tokenizer.end_of_generation() {
+            if !end_tokens.contains(&t) {
+                end_tokens.push(t);
+            }
+        }
+        let chat_template = files.chat_template.clone().map(|t| {
+            ChatTemplate::new(
+                t,
+                files.special_tokens.bos.clone(),
+                files.special_tokens.eos.clone(),
+            )
+        });
+        if chat_template.is_none() {
+            eprintln!(
+                "note: the model has no chat template; chat prompts are `role: content` lines"
+            );
+        }
+        let memory: Option<MemoryProbe> = if self.device.is_cuda() {
+            let rt = model.runtime().clone();
+            Some(Box::new(move || {
+                let used = candle_offload::diag::device_used_bytes(rt.device()).ok()?;
+                Some((used, rt.budget().limit_bytes))
+            }))
+        } else {
+            None
+        };
+        eprintln!(
+            "serving: {} sequences at once, {ctx} positions each, KV memory {} ({} per full \
+             sequence)",
+            self.parallel,
+            candle_offload::human_bytes(kv_limit),
+            candle_offload::human_bytes(per_seq),
+        );
+        Ok(Loaded {
+            backend: Box::new(Batcher::new(model, opts)),
+            info: ModelInfo {
+                codec: Arc::new(tokenizer),
+                chat_template,
+                end_tokens,
+                context: ctx,
+                vocab_size: cfg.vocab_size,
+            },
+            max_running: self.parallel,
+            memory,
+        })
+    }
+}
+
+fn run(args: Args) -> Result<()> {
+    let device = candle_offload_suite::device(args.load.cpu, args.load.device)?;
+    let plan = args.load.memory(std::slice::from_ref(&device))?;
+    let kv_memory = match &args.kv_memory {
+        None => None,
+        Some(s) => match MemoryLimit::parse("--kv-memory", s)? {
+            MemoryLimit::Bytes(b) if b > 0 => Some(b),
+            _ => bail!("--kv-memory {s}: give a size above zero (`2GiB`, `512MiB`), not a share"),
+        },
+    };
+    let model_name = args
+        .model_name
+        .clone()
+        .unwrap_or_else(|| default_name(args.load.model.model.as_deref()));
+    let config = ServerConfig {
+        host: args.host.clone(),
+        port: args.port,
+        api_key: args.api_key.clone(),
+        cors_origin: args.cors.clone(),
+        queue: args.queue,
+        max_body_bytes: args.max_body_bytes,
+        max_tokens_default: args.max_tokens_default,
+        model_name: model_name.clone(),
+        retry_after_s: 1,
+    };
+    let load = Load {
+        args: args.load,
+        plan,
+        device,
+        parallel: args.parallel,
+        ctx_size: args.ctx_size,
+        kv_memory,
+    };
+    candle_offload_server::run(
+        config,
+        move || {
+            load.run()
+                .map_err(|e| -> BoxError { format!("{e:#}").into() })
+        },
+        |addr| {
+            eprintln!(
+                "listening on http://{addr} (model `{model_name}`; /health answers 200 once it \
+                 is loaded)"
+            )
+        },
+    )?;
+    Ok(())
+}
