@@ -1,6 +1,6 @@
 //! Continuous batching: sequences join a running batch at the next step and leave when done,
 //! each with its own KV cache and sampler, every step one forward pass over all of them
-//! ([`CausalLm::forward_ragged`]).
+//! ([`CausalLm::forward_ragged`](crate::CausalLm::forward_ragged)).
 //!
 //! The policy ([`Batcher::step`]):
 //! - **Admission**, first come first served: a waiting sequence starts when fewer than
