@@ -59,6 +59,15 @@ pub enum DistError {
         reason: String,
     },
 
+    /// A peer failed and said why (its own error, sent before it left).
+    #[error("rank {rank} failed: {reason}")]
+    Remote {
+        /// The peer's rank.
+        rank: usize,
+        /// Its error.
+        reason: String,
+    },
+
     /// A tensor that cannot be sent or a header that cannot be read as one.
     #[error("tensor from or to rank {rank}: {reason}")]
     Tensor {
@@ -76,6 +85,7 @@ impl DistError {
             Self::Timeout { rank, .. }
             | Self::PeerLost { rank, .. }
             | Self::Protocol { rank, .. }
+            | Self::Remote { rank, .. }
             | Self::Tensor { rank, .. } => Some(*rank),
             Self::InvalidConfig { .. } | Self::Rendezvous { .. } => None,
         }
