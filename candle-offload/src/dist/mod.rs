@@ -179,7 +179,7 @@ impl TcpTransport {
     /// Closes every connection without a goodbye, as a process that dies does (what its peers
     /// then see is tested).
     #[doc(hidden)]
-    pub fn abort(self) {
+    pub fn abort(&self) {
         self.mesh.abort();
     }
 }

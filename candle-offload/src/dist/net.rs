@@ -642,7 +642,7 @@ impl Mesh {
             .writer
             .lock()
             .map_err(|_| lost("its writer was poisoned".into()))?;
-        write_frame(&mut w, kind, parts).map_err(|e| lost(e.to_string()))
+        write_frame(&mut w, kind, parts).map_err(|e| lost(broken(&e)))
     }
 
     /// The next frame from `from`, which must be of `kind`, within the timeout; `awaited`
@@ -692,10 +692,18 @@ impl Mesh {
     }
 
     /// Closes every connection without a goodbye, as a process that dies does (for tests of
-    /// what its peers see).
+    /// what its peers see); sends and receives fail from then on.
     #[doc(hidden)]
-    pub fn abort(mut self) {
-        self.close(false);
+    pub fn abort(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for peer in self.peers.iter().flatten() {
+            if let Ok(mut l) = peer.lost.lock() {
+                *l = Some("this rank aborted".into());
+            }
+            if let Ok(w) = peer.writer.lock() {
+                w.shutdown(std::net::Shutdown::Both).ok();
+            }
+        }
     }
 
     fn close(&mut self, goodbye: bool) {
@@ -752,12 +760,22 @@ fn read_loop(s: &mut TcpStream, tx: &Sender<Incoming>, stop: &AtomicBool, silenc
                     std::io::ErrorKind::UnexpectedEof => {
                         "its connection closed without a goodbye: the process died".into()
                     }
-                    _ => format!("its connection broke: {e} (the process died?)"),
+                    _ => broken(&e),
                 };
                 tx.send(Incoming::Lost(reason)).ok();
                 return;
             }
         }
+    }
+}
+
+/// What a failed read or write of a peer's connection says about the peer.
+fn broken(e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            format!("its connection stalled ({e}): it hangs or its host is unreachable")
+        }
+        _ => format!("its connection broke ({e}): the process died"),
     }
 }
 

@@ -230,7 +230,7 @@ impl CausalLm {
 /// A model over its weights in `store`, run as a pipeline over `devices` as `map` says (from
 /// [`CausalLm::plan_devices`]): `settings` gives the strategy, depth and policy (its memory
 /// limit is the map's business); `source` names the weights in errors.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(super) struct Pipeline<'a> {
     pub(super) cfg: &'a Config,
     pub(super) store: &'a Arc<HostStore>,
@@ -240,6 +240,9 @@ pub(super) struct Pipeline<'a> {
     pub(super) max_len: usize,
     pub(super) settings: &'a OffloadSettings,
     pub(super) source: &'a Path,
+    /// The layers the map's devices run: every layer, or a rank's share of a multi-process
+    /// run (`ranks.rs`).
+    pub(super) span: std::ops::Range<usize>,
 }
 
 impl Pipeline<'_> {
@@ -255,6 +258,7 @@ impl Pipeline<'_> {
             max_len,
             settings,
             source,
+            ref span,
         } = *self;
         let layout = cfg.layout();
         let tied = layout.tied_head_name();
@@ -325,7 +329,8 @@ impl Pipeline<'_> {
             declare_reservation(&rt, kv, dp.reserve_bytes, settings.reserve_bytes)?;
             stages.push((rt, layers));
         }
-        let mut model = CausalLm::assemble(cfg.clone(), stages, dtype, max_len, source)?;
+        let mut model =
+            CausalLm::assemble_span(cfg.clone(), stages, span.clone(), dtype, max_len, source)?;
         model.reserve_by_phase(map.decode_share_bytes);
         model.device_map = Some(map.clone());
         Ok(model)

@@ -4,18 +4,29 @@
 //! rank, its ordinal the rank) and sends the map to the others as JSON, so that every rank
 //! knows its layer range. A rank that cannot resolve its budget, or a plan that cannot be made,
 //! fails every rank with the reason.
+//!
+//! Each rank then builds its share as one stage of a pipeline (`devices.rs`' `Pipeline`) over
+//! a store of its own units only, and runs a step as the in-process pipeline runs a stage
+//! (`forward.rs`' `run_stages`): the hidden state comes from the previous rank and goes to the
+//! next over the transport; the last rank runs the head.
 
-use candle_core::{DType, Device};
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
 use candle_offload::dist::{broadcast_json, gather_json, DistError, Transport};
-use candle_offload::placement::DeviceMap;
-use candle_offload::MemoryLimit;
+use candle_offload::placement::{DeviceMap, DevicePlacement};
+use candle_offload::{HostStore, MemoryLimit};
 use serde::{Deserialize, Serialize};
 
-use super::devices::{DeviceMapChoice, DeviceMapRequest};
+use super::devices::{device_ordinal, DeviceMapChoice, DeviceMapRequest, Pipeline};
+use super::forward::StepInputs;
 use super::model::CausalLm;
-use super::reserve::device_budget;
+use super::reserve::{device_budget, OffloadSettings};
 use crate::error::ModelError;
 use crate::family::Config;
+use crate::layers::Cache;
 
 /// What one rank plans its share with ([`CausalLm::plan_ranks`]).
 #[derive(Debug, Clone, Copy)]
@@ -136,6 +147,182 @@ impl CausalLm {
             ));
         }
         Ok(map)
+    }
+}
+
+/// A rank's place in the pipeline, kept by its model.
+#[derive(Debug, Clone)]
+pub(super) struct RankLink {
+    pub(super) transport: Arc<dyn Transport>,
+    /// It runs the embeddings (rank 0).
+    pub(super) first: bool,
+    /// It runs the final norm and the head, and samples (the last rank).
+    pub(super) last: bool,
+}
+
+/// What [`CausalLmBuilder::rank`](crate::CausalLmBuilder::rank) builds on.
+#[derive(Debug)]
+pub(super) struct RankTarget {
+    pub(super) device: Device,
+    pub(super) map: DeviceMap,
+    pub(super) transport: Arc<dyn Transport>,
+}
+
+impl RankTarget {
+    /// The rank's model: one stage of its layers, built as a pipeline's stage is
+    /// ([`Pipeline`]), linked to its neighbours.
+    pub(super) fn build(
+        self,
+        cfg: &Config,
+        store: &Arc<HostStore>,
+        dtype: DType,
+        max_len: usize,
+        settings: &OffloadSettings,
+        source: &Path,
+    ) -> Result<CausalLm, ModelError> {
+        let (rank, world) = (self.transport.rank(), self.transport.world_size());
+        let place = self
+            .map
+            .devices
+            .get(rank)
+            .filter(|_| self.map.devices.len() == world)
+            .ok_or_else(|| candle_offload::Error::InvalidConfig {
+                field: "device_map".into(),
+                reason: format!(
+                    "a split over {} ranks, this is rank {rank} of {world}",
+                    self.map.devices.len()
+                ),
+            })?;
+        let span = place.layers();
+        let mut local = self.map.clone();
+        local.devices = vec![DevicePlacement {
+            ordinal: device_ordinal(&self.device, 0),
+            ..place.clone()
+        }];
+        let mut model = Pipeline {
+            cfg,
+            store,
+            devices: std::slice::from_ref(&self.device),
+            map: &local,
+            dtype,
+            max_len,
+            settings,
+            source,
+            span: span.clone(),
+        }
+        .build()?;
+        model.device_map = Some(self.map);
+        model.link = Some(RankLink {
+            transport: self.transport,
+            first: span.start == 0,
+            last: span.end == cfg.num_hidden_layers,
+        });
+        Ok(model)
+    }
+}
+
+impl CausalLm {
+    /// The units a rank running `layers` of a model of `cfg` loads
+    /// ([`StoreConfig::only_units`](candle_offload::StoreConfig::only_units)): its layers
+    /// (with their experts' units), the embeddings where `layers` starts at 0, the final norm
+    /// and the head where it ends at the last layer.
+    pub fn rank_units(cfg: &Config, layers: Range<usize>) -> Vec<String> {
+        let layout = cfg.layout();
+        let mut out: Vec<String> = layers.clone().flat_map(|l| layout.units_of(l)).collect();
+        if layers.start == 0 {
+            out.push(layout.embed.clone());
+        }
+        if layers.end == cfg.num_hidden_layers {
+            out.push(layout.norm.clone());
+            out.push(layout.head_unit().to_string());
+        }
+        out.dedup();
+        out
+    }
+
+    /// The transport of a rank's model ([`CausalLmBuilder::rank`](crate::CausalLmBuilder::rank));
+    /// `None` for a model whole in this process.
+    pub fn transport(&self) -> Option<&Arc<dyn Transport>> {
+        self.link.as_ref().map(|l| &l.transport)
+    }
+
+    /// One step of a rank's share of the pipeline over `input_ids` (batch, seq) from position
+    /// `index_pos`: the embeddings (rank 0) or the previous rank's hidden state, this rank's
+    /// layers (its own KV cache in `cache`), then the hidden state to the next rank, or on the
+    /// last rank the logits (batch, vocab) of the last position, in f32. Every rank calls it
+    /// with the same ids and position.
+    pub fn rank_step(
+        &self,
+        input_ids: &Tensor,
+        index_pos: usize,
+        cache: &mut Cache,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let link = self
+            .link
+            .as_ref()
+            .ok_or_else(|| candle_core::Error::Msg("not a rank's model".into()))?;
+        let t = &link.transport;
+        let rank = t.rank();
+        let (batch, seq_len) = input_ids.dims2()?;
+        let stage = &self.stages[0];
+        if index_pos + seq_len > stage.rope.max_len() {
+            candle_core::bail!(
+                "position {} is past the {} positions this model was set up for",
+                index_pos + seq_len,
+                stage.rope.max_len()
+            );
+        }
+        // The transport waits outside the step's CPU pool (one per process, which ranks run
+        // as threads share).
+        let received = if link.first {
+            None
+        } else {
+            let xs = t.recv_tensor(rank - 1, stage.rt.device())?;
+            if xs.dims() != [batch, seq_len, self.cfg.hidden_size] {
+                candle_core::bail!(
+                    "rank {}: sent a hidden state of shape {:?}, expected {:?}",
+                    rank - 1,
+                    xs.dims(),
+                    [batch, seq_len, self.cfg.hidden_size]
+                );
+            }
+            Some(xs)
+        };
+        let out = candle_offload::kernels::pool::on_cpu_step_pool(
+            stage.rt.device(),
+            batch * seq_len,
+            || {
+                let xs = match received {
+                    Some(xs) => xs,
+                    None => self.embed_rows(input_ids)?,
+                };
+                let step = StepInputs {
+                    seq_len,
+                    index_pos,
+                    pads: &[],
+                    on_device: None,
+                };
+                let xs = self.run_stages(
+                    xs,
+                    stage,
+                    seq_len > 1,
+                    batch * seq_len,
+                    |stage, layers, xs, on_gpu| {
+                        self.run_segment(stage, layers, xs, step, cache, on_gpu)
+                    },
+                )?;
+                if link.last {
+                    self.head(&xs.narrow(1, seq_len - 1, 1)?)?.squeeze(1)
+                } else {
+                    Ok(xs)
+                }
+            },
+        )?;
+        if link.last {
+            return Ok(Some(out));
+        }
+        t.send_tensor(rank + 1, &out)?;
+        Ok(None)
     }
 }
 
