@@ -123,6 +123,12 @@ impl CausalLm {
         cache: &mut Cache,
     ) -> Result<Tensor> {
         let _span = tracing::debug_span!("llama.forward", index_pos).entered();
+        if self.link.is_some() {
+            candle_core::bail!(
+                "this model is one rank's share of a multi-process pipeline: run it with \
+                 `rank_step` or `generation::generate_ranks`"
+            );
+        }
         let (batch, seq_len) = input_ids.dims2()?;
         if !pads.is_empty() && pads.len() != batch {
             candle_core::bail!("{} padding counts for a batch of {batch}", pads.len());

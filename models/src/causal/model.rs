@@ -604,7 +604,9 @@ impl CausalLm {
     }
 
     /// The device map a pipeline over several devices was built with
-    /// ([`CausalLmBuilder::devices`](crate::CausalLmBuilder::devices)); `None` on one device.
+    /// ([`CausalLmBuilder::devices`](crate::CausalLmBuilder::devices)), or the split over the
+    /// ranks of a multi-process run (one device per rank, its ordinal the rank;
+    /// [`CausalLmBuilder::rank`](crate::CausalLmBuilder::rank)); `None` on one device.
     pub fn device_map(&self) -> Option<&DeviceMap> {
         self.device_map.as_ref()
     }
