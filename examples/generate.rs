@@ -395,111 +395,120 @@ fn run_rank(args: &Args, launch: &Launch) -> Result<()> {
     };
     let device = candle_offload_suite::device(args.load.cpu, ordinal)?;
     let plan = args.load.memory(std::slice::from_ref(&device))?;
-    let files = args.load.model.resolve()?;
-    let cfg = files.config.clone();
-    let dtype = args.load.dtype_on(&device);
-    let tokenizer = args.load.tokenizer(&files)?;
+    // Joined first: a rank that fails from here on tells the others why.
     let transport: Arc<dyn Transport> = Arc::new(launch.connect()?);
-    // Rank 0's prompt, on every rank.
-    let ids = if rank == 0 {
-        prompt_ids(args, &files, &tokenizer)?
-    } else {
-        Vec::new()
-    };
-    let prompt_ids = broadcast_tokens(transport.as_ref(), 0, &ids)?;
-    let max_len = prompt_ids.len() + args.max_new_tokens;
-    if max_len > cfg.max_position_embeddings {
-        bail!(
-            "--max-new-tokens {}: the prompt ({} tokens) and the new tokens exceed the model's \
-             context (max_position_embeddings {})",
-            args.max_new_tokens,
-            prompt_ids.len(),
-            cfg.max_position_embeddings
-        );
-    }
-    let choice = match args.device_map.as_deref() {
-        None => DeviceMapChoice::Mode(PlacementMode::Balanced),
-        Some(name) => match name.parse::<PlacementMode>() {
-            Ok(mode) => DeviceMapChoice::Mode(mode),
-            Err(_) => DeviceMapChoice::Map(DeviceMap::load(Path::new(name))?),
-        },
-    };
-    let map = Llama::plan_ranks(
-        &cfg,
-        transport.as_ref(),
-        &RankRequest {
-            device: &device,
-            limit: plan.limit,
-            dtype,
-            prompt_len: prompt_ids.len(),
-            max_len,
-            choice: &choice,
-            prefetch_depth: args.load.prefetch_depth as usize,
-        },
-    )?;
-    if rank == 0 {
-        eprint!("ranks: {world} (the device column is the rank)\n{map}");
-    }
-    let model = args.load.build(
-        &files,
-        &plan,
-        &Target {
-            device: &device,
-            device_map: None,
-            rank: Some((&map, transport.clone())),
-            dtype,
-            prompt_len: prompt_ids.len(),
-            max_len,
-            extra_reserve: 0,
-        },
-    )?;
-    let mut sampler = sampler(args, &model, device.is_cuda())?;
-    let stops = stop_tokens(&cfg, &tokenizer);
-    let mut stream = TokenStream::new(&tokenizer);
-    let mut stdout = std::io::stdout();
-    let (_, stats) = generate_ranks(
-        &model,
-        &prompt_ids,
-        args.max_new_tokens,
-        &mut sampler,
-        &stops,
-        |t| {
-            if rank != 0 || stops.contains(&t) {
-                return Ok(());
-            }
-            if let Some(text) = stream.next_token(t)? {
-                print!("{text}");
-                stdout.flush().ok();
-            }
-            Ok(())
-        },
-    )?;
-    if rank == 0 {
-        if let Some(rest) = stream.rest()? {
-            print!("{rest}");
+    let run = || -> Result<()> {
+        let files = args.load.model.resolve()?;
+        let cfg = files.config.clone();
+        let dtype = args.load.dtype_on(&device);
+        let tokenizer = args.load.tokenizer(&files)?;
+        // Rank 0's prompt, on every rank.
+        let ids = if rank == 0 {
+            prompt_ids(args, &files, &tokenizer)?
+        } else {
+            Vec::new()
+        };
+        let prompt_ids = broadcast_tokens(transport.as_ref(), 0, &ids)?;
+        let max_len = prompt_ids.len() + args.max_new_tokens;
+        if max_len > cfg.max_position_embeddings {
+            bail!(
+                "--max-new-tokens {}: the prompt ({} tokens) and the new tokens exceed the model's \
+                 context (max_position_embeddings {})",
+                args.max_new_tokens,
+                prompt_ids.len(),
+                cfg.max_position_embeddings
+            );
         }
-        println!();
-        eprintln!(
-            "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens at {:.2} \
-             tokens/s",
-            stats.prompt_tokens,
-            stats.prefill_s,
-            stats.prefill_tokens_per_s(),
-            stats.generated_tokens,
-            stats.decode_tokens_per_s()
+        let choice = match args.device_map.as_deref() {
+            None => DeviceMapChoice::Mode(PlacementMode::Balanced),
+            Some(name) => match name.parse::<PlacementMode>() {
+                Ok(mode) => DeviceMapChoice::Mode(mode),
+                Err(_) => DeviceMapChoice::Map(DeviceMap::load(Path::new(name))?),
+            },
+        };
+        let map = Llama::plan_ranks(
+            &cfg,
+            transport.as_ref(),
+            &RankRequest {
+                device: &device,
+                limit: plan.limit,
+                dtype,
+                prompt_len: prompt_ids.len(),
+                max_len,
+                choice: &choice,
+                prefetch_depth: args.load.prefetch_depth as usize,
+            },
+        )?;
+        if rank == 0 {
+            eprint!("ranks: {world} (the device column is the rank)\n{map}");
+        }
+        let model = args.load.build(
+            &files,
+            &plan,
+            &Target {
+                device: &device,
+                device_map: None,
+                rank: Some((&map, transport.clone())),
+                dtype,
+                prompt_len: prompt_ids.len(),
+                max_len,
+                extra_reserve: 0,
+            },
+        )?;
+        let mut sampler = sampler(args, &model, device.is_cuda())?;
+        let stops = stop_tokens(&cfg, &tokenizer);
+        let mut stream = TokenStream::new(&tokenizer);
+        let mut stdout = std::io::stdout();
+        let (_, stats) = generate_ranks(
+            &model,
+            &prompt_ids,
+            args.max_new_tokens,
+            &mut sampler,
+            &stops,
+            |t| {
+                if rank != 0 || stops.contains(&t) {
+                    return Ok(());
+                }
+                if let Some(text) = stream.next_token(t)? {
+                    print!("{text}");
+                    stdout.flush().ok();
+                }
+                Ok(())
+            },
+        )?;
+        if rank == 0 {
+            if let Some(rest) = stream.rest()? {
+                print!("{rest}");
+            }
+            println!();
+            eprintln!(
+                "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens at {:.2} \
+                 tokens/s",
+                stats.prompt_tokens,
+                stats.prefill_s,
+                stats.prefill_tokens_per_s(),
+                stats.generated_tokens,
+                stats.decode_tokens_per_s()
+            );
+        }
+        let layers = map.devices[rank].layers();
+        eprint!(
+            "rank {rank} (layers {}..{}, {}):\n{}",
+            layers.start,
+            layers.end,
+            candle_offload_suite::device_label(&device),
+            model.runtime().memory_summary()?
         );
+        // Every rank has its tokens before any leaves.
+        transport.barrier()?;
+        Ok(())
+    };
+    let result = run();
+    if let Err(e) = &result {
+        // The others learn why this rank stops (a failure in generation has said so already).
+        transport.fail(&format!("{e:#}"));
     }
-    let layers = map.devices[rank].layers();
-    eprint!(
-        "rank {rank} (layers {}..{}, {}):\n{}",
-        layers.start,
-        layers.end,
-        candle_offload_suite::device_label(&device),
-        model.runtime().memory_summary()?
-    );
-    // Every rank has its tokens before any leaves.
-    transport.barrier()?;
-    Ok(())
+    result
 }
 
 /// `stage K (layers A..B, DEVICE): ` for a sharded model's stage `k`; empty otherwise.

@@ -191,3 +191,44 @@ fn a_rank_that_dies_fails_the_others_naming_it() -> anyhow::Result<()> {
     assert!(e0.contains("died"), "{e0}");
     Ok(())
 }
+
+#[test]
+fn a_rank_that_fails_tells_the_others_why() -> anyhow::Result<()> {
+    let files = tiny(
+        Tiny::Llama {
+            tied: true,
+            bias: false,
+        },
+        "fails",
+    )?;
+    let port = free_port()?;
+    let handles: Vec<_> = (0..3)
+        .map(|rank| {
+            let files = files.clone();
+            std::thread::spawn(move || -> anyhow::Result<String> {
+                let t = TcpTransport::connect(&net(rank, 3, port, Duration::from_secs(20)))?;
+                let (model, _) = rank_model(&files, Arc::new(t), PlacementMode::Balanced)?;
+                let mut sampler = LogitsProcessor::new(0, None, None);
+                let mut seen = 0;
+                let r = generate_ranks(&model, &PROMPT, NEW, &mut sampler, &[], |_| {
+                    seen += 1;
+                    if rank == 1 && seen == 2 {
+                        candle_core::bail!("disk on fire");
+                    }
+                    Ok(())
+                });
+                Ok(r.err().map(|e| e.to_string()).unwrap_or_default())
+            })
+        })
+        .collect();
+    let out: Vec<String> = handles
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect::<anyhow::Result<_>>()?;
+    assert!(out[1].contains("disk on fire"), "{}", out[1]);
+    // Rank 2 waits on rank 1's hidden state and has its reason; rank 0 has it from rank 1
+    // (sending to it) or through rank 2 (waiting on its token).
+    assert!(out[2].contains("rank 1 failed: disk on fire"), "{}", out[2]);
+    assert!(out[0].contains("failed: disk on fire"), "{}", out[0]);
+    Ok(())
+}

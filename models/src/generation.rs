@@ -66,7 +66,8 @@ pub fn generate(
 /// prompt and settings; the last rank samples each token with its `sampler` (the others' are
 /// not used) and sends it to every rank, whose `on_token` sees it. The tokens are the same on
 /// every rank. A peer that fails, dies or stays silent past the transport's timeout is an error
-/// naming its rank.
+/// naming its rank; this rank's own error goes to the others
+/// ([`Transport::fail`](candle_offload::dist::Transport::fail)).
 pub fn generate_ranks(
     model: &Llama,
     prompt: &[u32],
@@ -82,6 +83,32 @@ pub fn generate_ranks(
         .transport()
         .ok_or_else(|| candle_core::Error::Msg("not a rank's model".into()))?
         .clone();
+    let run = rank_loop(
+        model,
+        t.as_ref(),
+        prompt,
+        max_new_tokens,
+        sampler,
+        eos,
+        &mut on_token,
+    );
+    if let Err(e) = &run {
+        // The others learn why this rank stops, instead of only that it left.
+        t.fail(&e.to_string());
+    }
+    run
+}
+
+/// [`generate_ranks`]' loop.
+fn rank_loop(
+    model: &Llama,
+    t: &dyn candle_offload::dist::Transport,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    sampler: &mut impl TokenSampler,
+    eos: &[u32],
+    on_token: &mut impl FnMut(u32) -> candle_core::Result<()>,
+) -> candle_core::Result<(Vec<u32>, GenerationStats)> {
     let last = t.world_size() - 1;
     let device: &Device = model.runtime().device();
     let mut cache = model.new_cache();
@@ -102,7 +129,7 @@ pub fn generate_ranks(
             None => Vec::new(),
         };
         model.end_step()?;
-        let got = candle_offload::dist::broadcast_tokens(t.as_ref(), last, &mine)?;
+        let got = candle_offload::dist::broadcast_tokens(t, last, &mine)?;
         let &[token] = got.as_slice() else {
             candle_core::bail!("rank {last} sent {} tokens for one step", got.len());
         };

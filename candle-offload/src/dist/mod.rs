@@ -63,6 +63,12 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
 
+    /// Tells every peer that this rank failed with `reason`, before it leaves (best effort);
+    /// a peer waiting on this rank then fails with [`DistError::Remote`].
+    fn fail(&self, reason: &str) {
+        let _ = reason;
+    }
+
     /// `data` of rank `root`, on every rank (the others' `data` is not used).
     fn broadcast_bytes(&self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
         if self.rank() == root {
@@ -213,6 +219,10 @@ impl Transport for TcpTransport {
 
     fn recv_bytes(&self, from: usize) -> Result<Vec<u8>> {
         self.mesh.recv(from, Kind::Bytes, "a message")
+    }
+
+    fn fail(&self, reason: &str) {
+        self.mesh.fail(reason);
     }
 
     fn barrier(&self) -> Result<()> {

@@ -41,6 +41,8 @@ pub(super) enum Kind {
     Table = 5,
     /// The rendezvous refused this rank (the payload says why).
     Refused = 6,
+    /// The peer failed (the payload is its error) and is leaving.
+    Failed = 7,
 }
 
 impl Kind {
@@ -53,6 +55,7 @@ impl Kind {
             4 => Self::Goodbye,
             5 => Self::Table,
             6 => Self::Refused,
+            7 => Self::Failed,
             _ => return None,
         })
     }
@@ -67,6 +70,7 @@ impl Kind {
             Self::Goodbye => "a goodbye",
             Self::Table => "the rendezvous's table",
             Self::Refused => "a refusal",
+            Self::Failed => "its failure",
         }
     }
 }
@@ -149,6 +153,8 @@ impl NetConfig {
 enum Incoming {
     Frame(Kind, Vec<u8>),
     Lost(String),
+    /// The peer failed with this error.
+    Failed(String),
 }
 
 /// One connection to a peer.
@@ -158,6 +164,9 @@ struct Peer {
     inbox: Mutex<Receiver<Incoming>>,
     /// Why the connection is gone, once it is.
     lost: Mutex<Option<String>>,
+    /// The error the peer said it failed with, as soon as its reader reads it (a send that
+    /// finds the connection gone reports it).
+    failed: Arc<Mutex<Option<String>>>,
     reader: Option<JoinHandle<()>>,
 }
 
@@ -549,9 +558,11 @@ impl Mesh {
             reader.set_read_timeout(Some(silence)).map_err(lost)?;
             let (tx, rx) = mpsc::channel();
             let stop_r = stop.clone();
+            let failed = Arc::new(Mutex::new(None));
+            let failed_r = failed.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("dist-reader-{rank}"))
-                .spawn(move || read_loop(&mut reader, &tx, &stop_r, silence))
+                .spawn(move || read_loop(&mut reader, &tx, &stop_r, silence, &failed_r))
                 .map_err(lost)?;
             let writer = Arc::new(Mutex::new(s));
             writers.push(writer.clone());
@@ -559,6 +570,7 @@ impl Mesh {
                 writer,
                 inbox: Mutex::new(rx),
                 lost: Mutex::new(None),
+                failed,
                 reader: Some(handle),
             }));
         }
@@ -642,7 +654,22 @@ impl Mesh {
             .writer
             .lock()
             .map_err(|_| lost("its writer was poisoned".into()))?;
-        write_frame(&mut w, kind, parts).map_err(|e| lost(broken(&e)))
+        let failed = |peer: &Peer| peer.failed.lock().ok().and_then(|f| f.clone());
+        if let Some(reason) = failed(peer) {
+            return Err(DistError::Remote { rank: to, reason });
+        }
+        write_frame(&mut w, kind, parts).map_err(|e| {
+            // A peer that failed said why before it closed: its reader has it, or will in a
+            // moment.
+            let t0 = Instant::now();
+            while t0.elapsed() < POLL * 10 {
+                if let Some(reason) = failed(peer) {
+                    return DistError::Remote { rank: to, reason };
+                }
+                std::thread::sleep(POLL / 4);
+            }
+            lost(broken(&e))
+        })
     }
 
     /// The next frame from `from`, which must be of `kind`, within the timeout; `awaited`
@@ -676,6 +703,12 @@ impl Mesh {
                 })
             }
             Ok(Incoming::Lost(reason)) => reason,
+            Ok(Incoming::Failed(reason)) => {
+                if let Ok(mut l) = peer.lost.lock() {
+                    *l = Some(format!("it failed: {reason}"));
+                }
+                return Err(DistError::Remote { rank: from, reason });
+            }
             Err(RecvTimeoutError::Disconnected) => "its connection is closed".to_string(),
             Err(RecvTimeoutError::Timeout) => {
                 return Err(DistError::Timeout {
@@ -689,6 +722,16 @@ impl Mesh {
             *l = Some(reason.clone());
         }
         Err(lost(reason))
+    }
+
+    /// Tells every peer that this rank failed with `reason` (best effort: a peer already gone
+    /// is skipped); each then fails its wait on this rank with it.
+    pub fn fail(&self, reason: &str) {
+        for peer in self.peers.iter().flatten() {
+            if let Ok(mut w) = peer.writer.lock() {
+                write_frame(&mut w, Kind::Failed, &[reason.as_bytes()]).ok();
+            }
+        }
     }
 
     /// Closes every connection without a goodbye, as a process that dies does (for tests of
@@ -734,10 +777,24 @@ impl Drop for Mesh {
 
 /// A peer's reader: frames to `tx` until the connection closes, goes silent for `silence`, or
 /// the mesh stops; heartbeats only prove the peer alive.
-fn read_loop(s: &mut TcpStream, tx: &Sender<Incoming>, stop: &AtomicBool, silence: Duration) {
+fn read_loop(
+    s: &mut TcpStream,
+    tx: &Sender<Incoming>,
+    stop: &AtomicBool,
+    silence: Duration,
+    failed: &Mutex<Option<String>>,
+) {
     loop {
         match read_frame(s) {
             Ok((Kind::Heartbeat, _)) => {}
+            Ok((Kind::Failed, data)) => {
+                let reason = String::from_utf8_lossy(&data).into_owned();
+                if let Ok(mut f) = failed.lock() {
+                    *f = Some(reason.clone());
+                }
+                tx.send(Incoming::Failed(reason)).ok();
+                return;
+            }
             Ok((Kind::Goodbye, _)) => {
                 tx.send(Incoming::Lost("it left (it ended, or failed)".into()))
                     .ok();

@@ -236,3 +236,22 @@ fn wrong_world_sizes_and_duplicate_ranks_are_refused() {
     t.barrier().unwrap();
     assert_eq!(broadcast_tokens(&t, 0, &[5]).unwrap(), vec![5]);
 }
+
+#[test]
+fn a_rank_that_fails_tells_the_others_why() {
+    let out = on_ranks(3, 5_000, |t| {
+        if t.rank() == 2 {
+            t.fail("disk on fire");
+            return None;
+        }
+        Some(t.recv_tensor(2, &Device::Cpu).unwrap_err())
+    });
+    for (r, e) in out.iter().enumerate().take(2) {
+        let e = e.as_ref().unwrap();
+        assert!(
+            matches!(e, DistError::Remote { rank: 2, .. }),
+            "rank {r}: {e}"
+        );
+        assert_eq!(e.to_string(), "rank 2 failed: disk on fire");
+    }
+}
