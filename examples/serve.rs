@@ -135,6 +135,7 @@ impl Load {
             &Target {
                 device: &self.device,
                 device_map: None,
+                rank: None,
                 dtype,
                 // A step's rows: BatchOptions::new's step_tokens.
                 prompt_len: 512.min(ctx),

@@ -2,6 +2,7 @@
 //! benchmark crate `bench/`): device selection, logging set-up, the model flags and loading
 //! (`load`), the seeded random generator, MFU, and JSON records with their provenance.
 
+pub mod dist;
 pub mod load;
 pub mod report;
 pub mod tuning_env;

@@ -152,6 +152,10 @@ pub struct Target<'a> {
     pub device: &'a Device,
     /// A pipeline's device map and its devices.
     pub device_map: Option<(&'a DeviceMap, &'a [Device])>,
+    /// A rank's share of a multi-process pipeline: the split over the ranks
+    /// ([`candle_offload_models::CausalLm::plan_ranks`]) and the transport; only this rank's
+    /// units are loaded, on `device`.
+    pub rank: Option<(&'a DeviceMap, Arc<dyn candle_offload::dist::Transport>)>,
     /// The compute dtype.
     pub dtype: DType,
     /// The longest prompt pass (rows of one forward pass).
@@ -264,6 +268,10 @@ impl LoadArgs {
             host_memory_limit,
             engine,
             disk_reads: plan.tuning.disk,
+            only_units: target.rank.as_ref().and_then(|(map, t)| {
+                let layers = map.devices.get(t.rank())?.layers();
+                Some(Llama::rank_units(&cfg, layers))
+            }),
             ..Default::default()
         };
         let store = match &self.quantize {
@@ -346,15 +354,25 @@ impl LoadArgs {
             reserve_bytes: target.extra_reserve,
             ..Default::default()
         };
-        let mut model = match target.device_map {
-            Some((map, devices)) => Llama::builder(files, store)
+        if target.rank.is_some() && host_layers_choice != HostLayers::None {
+            // A rank runs its layers on its own device.
+            host_layers_choice = HostLayers::None;
+        }
+        let mut model = match (&target.rank, target.device_map) {
+            (Some((map, transport)), _) => Llama::builder(files, store)
+                .rank(device, map, transport.clone())
+                .dtype(target.dtype)
+                .max_len(target.max_len)
+                .settings(settings)
+                .build()?,
+            (None, Some((map, devices))) => Llama::builder(files, store)
                 .devices(devices)
                 .device_map(DeviceMapChoice::Planned(map.clone()))
                 .dtype(target.dtype)
                 .max_len(target.max_len)
                 .settings(settings)
                 .build()?,
-            None => Llama::builder(files, store)
+            (None, None) => Llama::builder(files, store)
                 .device(device)
                 .dtype(target.dtype)
                 .prompt_len(target.prompt_len)

@@ -50,6 +50,7 @@ fn load(path: &std::path::Path) -> anyhow::Result<Loaded> {
         &Target {
             device: &device,
             device_map: None,
+            rank: None,
             dtype: DType::F32,
             prompt_len: 64,
             max_len: CTX,

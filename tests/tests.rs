@@ -9,6 +9,7 @@ mod bad_input;
 mod batching;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod dist;
 mod gguf_families;
 mod lora;
 mod models;

@@ -78,6 +78,7 @@
 pub mod budget;
 pub mod cache;
 pub mod diag;
+pub mod dist;
 pub mod doctor;
 mod error;
 pub mod experts;

@@ -55,6 +55,9 @@ pub enum ModelError {
     /// From the offload runtime (budget, store).
     #[error(transparent)]
     Offload(#[from] candle_offload::Error),
+    /// From the transport between the ranks of a multi-process run.
+    #[error(transparent)]
+    Dist(#[from] candle_offload::dist::DistError),
     /// From device placement (a device map that does not fit, or a malformed one).
     #[error(transparent)]
     Placement(#[from] candle_offload::PlacementError),

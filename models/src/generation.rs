@@ -1,6 +1,6 @@
 //! The generation loop: prefill, then one token at a time with the KV cache, streaming text
 //! as it is decoded, with prefill and decode timings; and the same for a batch of prompts at
-//! once ([`generate_batch`]).
+//! once ([`generate_batch`]), and for a rank of a multi-process pipeline ([`generate_ranks`]).
 
 use std::time::Instant;
 
@@ -59,6 +59,94 @@ pub fn generate(
         decode_s: batch.decode_s,
     };
     Ok((out.pop().unwrap_or_default(), stats))
+}
+
+/// [`generate`] on a rank's model of a multi-process pipeline
+/// ([`CausalLmBuilder::rank`](crate::CausalLmBuilder::rank)): every rank calls it with the same
+/// prompt and settings; the last rank samples each token with its `sampler` (the others' are
+/// not used) and sends it to every rank, whose `on_token` sees it. The tokens are the same on
+/// every rank. A peer that fails, dies or stays silent past the transport's timeout is an error
+/// naming its rank; this rank's own error goes to the others
+/// ([`Transport::fail`](candle_offload::dist::Transport::fail)).
+pub fn generate_ranks(
+    model: &Llama,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    sampler: &mut impl TokenSampler,
+    eos: &[u32],
+    mut on_token: impl FnMut(u32) -> candle_core::Result<()>,
+) -> candle_core::Result<(Vec<u32>, GenerationStats)> {
+    if prompt.is_empty() {
+        candle_core::bail!("the prompt is empty");
+    }
+    let t = model
+        .transport()
+        .ok_or_else(|| candle_core::Error::Msg("not a rank's model".into()))?
+        .clone();
+    let run = rank_loop(
+        model,
+        t.as_ref(),
+        prompt,
+        max_new_tokens,
+        sampler,
+        eos,
+        &mut on_token,
+    );
+    if let Err(e) = &run {
+        // The others learn why this rank stops, instead of only that it left.
+        t.fail(&e.to_string());
+    }
+    run
+}
+
+/// [`generate_ranks`]' loop.
+fn rank_loop(
+    model: &Llama,
+    t: &dyn candle_offload::dist::Transport,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    sampler: &mut impl TokenSampler,
+    eos: &[u32],
+    on_token: &mut impl FnMut(u32) -> candle_core::Result<()>,
+) -> candle_core::Result<(Vec<u32>, GenerationStats)> {
+    let last = t.world_size() - 1;
+    let device: &Device = model.runtime().device();
+    let mut cache = model.new_cache();
+    let mut input = Tensor::new(prompt, device)?.unsqueeze(0)?;
+    let mut stats = GenerationStats {
+        prompt_tokens: prompt.len(),
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    let (t0, mut decode_start) = (Instant::now(), None);
+    let mut pos = 0;
+    for step in 0..max_new_tokens {
+        model.begin_step()?;
+        let logits = model.rank_step(&input, pos, &mut cache)?;
+        pos += input.dim(1)?;
+        let mine = match logits {
+            Some(l) => vec![sampler.sample_token(&l.get(0)?)?],
+            None => Vec::new(),
+        };
+        model.end_step()?;
+        let got = candle_offload::dist::broadcast_tokens(t, last, &mine)?;
+        let &[token] = got.as_slice() else {
+            candle_core::bail!("rank {last} sent {} tokens for one step", got.len());
+        };
+        if step == 0 {
+            stats.prefill_s = t0.elapsed().as_secs_f64();
+            decode_start = Some(Instant::now());
+        }
+        out.push(token);
+        on_token(token)?;
+        if eos.contains(&token) {
+            break;
+        }
+        input = Tensor::new(&[token], device)?.unsqueeze(0)?;
+    }
+    stats.generated_tokens = out.len();
+    stats.decode_s = decode_start.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    Ok((out, stats))
 }
 
 /// Timings of a batch generation.

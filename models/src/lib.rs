@@ -60,8 +60,8 @@ pub mod train;
 
 pub use causal::{
     CausalLm, CausalLmBuilder, DeviceMapChoice, DeviceMapRequest, GraphStats, HiddenTransfer,
-    HostLayers, HostTotals, LayerSteps, ModelSource, OffloadSettings, RaggedSeq, HOST_STEP_ROWS,
-    MIN_PROMPT_CHUNK,
+    HostLayers, HostTotals, LayerSteps, ModelSource, OffloadSettings, RaggedSeq, RankRequest,
+    HOST_STEP_ROWS, MIN_PROMPT_CHUNK,
 };
 pub use chat::ChatTemplate;
 pub use config::Config;

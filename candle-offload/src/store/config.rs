@@ -115,6 +115,9 @@ pub struct StoreConfig {
     pub engine: EngineKind,
     /// How the disk tier cuts its reads ([`crate::Tuning::disk`]).
     pub disk_reads: crate::tuning::DiskTuning,
+    /// Only the units of these names are loaded, the checkpoint's other tensors left unread
+    /// (a rank of a multi-process run loads its own layers); `None`: every unit.
+    pub only_units: Option<Vec<String>>,
 }
 
 /// How the store's weights reach the GPU (`--engine`).

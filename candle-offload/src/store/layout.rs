@@ -81,6 +81,9 @@ pub(super) fn lay_out(pending: &[Pending], cfg: &StoreConfig) -> Result<Vec<Unit
         });
         groups[g].2.push(i);
     }
+    if let Some(only) = &cfg.only_units {
+        groups.retain(|(unit, _, _)| only.contains(unit));
+    }
     groups.sort_by(|a, b| match (a.1, b.1) {
         (Some(x), Some(y)) => (x, &a.0).cmp(&(y, &b.0)),
         (None, Some(_)) => std::cmp::Ordering::Less,

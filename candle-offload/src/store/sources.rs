@@ -379,6 +379,33 @@ mod tests {
     }
 
     #[test]
+    fn only_the_units_asked_for_are_loaded() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let a = Tensor::arange(0f32, 6., &dev)?.reshape((2, 3))?;
+        let named: Vec<(String, Tensor)> =
+            ["model.embed.w", "model.layers.0.w", "model.layers.1.w"]
+                .iter()
+                .map(|n| (n.to_string(), a.clone()))
+                .collect();
+        let store = HostStore::from_tensors(
+            &named,
+            &StoreConfig {
+                only_units: Some(vec!["model.layers.1".into()]),
+                ..Default::default()
+            },
+            &dev,
+        )?;
+        let names: Vec<&str> = store.units().iter().map(|u| u.name()).collect();
+        assert_eq!(names, ["model.layers.1"]);
+        assert!(store.tensor("model.layers.0.w").is_none());
+        let (u, meta) = store.tensor("model.layers.1.w").unwrap();
+        let back = store.unit(u).cpu_tensor(meta)?;
+        assert_eq!(back.to_vec2::<f32>()?, a.to_vec2::<f32>()?);
+        assert_eq!(store.total_bytes(), 24);
+        Ok(())
+    }
+
+    #[test]
     fn raw_store_keeps_blocks_and_refuses_partial_blocks() -> anyhow::Result<()> {
         let dev = Device::Cpu;
         let specs = [

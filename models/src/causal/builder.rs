@@ -76,6 +76,8 @@ enum Target {
     Devices(Vec<Device>),
     /// Runtimes of the caller's own, each with the contiguous layers it runs.
     Runtimes(Vec<(OffloadRuntime, Range<usize>)>),
+    /// This process's share of a multi-process pipeline.
+    Rank(super::ranks::RankTarget),
 }
 
 /// Builds a [`CausalLm`] ([`CausalLm::builder`]). Every method has a default: on the CPU, in
@@ -164,6 +166,25 @@ impl CausalLmBuilder {
     /// schedule. The settings give the strategy, depth and policy.
     pub fn devices(mut self, devices: &[Device]) -> Self {
         self.target = Target::Devices(devices.to_vec());
+        self
+    }
+
+    /// Runs this process's share of a pipeline over the ranks of `transport`, on `device`:
+    /// the layers `map` (from [`CausalLm::plan_ranks`]) gives its rank, the embeddings where
+    /// that is rank 0, the final norm and the head where it is the last rank. The store needs
+    /// only those units ([`CausalLm::rank_units`]). Run it with
+    /// [`generate_ranks`](crate::generation::generate_ranks).
+    pub fn rank(
+        mut self,
+        device: &Device,
+        map: &candle_offload::placement::DeviceMap,
+        transport: Arc<dyn candle_offload::dist::Transport>,
+    ) -> Self {
+        self.target = Target::Rank(super::ranks::RankTarget {
+            device: device.clone(),
+            map: map.clone(),
+            transport,
+        });
         self
     }
 
@@ -271,6 +292,14 @@ impl CausalLmBuilder {
             ));
         }
         match self.target {
+            Target::Rank(target) => target.build(
+                cfg,
+                &self.store,
+                self.dtype,
+                max_len,
+                &self.settings,
+                source,
+            ),
             Target::Runtimes(stages) => {
                 if let Some((i, _)) = stages
                     .iter()
@@ -336,6 +365,7 @@ impl CausalLmBuilder {
                     max_len,
                     settings: &self.settings,
                     source,
+                    span: 0..cfg.num_hidden_layers,
                 }
                 .build()
             }

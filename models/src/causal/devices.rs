@@ -119,11 +119,8 @@ impl CausalLm {
         let DeviceMapRequest {
             devices,
             limits,
-            dtype,
-            prompt_len,
-            max_len,
             choice,
-            prefetch_depth,
+            ..
         } = *request;
         if let DeviceMapChoice::Planned(map) = choice {
             return Ok(map.clone());
@@ -146,15 +143,37 @@ impl CausalLm {
             }
             .into());
         }
-        let units = Self::placement_units(cfg, dtype);
-        let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
-        let kv_all = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
-        let kv_per_layer = kv_all / cfg.num_hidden_layers.max(1) as u64;
         let mut budgets = Vec::with_capacity(devices.len());
         for (i, dev) in devices.iter().enumerate() {
             let limit = limits.get(i).or(limits.first()).copied().flatten();
             budgets.push((device_ordinal(dev, i), device_budget(dev, limit)?));
         }
+        Self::plan_budgets(cfg, &budgets, request)
+    }
+
+    /// [`plan_devices`](Self::plan_devices) over budgets already resolved: `(ordinal, bytes)`
+    /// per device in pipeline order (a multi-process run's ranks, each of which resolved its
+    /// own). The request's `devices` and `limits` are not used.
+    pub(super) fn plan_budgets(
+        cfg: &Config,
+        budgets: &[(usize, u64)],
+        request: &DeviceMapRequest<'_>,
+    ) -> Result<DeviceMap, ModelError> {
+        let DeviceMapRequest {
+            dtype,
+            prompt_len,
+            max_len,
+            choice,
+            prefetch_depth,
+            ..
+        } = *request;
+        if let DeviceMapChoice::Planned(map) = choice {
+            return Ok(map.clone());
+        }
+        let units = Self::placement_units(cfg, dtype);
+        let reserve = cfg.reserve_bytes(prompt_len, max_len, dtype);
+        let kv_all = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
+        let kv_per_layer = kv_all / cfg.num_hidden_layers.max(1) as u64;
         let request = |reserves: &[u64]| {
             budgets
                 .iter()
@@ -183,7 +202,7 @@ impl CausalLm {
         };
         // First with every device reserving the whole KV cache (always enough), then with each
         // reserving only its own layers' share, kept if every device still has what it needs.
-        let full = plan(&request(&vec![reserve; devices.len()]))?;
+        let full = plan(&request(&vec![reserve; budgets.len()]))?;
         let shares: Vec<u64> = full
             .devices
             .iter()
@@ -211,7 +230,7 @@ impl CausalLm {
 /// A model over its weights in `store`, run as a pipeline over `devices` as `map` says (from
 /// [`CausalLm::plan_devices`]): `settings` gives the strategy, depth and policy (its memory
 /// limit is the map's business); `source` names the weights in errors.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(super) struct Pipeline<'a> {
     pub(super) cfg: &'a Config,
     pub(super) store: &'a Arc<HostStore>,
@@ -221,6 +240,9 @@ pub(super) struct Pipeline<'a> {
     pub(super) max_len: usize,
     pub(super) settings: &'a OffloadSettings,
     pub(super) source: &'a Path,
+    /// The layers the map's devices run: every layer, or a rank's share of a multi-process
+    /// run (`ranks.rs`).
+    pub(super) span: std::ops::Range<usize>,
 }
 
 impl Pipeline<'_> {
@@ -236,6 +258,7 @@ impl Pipeline<'_> {
             max_len,
             settings,
             source,
+            ref span,
         } = *self;
         let layout = cfg.layout();
         let tied = layout.tied_head_name();
@@ -306,7 +329,8 @@ impl Pipeline<'_> {
             declare_reservation(&rt, kv, dp.reserve_bytes, settings.reserve_bytes)?;
             stages.push((rt, layers));
         }
-        let mut model = CausalLm::assemble(cfg.clone(), stages, dtype, max_len, source)?;
+        let mut model =
+            CausalLm::assemble_span(cfg.clone(), stages, span.clone(), dtype, max_len, source)?;
         model.reserve_by_phase(map.decode_share_bytes);
         model.device_map = Some(map.clone());
         Ok(model)

@@ -123,6 +123,12 @@ impl CausalLm {
         cache: &mut Cache,
     ) -> Result<Tensor> {
         let _span = tracing::debug_span!("llama.forward", index_pos).entered();
+        if self.link.is_some() {
+            candle_core::bail!(
+                "this model is one rank's share of a multi-process pipeline: run it with \
+                 `rank_step` or `generation::generate_ranks`"
+            );
+        }
         let (batch, seq_len) = input_ids.dims2()?;
         if !pads.is_empty() && pads.len() != batch {
             candle_core::bail!("{} padding counts for a batch of {batch}", pads.len());
@@ -337,7 +343,7 @@ impl CausalLm {
             if !self.on_host.is_empty() {
                 cache.place(l, device, stage.dtype)?;
             }
-            let unit = stage.rt.acquire(self.units.layers[l])?;
+            let unit = stage.rt.acquire(self.units.layer(l)?)?;
             let block = self.layer_block(&unit, l, stage.dtype)?;
             let _span = tracing::trace_span!("llama.layer", l).entered();
             hidden = block.0.forward_hidden(hidden, &ctx, &mut cache.kvs[l])?;
@@ -356,7 +362,7 @@ impl CausalLm {
     /// (the looked-up rows, not the table, are converted).
     pub(super) fn embed_rows(&self, input_ids: &Tensor) -> Result<Tensor> {
         let first = &self.stages[0];
-        let unit = first.rt.acquire(self.units.embed)?;
+        let unit = first.rt.acquire(self.units.embed()?)?;
         self.family.embed(
             &self.cfg,
             UnitWeights::new(unit.var_builder(self.dtype), Some(&unit)),
@@ -392,7 +398,7 @@ impl CausalLm {
         // The host's share of the step, where it runs the head.
         let t0 = self.head_on_host.then(std::time::Instant::now);
         let xs = {
-            let unit = rt.acquire(self.units.norm)?;
+            let unit = rt.acquire(self.units.norm()?)?;
             self.family
                 .final_norm(
                     &self.cfg,
@@ -404,7 +410,7 @@ impl CausalLm {
         // The head's weight (the embedding matrix when tied), multiplied as GGML blocks when
         // the unit holds it quantized.
         let logits = {
-            let unit = rt.acquire(self.units.head)?;
+            let unit = rt.acquire(self.units.head()?)?;
             let w = UnitWeights::new(unit.var_builder(stage.dtype), Some(&unit))
                 .pp(self.layout.head_unit());
             let tuning = unit.tuning().kernels;

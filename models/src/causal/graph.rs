@@ -254,7 +254,7 @@ impl CausalLm {
             .segments
             .iter()
             .filter(|(s, _)| *s == 1)
-            .flat_map(|(_, layers)| layers.clone().map(|l| self.units.layers[l]))
+            .flat_map(|(_, layers)| layers.clone().filter_map(|l| self.units.layers[l]))
             .collect();
         if replay.is_none() && !gpu.rt.resident_all_of(run_units.iter().copied())? {
             return Ok(st.eager("weights stream (not every unit is resident)".into()));

@@ -16,6 +16,7 @@
 //! - `host.rs`: host layers in front of one device (the split itself is planned in
 //!   [`candle_offload::plan::spread`]);
 //! - `devices.rs`: a pipeline over several devices and its device map;
+//! - `ranks.rs`: the layer split over the ranks of a multi-process run, planned by rank 0;
 //! - `experts.rs`: mixture-of-experts layers' experts acquired one by one as units;
 //! - `forward.rs`: the forward pass; `ragged.rs`: one pass over several sequences, each with
 //!   its own cache (continuous batching); `graph.rs` and `graph_state.rs`: decode steps replayed
@@ -30,6 +31,7 @@ mod graph_state;
 mod host;
 mod model;
 mod ragged;
+mod ranks;
 mod reserve;
 
 pub use builder::{CausalLmBuilder, ModelSource};
@@ -39,4 +41,5 @@ pub use forward::{argmax, HOST_STEP_ROWS};
 pub use graph_state::GraphStats;
 pub use model::{CausalLm, HiddenTransfer, HostTotals, TransferTotals};
 pub use ragged::RaggedSeq;
+pub use ranks::RankRequest;
 pub use reserve::{OffloadSettings, MIN_PROMPT_CHUNK};

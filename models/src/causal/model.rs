@@ -17,13 +17,45 @@ use crate::family::Config;
 use crate::family::{DecoderBlock, Family, Layout};
 use crate::layers::Rope;
 
-/// The units of a model in the runtimes' (shared) store.
+/// The units of a model in the runtimes' (shared) store; `None` for those a rank of a
+/// multi-process run does not hold (another rank's layers, embeddings or head).
 #[derive(Debug, Clone)]
 pub(super) struct Units {
-    pub(super) embed: UnitId,
-    pub(super) layers: Vec<UnitId>,
-    pub(super) norm: UnitId,
-    pub(super) head: UnitId,
+    pub(super) embed: Option<UnitId>,
+    pub(super) layers: Vec<Option<UnitId>>,
+    pub(super) norm: Option<UnitId>,
+    pub(super) head: Option<UnitId>,
+}
+
+impl Units {
+    /// `unit`, or an error naming what this process does not hold.
+    fn held(unit: Option<UnitId>, what: &str) -> Result<UnitId> {
+        unit.ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "{what} is another rank's: this one does not hold it"
+            ))
+        })
+    }
+
+    /// The unit of decoder layer `l`.
+    pub(super) fn layer(&self, l: usize) -> Result<UnitId> {
+        Self::held(self.layers.get(l).copied().flatten(), &format!("layer {l}"))
+    }
+
+    /// The embeddings' unit.
+    pub(super) fn embed(&self) -> Result<UnitId> {
+        Self::held(self.embed, "the embeddings")
+    }
+
+    /// The final norm's unit.
+    pub(super) fn norm(&self) -> Result<UnitId> {
+        Self::held(self.norm, "the final norm")
+    }
+
+    /// The output head's unit.
+    pub(super) fn head(&self) -> Result<UnitId> {
+        Self::held(self.head, "the output head")
+    }
 }
 
 /// One pipeline stage: a device's runtime and the contiguous layers it runs.
@@ -158,6 +190,8 @@ pub struct CausalLm {
     pub(super) device_map: Option<DeviceMap>,
     /// LoRA adapters every layer's projections run with ([`set_adapters`](Self::set_adapters)).
     pub(super) adapters: Option<Arc<crate::lora::Adapters>>,
+    /// This process's place in a multi-process pipeline (`None`: the model is whole here).
+    pub(super) link: Option<super::ranks::RankLink>,
 }
 
 impl CausalLm {
@@ -173,6 +207,21 @@ impl CausalLm {
         max_len: usize,
         source: &std::path::Path,
     ) -> std::result::Result<Self, ModelError> {
+        let n = cfg.num_hidden_layers;
+        Self::assemble_span(cfg, stages, 0..n, dtype, max_len, source)
+    }
+
+    /// [`assemble`](Self::assemble) of the layers `span` only (a rank of a multi-process
+    /// run): the stages cover `span`; the embeddings are checked and held where it starts at
+    /// layer 0, the final norm and the head where it ends at the last layer.
+    pub(super) fn assemble_span(
+        cfg: Config,
+        stages: Vec<(OffloadRuntime, Range<usize>)>,
+        span: Range<usize>,
+        dtype: DType,
+        max_len: usize,
+        source: &std::path::Path,
+    ) -> std::result::Result<Self, ModelError> {
         let Some((first, _)) = stages.first() else {
             return Err(ModelError::Config {
                 path: source.into(),
@@ -181,7 +230,7 @@ impl CausalLm {
             });
         };
         let store = first.store().clone();
-        let mut next = 0;
+        let mut next = span.start;
         for (i, (rt, range)) in stages.iter().enumerate() {
             if !std::sync::Arc::ptr_eq(rt.store(), &store) {
                 return Err(ModelError::Config {
@@ -202,18 +251,38 @@ impl CausalLm {
             }
             next = range.end;
         }
-        if next != cfg.num_hidden_layers {
+        if next != span.end || span.end > cfg.num_hidden_layers {
             return Err(ModelError::Config {
                 path: source.into(),
                 field: "stages".into(),
                 reason: format!(
-                    "the stages run layers 0..{next}, the model has {}",
+                    "the stages run layers {}..{next}, {} of the model's {}",
+                    span.start,
+                    if span.start == 0 {
+                        "not all".to_string()
+                    } else {
+                        format!("not the range {span:?}")
+                    },
                     cfg.num_hidden_layers
                 ),
             });
         }
         let layout = cfg.layout();
+        let (first_rank, last_rank) = (span.start == 0, span.end == cfg.num_hidden_layers);
+        // The units this process holds: its layers, the embeddings where it starts, the final
+        // norm and the head where it ends.
+        let mut held: Vec<String> = span.clone().flat_map(|l| layout.units_of(l)).collect();
+        if first_rank {
+            held.push(layout.embed.clone());
+        }
+        if last_rank {
+            held.push(layout.norm.clone());
+            held.push(layout.head_unit().to_string());
+        }
         for (name, shape) in cfg.expected_tensors() {
+            if !held.contains(&layout.unit_of(&name)) {
+                continue;
+            }
             let (_, meta) = store.tensor(&name).ok_or_else(|| ModelError::Tensor {
                 path: source.into(),
                 tensor: name.clone(),
@@ -245,13 +314,14 @@ impl CausalLm {
                 reason: "no unit holds it".into(),
             })
         };
+        let held_unit = |name: &str, held: bool| held.then(|| unit(name)).transpose();
         let units = Units {
-            embed: unit(&layout.embed)?,
+            embed: held_unit(&layout.embed, first_rank)?,
             layers: (0..cfg.num_hidden_layers)
-                .map(|l| unit(&layout.layer(l)))
+                .map(|l| held_unit(&layout.layer(l), span.contains(&l)))
                 .collect::<std::result::Result<_, _>>()?,
-            norm: unit(&layout.norm)?,
-            head: unit(layout.head_unit())?,
+            norm: held_unit(&layout.norm, last_rank)?,
+            head: held_unit(layout.head_unit(), last_rank)?,
         };
         let max_len = max_len.min(cfg.max_position_embeddings).max(1);
         let family = cfg.family.clone();
@@ -296,6 +366,7 @@ impl CausalLm {
             graphs,
             device_map: None,
             adapters: None,
+            link: None,
         })
     }
 
@@ -533,7 +604,9 @@ impl CausalLm {
     }
 
     /// The device map a pipeline over several devices was built with
-    /// ([`CausalLmBuilder::devices`](crate::CausalLmBuilder::devices)); `None` on one device.
+    /// ([`CausalLmBuilder::devices`](crate::CausalLmBuilder::devices)), or the split over the
+    /// ranks of a multi-process run (one device per rank, its ordinal the rank;
+    /// [`CausalLmBuilder::rank`](crate::CausalLmBuilder::rank)); `None` on one device.
     pub fn device_map(&self) -> Option<&DeviceMap> {
         self.device_map.as_ref()
     }

@@ -135,7 +135,7 @@ impl CausalLm {
                     c.place(l, device, stage.dtype)?;
                 }
             }
-            let unit = stage.rt.acquire(self.units.layers[l])?;
+            let unit = stage.rt.acquire(self.units.layer(l)?)?;
             let block = self.layer_block(&unit, l, stage.dtype)?;
             let _span = tracing::trace_span!("llama.layer", l).entered();
             let mut kvs: Vec<_> = caches.iter_mut().map(|c| &mut c.kvs[l]).collect();

@@ -1,0 +1,248 @@
+//! The launch of a multi-process run: `--rank/--world-size/--master-addr/--master-port` and
+//! `--dist-timeout`, or torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//! `MASTER_ADDR`, `MASTER_PORT`), read once by the binaries; a flag wins over its variable.
+//! Under torchrun, whose agent holds `MASTER_PORT` itself (it says so with
+//! `TORCHELASTIC_USE_AGENT_STORE`), rank 0 listens on the port after it. docs/tuning.md's table
+//! lists the variables.
+
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Result};
+use candle_offload::dist::{NetConfig, TcpTransport};
+
+/// The variables a launcher such as torchrun sets, read by [`DistArgs::launch`].
+pub const DIST_VARS: [&str; 6] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+];
+
+/// rank 0's address and port when neither flag nor variable gives them (torchrun's port).
+const DEFAULT_ADDR: &str = "127.0.0.1";
+const DEFAULT_PORT: u16 = 29500;
+
+/// Where this process sits in a multi-process run (the pipeline over processes).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct DistArgs {
+    /// This process's rank in a multi-process run, 0..--world-size (or `RANK`). Rank 0 plans
+    /// the layer split, runs the embeddings and prints the text; the last rank runs the head.
+    #[arg(long)]
+    pub rank: Option<usize>,
+    /// How many processes run the model together (or `WORLD_SIZE`); 1 or unset: this one alone.
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// Rank 0's address, where the others join it (or `MASTER_ADDR`; default 127.0.0.1).
+    #[arg(long)]
+    pub master_addr: Option<String>,
+    /// Rank 0's port (or `MASTER_PORT`; default 29500).
+    #[arg(long)]
+    pub master_port: Option<u16>,
+    /// Seconds any wait on another rank lasts at most (the rendezvous, each step's hidden
+    /// state or token); a peer that died is noticed sooner, by its closed connection or its
+    /// missing heartbeat.
+    #[arg(long, default_value_t = 300.0, value_parser = crate::flags::positive)]
+    pub dist_timeout: f64,
+}
+
+/// A multi-process run's settings, from flags and variables.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Launch {
+    /// This process's rank.
+    pub rank: usize,
+    /// How many processes.
+    pub world_size: usize,
+    /// The GPU of this process on its host, where the launcher says (`LOCAL_RANK`).
+    pub local_rank: Option<usize>,
+    /// Rank 0's address.
+    pub master_addr: String,
+    /// Rank 0's port.
+    pub master_port: u16,
+    /// The longest wait on another rank.
+    pub timeout: Duration,
+}
+
+impl Launch {
+    /// The transport's settings.
+    pub fn net_config(&self) -> NetConfig {
+        NetConfig::new(
+            self.rank,
+            self.world_size,
+            self.master_addr.clone(),
+            self.master_port,
+            self.timeout,
+        )
+    }
+
+    /// Joins the other ranks over TCP, within the timeout.
+    pub fn connect(&self) -> Result<TcpTransport> {
+        TcpTransport::connect(&self.net_config()).map_err(|e| {
+            anyhow!(
+                "rank {} of {}: joining at {}:{}: {e}",
+                self.rank,
+                self.world_size,
+                self.master_addr,
+                self.master_port
+            )
+        })
+    }
+}
+
+impl DistArgs {
+    /// The launch these flags and `env` (a variable's value by name: `std::env::var` in a
+    /// binary) describe; `None` for a process alone (no world size, or 1).
+    pub fn launch(&self, env: impl Fn(&str) -> Option<String>) -> Result<Option<Launch>> {
+        fn number<T: std::str::FromStr>(name: &str, value: Option<String>) -> Result<Option<T>> {
+            match value {
+                None => Ok(None),
+                Some(v) => v
+                    .trim()
+                    .parse()
+                    .map(Some)
+                    .map_err(|_| anyhow!("{name}={v:?}: not a whole number")),
+            }
+        }
+        let world_size = match self.world_size {
+            Some(w) => Some(w),
+            None => number("WORLD_SIZE", env("WORLD_SIZE"))?,
+        };
+        let rank = match self.rank {
+            Some(r) => Some(r),
+            None => number("RANK", env("RANK"))?,
+        };
+        let world_size = match (world_size, rank) {
+            (None | Some(1), None | Some(0)) => return Ok(None),
+            (None, Some(r)) => {
+                bail!("--rank {r} (or RANK) without --world-size (or WORLD_SIZE)")
+            }
+            (Some(0), _) => bail!("--world-size (or WORLD_SIZE) 0: must be at least 1"),
+            (Some(w), _) => w,
+        };
+        let Some(rank) = rank else {
+            bail!("--world-size {world_size} (or WORLD_SIZE) without --rank (or RANK)");
+        };
+        if rank >= world_size {
+            bail!("--rank (or RANK) {rank} is not below the world size {world_size}");
+        }
+        let master_addr = self
+            .master_addr
+            .clone()
+            .or_else(|| env("MASTER_ADDR"))
+            .unwrap_or_else(|| DEFAULT_ADDR.to_string());
+        let master_port = match self.master_port {
+            Some(p) => p,
+            None => match number::<u16>("MASTER_PORT", env("MASTER_PORT"))? {
+                None => DEFAULT_PORT,
+                // torchrun's agent listens on MASTER_PORT for its own store: the next is ours.
+                Some(p) if agent_store(&env) => p.checked_add(1).ok_or_else(|| {
+                    anyhow!("MASTER_PORT={p}: torchrun's agent holds it, and there is no next port")
+                })?,
+                Some(p) => p,
+            },
+        };
+        Ok(Some(Launch {
+            rank,
+            world_size,
+            local_rank: number("LOCAL_RANK", env("LOCAL_RANK"))?,
+            master_addr,
+            master_port,
+            timeout: Duration::from_secs_f64(self.dist_timeout),
+        }))
+    }
+}
+
+/// Whether a torchrun agent holds `MASTER_PORT` for its own store.
+fn agent_store(env: &impl Fn(&str) -> Option<String>) -> bool {
+    env("TORCHELASTIC_USE_AGENT_STORE")
+        .is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "true" | "1"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    fn args() -> DistArgs {
+        DistArgs {
+            dist_timeout: 300.0,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn torchruns_variables_and_flags_over_them() {
+        assert_eq!(args().launch(env(&[])).unwrap(), None);
+        assert_eq!(args().launch(env(&[("WORLD_SIZE", "1")])).unwrap(), None);
+        let vars = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "10.0.0.5"),
+            ("MASTER_PORT", "29400"),
+        ];
+        let l = args().launch(env(&vars)).unwrap().unwrap();
+        assert_eq!((l.rank, l.world_size, l.local_rank), (1, 2, Some(1)));
+        // Under torchrun its agent holds MASTER_PORT: ours is the next.
+        let mut torchrun = vars.to_vec();
+        torchrun.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
+        let t = args().launch(env(&torchrun)).unwrap().unwrap();
+        assert_eq!(t.master_port, 29401);
+        assert_eq!((l.master_addr.as_str(), l.master_port), ("10.0.0.5", 29400));
+        assert_eq!(l.timeout, Duration::from_secs(300));
+        let flags = DistArgs {
+            rank: Some(0),
+            world_size: Some(3),
+            master_addr: Some("localhost".into()),
+            master_port: Some(1234),
+            dist_timeout: 2.5,
+        };
+        let l = flags.launch(env(&vars)).unwrap().unwrap();
+        assert_eq!((l.rank, l.world_size), (0, 3));
+        assert_eq!((l.master_addr.as_str(), l.master_port), ("localhost", 1234));
+        assert_eq!(l.timeout, Duration::from_millis(2500));
+        let alone = DistArgs {
+            rank: Some(1),
+            world_size: Some(2),
+            ..args()
+        };
+        let l = alone.launch(env(&[])).unwrap().unwrap();
+        assert_eq!(
+            (l.master_addr.as_str(), l.master_port),
+            ("127.0.0.1", 29500)
+        );
+        assert_eq!(l.local_rank, None);
+    }
+
+    #[test]
+    fn bad_launches_name_the_flag_or_variable() {
+        let cases: [(&[(&str, &str)], &str); 5] = [
+            (&[("RANK", "1")], "without --world-size"),
+            (&[("WORLD_SIZE", "2")], "without --rank"),
+            (
+                &[("WORLD_SIZE", "2"), ("RANK", "2")],
+                "not below the world size 2",
+            ),
+            (
+                &[("WORLD_SIZE", "two"), ("RANK", "0")],
+                "WORLD_SIZE=\"two\"",
+            ),
+            (
+                &[("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_PORT", "70000")],
+                "MASTER_PORT",
+            ),
+        ];
+        for (vars, want) in cases {
+            let e = args().launch(env(vars)).unwrap_err().to_string();
+            assert!(e.contains(want), "{vars:?}: {e}");
+        }
+    }
+}
