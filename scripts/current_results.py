@@ -63,6 +63,9 @@ SOURCES = {
         "2026-12-04/2026-12-04-stop51-p64-gemm-from-64-e095323-h200.json",
         "2026-12-04/2026-12-04-stop51-spread-resident-loss-9e01ec2-h200.json",
     ],
+    # scripts/gpu_ab.py generate (ab-generate): two builds interleaved over rounds, llama.cpp
+    # inside the after build's runs; the after build's medians stand for its rows.
+    "generate-gpu-ab": [],
     # scripts/cpu_default_bench.py: generate --cpu on the default model, llama.cpp's Python
     # binding in the same run, prompt by prompt, round by round.
     "generate-cpu": [
@@ -173,11 +176,37 @@ def row(**kw):
 
 
 # -- families ---------------------------------------------------------------------------------
+def ab_records(doc):
+    """An ab-generate file's rows as bench_generate records: the after build's first-round
+    record of each row (its configuration), with the decode and prefill rates replaced by the
+    after build's medians over the rounds, llama.cpp's by its medians, and the peak by the
+    after build's highest."""
+    records = []
+    for r in doc["rounds"][0]["after"]["record"]["records"]:
+        summary = doc["summary"].get(f"budget={r.get('budget')} prompt={r.get('prompt_len')}", {})
+        r = dict(r)
+        for ours, peer in [("decode_tokens_per_s", "llamacpp_decode_tokens_per_s"),
+                           ("prefill_tokens_per_s", "llamacpp_prefill_tokens_per_s")]:
+            m = summary.get(ours)
+            if m:
+                r[ours], r[peer] = m["after_median"], m["peer_median"]
+        peaks = [x for x in summary.get("peak_device_bytes", {}).get("after", []) if x]
+        if peaks:
+            r["peak_device_bytes"] = max(peaks)
+            if r.get("budget_bytes"):
+                r["peak_within_budget"] = max(peaks) <= r["budget_bytes"]
+        records.append(r)
+    return records
+
+
 def gpu_rows():
     best = {}
-    for rel in SOURCES["generate-gpu"]:
-        doc = load(rel)
-        for i, r in enumerate(doc["records"]):
+    docs = [(rel, load(rel)) for rel in SOURCES["generate-gpu"]]
+    docs = [(rel, doc, doc["records"]) for rel, doc in docs]
+    docs += [(rel, doc, ab_records(doc)) for rel, doc in
+             ((rel, load(rel)) for rel in SOURCES["generate-gpu-ab"])]
+    for rel, doc, records in docs:
+        for i, r in enumerate(records):
             if not grid_default(r):
                 continue
             size, w = r["weights"].split("-", 1)

@@ -14,6 +14,8 @@
 #   the training A/B (scripts/gpu_ab.py train, PyTorch peer from scripts/train_peer.py).
 # Call 2 (carry both bench_generate packs): `bash .gpu/gpu_ab_session.sh call2`
 #   the generate A/B per row (ROWS="q4km q8 f16"), each row's JSON copied to $OUT as it ends.
+# Then, here: each ab-gen-ROW.json into benches/results/DATE/ with an index entry, listed in
+# scripts/current_results.py's SOURCES["generate-gpu-ab"] (its rows replace the older ones).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/res-$1; mkdir -p "$FINAL" "$OUT" /tmp/ab/before /tmp/ab/after /tmp/gguf /tmp/bin
