@@ -5,7 +5,8 @@
 # calls).
 #
 # Here, before the calls: `scripts/gpu-pack.sh --example serve --tests` (CUDA), a copy of the
-# pinned peer folder in .gpu/llamacpp, this script run from the tree.
+# pinned peer folder in .gpu/llamacpp, `git rev-parse --short=12 HEAD > .gpu/COMMIT` (the
+# build's commit, for the records), this script run from the tree.
 # Call 1 (carry .gpu/llamacpp, serve.xz, test-integration.xz): `bash scripts/gpu_serve_session.sh call1`
 #   llama.cpp's CUDA build with llama-server in the background; the F16 8B GGUF, a CPU-only
 #   llama-quantize and the Q4_K_M file in a detached session (they outlive the call); the
@@ -31,7 +32,7 @@ PEER="/tmp/llamacpp/build/bin/llama-server -m $F --port 8082 -c $((NP * 640)) -n
 bench() { # bench NAME ARGS...: scripts/serve_bench.py -> $OUT/NAME.json, copied to $FINAL
   local name=$1; shift
   (cd /tmp && timeout "${SERVE_S:-540}" python3 "$R/scripts/serve_bench.py" --concurrency "$CONC" \
-    --model-name 8b --gpu --id-high 128000 --out "$OUT/$name.json" --log-prefix "$OUT/$name-" "$@") \
+    --model-name 8b --gpu --id-high 128000 --commit "$(cat .gpu/COMMIT 2>/dev/null)" --out "$OUT/$name.json" --log-prefix "$OUT/$name-" "$@") \
     > "$OUT/$name.log" 2>&1
   echo "$name exit $?"; tail -20 "$OUT/$name.log"
   cp "$OUT/$name.json" "$FINAL/" 2>/dev/null

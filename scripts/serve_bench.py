@@ -15,7 +15,9 @@ server process's peak GPU memory (nvidia-smi's per-process figure, polled every 
 Usage:
   serve_bench.py --ours "CMD ..." --peer "CMD ..." --port-ours 8081 --port-peer 8082 \\
       --concurrency 1,4,16 --budget-gib 6 --out OUT.json
-Either server may be left out (then no ratios). `--peer-ngl-search 33,30,28,...` starts the peer
+Either server may be left out (then no ratios). OUT.json opens with the record header of every
+benchmark file (benchmark, commit, command, machine, date; scripts/bench_record.py), `--commit`
+naming the servers' build where this checkout is not it. `--peer-ngl-search 33,30,28,...` starts the peer
 with each `-ngl` in turn (the command must contain `{ngl}`) and keeps the first whose peak after a
 full-concurrency probe is within --budget-gib.
 """
@@ -29,6 +31,8 @@ import subprocess
 import sys
 import threading
 import time
+
+import bench_record
 
 
 def wait_ready(port, proc, timeout=600):
@@ -183,6 +187,7 @@ def main():
     ap.add_argument("--peer-ngl-search")
     ap.add_argument("--gpu", action="store_true", help="poll nvidia-smi for the peak")
     ap.add_argument("--log-prefix", default="/tmp/serve_bench-")
+    ap.add_argument("--commit", help="the commit the servers were built from (default: this checkout's)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -190,8 +195,15 @@ def main():
     n = max(levels) * args.requests_per_client
     prompts = [[rng.randrange(args.id_low, args.id_high) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
                for _ in range(n)]
-    doc = {"prompts": {"count": n, "lengths": [len(p) for p in prompts], "seed": args.seed},
-           "new_tokens": args.new_tokens, "concurrency": levels, "budget_gib": args.budget_gib}
+    doc = bench_record.header("serve")
+    if args.commit:
+        doc["commit"] = args.commit
+    if args.gpu:
+        doc["machine"]["gpu"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True, text=True).stdout.strip() or None
+    doc.update({"prompts": {"count": n, "lengths": [len(p) for p in prompts], "seed": args.seed},
+                "new_tokens": args.new_tokens, "concurrency": levels, "budget_gib": args.budget_gib})
     if args.ours:
         doc["ours"] = run_server("ours", args.ours, args.port_ours, args.model_name, prompts, levels, args)
     if args.peer:
