@@ -88,7 +88,9 @@ fn rank_model(
 
 fn net(rank: usize, world: usize, port: u16, timeout: Duration) -> NetConfig {
     let mut c = NetConfig::new(rank, world, "127.0.0.1", port, timeout);
-    c.heartbeat = Duration::from_millis(100);
+    // A dead peer is five silent beats (2.5 s): room for a loaded machine; the deaths these
+    // tests cause close the connection, noticed at once.
+    c.heartbeat = Duration::from_millis(500);
     c
 }
 

@@ -16,7 +16,8 @@ fn cfg(rank: usize, world: usize, port: u16, timeout_ms: u64) -> NetConfig {
         port,
         Duration::from_millis(timeout_ms),
     );
-    c.heartbeat = Duration::from_millis(50);
+    // A dead peer is five silent beats (1 s): room for a loaded machine.
+    c.heartbeat = Duration::from_millis(200);
     c
 }
 
