@@ -53,7 +53,7 @@ Q
     el "train"
     unpack bench_train
     timeout 120 python3 scripts/train_peer.py "$OUT/train_peer.json" --configs none-bf16 > "$OUT/train_peer.log" 2>&1; echo "peer exit $?"
-    timeout ${TRAIN_S:-240} python3 scripts/gpu_ab.py train --before /tmp/ab/before --after /tmp/ab/after --rounds 5 \
+    timeout ${TRAIN_S:-240} python3 scripts/gpu_ab.py train --before /tmp/ab/before --after /tmp/ab/after --rounds "${ROUNDS:-5}" \
       --peer "$OUT/train_peer.json" --out "$OUT/ab-train.json" -- --configs none-bf16 --steps 3 > "$OUT/ab-train.log" 2>&1
     echo "train exit $?"; grep -E "step_s|peak" "$OUT/ab-train.log" | tail -3
     el "waiting for llama.cpp"; wait $lc; tail -1 "$OUT/llamacpp-build.log"; cat /tmp/quant.log | grep -v "^+"
@@ -71,7 +71,7 @@ Q
       esac
       el "gen $row"
       (cd /tmp && timeout ${GEN_S:-250} python3 "$R/scripts/gpu_ab.py" generate --before /tmp/ab/before --after /tmp/ab/after \
-        --rounds 5 --peer-rounds 1 --llamacpp-bin /tmp/llamacpp/build/bin --out "$OUT/ab-gen-$row.json" -- "${a[@]}" \
+        --rounds "${ROUNDS:-5}" --peer-rounds 1 --llamacpp-bin /tmp/llamacpp/build/bin --out "$OUT/ab-gen-$row.json" -- "${a[@]}" \
         --prompt-lens 64 --host-layers spread:auto --depths 1 --llamacpp-reps 2) > "$OUT/ab-gen-$row.log" 2>&1
       echo "gen $row exit $?"; grep -E "^budget" "$OUT/ab-gen-$row.log" | tail -3
       cp "$OUT/ab-gen-$row.json" "$OUT/ab-gen-$row.log" "$FINAL/" 2>/dev/null
