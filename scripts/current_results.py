@@ -65,7 +65,12 @@ SOURCES = {
     ],
     # scripts/gpu_ab.py generate (ab-generate): two builds interleaved over rounds, llama.cpp
     # inside the after build's runs; the after build's medians stand for its rows.
-    "generate-gpu-ab": [],
+    "generate-gpu-ab": [
+        "2026-12-05/2026-12-05-redesign-gpu-ab-gen-q4km-cc93333-vs-1c4dba4-h200.json",
+        "2026-12-05/2026-12-05-redesign-gpu-ab-gen-f16-cc93333-vs-1c4dba4-h200.json",
+        "2026-12-05/2026-12-05-redesign-gpu-ab-gen-q8-r1-cc93333-vs-1c4dba4-h200.json",
+        "2026-12-05/2026-12-05-redesign-gpu-ab-gen-q8-r2-cc93333-vs-1c4dba4-h200.json",
+    ],
     # scripts/cpu_default_bench.py: generate --cpu on the default model, llama.cpp's Python
     # binding in the same run, prompt by prompt, round by round.
     "generate-cpu": [
