@@ -311,6 +311,9 @@ fn run(args: Args) -> Result<()> {
         }
         eprint!("{}", stage_rt.memory_summary()?);
     }
+    if let Some(x) = model.expert_stats() {
+        eprint!("{x}");
+    }
     if sharded {
         let t = model.transfer_totals();
         eprintln!(

@@ -123,6 +123,16 @@ pub struct LoadArgs {
     #[arg(long, default_value_t = 1,
           value_parser = clap::value_parser!(u64).range(0..=candle_offload::MAX_PREFETCH_DEPTH as u64))]
     pub prefetch_depth: u64,
+    /// A mixture-of-experts model's expert cache on the GPU: `lru`, `lfu` (least frequently
+    /// used, each use counting half after 256 accesses of its layer) or `lfu:HALF_LIFE`.
+    #[arg(long, default_value = "lru")]
+    pub expert_policy: candle_offload::experts::ExpertPolicy,
+    /// Where a mixture-of-experts model's experts missing from the GPU's cache run: `auto`
+    /// (when the budget does not hold every expert, each layer's missing experts split between
+    /// the host CPU and fetches over the link, as a cost model prices them), `on` (the same, on
+    /// any device) or `off` (every one fetched).
+    #[arg(long, default_value = "auto")]
+    pub expert_split: candle_offload::experts::ExpertSplit,
     /// Settings file (YAML): `memory.offload_strategy`, `memory.max_gpu_memory`,
     /// `memory.max_cpu_memory` and a `tuning:` section (docs/tuning.md).
     #[arg(long)]
@@ -352,6 +362,10 @@ impl LoadArgs {
             policy,
             tuning,
             reserve_bytes: target.extra_reserve,
+            experts: candle_offload::experts::ExpertOptions::new(
+                self.expert_policy,
+                self.expert_split,
+            ),
             ..Default::default()
         };
         if target.rank.is_some() && host_layers_choice != HostLayers::None {
@@ -384,6 +398,18 @@ impl LoadArgs {
         model.set_adapters(adapters)?;
         if self.unfused {
             model.set_fused(false);
+        }
+        if let Some(x) = model.expert_stats() {
+            let per_layer = x.slots.iter().copied().max().unwrap_or(0);
+            eprintln!(
+                "experts: dense part {:.2} GiB on the GPU; {per_layer} of {} experts per layer \
+                 cached there ({:.1} MiB each, {:?}); the others on {} CPU threads or fetched",
+                x.dense_bytes as f64 / 2f64.powi(30),
+                x.experts_per_layer,
+                x.expert_bytes as f64 / 2f64.powi(20),
+                self.expert_policy,
+                tuning.threads(),
+            );
         }
         // The weights that stay resident are copied in now, with the load, not in the prompt's
         // step (llama.cpp, too, has its weights in place before it times a prompt).

@@ -241,3 +241,89 @@ fn moe_ragged_steps_equal_each_sequence_alone() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The expert tier, forced on for the CPU (the split where no GPU is): a budget that holds the
+/// dense part and a few experts per layer splits each layer's routed experts between the
+/// cache, fetches (evicting the policy's victim) and the host, and the logits stay
+/// transformers' under both policies; every path is taken and the counters add up.
+#[test]
+fn moe_expert_tier_splits_and_keeps_the_logits() -> anyhow::Result<()> {
+    use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertSplit};
+    use candle_offload_models::OffloadSettings;
+    let dir = fixtures()?;
+    for name in ["mixtral", "qwen3_moe_mixed"] {
+        let files = loader::from_dir(&dir.join(name))?;
+        let want = reference(&dir.join(name))?;
+        for policy in [ExpertPolicy::Lru, ExpertPolicy::Lfu { half_life: 64.0 }] {
+            let store = Arc::new(loader::load_store_with(
+                &files,
+                DType::F32,
+                &Device::Cpu,
+                None,
+                false,
+            )?);
+            let units = store.units();
+            let experts: Vec<u64> = units
+                .iter()
+                .filter(|u| u.name().contains(".experts."))
+                .map(|u| u.bytes())
+                .collect();
+            let reserve = Llama::reserve_bytes(
+                &files.config,
+                &store,
+                &Device::Cpu,
+                64,
+                64,
+                DType::F32,
+                &Default::default(),
+            );
+            let total: u64 = units.iter().map(|u| u.bytes()).sum();
+            let all_experts: u64 = experts.iter().sum();
+            // The dense part, the reservation, a largest unit's room for copies in flight and
+            // half of the experts.
+            let largest = units.iter().map(|u| u.bytes()).max().unwrap_or(0);
+            let limit = total - all_experts + reserve + largest + all_experts / 2;
+            let settings = OffloadSettings {
+                gpu_memory_limit: Some(MemoryLimit::Bytes(limit)),
+                reserve_bytes: 0,
+                experts: ExpertOptions::new(policy, ExpertSplit::On),
+                ..Default::default()
+            };
+            let m = Llama::builder(&files, store)
+                .device(&Device::Cpu)
+                .settings(settings)
+                .dtype(DType::F32)
+                .max_len(64)
+                .prompt_len(64)
+                .build()?;
+            for pass in 0..2 {
+                let got = logits(&m)?;
+                let d = max_abs(&got, &want);
+                assert!(d <= 1e-4, "{name} {policy:?} pass {pass}: max |Δ| {d}");
+            }
+            let s = m.expert_stats().expect("the split is on");
+            let count = files.config.layout().experts.expect("experts").count;
+            assert!(
+                s.slots.iter().any(|&n| n > 0 && n < count),
+                "{name}: slots {:?} of {count}",
+                s.slots
+            );
+            assert!(
+                s.resident > 0 && s.fetched > 0 && s.on_host > 0,
+                "{name} {policy:?}: {s:?}"
+            );
+            let hits: u64 = s.layers.iter().map(|c| c.hits).sum();
+            let misses: u64 = s.layers.iter().map(|c| c.misses).sum();
+            assert_eq!(hits, s.resident, "{s:?}");
+            assert_eq!(misses, s.fetched + s.on_host, "{s:?}");
+            assert!(s.hit_rate() > 0.0 && s.hit_rate() < 1.0);
+            for (l, c) in s.layers.iter().enumerate() {
+                assert!(c.evictions <= c.misses, "layer {l}: {c:?}");
+                if s.slots[l] == 0 {
+                    assert_eq!(c.hits, 0, "layer {l} has no slots");
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -39,6 +39,33 @@ pub fn link_baseline(device: &Device, pageable: bool) -> candle_core::Result<Lin
     })
 }
 
+/// The host's memory read rate in GB/s: every available thread sums its share of a buffer of
+/// `bytes`, the best of `reps` passes after one to touch the pages. What a decode step that
+/// reads host memory (host layers, host experts, copies over the link) cannot beat.
+pub fn host_read_gbps(bytes: usize, reps: usize) -> f64 {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let words = (bytes / 8).max(threads);
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let chunk = words.div_ceil(threads);
+    let mut best = 0.0f64;
+    for _ in 0..reps.max(1) + 1 {
+        let t0 = std::time::Instant::now();
+        let total: u64 = std::thread::scope(|s| {
+            let parts: Vec<_> = buf
+                .chunks(chunk)
+                .map(|c| s.spawn(move || c.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
+                .collect();
+            parts
+                .into_iter()
+                .map(|p| p.join().unwrap_or(0))
+                .fold(0u64, u64::wrapping_add)
+        });
+        std::hint::black_box(total);
+        best = best.max((words * 8) as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
 /// The median of `v` (the upper one for an even count); 0 when empty.
 pub fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {

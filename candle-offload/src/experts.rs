@@ -154,10 +154,22 @@ impl ExpertCache {
     /// policy's victim when the layer is full). A layer of no slots admits nothing (its
     /// experts always miss). An expert or layer out of range is a miss that admits nothing.
     pub fn access(&mut self, l: usize, e: usize) -> ExpertAccess {
+        if self.lookup(l, e) {
+            return ExpertAccess::Hit;
+        }
+        ExpertAccess::Miss {
+            evicted: self.admit(l, e).flatten(),
+        }
+    }
+
+    /// A use of expert `e` of layer `l` that admits nothing: counted as a hit (and scored as a
+    /// use) when it is resident, as a miss otherwise. Returns whether it was a hit. With
+    /// [`admit`](Self::admit) on a miss, this is [`access`](Self::access); apart, a miss
+    /// can be served from elsewhere (the host CPU) without taking a slot.
+    pub fn lookup(&mut self, l: usize, e: usize) -> bool {
         let policy = self.policy;
-        let experts = self.experts;
         let Some(layer) = self.layers.get_mut(l) else {
-            return ExpertAccess::Miss { evicted: None };
+            return false;
         };
         layer.clock += 1;
         let now = layer.clock;
@@ -166,12 +178,24 @@ impl ExpertCache {
             s.scored_at = now;
             s.last_use = now;
             layer.counters.hits += 1;
-            return ExpertAccess::Hit;
+            return true;
         }
         layer.counters.misses += 1;
-        if layer.slots == 0 || e >= experts {
-            return ExpertAccess::Miss { evicted: None };
+        false
+    }
+
+    /// Admits expert `e` of layer `l` after a [`lookup`](Self::lookup) missed, evicting the
+    /// policy's victim when the layer is full: `Some(victim)` (`Some(None)` when a slot was
+    /// free), or `None` when nothing was admitted (a layer of no slots, an expert or layer out
+    /// of range, or one already resident).
+    pub fn admit(&mut self, l: usize, e: usize) -> Option<Option<usize>> {
+        let policy = self.policy;
+        let experts = self.experts;
+        let layer = self.layers.get_mut(l)?;
+        if layer.slots == 0 || e >= experts || layer.resident.iter().any(|s| s.expert == e) {
+            return None;
         }
+        let now = layer.clock;
         let mut evicted = None;
         if layer.resident.len() >= layer.slots {
             let victim = layer
@@ -193,7 +217,7 @@ impl ExpertCache {
             score: 1.0,
             scored_at: now,
         });
-        ExpertAccess::Miss { evicted }
+        Some(evicted)
     }
 }
 
@@ -268,10 +292,154 @@ pub fn place_missing_expert(
     }
 }
 
+/// Which of a layer's missing experts to fetch over the link (and compute on the GPU) while
+/// the host CPU computes the others at the same time: `costs[i]` is expert `i`'s seconds on
+/// the CPU and fetched ([`missing_expert_seconds`]). Greedy on the two sides: from all on the
+/// CPU, the experts the CPU is slowest at relative to the link move to the fetch side while
+/// that shortens the slower side. `true`: fetch. Never slower than all on one side; with
+/// equal costs, the best split.
+pub fn split_missing(costs: &[(f64, f64)]) -> Vec<bool> {
+    let mut fetch = vec![false; costs.len()];
+    let valid = |x: f64| x.is_finite() && x >= 0.0;
+    let mut order: Vec<usize> = (0..costs.len())
+        .filter(|&i| valid(costs[i].0) && valid(costs[i].1))
+        .collect();
+    // Most CPU seconds per fetched second first; ties by index.
+    order.sort_by(|&a, &b| {
+        let r = |i: usize| costs[i].0 / costs[i].1.max(f64::MIN_POSITIVE);
+        r(b).total_cmp(&r(a)).then(a.cmp(&b))
+    });
+    let mut cpu: f64 = order.iter().map(|&i| costs[i].0).sum();
+    let mut link = 0.0f64;
+    for i in order {
+        let (c, f) = costs[i];
+        if (cpu - c).max(link + f) < cpu.max(link) {
+            cpu -= c;
+            link += f;
+            fetch[i] = true;
+        }
+    }
+    fetch
+}
+
+/// What a mixture-of-experts model's expert cache does ([`OffloadConfig::experts`](crate::OffloadConfig::experts)).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[non_exhaustive]
+pub struct ExpertOptions {
+    /// How the cache chooses the expert to evict.
+    pub policy: ExpertPolicy,
+    /// Where missing experts run.
+    pub split: ExpertSplit,
+}
+
+impl ExpertOptions {
+    /// Options with `policy` and `split`.
+    pub fn new(policy: ExpertPolicy, split: ExpertSplit) -> Self {
+        Self { policy, split }
+    }
+}
+
+/// Whether a mixture-of-experts layer's missing experts may run on the host CPU, beside the
+/// device's expert cache, instead of all being fetched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpertSplit {
+    /// On a GPU whose budget does not hold every expert beside the rest of the model.
+    #[default]
+    Auto,
+    /// Always where the experts are units of their own (on a CPU device too: the tests' way
+    /// to run the split where there is no GPU).
+    On,
+    /// Never: every routed expert is fetched to the device.
+    Off,
+}
+
+impl std::str::FromStr for ExpertSplit {
+    type Err = String;
+    /// `auto`, `on` or `off`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(Self::Auto),
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            other => Err(format!(
+                "expert split `{other}`: expected `auto`, `on` or `off`"
+            )),
+        }
+    }
+}
+
+impl std::str::FromStr for ExpertPolicy {
+    type Err = String;
+    /// `lru`, or `lfu` / `lfu:HALF_LIFE` (accesses of a layer; 256 by default).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "lru" => Ok(Self::Lru),
+            "lfu" => Ok(Self::Lfu {
+                half_life: DEFAULT_LFU_HALF_LIFE,
+            }),
+            other => match other.strip_prefix("lfu:").map(|h| h.parse::<f64>()) {
+                Some(Ok(h)) if h > 0.0 && h.is_finite() => Ok(Self::Lfu { half_life: h }),
+                _ => Err(format!(
+                    "expert policy `{other}`: expected `lru`, `lfu` or `lfu:HALF_LIFE` (a positive number of accesses)"
+                )),
+            },
+        }
+    }
+}
+
+/// The half-life of [`ExpertPolicy::Lfu`] given as `lfu`, in accesses of a layer.
+pub const DEFAULT_LFU_HALF_LIFE: f64 = 256.0;
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn the_split_beats_either_side_alone(costs in prop::collection::vec((0.0f64..5.0, 0.0f64..5.0), 0..24)) {
+            let fetch = split_missing(&costs);
+            prop_assert_eq!(fetch.len(), costs.len());
+            let span = |f: &[bool]| {
+                let cpu: f64 = costs.iter().zip(f).filter(|(_, &x)| !x).map(|(c, _)| c.0).sum();
+                let link: f64 = costs.iter().zip(f).filter(|(_, &x)| x).map(|(c, _)| c.1).sum();
+                cpu.max(link)
+            };
+            let got = span(&fetch);
+            prop_assert!(got <= span(&vec![false; costs.len()]) + 1e-9);
+            prop_assert!(got <= span(&vec![true; costs.len()]) + 1e-9);
+        }
+
+        #[test]
+        fn equal_costs_split_at_the_best_count(m in 0usize..40, c in 0.01f64..10.0, f in 0.01f64..10.0) {
+            let fetch = split_missing(&vec![(c, f); m]);
+            let k = fetch.iter().filter(|&&x| x).count();
+            let cost = |k: usize| ((m - k) as f64 * c).max(k as f64 * f);
+            let best = (0..=m).map(cost).fold(f64::INFINITY, f64::min);
+            prop_assert!(cost(k) <= best + 1e-9, "k {} costs {} > best {}", k, cost(k), best);
+        }
+    }
+
+    #[test]
+    fn lookup_and_admit_make_an_access() {
+        let mut a = ExpertCache::new(ExpertPolicy::Lru, 8, &[2]);
+        let mut b = a.clone();
+        for e in [1, 2, 1, 3, 4, 1] {
+            let got = if b.lookup(0, e) {
+                ExpertAccess::Hit
+            } else {
+                ExpertAccess::Miss {
+                    evicted: b.admit(0, e).flatten(),
+                }
+            };
+            assert_eq!(a.access(0, e), got);
+        }
+        assert_eq!(a.counters(0), b.counters(0));
+        // A miss served elsewhere takes no slot.
+        assert!(!b.lookup(0, 7));
+        assert!(!b.contains(0, 7));
+        assert_eq!(b.admit(0, 1), None, "already resident");
+    }
 
     #[test]
     fn lru_evicts_the_least_recent() {

@@ -59,9 +59,9 @@ pub mod tokenizer;
 pub mod train;
 
 pub use causal::{
-    CausalLm, CausalLmBuilder, DeviceMapChoice, DeviceMapRequest, GraphStats, HiddenTransfer,
-    HostLayers, HostTotals, LayerSteps, ModelSource, OffloadSettings, RaggedSeq, RankRequest,
-    HOST_STEP_ROWS, MIN_PROMPT_CHUNK,
+    CausalLm, CausalLmBuilder, DeviceMapChoice, DeviceMapRequest, ExpertStats, GraphStats,
+    HiddenTransfer, HostLayers, HostTotals, LayerSteps, ModelSource, OffloadSettings, RaggedSeq,
+    RankRequest, HOST_STEP_ROWS, MIN_PROMPT_CHUNK,
 };
 pub use chat::ChatTemplate;
 pub use config::Config;

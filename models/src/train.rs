@@ -565,6 +565,7 @@ impl Trainer {
                     event_tracking: true,
                     steady_reserve_bytes: None,
                     tuning: settings.tuning,
+                    ..Default::default()
                 },
             )?;
             Source::Offloaded(rt)
@@ -755,6 +756,7 @@ impl Trainer {
                 event_tracking: true,
                 steady_reserve_bytes: None,
                 tuning: settings.tuning,
+                ..Default::default()
             },
         )?;
         let (names, vars): (Vec<String>, Vec<Var>) = adapters.named_vars().into_iter().unzip();

@@ -46,6 +46,17 @@ struct Args {
     /// Run llama.cpp's llama-bench from this directory on the same GGUF file, next to ours.
     #[arg(long)]
     llamacpp_bin: Option<PathBuf>,
+    /// A mixture-of-experts model: llama.cpp keeps every layer on the GPU (`-ngl 99 -fa 1`)
+    /// and its budget search moves the experts of the first layers to the CPU (`-ncmoe N`,
+    /// the fewest that fit) instead of whole layers.
+    #[arg(long)]
+    llamacpp_moe: bool,
+    /// A mixture-of-experts model's expert cache policy: `lru`, `lfu` or `lfu:HALF_LIFE`.
+    #[arg(long, default_value = "lru")]
+    expert_policy: candle_offload::experts::ExpertPolicy,
+    /// Where missing experts run: `auto`, `on` or `off` (`OffloadConfig::experts`).
+    #[arg(long, default_value = "auto")]
+    expert_split: candle_offload::experts::ExpertSplit,
     /// llama-bench repetitions per measured configuration.
     #[arg(long, default_value_t = 2)]
     llamacpp_reps: u32,
@@ -251,6 +262,7 @@ fn main() -> Result<()> {
                 device: device.clone(),
                 context_bytes,
                 layers: cfg.num_hidden_layers as u32,
+                moe: args.llamacpp_moe,
             };
             lc.measure(
                 &budgets,
@@ -266,6 +278,9 @@ fn main() -> Result<()> {
         candle_offload_bench::random_tokens(len, cfg.vocab_size, len as u64 * 2654435761 + 1)
     };
 
+    // The host's memory read rate, for the physical bound of what reads host memory every
+    // token (a mixture-of-experts model's host experts and fetches).
+    let host_read_gbps = candle_offload_bench::host_read_gbps(1 << 30, 3);
     let mut records = Vec::new();
     // The results file (when asked for), written whole from the records so far.
     let write_json = |records: &[serde_json::Value]| -> Result<()> {
@@ -309,6 +324,10 @@ fn main() -> Result<()> {
                 event_tracking: args.event_tracking,
                 reserve_bytes: cfg.batch_reserve_bytes(args.batch, prompt_len, max_len, dtype),
                 tuning,
+                experts: candle_offload::experts::ExpertOptions::new(
+                    args.expert_policy,
+                    args.expert_split,
+                ),
                 ..Default::default()
             };
             let mut model = Llama::builder(&files, store.clone())
@@ -456,6 +475,7 @@ fn main() -> Result<()> {
             };
             let disk_before = disk_fetched(&rt)?;
             let host_before = model.host_totals();
+            let experts_before = model.expert_stats();
             let decode_t0 = Instant::now();
             if args.profile_decode {
                 candle_offload::diag::profiler_capture(&device, true)?;
@@ -503,6 +523,11 @@ fn main() -> Result<()> {
                 None => None,
             };
             let after_decode = rt.stats()?.total;
+            // The expert tier over the timed decode steps.
+            let experts = match (experts_before, model.expert_stats()) {
+                (Some(a), Some(b)) => Some(expert_fields(&a, &b, args.new_tokens, host_read_gbps)),
+                _ => None,
+            };
             let reused = after_decode.reused_buffers - before_decode.reused_buffers;
             let decode_trims = after_decode.pool_trims - before_decode.pool_trims;
             // The device stage's reservation and weight capacity while decoding (a model gives
@@ -570,6 +595,7 @@ fn main() -> Result<()> {
                 .iter()
                 .find(|r| r.budget_bytes == budget_bytes && r.prompt_len == prompt_len);
             let ngl = lc_rec.map(|r| r.ngl);
+            let ncmoe = lc_rec.and_then(|r| r.ncmoe);
             // Both decode after the prompt: its decode at the prompt's depth is the peer figure.
             let lc_decode = lc_rec.and_then(|r| r.decode_at(prompt_len));
             let lc_decode_empty = lc_rec.and_then(|r| r.decode_at(0));
@@ -654,6 +680,7 @@ fn main() -> Result<()> {
                 "quantize_on_load": args.quantize,
                 "prefill_tokens_per_s": prompt_len as f64 / prefill_s,
                 "llamacpp_ngl": ngl,
+                "llamacpp_ncmoe": ncmoe,
                 "llamacpp_peak_device_bytes": lc_peak,
                 "llamacpp_decode_tokens_per_s": lc_decode,
                 "llamacpp_decode_depth": lc_decode.map(|_| prompt_len),
@@ -796,11 +823,30 @@ fn main() -> Result<()> {
                 "graph_replays": graph_stats.replays,
                 "graph_eager_steps": graph_stats.eager_steps,
                 "graph_last_reason": graph_stats.last_reason,
+                "host_read_gbps": host_read_gbps,
             });
             if let (Some(rec), serde_json::Value::Object(t)) =
                 (records.last_mut().and_then(|r| r.as_object_mut()), tiers)
             {
                 rec.extend(t);
+            }
+            if let (Some(rec), Some(serde_json::Value::Object(x))) =
+                (records.last_mut().and_then(|r| r.as_object_mut()), experts)
+            {
+                if let Some(bound) = x
+                    .get("physical_bound_tokens_per_s")
+                    .and_then(|b| b.as_f64())
+                {
+                    println!(
+                        "        experts: hit rate {:.1}%, per token {:.1} resident, {:.1} fetched, {:.1} on the host, {:.2} GB read from host memory; bound {bound:.1} tok/s",
+                        100.0 * x["expert_hit_rate"].as_f64().unwrap_or(0.0),
+                        x["experts_resident_per_token"].as_f64().unwrap_or(0.0),
+                        x["experts_fetched_per_token"].as_f64().unwrap_or(0.0),
+                        x["experts_on_host_per_token"].as_f64().unwrap_or(0.0),
+                        x["host_bytes_per_token"].as_f64().unwrap_or(0.0) / 1e9,
+                    );
+                }
+                rec.extend(x);
             }
             drop(model);
             drop(rt);
@@ -818,6 +864,51 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// The expert tier's record fields over `tokens` decode steps, from its stats before and
+/// after them: the hit rate, experts resident, fetched and computed on the host per token,
+/// the host bytes read per token, and the physical bound those bytes put on decode at the
+/// host's memory read rate (`host_read_gbps`, measured in the same run).
+fn expert_fields(
+    a: &candle_offload_models::ExpertStats,
+    b: &candle_offload_models::ExpertStats,
+    tokens: usize,
+    host_read_gbps: f64,
+) -> serde_json::Value {
+    let n = tokens.max(1) as f64;
+    let per_layer: Vec<Option<f64>> = a
+        .layers
+        .iter()
+        .zip(&b.layers)
+        .map(|(x, y)| {
+            let (h, m) = (y.hits - x.hits, y.misses - x.misses);
+            (h + m > 0).then(|| h as f64 / (h + m) as f64)
+        })
+        .collect();
+    let (hits, misses) = a
+        .layers
+        .iter()
+        .zip(&b.layers)
+        .fold((0, 0), |(h, m), (x, y)| {
+            (h + y.hits - x.hits, m + y.misses - x.misses)
+        });
+    let host_bytes = (b.host_bytes - a.host_bytes) as f64 / n;
+    serde_json::json!({
+        "expert_hit_rate": if hits + misses > 0 { hits as f64 / (hits + misses) as f64 } else { 0.0 },
+        "expert_hit_rate_per_layer": per_layer,
+        "expert_slots_per_layer": b.slots.iter().copied().max().unwrap_or(0),
+        "experts_per_layer": b.experts_per_layer,
+        "expert_bytes": b.expert_bytes,
+        "expert_dense_bytes": b.dense_bytes,
+        "experts_resident_per_token": (b.resident - a.resident) as f64 / n,
+        "experts_fetched_per_token": (b.fetched - a.fetched) as f64 / n,
+        "experts_on_host_per_token": (b.on_host - a.on_host) as f64 / n,
+        "host_bytes_per_token": host_bytes,
+        "expert_host_bytes_per_s": b.host_bytes_per_s,
+        "expert_link_bytes_per_s": b.link_bytes_per_s,
+        "physical_bound_tokens_per_s": (host_bytes > 0.0).then(|| host_read_gbps * 1e9 / host_bytes),
+    })
+}
+
 /// llama.cpp's llama-bench on the same GGUF file, in this process's run.
 struct LlamaCpp {
     bench: PathBuf,
@@ -825,6 +916,8 @@ struct LlamaCpp {
     device: candle_core::Device,
     context_bytes: u64,
     layers: u32,
+    /// Search `-ncmoe` (experts on the CPU) at `-ngl 99 -fa 1` instead of `-ngl`.
+    moe: bool,
 }
 
 /// llama.cpp's figures at one budget and prompt length.
@@ -832,6 +925,8 @@ struct LlamaCppRecord {
     budget_bytes: Option<u64>,
     prompt_len: usize,
     ngl: u32,
+    /// Layers whose experts run on the CPU (`--llamacpp-moe`).
+    ncmoe: Option<u32>,
     /// Its device peak less the idle CUDA context, bytes.
     peak_bytes: u64,
     /// Each llama-bench test's result.
@@ -865,8 +960,21 @@ impl LlamaCppRecord {
 }
 
 impl LlamaCpp {
-    /// One llama-bench run at `ngl`: its tests, and the device memory it took at its peak
-    /// (less the idle CUDA context), sampled from outside.
+    /// What a probe's count places on the GPU: `-ngl n`, or with `moe` every layer and the
+    /// experts of all but the first `layers - n` (`-ncmoe`).
+    fn placement(&self, n: u32) -> Vec<String> {
+        if self.moe {
+            let cpu = self.layers.saturating_sub(n);
+            ["-ngl", "99", "-fa", "1", "-ncmoe", &cpu.to_string()]
+                .map(String::from)
+                .to_vec()
+        } else {
+            vec!["-ngl".into(), n.to_string()]
+        }
+    }
+
+    /// One llama-bench run at `ngl` ([`placement`](Self::placement)): its tests, and the
+    /// device memory it took at its peak (less the idle CUDA context), sampled from outside.
     fn run(
         &self,
         ngl: u32,
@@ -885,12 +993,8 @@ impl LlamaCpp {
         };
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let out = std::process::Command::new(&self.bench)
-            .args([
-                "-m",
-                &self.model.to_string_lossy(),
-                "-ngl",
-                &ngl.to_string(),
-            ])
+            .args(["-m", &self.model.to_string_lossy()])
+            .args(self.placement(ngl))
             .args([
                 "-p",
                 &list(prompts),
@@ -912,8 +1016,9 @@ impl LlamaCpp {
         let peak = sampler.stop();
         if !out.status.success() {
             anyhow::bail!(
-                "{} -ngl {ngl} failed: {}",
+                "{} {} failed: {}",
                 self.bench.display(),
+                self.placement(ngl).join(" "),
                 String::from_utf8_lossy(&out.stderr)
             );
         }
@@ -954,7 +1059,12 @@ impl LlamaCpp {
         gen: usize,
         reps: u32,
     ) -> Result<Vec<LlamaCppRecord>> {
-        let all = self.layers + 1; // the layers and the output head
+        // The layers and the output head; with `moe`, the layers whose experts are on the GPU.
+        let all = if self.moe {
+            self.layers
+        } else {
+            self.layers + 1
+        };
         let mut out = Vec::new();
         for &prompt in prompts {
             // Each `-ngl` is probed once per prompt length, whichever budgets ask for it.
@@ -997,7 +1107,8 @@ impl LlamaCpp {
                 out.push(LlamaCppRecord {
                     budget_bytes: budget,
                     prompt_len: prompt,
-                    ngl,
+                    ngl: if self.moe { 99 } else { ngl },
+                    ncmoe: self.moe.then(|| self.layers - ngl),
                     peak_bytes,
                     runs,
                 });

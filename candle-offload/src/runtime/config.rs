@@ -4,6 +4,7 @@
 use crate::budget::MemoryLimit;
 use crate::cache::PolicyChoice;
 use crate::error::{Error, Result};
+use crate::experts::ExpertOptions;
 use crate::plan::{OffloadStrategy, MAX_PREFETCH_DEPTH};
 use crate::tuning::Tuning;
 
@@ -55,6 +56,9 @@ pub struct OffloadConfig {
     /// this runtime, [`OffloadRuntime::tuning`](crate::OffloadRuntime::tuning)), the CPU
     /// pool's threads, the weight pool.
     pub tuning: Tuning,
+    /// A mixture-of-experts model's expert cache: its policy, and whether missing experts run
+    /// on the host CPU ([`crate::experts`]). Read by the model built over this runtime.
+    pub experts: ExpertOptions,
 }
 
 impl Default for OffloadConfig {
@@ -71,6 +75,7 @@ impl Default for OffloadConfig {
             event_tracking: false,
             steady_reserve_bytes: None,
             tuning: Tuning::default(),
+            experts: ExpertOptions::default(),
         }
     }
 }

@@ -175,6 +175,19 @@ impl OffloadRuntime {
         Ok(())
     }
 
+    /// Evicts `unit` now if it is on the device and not in use, kept or not: for a caller
+    /// with a residency policy of its own over some units (a mixture-of-experts layer's expert
+    /// cache choosing its victim). Returns whether it was evicted.
+    pub fn evict_unit(&self, unit: UnitId) -> candle_core::Result<bool> {
+        self.check_served(unit)?;
+        let mut st = self.state()?;
+        if !st.cache.invalidate(unit) {
+            return Ok(false);
+        }
+        self.drop_unit(&mut st, unit, "evicted by its owner", true)?;
+        Ok(true)
+    }
+
     /// Drops every unit that is not in use or kept.
     pub fn evict_all(&self) -> candle_core::Result<()> {
         let mut st = self.state()?;

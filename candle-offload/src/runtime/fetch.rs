@@ -181,6 +181,12 @@ impl OffloadRuntime {
         Ok(bytes)
     }
 
+    /// Whether `unit` is on the device or on its way there (a fetch started).
+    pub fn is_present(&self, unit: UnitId) -> candle_core::Result<bool> {
+        self.check_served(unit)?;
+        Ok(self.state()?.cache.is_present(unit))
+    }
+
     /// Hints that `unit` will be needed soon: fetches it if that evicts nothing needed sooner.
     /// Returns whether a fetch was issued.
     pub fn prefetch(&self, unit: UnitId) -> candle_core::Result<bool> {

@@ -2,14 +2,33 @@
 //! ([`Layout::experts`](crate::Layout::experts)): a block routed to one acquires it here from
 //! the runtime of the stage that runs the layer, and gets the expert's MLP built once per
 //! residency (kept with the unit, as a layer's block is).
+//!
+//! On a device whose budget does not hold every expert, an [`ExpertTier`] splits each layer's
+//! routed experts between the device and the host CPU: the experts its cache
+//! ([`candle_offload::experts::ExpertCache`], one slot per expert, slots per layer from what
+//! the budget leaves beside the dense part) holds run on the device; of the others, the ones
+//! the cost model gives the link are fetched (taking a slot, the policy's victim evicted) and
+//! the rest run on the host CPU from host memory at the same time
+//! ([`candle_offload::experts::split_missing`]).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Result};
-use candle_offload::OffloadRuntime;
+use candle_core::{DType, Device, Result};
+use candle_offload::experts::{
+    slots_for_budget, split_missing, ExpertCache, ExpertOptions, ExpertSplit, LayerCounters,
+};
+use candle_offload::{HostStore, OffloadConfig, OffloadRuntime, UnitId};
 
 use crate::family::{Layout, UnitWeights};
-use crate::layers::{BuildExpert, Expert, ExpertUnits, GatedMlp};
+use crate::layers::{BuildExpert, Expert, ExpertSite, ExpertUnits, GatedMlp};
+
+/// Rows the host's K-quant pass computes per read of an expert's weights
+/// ([`candle_offload::kernels::linear::cpu_quant::KQUANT_MAX_ROWS`]): an expert with more rows
+/// reads its weights once per group.
+const HOST_ROWS_PER_READ: usize = candle_offload::kernels::linear::cpu_quant::KQUANT_MAX_ROWS;
+
+/// The weight of a new measurement of the host's rate in its running average.
+const HOST_RATE_SMOOTHING: f64 = 0.1;
 
 /// One runtime's expert units (see the module docs).
 pub(crate) struct RuntimeExperts<'a> {
@@ -48,5 +67,384 @@ impl ExpertUnits for RuntimeExperts<'_> {
             mlp,
             guard: Some(unit),
         })
+    }
+}
+
+/// What an [`ExpertTier`] did, summed over its steps.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ExpertStats {
+    /// The cache's counters per decoder layer (zero for dense layers).
+    pub layers: Vec<LayerCounters>,
+    /// Slots per decoder layer.
+    pub slots: Vec<usize>,
+    /// Experts per mixture-of-experts layer.
+    pub experts_per_layer: usize,
+    /// Device bytes of the largest expert (what a slot holds).
+    pub expert_bytes: u64,
+    /// Device bytes of the dense part the device keeps (attention, norms, routers,
+    /// embeddings and head).
+    pub dense_bytes: u64,
+    /// Routed experts that were resident on the device.
+    pub resident: u64,
+    /// Routed experts fetched over the link (each then resident).
+    pub fetched: u64,
+    /// Routed experts computed on the host CPU.
+    pub on_host: u64,
+    /// Host bytes those reads and copies took: the fetched experts' and the host's.
+    pub host_bytes: u64,
+    /// The host CPU's rate on its experts, bytes a second (running average).
+    pub host_bytes_per_s: f64,
+    /// The link's rate the split is priced at, bytes a second.
+    pub link_bytes_per_s: f64,
+}
+
+impl std::fmt::Display for ExpertStats {
+    /// The memory summary's lines: the totals, then each sparse layer's slots and hit rate.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "expert cache: hit rate {:.1}%; routed experts resident {}, fetched {}, on the host \
+             CPU {}; {:.2} GiB read from host memory; host {:.1} GB/s, link {:.1} GB/s",
+            100.0 * self.hit_rate(),
+            self.resident,
+            self.fetched,
+            self.on_host,
+            self.host_bytes as f64 / 2f64.powi(30),
+            self.host_bytes_per_s / 1e9,
+            self.link_bytes_per_s / 1e9,
+        )?;
+        let layers: Vec<String> = self
+            .layers
+            .iter()
+            .zip(&self.slots)
+            .enumerate()
+            .filter(|(_, (c, _))| c.hits + c.misses > 0)
+            .map(|(l, (c, s))| format!("{l}: {s} slots {:.0}%", 100.0 * c.hit_rate()))
+            .collect();
+        if !layers.is_empty() {
+            writeln!(f, "  per layer: {}", layers.join(", "))?;
+        }
+        Ok(())
+    }
+}
+
+impl ExpertStats {
+    /// Hits over accesses over every layer.
+    pub fn hit_rate(&self) -> f64 {
+        let (h, m) = self
+            .layers
+            .iter()
+            .fold((0, 0), |(h, m), c| (h + c.hits, m + c.misses));
+        if h + m == 0 {
+            0.0
+        } else {
+            h as f64 / (h + m) as f64
+        }
+    }
+}
+
+#[derive(Debug)]
+struct TierState {
+    cache: ExpertCache,
+    stats: ExpertStats,
+    /// Per layer, the host bytes of the experts the last [`ExpertUnits::place`] left there.
+    placed_host_bytes: Vec<u64>,
+}
+
+/// A device stage's expert cache and the host CPU beside it. See the module docs.
+#[derive(Debug)]
+pub(crate) struct ExpertTier {
+    /// A CPU runtime over the same store, serving the expert units the host computes.
+    host: OffloadRuntime,
+    state: Mutex<TierState>,
+}
+
+/// How an [`ExpertTier`] is sized: the device's room for experts and their sizes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TierSizing {
+    /// Device bytes the budget leaves for experts beside the dense part and the reservation.
+    pub(crate) room: u64,
+    /// Device bytes of the dense part kept beside them.
+    pub(crate) dense: u64,
+    /// The link's host-to-device rate, bytes a second.
+    pub(crate) link_bytes_per_s: f64,
+}
+
+impl ExpertTier {
+    /// Whether a model of `layout` on `device` gets a tier under `options`, with `room` bytes
+    /// of the device's budget for experts: where the experts are units of their own, and
+    /// (for [`ExpertSplit::Auto`]) on a GPU whose room does not hold them all.
+    pub(crate) fn wanted(
+        options: ExpertOptions,
+        layout: &Layout,
+        store: &HostStore,
+        device: &Device,
+        room: u64,
+    ) -> bool {
+        if layout.experts.is_none() {
+            return false;
+        }
+        match options.split {
+            ExpertSplit::Off => false,
+            ExpertSplit::On => true,
+            _ => device.is_cuda() && room < Self::all_expert_bytes(layout, store, |u| u.bytes()),
+        }
+    }
+
+    fn expert_units(layout: &Layout, store: &HostStore) -> Vec<(usize, UnitId)> {
+        let Some(x) = &layout.experts else {
+            return Vec::new();
+        };
+        (0..x.sparse.len())
+            .flat_map(|l| {
+                layout
+                    .experts_of(l)
+                    .into_iter()
+                    .filter_map(move |n| store.unit_id(&n).map(|id| (l, id)))
+            })
+            .collect()
+    }
+
+    fn all_expert_bytes(
+        layout: &Layout,
+        store: &HostStore,
+        size: impl Fn(&candle_offload::store::HostUnit) -> u64,
+    ) -> u64 {
+        Self::expert_units(layout, store)
+            .into_iter()
+            .map(|(_, id)| size(store.unit(id)))
+            .sum()
+    }
+
+    /// The tier of a stage over `store`: slots per sparse layer from `sizing.room`, a CPU
+    /// runtime for the host's experts.
+    pub(crate) fn new(
+        options: ExpertOptions,
+        layout: &Layout,
+        store: &Arc<HostStore>,
+        sizing: TierSizing,
+        settings: &OffloadConfig,
+    ) -> std::result::Result<Self, candle_offload::Error> {
+        let units = Self::expert_units(layout, store);
+        let x = layout
+            .experts
+            .as_ref()
+            .expect("a tier is made for a model with expert units");
+        let largest = units
+            .iter()
+            .map(|&(_, id)| store.unit(id).bytes())
+            .max()
+            .unwrap_or(0);
+        let sparse_layers = x.sparse.iter().filter(|&&s| s).count();
+        let per_layer = slots_for_budget(sizing.room, largest, sparse_layers, x.count);
+        let slots: Vec<usize> = x
+            .sparse
+            .iter()
+            .map(|&s| if s { per_layer } else { 0 })
+            .collect();
+        let host = OffloadRuntime::new(
+            store.clone(),
+            &Device::Cpu,
+            &OffloadConfig {
+                gpu_memory_limit: None,
+                units: Some(
+                    units
+                        .iter()
+                        .map(|&(_, id)| store.unit(id).name().to_string())
+                        .collect(),
+                ),
+                policy: candle_offload::PolicyChoice::Lru,
+                prefetch_depth: 0,
+                tuning: settings.tuning,
+                ..Default::default()
+            },
+        )?;
+        tracing::info!(
+            slots = per_layer,
+            sparse_layers,
+            expert_mib = largest >> 20,
+            "expert cache"
+        );
+        Ok(Self {
+            host,
+            state: Mutex::new(TierState {
+                cache: ExpertCache::new(options.policy, x.count, &slots),
+                stats: ExpertStats {
+                    layers: vec![LayerCounters::default(); x.sparse.len()],
+                    slots,
+                    experts_per_layer: x.count,
+                    expert_bytes: largest,
+                    dense_bytes: sizing.dense,
+                    // The host's rate is unknown until it has computed experts: priced as the
+                    // link's, so that the first steps split evenly and measure it.
+                    host_bytes_per_s: sizing.link_bytes_per_s,
+                    link_bytes_per_s: sizing.link_bytes_per_s,
+                    ..Default::default()
+                },
+                placed_host_bytes: vec![0; x.sparse.len()],
+            }),
+        })
+    }
+
+    /// What the tier did so far.
+    pub(crate) fn stats(&self) -> ExpertStats {
+        match self.state.lock() {
+            Ok(st) => {
+                let mut s = st.stats.clone();
+                for (l, c) in s.layers.iter_mut().enumerate() {
+                    *c = st.cache.counters(l);
+                }
+                s
+            }
+            Err(_) => ExpertStats::default(),
+        }
+    }
+}
+
+/// A step's experts on a stage with an [`ExpertTier`]: the device's units through `device`,
+/// the host's through the tier's CPU runtime.
+pub(crate) struct SplitExperts<'a> {
+    pub(crate) device: RuntimeExperts<'a>,
+    pub(crate) tier: &'a ExpertTier,
+}
+
+impl SplitExperts<'_> {
+    fn unit(&self, layer: usize, e: usize) -> Result<UnitId> {
+        let name =
+            self.device.layout.expert(layer, e).ok_or_else(|| {
+                candle_core::Error::Msg(format!("layer {layer}: no expert units"))
+            })?;
+        self.device
+            .rt
+            .store()
+            .unit_id(&name)
+            .ok_or_else(|| candle_core::Error::Msg(format!("no unit {name} in the store")))
+    }
+
+    fn host(&self) -> RuntimeExperts<'_> {
+        RuntimeExperts {
+            rt: &self.tier.host,
+            layout: self.device.layout,
+            // The host computes GGML blocks in F32.
+            dtype: DType::F32,
+        }
+    }
+}
+
+impl ExpertUnits for SplitExperts<'_> {
+    fn expert(&self, layer: usize, expert: usize, build: BuildExpert<'_>) -> Result<Expert> {
+        self.device.expert(layer, expert, build)
+    }
+
+    fn place(
+        &self,
+        layer: usize,
+        routed: &[(usize, usize)],
+        build: BuildExpert<'_>,
+    ) -> Result<Vec<(Expert, ExpertSite)>> {
+        let store = self.device.rt.store().clone();
+        let mut st =
+            self.tier.state.lock().map_err(|_| {
+                candle_core::Error::Msg("the expert tier's lock is poisoned".into())
+            })?;
+        let mut site = vec![ExpertSite::Host; routed.len()];
+        let mut missing = Vec::new();
+        for (i, &(e, _)) in routed.iter().enumerate() {
+            if st.cache.lookup(layer, e) {
+                site[i] = ExpertSite::Device;
+            } else {
+                missing.push(i);
+            }
+        }
+        let resident = routed.len() - missing.len();
+        // The missing ones: fetched (taking a slot) or on the host, priced per expert.
+        let (host_rate, link_rate) = (st.stats.host_bytes_per_s, st.stats.link_bytes_per_s);
+        let mut costs = Vec::with_capacity(missing.len());
+        for &i in &missing {
+            let (e, rows) = routed[i];
+            let bytes = store.unit(self.unit(layer, e)?).host_bytes() as f64;
+            let reads = rows.div_ceil(HOST_ROWS_PER_READ).max(1) as f64;
+            costs.push((bytes * reads / host_rate, bytes / link_rate));
+        }
+        let fetch = if st.cache.slots(layer) == 0 {
+            vec![false; missing.len()]
+        } else {
+            split_missing(&costs)
+        };
+        let mut fetched = 0u64;
+        let mut host_bytes = 0u64;
+        let mut on_host_bytes = 0u64;
+        for (&i, &f) in missing.iter().zip(&fetch) {
+            let (e, _) = routed[i];
+            let bytes = store.unit(self.unit(layer, e)?).host_bytes();
+            host_bytes += bytes;
+            if f {
+                if let Some(victim) = st.cache.admit(layer, e) {
+                    if let Some(v) = victim {
+                        // In use (a hit of this step): the runtime makes its own room.
+                        self.device.rt.evict_unit(self.unit(layer, v)?)?;
+                    }
+                    site[i] = ExpertSite::Device;
+                    fetched += 1;
+                    continue;
+                }
+            }
+            on_host_bytes += bytes;
+        }
+        st.stats.resident += resident as u64;
+        st.stats.fetched += fetched;
+        st.stats.on_host += (missing.len() as u64).saturating_sub(fetched);
+        st.stats.host_bytes += host_bytes;
+        if let Some(b) = st.placed_host_bytes.get_mut(layer) {
+            *b = on_host_bytes;
+        }
+        drop(st);
+        // The device's first (their copies and kernels queue while the host works).
+        let mut out: Vec<Option<(Expert, ExpertSite)>> = (0..routed.len()).map(|_| None).collect();
+        for (i, &(e, _)) in routed.iter().enumerate() {
+            if site[i] == ExpertSite::Device {
+                out[i] = Some((self.device.expert(layer, e, build)?, ExpertSite::Device));
+            }
+        }
+        let host = self.host();
+        for (i, &(e, _)) in routed.iter().enumerate() {
+            if site[i] == ExpertSite::Host {
+                out[i] = Some((host.expert(layer, e, build)?, ExpertSite::Host));
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|p| p.expect("every expert placed"))
+            .collect())
+    }
+
+    fn host_done(&self, layer: usize, seconds: f64) {
+        let Ok(mut st) = self.tier.state.lock() else {
+            return;
+        };
+        let bytes = st.placed_host_bytes.get(layer).copied().unwrap_or(0);
+        if bytes > 0 && seconds > 0.0 {
+            let rate = bytes as f64 / seconds;
+            let r = &mut st.stats.host_bytes_per_s;
+            *r = (1.0 - HOST_RATE_SMOOTHING) * *r + HOST_RATE_SMOOTHING * rate;
+        }
+    }
+}
+
+/// The experts a stage's steps acquire: from the stage's runtime, or split with a tier.
+pub(crate) enum StageExperts<'a> {
+    /// Every expert from the stage's runtime.
+    Runtime(RuntimeExperts<'a>),
+    /// Split between the device's cache and the host CPU.
+    Split(SplitExperts<'a>),
+}
+
+impl StageExperts<'_> {
+    /// The [`ExpertUnits`] of a step.
+    pub(crate) fn units(&self) -> &dyn ExpertUnits {
+        match self {
+            Self::Runtime(r) => r,
+            Self::Split(s) => s,
+        }
     }
 }

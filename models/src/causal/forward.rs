@@ -326,18 +326,14 @@ impl CausalLm {
         if let Some(counts) = on_device.and_then(|d| d.pads.clone()) {
             masks = masks.with_pads_tensor(counts);
         }
-        let experts = super::experts::RuntimeExperts {
-            rt: &stage.rt,
-            layout: &self.layout,
-            dtype: stage.dtype,
-        };
+        let experts = self.stage_experts(stage);
         let ctx = StepCtx {
             index_pos,
             rope: &stage.rope,
             masks: &masks,
             fused: self.stage_fused(stage),
             pos_dev: on_device.map(|d| &d.pos),
-            experts: self.layout.experts.is_some().then_some(&experts as _),
+            experts: self.layout.experts.is_some().then_some(experts.units()),
         };
         for l in layers {
             if !self.on_host.is_empty() {

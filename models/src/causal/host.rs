@@ -25,6 +25,10 @@ use crate::layers::{Cache, Masks};
 /// weights from memory: more than three times a large last-level cache.
 const HOST_TIMING_BYTES: u64 = 1 << 30;
 
+/// The link rate an expert tier on a CPU device (the tests' split, where no link exists)
+/// prices fetches at, bytes a second.
+const EXPERT_TIER_CPU_LINK_BYTES_PER_S: f64 = 10e9;
+
 /// A host split that cannot be made, as the configuration error it is.
 fn invalid(e: SplitError) -> ModelError {
     candle_offload::Error::InvalidConfig {
@@ -237,20 +241,66 @@ impl OnDevice<'_> {
             },
         )?;
         let kv = cfg.kv_cache_bytes(max_len, dtype).min(reserve);
+        let n = cfg.num_hidden_layers;
+        let layout = cfg.layout();
+        // A mixture-of-experts model's experts beside the dense part: what the decode step's
+        // reservation leaves of the budget (the tier's slots are sized on the runtime's
+        // capacity below).
+        let (dense, budget) = self.whole_bytes(DECODE_ROWS, true)?;
+        let room = budget.saturating_sub(dense);
+        let tier =
+            super::experts::ExpertTier::wanted(settings.experts, &layout, store, device, room);
+        let mut keep = CausalLm::kept_units(store, cfg);
+        if tier {
+            // The dense layers stay: the tier's cache makes the room its experts take.
+            keep.extend((0..n).map(|l| layout.layer(l)));
+        }
         let mut stage = stage_config(
             settings,
             reserve,
-            CausalLm::kept_units(store, cfg),
+            keep,
             || CausalLm::schedule(store, cfg),
             None,
         )?;
         stage.steady_reserve_bytes = Some(stage.reserve_bytes.saturating_sub(share));
         let rt = OffloadRuntime::new(store.clone(), device, &stage)?;
         declare_reservation(&rt, kv, reserve, settings.reserve_bytes)?;
-        let n = cfg.num_hidden_layers;
+        let tier = if tier {
+            let link_bytes_per_s = if device.is_cuda() {
+                candle_offload::diag::measure_h2d_gbps(device, 64 << 20, true, 3)? * 1e9
+            } else {
+                // No link: the host's own copy rate stands for it.
+                EXPERT_TIER_CPU_LINK_BYTES_PER_S
+            };
+            // The weights' capacity while a prompt runs (the smallest of the phases), less the
+            // kept units and the room the runtime keeps for copies in flight.
+            let capacity = rt.stats()?.weight_capacity_bytes;
+            let kept: u64 = stage
+                .keep
+                .iter()
+                .filter_map(|name| store.unit_id(name))
+                .map(|id| store.unit(id).bytes())
+                .sum();
+            let spare = (settings.prefetch_depth as u64)
+                .saturating_mul(store.units().iter().map(|u| u.bytes()).max().unwrap_or(0));
+            Some(super::experts::ExpertTier::new(
+                settings.experts,
+                &layout,
+                store,
+                super::experts::TierSizing {
+                    room: capacity.saturating_sub(kept).saturating_sub(spare),
+                    dense: kept,
+                    link_bytes_per_s,
+                },
+                settings,
+            )?)
+        } else {
+            None
+        };
         let mut model = CausalLm::assemble(cfg.clone(), vec![(rt, 0..n)], dtype, max_len, source)?;
         model.reserve_by_phase(share);
         model.prompt_chunk = chunk;
+        model.expert_tier = tier.map(|t| (0, t));
         Ok(model)
     }
 

@@ -37,6 +37,7 @@ mod reserve;
 pub use builder::{CausalLmBuilder, ModelSource};
 pub use candle_offload::plan::spread::{HostLayers, LayerSteps};
 pub use devices::{DeviceMapChoice, DeviceMapRequest, PlacementUnits, TIED_HEAD};
+pub use experts::ExpertStats;
 pub use forward::{argmax, HOST_STEP_ROWS};
 pub use graph_state::GraphStats;
 pub use model::{CausalLm, HiddenTransfer, HostTotals, TransferTotals};

@@ -192,6 +192,9 @@ pub struct CausalLm {
     pub(super) adapters: Option<Arc<crate::lora::Adapters>>,
     /// This process's place in a multi-process pipeline (`None`: the model is whole here).
     pub(super) link: Option<super::ranks::RankLink>,
+    /// The expert cache and host CPU beside the stage of this index (a mixture-of-experts
+    /// model whose experts the device's budget does not hold).
+    pub(super) expert_tier: Option<(usize, super::experts::ExpertTier)>,
 }
 
 impl CausalLm {
@@ -367,6 +370,7 @@ impl CausalLm {
             device_map: None,
             adapters: None,
             link: None,
+            expert_tier: None,
         })
     }
 
@@ -392,6 +396,32 @@ impl CausalLm {
         out.extend(layout.head.clone());
         out.retain(|u| store.unit_id(u).is_some());
         out
+    }
+
+    /// The experts a step on `stage` acquires (see `experts.rs`).
+    pub(super) fn stage_experts<'a>(
+        &'a self,
+        stage: &'a Stage,
+    ) -> super::experts::StageExperts<'a> {
+        use super::experts::{RuntimeExperts, SplitExperts, StageExperts};
+        let device = RuntimeExperts {
+            rt: &stage.rt,
+            layout: &self.layout,
+            dtype: stage.dtype,
+        };
+        match &self.expert_tier {
+            Some((i, tier)) if std::ptr::eq(&self.stages[*i], stage) => {
+                StageExperts::Split(SplitExperts { device, tier })
+            }
+            _ => StageExperts::Runtime(device),
+        }
+    }
+
+    /// What the expert cache did so far: hits and misses per layer, experts resident, fetched
+    /// and computed on the host, the host bytes they took. `None` for a model without one (a
+    /// dense model, or one whose experts all fit the device).
+    pub fn expert_stats(&self) -> Option<super::experts::ExpertStats> {
+        self.expert_tier.as_ref().map(|(_, t)| t.stats())
     }
 
     /// The configuration.

@@ -116,18 +116,14 @@ impl CausalLm {
         let mut hidden = Hidden::Whole(xs.to_dtype(stage.dtype)?);
         // Each sequence's attention makes its own masks; the blocks read none of these.
         let masks = Masks::new(xs.dim(1)?, 0, device);
-        let experts = super::experts::RuntimeExperts {
-            rt: &stage.rt,
-            layout: &self.layout,
-            dtype: stage.dtype,
-        };
+        let experts = self.stage_experts(stage);
         let ctx = StepCtx {
             index_pos: 0,
             rope: &stage.rope,
             masks: &masks,
             fused: self.stage_fused(stage),
             pos_dev: None,
-            experts: self.layout.experts.is_some().then_some(&experts as _),
+            experts: self.layout.experts.is_some().then_some(experts.units()),
         };
         for l in layers {
             if !self.on_host.is_empty() {

@@ -96,6 +96,38 @@ pub type BuildExpert<'a> = &'a dyn Fn(UnitWeights<'_>) -> Result<GatedMlp>;
 pub trait ExpertUnits: Send + Sync {
     /// Expert `expert` of decoder layer `layer`, built with `build` where it is not already.
     fn expert(&self, layer: usize, expert: usize, build: BuildExpert<'_>) -> Result<Expert>;
+
+    /// The experts of `layer` a step routes rows to (`(expert, rows)`, in expert order), each
+    /// acquired where it runs this step: on the step's device, or on the host CPU where the
+    /// device's expert cache does not hold it and the host computes it sooner than a fetch
+    /// would bring it ([`ExpertSite::Host`]). The default runs each on the device.
+    fn place(
+        &self,
+        layer: usize,
+        routed: &[(usize, usize)],
+        build: BuildExpert<'_>,
+    ) -> Result<Vec<(Expert, ExpertSite)>> {
+        routed
+            .iter()
+            .map(|&(e, _)| Ok((self.expert(layer, e, build)?, ExpertSite::Device)))
+            .collect()
+    }
+
+    /// The host CPU computed the experts [`place`](Self::place) left there for `layer` in
+    /// `seconds` (the rate the next steps' split is priced at).
+    fn host_done(&self, _layer: usize, _seconds: f64) {}
+}
+
+/// One routed expert of a step: the rows routed to it with their weights, and the expert.
+type ExpertRows<'a> = (&'a (Vec<u32>, Vec<f32>), &'a Expert);
+
+/// Where a routed expert runs in a step ([`ExpertUnits::place`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertSite {
+    /// On the step's device.
+    Device,
+    /// On the host CPU, from host memory, its output added on the device.
+    Host,
 }
 
 /// The names of an expert's three projections under its prefix, and its widths.
@@ -170,15 +202,26 @@ impl SparseMoe {
             .collect()
     }
 
-    fn expert(&self, e: usize, ctx: &StepCtx<'_>) -> Result<Expert> {
+    /// The routed experts of a step (`(expert, rows)`), each with where it runs.
+    fn place(
+        &self,
+        routed: &[(usize, usize)],
+        ctx: &StepCtx<'_>,
+    ) -> Result<Vec<(Expert, ExpertSite)>> {
         match &self.experts {
-            Experts::InLayer(v) => match v.get(e) {
-                Some(m) => Ok(Expert {
-                    mlp: m.clone(),
-                    guard: None,
-                }),
-                None => candle_core::bail!("layer {}: no expert {e}", self.layer),
-            },
+            Experts::InLayer(v) => routed
+                .iter()
+                .map(|&(e, _)| match v.get(e) {
+                    Some(m) => Ok((
+                        Expert {
+                            mlp: m.clone(),
+                            guard: None,
+                        },
+                        ExpertSite::Device,
+                    )),
+                    None => candle_core::bail!("layer {}: no expert {e}", self.layer),
+                })
+                .collect(),
             Experts::Units(shape) => {
                 let Some(units) = ctx.experts else {
                     candle_core::bail!(
@@ -187,7 +230,7 @@ impl SparseMoe {
                         self.layer
                     );
                 };
-                units.expert(self.layer, e, &|w| shape.load(w))
+                units.place(self.layer, routed, &|w| shape.load(w))
             }
         }
     }
@@ -218,30 +261,23 @@ impl SparseMoe {
     /// tensors. `None` elsewhere (another device, dense or other blocks), so that the generic
     /// path runs; the result is `(rows, hidden)` in F32.
     fn forward_cpu_blocks(
-        &self,
         x2: &Tensor,
-        routes: &[Vec<(usize, f32)>],
-        ctx: &StepCtx<'_>,
+        groups: &[ExpertRows<'_>],
     ) -> Result<Option<Tensor>> {
-        if !x2.device().is_cpu() {
+        if !x2.device().is_cpu() || groups.is_empty() {
+            return Ok(None);
+        }
+        if groups.iter().any(|(_, e)| expert_blocks(&e.mlp).is_none()) {
             return Ok(None);
         }
         let (rows, h) = x2.dims2()?;
-        let groups = group_by_expert(routes);
-        let mut experts = Vec::with_capacity(groups.len());
-        for &e in groups.keys() {
-            let expert = self.expert(e, ctx)?;
-            if expert_blocks(&expert.mlp).is_none() {
-                return Ok(None);
-            }
-            experts.push(expert);
-        }
+        let experts: Vec<&Expert> = groups.iter().map(|(_, e)| *e).collect();
         let x = x2.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         // Each expert's rows, gathered, in groups the loop takes; with the expert and the
         // rows' (output row, weight).
         let mut inputs: Vec<Vec<f32>> = Vec::new();
         let mut owners: Vec<(usize, Vec<(usize, f32)>)> = Vec::new();
-        for (slot, (ids, ws)) in groups.values().enumerate() {
+        for (slot, ((ids, ws), _)) in groups.iter().enumerate() {
             for (ids, ws) in ids.chunks(KQUANT_MAX_ROWS).zip(ws.chunks(KQUANT_MAX_ROWS)) {
                 let mut xe = Vec::with_capacity(ids.len() * h);
                 for &r in ids {
@@ -298,27 +334,23 @@ impl SparseMoe {
                 }
             }
         }
-        drop(experts);
         Ok(Some(Tensor::from_vec(out, (rows, h), x2.device())?))
     }
 
-    /// Inference over `xs` (..., hidden): each row through its experts, weighted and summed;
-    /// `fused` as [`GatedMlp::forward_fused`].
-    pub fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, fused: bool) -> Result<Tensor> {
-        let dims = xs.dims().to_vec();
-        let h = xs.dim(D::Minus1)?;
-        let x2 = xs.reshape(((), h))?;
+    /// The weighted sum over `groups` (each expert's rows and weights, and the expert) of
+    /// each expert's MLP of its rows of `x2` `(rows, hidden)`, expert by expert in order:
+    /// `(rows, hidden)` in the experts' output dtype, `None` without experts.
+    fn sum_experts(
+        x2: &Tensor,
+        groups: &[ExpertRows<'_>],
+        fused: bool,
+    ) -> Result<Option<Tensor>> {
+        let device = x2.device();
         let rows = x2.dim(0)?;
-        let routes = self.route(&x2)?;
-        if let Some(out) = self.forward_cpu_blocks(&x2, &routes, ctx)? {
-            return out.to_dtype(xs.dtype())?.reshape(dims);
-        }
-        let device = xs.device();
         let mut out: Option<Tensor> = None;
-        for (e, (ids, ws)) in group_by_expert(&routes) {
-            let expert = self.expert(e, ctx)?;
+        for ((ids, ws), expert) in groups {
             let all = ids.len() == rows && ids.iter().enumerate().all(|(i, &r)| i == r as usize);
-            let ids = Tensor::from_vec(ids, ws.len(), device)?;
+            let ids = Tensor::from_vec(ids.clone(), ws.len(), device)?;
             let xe = if all {
                 x2.clone()
             } else {
@@ -330,7 +362,7 @@ impl SparseMoe {
                 expert.mlp.forward(&xe)?
             };
             let n = ws.len();
-            let w = Tensor::from_vec(ws, (n, 1), device)?.to_dtype(y.dtype())?;
+            let w = Tensor::from_vec(ws.clone(), (n, 1), device)?.to_dtype(y.dtype())?;
             let y = y.broadcast_mul(&w)?;
             out = Some(match (out, all) {
                 (None, true) => y,
@@ -343,8 +375,84 @@ impl SparseMoe {
                     o.index_add(&ids, &y, 0)?
                 }
             });
-            drop(expert);
         }
+        Ok(out)
+    }
+
+    /// The experts left on the host CPU ([`ExpertSite::Host`]) over `x_host`, the step's rows
+    /// copied to the host: the K-quant pass where every one is such an expert, otherwise each
+    /// through Candle's CPU ops in F32. `(rows, hidden)` F32 on the CPU.
+    fn sum_on_host(
+        x_host: &Tensor,
+        groups: &[ExpertRows<'_>],
+    ) -> Result<Option<Tensor>> {
+        if let Some(out) = Self::forward_cpu_blocks(x_host, groups)? {
+            return Ok(Some(out));
+        }
+        let x = x_host.to_dtype(DType::F32)?;
+        Self::sum_experts(&x, groups, false)?
+            .map(|t| t.to_dtype(DType::F32))
+            .transpose()
+    }
+
+    /// Inference over `xs` (..., hidden): each row through its experts, weighted and summed;
+    /// `fused` as [`GatedMlp::forward_fused`]. Experts placed on the host CPU
+    /// ([`ExpertUnits::place`]) run there on a copy of the rows while the device runs its own
+    /// (its kernels are enqueued first), and their sum is added on the device.
+    pub fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, fused: bool) -> Result<Tensor> {
+        let dims = xs.dims().to_vec();
+        let h = xs.dim(D::Minus1)?;
+        let x2 = xs.reshape(((), h))?;
+        let routes = self.route(&x2)?;
+        let by_expert = group_by_expert(&routes);
+        let routed: Vec<(usize, usize)> = by_expert.iter().map(|(&e, g)| (e, g.0.len())).collect();
+        let placed = self.place(&routed, ctx)?;
+        let on = |site: ExpertSite| -> Vec<ExpertRows<'_>> {
+            by_expert
+                .values()
+                .zip(&placed)
+                .filter(|(_, p)| p.1 == site || x2.device().is_cpu())
+                .map(|(g, p)| (g, &p.0))
+                .collect()
+        };
+        let out = if x2.device().is_cpu() {
+            // One processor: every expert in one pass where they are K-quant blocks.
+            let all = on(ExpertSite::Device);
+            match Self::forward_cpu_blocks(&x2, &all)? {
+                Some(out) => Some(out),
+                None => Self::sum_experts(&x2, &all, fused)?,
+            }
+        } else {
+            let host = on(ExpertSite::Host);
+            // The rows reach the host before the device's experts are enqueued, so that the
+            // copy waits for nothing but the router.
+            let x_host = if host.is_empty() {
+                None
+            } else {
+                Some(x2.to_device(&candle_core::Device::Cpu)?)
+            };
+            let on_device = Self::sum_experts(&x2, &on(ExpertSite::Device), fused)?;
+            let on_host = match &x_host {
+                Some(x) => {
+                    let t0 = std::time::Instant::now();
+                    let out = Self::sum_on_host(x, &host)?;
+                    if let Some(units) = ctx.experts {
+                        units.host_done(self.layer, t0.elapsed().as_secs_f64());
+                    }
+                    out
+                }
+                None => None,
+            };
+            match (on_device, on_host) {
+                (Some(d), Some(hst)) => {
+                    Some((&d + hst.to_device(x2.device())?.to_dtype(d.dtype())?)?)
+                }
+                (Some(d), None) => Some(d),
+                (None, Some(hst)) => Some(hst.to_device(x2.device())?),
+                (None, None) => None,
+            }
+        };
+        drop(placed);
         let out = match out {
             Some(o) => o.to_dtype(xs.dtype())?,
             None => x2.zeros_like()?,
@@ -512,9 +620,16 @@ mod tests {
             let xs = Tensor::randn(0f32, 1.0, (1, rows, h), &dev)?;
             let x2 = xs.reshape((rows, h))?;
             let routes = moe.route(&x2)?;
-            let fast = moe
-                .forward_cpu_blocks(&x2, &routes, &ctx)?
-                .expect("K-quant experts");
+            let by_expert = group_by_expert(&routes);
+            let routed: Vec<(usize, usize)> =
+                by_expert.iter().map(|(&e, g)| (e, g.0.len())).collect();
+            let placed = moe.place(&routed, &ctx)?;
+            let groups: Vec<_> = by_expert
+                .values()
+                .zip(&placed)
+                .map(|(g, p)| (g, &p.0))
+                .collect();
+            let fast = SparseMoe::forward_cpu_blocks(&x2, &groups)?.expect("K-quant experts");
             let generic = moe.forward(&xs, &ctx, false)?.reshape((rows, h))?;
             // `forward` itself takes the fast path: compare with each expert by hand.
             let mut want = x2.zeros_like()?;
