@@ -242,12 +242,11 @@ fn moe_ragged_steps_equal_each_sequence_alone() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The expert tier, forced on for the CPU (the split where no GPU is): a budget that holds the
+/// The expert tier, forced on (on the CPU, the split where no GPU is): a budget that holds the
 /// dense part and a few experts per layer splits each layer's routed experts between the
-/// cache, fetches (evicting the policy's victim) and the host, and the logits stay
+/// cache, fetches (evicting the policy's victim) and the host CPU, and the logits stay
 /// transformers' under both policies; every path is taken and the counters add up.
-#[test]
-fn moe_expert_tier_splits_and_keeps_the_logits() -> anyhow::Result<()> {
+fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Result<()> {
     use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertSplit};
     use candle_offload_models::OffloadSettings;
     let dir = fixtures()?;
@@ -258,7 +257,7 @@ fn moe_expert_tier_splits_and_keeps_the_logits() -> anyhow::Result<()> {
             let store = Arc::new(loader::load_store_with(
                 &files,
                 DType::F32,
-                &Device::Cpu,
+                device,
                 None,
                 false,
             )?);
@@ -271,7 +270,7 @@ fn moe_expert_tier_splits_and_keeps_the_logits() -> anyhow::Result<()> {
             let reserve = Llama::reserve_bytes(
                 &files.config,
                 &store,
-                &Device::Cpu,
+                device,
                 64,
                 64,
                 DType::F32,
@@ -290,16 +289,21 @@ fn moe_expert_tier_splits_and_keeps_the_logits() -> anyhow::Result<()> {
                 ..Default::default()
             };
             let m = Llama::builder(&files, store)
-                .device(&Device::Cpu)
+                .device(device)
                 .settings(settings)
                 .dtype(DType::F32)
                 .max_len(64)
                 .prompt_len(64)
                 .build()?;
             for pass in 0..2 {
-                let got = logits(&m)?;
+                let t = Tensor::new(prompt().as_slice(), device)?.unsqueeze(0)?;
+                let all = m.forward_all(&t)?.squeeze(0)?;
+                let got = all.narrow(0, 16, 8)?.flatten_all()?.to_vec1::<f32>()?;
                 let d = max_abs(&got, &want);
-                assert!(d <= 1e-4, "{name} {policy:?} pass {pass}: max |Δ| {d}");
+                assert!(
+                    d <= 1e-4,
+                    "{name} {policy:?} on {device:?}, pass {pass}: max |Δ| {d}"
+                );
             }
             let s = m.expert_stats().expect("the split is on");
             let count = files.config.layout().experts.expect("experts").count;
@@ -327,3 +331,9 @@ fn moe_expert_tier_splits_and_keeps_the_logits() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+test_device!(
+    moe_expert_tier_splits_and_keeps_the_logits,
+    moe_expert_tier_splits_and_keeps_the_logits_cpu,
+    moe_expert_tier_splits_and_keeps_the_logits_gpu
+);

@@ -260,10 +260,7 @@ impl SparseMoe {
     /// Two synchronisations a layer instead of one per projection, no gathered or scattered
     /// tensors. `None` elsewhere (another device, dense or other blocks), so that the generic
     /// path runs; the result is `(rows, hidden)` in F32.
-    fn forward_cpu_blocks(
-        x2: &Tensor,
-        groups: &[ExpertRows<'_>],
-    ) -> Result<Option<Tensor>> {
+    fn forward_cpu_blocks(x2: &Tensor, groups: &[ExpertRows<'_>]) -> Result<Option<Tensor>> {
         if !x2.device().is_cpu() || groups.is_empty() {
             return Ok(None);
         }
@@ -340,11 +337,7 @@ impl SparseMoe {
     /// The weighted sum over `groups` (each expert's rows and weights, and the expert) of
     /// each expert's MLP of its rows of `x2` `(rows, hidden)`, expert by expert in order:
     /// `(rows, hidden)` in the experts' output dtype, `None` without experts.
-    fn sum_experts(
-        x2: &Tensor,
-        groups: &[ExpertRows<'_>],
-        fused: bool,
-    ) -> Result<Option<Tensor>> {
+    fn sum_experts(x2: &Tensor, groups: &[ExpertRows<'_>], fused: bool) -> Result<Option<Tensor>> {
         let device = x2.device();
         let rows = x2.dim(0)?;
         let mut out: Option<Tensor> = None;
@@ -382,10 +375,7 @@ impl SparseMoe {
     /// The experts left on the host CPU ([`ExpertSite::Host`]) over `x_host`, the step's rows
     /// copied to the host: the K-quant pass where every one is such an expert, otherwise each
     /// through Candle's CPU ops in F32. `(rows, hidden)` F32 on the CPU.
-    fn sum_on_host(
-        x_host: &Tensor,
-        groups: &[ExpertRows<'_>],
-    ) -> Result<Option<Tensor>> {
+    fn sum_on_host(x_host: &Tensor, groups: &[ExpertRows<'_>]) -> Result<Option<Tensor>> {
         if let Some(out) = Self::forward_cpu_blocks(x_host, groups)? {
             return Ok(Some(out));
         }
