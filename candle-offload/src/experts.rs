@@ -158,7 +158,7 @@ impl ExpertCache {
             return ExpertAccess::Hit;
         }
         ExpertAccess::Miss {
-            evicted: self.admit(l, e).flatten(),
+            evicted: self.admit(l, e, &[]).flatten(),
         }
     }
 
@@ -185,10 +185,11 @@ impl ExpertCache {
     }
 
     /// Admits expert `e` of layer `l` after a [`lookup`](Self::lookup) missed, evicting the
-    /// policy's victim when the layer is full: `Some(victim)` (`Some(None)` when a slot was
-    /// free), or `None` when nothing was admitted (a layer of no slots, an expert or layer out
-    /// of range, or one already resident).
-    pub fn admit(&mut self, l: usize, e: usize) -> Option<Option<usize>> {
+    /// policy's victim when the layer is full, never one of `protect` (experts a step is
+    /// using): `Some(victim)` (`Some(None)` when a slot was free), or `None` when nothing was
+    /// admitted (a layer of no slots, an expert or layer out of range, one already resident,
+    /// or a full layer whose residents are all protected).
+    pub fn admit(&mut self, l: usize, e: usize, protect: &[usize]) -> Option<Option<usize>> {
         let policy = self.policy;
         let experts = self.experts;
         let layer = self.layers.get_mut(l)?;
@@ -202,12 +203,12 @@ impl ExpertCache {
                 .resident
                 .iter()
                 .enumerate()
+                .filter(|(_, s)| !protect.contains(&s.expert))
                 .min_by(|(_, a), (_, b)| {
                     let (sa, sb) = (Self::decayed(policy, a, now), Self::decayed(policy, b, now));
                     sa.total_cmp(&sb).then(a.last_use.cmp(&b.last_use))
                 })
-                .map(|(i, _)| i)
-                .expect("a full layer has residents");
+                .map(|(i, _)| i)?;
             evicted = Some(layer.resident.swap_remove(victim).expert);
             layer.counters.evictions += 1;
         }
@@ -429,7 +430,7 @@ mod tests {
                 ExpertAccess::Hit
             } else {
                 ExpertAccess::Miss {
-                    evicted: b.admit(0, e).flatten(),
+                    evicted: b.admit(0, e, &[]).flatten(),
                 }
             };
             assert_eq!(a.access(0, e), got);
@@ -438,7 +439,14 @@ mod tests {
         // A miss served elsewhere takes no slot.
         assert!(!b.lookup(0, 7));
         assert!(!b.contains(0, 7));
-        assert_eq!(b.admit(0, 1), None, "already resident");
+        assert_eq!(b.admit(0, 1, &[]), None, "already resident");
+        // A protected resident is never the victim; all protected, nothing is admitted.
+        let mut c = ExpertCache::new(ExpertPolicy::Lru, 8, &[2]);
+        c.access(0, 1);
+        c.access(0, 2);
+        assert_eq!(c.admit(0, 3, &[1]), Some(Some(2)));
+        assert_eq!(c.admit(0, 4, &[1, 3]), None);
+        assert!(c.contains(0, 1) && c.contains(0, 3) && !c.contains(0, 4));
     }
 
     #[test]

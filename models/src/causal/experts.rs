@@ -371,6 +371,12 @@ impl ExpertUnits for SplitExperts<'_> {
         } else {
             split_missing(&costs)
         };
+        // The experts this step runs on the device are never a fetch's victim: they are all
+        // resident at once while the layer runs.
+        let mut protect: Vec<usize> = (0..routed.len())
+            .filter(|&i| site[i] == ExpertSite::Device)
+            .map(|i| routed[i].0)
+            .collect();
         let mut fetched = 0u64;
         let mut host_bytes = 0u64;
         let mut on_host_bytes = 0u64;
@@ -379,12 +385,12 @@ impl ExpertUnits for SplitExperts<'_> {
             let bytes = store.unit(self.unit(layer, e)?).host_bytes();
             host_bytes += bytes;
             if f {
-                if let Some(victim) = st.cache.admit(layer, e) {
+                if let Some(victim) = st.cache.admit(layer, e, &protect) {
                     if let Some(v) = victim {
-                        // In use (a hit of this step): the runtime makes its own room.
                         self.device.rt.evict_unit(self.unit(layer, v)?)?;
                     }
                     site[i] = ExpertSite::Device;
+                    protect.push(e);
                     fetched += 1;
                     continue;
                 }

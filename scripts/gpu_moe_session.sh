@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# gpu_moe_session.sh: the GPU rows of the mixture-of-experts issue: bench_generate on a random
+# Qwen3-30B-A3B-shaped GGUF (scripts/gguf_random_moe.py) against llama.cpp at the fewest
+# `-ncmoe` that keeps its peak within each budget (`--llamacpp-moe`), in chained calls of the
+# GPU machine (its /tmp survives ~30 s between calls).
+#
+# Here, before the calls: `scripts/gpu-pack.sh --bin bench_generate --tests` (CUDA), a copy of
+# the pinned peer folder in .gpu/llamacpp, `git rev-parse --short=12 HEAD > .gpu/COMMIT`.
+# Call 1 (carry .gpu/llamacpp, .gpu/test-integration.xz, .gpu/COMMIT):
+#   `bash scripts/gpu_moe_session.sh call1`
+#   llama.cpp's CUDA build and a CPU-only llama-quantize in the background; the Q8_0 file of
+#   ROUTING (uniform by default) written, then its Q4_K_M (`--allow-requantize`) in a detached
+#   session that outlives the call; the expert-tier and batching tests on the GPU.
+# Bench calls (carry .gpu/bench_generate.xz, .gpu/COMMIT):
+#   `bash scripts/gpu_moe_session.sh bench WEIGHTS BUDGETS PROMPTS`
+#   e.g. `bench q8_0 4,8,12 64`: ours and llama.cpp on /tmp/gguf/moe-ROUTING-WEIGHTS.gguf at
+#   each budget and prompt length -> $OUT/moe-ROUTING-WEIGHTS-pPROMPTS.json (bench_generate's
+#   records, each with the expert cache's hit rate, experts per token by place, host bytes per
+#   token, the host's read rate and the physical bound).
+# Another routing (`ROUTING=skewed bash scripts/gpu_moe_session.sh write`): the files of the
+#   other routing, the old ones deleted first (the disk holds one routing's two files).
+# Each call leaves $OUT/CALL.tgz with its logs and JSON.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296
+ROUTING=${ROUTING:-uniform}
+FINAL=${OUT:-/tmp/out}; OUT=/tmp/res-$1; mkdir -p "$FINAL" "$OUT" /tmp/gguf /tmp/bin
+R=$PWD
+T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+gguf() { echo "/tmp/gguf/moe-$ROUTING-$1.gguf"; }
+
+# The files of $ROUTING: the Q8_0 written directly, the Q4_K_M requantized from it once a
+# CPU llama-quantize exists (built here, or by call1 already).
+write() {
+  rm -f /tmp/gguf/moe-*.gguf /tmp/gguf/moe-*.done
+  [[ -d /tmp/lcq/gguf-py ]] || { mkdir -p /tmp/lcq && tar xJf .gpu/llamacpp/llamacpp-src.tar.xz -C /tmp/lcq --strip-components=1; }
+  cat > /tmp/moe-write.sh <<Q
+set -x
+t0=\$(date +%s)
+PYTHONPATH=/tmp/lcq/gguf-py python3 $R/scripts/gguf_random_moe.py $(gguf q8_0).part --routing $ROUTING && mv $(gguf q8_0).part $(gguf q8_0) && touch $(gguf q8_0).done
+echo "q8_0 written \$(( \$(date +%s)-t0 )) s"
+if [[ ! -x /tmp/lcq/build/bin/llama-quantize ]]; then
+  cmake -S /tmp/lcq -B /tmp/lcq/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > /tmp/lcq.cmake.log 2>&1
+  cmake --build /tmp/lcq/build -j 16 --target llama-quantize > /tmp/lcq.build.log 2>&1
+fi
+/tmp/lcq/build/bin/llama-quantize --allow-requantize $(gguf q8_0) $(gguf q4_k_m).part Q4_K_M 16 > /tmp/moe-q4.log 2>&1 && mv $(gguf q4_k_m).part $(gguf q4_k_m) && touch $(gguf q4_k_m).done
+echo "q4_k_m written \$(( \$(date +%s)-t0 )) s"
+Q
+  setsid bash /tmp/moe-write.sh > /tmp/moe-write.log 2>&1 < /dev/null &
+}
+
+case "$1" in
+  call1)
+    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$OUT/gpus.txt"
+    nice -n 5 bash .gpu/llamacpp/build.sh /tmp/llamacpp > "$OUT/llamacpp-build.log" 2>&1 &
+    lc=$!
+    write
+    xz -dc .gpu/test-integration.xz > /tmp/bin/test-integration && chmod +x /tmp/bin/test-integration
+    el "tests"
+    (cd /tmp && timeout "${TESTS_S:-200}" /tmp/bin/test-integration --test-threads 1 ${TESTS:-moe_ batching}) > "$OUT/tests.log" 2>&1
+    echo "tests exit $?" | tee -a "$OUT/tests.log"; grep -E "test result|FAILED|panicked" "$OUT/tests.log" | tail -8
+    el "waiting for llama.cpp"; wait $lc; tail -1 "$OUT/llamacpp-build.log"; grep -v "^+" /tmp/moe-write.log
+    el "done"
+    ;;
+  write)
+    write; sleep "${WRITE_WAIT_S:-60}"; grep -v "^+" /tmp/moe-write.log
+    ;;
+  bench)
+    w=$2 budgets=$3 prompts=$4
+    f=$(gguf "$w")
+    [[ -x /tmp/bin/bench_generate ]] || { xz -dc .gpu/bench_generate.xz > /tmp/bin/bench_generate && chmod +x /tmp/bin/bench_generate; }
+    [[ -f $f.done ]] || { el "waiting for $f"; while [[ ! -f $f.done ]] && pgrep -f moe-write.sh >/dev/null; do sleep 2; done; }
+    grep -v "^+" /tmp/moe-write.log; ls -la /tmp/gguf
+    [[ -x /tmp/llamacpp/build/bin/llama-bench ]] || { echo "no llama-bench (call1 first)"; exit 1; }
+    name="moe-$ROUTING-$w-p${prompts//,/-}"
+    el "bench $name at $budgets"
+    (cd /tmp && timeout "${BENCH_S:-560}" /tmp/bin/bench_generate --model-dir "$f" --quantized \
+      --weights "qwen3-30b-a3b-$w-$ROUTING" --budgets "$budgets" --prompt-lens "$prompts" \
+      --new-tokens "${NEW_TOKENS:-16}" --llamacpp-bin /tmp/llamacpp/build/bin --llamacpp-moe \
+      --llamacpp-reps 2 --expert-policy "${POLICY:-lru}" --json-out "$OUT/$name.json") > "$OUT/$name.log" 2>&1
+    echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:|llama.cpp -ngl" "$OUT/$name.log" | tail -20
+    cp "$OUT/$name.json" "$FINAL/" 2>/dev/null
+    el "done"
+    ;;
+  *) echo "usage: $0 call1 | write | bench WEIGHTS BUDGETS PROMPTS" >&2; exit 2 ;;
+esac
+tar czf "$FINAL/$1.tgz" -C "$OUT" . ; ls -la "$FINAL"
