@@ -5,11 +5,13 @@
 //! of a few microseconds' work per layer; here every output value of every matmul is one work
 //! item of one pass ([`crate::pool`]), each the dot product [`super::cpu_quant::forward`]'s
 //! K-quant loop computes (Candle's `vec_dot` over the blocks as they are, against activations
-//! quantized to Q8_K once per input).
+//! quantized to Q8_K once per input), or for Q8_0 weights Candle's Q8_0 `vec_dot` against the
+//! activations quantized to Q8_0 (as Candle's matmul does).
 
 use std::sync::Arc;
 
-use candle_core::quantized::k_quants::{BlockQ8K, QK_K};
+use candle_core::quantized::k_quants::{BlockQ8K, BlockQ8_0, QK8_0, QK_K};
+use candle_core::quantized::GgmlDType;
 use candle_core::quantized::{GgmlType, QTensor};
 use candle_core::Result;
 
@@ -28,11 +30,11 @@ pub struct Rows<'a> {
     pub k: usize,
 }
 
-/// Whether [`kquant_batch`] takes `w` against rows of width `k`: a 2-D K-quant tensor on the
-/// CPU, `(n, k)`, `k` whole Q8_K blocks.
+/// Whether [`kquant_batch`] takes `w` against rows of width `k`: a 2-D K-quant or Q8_0 tensor
+/// on the CPU, `(n, k)`, `k` whole Q8_K blocks.
 pub fn supports(w: &QTensor, k: usize) -> bool {
     w.device().is_cpu()
-        && is_kquant(w.dtype())
+        && (is_kquant(w.dtype()) || w.dtype() == GgmlDType::Q8_0)
         && k > 0
         && k.is_multiple_of(QK_K)
         && matches!(w.shape().dims(), &[_, wk] if wk == k)
@@ -77,13 +79,13 @@ pub fn kquant_batch(
     let Some(rows) = items
         .iter()
         .zip(&datas)
-        .map(|((w, _), d)| KRows::new(w.dtype(), d))
+        .map(|((w, _), d)| Blocks::new(w.dtype(), d))
         .collect::<Option<Vec<_>>>()
     else {
         return Ok(None);
     };
     for ((rows, &n), &(w, i)) in rows.iter().zip(&ns).zip(items) {
-        let nb = inputs[i].k / QK_K;
+        let nb = inputs[i].k / rows.block_len();
         if rows.blocks() < n * nb {
             candle_core::bail!(
                 "expert matmul: {} blocks of {:?} for ({n}, {})",
@@ -93,13 +95,35 @@ pub fn kquant_batch(
             );
         }
     }
+    // Each input quantized once per activation type its items read.
+    let wants = |q8_0: bool| -> Vec<bool> {
+        let mut w = vec![false; inputs.len()];
+        for (r, &(_, i)) in rows.iter().zip(items) {
+            w[i] |= matches!(r, Blocks::Q8_0(_)) == q8_0;
+        }
+        w
+    };
+    let (want_k, want_0) = (wants(false), wants(true));
     let yq: Vec<Vec<BlockQ8K>> = inputs
         .iter()
-        .map(|r| {
+        .zip(&want_k)
+        .map(|(r, &want)| {
             let nb = r.k / QK_K;
-            let mut y = vec![BlockQ8K::zeros(); r.x.len() / QK_K];
-            for (x, y) in r.x.chunks_exact(r.k).zip(y.chunks_exact_mut(nb)) {
+            let mut y = vec![BlockQ8K::zeros(); if want { r.x.len() / QK_K } else { 0 }];
+            for (x, y) in r.x.chunks_exact(r.k).zip(y.chunks_exact_mut(nb.max(1))) {
                 BlockQ8K::from_float(x, y);
+            }
+            y
+        })
+        .collect();
+    let y0: Vec<Vec<BlockQ8_0>> = inputs
+        .iter()
+        .zip(&want_0)
+        .map(|(r, &want)| {
+            let nb = r.k / QK8_0;
+            let mut y = vec![BlockQ8_0::zeros(); if want { r.x.len() / QK8_0 } else { 0 }];
+            for (x, y) in r.x.chunks_exact(r.k).zip(y.chunks_exact_mut(nb.max(1))) {
+                BlockQ8_0::from_float(x, y);
             }
             y
         })
@@ -127,10 +151,18 @@ pub fn kquant_batch(
             }
             let i = items[j].1;
             let (m, k) = (ms[i], inputs[i].k);
-            let nb = k / QK_K;
             let local = e - starts[j];
             let (c, r) = (local / m, local % m);
-            *v = rows[j].dot(c, nb, k, &yq[i][r * nb..(r + 1) * nb], pf);
+            *v = match &rows[j] {
+                Blocks::K(rows) => {
+                    let nb = k / QK_K;
+                    rows.dot(c, nb, k, &yq[i][r * nb..(r + 1) * nb], pf)
+                }
+                Blocks::Q8_0(b) => {
+                    let nb = k / QK8_0;
+                    BlockQ8_0::vec_dot(k, &b[c * nb..(c + 1) * nb], &y0[i][r * nb..(r + 1) * nb])
+                }
+            };
         }
     });
     Ok(Some(
@@ -146,6 +178,38 @@ pub fn kquant_batch(
             })
             .collect(),
     ))
+}
+
+/// A weight's blocks as the pass reads them.
+enum Blocks<'a> {
+    /// K-quant blocks, against Q8_K activations.
+    K(KRows<'a>),
+    /// Q8_0 blocks, against Q8_0 activations.
+    Q8_0(&'a [BlockQ8_0]),
+}
+
+impl<'a> Blocks<'a> {
+    fn new(ty: GgmlDType, bytes: &'a [u8]) -> Option<Self> {
+        match ty {
+            GgmlDType::Q8_0 => Some(Self::Q8_0(crate::linear::simd::k_blocks(bytes)?)),
+            ty => KRows::new(ty, bytes).map(Self::K),
+        }
+    }
+
+    fn blocks(&self) -> usize {
+        match self {
+            Self::K(r) => r.blocks(),
+            Self::Q8_0(b) => b.len(),
+        }
+    }
+
+    /// Elements a block holds.
+    fn block_len(&self) -> usize {
+        match self {
+            Self::K(_) => QK_K,
+            Self::Q8_0(_) => QK8_0,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -168,6 +232,7 @@ mod tests {
             q(48, 512, GgmlDType::Q4K),
             q(32, 512, GgmlDType::Q6K),
             q(16, 256, GgmlDType::Q4K),
+            q(24, 512, GgmlDType::Q8_0),
         ];
         let xs: Vec<Vec<f32>> = [(3usize, 512usize), (1, 512), (8, 256)]
             .iter()
@@ -183,7 +248,14 @@ mod tests {
             Rows { x: &xs[1], k: 512 },
             Rows { x: &xs[2], k: 256 },
         ];
-        let items = [(&ws[0], 0), (&ws[1], 0), (&ws[0], 1), (&ws[2], 2)];
+        let items = [
+            (&ws[0], 0),
+            (&ws[1], 0),
+            (&ws[0], 1),
+            (&ws[2], 2),
+            (&ws[3], 0),
+            (&ws[3], 1),
+        ];
         let got = kquant_batch(&inputs, &items, &t).unwrap().unwrap();
         for (&(w, i), y) in items.iter().zip(&got) {
             let k = inputs[i].k;
@@ -204,8 +276,8 @@ mod tests {
         let long = vec![0f32; 9 * 256];
         let r = [Rows { x: &long, k: 256 }];
         assert!(kquant_batch(&r, &[(&ws[2], 0)], &t).unwrap().is_none());
-        let q8 = q(16, 256, GgmlDType::Q8_0);
+        let q4 = q(16, 256, GgmlDType::Q4_0);
         let r = [Rows { x: &xs[2], k: 256 }];
-        assert!(kquant_batch(&r, &[(&q8, 0)], &t).unwrap().is_none());
+        assert!(kquant_batch(&r, &[(&q4, 0)], &t).unwrap().is_none());
     }
 }

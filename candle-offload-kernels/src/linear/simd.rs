@@ -32,6 +32,7 @@ impl PlainBlock for candle_core::quantized::k_quants::BlockQ3K {}
 impl PlainBlock for candle_core::quantized::k_quants::BlockQ4K {}
 impl PlainBlock for candle_core::quantized::k_quants::BlockQ5K {}
 impl PlainBlock for candle_core::quantized::k_quants::BlockQ6K {}
+impl PlainBlock for candle_core::quantized::k_quants::BlockQ8_0 {}
 
 /// `bytes` (a tensor's GGML blocks as `QTensor::data` hands them out) as a slice of blocks of
 /// `T`; `None` unless it is a whole number of them, aligned for `T`.
