@@ -901,6 +901,7 @@ fn expert_fields(
         "expert_dense_bytes": b.dense_bytes,
         "experts_resident_per_token": (b.resident - a.resident) as f64 / n,
         "experts_fetched_per_token": (b.fetched - a.fetched) as f64 / n,
+        "experts_streamed_per_token": (b.streamed - a.streamed) as f64 / n,
         "experts_on_host_per_token": (b.on_host - a.on_host) as f64 / n,
         "host_bytes_per_token": host_bytes,
         "expert_host_bytes_per_s": b.host_bytes_per_s,

@@ -88,6 +88,8 @@ pub struct ExpertStats {
     pub resident: u64,
     /// Routed experts fetched over the link (each then resident).
     pub fetched: u64,
+    /// Routed experts fetched for one use, without a slot (a prompt's, past the cache).
+    pub streamed: u64,
     /// Routed experts computed on the host CPU.
     pub on_host: u64,
     /// Host bytes those reads and copies took: the fetched experts' and the host's.
@@ -103,11 +105,12 @@ impl std::fmt::Display for ExpertStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "expert cache: hit rate {:.1}%; routed experts resident {}, fetched {}, on the host \
-             CPU {}; {:.2} GiB read from host memory; host {:.1} GB/s, link {:.1} GB/s",
+            "expert cache: hit rate {:.1}%; routed experts resident {}, fetched {}, streamed {}, \
+             on the host CPU {}; {:.2} GiB read from host memory; host {:.1} GB/s, link {:.1} GB/s",
             100.0 * self.hit_rate(),
             self.resident,
             self.fetched,
+            self.streamed,
             self.on_host,
             self.host_bytes as f64 / 2f64.powi(30),
             self.host_bytes_per_s / 1e9,
@@ -156,6 +159,9 @@ struct TierState {
 pub(crate) struct ExpertTier {
     /// A CPU runtime over the same store, serving the expert units the host computes.
     host: OffloadRuntime,
+    /// Whether missing experts may stream through the device runtime's room for copies in
+    /// flight (a prefetch depth of at least 1 keeps a largest unit's room free).
+    can_stream: bool,
     state: Mutex<TierState>,
 }
 
@@ -168,6 +174,9 @@ pub(crate) struct TierSizing {
     pub(crate) dense: u64,
     /// The link's host-to-device rate, bytes a second.
     pub(crate) link_bytes_per_s: f64,
+    /// Whether the device runtime keeps room for a copy in flight beside the cache
+    /// ([`ExpertTier::can_stream`](ExpertTier)).
+    pub(crate) can_stream: bool,
 }
 
 impl ExpertTier {
@@ -267,6 +276,7 @@ impl ExpertTier {
         );
         Ok(Self {
             host,
+            can_stream: sizing.can_stream,
             state: Mutex::new(TierState {
                 cache: ExpertCache::new(options.policy, x.count, &slots),
                 stats: ExpertStats {
@@ -341,7 +351,7 @@ impl ExpertUnits for SplitExperts<'_> {
         layer: usize,
         routed: &[(usize, usize)],
         build: BuildExpert<'_>,
-    ) -> Result<Vec<(Expert, ExpertSite)>> {
+    ) -> Result<Vec<(Option<Expert>, ExpertSite)>> {
         let store = self.device.rt.store().clone();
         let mut st =
             self.tier.state.lock().map_err(|_| {
@@ -366,7 +376,8 @@ impl ExpertUnits for SplitExperts<'_> {
             let reads = rows.div_ceil(HOST_ROWS_PER_READ).max(1) as f64;
             costs.push((bytes * reads / host_rate, bytes / link_rate));
         }
-        let fetch = if st.cache.slots(layer) == 0 {
+        let can_stream = self.tier.can_stream;
+        let fetch = if st.cache.slots(layer) == 0 && !can_stream {
             vec![false; missing.len()]
         } else {
             split_missing(&costs)
@@ -377,7 +388,7 @@ impl ExpertUnits for SplitExperts<'_> {
             .filter(|&i| site[i] == ExpertSite::Device)
             .map(|i| routed[i].0)
             .collect();
-        let mut fetched = 0u64;
+        let (mut fetched, mut streamed) = (0u64, 0u64);
         let mut host_bytes = 0u64;
         let mut on_host_bytes = 0u64;
         for (&i, &f) in missing.iter().zip(&fetch) {
@@ -394,34 +405,50 @@ impl ExpertUnits for SplitExperts<'_> {
                     fetched += 1;
                     continue;
                 }
+                if can_stream {
+                    // No slot to take (all in use this step): through the room the runtime
+                    // keeps for copies in flight, one at a time.
+                    site[i] = ExpertSite::Stream;
+                    streamed += 1;
+                    continue;
+                }
             }
             on_host_bytes += bytes;
         }
         st.stats.resident += resident as u64;
         st.stats.fetched += fetched;
-        st.stats.on_host += (missing.len() as u64).saturating_sub(fetched);
+        st.stats.streamed += streamed;
+        st.stats.on_host += (missing.len() as u64).saturating_sub(fetched + streamed);
         st.stats.host_bytes += host_bytes;
         if let Some(b) = st.placed_host_bytes.get_mut(layer) {
             *b = on_host_bytes;
         }
         drop(st);
         // The device's first (their copies and kernels queue while the host works).
-        let mut out: Vec<Option<(Expert, ExpertSite)>> = (0..routed.len()).map(|_| None).collect();
+        let mut out: Vec<Option<Expert>> = (0..routed.len()).map(|_| None).collect();
         for (i, &(e, _)) in routed.iter().enumerate() {
             if site[i] == ExpertSite::Device {
-                out[i] = Some((self.device.expert(layer, e, build)?, ExpertSite::Device));
+                out[i] = Some(self.device.expert(layer, e, build)?);
             }
         }
         let host = self.host();
         for (i, &(e, _)) in routed.iter().enumerate() {
             if site[i] == ExpertSite::Host {
-                out[i] = Some((host.expert(layer, e, build)?, ExpertSite::Host));
+                out[i] = Some(host.expert(layer, e, build)?);
             }
         }
-        Ok(out
-            .into_iter()
-            .map(|p| p.expect("every expert placed"))
-            .collect())
+        Ok(out.into_iter().zip(site).collect())
+    }
+
+    fn stream(&self, layer: usize, expert: usize, build: BuildExpert<'_>) -> Result<Expert> {
+        self.device.expert(layer, expert, build)
+    }
+
+    fn streamed(&self, layer: usize, expert: usize) -> Result<()> {
+        // Out again once its use is done (the runtime's eviction waits for it), so that the
+        // next one takes its room and the cache's experts stay.
+        self.device.rt.evict_unit(self.unit(layer, expert)?)?;
+        Ok(())
     }
 
     fn host_done(&self, layer: usize, seconds: f64) {

@@ -290,6 +290,7 @@ impl OnDevice<'_> {
                 super::experts::TierSizing {
                     room: capacity.saturating_sub(kept).saturating_sub(spare),
                     dense: kept,
+                    can_stream: spare > 0,
                     link_bytes_per_s,
                 },
                 settings,

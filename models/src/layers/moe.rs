@@ -98,19 +98,31 @@ pub trait ExpertUnits: Send + Sync {
     fn expert(&self, layer: usize, expert: usize, build: BuildExpert<'_>) -> Result<Expert>;
 
     /// The experts of `layer` a step routes rows to (`(expert, rows)`, in expert order), each
-    /// acquired where it runs this step: on the step's device, or on the host CPU where the
-    /// device's expert cache does not hold it and the host computes it sooner than a fetch
-    /// would bring it ([`ExpertSite::Host`]). The default runs each on the device.
+    /// with where it runs this step and, but for [`ExpertSite::Stream`], acquired there: on
+    /// the step's device, or on the host CPU where the device's expert cache does not hold it
+    /// and the host computes it sooner than a fetch would bring it ([`ExpertSite::Host`]).
+    /// The default runs each on the device.
     fn place(
         &self,
         layer: usize,
         routed: &[(usize, usize)],
         build: BuildExpert<'_>,
-    ) -> Result<Vec<(Expert, ExpertSite)>> {
+    ) -> Result<Vec<(Option<Expert>, ExpertSite)>> {
         routed
             .iter()
-            .map(|&(e, _)| Ok((self.expert(layer, e, build)?, ExpertSite::Device)))
+            .map(|&(e, _)| Ok((Some(self.expert(layer, e, build)?), ExpertSite::Device)))
             .collect()
+    }
+
+    /// An expert [`place`](Self::place) streams: acquired on the device for one use, which
+    /// [`streamed`](Self::streamed) ends.
+    fn stream(&self, layer: usize, expert: usize, build: BuildExpert<'_>) -> Result<Expert> {
+        self.expert(layer, expert, build)
+    }
+
+    /// A streamed expert's use is enqueued and its guard dropped: the device may let it go.
+    fn streamed(&self, _layer: usize, _expert: usize) -> Result<()> {
+        Ok(())
     }
 
     /// The host CPU computed the experts [`place`](Self::place) left there for `layer` in
@@ -128,6 +140,9 @@ pub enum ExpertSite {
     Device,
     /// On the host CPU, from host memory, its output added on the device.
     Host,
+    /// Fetched to the device for this use only, one at a time (a prompt's experts with many
+    /// rows each, past what the device's cache holds at once).
+    Stream,
 }
 
 /// The names of an expert's three projections under its prefix, and its widths.
@@ -207,16 +222,16 @@ impl SparseMoe {
         &self,
         routed: &[(usize, usize)],
         ctx: &StepCtx<'_>,
-    ) -> Result<Vec<(Expert, ExpertSite)>> {
+    ) -> Result<Vec<(Option<Expert>, ExpertSite)>> {
         match &self.experts {
             Experts::InLayer(v) => routed
                 .iter()
                 .map(|&(e, _)| match v.get(e) {
                     Some(m) => Ok((
-                        Expert {
+                        Some(Expert {
                             mlp: m.clone(),
                             guard: None,
-                        },
+                        }),
                         ExpertSite::Device,
                     )),
                     None => candle_core::bail!("layer {}: no expert {e}", self.layer),
@@ -372,6 +387,41 @@ impl SparseMoe {
         Ok(out)
     }
 
+    /// `sum` with the streamed experts' ([`ExpertSite::Stream`]) added, each acquired, its
+    /// work enqueued and released before the next, so that the device holds one (and the
+    /// next one's copy) at a time.
+    fn add_streamed(
+        &self,
+        mut sum: Option<Tensor>,
+        x2: &Tensor,
+        by_expert: &BTreeMap<usize, (Vec<u32>, Vec<f32>)>,
+        placed: &[(Option<Expert>, ExpertSite)],
+        ctx: &StepCtx<'_>,
+        fused: bool,
+    ) -> Result<Option<Tensor>> {
+        let (Experts::Units(shape), Some(units)) = (&self.experts, ctx.experts) else {
+            return Ok(sum);
+        };
+        for ((&e, g), p) in by_expert.iter().zip(placed) {
+            if p.1 != ExpertSite::Stream {
+                continue;
+            }
+            let expert = units.stream(self.layer, e, &|w| shape.load(w))?;
+            let y = Self::sum_experts(x2, &[(g, &expert)], fused)?;
+            drop(expert);
+            units.streamed(self.layer, e)?;
+            sum = match (sum, y) {
+                (Some(s), Some(y)) => {
+                    let y = y.to_dtype(s.dtype())?;
+                    Some((s + y)?)
+                }
+                (s, None) => s,
+                (None, y) => y,
+            };
+        }
+        Ok(sum)
+    }
+
     /// The experts left on the host CPU ([`ExpertSite::Host`]) over `x_host`, the step's rows
     /// copied to the host: the K-quant pass where every one is such an expert, otherwise each
     /// through Candle's CPU ops in F32. `(rows, hidden)` F32 on the CPU.
@@ -402,16 +452,17 @@ impl SparseMoe {
                 .values()
                 .zip(&placed)
                 .filter(|(_, p)| p.1 == site || x2.device().is_cpu())
-                .map(|(g, p)| (g, &p.0))
+                .filter_map(|(g, p)| Some((g, p.0.as_ref()?)))
                 .collect()
         };
         let out = if x2.device().is_cpu() {
             // One processor: every expert in one pass where they are K-quant blocks.
             let all = on(ExpertSite::Device);
-            match Self::forward_cpu_blocks(&x2, &all)? {
+            let out = match Self::forward_cpu_blocks(&x2, &all)? {
                 Some(out) => Some(out),
                 None => Self::sum_experts(&x2, &all, fused)?,
-            }
+            };
+            self.add_streamed(out, &x2, &by_expert, &placed, ctx, fused)?
         } else {
             let host = on(ExpertSite::Host);
             // The rows reach the host before the device's experts are enqueued, so that the
@@ -422,6 +473,7 @@ impl SparseMoe {
                 Some(x2.to_device(&candle_core::Device::Cpu)?)
             };
             let on_device = Self::sum_experts(&x2, &on(ExpertSite::Device), fused)?;
+            let on_device = self.add_streamed(on_device, &x2, &by_expert, &placed, ctx, fused)?;
             let on_host = match &x_host {
                 Some(x) => {
                     let t0 = std::time::Instant::now();
@@ -617,7 +669,7 @@ mod tests {
             let groups: Vec<_> = by_expert
                 .values()
                 .zip(&placed)
-                .map(|(g, p)| (g, &p.0))
+                .map(|(g, p)| (g, p.0.as_ref().expect("acquired")))
                 .collect();
             let fast = SparseMoe::forward_cpu_blocks(&x2, &groups)?.expect("K-quant experts");
             let generic = moe.forward(&xs, &ctx, false)?.reshape((rows, h))?;
