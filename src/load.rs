@@ -133,6 +133,10 @@ pub struct LoadArgs {
     /// any device) or `off` (every one fetched).
     #[arg(long, default_value = "auto")]
     pub expert_split: candle_offload::experts::ExpertSplit,
+    /// In a decode step, prefetch the experts the next mixture-of-experts layer's router picks
+    /// for the current layer's input.
+    #[arg(long)]
+    pub expert_prefetch: bool,
     /// Settings file (YAML): `memory.offload_strategy`, `memory.max_gpu_memory`,
     /// `memory.max_cpu_memory` and a `tuning:` section (docs/tuning.md).
     #[arg(long)]
@@ -365,7 +369,8 @@ impl LoadArgs {
             experts: candle_offload::experts::ExpertOptions::new(
                 self.expert_policy,
                 self.expert_split,
-            ),
+            )
+            .with_prefetch(self.expert_prefetch),
             ..Default::default()
         };
         if target.rank.is_some() && host_layers_choice != HostLayers::None {

@@ -256,7 +256,11 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
     for name in ["mixtral", "qwen3_moe_mixed"] {
         let files = loader::from_dir(&dir.join(name))?;
         let want = reference(&dir.join(name))?;
-        for policy in [ExpertPolicy::Lru, ExpertPolicy::Lfu { half_life: 64.0 }] {
+        for (policy, prefetch) in [
+            (ExpertPolicy::Lru, false),
+            (ExpertPolicy::Lfu { half_life: 64.0 }, false),
+            (ExpertPolicy::Lru, true),
+        ] {
             let store = Arc::new(loader::load_store_with(
                 &files,
                 DType::F32,
@@ -288,7 +292,7 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
             let settings = OffloadSettings {
                 gpu_memory_limit: Some(MemoryLimit::Bytes(limit)),
                 reserve_bytes: 0,
-                experts: ExpertOptions::new(policy, ExpertSplit::On),
+                experts: ExpertOptions::new(policy, ExpertSplit::On).with_prefetch(prefetch),
                 ..Default::default()
             };
             let m = Llama::builder(&files, store)
@@ -308,7 +312,36 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
                     "{name} {policy:?} on {device:?}, pass {pass}: max |Δ| {d}"
                 );
             }
+            // Decode steps (where the next layer's experts are prefetched, when on) give the
+            // logits of the same steps without the tier.
+            let plain = model(&files, false, false)?;
+            let (mut c1, mut c2) = (m.new_cache(), plain.new_cache());
+            let p = prompt();
+            let ids = Tensor::new(&p[..20], device)?.unsqueeze(0)?;
+            m.forward(&ids, 0, &mut c1)?;
+            plain.forward(
+                &Tensor::new(&p[..20], &Device::Cpu)?.unsqueeze(0)?,
+                0,
+                &mut c2,
+            )?;
+            for (k, &t) in p[20..].iter().enumerate() {
+                let a = m.forward(&Tensor::new(&[t], device)?.unsqueeze(0)?, 20 + k, &mut c1)?;
+                let b = plain.forward(
+                    &Tensor::new(&[t], &Device::Cpu)?.unsqueeze(0)?,
+                    20 + k,
+                    &mut c2,
+                )?;
+                let d = max_abs(
+                    &a.flatten_all()?.to_vec1::<f32>()?,
+                    &b.flatten_all()?.to_vec1::<f32>()?,
+                );
+                assert!(
+                    d <= 1e-4,
+                    "{name} {policy:?} prefetch {prefetch}, decode step {k}: max |Δ| {d}"
+                );
+            }
             let s = m.expert_stats().expect("the split is on");
+            assert_eq!(s.prefetched > 0, prefetch, "{name}: {s:?}");
             let count = files.config.layout().experts.expect("experts").count;
             assert!(
                 s.slots.iter().any(|&n| n > 0 && n < count),

@@ -331,12 +331,26 @@ pub struct ExpertOptions {
     pub policy: ExpertPolicy,
     /// Where missing experts run.
     pub split: ExpertSplit,
+    /// In a decode step, the copy stream prefetches the experts the next mixture-of-experts
+    /// layer's router picks for the current layer's input (they take slots, the policy's
+    /// victims evicted), so that the guesses that come true are hits.
+    pub prefetch: bool,
 }
 
 impl ExpertOptions {
-    /// Options with `policy` and `split`.
+    /// Options with `policy` and `split`, without prefetch.
     pub fn new(policy: ExpertPolicy, split: ExpertSplit) -> Self {
-        Self { policy, split }
+        Self {
+            policy,
+            split,
+            prefetch: false,
+        }
+    }
+
+    /// These options with the next layer's experts prefetched or not.
+    pub fn with_prefetch(mut self, on: bool) -> Self {
+        self.prefetch = on;
+        self
     }
 }
 

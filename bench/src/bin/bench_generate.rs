@@ -57,6 +57,9 @@ struct Args {
     /// Where missing experts run: `auto`, `on` or `off` (`OffloadConfig::experts`).
     #[arg(long, default_value = "auto")]
     expert_split: candle_offload::experts::ExpertSplit,
+    /// Prefetch the next layer's guessed experts in decode steps (`ExpertOptions::prefetch`).
+    #[arg(long)]
+    expert_prefetch: bool,
     /// llama-bench repetitions per measured configuration.
     #[arg(long, default_value_t = 2)]
     llamacpp_reps: u32,
@@ -327,7 +330,8 @@ fn main() -> Result<()> {
                 experts: candle_offload::experts::ExpertOptions::new(
                     args.expert_policy,
                     args.expert_split,
-                ),
+                )
+                .with_prefetch(args.expert_prefetch),
                 ..Default::default()
             };
             let mut model = Llama::builder(&files, store.clone())
@@ -824,6 +828,8 @@ fn main() -> Result<()> {
                 "graph_eager_steps": graph_stats.eager_steps,
                 "graph_last_reason": graph_stats.last_reason,
                 "host_read_gbps": host_read_gbps,
+                "expert_policy": format!("{:?}", args.expert_policy),
+                "expert_prefetch": args.expert_prefetch,
             });
             if let (Some(rec), serde_json::Value::Object(t)) =
                 (records.last_mut().and_then(|r| r.as_object_mut()), tiers)
@@ -902,6 +908,7 @@ fn expert_fields(
         "experts_resident_per_token": (b.resident - a.resident) as f64 / n,
         "experts_fetched_per_token": (b.fetched - a.fetched) as f64 / n,
         "experts_streamed_per_token": (b.streamed - a.streamed) as f64 / n,
+        "experts_prefetched_per_token": (b.prefetched - a.prefetched) as f64 / n,
         "experts_on_host_per_token": (b.on_host - a.on_host) as f64 / n,
         "host_bytes_per_token": host_bytes,
         "expert_host_bytes_per_s": b.host_bytes_per_s,

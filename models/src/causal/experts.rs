@@ -13,14 +13,15 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Device, Result};
+use candle_core::{DType, Device, Result, Tensor};
 use candle_offload::experts::{
     slots_for_budget, split_missing, ExpertCache, ExpertOptions, ExpertSplit, LayerCounters,
 };
 use candle_offload::{HostStore, OffloadConfig, OffloadRuntime, UnitId};
 
 use crate::family::{Layout, UnitWeights};
-use crate::layers::{BuildExpert, Expert, ExpertSite, ExpertUnits, GatedMlp};
+use crate::layers::{route_row, BuildExpert, Expert, ExpertSite, ExpertUnits, GatedMlp, Routing};
+use candle_offload::kernels::linear::Linear;
 
 /// Rows the host's K-quant pass computes per read of an expert's weights
 /// ([`candle_offload::kernels::linear::cpu_quant::KQUANT_MAX_ROWS`]): an expert with more rows
@@ -90,6 +91,8 @@ pub struct ExpertStats {
     pub fetched: u64,
     /// Routed experts fetched for one use, without a slot (a prompt's, past the cache).
     pub streamed: u64,
+    /// Experts prefetched on the next layer's router's guess (`ExpertOptions::prefetch`).
+    pub prefetched: u64,
     /// Routed experts computed on the host CPU.
     pub on_host: u64,
     /// Host bytes those reads and copies took: the fetched experts' and the host's.
@@ -106,12 +109,14 @@ impl std::fmt::Display for ExpertStats {
         writeln!(
             f,
             "expert cache: hit rate {:.1}%; routed experts resident {}, fetched {}, streamed {}, \
-             on the host CPU {}; {:.2} GiB read from host memory; host {:.1} GB/s, link {:.1} GB/s",
+             on the host CPU {}, prefetched {}; {:.2} GiB read from host memory; host {:.1} GB/s, \
+             link {:.1} GB/s",
             100.0 * self.hit_rate(),
             self.resident,
             self.fetched,
             self.streamed,
             self.on_host,
+            self.prefetched,
             self.host_bytes as f64 / 2f64.powi(30),
             self.host_bytes_per_s / 1e9,
             self.link_bytes_per_s / 1e9,
@@ -152,6 +157,8 @@ struct TierState {
     stats: ExpertStats,
     /// Per layer, the host bytes of the experts the last [`ExpertUnits::place`] left there.
     placed_host_bytes: Vec<u64>,
+    /// Per layer, its router as last seen (for the layer before it to guess with).
+    routers: Vec<Option<(Linear, Routing)>>,
 }
 
 /// A device stage's expert cache and the host CPU beside it. See the module docs.
@@ -162,6 +169,8 @@ pub(crate) struct ExpertTier {
     /// Whether missing experts may stream through the device runtime's room for copies in
     /// flight (a prefetch depth of at least 1 keeps a largest unit's room free).
     can_stream: bool,
+    /// Whether a decode step prefetches the next layer's guessed experts.
+    prefetch: bool,
     state: Mutex<TierState>,
 }
 
@@ -277,6 +286,7 @@ impl ExpertTier {
         Ok(Self {
             host,
             can_stream: sizing.can_stream,
+            prefetch: options.prefetch,
             state: Mutex::new(TierState {
                 cache: ExpertCache::new(options.policy, x.count, &slots),
                 stats: ExpertStats {
@@ -292,6 +302,7 @@ impl ExpertTier {
                     ..Default::default()
                 },
                 placed_host_bytes: vec![0; x.sparse.len()],
+                routers: vec![None; x.sparse.len()],
             }),
         })
     }
@@ -442,6 +453,56 @@ impl ExpertUnits for SplitExperts<'_> {
 
     fn stream(&self, layer: usize, expert: usize, build: BuildExpert<'_>) -> Result<Expert> {
         self.device.expert(layer, expert, build)
+    }
+
+    fn routed(&self, layer: usize, router: &Linear, routing: Routing, x2: &Tensor) -> Result<()> {
+        let lock = || {
+            self.tier
+                .state
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("the expert tier's lock is poisoned".into()))
+        };
+        let next = {
+            let mut st = lock()?;
+            if let Some(r) = st.routers.get_mut(layer) {
+                *r = Some((router.clone(), routing));
+            }
+            if !self.tier.prefetch || x2.dim(0)? != 1 {
+                return Ok(());
+            }
+            st.routers
+                .iter()
+                .enumerate()
+                .skip(layer + 1)
+                .find_map(|(n, r)| r.clone().map(|r| (n, r)))
+        };
+        let Some((n, (next_router, next_routing))) = next else {
+            return Ok(());
+        };
+        // The next layer's router on this layer's rows (the residual stream changes little
+        // from one layer to the next).
+        let logits = next_router
+            .forward(x2)?
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?;
+        let Some(row) = logits.first() else {
+            return Ok(());
+        };
+        let mut st = lock()?;
+        for (e, _) in route_row(row, next_routing) {
+            if st.cache.contains(n, e) {
+                continue;
+            }
+            let Some(victim) = st.cache.admit(n, e, &[]) else {
+                continue;
+            };
+            if let Some(v) = victim {
+                self.device.rt.evict_unit(self.unit(n, v)?)?;
+            }
+            self.device.rt.prefetch(self.unit(n, e)?)?;
+            st.stats.prefetched += 1;
+        }
+        Ok(())
     }
 
     fn streamed(&self, layer: usize, expert: usize) -> Result<()> {

@@ -120,6 +120,18 @@ pub trait ExpertUnits: Send + Sync {
         self.expert(layer, expert, build)
     }
 
+    /// `layer`'s router (with its routing) ran on `x2`, the layer's rows: where the next
+    /// layers' experts may be guessed from the same rows. Default: nothing.
+    fn routed(
+        &self,
+        _layer: usize,
+        _router: &Linear,
+        _routing: Routing,
+        _x2: &Tensor,
+    ) -> Result<()> {
+        Ok(())
+    }
+
     /// A streamed expert's use is enqueued and its guard dropped: the device may let it go.
     fn streamed(&self, _layer: usize, _expert: usize) -> Result<()> {
         Ok(())
@@ -444,6 +456,9 @@ impl SparseMoe {
         let h = xs.dim(D::Minus1)?;
         let x2 = xs.reshape(((), h))?;
         let routes = self.route(&x2)?;
+        if let (Experts::Units(_), Some(units)) = (&self.experts, ctx.experts) {
+            units.routed(self.layer, &self.router, self.routing, &x2)?;
+        }
         let by_expert = group_by_expert(&routes);
         let routed: Vec<(usize, usize)> = by_expert.iter().map(|(&e, g)| (e, g.0.len())).collect();
         let placed = self.place(&routed, ctx)?;
