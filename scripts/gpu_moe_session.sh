@@ -14,7 +14,8 @@
 # Bench calls (carry .gpu/bench_generate.xz, .gpu/COMMIT):
 #   `bash scripts/gpu_moe_session.sh bench WEIGHTS BUDGETS PROMPTS`
 #   e.g. `bench q8_0 4,8,12 64`: ours and llama.cpp on /tmp/gguf/moe-ROUTING-WEIGHTS.gguf at
-#   each budget and prompt length -> $OUT/moe-ROUTING-WEIGHTS-pPROMPTS.json (bench_generate's
+#   each budget and prompt length (POLICY=lfu, PREFETCH=1 for the other expert options)
+#   -> $OUT/moe-ROUTING-WEIGHTS-pPROMPTS-POLICY.json (bench_generate's
 #   records, each with the expert cache's hit rate, experts per token by place, host bytes per
 #   token, the host's read rate and the physical bound).
 # Another routing (`ROUTING=skewed bash scripts/gpu_moe_session.sh write`): the files of the
@@ -71,12 +72,13 @@ case "$1" in
     [[ -f $f.done ]] || { el "waiting for $f"; while [[ ! -f $f.done ]] && pgrep -f moe-write.sh >/dev/null; do sleep 2; done; }
     grep -v "^+" /tmp/moe-write.log; ls -la /tmp/gguf
     [[ -x /tmp/llamacpp/build/bin/llama-bench ]] || { echo "no llama-bench (call1 first)"; exit 1; }
-    name="moe-$ROUTING-$w-p${prompts//,/-}"
+    name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${PREFETCH:+-prefetch}"
     el "bench $name at $budgets"
     (cd /tmp && timeout "${BENCH_S:-560}" /tmp/bin/bench_generate --model-dir "$f" --quantized \
       --weights "qwen3-30b-a3b-$w-$ROUTING" --budgets "$budgets" --prompt-lens "$prompts" \
       --new-tokens "${NEW_TOKENS:-16}" --llamacpp-bin /tmp/llamacpp/build/bin --llamacpp-moe \
-      --llamacpp-reps 2 --expert-policy "${POLICY:-lru}" --json-out "$OUT/$name.json") > "$OUT/$name.log" 2>&1
+      --llamacpp-reps 2 --expert-policy "${POLICY:-lru}" ${PREFETCH:+--expert-prefetch} \
+      --json-out "$OUT/$name.json") > "$OUT/$name.log" 2>&1
     echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:|llama.cpp -ngl" "$OUT/$name.log" | tail -20
     cp "$OUT/$name.json" "$FINAL/" 2>/dev/null
     el "done"
