@@ -34,14 +34,13 @@ set -x
 t0=$(date +%s)
 PYTHONPATH=/tmp/lcq/gguf-py python3 GGUFW /tmp/gguf/7b-f16.gguf.part 4096 32 11008 32 32 32000 && mv /tmp/gguf/7b-f16.gguf.part /tmp/gguf/7b-f16.gguf
 echo "f16 written $(( $(date +%s)-t0 )) s"
-cmake -S /tmp/lcq -B /tmp/lcq/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > /tmp/lcq.cmake.log 2>&1
-cmake --build /tmp/lcq/build -j 16 --target llama-quantize > /tmp/lcq.build.log 2>&1
+bash SCRIPTS/llamacpp_quantize.sh /tmp/lcq
 echo "quantize built $(( $(date +%s)-t0 )) s"
 /tmp/lcq/build/bin/llama-quantize /tmp/gguf/7b-f16.gguf /tmp/gguf/7b-q4_k_m.gguf.part Q4_K_M 16 > /tmp/q4.log 2>&1 && mv /tmp/gguf/7b-q4_k_m.gguf.part /tmp/gguf/7b-q4_k_m.gguf
 /tmp/lcq/build/bin/llama-quantize /tmp/gguf/7b-f16.gguf /tmp/gguf/7b-q8_0.gguf.part Q8_0 16 > /tmp/q8.log 2>&1 && mv /tmp/gguf/7b-q8_0.gguf.part /tmp/gguf/7b-q8_0.gguf
 echo "quantized $(( $(date +%s)-t0 )) s"; touch /tmp/gguf/done
 Q
-    sed -i "s#GGUFW#$R/.gpu/llamacpp/gguf_random_llama.py#" /tmp/quant.sh
+    sed -i -e "s#GGUFW#$R/.gpu/llamacpp/gguf_random_llama.py#" -e "s#SCRIPTS#$R/scripts#" /tmp/quant.sh
     setsid bash /tmp/quant.sh > /tmp/quant.log 2>&1 < /dev/null &
     xz -dc .gpu/test-integration.xz > /tmp/bin/test-integration && chmod +x /tmp/bin/test-integration
     el "tests"

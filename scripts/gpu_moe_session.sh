@@ -39,10 +39,7 @@ set -x
 t0=\$(date +%s)
 PYTHONPATH=/tmp/lcq/gguf-py python3 $R/scripts/gguf_random_moe.py $(gguf q8_0).part --routing $ROUTING && mv $(gguf q8_0).part $(gguf q8_0) && touch $(gguf q8_0).done
 echo "q8_0 written \$(( \$(date +%s)-t0 )) s"
-if [[ ! -x /tmp/lcq/build/bin/llama-quantize ]]; then
-  cmake -S /tmp/lcq -B /tmp/lcq/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > /tmp/lcq.cmake.log 2>&1
-  cmake --build /tmp/lcq/build -j 16 --target llama-quantize > /tmp/lcq.build.log 2>&1
-fi
+cd $R && bash scripts/llamacpp_quantize.sh /tmp/lcq
 /tmp/lcq/build/bin/llama-quantize --allow-requantize $(gguf q8_0) $(gguf q4_k_m).part Q4_K_M 16 > /tmp/moe-q4.log 2>&1 && mv $(gguf q4_k_m).part $(gguf q4_k_m) && touch $(gguf q4_k_m).done
 echo "q4_k_m written \$(( \$(date +%s)-t0 )) s"
 Q
