@@ -71,7 +71,8 @@ impl ExpertUnits for RuntimeExperts<'_> {
     }
 }
 
-/// What an [`ExpertTier`] did, summed over its steps.
+/// What a mixture-of-experts model's expert cache and the host CPU beside it did, summed over
+/// the steps ([`CausalLm::expert_stats`](crate::CausalLm::expert_stats)).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ExpertStats {
     /// The cache's counters per decoder layer (zero for dense layers).
@@ -184,7 +185,7 @@ pub(crate) struct TierSizing {
     /// The link's host-to-device rate, bytes a second.
     pub(crate) link_bytes_per_s: f64,
     /// Whether the device runtime keeps room for a copy in flight beside the cache
-    /// ([`ExpertTier::can_stream`](ExpertTier)).
+    /// (the tier's `can_stream`).
     pub(crate) can_stream: bool,
 }
 
