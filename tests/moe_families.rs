@@ -1,4 +1,4 @@
-//! Mixture-of-experts models (Mixtral, Qwen3-MoE) against transformers: tiny random
+//! Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE) against transformers: tiny random
 //! checkpoints and transformers' own logits for them (`tests/fixtures/moe_families.tar.xz`,
 //! written by `scripts/moe_fixtures.py`), in every expert layout (one tensor per expert, and the
 //! fused stacks transformers 5 holds), resident and offloaded with each expert a unit; GGUF
@@ -116,6 +116,11 @@ fn moe_logits_equal_transformers_in_every_layout() -> anyhow::Result<()> {
             Some("model.layers.2.mlp.experts.0"),
         ),
         ("qwen3_moe_mixed_fused", "qwen3_moe", None),
+        (
+            "qwen2_moe",
+            "qwen2_moe",
+            Some("model.layers.2.mlp.experts.1"),
+        ),
     ] {
         let files = loader::from_dir(&dir.join(name))?;
         assert_eq!(files.config.family.name(), family);
@@ -253,7 +258,7 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
     // A prompt's experts, with more rows each than the host reads at once, stream where no
     // slot is free.
     let mut streamed = false;
-    for name in ["mixtral", "qwen3_moe_mixed"] {
+    for name in ["mixtral", "qwen3_moe_mixed", "qwen2_moe"] {
         let files = loader::from_dir(&dir.join(name))?;
         let want = reference(&dir.join(name))?;
         for (policy, prefetch) in [

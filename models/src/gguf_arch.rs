@@ -226,6 +226,7 @@ pub(crate) fn config(c: &Content, path: &Path) -> Result<Config> {
                 sparse: vec![true; num_hidden_layers],
                 keys: ExpertKeys::PerExpert,
                 windows: vec![None; num_hidden_layers],
+                shared_intermediate: None,
             })
         }
         "llama" | "mistral" | "qwen2" => {

@@ -44,7 +44,7 @@ pub fn family() -> Arc<dyn Family> {
 
 /// The sliding windows of a `mistral`, `mixtral`, `qwen2`, `qwen3` or `qwen3_moe` config, as transformers applies them.
 pub(crate) fn windows(f: &HfFields<'_>, n: usize) -> crate::Result<Vec<Option<usize>>> {
-    let qwen = matches!(f.model_type, "qwen2" | "qwen3" | "qwen3_moe");
+    let qwen = matches!(f.model_type, "qwen2" | "qwen2_moe" | "qwen3" | "qwen3_moe");
     let window = match f.model_type {
         "mistral" | "mixtral" => f.opt_usize("sliding_window")?,
         _ if qwen && f.bool_or("use_sliding_window", false)? => {

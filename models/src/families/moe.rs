@@ -1,8 +1,11 @@
 //! Sparse mixture-of-experts families: Mixtral (`MixtralForCausalLM`: the LLaMA block with
-//! every MLP a mixture of experts, top-k renormalised) and Qwen3-MoE (`Qwen3MoeForCausalLM`:
+//! every MLP a mixture of experts, top-k renormalised), Qwen3-MoE (`Qwen3MoeForCausalLM`:
 //! Qwen3's attention with per-head q/k norms; the layers `decoder_sparse_step` and
 //! `mlp_only_layers` choose are mixtures of `num_experts` experts of width
-//! `moe_intermediate_size`, the others dense MLPs; renormalised when `norm_topk_prob`).
+//! `moe_intermediate_size`, the others dense MLPs; renormalised when `norm_topk_prob`) and
+//! Qwen2-MoE (`Qwen2MoeForCausalLM`: Qwen2's attention with q/k/v biases, Qwen3-MoE's layer
+//! choice and routing, and a shared expert of `shared_expert_intermediate_size` every row goes
+//! through, scaled by a sigmoid gate).
 //!
 //! Three checkpoint layouts of the experts, found from the checkpoint's tensor names
 //! ([`Family::for_checkpoint`]):
@@ -22,16 +25,17 @@ use crate::family::{Config, DecoderBlock, ExpertLayout, Family, Layout, UnitWeig
 use crate::hf_config::{CommonDefaults, HfFields, Registration};
 use crate::layers::{
     attention_tensors, hf_tensors, mlp_tensors, norm_tensors, Activation, AttentionSpec,
-    ExpertShape, Experts, GatedMlp, Norm, PreNormBlock, Routing, SelfAttention, SparseMoe,
-    TensorShape,
+    ExpertShape, Experts, GatedMlp, Norm, PreNormBlock, Routing, SelfAttention, SharedExpert,
+    SparseMoe, TensorShape,
 };
 use crate::ModelError;
 
-/// `mixtral` and `qwen3_moe` configs.
+/// `mixtral`, `qwen3_moe` and `qwen2_moe` configs.
 pub const REGISTRATION: Registration = Registration {
     model_types: &[
         ("mixtral", "MixtralForCausalLM"),
         ("qwen3_moe", "Qwen3MoeForCausalLM"),
+        ("qwen2_moe", "Qwen2MoeForCausalLM"),
     ],
     from_hf,
 };
@@ -43,6 +47,8 @@ pub enum MoeKind {
     Mixtral,
     /// Qwen3-MoE: Qwen3 attention (per-head q/k norms).
     Qwen3Moe,
+    /// Qwen2-MoE: Qwen2 attention (q/k/v biases) and a gated shared expert.
+    Qwen2Moe,
 }
 
 /// How a checkpoint stores a layer's router and experts.
@@ -114,12 +120,19 @@ pub struct Moe {
     pub keys: ExpertKeys,
     /// Per layer, the sliding window of its attention, if any.
     pub windows: Vec<Option<usize>>,
+    /// The shared expert's MLP width (Qwen2-MoE), in every sparse layer.
+    pub shared_intermediate: Option<usize>,
 }
 
 fn from_hf(f: &HfFields<'_>) -> crate::Result<Config> {
     let rope_scaling = super::llama::llama3_rope_scaling(f)?;
     let mixtral = f.model_type == "mixtral";
-    let mut cfg = Config::from_hf_common(f, super::llama::family(), CommonDefaults::default())?;
+    let qwen2 = f.model_type == "qwen2_moe";
+    let defaults = CommonDefaults {
+        attention_bias: qwen2 && f.bool_or("qkv_bias", true)?,
+        ..CommonDefaults::default()
+    };
+    let mut cfg = Config::from_hf_common(f, super::llama::family(), defaults)?;
     cfg.rope_scaling = rope_scaling;
     let n = cfg.num_hidden_layers;
     let experts = match f.opt_usize("num_experts")? {
@@ -162,7 +175,11 @@ fn from_hf(f: &HfFields<'_>) -> crate::Result<Config> {
             .map(|l| !dense.contains(&l) && (l + 1) % step == 0)
             .collect();
         (
-            MoeKind::Qwen3Moe,
+            if qwen2 {
+                MoeKind::Qwen2Moe
+            } else {
+                MoeKind::Qwen3Moe
+            },
             f.bool_or("norm_topk_prob", false)?,
             f.usize("moe_intermediate_size")?,
             sparse,
@@ -180,6 +197,11 @@ fn from_hf(f: &HfFields<'_>) -> crate::Result<Config> {
         sparse,
         keys,
         windows: super::llama::windows(f, n)?,
+        shared_intermediate: if qwen2 {
+            Some(f.usize("shared_expert_intermediate_size")?)
+        } else {
+            None
+        },
     });
     Ok(cfg)
 }
@@ -195,6 +217,7 @@ impl Family for Moe {
         match self.kind {
             MoeKind::Mixtral => "mixtral",
             MoeKind::Qwen3Moe => "qwen3_moe",
+            MoeKind::Qwen2Moe => "qwen2_moe",
         }
     }
 
@@ -220,6 +243,16 @@ impl Family for Moe {
             }
             let k = self.keys;
             out.push((format!("{p}.{}.weight", k.router()), vec![e, h]));
+            if let Some(si) = self.shared_intermediate {
+                for (name, shape) in [
+                    ("gate_proj", vec![si, h]),
+                    ("up_proj", vec![si, h]),
+                    ("down_proj", vec![h, si]),
+                ] {
+                    out.push((format!("{p}.mlp.shared_expert.{name}.weight"), shape));
+                }
+                out.push((format!("{p}.mlp.shared_expert_gate.weight"), vec![1, h]));
+            }
             let x = format!("{p}.{}", k.infix());
             if k == ExpertKeys::Fused {
                 out.push((format!("{x}gate_up_proj"), vec![e, 2 * i, h]));
@@ -302,11 +335,19 @@ impl Family for Moe {
             } else {
                 Experts::Units(shape)
             };
+            let shared = match self.shared_intermediate {
+                Some(si) => Some(Box::new(SharedExpert {
+                    mlp: GatedMlp::load(w.pp("mlp.shared_expert"), h, si, Activation::Silu)?,
+                    gate: w.pp("mlp.shared_expert_gate").linear(h, 1, false)?,
+                })),
+                None => None,
+            };
             SparseMoe {
                 router: w.pp(k.router()).linear(h, e, false)?,
                 routing: self.routing,
                 experts,
                 layer,
+                shared,
             }
             .into()
         } else {

@@ -202,6 +202,31 @@ pub struct SparseMoe {
     pub experts: Experts,
     /// The decoder layer (for [`ExpertUnits`]).
     pub layer: usize,
+    /// An expert every row goes through as well (Qwen2-MoE), with the gate of its share.
+    pub shared: Option<Box<SharedExpert>>,
+}
+
+/// Qwen2-MoE's shared expert: every row through one more gated MLP, its output scaled by
+/// `sigmoid(gate · x)` and added to the routed experts' sum. It lives with its layer.
+#[derive(Debug)]
+pub struct SharedExpert {
+    /// The MLP (`shared_expert_intermediate_size` wide).
+    pub mlp: GatedMlp,
+    /// `(1, hidden)`: the logit of the expert's share per row.
+    pub gate: Linear,
+}
+
+impl SharedExpert {
+    /// `sigmoid(gate · x) · mlp(x)` over rows `x2` `(rows, hidden)`.
+    fn forward(&self, x2: &Tensor, fused: bool) -> Result<Tensor> {
+        let y = if fused {
+            self.mlp.forward_fused(x2)?
+        } else {
+            self.mlp.forward(x2)?
+        };
+        let share = candle_nn::ops::sigmoid(&self.gate.forward(x2)?.to_dtype(DType::F32)?)?;
+        y.broadcast_mul(&share.to_dtype(y.dtype())?)
+    }
 }
 
 impl SparseMoe {
@@ -510,10 +535,13 @@ impl SparseMoe {
             }
         };
         drop(placed);
-        let out = match out {
+        let mut out = match out {
             Some(o) => o.to_dtype(xs.dtype())?,
             None => x2.zeros_like()?,
         };
+        if let Some(shared) = &self.shared {
+            out = (out + shared.forward(&x2, fused)?.to_dtype(xs.dtype())?)?;
+        }
         out.reshape(dims)
     }
 }
@@ -662,6 +690,7 @@ mod tests {
             routing: r(e, 2, true),
             experts: Experts::InLayer(experts),
             layer: 0,
+            shared: None,
         };
         let rope = Rope::from_inv_freq(&[1.0; 8], 64, 1.0, DType::F32, &dev)?;
         let masks = Masks::new(1, 0, &dev);
