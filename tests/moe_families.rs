@@ -307,6 +307,7 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
                 .max_len(64)
                 .prompt_len(64)
                 .build()?;
+            assert!(m.warm_up()? > 0, "the host's copies of the experts");
             for pass in 0..2 {
                 let t = Tensor::new(prompt().as_slice(), device)?.unsqueeze(0)?;
                 let all = m.forward_all(&t)?.squeeze(0)?;

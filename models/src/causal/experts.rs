@@ -308,6 +308,13 @@ impl ExpertTier {
         })
     }
 
+    /// The host's copies of the experts made now, with the load, rather than in the first
+    /// steps that compute them (`OffloadRuntime::warm_up` of its CPU runtime). Returns the
+    /// bytes copied.
+    pub(crate) fn warm_up(&self) -> Result<u64> {
+        self.host.warm_up()
+    }
+
     /// What the tier did so far.
     pub(crate) fn stats(&self) -> ExpertStats {
         match self.state.lock() {

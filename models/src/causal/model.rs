@@ -498,12 +498,15 @@ impl CausalLm {
     }
 
     /// Fetches, on every stage, the units that stay there for good
-    /// ([`OffloadRuntime::warm_up`]), so that the first step (the prompt) computes instead of
-    /// copying weights; returns the bytes fetched.
+    /// ([`OffloadRuntime::warm_up`]), and an expert tier's host copies of the experts, so that
+    /// the first steps compute instead of copying weights; returns the bytes fetched.
     pub fn warm_up(&self) -> Result<u64> {
         let mut bytes = 0;
         for stage in &self.stages {
             bytes += stage.rt.warm_up()?;
+        }
+        if let Some((_, tier)) = &self.expert_tier {
+            bytes += tier.warm_up()?;
         }
         Ok(bytes)
     }
