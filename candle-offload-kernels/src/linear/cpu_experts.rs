@@ -103,31 +103,8 @@ pub fn kquant_batch(
         }
         w
     };
-    let (want_k, want_0) = (wants(false), wants(true));
-    let yq: Vec<Vec<BlockQ8K>> = inputs
-        .iter()
-        .zip(&want_k)
-        .map(|(r, &want)| {
-            let nb = r.k / QK_K;
-            let mut y = vec![BlockQ8K::zeros(); if want { r.x.len() / QK_K } else { 0 }];
-            for (x, y) in r.x.chunks_exact(r.k).zip(y.chunks_exact_mut(nb.max(1))) {
-                BlockQ8K::from_float(x, y);
-            }
-            y
-        })
-        .collect();
-    let y0: Vec<Vec<BlockQ8_0>> = inputs
-        .iter()
-        .zip(&want_0)
-        .map(|(r, &want)| {
-            let nb = r.k / QK8_0;
-            let mut y = vec![BlockQ8_0::zeros(); if want { r.x.len() / QK8_0 } else { 0 }];
-            for (x, y) in r.x.chunks_exact(r.k).zip(y.chunks_exact_mut(nb.max(1))) {
-                BlockQ8_0::from_float(x, y);
-            }
-            y
-        })
-        .collect();
+    let yq: Vec<Vec<BlockQ8K>> = quantize_inputs(inputs, &wants(false));
+    let y0: Vec<Vec<BlockQ8_0>> = quantize_inputs(inputs, &wants(true));
     // Item j's values at starts[j]: column-major, its m values of output column c at c * m.
     let sizes: Vec<usize> = items
         .iter()
@@ -178,6 +155,22 @@ pub fn kquant_batch(
             })
             .collect(),
     ))
+}
+
+/// Each input's rows quantized to blocks of `T` where `want` says so (empty elsewhere).
+fn quantize_inputs<T: GgmlType + Clone>(inputs: &[Rows<'_>], want: &[bool]) -> Vec<Vec<T>> {
+    inputs
+        .iter()
+        .zip(want)
+        .map(|(r, &want)| {
+            let nb = r.k / T::BLCK_SIZE;
+            let mut y = vec![T::zeros(); if want { r.x.len() / T::BLCK_SIZE } else { 0 }];
+            for (x, y) in r.x.chunks_exact(r.k).zip(y.chunks_exact_mut(nb.max(1))) {
+                T::from_float(x, y);
+            }
+            y
+        })
+        .collect()
 }
 
 /// A weight's blocks as the pass reads them.
