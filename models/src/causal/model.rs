@@ -58,6 +58,16 @@ impl Units {
     }
 }
 
+/// A rank's place in a multi-process pipeline (`ranks.rs`), kept by its model.
+#[derive(Debug, Clone)]
+pub(super) struct RankLink {
+    pub(super) transport: std::sync::Arc<dyn candle_offload::dist::Transport>,
+    /// It runs the embeddings (rank 0).
+    pub(super) first: bool,
+    /// It runs the final norm and the head, and samples (the last rank).
+    pub(super) last: bool,
+}
+
 /// One pipeline stage: a device's runtime and the contiguous layers it runs.
 #[derive(Debug)]
 pub(super) struct Stage {
@@ -191,7 +201,7 @@ pub struct CausalLm {
     /// LoRA adapters every layer's projections run with ([`set_adapters`](Self::set_adapters)).
     pub(super) adapters: Option<Arc<crate::lora::Adapters>>,
     /// This process's place in a multi-process pipeline (`None`: the model is whole here).
-    pub(super) link: Option<super::ranks::RankLink>,
+    pub(super) link: Option<RankLink>,
     /// The expert cache and host CPU beside the stage of this index (a mixture-of-experts
     /// model whose experts the device's budget does not hold).
     pub(super) expert_tier: Option<(usize, super::experts::ExpertTier)>,

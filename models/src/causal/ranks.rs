@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use super::devices::{device_ordinal, DeviceMapChoice, DeviceMapRequest, Pipeline};
 use super::forward::StepInputs;
-use super::model::CausalLm;
+use super::model::{CausalLm, RankLink};
 use super::reserve::{device_budget, OffloadSettings};
 use crate::error::ModelError;
 use crate::family::Config;
@@ -148,16 +148,6 @@ impl CausalLm {
         }
         Ok(map)
     }
-}
-
-/// A rank's place in the pipeline, kept by its model.
-#[derive(Debug, Clone)]
-pub(super) struct RankLink {
-    pub(super) transport: Arc<dyn Transport>,
-    /// It runs the embeddings (rank 0).
-    pub(super) first: bool,
-    /// It runs the final norm and the head, and samples (the last rank).
-    pub(super) last: bool,
 }
 
 /// What [`CausalLmBuilder::rank`](crate::CausalLmBuilder::rank) builds on.
