@@ -15,8 +15,9 @@ Checkpoints (each `config.json` + `model.safetensors` + `logits.f32`, the refere
   every layer sparse; GGUFs `qwen3_moe.{f32,q8_0}.gguf`.
 - `qwen3_moe_mixed`: 3 layers, the middle one dense (`mlp_only_layers`), top 3 of 4 without
   renormalisation (`norm_topk_prob` false), and a tied head.
-- `qwen2_moe`: 3 layers, the middle one dense, top 2 of 4 without renormalisation, q/k/v
-  biases, and the shared expert (width 48) with its sigmoid gate.
+- `qwen2_moe`: top 2 of 4 without renormalisation (what llama.cpp assumes for `qwen2moe`),
+  q/k/v biases, and the shared expert (width 48) with its sigmoid gate, every layer sparse;
+  GGUFs `qwen2_moe.{f32,q8_0}.gguf`.
 - `mixtral_fused`, `qwen3_moe_mixed_fused`: the same weights as `mixtral` and
   `qwen3_moe_mixed` in the layout transformers 5 holds in memory (`mlp.experts.gate_up_proj`
   (experts, 2 inter, hidden), `mlp.experts.down_proj`), saved from its state dict.
@@ -59,12 +60,12 @@ CHECKPOINTS = {
                              num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1], head_dim=16,
                              rope_theta=1000000.0, tie_word_embeddings=True), False),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(num_hidden_layers=3, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
-                       num_experts_per_tok=2, norm_topk_prob=False, shared_expert_intermediate_size=48,
-                       mlp_only_layers=[1], rope_theta=1000000.0, tie_word_embeddings=False), False),
+                  dict(intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                       norm_topk_prob=False, shared_expert_intermediate_size=48, rope_theta=1000000.0,
+                       tie_word_embeddings=False), True),
 }
 FUSED = {"mixtral_fused": "mixtral", "qwen3_moe_mixed_fused": "qwen3_moe_mixed"}
-# llama.cpp's converter, with Qwen3-MoE reading the SentencePiece `tokenizer.model` as its dense
+# llama.cpp's converter, with Qwen3-MoE and Qwen2-MoE reading the SentencePiece `tokenizer.model` as its dense
 # Qwen3 does (its MoE converter only reads a GPT-2 style tokenizer.json).
 CONVERT = """
 import runpy, sys
@@ -72,6 +73,7 @@ llamacpp = sys.argv.pop(1)
 sys.path.insert(0, llamacpp)
 import conversion.qwen as q
 q.Qwen3MoeModel.set_vocab = lambda self: self._set_vocab_sentencepiece()
+q.Qwen2MoeModel.set_vocab = lambda self: self._set_vocab_sentencepiece()
 sys.argv[0] = llamacpp + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -4,7 +4,7 @@
 //! families' norm weights keep the 1 the converter added (their `norm_offset` is 0).
 //!
 //! Architectures: `llama` (also Mistral-shaped models, which the converter writes as `llama`,
-//! and Mixtral: `llama` with `expert_count`), `mistral`, `qwen2`, `qwen3`, `qwen3moe`, `phi3` (fused `attn_qkv`; `ffn_up` holds gate and up), `gemma`,
+//! and Mixtral: `llama` with `expert_count`), `mistral`, `qwen2`, `qwen3`, `qwen3moe`, `qwen2moe`, `phi3` (fused `attn_qkv`; `ffn_up` holds gate and up), `gemma`,
 //! `gemma2`, `gemma3`. What llama.cpp assumes where the file is silent:
 //! - Gemma 2 and 3 scale scores by `1/sqrt(head_dim)`, or `1/sqrt(hidden / heads)` for the
 //!   27B shapes (46 and 62 layers): the converter does not store `query_pre_attn_scalar`.
@@ -15,7 +15,7 @@
 //!   absent) unscaled, the global ones with `rope.freq_base` and `rope.scaling.factor`
 //!   (linear). Its converter trims the embedding to the tokenizer's size: the vocabulary is
 //!   the embedding's rows.
-//! - Mixture-of-experts layers (Mixtral, `qwen3moe`): every layer, the chosen experts'
+//! - Mixture-of-experts layers (Mixtral, `qwen3moe`, `qwen2moe` with its shared expert): every layer, the chosen experts'
 //!   weights renormalised (llama.cpp's graph for both); an expert's width is
 //!   `expert_feed_forward_length`, or `feed_forward_length` where absent (Mixtral). The
 //!   experts' stacks (`ffn_{gate,up,down}_exps`) are read one expert at a time, as the HF
@@ -41,7 +41,8 @@ use crate::layers::{Activation, Routing};
 
 /// The GGUF architectures this crate loads.
 pub(crate) const SUPPORTED: &[&str] = &[
-    "llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma", "gemma2", "gemma3",
+    "llama", "mistral", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "phi3", "gemma", "gemma2",
+    "gemma3",
 ];
 
 /// A q or k projection whose rows llama.cpp's converter permuted for its rope (to be put
@@ -143,6 +144,7 @@ pub(crate) fn config(c: &Content, path: &Path) -> Result<Config> {
         model_type: match arch.as_str() {
             "gemma3" => "gemma3_text".into(),
             "qwen3moe" => "qwen3_moe".into(),
+            "qwen2moe" => "qwen2_moe".into(),
             "llama" | "mistral" if experts.is_some() => "mixtral".into(),
             _ => arch.clone(),
         },
@@ -193,10 +195,12 @@ pub(crate) fn config(c: &Content, path: &Path) -> Result<Config> {
         }
     };
     let family: Arc<dyn Family> = match arch.as_str() {
-        "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3moe" if scaled => {
+        "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3moe" | "qwen2moe" if scaled => {
             return unsupported_scaling("this")
         }
-        "llama" | "mistral" | "qwen3moe" if experts.is_some() || arch == "qwen3moe" => {
+        "llama" | "mistral" | "qwen3moe" | "qwen2moe"
+            if experts.is_some() || arch.ends_with("moe") =>
+        {
             let Some((count, top_k, width)) = experts else {
                 return Err(ModelError::config(
                     path,
@@ -212,21 +216,29 @@ pub(crate) fn config(c: &Content, path: &Path) -> Result<Config> {
                 ));
             }
             Arc::new(Moe {
-                kind: if arch == "qwen3moe" {
-                    MoeKind::Qwen3Moe
-                } else {
-                    MoeKind::Mixtral
+                kind: match arch.as_str() {
+                    "qwen3moe" => MoeKind::Qwen3Moe,
+                    "qwen2moe" => MoeKind::Qwen2Moe,
+                    _ => MoeKind::Mixtral,
                 },
                 routing: Routing {
                     experts: count,
                     top_k,
-                    renormalize: true,
+                    // As llama.cpp weighs them: Qwen2-MoE's top-k probabilities as they are.
+                    renormalize: arch != "qwen2moe",
                 },
                 expert_intermediate: width,
                 sparse: vec![true; num_hidden_layers],
                 keys: ExpertKeys::PerExpert,
                 windows: vec![None; num_hidden_layers],
-                shared_intermediate: None,
+                shared_intermediate: match arch.as_str() {
+                    "qwen2moe" => Some(meta_usize(
+                        c,
+                        path,
+                        &key("expert_shared_feed_forward_length"),
+                    )?),
+                    _ => None,
+                },
             })
         }
         "llama" | "mistral" | "qwen2" => {
@@ -478,6 +490,10 @@ pub(crate) fn hf_name(arch: &str, gguf: &str) -> Option<(String, Option<Permuted
         (_, "attn_k_norm.weight") => ("self_attn.k_norm.weight", None),
         ("phi3", "ffn_up.weight") => ("mlp.gate_up_proj.weight", None),
         (_, "ffn_gate_inp.weight") => ("mlp.gate.weight", None),
+        (_, "ffn_gate_inp_shexp.weight") => ("mlp.shared_expert_gate.weight", None),
+        (_, "ffn_gate_shexp.weight") => ("mlp.shared_expert.gate_proj.weight", None),
+        (_, "ffn_up_shexp.weight") => ("mlp.shared_expert.up_proj.weight", None),
+        (_, "ffn_down_shexp.weight") => ("mlp.shared_expert.down_proj.weight", None),
         (_, "ffn_gate.weight") => ("mlp.gate_proj.weight", None),
         (_, "ffn_up.weight") => ("mlp.up_proj.weight", None),
         (_, "ffn_down.weight") => ("mlp.down_proj.weight", None),
