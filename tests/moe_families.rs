@@ -381,3 +381,62 @@ test_device!(
     moe_expert_tier_splits_and_keeps_the_logits_cpu,
     moe_expert_tier_splits_and_keeps_the_logits_gpu
 );
+
+/// `--quantize` on a mixture-of-experts checkpoint: each expert's projections quantized to
+/// Q8_0 on load (through the cached GGUF beside a copy of the checkpoint), each expert still a
+/// unit of its own, the logits near transformers' (relative L2 ≤ 5e-2, as the Q8_0 GGUFs).
+#[test]
+fn moe_quantize_on_load_keeps_experts_as_units() -> anyhow::Result<()> {
+    use candle_core::quantized::GgmlDType;
+    use candle_offload_models::quantize::QuantizeOptions;
+    let dir = fixtures()?;
+    for (name, expert) in [
+        ("mixtral", "model.layers.1.block_sparse_moe.experts.2"),
+        ("qwen3_moe", "model.layers.0.mlp.experts.3"),
+        ("qwen2_moe", "model.layers.1.mlp.experts.0"),
+    ] {
+        let copy = std::env::temp_dir().join(format!(
+            "candle-offload-moe-quantize-{name}-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&copy)?;
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(dir.join(name).join(f), copy.join(f))?;
+        }
+        let files = loader::from_dir(&copy)?;
+        let opts = QuantizeOptions {
+            threads: Some(2),
+            ..Default::default()
+        };
+        let (store, _) = loader::quantized_store(
+            &files,
+            GgmlDType::Q8_0,
+            DType::F32,
+            &Device::Cpu,
+            None,
+            &opts,
+        )?;
+        let store = Arc::new(store);
+        let unit = store
+            .unit_id(expert)
+            .map(|u| store.unit(u))
+            .unwrap_or_else(|| panic!("{name}: no unit {expert}"));
+        assert!(
+            unit.tensors()
+                .iter()
+                .all(|t| format!("{}", t.format).contains("Q8_0")),
+            "{name}: {expert} is not Q8_0 blocks"
+        );
+        let rt = OffloadRuntime::new(store.clone(), &Device::Cpu, &OffloadConfig::default())?;
+        let m = Llama::builder(files.config.clone(), store)
+            .runtime(rt)
+            .dtype(DType::F32)
+            .max_len(64)
+            .source_path(files.weights_path())
+            .build()?;
+        let r = rel_l2(&logits(&m)?, &reference(&dir.join(name))?);
+        assert!(r <= 5e-2, "{name}: Q8_0 on load, rel L2 {r}");
+        std::fs::remove_dir_all(&copy)?;
+    }
+    Ok(())
+}
