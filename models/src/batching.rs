@@ -162,6 +162,8 @@ pub struct BatchGauges {
     pub last_rows: usize,
     /// Steps run.
     pub steps: u64,
+    /// A mixture-of-experts model's expert cache: hits and misses so far (`None` without one).
+    pub expert_cache: Option<(u64, u64)>,
 }
 
 /// A sequence's sampler: on the device where the logits are (only the id crosses), or the
@@ -334,6 +336,11 @@ impl Batcher {
             last_batch: self.last.0,
             last_rows: self.last.1,
             steps: self.steps,
+            expert_cache: self.model.expert_stats().map(|s| {
+                s.layers
+                    .iter()
+                    .fold((0, 0), |(h, m), c| (h + c.hits, m + c.misses))
+            }),
         }
     }
 

@@ -45,6 +45,13 @@ pub struct Gauges {
     pub gpu_budget_bytes: AtomicU64,
     /// Whether the two above are known (not on a CPU).
     pub gpu_known: AtomicBool,
+    /// Routed experts found in a mixture-of-experts model's expert cache, where it has one
+    /// ([`Self::experts_known`]).
+    pub expert_hits: AtomicU64,
+    /// Routed experts not found there (fetched, streamed or computed on the host CPU).
+    pub expert_misses: AtomicU64,
+    /// Whether the model has an expert cache.
+    pub experts_known: AtomicBool,
     /// Whether the model is loaded.
     pub loaded: AtomicBool,
 }
@@ -308,6 +315,20 @@ impl Metrics {
                 &one(load(&g.gpu_budget_bytes)),
             );
         }
+        if g.experts_known.load(Ordering::Relaxed) {
+            metric(
+                "expert_cache_hits_total",
+                "counter",
+                "Routed experts found in the GPU's expert cache.",
+                &one(load(&g.expert_hits)),
+            );
+            metric(
+                "expert_cache_misses_total",
+                "counter",
+                "Routed experts not in the expert cache (fetched, streamed or run on the CPU).",
+                &one(load(&g.expert_misses)),
+            );
+        }
         metric(
             "model_loaded",
             "gauge",
@@ -392,6 +413,22 @@ mod tests {
             Some(2.0)
         );
         assert!(!t.contains("gpu_memory"), "no device, no device memory");
+        assert!(
+            !t.contains("expert_cache"),
+            "no expert cache, no expert counters"
+        );
+        m.gauges.expert_hits.store(7, Ordering::Relaxed);
+        m.gauges.expert_misses.store(3, Ordering::Relaxed);
+        m.gauges.experts_known.store(true, Ordering::Relaxed);
+        let t = m.render(now);
+        assert_eq!(
+            value(&t, "candle_offload_expert_cache_hits_total"),
+            Some(7.0)
+        );
+        assert_eq!(
+            value(&t, "candle_offload_expert_cache_misses_total"),
+            Some(3.0)
+        );
         assert_eq!(m.tokens_per_second(now + Duration::from_secs(11)), 0.0);
     }
 }

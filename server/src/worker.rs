@@ -329,6 +329,11 @@ impl Worker {
         g.last_batch.store(b.last_batch, Ordering::Relaxed);
         g.last_rows.store(b.last_rows, Ordering::Relaxed);
         g.steps.store(b.steps, Ordering::Relaxed);
+        if let Some((hits, misses)) = b.expert_cache {
+            g.expert_hits.store(hits, Ordering::Relaxed);
+            g.expert_misses.store(misses, Ordering::Relaxed);
+            g.experts_known.store(true, Ordering::Relaxed);
+        }
         // The device's memory at most every 100 ms (a driver call).
         let due = self
             .probed

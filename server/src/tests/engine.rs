@@ -156,3 +156,25 @@ async fn metrics_count_requests_tokens_and_return_to_idle() {
     assert!(value("candle_offload_steps_total") >= 5.0);
     assert!(a.metrics().gauges.loaded.load(Ordering::Relaxed));
 }
+
+#[tokio::test]
+async fn metrics_show_the_expert_cache_where_the_model_has_one() {
+    let mut fake = Fake::new("ok");
+    fake.experts = Some((12, 4));
+    let a = app(config(), fake).await;
+    let r = post(&a.router(), "/v1/chat/completions", chat_body("Hi")).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    text(r).await;
+    let m = text(send(&a.router(), request("GET", "/metrics", "", &[])).await).await;
+    assert!(
+        m.contains("candle_offload_expert_cache_hits_total 12"),
+        "{m}"
+    );
+    assert!(
+        m.contains("candle_offload_expert_cache_misses_total 4"),
+        "{m}"
+    );
+    let dense = app(config(), Fake::new("ok")).await;
+    let m = text(send(&dense.router(), request("GET", "/metrics", "", &[])).await).await;
+    assert!(!m.contains("expert_cache"), "{m}");
+}

@@ -72,6 +72,8 @@ pub struct Fake {
     pub delay: Duration,
     /// What happened.
     pub log: Arc<Mutex<Log>>,
+    /// The expert cache's hits and misses the gauges report (`None`: a dense model).
+    pub experts: Option<(u64, u64)>,
     waiting: VecDeque<(u64, SeqRequest)>,
     running: Vec<(u64, SeqRequest, usize)>,
     last_batch: usize,
@@ -94,6 +96,7 @@ impl Fake {
             fail_step: None,
             delay: Duration::ZERO,
             log: Arc::default(),
+            experts: None,
             waiting: VecDeque::new(),
             running: Vec::new(),
             last_batch: 0,
@@ -188,6 +191,7 @@ impl Backend for Fake {
             last_batch: self.last_batch,
             last_rows: self.last_batch,
             steps: self.log.lock().unwrap().steps,
+            expert_cache: self.experts,
         }
     }
 
