@@ -336,11 +336,7 @@ impl Batcher {
             last_batch: self.last.0,
             last_rows: self.last.1,
             steps: self.steps,
-            expert_cache: self.model.expert_stats().map(|s| {
-                s.layers
-                    .iter()
-                    .fold((0, 0), |(h, m), c| (h + c.hits, m + c.misses))
-            }),
+            expert_cache: self.model.expert_stats().map(|s| s.totals()),
         }
     }
 

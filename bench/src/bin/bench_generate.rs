@@ -282,8 +282,9 @@ fn main() -> Result<()> {
     };
 
     // The host's memory read rate, for the physical bound of what reads host memory every
-    // token (a mixture-of-experts model's host experts and fetches).
-    let host_read_gbps = candle_offload_bench::host_read_gbps(1 << 30, 3);
+    // token (a mixture-of-experts model's host experts and fetches): measured once, on the
+    // first record that has an expert cache.
+    let host_read_gbps = std::cell::OnceCell::new();
     let mut records = Vec::new();
     // The results file (when asked for), written whole from the records so far.
     let write_json = |records: &[serde_json::Value]| -> Result<()> {
@@ -532,7 +533,13 @@ fn main() -> Result<()> {
             let after_decode = rt.stats()?.total;
             // The expert tier over the timed decode steps.
             let experts = match (experts_before, model.expert_stats()) {
-                (Some(a), Some(b)) => Some(expert_fields(&a, &b, args.new_tokens, host_read_gbps)),
+                (Some(a), Some(b)) => Some(expert_fields(
+                    &a,
+                    &b,
+                    args.new_tokens,
+                    *host_read_gbps
+                        .get_or_init(|| candle_offload_bench::host_read_gbps(1 << 30, 3)),
+                )),
                 _ => None,
             };
             let reused = after_decode.reused_buffers - before_decode.reused_buffers;
@@ -830,7 +837,6 @@ fn main() -> Result<()> {
                 "graph_replays": graph_stats.replays,
                 "graph_eager_steps": graph_stats.eager_steps,
                 "graph_last_reason": graph_stats.last_reason,
-                "host_read_gbps": host_read_gbps,
                 "expert_policy": format!("{:?}", args.expert_policy),
                 "expert_prefetch": args.expert_prefetch,
             });
@@ -893,13 +899,8 @@ fn expert_fields(
             (h + m > 0).then(|| h as f64 / (h + m) as f64)
         })
         .collect();
-    let (hits, misses) = a
-        .layers
-        .iter()
-        .zip(&b.layers)
-        .fold((0, 0), |(h, m), (x, y)| {
-            (h + y.hits - x.hits, m + y.misses - x.misses)
-        });
+    let ((h0, m0), (h1, m1)) = (a.totals(), b.totals());
+    let (hits, misses) = (h1 - h0, m1 - m0);
     let host_bytes = (b.host_bytes - a.host_bytes) as f64 / n;
     serde_json::json!({
         "expert_hit_rate": if hits + misses > 0 { hits as f64 / (hits + misses) as f64 } else { 0.0 },
@@ -916,6 +917,7 @@ fn expert_fields(
         "host_bytes_per_token": host_bytes,
         "expert_host_bytes_per_s": b.host_bytes_per_s,
         "expert_link_bytes_per_s": b.link_bytes_per_s,
+        "host_read_gbps": host_read_gbps,
         "physical_bound_tokens_per_s": (host_bytes > 0.0).then(|| host_read_gbps * 1e9 / host_bytes),
     })
 }

@@ -138,12 +138,16 @@ impl std::fmt::Display for ExpertStats {
 }
 
 impl ExpertStats {
+    /// Hits and misses over every layer.
+    pub fn totals(&self) -> (u64, u64) {
+        self.layers
+            .iter()
+            .fold((0, 0), |(h, m), c| (h + c.hits, m + c.misses))
+    }
+
     /// Hits over accesses over every layer.
     pub fn hit_rate(&self) -> f64 {
-        let (h, m) = self
-            .layers
-            .iter()
-            .fold((0, 0), |(h, m), c| (h + c.hits, m + c.misses));
+        let (h, m) = self.totals();
         if h + m == 0 {
             0.0
         } else {
@@ -155,6 +159,10 @@ impl ExpertStats {
 #[derive(Debug)]
 struct TierState {
     cache: ExpertCache,
+    /// Decoder layers (the cache's).
+    layers: usize,
+    /// What the tier did; its per-layer counters and slots are the cache's
+    /// ([`ExpertTier::stats`]).
     stats: ExpertStats,
     /// Per layer, the host bytes of the experts the last [`ExpertUnits::place`] left there.
     placed_host_bytes: Vec<u64>,
@@ -206,33 +214,26 @@ impl ExpertTier {
         match options.split {
             ExpertSplit::Off => false,
             ExpertSplit::On => true,
-            _ => device.is_cuda() && room < Self::all_expert_bytes(layout, store, |u| u.bytes()),
+            _ => {
+                device.is_cuda()
+                    && room
+                        < Self::expert_units(layout, store)
+                            .into_iter()
+                            .map(|id| store.unit(id).bytes())
+                            .sum::<u64>()
+            }
         }
     }
 
-    fn expert_units(layout: &Layout, store: &HostStore) -> Vec<(usize, UnitId)> {
+    /// Every expert unit of the model in `store`.
+    fn expert_units(layout: &Layout, store: &HostStore) -> Vec<UnitId> {
         let Some(x) = &layout.experts else {
             return Vec::new();
         };
         (0..x.sparse.len())
-            .flat_map(|l| {
-                layout
-                    .experts_of(l)
-                    .into_iter()
-                    .filter_map(move |n| store.unit_id(&n).map(|id| (l, id)))
-            })
+            .flat_map(|l| layout.experts_of(l))
+            .filter_map(|n| store.unit_id(&n))
             .collect()
-    }
-
-    fn all_expert_bytes(
-        layout: &Layout,
-        store: &HostStore,
-        size: impl Fn(&candle_offload::store::HostUnit) -> u64,
-    ) -> u64 {
-        Self::expert_units(layout, store)
-            .into_iter()
-            .map(|(_, id)| size(store.unit(id)))
-            .sum()
     }
 
     /// The tier of a stage over `store`: slots per sparse layer from `sizing.room`, a CPU
@@ -251,7 +252,7 @@ impl ExpertTier {
             .expect("a tier is made for a model with expert units");
         let largest = units
             .iter()
-            .map(|&(_, id)| store.unit(id).bytes())
+            .map(|&id| store.unit(id).bytes())
             .max()
             .unwrap_or(0);
         let sparse_layers = x.sparse.iter().filter(|&&s| s).count();
@@ -269,7 +270,7 @@ impl ExpertTier {
                 units: Some(
                     units
                         .iter()
-                        .map(|&(_, id)| store.unit(id).name().to_string())
+                        .map(|&id| store.unit(id).name().to_string())
                         .collect(),
                 ),
                 policy: candle_offload::PolicyChoice::Lru,
@@ -290,9 +291,8 @@ impl ExpertTier {
             prefetch: options.prefetch,
             state: Mutex::new(TierState {
                 cache: ExpertCache::new(options.policy, x.count, &slots),
+                layers: x.sparse.len(),
                 stats: ExpertStats {
-                    layers: vec![LayerCounters::default(); x.sparse.len()],
-                    slots,
                     experts_per_layer: x.count,
                     expert_bytes: largest,
                     dense_bytes: sizing.dense,
@@ -318,13 +318,11 @@ impl ExpertTier {
     /// What the tier did so far.
     pub(crate) fn stats(&self) -> ExpertStats {
         match self.state.lock() {
-            Ok(st) => {
-                let mut s = st.stats.clone();
-                for (l, c) in s.layers.iter_mut().enumerate() {
-                    *c = st.cache.counters(l);
-                }
-                s
-            }
+            Ok(st) => ExpertStats {
+                layers: (0..st.layers).map(|l| st.cache.counters(l)).collect(),
+                slots: (0..st.layers).map(|l| st.cache.slots(l)).collect(),
+                ..st.stats.clone()
+            },
             Err(_) => ExpertStats::default(),
         }
     }
@@ -388,13 +386,18 @@ impl ExpertUnits for SplitExperts<'_> {
         let resident = routed.len() - missing.len();
         // The missing ones: fetched (taking a slot) or on the host, priced per expert.
         let (host_rate, link_rate) = (st.stats.host_bytes_per_s, st.stats.link_bytes_per_s);
-        let mut costs = Vec::with_capacity(missing.len());
-        for &i in &missing {
-            let (e, rows) = routed[i];
-            let bytes = store.unit(self.unit(layer, e)?).host_bytes() as f64;
-            let reads = rows.div_ceil(HOST_ROWS_PER_READ).max(1) as f64;
-            costs.push((bytes * reads / host_rate, bytes / link_rate));
-        }
+        let bytes: Vec<u64> = missing
+            .iter()
+            .map(|&i| Ok(store.unit(self.unit(layer, routed[i].0)?).host_bytes()))
+            .collect::<Result<_>>()?;
+        let costs: Vec<(f64, f64)> = missing
+            .iter()
+            .zip(&bytes)
+            .map(|(&i, &b)| {
+                let reads = routed[i].1.div_ceil(HOST_ROWS_PER_READ).max(1) as f64;
+                (b as f64 * reads / host_rate, b as f64 / link_rate)
+            })
+            .collect();
         let can_stream = self.tier.can_stream;
         let fetch = if st.cache.slots(layer) == 0 && !can_stream {
             vec![false; missing.len()]
@@ -410,9 +413,8 @@ impl ExpertUnits for SplitExperts<'_> {
         let (mut fetched, mut streamed) = (0u64, 0u64);
         let mut host_bytes = 0u64;
         let mut on_host_bytes = 0u64;
-        for (&i, &f) in missing.iter().zip(&fetch) {
+        for ((&i, &f), &bytes) in missing.iter().zip(&fetch).zip(&bytes) {
             let (e, _) = routed[i];
-            let bytes = store.unit(self.unit(layer, e)?).host_bytes();
             host_bytes += bytes;
             if f {
                 if let Some(victim) = st.cache.admit(layer, e, &protect) {
@@ -470,12 +472,16 @@ impl ExpertUnits for SplitExperts<'_> {
                 .lock()
                 .map_err(|_| candle_core::Error::Msg("the expert tier's lock is poisoned".into()))
         };
+        if !self.tier.prefetch {
+            // The routers are kept only for the guess.
+            return Ok(());
+        }
         let next = {
             let mut st = lock()?;
             if let Some(r) = st.routers.get_mut(layer) {
                 *r = Some((router.clone(), routing));
             }
-            if !self.tier.prefetch || x2.dim(0)? != 1 {
+            if x2.dim(0)? != 1 {
                 return Ok(());
             }
             st.routers

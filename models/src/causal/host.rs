@@ -246,10 +246,11 @@ impl OnDevice<'_> {
         // A mixture-of-experts model's experts beside the dense part: what the decode step's
         // reservation leaves of the budget (the tier's slots are sized on the runtime's
         // capacity below).
-        let (dense, budget) = self.whole_bytes(DECODE_ROWS, true)?;
-        let room = budget.saturating_sub(dense);
-        let tier =
-            super::experts::ExpertTier::wanted(settings.experts, &layout, store, device, room);
+        let tier = layout.experts.is_some() && {
+            let (dense, budget) = self.whole_bytes(DECODE_ROWS, true)?;
+            let room = budget.saturating_sub(dense);
+            super::experts::ExpertTier::wanted(settings.experts, &layout, store, device, room)
+        };
         let mut keep = CausalLm::kept_units(store, cfg);
         if tier {
             // The dense layers stay: the tier's cache makes the room its experts take.
