@@ -19,7 +19,7 @@ use anyhow::{anyhow, bail, Result};
 use candle_offload::dist::{broadcast_tokens, Transport};
 use candle_offload::placement::{DeviceMap, PlacementMode};
 use candle_offload::{MemoryLimit, OffloadRuntime};
-use candle_offload_models::generation::{generate, generate_ranks, TokenStream};
+use candle_offload_models::generation::{generate, generate_ranks, GenerationStats, TokenStream};
 use candle_offload_models::llama::{argmax, DeviceMapChoice};
 use candle_offload_models::sampling::{DeviceSampler, TokenSampler};
 use candle_offload_models::{
@@ -270,38 +270,17 @@ fn run(args: Args) -> Result<()> {
     // the host); on the CPU Candle's LogitsProcessor, whose host sort is cheaper there.
     let on_gpu = stages.last().is_some_and(|(rt, _)| rt.device().is_cuda());
     let mut sampler = sampler(&args, &model, on_gpu)?;
-    let mut stream = TokenStream::new(&tokenizer);
     let stops = stop_tokens(&cfg, &tokenizer);
-    let mut stdout = std::io::stdout();
+    let mut out = TextOut::new(&tokenizer, stops.clone());
     let (_, stats) = generate(
         &model,
         &prompt_ids,
         args.max_new_tokens,
         &mut sampler,
         &stops,
-        |t| {
-            if stops.contains(&t) {
-                return Ok(());
-            }
-            if let Some(text) = stream.next_token(t)? {
-                print!("{text}");
-                stdout.flush().ok();
-            }
-            Ok(())
-        },
+        |t| out.token(t),
     )?;
-    if let Some(rest) = stream.rest()? {
-        print!("{rest}");
-    }
-    println!();
-    eprintln!(
-        "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens at {:.2} tokens/s",
-        stats.prompt_tokens,
-        stats.prefill_s,
-        stats.prefill_tokens_per_s(),
-        stats.generated_tokens,
-        stats.decode_tokens_per_s()
-    );
+    out.finish(&stats)?;
     for (k, (stage_rt, layers)) in stages.iter().enumerate() {
         if sharded {
             eprintln!(
@@ -352,6 +331,51 @@ fn prompt_ids(args: &Args, files: &ModelFiles, tokenizer: &Tokenizer) -> Result<
 }
 
 /// The configuration's EOS, and the vocabulary's end of turn (Gemma's `<end_of_turn>`).
+/// The answer printed as text as its tokens come (stop tokens left out), then the timing line.
+struct TextOut<'a> {
+    stream: TokenStream<'a>,
+    stops: Vec<u32>,
+    stdout: std::io::Stdout,
+}
+
+impl<'a> TextOut<'a> {
+    fn new(tokenizer: &'a Tokenizer, stops: Vec<u32>) -> Self {
+        Self {
+            stream: TokenStream::new(tokenizer),
+            stops,
+            stdout: std::io::stdout(),
+        }
+    }
+
+    fn token(&mut self, t: u32) -> candle_core::Result<()> {
+        if self.stops.contains(&t) {
+            return Ok(());
+        }
+        if let Some(text) = self.stream.next_token(t)? {
+            print!("{text}");
+            self.stdout.flush().ok();
+        }
+        Ok(())
+    }
+
+    /// The text held back, the line's end, and the prefill and decode rates on stderr.
+    fn finish(self, stats: &GenerationStats) -> Result<()> {
+        if let Some(rest) = self.stream.rest()? {
+            print!("{rest}");
+        }
+        println!();
+        eprintln!(
+            "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens at {:.2} tokens/s",
+            stats.prompt_tokens,
+            stats.prefill_s,
+            stats.prefill_tokens_per_s(),
+            stats.generated_tokens,
+            stats.decode_tokens_per_s()
+        );
+        Ok(())
+    }
+}
+
 fn stop_tokens(cfg: &candle_offload_models::Config, tokenizer: &Tokenizer) -> Vec<u32> {
     let mut stops = cfg.eos_token_ids.clone();
     for t in tokenizer.end_of_generation() {
@@ -460,39 +484,17 @@ fn run_rank(args: &Args, launch: &Launch) -> Result<()> {
         )?;
         let mut sampler = sampler(args, &model, device.is_cuda())?;
         let stops = stop_tokens(&cfg, &tokenizer);
-        let mut stream = TokenStream::new(&tokenizer);
-        let mut stdout = std::io::stdout();
+        let mut out = TextOut::new(&tokenizer, stops.clone());
         let (_, stats) = generate_ranks(
             &model,
             &prompt_ids,
             args.max_new_tokens,
             &mut sampler,
             &stops,
-            |t| {
-                if rank != 0 || stops.contains(&t) {
-                    return Ok(());
-                }
-                if let Some(text) = stream.next_token(t)? {
-                    print!("{text}");
-                    stdout.flush().ok();
-                }
-                Ok(())
-            },
+            |t| if rank == 0 { out.token(t) } else { Ok(()) },
         )?;
         if rank == 0 {
-            if let Some(rest) = stream.rest()? {
-                print!("{rest}");
-            }
-            println!();
-            eprintln!(
-                "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens at {:.2} \
-                 tokens/s",
-                stats.prompt_tokens,
-                stats.prefill_s,
-                stats.prefill_tokens_per_s(),
-                stats.generated_tokens,
-                stats.decode_tokens_per_s()
-            );
+            out.finish(&stats)?;
         }
         let layers = map.devices[rank].layers();
         eprint!(
