@@ -6,7 +6,8 @@
 #
 # Here, before the calls: `scripts/gpu-pack.sh --bin bench_generate --tests` (CUDA), a copy of
 # the pinned peer folder in .gpu/llamacpp, `git rev-parse --short=12 HEAD > .gpu/COMMIT`.
-# Call 1 (carry .gpu/llamacpp, .gpu/test-integration.xz, .gpu/COMMIT):
+# Call 1 (carry .gpu/llamacpp, .gpu/test-integration.xz, .gpu/COMMIT; .gpu/bench_generate.xz
+#   for a first run of ours while llama.cpp builds):
 #   `bash scripts/gpu_moe_session.sh call1`
 #   llama.cpp's CUDA build and a CPU-only llama-quantize in the background; the Q8_0 file of
 #   ROUTING (uniform by default) written, then its Q4_K_M (`--allow-requantize`) in a detached
@@ -24,6 +25,8 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296
 ROUTING=${ROUTING:-uniform}
+# Q4=0: the Q8_0 file only (no Q4_K_M requantized from it, no CPU llama-quantize build).
+Q4=${Q4:-1}
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/res-$1; mkdir -p "$FINAL" "$OUT" /tmp/gguf /tmp/bin
 R=$PWD
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -39,6 +42,7 @@ set -x
 t0=\$(date +%s)
 PYTHONPATH=/tmp/lcq/gguf-py python3 $R/scripts/gguf_random_moe.py $(gguf q8_0).part --routing $ROUTING && mv $(gguf q8_0).part $(gguf q8_0) && touch $(gguf q8_0).done
 echo "q8_0 written \$(( \$(date +%s)-t0 )) s"
+[[ "$Q4" == 1 ]] || exit 0
 cd $R && bash scripts/llamacpp_quantize.sh /tmp/lcq
 /tmp/lcq/build/bin/llama-quantize --allow-requantize $(gguf q8_0) $(gguf q4_k_m).part Q4_K_M 16 > /tmp/moe-q4.log 2>&1 && mv $(gguf q4_k_m).part $(gguf q4_k_m) && touch $(gguf q4_k_m).done
 echo "q4_k_m written \$(( \$(date +%s)-t0 )) s"
@@ -56,6 +60,17 @@ case "$1" in
     el "tests"
     (cd /tmp && timeout "${TESTS_S:-200}" /tmp/bin/test-integration --test-threads 1 ${TESTS:-moe_ batching}) > "$OUT/tests.log" 2>&1
     echo "tests exit $?" | tee -a "$OUT/tests.log"; grep -E "test result|FAILED|panicked" "$OUT/tests.log" | tail -8
+    # With .gpu/bench_generate.xz carried too: ours alone on the Q8_0 file at SMOKE_BUDGETS
+    # (default 8 GiB), a first look while llama.cpp builds (its timing shares the CPU with it).
+    if [[ -f .gpu/bench_generate.xz ]]; then
+      xz -dc .gpu/bench_generate.xz > /tmp/bin/bench_generate && chmod +x /tmp/bin/bench_generate
+      f=$(gguf q8_0); while [[ ! -f $f.done ]] && pgrep -f moe-write.sh >/dev/null; do sleep 2; done
+      el "smoke"
+      (cd /tmp && timeout "${SMOKE_S:-150}" /tmp/bin/bench_generate --model-dir "$f" --quantized \
+        --weights smoke --budgets "${SMOKE_BUDGETS:-8}" --prompt-lens 64 --new-tokens "${SMOKE_TOKENS:-8}" \
+        --json-out "$OUT/smoke.json") > "$OUT/smoke.log" 2>&1
+      echo "smoke exit $?"; grep -E "^ +[0-9]+ |experts|rror" "$OUT/smoke.log" | tail -12
+    fi
     el "waiting for llama.cpp"; wait $lc; tail -1 "$OUT/llamacpp-build.log"; grep -v "^+" /tmp/moe-write.log
     el "done"
     ;;

@@ -436,7 +436,25 @@ __device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q5_0, q5_0)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q5_1, q5_1)                                              \
     QLINEAR_SMALL_FOR(T, SUFFIX, M, QT_Q8_0, q8_0)
+// experts_weighted_sum_<dtype>: out (n) = Σ_e s.w[e] · y[e · n + c] over `experts` rows of
+// y (and out's own values first where `accumulate`), in F32, rounded once: a decode row's
+// routed experts' outputs weighted and added (`linear::experts`). One thread per column.
+template <typename T>
+__device__ void experts_weighted_sum(const T *y, T *out, const GroupScales &s, uint32_t experts,
+                                     uint32_t n, uint32_t accumulate) {
+    const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= n) return;
+    float acc = accumulate ? to_f32(out[c]) : 0.0f;
+    for (uint32_t e = 0; e < experts; ++e) acc = fmaf(s.w[e], to_f32(y[(size_t)e * n + c]), acc);
+    out[c] = from_f32<T>(acc);
+}
+#define EXPERTS_WEIGHTED_SUM_FOR(T, SUFFIX)                                                     \
+    extern "C" __global__ void experts_weighted_sum_##SUFFIX(                                   \
+        const T *y, T *out, GroupScales s, uint32_t experts, uint32_t n, uint32_t accumulate) { \
+        experts_weighted_sum<T>(y, out, s, experts, n, accumulate);                             \
+    }
 #define LINEAR_FOR(T, SUFFIX)                                                                   \
+    EXPERTS_WEIGHTED_SUM_FOR(T, SUFFIX)                                                         \
     LINEAR_SMALL_FOR(T, SUFFIX, 1)                                                              \
     LINEAR_SMALL_FOR(T, SUFFIX, 2)                                                              \
     LINEAR_SMALL_FOR(T, SUFFIX, 4)                                                              \

@@ -577,7 +577,26 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     QLINEAR3KS2_SMALL_FOR(T, SUFFIX, 1, 4)                                                      \
     QLINEAR3KS2_SMALL_FOR(T, SUFFIX, 2, 4)
 
+// qlinear3k_experts_r<R>_<q>_<dtype>: qlinear3k_small for one row of x over a group of
+// experts, with qlinear3_experts_r<R>_<q>_<dtype>'s arguments and layout (linear_q8.cu).
+#define QLINEAR3K_EXPERTS_ONE(T, SUFFIX, R, KT, QNAME)                                          \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
+        qlinear3k_experts_r##R##_##QNAME##_##SUFFIX(                                            \
+        const T *x, uint32_t x_stride, GroupWeights g, T *y, uint32_t n0, uint32_t n1,          \
+        uint32_t k, uint32_t silu, uint32_t xblocks) {                                          \
+        const uint32_t e = blockIdx.y;                                                          \
+        qlinear3k_small<T, 1, KT, R, 1>(x + (size_t)e * x_stride, g.w0[e], g.w1[e], g.w0[e],    \
+                                        y + (size_t)e * (silu ? n0 : n0 + n1), 1u, n0, n1, 0u,  \
+                                        k, silu, xblocks);                                      \
+    }
+#define QLINEAR3K_EXPERTS_ALL(T, SUFFIX)                                                        \
+    QLINEAR3K_EXPERTS_ONE(T, SUFFIX, 2, KT_Q4_K, q4_k)                                          \
+    QLINEAR3K_EXPERTS_ONE(T, SUFFIX, 4, KT_Q4_K, q4_k)                                          \
+    QLINEAR3K_EXPERTS_ONE(T, SUFFIX, 2, KT_Q6_K, q6_k)                                          \
+    QLINEAR3K_EXPERTS_ONE(T, SUFFIX, 4, KT_Q6_K, q6_k)
+
 #define LINEAR_K_FOR(T, SUFFIX)                                                                 \
+    QLINEAR3K_EXPERTS_ALL(T, SUFFIX)                                                            \
     QLINEAR_K2_SMALL_ALL(T, SUFFIX)                                                             \
     QLINEAR4K_SMALL_ALL(T, SUFFIX)                                                              \
     QLINEAR_K_SMALL_FOR(T, SUFFIX, 1)                                                           \

@@ -337,7 +337,23 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
         uint4 *yq, uint32_t *counters) {                                                        \
         qlinear_small4<T, M, QT, R>(xq, w0, w1, w2, y, m, n0, n1, n2, k, silu, yq, counters);   \
     }
+// qlinear3_experts_r<R>_<q>_<dtype>: variant 3 for one row of x over a group of experts
+// (blockIdx.y: expert e): expert e's weights g.w0[e] (and g.w1[e], the up projection, with
+// silu), its row of x at x + e · x_stride (0: one row for all) and its output row at
+// y + e · (n0 + n1) (n0 with silu). Otherwise qlinear3_small_r<R>_m1's contract per expert.
+#define QLINEAR3_EXPERTS_FOR(T, SUFFIX, M, QT, QNAME, R)                                        \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 8)                              \
+        qlinear3_experts_r##R##_##QNAME##_##SUFFIX(                                             \
+        const T *x, uint32_t x_stride, GroupWeights g, T *y, uint32_t n0, uint32_t n1,          \
+        uint32_t k, uint32_t silu, uint32_t xblocks) {                                          \
+        const uint32_t e = blockIdx.y;                                                          \
+        qlinear_small3<T, 1, QT, R>(x + (size_t)e * x_stride, g.w0[e], g.w1[e], g.w0[e],        \
+                                    y + (size_t)e * (silu ? n0 : n0 + n1), 1u, n0, n1, 0u, k,   \
+                                    silu, xblocks);                                             \
+    }
 #define LINEAR_Q8_FOR(T, SUFFIX)                                                                \
+    QLINEAR_RM_TYPES(QLINEAR3_EXPERTS_FOR, T, SUFFIX, 1, 2)                                     \
+    QLINEAR_RM_TYPES(QLINEAR3_EXPERTS_FOR, T, SUFFIX, 1, 4)                                     \
     QLINEAR_RM_ALL(QLINEAR3_SMALL_FOR, T, SUFFIX)                                               \
     QLINEAR_RM_ALL(QLINEAR4_SMALL_FOR, T, SUFFIX)                                               \
     extern "C" __global__ void __launch_bounds__(128)                                           \

@@ -286,3 +286,15 @@ __device__ __forceinline__ void qstore2(float (*acc)[M], uint32_t col0, const ui
     QLINEAR_RM_TYPES(FOR, T, SUFFIX, 8, 2)                                                      \
     QLINEAR_RM_TYPES(FOR, T, SUFFIX, 1, 4)                                                      \
     QLINEAR_RM_TYPES(FOR, T, SUFFIX, 2, 4)
+
+// The routed experts of one grouped launch of a decode row (`linear::experts`): expert
+// blockIdx.y's weight buffers (w0; w1 for a SwiGLU's up) and its output's scale, passed by
+// value. At most MAX_GROUP_EXPERTS a launch (`MAX_GROUP_EXPERTS` in linear/experts.rs).
+#define MAX_GROUP_EXPERTS 16
+struct GroupWeights {
+    const uint8_t *w0[MAX_GROUP_EXPERTS];
+    const uint8_t *w1[MAX_GROUP_EXPERTS];
+};
+struct GroupScales {
+    float w[MAX_GROUP_EXPERTS];
+};

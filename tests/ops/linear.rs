@@ -545,3 +545,142 @@ fn ops_cpu_dense_linear() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// A decode row through its routed experts (`linear::qexperts_row`): on a GPU the grouped
+/// kernels, which must take these experts (`qexperts_row_fits`), against each expert's own
+/// decode matmuls (`qlinear_silu_mul`, then `qlinear_small`), their outputs weighted and
+/// summed in F32: the same arithmetic but for the sum's one rounding, so within the dtype's
+/// tolerance. Block types of 32 and the K-quants, a down of another type than gate and up,
+/// 1 to 17 experts (two groups of launches, the second added to the first). On the CPU (and
+/// for experts of mixed types, which no kernel takes) the composition itself.
+fn qexperts_row_matches_each_expert(device: &Device) -> anyhow::Result<()> {
+    let tun = KernelTuning::default();
+    let (hidden, inter) = (512usize, 256usize);
+    let types = [
+        (GgmlDType::Q8_0, GgmlDType::Q8_0),
+        (GgmlDType::Q4K, GgmlDType::Q6K),
+        (GgmlDType::Q4K, GgmlDType::Q4K),
+        (GgmlDType::Q4_0, GgmlDType::Q8_0),
+    ];
+    for dtype in DTYPES {
+        for (t, &(gt, dt)) in types.iter().enumerate() {
+            for (c, count) in [1usize, 3, 8, 17].into_iter().enumerate() {
+                let seed = 5000 + 100 * t as u64 + 10 * c as u64;
+                let x = random(&[1, 1, hidden], 1.0, seed, dtype, device)?;
+                let w = |shape: &[usize], ty, s: u64| -> anyhow::Result<QTensor> {
+                    let k = shape[1] as f32;
+                    let v = random(shape, 1.0 / k.sqrt(), s, DType::F32, &Device::Cpu)?;
+                    Ok(QTensor::quantize_onto(&v, ty, device)?)
+                };
+                let mut weights = Vec::new();
+                for e in 0..count {
+                    let s = seed + 1000 * (e as u64 + 1);
+                    weights.push((
+                        w(&[inter, hidden], gt, s)?,
+                        w(&[inter, hidden], gt, s + 1)?,
+                        w(&[hidden, inter], dt, s + 2)?,
+                        0.9 / (e as f32 + 1.0),
+                    ));
+                }
+                let experts: Vec<linear::QExpert<'_>> = weights
+                    .iter()
+                    .map(|(g, u, d, weight)| linear::QExpert {
+                        gate: g,
+                        up: u,
+                        down: d,
+                        weight: *weight,
+                    })
+                    .collect();
+                let what = format!("qexperts_row {gt:?}/{dt:?} {count} experts {dtype:?}");
+                anyhow::ensure!(
+                    linear::qexperts_row_fits(&x, &experts, &tun)? == device.is_cuda(),
+                    "{what}: the kernels' fit"
+                );
+                let got = linear::qexperts_row(&x, &experts, &tun)?;
+                anyhow::ensure!(got.dims() == x.dims() && got.dtype() == dtype, "{what}");
+                let mut want = Tensor::zeros(x.dims(), DType::F32, device)?;
+                let mut composed: Option<Tensor> = None;
+                for e in &experts {
+                    let y = linear::qlinear_small(
+                        &linear::qlinear_silu_mul(&x, e.gate, e.up, &tun)?,
+                        e.down,
+                        &tun,
+                    )?;
+                    want = (want + (y.to_dtype(DType::F32)? * f64::from(e.weight))?)?;
+                    let y = y.affine(f64::from(e.weight), 0.0)?;
+                    composed = Some(match composed {
+                        Some(o) => (o + y)?,
+                        None => y,
+                    });
+                }
+                if device.is_cuda() {
+                    ensure_close_values(&what, &got, &want, dtype)?;
+                } else {
+                    let composed = composed.expect("experts");
+                    anyhow::ensure!(
+                        rel_diff(&got, &composed)? == 0.0,
+                        "{what}: not the composition"
+                    );
+                }
+            }
+        }
+    }
+    // Experts of mixed types: no kernel; the composition, on every device.
+    let dtype = DType::F16;
+    let x = random(&[1, 256], 1.0, 77, dtype, device)?;
+    let q = |ty, s| -> anyhow::Result<QTensor> {
+        let v = random(&[256, 256], 1.0 / 16.0, s, DType::F32, &Device::Cpu)?;
+        Ok(QTensor::quantize_onto(&v, ty, device)?)
+    };
+    let (a, b) = (
+        [
+            q(GgmlDType::Q8_0, 1)?,
+            q(GgmlDType::Q8_0, 2)?,
+            q(GgmlDType::Q8_0, 3)?,
+        ],
+        [
+            q(GgmlDType::Q4_0, 4)?,
+            q(GgmlDType::Q4_0, 5)?,
+            q(GgmlDType::Q4_0, 6)?,
+        ],
+    );
+    let experts = [
+        linear::QExpert {
+            gate: &a[0],
+            up: &a[1],
+            down: &a[2],
+            weight: 0.6,
+        },
+        linear::QExpert {
+            gate: &b[0],
+            up: &b[1],
+            down: &b[2],
+            weight: 0.4,
+        },
+    ];
+    anyhow::ensure!(!linear::qexperts_row_fits(&x, &experts, &tun)?);
+    let got = linear::qexperts_row(&x, &experts, &tun)?;
+    let mut want: Option<Tensor> = None;
+    for e in &experts {
+        let y = linear::qlinear_small(
+            &linear::qlinear_silu_mul(&x, e.gate, e.up, &tun)?,
+            e.down,
+            &tun,
+        )?
+        .affine(f64::from(e.weight), 0.0)?;
+        want = Some(match want {
+            Some(o) => (o + y)?,
+            None => y,
+        });
+    }
+    anyhow::ensure!(
+        rel_diff(&got, &want.expect("two experts"))? == 0.0,
+        "mixed types"
+    );
+    Ok(())
+}
+test_device!(
+    qexperts_row_matches_each_expert,
+    ops_qexperts_row_cpu,
+    ops_qexperts_row_gpu
+);

@@ -16,6 +16,7 @@ use crate::cuda::{
 };
 use crate::handover::qlinear4_x_bytes;
 use crate::linear::blocks::{is_qlinear_k_type, qlinear_small_type};
+use crate::linear::experts::MAX_GROUP_EXPERTS;
 use crate::tuning::{KernelTuning, QlinearVariant};
 use crate::util::{aligned16, LINEAR_SMALL_MAX_ROWS};
 
@@ -562,6 +563,232 @@ pub(crate) fn qlinear_small(
         device: dev.clone(),
     };
     Ok((storage(slice), yq.map(storage)))
+}
+
+/// kernels/qblocks.cuh's `GroupWeights`: each expert's weight buffers (w1: the up projection).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GroupWeights {
+    w0: [u64; MAX_GROUP_EXPERTS],
+    w1: [u64; MAX_GROUP_EXPERTS],
+}
+// SAFETY: plain data laid out as `GroupWeights` in kernels/qblocks.cuh (two arrays of 16
+// 8-byte device pointers, no padding), which the grouped kernels take by value.
+unsafe impl DeviceRepr for GroupWeights {}
+
+/// kernels/qblocks.cuh's `GroupScales`: each expert's output weight.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GroupScales {
+    w: [f32; MAX_GROUP_EXPERTS],
+}
+// SAFETY: plain data laid out as `GroupScales` in kernels/qblocks.cuh (16 f32), taken by value.
+unsafe impl DeviceRepr for GroupScales {}
+
+/// One decode row x (1, hidden) through its routed experts (gate, up, down of GGML blocks:
+/// gate and up (inter, hidden) of one type, down (hidden, inter) of one type, for every
+/// expert), each expert's output times its scale, summed: per group of at most
+/// [`MAX_GROUP_EXPERTS`], one launch of variant 3's kernel for every expert's SwiGLU
+/// (`qlinear3_experts_*` / `qlinear3k_experts_*`, blockIdx.y the expert), one for every
+/// down projection of those rows, and the weighted sum added into the result
+/// (`experts_weighted_sum_*`). The caller checked the shapes and types
+/// (`linear::experts::qexperts_row_fits`).
+pub(crate) fn qlinear_experts(
+    (x, xl): (&CudaStorage, &Layout),
+    experts: &[[&candle_core::quantized::QTensor; 3]],
+    scales: &[f32],
+) -> Result<CudaStorage> {
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    fn run<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        dev: &CudaDevice,
+        (x, xl): (&CudaSlice<T>, &Layout),
+        experts: &[[&candle_core::quantized::QTensor; 3]],
+        scales: &[f32],
+    ) -> Result<CudaSlice<T>> {
+        let (m, hidden) = xl.shape().dims2()?;
+        let Some(first) = experts.first() else {
+            candle_core::bail!("qlinear_experts: no experts")
+        };
+        let inter = first[0].shape().dims2()?.0;
+        if m != 1 || experts.len() != scales.len() || !aligned16(xl, T::DTYPE) {
+            candle_core::bail!(
+                "qlinear_experts: x {:?} and {} experts ({} scales) do not fit the kernels",
+                xl.shape(),
+                experts.len(),
+                scales.len()
+            );
+        }
+        let x = view(x, xl, "x")?;
+        let stream = dev.cuda_stream();
+        // SAFETY: uninitialised device memory of `hidden` elements on the device's stream;
+        // the first group's weighted sum (accumulate = 0) writes every one before anything
+        // reads it, and the later groups add to them.
+        let out = unsafe { dev.alloc::<T>(hidden) }?;
+        for (c, group) in experts.chunks(MAX_GROUP_EXPERTS).enumerate() {
+            let e = group.len();
+            let mut gate_up = GroupWeights {
+                w0: [0; MAX_GROUP_EXPERTS],
+                w1: [0; MAX_GROUP_EXPERTS],
+            };
+            let mut down = gate_up;
+            let mut guards = Vec::with_capacity(3 * e);
+            for (j, w) in group.iter().enumerate() {
+                let mut p = [0u64; 3];
+                for (i, q) in w.iter().enumerate() {
+                    let (at, g) = q.device_ptr_with_guard(&stream)?;
+                    if !(at as usize).is_multiple_of(16) {
+                        candle_core::bail!(
+                            "qlinear_experts: an expert's blocks are not 16-byte aligned"
+                        );
+                    }
+                    guards.push(g);
+                    p[i] = at as u64;
+                }
+                [gate_up.w0[j], gate_up.w1[j], down.w0[j]] = p;
+                // The down kernels take no w1 (n1 = 0): a valid pointer, never read.
+                down.w1[j] = down.w0[j];
+            }
+            // SAFETY: uninitialised device memory on the device's stream: e rows of `inter`
+            // columns, every one written by the SwiGLU launch (its grid covers the columns of
+            // each expert, blockIdx.y the expert), then e rows of `hidden` by the down launch,
+            // before the weighted sum reads them, all in stream order.
+            let act = unsafe { dev.alloc::<T>(e * inter) }?;
+            group_launch(
+                dev,
+                first[0].dtype(),
+                (&x, 0),
+                &gate_up,
+                &act,
+                [inter, inter],
+                hidden,
+                true,
+                e,
+            )?;
+            // SAFETY: as `act`'s.
+            let ys = unsafe { dev.alloc::<T>(e * hidden) }?;
+            let act_view = act.slice(..);
+            group_launch(
+                dev,
+                first[2].dtype(),
+                (&act_view, inter),
+                &down,
+                &ys,
+                [hidden, 0],
+                inter,
+                false,
+                e,
+            )?;
+            let mut w = GroupScales {
+                w: [0.0; MAX_GROUP_EXPERTS],
+            };
+            w.w[..e].copy_from_slice(&scales[c * MAX_GROUP_EXPERTS..c * MAX_GROUP_EXPERTS + e]);
+            let func = load::<T>(dev, LINEAR, "experts_weighted_sum")?;
+            let cfg = LaunchConfig {
+                grid_dim: (to_u32(hidden.div_ceil(256), "blocks")?, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (n, count, accumulate) = (to_u32(hidden, "width")?, e as u32, u32::from(c > 0));
+            let mut b = stream.launch_builder(&func);
+            b.arg(&ys)
+                .arg(&out)
+                .arg(&w)
+                .arg(&count)
+                .arg(&n)
+                .arg(&accumulate);
+            // SAFETY: `experts_weighted_sum_<dtype>(const T* y, T* out, GroupScales s,
+            // uint32_t experts, uint32_t n, uint32_t accumulate)` in kernels/linear.cu: y holds
+            // e rows of n (written above), out n elements (written by the first group, which
+            // passes accumulate = 0); one thread per column, the grid covers n.
+            unsafe { b.launch(cfg) }.w()?;
+            drop(guards);
+        }
+        Ok(out)
+    }
+    let dev = &x.device;
+    let slice = match &x.slice {
+        S::F32(v) => S::F32(run(dev, (v, xl), experts, scales)?),
+        S::F16(v) => S::F16(run(dev, (v, xl), experts, scales)?),
+        S::BF16(v) => S::BF16(run(dev, (v, xl), experts, scales)?),
+        _ => candle_core::bail!("qlinear_experts: unsupported dtype {:?}", x.dtype()),
+    };
+    Ok(CudaStorage {
+        slice,
+        device: dev.clone(),
+    })
+}
+
+/// One grouped launch of variant 3 over `e` experts for one row each: x's row of expert j at
+/// `x + j · x_stride` (`x_stride` 0: one row for all), weights `w` of block type `ty`
+/// (`k` wide), outputs `y` (e rows of `ns[0]` with `silu`, else of `ns[0] + ns[1]`).
+#[allow(clippy::too_many_arguments)]
+fn group_launch<T: DeviceRepr + WithDType>(
+    dev: &CudaDevice,
+    ty: candle_core::quantized::GgmlDType,
+    (x, x_stride): (&CudaView<'_, T>, usize),
+    w: &GroupWeights,
+    y: &CudaSlice<T>,
+    ns: [usize; 2],
+    k: usize,
+    silu: bool,
+    e: usize,
+) -> Result<()> {
+    let Some(qname) = qlinear_small_type(ty) else {
+        candle_core::bail!("qlinear_experts: no kernel for {ty:?} blocks")
+    };
+    let kquant = is_qlinear_k_type(ty);
+    let cols = if silu { ns[0] } else { ns[0] + ns[1] };
+    let r = qlinear2_rows_per_warp(dev, 1, cols * e, silu);
+    let stages = if kquant {
+        0
+    } else {
+        QLINEAR_WARPS * 16 * qlinear2_small_stage_vecs(ty.type_size()) * r
+    };
+    let xblocks = qlinear3_x_blocks(1, k / 32, stages);
+    let (module, name) = if kquant {
+        (LINEAR_K, format!("qlinear3k_experts_r{r}_{qname}"))
+    } else {
+        (LINEAR_Q8, format!("qlinear3_experts_r{r}_{qname}"))
+    };
+    let func = load::<T>(dev, module, &name)?;
+    let cols_per_warp = if silu { r / 2 } else { r };
+    let cfg = LaunchConfig {
+        grid_dim: (
+            to_u32(cols.div_ceil(QLINEAR_WARPS * cols_per_warp), "blocks")?,
+            to_u32(e, "experts")?,
+            1,
+        ),
+        block_dim: (32 * QLINEAR_WARPS as u32, 1, 1),
+        shared_mem_bytes: to_u32(stages + xblocks * QLINEAR3_X_BLOCK_BYTES, "shared memory")?,
+    };
+    let stream = dev.cuda_stream();
+    let (stride, n0, n1) = (
+        to_u32(x_stride, "x stride")?,
+        to_u32(ns[0], "columns")?,
+        to_u32(ns[1], "columns")?,
+    );
+    let (kk, s, xb) = (
+        to_u32(k, "width")?,
+        u32::from(silu),
+        to_u32(xblocks, "blocks of x")?,
+    );
+    let mut b = stream.launch_builder(&func);
+    b.arg(x).arg(&stride).arg(w).arg(y);
+    b.arg(&n0).arg(&n1).arg(&kk).arg(&s).arg(&xb);
+    // SAFETY: `qlinear3_experts_r<R>_<q>_<dtype>` (kernels/linear_q8.cu) and
+    // `qlinear3k_experts_r<R>_<q>_<dtype>` (kernels/linear_k.cu) take (const T* x, uint32_t
+    // x_stride, GroupWeights g, T* y, uint32_t n0, n1, k, silu, xblocks) and run, for expert
+    // blockIdx.y < e, variant 3's one-row kernel of that type (qlinear3_small_r<R>_m1 /
+    // qlinear3k_small_r<R>_m1, whose contract `qlinear_small` states) on x + j · x_stride,
+    // weights g.w0[j] (and g.w1[j] with silu), output y + j · (silu ? n0 : n0 + n1). Every
+    // expert's row of x is k elements inside x's buffer (x_stride = 0, or the e rows of
+    // `act`), 16-byte aligned (x checked by the caller, `act`'s rows are `inter` elements of
+    // a multiple of 32 or 256); each weight is a live quantized storage of that type with
+    // the shape the caller checked (n_i rows of k), 16-byte aligned (checked above); y holds
+    // e rows of the output's columns; the shared memory is the stages and the chunk of x
+    // variant 3 takes for R and one row, as `qlinear_small` sizes them.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
 }
 
 /// The module a decode matmul kernel of `name` is in: `kernels/linear_k.cu` for the K-quants'

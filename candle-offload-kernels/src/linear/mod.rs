@@ -1,7 +1,7 @@
 //! Linear layers, `x · wᵀ`: a decode step's few rows against dense weights
 //! ([`linear_small`]) or GGML blocks ([`qlinear_small`]) on a GPU, in one bandwidth-bound pass
 //! over the weight, also for two or three weights that read the same x in one launch (q, k and
-//! v; a SwiGLU's gate and up with the SiLU · mul); and on the CPU the quantized
+//! v; a SwiGLU's gate and up with the SiLU · mul; a decode row's routed experts, [`qexperts_row`]); and on the CPU the quantized
 //! ([`cpu_quant`]) and 16-bit ([`cpu_dense`]) matmuls with their SIMD kernels, split over the
 //! [`crate::pool`]'s workers. On a CUDA device the few-row ops run `kernels/linear.cu`,
 //! `kernels/linear_q8.cu` and `kernels/linear_k.cu`; elsewhere the compositions they replace.
@@ -13,6 +13,7 @@ pub mod cpu_quant;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 mod cuda;
+mod experts;
 mod layer;
 pub mod lora;
 mod quantized;
@@ -25,6 +26,7 @@ mod simd_k;
 mod small;
 
 pub(crate) use blocks::qlinear_small_type;
+pub use experts::{qexperts_row, qexperts_row_fits, QExpert, MAX_GROUP_EXPERTS};
 pub use layer::{Linear, LinearKernel, LinearWeight};
 pub use lora::{quantized_train, LoraAdapter};
 pub use quantized::{

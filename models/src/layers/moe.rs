@@ -15,6 +15,7 @@ use candle_core::{DType, Result, Tensor, D};
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_offload::kernels::linear::cpu_experts::{kquant_batch, Rows};
 use candle_offload::kernels::linear::cpu_quant::KQUANT_MAX_ROWS;
+use candle_offload::kernels::linear::{qexperts_row, qexperts_row_fits, QExpert};
 
 use super::linear::{Linear, LinearWeight};
 use super::mlp::{Activation, GateUp, GatedMlp};
@@ -389,39 +390,100 @@ impl SparseMoe {
     /// The weighted sum over `groups` (each expert's rows and weights, and the expert) of
     /// each expert's MLP of its rows of `x2` `(rows, hidden)`, expert by expert in order:
     /// `(rows, hidden)` in the experts' output dtype, `None` without experts.
+    ///
+    /// A decode row's weights scale its experts' outputs as kernel arguments (`affine`);
+    /// several rows' indices and weights reach the device in one copy each for all the
+    /// experts, each expert's a view of them: a copy from pageable host memory waits for the
+    /// device's queue to drain, so one per expert would stall it that often.
     fn sum_experts(x2: &Tensor, groups: &[ExpertRows<'_>], fused: bool) -> Result<Option<Tensor>> {
         let device = x2.device();
         let rows = x2.dim(0)?;
+        if rows == 1 && fused {
+            if let Some(out) = Self::grouped_row(x2, groups)? {
+                return Ok(Some(out));
+            }
+        }
+        // Every group's indices and weights, concatenated, on the device (several rows).
+        let uploaded = if rows > 1 && !groups.is_empty() {
+            let ids: Vec<u32> = groups
+                .iter()
+                .flat_map(|((i, _), _)| i.iter().copied())
+                .collect();
+            let ws: Vec<f32> = groups
+                .iter()
+                .flat_map(|((_, w), _)| w.iter().copied())
+                .collect();
+            let n = ids.len();
+            Some((
+                Tensor::from_vec(ids, n, device)?,
+                Tensor::from_vec(ws, (n, 1), device)?.to_dtype(x2.dtype())?,
+            ))
+        } else {
+            None
+        };
+        let mut at = 0usize;
         let mut out: Option<Tensor> = None;
         for ((ids, ws), expert) in groups {
+            let n = ws.len();
+            let start = at;
+            at += n;
             let all = ids.len() == rows && ids.iter().enumerate().all(|(i, &r)| i == r as usize);
-            let ids = Tensor::from_vec(ids.clone(), ws.len(), device)?;
-            let xe = if all {
-                x2.clone()
-            } else {
-                x2.index_select(&ids, 0)?
+            let xe = match (&uploaded, all) {
+                (Some((up_ids, _)), false) => x2.index_select(&up_ids.narrow(0, start, n)?, 0)?,
+                _ => x2.clone(),
             };
             let y = if fused {
                 expert.mlp.forward_fused(&xe)?
             } else {
                 expert.mlp.forward(&xe)?
             };
-            let n = ws.len();
-            let w = Tensor::from_vec(ws.clone(), (n, 1), device)?.to_dtype(y.dtype())?;
-            let y = y.broadcast_mul(&w)?;
-            out = Some(match (out, all) {
-                (None, true) => y,
-                (Some(o), true) => (o + y)?,
-                (o, false) => {
+            let y = match &uploaded {
+                Some((_, up_ws)) => {
+                    y.broadcast_mul(&up_ws.narrow(0, start, n)?.to_dtype(y.dtype())?)?
+                }
+                None => y.affine(f64::from(ws[0]), 0.0)?,
+            };
+            out = Some(match (out, all, &uploaded) {
+                (None, true, _) => y,
+                (Some(o), true, _) => (o + y)?,
+                (o, false, Some((up_ids, _))) => {
                     let o = match o {
                         Some(o) => o,
                         None => x2.zeros_like()?.to_dtype(y.dtype())?,
                     };
-                    o.index_add(&ids, &y, 0)?
+                    o.index_add(&up_ids.narrow(0, start, n)?, &y, 0)?
+                }
+                (_, false, None) => {
+                    candle_core::bail!("an expert's rows are not every row of a single-row step")
                 }
             });
         }
         Ok(out)
+    }
+
+    /// One row's experts through the grouped kernels ([`qexperts_row`]), where every one is a
+    /// SiLU-gated MLP of GGML blocks they take; `None` otherwise.
+    fn grouped_row(x2: &Tensor, groups: &[ExpertRows<'_>]) -> Result<Option<Tensor>> {
+        let Some(((_, _), first)) = groups.first() else {
+            return Ok(None);
+        };
+        let mut experts = Vec::with_capacity(groups.len());
+        for ((_, ws), e) in groups {
+            let Some([gate, up, down]) = separate_blocks(&e.mlp) else {
+                return Ok(None);
+            };
+            experts.push(QExpert {
+                gate,
+                up,
+                down,
+                weight: ws[0],
+            });
+        }
+        let tuning = first.mlp.down.tuning();
+        if !qexperts_row_fits(x2, &experts, tuning)? {
+            return Ok(None);
+        }
+        qexperts_row(x2, &experts, tuning).map(Some)
     }
 
     /// `sum` with the streamed experts' ([`ExpertSite::Stream`]) added, each acquired, its
@@ -551,9 +613,9 @@ fn rows_of(v: &[Vec<f32>], k: usize) -> Vec<Rows<'_>> {
     v.iter().map(|x| Rows { x, k }).collect()
 }
 
-/// An expert's gate, up and down as K-quant blocks the CPU loop multiplies, where it is a
-/// SiLU-gated MLP with separate projections of such blocks.
-fn expert_blocks(mlp: &GatedMlp) -> Option<[&Arc<QTensor>; 3]> {
+/// An expert's gate, up and down blocks, where it is a SiLU-gated MLP with separate
+/// projections of GGML blocks and no biases.
+fn separate_blocks(mlp: &GatedMlp) -> Option<[&Arc<QTensor>; 3]> {
     fn q(l: &Linear) -> Option<&Arc<QTensor>> {
         match (l.weight(), l.bias()) {
             (LinearWeight::Quantized(QMatMul::QTensor(q)), None) => Some(q),
@@ -566,7 +628,13 @@ fn expert_blocks(mlp: &GatedMlp) -> Option<[&Arc<QTensor>; 3]> {
     if mlp.act != Activation::Silu {
         return None;
     }
-    let (g, u, d) = (q(gate)?, q(up)?, q(&mlp.down)?);
+    Some([q(gate)?, q(up)?, q(&mlp.down)?])
+}
+
+/// An expert's gate, up and down as K-quant blocks the CPU loop multiplies
+/// ([`separate_blocks`] of types it takes).
+fn expert_blocks(mlp: &GatedMlp) -> Option<[&Arc<QTensor>; 3]> {
+    let [g, u, d] = separate_blocks(mlp)?;
     let (h, i) = (g.shape().dims().get(1).copied()?, mlp.intermediate);
     use candle_offload::kernels::linear::cpu_experts::supports;
     (supports(g, h) && supports(u, h) && supports(d, i)).then_some([g, u, d])
