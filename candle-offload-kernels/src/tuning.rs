@@ -185,6 +185,9 @@ pub struct KernelTuning {
     /// llama.cpp does (its arithmetic and speed), instead of the F32 activations (what the
     /// dequantized model gives). It changes results, so it is off by default.
     pub cpu_q8_activations: bool,
+    /// A decode row's routed experts of GGML blocks on a GPU through the grouped kernels
+    /// ([`crate::linear::qexperts_row`]; off: each expert's own decode matmuls).
+    pub grouped_experts: bool,
 }
 
 /// Threads from which the CPU K-quant loop ([`KernelTuning::cpu_kquants`]) beats Candle's
@@ -212,6 +215,7 @@ impl Default for KernelTuning {
             cpu_kquants: None,
             cpu_prefetch_bytes: CPU_PREFETCH_BYTES,
             cpu_q8_activations: false,
+            grouped_experts: true,
         }
     }
 }

@@ -60,6 +60,10 @@ struct Args {
     /// Prefetch the next layer's guessed experts in decode steps (`ExpertOptions::prefetch`).
     #[arg(long)]
     expert_prefetch: bool,
+    /// Run a decode row's routed experts one by one instead of through the grouped kernels
+    /// (`KernelTuning::grouped_experts` off).
+    #[arg(long)]
+    per_expert: bool,
     /// llama-bench repetitions per measured configuration.
     #[arg(long, default_value_t = 2)]
     llamacpp_reps: u32,
@@ -159,6 +163,9 @@ fn main() -> Result<()> {
     // --q8-activations.
     let mut tuning =
         candle_offload_suite::tuning_env::tuning_from_env(Tuning::default()).fitted_to_host();
+    if args.per_expert {
+        tuning.kernels.grouped_experts = false;
+    }
     if args.q8_activations {
         tuning.kernels.cpu_q8_activations = true;
     }
@@ -779,6 +786,7 @@ fn main() -> Result<()> {
                 // Every performance choice this run made, as the library took it.
                 "tuning": tuning,
                 "cpu_q8_activations": tuning.kernels.cpu_q8_activations,
+                "grouped_experts": tuning.kernels.grouped_experts,
                 "cpu_kquants": tuning.kernels.cpu_kquants,
                 // Choices other than this host's defaults (`None`: the default).
                 "weight_pool_env": changed(

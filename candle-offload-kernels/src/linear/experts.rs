@@ -28,7 +28,8 @@ pub struct QExpert<'a> {
     pub weight: f32,
 }
 
-/// Whether the grouped kernels take `x` and `experts`: x (F32, F16 or BF16) one row on a GPU,
+/// Whether the grouped kernels take `x` and `experts`: [`KernelTuning::grouped_experts`] on,
+/// x (F32, F16 or BF16) one row on a GPU,
 /// at least one expert, every gate and up of one block type and shape `(inter, hidden)`, every
 /// down of one block type and shape `(hidden, inter)`, both types ones the decode kernels have
 /// (Q4_K and Q6_K when [`KernelTuning::qlinear_k`] is on), widths multiples of their blocks,
@@ -47,7 +48,8 @@ pub fn qexperts_row_fits(
         return Ok(false);
     };
     let kernel = |t| qlinear_small_type(t).is_some() && (!is_qlinear_k_type(t) || tuning.qlinear_k);
-    Ok(x.device().is_cuda()
+    Ok(tuning.grouped_experts
+        && x.device().is_cuda()
         && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
         && x.elem_count() == hidden
         && h == hidden
