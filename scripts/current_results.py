@@ -85,6 +85,13 @@ SOURCES = {
     "moe-cpu": [
         "2026-12-04/2026-12-04-moe-cpu-small-1586905.json",
     ],
+    # bench_generate --llamacpp-moe on a random Qwen3-30B-A3B GGUF (scripts/gpu_moe_session.sh),
+    # llama.cpp at the fewest -ncmoe within each budget in the same process; and a file of
+    # printed figures transcribed, where the call ran without --json-out (all on the GPU).
+    "moe-gpu": [
+        "2026-12-05/2026-12-05-moe-q8_0-uniform-4-8-12gib-p64-6e9b932-h200.json",
+        "2026-12-05/2026-12-05-moe-all-on-gpu-q8_0-q4_k_m-printed-6e9b932-h200.json",
+    ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     "train": [
         "2026-12-01/2026-12-01-train-hand-first-h200.json",
@@ -300,6 +307,51 @@ def moe_cpu_rows():
     return rows
 
 
+def moe_gpu_rows():
+    """The newest record per (weights, budget, prompt) with llama.cpp's figures beside it."""
+    best = {}
+    for rel in SOURCES["moe-gpu"]:
+        doc = load(rel)
+        for i, r in enumerate(doc["records"]):
+            if "llamacpp" in r:  # a transcribed record
+                lc = r["llamacpp"]
+                if not lc:
+                    continue
+                r = dict(r, budget_bytes=None, peak_device_bytes=r["peak_device_mib"] * MIB,
+                         prefill_tokens_per_s=r["prompt_len"] / r["prefill_s"],
+                         llamacpp_decode_tokens_per_s=lc["tg16_tokens_per_s"],
+                         llamacpp_prefill_tokens_per_s=lc[f"pp{r['prompt_len']}_tokens_per_s"])
+            elif not r.get("llamacpp_decode_tokens_per_s"):
+                continue
+            w = r["weights"].replace("qwen3-30b-a3b-", "")
+            b = None if r["budget"] == "full" else float(r["budget"])
+            key = (w, b, r["prompt_len"])
+            order = (str(doc["date"]), i)
+            if key not in best or order > best[key][0]:
+                best[key] = (order, rel, doc, r)
+    rows = []
+    for key in sorted(best, key=lambda k: (k[0], k[1] is None, k[1] or 0, k[2])):
+        _, rel, doc, r = best[key]
+        w, b, p = key
+        weights, routing = w.rsplit("-", 1)
+        budget_mib = r["budget_bytes"] / MIB if r.get("budget_bytes") else None
+        peak = r["peak_device_bytes"] / MIB
+        common = dict(
+            benchmark="generate-gpu-moe", model=f"Qwen3-30B-A3B shape ({routing} routing)",
+            weights=weights.upper(), budget_gib=gib(b), prompt_len=p, peer="llama.cpp",
+            peak_mib=rnd(peak, 0), budget_mib=rnd(budget_mib, 0),
+            within_budget=(peak <= budget_mib if budget_mib else None),
+            commit=str(doc["commit"]), date=day(doc), source=f"{RESULTS}/{rel}")
+        for metric, ours, peer in [
+            ("decode_tokens_per_s", r["decode_tokens_per_s"], r["llamacpp_decode_tokens_per_s"]),
+            ("prefill_tokens_per_s", r["prefill_tokens_per_s"], r.get("llamacpp_prefill_tokens_per_s")),
+        ]:
+            if ours and peer:
+                rows.append(row(metric=metric, ours=rnd(ours, 2), peer_value=rnd(peer, 2),
+                                ratio=ratio(ours, peer, True), **common))
+    return rows
+
+
 def train_rows():
     best = {}
     for rel in SOURCES["train"]:
@@ -395,6 +447,7 @@ def render_benchmarks(rows):
     gpu = [r for r in rows if r["benchmark"] == "generate-gpu"]
     cpu = [r for r in rows if r["benchmark"] == "generate-cpu"]
     moe_cpu = [r for r in rows if r["benchmark"] == "generate-cpu-moe"]
+    moe_gpu = [r for r in rows if r["benchmark"] == "generate-gpu-moe"]
     train = [r for r in rows if r["benchmark"].startswith("train-") and r["benchmark"] != "train-offload"]
     off = [r for r in rows if r["benchmark"] == "train-offload"]
     L = [
@@ -442,6 +495,34 @@ def render_benchmarks(rows):
             L += ["", "Not measured: " + "; ".join(
                 f"{s} {w} {budget_label(b)} (prompt {', '.join(map(str, ps))})"
                 for (s, w, b), ps in missing.items()) + "."]
+        L.append("")
+    if moe_gpu:
+        L += [
+            "### A mixture of experts on the GPU, against llama.cpp",
+            "",
+            f"{mach['moe-gpu']}; batch 1; a random-weight Qwen3-30B-A3B-shaped GGUF (48 layers, "
+            "128 experts, top 8; `scripts/gguf_random_moe.py`); ours with the expert cache (LRU, "
+            "the split between fetches and the host CPU on); llama.cpp at `-ngl 99 -fa 1` with "
+            "the fewest `-ncmoe` whose peak fits the budget, probed in the same process "
+            "(`--llamacpp-moe`), or with nothing on the CPU where the whole model is on the GPU.",
+            "",
+            "| model | weights | budget | prompt | decode tok/s, ours / llama.cpp | x | prefill tok/s, ours / llama.cpp | x | peak MiB (budget) | measured |",
+            "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | --- |",
+        ]
+        for (model, w, b, p), rs in by_key(moe_gpu, "model", "weights", "budget_gib", "prompt_len").items():
+            d = next((r for r in rs if r["metric"] == "decode_tokens_per_s"), None)
+            f = next((r for r in rs if r["metric"] == "prefill_tokens_per_s"), None)
+            any_r = d or f
+            peak = fmt(any_r["peak_mib"]) + (f" ({fmt(any_r['budget_mib'])})" if any_r["budget_mib"] else "")
+            if any_r["within_budget"] is False:
+                peak += " **over**"
+            L.append(
+                f"| {model} | {w} | {budget_label(b)} | {p} | "
+                f"{fmt(d['ours']) + ' / ' + fmt(d['peer_value']) if d else '-'} | "
+                f"{'**' + fmt(d['ratio']) + '**' if d else '-'} | "
+                f"{fmt(f['ours'], 0) + ' / ' + fmt(f['peer_value'], 0) if f else '-'} | "
+                f"{fmt(f['ratio']) if f else '-'} | {peak} | {measured(any_r)} |"
+            )
         L.append("")
     if cpu:
         L += [
@@ -529,6 +610,7 @@ def render_glance(rows):
     gpu = [r for r in rows if r["benchmark"] == "generate-gpu"]
     cpu = [r for r in rows if r["benchmark"] == "generate-cpu"]
     moe_cpu = [r for r in rows if r["benchmark"] == "generate-cpu-moe"]
+    moe_gpu = [r for r in rows if r["benchmark"] == "generate-gpu-moe"]
     train = [r for r in rows if r["benchmark"].startswith("train-") and r["benchmark"] != "train-offload"]
     off = [r for r in rows if r["benchmark"] == "train-offload"]
     L, text = [], []
@@ -558,6 +640,15 @@ def render_glance(rows):
                   if r["within_budget"] is not None and r["metric"] == "decode_tokens_per_s"]
         text.append(f"Prefill in the same rows: {rng(pre)}x"
                     + (f"; our peak within the budget in {sum(within)} of {len(within)} rows." if within else "."))
+    if moe_gpu:
+        dec = [r for r in moe_gpu if r["metric"] == "decode_tokens_per_s" and r["budget_gib"] is not None]
+        full = [r for r in moe_gpu if r["metric"] == "decode_tokens_per_s" and r["budget_gib"] is None]
+        pre = [r["ratio"] for r in moe_gpu if r["metric"] == "prefill_tokens_per_s" and r["budget_gib"] is not None]
+        text.append(
+            f"Qwen3-30B-A3B ({dec[0]['weights'] if dec else '-'}) under 4-12 GiB against llama.cpp's "
+            f"best `-ncmoe`: decode {rng([r['ratio'] for r in dec])}x, prefill {rng(pre)}x"
+            + (f"; all on the GPU, decode {rng([r['ratio'] for r in full])}x" if full else "")
+            + ".")
     if train:
         by_prec = {}
         for r in train:
@@ -627,7 +718,7 @@ def check_index(entries):
 
 def main():
     check = "--check" in sys.argv[1:]
-    rows = gpu_rows() + train_rows() + cpu_rows() + moe_cpu_rows()
+    rows = gpu_rows() + moe_gpu_rows() + train_rows() + cpu_rows() + moe_cpu_rows()
     sources = {r["source"] for r in rows}
 
     with open(ROOT / INDEX) as f:

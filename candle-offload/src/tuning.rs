@@ -123,7 +123,7 @@ impl Tuning {
     }
 
     /// Every key [`Self::set`] takes.
-    pub const KEYS: [&'static str; 16] = [
+    pub const KEYS: [&'static str; 17] = [
         "kernels.qlinear",
         "kernels.qlinear_k",
         "kernels.qlinear_k_rows",
@@ -134,6 +134,7 @@ impl Tuning {
         "kernels.cpu_kquants",
         "kernels.cpu_prefetch_bytes",
         "kernels.cpu_q8_activations",
+        "kernels.grouped_experts",
         "cpu_threads",
         "graphs",
         "weight_pool",
@@ -179,6 +180,7 @@ impl Tuning {
             "kernels.cpu_kquants" => k.cpu_kquants = Some(flag()?),
             "kernels.cpu_prefetch_bytes" => k.cpu_prefetch_bytes = number()?,
             "kernels.cpu_q8_activations" => k.cpu_q8_activations = flag()?,
+            "kernels.grouped_experts" => k.grouped_experts = flag()?,
             "cpu_threads" if v.is_empty() || v.eq_ignore_ascii_case("auto") => {
                 next.cpu_threads = None;
             }
@@ -272,6 +274,7 @@ mod tests {
             ("kernels.cpu_kquants", "on"),
             ("kernels.cpu_prefetch_bytes", "0"),
             ("kernels.cpu_q8_activations", "yes"),
+            ("kernels.grouped_experts", "off"),
             ("cpu_threads", "3"),
             ("graphs", "0"),
             ("weight_pool", "off"),
@@ -286,7 +289,7 @@ mod tests {
         assert_eq!(k.qlinear.q8_0, QlinearVariant::V1);
         assert!(!k.qlinear_k && !k.prefill_gemm && !k.prompt_attention);
         assert_eq!(k.cpu_kquants, Some(true));
-        assert!(k.cpu_q8_activations);
+        assert!(k.cpu_q8_activations && !k.grouped_experts);
         assert_eq!((k.qlinear_k_rows, k.qlinear_k_splits), (2, 1));
         assert_eq!((k.prefill_gemm_min_rows, k.cpu_prefetch_bytes), (128, 0));
         assert_eq!(t.cpu_threads, Some(3));
