@@ -382,6 +382,64 @@ test_device!(
     moe_expert_tier_splits_and_keeps_the_logits_gpu
 );
 
+/// A Q8_0 GGUF's decode steps with a row's experts through the grouped kernels (the default;
+/// on a GPU `kernels::linear::qexperts_row`'s launches) give the logits of the same steps with
+/// each expert's own decode matmuls (`KernelTuning::grouped_experts` off): the same arithmetic
+/// but for the weighted sum's rounding, so within 1e-3 of the logits' scale in F32.
+fn moe_grouped_decode_equals_each_expert(device: &Device) -> anyhow::Result<()> {
+    let dir = fixtures()?;
+    for name in ["mixtral", "qwen3_moe", "qwen2_moe"] {
+        let files = loader::from_gguf(&dir.join(format!("{name}.q8_0.gguf")))?;
+        let build = |grouped: bool| -> anyhow::Result<Llama> {
+            let store = Arc::new(loader::load_store_with(
+                &files,
+                DType::F32,
+                device,
+                None,
+                true,
+            )?);
+            let mut tuning = candle_offload::Tuning::default();
+            tuning.kernels.grouped_experts = grouped;
+            Ok(Llama::builder(&files, store)
+                .device(device)
+                .tuning(tuning)
+                .dtype(DType::F32)
+                .max_len(64)
+                .build()?)
+        };
+        let (a, b) = (build(true)?, build(false)?);
+        let (mut ca, mut cb) = (a.new_cache(), b.new_cache());
+        let p = prompt();
+        let ids = Tensor::new(&p[..12], device)?.unsqueeze(0)?;
+        a.forward(&ids, 0, &mut ca)?;
+        b.forward(&ids, 0, &mut cb)?;
+        for (k, &t) in p[12..].iter().enumerate() {
+            let ids = Tensor::new(&[t], device)?.unsqueeze(0)?;
+            let x = a
+                .forward(&ids, 12 + k, &mut ca)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let y = b
+                .forward(&ids, 12 + k, &mut cb)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let scale = y.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = max_abs(&x, &y);
+            assert!(
+                d <= 1e-3 * scale.max(1.0),
+                "{name} on {device:?}, step {k}: max |Δ| {d} (scale {scale})"
+            );
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    moe_grouped_decode_equals_each_expert,
+    moe_grouped_decode_equals_each_expert_cpu,
+    moe_grouped_decode_equals_each_expert_gpu
+);
+
 /// `--quantize` on a mixture-of-experts checkpoint: each expert's projections quantized to
 /// Q8_0 on load (through the cached GGUF beside a copy of the checkpoint), each expert still a
 /// unit of its own, the logits near transformers' (relative L2 ≤ 5e-2, as the Q8_0 GGUFs).

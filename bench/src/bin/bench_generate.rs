@@ -40,6 +40,12 @@ struct Args {
     /// q4_0), through the library's cached GGUF next to the model, and keep the blocks.
     #[arg(long, conflicts_with = "quantized")]
     quantize: Option<String>,
+    /// The model's name for the records' `model` (default: the checkpoint's path).
+    #[arg(long)]
+    model_name: Option<String>,
+    /// A mixture-of-experts benchmark file's router (`uniform`, `skewed`), for the records.
+    #[arg(long)]
+    routing: Option<String>,
     /// What the weights are, for the records (default: the file or directory name).
     #[arg(long)]
     weights: Option<String>,
@@ -695,7 +701,9 @@ fn main() -> Result<()> {
                 );
             }
             records.push(serde_json::json!({
-                "model": files.origin,
+                "model": args.model_name.clone().unwrap_or_else(|| files.origin.clone()),
+                "model_path": files.origin,
+                "routing": args.routing,
                 "weights": weights,
                 "quantized_blocks": args.quantized || args.quantize.is_some(),
                 "quantize_on_load": args.quantize,
@@ -708,6 +716,7 @@ fn main() -> Result<()> {
                 "llamacpp_decode_tokens_per_s_empty_context": lc_decode_empty,
                 "llamacpp_prefill_tokens_per_s": lc_prefill,
                 "vs_llamacpp": lc_decode.map(|l| tps / l),
+                "prefill_vs_llamacpp": lc_prefill.map(|l| prompt_len as f64 / prefill_s / l),
                 "prompt_len": prompt_len,
                 "budget": budget,
                 "budget_bytes": budget_bytes,
