@@ -211,6 +211,19 @@ def ab_records(doc):
     return records
 
 
+def llamacpp_rate_rows(r, common):
+    """A bench_generate record's decode and prefill rows against llama.cpp's, where both are."""
+    out = []
+    for metric, ours, peer in [
+        ("decode_tokens_per_s", r["decode_tokens_per_s"], r["llamacpp_decode_tokens_per_s"]),
+        ("prefill_tokens_per_s", r["prefill_tokens_per_s"], r.get("llamacpp_prefill_tokens_per_s")),
+    ]:
+        if ours and peer:
+            out.append(row(metric=metric, ours=rnd(ours, 2), peer_value=rnd(peer, 2),
+                           ratio=ratio(ours, peer, True), **common))
+    return out
+
+
 def gpu_rows():
     best = {}
     docs = [(rel, load(rel)) for rel in SOURCES["generate-gpu"]]
@@ -247,13 +260,7 @@ def gpu_rows():
             date=day(doc),
             source=f"{RESULTS}/{rel}",
         )
-        for metric, ours, peer in [
-            ("decode_tokens_per_s", r["decode_tokens_per_s"], r["llamacpp_decode_tokens_per_s"]),
-            ("prefill_tokens_per_s", r["prefill_tokens_per_s"], r.get("llamacpp_prefill_tokens_per_s")),
-        ]:
-            if ours and peer:
-                rows.append(row(metric=metric, ours=rnd(ours, 2), peer_value=rnd(peer, 2),
-                                ratio=ratio(ours, peer, True), **common))
+        rows += llamacpp_rate_rows(r, common)
     return rows
 
 
@@ -342,13 +349,7 @@ def moe_gpu_rows():
             peak_mib=rnd(peak, 0), budget_mib=rnd(budget_mib, 0),
             within_budget=(peak <= budget_mib if budget_mib else None),
             commit=str(doc["commit"]), date=day(doc), source=f"{RESULTS}/{rel}")
-        for metric, ours, peer in [
-            ("decode_tokens_per_s", r["decode_tokens_per_s"], r["llamacpp_decode_tokens_per_s"]),
-            ("prefill_tokens_per_s", r["prefill_tokens_per_s"], r.get("llamacpp_prefill_tokens_per_s")),
-        ]:
-            if ours and peer:
-                rows.append(row(metric=metric, ours=rnd(ours, 2), peer_value=rnd(peer, 2),
-                                ratio=ratio(ours, peer, True), **common))
+        rows += llamacpp_rate_rows(r, common)
     return rows
 
 
@@ -442,6 +443,27 @@ def by_key(rows, *fields):
     return out
 
 
+def generation_rows(rows, label):
+    """A generation table's lines, one per (model, weights, budget, prompt): decode and
+    prefill against the peer, the peak against the budget, where it was measured."""
+    out = []
+    for (model, w, b, p), rs in by_key(rows, "model", "weights", "budget_gib", "prompt_len").items():
+        d = next((r for r in rs if r["metric"] == "decode_tokens_per_s"), None)
+        f = next((r for r in rs if r["metric"] == "prefill_tokens_per_s"), None)
+        any_r = d or f
+        peak = fmt(any_r["peak_mib"]) + (f" ({fmt(any_r['budget_mib'])})" if any_r["budget_mib"] else "")
+        if any_r["within_budget"] is False:
+            peak += " **over**"
+        out.append(
+            f"| {label(model)} | {w} | {budget_label(b)} | {p} | "
+            f"{fmt(d['ours']) + ' / ' + fmt(d['peer_value']) if d else '-'} | "
+            f"{'**' + fmt(d['ratio']) + '**' if d else '-'} | "
+            f"{fmt(f['ours'], 0) + ' / ' + fmt(f['peer_value'], 0) if f else '-'} | "
+            f"{fmt(f['ratio']) if f else '-'} | {peak} | {measured(any_r)} |"
+        )
+    return out
+
+
 def render_benchmarks(rows):
     mach = machines()
     gpu = [r for r in rows if r["benchmark"] == "generate-gpu"]
@@ -471,21 +493,7 @@ def render_benchmarks(rows):
             "| model | weights | budget | prompt | decode tok/s, ours / llama.cpp | x | prefill tok/s, ours / llama.cpp | x | peak MiB (budget) | measured |",
             "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | --- |",
         ]
-        groups = by_key(gpu, "model", "weights", "budget_gib", "prompt_len")
-        for (model, w, b, p), rs in groups.items():
-            d = next((r for r in rs if r["metric"] == "decode_tokens_per_s"), None)
-            f = next((r for r in rs if r["metric"] == "prefill_tokens_per_s"), None)
-            any_r = d or f
-            peak = fmt(any_r["peak_mib"]) + (f" ({fmt(any_r['budget_mib'])})" if any_r["budget_mib"] else "")
-            if any_r["within_budget"] is False:
-                peak += " **over**"
-            L.append(
-                f"| {model.replace(' shape', '')} | {w} | {budget_label(b)} | {p} | "
-                f"{fmt(d['ours']) + ' / ' + fmt(d['peer_value']) if d else '-'} | "
-                f"{'**' + fmt(d['ratio']) + '**' if d else '-'} | "
-                f"{fmt(f['ours'], 0) + ' / ' + fmt(f['peer_value'], 0) if f else '-'} | "
-                f"{fmt(f['ratio']) if f else '-'} | {peak} | {measured(any_r)} |"
-            )
+        L += generation_rows(gpu, lambda model: model.replace(' shape', ''))
         have = {(r["model"], r["weights"], r["budget_gib"], r["prompt_len"]) for r in gpu}
         missing = {}
         for size, w, b, p in GRID_EXPECTED:
@@ -509,20 +517,7 @@ def render_benchmarks(rows):
             "| model | weights | budget | prompt | decode tok/s, ours / llama.cpp | x | prefill tok/s, ours / llama.cpp | x | peak MiB (budget) | measured |",
             "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | --- |",
         ]
-        for (model, w, b, p), rs in by_key(moe_gpu, "model", "weights", "budget_gib", "prompt_len").items():
-            d = next((r for r in rs if r["metric"] == "decode_tokens_per_s"), None)
-            f = next((r for r in rs if r["metric"] == "prefill_tokens_per_s"), None)
-            any_r = d or f
-            peak = fmt(any_r["peak_mib"]) + (f" ({fmt(any_r['budget_mib'])})" if any_r["budget_mib"] else "")
-            if any_r["within_budget"] is False:
-                peak += " **over**"
-            L.append(
-                f"| {model} | {w} | {budget_label(b)} | {p} | "
-                f"{fmt(d['ours']) + ' / ' + fmt(d['peer_value']) if d else '-'} | "
-                f"{'**' + fmt(d['ratio']) + '**' if d else '-'} | "
-                f"{fmt(f['ours'], 0) + ' / ' + fmt(f['peer_value'], 0) if f else '-'} | "
-                f"{fmt(f['ratio']) if f else '-'} | {peak} | {measured(any_r)} |"
-            )
+        L += generation_rows(moe_gpu, lambda model: model)
         L.append("")
     if cpu:
         L += [
