@@ -23,6 +23,7 @@ file plus its index entry; add the file to SOURCES and rerun this script.
 
 Python 3 standard library only.
 """
+import functools
 import json
 import math
 import re
@@ -89,8 +90,10 @@ SOURCES = {
     # llama.cpp at the fewest -ncmoe within each budget in the same process; and a file of
     # printed figures transcribed, where the call ran without --json-out (all on the GPU).
     "moe-gpu": [
-        "2026-12-05/2026-12-05-moe-q8_0-uniform-4-8-12gib-p64-6e9b932-h200.json",
         "2026-12-05/2026-12-05-moe-all-on-gpu-q8_0-q4_k_m-printed-6e9b932-h200.json",
+        "2026-12-05/2026-12-05-moe-q8_0-uniform-4-8-12gib-p64-grouped-7493f1c-h100.json",
+        "2026-12-05/2026-12-05-moe-q8_0-skewed-4gib-p64-7493f1c-h100.json",
+        "2026-12-05/2026-12-05-moe-q8_0-skewed-8-12gib-p64-7493f1c-h100.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     "train": [
@@ -432,8 +435,21 @@ def budget_label(b):
     return "all on the GPU" if b is None else f"{fmt(b, 0) if b == int(b) else b} GiB"
 
 
+@functools.lru_cache(maxsize=None)
+def card(source):
+    """The GPU a source file was measured on, as its short name (H100, H200), or None."""
+    try:
+        with open(ROOT / source) as f:
+            gpu = (json.load(f).get("machine") or {}).get("gpu")
+    except (OSError, ValueError):
+        return None
+    name = gpu.get("name") if isinstance(gpu, dict) else gpu
+    return next((w for w in str(name or "").split() if w[:1] in "HAL" and w[1:].isdigit()), None)
+
+
 def measured(r):
-    return f"{r['date']}, `{r['commit'][:7]}`, [json]({r['source']})"
+    where = f"{card(r['source'])}, " if card(r["source"]) else ""
+    return f"{r['date']}, {where}`{r['commit'][:7]}`, [json]({r['source']})"
 
 
 def by_key(rows, *fields):
