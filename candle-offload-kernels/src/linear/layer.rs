@@ -207,10 +207,13 @@ impl Linear {
     }
 
     /// `xs · wᵀ` through Candle's matmul, in `xs`'s dtype: the dense weight as it is, the
-    /// quantized one in F32; on the CPU this crate's spinning workers park first, so that they
-    /// leave the cores to Candle's threads.
+    /// quantized one in F32; on the CPU, where Candle's matmul runs on more than one thread
+    /// (the current rayon pool's), this crate's spinning workers park first, so that they
+    /// leave the cores to Candle's threads. On a one-thread pool (a decode step's,
+    /// [`crate::pool::on_cpu_step_pool`]) they keep spinning: parked, the next region would
+    /// wait for them to wake.
     fn candle(&self, xs: &Tensor) -> Result<Tensor> {
-        if xs.device().is_cpu() {
+        if xs.device().is_cpu() && rayon::current_num_threads() > 1 {
             park_idle_workers();
         }
         match &self.weight {
