@@ -85,6 +85,7 @@ SOURCES = {
     # Python binding on the same file and token ids in the same run, rounds alternating.
     "moe-cpu": [
         "2026-12-04/2026-12-04-moe-cpu-small-1586905.json",
+        "2026-12-05/2026-12-05-moe-cpu-small-4de615f.json",
     ],
     # bench_generate --llamacpp-moe on a random Qwen3-30B-A3B GGUF (scripts/gpu_moe_session.sh),
     # llama.cpp at the fewest -ncmoe within each budget in the same process; and a file of
