@@ -80,6 +80,7 @@ SOURCES = {
         "2026-12-04/2026-12-04-stop51-cpu-default-model-fc29c6d-run1.json",
         "2026-12-04/2026-12-04-stop51-cpu-default-model-fc29c6d-run2.json",
         "2026-12-04/2026-12-04-cpu-default-model-b5a4840.json",
+        "2026-12-05/2026-12-05-cpu-default-model-e207087.json",
     ],
     # scripts/moe_cpu_bench.py: generate --cpu on a random small Qwen3-MoE GGUF, llama.cpp's
     # Python binding on the same file and token ids in the same run, rounds alternating.
