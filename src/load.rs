@@ -130,7 +130,8 @@ pub struct LoadArgs {
     /// Where a mixture-of-experts model's experts missing from the GPU's cache run: `auto`
     /// (when the budget does not hold every expert, each layer's missing experts split between
     /// the host CPU and fetches over the link, as a cost model prices them), `on` (the same, on
-    /// any device) or `off` (every one fetched).
+    /// any device), `fetch` (the cache as for `on`, every missing expert fetched, none on the
+    /// host CPU) or `off` (no expert cache: every one fetched as any other weight).
     #[arg(long, default_value = "auto")]
     pub expert_split: candle_offload::experts::ExpertSplit,
     /// In a decode step, prefetch the experts the next mixture-of-experts layer's router picks

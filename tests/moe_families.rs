@@ -250,7 +250,8 @@ fn moe_ragged_steps_equal_each_sequence_alone() -> anyhow::Result<()> {
 /// The expert tier, forced on (on the CPU, the split where no GPU is): a budget that holds the
 /// dense part and a few experts per layer splits each layer's routed experts between the
 /// cache, fetches (evicting the policy's victim) and the host CPU, and the logits stay
-/// transformers' under both policies; every path is taken and the counters add up.
+/// transformers' under both policies; every path is taken and the counters add up. With the
+/// split's fetch side alone (`ExpertSplit::Fetch`) no expert runs on the host.
 fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Result<()> {
     use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertSplit};
     use candle_offload_models::OffloadSettings;
@@ -261,10 +262,15 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
     for name in ["mixtral", "qwen3_moe_mixed", "qwen2_moe"] {
         let files = loader::from_dir(&dir.join(name))?;
         let want = reference(&dir.join(name))?;
-        for (policy, prefetch) in [
-            (ExpertPolicy::Lru, false),
-            (ExpertPolicy::Lfu { half_life: 64.0 }, false),
-            (ExpertPolicy::Lru, true),
+        for (policy, prefetch, split) in [
+            (ExpertPolicy::Lru, false, ExpertSplit::On),
+            (
+                ExpertPolicy::Lfu { half_life: 64.0 },
+                false,
+                ExpertSplit::On,
+            ),
+            (ExpertPolicy::Lru, true, ExpertSplit::On),
+            (ExpertPolicy::Lru, false, ExpertSplit::Fetch),
         ] {
             let store = Arc::new(loader::load_store_with(
                 &files,
@@ -297,7 +303,7 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
             let settings = OffloadSettings {
                 gpu_memory_limit: Some(MemoryLimit::Bytes(limit)),
                 reserve_bytes: 0,
-                experts: ExpertOptions::new(policy, ExpertSplit::On).with_prefetch(prefetch),
+                experts: ExpertOptions::new(policy, split).with_prefetch(prefetch),
                 ..Default::default()
             };
             let m = Llama::builder(&files, store)
@@ -355,8 +361,13 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
                 s.slots
             );
             assert!(
-                s.resident > 0 && s.fetched > 0 && s.on_host > 0,
-                "{name} {policy:?}: {s:?}"
+                s.resident > 0 && s.fetched > 0,
+                "{name} {policy:?} {split:?}: {s:?}"
+            );
+            assert_eq!(
+                s.on_host > 0,
+                split == ExpertSplit::On,
+                "{name} {policy:?} {split:?}: {s:?}"
             );
             let hits: u64 = s.layers.iter().map(|c| c.hits).sum();
             let misses: u64 = s.layers.iter().map(|c| c.misses).sum();

@@ -366,18 +366,23 @@ pub enum ExpertSplit {
     On,
     /// Never: every routed expert is fetched to the device.
     Off,
+    /// The expert cache as for `On`, with every missing expert fetched (or streamed) to the
+    /// device and none computed on the host CPU: the split's fetch side alone, to measure the
+    /// split against.
+    Fetch,
 }
 
 impl std::str::FromStr for ExpertSplit {
     type Err = String;
-    /// `auto`, `on` or `off`.
+    /// `auto`, `on`, `off` or `fetch`.
     fn from_str(s: &str) -> Result<Self, String> {
         match s.trim() {
             "auto" => Ok(Self::Auto),
             "on" => Ok(Self::On),
             "off" => Ok(Self::Off),
+            "fetch" => Ok(Self::Fetch),
             other => Err(format!(
-                "expert split `{other}`: expected `auto`, `on` or `off`"
+                "expert split `{other}`: expected `auto`, `on`, `off` or `fetch`"
             )),
         }
     }

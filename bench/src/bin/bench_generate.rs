@@ -60,7 +60,7 @@ struct Args {
     /// A mixture-of-experts model's expert cache policy: `lru`, `lfu` or `lfu:HALF_LIFE`.
     #[arg(long, default_value = "lru")]
     expert_policy: candle_offload::experts::ExpertPolicy,
-    /// Where missing experts run: `auto`, `on` or `off` (`OffloadConfig::experts`).
+    /// Where missing experts run: `auto`, `on`, `fetch` or `off` (`OffloadConfig::experts`).
     #[arg(long, default_value = "auto")]
     expert_split: candle_offload::experts::ExpertSplit,
     /// Prefetch the next layer's guessed experts in decode steps (`ExpertOptions::prefetch`).
@@ -856,6 +856,7 @@ fn main() -> Result<()> {
                 "graph_last_reason": graph_stats.last_reason,
                 "expert_policy": format!("{:?}", args.expert_policy),
                 "expert_prefetch": args.expert_prefetch,
+                "expert_split": format!("{:?}", args.expert_split),
             });
             if let (Some(rec), serde_json::Value::Object(t)) =
                 (records.last_mut().and_then(|r| r.as_object_mut()), tiers)

@@ -180,6 +180,9 @@ pub(crate) struct ExpertTier {
     can_stream: bool,
     /// Whether a decode step prefetches the next layer's guessed experts.
     prefetch: bool,
+    /// Whether missing experts may run on the host CPU ([`ExpertSplit::Fetch`]: none does,
+    /// but where the device can take none either).
+    host_compute: bool,
     state: Mutex<TierState>,
 }
 
@@ -213,7 +216,7 @@ impl ExpertTier {
         }
         match options.split {
             ExpertSplit::Off => false,
-            ExpertSplit::On => true,
+            ExpertSplit::On | ExpertSplit::Fetch => true,
             _ => {
                 device.is_cuda()
                     && room
@@ -289,6 +292,7 @@ impl ExpertTier {
             host,
             can_stream: sizing.can_stream,
             prefetch: options.prefetch,
+            host_compute: options.split != ExpertSplit::Fetch,
             state: Mutex::new(TierState {
                 cache: ExpertCache::new(options.policy, x.count, &slots),
                 layers: x.sparse.len(),
@@ -401,6 +405,8 @@ impl ExpertUnits for SplitExperts<'_> {
         let can_stream = self.tier.can_stream;
         let fetch = if st.cache.slots(layer) == 0 && !can_stream {
             vec![false; missing.len()]
+        } else if !self.tier.host_compute {
+            vec![true; missing.len()]
         } else {
             split_missing(&costs)
         };
