@@ -86,6 +86,13 @@ struct Args {
     /// Decode steps measured (median).
     #[arg(long, default_value_t = 16)]
     new_tokens: usize,
+    /// The token each decode step is fed: `greedy` (the last step's argmax), `random` (a
+    /// fixed pseudo-random sequence, as llama-bench's generation test feeds) or `auto` (random
+    /// for a mixture-of-experts model, whose routing, and so its expert cache's hits, follows
+    /// the tokens: a random-weight model's greedy output repeats a few tokens, which a cache
+    /// holds and llama.cpp's static placement cannot use; greedy otherwise).
+    #[arg(long, default_value = "auto")]
+    decode_tokens: DecodeTokens,
     /// Decoder layers run on the host CPU in front of the GPU, per configuration: `none`
     /// (stream what does not fit), `auto` (the fewest that let the GPU hold the rest), a
     /// count, `spread:N`, `spread:N+head` (the output head on the host too) or `spread:auto`;
@@ -293,6 +300,13 @@ fn main() -> Result<()> {
     let prompt_of = |len: usize| {
         candle_offload_bench::random_tokens(len, cfg.vocab_size, len as u64 * 2654435761 + 1)
     };
+    let random_decode = match args.decode_tokens {
+        DecodeTokens::Greedy => false,
+        DecodeTokens::Random => true,
+        DecodeTokens::Auto => cfg.layout().experts.is_some(),
+    };
+    // The tokens a decode fed at random reads, one per step.
+    let decode_feed = candle_offload_bench::random_tokens(args.new_tokens, cfg.vocab_size, 7919);
 
     // The host's memory read rate, for the physical bound of what reads host memory every
     // token (a mixture-of-experts model's host experts and fetches): measured once, on the
@@ -466,6 +480,14 @@ fn main() -> Result<()> {
             let prefill_enqueue_s = t0.elapsed().as_secs_f64();
             let mut next = argmax(&logits)?;
             let prefill_s = t0.elapsed().as_secs_f64();
+            let feed = |i: usize, greedy: u32| {
+                if random_decode {
+                    decode_feed[i]
+                } else {
+                    greedy
+                }
+            };
+            next = feed(0, next);
             model.end_step()?;
             // The prompt's marks, then the decode's from here (which phase reached the peak).
             let prefill_peaks = if gpu {
@@ -518,6 +540,9 @@ fn main() -> Result<()> {
                 host_times.push(t0.elapsed().as_secs_f64());
                 next = argmax(&logits)?;
                 times.push(t0.elapsed().as_secs_f64());
+                if i + 1 < args.new_tokens {
+                    next = feed(i + 1, next);
+                }
                 model.end_step()?;
                 bytes.push(rt.stats()?.last_step.map_or(0.0, |s| s.bytes as f64));
             }
@@ -857,6 +882,7 @@ fn main() -> Result<()> {
                 "expert_policy": format!("{:?}", args.expert_policy),
                 "expert_prefetch": args.expert_prefetch,
                 "expert_split": format!("{:?}", args.expert_split),
+                "decode_tokens": if random_decode { "random" } else { "greedy" },
             });
             if let (Some(rec), serde_json::Value::Object(t)) =
                 (records.last_mut().and_then(|r| r.as_object_mut()), tiers)
@@ -1242,4 +1268,15 @@ fn batch_decode(
         step_s: median(times),
         peak: sampler.map(|s| s.stop()).unwrap_or(0),
     })
+}
+
+/// What a decode step is fed ([`Args::decode_tokens`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DecodeTokens {
+    /// Random for a mixture-of-experts model, greedy otherwise.
+    Auto,
+    /// The last step's argmax.
+    Greedy,
+    /// A fixed pseudo-random sequence.
+    Random,
 }
