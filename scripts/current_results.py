@@ -530,7 +530,12 @@ def render_benchmarks(rows):
             "128 experts, top 8; `scripts/gguf_random_moe.py`); ours with the expert cache (LRU, "
             "the split between fetches and the host CPU on); llama.cpp at `-ngl 99 -fa 1` with "
             "the fewest `-ncmoe` whose peak fits the budget, probed in the same process "
-            "(`--llamacpp-moe`), or with nothing on the CPU where the whole model is on the GPU.",
+            "(`--llamacpp-moe`), or with nothing on the CPU where the whole model is on the GPU. "
+            "Every row so far fed our decode steps the random model's own greedy tokens, which "
+            "repeat: the expert cache's hits (and our rate) are higher there than with the "
+            "random tokens llama-bench feeds, which `bench_generate` feeds a mixture-of-experts "
+            "model since `0ac97ac` (`--decode-tokens`). Per layer, 4 GiB's 8 slots of 128 hit "
+            "50-67% of the first layers' experts: no uniform routing.",
             "",
             "| model | weights | budget | prompt | decode tok/s, ours / llama.cpp | x | prefill tok/s, ours / llama.cpp | x | peak MiB (budget) | measured |",
             "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | --- |",
