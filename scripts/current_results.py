@@ -410,14 +410,21 @@ def train_rows():
     return rows
 
 
+def gpu_name(doc):
+    """The GPU a result file names in its `machine` (a name, or an object with one), or None."""
+    gpu = (doc.get("machine") or {}).get("gpu")
+    return gpu.get("name") if isinstance(gpu, dict) else gpu
+
+
 def machines():
     """One line per family: the machine its sources name."""
     out = {}
     for fam, rels in SOURCES.items():
         names = set()
         for rel in rels:
-            m = load(rel).get("machine") or {}
-            gpu = (m.get("gpu") or {}).get("name") if isinstance(m.get("gpu"), dict) else m.get("gpu")
+            doc = load(rel)
+            m = doc.get("machine") or {}
+            gpu = gpu_name(doc)
             cpu = f"{m.get('cores')}-core {m.get('cpu')} host" if m.get("cores") else None
             names.add(", ".join(x for x in [gpu, cpu] if x))
         out[fam] = "; ".join(sorted(n for n in names if n))
@@ -439,13 +446,8 @@ def budget_label(b):
 
 @functools.lru_cache(maxsize=None)
 def card(source):
-    """The GPU a source file was measured on, as its short name (H100, H200), or None."""
-    try:
-        with open(ROOT / source) as f:
-            gpu = (json.load(f).get("machine") or {}).get("gpu")
-    except (OSError, ValueError):
-        return None
-    name = gpu.get("name") if isinstance(gpu, dict) else gpu
+    """The GPU a row's source file was measured on, as its short name (H100, H200), or None."""
+    name = gpu_name(load(source.removeprefix(f"{RESULTS}/")))
     return next((w for w in str(name or "").split() if w[:1] in "HAL" and w[1:].isdigit()), None)
 
 

@@ -83,10 +83,10 @@ case "$1" in
     w=$2 budgets=$3 prompts=$4
     f=$(gguf "$w")
     [[ -x /tmp/bin/bench_generate ]] || { xz -dc .gpu/bench_generate.xz > /tmp/bin/bench_generate && chmod +x /tmp/bin/bench_generate; }
-    [[ -f $f.done ]] || { el "waiting for $f"; while [[ ! -f $f.done ]] && pgrep -f moe-write.sh >/dev/null; do sleep 2; done; }
     # Nothing else on the host while timing: a requantization beside a bench once cut
-    # llama.cpp's decode to 0.8 tok/s. Wait for the writer (Q4=0 skips its Q4_K_M step).
-    while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer to finish"; sleep 10; done
+    # llama.cpp's decode to 0.8 tok/s. Wait for the writer, $f's and any other step of it
+    # (Q4=0 skips its Q4_K_M one).
+    while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 10; done
     grep -v "^+" /tmp/moe-write.log; ls -la /tmp/gguf
     [[ -x /tmp/llamacpp/build/bin/llama-bench ]] || { echo "no llama-bench (call1 first)"; exit 1; }
     name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${PREFETCH:+-prefetch}${SPLIT:+-split-$SPLIT}${PER_EXPERT:+-per-expert}"

@@ -86,7 +86,8 @@ struct Args {
     /// Decode steps measured (median).
     #[arg(long, default_value_t = 16)]
     new_tokens: usize,
-    /// The token each decode step is fed: `greedy` (the last step's argmax), `random` (a
+    /// The token each single-sequence decode step is fed (`--batch` rows stay greedy):
+    /// `greedy` (the last step's argmax), `random` (a
     /// fixed pseudo-random sequence, as llama-bench's generation test feeds) or `auto` (random
     /// for a mixture-of-experts model, whose routing, and so its expert cache's hits, follows
     /// the tokens: a random-weight model's greedy output repeats a few tokens, which a cache
@@ -300,13 +301,13 @@ fn main() -> Result<()> {
     let prompt_of = |len: usize| {
         candle_offload_bench::random_tokens(len, cfg.vocab_size, len as u64 * 2654435761 + 1)
     };
-    let random_decode = match args.decode_tokens {
+    // The tokens a decode fed at random reads, one per step; `None`: greedy.
+    let decode_feed = match args.decode_tokens {
         DecodeTokens::Greedy => false,
         DecodeTokens::Random => true,
         DecodeTokens::Auto => cfg.layout().experts.is_some(),
-    };
-    // The tokens a decode fed at random reads, one per step.
-    let decode_feed = candle_offload_bench::random_tokens(args.new_tokens, cfg.vocab_size, 7919);
+    }
+    .then(|| candle_offload_bench::random_tokens(args.new_tokens, cfg.vocab_size, 7919));
 
     // The host's memory read rate, for the physical bound of what reads host memory every
     // token (a mixture-of-experts model's host experts and fetches): measured once, on the
@@ -480,14 +481,6 @@ fn main() -> Result<()> {
             let prefill_enqueue_s = t0.elapsed().as_secs_f64();
             let mut next = argmax(&logits)?;
             let prefill_s = t0.elapsed().as_secs_f64();
-            let feed = |i: usize, greedy: u32| {
-                if random_decode {
-                    decode_feed[i]
-                } else {
-                    greedy
-                }
-            };
-            next = feed(0, next);
             model.end_step()?;
             // The prompt's marks, then the decode's from here (which phase reached the peak).
             let prefill_peaks = if gpu {
@@ -530,8 +523,9 @@ fn main() -> Result<()> {
             for i in 0..args.new_tokens {
                 model.begin_step()?;
                 let t0 = Instant::now();
+                let token = decode_feed.as_ref().map_or(next, |f| f[i]);
                 let logits = model.forward(
-                    &Tensor::new(&[next], &device)?.unsqueeze(0)?,
+                    &Tensor::new(&[token], &device)?.unsqueeze(0)?,
                     prompt_len + i,
                     &mut cache,
                 )?;
@@ -540,9 +534,6 @@ fn main() -> Result<()> {
                 host_times.push(t0.elapsed().as_secs_f64());
                 next = argmax(&logits)?;
                 times.push(t0.elapsed().as_secs_f64());
-                if i + 1 < args.new_tokens {
-                    next = feed(i + 1, next);
-                }
                 model.end_step()?;
                 bytes.push(rt.stats()?.last_step.map_or(0.0, |s| s.bytes as f64));
             }
@@ -882,7 +873,7 @@ fn main() -> Result<()> {
                 "expert_policy": format!("{:?}", args.expert_policy),
                 "expert_prefetch": args.expert_prefetch,
                 "expert_split": format!("{:?}", args.expert_split),
-                "decode_tokens": if random_decode { "random" } else { "greedy" },
+                "decode_tokens": if decode_feed.is_some() { "random" } else { "greedy" },
             });
             if let (Some(rec), serde_json::Value::Object(t)) =
                 (records.last_mut().and_then(|r| r.as_object_mut()), tiers)
