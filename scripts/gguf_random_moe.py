@@ -24,7 +24,8 @@ Routings (the same file serves both sides of a benchmark):
   * it is built into the router through a direction every hidden state shares: each token
     embedding is COMMON_SCALE * c + its own random row (c a fixed unit vector), and router row e
     is POP_SCALE * log(r_e^-ZIPF_S) * c + random (N(0, 0.05²)), so that the logits carry the
-    log-popularity where the hidden state keeps its share of c;
+    log-popularity where the hidden state keeps its share of c; the embeddings are then scaled
+    by EMBED_SCALE, as the uniform file's, so that the hidden state keeps that share at depth;
   * token-to-token correlation: the vocabulary is split into TOPICS = 16 contiguous blocks of
     ids; each topic has a random unit vector t_k added to its tokens' embeddings
     (TOPIC_SCALE), and each layer's router favours TOPIC_EXPERTS = top-k experts per topic
@@ -119,6 +120,8 @@ def main():
         emb = 0.5 * rng.standard_normal((vocab, h)).astype(np.float32) / np.sqrt(h)
         emb += COMMON_SCALE * c
         emb += TOPIC_SCALE * topics[(np.arange(vocab) * TOPICS) // vocab]
+        # As the uniform file's: the embeddings outweigh what the layers add.
+        emb *= EMBED_SCALE
         w.add_tensor("token_embd.weight", emb.astype(np.float32))
     else:
         # Embeddings EMBED_SCALE times the other weights' scale: each token's own row then
