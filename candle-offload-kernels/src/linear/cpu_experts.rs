@@ -5,17 +5,18 @@
 //! of a few microseconds' work per layer; here every output value of every matmul is one work
 //! item of one pass ([`crate::pool`]), each the dot product [`super::cpu_quant::forward`]'s
 //! K-quant loop computes (Candle's `vec_dot` over the blocks as they are, against activations
-//! quantized to Q8_K once per input), or for Q8_0 weights Candle's Q8_0 `vec_dot` against the
-//! activations quantized to Q8_0 (as Candle's matmul does).
+//! quantized to Q8_K once per input), or for Q8_0 weights the prefetching Q8_0 dot product of
+//! the dense path ([`super::simd`]) against the activations quantized to Q8_0 (as ggml's).
 
 use std::sync::Arc;
 
-use candle_core::quantized::k_quants::{BlockQ8K, BlockQ8_0, QK8_0, QK_K};
+use candle_core::quantized::k_quants::{BlockQ8K, QK8_0, QK_K};
 use candle_core::quantized::GgmlDType;
 use candle_core::quantized::{GgmlType, QTensor};
 use candle_core::Result;
 
 use super::cpu_quant::{is_kquant, KRows, KQUANT_MAX_ROWS};
+use super::simd::{self, Q8_0_BYTES};
 use crate::tuning::KernelTuning;
 
 /// Dot products per work item (about 64 Ki weights at a width of 1024).
@@ -104,7 +105,24 @@ pub fn kquant_batch(
         w
     };
     let yq: Vec<Vec<BlockQ8K>> = quantize_inputs(inputs, &wants(false));
-    let y0: Vec<Vec<BlockQ8_0>> = quantize_inputs(inputs, &wants(true));
+    let y0: Vec<Vec<u8>> = inputs
+        .iter()
+        .zip(wants(true))
+        .map(|(r, want)| {
+            let mut y = vec![
+                0u8;
+                if want {
+                    r.x.len() / QK8_0 * Q8_0_BYTES
+                } else {
+                    0
+                }
+            ];
+            if want {
+                simd::quantize_q8_0(r.x, &mut y);
+            }
+            y
+        })
+        .collect();
     // Item j's values at starts[j]: column-major, its m values of output column c at c * m.
     let sizes: Vec<usize> = items
         .iter()
@@ -136,8 +154,12 @@ pub fn kquant_batch(
                     rows.dot(c, nb, k, &yq[i][r * nb..(r + 1) * nb], pf)
                 }
                 Blocks::Q8_0(b) => {
-                    let nb = k / QK8_0;
-                    BlockQ8_0::vec_dot(k, &b[c * nb..(c + 1) * nb], &y0[i][r * nb..(r + 1) * nb])
+                    let row = k / QK8_0 * Q8_0_BYTES;
+                    simd::dot_q8_0_q8_0(
+                        &b[c * row..(c + 1) * row],
+                        &y0[i][r * row..(r + 1) * row],
+                        pf,
+                    )
                 }
             };
         }
@@ -177,14 +199,17 @@ fn quantize_inputs<T: GgmlType + Clone>(inputs: &[Rows<'_>], want: &[bool]) -> V
 enum Blocks<'a> {
     /// K-quant blocks, against Q8_K activations.
     K(KRows<'a>),
-    /// Q8_0 blocks, against Q8_0 activations.
-    Q8_0(&'a [BlockQ8_0]),
+    /// Q8_0 blocks (their bytes), against Q8_0 activations.
+    Q8_0(&'a [u8]),
 }
 
 impl<'a> Blocks<'a> {
     fn new(ty: GgmlDType, bytes: &'a [u8]) -> Option<Self> {
         match ty {
-            GgmlDType::Q8_0 => Some(Self::Q8_0(crate::linear::simd::k_blocks(bytes)?)),
+            GgmlDType::Q8_0 => bytes
+                .len()
+                .is_multiple_of(Q8_0_BYTES)
+                .then_some(Self::Q8_0(bytes)),
             ty => KRows::new(ty, bytes).map(Self::K),
         }
     }
@@ -192,7 +217,7 @@ impl<'a> Blocks<'a> {
     fn blocks(&self) -> usize {
         match self {
             Self::K(r) => r.blocks(),
-            Self::Q8_0(b) => b.len(),
+            Self::Q8_0(b) => b.len() / Q8_0_BYTES,
         }
     }
 
