@@ -129,6 +129,26 @@ CONFIGS = {
                            rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=1000.0),
                                             "full_attention": dict(rope_type="linear", factor=8.0,
                                                                    rope_theta=1000000.0)})),
+    # Mixture-of-experts families (issue 55), each expert its own unit under the budget:
+    # Qwen3-MoE: per-head q/k norms, top 2 of 8 experts renormalised, the middle layer dense
+    # (mlp_only_layers), a separate head.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                       vocab_size=1024, tie_word_embeddings=False, rope_theta=1000000.0)),
+    # Mixtral: top 2 of 4 experts (softmax over the chosen), GQA.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(hidden_size=128, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+                     tie_word_embeddings=False, rope_theta=1000000.0, sliding_window=None)),
+    # Qwen2-MoE: q/k/v biases, top 3 of 6 not renormalised, and the shared expert with its
+    # sigmoid gate.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=6,
+                       num_experts_per_tok=3, norm_topk_prob=False, shared_expert_intermediate_size=96,
+                       decoder_sparse_step=1, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=1024, tie_word_embeddings=False, rope_theta=1000000.0)),
 }
 
 
