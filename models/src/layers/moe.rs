@@ -323,17 +323,25 @@ impl SparseMoe {
         let (rows, h) = x2.dims2()?;
         let experts: Vec<&Expert> = groups.iter().map(|(_, e)| *e).collect();
         let x = x2.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        // Each expert's rows, gathered, in groups the loop takes; with the expert and the
-        // rows' (output row, weight).
+        // Each expert's rows, gathered, in groups the loop takes (one input for groups of the
+        // same rows: a decode row's experts all read it, quantized once); with the expert and
+        // the rows' (output row, weight), and each group's input.
         let mut inputs: Vec<Vec<f32>> = Vec::new();
+        let mut input_ids: Vec<&[u32]> = Vec::new();
+        let mut input_of: Vec<usize> = Vec::new();
         let mut owners: Vec<(usize, Vec<(usize, f32)>)> = Vec::new();
         for (slot, ((ids, ws), _)) in groups.iter().enumerate() {
             for (ids, ws) in ids.chunks(KQUANT_MAX_ROWS).zip(ws.chunks(KQUANT_MAX_ROWS)) {
-                let mut xe = Vec::with_capacity(ids.len() * h);
-                for &r in ids {
-                    xe.extend_from_slice(&x[r as usize * h..(r as usize + 1) * h]);
+                let same = input_ids.iter().position(|&seen| seen == ids);
+                input_of.push(same.unwrap_or(inputs.len()));
+                if same.is_none() {
+                    let mut xe = Vec::with_capacity(ids.len() * h);
+                    for &r in ids {
+                        xe.extend_from_slice(&x[r as usize * h..(r as usize + 1) * h]);
+                    }
+                    inputs.push(xe);
+                    input_ids.push(ids);
                 }
-                inputs.push(xe);
                 owners.push((
                     slot,
                     ids.iter()
@@ -351,7 +359,12 @@ impl SparseMoe {
         let first: Vec<(&Arc<QTensor>, usize)> = owners
             .iter()
             .enumerate()
-            .flat_map(|(i, (slot, _))| [(blocks[*slot][0], i), (blocks[*slot][1], i)])
+            .flat_map(|(i, (slot, _))| {
+                [
+                    (blocks[*slot][0], input_of[i]),
+                    (blocks[*slot][1], input_of[i]),
+                ]
+            })
             .collect();
         let Some(gu) = kquant_batch(&rows_of(&inputs, h), &first, tuning)? else {
             return Ok(None);
