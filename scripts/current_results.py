@@ -91,6 +91,7 @@ SOURCES = {
         "2026-12-06/2026-12-06-moe-cpu-small-q8_0-before-run2-fa5ced6.json",
         "2026-12-06/2026-12-06-moe-cpu-small-q8_0-run1-88898b2.json",
         "2026-12-06/2026-12-06-moe-cpu-small-q8_0-run2-88898b2.json",
+        "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-fixed-writer-18e69b3.json",
     ],
     # bench_generate --llamacpp-moe on a random Qwen3-30B-A3B GGUF (scripts/gpu_moe_session.sh),
     # llama.cpp at the fewest -ncmoe within each budget in the same process; and a file of
