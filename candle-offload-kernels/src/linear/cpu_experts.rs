@@ -6,7 +6,7 @@
 //! item of one pass ([`crate::pool`]), each the dot product [`super::cpu_quant::forward`]'s
 //! K-quant loop computes (Candle's `vec_dot` over the blocks as they are, against activations
 //! quantized to Q8_K once per input), or for Q8_0 weights the prefetching Q8_0 dot product of
-//! the dense path ([`super::simd`]) against the activations quantized to Q8_0 (as ggml's).
+//! the dense path (`linear/simd.rs`) against the activations quantized to Q8_0 (as ggml's).
 
 use std::sync::Arc;
 
