@@ -20,7 +20,9 @@ use candle_offload::experts::{
 use candle_offload::{HostStore, OffloadConfig, OffloadRuntime, UnitId};
 
 use crate::family::{Layout, UnitWeights};
-use crate::layers::{route_row, BuildExpert, Expert, ExpertSite, ExpertUnits, GatedMlp, Routing};
+use crate::layers::{
+    route_row, router_logits, BuildExpert, Expert, ExpertSite, ExpertUnits, GatedMlp, Routing,
+};
 use candle_offload::kernels::linear::Linear;
 
 /// Rows the host's K-quant pass computes per read of an expert's weights
@@ -501,10 +503,7 @@ impl ExpertUnits for SplitExperts<'_> {
         };
         // The next layer's router on this layer's rows (the residual stream changes little
         // from one layer to the next).
-        let logits = next_router
-            .forward(x2)?
-            .to_dtype(DType::F32)?
-            .to_vec2::<f32>()?;
+        let logits = router_logits(&next_router, x2)?.to_vec2::<f32>()?;
         let Some(row) = logits.first() else {
             return Ok(());
         };

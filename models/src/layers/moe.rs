@@ -288,10 +288,10 @@ impl SparseMoe {
         }
     }
 
-    /// The router's choice for each row of `x2` (rows, hidden).
+    /// The router's choice for each row of `x2` (rows, hidden), from its logits in F32
+    /// ([`router_logits`]).
     pub fn route(&self, x2: &Tensor) -> Result<Vec<Vec<(usize, f32)>>> {
-        let logits = self.router.forward(x2)?.to_dtype(DType::F32)?;
-        let logits = logits.to_vec2::<f32>()?;
+        let logits = router_logits(&self.router, x2)?.to_vec2::<f32>()?;
         if logits
             .first()
             .is_some_and(|r| r.len() != self.routing.experts)
@@ -621,6 +621,24 @@ impl SparseMoe {
     }
 }
 
+/// A router's logits for the rows of `x2` (rows, hidden), computed in F32 whatever the
+/// model's dtype (as llama.cpp computes them): the choice of experts is discrete, and logits
+/// rounded to 16 bits tie or swap experts whose F32 logits differ by less than their spacing.
+/// `(rows, experts)` F32.
+pub(crate) fn router_logits(router: &Linear, x2: &Tensor) -> Result<Tensor> {
+    let x = x2.to_dtype(DType::F32)?;
+    match router.weight() {
+        LinearWeight::Dense(w) if w.dtype() != DType::F32 => {
+            let logits = x.matmul(&w.to_dtype(DType::F32)?.t()?)?;
+            match router.bias() {
+                Some(b) => logits.broadcast_add(&b.to_dtype(DType::F32)?),
+                None => Ok(logits),
+            }
+        }
+        _ => router.forward(&x)?.to_dtype(DType::F32),
+    }
+}
+
 /// `m`-wide rows of each buffer of `v`.
 fn rows_of(v: &[Vec<f32>], k: usize) -> Vec<Rows<'_>> {
     v.iter().map(|x| Rows { x, k }).collect()
@@ -665,8 +683,6 @@ mod tests {
         }
     }
 
-    /// Expected values from transformers' routers (torch 2.15: softmax in F32, `topk`,
-    /// renormalised or not) on the same logits.
     /// Expected values printed by transformers' router code (torch 2.15: softmax in F32,
     /// `topk`, renormalised or not) on the same logits.
     #[test]
@@ -723,6 +739,34 @@ mod tests {
         let flat = route_row(&[0.0; 8], r(8, 3, false));
         assert_eq!(flat.iter().map(|c| c.0).collect::<Vec<_>>(), [0, 1, 2]);
         assert!(flat.iter().all(|c| (c.1 - 0.125).abs() < 1e-7));
+    }
+
+    /// A half-precision model routes on F32 logits: expert 1's logit is 1 + 2^-9 against
+    /// expert 0's 1, a difference below BF16's spacing at 1 (2^-7), so logits rounded to BF16
+    /// would tie and the lower index win; in F32 expert 1 wins, as in the F32 model.
+    #[test]
+    fn half_precision_routers_choose_on_f32_logits() -> Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let w = Tensor::new(&[[1.0f32, 0.0], [1.0, 1.0 / 512.0]], &dev)?;
+        let x = Tensor::new(&[[1.0f32, 1.0]], &dev)?;
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let router = Linear::from_candle(
+                &candle_nn::Linear::new(w.to_dtype(dt)?, None),
+                candle_offload::KernelTuning::default(),
+            );
+            let got = router_logits(&router, &x.to_dtype(dt)?)?;
+            assert_eq!(got.dtype(), DType::F32);
+            let row = got.to_vec2::<f32>()?.remove(0);
+            assert_eq!(row, [1.0, 1.0 + 1.0 / 512.0], "{dt:?}");
+            assert_eq!(route_row(&row, r(2, 1, true))[0].0, 1, "{dt:?}");
+        }
+        // What rounding the logits to BF16 would have done.
+        let rounded = Tensor::new(&[1.0f32, 1.0 + 1.0 / 512.0], &dev)?
+            .to_dtype(DType::BF16)?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?;
+        assert_eq!(route_row(&rounded, r(2, 1, true))[0].0, 0);
+        Ok(())
     }
 
     /// The CPU's pass over K-quant experts gives the generic path's output (Candle's
