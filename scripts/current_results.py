@@ -693,7 +693,7 @@ def render_glance(rows):
             f"Qwen3-30B-A3B ({dec[0]['weights'] if dec else '-'}) under 4-12 GiB against llama.cpp's "
             f"best `-ncmoe`: decode {rng([r['ratio'] for r in dec])}x, prefill {rng(pre)}x"
             + (f"; all on the GPU, decode {rng([r['ratio'] for r in full])}x" if full else "")
-            + ".")
+            + " (on benchmark files whose routing was far from uniform: see BENCHMARKS.md).")
     if train:
         by_prec = {}
         for r in train:
