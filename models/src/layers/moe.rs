@@ -288,8 +288,8 @@ impl SparseMoe {
         }
     }
 
-    /// The router's choice for each row of `x2` (rows, hidden), from its logits in F32
-    /// ([`router_logits`]).
+    /// The router's choice for each row of `x2` (rows, hidden), from its logits computed in
+    /// F32 whatever the model's dtype.
     pub fn route(&self, x2: &Tensor) -> Result<Vec<Vec<(usize, f32)>>> {
         let logits = router_logits(&self.router, x2)?.to_vec2::<f32>()?;
         if logits
