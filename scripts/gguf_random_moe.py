@@ -51,7 +51,7 @@ TOPICS = 16
 TOPIC_SCALE = 1.0
 TOPIC_BOOST = 2.0
 REPEAT_SHARE = 0.5
-# The uniform routing's embeddings against the other weights (see main).
+# Both routings' embeddings against the other weights' scale (see main).
 EMBED_SCALE = 1000.0
 
 
@@ -73,12 +73,12 @@ def main():
     qs = rng.integers(-127, 128, size=(nb, 32), dtype=np.int8).view(np.uint8)
     pool = np.concatenate([scales, qs], axis=1)
 
-    def q8(shape):
+    def q8(shape, blocks_from=pool):
         # Each tensor starts at its own random place in the pool, so that no two layers or
         # experts share their weights.
         rows, blocks = int(np.prod(shape[:-1])), shape[-1] // 32
         start = int(rng.integers(nb))
-        return np.resize(np.roll(pool, -start, axis=0), (rows * blocks, 34)).reshape(*shape[:-1], blocks * 34)
+        return np.resize(np.roll(blocks_from, -start, axis=0), (rows * blocks, 34)).reshape(*shape[:-1], blocks * 34)
 
     skewed = a.routing == "skewed"
     c = rng.standard_normal(h).astype(np.float32)
@@ -129,10 +129,7 @@ def main():
         # the same for every new token, would otherwise steer every router alike).
         big = pool.copy()
         big[:, :2] = (scales.view(np.float16) * EMBED_SCALE).astype(np.float16).view(np.uint8).reshape(nb, 2)
-        rows = vocab * (h // 32)
-        start = int(rng.integers(nb))
-        emb = np.resize(np.roll(big, -start, axis=0), (rows, 34)).reshape(vocab, (h // 32) * 34)
-        w.add_tensor("token_embd.weight", emb, raw_dtype=Q8)
+        w.add_tensor("token_embd.weight", q8((vocab, h), big), raw_dtype=Q8)
     for i in range(L):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", ones(h))
