@@ -109,17 +109,11 @@ pub fn kquant_batch(
         .iter()
         .zip(wants(true))
         .map(|(r, want)| {
-            let mut y = vec![
-                0u8;
-                if want {
-                    r.x.len() / QK8_0 * Q8_0_BYTES
-                } else {
-                    0
-                }
-            ];
-            if want {
-                simd::quantize_q8_0(r.x, &mut y);
+            if !want {
+                return Vec::new();
             }
+            let mut y = vec![0u8; r.x.len() / QK8_0 * Q8_0_BYTES];
+            simd::quantize_q8_0(r.x, &mut y);
             y
         })
         .collect();
