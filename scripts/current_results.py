@@ -101,6 +101,7 @@ SOURCES = {
         "2026-12-05/2026-12-05-moe-q8_0-uniform-4-8-12gib-p64-grouped-7493f1c-h100.json",
         "2026-12-05/2026-12-05-moe-q8_0-skewed-4gib-p64-7493f1c-h100.json",
         "2026-12-05/2026-12-05-moe-q8_0-skewed-8-12gib-p64-7493f1c-h100.json",
+        "2026-12-06/2026-12-06-moe-q8_0-uniform-fixed-writer-4-8-12gib-p64-b1b366c-h100.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     "train": [
@@ -553,15 +554,13 @@ def render_benchmarks(rows):
             "the split between fetches and the host CPU on); llama.cpp at `-ngl 99 -fa 1` with "
             "the fewest `-ncmoe` whose peak fits the budget, probed in the same process "
             "(`--llamacpp-moe`), or with nothing on the CPU where the whole model is on the GPU. "
-            "Every row so far fed our decode steps the random model's own greedy tokens, which "
-            "repeat: the expert cache's hits (and our rate) are higher there than with the "
-            "random tokens llama-bench feeds, which `bench_generate` feeds a mixture-of-experts "
-            "model since `0ac97ac` (`--decode-tokens`). Per layer, 4 GiB's 8 slots of 128 hit "
-            "50-67% of the first layers' experts: no uniform routing. The files these rows ran "
-            "also routed every token alike at depth (the writer's layers shared their weights "
-            "and the attention's output outweighed the embeddings), fixed in the writer at "
-            "`475e7a4`: on the small shape its uniform file now hits 22-31% of 16 slots of 64 in "
-            "every layer. These rows stand until the fixed files are measured.",
+            "The uniform rows ran the fixed writer's file (`475e7a4`: every tensor from its own "
+            "place in the random pool, embeddings that outweigh the attention's output) with "
+            "random decode tokens, as llama-bench feeds: every layer's hit rate is close to its "
+            "slots' share of 128 experts. The skewed rows are older: they ran the writer before "
+            "that fix, with the model's own greedy tokens, which repeat, so their hit rates (and "
+            "our rates) are higher than the skewed routing alone gives; they stand until the "
+            "fixed skewed file is measured.",
             "",
             "| model | weights | budget | prompt | decode tok/s, ours / llama.cpp | x | prefill tok/s, ours / llama.cpp | x | peak MiB (budget) | measured |",
             "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | --- |",
@@ -693,7 +692,7 @@ def render_glance(rows):
             f"Qwen3-30B-A3B ({dec[0]['weights'] if dec else '-'}) under 4-12 GiB against llama.cpp's "
             f"best `-ncmoe`: decode {rng([r['ratio'] for r in dec])}x, prefill {rng(pre)}x"
             + (f"; all on the GPU, decode {rng([r['ratio'] for r in full])}x" if full else "")
-            + " (on benchmark files whose routing was far from uniform: see BENCHMARKS.md).")
+            + " (uniform rows on the fixed writer's file; the skewed rows are older: see BENCHMARKS.md).")
     if train:
         by_prec = {}
         for r in train:
