@@ -451,6 +451,114 @@ test_device!(
     moe_grouped_decode_equals_each_expert_gpu
 );
 
+/// Decode steps of a Q8_0 GGUF under a budget that holds half of its experts, every missing
+/// expert fetched: on a GPU each fetch writes its blocks into the buffers of the expert it
+/// evicted (all of one shape), so no decode step trims the weight pool (a trim waits for the
+/// device), and the logits stay those of the whole model.
+fn moe_expert_fetches_reuse_evicted_buffers(device: &Device) -> anyhow::Result<()> {
+    use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertSplit};
+    use candle_offload_models::OffloadSettings;
+    let dir = fixtures()?;
+    let files = loader::from_gguf(&dir.join("qwen3_moe.q8_0.gguf"))?;
+    let store = |dev: &Device| -> anyhow::Result<Arc<candle_offload::HostStore>> {
+        Ok(Arc::new(loader::load_store_with(
+            &files,
+            DType::F32,
+            dev,
+            None,
+            true,
+        )?))
+    };
+    let host = store(device)?;
+    let units = host.units();
+    let all_experts: u64 = units
+        .iter()
+        .filter(|u| u.name().contains(".experts."))
+        .map(|u| u.bytes())
+        .sum();
+    let total: u64 = units.iter().map(|u| u.bytes()).sum();
+    let largest = units.iter().map(|u| u.bytes()).max().unwrap_or(0);
+    let reserve = Llama::reserve_bytes(
+        &files.config,
+        &host,
+        device,
+        64,
+        64,
+        DType::F32,
+        &Default::default(),
+    );
+    let settings = OffloadSettings {
+        gpu_memory_limit: Some(MemoryLimit::Bytes(
+            total - all_experts + reserve + largest + all_experts / 2,
+        )),
+        reserve_bytes: 0,
+        experts: ExpertOptions::new(ExpertPolicy::Lru, ExpertSplit::Fetch),
+        ..Default::default()
+    };
+    let m = Llama::builder(&files, host)
+        .device(device)
+        .settings(settings)
+        .dtype(DType::F32)
+        .max_len(64)
+        .prompt_len(64)
+        .build()?;
+    let whole = Llama::builder(&files, store(&Device::Cpu)?)
+        .dtype(DType::F32)
+        .max_len(64)
+        .build()?;
+    let (mut c1, mut c2) = (m.new_cache(), whole.new_cache());
+    let p = prompt();
+    m.forward(&Tensor::new(&p[..12], device)?.unsqueeze(0)?, 0, &mut c1)?;
+    whole.forward(
+        &Tensor::new(&p[..12], &Device::Cpu)?.unsqueeze(0)?,
+        0,
+        &mut c2,
+    )?;
+    let before = m.runtime().stats()?.total;
+    let fetched_before = m.expert_stats().expect("the tier is on").fetched;
+    for (k, &t) in p[12..].iter().enumerate() {
+        let a = m.forward(&Tensor::new(&[t], device)?.unsqueeze(0)?, 12 + k, &mut c1)?;
+        let b = whole.forward(
+            &Tensor::new(&[t], &Device::Cpu)?.unsqueeze(0)?,
+            12 + k,
+            &mut c2,
+        )?;
+        let (a, b) = (
+            a.flatten_all()?.to_vec1::<f32>()?,
+            b.flatten_all()?.to_vec1::<f32>()?,
+        );
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = max_abs(&a, &b);
+        assert!(
+            d <= 1e-3 * scale.max(1.0),
+            "step {k} on {device:?}: max |Δ| {d}"
+        );
+    }
+    let after = m.runtime().stats()?.total;
+    let fetched = m.expert_stats().expect("the tier is on").fetched - fetched_before;
+    assert!(fetched > 0, "no expert was fetched in the decode steps");
+    if device.is_cuda() {
+        assert_eq!(
+            after.pool_trims - before.pool_trims,
+            0,
+            "decode steps trimmed the weight pool ({fetched} experts fetched)"
+        );
+        // Each fetch after the first of a layer takes its victim's three buffers.
+        assert!(
+            after.reused_buffers - before.reused_buffers >= 2 * fetched,
+            "{} buffers reused for {fetched} fetched experts",
+            after.reused_buffers - before.reused_buffers
+        );
+    }
+    Ok(())
+}
+
+test_device!(
+    moe_expert_fetches_reuse_evicted_buffers,
+    moe_expert_fetches_reuse_evicted_buffers_cpu,
+    moe_expert_fetches_reuse_evicted_buffers_gpu
+);
+
 /// `--quantize` on a mixture-of-experts checkpoint: each expert's projections quantized to
 /// Q8_0 on load (through the cached GGUF beside a copy of the checkpoint), each expert still a
 /// unit of its own, the logits near transformers' (relative L2 ≤ 5e-2, as the Q8_0 GGUFs).

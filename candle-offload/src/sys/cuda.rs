@@ -406,8 +406,10 @@ impl CudaEngine {
     /// (straight from page-locked memory, through the staging ring from any other tier), and
     /// records the unit's events. GGML blocks go into a buffer taken from `spare` where one of
     /// the same type, shape and size is there (evicted units' buffers, see
-    /// [`upload_blocks`](Self::upload_blocks)); the rest of `spare` is freed. The third value
-    /// counts the buffers taken, and says whether the freed ones left room behind.
+    /// [`upload_blocks`](Self::upload_blocks)). The rest of `spare` is freed when anything here
+    /// allocates, and kept for the next fetch when every tensor took a spare (holding them then
+    /// takes no more room than the evicted units held). The third value counts the buffers
+    /// taken, and says whether the freed ones left room behind.
     pub(crate) fn upload(
         &self,
         unit: &str,
@@ -422,8 +424,10 @@ impl CudaEngine {
         let mut out = Vec::with_capacity(items.len());
         let managed = src.managed();
         // The spare buffer each item's blocks take, if one matches; the others are freed now
-        // (on the compute stream, after their units' copies: `evict`), before anything here
-        // allocates: held, they would sit in room the budget gives to those allocations.
+        // (on the compute stream, after their units' copies: `evict`) when anything here
+        // allocates: held, they would sit in room the budget gives to those allocations. When
+        // nothing does (experts of one shape replacing each other), they stay for the next
+        // fetch, which would otherwise find none and trim the pool first.
         let mut taken: Vec<Option<QTensor>> = items
             .iter()
             .map(|item| match &item.layout {
@@ -434,12 +438,18 @@ impl CudaEngine {
                 DeviceLayout::Dense(_) => None,
             })
             .collect();
+        // Dense tensors and blocks that took no spare allocate.
+        let allocates = taken.iter().any(Option::is_none);
         // The sizes of the spares freed here against those of the buffers allocated new:
         // whether the pool keeps room it no longer serves (`SpareUse::stranded`).
-        let freed: Vec<usize> = spare
-            .iter()
-            .map(|q| ggml_buffer_len(q.dtype(), q.storage_size_in_bytes()))
-            .collect();
+        let freed: Vec<usize> = if allocates {
+            spare
+                .iter()
+                .map(|q| ggml_buffer_len(q.dtype(), q.storage_size_in_bytes()))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let allocated: Vec<usize> = items
             .iter()
             .zip(&taken)
@@ -451,7 +461,9 @@ impl CudaEngine {
                 _ => None,
             })
             .collect();
-        spare.clear();
+        if allocates {
+            spare.clear();
+        }
         let mut reused = 0;
         for (item, buffer) in items.iter().zip(&mut taken) {
             let range = item.range.clone();
