@@ -102,6 +102,7 @@ SOURCES = {
         "2026-12-05/2026-12-05-moe-q8_0-skewed-4gib-p64-7493f1c-h100.json",
         "2026-12-05/2026-12-05-moe-q8_0-skewed-8-12gib-p64-7493f1c-h100.json",
         "2026-12-06/2026-12-06-moe-q8_0-uniform-fixed-writer-4-8-12gib-p64-b1b366c-h100.json",
+        "2026-12-06/2026-12-06-moe-q8_0-uniform-4gib-p64-spares-kept-be86de4-h200.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     "train": [
