@@ -49,7 +49,9 @@
 #                 quantized blocks unless f16) next to llama.cpp on the same file in the same
 #                 process, budgets $QB_BUDGETS (4,8,12,full), prompts $QB_PROMPTS (64,512),
 #                 prefetch depths $QB_DEPTHS (2; the library's default is 1), more
-#                 bench_generate arguments from $QB_ARGS, once per qlinear_small kernel variant
+#                 bench_generate arguments from $QB_ARGS (default `--host-layers spread:auto`,
+#                 generate's placement; bench_generate's own default streams only), once per
+#                 qlinear_small kernel variant
 #                 in $QB_VARIANTS (v1 v2 v2r2 v2r4 v3 v4; k / k-off: the K-quant kernel on converting to floats (v2) / off; k2: k at 2 columns a warp (Q4_K); or default: each block type's
 #                 own, ops::DEFAULT_QLINEAR_VARIANTS; llama.cpp with the first only)
 #                 -> $OUT/qbench-W[-V].json [QBENCH_S=300]
@@ -97,6 +99,8 @@
 #   bash scripts/gpu-run.sh llamacpp llamacpp_save                    # once: keep $OUT/lcbin.* in .lcbin/
 #   QB_BUDGETS=4 QB_PROMPTS=64 bash scripts/gpu-run.sh llamacpp gguf_qwen3_8b qbench=qwen3-8b-q4_k_m
 #   QB_BUDGETS=4 QB_PROMPTS=64 bash scripts/gpu-run.sh llamacpp gguf_gemma3_12b qbench=gemma3-12b-q4_k_m
+#   (both need ~8 minutes with the build: the build alone took 2.5-5 minutes on the H100 and
+#   H200 hosts; carry a saved build in .lcbin/ where the 64 MiB allows)
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
 BIN="${GPU_BIN:-/tmp/bin}"  # where the binaries are unpacked
@@ -355,7 +359,7 @@ for step in "${steps[@]}"; do
         q=(--quantized)
         [[ "$w" == *f16 ]] && q=()
         # shellcheck disable=SC2206 # QB_ARGS is a list of arguments
-        q+=(${QB_ARGS:-})
+        q+=(${QB_ARGS---host-layers spread:auto})
         # llama.cpp runs with the first variant only (the same call for the others).
         first_args=(--llamacpp-bin "$lc_bin")
         bench_variants qbench "$w" --model-dir "$f" "${q[@]}" --weights "$w" \
