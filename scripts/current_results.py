@@ -93,6 +93,12 @@ SOURCES = {
         "2026-12-06/2026-12-06-moe-cpu-small-q8_0-run2-88898b2.json",
         "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-fixed-writer-18e69b3.json",
     ],
+    # bench_generate on random Qwen3-8B- and Gemma-3-12B-shaped GGUFs (gpu-run.sh gguf_qwen3_8b,
+    # gguf_gemma3_12b, qbench), llama.cpp on the same file in the same process.
+    "family-gpu": [
+        "2026-12-06/2026-12-06-qwen3-8b-q4_k_m-4gib-streamed-no-host-layers-b1b366c-h100.json",
+        "2026-12-06/2026-12-06-gemma3-12b-q4_k_m-4gib-streamed-no-host-layers-b1b366c-h100.json",
+    ],
     # bench_generate --llamacpp-moe on a random Qwen3-30B-A3B GGUF (scripts/gpu_moe_session.sh),
     # llama.cpp at the fewest -ncmoe within each budget in the same process; and a file of
     # printed figures transcribed, where the call ran without --json-out (all on the GPU).
@@ -341,6 +347,46 @@ def moe_cpu_doc_rows(newest, weights):
     return rows
 
 
+FAMILY_NAMES = {"qwen3-8b": "Qwen3-8B shape", "gemma3-12b": "Gemma-3-12B shape"}
+
+
+def placement(r):
+    """A bench_generate record's placement of decoder layers, as a table says it."""
+    return {"SpreadAuto": "spread:auto", "None": "streamed, no host layers"}.get(
+        r.get("host_layers_choice"), str(r.get("host_layers_choice")))
+
+
+def family_gpu_rows():
+    """The newest record per (model, weights, budget, prompt, placement) of the newer families."""
+    best = {}
+    for rel in SOURCES["family-gpu"]:
+        doc = load(rel)
+        for i, r in enumerate(doc["records"]):
+            if not r.get("llamacpp_decode_tokens_per_s"):
+                continue
+            # e.g. qwen3-8b-q4_k_m: the model's name, then the weights' type.
+            name, w = re.fullmatch(r"(.+?)-(q\d\w*|f16|bf16|f32)", r["weights"]).groups()
+            b = None if r["budget"] == "full" else float(r["budget"])
+            key = (name, w, b, r["prompt_len"], placement(r))
+            order = (str(doc["date"]), i)
+            if key not in best or order > best[key][0]:
+                best[key] = (order, rel, doc, r)
+    rows = []
+    for key in sorted(best):
+        _, rel, doc, r = best[key]
+        name, w, b, p, place = key
+        peak = r["peak_device_bytes"] / MIB
+        budget_mib = r["budget_bytes"] / MIB if r.get("budget_bytes") else None
+        common = dict(
+            benchmark="generate-gpu-family", model=f"{FAMILY_NAMES.get(name, name)} ({place})",
+            weights=w.upper(), budget_gib=gib(b), prompt_len=p, peer="llama.cpp",
+            peak_mib=rnd(peak, 0), budget_mib=rnd(budget_mib, 0),
+            within_budget=(r["peak_within_budget"] if budget_mib else None),
+            commit=str(doc["commit"]), date=day(doc), source=f"{RESULTS}/{rel}")
+        rows += llamacpp_rate_rows(r, common)
+    return rows
+
+
 def moe_gpu_rows():
     """The newest record per (weights, budget, prompt) with llama.cpp's figures beside it."""
     best = {}
@@ -512,6 +558,7 @@ def render_benchmarks(rows):
     cpu = [r for r in rows if r["benchmark"] == "generate-cpu"]
     moe_cpu = [r for r in rows if r["benchmark"] == "generate-cpu-moe"]
     moe_gpu = [r for r in rows if r["benchmark"] == "generate-gpu-moe"]
+    family = [r for r in rows if r["benchmark"] == "generate-gpu-family"]
     train = [r for r in rows if r["benchmark"].startswith("train-") and r["benchmark"] != "train-offload"]
     off = [r for r in rows if r["benchmark"] == "train-offload"]
     L = [
@@ -545,6 +592,23 @@ def render_benchmarks(rows):
             L += ["", "Not measured: " + "; ".join(
                 f"{s} {w} {budget_label(b)} (prompt {', '.join(map(str, ps))})"
                 for (s, w, b), ps in missing.items()) + "."]
+        L.append("")
+    if family:
+        L += [
+            "### Qwen3 and Gemma 3 on the GPU, against llama.cpp",
+            "",
+            f"{mach['family-gpu']}; batch 1; random-weight GGUFs of the Qwen3-8B and Gemma-3-12B "
+            "text shapes (`scripts/gguf_random_family.py`, then `llama-quantize`); llama.cpp on "
+            "the same file in the same process, its `-ngl` probed per budget. The placement is "
+            "in the model column: these rows streamed every layer that did not fit "
+            "(`bench_generate`'s default then), not generate's `spread:auto`, which runs layers "
+            "on the host CPU where the link cannot bring them in time; `spread:auto` is not "
+            "measured on these shapes yet.",
+            "",
+            "| model | weights | budget | prompt | decode tok/s, ours / llama.cpp | x | prefill tok/s, ours / llama.cpp | x | peak MiB (budget) | measured |",
+            "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | --- |",
+        ]
+        L += generation_rows(family, lambda model: model)
         L.append("")
     if moe_gpu:
         L += [
@@ -656,6 +720,7 @@ def render_glance(rows):
     cpu = [r for r in rows if r["benchmark"] == "generate-cpu"]
     moe_cpu = [r for r in rows if r["benchmark"] == "generate-cpu-moe"]
     moe_gpu = [r for r in rows if r["benchmark"] == "generate-gpu-moe"]
+    family = [r for r in rows if r["benchmark"] == "generate-gpu-family"]
     train = [r for r in rows if r["benchmark"].startswith("train-") and r["benchmark"] != "train-offload"]
     off = [r for r in rows if r["benchmark"] == "train-offload"]
     L, text = [], []
@@ -685,6 +750,15 @@ def render_glance(rows):
                   if r["within_budget"] is not None and r["metric"] == "decode_tokens_per_s"]
         text.append(f"Prefill in the same rows: {rng(pre)}x"
                     + (f"; our peak within the budget in {sum(within)} of {len(within)} rows." if within else "."))
+    if family:
+        parts = []
+        for model in sorted({r["model"] for r in family}):
+            d = next((r for r in family if r["model"] == model and r["metric"] == "decode_tokens_per_s"), None)
+            f = next((r for r in family if r["model"] == model and r["metric"] == "prefill_tokens_per_s"), None)
+            if d:
+                parts.append(f"{model} {d['weights']} at {budget_label(d['budget_gib'])}: decode "
+                             f"{fmt(d['ratio'])}x" + (f", prefill {fmt(f['ratio'])}x" if f else ""))
+        text.append("; ".join(parts) + ".")
     if moe_gpu:
         dec = [r for r in moe_gpu if r["metric"] == "decode_tokens_per_s" and r["budget_gib"] is not None]
         full = [r for r in moe_gpu if r["metric"] == "decode_tokens_per_s" and r["budget_gib"] is None]
@@ -763,7 +837,8 @@ def check_index(entries):
 
 def main():
     check = "--check" in sys.argv[1:]
-    rows = gpu_rows() + moe_gpu_rows() + train_rows() + cpu_rows() + moe_cpu_rows()
+    rows = (gpu_rows() + family_gpu_rows() + moe_gpu_rows() + train_rows() + cpu_rows()
+            + moe_cpu_rows())
     sources = {r["source"] for r in rows}
 
     with open(ROOT / INDEX) as f:
