@@ -247,6 +247,57 @@ fn moe_ragged_steps_equal_each_sequence_alone() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `files`' model on `device` with the expert tier (`experts`) under a budget of the dense
+/// part, the reservation of a 64-token prompt, a largest unit's room for copies in flight and
+/// half of the experts. GGML blocks stay blocks where `keep_blocks`.
+fn half_experts_model(
+    files: &ModelFiles,
+    device: &Device,
+    keep_blocks: bool,
+    experts: candle_offload::experts::ExpertOptions,
+) -> anyhow::Result<Llama> {
+    use candle_offload_models::OffloadSettings;
+    let store = Arc::new(loader::load_store_with(
+        files,
+        DType::F32,
+        device,
+        None,
+        keep_blocks,
+    )?);
+    let units = store.units();
+    let all_experts: u64 = units
+        .iter()
+        .filter(|u| u.name().contains(".experts."))
+        .map(|u| u.bytes())
+        .sum();
+    let total: u64 = units.iter().map(|u| u.bytes()).sum();
+    let largest = units.iter().map(|u| u.bytes()).max().unwrap_or(0);
+    let reserve = Llama::reserve_bytes(
+        &files.config,
+        &store,
+        device,
+        64,
+        64,
+        DType::F32,
+        &Default::default(),
+    );
+    let settings = OffloadSettings {
+        gpu_memory_limit: Some(MemoryLimit::Bytes(
+            total - all_experts + reserve + largest + all_experts / 2,
+        )),
+        reserve_bytes: 0,
+        experts,
+        ..Default::default()
+    };
+    Ok(Llama::builder(files, store)
+        .device(device)
+        .settings(settings)
+        .dtype(DType::F32)
+        .max_len(64)
+        .prompt_len(64)
+        .build()?)
+}
+
 /// The expert tier, forced on (on the CPU, the split where no GPU is): a budget that holds the
 /// dense part and a few experts per layer splits each layer's routed experts between the
 /// cache, fetches (evicting the policy's victim) and the host CPU, and the logits stay
@@ -254,7 +305,6 @@ fn moe_ragged_steps_equal_each_sequence_alone() -> anyhow::Result<()> {
 /// split's fetch side alone (`ExpertSplit::Fetch`) no expert runs on the host.
 fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Result<()> {
     use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertSplit};
-    use candle_offload_models::OffloadSettings;
     let dir = fixtures()?;
     // A prompt's experts, with more rows each than the host reads at once, stream where no
     // slot is free.
@@ -272,47 +322,12 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
             (ExpertPolicy::Lru, true, ExpertSplit::On),
             (ExpertPolicy::Lru, false, ExpertSplit::Fetch),
         ] {
-            let store = Arc::new(loader::load_store_with(
+            let m = half_experts_model(
                 &files,
-                DType::F32,
                 device,
-                None,
                 false,
-            )?);
-            let units = store.units();
-            let experts: Vec<u64> = units
-                .iter()
-                .filter(|u| u.name().contains(".experts."))
-                .map(|u| u.bytes())
-                .collect();
-            let reserve = Llama::reserve_bytes(
-                &files.config,
-                &store,
-                device,
-                64,
-                64,
-                DType::F32,
-                &Default::default(),
-            );
-            let total: u64 = units.iter().map(|u| u.bytes()).sum();
-            let all_experts: u64 = experts.iter().sum();
-            // The dense part, the reservation, a largest unit's room for copies in flight and
-            // half of the experts.
-            let largest = units.iter().map(|u| u.bytes()).max().unwrap_or(0);
-            let limit = total - all_experts + reserve + largest + all_experts / 2;
-            let settings = OffloadSettings {
-                gpu_memory_limit: Some(MemoryLimit::Bytes(limit)),
-                reserve_bytes: 0,
-                experts: ExpertOptions::new(policy, split).with_prefetch(prefetch),
-                ..Default::default()
-            };
-            let m = Llama::builder(&files, store)
-                .device(device)
-                .settings(settings)
-                .dtype(DType::F32)
-                .max_len(64)
-                .prompt_len(64)
-                .build()?;
+                ExpertOptions::new(policy, split).with_prefetch(prefetch),
+            )?;
             assert!(m.warm_up()? > 0, "the host's copies of the experts");
             for pass in 0..2 {
                 let t = Tensor::new(prompt().as_slice(), device)?.unsqueeze(0)?;
@@ -458,56 +473,28 @@ test_device!(
 /// a GPU's quantized matmuls round their activations, a CPU's do not).
 fn moe_expert_fetches_reuse_evicted_buffers(device: &Device) -> anyhow::Result<()> {
     use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertSplit};
-    use candle_offload_models::OffloadSettings;
     let dir = fixtures()?;
     let files = loader::from_gguf(&dir.join("qwen3_moe.q8_0.gguf"))?;
-    let store = || -> anyhow::Result<Arc<candle_offload::HostStore>> {
-        Ok(Arc::new(loader::load_store_with(
+    let m = half_experts_model(
+        &files,
+        device,
+        true,
+        ExpertOptions::new(ExpertPolicy::Lru, ExpertSplit::Fetch),
+    )?;
+    let whole = Llama::builder(
+        &files,
+        Arc::new(loader::load_store_with(
             &files,
             DType::F32,
             device,
             None,
             true,
-        )?))
-    };
-    let host = store()?;
-    let units = host.units();
-    let all_experts: u64 = units
-        .iter()
-        .filter(|u| u.name().contains(".experts."))
-        .map(|u| u.bytes())
-        .sum();
-    let total: u64 = units.iter().map(|u| u.bytes()).sum();
-    let largest = units.iter().map(|u| u.bytes()).max().unwrap_or(0);
-    let reserve = Llama::reserve_bytes(
-        &files.config,
-        &host,
-        device,
-        64,
-        64,
-        DType::F32,
-        &Default::default(),
-    );
-    let settings = OffloadSettings {
-        gpu_memory_limit: Some(MemoryLimit::Bytes(
-            total - all_experts + reserve + largest + all_experts / 2,
-        )),
-        reserve_bytes: 0,
-        experts: ExpertOptions::new(ExpertPolicy::Lru, ExpertSplit::Fetch),
-        ..Default::default()
-    };
-    let m = Llama::builder(&files, host)
-        .device(device)
-        .settings(settings)
-        .dtype(DType::F32)
-        .max_len(64)
-        .prompt_len(64)
-        .build()?;
-    let whole = Llama::builder(&files, store()?)
-        .device(device)
-        .dtype(DType::F32)
-        .max_len(64)
-        .build()?;
+        )?),
+    )
+    .device(device)
+    .dtype(DType::F32)
+    .max_len(64)
+    .build()?;
     let (mut c1, mut c2) = (m.new_cache(), whole.new_cache());
     let p = prompt();
     m.forward(&Tensor::new(&p[..12], device)?.unsqueeze(0)?, 0, &mut c1)?;
