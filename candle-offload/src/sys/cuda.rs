@@ -27,8 +27,8 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 
 use super::{
-    frees_reallocated, ggml_buffer_len, DeviceLayout, DeviceWeight, GpuFacts, HostTier,
-    PageableBuffer, SpareUse, SysError, SysResult, TierKind, Timings, UploadItem,
+    ggml_buffer_len, untaken_spares, DeviceLayout, DeviceWeight, GpuFacts, HostTier,
+    PageableBuffer, SpareUse, SysError, SysResult, TierKind, Timings, UntakenSpares, UploadItem,
     GGML_ROW_PADDING_ELEMS,
 };
 
@@ -438,18 +438,10 @@ impl CudaEngine {
                 DeviceLayout::Dense(_) => None,
             })
             .collect();
-        // Dense tensors and blocks that took no spare allocate.
-        let allocates = taken.iter().any(Option::is_none);
-        // The sizes of the spares freed here against those of the buffers allocated new:
-        // whether the pool keeps room it no longer serves (`SpareUse::stranded`).
-        let freed: Vec<usize> = if allocates {
-            spare
-                .iter()
-                .map(|q| ggml_buffer_len(q.dtype(), q.storage_size_in_bytes()))
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let untaken: Vec<usize> = spare
+            .iter()
+            .map(|q| ggml_buffer_len(q.dtype(), q.storage_size_in_bytes()))
+            .collect();
         let allocated: Vec<usize> = items
             .iter()
             .zip(&taken)
@@ -461,9 +453,15 @@ impl CudaEngine {
                 _ => None,
             })
             .collect();
-        if allocates {
-            spare.clear();
-        }
+        // Dense tensors and blocks that took no spare allocate.
+        let allocates = taken.iter().any(Option::is_none);
+        let stranded = match untaken_spares(&untaken, &allocated, allocates) {
+            UntakenSpares::Keep => false,
+            UntakenSpares::Free { stranded } => {
+                spare.clear();
+                stranded
+            }
+        };
         let mut reused = 0;
         for (item, buffer) in items.iter().zip(&mut taken) {
             let range = item.range.clone();
@@ -518,7 +516,7 @@ impl CudaEngine {
             },
             SpareUse {
                 taken: reused,
-                stranded: !frees_reallocated(&freed, &allocated),
+                stranded,
             },
         ))
     }

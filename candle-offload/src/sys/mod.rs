@@ -59,6 +59,35 @@ pub(crate) struct SpareUse {
     pub stranded: bool,
 }
 
+/// What an upload does with the spares its tensors did not take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UntakenSpares {
+    /// Kept for the next fetch: the upload allocates nothing, so holding them takes no more
+    /// room than the evicted units held (experts of one shape replacing each other).
+    Keep,
+    /// Freed before the upload allocates (held, they would sit in room the budget gives to
+    /// its allocations); `stranded` as [`SpareUse::stranded`].
+    Free { stranded: bool },
+}
+
+/// The fate of the spares an upload did not take (their buffer sizes, `untaken`), where
+/// `allocates` says whether it allocates anything new (dense tensors, or blocks no spare
+/// matched) and `allocated` gives the sizes of the GGML buffers it allocates.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn untaken_spares(
+    untaken: &[usize],
+    allocated: &[usize],
+    allocates: bool,
+) -> UntakenSpares {
+    if allocates {
+        UntakenSpares::Free {
+            stranded: !frees_reallocated(untaken, allocated),
+        }
+    } else {
+        UntakenSpares::Keep
+    }
+}
+
 /// Bytes Candle's CUDA quantized storage allocates for `blocks_len` bytes of `ggml` blocks: the
 /// blocks and the row padding after them (`QCudaStorage::zeros`).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -429,6 +458,35 @@ mod tests {
         assert!(!frees_reallocated(&[10, 10], &[10, 30]));
         assert!(!frees_reallocated(&[10], &[11]));
         assert!(!frees_reallocated(&[10], &[]));
+    }
+
+    #[test]
+    fn untaken_spares_stay_unless_the_upload_allocates() {
+        use super::{untaken_spares, UntakenSpares};
+        // Every tensor took a spare: the rest wait for the next fetch, whatever their sizes.
+        assert_eq!(
+            untaken_spares(&[10, 10, 20], &[], false),
+            UntakenSpares::Keep
+        );
+        assert_eq!(untaken_spares(&[], &[], false), UntakenSpares::Keep);
+        // Allocations of the freed sizes take their room back.
+        assert_eq!(
+            untaken_spares(&[10, 20], &[20, 10], true),
+            UntakenSpares::Free { stranded: false }
+        );
+        // A dense allocation (no GGML size) or another size leaves the freed room behind.
+        assert_eq!(
+            untaken_spares(&[10], &[], true),
+            UntakenSpares::Free { stranded: true }
+        );
+        assert_eq!(
+            untaken_spares(&[10], &[12], true),
+            UntakenSpares::Free { stranded: true }
+        );
+        assert_eq!(
+            untaken_spares(&[], &[12], true),
+            UntakenSpares::Free { stranded: false }
+        );
     }
 
     #[test]
