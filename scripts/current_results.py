@@ -242,6 +242,23 @@ def llamacpp_rate_rows(r, common):
     return out
 
 
+def gpu_llamacpp_rows(benchmark, model, weights, b, p, r, doc, rel, within=None):
+    """A bench_generate record's rows against llama.cpp: its peak against its budget (`within`,
+    or the record's own `peak_within_budget`), where and when it ran."""
+    peak = r["peak_device_bytes"] / MIB
+    budget_mib = r["budget_bytes"] / MIB if r.get("budget_bytes") else None
+    if budget_mib is None:
+        within = None
+    elif within is None:
+        within = r["peak_within_budget"]
+    common = dict(
+        benchmark=benchmark, model=model, weights=weights.upper(), budget_gib=gib(b),
+        prompt_len=p, peer="llama.cpp", peak_mib=rnd(peak, 0), budget_mib=rnd(budget_mib, 0),
+        within_budget=within, commit=str(doc["commit"]), date=day(doc),
+        source=f"{RESULTS}/{rel}")
+    return llamacpp_rate_rows(r, common)
+
+
 def gpu_rows():
     best = {}
     docs = [(rel, load(rel)) for rel in SOURCES["generate-gpu"]]
@@ -262,23 +279,7 @@ def gpu_rows():
     for key in sorted(best, key=lambda k: GRID_EXPECTED.index(k) if k in GRID_EXPECTED else 1e9):
         _, rel, doc, r = best[key]
         size, w, b, p = key
-        peak = r["peak_device_bytes"] / MIB
-        budget_mib = r["budget_bytes"] / MIB if r.get("budget_bytes") else None
-        common = dict(
-            benchmark="generate-gpu",
-            model=f"LLaMA {size.upper()} shape",
-            weights=w.upper(),
-            budget_gib=gib(b),
-            prompt_len=p,
-            peer="llama.cpp",
-            peak_mib=rnd(peak, 0),
-            budget_mib=rnd(budget_mib, 0),
-            within_budget=(r["peak_within_budget"] if budget_mib else None),
-            commit=str(doc["commit"]),
-            date=day(doc),
-            source=f"{RESULTS}/{rel}",
-        )
-        rows += llamacpp_rate_rows(r, common)
+        rows += gpu_llamacpp_rows("generate-gpu", f"LLaMA {size.upper()} shape", w, b, p, r, doc, rel)
     return rows
 
 
@@ -375,15 +376,8 @@ def family_gpu_rows():
     for key in sorted(best):
         _, rel, doc, r = best[key]
         name, w, b, p, place = key
-        peak = r["peak_device_bytes"] / MIB
-        budget_mib = r["budget_bytes"] / MIB if r.get("budget_bytes") else None
-        common = dict(
-            benchmark="generate-gpu-family", model=f"{FAMILY_NAMES.get(name, name)} ({place})",
-            weights=w.upper(), budget_gib=gib(b), prompt_len=p, peer="llama.cpp",
-            peak_mib=rnd(peak, 0), budget_mib=rnd(budget_mib, 0),
-            within_budget=(r["peak_within_budget"] if budget_mib else None),
-            commit=str(doc["commit"]), date=day(doc), source=f"{RESULTS}/{rel}")
-        rows += llamacpp_rate_rows(r, common)
+        rows += gpu_llamacpp_rows("generate-gpu-family", f"{FAMILY_NAMES.get(name, name)} ({place})",
+                                  w, b, p, r, doc, rel)
     return rows
 
 
@@ -414,15 +408,10 @@ def moe_gpu_rows():
         _, rel, doc, r = best[key]
         w, b, p = key
         weights, routing = w.rsplit("-", 1)
-        budget_mib = r["budget_bytes"] / MIB if r.get("budget_bytes") else None
-        peak = r["peak_device_bytes"] / MIB
-        common = dict(
-            benchmark="generate-gpu-moe", model=f"Qwen3-30B-A3B shape ({routing} routing)",
-            weights=weights.upper(), budget_gib=gib(b), prompt_len=p, peer="llama.cpp",
-            peak_mib=rnd(peak, 0), budget_mib=rnd(budget_mib, 0),
-            within_budget=(peak <= budget_mib if budget_mib else None),
-            commit=str(doc["commit"]), date=day(doc), source=f"{RESULTS}/{rel}")
-        rows += llamacpp_rate_rows(r, common)
+        # Transcribed records carry no `peak_within_budget`: the peak against the budget here.
+        within = r["peak_device_bytes"] <= r["budget_bytes"] if r.get("budget_bytes") else None
+        rows += gpu_llamacpp_rows("generate-gpu-moe", f"Qwen3-30B-A3B shape ({routing} routing)",
+                                  weights, b, p, r, doc, rel, within)
     return rows
 
 
