@@ -7,6 +7,8 @@ token ids, interleaved: each round runs ours, then llama.cpp (their
 order swapped every other round), greedy, 32 new tokens, 2 threads for llama.cpp.
 
 Usage: python3 scripts/moe_cpu_bench.py GENERATE MODEL.gguf OUT.json [ROUNDS] [PROMPT]
+MOE_CPU_THREADS=N runs both sides on N threads (default 2; ours through
+CANDLE_OFFLOAD_CPU_THREADS).
 
 The prompt's token ids come from `generate -v` (`prompt ids: [...]`): xllamacpp cannot
 tokenize the random file's made-up vocabulary, so it gets the ids. Records each round's rates,
@@ -22,13 +24,14 @@ import sys
 import bench_record
 
 NEW_TOKENS = 32
-THREADS = 2
+THREADS = int(os.environ.get("MOE_CPU_THREADS", "2"))
 
 
 def ours(binary, model, prompt):
     cmd = [binary, "--cpu", "--model", model, "--prompt", prompt, "--max-new-tokens", str(NEW_TOKENS),
            "--temperature", "0", "-v"]
-    p = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    env = dict(os.environ, CANDLE_OFFLOAD_CPU_THREADS=str(THREADS)) if "MOE_CPU_THREADS" in os.environ else None
+    p = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     m = re.search(r"prefill: (\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\); decode: (\d+) tokens at ([\d.]+) tokens/s",
                   p.stderr)
     ids = json.loads(re.search(r"prompt ids: (\[[\d, ]*\])", p.stderr)[1])
@@ -83,7 +86,8 @@ def main():
                               load_average_per_round=loads, load_average_at_end=os.getloadavg())
     doc.update(model=os.path.basename(model), shape="qwen3moe hidden 1024, 16 layers, 64 experts, top 4, "
                "expert FFN 512, vocab 32000, Q4_K_M", rounds=rounds, prompt=prompt, prompt_ids=ids,
-               new_tokens=NEW_TOKENS, llamacpp_threads=THREADS, peer="xllamacpp (llama.cpp), token ids as the prompt",
+               new_tokens=NEW_TOKENS, llamacpp_threads=THREADS,
+               ours_threads=THREADS if "MOE_CPU_THREADS" in os.environ else "default", peer="xllamacpp (llama.cpp), token ids as the prompt",
                summary=summary, vs_llamacpp=summary["decode_tokens_per_s"]["ratio"],
                prefill_vs_llamacpp=summary["prefill_tokens_per_s"]["ratio"], runs=runs)
     with open(out, "w") as f:
