@@ -122,8 +122,18 @@ def main():
     p.add_argument("--cpu", action="store_true")
     a = p.parse_args()
     dev = torch.device("cpu" if a.cpu or not torch.cuda.is_available() else "cuda:0")
-    shapes = {k: getattr(a, k) for k in ("batch_size", "seq_len", "layers", "hidden", "heads",
-                                         "kv_heads", "intermediate", "vocab", "lora_rank")}
+    # The shape under bench_train's names (it compares only a peer of the same shape).
+    shape = dict(hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.heads,
+                 num_key_value_heads=a.kv_heads, intermediate_size=a.intermediate,
+                 vocab_size=a.vocab, batch_size=a.batch_size, seq_len=a.seq_len,
+                 lora_rank=a.lora_rank)
+    import peft
+    import transformers
+    head = {"peer": "peft", "peft": peft.__version__, "transformers": transformers.__version__,
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+            "shape": shape, "warmup_steps": a.warmup, "timed_steps": a.steps,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     results = []
     for name in a.configs.split(","):
         try:
@@ -131,7 +141,7 @@ def main():
         except Exception as e:  # a configuration that fails is recorded, the others run
             results.append({"config": name.strip(), "error": f"{type(e).__name__}: {e}"})
         with open(a.out, "w") as f:
-            json.dump({"peer": "peft", "device": str(dev), "shapes": shapes, "results": results}, f, indent=1)
+            json.dump({**head, "results": results}, f, indent=1)
         print(json.dumps(results[-1])[:300])
 
 

@@ -281,7 +281,9 @@ fn lora_trainer(
         grouping: layout.grouping(),
         ..Default::default()
     };
-    let store = HostStore::from_raw(&specs, &store_cfg, device, |spec, _, dst| {
+    // `format` is how the store keeps the tensor: blocks as specified, dense ones in the
+    // compute dtype.
+    let store = HostStore::from_raw(&specs, &store_cfg, device, |spec, format, dst| {
         let dims = spec.shape.dims();
         let cpu = &Device::Cpu;
         let t = if dims.len() == 1 {
@@ -290,18 +292,17 @@ fn lora_trainer(
             Tensor::randn(0f32, 0.02, dims, cpu)
         }
         .map_err(candle_offload::Error::from)?;
-        let bytes = match spec.format {
+        let bytes = match format {
             WeightFormat::Ggml(q) => candle_core::quantized::QTensor::quantize(&t, q)
-                .and_then(|q| Ok(q.data()?.into_owned()))
-                .map_err(candle_offload::Error::from)?,
-            _ => t
-                .flatten_all()
-                .and_then(|t| t.to_vec1::<f32>())
-                .map_err(candle_offload::Error::from)?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-        };
+                .and_then(|q| Ok(q.data()?.into_owned())),
+            WeightFormat::Dense(dtype) => t
+                .to_dtype(dtype)
+                .and_then(|t| candle_offload::store::tensor_to_bytes(&t)),
+            other => Err(candle_core::Error::Msg(format!(
+                "no random fill for {other}"
+            ))),
+        }
+        .map_err(candle_offload::Error::from)?;
         dst.copy_from_slice(&bytes);
         Ok(())
     })?;
@@ -1076,7 +1077,11 @@ fn main() -> Result<()> {
             ("seq_len", args.seq_len),
         ]
         .iter()
-        .all(|(k, v)| p["shape"][*k].as_u64() == Some(*v as u64));
+        .all(|(k, v)| p["shape"][*k].as_u64() == Some(*v as u64))
+            // A LoRA peer (scripts/lora_peer.py) names its rank too.
+            && p["shape"]["lora_rank"]
+                .as_u64()
+                .is_none_or(|r| r == args.lora_rank as u64);
         if !same {
             eprintln!(
                 "warning: --peer measured other shapes ({}); its figures are kept but not compared",
