@@ -17,6 +17,13 @@
 #   the 7B shape: each base resident (the ideal's compute) and under budgets: BF16 at 6 and
 #   8 GiB, Q4_K (QLoRA) at 4 and 6 GiB -> lora-7b.json ($LORA7B_ARGS: more bench_train
 #   arguments, e.g. --batch-size 1).
+# bitsandbytes (the QLoRA peer, NF4): its wheel (~43 MB) does not fit one call's carry beside
+#   bench_train, so it travels in pieces: here, `pip download bitsandbytes --no-deps`, then
+#   `split -b 14500000 WHEEL .gpu/bnb/bnb.part-` and `sha256sum WHEEL > .gpu/bnb/SHA256`; each
+#   call stages the pieces it carries in /tmp/stage/bnb (which survives between chained calls).
+# Call qlora (carry .gpu/bench_train.xz, .gpu/COMMIT and the last pieces):
+#   `bash scripts/gpu_lora_session.sh qlora`: the wheel assembled, checked and installed; the
+#   1B shape's QLoRA row, PEFT on bitsandbytes NF4 first, then ours -> lora-1b-qlora.json.
 # Each call leaves $OUT/CALL.tgz with its logs and JSON.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296
@@ -32,8 +39,21 @@ train() { # train NAME ARGS...: bench_train -> $OUT/NAME.json, copied to $FINAL
   echo "$name exit $?"; tail -14 "$OUT/$name.log"
   cp "$OUT/$name.json" "$FINAL/" 2>/dev/null
 }
+# The bitsandbytes pieces this call carries, kept for the next calls; installed once all are here.
+bnb() {
+  mkdir -p /tmp/stage/bnb
+  cp .gpu/bnb/* /tmp/stage/bnb/ 2>/dev/null
+  python3 -c "import bitsandbytes" 2>/dev/null && { echo "bitsandbytes is installed"; return 0; }
+  [[ -f /tmp/stage/bnb/SHA256 ]] || { echo "bitsandbytes: pieces staged, no SHA256 yet"; return 1; }
+  local whl; whl=/tmp/stage/$(awk '{print $2}' /tmp/stage/bnb/SHA256)
+  cat /tmp/stage/bnb/bnb.part-* > "$whl"
+  (cd /tmp/stage && sha256sum -c bnb/SHA256 --quiet 2>/dev/null) || { echo "bitsandbytes: pieces missing"; return 1; }
+  pip install --no-deps --no-index "$whl" > "$OUT/pip-bnb.log" 2>&1
+  python3 -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)"
+}
 case "$1" in
   call1)
+    bnb
     if ! python3 -c "import peft" 2>/dev/null; then
       pip install --no-deps --no-index .gpu/wheels/peft-*.whl > "$OUT/pip.log" 2>&1
       echo "peft installed: $?"
@@ -55,6 +75,16 @@ case "$1" in
     train lora-1b --configs "${LORA_CONFIGS:-lora-bf16,lora-q4_k-bf16}" --peer "$OUT/lora-peer-1b.json"
     el "done"
     ;;
+  qlora)
+    bnb || exit 1
+    el "PEFT on bitsandbytes NF4, 1B shape"
+    timeout "${PEER_S:-240}" python3 scripts/lora_peer.py "$OUT/lora-peer-1b-qlora.json" \
+      --configs lora-q4_k-bf16 > "$OUT/lora-peer-1b-qlora.log" 2>&1
+    echo "peer exit $?"; tail -3 "$OUT/lora-peer-1b-qlora.log"
+    el "ours, 1B shape"
+    train lora-1b-qlora --configs lora-q4_k-bf16 --peer "$OUT/lora-peer-1b-qlora.json"
+    el "done"
+    ;;
   call2)
     # shellcheck disable=SC2086 # LORA7B_ARGS is a list of arguments
     train lora-7b --layers 32 --hidden 4096 --heads 32 --kv-heads 32 --intermediate 11008 \
@@ -62,6 +92,6 @@ case "$1" in
       --max-seconds "${MAX_S:-420}" ${LORA7B_ARGS:-}
     el "done"
     ;;
-  *) echo "usage: $0 call1 | call2" >&2; exit 2 ;;
+  *) echo "usage: $0 call1 | qlora | call2" >&2; exit 2 ;;
 esac
 tar czf "$FINAL/$1.tgz" -C "$OUT" . ; ls -la "$FINAL"

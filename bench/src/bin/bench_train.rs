@@ -248,6 +248,63 @@ fn parse_config(s: &str, default_budget: f64) -> Result<Bench> {
     })
 }
 
+/// Random bytes for a large frozen base without drawing every weight: one pool of
+/// normal(0, 0.02) values, kept in each format the store asks for, and each tensor a copy of
+/// the pool from a random start (in whole blocks for GGML types), wrapping around. Drawing and
+/// quantizing a 7B base weight by weight takes minutes on one core; a step's time does not
+/// depend on the values.
+struct WeightPool {
+    values: Tensor,
+    bytes: std::collections::HashMap<candle_offload::WeightFormat, Vec<u8>>,
+    rng: rand::rngs::StdRng,
+}
+
+impl WeightPool {
+    /// `n` values (a multiple of 4096); `seed` places the tensors in the pool.
+    fn new(n: usize, seed: u64) -> candle_core::Result<Self> {
+        use rand::SeedableRng as _;
+        Ok(Self {
+            values: Tensor::randn(0f32, 0.02, (n / 4096, 4096), &Device::Cpu)?,
+            bytes: Default::default(),
+            rng: rand::rngs::StdRng::seed_from_u64(seed),
+        })
+    }
+
+    /// Fills `dst`, a whole tensor in `format`, from the pool.
+    fn fill(
+        &mut self,
+        format: candle_offload::WeightFormat,
+        dst: &mut [u8],
+    ) -> candle_core::Result<()> {
+        use rand::Rng as _;
+        let unit = format.block_bytes();
+        let pool = match self.bytes.entry(format) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let bytes = match (format.ggml_dtype(), format.dense_dtype()) {
+                    (Some(q), _) => candle_core::quantized::QTensor::quantize(&self.values, q)?
+                        .data()?
+                        .into_owned(),
+                    (None, Some(dtype)) => {
+                        candle_offload::store::tensor_to_bytes(&self.values.to_dtype(dtype)?)?
+                    }
+                    (None, None) => candle_core::bail!("no random fill for {format}"),
+                };
+                e.insert(bytes)
+            }
+        };
+        let mut at = self.rng.random_range(0..pool.len() / unit) * unit;
+        let mut done = 0;
+        while done < dst.len() {
+            let n = (dst.len() - done).min(pool.len() - at);
+            dst[done..done + n].copy_from_slice(&pool[at..at + n]);
+            done += n;
+            at = 0;
+        }
+        Ok(())
+    }
+}
+
 /// A LoRA trainer of `row`'s base: random weights of `cfg` (normal(0, 0.02), norms one) in
 /// the compute dtype, the decoder layers' matrices as GGML blocks of `quant` where given, and
 /// adapters of `rank` on every projection (B random, so that the update is not zero).
@@ -283,28 +340,19 @@ fn lora_trainer(
     };
     // `format` is how the store keeps the tensor: blocks as specified, dense ones in the
     // compute dtype.
+    let mut pool = WeightPool::new(1 << 24, 0)?;
     let store = HostStore::from_raw(&specs, &store_cfg, device, |spec, format, dst| {
-        let dims = spec.shape.dims();
-        let cpu = &Device::Cpu;
-        let t = if dims.len() == 1 {
-            Tensor::ones(dims, candle_core::DType::F32, cpu)
-        } else {
-            Tensor::randn(0f32, 0.02, dims, cpu)
+        if spec.shape.dims().len() == 1 {
+            let ones = Tensor::ones(spec.shape.dims(), candle_core::DType::F32, &Device::Cpu)
+                .and_then(|t| match format {
+                    WeightFormat::Dense(dtype) => t.to_dtype(dtype),
+                    other => Err(candle_core::Error::Msg(format!("a norm as {other}"))),
+                })
+                .and_then(|t| candle_offload::store::tensor_to_bytes(&t))?;
+            dst.copy_from_slice(&ones);
+            return Ok(());
         }
-        .map_err(candle_offload::Error::from)?;
-        let bytes = match format {
-            WeightFormat::Ggml(q) => candle_core::quantized::QTensor::quantize(&t, q)
-                .and_then(|q| Ok(q.data()?.into_owned())),
-            WeightFormat::Dense(dtype) => t
-                .to_dtype(dtype)
-                .and_then(|t| candle_offload::store::tensor_to_bytes(&t)),
-            other => Err(candle_core::Error::Msg(format!(
-                "no random fill for {other}"
-            ))),
-        }
-        .map_err(candle_offload::Error::from)?;
-        dst.copy_from_slice(&bytes);
-        Ok(())
+        Ok(pool.fill(format, dst)?)
     })?;
     let config = LoraConfig {
         r: rank,
