@@ -48,14 +48,14 @@ bnb() {
   local whl; whl=/tmp/stage/$(awk '{print $2}' /tmp/stage/bnb/SHA256)
   cat /tmp/stage/bnb/bnb.part-* > "$whl"
   (cd /tmp/stage && sha256sum -c bnb/SHA256 --quiet 2>/dev/null) || { echo "bitsandbytes: pieces missing"; return 1; }
-  pip install --no-deps --no-index "$whl" > "$OUT/pip-bnb.log" 2>&1
+  python3 -m pip install --no-deps --no-index "$whl" > "$OUT/pip-bnb.log" 2>&1
   python3 -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)"
 }
 case "$1" in
   call1)
     bnb
     if ! python3 -c "import peft" 2>/dev/null; then
-      pip install --no-deps --no-index .gpu/wheels/peft-*.whl > "$OUT/pip.log" 2>&1
+      python3 -m pip install --no-deps --no-index .gpu/wheels/peft-*.whl > "$OUT/pip.log" 2>&1
       echo "peft installed: $?"
     fi
     python3 -c "import peft, transformers, torch; print('peft', peft.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
@@ -88,7 +88,7 @@ case "$1" in
   call2)
     # shellcheck disable=SC2086 # LORA7B_ARGS is a list of arguments
     train lora-7b --layers 32 --hidden 4096 --heads 32 --kv-heads 32 --intermediate 11008 \
-      --configs lora-bf16,lora-bf16-6gib,lora-bf16-8gib,lora-q4_k-bf16,lora-q4_k-bf16-4gib,lora-q4_k-bf16-6gib \
+      --configs lora-q4_k-bf16,lora-q4_k-4gib-bf16,lora-bf16,lora-6gib-bf16,lora-8gib-bf16,lora-q4_k-6gib-bf16 \
       --max-seconds "${MAX_S:-420}" ${LORA7B_ARGS:-}
     el "done"
     ;;

@@ -455,6 +455,60 @@ fn lora_gradients_equal_peft_gradients() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The blocks' hand-written backward pass on a frozen base gives the adapters the gradients
+/// Candle's graph gives them, on dense weights and on GGML blocks, and it is the pass that ran.
+#[test]
+fn lora_hand_backward_equals_the_graph() -> anyhow::Result<()> {
+    use candle_offload_models::Trainer;
+    let files = loader::from_dir(&fixtures().join("base"))?;
+    let dense = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
+    let (q8, _) = q8_stores(&files)?;
+    let adapter = peft::load(&fixtures().join("adapter"), &files.config, &Device::Cpu)?;
+    let (inputs, targets) = batch()?;
+    for (base, store) in [("dense", dense), ("q8_0 blocks", Arc::new(q8))] {
+        let run = |hand: bool| -> anyhow::Result<_> {
+            let mut settings = train_settings(2);
+            settings.hand_backward = hand;
+            let mut t = Trainer::lora(
+                files.config.clone(),
+                store.clone(),
+                adapter.clone(),
+                &Device::Cpu,
+                &settings,
+            )?;
+            let (loss, grads) = t.loss_and_grads(&inputs, &targets)?;
+            Ok((loss, grads, t.hand_backward_gradients()))
+        };
+        let (lh, gh, by_hand) = run(true)?;
+        let (lg, gg, by_graph) = run(false)?;
+        assert_eq!(
+            by_graph, 0,
+            "{base}: the graph run handed gradients over by hand"
+        );
+        // Two per adapted projection (A and B), seven projections a layer.
+        let layers = files.config.num_hidden_layers;
+        assert_eq!(
+            by_hand,
+            14 * layers,
+            "{base}: gradients handed over by hand"
+        );
+        assert!(
+            (lh - lg).abs() <= 1e-6 * lg.abs(),
+            "{base}: loss {lh} vs {lg}"
+        );
+        assert_eq!(gh.len(), gg.len());
+        let mut worst: f64 = 0.0;
+        for (k, g) in &gg {
+            worst = worst.max(rel_l2(&gh[k], g)?);
+        }
+        assert!(
+            worst <= 1e-5,
+            "{base}: adapter gradients differ by rel L2 {worst}"
+        );
+    }
+    Ok(())
+}
+
 /// MFU's FLOPs under LoRA: the base's matmuls without weight gradients (two thirds of full
 /// training's), attention unchanged, each adapter FLOP of the forward pass three times.
 #[test]

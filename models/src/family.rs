@@ -91,6 +91,9 @@ pub struct TrainCtx<'a> {
     /// block, [`crate::layers::PreNormBlock`]) hands its weights' gradients; `None`: every
     /// block goes through Candle's graph.
     pub weight_grads: Option<WeightGradSink>,
+    /// The base weights are frozen (LoRA): a block that computes its own backward pass hands
+    /// over only its adapters' gradients.
+    pub frozen_base: bool,
 }
 
 impl std::fmt::Debug for TrainCtx<'_> {
@@ -102,6 +105,7 @@ impl std::fmt::Debug for TrainCtx<'_> {
             .field("head_chunks", &self.head_chunks)
             .field("fused", &self.fused)
             .field("weight_grads", &self.weight_grads.is_some())
+            .field("frozen_base", &self.frozen_base)
             .finish()
     }
 }

@@ -240,6 +240,7 @@ impl Core {
             head_chunks: self.head_chunks,
             fused: self.fused,
             weight_grads: self.weight_grads.lock().map_err(poisoned)?.clone(),
+            frozen_base: matches!(self.source, Source::Frozen(_)),
         };
         if let Source::Frozen(rt) = &self.source {
             // The unit's blocks stay blocks; each projection gets its adapter.
@@ -281,10 +282,12 @@ impl Core {
         let name = self.layout.head_unit();
         let w = self.vb(name)?.get((v, h), &format!("{name}.weight"))?;
         let sink = self.weight_grads.lock().map_err(poisoned)?.clone();
-        if let (Some(sink), Some((nw, eps)), false) = (
+        // A frozen head (LoRA) goes through Candle's graph, which computes no weight gradient.
+        if let (Some(sink), Some((nw, eps)), false, None) = (
             sink,
             norm.rms_parts(),
             self.family.finishes_logits(&self.cfg),
+            &self.adapters,
         ) {
             if self.fused && nw.dtype() == xs.dtype() && xs.rank() == 2 {
                 return self.head_loss_by_hand(xs, targets, mask, (nw, eps), &w, sink);
@@ -467,6 +470,10 @@ fn head_chunks_for(cfg: &Config, batch: usize, seq: usize) -> usize {
         (all.div_ceil(64 << 20) as usize).clamp(1, cfg.num_attention_heads)
     }
 }
+
+/// Device bytes a LoRA adapter parameter holds while training: its F32 master, its F32
+/// gradient and AdamW's two F32 moments.
+pub const ADAPTER_STATE_BYTES_PER_PARAM: u64 = 16;
 
 impl Trainer {
     /// A trainer over `tensors` (checkpoint names, any float dtype, on any device) for a model
@@ -741,12 +748,15 @@ impl Trainer {
             device,
             &OffloadConfig {
                 gpu_memory_limit: settings.gpu_memory_limit,
+                // Besides the activations: the adapters' state on the device, which the
+                // budget holds too.
                 reserve_bytes: cfg.lora_train_reserve_bytes(
                     settings.batch_size,
                     settings.seq_len,
                     settings.checkpoint_segments,
                     compute,
-                ),
+                ) + adapters.parameter_count() as u64
+                    * ADAPTER_STATE_BYTES_PER_PARAM,
                 strategy: OffloadStrategy::Minimal,
                 policy: PolicyChoice::Lru,
                 prefetch_depth: settings.prefetch_depth,
@@ -793,7 +803,7 @@ impl Trainer {
                 head_chunks,
                 loss_chunk,
                 fused: settings.fused,
-                hand_backward: false,
+                hand_backward: settings.hand_backward,
                 origins: CastOrigins::default(),
                 weight_grads: Mutex::new(None),
                 hand_grads: Arc::new(AtomicUsize::new(0)),
@@ -984,6 +994,12 @@ impl Trainer {
         let mut xs = core.embed(inputs)?;
         let n_layers = core.cfg.num_hidden_layers;
         if self.checkpoint_segments == 0 {
+            if core.adapters.is_some() && !xs.track_op() {
+                // A frozen embedding gives an input without a graph, on which a block that
+                // computes its own backward pass builds none: a leaf of its own, as the
+                // checkpointer gives each segment.
+                xs = candle_core::Var::from_tensor(&xs)?.into_inner();
+            }
             for l in 0..n_layers {
                 xs = core.layer(l, &xs, &mask)?;
             }
@@ -1101,7 +1117,23 @@ impl Trainer {
         };
         core.origins.clear()?;
         core.hand_grads.store(0, Ordering::Relaxed);
-        if !offloaded && core.fused && core.hand_backward && core.adapters.is_none() {
+        if !offloaded && core.fused && core.hand_backward && core.adapters.is_some() {
+            // LoRA: the blocks hand over their adapters' gradients, keyed by the variables
+            // themselves (the F32 masters the layers were given).
+            let ids: std::collections::HashSet<_> =
+                self.vars.iter().map(|v| v.as_tensor().id()).collect();
+            let (side, count) = (ck.clone(), core.hand_grads.clone());
+            let sink: WeightGradSink = Arc::new(move |served: &Tensor, grad: Tensor| {
+                if !ids.contains(&served.id()) {
+                    candle_core::bail!(
+                        "a block handed over the gradient of a tensor that is not an adapter"
+                    );
+                }
+                count.fetch_add(1, Ordering::Relaxed);
+                side.add_gradient(served, grad.to_dtype(DType::F32)?)
+            });
+            *core.weight_grads.lock().map_err(poisoned)? = Some(sink);
+        } else if !offloaded && core.fused && core.hand_backward {
             // A weight's gradient, from a block's own backward pass, goes to its F32 master
             // through the checkpointer's side store, which `backward` merges.
             let (origins, side, count) =

@@ -318,6 +318,35 @@ impl Linear {
         y.reshape((b, t, ()))
     }
 
+    /// The layer on `x` (rows, in) with its weight frozen and no graph: the base by the kernel
+    /// [`kernel`](Self::kernel) chooses with the decode kernels off, the bias, and the
+    /// adapter's update ([`LoraAdapter::delta_untracked`]); the forward pass of a block that
+    /// computes its own backward pass ([`input_gradient`](Self::input_gradient)).
+    pub fn forward_frozen(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.detach();
+        let y = with_bias(self.forward_base(&x)?, self.bias.as_ref())?;
+        match &self.adapter {
+            Some(a) => {
+                let d = a.delta_untracked(&x)?.to_dtype(y.dtype())?;
+                y + d
+            }
+            None => Ok(y),
+        }
+    }
+
+    /// The frozen weight's share of x's gradient for the output's gradient `dy` (rows, out):
+    /// `dy · W` in dy's dtype, GGML blocks dequantized for this one product (on a GPU, 16-bit
+    /// rows) and dropped after it. The adapter's share is [`LoraAdapter::backward`]'s.
+    pub fn input_gradient(&self, dy: &Tensor) -> Result<Tensor> {
+        let w = match &self.weight {
+            LinearWeight::Dense(w) => w.detach().to_dtype(dy.dtype())?,
+            LinearWeight::Quantized(m) => {
+                crate::linear::lora::dense_weight(m, dy.dtype(), dy.device())?
+            }
+        };
+        dy.matmul(&w)
+    }
+
     /// The base layer without its adapter and bias, by the kernel [`kernel`](Self::kernel)
     /// chooses with the decode kernels off.
     fn forward_base(&self, xs: &Tensor) -> Result<Tensor> {

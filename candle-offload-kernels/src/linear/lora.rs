@@ -101,6 +101,34 @@ impl LoraAdapter {
         y.reshape(out)
     }
 
+    /// `scale · B·(A·x)` for `x` (rows, in) without a graph (A and B detached, cast to x's
+    /// dtype; no dropout): the forward pass of a block that computes its own backward pass.
+    pub fn delta_untracked(&self, x: &Tensor) -> Result<Tensor> {
+        let (a, b) = self.factors_as(x)?;
+        x.matmul(&a.t()?)?.matmul(&b.t()?)?.affine(self.scale, 0.0)
+    }
+
+    /// The backward pass of [`delta_untracked`](Self::delta_untracked) for the output's
+    /// gradient `dy` (rows, out): x's share of the gradient (rows, in, in x's dtype), and A's
+    /// and B's gradients in F32: `dB = s·dyᵀ·(x·Aᵀ)`, `d(x·Aᵀ) = s·dy·B`,
+    /// `dA = d(x·Aᵀ)ᵀ·x`, `dx = d(x·Aᵀ)·A`.
+    pub fn backward(&self, x: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (a, b) = self.factors_as(x)?;
+        let dy = dy.to_dtype(x.dtype())?;
+        let xa = x.matmul(&a.t()?)?;
+        let db = dy.t()?.matmul(&xa)?.affine(self.scale, 0.0)?;
+        let dxa = dy.matmul(&b)?.affine(self.scale, 0.0)?;
+        let da = dxa.t()?.matmul(x)?;
+        let dx = dxa.matmul(&a)?;
+        Ok((dx, da.to_dtype(DType::F32)?, db.to_dtype(DType::F32)?))
+    }
+
+    /// A and B detached, on x's device in x's dtype.
+    fn factors_as(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let cast = |t: &Tensor| t.detach().to_device(x.device())?.to_dtype(x.dtype());
+        Ok((cast(&self.a)?, cast(&self.b)?))
+    }
+
     /// The update as a dense weight, `scale · B·A` (out, in) in F32: what merging adds to the
     /// base weight.
     pub fn delta_weight(&self) -> Result<Tensor> {
@@ -132,7 +160,11 @@ pub fn quantized_train(xs: &Tensor, value: Tensor, w: &QMatMul) -> Result<Tensor
 }
 
 /// W (out, in) as a dense tensor in `dtype` on `device`, for one product.
-fn dense_weight(w: &QMatMul, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
+pub(crate) fn dense_weight(
+    w: &QMatMul,
+    dtype: DType,
+    device: &candle_core::Device,
+) -> Result<Tensor> {
     match w {
         QMatMul::QTensor(q) => {
             #[cfg(feature = "cuda")]

@@ -12,10 +12,12 @@
 //! weights are not inputs of the node, so Candle computes nothing for them).
 //!
 //! Only the block this was written for takes this path: RMSNorm before attention and MLP (no
-//! post-norms), separate dense q/k/v/o projections (biases allowed), plain causal flash
-//! attention with full-width RoPE, a SiLU-gated MLP with separate dense projections, and every
-//! projection weight in the compute dtype, no LoRA adapter. Anything else returns `None` and
-//! runs through Candle's graph as before.
+//! post-norms), separate q/k/v/o projections (biases allowed), plain causal flash attention
+//! with full-width RoPE, a SiLU-gated MLP with separate projections; every projection either a
+//! trained dense weight in the compute dtype, or, on a frozen base (LoRA), a frozen weight,
+//! dense in the compute dtype or GGML blocks, with or without an adapter (without dropout),
+//! whose gradients are then the only ones handed over. Anything else returns `None` and runs
+//! through Candle's graph as before.
 
 use std::sync::Mutex;
 
@@ -34,17 +36,32 @@ use super::mlp::{Activation, GateUp};
 use super::norm::Norm;
 use crate::family::{TrainCtx, WeightGradSink};
 
-/// A dense projection: the weight as served (the key its gradient is handed over under) and
-/// a detached copy to compute with.
-struct Proj {
-    served: Tensor,
-    w: Tensor,
-    bias: Option<(Tensor, Tensor)>,
+/// A projection: a trained dense weight (its gradient handed over under the weight as
+/// served), or a frozen one, dense or GGML blocks, with its LoRA adapter if it has one (only
+/// the adapter's gradients handed over).
+enum Proj {
+    Trained {
+        served: Tensor,
+        w: Tensor,
+        bias: Option<(Tensor, Tensor)>,
+    },
+    Frozen(Linear),
 }
 
 impl Proj {
-    fn of(l: &Linear, dtype: DType) -> Option<Self> {
-        // A LoRA adapter's update goes through Candle's graph.
+    /// `l` as this path runs it, computing in `dtype`: trained, a dense weight in `dtype`
+    /// without an adapter; frozen (`frozen`), any weight whose adapter has no dropout (the
+    /// recomputed forward pass must repeat the first).
+    fn of(l: &Linear, dtype: DType, frozen: bool) -> Option<Self> {
+        if frozen {
+            if l.adapter().is_some_and(|a| a.dropout() > 0.0) {
+                return None;
+            }
+            return match l.weight() {
+                LinearWeight::Dense(w) if w.dtype() != dtype || w.rank() != 2 => None,
+                _ => Some(Self::Frozen(l.clone())),
+            };
+        }
         if l.adapter().is_some() {
             return None;
         }
@@ -54,55 +71,79 @@ impl Proj {
         if w.dtype() != dtype || w.rank() != 2 {
             return None;
         }
-        Some(Self {
+        Some(Self::Trained {
             served: w.clone(),
             w: w.detach(),
             bias: l.bias().map(|b| (b.clone(), b.detach())),
         })
     }
 
-    /// `x W^T (+ b)` for x (rows, in).
+    /// `x W^T (+ b)` (plus the adapter's update) for x (rows, in).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.matmul(&self.w.t()?)?;
-        match &self.bias {
-            Some((_, b)) => y.broadcast_add(b),
-            None => Ok(y),
+        match self {
+            Self::Trained { w, bias, .. } => {
+                let y = x.matmul(&w.t()?)?;
+                match bias {
+                    Some((_, b)) => y.broadcast_add(b),
+                    None => Ok(y),
+                }
+            }
+            Self::Frozen(l) => l.forward_frozen(x),
         }
     }
 
-    /// The input's gradient for `dy` (rows, out), after handing the weight's (and bias's)
-    /// gradient to `sink`.
+    /// The input's gradient for `dy` (rows, out), after handing the trained weight's (and
+    /// bias's), or the adapter's, gradients to `sink`.
     fn backward(&self, x: &Tensor, dy: &Tensor, sink: &WeightGradSink) -> Result<Tensor> {
-        sink(&self.served, dy.t()?.matmul(x)?)?;
-        if let Some((served, _)) = &self.bias {
-            sink(served, dy.to_dtype(DType::F32)?.sum(0)?)?;
+        match self {
+            Self::Trained { served, w, bias } => {
+                sink(served, dy.t()?.matmul(x)?)?;
+                if let Some((served, _)) = bias {
+                    sink(served, dy.to_dtype(DType::F32)?.sum(0)?)?;
+                }
+                dy.matmul(w)
+            }
+            Self::Frozen(l) => {
+                let dx = l.input_gradient(dy)?;
+                let Some(adapter) = l.adapter() else {
+                    return Ok(dx);
+                };
+                let (dx_adapter, da, db) = adapter.backward(x, dy)?;
+                sink(adapter.a(), da)?;
+                sink(adapter.b(), db)?;
+                let dx_adapter = dx_adapter.to_dtype(dx.dtype())?;
+                dx + dx_adapter
+            }
         }
-        dy.matmul(&self.w)
     }
 }
 
-/// An RMSNorm's weight (served and detached) and epsilon.
+/// An RMSNorm's weight (served and detached), epsilon, and whether it is trained.
 struct RmsWeight {
     served: Tensor,
     w: Tensor,
     eps: f64,
+    trained: bool,
 }
 
 impl RmsWeight {
-    fn of(n: &Norm, dtype: DType) -> Option<Self> {
+    fn of(n: &Norm, dtype: DType, trained: bool) -> Option<Self> {
         let (w, eps) = n.rms_parts()?;
         (w.dtype() == dtype).then(|| Self {
             served: w.clone(),
             w: w.detach(),
             eps,
+            trained,
         })
     }
 
     /// The input's gradient for the output's gradient `dy` (any float dtype; taken in the
-    /// input's), after handing the weight's gradient to `sink`.
+    /// input's), after handing the weight's gradient to `sink` where it is trained.
     fn backward(&self, x: &Tensor, dy: &Tensor, sink: &WeightGradSink) -> Result<Tensor> {
         let (dx, dw) = rms_norm_backward(x, &self.w, self.eps, &dy.to_dtype(x.dtype())?)?;
-        sink(&self.served, dw)?;
+        if self.trained {
+            sink(&self.served, dw)?;
+        }
         Ok(dx)
     }
 }
@@ -146,18 +187,18 @@ impl Parts {
         else {
             return Ok(None);
         };
-        let stream = xs.dtype();
+        let (stream, frozen) = (xs.dtype(), ctx.frozen_base);
         let parts = (|| {
             Some(Self {
-                input_norm: RmsWeight::of(&block.input_norm, stream)?,
-                q: Proj::of(q, cd)?,
-                k: Proj::of(k, cd)?,
-                v: Proj::of(v, cd)?,
-                o: Proj::of(&block.attn.o_proj, cd)?,
-                mlp_norm: RmsWeight::of(&block.pre_mlp_norm, stream)?,
-                gate: Proj::of(gate, cd)?,
-                up: Proj::of(up, cd)?,
-                down: Proj::of(&mlp.down, cd)?,
+                input_norm: RmsWeight::of(&block.input_norm, stream, !frozen)?,
+                q: Proj::of(q, cd, frozen)?,
+                k: Proj::of(k, cd, frozen)?,
+                v: Proj::of(v, cd, frozen)?,
+                o: Proj::of(&block.attn.o_proj, cd, frozen)?,
+                mlp_norm: RmsWeight::of(&block.pre_mlp_norm, stream, !frozen)?,
+                gate: Proj::of(gate, cd, frozen)?,
+                up: Proj::of(up, cd, frozen)?,
+                down: Proj::of(&mlp.down, cd, frozen)?,
             })
         })();
         Ok(parts)
