@@ -15,8 +15,9 @@
 #   it is installed, an error row otherwise), then ours with it as the peer -> lora-1b.json.
 # Call 2 (carry .gpu/bench_train.xz, .gpu/COMMIT): `bash scripts/gpu_lora_session.sh call2`
 #   the 7B shape: each base resident (the ideal's compute) and under budgets: BF16 at 6 and
-#   8 GiB, Q4_K (QLoRA) at 4 and 6 GiB -> lora-7b.json ($LORA7B_ARGS: more bench_train
-#   arguments, e.g. --batch-size 1).
+#   8 GiB, Q4_K (QLoRA) at 4 and 6 GiB, one sequence of 1,024 tokens a step (at four, the
+#   activations alone reserve 6 GiB) -> lora-7b.json ($LORA7B_ARGS: other bench_train
+#   arguments in place of `--batch-size 1`).
 # bitsandbytes (the QLoRA peer, NF4): its wheel (~43 MB) does not fit one call's carry beside
 #   bench_train, so it travels in pieces: here, `pip download bitsandbytes --no-deps`, then
 #   `split -b 14500000 WHEEL .gpu/bnb/bnb.part-` and `sha256sum WHEEL > .gpu/bnb/SHA256`; each
@@ -89,7 +90,7 @@ case "$1" in
     # shellcheck disable=SC2086 # LORA7B_ARGS is a list of arguments
     train lora-7b --layers 32 --hidden 4096 --heads 32 --kv-heads 32 --intermediate 11008 \
       --configs lora-q4_k-bf16,lora-q4_k-4gib-bf16,lora-bf16,lora-6gib-bf16,lora-8gib-bf16,lora-q4_k-6gib-bf16 \
-      --max-seconds "${MAX_S:-420}" ${LORA7B_ARGS:-}
+      --max-seconds "${MAX_S:-420}" ${LORA7B_ARGS:---batch-size 1}
     el "done"
     ;;
   *) echo "usage: $0 call1 | qlora | call2" >&2; exit 2 ;;
