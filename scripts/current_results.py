@@ -109,11 +109,15 @@ SOURCES = {
         "2026-12-05/2026-12-05-moe-q8_0-skewed-8-12gib-p64-7493f1c-h100.json",
         "2026-12-06/2026-12-06-moe-q8_0-uniform-fixed-writer-4-8-12gib-p64-b1b366c-h100.json",
         "2026-12-06/2026-12-06-moe-q8_0-uniform-4gib-p64-spares-kept-be86de4-h200.json",
+        "2026-12-06/2026-12-06-moe-q8_0-uniform-8-12gib-p64-spares-kept-c79a959-h100.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     # bench_train's lora-* configurations, with scripts/lora_peer.py (PEFT) run just before it
     # in the same call for the resident ones.
     "lora": [
+        "2026-12-06/2026-12-06-lora-1b-bf16-hand-backward-6-steps-9a45603-h100.json",
+        "2026-12-06/2026-12-06-lora-1b-qlora-bnb-nf4-hand-backward-9a45603-h100.json",
+        "2026-12-06/2026-12-06-lora-7b-budgets-hand-backward-9a45603-h100.json",
     ],
     "train": [
         "2026-12-01/2026-12-01-train-hand-first-h200.json",
