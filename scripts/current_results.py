@@ -856,7 +856,9 @@ def render_glance(rows):
                 f"{r['weights']} within {budget_label(r['budget_gib'])} at {fmt(r['ours'], 2)} s a step"
                 for r in off) if off else "") + ".")
     if lora or lora_off:
-        parts = [f"{r['weights']} {fmt(r['ratio'])}" for r in lora]
+        parts = [f"{r['weights']} {fmt(r['ratio'])}" + (" (its base in bitsandbytes' NF4)"
+                                                        if "nf4" in r["peer"] else "")
+                 for r in lora]
         within = [r["within_budget"] for r in lora_off]
         text.append(
             "LoRA (rank 16) against PEFT in the same call, its step time over ours: "
