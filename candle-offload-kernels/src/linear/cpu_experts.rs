@@ -132,30 +132,47 @@ pub fn kquant_batch(
     let mut out = vec![0f32; total];
     crate::pool::for_each_chunk_mut(&mut out, DOTS_PER_TASK, |task, part| {
         let e0 = task * DOTS_PER_TASK;
+        // The part's values run through items j, j + 1, ...: each run's item, rows and
+        // activations are looked up once, and its (column, row) counted up from the first.
         let mut j = starts.partition_point(|&s| s <= e0) - 1;
-        for (o, v) in part.iter_mut().enumerate() {
-            let e = e0 + o;
-            while e >= starts[j] + sizes[j] {
-                j += 1;
-            }
+        let mut local = e0 - starts[j];
+        let mut done = 0;
+        while done < part.len() {
             let i = items[j].1;
             let (m, k) = (ms[i], inputs[i].k);
-            let local = e - starts[j];
-            let (c, r) = (local / m, local % m);
-            *v = match &rows[j] {
+            let len = (sizes[j] - local).min(part.len() - done);
+            let run = &mut part[done..done + len];
+            let (mut c, mut r) = (local / m, local % m);
+            let next = |c: &mut usize, r: &mut usize| {
+                *r += 1;
+                if *r == m {
+                    *r = 0;
+                    *c += 1;
+                }
+            };
+            match &rows[j] {
                 Blocks::K(rows) => {
                     let nb = k / QK_K;
-                    rows.dot(c, nb, k, &yq[i][r * nb..(r + 1) * nb], pf)
+                    for v in run {
+                        *v = rows.dot(c, nb, k, &yq[i][r * nb..(r + 1) * nb], pf);
+                        next(&mut c, &mut r);
+                    }
                 }
                 Blocks::Q8_0(b) => {
                     let row = k / QK8_0 * Q8_0_BYTES;
-                    simd::dot_q8_0_q8_0(
-                        &b[c * row..(c + 1) * row],
-                        &y0[i][r * row..(r + 1) * row],
-                        pf,
-                    )
+                    for v in run {
+                        *v = simd::dot_q8_0_q8_0(
+                            &b[c * row..(c + 1) * row],
+                            &y0[i][r * row..(r + 1) * row],
+                            pf,
+                        );
+                        next(&mut c, &mut r);
+                    }
                 }
-            };
+            }
+            done += len;
+            j += 1;
+            local = 0;
         }
     });
     Ok(Some(
