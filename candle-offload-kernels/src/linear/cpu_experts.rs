@@ -151,13 +151,7 @@ pub fn kquant_batch(
                 }
             };
             match &rows[j] {
-                Blocks::K(rows) => {
-                    let nb = k / QK_K;
-                    for v in run {
-                        *v = rows.dot(c, nb, k, &yq[i][r * nb..(r + 1) * nb], pf);
-                        next(&mut c, &mut r);
-                    }
-                }
+                Blocks::K(rows) => rows.dot_run((c, r), m, k / QK_K, k, &yq[i], pf, run),
                 Blocks::Q8_0(b) => {
                     let row = k / QK8_0 * Q8_0_BYTES;
                     for v in run {

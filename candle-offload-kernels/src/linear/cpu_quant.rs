@@ -385,23 +385,51 @@ impl<'a> KRows<'a> {
         }
     }
 
-    /// Row `r` (of `nb` blocks, `k` elements) against one row of activation blocks.
-    pub(crate) fn dot(&self, r: usize, nb: usize, k: usize, ys: &[BlockQ8K], pf: usize) -> f32 {
-        fn one<T: GgmlType<VecDotType = BlockQ8K>>(
+    /// Output values `out` of a run that starts at weight row `c` and activation row `r` (of
+    /// `m`, `nb` blocks each in `yq`) and goes on row by row of the activations, then column
+    /// by column: `out[i]` is the dot product of the i-th (weight row, activation row) pair,
+    /// Candle's `vec_dot` (or the prefetching Q4_K/Q6_K kernels that compute it bit for bit).
+    /// The block type is matched once for the run.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn dot_run(
+        &self,
+        (c, r): (usize, usize),
+        m: usize,
+        nb: usize,
+        k: usize,
+        yq: &[BlockQ8K],
+        pf: usize,
+        out: &mut [f32],
+    ) {
+        fn run<T>(
             b: &[T],
-            r: usize,
+            (mut c, mut r): (usize, usize),
+            m: usize,
             nb: usize,
-            k: usize,
-            ys: &[BlockQ8K],
-        ) -> f32 {
-            T::vec_dot(k, &b[r * nb..(r + 1) * nb], ys)
+            yq: &[BlockQ8K],
+            out: &mut [f32],
+            dot: impl Fn(&[T], &[BlockQ8K]) -> f32,
+        ) {
+            for v in out {
+                *v = dot(&b[c * nb..(c + 1) * nb], &yq[r * nb..(r + 1) * nb]);
+                r += 1;
+                if r == m {
+                    r = 0;
+                    c += 1;
+                }
+            }
         }
+        let at = (c, r);
         match self {
-            Self::Q2K(b) => one(b, r, nb, k, ys),
-            Self::Q3K(b) => one(b, r, nb, k, ys),
-            Self::Q4K(b) => crate::linear::simd_k::dot_q4k_q8k(&b[r * nb..(r + 1) * nb], ys, pf),
-            Self::Q5K(b) => one(b, r, nb, k, ys),
-            Self::Q6K(b) => crate::linear::simd_k::dot_q6k_q8k(&b[r * nb..(r + 1) * nb], ys, pf),
+            Self::Q2K(b) => run(b, at, m, nb, yq, out, |x, y| BlockQ2K::vec_dot(k, x, y)),
+            Self::Q3K(b) => run(b, at, m, nb, yq, out, |x, y| BlockQ3K::vec_dot(k, x, y)),
+            Self::Q4K(b) => run(b, at, m, nb, yq, out, |x, y| {
+                crate::linear::simd_k::dot_q4k_q8k(x, y, pf)
+            }),
+            Self::Q5K(b) => run(b, at, m, nb, yq, out, |x, y| BlockQ5K::vec_dot(k, x, y)),
+            Self::Q6K(b) => run(b, at, m, nb, yq, out, |x, y| {
+                crate::linear::simd_k::dot_q6k_q8k(x, y, pf)
+            }),
         }
     }
 }
@@ -467,12 +495,23 @@ fn kquant_many(
     // Column-major: the `m` values of output column c (all weights' columns in a row) at c * m.
     let mut out_t = vec![0f32; total * m];
     crate::pool::for_each_chunk_mut(&mut out_t, per_task * m, |task, part| {
-        let c0 = task * per_task;
-        for (j, col) in part.chunks_mut(m).enumerate() {
-            let (i, r) = column_of(&starts, c0 + j);
-            for (v, y) in col.iter_mut().zip(yq.chunks_exact(nb)) {
-                *v = rows[i].dot(r, nb, k, y, pf);
-            }
+        // The task's columns, weight by weight: one run each.
+        let mut c = task * per_task;
+        let mut done = 0;
+        while done < part.len() {
+            let (i, col) = column_of(&starts, c);
+            let cols = (ns[i] - col).min((part.len() - done) / m);
+            rows[i].dot_run(
+                (col, 0),
+                m,
+                nb,
+                k,
+                &yq,
+                pf,
+                &mut part[done..done + cols * m],
+            );
+            done += cols * m;
+            c += cols;
         }
     });
     let mut dims = xs.dims().to_vec();
