@@ -84,8 +84,9 @@ def main():
         summary[key] = {"ours_median": round(o, 2), "llamacpp_median": round(p, 2), "ratio": round(o / p, 4)}
     doc = bench_record.header("moe-cpu-small", cores=os.cpu_count(), load_average_at_start=load_at_start,
                               load_average_per_round=loads, load_average_at_end=os.getloadavg())
+    weights = "Q8_0" if "q8_0" in os.path.basename(model).lower() else "Q4_K_M"
     doc.update(model=os.path.basename(model), shape="qwen3moe hidden 1024, 16 layers, 64 experts, top 4, "
-               "expert FFN 512, vocab 32000, Q4_K_M", rounds=rounds, prompt=prompt, prompt_ids=ids,
+               f"expert FFN 512, vocab 32000, {weights} (by the file's name)", rounds=rounds, prompt=prompt, prompt_ids=ids,
                new_tokens=NEW_TOKENS, llamacpp_threads=THREADS,
                ours_threads=THREADS if "MOE_CPU_THREADS" in os.environ else "default", peer="xllamacpp (llama.cpp), token ids as the prompt",
                summary=summary, vs_llamacpp=summary["decode_tokens_per_s"]["ratio"],
