@@ -372,12 +372,7 @@ impl SparseMoe {
         let inter = experts[0].mlp.intermediate;
         let acts: Vec<Vec<f32>> = gu
             .chunks_exact(2)
-            .map(|p| {
-                p[0].iter()
-                    .zip(&p[1])
-                    .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-                    .collect()
-            })
+            .map(|p| candle_offload::kernels::activation::silu_mul_f32(&p[0], &p[1]))
             .collect();
         let second: Vec<(&Arc<QTensor>, usize)> = owners
             .iter()
