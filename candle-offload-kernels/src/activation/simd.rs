@@ -1,5 +1,6 @@
 //! `silu(gate) · up` over F32 slices with a vectorized `exp` (AVX2 and FMA): a mixture of
-//! experts' activations on the CPU between its two passes of matmuls.
+//! experts' activations on the CPU between its two passes of matmuls; and the same `exp` for a
+//! CPU decode step's softmax numerators.
 
 /// `g / (1 + e^-g) · u` for each pair of `g` and `u` (the same length), into a new vector.
 /// With AVX2 and FMA, `e^x` is Cephes' single-precision polynomial, and each value is within
@@ -33,6 +34,31 @@ pub fn silu_mul_f32(g: &[f32], u: &[f32]) -> Vec<f32> {
         *o = g / (1.0 + (-g).exp()) * u;
     }
     out
+}
+
+/// `x ← e^(x - shift)` for each value, by the same vectorized `exp` as
+/// [`silu_mul_f32`] where the CPU has AVX2 and FMA (a decode step's softmax numerators).
+pub(crate) fn exp_shifted_in_place(x: &mut [f32], shift: f32) {
+    let done = {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: the CPU has AVX2 and FMA (checked above).
+                unsafe { avx2::exp_shifted(x, shift) }
+            } else {
+                0
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            0
+        }
+    };
+    for v in &mut x[done..] {
+        *v = (*v - shift).exp();
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -75,6 +101,25 @@ mod avx2 {
             _mm256_set1_epi32(127),
         ));
         _mm256_mul_ps(e, _mm256_castsi256_ps(pow2))
+    }
+
+    /// [`super::exp_shifted_in_place`] over whole vectors of 8; returns how many values it
+    /// wrote.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_shifted(x: &mut [f32], shift: f32) -> usize {
+        let whole = x.len() / 8 * 8;
+        let s = _mm256_set1_ps(shift);
+        for i in (0..whole).step_by(8) {
+            // SAFETY: i + 8 <= whole <= x.len(); unaligned loads and stores.
+            unsafe {
+                let v = _mm256_loadu_ps(x.as_ptr().add(i));
+                _mm256_storeu_ps(x.as_mut_ptr().add(i), exp(_mm256_sub_ps(v, s)));
+            }
+        }
+        whole
     }
 
     /// [`super::silu_mul_f32`] over whole vectors of 8; returns how many values it wrote.
@@ -121,5 +166,20 @@ mod tests {
             );
         }
         assert!(silu_mul_f32(&[], &[]).is_empty());
+    }
+
+    /// The shifted exponentials are within a few ulp of `f32::exp`'s, a tail included.
+    #[test]
+    fn exp_shifted_matches_f32_exp() {
+        let x: Vec<f32> = (0..203).map(|i| i as f32 * 0.37 - 60.0).collect();
+        let mut got = x.clone();
+        exp_shifted_in_place(&mut got, 3.5);
+        for (&x, &got) in x.iter().zip(&got) {
+            let want = (x - 3.5).exp();
+            assert!(
+                (got - want).abs() <= 4.0 * f32::EPSILON * want + 1e-37,
+                "x {x}: {got} against {want}"
+            );
+        }
     }
 }

@@ -109,8 +109,9 @@ fn decode_attention_cpu<T: WithDType>(
             }
             let mut total = 0f32;
             acc.iter_mut().for_each(|a| *a = 0.0);
-            for (j, &sc) in (lo..=pos).zip(scores.iter()) {
-                let p = (sc - max).exp();
+            let n = pos + 1 - lo;
+            crate::activation::exp_shifted_in_place(&mut scores[..n], max);
+            for (j, &p) in (lo..=pos).zip(scores.iter()) {
                 total += p;
                 for (a, &x) in acc.iter_mut().zip(kv_row(v, vl, bi, kvh, j, d)) {
                     *a += p * f32_of(x);
