@@ -2,9 +2,13 @@
 //! experts' activations on the CPU between its two passes of matmuls; and the same `exp` for a
 //! CPU decode step's softmax numerators.
 
+#[cfg(target_arch = "x86_64")]
+use crate::linear::has_avx2;
+
 /// `g / (1 + e^-g) · u` for each pair of `g` and `u` (the same length), into a new vector.
-/// With AVX2 and FMA, `e^x` is Cephes' single-precision polynomial, and each value is within
-/// 4 ulp of the scalar formula's with `f32::exp` (the test's bound); elsewhere that formula.
+/// Where the CPU runs the SIMD kernels (AVX2, FMA and F16C, `linear::has_avx2`), `e^x` is
+/// Cephes' single-precision polynomial, and each value is within 4 ulp of the scalar formula's
+/// with `f32::exp` (the test's bound); elsewhere that formula.
 pub fn silu_mul_f32(g: &[f32], u: &[f32]) -> Vec<f32> {
     assert_eq!(
         g.len(),
@@ -12,50 +16,33 @@ pub fn silu_mul_f32(g: &[f32], u: &[f32]) -> Vec<f32> {
         "silu_mul_f32: gate and up differ in length"
     );
     let mut out = vec![0f32; g.len()];
-    let done = {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                // SAFETY: the CPU has AVX2 and FMA (checked above); the three slices have the
-                // same length.
-                unsafe { avx2::silu_mul(g, u, &mut out) }
-            } else {
-                0
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            0
-        }
+    #[cfg(target_arch = "x86_64")]
+    let done = if has_avx2() {
+        // SAFETY: the CPU has AVX2 and FMA (`has_avx2`); the three slices have the same length.
+        unsafe { avx2::silu_mul(g, u, &mut out) }
+    } else {
+        0
     };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
     for ((o, &g), &u) in out[done..].iter_mut().zip(&g[done..]).zip(&u[done..]) {
         *o = g / (1.0 + (-g).exp()) * u;
     }
     out
 }
 
-/// `x ← e^(x - shift)` for each value, by the same vectorized `exp` as
-/// [`silu_mul_f32`] where the CPU has AVX2 and FMA (a decode step's softmax numerators).
+/// `x ← e^(x - shift)` for each value, by the same vectorized `exp` as [`silu_mul_f32`] where
+/// the CPU runs the SIMD kernels (a decode step's softmax numerators).
 pub(crate) fn exp_shifted_in_place(x: &mut [f32], shift: f32) {
-    let done = {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                // SAFETY: the CPU has AVX2 and FMA (checked above).
-                unsafe { avx2::exp_shifted(x, shift) }
-            } else {
-                0
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            0
-        }
+    #[cfg(target_arch = "x86_64")]
+    let done = if has_avx2() {
+        // SAFETY: the CPU has AVX2 and FMA (`has_avx2`).
+        unsafe { avx2::exp_shifted(x, shift) }
+    } else {
+        0
     };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
     for v in &mut x[done..] {
         *v = (*v - shift).exp();
     }

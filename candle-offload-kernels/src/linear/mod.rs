@@ -33,4 +33,5 @@ pub use quantized::{
     qlinear_silu_mul, qlinear_silu_mul_q8, qlinear_small, qlinear_small_fits, qlinear_small_multi,
     qlinear_small_unfused,
 };
+pub(crate) use simd::has_avx2;
 pub use small::{linear_silu_mul, linear_small, linear_small_multi, linear_small_unfused};
