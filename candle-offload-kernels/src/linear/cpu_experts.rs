@@ -15,7 +15,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::quantized::{GgmlType, QTensor};
 use candle_core::Result;
 
-use super::cpu_quant::{is_kquant, KRows, KQUANT_MAX_ROWS};
+use super::cpu_quant::{dot_pairs, is_kquant, KRows, KQUANT_MAX_ROWS};
 use super::simd::{self, Q8_0_BYTES};
 use crate::tuning::KernelTuning;
 
@@ -142,26 +142,14 @@ pub fn kquant_batch(
             let (m, k) = (ms[i], inputs[i].k);
             let len = (sizes[j] - local).min(part.len() - done);
             let run = &mut part[done..done + len];
-            let (mut c, mut r) = (local / m, local % m);
-            let next = |c: &mut usize, r: &mut usize| {
-                *r += 1;
-                if *r == m {
-                    *r = 0;
-                    *c += 1;
-                }
-            };
+            let at = (local / m, local % m);
             match &rows[j] {
-                Blocks::K(rows) => rows.dot_run((c, r), m, k / QK_K, k, &yq[i], pf, run),
+                Blocks::K(rows) => rows.dot_run(at, m, k / QK_K, k, &yq[i], pf, run),
                 Blocks::Q8_0(b) => {
                     let row = k / QK8_0 * Q8_0_BYTES;
-                    for v in run {
-                        *v = simd::dot_q8_0_q8_0(
-                            &b[c * row..(c + 1) * row],
-                            &y0[i][r * row..(r + 1) * row],
-                            pf,
-                        );
-                        next(&mut c, &mut r);
-                    }
+                    dot_pairs(b, &y0[i], at, m, row, run, |x, y| {
+                        simd::dot_q8_0_q8_0(x, y, pf)
+                    });
                 }
             }
             done += len;

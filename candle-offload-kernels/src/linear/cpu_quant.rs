@@ -385,15 +385,15 @@ impl<'a> KRows<'a> {
         }
     }
 
-    /// Output values `out` of a run that starts at weight row `c` and activation row `r` (of
-    /// `m`, `nb` blocks each in `yq`) and goes on row by row of the activations, then column
-    /// by column: `out[i]` is the dot product of the i-th (weight row, activation row) pair,
+    /// Output values `out` of a run ([`dot_pairs`]) that starts at `at`, (weight row,
+    /// activation row), with `m` activation rows of `nb` blocks in `yq`: `out[i]` is the dot
+    /// product of the i-th pair,
     /// Candle's `vec_dot` (or the prefetching Q4_K/Q6_K kernels that compute it bit for bit).
     /// The block type is matched once for the run.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn dot_run(
         &self,
-        (c, r): (usize, usize),
+        at: (usize, usize),
         m: usize,
         nb: usize,
         k: usize,
@@ -401,35 +401,38 @@ impl<'a> KRows<'a> {
         pf: usize,
         out: &mut [f32],
     ) {
-        fn run<T>(
-            b: &[T],
-            (mut c, mut r): (usize, usize),
-            m: usize,
-            nb: usize,
-            yq: &[BlockQ8K],
-            out: &mut [f32],
-            dot: impl Fn(&[T], &[BlockQ8K]) -> f32,
-        ) {
-            for v in out {
-                *v = dot(&b[c * nb..(c + 1) * nb], &yq[r * nb..(r + 1) * nb]);
-                r += 1;
-                if r == m {
-                    r = 0;
-                    c += 1;
-                }
-            }
-        }
-        let at = (c, r);
         match self {
-            Self::Q2K(b) => run(b, at, m, nb, yq, out, |x, y| BlockQ2K::vec_dot(k, x, y)),
-            Self::Q3K(b) => run(b, at, m, nb, yq, out, |x, y| BlockQ3K::vec_dot(k, x, y)),
-            Self::Q4K(b) => run(b, at, m, nb, yq, out, |x, y| {
+            Self::Q2K(b) => dot_pairs(b, yq, at, m, nb, out, |x, y| BlockQ2K::vec_dot(k, x, y)),
+            Self::Q3K(b) => dot_pairs(b, yq, at, m, nb, out, |x, y| BlockQ3K::vec_dot(k, x, y)),
+            Self::Q4K(b) => dot_pairs(b, yq, at, m, nb, out, |x, y| {
                 crate::linear::simd_k::dot_q4k_q8k(x, y, pf)
             }),
-            Self::Q5K(b) => run(b, at, m, nb, yq, out, |x, y| BlockQ5K::vec_dot(k, x, y)),
-            Self::Q6K(b) => run(b, at, m, nb, yq, out, |x, y| {
+            Self::Q5K(b) => dot_pairs(b, yq, at, m, nb, out, |x, y| BlockQ5K::vec_dot(k, x, y)),
+            Self::Q6K(b) => dot_pairs(b, yq, at, m, nb, out, |x, y| {
                 crate::linear::simd_k::dot_q6k_q8k(x, y, pf)
             }),
+        }
+    }
+}
+
+/// `out[i] = dot(weight row c, activation row r)` for the i-th (c, r) pair of a run that starts
+/// at `(c, r)` and goes on row by row of the `m` activation rows, then column by column; rows
+/// are `len` units long in `w` and in `y`.
+pub(crate) fn dot_pairs<W, Y>(
+    w: &[W],
+    y: &[Y],
+    (mut c, mut r): (usize, usize),
+    m: usize,
+    len: usize,
+    out: &mut [f32],
+    dot: impl Fn(&[W], &[Y]) -> f32,
+) {
+    for v in out {
+        *v = dot(&w[c * len..(c + 1) * len], &y[r * len..(r + 1) * len]);
+        r += 1;
+        if r == m {
+            r = 0;
+            c += 1;
         }
     }
 }
