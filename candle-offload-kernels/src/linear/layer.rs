@@ -338,13 +338,10 @@ impl Linear {
     /// `dy · W` in dy's dtype, GGML blocks dequantized for this one product (on a GPU, 16-bit
     /// rows) and dropped after it. The adapter's share is [`LoraAdapter::backward`]'s.
     pub fn input_gradient(&self, dy: &Tensor) -> Result<Tensor> {
-        let w = match &self.weight {
-            LinearWeight::Dense(w) => w.detach().to_dtype(dy.dtype())?,
-            LinearWeight::Quantized(m) => {
-                crate::linear::lora::dense_weight(m, dy.dtype(), dy.device())?
-            }
-        };
-        dy.matmul(&w)
+        match &self.weight {
+            LinearWeight::Dense(w) => dy.matmul(&w.detach().to_dtype(dy.dtype())?),
+            LinearWeight::Quantized(m) => crate::linear::lora::input_gradient(m, dy),
+        }
     }
 
     /// The base layer without its adapter and bias, by the kernel [`kernel`](Self::kernel)

@@ -159,12 +159,14 @@ pub fn quantized_train(xs: &Tensor, value: Tensor, w: &QMatMul) -> Result<Tensor
     })
 }
 
+/// `dy · W` for a frozen GGML-block (or `QMatMul`-held) weight W (out, in): x's gradient for
+/// the output's gradient `dy` (rows, out), in dy's dtype, W dequantized for this one product.
+pub(crate) fn input_gradient(w: &QMatMul, dy: &Tensor) -> Result<Tensor> {
+    dy.matmul(&dense_weight(w, dy.dtype(), dy.device())?)
+}
+
 /// W (out, in) as a dense tensor in `dtype` on `device`, for one product.
-pub(crate) fn dense_weight(
-    w: &QMatMul,
-    dtype: DType,
-    device: &candle_core::Device,
-) -> Result<Tensor> {
+fn dense_weight(w: &QMatMul, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
     match w {
         QMatMul::QTensor(q) => {
             #[cfg(feature = "cuda")]
@@ -229,8 +231,7 @@ impl CustomOp1 for QuantizedTrain {
     }
 
     fn bwd(&self, xs: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let w = dense_weight(&self.w, grad.dtype(), grad.device())?;
-        Ok(Some(grad.matmul(&w)?.to_dtype(xs.dtype())?))
+        Ok(Some(input_gradient(&self.w, grad)?.to_dtype(xs.dtype())?))
     }
 }
 
