@@ -1117,32 +1117,26 @@ impl Trainer {
         };
         core.origins.clear()?;
         core.hand_grads.store(0, Ordering::Relaxed);
-        if !offloaded && core.fused && core.hand_backward && core.adapters.is_some() {
-            // LoRA: the blocks hand over their adapters' gradients, keyed by the variables
-            // themselves (the F32 masters the layers were given).
-            let ids: std::collections::HashSet<_> =
-                self.vars.iter().map(|v| v.as_tensor().id()).collect();
-            let (side, count) = (ck.clone(), core.hand_grads.clone());
-            let sink: WeightGradSink = Arc::new(move |served: &Tensor, grad: Tensor| {
-                if !ids.contains(&served.id()) {
-                    candle_core::bail!(
-                        "a block handed over the gradient of a tensor that is not an adapter"
-                    );
-                }
-                count.fetch_add(1, Ordering::Relaxed);
-                side.add_gradient(served, grad.to_dtype(DType::F32)?)
-            });
-            *core.weight_grads.lock().map_err(poisoned)? = Some(sink);
-        } else if !offloaded && core.fused && core.hand_backward {
+        if !offloaded && core.fused && core.hand_backward {
             // A weight's gradient, from a block's own backward pass, goes to its F32 master
-            // through the checkpointer's side store, which `backward` merges.
+            // through the checkpointer's side store, which `backward` merges. Under LoRA the
+            // blocks hand over their adapters' gradients, keyed by the variables themselves
+            // (the F32 masters the layers were given); otherwise the served weight's master.
+            let adapters: Option<std::collections::HashSet<_>> = core
+                .adapters
+                .as_ref()
+                .map(|_| self.vars.iter().map(|v| v.as_tensor().id()).collect());
             let (origins, side, count) =
                 (core.origins.clone(), ck.clone(), core.hand_grads.clone());
             let sink: WeightGradSink = Arc::new(move |served: &Tensor, grad: Tensor| {
                 count.fetch_add(1, Ordering::Relaxed);
-                let master = origins.master_of(served)?.ok_or_else(|| {
+                let master = match &adapters {
+                    Some(ids) => ids.contains(&served.id()).then(|| served.clone()),
+                    None => origins.master_of(served)?,
+                };
+                let master = master.ok_or_else(|| {
                     candle_core::Error::Msg(
-                        "a block handed over the gradient of a weight the trainer did not serve"
+                        "a block handed over the gradient of a weight the trainer does not train"
                             .into(),
                     )
                 })?;
