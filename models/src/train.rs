@@ -990,6 +990,10 @@ impl Trainer {
                 core.rope.max_len()
             );
         }
+        if let Some(adapters) = &core.adapters {
+            // The optimizer may have changed them since the last pass.
+            adapters.forget_casts();
+        }
         let mask = Arc::new(Masks::new(t, 0, &core.device));
         let mut xs = core.embed(inputs)?;
         let n_layers = core.cfg.num_hidden_layers;

@@ -109,3 +109,41 @@ test_device!(
     ops_qlinear_prefill_cpu,
     ops_qlinear_prefill_gpu
 );
+
+/// `add_matmul_t` (y + a·bᵀ, on a GPU one GEMM into y) against the composition in F32 on the
+/// CPU, for each dtype and shapes with rank-16 and odd inner widths: within 1e-5 in F32 and
+/// each 16-bit dtype's rounding (1e-2) otherwise; shapes that do not make the product are
+/// refused.
+fn add_matmul_t_matches_the_composition(device: &Device) -> anyhow::Result<()> {
+    for (t, &(m, n, k)) in [(37, 300, 16), (256, 64, 7), (1, 5, 3)].iter().enumerate() {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let seed = 900 + 10 * t as u64;
+            let y = random(&[m, n], 1.0, seed, dtype, device)?;
+            let a = random(&[m, k], 1.0, seed + 1, dtype, device)?;
+            let b = random(&[n, k], 1.0, seed + 2, dtype, device)?;
+            let f32_cpu = |x: &Tensor| x.to_dtype(DType::F32)?.to_device(&Device::Cpu);
+            let want = (f32_cpu(&y)? + f32_cpu(&a)?.matmul(&f32_cpu(&b)?.t()?)?)?;
+            let got = gemm::add_matmul_t(y, &a, &b)?;
+            anyhow::ensure!(
+                got.dtype() == dtype && got.dims() == [m, n],
+                "{:?}",
+                got.shape()
+            );
+            let d = rel_diff_values(&got, &want)?;
+            let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+            anyhow::ensure!(d <= tol, "{m}x{n}x{k} {dtype:?}: {d:e}");
+        }
+    }
+    let y = Tensor::zeros((4, 5), DType::F32, device)?;
+    let a = Tensor::zeros((4, 3), DType::F32, device)?;
+    anyhow::ensure!(
+        gemm::add_matmul_t(y, &a, &Tensor::zeros((5, 2), DType::F32, device)?).is_err(),
+        "a b of the wrong width was taken"
+    );
+    Ok(())
+}
+test_device!(
+    add_matmul_t_matches_the_composition,
+    ops_add_matmul_t_cpu,
+    ops_add_matmul_t_gpu
+);

@@ -1,11 +1,14 @@
 //! The prompt GEMM: a prompt's rows against GGML-block weights through 16-bit weights and
 //! cuBLAS ([`qlinear_prefill`]), with the dequantizing kernels of `kernels/gemm.cu`
-//! ([`dequantize_rows`]).
+//! ([`dequantize_rows`]); and `y + a·bᵀ` accumulated into y ([`add_matmul_t`]).
 
+mod accumulate;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 mod cuda;
 mod prefill;
+
+pub use accumulate::{add_matmul, add_matmul_t};
 
 pub(crate) use prefill::prefill_applies;
 pub use prefill::{

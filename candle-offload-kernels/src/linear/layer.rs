@@ -320,16 +320,15 @@ impl Linear {
 
     /// The layer on `x` (rows, in) with its weight frozen and no graph: the base by the kernel
     /// [`kernel`](Self::kernel) chooses with the decode kernels off, the bias, and the
-    /// adapter's update ([`LoraAdapter::delta_untracked`]); the forward pass of a block that
+    /// adapter's update ([`LoraAdapter::add_delta_untracked`]); the forward pass of a block that
     /// computes its own backward pass ([`input_gradient`](Self::input_gradient)).
     pub fn forward_frozen(&self, x: &Tensor) -> Result<Tensor> {
         let x = x.detach();
         let y = with_bias(self.forward_base(&x)?, self.bias.as_ref())?;
         match &self.adapter {
-            Some(a) => {
-                let d = a.delta_untracked(&x)?.to_dtype(y.dtype())?;
-                y + d
-            }
+            // The base's output is this call's own: the update is added into it.
+            Some(a) if y.dtype() == x.dtype() => a.add_delta_untracked(y, &x),
+            Some(a) => y.clone() + a.delta_untracked(&x)?.to_dtype(y.dtype())?,
             None => Ok(y),
         }
     }

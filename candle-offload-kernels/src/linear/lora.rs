@@ -4,7 +4,7 @@
 //! forward pass and, in the backward pass to x, read one weight at a time in the gradient's
 //! dtype (16-bit on a GPU), never kept.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::QMatMul;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, D};
@@ -19,6 +19,19 @@ pub struct LoraAdapter {
     b: Tensor,
     scale: f64,
     dropout: f32,
+    /// A and `scale`·B detached in the dtype and on the device the untracked passes last
+    /// used ([`forget_casts`](Self::forget_casts) drops them when A or B change); shared by
+    /// clones, which hold the same A and B.
+    casts: Arc<Mutex<Option<Casts>>>,
+}
+
+/// [`LoraAdapter`]'s detached factors in one dtype on one device.
+#[derive(Debug)]
+struct Casts {
+    dtype: DType,
+    device: candle_core::DeviceLocation,
+    a: Tensor,
+    b_scaled: Tensor,
 }
 
 impl LoraAdapter {
@@ -42,7 +55,21 @@ impl LoraAdapter {
             b,
             scale,
             dropout,
+            casts: Arc::new(Mutex::new(None)),
         })
+    }
+
+    /// Drops the detached copies the untracked passes keep ([`delta_untracked`],
+    /// [`add_delta_untracked`], [`backward`]): a trainer calls it before a pass after its
+    /// optimizer changed A or B.
+    ///
+    /// [`delta_untracked`]: Self::delta_untracked
+    /// [`add_delta_untracked`]: Self::add_delta_untracked
+    /// [`backward`]: Self::backward
+    pub fn forget_casts(&self) {
+        if let Ok(mut c) = self.casts.lock() {
+            *c = None;
+        }
     }
 
     /// A (r, in).
@@ -104,29 +131,62 @@ impl LoraAdapter {
     /// `scale · B·(A·x)` for `x` (rows, in) without a graph (A and B detached, cast to x's
     /// dtype; no dropout): the forward pass of a block that computes its own backward pass.
     pub fn delta_untracked(&self, x: &Tensor) -> Result<Tensor> {
-        let (a, b) = self.factors_as(x)?;
-        x.matmul(&a.t()?)?.matmul(&b.t()?)?.affine(self.scale, 0.0)
+        let (a, b_scaled) = self.factors_as(x)?;
+        x.matmul(&a.t()?)?.matmul(&b_scaled.t()?)
+    }
+
+    /// `y + scale · B·(A·x)` for `x` (rows, in) and the base layer's output `y` (rows, out)
+    /// in x's dtype, without a graph: on a GPU the second product is accumulated into y's
+    /// own buffer ([`crate::gemm::add_matmul_t`]), so `y` must be a tensor the caller alone
+    /// holds.
+    pub fn add_delta_untracked(&self, y: Tensor, x: &Tensor) -> Result<Tensor> {
+        let (a, b_scaled) = self.factors_as(x)?;
+        crate::gemm::add_matmul_t(y, &x.matmul(&a.t()?)?, &b_scaled)
     }
 
     /// The backward pass of [`delta_untracked`](Self::delta_untracked) for the output's
-    /// gradient `dy` (rows, out): x's share of the gradient (rows, in, in x's dtype), and A's
-    /// and B's gradients in F32: `dB = s·dyᵀ·(x·Aᵀ)`, `d(x·Aᵀ) = s·dy·B`,
-    /// `dA = d(x·Aᵀ)ᵀ·x`, `dx = d(x·Aᵀ)·A`.
-    pub fn backward(&self, x: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let (a, b) = self.factors_as(x)?;
+    /// gradient `dy` (rows, out), with `dx_base` (rows, in, in x's dtype), the frozen
+    /// weight's share of x's gradient, which the adapter's share is added to (on a GPU in
+    /// its own buffer: the caller alone holds it): x's whole gradient, and A's and B's
+    /// gradients in F32. With s the scale, `d(x·Aᵀ) = s·dy·B`, `dx = dx_base + d(x·Aᵀ)·A`,
+    /// `dA = d(x·Aᵀ)ᵀ·x`, `dB = s·dyᵀ·(x·Aᵀ)`.
+    pub fn backward(
+        &self,
+        x: &Tensor,
+        dy: &Tensor,
+        dx_base: Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (a, b_scaled) = self.factors_as(x)?;
         let dy = dy.to_dtype(x.dtype())?;
         let xa = x.matmul(&a.t()?)?;
         let db = dy.t()?.matmul(&xa)?.affine(self.scale, 0.0)?;
-        let dxa = dy.matmul(&b)?.affine(self.scale, 0.0)?;
+        let dxa = dy.matmul(&b_scaled)?;
         let da = dxa.t()?.matmul(x)?;
-        let dx = dxa.matmul(&a)?;
+        let dx = crate::gemm::add_matmul(dx_base.to_dtype(x.dtype())?, &dxa, &a)?;
         Ok((dx, da.to_dtype(DType::F32)?, db.to_dtype(DType::F32)?))
     }
 
-    /// A and B detached, on x's device in x's dtype.
+    /// A and `scale`·B detached, on x's device in x's dtype: kept from the last call in the
+    /// same dtype and device until [`forget_casts`](Self::forget_casts).
     fn factors_as(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let poisoned = |_| candle_core::Error::Msg("LoRA factors poisoned".into());
+        let mut casts = self.casts.lock().map_err(poisoned)?;
+        let location = x.device().location();
+        if let Some(c) = casts.as_ref() {
+            if c.dtype == x.dtype() && c.device == location {
+                return Ok((c.a.clone(), c.b_scaled.clone()));
+            }
+        }
         let cast = |t: &Tensor| t.detach().to_device(x.device())?.to_dtype(x.dtype());
-        Ok((cast(&self.a)?, cast(&self.b)?))
+        let a = cast(&self.a)?;
+        let b_scaled = cast(&self.b.affine(self.scale, 0.0)?)?;
+        *casts = Some(Casts {
+            dtype: x.dtype(),
+            device: location,
+            a: a.clone(),
+            b_scaled: b_scaled.clone(),
+        });
+        Ok((a, b_scaled))
     }
 
     /// The update as a dense weight, `scale · B·A` (out, in) in F32: what merging adds to the

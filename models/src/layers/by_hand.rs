@@ -108,11 +108,10 @@ impl Proj {
                 let Some(adapter) = l.adapter() else {
                     return Ok(dx);
                 };
-                let (dx_adapter, da, db) = adapter.backward(x, dy)?;
+                let (dx, da, db) = adapter.backward(x, dy, dx)?;
                 sink(adapter.a(), da)?;
                 sink(adapter.b(), db)?;
-                let dx_adapter = dx_adapter.to_dtype(dx.dtype())?;
-                dx + dx_adapter
+                Ok(dx)
             }
         }
     }

@@ -253,6 +253,14 @@ impl Adapters {
         &self.config
     }
 
+    /// Drops every adapter's detached copies ([`LoraAdapter::forget_casts`]): before a pass
+    /// that follows an optimizer step.
+    pub fn forget_casts(&self) {
+        for m in self.modules.values() {
+            m.adapter.forget_casts();
+        }
+    }
+
     /// The adapter of the module at `path`.
     pub fn get(&self, path: &str) -> Option<&Arc<LoraAdapter>> {
         self.modules.get(path).map(|m| &m.adapter)
