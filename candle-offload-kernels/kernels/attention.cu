@@ -211,3 +211,39 @@ __device__ void decode_attention(const T *q, const T *k, const T *v, T *out, uin
 ATTENTION_FOR(float, f32)
 ATTENTION_FOR(__half, f16)
 ATTENTION_FOR(__nv_bfloat16, bf16)
+
+// A ragged decode step's attention: n sequences of one new query each, q (n, hq, d)
+// contiguous, each over its own cache. `seqs` holds three u64 per sequence, as rope.cu's
+// rope_qk_ragged reads them: its key and value buffers' addresses ((hk, cap, d) each) and
+// (cap << 32) | pos, where pos is the new position (the query sees keys 0 ..= pos). Grid
+// (splits, hq, n); out (n, hq, d). Every sequence's visible keys are cut into the same number
+// of splits, each of at most DA_CHUNK keys for the longest (the host chooses splits for it).
+template <typename T>
+__device__ void decode_attention_ragged(const T *q, const uint64_t *seqs, T *out, float *part,
+                                        uint32_t *counters, uint32_t hq, uint32_t hk,
+                                        uint32_t d, float scale, uint32_t window,
+                                        uint32_t splits) {
+    const uint32_t bi = blockIdx.z;
+    const T *k = (const T *)seqs[3 * (size_t)bi];
+    const T *v = (const T *)seqs[3 * (size_t)bi + 1];
+    const uint64_t meta = seqs[3 * (size_t)bi + 2];
+    const uint64_t cap = meta >> 32;
+    const uint32_t kv_len = (uint32_t)meta + 1;
+    // Batch row bi of q and out; its cache has no batch stride (one sequence per buffer).
+    decode_attention<T>(q, k, v, out, nullptr, part, counters, 1, hq, hk, d, kv_len, 0, cap * d,
+                        d, 0, cap * d, d, scale, window, splits, nullptr, nullptr);
+}
+
+#define ATTENTION_RAGGED_FOR(T, SUFFIX)                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * DA_WARPS)                                 \
+        decode_attention_ragged_##SUFFIX(const T *q, const uint64_t *seqs, T *out, float *part,  \
+                                         uint32_t *counters, uint32_t hq, uint32_t hk,          \
+                                         uint32_t d, float scale, uint32_t window,              \
+                                         uint32_t splits) {                                     \
+        decode_attention_ragged<T>(q, seqs, out, part, counters, hq, hk, d, scale, window,     \
+                                   splits);                                                     \
+    }
+
+ATTENTION_RAGGED_FOR(float, f32)
+ATTENTION_RAGGED_FOR(__half, f16)
+ATTENTION_RAGGED_FOR(__nv_bfloat16, bf16)

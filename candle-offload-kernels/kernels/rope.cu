@@ -75,3 +75,64 @@ __device__ void rope_qk(const T *q, const T *k, const T *v, const T *cs, T *qout
 ROPE_FOR(float, f32)
 ROPE_FOR(__half, f16)
 ROPE_FOR(__nv_bfloat16, bf16)
+
+// A ragged decode step's RoPE: n sequences of one new position each, q (n, hq, d), k and v
+// (n, hk, d) rows as the projections give them, q rotated into qout (n, hq, d) and k rotated
+// with v into each sequence's own cache. `seqs` holds three u64 per sequence: its key and
+// value buffers' addresses ((hk, cap, d) each) and (cap << 32) | pos, the position the row is
+// written at (the positions cached before it); `cs` is the whole table (a row of 2 * rot_half
+// per position, cs_rows of them). A row whose position does not fit its cache or the table
+// writes nothing (the host checks it; this only keeps the writes in bounds).
+template <typename T>
+__device__ void rope_qk_ragged(const T *q, const T *k, const T *v, const T *cs, T *qout,
+                               const uint64_t *seqs, uint32_t n, uint32_t hq, uint32_t hk,
+                               uint32_t d, uint32_t rot_half, uint32_t cs_rows) {
+    const size_t nq = (size_t)n * hq * d;
+    const size_t nk = (size_t)n * hk * d;
+    const size_t total = nq + 2 * nk;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (size_t)gridDim.x * blockDim.x) {
+        const int part = e < nq ? 0 : (e < nq + nk ? 1 : 2);  // q, k, v
+        const size_t o = part == 0 ? e : (part == 1 ? e - nq : e - nq - nk);
+        const uint32_t h = part == 0 ? hq : hk;
+        const T *src = part == 0 ? q : (part == 1 ? k : v);
+        const uint32_t i = (uint32_t)(o % d);
+        const size_t row = o / d;  // bi * h + hi
+        const uint32_t hi = (uint32_t)(row % h);
+        const uint32_t bi = (uint32_t)(row / h);
+        const uint64_t meta = seqs[3 * (size_t)bi + 2];
+        const uint32_t cap = (uint32_t)(meta >> 32), pos = (uint32_t)meta;
+        if (pos >= cap || pos >= cs_rows) continue;
+        const T *head = src + row * (size_t)d;
+        const T *c = cs + (size_t)pos * 2 * rot_half;
+        float y;
+        if (part < 2 && i < 2 * rot_half) {
+            const uint32_t j = i < rot_half ? i : i - rot_half;
+            const float x1 = to_f32(head[j]);
+            const float x2 = to_f32(head[j + rot_half]);
+            const float cj = to_f32(c[j]);
+            const float sj = to_f32(c[rot_half + j]);
+            y = i < rot_half ? x1 * cj - x2 * sj : x2 * cj + x1 * sj;
+        } else {
+            y = to_f32(head[i]);
+        }
+        if (part == 0) {
+            qout[e] = from_f32<T>(y);
+        } else {
+            T *dst = (T *)seqs[3 * (size_t)bi + (part == 1 ? 0 : 1)];
+            dst[((size_t)hi * cap + pos) * d + i] = from_f32<T>(y);
+        }
+    }
+}
+
+#define ROPE_RAGGED_FOR(T, SUFFIX)                                                              \
+    extern "C" __global__ void rope_qk_ragged_##SUFFIX(                                         \
+        const T *q, const T *k, const T *v, const T *cs, T *qout, const uint64_t *seqs,         \
+        uint32_t n, uint32_t hq, uint32_t hk, uint32_t d, uint32_t rot_half,                    \
+        uint32_t cs_rows) {                                                                     \
+        rope_qk_ragged<T>(q, k, v, cs, qout, seqs, n, hq, hk, d, rot_half, cs_rows);            \
+    }
+
+ROPE_RAGGED_FOR(float, f32)
+ROPE_RAGGED_FOR(__half, f16)
+ROPE_RAGGED_FOR(__nv_bfloat16, bf16)

@@ -429,3 +429,135 @@ test_device!(
     ops_prompt_attention_cpu,
     ops_prompt_attention_gpu
 );
+
+/// `ragged_decode_attention` (several sequences' one new position each, each over its own
+/// cache of its own capacity, in two launches on a GPU) against each sequence alone through
+/// `rope_qk_cache` then `decode_attention` on copies of the same caches: the attention rows
+/// and every cache buffer within each dtype's rounding, for GQA, full and partial rotary, a
+/// sliding window, and positions that need the keys split into ranges. Caches whose position
+/// is past their capacity are refused.
+fn ragged_decode_matches_each_sequence(device: &Device) -> anyhow::Result<()> {
+    // (q heads, kv heads, head_dim, rotated dims, window, [(capacity, position) per sequence])
+    type Case = (
+        usize,
+        usize,
+        usize,
+        usize,
+        Option<usize>,
+        &'static [(usize, usize)],
+    );
+    let cases: [Case; 4] = [
+        (4, 2, 16, 16, None, &[(8, 0), (9, 5), (16, 15)]),
+        (
+            32,
+            8,
+            128,
+            128,
+            None,
+            &[(640, 300), (700, 0), (640, 639), (100, 64)],
+        ),
+        (6, 1, 40, 20, Some(7), &[(30, 12), (30, 3)]),
+        (8, 8, 64, 64, Some(200), &[(600, 599), (600, 1)]),
+    ];
+    for dtype in DTYPES {
+        for (c, &(hq, hk, d, rot, window, seqs)) in cases.iter().enumerate() {
+            let what = format!("case {c} {dtype:?}");
+            let n = seqs.len();
+            let seed = 500 + 10 * c as u64;
+            let q = random(&[1, n, hq * d], 1.0, seed, dtype, device)?;
+            let k = random(&[1, n, hk * d], 1.0, seed + 1, dtype, device)?;
+            let v = random(&[1, n, hk * d], 1.0, seed + 2, dtype, device)?;
+            let longest = seqs.iter().map(|&(cap, _)| cap).max().unwrap_or(1);
+            let (cos, sin) = crate::ops::rope::tables(rot / 2, longest, dtype, device)?;
+            let table = rope::rope_table(&cos, &sin)?;
+            let caches = |s: u64| -> anyhow::Result<Vec<(Tensor, Tensor)>> {
+                seqs.iter()
+                    .enumerate()
+                    .map(|(i, &(cap, _))| {
+                        let c =
+                            |t| random(&[1, hk, cap, d], 1.0, s + 2 * i as u64 + t, dtype, device);
+                        Ok((c(0)?, c(1)?))
+                    })
+                    .collect()
+            };
+            let (ours, theirs) = (caches(seed + 100)?, caches(seed + 100)?);
+            let scale = 1.0 / (d as f64).sqrt();
+            let dims = attention::RaggedDims {
+                n_heads: hq,
+                n_kv_heads: hk,
+                head_dim: d,
+                scale,
+                window,
+            };
+            let list: Vec<_> = ours
+                .iter()
+                .zip(seqs)
+                .map(|((kc, vc), &(_, pos))| attention::RaggedDecodeSeq {
+                    k_cache: kc,
+                    v_cache: vc,
+                    pos,
+                })
+                .collect();
+            let got = attention::ragged_decode_attention(&q, &k, &v, &table, &list, dims)?;
+            anyhow::ensure!(got.dims() == [1, n, hq * d], "{what}: {:?}", got.dims());
+            for (i, ((kc, vc), &(_, pos))) in theirs.iter().zip(seqs).enumerate() {
+                let row = |t: &Tensor, h: usize| -> candle_core::Result<Tensor> {
+                    t.narrow(1, i, 1)?.reshape((1, 1, h, d))
+                };
+                let qr = rope::rope_qk_cache(
+                    &row(&q, hq)?,
+                    &row(&k, hk)?,
+                    &row(&v, hk)?,
+                    &table.narrow(0, pos, 1)?,
+                    (kc, vc),
+                    pos,
+                )?;
+                let want = attention::decode_attention(
+                    &qr,
+                    &kc.narrow(2, 0, pos + 1)?,
+                    &vc.narrow(2, 0, pos + 1)?,
+                    scale,
+                    window,
+                )?
+                .reshape((1, 1, hq * d))?;
+                ensure_close(
+                    &format!("{what} row {i}"),
+                    &got.narrow(1, i, 1)?,
+                    &want,
+                    dtype,
+                )?;
+                ensure_close(&format!("{what} keys {i}"), &ours[i].0, kc, dtype)?;
+                ensure_close(&format!("{what} values {i}"), &ours[i].1, vc, dtype)?;
+            }
+        }
+    }
+    let (kc, vc) = (
+        Tensor::zeros((1, 1, 4, 8), DType::F32, device)?,
+        Tensor::zeros((1, 1, 4, 8), DType::F32, device)?,
+    );
+    let x = Tensor::zeros((1, 1, 8), DType::F32, device)?;
+    let (cos, sin) = crate::ops::rope::tables(4, 8, DType::F32, device)?;
+    let past = [attention::RaggedDecodeSeq {
+        k_cache: &kc,
+        v_cache: &vc,
+        pos: 4,
+    }];
+    let dims = attention::RaggedDims {
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 8,
+        scale: 1.0,
+        window: None,
+    };
+    anyhow::ensure!(
+        attention::ragged_decode_attention(&x, &x, &x, &rope::rope_table(&cos, &sin)?, &past, dims)
+            .is_err(),
+        "a position past the cache's capacity was taken"
+    );
+    Ok(())
+}
+test_device!(
+    ragged_decode_matches_each_sequence,
+    ops_ragged_decode_cpu,
+    ops_ragged_decode_gpu
+);

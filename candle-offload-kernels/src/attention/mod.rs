@@ -1,6 +1,7 @@
 //! Attention: one inference step's attention over a KV cache, which chooses its kernel itself
 //! ([`AttentionStep`]); a decode step's few new positions over a KV cache ([`decode_attention`] and its
-//! padded, device-position and 8-bit forms), a prompt's pass over it ([`prompt_attention`]),
+//! padded, device-position and 8-bit forms), several sequences' decode positions over their
+//! own caches at once ([`ragged_decode_attention`]), a prompt's pass over it ([`prompt_attention`]),
 //! and causal self-attention for training with its own backward ([`flash_attention`],
 //! FlashAttention-2). On a CUDA device they run `kernels/attention.cu`, `kernels/flash.cu` and
 //! `kernels/flash_f32.cu`; on the CPU direct loops or the compositions compute the same thing.
@@ -15,6 +16,10 @@ mod flash;
 #[allow(unsafe_code)]
 mod flash_cuda;
 mod prompt;
+mod ragged;
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+mod ragged_cuda;
 mod step;
 
 pub use decode::{
@@ -28,6 +33,7 @@ pub use flash::{
     FLASH_GPU_HEAD_DIMS,
 };
 pub use prompt::{prompt_attention, prompt_attention_supported};
+pub use ragged::{ragged_decode_attention, RaggedDecodeSeq, RaggedDims};
 pub use step::{
     AttentionKernel, AttentionShape, AttentionStep, StepInfo, StepMasks, DECODE_ATTENTION_MAX_NEW,
 };

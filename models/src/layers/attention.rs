@@ -7,7 +7,8 @@
 
 use candle_core::{DType, Result, Tensor, D};
 use candle_offload::kernels::attention::{
-    flash_attention, flash_attention_supported, AttentionShape, AttentionStep, StepInfo,
+    flash_attention, flash_attention_supported, ragged_decode_attention, AttentionShape,
+    AttentionStep, RaggedDecodeSeq, RaggedDims, StepInfo, ATTENTION_MAX_HEAD_DIM,
 };
 
 use super::cache::{KvCache, Masks};
@@ -238,7 +239,45 @@ impl SelfAttention {
         let (q, k) = self.norm_qk(q, k, false)?;
         let mut outs = Vec::with_capacity(segs.len());
         let mut start = 0;
-        for (seg, kv) in segs.iter().zip(kvs.iter_mut()) {
+        // The leading one-position segments (a batch's decoding sequences) in one op, where
+        // each alone would run the fused decode step.
+        let decoders = segs.iter().take_while(|s| s.len == 1).count();
+        if decoders > 1 && self.ragged_decode_applies(&q, ctx, segs[0].index_pos)? {
+            let s = &self.spec;
+            let mut bufs = Vec::with_capacity(decoders);
+            for kv in kvs[..decoders].iter_mut() {
+                bufs.push(kv.room_for_one(s.n_kv_heads, s.head_dim, &k)?);
+            }
+            let seqs: Vec<RaggedDecodeSeq<'_>> = bufs
+                .iter()
+                .map(|(k_cache, v_cache, pos)| RaggedDecodeSeq {
+                    k_cache,
+                    v_cache,
+                    pos: *pos,
+                })
+                .collect();
+            let shape = s.shape();
+            let cut = |t: &Tensor| t.narrow(1, 0, decoders);
+            outs.push(ragged_decode_attention(
+                &cut(&q)?,
+                &cut(&k)?,
+                &cut(&v)?,
+                ctx.rope.for_layer(s.local_rope).table(),
+                &seqs,
+                RaggedDims {
+                    n_heads: shape.n_heads,
+                    n_kv_heads: shape.n_kv_heads,
+                    head_dim: shape.head_dim,
+                    scale: 1.0 / shape.score_div,
+                    window: shape.window,
+                },
+            )?);
+            for kv in kvs[..decoders].iter_mut() {
+                kv.advance_one();
+            }
+            start = decoders;
+        }
+        for (seg, kv) in segs.iter().zip(kvs.iter_mut()).skip(start) {
             let cut = |t: &Tensor| t.narrow(1, start, seg.len);
             let masks = Masks::new(seg.len, seg.index_pos, xs.device());
             let seg_ctx = StepCtx {
@@ -255,6 +294,33 @@ impl SelfAttention {
         }
         let y = Tensor::cat(&outs, 1)?;
         self.o_proj.forward_with(&y, ctx.fused)
+    }
+
+    /// Whether a ragged step's decoding sequences run as one op: on a GPU, where one of them
+    /// alone (q's first row at `index_pos`) would run the fused decode step (RoPE into the
+    /// cache, then the decode kernel).
+    fn ragged_decode_applies(
+        &self,
+        q: &Tensor,
+        ctx: &StepCtx<'_>,
+        index_pos: usize,
+    ) -> Result<bool> {
+        if !q.device().is_cuda() || ctx.pos_dev.is_some() {
+            return Ok(false);
+        }
+        let masks = Masks::new(1, index_pos, q.device());
+        let step = AttentionStep::new(
+            self.spec.shape(),
+            &q.narrow(1, 0, 1)?,
+            StepInfo {
+                index_pos,
+                fused: ctx.fused,
+                pos: None,
+                masks: &masks,
+                tuning: self.o_proj.tuning(),
+            },
+        )?;
+        Ok(step.rotates_into_cache() && self.spec.head_dim <= ATTENTION_MAX_HEAD_DIM)
     }
 
     /// The attention op for q, k and v (batch, seq, width, as the projections give them) in

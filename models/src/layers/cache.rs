@@ -119,6 +119,25 @@ impl KvCache {
         self.advance(t, (kb, vb))
     }
 
+    /// The buffers (1, heads, positions, d) in `like`'s dtype with room for one more position,
+    /// and that position: a ragged decode step writes it itself
+    /// ([`candle_offload::kernels::attention::ragged_decode_attention`]) and then counts it
+    /// ([`advance_one`](Self::advance_one)).
+    pub(crate) fn room_for_one(
+        &mut self,
+        heads: usize,
+        d: usize,
+        like: &Tensor,
+    ) -> Result<(Tensor, Tensor, usize)> {
+        let (k, v) = self.make_room((1, heads, d), 1, like)?;
+        Ok((k, v, self.len))
+    }
+
+    /// Counts the position [`room_for_one`](Self::room_for_one) made room for, once written.
+    pub(crate) fn advance_one(&mut self) {
+        self.len += 1;
+    }
+
     /// The fused step's append: q and k (b, t, heads, head_dim, as the projections give them)
     /// rotated by `rope` for positions `index_pos..`, k and v (b, t, kv heads, head_dim)
     /// written into the buffers at the cache's end. Returns q rotated (b, heads, t, head_dim)

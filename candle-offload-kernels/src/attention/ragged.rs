@@ -1,0 +1,135 @@
+//! A ragged decode step's attention ([`ragged_decode_attention`]): several sequences, one new
+//! position each, each with its own KV cache, in two launches for all of them (RoPE with the
+//! caches' writes, then the attention) where running them one by one launches a handful of
+//! kernels per sequence and layer.
+
+use candle_core::{Result, Tensor};
+
+use crate::attention::decode::decode_attention;
+use crate::attention::dims::ATTENTION_MAX_HEAD_DIM;
+use crate::rope::rope_qk_cache;
+
+/// One sequence of a ragged decode step.
+#[derive(Debug, Clone, Copy)]
+pub struct RaggedDecodeSeq<'a> {
+    /// Its key buffer (1, kv heads, capacity, head_dim), contiguous, written in place.
+    pub k_cache: &'a Tensor,
+    /// Its value buffer, shaped as the keys'.
+    pub v_cache: &'a Tensor,
+    /// Positions cached before the new one: where its key and value are written, and the
+    /// position its query attends from.
+    pub pos: usize,
+}
+
+/// The sizes of a ragged decode step's attention.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RaggedDims {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (a divisor of `n_heads`).
+    pub n_kv_heads: usize,
+    /// Per-head width (at most [`ATTENTION_MAX_HEAD_DIM`]).
+    pub head_dim: usize,
+    /// Scores are multiplied by this.
+    pub scale: f64,
+    /// Keys further back than this are hidden (sliding-window layers).
+    pub window: Option<usize>,
+}
+
+/// The attention rows (1, n, heads · head_dim) of n sequences' new positions: q (1, n,
+/// heads · head_dim), k and v (1, n, kv heads · head_dim) as the projections give them, row i
+/// sequence i's; q and k rotated by `table` (a row per position, as
+/// [`crate::rope::rope_table`] makes it) at each sequence's position, k and v written into its
+/// cache there, and each query attending over its cache's positions up to its own. The same as
+/// [`rope_qk_cache`] then [`decode_attention`] for each sequence, which is what runs off the
+/// GPU; on it, one kernel for every sequence's RoPE and writes and one for every attention.
+pub fn ragged_decode_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    table: &Tensor,
+    seqs: &[RaggedDecodeSeq<'_>],
+    dims: RaggedDims,
+) -> Result<Tensor> {
+    let what = "ragged_decode_attention";
+    let n = seqs.len();
+    let RaggedDims {
+        n_heads: hq,
+        n_kv_heads: hk,
+        head_dim: d,
+        ..
+    } = dims;
+    if n == 0 || hk == 0 || !hq.is_multiple_of(hk) || d == 0 || d > ATTENTION_MAX_HEAD_DIM {
+        candle_core::bail!("{what}: {n} sequences of {dims:?}");
+    }
+    if q.elem_count() != n * hq * d || k.elem_count() != n * hk * d || v.dims() != k.dims() {
+        candle_core::bail!(
+            "{what}: q {:?}, k {:?}, v {:?} for {n} rows of {dims:?}",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    let (table_rows, width) = table.dims2()?;
+    if width == 0 || width % 2 != 0 || width > d {
+        candle_core::bail!("{what}: a RoPE table {:?} for heads of {d}", table.dims());
+    }
+    for (i, s) in seqs.iter().enumerate() {
+        let (b, h, cap, cd) = s.k_cache.dims4()?;
+        let ok = (b, h, cd) == (1, hk, d)
+            && s.v_cache.dims() == s.k_cache.dims()
+            && s.k_cache.is_contiguous()
+            && s.v_cache.is_contiguous()
+            && s.pos < cap
+            && s.pos < table_rows
+            && [
+                s.k_cache.dtype(),
+                s.v_cache.dtype(),
+                k.dtype(),
+                v.dtype(),
+                table.dtype(),
+            ]
+            .iter()
+            .all(|&t| t == q.dtype());
+        if !ok {
+            candle_core::bail!(
+                "{what}: sequence {i}'s caches {:?}/{:?} ({:?}) at position {} do not take a \
+                 row of {hk} heads of {d} ({:?}; table of {table_rows} positions)",
+                s.k_cache.dims(),
+                s.v_cache.dims(),
+                s.k_cache.dtype(),
+                s.pos,
+                q.dtype()
+            );
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        return crate::attention::ragged_cuda::ragged_decode_attention(q, k, v, table, seqs, dims);
+    }
+    let mut outs = Vec::with_capacity(n);
+    for (i, s) in seqs.iter().enumerate() {
+        let row = |t: &Tensor, heads: usize| {
+            t.reshape((n, heads, d))?
+                .narrow(0, i, 1)?
+                .reshape((1, 1, heads, d))
+        };
+        let qr = rope_qk_cache(
+            &row(q, hq)?,
+            &row(k, hk)?,
+            &row(v, hk)?,
+            &table.narrow(0, s.pos, 1)?,
+            (s.k_cache, s.v_cache),
+            s.pos,
+        )?;
+        let seen = |c: &Tensor| c.narrow(2, 0, s.pos + 1);
+        outs.push(decode_attention(
+            &qr,
+            &seen(s.k_cache)?,
+            &seen(s.v_cache)?,
+            dims.scale,
+            dims.window,
+        )?);
+    }
+    Tensor::cat(&outs, 1)?.reshape((1, n, hq * d))
+}
