@@ -472,8 +472,9 @@ fn head_chunks_for(cfg: &Config, batch: usize, seq: usize) -> usize {
 }
 
 /// Device bytes a LoRA adapter parameter holds while training: its F32 master, its F32
-/// gradient and AdamW's two F32 moments.
-pub const ADAPTER_STATE_BYTES_PER_PARAM: u64 = 16;
+/// gradient, AdamW's two F32 moments, and its copy in the compute dtype that a pass keeps
+/// (`LoraAdapter::forget_casts`), counted at F32's 4 bytes whatever that dtype.
+pub const ADAPTER_STATE_BYTES_PER_PARAM: u64 = 20;
 
 impl Trainer {
     /// A trainer over `tensors` (checkpoint names, any float dtype, on any device) for a model
