@@ -182,8 +182,14 @@ impl Load {
             candle_offload::human_bytes(kv_limit),
             candle_offload::human_bytes(per_seq),
         );
+        // Every kind of step once before the first request (as llama-server warms up): the
+        // first use of each path costs once what no request should wait for.
+        let mut batcher = Batcher::new(model, opts);
+        let warm = std::time::Instant::now();
+        batcher.warm_up()?;
+        eprintln!("warmed up in {:.2} s", warm.elapsed().as_secs_f64());
         Ok(Loaded {
-            backend: Box::new(Batcher::new(model, opts)),
+            backend: Box::new(batcher),
             info: ModelInfo {
                 codec: Arc::new(tokenizer),
                 chat_template,

@@ -153,7 +153,8 @@ fn drain(
 /// The batcher over requests that arrive at different steps, with prompts longer than a
 /// chunk, end tokens and a KV limit that holds two of them: greedy tokens equal each request
 /// alone, no step exceeds the limit or the running count, a cancelled request frees its
-/// memory, the gauges return to idle, and requests that can never run are refused.
+/// memory, the gauges return to idle, and requests that can never run are refused; a
+/// warm-up before them leaves nothing behind.
 fn batcher_matches_requests_alone(device: &Device) -> anyhow::Result<()> {
     let kinds = [
         Tiny::Llama {
@@ -202,6 +203,17 @@ fn batcher_matches_requests_alone(device: &Device) -> anyhow::Result<()> {
                 ..opts
             },
         );
+        // A server's warm-up first: it leaves the batcher idle, its memory and counts at
+        // zero, and changes no request's tokens; a busy batcher refuses it.
+        batcher.warm_up()?;
+        let g = batcher.gauges();
+        anyhow::ensure!(
+            batcher.is_idle() && g.kv_bytes == 0 && g.steps == 0,
+            "the warm-up left {g:?}"
+        );
+        batcher.submit(99, req(3, 9, 2, vec![]))?;
+        anyhow::ensure!(batcher.warm_up().is_err(), "a busy batcher warmed up");
+        anyhow::ensure!(batcher.cancel(99), "the request was not there to cancel");
         let got = drain(&mut batcher, reqs.clone(), None)?;
         for (k, (_, id, _)) in reqs.iter().enumerate() {
             let (tokens, reason) = &got[id];

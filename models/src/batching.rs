@@ -19,7 +19,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use candle_core::{Result, Tensor};
+use candle_core::{Result, Tensor, D};
 use candle_transformers::generation::LogitsProcessor;
 
 use crate::causal::RaggedSeq;
@@ -91,6 +91,10 @@ pub struct SeqRequest {
     /// Tokens that end the sequence (sent, then the sequence finishes).
     pub end_tokens: Vec<u32>,
 }
+
+/// Positions of [`Batcher::warm_up`]'s long prompt: enough rows for a prompt's own kernels
+/// (`kernels::gemm::PREFILL_GEMM_MIN_ROWS` and up, the prompt attention).
+pub const PREFILL_WARM_ROWS: usize = 128;
 
 /// Why a request cannot run.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -189,6 +193,12 @@ impl Sampler {
             Self::Host(s) => s.sample_token(logits),
             Self::Device(s) => s.sample_token(logits),
         }
+    }
+
+    /// Greedy on the device: the argmax of its row, which a step takes for all such rows
+    /// at once.
+    fn device_greedy(&self) -> bool {
+        matches!(self, Self::Device(s) if s.is_greedy())
     }
 }
 
@@ -370,6 +380,50 @@ impl Batcher {
         Ok(())
     }
 
+    /// Runs two short requests through every kind of step a batch takes (a prompt chunk of
+    /// [`PREFILL_WARM_ROWS`] positions or the context's room, a short one, decode steps of
+    /// one and of both sequences) and drops them: a server calls it before its first request,
+    /// as llama-server runs a warm-up pass, so that what the first use of each path costs
+    /// once on a GPU (kernel modules loaded, cuBLAS's first GEMMs, the memory pool's growth)
+    /// is not in a user's time to first token. Refused unless the batcher is idle; it is
+    /// idle again after.
+    pub fn warm_up(&mut self) -> Result<()> {
+        if !self.is_idle() {
+            candle_core::bail!("warm_up: the batcher is serving requests");
+        }
+        let room = self.opts.max_len.saturating_sub(2);
+        let long = PREFILL_WARM_ROWS
+            .min(self.opts.prompt_chunk)
+            .min(room)
+            .max(1);
+        let short = 4.min(room).max(1);
+        let _span = tracing::debug_span!("batch.warm_up", long, short).entered();
+        let request = |n: usize| SeqRequest {
+            // Token 0 exists in every vocabulary.
+            prompt: vec![0; n],
+            max_new_tokens: 2,
+            sampling: SamplingParams::default(),
+            end_tokens: Vec::new(),
+        };
+        let ids = [u64::MAX, u64::MAX - 1];
+        for (id, n) in ids.into_iter().zip([long, short]) {
+            self.submit(id, request(n))
+                .map_err(|e| candle_core::Error::Msg(format!("warm_up: {e}")))?;
+        }
+        let mut steps = 0;
+        while !self.is_idle() {
+            self.step()?;
+            steps += 1;
+            if steps > 4 * (long + short) {
+                self.abort_all();
+                candle_core::bail!("warm_up: the requests did not finish");
+            }
+        }
+        self.steps = 0;
+        self.last = (0, 0);
+        Ok(())
+    }
+
     /// One step: admits what fits, runs one forward pass over the step's sequences, samples
     /// the next token of each that finished its prompt, and retires the finished ones.
     /// Returns what happened to each sequence, in order. Nothing to do: no events.
@@ -412,6 +466,16 @@ impl Batcher {
         };
         self.steps += 1;
         self.last = (plan.len(), rows);
+        // The greedy sequences on the device take their argmax from one launch and one copy
+        // for the whole step.
+        let greedy = if plan
+            .iter()
+            .any(|&(i, _)| self.running[i].sampler.device_greedy())
+        {
+            Some(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+        } else {
+            None
+        };
         let mut events = Vec::new();
         let mut finished = Vec::new();
         for (k, &(i, n)) in plan.iter().enumerate() {
@@ -423,7 +487,11 @@ impl Batcher {
                     continue;
                 }
             }
-            sample_next(r, &logits, k, &mut events, &mut finished)?;
+            let t = match &greedy {
+                Some(ids) if r.sampler.device_greedy() => ids[k],
+                _ => r.sampler.sample(&logits.get(k)?)?,
+            };
+            next_token(r, t, &mut events, &mut finished);
         }
         for id in finished {
             self.cancel(id);
@@ -489,16 +557,8 @@ pub fn admissible(waiting: &[u64], running: usize, kv_bytes: u64, opts: &BatchOp
         .count()
 }
 
-/// Samples sequence `r`'s next token from row `k` of `logits`, recording it and whether `r`
-/// is done.
-fn sample_next(
-    r: &mut Running,
-    logits: &Tensor,
-    k: usize,
-    events: &mut Vec<(u64, SeqEvent)>,
-    finished: &mut Vec<u64>,
-) -> Result<()> {
-    let t = r.sampler.sample(&logits.get(k)?)?;
+/// Records `t` as sequence `r`'s next token, and whether `r` is done.
+fn next_token(r: &mut Running, t: u32, events: &mut Vec<(u64, SeqEvent)>, finished: &mut Vec<u64>) {
     r.generated.push(t);
     events.push((r.id, SeqEvent::Token(t)));
     let reason = if r.req.end_tokens.contains(&t) {
@@ -512,7 +572,6 @@ fn sample_next(
         events.push((r.id, SeqEvent::Finished(reason)));
         finished.push(r.id);
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -150,6 +150,11 @@ impl DeviceSampler {
         })
     }
 
+    /// Greedy: [`sample`](Self::sample) takes the argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature.is_none()
+    }
+
     /// The next token from `logits` (vocab,) or (1, vocab): the argmax, or a draw. Only the
     /// chosen id is copied to the host.
     pub fn sample(&mut self, logits: &Tensor) -> Result<u32> {
