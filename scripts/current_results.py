@@ -122,13 +122,14 @@ SOURCES = {
     # in the same call for the resident ones.
     # scripts/serve_bench.py: serve against llama-server, same GGUF, same call.
     "serve": [
-        "2026-12-06/2026-12-06-serve-8b-q4_k_m-full-675242b-h100.json",
-        "2026-12-06/2026-12-06-serve-8b-q4_k_m-6gib-675242b-h100.json",
+        "2026-12-06/2026-12-06-serve-8b-q4_k_m-full-ragged-decode-70def38-h100.json",
+        "2026-12-06/2026-12-06-serve-8b-q4_k_m-6gib-ragged-decode-70def38-h100.json",
     ],
     "lora": [
-        "2026-12-06/2026-12-06-lora-1b-bf16-hand-backward-6-steps-9a45603-h100.json",
-        "2026-12-06/2026-12-06-lora-1b-qlora-bnb-nf4-hand-backward-9a45603-h100.json",
+        "2026-12-06/2026-12-06-lora-1b-bf16-accumulated-update-70def38-h100.json",
+        "2026-12-06/2026-12-06-lora-1b-qlora-bnb-nf4-accumulated-update-70def38-h100.json",
         "2026-12-06/2026-12-06-lora-7b-budgets-hand-backward-9a45603-h100.json",
+        "2026-12-06/2026-12-06-lora-7b-qlora-budgets-reserve-20-bytes-e2bd3f1-h200.json",
     ],
     "train": [
         "2026-12-01/2026-12-01-train-hand-first-h200.json",

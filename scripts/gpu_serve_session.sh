@@ -30,9 +30,11 @@ NP=${CONC##*,}
 OURS="/tmp/bin/serve --model $F --parallel $NP --ctx-size 640 --port 8081 --model-name 8b"
 PEER="/tmp/llamacpp/build/bin/llama-server -m $F --port 8082 -c $((NP * 640)) -np $NP --cont-batching -fa on -a 8b"
 bench() { # bench NAME ARGS...: scripts/serve_bench.py -> $OUT/NAME.json, copied to $FINAL
-  local name=$1; shift
+  local name=$1 commit; shift
+  # The servers' build, read here: the benchmark runs from /tmp.
+  commit=$(cat "$R/.gpu/COMMIT" 2>/dev/null)
   (cd /tmp && timeout "${SERVE_S:-540}" python3 "$R/scripts/serve_bench.py" --concurrency "$CONC" \
-    --model-name 8b --gpu --id-high 128000 --commit "$(cat .gpu/COMMIT 2>/dev/null)" --out "$OUT/$name.json" --log-prefix "$OUT/$name-" "$@") \
+    --model-name 8b --gpu --id-high 128000 --commit "$commit" --out "$OUT/$name.json" --log-prefix "$OUT/$name-" "$@") \
     > "$OUT/$name.log" 2>&1
   echo "$name exit $?"; tail -20 "$OUT/$name.log"
   cp "$OUT/$name.json" "$FINAL/" 2>/dev/null
