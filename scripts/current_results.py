@@ -938,6 +938,17 @@ def render_glance(rows):
             + (f"; 7B under 4-8 GiB, the ideal step over ours {rng([r['ratio'] for r in lora_off])}, "
                f"the peak within the budget in {sum(within)} of {len(within)} rows" if lora_off else "")
             + ".")
+    serve = [r for r in rows if r["benchmark"] == "serve"]
+    if serve:
+        def serve_part(budget):
+            rs = [r for r in serve if r["budget_gib"] == budget]
+            tok = [r["ratio"] for r in rs if r["metric"] == "total_tokens_per_s"]
+            ttft = [r["ratio"] for r in rs if r["metric"] == "ttft_p50_s"]
+            return (f"{budget_label(budget)}: total tokens/s {rng(tok)}x, time to first token "
+                    f"{rng(ttft)}x")
+        budgets = sorted({r["budget_gib"] for r in serve}, key=lambda b: -1 if b is None else b)
+        text.append("Serving (Llama-3-8B shape, Q4_K_M) against llama-server at 1, 4 and 16 "
+                    "concurrent requests: " + "; ".join(serve_part(b) for b in budgets) + ".")
     if cpu:
         d = next((r for r in cpu if r["metric"] == "decode_tokens_per_s"), None)
         f = next((r for r in cpu if r["metric"] == "prefill_tokens_per_s"), None)
