@@ -128,8 +128,8 @@ SOURCES = {
     "lora": [
         "2026-12-06/2026-12-06-lora-1b-bf16-accumulated-update-70def38-h100.json",
         "2026-12-06/2026-12-06-lora-1b-qlora-bnb-nf4-accumulated-update-70def38-h100.json",
-        "2026-12-06/2026-12-06-lora-7b-budgets-hand-backward-9a45603-h100.json",
         "2026-12-06/2026-12-06-lora-7b-qlora-budgets-reserve-20-bytes-e2bd3f1-h200.json",
+        "2026-12-06/2026-12-06-lora-7b-bf16-budgets-reserve-20-bytes-e2bd3f1-h200.json",
     ],
     "train": [
         "2026-12-01/2026-12-01-train-hand-first-h200.json",
