@@ -12,7 +12,7 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use candle_core::Device;
 use candle_offload::MemoryLimit;
-use candle_offload_models::batching::{BatchOptions, Batcher};
+use candle_offload_models::batching::{self, BatchOptions, Batcher};
 use candle_offload_models::{loader, ChatTemplate};
 use candle_offload_server::{BoxError, Loaded, MemoryProbe, ModelInfo, ServerConfig};
 use candle_offload_suite::flags;
@@ -137,8 +137,8 @@ impl Load {
                 device_map: None,
                 rank: None,
                 dtype,
-                // A step's rows: BatchOptions::new's step_tokens.
-                prompt_len: 512.min(ctx),
+                // A step's rows: BatchOptions::new's at most.
+                prompt_len: batching::STEP_TOKENS.min(ctx),
                 max_len: ctx,
                 extra_reserve,
             },

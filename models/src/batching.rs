@@ -45,14 +45,19 @@ pub struct BatchOptions {
 
 impl BatchOptions {
     /// `max_running` sequences of up to `max_len` positions each, their whole caches within
-    /// the limit, steps of up to 512 rows and prompt chunks of 256.
+    /// the limit, steps of up to [`STEP_TOKENS`] rows, and prompt chunks of what a step has
+    /// left beside one token of every other running sequence (at least 64): so a step's rows
+    /// stay within [`STEP_TOKENS`] (the rows a server's model reserves for) up to 448 running
+    /// sequences, and a prompt of up to that many tokens is read in one pass, as
+    /// llama-server reads 512 at once.
     pub fn new(model: &Llama, max_running: usize, max_len: usize) -> Self {
         let per_seq = model.config().kv_cache_bytes(max_len, model.dtype());
+        let max_running = max_running.max(1);
         Self {
-            max_running: max_running.max(1),
-            step_tokens: 512,
-            prompt_chunk: 256,
-            kv_limit_bytes: per_seq * max_running.max(1) as u64,
+            max_running,
+            step_tokens: STEP_TOKENS,
+            prompt_chunk: STEP_TOKENS.saturating_sub(max_running - 1).max(64),
+            kv_limit_bytes: per_seq * max_running as u64,
             max_len,
         }
     }
@@ -91,6 +96,9 @@ pub struct SeqRequest {
     /// Tokens that end the sequence (sent, then the sequence finishes).
     pub end_tokens: Vec<u32>,
 }
+
+/// Rows a step carries at most under [`BatchOptions::new`].
+pub const STEP_TOKENS: usize = 512;
 
 /// Positions of [`Batcher::warm_up`]'s long prompt: enough rows for a prompt's own kernels
 /// (`kernels::gemm::PREFILL_GEMM_MIN_ROWS` and up, the prompt attention).
