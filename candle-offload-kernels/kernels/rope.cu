@@ -6,6 +6,21 @@
 
 #include "common.cuh"
 
+// Element i of a head's row after half-rotated RoPE by the table row `c` (2 * rot_half values:
+// the cos of each rotated pair, then its sin) where `rotate` and i is among the first
+// 2 * rot_half dimensions (partial rotary passes the rest through); the element as it is else.
+template <typename T>
+__device__ __forceinline__ float rope_elem(const T *head, const T *c, uint32_t i,
+                                           uint32_t rot_half, bool rotate) {
+    if (!rotate || i >= 2 * rot_half) return to_f32(head[i]);
+    const uint32_t j = i < rot_half ? i : i - rot_half;
+    const float x1 = to_f32(head[j]);
+    const float x2 = to_f32(head[j + rot_half]);
+    const float cj = to_f32(c[j]);
+    const float sj = to_f32(c[rot_half + j]);
+    return i < rot_half ? x1 * cj - x2 * sj : x2 * cj + x1 * sj;
+}
+
 // Half-rotated RoPE of q (b, t, hq, d) and k (b, t, hk, d) in one pass, written transposed:
 // q as (b, hq, t, d) into qout, k into positions pos .. pos + t of kout, (b, hk, cap, d) (a KV
 // cache's buffer; cap = t and pos = 0 for a plain (b, hk, t, d) output), and, where v is not
@@ -43,17 +58,7 @@ __device__ void rope_qk(const T *q, const T *k, const T *v, const T *cs, T *qout
         const uint32_t hi = (uint32_t)(bh % h);
         const size_t bi = bh / h;
         const T *head = src + ((bi * t + ti) * h + hi) * (size_t)d;
-        float y;
-        if (part < 2 && i < 2 * rot_half) {
-            const uint32_t j = i < rot_half ? i : i - rot_half;
-            const float x1 = to_f32(head[j]);
-            const float x2 = to_f32(head[j + rot_half]);
-            const float c = to_f32(cs[(size_t)ti * 2 * rot_half + j]);
-            const float s = to_f32(cs[(size_t)ti * 2 * rot_half + rot_half + j]);
-            y = i < rot_half ? x1 * c - x2 * s : x2 * c + x1 * s;
-        } else {
-            y = to_f32(head[i]);
-        }
+        const float y = rope_elem(head, cs + (size_t)ti * 2 * rot_half, i, rot_half, part < 2);
         if (part == 0) {
             qout[e] = from_f32<T>(y);
         } else {
@@ -104,18 +109,7 @@ __device__ void rope_qk_ragged(const T *q, const T *k, const T *v, const T *cs, 
         const uint32_t cap = (uint32_t)(meta >> 32), pos = (uint32_t)meta;
         if (pos >= cap || pos >= cs_rows) continue;
         const T *head = src + row * (size_t)d;
-        const T *c = cs + (size_t)pos * 2 * rot_half;
-        float y;
-        if (part < 2 && i < 2 * rot_half) {
-            const uint32_t j = i < rot_half ? i : i - rot_half;
-            const float x1 = to_f32(head[j]);
-            const float x2 = to_f32(head[j + rot_half]);
-            const float cj = to_f32(c[j]);
-            const float sj = to_f32(c[rot_half + j]);
-            y = i < rot_half ? x1 * cj - x2 * sj : x2 * cj + x1 * sj;
-        } else {
-            y = to_f32(head[i]);
-        }
+        const float y = rope_elem(head, cs + (size_t)pos * 2 * rot_half, i, rot_half, part < 2);
         if (part == 0) {
             qout[e] = from_f32<T>(y);
         } else {

@@ -54,24 +54,11 @@ pub(crate) fn ragged_decode_attention(
         .map(|g| on_gpu(what, g))
         .collect::<Result<Vec<_>>>()?;
     let dev = ops[0].0.device().clone();
+    let shape = table.dims2()?;
     let out = match &ops[0].0.slice {
-        S::F32(_) => S::F32(run::<f32>(&dev, &ops, &caches, seqs, dims, table.dims2()?)?),
-        S::F16(_) => S::F16(run::<half::f16>(
-            &dev,
-            &ops,
-            &caches,
-            seqs,
-            dims,
-            table.dims2()?,
-        )?),
-        S::BF16(_) => S::BF16(run::<half::bf16>(
-            &dev,
-            &ops,
-            &caches,
-            seqs,
-            dims,
-            table.dims2()?,
-        )?),
+        S::F32(_) => S::F32(run::<f32>(&dev, &ops, &caches, seqs, dims, shape)?),
+        S::F16(_) => S::F16(run::<half::f16>(&dev, &ops, &caches, seqs, dims, shape)?),
+        S::BF16(_) => S::BF16(run::<half::bf16>(&dev, &ops, &caches, seqs, dims, shape)?),
         _ => candle_core::bail!("{what}: q in F32, F16 or BF16"),
     };
     let storage = CudaStorage {
