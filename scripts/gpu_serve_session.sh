@@ -16,6 +16,10 @@
 # Call 3 (carry serve.xz): `bash scripts/gpu_serve_session.sh call3`
 #   both at a 6 GiB budget ($SERVE_BUDGET), llama-server's -ngl searched down until its peak
 #   fits -> serve-6gib.json
+# Call steps (carry serve.xz; after call1): `bash scripts/gpu_serve_session.sh steps`
+#   ours alone all on the GPU at concurrency $SERVE_CONC, with -vv and the batcher's step spans,
+#   then scripts/serve_steps.py: each kind of step's count and time -> steps.json (a
+#   diagnostic, not a row).
 # Each call leaves $OUT/CALL.tgz with its logs and JSON.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296
@@ -64,6 +68,18 @@ Q
     (cd /tmp && timeout "${TESTS_S:-240}" /tmp/bin/test-integration --test-threads 1 ${TESTS:-batching ragged}) > "$OUT/tests.log" 2>&1
     echo "tests exit $?" | tee -a "$OUT/tests.log"; grep -E "test result|FAILED|panicked" "$OUT/tests.log" | tail -8
     el "waiting for llama.cpp"; wait $lc; tail -1 "$OUT/llamacpp-build.log"; grep -v "^+" /tmp/quant.log
+    el "done"
+    ;;
+  steps)
+    [[ -f /tmp/gguf/done ]] || { echo "no GGUF (call1 first)"; exit 1; }
+    el "ours alone, step spans"
+    (cd /tmp && RUST_LOG="warn,candle_offload_models::batching=debug" timeout "${SERVE_S:-300}" \
+      python3 "$R/scripts/serve_bench.py" --concurrency "$CONC" --model-name 8b --gpu --id-high 128000 \
+      --commit "$(cat "$R/.gpu/COMMIT" 2>/dev/null)" --out "$OUT/steps-bench.json" --log-prefix "$OUT/steps-" \
+      --ours "${OURS/--port 8081/--port 8083} -vv" --port-ours 8083) > "$OUT/steps-bench.log" 2>&1
+    echo "bench exit $?"
+    python3 "$R/scripts/serve_steps.py" "$OUT/steps-ours.log" --json "$OUT/steps.json"
+    cp "$OUT/steps.json" "$FINAL/" 2>/dev/null
     el "done"
     ;;
   call2 | call3)

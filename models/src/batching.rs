@@ -449,8 +449,9 @@ impl Batcher {
         if plan.is_empty() {
             return Ok(Vec::new());
         }
+        // The whole step, its sampling (which waits for the device) included.
+        let _span = tracing::debug_span!("batch.step", seqs = plan.len(), rows).entered();
         let logits = {
-            let _span = tracing::debug_span!("batch.step", seqs = plan.len(), rows).entered();
             let mut taken: Vec<Option<&mut Running>> = self.running.iter_mut().map(Some).collect();
             let mut seqs = Vec::with_capacity(plan.len());
             for &(i, n) in &plan {
