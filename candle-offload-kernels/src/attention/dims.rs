@@ -1,7 +1,8 @@
-//! The sizes the decode and prompt attentions work with, and how the decode kernel splits a
-//! query's keys, shared by the ops and their CUDA launches.
+//! The sizes the decode and prompt attentions work with, how the decode kernel splits a
+//! query's keys, and what a ragged decode step is given, shared by the ops and their CUDA
+//! launches.
 
-use candle_core::{Layout, Result};
+use candle_core::{Layout, Result, Tensor};
 
 /// The decode attention's name in errors.
 pub(crate) const DECODE_ATTENTION: &str = "decode-attention";
@@ -115,4 +116,31 @@ mod tests {
         assert_eq!(attention_splits(80, 0, 32, sms), 1);
         assert_eq!(attention_splits(528, 0, 32, sms), 4);
     }
+}
+
+/// One sequence of a ragged decode step.
+#[derive(Debug, Clone, Copy)]
+pub struct RaggedDecodeSeq<'a> {
+    /// Its key buffer (1, kv heads, capacity, head_dim), contiguous, written in place.
+    pub k_cache: &'a Tensor,
+    /// Its value buffer, shaped as the keys'.
+    pub v_cache: &'a Tensor,
+    /// Positions cached before the new one: where its key and value are written, and the
+    /// position its query attends from.
+    pub pos: usize,
+}
+
+/// The sizes of a ragged decode step's attention.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RaggedDims {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (a divisor of `n_heads`).
+    pub n_kv_heads: usize,
+    /// Per-head width (at most [`ATTENTION_MAX_HEAD_DIM`]).
+    pub head_dim: usize,
+    /// Scores are multiplied by this.
+    pub scale: f64,
+    /// Keys further back than this are hidden (sliding-window layers).
+    pub window: Option<usize>,
 }

@@ -26,14 +26,14 @@ pub use decode::{
     decode_attention, decode_attention_at, decode_attention_padded, decode_attention_q8,
     decode_attention_unfused,
 };
-pub use dims::ATTENTION_MAX_HEAD_DIM;
+pub use dims::{RaggedDecodeSeq, RaggedDims, ATTENTION_MAX_HEAD_DIM};
 pub use flash::{
     flash_attention, flash_attention_backward, flash_attention_composite, flash_attention_forward,
     flash_attention_supported, flash_attention_with, FlashForward, FlashState, FLASH_GPU_F32,
     FLASH_GPU_HEAD_DIMS,
 };
 pub use prompt::{prompt_attention, prompt_attention_supported};
-pub use ragged::{ragged_decode_attention, RaggedDecodeSeq, RaggedDims};
+pub use ragged::ragged_decode_attention;
 pub use step::{
     AttentionKernel, AttentionShape, AttentionStep, StepInfo, StepMasks, DECODE_ATTENTION_MAX_NEW,
 };

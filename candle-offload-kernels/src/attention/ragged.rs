@@ -6,35 +6,8 @@
 use candle_core::{Result, Tensor};
 
 use crate::attention::decode::decode_attention;
-use crate::attention::dims::ATTENTION_MAX_HEAD_DIM;
+use crate::attention::dims::{RaggedDecodeSeq, RaggedDims, ATTENTION_MAX_HEAD_DIM};
 use crate::rope::rope_qk_cache;
-
-/// One sequence of a ragged decode step.
-#[derive(Debug, Clone, Copy)]
-pub struct RaggedDecodeSeq<'a> {
-    /// Its key buffer (1, kv heads, capacity, head_dim), contiguous, written in place.
-    pub k_cache: &'a Tensor,
-    /// Its value buffer, shaped as the keys'.
-    pub v_cache: &'a Tensor,
-    /// Positions cached before the new one: where its key and value are written, and the
-    /// position its query attends from.
-    pub pos: usize,
-}
-
-/// The sizes of a ragged decode step's attention.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RaggedDims {
-    /// Query heads.
-    pub n_heads: usize,
-    /// Key/value heads (a divisor of `n_heads`).
-    pub n_kv_heads: usize,
-    /// Per-head width (at most [`ATTENTION_MAX_HEAD_DIM`]).
-    pub head_dim: usize,
-    /// Scores are multiplied by this.
-    pub scale: f64,
-    /// Keys further back than this are hidden (sliding-window layers).
-    pub window: Option<usize>,
-}
 
 /// The attention rows (1, n, heads · head_dim) of n sequences' new positions: q (1, n,
 /// heads · head_dim), k and v (1, n, kv heads · head_dim) as the projections give them, row i

@@ -8,8 +8,7 @@ use candle_core::cuda_backend::cudarc::driver::{DevicePtr, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice as S, WrapErr};
 use candle_core::{CudaDevice, Layout, Result, Storage, Tensor};
 
-use super::dims::attention_splits;
-use super::ragged::{RaggedDecodeSeq, RaggedDims};
+use super::dims::{attention_splits, RaggedDecodeSeq, RaggedDims};
 use crate::cuda::{
     grid_stride, load, multiprocessors, on_gpu, storage_view, to_u32, zeroed_counters, Elem,
     ATTENTION, ROPE,

@@ -1,6 +1,11 @@
-//! The GGML block types the decode matmul kernels exist for, by the names their kernels carry.
+//! The GGML block types the decode matmul kernels exist for, by the names their kernels carry,
+//! and how many experts one grouped launch of them takes.
 
 use candle_core::quantized::GgmlDType;
+
+/// Experts one group of launches takes (more run as further groups, added to the first's;
+/// `MAX_GROUP_EXPERTS` in kernels/qblocks.cuh).
+pub const MAX_GROUP_EXPERTS: usize = 16;
 
 /// The kernel name part of the GGML block types `qlinear_small` has a CUDA kernel for: blocks
 /// of 32 elements, and Q4_K's and Q6_K's super-blocks of 256 (their own kernel,

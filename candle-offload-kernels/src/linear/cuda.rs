@@ -15,8 +15,8 @@ use crate::cuda::{
     LINEAR_Q8,
 };
 use crate::handover::qlinear4_x_bytes;
+use crate::linear::blocks::MAX_GROUP_EXPERTS;
 use crate::linear::blocks::{is_qlinear_k_type, qlinear_small_type};
-use crate::linear::experts::MAX_GROUP_EXPERTS;
 use crate::tuning::{KernelTuning, QlinearVariant};
 use crate::util::{aligned16, LINEAR_SMALL_MAX_ROWS};
 

@@ -2,7 +2,7 @@
 //! GGML blocks, its output weighted by the router, all summed. On a GPU, a few launches for
 //! all the experts of the row instead of several per expert: one for every expert's gate and
 //! up, one for every down projection and one for the weighted sum, per group of
-//! [`MAX_GROUP_EXPERTS`]. Elsewhere, the composition it replaces, expert by expert.
+//! [`MAX_GROUP_EXPERTS`](crate::linear::MAX_GROUP_EXPERTS). Elsewhere, the composition it replaces, expert by expert.
 
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Result, Tensor, D};
@@ -10,10 +10,6 @@ use candle_core::{DType, Result, Tensor, D};
 use crate::linear::blocks::{is_qlinear_k_type, qlinear_small_type};
 use crate::linear::quantized::{qlinear_silu_mul, qlinear_small};
 use crate::tuning::KernelTuning;
-
-/// Experts one group of launches takes (more run as further groups, added to the first's;
-/// `MAX_GROUP_EXPERTS` in kernels/qblocks.cuh).
-pub const MAX_GROUP_EXPERTS: usize = 16;
 
 /// One routed expert of a decode row: its projections and the router's weight for it.
 #[derive(Debug, Clone, Copy)]

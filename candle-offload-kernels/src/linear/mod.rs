@@ -26,7 +26,8 @@ mod simd_k;
 mod small;
 
 pub(crate) use blocks::qlinear_small_type;
-pub use experts::{qexperts_row, qexperts_row_fits, QExpert, MAX_GROUP_EXPERTS};
+pub use blocks::MAX_GROUP_EXPERTS;
+pub use experts::{qexperts_row, qexperts_row_fits, QExpert};
 pub use layer::{Linear, LinearKernel, LinearWeight};
 pub use lora::{quantized_train, LoraAdapter};
 pub use quantized::{
