@@ -228,7 +228,8 @@ __device__ void decode_attention_ragged(const T *q, const uint64_t *seqs, T *out
     const T *v = (const T *)seqs[3 * (size_t)bi + 1];
     const uint64_t meta = seqs[3 * (size_t)bi + 2];
     const uint64_t cap = meta >> 32;
-    const uint32_t kv_len = (uint32_t)meta + 1;
+    // A position past the cache (a table the host did not check) reads no key outside it.
+    const uint32_t kv_len = (uint32_t)min((uint64_t)(uint32_t)meta + 1, cap);
     // Batch row bi of q and out; its cache has no batch stride (one sequence per buffer).
     decode_attention<T>(q, k, v, out, nullptr, part, counters, 1, hq, hk, d, kv_len, 0, cap * d,
                         d, 0, cap * d, d, scale, window, splits, nullptr, nullptr);

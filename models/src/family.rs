@@ -45,6 +45,12 @@ pub struct StepCtx<'a> {
     /// position written there. A block that cannot read it fails the capture (the step then
     /// runs eagerly).
     pub pos_dev: Option<&'a Tensor>,
+    /// A ragged decode step being captured as a CUDA graph: this layer's caches and each
+    /// sequence's position, I64 (sequences, 3) on the device
+    /// ([`candle_offload::kernels::attention::ragged_seq_table`]), which the attention reads
+    /// instead of the caches' positions on the host, so that each replay runs at the
+    /// positions written there. A block that cannot read it fails the capture.
+    pub ragged_table: Option<&'a Tensor>,
     /// Where a mixture-of-experts block acquires experts that are units of their own
     /// ([`Layout::experts`]); `None` where the model has none.
     pub experts: Option<&'a dyn crate::layers::ExpertUnits>,
@@ -58,6 +64,7 @@ impl std::fmt::Debug for StepCtx<'_> {
             .field("masks", self.masks)
             .field("fused", &self.fused)
             .field("pos_dev", &self.pos_dev)
+            .field("ragged_table", &self.ragged_table)
             .field("experts", &self.experts.is_some())
             .finish()
     }

@@ -33,7 +33,7 @@ pub use flash::{
     FLASH_GPU_HEAD_DIMS,
 };
 pub use prompt::{prompt_attention, prompt_attention_supported};
-pub use ragged::ragged_decode_attention;
+pub use ragged::{ragged_decode_attention, ragged_decode_attention_at, ragged_seq_table};
 pub use step::{
     AttentionKernel, AttentionShape, AttentionStep, StepInfo, StepMasks, DECODE_ATTENTION_MAX_NEW,
 };

@@ -3,7 +3,7 @@
 //! caches' writes, then the attention) where running them one by one launches a handful of
 //! kernels per sequence and layer.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use crate::attention::decode::decode_attention;
 use crate::attention::dims::{RaggedDecodeSeq, RaggedDims, ATTENTION_MAX_HEAD_DIM};
@@ -24,6 +24,103 @@ pub fn ragged_decode_attention(
     seqs: &[RaggedDecodeSeq<'_>],
     dims: RaggedDims,
 ) -> Result<Tensor> {
+    check(q, k, v, table, seqs, dims)?;
+    let (n, hq, d) = (seqs.len(), dims.n_heads, dims.head_dim);
+    let hk = dims.n_kv_heads;
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        return crate::attention::ragged_cuda::ragged_decode_attention(
+            q, k, v, table, seqs, dims, None,
+        );
+    }
+    let mut outs = Vec::with_capacity(n);
+    for (i, s) in seqs.iter().enumerate() {
+        let row = |t: &Tensor, heads: usize| {
+            t.reshape((n, heads, d))?
+                .narrow(0, i, 1)?
+                .reshape((1, 1, heads, d))
+        };
+        let qr = rope_qk_cache(
+            &row(q, hq)?,
+            &row(k, hk)?,
+            &row(v, hk)?,
+            &table.narrow(0, s.pos, 1)?,
+            (s.k_cache, s.v_cache),
+            s.pos,
+        )?;
+        let seen = |c: &Tensor| c.narrow(2, 0, s.pos + 1);
+        outs.push(decode_attention(
+            &qr,
+            &seen(s.k_cache)?,
+            &seen(s.v_cache)?,
+            dims.scale,
+            dims.window,
+        )?);
+    }
+    Tensor::cat(&outs, 1)?.reshape((1, n, hq * d))
+}
+
+/// [`ragged_decode_attention`] with each sequence's caches and position read on the device
+/// from `on_device`, I64 (n, 3) as [`ragged_seq_table`] makes it, not from `seqs` (whose
+/// caches give only what is checked: shapes, dtypes, capacities): what a captured decode step
+/// launches, so that each replay reads the positions written before it. The keys are split
+/// for the largest capacity, which bounds every position a replay may bring (the caller checks
+/// each one against its cache before writing the table). GPU only.
+pub fn ragged_decode_attention_at(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    table: &Tensor,
+    seqs: &[RaggedDecodeSeq<'_>],
+    dims: RaggedDims,
+    on_device: &Tensor,
+) -> Result<Tensor> {
+    check(q, k, v, table, seqs, dims)?;
+    if on_device.dtype() != DType::I64 || on_device.dims() != [seqs.len(), 3] {
+        candle_core::bail!(
+            "ragged_decode_attention_at: the sequences' table is {:?} {:?}, not I64 ({}, 3)",
+            on_device.dtype(),
+            on_device.dims(),
+            seqs.len()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && on_device.device().same_device(q.device()) {
+        return crate::attention::ragged_cuda::ragged_decode_attention(
+            q,
+            k,
+            v,
+            table,
+            seqs,
+            dims,
+            Some(on_device),
+        );
+    }
+    candle_core::bail!("ragged_decode_attention_at: a table on the device is read on a GPU only")
+}
+
+/// The table [`ragged_decode_attention_at`] reads: for each sequence, its key and value
+/// buffers' device addresses and (capacity << 32) | position, as I64 (bit for bit the u64 the
+/// kernels read). GPU caches only.
+pub fn ragged_seq_table(seqs: &[RaggedDecodeSeq<'_>]) -> Result<Vec<i64>> {
+    #[cfg(feature = "cuda")]
+    if seqs.iter().all(|s| s.k_cache.device().is_cuda()) {
+        let table = crate::attention::ragged_cuda::seq_table(seqs)?;
+        return Ok(table.into_iter().map(|v| v as i64).collect());
+    }
+    let _ = seqs;
+    candle_core::bail!("ragged_seq_table: the caches are not on a GPU")
+}
+
+/// The checks [`ragged_decode_attention`] makes of its operands.
+fn check(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    table: &Tensor,
+    seqs: &[RaggedDecodeSeq<'_>],
+    dims: RaggedDims,
+) -> Result<()> {
     let what = "ragged_decode_attention";
     let n = seqs.len();
     let RaggedDims {
@@ -76,33 +173,5 @@ pub fn ragged_decode_attention(
             );
         }
     }
-    #[cfg(feature = "cuda")]
-    if q.device().is_cuda() {
-        return crate::attention::ragged_cuda::ragged_decode_attention(q, k, v, table, seqs, dims);
-    }
-    let mut outs = Vec::with_capacity(n);
-    for (i, s) in seqs.iter().enumerate() {
-        let row = |t: &Tensor, heads: usize| {
-            t.reshape((n, heads, d))?
-                .narrow(0, i, 1)?
-                .reshape((1, 1, heads, d))
-        };
-        let qr = rope_qk_cache(
-            &row(q, hq)?,
-            &row(k, hk)?,
-            &row(v, hk)?,
-            &table.narrow(0, s.pos, 1)?,
-            (s.k_cache, s.v_cache),
-            s.pos,
-        )?;
-        let seen = |c: &Tensor| c.narrow(2, 0, s.pos + 1);
-        outs.push(decode_attention(
-            &qr,
-            &seen(s.k_cache)?,
-            &seen(s.v_cache)?,
-            dims.scale,
-            dims.window,
-        )?);
-    }
-    Tensor::cat(&outs, 1)?.reshape((1, n, hq * d))
+    Ok(())
 }

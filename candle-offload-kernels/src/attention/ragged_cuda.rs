@@ -4,20 +4,60 @@
 //! device per call.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DevicePtr, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtr, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice as S, WrapErr};
 use candle_core::{CudaDevice, Layout, Result, Storage, Tensor};
 
 use super::dims::{attention_splits, RaggedDecodeSeq, RaggedDims};
 use crate::cuda::{
-    grid_stride, load, multiprocessors, on_gpu, storage_view, to_u32, zeroed_counters, Elem,
-    ATTENTION, ROPE,
+    grid_stride, load, multiprocessors, on_gpu, storage_view, to_u32, view_of, zeroed_counters,
+    Elem, ATTENTION, ROPE,
 };
 
 /// Warps per block of `decode_attention_ragged` (DA_WARPS in kernels/attention.cu).
 const ATTENTION_WARPS: u32 = 8;
 
-/// [`super::ragged::ragged_decode_attention`] on the GPU, for operands it checked.
+/// Each sequence's key and value buffers' addresses and (capacity << 32) | position, three u64
+/// a sequence, as the kernels read them.
+pub(crate) fn seq_table(seqs: &[RaggedDecodeSeq<'_>]) -> Result<Vec<u64>> {
+    let what = "ragged_seq_table";
+    let mut table = Vec::with_capacity(3 * seqs.len());
+    for s in seqs {
+        for c in [s.k_cache, s.v_cache] {
+            let (storage, layout) = c.storage_and_layout();
+            let Storage::Cuda(cuda) = &*storage else {
+                candle_core::bail!("{what}: a cache is not on the GPU");
+            };
+            let dev = cuda.device().clone();
+            let stream = dev.cuda_stream();
+            let addr = match &cuda.slice {
+                S::F32(_) => address::<f32>(cuda, layout, &stream)?,
+                S::F16(_) => address::<half::f16>(cuda, layout, &stream)?,
+                S::BF16(_) => address::<half::bf16>(cuda, layout, &stream)?,
+                _ => candle_core::bail!("{what}: a cache in F32, F16 or BF16"),
+            };
+            table.push(addr);
+        }
+        let cap = to_u32(s.k_cache.dim(2)?, "cache positions")? as u64;
+        table.push((cap << 32) | to_u32(s.pos, "position")? as u64);
+    }
+    Ok(table)
+}
+
+/// The device address of the first element `layout` covers in `s`.
+fn address<T: Elem>(
+    s: &CudaStorage,
+    layout: &Layout,
+    stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+) -> Result<u64> {
+    let view = storage_view::<T>(s, layout, "a cache")?;
+    let (p, _guard) = view.device_ptr(stream);
+    Ok(p)
+}
+
+/// [`super::ragged::ragged_decode_attention`] on the GPU, for operands it checked; with
+/// `on_device` ([`super::ragged::ragged_decode_attention_at`]), the sequences' table read from
+/// that I64 (n, 3) tensor and the keys split for the largest capacity.
 pub(crate) fn ragged_decode_attention(
     q: &Tensor,
     k: &Tensor,
@@ -25,6 +65,7 @@ pub(crate) fn ragged_decode_attention(
     table: &Tensor,
     seqs: &[RaggedDecodeSeq<'_>],
     dims: RaggedDims,
+    on_device: Option<&Tensor>,
 ) -> Result<Tensor> {
     let what = "ragged_decode_attention";
     let (q, k, v, table) = (
@@ -53,11 +94,24 @@ pub(crate) fn ragged_decode_attention(
         .map(|g| on_gpu(what, g))
         .collect::<Result<Vec<_>>>()?;
     let dev = ops[0].0.device().clone();
+    let on_device = on_device.map(|t| t.contiguous()).transpose()?;
+    let table_guard = on_device.as_ref().map(|t| t.storage_and_layout());
+    let seq_view = match &table_guard {
+        Some(g) => Some(view_of::<i64>(
+            on_gpu(what, g)?.0,
+            g.1,
+            "the sequences' table",
+        )?),
+        None => None,
+    };
     let shape = table.dims2()?;
+    let t = &seq_view;
     let out = match &ops[0].0.slice {
-        S::F32(_) => S::F32(run::<f32>(&dev, &ops, &caches, seqs, dims, shape)?),
-        S::F16(_) => S::F16(run::<half::f16>(&dev, &ops, &caches, seqs, dims, shape)?),
-        S::BF16(_) => S::BF16(run::<half::bf16>(&dev, &ops, &caches, seqs, dims, shape)?),
+        S::F32(_) => S::F32(run::<f32>(&dev, &ops, &caches, seqs, dims, shape, t)?),
+        S::F16(_) => S::F16(run::<half::f16>(&dev, &ops, &caches, seqs, dims, shape, t)?),
+        S::BF16(_) => S::BF16(run::<half::bf16>(
+            &dev, &ops, &caches, seqs, dims, shape, t,
+        )?),
         _ => candle_core::bail!("{what}: q in F32, F16 or BF16"),
     };
     let storage = CudaStorage {
@@ -81,6 +135,7 @@ fn run<T: Elem>(
     seqs: &[RaggedDecodeSeq<'_>],
     dims: RaggedDims,
     (table_rows, width): (usize, usize),
+    on_device: &Option<CudaView<'_, i64>>,
 ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<T>> {
     let what = "ragged_decode_attention";
     let (n, hq, hk, d) = (seqs.len(), dims.n_heads, dims.n_kv_heads, dims.head_dim);
@@ -89,7 +144,9 @@ fn run<T: Elem>(
     let v = storage_view::<T>(ops[2].0, ops[2].1, "v")?;
     let cs = storage_view::<T>(ops[3].0, ops[3].1, "table")?;
     let stream = dev.cuda_stream();
-    // Each sequence's key and value addresses and (capacity << 32) | position.
+    // Each sequence's key and value addresses and (capacity << 32) | position: built here,
+    // or (a captured step) read from the device, where the positions change between replays
+    // and the keys are split for the largest capacity.
     let views = caches
         .iter()
         .map(|c| storage_view::<T>(c.0, c.1, "a cache"))
@@ -105,9 +162,17 @@ fn run<T: Elem>(
             ptr_guards.push(g);
         }
         table.push(((to_u32(cap, "cache positions")? as u64) << 32) | s.pos as u64);
-        longest = longest.max(s.pos + 1);
+        longest = longest.max(if on_device.is_some() { cap } else { s.pos + 1 });
     }
-    let seq_table = stream.clone_htod(&table).w()?;
+    let host_table = match on_device {
+        Some(_) => None,
+        None => Some(stream.clone_htod(&table).w()?),
+    };
+    let (seq_table, _table_guard) = match (on_device, &host_table) {
+        (Some(t), _) => t.device_ptr(&stream),
+        (None, Some(t)) => t.device_ptr(&stream),
+        (None, None) => candle_core::bail!("{what}: no table of the sequences"),
+    };
     let [n_u, hq_u, hk_u, d_u, rot_half, cs_rows] =
         [n, hq, hk, d, width / 2, table_rows].map(|v| to_u32(v, "ragged attention dimension"));
     let (n_u, hq_u, hk_u, d_u, rot_half, cs_rows) = (n_u?, hq_u?, hk_u?, d_u?, rot_half?, cs_rows?);
@@ -133,8 +198,9 @@ fn run<T: Elem>(
         // (checked by the caller: q's, k's and v's element counts, the table's shape), q_rot
         // n·hq·d; seqs holds 3 u64 per sequence: two addresses of contiguous caches (1, hk,
         // cap, d) of T (their guards held until after the launches) and cap and a position
-        // below cap and cs_rows (checked by the caller), so each write lands inside its
-        // cache at (h, pos).
+        // below cap and cs_rows (checked by the caller, or, for a table on the device, by the
+        // caller of each replay; the kernel writes nothing for a position past either), so
+        // each write lands inside its cache at (h, pos).
         unsafe { b.launch(grid_stride(total, 1 << 20)) }.w()?;
     }
     let window = match dims.window {
@@ -186,8 +252,9 @@ fn run<T: Elem>(
         // hold n·hq·d elements (grid z = n sequences, y = hq heads); each sequence's caches
         // hold cap ≥ pos + 1 positions of hk heads of d ≤ 256 (checked by the caller), the
         // keys it reads (positions ≤ pos, kv heads below hk, hq a multiple of hk); splits
-        // cut the longest sequence's visible keys into ranges of at most the kernel's shared
-        // chunk (attention_splits), so every shorter one's too; with splits > 1, part holds
+        // cut the longest sequence's visible keys (for a table on the device, the largest
+        // capacity, which bounds every replay's positions) into ranges of at most the
+        // kernel's shared chunk (attention_splits), so every shorter one's too; with splits > 1, part holds
         // rows·splits records of d + 2 floats and counters at least `rows` zeros (each row's
         // last block sets its counter back to 0). The RoPE launch before it on the same
         // stream wrote q_rot and the new keys and values.

@@ -333,6 +333,7 @@ impl CausalLm {
             masks: &masks,
             fused: self.stage_fused(stage),
             pos_dev: on_device.map(|d| &d.pos),
+            ragged_table: None,
             experts: self.layout.experts.is_some().then_some(experts.units()),
         };
         for l in layers {

@@ -19,6 +19,10 @@ pub struct GraphStats {
     pub replays: u64,
     /// Single-token steps on a GPU that ran eagerly while graphs were on.
     pub eager_steps: u64,
+    /// Ragged decode steps (several sequences, each with its own cache) captured into a graph.
+    pub ragged_captures: u64,
+    /// Ragged decode steps replayed from a graph captured earlier.
+    pub ragged_replays: u64,
     /// Why the latest eager step could not use a graph.
     pub last_reason: Option<String>,
 }
@@ -27,6 +31,8 @@ pub struct GraphStats {
 #[derive(Debug)]
 pub(super) struct Graphs {
     pub(super) on: AtomicBool,
+    /// Ragged decode steps captured too (off by default).
+    pub(super) ragged_on: AtomicBool,
     pub(super) state: Mutex<State>,
 }
 
@@ -37,6 +43,10 @@ pub(super) struct State {
     pub(super) pipeline: Option<Pipeline>,
     /// A capture failed with this error: not tried again until graphs are switched on anew.
     pub(super) refused: Option<String>,
+    /// The captured ragged decode step.
+    pub(super) ragged: Option<RaggedCaptured>,
+    /// A ragged capture failed with this error: not tried again until switched on anew.
+    pub(super) ragged_refused: Option<String>,
     pub(super) stats: GraphStats,
 }
 
@@ -93,11 +103,29 @@ pub(super) struct Captured {
     pub(super) hidden: Option<Tensor>,
 }
 
+/// One captured ragged decode step: its sequences' caches and the buffers it reads and writes.
+#[derive(Debug)]
+pub(super) struct RaggedCaptured {
+    pub(super) graph: StepGraph,
+    /// Every sequence's key buffer of every layer at the capture, sequence by sequence.
+    pub(super) kv: Vec<Option<TensorId>>,
+    /// u32 (1, sequences): each sequence's token.
+    pub(super) ids: Tensor,
+    /// I64 (layers, sequences, 3): each layer's caches and each sequence's position
+    /// (`kernels::attention::ragged_seq_table`).
+    pub(super) tables: Tensor,
+    /// `tables` as last written, on the host: a replay changes only the positions.
+    pub(super) table: Vec<i64>,
+    /// f32 (sequences, vocab).
+    pub(super) logits: Tensor,
+}
+
 impl Graphs {
     /// A model's graphs, on or off as its tuning says ([`candle_offload::Tuning::graphs`]).
     pub(super) fn new(on: bool) -> Self {
         Self {
             on: AtomicBool::new(on),
+            ragged_on: AtomicBool::new(false),
             state: Mutex::new(State::default()),
         }
     }

@@ -529,6 +529,7 @@ impl CausalLm {
             masks: &masks,
             fused: device.is_cuda(),
             pos_dev: None,
+            ragged_table: None,
             experts: layout.experts.is_some().then_some(&experts as _),
         };
         let xs = Tensor::zeros((1, 1, cfg.hidden_size), dtype, device)?;

@@ -31,6 +31,7 @@ mod graph_state;
 mod host;
 mod model;
 mod ragged;
+mod ragged_graph;
 mod ranks;
 mod reserve;
 

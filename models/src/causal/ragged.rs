@@ -23,6 +23,15 @@ pub struct RaggedSeq<'a> {
     pub cache: &'a mut Cache,
 }
 
+/// What every layer of a ragged pass reads of its sequences: each one's rows and position,
+/// and for a captured decode step each layer's caches and positions on the device, I64
+/// (layers, sequences, 3).
+#[derive(Clone, Copy)]
+struct RaggedPass<'a> {
+    segs: &'a [RaggedSegment],
+    tables: Option<&'a Tensor>,
+}
+
 impl CausalLm {
     /// Logits (sequences, vocab) in f32 of each sequence's last new position, after one
     /// forward pass over all of `seqs`' new tokens, each at the positions after its cache's.
@@ -59,13 +68,17 @@ impl CausalLm {
             }
             segs.push(seg);
         }
+        // Every sequence decoding: replayed from a CUDA graph where one applies.
+        if let Some(logits) = self.ragged_graph_step(seqs)? {
+            return Ok(logits);
+        }
         let rows: usize = segs.iter().map(|s| s.len).sum();
         let ids: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let ids = Tensor::from_vec(ids, (1, rows), &device)?;
         let mut caches: Vec<&mut Cache> = seqs.iter_mut().map(|s| &mut *s.cache).collect();
         let _span = tracing::debug_span!("llama.forward_ragged", seqs = segs.len(), rows).entered();
         candle_offload::kernels::pool::on_cpu_step_pool(&device, rows, || {
-            let xs = self.ragged_decoder(&ids, &segs, &mut caches)?;
+            let xs = self.ragged_decoder(&ids, &segs, &mut caches, None)?;
             let last: Vec<u32> = segs
                 .iter()
                 .scan(0usize, |end, s| {
@@ -78,12 +91,15 @@ impl CausalLm {
         })
     }
 
-    /// [`decoder`](Self::decoder) for a ragged step.
-    fn ragged_decoder(
+    /// [`decoder`](Self::decoder) for a ragged step; with `tables` (a captured decode step),
+    /// each layer's caches and positions read on the device from its row of them, I64
+    /// (layers, sequences, 3).
+    pub(super) fn ragged_decoder(
         &self,
         ids: &Tensor,
         segs: &[RaggedSegment],
         caches: &mut [&mut Cache],
+        tables: Option<&Tensor>,
     ) -> Result<Tensor> {
         let rows = ids.dim(1)?;
         let prompt = segs.iter().any(|s| s.len > 1);
@@ -94,7 +110,8 @@ impl CausalLm {
             prompt,
             rows,
             |stage, layers, xs, on_gpu| {
-                self.run_ragged_segment(stage, layers, xs, segs, caches, on_gpu)
+                let pass = RaggedPass { segs, tables };
+                self.run_ragged_segment(stage, layers, xs, pass, caches, on_gpu)
             },
         )
     }
@@ -105,7 +122,7 @@ impl CausalLm {
         stage: &Stage,
         layers: Range<usize>,
         xs: &Tensor,
-        segs: &[RaggedSegment],
+        RaggedPass { segs, tables }: RaggedPass<'_>,
         caches: &mut [&mut Cache],
         prompt_on_gpu: bool,
     ) -> Result<Tensor> {
@@ -117,15 +134,19 @@ impl CausalLm {
         // Each sequence's attention makes its own masks; the blocks read none of these.
         let masks = Masks::new(xs.dim(1)?, 0, device);
         let experts = self.stage_experts(stage);
-        let ctx = StepCtx {
-            index_pos: 0,
-            rope: &stage.rope,
-            masks: &masks,
-            fused: self.stage_fused(stage),
-            pos_dev: None,
-            experts: self.layout.experts.is_some().then_some(experts.units()),
-        };
+        let fused = self.stage_fused(stage);
+        let units = self.layout.experts.is_some().then_some(experts.units());
         for l in layers {
+            let table = tables.map(|t| t.get(l)).transpose()?;
+            let ctx = StepCtx {
+                index_pos: 0,
+                rope: &stage.rope,
+                masks: &masks,
+                fused,
+                pos_dev: None,
+                ragged_table: table.as_ref(),
+                experts: units,
+            };
             if !self.on_host.is_empty() {
                 for c in caches.iter_mut() {
                     c.place(l, device, stage.dtype)?;

@@ -7,8 +7,9 @@
 
 use candle_core::{DType, Result, Tensor, D};
 use candle_offload::kernels::attention::{
-    flash_attention, flash_attention_supported, ragged_decode_attention, AttentionShape,
-    AttentionStep, RaggedDecodeSeq, RaggedDims, StepInfo, ATTENTION_MAX_HEAD_DIM,
+    flash_attention, flash_attention_supported, ragged_decode_attention,
+    ragged_decode_attention_at, AttentionShape, AttentionStep, RaggedDecodeSeq, RaggedDims,
+    StepInfo, ATTENTION_MAX_HEAD_DIM,
 };
 
 use super::cache::{KvCache, Masks};
@@ -242,7 +243,14 @@ impl SelfAttention {
         // The leading one-position segments (a batch's decoding sequences) in one op, where
         // each alone would run the fused decode step.
         let decoders = segs.iter().take_while(|s| s.len == 1).count();
-        if decoders > 1 && self.ragged_decode_applies(&q, ctx, segs[0].index_pos)? {
+        let ragged = decoders > 1 && self.ragged_decode_applies(&q, ctx, segs[0].index_pos)?;
+        if ctx.ragged_table.is_some() && (!ragged || decoders != segs.len()) {
+            candle_core::bail!(
+                "this attention cannot read a ragged step's positions on the device (a captured \
+                 step runs eagerly instead)"
+            );
+        }
+        if ragged {
             let s = &self.spec;
             let mut bufs = Vec::with_capacity(decoders);
             for kv in kvs[..decoders].iter_mut() {
@@ -258,20 +266,19 @@ impl SelfAttention {
                 .collect();
             let shape = s.shape();
             let cut = |t: &Tensor| t.narrow(1, 0, decoders);
-            outs.push(ragged_decode_attention(
-                &cut(&q)?,
-                &cut(&k)?,
-                &cut(&v)?,
-                ctx.rope.for_layer(s.local_rope).table(),
-                &seqs,
-                RaggedDims {
-                    n_heads: shape.n_heads,
-                    n_kv_heads: shape.n_kv_heads,
-                    head_dim: shape.head_dim,
-                    scale: 1.0 / shape.score_div,
-                    window: shape.window,
-                },
-            )?);
+            let (q, k, v) = (cut(&q)?, cut(&k)?, cut(&v)?);
+            let rope = ctx.rope.for_layer(s.local_rope).table();
+            let dims = RaggedDims {
+                n_heads: shape.n_heads,
+                n_kv_heads: shape.n_kv_heads,
+                head_dim: shape.head_dim,
+                scale: 1.0 / shape.score_div,
+                window: shape.window,
+            };
+            outs.push(match ctx.ragged_table {
+                Some(table) => ragged_decode_attention_at(&q, &k, &v, rope, &seqs, dims, table)?,
+                None => ragged_decode_attention(&q, &k, &v, rope, &seqs, dims)?,
+            });
             for kv in kvs[..decoders].iter_mut() {
                 kv.advance_one();
             }
@@ -286,6 +293,7 @@ impl SelfAttention {
                 masks: &masks,
                 fused: ctx.fused,
                 pos_dev: None,
+                ragged_table: None,
                 experts: ctx.experts,
             };
             let (step, q, k, v) = self.cached_step(cut(&q)?, cut(&k)?, cut(&v)?, &seg_ctx, kv)?;

@@ -55,6 +55,11 @@ impl KvCache {
         self.bufs.as_ref().map(|(k, _)| k)
     }
 
+    /// The key and value buffers, once allocated.
+    pub(crate) fn buffers(&self) -> Option<(&Tensor, &Tensor)> {
+        self.bufs.as_ref().map(|(k, v)| (k, v))
+    }
+
     /// The cached keys (b, kv heads, len, head_dim): a view of the buffer.
     pub fn k(&self) -> Result<Option<Tensor>> {
         self.bufs

@@ -820,6 +820,7 @@ mod tests {
             masks: &masks,
             fused: true,
             pos_dev: None,
+            ragged_table: None,
             experts: None,
         };
         for rows in [1usize, 19] {
