@@ -6,7 +6,7 @@ use candle_offload::Tuning;
 
 /// Each environment variable the binaries read for tuning, with the [`Tuning::set`] key its
 /// value goes to.
-pub const TUNING_VARS: [(&str, &str); 14] = [
+pub const TUNING_VARS: [(&str, &str); 15] = [
     ("CANDLE_OFFLOAD_QLINEAR", "kernels.qlinear"),
     ("CANDLE_OFFLOAD_QLINEAR_K", "kernels.qlinear_k"),
     ("CANDLE_OFFLOAD_QLINEAR_K_ROWS", "kernels.qlinear_k_rows"),
@@ -30,6 +30,7 @@ pub const TUNING_VARS: [(&str, &str); 14] = [
     ),
     ("CANDLE_OFFLOAD_CPU_THREADS", "cpu_threads"),
     ("CANDLE_OFFLOAD_GRAPHS", "graphs"),
+    ("CANDLE_OFFLOAD_RAGGED_GRAPHS", "ragged_graphs"),
     ("CANDLE_OFFLOAD_WEIGHT_POOL", "weight_pool"),
     ("CANDLE_OFFLOAD_DISK_THREADS", "disk.threads"),
     ("CANDLE_OFFLOAD_DISK_PIECE_MIB", "disk.piece_mib"),
@@ -103,7 +104,7 @@ mod tests {
     #[test]
     fn every_variable_reaches_its_key() {
         let values = [
-            "v2", "0", "2", "1", "off", "128", "false", "1", "0", "3", "0", "0", "4", "16",
+            "v2", "0", "2", "1", "off", "128", "false", "1", "0", "3", "0", "on", "0", "4", "16",
         ];
         let pairs: Vec<(&str, &str)> = TUNING_VARS
             .iter()
@@ -120,7 +121,7 @@ mod tests {
         assert_eq!(k.cpu_kquants, Some(true));
         assert_eq!(k.cpu_prefetch_bytes, 0);
         assert_eq!(t.cpu_threads, Some(3));
-        assert!(!t.graphs && !t.weight_pool);
+        assert!(!t.graphs && t.ragged_graphs && !t.weight_pool);
         assert_eq!((t.disk.threads, t.disk.piece_mib), (4, 16));
     }
 

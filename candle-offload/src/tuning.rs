@@ -57,6 +57,9 @@ pub struct Tuning {
     pub cpu_threads: Option<usize>,
     /// Decode steps of resident weights replayed from CUDA graphs.
     pub graphs: bool,
+    /// With [`graphs`](Self::graphs), a continuous batch's ragged decode steps (several
+    /// sequences, each with its own KV cache) replayed from CUDA graphs too.
+    pub ragged_graphs: bool,
     /// Weights (and what lives as long as them) in a device memory pool of their own, apart
     /// from activations.
     pub weight_pool: bool,
@@ -70,6 +73,7 @@ impl Default for Tuning {
             kernels: KernelTuning::default(),
             cpu_threads: None,
             graphs: true,
+            ragged_graphs: false,
             weight_pool: true,
             disk: DiskTuning::default(),
         }
@@ -123,7 +127,7 @@ impl Tuning {
     }
 
     /// Every key [`Self::set`] takes.
-    pub const KEYS: [&'static str; 17] = [
+    pub const KEYS: [&'static str; 18] = [
         "kernels.qlinear",
         "kernels.qlinear_k",
         "kernels.qlinear_k_rows",
@@ -137,6 +141,7 @@ impl Tuning {
         "kernels.grouped_experts",
         "cpu_threads",
         "graphs",
+        "ragged_graphs",
         "weight_pool",
         "disk.threads",
         "disk.piece_mib",
@@ -186,6 +191,7 @@ impl Tuning {
             }
             "cpu_threads" => next.cpu_threads = Some(number()?),
             "graphs" => next.graphs = flag()?,
+            "ragged_graphs" => next.ragged_graphs = flag()?,
             "weight_pool" => next.weight_pool = flag()?,
             "disk.threads" => next.disk.threads = number()?,
             "disk.piece_mib" => next.disk.piece_mib = number()?,

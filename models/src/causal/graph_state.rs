@@ -121,11 +121,12 @@ pub(super) struct RaggedCaptured {
 }
 
 impl Graphs {
-    /// A model's graphs, on or off as its tuning says ([`candle_offload::Tuning::graphs`]).
-    pub(super) fn new(on: bool) -> Self {
+    /// A model's graphs, on or off as its tuning says ([`candle_offload::Tuning::graphs`],
+    /// [`candle_offload::Tuning::ragged_graphs`]).
+    pub(super) fn new(on: bool, ragged: bool) -> Self {
         Self {
             on: AtomicBool::new(on),
-            ragged_on: AtomicBool::new(false),
+            ragged_on: AtomicBool::new(ragged),
             state: Mutex::new(State::default()),
         }
     }

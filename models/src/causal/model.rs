@@ -356,7 +356,11 @@ impl CausalLm {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let graphs = Graphs::new(stages.first().is_none_or(|s| s.rt.tuning().graphs));
+        let tuning = stages.first().map(|s| s.rt.tuning());
+        let graphs = Graphs::new(
+            tuning.is_none_or(|t| t.graphs),
+            tuning.is_some_and(|t| t.ragged_graphs),
+        );
         Ok(Self {
             cfg,
             family,

@@ -2,7 +2,7 @@
 //! sequence decodes one token, each over its own KV cache, captured once for a set of
 //! sequences and replayed while the same sequences decode (`graph.rs` does the same for one
 //! sequence or a padded batch of one cache). Off by default
-//! ([`CausalLm::set_ragged_graphs`]).
+//! ([`CausalLm::set_ragged_graphs`], `Tuning::ragged_graphs`).
 //!
 //! What changes between replays lives in device buffers the graph reads: the sequences'
 //! tokens, and per layer each sequence's cache addresses and position (the table
@@ -27,7 +27,8 @@ use crate::family::RaggedSegment;
 impl CausalLm {
     /// Whether ragged decode steps (several sequences, each with its own KV cache) are
     /// captured as CUDA graphs and replayed, where [`graphs`](Self::graphs) are on too (off by
-    /// default). Switching it on again also retries a capture that failed.
+    /// default: [`candle_offload::Tuning::ragged_graphs`]). Switching it on again also retries
+    /// a capture that failed.
     pub fn set_ragged_graphs(&self, on: bool) {
         self.graphs.ragged_on.store(on, Ordering::Relaxed);
         if let Ok(mut st) = self.graphs.state.lock() {
