@@ -20,6 +20,8 @@
 #   ours alone all on the GPU at concurrency $SERVE_CONC, with -vv and the batcher's step spans,
 #   then scripts/serve_steps.py: each kind of step's count and time -> steps.json (a
 #   diagnostic, not a row).
+# The environment reaches both servers: e.g. CANDLE_OFFLOAD_RAGGED_GRAPHS=1 SERVE_TAG=-graphs
+# for ours with the ragged steps' graphs, its files named with the tag.
 # Each call leaves $OUT/CALL.tgz with its logs and JSON.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296
@@ -87,10 +89,10 @@ Q
     grep -v "^+" /tmp/quant.log; ls -la /tmp/gguf
     [[ -x /tmp/llamacpp/build/bin/llama-server ]] || { echo "no llama-server (call1 first)"; exit 1; }
     if [[ $1 == call2 ]]; then
-      el "all on the GPU"; bench serve-full --ours "$OURS" --peer "$PEER -ngl 99"
+      el "all on the GPU"; bench "serve-full${SERVE_TAG:-}" --ours "$OURS" --peer "$PEER -ngl 99"
     else
       b=${SERVE_BUDGET:-6}
-      el "$b GiB"; bench "serve-${b}gib" --budget-gib "$b" --ours "$OURS --gpu-memory-limit $b" \
+      el "$b GiB"; bench "serve-${b}gib${SERVE_TAG:-}" --budget-gib "$b" --ours "$OURS --gpu-memory-limit $b" \
         --peer "$PEER -ngl {ngl}" --peer-ngl-search "${SERVE_NGL:-31,29,27,25,23,21,19,17}"
     fi
     el "done"
