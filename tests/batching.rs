@@ -286,6 +286,19 @@ fn batcher_matches_requests_alone(device: &Device) -> anyhow::Result<()> {
             batcher.is_idle() && g.kv_bytes == 0 && g.steps == 0,
             "the warm-up left {g:?}"
         );
+        // Nor do limits that leave no room for its requests stop it: a context of two
+        // positions, a KV limit below its long prompt's cache.
+        for tight in [
+            BatchOptions { max_len: 2, ..opts },
+            BatchOptions {
+                kv_limit_bytes: batcher.kv_bytes(4),
+                ..opts
+            },
+        ] {
+            let mut b = Batcher::new(model.clone(), tight);
+            b.warm_up()?;
+            anyhow::ensure!(b.is_idle() && b.gauges().kv_bytes == 0, "{tight:?}");
+        }
         batcher.submit(99, req(3, 9, 2, vec![]))?;
         anyhow::ensure!(batcher.warm_up().is_err(), "a busy batcher warmed up");
         anyhow::ensure!(batcher.cancel(99), "the request was not there to cancel");

@@ -399,24 +399,32 @@ impl Batcher {
         if !self.is_idle() {
             candle_core::bail!("warm_up: the batcher is serving requests");
         }
-        let room = self.opts.max_len.saturating_sub(2);
+        // Two new tokens where the context leaves room (a decode step after the prompt's), one
+        // where it leaves less; nothing to warm in a context of one position.
+        let new = if self.opts.max_len >= 3 { 2 } else { 1 };
+        let Some(room) = self.opts.max_len.checked_sub(new).filter(|&r| r > 0) else {
+            return Ok(());
+        };
         let long = PREFILL_WARM_ROWS
             .min(self.opts.prompt_chunk)
             .min(room)
             .max(1);
-        let short = 4.min(room).max(1);
+        let short = 4.min(room);
         let _span = tracing::debug_span!("batch.warm_up", long, short).entered();
         let request = |n: usize| SeqRequest {
             // Token 0 exists in every vocabulary.
             prompt: vec![0; n],
-            max_new_tokens: 2,
+            max_new_tokens: new,
             sampling: SamplingParams::default(),
             end_tokens: Vec::new(),
         };
         let ids = [u64::MAX, u64::MAX - 1];
         for (id, n) in ids.into_iter().zip([long, short]) {
-            self.submit(id, request(n))
-                .map_err(|e| candle_core::Error::Msg(format!("warm_up: {e}")))?;
+            // A request the limits refuse (a KV memory below its cache) is left out: the
+            // warm-up never stops a server from starting.
+            if let Err(why) = self.submit(id, request(n)) {
+                tracing::debug!(%why, positions = n + new, "warm_up: a request left out");
+            }
         }
         let mut steps = 0;
         while !self.is_idle() {
