@@ -17,7 +17,8 @@ pub struct GraphStats {
     pub captures: u64,
     /// Decode steps replayed from a graph captured earlier.
     pub replays: u64,
-    /// Single-token steps on a GPU that ran eagerly while graphs were on.
+    /// Single-token steps on a GPU that ran eagerly while graphs were on (ragged decode steps
+    /// too, while their graphs are on).
     pub eager_steps: u64,
     /// Ragged decode steps (several sequences, each with its own cache) captured into a graph.
     pub ragged_captures: u64,
