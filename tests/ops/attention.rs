@@ -434,8 +434,10 @@ test_device!(
 /// cache of its own capacity, in two launches on a GPU) against each sequence alone through
 /// `rope_qk_cache` then `decode_attention` on copies of the same caches: the attention rows
 /// and every cache buffer within each dtype's rounding, for GQA, full and partial rotary, a
-/// sliding window, and positions that need the keys split into ranges. Caches whose position
-/// is past their capacity are refused.
+/// sliding window, and positions that need the keys split into ranges; on a GPU the same from
+/// a table of the caches and positions on the device (`ragged_decode_attention_at`), which a
+/// table of the wrong dtype or the CPU refuse. Caches whose position is past their capacity
+/// are refused.
 fn ragged_decode_matches_each_sequence(device: &Device) -> anyhow::Result<()> {
     // (q heads, kv heads, head_dim, rotated dims, window, [(capacity, position) per sequence])
     type Case = (
@@ -500,6 +502,64 @@ fn ragged_decode_matches_each_sequence(device: &Device) -> anyhow::Result<()> {
                 .collect();
             let got = attention::ragged_decode_attention(&q, &k, &v, &table, &list, dims)?;
             anyhow::ensure!(got.dims() == [1, n, hq * d], "{what}: {:?}", got.dims());
+            // The form a captured step launches: the sequences' caches and positions read from
+            // a table on the device, the keys split for the largest capacity. The same rows
+            // and caches on a GPU; refused elsewhere.
+            let again = caches(seed + 100)?;
+            let again_list: Vec<_> = again
+                .iter()
+                .zip(seqs)
+                .map(|((kc, vc), &(_, pos))| attention::RaggedDecodeSeq {
+                    k_cache: kc,
+                    v_cache: vc,
+                    pos,
+                })
+                .collect();
+            if device.is_cuda() {
+                let on_device =
+                    Tensor::from_vec(attention::ragged_seq_table(&again_list)?, (n, 3), device)?;
+                let at = attention::ragged_decode_attention_at(
+                    &q,
+                    &k,
+                    &v,
+                    &table,
+                    &again_list,
+                    dims,
+                    &on_device,
+                )?;
+                ensure_close(&format!("{what} from the device's table"), &at, &got, dtype)?;
+                for (i, ((kc, vc), (kw, vw))) in again.iter().zip(&ours).enumerate() {
+                    ensure_close(&format!("{what} keys {i}, device table"), kc, kw, dtype)?;
+                    ensure_close(&format!("{what} values {i}, device table"), vc, vw, dtype)?;
+                }
+                let wrong = on_device.to_dtype(DType::U32)?;
+                let e = attention::ragged_decode_attention_at(
+                    &q,
+                    &k,
+                    &v,
+                    &table,
+                    &again_list,
+                    dims,
+                    &wrong,
+                );
+                anyhow::ensure!(e.is_err(), "{what}: a U32 table was taken");
+            } else {
+                anyhow::ensure!(
+                    attention::ragged_seq_table(&again_list).is_err(),
+                    "{what}: a table of CPU caches' addresses"
+                );
+                let on_device = Tensor::zeros((n, 3), DType::I64, device)?;
+                let e = attention::ragged_decode_attention_at(
+                    &q,
+                    &k,
+                    &v,
+                    &table,
+                    &again_list,
+                    dims,
+                    &on_device,
+                );
+                anyhow::ensure!(e.is_err(), "{what}: a device table read on the CPU");
+            }
             for (i, ((kc, vc), &(_, pos))) in theirs.iter().zip(seqs).enumerate() {
                 let row = |t: &Tensor, h: usize| -> candle_core::Result<Tensor> {
                     t.narrow(1, i, 1)?.reshape((1, 1, h, d))
