@@ -19,7 +19,7 @@ Builds the chosen binaries with --release --features cuda (CUDA 13.0 build-only 
 scripts/cuda-toolkit.sh) and writes stripped, xz-compressed copies to .gpu/<name>.xz.
   --example NAME  an example (examples/NAME.rs); repeatable
   --bin NAME      a benchmark binary (bench/src/bin/NAME.rs: bench_generate, bench_train,
-                  bench_shard, parity, smoke); repeatable
+                  bench_shard, parity, batch_parity, smoke); repeatable
   --bench NAME    a cargo bench of the benchmark crate (bench/benches/); repeatable
   --tests         every test executable of the workspace, as test-<target-name>
   --clean         delete .gpu/*.xz from earlier packs first (otherwise they are kept)

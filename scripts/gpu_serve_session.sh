@@ -20,6 +20,9 @@
 #   ours alone all on the GPU at concurrency $SERVE_CONC, with -vv and the batcher's step spans,
 #   then scripts/serve_steps.py: each kind of step's count and time -> steps.json (a
 #   diagnostic, not a row).
+# Call parity (carry batch_parity.xz; after call1): `bash scripts/gpu_serve_session.sh parity`
+#   16 requests' 32 greedy tokens alone and in one batch (bench batch_parity): where they first
+#   differ and the logit margin there -> parity.json.
 # The environment reaches both servers: e.g. CANDLE_OFFLOAD_RAGGED_GRAPHS=1 SERVE_TAG=-graphs
 # for ours with the ragged steps' graphs, its files named with the tag.
 # Each call leaves $OUT/CALL.tgz with its logs and JSON.
@@ -70,6 +73,16 @@ Q
     (cd /tmp && timeout "${TESTS_S:-240}" /tmp/bin/test-integration --test-threads 1 ${TESTS:-batching ragged}) > "$OUT/tests.log" 2>&1
     echo "tests exit $?" | tee -a "$OUT/tests.log"; grep -E "test result|FAILED|panicked" "$OUT/tests.log" | tail -8
     el "waiting for llama.cpp"; wait $lc; tail -1 "$OUT/llamacpp-build.log"; grep -v "^+" /tmp/quant.log
+    el "done"
+    ;;
+  parity)
+    [[ -f /tmp/gguf/done ]] || { echo "no GGUF (call1 first)"; exit 1; }
+    [[ -x /tmp/bin/batch_parity ]] || { xz -dc .gpu/batch_parity.xz > /tmp/bin/batch_parity && chmod +x /tmp/bin/batch_parity; }
+    el "alone against batched"
+    (cd /tmp && timeout "${SERVE_S:-300}" /tmp/bin/batch_parity --model "$F" --requests 16 \
+      --new-tokens 32 --id-high 128000 --json-out "$OUT/parity.json") > "$OUT/parity.log" 2>&1
+    echo "parity exit $?"; tail -20 "$OUT/parity.log"
+    cp "$OUT/parity.json" "$FINAL/" 2>/dev/null
     el "done"
     ;;
   steps)
