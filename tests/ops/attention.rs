@@ -430,6 +430,23 @@ test_device!(
     ops_prompt_attention_gpu
 );
 
+/// The sequences of a ragged step over `caches` (key and value buffers), at the positions of
+/// `seqs` ((capacity, position) each).
+fn listed<'a>(
+    caches: &'a [(Tensor, Tensor)],
+    seqs: &[(usize, usize)],
+) -> Vec<attention::RaggedDecodeSeq<'a>> {
+    caches
+        .iter()
+        .zip(seqs)
+        .map(|((kc, vc), &(_, pos))| attention::RaggedDecodeSeq {
+            k_cache: kc,
+            v_cache: vc,
+            pos,
+        })
+        .collect()
+}
+
 /// `ragged_decode_attention` (several sequences' one new position each, each over its own
 /// cache of its own capacity, in two launches on a GPU) against each sequence alone through
 /// `rope_qk_cache` then `decode_attention` on copies of the same caches: the attention rows
@@ -491,30 +508,14 @@ fn ragged_decode_matches_each_sequence(device: &Device) -> anyhow::Result<()> {
                 scale,
                 window,
             };
-            let list: Vec<_> = ours
-                .iter()
-                .zip(seqs)
-                .map(|((kc, vc), &(_, pos))| attention::RaggedDecodeSeq {
-                    k_cache: kc,
-                    v_cache: vc,
-                    pos,
-                })
-                .collect();
+            let list = listed(&ours, seqs);
             let got = attention::ragged_decode_attention(&q, &k, &v, &table, &list, dims)?;
             anyhow::ensure!(got.dims() == [1, n, hq * d], "{what}: {:?}", got.dims());
             // The form a captured step launches: the sequences' caches and positions read from
             // a table on the device, the keys split for the largest capacity. The same rows
             // and caches on a GPU; refused elsewhere.
             let again = caches(seed + 100)?;
-            let again_list: Vec<_> = again
-                .iter()
-                .zip(seqs)
-                .map(|((kc, vc), &(_, pos))| attention::RaggedDecodeSeq {
-                    k_cache: kc,
-                    v_cache: vc,
-                    pos,
-                })
-                .collect();
+            let again_list = listed(&again, seqs);
             if device.is_cuda() {
                 let on_device =
                     Tensor::from_vec(attention::ragged_seq_table(&again_list)?, (n, 3), device)?;
@@ -591,6 +592,20 @@ fn ragged_decode_matches_each_sequence(device: &Device) -> anyhow::Result<()> {
             }
         }
     }
+    // A replay's new positions: two layers' tables of two sequences (addresses, then capacity
+    // << 32 | position) take them and keep addresses and capacities; a table that does not
+    // list whole sequences is refused.
+    let meta = |cap: i64, pos: i64| (cap << 32) | pos;
+    let mut table = [11, 12, meta(40, 3), 21, 22, meta(9, 0)].repeat(2);
+    attention::set_ragged_positions(&mut table, &[4, 1])?;
+    anyhow::ensure!(
+        table == [11, 12, meta(40, 4), 21, 22, meta(9, 1)].repeat(2),
+        "{table:?}"
+    );
+    anyhow::ensure!(
+        attention::set_ragged_positions(&mut table[..5], &[4, 1]).is_err(),
+        "a cut table was taken"
+    );
     let (kc, vc) = (
         Tensor::zeros((1, 1, 4, 8), DType::F32, device)?,
         Tensor::zeros((1, 1, 4, 8), DType::F32, device)?,

@@ -144,3 +144,14 @@ pub struct RaggedDims {
     /// Keys further back than this are hidden (sliding-window layers).
     pub window: Option<usize>,
 }
+
+/// A ragged step's table entry for a sequence's capacity and position, as the kernels read it
+/// after the cache addresses: `(capacity << 32) | position`.
+pub(crate) fn ragged_meta(capacity: usize, pos: usize) -> Result<u64> {
+    let narrow = |v: usize, what: &str| {
+        u32::try_from(v)
+            .map(u64::from)
+            .map_err(|_| candle_core::Error::Msg(format!("ragged step: {what} {v} exceeds u32")))
+    };
+    Ok((narrow(capacity, "cache positions")? << 32) | narrow(pos, "position")?)
+}

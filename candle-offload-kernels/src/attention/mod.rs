@@ -33,7 +33,9 @@ pub use flash::{
     FLASH_GPU_HEAD_DIMS,
 };
 pub use prompt::{prompt_attention, prompt_attention_supported};
-pub use ragged::{ragged_decode_attention, ragged_decode_attention_at, ragged_seq_table};
+pub use ragged::{
+    ragged_decode_attention, ragged_decode_attention_at, ragged_seq_table, set_ragged_positions,
+};
 pub use step::{
     AttentionKernel, AttentionShape, AttentionStep, StepInfo, StepMasks, DECODE_ATTENTION_MAX_NEW,
 };

@@ -6,7 +6,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use crate::attention::decode::decode_attention;
-use crate::attention::dims::{RaggedDecodeSeq, RaggedDims, ATTENTION_MAX_HEAD_DIM};
+use crate::attention::dims::{ragged_meta, RaggedDecodeSeq, RaggedDims, ATTENTION_MAX_HEAD_DIM};
 use crate::rope::rope_qk_cache;
 
 /// The attention rows (1, n, heads · head_dim) of n sequences' new positions: q (1, n,
@@ -110,6 +110,24 @@ pub fn ragged_seq_table(seqs: &[RaggedDecodeSeq<'_>]) -> Result<Vec<i64>> {
     }
     let _ = seqs;
     candle_core::bail!("ragged_seq_table: the caches are not on a GPU")
+}
+
+/// `table` ([`ragged_seq_table`]'s, for one layer or for several one after another, each
+/// listing the same sequences) with each sequence's position set to `positions`' (one a
+/// sequence), the caches and capacities kept: what a captured step's next replay reads.
+pub fn set_ragged_positions(table: &mut [i64], positions: &[usize]) -> Result<()> {
+    let n = positions.len();
+    if n == 0 || !table.len().is_multiple_of(3 * n) {
+        candle_core::bail!(
+            "set_ragged_positions: a table of {} entries for {n} sequences",
+            table.len()
+        );
+    }
+    for (entry, &pos) in table.chunks_mut(3).zip(positions.iter().cycle()) {
+        let capacity = (entry[2] as u64 >> 32) as usize;
+        entry[2] = ragged_meta(capacity, pos)? as i64;
+    }
+    Ok(())
 }
 
 /// The checks [`ragged_decode_attention`] makes of its operands.

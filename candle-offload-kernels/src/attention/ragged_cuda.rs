@@ -4,11 +4,15 @@
 //! device per call.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtr, PushKernelArg};
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaStream, CudaView, DevicePtr, PushKernelArg, SyncOnDrop,
+};
 use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice as S, WrapErr};
 use candle_core::{CudaDevice, Layout, Result, Storage, Tensor};
 
-use super::dims::{attention_splits, RaggedDecodeSeq, RaggedDims};
+use super::dims::{attention_splits, ragged_meta, RaggedDecodeSeq, RaggedDims};
 use crate::cuda::{
     grid_stride, load, multiprocessors, on_gpu, storage_view, to_u32, view_of, zeroed_counters,
     Elem, ATTENTION, ROPE,
@@ -17,42 +21,77 @@ use crate::cuda::{
 /// Warps per block of `decode_attention_ragged` (DA_WARPS in kernels/attention.cu).
 const ATTENTION_WARPS: u32 = 8;
 
-/// Each sequence's key and value buffers' addresses and (capacity << 32) | position, three u64
-/// a sequence, as the kernels read them.
+/// [`table_of`] for caches of any of the kernels' dtypes, the reads' guards dropped: the
+/// table a captured step's replays read (`ragged_seq_table`).
 pub(crate) fn seq_table(seqs: &[RaggedDecodeSeq<'_>]) -> Result<Vec<u64>> {
     let what = "ragged_seq_table";
-    let mut table = Vec::with_capacity(3 * seqs.len());
-    for s in seqs {
-        for c in [s.k_cache, s.v_cache] {
-            let (storage, layout) = c.storage_and_layout();
-            let Storage::Cuda(cuda) = &*storage else {
-                candle_core::bail!("{what}: a cache is not on the GPU");
-            };
-            let dev = cuda.device().clone();
-            let stream = dev.cuda_stream();
-            let addr = match &cuda.slice {
-                S::F32(_) => address::<f32>(cuda, layout, &stream)?,
-                S::F16(_) => address::<half::f16>(cuda, layout, &stream)?,
-                S::BF16(_) => address::<half::bf16>(cuda, layout, &stream)?,
-                _ => candle_core::bail!("{what}: a cache in F32, F16 or BF16"),
-            };
-            table.push(addr);
-        }
-        let cap = to_u32(s.k_cache.dim(2)?, "cache positions")? as u64;
-        table.push((cap << 32) | to_u32(s.pos, "position")? as u64);
+    let guards = cache_guards(seqs);
+    let caches = guards
+        .iter()
+        .map(|g| on_gpu(what, g))
+        .collect::<Result<Vec<_>>>()?;
+    let Some(first) = caches.first() else {
+        return Ok(Vec::new());
+    };
+    let stream = first.0.device().cuda_stream();
+    fn of<T: Elem>(
+        caches: &[(&CudaStorage, &Layout)],
+        seqs: &[RaggedDecodeSeq<'_>],
+        stream: &Arc<CudaStream>,
+    ) -> Result<Vec<u64>> {
+        let views = cache_views::<T>(caches)?;
+        let (table, _guards) = table_of(&views, seqs, stream)?;
+        Ok(table)
     }
-    Ok(table)
+    match &first.0.slice {
+        S::F32(_) => of::<f32>(&caches, seqs, &stream),
+        S::F16(_) => of::<half::f16>(&caches, seqs, &stream),
+        S::BF16(_) => of::<half::bf16>(&caches, seqs, &stream),
+        _ => candle_core::bail!("{what}: caches in F32, F16 or BF16"),
+    }
 }
 
-/// The device address of the first element `layout` covers in `s`.
-fn address<T: Elem>(
-    s: &CudaStorage,
-    layout: &Layout,
-    stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
-) -> Result<u64> {
-    let view = storage_view::<T>(s, layout, "a cache")?;
-    let (p, _guard) = view.device_ptr(stream);
-    Ok(p)
+/// Every sequence's key and value storage, read-locked, in the order the tables list them.
+fn cache_guards<'a>(
+    seqs: &'a [RaggedDecodeSeq<'_>],
+) -> Vec<(impl std::ops::Deref<Target = Storage> + 'a, &'a Layout)> {
+    seqs.iter()
+        .flat_map(|s| {
+            [
+                s.k_cache.storage_and_layout(),
+                s.v_cache.storage_and_layout(),
+            ]
+        })
+        .collect()
+}
+
+/// The caches' views as `T`.
+fn cache_views<'a, T: Elem>(caches: &[(&'a CudaStorage, &Layout)]) -> Result<Vec<CudaView<'a, T>>> {
+    caches
+        .iter()
+        .map(|c| storage_view::<T>(c.0, c.1, "a cache"))
+        .collect()
+}
+
+/// Each sequence's key and value buffers' addresses (`views`, two a sequence) and
+/// (capacity << 32) | position, three u64 a sequence, as the kernels read them; with the
+/// guards of those buffers' use on `stream`, which a launch holds until it is queued.
+fn table_of<'a, T: Elem>(
+    views: &'a [CudaView<'a, T>],
+    seqs: &[RaggedDecodeSeq<'_>],
+    stream: &'a Arc<CudaStream>,
+) -> Result<(Vec<u64>, Vec<SyncOnDrop<'a>>)> {
+    let mut table = Vec::with_capacity(3 * seqs.len());
+    let mut guards = Vec::with_capacity(2 * seqs.len());
+    for (s, pair) in seqs.iter().zip(views.chunks(2)) {
+        for view in pair {
+            let (p, g) = view.device_ptr(stream);
+            table.push(p);
+            guards.push(g);
+        }
+        table.push(ragged_meta(s.k_cache.dim(2)?, s.pos)?);
+    }
+    Ok((table, guards))
 }
 
 /// [`super::ragged::ragged_decode_attention`] on the GPU, for operands it checked; with
@@ -80,15 +119,7 @@ pub(crate) fn ragged_decode_attention(
         .iter()
         .map(|g| on_gpu(what, g))
         .collect::<Result<Vec<_>>>()?;
-    let cache_guards: Vec<_> = seqs
-        .iter()
-        .flat_map(|s| {
-            [
-                s.k_cache.storage_and_layout(),
-                s.v_cache.storage_and_layout(),
-            ]
-        })
-        .collect();
+    let cache_guards = cache_guards(seqs);
     let caches = cache_guards
         .iter()
         .map(|g| on_gpu(what, g))
@@ -118,13 +149,12 @@ pub(crate) fn ragged_decode_attention(
         slice: out,
         device: dev,
     };
-    Tensor::from_storage(
+    Ok(Tensor::from_storage(
         Storage::Cuda(storage),
         (1, n, dims.n_heads * dims.head_dim),
         candle_core::op::BackpropOp::none(),
         false,
-    )
-    .reshape((1, n, dims.n_heads * dims.head_dim))
+    ))
 }
 
 /// The two launches for element type T: returns the attention rows (n, hq, d).
@@ -147,22 +177,15 @@ fn run<T: Elem>(
     // Each sequence's key and value addresses and (capacity << 32) | position: built here,
     // or (a captured step) read from the device, where the positions change between replays
     // and the keys are split for the largest capacity.
-    let views = caches
-        .iter()
-        .map(|c| storage_view::<T>(c.0, c.1, "a cache"))
-        .collect::<Result<Vec<_>>>()?;
-    let mut table = Vec::with_capacity(3 * n);
-    let mut ptr_guards = Vec::with_capacity(2 * n);
+    let views = cache_views::<T>(caches)?;
+    let (table, ptr_guards) = table_of(&views, seqs, &stream)?;
     let mut longest = 0;
-    for (i, s) in seqs.iter().enumerate() {
-        let cap = s.k_cache.dim(2)?;
-        for view in &views[2 * i..2 * i + 2] {
-            let (p, g) = view.device_ptr(&stream);
-            table.push(p);
-            ptr_guards.push(g);
-        }
-        table.push(((to_u32(cap, "cache positions")? as u64) << 32) | s.pos as u64);
-        longest = longest.max(if on_device.is_some() { cap } else { s.pos + 1 });
+    for s in seqs {
+        longest = longest.max(if on_device.is_some() {
+            s.k_cache.dim(2)?
+        } else {
+            s.pos + 1
+        });
     }
     let host_table = match on_device {
         Some(_) => None,

@@ -17,7 +17,7 @@
 use std::sync::atomic::Ordering;
 
 use candle_core::{DType, Result, Tensor};
-use candle_offload::kernels::attention::{ragged_seq_table, RaggedDecodeSeq};
+use candle_offload::kernels::attention::{ragged_seq_table, set_ragged_positions, RaggedDecodeSeq};
 
 use super::graph_state::RaggedCaptured;
 use super::model::CausalLm;
@@ -96,10 +96,8 @@ impl CausalLm {
         let ids: Vec<u32> = seqs.iter().map(|s| s.tokens[0]).collect();
         let device = stage.rt.device();
         if let Some(c) = st.ragged.as_mut().filter(|c| c.kv == kv) {
-            // The same caches: only the positions (each entry's low 32 bits) move.
-            for (e, &pos) in c.table.chunks_mut(3).zip(positions.iter().cycle()) {
-                e[2] = (e[2] & !0xffff_ffff) | pos as i64;
-            }
+            // The same caches: only the positions move.
+            set_ragged_positions(&mut c.table, &positions)?;
             c.ids
                 .slice_set(&Tensor::from_vec(ids.clone(), (1, n), device)?, 0, 0)?;
             let table = Tensor::from_vec(c.table.clone(), (layers, n, 3), device)?;
