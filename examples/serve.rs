@@ -12,11 +12,11 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use candle_core::Device;
 use candle_offload::MemoryLimit;
-use candle_offload_models::batching::{self, BatchOptions, Batcher};
+use candle_offload_models::batching::{BatchOptions, Batcher};
 use candle_offload_models::{loader, ChatTemplate};
 use candle_offload_server::{BoxError, Loaded, MemoryProbe, ModelInfo, ServerConfig};
 use candle_offload_suite::flags;
-use candle_offload_suite::load::{pin_cpu_thread_count, LoadArgs, MemoryPlan, Target};
+use candle_offload_suite::load::{pin_cpu_thread_count, LoadArgs, MemoryPlan};
 use clap::Parser;
 
 /// Serves a LLaMA-family model over an OpenAI-compatible HTTP API (`/v1/chat/completions`,
@@ -117,34 +117,13 @@ impl Load {
             Some(n) => n,
             None => max_pos.min(4096),
         };
-        let dtype = self.args.dtype_on(&self.device);
-        let per_seq = cfg.kv_cache_bytes(ctx, dtype);
+        let per_seq = cfg.kv_cache_bytes(ctx, self.args.dtype_on(&self.device));
         let kv_limit = self
             .kv_memory
             .unwrap_or(per_seq.saturating_mul(self.parallel as u64));
-        // On a GPU the batch's KV caches are reserved beside the model's own (one sequence
-        // of ctx positions), so the weights' budget leaves room for them.
-        let extra_reserve = if self.device.is_cpu() {
-            0
-        } else {
-            kv_limit.saturating_sub(per_seq)
-        };
-        let model = self.args.build(
-            &files,
-            &self.plan,
-            &Target {
-                device: &self.device,
-                device_map: None,
-                rank: None,
-                dtype,
-                // A step's rows: BatchOptions::new's at most.
-                prompt_len: batching::STEP_TOKENS.min(ctx),
-                max_len: ctx,
-                extra_reserve,
-            },
-        )?;
-        // Requests mix greedy and sampled decoding: the whole head is computed.
-        model.set_greedy_head(false);
+        let model = self
+            .args
+            .build_batched(&files, &self.plan, &self.device, ctx, kv_limit)?;
         let model = Arc::new(model);
         let mut opts = BatchOptions::new(&model, self.parallel, ctx);
         opts.kv_limit_bytes = kv_limit;

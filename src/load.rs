@@ -12,6 +12,7 @@ use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Device};
 use candle_offload::placement::DeviceMap;
 use candle_offload::{MemoryLimit, OffloadStrategy, PolicyChoice, Settings, Tuning};
+use candle_offload_models::batching;
 use candle_offload_models::llama::DeviceMapChoice;
 use candle_offload_models::loader::{self, ModelFiles};
 use candle_offload_models::quantize;
@@ -246,6 +247,43 @@ impl LoadArgs {
             None if device.is_cpu() => DType::F32,
             None => DType::F16,
         }
+    }
+
+    /// [`build`](Self::build) for continuous batching (`serve`,
+    /// [`candle_offload_models::batching::Batcher`]) on one `device`: sequences of up to `ctx`
+    /// positions, steps of up to [`batching::STEP_TOKENS`] rows, and on a GPU the batch's KV
+    /// caches (`kv_bytes` in all) reserved beside the weights, less the one sequence's the
+    /// model reserves itself; the whole head computed, as requests mix greedy and sampled
+    /// decoding.
+    pub fn build_batched(
+        &self,
+        files: &ModelFiles,
+        plan: &MemoryPlan,
+        device: &Device,
+        ctx: usize,
+        kv_bytes: u64,
+    ) -> Result<Llama> {
+        let dtype = self.dtype_on(device);
+        let per_seq = files.config.kv_cache_bytes(ctx, dtype);
+        let model = self.build(
+            files,
+            plan,
+            &Target {
+                device,
+                device_map: None,
+                rank: None,
+                dtype,
+                prompt_len: batching::STEP_TOKENS.min(ctx),
+                max_len: ctx,
+                extra_reserve: if device.is_cpu() {
+                    0
+                } else {
+                    kv_bytes.saturating_sub(per_seq)
+                },
+            },
+        )?;
+        model.set_greedy_head(false);
+        Ok(model)
     }
 
     /// The model's tokenizer (or `--tokenizer`'s).

@@ -10,7 +10,7 @@ use axum::http::{Request, StatusCode};
 use candle_core::{DType, Device};
 use candle_offload_models::batching::{BatchOptions, Batcher};
 use candle_offload_server::{App, Loaded, ModelInfo, ServerConfig};
-use candle_offload_suite::load::{LoadArgs, Target};
+use candle_offload_suite::load::LoadArgs;
 use clap::Parser as _;
 use http_body_util::BodyExt as _;
 use rand::Rng as _;
@@ -44,21 +44,13 @@ fn load(path: &std::path::Path) -> anyhow::Result<Loaded> {
     let plan = flags.load.memory(std::slice::from_ref(&device))?;
     let files = flags.load.model.resolve()?;
     let tokenizer = flags.load.tokenizer(&files)?;
-    let model = flags.load.build(
-        &files,
-        &plan,
-        &Target {
-            device: &device,
-            device_map: None,
-            rank: None,
-            dtype: DType::F32,
-            prompt_len: 64,
-            max_len: CTX,
-            extra_reserve: 0,
-        },
-    )?;
-    model.set_greedy_head(false);
-    let model = Arc::new(model);
+    // As `serve` builds it (F32 on the CPU).
+    let kv_bytes = files.config.kv_cache_bytes(CTX, DType::F32) * 4;
+    let model = Arc::new(
+        flags
+            .load
+            .build_batched(&files, &plan, &device, CTX, kv_bytes)?,
+    );
     let mut opts = BatchOptions::new(&model, 4, CTX);
     // Prompt chunks of 8: a long prompt is read over several steps beside the others.
     opts.prompt_chunk = 8;

@@ -15,10 +15,10 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use candle_offload_models::batching::{
-    self, BatchOptions, Batcher, SamplingParams, SeqEvent, SeqRequest,
+    BatchOptions, Batcher, SamplingParams, SeqEvent, SeqRequest,
 };
 use candle_offload_models::Llama;
-use candle_offload_suite::load::{pin_cpu_thread_count, LoadArgs, Target};
+use candle_offload_suite::load::{pin_cpu_thread_count, LoadArgs};
 use clap::Parser;
 
 /// Compares requests' greedy tokens alone and in one batch.
@@ -71,27 +71,12 @@ fn main() -> Result<()> {
     let cfg = files.config.clone();
     let dtype = args.load.dtype_on(&device);
     let ctx = args.max_prompt + args.new_tokens;
-    let per_seq = cfg.kv_cache_bytes(ctx, dtype);
-    let model = args.load.build(
-        &files,
-        &plan,
-        &Target {
-            device: &device,
-            device_map: None,
-            rank: None,
-            dtype,
-            prompt_len: batching::STEP_TOKENS.min(ctx),
-            max_len: ctx,
-            extra_reserve: if device.is_cpu() {
-                0
-            } else {
-                per_seq * (args.requests as u64 - 1)
-            },
-        },
-    )?;
-    // Full logits: the margins read them.
-    model.set_greedy_head(false);
-    let model = Arc::new(model);
+    let kv_bytes = cfg.kv_cache_bytes(ctx, dtype) * args.requests as u64;
+    // As `serve` builds it; its whole head is what the margins read.
+    let model = Arc::new(
+        args.load
+            .build_batched(&files, &plan, &device, ctx, kv_bytes)?,
+    );
     let high = args.id_high.unwrap_or(cfg.vocab_size as u32).max(101);
     let prompts = prompts(&args, high);
     let request = |p: &Vec<u32>| SeqRequest {
