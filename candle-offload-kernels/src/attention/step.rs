@@ -9,7 +9,7 @@ use candle_core::{DType, Result, Tensor};
 use crate::attention::decode::{
     decode_attention, decode_attention_at, decode_attention_padded, decode_attention_q8,
 };
-use crate::attention::dims::ATTENTION_MAX_HEAD_DIM;
+use crate::attention::dims::{RaggedDims, ATTENTION_MAX_HEAD_DIM};
 use crate::attention::prompt::{prompt_attention, prompt_attention_supported};
 use crate::linear::Linear;
 use crate::tuning::KernelTuning;
@@ -46,6 +46,21 @@ pub struct AttentionShape {
     pub softcap: Option<f64>,
     /// Keys further back than this are hidden (sliding-window layers).
     pub window: Option<usize>,
+}
+
+impl AttentionShape {
+    /// The sizes a ragged decode step of this attention runs with
+    /// ([`crate::attention::ragged_decode_attention`]; it has no soft cap, as the decode
+    /// kernel has none).
+    pub fn ragged_dims(&self) -> RaggedDims {
+        RaggedDims {
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            scale: 1.0 / self.score_div,
+            window: self.window,
+        }
+    }
 }
 
 /// The kernel an [`AttentionStep`] runs.

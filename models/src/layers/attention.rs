@@ -8,8 +8,8 @@
 use candle_core::{DType, Result, Tensor, D};
 use candle_offload::kernels::attention::{
     flash_attention, flash_attention_supported, ragged_decode_attention,
-    ragged_decode_attention_at, AttentionShape, AttentionStep, RaggedDecodeSeq, RaggedDims,
-    StepInfo, ATTENTION_MAX_HEAD_DIM,
+    ragged_decode_attention_at, AttentionShape, AttentionStep, RaggedDecodeSeq, StepInfo,
+    ATTENTION_MAX_HEAD_DIM,
 };
 
 use super::cache::{KvCache, Masks};
@@ -264,17 +264,10 @@ impl SelfAttention {
                     pos: *pos,
                 })
                 .collect();
-            let shape = s.shape();
             let cut = |t: &Tensor| t.narrow(1, 0, decoders);
             let (q, k, v) = (cut(&q)?, cut(&k)?, cut(&v)?);
             let rope = ctx.rope.for_layer(s.local_rope).table();
-            let dims = RaggedDims {
-                n_heads: shape.n_heads,
-                n_kv_heads: shape.n_kv_heads,
-                head_dim: shape.head_dim,
-                scale: 1.0 / shape.score_div,
-                window: shape.window,
-            };
+            let dims = s.shape().ragged_dims();
             outs.push(match ctx.ragged_table {
                 Some(table) => ragged_decode_attention_at(&q, &k, &v, rope, &seqs, dims, table)?,
                 None => ragged_decode_attention(&q, &k, &v, rope, &seqs, dims)?,
