@@ -44,7 +44,8 @@ fn add_product(y: Tensor, a: &Tensor, b: &Tensor, transposed: bool) -> Result<Te
     } else {
         a.matmul(b)?
     };
-    y.clone() + product.to_dtype(y.dtype())?
+    let dtype = y.dtype();
+    y + product.to_dtype(dtype)?
 }
 
 /// Whether [`add_matmul_t`] runs as one GEMM into y.

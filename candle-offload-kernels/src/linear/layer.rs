@@ -327,8 +327,7 @@ impl Linear {
         let y = with_bias(self.forward_base(&x)?, self.bias.as_ref())?;
         match &self.adapter {
             // The base's output is this call's own: the update is added into it.
-            Some(a) if y.dtype() == x.dtype() => a.add_delta_untracked(y, &x),
-            Some(a) => y.clone() + a.delta_untracked(&x)?.to_dtype(y.dtype())?,
+            Some(a) => a.add_delta_untracked(y, &x),
             None => Ok(y),
         }
     }

@@ -59,11 +59,9 @@ impl LoraAdapter {
         })
     }
 
-    /// Drops the detached copies the untracked passes keep ([`delta_untracked`],
-    /// [`add_delta_untracked`], [`backward`]): a trainer calls it before a pass after its
-    /// optimizer changed A or B.
+    /// Drops the detached copies the untracked passes keep ([`add_delta_untracked`],
+    /// [`backward`]): a trainer calls it before a pass after its optimizer changed A or B.
     ///
-    /// [`delta_untracked`]: Self::delta_untracked
     /// [`add_delta_untracked`]: Self::add_delta_untracked
     /// [`backward`]: Self::backward
     pub fn forget_casts(&self) {
@@ -128,23 +126,17 @@ impl LoraAdapter {
         y.reshape(out)
     }
 
-    /// `scale · B·(A·x)` for `x` (rows, in) without a graph (A and B detached, cast to x's
-    /// dtype; no dropout): the forward pass of a block that computes its own backward pass.
-    pub fn delta_untracked(&self, x: &Tensor) -> Result<Tensor> {
-        let (a, b_scaled) = self.factors_as(x)?;
-        x.matmul(&a.t()?)?.matmul(&b_scaled.t()?)
-    }
-
-    /// `y + scale · B·(A·x)` for `x` (rows, in) and the base layer's output `y` (rows, out)
-    /// in x's dtype, without a graph: on a GPU the second product is accumulated into y's
-    /// own buffer ([`crate::gemm::add_matmul_t`]), so `y` must be a tensor the caller alone
-    /// holds.
+    /// `y + scale · B·(A·x)` for `x` (rows, in) and the base layer's output `y` (rows, out),
+    /// without a graph (A and B detached, cast to x's dtype; no dropout): the forward pass of
+    /// a block that computes its own backward pass. On a GPU, with y in x's dtype, the second
+    /// product is accumulated into y's own buffer ([`crate::gemm::add_matmul_t`]), so `y` must
+    /// be a tensor the caller alone holds.
     pub fn add_delta_untracked(&self, y: Tensor, x: &Tensor) -> Result<Tensor> {
         let (a, b_scaled) = self.factors_as(x)?;
         crate::gemm::add_matmul_t(y, &x.matmul(&a.t()?)?, &b_scaled)
     }
 
-    /// The backward pass of [`delta_untracked`](Self::delta_untracked) for the output's
+    /// The backward pass of [`add_delta_untracked`](Self::add_delta_untracked)'s update for the output's
     /// gradient `dy` (rows, out), with `dx_base` (rows, in, in x's dtype), the frozen
     /// weight's share of x's gradient, which the adapter's share is added to (on a GPU in
     /// its own buffer: the caller alone holds it): x's whole gradient, and A's and B's
