@@ -28,6 +28,11 @@
 #   they replace the ~5-minute build.
 # Another routing (`ROUTING=skewed bash scripts/gpu_moe_session.sh write`): the files of the
 #   other routing, the old ones deleted first (the disk holds one routing's two files).
+# Where a decode step's host time goes (`bash scripts/gpu_moe_session.sh spans BUDGETS`, carry
+#   .gpu/bench_generate.xz; the Q8_0 file written): ours alone at each budget with -vv and the
+#   mixture-of-experts layers' spans (route and its wait for the device, guess, place, device,
+#   to_host, host, merge), then scripts/span_times.py over the decode rows ->
+#   spans-ROUTING-BUDGET.json (a diagnostic, not a row; SPLIT and PREFETCH as for bench).
 # Each call leaves $OUT/CALL.tgz with its logs and JSON.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296
@@ -113,6 +118,25 @@ case "$1" in
     cp "$OUT/$name.json" "$FINAL/" 2>/dev/null
     el "done"
     ;;
-  *) echo "usage: $0 call1 | write | save | bench WEIGHTS BUDGETS PROMPTS" >&2; exit 2 ;;
+  spans)
+    f=$(gguf q8_0)
+    [[ -x /tmp/bin/bench_generate ]] || { xz -dc .gpu/bench_generate.xz > /tmp/bin/bench_generate && chmod +x /tmp/bin/bench_generate; }
+    while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 5; done
+    [[ -f $f ]] || { echo "no $f (write first)"; exit 1; }
+    for b in ${2//,/ }; do
+      name="spans-$ROUTING-${b}gib${SPLIT:+-split-$SPLIT}${PREFETCH:+-prefetch}"
+      el "$name"
+      (cd /tmp && RUST_LOG="warn,candle_offload_models::layers::moe=debug" timeout "${BENCH_S:-200}" \
+        /tmp/bin/bench_generate --model-dir "$f" --quantized --weights "$name" --budgets "$b" \
+        --prompt-lens 64 --new-tokens "${NEW_TOKENS:-16}" --expert-split "${SPLIT:-auto}" \
+        ${PREFETCH:+--expert-prefetch} -vv --json-out "$OUT/$name-bench.json") > "$OUT/$name.log" 2>&1
+      echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:" "$OUT/$name.log" | tail -4
+      python3 "$R/scripts/span_times.py" "$OUT/$name.log" --parent moe.layer --match "rows=1}" \
+        --json "$FINAL/$name.json"
+      xz -T4 "$OUT/$name.log"
+    done
+    el "done"
+    ;;
+  *) echo "usage: $0 call1 | write | save | bench WEIGHTS BUDGETS PROMPTS | spans BUDGETS" >&2; exit 2 ;;
 esac
 tar czf "$FINAL/$1.tgz" -C "$OUT" . ; ls -la "$FINAL"

@@ -550,13 +550,17 @@ impl SparseMoe {
         let dims = xs.dims().to_vec();
         let h = xs.dim(D::Minus1)?;
         let x2 = xs.reshape(((), h))?;
-        let routes = self.route(&x2)?;
+        let _layer =
+            tracing::debug_span!("moe.layer", layer = self.layer, rows = x2.dim(0)?).entered();
+        // The router's logits read back: on a device, this waits for the work before it.
+        let routes = tracing::debug_span!("moe.route").in_scope(|| self.route(&x2))?;
         if let (Experts::Units(_), Some(units)) = (&self.experts, ctx.experts) {
-            units.routed(self.layer, &self.router, self.routing, &x2)?;
+            tracing::debug_span!("moe.guess")
+                .in_scope(|| units.routed(self.layer, &self.router, self.routing, &x2))?;
         }
         let by_expert = group_by_expert(&routes);
         let routed: Vec<(usize, usize)> = by_expert.iter().map(|(&e, g)| (e, g.0.len())).collect();
-        let placed = self.place(&routed, ctx)?;
+        let placed = tracing::debug_span!("moe.place").in_scope(|| self.place(&routed, ctx))?;
         let on = |site: ExpertSite| -> Vec<ExpertRows<'_>> {
             by_expert
                 .values()
@@ -580,12 +584,16 @@ impl SparseMoe {
             let x_host = if host.is_empty() {
                 None
             } else {
+                let _s = tracing::debug_span!("moe.to_host").entered();
                 Some(x2.to_device(&candle_core::Device::Cpu)?)
             };
-            let on_device = Self::sum_experts(&x2, &on(ExpertSite::Device), fused)?;
-            let on_device = self.add_streamed(on_device, &x2, &by_expert, &placed, ctx, fused)?;
+            let on_device = tracing::debug_span!("moe.device").in_scope(|| {
+                let d = Self::sum_experts(&x2, &on(ExpertSite::Device), fused)?;
+                self.add_streamed(d, &x2, &by_expert, &placed, ctx, fused)
+            })?;
             let on_host = match &x_host {
                 Some(x) => {
+                    let _s = tracing::debug_span!("moe.host", experts = host.len()).entered();
                     let t0 = std::time::Instant::now();
                     let out = Self::sum_on_host(x, &host)?;
                     if let Some(units) = ctx.experts {
@@ -595,6 +603,7 @@ impl SparseMoe {
                 }
                 None => None,
             };
+            let _merge = tracing::debug_span!("moe.merge").entered();
             match (on_device, on_host) {
                 (Some(d), Some(hst)) => {
                     Some((&d + hst.to_device(x2.device())?.to_dtype(d.dtype())?)?)
