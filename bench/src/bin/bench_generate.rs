@@ -948,6 +948,7 @@ fn expert_fields(
         "experts_fetched_per_token": (b.fetched - a.fetched) as f64 / n,
         "experts_streamed_per_token": (b.streamed - a.streamed) as f64 / n,
         "experts_prefetched_per_token": (b.prefetched - a.prefetched) as f64 / n,
+        "experts_prefetch_used_per_token": (b.prefetch_used - a.prefetch_used) as f64 / n,
         "experts_on_host_per_token": (b.on_host - a.on_host) as f64 / n,
         "host_bytes_per_token": host_bytes,
         "expert_host_bytes_per_s": b.host_bytes_per_s,

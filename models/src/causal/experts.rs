@@ -11,18 +11,17 @@
 //! the rest run on the host CPU from host memory at the same time
 //! ([`candle_offload::experts::split_missing`]).
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, Result};
 use candle_offload::experts::{
     slots_for_budget, split_missing, ExpertCache, ExpertOptions, ExpertSplit, LayerCounters,
 };
 use candle_offload::{HostStore, OffloadConfig, OffloadRuntime, UnitId};
 
 use crate::family::{Layout, UnitWeights};
-use crate::layers::{
-    route_row, router_logits, BuildExpert, Expert, ExpertSite, ExpertUnits, GatedMlp, Routing,
-};
+use crate::layers::{BuildExpert, Expert, ExpertSite, ExpertUnits, GatedMlp, Routing};
 use candle_offload::kernels::linear::Linear;
 
 /// Rows the host's K-quant pass computes per read of an expert's weights
@@ -96,6 +95,8 @@ pub struct ExpertStats {
     pub streamed: u64,
     /// Experts prefetched on the next layer's router's guess (`ExpertOptions::prefetch`).
     pub prefetched: u64,
+    /// Prefetched experts routed to while still resident: the guesses that came true.
+    pub prefetch_used: u64,
     /// Routed experts computed on the host CPU.
     pub on_host: u64,
     /// Host bytes those reads and copies took: the fetched experts' and the host's.
@@ -112,7 +113,7 @@ impl std::fmt::Display for ExpertStats {
         writeln!(
             f,
             "expert cache: hit rate {:.1}%; routed experts resident {}, fetched {}, streamed {}, \
-             on the host CPU {}, prefetched {}; {:.2} GiB read from host memory; host {:.1} GB/s, \
+             on the host CPU {}, prefetched {} ({} used); {:.2} GiB read from host memory; host {:.1} GB/s, \
              link {:.1} GB/s",
             100.0 * self.hit_rate(),
             self.resident,
@@ -120,6 +121,7 @@ impl std::fmt::Display for ExpertStats {
             self.streamed,
             self.on_host,
             self.prefetched,
+            self.prefetch_used,
             self.host_bytes as f64 / 2f64.powi(30),
             self.host_bytes_per_s / 1e9,
             self.link_bytes_per_s / 1e9,
@@ -170,6 +172,8 @@ struct TierState {
     placed_host_bytes: Vec<u64>,
     /// Per layer, its router as last seen (for the layer before it to guess with).
     routers: Vec<Option<(Linear, Routing)>>,
+    /// The prefetched experts (layer, expert) not routed to since their prefetch.
+    guesses: HashSet<(usize, usize)>,
 }
 
 /// A device stage's expert cache and the host CPU beside it. See the module docs.
@@ -310,6 +314,7 @@ impl ExpertTier {
                 },
                 placed_host_bytes: vec![0; x.sparse.len()],
                 routers: vec![None; x.sparse.len()],
+                guesses: HashSet::new(),
             }),
         })
     }
@@ -385,6 +390,9 @@ impl ExpertUnits for SplitExperts<'_> {
         for (i, &(e, _)) in routed.iter().enumerate() {
             if st.cache.lookup(layer, e) {
                 site[i] = ExpertSite::Device;
+                if st.guesses.remove(&(layer, e)) {
+                    st.stats.prefetch_used += 1;
+                }
             } else {
                 missing.push(i);
             }
@@ -427,6 +435,7 @@ impl ExpertUnits for SplitExperts<'_> {
             if f {
                 if let Some(victim) = st.cache.admit(layer, e, &protect) {
                     if let Some(v) = victim {
+                        st.guesses.remove(&(layer, v));
                         self.device.rt.evict_unit(self.unit(layer, v)?)?;
                     }
                     site[i] = ExpertSite::Device;
@@ -473,53 +482,80 @@ impl ExpertUnits for SplitExperts<'_> {
         self.device.expert(layer, expert, build)
     }
 
-    fn routed(&self, layer: usize, router: &Linear, routing: Routing, x2: &Tensor) -> Result<()> {
-        let lock = || {
-            self.tier
-                .state
-                .lock()
-                .map_err(|_| candle_core::Error::Msg("the expert tier's lock is poisoned".into()))
-        };
+    fn guess_router(
+        &self,
+        layer: usize,
+        router: &Linear,
+        routing: Routing,
+        rows: usize,
+    ) -> Option<(usize, Linear, Routing)> {
         if !self.tier.prefetch {
             // The routers are kept only for the guess.
+            return None;
+        }
+        let mut st = self.tier.state.lock().ok()?;
+        if let Some(r) = st.routers.get_mut(layer) {
+            *r = Some((router.clone(), routing));
+        }
+        if rows != 1 {
+            return None;
+        }
+        st.routers
+            .iter()
+            .enumerate()
+            .skip(layer + 1)
+            .find_map(|(n, r)| r.clone().map(|(l, g)| (n, l, g)))
+    }
+
+    /// Fetches the guessed experts that the split gives the link, as `place` would split
+    /// them: the others are left to the host CPU when they are routed to (and to that
+    /// step's split), so that the link and the host both read while the device runs the
+    /// layers between.
+    fn guessed(&self, layer: usize, routes: &[(usize, f32)]) -> Result<()> {
+        let store = self.device.rt.store().clone();
+        let mut st =
+            self.tier.state.lock().map_err(|_| {
+                candle_core::Error::Msg("the expert tier's lock is poisoned".into())
+            })?;
+        let missing: Vec<usize> = routes
+            .iter()
+            .map(|&(e, _)| e)
+            .filter(|&e| !st.cache.contains(layer, e))
+            .collect();
+        if missing.is_empty() {
             return Ok(());
         }
-        let next = {
-            let mut st = lock()?;
-            if let Some(r) = st.routers.get_mut(layer) {
-                *r = Some((router.clone(), routing));
-            }
-            if x2.dim(0)? != 1 {
-                return Ok(());
-            }
-            st.routers
+        let (host_rate, link_rate) = (st.stats.host_bytes_per_s, st.stats.link_bytes_per_s);
+        let bytes: Vec<u64> = missing
+            .iter()
+            .map(|&e| Ok(store.unit(self.unit(layer, e)?).host_bytes()))
+            .collect::<Result<_>>()?;
+        let fetch = if self.tier.host_compute {
+            let costs: Vec<(f64, f64)> = bytes
                 .iter()
-                .enumerate()
-                .skip(layer + 1)
-                .find_map(|(n, r)| r.clone().map(|r| (n, r)))
+                .map(|&b| (b as f64 / host_rate, b as f64 / link_rate))
+                .collect();
+            split_missing(&costs)
+        } else {
+            vec![true; missing.len()]
         };
-        let Some((n, (next_router, next_routing))) = next else {
-            return Ok(());
-        };
-        // The next layer's router on this layer's rows (the residual stream changes little
-        // from one layer to the next).
-        let logits = router_logits(&next_router, x2)?.to_vec2::<f32>()?;
-        let Some(row) = logits.first() else {
-            return Ok(());
-        };
-        let mut st = lock()?;
-        for (e, _) in route_row(row, next_routing) {
-            if st.cache.contains(n, e) {
+        // The guess's experts are never each other's victims.
+        let protect: Vec<usize> = routes.iter().map(|&(e, _)| e).collect();
+        for ((&e, &b), f) in missing.iter().zip(&bytes).zip(fetch) {
+            if !f {
                 continue;
             }
-            let Some(victim) = st.cache.admit(n, e, &[]) else {
+            let Some(victim) = st.cache.admit(layer, e, &protect) else {
                 continue;
             };
             if let Some(v) = victim {
-                self.device.rt.evict_unit(self.unit(n, v)?)?;
+                st.guesses.remove(&(layer, v));
+                self.device.rt.evict_unit(self.unit(layer, v)?)?;
             }
-            self.device.rt.prefetch(self.unit(n, e)?)?;
+            self.device.rt.prefetch(self.unit(layer, e)?)?;
+            st.guesses.insert((layer, e));
             st.stats.prefetched += 1;
+            st.stats.host_bytes += b;
         }
         Ok(())
     }

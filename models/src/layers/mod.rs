@@ -29,7 +29,6 @@ pub use block::{FeedForward, PreNormBlock};
 pub use cache::{causal_mask, window_mask, Cache, KvCache, Masks};
 pub use linear::{linear, linear_2d, Linear, LinearWeight, LoraAdapter};
 pub use mlp::{Activation, GatedMlp};
-pub(crate) use moe::router_logits;
 pub use moe::{
     group_by_expert, route_row, BuildExpert, Expert, ExpertShape, ExpertSite, ExpertUnits, Experts,
     Routing, SharedExpert, SparseMoe,

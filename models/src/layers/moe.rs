@@ -121,15 +121,25 @@ pub trait ExpertUnits: Send + Sync {
         self.expert(layer, expert, build)
     }
 
-    /// `layer`'s router (with its routing) ran on `x2`, the layer's rows: where the next
-    /// layers' experts may be guessed from the same rows. Default: nothing.
-    fn routed(
+    /// `layer`'s router (with its routing), about to run on a step of `rows` rows: the router
+    /// of a later layer (that layer, its router and routing) whose experts the units would
+    /// have guessed from the same rows ([`guessed`](Self::guessed)), if any. The residual
+    /// stream changes little from one layer to the next, so the next layer's router applied
+    /// to this layer's input guesses its choice. Default: none.
+    fn guess_router(
         &self,
         _layer: usize,
         _router: &Linear,
         _routing: Routing,
-        _x2: &Tensor,
-    ) -> Result<()> {
+        _rows: usize,
+    ) -> Option<(usize, Linear, Routing)> {
+        None
+    }
+
+    /// `layer`'s experts as [`guess_router`](Self::guess_router)'s router chose them for the
+    /// step's row, once the step's own experts are enqueued (so that its own copies go
+    /// first): the units may fetch some ahead. Default: nothing.
+    fn guessed(&self, _layer: usize, _routes: &[(usize, f32)]) -> Result<()> {
         Ok(())
     }
 
@@ -288,22 +298,100 @@ impl SparseMoe {
         }
     }
 
+    /// Hands a decode step's guess for a later layer (`(layer, its routes)`) to the units.
+    fn guessed(
+        &self,
+        units: Option<&dyn ExpertUnits>,
+        guessed: Option<(usize, Vec<(usize, f32)>)>,
+    ) -> Result<()> {
+        match (units, guessed) {
+            (Some(units), Some((layer, routes))) => {
+                tracing::debug_span!("moe.guess").in_scope(|| units.guessed(layer, &routes))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The router's choice for each row of `x2` (rows, hidden), from its logits computed in
     /// F32 whatever the model's dtype.
     pub fn route(&self, x2: &Tensor) -> Result<Vec<Vec<(usize, f32)>>> {
-        let logits = router_logits(&self.router, x2)?.to_vec2::<f32>()?;
-        if logits
-            .first()
-            .is_some_and(|r| r.len() != self.routing.experts)
-        {
-            candle_core::bail!(
-                "layer {}: the router gives {} logits for {} experts",
-                self.layer,
-                logits[0].len(),
-                self.routing.experts
-            );
+        Ok(self.read_back(x2, None, false)?.routes)
+    }
+
+    /// [`route`](Self::route), with a later layer's guessed choice from the same rows
+    /// (`guess`: its router and routing) and the rows themselves in F32 on the host
+    /// (`rows_back`), all read back from the device in one copy: one wait for the device
+    /// a layer, before anything else is enqueued behind the router.
+    fn read_back(
+        &self,
+        x2: &Tensor,
+        guess: Option<(&Linear, Routing)>,
+        rows_back: bool,
+    ) -> Result<Readback> {
+        let mut parts = vec![router_logits(&self.router, x2)?];
+        if let Some((router, _)) = guess {
+            parts.push(router_logits(router, x2)?);
         }
-        Ok(logits.iter().map(|r| route_row(r, self.routing)).collect())
+        if rows_back {
+            parts.push(x2.to_dtype(DType::F32)?);
+        }
+        let widths = parts
+            .iter()
+            .map(|p| p.dim(1))
+            .collect::<Result<Vec<usize>>>()?;
+        let all = if parts.len() == 1 {
+            parts.remove(0)
+        } else {
+            Tensor::cat(&parts, 1)?
+        };
+        let all = all.to_vec2::<f32>()?;
+        let expected = [
+            Some(self.routing.experts),
+            guess.map(|(_, r)| r.experts),
+            rows_back.then(|| x2.dim(1)).transpose()?,
+        ];
+        for (got, want) in widths.iter().zip(expected.iter().flatten()) {
+            if got != want {
+                candle_core::bail!(
+                    "layer {}: the router gives {got} logits for {want} experts",
+                    self.layer
+                );
+            }
+        }
+        let (own, rest) = widths.split_first().expect("the router's logits");
+        let mut at = *own;
+        let routes = all
+            .iter()
+            .map(|r| route_row(&r[..*own], self.routing))
+            .collect();
+        let guess = match guess {
+            Some((_, routing)) => {
+                let w = rest[0];
+                let g = all
+                    .iter()
+                    .map(|r| route_row(&r[at..at + w], routing))
+                    .collect();
+                at += w;
+                Some(g)
+            }
+            None => None,
+        };
+        let x_host = if rows_back {
+            let h = x2.dim(1)?;
+            let flat: Vec<f32> = all.iter().flat_map(|r| r[at..at + h].to_vec()).collect();
+            Some(Tensor::from_vec(
+                flat,
+                (all.len(), h),
+                &candle_core::Device::Cpu,
+            )?)
+        } else {
+            None
+        };
+        Ok(Readback {
+            routes,
+            guess,
+            x_host,
+        })
     }
 
     /// [`forward`](Self::forward) on the CPU where every routed expert is a SiLU-gated MLP of
@@ -550,14 +638,26 @@ impl SparseMoe {
         let dims = xs.dims().to_vec();
         let h = xs.dim(D::Minus1)?;
         let x2 = xs.reshape(((), h))?;
-        let _layer =
-            tracing::debug_span!("moe.layer", layer = self.layer, rows = x2.dim(0)?).entered();
-        // The router's logits read back: on a device, this waits for the work before it.
-        let routes = tracing::debug_span!("moe.route").in_scope(|| self.route(&x2))?;
-        if let (Experts::Units(_), Some(units)) = (&self.experts, ctx.experts) {
-            tracing::debug_span!("moe.guess")
-                .in_scope(|| units.routed(self.layer, &self.router, self.routing, &x2))?;
-        }
+        let rows = x2.dim(0)?;
+        let _layer = tracing::debug_span!("moe.layer", layer = self.layer, rows).entered();
+        let units = match &self.experts {
+            Experts::Units(_) => ctx.experts,
+            Experts::InLayer(_) => None,
+        };
+        let guess =
+            units.and_then(|u| u.guess_router(self.layer, &self.router, self.routing, rows));
+        // A decode step's rows come back with the routers' logits, for the experts the host
+        // CPU may compute: read later, they would wait behind the fetches `place` enqueues.
+        let rows_back = units.is_some() && !x2.device().is_cpu() && rows <= ROWS_BACK_WITH_ROUTES;
+        // The routers' logits read back: on a device, this waits for the work before it.
+        let read = tracing::debug_span!("moe.route")
+            .in_scope(|| self.read_back(&x2, guess.as_ref().map(|(_, r, g)| (r, *g)), rows_back))?;
+        let (routes, mut read_rows) = (read.routes, read.x_host);
+        // The guess's layer and its choice for the step's row.
+        let guessed = match (guess, read.guess) {
+            (Some((layer, _, _)), Some(mut g)) if g.len() == 1 => Some((layer, g.remove(0))),
+            _ => None,
+        };
         let by_expert = group_by_expert(&routes);
         let routed: Vec<(usize, usize)> = by_expert.iter().map(|(&e, g)| (e, g.0.len())).collect();
         let placed = tracing::debug_span!("moe.place").in_scope(|| self.place(&routed, ctx))?;
@@ -576,21 +676,30 @@ impl SparseMoe {
                 Some(out) => Some(out),
                 None => Self::sum_experts(&x2, &all, fused)?,
             };
-            self.add_streamed(out, &x2, &by_expert, &placed, ctx, fused)?
+            let out = self.add_streamed(out, &x2, &by_expert, &placed, ctx, fused)?;
+            self.guessed(units, guessed)?;
+            out
         } else {
             let host = on(ExpertSite::Host);
-            // The rows reach the host before the device's experts are enqueued, so that the
-            // copy waits for nothing but the router.
+            // The rows reach the host before the device's experts are enqueued (read back with
+            // the routers' logits where the step is small).
             let x_host = if host.is_empty() {
                 None
             } else {
-                let _s = tracing::debug_span!("moe.to_host").entered();
-                Some(x2.to_device(&candle_core::Device::Cpu)?)
+                match read_rows.take() {
+                    Some(x) => Some(x),
+                    None => {
+                        let _s = tracing::debug_span!("moe.to_host").entered();
+                        Some(x2.to_device(&candle_core::Device::Cpu)?)
+                    }
+                }
             };
             let on_device = tracing::debug_span!("moe.device").in_scope(|| {
                 let d = Self::sum_experts(&x2, &on(ExpertSite::Device), fused)?;
                 self.add_streamed(d, &x2, &by_expert, &placed, ctx, fused)
             })?;
+            // The guessed experts' copies queue behind this step's own.
+            self.guessed(units, guessed)?;
             let on_host = match &x_host {
                 Some(x) => {
                     let _s = tracing::debug_span!("moe.host", experts = host.len()).entered();
@@ -625,11 +734,26 @@ impl SparseMoe {
     }
 }
 
+/// The most rows a step reads back with its routers' logits for the host CPU's experts
+/// (a decode step's); a larger step (a prompt's) copies them only where the host computes
+/// experts.
+const ROWS_BACK_WITH_ROUTES: usize = 16;
+
+/// What [`SparseMoe::read_back`] reads back.
+struct Readback {
+    /// Each row's experts and weights.
+    routes: Vec<Vec<(usize, f32)>>,
+    /// Each row's experts as a later layer's router chose them from the same rows.
+    guess: Option<Vec<Vec<(usize, f32)>>>,
+    /// The rows in F32 on the host.
+    x_host: Option<Tensor>,
+}
+
 /// A router's logits for the rows of `x2` (rows, hidden), computed in F32 whatever the
 /// model's dtype (as llama.cpp computes them): the choice of experts is discrete, and logits
 /// rounded to 16 bits tie or swap experts whose F32 logits differ by less than their spacing.
 /// `(rows, experts)` F32.
-pub(crate) fn router_logits(router: &Linear, x2: &Tensor) -> Result<Tensor> {
+fn router_logits(router: &Linear, x2: &Tensor) -> Result<Tensor> {
     let x = x2.to_dtype(DType::F32)?;
     match router.weight() {
         LinearWeight::Dense(w) if w.dtype() != DType::F32 => {
