@@ -66,7 +66,9 @@ case "$1" in
   call1)
     nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$OUT/gpus.txt"
     # gpu-run.sh's step: llama.cpp unpacked from a carried .lcbin/ (`save` below), or built.
-    OUT=$OUT nice -n 5 bash scripts/gpu-run.sh llamacpp > "$OUT/llamacpp.log" 2>&1 &
+    # gpu-run.sh unpacks every carried binary first: into a folder of its own, so that it
+    # never writes one this script is running ("Text file busy").
+    OUT=$OUT GPU_BIN=/tmp/bin-llamacpp-step nice -n 5 bash scripts/gpu-run.sh llamacpp > "$OUT/llamacpp.log" 2>&1 &
     lc=$!
     write
     xz -dc .gpu/test-integration.xz > /tmp/bin/test-integration && chmod +x /tmp/bin/test-integration
