@@ -147,7 +147,9 @@ fn main() -> Result<()> {
                 "definitions": {
                     "margin": "at the first difference, the request's own (alone) logits: its \
                                token's logit minus the batch's token's, from one pass over the \
-                               prompt and the tokens that agreed",
+                               prompt and a decode step per token that agreed (as the alone run \
+                               computed them: negative only where that run's own logits are not \
+                               reproduced)",
                 },
             }),
         )?;
@@ -195,8 +197,9 @@ fn drain(b: &mut Batcher, reqs: &[SeqRequest]) -> Result<Vec<Vec<u32>>> {
         .collect())
 }
 
-/// The margin between `ours` and `theirs` in the logits after `prompt` and `agreed`, run alone,
-/// and the top logit there.
+/// The margin between `ours` and `theirs` in the logits after `prompt` and `agreed`, run alone
+/// as the alone run ran them (one pass over the prompt, then one decode step per agreed
+/// token, so that the same kernels compute them), and the top logit there.
 fn margin_at(
     model: &Llama,
     device: &candle_core::Device,
@@ -205,14 +208,14 @@ fn margin_at(
     ours: u32,
     theirs: u32,
 ) -> Result<(f32, f32)> {
-    let ids: Vec<u32> = prompt.iter().chain(agreed).copied().collect();
     let mut cache = model.new_cache();
-    let x = Tensor::new(ids.as_slice(), device)?.unsqueeze(0)?;
-    let logits = model
-        .forward(&x, 0, &mut cache)?
-        .squeeze(0)?
-        .to_dtype(DType::F32)?
-        .to_vec1::<f32>()?;
+    let x = Tensor::new(prompt, device)?.unsqueeze(0)?;
+    let mut logits = model.forward(&x, 0, &mut cache)?;
+    for (i, &t) in agreed.iter().enumerate() {
+        let x = Tensor::new(&[t], device)?.unsqueeze(0)?;
+        logits = model.forward(&x, prompt.len() + i, &mut cache)?;
+    }
+    let logits = logits.squeeze(0)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
     let top = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     Ok((logits[ours as usize] - logits[theirs as usize], top))
 }
