@@ -6,13 +6,17 @@ use candle_offload::Tuning;
 
 /// Each environment variable the binaries read for tuning, with the [`Tuning::set`] key its
 /// value goes to.
-pub const TUNING_VARS: [(&str, &str); 15] = [
+pub const TUNING_VARS: [(&str, &str); 16] = [
     ("CANDLE_OFFLOAD_QLINEAR", "kernels.qlinear"),
     ("CANDLE_OFFLOAD_QLINEAR_K", "kernels.qlinear_k"),
     ("CANDLE_OFFLOAD_QLINEAR_K_ROWS", "kernels.qlinear_k_rows"),
     (
         "CANDLE_OFFLOAD_QLINEAR_K_SPLITS",
         "kernels.qlinear_k_splits",
+    ),
+    (
+        "CANDLE_OFFLOAD_QLINEAR_SMALL_ROWS",
+        "kernels.qlinear_small_rows",
     ),
     ("CANDLE_OFFLOAD_PREFILL_GEMM", "kernels.prefill_gemm"),
     (
@@ -104,7 +108,8 @@ mod tests {
     #[test]
     fn every_variable_reaches_its_key() {
         let values = [
-            "v2", "0", "2", "1", "off", "128", "false", "1", "0", "3", "0", "on", "0", "4", "16",
+            "v2", "0", "2", "1", "4", "off", "128", "false", "1", "0", "3", "0", "on", "0", "4",
+            "16",
         ];
         let pairs: Vec<(&str, &str)> = TUNING_VARS
             .iter()
@@ -117,6 +122,7 @@ mod tests {
         assert_eq!(k.qlinear.q8_0, candle_offload::QlinearVariant::V2);
         assert!(!k.qlinear_k && !k.prefill_gemm && !k.prompt_attention);
         assert_eq!((k.qlinear_k_rows, k.qlinear_k_splits), (2, 1));
+        assert_eq!(k.qlinear_small_rows, 4);
         assert_eq!(k.prefill_gemm_min_rows, 128);
         assert_eq!(k.cpu_kquants, Some(true));
         assert_eq!(k.cpu_prefetch_bytes, 0);

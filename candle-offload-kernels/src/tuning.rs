@@ -166,6 +166,10 @@ pub struct KernelTuning {
     /// Warps sharing each column group of the 8-bit K-quant kernels: 0 (chosen by the grid's
     /// size), 1 or 2.
     pub qlinear_k_splits: usize,
+    /// The most rows of x a quantized projection on a GPU takes through the library's decode
+    /// kernels (1 to [`QLINEAR_SMALL_ROWS`]); more rows go to Candle's quantized matmul (up to
+    /// 8 rows its MMVQ kernels: x quantized to 8 bits, integer dot products).
+    pub qlinear_small_rows: usize,
     /// A prompt's quantized projections on a GPU through 16-bit weights and cuBLAS, from
     /// [`Self::prefill_gemm_min_rows`] rows (off: the GGML kernels at any rows).
     pub prefill_gemm: bool,
@@ -190,6 +194,10 @@ pub struct KernelTuning {
     pub grouped_experts: bool,
 }
 
+/// The most rows of x the library's GPU decode kernels take
+/// ([`KernelTuning::qlinear_small_rows`]'s default and bound).
+pub const QLINEAR_SMALL_ROWS: usize = crate::util::LINEAR_SMALL_MAX_ROWS;
+
 /// Threads from which the CPU K-quant loop ([`KernelTuning::cpu_kquants`]) beats Candle's
 /// repacked tiles (docs/tuning.md).
 pub const KQUANT_MIN_THREADS: usize = 12;
@@ -209,6 +217,7 @@ impl Default for KernelTuning {
             qlinear_k: true,
             qlinear_k_rows: 1,
             qlinear_k_splits: 0,
+            qlinear_small_rows: QLINEAR_SMALL_ROWS,
             prefill_gemm: true,
             prefill_gemm_min_rows: PREFILL_GEMM_MIN_ROWS,
             prompt_attention: true,

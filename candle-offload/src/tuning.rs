@@ -127,11 +127,12 @@ impl Tuning {
     }
 
     /// Every key [`Self::set`] takes.
-    pub const KEYS: [&'static str; 18] = [
+    pub const KEYS: [&'static str; 19] = [
         "kernels.qlinear",
         "kernels.qlinear_k",
         "kernels.qlinear_k_rows",
         "kernels.qlinear_k_splits",
+        "kernels.qlinear_small_rows",
         "kernels.prefill_gemm",
         "kernels.prefill_gemm_min_rows",
         "kernels.prompt_attention",
@@ -178,6 +179,7 @@ impl Tuning {
             "kernels.qlinear_k" => k.qlinear_k = flag()?,
             "kernels.qlinear_k_rows" => k.qlinear_k_rows = number()?,
             "kernels.qlinear_k_splits" => k.qlinear_k_splits = number()?,
+            "kernels.qlinear_small_rows" => k.qlinear_small_rows = number()?,
             "kernels.prefill_gemm" => k.prefill_gemm = flag()?,
             "kernels.prefill_gemm_min_rows" => k.prefill_gemm_min_rows = number()?,
             "kernels.prompt_attention" => k.prompt_attention = flag()?,
@@ -228,9 +230,15 @@ impl Tuning {
     /// through it), for a value built, set or deserialized.
     pub fn validate(&self) -> Result<(), TuningError> {
         let k = &self.kernels;
-        let checks: [(&str, usize, usize, usize); 6] = [
+        let checks: [(&str, usize, usize, usize); 7] = [
             ("kernels.qlinear_k_rows", k.qlinear_k_rows, 1, 2),
             ("kernels.qlinear_k_splits", k.qlinear_k_splits, 0, 2),
+            (
+                "kernels.qlinear_small_rows",
+                k.qlinear_small_rows,
+                1,
+                candle_offload_kernels::tuning::QLINEAR_SMALL_ROWS,
+            ),
             (
                 "kernels.prefill_gemm_min_rows",
                 k.prefill_gemm_min_rows,
@@ -308,6 +316,8 @@ mod tests {
             ("kernels.qlinear", "v5"),
             ("kernels.qlinear_k_rows", "3"),
             ("kernels.qlinear_k_splits", "-1"),
+            ("kernels.qlinear_small_rows", "0"),
+            ("kernels.qlinear_small_rows", "9"),
             ("kernels.prefill_gemm", "maybe"),
             ("kernels.cpu_prefetch_bytes", "65537"),
             ("kernels.prefill_gemm_min_rows", "8"),

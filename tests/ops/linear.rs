@@ -334,6 +334,54 @@ test_device!(
     ops_qlinear_small_gpu
 );
 
+/// `KernelTuning::qlinear_small_rows` bounds the rows the GGML-block decode kernels take: past
+/// it `qlinear_small` and its gate/up form run the composition (on a GPU Candle's quantized
+/// matmul, x quantized to 8 bits), within 5e-2 of x times the dequantized weights; on the CPU
+/// no decode kernel fits at all.
+fn qlinear_small_rows_bound_the_kernels(device: &Device) -> anyhow::Result<()> {
+    let k = 512;
+    for limit in [1usize, 2, 4] {
+        let mut tun = KernelTuning::default();
+        tun.qlinear_small_rows = limit;
+        for qtype in [GgmlDType::Q4K, GgmlDType::Q8_0] {
+            let w = |seed| -> anyhow::Result<QTensor> {
+                let w = random(
+                    &[64, k],
+                    1.0 / (k as f32).sqrt(),
+                    seed,
+                    DType::F32,
+                    &Device::Cpu,
+                )?;
+                Ok(QTensor::quantize_onto(&w, qtype, device)?)
+            };
+            let (a, b) = (w(1300)?, w(1301)?);
+            let dense = |x: &Tensor, q: &QTensor| -> anyhow::Result<Tensor> {
+                Ok(x.broadcast_matmul(&q.dequantize(device)?.t()?)?)
+            };
+            for rows in [1usize, 2, 3, 4, 8] {
+                let x = random(&[rows, k], 1.0, 1200 + rows as u64, DType::F32, device)?;
+                let fits = linear::qlinear_small_fits(&x, &[&a], &tun)?;
+                anyhow::ensure!(
+                    fits == (device.is_cuda() && rows <= limit),
+                    "{qtype:?}, {rows} rows, at most {limit}: fits {fits}"
+                );
+                let d = rel_diff(&linear::qlinear_small(&x, &a, &tun)?, &dense(&x, &a)?)?;
+                anyhow::ensure!(d <= 5e-2, "{qtype:?}, {rows} rows, at most {limit}: {d}");
+                let got = linear::qlinear_silu_mul(&x, &a, &b, &tun)?;
+                let want = activation::silu_mul_unfused(&dense(&x, &a)?, &dense(&x, &b)?)?;
+                let d = rel_diff(&got, &want)?;
+                anyhow::ensure!(d <= 5e-2, "{qtype:?} gate/up, {rows} rows: {d}");
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    qlinear_small_rows_bound_the_kernels,
+    ops_qlinear_small_rows_cpu,
+    ops_qlinear_small_rows_gpu
+);
+
 /// The K-quant kernels, Q4_K and Q6_K (on by default, `KernelTuning::qlinear_k`): `qlinear_small`,
 /// its q/k/v form and its gate/up form against x times the dequantized super-blocks in F32. On a GPU with the
 /// kernel on: converting to floats (variant 2 forced), within the usual tolerances, and the

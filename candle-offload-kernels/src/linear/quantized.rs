@@ -29,7 +29,7 @@ pub fn qlinear_small_fits(x: &Tensor, ws: &[&QTensor], tuning: &KernelTuning) ->
     Ok(x.device().is_cuda()
         && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
         && rows > 0
-        && rows <= LINEAR_SMALL_MAX_ROWS
+        && rows <= tuning.qlinear_small_rows.min(LINEAR_SMALL_MAX_ROWS)
         && k.is_multiple_of(first.dtype().block_size())
         && qlinear_small_type(first.dtype()).is_some()
         && (!is_qlinear_k_type(first.dtype()) || tuning.qlinear_k)
