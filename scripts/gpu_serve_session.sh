@@ -24,7 +24,9 @@
 #   16 requests' 32 greedy tokens alone and in one batch (bench batch_parity): where they first
 #   differ and the logit margin there -> parity.json.
 # The environment reaches both servers: e.g. CANDLE_OFFLOAD_RAGGED_GRAPHS=1 SERVE_TAG=-graphs
-# for ours with the ragged steps' graphs, its files named with the tag.
+# for ours with the ragged steps' graphs, its files named with the tag, or
+# CANDLE_OFFLOAD_QLINEAR_SMALL_ROWS=2 SERVE_TAG=-mmvq for steps of 3-8 sequences through
+# Candle's MMVQ kernels.
 # Each call leaves $OUT/CALL.tgz with its logs and JSON.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296
