@@ -98,6 +98,7 @@ SOURCES = {
         "2026-12-06/2026-12-06-moe-cpu-small-q8_0-runs-f0eae8a.json",
         "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-silu-vectorized-44f236f.json",
         "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-softmax-exp-four-runs-pooled-c124452.json",
+        "2026-12-06/2026-12-06-moe-cpu-small-q8_0-readback-2807321.json",
     ],
     # bench_generate on random Qwen3-8B- and Gemma-3-12B-shaped GGUFs (gpu-run.sh gguf_qwen3_8b,
     # gguf_gemma3_12b, qbench), llama.cpp on the same file in the same process.
