@@ -33,6 +33,8 @@
 #   mixture-of-experts layers' spans (route and its wait for the device, guess, place, device,
 #   to_host, host, merge), then scripts/span_times.py over the decode rows ->
 #   spans-ROUTING-BUDGET.json (a diagnostic, not a row; SPLIT and PREFETCH as for bench).
+#   SPANS_LOG replaces the log filter, e.g. adding `candle_offload=debug` for the runtime's
+#   own spans inside `place` (offload.acquire, offload.h2d, offload.evict).
 # Each call leaves $OUT/CALL.tgz with its logs and JSON.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296
@@ -128,7 +130,7 @@ case "$1" in
     for b in ${2//,/ }; do
       name="spans-$ROUTING-${b}gib${SPLIT:+-split-$SPLIT}${PREFETCH:+-prefetch}"
       el "$name"
-      (cd /tmp && RUST_LOG="warn,candle_offload_models::layers::moe=debug" timeout "${BENCH_S:-200}" \
+      (cd /tmp && RUST_LOG="${SPANS_LOG:-warn,candle_offload_models::layers::moe=debug}" timeout "${BENCH_S:-200}" \
         /tmp/bin/bench_generate --model-dir "$f" --quantized --weights "$name" --budgets "$b" \
         --prompt-lens 64 --new-tokens "${NEW_TOKENS:-16}" --expert-split "${SPLIT:-auto}" \
         ${PREFETCH:+--expert-prefetch} -vv --json-out "$OUT/$name-bench.json") > "$OUT/$name.log" 2>&1
