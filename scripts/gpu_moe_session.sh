@@ -15,7 +15,7 @@
 # Bench calls (carry .gpu/bench_generate.xz, .gpu/COMMIT):
 #   `bash scripts/gpu_moe_session.sh bench WEIGHTS BUDGETS PROMPTS`
 #   e.g. `bench q8_0 4,8,12 64`: ours and llama.cpp on /tmp/gguf/moe-ROUTING-WEIGHTS.gguf at
-#   each budget and prompt length (POLICY=lfu, PREFETCH=1 for the other expert options,
+#   each budget and prompt length (POLICY=lfu, PREFETCH=1 and GUESS=N (layers guessed ahead) for the other expert options,
 #   SPLIT=fetch for every missing expert fetched instead of the split's choice,
 #   PER_EXPERT=1 for each expert's own decode matmuls instead of the grouped launches)
 #   -> $OUT/moe-ROUTING-WEIGHTS-pPROMPTS-POLICY.json (bench_generate's
@@ -109,13 +109,14 @@ case "$1" in
     while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 10; done
     grep -v "^+" /tmp/moe-write.log; ls -la /tmp/gguf
     [[ -x /tmp/llamacpp/build/bin/llama-bench ]] || { echo "no llama-bench (call1 first)"; exit 1; }
-    name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${PREFETCH:+-prefetch}${SPLIT:+-split-$SPLIT}${PER_EXPERT:+-per-expert}"
+    name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${PREFETCH:+-prefetch}${GUESS:+-guess$GUESS}${SPLIT:+-split-$SPLIT}${PER_EXPERT:+-per-expert}"
     el "bench $name at $budgets"
     (cd /tmp && timeout "${BENCH_S:-560}" /tmp/bin/bench_generate --model-dir "$f" --quantized \
       --weights "qwen3-30b-a3b-$w-$ROUTING" --model-name "qwen3-30b-a3b-$w" --routing "$ROUTING" \
       --budgets "$budgets" --prompt-lens "$prompts" \
       --new-tokens "${NEW_TOKENS:-16}" --llamacpp-bin /tmp/llamacpp/build/bin --llamacpp-moe \
       --llamacpp-reps 2 --expert-policy "${POLICY:-lru}" ${PREFETCH:+--expert-prefetch} \
+      ${GUESS:+--expert-guess-layers $GUESS} \
       ${PER_EXPERT:+--per-expert} --expert-split "${SPLIT:-auto}" \
       --json-out "$OUT/$name.json") > "$OUT/$name.log" 2>&1
     echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:|llama.cpp -ngl" "$OUT/$name.log" | tail -20
@@ -128,12 +129,13 @@ case "$1" in
     while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 5; done
     [[ -f $f ]] || { echo "no $f (write first)"; exit 1; }
     for b in ${2//,/ }; do
-      name="spans-$ROUTING-${b}gib${SPLIT:+-split-$SPLIT}${PREFETCH:+-prefetch}"
+      name="spans-$ROUTING-${b}gib${SPLIT:+-split-$SPLIT}${PREFETCH:+-prefetch}${GUESS:+-guess$GUESS}"
       el "$name"
       (cd /tmp && RUST_LOG="${SPANS_LOG:-warn,candle_offload_models::layers::moe=debug}" timeout "${BENCH_S:-200}" \
         /tmp/bin/bench_generate --model-dir "$f" --quantized --weights "$name" --budgets "$b" \
         --prompt-lens 64 --new-tokens "${NEW_TOKENS:-16}" --expert-split "${SPLIT:-auto}" \
-        ${PREFETCH:+--expert-prefetch} -vv --json-out "$OUT/$name-bench.json") > "$OUT/$name.log" 2>&1
+        ${PREFETCH:+--expert-prefetch} ${GUESS:+--expert-guess-layers $GUESS} -vv \
+        --json-out "$OUT/$name-bench.json") > "$OUT/$name.log" 2>&1
       echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:" "$OUT/$name.log" | tail -4
       python3 "$R/scripts/span_times.py" "$OUT/$name.log" --parent moe.layer --match "rows=1}" \
         --json "$FINAL/$name.json"

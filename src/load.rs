@@ -139,6 +139,10 @@ pub struct LoadArgs {
     /// for the current layer's input.
     #[arg(long)]
     pub expert_prefetch: bool,
+    /// With --expert-prefetch, how many of the next mixture-of-experts layers a decode step
+    /// guesses for (each router on the current layer's input).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
+    pub expert_guess_layers: u16,
     /// Settings file (YAML): `memory.offload_strategy`, `memory.max_gpu_memory`,
     /// `memory.max_cpu_memory` and a `tuning:` section (docs/tuning.md).
     #[arg(long)]
@@ -409,7 +413,8 @@ impl LoadArgs {
                 self.expert_policy,
                 self.expert_split,
             )
-            .with_prefetch(self.expert_prefetch),
+            .with_prefetch(self.expert_prefetch)
+            .with_guess_layers(usize::from(self.expert_guess_layers)),
             ..Default::default()
         };
         if target.rank.is_some() && host_layers_choice != HostLayers::None {

@@ -314,22 +314,26 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
     for name in ["mixtral", "qwen3_moe_mixed", "qwen2_moe"] {
         let files = loader::from_dir(&dir.join(name))?;
         let want = reference(&dir.join(name))?;
-        for (policy, prefetch, split) in [
-            (ExpertPolicy::Lru, false, ExpertSplit::On),
+        for (policy, prefetch, split, guess) in [
+            (ExpertPolicy::Lru, false, ExpertSplit::On, 1),
             (
                 ExpertPolicy::Lfu { half_life: 64.0 },
                 false,
                 ExpertSplit::On,
+                1,
             ),
-            (ExpertPolicy::Lru, true, ExpertSplit::On),
-            (ExpertPolicy::Lru, false, ExpertSplit::Fetch),
-            (ExpertPolicy::Lru, true, ExpertSplit::Fetch),
+            (ExpertPolicy::Lru, true, ExpertSplit::On, 1),
+            (ExpertPolicy::Lru, false, ExpertSplit::Fetch, 1),
+            (ExpertPolicy::Lru, true, ExpertSplit::Fetch, 1),
+            (ExpertPolicy::Lru, true, ExpertSplit::Fetch, 2),
         ] {
             let m = half_experts_model(
                 &files,
                 device,
                 false,
-                ExpertOptions::new(policy, split).with_prefetch(prefetch),
+                ExpertOptions::new(policy, split)
+                    .with_prefetch(prefetch)
+                    .with_guess_layers(guess),
             )?;
             assert!(m.warm_up()? > 0, "the host's copies of the experts");
             for pass in 0..2 {

@@ -324,7 +324,7 @@ pub fn split_missing(costs: &[(f64, f64)]) -> Vec<bool> {
 }
 
 /// What a mixture-of-experts model's expert cache does ([`OffloadConfig::experts`](crate::OffloadConfig::experts)).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub struct ExpertOptions {
     /// How the cache chooses the expert to evict.
@@ -335,21 +335,38 @@ pub struct ExpertOptions {
     /// layer's router picks for the current layer's input (they take slots, the policy's
     /// victims evicted), so that the guesses that come true are hits.
     pub prefetch: bool,
+    /// With [`Self::prefetch`], how many of the next mixture-of-experts layers a decode step
+    /// guesses for, each router on the current layer's rows (at least 1): further guesses keep
+    /// the link busy while the device and the host work, and come true less often.
+    pub guess_layers: usize,
+}
+
+impl Default for ExpertOptions {
+    fn default() -> Self {
+        Self::new(ExpertPolicy::default(), ExpertSplit::default())
+    }
 }
 
 impl ExpertOptions {
-    /// Options with `policy` and `split`, without prefetch.
+    /// Options with `policy` and `split`, without prefetch (one layer guessed when it is on).
     pub fn new(policy: ExpertPolicy, split: ExpertSplit) -> Self {
         Self {
             policy,
             split,
             prefetch: false,
+            guess_layers: 1,
         }
     }
 
     /// These options with the next layer's experts prefetched or not.
     pub fn with_prefetch(mut self, on: bool) -> Self {
         self.prefetch = on;
+        self
+    }
+
+    /// These options with the next `n` mixture-of-experts layers guessed (at least 1).
+    pub fn with_guess_layers(mut self, n: usize) -> Self {
+        self.guess_layers = n.max(1);
         self
     }
 }

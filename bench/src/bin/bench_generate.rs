@@ -66,6 +66,9 @@ struct Args {
     /// Prefetch the next layer's guessed experts in decode steps (`ExpertOptions::prefetch`).
     #[arg(long)]
     expert_prefetch: bool,
+    /// With --expert-prefetch, the mixture-of-experts layers ahead a decode step guesses for.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
+    expert_guess_layers: u16,
     /// Run a decode row's routed experts one by one instead of through the grouped kernels
     /// (`KernelTuning::grouped_experts` off).
     #[arg(long)]
@@ -360,7 +363,8 @@ fn main() -> Result<()> {
                     args.expert_policy,
                     args.expert_split,
                 )
-                .with_prefetch(args.expert_prefetch),
+                .with_prefetch(args.expert_prefetch)
+                .with_guess_layers(usize::from(args.expert_guess_layers)),
                 ..Default::default()
             };
             let mut model = Llama::builder(&files, store.clone())
@@ -872,6 +876,7 @@ fn main() -> Result<()> {
                 "graph_last_reason": graph_stats.last_reason,
                 "expert_policy": format!("{:?}", args.expert_policy),
                 "expert_prefetch": args.expert_prefetch,
+                "expert_guess_layers": args.expert_guess_layers,
                 "expert_split": format!("{:?}", args.expert_split),
                 "decode_tokens": if decode_feed.is_some() { "random" } else { "greedy" },
             });

@@ -184,8 +184,10 @@ pub(crate) struct ExpertTier {
     /// Whether missing experts may stream through the device runtime's room for copies in
     /// flight (a prefetch depth of at least 1 keeps a largest unit's room free).
     can_stream: bool,
-    /// Whether a decode step prefetches the next layer's guessed experts.
+    /// Whether a decode step prefetches the next layers' guessed experts.
     prefetch: bool,
+    /// How many of the next mixture-of-experts layers a decode step guesses for.
+    guess_layers: usize,
     /// Whether missing experts may run on the host CPU ([`ExpertSplit::Fetch`]: none does,
     /// but where the device can take none either).
     host_compute: bool,
@@ -298,6 +300,7 @@ impl ExpertTier {
             host,
             can_stream: sizing.can_stream,
             prefetch: options.prefetch,
+            guess_layers: options.guess_layers.max(1),
             host_compute: options.split != ExpertSplit::Fetch,
             state: Mutex::new(TierState {
                 cache: ExpertCache::new(options.policy, x.count, &slots),
@@ -482,29 +485,33 @@ impl ExpertUnits for SplitExperts<'_> {
         self.device.expert(layer, expert, build)
     }
 
-    fn guess_router(
+    fn guess_routers(
         &self,
         layer: usize,
         router: &Linear,
         routing: Routing,
         rows: usize,
-    ) -> Option<(usize, Linear, Routing)> {
+    ) -> Vec<(usize, Linear, Routing)> {
         if !self.tier.prefetch {
             // The routers are kept only for the guess.
-            return None;
+            return Vec::new();
         }
-        let mut st = self.tier.state.lock().ok()?;
+        let Ok(mut st) = self.tier.state.lock() else {
+            return Vec::new();
+        };
         if let Some(r) = st.routers.get_mut(layer) {
             *r = Some((router.clone(), routing));
         }
         if rows != 1 {
-            return None;
+            return Vec::new();
         }
         st.routers
             .iter()
             .enumerate()
             .skip(layer + 1)
-            .find_map(|(n, r)| r.clone().map(|(l, g)| (n, l, g)))
+            .filter_map(|(n, r)| r.clone().map(|(l, g)| (n, l, g)))
+            .take(self.tier.guess_layers)
+            .collect()
     }
 
     /// Fetches the guessed experts that the split gives the link, as `place` would split

@@ -121,23 +121,23 @@ pub trait ExpertUnits: Send + Sync {
         self.expert(layer, expert, build)
     }
 
-    /// `layer`'s router (with its routing), about to run on a step of `rows` rows: the router
-    /// of a later layer (that layer, its router and routing) whose experts the units would
-    /// have guessed from the same rows ([`guessed`](Self::guessed)), if any. The residual
-    /// stream changes little from one layer to the next, so the next layer's router applied
+    /// `layer`'s router (with its routing), about to run on a step of `rows` rows: the routers
+    /// of later layers (each layer, its router and routing, nearest first) whose experts the
+    /// units would have guessed from the same rows ([`guessed`](Self::guessed)). The residual
+    /// stream changes little from one layer to the next, so a later layer's router applied
     /// to this layer's input guesses its choice. Default: none.
-    fn guess_router(
+    fn guess_routers(
         &self,
         _layer: usize,
         _router: &Linear,
         _routing: Routing,
         _rows: usize,
-    ) -> Option<(usize, Linear, Routing)> {
-        None
+    ) -> Vec<(usize, Linear, Routing)> {
+        Vec::new()
     }
 
-    /// `layer`'s experts as [`guess_router`](Self::guess_router)'s router chose them for the
-    /// step's row, once the step's own experts are enqueued (so that its own copies go
+    /// `layer`'s experts as one of [`guess_routers`](Self::guess_routers)' routers chose them
+    /// for the step's row, once the step's own experts are enqueued (so that its own copies go
     /// first): the units may fetch some ahead. Default: nothing.
     fn guessed(&self, _layer: usize, _routes: &[(usize, f32)]) -> Result<()> {
         Ok(())
@@ -298,38 +298,44 @@ impl SparseMoe {
         }
     }
 
-    /// Hands a decode step's guess for a later layer (`(layer, its routes)`) to the units.
+    /// Hands a decode step's guesses for later layers (`(layer, its routes)`, nearest first)
+    /// to the units.
     fn guessed(
         &self,
         units: Option<&dyn ExpertUnits>,
-        guessed: Option<(usize, Vec<(usize, f32)>)>,
+        guessed: Vec<(usize, Vec<(usize, f32)>)>,
     ) -> Result<()> {
-        match (units, guessed) {
-            (Some(units), Some((layer, routes))) => {
-                tracing::debug_span!("moe.guess").in_scope(|| units.guessed(layer, &routes))
-            }
-            _ => Ok(()),
+        let Some(units) = units else {
+            return Ok(());
+        };
+        if guessed.is_empty() {
+            return Ok(());
         }
+        let _s = tracing::debug_span!("moe.guess").entered();
+        for (layer, routes) in guessed {
+            units.guessed(layer, &routes)?;
+        }
+        Ok(())
     }
 
     /// The router's choice for each row of `x2` (rows, hidden), from its logits computed in
     /// F32 whatever the model's dtype.
     pub fn route(&self, x2: &Tensor) -> Result<Vec<Vec<(usize, f32)>>> {
-        Ok(self.read_back(x2, None, false)?.routes)
+        Ok(self.read_back(x2, &[], false)?.routes)
     }
 
-    /// [`route`](Self::route), with a later layer's guessed choice from the same rows
-    /// (`guess`: its router and routing) and the rows themselves in F32 on the host
+    /// [`route`](Self::route), with later layers' guessed choices from the same rows
+    /// (`guess`: their routers and routings) and the rows themselves in F32 on the host
     /// (`rows_back`), all read back from the device in one copy: one wait for the device
     /// a layer, before anything else is enqueued behind the router.
     fn read_back(
         &self,
         x2: &Tensor,
-        guess: Option<(&Linear, Routing)>,
+        guess: &[(&Linear, Routing)],
         rows_back: bool,
     ) -> Result<Readback> {
         let mut parts = vec![router_logits(&self.router, x2)?];
-        if let Some((router, _)) = guess {
+        for (router, _) in guess {
             parts.push(router_logits(router, x2)?);
         }
         if rows_back {
@@ -345,12 +351,11 @@ impl SparseMoe {
             Tensor::cat(&parts, 1)?
         };
         let all = all.to_vec2::<f32>()?;
-        let expected = [
-            Some(self.routing.experts),
-            guess.map(|(_, r)| r.experts),
-            rows_back.then(|| x2.dim(1)).transpose()?,
-        ];
-        for (got, want) in widths.iter().zip(expected.iter().flatten()) {
+        let expected: Vec<usize> = std::iter::once(self.routing.experts)
+            .chain(guess.iter().map(|(_, r)| r.experts))
+            .chain(rows_back.then(|| x2.dim(1)).transpose()?)
+            .collect();
+        for (got, want) in widths.iter().zip(&expected) {
             if got != want {
                 candle_core::bail!(
                     "layer {}: the router gives {got} logits for {want} experts",
@@ -364,18 +369,18 @@ impl SparseMoe {
             .iter()
             .map(|r| route_row(&r[..*own], self.routing))
             .collect();
-        let guess = match guess {
-            Some((_, routing)) => {
-                let w = rest[0];
+        let guess = guess
+            .iter()
+            .zip(rest)
+            .map(|(&(_, routing), &w)| {
                 let g = all
                     .iter()
                     .map(|r| route_row(&r[at..at + w], routing))
                     .collect();
                 at += w;
-                Some(g)
-            }
-            None => None,
-        };
+                g
+            })
+            .collect();
         let x_host = if rows_back {
             let h = x2.dim(1)?;
             let flat: Vec<f32> = all.iter().flat_map(|r| r[at..at + h].to_vec()).collect();
@@ -644,20 +649,23 @@ impl SparseMoe {
             Experts::Units(_) => ctx.experts,
             Experts::InLayer(_) => None,
         };
-        let guess =
-            units.and_then(|u| u.guess_router(self.layer, &self.router, self.routing, rows));
+        let guess = units.map_or_else(Vec::new, |u| {
+            u.guess_routers(self.layer, &self.router, self.routing, rows)
+        });
         // A decode step's rows come back with the routers' logits, for the experts the host
         // CPU may compute: read later, they would wait behind the fetches `place` enqueues.
         let rows_back = units.is_some() && !x2.device().is_cpu() && rows <= ROWS_BACK_WITH_ROUTES;
         // The routers' logits read back: on a device, this waits for the work before it.
+        let routers: Vec<(&Linear, Routing)> = guess.iter().map(|(_, r, g)| (r, *g)).collect();
         let read = tracing::debug_span!("moe.route")
-            .in_scope(|| self.read_back(&x2, guess.as_ref().map(|(_, r, g)| (r, *g)), rows_back))?;
+            .in_scope(|| self.read_back(&x2, &routers, rows_back))?;
         let (routes, mut read_rows) = (read.routes, read.x_host);
-        // The guess's layer and its choice for the step's row.
-        let guessed = match (guess, read.guess) {
-            (Some((layer, _, _)), Some(mut g)) if g.len() == 1 => Some((layer, g.remove(0))),
-            _ => None,
-        };
+        // Each guessed layer and its choice for the step's row.
+        let guessed: Vec<(usize, Vec<(usize, f32)>)> = guess
+            .iter()
+            .zip(read.guess)
+            .filter_map(|(&(layer, _, _), mut g)| (g.len() == 1).then(|| (layer, g.remove(0))))
+            .collect();
         let by_expert = group_by_expert(&routes);
         let routed: Vec<(usize, usize)> = by_expert.iter().map(|(&e, g)| (e, g.0.len())).collect();
         let placed = tracing::debug_span!("moe.place").in_scope(|| self.place(&routed, ctx))?;
@@ -743,8 +751,8 @@ const ROWS_BACK_WITH_ROUTES: usize = 16;
 struct Readback {
     /// Each row's experts and weights.
     routes: Vec<Vec<(usize, f32)>>,
-    /// Each row's experts as a later layer's router chose them from the same rows.
-    guess: Option<Vec<Vec<(usize, f32)>>>,
+    /// Per guessed layer, each row's experts as its router chose them from the same rows.
+    guess: Vec<Vec<Vec<(usize, f32)>>>,
     /// The rows in F32 on the host.
     x_host: Option<Tensor>,
 }
