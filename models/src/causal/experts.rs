@@ -567,6 +567,10 @@ impl ExpertUnits for SplitExperts<'_> {
         Ok(())
     }
 
+    fn host_computes(&self) -> bool {
+        self.tier.host_compute
+    }
+
     fn streamed(&self, layer: usize, expert: usize) -> Result<()> {
         // Out again once its use is done (the runtime's eviction waits for it), so that the
         // next one takes its room and the cache's experts stay.

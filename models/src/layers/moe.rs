@@ -143,6 +143,12 @@ pub trait ExpertUnits: Send + Sync {
         Ok(())
     }
 
+    /// Whether [`place`](Self::place) may leave experts to the host CPU ([`ExpertSite::Host`]):
+    /// a decode step then reads its rows back with the routers' logits. Default: no.
+    fn host_computes(&self) -> bool {
+        false
+    }
+
     /// A streamed expert's use is enqueued and its guard dropped: the device may let it go.
     fn streamed(&self, _layer: usize, _expert: usize) -> Result<()> {
         Ok(())
@@ -654,7 +660,9 @@ impl SparseMoe {
         });
         // A decode step's rows come back with the routers' logits, for the experts the host
         // CPU may compute: read later, they would wait behind the fetches `place` enqueues.
-        let rows_back = units.is_some() && !x2.device().is_cpu() && rows <= ROWS_BACK_WITH_ROUTES;
+        let rows_back = units.is_some_and(|u| u.host_computes())
+            && !x2.device().is_cpu()
+            && rows <= ROWS_BACK_WITH_ROUTES;
         // The routers' logits read back: on a device, this waits for the work before it.
         let routers: Vec<(&Linear, Routing)> = guess.iter().map(|(_, r, g)| (r, *g)).collect();
         let read = tracing::debug_span!("moe.route")
