@@ -612,6 +612,12 @@ def measured(r):
     return f"{r['date']}, {where}`{r['commit'][:7]}`, [json]({r['source']})"
 
 
+def peak_cell(r):
+    """A row's peak, with its budget where it had one, marked where it went over."""
+    peak = fmt(r["peak_mib"]) + (f" ({fmt(r['budget_mib'])})" if r["budget_mib"] else "")
+    return peak + (" **over**" if r["within_budget"] is False else "")
+
+
 def by_key(rows, *fields):
     out = {}
     for r in rows:
@@ -627,9 +633,7 @@ def generation_rows(rows, label):
         d = next((r for r in rs if r["metric"] == "decode_tokens_per_s"), None)
         f = next((r for r in rs if r["metric"] == "prefill_tokens_per_s"), None)
         any_r = d or f
-        peak = fmt(any_r["peak_mib"]) + (f" ({fmt(any_r['budget_mib'])})" if any_r["budget_mib"] else "")
-        if any_r["within_budget"] is False:
-            peak += " **over**"
+        peak = peak_cell(any_r)
         out.append(
             f"| {label(model)} | {w} | {budget_label(b)} | {p} | "
             f"{fmt(d['ours']) + ' / ' + fmt(d['peer_value']) if d else '-'} | "
@@ -817,10 +821,7 @@ def render_benchmarks(rows):
             "| --- | --- | --- | --- | --- | ---: | --- | --- |",
         ]
         for r in lora + lora_off:
-            peak = (f"{fmt(r['peak_mib'])} ({fmt(r['budget_mib'])})" if r["budget_mib"]
-                    else fmt(r["peak_mib"]))
-            if r["within_budget"] is False:
-                peak += " **over**"
+            peak = peak_cell(r)
             L.append(f"| {r['model']} | {r['weights']} | {budget_label(r['budget_gib'])} | "
                      f"{fmt(r['ours'], 3)} / {fmt(r['peer_value'], 3)} | {r['peer']} | "
                      f"**{fmt(r['ratio'])}** | {peak} | {measured(r)} |")
@@ -844,10 +845,7 @@ def render_benchmarks(rows):
         for (model, b), rs in by_key(serve, "model", "budget_gib").items():
             t = next(r for r in rs if r["metric"] == "total_tokens_per_s")
             f = next(r for r in rs if r["metric"] == "ttft_p50_s")
-            peak = (f"{fmt(t['peak_mib'])} ({fmt(t['budget_mib'])})" if t["budget_mib"]
-                    else fmt(t["peak_mib"]))
-            if t["within_budget"] is False:
-                peak += " **over**"
+            peak = peak_cell(t)
             L.append(f"| {budget_label(b)} | {model.split(', ')[1].split()[0]} | "
                      f"{fmt(t['ours'])} / {fmt(t['peer_value'])} | **{fmt(t['ratio'])}** | "
                      f"{fmt(f['ours'], 3)} / {fmt(f['peer_value'], 3)} | **{fmt(f['ratio'])}** | "
