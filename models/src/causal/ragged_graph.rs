@@ -147,11 +147,7 @@ impl CausalLm {
             seqs.iter_mut().map(|s| &mut *s.cache).collect();
         // Run twice (a warm-up, then captured): each run starts from the same positions.
         let captured = stage.rt.capture_step(|| {
-            for (c, &pos) in caches.iter_mut().zip(&positions) {
-                for kv in &mut c.kvs {
-                    kv.rewind(pos);
-                }
-            }
+            rewind(&mut caches, &positions);
             let xs = self.ragged_decoder(&ids, &segs, &mut caches, Some(&tables))?;
             let out = self.head(&xs)?.squeeze(0)?;
             logits.slice_set(&out, 0, 0)
@@ -160,11 +156,7 @@ impl CausalLm {
             Ok((graph, ())) => graph,
             Err(e) => {
                 // The step runs eagerly from the positions it started at.
-                for (c, &pos) in caches.iter_mut().zip(&positions) {
-                    for kv in &mut c.kvs {
-                        kv.rewind(pos);
-                    }
-                }
+                rewind(&mut caches, &positions);
                 let why = e.to_string();
                 st.ragged_refused = Some(why.clone());
                 return Ok(st.eager(format!("the ragged capture failed: {why}")));
@@ -185,5 +177,14 @@ impl CausalLm {
             logits,
         });
         Ok(Some(out))
+    }
+}
+
+/// Each sequence's caches back to its position before the step (`positions`, one a cache).
+fn rewind(caches: &mut [&mut crate::layers::Cache], positions: &[usize]) {
+    for (c, &pos) in caches.iter_mut().zip(positions) {
+        for kv in &mut c.kvs {
+            kv.rewind(pos);
+        }
     }
 }
