@@ -516,49 +516,34 @@ fn ragged_decode_matches_each_sequence(device: &Device) -> anyhow::Result<()> {
             // and caches on a GPU; refused elsewhere.
             let again = caches(seed + 100)?;
             let again_list = listed(&again, seqs);
-            if device.is_cuda() {
-                let on_device =
-                    Tensor::from_vec(attention::ragged_seq_table(&again_list)?, (n, 3), device)?;
-                let at = attention::ragged_decode_attention_at(
+            let read_at = |on_device: &Tensor| {
+                attention::ragged_decode_attention_at(
                     &q,
                     &k,
                     &v,
                     &table,
                     &again_list,
                     dims,
-                    &on_device,
-                )?;
+                    on_device,
+                )
+            };
+            if device.is_cuda() {
+                let on_device =
+                    Tensor::from_vec(attention::ragged_seq_table(&again_list)?, (n, 3), device)?;
+                let at = read_at(&on_device)?;
                 ensure_close(&format!("{what} from the device's table"), &at, &got, dtype)?;
                 for (i, ((kc, vc), (kw, vw))) in again.iter().zip(&ours).enumerate() {
                     ensure_close(&format!("{what} keys {i}, device table"), kc, kw, dtype)?;
                     ensure_close(&format!("{what} values {i}, device table"), vc, vw, dtype)?;
                 }
-                let wrong = on_device.to_dtype(DType::U32)?;
-                let e = attention::ragged_decode_attention_at(
-                    &q,
-                    &k,
-                    &v,
-                    &table,
-                    &again_list,
-                    dims,
-                    &wrong,
-                );
+                let e = read_at(&on_device.to_dtype(DType::U32)?);
                 anyhow::ensure!(e.is_err(), "{what}: a U32 table was taken");
             } else {
                 anyhow::ensure!(
                     attention::ragged_seq_table(&again_list).is_err(),
                     "{what}: a table of CPU caches' addresses"
                 );
-                let on_device = Tensor::zeros((n, 3), DType::I64, device)?;
-                let e = attention::ragged_decode_attention_at(
-                    &q,
-                    &k,
-                    &v,
-                    &table,
-                    &again_list,
-                    dims,
-                    &on_device,
-                );
+                let e = read_at(&Tensor::zeros((n, 3), DType::I64, device)?);
                 anyhow::ensure!(e.is_err(), "{what}: a device table read on the CPU");
             }
             for (i, ((kc, vc), &(_, pos))) in theirs.iter().zip(seqs).enumerate() {
