@@ -362,6 +362,61 @@ impl SplitExperts<'_> {
             .ok_or_else(|| candle_core::Error::Msg(format!("no unit {name} in the store")))
     }
 
+    /// For `missing` experts of `layer` (`(expert, rows routed to it)`): each one's host bytes
+    /// and whether to fetch it, by [`split_missing`] over their prices at the tier's measured
+    /// rates (the host reads an expert's weights once per [`HOST_ROWS_PER_READ`] rows); all
+    /// fetched where the host computes none, none where the layer has no slot and nothing
+    /// streams.
+    fn split(
+        &self,
+        st: &TierState,
+        layer: usize,
+        missing: &[(usize, usize)],
+    ) -> Result<(Vec<u64>, Vec<bool>)> {
+        let store = self.device.rt.store();
+        let bytes: Vec<u64> = missing
+            .iter()
+            .map(|&(e, _)| Ok(store.unit(self.unit(layer, e)?).host_bytes()))
+            .collect::<Result<_>>()?;
+        let fetch = if st.cache.slots(layer) == 0 && !self.tier.can_stream {
+            vec![false; missing.len()]
+        } else if !self.tier.host_compute {
+            vec![true; missing.len()]
+        } else {
+            let (host_rate, link_rate) = (st.stats.host_bytes_per_s, st.stats.link_bytes_per_s);
+            let costs: Vec<(f64, f64)> = missing
+                .iter()
+                .zip(&bytes)
+                .map(|(&(_, rows), &b)| {
+                    let reads = rows.div_ceil(HOST_ROWS_PER_READ).max(1) as f64;
+                    (b as f64 * reads / host_rate, b as f64 / link_rate)
+                })
+                .collect();
+            split_missing(&costs)
+        };
+        Ok((bytes, fetch))
+    }
+
+    /// Takes a slot of `layer` for `expert` (its fetch is the caller's), the policy's victim
+    /// (never one of `protect`) evicted from the device and dropped from the guesses; `false`
+    /// where every slot is protected.
+    fn admit(
+        &self,
+        st: &mut TierState,
+        layer: usize,
+        expert: usize,
+        protect: &[usize],
+    ) -> Result<bool> {
+        let Some(victim) = st.cache.admit(layer, expert, protect) else {
+            return Ok(false);
+        };
+        if let Some(v) = victim {
+            st.guesses.remove(&(layer, v));
+            self.device.rt.evict_unit(self.unit(layer, v)?)?;
+        }
+        Ok(true)
+    }
+
     fn host(&self) -> RuntimeExperts<'_> {
         RuntimeExperts {
             rt: &self.tier.host,
@@ -383,7 +438,6 @@ impl ExpertUnits for SplitExperts<'_> {
         routed: &[(usize, usize)],
         build: BuildExpert<'_>,
     ) -> Result<Vec<(Option<Expert>, ExpertSite)>> {
-        let store = self.device.rt.store().clone();
         let mut st =
             self.tier.state.lock().map_err(|_| {
                 candle_core::Error::Msg("the expert tier's lock is poisoned".into())
@@ -402,27 +456,9 @@ impl ExpertUnits for SplitExperts<'_> {
         }
         let resident = routed.len() - missing.len();
         // The missing ones: fetched (taking a slot) or on the host, priced per expert.
-        let (host_rate, link_rate) = (st.stats.host_bytes_per_s, st.stats.link_bytes_per_s);
-        let bytes: Vec<u64> = missing
-            .iter()
-            .map(|&i| Ok(store.unit(self.unit(layer, routed[i].0)?).host_bytes()))
-            .collect::<Result<_>>()?;
-        let costs: Vec<(f64, f64)> = missing
-            .iter()
-            .zip(&bytes)
-            .map(|(&i, &b)| {
-                let reads = routed[i].1.div_ceil(HOST_ROWS_PER_READ).max(1) as f64;
-                (b as f64 * reads / host_rate, b as f64 / link_rate)
-            })
-            .collect();
+        let missing_routed: Vec<(usize, usize)> = missing.iter().map(|&i| routed[i]).collect();
+        let (bytes, fetch) = self.split(&st, layer, &missing_routed)?;
         let can_stream = self.tier.can_stream;
-        let fetch = if st.cache.slots(layer) == 0 && !can_stream {
-            vec![false; missing.len()]
-        } else if !self.tier.host_compute {
-            vec![true; missing.len()]
-        } else {
-            split_missing(&costs)
-        };
         // The experts this step runs on the device are never a fetch's victim: they are all
         // resident at once while the layer runs.
         let mut protect: Vec<usize> = (0..routed.len())
@@ -436,11 +472,7 @@ impl ExpertUnits for SplitExperts<'_> {
             let (e, _) = routed[i];
             host_bytes += bytes;
             if f {
-                if let Some(victim) = st.cache.admit(layer, e, &protect) {
-                    if let Some(v) = victim {
-                        st.guesses.remove(&(layer, v));
-                        self.device.rt.evict_unit(self.unit(layer, v)?)?;
-                    }
+                if self.admit(&mut st, layer, e, &protect)? {
                     site[i] = ExpertSite::Device;
                     protect.push(e);
                     fetched += 1;
@@ -519,45 +551,25 @@ impl ExpertUnits for SplitExperts<'_> {
     /// step's split), so that the link and the host both read while the device runs the
     /// layers between.
     fn guessed(&self, layer: usize, routes: &[(usize, f32)]) -> Result<()> {
-        let store = self.device.rt.store().clone();
         let mut st =
             self.tier.state.lock().map_err(|_| {
                 candle_core::Error::Msg("the expert tier's lock is poisoned".into())
             })?;
-        let missing: Vec<usize> = routes
+        // A decode step's row: one row each.
+        let missing: Vec<(usize, usize)> = routes
             .iter()
-            .map(|&(e, _)| e)
-            .filter(|&e| !st.cache.contains(layer, e))
+            .map(|&(e, _)| (e, 1))
+            .filter(|&(e, _)| !st.cache.contains(layer, e))
             .collect();
         if missing.is_empty() {
             return Ok(());
         }
-        let (host_rate, link_rate) = (st.stats.host_bytes_per_s, st.stats.link_bytes_per_s);
-        let bytes: Vec<u64> = missing
-            .iter()
-            .map(|&e| Ok(store.unit(self.unit(layer, e)?).host_bytes()))
-            .collect::<Result<_>>()?;
-        let fetch = if self.tier.host_compute {
-            let costs: Vec<(f64, f64)> = bytes
-                .iter()
-                .map(|&b| (b as f64 / host_rate, b as f64 / link_rate))
-                .collect();
-            split_missing(&costs)
-        } else {
-            vec![true; missing.len()]
-        };
+        let (bytes, fetch) = self.split(&st, layer, &missing)?;
         // The guess's experts are never each other's victims.
         let protect: Vec<usize> = routes.iter().map(|&(e, _)| e).collect();
-        for ((&e, &b), f) in missing.iter().zip(&bytes).zip(fetch) {
-            if !f {
+        for ((&(e, _), &b), f) in missing.iter().zip(&bytes).zip(fetch) {
+            if !f || !self.admit(&mut st, layer, e, &protect)? {
                 continue;
-            }
-            let Some(victim) = st.cache.admit(layer, e, &protect) else {
-                continue;
-            };
-            if let Some(v) = victim {
-                st.guesses.remove(&(layer, v));
-                self.device.rt.evict_unit(self.unit(layer, v)?)?;
             }
             self.device.rt.prefetch(self.unit(layer, e)?)?;
             st.guesses.insert((layer, e));
