@@ -33,7 +33,7 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(args: Args) -> Result<()> {
-    let report = doctor::examine(args.device, !args.no_measure);
+    let report = doctor::examine(args.device, !args.no_measure, &nccl_dirs());
     if args.json {
         let d = report.device.as_ref();
         let json = serde_json::json!({
@@ -58,6 +58,16 @@ fn run(args: Args) -> Result<()> {
             "context_memory_bytes": report.context_memory.iter().map(|(what, b)| serde_json::json!({
                 "step": what, "bytes": b,
             })).collect::<Vec<_>>(),
+            "nccl": serde_json::json!({
+                "found": report.nccl.found.as_ref().map(|n| serde_json::json!({
+                    "path": n.path,
+                    "version": format!("{}.{}.{}", n.version.0, n.version.1, n.version.2),
+                    "on_loader_path": n.on_loader_path,
+                })),
+                "tried": report.nccl.tried.iter().map(|(c, e)| serde_json::json!({
+                    "candidate": c, "error": e,
+                })).collect::<Vec<_>>(),
+            }),
             "verdicts": report.verdicts.iter().map(|v| serde_json::json!({
                 "severity": format!("{:?}", v.severity), "message": v.message,
             })).collect::<Vec<_>>(),
@@ -74,4 +84,19 @@ fn run(args: Args) -> Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// Where a Python wheel may have put NCCL (PyTorch's `nvidia-nccl-cu*`): the system prefixes,
+/// `~/.local`, and the active virtual or conda environment (`VIRTUAL_ENV`, `CONDA_PREFIX`).
+fn nccl_dirs() -> Vec<std::path::PathBuf> {
+    let mut prefixes: Vec<std::path::PathBuf> = vec!["/usr".into(), "/usr/local".into()];
+    if let Some(home) = std::env::var_os("HOME") {
+        prefixes.push(std::path::Path::new(&home).join(".local"));
+    }
+    prefixes.extend(
+        ["VIRTUAL_ENV", "CONDA_PREFIX"]
+            .iter()
+            .filter_map(|v| std::env::var_os(v).map(Into::into)),
+    );
+    doctor::python_nccl_dirs(&prefixes)
 }

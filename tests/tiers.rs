@@ -386,7 +386,7 @@ fn tiers_summary_reports_host_memory_and_disk_units() -> anyhow::Result<()> {
             machine.contains("RAM") && machine.contains("available"),
             "{s}"
         );
-        let doctor = candle_offload::doctor::examine(0, false).to_string();
+        let doctor = candle_offload::doctor::examine(0, false, &[]).to_string();
         assert!(doctor.contains("host RAM"), "{doctor}");
     }
     let disk = s

@@ -10,8 +10,11 @@ use std::fmt;
 
 use candle_core::Device;
 
+use std::path::PathBuf;
+
 use crate::budget::human_bytes;
 use crate::diag::{self, CudaVersion, DeviceInfo};
+pub use crate::sys::{find_nccl, python_nccl_dirs, NcclFound, NcclSearch};
 
 /// How bad a finding is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -71,6 +74,8 @@ pub struct Report {
     /// device, the first kernels; `sys::context_memory`), measured before anything else; the
     /// budget's room is what is left after them. Empty without a GPU.
     pub context_memory: Vec<(&'static str, u64)>,
+    /// Where NCCL was found, or where it was looked for ([`find_nccl`]).
+    pub nccl: NcclSearch,
     /// The verdicts, worst first.
     pub verdicts: Vec<Verdict>,
 }
@@ -83,6 +88,7 @@ pub fn verdicts(
     memlock_limit: Option<u64>,
     pinning_works: Option<bool>,
     pcie: Option<&PcieLink>,
+    nccl: &NcclSearch,
 ) -> Vec<Verdict> {
     let mut out = Vec::new();
     let mut say = |severity, message: String| out.push(Verdict { severity, message });
@@ -212,6 +218,37 @@ pub fn verdicts(
             }
         }
     }
+    match &nccl.found {
+        Some(n) if n.on_loader_path => say(
+            Severity::Ok,
+            format!(
+                "NCCL {}.{}.{} loads ({}); the multi-process runs' tensors go over TCP (the \
+                 NCCL transport is not built yet)",
+                n.version.0, n.version.1, n.version.2, n.path
+            ),
+        ),
+        Some(n) => {
+            let dir = std::path::Path::new(&n.path)
+                .parent()
+                .map_or(String::new(), |d| d.display().to_string());
+            say(
+                Severity::Warning,
+                format!(
+                    "NCCL {}.{}.{} is at {} but not on the loader's path: \
+                     `export LD_LIBRARY_PATH={dir}:$LD_LIBRARY_PATH`",
+                    n.version.0, n.version.1, n.version.2, n.path
+                ),
+            );
+        }
+        None => say(
+            Severity::Ok,
+            format!(
+                "NCCL not found ({} candidates: the loader's path, then Python's \
+                 nvidia/*/lib): the multi-process runs use TCP",
+                nccl.tried.len()
+            ),
+        ),
+    }
     out.sort_by_key(|v| std::cmp::Reverse(v.severity));
     out
 }
@@ -252,8 +289,10 @@ pub fn pcie_link(pci_bus_id: &str) -> Option<PcieLink> {
     (link.generation.is_some() || link.width.is_some()).then_some(link)
 }
 
-/// Examines the machine. `measure` also times 256 MiB pinned and pageable copies.
-pub fn examine(ordinal: usize, measure: bool) -> Report {
+/// Examines the machine. `measure` also times 256 MiB pinned and pageable copies;
+/// `nccl_dirs` are where NCCL is looked for after the loader's own search (e.g.
+/// [`python_nccl_dirs`] of the Python prefixes).
+pub fn examine(ordinal: usize, measure: bool, nccl_dirs: &[PathBuf]) -> Report {
     let cuda_compiled = cfg!(feature = "cuda");
     let memlock = memlock_limit();
     let (mut device, mut device_error, mut pinning, mut pcie, mut pinned, mut pageable) =
@@ -281,6 +320,7 @@ pub fn examine(ordinal: usize, measure: bool) -> Report {
             Err(e) => device_error = Some(e.to_string()),
         }
     }
+    let nccl = find_nccl(nccl_dirs);
     let verdicts = verdicts(
         cuda_compiled,
         device.as_ref(),
@@ -288,6 +328,7 @@ pub fn examine(ordinal: usize, measure: bool) -> Report {
         memlock,
         pinning,
         pcie.as_ref(),
+        &nccl,
     );
     Report {
         cuda_compiled,
@@ -300,6 +341,7 @@ pub fn examine(ordinal: usize, measure: bool) -> Report {
         pinned_gbps: pinned,
         pageable_gbps: pageable,
         context_memory,
+        nccl,
         verdicts,
     }
 }
@@ -390,6 +432,18 @@ impl fmt::Display for Report {
                 "  host->device       {p:.1} GB/s pinned, {q:.1} GB/s pageable (256 MiB copies)"
             )?;
         }
+        match &self.nccl.found {
+            Some(n) => writeln!(
+                f,
+                "  NCCL               {}.{}.{} ({})",
+                n.version.0, n.version.1, n.version.2, n.path
+            )?,
+            None => writeln!(
+                f,
+                "  NCCL               not found ({} candidates tried)",
+                self.nccl.tried.len()
+            )?,
+        }
         writeln!(f, "verdicts:")?;
         for v in &self.verdicts {
             let tag = match v.severity {
@@ -435,11 +489,20 @@ mod tests {
             None,
             Some(true),
             None,
+            &NcclSearch::default(),
         );
         assert!(ok.iter().all(|v| v.severity == Severity::Ok), "{ok:?}");
         let mut ampere = h200(13000, 13000, "90");
         ampere.compute_capability = (8, 6);
-        let v = verdicts(true, Some(&ampere), None, None, Some(true), None);
+        let v = verdicts(
+            true,
+            Some(&ampere),
+            None,
+            None,
+            Some(true),
+            None,
+            &NcclSearch::default(),
+        );
         assert_eq!(v[0].severity, Severity::Error);
         assert!(
             v[0].message.contains("no kernel image")
@@ -453,6 +516,7 @@ mod tests {
             None,
             Some(true),
             None,
+            &NcclSearch::default(),
         );
         assert!(v[0].message.contains("update the NVIDIA driver"), "{v:?}");
     }
@@ -460,10 +524,18 @@ mod tests {
     #[test]
     fn says_what_the_gpu_supports_of_unified_memory() {
         let find = |d: &DeviceInfo| {
-            verdicts(true, Some(d), None, None, Some(true), None)
-                .into_iter()
-                .find(|v| v.message.contains("anaged"))
-                .expect("a unified-memory finding")
+            verdicts(
+                true,
+                Some(d),
+                None,
+                None,
+                Some(true),
+                None,
+                &NcclSearch::default(),
+            )
+            .into_iter()
+            .find(|v| v.message.contains("anaged"))
+            .expect("a unified-memory finding")
         };
         let mut d = h200(13000, 13000, "90");
         let v = find(&d);
@@ -488,6 +560,7 @@ mod tests {
             pinned_gbps: None,
             pageable_gbps: None,
             context_memory: vec![("CUDA context", 500 << 20), ("Candle's device", 8 << 20)],
+            nccl: NcclSearch::default(),
             verdicts: Vec::new(),
         }
         .to_string();
@@ -500,7 +573,15 @@ mod tests {
 
     #[test]
     fn cpu_builds_and_pinning_failures_say_what_is_missing() {
-        let v = verdicts(false, None, None, Some(64 << 10), None, None);
+        let v = verdicts(
+            false,
+            None,
+            None,
+            Some(64 << 10),
+            None,
+            None,
+            &NcclSearch::default(),
+        );
         assert!(v.iter().any(|v| v.message.contains("--features cuda")));
         let v = verdicts(
             true,
@@ -509,6 +590,7 @@ mod tests {
             Some(64 << 10),
             Some(false),
             None,
+            &NcclSearch::default(),
         );
         assert_eq!(v[0].severity, Severity::Error);
         assert!(
@@ -516,6 +598,39 @@ mod tests {
                 .any(|v| v.message.contains("ulimit -l") && v.message.contains("64.0 KiB")),
             "{v:?}"
         );
+    }
+
+    #[test]
+    fn says_where_nccl_is_and_how_to_reach_it() {
+        let at = |path: &str, on_loader_path| NcclSearch {
+            found: Some(NcclFound {
+                path: path.into(),
+                version: (2, 27, 3),
+                on_loader_path,
+            }),
+            tried: Vec::new(),
+        };
+        let wheel = "/venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2";
+        let v = verdicts(true, None, None, None, None, None, &at(wheel, false));
+        assert!(v.iter().any(|v| v.severity == Severity::Warning
+            && v.message
+                .contains("LD_LIBRARY_PATH=/venv/lib/python3.12/site-packages/nvidia/nccl/lib:")));
+        let v = verdicts(
+            true,
+            None,
+            None,
+            None,
+            None,
+            None,
+            &at("libnccl.so.2", true),
+        );
+        assert!(v
+            .iter()
+            .any(|v| v.severity == Severity::Ok && v.message.contains("NCCL 2.27.3 loads")));
+        let v = verdicts(true, None, None, None, None, None, &NcclSearch::default());
+        assert!(v
+            .iter()
+            .any(|v| v.severity == Severity::Ok && v.message.contains("NCCL not found")));
     }
 
     #[test]
@@ -529,7 +644,15 @@ mod tests {
             max_generation: Some(5),
             max_width: Some(16),
         };
-        let v = verdicts(true, None, None, None, None, Some(&slow));
+        let v = verdicts(
+            true,
+            None,
+            None,
+            None,
+            None,
+            Some(&slow),
+            &NcclSearch::default(),
+        );
         assert!(
             v.iter()
                 .any(|v| v.severity == Severity::Warning && v.message.contains("Gen4 x8")),

@@ -18,8 +18,10 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Shape, Tensor};
 
 mod disk;
+mod nccl;
 
 pub(crate) use disk::{Conversion, DiskFile, DiskTier, ReadAhead, ReadPool, ReadShape, Segment};
+pub use nccl::{find_nccl, python_nccl_dirs, NcclFound, NcclSearch};
 
 #[cfg(feature = "cuda")]
 #[path = "cuda.rs"]
