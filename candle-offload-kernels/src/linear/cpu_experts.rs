@@ -145,12 +145,7 @@ pub fn kquant_batch(
             let at = (local / m, local % m);
             match &rows[j] {
                 Blocks::K(rows) => rows.dot_run(at, m, k / QK_K, k, &yq[i], pf, run),
-                Blocks::Q8_0(b) => {
-                    let row = k / QK8_0 * Q8_0_BYTES;
-                    dot_pairs(b, &y0[i], at, m, row, run, |x, y| {
-                        simd::dot_q8_0_q8_0(x, y, pf)
-                    });
-                }
+                Blocks::Q8_0(b) => q8_0_run(b, &y0[i], at, m, k / QK8_0 * Q8_0_BYTES, run, pf),
             }
             done += len;
             j += 1;
@@ -170,6 +165,38 @@ pub fn kquant_batch(
             })
             .collect(),
     ))
+}
+
+/// [`dot_pairs`] of Q8_0 weight rows with Q8_0 activation rows: a whole column (a weight row
+/// against all `m` rows, four or more) through the four-row kernel; a column the run starts or
+/// ends inside, and fewer rows, pair by pair. Every value is [`simd::dot_q8_0_q8_0`]'s either
+/// way.
+fn q8_0_run(
+    w: &[u8],
+    y: &[u8],
+    (mut c, mut r): (usize, usize),
+    m: usize,
+    len: usize,
+    out: &mut [f32],
+    pf: usize,
+) {
+    let mut o = 0;
+    while o < out.len() {
+        let wr = &w[c * len..(c + 1) * len];
+        if m >= 4 && r == 0 && out.len() - o >= m {
+            simd::dot_q8_0_q8_0_rows(wr, &y[..m * len], &mut out[o..o + m], pf);
+            o += m;
+            c += 1;
+        } else {
+            out[o] = simd::dot_q8_0_q8_0(wr, &y[r * len..(r + 1) * len], pf);
+            o += 1;
+            r += 1;
+            if r == m {
+                r = 0;
+                c += 1;
+            }
+        }
+    }
 }
 
 /// Each input's rows quantized to blocks of `T` where `want` says so (empty elsewhere).
@@ -244,8 +271,11 @@ mod tests {
             q(32, 512, GgmlDType::Q6K),
             q(16, 256, GgmlDType::Q4K),
             q(24, 512, GgmlDType::Q8_0),
+            q(40, 256, GgmlDType::Q8_0),
         ];
-        let xs: Vec<Vec<f32>> = [(3usize, 512usize), (1, 512), (8, 256)]
+        // Q8_0 against 8 and 6 rows: whole columns through the four-row kernel, and runs that
+        // start and end inside a column (64 dots a task).
+        let xs: Vec<Vec<f32>> = [(3usize, 512usize), (1, 512), (8, 256), (6, 512)]
             .iter()
             .map(|&(m, k)| {
                 Tensor::randn(0f32, 1.0, m * k, &dev)
@@ -258,6 +288,7 @@ mod tests {
             Rows { x: &xs[0], k: 512 },
             Rows { x: &xs[1], k: 512 },
             Rows { x: &xs[2], k: 256 },
+            Rows { x: &xs[3], k: 512 },
         ];
         let items = [
             (&ws[0], 0),
@@ -266,6 +297,8 @@ mod tests {
             (&ws[2], 2),
             (&ws[3], 0),
             (&ws[3], 1),
+            (&ws[4], 2),
+            (&ws[3], 3),
         ];
         let got = kquant_batch(&inputs, &items, &t).unwrap().unwrap();
         for (&(w, i), y) in items.iter().zip(&got) {

@@ -699,6 +699,8 @@ impl CustomOp1 for QuantMatMul {
         par_columns(&mut out_t, m, min_len, &data, row_bytes, |w, col| {
             if q4_1 && m > 1 {
                 simd::dot_q4_1_q8_1_rows(w, yq, &scales, col);
+            } else if m > 1 {
+                simd::dot_q8_0_q8_0_rows(w, yq, col, pf);
             } else {
                 for (v, y) in col.iter_mut().zip(yq.chunks_exact(nb * y_block)) {
                     *v = dot(w, y, pf);

@@ -196,6 +196,30 @@ pub(crate) fn dot_q8_0_q8_0(x: &[u8], y: &[u8], pf: usize) -> f32 {
     dot_q8_0_q8_0_scalar(x, y)
 }
 
+/// The dot products of one row of Q8_0 blocks `x` with each of `out.len()` rows of Q8_0 blocks
+/// in `ys` (one after the other, each as long as `x`), into `out`: [`dot_q8_0_q8_0`] of each
+/// row, bit for bit, with each weight block loaded and its signs taken once for four rows (a
+/// prompt's rows). `pf` as for [`dot_q8_0_q8_0`].
+pub(crate) fn dot_q8_0_q8_0_rows(x: &[u8], ys: &[u8], out: &mut [f32], pf: usize) {
+    let nb = x.len() / Q8_0_BYTES;
+    let row = nb * Q8_0_BYTES;
+    assert!(x.len() == row && ys.len() == out.len() * row);
+    let mut r = 0;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        while r + 4 <= out.len() {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` holds `nb` Q8_0
+            // blocks and rows `r..r + 4` of `ys` (below `out.len()`) `nb` each.
+            let four = unsafe { avx2::dot_q8_0_q8_0_x4(x, &ys[r * row..(r + 4) * row], nb, pf) };
+            out[r..r + 4].copy_from_slice(&four);
+            r += 4;
+        }
+    }
+    for (o, y) in out[r..].iter_mut().zip(ys[r * row..].chunks_exact(row)) {
+        *o = dot_q8_0_q8_0(x, y, pf);
+    }
+}
+
 /// The bound on `|dot with F32 activations - dot with their Q8_0 blocks|` ([`dot_q8_0_q8_0`] of
 /// a weight row with the activations quantized) per unit of the row's scale `sum_b |d_b| *
 /// sum_j |q_bj| * amax[b]`, with `amax[b]` the largest magnitude of the activations' block `b`
@@ -644,6 +668,38 @@ mod avx2 {
         ]
     }
 
+    /// [`dot_q8_0_q8_0`] of `x` with four rows of `ys`: each weight block's quants loaded and
+    /// their magnitudes taken once, each row accumulating as that kernel does (one accumulator,
+    /// the blocks in order), so each result is that kernel's bit for bit.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q8_0 blocks and `ys` `4 * nb`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q8_0_q8_0_x4(x: &[u8], ys: &[u8], nb: usize, pf: usize) -> [f32; 4] {
+        let (xp, yp) = (x.as_ptr(), ys.as_ptr());
+        let row = nb * Q8_0_BYTES;
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for i in 0..nb {
+            super::prefetch_ahead(xp, i * Q8_0_BYTES, pf);
+            // SAFETY: block `i < nb` of `x` and of each of the four rows of `ys` is in bounds
+            // (the caller's guarantee); the loads are unaligned.
+            unsafe {
+                let xb = xp.add(i * Q8_0_BYTES);
+                let (dx, _) = two_halves(xb);
+                let qx = _mm256_loadu_si256(xb.add(2) as *const __m256i);
+                let ax = _mm256_sign_epi8(qx, qx);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let yb = yp.add(r * row + i * Q8_0_BYTES);
+                    let (dy, _) = two_halves(yb);
+                    let qy = _mm256_loadu_si256(yb.add(2) as *const __m256i);
+                    let p = mul_sum_us8_pairs(ax, _mm256_sign_epi8(qy, qx));
+                    *a = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy), p, *a);
+                }
+            }
+        }
+        [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
+    }
+
     /// `pf`: how far ahead of its reads of the weights it prefetches, in bytes (0: not at all).
     ///
     /// # Safety
@@ -1088,6 +1144,21 @@ mod tests {
         let mut y8 = vec![0u8; k / QK * Q8_0_BYTES];
         quantize_q8_0(&ramp(k, 3), &mut x8);
         quantize_q8_0(&ramp(k, 11), &mut y8);
+        // Nine rows (two tiles of four and a single row), at two prefetch distances: each
+        // equal to the one-row kernel's bit for bit.
+        let mut ys8 = vec![0u8; 9 * y8.len()];
+        for (r, y) in ys8.chunks_exact_mut(y8.len()).enumerate() {
+            quantize_q8_0(&ramp(k, 200 + r as u32), y);
+        }
+        for pf in [0, 4096] {
+            let mut out = [0f32; 9];
+            dot_q8_0_q8_0_rows(&x8, &ys8, &mut out, pf);
+            for (o, y) in out.iter().zip(ys8.chunks_exact(y8.len())) {
+                assert_eq!(o.to_bits(), dot_q8_0_q8_0(&x8, y, pf).to_bits());
+                let b = dot_q8_0_q8_0_scalar(&x8, y);
+                assert!((o - b).abs() <= 1e-4 * b.abs().max(1.0), "{o} {b}");
+            }
+        }
         {
             let (mut x8b, yf8) = (vec![0u8; x8.len()], ramp(k, 17));
             quantize_q8_0(&ramp(k, 5), &mut x8b);
