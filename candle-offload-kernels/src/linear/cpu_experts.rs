@@ -15,7 +15,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::quantized::{GgmlType, QTensor};
 use candle_core::Result;
 
-use super::cpu_quant::{dot_pairs, is_kquant, KRows, KQUANT_MAX_ROWS};
+use super::cpu_quant::{is_kquant, KRows, KQUANT_MAX_ROWS};
 use super::simd::{self, Q8_0_BYTES};
 use crate::tuning::KernelTuning;
 
@@ -167,7 +167,7 @@ pub fn kquant_batch(
     ))
 }
 
-/// [`dot_pairs`] of Q8_0 weight rows with Q8_0 activation rows: a whole column (a weight row
+/// [`dot_pairs`](super::cpu_quant::dot_pairs) of Q8_0 weight rows with Q8_0 activation rows: a whole column (a weight row
 /// against all `m` rows, four or more) through the four-row kernel; a column the run starts or
 /// ends inside, and fewer rows, pair by pair. Every value is [`simd::dot_q8_0_q8_0`]'s either
 /// way.
