@@ -35,7 +35,7 @@ pub struct NcclSearch {
 /// The directories under Python prefixes (`/usr`, `/usr/local`, `~/.local`, a virtual
 /// environment, a conda prefix) where a wheel puts NCCL: `lib/python3*/{site,dist}-packages/
 /// nvidia/*/lib` (the `nccl` package's, or a combined `cu13`/`cu12` one) that hold one of
-/// [`NCCL_FILE_NAMES`]. Sorted, each once.
+/// `libnccl.so.2` or `libnccl.so`. Sorted, each once.
 pub fn python_nccl_dirs(prefixes: &[PathBuf]) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for prefix in prefixes {
