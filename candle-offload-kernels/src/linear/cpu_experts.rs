@@ -15,7 +15,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::quantized::{GgmlType, QTensor};
 use candle_core::Result;
 
-use super::cpu_quant::{is_kquant, KRows, KQUANT_MAX_ROWS};
+use super::cpu_quant::{dot_columns, is_kquant, KRows, KQUANT_MAX_ROWS};
 use super::simd::{self, Q8_0_BYTES};
 use crate::tuning::KernelTuning;
 
@@ -145,7 +145,16 @@ pub fn kquant_batch(
             let at = (local / m, local % m);
             match &rows[j] {
                 Blocks::K(rows) => rows.dot_run(at, m, k / QK_K, k, &yq[i], pf, run),
-                Blocks::Q8_0(b) => q8_0_run(b, &y0[i], at, m, k / QK8_0 * Q8_0_BYTES, run, pf),
+                Blocks::Q8_0(b) => dot_columns(
+                    b,
+                    &y0[i],
+                    at,
+                    m,
+                    k / QK8_0 * Q8_0_BYTES,
+                    run,
+                    |x, y| simd::dot_q8_0_q8_0(x, y, pf),
+                    |x, ys, out| simd::dot_q8_0_q8_0_rows(x, ys, out, pf),
+                ),
             }
             done += len;
             j += 1;
@@ -165,38 +174,6 @@ pub fn kquant_batch(
             })
             .collect(),
     ))
-}
-
-/// [`dot_pairs`](super::cpu_quant::dot_pairs) of Q8_0 weight rows with Q8_0 activation rows: a whole column (a weight row
-/// against all `m` rows, four or more) through the four-row kernel; a column the run starts or
-/// ends inside, and fewer rows, pair by pair. Every value is [`simd::dot_q8_0_q8_0`]'s either
-/// way.
-fn q8_0_run(
-    w: &[u8],
-    y: &[u8],
-    (mut c, mut r): (usize, usize),
-    m: usize,
-    len: usize,
-    out: &mut [f32],
-    pf: usize,
-) {
-    let mut o = 0;
-    while o < out.len() {
-        let wr = &w[c * len..(c + 1) * len];
-        if m >= 4 && r == 0 && out.len() - o >= m {
-            simd::dot_q8_0_q8_0_rows(wr, &y[..m * len], &mut out[o..o + m], pf);
-            o += m;
-            c += 1;
-        } else {
-            out[o] = simd::dot_q8_0_q8_0(wr, &y[r * len..(r + 1) * len], pf);
-            o += 1;
-            r += 1;
-            if r == m {
-                r = 0;
-                c += 1;
-            }
-        }
-    }
 }
 
 /// Each input's rows quantized to blocks of `T` where `want` says so (empty elsewhere).

@@ -404,9 +404,16 @@ impl<'a> KRows<'a> {
         match self {
             Self::Q2K(b) => dot_pairs(b, yq, at, m, nb, out, |x, y| BlockQ2K::vec_dot(k, x, y)),
             Self::Q3K(b) => dot_pairs(b, yq, at, m, nb, out, |x, y| BlockQ3K::vec_dot(k, x, y)),
-            Self::Q4K(b) => dot_pairs(b, yq, at, m, nb, out, |x, y| {
-                crate::linear::simd_k::dot_q4k_q8k(x, y, pf)
-            }),
+            Self::Q4K(b) => dot_columns(
+                b,
+                yq,
+                at,
+                m,
+                nb,
+                out,
+                |x, y| crate::linear::simd_k::dot_q4k_q8k(x, y, pf),
+                |x, ys, out| crate::linear::simd_k::dot_q4k_q8k_rows(x, ys, out, pf),
+            ),
             Self::Q5K(b) => dot_pairs(b, yq, at, m, nb, out, |x, y| BlockQ5K::vec_dot(k, x, y)),
             Self::Q6K(b) => dot_pairs(b, yq, at, m, nb, out, |x, y| {
                 crate::linear::simd_k::dot_q6k_q8k(x, y, pf)
@@ -433,6 +440,40 @@ pub(crate) fn dot_pairs<W, Y>(
         if r == m {
             r = 0;
             c += 1;
+        }
+    }
+}
+
+/// [`dot_pairs`] where a whole column of four or more rows (weight row `c` against all `m`
+/// activation rows, which lie one after the other in `y`) goes through `rows(weight row, y,
+/// out)`, a kernel that takes several rows at once; a column the run starts or ends inside,
+/// and fewer rows, through `dot` pair by pair. `rows` must give `dot`'s values.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dot_columns<W, Y>(
+    w: &[W],
+    y: &[Y],
+    (mut c, mut r): (usize, usize),
+    m: usize,
+    len: usize,
+    out: &mut [f32],
+    dot: impl Fn(&[W], &[Y]) -> f32,
+    rows: impl Fn(&[W], &[Y], &mut [f32]),
+) {
+    let mut o = 0;
+    while o < out.len() {
+        let wr = &w[c * len..(c + 1) * len];
+        if m >= 4 && r == 0 && out.len() - o >= m {
+            rows(wr, &y[..m * len], &mut out[o..o + m]);
+            o += m;
+            c += 1;
+        } else {
+            out[o] = dot(wr, &y[r * len..(r + 1) * len]);
+            o += 1;
+            r += 1;
+            if r == m {
+                r = 0;
+                c += 1;
+            }
         }
     }
 }

@@ -30,6 +30,39 @@ pub(crate) fn dot_q4k_q8k(x: &[BlockQ4K], y: &[BlockQ8K], pf: usize) -> f32 {
     BlockQ4K::vec_dot(x.len() * QK_K, x, y)
 }
 
+/// Row `x` of Q4_K blocks against each of `out.len()` rows of Q8_K activations in `ys` (one
+/// after the other, each as many blocks as `x`), into `out`: [`dot_q4k_q8k`] of each row, bit
+/// for bit, with each weight block's scales, mins and nibbles unpacked once for four rows (a
+/// prompt's rows). `pf` as for [`dot_q4k_q8k`].
+pub(crate) fn dot_q4k_q8k_rows(x: &[BlockQ4K], ys: &[BlockQ8K], out: &mut [f32], pf: usize) {
+    let nb = x.len();
+    assert_eq!(
+        ys.len(),
+        out.len() * nb,
+        "Q4_K row against rows of Q8_K activations"
+    );
+    let mut r = 0;
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx2() {
+        while r + 4 <= out.len() {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` is `nb` whole blocks
+            // and rows `r..r + 4` of `ys` (below `out.len()`) `nb` each, of Candle's
+            // `#[repr(C)]` types whose sizes are asserted below.
+            let four = unsafe {
+                avx2::dot_q4k_q8k_x4(x.as_ptr().cast(), ys[r * nb..].as_ptr().cast(), nb, pf)
+            };
+            out[r..r + 4].copy_from_slice(&four);
+            r += 4;
+        }
+    }
+    for (o, y) in out[r..]
+        .iter_mut()
+        .zip(ys[r * nb..].chunks_exact(nb.max(1)))
+    {
+        *o = dot_q4k_q8k(x, y, pf);
+    }
+}
+
 /// Row `x` of Q6_K blocks against activations `y` (as many Q8_K blocks): Candle's
 /// `BlockQ6K::vec_dot`, bit for bit, prefetching the row ahead.
 /// `pf` as for [`dot_q4k_q8k`].
@@ -190,6 +223,87 @@ mod avx2 {
         hsum8(acc) + _mm_cvtss_f32(acc_m)
     }
 
+    /// [`dot_q4k_q8k`] of the `nb` Q4_K blocks at `x` with four rows of `nb` Q8_K blocks each
+    /// at `y` (one after the other): each weight block's scales, mins and nibbles unpacked
+    /// once, each row's sums in that kernel's order, so each result is that kernel's bit for
+    /// bit.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `nb` whole blocks are readable at `x` and `4 * nb` at
+    /// `y`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4k_q8k_x4(
+        x: *const u8,
+        y: *const u8,
+        nb: usize,
+        pf: usize,
+    ) -> [f32; 4] {
+        let m4 = _mm256_set1_epi8(0xF);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut acc_m = [_mm_setzero_ps(); 4];
+        for b in 0..nb {
+            let xb = x.wrapping_add(b * Q4K_BYTES);
+            prefetch_block(xb, Q4K_BYTES, pf);
+            // SAFETY: block `b` of `x` and of each of the four rows of `y` is readable (the
+            // caller's guarantee), with the byte offsets of `dot_q4k_q8k`. Every load is
+            // unaligned-safe.
+            unsafe {
+                let (xd, xdmin) = (half(xb), half(xb.add(2)));
+                let u = q4k_scales_mins(xb.add(4));
+                let mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(
+                    u[3] as i32,
+                    u[2] as i32,
+                    u[1] as i32,
+                    u[0] as i32,
+                ));
+                let mins = _mm256_extracti128_si256::<1>(mins_and_scales);
+                let mut scale = [0i16; 8];
+                _mm_storeu_si128(
+                    scale.as_mut_ptr() as *mut __m128i,
+                    _mm256_extracti128_si256::<0>(mins_and_scales),
+                );
+                let mut q4 = [[_mm256_setzero_si256(); 2]; 4];
+                for (j, q) in q4.iter_mut().enumerate() {
+                    let q4bits = _mm256_loadu_si256(xb.add(16 + 32 * j) as *const __m256i);
+                    *q = [
+                        _mm256_and_si256(q4bits, m4),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(q4bits), m4),
+                    ];
+                }
+                for r in 0..4 {
+                    let yb = y.wrapping_add((r * nb + b) * Q8K_BYTES);
+                    let yd = single(yb);
+                    let d = yd * xd;
+                    let dmin = -yd * xdmin;
+                    let q8sums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+                    let q8s = _mm_hadd_epi16(
+                        _mm256_extracti128_si256::<0>(q8sums),
+                        _mm256_extracti128_si256::<1>(q8sums),
+                    );
+                    let prod = _mm_madd_epi16(mins, q8s);
+                    acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+                    let mut sumi = _mm256_setzero_si256();
+                    for (j, [q4l, q4h]) in q4.iter().enumerate() {
+                        let scale_l = _mm256_set1_epi16(scale[2 * j]);
+                        let scale_h = _mm256_set1_epi16(scale[2 * j + 1]);
+                        let q8l = _mm256_loadu_si256(yb.add(4 + 64 * j) as *const __m256i);
+                        let q8h = _mm256_loadu_si256(yb.add(4 + 64 * j + 32) as *const __m256i);
+                        let p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(*q4l, q8l));
+                        sumi = _mm256_add_epi32(sumi, p16l);
+                        let p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(*q4h, q8h));
+                        sumi = _mm256_add_epi32(sumi, p16h);
+                    }
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
+                }
+            }
+        }
+        std::array::from_fn(|r| {
+            let m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
+            let m = _mm_add_ss(m, _mm_movehdup_ps(m));
+            hsum8(acc[r]) + _mm_cvtss_f32(m)
+        })
+    }
+
     /// Q6_K's two high bits of each quant, `shift` bits down in `bits`, moved above its low
     /// four.
     #[inline]
@@ -301,6 +415,19 @@ mod tests {
             BlockQ6K::from_float(&xs, &mut q6);
             let want4 = BlockQ4K::vec_dot(k, &q4, &yq);
             let want6 = BlockQ6K::vec_dot(k, &q6, &yq);
+            // Seven rows of activations: a tile of four and three single rows, each Candle's.
+            let mut ys = vec![BlockQ8K::zeros(); 7 * nb];
+            for (r, y) in ys.chunks_exact_mut(nb).enumerate() {
+                BlockQ8K::from_float(&row(k, 100 + r as u32), y);
+            }
+            for pf in [0usize, 4096] {
+                let mut out = [0f32; 7];
+                dot_q4k_q8k_rows(&q4, &ys, &mut out, pf);
+                for (o, y) in out.iter().zip(ys.chunks_exact(nb)) {
+                    let want = BlockQ4K::vec_dot(k, &q4, y);
+                    assert_eq!(o.to_bits(), want.to_bits(), "Q4_K rows nb {nb}");
+                }
+            }
             for pf in [0usize, 64, 4096] {
                 assert_eq!(
                     dot_q4k_q8k(&q4, &yq, pf).to_bits(),
