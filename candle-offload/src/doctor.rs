@@ -610,27 +610,22 @@ mod tests {
             }),
             tried: Vec::new(),
         };
+        let says = |search: &NcclSearch, severity: Severity, text: &str| {
+            let v = verdicts(true, None, None, None, None, None, search);
+            assert!(
+                v.iter()
+                    .any(|v| v.severity == severity && v.message.contains(text)),
+                "{v:?}"
+            );
+        };
         let wheel = "/venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2";
-        let v = verdicts(true, None, None, None, None, None, &at(wheel, false));
-        assert!(v.iter().any(|v| v.severity == Severity::Warning
-            && v.message
-                .contains("LD_LIBRARY_PATH=/venv/lib/python3.12/site-packages/nvidia/nccl/lib:")));
-        let v = verdicts(
-            true,
-            None,
-            None,
-            None,
-            None,
-            None,
-            &at("libnccl.so.2", true),
+        says(
+            &at(wheel, false),
+            Severity::Warning,
+            "LD_LIBRARY_PATH=/venv/lib/python3.12/site-packages/nvidia/nccl/lib:",
         );
-        assert!(v
-            .iter()
-            .any(|v| v.severity == Severity::Ok && v.message.contains("NCCL 2.27.3 loads")));
-        let v = verdicts(true, None, None, None, None, None, &NcclSearch::default());
-        assert!(v
-            .iter()
-            .any(|v| v.severity == Severity::Ok && v.message.contains("NCCL not found")));
+        says(&at("libnccl.so.2", true), Severity::Ok, "NCCL 2.27.3 loads");
+        says(&NcclSearch::default(), Severity::Ok, "NCCL not found");
     }
 
     #[test]
