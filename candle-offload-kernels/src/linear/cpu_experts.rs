@@ -250,8 +250,8 @@ mod tests {
             q(24, 512, GgmlDType::Q8_0),
             q(40, 256, GgmlDType::Q8_0),
         ];
-        // Q8_0 against 8 and 6 rows: whole columns through the four-row kernel, and runs that
-        // start and end inside a column (64 dots a task).
+        // Q8_0, Q4_K and Q6_K against 8 and 6 rows: whole columns through the four-row kernels,
+        // and runs that start and end inside a column (64 dots a task).
         let xs: Vec<Vec<f32>> = [(3usize, 512usize), (1, 512), (8, 256), (6, 512)]
             .iter()
             .map(|&(m, k)| {
@@ -276,6 +276,7 @@ mod tests {
             (&ws[3], 1),
             (&ws[4], 2),
             (&ws[3], 3),
+            (&ws[1], 3),
         ];
         let got = kquant_batch(&inputs, &items, &t).unwrap().unwrap();
         for (&(w, i), y) in items.iter().zip(&got) {

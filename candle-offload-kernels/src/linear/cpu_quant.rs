@@ -415,9 +415,16 @@ impl<'a> KRows<'a> {
                 |x, ys, out| crate::linear::simd_k::dot_q4k_q8k_rows(x, ys, out, pf),
             ),
             Self::Q5K(b) => dot_pairs(b, yq, at, m, nb, out, |x, y| BlockQ5K::vec_dot(k, x, y)),
-            Self::Q6K(b) => dot_pairs(b, yq, at, m, nb, out, |x, y| {
-                crate::linear::simd_k::dot_q6k_q8k(x, y, pf)
-            }),
+            Self::Q6K(b) => dot_columns(
+                b,
+                yq,
+                at,
+                m,
+                nb,
+                out,
+                |x, y| crate::linear::simd_k::dot_q6k_q8k(x, y, pf),
+                |x, ys, out| crate::linear::simd_k::dot_q6k_q8k_rows(x, ys, out, pf),
+            ),
         }
     }
 }

@@ -76,6 +76,36 @@ pub(crate) fn dot_q6k_q8k(x: &[BlockQ6K], y: &[BlockQ8K], pf: usize) -> f32 {
     BlockQ6K::vec_dot(x.len() * QK_K, x, y)
 }
 
+/// Row `x` of Q6_K blocks against each of `out.len()` rows of Q8_K activations in `ys`, into
+/// `out`: [`dot_q6k_q8k`] of each row, bit for bit, each weight block's quants and scales
+/// unpacked once for four rows. `pf` as for [`dot_q4k_q8k`].
+pub(crate) fn dot_q6k_q8k_rows(x: &[BlockQ6K], ys: &[BlockQ8K], out: &mut [f32], pf: usize) {
+    let nb = x.len();
+    assert_eq!(
+        ys.len(),
+        out.len() * nb,
+        "Q6_K row against rows of Q8_K activations"
+    );
+    let mut r = 0;
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx2() {
+        while r + 4 <= out.len() {
+            // SAFETY: as in `dot_q4k_q8k_rows`.
+            let four = unsafe {
+                avx2::dot_q6k_q8k_x4(x.as_ptr().cast(), ys[r * nb..].as_ptr().cast(), nb, pf)
+            };
+            out[r..r + 4].copy_from_slice(&four);
+            r += 4;
+        }
+    }
+    for (o, y) in out[r..]
+        .iter_mut()
+        .zip(ys[r * nb..].chunks_exact(nb.max(1)))
+    {
+        *o = dot_q6k_q8k(x, y, pf);
+    }
+}
+
 /// Bytes of one Q4_K block.
 const Q4K_BYTES: usize = 144;
 /// Bytes of one Q6_K block.
@@ -375,6 +405,83 @@ mod avx2 {
         }
         hsum8(acc)
     }
+
+    /// [`dot_q6k_q8k`] of the `nb` Q6_K blocks at `x` with four rows of `nb` Q8_K blocks each
+    /// at `y` (one after the other): each weight block's 6-bit quants and scales unpacked once,
+    /// each row's sums in that kernel's order, so each result is that kernel's bit for bit.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `nb` whole blocks are readable at `x` and `4 * nb` at
+    /// `y`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q6k_q8k_x4(
+        x: *const u8,
+        y: *const u8,
+        nb: usize,
+        pf: usize,
+    ) -> [f32; 4] {
+        let m4 = _mm256_set1_epi8(0xF);
+        let m2 = _mm256_set1_epi8(3);
+        let m32s = _mm256_set1_epi8(32);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for b in 0..nb {
+            let xb = x.wrapping_add(b * Q6K_BYTES);
+            prefetch_block(xb, Q6K_BYTES, pf);
+            // SAFETY: block `b` of `x` and of each of the four rows of `y` is readable (the
+            // caller's guarantee), with the byte offsets of `dot_q6k_q8k`. Every load is
+            // unaligned-safe.
+            unsafe {
+                let xd = half(xb.add(208));
+                let scales = xb.add(192) as *const i8;
+                let mut q6 = [[_mm256_setzero_si256(); 4]; 2];
+                let mut sc = [[_mm256_setzero_si256(); 4]; 2];
+                for j in 0..2 {
+                    let ql = xb.add(64 * j);
+                    let q4bits1 = _mm256_loadu_si256(ql as *const __m256i);
+                    let q4bits2 = _mm256_loadu_si256(ql.add(32) as *const __m256i);
+                    let q4bits_h = _mm256_loadu_si256(xb.add(128 + 32 * j) as *const __m256i);
+                    q6[j] = [
+                        _mm256_or_si256(_mm256_and_si256(q4bits1, m4), q6_high(q4bits_h, 0, m2)),
+                        _mm256_or_si256(_mm256_and_si256(q4bits2, m4), q6_high(q4bits_h, 2, m2)),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(q4bits1), m4),
+                            q6_high(q4bits_h, 4, m2),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(q4bits2), m4),
+                            q6_high(q4bits_h, 6, m2),
+                        ),
+                    ];
+                    for (i, sc) in sc[j].iter_mut().enumerate() {
+                        let s = 2 * (4 * j + i);
+                        *sc = _mm256_setr_m128i(
+                            _mm_set1_epi16(*scales.add(s) as i16),
+                            _mm_set1_epi16(*scales.add(s + 1) as i16),
+                        );
+                    }
+                }
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let yb = y.wrapping_add((r * nb + b) * Q8K_BYTES);
+                    let d = single(yb) * xd;
+                    let mut sumi = _mm256_setzero_si256();
+                    for j in 0..2 {
+                        let mut p = [_mm256_setzero_si256(); 4];
+                        for (i, p) in p.iter_mut().enumerate() {
+                            let q8 =
+                                _mm256_loadu_si256(yb.add(4 + 128 * j + 32 * i) as *const __m256i);
+                            let q8s = _mm256_maddubs_epi16(m32s, q8);
+                            let p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q6[j][i], q8), q8s);
+                            *p = _mm256_madd_epi16(sc[j][i], p16);
+                        }
+                        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[0], p[1]));
+                        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[2], p[3]));
+                    }
+                    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), *acc);
+                }
+            }
+        }
+        std::array::from_fn(|r| hsum8(acc[r]))
+    }
 }
 
 #[cfg(test)]
@@ -426,6 +533,11 @@ mod tests {
                 for (o, y) in out.iter().zip(ys.chunks_exact(nb)) {
                     let want = BlockQ4K::vec_dot(k, &q4, y);
                     assert_eq!(o.to_bits(), want.to_bits(), "Q4_K rows nb {nb}");
+                }
+                dot_q6k_q8k_rows(&q6, &ys, &mut out, pf);
+                for (o, y) in out.iter().zip(ys.chunks_exact(nb)) {
+                    let want = BlockQ6K::vec_dot(k, &q6, y);
+                    assert_eq!(o.to_bits(), want.to_bits(), "Q6_K rows nb {nb}");
                 }
             }
             for pf in [0usize, 64, 4096] {
