@@ -103,6 +103,8 @@ SOURCES = {
         "2026-12-06/2026-12-06-moe-cpu-small-q8_0-rows4-f1e1915.json",
         "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-before-q4k-rows-f1e1915.json",
         "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-q4k-rows-9400117.json",
+        "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-q6k-rows-run1-4aab8f8.json",
+        "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-q6k-rows-run2-4aab8f8.json",
     ],
     # bench_generate on random Qwen3-8B- and Gemma-3-12B-shaped GGUFs (gpu-run.sh gguf_qwen3_8b,
     # gguf_gemma3_12b, qbench), llama.cpp on the same file in the same process.
