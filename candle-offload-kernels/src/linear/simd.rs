@@ -149,6 +149,23 @@ pub(crate) fn q8_1_scales(ys: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// `out[r]` for activation rows `r = 0..out.len()` of a prompt: four rows at a time through
+/// `four(r)` (rows `r..r + 4`, a kernel that unpacks each weight block once for all four), the
+/// rows past the last four through `one(r)`. Both give the same values.
+pub(crate) fn by_fours(
+    out: &mut [f32],
+    four: impl Fn(usize) -> [f32; 4],
+    one: impl Fn(usize) -> f32,
+) {
+    let whole = out.len() / 4 * 4;
+    for (g, o) in out[..whole].chunks_exact_mut(4).enumerate() {
+        o.copy_from_slice(&four(4 * g));
+    }
+    for (r, o) in out.iter_mut().enumerate().skip(whole) {
+        *o = one(r);
+    }
+}
+
 /// The dot products of one row of Q4_1 blocks `x` with each of `out.len()` rows of Q8_1 blocks
 /// in `ys` (one after the other, each as long as `x` in blocks; `scales` from [`q8_1_scales`]
 /// of `ys`), into `out`: the same sums as [`dot_q4_1_q8_1`] per row, with each weight block
@@ -158,26 +175,24 @@ pub(crate) fn dot_q4_1_q8_1_rows(x: &[u8], ys: &[u8], scales: &[f32], out: &mut 
     let row = nb * Q8_1_BYTES;
     assert!(x.len() == nb * Q4_1_BYTES && ys.len() == out.len() * row);
     assert!(scales.len() == out.len() * nb * 2);
-    let mut r = 0;
+    let one = |r: usize| dot_q4_1_q8_1(x, &ys[r * row..(r + 1) * row]);
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        while r + 4 <= out.len() {
-            // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` holds `nb` Q4_1
-            // blocks and rows `r..r + 4` of `ys` (below `out.len()`) `nb` Q8_1 blocks each.
-            let four = unsafe {
-                avx2::dot_q4_1_q8_1_x4(
-                    x,
-                    &ys[r * row..(r + 4) * row],
-                    &scales[r * nb * 2..(r + 4) * nb * 2],
-                    nb,
-                )
-            };
-            out[r..r + 4].copy_from_slice(&four);
-            r += 4;
-        }
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` holds `nb` Q4_1 blocks,
+        // and each four rows `r..r + 4` of `ys` `nb` Q8_1 blocks each (`by_fours` passes
+        // `r + 4 <= out.len()`).
+        let four = |r: usize| unsafe {
+            avx2::dot_q4_1_q8_1_x4(
+                x,
+                &ys[r * row..(r + 4) * row],
+                &scales[r * nb * 2..(r + 4) * nb * 2],
+                nb,
+            )
+        };
+        return by_fours(out, four, one);
     }
-    for (o, y) in out[r..].iter_mut().zip(ys[r * row..].chunks_exact(row)) {
-        *o = dot_q4_1_q8_1(x, y);
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = one(r);
     }
 }
 
@@ -204,19 +219,18 @@ pub(crate) fn dot_q8_0_q8_0_rows(x: &[u8], ys: &[u8], out: &mut [f32], pf: usize
     let nb = x.len() / Q8_0_BYTES;
     let row = nb * Q8_0_BYTES;
     assert!(x.len() == row && ys.len() == out.len() * row);
-    let mut r = 0;
+    let one = |r: usize| dot_q8_0_q8_0(x, &ys[r * row..(r + 1) * row], pf);
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        while r + 4 <= out.len() {
-            // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` holds `nb` Q8_0
-            // blocks and rows `r..r + 4` of `ys` (below `out.len()`) `nb` each.
-            let four = unsafe { avx2::dot_q8_0_q8_0_x4(x, &ys[r * row..(r + 4) * row], nb, pf) };
-            out[r..r + 4].copy_from_slice(&four);
-            r += 4;
-        }
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` holds `nb` Q8_0 blocks,
+        // and each four rows `r..r + 4` of `ys` `nb` each (`by_fours` passes
+        // `r + 4 <= out.len()`).
+        let four =
+            |r: usize| unsafe { avx2::dot_q8_0_q8_0_x4(x, &ys[r * row..(r + 4) * row], nb, pf) };
+        return by_fours(out, four, one);
     }
-    for (o, y) in out[r..].iter_mut().zip(ys[r * row..].chunks_exact(row)) {
-        *o = dot_q8_0_q8_0(x, y, pf);
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = one(r);
     }
 }
 

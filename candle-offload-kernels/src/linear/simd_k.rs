@@ -41,25 +41,20 @@ pub(crate) fn dot_q4k_q8k_rows(x: &[BlockQ4K], ys: &[BlockQ8K], out: &mut [f32],
         out.len() * nb,
         "Q4_K row against rows of Q8_K activations"
     );
-    let mut r = 0;
+    let one = |r: usize| dot_q4k_q8k(x, &ys[r * nb..(r + 1) * nb], pf);
     #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2() {
-        while r + 4 <= out.len() {
-            // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` is `nb` whole blocks
-            // and rows `r..r + 4` of `ys` (below `out.len()`) `nb` each, of Candle's
-            // `#[repr(C)]` types whose sizes are asserted below.
-            let four = unsafe {
-                avx2::dot_q4k_q8k_x4(x.as_ptr().cast(), ys[r * nb..].as_ptr().cast(), nb, pf)
-            };
-            out[r..r + 4].copy_from_slice(&four);
-            r += 4;
-        }
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` is `nb` whole blocks,
+        // and each four rows `r..r + 4` of `ys` `nb` each (`by_fours` passes
+        // `r + 4 <= out.len()`), of Candle's `#[repr(C)]` types whose sizes are asserted
+        // below.
+        let four = |r: usize| unsafe {
+            avx2::dot_q4k_q8k_x4(x.as_ptr().cast(), ys[r * nb..].as_ptr().cast(), nb, pf)
+        };
+        return super::simd::by_fours(out, four, one);
     }
-    for (o, y) in out[r..]
-        .iter_mut()
-        .zip(ys[r * nb..].chunks_exact(nb.max(1)))
-    {
-        *o = dot_q4k_q8k(x, y, pf);
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = one(r);
     }
 }
 
@@ -86,23 +81,17 @@ pub(crate) fn dot_q6k_q8k_rows(x: &[BlockQ6K], ys: &[BlockQ8K], out: &mut [f32],
         out.len() * nb,
         "Q6_K row against rows of Q8_K activations"
     );
-    let mut r = 0;
+    let one = |r: usize| dot_q6k_q8k(x, &ys[r * nb..(r + 1) * nb], pf);
     #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2() {
-        while r + 4 <= out.len() {
-            // SAFETY: as in `dot_q4k_q8k_rows`.
-            let four = unsafe {
-                avx2::dot_q6k_q8k_x4(x.as_ptr().cast(), ys[r * nb..].as_ptr().cast(), nb, pf)
-            };
-            out[r..r + 4].copy_from_slice(&four);
-            r += 4;
-        }
+        // SAFETY: as in `dot_q4k_q8k_rows`.
+        let four = |r: usize| unsafe {
+            avx2::dot_q6k_q8k_x4(x.as_ptr().cast(), ys[r * nb..].as_ptr().cast(), nb, pf)
+        };
+        return super::simd::by_fours(out, four, one);
     }
-    for (o, y) in out[r..]
-        .iter_mut()
-        .zip(ys[r * nb..].chunks_exact(nb.max(1)))
-    {
-        *o = dot_q6k_q8k(x, y, pf);
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = one(r);
     }
 }
 
