@@ -33,7 +33,11 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(args: Args) -> Result<()> {
-    let report = doctor::examine(args.device, !args.no_measure, &nccl_dirs());
+    let report = doctor::examine(
+        args.device,
+        !args.no_measure,
+        &candle_offload_suite::dist::nccl_search_dirs(|k| std::env::var(k).ok()),
+    );
     if args.json {
         let d = report.device.as_ref();
         let json = serde_json::json!({
@@ -84,19 +88,4 @@ fn run(args: Args) -> Result<()> {
         std::process::exit(1);
     }
     Ok(())
-}
-
-/// Where a Python wheel may have put NCCL (PyTorch's `nvidia-nccl-cu*`): the system prefixes,
-/// `~/.local`, and the active virtual or conda environment (`VIRTUAL_ENV`, `CONDA_PREFIX`).
-fn nccl_dirs() -> Vec<std::path::PathBuf> {
-    let mut prefixes: Vec<std::path::PathBuf> = vec!["/usr".into(), "/usr/local".into()];
-    if let Some(home) = std::env::var_os("HOME") {
-        prefixes.push(std::path::Path::new(&home).join(".local"));
-    }
-    prefixes.extend(
-        ["VIRTUAL_ENV", "CONDA_PREFIX"]
-            .iter()
-            .filter_map(|v| std::env::var_os(v).map(Into::into)),
-    );
-    doctor::python_nccl_dirs(&prefixes)
 }

@@ -13,10 +13,9 @@
 use std::io::Write as _;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Result};
-use candle_offload::dist::{broadcast_tokens, Transport};
+use candle_offload::dist::broadcast_tokens;
 use candle_offload::placement::{DeviceMap, PlacementMode};
 use candle_offload::{MemoryLimit, OffloadRuntime};
 use candle_offload_models::generation::{generate, generate_ranks, GenerationStats, TokenStream};
@@ -423,7 +422,8 @@ fn run_rank(args: &Args, launch: &Launch) -> Result<()> {
     let device = candle_offload_suite::device(args.load.cpu, ordinal)?;
     let plan = args.load.memory(std::slice::from_ref(&device))?;
     // Joined first: a rank that fails from here on tells the others why.
-    let transport: Arc<dyn Transport> = Arc::new(launch.connect()?);
+    let (transport, how) = launch.connect(&device)?;
+    eprintln!("rank {rank} of {world}: {how}");
     let run = || -> Result<()> {
         let files = args.load.model.resolve()?;
         let cfg = files.config.clone();

@@ -5,10 +5,14 @@
 //! `TORCHELASTIC_USE_AGENT_STORE`), rank 0 listens on the port after it. docs/tuning.md's table
 //! lists the variables.
 
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Result};
-use candle_offload::dist::{NetConfig, TcpTransport};
+use candle_core::Device;
+use candle_offload::dist::{NcclTransport, NetConfig, TcpTransport, Transport};
+use candle_offload::doctor::{find_nccl, python_nccl_dirs};
 
 /// The variables a launcher such as torchrun sets, read by [`DistArgs::launch`].
 pub const DIST_VARS: [&str; 6] = [
@@ -45,6 +49,28 @@ pub struct DistArgs {
     /// missing heartbeat.
     #[arg(long, default_value_t = 300.0, value_parser = crate::flags::positive)]
     pub dist_timeout: f64,
+    /// How hidden states travel between ranks: `nccl` (GPU to GPU), `tcp` (through host
+    /// memory), or `auto`: NCCL when this rank's device is a GPU and NCCL is found (on the
+    /// loader's path, or in a Python environment's `nvidia/*/lib`), TCP otherwise. Every rank
+    /// must end up with the same.
+    #[arg(long, value_enum, default_value_t = TransportChoice::Auto)]
+    pub dist_transport: TransportChoice,
+    /// NCCL's library for `--dist-transport nccl|auto`, a path or a file name for the loader
+    /// (default: the first `libnccl.so.2` found as the doctor finds it).
+    #[arg(long)]
+    pub nccl_library: Option<String>,
+}
+
+/// `--dist-transport`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// NCCL on a GPU where it is found, TCP otherwise.
+    #[default]
+    Auto,
+    /// Through the TCP connections, via host memory.
+    Tcp,
+    /// NCCL between GPUs.
+    Nccl,
 }
 
 /// A multi-process run's settings, from flags and variables.
@@ -62,6 +88,12 @@ pub struct Launch {
     pub master_port: u16,
     /// The longest wait on another rank.
     pub timeout: Duration,
+    /// `--dist-transport`.
+    pub transport: TransportChoice,
+    /// `--nccl-library`.
+    pub nccl_library: Option<String>,
+    /// Where NCCL is looked for beyond the loader's path (Python environments' `nvidia/*/lib`).
+    pub nccl_dirs: Vec<PathBuf>,
 }
 
 impl Launch {
@@ -76,9 +108,10 @@ impl Launch {
         )
     }
 
-    /// Joins the other ranks over TCP, within the timeout.
-    pub fn connect(&self) -> Result<TcpTransport> {
-        TcpTransport::connect(&self.net_config()).map_err(|e| {
+    /// Joins the other ranks, within the timeout, with the transport `--dist-transport` chose
+    /// for this rank's `device`; returns it and a line saying which.
+    pub fn connect(&self, device: &Device) -> Result<(Arc<dyn Transport>, String)> {
+        let joining = |e: &dyn std::fmt::Display| {
             anyhow!(
                 "rank {} of {}: joining at {}:{}: {e}",
                 self.rank,
@@ -86,8 +119,64 @@ impl Launch {
                 self.master_addr,
                 self.master_port
             )
-        })
+        };
+        match self.nccl_choice(device)? {
+            None => {
+                let t = TcpTransport::connect(&self.net_config()).map_err(|e| joining(&e))?;
+                Ok((Arc::new(t), "hidden states over TCP".into()))
+            }
+            Some(library) => {
+                let t = NcclTransport::connect(&self.net_config(), device, &library)
+                    .map_err(|e| joining(&e))?;
+                let (path, (a, b, c)) = t.nccl();
+                let line = format!("hidden states over NCCL {a}.{b}.{c} ({path})");
+                Ok((Arc::new(t), line))
+            }
+        }
     }
+
+    /// The NCCL library to load, or `None` for TCP.
+    fn nccl_choice(&self, device: &Device) -> Result<Option<String>> {
+        let found = || {
+            self.nccl_library
+                .clone()
+                .or_else(|| find_nccl(&self.nccl_dirs).found.map(|f| f.path))
+        };
+        match self.transport {
+            TransportChoice::Tcp => Ok(None),
+            TransportChoice::Auto if !device.is_cuda() => Ok(None),
+            TransportChoice::Auto => Ok(found()),
+            TransportChoice::Nccl => {
+                if !device.is_cuda() {
+                    bail!("--dist-transport nccl: this rank's device is {device:?}, not a GPU");
+                }
+                found().map(Some).ok_or_else(|| {
+                    anyhow!(
+                        "--dist-transport nccl: NCCL (libnccl.so.2) is not on the loader's \
+                         path nor in {:?}; give --nccl-library, or add its directory to \
+                         LD_LIBRARY_PATH (`doctor` looks for it too)",
+                        self.nccl_dirs
+                    )
+                })
+            }
+        }
+    }
+}
+
+/// Where a Python wheel may have put NCCL (PyTorch's `nvidia-nccl-cu*`): under the system
+/// prefixes, `~/.local` (`HOME`), and the active virtual or conda environment (`VIRTUAL_ENV`,
+/// `CONDA_PREFIX`); `env` gives a variable's value by name.
+pub fn nccl_search_dirs(env: impl Fn(&str) -> Option<String>) -> Vec<PathBuf> {
+    let mut prefixes: Vec<PathBuf> = vec!["/usr".into(), "/usr/local".into()];
+    if let Some(home) = env("HOME") {
+        prefixes.push(Path::new(&home).join(".local"));
+    }
+    prefixes.extend(
+        ["VIRTUAL_ENV", "CONDA_PREFIX"]
+            .iter()
+            .filter_map(|v| env(v).map(PathBuf::from)),
+    );
+    python_nccl_dirs(&prefixes)
 }
 
 impl DistArgs {
@@ -149,6 +238,13 @@ impl DistArgs {
             master_addr,
             master_port,
             timeout: Duration::from_secs_f64(self.dist_timeout),
+            transport: self.dist_transport,
+            nccl_library: self.nccl_library.clone(),
+            nccl_dirs: if self.dist_transport == TransportChoice::Tcp {
+                Vec::new()
+            } else {
+                nccl_search_dirs(&env)
+            },
         }))
     }
 }
@@ -204,6 +300,7 @@ mod tests {
             master_addr: Some("localhost".into()),
             master_port: Some(1234),
             dist_timeout: 2.5,
+            ..args()
         };
         let l = flags.launch(env(&vars)).unwrap().unwrap();
         assert_eq!((l.rank, l.world_size), (0, 3));

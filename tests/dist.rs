@@ -18,10 +18,10 @@ use candle_transformers::generation::LogitsProcessor;
 
 use crate::models::{write_tiny, Tiny};
 
-const PROMPT: [u32; 7] = [5, 17, 42, 3, 99, 64, 8];
-const NEW: usize = 12;
+pub(crate) const PROMPT: [u32; 7] = [5, 17, 42, 3, 99, 64, 8];
+pub(crate) const NEW: usize = 12;
 
-fn tiny(kind: Tiny, test: &str) -> anyhow::Result<ModelFiles> {
+pub(crate) fn tiny(kind: Tiny, test: &str) -> anyhow::Result<ModelFiles> {
     let dir = std::env::temp_dir().join(format!(
         "candle-offload-dist-{test}-{}-{}",
         kind.tag(),
@@ -33,29 +33,30 @@ fn tiny(kind: Tiny, test: &str) -> anyhow::Result<ModelFiles> {
     Ok(loader::from_dir(&dir)?)
 }
 
-/// The greedy tokens of the whole model in this process.
-fn one_process(files: &ModelFiles) -> anyhow::Result<Vec<u32>> {
-    let store = Arc::new(loader::load_store(files, DType::F32, &Device::Cpu, None)?);
+/// The greedy tokens of the whole model in this process, on `device`.
+pub(crate) fn one_process(files: &ModelFiles, device: &Device) -> anyhow::Result<Vec<u32>> {
+    let store = Arc::new(loader::load_store(files, DType::F32, device, None)?);
     let model = Llama::builder(files, store)
-        .device(&Device::Cpu)
+        .device(device)
         .max_len(PROMPT.len() + NEW)
         .build()?;
     let mut sampler = LogitsProcessor::new(0, None, None);
     Ok(generate(&model, &PROMPT, NEW, &mut sampler, &[], |_| Ok(()))?.0)
 }
 
-/// Rank `rank`'s model: joins, takes rank 0's split, loads only its units.
-fn rank_model(
+/// Rank `rank`'s model on `device`: joins, takes rank 0's split, loads only its units.
+pub(crate) fn rank_model(
     files: &ModelFiles,
     transport: Arc<dyn Transport>,
     mode: PlacementMode,
+    device: &Device,
 ) -> anyhow::Result<(Llama, usize)> {
     let cfg = &files.config;
     let map = Llama::plan_ranks(
         cfg,
         transport.as_ref(),
         &RankRequest {
-            device: &Device::Cpu,
+            device,
             limit: None,
             dtype: DType::F32,
             prompt_len: PROMPT.len(),
@@ -70,15 +71,10 @@ fn rank_model(
         only_units: Some(Llama::rank_units(cfg, layers.clone())),
         ..Default::default()
     };
-    let store = Arc::new(loader::load_store_config(
-        files,
-        &store_cfg,
-        &Device::Cpu,
-        true,
-    )?);
+    let store = Arc::new(loader::load_store_config(files, &store_cfg, device, true)?);
     let units = store.units().len();
     let model = Llama::builder(files, store)
-        .rank(&Device::Cpu, &map, transport)
+        .rank(device, &map, transport)
         .dtype(DType::F32)
         .max_len(PROMPT.len() + NEW)
         .build()?;
@@ -86,7 +82,7 @@ fn rank_model(
     Ok((model, units))
 }
 
-fn net(rank: usize, world: usize, port: u16, timeout: Duration) -> NetConfig {
+pub(crate) fn net(rank: usize, world: usize, port: u16, timeout: Duration) -> NetConfig {
     let mut c = NetConfig::new(rank, world, "127.0.0.1", port, timeout);
     // A dead peer is five silent beats (2.5 s): room for a loaded machine; the deaths these
     // tests cause close the connection, noticed at once.
@@ -102,7 +98,8 @@ fn on_ranks(files: &ModelFiles, world: usize) -> Vec<anyhow::Result<(Vec<u32>, u
             let files = files.clone();
             std::thread::spawn(move || -> anyhow::Result<(Vec<u32>, usize)> {
                 let t = TcpTransport::connect(&net(rank, world, port, Duration::from_secs(30)))?;
-                let (model, units) = rank_model(&files, Arc::new(t), PlacementMode::Balanced)?;
+                let (model, units) =
+                    rank_model(&files, Arc::new(t), PlacementMode::Balanced, &Device::Cpu)?;
                 let mut sampler = LogitsProcessor::new(0, None, None);
                 let (tokens, _) =
                     generate_ranks(&model, &PROMPT, NEW, &mut sampler, &[], |_| Ok(()))?;
@@ -127,7 +124,7 @@ fn ranks_generate_the_tokens_of_one_process() -> anyhow::Result<()> {
         Tiny::Gemma2,
     ] {
         let files = tiny(kind, "tokens")?;
-        let want = one_process(&files)?;
+        let want = one_process(&files, &Device::Cpu)?;
         assert_eq!(want.len(), NEW);
         let layers = files.config.num_hidden_layers;
         for world in [2, 3] {
@@ -169,7 +166,8 @@ fn a_rank_that_dies_fails_the_others_naming_it() -> anyhow::Result<()> {
             let files = files.clone();
             std::thread::spawn(move || -> anyhow::Result<(Duration, String)> {
                 let t = Arc::new(TcpTransport::connect(&net(rank, 2, port, timeout))?);
-                let (model, _) = rank_model(&files, t.clone(), PlacementMode::Balanced)?;
+                let (model, _) =
+                    rank_model(&files, t.clone(), PlacementMode::Balanced, &Device::Cpu)?;
                 let mut sampler = LogitsProcessor::new(0, None, None);
                 let mut seen = 0;
                 let r = generate_ranks(&model, &PROMPT, NEW, &mut sampler, &[], |_| {
@@ -209,7 +207,8 @@ fn a_rank_that_fails_tells_the_others_why() -> anyhow::Result<()> {
             let files = files.clone();
             std::thread::spawn(move || -> anyhow::Result<String> {
                 let t = TcpTransport::connect(&net(rank, 3, port, Duration::from_secs(20)))?;
-                let (model, _) = rank_model(&files, Arc::new(t), PlacementMode::Balanced)?;
+                let (model, _) =
+                    rank_model(&files, Arc::new(t), PlacementMode::Balanced, &Device::Cpu)?;
                 let mut sampler = LogitsProcessor::new(0, None, None);
                 let mut seen = 0;
                 let r = generate_ranks(&model, &PROMPT, NEW, &mut sampler, &[], |_| {

@@ -14,6 +14,7 @@ mod gguf_families;
 mod lora;
 mod models;
 mod moe_families;
+mod nccl;
 mod ops;
 mod own_model;
 mod quantize;

@@ -115,6 +115,10 @@ impl From<crate::sys::SysError> for Error {
                 reason,
             },
             SysError::Candle(e) => Error::Candle(e),
+            SysError::Nccl(e) => Error::InvalidConfig {
+                field: "nccl".into(),
+                reason: e.to_string(),
+            },
         }
     }
 }

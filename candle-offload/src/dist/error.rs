@@ -68,6 +68,16 @@ pub enum DistError {
         reason: String,
     },
 
+    /// NCCL could not be loaded, its communicator did not come up in time, or a transfer over
+    /// it failed or did not finish in time (the communicator is then aborted).
+    #[error("NCCL{}: {reason}", rank.map(|r| format!(", rank {r}")).unwrap_or_default())]
+    Nccl {
+        /// The peer the transfer was with, where it was with one.
+        rank: Option<usize>,
+        /// What failed.
+        reason: String,
+    },
+
     /// A tensor that cannot be sent or a header that cannot be read as one.
     #[error("tensor from or to rank {rank}: {reason}")]
     Tensor {
@@ -78,6 +88,9 @@ pub enum DistError {
     },
 }
 
+/// `Result` with a [`DistError`].
+pub type Result<T> = std::result::Result<T, DistError>;
+
 impl DistError {
     /// The peer rank this error is about, where it is about one.
     pub fn peer(&self) -> Option<usize> {
@@ -87,6 +100,7 @@ impl DistError {
             | Self::Protocol { rank, .. }
             | Self::Remote { rank, .. }
             | Self::Tensor { rank, .. } => Some(*rank),
+            Self::Nccl { rank, .. } => *rank,
             Self::InvalidConfig { .. } | Self::Rendezvous { .. } => None,
         }
     }

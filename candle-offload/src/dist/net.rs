@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use super::error::DistError;
 
 /// The first bytes of every hello: the protocol and its version.
-const MAGIC: &[u8; 8] = b"COFFDST1";
+const MAGIC: &[u8; 8] = b"COFFDST2";
 /// The most bytes a frame may carry (a hidden state of a long prompt is well under this).
 const MAX_FRAME: u64 = 1 << 36;
 /// How often a waiting accept or connect looks again.
@@ -91,6 +91,37 @@ pub struct NetConfig {
     /// How often each rank tells every peer it is alive; a peer silent for five of these (at
     /// most the timeout) is taken for dead.
     pub heartbeat: Duration,
+    /// How tensors travel between the ranks: every rank must say the same, or rank 0 refuses
+    /// it at the rendezvous.
+    pub tensors: TensorPath,
+}
+
+/// How a transport carries tensors between ranks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TensorPath {
+    /// Through the TCP connections, via host memory ([`TcpTransport`](super::TcpTransport)).
+    #[default]
+    Tcp,
+    /// NCCL between GPUs ([`NcclTransport`](super::NcclTransport)).
+    Nccl,
+}
+
+impl TensorPath {
+    fn code(self) -> u8 {
+        match self {
+            Self::Tcp => 0,
+            Self::Nccl => 1,
+        }
+    }
+
+    fn name(code: u8) -> &'static str {
+        match code {
+            0 => "TCP",
+            1 => "NCCL",
+            _ => "an unknown path",
+        }
+    }
 }
 
 impl NetConfig {
@@ -110,6 +141,7 @@ impl NetConfig {
             master_port,
             timeout,
             heartbeat: Duration::from_secs(1).min(timeout / 10),
+            tensors: TensorPath::Tcp,
         }
     }
 
@@ -167,6 +199,9 @@ struct Peer {
     /// The error the peer said it failed with, as soon as its reader reads it (a send that
     /// finds the connection gone reports it).
     failed: Arc<Mutex<Option<String>>>,
+    /// Why the connection is gone, as soon as its reader sees it (a wait outside the socket,
+    /// such as one on NCCL, asks [`Mesh::check`]).
+    gone: Arc<Mutex<Option<String>>>,
     reader: Option<JoinHandle<()>>,
 }
 
@@ -225,20 +260,25 @@ fn read_frame(s: &mut TcpStream) -> std::io::Result<(Kind, Vec<u8>)> {
     Ok((kind, data))
 }
 
-/// A hello: magic, rank, world size, the port this rank listens on for its peers.
-fn hello(rank: usize, world_size: usize, port: u16) -> Vec<u8> {
+/// A hello: magic, rank, world size, the port this rank listens on for its peers, the code of
+/// its [`TensorPath`].
+fn hello(rank: usize, world_size: usize, port: u16, tensors: TensorPath) -> Vec<u8> {
     let mut b = MAGIC.to_vec();
     b.extend((rank as u64).to_le_bytes());
     b.extend((world_size as u64).to_le_bytes());
     b.extend(port.to_le_bytes());
+    b.push(tensors.code());
     b
 }
 
-/// Reads a hello, within `timeout`: (rank, world size, port).
-fn read_hello(s: &mut TcpStream, timeout: Duration) -> std::io::Result<(usize, usize, u16)> {
+/// A hello as read: rank, world size, port, tensor path's code.
+type Hello = (usize, usize, u16, u8);
+
+/// Reads a hello, within `timeout`.
+fn read_hello(s: &mut TcpStream, timeout: Duration) -> std::io::Result<Hello> {
     s.set_nonblocking(false)?;
     s.set_read_timeout(Some(timeout))?;
-    let mut b = [0u8; 26];
+    let mut b = [0u8; 27];
     s.read_exact(&mut b)?;
     if &b[..8] != MAGIC {
         return Err(std::io::Error::new(
@@ -248,7 +288,7 @@ fn read_hello(s: &mut TcpStream, timeout: Duration) -> std::io::Result<(usize, u
     }
     let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
     let port = u16::from_le_bytes([b[24], b[25]]);
-    Ok((word(8) as usize, word(16) as usize, port))
+    Ok((word(8) as usize, word(16) as usize, port, b[26]))
 }
 
 /// A socket set up for frames: no Nagle delay, writes bounded by `timeout`.
@@ -361,7 +401,7 @@ impl Mesh {
         let all = accept_until(&listener, deadline, |mut s, addr| {
             let left = deadline.saturating_duration_since(Instant::now()).max(POLL);
             // A connection that says nothing in time is not a rank: drop it and go on.
-            let Ok((rank, world, port)) = read_hello(&mut s, left) else {
+            let Ok((rank, world, port, tensors)) = read_hello(&mut s, left) else {
                 return Ok(false);
             };
             let refuse = |s: &mut TcpStream, reason: String| {
@@ -372,6 +412,16 @@ impl Mesh {
                 return Err(refuse(
                     &mut s,
                     format!("joined with world size {world}, rank 0 has {n}"),
+                ));
+            }
+            if tensors != cfg.tensors.code() {
+                return Err(refuse(
+                    &mut s,
+                    format!(
+                        "joined carrying tensors over {}, rank 0 over {}",
+                        TensorPath::name(tensors),
+                        TensorPath::name(cfg.tensors.code())
+                    ),
                 ));
             }
             if rank == 0 || rank >= n {
@@ -448,7 +498,8 @@ impl Mesh {
                 reason: format!("cannot listen for the other ranks: {e}"),
             })?;
         let port = listener.local_addr().map_err(lost0)?.port();
-        s.write_all(&hello(rank, n, port)).map_err(lost0)?;
+        s.write_all(&hello(rank, n, port, cfg.tensors))
+            .map_err(lost0)?;
         let left = deadline.saturating_duration_since(Instant::now()).max(POLL);
         s.set_read_timeout(Some(left)).map_err(lost0)?;
         let (kind, data) = read_frame(&mut s).map_err(|e| match e.kind() {
@@ -499,14 +550,14 @@ impl Mesh {
                 reason: e.to_string(),
             };
             tune(&p, cfg.timeout).map_err(lost)?;
-            p.write_all(&hello(rank, n, 0)).map_err(lost)?;
+            p.write_all(&hello(rank, n, 0, cfg.tensors)).map_err(lost)?;
             streams[peer] = Some(p);
         }
         // ...and accept those above.
         if rank + 1 < n {
             let all = accept_until(&listener, deadline, |mut p, _| {
                 let left = deadline.saturating_duration_since(Instant::now()).max(POLL);
-                let Ok((peer, world, _)) = read_hello(&mut p, left) else {
+                let Ok((peer, world, _, _)) = read_hello(&mut p, left) else {
                     return Ok(false);
                 };
                 if world != n || peer <= rank || peer >= n || streams[peer].is_some() {
@@ -559,10 +610,11 @@ impl Mesh {
             let (tx, rx) = mpsc::channel();
             let stop_r = stop.clone();
             let failed = Arc::new(Mutex::new(None));
-            let failed_r = failed.clone();
+            let gone = Arc::new(Mutex::new(None));
+            let (failed_r, gone_r) = (failed.clone(), gone.clone());
             let handle = std::thread::Builder::new()
                 .name(format!("dist-reader-{rank}"))
-                .spawn(move || read_loop(&mut reader, &tx, &stop_r, silence, &failed_r))
+                .spawn(move || read_loop(&mut reader, &tx, &stop_r, silence, &failed_r, &gone_r))
                 .map_err(lost)?;
             let writer = Arc::new(Mutex::new(s));
             writers.push(writer.clone());
@@ -571,6 +623,7 @@ impl Mesh {
                 inbox: Mutex::new(rx),
                 lost: Mutex::new(None),
                 failed,
+                gone,
                 reader: Some(handle),
             }));
         }
@@ -724,6 +777,24 @@ impl Mesh {
         Err(lost(reason))
     }
 
+    /// Whether `peer` is still there, without waiting: an error if it failed (and said why),
+    /// its connection is gone, or it fell silent; `awaited` says what for, in the error.
+    pub(super) fn check(&self, peer: usize, awaited: &str) -> Result<(), DistError> {
+        let p = self.peer(peer)?;
+        let get = |m: &Mutex<Option<String>>| m.lock().ok().and_then(|g| g.clone());
+        if let Some(reason) = get(&p.failed) {
+            return Err(DistError::Remote { rank: peer, reason });
+        }
+        if let Some(reason) = get(&p.lost).or_else(|| get(&p.gone)) {
+            return Err(DistError::PeerLost {
+                rank: peer,
+                awaited: awaited.to_string(),
+                reason,
+            });
+        }
+        Ok(())
+    }
+
     /// Tells every peer that this rank failed with `reason` (best effort: a peer already gone
     /// is skipped); each then fails its wait on this rank with it.
     pub fn fail(&self, reason: &str) {
@@ -783,7 +854,14 @@ fn read_loop(
     stop: &AtomicBool,
     silence: Duration,
     failed: &Mutex<Option<String>>,
+    gone: &Mutex<Option<String>>,
 ) {
+    let leave = |reason: String| {
+        if let Ok(mut g) = gone.lock() {
+            *g = Some(reason.clone());
+        }
+        tx.send(Incoming::Lost(reason)).ok();
+    };
     loop {
         match read_frame(s) {
             Ok((Kind::Heartbeat, _)) => {}
@@ -796,8 +874,7 @@ fn read_loop(
                 return;
             }
             Ok((Kind::Goodbye, _)) => {
-                tx.send(Incoming::Lost("it left (it ended, or failed)".into()))
-                    .ok();
+                leave("it left (it ended, or failed)".into());
                 return;
             }
             Ok((kind, data)) => {
@@ -819,7 +896,7 @@ fn read_loop(
                     }
                     _ => broken(&e),
                 };
-                tx.send(Incoming::Lost(reason)).ok();
+                leave(reason);
                 return;
             }
         }
@@ -908,7 +985,7 @@ mod tests {
             0,
         )
         .unwrap();
-        s.write_all(&hello(1, 2, 1)).unwrap();
+        s.write_all(&hello(1, 2, 1, TensorPath::Tcp)).unwrap();
         let m = master.join().unwrap().unwrap();
         let t0 = Instant::now();
         let e = m.recv(1, Kind::Tensor, "a hidden state").unwrap_err();

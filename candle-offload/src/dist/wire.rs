@@ -16,19 +16,28 @@ const DTYPES: [DType; 7] = [
     DType::F64,
 ];
 
-/// `t`'s header and its elements' bytes (copied to the host when `t` is on a device); `to`
-/// names the peer in errors.
-pub(super) fn encode(t: &Tensor, to: usize) -> Result<(Vec<u8>, Vec<u8>), DistError> {
-    let err = |reason: String| DistError::Tensor { rank: to, reason };
+/// `t`'s header: its dtype and shape; `to` names the peer in errors.
+pub(super) fn encode_head(t: &Tensor, to: usize) -> Result<Vec<u8>, DistError> {
     let code = DTYPES
         .iter()
         .position(|&d| d == t.dtype())
-        .ok_or_else(|| err(format!("dtype {:?} cannot be sent", t.dtype())))?;
+        .ok_or_else(|| DistError::Tensor {
+            rank: to,
+            reason: format!("dtype {:?} cannot be sent", t.dtype()),
+        })?;
     let dims = t.dims();
     let mut head = vec![code as u8, dims.len() as u8];
     for &d in dims {
         head.extend((d as u64).to_le_bytes());
     }
+    Ok(head)
+}
+
+/// `t`'s header and its elements' bytes (copied to the host when `t` is on a device); `to`
+/// names the peer in errors.
+pub(super) fn encode(t: &Tensor, to: usize) -> Result<(Vec<u8>, Vec<u8>), DistError> {
+    let err = |reason: String| DistError::Tensor { rank: to, reason };
+    let head = encode_head(t, to)?;
     let flat = t
         .flatten_all()
         .and_then(|f| f.to_device(&Device::Cpu))
@@ -59,8 +68,11 @@ fn le<T: Copy, const N: usize>(v: Vec<T>, f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
     out
 }
 
-/// The tensor a frame holds (`header` then bytes), on `device`; `from` names the peer.
-pub(super) fn decode(frame: &[u8], device: &Device, from: usize) -> Result<Tensor, DistError> {
+/// A header's dtype and shape, and the bytes after it; `from` names the peer.
+pub(super) fn decode_head(
+    frame: &[u8],
+    from: usize,
+) -> Result<(DType, Vec<usize>, &[u8]), DistError> {
     let err = |reason: String| DistError::Tensor { rank: from, reason };
     let (&code, rest) = frame
         .split_first()
@@ -80,6 +92,13 @@ pub(super) fn decode(frame: &[u8], device: &Device, from: usize) -> Result<Tenso
         dims.push(u64::from_le_bytes(d.try_into().unwrap_or_default()) as usize);
         rest = r;
     }
+    Ok((dtype, dims, rest))
+}
+
+/// The tensor a frame holds (`header` then bytes), on `device`; `from` names the peer.
+pub(super) fn decode(frame: &[u8], device: &Device, from: usize) -> Result<Tensor, DistError> {
+    let err = |reason: String| DistError::Tensor { rank: from, reason };
+    let (dtype, dims, rest) = decode_head(frame, from)?;
     let want = dims
         .iter()
         .try_fold(dtype.size_in_bytes(), |a, &d| a.checked_mul(d));

@@ -19,9 +19,11 @@ use candle_core::{DType, Shape, Tensor};
 
 mod disk;
 mod nccl;
+mod nccl_comm;
 
 pub(crate) use disk::{Conversion, DiskFile, DiskTier, ReadAhead, ReadPool, ReadShape, Segment};
 pub use nccl::{find_nccl, python_nccl_dirs, NcclFound, NcclSearch};
+pub(crate) use nccl_comm::{CommState, NcclComm, NcclError, NcclLib, NcclUniqueId};
 
 #[cfg(feature = "cuda")]
 #[path = "cuda.rs"]
@@ -30,6 +32,12 @@ mod imp;
 #[path = "nocuda.rs"]
 mod imp;
 
+#[cfg(feature = "cuda")]
+mod cuda_nccl;
+#[cfg(feature = "cuda")]
+pub(crate) use cuda_nccl::{nccl_bind, nccl_loopback, nccl_recv, nccl_send, NcclPending};
+#[cfg(not(feature = "cuda"))]
+pub(crate) use imp::{nccl_bind, nccl_loopback, nccl_recv, nccl_send, NcclPending};
 #[cfg(feature = "cuda")]
 mod managed;
 #[cfg(feature = "cuda")]
@@ -176,6 +184,9 @@ pub(crate) enum SysError {
     /// An error from Candle or the CUDA driver.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// An error from NCCL, or a communicator that failed.
+    #[error(transparent)]
+    Nccl(#[from] NcclError),
 }
 
 impl From<SysError> for candle_core::Error {

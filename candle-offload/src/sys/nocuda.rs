@@ -4,8 +4,8 @@
 use candle_core::{Device, Tensor};
 
 use super::{
-    DeviceWeight, GpuFacts, HostTier, PageableBuffer, SysError, SysResult, Timings, UmRow,
-    UploadItem,
+    DeviceWeight, GpuFacts, HostTier, NcclComm, PageableBuffer, SysError, SysResult, Timings,
+    UmRow, UploadItem,
 };
 
 /// Allocates host buffers for the store: always pageable here.
@@ -237,4 +237,52 @@ impl Downloader {
     pub(crate) fn download(&mut self, _t: &Tensor) -> candle_core::Result<&[u8]> {
         candle_core::bail!("download: built without `cuda`")
     }
+}
+
+/// An NCCL transfer on a device's stream (never exists without CUDA).
+#[derive(Debug)]
+pub(crate) enum NcclPending {}
+
+impl NcclPending {
+    pub(crate) fn is_done(&self) -> SysResult<bool> {
+        match *self {}
+    }
+}
+
+fn no_nccl<T>() -> SysResult<T> {
+    Err(SysError::NotCompiledWithCuda {
+        what: "NCCL's transfers",
+    })
+}
+
+pub(crate) fn nccl_bind(_device: &Device) -> SysResult<()> {
+    no_nccl()
+}
+
+pub(crate) fn nccl_send(
+    _comm: &mut NcclComm,
+    _t: &Tensor,
+    _peer: usize,
+    _deadline: std::time::Instant,
+) -> SysResult<NcclPending> {
+    no_nccl()
+}
+
+pub(crate) fn nccl_recv(
+    _comm: &mut NcclComm,
+    _dtype: candle_core::DType,
+    _dims: &[usize],
+    _device: &Device,
+    _peer: usize,
+    _deadline: std::time::Instant,
+) -> SysResult<(Tensor, NcclPending)> {
+    no_nccl()
+}
+
+pub(crate) fn nccl_loopback(
+    _comm: &mut NcclComm,
+    _t: &Tensor,
+    _deadline: std::time::Instant,
+) -> SysResult<(Tensor, NcclPending)> {
+    no_nccl()
 }
