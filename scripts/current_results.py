@@ -124,13 +124,17 @@ SOURCES = {
         "2026-12-06/2026-12-06-moe-q8_0-uniform-4gib-p64-spares-kept-be86de4-h200.json",
         "2026-12-06/2026-12-06-moe-q8_0-uniform-8-12gib-p64-spares-kept-c79a959-h100.json",
         "2026-12-06/2026-12-06-moe-q8_0-uniform-8-12gib-p64-prefetch-split-01dfc19-h100.json",
+        "2026-12-06/2026-12-06-moe-q8_0-skewed-fixed-writer-8gib-p64-512-8c290a0-h100.json",
+        "2026-12-06/2026-12-06-moe-q8_0-skewed-fixed-writer-12gib-p64-512-8c290a0-h100.json",
+        "2026-12-06/2026-12-06-moe-q4_k_m-skewed-fixed-writer-8gib-p64-512-8c290a0-h100.json",
+        "2026-12-06/2026-12-06-moe-q4_k_m-skewed-fixed-writer-12gib-p64-512-8c290a0-h100.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     # bench_train's lora-* configurations, with scripts/lora_peer.py (PEFT) run just before it
     # in the same call for the resident ones.
     # scripts/serve_bench.py: serve against llama-server, same GGUF, same call.
     "serve": [
-        "2026-12-06/2026-12-06-serve-8b-q4_k_m-full-warm-up-161e405-h100.json",
+        "2026-12-06/2026-12-06-serve-8b-q4_k_m-full-8c290a0-h100.json",
         "2026-12-06/2026-12-06-serve-8b-q4_k_m-6gib-warm-up-161e405-h100.json",
     ],
     "lora": [
