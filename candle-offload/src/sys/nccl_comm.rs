@@ -98,6 +98,11 @@ impl NcclConfig214 {
 /// `ncclComm_t`.
 type RawComm = *mut c_void;
 
+/// `ncclSend` and `ncclRecv`: buffer (`const void *` for the send, the same in the ABI), count,
+/// datatype, peer, communicator, stream.
+type P2p =
+    unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, *mut c_void) -> NcclResult;
+
 /// NCCL's entry points this module calls, resolved once.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct Api {
@@ -113,16 +118,8 @@ struct Api {
     abort: unsafe extern "C" fn(RawComm) -> NcclResult,
     finalize: unsafe extern "C" fn(RawComm) -> NcclResult,
     destroy: unsafe extern "C" fn(RawComm) -> NcclResult,
-    send: unsafe extern "C" fn(
-        *const c_void,
-        usize,
-        c_int,
-        c_int,
-        RawComm,
-        *mut c_void,
-    ) -> NcclResult,
-    recv:
-        unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, *mut c_void) -> NcclResult,
+    send: P2p,
+    recv: P2p,
     group_start: unsafe extern "C" fn() -> NcclResult,
     group_end: unsafe extern "C" fn() -> NcclResult,
     error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
@@ -422,13 +419,8 @@ impl NcclComm {
         peer: usize,
         stream: *mut c_void,
     ) -> Result<(), NcclError> {
-        let raw = self.live()?;
-        let peer = c_int::try_from(peer).unwrap_or(c_int::MAX);
-        // SAFETY: the caller's contract above; `raw` is a live communicator.
-        let code = unsafe {
-            (self.lib.api.send)(ptr as *const c_void, bytes, NCCL_UINT8, peer, raw, stream)
-        };
-        self.lib.check("ncclSend", code, self.raw)
+        // SAFETY: the caller's contract, which is `ncclSend`'s.
+        unsafe { self.p2p("ncclSend", self.lib.api.send, ptr, bytes, peer, stream) }
     }
 
     /// Enqueues a receive of `bytes` bytes from `peer` into device address `ptr` on `stream`.
@@ -445,13 +437,30 @@ impl NcclComm {
         peer: usize,
         stream: *mut c_void,
     ) -> Result<(), NcclError> {
+        // SAFETY: the caller's contract, which is `ncclRecv`'s.
+        unsafe { self.p2p("ncclRecv", self.lib.api.recv, ptr, bytes, peer, stream) }
+    }
+
+    /// One point-to-point call, `ncclSend` or `ncclRecv` (`call` names it in errors).
+    ///
+    /// # Safety
+    /// That call's contract on `ptr`, `bytes` and `stream` ([`Self::send`], [`Self::recv`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    unsafe fn p2p(
+        &mut self,
+        call: &'static str,
+        f: P2p,
+        ptr: u64,
+        bytes: usize,
+        peer: usize,
+        stream: *mut c_void,
+    ) -> Result<(), NcclError> {
         let raw = self.live()?;
         let peer = c_int::try_from(peer).unwrap_or(c_int::MAX);
-        // SAFETY: the caller's contract above; `raw` is a live communicator.
-        let code = unsafe {
-            (self.lib.api.recv)(ptr as *mut c_void, bytes, NCCL_UINT8, peer, raw, stream)
-        };
-        self.lib.check("ncclRecv", code, self.raw)
+        // SAFETY: the caller's contract; `raw` is a live communicator; `f` is the entry
+        // point `call` names, resolved with this signature.
+        let code = unsafe { f(ptr as *mut c_void, bytes, NCCL_UINT8, peer, raw, stream) };
+        self.lib.check(call, code, raw)
     }
 
     /// The raw communicator, unless it was aborted or closed (NCCL freed it then).
