@@ -320,6 +320,50 @@ mod tests {
     }
 
     #[test]
+    fn the_transport_follows_the_flag_and_the_device() {
+        let vars = [("RANK", "0"), ("WORLD_SIZE", "2")];
+        let with = |transport, library: Option<&str>| {
+            let a = DistArgs {
+                dist_transport: transport,
+                nccl_library: library.map(str::to_string),
+                ..args()
+            };
+            a.launch(env(&vars)).unwrap().unwrap()
+        };
+        let cpu = Device::Cpu;
+        // TCP when asked, and where the device is not a GPU unless NCCL is demanded.
+        assert_eq!(
+            with(TransportChoice::Tcp, None).nccl_choice(&cpu).unwrap(),
+            None
+        );
+        assert_eq!(
+            with(TransportChoice::Auto, Some("x.so"))
+                .nccl_choice(&cpu)
+                .unwrap(),
+            None
+        );
+        let e = with(TransportChoice::Nccl, Some("x.so"))
+            .nccl_choice(&cpu)
+            .unwrap_err();
+        assert!(e.to_string().contains("not a GPU"), "{e}");
+        // TCP searches nowhere for NCCL.
+        assert!(with(TransportChoice::Tcp, None).nccl_dirs.is_empty());
+    }
+
+    #[test]
+    fn nccl_is_looked_for_in_the_python_environments_named() {
+        let root = std::env::temp_dir().join(format!("dist-nccl-dirs-{}", std::process::id()));
+        let lib = root.join("venv/lib/python3.12/site-packages/nvidia/nccl/lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::write(lib.join("libnccl.so.2"), b"not a library").unwrap();
+        let venv = root.join("venv").display().to_string();
+        let dirs = nccl_search_dirs(|k| (k == "VIRTUAL_ENV").then(|| venv.clone()));
+        assert!(dirs.contains(&lib), "{dirs:?}");
+        assert!(!nccl_search_dirs(|_| None).contains(&lib));
+        std::fs::remove_dir_all(&root).ok();
+    }
+
+    #[test]
     fn bad_launches_name_the_flag_or_variable() {
         let cases: [(&[(&str, &str)], &str); 5] = [
             (&[("RANK", "1")], "without --world-size"),
