@@ -11,10 +11,14 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use candle_core::Device;
+use candle_offload::dist::Transport;
+use candle_offload::placement::{DeviceMap, PlacementMode};
 use candle_offload::MemoryLimit;
-use candle_offload_models::batching::{BatchOptions, Batcher};
-use candle_offload_models::{loader, ChatTemplate};
+use candle_offload_models::batching::{self, BatchOptions, Batcher};
+use candle_offload_models::llama::DeviceMapChoice;
+use candle_offload_models::{loader, ChatTemplate, Llama, RankRequest};
 use candle_offload_server::{BoxError, Loaded, MemoryProbe, ModelInfo, ServerConfig};
+use candle_offload_suite::dist::{DistArgs, Launch};
 use candle_offload_suite::flags;
 use candle_offload_suite::load::{pin_cpu_thread_count, LoadArgs, MemoryPlan};
 use clap::Parser;
@@ -26,6 +30,10 @@ use clap::Parser;
 struct Args {
     #[command(flatten)]
     load: LoadArgs,
+    /// Several processes serving one model (`--rank/--world-size`, or torchrun's variables):
+    /// rank 0 speaks HTTP and runs the batcher, every step goes down the pipeline of ranks.
+    #[command(flatten)]
+    dist: DistArgs,
     /// The address to listen on (`0.0.0.0`: every interface).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -94,6 +102,17 @@ fn default_name(model: Option<&str>) -> String {
     }
 }
 
+/// Positions per request: `--ctx-size`, else the model's context up to 4096.
+fn context(ctx_size: Option<usize>, max_pos: usize) -> Result<usize> {
+    match ctx_size {
+        Some(n) if n > max_pos => bail!(
+            "--ctx-size {n}: more than the model's context (max_position_embeddings {max_pos})"
+        ),
+        Some(n) => Ok(n),
+        None => Ok(max_pos.min(4096)),
+    }
+}
+
 /// What the server's engine thread runs once it listens.
 struct Load {
     args: LoadArgs,
@@ -102,6 +121,8 @@ struct Load {
     parallel: usize,
     ctx_size: Option<usize>,
     kv_memory: Option<u64>,
+    /// Rank 0's share of a multi-process pipeline: the split and the transport.
+    rank: Option<(DeviceMap, Arc<dyn Transport>)>,
 }
 
 impl Load {
@@ -109,21 +130,15 @@ impl Load {
         let files = self.args.model.resolve()?;
         let cfg = files.config.clone();
         let tokenizer = self.args.tokenizer(&files)?;
-        let max_pos = cfg.max_position_embeddings;
-        let ctx = match self.ctx_size {
-            Some(n) if n > max_pos => bail!(
-                "--ctx-size {n}: more than the model's context (max_position_embeddings {max_pos})"
-            ),
-            Some(n) => n,
-            None => max_pos.min(4096),
-        };
+        let ctx = context(self.ctx_size, cfg.max_position_embeddings)?;
         let per_seq = cfg.kv_cache_bytes(ctx, self.args.dtype_on(&self.device));
         let kv_limit = self
             .kv_memory
             .unwrap_or(per_seq.saturating_mul(self.parallel as u64));
-        let model = self
-            .args
-            .build_batched(&files, &self.plan, &self.device, ctx, kv_limit)?;
+        let rank = self.rank.as_ref().map(|(m, t)| (m, t.clone()));
+        let model =
+            self.args
+                .build_batched_rank(&files, &self.plan, &self.device, ctx, kv_limit, rank)?;
         let model = Arc::new(model);
         let mut opts = BatchOptions::new(&model, self.parallel, ctx);
         opts.kv_limit_bytes = kv_limit;
@@ -183,7 +198,13 @@ impl Load {
 }
 
 fn run(args: Args) -> Result<()> {
-    let device = candle_offload_suite::device(args.load.cpu, args.load.device)?;
+    let launch = args.dist.launch(|k| std::env::var(k).ok())?;
+    // Under torchrun, LOCAL_RANK is this process's GPU, unless --device names another.
+    let ordinal = match launch.as_ref().and_then(|l| l.local_rank) {
+        Some(l) if args.load.device == 0 => l,
+        _ => args.load.device,
+    };
+    let device = candle_offload_suite::device(args.load.cpu, ordinal)?;
     let plan = args.load.memory(std::slice::from_ref(&device))?;
     let kv_memory = match &args.kv_memory {
         None => None,
@@ -192,6 +213,40 @@ fn run(args: Args) -> Result<()> {
             _ => bail!("--kv-memory {s}: give a size above zero (`2GiB`, `512MiB`), not a share"),
         },
     };
+    let rank = match &launch {
+        Some(launch) => {
+            let (transport, how) = launch.connect(&device)?;
+            eprintln!("rank {} of {}: {how}", launch.rank, launch.world_size);
+            let split = || -> Result<DeviceMap> {
+                let files = args.load.model.resolve()?;
+                let ctx = context(args.ctx_size, files.config.max_position_embeddings)?;
+                Ok(Llama::plan_ranks(
+                    &files.config,
+                    transport.as_ref(),
+                    &RankRequest {
+                        device: &device,
+                        limit: plan.limit,
+                        dtype: args.load.dtype_on(&device),
+                        prompt_len: batching::STEP_TOKENS.min(ctx),
+                        max_len: ctx,
+                        choice: &DeviceMapChoice::Mode(PlacementMode::Balanced),
+                        prefetch_depth: args.load.prefetch_depth as usize,
+                    },
+                )?)
+            };
+            let map = split().inspect_err(|e| transport.fail(&format!("{e:#}")))?;
+            if launch.rank > 0 {
+                return follow(&args, launch, &device, &plan, kv_memory, &map, transport);
+            }
+            eprint!(
+                "ranks: {} (the device column is the rank)\n{map}",
+                launch.world_size
+            );
+            Some((map, transport))
+        }
+        None => None,
+    };
+    let stop = rank.as_ref().map(|(_, t)| t.clone());
     let model_name = args
         .model_name
         .clone()
@@ -214,8 +269,9 @@ fn run(args: Args) -> Result<()> {
         parallel: args.parallel,
         ctx_size: args.ctx_size,
         kv_memory,
+        rank,
     };
-    candle_offload_server::run(
+    let served = candle_offload_server::run(
         config,
         move || {
             load.run()
@@ -227,6 +283,66 @@ fn run(args: Args) -> Result<()> {
                  is loaded)"
             )
         },
-    )?;
+    );
+    if let Some(t) = stop {
+        // The other ranks leave their loop (or learn why this one failed).
+        match &served {
+            // A rank already gone was reported by the steps that needed it.
+            Ok(()) => {
+                if let Err(e) = candle_offload_models::stop_ranks(t.as_ref()) {
+                    eprintln!("note: the other ranks were not told to stop: {e}");
+                }
+            }
+            Err(e) => t.fail(&format!("{e:#}")),
+        }
+    }
+    served?;
     Ok(())
+}
+
+/// A rank other than 0: its layers, built as rank 0's plan says, follow rank 0's steps until
+/// its batcher stops; a failure here tells the others why.
+fn follow(
+    args: &Args,
+    launch: &Launch,
+    device: &Device,
+    plan: &MemoryPlan,
+    kv_memory: Option<u64>,
+    map: &DeviceMap,
+    transport: Arc<dyn Transport>,
+) -> Result<()> {
+    let run = || -> Result<u64> {
+        let files = args.load.model.resolve()?;
+        let ctx = context(args.ctx_size, files.config.max_position_embeddings)?;
+        let per_seq = files.config.kv_cache_bytes(ctx, args.load.dtype_on(device));
+        let kv_limit = kv_memory.unwrap_or(per_seq.saturating_mul(args.parallel as u64));
+        let model = args.load.build_batched_rank(
+            &files,
+            plan,
+            device,
+            ctx,
+            kv_limit,
+            Some((map, transport.clone())),
+        )?;
+        let layers = map.devices[launch.rank].layers();
+        eprintln!(
+            "rank {} of {}: layers {}..{} on {}, following rank 0's steps",
+            launch.rank,
+            launch.world_size,
+            layers.start,
+            layers.end,
+            candle_offload_suite::device_label(device)
+        );
+        Ok(model.follow_steps()?)
+    };
+    match run() {
+        Ok(steps) => {
+            eprintln!("rank {}: rank 0 stopped after {steps} steps", launch.rank);
+            Ok(())
+        }
+        Err(e) => {
+            transport.fail(&format!("{e:#}"));
+            Err(e)
+        }
+    }
 }

@@ -267,6 +267,20 @@ impl LoadArgs {
         ctx: usize,
         kv_bytes: u64,
     ) -> Result<Llama> {
+        self.build_batched_rank(files, plan, device, ctx, kv_bytes, None)
+    }
+
+    /// [`build_batched`](Self::build_batched) for a rank's share of a multi-process pipeline
+    /// (`rank`: the split over the ranks and the transport), or the whole model (`None`).
+    pub fn build_batched_rank(
+        &self,
+        files: &ModelFiles,
+        plan: &MemoryPlan,
+        device: &Device,
+        ctx: usize,
+        kv_bytes: u64,
+        rank: Option<(&DeviceMap, Arc<dyn candle_offload::dist::Transport>)>,
+    ) -> Result<Llama> {
         let dtype = self.dtype_on(device);
         let per_seq = files.config.kv_cache_bytes(ctx, dtype);
         let model = self.build(
@@ -275,7 +289,7 @@ impl LoadArgs {
             &Target {
                 device,
                 device_map: None,
-                rank: None,
+                rank,
                 dtype,
                 prompt_len: batching::STEP_TOKENS.min(ctx),
                 max_len: ctx,

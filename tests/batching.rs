@@ -14,7 +14,7 @@ use candle_offload_models::{Cache, Llama, RaggedSeq};
 
 use crate::models::{for_each_tiny, resident_model, Tiny};
 
-fn prompt(n: usize, salt: usize) -> Vec<u32> {
+pub(crate) fn prompt(n: usize, salt: usize) -> Vec<u32> {
     (0..n)
         .map(|i| ((i * 37 + salt * 11 + 5) % 101) as u32)
         .collect()
@@ -51,6 +51,7 @@ fn ragged_step_matches_each_sequence_alone(device: &Device) -> anyhow::Result<()
                     (
                         i,
                         RaggedSeq {
+                            id: i as u64,
                             tokens: step[i].clone(),
                             cache,
                         },
@@ -129,6 +130,7 @@ fn ragged_graphs_replay_the_eager_steps(device: &Device) -> anyhow::Result<()> {
                 for (i, tokens) in step {
                     let cache = taken[*i].take().expect("each sequence once a step");
                     seqs.push(RaggedSeq {
+                        id: *i as u64,
                         tokens: tokens.clone(),
                         cache,
                     });
@@ -178,11 +180,11 @@ fn alone(model: &Llama, req: &SeqRequest) -> anyhow::Result<Vec<u32>> {
 }
 
 /// Each request's tokens and how it finished, by id.
-type Outcomes = HashMap<u64, (Vec<u32>, Option<FinishReason>)>;
+pub(crate) type Outcomes = HashMap<u64, (Vec<u32>, Option<FinishReason>)>;
 
 /// Runs the batcher until idle, submitting `later` requests at their steps; returns each
 /// request's tokens and finish reason, checking the gauges at every step.
-fn drain(
+pub(crate) fn drain(
     batcher: &mut Batcher,
     mut later: Vec<(usize, u64, SeqRequest)>,
     cancel_at: Option<(usize, u64)>,

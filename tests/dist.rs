@@ -51,6 +51,17 @@ pub(crate) fn rank_model(
     mode: PlacementMode,
     device: &Device,
 ) -> anyhow::Result<(Llama, usize)> {
+    rank_model_for(files, transport, mode, device, PROMPT.len() + NEW)
+}
+
+/// [`rank_model`] for sequences of up to `max_len` positions.
+fn rank_model_for(
+    files: &ModelFiles,
+    transport: Arc<dyn Transport>,
+    mode: PlacementMode,
+    device: &Device,
+    max_len: usize,
+) -> anyhow::Result<(Llama, usize)> {
     let cfg = &files.config;
     let map = Llama::plan_ranks(
         cfg,
@@ -59,8 +70,8 @@ pub(crate) fn rank_model(
             device,
             limit: None,
             dtype: DType::F32,
-            prompt_len: PROMPT.len(),
-            max_len: PROMPT.len() + NEW,
+            prompt_len: max_len,
+            max_len,
             choice: &DeviceMapChoice::Mode(mode),
             prefetch_depth: 1,
         },
@@ -76,7 +87,7 @@ pub(crate) fn rank_model(
     let model = Llama::builder(files, store)
         .rank(device, &map, transport)
         .dtype(DType::F32)
-        .max_len(PROMPT.len() + NEW)
+        .max_len(max_len)
         .build()?;
     assert_eq!(model.stages()[0].1, layers);
     Ok((model, units))
@@ -231,5 +242,101 @@ fn a_rank_that_fails_tells_the_others_why() -> anyhow::Result<()> {
     // (sending to it) or through rank 2 (waiting on its token).
     assert!(out[2].contains("rank 1 failed: disk on fire"), "{}", out[2]);
     assert!(out[0].contains("failed: disk on fire"), "{}", out[0]);
+    Ok(())
+}
+
+/// Continuous batching over ranks: rank 0's batcher sends each ragged step down the pipeline
+/// (requests arriving at different steps, prompts longer than a chunk, one cancelled, the
+/// warm-up's sequences dropped), the others follow until it stops; every request's greedy
+/// tokens equal those of the same batcher over the whole model in one process.
+#[test]
+fn a_batcher_over_ranks_gives_the_tokens_of_one_process() -> anyhow::Result<()> {
+    use candle_offload_models::batching::{BatchOptions, Batcher, SamplingParams, SeqRequest};
+
+    use crate::batching::{drain, prompt, Outcomes};
+
+    let files = tiny(
+        Tiny::Llama {
+            tied: false,
+            bias: true,
+        },
+        "batch",
+    )?;
+    let max_len = 64;
+    let opts = BatchOptions {
+        max_running: 3,
+        step_tokens: 12,
+        prompt_chunk: 5,
+        kv_limit_bytes: u64::MAX,
+        max_len,
+    };
+    let req = |n: usize, salt: usize, new: usize| SeqRequest {
+        prompt: prompt(n, salt),
+        max_new_tokens: new,
+        sampling: SamplingParams::default(),
+        end_tokens: vec![],
+    };
+    let reqs = vec![
+        (0, 1, req(11, 0, 8)),
+        (0, 2, req(4, 1, 6)),
+        (2, 3, req(7, 2, 9)),
+        (3, 4, req(20, 3, 5)),
+        (3, 5, req(6, 4, 12)),
+    ];
+    let cancel = Some((6, 3));
+    let run = |model: Llama| -> anyhow::Result<Outcomes> {
+        let model = Arc::new(model);
+        let mut batcher = Batcher::new(model.clone(), opts);
+        batcher.warm_up()?;
+        let out = drain(&mut batcher, reqs.clone(), cancel)?;
+        model.stop_ranks()?;
+        Ok(out)
+    };
+    let store = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
+    let whole = Llama::builder(&files, store)
+        .device(&Device::Cpu)
+        .max_len(max_len)
+        .build()?;
+    let want = run(whole)?;
+    assert_eq!(want.len(), 5);
+    for world in [2, 3] {
+        let port = free_port()?;
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (files, reqs) = (files.clone(), reqs.clone());
+                std::thread::spawn(move || -> anyhow::Result<Option<Outcomes>> {
+                    let t =
+                        TcpTransport::connect(&net(rank, world, port, Duration::from_secs(30)))?;
+                    let (model, _) = rank_model_for(
+                        &files,
+                        Arc::new(t),
+                        PlacementMode::Balanced,
+                        &Device::Cpu,
+                        max_len,
+                    )?;
+                    if rank > 0 {
+                        let steps = model.follow_steps()?;
+                        anyhow::ensure!(steps > 0, "rank {rank} followed no step");
+                        return Ok(None);
+                    }
+                    let model = Arc::new(model);
+                    let mut batcher = Batcher::new(model.clone(), opts);
+                    batcher.warm_up()?;
+                    let out = drain(&mut batcher, reqs, cancel)?;
+                    model.stop_ranks()?;
+                    Ok(Some(out))
+                })
+            })
+            .collect();
+        for (rank, h) in handles.into_iter().enumerate() {
+            let got = h
+                .join()
+                .unwrap()
+                .map_err(|e| anyhow::anyhow!("{world} ranks, rank {rank}: {e:#}"))?;
+            if let Some(got) = got {
+                assert_eq!(got, want, "{world} ranks");
+            }
+        }
+    }
     Ok(())
 }

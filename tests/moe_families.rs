@@ -221,10 +221,12 @@ fn moe_ragged_steps_equal_each_sequence_alone() -> anyhow::Result<()> {
             let [a, b] = &mut caches;
             let mut seqs = [
                 candle_offload_models::RaggedSeq {
+                    id: 0,
                     tokens: step[0].to_vec(),
                     cache: a,
                 },
                 candle_offload_models::RaggedSeq {
+                    id: 1,
                     tokens: step[1].to_vec(),
                     cache: b,
                 },

@@ -325,6 +325,8 @@ impl Batcher {
             Some(i) => {
                 let r = self.running.remove(i);
                 self.kv_bytes -= r.kv_bytes;
+                // The other ranks of a multi-process model drop its caches at the next step.
+                self.model.release_sequence(id);
                 true
             }
             None => false,
@@ -334,6 +336,9 @@ impl Batcher {
     /// Drops every sequence (after a failed step); returns their ids.
     pub fn abort_all(&mut self) -> Vec<u64> {
         let mut ids: Vec<u64> = self.running.drain(..).map(|r| r.id).collect();
+        for &id in &ids {
+            self.model.release_sequence(id);
+        }
         ids.extend(self.waiting.drain(..).map(|(id, _)| id));
         self.kv_bytes = 0;
         ids
@@ -472,6 +477,7 @@ impl Batcher {
                     r.req.prompt[r.read..r.read + n].to_vec()
                 };
                 seqs.push(RaggedSeq {
+                    id: r.id,
                     tokens,
                     cache: &mut r.cache,
                 });

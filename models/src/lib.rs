@@ -58,10 +58,11 @@ pub mod sampling;
 pub mod tokenizer;
 pub mod train;
 
+pub use causal::stop_ranks;
 pub use causal::{
     CausalLm, CausalLmBuilder, DeviceMapChoice, DeviceMapRequest, ExpertStats, GraphStats,
     HiddenTransfer, HostLayers, HostTotals, LayerSteps, ModelSource, OffloadSettings, RaggedSeq,
-    RankRequest, HOST_STEP_ROWS, MIN_PROMPT_CHUNK,
+    RankRequest, RankStep, StepSeq, HOST_STEP_ROWS, MIN_PROMPT_CHUNK,
 };
 pub use chat::ChatTemplate;
 pub use config::Config;

@@ -32,6 +32,7 @@ mod host;
 mod model;
 mod ragged;
 mod ragged_graph;
+mod rank_batch;
 mod ranks;
 mod reserve;
 
@@ -43,5 +44,6 @@ pub use forward::{argmax, HOST_STEP_ROWS};
 pub use graph_state::GraphStats;
 pub use model::{CausalLm, HiddenTransfer, HostTotals, TransferTotals};
 pub use ragged::RaggedSeq;
+pub use rank_batch::{stop_ranks, RankStep, StepSeq};
 pub use ranks::RankRequest;
 pub use reserve::{OffloadSettings, MIN_PROMPT_CHUNK};

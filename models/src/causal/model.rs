@@ -66,6 +66,9 @@ pub(super) struct RankLink {
     pub(super) first: bool,
     /// It runs the final norm and the head, and samples (the last rank).
     pub(super) last: bool,
+    /// On rank 0 under a batcher: the sequences that ended since the last step, for the next
+    /// step's plan ([`CausalLm::release_sequence`]).
+    pub(super) ended: std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
 }
 
 /// One pipeline stage: a device's runtime and the contiguous layers it runs.

@@ -17,6 +17,9 @@ use crate::layers::{Cache, Masks};
 /// positions and receives these).
 #[derive(Debug)]
 pub struct RaggedSeq<'a> {
+    /// The sequence's id, the same at every step (a batcher's request id): the other ranks of
+    /// a multi-process run keep their caches of it by this id.
+    pub id: u64,
     /// The new tokens (at least one).
     pub tokens: Vec<u32>,
     /// The sequence's KV cache.
@@ -45,6 +48,9 @@ impl CausalLm {
         }
         if let Some(i) = seqs.iter().position(|s| s.tokens.is_empty()) {
             candle_core::bail!("sequence {i} of a ragged step has no new tokens");
+        }
+        if self.link.is_some() {
+            return self.rank_ragged(seqs);
         }
         let device = self.stages[0].rt.device().clone();
         if let [one] = seqs {
@@ -101,9 +107,21 @@ impl CausalLm {
         caches: &mut [&mut Cache],
         tables: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let rows = ids.dim(1)?;
-        let prompt = segs.iter().any(|s| s.len > 1);
         let xs = self.embed_rows(ids)?;
+        self.ragged_layers(xs, segs, caches, tables)
+    }
+
+    /// The layers of a ragged step over the rows `xs` (1, rows, hidden): every stage of this
+    /// process's model.
+    pub(super) fn ragged_layers(
+        &self,
+        xs: Tensor,
+        segs: &[RaggedSegment],
+        caches: &mut [&mut Cache],
+        tables: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let rows = xs.dim(1)?;
+        let prompt = segs.iter().any(|s| s.len > 1);
         self.run_stages(
             xs,
             &self.stages[0],

@@ -206,6 +206,7 @@ impl RankTarget {
             transport: self.transport,
             first: span.start == 0,
             last: span.end == cfg.num_hidden_layers,
+            ended: Default::default(),
         });
         Ok(model)
     }

@@ -237,6 +237,11 @@ impl Cache {
         self.len() == 0
     }
 
+    /// Positions the caches are for (what [`new`](Self::new) was given, or what they grew to).
+    pub fn capacity(&self) -> usize {
+        self.kvs.first().map_or(0, KvCache::capacity)
+    }
+
     /// Moves layer `l`'s keys and values to `device` in `dtype` where they are elsewhere (a
     /// host layer's cache between the GPU, which runs prompts, and the host, which runs
     /// decode steps); nothing to do for an empty cache or one already there.
