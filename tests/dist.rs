@@ -251,6 +251,22 @@ fn a_rank_that_fails_tells_the_others_why() -> anyhow::Result<()> {
 /// tokens equal those of the same batcher over the whole model in one process.
 #[test]
 fn a_batcher_over_ranks_gives_the_tokens_of_one_process() -> anyhow::Result<()> {
+    batcher_over_ranks(&Device::Cpu)
+}
+
+/// The same with every rank on GPU 0 (hidden states over TCP: NCCL takes one GPU a rank).
+#[test]
+fn a_batcher_over_ranks_on_one_gpu_gives_the_tokens_of_one_process() -> anyhow::Result<()> {
+    match Device::new_cuda(0) {
+        Ok(d) => batcher_over_ranks(&d),
+        Err(_) => {
+            eprintln!("skipped: no GPU");
+            Ok(())
+        }
+    }
+}
+
+fn batcher_over_ranks(device: &Device) -> anyhow::Result<()> {
     use candle_offload_models::batching::{BatchOptions, Batcher, SamplingParams, SeqRequest};
 
     use crate::batching::{drain, prompt, Outcomes};
@@ -292,9 +308,9 @@ fn a_batcher_over_ranks_gives_the_tokens_of_one_process() -> anyhow::Result<()> 
         model.stop_ranks()?;
         Ok(out)
     };
-    let store = Arc::new(loader::load_store(&files, DType::F32, &Device::Cpu, None)?);
+    let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
     let whole = Llama::builder(&files, store)
-        .device(&Device::Cpu)
+        .device(device)
         .max_len(max_len)
         .build()?;
     let want = run(whole)?;
@@ -303,7 +319,7 @@ fn a_batcher_over_ranks_gives_the_tokens_of_one_process() -> anyhow::Result<()> 
         let port = free_port()?;
         let handles: Vec<_> = (0..world)
             .map(|rank| {
-                let (files, reqs) = (files.clone(), reqs.clone());
+                let (files, reqs, device) = (files.clone(), reqs.clone(), device.clone());
                 std::thread::spawn(move || -> anyhow::Result<Option<Outcomes>> {
                     let t =
                         TcpTransport::connect(&net(rank, world, port, Duration::from_secs(30)))?;
@@ -311,7 +327,7 @@ fn a_batcher_over_ranks_gives_the_tokens_of_one_process() -> anyhow::Result<()> 
                         &files,
                         Arc::new(t),
                         PlacementMode::Balanced,
-                        &Device::Cpu,
+                        &device,
                         max_len,
                     )?;
                     if rank > 0 {
