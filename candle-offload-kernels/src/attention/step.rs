@@ -220,6 +220,12 @@ impl<'a> AttentionStep<'a> {
     /// head are rows of one matmul against that head's keys, read from the cache's views as
     /// they are; scores, softmax and the weighted sum in F32, as the reference implementations
     /// do. Returns (batch, new, heads · head_dim) in q's dtype.
+    ///
+    /// On the CPU a long prompt runs in blocks of query rows ([`cpu_prompt_block`] rows),
+    /// each against the keys up to its last row's position only (the mask is causal: later
+    /// ones are masked out), so that the scores of a block stay small enough to reuse their
+    /// memory and the masked half of a prompt's scores is never computed. A key left out
+    /// would have added an exact zero to each sum, so the rows are those of one block.
     fn composition(
         &self,
         q: &Tensor,
@@ -229,7 +235,6 @@ impl<'a> AttentionStep<'a> {
     ) -> Result<Tensor> {
         let s = &self.shape;
         let (b, seq_len) = (q.dim(0)?, self.new);
-        let rep = s.n_heads / s.n_kv_heads;
         let kv_len = k.dim(2)?;
         let in_dtype = q.dtype();
         let (q, k, v) = (
@@ -237,9 +242,48 @@ impl<'a> AttentionStep<'a> {
             k.to_dtype(DType::F32)?,
             v.to_dtype(DType::F32)?,
         );
+        let block = cpu_prompt_block(kv_len, s.n_heads);
+        let y = match &mask {
+            Some(m) if q.device().is_cpu() && seq_len > block && kv_len >= seq_len => {
+                let mut parts = Vec::with_capacity(seq_len.div_ceil(block));
+                for i0 in (0..seq_len).step_by(block) {
+                    let n = block.min(seq_len - i0);
+                    // Keys up to the block's last row's position.
+                    let hi = kv_len - seq_len + i0 + n;
+                    let m = if m.rank() == 4 {
+                        m.narrow(2, i0, n)?.narrow(3, 0, hi)?
+                    } else {
+                        m.narrow(0, i0, n)?.narrow(1, 0, hi)?
+                    };
+                    let qb = q.narrow(2, i0, n)?;
+                    let (kb, vb) = (k.narrow(2, 0, hi)?, v.narrow(2, 0, hi)?);
+                    parts.push(self.attend_rows(&qb, &kb, &vb, Some(m))?);
+                }
+                Tensor::cat(&parts, 2)?
+            }
+            _ => self.attend_rows(&q, &k, &v, mask)?,
+        };
+        y.to_dtype(in_dtype)?
+            .transpose(1, 2)?
+            .reshape((b, seq_len, s.n_heads * s.head_dim))
+    }
+
+    /// [`composition`](Self::composition)'s arithmetic for q (batch, heads, rows, head_dim)
+    /// against k and v (batch, kv heads, keys, head_dim), all F32, with `mask` (rows, keys)
+    /// or (batch, 1, rows, keys): (batch, heads, rows, head_dim) F32.
+    fn attend_rows(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<Tensor>,
+    ) -> Result<Tensor> {
+        let s = &self.shape;
+        let (b, rows, kv_len) = (q.dim(0)?, q.dim(2)?, k.dim(2)?);
+        let rep = s.n_heads / s.n_kv_heads;
         let q = q
             .contiguous()?
-            .reshape((b, s.n_kv_heads, rep * seq_len, s.head_dim))?;
+            .reshape((b, s.n_kv_heads, rep * rows, s.head_dim))?;
         let att = (q.matmul(&k.t()?)? / s.score_div)?;
         let att = match s.softcap {
             Some(cap) => ((&att / cap)?.tanh()? * cap)?,
@@ -247,22 +291,28 @@ impl<'a> AttentionStep<'a> {
         };
         let att = match mask {
             Some(m) => {
-                // (seq, kv_len) or (b, 1, seq, kv_len) against (b, kv heads, rep, seq, kv_len).
+                // (rows, kv_len) or (b, 1, rows, kv_len) against (b, kv heads, rep, rows, kv_len).
                 let m = if m.rank() == 4 { m.unsqueeze(1)? } else { m };
-                att.reshape((b, s.n_kv_heads, rep, seq_len, kv_len))?
+                att.reshape((b, s.n_kv_heads, rep, rows, kv_len))?
                     .broadcast_add(&m)?
-                    .reshape((b, s.n_kv_heads, rep * seq_len, kv_len))?
+                    .reshape((b, s.n_kv_heads, rep * rows, kv_len))?
             }
             None => att,
         };
         let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let y = att
-            .matmul(&v)?
-            .reshape((b, s.n_heads, seq_len, s.head_dim))?
-            .to_dtype(in_dtype)?;
-        y.transpose(1, 2)?
-            .reshape((b, seq_len, s.n_heads * s.head_dim))
+        att.matmul(v)?.reshape((b, s.n_heads, rows, s.head_dim))
     }
+}
+
+/// Bytes of F32 scores a block of a CPU prompt's query rows may take (all heads): below
+/// glibc's largest threshold for mapping an allocation of its own (32 MiB), so that each
+/// block's scores reuse the memory the block before freed instead of faulting in new pages.
+pub const CPU_PROMPT_BLOCK_BYTES: usize = 16 << 20;
+
+/// Query rows per block of a CPU prompt's attention over `kv_len` keys with `n_heads` query
+/// heads: as many as [`CPU_PROMPT_BLOCK_BYTES`] of scores hold, at least 16.
+pub fn cpu_prompt_block(kv_len: usize, n_heads: usize) -> usize {
+    (CPU_PROMPT_BLOCK_BYTES / (4 * kv_len.max(1) * n_heads.max(1))).max(16)
 }
 
 #[cfg(test)]
@@ -407,6 +457,58 @@ mod tests {
         assert_eq!(a.dims(), &[1, new, 8]);
         let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         assert!(diff < 1e-4, "{diff}");
+        Ok(())
+    }
+
+    /// A CPU prompt longer than a block of rows ([`cpu_prompt_block`]) runs in blocks, each
+    /// against the keys up to its last row: the rows of the whole composition in one block,
+    /// with and without a soft cap.
+    #[test]
+    fn a_long_cpu_prompt_runs_in_blocks_as_in_one() -> Result<()> {
+        let (d, new, index_pos) = (16, 1000, 200);
+        let cached = index_pos + new;
+        assert!(
+            cpu_prompt_block(cached, 4) < new,
+            "one block would take it all"
+        );
+        let dev = Device::Cpu;
+        let ramp = |shape: (usize, usize, usize, usize), seed: f32| -> Result<Tensor> {
+            let n = shape.0 * shape.1 * shape.2 * shape.3;
+            let v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37 + seed).sin()).collect();
+            Tensor::from_vec(v, shape, &dev)
+        };
+        let q = ramp((1, 4, new, d), 0.1)?;
+        let k = ramp((1, 2, cached, d), 0.2)?;
+        let v = ramp((1, 2, cached, d), 0.3)?;
+        let tuning = KernelTuning::default();
+        let masks = TestMasks {
+            pads: Vec::new(),
+            new,
+            index_pos,
+        };
+        let rows = Tensor::zeros((1, new, 4 * d), DType::F32, &dev)?;
+        for softcap in [None, Some(5.0)] {
+            let info = StepInfo {
+                index_pos,
+                fused: false,
+                pos: None,
+                masks: &masks,
+                tuning: &tuning,
+            };
+            let step = AttentionStep::new(shape(d, softcap), &rows, info)?;
+            assert_eq!(step.kernel(), AttentionKernel::Composition);
+            let blocks = step.attend(&q, &k, &v)?;
+            let whole = step
+                .attend_rows(&q, &k, &v, masks.mask(None)?)?
+                .transpose(1, 2)?
+                .reshape((1, new, 4 * d))?;
+            let diff = (blocks - whole)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(diff < 1e-6, "{softcap:?}: {diff}");
+        }
         Ok(())
     }
 }
