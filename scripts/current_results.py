@@ -106,6 +106,12 @@ SOURCES = {
         "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-q6k-rows-run1-4aab8f8.json",
         "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-q6k-rows-run2-4aab8f8.json",
     ],
+    # scripts/moe_cpu_bench.py with a long prompt (the same prompt text repeated), on the
+    # default model and on the small Qwen3-MoE: the CPU prompt attention's blocks.
+    "cpu-long": [
+        "2026-12-06/2026-12-06-cpu-long-prompt-smollm2-blocks-cc5ab71.json",
+        "2026-12-06/2026-12-06-cpu-long-prompt-moe-small-q8_0-blocks-cc5ab71.json",
+    ],
     # bench_generate on random Qwen3-8B- and Gemma-3-12B-shaped GGUFs (gpu-run.sh gguf_qwen3_8b,
     # gguf_gemma3_12b, qbench), llama.cpp on the same file in the same process.
     "family-gpu": [
@@ -377,6 +383,27 @@ def moe_cpu_doc_rows(newest, weights):
             ratio=ratio(s["ours_median"], s["llamacpp_median"], True), peak_mib=None,
             budget_mib=None, within_budget=None, commit=str(newest["commit"]),
             date=day(newest), source=f"{RESULTS}/{newest['_rel']}"))
+    return rows
+
+
+def cpu_long_rows():
+    """Each long-prompt record's decode and prefill against llama.cpp."""
+    rows = []
+    for rel in SOURCES["cpu-long"]:
+        doc = load(rel)
+        moe = doc["benchmark"] == "moe-cpu-small"
+        m = re.search(r"([\w.-]+?)\.(Q\w+|F16|F32|BF16)\.gguf$", doc["model"])
+        model = "Qwen3-MoE small shape (random)" if moe else (m.group(1) if m else doc["model"])
+        weights = moe_cpu_weights(doc) if moe else (m.group(2) if m else None)
+        for metric in ("decode_tokens_per_s", "prefill_tokens_per_s"):
+            sm = doc["summary"][metric]
+            rows.append(row(
+                benchmark="generate-cpu-long", model=model, weights=weights, budget_gib=None,
+                prompt_len=len(doc["prompt_ids"]), metric=metric, ours=rnd(sm["ours_median"], 2),
+                peer="llama.cpp", peer_value=rnd(sm["llamacpp_median"], 2),
+                ratio=ratio(sm["ours_median"], sm["llamacpp_median"], True), peak_mib=None,
+                budget_mib=None, within_budget=None, commit=str(doc["commit"]), date=day(doc),
+                source=f"{RESULTS}/{rel}"))
     return rows
 
 
@@ -659,6 +686,7 @@ def render_benchmarks(rows):
     gpu = [r for r in rows if r["benchmark"] == "generate-gpu"]
     cpu = [r for r in rows if r["benchmark"] == "generate-cpu"]
     moe_cpu = [r for r in rows if r["benchmark"] == "generate-cpu-moe"]
+    cpu_long = [r for r in rows if r["benchmark"] == "generate-cpu-long"]
     moe_gpu = [r for r in rows if r["benchmark"] == "generate-gpu-moe"]
     family = [r for r in rows if r["benchmark"] == "generate-gpu-family"]
     train = [r for r in rows if r["benchmark"].startswith("train-") and r["benchmark"] != "train-offload"]
@@ -777,6 +805,23 @@ def render_benchmarks(rows):
         for r in moe_cpu:
             L.append(f"| {r['model']} | {r['weights']} | {r['metric'].split('_')[0]} tok/s | "
                      f"{fmt(r['ours'])} | {fmt(r['peer_value'])} | **{fmt(r['ratio'])}** | {measured(r)} |")
+        L.append("")
+    if cpu_long:
+        L += [
+            "### Long prompts on the CPU, against llama.cpp",
+            "",
+            f"{mach['cpu-long']}; `generate --cpu` with no tuning flags and llama.cpp (its Python "
+            "binding, the same file, the same prompt token ids, 2 threads, prompt cache off) in the "
+            "same run, rounds alternating, on one prompt of a sentence repeated; 32 new tokens after "
+            "it; medians over rounds.",
+            "",
+            "| model | weights | prompt | metric | ours | llama.cpp | x | measured |",
+            "| --- | --- | ---: | --- | ---: | ---: | ---: | --- |",
+        ]
+        for r in cpu_long:
+            L.append(f"| {r['model']} | {r['weights']} | {fmt(r['prompt_len'])} | "
+                     f"{r['metric'].split('_')[0]} tok/s | {fmt(r['ours'])} | {fmt(r['peer_value'])} | "
+                     f"**{fmt(r['ratio'])}** | {measured(r)} |")
         L.append("")
     if train:
         L += [
@@ -1020,7 +1065,7 @@ def check_index(entries):
 def main():
     check = "--check" in sys.argv[1:]
     rows = (gpu_rows() + family_gpu_rows() + moe_gpu_rows() + train_rows() + lora_rows()
-            + serve_rows() + cpu_rows() + moe_cpu_rows())
+            + serve_rows() + cpu_rows() + moe_cpu_rows() + cpu_long_rows())
     sources = {r["source"] for r in rows}
 
     with open(ROOT / INDEX) as f:

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The CPU target of the mixture-of-experts issue: a small random Qwen3-MoE in Q4_K_M
+"""The CPU target of the mixture-of-experts issue (any other GGUF runs the same way, recorded as
+`cpu-generate`): a small random Qwen3-MoE in Q4_K_M
 (gguf_random_moe.py --shape cpu-small, then llama-quantize --allow-requantize ... Q4_K_M)
 decoded by `generate --cpu` and by llama.cpp (the xllamacpp wheel, in this process, loaded
 once; its prompt cache off, so that every round computes the whole prompt) on the same prompt
@@ -40,11 +41,12 @@ def ours(binary, model, prompt):
                  "answer": p.stdout.strip()}
 
 
-def peer_server(model):
+def peer_server(model, prompt_len):
     import xllamacpp as xlc
     params = xlc.CommonParams()
     params.model.path = model
-    params.n_ctx = 1024
+    # Room for the prompt and the new tokens (at least 1024, as before long prompts).
+    params.n_ctx = max(1024, prompt_len + NEW_TOKENS + 16)
     params.cpuparams.n_threads = THREADS
     params.cpuparams_batch.n_threads = THREADS
     return xlc.Server(params)
@@ -64,7 +66,7 @@ def main():
     prompt = sys.argv[5] if len(sys.argv) > 5 else "Hello there, how are you today?"
     load_at_start = os.getloadavg()
     ids, _ = ours(binary, model, prompt)  # warm-up (page cache), and the ids
-    server = peer_server(model)
+    server = peer_server(model, len(ids))
     peer(server, ids)  # warm-up
     runs = {"ours": [], "llamacpp": []}
     loads = []
@@ -82,11 +84,14 @@ def main():
         o = statistics.median(r[key] for r in runs["ours"])
         p = statistics.median(r[key] for r in runs["llamacpp"])
         summary[key] = {"ours_median": round(o, 2), "llamacpp_median": round(p, 2), "ratio": round(o / p, 4)}
-    doc = bench_record.header("moe-cpu-small", cores=os.cpu_count(), load_average_at_start=load_at_start,
+    moe = "moe" in os.path.basename(model).lower()
+    doc = bench_record.header("moe-cpu-small" if moe else "cpu-generate", cores=os.cpu_count(),
+                              load_average_at_start=load_at_start,
                               load_average_per_round=loads, load_average_at_end=os.getloadavg())
     weights = "Q8_0" if "q8_0" in os.path.basename(model).lower() else "Q4_K_M"
-    doc.update(model=os.path.basename(model), shape="qwen3moe hidden 1024, 16 layers, 64 experts, top 4, "
-               f"expert FFN 512, vocab 32000, {weights} (by the file's name)", rounds=rounds, prompt=prompt, prompt_ids=ids,
+    shape = ("qwen3moe hidden 1024, 16 layers, 64 experts, top 4, expert FFN 512, vocab 32000, "
+             f"{weights} (by the file's name)") if moe else "the file's own"
+    doc.update(model=os.path.basename(model), shape=shape, rounds=rounds, prompt=prompt, prompt_ids=ids,
                new_tokens=NEW_TOKENS, llamacpp_threads=THREADS,
                ours_threads=THREADS if "MOE_CPU_THREADS" in os.environ else "default", peer="xllamacpp (llama.cpp), token ids as the prompt",
                summary=summary, vs_llamacpp=summary["decode_tokens_per_s"]["ratio"],
