@@ -237,6 +237,9 @@ pub struct Batcher {
     kv_bytes: u64,
     last: (usize, usize),
     steps: u64,
+    /// Why the model can no longer step: a step of a multi-process model failed, which leaves
+    /// its ranks apart (one may have run the step, another not, or be gone).
+    broken: Option<String>,
 }
 
 impl std::fmt::Debug for Batcher {
@@ -259,7 +262,14 @@ impl Batcher {
             kv_bytes: 0,
             last: (0, 0),
             steps: 0,
+            broken: None,
         }
+    }
+
+    /// Why the model can no longer step, once a step of a multi-process model failed (every
+    /// later step fails with it): a server says so in its health.
+    pub fn broken(&self) -> Option<&str> {
+        self.broken.as_deref()
     }
 
     /// The model.
@@ -482,8 +492,19 @@ impl Batcher {
                     cache: &mut r.cache,
                 });
             }
+            if let Some(why) = &self.broken {
+                candle_core::bail!("{why}");
+            }
             self.model.begin_step()?;
-            let logits = self.model.forward_ragged(&mut seqs)?;
+            let logits = match self.model.forward_ragged(&mut seqs) {
+                Ok(l) => l,
+                Err(e) => {
+                    if self.model.transport().is_some() {
+                        self.broken = Some(format!("the pipeline of ranks failed: {e}"));
+                    }
+                    return Err(e);
+                }
+            };
             self.model.end_step()?;
             logits
         };

@@ -75,6 +75,7 @@ pub struct Metrics {
     cancelled: AtomicU64,
     recent: Mutex<VecDeque<(Instant, u64)>>,
     ttft: Mutex<Histogram>,
+    broken: Mutex<Option<String>>,
 }
 
 impl Default for Metrics {
@@ -105,6 +106,7 @@ impl Metrics {
             step_failures: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             recent: Mutex::new(VecDeque::new()),
+            broken: Mutex::new(None),
             ttft: Mutex::new(Histogram {
                 counts: [0; TTFT_BUCKETS.len()],
                 count: 0,
@@ -155,6 +157,19 @@ impl Metrics {
     /// Counts a failed step.
     pub fn add_step_failure(&self) {
         self.step_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records why the engine can no longer step (a multi-process model's ranks fell apart):
+    /// `/health` then answers 503 with it.
+    pub fn set_broken(&self, why: String) {
+        if let Ok(mut b) = self.broken.lock() {
+            b.get_or_insert(why);
+        }
+    }
+
+    /// Why the engine can no longer step, once it cannot.
+    pub fn broken(&self) -> Option<String> {
+        self.broken.lock().ok().and_then(|b| b.clone())
     }
 
     /// Counts a sequence cancelled before its end (its client gone, or a stop string).

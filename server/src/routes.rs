@@ -160,6 +160,13 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
 }
 
 async fn health(State(s): State<AppState>) -> Response {
+    if let Some(why) = s.metrics.broken() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"status": "error", "reason": why})),
+        )
+            .into_response();
+    }
     if s.ready.get().is_some() {
         (StatusCode::OK, Json(serde_json::json!({"status": "ok"}))).into_response()
     } else {

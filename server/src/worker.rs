@@ -41,6 +41,10 @@ pub trait Backend {
     fn is_idle(&self) -> bool;
     /// Drops every sequence; returns their ids.
     fn abort_all(&mut self) -> Vec<u64>;
+    /// Why it can no longer step (every later step would fail), if so.
+    fn broken(&self) -> Option<String> {
+        None
+    }
 }
 
 impl Backend for Batcher {
@@ -64,6 +68,9 @@ impl Backend for Batcher {
     }
     fn abort_all(&mut self) -> Vec<u64> {
         Batcher::abort_all(self)
+    }
+    fn broken(&self) -> Option<String> {
+        Batcher::broken(self).map(str::to_string)
     }
 }
 
@@ -355,6 +362,9 @@ impl Worker {
             Ok(Err(e)) => {
                 tracing::error!("a batch step failed: {e}");
                 self.metrics.add_step_failure();
+                if let Some(why) = self.backend.broken() {
+                    self.metrics.set_broken(why);
+                }
                 self.fail_all(&format!("the batch step failed: {e}"));
                 return true;
             }

@@ -117,6 +117,23 @@ async fn a_failed_step_fails_the_running_requests_and_the_engine_goes_on() {
 }
 
 #[tokio::test]
+async fn a_backend_broken_by_a_failed_step_says_so_in_its_health() {
+    let mut fake = Fake::new("abcdef");
+    fake.fail_step = Some(2);
+    fake.broken_by_failure = Some("rank 1 is gone".into());
+    let a = app(config(), fake).await;
+    let health = || async { send(&a.router(), request("GET", "/health", "", &[])).await };
+    assert_eq!(health().await.status(), StatusCode::OK);
+    let r = post(&a.router(), "/v1/chat/completions", chat_body("Hi")).await;
+    assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let r = health().await;
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body = json(r).await;
+    assert_eq!(body["status"], "error");
+    assert_eq!(body["reason"], "rank 1 is gone");
+}
+
+#[tokio::test]
 async fn metrics_count_requests_tokens_and_return_to_idle() {
     let a = app(config(), Fake::new("four")).await;
     for _ in 0..3 {

@@ -68,6 +68,10 @@ pub struct Fake {
     pub stall: bool,
     /// Fail this step (1-based).
     pub fail_step: Option<u64>,
+    /// After the failed step, say the backend is broken with this (as a multi-process model
+    /// whose ranks fell apart does).
+    pub broken_by_failure: Option<String>,
+    broken: Option<String>,
     /// Sleep this long in every step.
     pub delay: Duration,
     /// What happened.
@@ -94,6 +98,8 @@ impl Fake {
             reply,
             stall: false,
             fail_step: None,
+            broken_by_failure: None,
+            broken: None,
             delay: Duration::ZERO,
             log: Arc::default(),
             experts: None,
@@ -105,6 +111,10 @@ impl Fake {
 }
 
 impl Backend for Fake {
+    fn broken(&self) -> Option<String> {
+        self.broken.clone()
+    }
+
     fn check(&self, req: &SeqRequest) -> Result<(), Rejection> {
         if req.prompt.is_empty() {
             return Err(Rejection::EmptyPrompt);
@@ -147,6 +157,7 @@ impl Backend for Fake {
             log.steps
         };
         if self.fail_step == Some(step) {
+            self.broken = self.broken_by_failure.clone();
             candle_core::bail!("the fake device fell over");
         }
         std::thread::sleep(self.delay);
