@@ -334,11 +334,21 @@ impl LoadArgs {
             .engine
             .parse()
             .map_err(|e| anyhow!("--engine {}: {e}", self.engine))?;
+        // A CPU runtime keeps its own copy of every unit it fetches (all of them, once): the
+        // store reads each from the model's file instead of holding a second copy, unless a
+        // host cap, quantization on load or an adapter asks for the store's own.
+        let file_backed = device.is_cpu()
+            && host_memory_limit.is_none()
+            && self.quantize.is_none()
+            && self.lora.is_none();
         let store_cfg = candle_offload::StoreConfig {
             dtype: Some(target.dtype),
             host_memory_limit,
             engine,
             disk_reads: plan.tuning.disk,
+            file_backed,
+            // Through the page cache: a second run reads it from memory, as an mmap would.
+            disk_page_cache: file_backed,
             only_units: target.rank.as_ref().and_then(|(map, t)| {
                 let layers = map.devices.get(t.rank())?.layers();
                 Some(Llama::rank_units(&cfg, layers))

@@ -100,6 +100,34 @@ fn logits(m: &Llama, device: &Device) -> candle_core::Result<Vec<f32>> {
         .to_vec1::<f32>()
 }
 
+/// A file-backed store (what a CPU run asks for) leaves every unit in the file, holds nothing
+/// in host memory, and gives the logits of the store held in memory, in the file's F32 and
+/// converted to F16 on every read.
+#[test]
+fn a_file_backed_store_reads_every_unit_from_its_file() -> anyhow::Result<()> {
+    let device = Device::Cpu;
+    let (dir, files) = tiny("file-backed")?;
+    for dtype in [DType::F32, DType::F16] {
+        let full = store(&files, dtype, &device, None, None)?;
+        let names: Vec<String> = full.units().iter().map(|u| u.name().to_string()).collect();
+        let (m, _) = model(&files, full, &device, dtype, None)?;
+        let want = logits(&m, &device)?;
+        drop(m);
+        let cfg = StoreConfig {
+            dtype: Some(dtype),
+            file_backed: true,
+            ..Default::default()
+        };
+        let backed = loader::load_store_config(&files, &cfg, &device, false)?;
+        assert_eq!(backed.disk_units(), names, "{dtype:?}");
+        assert_eq!(backed.pinned_bytes() + backed.pageable_bytes(), 0);
+        let (m, _) = model(&files, backed, &device, dtype, None)?;
+        assert_eq!(logits(&m, &device)?, want, "{dtype:?}");
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
 /// With a host cap that leaves the last two of four layers in the file (and, on a GPU, a
 /// pinned cap of one unit, so that pinned, pageable and disk units all take part), the logits
 /// equal those of the model held in memory, resident and streamed under a tight budget, with

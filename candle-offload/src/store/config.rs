@@ -118,6 +118,10 @@ pub struct StoreConfig {
     /// Only the units of these names are loaded, the checkpoint's other tensors left unread
     /// (a rank of a multi-process run loads its own layers); `None`: every unit.
     pub only_units: Option<Vec<String>>,
+    /// Every unit that can stay in its checkpoint file does (the disk tier), whatever the
+    /// host cap; the others are held in host memory as usual. For a runtime that keeps its
+    /// own copy of every unit it fetches, as the CPU's does, the store's would be a second.
+    pub file_backed: bool,
 }
 
 /// How the store's weights reach the GPU (`--engine`).

@@ -91,7 +91,7 @@ impl HostStore {
                 EngineKind::Explicit => len,
             } as u64;
             let fits = host_limit.is_none_or(|cap| held + host_len <= cap);
-            let spans: Option<Vec<&FileSpan>> = if fits {
+            let spans: Option<Vec<&FileSpan>> = if fits && !cfg.file_backed {
                 None
             } else {
                 members
