@@ -360,6 +360,13 @@ mod tests {
         }
     }
 
+    /// A CPU tensor of `shape` with `sin(i * step + seed)` at flat index `i`.
+    fn ramp(shape: (usize, usize, usize, usize), step: f32, seed: f32) -> Result<Tensor> {
+        let n = shape.0 * shape.1 * shape.2 * shape.3;
+        let v: Vec<f32> = (0..n).map(|i| (i as f32 * step + seed).sin()).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)
+    }
+
     fn shape(head_dim: usize, softcap: Option<f64>) -> AttentionShape {
         AttentionShape {
             n_heads: 4,
@@ -422,11 +429,7 @@ mod tests {
         let (d, new, index_pos) = (32, 2, 5);
         let cached = index_pos + new;
         let dev = Device::Cpu;
-        let ramp = |shape: (usize, usize, usize, usize), seed: f32| -> Result<Tensor> {
-            let n = shape.0 * shape.1 * shape.2 * shape.3;
-            let v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.71 + seed).sin()).collect();
-            Tensor::from_vec(v, shape, &dev)
-        };
+        let ramp = |shape, seed| ramp(shape, 0.71, seed);
         let q = ramp((1, 4, new, d), 0.1)?;
         let k = ramp((1, 2, cached, d), 0.2)?;
         let v = ramp((1, 2, cached, d), 0.3)?;
@@ -472,11 +475,7 @@ mod tests {
             "one block would take it all"
         );
         let dev = Device::Cpu;
-        let ramp = |shape: (usize, usize, usize, usize), seed: f32| -> Result<Tensor> {
-            let n = shape.0 * shape.1 * shape.2 * shape.3;
-            let v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37 + seed).sin()).collect();
-            Tensor::from_vec(v, shape, &dev)
-        };
+        let ramp = |shape, seed| ramp(shape, 0.37, seed);
         let q = ramp((1, 4, new, d), 0.1)?;
         let k = ramp((1, 2, cached, d), 0.2)?;
         let v = ramp((1, 2, cached, d), 0.3)?;

@@ -85,16 +85,22 @@ impl CausalLm {
         let _span = tracing::debug_span!("llama.forward_ragged", seqs = segs.len(), rows).entered();
         candle_offload::kernels::pool::on_cpu_step_pool(&device, rows, || {
             let xs = self.ragged_decoder(&ids, &segs, &mut caches, None)?;
-            let last: Vec<u32> = segs
-                .iter()
-                .scan(0usize, |end, s| {
-                    *end += s.len;
-                    Some(*end as u32 - 1)
-                })
-                .collect();
-            let last = Tensor::new(last, xs.device())?;
-            self.head(&xs.index_select(&last, 1)?)?.squeeze(0)
+            self.ragged_head(&xs, &segs)
         })
+    }
+
+    /// The logits (sequences, vocab) of each sequence's last row of a ragged step's rows `xs`
+    /// (1, rows, hidden).
+    pub(super) fn ragged_head(&self, xs: &Tensor, segs: &[RaggedSegment]) -> Result<Tensor> {
+        let last: Vec<u32> = segs
+            .iter()
+            .scan(0usize, |end, s| {
+                *end += s.len;
+                Some(*end as u32 - 1)
+            })
+            .collect();
+        let last = Tensor::new(last, xs.device())?;
+        self.head(&xs.index_select(&last, 1)?)?.squeeze(0)
     }
 
     /// [`decoder`](Self::decoder) for a ragged step; with `tables` (a captured decode step),

@@ -246,15 +246,7 @@ impl CausalLm {
             if !last {
                 return Ok(xs);
             }
-            let ends: Vec<u32> = segs
-                .iter()
-                .scan(0usize, |end, s| {
-                    *end += s.len;
-                    Some(*end as u32 - 1)
-                })
-                .collect();
-            let ends = Tensor::new(ends, xs.device())?;
-            self.head(&xs.index_select(&ends, 1)?)?.squeeze(0)
+            self.ragged_head(&xs, segs)
         })?;
         if last {
             return Ok(Some(out));
