@@ -113,6 +113,22 @@ fn context(ctx_size: Option<usize>, max_pos: usize) -> Result<usize> {
     }
 }
 
+/// One full sequence's KV cache bytes, and the bytes the running sequences' caches may take
+/// together: `--kv-memory`, else `parallel` full sequences.
+fn kv_bytes(
+    cfg: &candle_offload_models::Config,
+    ctx: usize,
+    dtype: candle_core::DType,
+    kv_memory: Option<u64>,
+    parallel: usize,
+) -> (u64, u64) {
+    let per_seq = cfg.kv_cache_bytes(ctx, dtype);
+    (
+        per_seq,
+        kv_memory.unwrap_or(per_seq.saturating_mul(parallel as u64)),
+    )
+}
+
 /// What the server's engine thread runs once it listens.
 struct Load {
     args: LoadArgs,
@@ -131,14 +147,17 @@ impl Load {
         let cfg = files.config.clone();
         let tokenizer = self.args.tokenizer(&files)?;
         let ctx = context(self.ctx_size, cfg.max_position_embeddings)?;
-        let per_seq = cfg.kv_cache_bytes(ctx, self.args.dtype_on(&self.device));
-        let kv_limit = self
-            .kv_memory
-            .unwrap_or(per_seq.saturating_mul(self.parallel as u64));
+        let (per_seq, kv_limit) = kv_bytes(
+            &cfg,
+            ctx,
+            self.args.dtype_on(&self.device),
+            self.kv_memory,
+            self.parallel,
+        );
         let rank = self.rank.as_ref().map(|(m, t)| (m, t.clone()));
         let model =
             self.args
-                .build_batched_rank(&files, &self.plan, &self.device, ctx, kv_limit, rank)?;
+                .build_batched(&files, &self.plan, &self.device, ctx, kv_limit, rank)?;
         let model = Arc::new(model);
         let mut opts = BatchOptions::new(&model, self.parallel, ctx);
         opts.kv_limit_bytes = kv_limit;
@@ -314,9 +333,14 @@ fn follow(
     let run = || -> Result<u64> {
         let files = args.load.model.resolve()?;
         let ctx = context(args.ctx_size, files.config.max_position_embeddings)?;
-        let per_seq = files.config.kv_cache_bytes(ctx, args.load.dtype_on(device));
-        let kv_limit = kv_memory.unwrap_or(per_seq.saturating_mul(args.parallel as u64));
-        let model = args.load.build_batched_rank(
+        let (_, kv_limit) = kv_bytes(
+            &files.config,
+            ctx,
+            args.load.dtype_on(device),
+            kv_memory,
+            args.parallel,
+        );
+        let model = args.load.build_batched(
             &files,
             plan,
             device,

@@ -372,12 +372,14 @@ def moe_cpu_rows():
     return rows
 
 
-def moe_cpu_doc_rows(newest, weights):
+def moe_cpu_doc_rows(newest, weights, benchmark="generate-cpu-moe",
+                     model="Qwen3-MoE small shape (random)"):
+    """A moe_cpu_bench.py record's decode and prefill rows against llama.cpp."""
     rows = []
     for metric in ("decode_tokens_per_s", "prefill_tokens_per_s"):
         s = newest["summary"][metric]
         rows.append(row(
-            benchmark="generate-cpu-moe", model="Qwen3-MoE small shape (random)",
+            benchmark=benchmark, model=model,
             weights=weights, budget_gib=None, prompt_len=len(newest["prompt_ids"]), metric=metric,
             ours=rnd(s["ours_median"], 2), peer="llama.cpp", peer_value=rnd(s["llamacpp_median"], 2),
             ratio=ratio(s["ours_median"], s["llamacpp_median"], True), peak_mib=None,
@@ -390,20 +392,13 @@ def cpu_long_rows():
     """Each long-prompt record's decode and prefill against llama.cpp."""
     rows = []
     for rel in SOURCES["cpu-long"]:
-        doc = load(rel)
-        moe = doc["benchmark"] == "moe-cpu-small"
+        doc = load(rel) | {"_rel": rel}
+        if doc["benchmark"] == "moe-cpu-small":
+            rows += moe_cpu_doc_rows(doc, moe_cpu_weights(doc), "generate-cpu-long")
+            continue
         m = re.search(r"([\w.-]+?)\.(Q\w+|F16|F32|BF16)\.gguf$", doc["model"])
-        model = "Qwen3-MoE small shape (random)" if moe else (m.group(1) if m else doc["model"])
-        weights = moe_cpu_weights(doc) if moe else (m.group(2) if m else None)
-        for metric in ("decode_tokens_per_s", "prefill_tokens_per_s"):
-            sm = doc["summary"][metric]
-            rows.append(row(
-                benchmark="generate-cpu-long", model=model, weights=weights, budget_gib=None,
-                prompt_len=len(doc["prompt_ids"]), metric=metric, ours=rnd(sm["ours_median"], 2),
-                peer="llama.cpp", peer_value=rnd(sm["llamacpp_median"], 2),
-                ratio=ratio(sm["ours_median"], sm["llamacpp_median"], True), peak_mib=None,
-                budget_mib=None, within_budget=None, commit=str(doc["commit"]), date=day(doc),
-                source=f"{RESULTS}/{rel}"))
+        model, weights = (m.group(1), m.group(2)) if m else (doc["model"], None)
+        rows += moe_cpu_doc_rows(doc, weights, "generate-cpu-long", model)
     return rows
 
 

@@ -258,21 +258,9 @@ impl LoadArgs {
     /// positions, steps of up to [`batching::STEP_TOKENS`] rows, and on a GPU the batch's KV
     /// caches (`kv_bytes` in all) reserved beside the weights, less the one sequence's the
     /// model reserves itself; the whole head computed, as requests mix greedy and sampled
-    /// decoding.
+    /// decoding. `rank`: a rank's share of a multi-process pipeline (the split over the ranks
+    /// and the transport); `None`: the whole model.
     pub fn build_batched(
-        &self,
-        files: &ModelFiles,
-        plan: &MemoryPlan,
-        device: &Device,
-        ctx: usize,
-        kv_bytes: u64,
-    ) -> Result<Llama> {
-        self.build_batched_rank(files, plan, device, ctx, kv_bytes, None)
-    }
-
-    /// [`build_batched`](Self::build_batched) for a rank's share of a multi-process pipeline
-    /// (`rank`: the split over the ranks and the transport), or the whole model (`None`).
-    pub fn build_batched_rank(
         &self,
         files: &ModelFiles,
         plan: &MemoryPlan,

@@ -49,7 +49,7 @@ fn load(path: &std::path::Path) -> anyhow::Result<Loaded> {
     let model = Arc::new(
         flags
             .load
-            .build_batched(&files, &plan, &device, CTX, kv_bytes)?,
+            .build_batched(&files, &plan, &device, CTX, kv_bytes, None)?,
     );
     let mut opts = BatchOptions::new(&model, 4, CTX);
     // Prompt chunks of 8: a long prompt is read over several steps beside the others.

@@ -75,7 +75,7 @@ fn main() -> Result<()> {
     // As `serve` builds it; its whole head is what the margins read.
     let model = Arc::new(
         args.load
-            .build_batched(&files, &plan, &device, ctx, kv_bytes)?,
+            .build_batched(&files, &plan, &device, ctx, kv_bytes, None)?,
     );
     let high = args.id_high.unwrap_or(cfg.vocab_size as u32).max(101);
     let prompts = prompts(&args, high);

@@ -4,7 +4,7 @@
 
 use std::ffi::c_void;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
@@ -13,7 +13,7 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorageSlice as Slice
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Storage, Tensor};
 
-use super::nccl_comm::{CommState, NcclComm};
+use super::nccl_comm::NcclComm;
 use super::{SysError, SysResult};
 
 /// A transfer enqueued on a device's stream, done once its event has completed. It keeps the
@@ -60,19 +60,12 @@ fn not_cuda(device: &Device) -> SysError {
 /// Waits until `comm` has enqueued its last call (a non-blocking communicator may still be
 /// enqueuing when the call returns), at most until `deadline`.
 fn wait_enqueued(comm: &NcclComm, deadline: Instant) -> SysResult<()> {
-    loop {
-        match comm.state()? {
-            CommState::Ready => return Ok(()),
-            CommState::InProgress if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_micros(50));
-            }
-            CommState::InProgress => {
-                return Err(unsupported(
-                    "a call was still being enqueued at its deadline".into(),
-                ))
-            }
-        }
+    if comm.wait_ready(deadline)? {
+        return Ok(());
     }
+    Err(unsupported(
+        "a call was still being enqueued at its deadline".into(),
+    ))
 }
 
 /// Enqueues the send of `t`'s elements (contiguous, any dtype Candle's CUDA storage has) to

@@ -103,8 +103,8 @@ pub fn find_nccl(dirs: &[PathBuf]) -> NcclSearch {
             .map(|p| (p.display().to_string(), false))
     });
     for (candidate, on_loader_path) in bare.chain(in_dirs) {
-        match load_version(&candidate) {
-            Ok(code) => {
+        match open_library(&candidate) {
+            Ok((_, code)) => {
                 search.found = Some(NcclFound {
                     path: candidate,
                     version: nccl_version(code),
@@ -119,24 +119,27 @@ pub fn find_nccl(dirs: &[PathBuf]) -> NcclSearch {
 }
 
 /// Opens `name` (a file name for the loader's search, or a path) and calls its
-/// `ncclGetVersion`.
-fn load_version(name: &str) -> Result<i32, String> {
+/// `ncclGetVersion`: the library, kept open, and the version's code.
+pub(super) fn open_library(name: &str) -> Result<(libloading::Library, i32), String> {
     type GetVersion = unsafe extern "C" fn(*mut std::ffi::c_int) -> std::ffi::c_int;
     // SAFETY: loading a shared library runs its initialisers; NCCL's only set up its own
     // state. `name` is NCCL's file name or a file found under one of its names.
     let lib = unsafe { libloading::Library::new(name) }.map_err(|e| e.to_string())?;
-    // SAFETY: `ncclGetVersion` has had this signature in every NCCL 2 release
-    // (`ncclResult_t ncclGetVersion(int *version)`); a library without it fails here.
-    let get: libloading::Symbol<'_, GetVersion> =
-        unsafe { lib.get(b"ncclGetVersion\0") }.map_err(|e| e.to_string())?;
-    let mut code: std::ffi::c_int = 0;
-    // SAFETY: `code` is a valid, writable int for the call's duration; the symbol lives as long
-    // as `lib`, which outlives the call.
-    let status = unsafe { get(&mut code) };
-    if status != 0 {
-        return Err(format!("ncclGetVersion returned {status}"));
-    }
-    Ok(code)
+    let code = {
+        // SAFETY: `ncclGetVersion` has had this signature in every NCCL 2 release
+        // (`ncclResult_t ncclGetVersion(int *version)`); a library without it fails here.
+        let get: libloading::Symbol<'_, GetVersion> =
+            unsafe { lib.get(b"ncclGetVersion\0") }.map_err(|e| e.to_string())?;
+        let mut code: std::ffi::c_int = 0;
+        // SAFETY: `code` is a valid, writable int for the call's duration; the symbol lives
+        // as long as `lib`, which outlives the call.
+        let status = unsafe { get(&mut code) };
+        if status != 0 {
+            return Err(format!("ncclGetVersion returned {status}"));
+        }
+        code
+    };
+    Ok((lib, code))
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::Arc;
 
-use super::nccl::nccl_version;
+use super::nccl::{nccl_version, open_library};
 
 /// `ncclResult_t`.
 type NcclResult = c_int;
@@ -192,9 +192,7 @@ impl NcclLib {
             path: path.to_string(),
             reason,
         };
-        // SAFETY: loading a shared library runs its initialisers; NCCL's only set up its own
-        // state. `path` is one of NCCL's file names or a file found under one.
-        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| load(e.to_string()))?;
+        let (lib, code) = open_library(path).map_err(load)?;
         macro_rules! sym {
             ($name:literal) => {
                 // SAFETY: each symbol is declared above with its `nccl.h` signature, unchanged
@@ -202,13 +200,6 @@ impl NcclLib {
                 *unsafe { lib.get(concat!($name, "\0").as_bytes()) }
                     .map_err(|e| load(format!("{}: {e}", $name)))?
             };
-        }
-        let get_version: unsafe extern "C" fn(*mut c_int) -> NcclResult = sym!("ncclGetVersion");
-        let mut code: c_int = 0;
-        // SAFETY: `code` is a valid, writable int for the call.
-        let status = unsafe { get_version(&mut code) };
-        if status != NCCL_SUCCESS {
-            return Err(load(format!("ncclGetVersion returned {status}")));
         }
         let version = nccl_version(code);
         if version < NCCL_MIN_VERSION {
@@ -406,6 +397,20 @@ impl NcclComm {
         }
     }
 
+    /// Polls [`state`](Self::state) until the communicator is ready (`true`) or `deadline`
+    /// passes with it still in progress (`false`).
+    pub(crate) fn wait_ready(&self, deadline: std::time::Instant) -> Result<bool, NcclError> {
+        loop {
+            match self.state()? {
+                CommState::Ready => return Ok(true),
+                CommState::InProgress if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                }
+                CommState::InProgress => return Ok(false),
+            }
+        }
+    }
+
     /// Enqueues a send of `bytes` bytes at device address `ptr` to `peer` on `stream`.
     ///
     /// # Safety
@@ -494,25 +499,20 @@ impl NcclComm {
             self.abort();
             return Err(e);
         }
-        loop {
-            match self.state() {
-                Ok(CommState::Ready) => break,
-                Ok(CommState::InProgress) if std::time::Instant::now() < deadline => {
-                    std::thread::sleep(std::time::Duration::from_micros(200));
-                }
-                Ok(CommState::InProgress) => {
-                    self.abort();
-                    return Err(NcclError::Call {
-                        call: "ncclCommFinalize",
-                        code: NCCL_IN_PROGRESS,
-                        name: "still in progress at its deadline".into(),
-                        detail: String::new(),
-                    });
-                }
-                Err(e) => {
-                    self.abort();
-                    return Err(e);
-                }
+        match self.wait_ready(deadline) {
+            Ok(true) => {}
+            Ok(false) => {
+                self.abort();
+                return Err(NcclError::Call {
+                    call: "ncclCommFinalize",
+                    code: NCCL_IN_PROGRESS,
+                    name: "still in progress at its deadline".into(),
+                    detail: String::new(),
+                });
+            }
+            Err(e) => {
+                self.abort();
+                return Err(e);
             }
         }
         self.aborted = true;

@@ -85,7 +85,7 @@ impl CausalLm {
         let device = self.stages[0].rt.device().clone();
         let ids = Tensor::from_vec(ids.clone(), (1, ids.len()), &device)?;
         let mut caches: Vec<&mut Cache> = seqs.iter_mut().map(|s| &mut *s.cache).collect();
-        let out = self.rank_pass(t, &plan, Some(&ids), None, &mut caches)?;
+        let out = self.rank_pass(t, &plan, Some(&ids), &mut caches)?;
         match out {
             Some(logits) => Ok(logits),
             None => Ok(t.recv_tensor(t.world_size() - 1, &device)?),
@@ -137,7 +137,7 @@ impl CausalLm {
                     t.rank() - 1
                 ))
             })?;
-            let seqs = match &plan {
+            let seqs: &[StepSeq] = match &plan {
                 RankStep::Stop => {
                     if !link.last {
                         send_plan(t, &plan)?;
@@ -153,27 +153,20 @@ impl CausalLm {
                             .entry(s.id)
                             .or_insert_with(|| Cache::new(layers, s.positions));
                     }
-                    seqs.clone()
+                    seqs
                 }
             };
             // The step's caches in its rows' order (an id twice in one step is refused).
             let mut by_id: HashMap<u64, &mut Cache> =
                 caches.iter_mut().map(|(id, c)| (*id, c)).collect();
             let mut ordered = Vec::with_capacity(seqs.len());
-            for s in &seqs {
+            for s in seqs {
                 let c = by_id.remove(&s.id).ok_or_else(|| {
                     candle_core::Error::Msg(format!("sequence {} twice in one step", s.id))
                 })?;
                 ordered.push(c);
             }
-            let segs: Vec<RaggedSegment> = seqs
-                .iter()
-                .map(|s| RaggedSegment {
-                    len: s.rows,
-                    index_pos: s.index_pos,
-                })
-                .collect();
-            if let Some(logits) = self.rank_pass(t, &plan, None, Some(&segs), &mut ordered)? {
+            if let Some(logits) = self.rank_pass(t, &plan, None, &mut ordered)? {
                 t.send_tensor(0, &logits)?;
             }
             steps += 1;
@@ -189,7 +182,6 @@ impl CausalLm {
         t: &dyn Transport,
         plan: &RankStep,
         ids: Option<&Tensor>,
-        segs: Option<&[RaggedSegment]>,
         caches: &mut [&mut Cache],
     ) -> Result<Option<Tensor>> {
         let RankStep::Step { seqs, .. } = plan else {
@@ -197,20 +189,13 @@ impl CausalLm {
         };
         let rank = t.rank();
         let last = rank + 1 == t.world_size();
-        let own: Vec<RaggedSegment>;
-        let segs = match segs {
-            Some(s) => s,
-            None => {
-                own = seqs
-                    .iter()
-                    .map(|s| RaggedSegment {
-                        len: s.rows,
-                        index_pos: s.index_pos,
-                    })
-                    .collect();
-                &own
-            }
-        };
+        let segs: Vec<RaggedSegment> = seqs
+            .iter()
+            .map(|s| RaggedSegment {
+                len: s.rows,
+                index_pos: s.index_pos,
+            })
+            .collect();
         if let Some(i) = seqs.iter().position(|s| s.rows == 0) {
             candle_core::bail!("sequence {} of a step has no new rows", seqs[i].id);
         }
@@ -242,11 +227,11 @@ impl CausalLm {
             }
         };
         let out = candle_offload::kernels::pool::on_cpu_step_pool(stage.rt.device(), rows, || {
-            let xs = self.ragged_layers(xs, segs, caches, None)?;
+            let xs = self.ragged_layers(xs, &segs, caches, None)?;
             if !last {
                 return Ok(xs);
             }
-            self.ragged_head(&xs, segs)
+            self.ragged_head(&xs, &segs)
         })?;
         if last {
             return Ok(Some(out));
