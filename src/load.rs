@@ -143,6 +143,13 @@ pub struct LoadArgs {
     /// guesses for (each router on the current layer's input).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
     pub expert_guess_layers: u16,
+    /// Who chooses a mixture-of-experts decode row's experts on a GPU with an expert cache:
+    /// `auto` (the device while the cache's recent hit rate makes its misses, read from host
+    /// memory over the link, cheaper than the host's wait a layer for the choice), `host`
+    /// (read back each layer; missing experts split between the host CPU and the link) or
+    /// `device` (always the device, where the experts' blocks allow it).
+    #[arg(long, default_value = "auto")]
+    pub expert_route: candle_offload::experts::ExpertRoute,
     /// Settings file (YAML): `memory.offload_strategy`, `memory.max_gpu_memory`,
     /// `memory.max_cpu_memory` and a `tuning:` section (docs/tuning.md).
     #[arg(long)]
@@ -426,7 +433,8 @@ impl LoadArgs {
                 self.expert_split,
             )
             .with_prefetch(self.expert_prefetch)
-            .with_guess_layers(usize::from(self.expert_guess_layers)),
+            .with_guess_layers(usize::from(self.expert_guess_layers))
+            .with_route(self.expert_route),
             ..Default::default()
         };
         if target.rank.is_some() && host_layers_choice != HostLayers::None {

@@ -489,14 +489,15 @@ test_device!(
 /// device), and the logits stay those of the whole model on the same device (the same kernels:
 /// a GPU's quantized matmuls round their activations, a CPU's do not).
 fn moe_expert_fetches_reuse_evicted_buffers(device: &Device) -> anyhow::Result<()> {
-    use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertSplit};
+    use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertRoute, ExpertSplit};
     let dir = fixtures()?;
     let files = loader::from_gguf(&dir.join("qwen3_moe.q8_0.gguf"))?;
+    // The host routes each row, so that every miss is fetched before its use.
     let m = half_experts_model(
         &files,
         device,
         true,
-        ExpertOptions::new(ExpertPolicy::Lru, ExpertSplit::Fetch),
+        ExpertOptions::new(ExpertPolicy::Lru, ExpertSplit::Fetch).with_route(ExpertRoute::Host),
     )?;
     let whole = Llama::builder(
         &files,
@@ -555,6 +556,90 @@ test_device!(
     moe_expert_fetches_reuse_evicted_buffers,
     moe_expert_fetches_reuse_evicted_buffers_cpu,
     moe_expert_fetches_reuse_evicted_buffers_gpu
+);
+
+/// Decode steps of Q8_0 GGUFs under a budget that holds half of their experts, each row's
+/// experts chosen by the device (`ExpertRoute::Device`: its misses read from their host
+/// copies, fetched afterwards for the next steps), give the logits of the same steps routed
+/// on the host with every miss fetched first (the same grouped kernels over the same blocks),
+/// within 1e-4 of their scale; the counters add up, and no decode step trims the weight pool.
+/// On a CPU the device route is never taken.
+fn moe_device_route_equals_the_host_route(device: &Device) -> anyhow::Result<()> {
+    use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertRoute, ExpertSplit};
+    let dir = fixtures()?;
+    for name in ["qwen3_moe", "mixtral", "qwen2_moe"] {
+        let files = loader::from_gguf(&dir.join(format!("{name}.q8_0.gguf")))?;
+        let options = ExpertOptions::new(ExpertPolicy::Lru, ExpertSplit::Fetch);
+        let on_device = half_experts_model(
+            &files,
+            device,
+            true,
+            options.with_route(ExpertRoute::Device),
+        )?;
+        let on_host =
+            half_experts_model(&files, device, true, options.with_route(ExpertRoute::Host))?;
+        let (mut c1, mut c2) = (on_device.new_cache(), on_host.new_cache());
+        let p = prompt();
+        let ids = Tensor::new(&p[..12], device)?.unsqueeze(0)?;
+        on_device.forward(&ids, 0, &mut c1)?;
+        on_host.forward(&ids, 0, &mut c2)?;
+        let before = on_device.runtime().stats()?.total;
+        for (k, &t) in p[12..].iter().enumerate() {
+            let ids = Tensor::new(&[t], device)?.unsqueeze(0)?;
+            let a = on_device.forward(&ids, 12 + k, &mut c1)?;
+            let b = on_host.forward(&ids, 12 + k, &mut c2)?;
+            let (a, b) = (
+                a.flatten_all()?.to_vec1::<f32>()?,
+                b.flatten_all()?.to_vec1::<f32>()?,
+            );
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = max_abs(&a, &b);
+            assert!(
+                d <= 1e-4 * scale.max(1.0),
+                "{name} step {k} on {device:?}: max |Δ| {d} (scale {scale})"
+            );
+        }
+        // One more step reads the last one's choices back.
+        let ids = Tensor::new(&[p[0]], device)?.unsqueeze(0)?;
+        on_device.forward(&ids, p.len(), &mut c1)?;
+        let after = on_device.runtime().stats()?.total;
+        let s = on_device.expert_stats().expect("the tier is on");
+        let h = on_host.expert_stats().expect("the tier is on");
+        assert_eq!(h.device_routed, 0, "{name}: {h:?}");
+        for x in [&s, &h] {
+            let (hits, misses) = x.totals();
+            assert_eq!(hits, x.resident, "{name}: {x:?}");
+            assert_eq!(
+                misses,
+                x.fetched + x.streamed + x.on_host + x.mapped,
+                "{name}: {x:?}"
+            );
+        }
+        if device.is_cuda() {
+            assert!(
+                s.device_routed > 0 && s.mapped > 0 && s.resident > 0,
+                "{name}: {s:?}"
+            );
+            assert!(
+                s.prefetched > 0,
+                "{name}: no miss fetched afterwards: {s:?}"
+            );
+            assert_eq!(
+                after.pool_trims - before.pool_trims,
+                0,
+                "{name}: decode steps routed on the device trimmed the weight pool"
+            );
+        } else {
+            assert_eq!(s.device_routed, 0, "{name}: {s:?}");
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    moe_device_route_equals_the_host_route,
+    moe_device_route_equals_the_host_route_cpu,
+    moe_device_route_equals_the_host_route_gpu
 );
 
 /// `--quantize` on a mixture-of-experts checkpoint: each expert's projections quantized to

@@ -439,6 +439,7 @@ __device__ void qlinear_small2(const T *x, const uint8_t *w0, const uint8_t *w1,
 // experts_weighted_sum_<dtype>: out (n) = Σ_e s.w[e] · y[e · n + c] over `experts` rows of
 // y (and out's own values first where `accumulate`), in F32, rounded once: a decode row's
 // routed experts' outputs weighted and added (`linear::experts`). One thread per column.
+// experts_weighted_sum_at_<dtype>: the same, s read from device memory (moe_route's).
 template <typename T>
 __device__ void experts_weighted_sum(const T *y, T *out, const GroupScales &s, uint32_t experts,
                                      uint32_t n, uint32_t accumulate) {
@@ -452,6 +453,11 @@ __device__ void experts_weighted_sum(const T *y, T *out, const GroupScales &s, u
     extern "C" __global__ void experts_weighted_sum_##SUFFIX(                                   \
         const T *y, T *out, GroupScales s, uint32_t experts, uint32_t n, uint32_t accumulate) { \
         experts_weighted_sum<T>(y, out, s, experts, n, accumulate);                             \
+    }                                                                                           \
+    extern "C" __global__ void experts_weighted_sum_at_##SUFFIX(                                \
+        const T *y, T *out, const GroupScales *s, uint32_t experts, uint32_t n,                 \
+        uint32_t accumulate) {                                                                  \
+        experts_weighted_sum<T>(y, out, *s, experts, n, accumulate);                            \
     }
 #define LINEAR_FOR(T, SUFFIX)                                                                   \
     EXPERTS_WEIGHTED_SUM_FOR(T, SUFFIX)                                                         \

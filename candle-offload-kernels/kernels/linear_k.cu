@@ -578,7 +578,8 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     QLINEAR3KS2_SMALL_FOR(T, SUFFIX, 2, 4)
 
 // qlinear3k_experts_r<R>_<q>_<dtype>: qlinear3k_small for one row of x over a group of
-// experts, with qlinear3_experts_r<R>_<q>_<dtype>'s arguments and layout (linear_q8.cu).
+// experts, with qlinear3_experts_r<R>_<q>_<dtype>'s arguments and layout (linear_q8.cu);
+// qlinear3k_experts_at_r<R>_<q>_<dtype>, g read from device memory.
 #define QLINEAR3K_EXPERTS_ONE(T, SUFFIX, R, KT, QNAME)                                          \
     extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
         qlinear3k_experts_r##R##_##QNAME##_##SUFFIX(                                            \
@@ -586,6 +587,15 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
         uint32_t k, uint32_t silu, uint32_t xblocks) {                                          \
         const uint32_t e = blockIdx.y;                                                          \
         qlinear3k_small<T, 1, KT, R, 1>(x + (size_t)e * x_stride, g.w0[e], g.w1[e], g.w0[e],    \
+                                        y + (size_t)e * (silu ? n0 : n0 + n1), 1u, n0, n1, 0u,  \
+                                        k, silu, xblocks);                                      \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
+        qlinear3k_experts_at_r##R##_##QNAME##_##SUFFIX(                                         \
+        const T *x, uint32_t x_stride, const GroupWeights *g, T *y, uint32_t n0, uint32_t n1,   \
+        uint32_t k, uint32_t silu, uint32_t xblocks) {                                          \
+        const uint32_t e = blockIdx.y;                                                          \
+        qlinear3k_small<T, 1, KT, R, 1>(x + (size_t)e * x_stride, g->w0[e], g->w1[e], g->w0[e], \
                                         y + (size_t)e * (silu ? n0 : n0 + n1), 1u, n0, n1, 0u,  \
                                         k, silu, xblocks);                                      \
     }

@@ -341,6 +341,7 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
 // (blockIdx.y: expert e): expert e's weights g.w0[e] (and g.w1[e], the up projection, with
 // silu), its row of x at x + e · x_stride (0: one row for all) and its output row at
 // y + e · (n0 + n1) (n0 with silu). Otherwise qlinear3_small_r<R>_m1's contract per expert.
+// qlinear3_experts_at_r<R>_<q>_<dtype>: the same, g read from device memory (moe_route's).
 #define QLINEAR3_EXPERTS_FOR(T, SUFFIX, M, QT, QNAME, R)                                        \
     extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 8)                              \
         qlinear3_experts_r##R##_##QNAME##_##SUFFIX(                                             \
@@ -348,6 +349,15 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
         uint32_t k, uint32_t silu, uint32_t xblocks) {                                          \
         const uint32_t e = blockIdx.y;                                                          \
         qlinear_small3<T, 1, QT, R>(x + (size_t)e * x_stride, g.w0[e], g.w1[e], g.w0[e],        \
+                                    y + (size_t)e * (silu ? n0 : n0 + n1), 1u, n0, n1, 0u, k,   \
+                                    silu, xblocks);                                             \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 8)                              \
+        qlinear3_experts_at_r##R##_##QNAME##_##SUFFIX(                                          \
+        const T *x, uint32_t x_stride, const GroupWeights *g, T *y, uint32_t n0, uint32_t n1,   \
+        uint32_t k, uint32_t silu, uint32_t xblocks) {                                          \
+        const uint32_t e = blockIdx.y;                                                          \
+        qlinear_small3<T, 1, QT, R>(x + (size_t)e * x_stride, g->w0[e], g->w1[e], g->w0[e],     \
                                     y + (size_t)e * (silu ? n0 : n0 + n1), 1u, n0, n1, 0u, k,   \
                                     silu, xblocks);                                             \
     }

@@ -80,6 +80,11 @@ pub(crate) const LINEAR_K: Module = Module {
     name: "candle_offload_linear_k",
     ptx: ptx::LINEAR_K,
 };
+/// A mixture-of-experts layer's routing on the device (`linear::routed`).
+pub(crate) const MOE: Module = Module {
+    name: "candle_offload_moe",
+    ptx: ptx::MOE,
+};
 /// The dequantizing kernels of the prompt GEMM (`gemm`).
 pub(crate) const GEMM: Module = Module {
     name: "candle_offload_gemm",
@@ -103,9 +108,9 @@ pub(crate) const PROFILE: Module = Module {
 
 /// Every module (the names each kernel resolves in: the tests check them).
 #[cfg(test)]
-pub(crate) const ALL: [Module; 14] = [
+pub(crate) const ALL: [Module; 15] = [
     NORM, NORM_TRAIN, ROPE, ACTIVATION, ATTENTION, FLASH, FLASH_F32, LINEAR, LINEAR_Q8, LINEAR_K,
-    GEMM, LOSS, OPTIMIZER, PROFILE,
+    MOE, GEMM, LOSS, OPTIMIZER, PROFILE,
 ];
 
 /// A tensor's storage guard as the CUDA storage a launcher takes, or an error naming `op`.

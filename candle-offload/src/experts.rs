@@ -339,6 +339,8 @@ pub struct ExpertOptions {
     /// guesses for, each router on the current layer's rows (at least 1): further guesses keep
     /// the link busy while the device and the host work, and come true less often.
     pub guess_layers: usize,
+    /// Who chooses a decode row's experts on a GPU.
+    pub route: ExpertRoute,
 }
 
 impl Default for ExpertOptions {
@@ -355,7 +357,14 @@ impl ExpertOptions {
             split,
             prefetch: false,
             guess_layers: 1,
+            route: ExpertRoute::default(),
         }
+    }
+
+    /// These options with a decode row's experts chosen as `route` says.
+    pub fn with_route(mut self, route: ExpertRoute) -> Self {
+        self.route = route;
+        self
     }
 
     /// These options with the next layer's experts prefetched or not.
@@ -369,6 +378,72 @@ impl ExpertOptions {
         self.guess_layers = n.max(1);
         self
     }
+}
+
+/// Who chooses a decode row's experts on a GPU with an expert cache.
+///
+/// On the host, each layer's routers' choice is read back before its experts are placed (a
+/// wait for the device a layer), and the missing experts split between the host CPU and the
+/// link. On the device, a kernel chooses them and the grouped kernels read each one where a
+/// table says it is: its slot, or its host copy through the mapped address (no wait; a miss
+/// costs its bytes over the link on the device's time); the host reads the choice back once a
+/// step, to count it and fetch the misses for the next steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpertRoute {
+    /// On the device while [`route_on_device`] says its misses cost less than the host's
+    /// waits, from the cache's recent hit rate.
+    #[default]
+    Auto,
+    /// Always on the host.
+    Host,
+    /// On the device wherever the experts' blocks allow it.
+    Device,
+}
+
+impl std::str::FromStr for ExpertRoute {
+    type Err = String;
+    /// `auto`, `host` or `device`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(Self::Auto),
+            "host" => Ok(Self::Host),
+            "device" => Ok(Self::Device),
+            other => Err(format!(
+                "expert route `{other}`: expected `auto`, `host` or `device`"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for ExpertRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Host => "host",
+            Self::Device => "device",
+        })
+    }
+}
+
+/// What a decode step's host waits a mixture-of-experts layer for its routers' choice when
+/// it reads it back, in seconds.
+pub const LAYER_ROUTE_WAIT_SECONDS: f64 = 95e-6;
+
+/// Whether a decode row's experts are better chosen on the device ([`ExpertRoute::Auto`]):
+/// the misses a layer expects at `hit_rate` (of `top_k` experts), each read over the link
+/// (`expert_bytes` at `link_bytes_per_s`) on the device's time, cost less than the host's
+/// wait for the layer's choice ([`LAYER_ROUTE_WAIT_SECONDS`]).
+pub fn route_on_device(
+    hit_rate: f64,
+    top_k: usize,
+    expert_bytes: u64,
+    link_bytes_per_s: f64,
+) -> bool {
+    if link_bytes_per_s <= 0.0 || !hit_rate.is_finite() {
+        return false;
+    }
+    let misses = (1.0 - hit_rate.clamp(0.0, 1.0)) * top_k as f64;
+    misses * expert_bytes as f64 / link_bytes_per_s < LAYER_ROUTE_WAIT_SECONDS
 }
 
 /// Whether a mixture-of-experts layer's missing experts may run on the host CPU, beside the
@@ -595,7 +670,30 @@ mod tests {
             .collect()
     }
 
+    #[test]
+    fn the_route_goes_to_the_device_only_while_its_misses_cost_less_than_the_waits() {
+        // 5 MiB experts over a 25 GB/s link: 210 us a miss against a 95 us wait.
+        let (bytes, link) = (5 << 20, 25e9);
+        assert!(route_on_device(1.0, 8, bytes, link));
+        assert!(route_on_device(0.99, 8, bytes, link));
+        assert!(!route_on_device(0.9, 8, bytes, link));
+        assert!(!route_on_device(0.0, 8, bytes, link));
+        assert!(!route_on_device(f64::NAN, 8, bytes, link));
+        assert!(!route_on_device(1.0, 8, bytes, 0.0));
+        assert_eq!("device".parse::<ExpertRoute>(), Ok(ExpertRoute::Device));
+        assert!("gpu".parse::<ExpertRoute>().unwrap_err().contains("`gpu`"));
+    }
+
     proptest! {
+        /// A higher hit rate never takes the route back to the host.
+        #[test]
+        fn the_route_is_monotone_in_the_hit_rate(a in 0.0f64..1.0, b in 0.0f64..1.0, k in 1usize..16, mib in 1u64..64) {
+            let (lo, hi) = if a <= b { (a, b) } else { (b, a) };
+            if route_on_device(lo, k, mib << 20, 25e9) {
+                prop_assert!(route_on_device(hi, k, mib << 20, 25e9));
+            }
+        }
+
         #[test]
         fn lru_equals_the_reference(slots in 1usize..6, trace in prop::collection::vec(0usize..10, 0..200)) {
             let mut c = ExpertCache::new(ExpertPolicy::Lru, 10, &[slots]);

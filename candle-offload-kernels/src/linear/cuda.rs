@@ -565,10 +565,19 @@ pub(crate) fn qlinear_small(
     Ok((storage(slice), yq.map(storage)))
 }
 
+/// The experts of a grouped launch: their buffers by value, or the device address of a
+/// `GroupWeights` (`moe_route`'s).
+pub(crate) enum GroupArg<'a> {
+    /// Passed with the launch.
+    Value(&'a GroupWeights),
+    /// Read by the kernel from this device address.
+    At(u64),
+}
+
 /// kernels/qblocks.cuh's `GroupWeights`: each expert's weight buffers (w1: the up projection).
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct GroupWeights {
+pub(crate) struct GroupWeights {
     w0: [u64; MAX_GROUP_EXPERTS],
     w1: [u64; MAX_GROUP_EXPERTS],
 }
@@ -657,7 +666,7 @@ pub(crate) fn qlinear_experts(
                 dev,
                 first[0].dtype(),
                 (&x, 0),
-                &gate_up,
+                GroupArg::Value(&gate_up),
                 &act,
                 [inter, inter],
                 hidden,
@@ -671,7 +680,7 @@ pub(crate) fn qlinear_experts(
                 dev,
                 first[2].dtype(),
                 (&act_view, inter),
-                &down,
+                GroupArg::Value(&down),
                 &ys,
                 [hidden, 0],
                 inter,
@@ -722,11 +731,11 @@ pub(crate) fn qlinear_experts(
 /// `x + j · x_stride` (`x_stride` 0: one row for all), weights `w` of block type `ty`
 /// (`k` wide), outputs `y` (e rows of `ns[0]` with `silu`, else of `ns[0] + ns[1]`).
 #[allow(clippy::too_many_arguments)]
-fn group_launch<T: DeviceRepr + WithDType>(
+pub(crate) fn group_launch<T: DeviceRepr + WithDType>(
     dev: &CudaDevice,
     ty: candle_core::quantized::GgmlDType,
     (x, x_stride): (&CudaView<'_, T>, usize),
-    w: &GroupWeights,
+    w: GroupArg<'_>,
     y: &CudaSlice<T>,
     ns: [usize; 2],
     k: usize,
@@ -745,10 +754,15 @@ fn group_launch<T: DeviceRepr + WithDType>(
         QLINEAR_WARPS * 16 * qlinear2_small_stage_vecs(ty.type_size()) * r
     };
     let xblocks = qlinear3_x_blocks(1, k / 32, stages);
-    let (module, name) = if kquant {
-        (LINEAR_K, format!("qlinear3k_experts_r{r}_{qname}"))
+    let at = if matches!(w, GroupArg::At(_)) {
+        "_at"
     } else {
-        (LINEAR_Q8, format!("qlinear3_experts_r{r}_{qname}"))
+        ""
+    };
+    let (module, name) = if kquant {
+        (LINEAR_K, format!("qlinear3k_experts{at}_r{r}_{qname}"))
+    } else {
+        (LINEAR_Q8, format!("qlinear3_experts{at}_r{r}_{qname}"))
     };
     let func = load::<T>(dev, module, &name)?;
     let cols_per_warp = if silu { r / 2 } else { r };
@@ -773,11 +787,17 @@ fn group_launch<T: DeviceRepr + WithDType>(
         to_u32(xblocks, "blocks of x")?,
     );
     let mut b = stream.launch_builder(&func);
-    b.arg(x).arg(&stride).arg(w).arg(y);
+    b.arg(x).arg(&stride);
+    match &w {
+        GroupArg::Value(w) => b.arg(*w),
+        GroupArg::At(at) => b.arg(at),
+    };
+    b.arg(y);
     b.arg(&n0).arg(&n1).arg(&kk).arg(&s).arg(&xb);
     // SAFETY: `qlinear3_experts_r<R>_<q>_<dtype>` (kernels/linear_q8.cu) and
     // `qlinear3k_experts_r<R>_<q>_<dtype>` (kernels/linear_k.cu) take (const T* x, uint32_t
-    // x_stride, GroupWeights g, T* y, uint32_t n0, n1, k, silu, xblocks) and run, for expert
+    // x_stride, GroupWeights g, T* y, uint32_t n0, n1, k, silu, xblocks) (their `_at_`
+    // twins `const GroupWeights* g`, a live device buffer moe_route wrote) and run, for expert
     // blockIdx.y < e, variant 3's one-row kernel of that type (qlinear3_small_r<R>_m1 /
     // qlinear3k_small_r<R>_m1, whose contract `qlinear_small` states) on x + j · x_stride,
     // weights g.w0[j] (and g.w1[j] with silu), output y + j · (silu ? n0 : n0 + n1). Every

@@ -17,6 +17,10 @@ mod experts;
 mod layer;
 pub mod lora;
 mod quantized;
+pub mod routed;
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+mod routed_cuda;
 #[allow(unsafe_code)]
 mod simd;
 #[allow(unsafe_code)]
@@ -34,5 +38,6 @@ pub use quantized::{
     qlinear_silu_mul, qlinear_silu_mul_q8, qlinear_small, qlinear_small_fits, qlinear_small_multi,
     qlinear_small_unfused,
 };
+pub use routed::{ExpertTable, RoutedShape};
 pub(crate) use simd::has_avx2;
 pub use small::{linear_silu_mul, linear_small, linear_small_multi, linear_small_unfused};

@@ -16,12 +16,15 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result};
 use candle_offload::experts::{
-    slots_for_budget, split_missing, ExpertCache, ExpertOptions, ExpertSplit, LayerCounters,
+    route_on_device, slots_for_budget, split_missing, ExpertCache, ExpertOptions, ExpertRoute,
+    ExpertSplit, LayerCounters,
 };
+use candle_offload::kernels::linear::{ExpertTable, RoutedShape};
 use candle_offload::{HostStore, OffloadConfig, OffloadRuntime, UnitId};
 
+use super::routed::DeviceRoutes;
 use crate::family::{Layout, UnitWeights};
-use crate::layers::{BuildExpert, Expert, ExpertSite, ExpertUnits, GatedMlp, Routing};
+use crate::layers::{BuildExpert, Expert, ExpertShape, ExpertSite, ExpertUnits, GatedMlp, Routing};
 use candle_offload::kernels::linear::Linear;
 
 /// Rows the host's K-quant pass computes per read of an expert's weights
@@ -31,6 +34,10 @@ const HOST_ROWS_PER_READ: usize = candle_offload::kernels::linear::cpu_quant::KQ
 
 /// The weight of a new measurement of the host's rate in its running average.
 const HOST_RATE_SMOOTHING: f64 = 0.1;
+
+/// The weight of one routed expert's hit or miss in the cache's recent hit rate (the rate
+/// [`ExpertRoute::Auto`] decides on): about a decode step of a 48-layer, top-8 model.
+const RECENT_HIT_SMOOTHING: f64 = 1.0 / 384.0;
 
 /// One runtime's expert units (see the module docs).
 pub(crate) struct RuntimeExperts<'a> {
@@ -93,12 +100,18 @@ pub struct ExpertStats {
     pub fetched: u64,
     /// Routed experts fetched for one use, without a slot (a prompt's, past the cache).
     pub streamed: u64,
-    /// Experts prefetched on the next layer's router's guess (`ExpertOptions::prefetch`).
+    /// Experts fetched ahead of their use: on the next layer's router's guess
+    /// (`ExpertOptions::prefetch`), or after the device read them from host memory
+    /// ([`mapped`](Self::mapped)).
     pub prefetched: u64,
     /// Prefetched experts routed to while still resident: the guesses that came true.
     pub prefetch_used: u64,
     /// Routed experts computed on the host CPU.
     pub on_host: u64,
+    /// Routed experts the device chose and read from their host copies (not resident).
+    pub mapped: u64,
+    /// Sparse layers' decode rows whose experts the device chose.
+    pub device_routed: u64,
     /// Host bytes those reads and copies took: the fetched experts' and the host's.
     pub host_bytes: u64,
     /// The host CPU's rate on its experts, bytes a second (running average).
@@ -113,18 +126,21 @@ impl std::fmt::Display for ExpertStats {
         writeln!(
             f,
             "expert cache: hit rate {:.1}%; routed experts resident {}, fetched {}, streamed {}, \
-             on the host CPU {}, prefetched {} ({} used); {:.2} GiB read from host memory; host {:.1} GB/s, \
-             link {:.1} GB/s",
+             on the host CPU {}, read by the device from host memory {}, prefetched {} ({} used); \
+             {:.2} GiB read from host memory; host {:.1} GB/s, link {:.1} GB/s; {} layer rows \
+             routed on the device",
             100.0 * self.hit_rate(),
             self.resident,
             self.fetched,
             self.streamed,
             self.on_host,
+            self.mapped,
             self.prefetched,
             self.prefetch_used,
             self.host_bytes as f64 / 2f64.powi(30),
             self.host_bytes_per_s / 1e9,
             self.link_bytes_per_s / 1e9,
+            self.device_routed,
         )?;
         let layers: Vec<String> = self
             .layers
@@ -174,6 +190,35 @@ struct TierState {
     routers: Vec<Option<(Linear, Routing)>>,
     /// The prefetched experts (layer, expert) not routed to since their prefetch.
     guesses: HashSet<(usize, usize)>,
+    /// The device's routing, once a decode row asked for it.
+    routes: Routes,
+    /// The hit rate of the recent routed experts (decayed by [`RECENT_HIT_SMOOTHING`]).
+    recent_hit_rate: f64,
+    /// The last sparse layer a step reached (a lower one starts a new step).
+    last_layer: Option<usize>,
+}
+
+/// The tier's device routing, made when a decode row on a GPU first asks for it.
+#[derive(Debug)]
+enum Routes {
+    Untried,
+    On(DeviceRoutes),
+    Off,
+}
+
+impl TierState {
+    fn routes_mut(&mut self) -> Option<&mut DeviceRoutes> {
+        match &mut self.routes {
+            Routes::On(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// Counts a routed expert's hit or miss in the recent hit rate.
+    fn note(&mut self, hit: bool) {
+        let x = if hit { 1.0 } else { 0.0 };
+        self.recent_hit_rate += RECENT_HIT_SMOOTHING * (x - self.recent_hit_rate);
+    }
 }
 
 /// A device stage's expert cache and the host CPU beside it. See the module docs.
@@ -188,6 +233,8 @@ pub(crate) struct ExpertTier {
     prefetch: bool,
     /// How many of the next mixture-of-experts layers a decode step guesses for.
     guess_layers: usize,
+    /// Who chooses a decode row's experts.
+    route: ExpertRoute,
     /// Whether missing experts may run on the host CPU ([`ExpertSplit::Fetch`]: none does,
     /// but where the device can take none either).
     host_compute: bool,
@@ -301,6 +348,7 @@ impl ExpertTier {
             can_stream: sizing.can_stream,
             prefetch: options.prefetch,
             guess_layers: options.guess_layers.max(1),
+            route: options.route,
             host_compute: options.split != ExpertSplit::Fetch,
             state: Mutex::new(TierState {
                 cache: ExpertCache::new(options.policy, x.count, &slots),
@@ -318,6 +366,9 @@ impl ExpertTier {
                 placed_host_bytes: vec![0; x.sparse.len()],
                 routers: vec![None; x.sparse.len()],
                 guesses: HashSet::new(),
+                routes: Routes::Untried,
+                recent_hit_rate: 0.0,
+                last_layer: None,
             }),
         })
     }
@@ -412,9 +463,57 @@ impl SplitExperts<'_> {
         };
         if let Some(v) = victim {
             st.guesses.remove(&(layer, v));
+            if let Some(r) = st.routes_mut() {
+                r.release(layer, v)?;
+            }
             self.device.rt.evict_unit(self.unit(layer, v)?)?;
         }
         Ok(true)
+    }
+
+    /// At `layer`: where it starts a new step, the device's choices of the step before are
+    /// read back and counted, and their misses admitted and fetched for the next steps.
+    fn step_at(&self, st: &mut TierState, layer: usize) -> Result<()> {
+        let new_step = st.last_layer.is_some_and(|l| layer <= l);
+        st.last_layer = Some(layer);
+        if !new_step {
+            return Ok(());
+        }
+        let Some(routes) = st.routes_mut() else {
+            return Ok(());
+        };
+        let settled = routes.settle()?;
+        let store = self.device.rt.store().clone();
+        for (l, chosen) in settled {
+            st.stats.device_routed += 1;
+            let chosen: Vec<usize> = chosen.into_iter().map(|e| e as usize).collect();
+            let mut missing = Vec::new();
+            for &e in &chosen {
+                let hit = st.cache.lookup(l, e);
+                st.note(hit);
+                if hit {
+                    st.stats.resident += 1;
+                    if st.guesses.remove(&(l, e)) {
+                        st.stats.prefetch_used += 1;
+                    }
+                } else {
+                    st.stats.mapped += 1;
+                    st.stats.host_bytes += store.unit(self.unit(l, e)?).host_bytes();
+                    missing.push(e);
+                }
+            }
+            // Fetched for the next steps, as a guess's experts are.
+            for e in missing {
+                if self.admit(st, l, e, &chosen)? {
+                    let unit = self.unit(l, e)?;
+                    self.device.rt.prefetch(unit)?;
+                    st.guesses.insert((l, e));
+                    st.stats.prefetched += 1;
+                    st.stats.host_bytes += store.unit(unit).host_bytes();
+                }
+            }
+        }
+        Ok(())
     }
 
     fn host(&self) -> RuntimeExperts<'_> {
@@ -442,10 +541,13 @@ impl ExpertUnits for SplitExperts<'_> {
             self.tier.state.lock().map_err(|_| {
                 candle_core::Error::Msg("the expert tier's lock is poisoned".into())
             })?;
+        self.step_at(&mut st, layer)?;
         let mut site = vec![ExpertSite::Host; routed.len()];
         let mut missing = Vec::new();
         for (i, &(e, _)) in routed.iter().enumerate() {
-            if st.cache.lookup(layer, e) {
+            let hit = st.cache.lookup(layer, e);
+            st.note(hit);
+            if hit {
                 site[i] = ExpertSite::Device;
                 if st.guesses.remove(&(layer, e)) {
                     st.stats.prefetch_used += 1;
@@ -581,6 +683,67 @@ impl ExpertUnits for SplitExperts<'_> {
 
     fn host_computes(&self) -> bool {
         self.tier.host_compute
+    }
+
+    fn device_route(
+        &self,
+        layer: usize,
+        shape: &ExpertShape,
+        routing: Routing,
+        x: &candle_core::Tensor,
+    ) -> Result<Option<(Arc<ExpertTable>, RoutedShape)>> {
+        if self.tier.route == ExpertRoute::Host || !x.device().is_cuda() {
+            return Ok(None);
+        }
+        let mut st =
+            self.tier.state.lock().map_err(|_| {
+                candle_core::Error::Msg("the expert tier's lock is poisoned".into())
+            })?;
+        self.step_at(&mut st, layer)?;
+        let wanted = self.tier.route == ExpertRoute::Device
+            || route_on_device(
+                st.recent_hit_rate,
+                routing.top_k,
+                st.stats.expert_bytes,
+                st.stats.link_bytes_per_s,
+            );
+        if !wanted {
+            return Ok(None);
+        }
+        if matches!(st.routes, Routes::Untried) {
+            st.routes = match DeviceRoutes::new(x.device(), st.layers, routing.experts) {
+                Ok(r) => Routes::On(r),
+                Err(e) => {
+                    tracing::warn!(error = %e, "the experts stay routed on the host");
+                    Routes::Off
+                }
+            };
+        }
+        let store = self.device.rt.store().clone();
+        let tuning = self.device.rt.tuning().kernels;
+        let resident = st.cache.resident(layer);
+        let Some(routes) = st.routes_mut() else {
+            return Ok(None);
+        };
+        let Some(routed) = routes.layer(
+            layer,
+            (&store, self.device.layout),
+            (shape, routing),
+            x,
+            &tuning,
+        )?
+        else {
+            return Ok(None);
+        };
+        // The cache's experts the table does not name yet (fetched since): acquired, the
+        // device waiting for their copies.
+        for e in resident {
+            if !routes.holds(layer, e) {
+                let acquired = self.device.expert(layer, e, &|w| shape.load(w))?;
+                routes.adopt(layer, e, acquired)?;
+            }
+        }
+        Ok(Some((routes.route(layer), routed)))
     }
 
     fn streamed(&self, layer: usize, expert: usize) -> Result<()> {

@@ -35,6 +35,7 @@ mod ragged_graph;
 mod rank_batch;
 mod ranks;
 mod reserve;
+mod routed;
 
 pub use builder::{CausalLmBuilder, ModelSource};
 pub use candle_offload::plan::spread::{HostLayers, LayerSteps};

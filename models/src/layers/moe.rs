@@ -15,7 +15,9 @@ use candle_core::{DType, Result, Tensor, D};
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_offload::kernels::linear::cpu_experts::{kquant_batch, Rows};
 use candle_offload::kernels::linear::cpu_quant::KQUANT_MAX_ROWS;
-use candle_offload::kernels::linear::{qexperts_row, qexperts_row_fits, QExpert};
+use candle_offload::kernels::linear::{
+    qexperts_row, qexperts_row_fits, ExpertTable, QExpert, RoutedShape,
+};
 
 use super::linear::{Linear, LinearWeight};
 use super::mlp::{Activation, GateUp, GatedMlp};
@@ -157,6 +159,21 @@ pub trait ExpertUnits: Send + Sync {
     /// The host CPU computed the experts [`place`](Self::place) left there for `layer` in
     /// `seconds` (the rate the next steps' split is priced at).
     fn host_done(&self, _layer: usize, _seconds: f64) {}
+
+    /// Whether a decode row `x` of `layer` (experts of `shape`, chosen by `routing`) goes
+    /// through its experts as the device chooses them: the units' table, each expert's entry
+    /// true for the row (its device slot or its host copy), and the experts' shape, or `None`
+    /// for [`place`](Self::place)'s way. The units read the device's choice back later, to
+    /// count it and fetch what it missed. Default: `None`.
+    fn device_route(
+        &self,
+        _layer: usize,
+        _shape: &ExpertShape,
+        _routing: Routing,
+        _x: &Tensor,
+    ) -> Result<Option<(Arc<ExpertTable>, RoutedShape)>> {
+        Ok(None)
+    }
 }
 
 /// One routed expert of a step: the rows routed to it with their weights, and the expert.
@@ -655,6 +672,22 @@ impl SparseMoe {
             Experts::Units(_) => ctx.experts,
             Experts::InLayer(_) => None,
         };
+        if let (Some(u), Experts::Units(shape), true) = (units, &self.experts, fused) {
+            if rows == 1 && !x2.device().is_cpu() {
+                if let Some((table, routed)) =
+                    u.device_route(self.layer, shape, self.routing, &x2)?
+                {
+                    let _s = tracing::debug_span!("moe.device_route").entered();
+                    let logits = router_logits(&self.router, &x2)?;
+                    let mut out = table.forward(self.layer, &x2, &logits, &routed)?;
+                    if let Some(shared) = &self.shared {
+                        let dtype = out.dtype();
+                        out = (out + shared.forward(&x2, fused)?.to_dtype(dtype)?)?;
+                    }
+                    return out.to_dtype(xs.dtype())?.reshape(dims);
+                }
+            }
+        }
         let guess = units.map_or_else(Vec::new, |u| {
             u.guess_routers(self.layer, &self.router, self.routing, rows)
         });
@@ -790,7 +823,7 @@ fn rows_of(v: &[Vec<f32>], k: usize) -> Vec<Rows<'_>> {
 
 /// An expert's gate, up and down blocks, where it is a SiLU-gated MLP with separate
 /// projections of GGML blocks and no biases.
-fn separate_blocks(mlp: &GatedMlp) -> Option<[&Arc<QTensor>; 3]> {
+pub fn separate_blocks(mlp: &GatedMlp) -> Option<[&Arc<QTensor>; 3]> {
     fn q(l: &Linear) -> Option<&Arc<QTensor>> {
         match (l.weight(), l.bias()) {
             (LinearWeight::Quantized(QMatMul::QTensor(q)), None) => Some(q),

@@ -1,0 +1,216 @@
+//! A mixture-of-experts decode row whose experts the device chooses ([`ExpertTable`]): the
+//! router's logits go to a kernel that takes their top k, looks the chosen experts up in a
+//! table of where each expert's blocks are (its slot on the device, or its host copy in
+//! page-locked memory, which the device reads through its mapped address) and hands them to
+//! the grouped kernels of [`qexperts_row`](crate::linear::qexperts_row), which read them from
+//! the device. The host never waits for the choice: it reads the chosen experts back later
+//! ([`ExpertTable::chosen`]), to count hits and fetch what was missing, while the device goes
+//! on. The table is the caller's to keep true ([`ExpertTable::set`]).
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Result, Tensor, D};
+
+use crate::linear::blocks::{is_qlinear_k_type, qlinear_small_type};
+use crate::linear::MAX_GROUP_EXPERTS;
+use crate::tuning::KernelTuning;
+
+/// The device addresses of one expert's gate, up and down blocks.
+pub type ExpertAddrs = [u64; 3];
+
+/// The most experts a layer of an [`ExpertTable`] may have (`MOE_ROUTE_MAX_EXPERTS` in
+/// kernels/moe.cu).
+pub const ROUTED_MAX_EXPERTS: usize = 256;
+
+/// What every routed expert of a layer is: its projections' block types and widths, and how
+/// the router's logits choose among them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoutedShape {
+    /// The gate and up projections' block type (`(inter, hidden)` each).
+    pub gate: GgmlDType,
+    /// The down projection's block type (`(hidden, inter)`).
+    pub down: GgmlDType,
+    /// Model width.
+    pub hidden: usize,
+    /// Expert MLP width.
+    pub inter: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// The chosen experts' probabilities divided by their sum.
+    pub renormalize: bool,
+}
+
+impl RoutedShape {
+    /// Whether the routed kernels take experts of this shape on a row `x`: the grouped
+    /// kernels' types and widths ([`qexperts_row_fits`](crate::linear::qexperts_row_fits)'s),
+    /// at most [`MAX_GROUP_EXPERTS`] experts a token, x one row (F32, F16 or BF16) on a GPU.
+    pub fn fits(&self, x: &Tensor, tuning: &KernelTuning) -> Result<bool> {
+        let kernel =
+            |t| qlinear_small_type(t).is_some() && (!is_qlinear_k_type(t) || tuning.qlinear_k);
+        Ok(tuning.grouped_experts
+            && x.device().is_cuda()
+            && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+            && x.elem_count() == self.hidden
+            && x.dim(D::Minus1)? == self.hidden
+            && (1..=MAX_GROUP_EXPERTS).contains(&self.top_k)
+            && kernel(self.gate)
+            && kernel(self.down)
+            && self.hidden.is_multiple_of(self.gate.block_size())
+            && self.inter.is_multiple_of(self.down.block_size())
+            && self.inter.is_multiple_of(32))
+    }
+}
+
+/// The device address of a quantized tensor's blocks on a GPU.
+pub fn qtensor_addr(q: &QTensor) -> Result<u64> {
+    imp::qtensor_addr(q)
+}
+
+/// Per layer of a model, where each expert's blocks are, and the device's choice of experts
+/// for the last row each layer routed. See the module docs.
+#[derive(Debug)]
+pub struct ExpertTable {
+    inner: imp::Table,
+    layers: usize,
+    experts: usize,
+}
+
+impl ExpertTable {
+    /// A table of `layers` layers of `experts` experts each on `device` (a GPU), every
+    /// address 0 until [`set`](Self::set).
+    pub fn new(device: &Device, layers: usize, experts: usize) -> Result<Self> {
+        if experts == 0 || experts > ROUTED_MAX_EXPERTS {
+            candle_core::bail!(
+                "expert table: {experts} experts a layer (the routing kernel takes 1 to \
+                 {ROUTED_MAX_EXPERTS})"
+            );
+        }
+        Ok(Self {
+            inner: imp::Table::new(device, layers, experts)?,
+            layers,
+            experts,
+        })
+    }
+
+    /// Layers.
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+
+    /// Experts a layer.
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+
+    /// Enqueues on the device's stream: each `(layer, expert, addresses)`'s entry set. A
+    /// routed row enqueued before reads the old addresses, one after the new ones.
+    pub fn set(&self, entries: &[(usize, usize, ExpertAddrs)]) -> Result<()> {
+        for &(l, e, _) in entries {
+            if l >= self.layers || e >= self.experts {
+                candle_core::bail!(
+                    "expert table: no entry for layer {l} expert {e} ({} layers of {} experts)",
+                    self.layers,
+                    self.experts
+                );
+            }
+        }
+        self.inner.set(self.experts, entries)
+    }
+
+    /// `Σ_e weight_e · down_e(silu(gate_e · x) · (up_e · x))` over the top `shape.top_k`
+    /// experts of `logits` (1, experts) F32, weighted as `route_row` weighs them, for the
+    /// row `x` (…, hidden) of `layer`, each expert's blocks where the table says: x's shape
+    /// and dtype. The chosen experts can be read with [`chosen`](Self::chosen). The caller
+    /// checked [`RoutedShape::fits`].
+    pub fn forward(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        logits: &Tensor,
+        shape: &RoutedShape,
+    ) -> Result<Tensor> {
+        if layer >= self.layers {
+            candle_core::bail!("expert table: no layer {layer} ({} layers)", self.layers);
+        }
+        if logits.elem_count() != self.experts || logits.dtype() != DType::F32 {
+            candle_core::bail!(
+                "expert table: layer {layer}'s router gives {:?} {:?} logits for {} experts",
+                logits.shape(),
+                logits.dtype(),
+                self.experts
+            );
+        }
+        self.inner.forward(layer, self.experts, x, logits, shape)
+    }
+
+    /// The experts the last [`forward`](Self::forward) of `layer` chose, in expert order:
+    /// waits until the device has written them.
+    pub fn chosen(&self, layer: usize, top_k: usize) -> Result<Vec<u32>> {
+        if layer >= self.layers {
+            candle_core::bail!("expert table: no layer {layer} ({} layers)", self.layers);
+        }
+        self.inner.chosen(layer, top_k.min(MAX_GROUP_EXPERTS))
+    }
+}
+
+#[cfg(feature = "cuda")]
+use super::routed_cuda as imp;
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    use super::{ExpertAddrs, RoutedShape};
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Result, Tensor};
+
+    const NO_CUDA: &str = "the device's expert routing needs a build with `--features cuda`";
+
+    #[derive(Debug)]
+    pub(super) struct Table;
+
+    impl Table {
+        pub(super) fn new(_: &Device, _: usize, _: usize) -> Result<Self> {
+            candle_core::bail!("{NO_CUDA}")
+        }
+        pub(super) fn set(&self, _: usize, _: &[(usize, usize, ExpertAddrs)]) -> Result<()> {
+            candle_core::bail!("{NO_CUDA}")
+        }
+        pub(super) fn forward(
+            &self,
+            _: usize,
+            _: usize,
+            _: &Tensor,
+            _: &Tensor,
+            _: &RoutedShape,
+        ) -> Result<Tensor> {
+            candle_core::bail!("{NO_CUDA}")
+        }
+        pub(super) fn chosen(&self, _: usize, _: usize) -> Result<Vec<u32>> {
+            candle_core::bail!("{NO_CUDA}")
+        }
+    }
+
+    pub(super) fn qtensor_addr(_: &QTensor) -> Result<u64> {
+        candle_core::bail!("{NO_CUDA}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_table_refuses_bad_sizes_and_a_cpu_row_never_fits() -> Result<()> {
+        assert!(ExpertTable::new(&Device::Cpu, 2, 0).is_err());
+        assert!(ExpertTable::new(&Device::Cpu, 2, ROUTED_MAX_EXPERTS + 1).is_err());
+        let shape = RoutedShape {
+            gate: GgmlDType::Q8_0,
+            down: GgmlDType::Q8_0,
+            hidden: 64,
+            inter: 32,
+            top_k: 2,
+            renormalize: true,
+        };
+        let x = Tensor::zeros((1, 64), DType::F32, &Device::Cpu)?;
+        assert!(!shape.fits(&x, &KernelTuning::default())?);
+        Ok(())
+    }
+}
