@@ -17,7 +17,8 @@
 #   e.g. `bench q8_0 4,8,12 64`: ours and llama.cpp on /tmp/gguf/moe-ROUTING-WEIGHTS.gguf at
 #   each budget and prompt length (POLICY=lfu, PREFETCH=1 and GUESS=N (layers guessed ahead) for the other expert options,
 #   SPLIT=fetch for every missing expert fetched instead of the split's choice,
-#   PER_EXPERT=1 for each expert's own decode matmuls instead of the grouped launches)
+#   PER_EXPERT=1 for each expert's own decode matmuls instead of the grouped launches,
+#   ROUTE=host|device for who chooses a decode row's experts (auto by default))
 #   -> $OUT/moe-ROUTING-WEIGHTS-pPROMPTS-POLICY.json (bench_generate's
 #   records, each with the expert cache's hit rate, experts per token by place, host bytes per
 #   token, the host's read rate and the physical bound).
@@ -108,16 +109,18 @@ case "$1" in
     # (Q4=0 skips its Q4_K_M one).
     while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 10; done
     grep -v "^+" /tmp/moe-write.log; ls -la /tmp/gguf
-    [[ -x /tmp/llamacpp/build/bin/llama-bench ]] || { echo "no llama-bench (call1 first)"; exit 1; }
-    name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${PREFETCH:+-prefetch}${GUESS:+-guess$GUESS}${SPLIT:+-split-$SPLIT}${PER_EXPERT:+-per-expert}"
+    [[ -n "${NO_PEER:-}" || -x /tmp/llamacpp/build/bin/llama-bench ]] || { echo "no llama-bench (call1 first)"; exit 1; }
+    name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${PREFETCH:+-prefetch}${GUESS:+-guess$GUESS}${SPLIT:+-split-$SPLIT}${ROUTE:+-route-$ROUTE}${PER_EXPERT:+-per-expert}"
+    # NO_PEER=1: ours alone (an A/B of our options, no rows).
+    peer="--llamacpp-bin /tmp/llamacpp/build/bin --llamacpp-moe --llamacpp-reps 2"
+    [[ -n "${NO_PEER:-}" ]] && { peer=""; name="$name-alone"; }
     el "bench $name at $budgets"
     (cd /tmp && timeout "${BENCH_S:-560}" /tmp/bin/bench_generate --model-dir "$f" --quantized \
       --weights "qwen3-30b-a3b-$w-$ROUTING" --model-name "qwen3-30b-a3b-$w" --routing "$ROUTING" \
       --budgets "$budgets" --prompt-lens "$prompts" \
-      --new-tokens "${NEW_TOKENS:-16}" --llamacpp-bin /tmp/llamacpp/build/bin --llamacpp-moe \
-      --llamacpp-reps 2 --expert-policy "${POLICY:-lru}" ${PREFETCH:+--expert-prefetch} \
+      --new-tokens "${NEW_TOKENS:-16}" $peer --expert-policy "${POLICY:-lru}" ${PREFETCH:+--expert-prefetch} \
       ${GUESS:+--expert-guess-layers $GUESS} \
-      ${PER_EXPERT:+--per-expert} --expert-split "${SPLIT:-auto}" \
+      ${PER_EXPERT:+--per-expert} --expert-split "${SPLIT:-auto}" --expert-route "${ROUTE:-auto}" \
       --json-out "$OUT/$name.json") > "$OUT/$name.log" 2>&1
     echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:|llama.cpp -ngl" "$OUT/$name.log" | tail -20
     cp "$OUT/$name.json" "$FINAL/" 2>/dev/null

@@ -69,6 +69,9 @@ struct Args {
     /// With --expert-prefetch, the mixture-of-experts layers ahead a decode step guesses for.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
     expert_guess_layers: u16,
+    /// Who chooses a decode row's experts: `auto`, `host` or `device` (`ExpertOptions::route`).
+    #[arg(long, default_value = "auto")]
+    expert_route: candle_offload::experts::ExpertRoute,
     /// Run a decode row's routed experts one by one instead of through the grouped kernels
     /// (`KernelTuning::grouped_experts` off).
     #[arg(long)]
@@ -364,7 +367,8 @@ fn main() -> Result<()> {
                     args.expert_split,
                 )
                 .with_prefetch(args.expert_prefetch)
-                .with_guess_layers(usize::from(args.expert_guess_layers)),
+                .with_guess_layers(usize::from(args.expert_guess_layers))
+                .with_route(args.expert_route),
                 ..Default::default()
             };
             let mut model = Llama::builder(&files, store.clone())
@@ -878,6 +882,7 @@ fn main() -> Result<()> {
                 "expert_prefetch": args.expert_prefetch,
                 "expert_guess_layers": args.expert_guess_layers,
                 "expert_split": format!("{:?}", args.expert_split),
+                "expert_route": args.expert_route.to_string(),
                 "decode_tokens": if decode_feed.is_some() { "random" } else { "greedy" },
             });
             if let (Some(rec), serde_json::Value::Object(t)) =
@@ -893,11 +898,13 @@ fn main() -> Result<()> {
                     .and_then(|b| b.as_f64())
                 {
                     println!(
-                        "        experts: hit rate {:.1}%, per token {:.1} resident, {:.1} fetched, {:.1} on the host, {:.2} GB read from host memory; bound {bound:.1} tok/s",
+                        "        experts: hit rate {:.1}%, per token {:.1} resident, {:.1} fetched, {:.1} on the host, {:.1} read by the device from host memory ({:.1} layers routed there), {:.2} GB read from host memory; bound {bound:.1} tok/s",
                         100.0 * x["expert_hit_rate"].as_f64().unwrap_or(0.0),
                         x["experts_resident_per_token"].as_f64().unwrap_or(0.0),
                         x["experts_fetched_per_token"].as_f64().unwrap_or(0.0),
                         x["experts_on_host_per_token"].as_f64().unwrap_or(0.0),
+                        x["experts_mapped_per_token"].as_f64().unwrap_or(0.0),
+                        x["expert_layers_routed_on_device_per_token"].as_f64().unwrap_or(0.0),
                         x["host_bytes_per_token"].as_f64().unwrap_or(0.0) / 1e9,
                     );
                 }
@@ -955,6 +962,8 @@ fn expert_fields(
         "experts_prefetched_per_token": (b.prefetched - a.prefetched) as f64 / n,
         "experts_prefetch_used_per_token": (b.prefetch_used - a.prefetch_used) as f64 / n,
         "experts_on_host_per_token": (b.on_host - a.on_host) as f64 / n,
+        "experts_mapped_per_token": (b.mapped - a.mapped) as f64 / n,
+        "expert_layers_routed_on_device_per_token": (b.device_routed - a.device_routed) as f64 / n,
         "host_bytes_per_token": host_bytes,
         "expert_host_bytes_per_s": b.host_bytes_per_s,
         "expert_link_bytes_per_s": b.link_bytes_per_s,
