@@ -134,6 +134,10 @@ SOURCES = {
         "2026-12-06/2026-12-06-moe-q8_0-skewed-fixed-writer-12gib-p64-512-8c290a0-h100.json",
         "2026-12-06/2026-12-06-moe-q4_k_m-skewed-fixed-writer-8gib-p64-512-8c290a0-h100.json",
         "2026-12-06/2026-12-06-moe-q4_k_m-skewed-fixed-writer-12gib-p64-512-8c290a0-h100.json",
+        "2026-12-06/2026-12-06-moe-q8_0-skewed-8gib-p64-512-device-route-auto-c683167-h100.json",
+        "2026-12-06/2026-12-06-moe-q8_0-skewed-12gib-p64-512-device-route-auto-c683167-h100.json",
+        "2026-12-06/2026-12-06-moe-q4_k_m-skewed-12gib-p64-device-route-auto-c683167-h100.json",
+        "2026-12-06/2026-12-06-moe-q4_k_m-skewed-8gib-p64-device-route-auto-c683167-h100.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     # bench_train's lora-* configurations, with scripts/lora_peer.py (PEFT) run just before it
@@ -744,22 +748,25 @@ def render_benchmarks(rows):
             "",
             f"{mach['moe-gpu']}; batch 1; a random-weight Qwen3-30B-A3B-shaped GGUF (48 layers, "
             "128 experts, top 8; `scripts/gguf_random_moe.py`); ours with the expert cache (LRU, "
-            "the split between fetches and the host CPU on); llama.cpp at `-ngl 99 -fa 1` with "
-            "the fewest `-ncmoe` whose peak fits the budget, probed in the same process "
+            "the next layer's guess prefetched, `--expert-prefetch`); llama.cpp at `-ngl 99 -fa 1` "
+            "with the fewest `-ncmoe` whose peak fits the budget, probed in the same process "
             "(`--llamacpp-moe`), or with nothing on the CPU where the whole model is on the GPU. "
-            "The uniform rows ran the fixed writer's file (`475e7a4`: every tensor from its own "
-            "place in the random pool, embeddings that outweigh the attention's output) with "
-            "random decode tokens, as llama-bench feeds: every layer's hit rate is close to its "
-            "slots' share of 128 experts. The skewed rows are older: they ran the writer before "
-            "that fix, with the model's own greedy tokens, which repeat, so their hit rates (and "
-            "our rates) are higher than the skewed routing alone gives; they stand until the "
-            "fixed skewed file is measured. The uniform 8 and 12 GiB rows ran with the next "
-            "layer's guess (`--expert-prefetch`: the guessed experts the split gives the link "
-            "are fetched behind the step's own copies; 97% of them were then routed to on this "
-            "model, whose hit rates rose to 69% and 83%) on a host that read 54 GB/s, where "
-            "llama.cpp decoded 24 tok/s at both budgets (35 and 41 on the host of the rows "
-            "before); the physical bound there was 34 and 40 tok/s, of which ours reached 63% "
-            "and 67%.",
+            "Rows measured at `c683167` choose a decode row's experts as `--expert-route auto` "
+            "does (on the device while the cache's recent hit rate keeps its misses cheap); the "
+            "older ones on the host (read back each layer, the misses split between fetches and "
+            "the host CPU). llama.cpp's decode follows the host CPU that computes its experts: "
+            "at Q8_0 12 GiB it decoded 31.8 tok/s on the host of the `c683167` rows and 60.7 on "
+            "the host of the `8c290a0` rows. The same-machine A/B of the two routes is in the "
+            "index (Q8_0 12 GiB: 99.7 tok/s on the device route against 71.8 on the host's; "
+            "Q4_K_M 12 GiB: 144.4 against 86.4; Q8_0 8 GiB, where the hit rate is 89-97%: 62.8 "
+            "on auto, 66.1 always on the device, 68.4 on the host's). The skewed 8 and 12 GiB "
+            "rows ran the fixed writer's file with random decode tokens; the skewed 4 GiB row is "
+            "older (the writer before that fix, greedy tokens that repeat, so hit rates higher "
+            "than the routing alone gives). The uniform rows ran the fixed writer's file "
+            "(`475e7a4`) with random decode tokens, as llama-bench feeds: every layer's hit rate "
+            "is close to its slots' share of 128 experts; at 8 and 12 GiB (hit rates 69% and "
+            "83%) on a host that read 54 GB/s, where the physical bound was 34 and 40 tok/s, of "
+            "which ours reached 63% and 67%.",
             "",
             "| model | weights | budget | prompt | decode tok/s, ours / llama.cpp | x | prefill tok/s, ours / llama.cpp | x | peak MiB (budget) | measured |",
             "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | --- |",
@@ -964,10 +971,10 @@ def render_glance(rows):
         full = [r for r in moe_gpu if r["metric"] == "decode_tokens_per_s" and r["budget_gib"] is None]
         pre = [r["ratio"] for r in moe_gpu if r["metric"] == "prefill_tokens_per_s" and r["budget_gib"] is not None]
         text.append(
-            f"Qwen3-30B-A3B ({dec[0]['weights'] if dec else '-'}) under 4-12 GiB against llama.cpp's "
+            f"Qwen3-30B-A3B ({'/'.join(sorted({r['weights'] for r in dec})) or '-'}) under 4-12 GiB against llama.cpp's "
             f"best `-ncmoe`: decode {rng([r['ratio'] for r in dec])}x, prefill {rng(pre)}x"
             + (f"; all on the GPU, decode {rng([r['ratio'] for r in full])}x" if full else "")
-            + " (uniform rows on the fixed writer's file; the skewed rows are older: see BENCHMARKS.md).")
+            + " (uniform and skewed routing; llama.cpp's side follows its host CPU: see BENCHMARKS.md).")
     if train:
         by_prec = {}
         for r in train:
