@@ -446,6 +446,70 @@ pub fn route_on_device(
     misses * expert_bytes as f64 / link_bytes_per_s < LAYER_ROUTE_WAIT_SECONDS
 }
 
+/// The weight of one routed expert's hit or miss in a [`RouteChooser`]'s hit rates: about
+/// one decode step of a 48-layer, top-8 model.
+pub const ROUTE_HIT_SMOOTHING: f64 = 1.0 / 384.0;
+
+/// Decode steps a [`RouteChooser`] keeps on the host route before one step on the device
+/// measures the device route's hit rate again.
+pub const ROUTE_PROBE_STEPS: u64 = 64;
+
+/// Chooses who routes each decode step's rows under [`ExpertRoute::Auto`], from the hit rate
+/// each route measured: the device route's misses are read from host memory as they come
+/// (its hit rate is the cache's alone), while the host route fetches its guessed experts
+/// ahead (its hit rate is higher). [`route_on_device`] prices the device route at its own hit
+/// rate once it has one (before that, at the host route's); off the device, every
+/// [`ROUTE_PROBE_STEPS`] steps one step goes there to measure it again. Pure: the tier feeds
+/// it every routed expert and asks once a step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RouteChooser {
+    device: Option<f64>,
+    host: Option<f64>,
+    steps_off: u64,
+}
+
+impl RouteChooser {
+    /// A routed expert's hit or miss in a step the device (`on_device`) or the host routed.
+    pub fn note(&mut self, on_device: bool, hit: bool) {
+        let rate = if on_device {
+            &mut self.device
+        } else {
+            &mut self.host
+        };
+        let x = if hit { 1.0 } else { 0.0 };
+        *rate = Some(match *rate {
+            Some(r) => r + ROUTE_HIT_SMOOTHING * (x - r),
+            None => x,
+        });
+    }
+
+    /// The hit rate the device route is priced at: its own, or the host route's before it
+    /// has one (0 before either).
+    pub fn device_hit_rate(&self) -> f64 {
+        self.device.or(self.host).unwrap_or(0.0)
+    }
+
+    /// Whether the next step is routed on the device (experts of `expert_bytes`, `top_k` a
+    /// row, a link of `link_bytes_per_s`).
+    pub fn choose(&mut self, top_k: usize, expert_bytes: u64, link_bytes_per_s: f64) -> bool {
+        if route_on_device(
+            self.device_hit_rate(),
+            top_k,
+            expert_bytes,
+            link_bytes_per_s,
+        ) {
+            self.steps_off = 0;
+            return true;
+        }
+        self.steps_off += 1;
+        if self.device.is_some() && self.steps_off > ROUTE_PROBE_STEPS {
+            self.steps_off = 0;
+            return true;
+        }
+        false
+    }
+}
+
 /// Whether a mixture-of-experts layer's missing experts may run on the host CPU, beside the
 /// device's expert cache, instead of all being fetched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -682,6 +746,37 @@ mod tests {
         assert!(!route_on_device(1.0, 8, bytes, 0.0));
         assert_eq!("device".parse::<ExpertRoute>(), Ok(ExpertRoute::Device));
         assert!("gpu".parse::<ExpertRoute>().unwrap_err().contains("`gpu`"));
+    }
+
+    /// 5 MiB experts over a 25 GB/s link, top 8: the device route pays while fewer than
+    /// about 0.45 of a layer's 8 experts miss (a hit rate above ~94%).
+    #[test]
+    fn the_chooser_prices_the_device_at_its_own_hit_rate_and_probes_it_again() {
+        let (k, bytes, link) = (8, 5 << 20, 25e9);
+        let mut c = RouteChooser::default();
+        // Nothing measured: the host.
+        assert!(!c.choose(k, bytes, link));
+        // The host route hits 97% (its guesses fetched ahead): the device is tried.
+        for i in 0..4000 {
+            c.note(false, i % 100 >= 3);
+        }
+        assert!(c.choose(k, bytes, link));
+        // There, 89%: back to the host, which keeps it despite its own 97%...
+        for i in 0..4000 {
+            c.note(true, i % 100 >= 11);
+        }
+        let picks: Vec<bool> = (0..2 * ROUTE_PROBE_STEPS + 2)
+            .map(|_| c.choose(k, bytes, link))
+            .collect();
+        // ...but for one probe every ROUTE_PROBE_STEPS + 1 steps.
+        assert_eq!(picks.iter().filter(|&&p| p).count(), 2, "{picks:?}");
+        assert!(!picks[..ROUTE_PROBE_STEPS as usize].iter().any(|&p| p));
+        assert!(picks[ROUTE_PROBE_STEPS as usize]);
+        // The device's rate recovers (a larger budget): the device again, every step.
+        for _ in 0..4000 {
+            c.note(true, true);
+        }
+        assert!((0..10).all(|_| c.choose(k, bytes, link)));
     }
 
     proptest! {

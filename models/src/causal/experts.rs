@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result};
 use candle_offload::experts::{
-    route_on_device, slots_for_budget, split_missing, ExpertCache, ExpertOptions, ExpertRoute,
-    ExpertSplit, LayerCounters,
+    slots_for_budget, split_missing, ExpertCache, ExpertOptions, ExpertRoute, ExpertSplit,
+    LayerCounters, RouteChooser,
 };
 use candle_offload::kernels::linear::{ExpertTable, RoutedShape};
 use candle_offload::{HostStore, OffloadConfig, OffloadRuntime, UnitId};
@@ -34,10 +34,6 @@ const HOST_ROWS_PER_READ: usize = candle_offload::kernels::linear::cpu_quant::KQ
 
 /// The weight of a new measurement of the host's rate in its running average.
 const HOST_RATE_SMOOTHING: f64 = 0.1;
-
-/// The weight of one routed expert's hit or miss in the cache's recent hit rate (the rate
-/// [`ExpertRoute::Auto`] decides on): about a decode step of a 48-layer, top-8 model.
-const RECENT_HIT_SMOOTHING: f64 = 1.0 / 384.0;
 
 /// One runtime's expert units (see the module docs).
 pub(crate) struct RuntimeExperts<'a> {
@@ -192,10 +188,20 @@ struct TierState {
     guesses: HashSet<(usize, usize)>,
     /// The device's routing, once a decode row asked for it.
     routes: Routes,
-    /// The hit rate of the recent routed experts (decayed by [`RECENT_HIT_SMOOTHING`]).
-    recent_hit_rate: f64,
-    /// The last sparse layer a step reached (a lower one starts a new step).
-    last_layer: Option<usize>,
+    /// Who routes the decode steps under [`ExpertRoute::Auto`].
+    chooser: RouteChooser,
+    /// Whether this step's rows are routed on the device, once its first layer asked.
+    step_on_device: Option<bool>,
+    /// The last sparse layer a step reached, and who looked at it (a lower one, or the same
+    /// one looked at again but by `place` after `device_route`, starts a new step).
+    last_layer: Option<(usize, Visit)>,
+}
+
+/// Who looked at a layer of a step: the device route's check, or `place`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Visit {
+    Route,
+    Place,
 }
 
 /// The tier's device routing, made when a decode row on a GPU first asks for it.
@@ -214,10 +220,9 @@ impl TierState {
         }
     }
 
-    /// Counts a routed expert's hit or miss in the recent hit rate.
-    fn note(&mut self, hit: bool) {
-        let x = if hit { 1.0 } else { 0.0 };
-        self.recent_hit_rate += RECENT_HIT_SMOOTHING * (x - self.recent_hit_rate);
+    /// Counts a routed expert's hit or miss in a step the device or the host routed.
+    fn note(&mut self, on_device: bool, hit: bool) {
+        self.chooser.note(on_device, hit);
     }
 }
 
@@ -367,7 +372,8 @@ impl ExpertTier {
                 routers: vec![None; x.sparse.len()],
                 guesses: HashSet::new(),
                 routes: Routes::Untried,
-                recent_hit_rate: 0.0,
+                chooser: RouteChooser::default(),
+                step_on_device: None,
                 last_layer: None,
             }),
         })
@@ -473,12 +479,15 @@ impl SplitExperts<'_> {
 
     /// At `layer`: where it starts a new step, the device's choices of the step before are
     /// read back and counted, and their misses admitted and fetched for the next steps.
-    fn step_at(&self, st: &mut TierState, layer: usize) -> Result<()> {
-        let new_step = st.last_layer.is_some_and(|l| layer <= l);
-        st.last_layer = Some(layer);
+    fn step_at(&self, st: &mut TierState, layer: usize, visit: Visit) -> Result<()> {
+        let new_step = st.last_layer.is_some_and(|(l, was)| {
+            layer < l || (layer == l && !(was == Visit::Route && visit == Visit::Place))
+        });
+        st.last_layer = Some((layer, visit));
         if !new_step {
             return Ok(());
         }
+        st.step_on_device = None;
         let Some(routes) = st.routes_mut() else {
             return Ok(());
         };
@@ -490,7 +499,7 @@ impl SplitExperts<'_> {
             let mut missing = Vec::new();
             for &e in &chosen {
                 let hit = st.cache.lookup(l, e);
-                st.note(hit);
+                st.note(true, hit);
                 if hit {
                     st.stats.resident += 1;
                     if st.guesses.remove(&(l, e)) {
@@ -541,12 +550,12 @@ impl ExpertUnits for SplitExperts<'_> {
             self.tier.state.lock().map_err(|_| {
                 candle_core::Error::Msg("the expert tier's lock is poisoned".into())
             })?;
-        self.step_at(&mut st, layer)?;
+        self.step_at(&mut st, layer, Visit::Place)?;
         let mut site = vec![ExpertSite::Host; routed.len()];
         let mut missing = Vec::new();
         for (i, &(e, _)) in routed.iter().enumerate() {
             let hit = st.cache.lookup(layer, e);
-            st.note(hit);
+            st.note(false, hit);
             if hit {
                 site[i] = ExpertSite::Device;
                 if st.guesses.remove(&(layer, e)) {
@@ -699,14 +708,17 @@ impl ExpertUnits for SplitExperts<'_> {
             self.tier.state.lock().map_err(|_| {
                 candle_core::Error::Msg("the expert tier's lock is poisoned".into())
             })?;
-        self.step_at(&mut st, layer)?;
-        let wanted = self.tier.route == ExpertRoute::Device
-            || route_on_device(
-                st.recent_hit_rate,
-                routing.top_k,
-                st.stats.expert_bytes,
-                st.stats.link_bytes_per_s,
-            );
+        self.step_at(&mut st, layer, Visit::Route)?;
+        let wanted = match st.step_on_device {
+            Some(w) => w,
+            None => {
+                let (bytes, link) = (st.stats.expert_bytes, st.stats.link_bytes_per_s);
+                let w = self.tier.route == ExpertRoute::Device
+                    || st.chooser.choose(routing.top_k, bytes, link);
+                st.step_on_device = Some(w);
+                w
+            }
+        };
         if !wanted {
             return Ok(None);
         }
