@@ -85,6 +85,22 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// Asserts that logits `a` are within `rel` of `b`'s scale (its largest magnitude, at least 1)
+/// of `b`, naming `what` where not.
+fn assert_close_to_scale(a: &Tensor, b: &Tensor, rel: f32, what: &str) -> anyhow::Result<()> {
+    let (a, b) = (
+        a.flatten_all()?.to_vec1::<f32>()?,
+        b.flatten_all()?.to_vec1::<f32>()?,
+    );
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = max_abs(&a, &b);
+    assert!(
+        d <= rel * scale.max(1.0),
+        "{what}: max |Δ| {d} (scale {scale})"
+    );
+    Ok(())
+}
+
 fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     let num: f64 = a
         .iter()
@@ -458,20 +474,9 @@ fn moe_grouped_decode_equals_each_expert(device: &Device) -> anyhow::Result<()> 
         b.forward(&ids, 0, &mut cb)?;
         for (k, &t) in p[12..].iter().enumerate() {
             let ids = Tensor::new(&[t], device)?.unsqueeze(0)?;
-            let x = a
-                .forward(&ids, 12 + k, &mut ca)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            let y = b
-                .forward(&ids, 12 + k, &mut cb)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            let scale = y.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = max_abs(&x, &y);
-            assert!(
-                d <= 1e-3 * scale.max(1.0),
-                "{name} on {device:?}, step {k}: max |Δ| {d} (scale {scale})"
-            );
+            let x = a.forward(&ids, 12 + k, &mut ca)?;
+            let y = b.forward(&ids, 12 + k, &mut cb)?;
+            assert_close_to_scale(&x, &y, 1e-3, &format!("{name} on {device:?}, step {k}"))?;
         }
     }
     Ok(())
@@ -522,16 +527,7 @@ fn moe_expert_fetches_reuse_evicted_buffers(device: &Device) -> anyhow::Result<(
     for (k, &t) in p[12..].iter().enumerate() {
         let a = m.forward(&Tensor::new(&[t], device)?.unsqueeze(0)?, 12 + k, &mut c1)?;
         let b = whole.forward(&Tensor::new(&[t], device)?.unsqueeze(0)?, 12 + k, &mut c2)?;
-        let (a, b) = (
-            a.flatten_all()?.to_vec1::<f32>()?,
-            b.flatten_all()?.to_vec1::<f32>()?,
-        );
-        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = max_abs(&a, &b);
-        assert!(
-            d <= 1e-4 * scale.max(1.0),
-            "step {k} on {device:?}: max |Δ| {d}"
-        );
+        assert_close_to_scale(&a, &b, 1e-4, &format!("step {k} on {device:?}"))?;
     }
     let after = m.runtime().stats()?.total;
     let fetched = m.expert_stats().expect("the tier is on").fetched - fetched_before;
@@ -588,16 +584,7 @@ fn moe_device_route_equals_the_host_route(device: &Device) -> anyhow::Result<()>
             let ids = Tensor::new(&[t], device)?.unsqueeze(0)?;
             let a = on_device.forward(&ids, 12 + k, &mut c1)?;
             let b = on_host.forward(&ids, 12 + k, &mut c2)?;
-            let (a, b) = (
-                a.flatten_all()?.to_vec1::<f32>()?,
-                b.flatten_all()?.to_vec1::<f32>()?,
-            );
-            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = max_abs(&a, &b);
-            assert!(
-                d <= 1e-4 * scale.max(1.0),
-                "{name} step {k} on {device:?}: max |Δ| {d} (scale {scale})"
-            );
+            assert_close_to_scale(&a, &b, 1e-4, &format!("{name} step {k} on {device:?}"))?;
         }
         // One more step reads the last one's choices back.
         let ids = Tensor::new(&[p[0]], device)?.unsqueeze(0)?;
