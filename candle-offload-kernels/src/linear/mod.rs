@@ -21,6 +21,7 @@ pub mod routed;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 mod routed_cuda;
+mod routed_shape;
 #[allow(unsafe_code)]
 mod simd;
 #[allow(unsafe_code)]

@@ -7,58 +7,11 @@
 //! ([`ExpertTable::chosen`]), to count hits and fetch what was missing, while the device goes
 //! on. The table is the caller's to keep true ([`ExpertTable::set`]).
 
-use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::quantized::QTensor;
+use candle_core::{DType, Device, Result, Tensor};
 
-use crate::linear::blocks::{is_qlinear_k_type, qlinear_small_type};
+pub use crate::linear::routed_shape::{ExpertAddrs, RoutedShape, ROUTED_MAX_EXPERTS};
 use crate::linear::MAX_GROUP_EXPERTS;
-use crate::tuning::KernelTuning;
-
-/// The device addresses of one expert's gate, up and down blocks.
-pub type ExpertAddrs = [u64; 3];
-
-/// The most experts a layer of an [`ExpertTable`] may have (`MOE_ROUTE_MAX_EXPERTS` in
-/// kernels/moe.cu).
-pub const ROUTED_MAX_EXPERTS: usize = 256;
-
-/// What every routed expert of a layer is: its projections' block types and widths, and how
-/// the router's logits choose among them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RoutedShape {
-    /// The gate and up projections' block type (`(inter, hidden)` each).
-    pub gate: GgmlDType,
-    /// The down projection's block type (`(hidden, inter)`).
-    pub down: GgmlDType,
-    /// Model width.
-    pub hidden: usize,
-    /// Expert MLP width.
-    pub inter: usize,
-    /// Experts per token.
-    pub top_k: usize,
-    /// The chosen experts' probabilities divided by their sum.
-    pub renormalize: bool,
-}
-
-impl RoutedShape {
-    /// Whether the routed kernels take experts of this shape on a row `x`: the grouped
-    /// kernels' types and widths ([`qexperts_row_fits`](crate::linear::qexperts_row_fits)'s),
-    /// at most [`MAX_GROUP_EXPERTS`] experts a token, x one row (F32, F16 or BF16) on a GPU.
-    pub fn fits(&self, x: &Tensor, tuning: &KernelTuning) -> Result<bool> {
-        let kernel =
-            |t| qlinear_small_type(t).is_some() && (!is_qlinear_k_type(t) || tuning.qlinear_k);
-        Ok(tuning.grouped_experts
-            && x.device().is_cuda()
-            && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
-            && x.elem_count() == self.hidden
-            && x.dim(D::Minus1)? == self.hidden
-            && (1..=MAX_GROUP_EXPERTS).contains(&self.top_k)
-            && kernel(self.gate)
-            && kernel(self.down)
-            && self.hidden.is_multiple_of(self.gate.block_size())
-            && self.inter.is_multiple_of(self.down.block_size())
-            && self.inter.is_multiple_of(32))
-    }
-}
 
 /// The device address of a quantized tensor's blocks on a GPU.
 pub fn qtensor_addr(q: &QTensor) -> Result<u64> {
@@ -196,6 +149,8 @@ mod imp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tuning::KernelTuning;
+    use candle_core::quantized::GgmlDType;
 
     #[test]
     fn a_table_refuses_bad_sizes_and_a_cpu_row_never_fits() -> Result<()> {

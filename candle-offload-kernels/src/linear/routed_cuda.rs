@@ -12,7 +12,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{CudaDevice, Device, Layout, Result, Tensor, WithDType, D};
 
 use super::cuda::{group_launch, GroupArg};
-use super::routed::{ExpertAddrs, RoutedShape};
+use super::routed_shape::{ExpertAddrs, RoutedShape};
 use crate::cuda::{load, load_named, to_u32, view, LINEAR, MOE};
 use crate::linear::MAX_GROUP_EXPERTS;
 use crate::util::aligned16;
