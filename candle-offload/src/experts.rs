@@ -390,8 +390,7 @@ impl ExpertOptions {
 /// step, to count it and fetch the misses for the next steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ExpertRoute {
-    /// On the device while [`route_on_device`] says its misses cost less than the host's
-    /// waits, from the cache's recent hit rate.
+    /// The faster of the two by the decode steps' measured times ([`RouteChooser`]).
     #[default]
     Auto,
     /// Always on the host.
@@ -425,88 +424,74 @@ impl std::fmt::Display for ExpertRoute {
     }
 }
 
-/// What a decode step's host waits a mixture-of-experts layer for its routers' choice when
-/// it reads it back, in seconds.
-pub const LAYER_ROUTE_WAIT_SECONDS: f64 = 95e-6;
-
-/// Whether a decode row's experts are better chosen on the device ([`ExpertRoute::Auto`]):
-/// the misses a layer expects at `hit_rate` (of `top_k` experts), each read over the link
-/// (`expert_bytes` at `link_bytes_per_s`) on the device's time, cost less than the host's
-/// wait for the layer's choice ([`LAYER_ROUTE_WAIT_SECONDS`]).
-pub fn route_on_device(
-    hit_rate: f64,
-    top_k: usize,
-    expert_bytes: u64,
-    link_bytes_per_s: f64,
-) -> bool {
-    if link_bytes_per_s <= 0.0 || !hit_rate.is_finite() {
-        return false;
-    }
-    let misses = (1.0 - hit_rate.clamp(0.0, 1.0)) * top_k as f64;
-    misses * expert_bytes as f64 / link_bytes_per_s < LAYER_ROUTE_WAIT_SECONDS
-}
-
-/// The weight of one routed expert's hit or miss in a [`RouteChooser`]'s hit rates: about
-/// one decode step of a 48-layer, top-8 model.
-pub const ROUTE_HIT_SMOOTHING: f64 = 1.0 / 384.0;
-
-/// Decode steps a [`RouteChooser`] keeps on the host route before one step on the device
-/// measures the device route's hit rate again.
+/// Decode steps a [`RouteChooser`] keeps on the faster route between two probes of the other.
 pub const ROUTE_PROBE_STEPS: u64 = 64;
 
-/// Chooses who routes each decode step's rows under [`ExpertRoute::Auto`], from the hit rate
-/// each route measured: the device route's misses are read from host memory as they come
-/// (its hit rate is the cache's alone), while the host route fetches its guessed experts
-/// ahead (its hit rate is higher). [`route_on_device`] prices the device route at its own hit
-/// rate once it has one (before that, at the host route's); off the device, every
-/// [`ROUTE_PROBE_STEPS`] steps one step goes there to measure it again. Pure: the tier feeds
-/// it every routed expert and asks once a step.
+/// The weight of a new step time in a [`RouteChooser`]'s estimate of its route.
+pub const ROUTE_TIME_SMOOTHING: f64 = 0.25;
+
+/// A step time over this many times its route's estimate is dropped (an idle gap between
+/// requests, a hiccup of the host), not averaged in.
+pub const ROUTE_TIME_OUTLIER: f64 = 3.0;
+
+/// Chooses who routes each decode step under [`ExpertRoute::Auto`] by the decode steps' times
+/// on each route: which one wins depends on the cache's hit rate under each (the device reads
+/// its misses from host memory as they come; the host fetches the next layer's guess ahead
+/// and splits its misses with the host CPU), on the link, the host CPU and the device, so
+/// it is measured rather than priced. The device route goes first, then the host's; then the
+/// faster one, with a probe of the other every [`ROUTE_PROBE_STEPS`] steps. A step counts
+/// only after a decode step on the same route (the first after a switch carries the switch:
+/// a table to fill, experts to adopt). Pure: the tier times the steps and tells it.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RouteChooser {
-    device: Option<f64>,
-    host: Option<f64>,
-    steps_off: u64,
+    /// Seconds a decode step, on the host route and on the device route.
+    estimate: [Option<f64>; 2],
+    /// Steps on the faster route since the other was last probed.
+    since_probe: u64,
+    /// Steps left in a probe (the first of them carries the switch).
+    probing: u32,
 }
 
 impl RouteChooser {
-    /// A routed expert's hit or miss in a step the device (`on_device`) or the host routed.
-    pub fn note(&mut self, on_device: bool, hit: bool) {
-        let rate = if on_device {
-            &mut self.device
-        } else {
-            &mut self.host
-        };
-        let x = if hit { 1.0 } else { 0.0 };
-        *rate = Some(match *rate {
-            Some(r) => r + ROUTE_HIT_SMOOTHING * (x - r),
-            None => x,
+    /// A decode step on the device (`on_device`) or the host route took `seconds`, after a
+    /// decode step on the same route.
+    pub fn record(&mut self, on_device: bool, seconds: f64) {
+        if !seconds.is_finite() || seconds <= 0.0 {
+            return;
+        }
+        let e = &mut self.estimate[usize::from(on_device)];
+        *e = Some(match *e {
+            Some(t) if seconds > ROUTE_TIME_OUTLIER * t => t,
+            Some(t) => t + ROUTE_TIME_SMOOTHING * (seconds - t),
+            None => seconds,
         });
     }
 
-    /// The hit rate the device route is priced at: its own, or the host route's before it
-    /// has one (0 before either).
-    pub fn device_hit_rate(&self) -> f64 {
-        self.device.or(self.host).unwrap_or(0.0)
+    /// The estimate of a decode step on a route, where one was measured.
+    pub fn estimate(&self, on_device: bool) -> Option<f64> {
+        self.estimate[usize::from(on_device)]
     }
 
-    /// Whether the next step is routed on the device (experts of `expert_bytes`, `top_k` a
-    /// row, a link of `link_bytes_per_s`).
-    pub fn choose(&mut self, top_k: usize, expert_bytes: u64, link_bytes_per_s: f64) -> bool {
-        if route_on_device(
-            self.device_hit_rate(),
-            top_k,
-            expert_bytes,
-            link_bytes_per_s,
-        ) {
-            self.steps_off = 0;
-            return true;
+    /// Whether the next decode step is routed on the device.
+    pub fn choose(&mut self) -> bool {
+        let [host, device] = self.estimate;
+        let (Some(host), Some(device)) = (host, device) else {
+            // The device first, then the host, each until it has a step time.
+            return device.is_none();
+        };
+        let faster = device <= host;
+        if self.probing > 0 {
+            self.probing -= 1;
+            return !faster;
         }
-        self.steps_off += 1;
-        if self.device.is_some() && self.steps_off > ROUTE_PROBE_STEPS {
-            self.steps_off = 0;
-            return true;
+        self.since_probe += 1;
+        if self.since_probe > ROUTE_PROBE_STEPS {
+            self.since_probe = 0;
+            // Two steps: the switch, then one that counts.
+            self.probing = 1;
+            return !faster;
         }
-        false
+        faster
     }
 }
 
@@ -734,59 +719,48 @@ mod tests {
             .collect()
     }
 
+    /// The device first, then the host (a step past the switch each), then the faster of the
+    /// two with a two-step probe of the other every ROUTE_PROBE_STEPS steps; the faster one
+    /// follows the measurements.
     #[test]
-    fn the_route_goes_to_the_device_only_while_its_misses_cost_less_than_the_waits() {
-        // 5 MiB experts over a 25 GB/s link: 210 us a miss against a 95 us wait.
-        let (bytes, link) = (5 << 20, 25e9);
-        assert!(route_on_device(1.0, 8, bytes, link));
-        assert!(route_on_device(0.99, 8, bytes, link));
-        assert!(!route_on_device(0.9, 8, bytes, link));
-        assert!(!route_on_device(0.0, 8, bytes, link));
-        assert!(!route_on_device(f64::NAN, 8, bytes, link));
-        assert!(!route_on_device(1.0, 8, bytes, 0.0));
+    fn the_chooser_takes_the_faster_route_and_probes_the_other() {
+        let mut c = RouteChooser::default();
+        assert!(c.choose());
+        c.record(true, 0.015);
+        assert!(!c.choose());
+        assert!(!c.choose());
+        c.record(false, 0.010);
+        // The host's is faster: kept, but for a probe of two steps.
+        let picks: Vec<bool> = (0..ROUTE_PROBE_STEPS + 3).map(|_| c.choose()).collect();
+        assert_eq!(picks.iter().filter(|&&p| p).count(), 2, "{picks:?}");
+        assert!(picks[ROUTE_PROBE_STEPS as usize] && picks[ROUTE_PROBE_STEPS as usize + 1]);
+        // The device's steps get faster (the cache warmed): the device from now on.
+        for _ in 0..8 {
+            c.record(true, 0.006);
+        }
+        assert!(c.estimate(true).unwrap() < 0.010);
+        assert!((0..10).all(|_| c.choose()));
+        // An idle gap is no step time.
+        let before = c.estimate(true);
+        c.record(true, 5.0);
+        assert_eq!(c.estimate(true), before);
+        c.record(true, f64::NAN);
+        assert_eq!(c.estimate(true), before);
         assert_eq!("device".parse::<ExpertRoute>(), Ok(ExpertRoute::Device));
         assert!("gpu".parse::<ExpertRoute>().unwrap_err().contains("`gpu`"));
     }
 
-    /// 5 MiB experts over a 25 GB/s link, top 8: the device route pays while fewer than
-    /// about 0.45 of a layer's 8 experts miss (a hit rate above ~94%).
-    #[test]
-    fn the_chooser_prices_the_device_at_its_own_hit_rate_and_probes_it_again() {
-        let (k, bytes, link) = (8, 5 << 20, 25e9);
-        let mut c = RouteChooser::default();
-        // Nothing measured: the host.
-        assert!(!c.choose(k, bytes, link));
-        // The host route hits 97% (its guesses fetched ahead): the device is tried.
-        for i in 0..4000 {
-            c.note(false, i % 100 >= 3);
-        }
-        assert!(c.choose(k, bytes, link));
-        // There, 89%: back to the host, which keeps it despite its own 97%...
-        for i in 0..4000 {
-            c.note(true, i % 100 >= 11);
-        }
-        let picks: Vec<bool> = (0..2 * ROUTE_PROBE_STEPS + 2)
-            .map(|_| c.choose(k, bytes, link))
-            .collect();
-        // ...but for one probe every ROUTE_PROBE_STEPS + 1 steps.
-        assert_eq!(picks.iter().filter(|&&p| p).count(), 2, "{picks:?}");
-        assert!(!picks[..ROUTE_PROBE_STEPS as usize].iter().any(|&p| p));
-        assert!(picks[ROUTE_PROBE_STEPS as usize]);
-        // The device's rate recovers (a larger budget): the device again, every step.
-        for _ in 0..4000 {
-            c.note(true, true);
-        }
-        assert!((0..10).all(|_| c.choose(k, bytes, link)));
-    }
-
     proptest! {
-        /// A higher hit rate never takes the route back to the host.
+        /// Once both routes are measured, the chooser spends at most a probe's two steps in
+        /// every ROUTE_PROBE_STEPS + 3 on the slower one.
         #[test]
-        fn the_route_is_monotone_in_the_hit_rate(a in 0.0f64..1.0, b in 0.0f64..1.0, k in 1usize..16, mib in 1u64..64) {
-            let (lo, hi) = if a <= b { (a, b) } else { (b, a) };
-            if route_on_device(lo, k, mib << 20, 25e9) {
-                prop_assert!(route_on_device(hi, k, mib << 20, 25e9));
-            }
+        fn the_chooser_spends_little_on_the_slower_route(host in 1e-3f64..1.0, device in 1e-3f64..1.0, n in 0usize..500) {
+            let mut c = RouteChooser::default();
+            c.record(true, device);
+            c.record(false, host);
+            let faster = device <= host;
+            let slow = (0..n).filter(|_| c.choose() != faster).count();
+            prop_assert!(slow as u64 <= 2 * (n as u64 / (ROUTE_PROBE_STEPS + 1) + 1));
         }
 
         #[test]

@@ -190,8 +190,14 @@ struct TierState {
     routes: Routes,
     /// Who routes the decode steps under [`ExpertRoute::Auto`].
     chooser: RouteChooser,
-    /// Whether this step's rows are routed on the device, once its first layer asked.
+    /// Whether this step's rows are routed on the device, once its first layer asked (a
+    /// decode step on a GPU).
     step_on_device: Option<bool>,
+    /// When the step in progress reached its first sparse layer.
+    step_started: Option<std::time::Instant>,
+    /// The route of the decode step before the one in progress (`None`: it was no decode
+    /// step on a GPU).
+    prev_route: Option<bool>,
     /// The last sparse layer a step reached, and who looked at it (a lower one, or the same
     /// one looked at again but by `place` after `device_route`, starts a new step).
     last_layer: Option<(usize, Visit)>,
@@ -218,11 +224,6 @@ impl TierState {
             Routes::On(r) => Some(r),
             _ => None,
         }
-    }
-
-    /// Counts a routed expert's hit or miss in a step the device or the host routed.
-    fn note(&mut self, on_device: bool, hit: bool) {
-        self.chooser.note(on_device, hit);
     }
 }
 
@@ -374,6 +375,8 @@ impl ExpertTier {
                 routes: Routes::Untried,
                 chooser: RouteChooser::default(),
                 step_on_device: None,
+                step_started: None,
+                prev_route: None,
                 last_layer: None,
             }),
         })
@@ -477,16 +480,30 @@ impl SplitExperts<'_> {
         Ok(true)
     }
 
-    /// At `layer`: where it starts a new step, the device's choices of the step before are
-    /// read back and counted, and their misses admitted and fetched for the next steps.
-    fn step_at(&self, st: &mut TierState, layer: usize, visit: Visit) -> Result<()> {
+    /// At `layer` of a step (`decode`: of one row): where it starts a new step, the step
+    /// before is timed for the route chooser (a decode step after one on the same route,
+    /// followed by a decode step), and the device's choices of the step before are read back
+    /// and counted, and their misses admitted and fetched for the next steps.
+    fn step_at(&self, st: &mut TierState, layer: usize, visit: Visit, decode: bool) -> Result<()> {
         let new_step = st.last_layer.is_some_and(|(l, was)| {
             layer < l || (layer == l && !(was == Visit::Route && visit == Visit::Place))
         });
         st.last_layer = Some((layer, visit));
         if !new_step {
+            st.step_started.get_or_insert_with(std::time::Instant::now);
             return Ok(());
         }
+        let now = std::time::Instant::now();
+        match (st.step_started, st.step_on_device) {
+            (Some(t0), Some(route)) => {
+                if decode && st.prev_route == Some(route) {
+                    st.chooser.record(route, (now - t0).as_secs_f64());
+                }
+                st.prev_route = Some(route);
+            }
+            _ => st.prev_route = None,
+        }
+        st.step_started = Some(now);
         st.step_on_device = None;
         let Some(routes) = st.routes_mut() else {
             return Ok(());
@@ -499,7 +516,6 @@ impl SplitExperts<'_> {
             let mut missing = Vec::new();
             for &e in &chosen {
                 let hit = st.cache.lookup(l, e);
-                st.note(true, hit);
                 if hit {
                     st.stats.resident += 1;
                     if st.guesses.remove(&(l, e)) {
@@ -550,13 +566,12 @@ impl ExpertUnits for SplitExperts<'_> {
             self.tier.state.lock().map_err(|_| {
                 candle_core::Error::Msg("the expert tier's lock is poisoned".into())
             })?;
-        self.step_at(&mut st, layer, Visit::Place)?;
+        let decode = routed.iter().all(|&(_, rows)| rows == 1);
+        self.step_at(&mut st, layer, Visit::Place, decode)?;
         let mut site = vec![ExpertSite::Host; routed.len()];
         let mut missing = Vec::new();
         for (i, &(e, _)) in routed.iter().enumerate() {
-            let hit = st.cache.lookup(layer, e);
-            st.note(false, hit);
-            if hit {
+            if st.cache.lookup(layer, e) {
                 site[i] = ExpertSite::Device;
                 if st.guesses.remove(&(layer, e)) {
                     st.stats.prefetch_used += 1;
@@ -708,13 +723,11 @@ impl ExpertUnits for SplitExperts<'_> {
             self.tier.state.lock().map_err(|_| {
                 candle_core::Error::Msg("the expert tier's lock is poisoned".into())
             })?;
-        self.step_at(&mut st, layer, Visit::Route)?;
+        self.step_at(&mut st, layer, Visit::Route, true)?;
         let wanted = match st.step_on_device {
             Some(w) => w,
             None => {
-                let (bytes, link) = (st.stats.expert_bytes, st.stats.link_bytes_per_s);
-                let w = self.tier.route == ExpertRoute::Device
-                    || st.chooser.choose(routing.top_k, bytes, link);
+                let w = self.tier.route == ExpertRoute::Device || st.chooser.choose();
                 st.step_on_device = Some(w);
                 w
             }
