@@ -279,12 +279,15 @@ impl ExpertTier {
             ExpertSplit::Off => false,
             ExpertSplit::On | ExpertSplit::Fetch => true,
             _ => {
+                // Where every expert fits, the tier keeps them all, for its table: a decode
+                // row's experts are then chosen on the device.
                 device.is_cuda()
-                    && room
-                        < Self::expert_units(layout, store)
-                            .into_iter()
-                            .map(|id| store.unit(id).bytes())
-                            .sum::<u64>()
+                    && (options.route != ExpertRoute::Host
+                        || room
+                            < Self::expert_units(layout, store)
+                                .into_iter()
+                                .map(|id| store.unit(id).bytes())
+                                .sum::<u64>())
             }
         }
     }
@@ -355,7 +358,8 @@ impl ExpertTier {
             prefetch: options.prefetch,
             guess_layers: options.guess_layers.max(1),
             route: options.route,
-            host_compute: options.split != ExpertSplit::Fetch,
+            // Where every expert has a slot, a miss is fetched once and stays.
+            host_compute: options.split != ExpertSplit::Fetch && per_layer < x.count,
             state: Mutex::new(TierState {
                 cache: ExpertCache::new(options.policy, x.count, &slots),
                 layers: x.sparse.len(),
@@ -386,6 +390,16 @@ impl ExpertTier {
     /// steps that compute them (`OffloadRuntime::warm_up` of its CPU runtime). Returns the
     /// bytes copied.
     pub(crate) fn warm_up(&self) -> Result<u64> {
+        let all_fit = self.state.lock().is_ok_and(|st| {
+            (0..st.layers).all(|l| {
+                let slots = st.cache.slots(l);
+                slots == 0 || slots >= st.stats.experts_per_layer
+            })
+        });
+        if all_fit {
+            // Every expert has a slot: the host computes none once the cache is warm.
+            return Ok(0);
+        }
         self.host.warm_up()
     }
 
