@@ -761,17 +761,19 @@ impl ExpertUnits for SplitExperts<'_> {
         let store = self.device.rt.store().clone();
         let tuning = self.device.rt.tuning().kernels;
         let resident = st.cache.resident(layer);
-        let Some(routes) = st.routes_mut() else {
-            return Ok(None);
+        let routed = match st.routes_mut() {
+            Some(routes) => routes.layer(
+                layer,
+                (&store, self.device.layout),
+                (shape, routing),
+                x,
+                &tuning,
+            )?,
+            None => None,
         };
-        let Some(routed) = routes.layer(
-            layer,
-            (&store, self.device.layout),
-            (shape, routing),
-            x,
-            &tuning,
-        )?
-        else {
+        let (Some(routed), Some(routes)) = (routed, st.routes_mut()) else {
+            // The host routes this step (its time is the host route's).
+            st.step_on_device = Some(false);
             return Ok(None);
         };
         // The cache's experts the table does not name yet (fetched since): acquired, the
