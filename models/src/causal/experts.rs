@@ -778,11 +778,13 @@ impl ExpertUnits for SplitExperts<'_> {
         };
         // The cache's experts the table does not name yet (fetched since): acquired, the
         // device waiting for their copies.
-        for e in resident {
-            if !routes.holds(layer, e) {
-                let acquired = self.device.expert(layer, e, &|w| shape.load(w))?;
-                routes.adopt(layer, e, acquired)?;
-            }
+        let acquired = resident
+            .into_iter()
+            .filter(|&e| !routes.holds(layer, e))
+            .map(|e| Ok((e, self.device.expert(layer, e, &|w| shape.load(w))?)))
+            .collect::<Result<Vec<_>>>()?;
+        if !acquired.is_empty() {
+            routes.adopt(layer, acquired)?;
         }
         Ok(Some((routes.route(layer), routed)))
     }

@@ -97,24 +97,33 @@ impl DeviceRoutes {
         self.held.contains_key(&(layer, expert))
     }
 
-    /// `expert` of `layer`, acquired on the device: its entry names its blocks from now on
-    /// (enqueued), and it is held until [`release`](Self::release). `false` where its blocks
-    /// are not of the layer's routed shape (its entry stays the host copy's).
-    pub(crate) fn adopt(&mut self, layer: usize, expert: usize, acquired: Expert) -> Result<bool> {
+    /// The experts of `layer`, each acquired on the device: their entries name their blocks
+    /// from now on (enqueued, in as few launches as the table takes), and each is held until
+    /// [`release`](Self::release). One whose blocks are not of the layer's routed shape is
+    /// let go, its entry still the host copy's.
+    pub(crate) fn adopt(&mut self, layer: usize, acquired: Vec<(usize, Expert)>) -> Result<()> {
         let LayerState::On(route) = &self.layers[layer] else {
-            return Ok(false);
-        };
-        let Some([g, u, d]) = crate::layers::separate_blocks(&acquired.mlp) else {
-            return Ok(false);
+            return Ok(());
         };
         let (gt, dt) = (route.shape.gate, route.shape.down);
-        if g.dtype() != gt || u.dtype() != gt || d.dtype() != dt {
-            return Ok(false);
+        let mut entries = Vec::with_capacity(acquired.len());
+        let mut kept = Vec::with_capacity(acquired.len());
+        for (expert, x) in acquired {
+            let Some([g, u, d]) = crate::layers::separate_blocks(&x.mlp) else {
+                continue;
+            };
+            if g.dtype() != gt || u.dtype() != gt || d.dtype() != dt {
+                continue;
+            }
+            let addrs = [qtensor_addr(g)?, qtensor_addr(u)?, qtensor_addr(d)?];
+            entries.push((layer, expert, addrs));
+            kept.push((expert, x));
         }
-        let addrs = [qtensor_addr(g)?, qtensor_addr(u)?, qtensor_addr(d)?];
-        self.table.set(&[(layer, expert, addrs)])?;
-        self.held.insert((layer, expert), acquired);
-        Ok(true)
+        self.table.set(&entries)?;
+        for (expert, x) in kept {
+            self.held.insert((layer, expert), x);
+        }
+        Ok(())
     }
 
     /// `expert`'s entry back to its host copy (enqueued), then its guard dropped: its unit
