@@ -105,6 +105,9 @@ SOURCES = {
         "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-q4k-rows-9400117.json",
         "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-q6k-rows-run1-4aab8f8.json",
         "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-q6k-rows-run2-4aab8f8.json",
+        "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-run2-89f1cce.json",
+        "2026-12-06/2026-12-06-moe-cpu-small-q4_k_m-89f1cce.json",
+        "2026-12-06/2026-12-06-moe-cpu-small-q8_0-89f1cce.json",
     ],
     # scripts/moe_cpu_bench.py with a long prompt (the same prompt text repeated), on the
     # default model and on the small Qwen3-MoE: the CPU prompt attention's blocks.
