@@ -15,3 +15,4 @@ pub(crate) mod linear;
 mod norm;
 mod refused;
 pub(crate) mod rope;
+mod routed;

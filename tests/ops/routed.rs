@@ -1,0 +1,124 @@
+//! `kernels::linear::ExpertTable`: a decode row's experts chosen on the device against the
+//! host's routing (`layers::route_row`) and the grouped kernels over the same experts
+//! (`linear::qexperts_row`).
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use candle_offload::kernels::linear::routed::qtensor_addr;
+use candle_offload::kernels::linear::{self, ExpertTable, RoutedShape};
+use candle_offload::KernelTuning;
+use candle_offload_models::layers::{route_row, Routing};
+
+use crate::ops::common::*;
+
+/// 40 experts (not a multiple of the warp's 32) in two layers of a table, every expert's
+/// entry its device blocks: for k of 1, 4 and 8, renormalised or not, and logits with an exact
+/// tie at the top, the experts the device chose (read back) are `route_row`'s in expert
+/// order, and the row's output is `qexperts_row`'s over them with `route_row`'s weights,
+/// within the dtype's tolerance (the softmax's exponentials may differ in their last bit).
+/// Q8_0 experts, and Q4_K gates and ups with Q6_K downs. On a CPU the table is refused.
+fn expert_table_routes_as_route_row(device: &Device) -> anyhow::Result<()> {
+    let (experts, hidden, inter) = (40usize, 256usize, 256usize);
+    if !device.is_cuda() {
+        anyhow::ensure!(
+            ExpertTable::new(device, 2, experts).is_err(),
+            "a table on {device:?}"
+        );
+        return Ok(());
+    }
+    let tun = KernelTuning::default();
+    for (t, &(gt, dt)) in [
+        (GgmlDType::Q8_0, GgmlDType::Q8_0),
+        (GgmlDType::Q4K, GgmlDType::Q6K),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let q = |shape: &[usize], ty, s: u64| -> anyhow::Result<QTensor> {
+            let v = random(
+                shape,
+                1.0 / (shape[1] as f32).sqrt(),
+                s,
+                DType::F32,
+                &Device::Cpu,
+            )?;
+            Ok(QTensor::quantize_onto(&v, ty, device)?)
+        };
+        let weights: Vec<[QTensor; 3]> = (0..experts)
+            .map(|e| {
+                let s = 9000 + 100 * t as u64 + 3 * e as u64;
+                Ok([
+                    q(&[inter, hidden], gt, s)?,
+                    q(&[inter, hidden], gt, s + 1)?,
+                    q(&[hidden, inter], dt, s + 2)?,
+                ])
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let table = ExpertTable::new(device, 2, experts)?;
+        let mut entries = Vec::new();
+        for (e, [g, u, d]) in weights.iter().enumerate() {
+            let addrs = [qtensor_addr(g)?, qtensor_addr(u)?, qtensor_addr(d)?];
+            entries.push((0, e, addrs));
+            entries.push((1, e, addrs));
+        }
+        table.set(&entries)?;
+        for dtype in DTYPES {
+            for (c, (k, renormalize)) in [(1, true), (4, false), (8, true), (8, false)]
+                .into_iter()
+                .enumerate()
+            {
+                let seed = 20 + 10 * t as u64 + c as u64;
+                let x = random(&[1, 1, hidden], 1.0, seed, dtype, device)?;
+                let mut logits: Vec<f32> =
+                    random(&[experts], 2.0, seed + 5, DType::F32, &Device::Cpu)?.to_vec1()?;
+                // An exact tie at the top: the lower index goes first.
+                logits[29] = 3.0;
+                logits[6] = 3.0;
+                let shape = RoutedShape {
+                    gate: gt,
+                    down: dt,
+                    hidden,
+                    inter,
+                    top_k: k,
+                    renormalize,
+                };
+                let what = format!("{gt:?}/{dt:?} k {k} renormalize {renormalize} {dtype:?}");
+                anyhow::ensure!(shape.fits(&x, &tun)?, "{what}: the kernels' fit");
+                let layer = c % 2;
+                let l = Tensor::new(logits.as_slice(), device)?.unsqueeze(0)?;
+                let got = table.forward(layer, &x, &l, &shape)?;
+                let chosen = table.chosen(layer, k)?;
+                let mut want_routes = route_row(
+                    &logits,
+                    Routing {
+                        experts,
+                        top_k: k,
+                        renormalize,
+                    },
+                );
+                want_routes.sort_by_key(|&(e, _)| e);
+                let ids: Vec<u32> = want_routes.iter().map(|&(e, _)| e as u32).collect();
+                anyhow::ensure!(chosen == ids, "{what}: chose {chosen:?}, route_row {ids:?}");
+                let experts_of: Vec<linear::QExpert<'_>> = want_routes
+                    .iter()
+                    .map(|&(e, w)| linear::QExpert {
+                        gate: &weights[e][0],
+                        up: &weights[e][1],
+                        down: &weights[e][2],
+                        weight: w,
+                    })
+                    .collect();
+                let want = linear::qexperts_row(&x, &experts_of, &tun)?;
+                anyhow::ensure!(got.dims() == x.dims() && got.dtype() == dtype, "{what}");
+                ensure_close_values(&what, &got, &want, dtype)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    expert_table_routes_as_route_row,
+    expert_table_routes_as_route_row_cpu,
+    expert_table_routes_as_route_row_gpu
+);
