@@ -964,6 +964,8 @@ fn expert_fields(
         "experts_on_host_per_token": (b.on_host - a.on_host) as f64 / n,
         "experts_mapped_per_token": (b.mapped - a.mapped) as f64 / n,
         "expert_layers_routed_on_device_per_token": (b.device_routed - a.device_routed) as f64 / n,
+        "expert_route_step_s_host": b.route_step_s[0],
+        "expert_route_step_s_device": b.route_step_s[1],
         "host_bytes_per_token": host_bytes,
         "expert_host_bytes_per_s": b.host_bytes_per_s,
         "expert_link_bytes_per_s": b.link_bytes_per_s,

@@ -108,6 +108,9 @@ pub struct ExpertStats {
     pub mapped: u64,
     /// Sparse layers' decode rows whose experts the device chose.
     pub device_routed: u64,
+    /// The route chooser's estimates of a decode step, in seconds, on the host route and on
+    /// the device route (`None` before one was measured).
+    pub route_step_s: [Option<f64>; 2],
     /// Host bytes those reads and copies took: the fetched experts' and the host's.
     pub host_bytes: u64,
     /// The host CPU's rate on its experts, bytes a second (running average).
@@ -409,6 +412,7 @@ impl ExpertTier {
             Ok(st) => ExpertStats {
                 layers: (0..st.layers).map(|l| st.cache.counters(l)).collect(),
                 slots: (0..st.layers).map(|l| st.cache.slots(l)).collect(),
+                route_step_s: [st.chooser.estimate(false), st.chooser.estimate(true)],
                 ..st.stats.clone()
             },
             Err(_) => ExpertStats::default(),
