@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, PolicyChoice};
 use candle_offload_models::generation::generate;
 use candle_offload_models::loader::{self, ModelFiles};
-use candle_offload_models::Llama;
+use candle_offload_models::{Llama, OffloadSettings};
 use candle_transformers::generation::LogitsProcessor;
 
 const VOCAB: usize = 300;
@@ -274,7 +274,6 @@ fn half_experts_model(
     keep_blocks: bool,
     experts: candle_offload::experts::ExpertOptions,
 ) -> anyhow::Result<Llama> {
-    use candle_offload_models::OffloadSettings;
     let store = Arc::new(loader::load_store_with(
         files,
         DType::F32,
@@ -313,6 +312,28 @@ fn half_experts_model(
         .dtype(DType::F32)
         .max_len(64)
         .prompt_len(64)
+        .build()?)
+}
+
+/// A GGUF's whole model on `device` under `settings`: F32, 64 positions, its blocks kept
+/// as they are stored.
+fn gguf_model(
+    files: &ModelFiles,
+    device: &Device,
+    settings: OffloadSettings,
+) -> anyhow::Result<Llama> {
+    let store = Arc::new(loader::load_store_with(
+        files,
+        DType::F32,
+        device,
+        None,
+        true,
+    )?);
+    Ok(Llama::builder(files, store)
+        .device(device)
+        .settings(settings)
+        .dtype(DType::F32)
+        .max_len(64)
         .build()?)
 }
 
@@ -450,21 +471,9 @@ fn moe_grouped_decode_equals_each_expert(device: &Device) -> anyhow::Result<()> 
     for name in ["mixtral", "qwen3_moe", "qwen2_moe"] {
         let files = loader::from_gguf(&dir.join(format!("{name}.q8_0.gguf")))?;
         let build = |grouped: bool| -> anyhow::Result<Llama> {
-            let store = Arc::new(loader::load_store_with(
-                &files,
-                DType::F32,
-                device,
-                None,
-                true,
-            )?);
-            let mut tuning = candle_offload::Tuning::default();
-            tuning.kernels.grouped_experts = grouped;
-            Ok(Llama::builder(&files, store)
-                .device(device)
-                .tuning(tuning)
-                .dtype(DType::F32)
-                .max_len(64)
-                .build()?)
+            let mut settings = OffloadSettings::default();
+            settings.tuning.kernels.grouped_experts = grouped;
+            gguf_model(&files, device, settings)
         };
         let (a, b) = (build(true)?, build(false)?);
         let (mut ca, mut cb) = (a.new_cache(), b.new_cache());
@@ -504,20 +513,7 @@ fn moe_expert_fetches_reuse_evicted_buffers(device: &Device) -> anyhow::Result<(
         true,
         ExpertOptions::new(ExpertPolicy::Lru, ExpertSplit::Fetch).with_route(ExpertRoute::Host),
     )?;
-    let whole = Llama::builder(
-        &files,
-        Arc::new(loader::load_store_with(
-            &files,
-            DType::F32,
-            device,
-            None,
-            true,
-        )?),
-    )
-    .device(device)
-    .dtype(DType::F32)
-    .max_len(64)
-    .build()?;
+    let whole = gguf_model(&files, device, OffloadSettings::default())?;
     let (mut c1, mut c2) = (m.new_cache(), whole.new_cache());
     let p = prompt();
     m.forward(&Tensor::new(&p[..12], device)?.unsqueeze(0)?, 0, &mut c1)?;
@@ -636,27 +632,14 @@ test_device!(
 /// their scale. On a CPU neither has a tier.
 fn moe_device_route_when_every_expert_fits(device: &Device) -> anyhow::Result<()> {
     use candle_offload::experts::{ExpertOptions, ExpertRoute};
-    use candle_offload_models::OffloadSettings;
     let dir = fixtures()?;
     let files = loader::from_gguf(&dir.join("qwen3_moe.q8_0.gguf"))?;
-    let build = |route: ExpertRoute| -> anyhow::Result<Llama> {
-        let store = Arc::new(loader::load_store_with(
-            &files,
-            DType::F32,
-            device,
-            None,
-            true,
-        )?);
+    let build = |route: ExpertRoute| {
         let settings = OffloadSettings {
             experts: ExpertOptions::default().with_route(route),
             ..Default::default()
         };
-        Ok(Llama::builder(&files, store)
-            .device(device)
-            .settings(settings)
-            .dtype(DType::F32)
-            .max_len(64)
-            .build()?)
+        gguf_model(&files, device, settings)
     };
     let (tiered, plain) = (build(ExpertRoute::Auto)?, build(ExpertRoute::Host)?);
     assert!(plain.expert_stats().is_none(), "every expert fits: no tier");
