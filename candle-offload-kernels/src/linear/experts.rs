@@ -4,7 +4,7 @@
 //! up, one for every down projection and one for the weighted sum, per group of
 //! [`MAX_GROUP_EXPERTS`](crate::linear::MAX_GROUP_EXPERTS). Elsewhere, the composition it replaces, expert by expert.
 
-use candle_core::quantized::QTensor;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Result, Tensor, D};
 
 use crate::linear::blocks::{is_qlinear_k_type, qlinear_small_type};
@@ -35,25 +35,14 @@ pub fn qexperts_row_fits(
     experts: &[QExpert<'_>],
     tuning: &KernelTuning,
 ) -> Result<bool> {
-    let hidden = x.dim(D::Minus1)?;
     let Some(first) = experts.first() else {
         return Ok(false);
     };
     let (gt, dt) = (first.gate.dtype(), first.down.dtype());
-    let Ok((inter, h)) = first.gate.shape().dims2() else {
+    let Ok((inter, hidden)) = first.gate.shape().dims2() else {
         return Ok(false);
     };
-    let kernel = |t| qlinear_small_type(t).is_some() && (!is_qlinear_k_type(t) || tuning.qlinear_k);
-    Ok(tuning.grouped_experts
-        && x.device().is_cuda()
-        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
-        && x.elem_count() == hidden
-        && h == hidden
-        && kernel(gt)
-        && kernel(dt)
-        && hidden.is_multiple_of(gt.block_size())
-        && inter.is_multiple_of(dt.block_size())
-        && inter.is_multiple_of(32)
+    Ok(grouped_fits(x, (gt, dt), (hidden, inter), tuning)?
         && experts.iter().all(|e| {
             [e.gate, e.up, e.down].iter().all(|w| w.device().is_cuda())
                 && e.gate.dtype() == gt
@@ -63,6 +52,31 @@ pub fn qexperts_row_fits(
                 && e.up.shape().dims() == [inter, hidden]
                 && e.down.shape().dims() == [hidden, inter]
         }))
+}
+
+/// Whether the grouped kernels take the row `x` against experts whose gate and up are
+/// `(inter, hidden)` blocks of `gate`'s type and whose down is `(hidden, inter)` of `down`'s:
+/// [`KernelTuning::grouped_experts`] on, x (F32, F16 or BF16) one row of `hidden` on a GPU,
+/// both types ones the decode kernels have (the K-quants when [`KernelTuning::qlinear_k`] is
+/// on), widths multiples of their blocks. What [`qexperts_row_fits`] and
+/// [`RoutedShape::fits`](crate::linear::RoutedShape::fits) check of the experts' shape.
+pub(crate) fn grouped_fits(
+    x: &Tensor,
+    (gate, down): (GgmlDType, GgmlDType),
+    (hidden, inter): (usize, usize),
+    tuning: &KernelTuning,
+) -> Result<bool> {
+    let kernel = |t| qlinear_small_type(t).is_some() && (!is_qlinear_k_type(t) || tuning.qlinear_k);
+    Ok(tuning.grouped_experts
+        && x.device().is_cuda()
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && x.elem_count() == hidden
+        && x.dim(D::Minus1)? == hidden
+        && kernel(gate)
+        && kernel(down)
+        && hidden.is_multiple_of(gate.block_size())
+        && inter.is_multiple_of(down.block_size())
+        && inter.is_multiple_of(32))
 }
 
 /// `Σ_e weight_e · down_e(silu(gate_e · x) · (up_e · x))` for one row x (…, hidden): on a

@@ -2,9 +2,9 @@
 //! expert's blocks are, and the shape every routed expert of a layer shares.
 
 use candle_core::quantized::GgmlDType;
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{Result, Tensor};
 
-use crate::linear::blocks::{is_qlinear_k_type, qlinear_small_type};
+use crate::linear::experts::grouped_fits;
 use crate::linear::MAX_GROUP_EXPERTS;
 use crate::tuning::KernelTuning;
 
@@ -38,18 +38,7 @@ impl RoutedShape {
     /// kernels' types and widths ([`qexperts_row_fits`](crate::linear::qexperts_row_fits)'s),
     /// at most [`MAX_GROUP_EXPERTS`] experts a token, x one row (F32, F16 or BF16) on a GPU.
     pub fn fits(&self, x: &Tensor, tuning: &KernelTuning) -> Result<bool> {
-        let kernel =
-            |t| qlinear_small_type(t).is_some() && (!is_qlinear_k_type(t) || tuning.qlinear_k);
-        Ok(tuning.grouped_experts
-            && x.device().is_cuda()
-            && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
-            && x.elem_count() == self.hidden
-            && x.dim(D::Minus1)? == self.hidden
-            && (1..=MAX_GROUP_EXPERTS).contains(&self.top_k)
-            && kernel(self.gate)
-            && kernel(self.down)
-            && self.hidden.is_multiple_of(self.gate.block_size())
-            && self.inter.is_multiple_of(self.down.block_size())
-            && self.inter.is_multiple_of(32))
+        Ok((1..=MAX_GROUP_EXPERTS).contains(&self.top_k)
+            && grouped_fits(x, (self.gate, self.down), (self.hidden, self.inter), tuning)?)
     }
 }
