@@ -495,6 +495,9 @@ impl SplitExperts<'_> {
             }
             self.device.rt.evict_unit(self.unit(layer, v)?)?;
         }
+        if let Some(r) = st.routes_mut() {
+            r.admitted(layer, expert);
+        }
         Ok(true)
     }
 
@@ -533,26 +536,26 @@ impl SplitExperts<'_> {
             let chosen: Vec<usize> = chosen.into_iter().map(|e| e as usize).collect();
             let mut missing = Vec::new();
             for &e in &chosen {
-                let hit = st.cache.lookup(l, e);
-                if hit {
+                if st.cache.lookup(l, e) {
                     st.stats.resident += 1;
                     if st.guesses.remove(&(l, e)) {
                         st.stats.prefetch_used += 1;
                     }
                 } else {
+                    let unit = self.unit(l, e)?;
+                    let bytes = store.unit(unit).host_bytes();
                     st.stats.mapped += 1;
-                    st.stats.host_bytes += store.unit(self.unit(l, e)?).host_bytes();
-                    missing.push(e);
+                    st.stats.host_bytes += bytes;
+                    missing.push((e, unit, bytes));
                 }
             }
             // Fetched for the next steps, as a guess's experts are.
-            for e in missing {
+            for (e, unit, bytes) in missing {
                 if self.admit(st, l, e, &chosen)? {
-                    let unit = self.unit(l, e)?;
                     self.device.rt.prefetch(unit)?;
                     st.guesses.insert((l, e));
                     st.stats.prefetched += 1;
-                    st.stats.host_bytes += store.unit(unit).host_bytes();
+                    st.stats.host_bytes += bytes;
                 }
             }
         }
@@ -754,7 +757,8 @@ impl ExpertUnits for SplitExperts<'_> {
             return Ok(None);
         }
         if matches!(st.routes, Routes::Untried) {
-            st.routes = match DeviceRoutes::new(x.device(), st.layers, routing.experts) {
+            let resident = (0..st.layers).map(|l| st.cache.resident(l)).collect();
+            st.routes = match DeviceRoutes::new(x.device(), routing.experts, resident) {
                 Ok(r) => Routes::On(r),
                 Err(e) => {
                     tracing::warn!(error = %e, "the experts stay routed on the host");
@@ -764,7 +768,6 @@ impl ExpertUnits for SplitExperts<'_> {
         }
         let store = self.device.rt.store().clone();
         let tuning = self.device.rt.tuning().kernels;
-        let resident = st.cache.resident(layer);
         let routed = match st.routes_mut() {
             Some(routes) => routes.layer(
                 layer,
@@ -780,11 +783,11 @@ impl ExpertUnits for SplitExperts<'_> {
             st.step_on_device = Some(false);
             return Ok(None);
         };
-        // The cache's experts the table does not name yet (fetched since): acquired, the
-        // device waiting for their copies.
-        let acquired = resident
+        // The experts the cache admitted since the layer's last row (their copies may be in
+        // flight: the device waits for them).
+        let acquired = routes
+            .take_unadopted(layer)
             .into_iter()
-            .filter(|&e| !routes.holds(layer, e))
             .map(|e| Ok((e, self.device.expert(layer, e, &|w| shape.load(w))?)))
             .collect::<Result<Vec<_>>>()?;
         if !acquired.is_empty() {

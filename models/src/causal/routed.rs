@@ -44,18 +44,38 @@ pub(crate) struct DeviceRoutes {
     table: Arc<ExpertTable>,
     layers: Vec<LayerState>,
     held: HashMap<(usize, usize), Expert>,
+    /// Per layer, the experts its cache admitted that the table does not name yet.
+    unadopted: Vec<Vec<usize>>,
     unsettled: Vec<usize>,
 }
 
 impl DeviceRoutes {
-    /// Routes for `layers` decoder layers of `experts` experts on `device`.
-    pub(crate) fn new(device: &Device, layers: usize, experts: usize) -> Result<Self> {
+    /// Routes for `layers` decoder layers of `experts` experts on `device`, the experts each
+    /// layer's cache holds now (`resident`) to be adopted.
+    pub(crate) fn new(device: &Device, experts: usize, resident: Vec<Vec<usize>>) -> Result<Self> {
+        let layers = resident.len();
         Ok(Self {
             table: Arc::new(ExpertTable::new(device, layers, experts)?),
             layers: (0..layers).map(|_| LayerState::Unknown).collect(),
             held: HashMap::new(),
+            unadopted: resident,
             unsettled: Vec::new(),
         })
+    }
+
+    /// `layer`'s cache admitted `expert`: the table names it once it is adopted.
+    pub(crate) fn admitted(&mut self, layer: usize, expert: usize) {
+        if let Some(v) = self.unadopted.get_mut(layer) {
+            v.push(expert);
+        }
+    }
+
+    /// The experts `layer`'s cache admitted since its last adoption.
+    pub(crate) fn take_unadopted(&mut self, layer: usize) -> Vec<usize> {
+        self.unadopted
+            .get_mut(layer)
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// `layer`'s routed shape, its table entries set to the host copies the first time;
@@ -92,11 +112,6 @@ impl DeviceRoutes {
         }
     }
 
-    /// Whether the table names `expert`'s device blocks.
-    pub(crate) fn holds(&self, layer: usize, expert: usize) -> bool {
-        self.held.contains_key(&(layer, expert))
-    }
-
     /// The experts of `layer`, each acquired on the device: their entries name their blocks
     /// from now on (enqueued, in as few launches as the table takes), and each is held until
     /// [`release`](Self::release). One whose blocks are not of the layer's routed shape is
@@ -126,9 +141,13 @@ impl DeviceRoutes {
         Ok(())
     }
 
-    /// `expert`'s entry back to its host copy (enqueued), then its guard dropped: its unit
-    /// may leave the device once the rows before have run. Nothing where it is not held.
+    /// `expert` leaves `layer`'s cache: its entry back to its host copy (enqueued), then its
+    /// guard dropped, so that its unit may leave the device once the rows before have run;
+    /// nothing to adopt where it was not adopted yet.
     pub(crate) fn release(&mut self, layer: usize, expert: usize) -> Result<()> {
+        if let Some(v) = self.unadopted.get_mut(layer) {
+            v.retain(|&e| e != expert);
+        }
         let Some(held) = self.held.remove(&(layer, expert)) else {
             return Ok(());
         };
