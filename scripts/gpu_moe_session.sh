@@ -18,7 +18,8 @@
 #   each budget and prompt length (POLICY=lfu, PREFETCH=1 and GUESS=N (layers guessed ahead) for the other expert options,
 #   SPLIT=fetch for every missing expert fetched instead of the split's choice,
 #   PER_EXPERT=1 for each expert's own decode matmuls instead of the grouped launches,
-#   ROUTE=host|device for who chooses a decode row's experts (auto by default))
+#   ROUTE=host|device for who chooses a decode row's experts (auto by default),
+#   NO_GRAPHS=1 for every decode step eager (no CUDA graph of the device-routed steps))
 #   -> $OUT/moe-ROUTING-WEIGHTS-pPROMPTS-POLICY.json (bench_generate's
 #   records, each with the expert cache's hit rate, experts per token by place, host bytes per
 #   token, the host's read rate and the physical bound).
@@ -110,7 +111,7 @@ case "$1" in
     while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 10; done
     grep -v "^+" /tmp/moe-write.log; ls -la /tmp/gguf
     [[ -n "${NO_PEER:-}" || -x /tmp/llamacpp/build/bin/llama-bench ]] || { echo "no llama-bench (call1 first)"; exit 1; }
-    name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${PREFETCH:+-prefetch}${GUESS:+-guess$GUESS}${SPLIT:+-split-$SPLIT}${ROUTE:+-route-$ROUTE}${PER_EXPERT:+-per-expert}"
+    name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${PREFETCH:+-prefetch}${GUESS:+-guess$GUESS}${SPLIT:+-split-$SPLIT}${ROUTE:+-route-$ROUTE}${PER_EXPERT:+-per-expert}${NO_GRAPHS:+-no-graphs}"
     # NO_PEER=1: ours alone (an A/B of our options, no rows).
     peer="--llamacpp-bin /tmp/llamacpp/build/bin --llamacpp-moe --llamacpp-reps 2"
     [[ -n "${NO_PEER:-}" ]] && { peer=""; name="$name-alone"; }
@@ -120,7 +121,7 @@ case "$1" in
       --budgets "$budgets" --prompt-lens "$prompts" \
       --new-tokens "${NEW_TOKENS:-16}" $peer --expert-policy "${POLICY:-lru}" ${PREFETCH:+--expert-prefetch} \
       ${GUESS:+--expert-guess-layers $GUESS} \
-      ${PER_EXPERT:+--per-expert} --expert-split "${SPLIT:-auto}" --expert-route "${ROUTE:-auto}" \
+      ${PER_EXPERT:+--per-expert} ${NO_GRAPHS:+--no-graphs} --expert-split "${SPLIT:-auto}" --expert-route "${ROUTE:-auto}" \
       --json-out "$OUT/$name.json") > "$OUT/$name.log" 2>&1
     echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:|llama.cpp -ngl" "$OUT/$name.log" | tail -20
     cp "$OUT/$name.json" "$FINAL/" 2>/dev/null

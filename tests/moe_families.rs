@@ -612,6 +612,10 @@ fn moe_device_route_equals_the_host_route(device: &Device) -> anyhow::Result<()>
                 0,
                 "{name}: decode steps routed on the device trimmed the weight pool"
             );
+            // From the second decode step on, each is one launch of a captured graph.
+            let g = on_device.graph_stats();
+            assert!(g.captures >= 1 && g.replays > 0, "{name}: {g:?}");
+            assert_eq!(on_host.graph_stats().replays, 0, "{name}: host route");
         } else {
             assert_eq!(s.device_routed, 0, "{name}: {s:?}");
         }
@@ -665,6 +669,8 @@ fn moe_device_route_when_every_expert_fits(device: &Device) -> anyhow::Result<()
             );
             assert!(s.device_routed > 0, "{s:?}");
             assert_eq!(s.on_host, 0, "{s:?}");
+            let g = tiered.graph_stats();
+            assert!(g.replays > 0, "{g:?}");
         }
         None => assert!(!device.is_cuda(), "no tier on {device:?}"),
     }

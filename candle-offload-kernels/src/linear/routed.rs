@@ -95,8 +95,16 @@ impl ExpertTable {
         self.inner.forward(layer, self.experts, x, logits, shape)
     }
 
+    /// A captured step that routes rows through this table was launched (after it on the
+    /// device's stream): [`chosen`](Self::chosen) waits for it from now on. A row routed
+    /// eagerly needs no call.
+    pub fn replayed(&self) -> Result<()> {
+        self.inner.record_copied()
+    }
+
     /// The experts the last [`forward`](Self::forward) of `layer` chose, in expert order:
-    /// waits until the device has written them.
+    /// waits until the device has written them (for a captured step's rows, once
+    /// [`replayed`](Self::replayed) says it was launched).
     pub fn chosen(&self, layer: usize, top_k: usize) -> Result<Vec<u32>> {
         if layer >= self.layers {
             candle_core::bail!("expert table: no layer {layer} ({} layers)", self.layers);
@@ -137,6 +145,9 @@ mod imp {
             candle_core::bail!("{NO_CUDA}")
         }
         pub(super) fn chosen(&self, _: usize, _: usize) -> Result<Vec<u32>> {
+            candle_core::bail!("{NO_CUDA}")
+        }
+        pub(super) fn record_copied(&self) -> Result<()> {
             candle_core::bail!("{NO_CUDA}")
         }
     }

@@ -2,10 +2,9 @@
 //! groups in device memory, `moe_route` and `moe_table_set` (kernels/moe.cu), the grouped
 //! kernels' `_at_` twins, and each layer's chosen experts copied back into page-locked memory.
 
-use std::sync::Mutex;
-
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
+    result, sys, CudaEvent, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice,
+    PushKernelArg, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice as S, WrapErr};
 use candle_core::quantized::QTensor;
@@ -45,8 +44,14 @@ pub(super) struct Table {
     /// The device addresses of `table` and `groups`.
     table_at: u64,
     groups_at: u64,
-    /// Per layer, its last row's chosen experts (the `ids` of its group), copied back.
-    chosen: Mutex<Vec<PinnedHostSlice<u8>>>,
+    /// Per layer, its last row's chosen experts (the `ids` of its group, `MAX_GROUP_EXPERTS`
+    /// u32 a layer), copied back by plain copies (no event of cudarc's: a captured step's copy
+    /// would leave one that cannot be waited on), and its address.
+    chosen: PinnedHostSlice<u32>,
+    chosen_at: usize,
+    /// Recorded after the copies of an eager row, and by [`record_copied`](Self::record_copied)
+    /// after a captured step's launch: what [`chosen`](Self::chosen) waits for.
+    copied: CudaEvent,
 }
 
 impl std::fmt::Debug for Table {
@@ -66,22 +71,24 @@ impl Table {
         let table_at = table.device_ptr(&stream).0;
         let groups_at = groups.device_ptr(&stream).0;
         let ctx = stream.context();
-        let chosen = (0..layers)
-            .map(|_| {
-                // SAFETY: uninitialised page-locked memory, written by the copy `forward`
-                // enqueues before `chosen` reads it (and zeroed here before that).
-                let mut p = unsafe { ctx.alloc_pinned::<u8>(MAX_GROUP_EXPERTS * 4) }.w()?;
-                p.as_mut_slice().w()?.fill(0);
-                Ok(p)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        // SAFETY: uninitialised page-locked memory, zeroed here before any copy into it (the
+        // copies `forward` enqueues write whole layers' ids).
+        let mut chosen =
+            unsafe { ctx.alloc_pinned::<u32>(layers.max(1) * MAX_GROUP_EXPERTS) }.w()?;
+        chosen.as_mut_slice().w()?.fill(0);
+        let chosen_at = chosen.as_mut_ptr().w()? as usize;
+        let copied = ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .w()?;
         Ok(Self {
             dev: dev.clone(),
             table,
             groups,
             table_at,
             groups_at,
-            chosen: Mutex::new(chosen),
+            chosen,
+            chosen_at,
+            copied,
         })
     }
 
@@ -131,6 +138,9 @@ impl Table {
         logits: &Tensor,
         shape: &RoutedShape,
     ) -> Result<Tensor> {
+        if (layer + 1) * GROUP_BYTES > self.groups.len() {
+            candle_core::bail!("expert table: no routed group of layer {layer}");
+        }
         let hidden = x.dim(D::Minus1)?;
         let x2 = x.reshape((1, hidden))?;
         let x2 = if aligned16(x2.layout(), x2.dtype()) && x2.is_contiguous() {
@@ -164,14 +174,22 @@ impl Table {
         };
         // The chosen experts, back to the host behind the row's kernels.
         let stream = self.dev.cuda_stream();
-        let at = layer * GROUP_BYTES + IDS_AT;
-        let ids = self.groups.slice(at..at + MAX_GROUP_EXPERTS * 4);
-        let mut chosen = self
-            .chosen
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("expert table: a lock is poisoned".into()))?;
-        stream.memcpy_dtoh(&ids, &mut chosen[layer]).w()?;
-        drop(chosen);
+        let ids_at = self.groups_at + (layer * GROUP_BYTES + IDS_AT) as u64;
+        let dst = (self.chosen_at + layer * MAX_GROUP_EXPERTS * 4) as *mut u32;
+        // SAFETY: `dst` is layer `layer`'s MAX_GROUP_EXPERTS u32 of `chosen` (page-locked,
+        // layers · MAX_GROUP_EXPERTS long, alive as long as `self`; `layer` < layers, checked by
+        // `ExpertTable::forward`), read on the host only by `chosen` after the event recorded
+        // behind this copy; `ids_at` is the layer's group's MAX_GROUP_EXPERTS u32 indices,
+        // inside `groups`. The copy is in stream order after `moe_route` wrote them.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(dst, MAX_GROUP_EXPERTS);
+            result::memcpy_dtoh_async(dst, ids_at, stream.cu_stream())
+        }
+        .w()?;
+        if stream.capture_status().w()? == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        {
+            self.record_copied()?;
+        }
         Ok(Tensor::from_storage(
             candle_core::Storage::Cuda(out),
             x.shape().clone(),
@@ -290,17 +308,22 @@ impl Table {
         Ok(out)
     }
 
+    /// Records `copied` behind the work enqueued so far.
+    pub(super) fn record_copied(&self) -> Result<()> {
+        self.copied.record(&self.dev.cuda_stream()).w()
+    }
+
     pub(super) fn chosen(&self, layer: usize, k: usize) -> Result<Vec<u32>> {
-        let chosen = self
-            .chosen
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("expert table: a lock is poisoned".into()))?;
-        let bytes = chosen[layer].as_slice().w()?;
-        Ok(bytes
-            .chunks_exact(4)
-            .take(k)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
+        if (layer + 1) * MAX_GROUP_EXPERTS > self.chosen.len() {
+            candle_core::bail!("expert table: no chosen experts of layer {layer}");
+        }
+        self.copied.synchronize().w()?;
+        let at = (self.chosen_at + layer * MAX_GROUP_EXPERTS * 4) as *const u32;
+        // SAFETY: layer `layer`'s MAX_GROUP_EXPERTS u32 inside `chosen` (`layer` < layers,
+        // checked by `ExpertTable::chosen`), written by copies that completed before the event
+        // just waited for (or zero).
+        let ids = unsafe { std::slice::from_raw_parts(at, MAX_GROUP_EXPERTS) };
+        Ok(ids[..k].to_vec())
     }
 }
 

@@ -26,7 +26,9 @@ impl OffloadRuntime {
         let Some(Resident { mut weights, sync }) = st.resident[v.0].take() else {
             return Ok(());
         };
-        st.generation += 1;
+        if !st.indirect[v.0] {
+            st.generation += 1;
+        }
         self.log(
             st,
             EventKind::Evict,

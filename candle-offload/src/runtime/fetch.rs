@@ -341,7 +341,9 @@ impl OffloadRuntime {
             });
         }
         st.resident[u.0] = Some(Resident { weights, sync });
-        st.generation += 1;
+        if !st.indirect[u.0] {
+            st.generation += 1;
+        }
         self.log(st, EventKind::Fetch, Some(u), size, reason, None);
         let used = st.cache.used();
         st.telemetry.peak_resident = st.telemetry.peak_resident.max(used);

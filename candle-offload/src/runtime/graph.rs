@@ -15,12 +15,35 @@ pub struct StepGraph {
 }
 
 impl OffloadRuntime {
-    /// Whether every unit this runtime serves is on its device with its copies done: what
+    /// Whether every unit this runtime serves, but the indirect ones
+    /// ([`set_indirect`](Self::set_indirect)), is on its device with its copies done: what
     /// [`capture_step`](Self::capture_step) needs (a fully resident model after its first
     /// pass). Always false off the GPU.
     pub fn all_resident(&self) -> candle_core::Result<bool> {
-        let served = self.shared.served.iter().enumerate().filter(|(_, s)| **s);
-        self.resident_all_of(served.map(|(u, _)| UnitId(u)))
+        let direct: Vec<UnitId> = {
+            let st = self.state()?;
+            (0..self.shared.served.len())
+                .filter(|&u| self.shared.served[u] && !st.indirect[u])
+                .map(UnitId)
+                .collect()
+        };
+        self.resident_all_of(direct)
+    }
+
+    /// Marks `units` indirect: a captured step reads them only through addresses its caller
+    /// keeps true outside the graph (a table of where each one is, set between launches,
+    /// while the caller holds the ones it names; a mixture-of-experts layer's experts). Their
+    /// arrivals and departures leave a captured step valid, and a capture does not wait for
+    /// them to be resident. A captured step that acquires one directly reads freed memory
+    /// once it moves: the caller's to avoid.
+    pub fn set_indirect(&self, units: impl IntoIterator<Item = UnitId>) -> candle_core::Result<()> {
+        let mut st = self.state()?;
+        for UnitId(u) in units {
+            if let Some(x) = st.indirect.get_mut(u) {
+                *x = true;
+            }
+        }
+        Ok(())
     }
 
     /// [`all_resident`](Self::all_resident) for `units` only (a capture of part of a step,
@@ -146,6 +169,29 @@ mod tests {
     use super::super::config::OffloadConfig;
     use super::super::shared::OffloadRuntime;
     use super::super::testutil::zero_layers;
+    use crate::cache::UnitId;
+
+    /// An indirect unit's arrival and departure leave the residency generation (what a
+    /// captured step's replay checks) as it was; a direct one's change it.
+    #[test]
+    fn indirect_units_leave_a_captured_step_valid() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let rt = OffloadRuntime::new(
+            Arc::new(zero_layers(2, 64, &dev)?),
+            &dev,
+            &OffloadConfig::default(),
+        )?;
+        rt.set_indirect([UnitId(1)])?;
+        let generation = || rt.state().map(|st| st.generation);
+        let g0 = generation()?;
+        drop(rt.acquire_layer(1)?);
+        assert!(rt.evict_unit(UnitId(1))?, "layer 1 was resident");
+        assert_eq!(generation()?, g0, "an indirect unit moved the generation");
+        drop(rt.acquire_layer(0)?);
+        assert!(generation()? > g0, "a direct unit's arrival left the generation");
+        Ok(())
+    }
+
     #[test]
     fn a_cpu_runtime_captures_no_step() -> anyhow::Result<()> {
         let dev = Device::Cpu;

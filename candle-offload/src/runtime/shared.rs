@@ -66,9 +66,13 @@ pub(super) struct State {
     /// An upload freed spare buffers whose room no new buffer took back
     /// ([`OffloadRuntime::trim_if_pending`]).
     pub(super) trim_pending: bool,
-    /// Bumped whenever a unit arrives or leaves: a captured step holds the addresses of the
-    /// units resident at its capture and may replay only while this is unchanged.
+    /// Bumped whenever a unit arrives or leaves, except an indirect one: a captured step
+    /// holds the addresses of the units resident at its capture and may replay only while
+    /// this is unchanged.
     pub(super) generation: u64,
+    /// Per unit: a captured step reads it only through addresses its caller keeps true
+    /// outside the graph ([`OffloadRuntime::set_indirect`]).
+    pub(super) indirect: Vec<bool>,
     /// A captured step was replayed: units' `last_use` events predate work on the compute
     /// stream, so an eviction records a fresh one first (hazard H19).
     pub(super) replayed: bool,
@@ -91,6 +95,7 @@ impl State {
             spare_blocks: Vec::new(),
             trim_pending: false,
             generation: 0,
+            indirect: vec![false; units],
             replayed: false,
         }
     }

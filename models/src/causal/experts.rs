@@ -202,13 +202,19 @@ struct TierState {
     /// step on a GPU).
     prev_route: Option<bool>,
     /// The last sparse layer a step reached, and who looked at it (a lower one, or the same
-    /// one looked at again but by `place` after `device_route`, starts a new step).
+    /// one looked at again but by `place` after `device_route`, starts a new step; nothing
+    /// does after a step's beginning).
     last_layer: Option<(usize, Visit)>,
+    /// A step replayed from a CUDA graph is under way (its capture, or its launch): every
+    /// sparse layer routes on the device from the table as it is.
+    in_graph: bool,
 }
 
-/// Who looked at a layer of a step: the device route's check, or `place`.
+/// Who looked at a layer of a step: the device route's check, or `place`; or a step began
+/// ([`SplitExperts::begin_graph_step`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Visit {
+    Begin,
     Route,
     Place,
 }
@@ -296,7 +302,7 @@ impl ExpertTier {
     }
 
     /// Every expert unit of the model in `store`.
-    fn expert_units(layout: &Layout, store: &HostStore) -> Vec<UnitId> {
+    pub(crate) fn expert_units(layout: &Layout, store: &HostStore) -> Vec<UnitId> {
         let Some(x) = &layout.experts else {
             return Vec::new();
         };
@@ -385,6 +391,7 @@ impl ExpertTier {
                 step_started: None,
                 prev_route: None,
                 last_layer: None,
+                in_graph: false,
             }),
         })
     }
@@ -501,19 +508,26 @@ impl SplitExperts<'_> {
         Ok(true)
     }
 
-    /// At `layer` of a step (`decode`: of one row): where it starts a new step, the step
-    /// before is timed for the route chooser (a decode step after one on the same route,
-    /// followed by a decode step), and the device's choices of the step before are read back
-    /// and counted, and their misses admitted and fetched for the next steps.
+    /// At `layer` of a step (`decode`: of one row): where it starts a new step (see
+    /// [`new_step`](Self::new_step)).
     fn step_at(&self, st: &mut TierState, layer: usize, visit: Visit, decode: bool) -> Result<()> {
         let new_step = st.last_layer.is_some_and(|(l, was)| {
-            layer < l || (layer == l && !(was == Visit::Route && visit == Visit::Place))
+            was != Visit::Begin
+                && (layer < l || (layer == l && !(was == Visit::Route && visit == Visit::Place)))
         });
         st.last_layer = Some((layer, visit));
         if !new_step {
             st.step_started.get_or_insert_with(std::time::Instant::now);
             return Ok(());
         }
+        self.new_step(st, decode)
+    }
+
+    /// A new step starts (`decode`: of one row): the step before is timed for the route
+    /// chooser (a decode step after one on the same route, followed by a decode step), and
+    /// the device's choices of the step before are read back and counted, and their misses
+    /// admitted and fetched for the next steps.
+    fn new_step(&self, st: &mut TierState, decode: bool) -> Result<()> {
         let now = std::time::Instant::now();
         match (st.step_started, st.step_on_device) {
             (Some(t0), Some(route)) => {
@@ -560,6 +574,91 @@ impl SplitExperts<'_> {
             }
         }
         Ok(())
+    }
+
+    /// The experts `layer`'s cache admitted since its last adoption whose copies are done,
+    /// named by the table from now on (built as `shape` says); the others wait for a later
+    /// row (their entries still name their host copies), so that no row waits for a copy.
+    fn adopt_ready(&self, st: &mut TierState, layer: usize, shape: &ExpertShape) -> Result<()> {
+        let Some(routes) = st.routes_mut() else {
+            return Ok(());
+        };
+        let mut acquired = Vec::new();
+        let mut waiting = Vec::new();
+        for e in routes.take_unadopted(layer) {
+            if self.device.rt.resident_all_of([self.unit(layer, e)?])? {
+                acquired.push((e, self.device.expert(layer, e, &|w| shape.load(w))?));
+            } else {
+                waiting.push(e);
+            }
+        }
+        for e in waiting {
+            routes.admitted(layer, e);
+        }
+        if !acquired.is_empty() {
+            routes.adopt(layer, acquired)?;
+        }
+        Ok(())
+    }
+
+    /// Before a decode step that a CUDA graph may capture or replay: a new step starts, its
+    /// route chosen now for all of it; where that is the device's (and a step was routed
+    /// there before, so that the table knows every sparse layer), the experts admitted since
+    /// whose copies are done are adopted and `Ok(Ok(()))` tells the caller to go on, every
+    /// sparse layer of the step then routing on the device from the table as it is. Otherwise
+    /// why the step runs eagerly. [`end_graph_step`](Self::end_graph_step) follows in both
+    /// cases.
+    pub(crate) fn begin_graph_step(&self) -> Result<std::result::Result<(), String>> {
+        let mut st = self.lock()?;
+        self.new_step(&mut st, true)?;
+        st.last_layer = Some((0, Visit::Begin));
+        let on_device = match self.tier.route {
+            ExpertRoute::Host => false,
+            ExpertRoute::Device => true,
+            _ => st.chooser.choose(),
+        };
+        st.step_on_device = Some(on_device);
+        if !on_device {
+            return Ok(Err("the experts are routed on the host this step".into()));
+        }
+        if st.stats.device_routed == 0 {
+            return Ok(Err("no step was routed on the device yet".into()));
+        }
+        let layers = st.layers;
+        let shapes: Vec<(usize, ExpertShape)> = match st.routes_mut() {
+            Some(r) => (0..layers)
+                .filter_map(|l| Some((l, r.expert_shape(l)?)))
+                .collect(),
+            None => return Ok(Err("the experts are not routed on the device".into())),
+        };
+        for (l, shape) in shapes {
+            self.adopt_ready(&mut st, l, &shape)?;
+        }
+        st.in_graph = true;
+        Ok(Ok(()))
+    }
+
+    /// After [`begin_graph_step`](Self::begin_graph_step): whether a captured step was
+    /// `launched` (its rows' choices are read back at the next step), or the step runs
+    /// eagerly (its layers then ask the tier as usual; it has begun).
+    pub(crate) fn end_graph_step(&self, launched: bool) -> Result<()> {
+        let mut st = self.lock()?;
+        st.in_graph = false;
+        if launched {
+            if let Some(r) = st.routes_mut() {
+                r.launched()?;
+            }
+            // The next visit starts a new step.
+            st.last_layer = Some((usize::MAX, Visit::Place));
+        }
+        Ok(())
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, TierState>> {
+        self.tier
+            .state
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("the expert tier's lock is poisoned".into()))
     }
 
     fn host(&self) -> RuntimeExperts<'_> {
@@ -740,10 +839,19 @@ impl ExpertUnits for SplitExperts<'_> {
         if self.tier.route == ExpertRoute::Host || !x.device().is_cuda() {
             return Ok(None);
         }
-        let mut st =
-            self.tier.state.lock().map_err(|_| {
-                candle_core::Error::Msg("the expert tier's lock is poisoned".into())
+        let mut st = self.lock()?;
+        let store = self.device.rt.store().clone();
+        let tuning = self.device.rt.tuning().kernels;
+        if st.in_graph {
+            // A step a graph captures: the table as it is, nothing adopted or acquired.
+            let routes = st.routes_mut().ok_or_else(|| {
+                candle_core::Error::Msg("a captured step without the device's routing".into())
             })?;
+            let Some(routed) = routes.known_layer(layer, x, &tuning)? else {
+                candle_core::bail!("layer {layer}'s experts are not routed on the device");
+            };
+            return Ok(Some((routes.route(layer), routed)));
+        }
         self.step_at(&mut st, layer, Visit::Route, true)?;
         let wanted = match st.step_on_device {
             Some(w) => w,
@@ -766,8 +874,6 @@ impl ExpertUnits for SplitExperts<'_> {
                 }
             };
         }
-        let store = self.device.rt.store().clone();
-        let tuning = self.device.rt.tuning().kernels;
         let routed = match st.routes_mut() {
             Some(routes) => routes.layer(
                 layer,
@@ -778,21 +884,15 @@ impl ExpertUnits for SplitExperts<'_> {
             )?,
             None => None,
         };
-        let (Some(routed), Some(routes)) = (routed, st.routes_mut()) else {
+        let Some(routed) = routed else {
             // The host routes this step (its time is the host route's).
             st.step_on_device = Some(false);
             return Ok(None);
         };
-        // The experts the cache admitted since the layer's last row (their copies may be in
-        // flight: the device waits for them).
-        let acquired = routes
-            .take_unadopted(layer)
-            .into_iter()
-            .map(|e| Ok((e, self.device.expert(layer, e, &|w| shape.load(w))?)))
-            .collect::<Result<Vec<_>>>()?;
-        if !acquired.is_empty() {
-            routes.adopt(layer, acquired)?;
-        }
+        self.adopt_ready(&mut st, layer, shape)?;
+        let routes = st
+            .routes_mut()
+            .ok_or_else(|| candle_core::Error::Msg("the device's routing went away".into()))?;
         Ok(Some((routes.route(layer), routed)))
     }
 

@@ -23,6 +23,7 @@ use std::sync::atomic::Ordering;
 
 use candle_core::{DType, Result, Tensor, TensorId};
 
+use super::experts::StageExperts;
 use super::forward::StepInputs;
 use super::graph_state::{Captured, DeviceInputs, GpuRun, GraphStats, Pipeline, State};
 use super::model::{CausalLm, Stage};
@@ -92,9 +93,43 @@ impl CausalLm {
             self.graphs.state.lock().map_err(|_| {
                 candle_core::Error::Msg("the graph state's lock is poisoned".into())
             })?;
+        // An expert tier: a captured step routes every sparse layer's row on the device,
+        // through the tier's table, which the tier keeps true between launches.
+        let experts = self.stage_experts(stage);
+        if let StageExperts::Split(tier) = &experts {
+            if host_pipeline || batch != 1 {
+                return Ok(st.eager(
+                    "the experts of a batch, or beside host layers, are routed on the host".into(),
+                ));
+            }
+            if let Err(why) = tier.begin_graph_step()? {
+                tier.end_graph_step(false)?;
+                return Ok(st.eager(why));
+            }
+            let out = self.resident_step(&mut st, host_embed, input_ids, index_pos, pads, cache);
+            tier.end_graph_step(matches!(out, Ok(Some(_))))?;
+            return out;
+        }
         if host_pipeline {
             return self.pipeline_step(&mut st, input_ids, index_pos, pads, cache);
         }
+        self.resident_step(&mut st, host_embed, input_ids, index_pos, pads, cache)
+    }
+
+    /// [`graph_step`](Self::graph_step) of a model whose GPU stage runs every layer and the
+    /// head (with `host_embed`, the second of two stages, the first only looking the
+    /// embeddings up); `pads` empty where none pads.
+    fn resident_step(
+        &self,
+        st: &mut State,
+        host_embed: bool,
+        input_ids: &Tensor,
+        index_pos: usize,
+        pads: &[usize],
+        cache: &mut Cache,
+    ) -> Result<Option<Tensor>> {
+        let batch = input_ids.dim(0)?;
+        let stage = &self.stages[usize::from(host_embed)];
         if self.on_host.contains(&true) || self.head_on_host {
             return Ok(st.eager("layers or the output head run on the host".into()));
         }

@@ -299,6 +299,10 @@ impl OnDevice<'_> {
         } else {
             None
         };
+        if tier.is_some() {
+            // A captured decode step reads the experts only through the tier's table.
+            rt.set_indirect(super::experts::ExpertTier::expert_units(&layout, store))?;
+        }
         let mut model = CausalLm::assemble(cfg.clone(), vec![(rt, 0..n)], dtype, max_len, source)?;
         model.reserve_by_phase(share);
         model.prompt_chunk = chunk;

@@ -24,6 +24,8 @@ use crate::layers::{Expert, ExpertShape, Routing};
 #[derive(Debug)]
 struct LayerRoute {
     shape: RoutedShape,
+    /// How an expert's MLP is built from its weights (for adopting it).
+    expert: ExpertShape,
     /// Per expert, its host copy's gate, up and down blocks.
     host: Vec<ExpertAddrs>,
 }
@@ -47,6 +49,8 @@ pub(crate) struct DeviceRoutes {
     /// Per layer, the experts its cache admitted that the table does not name yet.
     unadopted: Vec<Vec<usize>>,
     unsettled: Vec<usize>,
+    /// The layers the captured step routes (each launch routes them all).
+    captured: Vec<usize>,
 }
 
 impl DeviceRoutes {
@@ -60,6 +64,7 @@ impl DeviceRoutes {
             held: HashMap::new(),
             unadopted: resident,
             unsettled: Vec::new(),
+            captured: Vec::new(),
         })
     }
 
@@ -106,9 +111,28 @@ impl DeviceRoutes {
                 None => LayerState::Off,
             };
         }
-        match &self.layers[layer] {
-            LayerState::On(r) if r.shape.fits(x, tuning)? => Ok(Some(r.shape)),
+        self.known_layer(layer, x, tuning)
+    }
+
+    /// [`layer`](Self::layer) where the layer was looked at before; `None`, setting nothing,
+    /// where it was not (a captured step's rows enqueue no change of the table).
+    pub(crate) fn known_layer(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        tuning: &candle_offload::KernelTuning,
+    ) -> Result<Option<RoutedShape>> {
+        match self.layers.get(layer) {
+            Some(LayerState::On(r)) if r.shape.fits(x, tuning)? => Ok(Some(r.shape)),
             _ => Ok(None),
+        }
+    }
+
+    /// How `layer`'s experts are built, where the table routes its rows.
+    pub(crate) fn expert_shape(&self, layer: usize) -> Option<ExpertShape> {
+        match self.layers.get(layer) {
+            Some(LayerState::On(r)) => Some(r.expert),
+            _ => None,
         }
     }
 
@@ -161,8 +185,23 @@ impl DeviceRoutes {
     /// The table, for a row of `layer` about to be routed on the device (read back at the
     /// next [`settle`](Self::settle)).
     pub(crate) fn route(&mut self, layer: usize) -> Arc<ExpertTable> {
-        self.unsettled.push(layer);
+        if !self.unsettled.contains(&layer) {
+            self.unsettled.push(layer);
+        }
         self.table.clone()
+    }
+
+    /// A captured step was launched: its layers' choices are read back at the next
+    /// [`settle`](Self::settle). The layers routed since the last settle are the ones a step
+    /// just captured routes (its warm-up and capture asked for them); without any, it is a
+    /// replay of the last capture.
+    pub(crate) fn launched(&mut self) -> Result<()> {
+        if self.unsettled.is_empty() {
+            self.unsettled = self.captured.clone();
+        } else {
+            self.captured = self.unsettled.clone();
+        }
+        self.table.replayed()
     }
 
     /// Each layer routed since the last call with the experts the device chose for it: waits
@@ -238,6 +277,7 @@ fn host_copies(
         return Ok(None);
     };
     Ok(Some(LayerRoute {
+        expert: *shape,
         shape: RoutedShape {
             gate,
             down,
