@@ -605,7 +605,23 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
     QLINEAR3K_EXPERTS_ONE(T, SUFFIX, 2, KT_Q6_K, q6_k)                                          \
     QLINEAR3K_EXPERTS_ONE(T, SUFFIX, 4, KT_Q6_K, q6_k)
 
+// qlinear3k_rows_experts_<q>_<dtype>: qlinear3_rows_experts_<q>_<dtype>'s arguments and
+// contract (linear_q8.cu) for K-quant blocks, qlinear3k_small_r2_m8 per chunk.
+#define QLINEAR3K_ROWS_EXPERTS_ONE(T, SUFFIX, KT, QNAME)                                        \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
+        qlinear3k_rows_experts_##QNAME##_##SUFFIX(                                              \
+        const T *x, const uint64_t *w0, const uint64_t *w1, const RowChunk *chunks, T *y,       \
+        uint32_t n0, uint32_t k, uint32_t silu, uint32_t xblocks) {                             \
+        const RowChunk c = chunks[blockIdx.y];                                                  \
+        const uint8_t *a = reinterpret_cast<const uint8_t *>(w0[c.expert]);                     \
+        const uint8_t *b = reinterpret_cast<const uint8_t *>(w1[c.expert]);                     \
+        qlinear3k_small<T, ROWS_CHUNK_MAX, KT, 2, 1>(x + (size_t)c.row * k, a, b, a,            \
+                                                     y + (size_t)c.row * n0, c.rows, n0,        \
+                                                     silu ? n0 : 0u, 0u, k, silu, xblocks);     \
+    }
 #define LINEAR_K_FOR(T, SUFFIX)                                                                 \
+    QLINEAR3K_ROWS_EXPERTS_ONE(T, SUFFIX, KT_Q4_K, q4_k)                                        \
+    QLINEAR3K_ROWS_EXPERTS_ONE(T, SUFFIX, KT_Q6_K, q6_k)                                        \
     QLINEAR3K_EXPERTS_ALL(T, SUFFIX)                                                            \
     QLINEAR_K2_SMALL_ALL(T, SUFFIX)                                                             \
     QLINEAR4K_SMALL_ALL(T, SUFFIX)                                                              \

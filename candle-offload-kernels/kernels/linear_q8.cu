@@ -361,7 +361,25 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
                                     y + (size_t)e * (silu ? n0 : n0 + n1), 1u, n0, n1, 0u, k,   \
                                     silu, xblocks);                                             \
     }
+// qlinear3_rows_experts_<q>_<dtype>: variant 3 (2 weight rows per warp) over a prompt's rows
+// sorted by expert, blockIdx.y chunk c (`RowChunk`): rows c.row .. c.row + c.rows of x (k
+// wide) against expert c.expert's weights w0[c.expert] (and w1[c.expert], the up projection,
+// with silu), into the same rows of y (n0 wide; with silu, silu(gate) · up of n0 columns
+// each). Otherwise qlinear3_small_r2_m8's contract per chunk.
+#define QLINEAR3_ROWS_EXPERTS_FOR(T, SUFFIX, M, QT, QNAME, R)                                   \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 7)                              \
+        qlinear3_rows_experts_##QNAME##_##SUFFIX(                                               \
+        const T *x, const uint64_t *w0, const uint64_t *w1, const RowChunk *chunks, T *y,       \
+        uint32_t n0, uint32_t k, uint32_t silu, uint32_t xblocks) {                             \
+        const RowChunk c = chunks[blockIdx.y];                                                  \
+        const uint8_t *a = reinterpret_cast<const uint8_t *>(w0[c.expert]);                     \
+        const uint8_t *b = reinterpret_cast<const uint8_t *>(w1[c.expert]);                     \
+        qlinear_small3<T, ROWS_CHUNK_MAX, QT, 2>(x + (size_t)c.row * k, a, b, a,                \
+                                                 y + (size_t)c.row * n0, c.rows, n0,            \
+                                                 silu ? n0 : 0u, 0u, k, silu, xblocks);         \
+    }
 #define LINEAR_Q8_FOR(T, SUFFIX)                                                                \
+    QLINEAR_RM_TYPES(QLINEAR3_ROWS_EXPERTS_FOR, T, SUFFIX, 8, 2)                                \
     QLINEAR_RM_TYPES(QLINEAR3_EXPERTS_FOR, T, SUFFIX, 1, 2)                                     \
     QLINEAR_RM_TYPES(QLINEAR3_EXPERTS_FOR, T, SUFFIX, 1, 4)                                     \
     QLINEAR_RM_ALL(QLINEAR3_SMALL_FOR, T, SUFFIX)                                               \

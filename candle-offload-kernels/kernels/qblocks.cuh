@@ -298,3 +298,12 @@ struct GroupWeights {
 struct GroupScales {
     float w[MAX_GROUP_EXPERTS];
 };
+
+// A prompt's rows routed to several experts, sorted by expert (`linear::experts_rows`): one
+// launch's blockIdx.y takes the chunk of at most ROWS_CHUNK_MAX rows of one expert: rows
+// `row` .. `row + rows` of x and y, against expert `expert`'s weights (its entry of the
+// launch's table of weight addresses).
+#define ROWS_CHUNK_MAX 8
+struct RowChunk {
+    uint32_t expert, row, rows, pad;
+};

@@ -122,3 +122,93 @@ test_device!(
     expert_table_routes_as_route_row_cpu,
     expert_table_routes_as_route_row_gpu
 );
+
+/// A prompt's rows sorted by expert (`linear::qexperts_rows`): 12 experts with 0 to 19 rows
+/// each (chunks of 8 and their remainders, an expert without rows), against each row through
+/// its expert alone (`qexperts_row` of weight 1), within the dtype's tolerance. Q8_0 experts,
+/// and Q4_K gates and ups with Q6_K downs. On a CPU the kernels take none.
+fn qexperts_rows_match_each_row_alone(device: &Device) -> anyhow::Result<()> {
+    let (hidden, inter) = (256usize, 512usize);
+    let rows_of = [3usize, 0, 8, 19, 1, 9, 16, 2, 7, 0, 5, 11];
+    let tun = KernelTuning::default();
+    for (t, &(gt, dt)) in [
+        (GgmlDType::Q8_0, GgmlDType::Q8_0),
+        (GgmlDType::Q4K, GgmlDType::Q6K),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let q = |shape: &[usize], ty, s: u64| -> anyhow::Result<QTensor> {
+            let v = random(
+                shape,
+                1.0 / (shape[1] as f32).sqrt(),
+                s,
+                DType::F32,
+                &Device::Cpu,
+            )?;
+            Ok(QTensor::quantize_onto(&v, ty, device)?)
+        };
+        let weights: Vec<[QTensor; 3]> = (0..rows_of.len())
+            .map(|e| {
+                let s = 7000 + 100 * t as u64 + 3 * e as u64;
+                Ok([
+                    q(&[inter, hidden], gt, s)?,
+                    q(&[inter, hidden], gt, s + 1)?,
+                    q(&[hidden, inter], dt, s + 2)?,
+                ])
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let experts: Vec<linear::QExpertRows<'_>> = weights
+            .iter()
+            .zip(rows_of)
+            .map(|([g, u, d], rows)| linear::QExpertRows {
+                gate: g,
+                up: u,
+                down: d,
+                rows,
+            })
+            .collect();
+        let n: usize = rows_of.iter().sum();
+        for dtype in DTYPES {
+            let what = format!("qexperts_rows {gt:?}/{dt:?} {dtype:?}");
+            let x = random(&[n, hidden], 1.0, 40 + t as u64, dtype, device)?;
+            anyhow::ensure!(
+                linear::qexperts_rows_fits(&x, &experts, &tun)? == device.is_cuda(),
+                "{what}: the kernels' fit on {device:?}"
+            );
+            if !device.is_cuda() {
+                anyhow::ensure!(linear::qexperts_rows(&x, &experts, &tun).is_err(), "{what}");
+                continue;
+            }
+            let got = linear::qexperts_rows(&x, &experts, &tun)?;
+            anyhow::ensure!(got.dims() == [n, hidden] && got.dtype() == dtype, "{what}");
+            let mut at = 0;
+            for (e, &rows) in rows_of.iter().enumerate() {
+                let one = [linear::QExpert {
+                    gate: &weights[e][0],
+                    up: &weights[e][1],
+                    down: &weights[e][2],
+                    weight: 1.0,
+                }];
+                for r in at..at + rows {
+                    let want = linear::qexperts_row(&x.narrow(0, r, 1)?, &one, &tun)?;
+                    let row = got.narrow(0, r, 1)?;
+                    ensure_close_values(&format!("{what} expert {e} row {r}"), &row, &want, dtype)?;
+                }
+                at += rows;
+            }
+            // Rows that are not the experts' are refused.
+            anyhow::ensure!(
+                linear::qexperts_rows(&x.narrow(0, 0, n - 1)?, &experts, &tun).is_err(),
+                "{what}: one row short"
+            );
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    qexperts_rows_match_each_row_alone,
+    qexperts_rows_match_each_row_alone_cpu,
+    qexperts_rows_match_each_row_alone_gpu
+);

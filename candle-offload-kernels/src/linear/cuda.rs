@@ -161,13 +161,13 @@ fn qlinear_small_stage_vecs(block_bytes: usize) -> usize {
 
 /// [`qlinear_small_stage_vecs`] for variant 2 (`QStage2<QT>::VECS`, per weight row): whole
 /// blocks, a multiple of 32 and at least 32, about 1.1 KB, plus the alignment slack.
-fn qlinear2_small_stage_vecs(block_bytes: usize) -> usize {
+pub(crate) fn qlinear2_small_stage_vecs(block_bytes: usize) -> usize {
     let blocks = 32 * (1152 / block_bytes / 32).max(1);
     (blocks * block_bytes + 31) / 16 + 1
 }
 
 /// Warps per block of threads of the `qlinear_small` kernels (`OPS_WARPS` in kernels/qblocks.cuh).
-const QLINEAR_WARPS: usize = 4;
+pub(crate) const QLINEAR_WARPS: usize = 4;
 
 /// Variant 3's dynamic shared memory per block of threads at most: what a launch gets without
 /// opting in to more. An SM holds 4 blocks of threads of that much (16 warps); a 7B model's
@@ -177,12 +177,12 @@ const QLINEAR3_SHARED_BYTES: usize = 48 * 1024;
 
 /// Variant 3's bytes per block of 32 elements of one row of x (`XBlock8` and the quants in
 /// kernels/q8.cuh): 32 quants, the scale and the quants' sum.
-const QLINEAR3_X_BLOCK_BYTES: usize = 40;
+pub(crate) const QLINEAR3_X_BLOCK_BYTES: usize = 40;
 
 /// Variant 3's chunk of x (`xblocks`, in blocks of 32 elements, a multiple of 32): all of x's
 /// `nb` blocks per row when its `m` rows fit into [`QLINEAR3_SHARED_BYTES`] beside the warps'
 /// weight stages (`stage_bytes`), else as many as fit.
-fn qlinear3_x_blocks(m: usize, nb: usize, stage_bytes: usize) -> usize {
+pub(crate) fn qlinear3_x_blocks(m: usize, nb: usize, stage_bytes: usize) -> usize {
     let fit = QLINEAR3_SHARED_BYTES.saturating_sub(stage_bytes) / (m * QLINEAR3_X_BLOCK_BYTES);
     nb.next_multiple_of(32).min((fit / 32 * 32).max(32))
 }

@@ -66,17 +66,29 @@ pub(crate) fn grouped_fits(
     (hidden, inter): (usize, usize),
     tuning: &KernelTuning,
 ) -> Result<bool> {
-    let kernel = |t| qlinear_small_type(t).is_some() && (!is_qlinear_k_type(t) || tuning.qlinear_k);
-    Ok(tuning.grouped_experts
-        && x.device().is_cuda()
+    Ok(x.device().is_cuda()
         && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
         && x.elem_count() == hidden
         && x.dim(D::Minus1)? == hidden
+        && types_fit((gate, down), (hidden, inter), tuning))
+}
+
+/// What the grouped kernels need of experts whose gate and up are `(inter, hidden)` blocks of
+/// `gate`'s type and whose down is `(hidden, inter)` of `down`'s:
+/// [`KernelTuning::grouped_experts`] on, both types ones the decode kernels have (the K-quants
+/// when [`KernelTuning::qlinear_k`] is on), widths multiples of their blocks.
+pub(crate) fn types_fit(
+    (gate, down): (GgmlDType, GgmlDType),
+    (hidden, inter): (usize, usize),
+    tuning: &KernelTuning,
+) -> bool {
+    let kernel = |t| qlinear_small_type(t).is_some() && (!is_qlinear_k_type(t) || tuning.qlinear_k);
+    tuning.grouped_experts
         && kernel(gate)
         && kernel(down)
         && hidden.is_multiple_of(gate.block_size())
         && inter.is_multiple_of(down.block_size())
-        && inter.is_multiple_of(32))
+        && inter.is_multiple_of(32)
 }
 
 /// `Σ_e weight_e · down_e(silu(gate_e · x) · (up_e · x))` for one row x (…, hidden): on a

@@ -1,7 +1,8 @@
 //! Linear layers, `x · wᵀ`: a decode step's few rows against dense weights
 //! ([`linear_small`]) or GGML blocks ([`qlinear_small`]) on a GPU, in one bandwidth-bound pass
 //! over the weight, also for two or three weights that read the same x in one launch (q, k and
-//! v; a SwiGLU's gate and up with the SiLU · mul; a decode row's routed experts, [`qexperts_row`]); and on the CPU the quantized
+//! v; a SwiGLU's gate and up with the SiLU · mul; a decode row's routed experts, [`qexperts_row`],
+//! and a prompt's, [`qexperts_rows`]); and on the CPU the quantized
 //! ([`cpu_quant`]) and 16-bit ([`cpu_dense`]) matmuls with their SIMD kernels, split over the
 //! [`crate::pool`]'s workers. On a CUDA device the few-row ops run `kernels/linear.cu`,
 //! `kernels/linear_q8.cu` and `kernels/linear_k.cu`; elsewhere the compositions they replace.
@@ -14,6 +15,7 @@ pub mod cpu_quant;
 #[allow(unsafe_code)]
 mod cuda;
 mod experts;
+mod experts_rows;
 mod layer;
 pub mod lora;
 mod quantized;
@@ -22,6 +24,9 @@ pub mod routed;
 #[allow(unsafe_code)]
 mod routed_cuda;
 mod routed_shape;
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+mod rows_cuda;
 #[allow(unsafe_code)]
 mod simd;
 #[allow(unsafe_code)]
@@ -33,6 +38,7 @@ mod small;
 pub(crate) use blocks::qlinear_small_type;
 pub use blocks::MAX_GROUP_EXPERTS;
 pub use experts::{qexperts_row, qexperts_row_fits, QExpert};
+pub use experts_rows::{qexperts_rows, qexperts_rows_fits, QExpertRows};
 pub use layer::{Linear, LinearKernel, LinearWeight};
 pub use lora::{quantized_train, LoraAdapter};
 pub use quantized::{

@@ -188,7 +188,10 @@ mod tests {
         assert!(rt.evict_unit(UnitId(1))?, "layer 1 was resident");
         assert_eq!(generation()?, g0, "an indirect unit moved the generation");
         drop(rt.acquire_layer(0)?);
-        assert!(generation()? > g0, "a direct unit's arrival left the generation");
+        assert!(
+            generation()? > g0,
+            "a direct unit's arrival left the generation"
+        );
         Ok(())
     }
 

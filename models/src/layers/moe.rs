@@ -16,7 +16,8 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_offload::kernels::linear::cpu_experts::{kquant_batch, Rows};
 use candle_offload::kernels::linear::cpu_quant::KQUANT_MAX_ROWS;
 use candle_offload::kernels::linear::{
-    qexperts_row, qexperts_row_fits, ExpertTable, QExpert, RoutedShape,
+    qexperts_row, qexperts_row_fits, qexperts_rows, qexperts_rows_fits, ExpertTable, QExpert,
+    QExpertRows, RoutedShape,
 };
 
 use super::linear::{Linear, LinearWeight};
@@ -545,6 +546,11 @@ impl SparseMoe {
         } else {
             None
         };
+        if let (Some((up_ids, up_ws)), true) = (&uploaded, fused) {
+            if let Some(out) = Self::grouped_rows(x2, groups, up_ids, up_ws)? {
+                return Ok(Some(out));
+            }
+        }
         let mut at = 0usize;
         let mut out: Option<Tensor> = None;
         for ((ids, ws), expert) in groups {
@@ -583,6 +589,42 @@ impl SparseMoe {
             });
         }
         Ok(out)
+    }
+
+    /// Several rows' experts through the grouped kernels ([`qexperts_rows`]), where every one
+    /// is a SiLU-gated MLP of GGML blocks they take: the rows gathered in expert order
+    /// (`ids`, every group's rows concatenated), each expert's through its MLP, weighted
+    /// (`ws`, `(ids, 1)`) and added into their rows in that order; `None` otherwise.
+    fn grouped_rows(
+        x2: &Tensor,
+        groups: &[ExpertRows<'_>],
+        ids: &Tensor,
+        ws: &Tensor,
+    ) -> Result<Option<Tensor>> {
+        let Some((_, first)) = groups.first() else {
+            return Ok(None);
+        };
+        let mut experts = Vec::with_capacity(groups.len());
+        for ((rows, _), e) in groups {
+            let Some([gate, up, down]) = separate_blocks(&e.mlp) else {
+                return Ok(None);
+            };
+            experts.push(QExpertRows {
+                gate,
+                up,
+                down,
+                rows: rows.len(),
+            });
+        }
+        let tuning = first.mlp.down.tuning();
+        if !qexperts_rows_fits(x2, &experts, tuning)? {
+            return Ok(None);
+        }
+        let xs = x2.index_select(ids, 0)?;
+        let y = qexperts_rows(&xs, &experts, tuning)?;
+        let y = y.broadcast_mul(&ws.to_dtype(y.dtype())?)?;
+        let out = x2.zeros_like()?.to_dtype(y.dtype())?;
+        out.index_add(ids, &y, 0).map(Some)
     }
 
     /// One row's experts through the grouped kernels ([`qexperts_row`]), where every one is a

@@ -1,0 +1,164 @@
+//! A prompt's rows through their routed experts ([`qexperts_rows`]): the rows sorted by expert,
+//! each expert a SiLU-gated MLP of GGML blocks. On a GPU, two launches for all the experts of
+//! a layer (every expert's gate and up, then every down projection), each block of threads one
+//! chunk of at most eight rows of one expert, instead of a gather, three matmuls, a scale and
+//! a scatter per expert: a 512-token prompt routes its rows to most of a layer's experts, and
+//! their launches, not their arithmetic, took its time.
+
+use candle_core::quantized::QTensor;
+use candle_core::{DType, Result, Tensor};
+
+use crate::linear::experts::types_fit;
+use crate::tuning::KernelTuning;
+
+/// Rows a block of threads takes of one expert (`ROWS_CHUNK_MAX` in kernels/qblocks.cuh).
+pub(crate) const ROWS_CHUNK: usize = 8;
+
+/// Chunks a launch takes at most (the grid's second dimension).
+const MAX_CHUNKS: usize = 65_535;
+
+/// One expert of a prompt's layer and how many of the sorted rows are its.
+#[derive(Debug, Clone, Copy)]
+pub struct QExpertRows<'a> {
+    /// `(inter, hidden)`.
+    pub gate: &'a QTensor,
+    /// `(inter, hidden)`, gate's block type.
+    pub up: &'a QTensor,
+    /// `(hidden, inter)`.
+    pub down: &'a QTensor,
+    /// Its rows: the next `rows` of x after the experts before it.
+    pub rows: usize,
+}
+
+/// Whether [`qexperts_rows`] takes rows like `x` (…, hidden) and `experts`: what the decode
+/// row's grouped kernels need of the types and widths
+/// ([`qexperts_row_fits`](crate::linear::qexperts_row_fits)), x (F32, F16 or BF16) of
+/// `hidden` columns on a GPU, the experts' rows in at most 65,535 chunks of eight. (Their
+/// count is [`qexperts_rows`]'s to check against its x: this one may be asked before the rows
+/// are sorted.)
+pub fn qexperts_rows_fits(
+    x: &Tensor,
+    experts: &[QExpertRows<'_>],
+    tuning: &KernelTuning,
+) -> Result<bool> {
+    let Some(first) = experts.first() else {
+        return Ok(false);
+    };
+    let (gt, dt) = (first.gate.dtype(), first.down.dtype());
+    let Ok((inter, hidden)) = first.gate.shape().dims2() else {
+        return Ok(false);
+    };
+    let Ok((_, width)) = x.dims2() else {
+        return Ok(false);
+    };
+    let chunks: usize = experts.iter().map(|e| e.rows.div_ceil(ROWS_CHUNK)).sum();
+    Ok(x.device().is_cuda()
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && width == hidden
+        && chunks <= MAX_CHUNKS
+        && types_fit((gt, dt), (hidden, inter), tuning)
+        && experts.iter().all(|e| {
+            [e.gate, e.up, e.down].iter().all(|w| w.device().is_cuda())
+                && e.gate.dtype() == gt
+                && e.up.dtype() == gt
+                && e.down.dtype() == dt
+                && e.gate.shape().dims() == [inter, hidden]
+                && e.up.shape().dims() == [inter, hidden]
+                && e.down.shape().dims() == [hidden, inter]
+        }))
+}
+
+/// Each expert's rows of `x` (rows, hidden), sorted by expert (`experts[0]`'s first), through
+/// its MLP: `down_e(silu(gate_e · x) · (up_e · x))`, unweighted, `(rows, hidden)` in x's dtype
+/// (variant 3's arithmetic: x and the SwiGLU's output quantized to 8-bit blocks, integer dot
+/// products). Only where [`qexperts_rows_fits`] and the experts' rows are x's: an error
+/// otherwise.
+pub fn qexperts_rows(
+    x: &Tensor,
+    experts: &[QExpertRows<'_>],
+    tuning: &KernelTuning,
+) -> Result<Tensor> {
+    crate::util::check_dtypes("qexperts_rows", &[x])?;
+    let rows: usize = experts.iter().map(|e| e.rows).sum();
+    if x.dims2()?.0 != rows || !qexperts_rows_fits(x, experts, tuning)? {
+        candle_core::bail!(
+            "qexperts_rows: x {:?} and {} experts do not fit the grouped kernels",
+            x.shape(),
+            experts.len()
+        );
+    }
+    launch(x, experts)
+}
+
+#[cfg(feature = "cuda")]
+fn launch(x: &Tensor, experts: &[QExpertRows<'_>]) -> Result<Tensor> {
+    let x = if crate::util::aligned16(x.layout(), x.dtype()) && x.is_contiguous() {
+        x.clone()
+    } else {
+        x.force_contiguous()?
+    };
+    let out = {
+        let (s, l) = x.storage_and_layout();
+        let candle_core::Storage::Cuda(s) = &*s else {
+            candle_core::bail!("qexperts_rows: x is not on a GPU")
+        };
+        crate::linear::rows_cuda::qlinear_rows_experts((s, l), experts)?
+    };
+    Ok(Tensor::from_storage(
+        candle_core::Storage::Cuda(out),
+        x.shape().clone(),
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn launch(_x: &Tensor, _experts: &[QExpertRows<'_>]) -> Result<Tensor> {
+    candle_core::bail!("qexperts_rows: needs a build with `--features cuda`")
+}
+
+/// The chunks of the sorted rows: `[expert, first row, rows, 0]`, at most [`ROWS_CHUNK`] rows
+/// each, expert by expert.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn row_chunks(rows: &[usize]) -> Vec<[u32; 4]> {
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    for (e, &n) in rows.iter().enumerate() {
+        let mut c = 0;
+        while c < n {
+            let m = ROWS_CHUNK.min(n - c);
+            out.push([e as u32, (at + c) as u32, m as u32, 0]);
+            c += m;
+        }
+        at += n;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_each_experts_rows_in_order() {
+        let chunks = row_chunks(&[3, 0, 17, 8]);
+        assert_eq!(
+            chunks,
+            vec![
+                [0, 0, 3, 0],
+                [2, 3, 8, 0],
+                [2, 11, 8, 0],
+                [2, 19, 1, 0],
+                [3, 20, 8, 0]
+            ]
+        );
+        assert!(row_chunks(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_cpu_x_never_fits() -> Result<()> {
+        let x = Tensor::zeros((2, 64), DType::F32, &candle_core::Device::Cpu)?;
+        assert!(!qexperts_rows_fits(&x, &[], &KernelTuning::default())?);
+        Ok(())
+    }
+}

@@ -1,0 +1,180 @@
+//! The CUDA launches of [`qexperts_rows`](super::qexperts_rows): a table of the experts'
+//! weight addresses and the rows' chunks, uploaded once, then `qlinear3_rows_experts_*` /
+//! `qlinear3k_rows_experts_*` (kernels/linear_q8.cu, kernels/linear_k.cu) for every gate and
+//! up, then for every down projection.
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice as S, WrapErr};
+use candle_core::backend::BackendStorage;
+use candle_core::quantized::GgmlDType;
+use candle_core::{CudaDevice, Layout, Result, WithDType};
+
+use super::blocks::{is_qlinear_k_type, qlinear_small_type};
+use super::cuda::{
+    qlinear2_small_stage_vecs, qlinear3_x_blocks, QLINEAR3_X_BLOCK_BYTES, QLINEAR_WARPS,
+};
+use super::experts_rows::{row_chunks, QExpertRows, ROWS_CHUNK};
+use crate::cuda::{load, to_u32, view, LINEAR_K, LINEAR_Q8};
+
+/// Weight rows a warp reads together (the kernels' R).
+const ROWS_PER_WARP: usize = 2;
+
+pub(crate) fn qlinear_rows_experts(
+    (x, xl): (&CudaStorage, &Layout),
+    experts: &[QExpertRows<'_>],
+) -> Result<CudaStorage> {
+    fn run<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        dev: &CudaDevice,
+        (x, xl): (&CudaSlice<T>, &Layout),
+        experts: &[QExpertRows<'_>],
+    ) -> Result<CudaSlice<T>> {
+        let (rows, hidden) = xl.shape().dims2()?;
+        let Some(first) = experts.first() else {
+            candle_core::bail!("qexperts_rows: no experts")
+        };
+        let inter = first.gate.shape().dims2()?.0;
+        let e = experts.len();
+        let stream = dev.cuda_stream();
+        // The table: every gate's address, every up's, every down's, then the chunks.
+        let mut table: Vec<u64> = vec![0; 3 * e];
+        let mut guards = Vec::with_capacity(3 * e);
+        for (j, x) in experts.iter().enumerate() {
+            for (i, q) in [x.gate, x.up, x.down].into_iter().enumerate() {
+                let (at, g) = q.device_ptr_with_guard(&stream)?;
+                if !(at as usize).is_multiple_of(16) {
+                    candle_core::bail!("qexperts_rows: an expert's blocks are not 16-byte aligned");
+                }
+                guards.push(g);
+                table[i * e + j] = at as u64;
+            }
+        }
+        let chunks = row_chunks(&experts.iter().map(|x| x.rows).collect::<Vec<_>>());
+        for c in &chunks {
+            table.push(u64::from(c[0]) | (u64::from(c[1]) << 32));
+            table.push(u64::from(c[2]) | (u64::from(c[3]) << 32));
+        }
+        let table = stream.clone_htod(&table).w()?;
+        let at = table.device_ptr(&stream).0;
+        let chunks_at = at + (3 * e * 8) as u64;
+        let x = view(x, xl, "x")?;
+        // SAFETY: uninitialised device memory on the device's stream: `rows` rows of `inter`
+        // columns, each row written by the chunk that holds it in the SwiGLU launch (the
+        // chunks cover every row once, the grid every column), before the down launch reads
+        // them; then `rows` rows of `hidden` by the down launch.
+        let act = unsafe { dev.alloc::<T>(rows * inter) }?;
+        launch(
+            dev,
+            first.gate.dtype(),
+            &x,
+            [at, at + (e * 8) as u64, chunks_at],
+            &act,
+            (inter, hidden, chunks.len()),
+            true,
+        )?;
+        // SAFETY: as `act`'s.
+        let out = unsafe { dev.alloc::<T>(rows * hidden) }?;
+        let act_view = act.slice(..);
+        let down = at + (2 * e * 8) as u64;
+        launch(
+            dev,
+            first.down.dtype(),
+            &act_view,
+            [down, down, chunks_at],
+            &out,
+            (hidden, inter, chunks.len()),
+            false,
+        )?;
+        drop(guards);
+        drop(table);
+        Ok(out)
+    }
+    let dev = &x.device;
+    let slice = match &x.slice {
+        S::F32(v) => S::F32(run(dev, (v, xl), experts)?),
+        S::F16(v) => S::F16(run(dev, (v, xl), experts)?),
+        S::BF16(v) => S::BF16(run(dev, (v, xl), experts)?),
+        _ => candle_core::bail!("qexperts_rows: unsupported dtype {:?}", x.dtype()),
+    };
+    Ok(CudaStorage {
+        slice,
+        device: dev.clone(),
+    })
+}
+
+/// One launch over every chunk: x's rows (k wide) against the weights whose addresses are at
+/// `w0` (and `w1` with `silu`) by expert, the chunks at `chunks`, into y (n wide).
+fn launch<T: DeviceRepr + WithDType>(
+    dev: &CudaDevice,
+    ty: GgmlDType,
+    x: &CudaView<'_, T>,
+    [w0, w1, chunks]: [u64; 3],
+    y: &CudaSlice<T>,
+    (n, k, count): (usize, usize, usize),
+    silu: bool,
+) -> Result<()> {
+    let Some(qname) = qlinear_small_type(ty) else {
+        candle_core::bail!("qexperts_rows: no kernel for {ty:?} blocks")
+    };
+    let kquant = is_qlinear_k_type(ty);
+    let stages = if kquant {
+        0
+    } else {
+        QLINEAR_WARPS * 16 * qlinear2_small_stage_vecs(ty.type_size()) * ROWS_PER_WARP
+    };
+    let xblocks = qlinear3_x_blocks(ROWS_CHUNK, k / 32, stages);
+    let (module, name) = if kquant {
+        (LINEAR_K, format!("qlinear3k_rows_experts_{qname}"))
+    } else {
+        (LINEAR_Q8, format!("qlinear3_rows_experts_{qname}"))
+    };
+    let func = load::<T>(dev, module, &name)?;
+    let cols_per_warp = if silu {
+        ROWS_PER_WARP / 2
+    } else {
+        ROWS_PER_WARP
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (
+            to_u32(n.div_ceil(QLINEAR_WARPS * cols_per_warp), "blocks")?,
+            to_u32(count, "chunks")?,
+            1,
+        ),
+        block_dim: (32 * QLINEAR_WARPS as u32, 1, 1),
+        shared_mem_bytes: to_u32(
+            stages + ROWS_CHUNK * xblocks * QLINEAR3_X_BLOCK_BYTES,
+            "shared memory",
+        )?,
+    };
+    let stream = dev.cuda_stream();
+    let (nn, kk, s, xb) = (
+        to_u32(n, "columns")?,
+        to_u32(k, "width")?,
+        u32::from(silu),
+        to_u32(xblocks, "blocks of x")?,
+    );
+    let mut b = stream.launch_builder(&func);
+    b.arg(x)
+        .arg(&w0)
+        .arg(&w1)
+        .arg(&chunks)
+        .arg(y)
+        .arg(&nn)
+        .arg(&kk)
+        .arg(&s)
+        .arg(&xb);
+    // SAFETY: `qlinear3_rows_experts_<q>_<dtype>` (kernels/linear_q8.cu) and
+    // `qlinear3k_rows_experts_<q>_<dtype>` (kernels/linear_k.cu) take (const T* x, const
+    // uint64_t* w0, const uint64_t* w1, const RowChunk* chunks, T* y, uint32_t n0, k, silu,
+    // xblocks) and run, for chunk blockIdx.y < count, variant 3's kernel of R = 2 and 8 rows
+    // on rows c.row .. c.row + c.rows of x and y. `w0`, `w1` and `chunks` lie in the table
+    // uploaded on this stream before (3 · experts addresses of live quantized storages of
+    // type `ty`, their shapes checked by `qexperts_rows_fits` and 16-byte aligned; then
+    // `count` chunks of 16 bytes, each an expert index below the table's and rows inside x,
+    // `row_chunks`'s); x holds the rows (k elements each, 16-byte aligned: checked by the
+    // caller, or `act`'s rows of `inter`, a multiple of 32) and y as many rows of n; the
+    // shared memory is the weight stages and the 8 rows' chunk of x variant 3 takes.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
