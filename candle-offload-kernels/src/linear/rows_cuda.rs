@@ -3,11 +3,11 @@
 //! `qlinear3k_rows_experts_*` (kernels/linear_q8.cu, kernels/linear_k.cu) for every gate and
 //! up, then for every down projection.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice as S, WrapErr};
-use candle_core::backend::BackendStorage;
 use candle_core::quantized::GgmlDType;
 use candle_core::{CudaDevice, Layout, Result, WithDType};
 
