@@ -129,8 +129,7 @@ pub struct LoadArgs {
     #[arg(long, default_value = "lru")]
     pub expert_policy: candle_offload::experts::ExpertPolicy,
     /// Where a mixture-of-experts model's experts missing from the GPU's cache run: `auto`
-    /// (on a GPU, a cache of experts where the budget does not hold them all or the device
-    /// chooses a decode row's experts (--expert-route); each layer's missing experts split between
+    /// (when the budget does not hold every expert, each layer's missing experts split between
     /// the host CPU and fetches over the link, as a cost model prices them), `on` (the same, on
     /// any device), `fetch` (the cache as for `on`, every missing expert fetched, none on the
     /// host CPU) or `off` (no expert cache: every one fetched as any other weight).

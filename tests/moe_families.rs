@@ -629,60 +629,6 @@ test_device!(
     moe_device_route_equals_the_host_route_gpu
 );
 
-/// A Q8_0 GGUF whose experts all fit the device: with a decode row's experts chosen on the
-/// device (the default), the expert tier keeps every one (a slot each) for its table, and the
-/// decode steps give the logits of the same model without a tier (`ExpertRoute::Host`: every
-/// expert acquired from the runtime, the routers' choice read back each layer) within 1e-4 of
-/// their scale. On a CPU neither has a tier.
-fn moe_device_route_when_every_expert_fits(device: &Device) -> anyhow::Result<()> {
-    use candle_offload::experts::{ExpertOptions, ExpertRoute};
-    let dir = fixtures()?;
-    let files = loader::from_gguf(&dir.join("qwen3_moe.q8_0.gguf"))?;
-    let build = |route: ExpertRoute| {
-        let settings = OffloadSettings {
-            experts: ExpertOptions::default().with_route(route),
-            ..Default::default()
-        };
-        gguf_model(&files, device, settings)
-    };
-    let (tiered, plain) = (build(ExpertRoute::Auto)?, build(ExpertRoute::Host)?);
-    assert!(plain.expert_stats().is_none(), "every expert fits: no tier");
-    let (mut c1, mut c2) = (tiered.new_cache(), plain.new_cache());
-    let p = prompt();
-    let ids = Tensor::new(&p[..12], device)?.unsqueeze(0)?;
-    tiered.forward(&ids, 0, &mut c1)?;
-    plain.forward(&ids, 0, &mut c2)?;
-    for (k, &t) in p[12..].iter().enumerate() {
-        let ids = Tensor::new(&[t], device)?.unsqueeze(0)?;
-        let a = tiered.forward(&ids, 12 + k, &mut c1)?;
-        let b = plain.forward(&ids, 12 + k, &mut c2)?;
-        assert_close_to_scale(&a, &b, 1e-4, &format!("step {k} on {device:?}"))?;
-    }
-    match tiered.expert_stats() {
-        Some(s) => {
-            assert!(device.is_cuda(), "a tier on {device:?}");
-            let count = files.config.layout().experts.expect("experts").count;
-            assert!(
-                s.slots.iter().all(|&n| n == 0 || n == count),
-                "slots {:?} of {count}",
-                s.slots
-            );
-            assert!(s.device_routed > 0, "{s:?}");
-            assert_eq!(s.on_host, 0, "{s:?}");
-            let g = tiered.graph_stats();
-            assert!(g.replays > 0, "{g:?}");
-        }
-        None => assert!(!device.is_cuda(), "no tier on {device:?}"),
-    }
-    Ok(())
-}
-
-test_device!(
-    moe_device_route_when_every_expert_fits,
-    moe_device_route_when_every_expert_fits_cpu,
-    moe_device_route_when_every_expert_fits_gpu
-);
-
 /// `--quantize` on a mixture-of-experts checkpoint: each expert's projections quantized to
 /// Q8_0 on load (through the cached GGUF beside a copy of the checkpoint), each expert still a
 /// unit of its own, the logits near transformers' (relative L2 ≤ 5e-2, as the Q8_0 GGUFs).

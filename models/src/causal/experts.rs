@@ -288,15 +288,12 @@ impl ExpertTier {
             ExpertSplit::Off => false,
             ExpertSplit::On | ExpertSplit::Fetch => true,
             _ => {
-                // Where every expert fits, the tier keeps them all, for its table: a decode
-                // row's experts are then chosen on the device.
                 device.is_cuda()
-                    && (options.route != ExpertRoute::Host
-                        || room
-                            < Self::expert_units(layout, store)
-                                .into_iter()
-                                .map(|id| store.unit(id).bytes())
-                                .sum::<u64>())
+                    && room
+                        < Self::expert_units(layout, store)
+                            .into_iter()
+                            .map(|id| store.unit(id).bytes())
+                            .sum::<u64>()
             }
         }
     }
