@@ -441,7 +441,8 @@ pub const ROUTE_TIME_OUTLIER: f64 = 3.0;
 /// it is measured rather than priced. The device route goes first, then the host's; then the
 /// faster one, with a probe of the other every [`ROUTE_PROBE_STEPS`] steps. A step counts
 /// only after a decode step on the same route (the first after a switch carries the switch:
-/// a table to fill, experts to adopt). Pure: the tier times the steps and tells it.
+/// a table to fill, experts to adopt), and the tier leaves out a step that captured a CUDA
+/// graph (its time is the capture's). Pure: the tier times the steps and tells it.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RouteChooser {
     /// Seconds a decode step, on the host route and on the device route.

@@ -208,6 +208,9 @@ struct TierState {
     /// A step replayed from a CUDA graph is under way (its capture, or its launch): every
     /// sparse layer routes on the device from the table as it is.
     in_graph: bool,
+    /// The step in progress is not timed for the chooser (it captured a graph: its time is
+    /// the capture's).
+    untimed: bool,
 }
 
 /// Who looked at a layer of a step: the device route's check, or `place`; or a step began
@@ -389,6 +392,7 @@ impl ExpertTier {
                 prev_route: None,
                 last_layer: None,
                 in_graph: false,
+                untimed: false,
             }),
         })
     }
@@ -528,13 +532,14 @@ impl SplitExperts<'_> {
         let now = std::time::Instant::now();
         match (st.step_started, st.step_on_device) {
             (Some(t0), Some(route)) => {
-                if decode && st.prev_route == Some(route) {
+                if decode && st.prev_route == Some(route) && !st.untimed {
                     st.chooser.record(route, (now - t0).as_secs_f64());
                 }
                 st.prev_route = Some(route);
             }
             _ => st.prev_route = None,
         }
+        st.untimed = false;
         st.step_started = Some(now);
         st.step_on_device = None;
         let Some(routes) = st.routes_mut() else {
@@ -636,11 +641,13 @@ impl SplitExperts<'_> {
     }
 
     /// After [`begin_graph_step`](Self::begin_graph_step): whether a captured step was
-    /// `launched` (its rows' choices are read back at the next step), or the step runs
-    /// eagerly (its layers then ask the tier as usual; it has begun).
-    pub(crate) fn end_graph_step(&self, launched: bool) -> Result<()> {
+    /// `launched` (its rows' choices are read back at the next step; `captured` now, so that
+    /// its time, the capture's, is not the route's), or the step runs eagerly (its layers then
+    /// ask the tier as usual; it has begun).
+    pub(crate) fn end_graph_step(&self, launched: bool, captured: bool) -> Result<()> {
         let mut st = self.lock()?;
         st.in_graph = false;
+        st.untimed = captured;
         if launched {
             if let Some(r) = st.routes_mut() {
                 r.launched()?;

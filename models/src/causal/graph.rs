@@ -103,11 +103,12 @@ impl CausalLm {
                 ));
             }
             if let Err(why) = tier.begin_graph_step()? {
-                tier.end_graph_step(false)?;
+                tier.end_graph_step(false, false)?;
                 return Ok(st.eager(why));
             }
+            let captures = st.stats.captures;
             let out = self.resident_step(&mut st, host_embed, input_ids, index_pos, pads, cache);
-            tier.end_graph_step(matches!(out, Ok(Some(_))))?;
+            tier.end_graph_step(matches!(out, Ok(Some(_))), st.stats.captures > captures)?;
             return out;
         }
         if host_pipeline {
