@@ -35,23 +35,34 @@ pub fn qexperts_row_fits(
     experts: &[QExpert<'_>],
     tuning: &KernelTuning,
 ) -> Result<bool> {
-    let Some(first) = experts.first() else {
+    let Some((types, widths)) = shared_shape(experts.iter().map(|e| [e.gate, e.up, e.down])) else {
         return Ok(false);
     };
-    let (gt, dt) = (first.gate.dtype(), first.down.dtype());
-    let Ok((inter, hidden)) = first.gate.shape().dims2() else {
-        return Ok(false);
-    };
-    Ok(grouped_fits(x, (gt, dt), (hidden, inter), tuning)?
-        && experts.iter().all(|e| {
-            [e.gate, e.up, e.down].iter().all(|w| w.device().is_cuda())
-                && e.gate.dtype() == gt
-                && e.up.dtype() == gt
-                && e.down.dtype() == dt
-                && e.gate.shape().dims() == [inter, hidden]
-                && e.up.shape().dims() == [inter, hidden]
-                && e.down.shape().dims() == [hidden, inter]
-        }))
+    grouped_fits(x, types, widths, tuning)
+}
+
+/// The block types `(gate, down)` and widths `(hidden, inter)` that every one of `experts`
+/// (gate, up and down) has: each weight on the GPU, every gate and up of one type and shape
+/// `(inter, hidden)`, every down of one type and shape `(hidden, inter)`; `None` where they
+/// differ, or without experts.
+pub(crate) fn shared_shape<'a>(
+    experts: impl IntoIterator<Item = [&'a QTensor; 3]>,
+) -> Option<((GgmlDType, GgmlDType), (usize, usize))> {
+    let mut experts = experts.into_iter().peekable();
+    let [gate, _, down] = *experts.peek()?;
+    let (gt, dt) = (gate.dtype(), down.dtype());
+    let (inter, hidden) = gate.shape().dims2().ok()?;
+    experts
+        .all(|[g, u, d]| {
+            [g, u, d].iter().all(|w| w.device().is_cuda())
+                && g.dtype() == gt
+                && u.dtype() == gt
+                && d.dtype() == dt
+                && g.shape().dims() == [inter, hidden]
+                && u.shape().dims() == [inter, hidden]
+                && d.shape().dims() == [hidden, inter]
+        })
+        .then_some(((gt, dt), (hidden, inter)))
 }
 
 /// Whether the grouped kernels take the row `x` against experts whose gate and up are

@@ -8,7 +8,7 @@
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Result, Tensor};
 
-use crate::linear::experts::types_fit;
+use crate::linear::experts::{shared_shape, types_fit};
 use crate::tuning::KernelTuning;
 
 /// Rows a block of threads takes of one expert (`ROWS_CHUNK_MAX` in kernels/qblocks.cuh).
@@ -41,11 +41,9 @@ pub fn qexperts_rows_fits(
     experts: &[QExpertRows<'_>],
     tuning: &KernelTuning,
 ) -> Result<bool> {
-    let Some(first) = experts.first() else {
-        return Ok(false);
-    };
-    let (gt, dt) = (first.gate.dtype(), first.down.dtype());
-    let Ok((inter, hidden)) = first.gate.shape().dims2() else {
+    let Some((types, (hidden, inter))) =
+        shared_shape(experts.iter().map(|e| [e.gate, e.up, e.down]))
+    else {
         return Ok(false);
     };
     let Ok((_, width)) = x.dims2() else {
@@ -56,16 +54,7 @@ pub fn qexperts_rows_fits(
         && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
         && width == hidden
         && chunks <= MAX_CHUNKS
-        && types_fit((gt, dt), (hidden, inter), tuning)
-        && experts.iter().all(|e| {
-            [e.gate, e.up, e.down].iter().all(|w| w.device().is_cuda())
-                && e.gate.dtype() == gt
-                && e.up.dtype() == gt
-                && e.down.dtype() == dt
-                && e.gate.shape().dims() == [inter, hidden]
-                && e.up.shape().dims() == [inter, hidden]
-                && e.down.shape().dims() == [hidden, inter]
-        }))
+        && types_fit(types, (hidden, inter), tuning))
 }
 
 /// Each expert's rows of `x` (rows, hidden), sorted by expert (`experts[0]`'s first), through

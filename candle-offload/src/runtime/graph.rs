@@ -171,16 +171,21 @@ mod tests {
     use super::super::testutil::zero_layers;
     use crate::cache::UnitId;
 
+    /// A CPU runtime over two small layers.
+    fn two_layers() -> anyhow::Result<OffloadRuntime> {
+        let dev = Device::Cpu;
+        Ok(OffloadRuntime::new(
+            Arc::new(zero_layers(2, 64, &dev)?),
+            &dev,
+            &OffloadConfig::default(),
+        )?)
+    }
+
     /// An indirect unit's arrival and departure leave the residency generation (what a
     /// captured step's replay checks) as it was; a direct one's change it.
     #[test]
     fn indirect_units_leave_a_captured_step_valid() -> anyhow::Result<()> {
-        let dev = Device::Cpu;
-        let rt = OffloadRuntime::new(
-            Arc::new(zero_layers(2, 64, &dev)?),
-            &dev,
-            &OffloadConfig::default(),
-        )?;
+        let rt = two_layers()?;
         rt.set_indirect([UnitId(1)])?;
         let generation = || rt.state().map(|st| st.generation);
         let g0 = generation()?;
@@ -197,12 +202,7 @@ mod tests {
 
     #[test]
     fn a_cpu_runtime_captures_no_step() -> anyhow::Result<()> {
-        let dev = Device::Cpu;
-        let rt = OffloadRuntime::new(
-            Arc::new(zero_layers(2, 64, &dev)?),
-            &dev,
-            &OffloadConfig::default(),
-        )?;
+        let rt = two_layers()?;
         for i in 0..2 {
             drop(rt.acquire_layer(i)?);
         }
