@@ -91,7 +91,9 @@ fn launch(x: &Tensor, experts: &[QExpertRows<'_>]) -> Result<Tensor> {
         let candle_core::Storage::Cuda(s) = &*s else {
             candle_core::bail!("qexperts_rows: x is not on a GPU")
         };
-        crate::linear::rows_cuda::qlinear_rows_experts((s, l), experts)?
+        let weights: Vec<[&QTensor; 3]> = experts.iter().map(|e| [e.gate, e.up, e.down]).collect();
+        let chunks = row_chunks(&experts.iter().map(|e| e.rows).collect::<Vec<_>>());
+        crate::linear::rows_cuda::qlinear_rows_experts((s, l), &weights, &chunks, ROWS_CHUNK)?
     };
     Ok(Tensor::from_storage(
         candle_core::Storage::Cuda(out),

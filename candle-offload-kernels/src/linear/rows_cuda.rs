@@ -8,40 +8,46 @@ use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice as S, WrapErr};
-use candle_core::quantized::GgmlDType;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CudaDevice, Layout, Result, WithDType};
 
 use super::blocks::{is_qlinear_k_type, qlinear_small_type};
 use super::cuda::{
     qlinear2_small_stage_vecs, qlinear3_x_blocks, QLINEAR3_X_BLOCK_BYTES, QLINEAR_WARPS,
 };
-use super::experts_rows::{row_chunks, QExpertRows, ROWS_CHUNK};
 use crate::cuda::{load, to_u32, view, LINEAR_K, LINEAR_Q8};
 
 /// Weight rows a warp reads together (the kernels' R).
 const ROWS_PER_WARP: usize = 2;
 
+/// x's rows (sorted by expert) through `experts`' MLPs (gate, up, down each), each `[expert,
+/// first row, rows, 0]` of `chunks` (at most `chunk_rows` rows, the kernels' ROWS_CHUNK_MAX)
+/// one block of threads' work.
 pub(crate) fn qlinear_rows_experts(
     (x, xl): (&CudaStorage, &Layout),
-    experts: &[QExpertRows<'_>],
+    experts: &[[&QTensor; 3]],
+    chunks: &[[u32; 4]],
+    chunk_rows: usize,
 ) -> Result<CudaStorage> {
     fn run<T: DeviceRepr + WithDType + ValidAsZeroBits>(
         dev: &CudaDevice,
         (x, xl): (&CudaSlice<T>, &Layout),
-        experts: &[QExpertRows<'_>],
+        experts: &[[&QTensor; 3]],
+        chunks: &[[u32; 4]],
+        chunk_rows: usize,
     ) -> Result<CudaSlice<T>> {
         let (rows, hidden) = xl.shape().dims2()?;
-        let Some(first) = experts.first() else {
+        let Some(&[gate, _, down]) = experts.first() else {
             candle_core::bail!("qexperts_rows: no experts")
         };
-        let inter = first.gate.shape().dims2()?.0;
+        let inter = gate.shape().dims2()?.0;
         let e = experts.len();
         let stream = dev.cuda_stream();
         // The table: every gate's address, every up's, every down's, then the chunks.
         let mut table: Vec<u64> = vec![0; 3 * e];
         let mut guards = Vec::with_capacity(3 * e);
-        for (j, x) in experts.iter().enumerate() {
-            for (i, q) in [x.gate, x.up, x.down].into_iter().enumerate() {
+        for (j, w) in experts.iter().enumerate() {
+            for (i, q) in w.iter().enumerate() {
                 let (at, g) = q.device_ptr_with_guard(&stream)?;
                 if !(at as usize).is_multiple_of(16) {
                     candle_core::bail!("qexperts_rows: an expert's blocks are not 16-byte aligned");
@@ -50,8 +56,7 @@ pub(crate) fn qlinear_rows_experts(
                 table[i * e + j] = at as u64;
             }
         }
-        let chunks = row_chunks(&experts.iter().map(|x| x.rows).collect::<Vec<_>>());
-        for c in &chunks {
+        for c in chunks {
             table.push(u64::from(c[0]) | (u64::from(c[1]) << 32));
             table.push(u64::from(c[2]) | (u64::from(c[3]) << 32));
         }
@@ -66,24 +71,24 @@ pub(crate) fn qlinear_rows_experts(
         let act = unsafe { dev.alloc::<T>(rows * inter) }?;
         launch(
             dev,
-            first.gate.dtype(),
+            gate.dtype(),
             &x,
             [at, at + (e * 8) as u64, chunks_at],
             &act,
-            (inter, hidden, chunks.len()),
+            (inter, hidden, chunks.len(), chunk_rows),
             true,
         )?;
         // SAFETY: as `act`'s.
         let out = unsafe { dev.alloc::<T>(rows * hidden) }?;
         let act_view = act.slice(..);
-        let down = at + (2 * e * 8) as u64;
+        let down_at = at + (2 * e * 8) as u64;
         launch(
             dev,
-            first.down.dtype(),
+            down.dtype(),
             &act_view,
-            [down, down, chunks_at],
+            [down_at, down_at, chunks_at],
             &out,
-            (hidden, inter, chunks.len()),
+            (hidden, inter, chunks.len(), chunk_rows),
             false,
         )?;
         drop(guards);
@@ -92,9 +97,9 @@ pub(crate) fn qlinear_rows_experts(
     }
     let dev = &x.device;
     let slice = match &x.slice {
-        S::F32(v) => S::F32(run(dev, (v, xl), experts)?),
-        S::F16(v) => S::F16(run(dev, (v, xl), experts)?),
-        S::BF16(v) => S::BF16(run(dev, (v, xl), experts)?),
+        S::F32(v) => S::F32(run(dev, (v, xl), experts, chunks, chunk_rows)?),
+        S::F16(v) => S::F16(run(dev, (v, xl), experts, chunks, chunk_rows)?),
+        S::BF16(v) => S::BF16(run(dev, (v, xl), experts, chunks, chunk_rows)?),
         _ => candle_core::bail!("qexperts_rows: unsupported dtype {:?}", x.dtype()),
     };
     Ok(CudaStorage {
@@ -111,7 +116,7 @@ fn launch<T: DeviceRepr + WithDType>(
     x: &CudaView<'_, T>,
     [w0, w1, chunks]: [u64; 3],
     y: &CudaSlice<T>,
-    (n, k, count): (usize, usize, usize),
+    (n, k, count, chunk_rows): (usize, usize, usize, usize),
     silu: bool,
 ) -> Result<()> {
     let Some(qname) = qlinear_small_type(ty) else {
@@ -123,7 +128,7 @@ fn launch<T: DeviceRepr + WithDType>(
     } else {
         QLINEAR_WARPS * 16 * qlinear2_small_stage_vecs(ty.type_size()) * ROWS_PER_WARP
     };
-    let xblocks = qlinear3_x_blocks(ROWS_CHUNK, k / 32, stages);
+    let xblocks = qlinear3_x_blocks(chunk_rows, k / 32, stages);
     let (module, name) = if kquant {
         (LINEAR_K, format!("qlinear3k_rows_experts_{qname}"))
     } else {
@@ -143,7 +148,7 @@ fn launch<T: DeviceRepr + WithDType>(
         ),
         block_dim: (32 * QLINEAR_WARPS as u32, 1, 1),
         shared_mem_bytes: to_u32(
-            stages + ROWS_CHUNK * xblocks * QLINEAR3_X_BLOCK_BYTES,
+            stages + chunk_rows * xblocks * QLINEAR3_X_BLOCK_BYTES,
             "shared memory",
         )?,
     };
@@ -171,10 +176,11 @@ fn launch<T: DeviceRepr + WithDType>(
     // on rows c.row .. c.row + c.rows of x and y. `w0`, `w1` and `chunks` lie in the table
     // uploaded on this stream before (3 · experts addresses of live quantized storages of
     // type `ty`, their shapes checked by `qexperts_rows_fits` and 16-byte aligned; then
-    // `count` chunks of 16 bytes, each an expert index below the table's and rows inside x,
-    // `row_chunks`'s); x holds the rows (k elements each, 16-byte aligned: checked by the
-    // caller, or `act`'s rows of `inter`, a multiple of 32) and y as many rows of n; the
-    // shared memory is the weight stages and the 8 rows' chunk of x variant 3 takes.
+    // `count` chunks of 16 bytes, each an expert index below the table's and at most
+    // `chunk_rows` (the kernels' 8) rows inside x, as `experts_rows::row_chunks` makes them);
+    // x holds the rows (k elements each, 16-byte aligned: checked by the caller, or `act`'s
+    // rows of `inter`, a multiple of 32) and y as many rows of n; the shared memory is the
+    // weight stages and the chunk of x variant 3 takes for `chunk_rows` rows.
     unsafe { b.launch(cfg) }.w()?;
     Ok(())
 }
