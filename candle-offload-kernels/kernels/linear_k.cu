@@ -619,7 +619,22 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
                                                      y + (size_t)c.row * n0, c.rows, n0,        \
                                                      silu ? n0 : 0u, 0u, k, silu, xblocks);     \
     }
+// qlinear3k_rows_expert_<q>_<dtype>: qlinear3_rows_expert_<q>_<dtype>'s arguments and contract
+// (linear_q8.cu) for K-quant blocks.
+#define QLINEAR3K_ROWS_EXPERT_ONE(T, SUFFIX, KT, QNAME)                                         \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
+        qlinear3k_rows_expert_##QNAME##_##SUFFIX(                                               \
+        const T *x, const uint8_t *w0, const uint8_t *w1, T *y, uint32_t rows, uint32_t n0,     \
+        uint32_t k, uint32_t silu, uint32_t xblocks) {                                          \
+        const uint32_t row = blockIdx.y * ROWS_CHUNK_MAX;                                       \
+        qlinear3k_small<T, ROWS_CHUNK_MAX, KT, 2, 1>(                                           \
+            x + (size_t)row * k, w0, w1, w0, y + (size_t)row * n0,                              \
+            min((uint32_t)ROWS_CHUNK_MAX, rows - row), n0, silu ? n0 : 0u, 0u, k, silu,         \
+            xblocks);                                                                           \
+    }
 #define LINEAR_K_FOR(T, SUFFIX)                                                                 \
+    QLINEAR3K_ROWS_EXPERT_ONE(T, SUFFIX, KT_Q4_K, q4_k)                                         \
+    QLINEAR3K_ROWS_EXPERT_ONE(T, SUFFIX, KT_Q6_K, q6_k)                                         \
     QLINEAR3K_ROWS_EXPERTS_ONE(T, SUFFIX, KT_Q4_K, q4_k)                                        \
     QLINEAR3K_ROWS_EXPERTS_ONE(T, SUFFIX, KT_Q6_K, q6_k)                                        \
     QLINEAR3K_EXPERTS_ALL(T, SUFFIX)                                                            \

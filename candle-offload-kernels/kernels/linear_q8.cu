@@ -378,8 +378,23 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
                                                  y + (size_t)c.row * n0, c.rows, n0,            \
                                                  silu ? n0 : 0u, 0u, k, silu, xblocks);         \
     }
+// qlinear3_rows_expert_<q>_<dtype>: the same for the `rows` rows of one expert, whose weights
+// w0 (and w1 with silu) come by value: chunk blockIdx.y is rows 8 · blockIdx.y onwards, so
+// that nothing is uploaded for the launch.
+#define QLINEAR3_ROWS_EXPERT_FOR(T, SUFFIX, M, QT, QNAME, R)                                    \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 7)                              \
+        qlinear3_rows_expert_##QNAME##_##SUFFIX(                                                \
+        const T *x, const uint8_t *w0, const uint8_t *w1, T *y, uint32_t rows, uint32_t n0,     \
+        uint32_t k, uint32_t silu, uint32_t xblocks) {                                          \
+        const uint32_t row = blockIdx.y * ROWS_CHUNK_MAX;                                       \
+        qlinear_small3<T, ROWS_CHUNK_MAX, QT, 2>(x + (size_t)row * k, w0, w1, w0,               \
+                                                 y + (size_t)row * n0,                          \
+                                                 min((uint32_t)ROWS_CHUNK_MAX, rows - row), n0, \
+                                                 silu ? n0 : 0u, 0u, k, silu, xblocks);         \
+    }
 #define LINEAR_Q8_FOR(T, SUFFIX)                                                                \
     QLINEAR_RM_TYPES(QLINEAR3_ROWS_EXPERTS_FOR, T, SUFFIX, 8, 2)                                \
+    QLINEAR_RM_TYPES(QLINEAR3_ROWS_EXPERT_FOR, T, SUFFIX, 8, 2)                                 \
     QLINEAR_RM_TYPES(QLINEAR3_EXPERTS_FOR, T, SUFFIX, 1, 2)                                     \
     QLINEAR_RM_TYPES(QLINEAR3_EXPERTS_FOR, T, SUFFIX, 1, 4)                                     \
     QLINEAR_RM_ALL(QLINEAR3_SMALL_FOR, T, SUFFIX)                                               \

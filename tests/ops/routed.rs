@@ -125,7 +125,8 @@ test_device!(
 
 /// A prompt's rows sorted by expert (`linear::qexperts_rows`): 12 experts with 0 to 19 rows
 /// each (chunks of 8 and their remainders, an expert without rows), against each row through
-/// its expert alone (`qexperts_row` of weight 1), within the dtype's tolerance. Q8_0 experts,
+/// its expert alone (`qexperts_row` of weight 1), within the dtype's tolerance; and one
+/// expert's 19 rows on their own (the launch without a table) as in the whole. Q8_0 experts,
 /// and Q4_K gates and ups with Q6_K downs. On a CPU the kernels take none.
 fn qexperts_rows_match_each_row_alone(device: &Device) -> anyhow::Result<()> {
     let (hidden, inter) = (256usize, 512usize);
@@ -197,6 +198,15 @@ fn qexperts_rows_match_each_row_alone(device: &Device) -> anyhow::Result<()> {
                 }
                 at += rows;
             }
+            // One expert alone (its weights by value, nothing uploaded): the same rows.
+            let first: usize = rows_of[..3].iter().sum();
+            let alone = linear::qexperts_rows(&x.narrow(0, first, 19)?, &experts[3..4], &tun)?;
+            ensure_close_values(
+                &format!("{what} expert 3 alone"),
+                &alone,
+                &got.narrow(0, first, 19)?,
+                dtype,
+            )?;
             // Rows that are not the experts' are refused.
             anyhow::ensure!(
                 linear::qexperts_rows(&x.narrow(0, 0, n - 1)?, &experts, &tun).is_err(),

@@ -43,8 +43,8 @@ pub(crate) fn qlinear_rows_experts(
         let inter = gate.shape().dims2()?.0;
         let e = experts.len();
         let stream = dev.cuda_stream();
-        // The table: every gate's address, every up's, every down's, then the chunks.
-        let mut table: Vec<u64> = vec![0; 3 * e];
+        // Every gate's address, every up's, every down's.
+        let mut addrs: Vec<u64> = vec![0; 3 * e];
         let mut guards = Vec::with_capacity(3 * e);
         for (j, w) in experts.iter().enumerate() {
             for (i, q) in w.iter().enumerate() {
@@ -53,16 +53,34 @@ pub(crate) fn qlinear_rows_experts(
                     candle_core::bail!("qexperts_rows: an expert's blocks are not 16-byte aligned");
                 }
                 guards.push(g);
-                table[i * e + j] = at as u64;
+                addrs[i * e + j] = at as u64;
             }
         }
-        for c in chunks {
-            table.push(u64::from(c[0]) | (u64::from(c[1]) << 32));
-            table.push(u64::from(c[2]) | (u64::from(c[3]) << 32));
-        }
-        let table = stream.clone_htod(&table).w()?;
-        let at = table.device_ptr(&stream).0;
-        let chunks_at = at + (3 * e * 8) as u64;
+        // One expert's weights go by value, its chunks follow from the rows: nothing to
+        // upload (an upload from pageable memory waits for the stream, and a prompt's
+        // streamed experts come one at a time). Several experts' addresses and chunks go in
+        // one table.
+        let table;
+        let (gate_up, down_w) = if e == 1 {
+            (
+                Weights::One([addrs[0], addrs[1]], rows),
+                Weights::One([addrs[2], addrs[2]], rows),
+            )
+        } else {
+            let mut t = addrs;
+            for c in chunks {
+                t.push(u64::from(c[0]) | (u64::from(c[1]) << 32));
+                t.push(u64::from(c[2]) | (u64::from(c[3]) << 32));
+            }
+            table = stream.clone_htod(&t).w()?;
+            let at = table.device_ptr(&stream).0;
+            let chunks_at = at + (3 * e * 8) as u64;
+            let down_at = at + (2 * e * 8) as u64;
+            (
+                Weights::Table([at, at + (e * 8) as u64, chunks_at], chunks.len()),
+                Weights::Table([down_at, down_at, chunks_at], chunks.len()),
+            )
+        };
         let x = view(x, xl, "x")?;
         // SAFETY: uninitialised device memory on the device's stream: `rows` rows of `inter`
         // columns, each row written by the chunk that holds it in the SwiGLU launch (the
@@ -73,26 +91,24 @@ pub(crate) fn qlinear_rows_experts(
             dev,
             gate.dtype(),
             &x,
-            [at, at + (e * 8) as u64, chunks_at],
+            gate_up,
             &act,
-            (inter, hidden, chunks.len(), chunk_rows),
+            (inter, hidden, chunk_rows),
             true,
         )?;
         // SAFETY: as `act`'s.
         let out = unsafe { dev.alloc::<T>(rows * hidden) }?;
         let act_view = act.slice(..);
-        let down_at = at + (2 * e * 8) as u64;
         launch(
             dev,
             down.dtype(),
             &act_view,
-            [down_at, down_at, chunks_at],
+            down_w,
             &out,
-            (hidden, inter, chunks.len(), chunk_rows),
+            (hidden, inter, chunk_rows),
             false,
         )?;
         drop(guards);
-        drop(table);
         Ok(out)
     }
     let dev = &x.device;
@@ -108,15 +124,25 @@ pub(crate) fn qlinear_rows_experts(
     })
 }
 
-/// One launch over every chunk: x's rows (k wide) against the weights whose addresses are at
-/// `w0` (and `w1` with `silu`) by expert, the chunks at `chunks`, into y (n wide).
+/// Where a launch finds its weights and chunks.
+#[derive(Clone, Copy)]
+enum Weights {
+    /// The device addresses of the tables of w0 and w1 (by expert) and of the chunks, and
+    /// the chunks' count.
+    Table([u64; 3], usize),
+    /// One expert's w0 and w1, and its rows (chunks of `chunk_rows` from the first).
+    One([u64; 2], usize),
+}
+
+/// One launch over every chunk: x's rows (k wide) against the weights `w` says (w1 with
+/// `silu`), into y (n wide).
 fn launch<T: DeviceRepr + WithDType>(
     dev: &CudaDevice,
     ty: GgmlDType,
     x: &CudaView<'_, T>,
-    [w0, w1, chunks]: [u64; 3],
+    w: Weights,
     y: &CudaSlice<T>,
-    (n, k, count, chunk_rows): (usize, usize, usize, usize),
+    (n, k, chunk_rows): (usize, usize, usize),
     silu: bool,
 ) -> Result<()> {
     let Some(qname) = qlinear_small_type(ty) else {
@@ -129,10 +155,14 @@ fn launch<T: DeviceRepr + WithDType>(
         QLINEAR_WARPS * 16 * qlinear2_small_stage_vecs(ty.type_size()) * ROWS_PER_WARP
     };
     let xblocks = qlinear3_x_blocks(chunk_rows, k / 32, stages);
+    let (kind, count) = match w {
+        Weights::Table(_, count) => ("experts", count),
+        Weights::One(_, rows) => ("expert", rows.div_ceil(chunk_rows)),
+    };
     let (module, name) = if kquant {
-        (LINEAR_K, format!("qlinear3k_rows_experts_{qname}"))
+        (LINEAR_K, format!("qlinear3k_rows_{kind}_{qname}"))
     } else {
-        (LINEAR_Q8, format!("qlinear3_rows_experts_{qname}"))
+        (LINEAR_Q8, format!("qlinear3_rows_{kind}_{qname}"))
     };
     let func = load::<T>(dev, module, &name)?;
     let cols_per_warp = if silu {
@@ -159,16 +189,21 @@ fn launch<T: DeviceRepr + WithDType>(
         u32::from(silu),
         to_u32(xblocks, "blocks of x")?,
     );
+    // The weights' (or their tables') addresses, the chunks' table, and one expert's rows.
+    let (p0, p1, chunks, rows) = match w {
+        Weights::Table(t, _) => (t[0], t[1], Some(t[2]), None),
+        Weights::One(ws, rows) => (ws[0], ws[1], None, Some(to_u32(rows, "rows")?)),
+    };
     let mut b = stream.launch_builder(&func);
-    b.arg(x)
-        .arg(&w0)
-        .arg(&w1)
-        .arg(&chunks)
-        .arg(y)
-        .arg(&nn)
-        .arg(&kk)
-        .arg(&s)
-        .arg(&xb);
+    b.arg(x).arg(&p0).arg(&p1);
+    if let Some(c) = &chunks {
+        b.arg(c);
+    }
+    b.arg(y);
+    if let Some(r) = &rows {
+        b.arg(r);
+    }
+    b.arg(&nn).arg(&kk).arg(&s).arg(&xb);
     // SAFETY: `qlinear3_rows_experts_<q>_<dtype>` (kernels/linear_q8.cu) and
     // `qlinear3k_rows_experts_<q>_<dtype>` (kernels/linear_k.cu) take (const T* x, const
     // uint64_t* w0, const uint64_t* w1, const RowChunk* chunks, T* y, uint32_t n0, k, silu,
@@ -177,10 +212,14 @@ fn launch<T: DeviceRepr + WithDType>(
     // uploaded on this stream before (3 · experts addresses of live quantized storages of
     // type `ty`, their shapes checked by `qexperts_rows_fits` and 16-byte aligned; then
     // `count` chunks of 16 bytes, each an expert index below the table's and at most
-    // `chunk_rows` (the kernels' 8) rows inside x, as `experts_rows::row_chunks` makes them);
-    // x holds the rows (k elements each, 16-byte aligned: checked by the caller, or `act`'s
-    // rows of `inter`, a multiple of 32) and y as many rows of n; the shared memory is the
-    // weight stages and the chunk of x variant 3 takes for `chunk_rows` rows.
+    // `chunk_rows` (the kernels' 8) rows inside x, as `experts_rows::row_chunks` makes them).
+    // `qlinear3_rows_expert_<q>_<dtype>` / `qlinear3k_rows_expert_<q>_<dtype>` take (const T*
+    // x, const uint8_t* w0, const uint8_t* w1, T* y, uint32_t rows, n0, k, silu, xblocks):
+    // one expert's weights (live, checked and aligned as above), chunk blockIdx.y the rows
+    // 8 · blockIdx.y .. min(+8, rows), the grid's count = ⌈rows / 8⌉. Either way x holds the
+    // rows (k elements each, 16-byte aligned: checked by the caller, or `act`'s rows of
+    // `inter`, a multiple of 32) and y as many rows of n; the shared memory is the weight
+    // stages and the chunk of x variant 3 takes for `chunk_rows` rows.
     unsafe { b.launch(cfg) }.w()?;
     Ok(())
 }

@@ -521,7 +521,6 @@ impl SparseMoe {
     /// experts, each expert's a view of them: a copy from pageable host memory waits for the
     /// device's queue to drain, so one per expert would stall it that often.
     fn sum_experts(x2: &Tensor, groups: &[ExpertRows<'_>], fused: bool) -> Result<Option<Tensor>> {
-        let device = x2.device();
         let rows = x2.dim(0)?;
         if rows == 1 && fused {
             if let Some(out) = Self::grouped_row(x2, groups)? {
@@ -530,22 +529,41 @@ impl SparseMoe {
         }
         // Every group's indices and weights, concatenated, on the device (several rows).
         let uploaded = if rows > 1 && !groups.is_empty() {
-            let ids: Vec<u32> = groups
-                .iter()
-                .flat_map(|((i, _), _)| i.iter().copied())
-                .collect();
-            let ws: Vec<f32> = groups
-                .iter()
-                .flat_map(|((_, w), _)| w.iter().copied())
-                .collect();
-            let n = ids.len();
-            Some((
-                Tensor::from_vec(ids, n, device)?,
-                Tensor::from_vec(ws, (n, 1), device)?.to_dtype(x2.dtype())?,
-            ))
+            Some(Self::upload_routes(x2, groups.iter().map(|(g, _)| *g))?)
         } else {
             None
         };
+        Self::sum_uploaded(x2, groups, uploaded, fused)
+    }
+
+    /// The row indices and weights of `groups` (each expert's), concatenated, on x2's device:
+    /// `(ids (n) U32, weights (n, 1) in x2's dtype)`, in one copy each.
+    fn upload_routes<'a>(
+        x2: &Tensor,
+        groups: impl Iterator<Item = &'a (Vec<u32>, Vec<f32>)> + Clone,
+    ) -> Result<(Tensor, Tensor)> {
+        let ids: Vec<u32> = groups
+            .clone()
+            .flat_map(|(i, _)| i.iter().copied())
+            .collect();
+        let ws: Vec<f32> = groups.flat_map(|(_, w)| w.iter().copied()).collect();
+        let n = ids.len();
+        Ok((
+            Tensor::from_vec(ids, n, x2.device())?,
+            Tensor::from_vec(ws, (n, 1), x2.device())?.to_dtype(x2.dtype())?,
+        ))
+    }
+
+    /// [`sum_experts`](Self::sum_experts) past a decode row's grouped kernels, with the
+    /// groups' indices and weights as [`upload_routes`](Self::upload_routes) made them (`None`
+    /// for a single row).
+    fn sum_uploaded(
+        x2: &Tensor,
+        groups: &[ExpertRows<'_>],
+        uploaded: Option<(Tensor, Tensor)>,
+        fused: bool,
+    ) -> Result<Option<Tensor>> {
+        let rows = x2.dim(0)?;
         if let (Some((up_ids, up_ws)), true) = (&uploaded, fused) {
             if let Some(out) = Self::grouped_rows(x2, groups, up_ids, up_ws)? {
                 return Ok(Some(out));
@@ -667,12 +685,30 @@ impl SparseMoe {
         let (Experts::Units(shape), Some(units)) = (&self.experts, ctx.experts) else {
             return Ok(sum);
         };
-        for ((&e, g), p) in by_expert.iter().zip(placed) {
-            if p.1 != ExpertSite::Stream {
-                continue;
-            }
+        let streamed: Vec<_> = by_expert
+            .iter()
+            .zip(placed)
+            .filter(|(_, p)| p.1 == ExpertSite::Stream)
+            .map(|(g, _)| g)
+            .collect();
+        // A prompt's streamed experts' indices and weights in one copy before the first (a
+        // copy from pageable memory waits for the stream: one an expert would keep the link
+        // idle while each expert's work drains).
+        let uploaded = if x2.dim(0)? > 1 && !streamed.is_empty() {
+            Some(Self::upload_routes(x2, streamed.iter().map(|(_, g)| *g))?)
+        } else {
+            None
+        };
+        let mut at = 0usize;
+        for (&e, g) in streamed {
             let expert = units.stream(self.layer, e, &|w| shape.load(w))?;
-            let y = Self::sum_experts(x2, &[(g, &expert)], fused)?;
+            let n = g.0.len();
+            let mine = match &uploaded {
+                Some((ids, ws)) => Some((ids.narrow(0, at, n)?, ws.narrow(0, at, n)?)),
+                None => None,
+            };
+            at += n;
+            let y = Self::sum_uploaded(x2, &[(g, &expert)], mine, fused)?;
             drop(expert);
             units.streamed(self.layer, e)?;
             sum = match (sum, y) {
