@@ -650,7 +650,12 @@ fn moe_all_fit_tier_equals_the_plain_model(device: &Device) -> anyhow::Result<()
         let ids = Tensor::new(&p[..12], device)?.unsqueeze(0)?;
         let a = tiered.forward(&ids, 0, &mut c1)?;
         let b = plain.forward(&ids, 0, &mut c2)?;
-        assert_close_to_scale(&a, &b, 1e-4, &format!("{route:?}: the prompt on {device:?}"))?;
+        assert_close_to_scale(
+            &a,
+            &b,
+            1e-4,
+            &format!("{route:?}: the prompt on {device:?}"),
+        )?;
         for (k, &t) in p[12..].iter().enumerate() {
             let ids = Tensor::new(&[t], device)?.unsqueeze(0)?;
             let a = tiered.forward(&ids, 12 + k, &mut c1)?;
