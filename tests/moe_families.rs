@@ -24,16 +24,26 @@ fn fixtures() -> anyhow::Result<PathBuf> {
     crate::util::unpacked_fixture("moe_families", &DIR)
 }
 
+/// The host store of `files` in F32 for `device`, GGML blocks kept as blocks where
+/// `keep_blocks`.
+fn f32_store(
+    files: &ModelFiles,
+    device: &Device,
+    keep_blocks: bool,
+) -> anyhow::Result<Arc<candle_offload::HostStore>> {
+    Ok(Arc::new(loader::load_store_with(
+        files,
+        DType::F32,
+        device,
+        None,
+        keep_blocks,
+    )?))
+}
+
 /// Our model of `files` in F32: resident, or offloaded under a budget of a third of the
 /// weights (experts and layers then stream, LRU).
 fn model(files: &ModelFiles, keep_blocks: bool, offload: bool) -> anyhow::Result<Llama> {
-    let store = Arc::new(loader::load_store_with(
-        files,
-        DType::F32,
-        &Device::Cpu,
-        None,
-        keep_blocks,
-    )?);
+    let store = f32_store(files, &Device::Cpu, keep_blocks)?;
     let limit = offload.then(|| {
         let layer = store
             .layer_unit(0)
@@ -274,13 +284,7 @@ fn half_experts_model(
     keep_blocks: bool,
     experts: candle_offload::experts::ExpertOptions,
 ) -> anyhow::Result<Llama> {
-    let store = Arc::new(loader::load_store_with(
-        files,
-        DType::F32,
-        device,
-        None,
-        keep_blocks,
-    )?);
+    let store = f32_store(files, device, keep_blocks)?;
     let units = store.units();
     let all_experts: u64 = units
         .iter()
@@ -322,13 +326,7 @@ fn gguf_model(
     device: &Device,
     settings: OffloadSettings,
 ) -> anyhow::Result<Llama> {
-    let store = Arc::new(loader::load_store_with(
-        files,
-        DType::F32,
-        device,
-        None,
-        true,
-    )?);
+    let store = f32_store(files, device, true)?;
     Ok(Llama::builder(files, store)
         .device(device)
         .settings(settings)

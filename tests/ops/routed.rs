@@ -11,6 +11,37 @@ use candle_offload_models::layers::{route_row, Routing};
 
 use crate::ops::common::*;
 
+/// `count` experts of random weights quantized on `device`: gate and up `(inter, hidden)` of
+/// `gt`, down `(hidden, inter)` of `dt`, expert e's from seeds `seed + 3e` onwards.
+fn random_experts(
+    count: usize,
+    (hidden, inter): (usize, usize),
+    (gt, dt): (GgmlDType, GgmlDType),
+    seed: u64,
+    device: &Device,
+) -> anyhow::Result<Vec<[QTensor; 3]>> {
+    let q = |shape: &[usize], ty, s: u64| -> anyhow::Result<QTensor> {
+        let v = random(
+            shape,
+            1.0 / (shape[1] as f32).sqrt(),
+            s,
+            DType::F32,
+            &Device::Cpu,
+        )?;
+        Ok(QTensor::quantize_onto(&v, ty, device)?)
+    };
+    (0..count)
+        .map(|e| {
+            let s = seed + 3 * e as u64;
+            Ok([
+                q(&[inter, hidden], gt, s)?,
+                q(&[inter, hidden], gt, s + 1)?,
+                q(&[hidden, inter], dt, s + 2)?,
+            ])
+        })
+        .collect()
+}
+
 /// 40 experts (not a multiple of the warp's 32) in two layers of a table, every expert's
 /// entry its device blocks: for k of 1, 4 and 8, renormalised or not, and logits with an exact
 /// tie at the top, the experts the device chose (read back) are `route_row`'s in expert
@@ -34,26 +65,13 @@ fn expert_table_routes_as_route_row(device: &Device) -> anyhow::Result<()> {
     .iter()
     .enumerate()
     {
-        let q = |shape: &[usize], ty, s: u64| -> anyhow::Result<QTensor> {
-            let v = random(
-                shape,
-                1.0 / (shape[1] as f32).sqrt(),
-                s,
-                DType::F32,
-                &Device::Cpu,
-            )?;
-            Ok(QTensor::quantize_onto(&v, ty, device)?)
-        };
-        let weights: Vec<[QTensor; 3]> = (0..experts)
-            .map(|e| {
-                let s = 9000 + 100 * t as u64 + 3 * e as u64;
-                Ok([
-                    q(&[inter, hidden], gt, s)?,
-                    q(&[inter, hidden], gt, s + 1)?,
-                    q(&[hidden, inter], dt, s + 2)?,
-                ])
-            })
-            .collect::<anyhow::Result<_>>()?;
+        let weights = random_experts(
+            experts,
+            (hidden, inter),
+            (gt, dt),
+            9000 + 100 * t as u64,
+            device,
+        )?;
         let table = ExpertTable::new(device, 2, experts)?;
         let mut entries = Vec::new();
         for (e, [g, u, d]) in weights.iter().enumerate() {
@@ -139,26 +157,13 @@ fn qexperts_rows_match_each_row_alone(device: &Device) -> anyhow::Result<()> {
     .iter()
     .enumerate()
     {
-        let q = |shape: &[usize], ty, s: u64| -> anyhow::Result<QTensor> {
-            let v = random(
-                shape,
-                1.0 / (shape[1] as f32).sqrt(),
-                s,
-                DType::F32,
-                &Device::Cpu,
-            )?;
-            Ok(QTensor::quantize_onto(&v, ty, device)?)
-        };
-        let weights: Vec<[QTensor; 3]> = (0..rows_of.len())
-            .map(|e| {
-                let s = 7000 + 100 * t as u64 + 3 * e as u64;
-                Ok([
-                    q(&[inter, hidden], gt, s)?,
-                    q(&[inter, hidden], gt, s + 1)?,
-                    q(&[hidden, inter], dt, s + 2)?,
-                ])
-            })
-            .collect::<anyhow::Result<_>>()?;
+        let weights = random_experts(
+            rows_of.len(),
+            (hidden, inter),
+            (gt, dt),
+            7000 + 100 * t as u64,
+            device,
+        )?;
         let experts: Vec<linear::QExpertRows<'_>> = weights
             .iter()
             .zip(rows_of)

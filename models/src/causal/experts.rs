@@ -686,10 +686,7 @@ impl ExpertUnits for SplitExperts<'_> {
         routed: &[(usize, usize)],
         build: BuildExpert<'_>,
     ) -> Result<Vec<(Option<Expert>, ExpertSite)>> {
-        let mut st =
-            self.tier.state.lock().map_err(|_| {
-                candle_core::Error::Msg("the expert tier's lock is poisoned".into())
-            })?;
+        let mut st = self.lock()?;
         let decode = routed.iter().all(|&(_, rows)| rows == 1);
         self.step_at(&mut st, layer, Visit::Place, decode)?;
         let mut site = vec![ExpertSite::Host; routed.len()];
@@ -801,10 +798,7 @@ impl ExpertUnits for SplitExperts<'_> {
     /// step's split), so that the link and the host both read while the device runs the
     /// layers between.
     fn guessed(&self, layer: usize, routes: &[(usize, f32)]) -> Result<()> {
-        let mut st =
-            self.tier.state.lock().map_err(|_| {
-                candle_core::Error::Msg("the expert tier's lock is poisoned".into())
-            })?;
+        let mut st = self.lock()?;
         // A decode step's row: one row each.
         let missing: Vec<(usize, usize)> = routes
             .iter()
@@ -844,7 +838,6 @@ impl ExpertUnits for SplitExperts<'_> {
             return Ok(None);
         }
         let mut st = self.lock()?;
-        let store = self.device.rt.store().clone();
         let tuning = self.device.rt.tuning().kernels;
         if st.in_graph {
             // A step a graph captures: the table as it is, nothing adopted or acquired.
@@ -878,6 +871,7 @@ impl ExpertUnits for SplitExperts<'_> {
                 }
             };
         }
+        let store = self.device.rt.store().clone();
         let routed = match st.routes_mut() {
             Some(routes) => routes.layer(
                 layer,

@@ -619,22 +619,19 @@ impl SparseMoe {
         ids: &Tensor,
         ws: &Tensor,
     ) -> Result<Option<Tensor>> {
-        let Some((_, first)) = groups.first() else {
+        let Some((blocks, tuning)) = groups_blocks(groups) else {
             return Ok(None);
         };
-        let mut experts = Vec::with_capacity(groups.len());
-        for ((rows, _), e) in groups {
-            let Some([gate, up, down]) = separate_blocks(&e.mlp) else {
-                return Ok(None);
-            };
-            experts.push(QExpertRows {
+        let experts: Vec<QExpertRows<'_>> = blocks
+            .into_iter()
+            .zip(groups)
+            .map(|([gate, up, down], ((rows, _), _))| QExpertRows {
                 gate,
                 up,
                 down,
                 rows: rows.len(),
-            });
-        }
-        let tuning = first.mlp.down.tuning();
+            })
+            .collect();
         if !qexperts_rows_fits(x2, &experts, tuning)? {
             return Ok(None);
         }
@@ -648,22 +645,19 @@ impl SparseMoe {
     /// One row's experts through the grouped kernels ([`qexperts_row`]), where every one is a
     /// SiLU-gated MLP of GGML blocks they take; `None` otherwise.
     fn grouped_row(x2: &Tensor, groups: &[ExpertRows<'_>]) -> Result<Option<Tensor>> {
-        let Some(((_, _), first)) = groups.first() else {
+        let Some((blocks, tuning)) = groups_blocks(groups) else {
             return Ok(None);
         };
-        let mut experts = Vec::with_capacity(groups.len());
-        for ((_, ws), e) in groups {
-            let Some([gate, up, down]) = separate_blocks(&e.mlp) else {
-                return Ok(None);
-            };
-            experts.push(QExpert {
+        let experts: Vec<QExpert<'_>> = blocks
+            .into_iter()
+            .zip(groups)
+            .map(|([gate, up, down], ((_, ws), _))| QExpert {
                 gate,
                 up,
                 down,
                 weight: ws[0],
-            });
-        }
-        let tuning = first.mlp.down.tuning();
+            })
+            .collect();
         if !qexperts_row_fits(x2, &experts, tuning)? {
             return Ok(None);
         }
@@ -859,6 +853,19 @@ impl SparseMoe {
         }
         out.reshape(dims)
     }
+}
+
+/// Every group's expert's gate, up and down blocks (each a SiLU-gated MLP of separate GGML
+/// blocks), and the first one's kernel tuning; `None` without groups or where one is not.
+fn groups_blocks<'a>(
+    groups: &[ExpertRows<'a>],
+) -> Option<(Vec<[&'a QTensor; 3]>, &'a candle_offload::KernelTuning)> {
+    let (_, first) = groups.first()?;
+    let blocks = groups
+        .iter()
+        .map(|(_, e)| separate_blocks(&e.mlp).map(|[g, u, d]| [&**g, &**u, &**d]))
+        .collect::<Option<Vec<_>>>()?;
+    Some((blocks, first.mlp.down.tuning()))
 }
 
 /// The most rows a step reads back with its routers' logits for the host CPU's experts
