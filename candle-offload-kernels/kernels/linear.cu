@@ -81,6 +81,31 @@ __device__ void linear_small(const T *x, const T *w0, const T *w1, const T *w2, 
         linear_small<T, M>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu);                           \
     }
 
+// router_logits_<dtype>: one row x (k) times w (n, k) into y (n) in F32 (a router's logits,
+// whose top-k must not see 16-bit rounding): one warp per column, F32 accumulation, in place of
+// two casts to F32 and cuBLAS's split-K GEMV with its reduction. k a multiple of 8, x and w
+// starting 16-byte aligned.
+template <typename T>
+__device__ void router_logits(const T *x, const T *w, float *y, uint32_t n, uint32_t k) {
+    const uint32_t warps = (gridDim.x * blockDim.x) >> 5;
+    for (uint32_t c = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; c < n; c += warps) {
+        float acc[1] = {0.0f};
+        dot_rows<T, 1>(x, w + (size_t)c * k, 1, k, acc);
+        const float sum = warp_sum(acc[0]);
+        if ((threadIdx.x & 31u) == 0) y[c] = sum;
+    }
+}
+
+#define ROUTER_LOGITS_FOR(T, SUFFIX)                                                            \
+    extern "C" __global__ void router_logits_##SUFFIX(const T *x, const T *w, float *y,         \
+                                                      uint32_t n, uint32_t k) {                 \
+        router_logits<T>(x, w, y, n, k);                                                        \
+    }
+
+ROUTER_LOGITS_FOR(float, f32)
+ROUTER_LOGITS_FOR(__half, f16)
+ROUTER_LOGITS_FOR(__nv_bfloat16, bf16)
+
 // linear_small over GGML blocks of 32 elements, variant 1: each warp stages its row's blocks
 // (qblocks.cuh: QStage, stage_blocks) and lane j decodes block j there.
 

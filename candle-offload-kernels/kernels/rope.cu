@@ -1,10 +1,12 @@
 // The RoPE of `candle_offload_kernels::rope` (rope_qk, rope_qk_cache and its form at a device
-// position), once per element type as `rope_qk_<dtype>`.
+// position; rope_qk_norm with the per-head RMSNorms of q and k before it), once per element
+// type as `rope_qk_<dtype>`.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
 
 #include "common.cuh"
+#include "reduce.cuh"
 
 // Element i of a head's row after half-rotated RoPE by the table row `c` (2 * rot_half values:
 // the cos of each rotated pair, then its sin) where `rotate` and i is among the first
@@ -80,6 +82,89 @@ __device__ void rope_qk(const T *q, const T *k, const T *v, const T *cs, T *qout
 ROPE_FOR(float, f32)
 ROPE_FOR(__half, f16)
 ROPE_FOR(__nv_bfloat16, bf16)
+
+// rope_qk with each head's row of q and k RMS-normed first (Qwen3's q_norm and k_norm, weights
+// qw and kw of d elements): one warp per row of q, k or v (v copied as rope_qk copies it). A
+// normed element is rounded to T before it rotates, as the separate norm kernel writes it
+// (scale · x · w in F32, then T), so the result is the two launches' up to the order of the
+// sum of squares.
+template <typename T>
+__device__ void rope_qk_norm(const T *q, const T *k, const T *v, const T *cs, T *qout, T *kout,
+                             T *vout, uint32_t b, uint32_t t, uint32_t hq, uint32_t hk, uint32_t d,
+                             uint32_t rot_half, uint32_t cap, uint32_t pos,
+                             const uint32_t *pos_dev, uint32_t cs_rows, const T *qw, const T *kw,
+                             float eps) {
+    if (pos_dev != nullptr) {
+        pos = *pos_dev;
+        if (pos > cap - t || pos > cs_rows - t) return;
+        cs += (size_t)pos * 2 * rot_half;
+    }
+    const uint32_t lane = threadIdx.x & 31u;
+    const size_t rq = (size_t)b * hq * t;
+    const size_t rk = (size_t)b * hk * t;
+    const size_t rows = rq + rk + (v != nullptr ? rk : 0);
+    const size_t warps = ((size_t)gridDim.x * blockDim.x) >> 5;
+    for (size_t r = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
+        const int part = r < rq ? 0 : (r < rq + rk ? 1 : 2);  // q, k, v
+        const size_t o = part == 0 ? r : (part == 1 ? r - rq : r - rq - rk);  // (bi, hi, ti)
+        const uint32_t h = part == 0 ? hq : hk;
+        const T *src = part == 0 ? q : (part == 1 ? k : v);
+        const T *w = part == 0 ? qw : kw;
+        const uint32_t ti = (uint32_t)(o % t);
+        const size_t bh = o / t;
+        const uint32_t hi = (uint32_t)(bh % h);
+        const size_t bi = bh / h;
+        const T *head = src + ((bi * t + ti) * h + hi) * (size_t)d;
+        float scale = 1.0f;
+        if (part < 2) {
+            float ss = 0.0f;
+            for (uint32_t i = lane; i < d; i += 32u) {
+                const float x = to_f32(head[i]);
+                ss += x * x;
+            }
+            scale = rsqrtf(warp_sum(ss) / (float)d + eps);
+        }
+        const T *c = cs + (size_t)ti * 2 * rot_half;
+        for (uint32_t i = lane; i < d; i += 32u) {
+            float y;
+            if (part == 2) {
+                y = to_f32(head[i]);
+            } else {
+                auto normed = [&](uint32_t j) {
+                    return to_f32(from_f32<T>(scale * to_f32(head[j]) * to_f32(w[j])));
+                };
+                if (i >= 2 * rot_half) {
+                    y = normed(i);
+                } else {
+                    const uint32_t j = i < rot_half ? i : i - rot_half;
+                    const float x1 = normed(j), x2 = normed(j + rot_half);
+                    const float cj = to_f32(c[j]), sj = to_f32(c[rot_half + j]);
+                    y = i < rot_half ? x1 * cj - x2 * sj : x2 * cj + x1 * sj;
+                }
+            }
+            if (part == 0) {
+                qout[o * d + i] = from_f32<T>(y);
+            } else {
+                T *dst = part == 1 ? kout : vout;
+                dst[(bh * cap + pos + ti) * (size_t)d + i] = from_f32<T>(y);
+            }
+        }
+    }
+}
+
+#define ROPE_NORM_FOR(T, SUFFIX)                                                                \
+    extern "C" __global__ void rope_qk_norm_##SUFFIX(                                           \
+        const T *q, const T *k, const T *v, const T *cs, T *qout, T *kout, T *vout, uint32_t b, \
+        uint32_t t, uint32_t hq, uint32_t hk, uint32_t d, uint32_t rot_half, uint32_t cap,      \
+        uint32_t pos, const uint32_t *pos_dev, uint32_t cs_rows, const T *qw, const T *kw,      \
+        float eps) {                                                                            \
+        rope_qk_norm<T>(q, k, v, cs, qout, kout, vout, b, t, hq, hk, d, rot_half, cap, pos,     \
+                        pos_dev, cs_rows, qw, kw, eps);                                         \
+    }
+
+ROPE_NORM_FOR(float, f32)
+ROPE_NORM_FOR(__half, f16)
+ROPE_NORM_FOR(__nv_bfloat16, bf16)
 
 // A ragged decode step's RoPE: n sequences of one new position each, q (n, hq, d), k and v
 // (n, hk, d) rows as the projections give them, q rotated into qout (n, hq, d) and k rotated

@@ -427,26 +427,35 @@ impl std::fmt::Display for ExpertRoute {
 /// Decode steps a [`RouteChooser`] keeps on the faster route between two probes of the other.
 pub const ROUTE_PROBE_STEPS: u64 = 64;
 
-/// The weight of a new step time in a [`RouteChooser`]'s estimate of its route.
-pub const ROUTE_TIME_SMOOTHING: f64 = 0.25;
+/// Step times a [`RouteChooser`] keeps per route; its estimate of a route is their median.
+pub const ROUTE_TIME_WINDOW: usize = 9;
 
 /// A step time over this many times its route's estimate is dropped (an idle gap between
-/// requests, a hiccup of the host), not averaged in.
+/// requests, a hiccup of the host), not kept.
 pub const ROUTE_TIME_OUTLIER: f64 = 3.0;
+
+/// A [`RouteChooser`] leaves the route it is on only for one whose estimate is under this
+/// share of its own.
+pub const ROUTE_SWITCH_MARGIN: f64 = 0.9;
 
 /// Chooses who routes each decode step under [`ExpertRoute::Auto`] by the decode steps' times
 /// on each route: which one wins depends on the cache's hit rate under each (the device reads
 /// its misses from host memory as they come; the host fetches the next layer's guess ahead
 /// and splits its misses with the host CPU), on the link, the host CPU and the device, so
 /// it is measured rather than priced. The device route goes first, then the host's; then the
-/// faster one, with a probe of the other every [`ROUTE_PROBE_STEPS`] steps. A step counts
-/// only after a decode step on the same route (the first after a switch carries the switch:
-/// a table to fill, experts to adopt), and the tier leaves out a step that captured a CUDA
-/// graph (its time is the capture's). Pure: the tier times the steps and tells it.
+/// faster one, with a probe of the other every [`ROUTE_PROBE_STEPS`] steps. A route's estimate
+/// is the median of its last [`ROUTE_TIME_WINDOW`] step times (a decode step's time varies
+/// with its misses), and the chooser leaves its route only for one faster by a margin
+/// ([`ROUTE_SWITCH_MARGIN`]). A step counts only after a decode step on the same route (the
+/// first after a switch carries the switch: a table to fill, experts to adopt), and the tier
+/// leaves out a step that captured a CUDA graph (its time is the capture's). Pure: the tier
+/// times the steps and tells it.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RouteChooser {
-    /// Seconds a decode step, on the host route and on the device route.
-    estimate: [Option<f64>; 2],
+    /// The last step times, seconds, on the host route and on the device route.
+    times: [std::collections::VecDeque<f64>; 2],
+    /// The route the chooser is on, once both were measured.
+    on_device: Option<bool>,
     /// Steps on the faster route since the other was last probed.
     since_probe: u64,
     /// Steps left in a probe (the first of them carries the switch).
@@ -460,31 +469,46 @@ impl RouteChooser {
         if !seconds.is_finite() || seconds <= 0.0 {
             return;
         }
-        let e = &mut self.estimate[usize::from(on_device)];
-        *e = Some(match *e {
-            Some(t) if seconds > ROUTE_TIME_OUTLIER * t => t,
-            Some(t) => t + ROUTE_TIME_SMOOTHING * (seconds - t),
-            None => seconds,
-        });
+        if self
+            .estimate(on_device)
+            .is_some_and(|t| seconds > ROUTE_TIME_OUTLIER * t)
+        {
+            return;
+        }
+        let times = &mut self.times[usize::from(on_device)];
+        if times.len() == ROUTE_TIME_WINDOW {
+            times.pop_front();
+        }
+        times.push_back(seconds);
     }
 
-    /// The estimate of a decode step on a route, where one was measured.
+    /// The estimate of a decode step on a route, where one was measured: the median of its
+    /// last step times.
     pub fn estimate(&self, on_device: bool) -> Option<f64> {
-        self.estimate[usize::from(on_device)]
+        let mut v: Vec<f64> = self.times[usize::from(on_device)].iter().copied().collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(v[v.len() / 2])
     }
 
     /// Whether the next decode step is routed on the device.
     pub fn choose(&mut self) -> bool {
-        let [host, device] = self.estimate;
-        let (Some(host), Some(device)) = (host, device) else {
+        let (Some(host), Some(device)) = (self.estimate(false), self.estimate(true)) else {
             // The device first, then the host, each until it has a step time.
-            return device.is_none();
+            return self.times[1].is_empty();
         };
-        let faster = device <= host;
+        let faster = match self.on_device {
+            Some(true) => host >= ROUTE_SWITCH_MARGIN * device,
+            Some(false) => device < ROUTE_SWITCH_MARGIN * host,
+            None => device <= host,
+        };
         if self.probing > 0 {
             self.probing -= 1;
             return !faster;
         }
+        self.on_device = Some(faster);
         self.since_probe += 1;
         if self.since_probe > ROUTE_PROBE_STEPS {
             self.since_probe = 0;

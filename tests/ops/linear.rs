@@ -103,6 +103,42 @@ test_device!(
     ops_linear_small_gpu
 );
 
+/// A router's logits in F32 (`linear::router_logits`): a decode row of every dtype against the
+/// weight in F32 arithmetic (one launch on a GPU), and the composition for several rows and
+/// for a width that is not a multiple of 8; F32 out, within F32's rounding of the sum.
+fn router_logits_are_f32_products(device: &Device) -> anyhow::Result<()> {
+    for dtype in DTYPES {
+        for (i, (rows, k, n)) in [(1, 2048, 128), (1, 64, 60), (3, 64, 8), (1, 12, 4)]
+            .into_iter()
+            .enumerate()
+        {
+            let seed = 300 + 10 * i as u64;
+            let x = random(&[rows, k], 1.0, seed, dtype, device)?;
+            let w = random(&[n, k], 1.0 / (k as f32).sqrt(), seed + 1, dtype, device)?;
+            let got = linear::router_logits(&x, &w)?;
+            anyhow::ensure!(got.dtype() == DType::F32 && got.dims() == [rows, n]);
+            let want = x
+                .to_dtype(DType::F32)?
+                .matmul(&w.to_dtype(DType::F32)?.t()?)?;
+            ensure_close(
+                &format!("router_logits {rows}x{k} by {n} {dtype:?}"),
+                &got,
+                &want,
+                DType::F32,
+            )?;
+        }
+    }
+    let x = random(&[1, 64], 1.0, 1, DType::F16, device)?;
+    let w = random(&[8, 32], 1.0, 2, DType::F16, device)?;
+    anyhow::ensure!(linear::router_logits(&x, &w).is_err(), "widths differ");
+    Ok(())
+}
+test_device!(
+    router_logits_are_f32_products,
+    ops_router_logits_cpu,
+    ops_router_logits_gpu
+);
+
 /// The GGML block types the quantized few-row kernels take.
 pub(crate) const QTYPES: [GgmlDType; 5] = [
     GgmlDType::Q4_0,

@@ -160,3 +160,73 @@ test_device!(
     ops_rope_qk_cache_cpu,
     ops_rope_qk_cache_gpu
 );
+
+/// `rope_qk_cache_normed` (q's and k's per-head RMSNorms folded into the rotation, Qwen3's
+/// `q_norm` and `k_norm`) equals the norms applied first and `rope_qk_cache` after, at a
+/// position given on the host and at one held on the device: q, and the keys and values it
+/// writes.
+fn rope_qk_cache_normed_equals_norm_then_rope(device: &Device) -> anyhow::Result<()> {
+    let cases: [RopeCacheCase; 3] = [
+        (1, 1, 32, 4, 128, 128, 37, 40),
+        (2, 3, 6, 2, 64, 64, 5, 8),
+        (1, 1, 4, 2, 64, 32, 0, 2),
+    ];
+    for dtype in DTYPES {
+        for (i, &case) in cases.iter().enumerate() {
+            let (_, t, _, _, d, _, pos, _) = case;
+            let seed = 900 + 10 * i as u64;
+            let [q, k, v, kc, vc, table] = rope_cache_operands(case, seed, dtype, device)?;
+            let qw = (random(&[d], 0.5, seed + 7, dtype, device)? + 1.0)?;
+            let kw = (random(&[d], 0.5, seed + 8, dtype, device)? + 1.0)?;
+            let norm = rope::QkNorm {
+                q: &qw,
+                k: &kw,
+                eps: 1e-6,
+            };
+            let (want_kc, want_vc) = (kc.copy()?, vc.copy()?);
+            let (qn, kn) = norm.apply(&q, &k)?;
+            let rows = table.narrow(0, pos, t)?;
+            let want_q = rope::rope_qk_cache(&qn, &kn, &v, &rows, (&want_kc, &want_vc), pos)?;
+            let what = format!("rope_qk_cache_normed {case:?} {dtype:?}");
+            let (got_kc, got_vc) = (kc.copy()?, vc.copy()?);
+            let got_q =
+                rope::rope_qk_cache_normed(&q, &k, &v, &rows, (&got_kc, &got_vc), pos, norm)?;
+            ensure_close(&format!("{what} q"), &got_q, &want_q, dtype)?;
+            ensure_close(&format!("{what} k"), &got_kc, &want_kc, dtype)?;
+            ensure_close(&format!("{what} v"), &got_vc, &want_vc, dtype)?;
+            // The same at a position held on the device (the whole table).
+            let at = Tensor::new(&[pos as u32], device)?;
+            let (at_kc, at_vc) = (kc.copy()?, vc.copy()?);
+            let at_q =
+                rope::rope_qk_cache_normed_at(&q, &k, &v, &table, (&at_kc, &at_vc), &at, norm)?;
+            ensure_close(&format!("{what} q at"), &at_q, &want_q, dtype)?;
+            ensure_close(&format!("{what} k at"), &at_kc, &want_kc, dtype)?;
+            ensure_close(&format!("{what} v at"), &at_vc, &want_vc, dtype)?;
+        }
+    }
+    // Norm weights that are not a head wide: an error.
+    let [q, k, v, kc, vc, table] =
+        rope_cache_operands((1, 1, 4, 2, 64, 64, 0, 2), 1, DType::F32, device)?;
+    let short = Tensor::ones(32, DType::F32, device)?;
+    let norm = rope::QkNorm {
+        q: &short,
+        k: &short,
+        eps: 1e-6,
+    };
+    anyhow::ensure!(rope::rope_qk_cache_normed(
+        &q,
+        &k,
+        &v,
+        &table.narrow(0, 0, 1)?,
+        (&kc, &vc),
+        0,
+        norm
+    )
+    .is_err());
+    Ok(())
+}
+test_device!(
+    rope_qk_cache_normed_equals_norm_then_rope,
+    ops_rope_qk_cache_normed_cpu,
+    ops_rope_qk_cache_normed_gpu
+);

@@ -44,6 +44,68 @@ impl SmallDims {
     }
 }
 
+/// `router_logits`: one row x (1, k) times a weight (n, k) in F32, k a multiple of 8, both
+/// contiguous and starting 16-byte aligned; x·wᵀ (1, n) in F32.
+pub(crate) fn router_logits(
+    (x, xl): (&CudaStorage, &Layout),
+    (w, wl): (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    fn run<T: DeviceRepr + WithDType>(
+        dev: &CudaDevice,
+        (x, xl): (&CudaSlice<T>, &Layout),
+        (w, wl): (&CudaSlice<T>, &Layout),
+    ) -> Result<CudaSlice<f32>> {
+        let (m, k) = xl.shape().dims2()?;
+        let (n, wk) = wl.shape().dims2()?;
+        let aligned = |l: &Layout| aligned16(l, T::DTYPE);
+        if m != 1
+            || wk != k
+            || n == 0
+            || k == 0
+            || !k.is_multiple_of(8)
+            || !aligned(xl)
+            || !aligned(wl)
+        {
+            candle_core::bail!(
+                "router_logits: x {:?} and the weight {:?} do not fit the kernel",
+                xl.shape(),
+                wl.shape()
+            );
+        }
+        let func = load::<T>(dev, LINEAR, "router_logits")?;
+        let (x, w) = (view(x, xl, "x")?, view(w, wl, "weight")?);
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(n.div_ceil(4), "blocks")?, 1, 1),
+            block_dim: (32 * 4, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: uninitialised device memory of n F32 on the device's stream; the kernel
+        // launched next on that stream writes every one (lane 0 of each column's warp).
+        let out = unsafe { dev.alloc::<f32>(n) }?;
+        let (n, k) = (to_u32(n, "columns")?, to_u32(k, "width")?);
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        b.arg(&x).arg(&w).arg(&out).arg(&n).arg(&k);
+        // SAFETY: the arguments match `router_logits_<dtype>(const T* x, const T* w, float* y,
+        // uint32_t n, uint32_t k)` in kernels/linear.cu; x holds k and w n·k elements, both
+        // starting 16-byte aligned with k a multiple of 8, so its 8-element vector loads stay
+        // aligned and in bounds; y holds the n columns it writes; the grid's warps cover them.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(out)
+    }
+    let slice = match (&x.slice, &w.slice) {
+        (S::F32(xs), S::F32(ws)) => run(&x.device, (xs, xl), (ws, wl))?,
+        (S::F16(xs), S::F16(ws)) => run(&x.device, (xs, xl), (ws, wl))?,
+        (S::BF16(xs), S::BF16(ws)) => run(&x.device, (xs, xl), (ws, wl))?,
+        _ => candle_core::bail!("router_logits: unsupported or mixed dtypes"),
+    };
+    Ok(CudaStorage {
+        slice: S::F32(slice),
+        device: x.device.clone(),
+    })
+}
+
 /// `linear_small`: x (m, k) times up to three weights (n_i, k) in one launch, m ≤ 8, k a
 /// multiple of 8, all contiguous and starting 16-byte aligned. Without `silu`: x·w0ᵀ (m, n0),
 /// then x·w1ᵀ, then x·w2ᵀ, each contiguous in one buffer; with `silu` (two weights of one

@@ -47,4 +47,6 @@ pub use quantized::{
 };
 pub use routed::{ExpertTable, RoutedShape};
 pub(crate) use simd::has_avx2;
-pub use small::{linear_silu_mul, linear_small, linear_small_multi, linear_small_unfused};
+pub use small::{
+    linear_silu_mul, linear_small, linear_small_multi, linear_small_unfused, router_logits,
+};

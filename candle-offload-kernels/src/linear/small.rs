@@ -108,6 +108,107 @@ pub fn linear_small(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x2.apply_op2_no_bwd(&w, &LinearSmall)?.reshape(out_dims)
 }
 
+#[derive(Debug, Clone, Copy)]
+struct RouterLogits;
+
+impl RouterLogits {
+    const NAME: &'static str = "router-logits";
+}
+
+fn router_logits_cpu<T: WithDType>(
+    x: &[T],
+    w: &[T],
+    (xl, wl): (&Layout, &Layout),
+) -> Result<Vec<f32>> {
+    let (x, w) = (
+        contiguous(x, xl, RouterLogits::NAME)?,
+        contiguous(w, wl, RouterLogits::NAME)?,
+    );
+    let (_, k) = xl.shape().dims2()?;
+    Ok(x.chunks(k.max(1))
+        .flat_map(|xr| {
+            w.chunks(k.max(1)).map(move |wr| {
+                xr.iter()
+                    .zip(wr)
+                    .map(|(&a, &b)| f32_of(a) * f32_of(b))
+                    .sum()
+            })
+        })
+        .collect())
+}
+
+impl candle_core::CustomOp2 for RouterLogits {
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = match (s1, s2) {
+            (CpuStorage::F32(x), CpuStorage::F32(w)) => router_logits_cpu(x, w, (l1, l2))?,
+            (CpuStorage::F16(x), CpuStorage::F16(w)) => router_logits_cpu(x, w, (l1, l2))?,
+            (CpuStorage::BF16(x), CpuStorage::BF16(w)) => router_logits_cpu(x, w, (l1, l2))?,
+            _ => candle_core::bail!("{}: unsupported or mixed dtypes", Self::NAME),
+        };
+        Ok((
+            CpuStorage::F32(out),
+            Shape::from((l1.dims()[0], l2.dims()[0])),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::linear::cuda::router_logits((s1, l1), (s2, l2))?;
+        Ok((out, Shape::from((l1.dims()[0], l2.dims()[0]))))
+    }
+}
+
+/// A router's logits `x · wᵀ` in F32 for a weight `w` (experts, in) of x's dtype and `x`
+/// (rows, in), computed in F32 whatever the dtype (the top-k of logits rounded to 16 bits
+/// would tie or swap experts). On a GPU, for one row (a decode step) with `in` a multiple of 8
+/// and both 16-byte aligned, one launch; otherwise the composition: both cast to F32, then a
+/// matmul. `(rows, experts)` F32.
+pub fn router_logits(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    check_dtypes(RouterLogits::NAME, &[x, w])?;
+    let (_, k) = w.dims2()?;
+    let (rows, xk) = x.dims2()?;
+    if xk != k {
+        candle_core::bail!(
+            "{}: x {:?} does not match the weight {:?}",
+            RouterLogits::NAME,
+            x.shape(),
+            w.shape()
+        );
+    }
+    let fits = |t: &Tensor| t.is_contiguous() && aligned16(t.layout(), t.dtype());
+    if !x.device().is_cuda()
+        || x.dtype() == candle_core::DType::F32
+        || rows != 1
+        || !k.is_multiple_of(8)
+        || !fits(w)
+    {
+        let x = x.to_dtype(candle_core::DType::F32)?;
+        return x.matmul(&w.to_dtype(candle_core::DType::F32)?.t()?);
+    }
+    let x = if fits(x) {
+        x.clone()
+    } else {
+        x.force_contiguous()?
+    };
+    x.apply_op2_no_bwd(w, &RouterLogits)
+}
+
 /// Whether [`linear_small_multi`] / [`linear_silu_mul`] can run their one CUDA launch on
 /// `x` and `ws`: a GPU, ≤ 8 rows, a width that is a multiple of 8, contiguous weights of x's
 /// dtype starting 16-byte aligned.

@@ -11,6 +11,14 @@ use candle_core::{CudaDevice, Layout, Result, WithDType};
 use crate::cuda::{grid_stride, load, to_u32, u32_view, view, PosOnDevice, ROPE};
 use crate::rope::dims::RopeDims;
 
+/// The per-head norms of q and k on the device: their weights (d elements each, of q's dtype)
+/// and epsilon.
+pub(crate) struct NormOnDevice<'a> {
+    pub(crate) q: (&'a CudaStorage, &'a Layout),
+    pub(crate) k: (&'a CudaStorage, &'a Layout),
+    pub(crate) eps: f32,
+}
+
 /// `rope_qk`: q (b, t, hq, d) and k (b, t, hk, d) rotated by a table of t rows of
 /// 2·rot_half into one buffer, q as (b, hq, t, d) then k as (b, hk, t, d).
 pub(crate) fn rope_qk(
@@ -56,7 +64,7 @@ pub(crate) fn rope_qk(
                 // elements for q, then b·hk·t·d for k (cap = t, pos = 0), disjoint from the
                 // inputs (a new buffer); no v.
                 unsafe {
-                    launch_rope::<T>(dev, d, [qp, kp, 0, cp], [op, kout, 0], d.t, 0, 0, d.t)
+                    launch_rope::<T>(dev, d, [qp, kp, 0, cp], [op, kout, 0], d.t, 0, 0, d.t, None)
                 }?;
             }
             Ok(out)
@@ -95,7 +103,10 @@ fn check_rope(d: RopeDims, q: usize, k: usize, v: Option<usize>, cs: usize) -> R
 /// The addresses are live device memory of `dev`'s context in `T`: the inputs of the extents
 /// [`check_rope`] gives for `d` (the table cs_rows ≥ t rows); qout b·hq·t·d writable elements,
 /// kout (and vout unless v is 0) b·hk·cap·d, with pos + t ≤ cap; no output overlapping an input
-/// or another output. The kernel skips a device position past cap - t or cs_rows - t.
+/// or another output. The kernel skips a device position past cap - t or cs_rows - t. With
+/// `norm` (the q and k norms' weights' addresses, d elements of `T` each, and epsilon), each
+/// head's row of q and k is RMS-normed before it rotates (`rope_qk_norm_<dtype>`, a warp a
+/// row).
 #[allow(clippy::too_many_arguments)]
 unsafe fn launch_rope<T: WithDType>(
     dev: &CudaDevice,
@@ -106,8 +117,17 @@ unsafe fn launch_rope<T: WithDType>(
     pos: usize,
     pos_dev: u64,
     cs_rows: usize,
+    norm: Option<(u64, u64, f32)>,
 ) -> Result<()> {
-    let func = load::<T>(dev, ROPE, "rope_qk")?;
+    let func = load::<T>(
+        dev,
+        ROPE,
+        if norm.is_some() {
+            "rope_qk_norm"
+        } else {
+            "rope_qk"
+        },
+    )?;
     let args = [d.b, d.t, d.hq, d.hk, d.d, d.rot_half, cap, pos]
         .map(|v| to_u32(v, "rope dimension"))
         .into_iter()
@@ -129,12 +149,21 @@ unsafe fn launch_rope<T: WithDType>(
     let cs_rows = to_u32(cs_rows, "rope table rows")?;
     b.arg(&pos_dev);
     b.arg(&cs_rows);
-    // SAFETY: the arguments match `rope_qk_<dtype>(const T* q, k, v, cs, T* qout, kout, vout,
-    // uint32_t b, t, hq, hk, d, rot_half, cap, pos, const uint32_t *pos_dev, uint32_t cs_rows)`
-    // in kernels/rope.cu (device addresses are pointer-sized); the caller guarantees the
-    // extents, which are exactly what the kernel's grid-stride loop over the n elements of q,
-    // k and v indexes (from a device position it checks itself).
-    unsafe { b.launch(grid_stride(n, 1 << 20)) }.w()?;
+    let Some((qw, kw, eps)) = norm else {
+        // SAFETY: the arguments match `rope_qk_<dtype>(const T* q, k, v, cs, T* qout, kout,
+        // vout, uint32_t b, t, hq, hk, d, rot_half, cap, pos, const uint32_t *pos_dev, uint32_t
+        // cs_rows)` in kernels/rope.cu (device addresses are pointer-sized); the caller
+        // guarantees the extents, which are exactly what the kernel's grid-stride loop over
+        // the n elements of q, k and v indexes (from a device position it checks itself).
+        unsafe { b.launch(grid_stride(n, 1 << 20)) }.w()?;
+        return Ok(());
+    };
+    b.arg(&qw).arg(&kw).arg(&eps);
+    // SAFETY: as above, for `rope_qk_norm_<dtype>(..., const T* qw, const T* kw, float eps)`,
+    // whose grid-stride loop gives each of the n / d rows of q, k and v a warp (32 threads a
+    // row: the launch covers n / d · 32 threads); the caller guarantees qw and kw hold d
+    // elements each.
+    unsafe { b.launch(grid_stride(n / d.d * 32, 1 << 16)) }.w()?;
     Ok(())
 }
 
@@ -160,7 +189,8 @@ fn cache_view<'a, T>(
 /// (b, t, hk, d) unrotated, into positions `pos..pos + t` of the caches' buffers (b, hk, cap,
 /// d), written in place through their addresses. The caches are shared borrows: their buffers
 /// are only touched on the device's one stream, where this launch is ordered after every
-/// earlier read and before every later one.
+/// earlier read and before every later one. With `norm` (the q and k norms' weights, d
+/// elements each, and epsilon) each head's row of q and k is RMS-normed before it rotates.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rope_qk_cache(
     dims: RopeDims,
@@ -172,15 +202,19 @@ pub(crate) fn rope_qk_cache(
     (vc, vcl): (&CudaStorage, &Layout),
     pos: usize,
     pos_dev: PosOnDevice<'_>,
+    norm: Option<NormOnDevice<'_>>,
 ) -> Result<CudaStorage> {
     use candle_core::cuda_backend::cudarc::driver::DevicePtr;
     use candle_core::cuda_backend::CudaStorageSlice as S;
+    #[allow(clippy::too_many_arguments)]
     fn run<T: DeviceRepr + WithDType>(
         dev: &CudaDevice,
         d: RopeDims,
         [q, k, v, cs, kc, vc]: [(&CudaSlice<T>, &Layout); 6],
         pos: usize,
         pos_dev: Option<CudaView<'_, u32>>,
+        norm: Option<[(&CudaSlice<T>, &Layout); 2]>,
+        eps: f32,
     ) -> Result<CudaSlice<T>> {
         let (q, k, v, cs) = (
             view(q.0, q.1, "q")?,
@@ -188,6 +222,21 @@ pub(crate) fn rope_qk_cache(
             view(v.0, v.1, "v")?,
             view(cs.0, cs.1, "table")?,
         );
+        let norm = match norm {
+            Some([qw, kw]) => {
+                let (qw, kw) = (view(qw.0, qw.1, "q norm")?, view(kw.0, kw.1, "k norm")?);
+                if qw.len() != d.d || kw.len() != d.d {
+                    candle_core::bail!(
+                        "rope_qk: norm weights of {} and {} elements for heads of {}",
+                        qw.len(),
+                        kw.len(),
+                        d.d
+                    );
+                }
+                Some((qw, kw))
+            }
+            None => None,
+        };
         // From a device position, the whole table (any number of rows ≥ t).
         let row = 2 * d.rot_half;
         let cs_rows = cs.len().checked_div(row).unwrap_or(0);
@@ -211,6 +260,12 @@ pub(crate) fn rope_qk_cache(
         let (cp, _g4) = cs.device_ptr(&stream);
         let pos_guard = pos_dev.as_ref().map(|p| p.device_ptr(&stream));
         let pp = pos_guard.as_ref().map_or(0, |(p, _)| *p);
+        let norm_guard = norm
+            .as_ref()
+            .map(|(qw, kw)| (qw.device_ptr(&stream), kw.device_ptr(&stream)));
+        let norm_at = norm_guard
+            .as_ref()
+            .map(|((qw, _), (kw, _))| (*qw, *kw, eps));
         {
             let (op, _g5) = qout.device_ptr(&stream);
             let (kcp, _g6) = kc.device_ptr(&stream);
@@ -222,7 +277,8 @@ pub(crate) fn rope_qk_cache(
             // rows); qout is a new buffer of b·hq·t·d; each cache view is contiguous (b, hk,
             // cap, d) with pos + t ≤ cap (checked above; a device position the kernel checks),
             // the key and value caches and the inputs distinct buffers (Candle's storages
-            // never overlap, and the addresses differ); pp is 0 or the position's one u32.
+            // never overlap, and the addresses differ); pp is 0 or the position's one u32;
+            // the norm weights, where given, hold d elements each (checked above).
             unsafe {
                 launch_rope::<T>(
                     dev,
@@ -233,6 +289,7 @@ pub(crate) fn rope_qk_cache(
                     pos,
                     pp,
                     if pp == 0 { d.t } else { cs_rows },
+                    norm_at,
                 )
             }?;
         }
@@ -260,6 +317,11 @@ pub(crate) fn rope_qk_cache(
                 ],
                 pos,
                 u32_view(pos_dev, 1, "position")?,
+                match &norm {
+                    Some(n) => Some([one(n.q.0, n.q.1)?, one(n.k.0, n.k.1)?]),
+                    None => None,
+                },
+                norm.as_ref().map_or(0.0, |n| n.eps),
             )?)
         }};
     }

@@ -1,7 +1,8 @@
 //! Half-rotated RoPE of q and k in one launch ([`rope_qk`]), read in the projections'
 //! (batch, seq, heads, head_dim) layout and written as (batch, heads, seq, head_dim), so the
 //! transposes and copies before Candle's `rope` go too; and the same straight into a KV cache
-//! ([`rope_qk_cache`], [`rope_qk_cache_at`]).
+//! ([`rope_qk_cache`], [`rope_qk_cache_at`]), also with q's and k's per-head RMSNorms first
+//! ([`QkNorm`]: Qwen3's `q_norm` and `k_norm`), in the same one launch on a GPU.
 
 use candle_core::{CpuStorage, Layout, Result, Shape, Tensor, WithDType, D};
 
@@ -143,7 +144,66 @@ pub fn rope_qk_cache(
     caches: (&Tensor, &Tensor),
     pos: usize,
 ) -> Result<Tensor> {
-    rope_qk_cache_with(q, k, v, table, caches, pos, None)
+    rope_qk_cache_with(q, k, v, table, caches, pos, None, None)
+}
+
+/// The per-head RMSNorms of q and k applied before their RoPE (Qwen3's `q_norm` and
+/// `k_norm`): each head's row `x` becomes `x / sqrt(mean(x²) + eps) · w`, computed in F32 and
+/// rounded to the row's dtype (as Candle's `rms_norm` writes it), with `q` and `k` the weights
+/// (head_dim elements each, of q's dtype).
+#[derive(Debug, Clone, Copy)]
+pub struct QkNorm<'a> {
+    /// q's norm weight (head_dim).
+    pub q: &'a Tensor,
+    /// k's norm weight (head_dim).
+    pub k: &'a Tensor,
+    /// Added to the mean of squares.
+    pub eps: f64,
+}
+
+impl QkNorm<'_> {
+    /// q (b, t, hq, d) and k (b, t, hk, d) normed per head by Candle's `rms_norm` (what the
+    /// GPU's one launch folds in).
+    pub fn apply(&self, q: &Tensor, k: &Tensor) -> Result<(Tensor, Tensor)> {
+        let eps = self.eps as f32;
+        Ok((
+            candle_nn::ops::rms_norm(&q.contiguous()?, self.q, eps)?,
+            candle_nn::ops::rms_norm(&k.contiguous()?, self.k, eps)?,
+        ))
+    }
+}
+
+/// [`rope_qk_cache`] with q's and k's per-head norms ([`QkNorm`]) applied first: on a GPU in
+/// the same one launch; elsewhere [`QkNorm::apply`], then [`rope_qk_cache`].
+pub fn rope_qk_cache_normed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    table: &Tensor,
+    caches: (&Tensor, &Tensor),
+    pos: usize,
+    norm: QkNorm<'_>,
+) -> Result<Tensor> {
+    rope_qk_cache_with(q, k, v, table, caches, pos, None, Some(norm))
+}
+
+/// [`rope_qk_cache_normed`] at the position held on the device by `pos`, as
+/// [`rope_qk_cache_at`] takes it.
+pub fn rope_qk_cache_normed_at(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    table: &Tensor,
+    caches: (&Tensor, &Tensor),
+    pos: &Tensor,
+    norm: QkNorm<'_>,
+) -> Result<Tensor> {
+    check_position(RopeQk::NAME, pos, q)?;
+    if q.device().is_cuda() {
+        return rope_qk_cache_with(q, k, v, table, caches, 0, Some(pos), Some(norm));
+    }
+    let p = pos.flatten_all()?.to_vec1::<u32>()?[0] as usize;
+    rope_qk_cache_normed(q, k, v, &table.narrow(0, p, q.dim(1)?)?, caches, p, norm)
 }
 
 /// [`rope_qk_cache`] at the position held on the device by `pos` (one u32: the positions
@@ -162,13 +222,15 @@ pub fn rope_qk_cache_at(
 ) -> Result<Tensor> {
     check_position(RopeQk::NAME, pos, q)?;
     if q.device().is_cuda() {
-        return rope_qk_cache_with(q, k, v, table, caches, 0, Some(pos));
+        return rope_qk_cache_with(q, k, v, table, caches, 0, Some(pos), None);
     }
     let p = pos.flatten_all()?.to_vec1::<u32>()?[0] as usize;
     rope_qk_cache(q, k, v, &table.narrow(0, p, q.dim(1)?)?, caches, p)
 }
 
-/// [`rope_qk_cache`], or with `pos_dev` [`rope_qk_cache_at`] on a GPU.
+/// [`rope_qk_cache`], or with `pos_dev` [`rope_qk_cache_at`] on a GPU; with `norm`, their
+/// normed forms.
+#[allow(clippy::too_many_arguments)]
 fn rope_qk_cache_with(
     q: &Tensor,
     k: &Tensor,
@@ -177,8 +239,12 @@ fn rope_qk_cache_with(
     (k_cache, v_cache): (&Tensor, &Tensor),
     pos: usize,
     pos_dev: Option<&Tensor>,
+    norm: Option<QkNorm<'_>>,
 ) -> Result<Tensor> {
     check_dtypes(RopeQk::NAME, &[q, k, v, table, k_cache, v_cache])?;
+    if let Some(n) = &norm {
+        check_dtypes(RopeQk::NAME, &[q, n.q, n.k])?;
+    }
     if v.dims() != k.dims() {
         candle_core::bail!(
             "{}: v {:?} is not shaped as k {:?}",
@@ -198,12 +264,16 @@ fn rope_qk_cache_with(
     }
     if q.device().is_cuda() {
         #[cfg(feature = "cuda")]
-        return rope_qk_cache_launch([q, k, v, table, k_cache, v_cache], pos, pos_dev);
+        return rope_qk_cache_launch([q, k, v, table, k_cache, v_cache], pos, pos_dev, norm);
     }
     if pos_dev.is_some() {
         candle_core::bail!("{}: a device position off the GPU", RopeQk::NAME);
     }
-    let (q, k) = rope_qk(q, k, table)?;
+    let (q, k) = match norm {
+        Some(n) => n.apply(q, k)?,
+        None => (q.clone(), k.clone()),
+    };
+    let (q, k) = rope_qk(&q, &k, table)?;
     k_cache.slice_set(&k, 2, pos)?;
     v_cache.slice_set(&v.transpose(1, 2)?.contiguous()?, 2, pos)?;
     Ok(q)
@@ -216,6 +286,7 @@ fn rope_qk_cache_launch(
     [q, k, v, table, k_cache, v_cache]: [&Tensor; 6],
     pos: usize,
     pos_dev: Option<&Tensor>,
+    norm: Option<QkNorm<'_>>,
 ) -> Result<Tensor> {
     use candle_core::Storage;
     let (q, k, v, table) = (
@@ -236,6 +307,21 @@ fn rope_qk_cache_launch(
         .as_ref()
         .map(|g| crate::cuda::on_gpu(RopeQk::NAME, g))
         .transpose()?;
+    let weights = match &norm {
+        Some(n) => Some((n.q.contiguous()?, n.k.contiguous()?)),
+        None => None,
+    };
+    let norm_guards = weights
+        .as_ref()
+        .map(|(qw, kw)| (qw.storage_and_layout(), kw.storage_and_layout()));
+    let norm_dev = match (&norm_guards, &norm) {
+        (Some((qw, kw)), Some(n)) => Some(crate::rope::cuda::NormOnDevice {
+            q: crate::cuda::on_gpu(RopeQk::NAME, qw)?,
+            k: crate::cuda::on_gpu(RopeQk::NAME, kw)?,
+            eps: n.eps as f32,
+        }),
+        _ => None,
+    };
     let out = {
         let guards = [&q, &k, &v, &table, k_cache, v_cache].map(|t| t.storage_and_layout());
         let cuda = guards
@@ -243,7 +329,7 @@ fn rope_qk_cache_launch(
             .map(|g| crate::cuda::on_gpu(RopeQk::NAME, g))
             .collect::<Result<Vec<_>>>()?;
         crate::rope::cuda::rope_qk_cache(
-            dims, cuda[0], cuda[1], cuda[2], cuda[3], cuda[4], cuda[5], pos, pos_dev,
+            dims, cuda[0], cuda[1], cuda[2], cuda[3], cuda[4], cuda[5], pos, pos_dev, norm_dev,
         )?
     };
     let (b, t, hq, d) = q.dims4()?;

@@ -274,7 +274,8 @@ impl OnDevice<'_> {
                 EXPERT_TIER_CPU_LINK_BYTES_PER_S
             };
             // The weights' capacity while a prompt runs (the smallest of the phases), less the
-            // kept units and the room the runtime keeps for copies in flight.
+            // kept units and, unless every expert fits beside them (no copy is then ever in
+            // flight past the cache), the room the runtime keeps for copies in flight.
             let capacity = rt.stats()?.weight_capacity_bytes;
             let kept: u64 = stage
                 .keep
@@ -282,14 +283,23 @@ impl OnDevice<'_> {
                 .filter_map(|name| store.unit_id(name))
                 .map(|id| store.unit(id).bytes())
                 .sum();
-            let spare = (settings.prefetch_depth as u64)
-                .saturating_mul(store.units().iter().map(|u| u.bytes()).max().unwrap_or(0));
+            let experts: u64 = super::experts::ExpertTier::expert_units(&layout, store)
+                .into_iter()
+                .map(|id| store.unit(id).bytes())
+                .sum();
+            let room = capacity.saturating_sub(kept);
+            let spare = if room >= experts {
+                0
+            } else {
+                (settings.prefetch_depth as u64)
+                    .saturating_mul(store.units().iter().map(|u| u.bytes()).max().unwrap_or(0))
+            };
             Some(super::experts::ExpertTier::new(
                 settings.experts,
                 &layout,
                 store,
                 super::experts::TierSizing {
-                    room: capacity.saturating_sub(kept).saturating_sub(spare),
+                    room: room.saturating_sub(spare),
                     dense: kept,
                     can_stream: spare > 0,
                     link_bytes_per_s,

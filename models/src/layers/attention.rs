@@ -11,6 +11,7 @@ use candle_offload::kernels::attention::{
     ragged_decode_attention_at, AttentionShape, AttentionStep, RaggedDecodeSeq, StepInfo,
     ATTENTION_MAX_HEAD_DIM,
 };
+use candle_offload::kernels::rope::QkNorm;
 
 use super::cache::{KvCache, Masks};
 use super::linear::{run, Linear};
@@ -210,8 +211,7 @@ impl SelfAttention {
     /// output projection.
     pub fn forward(&self, xs: &Tensor, ctx: &StepCtx<'_>, kv: &mut KvCache) -> Result<Tensor> {
         let (q, k, v) = self.project(xs, false, ctx.fused)?;
-        let (q, k) = self.norm_qk(q, k, false)?;
-        let (step, q, k, v) = self.cached_step(q, k, v, ctx, kv)?;
+        let (step, q, k, v) = self.cached_step(q, k, v, true, ctx, kv)?;
         step.forward(&q, &k, &v, &self.o_proj)
     }
 
@@ -289,7 +289,8 @@ impl SelfAttention {
                 ragged_table: None,
                 experts: ctx.experts,
             };
-            let (step, q, k, v) = self.cached_step(cut(&q)?, cut(&k)?, cut(&v)?, &seg_ctx, kv)?;
+            let (step, q, k, v) =
+                self.cached_step(cut(&q)?, cut(&k)?, cut(&v)?, false, &seg_ctx, kv)?;
             outs.push(step.attend(&q, &k, &v)?);
             start += seg.len;
         }
@@ -324,14 +325,25 @@ impl SelfAttention {
         Ok(step.rotates_into_cache() && self.spec.head_dim <= ATTENTION_MAX_HEAD_DIM)
     }
 
+    /// The per-head norms of q and k as one launch with their RoPE takes them: where both are
+    /// plain RMSNorms.
+    fn fused_qk_norm(&self) -> Option<QkNorm<'_>> {
+        let (qn, kn) = self.qk_norm.as_ref()?;
+        let ((q, eps), (k, _)) = (qn.rms_parts()?, kn.rms_parts()?);
+        Some(QkNorm { q, k, eps })
+    }
+
     /// The attention op for q, k and v (batch, seq, width, as the projections give them) in
     /// `ctx`, with k and v appended to `kv`: the step, q as it attends (batch, heads, seq,
-    /// head_dim, rotated) and every cached position's keys and values.
+    /// head_dim, rotated) and every cached position's keys and values. With `norm`, q's and k's
+    /// per-head norms are applied first (in the kernel that rotates them into the cache, where
+    /// that one runs).
     fn cached_step<'c>(
         &'c self,
         q: Tensor,
         k: Tensor,
         v: Tensor,
+        norm: bool,
         ctx: &StepCtx<'c>,
         kv: &mut KvCache,
     ) -> Result<(AttentionStep<'c>, Tensor, Tensor, Tensor)> {
@@ -352,6 +364,18 @@ impl SelfAttention {
             },
         )?;
         let heads = |t: Tensor, n: usize| t.reshape((b, seq_len, n, s.head_dim));
+        // The norms in the kernel that rotates q and k into the cache, where that one runs and
+        // can take them; before it otherwise.
+        let fused_norm = if norm && step.rotates_into_cache() {
+            self.fused_qk_norm()
+        } else {
+            None
+        };
+        let (q, k) = if norm && fused_norm.is_none() {
+            self.norm_qk(q, k, false)?
+        } else {
+            (q, k)
+        };
         let (q, k, v) = match ctx.pos_dev {
             // A captured step: the position is read on the device, by the two kernels that
             // depend on it, so that every replay of the graph runs at its own position.
@@ -361,6 +385,7 @@ impl SelfAttention {
                 &heads(v, s.n_kv_heads)?,
                 rope,
                 pos,
+                fused_norm,
             )?,
             // The attention op refuses it.
             Some(_) => (q, k, v),
@@ -372,6 +397,7 @@ impl SelfAttention {
                 &heads(v, s.n_kv_heads)?,
                 rope,
                 ctx.index_pos,
+                fused_norm,
             )?,
             None => {
                 let (q, k) = if ctx.fused {

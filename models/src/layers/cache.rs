@@ -4,6 +4,7 @@
 use std::sync::Mutex;
 
 use candle_core::{DType, Device, Result, Tensor};
+use candle_offload::kernels::rope::{self, QkNorm};
 
 use super::rope::Rope;
 
@@ -145,8 +146,9 @@ impl KvCache {
 
     /// The fused step's append: q and k (b, t, heads, head_dim, as the projections give them)
     /// rotated by `rope` for positions `index_pos..`, k and v (b, t, kv heads, head_dim)
-    /// written into the buffers at the cache's end. Returns q rotated (b, heads, t, head_dim)
-    /// and every cached position's keys and values.
+    /// written into the buffers at the cache's end, q and k each normed per head first where
+    /// `norm` is given. Returns q rotated (b, heads, t, head_dim) and every cached position's
+    /// keys and values.
     pub fn append_rotated(
         &mut self,
         q: &Tensor,
@@ -154,12 +156,16 @@ impl KvCache {
         v: &Tensor,
         rope: &Rope,
         index_pos: usize,
+        norm: Option<QkNorm<'_>>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, heads, d) = k.dims4()?;
         let (kb, vb) = self.make_room((b, heads, d), t, k)?;
         let table = rope.table_rows(index_pos, t)?;
-        let q =
-            candle_offload::kernels::rope::rope_qk_cache(q, k, v, &table, (&kb, &vb), self.len)?;
+        let caches = (&kb, &vb);
+        let q = match norm {
+            Some(n) => rope::rope_qk_cache_normed(q, k, v, &table, caches, self.len, n)?,
+            None => rope::rope_qk_cache(q, k, v, &table, caches, self.len)?,
+        };
         let (k, v) = self.advance(t, (kb, vb))?;
         Ok((q, k, v))
     }
@@ -176,6 +182,7 @@ impl KvCache {
         v: &Tensor,
         rope: &Rope,
         pos: &Tensor,
+        norm: Option<QkNorm<'_>>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let t = k.dim(1)?;
         let Some((kb, vb)) = self
@@ -188,14 +195,10 @@ impl KvCache {
                 self.len + t
             );
         };
-        let q = candle_offload::kernels::rope::rope_qk_cache_at(
-            q,
-            k,
-            v,
-            rope.table(),
-            (&kb, &vb),
-            pos,
-        )?;
+        let q = match norm {
+            Some(n) => rope::rope_qk_cache_normed_at(q, k, v, rope.table(), (&kb, &vb), pos, n)?,
+            None => rope::rope_qk_cache_at(q, k, v, rope.table(), (&kb, &vb), pos)?,
+        };
         self.len += t;
         Ok((q, kb, vb))
     }

@@ -888,16 +888,23 @@ struct Readback {
 /// rounded to 16 bits tie or swap experts whose F32 logits differ by less than their spacing.
 /// `(rows, experts)` F32.
 fn router_logits(router: &Linear, x2: &Tensor) -> Result<Tensor> {
-    let x = x2.to_dtype(DType::F32)?;
     match router.weight() {
         LinearWeight::Dense(w) if w.dtype() != DType::F32 => {
-            let logits = x.matmul(&w.to_dtype(DType::F32)?.t()?)?;
+            // One launch on a GPU for a decode row of the weight's dtype.
+            let logits = if w.dtype() == x2.dtype() {
+                candle_offload::kernels::linear::router_logits(x2, w)?
+            } else {
+                x2.to_dtype(DType::F32)?
+                    .matmul(&w.to_dtype(DType::F32)?.t()?)?
+            };
             match router.bias() {
                 Some(b) => logits.broadcast_add(&b.to_dtype(DType::F32)?),
                 None => Ok(logits),
             }
         }
-        _ => router.forward(&x)?.to_dtype(DType::F32),
+        _ => router
+            .forward(&x2.to_dtype(DType::F32)?)?
+            .to_dtype(DType::F32),
     }
 }
 
