@@ -111,7 +111,7 @@ case "$1" in
     while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 10; done
     grep -v "^+" /tmp/moe-write.log; ls -la /tmp/gguf
     [[ -n "${NO_PEER:-}" || -x /tmp/llamacpp/build/bin/llama-bench ]] || { echo "no llama-bench (call1 first)"; exit 1; }
-    name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${PREFETCH:+-prefetch}${GUESS:+-guess$GUESS}${SPLIT:+-split-$SPLIT}${ROUTE:+-route-$ROUTE}${PER_EXPERT:+-per-expert}${NO_GRAPHS:+-no-graphs}"
+    name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${PREFETCH:+-prefetch}${GUESS:+-guess$GUESS}${SPLIT:+-split-$SPLIT}${ROUTE:+-route-$ROUTE}${PER_EXPERT:+-per-expert}${NO_GRAPHS:+-no-graphs}${ADMIT:+-admit-$ADMIT}"
     # NO_PEER=1: ours alone (an A/B of our options, no rows).
     peer="--llamacpp-bin /tmp/llamacpp/build/bin --llamacpp-moe --llamacpp-reps 2"
     [[ -n "${NO_PEER:-}" ]] && { peer=""; name="$name-alone"; }
@@ -122,7 +122,7 @@ case "$1" in
       --new-tokens "${NEW_TOKENS:-16}" $peer --expert-policy "${POLICY:-lru}" ${PREFETCH:+--expert-prefetch} \
       ${GUESS:+--expert-guess-layers $GUESS} \
       ${PER_EXPERT:+--per-expert} ${NO_GRAPHS:+--no-graphs} --expert-split "${SPLIT:-auto}" --expert-route "${ROUTE:-auto}" \
-      --json-out "$OUT/$name.json") > "$OUT/$name.log" 2>&1
+      ${ADMIT:+--expert-admit $ADMIT} --json-out "$OUT/$name.json") > "$OUT/$name.log" 2>&1
     echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:|llama.cpp -ngl" "$OUT/$name.log" | tail -20
     cp "$OUT/$name.json" "$FINAL/" 2>/dev/null
     el "done"

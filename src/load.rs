@@ -150,6 +150,11 @@ pub struct LoadArgs {
     /// `device` (always the device, where the experts' blocks allow it).
     #[arg(long, default_value = "auto")]
     pub expert_route: candle_offload::experts::ExpertRoute,
+    /// Which experts a decode step on the device route read from host memory the expert cache
+    /// takes a slot for: `always`, or `repeat` (only one missed before among its layer's last
+    /// misses, as many as the layer has slots: a one-off expert is not also copied).
+    #[arg(long, default_value = "always")]
+    pub expert_admit: candle_offload::experts::ExpertAdmission,
     /// Settings file (YAML): `memory.offload_strategy`, `memory.max_gpu_memory`,
     /// `memory.max_cpu_memory` and a `tuning:` section (docs/tuning.md).
     #[arg(long)]
@@ -434,7 +439,8 @@ impl LoadArgs {
             )
             .with_prefetch(self.expert_prefetch)
             .with_guess_layers(usize::from(self.expert_guess_layers))
-            .with_route(self.expert_route),
+            .with_route(self.expert_route)
+            .with_admission(self.expert_admit),
             ..Default::default()
         };
         if target.rank.is_some() && host_layers_choice != HostLayers::None {

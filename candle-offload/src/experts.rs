@@ -341,6 +341,8 @@ pub struct ExpertOptions {
     pub guess_layers: usize,
     /// Who chooses a decode row's experts on a GPU.
     pub route: ExpertRoute,
+    /// Which experts a decode step read from host memory the cache takes a slot for.
+    pub admission: ExpertAdmission,
 }
 
 impl Default for ExpertOptions {
@@ -358,7 +360,14 @@ impl ExpertOptions {
             prefetch: false,
             guess_layers: 1,
             route: ExpertRoute::default(),
+            admission: ExpertAdmission::default(),
         }
+    }
+
+    /// These options with `admission` for the experts a decode step read from host memory.
+    pub fn with_admission(mut self, admission: ExpertAdmission) -> Self {
+        self.admission = admission;
+        self
     }
 
     /// These options with a decode row's experts chosen as `route` says.
@@ -377,6 +386,81 @@ impl ExpertOptions {
     pub fn with_guess_layers(mut self, n: usize) -> Self {
         self.guess_layers = n.max(1);
         self
+    }
+}
+
+/// Which of the experts a decode step on the device route read from host memory (its misses)
+/// the cache takes a slot for, fetching it for the next steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpertAdmission {
+    /// Every one.
+    #[default]
+    Always,
+    /// One its layer missed before among its last misses ([`RepeatMisses`], as many as the
+    /// layer has slots: an expert that comes back within them would have been a hit had it
+    /// been admitted). An expert used once is read from host memory and not also copied, so
+    /// the link carries less beside the step's own reads (TinyLFU's doorkeeper, over a window).
+    Repeat,
+}
+
+impl std::str::FromStr for ExpertAdmission {
+    type Err = String;
+    /// `always` or `repeat`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "always" => Ok(Self::Always),
+            "repeat" => Ok(Self::Repeat),
+            other => Err(format!(
+                "expert admission `{other}`: expected `always` or `repeat`"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for ExpertAdmission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Always => "always",
+            Self::Repeat => "repeat",
+        })
+    }
+}
+
+/// Per layer, the last misses an [`ExpertAdmission::Repeat`] cache remembers. Pure.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RepeatMisses {
+    recent: Vec<std::collections::VecDeque<usize>>,
+    window: Vec<usize>,
+}
+
+impl RepeatMisses {
+    /// For layers of `window[l]` remembered misses each (a layer of 0 admits nothing).
+    pub fn new(window: &[usize]) -> Self {
+        Self {
+            recent: window.iter().map(|_| Default::default()).collect(),
+            window: window.to_vec(),
+        }
+    }
+
+    /// `layer` missed `expert`: whether it is among the layer's remembered misses (then
+    /// forgotten: it is admitted); otherwise it is remembered, the oldest forgotten past the
+    /// window.
+    pub fn missed(&mut self, layer: usize, expert: usize) -> bool {
+        let (Some(recent), Some(&window)) = (self.recent.get_mut(layer), self.window.get(layer))
+        else {
+            return false;
+        };
+        if let Some(i) = recent.iter().position(|&e| e == expert) {
+            recent.remove(i);
+            return true;
+        }
+        if window > 0 {
+            if recent.len() == window {
+                recent.pop_front();
+            }
+            recent.push_back(expert);
+        }
+        false
     }
 }
 
@@ -786,6 +870,33 @@ mod tests {
             let faster = device <= host;
             let slow = (0..n).filter(|_| c.choose() != faster).count();
             prop_assert!(slow as u64 <= 2 * (n as u64 / (ROUTE_PROBE_STEPS + 1) + 1));
+        }
+
+        /// An expert is admitted exactly when it missed before within its layer's window of
+        /// remembered misses (counted since that miss, admitted ones forgotten), as a direct
+        /// replay of the trace computes it.
+        #[test]
+        fn repeat_misses_admit_the_second_miss_within_the_window(
+            window in 0usize..5,
+            trace in prop::collection::vec((0usize..2, 0usize..8), 0..200),
+        ) {
+            let mut r = RepeatMisses::new(&[window, window + 1]);
+            let mut kept: Vec<Vec<usize>> = vec![Vec::new(), Vec::new()];
+            for &(l, e) in &trace {
+                let w = if l == 0 { window } else { window + 1 };
+                let want = match kept[l].iter().position(|&x| x == e) {
+                    Some(i) => { kept[l].remove(i); true }
+                    None => {
+                        if w > 0 {
+                            if kept[l].len() == w { kept[l].remove(0); }
+                            kept[l].push(e);
+                        }
+                        false
+                    }
+                };
+                prop_assert_eq!(r.missed(l, e), want);
+            }
+            prop_assert!(!r.missed(7, 0), "a layer past the last admits nothing");
         }
 
         #[test]

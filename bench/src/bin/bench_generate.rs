@@ -72,6 +72,10 @@ struct Args {
     /// Who chooses a decode row's experts: `auto`, `host` or `device` (`ExpertOptions::route`).
     #[arg(long, default_value = "auto")]
     expert_route: candle_offload::experts::ExpertRoute,
+    /// Which experts a decode step read from host memory the cache admits: `always` or
+    /// `repeat` (`ExpertOptions::admission`).
+    #[arg(long, default_value = "always")]
+    expert_admit: candle_offload::experts::ExpertAdmission,
     /// Run a decode row's routed experts one by one instead of through the grouped kernels
     /// (`KernelTuning::grouped_experts` off).
     #[arg(long)]
@@ -368,7 +372,8 @@ fn main() -> Result<()> {
                 )
                 .with_prefetch(args.expert_prefetch)
                 .with_guess_layers(usize::from(args.expert_guess_layers))
-                .with_route(args.expert_route),
+                .with_route(args.expert_route)
+                .with_admission(args.expert_admit),
                 ..Default::default()
             };
             let mut model = Llama::builder(&files, store.clone())
@@ -883,6 +888,7 @@ fn main() -> Result<()> {
                 "expert_guess_layers": args.expert_guess_layers,
                 "expert_split": format!("{:?}", args.expert_split),
                 "expert_route": args.expert_route.to_string(),
+                "expert_admission": args.expert_admit.to_string(),
                 "decode_tokens": if decode_feed.is_some() { "random" } else { "greedy" },
             });
             if let (Some(rec), serde_json::Value::Object(t)) =
@@ -960,6 +966,7 @@ fn expert_fields(
         "experts_fetched_per_token": (b.fetched - a.fetched) as f64 / n,
         "experts_streamed_per_token": (b.streamed - a.streamed) as f64 / n,
         "experts_prefetched_per_token": (b.prefetched - a.prefetched) as f64 / n,
+        "experts_declined_per_token": (b.declined - a.declined) as f64 / n,
         "experts_prefetch_used_per_token": (b.prefetch_used - a.prefetch_used) as f64 / n,
         "experts_on_host_per_token": (b.on_host - a.on_host) as f64 / n,
         "experts_mapped_per_token": (b.mapped - a.mapped) as f64 / n,

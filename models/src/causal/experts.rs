@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result};
 use candle_offload::experts::{
-    slots_for_budget, split_missing, ExpertCache, ExpertOptions, ExpertRoute, ExpertSplit,
-    LayerCounters, RouteChooser,
+    slots_for_budget, split_missing, ExpertAdmission, ExpertCache, ExpertOptions, ExpertRoute,
+    ExpertSplit, LayerCounters, RepeatMisses, RouteChooser,
 };
 use candle_offload::kernels::linear::{ExpertTable, RoutedShape};
 use candle_offload::{HostStore, OffloadConfig, OffloadRuntime, UnitId};
@@ -106,6 +106,9 @@ pub struct ExpertStats {
     pub on_host: u64,
     /// Routed experts the device chose and read from their host copies (not resident).
     pub mapped: u64,
+    /// Of those, the ones the cache did not take a slot for (`ExpertAdmission::Repeat`: not
+    /// missed before within the window).
+    pub declined: u64,
     /// Sparse layers' decode rows whose experts the device chose.
     pub device_routed: u64,
     /// The route chooser's estimates of a decode step, in seconds, on the host route and on
@@ -125,15 +128,16 @@ impl std::fmt::Display for ExpertStats {
         writeln!(
             f,
             "expert cache: hit rate {:.1}%; routed experts resident {}, fetched {}, streamed {}, \
-             on the host CPU {}, read by the device from host memory {}, prefetched {} ({} used); \
-             {:.2} GiB read from host memory; host {:.1} GB/s, link {:.1} GB/s; {} layer rows \
-             routed on the device",
+             on the host CPU {}, read by the device from host memory {} ({} not admitted), \
+             prefetched {} ({} used); {:.2} GiB read from host memory; host {:.1} GB/s, link \
+             {:.1} GB/s; {} layer rows routed on the device",
             100.0 * self.hit_rate(),
             self.resident,
             self.fetched,
             self.streamed,
             self.on_host,
             self.mapped,
+            self.declined,
             self.prefetched,
             self.prefetch_used,
             self.host_bytes as f64 / 2f64.powi(30),
@@ -211,6 +215,8 @@ struct TierState {
     /// The step in progress is not timed for the chooser (it captured a graph: its time is
     /// the capture's).
     untimed: bool,
+    /// The misses remembered for [`ExpertAdmission::Repeat`].
+    repeat: Option<RepeatMisses>,
 }
 
 /// Who looked at a layer of a step: the device route's check, or `place`; or a step began
@@ -393,6 +399,8 @@ impl ExpertTier {
                 last_layer: None,
                 in_graph: false,
                 untimed: false,
+                repeat: (options.admission == ExpertAdmission::Repeat)
+                    .then(|| RepeatMisses::new(&slots)),
             }),
         })
     }
@@ -565,8 +573,15 @@ impl SplitExperts<'_> {
                     missing.push((e, unit, bytes));
                 }
             }
-            // Fetched for the next steps, as a guess's experts are.
+            // Fetched for the next steps, as a guess's experts are (under
+            // `ExpertAdmission::Repeat`, only those missed before within the window).
             for (e, unit, bytes) in missing {
+                if let Some(r) = &mut st.repeat {
+                    if !r.missed(l, e) {
+                        st.stats.declined += 1;
+                        continue;
+                    }
+                }
                 if self.admit(st, l, e, &chosen)? {
                     self.device.rt.prefetch(unit)?;
                     st.guesses.insert((l, e));
