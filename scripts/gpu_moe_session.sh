@@ -19,7 +19,8 @@
 #   SPLIT=fetch for every missing expert fetched instead of the split's choice,
 #   PER_EXPERT=1 for each expert's own decode matmuls instead of the grouped launches,
 #   ROUTE=host|device for who chooses a decode row's experts (auto by default),
-#   NO_GRAPHS=1 for every decode step eager (no CUDA graph of the device-routed steps))
+#   NO_GRAPHS=1 for every decode step eager (no CUDA graph of the device-routed steps),
+#   ADMIT=repeat for only the misses seen before within a window admitted (--expert-admit))
 #   -> $OUT/moe-ROUTING-WEIGHTS-pPROMPTS-POLICY.json (bench_generate's
 #   records, each with the expert cache's hit rate, experts per token by place, host bytes per
 #   token, the host's read rate and the physical bound).
