@@ -17,28 +17,35 @@ impl LinearSmall {
     const NAME: &'static str = "linear-small";
 }
 
-fn linear_small_cpu<T: WithDType>(
+/// `x · wᵀ` of the contiguous `x` (rows, k) and `w` (n, k) in F32, row by row.
+fn products_cpu<T: WithDType>(
+    name: &str,
     x: &[T],
     w: &[T],
     (xl, wl): (&Layout, &Layout),
-) -> Result<Vec<T>> {
-    let (x, w) = (
-        contiguous(x, xl, LinearSmall::NAME)?,
-        contiguous(w, wl, LinearSmall::NAME)?,
-    );
+) -> Result<Vec<f32>> {
+    let (x, w) = (contiguous(x, xl, name)?, contiguous(w, wl, name)?);
     let (_, k) = xl.shape().dims2()?;
-    let mut out = Vec::with_capacity(x.len() / k.max(1) * w.len() / k.max(1));
+    let k = k.max(1);
+    let mut out = Vec::with_capacity(x.len() / k * w.len() / k);
     for xr in x.chunks(k) {
         for wr in w.chunks(k) {
-            out.push(of_f32(
+            out.push(
                 xr.iter()
                     .zip(wr)
                     .map(|(&a, &b)| f32_of(a) * f32_of(b))
                     .sum(),
-            ));
+            );
         }
     }
     Ok(out)
+}
+
+fn linear_small_cpu<T: WithDType>(x: &[T], w: &[T], layouts: (&Layout, &Layout)) -> Result<Vec<T>> {
+    Ok(products_cpu(LinearSmall::NAME, x, w, layouts)?
+        .into_iter()
+        .map(of_f32)
+        .collect())
 }
 
 impl candle_core::CustomOp2 for LinearSmall {
@@ -115,28 +122,6 @@ impl RouterLogits {
     const NAME: &'static str = "router-logits";
 }
 
-fn router_logits_cpu<T: WithDType>(
-    x: &[T],
-    w: &[T],
-    (xl, wl): (&Layout, &Layout),
-) -> Result<Vec<f32>> {
-    let (x, w) = (
-        contiguous(x, xl, RouterLogits::NAME)?,
-        contiguous(w, wl, RouterLogits::NAME)?,
-    );
-    let (_, k) = xl.shape().dims2()?;
-    Ok(x.chunks(k.max(1))
-        .flat_map(|xr| {
-            w.chunks(k.max(1)).map(move |wr| {
-                xr.iter()
-                    .zip(wr)
-                    .map(|(&a, &b)| f32_of(a) * f32_of(b))
-                    .sum()
-            })
-        })
-        .collect())
-}
-
 impl candle_core::CustomOp2 for RouterLogits {
     fn name(&self) -> &'static str {
         Self::NAME
@@ -150,9 +135,9 @@ impl candle_core::CustomOp2 for RouterLogits {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(w)) => router_logits_cpu(x, w, (l1, l2))?,
-            (CpuStorage::F16(x), CpuStorage::F16(w)) => router_logits_cpu(x, w, (l1, l2))?,
-            (CpuStorage::BF16(x), CpuStorage::BF16(w)) => router_logits_cpu(x, w, (l1, l2))?,
+            (CpuStorage::F32(x), CpuStorage::F32(w)) => products_cpu(Self::NAME, x, w, (l1, l2))?,
+            (CpuStorage::F16(x), CpuStorage::F16(w)) => products_cpu(Self::NAME, x, w, (l1, l2))?,
+            (CpuStorage::BF16(x), CpuStorage::BF16(w)) => products_cpu(Self::NAME, x, w, (l1, l2))?,
             _ => candle_core::bail!("{}: unsupported or mixed dtypes", Self::NAME),
         };
         Ok((
