@@ -899,6 +899,41 @@ mod tests {
             prop_assert!(!r.missed(7, 0), "a layer past the last admits nothing");
         }
 
+        /// Device steps that vary with their misses (6 to 14 ms, every tenth a spike of
+        /// twice that) against host steps of 16 to 18 ms: once both routes are measured, the
+        /// chooser leaves the faster route only for its probes.
+        #[test]
+        fn the_chooser_holds_its_route_through_noisy_steps(
+            seed in any::<u64>(),
+            n in 0usize..400,
+        ) {
+            let mut rng = seed | 1;
+            let mut next = move || {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                (rng >> 11) as f64 / (1u64 << 53) as f64
+            };
+            let mut c = RouteChooser::default();
+            for _ in 0..ROUTE_TIME_WINDOW {
+                c.record(true, 0.006 + 0.008 * next());
+                c.record(false, 0.016 + 0.002 * next());
+            }
+            let mut slow = 0u64;
+            for i in 0..n {
+                let on_device = c.choose();
+                let t = if on_device {
+                    let t = 0.006 + 0.008 * next();
+                    if i % 10 == 9 { 2.0 * t } else { t }
+                } else {
+                    slow += 1;
+                    0.016 + 0.002 * next()
+                };
+                c.record(on_device, t);
+            }
+            prop_assert!(slow <= 2 * (n as u64 / (ROUTE_PROBE_STEPS + 1) + 1), "{slow} of {n}");
+        }
+
         #[test]
         fn lru_equals_the_reference(slots in 1usize..6, trace in prop::collection::vec(0usize..10, 0..200)) {
             let mut c = ExpertCache::new(ExpertPolicy::Lru, 10, &[slots]);
