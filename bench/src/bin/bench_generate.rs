@@ -610,6 +610,8 @@ fn main() -> Result<()> {
                 let decode = s.stop().saturating_sub(context_bytes);
                 decode.max(prefill_peaks.and_then(|p| p.0).unwrap_or(0))
             });
+            // Each step's time too: a mixture-of-experts step's varies with its misses and route.
+            let step_times = times.clone();
             let step_s = median(times);
             let streamed = median(bytes);
             let batch = if args.batch > 1 {
@@ -768,6 +770,7 @@ fn main() -> Result<()> {
                 "prefill_s": prefill_s,
                 "prefill_enqueue_s": prefill_enqueue_s,
                 "decode_step_s_median": step_s,
+                "decode_step_s": step_times,
                 "decode_tokens_per_s": tps,
                 "decode_host_forward_s_median": host_s,
                 "store_load_s": load_s,
