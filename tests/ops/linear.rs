@@ -128,6 +128,16 @@ fn router_logits_are_f32_products(device: &Device) -> anyhow::Result<()> {
             )?;
         }
     }
+    // x and the weight of different dtypes: the composition.
+    let x = random(&[1, 64], 1.0, 3, DType::F32, device)?;
+    let w = random(&[8, 64], 0.125, 4, DType::F16, device)?;
+    let want = x.matmul(&w.to_dtype(DType::F32)?.t()?)?;
+    ensure_close(
+        "router_logits F32 x, F16 weight",
+        &linear::router_logits(&x, &w)?,
+        &want,
+        DType::F32,
+    )?;
     let x = random(&[1, 64], 1.0, 1, DType::F16, device)?;
     let w = random(&[8, 32], 1.0, 2, DType::F16, device)?;
     anyhow::ensure!(linear::router_logits(&x, &w).is_err(), "widths differ");

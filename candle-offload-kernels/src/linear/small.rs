@@ -159,13 +159,20 @@ impl candle_core::CustomOp2 for RouterLogits {
     }
 }
 
-/// A router's logits `x · wᵀ` in F32 for a weight `w` (experts, in) of x's dtype and `x`
-/// (rows, in), computed in F32 whatever the dtype (the top-k of logits rounded to 16 bits
-/// would tie or swap experts). On a GPU, for one row (a decode step) with `in` a multiple of 8
-/// and both 16-byte aligned, one launch; otherwise the composition: both cast to F32, then a
-/// matmul. `(rows, experts)` F32.
+/// A router's logits `x · wᵀ` in F32 for a weight `w` (experts, in) and `x` (rows, in) of
+/// float dtypes, computed in F32 whatever they are (the top-k of logits rounded to 16 bits
+/// would tie or swap experts). On a GPU, for one row (a decode step) of the weight's 16-bit
+/// dtype with `in` a multiple of 8 and both 16-byte aligned, one launch; otherwise the
+/// composition: both cast to F32, then a matmul. `(rows, experts)` F32.
 pub fn router_logits(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    check_dtypes(RouterLogits::NAME, &[x, w])?;
+    if !x.dtype().is_float() || !w.dtype().is_float() {
+        candle_core::bail!(
+            "{}: x {:?} and the weight {:?} have to be floats",
+            RouterLogits::NAME,
+            x.dtype(),
+            w.dtype()
+        );
+    }
     let (_, k) = w.dims2()?;
     let (rows, xk) = x.dims2()?;
     if xk != k {
@@ -179,6 +186,7 @@ pub fn router_logits(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let fits = |t: &Tensor| t.is_contiguous() && aligned16(t.layout(), t.dtype());
     if !x.device().is_cuda()
         || x.dtype() == candle_core::DType::F32
+        || x.dtype() != w.dtype()
         || rows != 1
         || !k.is_multiple_of(8)
         || !fits(w)

@@ -283,10 +283,8 @@ impl OnDevice<'_> {
                 .filter_map(|name| store.unit_id(name))
                 .map(|id| store.unit(id).bytes())
                 .sum();
-            let experts: u64 = super::experts::ExpertTier::expert_units(&layout, store)
-                .into_iter()
-                .map(|id| store.unit(id).bytes())
-                .sum();
+            let units = super::experts::ExpertTier::expert_units(&layout, store);
+            let experts: u64 = units.iter().map(|&id| store.unit(id).bytes()).sum();
             let room = capacity.saturating_sub(kept);
             let spare = if room >= experts {
                 0
@@ -294,6 +292,8 @@ impl OnDevice<'_> {
                 (settings.prefetch_depth as u64)
                     .saturating_mul(store.units().iter().map(|u| u.bytes()).max().unwrap_or(0))
             };
+            // A captured decode step reads the experts only through the tier's table.
+            rt.set_indirect(units)?;
             Some(super::experts::ExpertTier::new(
                 settings.experts,
                 &layout,
@@ -309,10 +309,6 @@ impl OnDevice<'_> {
         } else {
             None
         };
-        if tier.is_some() {
-            // A captured decode step reads the experts only through the tier's table.
-            rt.set_indirect(super::experts::ExpertTier::expert_units(&layout, store))?;
-        }
         let mut model = CausalLm::assemble(cfg.clone(), vec![(rt, 0..n)], dtype, max_len, source)?;
         model.reserve_by_phase(share);
         model.prompt_chunk = chunk;

@@ -890,13 +890,7 @@ struct Readback {
 fn router_logits(router: &Linear, x2: &Tensor) -> Result<Tensor> {
     match router.weight() {
         LinearWeight::Dense(w) if w.dtype() != DType::F32 => {
-            // One launch on a GPU for a decode row of the weight's dtype.
-            let logits = if w.dtype() == x2.dtype() {
-                candle_offload::kernels::linear::router_logits(x2, w)?
-            } else {
-                x2.to_dtype(DType::F32)?
-                    .matmul(&w.to_dtype(DType::F32)?.t()?)?
-            };
+            let logits = candle_offload::kernels::linear::router_logits(x2, w)?;
             match router.bias() {
                 Some(b) => logits.broadcast_add(&b.to_dtype(DType::F32)?),
                 None => Ok(logits),
