@@ -285,14 +285,34 @@ fn half_experts_model(
     experts: candle_offload::experts::ExpertOptions,
 ) -> anyhow::Result<Llama> {
     let store = f32_store(files, device, keep_blocks)?;
-    let units = store.units();
-    let all_experts: u64 = units
-        .iter()
-        .filter(|u| u.name().contains(".experts."))
-        .map(|u| u.bytes())
-        .sum();
-    let total: u64 = units.iter().map(|u| u.bytes()).sum();
-    let largest = units.iter().map(|u| u.bytes()).max().unwrap_or(0);
+    let is_expert = |name: &str| name.contains(".experts.");
+    let sizes = |experts: bool| {
+        let units = store.units().iter();
+        units
+            .filter(move |u| is_expert(u.name()) == experts)
+            .map(|u| u.bytes())
+    };
+    let (all_experts, dense) = (sizes(true).sum::<u64>(), sizes(false).sum::<u64>());
+    let largest_expert = sizes(true).max().unwrap_or(0);
+    let build = |budget: u64| {
+        let settings = OffloadSettings {
+            gpu_memory_limit: Some(MemoryLimit::Bytes(budget)),
+            reserve_bytes: 0,
+            experts,
+            ..Default::default()
+        };
+        Llama::builder(files, store.clone())
+            .device(device)
+            .settings(settings)
+            .dtype(DType::F32)
+            .max_len(64)
+            .prompt_len(64)
+            .build()
+    };
+    // The weights' room wanted: the dense part, half of the experts and a copy in flight. What
+    // of a budget the runtime keeps for itself depends on the device and the budget, so the
+    // budget is corrected by the capacity each build reports (at most the whole model's).
+    let want = dense + all_experts / 2 + largest_expert;
     let reserve = Llama::reserve_bytes(
         &files.config,
         &store,
@@ -302,24 +322,21 @@ fn half_experts_model(
         DType::F32,
         &Default::default(),
     );
-    // Half of the experts beside a copy in flight; short of the whole model where the largest
-    // unit is over half the experts (tiny fixtures), as a tier whose experts all fit takes
-    // no room for copies in flight and holds them all.
-    let budget =
-        (total - all_experts + reserve + largest + all_experts / 2).min(total + reserve - 1);
-    let settings = OffloadSettings {
-        gpu_memory_limit: Some(MemoryLimit::Bytes(budget)),
-        reserve_bytes: 0,
-        experts,
-        ..Default::default()
-    };
-    Ok(Llama::builder(files, store)
-        .device(device)
-        .settings(settings)
-        .dtype(DType::F32)
-        .max_len(64)
-        .prompt_len(64)
-        .build()?)
+    let mut budget = want + reserve;
+    for _ in 0..4 {
+        let capacity = build(budget)?.runtime().stats()?.weight_capacity_bytes;
+        if capacity == want {
+            break;
+        }
+        budget = (budget + want).saturating_sub(capacity);
+    }
+    let m = build(budget)?;
+    let s = m.expert_stats().expect("the tier is on");
+    anyhow::ensure!(
+        s.slots.iter().any(|&n| n > 0) && s.slots.iter().all(|&n| n < s.experts_per_layer),
+        "a budget of {budget} bytes for half of the experts holds none or all: {s:?}"
+    );
+    Ok(m)
 }
 
 /// A GGUF's whole model on `device` under `settings`: F32, 64 positions, its blocks kept

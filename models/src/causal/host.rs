@@ -275,22 +275,28 @@ impl OnDevice<'_> {
             };
             // The weights' capacity while a prompt runs (the smallest of the phases), less the
             // kept units and, unless every expert fits beside them (no copy is then ever in
-            // flight past the cache), the room the runtime keeps for copies in flight.
+            // flight past the cache), the room the runtime's cache keeps for copies in flight:
+            // the prefetch depth times its largest unit that is not kept.
             let capacity = rt.stats()?.weight_capacity_bytes;
-            let kept: u64 = stage
+            let kept_ids: std::collections::HashSet<_> = stage
                 .keep
                 .iter()
                 .filter_map(|name| store.unit_id(name))
-                .map(|id| store.unit(id).bytes())
-                .sum();
+                .collect();
+            let kept: u64 = kept_ids.iter().map(|&id| store.unit(id).bytes()).sum();
             let units = super::experts::ExpertTier::expert_units(&layout, store);
             let experts: u64 = units.iter().map(|&id| store.unit(id).bytes()).sum();
             let room = capacity.saturating_sub(kept);
             let spare = if room >= experts {
                 0
             } else {
-                (settings.prefetch_depth as u64)
-                    .saturating_mul(store.units().iter().map(|u| u.bytes()).max().unwrap_or(0))
+                let largest_evictable = (0..store.units().len())
+                    .map(candle_offload::UnitId)
+                    .filter(|id| !kept_ids.contains(id))
+                    .map(|id| store.unit(id).bytes())
+                    .max()
+                    .unwrap_or(0);
+                (settings.prefetch_depth as u64).saturating_mul(largest_evictable)
             };
             // A captured decode step reads the experts only through the tier's table.
             rt.set_indirect(units)?;
