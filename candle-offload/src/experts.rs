@@ -464,6 +464,42 @@ impl RepeatMisses {
     }
 }
 
+/// Keeps the host's measured rate for missing experts from going stale. The rate is measured
+/// only where the host computes experts; once it reads too low (one slow measurement),
+/// [`split_missing`] fetches every miss and the rate is never measured again. After
+/// `every` placements in a row that left nothing on the host, the next puts one miss there.
+/// Pure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostRateProbe {
+    every: u32,
+    idle: u32,
+}
+
+impl HostRateProbe {
+    /// A probe after `every` placements without host work.
+    pub fn new(every: u32) -> Self {
+        Self { every, idle: 0 }
+    }
+
+    /// A layer's placement of its misses (`fetch[i]`: miss `i` fetched, else on the host),
+    /// changed to put its last miss on the host where it is time to probe.
+    pub fn place(&mut self, fetch: &mut [bool]) {
+        if fetch.is_empty() {
+            return;
+        }
+        if fetch.iter().any(|&f| !f) {
+            self.idle = 0;
+        } else if self.idle >= self.every {
+            self.idle = 0;
+            if let Some(f) = fetch.last_mut() {
+                *f = false;
+            }
+        } else {
+            self.idle += 1;
+        }
+    }
+}
+
 /// Who chooses a decode row's experts on a GPU with an expert cache.
 ///
 /// On the host, each layer's routers' choice is read back before its experts are placed (a
@@ -688,6 +724,30 @@ mod tests {
             let best = (0..=m).map(cost).fold(f64::INFINITY, f64::min);
             prop_assert!(cost(k) <= best + 1e-9, "k {} costs {} > best {}", k, cost(k), best);
         }
+    }
+
+    #[test]
+    fn the_probe_puts_a_miss_on_the_host_after_idle_placements() {
+        let mut p = HostRateProbe::new(3);
+        let mut placed = Vec::new();
+        for _ in 0..9 {
+            let mut fetch = vec![true; 4];
+            p.place(&mut fetch);
+            placed.push(fetch.iter().filter(|&&f| !f).count());
+        }
+        assert_eq!(placed, [0, 0, 0, 1, 0, 0, 0, 1, 0]);
+        // Host work of the split's own resets the count; empty placements do not count.
+        let mut p = HostRateProbe::new(1);
+        p.place(&mut [true, true]);
+        p.place(&mut []);
+        let mut split = [true, false];
+        p.place(&mut split);
+        assert_eq!(split, [true, false]);
+        let mut all = [true, true];
+        p.place(&mut all);
+        assert_eq!(all, [true, true]);
+        p.place(&mut all);
+        assert_eq!(all, [true, false]);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Device, Result};
 use candle_offload::experts::{
     slots_for_budget, split_missing, ExpertAdmission, ExpertCache, ExpertOptions, ExpertRoute,
-    ExpertSplit, LayerCounters, RepeatMisses, RouteChooser,
+    ExpertSplit, HostRateProbe, LayerCounters, RepeatMisses, RouteChooser,
 };
 use candle_offload::kernels::linear::{ExpertTable, RoutedShape};
 use candle_offload::{HostStore, OffloadConfig, OffloadRuntime, UnitId};
@@ -34,6 +34,10 @@ const HOST_ROWS_PER_READ: usize = candle_offload::kernels::linear::cpu_quant::KQ
 
 /// The weight of a new measurement of the host's rate in its running average.
 const HOST_RATE_SMOOTHING: f64 = 0.1;
+
+/// Decode placements of a layer's misses (a layer of a step each) after which, where the host
+/// computed none of them, the next one puts one miss on the host to measure its rate again.
+const HOST_RATE_PROBE_PLACEMENTS: u32 = 256;
 
 /// One runtime's expert units (see the module docs).
 pub(crate) struct RuntimeExperts<'a> {
@@ -187,8 +191,12 @@ struct TierState {
     /// What the tier did; its per-layer counters and slots are the cache's
     /// ([`ExpertTier::stats`]).
     stats: ExpertStats,
-    /// Per layer, the host bytes of the experts the last [`ExpertUnits::place`] left there.
+    /// Per layer, the host bytes of the experts the last decode [`ExpertUnits::place`] left
+    /// there (0 after a prompt's: a prompt's rows make the host compute, not read, and its
+    /// time would price a decode row's read too high).
     placed_host_bytes: Vec<u64>,
+    /// Puts a decode miss on the host now and then where the split has left none there.
+    host_probe: HostRateProbe,
     /// Per layer, its router as last seen (for the layer before it to guess with).
     routers: Vec<Option<(Linear, Routing)>>,
     /// The prefetched experts (layer, expert) not routed to since their prefetch.
@@ -389,6 +397,7 @@ impl ExpertTier {
                     ..Default::default()
                 },
                 placed_host_bytes: vec![0; x.sparse.len()],
+                host_probe: HostRateProbe::new(HOST_RATE_PROBE_PLACEMENTS),
                 routers: vec![None; x.sparse.len()],
                 guesses: HashSet::new(),
                 routes: Routes::Untried,
@@ -719,7 +728,10 @@ impl ExpertUnits for SplitExperts<'_> {
         let resident = routed.len() - missing.len();
         // The missing ones: fetched (taking a slot) or on the host, priced per expert.
         let missing_routed: Vec<(usize, usize)> = missing.iter().map(|&i| routed[i]).collect();
-        let (bytes, fetch) = self.split(&st, layer, &missing_routed)?;
+        let (bytes, mut fetch) = self.split(&st, layer, &missing_routed)?;
+        if decode && self.tier.host_compute {
+            st.host_probe.place(&mut fetch);
+        }
         let can_stream = self.tier.can_stream;
         // The experts this step runs on the device are never a fetch's victim: they are all
         // resident at once while the layer runs.
@@ -756,7 +768,7 @@ impl ExpertUnits for SplitExperts<'_> {
         st.stats.on_host += (missing.len() as u64).saturating_sub(fetched + streamed);
         st.stats.host_bytes += host_bytes;
         if let Some(b) = st.placed_host_bytes.get_mut(layer) {
-            *b = on_host_bytes;
+            *b = if decode { on_host_bytes } else { 0 };
         }
         drop(st);
         // The device's first (their copies and kernels queue while the host works).
