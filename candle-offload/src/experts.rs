@@ -295,11 +295,12 @@ pub fn place_missing_expert(
 
 /// Which of a layer's missing experts to fetch over the link (and compute on the GPU) while
 /// the host CPU computes the others at the same time: `costs[i]` is expert `i`'s seconds on
-/// the CPU and fetched ([`missing_expert_seconds`]). Greedy on the two sides: from all on the
-/// CPU, the experts the CPU is slowest at relative to the link move to the fetch side while
-/// that shortens the slower side. `true`: fetch. Never slower than all on one side; with
-/// equal costs, the best split.
-pub fn split_missing(costs: &[(f64, f64)]) -> Vec<bool> {
+/// the CPU and fetched ([`missing_expert_seconds`]); `link_busy` is the seconds of copies
+/// already queued on the link before them (prefetched experts still on their way). Greedy on
+/// the two sides: from all on the CPU, the experts the CPU is slowest at relative to the link
+/// move to the fetch side while that shortens the slower side. `true`: fetch. Never slower
+/// than all on one side; with equal costs, the best split.
+pub fn split_missing(costs: &[(f64, f64)], link_busy: f64) -> Vec<bool> {
     let mut fetch = vec![false; costs.len()];
     let valid = |x: f64| x.is_finite() && x >= 0.0;
     let mut order: Vec<usize> = (0..costs.len())
@@ -311,7 +312,7 @@ pub fn split_missing(costs: &[(f64, f64)]) -> Vec<bool> {
         r(b).total_cmp(&r(a)).then(a.cmp(&b))
     });
     let mut cpu: f64 = order.iter().map(|&i| costs[i].0).sum();
-    let mut link = 0.0f64;
+    let mut link = if valid(link_busy) { link_busy } else { 0.0 };
     for i in order {
         let (c, f) = costs[i];
         if (cpu - c).max(link + f) < cpu.max(link) {
@@ -703,13 +704,16 @@ mod tests {
 
     proptest! {
         #[test]
-        fn the_split_beats_either_side_alone(costs in prop::collection::vec((0.0f64..5.0, 0.0f64..5.0), 0..24)) {
-            let fetch = split_missing(&costs);
+        fn the_split_beats_either_side_alone(
+            costs in prop::collection::vec((0.0f64..5.0, 0.0f64..5.0), 0..24),
+            busy in prop_oneof![Just(0.0f64), 0.0f64..20.0],
+        ) {
+            let fetch = split_missing(&costs, busy);
             prop_assert_eq!(fetch.len(), costs.len());
             let span = |f: &[bool]| {
                 let cpu: f64 = costs.iter().zip(f).filter(|(_, &x)| !x).map(|(c, _)| c.0).sum();
                 let link: f64 = costs.iter().zip(f).filter(|(_, &x)| x).map(|(c, _)| c.1).sum();
-                cpu.max(link)
+                cpu.max(busy + link)
             };
             let got = span(&fetch);
             prop_assert!(got <= span(&vec![false; costs.len()]) + 1e-9);
@@ -717,13 +721,25 @@ mod tests {
         }
 
         #[test]
-        fn equal_costs_split_at_the_best_count(m in 0usize..40, c in 0.01f64..10.0, f in 0.01f64..10.0) {
-            let fetch = split_missing(&vec![(c, f); m]);
+        fn equal_costs_split_at_the_best_count(
+            m in 0usize..40, c in 0.01f64..10.0, f in 0.01f64..10.0, busy in 0.0f64..40.0,
+        ) {
+            let fetch = split_missing(&vec![(c, f); m], busy);
             let k = fetch.iter().filter(|&&x| x).count();
-            let cost = |k: usize| ((m - k) as f64 * c).max(k as f64 * f);
+            let cost = |k: usize| ((m - k) as f64 * c).max(busy + k as f64 * f);
             let best = (0..=m).map(cost).fold(f64::INFINITY, f64::min);
             prop_assert!(cost(k) <= best + 1e-9, "k {} costs {} > best {}", k, cost(k), best);
         }
+    }
+
+    /// A link already busy with prefetched copies leaves more of the misses to the CPU.
+    #[test]
+    fn a_busy_link_takes_fewer_misses() {
+        let costs = vec![(1.0, 1.0); 8];
+        let fetched = |busy: f64| split_missing(&costs, busy).iter().filter(|&&f| f).count();
+        assert_eq!(fetched(0.0), 4);
+        assert_eq!(fetched(2.0), 3);
+        assert_eq!(fetched(8.0), 0);
     }
 
     #[test]

@@ -10,4 +10,6 @@ fuzz_target!(|data: &[u8]| {
             let _ = candle_offload_models::loader::load_tokenizer(&files);
         }
     }
+    // No input stays behind in the temp dir.
+    let _ = std::fs::remove_file(&path);
 });

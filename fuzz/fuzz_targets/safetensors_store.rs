@@ -16,4 +16,6 @@ fuzz_target!(|data: &[u8]| {
         let _ =
             candle_offload::HostStore::from_safetensors(&[&path], &cfg, &candle_core::Device::Cpu);
     }
+    // No input stays behind in the temp dir.
+    let _ = std::fs::remove_file(&path);
 });

@@ -197,6 +197,9 @@ struct TierState {
     placed_host_bytes: Vec<u64>,
     /// Puts a decode miss on the host now and then where the split has left none there.
     host_probe: HostRateProbe,
+    /// The experts' copies issued to the device (fetches and prefetches, in the copy
+    /// stream's order) not yet seen landed, with their bytes (GPU only).
+    in_flight: std::collections::VecDeque<(UnitId, u64)>,
     /// Per layer, its router as last seen (for the layer before it to guess with).
     routers: Vec<Option<(Linear, Routing)>>,
     /// The prefetched experts (layer, expert) not routed to since their prefetch.
@@ -398,6 +401,7 @@ impl ExpertTier {
                 },
                 placed_host_bytes: vec![0; x.sparse.len()],
                 host_probe: HostRateProbe::new(HOST_RATE_PROBE_PLACEMENTS),
+                in_flight: Default::default(),
                 routers: vec![None; x.sparse.len()],
                 guesses: HashSet::new(),
                 routes: Routes::Untried,
@@ -472,7 +476,7 @@ impl SplitExperts<'_> {
     /// streams.
     fn split(
         &self,
-        st: &TierState,
+        st: &mut TierState,
         layer: usize,
         missing: &[(usize, usize)],
     ) -> Result<(Vec<u64>, Vec<bool>)> {
@@ -495,9 +499,34 @@ impl SplitExperts<'_> {
                     (b as f64 * reads / host_rate, b as f64 / link_rate)
                 })
                 .collect();
-            split_missing(&costs)
+            let busy = self.link_queued_bytes(st)? as f64 / link_rate;
+            split_missing(&costs, busy)
         };
         Ok((bytes, fetch))
+    }
+
+    /// The bytes of the experts' copies still queued on the link: the oldest ones seen
+    /// landed (or gone) are dropped first; the copy stream runs them in order.
+    fn link_queued_bytes(&self, st: &mut TierState) -> Result<u64> {
+        while let Some(&(unit, _)) = st.in_flight.front() {
+            let rt = &self.device.rt;
+            if rt.is_present(unit)? && !rt.resident_all_of([unit])? {
+                break;
+            }
+            st.in_flight.pop_front();
+        }
+        Ok(st.in_flight.iter().map(|&(_, b)| b).sum())
+    }
+
+    /// A copy of `layer`'s `expert` to the device was issued (GPU only: elsewhere the fetch
+    /// is done when it returns).
+    fn copy_issued(&self, st: &mut TierState, layer: usize, expert: usize) -> Result<()> {
+        if self.device.rt.device().is_cuda() {
+            let unit = self.unit(layer, expert)?;
+            let bytes = self.device.rt.store().unit(unit).host_bytes();
+            st.in_flight.push_back((unit, bytes));
+        }
+        Ok(())
     }
 
     /// Takes a slot of `layer` for `expert` (its fetch is the caller's), the policy's victim
@@ -728,7 +757,7 @@ impl ExpertUnits for SplitExperts<'_> {
         let resident = routed.len() - missing.len();
         // The missing ones: fetched (taking a slot) or on the host, priced per expert.
         let missing_routed: Vec<(usize, usize)> = missing.iter().map(|&i| routed[i]).collect();
-        let (bytes, mut fetch) = self.split(&st, layer, &missing_routed)?;
+        let (bytes, mut fetch) = self.split(&mut st, layer, &missing_routed)?;
         if decode && self.tier.host_compute {
             st.host_probe.place(&mut fetch);
         }
@@ -750,6 +779,7 @@ impl ExpertUnits for SplitExperts<'_> {
                     site[i] = ExpertSite::Device;
                     protect.push(e);
                     fetched += 1;
+                    self.copy_issued(&mut st, layer, e)?;
                     continue;
                 }
                 if can_stream {
@@ -835,7 +865,7 @@ impl ExpertUnits for SplitExperts<'_> {
         if missing.is_empty() {
             return Ok(());
         }
-        let (bytes, fetch) = self.split(&st, layer, &missing)?;
+        let (bytes, fetch) = self.split(&mut st, layer, &missing)?;
         // The guess's experts are never each other's victims.
         let protect: Vec<usize> = routes.iter().map(|&(e, _)| e).collect();
         for ((&(e, _), &b), f) in missing.iter().zip(&bytes).zip(fetch) {
@@ -843,6 +873,7 @@ impl ExpertUnits for SplitExperts<'_> {
                 continue;
             }
             self.device.rt.prefetch(self.unit(layer, e)?)?;
+            self.copy_issued(&mut st, layer, e)?;
             st.guesses.insert((layer, e));
             st.stats.prefetched += 1;
             st.stats.host_bytes += b;
