@@ -15,7 +15,7 @@
 # Bench calls (carry .gpu/bench_generate.xz, .gpu/COMMIT):
 #   `bash scripts/gpu_moe_session.sh bench WEIGHTS BUDGETS PROMPTS`
 #   e.g. `bench q8_0 4,8,12 64`: ours and llama.cpp on /tmp/gguf/moe-ROUTING-WEIGHTS.gguf at
-#   each budget and prompt length (POLICY=lfu, PREFETCH=1 and GUESS=N (layers guessed ahead) for the other expert options,
+#   each budget and prompt length (POLICY=lfu, NO_PREFETCH=1 (the guessed experts' prefetch off) and GUESS=N (layers guessed ahead) for the other expert options,
 #   SPLIT=fetch for every missing expert fetched instead of the split's choice,
 #   PER_EXPERT=1 for each expert's own decode matmuls instead of the grouped launches,
 #   ROUTE=host|device for who chooses a decode row's experts (auto by default),
@@ -35,7 +35,7 @@
 #   .gpu/bench_generate.xz; the Q8_0 file written): ours alone at each budget with -vv and the
 #   mixture-of-experts layers' spans (route and its wait for the device, guess, place, device,
 #   to_host, host, merge), then scripts/span_times.py over the decode rows ->
-#   spans-ROUTING-BUDGET.json (a diagnostic, not a row; SPLIT and PREFETCH as for bench).
+#   spans-ROUTING-BUDGET.json (a diagnostic, not a row; SPLIT and NO_PREFETCH as for bench).
 #   SPANS_LOG replaces the log filter, e.g. adding `candle_offload=debug` for the runtime's
 #   own spans inside `place` (offload.acquire, offload.h2d, offload.evict).
 # Each call leaves $OUT/CALL.tgz with its logs and JSON.
@@ -112,7 +112,7 @@ case "$1" in
     while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 10; done
     grep -v "^+" /tmp/moe-write.log; ls -la /tmp/gguf
     [[ -n "${NO_PEER:-}" || -x /tmp/llamacpp/build/bin/llama-bench ]] || { echo "no llama-bench (call1 first)"; exit 1; }
-    name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${PREFETCH:+-prefetch}${GUESS:+-guess$GUESS}${SPLIT:+-split-$SPLIT}${ROUTE:+-route-$ROUTE}${PER_EXPERT:+-per-expert}${NO_GRAPHS:+-no-graphs}${ADMIT:+-admit-$ADMIT}"
+    name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${NO_PREFETCH:+-no-prefetch}${GUESS:+-guess$GUESS}${SPLIT:+-split-$SPLIT}${ROUTE:+-route-$ROUTE}${PER_EXPERT:+-per-expert}${NO_GRAPHS:+-no-graphs}${ADMIT:+-admit-$ADMIT}"
     # NO_PEER=1: ours alone (an A/B of our options, no rows).
     peer="--llamacpp-bin /tmp/llamacpp/build/bin --llamacpp-moe --llamacpp-reps 2"
     [[ -n "${NO_PEER:-}" ]] && { peer=""; name="$name-alone"; }
@@ -120,7 +120,7 @@ case "$1" in
     (cd /tmp && timeout "${BENCH_S:-560}" /tmp/bin/bench_generate --model-dir "$f" --quantized \
       --weights "qwen3-30b-a3b-$w-$ROUTING" --model-name "qwen3-30b-a3b-$w" --routing "$ROUTING" \
       --budgets "$budgets" --prompt-lens "$prompts" \
-      --new-tokens "${NEW_TOKENS:-16}" $peer --expert-policy "${POLICY:-lru}" ${PREFETCH:+--expert-prefetch} \
+      --new-tokens "${NEW_TOKENS:-16}" $peer --expert-policy "${POLICY:-lru}" --expert-prefetch ${NO_PREFETCH:+false} \
       ${GUESS:+--expert-guess-layers $GUESS} \
       ${PER_EXPERT:+--per-expert} ${NO_GRAPHS:+--no-graphs} --expert-split "${SPLIT:-auto}" --expert-route "${ROUTE:-auto}" \
       ${ADMIT:+--expert-admit $ADMIT} --json-out "$OUT/$name.json") > "$OUT/$name.log" 2>&1
@@ -134,12 +134,12 @@ case "$1" in
     while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 5; done
     [[ -f $f ]] || { echo "no $f (write first)"; exit 1; }
     for b in ${2//,/ }; do
-      name="spans-$ROUTING-${b}gib${SPLIT:+-split-$SPLIT}${PREFETCH:+-prefetch}${GUESS:+-guess$GUESS}"
+      name="spans-$ROUTING-${b}gib${SPLIT:+-split-$SPLIT}${NO_PREFETCH:+-no-prefetch}${GUESS:+-guess$GUESS}"
       el "$name"
       (cd /tmp && RUST_LOG="${SPANS_LOG:-warn,candle_offload_models::layers::moe=debug}" timeout "${BENCH_S:-200}" \
         /tmp/bin/bench_generate --model-dir "$f" --quantized --weights "$name" --budgets "$b" \
         --prompt-lens 64 --new-tokens "${NEW_TOKENS:-16}" --expert-split "${SPLIT:-auto}" \
-        ${PREFETCH:+--expert-prefetch} ${GUESS:+--expert-guess-layers $GUESS} -vv \
+        --expert-prefetch ${NO_PREFETCH:+false} ${GUESS:+--expert-guess-layers $GUESS} -vv \
         --json-out "$OUT/$name-bench.json") > "$OUT/$name.log" 2>&1
       echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:" "$OUT/$name.log" | tail -4
       python3 "$R/scripts/span_times.py" "$OUT/$name.log" --parent moe.layer --match "rows=1}" \

@@ -136,8 +136,9 @@ pub struct LoadArgs {
     #[arg(long, default_value = "auto")]
     pub expert_split: candle_offload::experts::ExpertSplit,
     /// In a decode step, prefetch the experts the next mixture-of-experts layer's router picks
-    /// for the current layer's input.
-    #[arg(long)]
+    /// for the current layer's input (on by default; `--expert-prefetch false` turns it off).
+    #[arg(long, num_args = 0..=1, default_value_t = true, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
     pub expert_prefetch: bool,
     /// With --expert-prefetch, how many of the next mixture-of-experts layers a decode step
     /// guesses for (each router on the current layer's input).

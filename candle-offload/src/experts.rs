@@ -334,7 +334,8 @@ pub struct ExpertOptions {
     pub split: ExpertSplit,
     /// In a decode step, the copy stream prefetches the experts the next mixture-of-experts
     /// layer's router picks for the current layer's input (they take slots, the policy's
-    /// victims evicted), so that the guesses that come true are hits.
+    /// victims evicted), so that the guesses that come true are hits. On in
+    /// [`Default`](ExpertOptions::default), off in [`new`](ExpertOptions::new).
     pub prefetch: bool,
     /// With [`Self::prefetch`], how many of the next mixture-of-experts layers a decode step
     /// guesses for, each router on the current layer's rows (at least 1): further guesses keep
@@ -347,8 +348,9 @@ pub struct ExpertOptions {
 }
 
 impl Default for ExpertOptions {
+    /// The default policy and split, with prefetch.
     fn default() -> Self {
-        Self::new(ExpertPolicy::default(), ExpertSplit::default())
+        Self::new(ExpertPolicy::default(), ExpertSplit::default()).with_prefetch(true)
     }
 }
 

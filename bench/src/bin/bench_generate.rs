@@ -63,8 +63,10 @@ struct Args {
     /// Where missing experts run: `auto`, `on`, `fetch` or `off` (`OffloadConfig::experts`).
     #[arg(long, default_value = "auto")]
     expert_split: candle_offload::experts::ExpertSplit,
-    /// Prefetch the next layer's guessed experts in decode steps (`ExpertOptions::prefetch`).
-    #[arg(long)]
+    /// Prefetch the next layer's guessed experts in decode steps (`ExpertOptions::prefetch`;
+    /// on by default, `--expert-prefetch false` turns it off).
+    #[arg(long, num_args = 0..=1, default_value_t = true, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
     expert_prefetch: bool,
     /// With --expert-prefetch, the mixture-of-experts layers ahead a decode step guesses for.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
