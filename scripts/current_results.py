@@ -143,6 +143,10 @@ SOURCES = {
         "2026-12-06/2026-12-06-moe-q4_k_m-skewed-8gib-p64-device-route-auto-c683167-h100.json",
         "2026-12-06/2026-12-06-moe-q4_k_m-skewed-12gib-p64-graphs-grouped-rows-7f7ebe1-h100.json",
         "2026-12-06/2026-12-06-moe-q8_0-skewed-8gib-p64-512-graphs-grouped-rows-7f7ebe1-h100.json",
+        "2026-12-06/2026-12-06-moe-q8_0-skewed-8gib-p64-512-457d2cd-h200.json",
+        "2026-12-06/2026-12-06-moe-q4_k_m-skewed-12gib-p64-512-457d2cd-h200.json",
+        "2026-12-06/2026-12-06-moe-q4_k_m-skewed-8gib-p64-512-457d2cd-h200.json",
+        "2026-12-06/2026-12-06-moe-q8_0-uniform-8gib-p64-512-457d2cd-h200.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     # bench_train's lora-* configurations, with scripts/lora_peer.py (PEFT) run just before it
