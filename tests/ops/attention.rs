@@ -116,9 +116,10 @@ fn ops_at_a_device_position(device: &Device) -> anyhow::Result<()> {
             let [q, k, v, kc, vc, table] =
                 rope_cache_operands(case, 900 + 10 * i as u64, dtype, device)?;
             let (kc2, vc2) = (kc.copy()?, vc.copy()?);
-            let want = rope::rope_qk_cache(&q, &k, &v, &table.narrow(0, pos, t)?, (&kc, &vc), pos)?;
+            let want =
+                rope::rope_qk_cache(&q, &k, &v, &table.narrow(0, pos, t)?, (&kc, &vc), pos, None)?;
             let at = Tensor::new(&[pos as u32], device)?;
-            let got = rope::rope_qk_cache_at(&q, &k, &v, &table, (&kc2, &vc2), &at)?;
+            let got = rope::rope_qk_cache_at(&q, &k, &v, &table, (&kc2, &vc2), &at, None)?;
             let what = format!("rope_qk_cache_at {:?} {dtype:?}", cases[i]);
             for (g, w, name) in [(&got, &want, "q"), (&kc2, &kc, "k"), (&vc2, &vc, "v")] {
                 anyhow::ensure!(
@@ -190,7 +191,7 @@ fn ops_at_a_device_position(device: &Device) -> anyhow::Result<()> {
         Tensor::new(&[1f32], device)?,
     ] {
         anyhow::ensure!(
-            rope::rope_qk_cache_at(&q, &q, &q, &table, (&kc, &kc.copy()?), &bad).is_err()
+            rope::rope_qk_cache_at(&q, &q, &q, &table, (&kc, &kc.copy()?), &bad, None).is_err()
         );
     }
     Ok(())
@@ -557,6 +558,7 @@ fn ragged_decode_matches_each_sequence(device: &Device) -> anyhow::Result<()> {
                     &table.narrow(0, pos, 1)?,
                     (kc, vc),
                     pos,
+                    None,
                 )?;
                 let want = attention::decode_attention(
                     &qr,

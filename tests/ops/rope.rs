@@ -113,7 +113,7 @@ fn rope_qk_cache_writes_its_positions(device: &Device) -> anyhow::Result<()> {
                 rope_cache_operands(case, 700 + 10 * i as u64, dtype, device)?;
             let (k_before, v_before) = (kc.copy()?, vc.copy()?);
             let table = table.narrow(0, pos, t)?;
-            let got_q = rope::rope_qk_cache(&q, &k, &v, &table, (&kc, &vc), pos)?;
+            let got_q = rope::rope_qk_cache(&q, &k, &v, &table, (&kc, &vc), pos, None)?;
             let (want_q, want_k) = rope::rope_qk_unfused(&q, &k, &table)?;
             let want_v = v.transpose(1, 2)?.contiguous()?;
             let what = format!("rope_qk_cache {:?}", cases[i]);
@@ -152,7 +152,7 @@ fn rope_qk_cache_writes_its_positions(device: &Device) -> anyhow::Result<()> {
     let kc = Tensor::zeros((1, 2, 3, 8), DType::F32, device)?;
     let (cos, sin) = tables(4, 8, DType::F32, device)?;
     let table = rope::rope_table(&cos, &sin)?.narrow(0, 2, 2)?;
-    anyhow::ensure!(rope::rope_qk_cache(&q, &q, &q, &table, (&kc, &kc.copy()?), 2).is_err());
+    anyhow::ensure!(rope::rope_qk_cache(&q, &q, &q, &table, (&kc, &kc.copy()?), 2, None).is_err());
     Ok(())
 }
 test_device!(
@@ -161,7 +161,7 @@ test_device!(
     ops_rope_qk_cache_gpu
 );
 
-/// `rope_qk_cache_normed` (q's and k's per-head RMSNorms folded into the rotation, Qwen3's
+/// `rope_qk_cache` with a `QkNorm` (q's and k's per-head RMSNorms folded into the rotation, Qwen3's
 /// `q_norm` and `k_norm`) equals the norms applied first and `rope_qk_cache` after, at a
 /// position given on the host and at one held on the device: q, and the keys and values it
 /// writes.
@@ -186,11 +186,11 @@ fn rope_qk_cache_normed_equals_norm_then_rope(device: &Device) -> anyhow::Result
             let (want_kc, want_vc) = (kc.copy()?, vc.copy()?);
             let (qn, kn) = norm.apply(&q, &k)?;
             let rows = table.narrow(0, pos, t)?;
-            let want_q = rope::rope_qk_cache(&qn, &kn, &v, &rows, (&want_kc, &want_vc), pos)?;
-            let what = format!("rope_qk_cache_normed {case:?} {dtype:?}");
+            let want_q = rope::rope_qk_cache(&qn, &kn, &v, &rows, (&want_kc, &want_vc), pos, None)?;
+            let what = format!("rope_qk_cache normed {case:?} {dtype:?}");
             let (got_kc, got_vc) = (kc.copy()?, vc.copy()?);
             let got_q =
-                rope::rope_qk_cache_normed(&q, &k, &v, &rows, (&got_kc, &got_vc), pos, norm)?;
+                rope::rope_qk_cache(&q, &k, &v, &rows, (&got_kc, &got_vc), pos, Some(norm))?;
             ensure_close(&format!("{what} q"), &got_q, &want_q, dtype)?;
             ensure_close(&format!("{what} k"), &got_kc, &want_kc, dtype)?;
             ensure_close(&format!("{what} v"), &got_vc, &want_vc, dtype)?;
@@ -198,7 +198,7 @@ fn rope_qk_cache_normed_equals_norm_then_rope(device: &Device) -> anyhow::Result
             let at = Tensor::new(&[pos as u32], device)?;
             let (at_kc, at_vc) = (kc.copy()?, vc.copy()?);
             let at_q =
-                rope::rope_qk_cache_normed_at(&q, &k, &v, &table, (&at_kc, &at_vc), &at, norm)?;
+                rope::rope_qk_cache_at(&q, &k, &v, &table, (&at_kc, &at_vc), &at, Some(norm))?;
             ensure_close(&format!("{what} q at"), &at_q, &want_q, dtype)?;
             ensure_close(&format!("{what} k at"), &at_kc, &want_kc, dtype)?;
             ensure_close(&format!("{what} v at"), &at_vc, &want_vc, dtype)?;
@@ -213,14 +213,14 @@ fn rope_qk_cache_normed_equals_norm_then_rope(device: &Device) -> anyhow::Result
         k: &short,
         eps: 1e-6,
     };
-    anyhow::ensure!(rope::rope_qk_cache_normed(
+    anyhow::ensure!(rope::rope_qk_cache(
         &q,
         &k,
         &v,
         &table.narrow(0, 0, 1)?,
         (&kc, &vc),
         0,
-        norm
+        Some(norm)
     )
     .is_err());
     Ok(())

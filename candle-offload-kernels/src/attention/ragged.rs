@@ -47,6 +47,7 @@ pub fn ragged_decode_attention(
             &table.narrow(0, s.pos, 1)?,
             (s.k_cache, s.v_cache),
             s.pos,
+            None,
         )?;
         let seen = |c: &Tensor| c.narrow(2, 0, s.pos + 1);
         outs.push(decode_attention(

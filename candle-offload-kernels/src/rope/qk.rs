@@ -133,9 +133,10 @@ pub fn rope_qk(q: &Tensor, k: &Tensor, table: &Tensor) -> Result<(Tensor, Tensor
 /// [`rope_qk`] for a decode step into a KV cache: q (b, t, hq, d) and k (b, t, hk, d) rotated
 /// by `table`'s t rows as there, q returned as (b, hq, t, d), and k with v (b, t, hk, d)
 /// unrotated written into positions `pos..pos + t` of `k_cache` and `v_cache`, contiguous
-/// buffers (b, hk, cap, d) that are changed in place. On a GPU one kernel, in place of
-/// `rope_qk` and the cache's two copies; elsewhere that composition (`rope_qk`, then
-/// `slice_set`).
+/// buffers (b, hk, cap, d) that are changed in place. With `norm`, q's and k's per-head norms
+/// ([`QkNorm`]) are applied before the rotation. On a GPU one kernel, in place of the norms,
+/// `rope_qk` and the cache's two copies; elsewhere that composition ([`QkNorm::apply`],
+/// `rope_qk`, then `slice_set`).
 pub fn rope_qk_cache(
     q: &Tensor,
     k: &Tensor,
@@ -143,8 +144,9 @@ pub fn rope_qk_cache(
     table: &Tensor,
     caches: (&Tensor, &Tensor),
     pos: usize,
+    norm: Option<QkNorm<'_>>,
 ) -> Result<Tensor> {
-    rope_qk_cache_with(q, k, v, table, caches, pos, None, None)
+    rope_qk_cache_with(q, k, v, table, caches, pos, None, norm)
 }
 
 /// The per-head RMSNorms of q and k applied before their RoPE (Qwen3's `q_norm` and
@@ -173,39 +175,6 @@ impl QkNorm<'_> {
     }
 }
 
-/// [`rope_qk_cache`] with q's and k's per-head norms ([`QkNorm`]) applied first: on a GPU in
-/// the same one launch; elsewhere [`QkNorm::apply`], then [`rope_qk_cache`].
-pub fn rope_qk_cache_normed(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    table: &Tensor,
-    caches: (&Tensor, &Tensor),
-    pos: usize,
-    norm: QkNorm<'_>,
-) -> Result<Tensor> {
-    rope_qk_cache_with(q, k, v, table, caches, pos, None, Some(norm))
-}
-
-/// [`rope_qk_cache_normed`] at the position held on the device by `pos`, as
-/// [`rope_qk_cache_at`] takes it.
-pub fn rope_qk_cache_normed_at(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    table: &Tensor,
-    caches: (&Tensor, &Tensor),
-    pos: &Tensor,
-    norm: QkNorm<'_>,
-) -> Result<Tensor> {
-    check_position(RopeQk::NAME, pos, q)?;
-    if q.device().is_cuda() {
-        return rope_qk_cache_with(q, k, v, table, caches, 0, Some(pos), Some(norm));
-    }
-    let p = pos.flatten_all()?.to_vec1::<u32>()?[0] as usize;
-    rope_qk_cache_normed(q, k, v, &table.narrow(0, p, q.dim(1)?)?, caches, p, norm)
-}
-
 /// [`rope_qk_cache`] at the position held on the device by `pos` (one u32: the positions
 /// already cached), with `table` the whole table (a row for every position, as
 /// [`rope_table`] makes it): what a decode step captured in a CUDA graph launches, so that
@@ -219,17 +188,17 @@ pub fn rope_qk_cache_at(
     table: &Tensor,
     caches: (&Tensor, &Tensor),
     pos: &Tensor,
+    norm: Option<QkNorm<'_>>,
 ) -> Result<Tensor> {
     check_position(RopeQk::NAME, pos, q)?;
     if q.device().is_cuda() {
-        return rope_qk_cache_with(q, k, v, table, caches, 0, Some(pos), None);
+        return rope_qk_cache_with(q, k, v, table, caches, 0, Some(pos), norm);
     }
     let p = pos.flatten_all()?.to_vec1::<u32>()?[0] as usize;
-    rope_qk_cache(q, k, v, &table.narrow(0, p, q.dim(1)?)?, caches, p)
+    rope_qk_cache(q, k, v, &table.narrow(0, p, q.dim(1)?)?, caches, p, norm)
 }
 
-/// [`rope_qk_cache`], or with `pos_dev` [`rope_qk_cache_at`] on a GPU; with `norm`, their
-/// normed forms.
+/// [`rope_qk_cache`], or with `pos_dev` [`rope_qk_cache_at`] on a GPU.
 #[allow(clippy::too_many_arguments)]
 fn rope_qk_cache_with(
     q: &Tensor,

@@ -162,10 +162,7 @@ impl KvCache {
         let (kb, vb) = self.make_room((b, heads, d), t, k)?;
         let table = rope.table_rows(index_pos, t)?;
         let caches = (&kb, &vb);
-        let q = match norm {
-            Some(n) => rope::rope_qk_cache_normed(q, k, v, &table, caches, self.len, n)?,
-            None => rope::rope_qk_cache(q, k, v, &table, caches, self.len)?,
-        };
+        let q = rope::rope_qk_cache(q, k, v, &table, caches, self.len, norm)?;
         let (k, v) = self.advance(t, (kb, vb))?;
         Ok((q, k, v))
     }
@@ -195,10 +192,7 @@ impl KvCache {
                 self.len + t
             );
         };
-        let q = match norm {
-            Some(n) => rope::rope_qk_cache_normed_at(q, k, v, rope.table(), (&kb, &vb), pos, n)?,
-            None => rope::rope_qk_cache_at(q, k, v, rope.table(), (&kb, &vb), pos)?,
-        };
+        let q = rope::rope_qk_cache_at(q, k, v, rope.table(), (&kb, &vb), pos, norm)?;
         self.len += t;
         Ok((q, kb, vb))
     }
