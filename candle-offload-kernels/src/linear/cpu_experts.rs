@@ -17,6 +17,7 @@ use candle_core::Result;
 
 use super::cpu_quant::{dot_columns, is_kquant, KRows, KQUANT_MAX_ROWS};
 use super::simd::{self, Q8_0_BYTES};
+use super::simd_k;
 use crate::tuning::KernelTuning;
 
 /// Dot products per work item (about 64 Ki weights at a width of 1024).
@@ -104,7 +105,7 @@ pub fn kquant_batch(
         }
         w
     };
-    let yq: Vec<Vec<BlockQ8K>> = quantize_inputs(inputs, &wants(false));
+    let yq: Vec<Vec<BlockQ8K>> = quantize_inputs(inputs, &wants(false), simd_k::quantize_q8k);
     let y0: Vec<Vec<u8>> = inputs
         .iter()
         .zip(wants(true))
@@ -176,8 +177,13 @@ pub fn kquant_batch(
     ))
 }
 
-/// Each input's rows quantized to blocks of `T` where `want` says so (empty elsewhere).
-fn quantize_inputs<T: GgmlType + Clone>(inputs: &[Rows<'_>], want: &[bool]) -> Vec<Vec<T>> {
+/// Each input's rows quantized to blocks of `T` by `quantize` where `want` says so (empty
+/// elsewhere).
+fn quantize_inputs<T: GgmlType + Clone>(
+    inputs: &[Rows<'_>],
+    want: &[bool],
+    quantize: fn(&[f32], &mut [T]),
+) -> Vec<Vec<T>> {
     inputs
         .iter()
         .zip(want)
@@ -185,7 +191,7 @@ fn quantize_inputs<T: GgmlType + Clone>(inputs: &[Rows<'_>], want: &[bool]) -> V
             let nb = r.k / T::BLCK_SIZE;
             let mut y = vec![T::zeros(); if want { r.x.len() / T::BLCK_SIZE } else { 0 }];
             for (x, y) in r.x.chunks_exact(r.k).zip(y.chunks_exact_mut(nb.max(1))) {
-                T::from_float(x, y);
+                quantize(x, y);
             }
             y
         })

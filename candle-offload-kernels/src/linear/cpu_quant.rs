@@ -24,7 +24,7 @@ use candle_core::quantized::k_quants::{
 use candle_core::quantized::{GgmlDType, GgmlType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
-use crate::linear::simd;
+use crate::linear::{simd, simd_k};
 use crate::tuning::KernelTuning;
 
 /// Output columns per work item.
@@ -538,7 +538,7 @@ fn kquant_many(
     let x = xs.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let mut yq = vec![BlockQ8K::zeros(); m * nb];
     for (x, y) in x.chunks_exact(k).zip(yq.chunks_exact_mut(nb)) {
-        BlockQ8K::from_float(x, y);
+        simd_k::quantize_q8k(x, y);
     }
     let starts = column_starts(&ns);
     let total: usize = ns.iter().sum();

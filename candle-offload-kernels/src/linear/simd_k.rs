@@ -95,6 +95,27 @@ pub(crate) fn dot_q6k_q8k_rows(x: &[BlockQ6K], ys: &[BlockQ8K], out: &mut [f32],
     }
 }
 
+/// Activations `xs` (a multiple of 256 floats) quantized into Q8_K blocks `ys`: Candle's
+/// `BlockQ8K::from_float`, bit for bit (each block scaled by its first value of the largest
+/// magnitude, rounded half away from zero, with its sums of sixteen). A block with a NaN or an
+/// infinity takes Candle's own loop.
+pub(crate) fn quantize_q8k(xs: &[f32], ys: &mut [BlockQ8K]) {
+    assert_eq!(xs.len(), ys.len() * QK_K, "Q8_K blocks for the activations");
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx2() {
+        for (x, y) in xs.chunks_exact(QK_K).zip(ys.iter_mut()) {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` is 256 floats and
+            // `y` one block of Candle's `#[repr(C)]` type, whose size is asserted below.
+            let done = unsafe { avx2::quantize_q8k(x.as_ptr(), (y as *mut BlockQ8K).cast()) };
+            if !done {
+                BlockQ8K::from_float(x, std::slice::from_mut(y));
+            }
+        }
+        return;
+    }
+    BlockQ8K::from_float(xs, ys);
+}
+
 /// Bytes of one Q4_K block.
 const Q4K_BYTES: usize = 144;
 /// Bytes of one Q6_K block.
@@ -111,6 +132,9 @@ mod avx2 {
 
     use super::super::simd::prefetch_ahead;
     use super::{Q4K_BYTES, Q6K_BYTES, Q8K_BYTES};
+
+    /// Values of a Q8_K block.
+    const QK: usize = super::QK_K;
 
     /// The f16 at `p` as f32.
     ///
@@ -132,6 +156,100 @@ mod avx2 {
     unsafe fn single(p: *const u8) -> f32 {
         // SAFETY: the caller guarantees 4 readable bytes; the read is unaligned-safe.
         unsafe { std::ptr::read_unaligned(p as *const f32) }
+    }
+
+    /// Candle's `BlockQ8K::from_float` of the 256 floats at `x` into the Q8_K block at `y`
+    /// (`[d: f32, qs: [i8; 256], bsums: [i16; 16]]`); `false`, with nothing written, where a
+    /// value is not finite (Candle's loop then handles it).
+    ///
+    /// # Safety
+    /// The CPU has AVX2; 256 floats at `x` are readable and `Q8K_BYTES` at `y` writable.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn quantize_q8k(x: *const f32, y: *mut u8) -> bool {
+        // Every call below reads the floats i * 8..i * 8 + 8 with i < 32.
+        let load = |i: usize| {
+            // SAFETY: `x` holds 256 readable floats and i * 8 + 8 <= 256.
+            unsafe { _mm256_loadu_ps(x.add(8 * i)) }
+        };
+        let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        let inf = _mm256_set1_ps(f32::INFINITY);
+        let (mut amax, mut bad) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for i in 0..QK / 8 {
+            let a = _mm256_and_ps(load(i), abs_mask);
+            // NaN (unordered) or infinite: not ordered below infinity.
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps::<_CMP_NLT_UQ>(a, inf));
+            amax = _mm256_max_ps(amax, a);
+        }
+        if _mm256_movemask_ps(bad) != 0 {
+            return false;
+        }
+        let m = _mm_max_ps(
+            _mm256_castps256_ps128(amax),
+            _mm256_extractf128_ps::<1>(amax),
+        );
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+        if m == 0.0 {
+            // SAFETY: `y` has Q8K_BYTES writable bytes.
+            unsafe { std::ptr::write_bytes(y, 0, Q8K_BYTES) };
+            return true;
+        }
+        // Candle keeps the first value whose magnitude is the largest.
+        let target = _mm256_set1_ps(m);
+        let mut max = m;
+        for i in 0..QK / 8 {
+            let v = load(i);
+            let hit = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(
+                _mm256_and_ps(v, abs_mask),
+                target,
+            ));
+            if hit != 0 {
+                // SAFETY: the lane is one of the 8 at i * 8 < 256.
+                max = unsafe { *x.add(8 * i + hit.trailing_zeros() as usize) };
+                break;
+            }
+        }
+        let iscale = -127f32 / max;
+        let scale = _mm256_set1_ps(iscale);
+        let half = _mm256_set1_ps(0.5);
+        let one = _mm256_set1_ps(1.0);
+        let sign_mask = _mm256_set1_ps(-0.0);
+        let (lo, hi) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(127.0));
+        // The quant of 8 values: `(iscale * x).round()` (half away from zero) clamped.
+        let quant = |i: usize| {
+            let v = _mm256_mul_ps(scale, load(i));
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(v);
+            // v - t is exact; a fraction of at least a half rounds away from zero.
+            let frac = _mm256_and_ps(_mm256_sub_ps(v, t), abs_mask);
+            let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half), one);
+            let r = _mm256_add_ps(t, _mm256_or_ps(up, _mm256_and_ps(v, sign_mask)));
+            _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+        };
+        let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        let mut sums = [0i16; QK / 16];
+        // SAFETY: `y` has Q8K_BYTES writable bytes: the quants at 4..260, the sums after.
+        let qs = unsafe { y.add(4) };
+        for j in 0..QK / 32 {
+            let q: [__m256i; 4] = std::array::from_fn(|u| quant(4 * j + u));
+            for (h, pair) in q.chunks_exact(2).enumerate() {
+                let s = _mm256_add_epi32(pair[0], pair[1]);
+                let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+                let s = _mm_hadd_epi32(s, s);
+                let s = _mm_hadd_epi32(s, s);
+                sums[2 * j + h] = _mm_cvtsi128_si32(s) as i16;
+            }
+            let a = _mm256_packs_epi32(q[0], q[1]);
+            let b = _mm256_packs_epi32(q[2], q[3]);
+            let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), perm);
+            // SAFETY: bytes 32 * j..32 * j + 32 of the 256 quants.
+            unsafe { _mm256_storeu_si256(qs.add(32 * j).cast(), bytes) };
+        }
+        // SAFETY: the scale at 0..4 and the sums at 260..292, unaligned writes.
+        unsafe {
+            std::ptr::write_unaligned(y.cast::<f32>(), 1.0 / iscale);
+            std::ptr::copy_nonoverlapping(sums.as_ptr().cast::<u8>(), y.add(4 + QK), 2 * QK / 16);
+        }
+        true
     }
 
     /// Sum of the 8 lanes, in Candle's order (`hsum_float_8`).
@@ -494,6 +612,44 @@ mod tests {
                 }
             })
             .collect()
+    }
+
+    /// The Q8_K quantizer gives Candle's `from_float` bit for bit: rows of mixed magnitudes,
+    /// values a scale puts on halves (rounded away from zero), a largest magnitude met first
+    /// with either sign, a block of zeros, and blocks with a NaN or an infinity.
+    #[test]
+    fn q8k_quantizer_equals_candles() {
+        let check = |xs: &[f32], what: &str| {
+            let nb = xs.len() / QK_K;
+            let mut want = vec![BlockQ8K::zeros(); nb];
+            BlockQ8K::from_float(xs, &mut want);
+            let mut got = vec![BlockQ8K::zeros(); nb];
+            quantize_q8k(xs, &mut got);
+            assert_eq!(format!("{got:?}"), format!("{want:?}"), "{what}");
+        };
+        for nb in [1usize, 3, 8] {
+            check(
+                &row(nb * QK_K, 31 + nb as u32),
+                &format!("mixed rows, {nb} blocks"),
+            );
+        }
+        // The largest value ±127 first: iscale ∓1, every odd i's value a tie at a half.
+        for top in [-127.0f32, 127.0] {
+            let mut halves: Vec<f32> = (0..QK_K).map(|i| (i as f32 - 128.0) * 0.5).collect();
+            halves[0] = top;
+            check(&halves, &format!("halves under {top}"));
+        }
+        let mut first = vec![0.5f32; QK_K];
+        (first[9], first[200]) = (-7.0, 7.0);
+        check(&first, "the largest magnitude first negative");
+        (first[9], first[200]) = (7.0, -7.0);
+        check(&first, "the largest magnitude first positive");
+        check(&vec![0.0; 2 * QK_K], "zeros");
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut xs = row(2 * QK_K, 5);
+            xs[300] = bad;
+            check(&xs, &format!("{bad} in the second block"));
+        }
     }
 
     /// Both kernels give Candle's `vec_dot` bit for bit, at every prefetch distance (0: off),
