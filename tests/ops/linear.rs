@@ -104,8 +104,9 @@ test_device!(
 );
 
 /// A router's logits in F32 (`linear::router_logits`): a decode row of every dtype against the
-/// weight in F32 arithmetic (one launch on a GPU), and the composition for several rows and
-/// for a width that is not a multiple of 8; F32 out, within F32's rounding of the sum.
+/// weight in F32 arithmetic (the pool's dense kernel on the CPU, one launch on a GPU), and
+/// the composition for several rows on a GPU and for a width that is not a multiple of 8;
+/// F32 out, within F32's rounding of the sum.
 fn router_logits_are_f32_products(device: &Device) -> anyhow::Result<()> {
     for dtype in DTYPES {
         for (i, (rows, k, n)) in [(1, 2048, 128), (1, 64, 60), (3, 64, 8), (1, 12, 4)]
@@ -115,7 +116,7 @@ fn router_logits_are_f32_products(device: &Device) -> anyhow::Result<()> {
             let seed = 300 + 10 * i as u64;
             let x = random(&[rows, k], 1.0, seed, dtype, device)?;
             let w = random(&[n, k], 1.0 / (k as f32).sqrt(), seed + 1, dtype, device)?;
-            let got = linear::router_logits(&x, &w)?;
+            let got = linear::router_logits(&x, &w, &Default::default())?;
             anyhow::ensure!(got.dtype() == DType::F32 && got.dims() == [rows, n]);
             let want = x
                 .to_dtype(DType::F32)?
@@ -134,13 +135,16 @@ fn router_logits_are_f32_products(device: &Device) -> anyhow::Result<()> {
     let want = x.matmul(&w.to_dtype(DType::F32)?.t()?)?;
     ensure_close(
         "router_logits F32 x, F16 weight",
-        &linear::router_logits(&x, &w)?,
+        &linear::router_logits(&x, &w, &Default::default())?,
         &want,
         DType::F32,
     )?;
     let x = random(&[1, 64], 1.0, 1, DType::F16, device)?;
     let w = random(&[8, 32], 1.0, 2, DType::F16, device)?;
-    anyhow::ensure!(linear::router_logits(&x, &w).is_err(), "widths differ");
+    anyhow::ensure!(
+        linear::router_logits(&x, &w, &Default::default()).is_err(),
+        "widths differ"
+    );
     Ok(())
 }
 test_device!(

@@ -93,6 +93,34 @@ pub fn forward(
     Ok(Some(ys.to_dtype(xs.dtype())?.reshape(out)?))
 }
 
+/// `xs · wᵀ` in F32 for a router's logits: `w` (n, k) a contiguous F32, F16 or BF16 tensor on
+/// the CPU and `xs` (m, k) of any float dtype with at most [`MAX_ROWS`] rows, computed as
+/// [`forward`] computes it (F32 weights included); `None` elsewhere (the caller composes Candle's
+/// matmul). `(m, n)` F32.
+pub fn logits(
+    w: &Tensor,
+    xs: &Tensor,
+    tuning: &crate::tuning::KernelTuning,
+) -> Result<Option<Tensor>> {
+    let (m, k) = xs.dims2()?;
+    let takes = w.device().is_cpu()
+        && xs.device().is_cpu()
+        && matches!(w.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && w.rank() == 2
+        && w.dims()[1] == k
+        && w.is_contiguous()
+        && (1..=MAX_ROWS).contains(&m)
+        && k > 0;
+    if !takes {
+        return Ok(None);
+    }
+    let x32 = xs.to_dtype(DType::F32)?.contiguous()?;
+    let op = DenseMatMul {
+        pf: tuning.cpu_prefetch_bytes,
+    };
+    Ok(Some(x32.apply_op2_no_bwd(w, &op)?))
+}
+
 /// The op: F32 activations (m, k) against a dense weight (n, k), F32 out (m, n).
 struct DenseMatMul {
     /// The prefetch distance.

@@ -161,10 +161,16 @@ impl candle_core::CustomOp2 for RouterLogits {
 
 /// A router's logits `x · wᵀ` in F32 for a weight `w` (experts, in) and `x` (rows, in) of
 /// float dtypes, computed in F32 whatever they are (the top-k of logits rounded to 16 bits
-/// would tie or swap experts). On a GPU, for one row (a decode step) of the weight's 16-bit
-/// dtype with `in` a multiple of 8 and both 16-byte aligned, one launch; otherwise the
-/// composition: both cast to F32, then a matmul. `(rows, experts)` F32.
-pub fn router_logits(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+/// would tie or swap experts). On the CPU, for up to eight rows, the pool's dense kernel
+/// ([`cpu_dense::logits`](crate::linear::cpu_dense::logits), `tuning`'s prefetch distance);
+/// on a GPU, for one row (a decode step) of the weight's 16-bit dtype with `in` a multiple
+/// of 8 and both 16-byte aligned, one launch; otherwise the composition: both cast to F32,
+/// then a matmul. `(rows, experts)` F32.
+pub fn router_logits(
+    x: &Tensor,
+    w: &Tensor,
+    tuning: &crate::tuning::KernelTuning,
+) -> Result<Tensor> {
     if !x.dtype().is_float() || !w.dtype().is_float() {
         candle_core::bail!(
             "{}: x {:?} and the weight {:?} have to be floats",
@@ -182,6 +188,9 @@ pub fn router_logits(x: &Tensor, w: &Tensor) -> Result<Tensor> {
             x.shape(),
             w.shape()
         );
+    }
+    if let Some(logits) = crate::linear::cpu_dense::logits(w, x, tuning)? {
+        return Ok(logits);
     }
     let fits = |t: &Tensor| t.is_contiguous() && aligned16(t.layout(), t.dtype());
     if !x.device().is_cuda()

@@ -889,8 +889,8 @@ struct Readback {
 /// `(rows, experts)` F32.
 fn router_logits(router: &Linear, x2: &Tensor) -> Result<Tensor> {
     match router.weight() {
-        LinearWeight::Dense(w) if w.dtype() != DType::F32 => {
-            let logits = candle_offload::kernels::linear::router_logits(x2, w)?;
+        LinearWeight::Dense(w) if w.dtype() != DType::F32 || w.device().is_cpu() => {
+            let logits = candle_offload::kernels::linear::router_logits(x2, w, router.tuning())?;
             match router.bias() {
                 Some(b) => logits.broadcast_add(&b.to_dtype(DType::F32)?),
                 None => Ok(logits),
