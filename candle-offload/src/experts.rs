@@ -547,8 +547,16 @@ impl std::fmt::Display for ExpertRoute {
     }
 }
 
-/// Decode steps a [`RouteChooser`] keeps on the faster route between two probes of the other.
+/// Decode steps a [`RouteChooser`] keeps on the faster route between two probes of the other,
+/// at the least.
 pub const ROUTE_PROBE_STEPS: u64 = 64;
+
+/// A probe that finds the other route at least this many times slower than the faster one
+/// doubles a [`RouteChooser`]'s steps to its next probe (up to [`ROUTE_PROBE_MAX_STEPS`]).
+pub const ROUTE_PROBE_BACKOFF: f64 = 1.5;
+
+/// The most decode steps a [`RouteChooser`] keeps on the faster route between two probes.
+pub const ROUTE_PROBE_MAX_STEPS: u64 = 1024;
 
 /// Step times a [`RouteChooser`] keeps per route; its estimate of a route is their median.
 pub const ROUTE_TIME_WINDOW: usize = 9;
@@ -566,14 +574,16 @@ pub const ROUTE_SWITCH_MARGIN: f64 = 0.9;
 /// its misses from host memory as they come; the host fetches the next layer's guess ahead
 /// and splits its misses with the host CPU), on the link, the host CPU and the device, so
 /// it is measured rather than priced. The device route goes first, then the host's; then the
-/// faster one, with a probe of the other every [`ROUTE_PROBE_STEPS`] steps. A route's estimate
+/// faster one, with a probe of the other every [`ROUTE_PROBE_STEPS`] steps, twice as many after
+/// each probe that finds it [`ROUTE_PROBE_BACKOFF`] times slower (at most
+/// [`ROUTE_PROBE_MAX_STEPS`]; back to the least after one that does not). A route's estimate
 /// is the median of its last [`ROUTE_TIME_WINDOW`] step times (a decode step's time varies
 /// with its misses), and the chooser leaves its route only for one faster by a margin
 /// ([`ROUTE_SWITCH_MARGIN`]). A step counts only after a decode step on the same route (the
 /// first after a switch carries the switch: a table to fill, experts to adopt), and the tier
 /// leaves out a step that captured a CUDA graph (its time is the capture's). Pure: the tier
 /// times the steps and tells it.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RouteChooser {
     /// The last step times, seconds, on the host route and on the device route.
     times: [std::collections::VecDeque<f64>; 2],
@@ -581,8 +591,25 @@ pub struct RouteChooser {
     on_device: Option<bool>,
     /// Steps on the faster route since the other was last probed.
     since_probe: u64,
+    /// Steps on the faster route from one probe to the next.
+    probe_every: u64,
     /// Steps left in a probe (the first of them carries the switch).
     probing: u32,
+    /// A probe ended: the next choice compares the routes for the next probe's spacing.
+    probed: bool,
+}
+
+impl Default for RouteChooser {
+    fn default() -> Self {
+        Self {
+            times: Default::default(),
+            on_device: None,
+            since_probe: 0,
+            probe_every: ROUTE_PROBE_STEPS,
+            probing: 0,
+            probed: false,
+        }
+    }
 }
 
 impl RouteChooser {
@@ -629,11 +656,25 @@ impl RouteChooser {
         };
         if self.probing > 0 {
             self.probing -= 1;
+            self.probed = self.probing == 0;
             return !faster;
+        }
+        if std::mem::take(&mut self.probed) {
+            // The probed route's time is in: the further it is behind, the rarer its probes.
+            let (fast, slow) = if faster {
+                (device, host)
+            } else {
+                (host, device)
+            };
+            self.probe_every = if slow >= ROUTE_PROBE_BACKOFF * fast {
+                (2 * self.probe_every).min(ROUTE_PROBE_MAX_STEPS)
+            } else {
+                ROUTE_PROBE_STEPS
+            };
         }
         self.on_device = Some(faster);
         self.since_probe += 1;
-        if self.since_probe > ROUTE_PROBE_STEPS {
+        if self.since_probe > self.probe_every {
             self.since_probe = 0;
             // Two steps: the switch, then one that counts.
             self.probing = 1;
@@ -935,6 +976,27 @@ mod tests {
         assert_eq!(c.estimate(true), before);
         assert_eq!("device".parse::<ExpertRoute>(), Ok(ExpertRoute::Device));
         assert!("gpu".parse::<ExpertRoute>().unwrap_err().contains("`gpu`"));
+    }
+
+    /// A route that stays far behind is probed ever more rarely, up to the longest spacing; one
+    /// that comes close is probed at the least spacing again.
+    #[test]
+    fn probes_of_a_far_slower_route_back_off() {
+        let mut c = RouteChooser::default();
+        c.record(true, 0.030);
+        c.record(false, 0.010);
+        let slow = |c: &mut RouteChooser, n: usize| (0..n).filter(|_| c.choose()).count();
+        // Probes (two steps each) after 64, 128, 256, 512 and 1024 steps, then every 1024.
+        let n = [64, 128, 256, 512, 1024, 1024].iter().map(|s| s + 2).sum();
+        assert_eq!(slow(&mut c, n), 2 * 6);
+        assert_eq!(c.probe_every, ROUTE_PROBE_MAX_STEPS);
+        // The device comes within 1.5x: after its next probe, every 64 steps again.
+        for _ in 0..ROUTE_TIME_WINDOW {
+            c.record(true, 0.012);
+        }
+        slow(&mut c, 1030);
+        assert_eq!(c.probe_every, ROUTE_PROBE_STEPS);
+        assert_eq!(slow(&mut c, 10 * 66), 2 * 10);
     }
 
     proptest! {
