@@ -35,7 +35,7 @@
 #   .gpu/bench_generate.xz; the Q8_0 file written): ours alone at each budget with -vv and the
 #   mixture-of-experts layers' spans (route and its wait for the device, guess, place, device,
 #   to_host, host, merge), then scripts/span_times.py over the decode rows ->
-#   spans-ROUTING-BUDGET.json (a diagnostic, not a row; SPLIT and NO_PREFETCH as for bench).
+#   spans-ROUTING-BUDGET.json (a diagnostic, not a row; SPLIT, NO_PREFETCH and ROUTE as for bench).
 #   SPANS_LOG replaces the log filter, e.g. adding `candle_offload=debug` for the runtime's
 #   own spans inside `place` (offload.acquire, offload.h2d, offload.evict).
 # Each call leaves $OUT/CALL.tgz with its logs and JSON.
@@ -134,13 +134,13 @@ case "$1" in
     while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 5; done
     [[ -f $f ]] || { echo "no $f (write first)"; exit 1; }
     for b in ${2//,/ }; do
-      name="spans-$ROUTING-${b}gib${SPLIT:+-split-$SPLIT}${NO_PREFETCH:+-no-prefetch}${GUESS:+-guess$GUESS}"
+      name="spans-$ROUTING-${b}gib${SPLIT:+-split-$SPLIT}${NO_PREFETCH:+-no-prefetch}${GUESS:+-guess$GUESS}${ROUTE:+-route-$ROUTE}"
       el "$name"
       (cd /tmp && RUST_LOG="${SPANS_LOG:-warn,candle_offload_models::layers::moe=debug}" timeout "${BENCH_S:-200}" \
         /tmp/bin/bench_generate --model-dir "$f" --quantized --weights "$name" --budgets "$b" \
         --prompt-lens 64 --new-tokens "${NEW_TOKENS:-16}" --expert-split "${SPLIT:-auto}" \
-        --expert-prefetch ${NO_PREFETCH:+false} ${GUESS:+--expert-guess-layers $GUESS} -vv \
-        --json-out "$OUT/$name-bench.json") > "$OUT/$name.log" 2>&1
+        --expert-prefetch ${NO_PREFETCH:+false} ${GUESS:+--expert-guess-layers $GUESS} \
+        --expert-route "${ROUTE:-auto}" -vv --json-out "$OUT/$name-bench.json") > "$OUT/$name.log" 2>&1
       echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:" "$OUT/$name.log" | tail -4
       python3 "$R/scripts/span_times.py" "$OUT/$name.log" --parent moe.layer --match "rows=1}" \
         --json "$FINAL/$name.json"
