@@ -480,6 +480,49 @@ test_device!(
     moe_expert_tier_splits_and_keeps_the_logits_gpu
 );
 
+/// The host's rate for missing experts, the split's price of a decode miss, is sampled only
+/// from decode placements: a prompt's host experts compute many rows in the time the split
+/// prices as one read of their weights, and a rate sampled there made every later decode
+/// miss go over the link. Through the prompt the rate stays the starting one (the link's);
+/// decode steps that run experts on the host measure it. GPU only: on a CPU device the
+/// host's experts run in the device's own pass, and no rate is measured.
+#[cfg(feature = "cuda")]
+#[test]
+fn moe_host_rate_comes_from_decode_steps_gpu() -> anyhow::Result<()> {
+    use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertRoute, ExpertSplit};
+    let device = &Device::new_cuda_with_stream(0)?;
+    let dir = fixtures()?;
+    let files = loader::from_gguf(&dir.join("qwen3_moe.q8_0.gguf"))?;
+    let options =
+        ExpertOptions::new(ExpertPolicy::Lru, ExpertSplit::On).with_route(ExpertRoute::Host);
+    let m = half_experts_model(&files, device, true, options)?;
+    let mut cache = m.new_cache();
+    let p = prompt();
+    m.forward(&Tensor::new(&p[..12], device)?.unsqueeze(0)?, 0, &mut cache)?;
+    let s = m.expert_stats().expect("the tier is on");
+    anyhow::ensure!(
+        s.host_bytes_per_s == s.link_bytes_per_s,
+        "the prompt's host experts priced a decode read: {s:?}"
+    );
+    for (k, &t) in p[12..].iter().enumerate() {
+        m.forward(
+            &Tensor::new(&[t], device)?.unsqueeze(0)?,
+            12 + k,
+            &mut cache,
+        )?;
+    }
+    let d = m.expert_stats().expect("the tier is on");
+    anyhow::ensure!(
+        d.on_host > s.on_host,
+        "no decode miss ran on the host: {d:?}"
+    );
+    anyhow::ensure!(
+        d.host_bytes_per_s != d.link_bytes_per_s && d.host_bytes_per_s > 0.0,
+        "the decode steps' host experts measured no rate: {d:?}"
+    );
+    Ok(())
+}
+
 /// A Q8_0 GGUF's decode steps with a row's experts through the grouped kernels (the default;
 /// on a GPU `kernels::linear::qexperts_row`'s launches) give the logits of the same steps with
 /// each expert's own decode matmuls (`KernelTuning::grouped_experts` off): the same arithmetic
