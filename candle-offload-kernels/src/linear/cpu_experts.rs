@@ -105,7 +105,7 @@ pub fn kquant_batch(
         }
         w
     };
-    let yq: Vec<Vec<BlockQ8K>> = quantize_inputs(inputs, &wants(false), simd_k::quantize_q8k);
+    let yq = quantize_inputs(inputs, &wants(false));
     let y0: Vec<Vec<u8>> = inputs
         .iter()
         .zip(wants(true))
@@ -177,21 +177,16 @@ pub fn kquant_batch(
     ))
 }
 
-/// Each input's rows quantized to blocks of `T` by `quantize` where `want` says so (empty
-/// elsewhere).
-fn quantize_inputs<T: GgmlType + Clone>(
-    inputs: &[Rows<'_>],
-    want: &[bool],
-    quantize: fn(&[f32], &mut [T]),
-) -> Vec<Vec<T>> {
+/// Each input's rows quantized to Q8_K blocks where `want` says so (empty elsewhere).
+fn quantize_inputs(inputs: &[Rows<'_>], want: &[bool]) -> Vec<Vec<BlockQ8K>> {
     inputs
         .iter()
         .zip(want)
         .map(|(r, &want)| {
-            let nb = r.k / T::BLCK_SIZE;
-            let mut y = vec![T::zeros(); if want { r.x.len() / T::BLCK_SIZE } else { 0 }];
+            let nb = r.k / QK_K;
+            let mut y = vec![BlockQ8K::zeros(); if want { r.x.len() / QK_K } else { 0 }];
             for (x, y) in r.x.chunks_exact(r.k).zip(y.chunks_exact_mut(nb.max(1))) {
-                quantize(x, y);
+                simd_k::quantize_q8k(x, y);
             }
             y
         })
