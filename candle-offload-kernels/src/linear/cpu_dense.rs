@@ -33,11 +33,13 @@ const ITEMS_PER_THREAD: usize = 4;
 /// (docs/tuning.md, CPU threads): the CPU F32 path then stays bit-identical to a plain
 /// candle-nn model's (the own-model test's promise), and Candle matched the op at eight rows.
 pub fn supports(w: &Tensor) -> bool {
-    w.device().is_cpu()
-        && matches!(w.dtype(), DType::F16 | DType::BF16)
-        && w.rank() == 2
-        && w.is_contiguous()
-        && !w.track_op()
+    matches!(w.dtype(), DType::F16 | DType::BF16) && dense_on_cpu(w)
+}
+
+/// A 2-D contiguous weight on the CPU that tracks no gradient: what the op reads, whatever its
+/// float dtype.
+fn dense_on_cpu(w: &Tensor) -> bool {
+    w.device().is_cpu() && w.rank() == 2 && w.is_contiguous() && !w.track_op()
 }
 
 /// Whether [`forward`] multiplies `xs` by `w` (rather than declining): [`supports`] says yes,
@@ -94,21 +96,20 @@ pub fn forward(
 }
 
 /// `xs · wᵀ` in F32 for a router's logits: `w` (n, k) a contiguous F32, F16 or BF16 tensor on
-/// the CPU and `xs` (m, k) of any float dtype with at most [`MAX_ROWS`] rows, computed as
-/// [`forward`] computes it (F32 weights included); `None` elsewhere (the caller composes Candle's
-/// matmul). `(m, n)` F32.
+/// the CPU and `xs` (m, k) of any float dtype with at most [`MAX_ROWS`] rows, neither
+/// tracking a gradient, computed as [`forward`] computes it (F32 weights included); `None`
+/// elsewhere (the caller composes Candle's matmul). `(m, n)` F32.
 pub fn logits(
     w: &Tensor,
     xs: &Tensor,
     tuning: &crate::tuning::KernelTuning,
 ) -> Result<Option<Tensor>> {
     let (m, k) = xs.dims2()?;
-    let takes = w.device().is_cpu()
-        && xs.device().is_cpu()
-        && matches!(w.dtype(), DType::F32 | DType::F16 | DType::BF16)
-        && w.rank() == 2
+    let takes = matches!(w.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && dense_on_cpu(w)
         && w.dims()[1] == k
-        && w.is_contiguous()
+        && xs.device().is_cpu()
+        && !xs.track_op()
         && (1..=MAX_ROWS).contains(&m)
         && k > 0;
     if !takes {
@@ -376,6 +377,13 @@ mod tests {
             &KernelTuning::default()
         )
         .is_err());
+        // A router's logits take F32 weights too, but no weight or row that tracks a gradient.
+        let logits_of =
+            |w: &Tensor, xs: &Tensor| logits(w, xs, &KernelTuning::default()).unwrap().is_some();
+        assert!(logits_of(&w, &x(1, DType::F32)));
+        assert!(!logits_of(var.as_tensor(), &x(1, DType::F32)));
+        let row = Var::from_tensor(&x(1, DType::F32)).unwrap();
+        assert!(!logits_of(&w, row.as_tensor()));
     }
 
     #[test]
