@@ -6,8 +6,12 @@ BENCHMARKS.md asks of every figure. Imported by the scripts beside it (their dir
 
     doc = bench_record.header("cpu_default_model", cores=2, load_average_at_start=load)
     doc.update(records=...)
+
+Two builds timed against each other (wall_time_ab.py, moe_cpu_ab.py) alternate through
+`alternate` and write their record with `write_ab`.
 """
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -45,3 +49,24 @@ def header(benchmark, cores=None, **machine):
         "machine": {"cpu": cpu_name(), "cores": cores or os.cpu_count(), "gpu": None, **machine},
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+
+
+def alternate(rounds, old, new, run):
+    """`run(binary)` for the old and the new build, `rounds` times, the first of each pair
+    swapped every round (so that a host whose speed drifts weighs on both):
+    `{"old": [results], "new": [results]}`."""
+    results = {"old": [], "new": []}
+    for i in range(rounds):
+        pairs = [("old", old), ("new", new)]
+        for name, binary in pairs if i % 2 == 0 else pairs[::-1]:
+            results[name].append(run(binary))
+    return results
+
+
+def write_ab(out, benchmark, load_at_start, fields):
+    """An A/B's record at `out`: the header (with the load averages at its start and now) and
+    `fields`."""
+    with open(out, "w") as f:
+        doc = header(benchmark, load_average_at_start=load_at_start,
+                     load_average_at_end=os.getloadavg())
+        json.dump({**doc, **fields}, f, indent=1)

@@ -11,7 +11,6 @@ OUT.json [ROUNDS] (default 10 rounds). The JSON has the commit (of this checkout
 the date, each run's decode tokens/s, the medians, `new_over_old` of the medians and the
 median of the rounds' own ratios.
 """
-import json
 import os
 import re
 import statistics
@@ -42,14 +41,9 @@ def main():
     old, new, model, out = argv[:4]
     rounds = int(argv[4]) if len(argv) > 4 else 10
     load_at_start = os.getloadavg()
-    rates = {"old": [], "new": []}
-    texts = {"old": set(), "new": set()}
-    for i in range(rounds):
-        pairs = [("old", old), ("new", new)]
-        for name, binary in pairs if i % 2 == 0 else pairs[::-1]:
-            r, text = decode(binary, model)
-            rates[name].append(r)
-            texts[name].add(text)
+    runs = bench_record.alternate(rounds, old, new, lambda binary: decode(binary, model))
+    rates = {k: [r for r, _ in v] for k, v in runs.items()}
+    texts = {k: {t for _, t in v} for k, v in runs.items()}
     same_text = texts["old"] == texts["new"]
     if not same_text and not may_differ:
         sys.exit(f"the builds' answers differ: {texts}")
@@ -57,15 +51,11 @@ def main():
     paired = statistics.median(n / o for o, n in zip(rates["old"], rates["new"]))
     print(f"decode tok/s, median of {rounds}: old {median['old']:.1f}, new {median['new']:.1f} "
           f"({median['new'] / median['old']:.3f}x; paired {paired:.3f}x)")
-    with open(out, "w") as f:
-        doc = bench_record.header("cpu_generate_decode_ab",
-                                  load_average_at_start=load_at_start,
-                                  load_average_at_end=os.getloadavg())
-        json.dump({**doc, "model": os.path.basename(model), "prompt": PROMPT,
-                   "new_tokens": NEW_TOKENS, "rounds": rounds, "old": old, "new": new,
-                   "decode_tokens_per_s": rates, "decode_tokens_per_s_median": median,
-                   "new_over_old": median["new"] / median["old"], "paired_median": paired,
-                   "same_text": same_text}, f, indent=1)
+    bench_record.write_ab(out, "cpu_generate_decode_ab", load_at_start, {
+        "model": os.path.basename(model), "prompt": PROMPT, "new_tokens": NEW_TOKENS,
+        "rounds": rounds, "old": old, "new": new, "decode_tokens_per_s": rates,
+        "decode_tokens_per_s_median": median, "new_over_old": median["new"] / median["old"],
+        "paired_median": paired, "same_text": same_text})
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ Usage: python3 scripts/wall_time_ab.py OLD_GENERATE NEW_GENERATE MODEL.gguf OUT.
 The JSON has the commit (of this checkout), the command, the machine, the date, each run's
 seconds, the medians and `new_over_old`.
 """
-import json
 import os
 import statistics
 import subprocess
@@ -25,25 +24,21 @@ def main():
     args = ["--cpu", "--model", model, "--prompt", "What is the capital of France?",
             "--max-new-tokens", "32", "--temperature", "0"]
     load_at_start = os.getloadavg()
-    wall = {"old": [], "new": []}
-    for i in range(ROUNDS):
-        pairs = [("old", old), ("new", new)]
-        for name, binary in pairs if i % 2 == 0 else pairs[::-1]:
-            t = time.perf_counter()
-            p = subprocess.run([binary] + args, capture_output=True, text=True, check=True)
-            wall[name].append(time.perf_counter() - t)
-            if "Paris" not in p.stdout:
-                sys.exit(f"{binary} answered {p.stdout!r}")
+
+    def run(binary):
+        t = time.perf_counter()
+        p = subprocess.run([binary] + args, capture_output=True, text=True, check=True)
+        if "Paris" not in p.stdout:
+            sys.exit(f"{binary} answered {p.stdout!r}")
+        return time.perf_counter() - t
+
+    wall = bench_record.alternate(ROUNDS, old, new, run)
     median = {k: statistics.median(v) for k, v in wall.items()}
     print(f"wall s, median of {ROUNDS}: old {median['old']:.3f}, new {median['new']:.3f} "
           f"({median['new'] / median['old']:.2f}x)")
-    with open(out, "w") as f:
-        doc = bench_record.header("cpu_default_command_wall_time",
-                                  load_average_at_start=load_at_start,
-                                  load_average_at_end=os.getloadavg())
-        json.dump({**doc, "generate_args": args,
-                   "rounds": ROUNDS, "wall_s": wall, "wall_s_median": median,
-                   "new_over_old": median["new"] / median["old"]}, f, indent=1)
+    bench_record.write_ab(out, "cpu_default_command_wall_time", load_at_start, {
+        "generate_args": args, "rounds": ROUNDS, "wall_s": wall, "wall_s_median": median,
+        "new_over_old": median["new"] / median["old"]})
 
 
 if __name__ == "__main__":
