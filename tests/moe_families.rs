@@ -323,14 +323,15 @@ fn half_experts_model(
         &Default::default(),
     );
     let mut budget = want + reserve;
+    let mut m = build(budget)?;
     for _ in 0..4 {
-        let capacity = build(budget)?.runtime().stats()?.weight_capacity_bytes;
+        let capacity = m.runtime().stats()?.weight_capacity_bytes;
         if capacity == want {
             break;
         }
         budget = (budget + want).saturating_sub(capacity);
+        m = build(budget)?;
     }
-    let m = build(budget)?;
     let s = m.expert_stats().expect("the tier is on");
     anyhow::ensure!(
         s.slots.iter().any(|&n| n > 0) && s.slots.iter().all(|&n| n < s.experts_per_layer),
