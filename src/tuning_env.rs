@@ -6,7 +6,7 @@ use candle_offload::Tuning;
 
 /// Each environment variable the binaries read for tuning, with the [`Tuning::set`] key its
 /// value goes to.
-pub const TUNING_VARS: [(&str, &str); 16] = [
+pub const TUNING_VARS: [(&str, &str); 17] = [
     ("CANDLE_OFFLOAD_QLINEAR", "kernels.qlinear"),
     ("CANDLE_OFFLOAD_QLINEAR_K", "kernels.qlinear_k"),
     ("CANDLE_OFFLOAD_QLINEAR_K_ROWS", "kernels.qlinear_k_rows"),
@@ -18,6 +18,7 @@ pub const TUNING_VARS: [(&str, &str); 16] = [
         "CANDLE_OFFLOAD_QLINEAR_SMALL_ROWS",
         "kernels.qlinear_small_rows",
     ),
+    ("CANDLE_OFFLOAD_QLINEAR_V4_ROWS", "kernels.qlinear_v4_rows"),
     ("CANDLE_OFFLOAD_PREFILL_GEMM", "kernels.prefill_gemm"),
     (
         "CANDLE_OFFLOAD_PREFILL_GEMM_MIN_ROWS",
@@ -108,8 +109,8 @@ mod tests {
     #[test]
     fn every_variable_reaches_its_key() {
         let values = [
-            "v2", "0", "2", "1", "4", "off", "128", "false", "1", "0", "3", "0", "on", "0", "4",
-            "16",
+            "v2", "0", "2", "1", "4", "2", "off", "128", "false", "1", "0", "3", "0", "on", "0",
+            "4", "16",
         ];
         let pairs: Vec<(&str, &str)> = TUNING_VARS
             .iter()
@@ -123,6 +124,7 @@ mod tests {
         assert!(!k.qlinear_k && !k.prefill_gemm && !k.prompt_attention);
         assert_eq!((k.qlinear_k_rows, k.qlinear_k_splits), (2, 1));
         assert_eq!(k.qlinear_small_rows, 4);
+        assert_eq!(k.qlinear_v4_rows, 2);
         assert_eq!(k.prefill_gemm_min_rows, 128);
         assert_eq!(k.cpu_kquants, Some(true));
         assert_eq!(k.cpu_prefetch_bytes, 0);

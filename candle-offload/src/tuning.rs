@@ -127,12 +127,13 @@ impl Tuning {
     }
 
     /// Every key [`Self::set`] takes.
-    pub const KEYS: [&'static str; 19] = [
+    pub const KEYS: [&'static str; 20] = [
         "kernels.qlinear",
         "kernels.qlinear_k",
         "kernels.qlinear_k_rows",
         "kernels.qlinear_k_splits",
         "kernels.qlinear_small_rows",
+        "kernels.qlinear_v4_rows",
         "kernels.prefill_gemm",
         "kernels.prefill_gemm_min_rows",
         "kernels.prompt_attention",
@@ -180,6 +181,7 @@ impl Tuning {
             "kernels.qlinear_k_rows" => k.qlinear_k_rows = number()?,
             "kernels.qlinear_k_splits" => k.qlinear_k_splits = number()?,
             "kernels.qlinear_small_rows" => k.qlinear_small_rows = number()?,
+            "kernels.qlinear_v4_rows" => k.qlinear_v4_rows = number()?,
             "kernels.prefill_gemm" => k.prefill_gemm = flag()?,
             "kernels.prefill_gemm_min_rows" => k.prefill_gemm_min_rows = number()?,
             "kernels.prompt_attention" => k.prompt_attention = flag()?,
@@ -230,7 +232,7 @@ impl Tuning {
     /// through it), for a value built, set or deserialized.
     pub fn validate(&self) -> Result<(), TuningError> {
         let k = &self.kernels;
-        let checks: [(&str, usize, usize, usize); 7] = [
+        let checks: [(&str, usize, usize, usize); 8] = [
             ("kernels.qlinear_k_rows", k.qlinear_k_rows, 1, 2),
             ("kernels.qlinear_k_splits", k.qlinear_k_splits, 0, 2),
             (
@@ -238,6 +240,12 @@ impl Tuning {
                 k.qlinear_small_rows,
                 1,
                 candle_offload_kernels::tuning::QLINEAR_SMALL_ROWS,
+            ),
+            (
+                "kernels.qlinear_v4_rows",
+                k.qlinear_v4_rows,
+                1,
+                candle_offload_kernels::tuning::QLINEAR_SMALL_ROWS + 1,
             ),
             (
                 "kernels.prefill_gemm_min_rows",
@@ -318,6 +326,8 @@ mod tests {
             ("kernels.qlinear_k_splits", "-1"),
             ("kernels.qlinear_small_rows", "0"),
             ("kernels.qlinear_small_rows", "9"),
+            ("kernels.qlinear_v4_rows", "0"),
+            ("kernels.qlinear_v4_rows", "10"),
             ("kernels.prefill_gemm", "maybe"),
             ("kernels.cpu_prefetch_bytes", "65537"),
             ("kernels.prefill_gemm_min_rows", "8"),

@@ -82,7 +82,7 @@ fn attention_and_silu_q8_feed_the_matmuls(device: &Device) -> anyhow::Result<()>
                     "{what}: down"
                 );
                 // Only variant 4's kernel for blocks of 32 writes a quantized output.
-                let v4 = tun.qlinear_variant(qtype) == QlinearVariant::V4;
+                let v4 = tun.qlinear_variant_at(qtype, rows) == QlinearVariant::V4;
                 let expect = u64::from(device.is_cuda() && v4);
                 let seen = kernels::quantized_rows_found() - found;
                 anyhow::ensure!(seen == expect, "{what}: quantized rows found {seen} times");

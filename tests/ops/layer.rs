@@ -81,13 +81,13 @@ fn linear_op_runs_the_kernel_it_chooses(device: &Device) -> anyhow::Result<()> {
     let x1 = x1.to_dtype(DType::F32)?;
     let x80 = x80.to_dtype(DType::F32)?;
     if gpu {
-        let variant = t.qlinear_variant(GgmlDType::Q8_0);
+        let variant = t.qlinear_variant_at(GgmlDType::Q8_0, 1);
         anyhow::ensure!(quant.kernel(&x1, true)? == LinearKernel::SmallBlocks(variant));
         same(&quant.forward(&x1)?, &linear::qlinear_small(&x1, &qa, &t)?)?;
         anyhow::ensure!(quant.kernel(&x80, true)? == LinearKernel::PrefillGemm);
         let y = gemm::qlinear_prefill(&x80, &qa, &t)?.expect("the prompt GEMM");
         same(&quant.forward(&x80)?, &y)?;
-        anyhow::ensure!(quant.takes_quantized_x() == (variant == QlinearVariant::V4));
+        anyhow::ensure!(quant.takes_quantized_x(1) == (variant == QlinearVariant::V4));
         let (lb, lc) = (layer(&qb), layer(&qc));
         let many = Linear::forward_many(&x1, &[&quant, &lb, &lc])?;
         let want = linear::qlinear_small_multi(&x1, &[&qa, &qb, &qc], &t)?;

@@ -432,6 +432,67 @@ test_device!(
     ops_qlinear_small_rows_gpu
 );
 
+/// `KernelTuning::qlinear_v4_rows`: from that many rows of x the types whose variant is `v3`
+/// (Q8_0, Q4_K, Q6_K) give what `v4` forced gives, bit for bit, below it what `v3` forced
+/// gives; the types of another variant keep theirs. On the CPU every variant is the same
+/// composition.
+fn qlinear_v4_rows_switch_the_v3_types(device: &Device) -> anyhow::Result<()> {
+    use candle_offload::QlinearVariant as V;
+    let k = 512;
+    let mut tun = KernelTuning::default();
+    tun.qlinear_v4_rows = 3;
+    let forced = |v: V| {
+        let mut t = KernelTuning::default();
+        t.qlinear = QlinearVariants::all(v);
+        t
+    };
+    let bits = |t: &Tensor| -> anyhow::Result<Vec<f32>> {
+        Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    };
+    for qtype in [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q6K,
+        GgmlDType::Q4_0,
+    ] {
+        let w = random(
+            &[96, k],
+            1.0 / (k as f32).sqrt(),
+            1400,
+            DType::F32,
+            &Device::Cpu,
+        )?;
+        let w = QTensor::quantize_onto(&w, qtype, device)?;
+        let own = QlinearVariants::default().of(qtype);
+        for rows in [1usize, 2, 3, 4, 8] {
+            let want = match own {
+                V::V3 if rows >= 3 => V::V4,
+                v => v,
+            };
+            anyhow::ensure!(
+                tun.qlinear_variant_at(qtype, rows) == want,
+                "{qtype:?}, {rows} rows: {:?}",
+                tun.qlinear_variant_at(qtype, rows)
+            );
+            for dtype in DTYPES {
+                let x = random(&[rows, k], 1.0, 1410 + rows as u64, dtype, device)?;
+                let got = bits(&linear::qlinear_small(&x, &w, &tun)?)?;
+                let expect = bits(&linear::qlinear_small(&x, &w, &forced(want))?)?;
+                anyhow::ensure!(
+                    got == expect,
+                    "{qtype:?} {dtype:?}, {rows} rows: not {want:?}'s"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    qlinear_v4_rows_switch_the_v3_types,
+    ops_qlinear_v4_rows_cpu,
+    ops_qlinear_v4_rows_gpu
+);
+
 /// The K-quant kernels, Q4_K and Q6_K (on by default, `KernelTuning::qlinear_k`): `qlinear_small`,
 /// its q/k/v form and its gate/up form against x times the dequantized super-blocks in F32. On a GPU with the
 /// kernel on: converting to floats (variant 2 forced), within the usual tolerances, and the

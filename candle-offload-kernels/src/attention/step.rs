@@ -156,7 +156,8 @@ impl<'a> AttentionStep<'a> {
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Linear) -> Result<Tensor> {
         let decode = self.kernel == AttentionKernel::Decode;
         // The decode kernel also quantizes its rows for the output projection.
-        let q8 = decode && out.takes_quantized_x();
+        // q is (batch, heads, new, head_dim): the projection's rows are batch · new.
+        let q8 = decode && out.takes_quantized_x(q.dim(0)? * q.dim(2)?);
         let rows = self.rows(q, k, v, q8)?;
         out.forward_with(&rows, decode && self.step.fused)
     }

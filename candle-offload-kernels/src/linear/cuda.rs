@@ -389,7 +389,7 @@ pub(crate) fn qlinear_small(
         let block_bytes = ws[0].dtype().type_size();
         // The kernel, the output columns one warp computes, the shared memory of a block of
         // threads and, for variant 3, the chunk of x it quantizes at once (in blocks).
-        let variant = tuning.qlinear_variant(ws[0].dtype());
+        let variant = tuning.qlinear_variant_at(ws[0].dtype(), m);
         let kquant = is_qlinear_k_type(ws[0].dtype());
         // Warps a column group (qlinear3ks2_small: 2).
         let mut splits = 1usize;

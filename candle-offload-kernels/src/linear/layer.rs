@@ -138,7 +138,7 @@ impl Linear {
             }
             LinearWeight::Quantized(_) => match self.blocks() {
                 Some(q) if decode_kernels && qlinear_small_fits(xs, &[q], &self.tuning)? => {
-                    LinearKernel::SmallBlocks(self.tuning.qlinear_variant(q.dtype()))
+                    LinearKernel::SmallBlocks(self.tuning.qlinear_variant_at(q.dtype(), rows))
                 }
                 Some(q) if prefill_applies(xs, q, &self.tuning) => LinearKernel::PrefillGemm,
                 // The CPU matmul itself declines blocks it has no kernel for (and blocks off
@@ -224,12 +224,14 @@ impl Linear {
         }
     }
 
-    /// Whether it multiplies GGML blocks on a GPU by x quantized in a launch of its own (the
-    /// decode kernels' variant 4): the op that makes its x (a norm, the attention, a SwiGLU) can
-    /// then write x quantized for it ([`crate::norm::rms_norm_residual_q8`] and the like).
-    pub fn takes_quantized_x(&self) -> bool {
+    /// Whether it multiplies GGML blocks on a GPU by `rows` rows of x quantized in a launch of
+    /// its own (the decode kernels' variant 4): the op that makes its x (a norm, the
+    /// attention, a SwiGLU) can then write x quantized for it
+    /// ([`crate::norm::rms_norm_residual_q8`] and the like).
+    pub fn takes_quantized_x(&self, rows: usize) -> bool {
         self.blocks().is_some_and(|q| {
-            q.device().is_cuda() && self.tuning.qlinear_variant(q.dtype()) == QlinearVariant::V4
+            q.device().is_cuda()
+                && self.tuning.qlinear_variant_at(q.dtype(), rows) == QlinearVariant::V4
         })
     }
 
@@ -363,9 +365,10 @@ impl Linear {
         if gate.adapter.is_some() || up.adapter.is_some() {
             return Ok(None);
         }
+        let rows = xs.elem_count() / xs.dim(D::Minus1)?.max(1);
         Ok(match one_launch_weights(xs, &[gate, up])? {
             Some(OneLaunch::Dense(ws)) => Some(linear_silu_mul(xs, ws[0], ws[1])?),
-            Some(OneLaunch::Blocks(ws)) if next.is_some_and(Linear::takes_quantized_x) => {
+            Some(OneLaunch::Blocks(ws)) if next.is_some_and(|n| n.takes_quantized_x(rows)) => {
                 Some(qlinear_silu_mul_q8(xs, ws[0], ws[1], gate.tuning())?)
             }
             Some(OneLaunch::Blocks(ws)) => Some(qlinear_silu_mul(xs, ws[0], ws[1], gate.tuning())?),
@@ -515,7 +518,7 @@ mod tests {
             t,
         );
         assert_eq!(quant.kernel(&x1, true)?, LinearKernel::CpuBlocks);
-        assert!(!quant.takes_quantized_x());
+        assert!(!quant.takes_quantized_x(1));
         assert!(max_diff(&quant.forward(&x1)?, &want(&x1, &wq)?)? < 1e-4);
         assert!(max_diff(&quant.forward(&x20)?, &want(&x20, &wq)?)? < 1e-4);
         Ok(())
@@ -539,7 +542,7 @@ mod tests {
                 }
                 (_, Some(q)) if qlinear_small_fits(xs, &[q], &l.tuning)? => {
                     return Ok(LinearKernel::SmallBlocks(
-                        l.tuning.qlinear_variant(q.dtype()),
+                        l.tuning.qlinear_variant_at(q.dtype(), rows),
                     ))
                 }
                 _ => {}

@@ -203,7 +203,7 @@ fn qlinear_silu_mul_with(
     {
         let n = gate.shape().dims()[0];
         if q8
-            && tuning.qlinear_variant(gate.dtype()) == crate::tuning::QlinearVariant::V4
+            && tuning.qlinear_variant_at(gate.dtype(), rows) == crate::tuning::QlinearVariant::V4
             && !is_qlinear_k_type(gate.dtype())
             && n.is_multiple_of(32)
         {

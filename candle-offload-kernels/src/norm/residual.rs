@@ -205,7 +205,8 @@ pub fn rms_norm_residual_for(
     eps: f64,
     next: &crate::linear::Linear,
 ) -> Result<(Tensor, Tensor)> {
-    if next.takes_quantized_x() {
+    let rows = x.elem_count() / x.dim(candle_core::D::Minus1)?.max(1);
+    if next.takes_quantized_x(rows) {
         rms_norm_residual_q8(x, residual, weight, eps)
     } else {
         rms_norm_residual(x, residual, weight, eps)
