@@ -17,7 +17,6 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::{ensure, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
@@ -25,7 +24,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_offload::kernels::linear;
 use candle_offload::kernels::tuning::{QlinearVariant, QlinearVariants};
 use candle_offload::KernelTuning;
-use candle_offload_bench::median;
+use candle_offload_bench::{ggml_type, time_synced as time};
 use clap::Parser;
 
 /// Times the GPU decode kernels of quantized projections by the rows of x.
@@ -52,36 +51,6 @@ struct Args {
     /// Write the results as JSON here.
     #[arg(long)]
     json_out: Option<PathBuf>,
-}
-
-fn ggml_type(name: &str) -> Result<GgmlDType> {
-    Ok(match name {
-        "q4_0" => GgmlDType::Q4_0,
-        "q4_1" => GgmlDType::Q4_1,
-        "q5_0" => GgmlDType::Q5_0,
-        "q5_1" => GgmlDType::Q5_1,
-        "q8_0" => GgmlDType::Q8_0,
-        "q4_k" => GgmlDType::Q4K,
-        "q6_k" => GgmlDType::Q6K,
-        _ => anyhow::bail!("--types: unknown type {name:?}"),
-    })
-}
-
-/// Median seconds of `f` over `reps` runs after two untimed, each between synchronizations.
-fn time<T>(device: &Device, reps: usize, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
-    for _ in 0..2 {
-        f()?;
-    }
-    device.synchronize()?;
-    let mut v = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let t = Instant::now();
-        let out = f()?;
-        device.synchronize()?;
-        v.push(t.elapsed().as_secs_f64());
-        drop(out);
-    }
-    Ok(median(v))
 }
 
 /// One layer's projection weights of a type (Llama-3-8B: hidden 4096, 8 key/value heads of 128,

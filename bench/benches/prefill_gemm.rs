@@ -18,13 +18,12 @@
 //! It needs a GPU.
 
 use std::path::PathBuf;
-use std::time::Instant;
 
 use anyhow::{ensure, Result};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_offload::kernels::gemm;
-use candle_offload_bench::median;
+use candle_offload_bench::{ggml_type, time_synced as time};
 use clap::Parser;
 
 /// Times dequantization, GEMM and Candle's MMQ for a prompt's quantized projections.
@@ -60,36 +59,6 @@ fn model_shape(name: &str) -> Result<(usize, usize, usize)> {
         "13b" => (5120, 13824, 40),
         _ => anyhow::bail!("--models: unknown model {name:?} (7b, 13b)"),
     })
-}
-
-fn ggml_type(name: &str) -> Result<GgmlDType> {
-    Ok(match name {
-        "q4_0" => GgmlDType::Q4_0,
-        "q4_1" => GgmlDType::Q4_1,
-        "q5_0" => GgmlDType::Q5_0,
-        "q5_1" => GgmlDType::Q5_1,
-        "q8_0" => GgmlDType::Q8_0,
-        "q4_k" => GgmlDType::Q4K,
-        "q6_k" => GgmlDType::Q6K,
-        _ => anyhow::bail!("--types: unknown type {name:?}"),
-    })
-}
-
-/// Median seconds of `f` over `reps` runs after two untimed, each between synchronizations.
-fn time<T>(device: &Device, reps: usize, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
-    for _ in 0..2 {
-        f()?;
-    }
-    device.synchronize()?;
-    let mut v = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let t = Instant::now();
-        let out = f()?;
-        device.synchronize()?;
-        v.push(t.elapsed().as_secs_f64());
-        drop(out);
-    }
-    Ok(median(v))
 }
 
 fn main() -> Result<()> {

@@ -75,6 +75,43 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The GGML block type a benchmark flag names: q4_0, q4_1, q5_0, q5_1, q8_0, q4_k or q6_k.
+pub fn ggml_type(name: &str) -> anyhow::Result<candle_core::quantized::GgmlDType> {
+    use candle_core::quantized::GgmlDType as T;
+    Ok(match name {
+        "q4_0" => T::Q4_0,
+        "q4_1" => T::Q4_1,
+        "q5_0" => T::Q5_0,
+        "q5_1" => T::Q5_1,
+        "q8_0" => T::Q8_0,
+        "q4_k" => T::Q4K,
+        "q6_k" => T::Q6K,
+        _ => anyhow::bail!("--types: unknown type {name:?}"),
+    })
+}
+
+/// Median seconds of `f` over `reps` runs after two untimed, each run between two
+/// synchronizations of `device` (a kernel's time with its launch).
+pub fn time_synced<T>(
+    device: &Device,
+    reps: usize,
+    mut f: impl FnMut() -> anyhow::Result<T>,
+) -> anyhow::Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    device.synchronize()?;
+    let mut v = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = std::time::Instant::now();
+        let out = f()?;
+        device.synchronize()?;
+        v.push(t.elapsed().as_secs_f64());
+        drop(out);
+    }
+    Ok(median(v))
+}
+
 /// `n` pseudo-random token ids below `vocab` from `seed` (benchmark prompts: reproducible, no
 /// tokenizer needed).
 pub fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
