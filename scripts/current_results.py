@@ -155,7 +155,7 @@ SOURCES = {
     # in the same call for the resident ones.
     # scripts/serve_bench.py: serve against llama-server, same GGUF, same call.
     "serve": [
-        "2026-12-06/2026-12-06-serve-8b-q4_k_m-full-8c290a0-h100.json",
+        "2026-12-07/2026-12-07-serve-8b-q4_k_m-full-k-v4-rows-2-f69412e-h100.json",
         "2026-12-06/2026-12-06-serve-8b-q4_k_m-6gib-warm-up-161e405-h100.json",
     ],
     "lora": [

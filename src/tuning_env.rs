@@ -18,7 +18,10 @@ pub const TUNING_VARS: [(&str, &str); 17] = [
         "CANDLE_OFFLOAD_QLINEAR_SMALL_ROWS",
         "kernels.qlinear_small_rows",
     ),
-    ("CANDLE_OFFLOAD_QLINEAR_V4_ROWS", "kernels.qlinear_v4_rows"),
+    (
+        "CANDLE_OFFLOAD_QLINEAR_K_V4_ROWS",
+        "kernels.qlinear_k_v4_rows",
+    ),
     ("CANDLE_OFFLOAD_PREFILL_GEMM", "kernels.prefill_gemm"),
     (
         "CANDLE_OFFLOAD_PREFILL_GEMM_MIN_ROWS",
@@ -124,7 +127,7 @@ mod tests {
         assert!(!k.qlinear_k && !k.prefill_gemm && !k.prompt_attention);
         assert_eq!((k.qlinear_k_rows, k.qlinear_k_splits), (2, 1));
         assert_eq!(k.qlinear_small_rows, 4);
-        assert_eq!(k.qlinear_v4_rows, 2);
+        assert_eq!(k.qlinear_k_v4_rows, 2);
         assert_eq!(k.prefill_gemm_min_rows, 128);
         assert_eq!(k.cpu_kquants, Some(true));
         assert_eq!(k.cpu_prefetch_bytes, 0);

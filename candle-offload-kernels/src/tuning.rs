@@ -170,10 +170,11 @@ pub struct KernelTuning {
     /// kernels (1 to [`QLINEAR_SMALL_ROWS`]); more rows go to Candle's quantized matmul (up to
     /// 8 rows its MMVQ kernels: x quantized to 8 bits, integer dot products).
     pub qlinear_small_rows: usize,
-    /// Rows of x from which a block type whose variant is `v3` runs `v4` instead: x quantized
-    /// once (by a launch of its own, or by the op that made x), where every block of threads of
-    /// `v3` quantizes all of x's rows again ([`QLINEAR_SMALL_ROWS`] + 1 or more: never).
-    pub qlinear_v4_rows: usize,
+    /// Rows of x from which Q4_K and Q6_K, where their variant is `v3`, run `v4` instead: x
+    /// quantized once (by a launch of its own, or by the op that made x), where every block of
+    /// threads of `v3` quantizes all of x's rows again ([`QLINEAR_SMALL_ROWS`] + 1 or more:
+    /// never). Q8_0 keeps `v3` at any rows.
+    pub qlinear_k_v4_rows: usize,
     /// A prompt's quantized projections on a GPU through 16-bit weights and cuBLAS, from
     /// [`Self::prefill_gemm_min_rows`] rows (off: the GGML kernels at any rows).
     pub prefill_gemm: bool,
@@ -202,9 +203,9 @@ pub struct KernelTuning {
 /// ([`KernelTuning::qlinear_small_rows`]'s default and bound).
 pub const QLINEAR_SMALL_ROWS: usize = crate::util::LINEAR_SMALL_MAX_ROWS;
 
-/// Rows of x from which the `v3` block types run `v4` ([`KernelTuning::qlinear_v4_rows`]'s
-/// default).
-pub const QLINEAR_V4_ROWS: usize = 9;
+/// Rows of x from which Q4_K and Q6_K run `v4` rather than `v3`
+/// ([`KernelTuning::qlinear_k_v4_rows`]'s default; docs/tuning.md).
+pub const QLINEAR_K_V4_ROWS: usize = 2;
 
 /// Threads from which the CPU K-quant loop ([`KernelTuning::cpu_kquants`]) beats Candle's
 /// repacked tiles (docs/tuning.md).
@@ -226,7 +227,7 @@ impl Default for KernelTuning {
             qlinear_k_rows: 1,
             qlinear_k_splits: 0,
             qlinear_small_rows: QLINEAR_SMALL_ROWS,
-            qlinear_v4_rows: QLINEAR_V4_ROWS,
+            qlinear_k_v4_rows: QLINEAR_K_V4_ROWS,
             prefill_gemm: true,
             prefill_gemm_min_rows: PREFILL_GEMM_MIN_ROWS,
             prompt_attention: true,
@@ -245,10 +246,15 @@ impl KernelTuning {
     }
 
     /// The GPU decode kernel block type `t` runs for `rows` rows of x: its variant, with `v3`
-    /// becoming `v4` from [`Self::qlinear_v4_rows`] rows.
+    /// becoming `v4` for Q4_K and Q6_K from [`Self::qlinear_k_v4_rows`] rows.
     pub fn qlinear_variant_at(&self, t: GgmlDType, rows: usize) -> QlinearVariant {
         match self.qlinear.of(t) {
-            QlinearVariant::V3 if rows >= self.qlinear_v4_rows => QlinearVariant::V4,
+            QlinearVariant::V3
+                if matches!(t, GgmlDType::Q4K | GgmlDType::Q6K)
+                    && rows >= self.qlinear_k_v4_rows =>
+            {
+                QlinearVariant::V4
+            }
             v => v,
         }
     }

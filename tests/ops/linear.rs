@@ -432,15 +432,14 @@ test_device!(
     ops_qlinear_small_rows_gpu
 );
 
-/// `KernelTuning::qlinear_v4_rows`: from that many rows of x the types whose variant is `v3`
-/// (Q8_0, Q4_K, Q6_K) give what `v4` forced gives, bit for bit, below it what `v3` forced
-/// gives; the types of another variant keep theirs. On the CPU every variant is the same
-/// composition.
-fn qlinear_v4_rows_switch_the_v3_types(device: &Device) -> anyhow::Result<()> {
+/// `KernelTuning::qlinear_k_v4_rows`: from that many rows of x Q4_K and Q6_K (whose variant
+/// is `v3`) give what `v4` forced gives, bit for bit, below it what `v3` forced gives; Q8_0
+/// keeps `v3` and Q4_0 its `v4` at any rows. On the CPU every variant is the same composition.
+fn qlinear_k_v4_rows_switch_the_v3_types(device: &Device) -> anyhow::Result<()> {
     use candle_offload::QlinearVariant as V;
     let k = 512;
     let mut tun = KernelTuning::default();
-    tun.qlinear_v4_rows = 3;
+    tun.qlinear_k_v4_rows = 3;
     let forced = |v: V| {
         let mut t = KernelTuning::default();
         t.qlinear = QlinearVariants::all(v);
@@ -465,8 +464,9 @@ fn qlinear_v4_rows_switch_the_v3_types(device: &Device) -> anyhow::Result<()> {
         let w = QTensor::quantize_onto(&w, qtype, device)?;
         let own = QlinearVariants::default().of(qtype);
         for rows in [1usize, 2, 3, 4, 8] {
+            let k_quant = matches!(qtype, GgmlDType::Q4K | GgmlDType::Q6K);
             let want = match own {
-                V::V3 if rows >= 3 => V::V4,
+                V::V3 if k_quant && rows >= 3 => V::V4,
                 v => v,
             };
             anyhow::ensure!(
@@ -488,9 +488,9 @@ fn qlinear_v4_rows_switch_the_v3_types(device: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 test_device!(
-    qlinear_v4_rows_switch_the_v3_types,
-    ops_qlinear_v4_rows_cpu,
-    ops_qlinear_v4_rows_gpu
+    qlinear_k_v4_rows_switch_the_v3_types,
+    ops_qlinear_k_v4_rows_cpu,
+    ops_qlinear_k_v4_rows_gpu
 );
 
 /// The K-quant kernels, Q4_K and Q6_K (on by default, `KernelTuning::qlinear_k`): `qlinear_small`,
