@@ -108,3 +108,32 @@ test_device!(
     ops_linear_op_cpu,
     ops_linear_op_gpu
 );
+
+/// `Linear::takes_quantized_x`: only where the decode kernel that reads x quantized runs its
+/// rows (a GPU, variant 4 at those rows, at most `qlinear_small_rows` rows); a prompt's rows,
+/// which go to other kernels, and the CPU never.
+fn takes_quantized_x_follows_the_decode_kernel(device: &Device) -> anyhow::Result<()> {
+    let t = KernelTuning::default();
+    let k = 256;
+    for qtype in [GgmlDType::Q4_0, GgmlDType::Q4K, GgmlDType::Q8_0] {
+        let w = random(&[64, k], 0.5, 20, DType::F32, &Device::Cpu)?;
+        let w = Arc::new(QTensor::quantize_onto(&w, qtype, device)?);
+        let l = Linear::new(LinearWeight::Quantized(QMatMul::QTensor(w)), None, t);
+        for rows in [1usize, 2, 8, 9, 64] {
+            let want = device.is_cuda()
+                && rows <= t.qlinear_small_rows
+                && t.qlinear_variant_at(qtype, rows) == QlinearVariant::V4;
+            anyhow::ensure!(
+                l.takes_quantized_x(rows) == want,
+                "{qtype:?}, {rows} rows: takes quantized x {}",
+                !want
+            );
+        }
+    }
+    Ok(())
+}
+test_device!(
+    takes_quantized_x_follows_the_decode_kernel,
+    ops_takes_quantized_x_cpu,
+    ops_takes_quantized_x_gpu
+);

@@ -225,12 +225,14 @@ impl Linear {
     }
 
     /// Whether it multiplies GGML blocks on a GPU by `rows` rows of x quantized in a launch of
-    /// its own (the decode kernels' variant 4): the op that makes its x (a norm, the
-    /// attention, a SwiGLU) can then write x quantized for it
-    /// ([`crate::norm::rms_norm_residual_q8`] and the like).
+    /// its own (the decode kernels' variant 4, up to their rows): the op that makes its x (a
+    /// norm, the attention, a SwiGLU) can then write x quantized for it
+    /// ([`crate::norm::rms_norm_residual_q8`] and the like). A prompt's rows go to other
+    /// kernels, which would not read it.
     pub fn takes_quantized_x(&self, rows: usize) -> bool {
         self.blocks().is_some_and(|q| {
             q.device().is_cuda()
+                && rows <= self.tuning.qlinear_small_rows.min(LINEAR_SMALL_MAX_ROWS)
                 && self.tuning.qlinear_variant_at(q.dtype(), rows) == QlinearVariant::V4
         })
     }
