@@ -6,7 +6,7 @@ use candle_offload::Tuning;
 
 /// Each environment variable the binaries read for tuning, with the [`Tuning::set`] key its
 /// value goes to.
-pub const TUNING_VARS: [(&str, &str); 17] = [
+pub const TUNING_VARS: [(&str, &str); 18] = [
     ("CANDLE_OFFLOAD_QLINEAR", "kernels.qlinear"),
     ("CANDLE_OFFLOAD_QLINEAR_K", "kernels.qlinear_k"),
     ("CANDLE_OFFLOAD_QLINEAR_K_ROWS", "kernels.qlinear_k_rows"),
@@ -35,6 +35,10 @@ pub const TUNING_VARS: [(&str, &str); 17] = [
     (
         "CANDLE_OFFLOAD_CPU_PREFETCH_BYTES",
         "kernels.cpu_prefetch_bytes",
+    ),
+    (
+        "CANDLE_OFFLOAD_EXPERTS_ROWS_X_ONCE",
+        "kernels.experts_rows_x_once",
     ),
     ("CANDLE_OFFLOAD_CPU_THREADS", "cpu_threads"),
     ("CANDLE_OFFLOAD_GRAPHS", "graphs"),
@@ -112,8 +116,8 @@ mod tests {
     #[test]
     fn every_variable_reaches_its_key() {
         let values = [
-            "v2", "0", "2", "1", "4", "2", "off", "128", "false", "1", "0", "3", "0", "on", "0",
-            "4", "16",
+            "v2", "0", "2", "1", "4", "2", "off", "128", "false", "1", "0", "on", "3", "0", "on",
+            "0", "4", "16",
         ];
         let pairs: Vec<(&str, &str)> = TUNING_VARS
             .iter()
@@ -131,6 +135,7 @@ mod tests {
         assert_eq!(k.prefill_gemm_min_rows, 128);
         assert_eq!(k.cpu_kquants, Some(true));
         assert_eq!(k.cpu_prefetch_bytes, 0);
+        assert!(k.experts_rows_x_once);
         assert_eq!(t.cpu_threads, Some(3));
         assert!(!t.graphs && t.ragged_graphs && !t.weight_pool);
         assert_eq!((t.disk.threads, t.disk.piece_mib), (4, 16));

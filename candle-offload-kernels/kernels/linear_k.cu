@@ -381,11 +381,14 @@ __device__ __forceinline__ float kq8_dot(const KQ8Block &w, const uint4 &lo, con
     const int a = dp4a4(w.q, lo, 0), c = dp4a4(w.q + 4, hi, 0);
     return fmaf(s.d, w.s0 * (float)a + w.s1 * (float)c - w.mn * (float)s.sum, acc);
 }
-// qlinear_small's contract for K-quant weights, x given as qlinear4_quantize_x wrote it.
+// qlinear_small's contract for K-quant weights, x given as qlinear4_quantize_x wrote it, the
+// blocks' scales and sums at xs (rows of nbp each: a chunk of a larger buffer's rows can be
+// read, xq and xs at its first row).
 template <typename T, int M, int KT, int R>
-__device__ void qlinear4k_small(const uint4 *xq, const uint8_t *w0, const uint8_t *w1,
-                                const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
-                                uint32_t n2, uint32_t k, uint32_t silu) {
+__device__ void qlinear4k_small_at(const uint4 *xq, const XBlock8 *xs, const uint8_t *w0,
+                                   const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,
+                                   uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k,
+                                   uint32_t silu) {
     const uint32_t lane = threadIdx.x & 31u;
     const uint32_t gw = blockIdx.x * OPS_WARPS + (threadIdx.x >> 5);
     const size_t row_bytes = (size_t)(k >> 8) * KBlock<KT>::BYTES;
@@ -394,7 +397,6 @@ __device__ void qlinear4k_small(const uint4 *xq, const uint8_t *w0, const uint8_
     if (!qrows2<T, R>(gw, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu, col0, rows)) return;
     const uint32_t nb = k >> 5;
     const uint32_t nbp = q8_row_blocks(k);
-    const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)m * 2u * nbp);
     float acc[R][M];
 #pragma unroll
     for (int w = 0; w < R; ++w)
@@ -430,6 +432,17 @@ __device__ void qlinear4k_small(const uint4 *xq, const uint8_t *w0, const uint8_
         }
     }
     qstore2<T, M, R>(acc, col0, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu);
+}
+
+// qlinear4k_small: qlinear4k_small_at over the whole buffer qlinear4_quantize_x wrote for m
+// rows.
+template <typename T, int M, int KT, int R>
+__device__ void qlinear4k_small(const uint4 *xq, const uint8_t *w0, const uint8_t *w1,
+                                const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
+                                uint32_t n2, uint32_t k, uint32_t silu) {
+    const XBlock8 *xs =
+        reinterpret_cast<const XBlock8 *>(xq + (size_t)m * 2u * q8_row_blocks(k));
+    qlinear4k_small_at<T, M, KT, R>(xq, xs, w0, w1, w2, y, m, n0, n1, n2, k, silu);
 }
 
 // qlinear4k_small with x quantized by each block of threads (variant 3's quantize_x, in chunks
@@ -632,7 +645,41 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
             min((uint32_t)ROWS_CHUNK_MAX, rows - row), n0, silu ? n0 : 0u, 0u, k, silu,         \
             xblocks);                                                                           \
     }
+// qlinear4k_rows_experts_<q>_<dtype> and qlinear4k_rows_expert_<q>_<dtype>: the arguments and
+// contracts of qlinear4_rows_experts_<q>_<dtype> and qlinear4_rows_expert_<q>_<dtype>
+// (linear_q8.cu) for K-quant blocks, qlinear4k_small_r2_m8 per chunk.
+#define QLINEAR4K_ROWS_EXPERTS_ONE(T, SUFFIX, KT, QNAME)                                        \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
+        qlinear4k_rows_experts_##QNAME##_##SUFFIX(                                              \
+        const uint4 *xq, uint32_t rows, const uint64_t *w0, const uint64_t *w1,                 \
+        const RowChunk *chunks, T *y, uint32_t n0, uint32_t k, uint32_t silu) {                 \
+        const RowChunk c = chunks[blockIdx.y];                                                  \
+        const uint8_t *a = reinterpret_cast<const uint8_t *>(w0[c.expert]);                     \
+        const uint8_t *b = reinterpret_cast<const uint8_t *>(w1[c.expert]);                     \
+        const uint32_t nbp = q8_row_blocks(k);                                                  \
+        const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)rows * 2u * nbp);    \
+        qlinear4k_small_at<T, ROWS_CHUNK_MAX, KT, 2>(                                           \
+            xq + (size_t)c.row * 2u * nbp, xs + (size_t)c.row * nbp, a, b, a,                   \
+            y + (size_t)c.row * n0, c.rows, n0, silu ? n0 : 0u, 0u, k, silu);                   \
+    }
+#define QLINEAR4K_ROWS_EXPERT_ONE(T, SUFFIX, KT, QNAME)                                         \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
+        qlinear4k_rows_expert_##QNAME##_##SUFFIX(                                               \
+        const uint4 *xq, const uint8_t *w0, const uint8_t *w1, T *y, uint32_t rows,             \
+        uint32_t n0, uint32_t k, uint32_t silu) {                                               \
+        const uint32_t row = blockIdx.y * ROWS_CHUNK_MAX;                                       \
+        const uint32_t nbp = q8_row_blocks(k);                                                  \
+        const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)rows * 2u * nbp);    \
+        qlinear4k_small_at<T, ROWS_CHUNK_MAX, KT, 2>(                                           \
+            xq + (size_t)row * 2u * nbp, xs + (size_t)row * nbp, w0, w1, w0,                    \
+            y + (size_t)row * n0, min((uint32_t)ROWS_CHUNK_MAX, rows - row), n0,                \
+            silu ? n0 : 0u, 0u, k, silu);                                                       \
+    }
 #define LINEAR_K_FOR(T, SUFFIX)                                                                 \
+    QLINEAR4K_ROWS_EXPERT_ONE(T, SUFFIX, KT_Q4_K, q4_k)                                         \
+    QLINEAR4K_ROWS_EXPERT_ONE(T, SUFFIX, KT_Q6_K, q6_k)                                         \
+    QLINEAR4K_ROWS_EXPERTS_ONE(T, SUFFIX, KT_Q4_K, q4_k)                                        \
+    QLINEAR4K_ROWS_EXPERTS_ONE(T, SUFFIX, KT_Q6_K, q6_k)                                        \
     QLINEAR3K_ROWS_EXPERT_ONE(T, SUFFIX, KT_Q4_K, q4_k)                                         \
     QLINEAR3K_ROWS_EXPERT_ONE(T, SUFFIX, KT_Q6_K, q6_k)                                         \
     QLINEAR3K_ROWS_EXPERTS_ONE(T, SUFFIX, KT_Q4_K, q4_k)                                        \

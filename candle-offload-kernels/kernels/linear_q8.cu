@@ -245,11 +245,13 @@ __device__ __forceinline__ void silu_group_q8(const T *y, uint4 *yq, uint32_t *c
 // it had them). Dynamic shared memory: variant 2's R * QStage2::VECS 16-byte vectors per warp.
 // Columns per warp as in variant 2 (qrows2, qstore2); lane j of a round takes block j of the
 // staged blocks of every row, as there.
+// qlinear_small4_at: the same with the blocks' scales and sums at xs (rows of nbp each),
+// so that a chunk of a larger buffer's rows can be read: xq and xs at its first row.
 template <typename T, int M, int QT, int R>
-__device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t *w1,
-                               const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
-                               uint32_t n2, uint32_t k, uint32_t silu, uint4 *yq,
-                               uint32_t *counters) {
+__device__ void qlinear_small4_at(const uint4 *xq, const XBlock8 *xs, const uint8_t *w0,
+                                  const uint8_t *w1, const uint8_t *w2, T *y, uint32_t m,
+                                  uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k,
+                                  uint32_t silu, uint4 *yq, uint32_t *counters) {
     constexpr int B = QBlock<QT>::BYTES;
     constexpr uint32_t BLOCKS = QStage2<QT>::BLOCKS;
     extern __shared__ uint4 qstage[];
@@ -263,7 +265,6 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
     if (!qrows2<T, R>(gw, w0, w1, w2, y, m, n0, n1, n2, row_bytes, silu, col0, rows)) return;
     const uint32_t nb = k >> 5;
     const uint32_t nbp = q8_row_blocks(k);
-    const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)m * 2u * nbp);
     float acc[R][M];
 #pragma unroll
     for (int w = 0; w < R; ++w)
@@ -327,6 +328,18 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
         uint32_t n0, uint32_t n1, uint32_t n2, uint32_t k, uint32_t silu, uint32_t xblocks) {   \
         qlinear_small3<T, M, QT, R>(x, w0, w1, w2, y, m, n0, n1, n2, k, silu, xblocks);         \
     }
+// qlinear_small4: qlinear_small4_at over the whole buffer qlinear4_quantize_x wrote for m rows
+// (the scales and sums after all the rows' quants).
+template <typename T, int M, int QT, int R>
+__device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t *w1,
+                               const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
+                               uint32_t n2, uint32_t k, uint32_t silu, uint4 *yq,
+                               uint32_t *counters) {
+    const XBlock8 *xs =
+        reinterpret_cast<const XBlock8 *>(xq + (size_t)m * 2u * q8_row_blocks(k));
+    qlinear_small4_at<T, M, QT, R>(xq, xs, w0, w1, w2, y, m, n0, n1, n2, k, silu, yq,
+                                   counters);
+}
 // qlinear4_small_r<R>_m<M>_<q>_<dtype>: variant 4 with R weight rows per warp, reading the
 // buffer qlinear4_quantize_x_<dtype> wrote from x. Register bounds as variant 3's.
 #define QLINEAR4_SMALL_FOR(T, SUFFIX, M, QT, QNAME, R)                                          \
@@ -392,8 +405,43 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
                                                  min((uint32_t)ROWS_CHUNK_MAX, rows - row), n0, \
                                                  silu ? n0 : 0u, 0u, k, silu, xblocks);         \
     }
+// qlinear4_rows_experts_<q>_<dtype>: qlinear3_rows_experts_<q>_<dtype>'s chunks, weights and
+// output, x given as qlinear4_quantize_x wrote all `rows` of its rows (xq) rather than
+// quantized by every block of threads: chunk c reads rows c.row .. c.row + c.rows there
+// (variant 4, 2 weight rows per warp, up to 8 rows).
+#define QLINEAR4_ROWS_EXPERTS_FOR(T, SUFFIX, M, QT, QNAME, R)                                   \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 7)                              \
+        qlinear4_rows_experts_##QNAME##_##SUFFIX(                                               \
+        const uint4 *xq, uint32_t rows, const uint64_t *w0, const uint64_t *w1,                 \
+        const RowChunk *chunks, T *y, uint32_t n0, uint32_t k, uint32_t silu) {                 \
+        const RowChunk c = chunks[blockIdx.y];                                                  \
+        const uint8_t *a = reinterpret_cast<const uint8_t *>(w0[c.expert]);                     \
+        const uint8_t *b = reinterpret_cast<const uint8_t *>(w1[c.expert]);                     \
+        const uint32_t nbp = q8_row_blocks(k);                                                  \
+        const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)rows * 2u * nbp);    \
+        qlinear_small4_at<T, ROWS_CHUNK_MAX, QT, 2>(                                            \
+            xq + (size_t)c.row * 2u * nbp, xs + (size_t)c.row * nbp, a, b, a,                   \
+            y + (size_t)c.row * n0, c.rows, n0, silu ? n0 : 0u, 0u, k, silu, nullptr, nullptr); \
+    }
+// qlinear4_rows_expert_<q>_<dtype>: the same for the `rows` rows of one expert (weights by
+// value, chunk blockIdx.y the rows 8 · blockIdx.y onwards), qlinear3_rows_expert's form.
+#define QLINEAR4_ROWS_EXPERT_FOR(T, SUFFIX, M, QT, QNAME, R)                                    \
+    extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 7)                              \
+        qlinear4_rows_expert_##QNAME##_##SUFFIX(                                                \
+        const uint4 *xq, const uint8_t *w0, const uint8_t *w1, T *y, uint32_t rows,             \
+        uint32_t n0, uint32_t k, uint32_t silu) {                                               \
+        const uint32_t row = blockIdx.y * ROWS_CHUNK_MAX;                                       \
+        const uint32_t nbp = q8_row_blocks(k);                                                  \
+        const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)rows * 2u * nbp);    \
+        qlinear_small4_at<T, ROWS_CHUNK_MAX, QT, 2>(                                            \
+            xq + (size_t)row * 2u * nbp, xs + (size_t)row * nbp, w0, w1, w0,                    \
+            y + (size_t)row * n0, min((uint32_t)ROWS_CHUNK_MAX, rows - row), n0,                \
+            silu ? n0 : 0u, 0u, k, silu, nullptr, nullptr);                                     \
+    }
 #define LINEAR_Q8_FOR(T, SUFFIX)                                                                \
     QLINEAR_RM_TYPES(QLINEAR3_ROWS_EXPERTS_FOR, T, SUFFIX, 8, 2)                                \
+    QLINEAR_RM_TYPES(QLINEAR4_ROWS_EXPERTS_FOR, T, SUFFIX, 8, 2)                                \
+    QLINEAR_RM_TYPES(QLINEAR4_ROWS_EXPERT_FOR, T, SUFFIX, 8, 2)                                 \
     QLINEAR_RM_TYPES(QLINEAR3_ROWS_EXPERT_FOR, T, SUFFIX, 8, 2)                                 \
     QLINEAR_RM_TYPES(QLINEAR3_EXPERTS_FOR, T, SUFFIX, 1, 2)                                     \
     QLINEAR_RM_TYPES(QLINEAR3_EXPERTS_FOR, T, SUFFIX, 1, 4)                                     \

@@ -197,6 +197,10 @@ pub struct KernelTuning {
     /// A decode row's routed experts of GGML blocks on a GPU through the grouped kernels
     /// ([`crate::linear::qexperts_row`]; off: each expert's own decode matmuls).
     pub grouped_experts: bool,
+    /// A prompt's rows through their experts on a GPU ([`crate::linear::qexperts_rows`]) with
+    /// each projection's input quantized once for all rows (variant 4's kernels), where off
+    /// every block of threads quantizes its chunk of rows again (variant 3's).
+    pub experts_rows_x_once: bool,
 }
 
 /// The most rows of x the library's GPU decode kernels take
@@ -235,6 +239,7 @@ impl Default for KernelTuning {
             cpu_prefetch_bytes: CPU_PREFETCH_BYTES,
             cpu_q8_activations: false,
             grouped_experts: true,
+            experts_rows_x_once: false,
         }
     }
 }

@@ -127,7 +127,7 @@ impl Tuning {
     }
 
     /// Every key [`Self::set`] takes.
-    pub const KEYS: [&'static str; 20] = [
+    pub const KEYS: [&'static str; 21] = [
         "kernels.qlinear",
         "kernels.qlinear_k",
         "kernels.qlinear_k_rows",
@@ -141,6 +141,7 @@ impl Tuning {
         "kernels.cpu_prefetch_bytes",
         "kernels.cpu_q8_activations",
         "kernels.grouped_experts",
+        "kernels.experts_rows_x_once",
         "cpu_threads",
         "graphs",
         "ragged_graphs",
@@ -190,6 +191,7 @@ impl Tuning {
             "kernels.cpu_prefetch_bytes" => k.cpu_prefetch_bytes = number()?,
             "kernels.cpu_q8_activations" => k.cpu_q8_activations = flag()?,
             "kernels.grouped_experts" => k.grouped_experts = flag()?,
+            "kernels.experts_rows_x_once" => k.experts_rows_x_once = flag()?,
             "cpu_threads" if v.is_empty() || v.eq_ignore_ascii_case("auto") => {
                 next.cpu_threads = None;
             }
@@ -297,6 +299,7 @@ mod tests {
             ("kernels.cpu_prefetch_bytes", "0"),
             ("kernels.cpu_q8_activations", "yes"),
             ("kernels.grouped_experts", "off"),
+            ("kernels.experts_rows_x_once", "on"),
             ("cpu_threads", "3"),
             ("graphs", "0"),
             ("weight_pool", "off"),
@@ -311,7 +314,7 @@ mod tests {
         assert_eq!(k.qlinear.q8_0, QlinearVariant::V1);
         assert!(!k.qlinear_k && !k.prefill_gemm && !k.prompt_attention);
         assert_eq!(k.cpu_kquants, Some(true));
-        assert!(k.cpu_q8_activations && !k.grouped_experts);
+        assert!(k.cpu_q8_activations && !k.grouped_experts && k.experts_rows_x_once);
         assert_eq!((k.qlinear_k_rows, k.qlinear_k_splits), (2, 1));
         assert_eq!((k.prefill_gemm_min_rows, k.cpu_prefetch_bytes), (128, 0));
         assert_eq!(t.cpu_threads, Some(3));

@@ -145,11 +145,24 @@ test_device!(
 /// each (chunks of 8 and their remainders, an expert without rows), against each row through
 /// its expert alone (`qexperts_row` of weight 1), within the dtype's tolerance; and one
 /// expert's 19 rows on their own (the launch without a table) as in the whole. Q8_0 experts,
-/// and Q4_K gates and ups with Q6_K downs. On a CPU the kernels take none.
+/// and Q4_K gates and ups with Q6_K downs; x quantized by every block of threads and
+/// (`experts_rows_x_once`) once for all rows. On a CPU the kernels take none.
 fn qexperts_rows_match_each_row_alone(device: &Device) -> anyhow::Result<()> {
+    for x_once in [false, true] {
+        let mut tun = KernelTuning::default();
+        tun.experts_rows_x_once = x_once;
+        qexperts_rows_match_each_row_alone_with(device, &tun)?;
+    }
+    Ok(())
+}
+
+fn qexperts_rows_match_each_row_alone_with(
+    device: &Device,
+    tun: &KernelTuning,
+) -> anyhow::Result<()> {
     let (hidden, inter) = (256usize, 512usize);
     let rows_of = [3usize, 0, 8, 19, 1, 9, 16, 2, 7, 0, 5, 11];
-    let tun = KernelTuning::default();
+    let x_once = tun.experts_rows_x_once;
     for (t, &(gt, dt)) in [
         (GgmlDType::Q8_0, GgmlDType::Q8_0),
         (GgmlDType::Q4K, GgmlDType::Q6K),
@@ -176,17 +189,17 @@ fn qexperts_rows_match_each_row_alone(device: &Device) -> anyhow::Result<()> {
             .collect();
         let n: usize = rows_of.iter().sum();
         for dtype in DTYPES {
-            let what = format!("qexperts_rows {gt:?}/{dt:?} {dtype:?}");
+            let what = format!("qexperts_rows {gt:?}/{dt:?} {dtype:?}, x once {x_once}");
             let x = random(&[n, hidden], 1.0, 40 + t as u64, dtype, device)?;
             anyhow::ensure!(
-                linear::qexperts_rows_fits(&x, &experts, &tun)? == device.is_cuda(),
+                linear::qexperts_rows_fits(&x, &experts, tun)? == device.is_cuda(),
                 "{what}: the kernels' fit on {device:?}"
             );
             if !device.is_cuda() {
-                anyhow::ensure!(linear::qexperts_rows(&x, &experts, &tun).is_err(), "{what}");
+                anyhow::ensure!(linear::qexperts_rows(&x, &experts, tun).is_err(), "{what}");
                 continue;
             }
-            let got = linear::qexperts_rows(&x, &experts, &tun)?;
+            let got = linear::qexperts_rows(&x, &experts, tun)?;
             anyhow::ensure!(got.dims() == [n, hidden] && got.dtype() == dtype, "{what}");
             let mut at = 0;
             for (e, &rows) in rows_of.iter().enumerate() {
@@ -197,7 +210,7 @@ fn qexperts_rows_match_each_row_alone(device: &Device) -> anyhow::Result<()> {
                     weight: 1.0,
                 }];
                 for r in at..at + rows {
-                    let want = linear::qexperts_row(&x.narrow(0, r, 1)?, &one, &tun)?;
+                    let want = linear::qexperts_row(&x.narrow(0, r, 1)?, &one, tun)?;
                     let row = got.narrow(0, r, 1)?;
                     ensure_close_values(&format!("{what} expert {e} row {r}"), &row, &want, dtype)?;
                 }
@@ -205,7 +218,7 @@ fn qexperts_rows_match_each_row_alone(device: &Device) -> anyhow::Result<()> {
             }
             // One expert alone (its weights by value, nothing uploaded): the same rows.
             let first: usize = rows_of[..3].iter().sum();
-            let alone = linear::qexperts_rows(&x.narrow(0, first, 19)?, &experts[3..4], &tun)?;
+            let alone = linear::qexperts_rows(&x.narrow(0, first, 19)?, &experts[3..4], tun)?;
             ensure_close_values(
                 &format!("{what} expert 3 alone"),
                 &alone,
@@ -214,7 +227,7 @@ fn qexperts_rows_match_each_row_alone(device: &Device) -> anyhow::Result<()> {
             )?;
             // Rows that are not the experts' are refused.
             anyhow::ensure!(
-                linear::qexperts_rows(&x.narrow(0, 0, n - 1)?, &experts, &tun).is_err(),
+                linear::qexperts_rows(&x.narrow(0, 0, n - 1)?, &experts, tun).is_err(),
                 "{what}: one row short"
             );
         }

@@ -270,7 +270,7 @@ fn qlinear2_rows_per_warp(dev: &CudaDevice, bound: usize, cols: usize, silu: boo
 /// Variant 4's first launch, `qlinear4_quantize_x_<dtype>`: the m rows of x (m, k) quantized to
 /// 8-bit blocks of 32 into a new device buffer for its matmul kernels, k / 32 blocks per row
 /// rounded up to a multiple of 32 ([`QLINEAR4_X_BLOCK_BYTES`] each).
-fn qlinear4_quantize_x<T: DeviceRepr + WithDType>(
+pub(super) fn qlinear4_quantize_x<T: DeviceRepr + WithDType>(
     dev: &CudaDevice,
     x: &CudaView<'_, T>,
     m: usize,

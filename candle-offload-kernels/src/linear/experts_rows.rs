@@ -59,8 +59,9 @@ pub fn qexperts_rows_fits(
 
 /// Each expert's rows of `x` (rows, hidden), sorted by expert (`experts[0]`'s first), through
 /// its MLP: `down_e(silu(gate_e · x) · (up_e · x))`, unweighted, `(rows, hidden)` in x's dtype
-/// (variant 3's arithmetic: x and the SwiGLU's output quantized to 8-bit blocks, integer dot
-/// products). Only where [`qexperts_rows_fits`] and the experts' rows are x's: an error
+/// (x and the SwiGLU's output quantized to 8-bit blocks, integer dot products: by every block
+/// of threads, variant 3, or once for all rows where [`KernelTuning::experts_rows_x_once`],
+/// variant 4). Only where [`qexperts_rows_fits`] and the experts' rows are x's: an error
 /// otherwise.
 pub fn qexperts_rows(
     x: &Tensor,
@@ -76,11 +77,11 @@ pub fn qexperts_rows(
             experts.len()
         );
     }
-    launch(x, experts)
+    launch(x, experts, tuning.experts_rows_x_once)
 }
 
 #[cfg(feature = "cuda")]
-fn launch(x: &Tensor, experts: &[QExpertRows<'_>]) -> Result<Tensor> {
+fn launch(x: &Tensor, experts: &[QExpertRows<'_>], x_once: bool) -> Result<Tensor> {
     let x = if crate::util::aligned16(x.layout(), x.dtype()) && x.is_contiguous() {
         x.clone()
     } else {
@@ -93,7 +94,13 @@ fn launch(x: &Tensor, experts: &[QExpertRows<'_>]) -> Result<Tensor> {
         };
         let weights: Vec<[&QTensor; 3]> = experts.iter().map(|e| [e.gate, e.up, e.down]).collect();
         let chunks = row_chunks(&experts.iter().map(|e| e.rows).collect::<Vec<_>>());
-        crate::linear::rows_cuda::qlinear_rows_experts((s, l), &weights, &chunks, ROWS_CHUNK)?
+        crate::linear::rows_cuda::qlinear_rows_experts(
+            (s, l),
+            &weights,
+            &chunks,
+            ROWS_CHUNK,
+            x_once,
+        )?
     };
     Ok(Tensor::from_storage(
         candle_core::Storage::Cuda(out),
@@ -104,7 +111,7 @@ fn launch(x: &Tensor, experts: &[QExpertRows<'_>]) -> Result<Tensor> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn launch(_x: &Tensor, _experts: &[QExpertRows<'_>]) -> Result<Tensor> {
+fn launch(_x: &Tensor, _experts: &[QExpertRows<'_>], _x_once: bool) -> Result<Tensor> {
     candle_core::bail!("qexperts_rows: needs a build with `--features cuda`")
 }
 

@@ -1,7 +1,9 @@
 //! The CUDA launches of [`qexperts_rows`](super::qexperts_rows): a table of the experts'
 //! weight addresses and the rows' chunks, uploaded once, then `qlinear3_rows_experts_*` /
 //! `qlinear3k_rows_experts_*` (kernels/linear_q8.cu, kernels/linear_k.cu) for every gate and
-//! up, then for every down projection.
+//! up, then for every down projection; with x quantized once (`x_once`), x's and then the
+//! SwiGLU's rows quantized first, each read by `qlinear4_rows_experts_*` /
+//! `qlinear4k_rows_experts_*`.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -13,7 +15,8 @@ use candle_core::{CudaDevice, Layout, Result, WithDType};
 
 use super::blocks::{is_qlinear_k_type, qlinear_small_type};
 use super::cuda::{
-    qlinear2_small_stage_vecs, qlinear3_x_blocks, QLINEAR3_X_BLOCK_BYTES, QLINEAR_WARPS,
+    qlinear2_small_stage_vecs, qlinear3_x_blocks, qlinear4_quantize_x, QLINEAR3_X_BLOCK_BYTES,
+    QLINEAR_WARPS,
 };
 use crate::cuda::{load, to_u32, view, LINEAR_K, LINEAR_Q8};
 
@@ -22,12 +25,14 @@ const ROWS_PER_WARP: usize = 2;
 
 /// x's rows (sorted by expert) through `experts`' MLPs (gate, up, down each), each `[expert,
 /// first row, rows, 0]` of `chunks` (at most `chunk_rows` rows, the kernels' ROWS_CHUNK_MAX)
-/// one block of threads' work.
+/// one block of threads' work; `x_once`: each projection's input quantized once for all rows,
+/// not by every block of threads.
 pub(crate) fn qlinear_rows_experts(
     (x, xl): (&CudaStorage, &Layout),
     experts: &[[&QTensor; 3]],
     chunks: &[[u32; 4]],
     chunk_rows: usize,
+    x_once: bool,
 ) -> Result<CudaStorage> {
     fn run<T: DeviceRepr + WithDType + ValidAsZeroBits>(
         dev: &CudaDevice,
@@ -35,6 +40,7 @@ pub(crate) fn qlinear_rows_experts(
         experts: &[[&QTensor; 3]],
         chunks: &[[u32; 4]],
         chunk_rows: usize,
+        x_once: bool,
     ) -> Result<CudaSlice<T>> {
         let (rows, hidden) = xl.shape().dims2()?;
         let Some(&[gate, _, down]) = experts.first() else {
@@ -90,7 +96,7 @@ pub(crate) fn qlinear_rows_experts(
         launch(
             dev,
             gate.dtype(),
-            &x,
+            &Input::of(dev, &x, (rows, hidden), x_once)?,
             gate_up,
             &act,
             (inter, hidden, chunk_rows),
@@ -102,7 +108,7 @@ pub(crate) fn qlinear_rows_experts(
         launch(
             dev,
             down.dtype(),
-            &act_view,
+            &Input::of(dev, &act_view, (rows, inter), x_once)?,
             down_w,
             &out,
             (hidden, inter, chunk_rows),
@@ -113,15 +119,38 @@ pub(crate) fn qlinear_rows_experts(
     }
     let dev = &x.device;
     let slice = match &x.slice {
-        S::F32(v) => S::F32(run(dev, (v, xl), experts, chunks, chunk_rows)?),
-        S::F16(v) => S::F16(run(dev, (v, xl), experts, chunks, chunk_rows)?),
-        S::BF16(v) => S::BF16(run(dev, (v, xl), experts, chunks, chunk_rows)?),
+        S::F32(v) => S::F32(run(dev, (v, xl), experts, chunks, chunk_rows, x_once)?),
+        S::F16(v) => S::F16(run(dev, (v, xl), experts, chunks, chunk_rows, x_once)?),
+        S::BF16(v) => S::BF16(run(dev, (v, xl), experts, chunks, chunk_rows, x_once)?),
         _ => candle_core::bail!("qexperts_rows: unsupported dtype {:?}", x.dtype()),
     };
     Ok(CudaStorage {
         slice,
         device: dev.clone(),
     })
+}
+
+/// A launch's x: its rows as they are (variant 3's kernels quantize them in every block of
+/// threads), or as `qlinear4_quantize_x` wrote its rows (variant 4's read them).
+enum Input<'a, 'b, T> {
+    Float(&'a CudaView<'b, T>),
+    Quantized(CudaSlice<u8>, usize),
+}
+
+impl<'a, 'b, T: DeviceRepr + WithDType> Input<'a, 'b, T> {
+    /// x's `(rows, k)` as they are, or (`once`) quantized for all rows in a launch now.
+    fn of(
+        dev: &CudaDevice,
+        x: &'a CudaView<'b, T>,
+        (rows, k): (usize, usize),
+        once: bool,
+    ) -> Result<Self> {
+        Ok(if once {
+            Self::Quantized(qlinear4_quantize_x(dev, x, rows, k)?, rows)
+        } else {
+            Self::Float(x)
+        })
+    }
 }
 
 /// Where a launch finds its weights and chunks.
@@ -139,7 +168,7 @@ enum Weights {
 fn launch<T: DeviceRepr + WithDType>(
     dev: &CudaDevice,
     ty: GgmlDType,
-    x: &CudaView<'_, T>,
+    x: &Input<'_, '_, T>,
     w: Weights,
     y: &CudaSlice<T>,
     (n, k, chunk_rows): (usize, usize, usize),
@@ -159,10 +188,16 @@ fn launch<T: DeviceRepr + WithDType>(
         Weights::Table(_, count) => ("experts", count),
         Weights::One(_, rows) => ("expert", rows.div_ceil(chunk_rows)),
     };
+    // Variant 3 quantizes each chunk of x in shared memory beside the stages; variant 4 reads
+    // x quantized.
+    let (v, x_shared) = match x {
+        Input::Float(_) => ("3", chunk_rows * xblocks * QLINEAR3_X_BLOCK_BYTES),
+        Input::Quantized(..) => ("4", 0),
+    };
     let (module, name) = if kquant {
-        (LINEAR_K, format!("qlinear3k_rows_{kind}_{qname}"))
+        (LINEAR_K, format!("qlinear{v}k_rows_{kind}_{qname}"))
     } else {
-        (LINEAR_Q8, format!("qlinear3_rows_{kind}_{qname}"))
+        (LINEAR_Q8, format!("qlinear{v}_rows_{kind}_{qname}"))
     };
     let func = load::<T>(dev, module, &name)?;
     let cols_per_warp = if silu {
@@ -177,10 +212,7 @@ fn launch<T: DeviceRepr + WithDType>(
             1,
         ),
         block_dim: (32 * QLINEAR_WARPS as u32, 1, 1),
-        shared_mem_bytes: to_u32(
-            stages + chunk_rows * xblocks * QLINEAR3_X_BLOCK_BYTES,
-            "shared memory",
-        )?,
+        shared_mem_bytes: to_u32(stages + x_shared, "shared memory")?,
     };
     let stream = dev.cuda_stream();
     let (nn, kk, s, xb) = (
@@ -195,7 +227,19 @@ fn launch<T: DeviceRepr + WithDType>(
         Weights::One(ws, rows) => (ws[0], ws[1], None, Some(to_u32(rows, "rows")?)),
     };
     let mut b = stream.launch_builder(&func);
-    b.arg(x).arg(&p0).arg(&p1);
+    let all_rows;
+    match x {
+        Input::Float(x) => b.arg(*x),
+        Input::Quantized(xq, total) => {
+            b.arg(xq);
+            if chunks.is_some() {
+                all_rows = to_u32(*total, "rows")?;
+                b.arg(&all_rows);
+            }
+            &mut b
+        }
+    };
+    b.arg(&p0).arg(&p1);
     if let Some(c) = &chunks {
         b.arg(c);
     }
@@ -203,7 +247,10 @@ fn launch<T: DeviceRepr + WithDType>(
     if let Some(r) = &rows {
         b.arg(r);
     }
-    b.arg(&nn).arg(&kk).arg(&s).arg(&xb);
+    b.arg(&nn).arg(&kk).arg(&s);
+    if matches!(x, Input::Float(_)) {
+        b.arg(&xb);
+    }
     // SAFETY: `qlinear3_rows_experts_<q>_<dtype>` (kernels/linear_q8.cu) and
     // `qlinear3k_rows_experts_<q>_<dtype>` (kernels/linear_k.cu) take (const T* x, const
     // uint64_t* w0, const uint64_t* w1, const RowChunk* chunks, T* y, uint32_t n0, k, silu,
@@ -220,6 +267,13 @@ fn launch<T: DeviceRepr + WithDType>(
     // rows (k elements each, 16-byte aligned: checked by the caller, or `act`'s rows of
     // `inter`, a multiple of 32) and y as many rows of n; the shared memory is the weight
     // stages and the chunk of x variant 3 takes for `chunk_rows` rows.
+    // `qlinear4_rows_experts_<q>_<dtype>` / `qlinear4k_rows_experts_<q>_<dtype>` take (const
+    // uint4* xq, uint32_t rows, then the table form's arguments without xblocks) and
+    // `qlinear4_rows_expert_<q>_<dtype>` / `qlinear4k_rows_expert_<q>_<dtype>` (const uint4*
+    // xq, then the one-expert form's arguments without xblocks): xq is the buffer
+    // `qlinear4_quantize_x` wrote on this stream for all of x's `rows` rows of k (its
+    // quants, then every row's scales and sums), so each chunk's rows lie inside it; their
+    // shared memory is the weight stages alone.
     unsafe { b.launch(cfg) }.w()?;
     Ok(())
 }
