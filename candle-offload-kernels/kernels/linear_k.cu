@@ -440,9 +440,8 @@ template <typename T, int M, int KT, int R>
 __device__ void qlinear4k_small(const uint4 *xq, const uint8_t *w0, const uint8_t *w1,
                                 const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
                                 uint32_t n2, uint32_t k, uint32_t silu) {
-    const XBlock8 *xs =
-        reinterpret_cast<const XBlock8 *>(xq + (size_t)m * 2u * q8_row_blocks(k));
-    qlinear4k_small_at<T, M, KT, R>(xq, xs, w0, w1, w2, y, m, n0, n1, n2, k, silu);
+    const XRows8 x = xq_rows_from(xq, m, k, 0);
+    qlinear4k_small_at<T, M, KT, R>(x.q, x.s, w0, w1, w2, y, m, n0, n1, n2, k, silu);
 }
 
 // qlinear4k_small with x quantized by each block of threads (variant 3's quantize_x, in chunks
@@ -656,11 +655,9 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
         const RowChunk c = chunks[blockIdx.y];                                                  \
         const uint8_t *a = reinterpret_cast<const uint8_t *>(w0[c.expert]);                     \
         const uint8_t *b = reinterpret_cast<const uint8_t *>(w1[c.expert]);                     \
-        const uint32_t nbp = q8_row_blocks(k);                                                  \
-        const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)rows * 2u * nbp);    \
-        qlinear4k_small_at<T, ROWS_CHUNK_MAX, KT, 2>(                                           \
-            xq + (size_t)c.row * 2u * nbp, xs + (size_t)c.row * nbp, a, b, a,                   \
-            y + (size_t)c.row * n0, c.rows, n0, silu ? n0 : 0u, 0u, k, silu);                   \
+        const XRows8 x = xq_rows_from(xq, rows, k, c.row);                                      \
+        qlinear4k_small_at<T, ROWS_CHUNK_MAX, KT, 2>(x.q, x.s, a, b, a, y + (size_t)c.row * n0, \
+                                                     c.rows, n0, silu ? n0 : 0u, 0u, k, silu);  \
     }
 #define QLINEAR4K_ROWS_EXPERT_ONE(T, SUFFIX, KT, QNAME)                                         \
     extern "C" __global__ void __launch_bounds__(32 * OPS_WARPS, 6)                              \
@@ -668,12 +665,10 @@ __device__ void qlinear3k_small(const T *x, const uint8_t *w0, const uint8_t *w1
         const uint4 *xq, const uint8_t *w0, const uint8_t *w1, T *y, uint32_t rows,             \
         uint32_t n0, uint32_t k, uint32_t silu) {                                               \
         const uint32_t row = blockIdx.y * ROWS_CHUNK_MAX;                                       \
-        const uint32_t nbp = q8_row_blocks(k);                                                  \
-        const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)rows * 2u * nbp);    \
+        const XRows8 x = xq_rows_from(xq, rows, k, row);                                        \
         qlinear4k_small_at<T, ROWS_CHUNK_MAX, KT, 2>(                                           \
-            xq + (size_t)row * 2u * nbp, xs + (size_t)row * nbp, w0, w1, w0,                    \
-            y + (size_t)row * n0, min((uint32_t)ROWS_CHUNK_MAX, rows - row), n0,                \
-            silu ? n0 : 0u, 0u, k, silu);                                                       \
+            x.q, x.s, w0, w1, w0, y + (size_t)row * n0,                                         \
+            min((uint32_t)ROWS_CHUNK_MAX, rows - row), n0, silu ? n0 : 0u, 0u, k, silu);        \
     }
 #define LINEAR_K_FOR(T, SUFFIX)                                                                 \
     QLINEAR4K_ROWS_EXPERT_ONE(T, SUFFIX, KT_Q4_K, q4_k)                                         \

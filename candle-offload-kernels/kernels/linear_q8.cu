@@ -335,9 +335,8 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
                                const uint8_t *w2, T *y, uint32_t m, uint32_t n0, uint32_t n1,
                                uint32_t n2, uint32_t k, uint32_t silu, uint4 *yq,
                                uint32_t *counters) {
-    const XBlock8 *xs =
-        reinterpret_cast<const XBlock8 *>(xq + (size_t)m * 2u * q8_row_blocks(k));
-    qlinear_small4_at<T, M, QT, R>(xq, xs, w0, w1, w2, y, m, n0, n1, n2, k, silu, yq,
+    const XRows8 x = xq_rows_from(xq, m, k, 0);
+    qlinear_small4_at<T, M, QT, R>(x.q, x.s, w0, w1, w2, y, m, n0, n1, n2, k, silu, yq,
                                    counters);
 }
 // qlinear4_small_r<R>_m<M>_<q>_<dtype>: variant 4 with R weight rows per warp, reading the
@@ -417,11 +416,10 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
         const RowChunk c = chunks[blockIdx.y];                                                  \
         const uint8_t *a = reinterpret_cast<const uint8_t *>(w0[c.expert]);                     \
         const uint8_t *b = reinterpret_cast<const uint8_t *>(w1[c.expert]);                     \
-        const uint32_t nbp = q8_row_blocks(k);                                                  \
-        const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)rows * 2u * nbp);    \
-        qlinear_small4_at<T, ROWS_CHUNK_MAX, QT, 2>(                                            \
-            xq + (size_t)c.row * 2u * nbp, xs + (size_t)c.row * nbp, a, b, a,                   \
-            y + (size_t)c.row * n0, c.rows, n0, silu ? n0 : 0u, 0u, k, silu, nullptr, nullptr); \
+        const XRows8 x = xq_rows_from(xq, rows, k, c.row);                                      \
+        qlinear_small4_at<T, ROWS_CHUNK_MAX, QT, 2>(x.q, x.s, a, b, a, y + (size_t)c.row * n0,  \
+                                                    c.rows, n0, silu ? n0 : 0u, 0u, k, silu,    \
+                                                    nullptr, nullptr);                          \
     }
 // qlinear4_rows_expert_<q>_<dtype>: the same for the `rows` rows of one expert (weights by
 // value, chunk blockIdx.y the rows 8 · blockIdx.y onwards), qlinear3_rows_expert's form.
@@ -431,12 +429,11 @@ __device__ void qlinear_small4(const uint4 *xq, const uint8_t *w0, const uint8_t
         const uint4 *xq, const uint8_t *w0, const uint8_t *w1, T *y, uint32_t rows,             \
         uint32_t n0, uint32_t k, uint32_t silu) {                                               \
         const uint32_t row = blockIdx.y * ROWS_CHUNK_MAX;                                       \
-        const uint32_t nbp = q8_row_blocks(k);                                                  \
-        const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)rows * 2u * nbp);    \
+        const XRows8 x = xq_rows_from(xq, rows, k, row);                                        \
         qlinear_small4_at<T, ROWS_CHUNK_MAX, QT, 2>(                                            \
-            xq + (size_t)row * 2u * nbp, xs + (size_t)row * nbp, w0, w1, w0,                    \
-            y + (size_t)row * n0, min((uint32_t)ROWS_CHUNK_MAX, rows - row), n0,                \
-            silu ? n0 : 0u, 0u, k, silu, nullptr, nullptr);                                     \
+            x.q, x.s, w0, w1, w0, y + (size_t)row * n0,                                         \
+            min((uint32_t)ROWS_CHUNK_MAX, rows - row), n0, silu ? n0 : 0u, 0u, k, silu,         \
+            nullptr, nullptr);                                                                  \
     }
 #define LINEAR_Q8_FOR(T, SUFFIX)                                                                \
     QLINEAR_RM_TYPES(QLINEAR3_ROWS_EXPERTS_FOR, T, SUFFIX, 8, 2)                                \

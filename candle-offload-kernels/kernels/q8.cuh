@@ -128,6 +128,20 @@ __device__ __forceinline__ void load_xblock(const uint4 *xq, const XBlock8 *xs, 
     s.sum = sd.y;
 }
 
+// Row `row` onwards of variant 4's buffer xq of `rows` rows of k (qlinear4_quantize_x's): its
+// quants at .q and its blocks' scales and sums at .s, as the kernels reading a chunk of rows
+// take them (rows of q8_row_blocks(k) blocks each).
+struct XRows8 {
+    const uint4 *q;
+    const XBlock8 *s;
+};
+__device__ __forceinline__ XRows8 xq_rows_from(const uint4 *xq, uint32_t rows, uint32_t k,
+                                               uint32_t row) {
+    const uint32_t nbp = q8_row_blocks(k);
+    const XBlock8 *xs = reinterpret_cast<const XBlock8 *>(xq + (size_t)rows * 2u * nbp);
+    return {xq + (size_t)row * 2u * nbp, xs + (size_t)row * nbp};
+}
+
 // acc + the dot products of four words of quants q with x's four words v, in order.
 __device__ __forceinline__ int dp4a4(const int *q, const uint4 &v, int acc) {
     acc = __dp4a(q[0], (int)v.x, acc);
