@@ -183,10 +183,10 @@ fn quantize_inputs(inputs: &[Rows<'_>], want: &[bool]) -> Vec<Vec<BlockQ8K>> {
         .iter()
         .zip(want)
         .map(|(r, &want)| {
-            let nb = r.k / QK_K;
+            // Rows of whole blocks, one after the other: quantized as one run of blocks.
             let mut y = vec![BlockQ8K::zeros(); if want { r.x.len() / QK_K } else { 0 }];
-            for (x, y) in r.x.chunks_exact(r.k).zip(y.chunks_exact_mut(nb.max(1))) {
-                simd_k::quantize_q8k(x, y);
+            if want {
+                simd_k::quantize_q8k(r.x, &mut y);
             }
             y
         })

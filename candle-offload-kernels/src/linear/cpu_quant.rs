@@ -536,10 +536,9 @@ fn kquant_many(
         }
     }
     let x = xs.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    // Rows of whole blocks: the rows one after the other are the blocks one after the other.
     let mut yq = vec![BlockQ8K::zeros(); m * nb];
-    for (x, y) in x.chunks_exact(k).zip(yq.chunks_exact_mut(nb)) {
-        simd_k::quantize_q8k(x, y);
-    }
+    simd_k::quantize_q8k(&x, &mut yq);
     let starts = column_starts(&ns);
     let total: usize = ns.iter().sum();
     let per_task = KQUANT_ELEMS_PER_TASK.div_ceil(k).max(1);
