@@ -6,7 +6,7 @@ use candle_offload::Tuning;
 
 /// Each environment variable the binaries read for tuning, with the [`Tuning::set`] key its
 /// value goes to.
-pub const TUNING_VARS: [(&str, &str); 18] = [
+pub const TUNING_VARS: [(&str, &str); 19] = [
     ("CANDLE_OFFLOAD_QLINEAR", "kernels.qlinear"),
     ("CANDLE_OFFLOAD_QLINEAR_K", "kernels.qlinear_k"),
     ("CANDLE_OFFLOAD_QLINEAR_K_ROWS", "kernels.qlinear_k_rows"),
@@ -39,6 +39,10 @@ pub const TUNING_VARS: [(&str, &str); 18] = [
     (
         "CANDLE_OFFLOAD_EXPERTS_ROWS_X_ONCE",
         "kernels.experts_rows_x_once",
+    ),
+    (
+        "CANDLE_OFFLOAD_EXPERTS_GEMM_MIN_ROWS",
+        "kernels.experts_gemm_min_rows",
     ),
     ("CANDLE_OFFLOAD_CPU_THREADS", "cpu_threads"),
     ("CANDLE_OFFLOAD_GRAPHS", "graphs"),
@@ -116,8 +120,8 @@ mod tests {
     #[test]
     fn every_variable_reaches_its_key() {
         let values = [
-            "v2", "0", "2", "1", "4", "2", "off", "128", "false", "1", "0", "on", "3", "0", "on",
-            "0", "4", "16",
+            "v2", "0", "2", "1", "4", "2", "off", "128", "false", "1", "0", "on", "32", "3", "0",
+            "on", "0", "4", "16",
         ];
         let pairs: Vec<(&str, &str)> = TUNING_VARS
             .iter()
@@ -136,6 +140,7 @@ mod tests {
         assert_eq!(k.cpu_kquants, Some(true));
         assert_eq!(k.cpu_prefetch_bytes, 0);
         assert!(k.experts_rows_x_once);
+        assert_eq!(k.experts_gemm_min_rows, 32);
         assert_eq!(t.cpu_threads, Some(3));
         assert!(!t.graphs && t.ragged_graphs && !t.weight_pool);
         assert_eq!((t.disk.threads, t.disk.piece_mib), (4, 16));

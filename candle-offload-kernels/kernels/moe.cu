@@ -122,3 +122,33 @@ extern "C" __global__ void moe_table_set(uint64_t *table, TableEntries e, uint32
     const uint32_t i = threadIdx.x;
     if (i < n) table[e.at[i]] = e.ptr[i];
 }
+
+// moe_combine: a prompt's rows back from their experts' order. y: the experts' outputs, one
+// row (h wide) per routed copy of a row, in expert order; slots: for each of `rows` rows, k
+// rows of y (0xffffffff: none); w: their weights (F32). out[t] = Σ_j w[t, j] · y[slots[t, j]],
+// summed in F32 in slot order and rounded once. Grid-stride over rows · h: a thread one column
+// of one row, so a warp reads consecutive columns of each y row.
+template <typename T>
+__device__ void moe_combine(const T *y, const uint32_t *slots, const float *w, T *out,
+                            uint32_t rows, uint32_t k, uint32_t h) {
+    const size_t n = (size_t)rows * h;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const size_t t = i / h, c = i % h;
+        float acc = 0.f;
+        for (uint32_t j = 0; j < k; ++j) {
+            const uint32_t s = slots[t * k + j];
+            if (s != 0xffffffffu) acc += w[t * k + j] * to_f32(y[(size_t)s * h + c]);
+        }
+        out[i] = from_f32<T>(acc);
+    }
+}
+
+#define MOE_COMBINE(T, NAME)                                                                   \
+    extern "C" __global__ void NAME(const T *y, const uint32_t *slots, const float *w, T *out, \
+                                    uint32_t rows, uint32_t k, uint32_t h) {                   \
+        moe_combine<T>(y, slots, w, out, rows, k, h);                                          \
+    }
+MOE_COMBINE(float, moe_combine_f32)
+MOE_COMBINE(__half, moe_combine_f16)
+MOE_COMBINE(__nv_bfloat16, moe_combine_bf16)

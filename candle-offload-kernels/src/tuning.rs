@@ -201,6 +201,10 @@ pub struct KernelTuning {
     /// each projection's input quantized once for all rows (variant 4's kernels), where off
     /// every block of threads quantizes its chunk of rows again (variant 3's).
     pub experts_rows_x_once: bool,
+    /// Rows of one expert from which [`crate::linear::qexperts_rows`] takes that expert
+    /// through its weights dequantized to 16 bits and cuBLAS (as [`Self::prefill_gemm`] takes
+    /// a prompt's dense projections) rather than the grouped kernels (0: never).
+    pub experts_gemm_min_rows: usize,
 }
 
 /// The most rows of x the library's GPU decode kernels take
@@ -218,6 +222,10 @@ pub const KQUANT_MIN_THREADS: usize = 12;
 /// The prompt rows from which a quantized projection goes through 16-bit weights and cuBLAS
 /// ([`KernelTuning::prefill_gemm_min_rows`]'s default).
 pub const PREFILL_GEMM_MIN_ROWS: usize = 64;
+
+/// An expert's prompt rows from which it goes through 16-bit weights and cuBLAS
+/// ([`KernelTuning::experts_gemm_min_rows`]'s default; docs/tuning.md).
+pub const EXPERTS_GEMM_MIN_ROWS: usize = 64;
 
 /// The CPU quantized kernels' prefetch distance ([`KernelTuning::cpu_prefetch_bytes`]'s
 /// default).
@@ -240,6 +248,7 @@ impl Default for KernelTuning {
             cpu_q8_activations: false,
             grouped_experts: true,
             experts_rows_x_once: false,
+            experts_gemm_min_rows: EXPERTS_GEMM_MIN_ROWS,
         }
     }
 }

@@ -127,7 +127,7 @@ impl Tuning {
     }
 
     /// Every key [`Self::set`] takes.
-    pub const KEYS: [&'static str; 21] = [
+    pub const KEYS: [&'static str; 22] = [
         "kernels.qlinear",
         "kernels.qlinear_k",
         "kernels.qlinear_k_rows",
@@ -142,6 +142,7 @@ impl Tuning {
         "kernels.cpu_q8_activations",
         "kernels.grouped_experts",
         "kernels.experts_rows_x_once",
+        "kernels.experts_gemm_min_rows",
         "cpu_threads",
         "graphs",
         "ragged_graphs",
@@ -192,6 +193,7 @@ impl Tuning {
             "kernels.cpu_q8_activations" => k.cpu_q8_activations = flag()?,
             "kernels.grouped_experts" => k.grouped_experts = flag()?,
             "kernels.experts_rows_x_once" => k.experts_rows_x_once = flag()?,
+            "kernels.experts_gemm_min_rows" => k.experts_gemm_min_rows = number()?,
             "cpu_threads" if v.is_empty() || v.eq_ignore_ascii_case("auto") => {
                 next.cpu_threads = None;
             }
@@ -234,7 +236,7 @@ impl Tuning {
     /// through it), for a value built, set or deserialized.
     pub fn validate(&self) -> Result<(), TuningError> {
         let k = &self.kernels;
-        let checks: [(&str, usize, usize, usize); 8] = [
+        let checks: [(&str, usize, usize, usize); 9] = [
             ("kernels.qlinear_k_rows", k.qlinear_k_rows, 1, 2),
             ("kernels.qlinear_k_splits", k.qlinear_k_splits, 0, 2),
             (
@@ -253,6 +255,12 @@ impl Tuning {
                 "kernels.prefill_gemm_min_rows",
                 k.prefill_gemm_min_rows,
                 9,
+                1 << 20,
+            ),
+            (
+                "kernels.experts_gemm_min_rows",
+                k.experts_gemm_min_rows,
+                0,
                 1 << 20,
             ),
             ("kernels.cpu_prefetch_bytes", k.cpu_prefetch_bytes, 0, 65536),
@@ -300,6 +308,7 @@ mod tests {
             ("kernels.cpu_q8_activations", "yes"),
             ("kernels.grouped_experts", "off"),
             ("kernels.experts_rows_x_once", "on"),
+            ("kernels.experts_gemm_min_rows", "0"),
             ("cpu_threads", "3"),
             ("graphs", "0"),
             ("weight_pool", "off"),
@@ -317,6 +326,7 @@ mod tests {
         assert!(k.cpu_q8_activations && !k.grouped_experts && k.experts_rows_x_once);
         assert_eq!((k.qlinear_k_rows, k.qlinear_k_splits), (2, 1));
         assert_eq!((k.prefill_gemm_min_rows, k.cpu_prefetch_bytes), (128, 0));
+        assert_eq!(k.experts_gemm_min_rows, 0);
         assert_eq!(t.cpu_threads, Some(3));
         assert!(!t.graphs && !t.weight_pool);
         assert_eq!((t.disk.threads, t.disk.piece_mib), (4, 16));

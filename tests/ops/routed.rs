@@ -9,6 +9,8 @@ use candle_offload::kernels::linear::{self, ExpertTable, RoutedShape};
 use candle_offload::KernelTuning;
 use candle_offload_models::layers::{route_row, Routing};
 
+use rand::Rng as _;
+
 use crate::ops::common::*;
 
 /// `count` experts of random weights quantized on `device`: gate and up `(inter, hidden)` of
@@ -151,6 +153,8 @@ fn qexperts_rows_match_each_row_alone(device: &Device) -> anyhow::Result<()> {
     for x_once in [false, true] {
         let mut tun = KernelTuning::default();
         tun.experts_rows_x_once = x_once;
+        // Every expert through the grouped kernels (the cuBLAS path has a test of its own).
+        tun.experts_gemm_min_rows = 0;
         qexperts_rows_match_each_row_alone_with(device, &tun)?;
     }
     Ok(())
@@ -234,6 +238,178 @@ fn qexperts_rows_match_each_row_alone_with(
     }
     Ok(())
 }
+
+/// `qexperts_rows` with `experts_gemm_min_rows`: the experts with that many rows through 16-bit
+/// weights and cuBLAS, within 1e-2 of their MLP in F32 over the dequantized weights; the others
+/// bit for bit what the grouped kernels give with the switch off (one expert alone too).
+fn qexperts_rows_gemm_matches_the_dequantized_mlp(device: &Device) -> anyhow::Result<()> {
+    if !device.is_cuda() {
+        return Ok(());
+    }
+    let (hidden, inter) = (256usize, 512usize);
+    let rows_of = [70usize, 3, 0, 130, 9, 64];
+    let heavy = |r: usize| r >= 64;
+    for (t, &(gt, dt)) in [
+        (GgmlDType::Q8_0, GgmlDType::Q8_0),
+        (GgmlDType::Q4K, GgmlDType::Q6K),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let weights = random_experts(
+            rows_of.len(),
+            (hidden, inter),
+            (gt, dt),
+            8000 + 100 * t as u64,
+            device,
+        )?;
+        let experts: Vec<linear::QExpertRows<'_>> = weights
+            .iter()
+            .zip(rows_of)
+            .map(|([g, u, d], rows)| linear::QExpertRows {
+                gate: g,
+                up: u,
+                down: d,
+                rows,
+            })
+            .collect();
+        let n: usize = rows_of.iter().sum();
+        for x_once in [false, true] {
+            let mut on = KernelTuning::default();
+            on.experts_rows_x_once = x_once;
+            on.experts_gemm_min_rows = 64;
+            let mut off = on;
+            off.experts_gemm_min_rows = 0;
+            for dtype in DTYPES {
+                let what = format!("qexperts_rows gemm {gt:?}/{dt:?} {dtype:?}, x once {x_once}");
+                let x = random(&[n, hidden], 1.0, 60 + t as u64, dtype, device)?;
+                let got = linear::qexperts_rows(&x, &experts, &on)?;
+                let kernels = linear::qexperts_rows(&x, &experts, &off)?;
+                anyhow::ensure!(got.dims() == [n, hidden] && got.dtype() == dtype, "{what}");
+                let mut at = 0;
+                for (e, &rows) in rows_of.iter().enumerate() {
+                    let (g, k) = (got.narrow(0, at, rows)?, kernels.narrow(0, at, rows)?);
+                    if rows == 0 {
+                        continue;
+                    }
+                    if heavy(rows) {
+                        let [wg, wu, wd] = &weights[e];
+                        let f = |w: &QTensor| -> anyhow::Result<Tensor> {
+                            Ok(w.dequantize(&Device::Cpu)?.to_device(&Device::Cpu)?)
+                        };
+                        let xe = x
+                            .narrow(0, at, rows)?
+                            .to_dtype(DType::F32)?
+                            .to_device(&Device::Cpu)?;
+                        let gate = xe.matmul(&f(wg)?.t()?)?;
+                        let up = xe.matmul(&f(wu)?.t()?)?;
+                        let act = (candle_nn::ops::silu(&gate)? * up)?;
+                        let want = act.matmul(&f(wd)?.t()?)?;
+                        let d = rel_diff_values(&g, &want)?;
+                        anyhow::ensure!(d <= 1e-2, "{what} expert {e} ({rows} rows): {d:e}");
+                    } else {
+                        let d = rel_diff_values(&g, &k)?;
+                        anyhow::ensure!(d == 0.0, "{what} expert {e} ({rows} rows): {d:e}");
+                    }
+                    at += rows;
+                }
+                // One expert alone, through cuBLAS: the same rows.
+                let first: usize = rows_of[..3].iter().sum();
+                let alone = linear::qexperts_rows(&x.narrow(0, first, 130)?, &experts[3..4], &on)?;
+                let d = rel_diff_values(&alone, &got.narrow(0, first, 130)?)?;
+                anyhow::ensure!(d == 0.0, "{what}: expert 3 alone {d:e}");
+            }
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    qexperts_rows_gemm_matches_the_dequantized_mlp,
+    qexperts_rows_gemm_matches_the_dequantized_mlp_cpu,
+    qexperts_rows_gemm_matches_the_dequantized_mlp_gpu
+);
+
+/// `linear::combine_rows` (a prompt's expert outputs summed back into their rows): against the
+/// sum written out in F32 on the host, for each dtype, rows with every slot, some, and none
+/// (`NO_SLOT`); a slot past y's rows and tables of another length refused.
+fn combine_rows_match_the_sum(device: &Device) -> anyhow::Result<()> {
+    let (copies, hidden, k) = (23usize, 77usize, 3usize);
+    let rows = 9;
+    let mut rng = candle_offload_suite::rng(91);
+    let mut slots = Vec::new();
+    let mut weights = Vec::new();
+    for t in 0..rows {
+        for j in 0..k {
+            // Row 4 has no copy; rows 1 and 7 one fewer than k.
+            let none = t == 4 || (j == k - 1 && (t == 1 || t == 7));
+            slots.push(if none {
+                linear::NO_SLOT
+            } else {
+                rng.random_range(0..copies as u32)
+            });
+            weights.push(rng.random_range(-1.0f32..1.0));
+        }
+    }
+    for dtype in DTYPES {
+        let what = format!("combine_rows {dtype:?}");
+        let y = random(&[copies, hidden], 1.0, 17, dtype, device)?;
+        let got = linear::combine_rows(&y, &slots, &weights, k)?;
+        anyhow::ensure!(
+            got.dims() == [rows, hidden] && got.dtype() == dtype,
+            "{what}"
+        );
+        let yv = y
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?
+            .to_vec2::<f32>()?;
+        let mut want = vec![0f32; rows * hidden];
+        for t in 0..rows {
+            for j in 0..k {
+                let s = slots[t * k + j];
+                if s == linear::NO_SLOT {
+                    continue;
+                }
+                for c in 0..hidden {
+                    want[t * hidden + c] += weights[t * k + j] * yv[s as usize][c];
+                }
+            }
+        }
+        let want = Tensor::from_vec(want, (rows, hidden), &Device::Cpu)?;
+        ensure_close_values(&what, &got, &want, dtype)?;
+        let empty = got
+            .narrow(0, 4, 1)?
+            .abs()?
+            .sum_all()?
+            .to_dtype(DType::F32)?;
+        anyhow::ensure!(
+            empty.to_scalar::<f32>()? == 0.0,
+            "{what}: a row without copies"
+        );
+    }
+    let y = random(&[copies, hidden], 1.0, 17, DType::F32, device)?;
+    let mut past = slots.clone();
+    past[5] = copies as u32;
+    anyhow::ensure!(
+        linear::combine_rows(&y, &past, &weights, k).is_err(),
+        "a slot past y"
+    );
+    anyhow::ensure!(
+        linear::combine_rows(&y, &slots[1..], &weights[1..], k).is_err(),
+        "a table of rows·k + 2 entries"
+    );
+    anyhow::ensure!(
+        linear::combine_rows(&y, &slots, &weights[1..], k).is_err(),
+        "short weights"
+    );
+    Ok(())
+}
+
+test_device!(
+    combine_rows_match_the_sum,
+    combine_rows_match_the_sum_cpu,
+    combine_rows_match_the_sum_gpu
+);
 
 test_device!(
     qexperts_rows_match_each_row_alone,

@@ -484,6 +484,7 @@ fn main() -> Result<()> {
             }
             let prompt = prompt_of(prompt_len);
             let mut cache = model.new_cache();
+            let experts_before_prompt = model.expert_stats();
             model.begin_step()?;
             let t0 = Instant::now();
             let logits = model.forward(
@@ -497,6 +498,7 @@ fn main() -> Result<()> {
             let mut next = argmax(&logits)?;
             let prefill_s = t0.elapsed().as_secs_f64();
             model.end_step()?;
+            let experts_after_prompt = model.expert_stats();
             // The prompt's marks, then the decode's from here (which phase reached the peak).
             let prefill_peaks = if gpu {
                 Some((
@@ -577,13 +579,24 @@ fn main() -> Result<()> {
             let after_decode = rt.stats()?.total;
             // The expert tier over the timed decode steps.
             let experts = match (experts_before, model.expert_stats()) {
-                (Some(a), Some(b)) => Some(expert_fields(
-                    &a,
-                    &b,
-                    args.new_tokens,
-                    *host_read_gbps
-                        .get_or_init(|| candle_offload_bench::host_read_gbps(1 << 30, 3)),
-                )),
+                (Some(a), Some(b)) => {
+                    let read = *host_read_gbps
+                        .get_or_init(|| candle_offload_bench::host_read_gbps(1 << 30, 3));
+                    let mut x = expert_fields(&a, &b, args.new_tokens, read);
+                    // The timed prompt's fields beside the decode steps'.
+                    let prompt = prompt_expert_fields(
+                        experts_before_prompt.as_ref(),
+                        experts_after_prompt.as_ref(),
+                        prompt_len,
+                        read,
+                    );
+                    if let (serde_json::Value::Object(o), serde_json::Value::Object(p)) =
+                        (&mut x, prompt)
+                    {
+                        o.extend(p);
+                    }
+                    Some(x)
+                }
                 _ => None,
             };
             let reused = after_decode.reused_buffers - before_decode.reused_buffers;
@@ -919,6 +932,23 @@ fn main() -> Result<()> {
                         x["host_bytes_per_token"].as_f64().unwrap_or(0.0) / 1e9,
                     );
                 }
+                if let Some(used) = x.get("prefill_experts_used").and_then(|u| u.as_u64()) {
+                    let bound = |k: &str| {
+                        x.get(k)
+                            .and_then(|b| b.as_f64())
+                            .map_or("none".to_string(), |b| format!("{b:.0} tok/s"))
+                    };
+                    println!(
+                        "        prompt's experts: {used} used ({} resident, {} fetched, {} streamed, {} on the host), {:.2} GB past the cache; bound {} (host reads), {} (link)",
+                        x["prefill_experts_resident"],
+                        x["prefill_experts_fetched"],
+                        x["prefill_experts_streamed"],
+                        x["prefill_experts_on_host"],
+                        x["prefill_bytes_past_the_cache"].as_f64().unwrap_or(0.0) / 1e9,
+                        bound("prefill_physical_bound_tokens_per_s"),
+                        bound("prefill_link_bound_tokens_per_s"),
+                    );
+                }
                 rec.extend(x);
             }
             drop(model);
@@ -983,6 +1013,43 @@ fn expert_fields(
         "expert_link_bytes_per_s": b.link_bytes_per_s,
         "host_read_gbps": host_read_gbps,
         "physical_bound_tokens_per_s": (host_bytes > 0.0).then(|| host_read_gbps * 1e9 / host_bytes),
+    })
+}
+
+/// The expert tier's record fields over a timed prompt of `prompt_len` rows, from its stats
+/// before and after it: the experts it used (each layer's distinct experts, summed over the
+/// layers) by where they ran, its hit rate, the host bytes of its misses, and two bounds on its
+/// speed from the experts the budget cannot hold (the bytes of the used experts past the
+/// cache's slots, whatever the policy): each such byte read once from host memory at the
+/// host's read rate (`prefill_physical_bound_tokens_per_s`), or carried once over the link at
+/// the rate the tier measured (`prefill_link_bound_tokens_per_s`). `Null` without both stats.
+fn prompt_expert_fields(
+    a: Option<&candle_offload_models::ExpertStats>,
+    b: Option<&candle_offload_models::ExpertStats>,
+    prompt_len: usize,
+    host_read_gbps: f64,
+) -> serde_json::Value {
+    let (Some(a), Some(b)) = (a, b) else {
+        return serde_json::Value::Null;
+    };
+    let ((h0, m0), (h1, m1)) = (a.totals(), b.totals());
+    let (hits, misses) = (h1 - h0, m1 - m0);
+    let used = (b.resident + b.fetched + b.streamed + b.on_host)
+        - (a.resident + a.fetched + a.streamed + a.on_host);
+    let slots: u64 = b.slots.iter().map(|&s| s as u64).sum();
+    let past = used.saturating_sub(slots) as f64 * b.expert_bytes as f64;
+    let bound = |rate: f64| (past > 0.0 && rate > 0.0).then(|| prompt_len as f64 * rate / past);
+    serde_json::json!({
+        "prefill_experts_used": used,
+        "prefill_experts_resident": b.resident - a.resident,
+        "prefill_experts_fetched": b.fetched - a.fetched,
+        "prefill_experts_streamed": b.streamed - a.streamed,
+        "prefill_experts_on_host": b.on_host - a.on_host,
+        "prefill_expert_hit_rate": if hits + misses > 0 { hits as f64 / (hits + misses) as f64 } else { 0.0 },
+        "prefill_host_bytes": b.host_bytes - a.host_bytes,
+        "prefill_bytes_past_the_cache": past,
+        "prefill_physical_bound_tokens_per_s": bound(host_read_gbps * 1e9),
+        "prefill_link_bound_tokens_per_s": bound(b.link_bytes_per_s),
     })
 }
 

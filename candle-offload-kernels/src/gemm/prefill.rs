@@ -77,10 +77,18 @@ pub fn qlinear_prefill(x: &Tensor, w: &QTensor, tuning: &KernelTuning) -> Result
         DType::BF16
     };
     let xg = x.reshape((rows, k))?.to_dtype(dtype)?.contiguous()?;
-    let y = prefill_gemm_run(&xg, w, prefill_slice_rows(n, k))?;
+    let y = gemm_dequantized(&xg, w)?;
     let mut out = x.dims().to_vec();
     *out.last_mut().expect("x has a last dim") = n;
     Ok(Some(y.to_dtype(x.dtype())?.reshape(out)?))
+}
+
+/// x (rows × k, F16 or BF16, contiguous, on a GPU) times wᵀ (w n × k of a block type
+/// [`dequantize_rows`] has), in x's dtype: w dequantized [`PREFILL_GEMM_SLICE_BYTES`] at a time
+/// and multiplied by cuBLAS, whatever the rows (the callers choose by rows).
+pub(crate) fn gemm_dequantized(x: &Tensor, w: &QTensor) -> Result<Tensor> {
+    let (n, k) = w.shape().dims2()?;
+    prefill_gemm_run(x, w, prefill_slice_rows(n, k))
 }
 
 /// x (rows × k, F16 or BF16, contiguous) times wᵀ through `slice_rows` dequantized rows at a

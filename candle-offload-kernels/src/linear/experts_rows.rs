@@ -3,7 +3,10 @@
 //! a layer (every expert's gate and up, then every down projection), each block of threads one
 //! chunk of at most eight rows of one expert, instead of a gather, three matmuls, a scale and
 //! a scatter per expert: a 512-token prompt routes its rows to most of a layer's experts, and
-//! their launches, not their arithmetic, took its time.
+//! their launches, not their arithmetic, took its time. An expert with many rows (from
+//! [`KernelTuning::experts_gemm_min_rows`]) goes instead through its weights dequantized to
+//! 16 bits and cuBLAS, on tensor cores, as a prompt's dense projections do
+//! ([`crate::gemm::qlinear_prefill`]).
 
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Result, Tensor};
@@ -61,8 +64,9 @@ pub fn qexperts_rows_fits(
 /// its MLP: `down_e(silu(gate_e · x) · (up_e · x))`, unweighted, `(rows, hidden)` in x's dtype
 /// (x and the SwiGLU's output quantized to 8-bit blocks, integer dot products: by every block
 /// of threads, variant 3, or once for all rows where [`KernelTuning::experts_rows_x_once`],
-/// variant 4). Only where [`qexperts_rows_fits`] and the experts' rows are x's: an error
-/// otherwise.
+/// variant 4), except the experts with at least [`KernelTuning::experts_gemm_min_rows`] rows
+/// ([`qexperts_rows_gemm_takes`]): each of those through 16-bit weights and cuBLAS. Only where
+/// [`qexperts_rows_fits`] and the experts' rows are x's: an error otherwise.
 pub fn qexperts_rows(
     x: &Tensor,
     experts: &[QExpertRows<'_>],
@@ -77,53 +81,107 @@ pub fn qexperts_rows(
             experts.len()
         );
     }
-    launch(x, experts, tuning.experts_rows_x_once)
+    let gemm: Vec<bool> = experts
+        .iter()
+        .map(|e| qexperts_rows_gemm_takes(e, tuning))
+        .collect();
+    launch(x, experts, &gemm, tuning.experts_rows_x_once)
+}
+
+/// Whether [`qexperts_rows`] takes `expert` through 16-bit weights and cuBLAS: at least
+/// [`KernelTuning::experts_gemm_min_rows`] rows (not 0), and all three weights of a block type
+/// the dequantizing kernel has.
+pub fn qexperts_rows_gemm_takes(expert: &QExpertRows<'_>, tuning: &KernelTuning) -> bool {
+    let min = tuning.experts_gemm_min_rows;
+    min > 0
+        && expert.rows >= min
+        && [expert.gate, expert.up, expert.down]
+            .iter()
+            .all(|w| crate::linear::qlinear_small_type(w.dtype()).is_some())
 }
 
 #[cfg(feature = "cuda")]
-fn launch(x: &Tensor, experts: &[QExpertRows<'_>], x_once: bool) -> Result<Tensor> {
+fn launch(x: &Tensor, experts: &[QExpertRows<'_>], gemm: &[bool], x_once: bool) -> Result<Tensor> {
     let x = if crate::util::aligned16(x.layout(), x.dtype()) && x.is_contiguous() {
         x.clone()
     } else {
         x.force_contiguous()?
     };
-    let out = {
+    let rows: Vec<usize> = experts.iter().map(|e| e.rows).collect();
+    let chunks = row_chunks(&rows, gemm);
+    // The grouped kernels' experts (one expert goes by value, with no table of chunks).
+    let grouped = if experts.len() == 1 {
+        !gemm[0]
+    } else {
+        !chunks.is_empty()
+    };
+    let out = if grouped {
         let (s, l) = x.storage_and_layout();
         let candle_core::Storage::Cuda(s) = &*s else {
             candle_core::bail!("qexperts_rows: x is not on a GPU")
         };
         let weights: Vec<[&QTensor; 3]> = experts.iter().map(|e| [e.gate, e.up, e.down]).collect();
-        let chunks = row_chunks(&experts.iter().map(|e| e.rows).collect::<Vec<_>>());
-        crate::linear::rows_cuda::qlinear_rows_experts(
+        let out = crate::linear::rows_cuda::qlinear_rows_experts(
             (s, l),
             &weights,
             &chunks,
             ROWS_CHUNK,
             x_once,
-        )?
+        )?;
+        Tensor::from_storage(
+            candle_core::Storage::Cuda(out),
+            x.shape().clone(),
+            candle_core::op::BackpropOp::none(),
+            false,
+        )
+    } else {
+        x.zeros_like()?
     };
-    Ok(Tensor::from_storage(
-        candle_core::Storage::Cuda(out),
-        x.shape().clone(),
-        candle_core::op::BackpropOp::none(),
-        false,
-    ))
+    // The rest, each expert's rows written over its part of the output (which the grouped
+    // launches left alone).
+    if gemm.iter().any(|&g| g) {
+        let dtype = if x.dtype() == DType::F16 {
+            DType::F16
+        } else {
+            DType::BF16
+        };
+        let x16 = x.to_dtype(dtype)?;
+        let mut at = 0;
+        for (e, &g) in experts.iter().zip(gemm) {
+            if g {
+                let _span = tracing::trace_span!("qexperts_rows.gemm", rows = e.rows).entered();
+                let xe = x16.narrow(0, at, e.rows)?;
+                let gate = crate::gemm::gemm_dequantized(&xe, e.gate)?;
+                let up = crate::gemm::gemm_dequantized(&xe, e.up)?;
+                let act = crate::activation::silu_mul(&gate, &up)?;
+                let y = crate::gemm::gemm_dequantized(&act, e.down)?;
+                out.slice_set(&y.to_dtype(x.dtype())?, 0, at)?;
+            }
+            at += e.rows;
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn launch(_x: &Tensor, _experts: &[QExpertRows<'_>], _x_once: bool) -> Result<Tensor> {
+fn launch(
+    _x: &Tensor,
+    _experts: &[QExpertRows<'_>],
+    _gemm: &[bool],
+    _x_once: bool,
+) -> Result<Tensor> {
     candle_core::bail!("qexperts_rows: needs a build with `--features cuda`")
 }
 
 /// The chunks of the sorted rows: `[expert, first row, rows, 0]`, at most [`ROWS_CHUNK`] rows
-/// each, expert by expert.
+/// each, expert by expert, none for the experts `skip` marks (their rows are still counted).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn row_chunks(rows: &[usize]) -> Vec<[u32; 4]> {
+pub(crate) fn row_chunks(rows: &[usize], skip: &[bool]) -> Vec<[u32; 4]> {
     let mut out = Vec::new();
     let mut at = 0usize;
     for (e, &n) in rows.iter().enumerate() {
         let mut c = 0;
-        while c < n {
+        while c < n && !skip.get(e).copied().unwrap_or(false) {
             let m = ROWS_CHUNK.min(n - c);
             out.push([e as u32, (at + c) as u32, m as u32, 0]);
             c += m;
@@ -139,7 +197,7 @@ mod tests {
 
     #[test]
     fn chunks_cover_each_experts_rows_in_order() {
-        let chunks = row_chunks(&[3, 0, 17, 8]);
+        let chunks = row_chunks(&[3, 0, 17, 8], &[]);
         assert_eq!(
             chunks,
             vec![
@@ -150,7 +208,53 @@ mod tests {
                 [3, 20, 8, 0]
             ]
         );
-        assert!(row_chunks(&[]).is_empty());
+        assert!(row_chunks(&[], &[]).is_empty());
+        // The skipped experts' rows still count towards the next ones' first rows.
+        assert_eq!(
+            row_chunks(&[3, 0, 17, 8], &[false, false, true, false]),
+            vec![[0, 0, 3, 0], [3, 20, 8, 0]]
+        );
+        assert!(row_chunks(&[5], &[true]).is_empty());
+    }
+
+    #[test]
+    fn gemm_takes_experts_from_the_tuned_rows() -> Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let w = |n: usize, k: usize, t| -> Result<QTensor> {
+            QTensor::quantize(&Tensor::zeros((n, k), DType::F32, &dev)?, t)
+        };
+        use candle_core::quantized::GgmlDType as G;
+        let (g, u, d) = (
+            w(256, 256, G::Q4K)?,
+            w(256, 256, G::Q4K)?,
+            w(256, 256, G::Q6K)?,
+        );
+        let at = |rows| QExpertRows {
+            gate: &g,
+            up: &u,
+            down: &d,
+            rows,
+        };
+        let mut t = KernelTuning {
+            experts_gemm_min_rows: 32,
+            ..KernelTuning::default()
+        };
+        assert!(
+            !qexperts_rows_gemm_takes(&at(31), &t)
+                && qexperts_rows_gemm_takes(&at(32), &t)
+                && qexperts_rows_gemm_takes(&at(500), &t)
+        );
+        t.experts_gemm_min_rows = 0;
+        assert!(!qexperts_rows_gemm_takes(&at(500), &t));
+        // A block type without the dequantizing kernel stays with the grouped kernels.
+        let q2 = w(256, 256, G::Q2K)?;
+        t.experts_gemm_min_rows = 1;
+        let odd = QExpertRows {
+            down: &q2,
+            ..at(100)
+        };
+        assert!(!qexperts_rows_gemm_takes(&odd, &t));
+        Ok(())
     }
 
     #[test]

@@ -25,7 +25,8 @@ const ROWS_PER_WARP: usize = 2;
 
 /// x's rows (sorted by expert) through `experts`' MLPs (gate, up, down each), each `[expert,
 /// first row, rows, 0]` of `chunks` (at most `chunk_rows` rows, the kernels' ROWS_CHUNK_MAX)
-/// one block of threads' work; `x_once`: each projection's input quantized once for all rows,
+/// one block of threads' work, the output's rows no chunk holds left unwritten (with more
+/// than one expert; one expert's rows are all its); `x_once`: each projection's input quantized once for all rows,
 /// not by every block of threads.
 pub(crate) fn qlinear_rows_experts(
     (x, xl): (&CudaStorage, &Layout),
@@ -89,9 +90,11 @@ pub(crate) fn qlinear_rows_experts(
         };
         let x = view(x, xl, "x")?;
         // SAFETY: uninitialised device memory on the device's stream: `rows` rows of `inter`
-        // columns, each row written by the chunk that holds it in the SwiGLU launch (the
-        // chunks cover every row once, the grid every column), before the down launch reads
-        // them; then `rows` rows of `hidden` by the down launch.
+        // columns, each row a chunk holds written by it in the SwiGLU launch (the grid covers
+        // every column) before the down launch reads the same chunks' rows; then `rows` rows
+        // of `hidden`, the chunks' rows written by the down launch. Rows no chunk holds (an
+        // expert `qexperts_rows` takes through cuBLAS) are never read here; the caller writes
+        // them in the output before it returns it.
         let act = unsafe { dev.alloc::<T>(rows * inter) }?;
         launch(
             dev,

@@ -80,7 +80,10 @@ impl AttentionSpec {
     }
 }
 
+/// One attention layer's projections of q, k and v: built once with the layer and never
+/// moved after, so the separate form's size is not worth a box.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Qkv {
     Separate { q: Linear, k: Linear, v: Linear },
     Fused(Linear),

@@ -16,8 +16,8 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_offload::kernels::linear::cpu_experts::{kquant_batch, Rows};
 use candle_offload::kernels::linear::cpu_quant::KQUANT_MAX_ROWS;
 use candle_offload::kernels::linear::{
-    qexperts_row, qexperts_row_fits, qexperts_rows, qexperts_rows_fits, ExpertTable, QExpert,
-    QExpertRows, RoutedShape,
+    combine_rows, qexperts_row, qexperts_row_fits, qexperts_rows, qexperts_rows_fits, ExpertTable,
+    QExpert, QExpertRows, RoutedShape, NO_SLOT,
 };
 
 use super::linear::{Linear, LinearWeight};
@@ -611,8 +611,9 @@ impl SparseMoe {
 
     /// Several rows' experts through the grouped kernels ([`qexperts_rows`]), where every one
     /// is a SiLU-gated MLP of GGML blocks they take: the rows gathered in expert order
-    /// (`ids`, every group's rows concatenated), each expert's through its MLP, weighted
-    /// (`ws`, `(ids, 1)`) and added into their rows in that order; `None` otherwise.
+    /// (`ids`, every group's rows concatenated), each expert's through its MLP, then each row's
+    /// outputs weighted (`ws`, `(ids, 1)`) and summed back into it ([`combine_rows`]; a
+    /// single expert's added into their rows); `None` otherwise.
     fn grouped_rows(
         x2: &Tensor,
         groups: &[ExpertRows<'_>],
@@ -637,9 +638,16 @@ impl SparseMoe {
         }
         let xs = x2.index_select(ids, 0)?;
         let y = qexperts_rows(&xs, &experts, tuning)?;
-        let y = y.broadcast_mul(&ws.to_dtype(y.dtype())?)?;
-        let out = x2.zeros_like()?.to_dtype(y.dtype())?;
-        out.index_add(ids, &y, 0).map(Some)
+        if groups.len() == 1 {
+            // A streamed expert's, one at a time: its weights are already on the device (a
+            // table copied from pageable memory would wait for the stream), and its rows
+            // are few to add.
+            let y = y.broadcast_mul(&ws.to_dtype(y.dtype())?)?;
+            let out = x2.zeros_like()?.to_dtype(y.dtype())?;
+            return out.index_add(ids, &y, 0).map(Some);
+        }
+        let (slots, weights, k) = combine_table(x2.dim(0)?, groups.iter().map(|(g, _)| *g));
+        combine_rows(&y, &slots, &weights, k).map(Some)
     }
 
     /// One row's experts through the grouped kernels ([`qexperts_row`]), where every one is a
@@ -866,6 +874,35 @@ fn groups_blocks<'a>(
         .map(|(_, e)| separate_blocks(&e.mlp).map(|[g, u, d]| [&**g, &**u, &**d]))
         .collect::<Option<Vec<_>>>()?;
     Some((blocks, first.mlp.down.tuning()))
+}
+
+/// [`combine_rows`]'s table for `rows` rows and `groups` (each expert's rows and weights, in
+/// the order their outputs are stacked): each row's copies' positions and weights, as many
+/// slots a row as the most copies any row has ([`NO_SLOT`] fills the rest).
+fn combine_table<'a>(
+    rows: usize,
+    groups: impl Iterator<Item = &'a (Vec<u32>, Vec<f32>)> + Clone,
+) -> (Vec<u32>, Vec<f32>, usize) {
+    let mut count = vec![0usize; rows];
+    for (ids, _) in groups.clone() {
+        for &r in ids {
+            count[r as usize] += 1;
+        }
+    }
+    let k = count.iter().copied().max().unwrap_or(0).max(1);
+    let (mut slots, mut weights) = (vec![NO_SLOT; rows * k], vec![0f32; rows * k]);
+    count.iter_mut().for_each(|c| *c = 0);
+    let mut at = 0u32;
+    for (ids, ws) in groups {
+        for (&r, &w) in ids.iter().zip(ws) {
+            let r = r as usize;
+            slots[r * k + count[r]] = at;
+            weights[r * k + count[r]] = w;
+            count[r] += 1;
+            at += 1;
+        }
+    }
+    (slots, weights, k)
 }
 
 /// The most rows a step reads back with its routers' logits for the host CPU's experts
