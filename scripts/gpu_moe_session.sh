@@ -34,7 +34,8 @@
 # Where a decode step's host time goes (`bash scripts/gpu_moe_session.sh spans BUDGETS`, carry
 #   .gpu/bench_generate.xz; the Q8_0 file written): ours alone at each budget with -vv and the
 #   mixture-of-experts layers' spans (route and its wait for the device, guess, place, device,
-#   to_host, host, merge), then scripts/span_times.py over the decode rows ->
+#   to_host, host, merge), then scripts/span_times.py over the decode rows (PROMPT_LEN=512
+#   MATCH_ROWS=512: over a 512-token prompt's layers instead, the untimed one's and the timed one's) ->
 #   spans-ROUTING-BUDGET.json (a diagnostic, not a row; SPLIT, NO_PREFETCH and ROUTE as for bench).
 #   SPANS_LOG replaces the log filter, e.g. adding `candle_offload=debug` for the runtime's
 #   own spans inside `place` (offload.acquire, offload.h2d, offload.evict).
@@ -134,15 +135,15 @@ case "$1" in
     while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 5; done
     [[ -f $f ]] || { echo "no $f (write first)"; exit 1; }
     for b in ${2//,/ }; do
-      name="spans-$ROUTING-${b}gib${SPLIT:+-split-$SPLIT}${NO_PREFETCH:+-no-prefetch}${GUESS:+-guess$GUESS}${ROUTE:+-route-$ROUTE}"
+      name="spans-$ROUTING-${b}gib${PROMPT_LEN:+-p$PROMPT_LEN}${SPLIT:+-split-$SPLIT}${NO_PREFETCH:+-no-prefetch}${GUESS:+-guess$GUESS}${ROUTE:+-route-$ROUTE}"
       el "$name"
       (cd /tmp && RUST_LOG="${SPANS_LOG:-warn,candle_offload_models::layers::moe=debug}" timeout "${BENCH_S:-200}" \
         /tmp/bin/bench_generate --model-dir "$f" --quantized --weights "$name" --budgets "$b" \
-        --prompt-lens 64 --new-tokens "${NEW_TOKENS:-16}" --expert-split "${SPLIT:-auto}" \
+        --prompt-lens "${PROMPT_LEN:-64}" --new-tokens "${NEW_TOKENS:-16}" --expert-split "${SPLIT:-auto}" \
         --expert-prefetch ${NO_PREFETCH:+false} ${GUESS:+--expert-guess-layers $GUESS} \
         --expert-route "${ROUTE:-auto}" -vv --json-out "$OUT/$name-bench.json") > "$OUT/$name.log" 2>&1
       echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:" "$OUT/$name.log" | tail -4
-      python3 "$R/scripts/span_times.py" "$OUT/$name.log" --parent moe.layer --match "rows=1}" \
+      python3 "$R/scripts/span_times.py" "$OUT/$name.log" --parent moe.layer --match "rows=${MATCH_ROWS:-1}}" \
         --json "$FINAL/$name.json"
       xz -T4 "$OUT/$name.log"
     done
