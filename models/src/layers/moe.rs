@@ -1174,4 +1174,26 @@ mod tests {
         assert_eq!(g[&1], (vec![0, 1], vec![0.4, 0.9]));
         assert_eq!(g[&3], (vec![0], vec![0.6]));
     }
+
+    #[test]
+    fn combine_table_gives_each_row_its_copies_positions() {
+        // Rows 0-3; expert groups stacked in order: [0, 2] then [2] then [0, 1, 2].
+        let groups = [
+            (vec![0u32, 2], vec![0.5f32, 0.25]),
+            (vec![2], vec![0.125]),
+            (vec![0, 1, 2], vec![0.75, 1.0, 2.0]),
+        ];
+        let (slots, weights, k) = combine_table(4, groups.iter());
+        // Row 2 has the most copies (3): every row gets three slots.
+        assert_eq!(k, 3);
+        let n = NO_SLOT;
+        assert_eq!(slots, [0, 3, n, 4, n, n, 1, 2, 5, n, n, n]);
+        assert_eq!(
+            weights,
+            [0.5, 0.75, 0.0, 1.0, 0.0, 0.0, 0.25, 0.125, 2.0, 0.0, 0.0, 0.0]
+        );
+        // No copies at all: one empty slot a row.
+        let (slots, _, k) = combine_table(2, std::iter::empty());
+        assert_eq!((k, slots), (1, vec![n, n]));
+    }
 }
