@@ -167,13 +167,7 @@ fn qexperts_rows_match_each_row_alone_with(
     let (hidden, inter) = (256usize, 512usize);
     let rows_of = [3usize, 0, 8, 19, 1, 9, 16, 2, 7, 0, 5, 11];
     let x_once = tun.experts_rows_x_once;
-    for (t, &(gt, dt)) in [
-        (GgmlDType::Q8_0, GgmlDType::Q8_0),
-        (GgmlDType::Q4K, GgmlDType::Q6K),
-    ]
-    .iter()
-    .enumerate()
-    {
+    for (t, &(gt, dt)) in ROWS_TYPES.iter().enumerate() {
         let weights = random_experts(
             rows_of.len(),
             (hidden, inter),
@@ -181,16 +175,7 @@ fn qexperts_rows_match_each_row_alone_with(
             7000 + 100 * t as u64,
             device,
         )?;
-        let experts: Vec<linear::QExpertRows<'_>> = weights
-            .iter()
-            .zip(rows_of)
-            .map(|([g, u, d], rows)| linear::QExpertRows {
-                gate: g,
-                up: u,
-                down: d,
-                rows,
-            })
-            .collect();
+        let experts = expert_rows(&weights, &rows_of);
         let n: usize = rows_of.iter().sum();
         for dtype in DTYPES {
             let what = format!("qexperts_rows {gt:?}/{dt:?} {dtype:?}, x once {x_once}");
@@ -239,6 +224,27 @@ fn qexperts_rows_match_each_row_alone_with(
     Ok(())
 }
 
+/// The (gate, up) and down block types the prompt-rows tests run: Q8_0's kernels, and the
+/// K-quants' of Q4_K_M.
+const ROWS_TYPES: [(GgmlDType, GgmlDType); 2] = [
+    (GgmlDType::Q8_0, GgmlDType::Q8_0),
+    (GgmlDType::Q4K, GgmlDType::Q6K),
+];
+
+/// Each expert of `weights` with its count of the sorted rows.
+fn expert_rows<'a>(weights: &'a [[QTensor; 3]], rows_of: &[usize]) -> Vec<linear::QExpertRows<'a>> {
+    weights
+        .iter()
+        .zip(rows_of)
+        .map(|([g, u, d], &rows)| linear::QExpertRows {
+            gate: g,
+            up: u,
+            down: d,
+            rows,
+        })
+        .collect()
+}
+
 /// `qexperts_rows` with `experts_gemm_min_rows`: the experts with that many rows through 16-bit
 /// weights and cuBLAS, within 1e-2 of their MLP in F32 over the dequantized weights; the others
 /// bit for bit what the grouped kernels give with the switch off (one expert alone too).
@@ -249,13 +255,7 @@ fn qexperts_rows_gemm_matches_the_dequantized_mlp(device: &Device) -> anyhow::Re
     let (hidden, inter) = (256usize, 512usize);
     let rows_of = [70usize, 3, 0, 130, 9, 64];
     let heavy = |r: usize| r >= 64;
-    for (t, &(gt, dt)) in [
-        (GgmlDType::Q8_0, GgmlDType::Q8_0),
-        (GgmlDType::Q4K, GgmlDType::Q6K),
-    ]
-    .iter()
-    .enumerate()
-    {
+    for (t, &(gt, dt)) in ROWS_TYPES.iter().enumerate() {
         let weights = random_experts(
             rows_of.len(),
             (hidden, inter),
@@ -263,16 +263,7 @@ fn qexperts_rows_gemm_matches_the_dequantized_mlp(device: &Device) -> anyhow::Re
             8000 + 100 * t as u64,
             device,
         )?;
-        let experts: Vec<linear::QExpertRows<'_>> = weights
-            .iter()
-            .zip(rows_of)
-            .map(|([g, u, d], rows)| linear::QExpertRows {
-                gate: g,
-                up: u,
-                down: d,
-                rows,
-            })
-            .collect();
+        let experts = expert_rows(&weights, &rows_of);
         let n: usize = rows_of.iter().sum();
         for x_once in [false, true] {
             let mut on = KernelTuning::default();
