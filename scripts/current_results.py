@@ -775,9 +775,15 @@ def render_benchmarks(rows):
             "older (the writer before that fix, greedy tokens that repeat, so hit rates higher "
             "than the routing alone gives). The uniform rows ran the fixed writer's file "
             "(`475e7a4`) with random decode tokens, as llama-bench feeds: every layer's hit rate "
-            "is close to its slots' share of 128 experts; at 8 and 12 GiB (hit rates 69% and "
-            "83%) on a host that read 54 GB/s, where the physical bound was 34 and 40 tok/s, of "
-            "which ours reached 63% and 67%.",
+            "is close to its slots' share of 128 experts. At 8 GiB (`457d2cd`) the physical "
+            "bound (the host bytes a token reads over the host's read rate) was 52.7 and 48.0 "
+            "tok/s at prompts 64 and 512, only 1.46x and 1.28x llama.cpp's, and ours reached "
+            "67% and 53% of it. A 512-token prompt's bound, from the same records (every "
+            "expert of a layer used; the bytes of those past the cache's slots over the link's "
+            "measured 55 GB/s): uniform Q8_0 8 GiB 1,153 tok/s, skewed Q8_0 8 GiB 1,116, "
+            "skewed Q4_K_M 8 GiB 2,344 and 12 GiB 3,699 (at each host's measured read rate, 81-92 GB/s: "
+            "1,917, 1,635, 3,581 and 5,468), so 3x llama.cpp's prefill is beyond the "
+            "Q4_K_M 12 GiB row's either way.",
             "",
             "| model | weights | budget | prompt | decode tok/s, ours / llama.cpp | x | prefill tok/s, ours / llama.cpp | x | peak MiB (budget) | measured |",
             "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | --- |",
