@@ -71,16 +71,24 @@ pub fn qlinear_prefill(x: &Tensor, w: &QTensor, tuning: &KernelTuning) -> Result
         candle_core::bail!("qlinear_prefill: x is {k} wide, the weight {wk}");
     }
     let _span = tracing::trace_span!("qlinear_prefill", rows, n, k).entered();
-    let dtype = if x.dtype() == DType::F16 {
-        DType::F16
-    } else {
-        DType::BF16
-    };
-    let xg = x.reshape((rows, k))?.to_dtype(dtype)?.contiguous()?;
+    let xg = x
+        .reshape((rows, k))?
+        .to_dtype(gemm_dtype(x.dtype()))?
+        .contiguous()?;
     let y = gemm_dequantized(&xg, w)?;
     let mut out = x.dims().to_vec();
     *out.last_mut().expect("x has a last dim") = n;
     Ok(Some(y.to_dtype(x.dtype())?.reshape(out)?))
+}
+
+/// The 16-bit dtype [`gemm_dequantized`] runs x of `dtype` in: F16 for F16, BF16 for BF16 and
+/// F32 (whose values may exceed F16's range).
+pub(crate) fn gemm_dtype(dtype: DType) -> DType {
+    if dtype == DType::F16 {
+        DType::F16
+    } else {
+        DType::BF16
+    }
 }
 
 /// x (rows × k, F16 or BF16, contiguous, on a GPU) times wᵀ (w n × k of a block type

@@ -139,26 +139,20 @@ fn launch(x: &Tensor, experts: &[QExpertRows<'_>], gemm: &[bool], x_once: bool) 
     };
     // The rest, each expert's rows written over its part of the output (which the grouped
     // launches left alone).
-    if gemm.iter().any(|&g| g) {
-        let dtype = if x.dtype() == DType::F16 {
-            DType::F16
-        } else {
-            DType::BF16
-        };
-        let x16 = x.to_dtype(dtype)?;
-        let mut at = 0;
-        for (e, &g) in experts.iter().zip(gemm) {
-            if g {
-                let _span = tracing::trace_span!("qexperts_rows.gemm", rows = e.rows).entered();
-                let xe = x16.narrow(0, at, e.rows)?;
-                let gate = crate::gemm::gemm_dequantized(&xe, e.gate)?;
-                let up = crate::gemm::gemm_dequantized(&xe, e.up)?;
-                let act = crate::activation::silu_mul(&gate, &up)?;
-                let y = crate::gemm::gemm_dequantized(&act, e.down)?;
-                out.slice_set(&y.to_dtype(x.dtype())?, 0, at)?;
-            }
-            at += e.rows;
+    let mut at = 0;
+    for (e, &g) in experts.iter().zip(gemm) {
+        if g {
+            let _span = tracing::trace_span!("qexperts_rows.gemm", rows = e.rows).entered();
+            let xe = x
+                .narrow(0, at, e.rows)?
+                .to_dtype(crate::gemm::gemm_dtype(x.dtype()))?;
+            let gate = crate::gemm::gemm_dequantized(&xe, e.gate)?;
+            let up = crate::gemm::gemm_dequantized(&xe, e.up)?;
+            let act = crate::activation::silu_mul(&gate, &up)?;
+            let y = crate::gemm::gemm_dequantized(&act, e.down)?;
+            out.slice_set(&y.to_dtype(x.dtype())?, 0, at)?;
         }
+        at += e.rows;
     }
     Ok(out)
 }
@@ -180,8 +174,8 @@ pub(crate) fn row_chunks(rows: &[usize], skip: &[bool]) -> Vec<[u32; 4]> {
     let mut out = Vec::new();
     let mut at = 0usize;
     for (e, &n) in rows.iter().enumerate() {
-        let mut c = 0;
-        while c < n && !skip.get(e).copied().unwrap_or(false) {
+        let mut c = if skip.get(e) == Some(&true) { n } else { 0 };
+        while c < n {
             let m = ROWS_CHUNK.min(n - c);
             out.push([e as u32, (at + c) as u32, m as u32, 0]);
             c += m;

@@ -26,8 +26,8 @@ const ROWS_PER_WARP: usize = 2;
 /// x's rows (sorted by expert) through `experts`' MLPs (gate, up, down each), each `[expert,
 /// first row, rows, 0]` of `chunks` (at most `chunk_rows` rows, the kernels' ROWS_CHUNK_MAX)
 /// one block of threads' work, the output's rows no chunk holds left unwritten (with more
-/// than one expert; one expert's rows are all its); `x_once`: each projection's input quantized once for all rows,
-/// not by every block of threads.
+/// than one expert; one expert's rows are all its); `x_once`: each projection's input
+/// quantized once for all rows, not by every block of threads.
 pub(crate) fn qlinear_rows_experts(
     (x, xl): (&CudaStorage, &Layout),
     experts: &[[&QTensor; 3]],
