@@ -481,16 +481,19 @@ test_device!(
     moe_expert_tier_splits_and_keeps_the_logits_gpu
 );
 
-/// The host's rate for missing experts, the split's price of a decode miss, is sampled only
-/// from decode placements: a prompt's host experts compute many rows in the time the split
-/// prices as one read of their weights, and a rate sampled there made every later decode
-/// miss go over the link. Through the prompt the rate stays the starting one (the link's);
-/// decode steps that run experts on the host measure it. GPU only: on a CPU device the
-/// host's experts run in the device's own pass, and no rate is measured.
+/// The host's two rates for missing experts, the split's prices, each come from its own
+/// steps: a decode miss's read from decode placements, a prompt's expert of many rows from
+/// prompts' (a prompt's host experts compute many rows in the time a decode row reads their
+/// weights once). A rate sampled from the other kind of step mispriced every later step of
+/// this one. Through the prompt the decode rate stays the starting one (the link's) and the
+/// prompt's is measured; decode steps that run experts on the host measure theirs and leave
+/// the prompt's alone. GPU only: on a CPU device the host's experts run in the device's own
+/// pass, and no rate is measured.
 #[cfg(feature = "cuda")]
 #[test]
-fn moe_host_rate_comes_from_decode_steps_gpu() -> anyhow::Result<()> {
+fn moe_host_rates_come_from_their_own_steps_gpu() -> anyhow::Result<()> {
     use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertRoute, ExpertSplit};
+    use candle_offload::kernels::linear::cpu_quant::KQUANT_MAX_ROWS;
     let device = &Device::new_cuda_with_stream(0)?;
     let dir = fixtures()?;
     let files = loader::from_gguf(&dir.join("qwen3_moe.q8_0.gguf"))?;
@@ -504,6 +507,11 @@ fn moe_host_rate_comes_from_decode_steps_gpu() -> anyhow::Result<()> {
     anyhow::ensure!(
         s.host_bytes_per_s == s.link_bytes_per_s,
         "the prompt's host experts priced a decode read: {s:?}"
+    );
+    let start = s.link_bytes_per_s * KQUANT_MAX_ROWS as f64;
+    anyhow::ensure!(
+        s.on_host > 0 && s.host_row_bytes_per_s != start && s.host_row_bytes_per_s > 0.0,
+        "the prompt's host experts measured no rate of their own: {s:?}"
     );
     for (k, &t) in p[12..].iter().enumerate() {
         m.forward(
@@ -520,6 +528,10 @@ fn moe_host_rate_comes_from_decode_steps_gpu() -> anyhow::Result<()> {
     anyhow::ensure!(
         d.host_bytes_per_s != d.link_bytes_per_s && d.host_bytes_per_s > 0.0,
         "the decode steps' host experts measured no rate: {d:?}"
+    );
+    anyhow::ensure!(
+        d.host_row_bytes_per_s == s.host_row_bytes_per_s,
+        "the decode steps priced a prompt's rows: {d:?}"
     );
     Ok(())
 }

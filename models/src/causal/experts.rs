@@ -39,6 +39,32 @@ const HOST_RATE_SMOOTHING: f64 = 0.1;
 /// computed none of them, the next one puts one miss on the host to measure its rate again.
 const HOST_RATE_PROBE_PLACEMENTS: u32 = 256;
 
+/// The experts one [`ExpertUnits::place`] left to the host CPU.
+#[derive(Debug, Clone, Copy, Default)]
+struct HostWork {
+    /// Their host bytes.
+    bytes: u64,
+    /// Each one's host bytes times its rows, summed.
+    row_bytes: u64,
+    /// A decode step's (one row each).
+    decode: bool,
+}
+
+/// The host CPU's seconds for a missing expert of `bytes` with `rows` rows: a decode row's
+/// read at `read_rate` (bytes a second), read again for every [`HOST_ROWS_PER_READ`] rows;
+/// with more rows than one, no less than its compute at `row_rate` (bytes times rows a
+/// second, measured on prompts).
+fn host_seconds(bytes: u64, rows: usize, read_rate: f64, row_rate: f64) -> f64 {
+    let b = bytes as f64;
+    let reads = rows.div_ceil(HOST_ROWS_PER_READ).max(1) as f64;
+    let read = b * reads / read_rate;
+    if rows > 1 {
+        read.max(b * rows as f64 / row_rate)
+    } else {
+        read
+    }
+}
+
 /// One runtime's expert units (see the module docs).
 pub(crate) struct RuntimeExperts<'a> {
     pub(crate) rt: &'a OffloadRuntime,
@@ -120,8 +146,11 @@ pub struct ExpertStats {
     pub route_step_s: [Option<f64>; 2],
     /// Host bytes those reads and copies took: the fetched experts' and the host's.
     pub host_bytes: u64,
-    /// The host CPU's rate on its experts, bytes a second (running average).
+    /// The host CPU's rate on a decode row's experts, bytes a second (running average).
     pub host_bytes_per_s: f64,
+    /// The host CPU's rate on a prompt's experts, each one's bytes times its rows, a second
+    /// (running average).
+    pub host_row_bytes_per_s: f64,
     /// The link's rate the split is priced at, bytes a second.
     pub link_bytes_per_s: f64,
 }
@@ -133,8 +162,9 @@ impl std::fmt::Display for ExpertStats {
             f,
             "expert cache: hit rate {:.1}%; routed experts resident {}, fetched {}, streamed {}, \
              on the host CPU {}, read by the device from host memory {} ({} not admitted), \
-             prefetched {} ({} used); {:.2} GiB read from host memory; host {:.1} GB/s, link \
-             {:.1} GB/s; {} layer rows routed on the device",
+             prefetched {} ({} used); {:.2} GiB read from host memory; host {:.1} GB/s (a \
+             prompt's {:.1} GB times rows a second), link {:.1} GB/s; {} layer rows routed on \
+             the device",
             100.0 * self.hit_rate(),
             self.resident,
             self.fetched,
@@ -146,6 +176,7 @@ impl std::fmt::Display for ExpertStats {
             self.prefetch_used,
             self.host_bytes as f64 / 2f64.powi(30),
             self.host_bytes_per_s / 1e9,
+            self.host_row_bytes_per_s / 1e9,
             self.link_bytes_per_s / 1e9,
             self.device_routed,
         )?;
@@ -191,10 +222,9 @@ struct TierState {
     /// What the tier did; its per-layer counters and slots are the cache's
     /// ([`ExpertTier::stats`]).
     stats: ExpertStats,
-    /// Per layer, the host bytes of the experts the last decode [`ExpertUnits::place`] left
-    /// there (0 after a prompt's: a prompt's rows make the host compute, not read, and its
-    /// time would price a decode row's read too high).
-    placed_host_bytes: Vec<u64>,
+    /// Per layer, what the last [`ExpertUnits::place`] left to the host: the rate its time
+    /// measures is a decode row's or a prompt's.
+    placed_host: Vec<HostWork>,
     /// Puts a decode miss on the host now and then where the split has left none there.
     host_probe: HostRateProbe,
     /// The experts' copies issued to the device (fetches and prefetches, in the copy
@@ -396,10 +426,12 @@ impl ExpertTier {
                     // The host's rate is unknown until it has computed experts: priced as the
                     // link's, so that the first steps split evenly and measure it.
                     host_bytes_per_s: sizing.link_bytes_per_s,
+                    // A prompt's expert of `HOST_ROWS_PER_READ` rows priced as its fetch.
+                    host_row_bytes_per_s: sizing.link_bytes_per_s * HOST_ROWS_PER_READ as f64,
                     link_bytes_per_s: sizing.link_bytes_per_s,
                     ..Default::default()
                 },
-                placed_host_bytes: vec![0; x.sparse.len()],
+                placed_host: vec![HostWork::default(); x.sparse.len()],
                 host_probe: HostRateProbe::new(HOST_RATE_PROBE_PLACEMENTS),
                 in_flight: Default::default(),
                 routers: vec![None; x.sparse.len()],
@@ -490,15 +522,17 @@ impl SplitExperts<'_> {
         } else if !self.tier.host_compute {
             vec![true; missing.len()]
         } else {
-            let (host_rate, link_rate) = (st.stats.host_bytes_per_s, st.stats.link_bytes_per_s);
+            let stats = &st.stats;
             let costs: Vec<(f64, f64)> = missing
                 .iter()
                 .zip(&bytes)
                 .map(|(&(_, rows), &b)| {
-                    let reads = rows.div_ceil(HOST_ROWS_PER_READ).max(1) as f64;
-                    (b as f64 * reads / host_rate, b as f64 / link_rate)
+                    let host =
+                        host_seconds(b, rows, stats.host_bytes_per_s, stats.host_row_bytes_per_s);
+                    (host, b as f64 / stats.link_bytes_per_s)
                 })
                 .collect();
+            let link_rate = st.stats.link_bytes_per_s;
             let busy = self.link_queued_bytes(st)? as f64 / link_rate;
             split_missing(&costs, busy)
         };
@@ -770,9 +804,12 @@ impl ExpertUnits for SplitExperts<'_> {
             .collect();
         let (mut fetched, mut streamed) = (0u64, 0u64);
         let mut host_bytes = 0u64;
-        let mut on_host_bytes = 0u64;
+        let mut on_host = HostWork {
+            decode,
+            ..Default::default()
+        };
         for ((&i, &f), &bytes) in missing.iter().zip(&fetch).zip(&bytes) {
-            let (e, _) = routed[i];
+            let (e, rows) = routed[i];
             host_bytes += bytes;
             if f {
                 if self.admit(&mut st, layer, e, &protect)? {
@@ -790,15 +827,16 @@ impl ExpertUnits for SplitExperts<'_> {
                     continue;
                 }
             }
-            on_host_bytes += bytes;
+            on_host.bytes += bytes;
+            on_host.row_bytes += bytes * rows as u64;
         }
         st.stats.resident += resident as u64;
         st.stats.fetched += fetched;
         st.stats.streamed += streamed;
         st.stats.on_host += (missing.len() as u64).saturating_sub(fetched + streamed);
         st.stats.host_bytes += host_bytes;
-        if let Some(b) = st.placed_host_bytes.get_mut(layer) {
-            *b = if decode { on_host_bytes } else { 0 };
+        if let Some(w) = st.placed_host.get_mut(layer) {
+            *w = on_host;
         }
         drop(st);
         // The device's first (their copies and kernels queue while the host works).
@@ -963,10 +1001,15 @@ impl ExpertUnits for SplitExperts<'_> {
         let Ok(mut st) = self.tier.state.lock() else {
             return;
         };
-        let bytes = st.placed_host_bytes.get(layer).copied().unwrap_or(0);
-        if bytes > 0 && seconds > 0.0 {
-            let rate = bytes as f64 / seconds;
-            let r = &mut st.stats.host_bytes_per_s;
+        let work = st.placed_host.get(layer).copied().unwrap_or_default();
+        // A decode row's time measures the host's reads; a prompt's, its compute over rows.
+        let (done, r) = if work.decode {
+            (work.bytes, &mut st.stats.host_bytes_per_s)
+        } else {
+            (work.row_bytes, &mut st.stats.host_row_bytes_per_s)
+        };
+        if done > 0 && seconds > 0.0 {
+            let rate = done as f64 / seconds;
             *r = (1.0 - HOST_RATE_SMOOTHING) * *r + HOST_RATE_SMOOTHING * rate;
         }
     }
@@ -987,5 +1030,24 @@ impl StageExperts<'_> {
             Self::Runtime(r) => r,
             Self::Split(s) => s,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prompts_expert_is_priced_at_the_slower_of_its_reads_and_its_rows() {
+        let (b, read, row) = (1_000_000u64, 1e9, 2e9);
+        // One row: a read.
+        assert_eq!(host_seconds(b, 1, read, row), 1e-3);
+        // Few rows on a host that computes them fast: one read still.
+        assert_eq!(host_seconds(b, 2, read, 1e12), 1e-3);
+        // Many rows: their compute, b * rows / row rate.
+        assert_eq!(host_seconds(b, 10, read, row), 5e-3);
+        // More rows than a read serves, on a fast compute: a read per group of rows.
+        let groups = 17usize.div_ceil(HOST_ROWS_PER_READ) as f64;
+        assert_eq!(host_seconds(b, 17, read, 1e15), groups * 1e-3);
     }
 }
