@@ -120,7 +120,7 @@ mod tests {
     #[test]
     fn every_variable_reaches_its_key() {
         let values = [
-            "v2", "0", "2", "1", "4", "2", "off", "128", "false", "1", "0", "on", "32", "3", "0",
+            "v2", "0", "2", "1", "4", "2", "off", "128", "false", "1", "0", "off", "32", "3", "0",
             "on", "0", "4", "16",
         ];
         let pairs: Vec<(&str, &str)> = TUNING_VARS
@@ -139,7 +139,7 @@ mod tests {
         assert_eq!(k.prefill_gemm_min_rows, 128);
         assert_eq!(k.cpu_kquants, Some(true));
         assert_eq!(k.cpu_prefetch_bytes, 0);
-        assert!(k.experts_rows_x_once);
+        assert!(!k.experts_rows_x_once);
         assert_eq!(k.experts_gemm_min_rows, 32);
         assert_eq!(t.cpu_threads, Some(3));
         assert!(!t.graphs && t.ragged_graphs && !t.weight_pool);

@@ -247,7 +247,7 @@ impl Default for KernelTuning {
             cpu_prefetch_bytes: CPU_PREFETCH_BYTES,
             cpu_q8_activations: false,
             grouped_experts: true,
-            experts_rows_x_once: false,
+            experts_rows_x_once: true,
             experts_gemm_min_rows: EXPERTS_GEMM_MIN_ROWS,
         }
     }

@@ -307,7 +307,7 @@ mod tests {
             ("kernels.cpu_prefetch_bytes", "0"),
             ("kernels.cpu_q8_activations", "yes"),
             ("kernels.grouped_experts", "off"),
-            ("kernels.experts_rows_x_once", "on"),
+            ("kernels.experts_rows_x_once", "off"),
             ("kernels.experts_gemm_min_rows", "0"),
             ("cpu_threads", "3"),
             ("graphs", "0"),
@@ -323,7 +323,7 @@ mod tests {
         assert_eq!(k.qlinear.q8_0, QlinearVariant::V1);
         assert!(!k.qlinear_k && !k.prefill_gemm && !k.prompt_attention);
         assert_eq!(k.cpu_kquants, Some(true));
-        assert!(k.cpu_q8_activations && !k.grouped_experts && k.experts_rows_x_once);
+        assert!(k.cpu_q8_activations && !k.grouped_experts && !k.experts_rows_x_once);
         assert_eq!((k.qlinear_k_rows, k.qlinear_k_splits), (2, 1));
         assert_eq!((k.prefill_gemm_min_rows, k.cpu_prefetch_bytes), (128, 0));
         assert_eq!(k.experts_gemm_min_rows, 0);

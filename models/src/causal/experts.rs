@@ -294,6 +294,8 @@ pub(crate) struct ExpertTier {
     /// Whether missing experts may stream through the device runtime's room for copies in
     /// flight (a prefetch depth of at least 1 keeps a largest unit's room free).
     can_stream: bool,
+    /// How many streamed experts that room holds at once.
+    stream_depth: usize,
     /// Whether a decode step prefetches the next layers' guessed experts.
     prefetch: bool,
     /// How many of the next mixture-of-experts layers a decode step guesses for.
@@ -315,9 +317,9 @@ pub(crate) struct TierSizing {
     pub(crate) dense: u64,
     /// The link's host-to-device rate, bytes a second.
     pub(crate) link_bytes_per_s: f64,
-    /// Whether the device runtime keeps room for a copy in flight beside the cache
-    /// (the tier's `can_stream`).
-    pub(crate) can_stream: bool,
+    /// How many of its largest units the room the device runtime keeps beside the cache for
+    /// copies in flight holds (none: nothing streams).
+    pub(crate) stream_depth: usize,
 }
 
 impl ExpertTier {
@@ -410,7 +412,8 @@ impl ExpertTier {
         );
         Ok(Self {
             host,
-            can_stream: sizing.can_stream,
+            can_stream: sizing.stream_depth > 0,
+            stream_depth: sizing.stream_depth,
             prefetch: options.prefetch,
             guess_layers: options.guess_layers.max(1),
             route: options.route,
@@ -853,6 +856,10 @@ impl ExpertUnits for SplitExperts<'_> {
             }
         }
         Ok(out.into_iter().zip(site).collect())
+    }
+
+    fn stream_depth(&self) -> usize {
+        self.tier.stream_depth.max(1)
     }
 
     fn stream(&self, layer: usize, expert: usize, build: BuildExpert<'_>) -> Result<Expert> {

@@ -29,6 +29,11 @@ const HOST_TIMING_BYTES: u64 = 1 << 30;
 /// prices fetches at, bytes a second.
 const EXPERT_TIER_CPU_LINK_BYTES_PER_S: f64 = 10e9;
 
+/// The fewest largest units of room an expert tier keeps beside its cache for a prompt's
+/// streamed experts (where the prefetch depth keeps any): one computing while the next one's
+/// copy lands.
+const EXPERT_STREAM_DEPTH: usize = 2;
+
 /// A host split that cannot be made, as the configuration error it is.
 fn invalid(e: SplitError) -> ModelError {
     candle_offload::Error::InvalidConfig {
@@ -287,8 +292,8 @@ impl OnDevice<'_> {
             let units = super::experts::ExpertTier::expert_units(&layout, store);
             let experts: u64 = units.iter().map(|&id| store.unit(id).bytes()).sum();
             let room = capacity.saturating_sub(kept);
-            let spare = if room >= experts {
-                0
+            let (spare, stream_depth) = if room >= experts || settings.prefetch_depth == 0 {
+                (0, 0)
             } else {
                 let largest_evictable = (0..store.units().len())
                     .map(candle_offload::UnitId)
@@ -296,7 +301,8 @@ impl OnDevice<'_> {
                     .map(|id| store.unit(id).bytes())
                     .max()
                     .unwrap_or(0);
-                (settings.prefetch_depth as u64).saturating_mul(largest_evictable)
+                let depth = settings.prefetch_depth.max(EXPERT_STREAM_DEPTH);
+                ((depth as u64).saturating_mul(largest_evictable), depth)
             };
             // A captured decode step reads the experts only through the tier's table.
             rt.set_indirect(units)?;
@@ -307,7 +313,7 @@ impl OnDevice<'_> {
                 super::experts::TierSizing {
                     room: room.saturating_sub(spare),
                     dense: kept,
-                    can_stream: spare > 0,
+                    stream_depth: if spare > 0 { stream_depth } else { 0 },
                     link_bytes_per_s,
                 },
                 settings,

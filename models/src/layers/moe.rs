@@ -118,6 +118,12 @@ pub trait ExpertUnits: Send + Sync {
             .collect()
     }
 
+    /// How many streamed experts the device holds at once: one computing while the next
+    /// ones' copies land. Default: one.
+    fn stream_depth(&self) -> usize {
+        1
+    }
+
     /// An expert [`place`](Self::place) streams: acquired on the device for one use, which
     /// [`streamed`](Self::streamed) ends.
     fn stream(&self, layer: usize, expert: usize, build: BuildExpert<'_>) -> Result<Expert> {
@@ -187,8 +193,9 @@ pub enum ExpertSite {
     Device,
     /// On the host CPU, from host memory, its output added on the device.
     Host,
-    /// Fetched to the device for this use only, one at a time (a prompt's experts with many
-    /// rows each, past what the device's cache holds at once).
+    /// Fetched to the device for this use only, a few at a time
+    /// ([`ExpertUnits::stream_depth`]; a prompt's experts with many rows each, past what the
+    /// device's cache holds at once).
     Stream,
 }
 
@@ -639,7 +646,7 @@ impl SparseMoe {
         let xs = x2.index_select(ids, 0)?;
         let y = qexperts_rows(&xs, &experts, tuning)?;
         if groups.len() == 1 {
-            // A streamed expert's, one at a time: its weights are already on the device (a
+            // A streamed expert's, alone: its weights are already on the device (a
             // table copied from pageable memory would wait for the stream), and its rows
             // are few to add.
             let y = y.broadcast_mul(&ws.to_dtype(y.dtype())?)?;
@@ -672,9 +679,10 @@ impl SparseMoe {
         qexperts_row(x2, &experts, tuning).map(Some)
     }
 
-    /// `sum` with the streamed experts' ([`ExpertSite::Stream`]) added, each acquired, its
-    /// work enqueued and released before the next, so that the device holds one (and the
-    /// next one's copy) at a time.
+    /// `sum` with the streamed experts' ([`ExpertSite::Stream`]) added, each acquired and
+    /// its work enqueued, the oldest released before the next is acquired once the device
+    /// holds [`ExpertUnits::stream_depth`] of them: with two, the next one's copy lands
+    /// while one computes.
     fn add_streamed(
         &self,
         mut sum: Option<Tensor>,
@@ -701,8 +709,15 @@ impl SparseMoe {
         } else {
             None
         };
+        let depth = units.stream_depth().max(1);
+        let mut held = std::collections::VecDeque::with_capacity(depth);
         let mut at = 0usize;
         for (&e, g) in streamed {
+            while held.len() >= depth {
+                if let Some(old) = held.pop_front() {
+                    units.streamed(self.layer, old)?;
+                }
+            }
             let expert = units.stream(self.layer, e, &|w| shape.load(w))?;
             let n = g.0.len();
             let mine = match &uploaded {
@@ -712,7 +727,7 @@ impl SparseMoe {
             at += n;
             let y = Self::sum_uploaded(x2, &[(g, &expert)], mine, fused)?;
             drop(expert);
-            units.streamed(self.layer, e)?;
+            held.push_back(e);
             sum = match (sum, y) {
                 (Some(s), Some(y)) => {
                     let y = y.to_dtype(s.dtype())?;
@@ -721,6 +736,9 @@ impl SparseMoe {
                 (s, None) => s,
                 (None, y) => y,
             };
+        }
+        for e in held {
+            units.streamed(self.layer, e)?;
         }
         Ok(sum)
     }
@@ -811,15 +829,16 @@ impl SparseMoe {
         } else {
             let host = on(ExpertSite::Host);
             // The rows reach the host before the device's experts are enqueued (read back with
-            // the routers' logits where the step is small).
+            // the routers' logits where the step is small; a prompt's, only those the host's
+            // experts read).
             let x_host = if host.is_empty() {
                 None
             } else {
                 match read_rows.take() {
-                    Some(x) => Some(x),
+                    Some(x) => Some(HostRows::all(x, &host)),
                     None => {
                         let _s = tracing::debug_span!("moe.to_host").entered();
-                        Some(x2.to_device(&candle_core::Device::Cpu)?)
+                        Some(HostRows::gather(&x2, &host)?)
                     }
                 }
             };
@@ -830,10 +849,18 @@ impl SparseMoe {
             // The guessed experts' copies queue behind this step's own.
             self.guessed(units, guessed)?;
             let on_host = match &x_host {
-                Some(x) => {
-                    let _s = tracing::debug_span!("moe.host", experts = host.len()).entered();
+                Some(hr) => {
+                    let _s =
+                        tracing::debug_span!("moe.host", experts = host.len(), rows = hr.rows())
+                            .entered();
                     let t0 = std::time::Instant::now();
-                    let out = Self::sum_on_host(x, &host)?;
+                    let groups: Vec<ExpertRows<'_>> = hr
+                        .groups
+                        .iter()
+                        .zip(&host)
+                        .map(|(g, (_, e))| (g, *e))
+                        .collect();
+                    let out = Self::sum_on_host(&hr.x, &groups)?;
                     if let Some(units) = ctx.experts {
                         units.host_done(self.layer, t0.elapsed().as_secs_f64());
                     }
@@ -842,13 +869,23 @@ impl SparseMoe {
                 None => None,
             };
             let _merge = tracing::debug_span!("moe.merge").entered();
-            match (on_device, on_host) {
-                (Some(d), Some(hst)) => {
+            let ids = x_host.as_ref().and_then(|hr| hr.ids.as_ref());
+            match (on_device, on_host, ids) {
+                (d, Some(hst), Some(ids)) => {
+                    // The host's rows, added into theirs.
+                    let d = match d {
+                        Some(d) => d,
+                        None => x2.zeros_like()?.to_dtype(DType::F32)?,
+                    };
+                    let hst = hst.to_device(x2.device())?.to_dtype(d.dtype())?;
+                    Some(d.index_add(ids, &hst, 0)?)
+                }
+                (Some(d), Some(hst), None) => {
                     Some((&d + hst.to_device(x2.device())?.to_dtype(d.dtype())?)?)
                 }
-                (Some(d), None) => Some(d),
-                (None, Some(hst)) => Some(hst.to_device(x2.device())?),
-                (None, None) => None,
+                (Some(d), None, _) => Some(d),
+                (None, Some(hst), None) => Some(hst.to_device(x2.device())?),
+                (None, None, _) => None,
             }
         };
         drop(placed);
@@ -860,6 +897,67 @@ impl SparseMoe {
             out = (out + shared.forward(&x2, fused)?.to_dtype(xs.dtype())?)?;
         }
         out.reshape(dims)
+    }
+}
+
+/// The rows of a step that the host CPU's experts read, on the host, with those experts'
+/// rows and weights renumbered into them.
+struct HostRows {
+    /// `(n, hidden)` on the CPU.
+    x: Tensor,
+    /// The step's rows they are (`u32`, on the step's device), increasing; `None`: all of
+    /// them, in order.
+    ids: Option<Tensor>,
+    /// Each host expert's rows (into `x`) and weights, in the host's order.
+    groups: Vec<(Vec<u32>, Vec<f32>)>,
+}
+
+impl HostRows {
+    /// All of a step's rows, `x` already on the host.
+    fn all(x: Tensor, host: &[ExpertRows<'_>]) -> Self {
+        let groups = host.iter().map(|(g, _)| (*g).clone()).collect();
+        Self {
+            x,
+            ids: None,
+            groups,
+        }
+    }
+
+    /// The rows of `x2` (on the step's device) that `host`'s experts read: gathered on the
+    /// device and copied, or all of them copied where they read every row. A prompt's host
+    /// experts read a few of its rows; its whole `x2` is megabytes a layer each way.
+    fn gather(x2: &Tensor, host: &[ExpertRows<'_>]) -> Result<Self> {
+        let rows = x2.dim(0)?;
+        let mut used: Vec<u32> = host
+            .iter()
+            .flat_map(|((ids, _), _)| ids.iter().copied())
+            .collect();
+        used.sort_unstable();
+        used.dedup();
+        let cpu = candle_core::Device::Cpu;
+        if used.len() == rows {
+            return Ok(Self::all(x2.to_device(&cpu)?, host));
+        }
+        let mut at = vec![u32::MAX; rows];
+        for (i, &r) in used.iter().enumerate() {
+            at[r as usize] = i as u32;
+        }
+        let groups = host
+            .iter()
+            .map(|((ids, ws), _)| (ids.iter().map(|&r| at[r as usize]).collect(), ws.clone()))
+            .collect();
+        let n = used.len();
+        let ids = Tensor::from_vec(used, n, x2.device())?;
+        Ok(Self {
+            x: x2.index_select(&ids, 0)?.to_device(&cpu)?,
+            ids: Some(ids),
+            groups,
+        })
+    }
+
+    /// The rows on the host.
+    fn rows(&self) -> usize {
+        self.x.dim(0).unwrap_or(0)
     }
 }
 
