@@ -149,6 +149,11 @@ SOURCES = {
         "2026-12-06/2026-12-06-moe-q4_k_m-skewed-12gib-p64-512-457d2cd-h200.json",
         "2026-12-06/2026-12-06-moe-q4_k_m-skewed-8gib-p64-512-457d2cd-h200.json",
         "2026-12-06/2026-12-06-moe-q8_0-uniform-8gib-p64-512-457d2cd-h200.json",
+        "2026-12-07/2026-12-07-moe-q8_0-uniform-8gib-p64-512-4869765-h100.json",
+        "2026-12-07/2026-12-07-moe-q8_0-skewed-8gib-p64-512-4869765-h100.json",
+        "2026-12-07/2026-12-07-moe-q4_k_m-skewed-12gib-p64-512-4869765-h100.json",
+        "2026-12-07/2026-12-07-moe-q8_0-uniform-8gib-p64-512-prompt-rate-e14d726-h100.json",
+        "2026-12-07/2026-12-07-moe-q8_0-skewed-8gib-p64-512-prompt-rate-e14d726-h100.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     # bench_train's lora-* configurations, with scripts/lora_peer.py (PEFT) run just before it

@@ -932,3 +932,39 @@ fn moe_quantize_on_load_keeps_experts_as_units() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// A prompt's mixture-of-experts layer holds every row's routed copies (top k a row) through
+/// their experts, in F32: the reservation counts at least their inputs, outputs, gates, ups
+/// and products, for all-sparse and mixed layouts alike, growing with the rows.
+#[test]
+fn moe_reservation_counts_the_routed_copies() -> anyhow::Result<()> {
+    let dir = fixtures()?;
+    for name in ["mixtral", "qwen3_moe_mixed", "qwen2_moe"] {
+        let files = loader::from_dir(&dir.join(name))?;
+        let cfg = &files.config;
+        let field = |k: &str| -> anyhow::Result<u64> {
+            cfg.extra
+                .get(k)
+                .and_then(|v| v.as_u64())
+                .ok_or_else(|| anyhow::anyhow!("{name}: no {k}"))
+        };
+        let top_k = field("num_experts_per_tok")?;
+        let expert = match field("moe_intermediate_size") {
+            Ok(w) => w,
+            Err(_) => field("intermediate_size")?,
+        };
+        let h = cfg.hidden_size as u64;
+        for rows in [64usize, 512] {
+            let got = cfg.family.mlp_activation_bytes(cfg, rows, DType::F32);
+            let copies = rows as u64 * top_k;
+            let least = copies * (2 * h + 3 * expert) * 4;
+            assert!(got >= least, "{name} at {rows} rows: {got} < {least}");
+        }
+        let (a, b) = (
+            cfg.reserve_bytes(64, 512, DType::F32),
+            cfg.reserve_bytes(512, 512, DType::F32),
+        );
+        assert!(b > a, "{name}: {a} at 64 rows, {b} at 512");
+    }
+    Ok(())
+}

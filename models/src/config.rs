@@ -85,7 +85,7 @@ impl Config {
         let (s, m) = (seq_len as u64, max_len as u64);
         let (nh, hd) = (self.num_attention_heads as u64, self.head_dim as u64);
         let hidden = 8 * s * self.hidden_size as u64 * d;
-        let mlp = 4 * s * self.intermediate_size as u64 * d;
+        let mlp = self.family.mlp_activation_bytes(self, seq_len, dtype);
         let attn = if attention_kernel {
             3 * s * nh * hd * d
         } else {

@@ -512,6 +512,13 @@ pub trait Family: std::fmt::Debug + Send + Sync + 'static {
         let _ = cfg;
         false
     }
+
+    /// The live activations of one layer's MLP for `seq_len` new rows in `dtype`, as the
+    /// reservation counts them ([`Config::reserve_bytes_with`]). Default: a dense MLP of
+    /// `intermediate_size` (its gate, up, activation and product).
+    fn mlp_activation_bytes(&self, cfg: &Config, seq_len: usize, dtype: DType) -> u64 {
+        4 * (seq_len * cfg.intermediate_size * dtype.size_in_bytes()) as u64
+    }
 }
 
 /// A validated decoder configuration: the fields every family shares, the family, and the

@@ -294,6 +294,30 @@ impl Family for Moe {
         self.windows.iter().all(Option::is_none)
     }
 
+    /// The larger of a dense layer's MLP and a sparse layer's: the routers' logits, each row's
+    /// copies (`top_k` a row) gathered and through their experts in F32 (the input, its
+    /// 8-bit quantization, the gate and up, their product, the output), the rows' sum, the
+    /// largest expert dequantized to 16 bits (an expert of many rows through cuBLAS), and the
+    /// shared expert's MLP.
+    fn mlp_activation_bytes(&self, cfg: &Config, seq_len: usize, dtype: DType) -> u64 {
+        let (s, h) = (seq_len as u64, cfg.hidden_size as u64);
+        let dense = if self.sparse.iter().all(|&x| x) {
+            0
+        } else {
+            4 * s * cfg.intermediate_size as u64 * dtype.size_in_bytes() as u64
+        };
+        let ei = self.expert_intermediate as u64;
+        let copies = s * self.routing.top_k as u64;
+        // F32 input, Q8_1 input (36 bytes per 32 values), output; gate, up and product.
+        let per_copy = h * 4 + h.div_ceil(32) * 36 + h * 4 + 3 * ei * 4;
+        let routed =
+            4 * s * self.routing.experts as u64 + copies * per_copy + s * h * 4 + 3 * h * ei * 2;
+        let shared = self
+            .shared_intermediate
+            .map_or(0, |w| 4 * s * w as u64 * dtype.size_in_bytes() as u64);
+        dense.max(routed + shared)
+    }
+
     fn block(
         &self,
         cfg: &Config,
