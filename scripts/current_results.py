@@ -780,15 +780,20 @@ def render_benchmarks(rows):
             "older (the writer before that fix, greedy tokens that repeat, so hit rates higher "
             "than the routing alone gives). The uniform rows ran the fixed writer's file "
             "(`475e7a4`) with random decode tokens, as llama-bench feeds: every layer's hit rate "
-            "is close to its slots' share of 128 experts. At 8 GiB (`457d2cd`) the physical "
-            "bound (the host bytes a token reads over the host's read rate) was 52.7 and 48.0 "
-            "tok/s at prompts 64 and 512, only 1.46x and 1.28x llama.cpp's, and ours reached "
-            "67% and 53% of it. A 512-token prompt's bound, from the same records (every "
-            "expert of a layer used; the bytes of those past the cache's slots over the link's "
-            "measured 55 GB/s): uniform Q8_0 8 GiB 1,153 tok/s, skewed Q8_0 8 GiB 1,116, "
-            "skewed Q4_K_M 8 GiB 2,344 and 12 GiB 3,699 (at each host's measured read rate, 81-92 GB/s: "
-            "1,917, 1,635, 3,581 and 5,468), so 3x llama.cpp's prefill is beyond the "
-            "Q4_K_M 12 GiB row's either way.",
+            "is close to its slots' share of 128 experts. At 8 GiB (`e14d726`, H100) the physical "
+            "bound (the host bytes a token reads over the host's read rate) was 53.6 and 53.5 "
+            "tok/s at prompts 64 and 512, 1.78x and 1.70x llama.cpp's on that host, and ours "
+            "reached 49% and 54% of it (at `457d2cd` on an H200 the bound was 1.46x and 1.28x "
+            "llama.cpp's, ours 67% and 53%). A 512-token prompt's bound (every expert of a "
+            "layer used; the bytes of those past the cache's slots over the link's measured "
+            "55 GB/s): uniform Q8_0 8 GiB 1,136 tok/s (ours 376, 33%), skewed Q8_0 8 GiB "
+            "6,091 at `e14d726` (ours 858, 14%: past the cache it is bound by the host's share "
+            "and the per-layer work, not the link); at `457d2cd`, skewed Q4_K_M 8 GiB 2,344 and "
+            "12 GiB 3,699 (at each host's measured read rate, 81-92 GB/s: 3,581 and 5,468), so "
+            "3x llama.cpp's prefill (2,045 tok/s at 12 GiB) is beyond the Q4_K_M 12 GiB row's "
+            "either way. The skewed Q8_0 8 GiB row at 512 tokens peaked 10 MiB over its budget "
+            "at `4869765` and `e14d726`: the reservation counted the prompt's routed copies as a "
+            "dense MLP's (counted since `5c2f9a2`, not yet measured).",
             "",
             "| model | weights | budget | prompt | decode tok/s, ours / llama.cpp | x | prefill tok/s, ours / llama.cpp | x | peak MiB (budget) | measured |",
             "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | --- |",
