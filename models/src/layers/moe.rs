@@ -828,6 +828,7 @@ impl SparseMoe {
             out
         } else {
             let host = on(ExpertSite::Host);
+            let host_rows: Vec<&(Vec<u32>, Vec<f32>)> = host.iter().map(|(g, _)| *g).collect();
             // The rows reach the host before the device's experts are enqueued (read back with
             // the routers' logits where the step is small; a prompt's, only those the host's
             // experts read).
@@ -835,10 +836,10 @@ impl SparseMoe {
                 None
             } else {
                 match read_rows.take() {
-                    Some(x) => Some(HostRows::all(x, &host)),
+                    Some(x) => Some(HostRows::all(x, &host_rows)),
                     None => {
                         let _s = tracing::debug_span!("moe.to_host").entered();
-                        Some(HostRows::gather(&x2, &host)?)
+                        Some(HostRows::gather(&x2, &host_rows)?)
                     }
                 }
             };
@@ -913,9 +914,10 @@ struct HostRows {
 }
 
 impl HostRows {
-    /// All of a step's rows, `x` already on the host.
-    fn all(x: Tensor, host: &[ExpertRows<'_>]) -> Self {
-        let groups = host.iter().map(|(g, _)| (*g).clone()).collect();
+    /// All of a step's rows, `x` already on the host, for the host's experts' rows and
+    /// weights `host`.
+    fn all(x: Tensor, host: &[&(Vec<u32>, Vec<f32>)]) -> Self {
+        let groups = host.iter().map(|&g| g.clone()).collect();
         Self {
             x,
             ids: None,
@@ -923,14 +925,15 @@ impl HostRows {
         }
     }
 
-    /// The rows of `x2` (on the step's device) that `host`'s experts read: gathered on the
+    /// The rows of `x2` (on the step's device) that the host's experts (their rows and
+    /// weights, `host`) read: gathered on the
     /// device and copied, or all of them copied where they read every row. A prompt's host
     /// experts read a few of its rows; its whole `x2` is megabytes a layer each way.
-    fn gather(x2: &Tensor, host: &[ExpertRows<'_>]) -> Result<Self> {
+    fn gather(x2: &Tensor, host: &[&(Vec<u32>, Vec<f32>)]) -> Result<Self> {
         let rows = x2.dim(0)?;
         let mut used: Vec<u32> = host
             .iter()
-            .flat_map(|((ids, _), _)| ids.iter().copied())
+            .flat_map(|(ids, _)| ids.iter().copied())
             .collect();
         used.sort_unstable();
         used.dedup();
@@ -944,7 +947,7 @@ impl HostRows {
         }
         let groups = host
             .iter()
-            .map(|((ids, ws), _)| (ids.iter().map(|&r| at[r as usize]).collect(), ws.clone()))
+            .map(|(ids, ws)| (ids.iter().map(|&r| at[r as usize]).collect(), ws.clone()))
             .collect();
         let n = used.len();
         let ids = Tensor::from_vec(used, n, x2.device())?;
@@ -1072,6 +1075,33 @@ fn expert_blocks(mlp: &GatedMlp) -> Option<[&Arc<QTensor>; 3]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_rows_are_the_rows_the_host_experts_read_renumbered() -> Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let x2 = Tensor::arange(0f32, 12.0, &dev)?.reshape((6, 2))?;
+        let a = (vec![1u32, 4], vec![0.5f32, 0.25]);
+        let b = (vec![4u32, 5], vec![1.0f32, 2.0]);
+        let hr = HostRows::gather(&x2, &[&a, &b])?;
+        assert_eq!(hr.rows(), 3);
+        assert_eq!(
+            hr.x.to_vec2::<f32>()?,
+            [[2.0, 3.0], [8.0, 9.0], [10.0, 11.0]]
+        );
+        let ids = hr.ids.as_ref().expect("a subset").to_vec1::<u32>()?;
+        assert_eq!(ids, [1, 4, 5]);
+        assert_eq!(
+            hr.groups,
+            [(vec![0, 1], a.1.clone()), (vec![1, 2], b.1.clone())]
+        );
+        // Every row read: all of them, in order, as they are.
+        let c = (vec![0u32, 2, 3], vec![1.0f32; 3]);
+        let all = HostRows::gather(&x2, &[&a, &b, &c])?;
+        assert!(all.ids.is_none());
+        assert_eq!(all.rows(), 6);
+        assert_eq!(all.groups, [a, b, c]);
+        Ok(())
+    }
 
     fn r(experts: usize, top_k: usize, renormalize: bool) -> Routing {
         Routing {
