@@ -38,7 +38,10 @@
 #   MATCH_ROWS=512: over a 512-token prompt's layers instead, the untimed one's and the timed one's) ->
 #   spans-ROUTING-BUDGET.json (a diagnostic, not a row; SPLIT, NO_PREFETCH and ROUTE as for bench).
 #   SPANS_LOG replaces the log filter, e.g. adding `candle_offload=debug` for the runtime's
-#   own spans inside `place` (offload.acquire, offload.h2d, offload.evict).
+#   own spans inside `place` (offload.acquire, offload.h2d, offload.evict);
+#   `candle_offload_models::layers::moe=trace` makes each layer wait for the GPU after each
+#   phase (moe.wait.before, .resident, .streamed, .merge: the device's share of each; the
+#   overlap between phases is then gone).
 # Each call leaves $OUT/CALL.tgz with its logs and JSON.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296

@@ -786,6 +786,7 @@ impl SparseMoe {
                 }
             }
         }
+        traced_wait(&x2, Wait::Before)?;
         let guess = units.map_or_else(Vec::new, |u| {
             u.guess_routers(self.layer, &self.router, self.routing, rows)
         });
@@ -845,7 +846,10 @@ impl SparseMoe {
             };
             let on_device = tracing::debug_span!("moe.device").in_scope(|| {
                 let d = Self::sum_experts(&x2, &on(ExpertSite::Device), fused)?;
-                self.add_streamed(d, &x2, &by_expert, &placed, ctx, fused)
+                traced_wait(&x2, Wait::Resident)?;
+                let d = self.add_streamed(d, &x2, &by_expert, &placed, ctx, fused)?;
+                traced_wait(&x2, Wait::Streamed)?;
+                Ok::<_, candle_core::Error>(d)
             })?;
             // The guessed experts' copies queue behind this step's own.
             self.guessed(units, guessed)?;
@@ -890,6 +894,7 @@ impl SparseMoe {
             }
         };
         drop(placed);
+        traced_wait(&x2, Wait::Merge)?;
         let mut out = match out {
             Some(o) => o.to_dtype(xs.dtype())?,
             None => x2.zeros_like()?,
@@ -899,6 +904,37 @@ impl SparseMoe {
         }
         out.reshape(dims)
     }
+}
+
+/// What a traced layer waits for ([`traced_wait`]).
+#[derive(Debug, Clone, Copy)]
+enum Wait {
+    /// The work before the layer's routing (its attention, the layers before).
+    Before,
+    /// The resident experts' work.
+    Resident,
+    /// The streamed experts' copies and work.
+    Streamed,
+    /// The host's sum added, the layer done.
+    Merge,
+}
+
+/// At TRACE level for this module, on a GPU: waits for the step's device in a span named for
+/// `what` (`moe.wait.*`), so that a run's spans time the device's work of each phase as well
+/// as the host's enqueue of it. A diagnostic: the waits remove the overlap between the phases
+/// (the host's experts then run after the device's are done). Elsewhere nothing.
+fn traced_wait(x: &Tensor, what: Wait) -> Result<()> {
+    if !x.device().is_cuda() || !tracing::enabled!(tracing::Level::TRACE) {
+        return Ok(());
+    }
+    let span = match what {
+        Wait::Before => tracing::trace_span!("moe.wait.before"),
+        Wait::Resident => tracing::trace_span!("moe.wait.resident"),
+        Wait::Streamed => tracing::trace_span!("moe.wait.streamed"),
+        Wait::Merge => tracing::trace_span!("moe.wait.merge"),
+    };
+    let _s = span.entered();
+    x.device().synchronize()
 }
 
 /// The rows of a step that the host CPU's experts read, on the host, with those experts'
