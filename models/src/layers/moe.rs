@@ -650,11 +650,39 @@ impl SparseMoe {
             // table copied from pageable memory would wait for the stream), and its rows
             // are few to add.
             let y = y.broadcast_mul(&ws.to_dtype(y.dtype())?)?;
-            let out = x2.zeros_like()?.to_dtype(y.dtype())?;
-            return out.index_add(ids, &y, 0).map(Some);
+            return add_into_rows(None, x2, ids, y).map(Some);
         }
         let (slots, weights, k) = combine_table(x2.dim(0)?, groups.iter().map(|(g, _)| *g));
         combine_rows(&y, &slots, &weights, k).map(Some)
+    }
+
+    /// A streamed expert's weighted outputs for its own rows (`ids` and `ws` its uploaded
+    /// rows and weights), `(rows, hidden)` in that order, through the grouped kernels; `None`
+    /// where they do not take it.
+    fn streamed_rows(
+        x2: &Tensor,
+        group: ExpertRows<'_>,
+        ids: &Tensor,
+        ws: &Tensor,
+    ) -> Result<Option<Tensor>> {
+        let groups = [group];
+        let Some((blocks, tuning)) = groups_blocks(&groups) else {
+            return Ok(None);
+        };
+        let experts: Vec<QExpertRows<'_>> = blocks
+            .into_iter()
+            .map(|[gate, up, down]| QExpertRows {
+                gate,
+                up,
+                down,
+                rows: group.0 .0.len(),
+            })
+            .collect();
+        if !qexperts_rows_fits(x2, &experts, tuning)? {
+            return Ok(None);
+        }
+        let y = qexperts_rows(&x2.index_select(ids, 0)?, &experts, tuning)?;
+        y.broadcast_mul(&ws.to_dtype(y.dtype())?).map(Some)
     }
 
     /// One row's experts through the grouped kernels ([`qexperts_row`]), where every one is a
@@ -725,17 +753,27 @@ impl SparseMoe {
                 None => None,
             };
             at += n;
-            let y = Self::sum_uploaded(x2, &[(g, &expert)], mine, fused)?;
+            // Through the grouped kernels, its outputs added straight into their rows of the
+            // sum; otherwise its own full-size sum, added.
+            let rows = match (&mine, fused) {
+                (Some((ids, ws)), true) => {
+                    Self::streamed_rows(x2, (g, &expert), ids, ws)?.map(|y| (ids.clone(), y))
+                }
+                _ => None,
+            };
+            sum = match rows {
+                Some((ids, y)) => Some(add_into_rows(sum, x2, &ids, y)?),
+                None => match (sum, Self::sum_uploaded(x2, &[(g, &expert)], mine, fused)?) {
+                    (Some(s), Some(y)) => {
+                        let y = y.to_dtype(s.dtype())?;
+                        Some((s + y)?)
+                    }
+                    (s, None) => s,
+                    (None, y) => y,
+                },
+            };
             drop(expert);
             held.push_back(e);
-            sum = match (sum, y) {
-                (Some(s), Some(y)) => {
-                    let y = y.to_dtype(s.dtype())?;
-                    Some((s + y)?)
-                }
-                (s, None) => s,
-                (None, y) => y,
-            };
         }
         for e in held {
             units.streamed(self.layer, e)?;
@@ -904,6 +942,17 @@ impl SparseMoe {
         }
         out.reshape(dims)
     }
+}
+
+/// `y`, rows of `x2`'s shape, added into the rows `ids` of `sum` (of zeros in `y`'s dtype
+/// where there is none yet), in `sum`'s dtype.
+fn add_into_rows(sum: Option<Tensor>, x2: &Tensor, ids: &Tensor, y: Tensor) -> Result<Tensor> {
+    let sum = match sum {
+        Some(s) => s,
+        None => x2.zeros_like()?.to_dtype(y.dtype())?,
+    };
+    let y = y.to_dtype(sum.dtype())?;
+    sum.index_add(ids, &y, 0)
 }
 
 /// What a traced layer waits for ([`traced_wait`]).
