@@ -517,8 +517,14 @@ pub trait Family: std::fmt::Debug + Send + Sync + 'static {
     /// reservation counts them ([`Config::reserve_bytes_with`]). Default: a dense MLP of
     /// `intermediate_size` (its gate, up, activation and product).
     fn mlp_activation_bytes(&self, cfg: &Config, seq_len: usize, dtype: DType) -> u64 {
-        4 * (seq_len * cfg.intermediate_size * dtype.size_in_bytes()) as u64
+        dense_mlp_activation_bytes(seq_len, cfg.intermediate_size, dtype)
     }
+}
+
+/// A dense SiLU-gated MLP's live activations for `rows` rows of `width` in `dtype`: its gate,
+/// up, activation and product ([`Family::mlp_activation_bytes`]'s default).
+pub(crate) fn dense_mlp_activation_bytes(rows: usize, width: usize, dtype: DType) -> u64 {
+    4 * (rows * width * dtype.size_in_bytes()) as u64
 }
 
 /// A validated decoder configuration: the fields every family shares, the family, and the

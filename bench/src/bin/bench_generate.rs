@@ -987,11 +987,9 @@ fn expert_fields(
             (h + m > 0).then(|| h as f64 / (h + m) as f64)
         })
         .collect();
-    let ((h0, m0), (h1, m1)) = (a.totals(), b.totals());
-    let (hits, misses) = (h1 - h0, m1 - m0);
     let host_bytes = (b.host_bytes - a.host_bytes) as f64 / n;
     serde_json::json!({
-        "expert_hit_rate": if hits + misses > 0 { hits as f64 / (hits + misses) as f64 } else { 0.0 },
+        "expert_hit_rate": hit_rate_between(a, b),
         "expert_hit_rate_per_layer": per_layer,
         "expert_slots_per_layer": b.slots.iter().copied().max().unwrap_or(0),
         "experts_per_layer": b.experts_per_layer,
@@ -1017,6 +1015,20 @@ fn expert_fields(
     })
 }
 
+/// The expert cache's hit rate between its stats `a` and the later `b` (0 without accesses).
+fn hit_rate_between(
+    a: &candle_offload_models::ExpertStats,
+    b: &candle_offload_models::ExpertStats,
+) -> f64 {
+    let ((h0, m0), (h1, m1)) = (a.totals(), b.totals());
+    let (hits, misses) = (h1 - h0, m1 - m0);
+    if hits + misses > 0 {
+        hits as f64 / (hits + misses) as f64
+    } else {
+        0.0
+    }
+}
+
 /// The expert tier's record fields over a timed prompt of `prompt_len` rows, from its stats
 /// before and after it: the experts it used (each layer's distinct experts, summed over the
 /// layers) by where they ran, its hit rate, the host bytes of its misses, and two bounds on its
@@ -1033,8 +1045,6 @@ fn prompt_expert_fields(
     let (Some(a), Some(b)) = (a, b) else {
         return serde_json::Value::Null;
     };
-    let ((h0, m0), (h1, m1)) = (a.totals(), b.totals());
-    let (hits, misses) = (h1 - h0, m1 - m0);
     let used = (b.resident + b.fetched + b.streamed + b.on_host)
         - (a.resident + a.fetched + a.streamed + a.on_host);
     let slots: u64 = b.slots.iter().map(|&s| s as u64).sum();
@@ -1046,7 +1056,7 @@ fn prompt_expert_fields(
         "prefill_experts_fetched": b.fetched - a.fetched,
         "prefill_experts_streamed": b.streamed - a.streamed,
         "prefill_experts_on_host": b.on_host - a.on_host,
-        "prefill_expert_hit_rate": if hits + misses > 0 { hits as f64 / (hits + misses) as f64 } else { 0.0 },
+        "prefill_expert_hit_rate": hit_rate_between(a, b),
         "prefill_host_bytes": b.host_bytes - a.host_bytes,
         "prefill_bytes_past_the_cache": past,
         "prefill_physical_bound_tokens_per_s": bound(host_read_gbps * 1e9),

@@ -291,10 +291,8 @@ impl TierState {
 pub(crate) struct ExpertTier {
     /// A CPU runtime over the same store, serving the expert units the host computes.
     host: OffloadRuntime,
-    /// Whether missing experts may stream through the device runtime's room for copies in
-    /// flight (a prefetch depth of at least 1 keeps a largest unit's room free).
-    can_stream: bool,
-    /// How many streamed experts that room holds at once.
+    /// How many streamed experts the device runtime's room for copies in flight holds at once
+    /// (a prefetch depth of at least 1 keeps room for some; none: nothing streams).
     stream_depth: usize,
     /// Whether a decode step prefetches the next layers' guessed experts.
     prefetch: bool,
@@ -412,7 +410,6 @@ impl ExpertTier {
         );
         Ok(Self {
             host,
-            can_stream: sizing.stream_depth > 0,
             stream_depth: sizing.stream_depth,
             prefetch: options.prefetch,
             guess_layers: options.guess_layers.max(1),
@@ -520,7 +517,7 @@ impl SplitExperts<'_> {
             .iter()
             .map(|&(e, _)| Ok(store.unit(self.unit(layer, e)?).host_bytes()))
             .collect::<Result<_>>()?;
-        let fetch = if st.cache.slots(layer) == 0 && !self.tier.can_stream {
+        let fetch = if st.cache.slots(layer) == 0 && self.tier.stream_depth == 0 {
             vec![false; missing.len()]
         } else if !self.tier.host_compute {
             vec![true; missing.len()]
@@ -798,7 +795,7 @@ impl ExpertUnits for SplitExperts<'_> {
         if decode && self.tier.host_compute {
             st.host_probe.place(&mut fetch);
         }
-        let can_stream = self.tier.can_stream;
+        let can_stream = self.tier.stream_depth > 0;
         // The experts this step runs on the device are never a fetch's victim: they are all
         // resident at once while the layer runs.
         let mut protect: Vec<usize> = (0..routed.len())
@@ -859,7 +856,7 @@ impl ExpertUnits for SplitExperts<'_> {
     }
 
     fn stream_depth(&self) -> usize {
-        self.tier.stream_depth.max(1)
+        self.tier.stream_depth
     }
 
     fn stream(&self, layer: usize, expert: usize, build: BuildExpert<'_>) -> Result<Expert> {

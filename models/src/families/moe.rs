@@ -21,7 +21,9 @@ use std::sync::Arc;
 
 use candle_core::{DType, Result};
 
-use crate::family::{Config, DecoderBlock, ExpertLayout, Family, Layout, UnitWeights};
+use crate::family::{
+    dense_mlp_activation_bytes, Config, DecoderBlock, ExpertLayout, Family, Layout, UnitWeights,
+};
 use crate::hf_config::{CommonDefaults, HfFields, Registration};
 use crate::layers::{
     attention_tensors, hf_tensors, mlp_tensors, norm_tensors, Activation, AttentionSpec,
@@ -304,7 +306,7 @@ impl Family for Moe {
         let dense = if self.sparse.iter().all(|&x| x) {
             0
         } else {
-            4 * s * cfg.intermediate_size as u64 * dtype.size_in_bytes() as u64
+            dense_mlp_activation_bytes(seq_len, cfg.intermediate_size, dtype)
         };
         let ei = self.expert_intermediate as u64;
         let copies = s * self.routing.top_k as u64;
@@ -314,7 +316,7 @@ impl Family for Moe {
             4 * s * self.routing.experts as u64 + copies * per_copy + s * h * 4 + 3 * h * ei * 2;
         let shared = self
             .shared_intermediate
-            .map_or(0, |w| 4 * s * w as u64 * dtype.size_in_bytes() as u64);
+            .map_or(0, |w| dense_mlp_activation_bytes(seq_len, w, dtype));
         dense.max(routed + shared)
     }
 

@@ -627,6 +627,14 @@ impl SparseMoe {
         ids: &Tensor,
         ws: &Tensor,
     ) -> Result<Option<Tensor>> {
+        if let [lone] = groups {
+            // A streamed expert's, alone: its weights are already on the device (a table
+            // copied from pageable memory would wait for the stream), and its rows are few
+            // to add.
+            return Self::lone_expert_rows(x2, *lone, ids, ws)?
+                .map(|y| add_into_rows(None, x2, ids, y))
+                .transpose();
+        }
         let Some((blocks, tuning)) = groups_blocks(groups) else {
             return Ok(None);
         };
@@ -645,21 +653,14 @@ impl SparseMoe {
         }
         let xs = x2.index_select(ids, 0)?;
         let y = qexperts_rows(&xs, &experts, tuning)?;
-        if groups.len() == 1 {
-            // A streamed expert's, alone: its weights are already on the device (a
-            // table copied from pageable memory would wait for the stream), and its rows
-            // are few to add.
-            let y = y.broadcast_mul(&ws.to_dtype(y.dtype())?)?;
-            return add_into_rows(None, x2, ids, y).map(Some);
-        }
         let (slots, weights, k) = combine_table(x2.dim(0)?, groups.iter().map(|(g, _)| *g));
         combine_rows(&y, &slots, &weights, k).map(Some)
     }
 
-    /// A streamed expert's weighted outputs for its own rows (`ids` and `ws` its uploaded
-    /// rows and weights), `(rows, hidden)` in that order, through the grouped kernels; `None`
-    /// where they do not take it.
-    fn streamed_rows(
+    /// A lone expert's weighted outputs for its own rows (`ids` and `ws` its uploaded rows
+    /// and weights; a streamed expert's), `(rows, hidden)` in that order, through the grouped
+    /// kernels; `None` where they do not take it.
+    fn lone_expert_rows(
         x2: &Tensor,
         group: ExpertRows<'_>,
         ids: &Tensor,
@@ -755,14 +756,14 @@ impl SparseMoe {
             at += n;
             // Through the grouped kernels, its outputs added straight into their rows of the
             // sum; otherwise its own full-size sum, added.
-            let rows = match (&mine, fused) {
+            let lone = match (&mine, fused) {
                 (Some((ids, ws)), true) => {
-                    Self::streamed_rows(x2, (g, &expert), ids, ws)?.map(|y| (ids.clone(), y))
+                    Self::lone_expert_rows(x2, (g, &expert), ids, ws)?.map(|y| (ids, y))
                 }
                 _ => None,
             };
-            sum = match rows {
-                Some((ids, y)) => Some(add_into_rows(sum, x2, &ids, y)?),
+            sum = match lone {
+                Some((ids, y)) => Some(add_into_rows(sum, x2, ids, y)?),
                 None => match (sum, Self::sum_uploaded(x2, &[(g, &expert)], mine, fused)?) {
                     (Some(s), Some(y)) => {
                         let y = y.to_dtype(s.dtype())?;
@@ -914,14 +915,9 @@ impl SparseMoe {
             let _merge = tracing::debug_span!("moe.merge").entered();
             let ids = x_host.as_ref().and_then(|hr| hr.ids.as_ref());
             match (on_device, on_host, ids) {
+                // The host's rows, added into theirs.
                 (d, Some(hst), Some(ids)) => {
-                    // The host's rows, added into theirs.
-                    let d = match d {
-                        Some(d) => d,
-                        None => x2.zeros_like()?.to_dtype(DType::F32)?,
-                    };
-                    let hst = hst.to_device(x2.device())?.to_dtype(d.dtype())?;
-                    Some(d.index_add(ids, &hst, 0)?)
+                    Some(add_into_rows(d, &x2, ids, hst.to_device(x2.device())?)?)
                 }
                 (Some(d), Some(hst), None) => {
                     Some((&d + hst.to_device(x2.device())?.to_dtype(d.dtype())?)?)
