@@ -296,27 +296,31 @@ pub fn place_missing_expert(
 /// Which of a layer's missing experts to fetch over the link (and compute on the GPU) while
 /// the host CPU computes the others at the same time: `costs[i]` is expert `i`'s seconds on
 /// the CPU and fetched ([`missing_expert_seconds`]); `link_busy` is the seconds of copies
-/// already queued on the link before them (prefetched experts still on their way). Greedy on
-/// the two sides: from all on the CPU, the experts the CPU is slowest at relative to the link
-/// move to the fetch side while that shortens the slower side. `true`: fetch. Never slower
-/// than all on one side; with equal costs, the best split.
-pub fn split_missing(costs: &[(f64, f64)], link_busy: f64) -> Vec<bool> {
+/// already queued on the link before them (prefetched experts still on their way);
+/// `enqueue` is the host's seconds to enqueue one fetched expert's copy and work, which the
+/// thread that then computes the CPU's experts spends first (so the CPU side is its experts'
+/// seconds plus `enqueue` a fetched one). Greedy on the two sides: from all on the CPU, the
+/// experts whose CPU seconds past `enqueue` are largest relative to the link move to the
+/// fetch side while that shortens the slower side. `true`: fetch. Never slower than all on
+/// one side; with equal costs, the best split.
+pub fn split_missing(costs: &[(f64, f64)], link_busy: f64, enqueue: f64) -> Vec<bool> {
     let mut fetch = vec![false; costs.len()];
     let valid = |x: f64| x.is_finite() && x >= 0.0;
+    let enqueue = if valid(enqueue) { enqueue } else { 0.0 };
     let mut order: Vec<usize> = (0..costs.len())
         .filter(|&i| valid(costs[i].0) && valid(costs[i].1))
         .collect();
-    // Most CPU seconds per fetched second first; ties by index.
+    // Most CPU seconds saved per fetched second first; ties by index.
     order.sort_by(|&a, &b| {
-        let r = |i: usize| costs[i].0 / costs[i].1.max(f64::MIN_POSITIVE);
+        let r = |i: usize| (costs[i].0 - enqueue) / costs[i].1.max(f64::MIN_POSITIVE);
         r(b).total_cmp(&r(a)).then(a.cmp(&b))
     });
     let mut cpu: f64 = order.iter().map(|&i| costs[i].0).sum();
     let mut link = if valid(link_busy) { link_busy } else { 0.0 };
     for i in order {
         let (c, f) = costs[i];
-        if (cpu - c).max(link + f) < cpu.max(link) {
-            cpu -= c;
+        if (cpu - c + enqueue).max(link + f) < cpu.max(link) {
+            cpu += enqueue - c;
             link += f;
             fetch[i] = true;
         }
@@ -750,13 +754,15 @@ mod tests {
         fn the_split_beats_either_side_alone(
             costs in prop::collection::vec((0.0f64..5.0, 0.0f64..5.0), 0..24),
             busy in prop_oneof![Just(0.0f64), 0.0f64..20.0],
+            enqueue in prop_oneof![Just(0.0f64), 0.0f64..2.0],
         ) {
-            let fetch = split_missing(&costs, busy);
+            let fetch = split_missing(&costs, busy, enqueue);
             prop_assert_eq!(fetch.len(), costs.len());
             let span = |f: &[bool]| {
                 let cpu: f64 = costs.iter().zip(f).filter(|(_, &x)| !x).map(|(c, _)| c.0).sum();
+                let fetched = f.iter().filter(|&&x| x).count() as f64;
                 let link: f64 = costs.iter().zip(f).filter(|(_, &x)| x).map(|(c, _)| c.1).sum();
-                cpu.max(busy + link)
+                (cpu + enqueue * fetched).max(busy + link)
             };
             let got = span(&fetch);
             prop_assert!(got <= span(&vec![false; costs.len()]) + 1e-9);
@@ -766,10 +772,11 @@ mod tests {
         #[test]
         fn equal_costs_split_at_the_best_count(
             m in 0usize..40, c in 0.01f64..10.0, f in 0.01f64..10.0, busy in 0.0f64..40.0,
+            enqueue in prop_oneof![Just(0.0f64), 0.0f64..12.0],
         ) {
-            let fetch = split_missing(&vec![(c, f); m], busy);
+            let fetch = split_missing(&vec![(c, f); m], busy, enqueue);
             let k = fetch.iter().filter(|&&x| x).count();
-            let cost = |k: usize| ((m - k) as f64 * c).max(busy + k as f64 * f);
+            let cost = |k: usize| ((m - k) as f64 * c + k as f64 * enqueue).max(busy + k as f64 * f);
             let best = (0..=m).map(cost).fold(f64::INFINITY, f64::min);
             prop_assert!(cost(k) <= best + 1e-9, "k {} costs {} > best {}", k, cost(k), best);
         }
@@ -779,10 +786,34 @@ mod tests {
     #[test]
     fn a_busy_link_takes_fewer_misses() {
         let costs = vec![(1.0, 1.0); 8];
-        let fetched = |busy: f64| split_missing(&costs, busy).iter().filter(|&&f| f).count();
+        let fetched = |busy: f64| {
+            split_missing(&costs, busy, 0.0)
+                .iter()
+                .filter(|&&f| f)
+                .count()
+        };
         assert_eq!(fetched(0.0), 4);
         assert_eq!(fetched(2.0), 3);
         assert_eq!(fetched(8.0), 0);
+    }
+
+    /// A fetched expert's enqueue on the thread that computes the CPU's share keeps the
+    /// experts the CPU does in less than it there (a prompt's few-row experts), and moves
+    /// the ones it is slower at.
+    #[test]
+    fn the_enqueue_keeps_cheap_experts_on_the_cpu() {
+        // Four experts the CPU does in 0.05 and four in 1.0; a fetch takes 0.01 of the link
+        // and its enqueue 0.1 of the CPU side's thread.
+        let costs: Vec<(f64, f64)> = [0.05, 1.0, 0.05, 1.0, 0.05, 1.0, 0.05, 1.0]
+            .iter()
+            .map(|&c| (c, 0.01))
+            .collect();
+        let fetch = split_missing(&costs, 0.0, 0.1);
+        assert_eq!(fetch, [false, true, false, true, false, true, false, true]);
+        // Without the enqueue, the cheap ones go to the link too, all but the last that
+        // would make it the slower side.
+        let free = split_missing(&costs, 0.0, 0.0);
+        assert_eq!(free.iter().filter(|&&f| f).count(), 7);
     }
 
     #[test]

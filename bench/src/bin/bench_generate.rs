@@ -1010,6 +1010,7 @@ fn expert_fields(
         "expert_host_bytes_per_s": b.host_bytes_per_s,
         "expert_host_row_bytes_per_s": b.host_row_bytes_per_s,
         "expert_link_bytes_per_s": b.link_bytes_per_s,
+        "expert_stream_enqueue_s": b.stream_enqueue_s,
         "host_read_gbps": host_read_gbps,
         "physical_bound_tokens_per_s": (host_bytes > 0.0).then(|| host_read_gbps * 1e9 / host_bytes),
     })

@@ -153,6 +153,10 @@ pub struct ExpertStats {
     pub host_row_bytes_per_s: f64,
     /// The link's rate the split is priced at, bytes a second.
     pub link_bytes_per_s: f64,
+    /// The host's seconds to enqueue one of a prompt's streamed experts (its copy and its
+    /// launches; running average): the split prices a prompt's fetched experts at this much
+    /// of the thread that then computes the host's experts.
+    pub stream_enqueue_s: f64,
 }
 
 impl std::fmt::Display for ExpertStats {
@@ -163,8 +167,8 @@ impl std::fmt::Display for ExpertStats {
             "expert cache: hit rate {:.1}%; routed experts resident {}, fetched {}, streamed {}, \
              on the host CPU {}, read by the device from host memory {} ({} not admitted), \
              prefetched {} ({} used); {:.2} GiB read from host memory; host {:.1} GB/s (a \
-             prompt's {:.1} GB times rows a second), link {:.1} GB/s; {} layer rows routed on \
-             the device",
+             prompt's {:.1} GB times rows a second), link {:.1} GB/s, {:.0} µs to enqueue a \
+             streamed expert; {} layer rows routed on the device",
             100.0 * self.hit_rate(),
             self.resident,
             self.fetched,
@@ -178,6 +182,7 @@ impl std::fmt::Display for ExpertStats {
             self.host_bytes_per_s / 1e9,
             self.host_row_bytes_per_s / 1e9,
             self.link_bytes_per_s / 1e9,
+            self.stream_enqueue_s * 1e6,
             self.device_routed,
         )?;
         let layers: Vec<String> = self
@@ -429,6 +434,8 @@ impl ExpertTier {
                     // A prompt's expert of `HOST_ROWS_PER_READ` rows priced as its fetch.
                     host_row_bytes_per_s: sizing.link_bytes_per_s * HOST_ROWS_PER_READ as f64,
                     link_bytes_per_s: sizing.link_bytes_per_s,
+                    // A streamed expert's enqueue priced as its copy until one is measured.
+                    stream_enqueue_s: largest as f64 / sizing.link_bytes_per_s,
                     ..Default::default()
                 },
                 placed_host: vec![HostWork::default(); x.sparse.len()],
@@ -523,6 +530,10 @@ impl SplitExperts<'_> {
             vec![true; missing.len()]
         } else {
             let stats = &st.stats;
+            // A prompt's fetched experts are enqueued one by one before the host's start; a
+            // decode row's join the resident ones' launches.
+            let decode = missing.iter().all(|&(_, rows)| rows == 1);
+            let enqueue = if decode { 0.0 } else { stats.stream_enqueue_s };
             let costs: Vec<(f64, f64)> = missing
                 .iter()
                 .zip(&bytes)
@@ -534,7 +545,7 @@ impl SplitExperts<'_> {
                 .collect();
             let link_rate = st.stats.link_bytes_per_s;
             let busy = self.link_queued_bytes(st)? as f64 / link_rate;
-            split_missing(&costs, busy)
+            split_missing(&costs, busy, enqueue)
         };
         Ok((bytes, fetch))
     }
@@ -999,6 +1010,17 @@ impl ExpertUnits for SplitExperts<'_> {
         // next one takes its room and the cache's experts stay.
         self.device.rt.evict_unit(self.unit(layer, expert)?)?;
         Ok(())
+    }
+
+    fn stream_done(&self, experts: usize, seconds: f64) {
+        let Ok(mut st) = self.tier.state.lock() else {
+            return;
+        };
+        if experts > 0 && seconds > 0.0 {
+            let each = seconds / experts as f64;
+            let r = &mut st.stats.stream_enqueue_s;
+            *r = (1.0 - HOST_RATE_SMOOTHING) * *r + HOST_RATE_SMOOTHING * each;
+        }
     }
 
     fn host_done(&self, layer: usize, seconds: f64) {

@@ -44,17 +44,8 @@ pub fn route_row(logits: &[f32], r: Routing) -> Vec<(usize, f32)> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let exps: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
     let sum: f32 = exps.iter().sum();
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    // Largest probability first; NaN last; ties by index.
-    order.sort_by(|&a, &b| {
-        exps[b]
-            .partial_cmp(&exps[a])
-            .unwrap_or_else(|| exps[a].is_nan().cmp(&exps[b].is_nan()))
-            .then(a.cmp(&b))
-    });
-    let mut chosen: Vec<(usize, f32)> = order
+    let mut chosen: Vec<(usize, f32)> = top_k_order(&exps, r.top_k)
         .into_iter()
-        .take(r.top_k)
         .map(|e| (e, exps[e] / sum))
         .collect();
     if r.renormalize {
@@ -64,6 +55,29 @@ pub fn route_row(logits: &[f32], r: Routing) -> Vec<(usize, f32)> {
         }
     }
     chosen
+}
+
+/// The indices of the `k` largest of `values`, largest first; NaN last; ties by index: a
+/// full sort's first `k`, kept in a sorted list of at most `k` (a prompt routes every row,
+/// and `k` is a few of a hundred or more experts).
+fn top_k_order(values: &[f32], k: usize) -> Vec<usize> {
+    let before = |a: usize, b: usize| {
+        values[b]
+            .partial_cmp(&values[a])
+            .unwrap_or_else(|| values[a].is_nan().cmp(&values[b].is_nan()))
+            .then(a.cmp(&b))
+            == std::cmp::Ordering::Less
+    };
+    let mut top: Vec<usize> = Vec::with_capacity(k + 1);
+    for i in 0..values.len() {
+        if top.len() == k && top.last().is_none_or(|&last| !before(i, last)) {
+            continue;
+        }
+        let at = top.partition_point(|&t| before(t, i));
+        top.insert(at, i);
+        top.truncate(k);
+    }
+    top
 }
 
 /// For each expert some row of a batch is routed to (in expert order), the rows and their
@@ -166,6 +180,10 @@ pub trait ExpertUnits: Send + Sync {
     /// The host CPU computed the experts [`place`](Self::place) left there for `layer` in
     /// `seconds` (the rate the next steps' split is priced at).
     fn host_done(&self, _layer: usize, _seconds: f64) {}
+
+    /// A prompt's `experts` streamed experts took the host `seconds` to enqueue (what the
+    /// next prompts' split prices a fetched expert at on the host's thread).
+    fn stream_done(&self, _experts: usize, _seconds: f64) {}
 
     /// Whether a decode row `x` of `layer` (experts of `shape`, chosen by `routing`) goes
     /// through its experts as the device chooses them: the units' table, each expert's entry
@@ -741,6 +759,7 @@ impl SparseMoe {
         let depth = units.stream_depth().max(1);
         let mut held = std::collections::VecDeque::with_capacity(depth);
         let mut at = 0usize;
+        let (t0, count) = (std::time::Instant::now(), streamed.len());
         for (&e, g) in streamed {
             while held.len() >= depth {
                 if let Some(old) = held.pop_front() {
@@ -778,6 +797,9 @@ impl SparseMoe {
         }
         for e in held {
             units.streamed(self.layer, e)?;
+        }
+        if x2.dim(0)? > 1 {
+            units.stream_done(count, t0.elapsed().as_secs_f64());
         }
         Ok(sum)
     }
@@ -1155,6 +1177,8 @@ fn expert_blocks(mlp: &GatedMlp) -> Option<[&Arc<QTensor>; 3]> {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     #[test]
@@ -1239,6 +1263,32 @@ mod tests {
         let big = route_row(&[1000.0, 999.0, -1000.0], r(3, 2, false));
         assert_eq!(big[0].0, 0);
         assert!((big[0].1 - 1.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-6);
+    }
+
+    proptest! {
+        /// The kept top k is a full sort's first k, NaN, ties and k past the length included.
+        #[test]
+        fn top_k_is_a_full_sorts_first_k(
+            values in proptest::collection::vec(
+                prop_oneof![
+                    4 => (-4i8..4).prop_map(f32::from),
+                    4 => -10.0f32..10.0,
+                    1 => Just(f32::NAN),
+                ],
+                0..40,
+            ),
+            k in 0usize..45,
+        ) {
+            let mut order: Vec<usize> = (0..values.len()).collect();
+            order.sort_by(|&a, &b| {
+                values[b]
+                    .partial_cmp(&values[a])
+                    .unwrap_or_else(|| values[a].is_nan().cmp(&values[b].is_nan()))
+                    .then(a.cmp(&b))
+            });
+            order.truncate(k);
+            prop_assert_eq!(top_k_order(&values, k), order);
+        }
     }
 
     #[test]
