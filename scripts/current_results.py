@@ -154,6 +154,11 @@ SOURCES = {
         "2026-12-07/2026-12-07-moe-q4_k_m-skewed-12gib-p64-512-4869765-h100.json",
         "2026-12-07/2026-12-07-moe-q8_0-uniform-8gib-p64-512-prompt-rate-e14d726-h100.json",
         "2026-12-07/2026-12-07-moe-q8_0-skewed-8gib-p64-512-prompt-rate-e14d726-h100.json",
+        "2026-12-07/2026-12-07-moe-q8_0-uniform-8gib-p64-512-22bc7a4-h100.json",
+        "2026-12-07/2026-12-07-moe-q8_0-uniform-8gib-p64-512-enqueue-split-c7162f4-h100.json",
+        "2026-12-07/2026-12-07-moe-q8_0-skewed-8gib-p64-512-enqueue-split-c7162f4-h100.json",
+        "2026-12-07/2026-12-07-moe-q4_k_m-skewed-12gib-p64-enqueue-split-c7162f4-h100.json",
+        "2026-12-07/2026-12-07-moe-q4_k_m-skewed-12gib-p512-enqueue-split-c7162f4-h100.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     # bench_train's lora-* configurations, with scripts/lora_peer.py (PEFT) run just before it
@@ -780,20 +785,22 @@ def render_benchmarks(rows):
             "older (the writer before that fix, greedy tokens that repeat, so hit rates higher "
             "than the routing alone gives). The uniform rows ran the fixed writer's file "
             "(`475e7a4`) with random decode tokens, as llama-bench feeds: every layer's hit rate "
-            "is close to its slots' share of 128 experts. At 8 GiB (`e14d726`, H100) the physical "
-            "bound (the host bytes a token reads over the host's read rate) was 53.6 and 53.5 "
-            "tok/s at prompts 64 and 512, 1.78x and 1.70x llama.cpp's on that host, and ours "
-            "reached 49% and 54% of it (at `457d2cd` on an H200 the bound was 1.46x and 1.28x "
-            "llama.cpp's, ours 67% and 53%). A 512-token prompt's bound (every expert of a "
-            "layer used; the bytes of those past the cache's slots over the link's measured "
-            "55 GB/s): uniform Q8_0 8 GiB 1,136 tok/s (ours 376, 33%), skewed Q8_0 8 GiB "
-            "6,091 at `e14d726` (ours 858, 14%: past the cache it is bound by the host's share "
-            "and the per-layer work, not the link); at `457d2cd`, skewed Q4_K_M 8 GiB 2,344 and "
-            "12 GiB 3,699 (at each host's measured read rate, 81-92 GB/s: 3,581 and 5,468), so "
-            "3x llama.cpp's prefill (2,045 tok/s at 12 GiB) is beyond the Q4_K_M 12 GiB row's "
-            "either way. The skewed Q8_0 8 GiB row at 512 tokens peaked 10 MiB over its budget "
-            "at `4869765` and `e14d726`: the reservation counted the prompt's routed copies as a "
-            "dense MLP's (counted since `5c2f9a2`, not yet measured).",
+            "is close to its slots' share of 128 experts. The hosts differ: on the H100 host of the "
+            "`22bc7a4` uniform rows llama.cpp decoded at 55 tok/s, on the host of the `c7162f4` "
+            "rows at 29-37, so only same-call ratios compare. The uniform decode's physical bound "
+            "(the host bytes a token reads over the host's read rate) was 79.6 and 77.4 tok/s at "
+            "prompts 64 and 512 on the first (1.45x and 1.40x llama.cpp's there; ours 50%), and "
+            "45.4 and 44.3 on the second (1.24x and 1.52x; ours 80% and 76% at `c7162f4`), so "
+            "1.5x llama.cpp's uniform decode was beyond the bound itself at prompt 64 on both. A "
+            "512-token prompt's link bound (the bytes of the used experts past the cache's slots "
+            "over the link's measured 55 GB/s): uniform Q8_0 8 GiB 1,125 tok/s (ours 769 at "
+            "`c7162f4`, 68%), skewed Q8_0 8 GiB 5,963 (ours 1,672, 28%: past the cache it is bound "
+            "by the per-layer work, not the link). Skewed Q4_K_M 12 GiB at `c7162f4`: the prompt "
+            "found nearly every used expert in the cache (none past it), so its 2.11x is bound by "
+            "the per-layer work too: 3,561 tok/s is 3.0 ms a layer, and 3x llama.cpp's 1,686 "
+            "would need 2.1. The skewed Q8_0 8 GiB row at 512 "
+            "tokens peaked 10 MiB over its budget at `4869765` and `e14d726`; since `5c2f9a2` the "
+            "reservation counts a prompt's routed copies, and it peaked 246 MiB under at `c7162f4`.",
             "",
             "| model | weights | budget | prompt | decode tok/s, ours / llama.cpp | x | prefill tok/s, ours / llama.cpp | x | peak MiB (budget) | measured |",
             "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | --- |",
