@@ -20,79 +20,13 @@ use candle_offload::kernels::linear::{
     QExpert, QExpertRows, RoutedShape, NO_SLOT,
 };
 
+mod routing;
+
+pub use routing::{group_by_expert, route_row, Routing};
+
 use super::linear::{Linear, LinearWeight};
 use super::mlp::{Activation, GateUp, GatedMlp};
 use crate::family::{StepCtx, UnitWeights};
-
-/// How a router's logits choose experts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Routing {
-    /// Experts in the layer.
-    pub experts: usize,
-    /// Experts per token.
-    pub top_k: usize,
-    /// Divide the chosen experts' probabilities by their sum (Mixtral always; Qwen3-MoE when
-    /// `norm_topk_prob`).
-    pub renormalize: bool,
-}
-
-/// One token's experts and their weights, as transformers' routers compute them: softmax of
-/// the logits in F32, the `top_k` largest probabilities (largest first), divided by their sum
-/// when `renormalize`. Exact ties go to the lower expert index (torch's `topk` leaves their
-/// order unspecified; the weights are the same either way).
-pub fn route_row(logits: &[f32], r: Routing) -> Vec<(usize, f32)> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let exps: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
-    let sum: f32 = exps.iter().sum();
-    let mut chosen: Vec<(usize, f32)> = top_k_order(&exps, r.top_k)
-        .into_iter()
-        .map(|e| (e, exps[e] / sum))
-        .collect();
-    if r.renormalize {
-        let total: f32 = chosen.iter().map(|(_, p)| p).sum();
-        for (_, p) in &mut chosen {
-            *p /= total;
-        }
-    }
-    chosen
-}
-
-/// The indices of the `k` largest of `values`, largest first; NaN last; ties by index: a
-/// full sort's first `k`, kept in a sorted list of at most `k` (a prompt routes every row,
-/// and `k` is a few of a hundred or more experts).
-fn top_k_order(values: &[f32], k: usize) -> Vec<usize> {
-    let before = |a: usize, b: usize| {
-        values[b]
-            .partial_cmp(&values[a])
-            .unwrap_or_else(|| values[a].is_nan().cmp(&values[b].is_nan()))
-            .then(a.cmp(&b))
-            == std::cmp::Ordering::Less
-    };
-    let mut top: Vec<usize> = Vec::with_capacity(k + 1);
-    for i in 0..values.len() {
-        if top.len() == k && top.last().is_none_or(|&last| !before(i, last)) {
-            continue;
-        }
-        let at = top.partition_point(|&t| before(t, i));
-        top.insert(at, i);
-        top.truncate(k);
-    }
-    top
-}
-
-/// For each expert some row of a batch is routed to (in expert order), the rows and their
-/// weights.
-pub fn group_by_expert(routes: &[Vec<(usize, f32)>]) -> BTreeMap<usize, (Vec<u32>, Vec<f32>)> {
-    let mut by: BTreeMap<usize, (Vec<u32>, Vec<f32>)> = BTreeMap::new();
-    for (row, choice) in routes.iter().enumerate() {
-        for &(e, w) in choice {
-            let slot = by.entry(e).or_default();
-            slot.0.push(row as u32);
-            slot.1.push(w);
-        }
-    }
-    by
-}
 
 /// An expert acquired for a step: its MLP and the guard that keeps its unit acquired.
 #[derive(Debug)]
@@ -1177,8 +1111,6 @@ fn expert_blocks(mlp: &GatedMlp) -> Option<[&Arc<QTensor>; 3]> {
 
 #[cfg(test)]
 mod tests {
-    use proptest::prelude::*;
-
     use super::*;
 
     #[test]
@@ -1216,90 +1148,6 @@ mod tests {
         }
     }
 
-    /// Expected values printed by transformers' router code (torch 2.15: softmax in F32,
-    /// `topk`, renormalised or not) on the same logits.
-    #[test]
-    fn routes_as_transformers() {
-        let close = |got: Vec<(usize, f32)>, want: &[(usize, f32)]| {
-            assert_eq!(got.len(), want.len());
-            for (g, w) in got.iter().zip(want) {
-                assert!(
-                    g.0 == w.0 && (g.1 - w.1).abs() < 1e-6,
-                    "{got:?} != {want:?}"
-                );
-            }
-        };
-        let a = [0.3f32, -1.2, 2.5, 0.9, 2.4, -0.1];
-        close(
-            route_row(&a, r(6, 2, false)),
-            &[(2, 0.4316793), (4, 0.3905996)],
-        );
-        close(
-            route_row(&a, r(6, 2, true)),
-            &[(2, 0.5249791), (4, 0.4750208)],
-        );
-        let b = [-0.5f32, 0.25, 0.1, -2.0, 0.7, 0.69, 3.0, -1.0];
-        close(
-            route_row(&b, r(8, 4, false)),
-            &[
-                (6, 0.7279492),
-                (4, 0.0729833),
-                (5, 0.0722571),
-                (1, 0.0465362),
-            ],
-        );
-        close(
-            route_row(&b, r(8, 4, true)),
-            &[
-                (6, 0.7914849),
-                (4, 0.0793533),
-                (5, 0.0785637),
-                (1, 0.0505979),
-            ],
-        );
-        // Top-1 renormalised is weight 1 (Mixtral's top-1 configs).
-        assert_eq!(route_row(&a, r(6, 1, true)), [(2, 1.0)]);
-        // Large logits do not overflow.
-        let big = route_row(&[1000.0, 999.0, -1000.0], r(3, 2, false));
-        assert_eq!(big[0].0, 0);
-        assert!((big[0].1 - 1.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-6);
-    }
-
-    proptest! {
-        /// The kept top k is a full sort's first k, NaN, ties and k past the length included.
-        #[test]
-        fn top_k_is_a_full_sorts_first_k(
-            values in proptest::collection::vec(
-                prop_oneof![
-                    4 => (-4i8..4).prop_map(f32::from),
-                    4 => -10.0f32..10.0,
-                    1 => Just(f32::NAN),
-                ],
-                0..40,
-            ),
-            k in 0usize..45,
-        ) {
-            let mut order: Vec<usize> = (0..values.len()).collect();
-            order.sort_by(|&a, &b| {
-                values[b]
-                    .partial_cmp(&values[a])
-                    .unwrap_or_else(|| values[a].is_nan().cmp(&values[b].is_nan()))
-                    .then(a.cmp(&b))
-            });
-            order.truncate(k);
-            prop_assert_eq!(top_k_order(&values, k), order);
-        }
-    }
-
-    #[test]
-    fn ties_choose_the_lower_index_with_equal_weights() {
-        let got = route_row(&[1.0, 3.0, 3.0, 3.0, 0.0], r(5, 2, true));
-        assert_eq!(got, [(1, 0.5), (2, 0.5)]);
-        let flat = route_row(&[0.0; 8], r(8, 3, false));
-        assert_eq!(flat.iter().map(|c| c.0).collect::<Vec<_>>(), [0, 1, 2]);
-        assert!(flat.iter().all(|c| (c.1 - 0.125).abs() < 1e-7));
-    }
-
     /// A half-precision model routes on F32 logits: expert 1's logit is 1 + 2^-9 against
     /// expert 0's 1, a difference below BF16's spacing at 1 (2^-7), so logits rounded to BF16
     /// would tie and the lower index win; in F32 expert 1 wins, as in the F32 model.
@@ -1308,6 +1156,11 @@ mod tests {
         let dev = candle_core::Device::Cpu;
         let w = Tensor::new(&[[1.0f32, 0.0], [1.0, 1.0 / 512.0]], &dev)?;
         let x = Tensor::new(&[[1.0f32, 1.0]], &dev)?;
+        let top1 = Routing {
+            experts: 2,
+            top_k: 1,
+            renormalize: true,
+        };
         for dt in [DType::F32, DType::BF16, DType::F16] {
             let router = Linear::from_candle(
                 &candle_nn::Linear::new(w.to_dtype(dt)?, None),
@@ -1317,14 +1170,14 @@ mod tests {
             assert_eq!(got.dtype(), DType::F32);
             let row = got.to_vec2::<f32>()?.remove(0);
             assert_eq!(row, [1.0, 1.0 + 1.0 / 512.0], "{dt:?}");
-            assert_eq!(route_row(&row, r(2, 1, true))[0].0, 1, "{dt:?}");
+            assert_eq!(route_row(&row, top1)[0].0, 1, "{dt:?}");
         }
         // What rounding the logits to BF16 would have done.
         let rounded = Tensor::new(&[1.0f32, 1.0 + 1.0 / 512.0], &dev)?
             .to_dtype(DType::BF16)?
             .to_dtype(DType::F32)?
             .to_vec1::<f32>()?;
-        assert_eq!(route_row(&rounded, r(2, 1, true))[0].0, 0);
+        assert_eq!(route_row(&rounded, top1)[0].0, 0);
         Ok(())
     }
 
@@ -1423,15 +1276,6 @@ mod tests {
             assert_eq!(fast.to_vec2::<f32>()?, generic.to_vec2::<f32>()?);
         }
         Ok(())
-    }
-
-    #[test]
-    fn groups_rows_by_expert_in_expert_order() {
-        let routes = vec![vec![(3, 0.6), (1, 0.4)], vec![(1, 0.9), (0, 0.1)]];
-        let g = group_by_expert(&routes);
-        assert_eq!(g.keys().copied().collect::<Vec<_>>(), [0, 1, 3]);
-        assert_eq!(g[&1], (vec![0, 1], vec![0.4, 0.9]));
-        assert_eq!(g[&3], (vec![0], vec![0.6]));
     }
 
     #[test]
