@@ -1156,11 +1156,7 @@ mod tests {
         let dev = candle_core::Device::Cpu;
         let w = Tensor::new(&[[1.0f32, 0.0], [1.0, 1.0 / 512.0]], &dev)?;
         let x = Tensor::new(&[[1.0f32, 1.0]], &dev)?;
-        let top1 = Routing {
-            experts: 2,
-            top_k: 1,
-            renormalize: true,
-        };
+        let top1 = Routing::of(2, 1, true);
         for dt in [DType::F32, DType::BF16, DType::F16] {
             let router = Linear::from_candle(
                 &candle_nn::Linear::new(w.to_dtype(dt)?, None),

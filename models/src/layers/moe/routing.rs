@@ -16,6 +16,18 @@ pub struct Routing {
     pub renormalize: bool,
 }
 
+#[cfg(test)]
+impl Routing {
+    /// `top_k` of `experts`, renormalised or not (the tests' shorthand).
+    pub(crate) fn of(experts: usize, top_k: usize, renormalize: bool) -> Self {
+        Self {
+            experts,
+            top_k,
+            renormalize,
+        }
+    }
+}
+
 /// One token's experts and their weights, as transformers' routers compute them: softmax of
 /// the logits in F32, the `top_k` largest probabilities (largest first), divided by their sum
 /// when `renormalize`. Exact ties go to the lower expert index (torch's `topk` leaves their
@@ -80,14 +92,6 @@ mod tests {
 
     use super::*;
 
-    fn r(experts: usize, top_k: usize, renormalize: bool) -> Routing {
-        Routing {
-            experts,
-            top_k,
-            renormalize,
-        }
-    }
-
     /// Expected values printed by transformers' router code (torch 2.15: softmax in F32,
     /// `topk`, renormalised or not) on the same logits.
     #[test]
@@ -103,16 +107,16 @@ mod tests {
         };
         let a = [0.3f32, -1.2, 2.5, 0.9, 2.4, -0.1];
         close(
-            route_row(&a, r(6, 2, false)),
+            route_row(&a, Routing::of(6, 2, false)),
             &[(2, 0.4316793), (4, 0.3905996)],
         );
         close(
-            route_row(&a, r(6, 2, true)),
+            route_row(&a, Routing::of(6, 2, true)),
             &[(2, 0.5249791), (4, 0.4750208)],
         );
         let b = [-0.5f32, 0.25, 0.1, -2.0, 0.7, 0.69, 3.0, -1.0];
         close(
-            route_row(&b, r(8, 4, false)),
+            route_row(&b, Routing::of(8, 4, false)),
             &[
                 (6, 0.7279492),
                 (4, 0.0729833),
@@ -121,7 +125,7 @@ mod tests {
             ],
         );
         close(
-            route_row(&b, r(8, 4, true)),
+            route_row(&b, Routing::of(8, 4, true)),
             &[
                 (6, 0.7914849),
                 (4, 0.0793533),
@@ -130,9 +134,9 @@ mod tests {
             ],
         );
         // Top-1 renormalised is weight 1 (Mixtral's top-1 configs).
-        assert_eq!(route_row(&a, r(6, 1, true)), [(2, 1.0)]);
+        assert_eq!(route_row(&a, Routing::of(6, 1, true)), [(2, 1.0)]);
         // Large logits do not overflow.
-        let big = route_row(&[1000.0, 999.0, -1000.0], r(3, 2, false));
+        let big = route_row(&[1000.0, 999.0, -1000.0], Routing::of(3, 2, false));
         assert_eq!(big[0].0, 0);
         assert!((big[0].1 - 1.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-6);
     }
@@ -165,9 +169,9 @@ mod tests {
 
     #[test]
     fn ties_choose_the_lower_index_with_equal_weights() {
-        let got = route_row(&[1.0, 3.0, 3.0, 3.0, 0.0], r(5, 2, true));
+        let got = route_row(&[1.0, 3.0, 3.0, 3.0, 0.0], Routing::of(5, 2, true));
         assert_eq!(got, [(1, 0.5), (2, 0.5)]);
-        let flat = route_row(&[0.0; 8], r(8, 3, false));
+        let flat = route_row(&[0.0; 8], Routing::of(8, 3, false));
         assert_eq!(flat.iter().map(|c| c.0).collect::<Vec<_>>(), [0, 1, 2]);
         assert!(flat.iter().all(|c| (c.1 - 0.125).abs() < 1e-7));
     }
