@@ -32,7 +32,8 @@ use candle_offload::kernels::linear::Linear;
 /// reads its weights once per group.
 const HOST_ROWS_PER_READ: usize = candle_offload::kernels::linear::cpu_quant::KQUANT_MAX_ROWS;
 
-/// The weight of a new measurement of the host's rate in its running average.
+/// The weight of a new measurement in the running averages of the host's rates and of a
+/// streamed expert's enqueue time.
 const HOST_RATE_SMOOTHING: f64 = 0.1;
 
 /// Decode placements of a layer's misses (a layer of a step each) after which, where the host
