@@ -36,6 +36,26 @@ const HOST_ROWS_PER_READ: usize = candle_offload::kernels::linear::cpu_quant::KQ
 /// streamed expert's enqueue time.
 const HOST_RATE_SMOOTHING: f64 = 0.1;
 
+/// The most a streamed expert's enqueue sample counts for, as a multiple of the running
+/// average: a one-off stall (a first launch's module load) moves the average by at most
+/// `HOST_RATE_SMOOTHING` times this less one, and a lasting change is still learned (a
+/// tenfold one in about ten layers).
+const STREAM_ENQUEUE_MAX_RISE: f64 = 4.0;
+
+/// The running average of a streamed expert's enqueue seconds after the `sample` of one
+/// layer's (each sample capped at [`STREAM_ENQUEUE_MAX_RISE`] times the average).
+fn enqueue_average(average: f64, sample: f64) -> f64 {
+    if !(sample.is_finite() && sample > 0.0) {
+        return average;
+    }
+    let sample = if average > 0.0 {
+        sample.min(STREAM_ENQUEUE_MAX_RISE * average)
+    } else {
+        sample
+    };
+    (1.0 - HOST_RATE_SMOOTHING) * average + HOST_RATE_SMOOTHING * sample
+}
+
 /// Decode placements of a layer's misses (a layer of a step each) after which, where the host
 /// computed none of them, the next one puts one miss on the host to measure its rate again.
 const HOST_RATE_PROBE_PLACEMENTS: u32 = 256;
@@ -1017,10 +1037,9 @@ impl ExpertUnits for SplitExperts<'_> {
         let Ok(mut st) = self.tier.state.lock() else {
             return;
         };
-        if experts > 0 && seconds > 0.0 {
-            let each = seconds / experts as f64;
+        if experts > 0 {
             let r = &mut st.stats.stream_enqueue_s;
-            *r = (1.0 - HOST_RATE_SMOOTHING) * *r + HOST_RATE_SMOOTHING * each;
+            *r = enqueue_average(*r, seconds / experts as f64);
         }
     }
 
@@ -1063,6 +1082,23 @@ impl StageExperts<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One stall a hundred times the average raises it by 30%, not tenfold; a lasting change
+    /// is learned; a sample that is no time leaves it.
+    #[test]
+    fn the_enqueue_average_caps_a_stall() {
+        let avg = 100e-6;
+        let stalled = enqueue_average(avg, 10e-3);
+        assert!((stalled - 1.3 * avg).abs() < 1e-12, "{stalled}");
+        let mut a = avg;
+        for _ in 0..40 {
+            a = enqueue_average(a, 1e-3);
+        }
+        assert!((a - 1e-3).abs() < 0.05e-3, "{a}");
+        assert_eq!(enqueue_average(avg, 0.0), avg);
+        assert_eq!(enqueue_average(avg, f64::NAN), avg);
+        assert_eq!(enqueue_average(0.0, 5e-5), 0.1 * 5e-5);
+    }
 
     #[test]
     fn a_prompts_expert_is_priced_at_the_slower_of_its_reads_and_its_rows() {
