@@ -33,8 +33,8 @@
 #   other routing, the old ones deleted first (the disk holds one routing's two files).
 # Where a decode step's host time goes (`bash scripts/gpu_moe_session.sh spans BUDGETS`, carry
 #   .gpu/bench_generate.xz; the Q8_0 file written): ours alone at each budget with -vv and the
-#   mixture-of-experts layers' spans (route and its wait for the device, guess, place, device,
-#   to_host, host, merge), then scripts/span_times.py over the decode rows (PROMPT_LEN=512
+#   mixture-of-experts layers' spans (route and its wait for the device, guess, place (its
+#   split, and its device and host experts' acquisitions), device, to_host, host, merge), then scripts/span_times.py over the decode rows (PROMPT_LEN=512
 #   MATCH_ROWS=512: over a 512-token prompt's layers instead, the untimed one's and the timed one's) ->
 #   spans-ROUTING-BUDGET.json (a diagnostic, not a row; SPLIT, NO_PREFETCH and ROUTE as for bench).
 #   SPANS_LOG replaces the log filter, e.g. adding `candle_offload=debug` for the runtime's
@@ -140,7 +140,7 @@ case "$1" in
     for b in ${2//,/ }; do
       name="spans-$ROUTING-${b}gib${PROMPT_LEN:+-p$PROMPT_LEN}${SPLIT:+-split-$SPLIT}${NO_PREFETCH:+-no-prefetch}${GUESS:+-guess$GUESS}${ROUTE:+-route-$ROUTE}"
       el "$name"
-      (cd /tmp && RUST_LOG="${SPANS_LOG:-warn,candle_offload_models::layers::moe=debug}" timeout "${BENCH_S:-200}" \
+      (cd /tmp && RUST_LOG="${SPANS_LOG:-warn,candle_offload_models::layers::moe=debug,candle_offload_models::causal::experts=debug}" timeout "${BENCH_S:-200}" \
         /tmp/bin/bench_generate --model-dir "$f" --quantized --weights "$name" --budgets "$b" \
         --prompt-lens "${PROMPT_LEN:-64}" --new-tokens "${NEW_TOKENS:-16}" --expert-split "${SPLIT:-auto}" \
         --expert-prefetch ${NO_PREFETCH:+false} ${GUESS:+--expert-guess-layers $GUESS} \

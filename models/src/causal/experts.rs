@@ -823,7 +823,8 @@ impl ExpertUnits for SplitExperts<'_> {
         let resident = routed.len() - missing.len();
         // The missing ones: fetched (taking a slot) or on the host, priced per expert.
         let missing_routed: Vec<(usize, usize)> = missing.iter().map(|&i| routed[i]).collect();
-        let (bytes, mut fetch) = self.split(&mut st, layer, &missing_routed)?;
+        let (bytes, mut fetch) = tracing::debug_span!("moe.place.split")
+            .in_scope(|| self.split(&mut st, layer, &missing_routed))?;
         if decode && self.tier.host_compute {
             st.host_probe.place(&mut fetch);
         }
@@ -873,17 +874,18 @@ impl ExpertUnits for SplitExperts<'_> {
         drop(st);
         // The device's first (their copies and kernels queue while the host works).
         let mut out: Vec<Option<Expert>> = (0..routed.len()).map(|_| None).collect();
-        for (i, &(e, _)) in routed.iter().enumerate() {
-            if site[i] == ExpertSite::Device {
-                out[i] = Some(self.device.expert(layer, e, build)?);
+        let acquire = |out: &mut Vec<Option<Expert>>, on: ExpertSite, units: &dyn ExpertUnits| {
+            for (i, &(e, _)) in routed.iter().enumerate() {
+                if site[i] == on {
+                    out[i] = Some(units.expert(layer, e, build)?);
+                }
             }
-        }
-        let host = self.host();
-        for (i, &(e, _)) in routed.iter().enumerate() {
-            if site[i] == ExpertSite::Host {
-                out[i] = Some(host.expert(layer, e, build)?);
-            }
-        }
+            Ok::<_, candle_core::Error>(())
+        };
+        tracing::debug_span!("moe.place.device")
+            .in_scope(|| acquire(&mut out, ExpertSite::Device, &self.device))?;
+        tracing::debug_span!("moe.place.host")
+            .in_scope(|| acquire(&mut out, ExpertSite::Host, &self.host()))?;
         Ok(out.into_iter().zip(site).collect())
     }
 
