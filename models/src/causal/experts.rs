@@ -551,6 +551,7 @@ impl SplitExperts<'_> {
             vec![true; missing.len()]
         } else {
             let stats = &st.stats;
+            let link_rate = stats.link_bytes_per_s;
             // A prompt's fetched experts are enqueued one by one before the host's start; a
             // decode row's join the resident ones' launches.
             let decode = missing.iter().all(|&(_, rows)| rows == 1);
@@ -561,10 +562,9 @@ impl SplitExperts<'_> {
                 .map(|(&(_, rows), &b)| {
                     let host =
                         host_seconds(b, rows, stats.host_bytes_per_s, stats.host_row_bytes_per_s);
-                    (host, b as f64 / stats.link_bytes_per_s)
+                    (host, b as f64 / link_rate)
                 })
                 .collect();
-            let link_rate = st.stats.link_bytes_per_s;
             let busy = self.link_queued_bytes(st)? as f64 / link_rate;
             split_missing(&costs, busy, enqueue)
         };

@@ -587,24 +587,10 @@ impl SparseMoe {
                 .map(|y| add_into_rows(None, x2, ids, y))
                 .transpose();
         }
-        let Some((blocks, tuning)) = groups_blocks(groups) else {
+        let Some((experts, tuning)) = rows_experts(x2, groups)? else {
             return Ok(None);
         };
-        let experts: Vec<QExpertRows<'_>> = blocks
-            .into_iter()
-            .zip(groups)
-            .map(|([gate, up, down], ((rows, _), _))| QExpertRows {
-                gate,
-                up,
-                down,
-                rows: rows.len(),
-            })
-            .collect();
-        if !qexperts_rows_fits(x2, &experts, tuning)? {
-            return Ok(None);
-        }
-        let xs = x2.index_select(ids, 0)?;
-        let y = qexperts_rows(&xs, &experts, tuning)?;
+        let y = qexperts_rows(&x2.index_select(ids, 0)?, &experts, tuning)?;
         let (slots, weights, k) = combine_table(x2.dim(0)?, groups.iter().map(|(g, _)| *g));
         combine_rows(&y, &slots, &weights, k).map(Some)
     }
@@ -618,22 +604,9 @@ impl SparseMoe {
         ids: &Tensor,
         ws: &Tensor,
     ) -> Result<Option<Tensor>> {
-        let groups = [group];
-        let Some((blocks, tuning)) = groups_blocks(&groups) else {
+        let Some((experts, tuning)) = rows_experts(x2, &[group])? else {
             return Ok(None);
         };
-        let experts: Vec<QExpertRows<'_>> = blocks
-            .into_iter()
-            .map(|[gate, up, down]| QExpertRows {
-                gate,
-                up,
-                down,
-                rows: group.0 .0.len(),
-            })
-            .collect();
-        if !qexperts_rows_fits(x2, &experts, tuning)? {
-            return Ok(None);
-        }
         let y = qexperts_rows(&x2.index_select(ids, 0)?, &experts, tuning)?;
         y.broadcast_mul(&ws.to_dtype(y.dtype())?).map(Some)
     }
@@ -1012,6 +985,29 @@ fn groups_blocks<'a>(
         .map(|(_, e)| separate_blocks(&e.mlp).map(|[g, u, d]| [&**g, &**u, &**d]))
         .collect::<Option<Vec<_>>>()?;
     Some((blocks, first.mlp.down.tuning()))
+}
+
+/// `groups`' experts as [`qexperts_rows`] takes them (each with its rows' count) and their
+/// kernels' tuning, where every one is a SiLU-gated MLP of GGML blocks those kernels take and
+/// `x2` fits them; `None` otherwise.
+fn rows_experts<'a>(
+    x2: &Tensor,
+    groups: &[ExpertRows<'a>],
+) -> Result<Option<(Vec<QExpertRows<'a>>, &'a candle_offload::KernelTuning)>> {
+    let Some((blocks, tuning)) = groups_blocks(groups) else {
+        return Ok(None);
+    };
+    let experts: Vec<QExpertRows<'a>> = blocks
+        .into_iter()
+        .zip(groups)
+        .map(|([gate, up, down], ((rows, _), _))| QExpertRows {
+            gate,
+            up,
+            down,
+            rows: rows.len(),
+        })
+        .collect();
+    Ok(qexperts_rows_fits(x2, &experts, tuning)?.then_some((experts, tuning)))
 }
 
 /// [`combine_rows`]'s table for `rows` rows and `groups` (each expert's rows and weights, in
