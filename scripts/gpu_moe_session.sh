@@ -32,7 +32,7 @@
 # Another routing (`ROUTING=skewed bash scripts/gpu_moe_session.sh write`): the files of the
 #   other routing, the old ones deleted first (the disk holds one routing's two files).
 # Where a decode step's host time goes (`bash scripts/gpu_moe_session.sh spans BUDGETS`, carry
-#   .gpu/bench_generate.xz; the Q8_0 file written): ours alone at each budget with -vv and the
+#   .gpu/bench_generate.xz; the Q8_0 file written, or WEIGHTS=q4_k_m's): ours alone at each budget with -vv and the
 #   mixture-of-experts layers' spans (route and its wait for the device, guess, place (its
 #   split, and its device and host experts' acquisitions), device, to_host, host, merge), then scripts/span_times.py over the decode rows (PROMPT_LEN=512
 #   MATCH_ROWS=512: over a 512-token prompt's layers instead, the untimed one's and the timed one's) ->
@@ -133,12 +133,12 @@ case "$1" in
     el "done"
     ;;
   spans)
-    f=$(gguf q8_0)
+    f=$(gguf "${WEIGHTS:-q8_0}")
     [[ -x /tmp/bin/bench_generate ]] || { xz -dc .gpu/bench_generate.xz > /tmp/bin/bench_generate && chmod +x /tmp/bin/bench_generate; }
     while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 5; done
     [[ -f $f ]] || { echo "no $f (write first)"; exit 1; }
     for b in ${2//,/ }; do
-      name="spans-$ROUTING-${b}gib${PROMPT_LEN:+-p$PROMPT_LEN}${SPLIT:+-split-$SPLIT}${NO_PREFETCH:+-no-prefetch}${GUESS:+-guess$GUESS}${ROUTE:+-route-$ROUTE}"
+      name="spans-$ROUTING-${WEIGHTS:-q8_0}-${b}gib${PROMPT_LEN:+-p$PROMPT_LEN}${SPLIT:+-split-$SPLIT}${NO_PREFETCH:+-no-prefetch}${GUESS:+-guess$GUESS}${ROUTE:+-route-$ROUTE}"
       el "$name"
       (cd /tmp && RUST_LOG="${SPANS_LOG:-warn,candle_offload_models::layers::moe=debug,candle_offload_models::causal::experts=debug}" timeout "${BENCH_S:-200}" \
         /tmp/bin/bench_generate --model-dir "$f" --quantized --weights "$name" --budgets "$b" \
