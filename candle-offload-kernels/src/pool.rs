@@ -285,7 +285,7 @@ pub fn threads() -> usize {
 
 /// `f(i, chunk)` for each `chunk_len`-long chunk of `data` (the last one shorter), the chunks
 /// shared out between this thread and the pool's spinning workers; returns when all are done.
-pub(crate) fn for_each_chunk_mut<T: Send>(
+pub fn for_each_chunk_mut<T: Send>(
     data: &mut [T],
     chunk_len: usize,
     f: impl Fn(usize, &mut [T]) + Sync,

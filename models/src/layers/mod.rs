@@ -30,8 +30,8 @@ pub use cache::{causal_mask, window_mask, Cache, KvCache, Masks};
 pub use linear::{linear, linear_2d, Linear, LinearWeight, LoraAdapter};
 pub use mlp::{Activation, GatedMlp};
 pub use moe::{
-    group_by_expert, route_row, separate_blocks, BuildExpert, Expert, ExpertShape, ExpertSite,
-    ExpertUnits, Experts, Routing, SharedExpert, SparseMoe,
+    group_by_expert, route_row, route_rows, separate_blocks, BuildExpert, Expert, ExpertShape,
+    ExpertSite, ExpertUnits, Experts, Routing, SharedExpert, SparseMoe,
 };
 pub use norm::Norm;
 pub use rope::Rope;

@@ -22,7 +22,7 @@ use candle_offload::kernels::linear::{
 
 mod routing;
 
-pub use routing::{group_by_expert, route_row, Routing};
+pub use routing::{group_by_expert, route_row, route_rows, Routing};
 
 use super::linear::{Linear, LinearWeight};
 use super::mlp::{Activation, GateUp, GatedMlp};
@@ -333,7 +333,9 @@ impl SparseMoe {
         } else {
             Tensor::cat(&parts, 1)?
         };
-        let all = all.to_vec2::<f32>()?;
+        let rows = all.dim(0)?;
+        // One flat copy (not a vector a row): a prompt reads back hundreds of rows.
+        let all = all.flatten_all()?.to_vec1::<f32>()?;
         let expected: Vec<usize> = std::iter::once(self.routing.experts)
             .chain(guess.iter().map(|(_, r)| r.experts))
             .chain(rows_back.then(|| x2.dim(1)).transpose()?)
@@ -346,30 +348,28 @@ impl SparseMoe {
                 );
             }
         }
+        let stride: usize = widths.iter().sum();
         let (own, rest) = widths.split_first().expect("the router's logits");
         let mut at = *own;
-        let routes = all
-            .iter()
-            .map(|r| route_row(&r[..*own], self.routing))
-            .collect();
+        let routes = route_rows(&all, stride, (0, *own), self.routing);
         let guess = guess
             .iter()
             .zip(rest)
             .map(|(&(_, routing), &w)| {
-                let g = all
-                    .iter()
-                    .map(|r| route_row(&r[at..at + w], routing))
-                    .collect();
+                let g = route_rows(&all, stride, (at, w), routing);
                 at += w;
                 g
             })
             .collect();
         let x_host = if rows_back {
             let h = x2.dim(1)?;
-            let flat: Vec<f32> = all.iter().flat_map(|r| r[at..at + h].to_vec()).collect();
+            let flat: Vec<f32> = all
+                .chunks(stride)
+                .flat_map(|r| r[at..at + h].iter().copied())
+                .collect();
             Some(Tensor::from_vec(
                 flat,
-                (all.len(), h),
+                (rows, h),
                 &candle_core::Device::Cpu,
             )?)
         } else {
