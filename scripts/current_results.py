@@ -159,6 +159,11 @@ SOURCES = {
         "2026-12-07/2026-12-07-moe-q8_0-skewed-8gib-p64-512-enqueue-split-c7162f4-h100.json",
         "2026-12-07/2026-12-07-moe-q4_k_m-skewed-12gib-p64-enqueue-split-c7162f4-h100.json",
         "2026-12-07/2026-12-07-moe-q4_k_m-skewed-12gib-p512-enqueue-split-c7162f4-h100.json",
+        "2026-12-07/2026-12-07-moe-q4_k_m-skewed-8gib-p64-512-982b847-h100.json",
+        "2026-12-07/2026-12-07-moe-q8_0-skewed-12gib-p64-512-982b847-h100.json",
+        "2026-12-07/2026-12-07-moe-q8_0-skewed-4gib-p64-512-982b847-h100.json",
+        "2026-12-07/2026-12-07-moe-q4_k_m-skewed-4gib-p64-512-982b847-h100.json",
+        "2026-12-07/2026-12-07-moe-q4_k_m-skewed-12gib-p512-982b847-h100.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     # bench_train's lora-* configurations, with scripts/lora_peer.py (PEFT) run just before it
@@ -795,10 +800,16 @@ def render_benchmarks(rows):
             "512-token prompt's link bound (the bytes of the used experts past the cache's slots "
             "over the link's measured 55 GB/s): uniform Q8_0 8 GiB 1,125 tok/s (ours 769 at "
             "`c7162f4`, 68%), skewed Q8_0 8 GiB 5,963 (ours 1,672, 28%: past the cache it is bound "
-            "by the per-layer work, not the link). Skewed Q4_K_M 12 GiB at `c7162f4`: the prompt "
-            "found nearly every used expert in the cache (none past it), so its 2.11x is bound by "
-            "the per-layer work too: 3,561 tok/s is 3.0 ms a layer, and 3x llama.cpp's 1,686 "
-            "would need 2.1. The skewed Q8_0 8 GiB row at 512 "
+            "by the per-layer work, not the link). Skewed Q4_K_M 12 GiB: the prompt finds nearly "
+            "every used expert in the cache (none past it), so it is bound by the host's work a "
+            "layer: 3,561 tok/s against 1,686 (2.11x) at `c7162f4`, and 2,016 against 1,366 "
+            "(1.48x) at `982b847` on the `22bc7a4` rows' host, whose host-side work is slower "
+            "(its decode routing step 17.6 ms against 10.1). That host's spans of the timed "
+            "prompt: 3.85 ms a layer with the device idle at every wait, the routing 1.58 (one "
+            "thread's top 8 of 128 for 512 rows and the readback), the device's enqueue 1.29 "
+            "(about a dozen experts of 64 rows or more through cuBLAS, some ten launches each), "
+            "the placement 0.29. The `982b847` rows (skewed 4 GiB, Q8_0 12 GiB, Q4_K_M 8 and "
+            "12 GiB) ran on that host. The skewed Q8_0 8 GiB row at 512 "
             "tokens peaked 10 MiB over its budget at `4869765` and `e14d726`; since `5c2f9a2` the "
             "reservation counts a prompt's routed copies, and it peaked 246 MiB under at `c7162f4`.",
             "",
