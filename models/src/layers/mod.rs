@@ -31,7 +31,7 @@ pub use linear::{linear, linear_2d, Linear, LinearWeight, LoraAdapter};
 pub use mlp::{Activation, GatedMlp};
 pub use moe::{
     group_by_expert, route_row, route_rows, separate_blocks, BuildExpert, Expert, ExpertShape,
-    ExpertSite, ExpertUnits, Experts, Routing, SharedExpert, SparseMoe,
+    ExpertSite, ExpertUnits, Experts, Routing, SharedExpert, SparseMoe, ROUTE_CHUNK_ROWS,
 };
 pub use norm::Norm;
 pub use rope::Rope;

@@ -22,7 +22,7 @@ use candle_offload::kernels::linear::{
 
 mod routing;
 
-pub use routing::{group_by_expert, route_row, route_rows, Routing};
+pub use routing::{group_by_expert, route_row, route_rows, Routing, ROUTE_CHUNK_ROWS};
 
 use super::linear::{Linear, LinearWeight};
 use super::mlp::{Activation, GateUp, GatedMlp};
