@@ -42,6 +42,11 @@ const HOST_RATE_SMOOTHING: f64 = 0.1;
 /// tenfold one in about ten layers).
 const STREAM_ENQUEUE_MAX_RISE: f64 = 4.0;
 
+/// `average` moved towards a new `sample` by [`HOST_RATE_SMOOTHING`].
+fn smoothed(average: f64, sample: f64) -> f64 {
+    (1.0 - HOST_RATE_SMOOTHING) * average + HOST_RATE_SMOOTHING * sample
+}
+
 /// The running average of a streamed expert's enqueue seconds after the `sample` of one
 /// layer's (each sample capped at [`STREAM_ENQUEUE_MAX_RISE`] times the average).
 fn enqueue_average(average: f64, sample: f64) -> f64 {
@@ -53,7 +58,7 @@ fn enqueue_average(average: f64, sample: f64) -> f64 {
     } else {
         sample
     };
-    (1.0 - HOST_RATE_SMOOTHING) * average + HOST_RATE_SMOOTHING * sample
+    smoothed(average, sample)
 }
 
 /// Decode placements of a layer's misses (a layer of a step each) after which, where the host
@@ -1057,8 +1062,7 @@ impl ExpertUnits for SplitExperts<'_> {
             (work.row_bytes, &mut st.stats.host_row_bytes_per_s)
         };
         if done > 0 && seconds > 0.0 {
-            let rate = done as f64 / seconds;
-            *r = (1.0 - HOST_RATE_SMOOTHING) * *r + HOST_RATE_SMOOTHING * rate;
+            *r = smoothed(*r, done as f64 / seconds);
         }
     }
 }
