@@ -12,6 +12,5 @@ mod simd;
 mod swiglu;
 
 pub use silu::{silu_mul, silu_mul_unfused};
-pub(crate) use simd::exp_shifted_in_place;
-pub use simd::silu_mul_f32;
+pub use simd::{exp_shifted_in_place, silu_mul_f32};
 pub use swiglu::{swiglu, swiglu_backward, swiglu_composite};

@@ -32,8 +32,9 @@ pub fn silu_mul_f32(g: &[f32], u: &[f32]) -> Vec<f32> {
 }
 
 /// `x ← e^(x - shift)` for each value, by the same vectorized `exp` as [`silu_mul_f32`] where
-/// the CPU runs the SIMD kernels (a decode step's softmax numerators).
-pub(crate) fn exp_shifted_in_place(x: &mut [f32], shift: f32) {
+/// the CPU runs the SIMD kernels (within 4 ulp of `f32::exp`'s), elsewhere `f32::exp`: the
+/// numerators of a softmax (a decode step's attention scores, a router's logits).
+pub fn exp_shifted_in_place(x: &mut [f32], shift: f32) {
     #[cfg(target_arch = "x86_64")]
     let done = if has_avx2() {
         // SAFETY: the CPU has AVX2 and FMA (`has_avx2`).

@@ -35,9 +35,19 @@ impl Routing {
 /// order unspecified; the weights are the same either way).
 pub fn route_row(logits: &[f32], r: Routing) -> Vec<(usize, f32)> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let exps: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+    // The numerators on the stack where the router is no wider than a layer's usual experts,
+    // by the kernels' vectorized `exp`.
+    let (mut stack, mut heap) = ([0f32; EXPS_ON_STACK], Vec::new());
+    let exps: &mut [f32] = if logits.len() <= EXPS_ON_STACK {
+        &mut stack[..logits.len()]
+    } else {
+        heap.resize(logits.len(), 0.0);
+        &mut heap
+    };
+    exps.copy_from_slice(logits);
+    candle_offload::kernels::activation::exp_shifted_in_place(exps, max);
     let sum: f32 = exps.iter().sum();
-    let mut chosen: Vec<(usize, f32)> = top_k_order(&exps, r.top_k)
+    let mut chosen: Vec<(usize, f32)> = top_k_order(exps, r.top_k)
         .into_iter()
         .map(|e| (e, exps[e] / sum))
         .collect();
@@ -63,8 +73,14 @@ fn top_k_order(values: &[f32], k: usize) -> Vec<usize> {
     };
     let mut top: Vec<usize> = Vec::with_capacity(k + 1);
     for i in 0..values.len() {
-        if top.len() == k && top.last().is_none_or(|&last| !before(i, last)) {
-            continue;
+        if top.len() == k {
+            // Most values fall at or below the k-th: a plain comparison (false for NaN either
+            // side, and a tie goes to the lower index, the k-th's) settles them.
+            match top.last() {
+                Some(&last) if values[i] <= values[last] || !before(i, last) => continue,
+                None => continue,
+                Some(_) => {}
+            }
         }
         let at = top.partition_point(|&t| before(t, i));
         top.insert(at, i);
@@ -72,6 +88,9 @@ fn top_k_order(values: &[f32], k: usize) -> Vec<usize> {
     }
     top
 }
+
+/// Experts whose numerators [`route_row`] keeps on the stack (wider routers use the heap).
+const EXPS_ON_STACK: usize = 256;
 
 /// Rows a worker routes at a time ([`route_rows`]); a batch of at most this many is routed on
 /// the calling thread.
