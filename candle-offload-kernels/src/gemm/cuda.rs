@@ -3,7 +3,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{CudaDevice, DType, Layout, Result};
@@ -67,7 +67,7 @@ fn launch_dequant<T: DequantOut>(
     stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
     first: u64,
     rows: usize,
-    out: &mut CudaSlice<T>,
+    out: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
     let func = load_named(
         &src.dev,
@@ -142,7 +142,7 @@ pub(crate) fn dequantize_rows(
             &stream,
             p as u64 + (r0 * src.row_bytes) as u64,
             rows,
-            &mut out,
+            &mut out.slice_mut(..),
         )?;
         drop(guard);
         Ok(out)
@@ -219,7 +219,7 @@ pub(crate) fn qlinear_prefill_gemm(
                 &stream,
                 p as u64 + (r0 * src.row_bytes) as u64,
                 r,
-                &mut part,
+                &mut part.slice_mut(..),
             )?;
             // Column-major, as cuBLAS reads: the slice (r rows of k, row-major) is k × r, x is
             // k × rows, and y (rows × n, row-major) is n × rows with leading dimension n, so
@@ -258,4 +258,191 @@ pub(crate) fn qlinear_prefill_gemm(
         slice,
         device: src.dev.clone(),
     })
+}
+
+/// One expert of [`experts_mlp`]: its weights (gate and up `(inter, hidden)`, down
+/// `(hidden, inter)`, of block types `qlinear_small_type` names) and its rows of x,
+/// `first .. first + rows`.
+pub(crate) struct ExpertGemm<'a> {
+    pub weights: [&'a candle_core::quantized::QTensor; 3],
+    pub first: usize,
+    pub rows: usize,
+}
+
+/// Each expert's rows of x (`x_l` its layout: rows × hidden, F16 or BF16, contiguous) through
+/// its SiLU-gated MLP, `down · (silu(gate · x) ⊙ (up · x))`, written over the same rows of
+/// `out` (rows × hidden from element 0, x's dtype); the other rows are left as they are. The
+/// weights are dequantized into one scratch buffer, expert after expert (the stream orders
+/// each GEMM's read before the next dequantization's write); gate and up go through one
+/// strided-batched GEMM, down straight into `out`: six launches an expert, three
+/// allocations a call.
+pub(crate) fn experts_mlp(
+    x: &CudaStorage,
+    x_l: &Layout,
+    experts: &[ExpertGemm<'_>],
+    out: &mut CudaStorage,
+) -> Result<()> {
+    let what = "experts_mlp";
+    let Some(e0) = experts.first() else {
+        return Ok(());
+    };
+    let (inter, hidden) = e0.weights[0].shape().dims2()?;
+    let (rows_x, k) = x_l.shape().dims2()?;
+    let Some((o1, _)) = x_l.contiguous_offsets() else {
+        candle_core::bail!("{what}: x is not contiguous");
+    };
+    if k != hidden {
+        candle_core::bail!("{what}: x {rows_x}x{k} against experts of {hidden} columns");
+    }
+    for e in experts {
+        let [g, u, d] = e.weights;
+        let shapes = (g.shape().dims2()?, u.shape().dims2()?, d.shape().dims2()?);
+        if shapes != ((inter, hidden), (inter, hidden), (hidden, inter))
+            || e.first + e.rows > rows_x
+        {
+            candle_core::bail!(
+                "{what}: an expert of shapes {shapes:?} and rows {}..{} against x {rows_x}x{k} \
+                 and ({inter}, {hidden}) experts",
+                e.first,
+                e.first + e.rows
+            );
+        }
+    }
+    let max_rows = experts.iter().map(|e| e.rows).max().unwrap_or(0);
+    if max_rows == 0 {
+        return Ok(());
+    }
+    fn run<T: DequantOut>(
+        x: &CudaSlice<T>,
+        o1: usize,
+        experts: &[ExpertGemm<'_>],
+        out: &mut CudaSlice<T>,
+        (hidden, inter, max_rows): (usize, usize, usize),
+        dev: &CudaDevice,
+    ) -> Result<()>
+    where
+        candle_core::cuda_backend::cudarc::cublas::CudaBlas:
+            candle_core::cuda_backend::cudarc::cublas::Gemm<T>,
+    {
+        use candle_core::cuda_backend::cudarc::cublas::{
+            sys::cublasOperation_t as Op, Gemm, GemmConfig, StridedBatchedConfig,
+        };
+        let what = "experts_mlp";
+        let end = experts.iter().map(|e| e.first + e.rows).max().unwrap_or(0);
+        if out.len() < end * hidden {
+            candle_core::bail!("{what}: out holds {} elements", out.len());
+        }
+        let to = |v: usize| -> Result<i32> {
+            i32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("{what}: {v} too large")))
+        };
+        let stream = dev.cuda_stream();
+        let blas = dev.cublas_handle();
+        let silu = load_named(
+            dev,
+            crate::cuda::ACTIVATION,
+            &format!("silu_mul_{}", T::NAME),
+        )?;
+        let w_len = inter * hidden;
+        // SAFETY: uninitialised; for each expert, the dequantizing launches write the weight
+        // elements its GEMMs read.
+        let mut part = unsafe { dev.alloc::<T>(2 * w_len) }?;
+        // SAFETY: uninitialised; the batched GEMM writes the gate and up outputs the SiLU reads.
+        let mut gu = unsafe { dev.alloc::<T>(2 * max_rows * inter) }?;
+        // SAFETY: uninitialised; the SiLU writes the activations the down GEMM reads.
+        let mut act = unsafe { dev.alloc::<T>(max_rows * inter) }?;
+        let dequant = |w: &candle_core::quantized::QTensor,
+                       rows: usize,
+                       into: &mut CudaViewMut<'_, T>|
+         -> Result<()> {
+            let src = dequant_source(w, what)?;
+            let (p, guard) = w.device_ptr_with_guard(&stream)?;
+            launch_dequant(&src, &stream, p as u64, rows, into)?;
+            drop(guard);
+            Ok(())
+        };
+        for e in experts.iter().filter(|e| e.rows > 0) {
+            let [gate, up, down] = e.weights;
+            let r = e.rows;
+            let n = r * inter;
+            let x_e = x.slice(o1 + e.first * hidden..o1 + (e.first + r) * hidden);
+            dequant(gate, inter, &mut part.slice_mut(..w_len))?;
+            dequant(up, inter, &mut part.slice_mut(w_len..2 * w_len))?;
+            // Column-major, as cuBLAS reads: batch i's A is weight i (inter rows of hidden,
+            // row-major: hidden × inter, transposed), B is x's rows (hidden × r), and C (inter
+            // × r, leading dimension inter) is the rows' outputs, row-major r × inter, gate's
+            // at gu[0 .. n] and up's at gu[n .. 2n].
+            let cfg = StridedBatchedConfig {
+                gemm: GemmConfig {
+                    transa: Op::CUBLAS_OP_T,
+                    transb: Op::CUBLAS_OP_N,
+                    m: to(inter)?,
+                    n: to(r)?,
+                    k: to(hidden)?,
+                    alpha: T::ONE,
+                    lda: to(hidden)?,
+                    ldb: to(hidden)?,
+                    beta: T::ZERO,
+                    ldc: to(inter)?,
+                },
+                batch_size: 2,
+                stride_a: w_len as i64,
+                stride_b: 0,
+                stride_c: n as i64,
+            };
+            let mut c = gu.slice_mut(..2 * n);
+            // SAFETY: batch i reads A at part[i·w_len ..][.. w_len] (written by the two
+            // launches above, earlier on the same stream), B at x_e (r·hidden elements, B's
+            // stride 0: the same rows for both), and writes C at gu[i·n ..][.. n], within the
+            // 2n elements of `c`. All on the blas handle's stream, the device's.
+            unsafe { blas.gemm_strided_batched(cfg, &part.slice(..2 * w_len), &x_e, &mut c) }
+                .w()?;
+            {
+                let (g, u) = (gu.slice(..n), gu.slice(n..2 * n));
+                let mut a = act.slice_mut(..n);
+                let mut b = stream.launch_builder(&silu);
+                b.arg(&g);
+                b.arg(&u);
+                b.arg(&mut a);
+                b.arg(&n);
+                // SAFETY: the arguments match `silu_mul_<dtype>(const T*, const T*, T*,
+                // size_t)` in kernels/activation.cu; gate, up and out hold n elements each
+                // and the grid-stride loop touches indices below n only.
+                unsafe { b.launch(crate::cuda::grid_stride(n, 1 << 20)) }.w()?;
+            }
+            dequant(down, hidden, &mut part.slice_mut(..w_len))?;
+            // C = downᵀ-as-read (hidden × inter row-major: inter × hidden, transposed) times
+            // the activations (inter × r), hidden × r with leading dimension hidden: out's
+            // rows first .. first + r, row-major.
+            let cfg = GemmConfig {
+                transa: Op::CUBLAS_OP_T,
+                transb: Op::CUBLAS_OP_N,
+                m: to(hidden)?,
+                n: to(r)?,
+                k: to(inter)?,
+                alpha: T::ONE,
+                lda: to(inter)?,
+                ldb: to(inter)?,
+                beta: T::ZERO,
+                ldc: to(hidden)?,
+            };
+            let mut c = out.slice_mut(e.first * hidden..(e.first + r) * hidden);
+            // SAFETY: A is part's first w_len elements (down, dequantized above on the same
+            // stream, after the batched GEMM's read of gate and up), B is the SiLU's n
+            // elements of act, C is out's rows first .. first + r (r·hidden elements).
+            unsafe { blas.gemm(cfg, &part.slice(..w_len), &act.slice(..n), &mut c) }.w()?;
+        }
+        Ok(())
+    }
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    let dev = x.device.clone();
+    let dims = (hidden, inter, max_rows);
+    match (&x.slice, &mut out.slice) {
+        (S::F16(xv), S::F16(ov)) => run(xv, o1, experts, ov, dims, &dev),
+        (S::BF16(xv), S::BF16(ov)) => run(xv, o1, experts, ov, dims, &dev),
+        _ => candle_core::bail!(
+            "{what}: x {:?} and out {:?}, not both F16 or both BF16",
+            x.dtype(),
+            out.dtype()
+        ),
+    }
 }

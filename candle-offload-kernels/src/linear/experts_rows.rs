@@ -102,6 +102,7 @@ pub fn qexperts_rows_gemm_takes(expert: &QExpertRows<'_>, tuning: &KernelTuning)
 
 #[cfg(feature = "cuda")]
 fn launch(x: &Tensor, experts: &[QExpertRows<'_>], gemm: &[bool], x_once: bool) -> Result<Tensor> {
+    use candle_core::backend::BackendDevice;
     let x = if crate::util::aligned16(x.layout(), x.dtype()) && x.is_contiguous() {
         x.clone()
     } else {
@@ -109,52 +110,79 @@ fn launch(x: &Tensor, experts: &[QExpertRows<'_>], gemm: &[bool], x_once: bool) 
     };
     let rows: Vec<usize> = experts.iter().map(|e| e.rows).collect();
     let chunks = row_chunks(&rows, gemm);
+    // The experts through cuBLAS, with their first rows.
+    let mut at = 0;
+    let heavy: Vec<crate::gemm::ExpertGemm<'_>> = experts
+        .iter()
+        .zip(gemm)
+        .filter_map(|(e, &g)| {
+            at += e.rows;
+            g.then_some(crate::gemm::ExpertGemm {
+                weights: [e.gate, e.up, e.down],
+                first: at - e.rows,
+                rows: e.rows,
+            })
+        })
+        .collect();
     // The grouped kernels' experts (one expert goes by value, with no table of chunks).
     let grouped = if experts.len() == 1 {
         !gemm[0]
     } else {
         !chunks.is_empty()
     };
-    let out = if grouped {
-        let (s, l) = x.storage_and_layout();
-        let candle_core::Storage::Cuda(s) = &*s else {
-            candle_core::bail!("qexperts_rows: x is not on a GPU")
-        };
+    let candle_core::Device::Cuda(dev) = x.device() else {
+        candle_core::bail!("qexperts_rows: x is not on a GPU")
+    };
+    let (s, l) = x.storage_and_layout();
+    let candle_core::Storage::Cuda(s) = &*s else {
+        candle_core::bail!("qexperts_rows: x is not on a GPU")
+    };
+    let mut out = if grouped {
         let weights: Vec<[&QTensor; 3]> = experts.iter().map(|e| [e.gate, e.up, e.down]).collect();
-        let out = crate::linear::rows_cuda::qlinear_rows_experts(
+        crate::linear::rows_cuda::qlinear_rows_experts(
             (s, l),
             &weights,
             &chunks,
             ROWS_CHUNK,
             x_once,
-        )?;
-        Tensor::from_storage(
-            candle_core::Storage::Cuda(out),
-            x.shape().clone(),
-            candle_core::op::BackpropOp::none(),
-            false,
-        )
+        )?
     } else {
-        x.zeros_like()?
+        dev.zeros_impl(x.shape(), x.dtype())?
     };
     // The rest, each expert's rows written over its part of the output (which the grouped
-    // launches left alone).
-    let mut at = 0;
-    for (e, &g) in experts.iter().zip(gemm) {
-        if g {
-            let _span = tracing::trace_span!("qexperts_rows.gemm", rows = e.rows).entered();
-            let xe = x
-                .narrow(0, at, e.rows)?
-                .to_dtype(crate::gemm::gemm_dtype(x.dtype()))?;
-            let gate = crate::gemm::gemm_dequantized(&xe, e.gate)?;
-            let up = crate::gemm::gemm_dequantized(&xe, e.up)?;
-            let act = crate::activation::silu_mul(&gate, &up)?;
-            let y = crate::gemm::gemm_dequantized(&act, e.down)?;
-            out.slice_set(&y.to_dtype(x.dtype())?, 0, at)?;
-        }
-        at += e.rows;
+    // launches left alone): straight into it where x is 16-bit, else through a 16-bit copy.
+    let _span = tracing::trace_span!("qexperts_rows.gemm", experts = heavy.len()).entered();
+    let wide = crate::gemm::gemm_dtype(x.dtype());
+    if heavy.is_empty() || wide == x.dtype() {
+        crate::gemm::experts_mlp(s, l, &heavy, &mut out)?;
+        return Ok(storage_tensor(out, &x));
+    }
+    let xw = x.to_dtype(wide)?;
+    let mut yw = dev.zeros_impl(x.shape(), wide)?;
+    {
+        let (sw, lw) = xw.storage_and_layout();
+        let candle_core::Storage::Cuda(sw) = &*sw else {
+            candle_core::bail!("qexperts_rows: x is not on a GPU")
+        };
+        crate::gemm::experts_mlp(sw, lw, &heavy, &mut yw)?;
+    }
+    let yw = storage_tensor(yw, &x).to_dtype(x.dtype())?;
+    let out = storage_tensor(out, &x);
+    for e in &heavy {
+        out.slice_set(&yw.narrow(0, e.first, e.rows)?, 0, e.first)?;
     }
     Ok(out)
+}
+
+/// `s` as a tensor of x's shape.
+#[cfg(feature = "cuda")]
+fn storage_tensor(s: candle_core::CudaStorage, x: &Tensor) -> Tensor {
+    Tensor::from_storage(
+        candle_core::Storage::Cuda(s),
+        x.shape().clone(),
+        candle_core::op::BackpropOp::none(),
+        false,
+    )
 }
 
 #[cfg(not(feature = "cuda"))]
