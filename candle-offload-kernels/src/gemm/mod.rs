@@ -1,6 +1,8 @@
 //! The prompt GEMM: a prompt's rows against GGML-block weights through 16-bit weights and
 //! cuBLAS ([`qlinear_prefill`]), with the dequantizing kernels of `kernels/gemm.cu`
-//! ([`dequantize_rows`]); and `y + a·bᵀ` accumulated into y ([`add_matmul_t`]).
+//! ([`dequantize_rows`]); a prompt's many-row experts, each a SiLU-gated MLP, into their rows
+//! of an output (`experts_mlp`, for [`crate::linear::qexperts_rows`]); and `y + a·bᵀ`
+//! accumulated into y ([`add_matmul_t`]).
 
 mod accumulate;
 #[cfg(feature = "cuda")]
