@@ -321,6 +321,52 @@ test_device!(
     qexperts_rows_gemm_matches_the_dequantized_mlp_gpu
 );
 
+/// `qexperts_rows`' cuBLAS experts wider than one scratch slice of
+/// `gemm::PREFILL_GEMM_SLICE_BYTES`: gate and up (8448 × 2048) in three slices, down (2048 ×
+/// 8448) in two, within 1e-2 of the MLP in F32 over the dequantized weights, for each dtype;
+/// the rows of the grouped expert beside it untouched by the slices.
+fn qexperts_rows_gemm_slices_wide_experts(device: &Device) -> anyhow::Result<()> {
+    if !device.is_cuda() {
+        return Ok(());
+    }
+    let (hidden, inter) = (2048usize, 8448usize);
+    let weights = random_experts(
+        2,
+        (hidden, inter),
+        (GgmlDType::Q8_0, GgmlDType::Q8_0),
+        9100,
+        device,
+    )?;
+    let rows_of = [5usize, 80];
+    let experts = expert_rows(&weights, &rows_of);
+    let mut on = KernelTuning::default();
+    on.experts_gemm_min_rows = 64;
+    let mut off = on;
+    off.experts_gemm_min_rows = 0;
+    let f = |w: &QTensor| -> anyhow::Result<Tensor> { Ok(w.dequantize(device)?) };
+    let [wg, wu, wd] = &weights[1];
+    for dtype in DTYPES {
+        let x = random(&[85, hidden], 1.0, 95, dtype, device)?;
+        let got = linear::qexperts_rows(&x, &experts, &on)?;
+        let kernels = linear::qexperts_rows(&x, &experts, &off)?;
+        let d = rel_diff_values(&got.narrow(0, 0, 5)?, &kernels.narrow(0, 0, 5)?)?;
+        anyhow::ensure!(d == 0.0, "{dtype:?}: the grouped expert's rows {d:e}");
+        let xe = x.narrow(0, 5, 80)?.to_dtype(DType::F32)?;
+        let gate = xe.matmul(&f(wg)?.t()?)?;
+        let up = xe.matmul(&f(wu)?.t()?)?;
+        let want = (candle_nn::ops::silu(&gate)? * up)?.matmul(&f(wd)?.t()?)?;
+        let d = rel_diff_values(&got.narrow(0, 5, 80)?, &want)?;
+        anyhow::ensure!(d <= 1e-2, "{dtype:?}: the wide expert's rows {d:e}");
+    }
+    Ok(())
+}
+
+test_device!(
+    qexperts_rows_gemm_slices_wide_experts,
+    qexperts_rows_gemm_slices_wide_experts_cpu,
+    qexperts_rows_gemm_slices_wide_experts_gpu
+);
+
 /// `linear::combine_rows` (a prompt's expert outputs summed back into their rows): against the
 /// sum written out in F32 on the host, for each dtype, rows with every slot, some, and none
 /// (`NO_SLOT`); a slot past y's rows and tables of another length refused.

@@ -272,10 +272,10 @@ pub(crate) struct ExpertGemm<'a> {
 /// Each expert's rows of x (`x_l` its layout: rows × hidden, F16 or BF16, contiguous) through
 /// its SiLU-gated MLP, `down · (silu(gate · x) ⊙ (up · x))`, written over the same rows of
 /// `out` (rows × hidden from element 0, x's dtype); the other rows are left as they are. The
-/// weights are dequantized into one scratch buffer, expert after expert (the stream orders
-/// each GEMM's read before the next dequantization's write); gate and up go through one
-/// strided-batched GEMM, down straight into `out`: six launches an expert, three
-/// allocations a call.
+/// weights are dequantized into one scratch buffer (slices of at most
+/// `PREFILL_GEMM_SLICE_BYTES`), expert after expert (the stream orders each GEMM's read before
+/// the next dequantization's write); gate and up go through one strided-batched GEMM a slice,
+/// down straight into `out`: six launches an expert of one slice, three allocations a call.
 pub(crate) fn experts_mlp(
     x: &CudaStorage,
     x_l: &Layout,
@@ -342,21 +342,34 @@ pub(crate) fn experts_mlp(
             crate::cuda::ACTIVATION,
             &format!("silu_mul_{}", T::NAME),
         )?;
-        let w_len = inter * hidden;
-        // SAFETY: uninitialised; for each expert, the dequantizing launches write the weight
-        // elements its GEMMs read.
-        let mut part = unsafe { dev.alloc::<T>(2 * w_len) }?;
-        // SAFETY: uninitialised; the batched GEMM writes the gate and up outputs the SiLU reads.
+        // Gate's and up's rows a slice (both in one buffer), and down's: the scratch stays
+        // within `PREFILL_GEMM_SLICE_BYTES`, as `qlinear_prefill`'s does (one slice of each
+        // for a 30B-A3B expert; several for a Mixtral's).
+        let s_gu = super::prefill::prefill_slice_rows(inter, 2 * hidden);
+        let s_d = super::prefill::prefill_slice_rows(hidden, inter);
+        // SAFETY: uninitialised; each slice's dequantizing launches write the weight
+        // elements the GEMM after them reads.
+        let mut part = unsafe { dev.alloc::<T>((2 * s_gu * hidden).max(s_d * inter)) }?;
+        // SAFETY: uninitialised; the batched GEMMs write the gate and up outputs the SiLU
+        // reads (every column of the expert's rows, slice by slice).
         let mut gu = unsafe { dev.alloc::<T>(2 * max_rows * inter) }?;
-        // SAFETY: uninitialised; the SiLU writes the activations the down GEMM reads.
+        // SAFETY: uninitialised; the SiLU writes the activations the down GEMMs read.
         let mut act = unsafe { dev.alloc::<T>(max_rows * inter) }?;
+        // Rows r0 .. r0 + rows of w into the first rows·k elements of `into`.
         let dequant = |w: &candle_core::quantized::QTensor,
+                       r0: usize,
                        rows: usize,
                        into: &mut CudaViewMut<'_, T>|
          -> Result<()> {
             let src = dequant_source(w, what)?;
             let (p, guard) = w.device_ptr_with_guard(&stream)?;
-            launch_dequant(&src, &stream, p as u64, rows, into)?;
+            launch_dequant(
+                &src,
+                &stream,
+                p as u64 + (r0 * src.row_bytes) as u64,
+                rows,
+                into,
+            )?;
             drop(guard);
             Ok(())
         };
@@ -365,37 +378,45 @@ pub(crate) fn experts_mlp(
             let r = e.rows;
             let n = r * inter;
             let x_e = x.slice(o1 + e.first * hidden..o1 + (e.first + r) * hidden);
-            dequant(gate, inter, &mut part.slice_mut(..w_len))?;
-            dequant(up, inter, &mut part.slice_mut(w_len..2 * w_len))?;
-            // Column-major, as cuBLAS reads: batch i's A is weight i (inter rows of hidden,
-            // row-major: hidden × inter, transposed), B is x's rows (hidden × r), and C (inter
-            // × r, leading dimension inter) is the rows' outputs, row-major r × inter, gate's
-            // at gu[0 .. n] and up's at gu[n .. 2n].
-            let cfg = StridedBatchedConfig {
-                gemm: GemmConfig {
-                    transa: Op::CUBLAS_OP_T,
-                    transb: Op::CUBLAS_OP_N,
-                    m: to(inter)?,
-                    n: to(r)?,
-                    k: to(hidden)?,
-                    alpha: T::ONE,
-                    lda: to(hidden)?,
-                    ldb: to(hidden)?,
-                    beta: T::ZERO,
-                    ldc: to(inter)?,
-                },
-                batch_size: 2,
-                stride_a: w_len as i64,
-                stride_b: 0,
-                stride_c: n as i64,
-            };
-            let mut c = gu.slice_mut(..2 * n);
-            // SAFETY: batch i reads A at part[i·w_len ..][.. w_len] (written by the two
-            // launches above, earlier on the same stream), B at x_e (r·hidden elements, B's
-            // stride 0: the same rows for both), and writes C at gu[i·n ..][.. n], within the
-            // 2n elements of `c`. All on the blas handle's stream, the device's.
-            unsafe { blas.gemm_strided_batched(cfg, &part.slice(..2 * w_len), &x_e, &mut c) }
-                .w()?;
+            let mut r0 = 0;
+            while r0 < inter {
+                let s = s_gu.min(inter - r0);
+                let w_len = s * hidden;
+                dequant(gate, r0, s, &mut part.slice_mut(..w_len))?;
+                dequant(up, r0, s, &mut part.slice_mut(w_len..2 * w_len))?;
+                // Column-major, as cuBLAS reads: batch i's A is weight i's slice (s rows of
+                // hidden, row-major: hidden × s, transposed), B is x's rows (hidden × r), and
+                // C (s × r, leading dimension inter) is the slice's columns of the rows'
+                // outputs, row-major r × inter, gate's at gu[0 .. n] and up's at gu[n .. 2n].
+                let cfg = StridedBatchedConfig {
+                    gemm: GemmConfig {
+                        transa: Op::CUBLAS_OP_T,
+                        transb: Op::CUBLAS_OP_N,
+                        m: to(s)?,
+                        n: to(r)?,
+                        k: to(hidden)?,
+                        alpha: T::ONE,
+                        lda: to(hidden)?,
+                        ldb: to(hidden)?,
+                        beta: T::ZERO,
+                        ldc: to(inter)?,
+                    },
+                    batch_size: 2,
+                    stride_a: w_len as i64,
+                    stride_b: 0,
+                    stride_c: n as i64,
+                };
+                let mut c = gu.slice_mut(r0..2 * n);
+                // SAFETY: batch i reads A at part[i·w_len ..][.. w_len] (written by the two
+                // launches above, earlier on the same stream), B at x_e (r·hidden elements,
+                // B's stride 0: the same rows for both), and writes (j, col) at r0 + i·n +
+                // j·inter + col for col < s, j < r, at most r0 + n + (r − 1)·inter + s − 1 <
+                // 2n (r0 + s <= inter): within `c`. All on the blas handle's stream, the
+                // device's.
+                unsafe { blas.gemm_strided_batched(cfg, &part.slice(..2 * w_len), &x_e, &mut c) }
+                    .w()?;
+                r0 += s;
+            }
             {
                 let (g, u) = (gu.slice(..n), gu.slice(n..2 * n));
                 let mut a = act.slice_mut(..n);
@@ -409,27 +430,33 @@ pub(crate) fn experts_mlp(
                 // and the grid-stride loop touches indices below n only.
                 unsafe { b.launch(crate::cuda::grid_stride(n, 1 << 20)) }.w()?;
             }
-            dequant(down, hidden, &mut part.slice_mut(..w_len))?;
-            // C = downᵀ-as-read (hidden × inter row-major: inter × hidden, transposed) times
-            // the activations (inter × r), hidden × r with leading dimension hidden: out's
-            // rows first .. first + r, row-major.
-            let cfg = GemmConfig {
-                transa: Op::CUBLAS_OP_T,
-                transb: Op::CUBLAS_OP_N,
-                m: to(hidden)?,
-                n: to(r)?,
-                k: to(inter)?,
-                alpha: T::ONE,
-                lda: to(inter)?,
-                ldb: to(inter)?,
-                beta: T::ZERO,
-                ldc: to(hidden)?,
-            };
-            let mut c = out.slice_mut(e.first * hidden..(e.first + r) * hidden);
-            // SAFETY: A is part's first w_len elements (down, dequantized above on the same
-            // stream, after the batched GEMM's read of gate and up), B is the SiLU's n
-            // elements of act, C is out's rows first .. first + r (r·hidden elements).
-            unsafe { blas.gemm(cfg, &part.slice(..w_len), &act.slice(..n), &mut c) }.w()?;
+            let mut h0 = 0;
+            while h0 < hidden {
+                let s = s_d.min(hidden - h0);
+                dequant(down, h0, s, &mut part.slice_mut(..s * inter))?;
+                // C = the slice (s rows of inter, row-major: inter × s, transposed) times the
+                // activations (inter × r): s × r with leading dimension hidden, the slice's
+                // columns of out's rows first .. first + r, row-major.
+                let cfg = GemmConfig {
+                    transa: Op::CUBLAS_OP_T,
+                    transb: Op::CUBLAS_OP_N,
+                    m: to(s)?,
+                    n: to(r)?,
+                    k: to(inter)?,
+                    alpha: T::ONE,
+                    lda: to(inter)?,
+                    ldb: to(inter)?,
+                    beta: T::ZERO,
+                    ldc: to(hidden)?,
+                };
+                let mut c = out.slice_mut(e.first * hidden + h0..(e.first + r) * hidden);
+                // SAFETY: A is part's first s·inter elements (down's slice, dequantized above
+                // on the same stream, after the GEMMs before it read the part), B is the
+                // SiLU's n elements of act, and C's (j, col) is at h0 + j·hidden + col for col
+                // < s, j < r, below r·hidden from out's row `first`: within `c`.
+                unsafe { blas.gemm(cfg, &part.slice(..s * inter), &act.slice(..n), &mut c) }.w()?;
+                h0 += s;
+            }
         }
         Ok(())
     }

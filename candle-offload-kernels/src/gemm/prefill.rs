@@ -30,7 +30,7 @@ pub fn prefill_gemm_bytes(rows: usize, n: usize, k: usize, tuning: &KernelTuning
 
 /// Weight rows per slice of [`qlinear_prefill`]: as many as fit [`PREFILL_GEMM_SLICE_BYTES`] in
 /// F16, a multiple of 64, at least 64, at most `n`.
-fn prefill_slice_rows(n: usize, k: usize) -> usize {
+pub(super) fn prefill_slice_rows(n: usize, k: usize) -> usize {
     let fit = (PREFILL_GEMM_SLICE_BYTES / (2 * k.max(1))) / 64 * 64;
     fit.max(64).min(n)
 }
