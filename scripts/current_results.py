@@ -164,6 +164,10 @@ SOURCES = {
         "2026-12-07/2026-12-07-moe-q8_0-skewed-4gib-p64-512-982b847-h100.json",
         "2026-12-07/2026-12-07-moe-q4_k_m-skewed-4gib-p64-512-982b847-h100.json",
         "2026-12-07/2026-12-07-moe-q4_k_m-skewed-12gib-p512-982b847-h100.json",
+        "2026-12-07/2026-12-07-moe-q4_k_m-skewed-8-12gib-p512-2b8d255-h100.json",
+        "2026-12-07/2026-12-07-moe-q4_k_m-skewed-4gib-p512-2b8d255-h100.json",
+        "2026-12-07/2026-12-07-moe-q8_0-skewed-4gib-p512-2b8d255-h100.json",
+        "2026-12-07/2026-12-07-moe-q8_0-uniform-12gib-p64-512-2b8d255-h100.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     # bench_train's lora-* configurations, with scripts/lora_peer.py (PEFT) run just before it
@@ -802,14 +806,19 @@ def render_benchmarks(rows):
             "`c7162f4`, 68%), skewed Q8_0 8 GiB 5,963 (ours 1,672, 28%: past the cache it is bound "
             "by the per-layer work, not the link). Skewed Q4_K_M 12 GiB: the prompt finds nearly "
             "every used expert in the cache (none past it), so it is bound by the host's work a "
-            "layer: 3,561 tok/s against 1,686 (2.11x) at `c7162f4`, and 2,016 against 1,366 "
-            "(1.48x) at `982b847` on the `22bc7a4` rows' host, whose host-side work is slower "
-            "(its decode routing step 17.6 ms against 10.1). That host's spans of the timed "
-            "prompt: 3.85 ms a layer with the device idle at every wait, the routing 1.58 (one "
-            "thread's top 8 of 128 for 512 rows and the readback), the device's enqueue 1.29 "
-            "(about a dozen experts of 64 rows or more through cuBLAS, some ten launches each), "
-            "the placement 0.29. The `982b847` rows (skewed 4 GiB, Q8_0 12 GiB, Q4_K_M 8 and "
-            "12 GiB) ran on that host. The skewed Q8_0 8 GiB row at 512 "
+            "layer: 2,016 tok/s against 1,366 (1.48x) at `982b847` on the `22bc7a4` rows' host, "
+            "whose spans of the timed prompt gave 3.85 ms a layer with the device idle at every "
+            "wait (the routing 1.58 on one thread, the device's enqueue 1.29, the placement "
+            "0.29). `2b8d255` routes a prompt's rows on the CPU workers with a vectorized `exp` "
+            "and takes its many-row experts through one batched call; on another H100 host, whose "
+            "llama.cpp prefilled that row at 1,947 tok/s, it prefilled at 5,051 (2.59x), and ours "
+            "alone on that machine, `355c846` (the workers' routing, the former cuBLAS path) "
+            "against `2b8d255` in alternation: 5,209 and 4,871 against 6,182 and 5,385 tok/s "
+            "(+15%, with the runs spread by 7%). Uniform Q8_0 12 GiB at `2b8d255`: decode 31.1 and "
+            "28.8 tok/s, 55% and 53% of the bound (56.9 and 54.8), against llama.cpp's 40.2 and "
+            "39.8. The `2b8d255` rows (the skewed rows at 512 tokens but Q8_0 8 and 12 GiB, "
+            "uniform Q8_0 12 GiB) ran on that host; the `982b847` rows (skewed Q8_0 12 GiB, the "
+            "4 GiB rows at 64 tokens) on the `22bc7a4` rows' host. The skewed Q8_0 8 GiB row at 512 "
             "tokens peaked 10 MiB over its budget at `4869765` and `e14d726`; since `5c2f9a2` the "
             "reservation counts a prompt's routed copies, and it peaked 246 MiB under at `c7162f4`.",
             "",
