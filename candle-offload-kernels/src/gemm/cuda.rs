@@ -272,8 +272,8 @@ pub(crate) struct ExpertGemm<'a> {
 /// Each expert's rows of x (`x_l` its layout: rows × hidden, F16 or BF16, contiguous) through
 /// its SiLU-gated MLP, `down · (silu(gate · x) ⊙ (up · x))`, written over the same rows of
 /// `out` (rows × hidden from element 0, x's dtype); the other rows are left as they are. The
-/// weights are dequantized into one scratch buffer (slices of at most
-/// `PREFILL_GEMM_SLICE_BYTES`), expert after expert (the stream orders each GEMM's read before
+/// weights are dequantized into one scratch buffer, `s_gu` rows of gate and of up at a time,
+/// then `s_d` of down, expert after expert (the stream orders each GEMM's read before
 /// the next dequantization's write); gate and up go through one strided-batched GEMM a slice,
 /// down straight into `out`: six launches an expert of one slice, three allocations a call.
 pub(crate) fn experts_mlp(
@@ -281,6 +281,7 @@ pub(crate) fn experts_mlp(
     x_l: &Layout,
     experts: &[ExpertGemm<'_>],
     out: &mut CudaStorage,
+    (s_gu, s_d): (usize, usize),
 ) -> Result<()> {
     let what = "experts_mlp";
     let Some(e0) = experts.first() else {
@@ -312,12 +313,16 @@ pub(crate) fn experts_mlp(
     if max_rows == 0 {
         return Ok(());
     }
+    if s_gu == 0 || s_d == 0 {
+        candle_core::bail!("{what}: slices of {s_gu} and {s_d} rows");
+    }
     fn run<T: DequantOut>(
         x: &CudaSlice<T>,
         o1: usize,
         experts: &[ExpertGemm<'_>],
         out: &mut CudaSlice<T>,
         (hidden, inter, max_rows): (usize, usize, usize),
+        (s_gu, s_d): (usize, usize),
         dev: &CudaDevice,
     ) -> Result<()>
     where
@@ -342,11 +347,7 @@ pub(crate) fn experts_mlp(
             crate::cuda::ACTIVATION,
             &format!("silu_mul_{}", T::NAME),
         )?;
-        // Gate's and up's rows a slice (both in one buffer), and down's: the scratch stays
-        // within `PREFILL_GEMM_SLICE_BYTES`, as `qlinear_prefill`'s does (one slice of each
-        // for a 30B-A3B expert; several for a Mixtral's).
-        let s_gu = super::prefill::prefill_slice_rows(inter, 2 * hidden);
-        let s_d = super::prefill::prefill_slice_rows(hidden, inter);
+        let (s_gu, s_d) = (s_gu.min(inter), s_d.min(hidden));
         // SAFETY: uninitialised; each slice's dequantizing launches write the weight
         // elements the GEMM after them reads.
         let mut part = unsafe { dev.alloc::<T>((2 * s_gu * hidden).max(s_d * inter)) }?;
@@ -464,8 +465,8 @@ pub(crate) fn experts_mlp(
     let dev = x.device.clone();
     let dims = (hidden, inter, max_rows);
     match (&x.slice, &mut out.slice) {
-        (S::F16(xv), S::F16(ov)) => run(xv, o1, experts, ov, dims, &dev),
-        (S::BF16(xv), S::BF16(ov)) => run(xv, o1, experts, ov, dims, &dev),
+        (S::F16(xv), S::F16(ov)) => run(xv, o1, experts, ov, dims, (s_gu, s_d), &dev),
+        (S::BF16(xv), S::BF16(ov)) => run(xv, o1, experts, ov, dims, (s_gu, s_d), &dev),
         _ => candle_core::bail!(
             "{what}: x {:?} and out {:?}, not both F16 or both BF16",
             x.dtype(),

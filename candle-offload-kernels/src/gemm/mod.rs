@@ -13,11 +13,11 @@ mod prefill;
 pub use accumulate::{add_matmul, add_matmul_t};
 
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::{experts_mlp, ExpertGemm};
-#[cfg(feature = "cuda")]
-pub(crate) use prefill::gemm_dtype;
+pub(crate) use cuda::ExpertGemm;
 pub(crate) use prefill::prefill_applies;
 pub use prefill::{
     dequantize_rows, prefill_gemm_bytes, qlinear_prefill, PREFILL_GEMM_MIN_ROWS,
     PREFILL_GEMM_SLICE_BYTES,
 };
+#[cfg(feature = "cuda")]
+pub(crate) use prefill::{experts_mlp, gemm_dtype};

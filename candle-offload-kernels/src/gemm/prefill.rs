@@ -30,7 +30,7 @@ pub fn prefill_gemm_bytes(rows: usize, n: usize, k: usize, tuning: &KernelTuning
 
 /// Weight rows per slice of [`qlinear_prefill`]: as many as fit [`PREFILL_GEMM_SLICE_BYTES`] in
 /// F16, a multiple of 64, at least 64, at most `n`.
-pub(super) fn prefill_slice_rows(n: usize, k: usize) -> usize {
+fn prefill_slice_rows(n: usize, k: usize) -> usize {
     let fit = (PREFILL_GEMM_SLICE_BYTES / (2 * k.max(1))) / 64 * 64;
     fit.max(64).min(n)
 }
@@ -97,6 +97,28 @@ pub(crate) fn gemm_dtype(dtype: DType) -> DType {
 pub(crate) fn gemm_dequantized(x: &Tensor, w: &QTensor) -> Result<Tensor> {
     let (n, k) = w.shape().dims2()?;
     prefill_gemm_run(x, w, prefill_slice_rows(n, k))
+}
+
+/// Each expert's rows of x through its SiLU-gated MLP, into the same rows of `out`
+/// (`cuda::experts_mlp`), its scratch in slices of at most [`PREFILL_GEMM_SLICE_BYTES`] as
+/// [`qlinear_prefill`]'s (one slice of each weight for a 30B-A3B expert, several for a
+/// Mixtral's).
+#[cfg(feature = "cuda")]
+pub(crate) fn experts_mlp(
+    x: &candle_core::CudaStorage,
+    x_l: &candle_core::Layout,
+    experts: &[crate::gemm::cuda::ExpertGemm<'_>],
+    out: &mut candle_core::CudaStorage,
+) -> Result<()> {
+    let Some(e) = experts.first() else {
+        return Ok(());
+    };
+    let (inter, hidden) = e.weights[0].shape().dims2()?;
+    let slices = (
+        prefill_slice_rows(inter, 2 * hidden),
+        prefill_slice_rows(hidden, inter),
+    );
+    crate::gemm::cuda::experts_mlp(x, x_l, experts, out, slices)
 }
 
 /// x (rows × k, F16 or BF16, contiguous) times wᵀ through `slice_rows` dequantized rows at a
