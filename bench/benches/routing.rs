@@ -12,11 +12,10 @@
 //! Run with: `cargo bench -p candle-offload-bench --bench routing -- --json-out routing.json`.
 
 use std::path::PathBuf;
-use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::Device;
-use candle_offload_bench::median;
+use candle_offload_bench::time_synced;
 use candle_offload_models::layers::{group_by_expert, route_row, route_rows, Routing};
 use clap::Parser;
 use rand::Rng as _;
@@ -45,22 +44,6 @@ struct Args {
     // `cargo bench` passes `--bench` to every bench binary.
     #[arg(long, hide = true)]
     bench: bool,
-}
-
-/// Median seconds of `reps` runs of `f`, after two untimed.
-fn time<T>(reps: usize, mut f: impl FnMut() -> T) -> f64 {
-    for _ in 0..2 {
-        std::hint::black_box(f());
-    }
-    median(
-        (0..reps)
-            .map(|_| {
-                let t = Instant::now();
-                std::hint::black_box(f());
-                t.elapsed().as_secs_f64()
-            })
-            .collect(),
-    )
 }
 
 fn main() -> Result<()> {
@@ -93,17 +76,24 @@ fn main() -> Result<()> {
                     rng.random_range(-1.0f32..1.0) + zipf
                 })
                 .collect();
-            let serial = time(args.reps, || {
-                logits
+            // On the CPU the device's synchronization is a no-op: each run's wall time.
+            let cpu = Device::Cpu;
+            let serial = time_synced(&cpu, args.reps, || {
+                Ok(logits
                     .chunks(args.experts)
                     .map(|r| route_row(r, routing))
-                    .collect::<Vec<_>>()
-            });
-            let pooled = time(args.reps, || {
-                route_rows(&logits, args.experts, (0, args.experts), routing)
-            });
+                    .collect::<Vec<_>>())
+            })?;
+            let pooled = time_synced(&cpu, args.reps, || {
+                Ok(route_rows(
+                    &logits,
+                    args.experts,
+                    (0, args.experts),
+                    routing,
+                ))
+            })?;
             let routes = route_rows(&logits, args.experts, (0, args.experts), routing);
-            let group = time(args.reps, || group_by_expert(&routes));
+            let group = time_synced(&cpu, args.reps, || Ok(group_by_expert(&routes)))?;
             println!(
                 "{rows:>6} {name:>8} {:>12.3} {:>12.3} {:>12.3}",
                 serial * 1e3,

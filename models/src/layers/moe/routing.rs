@@ -73,14 +73,14 @@ fn top_k_order(values: &[f32], k: usize) -> Vec<usize> {
     };
     let mut top: Vec<usize> = Vec::with_capacity(k + 1);
     for i in 0..values.len() {
-        if top.len() == k {
-            // Most values fall at or below the k-th: a plain comparison (false for NaN either
-            // side, and a tie goes to the lower index, the k-th's) settles them.
-            match top.last() {
-                Some(&last) if values[i] <= values[last] || !before(i, last) => continue,
-                None => continue,
-                Some(_) => {}
-            }
+        // Most values fall at or below the k-th: a plain comparison (false for NaN either
+        // side, and a tie goes to the lower index, the k-th's) settles them before `before`.
+        if top.len() == k
+            && top
+                .last()
+                .is_none_or(|&last| values[i] <= values[last] || !before(i, last))
+        {
+            continue;
         }
         let at = top.partition_point(|&t| before(t, i));
         top.insert(at, i);
