@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use super::error::RuntimeError;
 use super::guard::UnitGuard;
 use super::shared::{Engine, OffloadRuntime, Resident, State};
+use super::weights::Weights;
 use crate::cache::{CacheError, Transfer, UnitId};
 use crate::diag::device_label;
 use crate::history::EventKind;
@@ -25,9 +26,56 @@ impl OffloadRuntime {
     /// Compute-stream work enqueued after this call sees the unit's weights; then the next
     /// units of the learned or given schedule are prefetched.
     pub fn acquire(&self, unit: UnitId) -> candle_core::Result<UnitGuard> {
-        let _span = tracing::debug_span!("offload.acquire", unit = unit.0).entered();
-        self.check_served(unit)?;
+        let mut guards = self.acquire_many(&[unit])?;
+        Ok(guards.pop().expect("one guard for one unit"))
+    }
+
+    /// [`acquire`](Self::acquire) of every unit of `units` at once, under one hold of the
+    /// runtime's lock, the planned prefetches started once after them; the guards in
+    /// `units`' order. On an error, none stays acquired.
+    pub fn acquire_many(&self, units: &[UnitId]) -> candle_core::Result<Vec<UnitGuard>> {
+        let _span = tracing::debug_span!("offload.acquire", units = units.len()).entered();
+        for &unit in units {
+            self.check_served(unit)?;
+        }
         let mut st = self.state()?;
+        let mut weights = Vec::with_capacity(units.len());
+        for (i, &unit) in units.iter().enumerate() {
+            match self.pin(&mut st, unit) {
+                Ok(w) => weights.push(w),
+                Err(e) => {
+                    for &u in &units[..i] {
+                        st.cache.release(u);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        // Reads of the disk units the planned fetches take next start first (several fetches
+        // starting at once then read their files in parallel), and the window is topped up
+        // past them once they have started.
+        self.read_ahead(&mut st);
+        self.start_planned(
+            &mut st,
+            self.shared.prefetch_depth.load(Ordering::Relaxed) + 1,
+        );
+        self.read_ahead(&mut st);
+        drop(st);
+        Ok(units
+            .iter()
+            .zip(weights)
+            .map(|(&unit, weights)| UnitGuard {
+                rt: self.clone(),
+                unit,
+                weights,
+                held: true,
+            })
+            .collect())
+    }
+
+    /// Pins `unit` on the device, fetching it if it is not there, and makes compute-stream
+    /// work enqueued after this wait for its copy: its weights. Released again on an error.
+    fn pin(&self, st: &mut State, unit: UnitId) -> candle_core::Result<Weights> {
         let transfer = st
             .cache
             .acquire(unit)
@@ -37,7 +85,7 @@ impl OffloadRuntime {
             // Admitted by a prefetch whose copy failed earlier: fetch it now.
             transfer.fetch = Some(unit);
         }
-        if let Err(e) = self.carry_out(&mut st, &transfer, "miss") {
+        if let Err(e) = self.carry_out(st, &transfer, "miss") {
             st.cache.release(unit);
             return Err(e);
         }
@@ -50,32 +98,29 @@ impl OffloadRuntime {
             );
         };
         if let (Engine::Cuda(engine), Some(sync)) = (&self.shared.engine, resident.sync.as_mut()) {
-            if !capturing {
-                engine.wait_ready(sync)?;
-            } else if !engine.is_ready(sync)? {
-                let name = self.shared.store.unit(unit).name().to_string();
-                st.cache.release(unit);
-                candle_core::bail!(
-                    "unit {name} is still being copied: a captured step needs every unit ready"
-                );
+            let waited = if !capturing {
+                engine.wait_ready(sync).map(|()| true)
+            } else {
+                engine.is_ready(sync)
+            };
+            match waited {
+                Ok(true) => {}
+                Ok(false) => {
+                    let name = self.shared.store.unit(unit).name().to_string();
+                    st.cache.release(unit);
+                    candle_core::bail!(
+                        "unit {name} is still being copied: a captured step needs every unit ready"
+                    );
+                }
+                Err(e) => {
+                    st.cache.release(unit);
+                    return Err(e);
+                }
             }
         }
         let weights = resident.weights.clone();
-        self.log(&mut st, EventKind::Acquire, Some(unit), 0, "", None);
-        // Reads of the disk units the planned fetches take next start first (several fetches
-        // starting at once then read their files in parallel), and the window is topped up
-        // past them once they have started.
-        self.read_ahead(&mut st);
-        self.start_planned(
-            &mut st,
-            self.shared.prefetch_depth.load(Ordering::Relaxed) + 1,
-        );
-        self.read_ahead(&mut st);
-        Ok(UnitGuard {
-            rt: self.clone(),
-            unit,
-            weights,
-        })
+        self.log(st, EventKind::Acquire, Some(unit), 0, "", None);
+        Ok(weights)
     }
 
     /// [`acquire`](Self::acquire) by unit name (`model.layers.3`).
@@ -218,20 +263,28 @@ impl OffloadRuntime {
     }
 
     pub(super) fn release(&self, unit: UnitId) -> candle_core::Result<()> {
+        self.release_many(&[unit])
+    }
+
+    /// Releases `units` (each acquired once more than released) under one hold of the lock,
+    /// with one last-use event for all of them on a GPU: their work must all be enqueued
+    /// before the call.
+    pub(super) fn release_many(&self, units: &[UnitId]) -> candle_core::Result<()> {
         let mut st = self.state()?;
-        let capturing = st.capturing;
-        if let (
-            Engine::Cuda(engine),
-            Some(Resident {
-                sync: Some(sync), ..
-            }),
-        ) = (&self.shared.engine, st.resident[unit.0].as_mut())
-        {
-            if !capturing {
-                engine.record_last_use(sync)?;
+        if let (Engine::Cuda(engine), false) = (&self.shared.engine, st.capturing) {
+            let mut at = None;
+            for &unit in units {
+                if let Some(Resident {
+                    sync: Some(sync), ..
+                }) = st.resident[unit.0].as_mut()
+                {
+                    engine.share_last_use(&mut at, sync)?;
+                }
             }
         }
-        st.cache.release(unit);
+        for &unit in units {
+            st.cache.release(unit);
+        }
         Ok(())
     }
 

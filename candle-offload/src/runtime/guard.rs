@@ -27,9 +27,35 @@ pub struct UnitGuard {
     pub(super) rt: OffloadRuntime,
     pub(super) unit: UnitId,
     pub(super) weights: Weights,
+    /// Still acquired: released on drop ([`release_all`](Self::release_all) releases first).
+    pub(super) held: bool,
 }
 
 impl UnitGuard {
+    /// Releases `guards` as their drops would, all those of one runtime under one hold of its
+    /// lock with one last-use event on a GPU (the drops record one each). The work of every
+    /// one of them must be enqueued before the call, as before a drop.
+    pub fn release_all(guards: impl IntoIterator<Item = UnitGuard>) -> candle_core::Result<()> {
+        let mut guards: Vec<UnitGuard> = guards.into_iter().collect();
+        let mut first = Ok(());
+        while let Some(lead) = guards.iter().find(|g| g.held) {
+            let rt = lead.rt.clone();
+            let mine: Vec<usize> = (0..guards.len())
+                .filter(|&i| guards[i].held && guards[i].rt.same_as(&rt))
+                .collect();
+            let units: Vec<UnitId> = mine.iter().map(|&i| guards[i].unit).collect();
+            let released = rt.release_many(&units);
+            // Done with, released or not: a drop would fail as this did.
+            for &i in &mine {
+                guards[i].held = false;
+            }
+            if first.is_ok() {
+                first = released;
+            }
+        }
+        first
+    }
+
     /// The unit.
     pub fn unit(&self) -> UnitId {
         self.unit
@@ -134,6 +160,9 @@ impl UnitGuard {
 
 impl Drop for UnitGuard {
     fn drop(&mut self) {
+        if !self.held {
+            return;
+        }
         if let Err(e) = self.rt.release(self.unit) {
             tracing::error!(unit = self.unit.0, error = %e, "releasing an offloaded unit failed");
         }
@@ -255,6 +284,40 @@ mod tests {
         let fresh = derive(&g)?;
         assert_eq!((fresh.0, built.get()), (2, 2));
         assert!(!Arc::ptr_eq(&first, &fresh));
+        Ok(())
+    }
+
+    #[test]
+    fn units_acquired_and_released_together_are_pinned_until_released() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let store = Arc::new(zero_layers(3, 64, &dev)?);
+        let unit = store.units()[0].bytes();
+        let ids: Vec<UnitId> = (0..3).map(|l| store.layer_unit(l).unwrap()).collect();
+        // Room for two units.
+        let rt = OffloadRuntime::new(
+            store.clone(),
+            &dev,
+            &OffloadConfig {
+                gpu_memory_limit: Some(crate::budget::MemoryLimit::Bytes(2 * unit)),
+                prefetch_depth: 0,
+                ..Default::default()
+            },
+        )?;
+        let held = rt.acquire_many(&ids[..2])?;
+        assert_eq!(held.iter().map(|g| g.unit()).collect::<Vec<_>>(), ids[..2]);
+        assert!(rt.acquire(ids[2]).is_err(), "both pinned: no room");
+        // Three at once do not fit: the call fails and leaves none of them pinned.
+        let other = OffloadRuntime::new(store.clone(), &dev, &OffloadConfig::default())?;
+        let mut mixed = Vec::new();
+        for g in held.into_iter().zip(other.acquire_many(&ids[..2])?) {
+            mixed.extend([g.0, g.1]);
+        }
+        UnitGuard::release_all(mixed)?;
+        assert!(rt.acquire_many(&ids).is_err());
+        let g = rt.acquire(ids[2])?;
+        drop(g);
+        let again = rt.acquire_many(&ids[..2])?;
+        drop(again);
         Ok(())
     }
 }

@@ -199,6 +199,11 @@ impl OffloadRuntime {
         self.shared.prefetch_depth.load(Ordering::Relaxed)
     }
 
+    /// Whether `other` is this runtime (a clone of it).
+    pub(super) fn same_as(&self, other: &OffloadRuntime) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
     pub(super) fn state(&self) -> candle_core::Result<MutexGuard<'_, State>> {
         self.shared.state.lock().map_err(lock_err)
     }

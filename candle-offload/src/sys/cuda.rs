@@ -197,7 +197,7 @@ pub(crate) struct UnitSync {
     ready: CudaEvent,
     copy_pending: bool,
     stall_probes: Vec<(CudaEvent, CudaEvent)>,
-    last_use: Option<CudaEvent>,
+    last_use: Option<LastUse>,
     /// A managed unit's pages, migrated back to the host on eviction.
     managed: Option<super::managed::ManagedPages>,
 }
@@ -206,7 +206,17 @@ impl UnitSync {
     pub(crate) fn is_settled(&self) -> bool {
         !self.copy_pending && self.stall_probes.is_empty()
     }
+
+    /// The unit's last use is `at` (an event recorded on the compute stream after it).
+    fn set_last_use(&mut self, at: LastUse) {
+        self.last_use = Some(at);
+    }
 }
+
+/// An event recorded on the compute stream after a unit's last use, shared by the units
+/// released together ([`CudaEngine::last_use_event`]).
+#[derive(Debug, Clone)]
+pub(crate) struct LastUse(Arc<CudaEvent>);
 
 #[derive(Debug)]
 struct StagingBuffer {
@@ -712,7 +722,28 @@ impl CudaEngine {
     }
 
     pub(crate) fn record_last_use(&self, sync: &mut UnitSync) -> candle_core::Result<()> {
-        sync.last_use = Some(self.compute.record_event(None).w()?);
+        sync.set_last_use(self.last_use_event()?);
+        Ok(())
+    }
+
+    /// An event recorded now on the compute stream: the last use of every unit whose work is
+    /// enqueued before it.
+    fn last_use_event(&self) -> candle_core::Result<LastUse> {
+        Ok(LastUse(Arc::new(self.compute.record_event(None).w()?)))
+    }
+
+    /// Records `sync`'s unit's last use as `shared`, the event recorded now on the compute
+    /// stream where `shared` holds none yet: units released together share one event.
+    pub(crate) fn share_last_use(
+        &self,
+        shared: &mut Option<LastUse>,
+        sync: &mut UnitSync,
+    ) -> candle_core::Result<()> {
+        let at = match shared {
+            Some(at) => at.clone(),
+            None => shared.insert(self.last_use_event()?).clone(),
+        };
+        sync.set_last_use(at);
         Ok(())
     }
 
@@ -725,7 +756,7 @@ impl CudaEngine {
         blocks: bool,
     ) -> candle_core::Result<()> {
         let _span = tracing::debug_span!("offload.evict").entered();
-        if let Some(last_use) = &sync.last_use {
+        if let Some(LastUse(last_use)) = &sync.last_use {
             self.copy.wait(last_use).w()?;
         }
         // Quantized buffers were allocated by Candle on the compute stream, which frees them

@@ -60,6 +60,10 @@ impl UnitSync {
     }
 }
 
+/// A unit's last use on a GPU (never exists without CUDA).
+#[derive(Debug, Clone)]
+pub(crate) enum LastUse {}
+
 /// A captured decode step (never exists without CUDA).
 #[derive(Debug)]
 pub(crate) enum StepGraph {}
@@ -95,6 +99,13 @@ impl CudaEngine {
         match *self {}
     }
     pub(crate) fn record_last_use(&self, _sync: &mut UnitSync) -> candle_core::Result<()> {
+        match *self {}
+    }
+    pub(crate) fn share_last_use(
+        &self,
+        _shared: &mut Option<LastUse>,
+        _sync: &mut UnitSync,
+    ) -> candle_core::Result<()> {
         match *self {}
     }
     pub(crate) fn evict<W>(

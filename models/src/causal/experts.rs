@@ -91,10 +91,53 @@ fn host_seconds(bytes: u64, rows: usize, read_rate: f64, row_rate: f64) -> f64 {
     }
 }
 
+/// Every expert unit's id in the store, by decoder layer and expert, found once at load: a
+/// step acquires its experts by id, with no name built and no map looked up.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ExpertIds {
+    /// Experts per layer.
+    count: usize,
+    /// `layer * count + expert`: the unit, `None` for a dense layer's or one the store lacks.
+    ids: Vec<Option<UnitId>>,
+}
+
+impl ExpertIds {
+    /// The ids of `layout`'s expert units in `store` (none without experts).
+    pub(crate) fn new(layout: &Layout, store: &HostStore) -> Self {
+        let Some(x) = &layout.experts else {
+            return Self::default();
+        };
+        let ids = (0..x.sparse.len())
+            .flat_map(|l| (0..x.count).map(move |e| (l, e)))
+            .map(|(l, e)| {
+                let sparse = x.sparse.get(l).copied().unwrap_or(false);
+                sparse
+                    .then(|| layout.expert(l, e))
+                    .flatten()
+                    .and_then(|n| store.unit_id(&n))
+            })
+            .collect();
+        Self {
+            count: x.count,
+            ids,
+        }
+    }
+
+    /// Expert `e` of layer `l`.
+    fn get(&self, l: usize, e: usize) -> Option<UnitId> {
+        if e >= self.count {
+            return None;
+        }
+        self.ids.get(l * self.count + e).copied().flatten()
+    }
+}
+
 /// One runtime's expert units (see the module docs).
 pub(crate) struct RuntimeExperts<'a> {
     pub(crate) rt: &'a OffloadRuntime,
     pub(crate) layout: &'a Layout,
+    /// The experts' units in the runtime's store.
+    pub(crate) ids: &'a ExpertIds,
     /// The compute dtype of the stage.
     pub(crate) dtype: DType,
 }
@@ -102,32 +145,80 @@ pub(crate) struct RuntimeExperts<'a> {
 /// An expert's MLP kept with its unit, with the dtype it was built in.
 struct BuiltExpert(DType, Arc<GatedMlp>);
 
+impl RuntimeExperts<'_> {
+    /// The unit of expert `e` of `layer`.
+    fn unit(&self, layer: usize, e: usize) -> Result<UnitId> {
+        if let Some(id) = self.ids.get(layer, e) {
+            return Ok(id);
+        }
+        match self.layout.expert(layer, e) {
+            Some(name) => candle_core::bail!("layer {layer}: no unit {name} in the store"),
+            None => candle_core::bail!("layer {layer}: the model's layout has no expert units"),
+        }
+    }
+
+    /// [`expert`](ExpertUnits::expert) of each of `experts` of `layer`, their units acquired
+    /// together (one hold of the runtime's lock).
+    fn experts(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        build: BuildExpert<'_>,
+    ) -> Result<Vec<Expert>> {
+        let ids = experts
+            .iter()
+            .map(|&e| self.unit(layer, e))
+            .collect::<Result<Vec<_>>>()?;
+        let guards = self.rt.acquire_many(&ids)?;
+        let dtype = self.dtype;
+        guards
+            .into_iter()
+            .zip(experts)
+            .map(|(unit, &e)| {
+                let make = || -> Result<BuiltExpert> {
+                    let name = self.layout.expert(layer, e).unwrap_or_default();
+                    let w = UnitWeights::new(unit.var_builder(dtype), Some(&unit));
+                    Ok(BuiltExpert(dtype, Arc::new(build(w.pp(&name))?)))
+                };
+                // Kept with the unit where it holds nothing but the unit's tensors (no
+                // conversion).
+                let mlp = if unit.tensors().values().all(|t| t.dtype() == dtype) {
+                    let kept = unit.derived(make)?;
+                    if kept.0 == dtype {
+                        kept.1.clone()
+                    } else {
+                        make()?.1
+                    }
+                } else {
+                    make()?.1
+                };
+                Ok(Expert {
+                    mlp,
+                    guard: Some(unit),
+                })
+            })
+            .collect()
+    }
+}
+
 impl ExpertUnits for RuntimeExperts<'_> {
     fn expert(&self, layer: usize, expert: usize, build: BuildExpert<'_>) -> Result<Expert> {
-        let Some(name) = self.layout.expert(layer, expert) else {
-            candle_core::bail!("layer {layer}: the model's layout has no expert units");
-        };
-        let unit = self.rt.acquire_named(&name)?;
-        let dtype = self.dtype;
-        let make = || -> Result<BuiltExpert> {
-            let w = UnitWeights::new(unit.var_builder(dtype), Some(&unit));
-            Ok(BuiltExpert(dtype, Arc::new(build(w.pp(&name))?)))
-        };
-        // Kept with the unit where it holds nothing but the unit's tensors (no conversion).
-        let mlp = if unit.tensors().values().all(|t| t.dtype() == dtype) {
-            let kept = unit.derived(make)?;
-            if kept.0 == dtype {
-                kept.1.clone()
-            } else {
-                make()?.1
-            }
-        } else {
-            make()?.1
-        };
-        Ok(Expert {
-            mlp,
-            guard: Some(unit),
-        })
+        let mut one = self.experts(layer, &[expert], build)?;
+        Ok(one.pop().expect("one expert asked for"))
+    }
+
+    fn place(
+        &self,
+        layer: usize,
+        routed: &[(usize, usize)],
+        build: BuildExpert<'_>,
+    ) -> Result<Vec<(Option<Expert>, ExpertSite)>> {
+        let experts: Vec<usize> = routed.iter().map(|&(e, _)| e).collect();
+        Ok(self
+            .experts(layer, &experts, build)?
+            .into_iter()
+            .map(|x| (Some(x), ExpertSite::Device))
+            .collect())
     }
 }
 
@@ -523,15 +614,7 @@ pub(crate) struct SplitExperts<'a> {
 
 impl SplitExperts<'_> {
     fn unit(&self, layer: usize, e: usize) -> Result<UnitId> {
-        let name =
-            self.device.layout.expert(layer, e).ok_or_else(|| {
-                candle_core::Error::Msg(format!("layer {layer}: no expert units"))
-            })?;
-        self.device
-            .rt
-            .store()
-            .unit_id(&name)
-            .ok_or_else(|| candle_core::Error::Msg(format!("no unit {name} in the store")))
+        self.device.unit(layer, e)
     }
 
     /// For `missing` experts of `layer` (`(expert, rows routed to it)`): each one's host bytes
@@ -793,6 +876,7 @@ impl SplitExperts<'_> {
         RuntimeExperts {
             rt: &self.tier.host,
             layout: self.device.layout,
+            ids: self.device.ids,
             // The host computes GGML blocks in F32.
             dtype: DType::F32,
         }
@@ -879,14 +963,15 @@ impl ExpertUnits for SplitExperts<'_> {
         drop(st);
         // The device's first (their copies and kernels queue while the host works).
         let mut out: Vec<Option<Expert>> = (0..routed.len()).map(|_| None).collect();
-        let acquire = |out: &mut Vec<Option<Expert>>, on: ExpertSite, units: &dyn ExpertUnits| {
-            for (i, &(e, _)) in routed.iter().enumerate() {
-                if site[i] == on {
-                    out[i] = Some(units.expert(layer, e, build)?);
+        let acquire =
+            |out: &mut Vec<Option<Expert>>, on: ExpertSite, units: &RuntimeExperts<'_>| {
+                let mine: Vec<usize> = (0..routed.len()).filter(|&i| site[i] == on).collect();
+                let experts: Vec<usize> = mine.iter().map(|&i| routed[i].0).collect();
+                for (i, x) in mine.into_iter().zip(units.experts(layer, &experts, build)?) {
+                    out[i] = Some(x);
                 }
-            }
-            Ok::<_, candle_core::Error>(())
-        };
+                Ok::<_, candle_core::Error>(())
+            };
         tracing::debug_span!("moe.place.device")
             .in_scope(|| acquire(&mut out, ExpertSite::Device, &self.device))?;
         tracing::debug_span!("moe.place.host")

@@ -540,9 +540,11 @@ impl CausalLm {
         }
         let rope = cfg.family.rope(cfg, context + 2, dtype, device)?;
         let masks = Masks::padded(1, context, &[], device);
+        let ids = super::experts::ExpertIds::new(&layout, store);
         let experts = super::experts::RuntimeExperts {
             rt: &rt,
             layout: &layout,
+            ids: &ids,
             dtype,
         };
         let ctx = StepCtx {

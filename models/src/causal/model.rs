@@ -208,6 +208,8 @@ pub struct CausalLm {
     /// The expert cache and host CPU beside the stage of this index (a mixture-of-experts
     /// model whose experts the device's budget does not hold).
     pub(super) expert_tier: Option<(usize, super::experts::ExpertTier)>,
+    /// The expert units' ids in the store (none for a dense model).
+    pub(super) expert_ids: super::experts::ExpertIds,
 }
 
 impl CausalLm {
@@ -339,6 +341,7 @@ impl CausalLm {
             norm: held_unit(&layout.norm, last_rank)?,
             head: held_unit(layout.head_unit(), last_rank)?,
         };
+        let expert_ids = super::experts::ExpertIds::new(&layout, &store);
         let max_len = max_len.min(cfg.max_position_embeddings).max(1);
         let family = cfg.family.clone();
         let segments = stages
@@ -388,6 +391,7 @@ impl CausalLm {
             adapters: None,
             link: None,
             expert_tier: None,
+            expert_ids,
         })
     }
 
@@ -424,6 +428,7 @@ impl CausalLm {
         let device = RuntimeExperts {
             rt: &stage.rt,
             layout: &self.layout,
+            ids: &self.expert_ids,
             dtype: stage.dtype,
         };
         match &self.expert_tier {

@@ -856,7 +856,8 @@ impl SparseMoe {
                 (None, None, _) => None,
             }
         };
-        drop(placed);
+        // Their work is enqueued: the units go back together.
+        release(placed)?;
         traced_wait(&x2, Wait::Merge)?;
         let mut out = match out {
             Some(o) => o.to_dtype(xs.dtype())?,
@@ -867,6 +868,17 @@ impl SparseMoe {
         }
         out.reshape(dims)
     }
+}
+
+/// A step's experts dropped and their units released together
+/// ([`UnitGuard::release_all`](candle_offload::UnitGuard::release_all): one hold of each
+/// runtime's lock and one last-use event, where each guard's drop takes its own).
+fn release(placed: Vec<(Option<Expert>, ExpertSite)>) -> Result<()> {
+    let guards: Vec<candle_offload::UnitGuard> = placed
+        .into_iter()
+        .filter_map(|(expert, _)| expert?.guard)
+        .collect();
+    candle_offload::UnitGuard::release_all(guards)
 }
 
 /// `y`, rows of `x2`'s shape, added into the rows `ids` of `sum` (of zeros in `y`'s dtype
