@@ -168,6 +168,7 @@ SOURCES = {
         "2026-12-07/2026-12-07-moe-q4_k_m-skewed-4gib-p512-2b8d255-h100.json",
         "2026-12-07/2026-12-07-moe-q8_0-skewed-4gib-p512-2b8d255-h100.json",
         "2026-12-07/2026-12-07-moe-q8_0-uniform-12gib-p64-512-2b8d255-h100.json",
+        "2026-12-07/2026-12-07-moe-q4_k_m-skewed-12gib-p512-9378b14-h100.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     # bench_train's lora-* configurations, with scripts/lora_peer.py (PEFT) run just before it
@@ -816,7 +817,15 @@ def render_benchmarks(rows):
             "against `2b8d255` in alternation: 5,209 and 4,871 against 6,182 and 5,385 tok/s "
             "(+15%, with the runs spread by 7%). Uniform Q8_0 12 GiB at `2b8d255`: decode 31.1 and "
             "28.8 tok/s, 55% and 53% of the bound (56.9 and 54.8), against llama.cpp's 40.2 and "
-            "39.8. The `2b8d255` rows (the skewed rows at 512 tokens but Q8_0 8 and 12 GiB, "
+            "39.8. `9378b14` acquires a layer's experts under one hold of the runtime's lock and "
+            "releases them together with one last-use event (one event recorded and one destroyed "
+            "per expert before): ours alone on a third H100 host, `615ec9e` then `9378b14`, "
+            "3,099 and 4,066 tok/s (+31%, one run each); with llama.cpp in the same call, whose "
+            "prefill there was 1,435 tok/s, 3,993 (2.78x; 3x needs 4,304, 7% more). The spans of "
+            "that prompt (the warm one): 2.1 ms a layer, of which the device's enqueue 0.93 (its "
+            "work done 0.14 ms after), the routing 0.37 (the attention's wait included), the "
+            "placement 0.32 (one fetched expert a layer 0.11 of it) and the host's expert 0.11. "
+            "The `2b8d255` rows (the skewed rows at 512 tokens but Q8_0 8 and 12 GiB, "
             "uniform Q8_0 12 GiB) ran on that host; the `982b847` rows (skewed Q8_0 12 GiB, the "
             "4 GiB rows at 64 tokens) on the `22bc7a4` rows' host. The skewed Q8_0 8 GiB row at 512 "
             "tokens peaked 10 MiB over its budget at `4869765` and `e14d726`; since `5c2f9a2` the "
