@@ -20,7 +20,10 @@
 #   PER_EXPERT=1 for each expert's own decode matmuls instead of the grouped launches,
 #   ROUTE=host|device for who chooses a decode row's experts (auto by default),
 #   NO_GRAPHS=1 for every decode step eager (no CUDA graph of the device-routed steps),
-#   ADMIT=repeat for only the misses seen before within a window admitted (--expert-admit))
+#   ADMIT=repeat for only the misses seen before within a window admitted (--expert-admit),
+#   LC_HINT=N,... for llama.cpp's layers with experts on the GPU at each budget from an earlier
+#   run (--llamacpp-layers-hint: two probes instead of four or five, ~30 s each on these files;
+#   the `llamacpp_ncmoe` of an earlier record is 48 less it))
 #   -> $OUT/moe-ROUTING-WEIGHTS-pPROMPTS-POLICY.json (bench_generate's
 #   records, each with the expert cache's hit rate, experts per token by place, host bytes per
 #   token, the host's read rate and the physical bound).
@@ -127,7 +130,8 @@ case "$1" in
       --new-tokens "${NEW_TOKENS:-16}" $peer --expert-policy "${POLICY:-lru}" --expert-prefetch ${NO_PREFETCH:+false} \
       ${GUESS:+--expert-guess-layers $GUESS} \
       ${PER_EXPERT:+--per-expert} ${NO_GRAPHS:+--no-graphs} --expert-split "${SPLIT:-auto}" --expert-route "${ROUTE:-auto}" \
-      ${ADMIT:+--expert-admit $ADMIT} --json-out "$OUT/$name.json") > "$OUT/$name.log" 2>&1
+      ${ADMIT:+--expert-admit $ADMIT} ${LC_HINT:+--llamacpp-layers-hint $LC_HINT} \
+      --json-out "$OUT/$name.json") > "$OUT/$name.log" 2>&1
     echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:|llama.cpp -ngl" "$OUT/$name.log" | tail -20
     cp "$OUT/$name.json" "$FINAL/" 2>/dev/null
     el "done"

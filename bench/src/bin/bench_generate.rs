@@ -85,6 +85,13 @@ struct Args {
     /// llama-bench repetitions per measured configuration.
     #[arg(long, default_value_t = 2)]
     llamacpp_reps: u32,
+    /// llama.cpp's layer count to try first at each budget, in `--budgets`' order (its `-ngl`;
+    /// with `--llamacpp-moe`, the layers whose experts stay on the GPU: the layers less
+    /// `-ncmoe`), from an earlier run: two probes confirm it (it fits, one more does not)
+    /// instead of the search's four or five, each a load of the whole file. A wrong one costs
+    /// its probes, and the search goes on from it.
+    #[arg(long, value_delimiter = ',')]
+    llamacpp_layers_hint: Vec<u32>,
     /// How often the peak-memory sampler polls the driver's free memory during the timed part,
     /// in microseconds; 0 runs without it (no peak recorded), to see what polling costs.
     #[arg(long, default_value_t = 500)]
@@ -299,6 +306,7 @@ fn main() -> Result<()> {
                 context_bytes,
                 layers: cfg.num_hidden_layers as u32,
                 moe: args.llamacpp_moe,
+                hints: args.llamacpp_layers_hint.clone(),
             };
             lc.measure(
                 &budgets,
@@ -1074,6 +1082,8 @@ struct LlamaCpp {
     layers: u32,
     /// Search `-ncmoe` (experts on the CPU) at `-ngl 99 -fa 1` instead of `-ngl`.
     moe: bool,
+    /// The search's first guess at each budget, in order (`--llamacpp-layers-hint`).
+    hints: Vec<u32>,
 }
 
 /// llama.cpp's figures at one budget and prompt length.
@@ -1243,10 +1253,12 @@ impl LlamaCpp {
                 probes.insert(ngl, p);
                 Ok(p)
             };
-            for &budget in budgets {
+            for (i, &budget) in budgets.iter().enumerate() {
                 let ngl = match budget {
                     None => all,
-                    Some(b) => most_layers_within(all, b, &mut peak_at)?,
+                    Some(b) => {
+                        most_layers_within(all, b, self.hints.get(i).copied(), &mut peak_at)?
+                    }
                 };
                 // Two runs, so that no test's context is longer than our run's: the prefill
                 // from an empty context, then the decode after the prompt's length of context
@@ -1277,18 +1289,44 @@ impl LlamaCpp {
 /// The largest `n` in `0..=all` whose `peak_at(n)` is within `budget` (0 when none is). Peaks
 /// grow with `n`, nearly linearly (a layer's bytes each), so each probe is placed where the line
 /// through the bracket's ends crosses the budget: two or three probes instead of a bisection's
-/// six.
+/// six. A `hint` (an earlier run's answer) is probed first, with the count above it: where it
+/// fits and that does not, those two probes are all.
 fn most_layers_within(
     all: u32,
     budget: u64,
+    hint: Option<u32>,
     peak_at: &mut impl FnMut(u32) -> Result<u64>,
 ) -> Result<u32> {
-    let top = peak_at(all)?;
-    if top <= budget {
-        return Ok(all);
-    }
-    let (mut lo, mut hi) = (0u32, all); // peak(lo) fits or lo == 0; hi doesn't
-    let (mut p_lo, mut p_hi) = (peak_at(0)?, top);
+    // The bracket: peak(lo) fits or lo == 0; peak(hi) does not.
+    let (lo, hi) = match hint.filter(|&h| h < all) {
+        Some(h) => {
+            let p = peak_at(h)?;
+            if p > budget {
+                if h == 0 {
+                    return Ok(0);
+                }
+                ((0, peak_at(0)?), (h, p))
+            } else {
+                let above = peak_at(h + 1)?;
+                if above > budget {
+                    return Ok(h);
+                }
+                let top = peak_at(all)?;
+                if top <= budget {
+                    return Ok(all);
+                }
+                ((h + 1, above), (all, top))
+            }
+        }
+        None => {
+            let top = peak_at(all)?;
+            if top <= budget {
+                return Ok(all);
+            }
+            ((0, peak_at(0)?), (all, top))
+        }
+    };
+    let ((mut lo, mut p_lo), (mut hi, mut p_hi)) = (lo, hi);
     while hi - lo > 1 {
         let frac = budget.saturating_sub(p_lo) as f64 / p_hi.saturating_sub(p_lo).max(1) as f64;
         let guess = lo + (frac * (hi - lo) as f64).round() as u32;
@@ -1378,4 +1416,44 @@ enum DecodeTokens {
     Greedy,
     /// A fixed pseudo-random sequence.
     Random,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::most_layers_within;
+
+    /// The answer and the counts probed, for peaks of `base + step * n` MiB.
+    fn search(all: u32, budget: u64, hint: Option<u32>, base: u64, step: u64) -> (u32, Vec<u32>) {
+        let mut probed = Vec::new();
+        let got = most_layers_within(all, budget, hint, &mut |n| {
+            probed.push(n);
+            Ok(base + step * u64::from(n))
+        })
+        .unwrap();
+        (got, probed)
+    }
+
+    #[test]
+    fn the_layers_search_finds_the_most_that_fit_with_or_without_a_hint() {
+        // 100 + 10 n within 165: n = 6.
+        for hint in [
+            None,
+            Some(0),
+            Some(3),
+            Some(5),
+            Some(6),
+            Some(7),
+            Some(9),
+            Some(48),
+        ] {
+            assert_eq!(search(48, 165, hint, 100, 10).0, 6, "hint {hint:?}");
+        }
+        let (_, probed) = search(48, 165, Some(6), 100, 10);
+        assert_eq!(probed, [6, 7], "a right hint takes two probes");
+        // All fit, none fits.
+        for hint in [None, Some(0), Some(20), Some(48)] {
+            assert_eq!(search(48, 10_000, hint, 100, 10).0, 48, "hint {hint:?}");
+            assert_eq!(search(48, 50, hint, 100, 10).0, 0, "hint {hint:?}");
+        }
+    }
 }
