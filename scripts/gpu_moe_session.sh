@@ -36,8 +36,10 @@
 #   other routing, the old ones deleted first (the disk holds one routing's two files).
 # Where a decode step's host time goes (`bash scripts/gpu_moe_session.sh spans BUDGETS`, carry
 #   .gpu/bench_generate.xz; the Q8_0 file written, or WEIGHTS=q4_k_m's): ours alone at each budget with -vv and the
-#   mixture-of-experts layers' spans (route and its wait for the device, guess, place (its
-#   split, and its device and host experts' acquisitions), device, to_host, host, merge), then scripts/span_times.py over the decode rows (PROMPT_LEN=512
+#   mixture-of-experts layers' spans (route and its wait for the device (its readback, .read,
+#   and the rows' choice, .rows), guess, place (its split, and its device and host experts'
+#   acquisitions), device (the routes' upload, .upload; the experts' launches, .experts; their
+#   sum into the rows, .combine), to_host, host, merge), then scripts/span_times.py over the decode rows (PROMPT_LEN=512
 #   MATCH_ROWS=512: over a 512-token prompt's layers instead, the untimed one's and the timed one's) ->
 #   spans-ROUTING-BUDGET.json (a diagnostic, not a row; SPLIT, NO_PREFETCH and ROUTE as for bench).
 #   SPANS_LOG replaces the log filter, e.g. adding `candle_offload=debug` for the runtime's

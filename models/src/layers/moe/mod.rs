@@ -335,7 +335,8 @@ impl SparseMoe {
         };
         let rows = all.dim(0)?;
         // One flat copy (not a vector a row): a prompt reads back hundreds of rows.
-        let all = all.flatten_all()?.to_vec1::<f32>()?;
+        let all = tracing::debug_span!("moe.route.read")
+            .in_scope(|| all.flatten_all()?.to_vec1::<f32>())?;
         let expected: Vec<usize> = std::iter::once(self.routing.experts)
             .chain(guess.iter().map(|(_, r)| r.experts))
             .chain(rows_back.then(|| x2.dim(1)).transpose()?)
@@ -351,7 +352,8 @@ impl SparseMoe {
         let stride: usize = widths.iter().sum();
         let (own, rest) = widths.split_first().expect("the router's logits");
         let mut at = *own;
-        let routes = route_rows(&all, stride, (0, *own), self.routing);
+        let routes = tracing::debug_span!("moe.route.rows", rows)
+            .in_scope(|| route_rows(&all, stride, (0, *own), self.routing));
         let guess = guess
             .iter()
             .zip(rest)
@@ -488,6 +490,7 @@ impl SparseMoe {
         }
         // Every group's indices and weights, concatenated, on the device (several rows).
         let uploaded = if rows > 1 && !groups.is_empty() {
+            let _s = tracing::debug_span!("moe.device.upload").entered();
             Some(Self::upload_routes(x2, groups.iter().map(|(g, _)| *g))?)
         } else {
             None
@@ -590,7 +593,9 @@ impl SparseMoe {
         let Some((experts, tuning)) = rows_experts(x2, groups)? else {
             return Ok(None);
         };
-        let y = qexperts_rows(&x2.index_select(ids, 0)?, &experts, tuning)?;
+        let y = tracing::debug_span!("moe.device.experts", experts = experts.len())
+            .in_scope(|| qexperts_rows(&x2.index_select(ids, 0)?, &experts, tuning))?;
+        let _s = tracing::debug_span!("moe.device.combine").entered();
         let (slots, weights, k) = combine_table(x2.dim(0)?, groups.iter().map(|(g, _)| *g));
         combine_rows(&y, &slots, &weights, k).map(Some)
     }
