@@ -123,6 +123,11 @@ impl ExpertIds {
         }
     }
 
+    /// Every unit found, layer by layer in expert order.
+    fn units(&self) -> impl Iterator<Item = UnitId> + '_ {
+        self.ids.iter().flatten().copied()
+    }
+
     /// Expert `e` of layer `l`.
     fn get(&self, l: usize, e: usize) -> Option<UnitId> {
         if e >= self.count {
@@ -470,15 +475,9 @@ impl ExpertTier {
         }
     }
 
-    /// Every expert unit of the model in `store`.
+    /// Every expert unit of the model in `store`, layer by layer in expert order.
     pub(crate) fn expert_units(layout: &Layout, store: &HostStore) -> Vec<UnitId> {
-        let Some(x) = &layout.experts else {
-            return Vec::new();
-        };
-        (0..x.sparse.len())
-            .flat_map(|l| layout.experts_of(l))
-            .filter_map(|n| store.unit_id(&n))
-            .collect()
+        ExpertIds::new(layout, store).units().collect()
     }
 
     /// The tier of a stage over `store`: slots per sparse layer from `sizing.room`, a CPU
