@@ -21,6 +21,7 @@
 #   ROUTE=host|device for who chooses a decode row's experts (auto by default),
 #   NO_GRAPHS=1 for every decode step eager (no CUDA graph of the device-routed steps),
 #   ADMIT=repeat for only the misses seen before within a window admitted (--expert-admit),
+#   SLOTS=layers for the cache's slots in whole layers, the last first (--expert-slots),
 #   LC_HINT=N,... for llama.cpp's layers with experts on the GPU at each budget from an earlier
 #   run (--llamacpp-layers-hint: two probes instead of four or five, ~30 s each on these files;
 #   the `llamacpp_ncmoe` of an earlier record is 48 less it))
@@ -121,7 +122,7 @@ case "$1" in
     while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 10; done
     grep -v "^+" /tmp/moe-write.log; ls -la /tmp/gguf
     [[ -n "${NO_PEER:-}" || -x /tmp/llamacpp/build/bin/llama-bench ]] || { echo "no llama-bench (call1 first)"; exit 1; }
-    name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${NO_PREFETCH:+-no-prefetch}${GUESS:+-guess$GUESS}${SPLIT:+-split-$SPLIT}${ROUTE:+-route-$ROUTE}${PER_EXPERT:+-per-expert}${NO_GRAPHS:+-no-graphs}${ADMIT:+-admit-$ADMIT}"
+    name="moe-$ROUTING-$w-p${prompts//,/-}-${POLICY:-lru}${NO_PREFETCH:+-no-prefetch}${GUESS:+-guess$GUESS}${SPLIT:+-split-$SPLIT}${ROUTE:+-route-$ROUTE}${PER_EXPERT:+-per-expert}${NO_GRAPHS:+-no-graphs}${ADMIT:+-admit-$ADMIT}${SLOTS:+-slots-$SLOTS}"
     # NO_PEER=1: ours alone (an A/B of our options, no rows).
     peer="--llamacpp-bin /tmp/llamacpp/build/bin --llamacpp-moe --llamacpp-reps 2"
     [[ -n "${NO_PEER:-}" ]] && { peer=""; name="$name-alone"; }
@@ -132,7 +133,7 @@ case "$1" in
       --new-tokens "${NEW_TOKENS:-16}" $peer --expert-policy "${POLICY:-lru}" --expert-prefetch ${NO_PREFETCH:+false} \
       ${GUESS:+--expert-guess-layers $GUESS} \
       ${PER_EXPERT:+--per-expert} ${NO_GRAPHS:+--no-graphs} --expert-split "${SPLIT:-auto}" --expert-route "${ROUTE:-auto}" \
-      ${ADMIT:+--expert-admit $ADMIT} ${LC_HINT:+--llamacpp-layers-hint $LC_HINT} \
+      ${ADMIT:+--expert-admit $ADMIT} ${SLOTS:+--expert-slots $SLOTS} ${LC_HINT:+--llamacpp-layers-hint $LC_HINT} \
       --json-out "$OUT/$name.json") > "$OUT/$name.log" 2>&1
     echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:|llama.cpp -ngl" "$OUT/$name.log" | tail -20
     cp "$OUT/$name.json" "$FINAL/" 2>/dev/null
@@ -144,13 +145,13 @@ case "$1" in
     while pgrep -f moe-write.sh >/dev/null; do el "waiting for the writer ($f)"; sleep 5; done
     [[ -f $f ]] || { echo "no $f (write first)"; exit 1; }
     for b in ${2//,/ }; do
-      name="spans-$ROUTING-${WEIGHTS:-q8_0}-${b}gib${PROMPT_LEN:+-p$PROMPT_LEN}${SPLIT:+-split-$SPLIT}${NO_PREFETCH:+-no-prefetch}${GUESS:+-guess$GUESS}${ROUTE:+-route-$ROUTE}"
+      name="spans-$ROUTING-${WEIGHTS:-q8_0}-${b}gib${PROMPT_LEN:+-p$PROMPT_LEN}${SPLIT:+-split-$SPLIT}${NO_PREFETCH:+-no-prefetch}${GUESS:+-guess$GUESS}${ROUTE:+-route-$ROUTE}${SLOTS:+-slots-$SLOTS}"
       el "$name"
       (cd /tmp && RUST_LOG="${SPANS_LOG:-warn,candle_offload_models::layers::moe=debug,candle_offload_models::causal::experts=debug}" timeout "${BENCH_S:-200}" \
         /tmp/bin/bench_generate --model-dir "$f" --quantized --weights "$name" --budgets "$b" \
         --prompt-lens "${PROMPT_LEN:-64}" --new-tokens "${NEW_TOKENS:-16}" --expert-split "${SPLIT:-auto}" \
         --expert-prefetch ${NO_PREFETCH:+false} ${GUESS:+--expert-guess-layers $GUESS} \
-        --expert-route "${ROUTE:-auto}" -vv --json-out "$OUT/$name-bench.json") > "$OUT/$name.log" 2>&1
+        --expert-route "${ROUTE:-auto}" ${SLOTS:+--expert-slots $SLOTS} -vv --json-out "$OUT/$name-bench.json") > "$OUT/$name.log" 2>&1
       echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:" "$OUT/$name.log" | tail -4
       python3 "$R/scripts/span_times.py" "$OUT/$name.log" --parent moe.layer --match "rows=${MATCH_ROWS:-1}}" \
         --json "$FINAL/$name.json"

@@ -156,6 +156,11 @@ pub struct LoadArgs {
     /// misses, as many as the layer has slots: a one-off expert is not also copied).
     #[arg(long, default_value = "always")]
     pub expert_admit: candle_offload::experts::ExpertAdmission,
+    /// How a mixture-of-experts model's expert cache spreads its slots over the layers:
+    /// `spread` (as many in every layer) or `layers` (whole layers, the last first, as
+    /// llama.cpp's `--n-cpu-moe` places them; the rest of the experts on the host CPU).
+    #[arg(long, default_value = "spread")]
+    pub expert_slots: candle_offload::experts::ExpertSlots,
     /// Settings file (YAML): `memory.offload_strategy`, `memory.max_gpu_memory`,
     /// `memory.max_cpu_memory` and a `tuning:` section (docs/tuning.md).
     #[arg(long)]
@@ -441,7 +446,8 @@ impl LoadArgs {
             .with_prefetch(self.expert_prefetch)
             .with_guess_layers(usize::from(self.expert_guess_layers))
             .with_route(self.expert_route)
-            .with_admission(self.expert_admit),
+            .with_admission(self.expert_admit)
+            .with_slots(self.expert_slots),
             ..Default::default()
         };
         if target.rank.is_some() && host_layers_choice != HostLayers::None {
@@ -476,12 +482,26 @@ impl LoadArgs {
             model.set_fused(false);
         }
         if let Some(x) = model.expert_stats() {
-            let per_layer = x.slots.iter().copied().max().unwrap_or(0);
+            let n = x.experts_per_layer;
+            let cached = match self.expert_slots {
+                candle_offload::experts::ExpertSlots::Layers => format!(
+                    "every expert of {} layers and {} of the next",
+                    x.slots.iter().filter(|&&s| s == n).count(),
+                    x.slots
+                        .iter()
+                        .copied()
+                        .find(|&s| s > 0 && s < n)
+                        .unwrap_or(0),
+                ),
+                candle_offload::experts::ExpertSlots::Spread => format!(
+                    "{} of {n} experts per layer",
+                    x.slots.iter().copied().max().unwrap_or(0)
+                ),
+            };
             eprintln!(
-                "experts: dense part {:.2} GiB on the GPU; {per_layer} of {} experts per layer \
-                 cached there ({:.1} MiB each, {:?}); the others on {} CPU threads or fetched",
+                "experts: dense part {:.2} GiB on the GPU; {cached} cached there ({:.1} MiB \
+                 each, {:?}); the others on {} CPU threads or fetched",
                 x.dense_bytes as f64 / 2f64.powi(30),
-                x.experts_per_layer,
                 x.expert_bytes as f64 / 2f64.powi(20),
                 self.expert_policy,
                 tuning.threads(),

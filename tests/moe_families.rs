@@ -284,6 +284,17 @@ fn half_experts_model(
     keep_blocks: bool,
     experts: candle_offload::experts::ExpertOptions,
 ) -> anyhow::Result<Llama> {
+    share_of_experts_model(files, device, keep_blocks, experts, 0.5)
+}
+
+/// [`half_experts_model`] with a budget for `share` of the experts.
+fn share_of_experts_model(
+    files: &ModelFiles,
+    device: &Device,
+    keep_blocks: bool,
+    experts: candle_offload::experts::ExpertOptions,
+    share: f64,
+) -> anyhow::Result<Llama> {
     let store = f32_store(files, device, keep_blocks)?;
     let is_expert = |name: &str| name.contains(".experts.");
     let sizes = |experts: bool| {
@@ -312,7 +323,7 @@ fn half_experts_model(
     // The weights' room wanted: the dense part, half of the experts and a copy in flight. What
     // of a budget the runtime keeps for itself depends on the device and the budget, so the
     // budget is corrected by the capacity each build reports (at most the whole model's).
-    let want = dense + all_experts / 2 + largest_expert;
+    let want = dense + (all_experts as f64 * share) as u64 + largest_expert;
     let reserve = Llama::reserve_bytes(
         &files.config,
         &store,
@@ -334,8 +345,8 @@ fn half_experts_model(
     }
     let s = m.expert_stats().expect("the tier is on");
     anyhow::ensure!(
-        s.slots.iter().any(|&n| n > 0) && s.slots.iter().all(|&n| n < s.experts_per_layer),
-        "a budget of {budget} bytes for half of the experts holds none or all: {s:?}"
+        s.slots.iter().any(|&n| n > 0) && s.slots.iter().any(|&n| n < s.experts_per_layer),
+        "a budget of {budget} bytes for {share} of the experts holds none or all: {s:?}"
     );
     Ok(m)
 }
@@ -363,7 +374,7 @@ fn gguf_model(
 /// split's fetch side alone (`ExpertSplit::Fetch`) no expert runs on the host. With the next
 /// layer's experts guessed and prefetched, the decode steps' logits are the same.
 fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Result<()> {
-    use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertSplit};
+    use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertSlots, ExpertSplit};
     let dir = fixtures()?;
     // A prompt's experts, with more rows each than the host reads at once, stream where no
     // slot is free.
@@ -372,18 +383,21 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
     for name in ["mixtral", "qwen3_moe_mixed", "qwen2_moe"] {
         let files = loader::from_dir(&dir.join(name))?;
         let want = reference(&dir.join(name))?;
-        for (policy, prefetch, split, guess) in [
-            (ExpertPolicy::Lru, false, ExpertSplit::On, 1),
+        let (lfu, spread) = (ExpertPolicy::Lfu { half_life: 64.0 }, ExpertSlots::Spread);
+        for (policy, prefetch, split, guess, slots) in [
+            (ExpertPolicy::Lru, false, ExpertSplit::On, 1, spread),
+            (lfu, false, ExpertSplit::On, 1, spread),
+            (ExpertPolicy::Lru, true, ExpertSplit::On, 1, spread),
             (
-                ExpertPolicy::Lfu { half_life: 64.0 },
-                false,
+                ExpertPolicy::Lru,
+                true,
                 ExpertSplit::On,
                 1,
+                ExpertSlots::Layers,
             ),
-            (ExpertPolicy::Lru, true, ExpertSplit::On, 1),
-            (ExpertPolicy::Lru, false, ExpertSplit::Fetch, 1),
-            (ExpertPolicy::Lru, true, ExpertSplit::Fetch, 1),
-            (ExpertPolicy::Lru, true, ExpertSplit::Fetch, 2),
+            (ExpertPolicy::Lru, false, ExpertSplit::Fetch, 1, spread),
+            (ExpertPolicy::Lru, true, ExpertSplit::Fetch, 1, spread),
+            (ExpertPolicy::Lru, true, ExpertSplit::Fetch, 2, spread),
         ] {
             let m = half_experts_model(
                 &files,
@@ -391,7 +405,8 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
                 false,
                 ExpertOptions::new(policy, split)
                     .with_prefetch(prefetch)
-                    .with_guess_layers(guess),
+                    .with_guess_layers(guess)
+                    .with_slots(slots),
             )?;
             assert!(m.warm_up()? > 0, "the host's copies of the experts");
             for pass in 0..2 {
@@ -441,12 +456,27 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
             }
             prefetched |= s.prefetched > 0;
             assert!(s.prefetch_used <= s.prefetched, "{name}: {s:?}");
-            let count = files.config.layout().experts.expect("experts").count;
-            assert!(
-                s.slots.iter().any(|&n| n > 0 && n < count),
-                "{name}: slots {:?} of {count}",
-                s.slots
-            );
+            let x = files.config.layout().experts.expect("experts");
+            let count = x.count;
+            let sparse_slots: Vec<usize> = (s.slots.iter().zip(&x.sparse))
+                .filter(|(_, &sparse)| sparse)
+                .map(|(&n, _)| n)
+                .collect();
+            if slots == ExpertSlots::Layers {
+                // Whole layers from the last, the rest in the next one down, none below.
+                assert_eq!(sparse_slots.first(), Some(&0), "{name}: {:?}", s.slots);
+                assert!(
+                    sparse_slots.windows(2).all(|w| w[0] == 0 || w[1] == count),
+                    "{name}: slots {:?} of {count}",
+                    s.slots
+                );
+            } else {
+                assert!(
+                    sparse_slots.iter().all(|&n| n > 0 && n < count),
+                    "{name}: slots {:?} of {count}",
+                    s.slots
+                );
+            }
             assert!(
                 s.resident > 0 && s.fetched > 0,
                 "{name} {policy:?} {split:?}: {s:?}"
@@ -701,6 +731,63 @@ test_device!(
     moe_device_route_equals_the_host_route,
     moe_device_route_equals_the_host_route_cpu,
     moe_device_route_equals_the_host_route_gpu
+);
+
+/// A cache in whole layers (`ExpertSlots::Layers`) under a budget for one layer's experts
+/// and part of the other's: in the steps the host routes, the layer with every expert
+/// resident is routed on the device (its rows read nothing from host memory) and the other
+/// on the host, and the decode steps' logits are those of the same steps all routed on the
+/// host, within 1e-4 of their scale. On a CPU the device route is never taken.
+fn moe_whole_layers_route_on_the_device(device: &Device) -> anyhow::Result<()> {
+    use candle_offload::experts::{
+        ExpertOptions, ExpertPolicy, ExpertRoute, ExpertSlots, ExpertSplit,
+    };
+    let dir = fixtures()?;
+    for name in ["qwen3_moe", "mixtral"] {
+        let files = loader::from_gguf(&dir.join(format!("{name}.q8_0.gguf")))?;
+        let options =
+            ExpertOptions::new(ExpertPolicy::Lru, ExpertSplit::On).with_slots(ExpertSlots::Layers);
+        let build =
+            |route| share_of_experts_model(&files, device, true, options.with_route(route), 0.75);
+        let (mixed, on_host) = (build(ExpertRoute::Auto)?, build(ExpertRoute::Host)?);
+        let (mut c1, mut c2) = (mixed.new_cache(), on_host.new_cache());
+        let p = prompt();
+        let ids = Tensor::new(&p[..12], device)?.unsqueeze(0)?;
+        mixed.forward(&ids, 0, &mut c1)?;
+        on_host.forward(&ids, 0, &mut c2)?;
+        for (k, &t) in p[12..].iter().chain(&p[..12]).enumerate() {
+            let ids = Tensor::new(&[t], device)?.unsqueeze(0)?;
+            let a = mixed.forward(&ids, 12 + k, &mut c1)?;
+            let b = on_host.forward(&ids, 12 + k, &mut c2)?;
+            assert_close_to_scale(&a, &b, 1e-4, &format!("{name} step {k} on {device:?}"))?;
+        }
+        // One more step reads the last one's choices back.
+        let ids = Tensor::new(&[p[0]], device)?.unsqueeze(0)?;
+        mixed.forward(&ids, 12 + p.len(), &mut c1)?;
+        let s = mixed.expert_stats().expect("the tier is on");
+        let h = on_host.expert_stats().expect("the tier is on");
+        let n = s.experts_per_layer;
+        assert!(
+            s.slots.contains(&n) && s.slots.iter().any(|&x| x < n),
+            "{name}: slots {:?}",
+            s.slots
+        );
+        assert_eq!(h.device_routed + h.whole_routed, 0, "{name}: {h:?}");
+        assert!(h.on_host > 0 && s.on_host > 0, "{name}: {s:?} {h:?}");
+        if device.is_cuda() {
+            assert!(s.whole_routed > 0, "{name}: {s:?}");
+            assert!(s.whole_routed <= s.device_routed, "{name}: {s:?}");
+        } else {
+            assert_eq!(s.device_routed + s.whole_routed, 0, "{name}: {s:?}");
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    moe_whole_layers_route_on_the_device,
+    moe_whole_layers_route_on_the_device_cpu,
+    moe_whole_layers_route_on_the_device_gpu
 );
 
 /// A tier asked for on Q8_0 GGUFs whose experts all fit the device (`ExpertSplit::On`, and

@@ -116,6 +116,14 @@ impl ExpertCache {
             .is_some_and(|x| x.resident.iter().any(|s| s.expert == e))
     }
 
+    /// Whether every expert of layer `l` is resident (a layer of as many slots as experts,
+    /// each used once since).
+    pub fn all_resident(&self, l: usize) -> bool {
+        self.layers
+            .get(l)
+            .is_some_and(|x| x.slots > 0 && x.resident.len() >= self.experts)
+    }
+
     /// The resident experts of layer `l`, in no particular order.
     pub fn resident(&self, l: usize) -> Vec<usize> {
         self.layers
@@ -238,6 +246,76 @@ pub fn slots_for_budget(
     (per_layer as usize).min(experts)
 }
 
+/// How an expert cache's slots are spread over the sparse layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpertSlots {
+    /// The same number in every sparse layer ([`slots_for_budget`]): each layer's cache keeps
+    /// its popular experts, so a skewed routing hits in every layer.
+    #[default]
+    Spread,
+    /// Whole layers, the last sparse layers first (as llama.cpp's `--n-cpu-moe` keeps the
+    /// experts of the last layers on the GPU), the rest in the next layer down and none below:
+    /// under a uniform routing the hits are as many as spread, but the layers with every
+    /// expert resident leave no work to the host and the others leave it a layer's whole
+    /// share at once.
+    Layers,
+}
+
+impl ExpertSlots {
+    /// Slots per decoder layer (`sparse[l]`: whether layer `l` has experts) that `budget_bytes`
+    /// holds for experts of `expert_bytes` each, at most `experts` per layer; dense layers get
+    /// none. The slots' bytes never pass `budget_bytes`.
+    pub fn per_layer(
+        self,
+        budget_bytes: u64,
+        expert_bytes: u64,
+        sparse: &[bool],
+        experts: usize,
+    ) -> Vec<usize> {
+        let layers = sparse.iter().filter(|&&s| s).count();
+        match self {
+            Self::Spread => {
+                let n = slots_for_budget(budget_bytes, expert_bytes, layers, experts);
+                sparse.iter().map(|&s| if s { n } else { 0 }).collect()
+            }
+            Self::Layers => {
+                let mut left = budget_bytes
+                    .checked_div(expert_bytes)
+                    .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
+                let mut slots = vec![0; sparse.len()];
+                for (slot, _) in slots.iter_mut().zip(sparse).rev().filter(|(_, &s)| s) {
+                    *slot = left.min(experts);
+                    left -= *slot;
+                }
+                slots
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for ExpertSlots {
+    type Err = String;
+    /// `spread` or `layers`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "spread" => Ok(Self::Spread),
+            "layers" => Ok(Self::Layers),
+            other => Err(format!(
+                "expert slots `{other}`: expected `spread` or `layers`"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for ExpertSlots {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Spread => "spread",
+            Self::Layers => "layers",
+        })
+    }
+}
+
 /// Measured rates a missing expert's price is made of (bytes and FLOPs per second).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ExpertRates {
@@ -349,6 +427,8 @@ pub struct ExpertOptions {
     pub route: ExpertRoute,
     /// Which experts a decode step read from host memory the cache takes a slot for.
     pub admission: ExpertAdmission,
+    /// How the cache's slots are spread over the layers.
+    pub slots: ExpertSlots,
 }
 
 impl Default for ExpertOptions {
@@ -368,7 +448,14 @@ impl ExpertOptions {
             guess_layers: 1,
             route: ExpertRoute::default(),
             admission: ExpertAdmission::default(),
+            slots: ExpertSlots::default(),
         }
+    }
+
+    /// These options with the cache's slots spread over the layers as `slots` says.
+    pub fn with_slots(mut self, slots: ExpertSlots) -> Self {
+        self.slots = slots;
+        self
     }
 
     /// These options with `admission` for the experts a decode step read from host memory.
@@ -751,6 +838,41 @@ mod tests {
 
     proptest! {
         #[test]
+        fn slot_plans_stay_within_the_budget(
+            sparse in prop::collection::vec(any::<bool>(), 0..64),
+            budget in 0u64..(1 << 34),
+            expert in 1u64..(64 << 20),
+            experts in 1usize..256,
+        ) {
+            for plan in [ExpertSlots::Spread, ExpertSlots::Layers] {
+                let slots = plan.per_layer(budget, expert, &sparse, experts);
+                prop_assert_eq!(slots.len(), sparse.len());
+                let total: usize = slots.iter().sum();
+                prop_assert!(total as u64 * expert <= budget);
+                for (&n, &s) in slots.iter().zip(&sparse) {
+                    prop_assert!(n <= experts && (s || n == 0));
+                }
+                if plan == ExpertSlots::Layers {
+                    // As many as fit, whole layers from the last, at most one layer partial.
+                    let layers = sparse.iter().filter(|&&s| s).count();
+                    let fit = (budget / expert).min((layers * experts) as u64);
+                    prop_assert_eq!(total as u64, fit);
+                    let partial = slots
+                        .iter()
+                        .zip(&sparse)
+                        .filter(|&(&n, &s)| s && n > 0 && n < experts)
+                        .count();
+                    prop_assert!(partial <= 1);
+                    let mut seen_short = false;
+                    for (&n, _) in slots.iter().zip(&sparse).rev().filter(|(_, &s)| s) {
+                        prop_assert!(!seen_short || n == 0);
+                        seen_short |= n < experts;
+                    }
+                }
+            }
+        }
+
+        #[test]
         fn the_split_beats_either_side_alone(
             costs in prop::collection::vec((0.0f64..5.0, 0.0f64..5.0), 0..24),
             busy in prop_oneof![Just(0.0f64), 0.0f64..20.0],
@@ -919,6 +1041,11 @@ mod tests {
         assert_eq!(c.access(5, 1), ExpertAccess::Miss { evicted: None });
         assert_eq!(c.access(1, 7), ExpertAccess::Miss { evicted: None });
         assert!(c.resident(1).is_empty());
+        assert!(!c.all_resident(0) && !c.all_resident(1) && !c.all_resident(5));
+        for e in 0..4 {
+            c.access(1, e);
+        }
+        assert!(c.all_resident(1) && !c.all_resident(0));
     }
 
     #[test]
@@ -927,6 +1054,29 @@ mod tests {
         assert_eq!(slots_for_budget(4 << 30, 3 << 20, 48, 128), 28);
         assert_eq!(slots_for_budget(u64::MAX, 3 << 20, 48, 128), 128);
         assert_eq!(slots_for_budget(0, 3 << 20, 48, 128), 0);
+    }
+
+    #[test]
+    fn whole_layers_fill_from_the_last() {
+        // Room for 2.5 layers of 4 experts; layer 2 is dense.
+        let sparse = [true, true, false, true, true];
+        assert_eq!(
+            ExpertSlots::Layers.per_layer(10 << 20, 1 << 20, &sparse, 4),
+            vec![0, 2, 0, 4, 4]
+        );
+        assert_eq!(
+            ExpertSlots::Spread.per_layer(10 << 20, 1 << 20, &sparse, 4),
+            vec![2, 2, 0, 2, 2]
+        );
+        assert_eq!(
+            ExpertSlots::Layers.per_layer(u64::MAX, 1 << 20, &sparse, 4),
+            vec![4, 4, 0, 4, 4]
+        );
+        assert_eq!("layers".parse::<ExpertSlots>(), Ok(ExpertSlots::Layers));
+        assert!("rows"
+            .parse::<ExpertSlots>()
+            .unwrap_err()
+            .contains("`rows`"));
     }
 
     /// An H200 host: the CPU reads ~60 GB/s and computes ~1 TFLOP/s; the link moves ~25 GB/s;

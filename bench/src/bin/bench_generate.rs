@@ -78,6 +78,10 @@ struct Args {
     /// `repeat` (`ExpertOptions::admission`).
     #[arg(long, default_value = "always")]
     expert_admit: candle_offload::experts::ExpertAdmission,
+    /// How the expert cache's slots spread over the layers: `spread` or `layers`
+    /// (`ExpertOptions::slots`).
+    #[arg(long, default_value = "spread")]
+    expert_slots: candle_offload::experts::ExpertSlots,
     /// Run a decode row's routed experts one by one instead of through the grouped kernels
     /// (`KernelTuning::grouped_experts` off).
     #[arg(long)]
@@ -383,7 +387,8 @@ fn main() -> Result<()> {
                 .with_prefetch(args.expert_prefetch)
                 .with_guess_layers(usize::from(args.expert_guess_layers))
                 .with_route(args.expert_route)
-                .with_admission(args.expert_admit),
+                .with_admission(args.expert_admit)
+                .with_slots(args.expert_slots),
                 ..Default::default()
             };
             let mut model = Llama::builder(&files, store.clone())
@@ -914,6 +919,7 @@ fn main() -> Result<()> {
                 "expert_guess_layers": args.expert_guess_layers,
                 "expert_split": format!("{:?}", args.expert_split),
                 "expert_route": args.expert_route.to_string(),
+                "expert_slots": args.expert_slots.to_string(),
                 "expert_admission": args.expert_admit.to_string(),
                 "decode_tokens": if decode_feed.is_some() { "random" } else { "greedy" },
             });
@@ -1000,6 +1006,7 @@ fn expert_fields(
         "expert_hit_rate": hit_rate_between(a, b),
         "expert_hit_rate_per_layer": per_layer,
         "expert_slots_per_layer": b.slots.iter().copied().max().unwrap_or(0),
+        "expert_slots": b.slots,
         "experts_per_layer": b.experts_per_layer,
         "expert_bytes": b.expert_bytes,
         "expert_dense_bytes": b.dense_bytes,
@@ -1012,6 +1019,8 @@ fn expert_fields(
         "experts_on_host_per_token": (b.on_host - a.on_host) as f64 / n,
         "experts_mapped_per_token": (b.mapped - a.mapped) as f64 / n,
         "expert_layers_routed_on_device_per_token": (b.device_routed - a.device_routed) as f64 / n,
+        "expert_whole_layers_routed_on_device_per_token":
+            (b.whole_routed - a.whole_routed) as f64 / n,
         "expert_route_step_s_host": b.route_step_s[0],
         "expert_route_step_s_device": b.route_step_s[1],
         "host_bytes_per_token": host_bytes,

@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result};
 use candle_offload::experts::{
-    slots_for_budget, split_missing, ExpertAdmission, ExpertCache, ExpertOptions, ExpertRoute,
-    ExpertSplit, HostRateProbe, LayerCounters, RepeatMisses, RouteChooser,
+    split_missing, ExpertAdmission, ExpertCache, ExpertOptions, ExpertRoute, ExpertSplit,
+    HostRateProbe, LayerCounters, RepeatMisses, RouteChooser,
 };
 use candle_offload::kernels::linear::{ExpertTable, RoutedShape};
 use candle_offload::{HostStore, OffloadConfig, OffloadRuntime, UnitId};
@@ -263,6 +263,8 @@ pub struct ExpertStats {
     pub declined: u64,
     /// Sparse layers' decode rows whose experts the device chose.
     pub device_routed: u64,
+    /// Of those, the rows of a layer with every expert resident, in a step the host routes.
+    pub whole_routed: u64,
     /// The route chooser's estimates of a decode step, in seconds, on the host route and on
     /// the device route (`None` before one was measured).
     pub route_step_s: [Option<f64>; 2],
@@ -290,7 +292,8 @@ impl std::fmt::Display for ExpertStats {
              on the host CPU {}, read by the device from host memory {} ({} not admitted), \
              prefetched {} ({} used); {:.2} GiB read from host memory; host {:.1} GB/s (a \
              prompt's {:.1} GB times rows a second), link {:.1} GB/s, {:.0} µs to enqueue a \
-             streamed expert; {} layer rows routed on the device",
+             streamed expert; {} layer rows routed on the device ({} of them in host steps, \
+             every expert of their layer resident)",
             100.0 * self.hit_rate(),
             self.resident,
             self.fetched,
@@ -306,6 +309,7 @@ impl std::fmt::Display for ExpertStats {
             self.link_bytes_per_s / 1e9,
             self.stream_enqueue_s * 1e6,
             self.device_routed,
+            self.whole_routed,
         )?;
         let layers: Vec<String> = self
             .layers
@@ -368,6 +372,10 @@ struct TierState {
     /// Whether this step's rows are routed on the device, once its first layer asked (a
     /// decode step on a GPU).
     step_on_device: Option<bool>,
+    /// Whether a step ended with all its sparse layers routed on the device (so that the
+    /// table knows each of them; a host step routes there only its layers with every
+    /// expert resident).
+    device_step_done: bool,
     /// When the step in progress reached its first sparse layer.
     step_started: Option<std::time::Instant>,
     /// The route of the decode step before the one in progress (`None`: it was no decode
@@ -500,12 +508,15 @@ impl ExpertTier {
             .max()
             .unwrap_or(0);
         let sparse_layers = x.sparse.iter().filter(|&&s| s).count();
-        let per_layer = slots_for_budget(sizing.room, largest, sparse_layers, x.count);
-        let slots: Vec<usize> = x
+        let slots = options
+            .slots
+            .per_layer(sizing.room, largest, &x.sparse, x.count);
+        let (fewest, most) = x
             .sparse
             .iter()
-            .map(|&s| if s { per_layer } else { 0 })
-            .collect();
+            .zip(&slots)
+            .filter(|(&s, _)| s)
+            .fold((usize::MAX, 0), |(lo, hi), (_, &n)| (lo.min(n), hi.max(n)));
         let host = OffloadRuntime::new(
             store.clone(),
             &Device::Cpu,
@@ -524,7 +535,9 @@ impl ExpertTier {
             },
         )?;
         tracing::info!(
-            slots = per_layer,
+            plan = %options.slots,
+            slots_fewest = fewest,
+            slots_most = most,
             sparse_layers,
             expert_mib = largest >> 20,
             "expert cache"
@@ -536,7 +549,7 @@ impl ExpertTier {
             guess_layers: options.guess_layers.max(1),
             route: options.route,
             // Where every expert has a slot, a miss is fetched once and stays.
-            host_compute: options.split != ExpertSplit::Fetch && per_layer < x.count,
+            host_compute: options.split != ExpertSplit::Fetch && fewest < x.count,
             state: Mutex::new(TierState {
                 cache: ExpertCache::new(options.policy, x.count, &slots),
                 layers: x.sparse.len(),
@@ -562,6 +575,7 @@ impl ExpertTier {
                 routes: Routes::Untried,
                 chooser: RouteChooser::default(),
                 step_on_device: None,
+                device_step_done: false,
                 step_started: None,
                 prev_route: None,
                 last_layer: None,
@@ -740,6 +754,7 @@ impl SplitExperts<'_> {
         }
         st.untimed = false;
         st.step_started = Some(now);
+        st.device_step_done |= st.step_on_device == Some(true);
         st.step_on_device = None;
         let Some(routes) = st.routes_mut() else {
             return Ok(());
@@ -829,7 +844,7 @@ impl SplitExperts<'_> {
         if !on_device {
             return Ok(Err("the experts are routed on the host this step".into()));
         }
-        if st.stats.device_routed == 0 {
+        if !st.device_step_done {
             return Ok(Err("no step was routed on the device yet".into()));
         }
         let layers = st.layers;
@@ -1081,7 +1096,11 @@ impl ExpertUnits for SplitExperts<'_> {
                 w
             }
         };
-        if !wanted {
+        // A layer with every expert resident routes on the device in a host step too: its
+        // rows read nothing from host memory, so nothing is gained by the host's wait for
+        // the choice.
+        let whole = !wanted && st.cache.all_resident(layer);
+        if !wanted && !whole {
             return Ok(None);
         }
         if matches!(st.routes, Routes::Untried) {
@@ -1107,10 +1126,15 @@ impl ExpertUnits for SplitExperts<'_> {
         };
         let Some(routed) = routed else {
             // The host routes this step (its time is the host route's).
-            st.step_on_device = Some(false);
+            if !whole {
+                st.step_on_device = Some(false);
+            }
             return Ok(None);
         };
         self.adopt_ready(&mut st, layer, shape)?;
+        if whole {
+            st.stats.whole_routed += 1;
+        }
         let routes = st
             .routes_mut()
             .ok_or_else(|| candle_core::Error::Msg("the device's routing went away".into()))?;
