@@ -734,10 +734,11 @@ test_device!(
 );
 
 /// A cache in whole layers (`ExpertSlots::Layers`) under a budget for one layer's experts
-/// and part of the other's: in the steps the host routes, the layer with every expert
-/// resident is routed on the device (its rows read nothing from host memory) and the other
-/// on the host, and the decode steps' logits are those of the same steps all routed on the
-/// host, within 1e-4 of their scale. On a CPU the device route is never taken.
+/// and part of the other's: in the steps the host routes (`ExpertRoute::Host`, and `Auto`'s
+/// host steps), the layer with every expert resident is routed on the device (its rows read
+/// nothing from host memory) and the other on the host, and the decode steps' logits are
+/// those of the same steps with the slots spread (no layer whole: every layer routed on the
+/// host), within 1e-4 of their scale. On a CPU the device route is never taken.
 fn moe_whole_layers_route_on_the_device(device: &Device) -> anyhow::Result<()> {
     use candle_offload::experts::{
         ExpertOptions, ExpertPolicy, ExpertRoute, ExpertSlots, ExpertSplit,
@@ -745,40 +746,47 @@ fn moe_whole_layers_route_on_the_device(device: &Device) -> anyhow::Result<()> {
     let dir = fixtures()?;
     for name in ["qwen3_moe", "mixtral"] {
         let files = loader::from_gguf(&dir.join(format!("{name}.q8_0.gguf")))?;
-        let options =
-            ExpertOptions::new(ExpertPolicy::Lru, ExpertSplit::On).with_slots(ExpertSlots::Layers);
-        let build =
-            |route| share_of_experts_model(&files, device, true, options.with_route(route), 0.75);
-        let (mixed, on_host) = (build(ExpertRoute::Auto)?, build(ExpertRoute::Host)?);
-        let (mut c1, mut c2) = (mixed.new_cache(), on_host.new_cache());
-        let p = prompt();
-        let ids = Tensor::new(&p[..12], device)?.unsqueeze(0)?;
-        mixed.forward(&ids, 0, &mut c1)?;
-        on_host.forward(&ids, 0, &mut c2)?;
-        for (k, &t) in p[12..].iter().chain(&p[..12]).enumerate() {
-            let ids = Tensor::new(&[t], device)?.unsqueeze(0)?;
-            let a = mixed.forward(&ids, 12 + k, &mut c1)?;
-            let b = on_host.forward(&ids, 12 + k, &mut c2)?;
-            assert_close_to_scale(&a, &b, 1e-4, &format!("{name} step {k} on {device:?}"))?;
-        }
-        // One more step reads the last one's choices back.
-        let ids = Tensor::new(&[p[0]], device)?.unsqueeze(0)?;
-        mixed.forward(&ids, 12 + p.len(), &mut c1)?;
-        let s = mixed.expert_stats().expect("the tier is on");
-        let h = on_host.expert_stats().expect("the tier is on");
-        let n = s.experts_per_layer;
-        assert!(
-            s.slots.contains(&n) && s.slots.iter().any(|&x| x < n),
-            "{name}: slots {:?}",
-            s.slots
-        );
-        assert_eq!(h.device_routed + h.whole_routed, 0, "{name}: {h:?}");
-        assert!(h.on_host > 0 && s.on_host > 0, "{name}: {s:?} {h:?}");
-        if device.is_cuda() {
-            assert!(s.whole_routed > 0, "{name}: {s:?}");
-            assert!(s.whole_routed <= s.device_routed, "{name}: {s:?}");
-        } else {
-            assert_eq!(s.device_routed + s.whole_routed, 0, "{name}: {s:?}");
+        let options = ExpertOptions::new(ExpertPolicy::Lru, ExpertSplit::On);
+        let build = |route, slots| {
+            let o = options.with_route(route).with_slots(slots);
+            share_of_experts_model(&files, device, true, o, 0.75)
+        };
+        let spread = build(ExpertRoute::Host, ExpertSlots::Spread)?;
+        for route in [ExpertRoute::Host, ExpertRoute::Auto] {
+            let layers = build(route, ExpertSlots::Layers)?;
+            let (mut c1, mut c2) = (layers.new_cache(), spread.new_cache());
+            let p = prompt();
+            let ids = Tensor::new(&p[..12], device)?.unsqueeze(0)?;
+            layers.forward(&ids, 0, &mut c1)?;
+            spread.forward(&ids, 0, &mut c2)?;
+            for (k, &t) in p[12..].iter().chain(&p[..12]).enumerate() {
+                let ids = Tensor::new(&[t], device)?.unsqueeze(0)?;
+                let a = layers.forward(&ids, 12 + k, &mut c1)?;
+                let b = spread.forward(&ids, 12 + k, &mut c2)?;
+                let what = format!("{name} {route} step {k} on {device:?}");
+                assert_close_to_scale(&a, &b, 1e-4, &what)?;
+            }
+            // One more step reads the last one's choices back.
+            let ids = Tensor::new(&[p[0]], device)?.unsqueeze(0)?;
+            layers.forward(&ids, 12 + p.len(), &mut c1)?;
+            spread.forward(&ids, 12 + p.len(), &mut c2)?;
+            let s = layers.expert_stats().expect("the tier is on");
+            let h = spread.expert_stats().expect("the tier is on");
+            let n = s.experts_per_layer;
+            assert!(
+                s.slots.contains(&n) && s.slots.iter().any(|&x| x < n),
+                "{name}: slots {:?}",
+                s.slots
+            );
+            assert!(h.slots.iter().all(|&x| x < n), "{name}: {:?}", h.slots);
+            assert_eq!(h.device_routed + h.whole_routed, 0, "{name}: {h:?}");
+            assert!(h.on_host > 0 && s.on_host > 0, "{name}: {s:?} {h:?}");
+            if device.is_cuda() {
+                assert!(s.whole_routed > 0, "{name} {route}: {s:?}");
+                assert!(s.whole_routed <= s.device_routed, "{name} {route}: {s:?}");
+            } else {
+                assert_eq!(s.device_routed + s.whole_routed, 0, "{name}: {s:?}");
+            }
         }
     }
     Ok(())

@@ -607,7 +607,8 @@ pub enum ExpertRoute {
     /// The faster of the two by the decode steps' measured times ([`RouteChooser`]).
     #[default]
     Auto,
-    /// Always on the host.
+    /// On the host wherever an expert may be missing: a layer with every expert resident is
+    /// routed on the device (its rows read nothing from host memory).
     Host,
     /// On the device wherever the experts' blocks allow it.
     Device,

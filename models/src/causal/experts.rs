@@ -1072,7 +1072,7 @@ impl ExpertUnits for SplitExperts<'_> {
         routing: Routing,
         x: &candle_core::Tensor,
     ) -> Result<Option<(Arc<ExpertTable>, RoutedShape)>> {
-        if self.tier.route == ExpertRoute::Host || !x.device().is_cuda() {
+        if !x.device().is_cuda() {
             return Ok(None);
         }
         let mut st = self.lock()?;
@@ -1091,14 +1091,18 @@ impl ExpertUnits for SplitExperts<'_> {
         let wanted = match st.step_on_device {
             Some(w) => w,
             None => {
-                let w = self.tier.route == ExpertRoute::Device || st.chooser.choose();
+                let w = match self.tier.route {
+                    ExpertRoute::Host => false,
+                    ExpertRoute::Device => true,
+                    ExpertRoute::Auto => st.chooser.choose(),
+                };
                 st.step_on_device = Some(w);
                 w
             }
         };
-        // A layer with every expert resident routes on the device in a host step too: its
-        // rows read nothing from host memory, so nothing is gained by the host's wait for
-        // the choice.
+        // A layer with every expert resident routes on the device in a host step too (under
+        // `ExpertRoute::Host` as well): its rows read nothing from host memory, so nothing is
+        // gained by the host's wait for the choice.
         let whole = !wanted && st.cache.all_resident(layer);
         if !wanted && !whole {
             return Ok(None);
