@@ -124,7 +124,7 @@ impl ExpertIds {
     }
 
     /// Every unit found, layer by layer in expert order.
-    fn units(&self) -> impl Iterator<Item = UnitId> + '_ {
+    pub(crate) fn units(&self) -> impl Iterator<Item = UnitId> + '_ {
         self.ids.iter().flatten().copied()
     }
 
@@ -456,36 +456,27 @@ pub(crate) struct TierSizing {
 }
 
 impl ExpertTier {
-    /// Whether a model of `layout` on `device` gets a tier under `options`, with `room` bytes
-    /// of the device's budget for experts: where the experts are units of their own, and
-    /// (for [`ExpertSplit::Auto`]) on a GPU whose room does not hold them all.
+    /// Whether a model whose expert units are `ids` in `store` gets a tier on `device` under
+    /// `options`, with `room` bytes of the device's budget for experts: where the experts are
+    /// units of their own, and (for [`ExpertSplit::Auto`]) on a GPU whose room does not hold
+    /// them all.
     pub(crate) fn wanted(
         options: ExpertOptions,
-        layout: &Layout,
+        ids: &ExpertIds,
         store: &HostStore,
         device: &Device,
         room: u64,
     ) -> bool {
-        if layout.experts.is_none() {
+        if ids.units().next().is_none() {
             return false;
         }
         match options.split {
             ExpertSplit::Off => false,
             ExpertSplit::On | ExpertSplit::Fetch => true,
             _ => {
-                device.is_cuda()
-                    && room
-                        < Self::expert_units(layout, store)
-                            .into_iter()
-                            .map(|id| store.unit(id).bytes())
-                            .sum::<u64>()
+                device.is_cuda() && room < ids.units().map(|id| store.unit(id).bytes()).sum::<u64>()
             }
         }
-    }
-
-    /// Every expert unit of the model in `store`, layer by layer in expert order.
-    pub(crate) fn expert_units(layout: &Layout, store: &HostStore) -> Vec<UnitId> {
-        ExpertIds::new(layout, store).units().collect()
     }
 
     /// The tier of a stage over `store`: slots per sparse layer from `sizing.room`, a CPU
@@ -493,11 +484,12 @@ impl ExpertTier {
     pub(crate) fn new(
         options: ExpertOptions,
         layout: &Layout,
+        ids: &ExpertIds,
         store: &Arc<HostStore>,
         sizing: TierSizing,
         settings: &OffloadConfig,
     ) -> std::result::Result<Self, candle_offload::Error> {
-        let units = Self::expert_units(layout, store);
+        let units: Vec<UnitId> = ids.units().collect();
         let x = layout
             .experts
             .as_ref()

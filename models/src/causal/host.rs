@@ -251,10 +251,11 @@ impl OnDevice<'_> {
         // A mixture-of-experts model's experts beside the dense part: what the decode step's
         // reservation leaves of the budget (the tier's slots are sized on the runtime's
         // capacity below).
+        let expert_ids = super::experts::ExpertIds::new(&layout, store);
         let tier = layout.experts.is_some() && {
             let (dense, budget) = self.whole_bytes(DECODE_ROWS, true)?;
             let room = budget.saturating_sub(dense);
-            super::experts::ExpertTier::wanted(settings.experts, &layout, store, device, room)
+            super::experts::ExpertTier::wanted(settings.experts, &expert_ids, store, device, room)
         };
         let mut keep = CausalLm::kept_units(store, cfg);
         if tier {
@@ -289,7 +290,7 @@ impl OnDevice<'_> {
                 .filter_map(|name| store.unit_id(name))
                 .collect();
             let kept: u64 = kept_ids.iter().map(|&id| store.unit(id).bytes()).sum();
-            let units = super::experts::ExpertTier::expert_units(&layout, store);
+            let units: Vec<_> = expert_ids.units().collect();
             let experts: u64 = units.iter().map(|&id| store.unit(id).bytes()).sum();
             let room = capacity.saturating_sub(kept);
             let (spare, stream_depth) = if room >= experts || settings.prefetch_depth == 0 {
@@ -309,6 +310,7 @@ impl OnDevice<'_> {
             Some(super::experts::ExpertTier::new(
                 settings.experts,
                 &layout,
+                &expert_ids,
                 store,
                 super::experts::TierSizing {
                     room: room.saturating_sub(spare),
