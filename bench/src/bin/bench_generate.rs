@@ -1006,7 +1006,7 @@ fn expert_fields(
         "expert_hit_rate": hit_rate_between(a, b),
         "expert_hit_rate_per_layer": per_layer,
         "expert_slots_per_layer": b.slots.iter().copied().max().unwrap_or(0),
-        "expert_slots": b.slots,
+        "expert_slots_by_layer": b.slots,
         "experts_per_layer": b.experts_per_layer,
         "expert_bytes": b.expert_bytes,
         "expert_dense_bytes": b.dense_bytes,
