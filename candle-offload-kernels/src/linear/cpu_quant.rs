@@ -721,10 +721,9 @@ impl CustomOp1 for QuantMatMul {
                     }
                 });
             } else {
+                // Q8_0, a prompt's rows: each weight block converted once for four rows.
                 par_columns(&mut out_t, m, min_len, &data, row_bytes, |w, col| {
-                    for (v, x) in col.iter_mut().zip(xs.chunks_exact(k)) {
-                        *v = dot(w, x, pf);
-                    }
+                    simd::dot_q8_0_f32_rows(w, xs, col, pf);
                 });
             }
             return Ok((CpuStorage::F32(transpose(out_t, m, n)), Shape::from((m, n))));

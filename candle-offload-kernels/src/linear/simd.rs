@@ -449,6 +449,29 @@ pub(crate) fn dot_q8_0_f32(x: &[u8], y: &[f32], pf: usize) -> f32 {
     dot_q8_0_f32_scalar(x, y)
 }
 
+/// The dot products of one row of Q8_0 blocks `x` with each of `out.len()` rows of F32
+/// activations in `ys` (one after the other, `x`'s blocks times 32 values each), into `out`:
+/// [`dot_q8_0_f32`] of each row, bit for bit, with each weight block converted to F32 once for
+/// four rows (a prompt's rows). `pf` as for [`dot_q8_0_q8_0`].
+pub(crate) fn dot_q8_0_f32_rows(x: &[u8], ys: &[f32], out: &mut [f32], pf: usize) {
+    let nb = x.len() / Q8_0_BYTES;
+    let row = nb * QK;
+    assert!(x.len() == nb * Q8_0_BYTES && ys.len() == out.len() * row);
+    let one = |r: usize| dot_q8_0_f32(x, &ys[r * row..(r + 1) * row], pf);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked above); `x` holds `nb`
+        // Q8_0 blocks, and each four rows `r..r + 4` of `ys` `nb * 32` values each
+        // (`by_fours` passes `r + 4 <= out.len()`).
+        let four =
+            |r: usize| unsafe { avx512::dot_q8_0_f32_x4(x, &ys[r * row..(r + 4) * row], nb, pf) };
+        return by_fours(out, four, one);
+    }
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = one(r);
+    }
+}
+
 /// [`dot_q4_1_f32`] without SIMD.
 pub(crate) fn dot_q4_1_f32_scalar(x: &[u8], y: &[f32]) -> f32 {
     let mut sumf = 0f32;
@@ -1097,6 +1120,52 @@ mod avx512 {
         }
         _mm512_reduce_add_ps(acc)
     }
+
+    /// [`dot_q8_0_f32`] of one row of Q8_0 blocks `x` with four rows of F32 activations `ys`
+    /// (`nb * 32` values each, one after the other), each weight block converted once, each
+    /// row accumulating as that kernel does (one accumulator, the blocks in order, the same
+    /// operations), so each result is that kernel's bit for bit.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, AVX2, FMA and F16C; `x` holds `nb` Q8_0 blocks and `ys`
+    /// `4 * nb * 32` values.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q8_0_f32_x4(x: &[u8], ys: &[f32], nb: usize, pf: usize) -> [f32; 4] {
+        let (xp, yp) = (x.as_ptr(), ys.as_ptr());
+        let row = nb * 32;
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for i in 0..nb {
+            super::prefetch_ahead(xp, i * Q8_0_BYTES, pf);
+            // SAFETY: block `i` is below `nb`: 34 bytes at `xb` and 32 values at each row's
+            // `yb` are inside the slices (the caller's guarantee); the loads are unaligned.
+            unsafe {
+                let xb = xp.add(i * Q8_0_BYTES);
+                let (d, _) = two_halves(xb);
+                let d = _mm512_set1_ps(d);
+                let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    xb.add(2) as *const __m128i
+                )));
+                let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    xb.add(18) as *const __m128i
+                )));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let yb = yp.add(r * row + i * 32);
+                    let dot = _mm512_fmadd_ps(
+                        q0,
+                        _mm512_loadu_ps(yb),
+                        _mm512_mul_ps(q1, _mm512_loadu_ps(yb.add(16))),
+                    );
+                    *a = _mm512_fmadd_ps(d, dot, *a);
+                }
+            }
+        }
+        [
+            _mm512_reduce_add_ps(acc[0]),
+            _mm512_reduce_add_ps(acc[1]),
+            _mm512_reduce_add_ps(acc[2]),
+            _mm512_reduce_add_ps(acc[3]),
+        ]
+    }
 }
 
 /// Asks the memory for the cache line `pf` bytes past byte `at` of a weight row at `p` (a
@@ -1170,6 +1239,18 @@ mod tests {
             for (o, y) in out.iter().zip(ys8.chunks_exact(y8.len())) {
                 assert_eq!(o.to_bits(), dot_q8_0_q8_0(&x8, y, pf).to_bits());
                 let b = dot_q8_0_q8_0_scalar(&x8, y);
+                assert!((o - b).abs() <= 1e-4 * b.abs().max(1.0), "{o} {b}");
+            }
+        }
+        // F32 activations, nine rows at two prefetch distances: each equal to the one-row
+        // kernel's bit for bit.
+        let yfs: Vec<f32> = (0..9).flat_map(|r| ramp(k, 300 + r)).collect();
+        for pf in [0, 4096] {
+            let mut out = [0f32; 9];
+            dot_q8_0_f32_rows(&x8, &yfs, &mut out, pf);
+            for (o, y) in out.iter().zip(yfs.chunks_exact(k)) {
+                assert_eq!(o.to_bits(), dot_q8_0_f32(&x8, y, pf).to_bits());
+                let b = dot_q8_0_f32_scalar(&x8, y);
                 assert!((o - b).abs() <= 1e-4 * b.abs().max(1.0), "{o} {b}");
             }
         }
