@@ -110,6 +110,7 @@ SOURCES = {
         "2026-12-06/2026-12-06-moe-cpu-small-q8_0-89f1cce.json",
         "2026-12-07/2026-12-07-moe-cpu-small-q4_k_m-017ceb1.json",
         "2026-12-07/2026-12-07-moe-cpu-small-q4_k_m-fc4140d.json",
+        "2026-12-07/2026-12-07-moe-cpu-small-q8_0-f32-rows-12a17d2.json",
     ],
     # scripts/moe_cpu_bench.py with a long prompt (the same prompt text repeated), on the
     # default model and on the small Qwen3-MoE: the CPU prompt attention's blocks.
