@@ -118,6 +118,8 @@ pub fn kquant_batch(
             y
         })
         .collect();
+    // Their scales as f32, converted once for every weight row.
+    let dy0: Vec<Vec<f32>> = y0.iter().map(|y| simd::q8_0_scales(y)).collect();
     // Item j's values at starts[j]: column-major, its m values of output column c at c * m.
     let sizes: Vec<usize> = items
         .iter()
@@ -154,7 +156,15 @@ pub fn kquant_batch(
                     k / QK8_0 * Q8_0_BYTES,
                     run,
                     |x, y| simd::dot_q8_0_q8_0(x, y, pf),
-                    |x, ys, out| simd::dot_q8_0_q8_0_rows(x, ys, out, pf),
+                    |x, ys, out| {
+                        simd::dot_q8_0_q8_0_rows(
+                            x,
+                            ys,
+                            &dy0[i][..out.len() * (x.len() / Q8_0_BYTES)],
+                            out,
+                            pf,
+                        )
+                    },
                 ),
             }
             done += len;

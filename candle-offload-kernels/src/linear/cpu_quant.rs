@@ -737,16 +737,16 @@ impl CustomOp1 for QuantMatMul {
             }
         }
         let yq = &yq[..];
-        let scales = if q4_1 && m > 1 {
-            simd::q8_1_scales(yq)
-        } else {
-            Vec::new()
+        let scales = match (q4_1, m > 1) {
+            (true, true) => simd::q8_1_scales(yq),
+            (false, true) => simd::q8_0_scales(yq),
+            _ => Vec::new(),
         };
         par_columns(&mut out_t, m, min_len, &data, row_bytes, |w, col| {
             if q4_1 && m > 1 {
                 simd::dot_q4_1_q8_1_rows(w, yq, &scales, col);
             } else if m > 1 {
-                simd::dot_q8_0_q8_0_rows(w, yq, col, pf);
+                simd::dot_q8_0_q8_0_rows(w, yq, &scales, col, pf);
             } else {
                 for (v, y) in col.iter_mut().zip(yq.chunks_exact(nb * y_block)) {
                     *v = dot(w, y, pf);

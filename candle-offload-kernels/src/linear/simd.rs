@@ -149,6 +149,13 @@ pub(crate) fn q8_1_scales(ys: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// Each Q8_0 block's scale `d` of `ys` (rows of Q8_0 blocks, one after the other) as f32, in
+/// order: a prompt's activations' scales converted once for every weight row
+/// ([`dot_q8_0_q8_0_rows`]).
+pub(crate) fn q8_0_scales(ys: &[u8]) -> Vec<f32> {
+    ys.chunks_exact(Q8_0_BYTES).map(|b| half_at(b, 0)).collect()
+}
+
 /// `out[r]` for activation rows `r = 0..out.len()` of a prompt: four rows at a time through
 /// `four(r)` (rows `r..r + 4`, a kernel that unpacks each weight block once for all four), the
 /// rows past the last four through `one(r)`. Both give the same values.
@@ -212,21 +219,28 @@ pub(crate) fn dot_q8_0_q8_0(x: &[u8], y: &[u8], pf: usize) -> f32 {
 }
 
 /// The dot products of one row of Q8_0 blocks `x` with each of `out.len()` rows of Q8_0 blocks
-/// in `ys` (one after the other, each as long as `x`), into `out`: [`dot_q8_0_q8_0`] of each
-/// row, bit for bit, with each weight block loaded and its signs taken once for four rows (a
-/// prompt's rows). `pf` as for [`dot_q8_0_q8_0`].
-pub(crate) fn dot_q8_0_q8_0_rows(x: &[u8], ys: &[u8], out: &mut [f32], pf: usize) {
+/// in `ys` (one after the other, each as long as `x`; `dys` their scales, [`q8_0_scales`] of
+/// `ys`), into `out`: [`dot_q8_0_q8_0`] of each row, bit for bit, with each weight block loaded
+/// and its signs taken once for four rows (a prompt's rows). `pf` as for [`dot_q8_0_q8_0`].
+pub(crate) fn dot_q8_0_q8_0_rows(x: &[u8], ys: &[u8], dys: &[f32], out: &mut [f32], pf: usize) {
     let nb = x.len() / Q8_0_BYTES;
     let row = nb * Q8_0_BYTES;
-    assert!(x.len() == row && ys.len() == out.len() * row);
+    assert!(x.len() == row && ys.len() == out.len() * row && dys.len() == out.len() * nb);
     let one = |r: usize| dot_q8_0_q8_0(x, &ys[r * row..(r + 1) * row], pf);
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked above); `x` holds `nb` Q8_0 blocks,
-        // and each four rows `r..r + 4` of `ys` `nb` each (`by_fours` passes
-        // `r + 4 <= out.len()`).
-        let four =
-            |r: usize| unsafe { avx2::dot_q8_0_q8_0_x4(x, &ys[r * row..(r + 4) * row], nb, pf) };
+        // and each four rows `r..r + 4` of `ys` `nb` each, with `nb` scales each in `dys`
+        // (`by_fours` passes `r + 4 <= out.len()`).
+        let four = |r: usize| unsafe {
+            avx2::dot_q8_0_q8_0_x4(
+                x,
+                &ys[r * row..(r + 4) * row],
+                &dys[r * nb..(r + 4) * nb],
+                nb,
+                pf,
+            )
+        };
         return by_fours(out, four, one);
     }
     for (r, o) in out.iter_mut().enumerate() {
@@ -709,11 +723,21 @@ mod avx2 {
     /// their magnitudes taken once, each row accumulating as that kernel does (one accumulator,
     /// the blocks in order), so each result is that kernel's bit for bit.
     ///
+    /// `dys`: the four rows' blocks' scales as f32 (converted once for every weight row; the
+    /// same values the one-row kernel converts from each block).
+    ///
     /// # Safety
-    /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q8_0 blocks and `ys` `4 * nb`.
+    /// The CPU has AVX2, FMA and F16C; `x` holds `nb` Q8_0 blocks, `ys` `4 * nb` and `dys`
+    /// `4 * nb` scales.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q8_0_q8_0_x4(x: &[u8], ys: &[u8], nb: usize, pf: usize) -> [f32; 4] {
-        let (xp, yp) = (x.as_ptr(), ys.as_ptr());
+    pub(super) unsafe fn dot_q8_0_q8_0_x4(
+        x: &[u8],
+        ys: &[u8],
+        dys: &[f32],
+        nb: usize,
+        pf: usize,
+    ) -> [f32; 4] {
+        let (xp, yp, dp) = (x.as_ptr(), ys.as_ptr(), dys.as_ptr());
         let row = nb * Q8_0_BYTES;
         let mut acc = [_mm256_setzero_ps(); 4];
         for i in 0..nb {
@@ -727,7 +751,7 @@ mod avx2 {
                 let ax = _mm256_sign_epi8(qx, qx);
                 for (r, a) in acc.iter_mut().enumerate() {
                     let yb = yp.add(r * row + i * Q8_0_BYTES);
-                    let (dy, _) = two_halves(yb);
+                    let dy = *dp.add(r * nb + i);
                     let qy = _mm256_loadu_si256(yb.add(2) as *const __m256i);
                     let p = mul_sum_us8_pairs(ax, _mm256_sign_epi8(qy, qx));
                     *a = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy), p, *a);
@@ -1235,7 +1259,7 @@ mod tests {
         }
         for pf in [0, 4096] {
             let mut out = [0f32; 9];
-            dot_q8_0_q8_0_rows(&x8, &ys8, &mut out, pf);
+            dot_q8_0_q8_0_rows(&x8, &ys8, &q8_0_scales(&ys8), &mut out, pf);
             for (o, y) in out.iter().zip(ys8.chunks_exact(y8.len())) {
                 assert_eq!(o.to_bits(), dot_q8_0_q8_0(&x8, y, pf).to_bits());
                 let b = dot_q8_0_q8_0_scalar(&x8, y);
