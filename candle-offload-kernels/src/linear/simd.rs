@@ -1074,6 +1074,34 @@ mod avx512 {
     /// [`super::dot_q8_0_f32_pair`]'s kernel: per row the operations of [`dot_q8_0_f32`] in
     /// its order.
     ///
+    /// A Q8_0 block at `xb`: its scale, and its 32 quants as two vectors of 16 F32.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, AVX2, FMA and F16C; 34 bytes at `xb` are readable.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn q8_0_block(xb: *const u8) -> (f32, __m512, __m512) {
+        // SAFETY: the caller guarantees the block's 34 bytes: the scale at `xb`, the quants at
+        // `xb + 2` and `xb + 18`; the loads are unaligned.
+        unsafe {
+            let (d, _) = two_halves(xb);
+            let q = |at: usize| {
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    xb.add(at) as *const __m128i
+                )))
+            };
+            (d, q(2), q(18))
+        }
+    }
+
+    /// One Q8_0 block's dot with 32 activations (`y0`, `y1`), before its scale, as every F32
+    /// kernel here sums it.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    fn q8_0_block_dot((q0, q1): (__m512, __m512), y0: __m512, y1: __m512) -> __m512 {
+        _mm512_fmadd_ps(q0, y0, _mm512_mul_ps(q1, y1))
+    }
+
     /// `pf`: how far ahead of its reads of the weights it prefetches, in bytes (0: not at all).
     ///
     /// # Safety
@@ -1098,15 +1126,8 @@ mod avx512 {
                 let yb = yp.add(i * 32);
                 let (y0, y1) = (_mm512_loadu_ps(yb), _mm512_loadu_ps(yb.add(16)));
                 let row = |xb: *const u8, acc: __m512| {
-                    let (d, _) = two_halves(xb);
-                    let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(xb.add(2) as *const __m128i));
-                    let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(xb.add(18) as *const __m128i));
-                    let dot = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(q0),
-                        y0,
-                        _mm512_mul_ps(_mm512_cvtepi32_ps(q1), y1),
-                    );
-                    _mm512_fmadd_ps(_mm512_set1_ps(d), dot, acc)
+                    let (d, q0, q1) = q8_0_block(xb);
+                    _mm512_fmadd_ps(_mm512_set1_ps(d), q8_0_block_dot((q0, q1), y0, y1), acc)
                 };
                 a0 = row(p0.add(i * Q8_0_BYTES), a0);
                 a1 = row(p1.add(i * Q8_0_BYTES), a1);
@@ -1127,18 +1148,12 @@ mod avx512 {
         for i in 0..nb {
             super::prefetch_ahead(xp, i * Q8_0_BYTES, pf);
             // SAFETY: block `i` is below `nb`: 34 bytes at `xb` and 32 values at `yb` are
-            // inside the slices (`two_halves` reads the scale and the first two quants); the
-            // loads are unaligned.
+            // inside the slices; the loads are unaligned.
             unsafe {
                 let (xb, yb) = (xp.add(i * Q8_0_BYTES), yp.add(i * 32));
-                let (d, _) = two_halves(xb);
-                let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(xb.add(2) as *const __m128i));
-                let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(xb.add(18) as *const __m128i));
-                let dot = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(q0),
-                    _mm512_loadu_ps(yb),
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(q1), _mm512_loadu_ps(yb.add(16))),
-                );
+                let (d, q0, q1) = q8_0_block(xb);
+                let dot =
+                    q8_0_block_dot((q0, q1), _mm512_loadu_ps(yb), _mm512_loadu_ps(yb.add(16)));
                 acc = _mm512_fmadd_ps(_mm512_set1_ps(d), dot, acc);
             }
         }
@@ -1163,32 +1178,17 @@ mod avx512 {
             // SAFETY: block `i` is below `nb`: 34 bytes at `xb` and 32 values at each row's
             // `yb` are inside the slices (the caller's guarantee); the loads are unaligned.
             unsafe {
-                let xb = xp.add(i * Q8_0_BYTES);
-                let (d, _) = two_halves(xb);
+                let (d, q0, q1) = q8_0_block(xp.add(i * Q8_0_BYTES));
                 let d = _mm512_set1_ps(d);
-                let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                    xb.add(2) as *const __m128i
-                )));
-                let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                    xb.add(18) as *const __m128i
-                )));
                 for (r, a) in acc.iter_mut().enumerate() {
                     let yb = yp.add(r * row + i * 32);
-                    let dot = _mm512_fmadd_ps(
-                        q0,
-                        _mm512_loadu_ps(yb),
-                        _mm512_mul_ps(q1, _mm512_loadu_ps(yb.add(16))),
-                    );
+                    let dot =
+                        q8_0_block_dot((q0, q1), _mm512_loadu_ps(yb), _mm512_loadu_ps(yb.add(16)));
                     *a = _mm512_fmadd_ps(d, dot, *a);
                 }
             }
         }
-        [
-            _mm512_reduce_add_ps(acc[0]),
-            _mm512_reduce_add_ps(acc[1]),
-            _mm512_reduce_add_ps(acc[2]),
-            _mm512_reduce_add_ps(acc[3]),
-        ]
+        acc.map(|a| _mm512_reduce_add_ps(a))
     }
 }
 
