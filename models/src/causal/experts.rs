@@ -435,6 +435,9 @@ pub(crate) struct ExpertTier {
     guess_layers: usize,
     /// Who chooses a decode row's experts.
     route: ExpertRoute,
+    /// Whether some layer has a slot for each of its experts (so that it can be routed on
+    /// the device in a host step).
+    whole_layers: bool,
     /// Whether missing experts may run on the host CPU ([`ExpertSplit::Fetch`]: none does,
     /// but where the device can take none either).
     host_compute: bool,
@@ -540,6 +543,7 @@ impl ExpertTier {
             prefetch: options.prefetch,
             guess_layers: options.guess_layers.max(1),
             route: options.route,
+            whole_layers: most >= x.count,
             // Where every expert has a slot, a miss is fetched once and stays.
             host_compute: options.split != ExpertSplit::Fetch && fewest < x.count,
             state: Mutex::new(TierState {
@@ -1064,7 +1068,9 @@ impl ExpertUnits for SplitExperts<'_> {
         routing: Routing,
         x: &candle_core::Tensor,
     ) -> Result<Option<(Arc<ExpertTable>, RoutedShape)>> {
-        if !x.device().is_cuda() {
+        // The host route with no layer that can hold every expert never routes on the device.
+        let host_only = self.tier.route == ExpertRoute::Host && !self.tier.whole_layers;
+        if !x.device().is_cuda() || host_only {
             return Ok(None);
         }
         let mut st = self.lock()?;
