@@ -352,7 +352,11 @@ mod tests {
 
     #[test]
     fn nccl_is_looked_for_in_the_python_environments_named() {
-        let root = std::env::temp_dir().join(format!("dist-nccl-dirs-{}", std::process::id()));
+        let tmp = tempfile::Builder::new()
+            .prefix("candle-offload-dist-nccl-")
+            .tempdir()
+            .unwrap();
+        let root = tmp.path();
         let lib = root.join("venv/lib/python3.12/site-packages/nvidia/nccl/lib");
         std::fs::create_dir_all(&lib).unwrap();
         std::fs::write(lib.join("libnccl.so.2"), b"not a library").unwrap();
@@ -360,7 +364,6 @@ mod tests {
         let dirs = nccl_search_dirs(|k| (k == "VIRTUAL_ENV").then(|| venv.clone()));
         assert!(dirs.contains(&lib), "{dirs:?}");
         assert!(!nccl_search_dirs(|_| None).contains(&lib));
-        std::fs::remove_dir_all(&root).ok();
     }
 
     #[test]

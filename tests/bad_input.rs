@@ -238,10 +238,7 @@ fn bad_inputs_table() -> anyhow::Result<()> {
     let rows = model_rows(Path::new(".")).len();
     for i in 0..rows {
         // Each row gets a fresh, valid model to break.
-        let dir =
-            std::env::temp_dir().join(format!("candle-offload-bad-{i}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
+        let dir = crate::util::scratch(&format!("bad-{i}"));
         write_tiny_llama(&dir, false, false)?;
         let (what, run, expect) = model_rows(&dir).swap_remove(i);
         let err = run().err().unwrap_or_else(|| panic!("{what}: no error"));
@@ -253,7 +250,6 @@ fn bad_inputs_table() -> anyhow::Result<()> {
         for n in needles {
             assert!(msg.contains(n), "{what}: {msg:?} does not name {n:?}");
         }
-        std::fs::remove_dir_all(&dir)?;
     }
     // Budgets: negative, zero, unparsable units, larger than the card, a share without a card.
     let budget_rows: Vec<(&str, Result<u64, OffloadError>, Expect)> = vec![

@@ -17,20 +17,18 @@ use candle_offload_models::{Llama, RankRequest};
 use candle_transformers::generation::LogitsProcessor;
 
 use crate::models::{write_tiny, Tiny};
+use crate::util::{scratch, Scratch};
 
 pub(crate) const PROMPT: [u32; 7] = [5, 17, 42, 3, 99, 64, 8];
 pub(crate) const NEW: usize = 12;
 
-pub(crate) fn tiny(kind: Tiny, test: &str) -> anyhow::Result<ModelFiles> {
-    let dir = std::env::temp_dir().join(format!(
-        "candle-offload-dist-{test}-{}-{}",
-        kind.tag(),
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
+/// The tiny checkpoint of `kind` in a fresh temporary directory (removed when the returned
+/// [`Scratch`] is dropped), and its files.
+pub(crate) fn tiny(kind: Tiny, test: &str) -> anyhow::Result<(Scratch, ModelFiles)> {
+    let dir = scratch(&format!("dist-{test}-{}", kind.tag()));
     write_tiny(&dir, kind)?;
-    Ok(loader::from_dir(&dir)?)
+    let files = loader::from_dir(&dir)?;
+    Ok((dir, files))
 }
 
 /// The greedy tokens of the whole model in this process, on `device`.
@@ -134,7 +132,7 @@ fn ranks_generate_the_tokens_of_one_process() -> anyhow::Result<()> {
         },
         Tiny::Gemma2,
     ] {
-        let files = tiny(kind, "tokens")?;
+        let (_dir, files) = tiny(kind, "tokens")?;
         let want = one_process(&files, &Device::Cpu)?;
         assert_eq!(want.len(), NEW);
         let layers = files.config.num_hidden_layers;
@@ -162,7 +160,7 @@ fn ranks_generate_the_tokens_of_one_process() -> anyhow::Result<()> {
 
 #[test]
 fn a_rank_that_dies_fails_the_others_naming_it() -> anyhow::Result<()> {
-    let files = tiny(
+    let (_dir, files) = tiny(
         Tiny::Llama {
             tied: false,
             bias: false,
@@ -205,7 +203,7 @@ fn a_rank_that_dies_fails_the_others_naming_it() -> anyhow::Result<()> {
 
 #[test]
 fn a_rank_that_fails_tells_the_others_why() -> anyhow::Result<()> {
-    let files = tiny(
+    let (_dir, files) = tiny(
         Tiny::Llama {
             tied: true,
             bias: false,
@@ -271,7 +269,7 @@ fn batcher_over_ranks(device: &Device) -> anyhow::Result<()> {
 
     use crate::batching::{drain, prompt, Outcomes};
 
-    let files = tiny(
+    let (_dir, files) = tiny(
         Tiny::Llama {
             tied: false,
             bias: true,

@@ -11,6 +11,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::util::scratch;
 use candle_core::{DType, Device, Tensor};
 use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, PolicyChoice};
 use candle_offload_models::generation::generate;
@@ -263,8 +264,7 @@ fn phi3_longrope_gguf_equals_safetensors() -> anyhow::Result<()> {
     use candle_core::quantized::gguf_file::{self, Value};
     use candle_core::quantized::{GgmlDType, QTensor};
     let fixtures = fixtures()?;
-    let dir = std::env::temp_dir().join(format!("candle-offload-longrope-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch("longrope");
     std::fs::create_dir_all(dir.join("hf"))?;
     // The checkpoint, with LongRoPE over its rotary width of 4 (2 factors) and an original
     // context of 16.
@@ -350,7 +350,6 @@ fn phi3_longrope_gguf_equals_safetensors() -> anyhow::Result<()> {
         e.contains("rope_factors_long.weight") && e.contains("positive"),
         "{e}"
     );
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -377,10 +376,7 @@ fn store_tensors(files: &ModelFiles) -> anyhow::Result<Vec<(String, Tensor)>> {
 fn gguf_save_round_trips_every_family() -> anyhow::Result<()> {
     use candle_offload_models::gguf_save::save_like;
     let dir = fixtures()?;
-    let out_dir =
-        std::env::temp_dir().join(format!("candle-offload-gguf-save-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out_dir);
-    std::fs::create_dir_all(&out_dir)?;
+    let out_dir = scratch("gguf-save");
     for name in FAMILIES {
         let source = dir.join(format!("{name}.f32.gguf"));
         let files = loader::from_gguf(&source)?;
@@ -426,7 +422,6 @@ fn gguf_save_round_trips_every_family() -> anyhow::Result<()> {
         !out_dir.join("x.gguf").exists(),
         "a refused save wrote a file"
     );
-    std::fs::remove_dir_all(&out_dir)?;
     Ok(())
 }
 
@@ -439,8 +434,7 @@ fn llama3_rope_freqs_gguf_equals_safetensors() -> anyhow::Result<()> {
     use candle_core::quantized::gguf_file::{self, Value};
     use candle_core::quantized::{GgmlDType, QTensor};
     let fixtures = fixtures()?;
-    let dir = std::env::temp_dir().join(format!("candle-offload-ropefreqs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch("ropefreqs");
     std::fs::create_dir_all(dir.join("hf"))?;
     // Llama 3 scaling over the fixture's 4 rotated pairs (head_dim 8, base 10000): wavelengths
     // 6.3, 63, 628 and 6283 against 64 / 1 and 64 / 4: one pair kept, one smoothed, two scaled.
@@ -509,6 +503,5 @@ fn llama3_rope_freqs_gguf_equals_safetensors() -> anyhow::Result<()> {
     let (plain, _) = model(&loader::from_gguf(&src)?, false, ids.len())?;
     let err = rel_l2(&logits(&plain, &ids)?, &want);
     assert!(err > 1e-3, "the factors changed nothing: rel L2 {err:.3e}");
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

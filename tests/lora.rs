@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::util::scratch;
 use candle_core::{DType, Device, Tensor};
 use candle_offload_models::lora::{merge, peft, Adapters, LoraConfig};
 use candle_offload_models::{loader, CausalLm, ModelFiles};
@@ -110,9 +111,12 @@ fn saved_adapter_reloads_bit_exactly() -> anyhow::Result<()> {
         tensors.insert(path.clone(), (m.a.as_tensor().clone(), b));
     }
     let ours = Adapters::from_tensors(config, tensors, &Device::Cpu)?;
+    // Kept for the PEFT cross-check where `LORA_PEFT_OUT` names a directory; else removed at
+    // the end.
+    let own = scratch("lora");
     let dir = match std::env::var_os("LORA_PEFT_OUT") {
         Some(d) => PathBuf::from(d),
-        None => std::env::temp_dir().join(format!("candle-offload-lora-{}", std::process::id())),
+        None => own.to_path_buf(),
     };
     peft::save(&ours, &dir, DType::F32)?;
     let back = peft::load(&dir, &files.config, &Device::Cpu)?;
@@ -157,9 +161,6 @@ fn saved_adapter_reloads_bit_exactly() -> anyhow::Result<()> {
     out.insert("ids".to_string(), ids.to_dtype(DType::I64)?);
     out.insert("logits".to_string(), a);
     candle_core::safetensors::save(&out, dir.join("logits.safetensors"))?;
-    if std::env::var_os("LORA_PEFT_OUT").is_none() {
-        std::fs::remove_dir_all(&dir)?;
-    }
     Ok(())
 }
 
@@ -364,8 +365,7 @@ fn lora_training_lowers_the_loss_of_a_frozen_base() -> anyhow::Result<()> {
         last = trainer.step(&inputs, &targets)?.loss;
     }
     assert!(last < 0.9 * first, "loss {first} -> {last}");
-    let dir =
-        std::env::temp_dir().join(format!("candle-offload-lora-train-{}", std::process::id()));
+    let dir = scratch("lora-train");
     trainer.save_adapter(&dir)?;
     let back = peft::load(&dir, &files.config, &Device::Cpu)?;
     for (path, m) in trainer.adapters().unwrap().modules() {
@@ -379,7 +379,6 @@ fn lora_training_lowers_the_loss_of_a_frozen_base() -> anyhow::Result<()> {
             b.b.as_tensor().to_vec2::<f32>()?
         );
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -632,8 +631,7 @@ fn resumed_training_continues_bit_exactly() -> anyhow::Result<()> {
     for _ in 0..3 {
         first.step(&inputs, &targets)?;
     }
-    let dir =
-        std::env::temp_dir().join(format!("candle-offload-lora-resume-{}", std::process::id()));
+    let dir = scratch("lora-resume");
     first.save_adapter(&dir)?;
     assert!(dir.join(OPTIMIZER_FILE).exists());
     let saved = peft::load(&dir, &files.config, &Device::Cpu)?;
@@ -666,6 +664,5 @@ fn resumed_training_continues_bit_exactly() -> anyhow::Result<()> {
     };
     assert_eq!(flat(&first)?, flat(&resumed)?);
     assert_ne!(flat(&first)?, flat(&fresh)?);
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

@@ -7,6 +7,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::util::scratch;
 use candle_core::{DType, Device, Tensor};
 use candle_offload::{MemoryLimit, OffloadConfig, OffloadRuntime, OffloadStrategy, PolicyChoice};
 use candle_offload_models::generation::{generate, generate_batch};
@@ -14,16 +15,6 @@ use candle_offload_models::loader::{self, HubLocation};
 use candle_offload_models::{Config, Llama, ModelError};
 use candle_transformers::generation::LogitsProcessor;
 use rand::Rng as _;
-
-fn tempdir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "candle-offload-models-{tag}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 /// Runs `check` on a fresh checkpoint of each of `kinds` (written to a temporary directory
 /// tagged `tag`, removed after), naming the family in its error.
@@ -34,10 +25,9 @@ pub fn for_each_tiny(
     check: impl Fn(&Path) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     for &kind in kinds {
-        let dir = tempdir(&format!("{tag}-{}-{}", kind.tag(), device.is_cpu()));
+        let dir = scratch(&format!("{tag}-{}-{}", kind.tag(), device.is_cpu()));
         write_tiny(&dir, kind)?;
         check(&dir).map_err(|e| e.context(kind.tag()))?;
-        std::fs::remove_dir_all(&dir)?;
     }
     Ok(())
 }
@@ -257,7 +247,7 @@ fn run(
 
 fn offloaded_equals_resident(device: &Device) -> anyhow::Result<()> {
     for kind in Tiny::ALL {
-        let dir = tempdir(&format!("eq-{}-{}", kind.tag(), device.is_cpu()));
+        let dir = scratch(&format!("eq-{}-{}", kind.tag(), device.is_cpu()));
         write_tiny(&dir, kind)?;
         let (ref_logits, ref_tokens, _) = run(
             &dir,
@@ -314,7 +304,6 @@ fn offloaded_equals_resident(device: &Device) -> anyhow::Result<()> {
                 }
             }
         }
-        std::fs::remove_dir_all(&dir)?;
     }
     Ok(())
 }
@@ -342,7 +331,7 @@ fn graph_replay_equals_eager(device: &Device) -> anyhow::Result<()> {
     let prompt = [5u32, 17, 42, 3, 99, 64, 8];
     let new = 64;
     for kind in Tiny::ALL {
-        let dir = tempdir(&format!("graph-{}-{}", kind.tag(), device.is_cpu()));
+        let dir = scratch(&format!("graph-{}-{}", kind.tag(), device.is_cpu()));
         write_tiny(&dir, kind)?;
         let files = loader::from_dir(&dir)?;
         let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
@@ -449,7 +438,6 @@ fn graph_replay_equals_eager(device: &Device) -> anyhow::Result<()> {
             assert_eq!(stats.eager_steps, new as u64 - 1, "{what}: {stats:?}");
             assert!(reason_has(&stats, "stream"), "{what}: {stats:?}");
         }
-        std::fs::remove_dir_all(&dir)?;
     }
     Ok(())
 }
@@ -465,7 +453,7 @@ test_device!(
 /// capacity follows the phase). The prompt has `MIN_PROMPT_CHUNK` tokens: a longer one would
 /// run in shorter passes beside every weight (`a_near_fit_runs_its_prompt_in_passes_...`).
 fn decode_gives_the_prompts_room_to_weights(device: &Device) -> anyhow::Result<()> {
-    let dir = tempdir(&format!("phase-{}", device.is_cpu()));
+    let dir = scratch(&format!("phase-{}", device.is_cpu()));
     write_tiny_llama(&dir, false, false)?;
     let files = loader::from_dir(&dir)?;
     let cfg = files.config.clone();
@@ -563,7 +551,6 @@ fn decode_gives_the_prompts_room_to_weights(device: &Device) -> anyhow::Result<(
         .collect();
     assert_eq!(changes, [reserve(1), reserve(prompt.len()), reserve(1)]);
     assert!(history.to_svg().contains("polygon"));
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 test_device!(
@@ -727,7 +714,7 @@ test_device!(
 
 #[test]
 fn half_precision_stays_close_to_f32() -> anyhow::Result<()> {
-    let dir = tempdir("half");
+    let dir = scratch("half");
     write_tiny_llama(&dir, false, false)?;
     let (f32_logits, _, _) = run(
         &dir,
@@ -757,13 +744,12 @@ fn half_precision_stays_close_to_f32() -> anyhow::Result<()> {
         let rel = (num / den).sqrt();
         assert!(rel < 2e-2, "{dtype:?}: relative L2 {rel}");
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
 #[test]
 fn bad_model_inputs_are_clear_errors() -> anyhow::Result<()> {
-    let dir = tempdir("bad");
+    let dir = scratch("bad");
     write_tiny_llama(&dir, false, false)?;
     let st = dir.join("model.safetensors");
 
@@ -849,7 +835,6 @@ fn bad_model_inputs_are_clear_errors() -> anyhow::Result<()> {
         e.contains("/nonexistent/model.gguf") && e.contains("does not exist"),
         "{e}"
     );
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -912,13 +897,13 @@ fn serve_hub(root: PathBuf, requests: usize) -> (String, std::thread::JoinHandle
 
 #[test]
 fn hub_download_then_offline_cache() -> anyhow::Result<()> {
-    let repo = tempdir("hub-repo");
+    let repo = scratch("hub-repo");
     write_tiny_llama(&repo, true, false)?;
-    let cache = tempdir("hub-cache");
-    let (endpoint, server) = serve_hub(repo.clone(), 64);
+    let cache = scratch("hub-cache");
+    let (endpoint, server) = serve_hub(repo.to_path_buf(), 64);
     let at = HubLocation {
         endpoint: Some(endpoint),
-        cache_dir: Some(cache.clone()),
+        cache_dir: Some(cache.to_path_buf()),
     };
     let files = loader::from_hub_at("test-org/tiny-llama", None, false, &at)?;
     assert_eq!(files.config.num_hidden_layers, 4);
@@ -937,7 +922,7 @@ fn hub_download_then_offline_cache() -> anyhow::Result<()> {
         true,
         &HubLocation {
             endpoint: Some("http://127.0.0.1:9".into()),
-            cache_dir: Some(cache.clone()),
+            cache_dir: Some(cache.to_path_buf()),
         },
     )?;
     assert_eq!(offline.config.hidden_size, 64);
@@ -946,8 +931,6 @@ fn hub_download_then_offline_cache() -> anyhow::Result<()> {
         .to_string();
     assert!(e.contains("test-org/other") && e.contains("offline"), "{e}");
     drop(server);
-    std::fs::remove_dir_all(&repo)?;
-    std::fs::remove_dir_all(&cache)?;
     Ok(())
 }
 
@@ -1008,7 +991,7 @@ fn smollm2_gguf_knows_the_capital_of_france() -> anyhow::Result<()> {
 /// are the same after every step, and on a GPU the device memory measured outside the allocator
 /// stays within 1 MiB.
 fn no_leak_over_1000_decode_steps(device: &Device) -> anyhow::Result<()> {
-    let dir = tempdir(&format!("leak-{}", device.is_cpu()));
+    let dir = scratch(&format!("leak-{}", device.is_cpu()));
     write_tiny_llama(&dir, false, false)?;
     let files = loader::from_dir(&dir)?;
     let store = Arc::new(loader::load_store(&files, DType::F32, device, None)?);
@@ -1066,7 +1049,6 @@ fn no_leak_over_1000_decode_steps(device: &Device) -> anyhow::Result<()> {
         assert!(history.events.iter().any(|e| e.device_used_bytes.is_some()));
     }
     assert!(rt.stats()?.total.fetches > 1000, "the model must stream");
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 test_device!(no_leak_over_1000_decode_steps, no_leak_cpu, no_leak_gpu);
@@ -1084,7 +1066,7 @@ fn quantized_projections_reach_every_family(dev: &Device) -> anyhow::Result<()> 
     use candle_offload::{HostStore, StoreConfig};
     let cpu = Device::Cpu;
     for kind in Tiny::ALL {
-        let dir = tempdir(&format!("quant-{}-{}", kind.tag(), dev.is_cpu()));
+        let dir = scratch(&format!("quant-{}-{}", kind.tag(), dev.is_cpu()));
         write_tiny(&dir, kind)?;
         let files = loader::from_dir(&dir)?;
         let cfg = &files.config;
@@ -1243,7 +1225,6 @@ fn quantized_projections_reach_every_family(dev: &Device) -> anyhow::Result<()> 
             }
             assert!(!untracked.as_cuda_device()?.is_event_tracking());
         }
-        std::fs::remove_dir_all(&dir)?;
     }
     Ok(())
 }

@@ -982,11 +982,7 @@ fn moe_quantize_on_load_keeps_experts_as_units() -> anyhow::Result<()> {
         ("qwen3_moe", "model.layers.0.mlp.experts.3"),
         ("qwen2_moe", "model.layers.1.mlp.experts.0"),
     ] {
-        let copy = std::env::temp_dir().join(format!(
-            "candle-offload-moe-quantize-{name}-{}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&copy)?;
+        let copy = crate::util::scratch(&format!("moe-quantize-{name}"));
         for f in ["config.json", "model.safetensors"] {
             std::fs::copy(dir.join(name).join(f), copy.join(f))?;
         }
@@ -1023,7 +1019,6 @@ fn moe_quantize_on_load_keeps_experts_as_units() -> anyhow::Result<()> {
             .build()?;
         let r = rel_l2(&logits(&m)?, &reference(&dir.join(name))?);
         assert!(r <= 5e-2, "{name}: Q8_0 on load, rel L2 {r}");
-        std::fs::remove_dir_all(&copy)?;
     }
     Ok(())
 }

@@ -237,7 +237,7 @@ fn two_ranks_over_nccl_generate_the_tokens_of_one_gpu() -> anyhow::Result<()> {
     let (Some(dev0), Some(_), Some(lib)) = (gpu(0), gpu(1), nccl_library()) else {
         return Ok(());
     };
-    let files = tiny(
+    let (_dir, files) = tiny(
         Tiny::Llama {
             tied: false,
             bias: false,

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::quantized::{gguf_file, GgmlDType};
@@ -16,16 +16,7 @@ use candle_offload_models::{Llama, ModelError};
 use rand::Rng as _;
 
 use crate::models::{write_tiny, Tiny};
-
-fn tempdir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "candle-offload-quantize-{tag}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+use crate::util::scratch;
 
 /// A random LLaMA whose rows are whole blocks of the K types (256): hidden 256, intermediate
 /// 512, 2 layers, GQA, untied head.
@@ -132,7 +123,7 @@ fn quantize_on_load_matches_the_dense_model() -> anyhow::Result<()> {
     ];
     for (kind, ty, dense_bound) in cases {
         let tag = format!("{}-{ty:?}", kind.map_or("wide".into(), Tiny::tag));
-        let dir = tempdir(&format!("match-{tag}"));
+        let dir = scratch(&format!("match-{tag}"));
         match kind {
             Some(k) => write_tiny(&dir, k)?,
             None => write_wide_llama(&dir)?,
@@ -149,7 +140,7 @@ fn quantize_on_load_matches_the_dense_model() -> anyhow::Result<()> {
         assert_eq!(n, per_layer * layers + usize::from(untied), "{tag}");
         assert_eq!(store.ggml_tensor_count(), n, "{tag}");
         assert_eq!(cached.requantized, n, "{tag}");
-        assert_eq!(cached.path.parent(), Some(dir.as_path()), "{tag}");
+        assert_eq!(cached.path.parent(), Some(&*dir), "{tag}");
         let q = logits(&files, store)?;
         let dq = logits(&files, dequantized_store(&files, &cached.path)?)?;
         let dense = logits(
@@ -160,7 +151,6 @@ fn quantize_on_load_matches_the_dense_model() -> anyhow::Result<()> {
         eprintln!("{tag}: rel L2 {vs_dq:.2e} vs dequantized, {vs_dense:.2e} vs dense");
         assert!(vs_dq < 2e-2 && vs_dq > 0.0, "{tag}: vs dequantized {vs_dq}");
         assert!(vs_dense < dense_bound, "{tag}: vs dense {vs_dense}");
-        std::fs::remove_dir_all(&dir)?;
     }
     Ok(())
 }
@@ -169,7 +159,7 @@ fn quantize_on_load_matches_the_dense_model() -> anyhow::Result<()> {
 /// type is another file; a changed source is detected and rebuilt.
 #[test]
 fn quantized_cache_is_reused_and_rebuilt_when_the_source_changes() -> anyhow::Result<()> {
-    let dir = tempdir("cache");
+    let dir = scratch("cache");
     write_tiny(
         &dir,
         Tiny::Llama {
@@ -225,7 +215,6 @@ fn quantized_cache_is_reused_and_rebuilt_when_the_source_changes() -> anyhow::Re
         CacheState::Rebuilt { reason } => assert!(reason.contains("truncated"), "{reason}"),
         other => panic!("expected a rebuild, got {other:?}"),
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -233,7 +222,7 @@ fn quantized_cache_is_reused_and_rebuilt_when_the_source_changes() -> anyhow::Re
 /// tensors) leaves neither a cache file nor its temporary file; the next load builds it.
 #[test]
 fn interrupted_quantize_leaves_no_cache_file() -> anyhow::Result<()> {
-    let dir = tempdir("interrupt");
+    let dir = scratch("interrupt");
     write_tiny(&dir, Tiny::Gemma)?;
     let files = loader::from_dir(&dir)?;
     // The temporary file is there while tensors are written: the cancellation is mid-write.
@@ -283,7 +272,6 @@ fn interrupted_quantize_leaves_no_cache_file() -> anyhow::Result<()> {
         &opts(),
     )?;
     assert_eq!(cached.state, CacheState::Built);
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -291,7 +279,7 @@ fn interrupted_quantize_leaves_no_cache_file() -> anyhow::Result<()> {
 /// blocks of the type (64 elements, K types' blocks are 256) stay dense.
 #[test]
 fn quantize_refuses_gguf_and_keeps_uneven_rows_dense() -> anyhow::Result<()> {
-    let dir = tempdir("refuse");
+    let dir = scratch("refuse");
     write_tiny(
         &dir,
         Tiny::Llama {
@@ -333,6 +321,5 @@ fn quantize_refuses_gguf_and_keeps_uneven_rows_dense() -> anyhow::Result<()> {
     assert_eq!(cached.quantized_tensors, 0);
     let dense = loader::load_store(&files, DType::F32, &Device::Cpu, None)?;
     assert_eq!(logits(&files, store)?, logits(&files, dense)?);
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

@@ -3,9 +3,10 @@
 //! projections kept as blocks (Candle's quantized matmuls) and dequantized (dense F32).
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use crate::util::{scratch, Scratch};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use candle_offload::store::WeightFormat;
@@ -40,16 +41,6 @@ const HEAD_DIM: usize = HIDDEN / HEADS;
 
 /// The GGUF tensor the random LLaMA writes last (truncating the file cuts its data).
 pub const LAST_TENSOR: &str = "blk.1.ffn_up.weight";
-
-fn tempdir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "candle-offload-quantized-{tag}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 /// llama.cpp's converter's q/k permutation (the loader undoes it).
 fn permute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
@@ -361,7 +352,7 @@ fn load(files: &ModelFiles, keep: bool) -> anyhow::Result<Arc<HostStore>> {
 /// same weights dequantized to F32 and run densely.
 #[test]
 fn every_kept_type_matches_its_dequantized_model() -> anyhow::Result<()> {
-    let dir = tempdir("types");
+    let dir = scratch("types");
     let mut report = Vec::new();
     for t in KEPT_TYPES {
         let path = dir.join(format!("{t:?}.gguf"));
@@ -404,7 +395,6 @@ fn every_kept_type_matches_its_dequantized_model() -> anyhow::Result<()> {
         }
     }
     eprintln!("{}", report.join("\n"));
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -412,7 +402,7 @@ fn every_kept_type_matches_its_dequantized_model() -> anyhow::Result<()> {
 /// 6-bit type): budgets of one and two layers, with and without prefetch.
 #[test]
 fn quantized_offloaded_equals_resident() -> anyhow::Result<()> {
-    let dir = tempdir("offload");
+    let dir = scratch("offload");
     for t in [GgmlDType::Q4_0, GgmlDType::Q4K, GgmlDType::Q6K] {
         let path = dir.join(format!("{t:?}.gguf"));
         write_random_llama_gguf(&path, 5, |_| t)?;
@@ -435,7 +425,6 @@ fn quantized_offloaded_equals_resident() -> anyhow::Result<()> {
             }
         }
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -443,8 +432,8 @@ fn quantized_offloaded_equals_resident() -> anyhow::Result<()> {
 /// `attn_v` and `ffn_down` in Q6_K, everything else in Q4_K.
 /// A fresh directory `tag` with [`mixed_k_quant_gguf`] of `seed` in it, and its store (blocks
 /// kept).
-fn mixed_k_store(tag: &str, seed: u64) -> anyhow::Result<(PathBuf, ModelFiles, Arc<HostStore>)> {
-    let dir = tempdir(tag);
+fn mixed_k_store(tag: &str, seed: u64) -> anyhow::Result<(Scratch, ModelFiles, Arc<HostStore>)> {
+    let dir = scratch(tag);
     let files = mixed_k_quant_gguf(&dir.join("q4_k_m.gguf"), seed)?;
     let store = load(&files, true)?;
     Ok((dir, files, store))
@@ -510,7 +499,7 @@ fn mixed_k_quant_gguf(path: &Path, seed: u64) -> anyhow::Result<ModelFiles> {
 /// and the model still streams bit for bit like its resident self.
 #[test]
 fn mixed_k_quant_layers_take_one_device_size() -> anyhow::Result<()> {
-    let (dir, files, store) = mixed_k_store("mixed-k", 13)?;
+    let (_dir, files, store) = mixed_k_store("mixed-k", 13)?;
     let unit = |l: usize| store.unit(store.layer_unit(l).expect("a layer unit"));
     let (l0, l1) = (unit(0), unit(1));
     assert_eq!(l0.bytes(), l1.bytes(), "one device size per layer");
@@ -538,7 +527,6 @@ fn mixed_k_quant_layers_take_one_device_size() -> anyhow::Result<()> {
     assert_eq!(logits, ref_logits);
     assert_eq!(tokens, ref_tokens);
     assert!(fetches > 4, "the model must stream ({fetches})");
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -548,7 +536,7 @@ fn mixed_k_quant_layers_take_one_device_size() -> anyhow::Result<()> {
 /// Under a budget that streams, the layers keep their padded size.
 #[test]
 fn mixed_k_quant_layers_that_stay_take_their_own_size() -> anyhow::Result<()> {
-    let (dir, files, store) = mixed_k_store("mixed-k-own", 17)?;
+    let (_dir, files, store) = mixed_k_store("mixed-k-own", 17)?;
     let l1 = store.layer_unit(1).expect("a layer unit");
     let (padded, own) = (store.unit(l1).bytes(), store.unit(l1).resident_bytes());
     assert!(own < padded, "layer 1 is padded ({own} and {padded})");
@@ -587,7 +575,6 @@ fn mixed_k_quant_layers_that_stay_take_their_own_size() -> anyhow::Result<()> {
     let layer = &stats.units[l1.0];
     assert_eq!(layer.bytes, padded, "{}: streams padded", layer.name);
     assert!(layer.evictions > 0, "{} must stream", layer.name);
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -597,7 +584,7 @@ fn mixed_k_quant_layers_that_stay_take_their_own_size() -> anyhow::Result<()> {
 /// logits and tokens are the resident model's.
 #[test]
 fn a_model_that_fits_while_decoding_holds_every_unit_then() -> anyhow::Result<()> {
-    let (dir, files, store) = mixed_k_store("mixed-k-decode-fit", 23)?;
+    let (_dir, files, store) = mixed_k_store("mixed-k-decode-fit", 23)?;
     let max_len = PROMPT.len() + 6;
     let reserve = |rows| cpu_reserve(&files, &store, rows, max_len);
     let all_own = own_bytes(&store);
@@ -641,7 +628,6 @@ fn a_model_that_fits_while_decoding_holds_every_unit_then() -> anyhow::Result<()
     for (u, unit) in stats.units.iter().zip(store.units()) {
         assert_eq!(u.bytes, unit.resident_bytes(), "{}: its own size", u.name);
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -668,7 +654,7 @@ fn unmatched_spares_trim_the_weight_pool_cpu() -> anyhow::Result<()> {
 
 fn unmatched_spares_trim_the_weight_pool(dev: &Device) -> anyhow::Result<()> {
     let dev = dev.clone();
-    let (dir, files, store) = mixed_k_store("mixed-k-trim", 31)?;
+    let (_dir, files, store) = mixed_k_store("mixed-k-trim", 31)?;
     let (l0, l1) = (store.layer_unit(0).unwrap(), store.layer_unit(1).unwrap());
     let own = store.unit(l1).resident_bytes();
     assert!(own < store.unit(l1).bytes(), "layer 1 is padded");
@@ -713,7 +699,6 @@ fn unmatched_spares_trim_the_weight_pool(dev: &Device) -> anyhow::Result<()> {
         "an upload freed spares of other sizes, so a fetch trims ({} tensors reused)",
         stats.total.reused_buffers
     );
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -726,7 +711,7 @@ fn unmatched_spares_trim_the_weight_pool(dev: &Device) -> anyhow::Result<()> {
 /// evict it); decode steps fetch nothing, and the logits are the unlimited model's.
 #[test]
 fn a_stage_behind_host_layers_keeps_its_layers_at_their_own_size() -> anyhow::Result<()> {
-    let (dir, files, store) = mixed_k_store("mixed-k-host", 29)?;
+    let (_dir, files, store) = mixed_k_store("mixed-k-host", 29)?;
     let (l0, l1) = (store.layer_unit(0).unwrap(), store.layer_unit(1).unwrap());
     let (padded, own) = (store.unit(l1).bytes(), store.unit(l1).resident_bytes());
     assert!(own < padded, "layer 1 is padded ({own} and {padded})");
@@ -774,7 +759,6 @@ fn a_stage_behind_host_layers_keeps_its_layers_at_their_own_size() -> anyhow::Re
         fetches.windows(2).all(|w| w[0] == w[1]),
         "fetches after each step: {fetches:?}"
     );
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -785,7 +769,7 @@ fn a_stage_behind_host_layers_keeps_its_layers_at_their_own_size() -> anyhow::Re
 /// greedy tokens are the same.
 #[test]
 fn a_near_fit_runs_its_prompt_in_passes_and_streams_nothing() -> anyhow::Result<()> {
-    let (dir, files, store) = mixed_k_store("near-fit-chunks", 29)?;
+    let (_dir, files, store) = mixed_k_store("near-fit-chunks", 29)?;
     let prompt: Vec<u32> = (0..96).map(|i| (i * 13 % 90) as u32).collect();
     let max_len = prompt.len() + 6;
     let reserve = |rows| cpu_reserve(&files, &store, rows, max_len);
@@ -851,7 +835,6 @@ fn a_near_fit_runs_its_prompt_in_passes_and_streams_nothing() -> anyhow::Result<
         short.is_err(),
         "passes of fewer than {MIN_PROMPT_CHUNK} rows"
     );
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -862,7 +845,7 @@ fn a_near_fit_runs_its_prompt_in_passes_and_streams_nothing() -> anyhow::Result<
 /// SIMD CPU matmul, Q4_K Candle's.
 #[test]
 fn quantized_embedding_and_tied_head() -> anyhow::Result<()> {
-    let dir = tempdir("tied");
+    let dir = scratch("tied");
     for (proj, embed) in [
         (GgmlDType::Q4_1, GgmlDType::Q8_0),
         (GgmlDType::Q8_0, GgmlDType::Q4_1),
@@ -910,7 +893,6 @@ fn quantized_embedding_and_tied_head() -> anyhow::Result<()> {
             assert_eq!(tokens, q_tokens, "{what}, depth {depth}: offloaded tokens");
         }
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -919,7 +901,7 @@ fn quantized_embedding_and_tied_head() -> anyhow::Result<()> {
 /// full product; only the other logits may differ (and stay below it).
 #[test]
 fn the_greedy_head_keeps_every_token() -> anyhow::Result<()> {
-    let dir = tempdir("greedy-head");
+    let dir = scratch("greedy-head");
     let path = dir.join("q8-head.gguf");
     write_random_llama_gguf_with(&path, 31, |_| GgmlDType::Q4_1, Some(GgmlDType::Q8_0))?;
     let files = loader::from_gguf(&path)?;
@@ -949,7 +931,6 @@ fn the_greedy_head_keeps_every_token() -> anyhow::Result<()> {
     for (s, f) in screened.iter().zip(&full) {
         assert!(s == f || *s < max(&full));
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -979,7 +960,7 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
 /// matches the one loaded dense bit for bit.
 #[test]
 fn types_without_a_quantized_matmul_are_dequantized_with_one_warning() -> anyhow::Result<()> {
-    let dir = tempdir("q8");
+    let dir = scratch("q8");
     let path = dir.join("q8.gguf");
     write_random_llama_gguf(&path, 3, |g| {
         if g.starts_with("blk.0.") {
@@ -1007,7 +988,6 @@ fn types_without_a_quantized_matmul_are_dequantized_with_one_warning() -> anyhow
     let (a, ..) = run(&files, kept, None, OffloadStrategy::Minimal, 0)?;
     let (b, ..) = run(&files, dense, None, OffloadStrategy::Minimal, 0)?;
     assert_eq!(a, b);
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -1018,7 +998,7 @@ fn types_without_a_quantized_matmul_are_dequantized_with_one_warning() -> anyhow
 #[test]
 fn spread_host_layers_of_blocks_beside_a_half_precision_stage() -> anyhow::Result<()> {
     use candle_offload_models::{HostLayers, OffloadSettings};
-    let dir = tempdir("spread");
+    let dir = scratch("spread");
     let path = dir.join("q8.gguf");
     write_random_llama_gguf(&path, 9, |_| GgmlDType::Q8_0)?;
     let files = loader::from_gguf(&path)?;
@@ -1061,6 +1041,5 @@ fn spread_host_layers_of_blocks_beside_a_half_precision_stage() -> anyhow::Resul
         let err = rel_l2(&got, &want);
         assert!(err <= 2e-2, "{host:?}: relative L2 {err}");
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

@@ -13,6 +13,8 @@ use candle_offload_models::loader;
 use candle_offload_models::{DeviceMapRequest, Llama, OffloadSettings};
 use candle_transformers::generation::LogitsProcessor;
 
+use crate::util::{scratch, Scratch};
+
 const PROMPT: [u32; 7] = [5, 17, 42, 3, 99, 64, 8];
 
 fn outputs(model: &Llama) -> anyhow::Result<(Vec<f32>, Vec<u32>)> {
@@ -23,12 +25,9 @@ fn outputs(model: &Llama) -> anyhow::Result<(Vec<f32>, Vec<u32>)> {
     Ok((logits, tokens))
 }
 
-/// A fresh temporary directory `candle-offload-{tag}-{pid}` holding the tiny LLaMA checkpoint
-/// (tied embeddings or not).
-fn tiny_llama_dir(tag: &str, tied: bool) -> anyhow::Result<std::path::PathBuf> {
-    let dir = std::env::temp_dir().join(format!("candle-offload-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
+/// A fresh temporary directory holding the tiny LLaMA checkpoint (tied embeddings or not).
+fn tiny_llama_dir(tag: &str, tied: bool) -> anyhow::Result<Scratch> {
+    let dir = scratch(tag);
     crate::models::write_tiny_llama(&dir, tied, false)?;
     Ok(dir)
 }
@@ -142,7 +141,6 @@ pub fn sharded_equals_single_device(devices: &[Device]) -> anyhow::Result<()> {
             },
         )?;
         assert_eq!(replanned.stages(), map.stages());
-        std::fs::remove_dir_all(&dir)?;
     }
     Ok(())
 }
@@ -211,7 +209,6 @@ fn impossible_plans_are_refused() -> anyhow::Result<()> {
     .unwrap_err()
     .to_string();
     assert!(e.contains("3 limits for 2 devices"), "{e}");
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -446,7 +443,6 @@ fn host_layers_equal_device_only(device: &Device) -> anyhow::Result<()> {
             let mean = t.layer_step_s().expect("host layer steps");
             assert!(mean > 0.0 && mean < 1.0, "{ctx}: {t:?}");
         }
-        std::fs::remove_dir_all(&dir)?;
     }
     Ok(())
 }
@@ -548,7 +544,6 @@ fn near_fit_replays_from_the_looked_up_rows(device: &Device) -> anyhow::Result<(
             (0, 0, 0)
         );
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 

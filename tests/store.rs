@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use crate::util::scratch;
 use candle_core::{DType, Device, Tensor};
 use candle_offload::{store::safetensors_in_dir, HostStore, StoreConfig};
 
@@ -29,17 +30,9 @@ fn write_model(dir: &Path) -> anyhow::Result<Vec<(String, Tensor)>> {
     Ok(weights)
 }
 
-fn tempdir(tag: &str) -> anyhow::Result<std::path::PathBuf> {
-    let dir =
-        std::env::temp_dir().join(format!("candle-offload-test-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
-}
-
 #[test]
 fn sharded_safetensors_load_and_convert() -> anyhow::Result<()> {
-    let dir = tempdir("shards")?;
+    let dir = scratch("shards");
     let weights = write_model(&dir)?;
     let files = safetensors_in_dir(&dir)?;
     assert_eq!(files.len(), 2);
@@ -63,13 +56,12 @@ fn sharded_safetensors_load_and_convert() -> anyhow::Result<()> {
             "{name}"
         );
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
 #[test]
 fn bad_files_are_clear_errors_naming_the_file() -> anyhow::Result<()> {
-    let dir = tempdir("bad")?;
+    let dir = scratch("bad");
     write_model(&dir)?;
     let shard = dir.join("model-00002-of-00002.safetensors");
     let bytes = std::fs::read(&shard)?;
@@ -102,6 +94,5 @@ fn bad_files_are_clear_errors_naming_the_file() -> anyhow::Result<()> {
     std::fs::write(dir.join("model.safetensors.index.json"), "{ no json")?;
     let err = safetensors_in_dir(&dir).unwrap_err().to_string();
     assert!(err.contains("model.safetensors.index.json"), "{err}");
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

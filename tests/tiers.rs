@@ -2,7 +2,7 @@
 //! the file (the disk tier) gives the same logits, bit for bit, as the model held in memory;
 //! caps that cannot work and files that change under the store are clear errors.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
@@ -14,17 +14,10 @@ use candle_offload_models::loader::{self, ModelFiles};
 use candle_offload_models::Llama;
 
 use crate::models::{write_tiny, Tiny};
+use crate::util::{scratch, Scratch};
 
-fn tempdir(tag: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("candle-offload-tiers-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn tiny(tag: &str) -> anyhow::Result<(PathBuf, ModelFiles)> {
-    let dir = tempdir(tag);
+fn tiny(tag: &str) -> anyhow::Result<(Scratch, ModelFiles)> {
+    let dir = scratch(tag);
     write_tiny(
         &dir,
         Tiny::Llama {
@@ -106,7 +99,7 @@ fn logits(m: &Llama, device: &Device) -> candle_core::Result<Vec<f32>> {
 #[test]
 fn a_file_backed_store_reads_every_unit_from_its_file() -> anyhow::Result<()> {
     let device = Device::Cpu;
-    let (dir, files) = tiny("file-backed")?;
+    let (_dir, files) = tiny("file-backed")?;
     for dtype in [DType::F32, DType::F16] {
         let full = store(&files, dtype, &device, None, None)?;
         let names: Vec<String> = full.units().iter().map(|u| u.name().to_string()).collect();
@@ -124,7 +117,6 @@ fn a_file_backed_store_reads_every_unit_from_its_file() -> anyhow::Result<()> {
         let (m, _) = model(&files, backed, &device, dtype, None)?;
         assert_eq!(logits(&m, &device)?, want, "{dtype:?}");
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -133,7 +125,7 @@ fn a_file_backed_store_reads_every_unit_from_its_file() -> anyhow::Result<()> {
 /// equal those of the model held in memory, resident and streamed under a tight budget, with
 /// the file's F32 kept (F32) and converted on every read (F16).
 fn disk_tier_equals_resident(device: &Device) -> anyhow::Result<()> {
-    let (dir, files) = tiny(&format!("eq-{}", device.is_cpu()))?;
+    let (_dir, files) = tiny(&format!("eq-{}", device.is_cpu()))?;
     for dtype in [DType::F32, DType::F16] {
         let full = store(&files, dtype, device, None, None)?;
         assert_eq!(full.disk_bytes(), 0, "{dtype:?}");
@@ -181,7 +173,6 @@ fn disk_tier_equals_resident(device: &Device) -> anyhow::Result<()> {
             );
         }
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 test_device!(
@@ -276,14 +267,13 @@ fn tiers_managed_engine_equals_explicit_gpu() -> anyhow::Result<()> {
             .unwrap_or_default();
         assert!(e.contains("engine") && e.contains("cannot stream"), "{e}");
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
 /// Off a GPU, or in a build without CUDA, the managed engine is an error naming it.
 #[test]
 fn tiers_managed_engine_off_a_gpu_is_an_error_naming_it() -> anyhow::Result<()> {
-    let (dir, files) = tiny("managed-cpu")?;
+    let (_dir, files) = tiny("managed-cpu")?;
     let cfg = StoreConfig {
         engine: EngineKind::Managed,
         ..Default::default()
@@ -296,13 +286,12 @@ fn tiers_managed_engine_off_a_gpu_is_an_error_naming_it() -> anyhow::Result<()> 
     assert_eq!("Explicit".parse::<EngineKind>()?, EngineKind::Explicit);
     let e = "sideways".parse::<EngineKind>().unwrap_err().to_string();
     assert!(e.contains("engine") && e.contains("sideways"), "{e}");
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
 #[test]
 fn tiers_caps_that_cannot_work_are_errors_naming_the_field() -> anyhow::Result<()> {
-    let (dir, files) = tiny("cap")?;
+    let (_dir, files) = tiny("cap")?;
     // Smaller than one unit.
     let e = store(&files, DType::F32, &Device::Cpu, Some(1000), None)
         .unwrap_err()
@@ -333,7 +322,6 @@ fn tiers_caps_that_cannot_work_are_errors_naming_the_field() -> anyhow::Result<(
         HostStore::from_tensors(&tensors, &cfg, &Device::Cpu)?.disk_bytes(),
         0
     );
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -351,7 +339,6 @@ fn changed_file_fails(tag: &str, change: impl FnOnce(&Path) -> anyhow::Result<()
         let e = logits(&m, &Device::Cpu)
             .expect_err("a changed file must fail")
             .to_string();
-        std::fs::remove_dir_all(&dir)?;
         Ok(e)
     };
     run().unwrap()
@@ -389,7 +376,7 @@ fn tiers_a_file_that_shrank_or_changed_is_an_error_naming_it() {
 /// disk, the machine's RAM and the locked-memory limit.
 #[test]
 fn tiers_summary_reports_host_memory_and_disk_units() -> anyhow::Result<()> {
-    let (dir, files) = tiny("summary")?;
+    let (_dir, files) = tiny("summary")?;
     let full = store(&files, DType::F32, &Device::Cpu, None, None)?;
     let lens = unit_lens(&full);
     let cap: u64 = lens[..lens.len() - 1].iter().sum();
@@ -455,7 +442,6 @@ fn tiers_summary_reports_host_memory_and_disk_units() -> anyhow::Result<()> {
         ahead.contains("2 units ahead") && ahead.contains("disk fetches"),
         "{s}"
     );
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -572,7 +558,7 @@ fn gguf_run(
 /// units cross both hops (read ahead, then the staging ring).
 fn gguf_disk_equals_resident(dev: &Device) -> anyhow::Result<()> {
     use candle_core::quantized::GgmlDType as G;
-    let dir = tempdir(&format!("gguf-{}", dev.is_cpu()));
+    let dir = scratch(&format!("gguf-{}", dev.is_cpu()));
     let cases = [
         (G::F16, false, DType::F32),
         (G::F16, false, DType::F16),
@@ -627,7 +613,6 @@ fn gguf_disk_equals_resident(dev: &Device) -> anyhow::Result<()> {
             );
         }
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 test_device!(
@@ -640,7 +625,7 @@ test_device!(
 /// fails naming the file and the unit.
 #[test]
 fn tiers_a_gguf_that_shrank_or_changed_is_an_error_naming_it() -> anyhow::Result<()> {
-    let dir = tempdir("gguf-changed");
+    let dir = scratch("gguf-changed");
     for (tag, shrink) in [("shrank", true), ("changed", false)] {
         let path = dir.join(format!("{tag}.gguf"));
         crate::quantized::write_random_llama_gguf(&path, 3, |_| {
@@ -677,7 +662,6 @@ fn tiers_a_gguf_that_shrank_or_changed_is_an_error_naming_it() -> anyhow::Result
             "{e}"
         );
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
@@ -722,6 +706,5 @@ fn tiers_quantize_on_load_keeps_its_last_layers_in_the_cache_file() -> anyhow::R
             assert_eq!(logits(&m, &Device::Cpu)?, want, "{dtype:?}, pass {pass}");
         }
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

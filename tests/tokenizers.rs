@@ -236,10 +236,10 @@ fn byte_level_bpe_from_metadata_merges_by_rank() {
     assert_eq!(tok.decode(&[3, 2, 6], false).unwrap(), "abc a");
 }
 
-/// `candle-offload-tok-NAME` in the temporary directory (the same for every run: tests write
-/// there under fixed names, replaced atomically).
+/// `tok-NAME` under Cargo's directory for integration tests' files (`target/tmp`; the same for
+/// every run: tests write there under fixed names, replaced atomically).
 fn tempfile_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("candle-offload-tok-{name}"));
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("tok-{name}"));
     std::fs::create_dir_all(&d).unwrap();
     d
 }

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use crate::util::{scratch, Scratch};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW, SGD};
@@ -17,25 +18,24 @@ const F16_GRAD_TOLERANCE: f64 = 1e-2;
 /// The same under BF16 autocast (8 mantissa bits instead of 11).
 const BF16_GRAD_TOLERANCE: f64 = 5e-2;
 
-fn tiny(tag: &str, tied: bool) -> anyhow::Result<loader::ModelFiles> {
-    let dir =
-        std::env::temp_dir().join(format!("candle-offload-train-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
+/// The tiny LLaMA (tied embeddings or not) in a fresh temporary directory, removed when the
+/// returned [`Scratch`] is dropped, and its files.
+fn tiny(tag: &str, tied: bool) -> anyhow::Result<(Scratch, loader::ModelFiles)> {
+    let dir = scratch(&format!("train-{tag}"));
     crate::models::write_tiny_llama(&dir, tied, false)?;
-    Ok(loader::from_dir(&dir)?)
+    let files = loader::from_dir(&dir)?;
+    Ok((dir, files))
 }
 
-fn tiny_kind(tag: &str, kind: crate::models::Tiny) -> anyhow::Result<loader::ModelFiles> {
-    let dir = std::env::temp_dir().join(format!(
-        "candle-offload-train-{tag}-{}-{}",
-        kind.tag(),
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
+/// [`tiny`] of another family.
+fn tiny_kind(
+    tag: &str,
+    kind: crate::models::Tiny,
+) -> anyhow::Result<(Scratch, loader::ModelFiles)> {
+    let dir = scratch(&format!("train-{tag}-{}", kind.tag()));
     crate::models::write_tiny(&dir, kind)?;
-    Ok(loader::from_dir(&dir)?)
+    let files = loader::from_dir(&dir)?;
+    Ok((dir, files))
 }
 
 /// A fixed batch: two sequences of 12 tokens and their next-token targets.
@@ -102,7 +102,7 @@ fn rel_err(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
 /// 1 segment, 2 segments and one per layer, resident and offloaded under a budget that holds
 /// only a few layers, with and without head groups and loss chunks: bit-identical gradients.
 fn checkpointed_gradients_are_exact(device: &Device) -> anyhow::Result<()> {
-    let files = tiny("exact", false)?;
+    let (_dir, files) = tiny("exact", false)?;
     let n_layers = files.config.num_hidden_layers;
     for (head_chunks, loss_chunk) in [(1, None), (2, Some(5))] {
         let with = |mut s: TrainSettings| {
@@ -185,7 +185,7 @@ test_device!(
 fn every_family_trains(device: &Device) -> anyhow::Result<()> {
     use crate::models::Tiny;
     for kind in [Tiny::Phi3, Tiny::Gemma, Tiny::Gemma2] {
-        let files = tiny_kind("family", kind)?;
+        let (_dir, files) = tiny_kind("family", kind)?;
         let n_tensors = files.config.expected_tensors().len();
         let (loss0, plain, _, _) = grads(&files, device, &settings(0))?;
         assert_eq!(
@@ -224,7 +224,7 @@ test_device!(
 /// outer graph and in checkpointed loss chunks, offloaded: the same as plain backprop (up to
 /// the order of the sum).
 fn tied_embeddings_offloaded(device: &Device) -> anyhow::Result<()> {
-    let files = tiny("tied", true)?;
+    let (_dir, files) = tiny("tied", true)?;
     let (_, plain, _, _) = grads(&files, device, &settings(0))?;
     let mut s = settings(2);
     s.offload = true;
@@ -247,7 +247,7 @@ test_device!(
 /// loss and gradients against the compositions (`fused: false`) under F32 and F16/BF16
 /// autocast, within the named tolerances (1e-4 in F32).
 fn flash_attention_trains_like_the_composition(device: &Device) -> anyhow::Result<()> {
-    let files = tiny_kind("flash", crate::models::Tiny::WideHeads)?;
+    let (_dir, files) = tiny_kind("flash", crate::models::Tiny::WideHeads)?;
     for (precision, tol) in [
         (Precision::F32, 1e-4),
         (Precision::F16, F16_GRAD_TOLERANCE),
@@ -277,7 +277,7 @@ test_device!(
 
 /// F16 and BF16 autocast gradients (on the F32 masters) within the named tolerances of F32.
 fn autocast_gradients_are_close(device: &Device) -> anyhow::Result<()> {
-    let files = tiny("autocast", false)?;
+    let (_dir, files) = tiny("autocast", false)?;
     let (loss32, reference, _, _) = grads(&files, device, &settings(2))?;
     for (precision, tol) in [
         (Precision::F16, F16_GRAD_TOLERANCE),
@@ -390,7 +390,7 @@ fn grad_scaler_skips_backs_off_and_grows() -> anyhow::Result<()> {
 /// not fit F16) and is skipped; the scaler backs off until steps apply.
 #[test]
 fn f16_training_backs_off_from_the_initial_scale() -> anyhow::Result<()> {
-    let files = tiny("f16", false)?;
+    let (_dir, files) = tiny("f16", false)?;
     let mut s = settings(1);
     s.precision = Precision::F16;
     let mut trainer = Trainer::from_files(&files, &Device::Cpu, &s)?;
@@ -410,7 +410,7 @@ fn f16_training_backs_off_from_the_initial_scale() -> anyhow::Result<()> {
 
 /// A few hundred AdamW steps on a fixed text lower the loss, resident and offloaded.
 fn finetuning_lowers_the_loss(device: &Device) -> anyhow::Result<()> {
-    let files = tiny("finetune", false)?;
+    let (_dir, files) = tiny("finetune", false)?;
     let text = b"the quick brown fox jumps over the lazy dog; the quick brown fox jumps again. ";
     let ids: Vec<u32> = text.iter().map(|&c| c as u32 % 101).collect();
     for offload in [false, true] {
@@ -450,7 +450,7 @@ test_device!(
 /// Offloaded training needs checkpointing; the refusal names the field.
 #[test]
 fn offload_without_checkpointing_is_refused() -> anyhow::Result<()> {
-    let files = tiny("refuse", false)?;
+    let (_dir, files) = tiny("refuse", false)?;
     let mut s = settings(0);
     s.offload = true;
     let e = Trainer::from_files(&files, &Device::Cpu, &s)
@@ -466,7 +466,7 @@ fn offload_without_checkpointing_is_refused() -> anyhow::Result<()> {
 fn phase_observer_sees_each_phase_in_order() -> anyhow::Result<()> {
     use candle_offload_models::TrainPhase;
     use std::sync::{Arc, Mutex};
-    let files = tiny("phases", false)?;
+    let (_dir, files) = tiny("phases", false)?;
     let (inputs, targets) = batch(&Device::Cpu)?;
     for offload in [false, true] {
         let mut s = settings(1);
@@ -504,7 +504,7 @@ fn phase_observer_sees_each_phase_in_order() -> anyhow::Result<()> {
 /// gradients only.
 #[test]
 fn offloaded_steps_track_resident_steps() -> anyhow::Result<()> {
-    let files = tiny("offload-steps", false)?;
+    let (_dir, files) = tiny("offload-steps", false)?;
     let (inputs, targets) = batch(&Device::Cpu)?;
     let mut params = Vec::new();
     for offload in [false, true] {

@@ -607,13 +607,7 @@ type Run = (f32, Vec<(String, Tensor)>, Vec<f32>);
 
 /// A tiny model's loss, gradients and three steps with the fused ops on and off.
 fn trainer_fused_matches_unfused(device: &Device) -> anyhow::Result<()> {
-    let dir = std::env::temp_dir().join(format!(
-        "candle-offload-train-ops-{}-{}",
-        device.is_cuda(),
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
+    let dir = crate::util::scratch(&format!("train-ops-{}", device.is_cuda()));
     crate::models::write_tiny_llama(&dir, false, false)?;
     let files = candle_offload_models::loader::from_dir(&dir)?;
     let ids: Vec<u32> = (0..26u32).map(|i| (i * 37 + 11) % 101).collect();
@@ -666,7 +660,6 @@ fn trainer_fused_matches_unfused(device: &Device) -> anyhow::Result<()> {
             );
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 test_device!(

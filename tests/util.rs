@@ -83,38 +83,108 @@ pub fn mlp_store(
     )?))
 }
 
-/// `tests/fixtures/NAME.tar.xz` unpacked (with `tar`) into a directory of this test process's
-/// own, the same directory for every call with `dir` (a `OnceLock` of the caller's).
+/// A fresh directory of this test's own under the system's temporary directory, named
+/// `candle-offload-{tag}-` and a random suffix, removed with everything in it when dropped (also
+/// when the test fails). Reads as the directory's `Path`.
+pub struct Scratch(tempfile::TempDir);
+
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+
+    fn deref(&self) -> &std::path::Path {
+        self.0.path()
+    }
+}
+
+impl AsRef<std::path::Path> for Scratch {
+    fn as_ref(&self) -> &std::path::Path {
+        self.0.path()
+    }
+}
+
+/// A new [`Scratch`] directory tagged `tag` (panics where the temporary directory cannot be
+/// written: nothing in the test could run).
+pub fn scratch(tag: &str) -> Scratch {
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("candle-offload-{tag}-"))
+        .tempdir()
+        .unwrap_or_else(|e| panic!("cannot create a temporary directory for {tag}: {e}"));
+    Scratch(dir)
+}
+
+/// `tests/fixtures/NAME.tar.xz` unpacked (with `tar`), once per version of the archive, into
+/// `NAME-{hash of the archive}` under Cargo's directory for integration tests' files
+/// (`target/tmp`; `candle-offload-fixtures` in the temporary directory where that cannot be
+/// made): every test run and every call with `dir` (a `OnceLock` of the caller's) reads
+/// the same files, no copy piles up from run to run, and another version's
+/// directory is removed when a new one is unpacked.
 pub fn unpacked_fixture(
     name: &str,
     dir: &'static std::sync::OnceLock<Result<std::path::PathBuf, String>>,
 ) -> anyhow::Result<std::path::PathBuf> {
-    dir.get_or_init(|| {
-        let archive = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join(format!("tests/fixtures/{name}.tar.xz"));
-        let dir = std::env::temp_dir().join(format!(
-            "candle-offload-{}-{}",
-            name.replace('_', "-"),
-            std::process::id()
+    dir.get_or_init(|| unpack(name))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+fn unpack(name: &str) -> Result<std::path::PathBuf, String> {
+    use std::hash::{Hash as _, Hasher as _};
+    let archive = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("tests/fixtures/{name}.tar.xz"));
+    let bytes = std::fs::read(&archive).map_err(|e| format!("{}: {e}", archive.display()))?;
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    bytes.hash(&mut hasher);
+    // A test binary carried to another machine may find no build directory there.
+    let mut root = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("fixtures");
+    if std::fs::create_dir_all(&root).is_err() {
+        root = std::env::temp_dir().join("candle-offload-fixtures");
+        std::fs::create_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+    }
+    let dir = root.join(format!("{name}-{:016x}", hasher.finish()));
+    if dir.is_dir() {
+        return Ok(dir);
+    }
+    // Unpacked beside it and renamed, so that a test process never sees half of it.
+    let partial = tempfile::Builder::new()
+        .prefix(&format!(".{name}-"))
+        .tempdir_in(&root)
+        .map_err(|e| format!("{}: {e}", root.display()))?;
+    let out = std::process::Command::new("tar")
+        .arg("xJf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(partial.path())
+        .output()
+        .map_err(|e| format!("cannot run tar to unpack {}: {e}", archive.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "tar xJf {}: {}",
+            archive.display(),
+            String::from_utf8_lossy(&out.stderr)
         ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-        let out = std::process::Command::new("tar")
-            .arg("xJf")
-            .arg(&archive)
-            .arg("-C")
-            .arg(&dir)
-            .output()
-            .map_err(|e| format!("cannot run tar to unpack {}: {e}", archive.display()))?;
-        if !out.status.success() {
+    }
+    let unpacked = partial.keep();
+    if std::fs::rename(&unpacked, &dir).is_err() {
+        // Another test process renamed its copy first: use that one.
+        let _ = std::fs::remove_dir_all(&unpacked);
+        if !dir.is_dir() {
             return Err(format!(
-                "tar xJf {}: {}",
-                archive.display(),
-                String::from_utf8_lossy(&out.stderr)
+                "cannot move {} to {}",
+                unpacked.display(),
+                dir.display()
             ));
         }
-        Ok(dir)
-    })
-    .clone()
-    .map_err(anyhow::Error::msg)
+    }
+    for old in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+        let path = old.path();
+        let stale = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+            n.strip_prefix(name)
+                .and_then(|rest| rest.strip_prefix('-'))
+                .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+        });
+        if stale && path != dir {
+            let _ = std::fs::remove_dir_all(&path);
+        }
+    }
+    Ok(dir)
 }

@@ -458,8 +458,10 @@ mod tests {
     #[test]
     fn units_past_the_cap_go_to_disk_in_unit_order() -> anyhow::Result<()> {
         // Three layers of 1 KiB and a 256-byte embedding, F32 in a safetensors file.
-        let dir = std::env::temp_dir().join(format!("candle-offload-store-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
+        let tmp = tempfile::Builder::new()
+            .prefix("candle-offload-store-")
+            .tempdir()?;
+        let dir = tmp.path();
         let path = dir.join("model.safetensors");
         let dev = Device::Cpu;
         let mut tensors = HashMap::new();
@@ -503,7 +505,6 @@ mod tests {
         assert!(store.unit(u).write(&[(meta, &new)]).is_err());
         let e = HostStore::from_safetensors(&[&path], &cfg(1000), &dev).unwrap_err();
         assert!(e.to_string().contains("host_memory_limit"), "{e}");
-        std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
 }

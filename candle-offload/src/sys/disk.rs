@@ -977,8 +977,10 @@ mod tests {
 
     #[test]
     fn reads_segments_converts_and_refuses_a_changed_file() -> anyhow::Result<()> {
-        let dir = std::env::temp_dir().join(format!("candle-offload-disk-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
+        let tmp = tempfile::Builder::new()
+            .prefix("candle-offload-disk-")
+            .tempdir()?;
+        let dir = tmp.path();
         let path = dir.join("w.bin");
         let values = [1.0f32, 2.0, 3.0, 4.0];
         let mut data = vec![9u8, 9, 9];
@@ -1056,15 +1058,16 @@ mod tests {
             .set_len(10)?;
         let e = tier.read_into(0..8, &mut all).unwrap_err().to_string();
         assert!(e.contains("w.bin") && e.contains("unit u"), "{e}");
-        std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
 
     #[test]
     fn merged_reads_stop_at_their_bound() -> anyhow::Result<()> {
         // Four 3 MiB rows in reverse order: adjacent in the file, but past `MAX_RUN` together.
-        let dir = std::env::temp_dir().join(format!("candle-offload-runs-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
+        let tmp = tempfile::Builder::new()
+            .prefix("candle-offload-runs-")
+            .tempdir()?;
+        let dir = tmp.path();
         let path = dir.join("rows.bin");
         let row = 3 << 20;
         let data: Vec<u8> = (0..4 * row).map(|i| (i / 4099 % 251) as u8).collect();
@@ -1082,7 +1085,6 @@ mod tests {
                 "row {k}"
             );
         }
-        std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
 
@@ -1093,8 +1095,10 @@ mod tests {
     fn direct_reads_equal_page_cache_reads_or_fall_back() -> anyhow::Result<()> {
         let dirs = [std::env::temp_dir(), PathBuf::from("/dev/shm")];
         for base in dirs.iter().filter(|d| d.is_dir()) {
-            let dir = base.join(format!("candle-offload-direct-{}", std::process::id()));
-            std::fs::create_dir_all(&dir)?;
+            let tmp = tempfile::Builder::new()
+                .prefix("candle-offload-direct-")
+                .tempdir_in(base)?;
+            let dir = tmp.path();
             let path = dir.join("w.bin");
             // Long enough for a read cut into more pieces than `READ_PARALLEL` threads.
             let len = (41 << 20) + 1234;
@@ -1147,16 +1151,16 @@ mod tests {
             let mut a = vec![0u8; 5000];
             late.read_exact_at(&mut a, 123)?;
             assert!(a == data[123..5123]);
-            std::fs::remove_dir_all(&dir)?;
         }
         Ok(())
     }
 
     #[test]
     fn read_ahead_serves_reads_and_still_checks_the_file() -> anyhow::Result<()> {
-        let dir =
-            std::env::temp_dir().join(format!("candle-offload-readahead-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
+        let tmp = tempfile::Builder::new()
+            .prefix("candle-offload-readahead-")
+            .tempdir()?;
+        let dir = tmp.path();
         let path = dir.join("w.bin");
         let data: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
         std::fs::write(&path, &data)?;
@@ -1201,7 +1205,6 @@ mod tests {
         drop(pool);
         tier.read_into(0..300, &mut out)?;
         assert_eq!(out, data[..300]);
-        std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
 
@@ -1209,8 +1212,10 @@ mod tests {
     /// its segments still read as zeros, whatever the buffer held.
     #[test]
     fn a_reused_staging_buffer_reads_its_gaps_as_zeros() -> anyhow::Result<()> {
-        let dir = std::env::temp_dir().join(format!("candle-offload-spare-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
+        let tmp = tempfile::Builder::new()
+            .prefix("candle-offload-spare-")
+            .tempdir()?;
+        let dir = tmp.path();
         let path = dir.join("w.bin");
         let data: Vec<u8> = (0..4000u32).map(|i| (i % 251) as u8 | 1).collect();
         std::fs::write(&path, &data)?;
@@ -1243,7 +1248,6 @@ mod tests {
         assert_eq!(out[256..1256], data[7..1007]);
         assert_eq!(out[1512..], data[3000..3488]);
         assert!(full.inner.read(0..2000, &mut out).is_ok() && out == data[..2000]);
-        std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
 
@@ -1252,8 +1256,10 @@ mod tests {
     /// with the tensor's name, whichever thread meets it.
     #[test]
     fn a_unit_reads_the_same_in_every_shape() -> anyhow::Result<()> {
-        let dir = std::env::temp_dir().join(format!("candle-offload-shape-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
+        let tmp = tempfile::Builder::new()
+            .prefix("candle-offload-shape-")
+            .tempdir()?;
+        let dir = tmp.path();
         let path = dir.join("w.bin");
         let len = (7 << 20) + 333;
         let data: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
@@ -1317,7 +1323,6 @@ mod tests {
             let (seg, e) = read_plain(&[&pa, &pc], &mut out, shape).unwrap_err();
             assert_eq!((&*seg.name, e.kind()), ("c", io::ErrorKind::UnexpectedEof));
         }
-        std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
 }

@@ -155,7 +155,11 @@ mod tests {
 
     #[test]
     fn finds_wheel_dirs_and_reports_a_file_that_is_not_nccl() {
-        let root = std::env::temp_dir().join(format!("candle-offload-nccl-{}", std::process::id()));
+        let tmp = tempfile::Builder::new()
+            .prefix("candle-offload-nccl-")
+            .tempdir()
+            .unwrap();
+        let root = tmp.path().to_path_buf();
         let lib = root.join("lib/python3.12/site-packages/nvidia/nccl/lib");
         std::fs::create_dir_all(&lib).unwrap();
         std::fs::create_dir_all(root.join("lib/python3.12/site-packages/nvidia/cublas/lib"))
@@ -176,6 +180,5 @@ mod tests {
             // A real one on the loader path is found first; the fake never loads.
             Some(f) => assert!(f.on_loader_path && f.path != fake, "{f:?}"),
         }
-        std::fs::remove_dir_all(&root).unwrap();
     }
 }
