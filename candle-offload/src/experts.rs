@@ -293,28 +293,10 @@ impl ExpertSlots {
     }
 }
 
-impl std::str::FromStr for ExpertSlots {
-    type Err = String;
-    /// `spread` or `layers`.
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "spread" => Ok(Self::Spread),
-            "layers" => Ok(Self::Layers),
-            other => Err(format!(
-                "expert slots `{other}`: expected `spread` or `layers`"
-            )),
-        }
-    }
-}
-
-impl std::fmt::Display for ExpertSlots {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Spread => "spread",
-            Self::Layers => "layers",
-        })
-    }
-}
+keyword_enum!(ExpertSlots, "expert_slots", crate::Error, [crate::Error::InvalidConfig], {
+    Spread => "spread",
+    Layers => "layers",
+});
 
 /// Measured rates a missing expert's price is made of (bytes and FLOPs per second).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -497,28 +479,10 @@ pub enum ExpertAdmission {
     Repeat,
 }
 
-impl std::str::FromStr for ExpertAdmission {
-    type Err = String;
-    /// `always` or `repeat`.
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "always" => Ok(Self::Always),
-            "repeat" => Ok(Self::Repeat),
-            other => Err(format!(
-                "expert admission `{other}`: expected `always` or `repeat`"
-            )),
-        }
-    }
-}
-
-impl std::fmt::Display for ExpertAdmission {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Always => "always",
-            Self::Repeat => "repeat",
-        })
-    }
-}
+keyword_enum!(ExpertAdmission, "expert_admission", crate::Error, [crate::Error::InvalidConfig], {
+    Always => "always",
+    Repeat => "repeat",
+});
 
 /// Per layer, the last misses an [`ExpertAdmission::Repeat`] cache remembers. Pure.
 #[derive(Debug, Clone, PartialEq)]
@@ -614,30 +578,11 @@ pub enum ExpertRoute {
     Device,
 }
 
-impl std::str::FromStr for ExpertRoute {
-    type Err = String;
-    /// `auto`, `host` or `device`.
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "auto" => Ok(Self::Auto),
-            "host" => Ok(Self::Host),
-            "device" => Ok(Self::Device),
-            other => Err(format!(
-                "expert route `{other}`: expected `auto`, `host` or `device`"
-            )),
-        }
-    }
-}
-
-impl std::fmt::Display for ExpertRoute {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Auto => "auto",
-            Self::Host => "host",
-            Self::Device => "device",
-        })
-    }
-}
+keyword_enum!(ExpertRoute, "expert_route", crate::Error, [crate::Error::InvalidConfig], {
+    Auto => "auto",
+    Host => "host",
+    Device => "device",
+});
 
 /// Decode steps a [`RouteChooser`] keeps on the faster route between two probes of the other,
 /// at the least.
@@ -794,36 +739,30 @@ pub enum ExpertSplit {
     Fetch,
 }
 
-impl std::str::FromStr for ExpertSplit {
-    type Err = String;
-    /// `auto`, `on`, `off` or `fetch`.
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "auto" => Ok(Self::Auto),
-            "on" => Ok(Self::On),
-            "off" => Ok(Self::Off),
-            "fetch" => Ok(Self::Fetch),
-            other => Err(format!(
-                "expert split `{other}`: expected `auto`, `on`, `off` or `fetch`"
-            )),
-        }
-    }
-}
+keyword_enum!(ExpertSplit, "expert_split", crate::Error, [crate::Error::InvalidConfig], {
+    Auto => "auto",
+    On => "on",
+    Off => "off",
+    Fetch => "fetch",
+});
 
 impl std::str::FromStr for ExpertPolicy {
-    type Err = String;
+    type Err = crate::Error;
     /// `lru`, or `lfu` / `lfu:HALF_LIFE` (accesses of a layer; 256 by default).
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
+    fn from_str(s: &str) -> crate::Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
             "lru" => Ok(Self::Lru),
             "lfu" => Ok(Self::Lfu {
                 half_life: DEFAULT_LFU_HALF_LIFE,
             }),
             other => match other.strip_prefix("lfu:").map(|h| h.parse::<f64>()) {
                 Some(Ok(h)) if h > 0.0 && h.is_finite() => Ok(Self::Lfu { half_life: h }),
-                _ => Err(format!(
-                    "expert policy `{other}`: expected `lru`, `lfu` or `lfu:HALF_LIFE` (a positive number of accesses)"
-                )),
+                _ => Err(crate::Error::InvalidConfig {
+                    field: "expert_policy".into(),
+                    reason: format!(
+                        "{other:?} is not one of lru, lfu, lfu:HALF_LIFE (a positive number of accesses)"
+                    ),
+                }),
             },
         }
     }
@@ -1073,11 +1012,6 @@ mod tests {
             ExpertSlots::Layers.per_layer(u64::MAX, 1 << 20, &sparse, 4),
             vec![4, 4, 0, 4, 4]
         );
-        assert_eq!("layers".parse::<ExpertSlots>(), Ok(ExpertSlots::Layers));
-        assert!("rows"
-            .parse::<ExpertSlots>()
-            .unwrap_err()
-            .contains("`rows`"));
     }
 
     /// An H200 host: the CPU reads ~60 GB/s and computes ~1 TFLOP/s; the link moves ~25 GB/s;
@@ -1156,8 +1090,6 @@ mod tests {
         assert_eq!(c.estimate(true), before);
         c.record(true, f64::NAN);
         assert_eq!(c.estimate(true), before);
-        assert_eq!("device".parse::<ExpertRoute>(), Ok(ExpertRoute::Device));
-        assert!("gpu".parse::<ExpertRoute>().unwrap_err().contains("`gpu`"));
     }
 
     /// A route that stays far behind is probed ever more rarely, up to the longest spacing; one

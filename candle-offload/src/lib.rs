@@ -75,6 +75,9 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+#[macro_use]
+mod keywords;
+
 pub mod budget;
 pub mod cache;
 pub mod diag;

@@ -10,9 +10,6 @@
 //! `balanced` the midpoint. A budget below the floor at depth 0 is refused with the MiB missing;
 //! a budget that only fits a shallower prefetch gets the deepest depth that fits.
 
-use std::fmt;
-use std::str::FromStr;
-
 use crate::budget::{human_bytes, Budget};
 use crate::error::{Error, Result};
 
@@ -30,30 +27,11 @@ pub enum OffloadStrategy {
     Aggressive,
 }
 
-impl FromStr for OffloadStrategy {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "minimal" => Ok(Self::Minimal),
-            "balanced" => Ok(Self::Balanced),
-            "aggressive" => Ok(Self::Aggressive),
-            other => Err(Error::InvalidConfig {
-                field: "offload_strategy".into(),
-                reason: format!("{other:?} is not one of minimal, balanced, aggressive"),
-            }),
-        }
-    }
-}
-
-impl fmt::Display for OffloadStrategy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Minimal => "minimal",
-            Self::Balanced => "balanced",
-            Self::Aggressive => "aggressive",
-        })
-    }
-}
+keyword_enum!(OffloadStrategy, "offload_strategy", Error, [Error::InvalidConfig], {
+    Minimal => "minimal",
+    Balanced => "balanced",
+    Aggressive => "aggressive",
+});
 
 /// The deepest prefetch the runtime and the placement planner accept.
 pub const MAX_PREFETCH_DEPTH: usize = 3;

@@ -5,7 +5,6 @@
 use std::fmt;
 use std::ops::Range;
 use std::path::PathBuf;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -85,28 +84,10 @@ pub enum PlacementMode {
     Balanced,
 }
 
-impl FromStr for PlacementMode {
-    type Err = PlacementError;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "sequential" => Ok(Self::Sequential),
-            "balanced" => Ok(Self::Balanced),
-            other => Err(PlacementError::InvalidRequest {
-                field: "device_map".into(),
-                reason: format!("{other:?} is not one of sequential, balanced"),
-            }),
-        }
-    }
-}
-
-impl fmt::Display for PlacementMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Sequential => "sequential",
-            Self::Balanced => "balanced",
-        })
-    }
-}
+keyword_enum!(PlacementMode, "device_map", PlacementError, [PlacementError::InvalidRequest], {
+    Sequential => "sequential",
+    Balanced => "balanced",
+});
 
 /// One device's memory, already resolved to bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

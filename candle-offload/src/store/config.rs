@@ -142,28 +142,10 @@ pub enum EngineKind {
     Managed,
 }
 
-impl std::str::FromStr for EngineKind {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "explicit" | "copy" => Ok(Self::Explicit),
-            "managed" | "um" | "unified" => Ok(Self::Managed),
-            other => Err(Error::InvalidConfig {
-                field: "engine".into(),
-                reason: format!("{other:?} is not an engine (explicit or managed)"),
-            }),
-        }
-    }
-}
-
-impl std::fmt::Display for EngineKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Explicit => "explicit",
-            Self::Managed => "managed",
-        })
-    }
-}
+keyword_enum!(EngineKind, "engine", crate::Error, [crate::Error::InvalidConfig], {
+    Explicit => "explicit" | "copy",
+    Managed => "managed" | "um" | "unified",
+});
 
 /// The host-memory cap when none is given: 3/4 of the machine's RAM. The quarter left is for
 /// the OS and other programs, the activations and KV cache (on the CPU engine they live in

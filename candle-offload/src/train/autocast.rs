@@ -10,14 +10,11 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Shape, Tensor, TensorId};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder, VarMap};
-
-use crate::error::{Error, Result};
 
 /// The compute precision of a training run (`--autocast f16|bf16|off`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -47,30 +44,11 @@ impl Precision {
     }
 }
 
-impl FromStr for Precision {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "off" | "f32" | "fp32" | "none" => Ok(Self::F32),
-            "f16" | "fp16" | "half" => Ok(Self::F16),
-            "bf16" => Ok(Self::BF16),
-            other => Err(Error::InvalidConfig {
-                field: "autocast".into(),
-                reason: format!("{other:?} is not one of f16, bf16, off"),
-            }),
-        }
-    }
-}
-
-impl fmt::Display for Precision {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::F32 => "off",
-            Self::F16 => "f16",
-            Self::BF16 => "bf16",
-        })
-    }
-}
+keyword_enum!(Precision, "autocast", crate::Error, [crate::Error::InvalidConfig], {
+    F32 => "off" | "f32" | "fp32" | "none",
+    F16 => "f16" | "fp16" | "half",
+    BF16 => "bf16",
+});
 
 /// The autocast policy: master weights and delicate ops in F32, matmuls in the compute dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
