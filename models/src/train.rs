@@ -583,67 +583,15 @@ impl Trainer {
             candle_offload::diag::keep_pool_memory(device, true)?;
             Source::Resident(varmap)
         };
-        let head_chunks = settings
-            .head_chunks
-            .unwrap_or_else(|| head_chunks_for(&cfg, settings.batch_size, settings.seq_len));
-        let loss_chunk = settings
-            .loss_chunk_tokens
-            .unwrap_or_else(|| ((128usize << 20) / (cfg.vocab_size * 4)).max(64));
-        let max_len = settings.seq_len.max(1);
-        let rope = cfg
-            .family
-            .rope(&cfg, max_len, autocast.compute_dtype(), device)?;
-        let opt = if master_device.is_cpu() {
-            Adam::Host(HostAdamW::new(vars.clone(), settings.adamw.clone())?)
-        } else if settings.fused {
-            Adam::Fused(FusedAdamW::new(vars.clone(), settings.adamw.clone())?)
-        } else {
-            Adam::Device(AdamW::new(vars.clone(), settings.adamw.clone())?)
-        };
-        let scaler = if settings.precision.needs_loss_scaling() {
-            GradScaler::new(GradScalerConfig::default())
-        } else {
-            GradScaler::disabled()
-        };
-        // Last, so that no error after it leaves the context without tracking.
-        let tracking_was = match source_kind {
-            Source::Resident(_) if !settings.event_tracking && !device.is_cpu() => {
-                Some(candle_offload::train::set_event_tracking(device, false)?)
-            }
-            _ => None,
-        };
-        Ok(Self {
-            tracking_was,
-            core: Arc::new(Core {
-                family: cfg.family.clone(),
-                layout: cfg.layout(),
-                cfg,
-                autocast,
-                device: device.clone(),
-                rope,
-                head_chunks,
-                loss_chunk,
-                fused: settings.fused,
-                hand_backward: settings.hand_backward,
-                origins: CastOrigins::default(),
-                weight_grads: Mutex::new(None),
-                hand_grads: Arc::new(AtomicUsize::new(0)),
-                source: source_kind,
-                held: Mutex::new(Vec::new()),
-                leaf_names: Mutex::new(HashMap::new()),
-                host_grads: Mutex::new(HashMap::new()),
-                host_staging: Mutex::new(candle_offload::train::HostGradients::new()),
-                spare_grads: Mutex::new(HashMap::new()),
-                adapters: None,
-            }),
-            opt,
-            vars,
-            names,
-            scaler,
-            checkpoint_segments: settings.checkpoint_segments,
-            recomputes: 0,
-            observer: None,
-        })
+        Self::assemble(
+            cfg,
+            settings,
+            device,
+            source_kind,
+            None,
+            (names, vars),
+            master_device.is_cpu(),
+        )
     }
 
     /// A trainer over the weights of `files` (safetensors or GGUF, dequantized).
@@ -770,33 +718,67 @@ impl Trainer {
                 ..Default::default()
             },
         )?;
-        let (names, vars): (Vec<String>, Vec<Var>) = adapters.named_vars().into_iter().unzip();
-        let opt = if device.is_cpu() {
-            Adam::Host(HostAdamW::new(vars.clone(), settings.adamw.clone())?)
-        } else if settings.fused {
-            Adam::Fused(FusedAdamW::new(vars.clone(), settings.adamw.clone())?)
-        } else {
-            Adam::Device(AdamW::new(vars.clone(), settings.adamw.clone())?)
-        };
+        let params = adapters.named_vars().into_iter().unzip();
+        Self::assemble(
+            cfg,
+            settings,
+            device,
+            Source::Frozen(rt),
+            Some(adapters),
+            params,
+            device.is_cpu(),
+        )
+    }
+
+    /// What every constructor makes alike around the trained parameters (`names`, `vars`)
+    /// and the weights' `source`: the optimizer (AdamW on the host where `host_masters`), the
+    /// head's and the loss's chunks, the rotary tables and the loss scaler.
+    fn assemble(
+        cfg: Config,
+        settings: &TrainSettings,
+        device: &Device,
+        source: Source,
+        adapters: Option<Arc<crate::lora::Adapters>>,
+        (names, vars): (Vec<String>, Vec<Var>),
+        host_masters: bool,
+    ) -> std::result::Result<Self, ModelError> {
+        let autocast = Autocast::new(settings.precision);
         let head_chunks = settings
             .head_chunks
             .unwrap_or_else(|| head_chunks_for(&cfg, settings.batch_size, settings.seq_len));
         let loss_chunk = settings
             .loss_chunk_tokens
             .unwrap_or_else(|| ((128usize << 20) / (cfg.vocab_size * 4)).max(64));
-        let rope = cfg
-            .family
-            .rope(&cfg, settings.seq_len.max(1), compute, device)?;
+        let rope = cfg.family.rope(
+            &cfg,
+            settings.seq_len.max(1),
+            autocast.compute_dtype(),
+            device,
+        )?;
+        let opt = if host_masters {
+            Adam::Host(HostAdamW::new(vars.clone(), settings.adamw.clone())?)
+        } else if settings.fused {
+            Adam::Fused(FusedAdamW::new(vars.clone(), settings.adamw.clone())?)
+        } else {
+            Adam::Device(AdamW::new(vars.clone(), settings.adamw.clone())?)
+        };
         let scaler = if settings.precision.needs_loss_scaling() {
             GradScaler::new(GradScalerConfig::default())
         } else {
             GradScaler::disabled()
         };
+        // Last, so that no error after it leaves the context without tracking.
+        let tracking_was = match source {
+            Source::Resident(_) if !settings.event_tracking && !device.is_cpu() => {
+                Some(candle_offload::train::set_event_tracking(device, false)?)
+            }
+            _ => None,
+        };
         Ok(Self {
-            tracking_was: None,
+            tracking_was,
             core: Arc::new(Core {
                 family: cfg.family.clone(),
-                layout,
+                layout: cfg.layout(),
                 cfg,
                 autocast,
                 device: device.clone(),
@@ -808,13 +790,13 @@ impl Trainer {
                 origins: CastOrigins::default(),
                 weight_grads: Mutex::new(None),
                 hand_grads: Arc::new(AtomicUsize::new(0)),
-                source: Source::Frozen(rt),
+                source,
                 held: Mutex::new(Vec::new()),
                 leaf_names: Mutex::new(HashMap::new()),
                 host_grads: Mutex::new(HashMap::new()),
                 host_staging: Mutex::new(candle_offload::train::HostGradients::new()),
                 spare_grads: Mutex::new(HashMap::new()),
-                adapters: Some(adapters),
+                adapters,
             }),
             opt,
             vars,
