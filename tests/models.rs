@@ -1236,9 +1236,9 @@ test_device!(
 
 /// The default SmolLM2 GGUF loaded with its Q4_1 layer projections kept as GGML blocks (the
 /// CPU's quantized matmuls) and offloaded: every projection is kept as blocks, and the first
-/// step's logits stay close to the dequantized model's. (Greedy answers are compared with
-/// llama.cpp's in the closing note of issue 11, not here: this model is small enough that the
-/// two numerics pick different tokens on some prompts.)
+/// step's logits stay close to the dequantized model's. (Greedy answers are not compared with
+/// llama.cpp's here: this model is small enough that the two numerics pick different tokens on
+/// some prompts.)
 #[test]
 fn smollm2_gguf_runs_with_quantized_blocks() -> anyhow::Result<()> {
     let gguf = loader::default_model_gguf(false)?;

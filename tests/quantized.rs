@@ -703,9 +703,9 @@ fn unmatched_spares_trim_the_weight_pool(dev: &Device) -> anyhow::Result<()> {
 }
 
 /// A device stage behind a host layer serves that layer too (for prompts, outside its schedule),
-/// yet keeps the layers it runs at their own sizes when they fit so (`runtime::staying`): the
-/// 7B Q4_K_M at 4 GiB charged all its layers their padded sizes, 13% more, and streamed 0.52 GB
-/// a token with a split that would have held its layers at their own sizes (2026-12-03). A budget
+/// yet keeps the layers it runs at their own sizes when they fit so (`runtime::staying`), rather
+/// than charging every layer its padded size (13% more on a 7B Q4_K_M, enough to stream 0.52 GB
+/// a token at 4 GiB where the layers fit at their own sizes). A budget
 /// for the stage's reservation, its kept units and one padded layer (the host layer streams
 /// through it for prompts) holds the stage's layer at its own size (not for good: a prompt may
 /// evict it); decode steps fetch nothing, and the logits are the unlimited model's.

@@ -711,8 +711,8 @@ mod tests {
     }
 
     /// A split that streams nothing may run its device layers faster (replayed from a graph):
-    /// the 7B Q4_K_M shape at 4 GiB, prompt 512 (measured 2026-12-03: 2 host layers and the
-    /// head, 0.52 GB streamed a token, 15.5 ms a step), priced with the measured rates but a
+    /// the 7B Q4_K_M shape at 4 GiB, prompt 512 (measured: 2 host layers and the head, 0.52 GB
+    /// streamed a token, 15.5 ms a step), priced with the measured rates but a
     /// faster link (70 GB/s: at 55 the overlap's loss alone takes it to a resident split),
     /// streams with one host layer at equal rates and takes three and streams nothing once
     /// resident layers cost 0.6 of an eager one; the eager rates are `SplitRates::even`'s.
@@ -782,11 +782,11 @@ mod tests {
     }
 
     /// The splits `spread:auto` priced for a 13B Q8_0 at 12 GiB with a 512-token prompt
-    /// (2026-12-03, file `2026-12-03-stop44-13b-q8_0-8-12gib-7b58879-h200.json`; host layers,
-    /// head on the host, compute and copies in ms). Priced as the larger of the two, the
-    /// choice was three host layers and the head, streaming 1.01 GB a step: measured 32.9 ms
-    /// (0.89x llama.cpp). With the overlap's loss it is four and the head, streaming nothing:
-    /// measured 27.5 ms (0.985x) in the next session.
+    /// (measured: `benches/results/2026-12-03/2026-12-03-stop44-13b-q8_0-8-12gib-7b58879-h200.json`;
+    /// host layers, head on the host, compute and copies in ms). Priced as the larger of the
+    /// two, the choice is three host layers and the head, streaming 1.01 GB a step, measured at
+    /// 32.9 ms (0.89x llama.cpp). With the overlap's loss it is four and the head, streaming
+    /// nothing, measured at 27.5 ms (0.985x).
     #[test]
     fn the_overlaps_loss_keeps_a_measured_13b_split_resident() {
         #[rustfmt::skip]
@@ -804,12 +804,11 @@ mod tests {
     }
 
     /// The splits `spread:auto` priced for a 7B Q8_0 at 4 GiB with a 64-token prompt
-    /// (2026-12-04, file `2026-12-04-stop51-spread-resident-loss-9e01ec2-h200.json`; host
-    /// layers, head on the host, compute and copies in ms; the neighbours of the two that ran).
-    /// Without [`RESIDENT_SPLIT_LOSS`] the choice was 14 host layers and the head, nothing
-    /// streaming: measured 44.6 ms a step, 0.96x llama.cpp. With it, ten and the head,
-    /// streaming: ten (without the head) ran 37.4 ms in the call before, and ten and the head
-    /// 38.0 on 2026-12-03.
+    /// (measured: `benches/results/2026-12-04/2026-12-04-stop51-spread-resident-loss-9e01ec2-h200.json`;
+    /// host layers, head on the host, compute and copies in ms; the neighbours of the two that
+    /// ran). Without [`RESIDENT_SPLIT_LOSS`] the choice is 14 host layers and the head, nothing
+    /// streaming, measured at 44.6 ms a step (0.96x llama.cpp). With it, ten and the head,
+    /// streaming, measured at 37.4-38.0 ms.
     #[test]
     fn a_split_that_streams_nothing_pays_its_measured_loss() {
         #[rustfmt::skip]

@@ -1,7 +1,7 @@
 //! Greedy tokens of requests run alone against the same requests in one continuous batch
 //! ([`Batcher`]), on one device: how many tokens agree, where they first differ, and there the
 //! logit margin of the request's own run between its token and the batch's (top-1 minus the
-//! batch's choice): the serving issue's check on a GPU, whose batched kernels differ from a
+//! batch's choice): the check of batched serving on a GPU, whose batched kernels differ from a
 //! single sequence's, so that a difference is either a near-tie or a fault.
 //!
 //! Run with: `cargo run --release --features cuda -p candle-offload-bench --bin batch_parity --
