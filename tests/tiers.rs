@@ -191,7 +191,7 @@ test_device!(
 #[test]
 fn tiers_managed_engine_equals_explicit_gpu() -> anyhow::Result<()> {
     let device = Device::new_cuda_with_stream(0)?;
-    let (dir, files) = tiny("managed")?;
+    let (_dir, files) = tiny("managed")?;
     let managed = |dtype| -> anyhow::Result<HostStore> {
         let cfg = StoreConfig {
             dtype: Some(dtype),
