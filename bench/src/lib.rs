@@ -5,6 +5,8 @@
 
 use std::path::Path;
 
+pub mod llamacpp;
+
 use candle_core::Device;
 
 /// What a benchmark measures of the machine before it starts: the device memory the CUDA
