@@ -399,7 +399,14 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
             (ExpertPolicy::Lru, true, ExpertSplit::Fetch, 1, spread),
             (ExpertPolicy::Lru, true, ExpertSplit::Fetch, 2, spread),
         ] {
-            let m = half_experts_model(
+            // Whole layers under a budget for three quarters of the experts: the last layer
+            // holds all of its experts, the layer before it part of them.
+            let share = if slots == ExpertSlots::Layers {
+                0.75
+            } else {
+                0.5
+            };
+            let m = share_of_experts_model(
                 &files,
                 device,
                 false,
@@ -407,6 +414,7 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
                     .with_prefetch(prefetch)
                     .with_guess_layers(guess)
                     .with_slots(slots),
+                share,
             )?;
             assert!(m.warm_up()? > 0, "the host's copies of the experts");
             for pass in 0..2 {
@@ -464,12 +472,26 @@ fn moe_expert_tier_splits_and_keeps_the_logits(device: &Device) -> anyhow::Resul
                 .collect();
             if slots == ExpertSlots::Layers {
                 // Whole layers from the last, the rest in the next one down, none below.
-                assert_eq!(sparse_slots.first(), Some(&0), "{name}: {:?}", s.slots);
+                assert_eq!(sparse_slots.last(), Some(&count), "{name}: {:?}", s.slots);
                 assert!(
                     sparse_slots.windows(2).all(|w| w[0] == 0 || w[1] == count),
                     "{name}: slots {:?} of {count}",
                     s.slots
                 );
+                // A layer with a slot for every expert fetches each miss, which then stays:
+                // none is computed on the host, no expert misses twice there, none is evicted.
+                for (l, c) in s.layers.iter().enumerate() {
+                    if s.slots[l] >= count {
+                        assert!(
+                            s.on_host_by_layer[l] == 0
+                                && c.misses <= count as u64
+                                && c.evictions == 0,
+                            "{name}: whole layer {l}: {c:?}, {} on the host",
+                            s.on_host_by_layer[l]
+                        );
+                    }
+                }
+                assert!(s.on_host > 0, "{name}: the layers without slots: {s:?}");
             } else {
                 assert!(
                     sparse_slots.iter().all(|&n| n > 0 && n < count),
@@ -781,6 +803,12 @@ fn moe_whole_layers_route_on_the_device(device: &Device) -> anyhow::Result<()> {
             assert!(h.slots.iter().all(|&x| x < n), "{name}: {:?}", h.slots);
             assert_eq!(h.device_routed + h.whole_routed, 0, "{name}: {h:?}");
             assert!(h.on_host > 0 && s.on_host > 0, "{name}: {s:?} {h:?}");
+            // The whole layer's misses were fetched, none computed on the host.
+            for (l, &slots) in s.slots.iter().enumerate() {
+                if slots >= n {
+                    assert_eq!(s.on_host_by_layer[l], 0, "{name} {route} layer {l}: {s:?}");
+                }
+            }
             if device.is_cuda() {
                 assert!(s.whole_routed > 0, "{name} {route}: {s:?}");
                 assert!(s.whole_routed <= s.device_routed, "{name} {route}: {s:?}");

@@ -1018,6 +1018,12 @@ fn expert_fields(
         "experts_declined_per_token": (b.declined - a.declined) as f64 / n,
         "experts_prefetch_used_per_token": (b.prefetch_used - a.prefetch_used) as f64 / n,
         "experts_on_host_per_token": (b.on_host - a.on_host) as f64 / n,
+        "experts_on_host_per_token_by_layer": a
+            .on_host_by_layer
+            .iter()
+            .zip(&b.on_host_by_layer)
+            .map(|(x, y)| (y - x) as f64 / n)
+            .collect::<Vec<_>>(),
         "experts_mapped_per_token": (b.mapped - a.mapped) as f64 / n,
         "expert_layers_routed_on_device_per_token": (b.device_routed - a.device_routed) as f64 / n,
         "expert_whole_layers_routed_on_device_per_token":

@@ -256,6 +256,8 @@ pub struct ExpertStats {
     pub prefetch_used: u64,
     /// Routed experts computed on the host CPU.
     pub on_host: u64,
+    /// Of those, each decoder layer's (dense layers' stay 0).
+    pub on_host_by_layer: Vec<u64>,
     /// Routed experts the device chose and read from their host copies (not resident).
     pub mapped: u64,
     /// Of those, the ones the cache did not take a slot for (`ExpertAdmission::Repeat`: not
@@ -376,6 +378,12 @@ struct TierState {
     /// table knows each of them; a host step routes there only its layers with every
     /// expert resident).
     device_step_done: bool,
+    /// The sparse layers (those with experts).
+    sparse_layers: usize,
+    /// The layers the step in progress routes on the device only because every expert of
+    /// theirs is resident: counted in [`ExpertStats::whole_routed`] when their choices are
+    /// read back, as [`ExpertStats::device_routed`] counts every such row.
+    whole_this_step: Vec<usize>,
     /// When the step in progress reached its first sparse layer.
     step_started: Option<std::time::Instant>,
     /// The route of the decode step before the one in progress (`None`: it was no decode
@@ -544,13 +552,15 @@ impl ExpertTier {
             guess_layers: options.guess_layers.max(1),
             route: options.route,
             whole_layers: most >= x.count,
-            // Where every expert has a slot, a miss is fetched once and stays.
+            // Where every expert of every sparse layer has a slot, a miss is fetched once and
+            // stays (per layer: `SplitExperts::split`).
             host_compute: options.split != ExpertSplit::Fetch && fewest < x.count,
             state: Mutex::new(TierState {
                 cache: ExpertCache::new(options.policy, x.count, &slots),
                 layers: x.sparse.len(),
                 stats: ExpertStats {
                     experts_per_layer: x.count,
+                    on_host_by_layer: vec![0; x.sparse.len()],
                     expert_bytes: largest,
                     dense_bytes: sizing.dense,
                     // The host's rate is unknown until it has computed experts: priced as the
@@ -572,6 +582,8 @@ impl ExpertTier {
                 chooser: RouteChooser::default(),
                 step_on_device: None,
                 device_step_done: false,
+                sparse_layers,
+                whole_this_step: Vec::new(),
                 step_started: None,
                 prev_route: None,
                 last_layer: None,
@@ -587,14 +599,9 @@ impl ExpertTier {
     /// steps that compute them (`OffloadRuntime::warm_up` of its CPU runtime). Returns the
     /// bytes copied.
     pub(crate) fn warm_up(&self) -> Result<u64> {
-        let all_fit = self.state.lock().is_ok_and(|st| {
-            (0..st.layers).all(|l| {
-                let slots = st.cache.slots(l);
-                slots == 0 || slots >= st.stats.experts_per_layer
-            })
-        });
-        if all_fit {
-            // Every expert has a slot: the host computes none once the cache is warm.
+        if !self.host_compute {
+            // The host computes none: every miss is fetched (every expert has a slot, or
+            // `ExpertSplit::Fetch`).
             return Ok(0);
         }
         self.host.warm_up()
@@ -626,11 +633,18 @@ impl SplitExperts<'_> {
         self.device.unit(layer, e)
     }
 
+    /// Whether `layer` has a slot for every expert: a miss there is fetched once and stays, so
+    /// that the layer comes to hold them all
+    /// ([`ExpertSlots::Layers`](candle_offload::experts::ExpertSlots::Layers)).
+    fn whole_layer(&self, st: &TierState, layer: usize) -> bool {
+        st.cache.slots(layer) >= st.stats.experts_per_layer
+    }
+
     /// For `missing` experts of `layer` (`(expert, rows routed to it)`): each one's host bytes
     /// and whether to fetch it, by [`split_missing`] over their prices at the tier's measured
     /// rates (the host reads an expert's weights once per [`HOST_ROWS_PER_READ`] rows); all
-    /// fetched where the host computes none, none where the layer has no slot and nothing
-    /// streams.
+    /// fetched where the host computes none or the layer has a slot for every expert, none
+    /// where the layer has no slot and nothing streams.
     fn split(
         &self,
         st: &mut TierState,
@@ -644,7 +658,7 @@ impl SplitExperts<'_> {
             .collect::<Result<_>>()?;
         let fetch = if st.cache.slots(layer) == 0 && self.tier.stream_depth == 0 {
             vec![false; missing.len()]
-        } else if !self.tier.host_compute {
+        } else if !self.tier.host_compute || self.whole_layer(st, layer) {
             vec![true; missing.len()]
         } else {
             let stats = &st.stats;
@@ -750,15 +764,22 @@ impl SplitExperts<'_> {
         }
         st.untimed = false;
         st.step_started = Some(now);
-        st.device_step_done |= st.step_on_device == Some(true);
-        st.step_on_device = None;
+        let on_device = st.step_on_device.take() == Some(true);
+        let whole = std::mem::take(&mut st.whole_this_step);
         let Some(routes) = st.routes_mut() else {
             return Ok(());
         };
         let settled = routes.settle()?;
+        // The table knows every sparse layer once a step routed each of them on the device (a
+        // step marked so whose rows never asked, fused ops off, leaves it as it was).
+        let layers_read: HashSet<usize> = settled.iter().map(|(l, _)| *l).collect();
+        st.device_step_done |= on_device && layers_read.len() == st.sparse_layers;
         let store = self.device.rt.store().clone();
         for (l, chosen) in settled {
             st.stats.device_routed += 1;
+            if whole.contains(&l) {
+                st.stats.whole_routed += 1;
+            }
             let chosen: Vec<usize> = chosen.into_iter().map(|e| e as usize).collect();
             let mut missing = Vec::new();
             for &e in &chosen {
@@ -924,7 +945,7 @@ impl ExpertUnits for SplitExperts<'_> {
         let missing_routed: Vec<(usize, usize)> = missing.iter().map(|&i| routed[i]).collect();
         let (bytes, mut fetch) = tracing::debug_span!("moe.place.split")
             .in_scope(|| self.split(&mut st, layer, &missing_routed))?;
-        if decode && self.tier.host_compute {
+        if decode && self.tier.host_compute && !self.whole_layer(&st, layer) {
             st.host_probe.place(&mut fetch);
         }
         let can_stream = self.tier.stream_depth > 0;
@@ -965,7 +986,11 @@ impl ExpertUnits for SplitExperts<'_> {
         st.stats.resident += resident as u64;
         st.stats.fetched += fetched;
         st.stats.streamed += streamed;
-        st.stats.on_host += (missing.len() as u64).saturating_sub(fetched + streamed);
+        let host_experts = (missing.len() as u64).saturating_sub(fetched + streamed);
+        st.stats.on_host += host_experts;
+        if let Some(n) = st.stats.on_host_by_layer.get_mut(layer) {
+            *n += host_experts;
+        }
         st.stats.host_bytes += host_bytes;
         if let Some(w) = st.placed_host.get_mut(layer) {
             *w = on_host;
@@ -1135,7 +1160,7 @@ impl ExpertUnits for SplitExperts<'_> {
         };
         self.adopt_ready(&mut st, layer, shape)?;
         if whole {
-            st.stats.whole_routed += 1;
+            st.whole_this_step.push(layer);
         }
         let routes = st
             .routes_mut()
