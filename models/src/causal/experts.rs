@@ -1042,12 +1042,14 @@ impl ExpertUnits for SplitExperts<'_> {
         if rows != 1 {
             return Vec::new();
         }
+        // A guess for a layer with no slot, or with every expert resident, fetches nothing.
         st.routers
             .iter()
             .enumerate()
             .skip(layer + 1)
             .filter_map(|(n, r)| r.clone().map(|(l, g)| (n, l, g)))
             .take(self.tier.guess_layers)
+            .filter(|(n, _, _)| st.cache.slots(*n) > 0 && !st.cache.all_resident(*n))
             .collect()
     }
 
