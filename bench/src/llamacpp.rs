@@ -182,6 +182,9 @@ impl LlamaCpp {
             self.layers + 1
         };
         let mut out = Vec::new();
+        // Each budget's answer at the prompt length before: the next one's first guess (a
+        // longer prompt's context takes a little more), ahead of `hints`.
+        let mut found: Vec<Option<u32>> = vec![None; budgets.len()];
         for &prompt in prompts {
             // Each `-ngl` is probed once per prompt length, whichever budgets ask for it.
             let mut probes: std::collections::BTreeMap<u32, u64> = Default::default();
@@ -207,7 +210,10 @@ impl LlamaCpp {
                 let ngl = match budget {
                     None => all,
                     Some(b) => {
-                        most_layers_within(all, b, self.hints.get(i).copied(), &mut peak_at)?
+                        let hint = found[i].or(self.hints.get(i).copied());
+                        let n = most_layers_within(all, b, hint, &mut peak_at)?;
+                        found[i] = Some(n);
+                        n
                     }
                 };
                 // Two runs, so that no test's context is longer than our run's: the prefill
@@ -239,49 +245,64 @@ impl LlamaCpp {
 /// The largest `n` in `0..=all` whose `peak_at(n)` is within `budget` (0 when none is). Peaks
 /// grow with `n`, nearly linearly (a layer's bytes each), so each probe is placed where the line
 /// through the bracket's ends crosses the budget: two or three probes instead of a bisection's
-/// six. A `hint` (an earlier run's answer) is probed first, with the count above it: where it
-/// fits and that does not, those two probes are all.
+/// six. A `hint` (an earlier run's answer, usually right or one off) is probed first, with its
+/// neighbours: the count above it where it fits (and the one above that where that fits too),
+/// the count below it where it does not. The search then starts from the bracket those probes
+/// leave, probing 0 or `all` only where no probe fell on that side.
 fn most_layers_within(
     all: u32,
     budget: u64,
     hint: Option<u32>,
     peak_at: &mut impl FnMut(u32) -> Result<u64>,
 ) -> Result<u32> {
-    // The bracket: peak(lo) fits or lo == 0; peak(hi) does not.
-    let (lo, hi) = match hint.filter(|&h| h < all) {
-        Some(h) => {
-            let p = peak_at(h)?;
-            if p > budget {
-                if h == 0 {
-                    return Ok(0);
-                }
-                ((0, peak_at(0)?), (h, p))
-            } else {
-                let above = peak_at(h + 1)?;
-                if above > budget {
-                    return Ok(h);
-                }
-                let top = peak_at(all)?;
-                if top <= budget {
-                    return Ok(all);
-                }
-                ((h + 1, above), (all, top))
-            }
+    let mut known = std::collections::BTreeMap::new();
+    let mut probe = |n: u32, known: &mut std::collections::BTreeMap<u32, u64>| -> Result<u64> {
+        if let Some(&p) = known.get(&n) {
+            return Ok(p);
         }
-        None => {
-            let top = peak_at(all)?;
-            if top <= budget {
-                return Ok(all);
+        let p = peak_at(n)?;
+        known.insert(n, p);
+        Ok(p)
+    };
+    if let Some(h) = hint.filter(|&h| h < all) {
+        if probe(h, &mut known)? <= budget {
+            for n in h + 1..=(h + 2).min(all) {
+                if probe(n, &mut known)? > budget {
+                    return Ok(n - 1);
+                }
             }
-            ((0, peak_at(0)?), (all, top))
+        } else if h == 0 || probe(h - 1, &mut known)? <= budget {
+            return Ok(h.saturating_sub(1));
+        }
+    }
+    // The bracket: peak(lo) fits (or lo == 0 and nothing fits); peak(hi) does not.
+    let fitting = known.iter().rev().find(|(_, p)| **p <= budget);
+    let (mut lo, mut p_lo) = match fitting {
+        Some((&n, &p)) => (n, p),
+        None => {
+            let p = probe(0, &mut known)?;
+            if p > budget {
+                return Ok(0);
+            }
+            (0, p)
         }
     };
-    let ((mut lo, mut p_lo), (mut hi, mut p_hi)) = (lo, hi);
+    let over = known.iter().find(|(&n, &p)| n > lo && p > budget);
+    let (mut hi, mut p_hi) = match over {
+        Some((&n, &p)) => (n, p),
+        None => {
+            let p = probe(all, &mut known)?;
+            if p <= budget {
+                return Ok(all);
+            }
+            (all, p)
+        }
+    };
     while hi - lo > 1 {
         let frac = budget.saturating_sub(p_lo) as f64 / p_hi.saturating_sub(p_lo).max(1) as f64;
         let guess = lo + (frac * (hi - lo) as f64).round() as u32;
         let mid = guess.clamp(lo + 1, hi - 1);
-        let p = peak_at(mid)?;
+        let p = probe(mid, &mut known)?;
         if p <= budget {
             (lo, p_lo) = (mid, p);
         } else {
@@ -323,6 +344,28 @@ mod tests {
         }
         let (_, probed) = search(48, 165, Some(6), 100, 10);
         assert_eq!(probed, [6, 7], "a right hint takes two probes");
+        let (_, probed) = search(48, 165, Some(7), 100, 10);
+        assert_eq!(probed, [7, 6], "one too many: two probes");
+        let (_, probed) = search(48, 165, Some(5), 100, 10);
+        assert_eq!(probed, [5, 6, 7], "one too few: three probes");
+        // Off by more, the search goes on from the bracket the hint's probes left.
+        let (got, probed) = search(48, 165, Some(20), 100, 10);
+        assert_eq!(got, 6);
+        assert!(!probed.contains(&48), "{probed:?}");
+        let (got, probed) = search(48, 165, Some(2), 100, 10);
+        assert_eq!(got, 6);
+        assert!(!probed.contains(&0), "{probed:?}");
+        // Every answer agrees with the search without a hint, at every budget.
+        for budget in (50..700).step_by(7) {
+            let want = search(48, budget, None, 100, 10).0;
+            for hint in 0..=48 {
+                assert_eq!(
+                    search(48, budget, Some(hint), 100, 10).0,
+                    want,
+                    "{budget} {hint}"
+                );
+            }
+        }
         // All fit, none fits.
         for hint in [None, Some(0), Some(20), Some(48)] {
             assert_eq!(search(48, 10_000, hint, 100, 10).0, 48, "hint {hint:?}");

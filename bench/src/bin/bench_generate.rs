@@ -93,8 +93,9 @@ struct Args {
     /// llama.cpp's layer count to try first at each budget, in `--budgets`' order (its `-ngl`;
     /// with `--llamacpp-moe`, the layers whose experts stay on the GPU: the layers less
     /// `-ncmoe`), from an earlier run: two probes confirm it (it fits, one more does not)
-    /// instead of the search's four or five, each a load of the whole file. A wrong one costs
-    /// its probes, and the search goes on from it.
+    /// instead of the search's four or five, each a load of the whole file; one off costs two
+    /// or three, and the search goes on from further off. After the first prompt length, a
+    /// budget's answer there is the next length's first guess.
     #[arg(long, value_delimiter = ',')]
     llamacpp_layers_hint: Vec<u32>,
     /// How often the peak-memory sampler polls the driver's free memory during the timed part,
