@@ -62,7 +62,7 @@ gguf() { echo "/tmp/gguf/moe-$ROUTING-$1.gguf"; }
 # The files of $ROUTING: the Q8_0 written directly, the Q4_K_M requantized from it once a
 # CPU llama-quantize exists (built here, or by call1 already).
 write() {
-  rm -f /tmp/gguf/moe-*.gguf /tmp/gguf/moe-*.done
+  rm -f /tmp/gguf/moe-*.gguf /tmp/gguf/moe-*.done /tmp/gguf/moe-*.part
   [[ -d /tmp/lcq/gguf-py ]] || { mkdir -p /tmp/lcq && tar xJf .gpu/llamacpp/llamacpp-src.tar.xz -C /tmp/lcq --strip-components=1; }
   cat > /tmp/moe-write.sh <<Q
 set -x
@@ -126,6 +126,8 @@ case "$1" in
     # NO_PEER=1: ours alone (an A/B of our options, no rows).
     peer="--llamacpp-bin /tmp/llamacpp/build/bin --llamacpp-moe --llamacpp-reps 2"
     [[ -n "${NO_PEER:-}" ]] && { peer=""; name="$name-alone"; }
+    # Fewer than 30 s left: nothing a run could finish (`timeout 0` would not limit it at all).
+    (( ${BENCH_S:-560} >= 30 )) || { echo "bench $name skipped: BENCH_S=${BENCH_S:-560}"; exit 0; }
     el "bench $name at $budgets"
     (cd /tmp && timeout "${BENCH_S:-560}" /tmp/bin/bench_generate --model-dir "$f" --quantized \
       --weights "qwen3-30b-a3b-$w-$ROUTING" --model-name "qwen3-30b-a3b-$w" --routing "$ROUTING" \
@@ -134,9 +136,8 @@ case "$1" in
       ${GUESS:+--expert-guess-layers $GUESS} \
       ${PER_EXPERT:+--per-expert} ${NO_GRAPHS:+--no-graphs} --expert-split "${SPLIT:-auto}" --expert-route "${ROUTE:-auto}" \
       ${ADMIT:+--expert-admit $ADMIT} ${SLOTS:+--expert-slots $SLOTS} ${LC_HINT:+--llamacpp-layers-hint $LC_HINT} \
-      --json-out "$OUT/$name.json") > "$OUT/$name.log" 2>&1
+      --json-out "$FINAL/$name.json") > "$OUT/$name.log" 2>&1
     echo "bench exit $?"; grep -E "^ +[0-9]+ |experts:|llama.cpp -ngl" "$OUT/$name.log" | tail -20
-    cp "$OUT/$name.json" "$FINAL/" 2>/dev/null
     el "done"
     ;;
   spans)
