@@ -774,8 +774,15 @@ fn moe_whole_layers_route_on_the_device(device: &Device) -> anyhow::Result<()> {
             share_of_experts_model(&files, device, true, o, 0.75)
         };
         let spread = build(ExpertRoute::Host, ExpertSlots::Spread)?;
+        let spread_warm = spread.warm_up()?;
         for route in [ExpertRoute::Host, ExpertRoute::Auto] {
             let layers = build(route, ExpertSlots::Layers)?;
+            // The host's copies of a whole layer's experts are never read: not made.
+            let warm = layers.warm_up()?;
+            assert!(
+                warm > 0 && warm < spread_warm,
+                "{name}: {warm} of {spread_warm} bytes"
+            );
             let (mut c1, mut c2) = (layers.new_cache(), spread.new_cache());
             let p = prompt();
             let ids = Tensor::new(&p[..12], device)?.unsqueeze(0)?;

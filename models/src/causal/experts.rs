@@ -449,6 +449,8 @@ pub(crate) struct ExpertTier {
     /// Whether missing experts may run on the host CPU ([`ExpertSplit::Fetch`]: none does,
     /// but where the device can take none either).
     host_compute: bool,
+    /// Each decoder layer's expert units (none for a dense layer).
+    layer_units: Vec<Vec<UnitId>>,
     state: Mutex<TierState>,
 }
 
@@ -555,6 +557,9 @@ impl ExpertTier {
             // Where every expert of every sparse layer has a slot, a miss is fetched once and
             // stays (per layer: `SplitExperts::split`).
             host_compute: options.split != ExpertSplit::Fetch && fewest < x.count,
+            layer_units: (0..x.sparse.len())
+                .map(|l| (0..x.count).filter_map(|e| ids.get(l, e)).collect())
+                .collect(),
             state: Mutex::new(TierState {
                 cache: ExpertCache::new(options.policy, x.count, &slots),
                 layers: x.sparse.len(),
@@ -595,16 +600,36 @@ impl ExpertTier {
         })
     }
 
-    /// The host's copies of the experts made now, with the load, rather than in the first
-    /// steps that compute them (`OffloadRuntime::warm_up` of its CPU runtime). Returns the
-    /// bytes copied.
+    /// The host's copies of the experts it may compute made now, with the load, rather than
+    /// in the first steps that compute them: those of the layers without a slot for every
+    /// expert (a whole layer fetches its misses), none where the host computes none (every
+    /// miss fetched: [`ExpertSplit::Fetch`]). Returns the bytes copied.
     pub(crate) fn warm_up(&self) -> Result<u64> {
         if !self.host_compute {
-            // The host computes none: every miss is fetched (every expert has a slot, or
-            // `ExpertSplit::Fetch`).
             return Ok(0);
         }
-        self.host.warm_up()
+        let partial: Vec<usize> = {
+            let st = self.lock()?;
+            (0..st.layers)
+                .filter(|&l| st.cache.slots(l) < st.stats.experts_per_layer)
+                .collect()
+        };
+        let store = self.host.store().clone();
+        let mut bytes = 0;
+        for l in partial {
+            for &unit in &self.layer_units[l] {
+                if self.host.prefetch(unit)? {
+                    bytes += store.unit(unit).bytes();
+                }
+            }
+        }
+        Ok(bytes)
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, TierState>> {
+        self.state
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("the expert tier's lock is poisoned".into()))
     }
 
     /// What the tier did so far.
@@ -897,10 +922,7 @@ impl SplitExperts<'_> {
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, TierState>> {
-        self.tier
-            .state
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("the expert tier's lock is poisoned".into()))
+        self.tier.lock()
     }
 
     fn host(&self) -> RuntimeExperts<'_> {
