@@ -48,7 +48,8 @@
 #   `candle_offload_models::layers::moe=trace` makes each layer wait for the GPU after each
 #   phase (moe.wait.before, .resident, .streamed, .merge: the device's share of each; the
 #   overlap between phases is then gone).
-# Each call leaves $OUT/CALL.tgz with its logs and JSON.
+# Each call leaves $OUT/CALL.tgz with its logs (and the spans' and call1's JSON); a bench's
+# JSON is written straight into $OUT, so that a call cut short keeps its rows.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296
 ROUTING=${ROUTING:-uniform}

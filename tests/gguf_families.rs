@@ -23,7 +23,8 @@ const FAMILIES: [&str; 8] = [
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
 ];
 
-/// The fixtures, unpacked once per test process.
+/// The fixtures, unpacked once per archive version and shared by every test and run (read
+/// only: a test that writes files makes a [`scratch`] directory of its own).
 fn fixtures() -> anyhow::Result<PathBuf> {
     static DIR: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
     crate::util::unpacked_fixture("gguf_families", &DIR)
@@ -181,7 +182,8 @@ fn unsupported_gguf_architecture_names_the_supported_ones() -> anyhow::Result<()
         .expect("the architecture string");
     let mut patched = bytes.clone();
     patched[at + 4] = b'9';
-    let path = dir.join("qwen9.gguf");
+    let out = scratch("qwen9");
+    let path = out.join("qwen9.gguf");
     std::fs::write(&path, patched)?;
     let e = loader::from_gguf(&path).unwrap_err().to_string();
     assert!(e.contains("qwen9") && e.contains("qwen9.gguf"), "{e}");
@@ -206,12 +208,13 @@ fn multimodal_gemma3_checkpoint_under_either_key_layout() -> anyhow::Result<()> 
     let text_config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(text_dir.join("config.json"))?)?;
     let weights = candle_core::safetensors::load(text_dir.join("model.safetensors"), &Device::Cpu)?;
+    let out = scratch("gemma3-mm");
     for (layout, prefix, head) in [
         ("v5", "model.language_model.", "lm_head"),
         ("v4", "language_model.model.", "language_model.lm_head"),
     ] {
         for tied in [true, false] {
-            let mm = dir.join(format!("gemma3-mm-{layout}-{tied}"));
+            let mm = out.join(format!("gemma3-mm-{layout}-{tied}"));
             std::fs::create_dir_all(&mm)?;
             let mut tensors: std::collections::HashMap<String, Tensor> = weights
                 .iter()

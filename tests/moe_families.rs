@@ -18,7 +18,8 @@ use candle_transformers::generation::LogitsProcessor;
 
 const VOCAB: usize = 300;
 
-/// The fixtures, unpacked once per test process.
+/// The fixtures, unpacked once per archive version and shared by every test and run (read
+/// only: a test that writes files makes a scratch directory of its own).
 fn fixtures() -> anyhow::Result<PathBuf> {
     static DIR: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
     crate::util::unpacked_fixture("moe_families", &DIR)

@@ -236,12 +236,10 @@ fn byte_level_bpe_from_metadata_merges_by_rank() {
     assert_eq!(tok.decode(&[3, 2, 6], false).unwrap(), "abc a");
 }
 
-/// `tok-NAME` under Cargo's directory for integration tests' files (`target/tmp`; the same for
-/// every run: tests write there under fixed names, replaced atomically).
+/// `tok-NAME` in [`crate::util::shared_dir`] (the same for every run: tests write there under
+/// fixed names, replaced atomically).
 fn tempfile_dir(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("tok-{name}"));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    crate::util::shared_dir(&format!("tok-{name}"))
 }
 
 /// A random-weight LLaMA GGUF (one layer, hidden 32) with `vocab`'s tokenizer metadata.

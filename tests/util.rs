@@ -112,12 +112,26 @@ pub fn scratch(tag: &str) -> Scratch {
     Scratch(dir)
 }
 
+/// `NAME` under Cargo's directory for integration tests' files (`target/tmp`), made if need
+/// be; `candle-offload-NAME` in the system's temporary directory where that cannot be made (a
+/// test binary carried to another machine finds no build directory there). Files that every
+/// test run may share, written under fixed names.
+pub fn shared_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    if std::fs::create_dir_all(&dir).is_ok() {
+        return dir;
+    }
+    let dir = std::env::temp_dir().join(format!("candle-offload-{name}"));
+    std::fs::create_dir_all(&dir)
+        .unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
+    dir
+}
+
 /// `tests/fixtures/NAME.tar.xz` unpacked (with `tar`), once per version of the archive, into
-/// `NAME-{hash of the archive}` under Cargo's directory for integration tests' files
-/// (`target/tmp`; `candle-offload-fixtures` in the temporary directory where that cannot be
-/// made): every test run and every call with `dir` (a `OnceLock` of the caller's) reads
-/// the same files, no copy piles up from run to run, and another version's
-/// directory is removed when a new one is unpacked.
+/// `NAME-{FNV-1a hash of the archive}` in [`shared_dir`]`("fixtures")`: every test run and
+/// every call with `dir` (a `OnceLock` of the caller's) reads the same files, which no test
+/// writes. A new version of the archive unpacks beside the old ones (nothing is removed that
+/// another test process, of another checkout sharing the build directory, may be reading).
 pub fn unpacked_fixture(
     name: &str,
     dir: &'static std::sync::OnceLock<Result<std::path::PathBuf, String>>,
@@ -128,23 +142,20 @@ pub fn unpacked_fixture(
 }
 
 fn unpack(name: &str) -> Result<std::path::PathBuf, String> {
-    use std::hash::{Hash as _, Hasher as _};
     let archive = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join(format!("tests/fixtures/{name}.tar.xz"));
     let bytes = std::fs::read(&archive).map_err(|e| format!("{}: {e}", archive.display()))?;
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    bytes.hash(&mut hasher);
-    // A test binary carried to another machine may find no build directory there.
-    let mut root = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("fixtures");
-    if std::fs::create_dir_all(&root).is_err() {
-        root = std::env::temp_dir().join("candle-offload-fixtures");
-        std::fs::create_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
-    }
-    let dir = root.join(format!("{name}-{:016x}", hasher.finish()));
+    // FNV-1a: the same name for the same bytes from every build and toolchain.
+    let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let root = shared_dir("fixtures");
+    let dir = root.join(format!("{name}-{hash:016x}"));
     if dir.is_dir() {
         return Ok(dir);
     }
-    // Unpacked beside it and renamed, so that a test process never sees half of it.
+    // Unpacked beside it and renamed, so that a test process never sees half of it (a
+    // directory whose unpacking failed is removed with its `TempDir`).
     let partial = tempfile::Builder::new()
         .prefix(&format!(".{name}-"))
         .tempdir_in(&root)
@@ -173,17 +184,6 @@ fn unpack(name: &str) -> Result<std::path::PathBuf, String> {
                 unpacked.display(),
                 dir.display()
             ));
-        }
-    }
-    for old in std::fs::read_dir(&root).into_iter().flatten().flatten() {
-        let path = old.path();
-        let stale = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
-            n.strip_prefix(name)
-                .and_then(|rest| rest.strip_prefix('-'))
-                .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
-        });
-        if stale && path != dir {
-            let _ = std::fs::remove_dir_all(&path);
         }
     }
     Ok(dir)

@@ -760,7 +760,8 @@ impl std::str::FromStr for ExpertPolicy {
                 _ => Err(crate::Error::InvalidConfig {
                     field: "expert_policy".into(),
                     reason: format!(
-                        "{other:?} is not one of lru, lfu, lfu:HALF_LIFE (a positive number of accesses)"
+                        "{:?} is not one of lru, lfu, lfu:HALF_LIFE (a positive number of accesses)",
+                        s.trim()
                     ),
                 }),
             },

@@ -4,7 +4,7 @@
 /// Implements `FromStr` and `Display` for the fieldless enum `$ty`.
 ///
 /// - Reading trims the text and ignores case; each variant takes its names (the first and
-///   any aliases after `|`).
+///   any aliases after `|`), written in lower case (the text is compared lowered).
 /// - Any other text is refused as `$err { field: $field, reason }` (`$err`, in brackets, a
 ///   variant of the error type `$errty`); the reason quotes the text and lists every
 ///   variant's first name.
@@ -19,10 +19,11 @@ macro_rules! keyword_enum {
             fn from_str(s: &str) -> std::result::Result<Self, $errty> {
                 match s.trim().to_ascii_lowercase().as_str() {
                     $($name $(| $alias)* => Ok(Self::$variant),)+
-                    other => Err($($err)+ {
+                    _ => Err($($err)+ {
                         field: $field.into(),
                         reason: format!(
-                            "{other:?} is not one of {}",
+                            "{:?} is not one of {}",
+                            s.trim(),
                             [$($name),+].join(", ")
                         ),
                     }),
@@ -92,9 +93,9 @@ mod tests {
     /// A name that is none of them is refused with the field, the text and the names allowed.
     #[test]
     fn other_names_are_refused_with_the_field_and_the_choices() {
-        let e = "gpu".parse::<ExpertRoute>().unwrap_err().to_string();
+        let e = " GPU ".parse::<ExpertRoute>().unwrap_err().to_string();
         assert!(
-            e.contains("expert_route") && e.contains("\"gpu\"") && e.contains("auto, host, device"),
+            e.contains("expert_route") && e.contains("\"GPU\"") && e.contains("auto, host, device"),
             "{e}"
         );
         let e = "rows".parse::<ExpertSlots>().unwrap_err().to_string();

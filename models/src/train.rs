@@ -732,7 +732,9 @@ impl Trainer {
 
     /// What every constructor makes alike around the trained parameters (`names`, `vars`)
     /// and the weights' `source`: the optimizer (AdamW on the host where `host_masters`), the
-    /// head's and the loss's chunks, the rotary tables and the loss scaler.
+    /// head's and the loss's chunks, the rotary tables and the loss scaler; last, for resident
+    /// weights on a GPU without [`TrainSettings::event_tracking`], the device's event tracking
+    /// turned off (restored when the trainer is dropped).
     fn assemble(
         cfg: Config,
         settings: &TrainSettings,
