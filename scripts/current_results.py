@@ -170,6 +170,7 @@ SOURCES = {
         "2026-12-07/2026-12-07-moe-q8_0-skewed-4gib-p512-2b8d255-h100.json",
         "2026-12-07/2026-12-07-moe-q8_0-uniform-12gib-p64-512-2b8d255-h100.json",
         "2026-12-07/2026-12-07-moe-q4_k_m-skewed-12gib-p512-9378b14-h100.json",
+        "2026-12-07/2026-12-07-moe-q8_0-uniform-12gib-p64-12ba107-h100.json",
     ],
     # bench_train with scripts/train_peer.py (PyTorch) run just before it in the same call.
     # bench_train's lora-* configurations, with scripts/lora_peer.py (PEFT) run just before it

@@ -761,7 +761,10 @@ test_device!(
 /// host steps), the layer with every expert resident is routed on the device (its rows read
 /// nothing from host memory) and the other on the host, and the decode steps' logits are
 /// those of the same steps with the slots spread (no layer whole: every layer routed on the
-/// host), within 1e-4 of their scale. On a CPU the device route is never taken.
+/// host): within 1e-4 of their scale on a CPU, where the device route is never taken; on a GPU
+/// within 2e-2, the whole layer's experts being computed by the device's kernels in one model
+/// and partly by the host's (activations quantized to Q8_0) in the other (0.9% seen at a
+/// decode step on an H100).
 fn moe_whole_layers_route_on_the_device(device: &Device) -> anyhow::Result<()> {
     use candle_offload::experts::{
         ExpertOptions, ExpertPolicy, ExpertRoute, ExpertSlots, ExpertSplit,
@@ -794,7 +797,8 @@ fn moe_whole_layers_route_on_the_device(device: &Device) -> anyhow::Result<()> {
                 let a = layers.forward(&ids, 12 + k, &mut c1)?;
                 let b = spread.forward(&ids, 12 + k, &mut c2)?;
                 let what = format!("{name} {route} step {k} on {device:?}");
-                assert_close_to_scale(&a, &b, 1e-4, &what)?;
+                let rel = if device.is_cuda() { 2e-2 } else { 1e-4 };
+                assert_close_to_scale(&a, &b, rel, &what)?;
             }
             // One more step reads the last one's choices back.
             let ids = Tensor::new(&[p[0]], device)?.unsqueeze(0)?;
