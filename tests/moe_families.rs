@@ -822,7 +822,11 @@ fn moe_whole_layers_route_on_the_device(device: &Device) -> anyhow::Result<()> {
                 }
             }
             if device.is_cuda() {
-                assert!(s.whole_routed > 0, "{name} {route}: {s:?}");
+                // `auto` may route every step on the device (then no host step routes a
+                // whole layer there).
+                if route == ExpertRoute::Host {
+                    assert!(s.whole_routed > 0, "{name} {route}: {s:?}");
+                }
                 assert!(s.whole_routed <= s.device_routed, "{name} {route}: {s:?}");
             } else {
                 assert_eq!(s.device_routed + s.whole_routed, 0, "{name}: {s:?}");
