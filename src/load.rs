@@ -129,8 +129,10 @@ pub struct LoadArgs {
     #[arg(long, default_value = "lru")]
     pub expert_policy: candle_offload::experts::ExpertPolicy,
     /// Where a mixture-of-experts model's experts missing from the GPU's cache run: `auto`
-    /// (when the budget does not hold every expert, each layer's missing experts split between
-    /// the host CPU and fetches over the link, as a cost model prices them), `on` (the same, on
+    /// (on a GPU, when the budget does not hold every expert, each layer's missing experts
+    /// split between the host CPU and fetches over the link, as a cost model prices them; where
+    /// every expert of GGML blocks fits, a cache of them all, fetched with the load, so that
+    /// the GPU chooses a decode row's experts unless --expert-route host), `on` (the same, on
     /// any device), `fetch` (the cache as for `on`, every missing expert fetched, none on the
     /// host CPU) or `off` (no expert cache: every one fetched as any other weight).
     #[arg(long, default_value = "auto")]

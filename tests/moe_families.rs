@@ -598,7 +598,15 @@ fn moe_grouped_decode_equals_each_expert(device: &Device) -> anyhow::Result<()> 
     for name in ["mixtral", "qwen3_moe", "qwen2_moe"] {
         let files = loader::from_gguf(&dir.join(format!("{name}.q8_0.gguf")))?;
         let build = |grouped: bool| -> anyhow::Result<Llama> {
-            let mut settings = OffloadSettings::default();
+            // No expert tier: a decode row's experts routed on the host (the device's choice
+            // takes the grouped kernels only).
+            let mut settings = OffloadSettings {
+                experts: candle_offload::experts::ExpertOptions::new(
+                    Default::default(),
+                    candle_offload::experts::ExpertSplit::Off,
+                ),
+                ..Default::default()
+            };
             settings.tuning.kernels.grouped_experts = grouped;
             gguf_model(&files, device, settings)
         };
@@ -781,12 +789,10 @@ fn moe_whole_layers_route_on_the_device(device: &Device) -> anyhow::Result<()> {
         let spread_warm = spread.warm_up()?;
         for route in [ExpertRoute::Host, ExpertRoute::Auto] {
             let layers = build(route, ExpertSlots::Layers)?;
-            // The host's copies of a whole layer's experts are never read: not made.
+            // The host's copies of a whole layer's experts are never read: not made; its
+            // experts are fetched to the device instead, so that it never misses.
             let warm = layers.warm_up()?;
-            assert!(
-                warm > 0 && warm < spread_warm,
-                "{name}: {warm} of {spread_warm} bytes"
-            );
+            assert!(warm > 0 && spread_warm > 0, "{name}: {warm} {spread_warm}");
             let (mut c1, mut c2) = (layers.new_cache(), spread.new_cache());
             let p = prompt();
             let ids = Tensor::new(&p[..12], device)?.unsqueeze(0)?;
@@ -815,10 +821,16 @@ fn moe_whole_layers_route_on_the_device(device: &Device) -> anyhow::Result<()> {
             assert!(h.slots.iter().all(|&x| x < n), "{name}: {:?}", h.slots);
             assert_eq!(h.device_routed + h.whole_routed, 0, "{name}: {h:?}");
             assert!(h.on_host > 0 && s.on_host > 0, "{name}: {s:?} {h:?}");
-            // The whole layer's misses were fetched, none computed on the host.
+            // The whole layer's experts were all fetched with the load: none missed, none
+            // computed on the host.
             for (l, &slots) in s.slots.iter().enumerate() {
                 if slots >= n {
                     assert_eq!(s.on_host_by_layer[l], 0, "{name} {route} layer {l}: {s:?}");
+                    let c = &s.layers[l];
+                    assert!(
+                        c.misses == 0 && c.hits > 0,
+                        "{name} {route} layer {l}: {c:?}"
+                    );
                 }
             }
             if device.is_cuda() {
@@ -842,14 +854,17 @@ test_device!(
     moe_whole_layers_route_on_the_device_gpu
 );
 
-/// A tier asked for on Q8_0 GGUFs whose experts all fit the device (`ExpertSplit::On`, and
-/// `Fetch`, with no limit and with a limit that holds every expert): the prompt's logits, then
-/// each decode step's, are the plain model's (no tier) within 1e-4 of their scale, on the host
-/// route and on the device's, with and without the next layer's guesses and with graphs off.
-/// Every sparse layer has a slot for each of its experts (the room the runtime keeps for copies
-/// in flight is not taken from the cache where no copy can pass it), so that the host CPU
-/// computes none: its F32 activations would differ from the GPU kernels' rounded ones. Every
-/// variant runs before the assertion, and the message lists each one's first difference.
+/// A tier on Q8_0 GGUFs whose experts all fit the device (`ExpertSplit::On`, and `Fetch`,
+/// with no limit and with a limit that holds every expert; and the default, `Auto`, which
+/// gives one on a GPU unless the route is the host's): the prompt's logits, then each decode
+/// step's, are the plain model's (no tier) within 1e-4 of their scale, on the host route and
+/// on the device's, with and without the next layer's guesses and with graphs off. Every
+/// sparse layer has a slot for each of its experts (the room the runtime keeps for copies in
+/// flight is not taken from the cache where no copy can pass it), so that the host CPU
+/// computes none: its F32 activations would differ from the GPU kernels' rounded ones. The
+/// default's variants are warmed up as `generate` loads them: every expert fetched with the
+/// load, none missed by the steps. Every variant runs before the assertion, and the message
+/// lists each one's first difference.
 fn moe_all_fit_tier_equals_the_plain_model(device: &Device) -> anyhow::Result<()> {
     use candle_offload::experts::{ExpertOptions, ExpertPolicy, ExpertRoute, ExpertSplit};
     let dir = fixtures()?;
@@ -857,7 +872,22 @@ fn moe_all_fit_tier_equals_the_plain_model(device: &Device) -> anyhow::Result<()
     let mut failed = false;
     for name in ["qwen3_moe", "qwen2_moe"] {
         let files = loader::from_gguf(&dir.join(format!("{name}.q8_0.gguf")))?;
-        let plain = gguf_model(&files, device, OffloadSettings::default())?;
+        let plain_settings = |route| OffloadSettings {
+            experts: ExpertOptions::new(ExpertPolicy::Lru, ExpertSplit::Off).with_route(route),
+            ..Default::default()
+        };
+        let plain = gguf_model(&files, device, plain_settings(ExpertRoute::Auto))?;
+        assert!(plain.expert_stats().is_none(), "{name}: split off, a tier");
+        let host_route = OffloadSettings {
+            experts: ExpertOptions::default().with_route(ExpertRoute::Host),
+            ..Default::default()
+        };
+        let host_route = gguf_model(&files, device, host_route)?;
+        assert!(
+            host_route.expert_stats().is_none(),
+            "{name}: the host route, a tier"
+        );
+        drop(host_route);
         // A limit that holds the whole model and its reservation, with room to spare.
         let store = f32_store(&files, device, true)?;
         let fits = store.total_bytes()
@@ -936,8 +966,25 @@ fn moe_all_fit_tier_equals_the_plain_model(device: &Device) -> anyhow::Result<()
                 Some(fits),
                 true,
             ),
+            (
+                "auto/auto",
+                ExpertSplit::Auto,
+                ExpertRoute::Auto,
+                true,
+                None,
+                true,
+            ),
+            (
+                "auto/device",
+                ExpertSplit::Auto,
+                ExpertRoute::Device,
+                true,
+                None,
+                true,
+            ),
         ];
         for (what, split, route, guess, limit, graphs) in variants {
+            let default = split == ExpertSplit::Auto;
             let settings = OffloadSettings {
                 experts: ExpertOptions::new(ExpertPolicy::Lru, split)
                     .with_route(route)
@@ -946,6 +993,19 @@ fn moe_all_fit_tier_equals_the_plain_model(device: &Device) -> anyhow::Result<()
                 ..Default::default()
             };
             let tiered = gguf_model(&files, device, settings)?;
+            if default && !device.is_cuda() {
+                assert!(
+                    tiered.expert_stats().is_none(),
+                    "{name} {what}: a tier on a CPU"
+                );
+                continue;
+            }
+            if default {
+                assert!(
+                    tiered.warm_up()? > 0,
+                    "{name} {what}: nothing fetched with the load"
+                );
+            }
             tiered.set_graphs(graphs);
             plain.set_graphs(graphs);
             let (mut c1, mut c2) = (tiered.new_cache(), plain.new_cache());
@@ -1000,6 +1060,14 @@ fn moe_all_fit_tier_equals_the_plain_model(device: &Device) -> anyhow::Result<()
                 "{name} {what}: slots {:?} of {count}",
                 s.slots
             );
+            if default {
+                assert_eq!(
+                    s.totals().1,
+                    0,
+                    "{name} {what}: misses after the load: {s:?}"
+                );
+                assert!(s.device_routed > 0, "{name} {what}: {s:?}");
+            }
         }
         plain.set_graphs(true);
     }

@@ -725,7 +725,10 @@ impl RouteChooser {
 /// device's expert cache, instead of all being fetched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ExpertSplit {
-    /// On a GPU whose budget does not hold every expert beside the rest of the model.
+    /// On a GPU whose budget does not hold every expert beside the rest of the model, or
+    /// where a decode row's experts of GGML blocks may be chosen on the device ([`ExpertRoute`]
+    /// other than host: the tier keeps the table, with a slot for every expert where they all
+    /// fit, all fetched with the load).
     #[default]
     Auto,
     /// Always where the experts are units of their own (on a CPU device too: the tests' way

@@ -20,7 +20,7 @@ use candle_offload::experts::{
     HostRateProbe, LayerCounters, RepeatMisses, RouteChooser,
 };
 use candle_offload::kernels::linear::{ExpertTable, RoutedShape};
-use candle_offload::{HostStore, OffloadConfig, OffloadRuntime, UnitId};
+use candle_offload::{HostStore, OffloadConfig, OffloadRuntime, UnitId, WeightFormat};
 
 use super::routed::DeviceRoutes;
 use crate::family::{Layout, UnitWeights};
@@ -472,7 +472,9 @@ impl ExpertTier {
     /// Whether a model whose expert units are `ids` in `store` gets a tier on `device` under
     /// `options`, with `room` bytes of the device's budget for experts: where the experts are
     /// units of their own, and (for [`ExpertSplit::Auto`]) on a GPU whose room does not hold
-    /// them all.
+    /// them all, or where a decode row's experts of GGML blocks may be chosen on the device (a
+    /// route other than [`ExpertRoute::Host`]: the tier then keeps a slot for every expert, for
+    /// its table).
     pub(crate) fn wanted(
         options: ExpertOptions,
         ids: &ExpertIds,
@@ -487,7 +489,16 @@ impl ExpertTier {
             ExpertSplit::Off => false,
             ExpertSplit::On | ExpertSplit::Fetch => true,
             _ => {
-                device.is_cuda() && room < ids.units().map(|id| store.unit(id).bytes()).sum::<u64>()
+                let all: u64 = ids.units().map(|id| store.unit(id).bytes()).sum();
+                // The device's choice takes experts of GGML blocks (`routed::host_copies`).
+                let blocks = ids.units().all(|id| {
+                    let formats = store.unit(id).tensors().iter().map(|t| t.format);
+                    formats.clone().count() > 0
+                        && formats
+                            .into_iter()
+                            .all(|f| matches!(f, WeightFormat::Ggml(_)))
+                });
+                device.is_cuda() && (room < all || (options.route != ExpertRoute::Host && blocks))
             }
         }
     }
@@ -656,6 +667,36 @@ pub(crate) struct SplitExperts<'a> {
 impl SplitExperts<'_> {
     fn unit(&self, layer: usize, e: usize) -> Result<UnitId> {
         self.device.unit(layer, e)
+    }
+
+    /// Loading's copies of the tier's experts: the host's copies
+    /// ([`ExpertTier::warm_up`]), and every expert of a whole layer (a slot for each) admitted
+    /// to its cache and fetched to the device, so that the first steps find them resident
+    /// (where every expert fits, all of them, as a model without a tier loads them). Returns
+    /// the bytes copied.
+    pub(crate) fn warm_up(&self) -> Result<u64> {
+        let mut bytes = self.tier.warm_up()?;
+        let store = self.device.rt.store().clone();
+        let mut st = self.lock()?;
+        for layer in 0..st.layers {
+            if !self.whole_layer(&st, layer) {
+                continue;
+            }
+            for e in 0..st.stats.experts_per_layer {
+                if st.cache.contains(layer, e) {
+                    continue;
+                }
+                if !self.admit(&mut st, layer, e, &[])? {
+                    break;
+                }
+                let unit = self.unit(layer, e)?;
+                if self.device.rt.prefetch(unit)? {
+                    bytes += store.unit(unit).bytes();
+                    self.copy_issued(&mut st, layer, e)?;
+                }
+            }
+        }
+        Ok(bytes)
     }
 
     /// Whether `layer` has a slot for every expert: a miss there is fetched once and stays, so

@@ -527,8 +527,11 @@ impl CausalLm {
         for stage in &self.stages {
             bytes += stage.rt.warm_up()?;
         }
-        if let Some((_, tier)) = &self.expert_tier {
-            bytes += tier.warm_up()?;
+        if let Some((i, _)) = &self.expert_tier {
+            if let super::experts::StageExperts::Split(tier) = self.stage_experts(&self.stages[*i])
+            {
+                bytes += tier.warm_up()?;
+            }
         }
         Ok(bytes)
     }
