@@ -249,7 +249,8 @@ pub fn slots_for_budget(
 /// How an expert cache's slots are spread over the sparse layers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ExpertSlots {
-    /// The same number in every sparse layer ([`slots_for_budget`]): each layer's cache keeps
+    /// The same number in every sparse layer (for experts of one size, [`slots_for_budget`]):
+    /// each layer's cache keeps
     /// its popular experts, so a skewed routing hits in every layer.
     #[default]
     Spread,
@@ -262,30 +263,44 @@ pub enum ExpertSlots {
 }
 
 impl ExpertSlots {
-    /// Slots per decoder layer (`sparse[l]`: whether layer `l` has experts) that `budget_bytes`
-    /// holds for experts of `expert_bytes` each, at most `experts` per layer; dense layers get
-    /// none. The slots' bytes never pass `budget_bytes`.
+    /// Slots per decoder layer that `budget_bytes` holds, where `expert_bytes[l]` is the size
+    /// of layer `l`'s largest expert (`None` for a dense layer, which gets none), at most
+    /// `experts` per layer. Layers may differ in size (a K-quant mix stores some layers' down
+    /// projections in more bits). The slots' bytes never pass `budget_bytes`.
     pub fn per_layer(
         self,
         budget_bytes: u64,
-        expert_bytes: u64,
-        sparse: &[bool],
+        expert_bytes: &[Option<u64>],
         experts: usize,
     ) -> Vec<usize> {
-        let layers = sparse.iter().filter(|&&s| s).count();
         match self {
             Self::Spread => {
-                let n = slots_for_budget(budget_bytes, expert_bytes, layers, experts);
-                sparse.iter().map(|&s| if s { n } else { 0 }).collect()
+                // The same number everywhere: n slots of every sparse layer cost n times the
+                // sum of their experts' sizes.
+                let per_slot: u64 = expert_bytes.iter().flatten().sum();
+                let n = budget_bytes
+                    .checked_div(per_slot)
+                    .map_or(experts, |n| usize::try_from(n).unwrap_or(usize::MAX))
+                    .min(experts);
+                expert_bytes
+                    .iter()
+                    .map(|b| if b.is_some() { n } else { 0 })
+                    .collect()
             }
             Self::Layers => {
-                let mut left = budget_bytes
-                    .checked_div(expert_bytes)
-                    .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
-                let mut slots = vec![0; sparse.len()];
-                for (slot, _) in slots.iter_mut().zip(sparse).rev().filter(|(_, &s)| s) {
-                    *slot = left.min(experts);
-                    left -= *slot;
+                let mut left = budget_bytes;
+                let mut slots = vec![0; expert_bytes.len()];
+                for (slot, bytes) in slots.iter_mut().zip(expert_bytes).rev() {
+                    let Some(bytes) = *bytes else { continue };
+                    let fit = left
+                        .checked_div(bytes)
+                        .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
+                    *slot = fit.min(experts);
+                    left -= *slot as u64 * bytes;
+                    if *slot < experts {
+                        // Whole layers from the last, then one partial, none below it.
+                        left = 0;
+                    }
                 }
                 slots
             }
@@ -783,34 +798,56 @@ mod tests {
     proptest! {
         #[test]
         fn slot_plans_stay_within_the_budget(
-            sparse in prop::collection::vec(any::<bool>(), 0..64),
+            layers in prop::collection::vec(prop::option::of(1u64..4), 0..64),
             budget in 0u64..(1 << 34),
-            expert in 1u64..(64 << 20),
+            expert in 1u64..(16 << 20),
             experts in 1usize..256,
         ) {
+            // Experts of up to 3 sizes (a K-quant mix), `None` for a dense layer.
+            let bytes: Vec<Option<u64>> = layers.iter().map(|m| m.map(|m| m * expert)).collect();
             for plan in [ExpertSlots::Spread, ExpertSlots::Layers] {
-                let slots = plan.per_layer(budget, expert, &sparse, experts);
-                prop_assert_eq!(slots.len(), sparse.len());
-                let total: usize = slots.iter().sum();
-                prop_assert!(total as u64 * expert <= budget);
-                for (&n, &s) in slots.iter().zip(&sparse) {
-                    prop_assert!(n <= experts && (s || n == 0));
+                let slots = plan.per_layer(budget, &bytes, experts);
+                prop_assert_eq!(slots.len(), bytes.len());
+                let used: u64 = slots.iter().zip(&bytes).map(|(&n, b)| n as u64 * b.unwrap_or(0)).sum();
+                prop_assert!(used <= budget);
+                for (&n, b) in slots.iter().zip(&bytes) {
+                    prop_assert!(n <= experts && (b.is_some() || n == 0));
                 }
-                if plan == ExpertSlots::Layers {
-                    // As many as fit, whole layers from the last, at most one layer partial.
-                    let layers = sparse.iter().filter(|&&s| s).count();
-                    let fit = (budget / expert).min((layers * experts) as u64);
-                    prop_assert_eq!(total as u64, fit);
-                    let partial = slots
-                        .iter()
-                        .zip(&sparse)
-                        .filter(|&(&n, &s)| s && n > 0 && n < experts)
-                        .count();
-                    prop_assert!(partial <= 1);
-                    let mut seen_short = false;
-                    for (&n, _) in slots.iter().zip(&sparse).rev().filter(|(_, &s)| s) {
-                        prop_assert!(!seen_short || n == 0);
-                        seen_short |= n < experts;
+                let all: u64 = bytes.iter().flatten().map(|b| b * experts as u64).sum();
+                if budget >= all {
+                    // Room for every expert: every sparse layer holds them all.
+                    for (&n, b) in slots.iter().zip(&bytes) {
+                        prop_assert_eq!(n, if b.is_some() { experts } else { 0 });
+                    }
+                }
+                match plan {
+                    ExpertSlots::Spread => {
+                        let sparse: Vec<usize> = slots.iter().zip(&bytes)
+                            .filter(|(_, b)| b.is_some()).map(|(&n, _)| n).collect();
+                        prop_assert!(sparse.windows(2).all(|w| w[0] == w[1]));
+                        // One more slot in each would not fit.
+                        if let Some(&n) = sparse.first() {
+                            let per_slot: u64 = bytes.iter().flatten().sum();
+                            prop_assert!(n == experts || (n as u64 + 1) * per_slot > budget);
+                        }
+                    }
+                    ExpertSlots::Layers => {
+                        // Whole layers from the last, then at most one partial, none below;
+                        // the partial one as full as its room allows.
+                        let mut left = budget;
+                        let mut short = false;
+                        for (&n, b) in slots.iter().zip(&bytes).rev() {
+                            let Some(b) = *b else { continue };
+                            if short {
+                                prop_assert_eq!(n, 0);
+                                continue;
+                            }
+                            if n < experts {
+                                prop_assert!((n as u64 + 1) * b > left);
+                                short = true;
+                            }
+                            left -= n as u64 * b;
+                        }
                     }
                 }
             }
@@ -1003,18 +1040,39 @@ mod tests {
     #[test]
     fn whole_layers_fill_from_the_last() {
         // Room for 2.5 layers of 4 experts; layer 2 is dense.
-        let sparse = [true, true, false, true, true];
+        let mib = Some(1 << 20);
+        let bytes = [mib, mib, None, mib, mib];
         assert_eq!(
-            ExpertSlots::Layers.per_layer(10 << 20, 1 << 20, &sparse, 4),
+            ExpertSlots::Layers.per_layer(10 << 20, &bytes, 4),
             vec![0, 2, 0, 4, 4]
         );
         assert_eq!(
-            ExpertSlots::Spread.per_layer(10 << 20, 1 << 20, &sparse, 4),
+            ExpertSlots::Spread.per_layer(10 << 20, &bytes, 4),
             vec![2, 2, 0, 2, 2]
         );
         assert_eq!(
-            ExpertSlots::Layers.per_layer(u64::MAX, 1 << 20, &sparse, 4),
+            ExpertSlots::Layers.per_layer(u64::MAX, &bytes, 4),
             vec![4, 4, 0, 4, 4]
+        );
+    }
+
+    #[test]
+    fn slots_follow_each_layers_expert_size() {
+        // A K-quant mix: layers 0 and 3 store their experts in 1.5 MiB, the others in 1 MiB;
+        // 4 experts a layer, 20 MiB in all, and exactly that much room.
+        let (small, big) = (Some(1 << 20), Some(3 << 19));
+        let bytes = [big, small, small, big];
+        for plan in [ExpertSlots::Spread, ExpertSlots::Layers] {
+            assert_eq!(plan.per_layer(20 << 20, &bytes, 4), vec![4; 4], "{plan}");
+        }
+        // 10 MiB: 2 in each (2 x 5 MiB), or the last layer (6 MiB) and 4 of 1 MiB.
+        assert_eq!(
+            ExpertSlots::Spread.per_layer(10 << 20, &bytes, 4),
+            vec![2; 4]
+        );
+        assert_eq!(
+            ExpertSlots::Layers.per_layer(10 << 20, &bytes, 4),
+            vec![0, 0, 4, 4]
         );
     }
 

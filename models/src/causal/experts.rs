@@ -524,9 +524,17 @@ impl ExpertTier {
             .max()
             .unwrap_or(0);
         let sparse_layers = x.sparse.iter().filter(|&&s| s).count();
-        let slots = options
-            .slots
-            .per_layer(sizing.room, largest, &x.sparse, x.count);
+        // Each sparse layer's largest expert: a K-quant mix stores some layers' experts in
+        // more bits than others'.
+        let layer_bytes: Vec<Option<u64>> = (0..x.sparse.len())
+            .map(|l| {
+                (0..x.count)
+                    .filter_map(|e| ids.get(l, e))
+                    .map(|id| store.unit(id).bytes())
+                    .max()
+            })
+            .collect();
+        let slots = options.slots.per_layer(sizing.room, &layer_bytes, x.count);
         let (fewest, most) = x
             .sparse
             .iter()
