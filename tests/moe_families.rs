@@ -767,12 +767,14 @@ test_device!(
 /// A cache in whole layers (`ExpertSlots::Layers`) under a budget for one layer's experts
 /// and part of the other's: in the steps the host routes (`ExpertRoute::Host`, and `Auto`'s
 /// host steps), the layer with every expert resident is routed on the device (its rows read
-/// nothing from host memory) and the other on the host, and the decode steps' logits are
-/// those of the same steps with the slots spread (no layer whole: every layer routed on the
-/// host): within 1e-4 of their scale on a CPU, where the device route is never taken; on a GPU
-/// within 2e-2, the whole layer's experts being computed by the device's kernels in one model
-/// and partly by the host's (activations quantized to Q8_0) in the other (0.9% seen at a
-/// decode step on an H100).
+/// nothing from host memory) and the other on the host. Each decode step's logits are set
+/// against the plain model's (no tier, every expert on the device): their largest difference
+/// is at most 4 times the largest of the same steps with the slots spread (no layer whole,
+/// every layer routed on the host), plus 1e-4, of the logits' scale. Where the host and the
+/// device compute alike (a CPU) that is within about 1e-4; on a GPU the host's experts
+/// (activations quantized to Q8_0) differ from the device kernels' by about 1% of the scale
+/// at a step (0.9% seen on an H100) in either model, while a wrong or stale expert moves the
+/// logits by a good part of their scale.
 fn moe_whole_layers_route_on_the_device(device: &Device) -> anyhow::Result<()> {
     use candle_offload::experts::{
         ExpertOptions, ExpertPolicy, ExpertRoute, ExpertSlots, ExpertSplit,
@@ -787,40 +789,54 @@ fn moe_whole_layers_route_on_the_device(device: &Device) -> anyhow::Result<()> {
         };
         let spread = build(ExpertRoute::Host, ExpertSlots::Spread)?;
         let spread_warm = spread.warm_up()?;
+        let plain = OffloadSettings {
+            experts: ExpertOptions::new(ExpertPolicy::Lru, ExpertSplit::Off),
+            ..Default::default()
+        };
+        let plain = gguf_model(&files, device, plain)?;
+        assert!(
+            plain.expert_stats().is_none(),
+            "{name}: the plain model has a tier"
+        );
         for route in [ExpertRoute::Host, ExpertRoute::Auto] {
             let layers = build(route, ExpertSlots::Layers)?;
             // The host's copies of a whole layer's experts are never read: not made; its
             // experts are fetched to the device instead, so that it never misses.
             let warm = layers.warm_up()?;
             assert!(warm > 0 && spread_warm > 0, "{name}: {warm} {spread_warm}");
-            let (mut c1, mut c2) = (layers.new_cache(), spread.new_cache());
+            let models = [&layers, &spread, &plain];
+            let mut caches = models.map(|m| m.new_cache());
             let p = prompt();
             let ids = Tensor::new(&p[..12], device)?.unsqueeze(0)?;
-            layers.forward(&ids, 0, &mut c1)?;
-            spread.forward(&ids, 0, &mut c2)?;
-            // Every step's largest difference against its logits' scale, asserted after the
-            // last one so that a failure shows them all.
-            let mut seen = Vec::new();
+            for (m, c) in models.iter().zip(&mut caches) {
+                m.forward(&ids, 0, c)?;
+            }
+            // Each step's largest difference from the plain model against its logits' scale,
+            // for the whole layers' model and the spread one, asserted after the last step so
+            // that a failure shows them all.
+            let (mut whole, mut spread_seen) = (Vec::new(), Vec::new());
             for (k, &t) in p[12..].iter().chain(&p[..12]).enumerate() {
                 let ids = Tensor::new(&[t], device)?.unsqueeze(0)?;
-                let a = layers.forward(&ids, 12 + k, &mut c1)?;
-                let b = spread.forward(&ids, 12 + k, &mut c2)?;
-                let (a, b) = (
-                    a.flatten_all()?.to_vec1::<f32>()?,
-                    b.flatten_all()?.to_vec1::<f32>()?,
-                );
-                let scale = b.iter().fold(1f32, |m, v| m.max(v.abs()));
-                seen.push(max_abs(&a, &b) / scale);
+                let mut logits = Vec::with_capacity(3);
+                for (m, c) in models.iter().zip(&mut caches) {
+                    let x = m.forward(&ids, 12 + k, c)?;
+                    logits.push(x.flatten_all()?.to_vec1::<f32>()?);
+                }
+                let scale = logits[2].iter().fold(1f32, |m, v| m.max(v.abs()));
+                whole.push(max_abs(&logits[0], &logits[2]) / scale);
+                spread_seen.push(max_abs(&logits[1], &logits[2]) / scale);
             }
-            let rel = if device.is_cuda() { 2e-2 } else { 1e-4 };
+            let worst = |v: &[f32]| v.iter().copied().fold(0f32, f32::max);
             assert!(
-                seen.iter().all(|&d| d <= rel),
-                "{name} {route} on {device:?}: each step's max |Δ| / scale {seen:?}"
+                worst(&whole) <= 4.0 * worst(&spread_seen) + 1e-4,
+                "{name} {route} on {device:?}: each step's max |Δ| / scale from the plain \
+                 model, whole layers {whole:?}, spread {spread_seen:?}"
             );
+            let [c1, c2, _] = &mut caches;
             // One more step reads the last one's choices back.
             let ids = Tensor::new(&[p[0]], device)?.unsqueeze(0)?;
-            layers.forward(&ids, 12 + p.len(), &mut c1)?;
-            spread.forward(&ids, 12 + p.len(), &mut c2)?;
+            layers.forward(&ids, 12 + p.len(), c1)?;
+            spread.forward(&ids, 12 + p.len(), c2)?;
             let s = layers.expert_stats().expect("the tier is on");
             let h = spread.expert_stats().expect("the tier is on");
             let n = s.experts_per_layer;
