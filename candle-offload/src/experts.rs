@@ -250,8 +250,7 @@ pub fn slots_for_budget(
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ExpertSlots {
     /// The same number in every sparse layer (for experts of one size, [`slots_for_budget`]):
-    /// each layer's cache keeps
-    /// its popular experts, so a skewed routing hits in every layer.
+    /// each layer's cache keeps its popular experts, so a skewed routing hits in every layer.
     #[default]
     Spread,
     /// Whole layers, the last sparse layers first (as llama.cpp's `--n-cpu-moe` keeps the
@@ -278,10 +277,7 @@ impl ExpertSlots {
                 // The same number everywhere: n slots of every sparse layer cost n times the
                 // sum of their experts' sizes.
                 let per_slot: u64 = expert_bytes.iter().flatten().sum();
-                let n = budget_bytes
-                    .checked_div(per_slot)
-                    .map_or(experts, |n| usize::try_from(n).unwrap_or(usize::MAX))
-                    .min(experts);
+                let n = fitting(budget_bytes, per_slot, experts);
                 expert_bytes
                     .iter()
                     .map(|b| if b.is_some() { n } else { 0 })
@@ -292,10 +288,7 @@ impl ExpertSlots {
                 let mut slots = vec![0; expert_bytes.len()];
                 for (slot, bytes) in slots.iter_mut().zip(expert_bytes).rev() {
                     let Some(bytes) = *bytes else { continue };
-                    let fit = left
-                        .checked_div(bytes)
-                        .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
-                    *slot = fit.min(experts);
+                    *slot = fitting(left, bytes, experts);
                     left -= *slot as u64 * bytes;
                     if *slot < experts {
                         // Whole layers from the last, then one partial, none below it.
@@ -306,6 +299,13 @@ impl ExpertSlots {
             }
         }
     }
+}
+
+/// How many of `each` bytes `room` holds, at most `at_most` (all of them where `each` is 0).
+fn fitting(room: u64, each: u64, at_most: usize) -> usize {
+    room.checked_div(each).map_or(at_most, |n| {
+        usize::try_from(n).unwrap_or(usize::MAX).min(at_most)
+    })
 }
 
 keyword_enum!(ExpertSlots, "expert_slots", crate::Error, [crate::Error::InvalidConfig], {

@@ -492,11 +492,11 @@ impl ExpertTier {
                 let all: u64 = ids.units().map(|id| store.unit(id).bytes()).sum();
                 // The device's choice takes experts of GGML blocks (`routed::host_copies`).
                 let blocks = ids.units().all(|id| {
-                    let formats = store.unit(id).tensors().iter().map(|t| t.format);
-                    formats.clone().count() > 0
-                        && formats
-                            .into_iter()
-                            .all(|f| matches!(f, WeightFormat::Ggml(_)))
+                    let tensors = store.unit(id).tensors();
+                    !tensors.is_empty()
+                        && tensors
+                            .iter()
+                            .all(|t| matches!(t.format, WeightFormat::Ggml(_)))
                 });
                 device.is_cuda() && (room < all || (options.route != ExpertRoute::Host && blocks))
             }
@@ -518,11 +518,6 @@ impl ExpertTier {
             .experts
             .as_ref()
             .expect("a tier is made for a model with expert units");
-        let largest = units
-            .iter()
-            .map(|&id| store.unit(id).bytes())
-            .max()
-            .unwrap_or(0);
         let sparse_layers = x.sparse.iter().filter(|&&s| s).count();
         // Each sparse layer's largest expert: a K-quant mix stores some layers' experts in
         // more bits than others'.
@@ -534,6 +529,7 @@ impl ExpertTier {
                     .max()
             })
             .collect();
+        let largest = layer_bytes.iter().flatten().copied().max().unwrap_or(0);
         let slots = options.slots.per_layer(sizing.room, &layer_bytes, x.count);
         let (fewest, most) = x
             .sparse
